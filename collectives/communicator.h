@@ -1,0 +1,128 @@
+#ifndef GRADSUM_COLLECTIVES_COMMUNICATOR_H_
+#define GRADSUM_COLLECTIVES_COMMUNICATOR_H_
+
+// Communicator: the one interface every backend (thread, mpi, nccl) implements.
+//
+// Callers write against this interface and pick a backend by configuration, as with
+// c10d's ProcessGroup. All operations are collective: every rank of the communicator
+// must call the same operations in the same order with matching op, dtype and counts.
+//
+//   std::vector<float> grad(n);
+//   GRADSUM_RETURN_IF_ERROR(comm.AllReduce(grad.data(), grad.data(), n, DType::kF32,
+//                                          ReduceOp::kSum));               // in place
+//   absl::StatusOr<std::unique_ptr<Work>> w =
+//       comm.AllReduceAsync(buf, buf, n, DType::kBF16, ReduceOp::kSum);
+//   GRADSUM_RETURN_IF_ERROR((*w)->Wait(absl::Seconds(30)));
+//
+// Contract of every backend:
+// - SUM is the default and the reduction the library's gradients use (SEMANTICS.md §2, §7).
+//   AVG exists only for the legacy-equivalence check of SEMANTICS.md §9.
+// - bf16/f16 reductions accumulate in fp32 and round once (CPU backends).
+// - send == recv means in place. Otherwise the buffers must not overlap.
+// - Bad arguments on one rank (null buffer with a non-zero count, root out of range,
+//   counts that do not add up) are InvalidArgument on that rank, before any exchange.
+// - Ranks that disagree on op, dtype or counts all fail with InvalidArgument naming the
+//   mismatch. A rank that never arrives makes the others fail with DeadlineExceeded
+//   after `timeout()`. After such a failure the communicator may be unusable
+//   (FailedPrecondition on later calls), as with an aborted NCCL communicator.
+// - Operations are executed in the order they are issued, sync or async.
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "core/dtype.h"
+
+namespace gradsum {
+
+enum class ReduceOp {
+  kSum = 0,
+  kAvg = 1,  // SUM then divide by size(); for the legacy check of SEMANTICS.md §9 only.
+  kMax = 2,
+};
+
+// "sum", "avg", "max".
+const char* ReduceOpName(ReduceOp op);
+
+// A handle to an asynchronous collective.
+class Work {
+ public:
+  virtual ~Work() = default;
+  // Blocks until the operation has completed or `timeout` has passed. Returns the
+  // operation's status, or DeadlineExceeded if it did not complete in time (the
+  // operation is then still in flight; its buffers must stay alive until a later Wait
+  // returns or the communicator is destroyed).
+  virtual absl::Status Wait(absl::Duration timeout = absl::InfiniteDuration()) = 0;
+  // True once the operation has finished (successfully or not).
+  virtual bool IsCompleted() = 0;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // "thread", "mpi" or "nccl".
+  virtual std::string backend() const = 0;
+  // How long an operation waits for the other ranks before DeadlineExceeded.
+  virtual absl::Duration timeout() const = 0;
+
+  // ---- Asynchronous operations (the primitives every backend implements). ----
+
+  // recv[i] = op over ranks of send[i], i < count, on every rank.
+  virtual absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv,
+                                                               size_t count, DType dtype,
+                                                               ReduceOp op) = 0;
+  // send holds size() * recv_count elements; rank r receives the reduction of block r.
+  // op is kSum or kAvg (kMax is InvalidArgument).
+  virtual absl::StatusOr<std::unique_ptr<Work>> ReduceScatterAsync(const void* send, void* recv,
+                                                                   size_t recv_count, DType dtype,
+                                                                   ReduceOp op) = 0;
+  // recv holds size() * send_count elements; block r is rank r's send.
+  virtual absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const void* send, void* recv,
+                                                               size_t send_count, DType dtype) = 0;
+  // Rank r sends send[send_offsets[p] .. + send_counts[p]) to each peer p, and receives
+  // peer p's block for r into recv[recv_offsets[p] .. + recv_counts[p]). Counts and
+  // offsets are in elements; each span has size() entries. send_counts[p] on rank r
+  // must equal recv_counts[r] on rank p (checked). Zero counts are allowed.
+  virtual absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(
+      const void* send, absl::Span<const size_t> send_counts,
+      absl::Span<const size_t> send_offsets, void* recv, absl::Span<const size_t> recv_counts,
+      absl::Span<const size_t> recv_offsets, DType dtype) = 0;
+  // Copies root's buf to every rank's buf.
+  virtual absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(void* buf, size_t count,
+                                                               DType dtype, int root) = 0;
+  virtual absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() = 0;
+
+  // Ranks with the same `color` form a new communicator, ordered by (key, old rank).
+  // A negative color means "not in any new communicator" (returns nullptr). Collective.
+  virtual absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) = 0;
+
+  // ---- Synchronous forms: issue the async form and wait up to timeout(). ----
+
+  absl::Status AllReduce(const void* send, void* recv, size_t count, DType dtype,
+                         ReduceOp op = ReduceOp::kSum);
+  absl::Status ReduceScatter(const void* send, void* recv, size_t recv_count, DType dtype,
+                             ReduceOp op = ReduceOp::kSum);
+  absl::Status AllGather(const void* send, void* recv, size_t send_count, DType dtype);
+  absl::Status AllToAllV(const void* send, absl::Span<const size_t> send_counts,
+                         absl::Span<const size_t> send_offsets, void* recv,
+                         absl::Span<const size_t> recv_counts,
+                         absl::Span<const size_t> recv_offsets, DType dtype);
+  absl::Status Broadcast(void* buf, size_t count, DType dtype, int root);
+  absl::Status Barrier();
+
+ protected:
+  // Waits on an issued operation with this communicator's timeout plus a margin, so
+  // that the backend's own DeadlineExceeded is what the caller normally sees.
+  absl::Status WaitIssued(absl::StatusOr<std::unique_ptr<Work>> work);
+};
+
+}  // namespace gradsum
+
+#endif  // GRADSUM_COLLECTIVES_COMMUNICATOR_H_
