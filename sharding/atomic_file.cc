@@ -1,0 +1,119 @@
+#include "sharding/atomic_file.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace gradsum {
+namespace {
+
+absl::Status ErrnoError(int err, absl::string_view what, absl::string_view path) {
+  return absl::ErrnoToStatus(err, absl::StrCat(what, " '", path, "'"));
+}
+
+std::string DirName(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
+absl::Status WriteAll(int fd, absl::string_view bytes, const std::string& path) {
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoError(errno, "write", path);
+    }
+    done += static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FsyncDir(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return ErrnoError(errno, "open directory", dir);
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) return ErrnoError(err, "fsync directory", dir);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status WriteFileAtomically(const std::string& path, absl::string_view bytes) {
+  if (path.empty() || path.back() == '/') {
+    return absl::InvalidArgumentError(absl::StrCat("not a file path: '", path, "'"));
+  }
+  static std::atomic<uint64_t> counter{0};
+  // pid + counter keeps concurrent writers (ranks as threads, or processes) apart.
+  const std::string tmp =
+      absl::StrCat(path, ".tmp.", ::getpid(), ".", counter.fetch_add(1, std::memory_order_relaxed));
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) return ErrnoError(errno, "create", tmp);
+  absl::Status s = WriteAll(fd, bytes, tmp);
+  if (s.ok() && ::fsync(fd) != 0) s = ErrnoError(errno, "fsync", tmp);
+  if (::close(fd) != 0 && s.ok()) s = ErrnoError(errno, "close", tmp);
+  if (s.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) s = ErrnoError(errno, "rename to", path);
+  if (!s.ok()) {
+    ::unlink(tmp.c_str());
+    return s;
+  }
+  return FsyncDir(DirName(path));
+}
+
+absl::StatusOr<std::string> ReadFileToString(const std::string& path, uint64_t max_bytes) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoError(errno, "open", path);
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return ErrnoError(err, "stat", path);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return absl::FailedPreconditionError(absl::StrCat("not a regular file: '", path, "'"));
+  }
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size > max_bytes) {
+    ::close(fd);
+    return absl::OutOfRangeError(
+        absl::StrCat("file '", path, "' has ", size, " bytes, more than the limit ", max_bytes));
+  }
+  std::string out(size, '\0');
+  size_t done = 0;
+  while (done < size) {
+    const ssize_t n = ::read(fd, &out[done], size - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const int err = errno;
+      ::close(fd);
+      return ErrnoError(err, "read", path);
+    }
+    if (n == 0) break;  // shrank while reading
+    done += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  out.resize(done);
+  return out;
+}
+
+uint64_t Fingerprint64(absl::string_view bytes) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : bytes) {
+    h ^= c;
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+}  // namespace gradsum

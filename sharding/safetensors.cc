@@ -1,0 +1,266 @@
+#include "sharding/safetensors.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "sharding/atomic_file.h"
+#include "sharding/json.h"
+
+namespace gradsum {
+namespace {
+
+// The reference implementation refuses headers above 100 MB; so do we, before allocating.
+constexpr uint64_t kMaxHeaderBytes = 100u << 20;
+constexpr absl::string_view kMetadataKey = "__metadata__";
+
+bool HostIsLittleEndian() {
+  const uint16_t one = 1;
+  unsigned char first;
+  std::memcpy(&first, &one, 1);
+  return first == 1;
+}
+
+struct DTypeNameEntry {
+  DType dtype;
+  absl::string_view name;
+};
+constexpr DTypeNameEntry kDTypeNames[] = {
+    {DType::kF32, "F32"},  {DType::kF64, "F64"}, {DType::kBF16, "BF16"},
+    {DType::kF16, "F16"},  {DType::kI32, "I32"}, {DType::kI64, "I64"},
+};
+// Valid in the safetensors format but not gradsum dtypes.
+constexpr absl::string_view kForeignDTypes[] = {"BOOL", "U8",      "I8",       "U16",
+                                                "I16",  "U32",     "U64",      "F8_E4M3",
+                                                "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2"};
+
+}  // namespace
+
+absl::string_view SafetensorsDTypeName(DType dtype) {
+  for (const auto& e : kDTypeNames) {
+    if (e.dtype == dtype) return e.name;
+  }
+  return "?";
+}
+
+absl::Status SafetensorsWriter::Add(absl::string_view name, const TensorView& tensor) {
+  if (name.empty()) return absl::InvalidArgumentError("safetensors tensor name is empty");
+  if (name == kMetadataKey) {
+    return absl::InvalidArgumentError("safetensors tensor name \"__metadata__\" is reserved");
+  }
+  if (tensor.device().type != Device::kCpu) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("safetensors tensor \"", name, "\" is not on the CPU: ", tensor.DebugString()));
+  }
+  if (!tensors_.emplace(std::string(name), tensor).second) {
+    return absl::InvalidArgumentError(absl::StrCat("duplicate safetensors tensor \"", name, "\""));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SafetensorsWriter::AddMetadata(absl::string_view key, absl::string_view value) {
+  if (!metadata_.emplace(std::string(key), std::string(value)).second) {
+    return absl::InvalidArgumentError(absl::StrCat("duplicate safetensors metadata key \"", key, "\""));
+  }
+  return absl::OkStatus();
+}
+
+std::string SafetensorsWriter::Serialize() const {
+  JsonValue header = JsonValue::Object();
+  if (!metadata_.empty()) {
+    JsonValue meta = JsonValue::Object();
+    for (const auto& kv : metadata_) meta.Set(kv.first, JsonValue::String(kv.second));
+    header.Set(std::string(kMetadataKey), std::move(meta));
+  }
+  uint64_t offset = 0;
+  for (const auto& [name, t] : tensors_) {
+    JsonValue entry = JsonValue::Object();
+    entry.Set("dtype", JsonValue::String(std::string(SafetensorsDTypeName(t.dtype()))));
+    JsonValue shape = JsonValue::Array();
+    for (int64_t d : t.shape()) shape.Append(JsonValue::Int(d));
+    entry.Set("shape", std::move(shape));
+    JsonValue offsets = JsonValue::Array();
+    offsets.Append(JsonValue::Int(static_cast<int64_t>(offset)));
+    offset += t.nbytes();
+    offsets.Append(JsonValue::Int(static_cast<int64_t>(offset)));
+    entry.Set("data_offsets", std::move(offsets));
+    header.Set(name, std::move(entry));
+  }
+  std::string json = header.Serialize();
+  json.append((8 - json.size() % 8) % 8, ' ');
+  std::string out;
+  out.reserve(8 + json.size() + offset);
+  const uint64_t n = json.size();
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((n >> (8 * i)) & 0xff));
+  out.append(json);
+  for (const auto& [name, t] : tensors_) {
+    out.append(static_cast<const char*>(t.raw()), t.nbytes());
+  }
+  return out;
+}
+
+absl::Status SafetensorsWriter::WriteFile(const std::string& path) const {
+  if (!HostIsLittleEndian()) {
+    return absl::UnimplementedError("safetensors writing needs a little-endian host");
+  }
+  return WriteFileAtomically(path, Serialize());
+}
+
+absl::StatusOr<SafetensorsFile> SafetensorsFile::Read(const std::string& path) {
+  absl::StatusOr<std::string> bytes = ReadFileToString(path);
+  if (!bytes.ok()) return bytes.status();
+  return Parse(*bytes, path);
+}
+
+absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(absl::string_view bytes,
+                                                       absl::string_view source) {
+  auto loss = [&](auto&&... parts) {
+    return absl::DataLossError(absl::StrCat("safetensors file '", source, "': ", parts...));
+  };
+  if (!HostIsLittleEndian()) {
+    return absl::UnimplementedError("safetensors reading needs a little-endian host");
+  }
+  if (bytes.size() < 8) {
+    return loss("truncated: ", bytes.size(), " bytes, fewer than the 8-byte header length");
+  }
+  uint64_t header_len = 0;
+  for (int i = 0; i < 8; ++i) {
+    header_len |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
+  }
+  if (header_len > bytes.size() - 8) {
+    return loss("header length ", header_len, " exceeds the ", bytes.size() - 8,
+                " bytes after the length field (truncated or corrupt)");
+  }
+  if (header_len > kMaxHeaderBytes) {
+    return loss("header length ", header_len, " exceeds the limit ", kMaxHeaderBytes);
+  }
+  if (header_len < 2) return loss("header length ", header_len, " is too short for JSON");
+  const absl::string_view header_text = bytes.substr(8, header_len);
+  const absl::string_view data = bytes.substr(8 + header_len);
+
+  absl::StatusOr<JsonValue> header = ParseJson(header_text);
+  if (!header.ok()) return loss("bad header: ", header.status().message());
+  if (!header->is_object()) return loss("header is not a JSON object");
+
+  SafetensorsFile file;
+  file.source_ = std::string(source);
+  struct Span {
+    uint64_t begin, end;
+    const std::string* name;
+  };
+  std::vector<Span> spans;
+  for (const auto& [name, value] : header->members()) {
+    if (name == kMetadataKey) {
+      if (!value.is_object()) return loss("\"__metadata__\" is not an object");
+      for (const auto& [k, v] : value.members()) {
+        if (!v.is_string()) return loss("metadata value for \"", k, "\" is not a string");
+        file.metadata_[k] = v.as_string();
+      }
+      continue;
+    }
+    if (name.empty()) return loss("a tensor has an empty name");
+    if (!value.is_object()) return loss("entry \"", name, "\" is not an object");
+    const JsonValue* dtype_v = value.Find("dtype");
+    const JsonValue* shape_v = value.Find("shape");
+    const JsonValue* offsets_v = value.Find("data_offsets");
+    if (dtype_v == nullptr || !dtype_v->is_string()) {
+      return loss("tensor \"", name, "\" has no string \"dtype\"");
+    }
+    if (shape_v == nullptr || !shape_v->is_array()) {
+      return loss("tensor \"", name, "\" has no array \"shape\"");
+    }
+    if (offsets_v == nullptr || !offsets_v->is_array() || offsets_v->array().size() != 2) {
+      return loss("tensor \"", name, "\" has no two-element \"data_offsets\"");
+    }
+    Entry entry;
+    bool known = false;
+    for (const auto& e : kDTypeNames) {
+      if (e.name == dtype_v->as_string()) {
+        entry.dtype = e.dtype;
+        known = true;
+      }
+    }
+    if (!known) {
+      for (absl::string_view foreign : kForeignDTypes) {
+        if (foreign == dtype_v->as_string()) {
+          return absl::UnimplementedError(
+              absl::StrCat("safetensors file '", source, "': tensor \"", name, "\" has dtype ",
+                           foreign, ", which gradsum does not support"));
+        }
+      }
+      return loss("tensor \"", name, "\" has unknown dtype \"", dtype_v->as_string(), "\"");
+    }
+    for (const JsonValue& d : shape_v->array()) {
+      if (!d.is_int() || d.as_int() < 0) {
+        return loss("tensor \"", name, "\" has a shape entry that is not a non-negative integer");
+      }
+      entry.shape.push_back(d.as_int());
+    }
+    absl::StatusOr<int64_t> numel = NumElements(entry.shape);
+    if (!numel.ok()) return loss("tensor \"", name, "\": ", numel.status().message());
+    const JsonValue& b = offsets_v->array()[0];
+    const JsonValue& e = offsets_v->array()[1];
+    if (!b.is_int() || !e.is_int() || b.as_int() < 0 || e.as_int() < b.as_int()) {
+      return loss("tensor \"", name, "\" has invalid data_offsets");
+    }
+    const uint64_t begin = static_cast<uint64_t>(b.as_int());
+    const uint64_t end = static_cast<uint64_t>(e.as_int());
+    if (end > data.size()) {
+      return loss("tensor \"", name, "\" data_offsets [", begin, ", ", end,
+                  ") run past the data buffer of ", data.size(), " bytes (truncated?)");
+    }
+    const uint64_t elem = DTypeSize(entry.dtype);
+    if (static_cast<uint64_t>(*numel) > data.size() / elem ||
+        static_cast<uint64_t>(*numel) * elem != end - begin) {
+      return loss("tensor \"", name, "\" has ", end - begin, " bytes but shape [",
+                  absl::StrJoin(entry.shape, ","), "] of ", dtype_v->as_string(), " needs ",
+                  static_cast<uint64_t>(*numel) * elem);
+    }
+    entry.storage = std::make_shared<std::vector<uint64_t>>((end - begin + 7) / 8);
+    if (end > begin) std::memcpy(entry.storage->data(), data.data() + begin, end - begin);
+    auto inserted = file.tensors_.emplace(name, std::move(entry));
+    spans.push_back({begin, end, &inserted.first->first});
+  }
+  // Tensors must tile the buffer exactly: no overlap (aliasing) and no hole (hidden bytes).
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  uint64_t cursor = 0;
+  const std::string* previous = nullptr;
+  for (const Span& s : spans) {
+    if (s.begin < cursor) {
+      return loss("tensors \"", *previous, "\" and \"", *s.name, "\" overlap at byte ", s.begin);
+    }
+    if (s.begin > cursor) return loss("data bytes [", cursor, ", ", s.begin, ") belong to no tensor");
+    cursor = s.end;
+    previous = s.name;
+  }
+  if (cursor != data.size()) {
+    return loss("data buffer has ", data.size(), " bytes but the tensors cover ", cursor);
+  }
+  return file;
+}
+
+std::vector<std::string> SafetensorsFile::names() const {
+  std::vector<std::string> out;
+  out.reserve(tensors_.size());
+  for (const auto& kv : tensors_) out.push_back(kv.first);
+  return out;
+}
+
+bool SafetensorsFile::Contains(absl::string_view name) const {
+  return tensors_.find(name) != tensors_.end();
+}
+
+absl::StatusOr<TensorView> SafetensorsFile::Get(absl::string_view name) const {
+  auto it = tensors_.find(name);
+  if (it == tensors_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("no tensor \"", name, "\" in safetensors file '", source_, "'"));
+  }
+  return TensorView::Create(it->second.storage->data(), it->second.dtype, it->second.shape);
+}
+
+}  // namespace gradsum
