@@ -213,7 +213,9 @@ absl::StatusOr<StepRecord> Trainer::Step() {
                            losses::ComputeStepStats(*comms_.world, tokens));
 
   NamedParams weights;
-  if (need_full) GRADSUM_ASSIGN_OR_RETURN(weights, model_->GatherFull(/*grads=*/false));
+  if (need_full) {
+    GRADSUM_ASSIGN_OR_RETURN(weights, model_->GatherFull(/*grads=*/false));
+  }
 
   std::vector<FlatParam*> groups = model_->groups();
   for (int m = 0; m < G; ++m) {
