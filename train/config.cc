@@ -1,0 +1,303 @@
+#include "train/config.h"
+
+#include <google/protobuf/descriptor.h>
+#include <google/protobuf/io/tokenizer.h>
+#include <google/protobuf/message.h>
+#include <google/protobuf/text_format.h>
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "core/status.h"
+
+namespace gradsum::train {
+namespace {
+
+namespace pb = google::protobuf;
+
+// Collects the parser's first error so that it ends up in the Status, not on stderr.
+class CollectingErrors : public pb::io::ErrorCollector {
+ public:
+  void AddError(int line, int column, const std::string& message) override {
+    if (first_.empty()) first_ = absl::StrCat("line ", line + 1, ":", column + 1, ": ", message);
+  }
+  const std::string& first() const { return first_; }
+
+ private:
+  std::string first_;
+};
+
+absl::Status Bad(absl::string_view field, const std::string& value, absl::string_view why) {
+  return absl::InvalidArgumentError(absl::StrCat(field, "=", value, ": ", why));
+}
+
+absl::Status SetFromText(pb::Message* msg, const pb::FieldDescriptor* f, const std::string& path,
+                         const std::string& value) {
+  const pb::Reflection* r = msg->GetReflection();
+  auto not_a = [&](absl::string_view type) {
+    return absl::InvalidArgumentError(absl::StrCat(path, "=", value, ": not a valid ", type));
+  };
+  switch (f->cpp_type()) {
+    case pb::FieldDescriptor::CPPTYPE_INT32: {
+      int32_t v;
+      if (!absl::SimpleAtoi(value, &v)) return not_a("int32");
+      r->SetInt32(msg, f, v);
+      return absl::OkStatus();
+    }
+    case pb::FieldDescriptor::CPPTYPE_INT64: {
+      int64_t v;
+      if (!absl::SimpleAtoi(value, &v)) return not_a("int64");
+      r->SetInt64(msg, f, v);
+      return absl::OkStatus();
+    }
+    case pb::FieldDescriptor::CPPTYPE_UINT64: {
+      uint64_t v;
+      if (!absl::SimpleAtoi(value, &v)) return not_a("uint64");
+      r->SetUInt64(msg, f, v);
+      return absl::OkStatus();
+    }
+    case pb::FieldDescriptor::CPPTYPE_DOUBLE: {
+      double v;
+      if (!absl::SimpleAtod(value, &v)) return not_a("number");
+      r->SetDouble(msg, f, v);
+      return absl::OkStatus();
+    }
+    case pb::FieldDescriptor::CPPTYPE_FLOAT: {
+      float v;
+      if (!absl::SimpleAtof(value, &v)) return not_a("number");
+      r->SetFloat(msg, f, v);
+      return absl::OkStatus();
+    }
+    case pb::FieldDescriptor::CPPTYPE_BOOL: {
+      bool v;
+      if (!absl::SimpleAtob(value, &v)) return not_a("bool");
+      r->SetBool(msg, f, v);
+      return absl::OkStatus();
+    }
+    case pb::FieldDescriptor::CPPTYPE_STRING:
+      r->SetString(msg, f, value);
+      return absl::OkStatus();
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": a field of this type cannot be overridden"));
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<TrainConfig> ParseConfigText(absl::string_view text) {
+  TrainConfig config;
+  pb::TextFormat::Parser parser;
+  CollectingErrors errors;
+  parser.RecordErrorsTo(&errors);
+  if (!parser.ParseFromString(std::string(text), &config)) {
+    return absl::InvalidArgumentError(absl::StrCat("config textproto: ", errors.first()));
+  }
+  return config;
+}
+
+absl::StatusOr<TrainConfig> LoadConfigFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("--config=", path, ": cannot open"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  absl::StatusOr<TrainConfig> config = ParseConfigText(ss.str());
+  if (!config.ok()) return Annotate(config.status(), absl::StrCat("--config=", path));
+  return config;
+}
+
+absl::Status ApplyOverrides(const std::vector<FieldOverride>& overrides, TrainConfig* config) {
+  for (const FieldOverride& o : overrides) {
+    pb::Message* msg = config;
+    std::vector<std::string> parts = absl::StrSplit(o.path, '.');
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const pb::FieldDescriptor* f = msg->GetDescriptor()->FindFieldByName(parts[i]);
+      if (f == nullptr || f->is_repeated()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("override '", o.path, "': no such config field"));
+      }
+      const bool last = i + 1 == parts.size();
+      if (f->cpp_type() == pb::FieldDescriptor::CPPTYPE_MESSAGE) {
+        if (last) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("override '", o.path, "': names a message, not a value"));
+        }
+        msg = msg->GetReflection()->MutableMessage(msg, f);
+        continue;
+      }
+      if (!last) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("override '", o.path, "': no such config field"));
+      }
+      GRADSUM_RETURN_IF_ERROR(SetFromText(msg, f, o.path, o.value));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateConfig(const TrainConfig& c) {
+  using absl::StrCat;
+  auto positive = [](absl::string_view name, int64_t v) -> absl::Status {
+    if (v > 0) return absl::OkStatus();
+    return Bad(name, StrCat(v), "must be positive");
+  };
+  const ModelConfig& m = c.model();
+  GRADSUM_RETURN_IF_ERROR(positive("model.vocab", m.vocab()));
+  GRADSUM_RETURN_IF_ERROR(positive("model.dim", m.dim()));
+  GRADSUM_RETURN_IF_ERROR(positive("model.layers", m.layers()));
+  GRADSUM_RETURN_IF_ERROR(positive("model.experts", m.experts()));
+  GRADSUM_RETURN_IF_ERROR(positive("model.top_k", m.top_k()));
+  GRADSUM_RETURN_IF_ERROR(positive("model.expert_dim", m.expert_dim()));
+  GRADSUM_RETURN_IF_ERROR(positive("world", c.world()));
+  GRADSUM_RETURN_IF_ERROR(positive("ep", c.ep()));
+  GRADSUM_RETURN_IF_ERROR(positive("grad_acc", c.grad_acc()));
+  GRADSUM_RETURN_IF_ERROR(positive("data.micro_batch", c.data().micro_batch()));
+  if (c.steps() < 0) return Bad("steps", StrCat(c.steps()), "must be >= 0");
+  if (m.vocab() != 256) {
+    return Bad("model.vocab", StrCat(m.vocab()), "the data is byte-level, so vocab must be 256");
+  }
+  if (m.top_k() > m.experts()) {
+    return Bad("model.top_k", StrCat(m.top_k()),
+               StrCat("cannot exceed model.experts=", m.experts()));
+  }
+  if (c.world() % c.ep() != 0) {
+    return Bad("ep", StrCat(c.ep()), StrCat("must divide world=", c.world()));
+  }
+  if (m.experts() % c.ep() != 0) {
+    return Bad("ep", StrCat(c.ep()),
+               StrCat("must divide model.experts=", m.experts(), " (SEMANTICS.md §7)"));
+  }
+  if (!(std::isfinite(m.router_scale()) && m.router_scale() > 0)) {
+    return Bad("model.router_scale", StrCat(m.router_scale()), "must be finite and positive");
+  }
+  if (!(std::isfinite(m.init_std()) && m.init_std() > 0)) {
+    return Bad("model.init_std", StrCat(m.init_std()), "must be finite and positive");
+  }
+  if (c.backend() != "thread" && c.backend() != "mpi" && c.backend() != "nccl") {
+    return Bad("backend", c.backend(), "must be thread, mpi or nccl");
+  }
+  if (c.sharding() != "fsdp" && c.sharding() != "replicated") {
+    return Bad("sharding", c.sharding(), "must be fsdp or replicated");
+  }
+  for (const auto& [name, value] :
+       {std::pair<const char*, std::string>{"reduce_dtype", c.reduce_dtype()},
+        {"compute_dtype", c.compute_dtype()}}) {
+    if (value != "f32" && value != "bf16") return Bad(name, value, "must be f32 or bf16");
+  }
+  const DataConfig& d = c.data();
+  if (d.seq_len() < 2) return Bad("data.seq_len", StrCat(d.seq_len()), "must be >= 2");
+  if (d.min_doc_len() < 2) {
+    return Bad("data.min_doc_len", StrCat(d.min_doc_len()), "must be >= 2");
+  }
+  if (d.max_doc_len() < d.min_doc_len()) {
+    return Bad("data.max_doc_len", StrCat(d.max_doc_len()),
+               StrCat("must be >= data.min_doc_len=", d.min_doc_len()));
+  }
+  if (d.max_doc_len() > d.seq_len()) {
+    return Bad("data.max_doc_len", StrCat(d.max_doc_len()),
+               StrCat("must fit a sequence (data.seq_len=", d.seq_len(), ")"));
+  }
+  GRADSUM_RETURN_IF_ERROR(positive("data.corpus_documents", d.corpus_documents()));
+  const OptimConfig& o = c.optim();
+  if (!(std::isfinite(o.lr()) && o.lr() > 0)) return Bad("optim.lr", StrCat(o.lr()), "must be > 0");
+  if (!(o.beta1() >= 0 && o.beta1() < 1)) {
+    return Bad("optim.beta1", StrCat(o.beta1()), "must be in [0, 1)");
+  }
+  if (!(o.beta2() >= 0 && o.beta2() < 1)) {
+    return Bad("optim.beta2", StrCat(o.beta2()), "must be in [0, 1)");
+  }
+  if (!(std::isfinite(o.eps()) && o.eps() > 0)) {
+    return Bad("optim.eps", StrCat(o.eps()), "must be > 0");
+  }
+  if (!(std::isfinite(o.weight_decay()) && o.weight_decay() >= 0)) {
+    return Bad("optim.weight_decay", StrCat(o.weight_decay()), "must be >= 0");
+  }
+  if (!(std::isfinite(o.grad_clip()) && o.grad_clip() >= 0)) {
+    return Bad("optim.grad_clip", StrCat(o.grad_clip()), "must be >= 0 (0 disables)");
+  }
+  if (o.warmup_steps() < 0) {
+    return Bad("optim.warmup_steps", StrCat(o.warmup_steps()), "must be >= 0");
+  }
+  if (!(std::isfinite(c.alpha_b()) && c.alpha_b() >= 0)) {
+    return Bad("alpha_b", StrCat(c.alpha_b()), "must be >= 0");
+  }
+  if (!(std::isfinite(c.alpha_z()) && c.alpha_z() >= 0)) {
+    return Bad("alpha_z", StrCat(c.alpha_z()), "must be >= 0");
+  }
+  if (c.checkpoint_every() < 0) {
+    return Bad("checkpoint_every", StrCat(c.checkpoint_every()), "must be >= 0");
+  }
+  if (c.resume() && c.checkpoint_dir().empty()) {
+    return Bad("resume", "true", "needs checkpoint_dir");
+  }
+  if (c.checkpoint_every() > 0 && c.checkpoint_dir().empty()) {
+    return Bad("checkpoint_every", StrCat(c.checkpoint_every()), "needs checkpoint_dir");
+  }
+  if (!(std::isfinite(c.parity_tolerance()) && c.parity_tolerance() > 0)) {
+    return Bad("parity_tolerance", StrCat(c.parity_tolerance()), "must be > 0");
+  }
+  if (!(std::isfinite(c.timeout_s()) && c.timeout_s() > 0)) {
+    return Bad("timeout_s", StrCat(c.timeout_s()), "must be > 0");
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+// proto2 prints only fields that were set; the logged config shows every value used.
+void SetDefaultsExplicitly(pb::Message* msg) {
+  const pb::Descriptor* d = msg->GetDescriptor();
+  const pb::Reflection* r = msg->GetReflection();
+  for (int i = 0; i < d->field_count(); ++i) {
+    const pb::FieldDescriptor* f = d->field(i);
+    if (f->is_repeated()) continue;
+    switch (f->cpp_type()) {
+      case pb::FieldDescriptor::CPPTYPE_MESSAGE:
+        SetDefaultsExplicitly(r->MutableMessage(msg, f));
+        break;
+      case pb::FieldDescriptor::CPPTYPE_INT32:
+        r->SetInt32(msg, f, r->GetInt32(*msg, f));
+        break;
+      case pb::FieldDescriptor::CPPTYPE_INT64:
+        r->SetInt64(msg, f, r->GetInt64(*msg, f));
+        break;
+      case pb::FieldDescriptor::CPPTYPE_UINT32:
+        r->SetUInt32(msg, f, r->GetUInt32(*msg, f));
+        break;
+      case pb::FieldDescriptor::CPPTYPE_UINT64:
+        r->SetUInt64(msg, f, r->GetUInt64(*msg, f));
+        break;
+      case pb::FieldDescriptor::CPPTYPE_DOUBLE:
+        r->SetDouble(msg, f, r->GetDouble(*msg, f));
+        break;
+      case pb::FieldDescriptor::CPPTYPE_FLOAT:
+        r->SetFloat(msg, f, r->GetFloat(*msg, f));
+        break;
+      case pb::FieldDescriptor::CPPTYPE_BOOL:
+        r->SetBool(msg, f, r->GetBool(*msg, f));
+        break;
+      case pb::FieldDescriptor::CPPTYPE_STRING:
+        r->SetString(msg, f, r->GetString(*msg, f));
+        break;
+      default:
+        break;
+    }
+  }
+}
+}  // namespace
+
+std::string ConfigToShortText(const TrainConfig& in) {
+  TrainConfig config = in;
+  SetDefaultsExplicitly(&config);
+  pb::TextFormat::Printer printer;
+  printer.SetSingleLineMode(true);
+  std::string out;
+  printer.PrintToString(config, &out);
+  while (!out.empty() && out.back() == ' ') out.pop_back();
+  return out;
+}
+
+}  // namespace gradsum::train

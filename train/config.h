@@ -1,0 +1,57 @@
+#ifndef GRADSUM_TRAIN_CONFIG_H_
+#define GRADSUM_TRAIN_CONFIG_H_
+
+// Loading and validating the training configuration (train/config.proto).
+//
+// A config is a textproto file, then single-field overrides (from absl flags in the
+// binary, see train/config_flags.h), then validation. Every bad value is rejected at
+// start with InvalidArgument naming the field and the value, never later in training.
+//
+//   GRADSUM_ASSIGN_OR_RETURN(TrainConfig c, LoadConfigFile("run.textproto"));
+//   GRADSUM_RETURN_IF_ERROR(ApplyOverrides({{"model.dim", "32"}, {"world", "4"}}, &c));
+//   GRADSUM_RETURN_IF_ERROR(ValidateConfig(c));
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "train/config.pb.h"
+
+namespace gradsum::train {
+
+// Parses textproto `text` (empty text gives all defaults). A syntax error or an unknown
+// field is InvalidArgument with the parser's line and column.
+absl::StatusOr<TrainConfig> ParseConfigText(absl::string_view text);
+
+// Reads and parses `path`. A missing or unreadable file is NotFound naming the path.
+absl::StatusOr<TrainConfig> LoadConfigFile(const std::string& path);
+
+// One override: a dotted field path of TrainConfig ("world", "model.dim",
+// "optim.lr") and the value as text ("4", "0.5", "true", "bf16").
+struct FieldOverride {
+  std::string path;
+  std::string value;
+};
+
+// Sets each field in order. An unknown path, a path that names a message, or a value
+// that does not parse as the field's type (or overflows it) is InvalidArgument naming
+// the path and the value.
+absl::Status ApplyOverrides(const std::vector<FieldOverride>& overrides, TrainConfig* config);
+
+// Checks everything that can be checked before any rank starts: positive sizes,
+// world % ep == 0, experts % ep == 0 (SEMANTICS.md §7), top_k <= experts, vocab == 256
+// (all data is byte-level), known backend / sharding / dtype names, document lengths
+// that fit a sequence, optimiser ranges, resume needing a checkpoint_dir. Returns the
+// first violation as InvalidArgument "field=value: reason".
+absl::Status ValidateConfig(const TrainConfig& config);
+
+// The config as one-line textproto with every field written out, defaults included
+// (for logs, losses.json and checkpoints); ParseConfigText reads it back.
+std::string ConfigToShortText(const TrainConfig& config);
+
+}  // namespace gradsum::train
+
+#endif  // GRADSUM_TRAIN_CONFIG_H_

@@ -1,0 +1,121 @@
+#include "train/config_flags.h"
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/reflection.h"
+#include "absl/strings/str_cat.h"
+#include "core/status.h"
+
+// Value flags are optional: unset (std::nullopt) unless given, so the defaults live only
+// in config.proto and a flag never overrides a config file's value by its own default.
+// --resume and --parity_check are switches: given, they set the field to true.
+ABSL_FLAG(std::string, config, "", "textproto TrainConfig file (train/config.proto)");
+ABSL_FLAG(std::optional<int32_t>, world, std::nullopt, "ranks (threads for --backend=thread)");
+ABSL_FLAG(std::optional<int32_t>, ep, std::nullopt, "expert-parallel group size P");
+ABSL_FLAG(std::optional<int32_t>, grad_acc, std::nullopt, "micro-batches per step G");
+ABSL_FLAG(std::optional<int32_t>, steps, std::nullopt, "optimizer steps");
+ABSL_FLAG(std::optional<std::string>, backend, std::nullopt, "thread | mpi | nccl");
+ABSL_FLAG(std::optional<std::string>, sharding, std::nullopt, "fsdp | replicated");
+ABSL_FLAG(std::optional<std::string>, reduce_dtype, std::nullopt,
+          "gradient reduction dtype: f32 | bf16");
+ABSL_FLAG(std::optional<std::string>, compute_dtype, std::nullopt, "matmul dtype: f32 | bf16");
+ABSL_FLAG(std::optional<uint64_t>, seed, std::nullopt, "parameter initialisation seed");
+ABSL_FLAG(std::optional<std::string>, data, std::nullopt,
+          "byte-level text file, one document per line "
+          "(default: the embedded Markov corpus)");
+ABSL_FLAG(std::optional<int32_t>, seq_len, std::nullopt, "tokens per packed sequence");
+ABSL_FLAG(std::optional<int32_t>, micro_batch, std::nullopt, "sequences per rank per micro-batch");
+ABSL_FLAG(std::optional<std::string>, dump_dir, std::nullopt,
+          "write step-1 weights, batches, grads, losses here");
+ABSL_FLAG(std::optional<std::string>, metrics, std::nullopt, "JSONL file, one line per step");
+ABSL_FLAG(std::optional<std::string>, checkpoint_dir, std::nullopt, "sharded checkpoints");
+ABSL_FLAG(std::optional<int32_t>, checkpoint_every, std::nullopt,
+          "steps between checkpoints (0: at the end only)");
+ABSL_FLAG(bool, resume, false, "continue from the latest checkpoint in --checkpoint_dir");
+ABSL_FLAG(bool, parity_check, false,
+          "compare step 1's gradients with the single-process reference; fail above 1e-5");
+ABSL_FLAG(std::optional<double>, alpha_b, std::nullopt,
+          "load-balancing loss weight (SEMANTICS.md §5)");
+ABSL_FLAG(std::optional<double>, alpha_z, std::nullopt, "router z-loss weight (SEMANTICS.md §4)");
+ABSL_FLAG(std::optional<double>, lr, std::nullopt, "AdamW learning rate");
+ABSL_FLAG(std::optional<int32_t>, warmup_steps, std::nullopt, "linear learning-rate warmup steps");
+ABSL_FLAG(std::optional<double>, weight_decay, std::nullopt, "AdamW decoupled weight decay");
+ABSL_FLAG(std::optional<double>, grad_clip, std::nullopt, "max global gradient norm (0 disables)");
+ABSL_FLAG(std::optional<int32_t>, vocab, std::nullopt, "V");
+ABSL_FLAG(std::optional<int32_t>, dim, std::nullopt, "D");
+ABSL_FLAG(std::optional<int32_t>, layers, std::nullopt, "L");
+ABSL_FLAG(std::optional<int32_t>, experts, std::nullopt, "E");
+ABSL_FLAG(std::optional<int32_t>, top_k, std::nullopt, "K");
+ABSL_FLAG(std::optional<int32_t>, expert_dim, std::nullopt, "H");
+ABSL_FLAG(std::optional<bool>, norm_topk_prob, std::nullopt,
+          "renormalise the top-k router weights");
+ABSL_FLAG(std::optional<double>, router_scale, std::nullopt, "router weight scale");
+
+namespace gradsum::train {
+
+const std::vector<FlagField>& OverridableFlags() {
+  static const auto* flags = new std::vector<FlagField>{
+      {"world", "world"},
+      {"ep", "ep"},
+      {"grad_acc", "grad_acc"},
+      {"steps", "steps"},
+      {"backend", "backend"},
+      {"sharding", "sharding"},
+      {"reduce_dtype", "reduce_dtype"},
+      {"compute_dtype", "compute_dtype"},
+      {"seed", "seed"},
+      {"data", "data.path"},
+      {"seq_len", "data.seq_len"},
+      {"micro_batch", "data.micro_batch"},
+      {"dump_dir", "dump_dir"},
+      {"metrics", "metrics"},
+      {"checkpoint_dir", "checkpoint_dir"},
+      {"checkpoint_every", "checkpoint_every"},
+      {"resume", "resume"},
+      {"parity_check", "parity_check"},
+      {"alpha_b", "alpha_b"},
+      {"alpha_z", "alpha_z"},
+      {"lr", "optim.lr"},
+      {"warmup_steps", "optim.warmup_steps"},
+      {"weight_decay", "optim.weight_decay"},
+      {"grad_clip", "optim.grad_clip"},
+      {"vocab", "model.vocab"},
+      {"dim", "model.dim"},
+      {"layers", "model.layers"},
+      {"experts", "model.experts"},
+      {"top_k", "model.top_k"},
+      {"expert_dim", "model.expert_dim"},
+      {"norm_topk_prob", "model.norm_topk_prob"},
+      {"router_scale", "model.router_scale"},
+  };
+  return *flags;
+}
+
+absl::StatusOr<TrainConfig> ConfigFromFlags() {
+  TrainConfig config;
+  const std::string path = absl::GetFlag(FLAGS_config);
+  if (!path.empty()) {
+    GRADSUM_ASSIGN_OR_RETURN(config, LoadConfigFile(path));
+  }
+  std::vector<FieldOverride> overrides;
+  for (const FlagField& ff : OverridableFlags()) {
+    absl::CommandLineFlag* flag = absl::FindCommandLineFlag(ff.flag);
+    if (flag == nullptr) {
+      return absl::InternalError(absl::StrCat("flag --", ff.flag, " is not defined"));
+    }
+    // An unset optional flag prints as ""; a switch that was not given prints "false".
+    const std::string value = flag->CurrentValue();
+    const bool is_switch = flag->IsOfType<bool>();
+    if (is_switch ? value == "true" : !value.empty()) {
+      overrides.push_back({ff.field_path, value});
+    }
+  }
+  GRADSUM_RETURN_IF_ERROR(ApplyOverrides(overrides, &config));
+  GRADSUM_RETURN_IF_ERROR(ValidateConfig(config));
+  return config;
+}
+
+}  // namespace gradsum::train

@@ -1,0 +1,62 @@
+#include "train/config_flags.h"
+
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace gradsum::train {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(ConfigFlagsTest, EveryFlagMapsToARealField) {
+  for (const FlagField& f : OverridableFlags()) {
+    ASSERT_NE(absl::FindCommandLineFlag(f.flag), nullptr) << f.flag;
+    TrainConfig c;
+    // "1" parses as every scalar type the flags use, so only a wrong path can fail.
+    absl::Status s = ApplyOverrides({{f.field_path, "1"}}, &c);
+    EXPECT_TRUE(s.ok()) << f.flag << ": " << s;
+    // Unset until given: the flag's own default never overrides a config file.
+    EXPECT_TRUE(absl::FindCommandLineFlag(f.flag)->CurrentValue().empty() ||
+                absl::FindCommandLineFlag(f.flag)->CurrentValue() == "false")
+        << f.flag;
+  }
+}
+
+// One process-wide parse: flags given on the command line override the file; flags
+// not given leave the file's values alone.
+TEST(ConfigFlagsTest, CommandLineOverridesFileOnlyWhereGiven) {
+  const std::string path = ::testing::TempDir() + "/flags.textproto";
+  std::ofstream(path) << "world: 4 ep: 4 steps: 11 model { dim: 40 experts: 8 }\n";
+  const std::string config_arg = "--config=" + path;
+  std::vector<const char*> argv = {"moe_lm",       config_arg.c_str(),      "--dim=24",
+                                   "--grad_acc=3", "--sharding=replicated", "--parity_check",
+                                   "--ep=2",       "--norm_topk_prob=false"};
+  absl::ParseCommandLine(static_cast<int>(argv.size()), const_cast<char**>(argv.data()));
+  absl::StatusOr<TrainConfig> c = ConfigFromFlags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->world(), 4);  // file
+  EXPECT_EQ(c->ep(), 2);     // flag, although 2 is also the proto default
+  EXPECT_FALSE(c->model().norm_topk_prob());
+  EXPECT_EQ(c->model().experts(), 8);  // file
+  EXPECT_EQ(c->steps(), 11);           // file
+  EXPECT_EQ(c->model().dim(), 24);     // flag beats file
+  EXPECT_EQ(c->grad_acc(), 3);
+  EXPECT_EQ(c->sharding(), "replicated");
+  EXPECT_TRUE(c->parity_check());
+
+  // A bad combination is caught at start, naming the field.
+  std::ofstream(path) << "world: 3\n";  // --ep=2 does not divide it
+  absl::StatusOr<TrainConfig> bad = ConfigFromFlags();
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("ep=2: must divide world=3"));
+}
+
+}  // namespace
+}  // namespace gradsum::train
