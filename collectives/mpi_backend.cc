@@ -1,0 +1,769 @@
+#include "collectives/mpi_backend.h"
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "core/half.h"
+#include "core/status.h"
+
+namespace gradsum {
+namespace {
+
+// ---- Process-wide MPI state. ----
+
+// Non-null when MPI runs at MPI_THREAD_SERIALIZED: every MPI call this backend makes
+// (from any progress thread or the caller's thread) then holds it.
+absl::Mutex* g_serial_mu = nullptr;
+
+template <typename F>
+int CallMpi(F&& f) {
+  absl::MutexLockMaybe lock(g_serial_mu);
+  return f();
+}
+
+absl::Status MpiError(int rc, absl::string_view what) {
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) len = 0;
+  return absl::InternalError(
+      absl::StrCat(what, ": MPI error ", rc, " (", absl::string_view(text, len), ")"));
+}
+
+void FinalizeAtExit() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Finalize();
+}
+
+const char* ThreadLevelName(int level) {
+  switch (level) {
+    case MPI_THREAD_SINGLE: return "MPI_THREAD_SINGLE";
+    case MPI_THREAD_FUNNELED: return "MPI_THREAD_FUNNELED";
+    case MPI_THREAD_SERIALIZED: return "MPI_THREAD_SERIALIZED";
+    case MPI_THREAD_MULTIPLE: return "MPI_THREAD_MULTIPLE";
+  }
+  return "unknown";
+}
+
+// Initialises MPI if nobody has, and decides whether our calls must be serialised.
+absl::Status EnsureMpiReady() {
+  static absl::Mutex init_mu(absl::kConstInit);
+  absl::MutexLock lock(&init_mu);
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) return absl::FailedPreconditionError("MPI has already been finalised");
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  int provided = MPI_THREAD_SINGLE;
+  if (!initialized) {
+    const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+    if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Init_thread");
+    std::atexit(FinalizeAtExit);
+  } else {
+    MPI_Query_thread(&provided);
+  }
+  if (provided < MPI_THREAD_SERIALIZED) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "MPI was initialised at ", ThreadLevelName(provided),
+        "; the mpi backend calls MPI from a progress thread and needs MPI_THREAD_MULTIPLE "
+        "(or MPI_THREAD_SERIALIZED): use MPI_Init_thread"));
+  }
+  if (provided == MPI_THREAD_SERIALIZED && g_serial_mu == nullptr) {
+    g_serial_mu = new absl::Mutex();  // Lives for the process, like MPI itself.
+  }
+  return absl::OkStatus();
+}
+
+// ---- Element types and conversions. ----
+
+MPI_Datatype MoveType(DType t) {
+  switch (t) {
+    case DType::kF32: return MPI_FLOAT;
+    case DType::kF64: return MPI_DOUBLE;
+    case DType::kBF16: return MPI_UINT16_T;  // moved as bits; reduced via fp32 (below)
+    case DType::kF16: return MPI_UINT16_T;
+    case DType::kI32: return MPI_INT32_T;
+    case DType::kI64: return MPI_INT64_T;
+  }
+  return MPI_DATATYPE_NULL;
+}
+
+bool IsHalf(DType t) { return t == DType::kBF16 || t == DType::kF16; }
+
+// bf16/f16 -> fp32 (exact).
+void Widen(const void* src, DType t, size_t n, float* dst) {
+  const uint16_t* bits = static_cast<const uint16_t*>(src);
+  if (t == DType::kBF16) {
+    for (size_t i = 0; i < n; ++i) dst[i] = BF16::FromBits(bits[i]).ToFloat();
+  } else {
+    for (size_t i = 0; i < n; ++i) dst[i] = F16::FromBits(bits[i]).ToFloat();
+  }
+}
+
+// fp32 -> bf16/f16, rounding once to nearest even (SEMANTICS.md §7).
+void Narrow(const float* src, DType t, size_t n, void* dst) {
+  uint16_t* bits = static_cast<uint16_t*>(dst);
+  if (t == DType::kBF16) {
+    for (size_t i = 0; i < n; ++i) bits[i] = BF16::FromFloat(src[i]).bits;
+  } else {
+    for (size_t i = 0; i < n; ++i) bits[i] = F16::FromFloat(src[i]).bits;
+  }
+}
+
+template <typename T>
+void DivideBy(void* buf, size_t n, int divisor) {
+  T* p = static_cast<T*>(buf);
+  const T d = static_cast<T>(divisor);
+  for (size_t i = 0; i < n; ++i) p[i] = p[i] / d;
+}
+
+// AVG = SUM / size in the accumulation type (fp32 for bf16/f16, which the caller widened).
+void DivideNative(void* buf, size_t n, DType t, int divisor) {
+  switch (t) {
+    case DType::kF32: DivideBy<float>(buf, n, divisor); break;
+    case DType::kF64: DivideBy<double>(buf, n, divisor); break;
+    case DType::kI32: DivideBy<int32_t>(buf, n, divisor); break;
+    case DType::kI64: DivideBy<int64_t>(buf, n, divisor); break;
+    case DType::kBF16:
+    case DType::kF16: DivideBy<float>(buf, n, divisor); break;
+  }
+}
+
+// ---- Local argument checks (before any exchange, so only the offending rank fails). ----
+
+absl::Status CheckDType(DType t) {
+  if (!IsValidDType(static_cast<int>(t))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("invalid dtype value ", static_cast<int>(t)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckFitsInt(size_t v, absl::string_view what) {
+  if (v > static_cast<size_t>(INT_MAX)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " = ", v, " exceeds the MPI backend's per-call limit of ", INT_MAX, " elements"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckBuffer(const void* p, size_t count, absl::string_view what) {
+  if (p == nullptr && count > 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " buffer is null with ", count, " elements"));
+  }
+  return absl::OkStatus();
+}
+
+bool Overlaps(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
+  const auto x = reinterpret_cast<uintptr_t>(a);
+  const auto y = reinterpret_cast<uintptr_t>(b);
+  return a_bytes > 0 && b_bytes > 0 && x < y + b_bytes && y < x + a_bytes;
+}
+
+// ---- The descriptor every rank agrees on before data moves. ----
+
+enum class Kind : int64_t {
+  kAllReduce = 0,
+  kReduceScatter,
+  kAllGather,
+  kAllToAllV,
+  kBroadcast,
+  kBarrier,
+  kSplit,
+};
+
+const char* KindName(Kind k) {
+  switch (k) {
+    case Kind::kAllReduce: return "all-reduce";
+    case Kind::kReduceScatter: return "reduce-scatter";
+    case Kind::kAllGather: return "all-gather";
+    case Kind::kAllToAllV: return "all-to-all-v";
+    case Kind::kBroadcast: return "broadcast";
+    case Kind::kBarrier: return "barrier";
+    case Kind::kSplit: return "split";
+  }
+  return "unknown";
+}
+
+struct Descriptor {
+  Kind kind = Kind::kBarrier;
+  DType dtype = DType::kF32;
+  ReduceOp op = ReduceOp::kSum;
+  int64_t count = 0;
+  int64_t root = -1;
+};
+
+enum Field { kSeq = 0, kKind, kDType, kOp, kCount, kRoot, kNumFields };
+
+const char* FieldName(int f) {
+  switch (f) {
+    case kSeq: return "the sequence number (a rank skipped or added an operation)";
+    case kKind: return "the operation";
+    case kDType: return "the dtype";
+    case kOp: return "the reduce op";
+    case kCount: return "the element count";
+    case kRoot: return "the root";
+  }
+  return "?";
+}
+
+std::string FieldValue(int f, int64_t v) {
+  switch (f) {
+    case kKind: return KindName(static_cast<Kind>(v));
+    case kDType:
+      return IsValidDType(static_cast<int>(v)) ? std::string(DTypeName(static_cast<DType>(v)))
+                                               : absl::StrCat(v);
+    case kOp: return ReduceOpName(static_cast<ReduceOp>(v));
+    default: return absl::StrCat(v);
+  }
+}
+
+// Scratch memory of one operation. MPI may still write into it after a timeout (a late
+// peer completes the request), so a timed-out operation's scratch is never freed.
+struct Scratch {
+  std::vector<int64_t> i64a, i64b;
+  std::vector<float> f32a, f32b;
+  std::vector<unsigned char> bytes;
+  std::vector<int> send_counts, send_displs, recv_counts, recv_displs;
+};
+
+void LeakForever(std::unique_ptr<Scratch> scratch) {
+  static absl::Mutex mu(absl::kConstInit);
+  static auto* graveyard = new std::vector<std::unique_ptr<Scratch>>();
+  absl::MutexLock lock(&mu);
+  graveyard->push_back(std::move(scratch));
+}
+
+// What an executing operation knows about itself.
+struct OpContext {
+  int64_t seq = 0;
+  absl::Time deadline;
+  std::unique_ptr<Scratch> scratch = std::make_unique<Scratch>();
+  std::string label;          // "mpi all-reduce #3 (rank 1 of 4)"
+  bool breaks_comm = false;   // set when the communicator must not be used again
+  bool leak_scratch = false;  // set when MPI may still write into the scratch
+};
+
+using OpFn = std::function<absl::Status(OpContext&)>;
+
+struct Op {
+  Kind kind;
+  int64_t seq = 0;  // issue order on this rank, counting calls that failed locally
+  OpFn run;
+  absl::Status status;
+  absl::Notification done;
+};
+
+class MpiWork final : public Work {
+ public:
+  explicit MpiWork(std::shared_ptr<Op> op) : op_(std::move(op)) {}
+  absl::Status Wait(absl::Duration timeout) override {
+    if (!op_->done.WaitForNotificationWithTimeout(timeout)) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "mpi ", KindName(op_->kind), " still in flight after waiting ",
+          absl::FormatDuration(timeout), "; its buffers must stay alive"));
+    }
+    return op_->status;
+  }
+  bool IsCompleted() override { return op_->done.HasBeenNotified(); }
+
+ private:
+  std::shared_ptr<Op> op_;
+};
+
+class MpiCommunicator final : public Communicator {
+ public:
+  // Takes ownership of `comm` (frees it on destruction unless the communicator broke).
+  MpiCommunicator(MPI_Comm comm, MpiBackendOptions options) : comm_(comm), options_(options) {
+    CallMpi([&] { return MPI_Comm_rank(comm_, &rank_); });
+    CallMpi([&] { return MPI_Comm_size(comm_, &size_); });
+    CallMpi([&] { return MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN); });
+    worker_ = std::thread([this] { WorkerLoop(); });
+  }
+
+  ~MpiCommunicator() override {
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    worker_.join();
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    // A broken communicator may have requests in flight; freeing it could block or let
+    // MPI touch freed state, so it is left to MPI_Finalize.
+    if (!finalized && !broken_) CallMpi([&] { return MPI_Comm_free(&comm_); });
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string backend() const override { return "mpi"; }
+  absl::Duration timeout() const override { return options_.timeout; }
+
+  absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv,
+                                                       size_t count, DType dtype,
+                                                       ReduceOp op) override {
+    const int64_t seq = next_seq_++;
+    GRADSUM_RETURN_IF_ERROR(CheckDType(dtype));
+    GRADSUM_RETURN_IF_ERROR(CheckReduceOp(op, /*allow_max=*/true));
+    GRADSUM_RETURN_IF_ERROR(CheckFitsInt(count, "all-reduce count"));
+    GRADSUM_RETURN_IF_ERROR(CheckBuffer(send, count, "all-reduce send"));
+    GRADSUM_RETURN_IF_ERROR(CheckBuffer(recv, count, "all-reduce recv"));
+    const Descriptor d{Kind::kAllReduce, dtype, op, static_cast<int64_t>(count), -1};
+    return Enqueue(seq, d.kind, [=](OpContext& ctx) -> absl::Status {
+      GRADSUM_RETURN_IF_ERROR(Agree(ctx, d));
+      if (count == 0) return absl::OkStatus();
+      const int n = static_cast<int>(count);
+      MPI_Request req;
+      if (IsHalf(dtype)) {
+        std::vector<float>& acc = ctx.scratch->f32a;
+        acc.resize(count);
+        Widen(send, dtype, count, acc.data());
+        GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
+          return MPI_Iallreduce(MPI_IN_PLACE, acc.data(), n, MPI_FLOAT, MpiOp(op), comm_, &req);
+        }));
+        GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
+        if (op == ReduceOp::kAvg) DivideNative(acc.data(), count, DType::kF32, size_);
+        Narrow(acc.data(), dtype, count, recv);
+        return absl::OkStatus();
+      }
+      const void* in = send == recv ? MPI_IN_PLACE : send;
+      GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
+        return MPI_Iallreduce(in, recv, n, MoveType(dtype), MpiOp(op), comm_, &req);
+      }));
+      GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
+      if (op == ReduceOp::kAvg) DivideNative(recv, count, dtype, size_);
+      return absl::OkStatus();
+    });
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> ReduceScatterAsync(const void* send, void* recv,
+                                                           size_t recv_count, DType dtype,
+                                                           ReduceOp op) override {
+    const int64_t seq = next_seq_++;
+    GRADSUM_RETURN_IF_ERROR(CheckDType(dtype));
+    GRADSUM_RETURN_IF_ERROR(CheckReduceOp(op, /*allow_max=*/false));
+    GRADSUM_RETURN_IF_ERROR(CheckFitsInt(recv_count, "reduce-scatter recv_count"));
+    const size_t send_count = recv_count * static_cast<size_t>(size_);
+    GRADSUM_RETURN_IF_ERROR(CheckBuffer(send, send_count, "reduce-scatter send"));
+    GRADSUM_RETURN_IF_ERROR(CheckBuffer(recv, recv_count, "reduce-scatter recv"));
+    const Descriptor d{Kind::kReduceScatter, dtype, op, static_cast<int64_t>(recv_count), -1};
+    return Enqueue(seq, d.kind, [=](OpContext& ctx) -> absl::Status {
+      GRADSUM_RETURN_IF_ERROR(Agree(ctx, d));
+      if (recv_count == 0) return absl::OkStatus();
+      const int n = static_cast<int>(recv_count);
+      MPI_Request req;
+      if (IsHalf(dtype)) {
+        std::vector<float>& in = ctx.scratch->f32a;
+        std::vector<float>& out = ctx.scratch->f32b;
+        in.resize(send_count);
+        out.resize(recv_count);
+        Widen(send, dtype, send_count, in.data());
+        GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
+          return MPI_Ireduce_scatter_block(in.data(), out.data(), n, MPI_FLOAT, MPI_SUM, comm_,
+                                           &req);
+        }));
+        GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
+        if (op == ReduceOp::kAvg) DivideNative(out.data(), recv_count, DType::kF32, size_);
+        Narrow(out.data(), dtype, recv_count, recv);
+        return absl::OkStatus();
+      }
+      const size_t esize = DTypeSize(dtype);
+      const void* in = send;
+      if (send == recv) {
+        in = MPI_IN_PLACE;  // input is recv[0, send_count); result lands at its start
+      } else if (Overlaps(send, send_count * esize, recv, recv_count * esize)) {
+        ctx.scratch->bytes.assign(static_cast<const unsigned char*>(send),
+                                  static_cast<const unsigned char*>(send) + send_count * esize);
+        in = ctx.scratch->bytes.data();
+      }
+      GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
+        return MPI_Ireduce_scatter_block(in, recv, n, MoveType(dtype), MPI_SUM, comm_, &req);
+      }));
+      GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
+      if (op == ReduceOp::kAvg) DivideNative(recv, recv_count, dtype, size_);
+      return absl::OkStatus();
+    });
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const void* send, void* recv,
+                                                       size_t send_count, DType dtype) override {
+    const int64_t seq = next_seq_++;
+    GRADSUM_RETURN_IF_ERROR(CheckDType(dtype));
+    GRADSUM_RETURN_IF_ERROR(CheckFitsInt(send_count, "all-gather send_count"));
+    const size_t recv_count = send_count * static_cast<size_t>(size_);
+    GRADSUM_RETURN_IF_ERROR(CheckBuffer(send, send_count, "all-gather send"));
+    GRADSUM_RETURN_IF_ERROR(CheckBuffer(recv, recv_count, "all-gather recv"));
+    const Descriptor d{Kind::kAllGather, dtype, ReduceOp::kSum,
+                       static_cast<int64_t>(send_count), -1};
+    return Enqueue(seq, d.kind, [=](OpContext& ctx) -> absl::Status {
+      GRADSUM_RETURN_IF_ERROR(Agree(ctx, d));
+      if (send_count == 0) return absl::OkStatus();
+      const size_t esize = DTypeSize(dtype);
+      const void* own_slot = static_cast<unsigned char*>(recv) + rank_ * send_count * esize;
+      const void* in = send;
+      if (send == own_slot) {
+        in = MPI_IN_PLACE;
+      } else if (Overlaps(send, send_count * esize, recv, recv_count * esize)) {
+        ctx.scratch->bytes.assign(static_cast<const unsigned char*>(send),
+                                  static_cast<const unsigned char*>(send) + send_count * esize);
+        in = ctx.scratch->bytes.data();
+      }
+      const int n = static_cast<int>(send_count);
+      MPI_Request req;
+      GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
+        return MPI_Iallgather(in, n, MoveType(dtype), recv, n, MoveType(dtype), comm_, &req);
+      }));
+      return Await(ctx, &req);
+    });
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(
+      const void* send, absl::Span<const size_t> send_counts,
+      absl::Span<const size_t> send_offsets, void* recv, absl::Span<const size_t> recv_counts,
+      absl::Span<const size_t> recv_offsets, DType dtype) override {
+    const int64_t seq = next_seq_++;
+    GRADSUM_RETURN_IF_ERROR(CheckDType(dtype));
+    const size_t world = static_cast<size_t>(size_);
+    for (auto [span, name] : {std::pair(send_counts, "send_counts"),
+                              std::pair(send_offsets, "send_offsets"),
+                              std::pair(recv_counts, "recv_counts"),
+                              std::pair(recv_offsets, "recv_offsets")}) {
+      if (span.size() != world) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "all-to-all-v ", name, " has ", span.size(), " entries, expected size() = ", world));
+      }
+      for (size_t p = 0; p < world; ++p) {
+        GRADSUM_RETURN_IF_ERROR(
+            CheckFitsInt(span[p], absl::StrCat("all-to-all-v ", name, "[", p, "]")));
+      }
+    }
+    size_t send_total = 0, recv_total = 0;
+    for (size_t p = 0; p < world; ++p) {
+      send_total += send_counts[p];
+      recv_total += recv_counts[p];
+    }
+    GRADSUM_RETURN_IF_ERROR(CheckBuffer(send, send_total, "all-to-all-v send"));
+    GRADSUM_RETURN_IF_ERROR(CheckBuffer(recv, recv_total, "all-to-all-v recv"));
+    auto to_ints = [](absl::Span<const size_t> s) { return std::vector<int>(s.begin(), s.end()); };
+    std::vector<int> sc = to_ints(send_counts), sd = to_ints(send_offsets);
+    std::vector<int> rc = to_ints(recv_counts), rd = to_ints(recv_offsets);
+    const Descriptor d{Kind::kAllToAllV, dtype, ReduceOp::kSum, 0, -1};
+    return Enqueue(seq, d.kind, [=](OpContext& ctx) -> absl::Status {
+      GRADSUM_RETURN_IF_ERROR(Agree(ctx, d));
+      GRADSUM_RETURN_IF_ERROR(AgreeOnCounts(ctx, sc, rc));
+      Scratch& s = *ctx.scratch;
+      s.send_counts = sc;
+      s.send_displs = sd;
+      s.recv_counts = rc;
+      s.recv_displs = rd;
+      MPI_Request req;
+      GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
+        return MPI_Ialltoallv(send, s.send_counts.data(), s.send_displs.data(), MoveType(dtype),
+                              recv, s.recv_counts.data(), s.recv_displs.data(), MoveType(dtype),
+                              comm_, &req);
+      }));
+      return Await(ctx, &req);
+    });
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(void* buf, size_t count, DType dtype,
+                                                       int root) override {
+    const int64_t seq = next_seq_++;
+    GRADSUM_RETURN_IF_ERROR(CheckDType(dtype));
+    if (root < 0 || root >= size_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("broadcast root ", root, " is outside [0, ", size_, ")"));
+    }
+    GRADSUM_RETURN_IF_ERROR(CheckFitsInt(count, "broadcast count"));
+    GRADSUM_RETURN_IF_ERROR(CheckBuffer(buf, count, "broadcast"));
+    const Descriptor d{Kind::kBroadcast, dtype, ReduceOp::kSum, static_cast<int64_t>(count),
+                       root};
+    return Enqueue(seq, d.kind, [=](OpContext& ctx) -> absl::Status {
+      GRADSUM_RETURN_IF_ERROR(Agree(ctx, d));
+      if (count == 0) return absl::OkStatus();
+      MPI_Request req;
+      GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
+        return MPI_Ibcast(buf, static_cast<int>(count), MoveType(dtype), root, comm_, &req);
+      }));
+      return Await(ctx, &req);
+    });
+  }
+
+  // The descriptor all-reduce already waits for every rank, so it is the barrier.
+  absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override {
+    const int64_t seq = next_seq_++;
+    const Descriptor d{Kind::kBarrier, DType::kF32, ReduceOp::kSum, 0, -1};
+    return Enqueue(seq, d.kind, [=](OpContext& ctx) { return Agree(ctx, d); });
+  }
+
+  absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
+    const int64_t seq = next_seq_++;
+    auto result = std::make_shared<absl::StatusOr<std::unique_ptr<Communicator>>>(nullptr);
+    const Descriptor d{Kind::kSplit, DType::kF32, ReduceOp::kSum, 0, -1};
+    // Runs on the progress thread so that it is ordered after earlier async operations.
+    absl::StatusOr<std::unique_ptr<Work>> work =
+        Enqueue(seq, d.kind, [=](OpContext& ctx) -> absl::Status {
+          GRADSUM_RETURN_IF_ERROR(Agree(ctx, d));
+          // Every rank has arrived (the descriptor exchange completed), so the blocking
+          // split cannot wait on an absent rank.
+          MPI_Comm child = MPI_COMM_NULL;
+          const int rc = CallMpi([&] {
+            return MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &child);
+          });
+          if (rc != MPI_SUCCESS) {
+            ctx.breaks_comm = true;
+            return MpiError(rc, ctx.label);
+          }
+          if (child != MPI_COMM_NULL) {
+            *result = std::unique_ptr<Communicator>(new MpiCommunicator(child, options_));
+          }
+          return absl::OkStatus();
+        });
+    GRADSUM_RETURN_IF_ERROR(WaitIssued(std::move(work)));
+    return std::move(*result);
+  }
+
+ private:
+  static absl::Status CheckReduceOp(ReduceOp op, bool allow_max) {
+    if (op == ReduceOp::kSum || op == ReduceOp::kAvg || (allow_max && op == ReduceOp::kMax)) {
+      return absl::OkStatus();
+    }
+    return absl::InvalidArgumentError(absl::StrCat(
+        "reduce op ", ReduceOpName(op), " (", static_cast<int>(op), ") is not supported here",
+        allow_max ? "" : "; reduce-scatter takes sum or avg"));
+  }
+
+  // AVG is reduced as SUM and divided afterwards.
+  static MPI_Op MpiOp(ReduceOp op) { return op == ReduceOp::kMax ? MPI_MAX : MPI_SUM; }
+
+  absl::StatusOr<std::unique_ptr<Work>> Enqueue(int64_t seq, Kind kind, OpFn fn) {
+    auto op = std::make_shared<Op>();
+    op->kind = kind;
+    op->seq = seq;
+    op->run = std::move(fn);
+    {
+      absl::MutexLock lock(&mu_);
+      if (broken_) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "mpi communicator is unusable after an earlier failure: ", broken_reason_));
+      }
+      queue_.push_back(op);
+    }
+    return std::unique_ptr<Work>(new MpiWork(std::move(op)));
+  }
+
+  void WorkerLoop() {
+    while (true) {
+      std::shared_ptr<Op> op;
+      std::string broken_reason;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(
+            +[](MpiCommunicator* c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c->mu_) {
+              return c->stopping_ || !c->queue_.empty();
+            },
+            this));
+        if (queue_.empty()) return;  // stopping
+        op = std::move(queue_.front());
+        queue_.pop_front();
+        if (broken_) broken_reason = broken_reason_;
+      }
+      if (!broken_reason.empty()) {
+        op->status = absl::FailedPreconditionError(absl::StrCat(
+            "mpi communicator is unusable after an earlier failure: ", broken_reason));
+      } else {
+        OpContext ctx;
+        ctx.seq = op->seq;
+        ctx.deadline = absl::Now() + options_.timeout;
+        ctx.label = absl::StrFormat("mpi %s #%d (rank %d of %d)", KindName(op->kind), ctx.seq,
+                                    rank_, size_);
+        op->status = op->run(ctx);
+        if (ctx.leak_scratch) LeakForever(std::move(ctx.scratch));
+        if (ctx.breaks_comm) {
+          absl::MutexLock lock(&mu_);
+          broken_ = true;
+          broken_reason_ = std::string(op->status.message());
+        }
+      }
+      op->done.Notify();
+    }
+  }
+
+  // Starts a non-blocking MPI call; an error breaks the communicator.
+  template <typename F>
+  absl::Status Post(OpContext& ctx, F&& start) {
+    const int rc = CallMpi(start);
+    if (rc != MPI_SUCCESS) {
+      ctx.breaks_comm = true;
+      return MpiError(rc, ctx.label);
+    }
+    return absl::OkStatus();
+  }
+
+  // Polls `req` until it completes or the operation's deadline passes. Spins (yielding
+  // the core) while young, since MPI only progresses inside MPI calls; backs off to short
+  // sleeps once a peer is clearly late, so a waiting rank does not burn a shared core.
+  absl::Status Await(OpContext& ctx, MPI_Request* req) {
+    const absl::Time start = absl::Now();
+    for (int polls = 0;; ++polls) {
+      int done = 0;
+      const int rc = CallMpi([&] { return MPI_Test(req, &done, MPI_STATUS_IGNORE); });
+      if (rc != MPI_SUCCESS) {
+        ctx.breaks_comm = true;
+        ctx.leak_scratch = true;
+        return MpiError(rc, ctx.label);
+      }
+      if (done) return absl::OkStatus();
+      const absl::Time now = absl::Now();
+      if (now >= ctx.deadline) {
+        ctx.breaks_comm = true;
+        ctx.leak_scratch = true;  // the request stays in flight; MPI cannot cancel it
+        return absl::DeadlineExceededError(absl::StrCat(
+            ctx.label, ": not every rank arrived within the timeout of ",
+            absl::FormatDuration(options_.timeout),
+            "; the communicator is now unusable"));
+      }
+      if (now - start > absl::Milliseconds(500)) {
+        absl::SleepFor(absl::Microseconds(200));
+      } else if (polls >= 64) {
+        std::this_thread::yield();
+      }
+    }
+  }
+
+  // Every rank all-reduces (d, -d) with MIN, learning each field's min and max; a field
+  // whose min and max differ is a disagreement that every rank reports identically.
+  absl::Status Agree(OpContext& ctx, const Descriptor& d) {
+    std::vector<int64_t>& buf = ctx.scratch->i64a;
+    const int64_t fields[kNumFields] = {ctx.seq,
+                                        static_cast<int64_t>(d.kind),
+                                        static_cast<int64_t>(d.dtype),
+                                        static_cast<int64_t>(d.op),
+                                        d.count,
+                                        d.root};
+    buf.resize(2 * kNumFields);
+    for (int f = 0; f < kNumFields; ++f) {
+      buf[f] = fields[f];
+      buf[kNumFields + f] = -fields[f];
+    }
+    MPI_Request req;
+    GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
+      return MPI_Iallreduce(MPI_IN_PLACE, buf.data(), 2 * kNumFields, MPI_INT64_T, MPI_MIN,
+                            comm_, &req);
+    }));
+    GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
+    for (int f = 0; f < kNumFields; ++f) {
+      const int64_t lo = buf[f], hi = -buf[kNumFields + f];
+      if (lo == hi) continue;
+      // Ranks that are out of step stay out of step: nothing later can match up.
+      if (f == kSeq) ctx.breaks_comm = true;
+      return absl::InvalidArgumentError(absl::StrCat(
+          ctx.label, ": ranks disagree on ", FieldName(f), ": ", FieldValue(f, lo), " vs ",
+          FieldValue(f, hi), " (this rank: ", FieldValue(f, fields[f]), ")"));
+    }
+    return absl::OkStatus();
+  }
+
+  // All-to-all-v: rank r's send_counts[p] must equal rank p's recv_counts[r]. Each rank
+  // learns what its peers will send it (MPI_Ialltoall), then all ranks all-gather the
+  // first mismatch each one saw, so every rank fails with the same message.
+  absl::Status AgreeOnCounts(OpContext& ctx, const std::vector<int>& send_counts,
+                             const std::vector<int>& recv_counts) {
+    Scratch& s = *ctx.scratch;
+    s.send_counts = send_counts;
+    s.recv_counts.assign(size_, 0);
+    MPI_Request req;
+    GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
+      return MPI_Ialltoall(s.send_counts.data(), 1, MPI_INT, s.recv_counts.data(), 1, MPI_INT,
+                           comm_, &req);
+    }));
+    GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
+    // (first sender whose count disagrees or -1, what it sends, what this rank expects)
+    std::vector<int64_t>& mine = s.i64a;
+    mine = {-1, 0, 0};
+    for (int p = 0; p < size_; ++p) {
+      if (s.recv_counts[p] != recv_counts[p]) {
+        mine = {p, s.recv_counts[p], recv_counts[p]};
+        break;
+      }
+    }
+    std::vector<int64_t>& all = s.i64b;
+    all.assign(3 * size_, 0);
+    GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
+      return MPI_Iallgather(mine.data(), 3, MPI_INT64_T, all.data(), 3, MPI_INT64_T, comm_,
+                            &req);
+    }));
+    GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
+    for (int r = 0; r < size_; ++r) {
+      if (all[3 * r] < 0) continue;
+      return absl::InvalidArgumentError(absl::StrCat(
+          ctx.label, ": counts disagree: rank ", all[3 * r], " sends ", all[3 * r + 1],
+          " elements to rank ", r, ", but rank ", r, " expects ", all[3 * r + 2]));
+    }
+    return absl::OkStatus();
+  }
+
+  MPI_Comm comm_;
+  const MpiBackendOptions options_;
+  int rank_ = 0;
+  int size_ = 0;
+  // Counts every operation call, including those rejected locally, so that a rank which
+  // skipped an operation is caught by the descriptor check instead of pairing its next
+  // operation with the others' current one. Caller's thread only.
+  int64_t next_seq_ = 0;
+
+  absl::Mutex mu_;
+  std::deque<std::shared_ptr<Op>> queue_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // Written under mu_ by the progress thread; read by the destructor after the join.
+  bool broken_ = false;
+  std::string broken_reason_ ABSL_GUARDED_BY(mu_);
+  std::thread worker_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Communicator>> CreateMpiWorldCommunicator(
+    MpiBackendOptions options) {
+  if (options.timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "mpi backend timeout must be positive, got ", absl::FormatDuration(options.timeout)));
+  }
+  GRADSUM_RETURN_IF_ERROR(EnsureMpiReady());
+  MPI_Comm dup = MPI_COMM_NULL;
+  MPI_Request req;
+  int rc = CallMpi([&] { return MPI_Comm_idup(MPI_COMM_WORLD, &dup, &req); });
+  if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Comm_idup(MPI_COMM_WORLD)");
+  const absl::Time deadline = absl::Now() + options.timeout;
+  for (int done = 0; !done;) {
+    rc = CallMpi([&] { return MPI_Test(&req, &done, MPI_STATUS_IGNORE); });
+    if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Comm_idup(MPI_COMM_WORLD)");
+    if (!done && absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "CreateMpiWorldCommunicator: not every process arrived within ",
+          absl::FormatDuration(options.timeout)));
+    }
+    if (!done) std::this_thread::yield();
+  }
+  return std::unique_ptr<Communicator>(new MpiCommunicator(dup, options));
+}
+
+}  // namespace gradsum

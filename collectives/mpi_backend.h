@@ -1,0 +1,77 @@
+#ifndef GRADSUM_COLLECTIVES_MPI_BACKEND_H_
+#define GRADSUM_COLLECTIVES_MPI_BACKEND_H_
+
+// The `mpi` backend: a Communicator over Open MPI, one rank per process (`mpirun -np N`).
+//
+//   absl::StatusOr<std::unique_ptr<Communicator>> world =
+//       CreateMpiWorldCommunicator({.timeout = absl::Seconds(30)});
+//   if (!world.ok()) return world.status();
+//   GRADSUM_RETURN_IF_ERROR((*world)->AllReduce(g, g, n, DType::kBF16, ReduceOp::kSum));
+//   GRADSUM_ASSIGN_OR_RETURN(auto edp_group, (*world)->Split(/*color=*/p, /*key=*/f));
+//
+// How it works. Each communicator owns a private duplicate of its MPI communicator (so its
+// traffic never matches the caller's own MPI calls) and one progress thread that runs the
+// issued operations strictly in issue order. Every operation first all-reduces a small
+// descriptor (sequence number, operation, dtype, op, count, root) with MIN over (d, -d), so
+// every rank learns the min and max of each field and all ranks reach the same verdict:
+// disagreement is InvalidArgument on every rank, naming the field and the two values, and
+// no data moves. The data then moves with non-blocking MPI (MPI_Iallreduce, ...) polled
+// with MPI_Test until done or until `timeout` after the operation started: a rank that
+// never arrives makes the others fail with DeadlineExceeded, and the communicator is then
+// broken (FailedPrecondition on every later call). A disagreement on the sequence number
+// (a rank skipped an operation, e.g. because its own arguments were invalid) also breaks it.
+//
+// Numerics (SEMANTICS.md §7): f32/f64/i32/i64 reduce natively in MPI. bf16/f16 are widened
+// to an fp32 buffer, reduced in fp32 by MPI, and rounded once (nearest even) on the way
+// back, so a bf16 SUM is a real sum rounded once, never per step. AVG is the SUM divided by
+// size() in the accumulation type (integer AVG truncates toward zero). Open MPI gives every
+// rank the same reduction result.
+//
+// In place: all-reduce and broadcast with send == recv; reduce-scatter with send == recv
+// (the input is the whole buffer, the result lands in its first recv_count elements, as
+// with MPI_IN_PLACE); all-gather with send == recv + rank() * send_count (as with
+// MPI_IN_PLACE / NCCL). Any other overlap is handled by copying the input first.
+//
+// Limits: every MPI count (elements per call, per peer, and offsets) must fit in an int;
+// larger is InvalidArgument naming the value.
+//
+// MPI lifetime. The first factory call initialises MPI with MPI_Init_thread(
+// MPI_THREAD_MULTIPLE) if nothing has yet. Who finalises:
+// - If the caller initialised MPI itself, the caller finalises it (after destroying every
+//   communicator). It must have asked for MPI_THREAD_MULTIPLE, or MPI_THREAD_SERIALIZED,
+//   in which case this backend serialises its own MPI calls with a process-wide lock and
+//   the caller must not call MPI concurrently with a live communicator. Lower levels are
+//   FailedPrecondition, because the progress thread calls MPI.
+// - If this backend initialised MPI, it finalises it at process exit (std::atexit).
+//   Destroy every communicator before returning from main.
+//
+// Thread safety: one communicator may be used by one thread at a time, like the other
+// backends; different communicators may be used from different threads.
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "collectives/communicator.h"
+
+namespace gradsum {
+
+struct MpiBackendOptions {
+  // How long an operation waits for the other ranks (after it starts executing, i.e. after
+  // the operations issued before it have finished) before DeadlineExceeded. Split
+  // communicators inherit it.
+  absl::Duration timeout = absl::Seconds(60);
+};
+
+// Returns a communicator over all processes of the job (a duplicate of MPI_COMM_WORLD).
+// Collective: every process must call it. Initialises MPI if needed (see above).
+// Errors: FailedPrecondition if MPI was finalised or initialised below
+// MPI_THREAD_SERIALIZED; InvalidArgument if options.timeout is not positive;
+// DeadlineExceeded if the other processes do not call it within options.timeout;
+// Internal with MPI's message if MPI fails.
+absl::StatusOr<std::unique_ptr<Communicator>> CreateMpiWorldCommunicator(
+    MpiBackendOptions options = {});
+
+}  // namespace gradsum
+
+#endif  // GRADSUM_COLLECTIVES_MPI_BACKEND_H_

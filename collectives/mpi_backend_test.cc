@@ -1,0 +1,511 @@
+// Tests of the mpi backend, run under mpirun at 2 and 4 processes (see BUILD).
+//
+// Every rank's input is a deterministic function of (dtype, rank, index), so every rank
+// computes every other rank's input and the expected result directly, in double
+// precision, without any communication. Inputs are chosen so that sums are exact in fp32:
+// the expected value of a reduction is then exactly "sum, round once to the dtype".
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "collectives/communicator.h"
+#include "collectives/mpi_backend.h"
+#include "core/dtype.h"
+#include "core/half.h"
+#include "gtest/gtest.h"
+
+namespace gradsum {
+namespace {
+
+// ---- Element access by dtype, in double. ----
+
+void SetElement(std::vector<unsigned char>& buf, DType t, size_t i, double v) {
+  unsigned char* p = buf.data() + i * DTypeSize(t);
+  switch (t) {
+    case DType::kF32: { float x = static_cast<float>(v); std::memcpy(p, &x, 4); break; }
+    case DType::kF64: std::memcpy(p, &v, 8); break;
+    case DType::kBF16: {
+      uint16_t b = BF16::FromFloat(static_cast<float>(v)).bits;
+      std::memcpy(p, &b, 2);
+      break;
+    }
+    case DType::kF16: {
+      uint16_t b = F16::FromFloat(static_cast<float>(v)).bits;
+      std::memcpy(p, &b, 2);
+      break;
+    }
+    case DType::kI32: { int32_t x = static_cast<int32_t>(v); std::memcpy(p, &x, 4); break; }
+    case DType::kI64: { int64_t x = static_cast<int64_t>(v); std::memcpy(p, &x, 8); break; }
+  }
+}
+
+double GetElement(const std::vector<unsigned char>& buf, DType t, size_t i) {
+  const unsigned char* p = buf.data() + i * DTypeSize(t);
+  switch (t) {
+    case DType::kF32: { float x; std::memcpy(&x, p, 4); return x; }
+    case DType::kF64: { double x; std::memcpy(&x, p, 8); return x; }
+    case DType::kBF16: { uint16_t b; std::memcpy(&b, p, 2); return BF16::FromBits(b).ToFloat(); }
+    case DType::kF16: { uint16_t b; std::memcpy(&b, p, 2); return F16::FromBits(b).ToFloat(); }
+    case DType::kI32: { int32_t x; std::memcpy(&x, p, 4); return x; }
+    case DType::kI64: { int64_t x; std::memcpy(&x, p, 8); return static_cast<double>(x); }
+  }
+  return 0;
+}
+
+// A value large enough that adding the small values below needs the accumulator's extra
+// bits: for bf16 (8 significant bits) 256 + 0.25 is not representable, so a backend that
+// rounded after every addition would differ from "sum in fp32, round once".
+double Big(DType t) {
+  switch (t) {
+    case DType::kBF16: return 256;
+    case DType::kF16: return 2048;
+    case DType::kF32: return 1 << 20;
+    case DType::kF64: return std::ldexp(1.0, 40);
+    case DType::kI32: return 1 << 20;
+    case DType::kI64: return std::ldexp(1.0, 40);  // needs 64-bit integers
+  }
+  return 0;
+}
+
+// Rank `rank`'s element `i`, before rounding to the dtype.
+double InputValue(DType t, int rank, size_t i) {
+  double v = static_cast<double>(static_cast<int>((rank * 7 + i * 13) % 17) - 8);
+  if (IsFloating(t)) v *= 0.25;
+  if (i % 11 == 0 && rank == 0) v += Big(t);
+  return v;
+}
+
+std::vector<unsigned char> MakeInput(DType t, int rank, size_t n, size_t index_base = 0) {
+  std::vector<unsigned char> buf(n * DTypeSize(t));
+  for (size_t i = 0; i < n; ++i) SetElement(buf, t, i, InputValue(t, rank, index_base + i));
+  return buf;
+}
+
+// Converts a double that is exactly representable in fp32 (all references here are) to
+// the dtype the way the backend's single rounding does.
+std::vector<unsigned char> FromDoubles(DType t, const std::vector<double>& v) {
+  std::vector<unsigned char> buf(v.size() * DTypeSize(t));
+  for (size_t i = 0; i < v.size(); ++i) SetElement(buf, t, i, v[i]);
+  return buf;
+}
+
+// Reference reduction over all ranks of element i of MakeInput(t, r, n, base).
+double ReferenceReduce(DType t, ReduceOp op, int world, size_t i) {
+  double sum = 0, max = -std::numeric_limits<double>::infinity();
+  for (int r = 0; r < world; ++r) {
+    std::vector<unsigned char> one(DTypeSize(t));
+    SetElement(one, t, 0, InputValue(t, r, i));
+    const double x = GetElement(one, t, 0);  // the rounded input
+    sum += x;
+    max = std::max(max, x);
+  }
+  switch (op) {
+    case ReduceOp::kSum: return sum;
+    case ReduceOp::kMax: return max;
+    case ReduceOp::kAvg:
+      if (IsFloating(t)) return sum / world;
+      return static_cast<double>(static_cast<int64_t>(sum) / world);  // truncates
+  }
+  return 0;
+}
+
+// Compares element-wise and reports the first difference.
+void ExpectSame(const std::vector<unsigned char>& got, const std::vector<unsigned char>& want,
+                DType t) {
+  ASSERT_EQ(got.size(), want.size());
+  const size_t n = got.size() / DTypeSize(t);
+  for (size_t i = 0; i < n; ++i) {
+    const double g = GetElement(got, t, i), w = GetElement(want, t, i);
+    if (g != w) {
+      ADD_FAILURE() << "element " << i << " of " << n << " (" << DTypeName(t) << "): got " << g
+                    << ", want " << w;
+      return;
+    }
+  }
+}
+
+constexpr ReduceOp kAllReduceOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax};
+
+class MpiBackendTest : public ::testing::Test {
+ protected:
+  void SetUp() override { comm_ = MakeWorld(absl::Seconds(10)); }
+
+  static std::unique_ptr<Communicator> MakeWorld(absl::Duration timeout) {
+    absl::StatusOr<std::unique_ptr<Communicator>> c =
+        CreateMpiWorldCommunicator({.timeout = timeout});
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+
+  std::unique_ptr<Communicator> comm_;
+};
+
+TEST_F(MpiBackendTest, WorldMatchesMpiCommWorld) {
+  ASSERT_NE(comm_, nullptr);
+  int rank = -1, size = -1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  EXPECT_EQ(comm_->rank(), rank);
+  EXPECT_EQ(comm_->size(), size);
+  EXPECT_EQ(comm_->backend(), "mpi");
+  EXPECT_EQ(comm_->timeout(), absl::Seconds(10));
+}
+
+TEST_F(MpiBackendTest, AllReduceEveryDTypeOpAndPlacement) {
+  ASSERT_NE(comm_, nullptr);
+  const int world = comm_->size();
+  const size_t n = 1031;  // odd, not a multiple of any world size
+  for (DType t : kAllDTypes) {
+    for (ReduceOp op : kAllReduceOps) {
+      std::vector<double> want(n);
+      for (size_t i = 0; i < n; ++i) want[i] = ReferenceReduce(t, op, world, i);
+      const std::vector<unsigned char> expected = FromDoubles(t, want);
+      for (bool in_place : {false, true}) {
+        SCOPED_TRACE(absl::StrCat(DTypeName(t), " ", ReduceOpName(op),
+                                  in_place ? " in place" : " out of place"));
+        std::vector<unsigned char> send = MakeInput(t, comm_->rank(), n);
+        std::vector<unsigned char> recv(send.size(), 0xAB);
+        void* out = in_place ? send.data() : recv.data();
+        ASSERT_TRUE(comm_->AllReduce(send.data(), out, n, t, op).ok());
+        ExpectSame(in_place ? send : recv, expected, t);
+        if (!in_place) ExpectSame(send, MakeInput(t, comm_->rank(), n), t);  // untouched
+      }
+    }
+  }
+}
+
+TEST_F(MpiBackendTest, AllReduceOfNothingSucceeds) {
+  ASSERT_NE(comm_, nullptr);
+  EXPECT_TRUE(comm_->AllReduce(nullptr, nullptr, 0, DType::kBF16, ReduceOp::kSum).ok());
+}
+
+// 256 + 1 + 1 + 1 in bf16: summed in fp32 and rounded once it is 259 -> 260 (nearest even);
+// rounding after each addition would give 256 every time.
+TEST_F(MpiBackendTest, Bf16SumRoundsOnce) {
+  ASSERT_NE(comm_, nullptr);
+  const int world = comm_->size();
+  BF16 mine = BF16::FromFloat(comm_->rank() == 0 ? 256.0f : 1.0f);
+  BF16 out;
+  ASSERT_TRUE(comm_->AllReduce(&mine, &out, 1, DType::kBF16, ReduceOp::kSum).ok());
+  EXPECT_EQ(out.bits, BF16::FromFloat(256.0f + static_cast<float>(world - 1)).bits)
+      << "got " << out.ToFloat();
+  if (world == 4) {
+    EXPECT_EQ(out.ToFloat(), 260.0f);
+  }
+}
+
+TEST_F(MpiBackendTest, ReduceScatterEveryDTypeOpAndPlacement) {
+  ASSERT_NE(comm_, nullptr);
+  const int world = comm_->size(), rank = comm_->rank();
+  const size_t block = 257;
+  const size_t n = block * world;
+  for (DType t : kAllDTypes) {
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+      std::vector<double> want(block);
+      for (size_t i = 0; i < block; ++i) want[i] = ReferenceReduce(t, op, world, rank * block + i);
+      const std::vector<unsigned char> expected = FromDoubles(t, want);
+      for (bool in_place : {false, true}) {
+        SCOPED_TRACE(absl::StrCat(DTypeName(t), " ", ReduceOpName(op),
+                                  in_place ? " in place" : " out of place"));
+        std::vector<unsigned char> send = MakeInput(t, rank, n);
+        std::vector<unsigned char> recv(block * DTypeSize(t), 0xCD);
+        if (in_place) {
+          ASSERT_TRUE(comm_->ReduceScatter(send.data(), send.data(), block, t, op).ok());
+          send.resize(block * DTypeSize(t));  // the result is the buffer's first block
+          ExpectSame(send, expected, t);
+        } else {
+          ASSERT_TRUE(comm_->ReduceScatter(send.data(), recv.data(), block, t, op).ok());
+          ExpectSame(recv, expected, t);
+        }
+      }
+    }
+  }
+}
+
+TEST_F(MpiBackendTest, ReduceScatterMaxIsInvalidArgument) {
+  ASSERT_NE(comm_, nullptr);
+  std::vector<float> buf(comm_->size());
+  absl::Status s = comm_->ReduceScatter(buf.data(), buf.data(), 1, DType::kF32, ReduceOp::kMax);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("max"), std::string::npos) << s;
+}
+
+TEST_F(MpiBackendTest, AllGatherEveryDTypeAndPlacement) {
+  ASSERT_NE(comm_, nullptr);
+  const int world = comm_->size(), rank = comm_->rank();
+  const size_t n = 129;
+  for (DType t : kAllDTypes) {
+    std::vector<unsigned char> expected;
+    for (int r = 0; r < world; ++r) {
+      std::vector<unsigned char> block = MakeInput(t, r, n);
+      expected.insert(expected.end(), block.begin(), block.end());
+    }
+    const size_t bytes = n * DTypeSize(t);
+    for (bool in_place : {false, true}) {
+      SCOPED_TRACE(absl::StrCat(DTypeName(t), in_place ? " in place" : " out of place"));
+      std::vector<unsigned char> mine = MakeInput(t, rank, n);
+      std::vector<unsigned char> recv(world * bytes, 0xEF);
+      const void* send = mine.data();
+      if (in_place) {
+        std::memcpy(recv.data() + rank * bytes, mine.data(), bytes);
+        send = recv.data() + rank * bytes;
+      }
+      ASSERT_TRUE(comm_->AllGather(send, recv.data(), n, t).ok());
+      ExpectSame(recv, expected, t);
+    }
+  }
+}
+
+// Elements rank `from` sends to rank `to`; zero for several pairs, including self-sends.
+size_t PairCount(int from, int to) { return static_cast<size_t>((from * 3 + to * 5) % 4); }
+
+TEST_F(MpiBackendTest, AllToAllVUnevenCountsWithZeros) {
+  ASSERT_NE(comm_, nullptr);
+  const int world = comm_->size(), rank = comm_->rank();
+  for (DType t : kAllDTypes) {
+    SCOPED_TRACE(DTypeName(t));
+    // Send blocks in peer order with a one-element gap; receive blocks in reverse peer order.
+    std::vector<size_t> send_counts(world), send_offsets(world), recv_counts(world),
+        recv_offsets(world);
+    size_t at = 0;
+    for (int p = 0; p < world; ++p) {
+      send_counts[p] = PairCount(rank, p);
+      send_offsets[p] = at;
+      at += send_counts[p] + 1;
+    }
+    std::vector<unsigned char> send(at * DTypeSize(t), 0);
+    for (int p = 0; p < world; ++p) {
+      for (size_t j = 0; j < send_counts[p]; ++j) {
+        SetElement(send, t, send_offsets[p] + j, InputValue(t, rank, 100 * p + j));
+      }
+    }
+    size_t recv_total = 0;
+    for (int p = world - 1; p >= 0; --p) {
+      recv_counts[p] = PairCount(p, rank);
+      recv_offsets[p] = recv_total;
+      recv_total += recv_counts[p];
+    }
+    std::vector<unsigned char> recv(recv_total * DTypeSize(t), 0x5A);
+    ASSERT_TRUE(comm_->AllToAllV(send.data(), send_counts, send_offsets, recv.data(),
+                                 recv_counts, recv_offsets, t)
+                    .ok());
+    std::vector<unsigned char> expected(recv.size());
+    for (int p = 0; p < world; ++p) {
+      for (size_t j = 0; j < recv_counts[p]; ++j) {
+        SetElement(expected, t, recv_offsets[p] + j, InputValue(t, p, 100 * rank + j));
+      }
+    }
+    ExpectSame(recv, expected, t);
+  }
+}
+
+TEST_F(MpiBackendTest, BroadcastFromEveryRootEveryDType) {
+  ASSERT_NE(comm_, nullptr);
+  const size_t n = 77;
+  for (DType t : kAllDTypes) {
+    for (int root = 0; root < comm_->size(); ++root) {
+      SCOPED_TRACE(absl::StrCat(DTypeName(t), " root ", root));
+      std::vector<unsigned char> buf = MakeInput(t, comm_->rank(), n);
+      ASSERT_TRUE(comm_->Broadcast(buf.data(), n, t, root).ok());
+      ExpectSame(buf, MakeInput(t, root, n), t);
+    }
+  }
+}
+
+// Rank 0 arrives late; nobody may leave the barrier before it arrives.
+TEST_F(MpiBackendTest, BarrierWaitsForEveryRank) {
+  ASSERT_NE(comm_, nullptr);
+  const absl::Duration delay = absl::Milliseconds(300);
+  const absl::Time start = absl::Now();
+  if (comm_->rank() == 0) absl::SleepFor(delay);
+  ASSERT_TRUE(comm_->Barrier().ok());
+  EXPECT_GE(absl::Now() - start, delay);
+}
+
+// Two async in-place all-reduces of one buffer: the second must see the first's result,
+// whatever order the handles are waited in.
+TEST_F(MpiBackendTest, AsyncOperationsRunInIssueOrder) {
+  ASSERT_NE(comm_, nullptr);
+  const int world = comm_->size();
+  const size_t n = 4096;
+  std::vector<double> buf(n), expected(n);
+  for (size_t i = 0; i < n; ++i) {
+    buf[i] = InputValue(DType::kF64, comm_->rank(), i);
+    expected[i] = world * ReferenceReduce(DType::kF64, ReduceOp::kSum, world, i);
+  }
+  auto first = comm_->AllReduceAsync(buf.data(), buf.data(), n, DType::kF64, ReduceOp::kSum);
+  auto second = comm_->AllReduceAsync(buf.data(), buf.data(), n, DType::kF64, ReduceOp::kSum);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE(second.ok()) << second.status();
+  ASSERT_TRUE((*second)->Wait(absl::Seconds(20)).ok());
+  EXPECT_TRUE((*first)->IsCompleted());
+  ASSERT_TRUE((*first)->Wait().ok());
+  EXPECT_EQ(buf, expected);
+}
+
+TEST_F(MpiBackendTest, SplitByParityWithReversedKeys) {
+  ASSERT_NE(comm_, nullptr);
+  const int world = comm_->size(), rank = comm_->rank();
+  absl::StatusOr<std::unique_ptr<Communicator>> child = comm_->Split(rank % 2, world - rank);
+  ASSERT_TRUE(child.ok()) << child.status();
+  ASSERT_NE(*child, nullptr);
+  std::vector<int> members;  // old ranks with my parity, ordered by key = descending rank
+  for (int r = world - 1; r >= 0; --r) {
+    if (r % 2 == rank % 2) members.push_back(r);
+  }
+  EXPECT_EQ((*child)->size(), static_cast<int>(members.size()));
+  EXPECT_EQ((*child)->rank(),
+            std::find(members.begin(), members.end(), rank) - members.begin());
+  EXPECT_EQ((*child)->timeout(), comm_->timeout());
+  int64_t mine = 1000 + rank, sum = 0;
+  ASSERT_TRUE((*child)->AllReduce(&mine, &sum, 1, DType::kI64, ReduceOp::kSum).ok());
+  int64_t want = 0;
+  for (int r : members) want += 1000 + r;
+  EXPECT_EQ(sum, want);
+  // The parent is still usable, and ordered independently of the child.
+  ASSERT_TRUE(comm_->Barrier().ok());
+}
+
+TEST_F(MpiBackendTest, SplitWithNegativeColorReturnsNull) {
+  ASSERT_NE(comm_, nullptr);
+  const int rank = comm_->rank();
+  absl::StatusOr<std::unique_ptr<Communicator>> child = comm_->Split(rank == 0 ? -1 : 7, 0);
+  ASSERT_TRUE(child.ok()) << child.status();
+  if (rank == 0) {
+    EXPECT_EQ(*child, nullptr);
+    return;
+  }
+  ASSERT_NE(*child, nullptr);
+  EXPECT_EQ((*child)->size(), comm_->size() - 1);
+  EXPECT_EQ((*child)->rank(), rank - 1);
+  ASSERT_TRUE((*child)->Barrier().ok());
+}
+
+// Expects `s` to be InvalidArgument mentioning every string in `words`.
+void ExpectInvalid(const absl::Status& s, std::initializer_list<const char*> words) {
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  for (const char* w : words) EXPECT_NE(s.message().find(w), std::string::npos) << w << ": " << s;
+}
+
+TEST_F(MpiBackendTest, DisagreementsFailEveryRankAndLeaveTheCommunicatorUsable) {
+  ASSERT_NE(comm_, nullptr);
+  const int rank = comm_->rank();
+  std::vector<double> buf(64, 1.0);
+  {
+    SCOPED_TRACE("dtype");
+    const DType t = rank == 0 ? DType::kF64 : DType::kF32;
+    ExpectInvalid(comm_->AllReduce(buf.data(), buf.data(), 8, t), {"dtype", "f32", "f64"});
+  }
+  {
+    SCOPED_TRACE("count");
+    ExpectInvalid(comm_->AllReduce(buf.data(), buf.data(), rank == 0 ? 8 : 9, DType::kF64),
+                  {"element count", "8 vs 9"});
+  }
+  {
+    SCOPED_TRACE("reduce op");
+    const ReduceOp op = rank == 0 ? ReduceOp::kMax : ReduceOp::kSum;
+    ExpectInvalid(comm_->AllReduce(buf.data(), buf.data(), 8, DType::kF64, op),
+                  {"reduce op", "sum", "max"});
+  }
+  {
+    SCOPED_TRACE("operation");
+    absl::Status s = rank == 0 ? comm_->Broadcast(buf.data(), 8, DType::kF64, 0)
+                               : comm_->AllReduce(buf.data(), buf.data(), 8, DType::kF64);
+    ExpectInvalid(s, {"operation", "all-reduce", "broadcast"});
+  }
+  {
+    SCOPED_TRACE("root");
+    ExpectInvalid(comm_->Broadcast(buf.data(), 8, DType::kF64, rank == 0 ? 1 : 0), {"root"});
+  }
+  // No data moved, and the ranks are still in step.
+  EXPECT_EQ(buf, std::vector<double>(64, 1.0));
+  double one = 1, total = 0;
+  ASSERT_TRUE(comm_->AllReduce(&one, &total, 1, DType::kF64).ok());
+  EXPECT_EQ(total, comm_->size());
+}
+
+// Rank 0 expects one more element from rank 1 than rank 1 sends.
+TEST_F(MpiBackendTest, AllToAllVCountDisagreementFailsEveryRank) {
+  ASSERT_NE(comm_, nullptr);
+  const int world = comm_->size(), rank = comm_->rank();
+  std::vector<size_t> counts(world, 2), offsets(world);
+  for (int p = 0; p < world; ++p) offsets[p] = 3 * p;
+  std::vector<size_t> recv_counts = counts;
+  if (rank == 0) recv_counts[1] = 3;
+  std::vector<float> send(3 * world, 1.0f), recv(3 * world, 0.0f);
+  absl::Status s = comm_->AllToAllV(send.data(), counts, offsets, recv.data(), recv_counts,
+                                    offsets, DType::kF32);
+  ExpectInvalid(s, {"rank 1 sends 2 elements to rank 0", "expects 3"});
+  EXPECT_EQ(recv, std::vector<float>(3 * world, 0.0f));
+  ASSERT_TRUE(comm_->Barrier().ok());
+}
+
+// Every rank passes the same bad arguments: each fails locally, nobody exchanges anything,
+// and the communicator stays in step.
+TEST_F(MpiBackendTest, BadLocalArgumentsAreInvalidArgument) {
+  ASSERT_NE(comm_, nullptr);
+  const int world = comm_->size();
+  float x = 0;
+  ExpectInvalid(comm_->AllReduce(nullptr, &x, 1, DType::kF32), {"null"});
+  ExpectInvalid(comm_->Broadcast(&x, 1, DType::kF32, world), {"root", absl::StrCat(world).c_str()});
+  ExpectInvalid(comm_->Broadcast(&x, 1, DType::kF32, -1), {"root -1"});
+  ExpectInvalid(comm_->AllReduce(&x, &x, size_t{1} << 33, DType::kF32), {"8589934592"});
+  ExpectInvalid(comm_->AllReduce(&x, &x, 1, static_cast<DType>(99)), {"99"});
+  ExpectInvalid(comm_->AllReduce(&x, &x, 1, DType::kF32, static_cast<ReduceOp>(7)), {"7"});
+  std::vector<size_t> short_counts(world + 1, 0);
+  std::vector<size_t> counts(world, 0);
+  ExpectInvalid(comm_->AllToAllV(&x, short_counts, counts, &x, counts, counts, DType::kF32),
+                {"send_counts", absl::StrCat(world + 1).c_str()});
+  ASSERT_TRUE(comm_->Barrier().ok());
+}
+
+// Rank 0 skips an all-reduce (its arguments were bad); its next call must not be paired
+// with the others' all-reduce.
+TEST_F(MpiBackendTest, SkippedOperationIsCaughtAndBreaksTheCommunicator) {
+  ASSERT_NE(comm_, nullptr);
+  float x = 1;
+  if (comm_->rank() == 0) {
+    ExpectInvalid(comm_->AllReduce(nullptr, &x, 1, DType::kF32), {"null"});
+    ExpectInvalid(comm_->AllReduce(&x, &x, 1, DType::kF32), {"sequence number"});
+  } else {
+    ExpectInvalid(comm_->AllReduce(&x, &x, 1, DType::kF32), {"sequence number"});
+  }
+  EXPECT_EQ(x, 1.0f);
+  EXPECT_EQ(comm_->Barrier().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(MpiBackendTest, AbsentRankMakesOthersFailWithDeadlineExceeded) {
+  std::unique_ptr<Communicator> comm = MakeWorld(absl::Seconds(1));
+  ASSERT_NE(comm, nullptr);
+  if (comm->rank() == comm->size() - 1) return;  // never arrives
+  float x = 1;
+  const absl::Time start = absl::Now();
+  absl::Status s = comm->AllReduce(&x, &x, 1, DType::kF32);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_GE(absl::Now() - start, absl::Seconds(1));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(8));
+  absl::Status later = comm->Barrier();
+  EXPECT_EQ(later.code(), absl::StatusCode::kFailedPrecondition) << later;
+  EXPECT_NE(later.message().find("unusable"), std::string::npos) << later;
+}
+
+TEST(MpiBackendFactoryTest, NonPositiveTimeoutIsInvalidArgument) {
+  absl::StatusOr<std::unique_ptr<Communicator>> c =
+      CreateMpiWorldCommunicator({.timeout = absl::ZeroDuration()});
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
+}
+
+}  // namespace
+}  // namespace gradsum
