@@ -38,9 +38,8 @@ absl::Status Main() {
     std::vector<absl::Status> status(config.world());
     std::vector<std::thread> threads;
     for (int r = 0; r < config.world(); ++r) {
-      threads.emplace_back([&, r] {
-        status[r] = RunRank(config, comms[r].get(), r == 0 ? &std::cout : nullptr);
-      });
+      threads.emplace_back(
+          [&, r] { status[r] = RunRank(config, comms[r].get(), r == 0 ? &std::cout : nullptr); });
     }
     for (std::thread& t : threads) t.join();
     for (int r = 0; r < config.world(); ++r) {

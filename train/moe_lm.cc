@@ -64,9 +64,9 @@ absl::StatusOr<std::unique_ptr<MoeLm>> MoeLm::Create(const MoeLmOptions& options
   const ModelConfig& m = options.model;
   const int P = groups.ep_group->size();
   if (P * groups.edp_group->size() != groups.world->size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "mesh: ep_group size ", P, " * edp_group size ", groups.edp_group->size(),
-        " != world size ", groups.world->size()));
+    return absl::InvalidArgumentError(absl::StrCat("mesh: ep_group size ", P, " * edp_group size ",
+                                                   groups.edp_group->size(), " != world size ",
+                                                   groups.world->size()));
   }
   for (const auto& [name, v] : {std::pair<const char*, int>{"vocab", m.vocab()},
                                 {"dim", m.dim()},
@@ -74,16 +74,16 @@ absl::StatusOr<std::unique_ptr<MoeLm>> MoeLm::Create(const MoeLmOptions& options
                                 {"experts", m.experts()},
                                 {"top_k", m.top_k()},
                                 {"expert_dim", m.expert_dim()}}) {
-    if (v <= 0) return absl::InvalidArgumentError(absl::StrCat("model.", name, "=", v, ": must be > 0"));
+    if (v <= 0)
+      return absl::InvalidArgumentError(absl::StrCat("model.", name, "=", v, ": must be > 0"));
   }
   if (m.top_k() > m.experts()) {
     return absl::InvalidArgumentError(
         absl::StrCat("model.top_k=", m.top_k(), ": exceeds model.experts=", m.experts()));
   }
   if (m.experts() % P != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("model.experts=", m.experts(),
-                                                   " is not divisible by ep=", P,
-                                                   " (SEMANTICS.md §7)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model.experts=", m.experts(), " is not divisible by ep=", P, " (SEMANTICS.md §7)"));
   }
   auto model = std::unique_ptr<MoeLm>(new MoeLm());
   model->options_ = options;
@@ -116,8 +116,8 @@ absl::StatusOr<std::unique_ptr<MoeLm>> MoeLm::Create(const MoeLmOptions& options
     for (const char* kind : {"wg", "wu", "wd"}) {
       for (int j = 0; j < local; ++j) {
         const bool down = std::string(kind) == "wd";
-        specs.push_back({ExpertName(l, first + j, kind), down ? std::vector<int64_t>{H, D}
-                                                              : std::vector<int64_t>{D, H}});
+        specs.push_back({ExpertName(l, first + j, kind),
+                         down ? std::vector<int64_t>{H, D} : std::vector<int64_t>{D, H}});
       }
     }
     GRADSUM_ASSIGN_OR_RETURN(
@@ -308,20 +308,21 @@ absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
   for (int l = L - 1; l >= 0; --l) {
     moe::RouterOutput& route = layer_state_[l].route;
     std::fill(du.begin(), du.end(), 0.0f);
-    GRADSUM_ASSIGN_OR_RETURN(TensorView u, TensorView::Create(route.logits.data(), DType::kF32,
-                                                              {T, E}));
+    GRADSUM_ASSIGN_OR_RETURN(TensorView u,
+                             TensorView::Create(route.logits.data(), DType::kF32, {T, E}));
     GRADSUM_ASSIGN_OR_RETURN(TensorView du_view,
                              TensorView::Create(du.data(), DType::kF32, {T, E}));
-    GRADSUM_ASSIGN_OR_RETURN(double z, losses::RouterZLossForwardBackward(
-                                           u, mask, stats.global_routed_tokens,
-                                           options_.alpha_z, du_view));
+    GRADSUM_ASSIGN_OR_RETURN(double z,
+                             losses::RouterZLossForwardBackward(u, mask, stats.global_routed_tokens,
+                                                                options_.alpha_z, du_view));
     GRADSUM_ASSIGN_OR_RETURN(absl::Span<const int64_t> global_counts, counts[l].Wait());
     GRADSUM_ASSIGN_OR_RETURN(double bal, losses::LoadBalancingLossForwardBackward(
                                              u, mask, global_counts, K, stats.num_micro_batches,
                                              options_.alpha_b, du_view));
     result.z += z;
     result.bal += bal;
-    if (display != nullptr) GRADSUM_RETURN_IF_ERROR(display->AddGlobalExpertCounts(l, global_counts));
+    if (display != nullptr)
+      GRADSUM_RETURN_IF_ERROR(display->AddGlobalExpertCounts(l, global_counts));
 
     std::fill(da.begin(), da.end(), 0.0f);
     FlatParam* g = experts_[l].get();
@@ -382,8 +383,8 @@ absl::StatusOr<NamedParams> MoeLm::GatherFull(bool grads) {
                 all.begin() + offset.at(e.name));
     }
   }
-  GRADSUM_RETURN_IF_ERROR(comm_.world->AllReduce(all.data(), all.data(), all.size(), DType::kF32,
-                                                 ReduceOp::kSum));
+  GRADSUM_RETURN_IF_ERROR(
+      comm_.world->AllReduce(all.data(), all.data(), all.size(), DType::kF32, ReduceOp::kSum));
   NamedParams out;
   for (const auto& [name, shape] : shapes) {
     out[name].assign(all.begin() + offset.at(name),

@@ -20,8 +20,9 @@
 //   GRADSUM_RETURN_IF_ERROR(model->SetFullParameters(MoeLm::InitialParameters(config, seed)));
 //   GRADSUM_RETURN_IF_ERROR(model->Unshard());
 //   for (int m = 0; m < G; ++m) {
-//     GRADSUM_ASSIGN_OR_RETURN(MicroBatchLosses l, model->ForwardBackward(batch[m], stats, &display));
-//     for (FlatParam* g : model->groups()) GRADSUM_RETURN_IF_ERROR(g->ReduceGrad(m == G - 1));
+//     GRADSUM_ASSIGN_OR_RETURN(MicroBatchLosses l, model->ForwardBackward(batch[m], stats,
+//     &display)); for (FlatParam* g : model->groups()) GRADSUM_RETURN_IF_ERROR(g->ReduceGrad(m == G
+//     - 1));
 //   }
 //
 // Thread safety: one MoeLm per rank, used by that rank's thread.

@@ -17,8 +17,8 @@ std::string ParityReport::ToString() const {
                           p.norm_ratio, p.max_rel_err);
   }
   for (const LossParity& l : losses) {
-    absl::StrAppendFormat(&out, "parity loss %-5s %.10g vs reference %.10g  rel_err %.3e\n",
-                          l.name, l.value, l.reference, l.rel_err);
+    absl::StrAppendFormat(&out, "parity loss %-5s %.10g vs reference %.10g  rel_err %.3e\n", l.name,
+                          l.value, l.reference, l.rel_err);
   }
   absl::StrAppendFormat(&out, "parity %s: worst error %.3e, tolerance %.1e\n",
                         ok ? "PASSED" : "FAILED", worst, tolerance);
@@ -27,8 +27,7 @@ std::string ParityReport::ToString() const {
 
 absl::StatusOr<std::vector<std::vector<MicroBatch>>> GlobalBatchForStep(const TrainConfig& config,
                                                                         int64_t step_index) {
-  GRADSUM_ASSIGN_OR_RETURN(std::shared_ptr<const DocumentSource> corpus,
-                           MakeCorpus(config.data()));
+  GRADSUM_ASSIGN_OR_RETURN(std::shared_ptr<const DocumentSource> corpus, MakeCorpus(config.data()));
   const int G = config.grad_acc(), W = config.world();
   std::vector<std::vector<MicroBatch>> batch(G, std::vector<MicroBatch>(W));
   for (int r = 0; r < W; ++r) {

@@ -54,8 +54,8 @@ std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
 // (F, P, G, sharding): every mesh of the issue, G in {1, 2, 3}, both modes.
 std::vector<Case> AllCases() {
   std::vector<Case> cases;
-  for (const auto& [F, P] : std::vector<std::pair<int, int>>{{1, 1}, {2, 1}, {1, 2}, {2, 2},
-                                                             {4, 2}, {2, 4}}) {
+  for (const auto& [F, P] :
+       std::vector<std::pair<int, int>>{{1, 1}, {2, 1}, {1, 2}, {2, 2}, {4, 2}, {2, 4}}) {
     for (int G : {1, 2, 3}) {
       for (const char* sharding : {"fsdp", "replicated"}) cases.push_back({F, P, G, sharding});
     }

@@ -11,24 +11,16 @@ namespace gradsum::train {
 
 absl::StatusOr<RankMesh> MakeRankMesh(Communicator* world, int ep) {
   if (world == nullptr) return absl::InvalidArgumentError("null world communicator");
-  if (ep < 1 || world->size() % ep != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ep=", ep, ": must divide the world size ", world->size()));
-  }
   RankMesh mesh;
   mesh.timer = std::make_shared<CommTimer>();
   mesh.world = std::make_unique<TimedCommunicator>(world, mesh.timer);
-  // Row-major mesh (SEMANTICS.md §1): rank = f * P + p.
-  const int f = world->rank() / ep, p = world->rank() % ep;
-  GRADSUM_ASSIGN_OR_RETURN(mesh.ep_group, mesh.world->Split(/*color=*/f, /*key=*/p));
-  GRADSUM_ASSIGN_OR_RETURN(mesh.edp_group, mesh.world->Split(/*color=*/p, /*key=*/f));
+  GRADSUM_ASSIGN_OR_RETURN(mesh.mesh, Mesh::Create(mesh.world.get(), ep));
   return mesh;
 }
 
 absl::Status RunRank(const TrainConfig& config, Communicator* world, std::ostream* log) {
   GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(world, config.ep()));
-  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
-                           Trainer::Create(config, mesh.comms()));
+  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(config, mesh.comms()));
   return trainer->Run(log).status();
 }
 
@@ -47,10 +39,10 @@ void PrintBanner(const TrainConfig& config, std::ostream& out) {
       m.vocab(), m.dim(), m.layers(), m.experts(), m.top_k(), m.expert_dim(), params,
       config.world() / config.ep(), config.ep(), config.grad_acc(), config.sharding(),
       config.backend());
-  out << absl::StrFormat("data: %d x %d tokens per rank and micro-batch, %s\n",
-                         config.data().micro_batch(), config.data().seq_len(),
-                         config.data().path().empty() ? "embedded Markov corpus"
-                                                      : config.data().path());
+  out << absl::StrFormat(
+      "data: %d x %d tokens per rank and micro-batch, %s\n", config.data().micro_batch(),
+      config.data().seq_len(),
+      config.data().path().empty() ? "embedded Markov corpus" : config.data().path());
   if (config.data().path().empty()) {
     MarkovCorpus corpus(config.data());
     out << absl::StrFormat(

@@ -13,23 +13,23 @@
 
 #include "absl/status/statusor.h"
 #include "collectives/communicator.h"
+#include "collectives/mesh.h"
 #include "train/config.pb.h"
 #include "train/timed_communicator.h"
 #include "train/trainer.h"
 
 namespace gradsum::train {
 
-// A rank's communicators: the timed world and its EP / EDP sub-groups.
+// A rank's communicators: the timed world and its (F, P) mesh (collectives/mesh.h).
 struct RankMesh {
   std::unique_ptr<TimedCommunicator> world;
-  std::unique_ptr<Communicator> ep_group;   // ranks f*P .. f*P+P-1, ordered by p
-  std::unique_ptr<Communicator> edp_group;  // ranks p, P+p, ..., ordered by f
+  std::unique_ptr<Mesh> mesh;  // over `world`, so the EP and EDP groups are timed too
   std::shared_ptr<CommTimer> timer;
-  RankComms comms() const { return {world.get(), ep_group.get(), edp_group.get(), timer}; }
+  RankComms comms() const { return {&mesh->world(), &mesh->ep_group(), &mesh->edp_group(), timer}; }
 };
 
-// Splits `world` (not owned; must outlive the mesh) with EP size `ep`. Collective.
-// InvalidArgument unless ep >= 1 divides world->size().
+// Wraps `world` (not owned; must outlive the result) in a timer and builds the mesh with
+// EP size `ep`. Collective. InvalidArgument unless ep >= 1 divides world->size().
 absl::StatusOr<RankMesh> MakeRankMesh(Communicator* world, int ep);
 
 // Builds the mesh and the Trainer and runs config.steps steps. Collective over `world`.

@@ -36,22 +36,22 @@ absl::StatusOr<std::vector<RankOutcome>> RunInProcess(const TrainConfig& config)
   std::vector<RankOutcome> outcomes(config.world());
   ThreadBackendOptions options;
   options.timeout = absl::Seconds(config.timeout_s());
-  GRADSUM_ASSIGN_OR_RETURN(
-      std::vector<absl::Status> status,
-      testing::RunRanksPerRank(
-          config.world(),
-          [&](Communicator& world) -> absl::Status {
-            RankOutcome& out = outcomes[world.rank()];
-            GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(&world, config.ep()));
-            GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
-                                     Trainer::Create(config, mesh.comms()));
-            absl::Status s = trainer->Run(nullptr).status();
-            out.history = trainer->history();
-            out.first_step_grads = trainer->first_step_grads();
-            out.parity = trainer->parity();
-            return s;
-          },
-          options));
+  GRADSUM_ASSIGN_OR_RETURN(std::vector<absl::Status> status,
+                           testing::RunRanksPerRank(
+                               config.world(),
+                               [&](Communicator& world) -> absl::Status {
+                                 RankOutcome& out = outcomes[world.rank()];
+                                 GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh,
+                                                          MakeRankMesh(&world, config.ep()));
+                                 GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
+                                                          Trainer::Create(config, mesh.comms()));
+                                 absl::Status s = trainer->Run(nullptr).status();
+                                 out.history = trainer->history();
+                                 out.first_step_grads = trainer->first_step_grads();
+                                 out.parity = trainer->parity();
+                                 return s;
+                               },
+                               options));
   for (size_t r = 0; r < status.size(); ++r) outcomes[r].status = status[r];
   return outcomes;
 }

@@ -55,13 +55,10 @@ class TimedCommunicator : public Communicator {
                                                            ReduceOp op) override;
   absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const void* send, void* recv,
                                                        size_t send_count, DType dtype) override;
-  absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(const void* send,
-                                                       absl::Span<const size_t> send_counts,
-                                                       absl::Span<const size_t> send_offsets,
-                                                       void* recv,
-                                                       absl::Span<const size_t> recv_counts,
-                                                       absl::Span<const size_t> recv_offsets,
-                                                       DType dtype) override;
+  absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(
+      const void* send, absl::Span<const size_t> send_counts, absl::Span<const size_t> send_offsets,
+      void* recv, absl::Span<const size_t> recv_counts, absl::Span<const size_t> recv_offsets,
+      DType dtype) override;
   absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(void* buf, size_t count, DType dtype,
                                                        int root) override;
   absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override;

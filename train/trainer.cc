@@ -75,8 +75,8 @@ std::string TrainSummary::ToString() const {
       first_step, last_step, seconds, HumanRate(tokens_per_second),
       seconds > 0 ? 100 * comm_seconds / seconds : 0.0,
       seconds > 0 ? 100 * wait_seconds / seconds : 0.0);
-  absl::StrAppendFormat(&out, "summary: ce %.4f -> %.4f (mean of the last steps %.4f)\n",
-                        first_ce, last_ce, tail_mean_ce);
+  absl::StrAppendFormat(&out, "summary: ce %.4f -> %.4f (mean of the last steps %.4f)\n", first_ce,
+                        last_ce, tail_mean_ce);
   if (entropy_floor > 0) {
     absl::StrAppendFormat(&out,
                           "summary: entropy floor %.4f nats/token; ce / floor = %.3f (%s 1.10)\n",
@@ -140,8 +140,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   options.num_threads = config.backend() == "thread" ? std::max(1, cores / config.world()) : 1;
   GRADSUM_ASSIGN_OR_RETURN(trainer->model_,
                            MoeLm::Create(options, {comms.world, comms.ep_group, comms.edp_group}));
-  GRADSUM_RETURN_IF_ERROR(trainer->model_->SetFullParameters(
-      MoeLm::InitialParameters(config.model(), config.seed())));
+  GRADSUM_RETURN_IF_ERROR(
+      trainer->model_->SetFullParameters(MoeLm::InitialParameters(config.model(), config.seed())));
   AdamWOptions adam;
   adam.lr = config.optim().lr();
   adam.beta1 = config.optim().beta1();
@@ -187,8 +187,8 @@ absl::Status Trainer::Resume() {
 }
 
 absl::Status Trainer::SaveCheckpointNow() {
-  return SaveCheckpoint(CheckpointPath(config_.checkpoint_dir(), step_), *comms_.world,
-                        *optimizer_, {{"config", ConfigToShortText(config_)}});
+  return SaveCheckpoint(CheckpointPath(config_.checkpoint_dir(), step_), *comms_.world, *optimizer_,
+                        {{"config", ConfigToShortText(config_)}});
 }
 
 absl::StatusOr<StepRecord> Trainer::Step() {
@@ -280,11 +280,12 @@ absl::StatusOr<StepRecord> Trainer::Step() {
     if (is_rank0()) {
       const bool f32 = config_.compute_dtype() == "f32" && config_.reduce_dtype() == "f32";
       // bf16 rounds parameters or gradients to 8 bits of mantissa: a looser bar.
-      const double tol = f32 ? config_.parity_tolerance() : std::max(config_.parity_tolerance(), 2e-2);
+      const double tol =
+          f32 ? config_.parity_tolerance() : std::max(config_.parity_tolerance(), 2e-2);
       GRADSUM_ASSIGN_OR_RETURN(auto global_batch, GlobalBatchForStep(config_, 0));
-      GRADSUM_ASSIGN_OR_RETURN(ParityReport report,
-                               CheckParity(config_, weights, global_batch, *first_step_grads_,
-                                           {r.ce, r.z, r.bal}, tol));
+      GRADSUM_ASSIGN_OR_RETURN(
+          ParityReport report,
+          CheckParity(config_, weights, global_batch, *first_step_grads_, {r.ce, r.z, r.bal}, tol));
       ok = report.ok ? 1 : 0;
       parity_ = std::move(report);
     }
@@ -319,17 +320,17 @@ absl::Status Trainer::WriteDump(const NamedParams& weights, const NamedParams& g
     for (auto& [name, v] : {std::pair<const char*, std::vector<int64_t>*>{"tokens", &tok},
                             {"labels", &lab},
                             {"mask", &msk}}) {
-      GRADSUM_ASSIGN_OR_RETURN(TensorView view, TensorView::Create(v->data(), DType::kI64,
-                                                                   {mb.batch, mb.seq_len}));
+      GRADSUM_ASSIGN_OR_RETURN(TensorView view,
+                               TensorView::Create(v->data(), DType::kI64, {mb.batch, mb.seq_len}));
       GRADSUM_RETURN_IF_ERROR(w.Add(name, view));
     }
-    GRADSUM_RETURN_IF_ERROR(w.WriteFile(
-        absl::StrCat(dir, "/batch.r", comms_.world->rank(), ".m", m, ".safetensors")));
+    GRADSUM_RETURN_IF_ERROR(
+        w.WriteFile(absl::StrCat(dir, "/batch.r", comms_.world->rank(), ".m", m, ".safetensors")));
   }
   if (!is_rank0()) return absl::OkStatus();
-  for (const auto& [file, tensors] : {std::pair<const char*, const NamedParams*>{
-                                          "weights.safetensors", &weights},
-                                      {"grads.safetensors", &grads}}) {
+  for (const auto& [file, tensors] :
+       {std::pair<const char*, const NamedParams*>{"weights.safetensors", &weights},
+        {"grads.safetensors", &grads}}) {
     SafetensorsWriter w;
     for (const auto& [name, shape] : MoeLmParamShapes(config_.model())) {
       GRADSUM_ASSIGN_OR_RETURN(
@@ -366,7 +367,6 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
       return absl::InternalError(absl::StrCat("--metrics=", config_.metrics(), ": cannot open"));
     }
   }
-  const absl::Time start = absl::Now();
   double ce_tail_sum = 0;
   std::vector<double> ces;
   while (step_ < config_.steps()) {
@@ -376,6 +376,7 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
     if (r.step == summary.first_step) summary.first_ce = r.ce;
     summary.last_step = r.step;
     summary.last_ce = r.ce;
+    summary.seconds += r.step_seconds;  // steps only: no parity, dump or checkpoint time
     summary.comm_seconds += r.comm_seconds;
     summary.wait_seconds += r.wait_seconds;
     ces.push_back(r.ce);
@@ -388,7 +389,6 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
       }
     }
   }
-  summary.seconds = absl::ToDoubleSeconds(absl::Now() - start);
   const size_t tail = std::min<size_t>(10, ces.size());
   for (size_t i = ces.size() - tail; i < ces.size(); ++i) ce_tail_sum += ces[i];
   summary.tail_mean_ce = tail > 0 ? ce_tail_sum / tail : 0;

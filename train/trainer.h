@@ -64,8 +64,8 @@ struct StepRecord {
 struct TrainSummary {
   int64_t first_step = 0, last_step = 0;  // 1-based, inclusive; first > last if none ran
   double first_ce = 0, last_ce = 0;
-  double tail_mean_ce = 0;               // mean CE of the last min(10, steps) steps
-  double entropy_floor = -1;             // nats/token, < 0 when unknown (a --data file)
+  double tail_mean_ce = 0;    // mean CE of the last min(10, steps) steps
+  double entropy_floor = -1;  // nats/token, < 0 when unknown (a --data file)
   double seconds = 0, comm_seconds = 0, wait_seconds = 0;
   double tokens_per_second = 0;
   std::optional<ParityReport> parity;
