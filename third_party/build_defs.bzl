@@ -29,33 +29,42 @@ def _cuda_compatible():
         "//conditions:default": ["@platforms//:incompatible"],
     })
 
-def cuda_library(name, srcs, hdrs = [], deps = [], cu_hdrs = [], copts = [], visibility = None):
+def cuda_library(name, srcs, hdrs = [], deps = [], cu_hdrs = [], copts = [], visibility = None, testonly = False):
     """A cc_library whose .cu sources are compiled by nvcc for sm_90.
 
     Only built under --config=cuda; elsewhere the target is incompatible and skipped by
     `bazel build //...`. Every header a .cu file includes from this repo must be in
     `hdrs` or `cu_hdrs` (files or filegroups): nvcc runs in a sandbox of declared inputs.
+    Sources that do not end in `.cu` (host `.cc` files, e.g. argument checking and
+    absl::Status wrappers) go to the host C++ compiler unchanged, with `deps` visible.
+    `copts` are passed to nvcc only.
     """
     objs = []
+    host_srcs = []
     for src in srcs:
-        obj = name + "_" + src.replace("/", "_").replace(".cu", ".o")
+        if not src.endswith(".cu"):
+            host_srcs.append(src)
+            continue
+        obj = name + "_" + src.replace("/", "_")[:-len(".cu")] + ".o"
         native.genrule(
             name = obj + "_nvcc",
             srcs = [src] + hdrs + cu_hdrs,
             outs = [obj],
-            cmd = (CUDA_ROOT + "/bin/nvcc -std=c++17 -O3 -arch=sm_90 " +
+            cmd = (CUDA_ROOT + "/bin/nvcc -std=c++17 -O3 -arch=sm_90 -lineinfo " +
                    "-Xcompiler -fPIC -I. -I$(GENDIR) -Iexternal/gradsum " +
                    "%s -c $(location %s) -o $@") % (" ".join(copts), src),
             tags = ["manual"],
+            testonly = testonly,
             target_compatible_with = _cuda_compatible(),
         )
         objs.append(obj)
     native.cc_library(
         name = name,
-        srcs = objs,
+        srcs = objs + host_srcs,
         hdrs = hdrs,
         deps = deps + ["//third_party:cuda"],
         visibility = visibility,
+        testonly = testonly,
         target_compatible_with = _cuda_compatible(),
         linkstatic = 1,
     )

@@ -1,0 +1,93 @@
+#ifndef GRADSUM_LOSSES_CROSS_ENTROPY_H_
+#define GRADSUM_LOSSES_CROSS_ENTROPY_H_
+
+// Fused cross-entropy forward + backward on the CPU (SEMANTICS.md §3).
+//
+// One call computes this rank's local component of the token-mean cross-entropy of one
+// micro-batch,
+//
+//   L_ce[r, m] = sum over rows t of  w_t * (logsumexp(z_t) - z_t[y_t]) / D,
+//
+// and its gradient with respect to the logits, dL/dz_t = (w_t / D) * (softmax(z_t) - onehot(y_t)).
+// `D` is the GLOBAL weight sum of the step (StepStats::global_ce_weight_sum, one SUM
+// all-reduce over all ranks and micro-batches), a detached constant. Each rank
+// back-propagates only its own component; summed over ranks and micro-batches they give
+// the global loss and, after a SUM gradient reduction, its exact gradient (SEMANTICS.md §2).
+//
+//   std::vector<float> logits(n * v), grad(n * v);
+//   TensorView z = *TensorView::Create(logits.data(), DType::kF32, {n, v});
+//   TensorView dz = *TensorView::Create(grad.data(), DType::kF32, {n, v});
+//   absl::StatusOr<CrossEntropyResult> r = CrossEntropyForwardBackward(
+//       z, labels, /*token_weights=*/{}, stats.global_ce_weight_sum, dz);
+//   // In place (dz aliases z; the logits are overwritten by their gradient):
+//   r = CrossEntropyForwardBackward(z, labels, {}, stats.global_ce_weight_sum, z);
+//
+// Implementation: rows are split into blocks over `num_threads` threads. Each row is read
+// from memory once to get max and sum(exp) together (an online logsumexp over L1-sized
+// tiles: a tile's max, then the running sum rescaled once per tile), and once more to write
+// the gradient. All arithmetic is fp32 (exp, softmax) with per-row sums and the loss in
+// fp64, whatever the logits dtype (f32 or bf16). Results do not depend on the thread count.
+
+#include <cstdint>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "core/tensor.h"
+
+namespace gradsum::losses {
+
+struct CrossEntropyOptions {
+  // Labels equal to this are not valid: weight 0, zero gradient, rows never read.
+  int64_t ignore_index = -100;
+  // Threads used for the row blocks (the caller's thread included). <= 1: single-threaded.
+  int num_threads = 2;
+};
+
+struct CrossEntropyResult {
+  // sum_t w_t * CE_t / D over this call's rows: the local component L_ce[r, m] (§3).
+  double local_loss = 0.0;
+  // sum_t w_t * CE_t over this call's rows, undivided (for display or debugging).
+  double local_weighted_ce_sum = 0.0;
+  // sum_t w_t over the rows with a valid label: this call's share of D.
+  double local_weight_sum = 0.0;
+  // Rows whose label is not ignore_index.
+  int64_t local_valid_tokens = 0;
+};
+
+// Computes the local CE component and writes dL/dlogits into `grad_logits`.
+//
+// logits:            [N, V] f32 or bf16 on the CPU, V >= 1.
+// labels:            N labels; ignore_index or a class in [0, V).
+// token_weights:     N weights w_t >= 0 (finite), or empty for token mode (w_t = 1 for
+//                    valid rows). Rows with label == ignore_index have weight 0 whatever
+//                    is given. ComputeTokenWeights() (token_weights.h) makes sample and
+//                    square mode weights.
+// global_weight_sum: D, finite and >= 0. D == 0 (every label of the step ignored) gives
+//                    loss 0 and an exactly zero gradient, never NaN.
+// grad_logits:       [N, V], same dtype as logits; may be the same memory as `logits`
+//                    (in place). Fully overwritten on success: rows of weight 0 get zeros.
+//
+// Errors (nothing is written for the first four, which are checked before any work):
+// - InvalidArgument: bad shapes or dtypes; a label outside [0, V) that is not
+//   ignore_index (the message names the row and label); a negative or non-finite weight
+//   or D.
+// - FailedPrecondition: D smaller than this call's own weight sum (D must be the global
+//   sum over ranks and micro-batches, not a local one).
+// - InvalidArgument naming the first offending row: a row of non-zero weight that contains
+//   NaN or +inf, is all -inf, or whose target logit is -inf (the loss would be NaN or
+//   infinite). `grad_logits` is then partly written and must not be used.
+absl::StatusOr<CrossEntropyResult> CrossEntropyForwardBackward(
+    const TensorView& logits, absl::Span<const int64_t> labels,
+    absl::Span<const float> token_weights, double global_weight_sum,
+    const TensorView& grad_logits, const CrossEntropyOptions& options = {});
+
+// Forward only (no gradient written; `logits` is only read). Same checks and result.
+absl::StatusOr<CrossEntropyResult> CrossEntropyForward(const TensorView& logits,
+                                                       absl::Span<const int64_t> labels,
+                                                       absl::Span<const float> token_weights,
+                                                       double global_weight_sum,
+                                                       const CrossEntropyOptions& options = {});
+
+}  // namespace gradsum::losses
+
+#endif  // GRADSUM_LOSSES_CROSS_ENTROPY_H_

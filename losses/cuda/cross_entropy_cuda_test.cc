@@ -1,0 +1,394 @@
+// Compares the CUDA cross-entropy with a straightforward double-precision CPU reference of
+// SEMANTICS.md §3 (written here, independent of both implementations). Skips without a GPU.
+#include "losses/cuda/cross_entropy_cuda.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "core/cuda/device_buffer.h"
+#include "core/half.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "testing/gpu_test_util.h"
+
+namespace gradsum::losses {
+namespace {
+
+using cuda::DeviceBuffer;
+using ::testing::HasSubstr;
+
+// Reference: loss and gradient in double from the (already dtype-rounded) logits.
+struct Reference {
+  double loss = 0;
+  double weight_sum = 0;
+  std::vector<double> grad;
+};
+
+Reference ReferenceCe(const std::vector<float>& z, int64_t rows, int64_t vocab,
+                      const std::vector<int64_t>& labels, const std::vector<float>& weights,
+                      double D, double grad_scale) {
+  Reference r;
+  r.grad.assign(rows * vocab, 0.0);
+  for (int64_t t = 0; t < rows; ++t) {
+    if (labels[t] == -100) continue;
+    const double w = weights.empty() ? 1.0 : weights[t];
+    r.weight_sum += w;
+    if (D == 0 || w == 0) continue;
+    double mx = -INFINITY;
+    for (int64_t j = 0; j < vocab; ++j) mx = std::max(mx, static_cast<double>(z[t * vocab + j]));
+    double s = 0;
+    for (int64_t j = 0; j < vocab; ++j) s += std::exp(z[t * vocab + j] - mx);
+    const double lse = mx + std::log(s);
+    r.loss += w * (lse - z[t * vocab + labels[t]]) / D;
+    for (int64_t j = 0; j < vocab; ++j) {
+      const double p = std::exp(z[t * vocab + j] - lse);
+      r.grad[t * vocab + j] = grad_scale * w / D * (p - (j == labels[t] ? 1.0 : 0.0));
+    }
+  }
+  return r;
+}
+
+std::vector<float> RandomLogits(int64_t n, uint32_t seed, float scale = 3.0f) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<float> z(n);
+  for (auto& v : z) v = dist(gen);
+  return z;
+}
+
+std::vector<uint16_t> ToBf16Bits(std::vector<float>& z) {  // rounds z in place
+  std::vector<uint16_t> bits(z.size());
+  for (size_t i = 0; i < z.size(); ++i) {
+    bits[i] = BF16::FromFloat(z[i]).bits;
+    z[i] = BF16::FromBits(bits[i]).ToFloat();
+  }
+  return bits;
+}
+
+std::vector<int64_t> RandomLabels(int64_t rows, int64_t vocab, uint32_t seed, double ignore_frac) {
+  std::mt19937 gen(seed);
+  std::uniform_int_distribution<int64_t> cls(0, vocab - 1);
+  std::uniform_real_distribution<double> u(0, 1);
+  std::vector<int64_t> y(rows);
+  for (auto& v : y) v = u(gen) < ignore_frac ? -100 : cls(gen);
+  return y;
+}
+
+// Device buffers for one CE call.
+struct Bufs {
+  DeviceBuffer logits, grad, labels, weights, d, loss, wsum, token_loss;
+};
+
+// Runs CE on device copies of the inputs (f32 or bf16) and returns the gradient as double.
+struct CeRun {
+  absl::Status status;
+  double loss = 0, weight_sum = 0;
+  std::vector<double> grad;
+  std::vector<float> token_loss;
+};
+
+CeRun RunCe(DType dtype, const std::vector<float>& z_rounded, int64_t rows, int64_t vocab,
+          const std::vector<int64_t>& labels, const std::vector<float>& weights, double D,
+          bool in_place, float grad_scale = 1.0f) {
+  CeRun out;
+  std::vector<float> zf = z_rounded;
+  std::vector<uint16_t> zb;
+  if (dtype == DType::kBF16) zb = ToBf16Bits(zf);
+  Bufs b;
+  b.logits = dtype == DType::kBF16 ? *DeviceBuffer::FromHost(zb) : *DeviceBuffer::FromHost(zf);
+  if (!in_place) {
+    b.grad = *DeviceBuffer::Create(b.logits.size());
+    EXPECT_TRUE(b.grad.Fill(0xff).ok());  // NaN garbage: every element must be overwritten
+  }
+  b.labels = *DeviceBuffer::FromHost(labels);
+  if (!weights.empty()) b.weights = *DeviceBuffer::FromHost(weights);
+  b.d = *DeviceBuffer::FromHost(std::vector<double>{D});
+  b.loss = *DeviceBuffer::FromHost(std::vector<double>{12345.0});
+  b.wsum = *DeviceBuffer::FromHost(std::vector<double>{-1.0});
+  b.token_loss = *DeviceBuffer::Create(sizeof(float) * std::max<int64_t>(rows, 1));
+
+  CrossEntropyCudaArgs a;
+  a.logits = b.logits.get();
+  a.dtype = dtype;
+  a.rows = rows;
+  a.vocab = vocab;
+  a.labels = b.labels.as<int64_t>();
+  a.token_weights = weights.empty() ? nullptr : b.weights.as<float>();
+  a.global_weight_sum = b.d.as<double>();
+  a.grad_logits = in_place ? b.logits.get() : b.grad.get();
+  a.grad_scale = grad_scale;
+  a.loss = b.loss.as<double>();
+  a.local_weight_sum = b.wsum.as<double>();
+  a.token_loss = b.token_loss.as<float>();
+  out.status = CrossEntropyCuda(a, nullptr);
+  if (!out.status.ok()) return out;
+  out.loss = (*b.loss.ToHost<double>())[0];
+  out.weight_sum = (*b.wsum.ToHost<double>())[0];
+  out.token_loss = *b.token_loss.ToHost<float>();
+  const DeviceBuffer& g = in_place ? b.logits : b.grad;
+  if (dtype == DType::kBF16) {
+    for (uint16_t bits : *g.ToHost<uint16_t>()) out.grad.push_back(BF16::FromBits(bits).ToFloat());
+  } else {
+    for (float v : *g.ToHost<float>()) out.grad.push_back(v);
+  }
+  return out;
+}
+
+// |got - want| <= atol + rtol * |want| element-wise, reporting the first mismatch.
+void ExpectGradNear(const std::vector<double>& got, const std::vector<double>& want, double atol,
+                    double rtol) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_LE(std::abs(got[i] - want[i]), atol + rtol * std::abs(want[i]))
+        << "element " << i << ": got " << got[i] << " want " << want[i];
+  }
+}
+
+TEST(CrossEntropyCuda, F32MatchesReferenceWithIgnoredLabels) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  const int64_t rows = 37, vocab = 1000;
+  std::vector<float> z = RandomLogits(rows * vocab, 1);
+  std::vector<int64_t> y = RandomLabels(rows, vocab, 2, 0.25);
+  const double D = 100;  // other ranks' tokens count too
+  Reference ref = ReferenceCe(z, rows, vocab, y, {}, D, 1.0);
+  CeRun run = RunCe(DType::kF32, z, rows, vocab, y, {}, D, /*in_place=*/false);
+  ASSERT_TRUE(run.status.ok()) << run.status;
+  EXPECT_NEAR(run.loss, ref.loss, 1e-5 * std::abs(ref.loss));
+  EXPECT_EQ(run.weight_sum, ref.weight_sum);
+  ExpectGradNear(run.grad, ref.grad, 1e-8, 1e-4);
+  for (int64_t t = 0; t < rows; ++t) {
+    if (y[t] == -100) {
+      EXPECT_EQ(run.token_loss[t], 0.0f);
+      for (int64_t j = 0; j < vocab; ++j) ASSERT_EQ(run.grad[t * vocab + j], 0.0) << "row " << t;
+    }
+  }
+}
+
+TEST(CrossEntropyCuda, Bf16InPlaceLargeVocabMatchesReference) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  const int64_t rows = 24, vocab = 32768;  // 512 threads per row, 16-byte bf16 vectors
+  std::vector<float> z = RandomLogits(rows * vocab, 3, 4.0f);
+  ToBf16Bits(z);  // the reference sees exactly the bf16 values the kernel reads
+  std::vector<int64_t> y = RandomLabels(rows, vocab, 4, 0.1);
+  const double D = 50;
+  Reference ref = ReferenceCe(z, rows, vocab, y, {}, D, 1.0);
+  CeRun run = RunCe(DType::kBF16, z, rows, vocab, y, {}, D, /*in_place=*/true);
+  ASSERT_TRUE(run.status.ok()) << run.status;
+  EXPECT_NEAR(run.loss, ref.loss, 1e-5 * std::abs(ref.loss));
+  // The gradient is rounded to bf16 once (relative 2^-9) after fp32 math.
+  ExpectGradNear(run.grad, ref.grad, 1e-10, 1.0 / 256);
+}
+
+TEST(CrossEntropyCuda, OddVocabScalarPathWithSampleWeightsAndGradScale) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  const int64_t rows = 19, vocab = 1001;  // not a multiple of 4 or 8: scalar loads
+  std::vector<float> z = RandomLogits(rows * vocab, 5);
+  std::vector<int64_t> y = RandomLabels(rows, vocab, 6, 0.2);
+  std::vector<float> w(rows);
+  for (int64_t t = 0; t < rows; ++t) w[t] = 1.0f / static_cast<float>(1 + t % 5);
+  const double D = 40;
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    std::vector<float> zr = z;
+    if (dtype == DType::kBF16) ToBf16Bits(zr);
+    Reference ref = ReferenceCe(zr, rows, vocab, y, w, D, 0.5);
+    CeRun run = RunCe(dtype, zr, rows, vocab, y, w, D, /*in_place=*/false, 0.5f);
+    ASSERT_TRUE(run.status.ok()) << run.status;
+    EXPECT_NEAR(run.loss, ref.loss, 1e-5 * std::abs(ref.loss)) << DTypeName(dtype);
+    EXPECT_NEAR(run.weight_sum, ref.weight_sum, 1e-12) << DTypeName(dtype);
+    ExpectGradNear(run.grad, ref.grad, 1e-9, dtype == DType::kBF16 ? 1.0 / 256 : 1e-4);
+  }
+}
+
+TEST(CrossEntropyCuda, AllIgnoredWithZeroNormaliserGivesZeroLossAndExactZeroGrad) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  const int64_t rows = 8, vocab = 64;
+  std::vector<float> z = RandomLogits(rows * vocab, 7);
+  std::vector<int64_t> y(rows, -100);
+  CeRun run = RunCe(DType::kF32, z, rows, vocab, y, {}, /*D=*/0.0, /*in_place=*/false);
+  ASSERT_TRUE(run.status.ok()) << run.status;
+  EXPECT_EQ(run.loss, 0.0);
+  EXPECT_EQ(run.weight_sum, 0.0);
+  for (double g : run.grad) ASSERT_EQ(g, 0.0);  // the buffer started as NaN bytes
+}
+
+TEST(CrossEntropyCuda, OutOfRangeLabelIsInvalidArgumentNamingRowAndLabel) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  const int64_t rows = 6, vocab = 50;
+  std::vector<float> z = RandomLogits(rows * vocab, 8);
+  std::vector<int64_t> y = {1, 2, 70, 3, -5, 4};
+  CeRun run = RunCe(DType::kF32, z, rows, vocab, y, {}, 6.0, false);
+  EXPECT_EQ(run.status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(run.status.message()), HasSubstr("label 70 at row 2"));
+  EXPECT_THAT(std::string(run.status.message()), HasSubstr("2 such rows"));
+}
+
+TEST(CrossEntropyCuda, NormaliserSmallerThanLocalWeightIsFailedPrecondition) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  const int64_t rows = 6, vocab = 50;
+  std::vector<float> z = RandomLogits(rows * vocab, 9);
+  std::vector<int64_t> y = RandomLabels(rows, vocab, 10, 0.0);
+  CeRun run = RunCe(DType::kF32, z, rows, vocab, y, {}, /*D=*/3.0, false);
+  EXPECT_EQ(run.status.code(), absl::StatusCode::kFailedPrecondition) << run.status;
+}
+
+TEST(CrossEntropyCuda, NonFiniteLogitsAndBadWeightsAreInvalidArgument) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  const int64_t rows = 4, vocab = 16;
+  std::vector<float> z = RandomLogits(rows * vocab, 11);
+  z[2 * vocab + 5] = std::numeric_limits<float>::quiet_NaN();
+  std::vector<int64_t> y = {0, 1, 2, 3};
+  CeRun run = RunCe(DType::kF32, z, rows, vocab, y, {}, 4.0, false);
+  EXPECT_EQ(run.status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(run.status.message()), HasSubstr("row 2"));
+
+  std::vector<float> good = RandomLogits(rows * vocab, 12);
+  run = RunCe(DType::kF32, good, rows, vocab, y, {1, 1, -1, 1}, 4.0, false);
+  EXPECT_EQ(run.status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(run.status.message()), HasSubstr("weight at row 2"));
+
+  run = RunCe(DType::kF32, good, rows, vocab, y, {}, std::nan(""), false);
+  EXPECT_EQ(run.status.code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(CrossEntropyCuda, AsyncRecordAccumulatesLossAndReportsErrorAtCheck) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  const int64_t rows = 10, vocab = 128;
+  std::vector<float> z = RandomLogits(rows * vocab, 13);
+  std::vector<int64_t> y = RandomLabels(rows, vocab, 14, 0.0);
+  const double D = 20;  // two micro-batches of 10 tokens
+  Reference ref = ReferenceCe(z, rows, vocab, y, {}, D, 1.0);
+  auto logits = *DeviceBuffer::FromHost(z);
+  auto grad = *DeviceBuffer::Create(logits.size());
+  auto labels = *DeviceBuffer::FromHost(y);
+  auto d = *DeviceBuffer::FromHost(std::vector<double>{D});
+  auto loss = *DeviceBuffer::FromHost(std::vector<double>{0.0});
+  auto record = CrossEntropyErrorRecord::Create();
+  ASSERT_TRUE(record.ok()) << record.status();
+  CrossEntropyCudaArgs a;
+  a.logits = logits.get();
+  a.rows = rows;
+  a.vocab = vocab;
+  a.labels = labels.as<int64_t>();
+  a.global_weight_sum = d.as<double>();
+  a.grad_logits = grad.get();
+  a.loss = loss.as<double>();
+  a.accumulate_loss = true;
+  a.error_record = &*record;
+  ASSERT_TRUE(CrossEntropyCuda(a, nullptr).ok());
+  ASSERT_TRUE(CrossEntropyCuda(a, nullptr).ok());
+  ASSERT_TRUE(record->CheckAndReset(nullptr).ok());
+  EXPECT_NEAR((*loss.ToHost<double>())[0], 2 * ref.loss, 1e-5 * std::abs(ref.loss));
+
+  std::vector<int64_t> bad = y;
+  bad[7] = vocab;  // one past the end
+  ASSERT_TRUE(labels.CopyFromHost(bad.data(), bad.size() * sizeof(int64_t)).ok());
+  ASSERT_TRUE(CrossEntropyCuda(a, nullptr).ok());  // enqueued; not yet checked
+  absl::Status s = record->CheckAndReset(nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("label 128 at row 7"));
+  EXPECT_TRUE(record->CheckAndReset(nullptr).ok());  // cleared
+}
+
+TEST(CrossEntropyCuda, RowOffsetsBeyondInt32AreIndexedCorrectly) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  // 16400 x 131072 bf16 = 2^31 + 2^21 elements (4.3 GB): the last rows start past 2^31.
+  const int64_t rows = 16400, vocab = 131072, tail = 3;
+  size_t free_bytes = 0, total_bytes = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free_bytes, &total_bytes), cudaSuccess);
+  if (free_bytes < (size_t{5} << 30)) GTEST_SKIP() << "needs 5 GiB of free device memory";
+  auto logits = *DeviceBuffer::Create(sizeof(uint16_t) * rows * vocab);
+  ASSERT_TRUE(logits.Fill(0).ok());  // every logit 0.0: uniform softmax
+  std::vector<float> zt = RandomLogits(tail * vocab, 15);
+  std::vector<uint16_t> zt_bits = ToBf16Bits(zt);
+  const size_t tail_offset = sizeof(uint16_t) * (rows - tail) * vocab;
+  ASSERT_EQ(cudaMemcpy(static_cast<char*>(logits.get()) + tail_offset, zt_bits.data(),
+                       zt_bits.size() * 2, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  std::vector<int64_t> y = RandomLabels(rows, vocab, 16, 0.0);
+  auto labels = *DeviceBuffer::FromHost(y);
+  const double D = static_cast<double>(rows);
+  auto d = *DeviceBuffer::FromHost(std::vector<double>{D});
+  auto loss = *DeviceBuffer::Create(sizeof(double));
+  CrossEntropyCudaArgs a;
+  a.logits = logits.get();
+  a.dtype = DType::kBF16;
+  a.rows = rows;
+  a.vocab = vocab;
+  a.labels = labels.as<int64_t>();
+  a.global_weight_sum = d.as<double>();
+  a.grad_logits = logits.get();
+  a.loss = loss.as<double>();
+  ASSERT_TRUE(CrossEntropyCuda(a, nullptr).ok());
+
+  std::vector<int64_t> y_tail(y.end() - tail, y.end());
+  Reference ref = ReferenceCe(zt, tail, vocab, y_tail, {}, D, 1.0);
+  const double uniform_loss = (rows - tail) * std::log(static_cast<double>(vocab)) / D;
+  EXPECT_NEAR((*loss.ToHost<double>())[0], uniform_loss + ref.loss, 1e-5 * (uniform_loss + ref.loss));
+  std::vector<uint16_t> g_bits(tail * vocab);
+  ASSERT_EQ(cudaMemcpy(g_bits.data(), static_cast<char*>(logits.get()) + tail_offset,
+                       g_bits.size() * 2, cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  std::vector<double> g(g_bits.size());
+  for (size_t i = 0; i < g.size(); ++i) g[i] = BF16::FromBits(g_bits[i]).ToFloat();
+  ExpectGradNear(g, ref.grad, 1e-12, 1.0 / 256);
+}
+
+TEST(CrossEntropyCuda, BadArgumentsAreRejectedBeforeLaunch) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  auto logits = *DeviceBuffer::Create(sizeof(float) * 4 * 8);
+  auto labels = *DeviceBuffer::FromHost(std::vector<int64_t>{0, 1, 2, 3});
+  auto d = *DeviceBuffer::FromHost(std::vector<double>{4.0});
+  auto loss = *DeviceBuffer::Create(sizeof(double));
+  CrossEntropyCudaArgs a;
+  a.logits = logits.get();
+  a.rows = 4;
+  a.vocab = 8;
+  a.labels = labels.as<int64_t>();
+  a.global_weight_sum = d.as<double>();
+  a.loss = loss.as<double>();
+  ASSERT_TRUE(CrossEntropyCuda(a, nullptr).ok());
+
+  CrossEntropyCudaArgs host_labels = a;
+  std::vector<int64_t> h = {0, 1, 2, 3};
+  host_labels.labels = h.data();
+  absl::Status s = CrossEntropyCuda(host_labels, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("labels"));
+
+  CrossEntropyCudaArgs no_d = a;
+  no_d.global_weight_sum = nullptr;
+  EXPECT_EQ(CrossEntropyCuda(no_d, nullptr).code(), absl::StatusCode::kInvalidArgument);
+
+  CrossEntropyCudaArgs f16 = a;
+  f16.dtype = DType::kF16;
+  EXPECT_EQ(CrossEntropyCuda(f16, nullptr).code(), absl::StatusCode::kInvalidArgument);
+
+  CrossEntropyCudaArgs zero_vocab = a;
+  zero_vocab.vocab = 0;
+  EXPECT_EQ(CrossEntropyCuda(zero_vocab, nullptr).code(), absl::StatusCode::kInvalidArgument);
+
+  CrossEntropyCudaArgs overlap = a;
+  overlap.grad_logits = static_cast<char*>(logits.get()) + 4;
+  EXPECT_EQ(CrossEntropyCuda(overlap, nullptr).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// The one case that runs on this machine: without a device the wrapper must fail cleanly.
+TEST(CrossEntropyCudaWithoutDevice, ReturnsFailedPreconditionNotACrash) {
+  std::string why;
+  if (::gradsum::testing::CudaDeviceAvailable(&why)) GTEST_SKIP() << "a GPU is present";
+  CrossEntropyCudaArgs a;
+  a.rows = 1;
+  a.vocab = 4;
+  absl::Status s = CrossEntropyCuda(a, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("no usable CUDA device"));
+  EXPECT_EQ(CrossEntropyErrorRecord::Create().status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace gradsum::losses

@@ -1,0 +1,157 @@
+#include "losses/linear_cross_entropy.h"
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "Eigen/Core"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "core/dtype.h"
+#include "losses/cross_entropy_kernel.h"
+#include "losses/parallel.h"
+
+namespace gradsum::losses {
+namespace {
+
+using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using ConstMap = Eigen::Map<const RowMajor>;
+using Map = Eigen::Map<RowMajor>;
+
+constexpr int64_t kAutoChunkBytes = int64_t{4} << 20;
+constexpr int64_t kMinAutoChunkRows = 32;
+
+absl::Status CheckF32Matrix(const TensorView& t, const char* what, int64_t rows, int64_t cols) {
+  if (t.rank() != 2 || t.dtype() != DType::kF32 || t.device().type != Device::kCpu) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "linear cross-entropy: ", what, " must be a 2-D f32 CPU tensor, got ", t.DebugString()));
+  }
+  if ((rows >= 0 && t.dim(0) != rows) || (cols >= 0 && t.dim(1) != cols)) {
+    return absl::InvalidArgumentError(absl::StrCat("linear cross-entropy: ", what, " is ",
+                                                   t.DebugString(), ", expected [", rows, ",",
+                                                   cols, "]"));
+  }
+  return absl::OkStatus();
+}
+
+bool Overlap(const TensorView& a, const TensorView& b) {
+  const char* a0 = static_cast<const char*>(a.raw());
+  const char* b0 = static_cast<const char*>(b.raw());
+  return a.nbytes() > 0 && b.nbytes() > 0 && a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+}
+
+// Splits [0, n) into `parts` near-equal ranges; returns range `i` as (begin, size).
+std::pair<int64_t, int64_t> Part(int64_t n, int64_t parts, int64_t i) {
+  const int64_t begin = n * i / parts;
+  return {begin, n * (i + 1) / parts - begin};
+}
+
+}  // namespace
+
+absl::StatusOr<LinearCrossEntropyResult> LinearCrossEntropyForwardBackward(
+    const TensorView& hidden, const TensorView& head, absl::Span<const int64_t> labels,
+    absl::Span<const float> token_weights, double global_weight_sum,
+    const TensorView& grad_hidden, const TensorView& grad_head,
+    const LinearCrossEntropyOptions& options) {
+  absl::Status s = CheckF32Matrix(hidden, "hidden", -1, -1);
+  if (!s.ok()) return s;
+  const int64_t n = hidden.dim(0);
+  const int64_t dm = hidden.dim(1);
+  s = CheckF32Matrix(head, "head", dm, -1);
+  if (!s.ok()) return s;
+  const int64_t v = head.dim(1);
+  s = CheckF32Matrix(grad_hidden, "grad_hidden", n, dm);
+  if (!s.ok()) return s;
+  s = CheckF32Matrix(grad_head, "grad_head", dm, v);
+  if (!s.ok()) return s;
+  if (Overlap(grad_head, hidden) || Overlap(grad_head, head) || Overlap(grad_head, grad_hidden) ||
+      Overlap(grad_hidden, head) ||
+      (Overlap(grad_hidden, hidden) && grad_hidden.raw() != hidden.raw())) {
+    return absl::InvalidArgumentError(
+        "linear cross-entropy: grad_head must not overlap any other buffer, and grad_hidden may "
+        "only overlap hidden exactly (in place)");
+  }
+  if (options.chunk_rows < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("linear cross-entropy: chunk_rows ", options.chunk_rows, " must be >= 0"));
+  }
+  s = internal::CheckCrossEntropyArgs(n, v, labels, token_weights, global_weight_sum,
+                                      options.ignore_index);
+  if (!s.ok()) return s;
+
+  int64_t chunk = options.chunk_rows;
+  if (chunk == 0) chunk = std::max(kMinAutoChunkRows, kAutoChunkBytes / (v * 4));
+  chunk = std::max<int64_t>(1, std::min(chunk, n));
+
+  LinearCrossEntropyResult result;
+  result.chunk_rows = chunk;
+  ConstMap h(hidden.data<float>(), n, dm);
+  ConstMap w(head.data<float>(), dm, v);
+  Map gh(grad_hidden.data<float>(), n, dm);
+  Map gw(grad_head.data<float>(), dm, v);
+
+  std::unique_ptr<float[]> logits_buf;  // allocated on the first chunk that needs it
+  const int threads = std::max(1, options.num_threads);
+  CrossEntropyOptions ce_options;
+  ce_options.ignore_index = options.ignore_index;
+  ce_options.num_threads = threads;
+
+  for (int64_t r0 = 0; r0 < n; r0 += chunk) {
+    const int64_t rows = std::min(chunk, n - r0);
+    const absl::Span<const int64_t> chunk_labels = labels.subspan(r0, rows);
+    const absl::Span<const float> chunk_weights =
+        token_weights.empty() ? token_weights : token_weights.subspan(r0, rows);
+    bool any_weight = false;
+    for (int64_t i = 0; i < rows && !any_weight; ++i) {
+      any_weight = chunk_labels[i] != options.ignore_index &&
+                   (chunk_weights.empty() || chunk_weights[i] != 0.0f);
+    }
+    if (!any_weight || global_weight_sum == 0.0) {
+      // No row of this chunk is in the loss: zero hidden gradient, head untouched.
+      for (int64_t i = 0; i < rows; ++i) {
+        if (chunk_labels[i] != options.ignore_index) ++result.ce.local_valid_tokens;
+      }
+      gh.middleRows(r0, rows).setZero();
+      continue;
+    }
+    if (logits_buf == nullptr) {
+      logits_buf.reset(new float[static_cast<size_t>(chunk * v)]);
+      // The CE kernel keeps 9 bytes per row (row loss + row status) while it runs.
+      result.peak_scratch_bytes = chunk * v * static_cast<int64_t>(sizeof(float)) + chunk * 9;
+    }
+    Map logits(logits_buf.get(), rows, v);
+    const auto h_c = h.middleRows(r0, rows);
+
+    // logits_c = hidden_c @ head, split over columns of V.
+    ParallelFor(threads, threads, [&](int64_t part) {
+      const auto [c0, cn] = Part(v, threads, part);
+      logits.middleCols(c0, cn).noalias() = h_c * w.middleCols(c0, cn);
+    });
+    absl::StatusOr<CrossEntropyResult> ce = internal::CrossEntropyKernel(
+        logits_buf.get(), logits_buf.get(), DType::kF32, rows, v, chunk_labels, chunk_weights,
+        global_weight_sum, ce_options, /*row_offset=*/r0);
+    if (!ce.ok()) return ce.status();
+    result.ce.local_weighted_ce_sum += ce->local_weighted_ce_sum;
+    result.ce.local_weight_sum += ce->local_weight_sum;
+    result.ce.local_valid_tokens += ce->local_valid_tokens;
+
+    // grad_head += hidden_c^T @ dlogits_c (columns of V), before grad_hidden_c is written,
+    // so grad_hidden may alias hidden.
+    ParallelFor(threads, threads, [&](int64_t part) {
+      const auto [c0, cn] = Part(v, threads, part);
+      gw.middleCols(c0, cn).noalias() += h_c.transpose() * logits.middleCols(c0, cn);
+    });
+    // grad_hidden_c = dlogits_c @ head^T (rows of the chunk).
+    ParallelFor(threads, threads, [&](int64_t part) {
+      const auto [i0, in] = Part(rows, threads, part);
+      if (in == 0) return;
+      gh.middleRows(r0 + i0, in).noalias() = logits.middleRows(i0, in) * w.transpose();
+    });
+  }
+  result.ce.local_loss =
+      global_weight_sum > 0.0 ? result.ce.local_weighted_ce_sum / global_weight_sum : 0.0;
+  return result;
+}
+
+}  // namespace gradsum::losses

@@ -1,0 +1,49 @@
+#ifndef GRADSUM_LOSSES_TOKEN_WEIGHTS_H_
+#define GRADSUM_LOSSES_TOKEN_WEIGHTS_H_
+
+// Per-token cross-entropy weights w_t of SEMANTICS.md §3.
+//
+//   token  (default): w_t = 1 for valid tokens (label != ignore_index), 0 otherwise.
+//   sample:           w_t = 1 / n_s for the valid tokens of sample s (n_s its valid count).
+//   square:           w_t = 1 / sqrt(n_s).
+//
+// A sample is identified by its id within one micro-batch (a sample never spans
+// micro-batches or ranks), so n_s is counted locally.
+//
+//   absl::StatusOr<std::vector<float>> w =
+//       ComputeTokenWeights(labels, sample_ids, CeWeightMode::kSample);
+//   // D = sum of w over all ranks and micro-batches: see step_stats.h.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+
+namespace gradsum::losses {
+
+enum class CeWeightMode { kToken = 0, kSample = 1, kSquare = 2 };
+
+// "token", "sample", "square".
+const char* CeWeightModeName(CeWeightMode mode);
+
+// Inverse of CeWeightModeName; anything else is InvalidArgument naming the input.
+absl::StatusOr<CeWeightMode> ParseCeWeightMode(absl::string_view name);
+
+// Returns w_t for each token (fp32; the kernels and D use exactly these values).
+//
+// labels:      one per token; ignore_index marks an invalid token (weight 0).
+// sample_ids:  one per token (any int64 values; equal ids = same sample). Required for
+//              kSample and kSquare; ignored (may be empty) for kToken.
+// Errors: InvalidArgument if sample_ids is required and its size differs from labels', or
+// if mode is not a known enumerator.
+absl::StatusOr<std::vector<float>> ComputeTokenWeights(absl::Span<const int64_t> labels,
+                                                       absl::Span<const int64_t> sample_ids,
+                                                       CeWeightMode mode,
+                                                       int64_t ignore_index = -100);
+
+}  // namespace gradsum::losses
+
+#endif  // GRADSUM_LOSSES_TOKEN_WEIGHTS_H_

@@ -1,0 +1,86 @@
+#ifndef GRADSUM_MOE_EXPERTS_H_
+#define GRADSUM_MOE_EXPERTS_H_
+
+// Grouped SwiGLU experts (SEMANTICS.md §10): the local experts of one EP rank, each applied
+// to its own contiguous group of rows.
+//
+//   Expert_j(x) = (SiLU(x Wg_j) * (x Wu_j)) Wd_j      Wg_j, Wu_j: [D, H], Wd_j: [H, D]
+//
+// Rows arrive grouped by local expert: the first group_sizes[0] rows go to local expert 0,
+// the next group_sizes[1] to local expert 1, and so on (a group may be empty). The weights of
+// the local experts are stacked, expert j's matrix starting at j * D * H.
+//
+//   ExpertsConfig config{.d_model = D, .hidden = H, .num_local_experts = 2};
+//   ExpertWeights w{.gate = wg, .up = wu, .down = wd};
+//   ExpertsSaved saved;
+//   GRADSUM_RETURN_IF_ERROR(ExpertsForward(config, w, x, group_sizes, y, &saved));
+//   ExpertWeightGrads g{.gate = dwg, .up = dwu, .down = dwd};   // accumulated (+=)
+//   GRADSUM_RETURN_IF_ERROR(ExpertsBackward(config, w, x, group_sizes, saved, dy, dx, g));
+//
+// Every product is one Eigen fp32 GEMM per expert; weight gradients accumulate in fp32 so
+// that micro-batches sum (SEMANTICS.md §2).
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+
+namespace gradsum::moe {
+
+struct ExpertsConfig {
+  int64_t d_model = 0;        // D >= 1
+  int64_t hidden = 0;         // H >= 1
+  int num_local_experts = 0;  // E / P >= 1
+};
+
+// InvalidArgument naming the field unless D, H and the local expert count are >= 1.
+absl::Status ValidateExpertsConfig(const ExpertsConfig& config);
+
+// Stacked weights of the local experts (row-major).
+struct ExpertWeights {
+  absl::Span<const float> gate;  // [E_local, D, H]  Wg
+  absl::Span<const float> up;    // [E_local, D, H]  Wu
+  absl::Span<const float> down;  // [E_local, H, D]  Wd
+};
+
+// Their gradients, same shapes. Accumulated (+=), never overwritten.
+struct ExpertWeightGrads {
+  absl::Span<float> gate;
+  absl::Span<float> up;
+  absl::Span<float> down;
+};
+
+// Activations that forward keeps for backward.
+struct ExpertsSaved {
+  std::vector<float> gate_pre;  // [N, H] x Wg (before SiLU)
+  std::vector<float> up_pre;    // [N, H] x Wu
+};
+
+// y = Expert_j(x) row by row for rows of group j. `x`, `y`: [N, D] with
+// N = sum(group_sizes); `group_sizes`: [E_local], each >= 0. `y` is overwritten.
+// `saved` may be null when no backward follows.
+// Errors: InvalidArgument for a bad config, a negative group size, or any span of the
+// wrong size (the message names it and both sizes).
+absl::Status ExpertsForward(const ExpertsConfig& config, const ExpertWeights& weights,
+                            absl::Span<const float> x, absl::Span<const int64_t> group_sizes,
+                            absl::Span<float> y, ExpertsSaved* saved);
+
+// Given dy = dL/dy ([N, D]), overwrites dx = dL/dx ([N, D]) and adds the weight gradients
+// into `grads`. `x`, `group_sizes`, `saved` must be those of the matching forward.
+// Errors: as ExpertsForward, plus `saved` of the wrong size.
+absl::Status ExpertsBackward(const ExpertsConfig& config, const ExpertWeights& weights,
+                             absl::Span<const float> x, absl::Span<const int64_t> group_sizes,
+                             const ExpertsSaved& saved, absl::Span<const float> dy,
+                             absl::Span<float> dx, const ExpertWeightGrads& grads);
+
+// FLOPs of one forward over N rows: 3 GEMMs of 2*N*D*H each (the elementwise SwiGLU is not
+// counted). Backward is twice this. For benchmarks.
+inline double ExpertsForwardFlops(int64_t num_rows, int64_t d_model, int64_t hidden) {
+  return 6.0 * static_cast<double>(num_rows) * static_cast<double>(d_model) *
+         static_cast<double>(hidden);
+}
+
+}  // namespace gradsum::moe
+
+#endif  // GRADSUM_MOE_EXPERTS_H_

@@ -1,0 +1,224 @@
+#include "moe/experts.h"
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "moe/reference.h"
+
+namespace gradsum::moe {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::vector<double> RandomVector(size_t n, double scale, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<double> dist(-scale, scale);
+  std::vector<double> v(n);
+  for (double& x : v) x = static_cast<float>(dist(gen));  // exactly representable in fp32
+  return v;
+}
+
+std::vector<float> ToFloat(const std::vector<double>& v) { return {v.begin(), v.end()}; }
+
+struct Problem {
+  int D = 6, H = 5, E_local = 4;
+  std::vector<int64_t> groups = {3, 0, 5, 2};  // an empty group in the middle
+  std::vector<double> x, wg, wu, wd;
+  explicit Problem(uint32_t seed) {
+    int64_t n = 0;
+    for (int64_t g : groups) n += g;
+    x = RandomVector(n * D, 1.0, seed);
+    wg = RandomVector(E_local * D * H, 0.6, seed + 1);
+    wu = RandomVector(E_local * D * H, 0.6, seed + 2);
+    wd = RandomVector(E_local * H * D, 0.6, seed + 3);
+  }
+  int64_t rows() const { return static_cast<int64_t>(x.size()) / D; }
+  ExpertsConfig config() const {
+    return ExpertsConfig{.d_model = D, .hidden = H, .num_local_experts = E_local};
+  }
+  reference::LayerConfig ref_config() const {
+    reference::LayerConfig c;
+    c.d_model = D;
+    c.hidden = H;
+    c.num_experts = E_local;
+    return c;
+  }
+  // Reference output rows in double: row i goes through its group's expert.
+  std::vector<double> ReferenceForward() const {
+    std::vector<double> y(x.size(), 0.0);
+    int64_t row = 0;
+    for (int j = 0; j < E_local; ++j) {
+      for (int64_t i = 0; i < groups[j]; ++i, ++row) {
+        reference::AddExpert(ref_config(), j, &x[row * D], wg, wu, wd, 1.0, &y[row * D]);
+      }
+    }
+    return y;
+  }
+};
+
+TEST(ExpertsTest, ForwardMatchesDoubleReference) {
+  Problem p(1);
+  const std::vector<float> x = ToFloat(p.x), wg = ToFloat(p.wg), wu = ToFloat(p.wu),
+                           wd = ToFloat(p.wd);
+  std::vector<float> y(x.size(), -7.0f);
+  ExpertsSaved saved;
+  ASSERT_TRUE(
+      ExpertsForward(p.config(), {wg, wu, wd}, x, p.groups, absl::MakeSpan(y), &saved).ok());
+  const std::vector<double> ref = p.ReferenceForward();
+  for (size_t i = 0; i < y.size(); ++i) EXPECT_NEAR(y[i], ref[i], 1e-5) << "y[" << i << "]";
+  EXPECT_EQ(saved.gate_pre.size(), static_cast<size_t>(p.rows() * p.H));
+
+  // Without saved activations the output is the same.
+  std::vector<float> y2(x.size());
+  ASSERT_TRUE(
+      ExpertsForward(p.config(), {wg, wu, wd}, x, p.groups, absl::MakeSpan(y2), nullptr).ok());
+  EXPECT_EQ(y, y2);
+}
+
+// L = sum_i r_i y_i; gradients against central differences of the double reference.
+TEST(ExpertsTest, BackwardMatchesFiniteDifferencesOfReference) {
+  Problem p(5);
+  const std::vector<double> r = RandomVector(p.x.size(), 1.0, 99);
+  auto loss = [&] {
+    const std::vector<double> y = p.ReferenceForward();
+    double l = 0.0;
+    for (size_t i = 0; i < y.size(); ++i) l += r[i] * y[i];
+    return l;
+  };
+  const std::vector<float> x = ToFloat(p.x), wg = ToFloat(p.wg), wu = ToFloat(p.wu),
+                           wd = ToFloat(p.wd), dy = ToFloat(r);
+  std::vector<float> y(x.size()), dx(x.size(), 123.0f);
+  ExpertsSaved saved;
+  ASSERT_TRUE(
+      ExpertsForward(p.config(), {wg, wu, wd}, x, p.groups, absl::MakeSpan(y), &saved).ok());
+  std::vector<float> dwg(wg.size(), 0.0f), dwu(wu.size(), 0.0f), dwd(wd.size(), 0.0f);
+  // Two backward calls (two micro-batches with the same data): weight gradients must sum.
+  for (int rep = 0; rep < 2; ++rep) {
+    ASSERT_TRUE(ExpertsBackward(p.config(), {wg, wu, wd}, x, p.groups, saved, dy,
+                                absl::MakeSpan(dx),
+                                {absl::MakeSpan(dwg), absl::MakeSpan(dwu), absl::MakeSpan(dwd)})
+                    .ok());
+  }
+  auto check = [&](std::vector<double>& param, const std::vector<float>& grad, double factor,
+                   const char* name) {
+    for (size_t i = 0; i < param.size(); ++i) {
+      const double fd = factor * reference::CentralDifference(loss, &param[i], 1e-6);
+      EXPECT_NEAR(grad[i], fd, 1e-4 * (1.0 + std::abs(fd))) << name << "[" << i << "]";
+    }
+  };
+  check(p.wg, dwg, 2.0, "dWg");
+  check(p.wu, dwu, 2.0, "dWu");
+  check(p.wd, dwd, 2.0, "dWd");
+  check(p.x, dx, 1.0, "dx");  // dx is overwritten, not accumulated
+}
+
+// Central differences of the fp32 forward itself against its own backward.
+TEST(ExpertsTest, BackwardMatchesFiniteDifferencesOfFp32Forward) {
+  Problem p(7);
+  std::vector<float> x = ToFloat(p.x), wg = ToFloat(p.wg), wu = ToFloat(p.wu), wd = ToFloat(p.wd);
+  const std::vector<double> r = RandomVector(p.x.size(), 1.0, 8);
+  const std::vector<float> dy = ToFloat(r);
+  auto loss = [&] {
+    std::vector<float> y(x.size());
+    EXPECT_TRUE(ExpertsForward(p.config(), {wg, wu, wd}, x, p.groups, absl::MakeSpan(y), nullptr)
+                    .ok());
+    double l = 0.0;
+    for (size_t i = 0; i < y.size(); ++i) l += r[i] * y[i];
+    return l;
+  };
+  std::vector<float> y(x.size()), dx(x.size());
+  ExpertsSaved saved;
+  ASSERT_TRUE(
+      ExpertsForward(p.config(), {wg, wu, wd}, x, p.groups, absl::MakeSpan(y), &saved).ok());
+  std::vector<float> dwg(wg.size(), 0.0f), dwu(wu.size(), 0.0f), dwd(wd.size(), 0.0f);
+  ASSERT_TRUE(ExpertsBackward(p.config(), {wg, wu, wd}, x, p.groups, saved, dy,
+                              absl::MakeSpan(dx),
+                              {absl::MakeSpan(dwg), absl::MakeSpan(dwu), absl::MakeSpan(dwd)})
+                  .ok());
+  auto check = [&](std::vector<float>& param, const std::vector<float>& grad, const char* name) {
+    const float h = 1e-2f;
+    for (size_t i = 0; i < param.size(); ++i) {
+      const float saved_value = param[i];
+      param[i] = saved_value + h;
+      const double plus = loss();
+      param[i] = saved_value - h;
+      const double minus = loss();
+      param[i] = saved_value;
+      const double fd = (plus - minus) / (2.0 * h);
+      EXPECT_NEAR(grad[i], fd, 2e-3 * (1.0 + std::abs(fd))) << name << "[" << i << "]";
+    }
+  };
+  check(wg, dwg, "dWg");
+  check(wu, dwu, "dWu");
+  check(wd, dwd, "dWd");
+  check(x, dx, "dx");
+}
+
+TEST(ExpertsTest, AllGroupsEmptyIsANoOp) {
+  ExpertsConfig config{.d_model = 2, .hidden = 3, .num_local_experts = 2};
+  std::vector<float> w(12, 1.0f), dw(12, 0.0f);
+  std::vector<int64_t> groups = {0, 0};
+  ExpertsSaved saved;
+  EXPECT_TRUE(ExpertsForward(config, {w, w, w}, {}, groups, {}, &saved).ok());
+  EXPECT_TRUE(ExpertsBackward(config, {w, w, w}, {}, groups, saved, {}, {},
+                              {absl::MakeSpan(dw), absl::MakeSpan(dw), absl::MakeSpan(dw)})
+                  .ok());
+  for (float v : dw) EXPECT_EQ(v, 0.0f);
+}
+
+TEST(ExpertsTest, BadArgumentsAreInvalidArgument) {
+  ExpertsConfig config{.d_model = 2, .hidden = 3, .num_local_experts = 2};
+  std::vector<float> w(12, 1.0f), x(6, 1.0f), y(6);
+  std::vector<int64_t> groups = {1, 2};
+  auto forward = [&](const ExpertsConfig& c, const ExpertWeights& weights,
+                     absl::Span<const float> xx, absl::Span<const int64_t> g,
+                     absl::Span<float> yy) {
+    return ExpertsForward(c, weights, xx, g, yy, nullptr);
+  };
+  EXPECT_THAT(forward({.d_model = 2, .hidden = 0, .num_local_experts = 2}, {w, w, w}, x, groups,
+                      absl::MakeSpan(y))
+                  .message(),
+              HasSubstr("H=0"));
+  EXPECT_THAT(forward(config, {std::vector<float>(11), w, w}, x, groups, absl::MakeSpan(y))
+                  .message(),
+              HasSubstr("Wg has 11"));
+  EXPECT_THAT(forward(config, {w, w, std::vector<float>(13)}, x, groups, absl::MakeSpan(y))
+                  .message(),
+              HasSubstr("Wd has 13"));
+  EXPECT_THAT(forward(config, {w, w, w}, x, std::vector<int64_t>{1, 2, 0}, absl::MakeSpan(y))
+                  .message(),
+              HasSubstr("group_sizes has 3"));
+  EXPECT_THAT(forward(config, {w, w, w}, x, std::vector<int64_t>{4, -1}, absl::MakeSpan(y))
+                  .message(),
+              HasSubstr("group_sizes[1] is negative"));
+  EXPECT_THAT(forward(config, {w, w, w}, std::vector<float>(5), groups, absl::MakeSpan(y))
+                  .message(),
+              HasSubstr("x has 5"));
+  std::vector<float> short_y(4);
+  absl::Status s = forward(config, {w, w, w}, x, groups, absl::MakeSpan(short_y));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("y has 4"));
+
+  ExpertsSaved saved;
+  ASSERT_TRUE(ExpertsForward(config, {w, w, w}, x, groups, absl::MakeSpan(y), &saved).ok());
+  std::vector<float> dw(12), dx(6), bad(5);
+  EXPECT_THAT(ExpertsBackward(config, {w, w, w}, x, groups, saved, bad, absl::MakeSpan(dx),
+                              {absl::MakeSpan(dw), absl::MakeSpan(dw), absl::MakeSpan(dw)})
+                  .message(),
+              HasSubstr("dy has 5"));
+  EXPECT_THAT(ExpertsBackward(config, {w, w, w}, x, groups, saved, y, absl::MakeSpan(dx),
+                              {absl::MakeSpan(bad), absl::MakeSpan(dw), absl::MakeSpan(dw)})
+                  .message(),
+              HasSubstr("dWg has 5"));
+  ExpertsSaved wrong;
+  EXPECT_THAT(ExpertsBackward(config, {w, w, w}, x, groups, wrong, y, absl::MakeSpan(dx),
+                              {absl::MakeSpan(dw), absl::MakeSpan(dw), absl::MakeSpan(dw)})
+                  .message(),
+              HasSubstr("gate_pre has 0"));
+}
+
+}  // namespace
+}  // namespace gradsum::moe

@@ -1,0 +1,220 @@
+#include "moe/router.h"
+
+#include <Eigen/Dense>
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "core/status.h"
+#include "moe/shapes.h"
+
+namespace gradsum::moe {
+namespace {
+
+using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using ConstMap = Eigen::Map<const RowMatrix>;
+using Map = Eigen::Map<RowMatrix>;
+
+absl::StatusOr<int64_t> CheckInputs(const RouterConfig& config, absl::Span<const float> a,
+                                    absl::Span<const float> router_weight) {
+  GRADSUM_RETURN_IF_ERROR(ValidateRouterConfig(config));
+  if (a.size() % static_cast<size_t>(config.d_model) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("router input a has ", a.size(),
+                                                   " elements, not a multiple of D=",
+                                                   config.d_model));
+  }
+  GRADSUM_RETURN_IF_ERROR(internal::CheckSize("router weight Wr", router_weight.size(),
+                                              config.d_model * config.num_experts, "[D, E]"));
+  return static_cast<int64_t>(a.size()) / config.d_model;
+}
+
+}  // namespace
+
+absl::Status ValidateRouterConfig(const RouterConfig& config) {
+  if (config.d_model < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("router d_model must be >= 1, got D=",
+                                                   config.d_model));
+  }
+  if (config.num_experts < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("number of experts must be >= 1, got E=",
+                                                   config.num_experts));
+  }
+  if (config.top_k < 1 || config.top_k > config.num_experts) {
+    return absl::InvalidArgumentError(absl::StrCat("top_k must be in [1, E=", config.num_experts,
+                                                   "], got K=", config.top_k));
+  }
+  if (!std::isfinite(config.router_scale)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("router_scale must be finite, got ", config.router_scale));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<RouterOutput> RouterForward(const RouterConfig& config, absl::Span<const float> a,
+                                           absl::Span<const float> router_weight,
+                                           absl::Span<const uint8_t> mask) {
+  GRADSUM_ASSIGN_OR_RETURN(const int64_t T, CheckInputs(config, a, router_weight));
+  const int64_t D = config.d_model;
+  const int E = config.num_experts;
+  const int K = config.top_k;
+  if (!mask.empty()) {
+    GRADSUM_RETURN_IF_ERROR(internal::CheckSize("router mask", mask.size(), T, "[T]"));
+    for (int64_t t = 0; t < T; ++t) {
+      if (mask[t] > 1) {
+        return absl::InvalidArgumentError(absl::StrCat("router mask[", t, "] is ",
+                                                       static_cast<int>(mask[t]),
+                                                       ", expected 0 or 1"));
+      }
+    }
+  }
+
+  RouterOutput out;
+  out.num_tokens = T;
+  out.num_experts = E;
+  out.top_k = K;
+  out.logits.assign(T * E, 0.0f);
+  out.probs.assign(T * E, 0.0f);
+  out.expert_index.assign(T * K, -1);
+  out.combine_weight.assign(T * K, 0.0f);
+  out.routed.assign(T, 1);
+  if (!mask.empty()) std::copy(mask.begin(), mask.end(), out.routed.begin());
+  out.local_expert_counts.assign(E, 0);
+  out.local_gating_sums.assign(E, 0.0);
+  if (T == 0) return out;
+
+  // u = a @ Wr in fp32 (SEMANTICS.md §10).
+  Map(out.logits.data(), T, E).noalias() =
+      ConstMap(a.data(), T, D) * ConstMap(router_weight.data(), D, E);
+
+  std::vector<int> order(E);
+  for (int64_t t = 0; t < T; ++t) {
+    float* u = &out.logits[t * E];
+    if (!out.routed[t]) {
+      std::fill(u, u + E, 0.0f);
+      continue;
+    }
+    ++out.local_routed_tokens;
+    float max_u = u[0];
+    for (int e = 0; e < E; ++e) {
+      if (!std::isfinite(u[e])) {
+        return absl::InvalidArgumentError(absl::StrCat("router logit u[token ", t, ", expert ", e,
+                                                       "] is not finite (", u[e], ")"));
+      }
+      max_u = std::max(max_u, u[e]);
+    }
+    float* p = &out.probs[t * E];
+    double z = 0.0;
+    for (int e = 0; e < E; ++e) {
+      p[e] = std::exp(u[e] - max_u);
+      z += p[e];
+    }
+    const float inv_z = static_cast<float>(1.0 / z);
+    for (int e = 0; e < E; ++e) {
+      p[e] *= inv_z;
+      out.local_gating_sums[e] += p[e];
+    }
+
+    // Top-K by p, descending; equal p: lower expert index first (SEMANTICS.md §10).
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + K, order.end(), [p](int x, int y) {
+      return p[x] > p[y] || (p[x] == p[y] && x < y);
+    });
+    double topk_sum = 0.0;
+    for (int k = 0; k < K; ++k) topk_sum += p[order[k]];
+    // topk_sum >= max_e p >= 1/E > 0, so the division is safe.
+    const double norm = config.norm_topk_prob ? 1.0 / topk_sum : 1.0;
+    for (int k = 0; k < K; ++k) {
+      const int e = order[k];
+      out.expert_index[t * K + k] = e;
+      out.combine_weight[t * K + k] =
+          static_cast<float>(p[e] * norm * static_cast<double>(config.router_scale));
+      ++out.local_expert_counts[e];
+    }
+  }
+  return out;
+}
+
+absl::Status RouterBackward(const RouterConfig& config, absl::Span<const float> a,
+                            absl::Span<const float> router_weight, const RouterOutput& forward,
+                            const RouterOutputGrads& grads, absl::Span<float> d_router_weight,
+                            absl::Span<float> d_a) {
+  GRADSUM_ASSIGN_OR_RETURN(const int64_t T, CheckInputs(config, a, router_weight));
+  const int64_t D = config.d_model;
+  const int E = config.num_experts;
+  const int K = config.top_k;
+  if (forward.num_tokens != T || forward.num_experts != E || forward.top_k != K ||
+      forward.probs.size() != static_cast<size_t>(T * E) ||
+      forward.expert_index.size() != static_cast<size_t>(T * K) ||
+      forward.routed.size() != static_cast<size_t>(T)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "router forward output (T=", forward.num_tokens, ", E=", forward.num_experts,
+        ", K=", forward.top_k, ") does not match the backward inputs (T=", T, ", E=", E,
+        ", K=", K, ")"));
+  }
+  if (!grads.d_combine_weight.empty()) {
+    GRADSUM_RETURN_IF_ERROR(internal::CheckSize("d_combine_weight", grads.d_combine_weight.size(),
+                                                T * K, "[T, K]"));
+  }
+  if (!grads.d_probs.empty()) {
+    GRADSUM_RETURN_IF_ERROR(
+        internal::CheckSize("d_probs", grads.d_probs.size(), T * E, "[T, E]"));
+  }
+  if (!grads.d_gating_sums.empty()) {
+    GRADSUM_RETURN_IF_ERROR(
+        internal::CheckSize("d_gating_sums", grads.d_gating_sums.size(), E, "[E]"));
+  }
+  if (!grads.d_logits.empty()) {
+    GRADSUM_RETURN_IF_ERROR(
+        internal::CheckSize("d_logits", grads.d_logits.size(), T * E, "[T, E]"));
+  }
+  GRADSUM_RETURN_IF_ERROR(
+      internal::CheckSize("d_router_weight", d_router_weight.size(), D * E, "[D, E]"));
+  GRADSUM_RETURN_IF_ERROR(internal::CheckSize("d_a", d_a.size(), T * D, "[T, D]"));
+  if (T == 0) return absl::OkStatus();
+
+  const double scale = config.router_scale;
+  std::vector<float> du(T * E, 0.0f);
+  std::vector<double> dp(E);
+  for (int64_t t = 0; t < T; ++t) {
+    if (!forward.routed[t]) continue;  // padding: no routing, no gradient
+    const float* p = &forward.probs[t * E];
+    for (int e = 0; e < E; ++e) {
+      dp[e] = 0.0;
+      if (!grads.d_probs.empty()) dp[e] += grads.d_probs[t * E + e];
+      if (!grads.d_gating_sums.empty()) dp[e] += grads.d_gating_sums[e];
+    }
+    if (!grads.d_combine_weight.empty()) {
+      const int32_t* idx = &forward.expert_index[t * K];
+      const float* dw = &grads.d_combine_weight[t * K];
+      if (config.norm_topk_prob) {
+        // w_k = s q_k / Z with Z = sum_j q_j:  dL/dq_j = s/Z (dw_j - sum_k dw_k q_k / Z).
+        double z = 0.0, dw_dot_q = 0.0;
+        for (int k = 0; k < K; ++k) {
+          z += p[idx[k]];
+          dw_dot_q += static_cast<double>(dw[k]) * p[idx[k]];
+        }
+        for (int k = 0; k < K; ++k) dp[idx[k]] += scale / z * (dw[k] - dw_dot_q / z);
+      } else {
+        for (int k = 0; k < K; ++k) dp[idx[k]] += scale * dw[k];
+      }
+    }
+    // Softmax Jacobian: du_e = p_e (dp_e - sum_j p_j dp_j).
+    double p_dot_dp = 0.0;
+    for (int e = 0; e < E; ++e) p_dot_dp += p[e] * dp[e];
+    float* du_t = &du[t * E];
+    for (int e = 0; e < E; ++e) {
+      double g = p[e] * (dp[e] - p_dot_dp);
+      if (!grads.d_logits.empty()) g += grads.d_logits[t * E + e];
+      du_t[e] = static_cast<float>(g);
+    }
+  }
+
+  ConstMap a_mat(a.data(), T, D);
+  ConstMap du_mat(du.data(), T, E);
+  Map(d_router_weight.data(), D, E).noalias() += a_mat.transpose() * du_mat;
+  Map(d_a.data(), T, D).noalias() += du_mat * ConstMap(router_weight.data(), D, E).transpose();
+  return absl::OkStatus();
+}
+
+}  // namespace gradsum::moe

@@ -1,0 +1,336 @@
+#include "moe/router.h"
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "moe/reference.h"
+
+namespace gradsum::moe {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::vector<double> RandomVector(size_t n, double scale, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<double> dist(-scale, scale);
+  std::vector<double> v(n);
+  for (double& x : v) x = dist(gen);
+  return v;
+}
+
+std::vector<float> ToFloat(const std::vector<double>& v) { return {v.begin(), v.end()}; }
+
+// Values exactly representable in fp32, so the double reference sees the same inputs.
+std::vector<double> RoundToFloat(std::vector<double> v) {
+  for (double& x : v) x = static_cast<float>(x);
+  return v;
+}
+
+reference::LayerConfig RefConfig(const RouterConfig& c) {
+  reference::LayerConfig r;
+  r.d_model = static_cast<int>(c.d_model);
+  r.num_experts = c.num_experts;
+  r.top_k = c.top_k;
+  r.norm_topk_prob = c.norm_topk_prob;
+  r.router_scale = c.router_scale;
+  return r;
+}
+
+// (norm_topk_prob, router_scale, top_k)
+class RouterParamTest : public ::testing::TestWithParam<std::tuple<bool, float, int>> {
+ protected:
+  RouterConfig Config() const {
+    RouterConfig c;
+    c.d_model = 8;
+    c.num_experts = 6;
+    c.norm_topk_prob = std::get<0>(GetParam());
+    c.router_scale = std::get<1>(GetParam());
+    c.top_k = std::get<2>(GetParam());
+    return c;
+  }
+};
+
+TEST_P(RouterParamTest, ForwardMatchesDoubleReference) {
+  const RouterConfig config = Config();
+  const int T = 13, D = 8, E = 6, K = config.top_k;
+  const std::vector<double> a = RoundToFloat(RandomVector(T * D, 1.0, 1));
+  const std::vector<double> wr = RoundToFloat(RandomVector(D * E, 1.0, 2));
+  std::vector<uint8_t> mask(T, 1);
+  mask[3] = mask[10] = 0;
+
+  absl::StatusOr<RouterOutput> out = RouterForward(config, ToFloat(a), ToFloat(wr), mask);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(out->num_tokens, T);
+  EXPECT_EQ(out->local_routed_tokens, T - 2);
+
+  const reference::LayerConfig rc = RefConfig(config);
+  std::vector<int64_t> counts(E, 0);
+  std::vector<double> gating(E, 0.0);
+  for (int t = 0; t < T; ++t) {
+    if (!mask[t]) {
+      for (int e = 0; e < E; ++e) {
+        EXPECT_EQ(out->logits[t * E + e], 0.0f);
+        EXPECT_EQ(out->probs[t * E + e], 0.0f);
+      }
+      for (int k = 0; k < K; ++k) {
+        EXPECT_EQ(out->expert_index[t * K + k], -1);
+        EXPECT_EQ(out->combine_weight[t * K + k], 0.0f);
+      }
+      EXPECT_EQ(out->routed[t], 0);
+      continue;
+    }
+    EXPECT_EQ(out->routed[t], 1);
+    reference::TokenRoute r = reference::RouteToken(rc, &a[t * D], wr);
+    for (int e = 0; e < E; ++e) {
+      EXPECT_NEAR(out->logits[t * E + e], r.logits[e], 1e-5) << "t=" << t << " e=" << e;
+      EXPECT_NEAR(out->probs[t * E + e], r.probs[e], 1e-6) << "t=" << t << " e=" << e;
+      gating[e] += r.probs[e];
+    }
+    for (int k = 0; k < K; ++k) {
+      EXPECT_EQ(out->expert_index[t * K + k], r.experts[k]) << "t=" << t << " k=" << k;
+      EXPECT_NEAR(out->combine_weight[t * K + k], r.weights[k], 1e-6) << "t=" << t << " k=" << k;
+      ++counts[r.experts[k]];
+    }
+  }
+  for (int e = 0; e < E; ++e) {
+    EXPECT_EQ(out->local_expert_counts[e], counts[e]) << "e=" << e;
+    EXPECT_NEAR(out->local_gating_sums[e], gating[e], 1e-5) << "e=" << e;
+  }
+}
+
+// Loss used for the backward checks: a fixed linear function of every router output, so
+// each gradient path (combine weights, probabilities, gating sums, logits) is exercised.
+struct LossCoefficients {
+  std::vector<double> cw;  // [T, K]
+  std::vector<double> cp;  // [T, E]
+  std::vector<double> cg;  // [E]
+  std::vector<double> cu;  // [T, E]
+};
+
+double ReferenceLoss(const reference::LayerConfig& rc, const std::vector<double>& a,
+                     const std::vector<double>& wr, const std::vector<uint8_t>& mask,
+                     const LossCoefficients& c) {
+  const int D = rc.d_model, E = rc.num_experts, K = rc.top_k;
+  const int T = static_cast<int>(a.size()) / D;
+  double loss = 0.0;
+  for (int t = 0; t < T; ++t) {
+    if (!mask[t]) continue;
+    reference::TokenRoute r = reference::RouteToken(rc, &a[t * D], wr);
+    for (int k = 0; k < K; ++k) loss += c.cw[t * K + k] * r.weights[k];
+    for (int e = 0; e < E; ++e) {
+      loss += c.cp[t * E + e] * r.probs[e] + c.cg[e] * r.probs[e] + c.cu[t * E + e] * r.logits[e];
+    }
+  }
+  return loss;
+}
+
+TEST_P(RouterParamTest, BackwardMatchesFiniteDifferencesOfReference) {
+  const RouterConfig config = Config();
+  const int T = 9, D = 8, E = 6, K = config.top_k;
+  std::vector<double> a = RoundToFloat(RandomVector(T * D, 1.0, 11));
+  std::vector<double> wr = RoundToFloat(RandomVector(D * E, 1.0, 12));
+  std::vector<uint8_t> mask(T, 1);
+  mask[4] = 0;
+  LossCoefficients c{RandomVector(T * K, 1.0, 13), RandomVector(T * E, 1.0, 14),
+                     RandomVector(E, 1.0, 15), RandomVector(T * E, 0.3, 16)};
+
+  absl::StatusOr<RouterOutput> out = RouterForward(config, ToFloat(a), ToFloat(wr), mask);
+  ASSERT_TRUE(out.ok()) << out.status();
+  const std::vector<float> cw = ToFloat(c.cw), cp = ToFloat(c.cp), cu = ToFloat(c.cu);
+  RouterOutputGrads grads;
+  grads.d_combine_weight = cw;
+  grads.d_probs = cp;
+  grads.d_gating_sums = c.cg;
+  grads.d_logits = cu;
+  // Start from non-zero buffers: the gradients must be added, not written.
+  const std::vector<double> dwr0 = RandomVector(D * E, 1.0, 17);
+  const std::vector<double> da0 = RandomVector(T * D, 1.0, 18);
+  std::vector<float> dwr = ToFloat(dwr0), da = ToFloat(da0);
+  ASSERT_TRUE(RouterBackward(config, ToFloat(a), ToFloat(wr), *out, grads, absl::MakeSpan(dwr),
+                             absl::MakeSpan(da))
+                  .ok());
+
+  const reference::LayerConfig rc = RefConfig(config);
+  auto loss = [&] { return ReferenceLoss(rc, a, wr, mask, c); };
+  for (int i = 0; i < D * E; ++i) {
+    const double fd = reference::CentralDifference(loss, &wr[i], 1e-6);
+    EXPECT_NEAR(dwr[i] - dwr0[i], fd, 2e-4 * (1.0 + std::abs(fd))) << "dWr[" << i << "]";
+  }
+  for (int i = 0; i < T * D; ++i) {
+    const double fd = reference::CentralDifference(loss, &a[i], 1e-6);
+    EXPECT_NEAR(da[i] - da0[i], fd, 2e-4 * (1.0 + std::abs(fd))) << "da[" << i << "]";
+    if (!mask[i / D]) {
+      EXPECT_EQ(da[i], static_cast<float>(da0[i])) << "padding row touched";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Configs, RouterParamTest,
+                         ::testing::Combine(::testing::Bool(), ::testing::Values(1.0f, 2.5f),
+                                            ::testing::Values(1, 2, 6)));
+
+// Central differences of the fp32 code itself (loss evaluated from RouterForward's outputs),
+// checked against its own RouterBackward; only the combine-weight path, with renormalisation.
+TEST(RouterTest, BackwardMatchesFiniteDifferencesOfFp32Forward) {
+  RouterConfig config{.d_model = 5, .num_experts = 4, .top_k = 2, .norm_topk_prob = true,
+                      .router_scale = 1.5f};
+  const int T = 6, D = 5, E = 4, K = 2;
+  std::vector<float> a = ToFloat(RandomVector(T * D, 1.0, 21));
+  std::vector<float> wr = ToFloat(RandomVector(D * E, 1.0, 22));
+  const std::vector<double> cw = RandomVector(T * K, 1.0, 23);
+  const std::vector<double> cp = RandomVector(T * E, 1.0, 24);
+  auto loss = [&]() {
+    absl::StatusOr<RouterOutput> o = RouterForward(config, a, wr);
+    double l = 0.0;
+    for (int i = 0; i < T * K; ++i) l += cw[i] * o->combine_weight[i];
+    for (int i = 0; i < T * E; ++i) l += cp[i] * o->probs[i];
+    return l;
+  };
+  absl::StatusOr<RouterOutput> out = RouterForward(config, a, wr);
+  ASSERT_TRUE(out.ok());
+  const std::vector<float> cwf = ToFloat(cw), cpf = ToFloat(cp);
+  RouterOutputGrads grads;
+  grads.d_combine_weight = cwf;
+  grads.d_probs = cpf;
+  std::vector<float> dwr(D * E, 0.0f), da(T * D, 0.0f);
+  ASSERT_TRUE(
+      RouterBackward(config, a, wr, *out, grads, absl::MakeSpan(dwr), absl::MakeSpan(da)).ok());
+  const float h = 1e-2f;
+  auto fd = [&](float* x) {
+    const float saved = *x;
+    *x = saved + h;
+    const double plus = loss();
+    *x = saved - h;
+    const double minus = loss();
+    *x = saved;
+    return (plus - minus) / (2.0 * h);
+  };
+  for (int i = 0; i < D * E; ++i) EXPECT_NEAR(dwr[i], fd(&wr[i]), 3e-3) << "dWr[" << i << "]";
+  for (int i = 0; i < T * D; ++i) EXPECT_NEAR(da[i], fd(&a[i]), 3e-3) << "da[" << i << "]";
+}
+
+TEST(RouterTest, TiesGoToTheLowerExpertIndex) {
+  const int D = 3, E = 5, T = 2;
+  std::vector<float> a = {1.0f, 0.5f, 0.25f, 0.5f, 1.0f, 2.0f};
+  {
+    // Wr = 0: every probability is 1/E, so the top-K are experts 0..K-1 in order.
+    RouterConfig config{.d_model = D, .num_experts = E, .top_k = 3};
+    std::vector<float> wr(D * E, 0.0f);
+    absl::StatusOr<RouterOutput> out = RouterForward(config, a, wr);
+    ASSERT_TRUE(out.ok());
+    for (int t = 0; t < T; ++t) {
+      for (int k = 0; k < 3; ++k) {
+        EXPECT_EQ(out->expert_index[t * 3 + k], k);
+        EXPECT_FLOAT_EQ(out->combine_weight[t * 3 + k], 1.0f / E);
+      }
+    }
+  }
+  {
+    // Columns 4 and 1 are equal and largest, columns 3 and 2 equal and next: 1, 4, 2 in order.
+    RouterConfig config{.d_model = D, .num_experts = E, .top_k = 3, .norm_topk_prob = true};
+    std::vector<float> wr(D * E, 0.0f);
+    for (int d = 0; d < D; ++d) {
+      wr[d * E + 1] = wr[d * E + 4] = 1.0f;
+      wr[d * E + 2] = wr[d * E + 3] = 0.5f;
+    }
+    absl::StatusOr<RouterOutput> out = RouterForward(config, a, wr);
+    ASSERT_TRUE(out.ok());
+    for (int t = 0; t < T; ++t) {
+      EXPECT_EQ(out->expert_index[t * 3 + 0], 1);
+      EXPECT_EQ(out->expert_index[t * 3 + 1], 4);
+      EXPECT_EQ(out->expert_index[t * 3 + 2], 2);
+      EXPECT_FLOAT_EQ(out->combine_weight[t * 3 + 0], out->combine_weight[t * 3 + 1]);
+    }
+  }
+}
+
+TEST(RouterTest, AllPaddingAndEmptyInputRouteNothing) {
+  RouterConfig config{.d_model = 2, .num_experts = 3, .top_k = 2};
+  std::vector<float> wr(6, 0.5f), a = {1, 2, 3, 4};
+  std::vector<uint8_t> mask = {0, 0};
+  absl::StatusOr<RouterOutput> out = RouterForward(config, a, wr, mask);
+  ASSERT_TRUE(out.ok());
+  EXPECT_EQ(out->local_routed_tokens, 0);
+  for (int e = 0; e < 3; ++e) {
+    EXPECT_EQ(out->local_expert_counts[e], 0);
+    EXPECT_EQ(out->local_gating_sums[e], 0.0);
+  }
+  absl::StatusOr<RouterOutput> empty = RouterForward(config, {}, wr);
+  ASSERT_TRUE(empty.ok());
+  EXPECT_EQ(empty->num_tokens, 0);
+  std::vector<float> dwr(6, 0.0f);
+  EXPECT_TRUE(RouterBackward(config, {}, wr, *empty, {}, absl::MakeSpan(dwr), {}).ok());
+}
+
+TEST(RouterTest, BadConfigsAreInvalidArgument) {
+  std::vector<float> a(8, 1.0f), wr(8, 0.0f);
+  struct Case {
+    RouterConfig config;
+    std::string message;
+  };
+  const Case cases[] = {
+      {{.d_model = 2, .num_experts = 4, .top_k = 5}, "K=5"},
+      {{.d_model = 2, .num_experts = 4, .top_k = 0}, "K=0"},
+      {{.d_model = 2, .num_experts = 0, .top_k = 1}, "E=0"},
+      {{.d_model = 0, .num_experts = 4, .top_k = 1}, "D=0"},
+      {{.d_model = 2,
+        .num_experts = 4,
+        .top_k = 1,
+        .router_scale = std::numeric_limits<float>::infinity()},
+       "router_scale"},
+  };
+  for (const Case& c : cases) {
+    absl::StatusOr<RouterOutput> out = RouterForward(c.config, a, wr);
+    EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument) << c.message;
+    EXPECT_THAT(out.status().message(), HasSubstr(c.message));
+  }
+}
+
+TEST(RouterTest, BadShapesAndValuesAreInvalidArgument) {
+  RouterConfig config{.d_model = 2, .num_experts = 4, .top_k = 2};
+  std::vector<float> a(6, 1.0f), wr(8, 0.1f);
+  auto status_of = [&](absl::Span<const float> aa, absl::Span<const float> ww,
+                       absl::Span<const uint8_t> m) {
+    return RouterForward(config, aa, ww, m).status();
+  };
+  EXPECT_THAT(status_of(std::vector<float>(5, 1.0f), wr, {}).message(),
+              HasSubstr("not a multiple of D=2"));
+  EXPECT_THAT(status_of(a, std::vector<float>(7, 0.0f), {}).message(), HasSubstr("Wr has 7"));
+  EXPECT_THAT(status_of(a, wr, std::vector<uint8_t>(2, 1)).message(), HasSubstr("mask has 2"));
+  EXPECT_THAT(status_of(a, wr, std::vector<uint8_t>{1, 2, 1}).message(), HasSubstr("mask[1] is 2"));
+  std::vector<float> nan_a = a;
+  nan_a[3] = std::numeric_limits<float>::quiet_NaN();
+  absl::Status nan_status = status_of(nan_a, wr, {});
+  EXPECT_EQ(nan_status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(nan_status.message(), HasSubstr("token 1"));
+
+  absl::StatusOr<RouterOutput> out = RouterForward(config, a, wr);
+  ASSERT_TRUE(out.ok());
+  std::vector<float> dwr(8), da(6), bad(5);
+  RouterOutputGrads g;
+  g.d_combine_weight = bad;
+  absl::Status s = RouterBackward(config, a, wr, *out, g, absl::MakeSpan(dwr), absl::MakeSpan(da));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("d_combine_weight has 5"));
+  g = {};
+  EXPECT_THAT(RouterBackward(config, a, wr, *out, g, absl::MakeSpan(bad), absl::MakeSpan(da))
+                  .message(),
+              HasSubstr("d_router_weight has 5"));
+  EXPECT_THAT(RouterBackward(config, a, wr, *out, g, absl::MakeSpan(dwr), absl::MakeSpan(bad))
+                  .message(),
+              HasSubstr("d_a has 5"));
+  // A forward output from other inputs.
+  EXPECT_THAT(RouterBackward(config, std::vector<float>(4, 1.0f), wr, *out, g, absl::MakeSpan(dwr),
+                             absl::MakeSpan(da))
+                  .message(),
+              HasSubstr("does not match"));
+}
+
+}  // namespace
+}  // namespace gradsum::moe

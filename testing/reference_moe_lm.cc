@@ -1,0 +1,357 @@
+#include "testing/reference_moe_lm.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+
+namespace gradsum::testing {
+namespace {
+
+constexpr double kRmsEps = 1e-6;  // SEMANTICS.md §10
+
+std::string LayerName(int l, const char* what) { return absl::StrCat("layers.", l, ".", what); }
+std::string ExpertName(int l, int e, const char* what) {
+  return absl::StrCat("layers.", l, ".experts.", e, ".", what);
+}
+
+double Sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+double Silu(double x) { return x * Sigmoid(x); }
+double SiluGrad(double x) {
+  const double s = Sigmoid(x);
+  return s * (1.0 + x * (1.0 - s));
+}
+
+double LogSumExp(const std::vector<double>& x) {
+  const double mx = *std::max_element(x.begin(), x.end());
+  double s = 0;
+  for (double v : x) s += std::exp(v - mx);
+  return mx + std::log(s);
+}
+
+// out = x / sqrt(mean(x^2) + eps) * g; returns r = 1 / sqrt(mean(x^2) + eps).
+double RmsNorm(const std::vector<double>& x, const double* g, std::vector<double>* out) {
+  double ms = 0;
+  for (double v : x) ms += v * v;
+  ms /= static_cast<double>(x.size());
+  const double r = 1.0 / std::sqrt(ms + kRmsEps);
+  out->resize(x.size());
+  for (size_t i = 0; i < x.size(); ++i) (*out)[i] = x[i] * r * g[i];
+  return r;
+}
+
+// Given dout = dL/d(out), adds dL/dg into dg and returns dL/dx.
+std::vector<double> RmsNormBackward(const std::vector<double>& x, const double* g, double r,
+                                    const std::vector<double>& dout, double* dg) {
+  const size_t n = x.size();
+  double dot = 0;  // sum_j dout_j g_j x_j
+  for (size_t j = 0; j < n; ++j) {
+    dg[j] += dout[j] * x[j] * r;
+    dot += dout[j] * g[j] * x[j];
+  }
+  std::vector<double> dx(n);
+  // d r / d x_i = -r^3 x_i / n.
+  for (size_t i = 0; i < n; ++i) dx[i] = r * g[i] * dout[i] - r * r * r * x[i] * dot / n;
+  return dx;
+}
+
+// Everything forward keeps for backward, per token and layer.
+struct LayerCache {
+  std::vector<double> h_in, a, u, p;  // [D], [D], [E], [E]
+  double r = 0;
+  std::vector<int> experts;                  // [K], by descending p, ties: lower index first
+  std::vector<double> w;                     // [K] final gate weights
+  std::vector<std::vector<double>> g, v, y;  // per slot: [H], [H], [D]
+};
+
+struct TokenCache {
+  int micro = 0;
+  int token = 0;
+  int label = 0;
+  bool routed = false;
+  bool valid = false;
+  std::vector<LayerCache> layers;
+  std::vector<double> h_final, f, logits;
+  double r_final = 0;
+};
+
+}  // namespace
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> ReferenceParamShapes(
+    const ReferenceConfig& c) {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+  shapes.push_back({"emb", {c.vocab, c.dim}});
+  for (int l = 0; l < c.layers; ++l) {
+    shapes.push_back({LayerName(l, "norm"), {c.dim}});
+    shapes.push_back({LayerName(l, "router"), {c.dim, c.experts}});
+    for (int e = 0; e < c.experts; ++e) {
+      shapes.push_back({ExpertName(l, e, "wg"), {c.dim, c.expert_dim}});
+      shapes.push_back({ExpertName(l, e, "wu"), {c.dim, c.expert_dim}});
+      shapes.push_back({ExpertName(l, e, "wd"), {c.expert_dim, c.dim}});
+    }
+  }
+  shapes.push_back({"final_norm", {c.dim}});
+  shapes.push_back({"out", {c.dim, c.vocab}});
+  return shapes;
+}
+
+absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
+    const ReferenceConfig& c, const NamedTensors& params,
+    const std::vector<std::vector<ReferenceMicroBatch>>& global_batch) {
+  using absl::StrCat;
+  for (const auto& [name, value] : {std::pair<const char*, int>{"vocab", c.vocab},
+                                    {"dim", c.dim},
+                                    {"layers", c.layers},
+                                    {"experts", c.experts},
+                                    {"top_k", c.top_k},
+                                    {"expert_dim", c.expert_dim}}) {
+    if (value <= 0) return absl::InvalidArgumentError(StrCat(name, "=", value, ": must be > 0"));
+  }
+  if (c.top_k > c.experts) {
+    return absl::InvalidArgumentError(StrCat("top_k=", c.top_k, ": exceeds experts=", c.experts));
+  }
+  ReferenceResult result;
+  for (const auto& [name, shape] : ReferenceParamShapes(c)) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    auto it = params.find(name);
+    if (it == params.end()) return absl::InvalidArgumentError(StrCat("missing parameter ", name));
+    if (static_cast<int64_t>(it->second.size()) != n) {
+      return absl::InvalidArgumentError(
+          StrCat("parameter ", name, " has ", it->second.size(), " elements, expected ", n));
+    }
+    result.grads[name].assign(n, 0.0);
+  }
+  auto P = [&](const std::string& name) { return params.at(name).data(); };
+  auto Gr = [&](const std::string& name) { return result.grads.at(name).data(); };
+
+  const int V = c.vocab, Dm = c.dim, L = c.layers, E = c.experts, K = c.top_k, H = c.expert_dim;
+  const int G = static_cast<int>(global_batch.size());
+
+  // ---- Validate inputs; global statistics D and N (§3, §4). ----
+  std::vector<double> routed_per_micro(G, 0.0);
+  for (int m = 0; m < G; ++m) {
+    for (size_t r = 0; r < global_batch[m].size(); ++r) {
+      const ReferenceMicroBatch& mb = global_batch[m][r];
+      if (mb.labels.size() != mb.tokens.size() || mb.mask.size() != mb.tokens.size()) {
+        return absl::InvalidArgumentError(
+            StrCat("micro-batch [", m, "][", r, "]: tokens, labels and mask differ in length"));
+      }
+      for (size_t t = 0; t < mb.tokens.size(); ++t) {
+        if (mb.tokens[t] < 0 || mb.tokens[t] >= V) {
+          return absl::InvalidArgumentError(StrCat("token ", mb.tokens[t], " at [", m, "][", r,
+                                                   "][", t, "] outside [0, ", V, ")"));
+        }
+        const bool ignored = mb.labels[t] == c.ignore_index;
+        if (!ignored && (mb.labels[t] < 0 || mb.labels[t] >= V)) {
+          return absl::InvalidArgumentError(StrCat("label ", mb.labels[t], " at [", m, "][", r,
+                                                   "][", t, "] outside [0, ", V, ")"));
+        }
+        if (mb.mask[t] == 0 && !ignored) {
+          return absl::InvalidArgumentError(
+              StrCat("padding token at [", m, "][", r, "][", t, "] has label ", mb.labels[t]));
+        }
+        if (!ignored) result.valid_tokens += 1;
+        if (mb.mask[t] != 0) routed_per_micro[m] += 1;
+      }
+    }
+    result.routed_tokens += routed_per_micro[m];
+  }
+  const double Dtok = result.valid_tokens, Ntok = result.routed_tokens;
+
+  // ---- Forward, token by token (the model has no cross-token interaction). ----
+  result.expert_counts.assign(L, std::vector<std::vector<int64_t>>(G, std::vector<int64_t>(E, 0)));
+  std::vector<TokenCache> cache;
+  for (int m = 0; m < G; ++m) {
+    for (const ReferenceMicroBatch& mb : global_batch[m]) {
+      for (size_t t = 0; t < mb.tokens.size(); ++t) {
+        TokenCache tc;
+        tc.micro = m;
+        tc.token = mb.tokens[t];
+        tc.label = mb.labels[t];
+        tc.routed = mb.mask[t] != 0;
+        tc.valid = mb.labels[t] != c.ignore_index;
+        if (!tc.routed && !tc.valid) continue;  // padding: contributes nothing anywhere
+        std::vector<double> h(P("emb") + tc.token * Dm, P("emb") + (tc.token + 1) * Dm);
+        if (tc.routed) {
+          tc.layers.resize(L);
+          for (int l = 0; l < L; ++l) {
+            LayerCache& lc = tc.layers[l];
+            lc.h_in = h;
+            lc.r = RmsNorm(h, P(LayerName(l, "norm")), &lc.a);
+            const double* wr = P(LayerName(l, "router"));
+            lc.u.assign(E, 0.0);
+            for (int i = 0; i < Dm; ++i) {
+              for (int e = 0; e < E; ++e) lc.u[e] += lc.a[i] * wr[i * E + e];
+            }
+            const double lse = LogSumExp(lc.u);
+            lc.p.resize(E);
+            for (int e = 0; e < E; ++e) lc.p[e] = std::exp(lc.u[e] - lse);
+            std::vector<int> order(E);
+            std::iota(order.begin(), order.end(), 0);
+            std::stable_sort(order.begin(), order.end(),
+                             [&](int x, int y) { return lc.p[x] > lc.p[y]; });
+            lc.experts.assign(order.begin(), order.begin() + K);
+            double sel = 0;
+            for (int e : lc.experts) sel += lc.p[e];
+            lc.w.resize(K);
+            for (int k = 0; k < K; ++k) {
+              lc.w[k] = lc.p[lc.experts[k]] / (c.norm_topk_prob ? sel : 1.0) * c.router_scale;
+              ++result.expert_counts[l][m][lc.experts[k]];
+            }
+            lc.g.assign(K, std::vector<double>(H, 0.0));
+            lc.v.assign(K, std::vector<double>(H, 0.0));
+            lc.y.assign(K, std::vector<double>(Dm, 0.0));
+            for (int k = 0; k < K; ++k) {
+              const int e = lc.experts[k];
+              const double* wg = P(ExpertName(l, e, "wg"));
+              const double* wu = P(ExpertName(l, e, "wu"));
+              const double* wd = P(ExpertName(l, e, "wd"));
+              for (int i = 0; i < Dm; ++i) {
+                for (int j = 0; j < H; ++j) {
+                  lc.g[k][j] += lc.a[i] * wg[i * H + j];
+                  lc.v[k][j] += lc.a[i] * wu[i * H + j];
+                }
+              }
+              for (int j = 0; j < H; ++j) {
+                const double s = Silu(lc.g[k][j]) * lc.v[k][j];
+                for (int i = 0; i < Dm; ++i) lc.y[k][i] += s * wd[j * Dm + i];
+              }
+            }
+            for (int k = 0; k < K; ++k) {
+              for (int i = 0; i < Dm; ++i) h[i] += lc.w[k] * lc.y[k][i];
+            }
+          }
+        }
+        tc.h_final = h;
+        if (tc.valid) {  // only valid tokens reach the LM head with a non-zero weight
+          tc.r_final = RmsNorm(h, P("final_norm"), &tc.f);
+          const double* wo = P("out");
+          tc.logits.assign(V, 0.0);
+          for (int i = 0; i < Dm; ++i) {
+            for (int v = 0; v < V; ++v) tc.logits[v] += tc.f[i] * wo[i * V + v];
+          }
+        }
+        cache.push_back(std::move(tc));
+      }
+    }
+  }
+
+  // ---- Loss values (§3-5). ----
+  for (const TokenCache& tc : cache) {
+    if (tc.valid && Dtok > 0) result.ce += (LogSumExp(tc.logits) - tc.logits[tc.label]) / Dtok;
+    if (!tc.routed) continue;
+    for (int l = 0; l < L; ++l) {
+      const LayerCache& lc = tc.layers[l];
+      const double lse = LogSumExp(lc.u);
+      result.z += c.alpha_z * lse * lse / Ntok;
+      const double n_lm = routed_per_micro[tc.micro];
+      for (int e = 0; e < E; ++e) {
+        const double coef = result.expert_counts[l][tc.micro][e] / (n_lm * K);
+        result.bal += c.alpha_b / G * E * coef * lc.p[e] / n_lm;
+      }
+    }
+  }
+
+  // ---- Backward. ----
+  for (const TokenCache& tc : cache) {
+    std::vector<double> dh(Dm, 0.0);
+    if (tc.valid && Dtok > 0) {
+      const double lse = LogSumExp(tc.logits);
+      std::vector<double> dlogits(V);
+      for (int v = 0; v < V; ++v) dlogits[v] = std::exp(tc.logits[v] - lse) / Dtok;
+      dlogits[tc.label] -= 1.0 / Dtok;
+      const double* wo = P("out");
+      double* dwo = Gr("out");
+      std::vector<double> df(Dm, 0.0);
+      for (int i = 0; i < Dm; ++i) {
+        for (int v = 0; v < V; ++v) {
+          dwo[i * V + v] += tc.f[i] * dlogits[v];
+          df[i] += wo[i * V + v] * dlogits[v];
+        }
+      }
+      dh = RmsNormBackward(tc.h_final, P("final_norm"), tc.r_final, df, Gr("final_norm"));
+    }
+    if (tc.routed) {
+      for (int l = L - 1; l >= 0; --l) {
+        const LayerCache& lc = tc.layers[l];
+        std::vector<double> da(Dm, 0.0);
+        // Experts and gate weights: h_out = h_in + sum_k w_k y_k.
+        std::vector<double> dw(K, 0.0);
+        for (int k = 0; k < K; ++k) {
+          const int e = lc.experts[k];
+          const double* wg = P(ExpertName(l, e, "wg"));
+          const double* wu = P(ExpertName(l, e, "wu"));
+          const double* wd = P(ExpertName(l, e, "wd"));
+          double* dwg = Gr(ExpertName(l, e, "wg"));
+          double* dwu = Gr(ExpertName(l, e, "wu"));
+          double* dwd = Gr(ExpertName(l, e, "wd"));
+          std::vector<double> dy(Dm);
+          for (int i = 0; i < Dm; ++i) {
+            dw[k] += dh[i] * lc.y[k][i];
+            dy[i] = lc.w[k] * dh[i];
+          }
+          for (int j = 0; j < H; ++j) {
+            const double s = Silu(lc.g[k][j]) * lc.v[k][j];
+            double ds = 0;
+            for (int i = 0; i < Dm; ++i) {
+              dwd[j * Dm + i] += s * dy[i];
+              ds += wd[j * Dm + i] * dy[i];
+            }
+            const double dgate = ds * lc.v[k][j] * SiluGrad(lc.g[k][j]);
+            const double dup = ds * Silu(lc.g[k][j]);
+            for (int i = 0; i < Dm; ++i) {
+              dwg[i * H + j] += lc.a[i] * dgate;
+              dwu[i * H + j] += lc.a[i] * dup;
+              da[i] += wg[i * H + j] * dgate + wu[i * H + j] * dup;
+            }
+          }
+        }
+        // Gate weights -> probabilities.
+        std::vector<double> dp(E, 0.0);
+        double sel = 0;
+        for (int e : lc.experts) sel += lc.p[e];
+        if (c.norm_topk_prob) {
+          // w_k = scale * p_k / S, S = sum of the selected p.
+          double dot = 0;
+          for (int k = 0; k < K; ++k) dot += dw[k] * lc.p[lc.experts[k]];
+          for (int k = 0; k < K; ++k) {
+            dp[lc.experts[k]] += c.router_scale * (dw[k] / sel - dot / (sel * sel));
+          }
+        } else {
+          for (int k = 0; k < K; ++k) dp[lc.experts[k]] += c.router_scale * dw[k];
+        }
+        // Balancing loss (§5): counts are detached constants.
+        const double n_lm = routed_per_micro[tc.micro];
+        for (int e = 0; e < E; ++e) {
+          dp[e] += c.alpha_b / G * E * result.expert_counts[l][tc.micro][e] / (n_lm * K) / n_lm;
+        }
+        // Softmax backward, plus the z-loss (§4) on the logits directly.
+        double pdp = 0;
+        for (int e = 0; e < E; ++e) pdp += lc.p[e] * dp[e];
+        const double lse = LogSumExp(lc.u);
+        std::vector<double> du(E);
+        for (int e = 0; e < E; ++e) {
+          du[e] = lc.p[e] * (dp[e] - pdp) + c.alpha_z * 2.0 * lse * lc.p[e] / Ntok;
+        }
+        const double* wr = P(LayerName(l, "router"));
+        double* dwr = Gr(LayerName(l, "router"));
+        for (int i = 0; i < Dm; ++i) {
+          for (int e = 0; e < E; ++e) {
+            dwr[i * E + e] += lc.a[i] * du[e];
+            da[i] += wr[i * E + e] * du[e];
+          }
+        }
+        const std::vector<double> dh_norm =
+            RmsNormBackward(lc.h_in, P(LayerName(l, "norm")), lc.r, da, Gr(LayerName(l, "norm")));
+        for (int i = 0; i < Dm; ++i) dh[i] += dh_norm[i];  // residual + norm branch
+      }
+    }
+    double* demb = Gr("emb") + tc.token * Dm;
+    for (int i = 0; i < Dm; ++i) demb[i] += dh[i];
+  }
+  return result;
+}
+
+}  // namespace gradsum::testing

@@ -1,0 +1,84 @@
+#ifndef GRADSUM_TESTING_REFERENCE_MOE_LM_H_
+#define GRADSUM_TESTING_REFERENCE_MOE_LM_H_
+
+// The single-process reference for moe_lm: SEMANTICS.md §10's model, forward and
+// backward on the whole global batch, with the global loss L = L_ce + L_z + L_bal of
+// §3-6 computed from global counts directly. Plain loops in double precision, written
+// for reading, not speed: it is what every parity test compares the distributed
+// trainer's SUM-reduced gradients against (§2).
+//
+//   ReferenceConfig config{.vocab = 256, .dim = 8, ...};
+//   NamedTensors params = ...;  // names from ReferenceParamShapes(config)
+//   std::vector<std::vector<ReferenceMicroBatch>> batch(G);  // batch[m][r]
+//   absl::StatusOr<ReferenceResult> ref = ReferenceLossAndGrads(config, params, batch);
+//   ref->grads["layers.0.router"]  // dL/dWr_0, [D, E] row-major
+//
+// CE uses `token` weighting (w_t = 1 for valid tokens, §3). Parameter names and shapes
+// are those of the training binary's dumps: `emb` [V,D], `layers.{l}.norm` [D],
+// `layers.{l}.router` [D,E], `layers.{l}.experts.{e}.wg` [D,H], `.wu` [D,H], `.wd` [H,D],
+// `final_norm` [D], `out` [D,V].
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace gradsum::testing {
+
+// SEMANTICS.md §10 sizes and §4-5 loss weights.
+struct ReferenceConfig {
+  int vocab = 256;     // V
+  int dim = 8;         // D
+  int layers = 1;      // L
+  int experts = 4;     // E
+  int top_k = 2;       // K
+  int expert_dim = 8;  // H
+  bool norm_topk_prob = true;
+  double router_scale = 1.0;
+  double alpha_b = 0.001;
+  double alpha_z = 0.001;
+  int ignore_index = -100;
+};
+
+// Row-major tensors by parameter name.
+using NamedTensors = std::map<std::string, std::vector<double>>;
+
+// Every parameter's name and shape, in forward order.
+std::vector<std::pair<std::string, std::vector<int64_t>>> ReferenceParamShapes(
+    const ReferenceConfig& config);
+
+// The tokens of one rank's micro-batch, flattened (sequence boundaries do not matter
+// for a per-token model with token-weighted CE). Equal lengths.
+struct ReferenceMicroBatch {
+  std::vector<int32_t> tokens;  // in [0, V)
+  std::vector<int32_t> labels;  // in [0, V) or ignore_index
+  std::vector<int32_t> mask;    // 1 routed, 0 padding (whose label must be ignore_index)
+};
+
+struct ReferenceResult {
+  // Global values of each term (§3, §4, §5) and their sum (§6).
+  double ce = 0, z = 0, bal = 0;
+  double total() const { return ce + z + bal; }
+  double valid_tokens = 0;   // D of §3 (token weighting)
+  double routed_tokens = 0;  // N of §4
+  // c[l][m][e] of §5: (token, slot) assignments to expert e at micro-step m, all ranks.
+  std::vector<std::vector<std::vector<int64_t>>> expert_counts;
+  // dL/dtheta for every parameter of ReferenceParamShapes.
+  NamedTensors grads;
+};
+
+// Runs forward and backward on `global_batch[m][r]` (G micro-steps, any number of ranks).
+// InvalidArgument if a parameter is missing or mis-sized, a config size is
+// non-positive, top_k > experts, a token is outside [0, V), a label is neither in
+// [0, V) nor ignore_index, a padding token has a real label, or a micro-batch's
+// vectors differ in length.
+absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
+    const ReferenceConfig& config, const NamedTensors& params,
+    const std::vector<std::vector<ReferenceMicroBatch>>& global_batch);
+
+}  // namespace gradsum::testing
+
+#endif  // GRADSUM_TESTING_REFERENCE_MOE_LM_H_

@@ -1,0 +1,293 @@
+#include "train/data.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <sstream>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace gradsum::train {
+namespace {
+
+// The reachable bytes: printable, so that dumped batches are readable.
+constexpr char kAlphabet[] = "abcdefghijklmnopqrstuvwxyz .,!?'";
+constexpr int kExtraSuccessors = 5;    // besides the cycle successor
+constexpr double kWeightSpread = 1.2;  // log-normal spread of the successor weights
+
+uint64_t Finalize(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+}  // namespace
+
+uint64_t SplitMix64::Next() {
+  state_ += 0x9e3779b97f4a7c15ull;
+  return Finalize(state_);
+}
+
+double SplitMix64::Uniform() { return static_cast<double>(Next() >> 11) * 0x1.0p-53; }
+
+uint64_t SplitMix64::Below(uint64_t n) {
+  // Rejection keeps the draw exactly uniform.
+  const uint64_t limit = ~uint64_t{0} - (~uint64_t{0} % n);
+  uint64_t x;
+  do {
+    x = Next();
+  } while (x >= limit);
+  return x % n;
+}
+
+double SplitMix64::Normal() {
+  double u1;
+  do {
+    u1 = Uniform();
+  } while (u1 <= 0.0);
+  const double u2 = Uniform();
+  return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2);
+}
+
+uint64_t MixSeed(uint64_t a, uint64_t b, uint64_t c) {
+  uint64_t x = Finalize(a + 0x9e3779b97f4a7c15ull);
+  x = Finalize(x ^ (b + 0x632be59bd9b4e019ull));
+  return Finalize(x ^ (c + 0x85157af5ull));
+}
+
+MarkovChain MarkovChain::Create(uint64_t seed) {
+  MarkovChain chain;
+  SplitMix64 rng(MixSeed(seed, 0x6d61726b6f76ull));
+  const int n = static_cast<int>(sizeof(kAlphabet)) - 1;
+  for (int i = 0; i < n; ++i) chain.alphabet_.push_back(static_cast<unsigned char>(kAlphabet[i]));
+  std::sort(chain.alphabet_.begin(), chain.alphabet_.end());
+  // A random cycle through the alphabet makes the chain irreducible.
+  std::vector<int> cycle = chain.alphabet_;
+  for (int i = n - 1; i > 0; --i) std::swap(cycle[i], cycle[rng.Below(i + 1)]);
+  chain.transition_.assign(kStates * kStates, 0.0);
+  for (int k = 0; k < n; ++k) {
+    const int from = cycle[k];
+    std::vector<int> succ = {cycle[(k + 1) % n]};
+    while (static_cast<int>(succ.size()) < 1 + kExtraSuccessors) {
+      const int to = chain.alphabet_[rng.Below(n)];
+      if (std::find(succ.begin(), succ.end(), to) == succ.end()) succ.push_back(to);
+    }
+    double total = 0;
+    std::vector<double> w(succ.size());
+    for (double& x : w) total += (x = std::exp(kWeightSpread * rng.Normal()));
+    for (size_t j = 0; j < succ.size(); ++j) {
+      chain.transition_[from * kStates + succ[j]] = w[j] / total;
+    }
+  }
+  // Stationary law by power iteration on the lazy chain (P + I) / 2, which has the same
+  // stationary law and converges even if P is periodic.
+  std::vector<double> pi(kStates, 0.0), next(kStates);
+  for (int s : chain.alphabet_) pi[s] = 1.0 / n;
+  for (int it = 0; it < 1000000; ++it) {
+    std::fill(next.begin(), next.end(), 0.0);
+    for (int i : chain.alphabet_) {
+      next[i] += 0.5 * pi[i];
+      for (int j : chain.alphabet_) next[j] += 0.5 * pi[i] * chain.Transition(i, j);
+    }
+    double diff = 0;
+    for (int s : chain.alphabet_) diff += std::abs(next[s] - pi[s]);
+    pi.swap(next);
+    if (diff < 1e-15) break;
+  }
+  double total = 0;
+  for (double p : pi) total += p;
+  for (double& p : pi) p /= total;
+  chain.stationary_ = std::move(pi);
+  return chain;
+}
+
+double MarkovChain::ConditionalEntropyNats() const {
+  double h = 0;
+  for (int i : alphabet_) {
+    double row = 0;
+    for (int j : alphabet_) {
+      const double p = Transition(i, j);
+      if (p > 0) row -= p * std::log(p);
+    }
+    h += stationary_[i] * row;
+  }
+  return h;
+}
+
+int MarkovChain::SampleNext(int from, SplitMix64& rng) const {
+  const double u = rng.Uniform();
+  double acc = 0;
+  int last = from;
+  for (int j : alphabet_) {
+    const double p = Transition(from, j);
+    if (p <= 0) continue;
+    acc += p;
+    last = j;
+    if (u < acc) return j;
+  }
+  return last;  // u within rounding of 1
+}
+
+int MarkovChain::SampleStationary(SplitMix64& rng) const {
+  const double u = rng.Uniform();
+  double acc = 0;
+  int last = alphabet_.front();
+  for (int j : alphabet_) {
+    acc += stationary_[j];
+    last = j;
+    if (u < acc) return j;
+  }
+  return last;
+}
+
+MarkovCorpus::MarkovCorpus(const DataConfig& config)
+    : chain_(MarkovChain::Create(config.corpus_seed())),
+      seed_(config.corpus_seed()),
+      num_documents_(config.corpus_documents()),
+      min_len_(config.min_doc_len()),
+      max_len_(config.max_doc_len()) {}
+
+int64_t MarkovCorpus::DocumentLength(int64_t i) const {
+  SplitMix64 rng(MixSeed(seed_, static_cast<uint64_t>(i), 1));
+  return min_len_ + static_cast<int64_t>(rng.Below(max_len_ - min_len_ + 1));
+}
+
+std::vector<int32_t> MarkovCorpus::Document(int64_t i) const {
+  const int64_t len = DocumentLength(i);
+  SplitMix64 rng(MixSeed(seed_, static_cast<uint64_t>(i), 2));
+  std::vector<int32_t> doc(len);
+  doc[0] = chain_.SampleStationary(rng);
+  for (int64_t t = 1; t < len; ++t) doc[t] = chain_.SampleNext(doc[t - 1], rng);
+  return doc;
+}
+
+absl::StatusOr<std::unique_ptr<TextFileCorpus>> TextFileCorpus::Load(const std::string& path,
+                                                                     int max_len) {
+  if (max_len < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("max_len=", max_len, ": must be positive"));
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("--data=", path, ": cannot open"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto corpus = std::unique_ptr<TextFileCorpus>(new TextFileCorpus());
+  corpus->bytes_ = ss.str();
+  if (corpus->bytes_.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("--data=", path, ": file is empty"));
+  }
+  const int64_t n = static_cast<int64_t>(corpus->bytes_.size());
+  int64_t line_start = 0;
+  while (line_start < n) {
+    int64_t line_end = line_start;
+    while (line_end < n && corpus->bytes_[line_end] != '\n') ++line_end;
+    if (line_end < n) ++line_end;  // the '\n' belongs to its line
+    for (int64_t s = line_start; s < line_end; s += max_len) {
+      corpus->starts_.push_back(s);
+      corpus->lengths_.push_back(std::min<int64_t>(max_len, line_end - s));
+    }
+    line_start = line_end;
+  }
+  return corpus;
+}
+
+std::vector<int32_t> TextFileCorpus::Document(int64_t i) const {
+  std::vector<int32_t> doc(lengths_[i]);
+  for (int64_t t = 0; t < lengths_[i]; ++t) {
+    doc[t] = static_cast<unsigned char>(bytes_[starts_[i] + t]);
+  }
+  return doc;
+}
+
+absl::StatusOr<std::shared_ptr<const DocumentSource>> MakeCorpus(const DataConfig& config) {
+  if (config.path().empty()) return std::make_shared<const MarkovCorpus>(config);
+  absl::StatusOr<std::unique_ptr<TextFileCorpus>> file =
+      TextFileCorpus::Load(config.path(), config.seq_len());
+  if (!file.ok()) return file.status();
+  return std::shared_ptr<const DocumentSource>(std::move(*file));
+}
+
+int64_t MicroBatch::valid_tokens() const {
+  return std::count_if(labels.begin(), labels.end(), [](int32_t y) { return y != kIgnoreIndex; });
+}
+
+int64_t MicroBatch::routed_tokens() const { return std::count(mask.begin(), mask.end(), 1); }
+
+absl::StatusOr<RankDataLoader> RankDataLoader::Create(std::shared_ptr<const DocumentSource> corpus,
+                                                      const DataConfig& config, int rank,
+                                                      int world) {
+  if (world < 1 || rank < 0 || rank >= world) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank=", rank, ": must be in [0, world=", world, ")"));
+  }
+  if (config.seq_len() < 2 || config.micro_batch() < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("data.seq_len=", config.seq_len(),
+                                                   ", data.micro_batch=", config.micro_batch(),
+                                                   ": need seq_len >= 2 and micro_batch >= 1"));
+  }
+  RankDataLoader loader;
+  const int64_t n = corpus->num_documents();
+  loader.shard_begin_ = rank * n / world;
+  loader.shard_end_ = (rank + 1) * n / world;
+  if (loader.shard_end_ <= loader.shard_begin_) {
+    return absl::InvalidArgumentError(absl::StrCat("the corpus has ", n,
+                                                   " documents, too few for world=", world,
+                                                   " (rank ", rank, " gets none)"));
+  }
+  for (int64_t i = loader.shard_begin_; i < loader.shard_end_; ++i) {
+    if (corpus->DocumentLength(i) > config.seq_len()) {
+      return absl::InvalidArgumentError(absl::StrCat("document ", i, " has length ",
+                                                     corpus->DocumentLength(i),
+                                                     " > data.seq_len=", config.seq_len()));
+    }
+  }
+  loader.corpus_ = std::move(corpus);
+  loader.seq_len_ = config.seq_len();
+  loader.micro_batch_ = config.micro_batch();
+  loader.cursor_ = loader.shard_begin_;
+  return loader;
+}
+
+std::vector<int64_t> RankDataLoader::NextSequenceDocs() {
+  std::vector<int64_t> docs;
+  int64_t used = 0;
+  while (true) {
+    const int64_t len = corpus_->DocumentLength(cursor_);
+    if (used + len > seq_len_) break;  // every document fits an empty sequence
+    docs.push_back(cursor_);
+    used += len;
+    if (++cursor_ == shard_end_) cursor_ = shard_begin_;  // next epoch of the shard
+  }
+  return docs;
+}
+
+std::vector<MicroBatch> RankDataLoader::NextStep(int grad_acc) {
+  std::vector<MicroBatch> step(grad_acc);
+  for (MicroBatch& mb : step) {
+    mb.batch = micro_batch_;
+    mb.seq_len = seq_len_;
+    mb.tokens.assign(static_cast<size_t>(micro_batch_) * seq_len_, 0);
+    mb.labels.assign(mb.tokens.size(), kIgnoreIndex);
+    mb.mask.assign(mb.tokens.size(), 0);
+    for (int b = 0; b < micro_batch_; ++b) {
+      mb.doc_ids.push_back(NextSequenceDocs());
+      size_t pos = static_cast<size_t>(b) * seq_len_;
+      for (int64_t id : mb.doc_ids.back()) {
+        const std::vector<int32_t> doc = corpus_->Document(id);
+        for (size_t t = 0; t < doc.size(); ++t, ++pos) {
+          mb.tokens[pos] = doc[t];
+          mb.mask[pos] = 1;
+          // The last token of a document has no next token in it: ignored.
+          mb.labels[pos] = t + 1 < doc.size() ? doc[t + 1] : kIgnoreIndex;
+        }
+      }
+    }
+  }
+  return step;
+}
+
+void RankDataLoader::SkipSteps(int64_t steps, int grad_acc) {
+  for (int64_t s = 0; s < steps * grad_acc * micro_batch_; ++s) NextSequenceDocs();
+}
+
+}  // namespace gradsum::train

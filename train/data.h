@@ -1,0 +1,181 @@
+#ifndef GRADSUM_TRAIN_DATA_H_
+#define GRADSUM_TRAIN_DATA_H_
+
+// Training data for moe_lm: byte-level documents packed into fixed-length sequences.
+//
+// The default corpus needs no file: document i is sampled from a fixed seeded
+// first-order Markov chain over bytes (MarkovChain), its length and tokens drawn from
+// random streams keyed by (corpus_seed, i), so any document can be produced on demand.
+// Since moe_lm predicts each next token from the current one alone (SEMANTICS.md §10
+// has no attention), the chain's conditional entropy H(X_{t+1} | X_t) under its
+// stationary distribution is the floor of the expected CE; documents start in the
+// stationary distribution so that every labelled pair is a stationary transition.
+//
+// Packing (RankDataLoader): each rank owns a disjoint contiguous shard of the documents
+// and fills sequences greedily with whole documents (cycling through its shard). Inside
+// a sequence, label[t] = token[t+1] of the same document; the last token of each
+// document is ignored (label kIgnoreIndex); the tail is padding (mask 0, label
+// kIgnoreIndex, token 0). So valid-token counts differ across ranks and micro-batches.
+//
+//   GRADSUM_ASSIGN_OR_RETURN(auto corpus, MakeCorpus(config.data()));
+//   GRADSUM_ASSIGN_OR_RETURN(RankDataLoader loader,
+//       RankDataLoader::Create(corpus, config.data(), rank, world));
+//   std::vector<MicroBatch> step = loader.NextStep(grad_acc);  // G micro-batches
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "train/config.pb.h"
+
+namespace gradsum::train {
+
+// Label of a token that CE ignores (SEMANTICS.md §1).
+inline constexpr int32_t kIgnoreIndex = -100;
+
+// SplitMix64: a small, portable, seedable generator (identical on every platform, so
+// the corpus and the initial weights are the same everywhere).
+class SplitMix64 {
+ public:
+  explicit SplitMix64(uint64_t seed) : state_(seed) {}
+  uint64_t Next();
+  // Uniform in [0, 1) with 53 random bits.
+  double Uniform();
+  // Uniform integer in [0, n), n > 0.
+  uint64_t Below(uint64_t n);
+  // Standard normal (Box-Muller).
+  double Normal();
+
+ private:
+  uint64_t state_;
+};
+
+// Mixes several words into one seed (for keyed random streams).
+uint64_t MixSeed(uint64_t a, uint64_t b, uint64_t c = 0);
+
+// A first-order Markov chain over the 256 byte values. Only a small alphabet of
+// printable bytes is reachable, each with a few successors of skewed probability, so
+// the conditional entropy is well below ln 256. The chain is irreducible on its
+// alphabet (each row includes the next symbol of a random cycle).
+class MarkovChain {
+ public:
+  static constexpr int kStates = 256;
+
+  // The chain for `seed`; the same seed gives the same chain everywhere.
+  static MarkovChain Create(uint64_t seed);
+
+  // P(next = to | current = from).
+  double Transition(int from, int to) const { return transition_[from * kStates + to]; }
+  // The stationary distribution pi (pi P = pi), 0 outside the alphabet.
+  const std::vector<double>& stationary() const { return stationary_; }
+  // Bytes that the chain visits, ascending.
+  const std::vector<int>& alphabet() const { return alphabet_; }
+  // H = sum_i pi_i * (-sum_j P_ij ln P_ij), in nats per token, computed exactly.
+  double ConditionalEntropyNats() const;
+
+  // Draws the next byte after `from` (which must be in the alphabet).
+  int SampleNext(int from, SplitMix64& rng) const;
+  // Draws a byte from the stationary distribution.
+  int SampleStationary(SplitMix64& rng) const;
+
+ private:
+  std::vector<double> transition_;  // row-major [256, 256]
+  std::vector<double> stationary_;
+  std::vector<int> alphabet_;
+};
+
+// A random-access collection of byte-level documents.
+class DocumentSource {
+ public:
+  virtual ~DocumentSource() = default;
+  virtual int64_t num_documents() const = 0;
+  // Length of document i (cheap; used to replay packing when resuming).
+  virtual int64_t DocumentLength(int64_t i) const = 0;
+  // The tokens of document i (values in [0, 256)).
+  virtual std::vector<int32_t> Document(int64_t i) const = 0;
+  // The floor of the expected CE in nats/token if known (the Markov corpus), else < 0.
+  virtual double EntropyFloorNats() const { return -1; }
+};
+
+// The embedded corpus: `corpus_documents` documents from MarkovChain::Create(corpus_seed),
+// lengths uniform in [min_doc_len, max_doc_len], first token from the stationary law.
+class MarkovCorpus : public DocumentSource {
+ public:
+  explicit MarkovCorpus(const DataConfig& config);
+  int64_t num_documents() const override { return num_documents_; }
+  int64_t DocumentLength(int64_t i) const override;
+  std::vector<int32_t> Document(int64_t i) const override;
+  double EntropyFloorNats() const override { return chain_.ConditionalEntropyNats(); }
+  const MarkovChain& chain() const { return chain_; }
+
+ private:
+  MarkovChain chain_;
+  uint64_t seed_;
+  int64_t num_documents_;
+  int min_len_, max_len_;
+};
+
+// A text file as documents: each line including its '\n' is a document; a line longer
+// than `max_len` bytes is split into pieces of at most `max_len`.
+class TextFileCorpus : public DocumentSource {
+ public:
+  // NotFound if the file cannot be read; InvalidArgument if it is empty.
+  static absl::StatusOr<std::unique_ptr<TextFileCorpus>> Load(const std::string& path, int max_len);
+  int64_t num_documents() const override { return static_cast<int64_t>(starts_.size()); }
+  int64_t DocumentLength(int64_t i) const override { return lengths_[i]; }
+  std::vector<int32_t> Document(int64_t i) const override;
+
+ private:
+  std::string bytes_;
+  std::vector<int64_t> starts_, lengths_;
+};
+
+// The corpus `config` names: the text file `path`, or the Markov corpus when empty.
+absl::StatusOr<std::shared_ptr<const DocumentSource>> MakeCorpus(const DataConfig& config);
+
+// One micro-batch of one rank: `batch` packed sequences of `seq_len` tokens, row-major.
+struct MicroBatch {
+  int batch = 0;
+  int seq_len = 0;
+  std::vector<int32_t> tokens;  // [batch * seq_len]; padding 0
+  std::vector<int32_t> labels;  // next token or kIgnoreIndex
+  std::vector<int32_t> mask;    // 1 routed (a document token), 0 padding
+  // The documents packed into each sequence, in order (for tests and dumps).
+  std::vector<std::vector<int64_t>> doc_ids;
+
+  int64_t valid_tokens() const;   // labels != kIgnoreIndex
+  int64_t routed_tokens() const;  // mask == 1
+};
+
+// Packs the documents of rank `rank`'s shard [rank * n / world, (rank + 1) * n / world).
+class RankDataLoader {
+ public:
+  // InvalidArgument if rank is outside [0, world), if the shard is empty (fewer
+  // documents than ranks) or if a document is longer than data.seq_len.
+  static absl::StatusOr<RankDataLoader> Create(std::shared_ptr<const DocumentSource> corpus,
+                                               const DataConfig& config, int rank, int world);
+
+  // The next `grad_acc` micro-batches of this rank (one optimizer step).
+  std::vector<MicroBatch> NextStep(int grad_acc);
+  // Advances as if NextStep(grad_acc) had been called `steps` times (for --resume),
+  // without generating tokens.
+  void SkipSteps(int64_t steps, int grad_acc);
+
+  int64_t shard_begin() const { return shard_begin_; }
+  int64_t shard_end() const { return shard_end_; }
+
+ private:
+  RankDataLoader() = default;
+  // Documents of the next sequence; advances the cursor.
+  std::vector<int64_t> NextSequenceDocs();
+
+  std::shared_ptr<const DocumentSource> corpus_;
+  int seq_len_ = 0, micro_batch_ = 0;
+  int64_t shard_begin_ = 0, shard_end_ = 0, cursor_ = 0;
+};
+
+}  // namespace gradsum::train
+
+#endif  // GRADSUM_TRAIN_DATA_H_
