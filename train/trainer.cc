@@ -161,8 +161,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
     std::error_code ec;
     fs::create_directories(config.checkpoint_dir(), ec);
     if (ec) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "checkpoint_dir=", config.checkpoint_dir(), ": cannot create: ", ec.message()));
+      return absl::FailedPreconditionError(absl::StrCat("checkpoint_dir=", config.checkpoint_dir(),
+                                                        ": cannot create: ", ec.message()));
     }
   }
   if (config.resume()) GRADSUM_RETURN_IF_ERROR(trainer->Resume());

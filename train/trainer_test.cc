@@ -87,10 +87,10 @@ TEST(TrainerTest, DumpWritesTheNamedFiles) {
                                      std::to_string(m) + ".safetensors");
       ASSERT_TRUE(b.ok()) << b.status();
       const MicroBatch& want = (*global)[m][r];
-      for (const auto& [name, v] : {std::pair<const char*, const std::vector<int32_t>*>{
-                                        "tokens", &want.tokens},
-                                    {"labels", &want.labels},
-                                    {"mask", &want.mask}}) {
+      for (const auto& [name, v] :
+           {std::pair<const char*, const std::vector<int32_t>*>{"tokens", &want.tokens},
+            {"labels", &want.labels},
+            {"mask", &want.mask}}) {
         auto t = b->Get(name);
         ASSERT_TRUE(t.ok()) << name;
         EXPECT_EQ(t->dtype(), DType::kI64);
