@@ -3,23 +3,23 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/synchronization/mutex.h"
-#include "absl/synchronization/notification.h"
 #include "core/half.h"
 #include "core/status.h"
 
@@ -28,13 +28,18 @@ namespace {
 
 // ---- Process-wide MPI state. ----
 
+// Synchronisation here uses std::mutex / std::condition_variable rather than absl's:
+// Debian's shared abseil is not built with TSan, so TSan cannot see absl::Mutex and would
+// report every handoff through it as a race under --config=tsan.
+
 // Non-null when MPI runs at MPI_THREAD_SERIALIZED: every MPI call this backend makes
 // (from any progress thread or the caller's thread) then holds it.
-absl::Mutex* g_serial_mu = nullptr;
+std::mutex* g_serial_mu = nullptr;
 
 template <typename F>
 int CallMpi(F&& f) {
-  absl::MutexLockMaybe lock(g_serial_mu);
+  if (g_serial_mu == nullptr) return f();
+  std::lock_guard<std::mutex> lock(*g_serial_mu);
   return f();
 }
 
@@ -64,8 +69,8 @@ const char* ThreadLevelName(int level) {
 
 // Initialises MPI if nobody has, and decides whether our calls must be serialised.
 absl::Status EnsureMpiReady() {
-  static absl::Mutex init_mu(absl::kConstInit);
-  absl::MutexLock lock(&init_mu);
+  static std::mutex init_mu;
+  std::lock_guard<std::mutex> lock(init_mu);
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (finalized) return absl::FailedPreconditionError("MPI has already been finalised");
@@ -86,7 +91,7 @@ absl::Status EnsureMpiReady() {
         "(or MPI_THREAD_SERIALIZED): use MPI_Init_thread"));
   }
   if (provided == MPI_THREAD_SERIALIZED && g_serial_mu == nullptr) {
-    g_serial_mu = new absl::Mutex();  // Lives for the process, like MPI itself.
+    g_serial_mu = new std::mutex();  // Lives for the process, like MPI itself.
   }
   return absl::OkStatus();
 }
@@ -246,9 +251,9 @@ struct Scratch {
 };
 
 void LeakForever(std::unique_ptr<Scratch> scratch) {
-  static absl::Mutex mu(absl::kConstInit);
+  static std::mutex mu;
   static auto* graveyard = new std::vector<std::unique_ptr<Scratch>>();
-  absl::MutexLock lock(&mu);
+  std::lock_guard<std::mutex> lock(mu);
   graveyard->push_back(std::move(scratch));
 }
 
@@ -268,22 +273,41 @@ struct Op {
   Kind kind;
   int64_t seq = 0;  // issue order on this rank, counting calls that failed locally
   OpFn run;
-  absl::Status status;
-  absl::Notification done;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;     // guarded by mu
+  absl::Status status;   // written before done is set
+
+  void Finish(absl::Status s) {
+    std::lock_guard<std::mutex> lock(mu);
+    status = std::move(s);
+    done = true;
+    cv.notify_all();
+  }
 };
 
 class MpiWork final : public Work {
  public:
   explicit MpiWork(std::shared_ptr<Op> op) : op_(std::move(op)) {}
   absl::Status Wait(absl::Duration timeout) override {
-    if (!op_->done.WaitForNotificationWithTimeout(timeout)) {
+    std::unique_lock<std::mutex> lock(op_->mu);
+    const auto finished = [this] { return op_->done; };
+    if (timeout == absl::InfiniteDuration()) {
+      op_->cv.wait(lock, finished);
+    } else if (!op_->cv.wait_for(lock, absl::ToChronoNanoseconds(timeout), finished)) {
       return absl::DeadlineExceededError(absl::StrCat(
           "mpi ", KindName(op_->kind), " still in flight after waiting ",
           absl::FormatDuration(timeout), "; its buffers must stay alive"));
     }
-    return op_->status;
+    // A fresh copy, not a shared reference: the progress thread may free the Op's status
+    // while the caller holds this one, and abseil's refcount is invisible to TSan.
+    if (op_->status.ok()) return absl::OkStatus();
+    return absl::Status(op_->status.code(), op_->status.message());
   }
-  bool IsCompleted() override { return op_->done.HasBeenNotified(); }
+  bool IsCompleted() override {
+    std::lock_guard<std::mutex> lock(op_->mu);
+    return op_->done;
+  }
 
  private:
   std::shared_ptr<Op> op_;
@@ -301,10 +325,11 @@ class MpiCommunicator final : public Communicator {
 
   ~MpiCommunicator() override {
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       stopping_ = true;
     }
-    worker_.join();
+    queue_cv_.notify_one();
+    worker_.join();  // after running what was already issued
     int finalized = 0;
     MPI_Finalized(&finalized);
     // A broken communicator may have requests in flight; freeing it could block or let
@@ -560,13 +585,14 @@ class MpiCommunicator final : public Communicator {
     op->seq = seq;
     op->run = std::move(fn);
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       if (broken_) {
         return absl::FailedPreconditionError(absl::StrCat(
             "mpi communicator is unusable after an earlier failure: ", broken_reason_));
       }
       queue_.push_back(op);
     }
+    queue_cv_.notify_one();
     return std::unique_ptr<Work>(new MpiWork(std::move(op)));
   }
 
@@ -575,19 +601,16 @@ class MpiCommunicator final : public Communicator {
       std::shared_ptr<Op> op;
       std::string broken_reason;
       {
-        absl::MutexLock lock(&mu_);
-        mu_.Await(absl::Condition(
-            +[](MpiCommunicator* c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c->mu_) {
-              return c->stopping_ || !c->queue_.empty();
-            },
-            this));
+        std::unique_lock<std::mutex> lock(mu_);
+        queue_cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
         if (queue_.empty()) return;  // stopping
         op = std::move(queue_.front());
         queue_.pop_front();
         if (broken_) broken_reason = broken_reason_;
       }
+      absl::Status status;
       if (!broken_reason.empty()) {
-        op->status = absl::FailedPreconditionError(absl::StrCat(
+        status = absl::FailedPreconditionError(absl::StrCat(
             "mpi communicator is unusable after an earlier failure: ", broken_reason));
       } else {
         OpContext ctx;
@@ -595,15 +618,15 @@ class MpiCommunicator final : public Communicator {
         ctx.deadline = absl::Now() + options_.timeout;
         ctx.label = absl::StrFormat("mpi %s #%d (rank %d of %d)", KindName(op->kind), ctx.seq,
                                     rank_, size_);
-        op->status = op->run(ctx);
+        status = op->run(ctx);
         if (ctx.leak_scratch) LeakForever(std::move(ctx.scratch));
         if (ctx.breaks_comm) {
-          absl::MutexLock lock(&mu_);
+          std::lock_guard<std::mutex> lock(mu_);
           broken_ = true;
-          broken_reason_ = std::string(op->status.message());
+          broken_reason_ = std::string(status.message());
         }
       }
-      op->done.Notify();
+      op->Finish(std::move(status));
     }
   }
 
@@ -730,12 +753,13 @@ class MpiCommunicator final : public Communicator {
   // operation with the others' current one. Caller's thread only.
   int64_t next_seq_ = 0;
 
-  absl::Mutex mu_;
-  std::deque<std::shared_ptr<Op>> queue_ ABSL_GUARDED_BY(mu_);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::mutex mu_;
+  std::condition_variable queue_cv_;
+  std::deque<std::shared_ptr<Op>> queue_;  // guarded by mu_
+  bool stopping_ = false;                  // guarded by mu_
   // Written under mu_ by the progress thread; read by the destructor after the join.
   bool broken_ = false;
-  std::string broken_reason_ ABSL_GUARDED_BY(mu_);
+  std::string broken_reason_;  // guarded by mu_
   std::thread worker_;
 };
 

@@ -31,8 +31,8 @@ namespace {
 
 // ---- Element access by dtype, in double. ----
 
-void SetElement(std::vector<unsigned char>& buf, DType t, size_t i, double v) {
-  unsigned char* p = buf.data() + i * DTypeSize(t);
+void SetElement(unsigned char* buf, DType t, size_t i, double v) {
+  unsigned char* p = buf + i * DTypeSize(t);
   switch (t) {
     case DType::kF32: { float x = static_cast<float>(v); std::memcpy(p, &x, 4); break; }
     case DType::kF64: std::memcpy(p, &v, 8); break;
@@ -51,8 +51,8 @@ void SetElement(std::vector<unsigned char>& buf, DType t, size_t i, double v) {
   }
 }
 
-double GetElement(const std::vector<unsigned char>& buf, DType t, size_t i) {
-  const unsigned char* p = buf.data() + i * DTypeSize(t);
+double GetElement(const unsigned char* buf, DType t, size_t i) {
+  const unsigned char* p = buf + i * DTypeSize(t);
   switch (t) {
     case DType::kF32: { float x; std::memcpy(&x, p, 4); return x; }
     case DType::kF64: { double x; std::memcpy(&x, p, 8); return x; }
@@ -62,6 +62,21 @@ double GetElement(const std::vector<unsigned char>& buf, DType t, size_t i) {
     case DType::kI64: { int64_t x; std::memcpy(&x, p, 8); return static_cast<double>(x); }
   }
   return 0;
+}
+
+void SetElement(std::vector<unsigned char>& buf, DType t, size_t i, double v) {
+  SetElement(buf.data(), t, i, v);
+}
+
+double GetElement(const std::vector<unsigned char>& buf, DType t, size_t i) {
+  return GetElement(buf.data(), t, i);
+}
+
+// `v` rounded to the dtype, as a double.
+double RoundTo(DType t, double v) {
+  unsigned char one[8];
+  SetElement(one, t, 0, v);
+  return GetElement(one, t, 0);
 }
 
 // A value large enough that adding the small values below needs the accumulator's extra
@@ -105,9 +120,7 @@ std::vector<unsigned char> FromDoubles(DType t, const std::vector<double>& v) {
 double ReferenceReduce(DType t, ReduceOp op, int world, size_t i) {
   double sum = 0, max = -std::numeric_limits<double>::infinity();
   for (int r = 0; r < world; ++r) {
-    std::vector<unsigned char> one(DTypeSize(t));
-    SetElement(one, t, 0, InputValue(t, r, i));
-    const double x = GetElement(one, t, 0);  // the rounded input
+    const double x = RoundTo(t, InputValue(t, r, i));  // the rounded input
     sum += x;
     max = std::max(max, x);
   }
@@ -324,14 +337,20 @@ TEST_F(MpiBackendTest, BroadcastFromEveryRootEveryDType) {
   }
 }
 
-// Rank 0 arrives late; nobody may leave the barrier before it arrives.
+// Rank 0 arrives late; nobody may leave the barrier before it arrives. All ranks share
+// one machine clock, so rank 0's arrival time (sent afterwards over plain MPI) bounds
+// every rank's exit time.
 TEST_F(MpiBackendTest, BarrierWaitsForEveryRank) {
   ASSERT_NE(comm_, nullptr);
-  const absl::Duration delay = absl::Milliseconds(300);
-  const absl::Time start = absl::Now();
-  if (comm_->rank() == 0) absl::SleepFor(delay);
+  int64_t rank0_arrival_ns = 0;
+  if (comm_->rank() == 0) {
+    absl::SleepFor(absl::Milliseconds(300));
+    rank0_arrival_ns = absl::ToUnixNanos(absl::Now());
+  }
   ASSERT_TRUE(comm_->Barrier().ok());
-  EXPECT_GE(absl::Now() - start, delay);
+  const int64_t exit_ns = absl::ToUnixNanos(absl::Now());
+  MPI_Bcast(&rank0_arrival_ns, 1, MPI_INT64_T, 0, MPI_COMM_WORLD);
+  EXPECT_GE(exit_ns, rank0_arrival_ns);
 }
 
 // Two async in-place all-reduces of one buffer: the second must see the first's result,
