@@ -8,11 +8,14 @@
 //   });
 //
 // Returns OK if every rank returned OK; otherwise the first failing rank's status,
-// annotated with its rank number.
+// annotated with its rank number ("rank 2: ..."). The communicators are destroyed after
+// every rank's function has returned. An invalid world size is InvalidArgument.
 
 #include <functional>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "collectives/communicator.h"
 #include "collectives/thread_backend.h"
 
@@ -20,6 +23,12 @@ namespace gradsum::testing {
 
 absl::Status RunRanks(int world, const std::function<absl::Status(Communicator&)>& fn,
                       ThreadBackendOptions options = {});
+
+// Like RunRanks, but returns every rank's status (index = rank), for tests that check
+// how each rank failed. Only creating the communicators can fail as a whole.
+absl::StatusOr<std::vector<absl::Status>> RunRanksPerRank(
+    int world, const std::function<absl::Status(Communicator&)>& fn,
+    ThreadBackendOptions options = {});
 
 }  // namespace gradsum::testing
 

@@ -85,4 +85,15 @@ absl::Status CheckOptionalDevicePointer(const void* ptr, absl::string_view name)
   return CheckDevicePointer(ptr, name);
 }
 
+absl::StatusOr<int> CurrentDeviceSmCount() {
+  int device = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return CudaErrorToStatus(err, "SM count of the current device");
+  }
+  return sms;
+}
+
 }  // namespace gradsum::cuda

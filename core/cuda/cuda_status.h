@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
 namespace gradsum::cuda {
@@ -40,6 +41,9 @@ absl::Status CheckDevicePointer(const void* ptr, absl::string_view name);
 
 // Like CheckDevicePointer, but a null pointer is accepted (optional buffers).
 absl::Status CheckOptionalDevicePointer(const void* ptr, absl::string_view name);
+
+// Number of streaming multiprocessors of the current device (for grid sizing).
+absl::StatusOr<int> CurrentDeviceSmCount();
 
 }  // namespace gradsum::cuda
 

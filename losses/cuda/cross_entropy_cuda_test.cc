@@ -11,6 +11,8 @@
 
 #include "core/cuda/device_buffer.h"
 #include "core/half.h"
+#include "core/tensor.h"
+#include "losses/cross_entropy.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "testing/gpu_test_util.h"
@@ -200,6 +202,41 @@ TEST(CrossEntropyCuda, OddVocabScalarPathWithSampleWeightsAndGradScale) {
     EXPECT_NEAR(run.loss, ref.loss, 1e-5 * std::abs(ref.loss)) << DTypeName(dtype);
     EXPECT_NEAR(run.weight_sum, ref.weight_sum, 1e-12) << DTypeName(dtype);
     ExpectGradNear(run.grad, ref.grad, 1e-9, dtype == DType::kBF16 ? 1.0 / 256 : 1e-4);
+  }
+}
+
+// The CPU implementation (losses/cross_entropy.h) and the CUDA one agree on the same inputs.
+TEST(CrossEntropyCuda, MatchesCpuImplementationF32AndBf16) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  const int64_t rows = 33, vocab = 4096;
+  std::vector<float> z = RandomLogits(rows * vocab, 21, 5.0f);
+  std::vector<int64_t> y = RandomLabels(rows, vocab, 22, 0.3);
+  std::vector<float> w(rows);
+  for (int64_t t = 0; t < rows; ++t) w[t] = 1.0f / std::sqrt(static_cast<float>(1 + t % 7));
+  const double D = 60;
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    std::vector<float> zr = z;
+    std::vector<uint16_t> zb;
+    if (dtype == DType::kBF16) zb = ToBf16Bits(zr);
+    std::vector<float> cpu_grad_f(rows * vocab);
+    std::vector<uint16_t> cpu_grad_b(rows * vocab);
+    void* cpu_in = dtype == DType::kBF16 ? static_cast<void*>(zb.data()) : static_cast<void*>(zr.data());
+    void* cpu_out = dtype == DType::kBF16 ? static_cast<void*>(cpu_grad_b.data())
+                                          : static_cast<void*>(cpu_grad_f.data());
+    TensorView zv = *TensorView::Create(cpu_in, dtype, {rows, vocab});
+    TensorView gv = *TensorView::Create(cpu_out, dtype, {rows, vocab});
+    absl::StatusOr<CrossEntropyResult> cpu = CrossEntropyForwardBackward(zv, y, w, D, gv);
+    ASSERT_TRUE(cpu.ok()) << cpu.status();
+    CeRun run = RunCe(dtype, zr, rows, vocab, y, w, D, /*in_place=*/false);
+    ASSERT_TRUE(run.status.ok()) << run.status;
+    EXPECT_NEAR(run.loss, cpu->local_loss, 1e-5 * std::abs(cpu->local_loss)) << DTypeName(dtype);
+    EXPECT_NEAR(run.weight_sum, cpu->local_weight_sum, 1e-9) << DTypeName(dtype);
+    std::vector<double> cpu_grad(rows * vocab);
+    for (int64_t i = 0; i < rows * vocab; ++i) {
+      cpu_grad[i] = dtype == DType::kBF16 ? BF16::FromBits(cpu_grad_b[i]).ToFloat() : cpu_grad_f[i];
+    }
+    // Both round an fp32 gradient once; bf16 results may differ by one bf16 ulp.
+    ExpectGradNear(run.grad, cpu_grad, 1e-10, dtype == DType::kBF16 ? 1.0 / 128 : 1e-4);
   }
 }
 

@@ -1,0 +1,355 @@
+// Loss-kernel benchmarks (issue: losses). Run with
+//   ./bazelw run -c opt //bench:losses_bench -- --benchmark_min_time=0.1
+//
+// BM_CrossEntropyFused<T>/N/V    the fused CE forward+backward (losses/cross_entropy.h)
+// BM_CrossEntropyNaive<T>/N/V    log-softmax materialised in fp32, then NLL backward: max,
+//                                 sum(exp), write logp, read logp to write the gradient (libm exp)
+// BM_Memcpy/<bytes>              the bandwidth limit, same bytes as one [N, V] logits buffer
+// Counters: `bytes_per_second` counts the 3-pass byte count 3 * N * V * sizeof(T) (read for
+// max+sum, read again and write the gradient); `frac_of_memcpy_limit` = (time the 3-pass
+// bytes take at the memcpy bandwidth measured inside the same benchmark) / (time taken).
+//
+// BM_FusedLinearCE/N/D/V          chunked hidden @ head + CE + both gradients
+// BM_MatmulThenFusedCE/N/D/V      full [N, V] logits GEMM, fused CE in place, then the two
+//                                 gradient GEMMs (same Eigen GEMMs, same threads)
+// Counter `peak_extra_bytes`: the peak heap growth during one call, measured by the
+// malloc/free interposer below (every allocation of the process, Eigen's included).
+#include <malloc.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "Eigen/Core"
+#include "bench/memcpy_bench.h"
+#include "benchmark/benchmark.h"
+#include "core/half.h"
+#include "core/tensor.h"
+#include "losses/cross_entropy.h"
+#include "losses/linear_cross_entropy.h"
+#include "losses/parallel.h"
+
+// ---- Heap accounting: glibc's allocator behind a counting interposer. ----
+extern "C" {
+void* __libc_malloc(size_t);
+void __libc_free(void*);
+void* __libc_calloc(size_t, size_t);
+void* __libc_realloc(void*, size_t);
+void* __libc_memalign(size_t, size_t);
+}
+
+namespace {
+std::atomic<int64_t> g_heap_bytes{0};
+std::atomic<int64_t> g_heap_peak{0};
+
+void* Track(void* p) {
+  if (p != nullptr) {
+    const int64_t now =
+        g_heap_bytes.fetch_add(static_cast<int64_t>(malloc_usable_size(p))) +
+        static_cast<int64_t>(malloc_usable_size(p));
+    int64_t peak = g_heap_peak.load(std::memory_order_relaxed);
+    while (now > peak && !g_heap_peak.compare_exchange_weak(peak, now)) {
+    }
+  }
+  return p;
+}
+void Untrack(void* p) {
+  if (p != nullptr) g_heap_bytes.fetch_sub(static_cast<int64_t>(malloc_usable_size(p)));
+}
+
+// Peak heap growth above the current level while `fn` runs.
+template <typename Fn>
+int64_t PeakExtraBytes(const Fn& fn) {
+  const int64_t base = g_heap_bytes.load();
+  g_heap_peak.store(base);
+  fn();
+  return g_heap_peak.load() - base;
+}
+}  // namespace
+
+extern "C" {
+void* malloc(size_t n) { return Track(__libc_malloc(n)); }
+void free(void* p) {
+  Untrack(p);
+  __libc_free(p);
+}
+void* calloc(size_t a, size_t b) { return Track(__libc_calloc(a, b)); }
+void* realloc(void* p, size_t n) {
+  Untrack(p);
+  void* q = __libc_realloc(p, n);
+  if (q == nullptr && n != 0) Track(p);  // failed: p still owned
+  return Track(q);
+}
+void* memalign(size_t a, size_t n) { return Track(__libc_memalign(a, n)); }
+void* aligned_alloc(size_t a, size_t n) { return Track(__libc_memalign(a, n)); }
+int posix_memalign(void** out, size_t a, size_t n) {
+  void* p = __libc_memalign(a, n);
+  if (p == nullptr) return 12;  // ENOMEM
+  *out = Track(p);
+  return 0;
+}
+}
+
+namespace gradsum::bench {
+namespace {
+
+using losses::CrossEntropyForwardBackward;
+
+template <typename T>
+DType DTypeOf();
+template <>
+DType DTypeOf<float>() {
+  return DType::kF32;
+}
+template <>
+DType DTypeOf<BF16>() {
+  return DType::kBF16;
+}
+
+template <typename T>
+T FromFloat(float x);
+template <>
+float FromFloat<float>(float x) {
+  return x;
+}
+template <>
+BF16 FromFloat<BF16>(float x) {
+  return BF16::FromFloat(x);
+}
+inline float AsFloat(float x) { return x; }
+inline float AsFloat(BF16 x) { return x.ToFloat(); }
+
+struct CeProblem {
+  int64_t n, v;
+  std::vector<int64_t> labels;
+};
+
+template <typename T>
+std::vector<T> RandomLogits(int64_t n, int64_t v) {
+  std::mt19937 rng(1);
+  std::normal_distribution<float> dist(0.0f, 3.0f);
+  std::vector<T> z(static_cast<size_t>(n * v));
+  for (T& e : z) e = FromFloat<T>(dist(rng));
+  return z;
+}
+
+std::vector<int64_t> RandomLabels(int64_t n, int64_t v) {
+  std::mt19937 rng(2);
+  std::uniform_int_distribution<int64_t> cls(0, v - 1);
+  std::vector<int64_t> y(static_cast<size_t>(n));
+  for (int64_t& e : y) e = cls(rng);
+  return y;
+}
+
+// Memcpy bandwidth (bytes copied per second) of `bytes`, best of a few copies, measured
+// inside the benchmark so the ratio is side by side with the kernel.
+double MemcpyBytesPerSecond(size_t bytes) {
+  std::vector<char> src(bytes, 1), dst(bytes, 0);
+  double best = 1e30;
+  for (int i = 0; i < 5; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::memcpy(dst.data(), src.data(), bytes);
+    benchmark::DoNotOptimize(dst.data());
+    benchmark::ClobberMemory();
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return static_cast<double>(bytes) / best;
+}
+
+// `seconds`: wall time of the timed calls, measured by the benchmark itself.
+void ReportCeCounters(benchmark::State& state, int64_t n, int64_t v, size_t elem,
+                      double seconds) {
+  const double logits_bytes = static_cast<double>(n * v) * static_cast<double>(elem);
+  const double three_pass = 3.0 * logits_bytes;
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * three_pass));
+  const double memcpy_rate = MemcpyBytesPerSecond(static_cast<size_t>(logits_bytes));
+  // A memcpy of B bytes moves 2B (read + write): the 3-pass count at that bandwidth takes
+  // three_pass / (2 * rate) seconds.
+  const double limit_seconds = three_pass / (2.0 * memcpy_rate);
+  state.counters["frac_of_memcpy_limit"] =
+      limit_seconds * static_cast<double>(state.iterations()) / seconds;
+  state.counters["memcpy_GBps"] = memcpy_rate / 1e9;
+}
+
+template <typename T>
+void BM_CrossEntropyFused(benchmark::State& state) {
+  const int64_t n = state.range(0), v = state.range(1);
+  std::vector<T> z = RandomLogits<T>(n, v);
+  std::vector<T> grad(z.size());
+  const std::vector<int64_t> y = RandomLabels(n, v);
+  const TensorView zv = *TensorView::Create(z.data(), DTypeOf<T>(), {n, v});
+  const TensorView gv = *TensorView::Create(grad.data(), DTypeOf<T>(), {n, v});
+  double seconds = 0.0;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = CrossEntropyForwardBackward(zv, y, {}, static_cast<double>(n), gv);
+    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (!r.ok()) {
+      state.SkipWithError(std::string(r.status().message()).c_str());
+      break;
+    }
+    benchmark::DoNotOptimize(r->local_loss);
+    benchmark::ClobberMemory();
+  }
+  ReportCeCounters(state, n, v, sizeof(T), seconds);
+}
+
+// The unfused path: log-softmax written out in fp32, loss read from it, then the NLL
+// backward reads it again to write the gradient. Same threads and row blocks as the fused.
+template <typename T>
+void BM_CrossEntropyNaive(benchmark::State& state) {
+  const int64_t n = state.range(0), v = state.range(1);
+  std::vector<T> z = RandomLogits<T>(n, v);
+  std::vector<T> grad(z.size());
+  std::vector<float> logp(z.size());
+  const std::vector<int64_t> y = RandomLabels(n, v);
+  const double d = static_cast<double>(n);
+  std::vector<double> row_loss(static_cast<size_t>(n));
+  double seconds = 0.0;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    losses::ParallelFor(2, n, [&](int64_t t) {
+      const T* x = z.data() + t * v;
+      float* lp = logp.data() + t * v;
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < v; ++j) mx = std::max(mx, AsFloat(x[j]));
+      float s = 0.0f;
+      for (int64_t j = 0; j < v; ++j) s += std::exp(AsFloat(x[j]) - mx);
+      const float lse = mx + std::log(s);
+      for (int64_t j = 0; j < v; ++j) lp[j] = AsFloat(x[j]) - lse;
+      row_loss[t] = -lp[y[t]];
+    });
+    double loss = 0;
+    for (double l : row_loss) loss += l;
+    loss /= d;
+    losses::ParallelFor(2, n, [&](int64_t t) {
+      const float* lp = logp.data() + t * v;
+      T* g = grad.data() + t * v;
+      const float scale = static_cast<float>(1.0 / d);
+      for (int64_t j = 0; j < v; ++j) {
+        g[j] = FromFloat<T>(scale * (std::exp(lp[j]) - (j == y[t] ? 1.0f : 0.0f)));
+      }
+    });
+    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    benchmark::DoNotOptimize(loss);
+    benchmark::ClobberMemory();
+  }
+  ReportCeCounters(state, n, v, sizeof(T), seconds);
+}
+
+void CeSizes(benchmark::internal::Benchmark* b) {
+  b->Args({512, 8192})->Args({1024, 32768})->Args({4096, 32768})->UseRealTime()->Unit(
+      benchmark::kMillisecond);
+}
+
+BENCHMARK_TEMPLATE(BM_CrossEntropyFused, float)->Apply(CeSizes);
+BENCHMARK_TEMPLATE(BM_CrossEntropyNaive, float)->Apply(CeSizes);
+BENCHMARK_TEMPLATE(BM_CrossEntropyFused, BF16)->Apply(CeSizes);
+BENCHMARK_TEMPLATE(BM_CrossEntropyNaive, BF16)->Apply(CeSizes);
+// Same bytes as one logits buffer of the sizes above (f32: 16 MiB, 128 MiB, 512 MiB).
+BENCHMARK(BM_Memcpy)->Arg(512 * 8192 * 4)->Arg(1024 * 32768 * 4)->Arg(int64_t{4096} * 32768 * 4)
+    ->UseRealTime()->Unit(benchmark::kMillisecond);
+
+// ---- Fused linear CE vs the materialised path. ----
+
+using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+struct LinearProblem {
+  int64_t n, dm, v;
+  std::vector<float> h, w, gh, gw;
+  std::vector<int64_t> y;
+};
+
+LinearProblem MakeLinear(const benchmark::State& state) {
+  LinearProblem p;
+  p.n = state.range(0);
+  p.dm = state.range(1);
+  p.v = state.range(2);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  p.h.resize(p.n * p.dm);
+  p.w.resize(p.dm * p.v);
+  for (float& e : p.h) e = dist(rng);
+  for (float& e : p.w) e = dist(rng) * 0.05f;
+  p.gh.assign(p.n * p.dm, 0.0f);
+  p.gw.assign(p.dm * p.v, 0.0f);
+  p.y = RandomLabels(p.n, p.v);
+  return p;
+}
+
+void BM_FusedLinearCE(benchmark::State& state) {
+  LinearProblem p = MakeLinear(state);
+  const auto view = [](std::vector<float>& x, int64_t r, int64_t c) {
+    return *TensorView::Create(x.data(), DType::kF32, {r, c});
+  };
+  int64_t peak = 0;
+  for (auto _ : state) {
+    peak = std::max(peak, PeakExtraBytes([&] {
+      auto r = losses::LinearCrossEntropyForwardBackward(
+          view(p.h, p.n, p.dm), view(p.w, p.dm, p.v), p.y, {}, static_cast<double>(p.n),
+          view(p.gh, p.n, p.dm), view(p.gw, p.dm, p.v));
+      if (!r.ok()) state.SkipWithError(std::string(r.status().message()).c_str());
+      benchmark::DoNotOptimize(r);
+    }));
+  }
+  state.counters["peak_extra_bytes"] = static_cast<double>(peak);
+  state.counters["logits_bytes"] = static_cast<double>(p.n * p.v * 4);
+  state.counters["peak_over_logits"] = static_cast<double>(peak) / (p.n * p.v * 4.0);
+  state.counters["GFLOP/s"] = benchmark::Counter(
+      6.0 * p.n * p.dm * p.v * state.iterations() / 1e9, benchmark::Counter::kIsRate);
+}
+
+void BM_MatmulThenFusedCE(benchmark::State& state) {
+  LinearProblem p = MakeLinear(state);
+  const int threads = 2;
+  int64_t peak = 0;
+  for (auto _ : state) {
+    peak = std::max(peak, PeakExtraBytes([&] {
+      Eigen::Map<const RowMajor> h(p.h.data(), p.n, p.dm), w(p.w.data(), p.dm, p.v);
+      Eigen::Map<RowMajor> gh(p.gh.data(), p.n, p.dm), gw(p.gw.data(), p.dm, p.v);
+      RowMajor logits(p.n, p.v);
+      auto part = [&](int64_t n, int64_t i) {
+        return std::pair<int64_t, int64_t>{n * i / threads, n * (i + 1) / threads - n * i / threads};
+      };
+      losses::ParallelFor(threads, threads, [&](int64_t i) {
+        const auto [c0, cn] = part(p.v, i);
+        logits.middleCols(c0, cn).noalias() = h * w.middleCols(c0, cn);
+      });
+      const TensorView lv = *TensorView::Create(logits.data(), DType::kF32, {p.n, p.v});
+      auto r = CrossEntropyForwardBackward(lv, p.y, {}, static_cast<double>(p.n), lv);
+      if (!r.ok()) state.SkipWithError(std::string(r.status().message()).c_str());
+      losses::ParallelFor(threads, threads, [&](int64_t i) {
+        const auto [c0, cn] = part(p.v, i);
+        gw.middleCols(c0, cn).noalias() += h.transpose() * logits.middleCols(c0, cn);
+      });
+      losses::ParallelFor(threads, threads, [&](int64_t i) {
+        const auto [r0, rn] = part(p.n, i);
+        gh.middleRows(r0, rn).noalias() = logits.middleRows(r0, rn) * w.transpose();
+      });
+      benchmark::DoNotOptimize(gh.data());
+    }));
+  }
+  state.counters["peak_extra_bytes"] = static_cast<double>(peak);
+  state.counters["logits_bytes"] = static_cast<double>(p.n * p.v * 4);
+  state.counters["peak_over_logits"] = static_cast<double>(peak) / (p.n * p.v * 4.0);
+  state.counters["GFLOP/s"] = benchmark::Counter(
+      6.0 * p.n * p.dm * p.v * state.iterations() / 1e9, benchmark::Counter::kIsRate);
+}
+
+void LinearSizes(benchmark::internal::Benchmark* b) {
+  b->Args({512, 256, 8192})->Args({2048, 256, 16384})->UseRealTime()->Unit(
+      benchmark::kMillisecond);
+}
+
+BENCHMARK(BM_FusedLinearCE)->Apply(LinearSizes);
+BENCHMARK(BM_MatmulThenFusedCE)->Apply(LinearSizes);
+
+}  // namespace
+}  // namespace gradsum::bench
+
+BENCHMARK_MAIN();

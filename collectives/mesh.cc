@@ -1,0 +1,41 @@
+#include "collectives/mesh.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "core/status.h"
+
+namespace gradsum {
+
+Mesh::Mesh(Communicator* world, int ep_size, std::unique_ptr<Communicator> ep_group,
+           std::unique_ptr<Communicator> edp_group)
+    : world_(world),
+      ep_size_(ep_size),
+      edp_size_(world->size() / ep_size),
+      ep_group_(std::move(ep_group)),
+      edp_group_(std::move(edp_group)) {}
+
+absl::StatusOr<std::unique_ptr<Mesh>> Mesh::Create(Communicator* world, int ep_size) {
+  if (world == nullptr) return absl::InvalidArgumentError("Mesh::Create: world is null");
+  const int w = world->size();
+  if (ep_size < 1 || w % ep_size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("Mesh::Create: ep_size ", ep_size,
+                                                   " must be >= 1 and divide the world size ",
+                                                   w));
+  }
+  const int f = world->rank() / ep_size;
+  const int p = world->rank() % ep_size;
+  // SEMANTICS.md §1: EP group = same f (ordered by p), EDP group = same p (ordered by f).
+  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> ep_group, world->Split(f, p));
+  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> edp_group, world->Split(p, f));
+  if (ep_group == nullptr || edp_group == nullptr || ep_group->size() != ep_size ||
+      edp_group->size() != w / ep_size || ep_group->rank() != p || edp_group->rank() != f) {
+    return absl::InternalError(absl::StrCat("Mesh::Create: ", world->backend(),
+                                            " Split returned an inconsistent group on rank ",
+                                            world->rank()));
+  }
+  return std::unique_ptr<Mesh>(
+      new Mesh(world, ep_size, std::move(ep_group), std::move(edp_group)));
+}
+
+}  // namespace gradsum

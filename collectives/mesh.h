@@ -1,0 +1,55 @@
+#ifndef GRADSUM_COLLECTIVES_MESH_H_
+#define GRADSUM_COLLECTIVES_MESH_H_
+
+// Mesh: the (F, P) device mesh over the world and its three groups (SEMANTICS.md §1).
+//
+// Row-major: rank = f * P + p.
+// - ep_group(): the P ranks with my f (contiguous ranks; they hold different experts),
+//   ordered by p, so ep_group().rank() == p_index().
+// - edp_group(): the F ranks with my p (stride P; they hold the same experts), ordered by
+//   f, so edp_group().rank() == f_index().
+// - world(): all W = F * P ranks.
+//
+//   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Mesh> mesh, Mesh::Create(&world, /*ep_size=*/2));
+//   // dense grads: mesh->world(); expert grads of my slot: mesh->edp_group() (§7).
+//   GRADSUM_RETURN_IF_ERROR(mesh->edp_group().AllReduce(g, g, n, DType::kF32));
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "collectives/communicator.h"
+
+namespace gradsum {
+
+class Mesh {
+ public:
+  // world: not owned, must outlive the Mesh. ep_size = P; F = world->size() / P.
+  // P < 1, or a world size not divisible by P, is InvalidArgument naming both; a null
+  // world is InvalidArgument. Collective over `world` (two Splits): every rank calls it
+  // with the same ep_size.
+  static absl::StatusOr<std::unique_ptr<Mesh>> Create(Communicator* world, int ep_size);
+
+  int world_size() const { return world_->size(); }
+  int ep_size() const { return ep_size_; }    // P
+  int edp_size() const { return edp_size_; }  // F
+  int f_index() const { return world_->rank() / ep_size_; }
+  int p_index() const { return world_->rank() % ep_size_; }
+
+  Communicator& world() { return *world_; }
+  Communicator& ep_group() { return *ep_group_; }
+  Communicator& edp_group() { return *edp_group_; }
+
+ private:
+  Mesh(Communicator* world, int ep_size, std::unique_ptr<Communicator> ep_group,
+       std::unique_ptr<Communicator> edp_group);
+
+  Communicator* world_;
+  int ep_size_;
+  int edp_size_;
+  std::unique_ptr<Communicator> ep_group_;
+  std::unique_ptr<Communicator> edp_group_;
+};
+
+}  // namespace gradsum
+
+#endif  // GRADSUM_COLLECTIVES_MESH_H_

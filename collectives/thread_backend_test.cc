@@ -1,0 +1,350 @@
+// Thread backend: conformance at world sizes 1..8 against the single-process reference of
+// //collectives:conformance, plus the behaviour only this backend can show in one process
+// (timeouts, a rank that never arrives, invalid arguments on one rank, destruction).
+
+#include "collectives/thread_backend.h"
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "collectives/conformance.h"
+#include "core/half.h"
+#include "gtest/gtest.h"
+#include "testing/run_ranks.h"
+
+namespace gradsum {
+namespace {
+
+using ::gradsum::testing::RunRanks;
+using ::gradsum::testing::RunRanksPerRank;
+
+#define EXPECT_OK(expr)                        \
+  do {                                         \
+    const absl::Status s_ = (expr);            \
+    EXPECT_TRUE(s_.ok()) << s_;                \
+  } while (0)
+
+constexpr size_t kCounts[] = {0, 1, 13, 1000, 4099};
+
+class ThreadConformanceTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(ThreadConformanceTest, AllReduceEveryDTypeOpCountAndPlacement) {
+  EXPECT_OK(RunRanks(GetParam(), [](Communicator& comm) -> absl::Status {
+    for (DType t : kAllDTypes) {
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax}) {
+        if (op == ReduceOp::kAvg && !IsFloating(t)) continue;
+        for (size_t n : kCounts) {
+          for (bool in_place : {false, true}) {
+            absl::Status s = conformance::CheckAllReduce(comm, t, op, n, in_place);
+            if (!s.ok()) return s;
+          }
+        }
+      }
+    }
+    return absl::OkStatus();
+  }));
+}
+
+TEST_P(ThreadConformanceTest, ReduceScatterAndAllGather) {
+  EXPECT_OK(RunRanks(GetParam(), [](Communicator& comm) -> absl::Status {
+    for (DType t : kAllDTypes) {
+      for (size_t n : {0, 1, 7, 300}) {
+        for (bool in_place : {false, true}) {
+          for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+            if (op == ReduceOp::kAvg && !IsFloating(t)) continue;
+            absl::Status s = conformance::CheckReduceScatter(comm, t, op, n, in_place);
+            if (!s.ok()) return s;
+          }
+          absl::Status s = conformance::CheckAllGather(comm, t, n, in_place);
+          if (!s.ok()) return s;
+        }
+      }
+    }
+    return absl::OkStatus();
+  }));
+}
+
+TEST_P(ThreadConformanceTest, AllToAllVUnevenCountsAndBroadcastFromEveryRoot) {
+  EXPECT_OK(RunRanks(GetParam(), [](Communicator& comm) -> absl::Status {
+    for (DType t : kAllDTypes) {
+      for (size_t max_count : {0, 1, 5, 200}) {
+        conformance::CheckOptions o;
+        o.seed = 7 + max_count;
+        absl::Status s = conformance::CheckAllToAllV(comm, t, max_count, o);
+        if (!s.ok()) return s;
+      }
+      for (int root = 0; root < comm.size(); ++root) {
+        for (size_t n : {0, 3, 1000}) {
+          absl::Status s = conformance::CheckBroadcast(comm, t, n, root);
+          if (!s.ok()) return s;
+        }
+      }
+    }
+    return absl::OkStatus();
+  }));
+}
+
+TEST_P(ThreadConformanceTest, AsyncSplitAndMismatches) {
+  EXPECT_OK(RunRanks(GetParam(), [](Communicator& comm) -> absl::Status {
+    absl::Status s = conformance::CheckAsyncInIssueOrder(comm);
+    if (s.ok()) s = conformance::CheckSplit(comm);
+    if (s.ok()) s = conformance::CheckMismatchesFail(comm);
+    // The group stays usable after mismatches: every rank failed the same calls.
+    if (s.ok()) s = conformance::CheckAllReduce(comm, DType::kF32, ReduceOp::kSum, 100, false);
+    return s;
+  }));
+}
+
+TEST_P(ThreadConformanceTest, IntegerValuedInputsAsAnyBackendWouldSee) {
+  conformance::CheckOptions o;
+  o.rank_ordered_sums = false;
+  o.seed = 99;
+  EXPECT_OK(RunRanks(GetParam(), [&](Communicator& comm) -> absl::Status {
+    absl::Status s = conformance::CheckAllReduce(comm, DType::kBF16, ReduceOp::kAvg, 1000, true, o);
+    if (s.ok()) s = conformance::CheckReduceScatter(comm, DType::kF16, ReduceOp::kSum, 100, false, o);
+    if (s.ok()) s = conformance::CheckAllToAllV(comm, DType::kI32, 50, o);
+    return s;
+  }));
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, ThreadConformanceTest, ::testing::Range(1, 9),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return absl::StrCat("W", info.param);
+                         });
+
+TEST(ThreadBackendTest, RejectsBadWorldSizeAndTimeout) {
+  EXPECT_EQ(CreateThreadCommunicators(0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CreateThreadCommunicators(1025).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(CreateThreadCommunicators(-3).status().message(), "-3"));
+  ThreadBackendOptions o;
+  o.timeout = absl::ZeroDuration();
+  EXPECT_EQ(CreateThreadCommunicators(2, o).status().code(), absl::StatusCode::kInvalidArgument);
+  auto comms = CreateThreadCommunicators(3);
+  ASSERT_TRUE(comms.ok());
+  EXPECT_EQ((*comms)[2]->rank(), 2);
+  EXPECT_EQ((*comms)[2]->size(), 3);
+  EXPECT_EQ((*comms)[0]->backend(), "thread");
+  EXPECT_EQ((*comms)[0]->timeout(), absl::Seconds(60));
+}
+
+// bf16 SUM accumulates in fp32 and rounds once (SEMANTICS.md §7). 1 + 7 * 2^-8: rounding
+// after every addition would stay at 1 (each 2^-8 is half an ulp, ties to even); one
+// rounding of the exact 1.02734375 gives 1.03125 (3.5 ulps, tie to even 4 ulps).
+TEST(ThreadBackendTest, Bf16SumRoundsOnce) {
+  EXPECT_OK(RunRanks(8, [](Communicator& comm) -> absl::Status {
+    BF16 x = BF16::FromFloat(comm.rank() == 0 ? 1.0f : 0.00390625f);
+    absl::Status s = comm.AllReduce(&x, &x, 1, DType::kBF16, ReduceOp::kSum);
+    if (!s.ok()) return s;
+    if (x.ToFloat() != 1.03125f) {
+      return absl::InternalError(absl::StrCat("bf16 sum is ", x.ToFloat(), ", expected 1.03125"));
+    }
+    return absl::OkStatus();
+  }));
+}
+
+TEST(ThreadBackendTest, CountMismatchMessageNamesBothRanks) {
+  auto statuses = RunRanksPerRank(3, [](Communicator& comm) {
+    std::vector<float> buf(12, 1.0f);
+    return comm.AllReduce(buf.data(), buf.data(), comm.rank() == 2 ? 10 : 12, DType::kF32);
+  });
+  ASSERT_TRUE(statuses.ok());
+  for (int r = 0; r < 3; ++r) {
+    const absl::Status& s = (*statuses)[r];
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << "rank " << r << ": " << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "rank 2 passed count 10, rank 0 passed 12")) << s;
+  }
+}
+
+TEST(ThreadBackendTest, InvalidArgumentsOnOneRankFailEveryRankWithoutTimeout) {
+  const absl::Time start = absl::Now();
+  auto statuses = RunRanksPerRank(4, [](Communicator& comm) -> absl::Status {
+    std::vector<float> buf(8, 1.0f);
+    const int root = comm.rank() == 1 ? 9 : 0;  // out of range on rank 1 only
+    absl::Status s = comm.Broadcast(buf.data(), 8, DType::kF32, root);
+    if (s.ok()) return absl::InternalError("bad root accepted");
+    // Later operations still line up across ranks.
+    absl::Status after = comm.AllReduce(buf.data(), buf.data(), 8, DType::kF32);
+    if (!after.ok()) return after;
+    if (buf[0] != 4.0f) return absl::InternalError(absl::StrCat("sum after error is ", buf[0]));
+    return s;
+  });
+  ASSERT_TRUE(statuses.ok());
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+  for (int r = 0; r < 4; ++r) {
+    const absl::Status& s = (*statuses)[r];
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), r == 1 ? "root 9" : "rank 1 passed invalid")) << s;
+  }
+}
+
+TEST(ThreadBackendTest, LocalArgumentChecks) {
+  auto comms = CreateThreadCommunicators(1);
+  ASSERT_TRUE(comms.ok());
+  Communicator& c = *(*comms)[0];
+  std::vector<float> a(64), b(64);
+  const auto code = [](absl::Status s) { return s.code(); };
+  const auto kInvalid = absl::StatusCode::kInvalidArgument;
+  EXPECT_EQ(code(c.AllReduce(nullptr, b.data(), 4, DType::kF32)), kInvalid);
+  EXPECT_EQ(code(c.AllReduce(a.data(), a.data() + 1, 4, DType::kF32)), kInvalid);  // overlap
+  EXPECT_EQ(code(c.AllReduce(a.data(), b.data(), 4, DType::kI32, ReduceOp::kAvg)), kInvalid);
+  EXPECT_EQ(code(c.AllReduce(a.data(), b.data(), 4, static_cast<DType>(42))), kInvalid);
+  EXPECT_EQ(code(c.ReduceScatter(a.data(), b.data(), 4, DType::kF32, ReduceOp::kMax)), kInvalid);
+  EXPECT_EQ(code(c.Broadcast(a.data(), 4, DType::kF32, -1)), kInvalid);
+  const std::vector<size_t> two = {1, 1};
+  const std::vector<size_t> one = {1}, zero = {0};
+  EXPECT_EQ(code(c.AllToAllV(a.data(), two, two, b.data(), one, zero, DType::kF32)), kInvalid);
+  // Receive blocks of one peer can't overlap in a 1-rank world; send/recv overlap can.
+  EXPECT_EQ(code(c.AllToAllV(a.data(), one, zero, a.data(), one, zero, DType::kF32)), kInvalid);
+  // Zero elements with null buffers are fine.
+  EXPECT_OK(c.AllReduce(nullptr, nullptr, 0, DType::kF64));
+  EXPECT_OK(c.AllToAllV(nullptr, zero, zero, nullptr, zero, zero, DType::kF32));
+}
+
+TEST(ThreadBackendTest, InPlaceConventionsForScatterAndGather) {
+  EXPECT_OK(RunRanks(2, [](Communicator& comm) -> absl::Status {
+    std::vector<float> full(9, 1.0f);
+    // recv == send (base) on rank 1 overlaps another rank's block: rejected.
+    absl::Status s = comm.ReduceScatter(full.data(), full.data(), 4, DType::kF32);
+    if (comm.rank() == 1 && s.code() != absl::StatusCode::kInvalidArgument) {
+      return absl::InternalError(absl::StrCat("overlapping reduce_scatter accepted: ", s.ToString()));
+    }
+    if (comm.rank() == 0 && s.code() != absl::StatusCode::kInvalidArgument) {
+      return absl::InternalError("rank 0 did not learn of rank 1's bad arguments");
+    }
+    s = comm.AllGather(full.data(), full.data() + 1, 4, DType::kF32);
+    if (s.code() != absl::StatusCode::kInvalidArgument) {
+      return absl::InternalError(absl::StrCat("overlapping all_gather accepted: ", s.ToString()));
+    }
+    return absl::OkStatus();
+  }));
+}
+
+TEST(ThreadBackendTest, MissingRankTimesOutThenCommunicatorIsUnusable) {
+  ThreadBackendOptions o;
+  o.timeout = absl::Milliseconds(200);
+  const absl::Time start = absl::Now();
+  auto statuses = RunRanksPerRank(
+      4,
+      [](Communicator& comm) -> absl::Status {
+        std::vector<float> buf(16, 1.0f);
+        if (comm.rank() == 3) {
+          // Arrives late, after the others gave up.
+          std::this_thread::sleep_for(std::chrono::milliseconds(600));
+          absl::Status late = comm.AllReduce(buf.data(), buf.data(), 16, DType::kF32);
+          if (late.code() != absl::StatusCode::kFailedPrecondition) {
+            return absl::InternalError(absl::StrCat("late rank got ", late.ToString()));
+          }
+          return absl::OkStatus();
+        }
+        absl::Status s = comm.AllReduce(buf.data(), buf.data(), 16, DType::kF32);
+        if (s.code() != absl::StatusCode::kDeadlineExceeded) return s;
+        if (!absl::StrContains(s.message(), "3")) return absl::InternalError(s.ToString());
+        absl::Status later = comm.Barrier();
+        if (later.code() != absl::StatusCode::kFailedPrecondition) {
+          return absl::InternalError(absl::StrCat("later call got ", later.ToString()));
+        }
+        return absl::OkStatus();
+      },
+      o);
+  ASSERT_TRUE(statuses.ok());
+  for (const absl::Status& s : *statuses) EXPECT_OK(s);
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_GE(took, absl::Milliseconds(200));
+  EXPECT_LT(took, absl::Seconds(20));
+}
+
+TEST(ThreadBackendTest, WaitTimeoutLeavesOperationInFlight) {
+  EXPECT_OK(RunRanks(2, [](Communicator& comm) -> absl::Status {
+    int64_t x = comm.rank() + 1;
+    if (comm.rank() == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      return comm.AllReduce(&x, &x, 1, DType::kI64);
+    }
+    auto work = comm.AllReduceAsync(&x, &x, 1, DType::kI64, ReduceOp::kSum);
+    if (!work.ok()) return work.status();
+    absl::Status early = (*work)->Wait(absl::Milliseconds(20));
+    if (early.code() != absl::StatusCode::kDeadlineExceeded || (*work)->IsCompleted()) {
+      return absl::InternalError(absl::StrCat("early wait gave ", early.ToString()));
+    }
+    absl::Status s = (*work)->Wait(absl::Seconds(30));
+    if (!s.ok()) return s;
+    if (x != 3) return absl::InternalError(absl::StrCat("sum is ", x));
+    return absl::OkStatus();
+  }));
+}
+
+TEST(ThreadBackendTest, ManyAsyncOperationsCompleteInIssueOrder) {
+  EXPECT_OK(RunRanks(8, [](Communicator& comm) -> absl::Status {
+    constexpr int kOps = 200;
+    std::vector<int32_t> bufs(kOps);
+    std::vector<std::unique_ptr<Work>> works;
+    for (int i = 0; i < kOps; ++i) {
+      bufs[i] = i * 100 + comm.rank();
+      auto w = comm.AllReduceAsync(&bufs[i], &bufs[i], 1, DType::kI32, ReduceOp::kSum);
+      if (!w.ok()) return w.status();
+      works.push_back(std::move(*w));
+    }
+    for (int i = 0; i < kOps; ++i) {
+      absl::Status s = works[i]->Wait();
+      if (!s.ok()) return s;
+      if (bufs[i] != i * 800 + 28) return absl::InternalError(absl::StrCat("op ", i, " = ", bufs[i]));
+    }
+    return absl::OkStatus();
+  }));
+}
+
+TEST(ThreadBackendTest, DestroyingWithOperationInFlightDoesNotHang) {
+  auto comms = CreateThreadCommunicators(2);
+  ASSERT_TRUE(comms.ok());
+  float x = 1.0f;
+  auto work = (*comms)[0]->AllReduceAsync(&x, &x, 1, DType::kF32, ReduceOp::kSum);
+  ASSERT_TRUE(work.ok());
+  // Rank 1 never joins; destroying rank 0 aborts the op instead of waiting 60 s.
+  const absl::Time start = absl::Now();
+  (*comms)[0].reset();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  absl::Status s = (*work)->Wait(absl::Seconds(10));
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  // The surviving rank sees the broken group.
+  EXPECT_EQ((*comms)[1]->Barrier().code(), absl::StatusCode::kFailedPrecondition);
+  comms->clear();
+}
+
+TEST(ThreadBackendTest, SubCommunicatorsOutliveAndPredeceaseTheirParents) {
+  std::vector<std::unique_ptr<Communicator>> subs(4);
+  {
+    auto statuses = RunRanksPerRank(4, [&](Communicator& comm) -> absl::Status {
+      auto sub = comm.Split(comm.rank() / 2, 0);
+      if (!sub.ok()) return sub.status();
+      auto tmp = comm.Split(0, comm.rank());
+      if (!tmp.ok()) return tmp.status();
+      tmp->reset();  // a child destroyed while the parent lives
+      subs[comm.rank()] = std::move(*sub);
+      return absl::OkStatus();
+    });
+    ASSERT_TRUE(statuses.ok());
+    for (const absl::Status& s : *statuses) EXPECT_OK(s);
+  }
+  // The parents are gone; the children still work.
+  std::vector<std::thread> threads;
+  std::vector<absl::Status> results(4);
+  for (int r = 0; r < 4; ++r) {
+    threads.emplace_back([&, r] {
+      int32_t v = r;
+      results[r] = subs[r]->AllReduce(&v, &v, 1, DType::kI32);
+      if (results[r].ok() && v != (r < 2 ? 1 : 5)) results[r] = absl::InternalError("bad sum");
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const absl::Status& s : results) EXPECT_OK(s);
+}
+
+}  // namespace
+}  // namespace gradsum

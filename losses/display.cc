@@ -1,0 +1,184 @@
+#include "losses/display.h"
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "core/dtype.h"
+#include "core/status.h"
+
+namespace gradsum::losses {
+namespace {
+
+// 16-bit fingerprint: small enough that sum(h) and sum(h^2) over <= 1024 ranks stay exact
+// in f64, so "all ranks agree" is W * sum(h^2) == sum(h)^2 (zero variance), an exact test.
+class Fingerprint {
+ public:
+  void Mix(uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h_ ^= (v >> (8 * i)) & 0xffu;
+      h_ *= 1099511628211ull;  // FNV-1a
+    }
+  }
+  void Mix(absl::string_view s) {
+    Mix(static_cast<uint64_t>(s.size()));
+    for (char c : s) Mix(static_cast<uint64_t>(static_cast<unsigned char>(c)));
+  }
+  double Value16() const { return static_cast<double>((h_ ^ (h_ >> 16) ^ (h_ >> 32) ^ (h_ >> 48)) & 0xffffu); }
+
+ private:
+  uint64_t h_ = 14695981039346656037ull;
+};
+
+bool AllRanksAgree(double sum, double sum_sq, int world) {
+  return static_cast<double>(world) * sum_sq == sum * sum;
+}
+
+}  // namespace
+
+absl::StatusOr<double> StepDisplayValues::Value(absl::string_view name) const {
+  for (const DisplayTerm& t : terms) {
+    if (t.name == name) return t.value;
+  }
+  return absl::NotFoundError(absl::StrCat("display: no term named '", name, "'"));
+}
+
+StepDisplay::StepDisplay(int num_moe_layers, int num_experts)
+    : num_experts_(std::max(num_experts, 0)),
+      histogram_(static_cast<size_t>(std::max(num_moe_layers, 0)),
+                 std::vector<int64_t>(static_cast<size_t>(std::max(num_experts, 0)), 0)) {}
+
+absl::Status StepDisplay::RegisterTerm(absl::string_view name, DisplayTermKind kind) {
+  if (name.empty()) return absl::InvalidArgumentError("display: a term needs a name");
+  if (index_.contains(name)) {
+    return absl::AlreadyExistsError(absl::StrCat("display: term '", name, "' is already registered"));
+  }
+  index_.emplace(std::string(name), entries_.size());
+  entries_.push_back(Entry{std::string(name), kind, 0.0, 0});
+  return absl::OkStatus();
+}
+
+absl::Status StepDisplay::Add(absl::string_view name, double value, DisplayTermKind kind) {
+  const char* what = kind == DisplayTermKind::kLoss ? "loss term" : "metric";
+  auto it = index_.find(name);
+  if (it == index_.end()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "display: ", what, " '", name,
+        "' has no display entry; register it (StepDisplay::RegisterTerm) so that every term "
+        "that drives backward is logged (SEMANTICS.md §8)"));
+  }
+  Entry& e = entries_[it->second];
+  if (e.kind != kind) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "display: '", name, "' is registered as a ",
+        e.kind == DisplayTermKind::kLoss ? "loss term" : "metric", ", not as a ", what));
+  }
+  if (!std::isfinite(value)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("display: non-finite value ", value, " for '", name, "'"));
+  }
+  e.local_sum += value;
+  ++e.additions;
+  return absl::OkStatus();
+}
+
+absl::Status StepDisplay::AddBackwardTerm(absl::string_view name, double local_component) {
+  return Add(name, local_component, DisplayTermKind::kLoss);
+}
+
+absl::Status StepDisplay::AddMetric(absl::string_view name, double local_value) {
+  return Add(name, local_value, DisplayTermKind::kMetric);
+}
+
+absl::Status StepDisplay::AddGlobalExpertCounts(int layer, absl::Span<const int64_t> global_counts) {
+  if (layer < 0 || layer >= static_cast<int>(histogram_.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("display: MoE layer ", layer,
+                                                   " outside [0, ", histogram_.size(), ")"));
+  }
+  if (static_cast<int>(global_counts.size()) != num_experts_) {
+    return absl::InvalidArgumentError(absl::StrCat("display: ", global_counts.size(),
+                                                   " expert counts for ", num_experts_,
+                                                   " experts"));
+  }
+  for (size_t e = 0; e < global_counts.size(); ++e) {
+    if (global_counts[e] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("display: expert count c[", e, "] = ", global_counts[e], " is negative"));
+    }
+  }
+  for (size_t e = 0; e < global_counts.size(); ++e) histogram_[layer][e] += global_counts[e];
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepDisplayValues> StepDisplay::Reduce(Communicator& world) {
+  // Packed layout: [term sums (T)] [ranks that added each term (T)]
+  //                [registry fingerprint, its square] [histogram fingerprint, its square].
+  const size_t t = entries_.size();
+  std::vector<double> packed(2 * t + 4, 0.0);
+  Fingerprint registry;
+  for (size_t i = 0; i < t; ++i) {
+    packed[i] = entries_[i].local_sum;
+    packed[t + i] = entries_[i].additions > 0 ? 1.0 : 0.0;
+    registry.Mix(entries_[i].name);
+    registry.Mix(static_cast<uint64_t>(entries_[i].kind));
+  }
+  Fingerprint hist;
+  for (const std::vector<int64_t>& layer : histogram_) {
+    for (int64_t c : layer) hist.Mix(static_cast<uint64_t>(c));
+  }
+  packed[2 * t] = registry.Value16();
+  packed[2 * t + 1] = registry.Value16() * registry.Value16();
+  packed[2 * t + 2] = hist.Value16();
+  packed[2 * t + 3] = hist.Value16() * hist.Value16();
+
+  // SEMANTICS §8: one coalesced SUM all-reduce of every term's detached local sum.
+  absl::Status s =
+      world.AllReduce(packed.data(), packed.data(), packed.size(), DType::kF64, ReduceOp::kSum);
+  if (!s.ok()) return Annotate(s, "display all-reduce");
+
+  StepDisplayValues out;
+  out.tokens_per_expert = histogram_;
+  // The accumulators start afresh whatever the outcome below.
+  for (Entry& e : entries_) {
+    e.local_sum = 0.0;
+    e.additions = 0;
+  }
+  for (std::vector<int64_t>& layer : histogram_) std::fill(layer.begin(), layer.end(), 0);
+
+  if (!AllRanksAgree(packed[2 * t], packed[2 * t + 1], world.size())) {
+    return absl::FailedPreconditionError(
+        "display: ranks registered different terms (names, kinds or order differ)");
+  }
+  for (size_t i = 0; i < t; ++i) {
+    const double adders = packed[t + i];
+    if (entries_[i].kind == DisplayTermKind::kLoss && adders < world.size()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "display: loss term '", entries_[i].name, "' received no value this step on ",
+          world.size() - adders, " of ", world.size(),
+          " rank(s); a registered loss term must be logged every step"));
+    }
+  }
+  if (!AllRanksAgree(packed[2 * t + 2], packed[2 * t + 3], world.size())) {
+    return absl::InvalidArgumentError(
+        "display: ranks hold different tokens-per-expert histograms; pass the GLOBAL counts "
+        "c[l, m, :] (after ExpertCountReduction), not local ones");
+  }
+  for (size_t i = 0; i < t; ++i) {
+    out.terms.push_back(DisplayTerm{entries_[i].name, entries_[i].kind, packed[i]});
+    if (entries_[i].kind == DisplayTermKind::kLoss) out.total_loss += packed[i];
+  }
+  for (const std::vector<int64_t>& layer : out.tokens_per_expert) {
+    // §8: maxvio = (max_e c_e - mean_e c_e) / mean_e c_e.
+    double total = 0.0, mx = 0.0;
+    for (int64_t c : layer) {
+      total += static_cast<double>(c);
+      mx = std::max(mx, static_cast<double>(c));
+    }
+    const double mean = layer.empty() ? 0.0 : total / static_cast<double>(layer.size());
+    out.maxvio.push_back(mean > 0.0 ? (mx - mean) / mean : 0.0);
+  }
+  return out;
+}
+
+}  // namespace gradsum::losses

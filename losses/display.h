@@ -1,0 +1,116 @@
+#ifndef GRADSUM_LOSSES_DISPLAY_H_
+#define GRADSUM_LOSSES_DISPLAY_H_
+
+// The detached display pipeline (SEMANTICS.md §8): what a step logs.
+//
+// Each loss term's local components are accumulated in f64, detached, over the
+// micro-batches; at step end ONE coalesced SUM all-reduce (a single call on a packed f64
+// vector) gives the global value of every term, identical on every rank and equal to the
+// single-process value. Terms are registered up front; a term that drives backward must be
+// registered, so a new term can never vanish from the logs: adding a backward term that
+// has no display entry is FailedPrecondition naming it, and so is a registered loss term
+// that received no value in a step.
+//
+// Per MoE layer it also keeps the tokens-per-expert histogram (the GLOBAL counts c[l, m, :]
+// summed over micro-batches; they are already global, so they are not all-reduced again)
+// and maxvio = (max_e c_e - mean_e c_e) / mean_e c_e.
+//
+//   StepDisplay display(/*num_moe_layers=*/L, /*num_experts=*/E);
+//   GRADSUM_RETURN_IF_ERROR(display.RegisterTerm("ce"));
+//   GRADSUM_RETURN_IF_ERROR(display.RegisterTerm("z_loss"));
+//   GRADSUM_RETURN_IF_ERROR(display.RegisterTerm("tokens", DisplayTermKind::kMetric));
+//   for each micro-batch m:
+//     GRADSUM_RETURN_IF_ERROR(display.AddBackwardTerm("ce", ce.local_loss));
+//     GRADSUM_RETURN_IF_ERROR(display.AddBackwardTerm("z_loss", z_local));
+//     GRADSUM_RETURN_IF_ERROR(display.AddGlobalExpertCounts(l, c));   // per layer
+//   GRADSUM_ASSIGN_OR_RETURN(StepDisplayValues v, display.Reduce(world));  // collective
+//   // v.total_loss, v.Value("ce"), v.tokens_per_expert[l], v.maxvio[l]
+//
+// Not thread-safe: one StepDisplay per rank, used by that rank's thread.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "collectives/communicator.h"
+
+namespace gradsum::losses {
+
+enum class DisplayTermKind {
+  kLoss = 0,    // drives backward; part of total_loss; must get a value every step
+  kMetric = 1,  // displayed only (token counts, accuracies...); summed over ranks the same way
+};
+
+struct DisplayTerm {
+  std::string name;
+  DisplayTermKind kind = DisplayTermKind::kLoss;
+  // Global value: sum over ranks and micro-batches of the local components.
+  double value = 0.0;
+};
+
+struct StepDisplayValues {
+  std::vector<DisplayTerm> terms;  // registration order
+  // Sum of the kLoss terms: the global loss L of §6.
+  double total_loss = 0.0;
+  // tokens_per_expert[l][e]: global (token, slot) assignments summed over micro-batches.
+  std::vector<std::vector<int64_t>> tokens_per_expert;
+  // maxvio[l] of §8 over tokens_per_expert[l]; 0 for a layer that routed nothing.
+  std::vector<double> maxvio;
+
+  // The global value of term `name`; NotFound if it is not registered.
+  absl::StatusOr<double> Value(absl::string_view name) const;
+};
+
+class StepDisplay {
+ public:
+  // num_moe_layers >= 0 and num_experts >= 0 size the histograms (0 and 0: no MoE).
+  StepDisplay(int num_moe_layers = 0, int num_experts = 0);
+
+  // Registers a term. Every rank must register the same terms in the same order (checked
+  // at Reduce). InvalidArgument for an empty name; AlreadyExists for a repeated name.
+  absl::Status RegisterTerm(absl::string_view name, DisplayTermKind kind = DisplayTermKind::kLoss);
+
+  // Adds one micro-batch's detached local component of a term that drove backward.
+  // FailedPrecondition naming the term if it has no display entry, or is registered as a
+  // metric; InvalidArgument for a non-finite value.
+  absl::Status AddBackwardTerm(absl::string_view name, double local_component);
+
+  // Adds a local value of a display-only metric. FailedPrecondition if `name` is not
+  // registered as kMetric; InvalidArgument for a non-finite value.
+  absl::Status AddMetric(absl::string_view name, double local_value);
+
+  // Adds the global expert counts c[l, m, :] (from ExpertCountReduction) of one layer and
+  // micro-batch. InvalidArgument for a layer outside [0, L), E mismatch, negative counts.
+  absl::Status AddGlobalExpertCounts(int layer, absl::Span<const int64_t> global_counts);
+
+  // Step end: one SUM all-reduce of the packed f64 accumulators over `world`; returns the
+  // global values and clears the accumulators for the next step (registrations stay).
+  // Collective. Errors, on every rank together: FailedPrecondition naming a registered
+  // kLoss term that received no value this step (on any rank), or if the ranks' registries
+  // differ; InvalidArgument if the histograms of the ranks differ; the communicator's error
+  // otherwise (different numbers of terms make the all-reduce itself fail).
+  absl::StatusOr<StepDisplayValues> Reduce(Communicator& world);
+
+ private:
+  struct Entry {
+    std::string name;
+    DisplayTermKind kind;
+    double local_sum = 0.0;
+    int64_t additions = 0;
+  };
+  absl::Status Add(absl::string_view name, double value, DisplayTermKind kind);
+
+  std::vector<Entry> entries_;
+  absl::flat_hash_map<std::string, size_t> index_;
+  int num_experts_;
+  std::vector<std::vector<int64_t>> histogram_;  // [L][E], global counts summed over m
+};
+
+}  // namespace gradsum::losses
+
+#endif  // GRADSUM_LOSSES_DISPLAY_H_
