@@ -8,7 +8,7 @@
 
 #include "core/cuda/cuda_status.h"
 #include "core/cuda/device_buffer.h"
-#include "core/half.h"
+#include "core/dtype.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "testing/gpu_compare.h"
@@ -17,7 +17,10 @@
 namespace gradsum::cuda {
 namespace {
 
+using ::gradsum::testing::DownloadAsDouble;
 using ::gradsum::testing::ExpectAllNear;
+using ::gradsum::testing::RoundTo;
+using ::gradsum::testing::UploadAs;
 using ::gradsum::testing::RandomNormal;
 using ::testing::HasSubstr;
 
@@ -38,21 +41,10 @@ TEST_P(GemmRowMajorTest, MatchesDoubleReference) {
   const int64_t lda = a_cols + pad, ldb = b_cols + pad, ldc = n + pad;
   std::vector<float> a = RandomNormal(a_rows * lda, 1), b = RandomNormal(b_rows * ldb, 2);
   std::vector<float> c0 = RandomNormal(m * ldc, 3);
-  auto round_bf16 = [](std::vector<float>* v) {
-    for (float& f : *v) f = BF16::FromFloat(f).ToFloat();
-  };
-  if (c.in == DType::kBF16) {
-    round_bf16(&a);
-    round_bf16(&b);
-  }
-  if (c.out == DType::kBF16) round_bf16(&c0);
-  auto upload = [](const std::vector<float>& v, DType t) {
-    if (t == DType::kF32) return *DeviceBuffer::FromHost(v);
-    std::vector<uint16_t> bits(v.size());
-    for (size_t i = 0; i < v.size(); ++i) bits[i] = BF16::FromFloat(v[i]).bits;
-    return *DeviceBuffer::FromHost(bits);
-  };
-  DeviceBuffer a_dev = upload(a, c.in), b_dev = upload(b, c.in), c_dev = upload(c0, c.out);
+  RoundTo(c.in, &a);
+  RoundTo(c.in, &b);
+  RoundTo(c.out, &c0);
+  DeviceBuffer a_dev = UploadAs(a, c.in), b_dev = UploadAs(b, c.in), c_dev = UploadAs(c0, c.out);
   absl::StatusOr<CublasHandle> h = CublasHandle::Create();
   ASSERT_TRUE(h.ok()) << h.status();
   GemmArgs g;
@@ -75,12 +67,7 @@ TEST_P(GemmRowMajorTest, MatchesDoubleReference) {
   absl::Status s = GemmRowMajor(*h, nullptr, g);
   ASSERT_TRUE(s.ok()) << s;
 
-  std::vector<double> got;
-  if (c.out == DType::kF32) {
-    for (float f : *c_dev.ToHost<float>()) got.push_back(f);
-  } else {
-    for (uint16_t bits : *c_dev.ToHost<uint16_t>()) got.push_back(BF16::FromBits(bits).ToFloat());
-  }
+  const std::vector<double> got = DownloadAsDouble(c_dev, c.out);
   std::vector<double> want(c0.begin(), c0.end());  // padding columns must stay as they were
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t j = 0; j < n; ++j) {

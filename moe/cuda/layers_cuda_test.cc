@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "core/cuda/device_buffer.h"
-#include "core/half.h"
+#include "core/dtype.h"
 #include "gtest/gtest.h"
 #include "testing/gpu_compare.h"
 #include "testing/gpu_test_util.h"
@@ -18,31 +18,11 @@ namespace gradsum::moe {
 namespace {
 
 using cuda::DeviceBuffer;
+using ::gradsum::testing::DownloadAsDouble;
 using ::gradsum::testing::ExpectAllNear;
+using ::gradsum::testing::RoundTo;
+using ::gradsum::testing::UploadAs;
 using ::gradsum::testing::RandomNormal;
-
-// Device copy of `v` as `dtype` (bf16 rounds; the caller pre-rounds for exactness).
-DeviceBuffer Upload(const std::vector<float>& v, DType dtype) {
-  if (dtype == DType::kF32) return *DeviceBuffer::FromHost(v);
-  std::vector<uint16_t> b(v.size());
-  for (size_t i = 0; i < v.size(); ++i) b[i] = BF16::FromFloat(v[i]).bits;
-  return *DeviceBuffer::FromHost(b);
-}
-
-std::vector<double> Download(const DeviceBuffer& d, DType dtype) {
-  std::vector<double> out;
-  if (dtype == DType::kF32) {
-    for (float f : *d.ToHost<float>()) out.push_back(f);
-  } else {
-    for (uint16_t b : *d.ToHost<uint16_t>()) out.push_back(BF16::FromBits(b).ToFloat());
-  }
-  return out;
-}
-
-void RoundTo(DType dtype, std::vector<float>* v) {
-  if (dtype != DType::kBF16) return;
-  for (float& f : *v) f = BF16::FromFloat(f).ToFloat();
-}
 
 // y = x / sqrt(mean(x^2) + eps) * g, one row, double.
 std::vector<double> RmsNormRow(const double* x, const std::vector<double>& g, double eps) {
@@ -86,9 +66,9 @@ TEST_P(RmsNormCuda, ForwardAndBackwardMatchDoubleReferenceAndFiniteDifferences) 
   RoundTo(c.dtype, &dx0);
   std::vector<float> dgamma0 = RandomNormal(c.width, 5);
 
-  DeviceBuffer x_dev = Upload(x, c.dtype), y_dev = Upload(std::vector<float>(x.size()), c.dtype);
+  DeviceBuffer x_dev = UploadAs(x, c.dtype), y_dev = UploadAs(std::vector<float>(x.size()), c.dtype);
   DeviceBuffer g_dev = *DeviceBuffer::FromHost(gamma), rstd_dev = *DeviceBuffer::Create(sizeof(float) * c.rows);
-  DeviceBuffer dy_dev = Upload(dy, c.dtype), dx_dev = Upload(dx0, c.dtype);
+  DeviceBuffer dy_dev = UploadAs(dy, c.dtype), dx_dev = UploadAs(dx0, c.dtype);
   DeviceBuffer dg_dev = *DeviceBuffer::FromHost(dgamma0);
   RmsNormArgs a;
   a.dtype = c.dtype;
@@ -125,17 +105,17 @@ TEST_P(RmsNormCuda, ForwardAndBackwardMatchDoubleReferenceAndFiniteDifferences) 
     }
   }
   const double rtol = c.dtype == DType::kBF16 ? 1.0 / 128 : 1e-4;
-  ExpectAllNear(Download(y_dev, c.dtype), want_y, 1e-5, rtol, "y");
-  ExpectAllNear(Download(dx_dev, c.dtype), want_dx, 1e-4, rtol, "dx");
+  ExpectAllNear(DownloadAsDouble(y_dev, c.dtype), want_y, 1e-5, rtol, "y");
+  ExpectAllNear(DownloadAsDouble(dx_dev, c.dtype), want_dx, 1e-4, rtol, "dx");
   ExpectAllNear(*dg_dev.ToHost<float>(), want_dg, 1e-3, 1e-4, "dgamma");
 
   // Backward without the saved rstd (recomputed from x) gives the same dx.
-  DeviceBuffer dx2 = Upload(dx0, c.dtype);
+  DeviceBuffer dx2 = UploadAs(dx0, c.dtype);
   a.rstd = nullptr;
   a.dx = dx2.get();
   a.dgamma = nullptr;
   ASSERT_TRUE(RmsNormBackwardCuda(a, nullptr).ok());
-  ExpectAllNear(Download(dx2, c.dtype), want_dx, 1e-4, rtol, "dx (recomputed rstd)");
+  ExpectAllNear(DownloadAsDouble(dx2, c.dtype), want_dx, 1e-4, rtol, "dx (recomputed rstd)");
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, RmsNormCuda,
@@ -182,8 +162,8 @@ TEST_P(SwiGluCuda, ForwardAndInPlaceBackwardMatchReference) {
   RoundTo(dtype, &g);
   RoundTo(dtype, &u);
   RoundTo(dtype, &dh);
-  DeviceBuffer g_dev = Upload(g, dtype), u_dev = Upload(u, dtype), h_dev = Upload(std::vector<float>(n), dtype);
-  DeviceBuffer dh_dev = Upload(dh, dtype);
+  DeviceBuffer g_dev = UploadAs(g, dtype), u_dev = UploadAs(u, dtype), h_dev = UploadAs(std::vector<float>(n), dtype);
+  DeviceBuffer dh_dev = UploadAs(dh, dtype);
   SwiGluArgs s;
   s.dtype = dtype;
   s.n = n;
@@ -206,9 +186,9 @@ TEST_P(SwiGluCuda, ForwardAndInPlaceBackwardMatchReference) {
     want_du[i] = dh[i] * silu(g[i]);
   }
   const double rtol = dtype == DType::kBF16 ? 1.0 / 128 : 1e-5;
-  ExpectAllNear(Download(h_dev, dtype), want_h, 1e-6, rtol, "h");
-  ExpectAllNear(Download(g_dev, dtype), want_dg, 1e-5, rtol, "d_gate");
-  ExpectAllNear(Download(u_dev, dtype), want_du, 1e-6, rtol, "d_up");
+  ExpectAllNear(DownloadAsDouble(h_dev, dtype), want_h, 1e-6, rtol, "h");
+  ExpectAllNear(DownloadAsDouble(g_dev, dtype), want_dg, 1e-5, rtol, "d_gate");
+  ExpectAllNear(DownloadAsDouble(u_dev, dtype), want_du, 1e-6, rtol, "d_up");
 }
 
 INSTANTIATE_TEST_SUITE_P(DTypes, SwiGluCuda, ::testing::Values(DType::kF32, DType::kBF16));

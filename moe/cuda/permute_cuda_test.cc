@@ -20,23 +20,13 @@ namespace gradsum::moe {
 namespace {
 
 using cuda::DeviceBuffer;
+using ::gradsum::testing::Dev;
+using ::gradsum::testing::DownloadAsDouble;
 using ::gradsum::testing::ExpectAllNear;
+using ::gradsum::testing::Host;
+using ::gradsum::testing::UploadAs;
 using ::gradsum::testing::RandomNormal;
 using ::testing::HasSubstr;
-
-template <typename T>
-std::vector<T> Host(const DeviceBuffer& b) {
-  absl::StatusOr<std::vector<T>> v = b.ToHost<T>();
-  EXPECT_TRUE(v.ok()) << v.status();
-  return v.ok() ? *v : std::vector<T>();
-}
-
-template <typename T>
-DeviceBuffer Dev(const std::vector<T>& v) {
-  absl::StatusOr<DeviceBuffer> b = DeviceBuffer::FromHost(v);
-  EXPECT_TRUE(b.ok()) << b.status();
-  return b.ok() ? std::move(*b) : DeviceBuffer();
-}
 
 // Random expert indices: distinct experts per token (like top-K), some tokens unrouted
 // (-1 in every slot), optionally skewed so that one expert gets most copies.
@@ -130,21 +120,8 @@ TEST_P(PermuteCuda, GatherCombineAndBackwardMatchReference) {
     for (auto* v : {&x, &rows, &dy}) {
       for (float& f : *v) f = BF16::FromFloat(f).ToFloat();
     }
-    auto upload = [&](const std::vector<float>& v) {
-      if (dtype == DType::kF32) return Dev(v);
-      std::vector<uint16_t> b(v.size());
-      for (size_t i = 0; i < v.size(); ++i) b[i] = BF16::FromFloat(v[i]).bits;
-      return Dev(b);
-    };
-    auto download = [&](const DeviceBuffer& d) {
-      std::vector<double> out;
-      if (dtype == DType::kF32) {
-        for (float f : Host<float>(d)) out.push_back(f);
-      } else {
-        for (uint16_t b : Host<uint16_t>(d)) out.push_back(BF16::FromBits(b).ToFloat());
-      }
-      return out;
-    };
+    auto upload = [&](const std::vector<float>& v) { return UploadAs(v, dtype); };
+    auto download = [&](const DeviceBuffer& d) { return DownloadAsDouble(d, dtype); };
     const double rtol = dtype == DType::kBF16 ? 1.0 / 128 : 1e-5;
 
     // Gather: bit-exact copies of the token rows.

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "core/cuda/device_buffer.h"
@@ -25,29 +27,12 @@ using cuda::CublasHandle;
 using cuda::DeviceBuffer;
 using cuda::GemmArgs;
 using cuda::GemmRowMajor;
+using ::gradsum::testing::Dev;
 using ::gradsum::testing::ExpectAllNear;
+using ::gradsum::testing::Host;
+using ::gradsum::testing::DevZeros;
 using ::gradsum::testing::RandomNormal;
 using ::testing::HasSubstr;
-
-template <typename T>
-std::vector<T> Host(const DeviceBuffer& b) {
-  absl::StatusOr<std::vector<T>> v = b.ToHost<T>();
-  EXPECT_TRUE(v.ok()) << v.status();
-  return v.ok() ? *v : std::vector<T>();
-}
-
-template <typename T>
-DeviceBuffer Dev(const std::vector<T>& v) {
-  absl::StatusOr<DeviceBuffer> b = DeviceBuffer::FromHost(v);
-  EXPECT_TRUE(b.ok()) << b.status();
-  return b.ok() ? std::move(*b) : DeviceBuffer();
-}
-
-DeviceBuffer Zeros(size_t bytes) {
-  DeviceBuffer b = *DeviceBuffer::Create(bytes);
-  EXPECT_TRUE(b.Fill(0).ok());
-  return b;
-}
 
 std::vector<uint8_t> MaskWithPadding(int64_t T) {
   std::vector<uint8_t> m(T, 1);
@@ -62,13 +47,13 @@ struct GpuRoute {
 
 absl::Status RunForward(const DeviceBuffer& logits, const DeviceBuffer* mask, int64_t T, int E, int K,
                         bool norm, float scale, GpuRoute* r) {
-  r->probs = Zeros(sizeof(float) * T * E);
-  r->index = Zeros(sizeof(int32_t) * T * K);
-  r->weight = Zeros(sizeof(float) * T * K);
-  r->lse = Zeros(sizeof(float) * T);
-  r->counts = Zeros(sizeof(int64_t) * E);
-  r->routed = Zeros(sizeof(int64_t));
-  r->gsum = Zeros(sizeof(double) * E);
+  r->probs = DevZeros(sizeof(float) * T * E);
+  r->index = DevZeros(sizeof(int32_t) * T * K);
+  r->weight = DevZeros(sizeof(float) * T * K);
+  r->lse = DevZeros(sizeof(float) * T);
+  r->counts = DevZeros(sizeof(int64_t) * E);
+  r->routed = DevZeros(sizeof(int64_t));
+  r->gsum = DevZeros(sizeof(double) * E);
   RouterForwardCudaArgs f;
   f.logits = logits.as<float>();
   f.mask = mask ? mask->as<uint8_t>() : nullptr;
@@ -110,7 +95,7 @@ TEST_P(RouterCudaVsCpu, ForwardMatchesCpuRouterAndCublasLogitsMatchCpuLogits) {
   // u = a @ Wr through cuBLAS (fp32, no TF32) against the CPU router's logits.
   absl::StatusOr<CublasHandle> blas = CublasHandle::Create();
   ASSERT_TRUE(blas.ok()) << blas.status();
-  DeviceBuffer a_dev = Dev(a), wr_dev = Dev(wr), u_dev = Zeros(sizeof(float) * c.T * c.E);
+  DeviceBuffer a_dev = Dev(a), wr_dev = Dev(wr), u_dev = DevZeros(sizeof(float) * c.T * c.E);
   GemmArgs g;
   g.m = c.T;
   g.n = c.E;
@@ -231,7 +216,7 @@ TEST_P(RouterCudaVsCpu, CombineWeightGradientMatchesCpuRouterBackward) {
   DeviceBuffer logits = Dev(cpu->logits), mask_dev = Dev(mask);
   GpuRoute r;
   ASSERT_TRUE(RunForward(logits, &mask_dev, c.T, c.E, c.K, c.norm, c.scale, &r).ok());
-  DeviceBuffer dw_dev = Dev(dw), du_dev = Zeros(sizeof(float) * c.T * c.E);
+  DeviceBuffer dw_dev = Dev(dw), du_dev = DevZeros(sizeof(float) * c.T * c.E);
   RouterAuxCudaArgs x;
   x.probs = r.probs.as<float>();
   x.mask = mask_dev.as<uint8_t>();
@@ -248,7 +233,7 @@ TEST_P(RouterCudaVsCpu, CombineWeightGradientMatchesCpuRouterBackward) {
   absl::StatusOr<CublasHandle> blas = CublasHandle::Create();
   ASSERT_TRUE(blas.ok());
   DeviceBuffer a_dev = Dev(a), wr_dev = Dev(wr);
-  DeviceBuffer dwr_dev = Zeros(sizeof(float) * c.D * c.E), da_dev = Zeros(sizeof(float) * c.T * c.D);
+  DeviceBuffer dwr_dev = DevZeros(sizeof(float) * c.D * c.E), da_dev = DevZeros(sizeof(float) * c.T * c.D);
   GemmArgs g1;  // d_Wr[D, E] = a^T du
   g1.trans_a = true;
   g1.m = c.D;
@@ -338,7 +323,7 @@ TEST(RouterCuda, NonFiniteLogitAndBadMaskAreInvalidArgumentNamingTheToken) {
 
 TEST(RouterCuda, BadShapesAndHostPointersAreRejected) {
   GRADSUM_SKIP_WITHOUT_GPU();
-  DeviceBuffer u = Zeros(sizeof(float) * 4 * 8);
+  DeviceBuffer u = DevZeros(sizeof(float) * 4 * 8);
   GpuRoute r;
   EXPECT_EQ(RunForward(u, nullptr, 4, 8, 9, false, 1.0f, &r).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(RunForward(u, nullptr, 4, 0, 1, false, 1.0f, &r).code(), absl::StatusCode::kInvalidArgument);
