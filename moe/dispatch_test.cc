@@ -17,22 +17,13 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "moe/reference.h"
+#include "moe/test_util.h"
 #include "testing/run_ranks.h"
 
 namespace gradsum::moe {
 namespace {
 
 using ::testing::HasSubstr;
-
-std::vector<double> RandomVector(size_t n, double scale, uint32_t seed) {
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<double> dist(-scale, scale);
-  std::vector<double> v(n);
-  for (double& x : v) x = static_cast<float>(dist(gen));  // exactly representable in fp32
-  return v;
-}
-
-std::vector<float> ToFloat(const std::vector<double>& v) { return {v.begin(), v.end()}; }
 
 // A global problem: every world rank's tokens, routing and output gradient, and all E experts.
 struct Problem {
@@ -95,9 +86,9 @@ Problem MakeProblem(int world, int ep_size, int E, int K, const std::vector<int>
   std::mt19937 gen(seed);
   for (int r = 0; r < world; ++r) {
     const int T = tokens_per_rank[r];
-    p.a.push_back(RandomVector(T * p.D, 1.0, seed + 10 * r + 1));
-    p.dy.push_back(RandomVector(T * p.D, 1.0, seed + 10 * r + 2));
-    p.cw.push_back(RandomVector(T * K, 1.0, seed + 10 * r + 3));
+    p.a.push_back(test::RandomFp32Values(T * p.D, 1.0, seed + 10 * r + 1));
+    p.dy.push_back(test::RandomFp32Values(T * p.D, 1.0, seed + 10 * r + 2));
+    p.cw.push_back(test::RandomFp32Values(T * K, 1.0, seed + 10 * r + 3));
     std::vector<int32_t> idx(T * K);
     for (int t = 0; t < T; ++t) {
       std::vector<int32_t> experts(E);
@@ -108,9 +99,9 @@ Problem MakeProblem(int world, int ep_size, int E, int K, const std::vector<int>
     }
     p.idx.push_back(idx);
   }
-  p.wg = RandomVector(E * p.D * p.H, 0.6, seed + 101);
-  p.wu = RandomVector(E * p.D * p.H, 0.6, seed + 102);
-  p.wd = RandomVector(E * p.H * p.D, 0.6, seed + 103);
+  p.wg = test::RandomFp32Values(E * p.D * p.H, 0.6, seed + 101);
+  p.wu = test::RandomFp32Values(E * p.D * p.H, 0.6, seed + 102);
+  p.wd = test::RandomFp32Values(E * p.H * p.D, 0.6, seed + 103);
   return p;
 }
 
@@ -133,7 +124,7 @@ absl::StatusOr<std::vector<RankResult>> RunDispatch(const Problem& p) {
     const int slot = ep->rank();
     const std::vector<float> wg = p.Slice(p.wg, slot), wu = p.Slice(p.wu, slot),
                              wd = p.Slice(p.wd, slot);
-    const std::vector<float> a = ToFloat(p.a[r]), cw = ToFloat(p.cw[r]), dy = ToFloat(p.dy[r]);
+    const std::vector<float> a = test::ToFloat(p.a[r]), cw = test::ToFloat(p.cw[r]), dy = test::ToFloat(p.dy[r]);
     RankResult& out = results[r];
     out.y.assign(a.size(), 0.0f);
     DispatchState state;
@@ -260,7 +251,7 @@ TEST(DispatchTest, NoTokensAnywhere) {
 TEST(DispatchTest, UnevenExpertSplitIsInvalidArgumentNamingEAndP) {
   Problem p = MakeProblem(4, 4, 6, 2, {2, 2, 2, 2}, 80);
   absl::Status s = testing::RunRanks(4, [&](Communicator& comm) -> absl::Status {
-    std::vector<float> w(1), a = ToFloat(p.a[comm.rank()]), cw = ToFloat(p.cw[comm.rank()]);
+    std::vector<float> w(1), a = test::ToFloat(p.a[comm.rank()]), cw = test::ToFloat(p.cw[comm.rank()]);
     std::vector<float> y(a.size());
     DispatchState state;
     return DispatchCombineForward(comm, p.config(), {w, w, w}, a, p.idx[comm.rank()], cw,
@@ -275,7 +266,7 @@ TEST(DispatchTest, BadArgumentsAreInvalidArgument) {
   // World of one: every check fires before any collective.
   Problem p = MakeProblem(1, 1, 4, 2, {3}, 81);
   const std::vector<float> wg = p.Slice(p.wg, 0), wu = p.Slice(p.wu, 0), wd = p.Slice(p.wd, 0);
-  const std::vector<float> a = ToFloat(p.a[0]), cw = ToFloat(p.cw[0]);
+  const std::vector<float> a = test::ToFloat(p.a[0]), cw = test::ToFloat(p.cw[0]);
   absl::Status s = testing::RunRanks(1, [&](Communicator& comm) -> absl::Status {
     std::vector<float> y(a.size());
     DispatchState state;
