@@ -21,8 +21,7 @@ namespace gradsum::moe {
 namespace {
 
 // (world, ep_size, E, K, norm_topk_prob)
-class MoeLayerParityTest
-    : public ::testing::TestWithParam<std::tuple<int, int, int, int, bool>> {};
+class MoeLayerParityTest : public ::testing::TestWithParam<std::tuple<int, int, int, int, bool>> {};
 
 TEST_P(MoeLayerParityTest, OutputsAndReducedGradientsMatchReference) {
   const auto [world, ep_size, E, K, norm] = GetParam();
@@ -37,8 +36,12 @@ TEST_P(MoeLayerParityTest, OutputsAndReducedGradientsMatchReference) {
   rc.top_k = K;
   rc.norm_topk_prob = norm;
   rc.router_scale = scale;
-  const MoeLayerConfig config{.d_model = D, .hidden = H, .num_experts = E, .top_k = K,
-                              .norm_topk_prob = norm, .router_scale = scale};
+  const MoeLayerConfig config{.d_model = D,
+                              .hidden = H,
+                              .num_experts = E,
+                              .top_k = K,
+                              .norm_topk_prob = norm,
+                              .router_scale = scale};
 
   std::vector<std::vector<double>> a(world), dy(world), cu(world);
   std::vector<std::vector<uint8_t>> mask(world);
@@ -65,7 +68,8 @@ TEST_P(MoeLayerParityTest, OutputsAndReducedGradientsMatchReference) {
       for (size_t t = 0; t < mask[r].size(); ++t) {
         if (!mask[r][t]) continue;
         reference::TokenRoute route = reference::RouteToken(rc, &a[r][t * D], wr);
-        for (int e = 0; e < E; ++e) l += cg[e] * route.probs[e] + cu[r][t * E + e] * route.logits[e];
+        for (int e = 0; e < E; ++e)
+          l += cg[e] * route.probs[e] + cu[r][t * E + e] * route.logits[e];
       }
     }
     return l;
@@ -85,8 +89,10 @@ TEST_P(MoeLayerParityTest, OutputsAndReducedGradientsMatchReference) {
     auto slice = [&](const std::vector<double>& w) {
       return std::vector<float>(w.begin() + slot * per, w.begin() + (slot + 1) * per);
     };
-    const std::vector<float> wrf = test::ToFloat(wr), wgf = slice(wg), wuf = slice(wu), wdf = slice(wd);
-    const std::vector<float> af = test::ToFloat(a[r]), dyf = test::ToFloat(dy[r]), cuf = test::ToFloat(cu[r]);
+    const std::vector<float> wrf = test::ToFloat(wr), wgf = slice(wg), wuf = slice(wu),
+                             wdf = slice(wd);
+    const std::vector<float> af = test::ToFloat(a[r]), dyf = test::ToFloat(dy[r]),
+                             cuf = test::ToFloat(cu[r]);
     Result& out = results[r];
     out.y.resize(af.size());
     const MoeLayerWeights weights{.router = wrf, .local_experts = {wgf, wuf, wdf}};
@@ -98,10 +104,9 @@ TEST_P(MoeLayerParityTest, OutputsAndReducedGradientsMatchReference) {
     out.dwg.assign(per, 0.0f);
     out.dwu.assign(per, 0.0f);
     out.dwd.assign(per, 0.0f);
-    const MoeLayerGrads grads{
-        .router = absl::MakeSpan(out.dwr),
-        .local_experts = {absl::MakeSpan(out.dwg), absl::MakeSpan(out.dwu),
-                          absl::MakeSpan(out.dwd)}};
+    const MoeLayerGrads grads{.router = absl::MakeSpan(out.dwr),
+                              .local_experts = {absl::MakeSpan(out.dwg), absl::MakeSpan(out.dwu),
+                                                absl::MakeSpan(out.dwd)}};
     GRADSUM_RETURN_IF_ERROR(MoeLayerBackward(*ep, config, weights, af, state, dyf,
                                              {.d_gating_sums = cg, .d_logits = cuf},
                                              absl::MakeSpan(out.d_a), grads));

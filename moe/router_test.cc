@@ -48,7 +48,8 @@ TEST_P(RouterParamTest, ForwardMatchesDoubleReference) {
   std::vector<uint8_t> mask(T, 1);
   mask[3] = mask[10] = 0;
 
-  absl::StatusOr<RouterOutput> out = RouterForward(config, test::ToFloat(a), test::ToFloat(wr), mask);
+  absl::StatusOr<RouterOutput> out =
+      RouterForward(config, test::ToFloat(a), test::ToFloat(wr), mask);
   ASSERT_TRUE(out.ok()) << out.status();
   EXPECT_EQ(out->num_tokens, T);
   EXPECT_EQ(out->local_routed_tokens, T - 2);
@@ -124,9 +125,11 @@ TEST_P(RouterParamTest, BackwardMatchesFiniteDifferencesOfReference) {
   LossCoefficients c{test::RandomFp32Values(T * K, 1.0, 13), test::RandomFp32Values(T * E, 1.0, 14),
                      test::RandomFp32Values(E, 1.0, 15), test::RandomFp32Values(T * E, 0.3, 16)};
 
-  absl::StatusOr<RouterOutput> out = RouterForward(config, test::ToFloat(a), test::ToFloat(wr), mask);
+  absl::StatusOr<RouterOutput> out =
+      RouterForward(config, test::ToFloat(a), test::ToFloat(wr), mask);
   ASSERT_TRUE(out.ok()) << out.status();
-  const std::vector<float> cw = test::ToFloat(c.cw), cp = test::ToFloat(c.cp), cu = test::ToFloat(c.cu);
+  const std::vector<float> cw = test::ToFloat(c.cw), cp = test::ToFloat(c.cp),
+                           cu = test::ToFloat(c.cu);
   RouterOutputGrads grads;
   grads.d_combine_weight = cw;
   grads.d_probs = cp;
@@ -136,8 +139,8 @@ TEST_P(RouterParamTest, BackwardMatchesFiniteDifferencesOfReference) {
   const std::vector<double> dwr0 = test::RandomFp32Values(D * E, 1.0, 17);
   const std::vector<double> da0 = test::RandomFp32Values(T * D, 1.0, 18);
   std::vector<float> dwr = test::ToFloat(dwr0), da = test::ToFloat(da0);
-  ASSERT_TRUE(RouterBackward(config, test::ToFloat(a), test::ToFloat(wr), *out, grads, absl::MakeSpan(dwr),
-                             absl::MakeSpan(da))
+  ASSERT_TRUE(RouterBackward(config, test::ToFloat(a), test::ToFloat(wr), *out, grads,
+                             absl::MakeSpan(dwr), absl::MakeSpan(da))
                   .ok());
 
   const reference::LayerConfig rc = RefConfig(config);
@@ -162,8 +165,8 @@ INSTANTIATE_TEST_SUITE_P(Configs, RouterParamTest,
 // Central differences of the fp32 code itself (loss evaluated from RouterForward's outputs),
 // checked against its own RouterBackward; only the combine-weight path, with renormalisation.
 TEST(RouterTest, BackwardMatchesFiniteDifferencesOfFp32Forward) {
-  RouterConfig config{.d_model = 5, .num_experts = 4, .top_k = 2, .norm_topk_prob = true,
-                      .router_scale = 1.5f};
+  RouterConfig config{
+      .d_model = 5, .num_experts = 4, .top_k = 2, .norm_topk_prob = true, .router_scale = 1.5f};
   const int T = 6, D = 5, E = 4, K = 2;
   std::vector<float> a = test::ToFloat(test::RandomFp32Values(T * D, 1.0, 21));
   std::vector<float> wr = test::ToFloat(test::RandomFp32Values(D * E, 1.0, 22));
@@ -303,12 +306,12 @@ TEST(RouterTest, BadShapesAndValuesAreInvalidArgument) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("d_combine_weight has 5"));
   g = {};
-  EXPECT_THAT(RouterBackward(config, a, wr, *out, g, absl::MakeSpan(bad), absl::MakeSpan(da))
-                  .message(),
-              HasSubstr("d_router_weight has 5"));
-  EXPECT_THAT(RouterBackward(config, a, wr, *out, g, absl::MakeSpan(dwr), absl::MakeSpan(bad))
-                  .message(),
-              HasSubstr("d_a has 5"));
+  EXPECT_THAT(
+      RouterBackward(config, a, wr, *out, g, absl::MakeSpan(bad), absl::MakeSpan(da)).message(),
+      HasSubstr("d_router_weight has 5"));
+  EXPECT_THAT(
+      RouterBackward(config, a, wr, *out, g, absl::MakeSpan(dwr), absl::MakeSpan(bad)).message(),
+      HasSubstr("d_a has 5"));
   // A forward output from other inputs.
   EXPECT_THAT(RouterBackward(config, std::vector<float>(4, 1.0f), wr, *out, g, absl::MakeSpan(dwr),
                              absl::MakeSpan(da))
