@@ -20,11 +20,16 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "collectives/op_descriptor.h"
 #include "core/half.h"
 #include "core/status.h"
 
 namespace gradsum {
 namespace {
+
+using collectives_internal::OpDescriptor;
+using Kind = collectives_internal::OpKind;
+constexpr auto KindName = collectives_internal::OpKindName;
 
 // ---- Process-wide MPI state. ----
 
@@ -181,69 +186,10 @@ bool Overlaps(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
   return a_bytes > 0 && b_bytes > 0 && x < y + b_bytes && y < x + a_bytes;
 }
 
-// ---- The descriptor every rank agrees on before data moves. ----
-
-enum class Kind : int64_t {
-  kAllReduce = 0,
-  kReduceScatter,
-  kAllGather,
-  kAllToAllV,
-  kBroadcast,
-  kBarrier,
-  kSplit,
-};
-
-// The thread backend's names, so messages read the same whichever backend runs.
-const char* KindName(Kind k) {
-  switch (k) {
-    case Kind::kAllReduce: return "all_reduce";
-    case Kind::kReduceScatter: return "reduce_scatter";
-    case Kind::kAllGather: return "all_gather";
-    case Kind::kAllToAllV: return "all_to_all_v";
-    case Kind::kBroadcast: return "broadcast";
-    case Kind::kBarrier: return "barrier";
-    case Kind::kSplit: return "split";
-  }
-  return "unknown";
-}
-
-struct Descriptor {
-  Kind kind = Kind::kBarrier;
-  DType dtype = DType::kF32;
-  ReduceOp op = ReduceOp::kSum;
-  int64_t count = 0;
-  int64_t root = -1;
-};
-
-enum Field { kSeq = 0, kKind, kDType, kOp, kCount, kRoot, kNumFields };
-
-const char* FieldName(int f) {
-  switch (f) {
-    case kSeq: return "the sequence number (a rank skipped or added an operation)";
-    case kKind: return "the operation";
-    case kDType: return "the dtype";
-    case kOp: return "the reduce op";
-    case kCount: return "the element count";
-    case kRoot: return "the root";
-  }
-  return "?";
-}
-
-std::string FieldValue(int f, int64_t v) {
-  switch (f) {
-    case kKind: return KindName(static_cast<Kind>(v));
-    case kDType:
-      return IsValidDType(static_cast<int>(v)) ? std::string(DTypeName(static_cast<DType>(v)))
-                                               : absl::StrCat(v);
-    case kOp: return ReduceOpName(static_cast<ReduceOp>(v));
-    default: return absl::StrCat(v);
-  }
-}
-
 // Scratch memory of one operation. MPI may still write into it after a timeout (a late
 // peer completes the request), so a timed-out operation's scratch is never freed.
 struct Scratch {
-  std::vector<int64_t> i64a, i64b;
+  std::vector<int64_t> i64a, i64b, i64c;
   std::vector<float> f32a, f32b;
   std::vector<unsigned char> bytes;
   std::vector<int> send_counts, send_displs, recv_counts, recv_displs;
@@ -354,7 +300,7 @@ class MpiCommunicator final : public Communicator {
       return absl::InvalidArgumentError(
           "all-reduce send and recv overlap without being equal (in place is send == recv)");
     }
-    const Descriptor d{Kind::kAllReduce, dtype, op, static_cast<int64_t>(count), -1};
+    const OpDescriptor d{Kind::kAllReduce, dtype, op, static_cast<int64_t>(count), -1};
     return Enqueue(seq, d.kind, [=](OpContext& ctx) -> absl::Status {
       GRADSUM_RETURN_IF_ERROR(Agree(ctx, d));
       if (count == 0) return absl::OkStatus();
@@ -399,7 +345,7 @@ class MpiCommunicator final : public Communicator {
           "reduce-scatter buffers overlap; in place needs recv == send + rank * recv_count (rank ",
           rank_, ")"));
     }
-    const Descriptor d{Kind::kReduceScatter, dtype, op, static_cast<int64_t>(recv_count), -1};
+    const OpDescriptor d{Kind::kReduceScatter, dtype, op, static_cast<int64_t>(recv_count), -1};
     return Enqueue(seq, d.kind, [=](OpContext& ctx) -> absl::Status {
       GRADSUM_RETURN_IF_ERROR(Agree(ctx, d));
       if (recv_count == 0) return absl::OkStatus();
@@ -452,7 +398,7 @@ class MpiCommunicator final : public Communicator {
           "all-gather buffers overlap; in place needs send == recv + rank * send_count (rank ",
           rank_, ")"));
     }
-    const Descriptor d{Kind::kAllGather, dtype, ReduceOp::kSum,
+    const OpDescriptor d{Kind::kAllGather, dtype, ReduceOp::kSum,
                        static_cast<int64_t>(send_count), -1};
     return Enqueue(seq, d.kind, [=](OpContext& ctx) -> absl::Status {
       GRADSUM_RETURN_IF_ERROR(Agree(ctx, d));
@@ -499,7 +445,7 @@ class MpiCommunicator final : public Communicator {
     auto to_ints = [](absl::Span<const size_t> s) { return std::vector<int>(s.begin(), s.end()); };
     std::vector<int> sc = to_ints(send_counts), sd = to_ints(send_offsets);
     std::vector<int> rc = to_ints(recv_counts), rd = to_ints(recv_offsets);
-    const Descriptor d{Kind::kAllToAllV, dtype, ReduceOp::kSum, 0, -1};
+    const OpDescriptor d{Kind::kAllToAllV, dtype, ReduceOp::kSum, 0, -1};
     return Enqueue(seq, d.kind, [=](OpContext& ctx) -> absl::Status {
       GRADSUM_RETURN_IF_ERROR(Agree(ctx, d));
       GRADSUM_RETURN_IF_ERROR(AgreeOnCounts(ctx, sc, rc));
@@ -528,7 +474,7 @@ class MpiCommunicator final : public Communicator {
     }
     GRADSUM_RETURN_IF_ERROR(CheckFitsInt(count, "broadcast count"));
     GRADSUM_RETURN_IF_ERROR(CheckBuffer(buf, count, "broadcast"));
-    const Descriptor d{Kind::kBroadcast, dtype, ReduceOp::kSum, static_cast<int64_t>(count),
+    const OpDescriptor d{Kind::kBroadcast, dtype, ReduceOp::kSum, static_cast<int64_t>(count),
                        root};
     return Enqueue(seq, d.kind, [=](OpContext& ctx) -> absl::Status {
       GRADSUM_RETURN_IF_ERROR(Agree(ctx, d));
@@ -544,14 +490,14 @@ class MpiCommunicator final : public Communicator {
   // The descriptor all-reduce already waits for every rank, so it is the barrier.
   absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override {
     const int64_t seq = next_seq_++;
-    const Descriptor d{Kind::kBarrier, DType::kF32, ReduceOp::kSum, 0, -1};
+    const OpDescriptor d{Kind::kBarrier, DType::kF32, ReduceOp::kSum, 0, -1};
     return Enqueue(seq, d.kind, [=](OpContext& ctx) { return Agree(ctx, d); });
   }
 
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
     const int64_t seq = next_seq_++;
     auto result = std::make_shared<absl::StatusOr<std::unique_ptr<Communicator>>>(nullptr);
-    const Descriptor d{Kind::kSplit, DType::kF32, ReduceOp::kSum, 0, -1};
+    const OpDescriptor d{Kind::kSplit, DType::kF32, ReduceOp::kSum, 0, -1};
     // Runs on the progress thread so that it is ordered after earlier async operations.
     absl::StatusOr<std::unique_ptr<Work>> work =
         Enqueue(seq, d.kind, [=](OpContext& ctx) -> absl::Status {
@@ -726,35 +672,21 @@ class MpiCommunicator final : public Communicator {
 
   // Every rank all-reduces (d, -d) with MIN, learning each field's min and max; a field
   // whose min and max differ is a disagreement that every rank reports identically.
-  absl::Status Agree(OpContext& ctx, const Descriptor& d) {
+  absl::Status Agree(OpContext& ctx, const OpDescriptor& d) {
     std::vector<int64_t>& buf = ctx.scratch->i64a;
-    const int64_t fields[kNumFields] = {ctx.seq,
-                                        static_cast<int64_t>(d.kind),
-                                        static_cast<int64_t>(d.dtype),
-                                        static_cast<int64_t>(d.op),
-                                        d.count,
-                                        d.root};
-    buf.resize(2 * kNumFields);
-    for (int f = 0; f < kNumFields; ++f) {
-      buf[f] = fields[f];
-      buf[kNumFields + f] = -fields[f];
-    }
+    buf.resize(collectives_internal::kDescriptorWords);
+    collectives_internal::EncodeDescriptor(d, ctx.seq, buf.data());
     MPI_Request req;
     GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
-      return MPI_Iallreduce(MPI_IN_PLACE, buf.data(), 2 * kNumFields, MPI_INT64_T, MPI_MIN,
-                            comm_, &req);
+      return MPI_Iallreduce(MPI_IN_PLACE, buf.data(), collectives_internal::kDescriptorWords,
+                            MPI_INT64_T, MPI_MIN, comm_, &req);
     }));
     GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
-    for (int f = 0; f < kNumFields; ++f) {
-      const int64_t lo = buf[f], hi = -buf[kNumFields + f];
-      if (lo == hi) continue;
-      // Ranks that are out of step stay out of step: nothing later can match up.
-      if (f == kSeq) ctx.breaks_comm = true;
-      return absl::InvalidArgumentError(absl::StrCat(
-          ctx.label, ": ranks disagree on ", FieldName(f), ": ", FieldValue(f, lo), " vs ",
-          FieldValue(f, hi), " (this rank: ", FieldValue(f, fields[f]), ")"));
-    }
-    return absl::OkStatus();
+    bool out_of_step = false;
+    absl::Status s =
+        collectives_internal::CheckDescriptorAgreed(d, ctx.seq, buf.data(), ctx.label, &out_of_step);
+    if (out_of_step) ctx.breaks_comm = true;
+    return s;
   }
 
   // All-to-all-v: rank r's send_counts[p] must equal rank p's recv_counts[r]. Each rank
@@ -763,37 +695,24 @@ class MpiCommunicator final : public Communicator {
   absl::Status AgreeOnCounts(OpContext& ctx, const std::vector<int>& send_counts,
                              const std::vector<int>& recv_counts) {
     Scratch& s = *ctx.scratch;
-    s.send_counts = send_counts;
-    s.recv_counts.assign(size_, 0);
+    s.i64a.assign(send_counts.begin(), send_counts.end());  // what I send to each peer
+    s.i64b.assign(size_, 0);                                 // what each peer sends me
     MPI_Request req;
     GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
-      return MPI_Ialltoall(s.send_counts.data(), 1, MPI_INT, s.recv_counts.data(), 1, MPI_INT,
-                           comm_, &req);
+      return MPI_Ialltoall(s.i64a.data(), 1, MPI_INT64_T, s.i64b.data(), 1, MPI_INT64_T, comm_,
+                           &req);
     }));
     GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
-    // (first sender whose count disagrees or -1, what it sends, what this rank expects)
-    std::vector<int64_t>& mine = s.i64a;
-    mine = {-1, 0, 0};
-    for (int p = 0; p < size_; ++p) {
-      if (s.recv_counts[p] != recv_counts[p]) {
-        mine = {p, s.recv_counts[p], recv_counts[p]};
-        break;
-      }
-    }
-    std::vector<int64_t>& all = s.i64b;
-    all.assign(3 * size_, 0);
+    const std::vector<int64_t> expected(recv_counts.begin(), recv_counts.end());
+    s.i64a.assign(3, 0);
+    collectives_internal::MakeCountReport(s.i64b, expected, s.i64a.data());
+    s.i64c.assign(3 * static_cast<size_t>(size_), 0);
     GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
-      return MPI_Iallgather(mine.data(), 3, MPI_INT64_T, all.data(), 3, MPI_INT64_T, comm_,
+      return MPI_Iallgather(s.i64a.data(), 3, MPI_INT64_T, s.i64c.data(), 3, MPI_INT64_T, comm_,
                             &req);
     }));
     GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
-    for (int r = 0; r < size_; ++r) {
-      if (all[3 * r] < 0) continue;
-      return absl::InvalidArgumentError(absl::StrCat(
-          ctx.label, ": counts disagree: rank ", all[3 * r], " sends ", all[3 * r + 1],
-          " elements to rank ", r, ", but rank ", r, " expects ", all[3 * r + 2]));
-    }
-    return absl::OkStatus();
+    return collectives_internal::CheckCountReports(s.i64c, ctx.label);
   }
 
   MPI_Comm comm_;

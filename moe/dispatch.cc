@@ -169,11 +169,14 @@ absl::Status DispatchCombineForward(Communicator& ep_group, const DispatchConfig
   for (int64_t pos = 0; pos < num_sent; ++pos) {
     std::memcpy(send + pos * D, &a[(s.send_copy[pos] / K) * D], sizeof(float) * D);
   }
-  float* recv = Scratch(s.scratch_recv, num_received * D);
+  // With one source rank or one local expert the received order is already expert-major,
+  // so the regrouping copies are skipped.
+  const bool regroup = P > 1 && E_local > 1;
+  s.expert_input.resize(num_received * D);
+  float* recv = regroup ? Scratch(s.scratch_recv, num_received * D) : s.expert_input.data();
   GRADSUM_RETURN_IF_ERROR(Annotate(ExchangeRows(ep_group, send, s.send_rows, recv, s.recv_rows, D),
                                    "dispatching token rows"));
-  s.expert_input.resize(num_received * D);
-  ScatterRows(recv, s.expert_row, D, s.expert_input.data());
+  if (regroup) ScatterRows(recv, s.expert_row, D, s.expert_input.data());
   float* expert_output = Scratch(s.scratch_expert_a, num_received * D);
   GRADSUM_RETURN_IF_ERROR(ExpertsForward(experts_config, local_weights, s.expert_input,
                                          s.local_group_sizes,
@@ -181,11 +184,12 @@ absl::Status DispatchCombineForward(Communicator& ep_group, const DispatchConfig
                                          &s.experts_saved));
 
   // 4. Send the outputs home (the reverse exchange) and combine there.
-  GatherRows(expert_output, s.expert_row, D, recv);
+  if (regroup) GatherRows(expert_output, s.expert_row, D, recv);
   s.copy_output.resize(num_sent * D);
-  GRADSUM_RETURN_IF_ERROR(Annotate(
-      ExchangeRows(ep_group, recv, s.recv_rows, s.copy_output.data(), s.send_rows, D),
-      "returning expert outputs"));
+  GRADSUM_RETURN_IF_ERROR(
+      Annotate(ExchangeRows(ep_group, regroup ? recv : expert_output, s.recv_rows,
+                            s.copy_output.data(), s.send_rows, D),
+               "returning expert outputs"));
   std::fill(y.begin(), y.end(), 0.0f);
   for (int64_t t = 0; t < T; ++t) {
     float* yt = &y[t * D];
@@ -241,20 +245,22 @@ absl::Status DispatchCombineBackward(Communicator& ep_group, const DispatchConfi
     }
     d_combine_weight[c] = static_cast<float>(dot);
   }
-  float* recv = Scratch(state.scratch_recv, num_received * D);
+  const bool regroup = P > 1 && config.num_experts / P > 1;  // as in forward
+  float* expert_dy = Scratch(state.scratch_expert_a, num_received * D);
+  float* expert_dx = Scratch(state.scratch_expert_b, num_received * D);
+  float* recv = regroup ? Scratch(state.scratch_recv, num_received * D) : expert_dy;
   GRADSUM_RETURN_IF_ERROR(
       Annotate(ExchangeRows(ep_group, send, state.send_rows, recv, state.recv_rows, D),
                "dispatching output gradients"));
-  float* expert_dy = Scratch(state.scratch_expert_a, num_received * D);
-  float* expert_dx = Scratch(state.scratch_expert_b, num_received * D);
-  ScatterRows(recv, state.expert_row, D, expert_dy);
+  if (regroup) ScatterRows(recv, state.expert_row, D, expert_dy);
   GRADSUM_RETURN_IF_ERROR(ExpertsBackward(
       LocalExpertsConfig(config, P), local_weights, state.expert_input, state.local_group_sizes,
       state.experts_saved, absl::MakeSpan(expert_dy, num_received * D),
       absl::MakeSpan(expert_dx, num_received * D), local_grads));
-  GatherRows(expert_dx, state.expert_row, D, recv);
+  if (regroup) GatherRows(expert_dx, state.expert_row, D, recv);
   GRADSUM_RETURN_IF_ERROR(
-      Annotate(ExchangeRows(ep_group, recv, state.recv_rows, send, state.send_rows, D),
+      Annotate(ExchangeRows(ep_group, regroup ? recv : expert_dx, state.recv_rows, send,
+                            state.send_rows, D),
                "returning input gradients"));
   // Sum the K copies of each token into d_a.
   for (int64_t pos = 0; pos < num_sent; ++pos) {

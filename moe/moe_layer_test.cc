@@ -1,6 +1,6 @@
 // The whole MoE block (router + dispatch + experts + combine) on EP = 1, 2, 4 against the
 // double-precision single-process reference, gradients SUM-reduced as SEMANTICS.md §7 says:
-// the router over the world, the experts over their EDP group.
+// the router over the world, the experts over their EDP group (groups from collectives/mesh.h).
 #include "moe/moe_layer.h"
 
 #include <cmath>
@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "collectives/communicator.h"
+#include "collectives/mesh.h"
 #include "core/status.h"
 #include "gtest/gtest.h"
 #include "moe/reference.h"
@@ -86,12 +87,11 @@ TEST_P(MoeLayerParityTest, OutputsAndReducedGradientsMatchReference) {
   std::vector<Result> results(world);
   absl::Status status = testing::RunRanks(world, [&](Communicator& comm) -> absl::Status {
     const int r = comm.rank();
-    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> ep,
-                             comm.Split(r / ep_size, r % ep_size));
-    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> edp,
-                             comm.Split(r % ep_size, r / ep_size));
+    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Mesh> mesh, Mesh::Create(&comm, ep_size));
+    Communicator* ep = &mesh->ep_group();
+    Communicator* edp = &mesh->edp_group();
     const size_t per = static_cast<size_t>(E_local) * D * H;
-    const int slot = ep->rank();
+    const int slot = mesh->p_index();
     auto slice = [&](const std::vector<double>& w) {
       return std::vector<float>(w.begin() + slot * per, w.begin() + (slot + 1) * per);
     };
