@@ -117,8 +117,10 @@ absl::StatusOr<LinearCrossEntropyResult> LinearCrossEntropyForwardBackward(
     }
     if (logits_buf == nullptr) {
       logits_buf.reset(new float[static_cast<size_t>(chunk * v)]);
-      // The CE kernel keeps 9 bytes per row (row loss + row status) while it runs.
-      result.peak_scratch_bytes = chunk * v * static_cast<int64_t>(sizeof(float)) + chunk * 9;
+      // The CE kernel keeps 9 bytes per row (row loss + row status) and, per thread, one
+      // fp32 row of exp values plus one float per 1024-column tile.
+      result.peak_scratch_bytes = chunk * v * static_cast<int64_t>(sizeof(float)) + chunk * 9 +
+                                  threads * (v + (v + 1023) / 1024) * static_cast<int64_t>(sizeof(float));
     }
     Map logits(logits_buf.get(), rows, v);
     const auto h_c = h.middleRows(r0, rows);
