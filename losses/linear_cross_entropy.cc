@@ -81,7 +81,11 @@ absl::StatusOr<LinearCrossEntropyResult> LinearCrossEntropyForwardBackward(
   if (!s.ok()) return s;
 
   int64_t chunk = options.chunk_rows;
-  if (chunk == 0) chunk = std::max(kMinAutoChunkRows, kAutoChunkBytes / (v * 4));
+  if (chunk == 0) {
+    // Large enough for efficient GEMMs, small enough that the logits chunk stays a small
+    // fraction (<= 1/8) of the [N, V] logits it replaces.
+    chunk = std::max(kMinAutoChunkRows, std::min(kAutoChunkBytes / (v * 4), n / 8));
+  }
   chunk = std::max<int64_t>(1, std::min(chunk, n));
 
   LinearCrossEntropyResult result;

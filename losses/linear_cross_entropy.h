@@ -34,8 +34,8 @@ struct LinearCrossEntropyOptions {
   int64_t ignore_index = -100;
   // Threads for the GEMMs and the CE rows (caller's thread included).
   int num_threads = 2;
-  // Token rows per chunk. 0 = automatic: the largest count whose fp32 logits fit in 4 MiB,
-  // at least 32 rows and at most N.
+  // Token rows per chunk. 0 = automatic: min(rows whose fp32 logits fit in 4 MiB, N / 8),
+  // but at least 32 rows, and at most N.
   int64_t chunk_rows = 0;
 };
 
