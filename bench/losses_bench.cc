@@ -50,9 +50,8 @@ std::atomic<int64_t> g_heap_peak{0};
 
 void* Track(void* p) {
   if (p != nullptr) {
-    const int64_t now =
-        g_heap_bytes.fetch_add(static_cast<int64_t>(malloc_usable_size(p))) +
-        static_cast<int64_t>(malloc_usable_size(p));
+    const int64_t now = g_heap_bytes.fetch_add(static_cast<int64_t>(malloc_usable_size(p))) +
+                        static_cast<int64_t>(malloc_usable_size(p));
     int64_t peak = g_heap_peak.load(std::memory_order_relaxed);
     while (now > peak && !g_heap_peak.compare_exchange_weak(peak, now)) {
     }
@@ -154,8 +153,9 @@ struct Clock {
   static Clock Now() {
     timespec ts;
     clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-    return {std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(),
-            static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec)};
+    return {
+        std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(),
+        static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec)};
   }
   Clock operator-(const Clock& o) const { return {wall - o.wall, cpu - o.cpu}; }
   Clock& operator+=(const Clock& o) {
@@ -266,8 +266,11 @@ void BM_CrossEntropyNaive(benchmark::State& state) {
 }
 
 void CeSizes(benchmark::internal::Benchmark* b) {
-  b->Args({512, 8192})->Args({1024, 32768})->Args({4096, 32768})->MeasureProcessCPUTime()->Unit(
-      benchmark::kMillisecond);
+  b->Args({512, 8192})
+      ->Args({1024, 32768})
+      ->Args({4096, 32768})
+      ->MeasureProcessCPUTime()
+      ->Unit(benchmark::kMillisecond);
 }
 
 BENCHMARK_TEMPLATE(BM_CrossEntropyFused, float)->Apply(CeSizes);
@@ -275,8 +278,12 @@ BENCHMARK_TEMPLATE(BM_CrossEntropyNaive, float)->Apply(CeSizes);
 BENCHMARK_TEMPLATE(BM_CrossEntropyFused, BF16)->Apply(CeSizes);
 BENCHMARK_TEMPLATE(BM_CrossEntropyNaive, BF16)->Apply(CeSizes);
 // Same bytes as one logits buffer of the sizes above (f32: 16 MiB, 128 MiB, 512 MiB).
-BENCHMARK(BM_Memcpy)->Arg(512 * 8192 * 4)->Arg(1024 * 32768 * 4)->Arg(int64_t{4096} * 32768 * 4)
-    ->MeasureProcessCPUTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Memcpy)
+    ->Arg(512 * 8192 * 4)
+    ->Arg(1024 * 32768 * 4)
+    ->Arg(int64_t{4096} * 32768 * 4)
+    ->MeasureProcessCPUTime()
+    ->Unit(benchmark::kMillisecond);
 
 // ---- Fused linear CE vs the materialised path. ----
 
@@ -313,18 +320,18 @@ void BM_FusedLinearCE(benchmark::State& state) {
   int64_t peak = 0;
   for (auto _ : state) {
     peak = std::max(peak, PeakExtraBytes([&] {
-      auto r = losses::LinearCrossEntropyForwardBackward(
-          view(p.h, p.n, p.dm), view(p.w, p.dm, p.v), p.y, {}, static_cast<double>(p.n),
-          view(p.gh, p.n, p.dm), view(p.gw, p.dm, p.v));
-      if (!r.ok()) state.SkipWithError(std::string(r.status().message()).c_str());
-      benchmark::DoNotOptimize(r);
-    }));
+                      auto r = losses::LinearCrossEntropyForwardBackward(
+                          view(p.h, p.n, p.dm), view(p.w, p.dm, p.v), p.y, {},
+                          static_cast<double>(p.n), view(p.gh, p.n, p.dm), view(p.gw, p.dm, p.v));
+                      if (!r.ok()) state.SkipWithError(std::string(r.status().message()).c_str());
+                      benchmark::DoNotOptimize(r);
+                    }));
   }
   state.counters["peak_extra_bytes"] = static_cast<double>(peak);
   state.counters["logits_bytes"] = static_cast<double>(p.n * p.v * 4);
   state.counters["peak_over_logits"] = static_cast<double>(peak) / (p.n * p.v * 4.0);
-  state.counters["GFLOP/s"] = benchmark::Counter(
-      6.0 * p.n * p.dm * p.v * state.iterations() / 1e9, benchmark::Counter::kIsRate);
+  state.counters["GFLOP/s"] = benchmark::Counter(6.0 * p.n * p.dm * p.v * state.iterations() / 1e9,
+                                                 benchmark::Counter::kIsRate);
 }
 
 void BM_MatmulThenFusedCE(benchmark::State& state) {
@@ -332,41 +339,45 @@ void BM_MatmulThenFusedCE(benchmark::State& state) {
   const int threads = 2;
   int64_t peak = 0;
   for (auto _ : state) {
-    peak = std::max(peak, PeakExtraBytes([&] {
-      Eigen::Map<const RowMajor> h(p.h.data(), p.n, p.dm), w(p.w.data(), p.dm, p.v);
-      Eigen::Map<RowMajor> gh(p.gh.data(), p.n, p.dm), gw(p.gw.data(), p.dm, p.v);
-      RowMajor logits(p.n, p.v);
-      auto part = [&](int64_t n, int64_t i) {
-        return std::pair<int64_t, int64_t>{n * i / threads, n * (i + 1) / threads - n * i / threads};
-      };
-      losses::ParallelFor(threads, threads, [&](int64_t i) {
-        const auto [c0, cn] = part(p.v, i);
-        logits.middleCols(c0, cn).noalias() = h * w.middleCols(c0, cn);
-      });
-      const TensorView lv = *TensorView::Create(logits.data(), DType::kF32, {p.n, p.v});
-      auto r = CrossEntropyForwardBackward(lv, p.y, {}, static_cast<double>(p.n), lv);
-      if (!r.ok()) state.SkipWithError(std::string(r.status().message()).c_str());
-      losses::ParallelFor(threads, threads, [&](int64_t i) {
-        const auto [c0, cn] = part(p.v, i);
-        gw.middleCols(c0, cn).noalias() += h.transpose() * logits.middleCols(c0, cn);
-      });
-      losses::ParallelFor(threads, threads, [&](int64_t i) {
-        const auto [r0, rn] = part(p.n, i);
-        gh.middleRows(r0, rn).noalias() = logits.middleRows(r0, rn) * w.transpose();
-      });
-      benchmark::DoNotOptimize(gh.data());
-    }));
+    peak = std::max(
+        peak, PeakExtraBytes([&] {
+          Eigen::Map<const RowMajor> h(p.h.data(), p.n, p.dm), w(p.w.data(), p.dm, p.v);
+          Eigen::Map<RowMajor> gh(p.gh.data(), p.n, p.dm), gw(p.gw.data(), p.dm, p.v);
+          RowMajor logits(p.n, p.v);
+          auto part = [&](int64_t n, int64_t i) {
+            return std::pair<int64_t, int64_t>{n * i / threads,
+                                               n * (i + 1) / threads - n * i / threads};
+          };
+          losses::ParallelFor(threads, threads, [&](int64_t i) {
+            const auto [c0, cn] = part(p.v, i);
+            logits.middleCols(c0, cn).noalias() = h * w.middleCols(c0, cn);
+          });
+          const TensorView lv = *TensorView::Create(logits.data(), DType::kF32, {p.n, p.v});
+          auto r = CrossEntropyForwardBackward(lv, p.y, {}, static_cast<double>(p.n), lv);
+          if (!r.ok()) state.SkipWithError(std::string(r.status().message()).c_str());
+          losses::ParallelFor(threads, threads, [&](int64_t i) {
+            const auto [c0, cn] = part(p.v, i);
+            gw.middleCols(c0, cn).noalias() += h.transpose() * logits.middleCols(c0, cn);
+          });
+          losses::ParallelFor(threads, threads, [&](int64_t i) {
+            const auto [r0, rn] = part(p.n, i);
+            gh.middleRows(r0, rn).noalias() = logits.middleRows(r0, rn) * w.transpose();
+          });
+          benchmark::DoNotOptimize(gh.data());
+        }));
   }
   state.counters["peak_extra_bytes"] = static_cast<double>(peak);
   state.counters["logits_bytes"] = static_cast<double>(p.n * p.v * 4);
   state.counters["peak_over_logits"] = static_cast<double>(peak) / (p.n * p.v * 4.0);
-  state.counters["GFLOP/s"] = benchmark::Counter(
-      6.0 * p.n * p.dm * p.v * state.iterations() / 1e9, benchmark::Counter::kIsRate);
+  state.counters["GFLOP/s"] = benchmark::Counter(6.0 * p.n * p.dm * p.v * state.iterations() / 1e9,
+                                                 benchmark::Counter::kIsRate);
 }
 
 void LinearSizes(benchmark::internal::Benchmark* b) {
-  b->Args({512, 256, 8192})->Args({1024, 256, 16384})->MeasureProcessCPUTime()->Unit(
-      benchmark::kMillisecond);
+  b->Args({512, 256, 8192})
+      ->Args({1024, 256, 16384})
+      ->MeasureProcessCPUTime()
+      ->Unit(benchmark::kMillisecond);
 }
 
 BENCHMARK(BM_FusedLinearCE)->Apply(LinearSizes);

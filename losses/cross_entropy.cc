@@ -20,8 +20,8 @@
 namespace gradsum::losses {
 namespace {
 
-constexpr int kLanes = 8;        // independent accumulators (two SSE vectors)
-constexpr int64_t kTile = 1024;  // floats per tile: 4 KiB, stays in L1 between max and sum
+constexpr int kLanes = 8;                // independent accumulators (two SSE vectors)
+constexpr int64_t kTile = 1024;          // floats per tile: 4 KiB, stays in L1 between max and sum
 constexpr float kExpUnderflow = -86.0f;  // exp(x) < 4.5e-38 below this: returned as 0
 
 // exp(x) in fp32 without a libm call, so the row loops vectorise. Cody-Waite range
@@ -242,8 +242,8 @@ inline float RowWeight(absl::Span<const int64_t> labels, absl::Span<const float>
 }
 
 template <typename T>
-absl::StatusOr<CrossEntropyResult> RunKernel(const T* logits, T* grad, int64_t rows,
-                                             int64_t vocab, absl::Span<const int64_t> labels,
+absl::StatusOr<CrossEntropyResult> RunKernel(const T* logits, T* grad, int64_t rows, int64_t vocab,
+                                             absl::Span<const int64_t> labels,
                                              absl::Span<const float> weights, double d,
                                              const CrossEntropyOptions& options,
                                              int64_t row_offset) {
@@ -272,8 +272,8 @@ absl::StatusOr<CrossEntropyResult> RunKernel(const T* logits, T* grad, int64_t r
       const float target_logit = ToFloat<T>(row[label]);
       float row_max = 0.0f;
       double log_sum = 0.0;
-      const uint8_t code = RowLogSumExp<T>(row, vocab, &row_max, &log_sum,
-                                           grad_row == nullptr ? nullptr : &scratch);
+      const uint8_t code =
+          RowLogSumExp<T>(row, vocab, &row_max, &log_sum, grad_row == nullptr ? nullptr : &scratch);
       if (code != kRowOk) {
         row_code[r] = code;
         continue;
@@ -338,9 +338,9 @@ absl::StatusOr<CrossEntropyResult> ForwardBackward(const TensorView& logits,
     s = CheckLogitsView(*grad_logits, "grad_logits");
     if (!s.ok()) return s;
     if (grad_logits->dtype() != logits.dtype() || grad_logits->shape() != logits.shape()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("grad_logits ", grad_logits->DebugString(),
-                       " must have the dtype and shape of logits ", logits.DebugString()));
+      return absl::InvalidArgumentError(absl::StrCat("grad_logits ", grad_logits->DebugString(),
+                                                     " must have the dtype and shape of logits ",
+                                                     logits.DebugString()));
     }
   }
   const int64_t rows = logits.dim(0);
@@ -348,10 +348,9 @@ absl::StatusOr<CrossEntropyResult> ForwardBackward(const TensorView& logits,
   s = internal::CheckCrossEntropyArgs(rows, vocab, labels, token_weights, global_weight_sum,
                                       options.ignore_index);
   if (!s.ok()) return s;
-  return internal::CrossEntropyKernel(logits.raw(),
-                                      grad_logits == nullptr ? nullptr : grad_logits->raw(),
-                                      logits.dtype(), rows, vocab, labels, token_weights,
-                                      global_weight_sum, options);
+  return internal::CrossEntropyKernel(
+      logits.raw(), grad_logits == nullptr ? nullptr : grad_logits->raw(), logits.dtype(), rows,
+      vocab, labels, token_weights, global_weight_sum, options);
 }
 
 }  // namespace
@@ -359,21 +358,20 @@ absl::StatusOr<CrossEntropyResult> ForwardBackward(const TensorView& logits,
 namespace internal {
 
 absl::Status CheckCrossEntropyArgs(int64_t rows, int64_t vocab, absl::Span<const int64_t> labels,
-                                   absl::Span<const float> token_weights,
-                                   double global_weight_sum, int64_t ignore_index,
-                                   int64_t row_offset) {
+                                   absl::Span<const float> token_weights, double global_weight_sum,
+                                   int64_t ignore_index, int64_t row_offset) {
   if (vocab < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("cross-entropy: vocabulary size ", vocab,
-                                                   " must be >= 1"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cross-entropy: vocabulary size ", vocab, " must be >= 1"));
   }
   if (static_cast<int64_t>(labels.size()) != rows) {
-    return absl::InvalidArgumentError(absl::StrCat("cross-entropy: ", labels.size(),
-                                                   " labels for ", rows, " rows of logits"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cross-entropy: ", labels.size(), " labels for ", rows, " rows of logits"));
   }
   if (!token_weights.empty() && static_cast<int64_t>(token_weights.size()) != rows) {
-    return absl::InvalidArgumentError(absl::StrCat("cross-entropy: ", token_weights.size(),
-                                                   " token weights for ", rows,
-                                                   " rows (give N weights, or none for token mode)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cross-entropy: ", token_weights.size(), " token weights for ", rows,
+                     " rows (give N weights, or none for token mode)"));
   }
   if (!std::isfinite(global_weight_sum) || global_weight_sum < 0.0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -384,9 +382,9 @@ absl::Status CheckCrossEntropyArgs(int64_t rows, int64_t vocab, absl::Span<const
     const int64_t y = labels[r];
     if (y == ignore_index) continue;
     if (y < 0 || y >= vocab) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "cross-entropy: label ", y, " at row ", row_offset + r, " is outside [0, ", vocab,
-          ") and is not ignore_index (", ignore_index, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("cross-entropy: label ", y, " at row ", row_offset + r, " is outside [0, ",
+                       vocab, ") and is not ignore_index (", ignore_index, ")"));
     }
     if (!token_weights.empty()) {
       const float w = token_weights[r];
@@ -411,22 +409,18 @@ absl::Status CheckCrossEntropyArgs(int64_t rows, int64_t vocab, absl::Span<const
   return absl::OkStatus();
 }
 
-absl::StatusOr<CrossEntropyResult> CrossEntropyKernel(const void* logits, void* grad, DType dtype,
-                                                      int64_t rows, int64_t vocab,
-                                                      absl::Span<const int64_t> labels,
-                                                      absl::Span<const float> token_weights,
-                                                      double global_weight_sum,
-                                                      const CrossEntropyOptions& options,
-                                                      int64_t row_offset) {
+absl::StatusOr<CrossEntropyResult> CrossEntropyKernel(
+    const void* logits, void* grad, DType dtype, int64_t rows, int64_t vocab,
+    absl::Span<const int64_t> labels, absl::Span<const float> token_weights,
+    double global_weight_sum, const CrossEntropyOptions& options, int64_t row_offset) {
   switch (dtype) {
     case DType::kF32:
       return RunKernel<float>(static_cast<const float*>(logits), static_cast<float*>(grad), rows,
-                              vocab, labels, token_weights, global_weight_sum, options,
-                              row_offset);
+                              vocab, labels, token_weights, global_weight_sum, options, row_offset);
     case DType::kBF16:
-      return RunKernel<uint16_t>(static_cast<const uint16_t*>(logits),
-                                 static_cast<uint16_t*>(grad), rows, vocab, labels, token_weights,
-                                 global_weight_sum, options, row_offset);
+      return RunKernel<uint16_t>(static_cast<const uint16_t*>(logits), static_cast<uint16_t*>(grad),
+                                 rows, vocab, labels, token_weights, global_weight_sum, options,
+                                 row_offset);
     default:
       return absl::InvalidArgumentError(
           absl::StrCat("cross-entropy: logits dtype ", DTypeName(dtype), " is not f32 or bf16"));
@@ -437,8 +431,8 @@ absl::StatusOr<CrossEntropyResult> CrossEntropyKernel(const void* logits, void* 
 
 absl::StatusOr<CrossEntropyResult> CrossEntropyForwardBackward(
     const TensorView& logits, absl::Span<const int64_t> labels,
-    absl::Span<const float> token_weights, double global_weight_sum,
-    const TensorView& grad_logits, const CrossEntropyOptions& options) {
+    absl::Span<const float> token_weights, double global_weight_sum, const TensorView& grad_logits,
+    const CrossEntropyOptions& options) {
   return ForwardBackward(logits, labels, token_weights, global_weight_sum, &grad_logits, options);
 }
 

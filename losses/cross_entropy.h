@@ -80,8 +80,8 @@ struct CrossEntropyResult {
 //   infinite). `grad_logits` is then partly written and must not be used.
 absl::StatusOr<CrossEntropyResult> CrossEntropyForwardBackward(
     const TensorView& logits, absl::Span<const int64_t> labels,
-    absl::Span<const float> token_weights, double global_weight_sum,
-    const TensorView& grad_logits, const CrossEntropyOptions& options = {});
+    absl::Span<const float> token_weights, double global_weight_sum, const TensorView& grad_logits,
+    const CrossEntropyOptions& options = {});
 
 // Forward only (no gradient written; `logits` is only read). Same checks and result.
 absl::StatusOr<CrossEntropyResult> CrossEntropyForward(const TensorView& logits,

@@ -65,9 +65,8 @@ struct LinearCrossEntropyResult {
 // written and must not be used.
 absl::StatusOr<LinearCrossEntropyResult> LinearCrossEntropyForwardBackward(
     const TensorView& hidden, const TensorView& head, absl::Span<const int64_t> labels,
-    absl::Span<const float> token_weights, double global_weight_sum,
-    const TensorView& grad_hidden, const TensorView& grad_head,
-    const LinearCrossEntropyOptions& options = {});
+    absl::Span<const float> token_weights, double global_weight_sum, const TensorView& grad_hidden,
+    const TensorView& grad_head, const LinearCrossEntropyOptions& options = {});
 
 }  // namespace gradsum::losses
 
