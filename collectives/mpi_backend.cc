@@ -3,38 +3,48 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/synchronization/mutex.h"
-#include "absl/synchronization/notification.h"
+#include "collectives/op_descriptor.h"
 #include "core/half.h"
 #include "core/status.h"
 
 namespace gradsum {
 namespace {
 
+using collectives_internal::OpDescriptor;
+using Kind = collectives_internal::OpKind;
+constexpr auto KindName = collectives_internal::OpKindName;
+
 // ---- Process-wide MPI state. ----
+
+// Synchronisation here uses std::mutex / std::condition_variable rather than absl's:
+// Debian's shared abseil is not built with TSan, so TSan cannot see absl::Mutex and would
+// report every handoff through it as a race under --config=tsan.
 
 // Non-null when MPI runs at MPI_THREAD_SERIALIZED: every MPI call this backend makes
 // (from any progress thread or the caller's thread) then holds it.
-absl::Mutex* g_serial_mu = nullptr;
+std::mutex* g_serial_mu = nullptr;
 
 template <typename F>
 int CallMpi(F&& f) {
-  absl::MutexLockMaybe lock(g_serial_mu);
+  if (g_serial_mu == nullptr) return f();
+  std::lock_guard<std::mutex> lock(*g_serial_mu);
   return f();
 }
 
@@ -64,8 +74,8 @@ const char* ThreadLevelName(int level) {
 
 // Initialises MPI if nobody has, and decides whether our calls must be serialised.
 absl::Status EnsureMpiReady() {
-  static absl::Mutex init_mu(absl::kConstInit);
-  absl::MutexLock lock(&init_mu);
+  static std::mutex init_mu;
+  std::lock_guard<std::mutex> lock(init_mu);
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (finalized) return absl::FailedPreconditionError("MPI has already been finalised");
@@ -86,7 +96,7 @@ absl::Status EnsureMpiReady() {
         "(or MPI_THREAD_SERIALIZED): use MPI_Init_thread"));
   }
   if (provided == MPI_THREAD_SERIALIZED && g_serial_mu == nullptr) {
-    g_serial_mu = new absl::Mutex();  // Lives for the process, like MPI itself.
+    g_serial_mu = new std::mutex();  // Lives for the process, like MPI itself.
   }
   return absl::OkStatus();
 }
@@ -134,15 +144,13 @@ void DivideBy(void* buf, size_t n, int divisor) {
   for (size_t i = 0; i < n; ++i) p[i] = p[i] / d;
 }
 
-// AVG = SUM / size in the accumulation type (fp32 for bf16/f16, which the caller widened).
+// AVG = SUM / size in the accumulation type: f64 for f64, fp32 otherwise (bf16/f16 were
+// widened to fp32 by the caller). AVG of integers is rejected before this.
 void DivideNative(void* buf, size_t n, DType t, int divisor) {
-  switch (t) {
-    case DType::kF32: DivideBy<float>(buf, n, divisor); break;
-    case DType::kF64: DivideBy<double>(buf, n, divisor); break;
-    case DType::kI32: DivideBy<int32_t>(buf, n, divisor); break;
-    case DType::kI64: DivideBy<int64_t>(buf, n, divisor); break;
-    case DType::kBF16:
-    case DType::kF16: DivideBy<float>(buf, n, divisor); break;
+  if (t == DType::kF64) {
+    DivideBy<double>(buf, n, divisor);
+  } else {
+    DivideBy<float>(buf, n, divisor);
   }
 }
 
@@ -178,77 +186,19 @@ bool Overlaps(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
   return a_bytes > 0 && b_bytes > 0 && x < y + b_bytes && y < x + a_bytes;
 }
 
-// ---- The descriptor every rank agrees on before data moves. ----
-
-enum class Kind : int64_t {
-  kAllReduce = 0,
-  kReduceScatter,
-  kAllGather,
-  kAllToAllV,
-  kBroadcast,
-  kBarrier,
-  kSplit,
-};
-
-const char* KindName(Kind k) {
-  switch (k) {
-    case Kind::kAllReduce: return "all-reduce";
-    case Kind::kReduceScatter: return "reduce-scatter";
-    case Kind::kAllGather: return "all-gather";
-    case Kind::kAllToAllV: return "all-to-all-v";
-    case Kind::kBroadcast: return "broadcast";
-    case Kind::kBarrier: return "barrier";
-    case Kind::kSplit: return "split";
-  }
-  return "unknown";
-}
-
-struct Descriptor {
-  Kind kind = Kind::kBarrier;
-  DType dtype = DType::kF32;
-  ReduceOp op = ReduceOp::kSum;
-  int64_t count = 0;
-  int64_t root = -1;
-};
-
-enum Field { kSeq = 0, kKind, kDType, kOp, kCount, kRoot, kNumFields };
-
-const char* FieldName(int f) {
-  switch (f) {
-    case kSeq: return "the sequence number (a rank skipped or added an operation)";
-    case kKind: return "the operation";
-    case kDType: return "the dtype";
-    case kOp: return "the reduce op";
-    case kCount: return "the element count";
-    case kRoot: return "the root";
-  }
-  return "?";
-}
-
-std::string FieldValue(int f, int64_t v) {
-  switch (f) {
-    case kKind: return KindName(static_cast<Kind>(v));
-    case kDType:
-      return IsValidDType(static_cast<int>(v)) ? std::string(DTypeName(static_cast<DType>(v)))
-                                               : absl::StrCat(v);
-    case kOp: return ReduceOpName(static_cast<ReduceOp>(v));
-    default: return absl::StrCat(v);
-  }
-}
-
 // Scratch memory of one operation. MPI may still write into it after a timeout (a late
 // peer completes the request), so a timed-out operation's scratch is never freed.
 struct Scratch {
-  std::vector<int64_t> i64a, i64b;
+  std::vector<int64_t> i64a, i64b, i64c;
   std::vector<float> f32a, f32b;
   std::vector<unsigned char> bytes;
   std::vector<int> send_counts, send_displs, recv_counts, recv_displs;
 };
 
 void LeakForever(std::unique_ptr<Scratch> scratch) {
-  static absl::Mutex mu(absl::kConstInit);
+  static std::mutex mu;
   static auto* graveyard = new std::vector<std::unique_ptr<Scratch>>();
-  absl::MutexLock lock(&mu);
+  std::lock_guard<std::mutex> lock(mu);
   graveyard->push_back(std::move(scratch));
 }
 
@@ -257,7 +207,7 @@ struct OpContext {
   int64_t seq = 0;
   absl::Time deadline;
   std::unique_ptr<Scratch> scratch = std::make_unique<Scratch>();
-  std::string label;          // "mpi all-reduce #3 (rank 1 of 4)"
+  std::string label;          // "mpi all_reduce #3 (rank 1 of 4)"
   bool breaks_comm = false;   // set when the communicator must not be used again
   bool leak_scratch = false;  // set when MPI may still write into the scratch
 };
@@ -268,22 +218,41 @@ struct Op {
   Kind kind;
   int64_t seq = 0;  // issue order on this rank, counting calls that failed locally
   OpFn run;
-  absl::Status status;
-  absl::Notification done;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;     // guarded by mu
+  absl::Status status;   // written before done is set
+
+  void Finish(absl::Status s) {
+    std::lock_guard<std::mutex> lock(mu);
+    status = std::move(s);
+    done = true;
+    cv.notify_all();
+  }
 };
 
 class MpiWork final : public Work {
  public:
   explicit MpiWork(std::shared_ptr<Op> op) : op_(std::move(op)) {}
   absl::Status Wait(absl::Duration timeout) override {
-    if (!op_->done.WaitForNotificationWithTimeout(timeout)) {
+    std::unique_lock<std::mutex> lock(op_->mu);
+    const auto finished = [this] { return op_->done; };
+    if (timeout == absl::InfiniteDuration()) {
+      op_->cv.wait(lock, finished);
+    } else if (!op_->cv.wait_for(lock, absl::ToChronoNanoseconds(timeout), finished)) {
       return absl::DeadlineExceededError(absl::StrCat(
           "mpi ", KindName(op_->kind), " still in flight after waiting ",
           absl::FormatDuration(timeout), "; its buffers must stay alive"));
     }
-    return op_->status;
+    // A fresh copy, not a shared reference: the progress thread may free the Op's status
+    // while the caller holds this one, and abseil's refcount is invisible to TSan.
+    if (op_->status.ok()) return absl::OkStatus();
+    return absl::Status(op_->status.code(), op_->status.message());
   }
-  bool IsCompleted() override { return op_->done.HasBeenNotified(); }
+  bool IsCompleted() override {
+    std::lock_guard<std::mutex> lock(op_->mu);
+    return op_->done;
+  }
 
  private:
   std::shared_ptr<Op> op_;
@@ -301,10 +270,11 @@ class MpiCommunicator final : public Communicator {
 
   ~MpiCommunicator() override {
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       stopping_ = true;
     }
-    worker_.join();
+    queue_cv_.notify_one();
+    worker_.join();  // after running what was already issued
     int finalized = 0;
     MPI_Finalized(&finalized);
     // A broken communicator may have requests in flight; freeing it could block or let
@@ -322,11 +292,15 @@ class MpiCommunicator final : public Communicator {
                                                        ReduceOp op) override {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckDType(dtype));
-    GRADSUM_RETURN_IF_ERROR(CheckReduceOp(op, /*allow_max=*/true));
+    GRADSUM_RETURN_IF_ERROR(CheckReduceOp(op, dtype, /*allow_max=*/true));
     GRADSUM_RETURN_IF_ERROR(CheckFitsInt(count, "all-reduce count"));
     GRADSUM_RETURN_IF_ERROR(CheckBuffer(send, count, "all-reduce send"));
     GRADSUM_RETURN_IF_ERROR(CheckBuffer(recv, count, "all-reduce recv"));
-    const Descriptor d{Kind::kAllReduce, dtype, op, static_cast<int64_t>(count), -1};
+    if (send != recv && Overlaps(send, count * DTypeSize(dtype), recv, count * DTypeSize(dtype))) {
+      return absl::InvalidArgumentError(
+          "all-reduce send and recv overlap without being equal (in place is send == recv)");
+    }
+    const OpDescriptor d{Kind::kAllReduce, dtype, op, static_cast<int64_t>(count), -1};
     return Enqueue(seq, d.kind, [=](OpContext& ctx) -> absl::Status {
       GRADSUM_RETURN_IF_ERROR(Agree(ctx, d));
       if (count == 0) return absl::OkStatus();
@@ -359,12 +333,19 @@ class MpiCommunicator final : public Communicator {
                                                            ReduceOp op) override {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckDType(dtype));
-    GRADSUM_RETURN_IF_ERROR(CheckReduceOp(op, /*allow_max=*/false));
+    GRADSUM_RETURN_IF_ERROR(CheckReduceOp(op, dtype, /*allow_max=*/false));
     GRADSUM_RETURN_IF_ERROR(CheckFitsInt(recv_count, "reduce-scatter recv_count"));
     const size_t send_count = recv_count * static_cast<size_t>(size_);
     GRADSUM_RETURN_IF_ERROR(CheckBuffer(send, send_count, "reduce-scatter send"));
     GRADSUM_RETURN_IF_ERROR(CheckBuffer(recv, recv_count, "reduce-scatter recv"));
-    const Descriptor d{Kind::kReduceScatter, dtype, op, static_cast<int64_t>(recv_count), -1};
+    const size_t esize = DTypeSize(dtype);
+    const bool in_place = recv == static_cast<const unsigned char*>(send) + rank_ * recv_count * esize;
+    if (!in_place && Overlaps(send, send_count * esize, recv, recv_count * esize)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "reduce-scatter buffers overlap; in place needs recv == send + rank * recv_count (rank ",
+          rank_, ")"));
+    }
+    const OpDescriptor d{Kind::kReduceScatter, dtype, op, static_cast<int64_t>(recv_count), -1};
     return Enqueue(seq, d.kind, [=](OpContext& ctx) -> absl::Status {
       GRADSUM_RETURN_IF_ERROR(Agree(ctx, d));
       if (recv_count == 0) return absl::OkStatus();
@@ -385,20 +366,19 @@ class MpiCommunicator final : public Communicator {
         Narrow(out.data(), dtype, recv_count, recv);
         return absl::OkStatus();
       }
-      const size_t esize = DTypeSize(dtype);
-      const void* in = send;
-      if (send == recv) {
-        in = MPI_IN_PLACE;  // input is recv[0, send_count); result lands at its start
-      } else if (Overlaps(send, send_count * esize, recv, recv_count * esize)) {
-        ctx.scratch->bytes.assign(static_cast<const unsigned char*>(send),
-                                  static_cast<const unsigned char*>(send) + send_count * esize);
-        in = ctx.scratch->bytes.data();
+      // In place, recv aliases my block of send, which MPI must not see as both input and
+      // output: reduce into scratch and copy.
+      void* out = recv;
+      if (in_place) {
+        ctx.scratch->bytes.resize(recv_count * esize);
+        out = ctx.scratch->bytes.data();
       }
       GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
-        return MPI_Ireduce_scatter_block(in, recv, n, MoveType(dtype), MPI_SUM, comm_, &req);
+        return MPI_Ireduce_scatter_block(send, out, n, MoveType(dtype), MPI_SUM, comm_, &req);
       }));
       GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
-      if (op == ReduceOp::kAvg) DivideNative(recv, recv_count, dtype, size_);
+      if (op == ReduceOp::kAvg) DivideNative(out, recv_count, dtype, size_);
+      if (out != recv) std::memcpy(recv, out, recv_count * esize);
       return absl::OkStatus();
     });
   }
@@ -411,21 +391,19 @@ class MpiCommunicator final : public Communicator {
     const size_t recv_count = send_count * static_cast<size_t>(size_);
     GRADSUM_RETURN_IF_ERROR(CheckBuffer(send, send_count, "all-gather send"));
     GRADSUM_RETURN_IF_ERROR(CheckBuffer(recv, recv_count, "all-gather recv"));
-    const Descriptor d{Kind::kAllGather, dtype, ReduceOp::kSum,
+    const size_t esize = DTypeSize(dtype);
+    const bool in_place = send == static_cast<const unsigned char*>(recv) + rank_ * send_count * esize;
+    if (!in_place && Overlaps(send, send_count * esize, recv, recv_count * esize)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "all-gather buffers overlap; in place needs send == recv + rank * send_count (rank ",
+          rank_, ")"));
+    }
+    const OpDescriptor d{Kind::kAllGather, dtype, ReduceOp::kSum,
                        static_cast<int64_t>(send_count), -1};
     return Enqueue(seq, d.kind, [=](OpContext& ctx) -> absl::Status {
       GRADSUM_RETURN_IF_ERROR(Agree(ctx, d));
       if (send_count == 0) return absl::OkStatus();
-      const size_t esize = DTypeSize(dtype);
-      const void* own_slot = static_cast<unsigned char*>(recv) + rank_ * send_count * esize;
-      const void* in = send;
-      if (send == own_slot) {
-        in = MPI_IN_PLACE;
-      } else if (Overlaps(send, send_count * esize, recv, recv_count * esize)) {
-        ctx.scratch->bytes.assign(static_cast<const unsigned char*>(send),
-                                  static_cast<const unsigned char*>(send) + send_count * esize);
-        in = ctx.scratch->bytes.data();
-      }
+      const void* in = in_place ? MPI_IN_PLACE : send;
       const int n = static_cast<int>(send_count);
       MPI_Request req;
       GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
@@ -462,10 +440,12 @@ class MpiCommunicator final : public Communicator {
     }
     GRADSUM_RETURN_IF_ERROR(CheckBuffer(send, send_total, "all-to-all-v send"));
     GRADSUM_RETURN_IF_ERROR(CheckBuffer(recv, recv_total, "all-to-all-v recv"));
+    GRADSUM_RETURN_IF_ERROR(CheckAllToAllVBlocks(send, send_counts, send_offsets, recv,
+                                                 recv_counts, recv_offsets, DTypeSize(dtype)));
     auto to_ints = [](absl::Span<const size_t> s) { return std::vector<int>(s.begin(), s.end()); };
     std::vector<int> sc = to_ints(send_counts), sd = to_ints(send_offsets);
     std::vector<int> rc = to_ints(recv_counts), rd = to_ints(recv_offsets);
-    const Descriptor d{Kind::kAllToAllV, dtype, ReduceOp::kSum, 0, -1};
+    const OpDescriptor d{Kind::kAllToAllV, dtype, ReduceOp::kSum, 0, -1};
     return Enqueue(seq, d.kind, [=](OpContext& ctx) -> absl::Status {
       GRADSUM_RETURN_IF_ERROR(Agree(ctx, d));
       GRADSUM_RETURN_IF_ERROR(AgreeOnCounts(ctx, sc, rc));
@@ -494,7 +474,7 @@ class MpiCommunicator final : public Communicator {
     }
     GRADSUM_RETURN_IF_ERROR(CheckFitsInt(count, "broadcast count"));
     GRADSUM_RETURN_IF_ERROR(CheckBuffer(buf, count, "broadcast"));
-    const Descriptor d{Kind::kBroadcast, dtype, ReduceOp::kSum, static_cast<int64_t>(count),
+    const OpDescriptor d{Kind::kBroadcast, dtype, ReduceOp::kSum, static_cast<int64_t>(count),
                        root};
     return Enqueue(seq, d.kind, [=](OpContext& ctx) -> absl::Status {
       GRADSUM_RETURN_IF_ERROR(Agree(ctx, d));
@@ -510,14 +490,14 @@ class MpiCommunicator final : public Communicator {
   // The descriptor all-reduce already waits for every rank, so it is the barrier.
   absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override {
     const int64_t seq = next_seq_++;
-    const Descriptor d{Kind::kBarrier, DType::kF32, ReduceOp::kSum, 0, -1};
+    const OpDescriptor d{Kind::kBarrier, DType::kF32, ReduceOp::kSum, 0, -1};
     return Enqueue(seq, d.kind, [=](OpContext& ctx) { return Agree(ctx, d); });
   }
 
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
     const int64_t seq = next_seq_++;
     auto result = std::make_shared<absl::StatusOr<std::unique_ptr<Communicator>>>(nullptr);
-    const Descriptor d{Kind::kSplit, DType::kF32, ReduceOp::kSum, 0, -1};
+    const OpDescriptor d{Kind::kSplit, DType::kF32, ReduceOp::kSum, 0, -1};
     // Runs on the progress thread so that it is ordered after earlier async operations.
     absl::StatusOr<std::unique_ptr<Work>> work =
         Enqueue(seq, d.kind, [=](OpContext& ctx) -> absl::Status {
@@ -542,13 +522,56 @@ class MpiCommunicator final : public Communicator {
   }
 
  private:
-  static absl::Status CheckReduceOp(ReduceOp op, bool allow_max) {
-    if (op == ReduceOp::kSum || op == ReduceOp::kAvg || (allow_max && op == ReduceOp::kMax)) {
-      return absl::OkStatus();
+  static absl::Status CheckReduceOp(ReduceOp op, DType dtype, bool allow_max) {
+    if (op != ReduceOp::kSum && op != ReduceOp::kAvg && op != ReduceOp::kMax) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("invalid reduce op value ", static_cast<int>(op)));
     }
-    return absl::InvalidArgumentError(absl::StrCat(
-        "reduce op ", ReduceOpName(op), " (", static_cast<int>(op), ") is not supported here",
-        allow_max ? "" : "; reduce-scatter takes sum or avg"));
+    if (op == ReduceOp::kMax && !allow_max) {
+      return absl::InvalidArgumentError("reduce-scatter supports sum and avg, not max");
+    }
+    if (op == ReduceOp::kAvg && !IsFloating(dtype)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("avg needs a floating dtype, got ", DTypeName(dtype)));
+    }
+    return absl::OkStatus();
+  }
+
+  // Receive blocks must not overlap each other, and nothing sent may overlap anything
+  // received (MPI_Ialltoallv has no in-place form with separate send data).
+  static absl::Status CheckAllToAllVBlocks(const void* send, absl::Span<const size_t> send_counts,
+                                           absl::Span<const size_t> send_offsets, void* recv,
+                                           absl::Span<const size_t> recv_counts,
+                                           absl::Span<const size_t> recv_offsets, size_t esize) {
+    const size_t n = send_counts.size();
+    std::vector<std::pair<size_t, size_t>> recv_ranges;
+    for (size_t p = 0; p < n; ++p) {
+      if (recv_counts[p] > 0) {
+        recv_ranges.push_back({recv_offsets[p], recv_offsets[p] + recv_counts[p]});
+      }
+    }
+    std::sort(recv_ranges.begin(), recv_ranges.end());
+    for (size_t i = 1; i < recv_ranges.size(); ++i) {
+      if (recv_ranges[i].first < recv_ranges[i - 1].second) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "all-to-all-v recv blocks overlap: [", recv_ranges[i - 1].first, ", ",
+            recv_ranges[i - 1].second, ") and [", recv_ranges[i].first, ", ",
+            recv_ranges[i].second, ")"));
+      }
+    }
+    const auto* s = static_cast<const unsigned char*>(send);
+    const auto* r = static_cast<const unsigned char*>(recv);
+    for (size_t p = 0; p < n; ++p) {
+      for (size_t q = 0; q < n; ++q) {
+        if (Overlaps(s + send_offsets[p] * esize, send_counts[p] * esize,
+                     r + recv_offsets[q] * esize, recv_counts[q] * esize)) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "all-to-all-v send block for peer ", p, " overlaps recv block from peer ", q,
+              " (in place is not supported)"));
+        }
+      }
+    }
+    return absl::OkStatus();
   }
 
   // AVG is reduced as SUM and divided afterwards.
@@ -560,13 +583,14 @@ class MpiCommunicator final : public Communicator {
     op->seq = seq;
     op->run = std::move(fn);
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       if (broken_) {
         return absl::FailedPreconditionError(absl::StrCat(
             "mpi communicator is unusable after an earlier failure: ", broken_reason_));
       }
       queue_.push_back(op);
     }
+    queue_cv_.notify_one();
     return std::unique_ptr<Work>(new MpiWork(std::move(op)));
   }
 
@@ -575,19 +599,16 @@ class MpiCommunicator final : public Communicator {
       std::shared_ptr<Op> op;
       std::string broken_reason;
       {
-        absl::MutexLock lock(&mu_);
-        mu_.Await(absl::Condition(
-            +[](MpiCommunicator* c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c->mu_) {
-              return c->stopping_ || !c->queue_.empty();
-            },
-            this));
+        std::unique_lock<std::mutex> lock(mu_);
+        queue_cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
         if (queue_.empty()) return;  // stopping
         op = std::move(queue_.front());
         queue_.pop_front();
         if (broken_) broken_reason = broken_reason_;
       }
+      absl::Status status;
       if (!broken_reason.empty()) {
-        op->status = absl::FailedPreconditionError(absl::StrCat(
+        status = absl::FailedPreconditionError(absl::StrCat(
             "mpi communicator is unusable after an earlier failure: ", broken_reason));
       } else {
         OpContext ctx;
@@ -595,15 +616,15 @@ class MpiCommunicator final : public Communicator {
         ctx.deadline = absl::Now() + options_.timeout;
         ctx.label = absl::StrFormat("mpi %s #%d (rank %d of %d)", KindName(op->kind), ctx.seq,
                                     rank_, size_);
-        op->status = op->run(ctx);
+        status = op->run(ctx);
         if (ctx.leak_scratch) LeakForever(std::move(ctx.scratch));
         if (ctx.breaks_comm) {
-          absl::MutexLock lock(&mu_);
+          std::lock_guard<std::mutex> lock(mu_);
           broken_ = true;
-          broken_reason_ = std::string(op->status.message());
+          broken_reason_ = std::string(status.message());
         }
       }
-      op->done.Notify();
+      op->Finish(std::move(status));
     }
   }
 
@@ -651,35 +672,21 @@ class MpiCommunicator final : public Communicator {
 
   // Every rank all-reduces (d, -d) with MIN, learning each field's min and max; a field
   // whose min and max differ is a disagreement that every rank reports identically.
-  absl::Status Agree(OpContext& ctx, const Descriptor& d) {
+  absl::Status Agree(OpContext& ctx, const OpDescriptor& d) {
     std::vector<int64_t>& buf = ctx.scratch->i64a;
-    const int64_t fields[kNumFields] = {ctx.seq,
-                                        static_cast<int64_t>(d.kind),
-                                        static_cast<int64_t>(d.dtype),
-                                        static_cast<int64_t>(d.op),
-                                        d.count,
-                                        d.root};
-    buf.resize(2 * kNumFields);
-    for (int f = 0; f < kNumFields; ++f) {
-      buf[f] = fields[f];
-      buf[kNumFields + f] = -fields[f];
-    }
+    buf.resize(collectives_internal::kDescriptorWords);
+    collectives_internal::EncodeDescriptor(d, ctx.seq, buf.data());
     MPI_Request req;
     GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
-      return MPI_Iallreduce(MPI_IN_PLACE, buf.data(), 2 * kNumFields, MPI_INT64_T, MPI_MIN,
-                            comm_, &req);
+      return MPI_Iallreduce(MPI_IN_PLACE, buf.data(), collectives_internal::kDescriptorWords,
+                            MPI_INT64_T, MPI_MIN, comm_, &req);
     }));
     GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
-    for (int f = 0; f < kNumFields; ++f) {
-      const int64_t lo = buf[f], hi = -buf[kNumFields + f];
-      if (lo == hi) continue;
-      // Ranks that are out of step stay out of step: nothing later can match up.
-      if (f == kSeq) ctx.breaks_comm = true;
-      return absl::InvalidArgumentError(absl::StrCat(
-          ctx.label, ": ranks disagree on ", FieldName(f), ": ", FieldValue(f, lo), " vs ",
-          FieldValue(f, hi), " (this rank: ", FieldValue(f, fields[f]), ")"));
-    }
-    return absl::OkStatus();
+    bool out_of_step = false;
+    absl::Status s =
+        collectives_internal::CheckDescriptorAgreed(d, ctx.seq, buf.data(), ctx.label, &out_of_step);
+    if (out_of_step) ctx.breaks_comm = true;
+    return s;
   }
 
   // All-to-all-v: rank r's send_counts[p] must equal rank p's recv_counts[r]. Each rank
@@ -688,37 +695,24 @@ class MpiCommunicator final : public Communicator {
   absl::Status AgreeOnCounts(OpContext& ctx, const std::vector<int>& send_counts,
                              const std::vector<int>& recv_counts) {
     Scratch& s = *ctx.scratch;
-    s.send_counts = send_counts;
-    s.recv_counts.assign(size_, 0);
+    s.i64a.assign(send_counts.begin(), send_counts.end());  // what I send to each peer
+    s.i64b.assign(size_, 0);                                 // what each peer sends me
     MPI_Request req;
     GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
-      return MPI_Ialltoall(s.send_counts.data(), 1, MPI_INT, s.recv_counts.data(), 1, MPI_INT,
-                           comm_, &req);
+      return MPI_Ialltoall(s.i64a.data(), 1, MPI_INT64_T, s.i64b.data(), 1, MPI_INT64_T, comm_,
+                           &req);
     }));
     GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
-    // (first sender whose count disagrees or -1, what it sends, what this rank expects)
-    std::vector<int64_t>& mine = s.i64a;
-    mine = {-1, 0, 0};
-    for (int p = 0; p < size_; ++p) {
-      if (s.recv_counts[p] != recv_counts[p]) {
-        mine = {p, s.recv_counts[p], recv_counts[p]};
-        break;
-      }
-    }
-    std::vector<int64_t>& all = s.i64b;
-    all.assign(3 * size_, 0);
+    const std::vector<int64_t> expected(recv_counts.begin(), recv_counts.end());
+    s.i64a.assign(3, 0);
+    collectives_internal::MakeCountReport(s.i64b, expected, s.i64a.data());
+    s.i64c.assign(3 * static_cast<size_t>(size_), 0);
     GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
-      return MPI_Iallgather(mine.data(), 3, MPI_INT64_T, all.data(), 3, MPI_INT64_T, comm_,
+      return MPI_Iallgather(s.i64a.data(), 3, MPI_INT64_T, s.i64c.data(), 3, MPI_INT64_T, comm_,
                             &req);
     }));
     GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
-    for (int r = 0; r < size_; ++r) {
-      if (all[3 * r] < 0) continue;
-      return absl::InvalidArgumentError(absl::StrCat(
-          ctx.label, ": counts disagree: rank ", all[3 * r], " sends ", all[3 * r + 1],
-          " elements to rank ", r, ", but rank ", r, " expects ", all[3 * r + 2]));
-    }
-    return absl::OkStatus();
+    return collectives_internal::CheckCountReports(s.i64c, ctx.label);
   }
 
   MPI_Comm comm_;
@@ -730,12 +724,13 @@ class MpiCommunicator final : public Communicator {
   // operation with the others' current one. Caller's thread only.
   int64_t next_seq_ = 0;
 
-  absl::Mutex mu_;
-  std::deque<std::shared_ptr<Op>> queue_ ABSL_GUARDED_BY(mu_);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::mutex mu_;
+  std::condition_variable queue_cv_;
+  std::deque<std::shared_ptr<Op>> queue_;  // guarded by mu_
+  bool stopping_ = false;                  // guarded by mu_
   // Written under mu_ by the progress thread; read by the destructor after the join.
   bool broken_ = false;
-  std::string broken_reason_ ABSL_GUARDED_BY(mu_);
+  std::string broken_reason_;  // guarded by mu_
   std::thread worker_;
 };
 

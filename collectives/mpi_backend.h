@@ -24,13 +24,16 @@
 // Numerics (SEMANTICS.md §7): f32/f64/i32/i64 reduce natively in MPI. bf16/f16 are widened
 // to an fp32 buffer, reduced in fp32 by MPI, and rounded once (nearest even) on the way
 // back, so a bf16 SUM is a real sum rounded once, never per step. AVG is the SUM divided by
-// size() in the accumulation type (integer AVG truncates toward zero). Open MPI gives every
-// rank the same reduction result.
+// size() in the accumulation type, for floating dtypes only (integer AVG is
+// InvalidArgument, as on the thread backend). Open MPI gives every rank the same result,
+// but its summation order is its own: with more than two ranks, floating sums need not be
+// bit-identical to the thread backend's ascending-rank order.
 //
-// In place: all-reduce and broadcast with send == recv; reduce-scatter with send == recv
-// (the input is the whole buffer, the result lands in its first recv_count elements, as
-// with MPI_IN_PLACE); all-gather with send == recv + rank() * send_count (as with
-// MPI_IN_PLACE / NCCL). Any other overlap is handled by copying the input first.
+// In place (the thread backend's and NCCL's conventions): all-reduce with send == recv;
+// reduce-scatter with recv == send + rank() * recv_count; all-gather with
+// send == recv + rank() * send_count. Any other overlap of send and recv, overlapping
+// all-to-all-v receive blocks, or an all-to-all-v send block overlapping a receive block
+// is InvalidArgument.
 //
 // Limits: every MPI count (elements per call, per peer, and offsets) must fit in an int;
 // larger is InvalidArgument naming the value.

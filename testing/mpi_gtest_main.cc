@@ -12,6 +12,7 @@
 #include <mpi.h>
 
 #include <cstdio>
+#include <cstdlib>
 
 #include "gtest/gtest.h"
 
@@ -44,10 +45,15 @@ class RankFailurePrinter : public ::testing::EmptyTestEventListener {
 int main(int argc, char** argv) {
   int provided = 0;
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
-  ::testing::InitGoogleTest(&argc, argv);
   int rank = 0, size = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (rank != 0) {
+    // Bazel's per-test files are rank 0's to write: the premature-exit marker would
+    // otherwise be created and removed by every rank at once.
+    unsetenv("TEST_PREMATURE_EXIT_FILE");
+  }
+  ::testing::InitGoogleTest(&argc, argv);
   if (rank != 0) {
     GTEST_FLAG_SET(output, "");  // only rank 0 writes the XML report
     ::testing::TestEventListeners& listeners =

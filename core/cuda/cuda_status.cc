@@ -77,12 +77,29 @@ absl::Status CheckDevicePointer(const void* ptr, absl::string_view name) {
         name, " is not device memory (cudaPointerGetAttributes type ", static_cast<int>(attr.type),
         ": ", attr.type == cudaMemoryTypeHost ? "pinned host" : "unregistered host", ")"));
   }
+  int current = 0;
+  if (attr.type == cudaMemoryTypeDevice && cudaGetDevice(&current) == cudaSuccess &&
+      attr.device != current) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " is memory of device ", attr.device,
+                                                   " but the current device is ", current));
+  }
   return absl::OkStatus();
 }
 
 absl::Status CheckOptionalDevicePointer(const void* ptr, absl::string_view name) {
   if (ptr == nullptr) return absl::OkStatus();
   return CheckDevicePointer(ptr, name);
+}
+
+absl::StatusOr<int> CurrentDeviceSmCount() {
+  int device = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return CudaErrorToStatus(err, "SM count of the current device");
+  }
+  return sms;
 }
 
 }  // namespace gradsum::cuda

@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
 namespace gradsum::cuda {
@@ -34,12 +35,16 @@ absl::Status CublasStatusToStatus(cublasStatus_t status, absl::string_view what)
 // runtime's reason (e.g. "CUDA driver version is insufficient for CUDA runtime version").
 absl::Status RequireCudaDevice();
 
-// OK when `ptr` is device (or managed) memory visible to the current device.
-// InvalidArgument naming `name` for null, host (pageable or pinned) or unregistered memory.
+// OK when `ptr` is device memory of the current device (or managed memory).
+// InvalidArgument naming `name` for null, host (pageable or pinned) or unregistered memory,
+// or memory of another device (kernels run on the current device: cudaSetDevice first).
 absl::Status CheckDevicePointer(const void* ptr, absl::string_view name);
 
 // Like CheckDevicePointer, but a null pointer is accepted (optional buffers).
 absl::Status CheckOptionalDevicePointer(const void* ptr, absl::string_view name);
+
+// Number of streaming multiprocessors of the current device (for grid sizing).
+absl::StatusOr<int> CurrentDeviceSmCount();
 
 }  // namespace gradsum::cuda
 

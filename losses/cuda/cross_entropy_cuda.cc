@@ -117,10 +117,7 @@ absl::Status CheckArgs(const CrossEntropyCudaArgs& a) {
 
 // Enqueues the kernels with `record` (a device record) on `stream`.
 absl::Status Enqueue(const CrossEntropyCudaArgs& a, CeErrorRecord* record, cudaStream_t stream) {
-  int device = 0, sms = 0;
-  GRADSUM_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device), "cudaGetDevice");
-  GRADSUM_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "SM count");
+  GRADSUM_ASSIGN_OR_RETURN(const int sms, cuda::CurrentDeviceSmCount());
   cuda_internal::CeLaunch l;
   l.logits = a.logits;
   l.grad_logits = a.grad_logits;

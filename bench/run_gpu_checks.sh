@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# One prepared script for every GPU check (tests tagged `gpu` + //bench:gpu_bench), sized to
+# finish in ~10 minutes on one H200. See docs/GPU.md.
+#
+#   bench/run_gpu_checks.sh            # where Bazel works: build --config=cuda, test, bench
+#   bench/run_gpu_checks.sh package    # here (Bazel, no GPU): build the GPU binaries into
+#                                      # gpu_checks/ with their non-CUDA shared libraries
+#   bench/run_gpu_checks.sh prebuilt   # on the GPU machine without Bazel: run gpu_checks/
+#
+# Results (logs, test XML, gpu_bench.json) go to $OUT when it is set, else to a temp dir.
+# Exit status: 0 when every test passed and the bench ran; non-zero otherwise.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+MODE="${1:-auto}"
+OUT_DIR="${OUT:-$(mktemp -d /tmp/gpu_checks_out.XXXXXX)}"
+mkdir -p "${OUT_DIR}"
+BUNDLE=gpu_checks
+BENCH_FLAGS=(--benchmark_min_time=0.2 --benchmark_out="${OUT_DIR}/gpu_bench.json"
+             --benchmark_out_format=json --benchmark_counters_tabular=true)
+# The gpu-tagged test targets (kept in step with the BUILD files by `package`, which
+# queries them; listed here for the prebuilt run).
+TESTS=(
+  //third_party:cuda_smoke_test
+  //core/cuda:gemm_test
+  //losses/cuda:cross_entropy_cuda_test
+  //moe/cuda:layers_cuda_test
+  //moe/cuda:router_cuda_test
+  //moe/cuda:permute_cuda_test
+  //moe/cuda:moe_layer_cuda_test
+)
+
+log() { echo "[run_gpu_checks] $*" | tee -a "${OUT_DIR}/summary.txt"; }
+
+device_info() {
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv \
+      > "${OUT_DIR}/nvidia-smi.txt" 2>&1
+  else
+    echo -e "nvidia-smi\nnot found" > "${OUT_DIR}/nvidia-smi.txt"
+  fi
+  log "device: $(head -2 "${OUT_DIR}/nvidia-smi.txt" | tail -1)"
+}
+
+bazel_cmd() {
+  if command -v bazel >/dev/null 2>&1; then echo "./bazelw"; else echo ""; fi
+}
+
+run_with_bazel() {
+  local bz="$1" rc=0
+  device_info
+  log "build: ${bz} build -c opt --config=cuda //..."
+  timeout 300 "${bz}" build -c opt --config=cuda //... > "${OUT_DIR}/build.log" 2>&1 || {
+    log "build FAILED (see build.log)"; tail -40 "${OUT_DIR}/build.log"; return 1; }
+  log "test: ${bz} test -c opt --config=cuda --test_tag_filters=gpu //..."
+  timeout 300 "${bz}" test -c opt --config=cuda --test_tag_filters=gpu --test_output=errors \
+      --test_summary=detailed //... > "${OUT_DIR}/test.log" 2>&1 || rc=1
+  grep -E "PASSED|FAILED|SKIPPED|NO STATUS|Executed" "${OUT_DIR}/test.log" | tee -a "${OUT_DIR}/summary.txt"
+  # Test XML (one per target) for the record; flattened so the files come back from $OUT.
+  for t in "${TESTS[@]}"; do
+    local p="${t#//}"; p="${p/://}"
+    [[ -f "bazel-testlogs/${p}/test.log" ]] && cp "bazel-testlogs/${p}/test.log" "${OUT_DIR}/$(basename "${p}").log"
+  done
+  log "bench: gpu_bench"
+  timeout 180 bazel-bin/bench/gpu_bench "${BENCH_FLAGS[@]}" > "${OUT_DIR}/gpu_bench.txt" 2>&1 || rc=1
+  cat "${OUT_DIR}/gpu_bench.txt"
+  return ${rc}
+}
+
+package_bundle() {
+  local bz; bz="$(bazel_cmd)"
+  [[ -n "${bz}" ]] || { echo "package needs Bazel" >&2; return 1; }
+  "${bz}" build -c opt --config=cuda "${TESTS[@]}" //bench:gpu_bench || return 1
+  rm -rf "${BUNDLE}"; mkdir -p "${BUNDLE}/bin" "${BUNDLE}/lib"
+  local bins=(bazel-bin/bench/gpu_bench)
+  for t in "${TESTS[@]}"; do local p="${t#//}"; bins+=("bazel-bin/${p/://}"); done
+  for b in "${bins[@]}"; do
+    cp -L "${b}" "${BUNDLE}/bin/"
+    # Every shared library except glibc/libstdc++ and the CUDA ones (the GPU machine's own
+    # CUDA 13 install provides those, matched to its driver).
+    ldd "${b}" | awk '$3 ~ /^\// {print $3}' | while read -r lib; do
+      case "$(basename "${lib}")" in
+        libc.so*|libm.so*|libdl.so*|libpthread.so*|librt.so*|libgcc_s.so*|libstdc++.so*) ;;
+        libcuda.so*|libcudart.so*|libcublas*|libnccl.so*) ;;
+        *) cp -Ln "${lib}" "${BUNDLE}/lib/" ;;
+      esac
+    done
+  done
+  du -sh "${BUNDLE}"
+  echo "bundle ready: carry '${BUNDLE}' and run: bench/run_gpu_checks.sh prebuilt"
+}
+
+cuda_lib_path() {
+  # CUDA runtime, cuBLAS and NCCL: the toolkit first, then the pip wheels of the image.
+  local dirs=(/usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib)
+  local py
+  for py in /opt/torch/.venv/lib/python3*/site-packages/nvidia /usr/local/lib/python3*/dist-packages/nvidia; do
+    [[ -d "${py}" ]] && dirs+=("${py}"/*/lib)
+  done
+  local IFS=:; echo "${dirs[*]}"
+}
+
+run_prebuilt() {
+  [[ -d "${BUNDLE}/bin" ]] || { echo "no ${BUNDLE}/ bundle: run 'package' where Bazel works" >&2; return 1; }
+  device_info
+  export LD_LIBRARY_PATH="${PWD}/${BUNDLE}/lib:$(cuda_lib_path):${LD_LIBRARY_PATH:-}"
+  local rc=0 b
+  for b in "${BUNDLE}"/bin/*_test; do
+    local name; name="$(basename "${b}")"
+    if timeout 120 "${b}" --gtest_output="xml:${OUT_DIR}/${name}.xml" > "${OUT_DIR}/${name}.log" 2>&1; then
+      log "ok ${name}: $(grep -E '^\[  (PASSED|SKIPPED) +\] [0-9]+ test' "${OUT_DIR}/${name}.log" | tr '\n' ' ')"
+    else
+      rc=1; log "FAILED ${name}"; tail -30 "${OUT_DIR}/${name}.log"
+    fi
+  done
+  log "bench: gpu_bench"
+  timeout 180 "${BUNDLE}/bin/gpu_bench" "${BENCH_FLAGS[@]}" > "${OUT_DIR}/gpu_bench.txt" 2>&1 || rc=1
+  cat "${OUT_DIR}/gpu_bench.txt"
+  return ${rc}
+}
+
+case "${MODE}" in
+  package) package_bundle ;;
+  prebuilt) run_prebuilt ;;
+  auto)
+    bz="$(bazel_cmd)"
+    if [[ -n "${bz}" ]]; then run_with_bazel "${bz}"
+    elif [[ -d "${BUNDLE}/bin" ]]; then run_prebuilt
+    else echo "neither Bazel nor a ${BUNDLE}/ bundle: see docs/GPU.md" >&2; exit 1
+    fi ;;
+  *) echo "usage: $0 [auto|package|prebuilt]" >&2; exit 2 ;;
+esac
+rc=$?
+log "exit status ${rc}; results in ${OUT_DIR}"
+exit ${rc}

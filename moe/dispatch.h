@@ -1,0 +1,112 @@
+#ifndef GRADSUM_MOE_DISPATCH_H_
+#define GRADSUM_MOE_DISPATCH_H_
+
+// Dropless token dispatch and combine over the EP group (SEMANTICS.md §1, §10).
+//
+// The EP group has P ranks; expert e lives on EP rank e / (E / P) (moe/placement.h). Each
+// rank holds its own tokens ("home" rank) and the E / P experts of its slot.
+//
+// Forward, on every EP rank:
+//   1. the K copies of every routed token are ordered by destination expert (so also by
+//      destination rank),
+//   2. per-expert counts are exchanged (one all-gather of E int64 per rank),
+//   3. the rows go to the experts' owners (all-to-all-v), which regroup them by local expert
+//      and run the grouped SwiGLU experts (moe/experts.h),
+//   4. the outputs go back (all-to-all-v) and the home rank combines
+//      y_t = sum_k w_tk * Expert_{i_tk}(a_t).
+// Backward sends w_tk * dy_t to the owners, runs the experts' backward (weight gradients
+// accumulate there), sends the input gradients back and sums the K copies into d_a. It also
+// returns d w_tk = <dy_t, Expert_{i_tk}(a_t)>, the gradient for the router (moe/router.h).
+//
+// Dropless: every copy reaches its expert whatever the imbalance; an expert or a rank may
+// receive zero rows, and a rank may have zero tokens. Counts are data-dependent, so every
+// EP rank must call forward and backward, even with no tokens.
+//
+//   DispatchConfig config{.d_model = D, .hidden = H, .num_experts = E, .top_k = K};
+//   DispatchState state;
+//   GRADSUM_RETURN_IF_ERROR(DispatchCombineForward(ep_group, config, local_weights, a,
+//                                                  route.expert_index, route.combine_weight,
+//                                                  y, &state));
+//   ...
+//   GRADSUM_RETURN_IF_ERROR(DispatchCombineBackward(ep_group, config, local_weights, state, dy,
+//                                                   d_a, d_combine_weight, local_grads));
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "collectives/communicator.h"
+#include "moe/experts.h"
+
+namespace gradsum::moe {
+
+struct DispatchConfig {
+  int64_t d_model = 0;  // D
+  int64_t hidden = 0;   // H, expert width
+  int num_experts = 0;  // E, over the whole EP group; E % P == 0
+  int top_k = 0;        // K, 1 <= K <= E
+};
+
+// What forward keeps for backward (one per layer and micro-batch). Opaque to callers except
+// for the read-only statistics at the end.
+struct DispatchState {
+  int64_t num_tokens = 0;
+  // Home side: the copies in send order (sorted by destination expert).
+  std::vector<int64_t> send_copy;     // [S] copy index t * K + k of each sent row
+  std::vector<size_t> send_rows;      // [P] rows sent to each EP rank
+  std::vector<size_t> recv_rows;      // [P] rows received from each EP rank
+  std::vector<float> combine_weight;  // [T, K] the weights used by the combine
+  std::vector<float> copy_output;     // [S, D] expert outputs back home, in send order
+  // Owner side.
+  std::vector<int64_t> expert_row;         // [R] expert-major position of each received row
+  std::vector<int64_t> local_group_sizes;  // [E / P] rows per local expert
+  std::vector<float> expert_input;         // [R, D] rows grouped by local expert
+  ExpertsSaved experts_saved;
+
+  // Scratch reused by later calls with the same state (so a layer's state kept across steps
+  // allocates only once); holds no meaning between calls.
+  mutable std::vector<float> scratch_send, scratch_recv, scratch_expert_a, scratch_expert_b;
+
+  // Rows this rank received for its experts, and rows it sent (= routed copies), for stats
+  // and benchmarks.
+  int64_t received_rows() const { return static_cast<int64_t>(expert_row.size()); }
+  int64_t sent_rows() const { return static_cast<int64_t>(send_copy.size()); }
+};
+
+// InvalidArgument unless D, H >= 1, E >= 1, 1 <= K <= E and E % ep_size == 0 (the messages
+// name the values, e.g. "E=6 ... P=4").
+absl::Status ValidateDispatchConfig(const DispatchConfig& config, int ep_size);
+
+// Forward. `ep_group`: the EP communicator (size P; this rank is EP slot ep_group.rank()).
+// `local_weights`: the stacked weights of this rank's E / P experts (moe/experts.h).
+// `a`: [T, D] this rank's tokens. `expert_index`: [T, K] experts in [0, E), or -1 for a copy
+// that is not routed (the router marks padding tokens so). `combine_weight`: [T, K].
+// `y`: [T, D], overwritten with sum_k w_tk Expert_{i_tk}(a_t) (0 for unrouted tokens).
+// Collective over `ep_group`.
+// Errors: InvalidArgument for a bad config, any span of the wrong size (named), or an
+// expert index outside [-1, E) (names the token and slot); the communicator's errors
+// (e.g. DeadlineExceeded when a rank does not take part) are returned as they are.
+absl::Status DispatchCombineForward(Communicator& ep_group, const DispatchConfig& config,
+                                    const ExpertWeights& local_weights, absl::Span<const float> a,
+                                    absl::Span<const int32_t> expert_index,
+                                    absl::Span<const float> combine_weight, absl::Span<float> y,
+                                    DispatchState* state);
+
+// Backward of the forward that filled `state`, with dy = dL/dy ([T, D]).
+//   d_a              += sum_k (dL/d copy input)      [T, D], accumulated
+//   d_combine_weight  = <dy_t, Expert_{i_tk}(a_t)>   [T, K], overwritten (0 for unrouted)
+//   local_grads      += this rank's experts' weight gradients (sum over every rank's tokens
+//                       that reached them; still to be summed over the EDP group, §7)
+// Collective over `ep_group`. Errors: InvalidArgument for a bad config or span size, or a
+// `state` that does not come from a forward with this config and group.
+absl::Status DispatchCombineBackward(Communicator& ep_group, const DispatchConfig& config,
+                                     const ExpertWeights& local_weights, const DispatchState& state,
+                                     absl::Span<const float> dy, absl::Span<float> d_a,
+                                     absl::Span<float> d_combine_weight,
+                                     const ExpertWeightGrads& local_grads);
+
+}  // namespace gradsum::moe
+
+#endif  // GRADSUM_MOE_DISPATCH_H_

@@ -1,0 +1,581 @@
+#include "sharding/checkpoint.h"
+
+#include <errno.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <set>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "core/half.h"
+#include "core/status.h"
+#include "core/tensor.h"
+#include "sharding/atomic_file.h"
+#include "sharding/flat_param.h"
+#include "sharding/json.h"
+#include "sharding/safetensors.h"
+
+namespace gradsum {
+namespace {
+
+constexpr absl::string_view kFormat = "gradsum.sharded_checkpoint";
+constexpr int64_t kVersion = 1;
+constexpr absl::string_view kMarkerName = "checkpoint.json";
+
+std::string RankStem(int64_t rank) { return absl::StrFormat("rank-%05d", rank); }
+std::string ManifestName(int64_t rank) { return RankStem(rank) + ".manifest.json"; }
+std::string TensorsName(int64_t rank) { return RankStem(rank) + ".safetensors"; }
+std::string Join(const std::string& dir, absl::string_view name) {
+  return absl::StrCat(dir, "/", name);
+}
+
+absl::Status MakeDir(const std::string& dir) {
+  if (::mkdir(dir.c_str(), 0755) == 0 || errno == EEXIST) {
+    struct stat st;
+    if (::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat("'", dir, "' exists and is not a directory"));
+  }
+  return absl::ErrnoToStatus(errno, absl::StrCat("mkdir '", dir, "'"));
+}
+
+// Every rank learns whether every rank succeeded (one i32 SUM all-reduce), so a failure on
+// one rank never leaves the others waiting in a later collective.
+absl::Status Agree(Communicator& world, const absl::Status& local, absl::string_view what) {
+  int32_t failed = local.ok() ? 0 : 1;
+  int32_t total = 0;
+  absl::Status s = world.AllReduce(&failed, &total, 1, DType::kI32, ReduceOp::kSum);
+  if (!local.ok()) return local;
+  if (!s.ok()) return Annotate(s, what);
+  if (total > 0) {
+    return absl::FailedPreconditionError(absl::StrCat(what, " failed on ", total, " other rank(s)"));
+  }
+  return absl::OkStatus();
+}
+
+// ---- Manifest records and their strict reading (every problem is DataLoss). ----
+
+struct GroupRecord {
+  std::string name;
+  std::string mode;
+  int64_t group_size = 0, group_rank = 0, numel = 0, padded_numel = 0, shard_offset = 0,
+          local_numel = 0;
+  std::vector<FlatParamEntry> params;
+};
+
+struct Manifest {
+  int64_t rank = 0, world = 0, step = 0;
+  std::string tensors_file;
+  int64_t tensors_bytes = 0;
+  uint64_t tensors_fingerprint = 0;
+  std::vector<GroupRecord> groups;
+};
+
+class FieldReader {
+ public:
+  explicit FieldReader(std::string file) : file_(std::move(file)) {}
+  absl::Status Loss(absl::string_view what) const {
+    return absl::DataLossError(absl::StrCat("checkpoint file '", file_, "': ", what));
+  }
+  absl::StatusOr<const JsonValue*> Get(const JsonValue& obj, absl::string_view key,
+                                       JsonValue::Type type, absl::string_view type_name) const {
+    const JsonValue* v = obj.Find(key);
+    if (v == nullptr) return Loss(absl::StrCat("missing field \"", key, "\""));
+    if (v->type() != type) return Loss(absl::StrCat("field \"", key, "\" is not ", type_name));
+    return v;
+  }
+  absl::StatusOr<int64_t> Int(const JsonValue& obj, absl::string_view key) const {
+    GRADSUM_ASSIGN_OR_RETURN(const JsonValue* v, Get(obj, key, JsonValue::Type::kInt, "an integer"));
+    return v->as_int();
+  }
+  absl::StatusOr<int64_t> NonNegative(const JsonValue& obj, absl::string_view key) const {
+    GRADSUM_ASSIGN_OR_RETURN(int64_t v, Int(obj, key));
+    if (v < 0) return Loss(absl::StrCat("field \"", key, "\" is negative: ", v));
+    return v;
+  }
+  absl::StatusOr<std::string> Str(const JsonValue& obj, absl::string_view key) const {
+    GRADSUM_ASSIGN_OR_RETURN(const JsonValue* v, Get(obj, key, JsonValue::Type::kString, "a string"));
+    return v->as_string();
+  }
+  absl::StatusOr<const JsonValue*> Array(const JsonValue& obj, absl::string_view key) const {
+    return Get(obj, key, JsonValue::Type::kArray, "an array");
+  }
+  absl::StatusOr<const JsonValue*> Object(const JsonValue& obj, absl::string_view key) const {
+    return Get(obj, key, JsonValue::Type::kObject, "an object");
+  }
+  const std::string& file() const { return file_; }
+
+ private:
+  std::string file_;
+};
+
+absl::StatusOr<JsonValue> ReadJsonFile(const std::string& path, const FieldReader& r) {
+  GRADSUM_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path, uint64_t{1} << 30));
+  absl::StatusOr<JsonValue> v = ParseJson(text);
+  if (!v.ok()) return r.Loss(v.status().message());
+  if (!v->is_object()) return r.Loss("not a JSON object");
+  GRADSUM_ASSIGN_OR_RETURN(std::string format, r.Str(*v, "format"));
+  if (format != kFormat) return r.Loss(absl::StrCat("format is \"", format, "\", not ", kFormat));
+  GRADSUM_ASSIGN_OR_RETURN(int64_t version, r.Int(*v, "version"));
+  if (version != kVersion) {
+    return absl::FailedPreconditionError(absl::StrCat("checkpoint file '", path, "' has version ",
+                                                      version, "; this build reads ", kVersion));
+  }
+  return v;
+}
+
+JsonValue GroupToJson(const FlatParam& g) {
+  JsonValue o = JsonValue::Object();
+  o.Set("name", JsonValue::String(g.name()));
+  o.Set("mode", JsonValue::String(ShardingModeName(g.options().mode)));
+  o.Set("group_size", JsonValue::Int(g.group_size()));
+  o.Set("group_rank", JsonValue::Int(g.group_rank()));
+  o.Set("numel", JsonValue::Int(g.numel()));
+  o.Set("padded_numel", JsonValue::Int(g.padded_numel()));
+  o.Set("shard_offset", JsonValue::Int(g.shard_offset()));
+  o.Set("local_numel", JsonValue::Int(g.local_numel()));
+  JsonValue params = JsonValue::Array();
+  for (const FlatParamEntry& e : g.entries()) {
+    JsonValue p = JsonValue::Object();
+    p.Set("name", JsonValue::String(e.name));
+    JsonValue shape = JsonValue::Array();
+    for (int64_t d : e.shape) shape.Append(JsonValue::Int(d));
+    p.Set("shape", std::move(shape));
+    p.Set("offset", JsonValue::Int(e.offset));
+    params.Append(std::move(p));
+  }
+  o.Set("params", std::move(params));
+  return o;
+}
+
+absl::StatusOr<GroupRecord> GroupFromJson(const JsonValue& o, const FieldReader& r) {
+  if (!o.is_object()) return r.Loss("a group entry is not an object");
+  GroupRecord g;
+  GRADSUM_ASSIGN_OR_RETURN(g.name, r.Str(o, "name"));
+  GRADSUM_ASSIGN_OR_RETURN(g.mode, r.Str(o, "mode"));
+  GRADSUM_ASSIGN_OR_RETURN(g.group_size, r.NonNegative(o, "group_size"));
+  GRADSUM_ASSIGN_OR_RETURN(g.group_rank, r.NonNegative(o, "group_rank"));
+  GRADSUM_ASSIGN_OR_RETURN(g.numel, r.NonNegative(o, "numel"));
+  GRADSUM_ASSIGN_OR_RETURN(g.padded_numel, r.NonNegative(o, "padded_numel"));
+  GRADSUM_ASSIGN_OR_RETURN(g.shard_offset, r.NonNegative(o, "shard_offset"));
+  GRADSUM_ASSIGN_OR_RETURN(g.local_numel, r.NonNegative(o, "local_numel"));
+  const std::string where = absl::StrCat("group \"", g.name, "\": ");
+  // The layout must be the one FlatParam computes; anything else is corruption.
+  if (g.group_size < 1 || g.group_rank >= g.group_size || g.numel > (int64_t{1} << 60)) {
+    return r.Loss(absl::StrCat(where, "group_rank ", g.group_rank, " / group_size ", g.group_size,
+                               " / numel ", g.numel, " are inconsistent"));
+  }
+  const int64_t padded = (g.numel + g.group_size - 1) / g.group_size * g.group_size;
+  const int64_t shard = padded / g.group_size;
+  if (g.padded_numel != padded || g.shard_offset != g.group_rank * shard ||
+      g.local_numel != std::clamp<int64_t>(g.numel - g.shard_offset, 0, shard)) {
+    return r.Loss(absl::StrCat(where, "padded_numel ", g.padded_numel, ", shard_offset ",
+                               g.shard_offset, ", local_numel ", g.local_numel,
+                               " do not match numel ", g.numel, " over ", g.group_size, " ranks"));
+  }
+  if (g.mode != ShardingModeName(ShardingMode::kSharded) &&
+      g.mode != ShardingModeName(ShardingMode::kReplicated)) {
+    return r.Loss(absl::StrCat(where, "unknown mode \"", g.mode, "\""));
+  }
+  GRADSUM_ASSIGN_OR_RETURN(const JsonValue* params, r.Array(o, "params"));
+  int64_t offset = 0;
+  for (const JsonValue& p : params->array()) {
+    if (!p.is_object()) return r.Loss(absl::StrCat(where, "a parameter entry is not an object"));
+    FlatParamEntry e;
+    GRADSUM_ASSIGN_OR_RETURN(e.name, r.Str(p, "name"));
+    GRADSUM_ASSIGN_OR_RETURN(e.offset, r.NonNegative(p, "offset"));
+    GRADSUM_ASSIGN_OR_RETURN(const JsonValue* shape, r.Array(p, "shape"));
+    for (const JsonValue& d : shape->array()) {
+      if (!d.is_int() || d.as_int() < 0) {
+        return r.Loss(absl::StrCat(where, "parameter \"", e.name, "\" has a bad shape"));
+      }
+      e.shape.push_back(d.as_int());
+    }
+    absl::StatusOr<int64_t> n = NumElements(e.shape);
+    if (!n.ok() || e.offset != offset || *n > g.numel - offset) {
+      return r.Loss(absl::StrCat(where, "parameter \"", e.name, "\" at offset ", e.offset,
+                                 " does not fit the flat layout"));
+    }
+    e.numel = *n;
+    offset += *n;
+    g.params.push_back(std::move(e));
+  }
+  if (offset != g.numel) {
+    return r.Loss(absl::StrCat(where, "parameters cover ", offset, " of ", g.numel, " elements"));
+  }
+  return g;
+}
+
+absl::StatusOr<Manifest> ReadManifest(const std::string& dir, int64_t rank) {
+  const std::string path = Join(dir, ManifestName(rank));
+  FieldReader r(path);
+  GRADSUM_ASSIGN_OR_RETURN(JsonValue v, ReadJsonFile(path, r));
+  Manifest m;
+  GRADSUM_ASSIGN_OR_RETURN(m.rank, r.NonNegative(v, "rank"));
+  GRADSUM_ASSIGN_OR_RETURN(m.world, r.NonNegative(v, "world"));
+  GRADSUM_ASSIGN_OR_RETURN(m.step, r.NonNegative(v, "step"));
+  GRADSUM_ASSIGN_OR_RETURN(m.tensors_file, r.Str(v, "tensors_file"));
+  GRADSUM_ASSIGN_OR_RETURN(m.tensors_bytes, r.NonNegative(v, "tensors_bytes"));
+  GRADSUM_ASSIGN_OR_RETURN(std::string fp, r.Str(v, "tensors_fingerprint"));
+  if (fp.size() != 16 || !absl::SimpleHexAtoi(fp, &m.tensors_fingerprint)) {
+    return r.Loss(absl::StrCat("tensors_fingerprint \"", fp, "\" is not 16 hex digits"));
+  }
+  if (m.rank != rank) return r.Loss(absl::StrCat("records rank ", m.rank, ", expected ", rank));
+  if (m.tensors_file != TensorsName(rank)) {
+    return r.Loss(absl::StrCat("tensors_file \"", m.tensors_file, "\" is not ", TensorsName(rank)));
+  }
+  GRADSUM_ASSIGN_OR_RETURN(const JsonValue* groups, r.Array(v, "groups"));
+  std::set<std::string> names;
+  for (const JsonValue& gj : groups->array()) {
+    GRADSUM_ASSIGN_OR_RETURN(GroupRecord g, GroupFromJson(gj, r));
+    if (!names.insert(g.name).second) return r.Loss(absl::StrCat("duplicate group \"", g.name, "\""));
+    m.groups.push_back(std::move(g));
+  }
+  return m;
+}
+
+// Reads the rank's tensor file, checks it against the manifest's size and fingerprint
+// (flipped bits in an otherwise valid file are caught here), then parses it.
+absl::StatusOr<SafetensorsFile> ReadRankTensors(const std::string& dir, const Manifest& m) {
+  const std::string path = Join(dir, m.tensors_file);
+  GRADSUM_ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(path));
+  if (static_cast<int64_t>(bytes.size()) != m.tensors_bytes) {
+    return absl::DataLossError(absl::StrCat("checkpoint file '", path, "' has ", bytes.size(),
+                                            " bytes, the manifest says ", m.tensors_bytes,
+                                            " (truncated or replaced)"));
+  }
+  if (Fingerprint64(bytes) != m.tensors_fingerprint) {
+    return absl::DataLossError(
+        absl::StrCat("checkpoint file '", path, "' does not match its manifest fingerprint (corrupt)"));
+  }
+  return SafetensorsFile::Parse(bytes, path);
+}
+
+// The f32 [local_numel] tensor "<group>/<what>" copied out, or DataLoss.
+absl::StatusOr<std::vector<float>> ReadSlice(const SafetensorsFile& f, const GroupRecord& g,
+                                             absl::string_view what) {
+  const std::string name = absl::StrCat(g.name, "/", what);
+  absl::StatusOr<TensorView> t = f.Get(name);
+  if (!t.ok()) {
+    return absl::DataLossError(absl::StrCat("checkpoint file '", f.source(), "' lacks \"", name, "\""));
+  }
+  if (t->dtype() != DType::kF32 || t->rank() != 1 || t->dim(0) != g.local_numel) {
+    return absl::DataLossError(absl::StrCat("checkpoint file '", f.source(), "': \"", name,
+                                            "\" is ", t->DebugString(), ", expected f32[",
+                                            g.local_numel, "]"));
+  }
+  const float* p = t->data<float>();
+  return std::vector<float>(p, p + g.local_numel);
+}
+
+struct MarkerRecord {
+  int64_t world = 0, step = 0;
+  std::map<std::string, std::string> extra;
+};
+
+absl::StatusOr<MarkerRecord> ReadMarker(const std::string& dir) {
+  const std::string path = Join(dir, kMarkerName);
+  if (::access(path.c_str(), F_OK) != 0) {
+    if (::access(dir.c_str(), F_OK) != 0) {
+      return absl::NotFoundError(absl::StrCat("no checkpoint directory '", dir, "'"));
+    }
+    return absl::NotFoundError(absl::StrCat("'", dir, "' has no ", kMarkerName,
+                                            ": no checkpoint, or an incomplete one"));
+  }
+  FieldReader r(path);
+  GRADSUM_ASSIGN_OR_RETURN(JsonValue v, ReadJsonFile(path, r));
+  MarkerRecord m;
+  GRADSUM_ASSIGN_OR_RETURN(m.world, r.NonNegative(v, "world"));
+  GRADSUM_ASSIGN_OR_RETURN(m.step, r.NonNegative(v, "step"));
+  if (m.world < 1) return r.Loss("world is 0");
+  GRADSUM_ASSIGN_OR_RETURN(const JsonValue* extra, r.Object(v, "extra"));
+  for (const auto& [k, val] : extra->members()) {
+    if (!val.is_string()) return r.Loss(absl::StrCat("extra \"", k, "\" is not a string"));
+    m.extra[k] = val.as_string();
+  }
+  return m;
+}
+
+// A checkpoint group must have the layout of the live group it is loaded into.
+absl::Status CheckLayout(const GroupRecord& rec, const FlatParam& g) {
+  auto mismatch = [&](absl::string_view field, auto saved, auto current) {
+    return absl::FailedPreconditionError(absl::StrCat("checkpoint group \"", g.name(), "\": ", field,
+                                                      " is ", saved, " in the checkpoint but ",
+                                                      current, " now"));
+  };
+  if (rec.group_size != g.group_size()) return mismatch("group_size", rec.group_size, g.group_size());
+  if (rec.group_rank != g.group_rank()) return mismatch("group_rank", rec.group_rank, g.group_rank());
+  if (rec.numel != g.numel()) return mismatch("numel", rec.numel, g.numel());
+  if (rec.params.size() != g.entries().size()) {
+    return mismatch("parameter count", rec.params.size(), g.entries().size());
+  }
+  for (size_t i = 0; i < rec.params.size(); ++i) {
+    const FlatParamEntry& a = rec.params[i];
+    const FlatParamEntry& b = g.entries()[i];
+    if (a.name != b.name) return mismatch(absl::StrCat("parameter ", i), a.name, b.name);
+    if (a.shape != b.shape) {
+      return mismatch(absl::StrCat("shape of \"", a.name, "\""),
+                      absl::StrCat("[", absl::StrJoin(a.shape, ","), "]"),
+                      absl::StrCat("[", absl::StrJoin(b.shape, ","), "]"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckIdle(const ShardedAdamW& optimizer) {
+  for (const FlatParam* g : optimizer.groups()) {
+    if (g->grad_reduce_in_flight() || g->unshard_in_flight()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("checkpoint: group \"", g->name(), "\" has a collective in flight"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The owned slice of a vector stored beside master() (m or v).
+absl::Span<const float> OwnedPart(const FlatParam& g, absl::Span<const float> beside_master) {
+  return g.options().mode == ShardingMode::kSharded
+             ? beside_master
+             : beside_master.subspan(g.shard_offset(), g.local_numel());
+}
+
+absl::Status WriteRankFiles(const std::string& dir, int rank, int world,
+                            const ShardedAdamW& optimizer) {
+  SafetensorsWriter writer;
+  JsonValue groups = JsonValue::Array();
+  for (size_t gi = 0; gi < optimizer.groups().size(); ++gi) {
+    const FlatParam& g = *optimizer.groups()[gi];
+    const std::pair<const char*, absl::Span<const float>> parts[] = {
+        {"master", g.owned_master()},
+        {"exp_avg", OwnedPart(g, optimizer.exp_avg(gi))},
+        {"exp_avg_sq", OwnedPart(g, optimizer.exp_avg_sq(gi))},
+    };
+    for (const auto& [what, span] : parts) {
+      GRADSUM_ASSIGN_OR_RETURN(
+          TensorView view,
+          TensorView::Create(span.empty() ? nullptr : const_cast<float*>(span.data()), DType::kF32,
+                             {static_cast<int64_t>(span.size())}));
+      GRADSUM_RETURN_IF_ERROR(writer.Add(absl::StrCat(g.name(), "/", what), view));
+    }
+    groups.Append(GroupToJson(g));
+  }
+  const std::string bytes = writer.Serialize();
+  GRADSUM_RETURN_IF_ERROR(WriteFileAtomically(Join(dir, TensorsName(rank)), bytes));
+  JsonValue manifest = JsonValue::Object();
+  manifest.Set("format", JsonValue::String(std::string(kFormat)));
+  manifest.Set("version", JsonValue::Int(kVersion));
+  manifest.Set("rank", JsonValue::Int(rank));
+  manifest.Set("world", JsonValue::Int(world));
+  manifest.Set("step", JsonValue::Int(optimizer.step()));
+  manifest.Set("tensors_file", JsonValue::String(TensorsName(rank)));
+  manifest.Set("tensors_bytes", JsonValue::Int(static_cast<int64_t>(bytes.size())));
+  manifest.Set("tensors_fingerprint", JsonValue::String(absl::StrFormat("%016x", Fingerprint64(bytes))));
+  manifest.Set("groups", std::move(groups));
+  return WriteFileAtomically(Join(dir, ManifestName(rank)), manifest.Serialize() + "\n");
+}
+
+}  // namespace
+
+absl::Status SaveCheckpoint(const std::string& dir, Communicator& world,
+                            const ShardedAdamW& optimizer,
+                            const std::map<std::string, std::string>& extra) {
+  const int rank = world.rank();
+  // Phase 1: directory exists and no stale commit marker can vouch for the new files.
+  absl::Status local = CheckIdle(optimizer);
+  if (local.ok()) local = MakeDir(dir);
+  if (local.ok() && rank == 0) {
+    const std::string marker = Join(dir, kMarkerName);
+    if (::unlink(marker.c_str()) != 0 && errno != ENOENT) {
+      local = absl::ErrnoToStatus(errno, absl::StrCat("unlink '", marker, "'"));
+    }
+  }
+  GRADSUM_RETURN_IF_ERROR(Agree(world, local, "checkpoint save (prepare)"));
+  // Phase 2: every rank writes its own files.
+  GRADSUM_RETURN_IF_ERROR(Agree(world, WriteRankFiles(dir, rank, world.size(), optimizer),
+                                "checkpoint save (rank files)"));
+  // Phase 3: commit.
+  local = absl::OkStatus();
+  if (rank == 0) {
+    JsonValue marker = JsonValue::Object();
+    marker.Set("format", JsonValue::String(std::string(kFormat)));
+    marker.Set("version", JsonValue::Int(kVersion));
+    marker.Set("world", JsonValue::Int(world.size()));
+    marker.Set("step", JsonValue::Int(optimizer.step()));
+    JsonValue extra_json = JsonValue::Object();
+    for (const auto& [k, v] : extra) extra_json.Set(k, JsonValue::String(v));
+    marker.Set("extra", std::move(extra_json));
+    local = WriteFileAtomically(Join(dir, kMarkerName), marker.Serialize() + "\n");
+  }
+  return Agree(world, local, "checkpoint save (commit)");
+}
+
+absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& dir, Communicator& world,
+                                              ShardedAdamW& optimizer) {
+  const int rank = world.rank();
+  struct Staged {
+    std::vector<float> master, exp_avg, exp_avg_sq;  // owned slices
+  };
+  std::vector<Staged> staged(optimizer.groups().size());
+  CheckpointInfo info;
+  // Phase 1: read and validate everything locally; nothing is modified yet.
+  auto read_all = [&]() -> absl::Status {
+    GRADSUM_RETURN_IF_ERROR(CheckIdle(optimizer));
+    GRADSUM_ASSIGN_OR_RETURN(MarkerRecord marker, ReadMarker(dir));
+    if (marker.world != world.size()) {
+      return absl::FailedPreconditionError(absl::StrCat("checkpoint '", dir,
+                                                        "' was written by world size ", marker.world,
+                                                        ", the current world size is ", world.size()));
+    }
+    GRADSUM_ASSIGN_OR_RETURN(Manifest m, ReadManifest(dir, rank));
+    if (m.world != marker.world || m.step != marker.step) {
+      return absl::DataLossError(absl::StrCat("checkpoint '", dir, "': ", ManifestName(rank),
+                                              " records world ", m.world, " step ", m.step,
+                                              ", the commit marker world ", marker.world, " step ",
+                                              marker.step, " (files from different saves)"));
+    }
+    const auto& groups = optimizer.groups();
+    if (m.groups.size() != groups.size()) {
+      return absl::FailedPreconditionError(absl::StrCat("checkpoint '", dir, "' has ", m.groups.size(),
+                                                        " groups on rank ", rank, ", the optimizer has ",
+                                                        groups.size()));
+    }
+    GRADSUM_ASSIGN_OR_RETURN(SafetensorsFile tensors, ReadRankTensors(dir, m));
+    for (size_t gi = 0; gi < groups.size(); ++gi) {
+      const GroupRecord& rec = m.groups[gi];
+      if (rec.name != groups[gi]->name()) {
+        return absl::FailedPreconditionError(absl::StrCat("checkpoint group ", gi, " is \"", rec.name,
+                                                          "\", the optimizer's is \"",
+                                                          groups[gi]->name(), "\""));
+      }
+      GRADSUM_RETURN_IF_ERROR(CheckLayout(rec, *groups[gi]));
+      GRADSUM_ASSIGN_OR_RETURN(staged[gi].master, ReadSlice(tensors, rec, "master"));
+      GRADSUM_ASSIGN_OR_RETURN(staged[gi].exp_avg, ReadSlice(tensors, rec, "exp_avg"));
+      GRADSUM_ASSIGN_OR_RETURN(staged[gi].exp_avg_sq, ReadSlice(tensors, rec, "exp_avg_sq"));
+    }
+    info.step = marker.step;
+    info.extra = std::move(marker.extra);
+    return absl::OkStatus();
+  };
+  GRADSUM_RETURN_IF_ERROR(Agree(world, read_all(), "checkpoint load"));
+
+  // Phase 2: install. Replicated groups rebuild their full copies from every rank's slice.
+  absl::Status local = absl::OkStatus();
+  for (size_t gi = 0; gi < optimizer.groups().size() && local.ok(); ++gi) {
+    FlatParam& g = *optimizer.groups()[gi];
+    const std::pair<std::vector<float>*, absl::Span<float>> parts[] = {
+        {&staged[gi].master, g.master()},
+        {&staged[gi].exp_avg, optimizer.exp_avg(gi)},
+        {&staged[gi].exp_avg_sq, optimizer.exp_avg_sq(gi)},
+    };
+    for (const auto& [slice, dest] : parts) {
+      if (g.options().mode == ShardingMode::kSharded) {
+        std::copy(slice->begin(), slice->end(), dest.begin());
+        continue;
+      }
+      std::vector<float> send(g.shard_numel(), 0.0f);
+      std::copy(slice->begin(), slice->end(), send.begin());
+      std::vector<float> full(g.padded_numel());
+      local = g.group()->AllGather(send.data(), full.data(), g.shard_numel(), DType::kF32);
+      if (!local.ok()) break;
+      std::copy(full.begin(), full.begin() + g.numel(), dest.begin());
+    }
+    if (local.ok()) local = g.MasterUpdated();
+    if (local.ok()) local = g.ZeroGrad();
+  }
+  if (local.ok()) local = optimizer.set_step(info.step);
+  GRADSUM_RETURN_IF_ERROR(Agree(world, local, "checkpoint load (install)"));
+  return info;
+}
+
+absl::Status ExportConsolidated(const std::string& dir, const std::string& out_path, DType dtype) {
+  if (dtype != DType::kF32 && dtype != DType::kBF16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("export dtype must be f32 or bf16, got ", DTypeName(dtype)));
+  }
+  GRADSUM_ASSIGN_OR_RETURN(MarkerRecord marker, ReadMarker(dir));
+  struct Assembled {
+    GroupRecord layout;
+    std::vector<bool> have_rank;
+    std::vector<float> full;
+  };
+  std::map<std::string, Assembled> groups;
+  for (int64_t r = 0; r < marker.world; ++r) {
+    GRADSUM_ASSIGN_OR_RETURN(Manifest m, ReadManifest(dir, r));
+    if (m.world != marker.world || m.step != marker.step) {
+      return absl::DataLossError(absl::StrCat("checkpoint '", dir, "': ", ManifestName(r),
+                                              " is from another save (world ", m.world, ", step ",
+                                              m.step, ")"));
+    }
+    GRADSUM_ASSIGN_OR_RETURN(SafetensorsFile tensors, ReadRankTensors(dir, m));
+    for (const GroupRecord& rec : m.groups) {
+      GRADSUM_ASSIGN_OR_RETURN(std::vector<float> slice, ReadSlice(tensors, rec, "master"));
+      auto [it, inserted] = groups.try_emplace(rec.name);
+      Assembled& a = it->second;
+      if (inserted) {
+        a.layout = rec;
+        a.have_rank.assign(rec.group_size, false);
+        a.full.assign(rec.numel, 0.0f);
+      } else {
+        bool same = a.layout.group_size == rec.group_size && a.layout.numel == rec.numel &&
+                    a.layout.params.size() == rec.params.size();
+        for (size_t i = 0; same && i < rec.params.size(); ++i) {
+          same = a.layout.params[i].name == rec.params[i].name &&
+                 a.layout.params[i].shape == rec.params[i].shape;
+        }
+        if (!same) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "checkpoint '", dir, "': group \"", rec.name, "\" on rank ", r,
+              " has another layout than elsewhere; groups holding different parameters need "
+              "different names (e.g. one per EP slot)"));
+        }
+      }
+      if (a.have_rank[rec.group_rank]) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "checkpoint '", dir, "': group \"", rec.name, "\" has two shards for group rank ",
+            rec.group_rank, " (second on world rank ", r, "); give each EP slot's group its own name"));
+      }
+      a.have_rank[rec.group_rank] = true;
+      std::copy(slice.begin(), slice.end(), a.full.begin() + rec.shard_offset);
+    }
+  }
+  SafetensorsWriter writer;
+  std::vector<std::vector<BF16>> bf16_copies;
+  bf16_copies.reserve(groups.size());
+  for (auto& [name, a] : groups) {
+    for (size_t q = 0; q < a.have_rank.size(); ++q) {
+      if (!a.have_rank[q]) {
+        return absl::FailedPreconditionError(absl::StrCat("checkpoint '", dir, "': group \"", name,
+                                                          "\" lacks the shard of group rank ", q));
+      }
+    }
+    void* base = a.full.data();
+    if (dtype == DType::kBF16) {
+      bf16_copies.emplace_back(a.full.size());
+      for (size_t i = 0; i < a.full.size(); ++i) bf16_copies.back()[i] = BF16::FromFloat(a.full[i]);
+      base = bf16_copies.back().data();
+    }
+    for (const FlatParamEntry& e : a.layout.params) {
+      char* p = static_cast<char*>(base) + e.offset * static_cast<int64_t>(DTypeSize(dtype));
+      GRADSUM_ASSIGN_OR_RETURN(TensorView view,
+                               TensorView::Create(e.numel > 0 ? p : nullptr, dtype, e.shape));
+      absl::Status s = writer.Add(e.name, view);
+      if (!s.ok()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "checkpoint '", dir, "': parameter \"", e.name, "\" of group \"", name,
+            "\" cannot be exported: ", s.message()));
+      }
+    }
+  }
+  GRADSUM_RETURN_IF_ERROR(writer.AddMetadata("format", "pt"));
+  GRADSUM_RETURN_IF_ERROR(writer.AddMetadata("step", absl::StrCat(marker.step)));
+  return writer.WriteFile(out_path);
+}
+
+}  // namespace gradsum

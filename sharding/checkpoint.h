@@ -1,0 +1,80 @@
+#ifndef GRADSUM_SHARDING_CHECKPOINT_H_
+#define GRADSUM_SHARDING_CHECKPOINT_H_
+
+// Sharded checkpoints of flat parameter groups and their AdamW state, and a consolidated
+// export of the full parameters.
+//
+//   // every rank, collective over the world:
+//   GRADSUM_RETURN_IF_ERROR(SaveCheckpoint("/ckpt/step1000", *world, *opt, {{"data_pos", "42"}}));
+//   ... new process, same world size and group layout ...
+//   GRADSUM_ASSIGN_OR_RETURN(CheckpointInfo info, LoadCheckpoint("/ckpt/step1000", *world, *opt));
+//   // offline, any process: one safetensors file with every full parameter
+//   GRADSUM_RETURN_IF_ERROR(ExportConsolidated("/ckpt/step1000", "/export/model.safetensors"));
+//
+// Directory layout (every file written atomically: temp file, fsync, rename, fsync dir):
+//   rank-00003.safetensors     this rank's owned slices, f32 [local_numel], as
+//                              "<group>/master", "<group>/exp_avg", "<group>/exp_avg_sq"
+//                              (padding is never stored)
+//   rank-00003.manifest.json   rank, world, step, and per group: name, mode, group_size,
+//                              group_rank, numel, padded_numel, shard_offset, local_numel,
+//                              params (name, shape, offset); plus the tensor file's
+//                              size and 64-bit fingerprint
+//   checkpoint.json            the commit marker, written by world rank 0 only after every
+//                              rank's files are complete: world, step, extra metadata
+// A directory without checkpoint.json is an incomplete checkpoint. Saving removes an old
+// marker first, so a save that dies half-way never passes for a complete one.
+//
+// Both sharding modes store the same owned slices, so a checkpoint saved in one mode
+// loads in the other (same world size and group layout). Resuming is bit-exact: master
+// values, both moments and the step count are restored exactly.
+//
+// Errors: a truncated, corrupt or inconsistent file is DataLoss naming the file and the
+// problem; a checkpoint written for another world size or group layout is
+// FailedPrecondition naming the value that differs; a missing checkpoint is NotFound.
+// Collective calls agree on the outcome: if any rank fails, every rank returns an error
+// (the failing rank its own, the others FailedPrecondition naming how many ranks failed)
+// instead of some ranks hanging in a collective.
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "collectives/communicator.h"
+#include "core/dtype.h"
+#include "sharding/adamw.h"
+
+namespace gradsum {
+
+struct CheckpointInfo {
+  int64_t step = 0;                           // the optimizer's step() when saved
+  std::map<std::string, std::string> extra;  // SaveCheckpoint's `extra`, verbatim
+};
+
+// Writes this rank's shards and optimizer state of `optimizer.groups()` into `dir`
+// (created if missing, parents must exist). Collective over `world`: every rank calls it
+// with the same `dir`; `extra` is taken from world rank 0. FailedPrecondition if a group
+// has a collective in flight; file-system errors name the path.
+absl::Status SaveCheckpoint(const std::string& dir, Communicator& world,
+                            const ShardedAdamW& optimizer,
+                            const std::map<std::string, std::string>& extra = {});
+
+// Restores every group of `optimizer.groups()` (master values, exp_avg, exp_avg_sq) and
+// the step count from `dir`, zeroes the gradients and drops unsharded compute buffers.
+// Collective over `world` (replicated groups all-gather their slices over their group).
+// On error nothing has been modified on any rank.
+absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& dir, Communicator& world,
+                                              ShardedAdamW& optimizer);
+
+// Reads every rank's files of the checkpoint in `dir` and writes one safetensors file at
+// `out_path` holding each parameter's full, unpadded value with its shape, named as in
+// its ParamSpec, in `dtype` (kF32 or kBF16, rounded to nearest even), with metadata
+// "step". Not collective. Group names must identify one set of shards across the world
+// (FailedPrecondition naming the group if two disagree or a shard is missing);
+// parameter names must be unique across groups.
+absl::Status ExportConsolidated(const std::string& dir, const std::string& out_path,
+                                DType dtype = DType::kF32);
+
+}  // namespace gradsum
+
+#endif  // GRADSUM_SHARDING_CHECKPOINT_H_

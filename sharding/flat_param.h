@@ -1,0 +1,243 @@
+#ifndef GRADSUM_SHARDING_FLAT_PARAM_H_
+#define GRADSUM_SHARDING_FLAT_PARAM_H_
+
+// FlatParam: a group of parameters flattened into one buffer and sharded over a group of
+// ranks, with its gradient reduction (SEMANTICS.md §7).
+//
+// Layout. The parameters are laid end to end (in the given order) into a flat buffer of
+// numel() elements, padded with zeros to padded_numel(), a multiple of the group size S.
+// Group rank q owns the slice [q * shard_numel(), q * shard_numel() + local_numel()): its
+// shard without the padding. Dense groups are sharded over the world; expert groups over
+// their EDP group (the `group` communicator is whichever applies; it is not owned).
+//
+// Modes (FlatParamOptions::mode):
+// - kSharded (FSDP / ZeRO-3): each rank keeps only its fp32 master shard. Unshard()
+//   all-gathers the full parameters into a compute buffer (fp32 or bf16), Reshard() frees
+//   it. Each micro-batch's full gradient is reduce-scattered with SUM (in the reduce dtype)
+//   and added into an fp32 sharded accumulator.
+// - kReplicated (DDP): each rank keeps the full fp32 master. Gradients accumulate locally
+//   over the micro-batches; the last one all-reduces them with SUM over the group.
+// Both modes present the optimizer with master() and master_grad(); their owned slices
+// hold the same values, bit for bit when G == 1 on the thread backend (ascending-rank
+// sums; with G > 1 the two modes add the same terms in a different order).
+//
+// One step on one rank (every rank of the group makes the same calls in the same order):
+//
+//   auto fp = FlatParam::Create("layer0", {{"wq", {64, 64}}, {"g", {64}}}, world, {});
+//   GRADSUM_RETURN_IF_ERROR((*fp)->SetFullValue(0, init_wq));   // same values on every rank
+//   for (int m = 0; m < G; ++m) {
+//     GRADSUM_RETURN_IF_ERROR(fp->Unshard());                     // or StartUnshard() early
+//     TensorView wq = *fp->param(0);                              // compute dtype
+//     ... forward, backward: ADD d loss / d wq into *fp->grad(0) (fp32) ...
+//     fp->Reshard();
+//     GRADSUM_RETURN_IF_ERROR(fp->ReduceGrad(/*last_micro_batch=*/m == G - 1));
+//   }
+//   ... GlobalGradNorm / ClipGradNorm, ShardedAdamW::Step (sharding/adamw.h) ...
+//   fp->ZeroGrad();
+//
+// Padding never leaks: padding elements of the master and of every gradient buffer are
+// zero, and master(), master_grad(), norms and checkpoints exclude them.
+//
+// Thread safety: one thread per FlatParam (the rank's thread), like its communicator.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "collectives/communicator.h"
+#include "core/dtype.h"
+#include "core/half.h"
+#include "core/tensor.h"
+
+namespace gradsum {
+
+enum class ShardingMode { kSharded = 0, kReplicated = 1 };
+
+// "sharded" or "replicated".
+const char* ShardingModeName(ShardingMode mode);
+
+struct FlatParamOptions {
+  ShardingMode mode = ShardingMode::kSharded;
+  // Dtype of the unsharded parameters that forward reads: kF32 or kBF16.
+  DType compute_dtype = DType::kF32;
+  // Dtype the gradients travel and are summed in: kF32 or kBF16. A bf16 reduction is a
+  // real SUM of bf16-rounded gradients (accumulated in fp32 by the CPU backends, rounded
+  // once), added into fp32 accumulators.
+  DType reduce_dtype = DType::kF32;
+};
+
+// A parameter to place in a group.
+struct ParamSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+
+// Where a parameter sits in the flat (unpadded) buffer.
+struct FlatParamEntry {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t offset = 0;  // first flat element
+  int64_t numel = 0;
+};
+
+class FlatParam {
+ public:
+  // `name` identifies the group in checkpoints: it must be unique among the groups of a
+  // rank and, for groups holding different parameters on different ranks (expert groups
+  // of different EP slots), unique across the world, e.g. "layer0.experts.ep1".
+  // Parameter names must be unique within the group (and across the world for the
+  // consolidated export). `group` must outlive the FlatParam.
+  // InvalidArgument: null group, empty or duplicate names, negative dimensions, element
+  // count overflow, compute or reduce dtype other than f32/bf16.
+  static absl::StatusOr<std::unique_ptr<FlatParam>> Create(std::string name,
+                                                           std::vector<ParamSpec> params,
+                                                           Communicator* group,
+                                                           FlatParamOptions options = {});
+
+  FlatParam(const FlatParam&) = delete;
+  FlatParam& operator=(const FlatParam&) = delete;
+  ~FlatParam();
+
+  const std::string& name() const { return name_; }
+  Communicator* group() const { return group_; }
+  const FlatParamOptions& options() const { return options_; }
+  const std::vector<FlatParamEntry>& entries() const { return entries_; }
+  int num_params() const { return static_cast<int>(entries_.size()); }
+  // Index of a parameter by name; NotFound naming it and the group.
+  absl::StatusOr<int> IndexOf(absl::string_view param_name) const;
+
+  int group_size() const { return group_size_; }
+  int group_rank() const { return group_rank_; }
+  int64_t numel() const { return numel_; }                // without padding
+  int64_t padded_numel() const { return padded_numel_; }  // multiple of group_size()
+  int64_t shard_numel() const { return shard_numel_; }    // padded_numel() / group_size()
+  int64_t shard_offset() const { return shard_offset_; }  // group_rank() * shard_numel()
+  // Valid (non-padding) elements of this rank's shard: the owned slice's length.
+  int64_t local_numel() const { return local_numel_; }
+
+  // ---- Master parameters (fp32), what the optimizer updates. ----
+
+  // Flat elements [master_offset(), master_offset() + master().size()): the owned slice
+  // in sharded mode, all numel() elements in replicated mode.
+  absl::Span<float> master();
+  absl::Span<const float> master() const;
+  int64_t master_offset() const;
+  // The step's reduced gradient, element for element beside master(). Complete after the
+  // last micro-batch's FinishGradReduce().
+  absl::Span<float> master_grad();
+  absl::Span<const float> master_grad() const;
+
+  // The owned slice [shard_offset(), + local_numel()) of master() and master_grad(), in
+  // both modes: what norms count and checkpoints store.
+  absl::Span<const float> owned_master() const;
+  absl::Span<const float> owned_grad() const;
+
+  // Sets parameter `index` from its full values, which must be the same on every rank
+  // (each rank keeps the part it owns). No communication. InvalidArgument on a bad index
+  // or size; FailedPrecondition while an all-gather is in flight.
+  absl::Status SetFullValue(int index, absl::Span<const float> full_values);
+
+  // Called after master() changed (optimizer step, checkpoint load): drops the compute
+  // buffer so the next Unshard() reads the new values. FailedPrecondition while an
+  // all-gather is in flight.
+  absl::Status MasterUpdated();
+
+  // ---- Forward: unshard / reshard. ----
+
+  // Starts filling the compute buffer: an asynchronous all-gather of the master shards
+  // (converted to the compute dtype) in sharded mode, a local copy in replicated mode.
+  // Use it to prefetch the next group while the current one computes. No-op when already
+  // unsharded or in flight.
+  absl::Status StartUnshard();
+  // Waits for StartUnshard's all-gather (up to the communicator's timeout).
+  // FailedPrecondition if none was started; the collective's error otherwise.
+  absl::Status WaitUnshard();
+  // StartUnshard() + WaitUnshard().
+  absl::Status Unshard();
+  bool is_unsharded() const { return unshard_state_ == UnshardState::kReady; }
+  bool unshard_in_flight() const { return unshard_state_ == UnshardState::kInFlight; }
+  // Parameter `index` in the compute dtype, with its shape; valid until Reshard().
+  // FailedPrecondition unless unsharded; InvalidArgument on a bad index.
+  absl::StatusOr<TensorView> param(int index) const;
+  // Frees the compute buffer. FailedPrecondition while an all-gather is in flight.
+  absl::Status Reshard();
+
+  // ---- Backward: gradients. ----
+
+  // fp32 view of parameter `index`'s gradient in the full (padded_numel) gradient buffer.
+  // Backward ADDS into it. Sharded mode: it holds one micro-batch and is zeroed by
+  // FinishGradReduce(); replicated mode: it accumulates the step's micro-batches.
+  // InvalidArgument on a bad index; FailedPrecondition while a reduction is in flight.
+  absl::StatusOr<TensorView> grad(int index);
+  // The whole full gradient buffer (numel() elements, padding excluded).
+  absl::Span<float> full_grad();
+
+  // Starts this micro-batch's reduction. Sharded: reduce-scatter (SUM, reduce dtype) of
+  // the full gradient, every micro-batch. Replicated: all-reduce (SUM, reduce dtype) when
+  // `last_micro_batch`, nothing otherwise. FailedPrecondition if one is already in
+  // flight; the collective's error otherwise.
+  absl::Status StartGradReduce(bool last_micro_batch);
+  // Waits for it and folds the result into master_grad(). OK if nothing was started.
+  absl::Status FinishGradReduce();
+  // StartGradReduce() + FinishGradReduce().
+  absl::Status ReduceGrad(bool last_micro_batch);
+  bool grad_reduce_in_flight() const { return grad_work_ != nullptr; }
+
+  // Zeroes master_grad() and the full gradient buffer: call after the optimizer step.
+  // FailedPrecondition while a reduction is in flight.
+  absl::Status ZeroGrad();
+
+  // Sum of squares of owned_grad(), in fp64 (SEMANTICS.md §7: summed over the world it
+  // counts every element exactly once).
+  double OwnedGradSquaredNorm() const;
+
+ private:
+  enum class UnshardState { kNone, kInFlight, kReady };
+
+  FlatParam() = default;
+  bool sharded() const { return options_.mode == ShardingMode::kSharded; }
+  absl::Status CheckIndex(int index) const;
+
+  std::string name_;
+  Communicator* group_ = nullptr;
+  FlatParamOptions options_;
+  std::vector<FlatParamEntry> entries_;
+  int group_size_ = 1;
+  int group_rank_ = 0;
+  int64_t numel_ = 0;
+  int64_t padded_numel_ = 0;
+  int64_t shard_numel_ = 0;
+  int64_t shard_offset_ = 0;
+  int64_t local_numel_ = 0;
+
+  // Sharded: shard_numel() elements (padding zero). Replicated: padded_numel() elements.
+  std::vector<float> master_;
+  // Sharded: the fp32 accumulator, shard_numel() elements. Replicated: unused
+  // (master_grad() is the full gradient buffer after the all-reduce).
+  std::vector<float> grad_accum_;
+  bool grad_accum_empty_ = true;  // first micro-batch copies instead of adding (keeps -0)
+  // Full gradient buffer, padded_numel() elements, fp32.
+  std::vector<float> full_grad_;
+
+  // Compute buffer (padded_numel elements of the compute dtype) and the unshard transfer.
+  std::vector<float> compute_f32_;
+  std::vector<BF16> compute_bf16_;
+  std::vector<BF16> gather_send_bf16_;
+  UnshardState unshard_state_ = UnshardState::kNone;
+  std::unique_ptr<Work> unshard_work_;
+
+  // Gradient reduction in flight and its buffers.
+  std::unique_ptr<Work> grad_work_;
+  bool grad_work_is_allreduce_ = false;
+  std::vector<float> reduce_recv_f32_;
+  std::vector<BF16> reduce_send_bf16_;
+  std::vector<BF16> reduce_recv_bf16_;
+};
+
+}  // namespace gradsum
+
+#endif  // GRADSUM_SHARDING_FLAT_PARAM_H_

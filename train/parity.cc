@@ -1,0 +1,107 @@
+#include "train/parity.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/status.h"
+#include "testing/reference_moe_lm.h"
+
+namespace gradsum::train {
+
+std::string ParityReport::ToString() const {
+  std::string out;
+  for (const ParamParity& p : params) {
+    absl::StrAppendFormat(&out, "parity %-28s norm_ratio %.9f  max_rel_err %.3e\n", p.name,
+                          p.norm_ratio, p.max_rel_err);
+  }
+  for (const LossParity& l : losses) {
+    absl::StrAppendFormat(&out, "parity loss %-5s %.10g vs reference %.10g  rel_err %.3e\n", l.name,
+                          l.value, l.reference, l.rel_err);
+  }
+  absl::StrAppendFormat(&out, "parity %s: worst error %.3e, tolerance %.1e\n",
+                        ok ? "PASSED" : "FAILED", worst, tolerance);
+  return out;
+}
+
+absl::StatusOr<std::vector<std::vector<MicroBatch>>> GlobalBatchForStep(const TrainConfig& config,
+                                                                        int64_t step_index) {
+  GRADSUM_ASSIGN_OR_RETURN(std::shared_ptr<const DocumentSource> corpus, MakeCorpus(config.data()));
+  const int G = config.grad_acc(), W = config.world();
+  std::vector<std::vector<MicroBatch>> batch(G, std::vector<MicroBatch>(W));
+  for (int r = 0; r < W; ++r) {
+    GRADSUM_ASSIGN_OR_RETURN(RankDataLoader loader,
+                             RankDataLoader::Create(corpus, config.data(), r, W));
+    loader.SkipSteps(step_index, G);
+    std::vector<MicroBatch> step = loader.NextStep(G);
+    for (int m = 0; m < G; ++m) batch[m][r] = std::move(step[m]);
+  }
+  return batch;
+}
+
+absl::StatusOr<ParityReport> CheckParity(const TrainConfig& config, const NamedParams& weights,
+                                         const std::vector<std::vector<MicroBatch>>& global_batch,
+                                         const NamedParams& grads, const StepLosses& losses,
+                                         double tolerance) {
+  const ModelConfig& m = config.model();
+  testing::ReferenceConfig rc;
+  rc.vocab = m.vocab();
+  rc.dim = m.dim();
+  rc.layers = m.layers();
+  rc.experts = m.experts();
+  rc.top_k = m.top_k();
+  rc.expert_dim = m.expert_dim();
+  rc.norm_topk_prob = m.norm_topk_prob();
+  rc.router_scale = m.router_scale();
+  rc.alpha_b = config.alpha_b();
+  rc.alpha_z = config.alpha_z();
+  rc.ignore_index = kIgnoreIndex;
+  testing::NamedTensors params;
+  for (const auto& [name, values] : weights) params[name].assign(values.begin(), values.end());
+  std::vector<std::vector<testing::ReferenceMicroBatch>> batch(global_batch.size());
+  for (size_t mi = 0; mi < global_batch.size(); ++mi) {
+    for (const MicroBatch& mb : global_batch[mi]) {
+      batch[mi].push_back({mb.tokens, mb.labels, mb.mask});
+    }
+  }
+  GRADSUM_ASSIGN_OR_RETURN(testing::ReferenceResult ref,
+                           testing::ReferenceLossAndGrads(rc, params, batch));
+  ParityReport report;
+  report.tolerance = tolerance;
+  for (const auto& [name, shape] : testing::ReferenceParamShapes(rc)) {
+    const std::vector<double>& want = ref.grads.at(name);
+    auto it = grads.find(name);
+    if (it == grads.end() || it->second.size() != want.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("gradient ", name, " missing or mis-sized"));
+    }
+    double norm = 0, ref_norm = 0, ref_max = 0, err_max = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      const double g = it->second[i];
+      norm += g * g;
+      ref_norm += want[i] * want[i];
+      ref_max = std::max(ref_max, std::abs(want[i]));
+      err_max = std::max(err_max, std::abs(g - want[i]));
+    }
+    ParamParity p;
+    p.name = name;
+    p.norm_ratio = ref_norm > 0 ? std::sqrt(norm / ref_norm) : (norm > 0 ? INFINITY : 1.0);
+    p.max_rel_err = ref_max > 0 ? err_max / ref_max : (err_max > 0 ? INFINITY : 0.0);
+    report.worst = std::max({report.worst, std::abs(p.norm_ratio - 1), p.max_rel_err});
+    report.params.push_back(p);
+  }
+  for (const auto& [name, value, reference] :
+       {std::tuple<const char*, double, double>{"ce", losses.ce, ref.ce},
+        {"z", losses.z, ref.z},
+        {"bal", losses.bal, ref.bal}}) {
+    LossParity l{name, value, reference, 0};
+    const double diff = std::abs(value - reference);
+    l.rel_err = reference != 0 ? diff / std::abs(reference) : (diff > 0 ? INFINITY : 0.0);
+    report.worst = std::max(report.worst, l.rel_err);
+    report.losses.push_back(l);
+  }
+  report.ok = report.worst <= tolerance;  // false for NaN too
+  return report;
+}
+
+}  // namespace gradsum::train

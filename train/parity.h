@@ -1,0 +1,69 @@
+#ifndef GRADSUM_TRAIN_PARITY_H_
+#define GRADSUM_TRAIN_PARITY_H_
+
+// The parity check of SEMANTICS.md §2: the distributed trainer's SUM-reduced gradients
+// and global display losses for one step, against the single-process double-precision
+// reference (testing/reference_moe_lm.h) run on the whole global batch.
+//
+//   GRADSUM_ASSIGN_OR_RETURN(auto batch, GlobalBatchForStep(config, /*step_index=*/0));
+//   GRADSUM_ASSIGN_OR_RETURN(ParityReport r,
+//       CheckParity(config, weights, batch, grads, {ce, z, bal}, 1e-5));
+//   std::cout << r.ToString();  if (!r.ok) ...
+//
+// Errors are measured per parameter, scale-free:
+//   norm_ratio  = ||g|| / ||g_ref||            (1 when both are 0)
+//   max_rel_err = max_i |g_i - g_ref_i| / max_i |g_ref_i|
+// and per loss term |v - v_ref| / |v_ref|. `ok` when every |norm_ratio - 1|, every
+// max_rel_err and every loss error is <= tolerance.
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "train/config.pb.h"
+#include "train/data.h"
+#include "train/moe_lm.h"
+
+namespace gradsum::train {
+
+struct ParamParity {
+  std::string name;
+  double norm_ratio = 1;
+  double max_rel_err = 0;
+};
+
+struct LossParity {
+  std::string name;
+  double value = 0, reference = 0, rel_err = 0;
+};
+
+struct ParityReport {
+  std::vector<ParamParity> params;
+  std::vector<LossParity> losses;
+  double tolerance = 0;
+  double worst = 0;  // the largest error of any kind
+  bool ok = false;
+  // One line per parameter and loss term, then a verdict line.
+  std::string ToString() const;
+};
+
+// The global batch of step `step_index` (0-based): batch[m][r] for every rank r of the
+// world, rebuilt from the data config (each rank's loader is deterministic).
+absl::StatusOr<std::vector<std::vector<MicroBatch>>> GlobalBatchForStep(const TrainConfig& config,
+                                                                        int64_t step_index);
+
+// The display values to compare: the global ce, z and bal of the step.
+struct StepLosses {
+  double ce = 0, z = 0, bal = 0;
+};
+
+// Runs the reference on `global_batch` with `weights` (the step's parameters, full) and
+// compares. InvalidArgument if a gradient is missing or mis-sized; the reference's errors.
+absl::StatusOr<ParityReport> CheckParity(const TrainConfig& config, const NamedParams& weights,
+                                         const std::vector<std::vector<MicroBatch>>& global_batch,
+                                         const NamedParams& grads, const StepLosses& losses,
+                                         double tolerance);
+
+}  // namespace gradsum::train
+
+#endif  // GRADSUM_TRAIN_PARITY_H_

@@ -1,0 +1,99 @@
+// Parity of the distributed trainer with the single-process reference (SEMANTICS.md §2):
+// after SUM reduction every parameter's gradient equals dL/dtheta of the global loss,
+// and the display losses equal the reference's, at every (F, P) mesh, micro-batch count
+// and sharding mode, on the thread backend.
+#include <cstring>
+#include <tuple>
+
+#include "gtest/gtest.h"
+#include "train/test_util.h"
+
+namespace gradsum::train {
+namespace {
+
+// (F, P, G, sharding)
+using Case = std::tuple<int, int, int, const char*>;
+
+class ParityTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(ParityTest, StepOneMatchesReferenceOnEveryRank) {
+  const auto [F, P, G, sharding] = GetParam();
+  TrainConfig config = TinyConfig(F * P, P, G, sharding);
+  config.set_parity_check(true);
+  absl::StatusOr<std::vector<RankOutcome>> out = RunInProcess(config);
+  ASSERT_TRUE(out.ok()) << out.status();
+  for (const RankOutcome& r : *out) ASSERT_TRUE(r.status.ok()) << r.status;
+
+  // Rank 0 ran the reference: every parameter and loss term within 1e-5.
+  const RankOutcome& r0 = (*out)[0];
+  ASSERT_TRUE(r0.parity.has_value());
+  EXPECT_TRUE(r0.parity->ok) << r0.parity->ToString();
+  EXPECT_LE(r0.parity->worst, 1e-5);
+  EXPECT_EQ(r0.parity->params.size(), 1 + 2 * (2 + 4 * 3) + 2u);
+  EXPECT_EQ(r0.parity->losses.size(), 3u);
+
+  // Every rank: the same global display values and the same full reduced gradients.
+  for (const RankOutcome& r : *out) {
+    ASSERT_TRUE(r.parity.has_value());
+    EXPECT_TRUE(r.parity->ok);
+    ASSERT_EQ(r.history.size(), 1u);
+    EXPECT_EQ(r.history[0].ce, r0.history[0].ce);
+    EXPECT_EQ(r.history[0].z, r0.history[0].z);
+    EXPECT_EQ(r.history[0].bal, r0.history[0].bal);
+    EXPECT_EQ(r.history[0].grad_norm, r0.history[0].grad_norm);
+    ASSERT_TRUE(r.first_step_grads.has_value());
+    EXPECT_EQ(*r.first_step_grads, *r0.first_step_grads);
+  }
+}
+
+std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
+  const auto [F, P, G, sharding] = info.param;
+  return absl::StrCat("F", F, "P", P, "G", G, "_", sharding);
+}
+
+// (F, P, G, sharding): every mesh of the issue, G in {1, 2, 3}, both modes.
+std::vector<Case> AllCases() {
+  std::vector<Case> cases;
+  for (const auto& [F, P] :
+       std::vector<std::pair<int, int>>{{1, 1}, {2, 1}, {1, 2}, {2, 2}, {4, 2}, {2, 4}}) {
+    for (int G : {1, 2, 3}) {
+      for (const char* sharding : {"fsdp", "replicated"}) cases.push_back({F, P, G, sharding});
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Meshes, ParityTest, ::testing::ValuesIn(AllCases()), CaseName);
+
+// SEMANTICS.md §7: on the thread backend the two modes give bit-identical gradients
+// (with G == 1 they add the same terms in the same order).
+TEST(ParityModesTest, FsdpAndReplicatedAreBitIdenticalAtOneMicroBatch) {
+  for (const auto& [F, P] : {std::pair<int, int>{2, 2}, {4, 2}, {2, 4}}) {
+    TrainConfig fsdp = TinyConfig(F * P, P, 1, "fsdp");
+    TrainConfig replicated = TinyConfig(F * P, P, 1, "replicated");
+    fsdp.set_parity_check(true);
+    replicated.set_parity_check(true);
+    auto a = RunInProcess(fsdp);
+    auto b = RunInProcess(replicated);
+    ASSERT_TRUE(a.ok() && b.ok());
+    ASSERT_TRUE((*a)[0].status.ok() && (*b)[0].status.ok());
+    EXPECT_EQ(*(*a)[0].first_step_grads, *(*b)[0].first_step_grads) << F << "x" << P;
+    EXPECT_EQ((*a)[0].history[0].ce, (*b)[0].history[0].ce);
+  }
+}
+
+// The bar can fail: a tolerance below fp32 rounding must fail the check on every rank.
+TEST(ParityCheckTest, FailsWhenTheToleranceIsBelowRoundingError) {
+  TrainConfig config = TinyConfig(2, 2, 2, "fsdp");
+  config.set_parity_check(true);
+  config.set_parity_tolerance(1e-13);  // below fp32 rounding: must fail
+  auto out = RunInProcess(config);
+  ASSERT_TRUE(out.ok());
+  ASSERT_TRUE((*out)[0].parity.has_value());
+  EXPECT_FALSE((*out)[0].parity->ok);
+  EXPECT_EQ((*out)[0].status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*out)[1].status.code(), absl::StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace gradsum::train

@@ -1,0 +1,59 @@
+#include "train/test_util.h"
+
+#include "core/status.h"
+#include "testing/run_ranks.h"
+#include "train/rank_main.h"
+
+namespace gradsum::train {
+
+TrainConfig TinyConfig(int world, int ep, int grad_acc, const char* sharding) {
+  TrainConfig c;
+  c.set_world(world);
+  c.set_ep(ep);
+  c.set_grad_acc(grad_acc);
+  c.set_sharding(sharding);
+  c.set_steps(1);
+  c.set_alpha_b(0.01);
+  c.set_alpha_z(0.01);
+  c.set_timeout_s(60);
+  ModelConfig* m = c.mutable_model();
+  m->set_dim(8);
+  m->set_layers(2);
+  m->set_experts(4);
+  m->set_top_k(2);
+  m->set_expert_dim(8);
+  m->set_init_std(0.5);
+  DataConfig* d = c.mutable_data();
+  d->set_seq_len(16);
+  d->set_micro_batch(2);
+  d->set_min_doc_len(2);
+  d->set_max_doc_len(12);
+  d->set_corpus_documents(4096);
+  return c;
+}
+
+absl::StatusOr<std::vector<RankOutcome>> RunInProcess(const TrainConfig& config) {
+  std::vector<RankOutcome> outcomes(config.world());
+  ThreadBackendOptions options;
+  options.timeout = absl::Seconds(config.timeout_s());
+  GRADSUM_ASSIGN_OR_RETURN(std::vector<absl::Status> status,
+                           testing::RunRanksPerRank(
+                               config.world(),
+                               [&](Communicator& world) -> absl::Status {
+                                 RankOutcome& out = outcomes[world.rank()];
+                                 GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh,
+                                                          MakeRankMesh(&world, config.ep()));
+                                 GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
+                                                          Trainer::Create(config, mesh.comms()));
+                                 absl::Status s = trainer->Run(nullptr).status();
+                                 out.history = trainer->history();
+                                 out.first_step_grads = trainer->first_step_grads();
+                                 out.parity = trainer->parity();
+                                 return s;
+                               },
+                               options));
+  for (size_t r = 0; r < status.size(); ++r) outcomes[r].status = status[r];
+  return outcomes;
+}
+
+}  // namespace gradsum::train

@@ -1,0 +1,411 @@
+#include "train/trainer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "core/status.h"
+#include "losses/step_stats.h"
+#include "sharding/checkpoint.h"
+#include "sharding/grad_norm.h"
+#include "sharding/json.h"
+#include "sharding/safetensors.h"
+#include "train/config.h"
+
+namespace gradsum::train {
+namespace {
+
+namespace fs = std::filesystem;
+
+absl::StatusOr<DType> ParseFloatDType(const std::string& name) {
+  if (name == "f32") return DType::kF32;
+  if (name == "bf16") return DType::kBF16;
+  return absl::InvalidArgumentError(absl::StrCat("dtype ", name, ": must be f32 or bf16"));
+}
+
+std::string HumanRate(double per_second) {
+  if (per_second >= 1e6) return absl::StrFormat("%.2fM", per_second / 1e6);
+  if (per_second >= 1e3) return absl::StrFormat("%.1fk", per_second / 1e3);
+  return absl::StrFormat("%.0f", per_second);
+}
+
+}  // namespace
+
+std::string StepRecord::ToLogLine(int64_t total_steps) const {
+  const double comm_pct = step_seconds > 0 ? 100.0 * comm_seconds / step_seconds : 0.0;
+  return absl::StrFormat(
+      "step %*d/%d | ce %.4f | bal %.6f | z %.6f | valid %d | gnorm %.4f | lr %.2e | "
+      "%s tok/s | comm %.1f ms (%.0f%%) | wait %.1f ms",
+      static_cast<int>(absl::StrCat(total_steps).size()), step, total_steps, ce, bal, z,
+      valid_tokens, grad_norm, lr, HumanRate(tokens_per_second), comm_seconds * 1e3, comm_pct,
+      wait_seconds * 1e3);
+}
+
+std::string StepRecord::ToJson() const {
+  JsonValue j = JsonValue::Object();
+  j.Set("step", JsonValue::Int(step));
+  j.Set("ce", JsonValue::Double(ce));
+  j.Set("z", JsonValue::Double(z));
+  j.Set("bal", JsonValue::Double(bal));
+  j.Set("loss", JsonValue::Double(loss));
+  j.Set("valid_tokens", JsonValue::Int(valid_tokens));
+  j.Set("routed_tokens", JsonValue::Int(routed_tokens));
+  j.Set("grad_norm", JsonValue::Double(grad_norm));
+  j.Set("lr", JsonValue::Double(lr));
+  JsonValue mv = JsonValue::Array();
+  for (double v : maxvio) mv.Append(JsonValue::Double(v));
+  j.Set("maxvio", std::move(mv));
+  j.Set("step_s", JsonValue::Double(step_seconds));
+  j.Set("comm_s", JsonValue::Double(comm_seconds));
+  j.Set("wait_s", JsonValue::Double(wait_seconds));
+  j.Set("tokens_per_s", JsonValue::Double(tokens_per_second));
+  return j.Serialize();
+}
+
+std::string TrainSummary::ToString() const {
+  if (first_step > last_step) return "summary: no steps run\n";
+  std::string out = absl::StrFormat(
+      "summary: steps %d-%d in %.1f s, %s tok/s, comm %.0f%%, wait %.0f%% of step time\n",
+      first_step, last_step, seconds, HumanRate(tokens_per_second),
+      seconds > 0 ? 100 * comm_seconds / seconds : 0.0,
+      seconds > 0 ? 100 * wait_seconds / seconds : 0.0);
+  absl::StrAppendFormat(&out, "summary: ce %.4f -> %.4f (mean of the last steps %.4f)\n", first_ce,
+                        last_ce, tail_mean_ce);
+  if (entropy_floor > 0) {
+    absl::StrAppendFormat(&out,
+                          "summary: entropy floor %.4f nats/token; ce / floor = %.3f (%s 1.10)\n",
+                          entropy_floor, tail_mean_ce / entropy_floor,
+                          tail_mean_ce <= 1.1 * entropy_floor ? "within" : "NOT within");
+  }
+  if (parity) absl::StrAppend(&out, "summary: parity ", parity->ok ? "passed" : "FAILED", "\n");
+  return out;
+}
+
+std::string CheckpointPath(const std::string& checkpoint_dir, int64_t step) {
+  return absl::StrFormat("%s/step-%08d", checkpoint_dir, step);
+}
+
+absl::StatusOr<int64_t> LatestCheckpointStep(const std::string& checkpoint_dir) {
+  std::error_code ec;
+  int64_t best = -1;
+  for (const fs::directory_entry& e : fs::directory_iterator(checkpoint_dir, ec)) {
+    const std::string name = e.path().filename().string();
+    int64_t step;
+    if (name.rfind("step-", 0) != 0 || !absl::SimpleAtoi(name.substr(5), &step)) continue;
+    if (!fs::exists(e.path() / "checkpoint.json")) continue;  // incomplete save
+    best = std::max(best, step);
+  }
+  if (best < 0) {
+    return absl::NotFoundError(
+        absl::StrCat("--resume: no complete checkpoint in checkpoint_dir=", checkpoint_dir));
+  }
+  return best;
+}
+
+absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& config,
+                                                         const RankComms& comms) {
+  GRADSUM_RETURN_IF_ERROR(ValidateConfig(config));
+  if (comms.world == nullptr || comms.ep_group == nullptr || comms.edp_group == nullptr) {
+    return absl::InvalidArgumentError("Trainer needs the world, EP and EDP communicators");
+  }
+  if (comms.world->size() != config.world()) {
+    return absl::InvalidArgumentError(absl::StrCat("world=", config.world(), ": the backend has ",
+                                                   comms.world->size(), " ranks"));
+  }
+  if (comms.ep_group->size() != config.ep()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ep=", config.ep(), ": the EP group has ", comms.ep_group->size(), " ranks"));
+  }
+  auto trainer = std::unique_ptr<Trainer>(new Trainer());
+  trainer->config_ = config;
+  trainer->comms_ = comms;
+  if (trainer->comms_.timer == nullptr) trainer->comms_.timer = std::make_shared<CommTimer>();
+
+  MoeLmOptions options;
+  options.model = config.model();
+  options.sharding =
+      config.sharding() == "fsdp" ? ShardingMode::kSharded : ShardingMode::kReplicated;
+  GRADSUM_ASSIGN_OR_RETURN(options.compute_dtype, ParseFloatDType(config.compute_dtype()));
+  GRADSUM_ASSIGN_OR_RETURN(options.reduce_dtype, ParseFloatDType(config.reduce_dtype()));
+  options.alpha_b = config.alpha_b();
+  options.alpha_z = config.alpha_z();
+  // The ranks of a thread run share the cores; the kernels use what is left per rank.
+  const int cores = std::max(1u, std::thread::hardware_concurrency());
+  options.num_threads = config.backend() == "thread" ? std::max(1, cores / config.world()) : 1;
+  GRADSUM_ASSIGN_OR_RETURN(trainer->model_,
+                           MoeLm::Create(options, {comms.world, comms.ep_group, comms.edp_group}));
+  GRADSUM_RETURN_IF_ERROR(
+      trainer->model_->SetFullParameters(MoeLm::InitialParameters(config.model(), config.seed())));
+  AdamWOptions adam;
+  adam.lr = config.optim().lr();
+  adam.beta1 = config.optim().beta1();
+  adam.beta2 = config.optim().beta2();
+  adam.eps = config.optim().eps();
+  adam.weight_decay = config.optim().weight_decay();
+  GRADSUM_ASSIGN_OR_RETURN(trainer->optimizer_,
+                           ShardedAdamW::Create(trainer->model_->groups(), adam));
+  GRADSUM_ASSIGN_OR_RETURN(trainer->corpus_, MakeCorpus(config.data()));
+  GRADSUM_ASSIGN_OR_RETURN(RankDataLoader loader,
+                           RankDataLoader::Create(trainer->corpus_, config.data(),
+                                                  comms.world->rank(), comms.world->size()));
+  trainer->loader_ = std::make_unique<RankDataLoader>(std::move(loader));
+  trainer->display_ = losses::StepDisplay(config.model().layers(), config.model().experts());
+  GRADSUM_RETURN_IF_ERROR(MoeLm::RegisterDisplayTerms(&trainer->display_));
+  if (!config.checkpoint_dir().empty()) {
+    std::error_code ec;
+    fs::create_directories(config.checkpoint_dir(), ec);
+    if (ec) {
+      return absl::FailedPreconditionError(absl::StrCat("checkpoint_dir=", config.checkpoint_dir(),
+                                                        ": cannot create: ", ec.message()));
+    }
+  }
+  if (config.resume()) GRADSUM_RETURN_IF_ERROR(trainer->Resume());
+  GRADSUM_RETURN_IF_ERROR(trainer->model_->Unshard());
+  return trainer;
+}
+
+absl::Status Trainer::Resume() {
+  // Every rank must pick the same checkpoint: rank 0 decides, the others follow.
+  int64_t step = -1;
+  absl::Status found = absl::OkStatus();
+  if (is_rank0()) {
+    absl::StatusOr<int64_t> latest = LatestCheckpointStep(config_.checkpoint_dir());
+    if (latest.ok()) step = *latest;
+    found = latest.status();
+  }
+  GRADSUM_RETURN_IF_ERROR(comms_.world->Broadcast(&step, 1, DType::kI64, 0));
+  if (step < 0) {
+    return is_rank0() ? found
+                      : absl::NotFoundError(absl::StrCat("--resume: no complete checkpoint in ",
+                                                         config_.checkpoint_dir()));
+  }
+  GRADSUM_ASSIGN_OR_RETURN(
+      CheckpointInfo info,
+      LoadCheckpoint(CheckpointPath(config_.checkpoint_dir(), step), *comms_.world, *optimizer_));
+  step_ = info.step;
+  fresh_start_ = false;
+  loader_->SkipSteps(step_, config_.grad_acc());
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::SaveCheckpointNow() {
+  return SaveCheckpoint(CheckpointPath(config_.checkpoint_dir(), step_), *comms_.world, *optimizer_,
+                        {{"config", ConfigToShortText(config_)}});
+}
+
+absl::StatusOr<StepRecord> Trainer::Step() {
+  const absl::Time start = absl::Now();
+  comms_.timer->Take();
+  const int G = config_.grad_acc();
+  const bool first = fresh_start_ && step_ == 0;
+  const bool need_full = first && (config_.parity_check() || !config_.dump_dir().empty());
+
+  // Global statistics D and N before the first forward (§3, §4).
+  std::vector<MicroBatch> batches = loader_->NextStep(G);
+  std::vector<std::vector<int64_t>> labels(G);
+  std::vector<std::vector<uint8_t>> masks(G);
+  std::vector<losses::MicroBatchTokens> tokens(G);
+  for (int m = 0; m < G; ++m) {
+    labels[m].assign(batches[m].labels.begin(), batches[m].labels.end());
+    masks[m].assign(batches[m].mask.begin(), batches[m].mask.end());
+    tokens[m].labels = labels[m];
+    tokens[m].input_mask = masks[m];
+  }
+  GRADSUM_ASSIGN_OR_RETURN(losses::StepStats stats,
+                           losses::ComputeStepStats(*comms_.world, tokens));
+
+  NamedParams weights;
+  if (need_full) {
+    GRADSUM_ASSIGN_OR_RETURN(weights, model_->GatherFull(/*grads=*/false));
+  }
+
+  std::vector<FlatParam*> groups = model_->groups();
+  for (int m = 0; m < G; ++m) {
+    GRADSUM_RETURN_IF_ERROR(model_->ForwardBackward(batches[m], stats, &display_).status());
+    for (FlatParam* g : groups) GRADSUM_RETURN_IF_ERROR(g->ReduceGrad(m == G - 1));
+  }
+  if (need_full) {
+    GRADSUM_ASSIGN_OR_RETURN(NamedParams grads, model_->GatherFull(/*grads=*/true));
+    first_step_grads_ = std::move(grads);
+  }
+
+  double grad_norm;
+  if (config_.optim().grad_clip() > 0) {
+    GRADSUM_ASSIGN_OR_RETURN(grad_norm,
+                             ClipGradNorm(groups, *comms_.world, config_.optim().grad_clip()));
+  } else {
+    GRADSUM_ASSIGN_OR_RETURN(grad_norm, GlobalGradNorm(groups, *comms_.world));
+  }
+  if (!std::isfinite(grad_norm)) {
+    return absl::InternalError(absl::StrCat("step ", step_ + 1, ": gradient norm is ", grad_norm,
+                                            " (training diverged; lower --lr)"));
+  }
+  const int warmup = config_.optim().warmup_steps();
+  const double lr =
+      config_.optim().lr() * (warmup > 0 ? std::min(1.0, (step_ + 1.0) / warmup) : 1.0);
+  GRADSUM_RETURN_IF_ERROR(optimizer_->set_lr(lr));
+  GRADSUM_RETURN_IF_ERROR(optimizer_->Step());
+  for (FlatParam* g : groups) GRADSUM_RETURN_IF_ERROR(g->ZeroGrad());
+  GRADSUM_RETURN_IF_ERROR(model_->Unshard());
+  GRADSUM_ASSIGN_OR_RETURN(losses::StepDisplayValues values, display_.Reduce(*comms_.world));
+
+  // Waiting: how long this rank idles at the step's end for the slowest rank.
+  const absl::Duration comm = comms_.timer->Take();
+  const absl::Time wait_start = absl::Now();
+  GRADSUM_RETURN_IF_ERROR(comms_.world->Barrier());
+  const absl::Duration wait = absl::Now() - wait_start;
+  comms_.timer->Take();  // the barrier is not communication of the step
+
+  ++step_;
+  StepRecord r;
+  r.step = step_;
+  GRADSUM_ASSIGN_OR_RETURN(r.ce, values.Value("ce"));
+  GRADSUM_ASSIGN_OR_RETURN(r.z, values.Value("z"));
+  GRADSUM_ASSIGN_OR_RETURN(r.bal, values.Value("bal"));
+  r.loss = values.total_loss;
+  r.valid_tokens = stats.global_valid_tokens;
+  r.routed_tokens = stats.global_routed_tokens;
+  r.grad_norm = grad_norm;
+  r.lr = lr;
+  r.step_seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  r.comm_seconds = absl::ToDoubleSeconds(comm);
+  r.wait_seconds = absl::ToDoubleSeconds(wait);
+  r.tokens_per_second = r.step_seconds > 0 ? r.routed_tokens / r.step_seconds : 0;
+  r.maxvio = values.maxvio;
+
+  if (first && !config_.dump_dir().empty()) {
+    GRADSUM_RETURN_IF_ERROR(WriteDump(weights, *first_step_grads_, batches, r));
+  }
+  if (first && config_.parity_check()) {
+    // Rank 0 runs the reference; every rank learns the verdict, so all fail together.
+    int64_t ok = 0;
+    if (is_rank0()) {
+      const bool f32 = config_.compute_dtype() == "f32" && config_.reduce_dtype() == "f32";
+      // bf16 rounds parameters or gradients to 8 bits of mantissa: a looser bar.
+      const double tol =
+          f32 ? config_.parity_tolerance() : std::max(config_.parity_tolerance(), 2e-2);
+      GRADSUM_ASSIGN_OR_RETURN(auto global_batch, GlobalBatchForStep(config_, 0));
+      GRADSUM_ASSIGN_OR_RETURN(
+          ParityReport report,
+          CheckParity(config_, weights, global_batch, *first_step_grads_, {r.ce, r.z, r.bal}, tol));
+      ok = report.ok ? 1 : 0;
+      parity_ = std::move(report);
+    }
+    GRADSUM_RETURN_IF_ERROR(comms_.world->Broadcast(&ok, 1, DType::kI64, 0));
+    if (!is_rank0()) {
+      ParityReport verdict;
+      verdict.ok = ok == 1;
+      parity_ = verdict;
+    }
+  }
+  if (!config_.checkpoint_dir().empty() &&
+      ((config_.checkpoint_every() > 0 && step_ % config_.checkpoint_every() == 0) ||
+       step_ == config_.steps())) {
+    GRADSUM_RETURN_IF_ERROR(SaveCheckpointNow());
+  }
+  history_.push_back(r);
+  return r;
+}
+
+absl::Status Trainer::WriteDump(const NamedParams& weights, const NamedParams& grads,
+                                const std::vector<MicroBatch>& batches, const StepRecord& record) {
+  const std::string& dir = config_.dump_dir();
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return absl::InternalError(absl::StrCat("--dump_dir=", dir, ": ", ec.message()));
+  // Every rank writes its own micro-batches.
+  for (size_t m = 0; m < batches.size(); ++m) {
+    const MicroBatch& mb = batches[m];
+    std::vector<int64_t> tok(mb.tokens.begin(), mb.tokens.end()),
+        lab(mb.labels.begin(), mb.labels.end()), msk(mb.mask.begin(), mb.mask.end());
+    SafetensorsWriter w;
+    for (auto& [name, v] : {std::pair<const char*, std::vector<int64_t>*>{"tokens", &tok},
+                            {"labels", &lab},
+                            {"mask", &msk}}) {
+      GRADSUM_ASSIGN_OR_RETURN(TensorView view,
+                               TensorView::Create(v->data(), DType::kI64, {mb.batch, mb.seq_len}));
+      GRADSUM_RETURN_IF_ERROR(w.Add(name, view));
+    }
+    GRADSUM_RETURN_IF_ERROR(
+        w.WriteFile(absl::StrCat(dir, "/batch.r", comms_.world->rank(), ".m", m, ".safetensors")));
+  }
+  if (!is_rank0()) return absl::OkStatus();
+  for (const auto& [file, tensors] :
+       {std::pair<const char*, const NamedParams*>{"weights.safetensors", &weights},
+        {"grads.safetensors", &grads}}) {
+    SafetensorsWriter w;
+    for (const auto& [name, shape] : MoeLmParamShapes(config_.model())) {
+      GRADSUM_ASSIGN_OR_RETURN(
+          TensorView view,
+          TensorView::Create(const_cast<float*>(tensors->at(name).data()), DType::kF32, shape));
+      GRADSUM_RETURN_IF_ERROR(w.Add(name, view));
+    }
+    GRADSUM_RETURN_IF_ERROR(w.AddMetadata("step", "1"));
+    GRADSUM_RETURN_IF_ERROR(w.WriteFile(absl::StrCat(dir, "/", file)));
+  }
+  JsonValue j = JsonValue::Object();
+  j.Set("step", JsonValue::Int(1));
+  j.Set("ce", JsonValue::Double(record.ce));
+  j.Set("z", JsonValue::Double(record.z));
+  j.Set("bal", JsonValue::Double(record.bal));
+  j.Set("loss", JsonValue::Double(record.loss));
+  j.Set("valid_tokens", JsonValue::Int(record.valid_tokens));
+  j.Set("routed_tokens", JsonValue::Int(record.routed_tokens));
+  j.Set("config", JsonValue::String(ConfigToShortText(config_)));
+  std::ofstream out(absl::StrCat(dir, "/losses.json"));
+  out << j.Serialize() << "\n";
+  if (!out) return absl::InternalError(absl::StrCat("cannot write ", dir, "/losses.json"));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
+  TrainSummary summary;
+  summary.first_step = step_ + 1;
+  summary.entropy_floor = corpus_->EntropyFloorNats();
+  std::ofstream metrics;
+  if (is_rank0() && !config_.metrics().empty()) {
+    metrics.open(config_.metrics(), fresh_start_ ? std::ios::trunc : std::ios::app);
+    if (!metrics) {
+      return absl::InternalError(absl::StrCat("--metrics=", config_.metrics(), ": cannot open"));
+    }
+  }
+  double ce_tail_sum = 0;
+  std::vector<double> ces;
+  while (step_ < config_.steps()) {
+    GRADSUM_ASSIGN_OR_RETURN(StepRecord r, Step());
+    if (log != nullptr) *log << r.ToLogLine(config_.steps()) << std::endl;
+    if (metrics.is_open()) metrics << r.ToJson() << std::endl;
+    if (r.step == summary.first_step) summary.first_ce = r.ce;
+    summary.last_step = r.step;
+    summary.last_ce = r.ce;
+    summary.seconds += r.step_seconds;  // steps only: no parity, dump or checkpoint time
+    summary.comm_seconds += r.comm_seconds;
+    summary.wait_seconds += r.wait_seconds;
+    ces.push_back(r.ce);
+    if (parity_.has_value() && r.step == 1) {
+      if (log != nullptr && !parity_->params.empty()) *log << parity_->ToString() << std::flush;
+      if (!parity_->ok) {
+        return absl::FailedPreconditionError(
+            "--parity_check: step 1 differs from the single-process reference beyond the "
+            "tolerance (see the parity lines)");
+      }
+    }
+  }
+  const size_t tail = std::min<size_t>(10, ces.size());
+  for (size_t i = ces.size() - tail; i < ces.size(); ++i) ce_tail_sum += ces[i];
+  summary.tail_mean_ce = tail > 0 ? ce_tail_sum / tail : 0;
+  int64_t tokens = 0;
+  for (const StepRecord& r : history_) tokens += r.routed_tokens;
+  summary.tokens_per_second = summary.seconds > 0 ? tokens / summary.seconds : 0;
+  summary.parity = parity_;
+  if (log != nullptr) *log << summary.ToString() << std::flush;
+  return summary;
+}
+
+}  // namespace gradsum::train

@@ -1,0 +1,132 @@
+#ifndef GRADSUM_TRAIN_TRAINER_H_
+#define GRADSUM_TRAIN_TRAINER_H_
+
+// The training loop of one rank: data, step statistics, G micro-batches of forward and
+// backward, SUM gradient reduction (sharded or replicated), global grad norm and
+// clipping, AdamW on the shards, the display all-reduce, logging, metrics, dumps, the
+// parity check and checkpoints. Every rank runs the same Trainer; rank 0 writes.
+//
+//   RankComms comms{world, ep_group, edp_group, timer};
+//   GRADSUM_ASSIGN_OR_RETURN(auto trainer, Trainer::Create(config, comms));
+//   GRADSUM_ASSIGN_OR_RETURN(TrainSummary s, trainer->Run(rank == 0 ? &std::cout : nullptr));
+//
+// One step (SEMANTICS.md): NextStep(G) on this rank's data shard; ComputeStepStats (one
+// all-reduce: D, N, §3-4); for each micro-batch MoeLm::ForwardBackward then ReduceGrad
+// (reduce-scatter every micro-batch in fsdp mode, all-reduce after the last one in
+// replicated mode, §7); ClipGradNorm (§7); AdamW; StepDisplay::Reduce (§8).
+//
+// Step 1 of a fresh run also writes --dump_dir and runs --parity_check (fails the run
+// with FailedPrecondition if the reference disagrees beyond the tolerance).
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "collectives/communicator.h"
+#include "losses/display.h"
+#include "sharding/adamw.h"
+#include "train/config.pb.h"
+#include "train/data.h"
+#include "train/moe_lm.h"
+#include "train/parity.h"
+#include "train/timed_communicator.h"
+
+namespace gradsum::train {
+
+// The communicators of one rank (not owned). `timer` (may be null) is the CommTimer the
+// communicators add their time to (train/timed_communicator.h).
+struct RankComms {
+  Communicator* world = nullptr;
+  Communicator* ep_group = nullptr;
+  Communicator* edp_group = nullptr;
+  std::shared_ptr<CommTimer> timer;
+};
+
+// What one step logs (global values, identical on every rank except the timings).
+struct StepRecord {
+  int64_t step = 0;  // 1-based
+  double ce = 0, z = 0, bal = 0, loss = 0;
+  int64_t valid_tokens = 0, routed_tokens = 0;
+  double grad_norm = 0;
+  double lr = 0;
+  double step_seconds = 0, comm_seconds = 0, wait_seconds = 0;
+  double tokens_per_second = 0;  // routed tokens of the world per second
+  std::vector<double> maxvio;    // per layer (§8)
+  // The log line, and the JSONL record.
+  std::string ToLogLine(int64_t total_steps) const;
+  std::string ToJson() const;
+};
+
+struct TrainSummary {
+  int64_t first_step = 0, last_step = 0;  // 1-based, inclusive; first > last if none ran
+  double first_ce = 0, last_ce = 0;
+  double tail_mean_ce = 0;    // mean CE of the last min(10, steps) steps
+  double entropy_floor = -1;  // nats/token, < 0 when unknown (a --data file)
+  double seconds = 0, comm_seconds = 0, wait_seconds = 0;
+  double tokens_per_second = 0;
+  std::optional<ParityReport> parity;
+  std::string ToString() const;
+};
+
+class Trainer {
+ public:
+  // Validates `config` (ValidateConfig) and the communicators (world size == config.world,
+  // ep_group size == config.ep), builds the model with the initial parameters (or loads the
+  // latest checkpoint with --resume). Collective over the world.
+  static absl::StatusOr<std::unique_ptr<Trainer>> Create(const TrainConfig& config,
+                                                         const RankComms& comms);
+
+  // Runs until config.steps steps are done. `log` (rank 0 usually) gets one line per step
+  // and the summary. Writes metrics / dumps / checkpoints when configured (rank 0 for the
+  // shared files). Collective.
+  absl::StatusOr<TrainSummary> Run(std::ostream* log);
+
+  // One optimizer step. Collective.
+  absl::StatusOr<StepRecord> Step();
+
+  // Steps completed so far (including those restored from a checkpoint).
+  int64_t step() const { return step_; }
+  MoeLm& model() { return *model_; }
+  // The parity report of step 1 when --parity_check ran.
+  const std::optional<ParityReport>& parity() const { return parity_; }
+  // The full SUM-reduced gradients of step 1 (before clipping), when a dump or the parity
+  // check asked for them.
+  const std::optional<NamedParams>& first_step_grads() const { return first_step_grads_; }
+  const std::vector<StepRecord>& history() const { return history_; }
+
+ private:
+  Trainer() = default;
+  absl::Status WriteDump(const NamedParams& weights, const NamedParams& grads,
+                         const std::vector<MicroBatch>& batches, const StepRecord& record);
+  absl::Status SaveCheckpointNow();
+  absl::Status Resume();
+  bool is_rank0() const { return comms_.world->rank() == 0; }
+
+  TrainConfig config_;
+  RankComms comms_;
+  std::unique_ptr<MoeLm> model_;
+  std::unique_ptr<ShardedAdamW> optimizer_;
+  std::unique_ptr<RankDataLoader> loader_;
+  std::shared_ptr<const DocumentSource> corpus_;
+  losses::StepDisplay display_;
+  int64_t step_ = 0;
+  bool fresh_start_ = true;
+  std::optional<ParityReport> parity_;
+  std::optional<NamedParams> first_step_grads_;
+  std::vector<StepRecord> history_;
+};
+
+// The directory of the checkpoint after `step` inside `checkpoint_dir`.
+std::string CheckpointPath(const std::string& checkpoint_dir, int64_t step);
+
+// The step of the newest complete checkpoint in `checkpoint_dir` (one with its commit
+// marker), or NotFound.
+absl::StatusOr<int64_t> LatestCheckpointStep(const std::string& checkpoint_dir);
+
+}  // namespace gradsum::train
+
+#endif  // GRADSUM_TRAIN_TRAINER_H_
