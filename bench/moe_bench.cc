@@ -44,8 +44,8 @@ struct DispatchRank {
 
 absl::Status DispatchStep(Communicator& comm, const DispatchConfig& config, DispatchRank& r) {
   const ExpertWeights w{r.wg, r.wu, r.wd};
-  absl::Status s = DispatchCombineForward(comm, config, w, r.a, r.idx, r.cw, absl::MakeSpan(r.y),
-                                          &r.state);
+  absl::Status s =
+      DispatchCombineForward(comm, config, w, r.a, r.idx, r.cw, absl::MakeSpan(r.y), &r.state);
   if (!s.ok()) return s;
   return DispatchCombineBackward(
       comm, config, w, r.state, r.dy, absl::MakeSpan(r.d_a), absl::MakeSpan(r.d_cw),
@@ -173,9 +173,9 @@ struct ExpertsBench {
 };
 
 void SetFlops(benchmark::State& state, double flops_per_iteration) {
-  state.counters["GFLOP/s"] = benchmark::Counter(
-      flops_per_iteration * 1e-9 * static_cast<double>(state.iterations()),
-      benchmark::Counter::kIsRate);
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(flops_per_iteration * 1e-9 * static_cast<double>(state.iterations()),
+                         benchmark::Counter::kIsRate);
 }
 
 void BM_Experts(benchmark::State& state) {

@@ -26,6 +26,7 @@ TESTS=(
   //moe/cuda:layers_cuda_test
   //moe/cuda:router_cuda_test
   //moe/cuda:permute_cuda_test
+  //moe/cuda:moe_layer_cuda_test
 )
 
 log() { echo "[run_gpu_checks] $*" | tee -a "${OUT_DIR}/summary.txt"; }

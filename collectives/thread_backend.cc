@@ -17,6 +17,7 @@
 #include "collectives/thread_backend.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -101,6 +102,8 @@ struct Slot {
   int arrived = 0;
   int finished = 0;  // ranks past the data phase
   int departed = 0;  // ranks done with the slot; the last one erases it
+  // Work chunks of the data phase claimed so far (all-reduce, reduce-scatter).
+  std::atomic<size_t> next_chunk{0};
   // Split only: the new groups by color, created by the first rank to need them.
   std::map<int, std::shared_ptr<Group>> split_groups;
   bool split_done = false;
@@ -133,24 +136,29 @@ struct OpState {
   }
 };
 
+class ThreadCommunicator;
+
+// One rank's queue of issued operations. Shared by the communicator, its worker thread
+// and the Work handles, so that a caller blocked in Wait() can run the queued operations
+// itself while the worker is idle (saving two thread hand-offs per synchronous call).
+// Whoever runs an operation holds `executing`, so operations still run one at a time in
+// issue order.
+struct ExecState {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::shared_ptr<OpState>> queue;  // guarded by mu
+  bool executing = false;                      // guarded by mu
+  bool stopping = false;                       // guarded by mu
+  ThreadCommunicator* owner = nullptr;         // null once the communicator is destroyed
+  absl::Duration timeout;                      // the group's timeout
+};
+
 class ThreadWork : public Work {
  public:
-  explicit ThreadWork(std::shared_ptr<OpState> op) : op_(std::move(op)) {}
+  ThreadWork(std::shared_ptr<OpState> op, std::shared_ptr<ExecState> exec)
+      : op_(std::move(op)), exec_(std::move(exec)) {}
 
-  absl::Status Wait(absl::Duration timeout) override {
-    std::unique_lock<std::mutex> lock(op_->mu);
-    if (timeout == absl::InfiniteDuration()) {
-      op_->cv.wait(lock, [&] { return op_->done; });
-    } else {
-      const auto deadline = Clock::now() + absl::ToChronoNanoseconds(timeout);
-      if (!op_->cv.wait_until(lock, deadline, [&] { return op_->done; })) {
-        return absl::DeadlineExceededError(absl::StrCat(OpKindName(op_->args.kind),
-                                                   " still in flight after waiting ",
-                                                   absl::FormatDuration(timeout)));
-      }
-    }
-    return Fresh(op_->status);
-  }
+  absl::Status Wait(absl::Duration timeout) override;
 
   bool IsCompleted() override {
     std::lock_guard<std::mutex> lock(op_->mu);
@@ -159,6 +167,7 @@ class ThreadWork : public Work {
 
  private:
   std::shared_ptr<OpState> op_;
+  std::shared_ptr<ExecState> exec_;
 };
 
 // [begin, end) byte ranges; true if both are non-empty and intersect.
@@ -172,32 +181,37 @@ bool Overlaps(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
 const char* Ptr(const void* p, size_t off_bytes) { return static_cast<const char*>(p) + off_bytes; }
 char* Ptr(void* p, size_t off_bytes) { return static_cast<char*>(p) + off_bytes; }
 
-// The first element of rank r's chunk when `n` elements are split into `w` nearly equal
-// chunks on 64-byte boundaries (so ranks writing neighbouring chunks share no cache line).
-size_t ChunkBegin(size_t n, size_t elem, int w, int r) {
+// Elements per work chunk of a reduction over n elements on w ranks: about n / w for
+// small buffers (so every rank gets a share), at most 256 KiB for large ones (so ranks can
+// balance), always a multiple of 64 bytes (no two claimers share a cache line). 0 if n == 0.
+size_t ChunkElems(size_t n, size_t elem, int w) {
+  if (n == 0) return 0;
   const size_t unit = std::max<size_t>(1, 64 / elem);
-  const size_t units = (n + unit - 1) / unit;
-  return std::min(n, units * static_cast<size_t>(r) / static_cast<size_t>(w) * unit);
+  const size_t per_rank = (n + static_cast<size_t>(w) - 1) / static_cast<size_t>(w);
+  const size_t cap = (size_t{256} << 10) / elem;
+  const size_t c = std::min(per_rank, cap);
+  return (c + unit - 1) / unit * unit;
 }
 
 class ThreadCommunicator : public Communicator {
  public:
   ThreadCommunicator(std::shared_ptr<Group> group, int rank)
-      : group_(std::move(group)), rank_(rank), worker_([this] { WorkerLoop(); }) {}
+      : group_(std::move(group)), rank_(rank), exec_(std::make_shared<ExecState>()) {
+    exec_->owner = this;
+    exec_->timeout = group_->timeout;
+    worker_ = std::thread([this] { WorkerLoop(); });
+  }
 
   ~ThreadCommunicator() override {
+    bool abandoning;
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      stopping_ = true;
-      cv_.notify_all();
+      std::lock_guard<std::mutex> lock(exec_->mu);
+      exec_->stopping = true;
+      exec_->cv.notify_all();
+      abandoning = exec_->executing || !exec_->queue.empty();
     }
     // If an operation of ours is still waiting for peers, break the group so that it (and
     // the peers, who can no longer complete with us) return instead of hanging.
-    bool abandoning;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      abandoning = executing_ || !queue_.empty();
-    }
     if (abandoning) {
       std::lock_guard<std::mutex> lock(group_->mu);
       if (group_->failure.ok()) {
@@ -208,6 +222,10 @@ class ThreadCommunicator : public Communicator {
       group_->cv.notify_all();
     }
     worker_.join();
+    // A caller running an operation inline finishes it before we go away.
+    std::unique_lock<std::mutex> lock(exec_->mu);
+    exec_->cv.wait(lock, [&] { return !exec_->executing; });
+    exec_->owner = nullptr;
   }
 
   int rank() const override { return rank_; }
@@ -292,7 +310,7 @@ class ThreadCommunicator : public Communicator {
     auto op = std::make_shared<OpState>();
     op->args = std::move(a);
     Enqueue(op);
-    ThreadWork work(op);
+    ThreadWork work(op, exec_);
     absl::Status s = work.Wait(timeout() + absl::Seconds(5));
     if (!s.ok()) return s;
     return std::move(op->split_result);
@@ -438,35 +456,44 @@ class ThreadCommunicator : public Communicator {
     // it (InvalidArgument) rather than time out, and later calls still line up.
     Enqueue(op);
     if (!local.ok()) return local;
-    return std::unique_ptr<Work>(new ThreadWork(std::move(op)));
+    return std::unique_ptr<Work>(new ThreadWork(std::move(op), exec_));
   }
 
   void Enqueue(std::shared_ptr<OpState> op) {
-    std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(std::move(op));
-    cv_.notify_all();
+    std::lock_guard<std::mutex> lock(exec_->mu);
+    exec_->queue.push_back(std::move(op));
+    exec_->cv.notify_all();
   }
 
   void WorkerLoop() {
+    ExecState& e = *exec_;
     for (;;) {
       std::shared_ptr<OpState> op;
       {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-        if (queue_.empty()) return;
-        op = std::move(queue_.front());
-        queue_.pop_front();
-        executing_ = true;
+        std::unique_lock<std::mutex> lock(e.mu);
+        e.cv.wait(lock, [&] { return !e.executing && (e.stopping || !e.queue.empty()); });
+        if (e.queue.empty()) return;
+        op = std::move(e.queue.front());
+        e.queue.pop_front();
+        e.executing = true;
       }
-      absl::Status s = Execute(*op);
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        executing_ = false;
-      }
-      op->Complete(std::move(s));
+      RunClaimed(*op);
     }
   }
 
+ public:
+  // Runs an operation popped from the queue by the caller, who set `executing`.
+  void RunClaimed(OpState& op) {
+    absl::Status s = Execute(op);
+    {
+      std::lock_guard<std::mutex> lock(exec_->mu);
+      exec_->executing = false;
+      exec_->cv.notify_all();
+    }
+    op.Complete(std::move(s));
+  }
+
+ private:
   // Runs one operation to completion on the worker thread.
   absl::Status Execute(OpState& op) {
     const OpArgs& mine = op.args;
@@ -483,8 +510,8 @@ class ThreadCommunicator : public Communicator {
             g.failure.message()));
       }
       {
-        std::lock_guard<std::mutex> self(mu_);
-        if (stopping_) {
+        std::lock_guard<std::mutex> self(exec_->mu);
+        if (exec_->stopping) {
           return absl::FailedPreconditionError(
               absl::StrCat(what, ": the communicator was destroyed before it ran"));
         }
@@ -591,30 +618,43 @@ class ThreadCommunicator : public Communicator {
     const size_t elem = HasDType(mine.kind) ? DTypeSize(mine.dtype) : 1;
     switch (mine.kind) {
       case OpKind::kAllReduce: {
-        // Reduce-scatter then all-gather in one pass: I reduce my 1/W chunk of every rank's
-        // send (ascending rank order) and write the result into every rank's recv. Only I
-        // touch this chunk of any buffer, so in place is safe.
-        const size_t lo = ChunkBegin(mine.count, elem, w, rank_);
-        const size_t hi = ChunkBegin(mine.count, elem, w, rank_ + 1);
-        if (hi <= lo) break;
+        // Reduce-scatter then all-gather in one pass over shared memory: the buffer is cut
+        // into chunks; whoever claims a chunk reduces it over every rank's send (ascending
+        // rank order) and writes the result into every rank's recv. Only the claimer
+        // touches that chunk of any buffer, so in place is safe, and the values do not
+        // depend on who claimed what. Claiming dynamically (rather than a fixed 1/W each)
+        // keeps all ranks busy when one of them is descheduled on a loaded machine.
+        const size_t n = mine.count;
+        const size_t chunk = ChunkElems(n, elem, w);
+        const size_t chunks = chunk == 0 ? 0 : (n + chunk - 1) / chunk;
         std::vector<const void*> srcs(w);
         std::vector<void*> dsts(w);
-        for (int p = 0; p < w; ++p) {
-          srcs[p] = Ptr(args[p].send, lo * elem);
-          // My own recv first: the kernel rounds into it once, then copies to the others.
-          const int q = (rank_ + p) % w;
-          dsts[p] = Ptr(args[q].recv, lo * elem);
+        for (size_t c; (c = slot.next_chunk.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
+          const size_t lo = c * chunk, hi = std::min(n, lo + chunk);
+          for (int p = 0; p < w; ++p) {
+            srcs[p] = Ptr(args[p].send, lo * elem);
+            // My own recv first: the kernel rounds into it once, then copies to the others.
+            dsts[p] = Ptr(args[(rank_ + p) % w].recv, lo * elem);
+          }
+          ReduceInto(mine.dtype, mine.reduce, srcs, hi - lo, dsts);
         }
-        ReduceInto(mine.dtype, mine.reduce, srcs, hi - lo, dsts);
         break;
       }
       case OpKind::kReduceScatter: {
+        // Block r (for rank r) in chunks, claimed like all-reduce's; the claimer writes
+        // into rank r's recv.
+        const size_t n = mine.count;
+        const size_t chunk = ChunkElems(n, elem, w);
+        const size_t per_block = chunk == 0 ? 0 : (n + chunk - 1) / chunk;
+        const size_t tasks = per_block * static_cast<size_t>(w);
         std::vector<const void*> srcs(w);
-        for (int p = 0; p < w; ++p) {
-          srcs[p] = Ptr(args[p].send, static_cast<size_t>(rank_) * mine.count * elem);
+        for (size_t t; (t = slot.next_chunk.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
+          const size_t block = t / per_block;
+          const size_t lo = (t % per_block) * chunk, hi = std::min(n, lo + chunk);
+          for (int p = 0; p < w; ++p) srcs[p] = Ptr(args[p].send, (block * n + lo) * elem);
+          void* dst = Ptr(args[block].recv, lo * elem);
+          ReduceInto(mine.dtype, mine.reduce, srcs, hi - lo, absl::MakeConstSpan(&dst, 1));
         }
-        std::vector<void*> dst = {mine.recv};
-        ReduceInto(mine.dtype, mine.reduce, srcs, mine.count, dst);
         break;
       }
       case OpKind::kAllGather: {
@@ -679,14 +719,45 @@ class ThreadCommunicator : public Communicator {
   const int rank_;
   uint64_t next_seq_ = 0;  // worker thread only
 
-  std::mutex mu_;  // guards the fields below
-  std::condition_variable cv_;
-  std::deque<std::shared_ptr<OpState>> queue_;
-  bool executing_ = false;
-  bool stopping_ = false;
-
-  std::thread worker_;  // last: starts after everything above is constructed
+  const std::shared_ptr<ExecState> exec_;
+  std::thread worker_;  // started in the constructor body, after everything else
 };
+
+absl::Status ThreadWork::Wait(absl::Duration timeout) {
+  // A caller prepared to wait at least the operation's own deadline runs the queued
+  // operations up to its own on this thread, if nobody else is running one.
+  if (timeout >= exec_->timeout) {
+    for (;;) {
+      std::shared_ptr<OpState> front;
+      ThreadCommunicator* owner;
+      {
+        std::lock_guard<std::mutex> lock(exec_->mu);
+        if (exec_->executing || exec_->stopping || exec_->owner == nullptr ||
+            std::find(exec_->queue.begin(), exec_->queue.end(), op_) == exec_->queue.end()) {
+          break;
+        }
+        front = std::move(exec_->queue.front());
+        exec_->queue.pop_front();
+        exec_->executing = true;
+        owner = exec_->owner;
+      }
+      owner->RunClaimed(*front);
+      if (front == op_) break;
+    }
+  }
+  std::unique_lock<std::mutex> lock(op_->mu);
+  if (timeout == absl::InfiniteDuration()) {
+    op_->cv.wait(lock, [&] { return op_->done; });
+  } else {
+    const auto deadline = Clock::now() + absl::ToChronoNanoseconds(timeout);
+    if (!op_->cv.wait_until(lock, deadline, [&] { return op_->done; })) {
+      return absl::DeadlineExceededError(absl::StrCat(OpKindName(op_->args.kind),
+                                                      " still in flight after waiting ",
+                                                      absl::FormatDuration(timeout)));
+    }
+  }
+  return Fresh(op_->status);
+}
 
 }  // namespace
 

@@ -119,6 +119,20 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, ThreadConformanceTest, ::testing::Range(1, 
                            return absl::StrCat("W", info.param);
                          });
 
+// Buffers well past the 256 KiB work chunk, so each rank reduces several chunks claimed
+// dynamically, including the ragged last one.
+TEST(ThreadBackendTest, LargeBuffersSpanManyChunks) {
+  EXPECT_OK(RunRanks(3, [](Communicator& comm) -> absl::Status {
+    for (bool in_place : {false, true}) {
+      absl::Status s = conformance::CheckAllReduce(comm, DType::kF32, ReduceOp::kSum, 200003, in_place);
+      if (s.ok()) s = conformance::CheckAllReduce(comm, DType::kBF16, ReduceOp::kAvg, 300001, in_place);
+      if (s.ok()) s = conformance::CheckReduceScatter(comm, DType::kF64, ReduceOp::kSum, 70001, in_place);
+      if (!s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }));
+}
+
 TEST(ThreadBackendTest, RejectsBadWorldSizeAndTimeout) {
   EXPECT_EQ(CreateThreadCommunicators(0).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(CreateThreadCommunicators(1025).status().code(), absl::StatusCode::kInvalidArgument);

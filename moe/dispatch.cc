@@ -45,16 +45,14 @@ float* Scratch(std::vector<float>& buffer, int64_t n) {
 }
 
 // dst[index[i]] = src[i] (rows of width D).
-void ScatterRows(const float* src, const std::vector<int64_t>& index, int64_t d_model,
-                 float* dst) {
+void ScatterRows(const float* src, const std::vector<int64_t>& index, int64_t d_model, float* dst) {
   for (size_t i = 0; i < index.size(); ++i) {
     std::memcpy(dst + index[i] * d_model, src + i * d_model, sizeof(float) * d_model);
   }
 }
 
 // dst[i] = src[index[i]] (rows of width D).
-void GatherRows(const float* src, const std::vector<int64_t>& index, int64_t d_model,
-                float* dst) {
+void GatherRows(const float* src, const std::vector<int64_t>& index, int64_t d_model, float* dst) {
   for (size_t i = 0; i < index.size(); ++i) {
     std::memcpy(dst + i * d_model, src + index[i] * d_model, sizeof(float) * d_model);
   }
@@ -70,13 +68,13 @@ ExpertsConfig LocalExpertsConfig(const DispatchConfig& config, int ep_size) {
 
 absl::Status ValidateDispatchConfig(const DispatchConfig& config, int ep_size) {
   if (config.d_model < 1 || config.hidden < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("dispatch needs D >= 1 and H >= 1; got D=",
-                                                   config.d_model, ", H=", config.hidden));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "dispatch needs D >= 1 and H >= 1; got D=", config.d_model, ", H=", config.hidden));
   }
   GRADSUM_RETURN_IF_ERROR(ExpertPlacement::Create(config.num_experts, ep_size).status());
   if (config.top_k < 1 || config.top_k > config.num_experts) {
-    return absl::InvalidArgumentError(absl::StrCat("top_k must be in [1, E=", config.num_experts,
-                                                   "], got K=", config.top_k));
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_k must be in [1, E=", config.num_experts, "], got K=", config.top_k));
   }
   return absl::OkStatus();
 }
@@ -95,8 +93,8 @@ absl::Status DispatchCombineForward(Communicator& ep_group, const DispatchConfig
   const int K = config.top_k;
   const int E_local = E / P;
   if (a.size() % static_cast<size_t>(D) != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("dispatch input a has ", a.size(),
-                                                   " elements, not a multiple of D=", D));
+    return absl::InvalidArgumentError(
+        absl::StrCat("dispatch input a has ", a.size(), " elements, not a multiple of D=", D));
   }
   const int64_t T = static_cast<int64_t>(a.size()) / D;
   GRADSUM_RETURN_IF_ERROR(
@@ -104,17 +102,17 @@ absl::Status DispatchCombineForward(Communicator& ep_group, const DispatchConfig
   GRADSUM_RETURN_IF_ERROR(
       internal::CheckSize("dispatch combine_weight", combine_weight.size(), T * K, "[T, K]"));
   GRADSUM_RETURN_IF_ERROR(internal::CheckSize("dispatch output y", y.size(), T * D, "[T, D]"));
+  // Every local check before the first collective, so a bad argument fails fast here.
   const ExpertsConfig experts_config = LocalExpertsConfig(config, P);
-  GRADSUM_RETURN_IF_ERROR(ValidateExpertsConfig(experts_config));
+  GRADSUM_RETURN_IF_ERROR(CheckExpertWeights(experts_config, local_weights));
 
   // 1. Order the copies by destination expert (a stable counting sort).
   std::vector<int64_t> counts(E, 0);
   for (int64_t c = 0; c < T * K; ++c) {
     const int32_t e = expert_index[c];
     if (e < -1 || e >= E) {
-      return absl::InvalidArgumentError(absl::StrCat("expert_index[token ", c / K, ", slot ",
-                                                     c % K, "] is ", e, ", outside [-1, E=", E,
-                                                     ")"));
+      return absl::InvalidArgumentError(absl::StrCat("expert_index[token ", c / K, ", slot ", c % K,
+                                                     "] is ", e, ", outside [-1, E=", E, ")"));
     }
     if (e >= 0) ++counts[e];
   }
@@ -169,23 +167,25 @@ absl::Status DispatchCombineForward(Communicator& ep_group, const DispatchConfig
   for (int64_t pos = 0; pos < num_sent; ++pos) {
     std::memcpy(send + pos * D, &a[(s.send_copy[pos] / K) * D], sizeof(float) * D);
   }
-  float* recv = Scratch(s.scratch_recv, num_received * D);
+  // With one source rank or one local expert the received order is already expert-major,
+  // so the regrouping copies are skipped.
+  const bool regroup = P > 1 && E_local > 1;
+  s.expert_input.resize(num_received * D);
+  float* recv = regroup ? Scratch(s.scratch_recv, num_received * D) : s.expert_input.data();
   GRADSUM_RETURN_IF_ERROR(Annotate(ExchangeRows(ep_group, send, s.send_rows, recv, s.recv_rows, D),
                                    "dispatching token rows"));
-  s.expert_input.resize(num_received * D);
-  ScatterRows(recv, s.expert_row, D, s.expert_input.data());
+  if (regroup) ScatterRows(recv, s.expert_row, D, s.expert_input.data());
   float* expert_output = Scratch(s.scratch_expert_a, num_received * D);
-  GRADSUM_RETURN_IF_ERROR(ExpertsForward(experts_config, local_weights, s.expert_input,
-                                         s.local_group_sizes,
-                                         absl::MakeSpan(expert_output, num_received * D),
-                                         &s.experts_saved));
+  GRADSUM_RETURN_IF_ERROR(
+      ExpertsForward(experts_config, local_weights, s.expert_input, s.local_group_sizes,
+                     absl::MakeSpan(expert_output, num_received * D), &s.experts_saved));
 
   // 4. Send the outputs home (the reverse exchange) and combine there.
-  GatherRows(expert_output, s.expert_row, D, recv);
+  if (regroup) GatherRows(expert_output, s.expert_row, D, recv);
   s.copy_output.resize(num_sent * D);
-  GRADSUM_RETURN_IF_ERROR(Annotate(
-      ExchangeRows(ep_group, recv, s.recv_rows, s.copy_output.data(), s.send_rows, D),
-      "returning expert outputs"));
+  GRADSUM_RETURN_IF_ERROR(Annotate(ExchangeRows(ep_group, regroup ? recv : expert_output,
+                                                s.recv_rows, s.copy_output.data(), s.send_rows, D),
+                                   "returning expert outputs"));
   std::fill(y.begin(), y.end(), 0.0f);
   for (int64_t t = 0; t < T; ++t) {
     float* yt = &y[t * D];
@@ -201,9 +201,9 @@ absl::Status DispatchCombineForward(Communicator& ep_group, const DispatchConfig
 }
 
 absl::Status DispatchCombineBackward(Communicator& ep_group, const DispatchConfig& config,
-                                     const ExpertWeights& local_weights,
-                                     const DispatchState& state, absl::Span<const float> dy,
-                                     absl::Span<float> d_a, absl::Span<float> d_combine_weight,
+                                     const ExpertWeights& local_weights, const DispatchState& state,
+                                     absl::Span<const float> dy, absl::Span<float> d_a,
+                                     absl::Span<float> d_combine_weight,
                                      const ExpertWeightGrads& local_grads) {
   const int P = ep_group.size();
   GRADSUM_RETURN_IF_ERROR(ValidateDispatchConfig(config, P));
@@ -217,14 +217,16 @@ absl::Status DispatchCombineBackward(Communicator& ep_group, const DispatchConfi
       state.combine_weight.size() != static_cast<size_t>(T * K) ||
       state.copy_output.size() != static_cast<size_t>(num_sent * D) ||
       state.expert_input.size() != static_cast<size_t>(num_received * D)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "dispatch state (T=", T, ", ", state.send_rows.size(),
-        " EP ranks) does not come from a forward with D=", D, ", K=", K, ", P=", P));
+    return absl::InvalidArgumentError(
+        absl::StrCat("dispatch state (T=", T, ", ", state.send_rows.size(),
+                     " EP ranks) does not come from a forward with D=", D, ", K=", K, ", P=", P));
   }
   GRADSUM_RETURN_IF_ERROR(internal::CheckSize("dispatch dy", dy.size(), T * D, "[T, D]"));
   GRADSUM_RETURN_IF_ERROR(internal::CheckSize("dispatch d_a", d_a.size(), T * D, "[T, D]"));
-  GRADSUM_RETURN_IF_ERROR(internal::CheckSize("dispatch d_combine_weight",
-                                              d_combine_weight.size(), T * K, "[T, K]"));
+  GRADSUM_RETURN_IF_ERROR(
+      internal::CheckSize("dispatch d_combine_weight", d_combine_weight.size(), T * K, "[T, K]"));
+  GRADSUM_RETURN_IF_ERROR(CheckExpertWeights(LocalExpertsConfig(config, P), local_weights));
+  GRADSUM_RETURN_IF_ERROR(CheckExpertWeightGrads(LocalExpertsConfig(config, P), local_grads));
 
   // d w_tk = <dy_t, out_tk>; the copy's output gradient is w_tk dy_t (sent in send order).
   std::fill(d_combine_weight.begin(), d_combine_weight.end(), 0.0f);
@@ -241,21 +243,22 @@ absl::Status DispatchCombineBackward(Communicator& ep_group, const DispatchConfi
     }
     d_combine_weight[c] = static_cast<float>(dot);
   }
-  float* recv = Scratch(state.scratch_recv, num_received * D);
+  const bool regroup = P > 1 && config.num_experts / P > 1;  // as in forward
+  float* expert_dy = Scratch(state.scratch_expert_a, num_received * D);
+  float* expert_dx = Scratch(state.scratch_expert_b, num_received * D);
+  float* recv = regroup ? Scratch(state.scratch_recv, num_received * D) : expert_dy;
   GRADSUM_RETURN_IF_ERROR(
       Annotate(ExchangeRows(ep_group, send, state.send_rows, recv, state.recv_rows, D),
                "dispatching output gradients"));
-  float* expert_dy = Scratch(state.scratch_expert_a, num_received * D);
-  float* expert_dx = Scratch(state.scratch_expert_b, num_received * D);
-  ScatterRows(recv, state.expert_row, D, expert_dy);
+  if (regroup) ScatterRows(recv, state.expert_row, D, expert_dy);
   GRADSUM_RETURN_IF_ERROR(ExpertsBackward(
       LocalExpertsConfig(config, P), local_weights, state.expert_input, state.local_group_sizes,
       state.experts_saved, absl::MakeSpan(expert_dy, num_received * D),
       absl::MakeSpan(expert_dx, num_received * D), local_grads));
-  GatherRows(expert_dx, state.expert_row, D, recv);
-  GRADSUM_RETURN_IF_ERROR(
-      Annotate(ExchangeRows(ep_group, recv, state.recv_rows, send, state.send_rows, D),
-               "returning input gradients"));
+  if (regroup) GatherRows(expert_dx, state.expert_row, D, recv);
+  GRADSUM_RETURN_IF_ERROR(Annotate(
+      ExchangeRows(ep_group, regroup ? recv : expert_dx, state.recv_rows, send, state.send_rows, D),
+      "returning input gradients"));
   // Sum the K copies of each token into d_a.
   for (int64_t pos = 0; pos < num_sent; ++pos) {
     float* dat = &d_a[(state.send_copy[pos] / K) * D];

@@ -22,6 +22,10 @@
 // receive zero rows, and a rank may have zero tokens. Counts are data-dependent, so every
 // EP rank must call forward and backward, even with no tokens.
 //
+// All argument checks run before the first collective. A rank that fails one returns its
+// InvalidArgument at once; the other ranks then fail in the first exchange with the
+// communicator's DeadlineExceeded (after its timeout), as for any rank that does not arrive.
+//
 //   DispatchConfig config{.d_model = D, .hidden = H, .num_experts = E, .top_k = K};
 //   DispatchState state;
 //   GRADSUM_RETURN_IF_ERROR(DispatchCombineForward(ep_group, config, local_weights, a,
@@ -54,15 +58,15 @@ struct DispatchConfig {
 struct DispatchState {
   int64_t num_tokens = 0;
   // Home side: the copies in send order (sorted by destination expert).
-  std::vector<int64_t> send_copy;      // [S] copy index t * K + k of each sent row
-  std::vector<size_t> send_rows;       // [P] rows sent to each EP rank
-  std::vector<size_t> recv_rows;       // [P] rows received from each EP rank
-  std::vector<float> combine_weight;   // [T, K] the weights used by the combine
-  std::vector<float> copy_output;      // [S, D] expert outputs back home, in send order
+  std::vector<int64_t> send_copy;     // [S] copy index t * K + k of each sent row
+  std::vector<size_t> send_rows;      // [P] rows sent to each EP rank
+  std::vector<size_t> recv_rows;      // [P] rows received from each EP rank
+  std::vector<float> combine_weight;  // [T, K] the weights used by the combine
+  std::vector<float> copy_output;     // [S, D] expert outputs back home, in send order
   // Owner side.
-  std::vector<int64_t> expert_row;     // [R] expert-major position of each received row
+  std::vector<int64_t> expert_row;         // [R] expert-major position of each received row
   std::vector<int64_t> local_group_sizes;  // [E / P] rows per local expert
-  std::vector<float> expert_input;     // [R, D] rows grouped by local expert
+  std::vector<float> expert_input;         // [R, D] rows grouped by local expert
   ExpertsSaved experts_saved;
 
   // Scratch reused by later calls with the same state (so a layer's state kept across steps
@@ -102,9 +106,9 @@ absl::Status DispatchCombineForward(Communicator& ep_group, const DispatchConfig
 // Collective over `ep_group`. Errors: InvalidArgument for a bad config or span size, or a
 // `state` that does not come from a forward with this config and group.
 absl::Status DispatchCombineBackward(Communicator& ep_group, const DispatchConfig& config,
-                                     const ExpertWeights& local_weights,
-                                     const DispatchState& state, absl::Span<const float> dy,
-                                     absl::Span<float> d_a, absl::Span<float> d_combine_weight,
+                                     const ExpertWeights& local_weights, const DispatchState& state,
+                                     absl::Span<const float> dy, absl::Span<float> d_a,
+                                     absl::Span<float> d_combine_weight,
                                      const ExpertWeightGrads& local_grads);
 
 }  // namespace gradsum::moe

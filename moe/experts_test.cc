@@ -1,27 +1,17 @@
 #include "moe/experts.h"
 
 #include <cmath>
-#include <random>
 #include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "moe/reference.h"
+#include "moe/test_util.h"
 
 namespace gradsum::moe {
 namespace {
 
 using ::testing::HasSubstr;
-
-std::vector<double> RandomVector(size_t n, double scale, uint32_t seed) {
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<double> dist(-scale, scale);
-  std::vector<double> v(n);
-  for (double& x : v) x = static_cast<float>(dist(gen));  // exactly representable in fp32
-  return v;
-}
-
-std::vector<float> ToFloat(const std::vector<double>& v) { return {v.begin(), v.end()}; }
 
 struct Problem {
   int D = 6, H = 5, E_local = 4;
@@ -30,10 +20,10 @@ struct Problem {
   explicit Problem(uint32_t seed) {
     int64_t n = 0;
     for (int64_t g : groups) n += g;
-    x = RandomVector(n * D, 1.0, seed);
-    wg = RandomVector(E_local * D * H, 0.6, seed + 1);
-    wu = RandomVector(E_local * D * H, 0.6, seed + 2);
-    wd = RandomVector(E_local * H * D, 0.6, seed + 3);
+    x = test::RandomFp32Values(n * D, 1.0, seed);
+    wg = test::RandomFp32Values(E_local * D * H, 0.6, seed + 1);
+    wu = test::RandomFp32Values(E_local * D * H, 0.6, seed + 2);
+    wd = test::RandomFp32Values(E_local * H * D, 0.6, seed + 3);
   }
   int64_t rows() const { return static_cast<int64_t>(x.size()) / D; }
   ExpertsConfig config() const {
@@ -61,8 +51,8 @@ struct Problem {
 
 TEST(ExpertsTest, ForwardMatchesDoubleReference) {
   Problem p(1);
-  const std::vector<float> x = ToFloat(p.x), wg = ToFloat(p.wg), wu = ToFloat(p.wu),
-                           wd = ToFloat(p.wd);
+  const std::vector<float> x = test::ToFloat(p.x), wg = test::ToFloat(p.wg),
+                           wu = test::ToFloat(p.wu), wd = test::ToFloat(p.wd);
   std::vector<float> y(x.size(), -7.0f);
   ExpertsSaved saved;
   ASSERT_TRUE(
@@ -81,15 +71,16 @@ TEST(ExpertsTest, ForwardMatchesDoubleReference) {
 // L = sum_i r_i y_i; gradients against central differences of the double reference.
 TEST(ExpertsTest, BackwardMatchesFiniteDifferencesOfReference) {
   Problem p(5);
-  const std::vector<double> r = RandomVector(p.x.size(), 1.0, 99);
+  const std::vector<double> r = test::RandomFp32Values(p.x.size(), 1.0, 99);
   auto loss = [&] {
     const std::vector<double> y = p.ReferenceForward();
     double l = 0.0;
     for (size_t i = 0; i < y.size(); ++i) l += r[i] * y[i];
     return l;
   };
-  const std::vector<float> x = ToFloat(p.x), wg = ToFloat(p.wg), wu = ToFloat(p.wu),
-                           wd = ToFloat(p.wd), dy = ToFloat(r);
+  const std::vector<float> x = test::ToFloat(p.x), wg = test::ToFloat(p.wg),
+                           wu = test::ToFloat(p.wu), wd = test::ToFloat(p.wd),
+                           dy = test::ToFloat(r);
   std::vector<float> y(x.size()), dx(x.size(), 123.0f);
   ExpertsSaved saved;
   ASSERT_TRUE(
@@ -118,13 +109,14 @@ TEST(ExpertsTest, BackwardMatchesFiniteDifferencesOfReference) {
 // Central differences of the fp32 forward itself against its own backward.
 TEST(ExpertsTest, BackwardMatchesFiniteDifferencesOfFp32Forward) {
   Problem p(7);
-  std::vector<float> x = ToFloat(p.x), wg = ToFloat(p.wg), wu = ToFloat(p.wu), wd = ToFloat(p.wd);
-  const std::vector<double> r = RandomVector(p.x.size(), 1.0, 8);
-  const std::vector<float> dy = ToFloat(r);
+  std::vector<float> x = test::ToFloat(p.x), wg = test::ToFloat(p.wg), wu = test::ToFloat(p.wu),
+                     wd = test::ToFloat(p.wd);
+  const std::vector<double> r = test::RandomFp32Values(p.x.size(), 1.0, 8);
+  const std::vector<float> dy = test::ToFloat(r);
   auto loss = [&] {
     std::vector<float> y(x.size());
-    EXPECT_TRUE(ExpertsForward(p.config(), {wg, wu, wd}, x, p.groups, absl::MakeSpan(y), nullptr)
-                    .ok());
+    EXPECT_TRUE(
+        ExpertsForward(p.config(), {wg, wu, wd}, x, p.groups, absl::MakeSpan(y), nullptr).ok());
     double l = 0.0;
     for (size_t i = 0; i < y.size(); ++i) l += r[i] * y[i];
     return l;
@@ -134,8 +126,7 @@ TEST(ExpertsTest, BackwardMatchesFiniteDifferencesOfFp32Forward) {
   ASSERT_TRUE(
       ExpertsForward(p.config(), {wg, wu, wd}, x, p.groups, absl::MakeSpan(y), &saved).ok());
   std::vector<float> dwg(wg.size(), 0.0f), dwu(wu.size(), 0.0f), dwd(wd.size(), 0.0f);
-  ASSERT_TRUE(ExpertsBackward(p.config(), {wg, wu, wd}, x, p.groups, saved, dy,
-                              absl::MakeSpan(dx),
+  ASSERT_TRUE(ExpertsBackward(p.config(), {wg, wu, wd}, x, p.groups, saved, dy, absl::MakeSpan(dx),
                               {absl::MakeSpan(dwg), absl::MakeSpan(dwu), absl::MakeSpan(dwd)})
                   .ok());
   auto check = [&](std::vector<float>& param, const std::vector<float>& grad, const char* name) {
@@ -182,21 +173,21 @@ TEST(ExpertsTest, BadArgumentsAreInvalidArgument) {
                       absl::MakeSpan(y))
                   .message(),
               HasSubstr("H=0"));
-  EXPECT_THAT(forward(config, {std::vector<float>(11), w, w}, x, groups, absl::MakeSpan(y))
-                  .message(),
-              HasSubstr("Wg has 11"));
-  EXPECT_THAT(forward(config, {w, w, std::vector<float>(13)}, x, groups, absl::MakeSpan(y))
-                  .message(),
-              HasSubstr("Wd has 13"));
-  EXPECT_THAT(forward(config, {w, w, w}, x, std::vector<int64_t>{1, 2, 0}, absl::MakeSpan(y))
-                  .message(),
-              HasSubstr("group_sizes has 3"));
-  EXPECT_THAT(forward(config, {w, w, w}, x, std::vector<int64_t>{4, -1}, absl::MakeSpan(y))
-                  .message(),
-              HasSubstr("group_sizes[1] is negative"));
-  EXPECT_THAT(forward(config, {w, w, w}, std::vector<float>(5), groups, absl::MakeSpan(y))
-                  .message(),
-              HasSubstr("x has 5"));
+  EXPECT_THAT(
+      forward(config, {std::vector<float>(11), w, w}, x, groups, absl::MakeSpan(y)).message(),
+      HasSubstr("Wg has 11"));
+  EXPECT_THAT(
+      forward(config, {w, w, std::vector<float>(13)}, x, groups, absl::MakeSpan(y)).message(),
+      HasSubstr("Wd has 13"));
+  EXPECT_THAT(
+      forward(config, {w, w, w}, x, std::vector<int64_t>{1, 2, 0}, absl::MakeSpan(y)).message(),
+      HasSubstr("group_sizes has 3"));
+  EXPECT_THAT(
+      forward(config, {w, w, w}, x, std::vector<int64_t>{4, -1}, absl::MakeSpan(y)).message(),
+      HasSubstr("group_sizes[1] is negative"));
+  EXPECT_THAT(
+      forward(config, {w, w, w}, std::vector<float>(5), groups, absl::MakeSpan(y)).message(),
+      HasSubstr("x has 5"));
   std::vector<float> short_y(4);
   absl::Status s = forward(config, {w, w, w}, x, groups, absl::MakeSpan(short_y));
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);

@@ -24,17 +24,16 @@ absl::Status MoeLayerBackward(Communicator& ep_group, const MoeLayerConfig& conf
                               const RouterLossGrads& loss_grads, absl::Span<float> d_a,
                               const MoeLayerGrads& grads) {
   std::vector<float> d_combine_weight(state.route.combine_weight.size());
-  GRADSUM_RETURN_IF_ERROR(DispatchCombineBackward(ep_group, config.dispatch(),
-                                                  weights.local_experts, state.dispatch, dy, d_a,
-                                                  absl::MakeSpan(d_combine_weight),
-                                                  grads.local_experts));
+  GRADSUM_RETURN_IF_ERROR(
+      DispatchCombineBackward(ep_group, config.dispatch(), weights.local_experts, state.dispatch,
+                              dy, d_a, absl::MakeSpan(d_combine_weight), grads.local_experts));
   RouterOutputGrads router_grads;
   router_grads.d_combine_weight = d_combine_weight;
   router_grads.d_probs = loss_grads.d_probs;
   router_grads.d_gating_sums = loss_grads.d_gating_sums;
   router_grads.d_logits = loss_grads.d_logits;
-  return RouterBackward(config.router(), a, weights.router, state.route, router_grads,
-                        grads.router, d_a);
+  return RouterBackward(config.router(), a, weights.router, state.route, router_grads, grads.router,
+                        d_a);
 }
 
 }  // namespace gradsum::moe

@@ -34,20 +34,23 @@
 namespace gradsum::moe {
 
 struct MoeLayerConfig {
-  int64_t d_model = 0;          // D
-  int64_t hidden = 0;           // H
-  int num_experts = 0;          // E, E % P == 0
-  int top_k = 0;                // K
+  int64_t d_model = 0;  // D
+  int64_t hidden = 0;   // H
+  int num_experts = 0;  // E, E % P == 0
+  int top_k = 0;        // K
   bool norm_topk_prob = false;
   float router_scale = 1.0f;
 
   RouterConfig router() const {
-    return RouterConfig{.d_model = d_model, .num_experts = num_experts, .top_k = top_k,
-                        .norm_topk_prob = norm_topk_prob, .router_scale = router_scale};
+    return RouterConfig{.d_model = d_model,
+                        .num_experts = num_experts,
+                        .top_k = top_k,
+                        .norm_topk_prob = norm_topk_prob,
+                        .router_scale = router_scale};
   }
   DispatchConfig dispatch() const {
-    return DispatchConfig{.d_model = d_model, .hidden = hidden, .num_experts = num_experts,
-                          .top_k = top_k};
+    return DispatchConfig{
+        .d_model = d_model, .hidden = hidden, .num_experts = num_experts, .top_k = top_k};
   }
 };
 
@@ -58,8 +61,8 @@ struct MoeLayerWeights {
 
 // Accumulated (+=).
 struct MoeLayerGrads {
-  absl::Span<float> router;           // [D, E]
-  ExpertWeightGrads local_experts;    // shapes of MoeLayerWeights::local_experts
+  absl::Span<float> router;         // [D, E]
+  ExpertWeightGrads local_experts;  // shapes of MoeLayerWeights::local_experts
 };
 
 // Gradients the auxiliary losses put on the router outputs; empty spans mean zero.
@@ -70,7 +73,7 @@ struct RouterLossGrads {
 };
 
 struct MoeLayerState {
-  RouterOutput route;       // routing decisions and statistics of this micro-batch
+  RouterOutput route;  // routing decisions and statistics of this micro-batch
   DispatchState dispatch;
 };
 

@@ -1,37 +1,27 @@
 // The whole MoE block (router + dispatch + experts + combine) on EP = 1, 2, 4 against the
 // double-precision single-process reference, gradients SUM-reduced as SEMANTICS.md §7 says:
-// the router over the world, the experts over their EDP group.
+// the router over the world, the experts over their EDP group (groups from collectives/mesh.h).
 #include "moe/moe_layer.h"
 
 #include <cmath>
 #include <memory>
-#include <random>
 #include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "collectives/communicator.h"
+#include "collectives/mesh.h"
 #include "core/status.h"
 #include "gtest/gtest.h"
 #include "moe/reference.h"
+#include "moe/test_util.h"
 #include "testing/run_ranks.h"
 
 namespace gradsum::moe {
 namespace {
 
-std::vector<double> RandomVector(size_t n, double scale, uint32_t seed) {
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<double> dist(-scale, scale);
-  std::vector<double> v(n);
-  for (double& x : v) x = static_cast<float>(dist(gen));  // exactly representable in fp32
-  return v;
-}
-
-std::vector<float> ToFloat(const std::vector<double>& v) { return {v.begin(), v.end()}; }
-
 // (world, ep_size, E, K, norm_topk_prob)
-class MoeLayerParityTest
-    : public ::testing::TestWithParam<std::tuple<int, int, int, int, bool>> {};
+class MoeLayerParityTest : public ::testing::TestWithParam<std::tuple<int, int, int, int, bool>> {};
 
 TEST_P(MoeLayerParityTest, OutputsAndReducedGradientsMatchReference) {
   const auto [world, ep_size, E, K, norm] = GetParam();
@@ -46,24 +36,28 @@ TEST_P(MoeLayerParityTest, OutputsAndReducedGradientsMatchReference) {
   rc.top_k = K;
   rc.norm_topk_prob = norm;
   rc.router_scale = scale;
-  const MoeLayerConfig config{.d_model = D, .hidden = H, .num_experts = E, .top_k = K,
-                              .norm_topk_prob = norm, .router_scale = scale};
+  const MoeLayerConfig config{.d_model = D,
+                              .hidden = H,
+                              .num_experts = E,
+                              .top_k = K,
+                              .norm_topk_prob = norm,
+                              .router_scale = scale};
 
   std::vector<std::vector<double>> a(world), dy(world), cu(world);
   std::vector<std::vector<uint8_t>> mask(world);
   for (int r = 0; r < world; ++r) {
     const int T = world == 1 ? 9 : tokens_per_rank[r];
-    a[r] = RandomVector(T * D, 1.0, 10 * r + 1);
-    dy[r] = RandomVector(T * D, 1.0, 10 * r + 2);
-    cu[r] = RandomVector(T * E, 0.3, 10 * r + 3);
+    a[r] = test::RandomFp32Values(T * D, 1.0, 10 * r + 1);
+    dy[r] = test::RandomFp32Values(T * D, 1.0, 10 * r + 2);
+    cu[r] = test::RandomFp32Values(T * E, 0.3, 10 * r + 3);
     mask[r].assign(T, 1);
     if (T > 2) mask[r][1] = 0;  // a padding token
   }
-  std::vector<double> wr = RandomVector(D * E, 1.0, 100);
-  std::vector<double> wg = RandomVector(E * D * H, 0.6, 101);
-  std::vector<double> wu = RandomVector(E * D * H, 0.6, 102);
-  std::vector<double> wd = RandomVector(E * H * D, 0.6, 103);
-  const std::vector<double> cg = RandomVector(E, 1.0, 104);  // d L / d local_gating_sums
+  std::vector<double> wr = test::RandomFp32Values(D * E, 1.0, 100);
+  std::vector<double> wg = test::RandomFp32Values(E * D * H, 0.6, 101);
+  std::vector<double> wu = test::RandomFp32Values(E * D * H, 0.6, 102);
+  std::vector<double> wd = test::RandomFp32Values(E * H * D, 0.6, 103);
+  const std::vector<double> cg = test::RandomFp32Values(E, 1.0, 104);  // d L / d local_gating_sums
 
   // L = sum_r [ <dy_r, y_r> + sum_e cg_e * gating_r[e] + sum_{routed t, e} cu_r[t,e] u_t[e] ].
   auto loss = [&] {
@@ -74,7 +68,8 @@ TEST_P(MoeLayerParityTest, OutputsAndReducedGradientsMatchReference) {
       for (size_t t = 0; t < mask[r].size(); ++t) {
         if (!mask[r][t]) continue;
         reference::TokenRoute route = reference::RouteToken(rc, &a[r][t * D], wr);
-        for (int e = 0; e < E; ++e) l += cg[e] * route.probs[e] + cu[r][t * E + e] * route.logits[e];
+        for (int e = 0; e < E; ++e)
+          l += cg[e] * route.probs[e] + cu[r][t * E + e] * route.logits[e];
       }
     }
     return l;
@@ -86,17 +81,18 @@ TEST_P(MoeLayerParityTest, OutputsAndReducedGradientsMatchReference) {
   std::vector<Result> results(world);
   absl::Status status = testing::RunRanks(world, [&](Communicator& comm) -> absl::Status {
     const int r = comm.rank();
-    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> ep,
-                             comm.Split(r / ep_size, r % ep_size));
-    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> edp,
-                             comm.Split(r % ep_size, r / ep_size));
+    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Mesh> mesh, Mesh::Create(&comm, ep_size));
+    Communicator* ep = &mesh->ep_group();
+    Communicator* edp = &mesh->edp_group();
     const size_t per = static_cast<size_t>(E_local) * D * H;
-    const int slot = ep->rank();
+    const int slot = mesh->p_index();
     auto slice = [&](const std::vector<double>& w) {
       return std::vector<float>(w.begin() + slot * per, w.begin() + (slot + 1) * per);
     };
-    const std::vector<float> wrf = ToFloat(wr), wgf = slice(wg), wuf = slice(wu), wdf = slice(wd);
-    const std::vector<float> af = ToFloat(a[r]), dyf = ToFloat(dy[r]), cuf = ToFloat(cu[r]);
+    const std::vector<float> wrf = test::ToFloat(wr), wgf = slice(wg), wuf = slice(wu),
+                             wdf = slice(wd);
+    const std::vector<float> af = test::ToFloat(a[r]), dyf = test::ToFloat(dy[r]),
+                             cuf = test::ToFloat(cu[r]);
     Result& out = results[r];
     out.y.resize(af.size());
     const MoeLayerWeights weights{.router = wrf, .local_experts = {wgf, wuf, wdf}};
@@ -108,10 +104,9 @@ TEST_P(MoeLayerParityTest, OutputsAndReducedGradientsMatchReference) {
     out.dwg.assign(per, 0.0f);
     out.dwu.assign(per, 0.0f);
     out.dwd.assign(per, 0.0f);
-    const MoeLayerGrads grads{
-        .router = absl::MakeSpan(out.dwr),
-        .local_experts = {absl::MakeSpan(out.dwg), absl::MakeSpan(out.dwu),
-                          absl::MakeSpan(out.dwd)}};
+    const MoeLayerGrads grads{.router = absl::MakeSpan(out.dwr),
+                              .local_experts = {absl::MakeSpan(out.dwg), absl::MakeSpan(out.dwu),
+                                                absl::MakeSpan(out.dwd)}};
     GRADSUM_RETURN_IF_ERROR(MoeLayerBackward(*ep, config, weights, af, state, dyf,
                                              {.d_gating_sums = cg, .d_logits = cuf},
                                              absl::MakeSpan(out.d_a), grads));

@@ -15,20 +15,20 @@
 namespace gradsum::moe::reference {
 
 struct LayerConfig {
-  int d_model = 0;  // D
-  int hidden = 0;   // H
+  int d_model = 0;      // D
+  int hidden = 0;       // H
   int num_experts = 0;  // E
-  int top_k = 0;    // K
+  int top_k = 0;        // K
   bool norm_topk_prob = false;
   double router_scale = 1.0;
 };
 
 // Routing of one token.
 struct TokenRoute {
-  std::vector<double> logits;  // [E]
-  std::vector<double> probs;   // [E]
-  std::vector<int> experts;    // [K], descending p, ties to the lower index
-  std::vector<double> weights; // [K]
+  std::vector<double> logits;   // [E]
+  std::vector<double> probs;    // [E]
+  std::vector<int> experts;     // [K], descending p, ties to the lower index
+  std::vector<double> weights;  // [K]
 };
 
 inline TokenRoute RouteToken(const LayerConfig& c, const double* a, const std::vector<double>& wr) {
@@ -81,9 +81,9 @@ inline void AddExpert(const LayerConfig& c, int e, const double* x, const std::v
 
 // The layer's MoE output for T tokens (a: [T, D]); padding tokens (mask 0) give 0.
 inline std::vector<double> MoeLayer(const LayerConfig& c, const std::vector<double>& a,
-                                    const std::vector<uint8_t>& mask,
-                                    const std::vector<double>& wr, const std::vector<double>& wg,
-                                    const std::vector<double>& wu, const std::vector<double>& wd) {
+                                    const std::vector<uint8_t>& mask, const std::vector<double>& wr,
+                                    const std::vector<double>& wg, const std::vector<double>& wu,
+                                    const std::vector<double>& wd) {
   const int64_t T = static_cast<int64_t>(a.size()) / c.d_model;
   std::vector<double> y(a.size(), 0.0);
   for (int64_t t = 0; t < T; ++t) {

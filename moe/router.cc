@@ -20,9 +20,8 @@ absl::StatusOr<int64_t> CheckInputs(const RouterConfig& config, absl::Span<const
                                     absl::Span<const float> router_weight) {
   GRADSUM_RETURN_IF_ERROR(ValidateRouterConfig(config));
   if (a.size() % static_cast<size_t>(config.d_model) != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("router input a has ", a.size(),
-                                                   " elements, not a multiple of D=",
-                                                   config.d_model));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "router input a has ", a.size(), " elements, not a multiple of D=", config.d_model));
   }
   GRADSUM_RETURN_IF_ERROR(internal::CheckSize("router weight Wr", router_weight.size(),
                                               config.d_model * config.num_experts, "[D, E]"));
@@ -33,16 +32,16 @@ absl::StatusOr<int64_t> CheckInputs(const RouterConfig& config, absl::Span<const
 
 absl::Status ValidateRouterConfig(const RouterConfig& config) {
   if (config.d_model < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("router d_model must be >= 1, got D=",
-                                                   config.d_model));
+    return absl::InvalidArgumentError(
+        absl::StrCat("router d_model must be >= 1, got D=", config.d_model));
   }
   if (config.num_experts < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("number of experts must be >= 1, got E=",
-                                                   config.num_experts));
+    return absl::InvalidArgumentError(
+        absl::StrCat("number of experts must be >= 1, got E=", config.num_experts));
   }
   if (config.top_k < 1 || config.top_k > config.num_experts) {
-    return absl::InvalidArgumentError(absl::StrCat("top_k must be in [1, E=", config.num_experts,
-                                                   "], got K=", config.top_k));
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_k must be in [1, E=", config.num_experts, "], got K=", config.top_k));
   }
   if (!std::isfinite(config.router_scale)) {
     return absl::InvalidArgumentError(
@@ -62,9 +61,8 @@ absl::StatusOr<RouterOutput> RouterForward(const RouterConfig& config, absl::Spa
     GRADSUM_RETURN_IF_ERROR(internal::CheckSize("router mask", mask.size(), T, "[T]"));
     for (int64_t t = 0; t < T; ++t) {
       if (mask[t] > 1) {
-        return absl::InvalidArgumentError(absl::StrCat("router mask[", t, "] is ",
-                                                       static_cast<int>(mask[t]),
-                                                       ", expected 0 or 1"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "router mask[", t, "] is ", static_cast<int>(mask[t]), ", expected 0 or 1"));
       }
     }
   }
@@ -117,9 +115,8 @@ absl::StatusOr<RouterOutput> RouterForward(const RouterConfig& config, absl::Spa
 
     // Top-K by p, descending; equal p: lower expert index first (SEMANTICS.md §10).
     std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + K, order.end(), [p](int x, int y) {
-      return p[x] > p[y] || (p[x] == p[y] && x < y);
-    });
+    std::partial_sort(order.begin(), order.begin() + K, order.end(),
+                      [p](int x, int y) { return p[x] > p[y] || (p[x] == p[y] && x < y); });
     double topk_sum = 0.0;
     for (int k = 0; k < K; ++k) topk_sum += p[order[k]];
     // topk_sum >= max_e p >= 1/E > 0, so the division is safe.
@@ -148,17 +145,15 @@ absl::Status RouterBackward(const RouterConfig& config, absl::Span<const float> 
       forward.expert_index.size() != static_cast<size_t>(T * K) ||
       forward.routed.size() != static_cast<size_t>(T)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "router forward output (T=", forward.num_tokens, ", E=", forward.num_experts,
-        ", K=", forward.top_k, ") does not match the backward inputs (T=", T, ", E=", E,
-        ", K=", K, ")"));
+        "router forward output (T=", forward.num_tokens, ", E=", forward.num_experts, ", K=",
+        forward.top_k, ") does not match the backward inputs (T=", T, ", E=", E, ", K=", K, ")"));
   }
   if (!grads.d_combine_weight.empty()) {
-    GRADSUM_RETURN_IF_ERROR(internal::CheckSize("d_combine_weight", grads.d_combine_weight.size(),
-                                                T * K, "[T, K]"));
+    GRADSUM_RETURN_IF_ERROR(
+        internal::CheckSize("d_combine_weight", grads.d_combine_weight.size(), T * K, "[T, K]"));
   }
   if (!grads.d_probs.empty()) {
-    GRADSUM_RETURN_IF_ERROR(
-        internal::CheckSize("d_probs", grads.d_probs.size(), T * E, "[T, E]"));
+    GRADSUM_RETURN_IF_ERROR(internal::CheckSize("d_probs", grads.d_probs.size(), T * E, "[T, E]"));
   }
   if (!grads.d_gating_sums.empty()) {
     GRADSUM_RETURN_IF_ERROR(

@@ -33,11 +33,11 @@
 namespace gradsum::moe {
 
 struct RouterConfig {
-  int64_t d_model = 0;           // D, width of the router input a
-  int num_experts = 0;           // E
-  int top_k = 0;                 // K, 1 <= K <= E
-  bool norm_topk_prob = false;   // divide the top-K weights by their sum
-  float router_scale = 1.0f;     // multiplies the (renormalised) top-K weights; finite
+  int64_t d_model = 0;          // D, width of the router input a
+  int num_experts = 0;          // E
+  int top_k = 0;                // K, 1 <= K <= E
+  bool norm_topk_prob = false;  // divide the top-K weights by their sum
+  float router_scale = 1.0f;    // multiplies the (renormalised) top-K weights; finite
 };
 
 // InvalidArgument naming the offending field unless D >= 1, E >= 1, 1 <= K <= E and
@@ -47,19 +47,19 @@ absl::Status ValidateRouterConfig(const RouterConfig& config);
 // Everything one forward pass decides, and what backward and the losses need.
 // All arrays are row-major, one row per token of the input.
 struct RouterOutput {
-  int64_t num_tokens = 0;              // T
-  int num_experts = 0;                 // E
-  int top_k = 0;                       // K
-  std::vector<float> logits;           // [T, E] u (fp32; for the z-loss, §4); 0 on padding rows
-  std::vector<float> probs;            // [T, E] p = softmax(u) (for §5); 0 on padding rows
-  std::vector<int32_t> expert_index;   // [T, K] chosen experts, descending p; -1 on padding
-  std::vector<float> combine_weight;   // [T, K] w_k; 0 on padding
-  std::vector<uint8_t> routed;         // [T] 1 for a routed token, 0 for padding
+  int64_t num_tokens = 0;             // T
+  int num_experts = 0;                // E
+  int top_k = 0;                      // K
+  std::vector<float> logits;          // [T, E] u (fp32; for the z-loss, §4); 0 on padding rows
+  std::vector<float> probs;           // [T, E] p = softmax(u) (for §5); 0 on padding rows
+  std::vector<int32_t> expert_index;  // [T, K] chosen experts, descending p; -1 on padding
+  std::vector<float> combine_weight;  // [T, K] w_k; 0 on padding
+  std::vector<uint8_t> routed;        // [T] 1 for a routed token, 0 for padding
 
   // Routing statistics of this rank and micro-batch (SEMANTICS.md §5), detached:
-  int64_t local_routed_tokens = 0;            // number of routed tokens
-  std::vector<int64_t> local_expert_counts;   // [E] (token, slot) assignments to expert e
-  std::vector<double> local_gating_sums;      // [E] sum over routed t of p_t[e]
+  int64_t local_routed_tokens = 0;           // number of routed tokens
+  std::vector<int64_t> local_expert_counts;  // [E] (token, slot) assignments to expert e
+  std::vector<double> local_gating_sums;     // [E] sum over routed t of p_t[e]
 };
 
 // Routes T = a.size() / D tokens.

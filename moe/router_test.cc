@@ -2,7 +2,6 @@
 
 #include <cmath>
 #include <limits>
-#include <random>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -10,27 +9,12 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "moe/reference.h"
+#include "moe/test_util.h"
 
 namespace gradsum::moe {
 namespace {
 
 using ::testing::HasSubstr;
-
-std::vector<double> RandomVector(size_t n, double scale, uint32_t seed) {
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<double> dist(-scale, scale);
-  std::vector<double> v(n);
-  for (double& x : v) x = dist(gen);
-  return v;
-}
-
-std::vector<float> ToFloat(const std::vector<double>& v) { return {v.begin(), v.end()}; }
-
-// Values exactly representable in fp32, so the double reference sees the same inputs.
-std::vector<double> RoundToFloat(std::vector<double> v) {
-  for (double& x : v) x = static_cast<float>(x);
-  return v;
-}
 
 reference::LayerConfig RefConfig(const RouterConfig& c) {
   reference::LayerConfig r;
@@ -59,12 +43,13 @@ class RouterParamTest : public ::testing::TestWithParam<std::tuple<bool, float, 
 TEST_P(RouterParamTest, ForwardMatchesDoubleReference) {
   const RouterConfig config = Config();
   const int T = 13, D = 8, E = 6, K = config.top_k;
-  const std::vector<double> a = RoundToFloat(RandomVector(T * D, 1.0, 1));
-  const std::vector<double> wr = RoundToFloat(RandomVector(D * E, 1.0, 2));
+  const std::vector<double> a = test::RandomFp32Values(T * D, 1.0, 1);
+  const std::vector<double> wr = test::RandomFp32Values(D * E, 1.0, 2);
   std::vector<uint8_t> mask(T, 1);
   mask[3] = mask[10] = 0;
 
-  absl::StatusOr<RouterOutput> out = RouterForward(config, ToFloat(a), ToFloat(wr), mask);
+  absl::StatusOr<RouterOutput> out =
+      RouterForward(config, test::ToFloat(a), test::ToFloat(wr), mask);
   ASSERT_TRUE(out.ok()) << out.status();
   EXPECT_EQ(out->num_tokens, T);
   EXPECT_EQ(out->local_routed_tokens, T - 2);
@@ -133,27 +118,29 @@ double ReferenceLoss(const reference::LayerConfig& rc, const std::vector<double>
 TEST_P(RouterParamTest, BackwardMatchesFiniteDifferencesOfReference) {
   const RouterConfig config = Config();
   const int T = 9, D = 8, E = 6, K = config.top_k;
-  std::vector<double> a = RoundToFloat(RandomVector(T * D, 1.0, 11));
-  std::vector<double> wr = RoundToFloat(RandomVector(D * E, 1.0, 12));
+  std::vector<double> a = test::RandomFp32Values(T * D, 1.0, 11);
+  std::vector<double> wr = test::RandomFp32Values(D * E, 1.0, 12);
   std::vector<uint8_t> mask(T, 1);
   mask[4] = 0;
-  LossCoefficients c{RandomVector(T * K, 1.0, 13), RandomVector(T * E, 1.0, 14),
-                     RandomVector(E, 1.0, 15), RandomVector(T * E, 0.3, 16)};
+  LossCoefficients c{test::RandomFp32Values(T * K, 1.0, 13), test::RandomFp32Values(T * E, 1.0, 14),
+                     test::RandomFp32Values(E, 1.0, 15), test::RandomFp32Values(T * E, 0.3, 16)};
 
-  absl::StatusOr<RouterOutput> out = RouterForward(config, ToFloat(a), ToFloat(wr), mask);
+  absl::StatusOr<RouterOutput> out =
+      RouterForward(config, test::ToFloat(a), test::ToFloat(wr), mask);
   ASSERT_TRUE(out.ok()) << out.status();
-  const std::vector<float> cw = ToFloat(c.cw), cp = ToFloat(c.cp), cu = ToFloat(c.cu);
+  const std::vector<float> cw = test::ToFloat(c.cw), cp = test::ToFloat(c.cp),
+                           cu = test::ToFloat(c.cu);
   RouterOutputGrads grads;
   grads.d_combine_weight = cw;
   grads.d_probs = cp;
   grads.d_gating_sums = c.cg;
   grads.d_logits = cu;
   // Start from non-zero buffers: the gradients must be added, not written.
-  const std::vector<double> dwr0 = RandomVector(D * E, 1.0, 17);
-  const std::vector<double> da0 = RandomVector(T * D, 1.0, 18);
-  std::vector<float> dwr = ToFloat(dwr0), da = ToFloat(da0);
-  ASSERT_TRUE(RouterBackward(config, ToFloat(a), ToFloat(wr), *out, grads, absl::MakeSpan(dwr),
-                             absl::MakeSpan(da))
+  const std::vector<double> dwr0 = test::RandomFp32Values(D * E, 1.0, 17);
+  const std::vector<double> da0 = test::RandomFp32Values(T * D, 1.0, 18);
+  std::vector<float> dwr = test::ToFloat(dwr0), da = test::ToFloat(da0);
+  ASSERT_TRUE(RouterBackward(config, test::ToFloat(a), test::ToFloat(wr), *out, grads,
+                             absl::MakeSpan(dwr), absl::MakeSpan(da))
                   .ok());
 
   const reference::LayerConfig rc = RefConfig(config);
@@ -178,13 +165,13 @@ INSTANTIATE_TEST_SUITE_P(Configs, RouterParamTest,
 // Central differences of the fp32 code itself (loss evaluated from RouterForward's outputs),
 // checked against its own RouterBackward; only the combine-weight path, with renormalisation.
 TEST(RouterTest, BackwardMatchesFiniteDifferencesOfFp32Forward) {
-  RouterConfig config{.d_model = 5, .num_experts = 4, .top_k = 2, .norm_topk_prob = true,
-                      .router_scale = 1.5f};
+  RouterConfig config{
+      .d_model = 5, .num_experts = 4, .top_k = 2, .norm_topk_prob = true, .router_scale = 1.5f};
   const int T = 6, D = 5, E = 4, K = 2;
-  std::vector<float> a = ToFloat(RandomVector(T * D, 1.0, 21));
-  std::vector<float> wr = ToFloat(RandomVector(D * E, 1.0, 22));
-  const std::vector<double> cw = RandomVector(T * K, 1.0, 23);
-  const std::vector<double> cp = RandomVector(T * E, 1.0, 24);
+  std::vector<float> a = test::ToFloat(test::RandomFp32Values(T * D, 1.0, 21));
+  std::vector<float> wr = test::ToFloat(test::RandomFp32Values(D * E, 1.0, 22));
+  const std::vector<double> cw = test::RandomFp32Values(T * K, 1.0, 23);
+  const std::vector<double> cp = test::RandomFp32Values(T * E, 1.0, 24);
   auto loss = [&]() {
     absl::StatusOr<RouterOutput> o = RouterForward(config, a, wr);
     double l = 0.0;
@@ -194,7 +181,7 @@ TEST(RouterTest, BackwardMatchesFiniteDifferencesOfFp32Forward) {
   };
   absl::StatusOr<RouterOutput> out = RouterForward(config, a, wr);
   ASSERT_TRUE(out.ok());
-  const std::vector<float> cwf = ToFloat(cw), cpf = ToFloat(cp);
+  const std::vector<float> cwf = test::ToFloat(cw), cpf = test::ToFloat(cp);
   RouterOutputGrads grads;
   grads.d_combine_weight = cwf;
   grads.d_probs = cpf;
@@ -319,12 +306,12 @@ TEST(RouterTest, BadShapesAndValuesAreInvalidArgument) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("d_combine_weight has 5"));
   g = {};
-  EXPECT_THAT(RouterBackward(config, a, wr, *out, g, absl::MakeSpan(bad), absl::MakeSpan(da))
-                  .message(),
-              HasSubstr("d_router_weight has 5"));
-  EXPECT_THAT(RouterBackward(config, a, wr, *out, g, absl::MakeSpan(dwr), absl::MakeSpan(bad))
-                  .message(),
-              HasSubstr("d_a has 5"));
+  EXPECT_THAT(
+      RouterBackward(config, a, wr, *out, g, absl::MakeSpan(bad), absl::MakeSpan(da)).message(),
+      HasSubstr("d_router_weight has 5"));
+  EXPECT_THAT(
+      RouterBackward(config, a, wr, *out, g, absl::MakeSpan(dwr), absl::MakeSpan(bad)).message(),
+      HasSubstr("d_a has 5"));
   // A forward output from other inputs.
   EXPECT_THAT(RouterBackward(config, std::vector<float>(4, 1.0f), wr, *out, g, absl::MakeSpan(dwr),
                              absl::MakeSpan(da))

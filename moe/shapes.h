@@ -17,8 +17,8 @@ namespace gradsum::moe::internal {
 inline absl::Status CheckSize(absl::string_view what, size_t got, int64_t want,
                               absl::string_view shape) {
   if (want < 0 || got != static_cast<size_t>(want)) {
-    return absl::InvalidArgumentError(absl::StrCat(what, " has ", got, " elements, expected ",
-                                                   want, " (", shape, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " has ", got, " elements, expected ", want, " (", shape, ")"));
   }
   return absl::OkStatus();
 }

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstring>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -108,12 +109,19 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path, uint64_t m
 }
 
 uint64_t Fingerprint64(absl::string_view bytes) {
+  // FNV-1a over 8-byte little-endian words (one multiply per word, ~8x faster than per
+  // byte on multi-GB checkpoints), then the tail bytes, then the length.
+  constexpr uint64_t kPrime = 0x100000001b3ull;
   uint64_t h = 0xcbf29ce484222325ull;
-  for (unsigned char c : bytes) {
-    h ^= c;
-    h *= 0x100000001b3ull;
+  size_t i = 0;
+  for (; i + 8 <= bytes.size(); i += 8) {
+    uint64_t word;
+    std::memcpy(&word, bytes.data() + i, 8);
+    h = (h ^ word) * kPrime;
+    h ^= h >> 29;  // FNV's multiply only moves bits up; fold high bits back down
   }
-  return h;
+  for (; i < bytes.size(); ++i) h = (h ^ static_cast<unsigned char>(bytes[i])) * kPrime;
+  return (h ^ bytes.size()) * kPrime;
 }
 
 }  // namespace gradsum

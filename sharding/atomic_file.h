@@ -27,8 +27,9 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view byte
 absl::StatusOr<std::string> ReadFileToString(const std::string& path,
                                              uint64_t max_bytes = uint64_t{1} << 40);
 
-// 64-bit FNV-1a over `bytes`: a cheap content checksum that detects flipped bits in a
-// checkpoint file whose structure is still valid. Not cryptographic.
+// A 64-bit FNV-1a-style checksum over `bytes` (word-wise, so it runs near memory speed):
+// detects flipped bits in a checkpoint file whose structure is still valid. Assumes a
+// little-endian host (as safetensors does). Not cryptographic.
 uint64_t Fingerprint64(absl::string_view bytes);
 
 }  // namespace gradsum

@@ -27,6 +27,8 @@ ABSL_FLAG(std::optional<std::string>, data, std::nullopt,
           "byte-level text file, one document per line "
           "(default: the embedded Markov corpus)");
 ABSL_FLAG(std::optional<int32_t>, seq_len, std::nullopt, "tokens per packed sequence");
+ABSL_FLAG(std::optional<int32_t>, max_doc_len, std::nullopt,
+          "longest document of the embedded corpus (<= --seq_len)");
 ABSL_FLAG(std::optional<int32_t>, micro_batch, std::nullopt, "sequences per rank per micro-batch");
 ABSL_FLAG(std::optional<std::string>, dump_dir, std::nullopt,
           "write step-1 weights, batches, grads, losses here");
@@ -70,6 +72,7 @@ const std::vector<FlagField>& OverridableFlags() {
       {"data", "data.path"},
       {"seq_len", "data.seq_len"},
       {"micro_batch", "data.micro_batch"},
+      {"max_doc_len", "data.max_doc_len"},
       {"dump_dir", "dump_dir"},
       {"metrics", "metrics"},
       {"checkpoint_dir", "checkpoint_dir"},

@@ -157,6 +157,14 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   trainer->loader_ = std::make_unique<RankDataLoader>(std::move(loader));
   trainer->display_ = losses::StepDisplay(config.model().layers(), config.model().experts());
   GRADSUM_RETURN_IF_ERROR(MoeLm::RegisterDisplayTerms(&trainer->display_));
+  if (!config.checkpoint_dir().empty()) {
+    std::error_code ec;
+    fs::create_directories(config.checkpoint_dir(), ec);
+    if (ec) {
+      return absl::FailedPreconditionError(absl::StrCat("checkpoint_dir=", config.checkpoint_dir(),
+                                                        ": cannot create: ", ec.message()));
+    }
+  }
   if (config.resume()) GRADSUM_RETURN_IF_ERROR(trainer->Resume());
   GRADSUM_RETURN_IF_ERROR(trainer->model_->Unshard());
   return trainer;

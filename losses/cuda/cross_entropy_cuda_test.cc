@@ -13,6 +13,7 @@
 #include "core/half.h"
 #include "core/tensor.h"
 #include "losses/cross_entropy.h"
+#include "testing/gpu_compare.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "testing/gpu_test_util.h"
@@ -21,6 +22,11 @@ namespace gradsum::losses {
 namespace {
 
 using cuda::DeviceBuffer;
+using ::gradsum::testing::Dev;
+using ::gradsum::testing::DownloadAsDouble;
+using ::gradsum::testing::ExpectAllNear;
+using ::gradsum::testing::Host;
+using ::gradsum::testing::UploadAs;
 using ::testing::HasSubstr;
 
 // Reference: loss and gradient in double from the (already dtype-rounded) logits.
@@ -97,20 +103,17 @@ CeRun RunCe(DType dtype, const std::vector<float>& z_rounded, int64_t rows, int6
           const std::vector<int64_t>& labels, const std::vector<float>& weights, double D,
           bool in_place, float grad_scale = 1.0f) {
   CeRun out;
-  std::vector<float> zf = z_rounded;
-  std::vector<uint16_t> zb;
-  if (dtype == DType::kBF16) zb = ToBf16Bits(zf);
   Bufs b;
-  b.logits = dtype == DType::kBF16 ? *DeviceBuffer::FromHost(zb) : *DeviceBuffer::FromHost(zf);
+  b.logits = UploadAs(z_rounded, dtype);
   if (!in_place) {
     b.grad = *DeviceBuffer::Create(b.logits.size());
     EXPECT_TRUE(b.grad.Fill(0xff).ok());  // NaN garbage: every element must be overwritten
   }
-  b.labels = *DeviceBuffer::FromHost(labels);
-  if (!weights.empty()) b.weights = *DeviceBuffer::FromHost(weights);
-  b.d = *DeviceBuffer::FromHost(std::vector<double>{D});
-  b.loss = *DeviceBuffer::FromHost(std::vector<double>{12345.0});
-  b.wsum = *DeviceBuffer::FromHost(std::vector<double>{-1.0});
+  b.labels = Dev(labels);
+  if (!weights.empty()) b.weights = Dev(weights);
+  b.d = Dev(std::vector<double>{D});
+  b.loss = Dev(std::vector<double>{12345.0});
+  b.wsum = Dev(std::vector<double>{-1.0});
   b.token_loss = *DeviceBuffer::Create(sizeof(float) * std::max<int64_t>(rows, 1));
 
   CrossEntropyCudaArgs a;
@@ -128,26 +131,16 @@ CeRun RunCe(DType dtype, const std::vector<float>& z_rounded, int64_t rows, int6
   a.token_loss = b.token_loss.as<float>();
   out.status = CrossEntropyCuda(a, nullptr);
   if (!out.status.ok()) return out;
-  out.loss = (*b.loss.ToHost<double>())[0];
-  out.weight_sum = (*b.wsum.ToHost<double>())[0];
-  out.token_loss = *b.token_loss.ToHost<float>();
-  const DeviceBuffer& g = in_place ? b.logits : b.grad;
-  if (dtype == DType::kBF16) {
-    for (uint16_t bits : *g.ToHost<uint16_t>()) out.grad.push_back(BF16::FromBits(bits).ToFloat());
-  } else {
-    for (float v : *g.ToHost<float>()) out.grad.push_back(v);
-  }
+  out.loss = Host<double>(b.loss)[0];
+  out.weight_sum = Host<double>(b.wsum)[0];
+  out.token_loss = Host<float>(b.token_loss);
+  out.grad = DownloadAsDouble(in_place ? b.logits : b.grad, dtype);
   return out;
 }
 
-// |got - want| <= atol + rtol * |want| element-wise, reporting the first mismatch.
 void ExpectGradNear(const std::vector<double>& got, const std::vector<double>& want, double atol,
                     double rtol) {
-  ASSERT_EQ(got.size(), want.size());
-  for (size_t i = 0; i < got.size(); ++i) {
-    ASSERT_LE(std::abs(got[i] - want[i]), atol + rtol * std::abs(want[i]))
-        << "element " << i << ": got " << got[i] << " want " << want[i];
-  }
+  ExpectAllNear(got, want, atol, rtol, "grad");
 }
 
 TEST(CrossEntropyCuda, F32MatchesReferenceWithIgnoredLabels) {
@@ -298,11 +291,11 @@ TEST(CrossEntropyCuda, AsyncRecordAccumulatesLossAndReportsErrorAtCheck) {
   std::vector<int64_t> y = RandomLabels(rows, vocab, 14, 0.0);
   const double D = 20;  // two micro-batches of 10 tokens
   Reference ref = ReferenceCe(z, rows, vocab, y, {}, D, 1.0);
-  auto logits = *DeviceBuffer::FromHost(z);
+  auto logits = Dev(z);
   auto grad = *DeviceBuffer::Create(logits.size());
-  auto labels = *DeviceBuffer::FromHost(y);
-  auto d = *DeviceBuffer::FromHost(std::vector<double>{D});
-  auto loss = *DeviceBuffer::FromHost(std::vector<double>{0.0});
+  auto labels = Dev(y);
+  auto d = Dev(std::vector<double>{D});
+  auto loss = Dev(std::vector<double>{0.0});
   auto record = CrossEntropyErrorRecord::Create();
   ASSERT_TRUE(record.ok()) << record.status();
   CrossEntropyCudaArgs a;
@@ -318,7 +311,7 @@ TEST(CrossEntropyCuda, AsyncRecordAccumulatesLossAndReportsErrorAtCheck) {
   ASSERT_TRUE(CrossEntropyCuda(a, nullptr).ok());
   ASSERT_TRUE(CrossEntropyCuda(a, nullptr).ok());
   ASSERT_TRUE(record->CheckAndReset(nullptr).ok());
-  EXPECT_NEAR((*loss.ToHost<double>())[0], 2 * ref.loss, 1e-5 * std::abs(ref.loss));
+  EXPECT_NEAR(Host<double>(loss)[0], 2 * ref.loss, 1e-5 * std::abs(ref.loss));
 
   std::vector<int64_t> bad = y;
   bad[7] = vocab;  // one past the end
@@ -346,9 +339,9 @@ TEST(CrossEntropyCuda, RowOffsetsBeyondInt32AreIndexedCorrectly) {
                        zt_bits.size() * 2, cudaMemcpyHostToDevice),
             cudaSuccess);
   std::vector<int64_t> y = RandomLabels(rows, vocab, 16, 0.0);
-  auto labels = *DeviceBuffer::FromHost(y);
+  auto labels = Dev(y);
   const double D = static_cast<double>(rows);
-  auto d = *DeviceBuffer::FromHost(std::vector<double>{D});
+  auto d = Dev(std::vector<double>{D});
   auto loss = *DeviceBuffer::Create(sizeof(double));
   CrossEntropyCudaArgs a;
   a.logits = logits.get();
@@ -364,7 +357,7 @@ TEST(CrossEntropyCuda, RowOffsetsBeyondInt32AreIndexedCorrectly) {
   std::vector<int64_t> y_tail(y.end() - tail, y.end());
   Reference ref = ReferenceCe(zt, tail, vocab, y_tail, {}, D, 1.0);
   const double uniform_loss = (rows - tail) * std::log(static_cast<double>(vocab)) / D;
-  EXPECT_NEAR((*loss.ToHost<double>())[0], uniform_loss + ref.loss, 1e-5 * (uniform_loss + ref.loss));
+  EXPECT_NEAR(Host<double>(loss)[0], uniform_loss + ref.loss, 1e-5 * (uniform_loss + ref.loss));
   std::vector<uint16_t> g_bits(tail * vocab);
   ASSERT_EQ(cudaMemcpy(g_bits.data(), static_cast<char*>(logits.get()) + tail_offset,
                        g_bits.size() * 2, cudaMemcpyDeviceToHost),
@@ -377,8 +370,8 @@ TEST(CrossEntropyCuda, RowOffsetsBeyondInt32AreIndexedCorrectly) {
 TEST(CrossEntropyCuda, BadArgumentsAreRejectedBeforeLaunch) {
   GRADSUM_SKIP_WITHOUT_GPU();
   auto logits = *DeviceBuffer::Create(sizeof(float) * 4 * 8);
-  auto labels = *DeviceBuffer::FromHost(std::vector<int64_t>{0, 1, 2, 3});
-  auto d = *DeviceBuffer::FromHost(std::vector<double>{4.0});
+  auto labels = Dev(std::vector<int64_t>{0, 1, 2, 3});
+  auto d = Dev(std::vector<double>{4.0});
   auto loss = *DeviceBuffer::Create(sizeof(double));
   CrossEntropyCudaArgs a;
   a.logits = logits.get();

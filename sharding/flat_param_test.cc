@@ -1,0 +1,368 @@
+#include "sharding/flat_param.h"
+
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "collectives/thread_backend.h"
+#include "core/half.h"
+#include "core/status.h"
+#include "gtest/gtest.h"
+#include "sharding/test_util.h"
+#include "testing/run_ranks.h"
+
+namespace gradsum {
+namespace {
+
+using sharding_testing::DenseSpecs;
+using sharding_testing::InitGroup;
+using sharding_testing::InitValue;
+using sharding_testing::Noise;
+using testing::RunRanks;
+
+int64_t DenseNumel() {
+  int64_t n = 0;
+  for (const ParamSpec& p : DenseSpecs()) {
+    int64_t k = 1;
+    for (int64_t d : p.shape) k *= d;
+    n += k;
+  }
+  return n;
+}
+
+TEST(FlatParamTest, LayoutPadsToGroupSizeAndOwnedSlicesTile) {
+  const int64_t numel = DenseNumel();  // 36
+  for (int world = 1; world <= 8; ++world) {
+    auto comms = CreateThreadCommunicators(world);
+    ASSERT_TRUE(comms.ok());
+    int64_t covered = 0;
+    for (int r = 0; r < world; ++r) {
+      auto fp = FlatParam::Create("dense", DenseSpecs(), (*comms)[r].get());
+      ASSERT_TRUE(fp.ok()) << fp.status();
+      const FlatParam& g = **fp;
+      EXPECT_EQ(g.numel(), numel);
+      EXPECT_EQ(g.padded_numel() % world, 0);
+      EXPECT_GE(g.padded_numel(), numel);
+      EXPECT_LT(g.padded_numel() - numel, world);
+      EXPECT_EQ(g.shard_numel() * world, g.padded_numel());
+      EXPECT_EQ(g.shard_offset(), covered);
+      covered += g.local_numel();
+      EXPECT_EQ(g.master().size(), static_cast<size_t>(g.local_numel()));
+      EXPECT_EQ(g.entries()[4].offset, 7 + 13 + 1 + 0);
+      EXPECT_EQ(g.entries()[4].numel, 15);
+    }
+    // Shards are contiguous; only the last ranks' slices contain padding.
+    EXPECT_EQ(covered, numel) << "world " << world;
+  }
+}
+
+TEST(FlatParamTest, CreateRejectsBadArguments) {
+  auto comms = CreateThreadCommunicators(1);
+  ASSERT_TRUE(comms.ok());
+  Communicator* c = (*comms)[0].get();
+  EXPECT_EQ(FlatParam::Create("g", DenseSpecs(), nullptr).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(FlatParam::Create("", DenseSpecs(), c).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto dup = FlatParam::Create("g", {{"a", {2}}, {"a", {3}}}, c);
+  EXPECT_EQ(dup.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(dup.status().message().find("\"a\""), std::string::npos);
+  EXPECT_EQ(FlatParam::Create("g", {{"", {2}}}, c).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(FlatParam::Create("g", {{"a", {2, -1}}}, c).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  FlatParamOptions f16;
+  f16.compute_dtype = DType::kF16;
+  auto bad_dtype = FlatParam::Create("g", DenseSpecs(), c, f16);
+  EXPECT_EQ(bad_dtype.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad_dtype.status().message().find("f16"), std::string::npos);
+  FlatParamOptions i32;
+  i32.reduce_dtype = DType::kI32;
+  EXPECT_EQ(FlatParam::Create("g", DenseSpecs(), c, i32).status().code(),
+            absl::StatusCode::kInvalidArgument);
+
+  auto fp = FlatParam::Create("g", DenseSpecs(), c);
+  ASSERT_TRUE(fp.ok());
+  EXPECT_EQ((*fp)->SetFullValue(0, std::vector<float>(6)).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*fp)->SetFullValue(9, std::vector<float>(7)).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*fp)->grad(-1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*fp)->param(0).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*fp)->WaitUnshard().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*fp)->IndexOf("nope").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(*(*fp)->IndexOf("head"), 4);
+}
+
+// Unshard gathers exactly the initial values (fp32) or their bf16 roundings, for every
+// world size and both modes; the empty parameter stays empty.
+TEST(FlatParamTest, UnshardReturnsFullValuesForWorldSizes1To8) {
+  for (int world = 1; world <= 8; ++world) {
+    for (ShardingMode mode : {ShardingMode::kSharded, ShardingMode::kReplicated}) {
+      for (DType compute : {DType::kF32, DType::kBF16}) {
+        absl::Status s = RunRanks(world, [&](Communicator& comm) -> absl::Status {
+          FlatParamOptions opts;
+          opts.mode = mode;
+          opts.compute_dtype = compute;
+          GRADSUM_ASSIGN_OR_RETURN(auto fp, FlatParam::Create("dense", DenseSpecs(), &comm, opts));
+          GRADSUM_RETURN_IF_ERROR(InitGroup(*fp));
+          for (int round = 0; round < 2; ++round) {  // unshard, reshard, unshard again
+            GRADSUM_RETURN_IF_ERROR(fp->Unshard());
+            for (int p = 0; p < fp->num_params(); ++p) {
+              const FlatParamEntry& e = fp->entries()[p];
+              GRADSUM_ASSIGN_OR_RETURN(TensorView t, fp->param(p));
+              const std::vector<float> want = InitValue(e.name, e.numel);
+              if (t.shape() != e.shape || t.dtype() != compute) {
+                return absl::InternalError(absl::StrCat("bad view ", t.DebugString()));
+              }
+              for (int64_t i = 0; i < e.numel; ++i) {
+                const float got =
+                    compute == DType::kBF16 ? t.data<BF16>()[i].ToFloat() : t.data<float>()[i];
+                const float expect =
+                    compute == DType::kBF16 ? BF16::FromFloat(want[i]).ToFloat() : want[i];
+                if (got != expect) {
+                  return absl::InternalError(absl::StrCat(e.name, "[", i, "] = ", got, ", want ", expect));
+                }
+              }
+            }
+            GRADSUM_RETURN_IF_ERROR(fp->Reshard());
+            if (fp->is_unsharded()) return absl::InternalError("still unsharded after Reshard");
+          }
+          return absl::OkStatus();
+        });
+        EXPECT_TRUE(s.ok()) << "world " << world << " mode " << ShardingModeName(mode) << " "
+                            << DTypeName(compute) << ": " << s;
+      }
+    }
+  }
+}
+
+TEST(FlatParamTest, PrefetchOverlapsAndInFlightMisuseIsRefused) {
+  absl::Status s = RunRanks(4, [&](Communicator& comm) -> absl::Status {
+    GRADSUM_ASSIGN_OR_RETURN(auto a, FlatParam::Create("a", {{"x", {5}}}, &comm));
+    GRADSUM_ASSIGN_OR_RETURN(auto b, FlatParam::Create("b", {{"y", {9}}}, &comm));
+    GRADSUM_RETURN_IF_ERROR(InitGroup(*a));
+    GRADSUM_RETURN_IF_ERROR(InitGroup(*b));
+    GRADSUM_RETURN_IF_ERROR(a->Unshard());
+    GRADSUM_RETURN_IF_ERROR(b->StartUnshard());  // prefetch b while a is in use
+    // The gather stays "in flight" until WaitUnshard, whether or not the peers finished.
+    if (!b->unshard_in_flight()) return absl::InternalError("prefetch not in flight");
+    if (b->param(0).status().code() != absl::StatusCode::kFailedPrecondition) {
+      return absl::InternalError("param() during an in-flight gather was accepted");
+    }
+    if (b->Reshard().code() != absl::StatusCode::kFailedPrecondition) {
+      return absl::InternalError("Reshard during an in-flight gather was accepted");
+    }
+    if (b->SetFullValue(0, std::vector<float>(9)).code() != absl::StatusCode::kFailedPrecondition) {
+      return absl::InternalError("SetFullValue during an in-flight gather was accepted");
+    }
+    GRADSUM_ASSIGN_OR_RETURN(TensorView x, a->param(0));
+    if (x.data<float>()[4] != InitValue("x", 5)[4]) return absl::InternalError("a wrong");
+    GRADSUM_RETURN_IF_ERROR(b->WaitUnshard());
+    GRADSUM_ASSIGN_OR_RETURN(TensorView y, b->param(0));
+    for (int i = 0; i < 9; ++i) {
+      if (y.data<float>()[i] != InitValue("y", 9)[i]) return absl::InternalError("b wrong");
+    }
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(s.ok()) << s;
+}
+
+// Rank r's gradient for micro-batch m (arbitrary fp32 values).
+float Grad(const std::string& name, int64_t i, int rank, int micro) {
+  return static_cast<float>(Noise(name, i, rank, micro, 5));
+}
+// Small dyadic values: every partial sum of up to 8 ranks x 4 micro-batches is exact in fp32.
+float DyadicGrad(const std::string& name, int64_t i, int rank, int micro) {
+  return static_cast<float>(std::floor(Noise(name, i, rank, micro, 9) * 1024.0) / 256.0);
+}
+
+struct ReduceCase {
+  ShardingMode mode;
+  DType reduce_dtype;
+  int micro_batches;
+  bool dyadic;
+};
+
+// Runs G micro-batches of gradient reduction on `world` ranks; returns each rank's owned
+// gradient slice and master_grad() (the whole gradient in replicated mode).
+absl::Status ReduceOnRanks(int world, const ReduceCase& c, std::vector<std::vector<float>>* owned,
+                           std::vector<double>* norms_sq) {
+  owned->assign(world, {});
+  norms_sq->assign(world, 0.0);
+  return RunRanks(world, [&](Communicator& comm) -> absl::Status {
+    FlatParamOptions opts;
+    opts.mode = c.mode;
+    opts.reduce_dtype = c.reduce_dtype;
+    GRADSUM_ASSIGN_OR_RETURN(auto fp, FlatParam::Create("dense", DenseSpecs(), &comm, opts));
+    for (int m = 0; m < c.micro_batches; ++m) {
+      for (int p = 0; p < fp->num_params(); ++p) {
+        const FlatParamEntry& e = fp->entries()[p];
+        GRADSUM_ASSIGN_OR_RETURN(TensorView g, fp->grad(p));
+        for (int64_t i = 0; i < e.numel; ++i) {
+          g.data<float>()[i] += c.dyadic ? DyadicGrad(e.name, i, comm.rank(), m)
+                                         : Grad(e.name, i, comm.rank(), m);
+        }
+      }
+      GRADSUM_RETURN_IF_ERROR(fp->ReduceGrad(m == c.micro_batches - 1));
+    }
+    absl::Span<const float> og = fp->owned_grad();
+    (*owned)[comm.rank()].assign(og.begin(), og.end());
+    (*norms_sq)[comm.rank()] = fp->OwnedGradSquaredNorm();
+    if (c.mode == ShardingMode::kReplicated) {
+      // The full copy on every rank equals the owned slices (checked by the caller) here.
+      absl::Span<const float> full = fp->master_grad();
+      if (full.size() != static_cast<size_t>(fp->numel())) return absl::InternalError("size");
+      for (size_t i = 0; i < og.size(); ++i) {
+        if (std::memcmp(&og[i], &full[fp->shard_offset() + i], 4) != 0) {
+          return absl::InternalError("owned slice is not the full copy's slice");
+        }
+      }
+    }
+    return absl::OkStatus();
+  });
+}
+
+// Concatenates the owned slices of all ranks (the flat gradient without padding).
+std::vector<float> Concat(const std::vector<std::vector<float>>& owned) {
+  std::vector<float> out;
+  for (const auto& o : owned) out.insert(out.end(), o.begin(), o.end());
+  return out;
+}
+
+// Single-process double reference of the summed flat gradient.
+std::vector<double> ReferenceGrad(int world, int micro_batches, bool dyadic) {
+  std::vector<double> out;
+  for (const ParamSpec& p : DenseSpecs()) {
+    int64_t n = 1;
+    for (int64_t d : p.shape) n *= d;
+    for (int64_t i = 0; i < n; ++i) {
+      double s = 0;
+      for (int r = 0; r < world; ++r) {
+        for (int m = 0; m < micro_batches; ++m) {
+          s += dyadic ? DyadicGrad(p.name, i, r, m) : Grad(p.name, i, r, m);
+        }
+      }
+      out.push_back(s);
+    }
+  }
+  return out;
+}
+
+TEST(FlatParamTest, SumReductionMatchesReferenceInBothModes) {
+  for (int world = 1; world <= 8; ++world) {
+    const std::vector<double> ref = ReferenceGrad(world, 3, false);
+    for (ShardingMode mode : {ShardingMode::kSharded, ShardingMode::kReplicated}) {
+      std::vector<std::vector<float>> owned;
+      std::vector<double> norms;
+      absl::Status s = ReduceOnRanks(world, {mode, DType::kF32, 3, false}, &owned, &norms);
+      ASSERT_TRUE(s.ok()) << s;
+      const std::vector<float> got = Concat(owned);
+      ASSERT_EQ(got.size(), ref.size());
+      for (size_t i = 0; i < ref.size(); ++i) {
+        // fp32 sums of world*3 terms of magnitude < 1.
+        EXPECT_NEAR(got[i], ref[i], 3 * world * 3 * 6e-8) << "world " << world << " i " << i;
+      }
+      // The owned norms add up to the norm of the whole gradient: padding is not counted.
+      double norm_sq = 0, ref_sq = 0;
+      for (double x : norms) norm_sq += x;
+      for (float g : got) ref_sq += static_cast<double>(g) * g;
+      EXPECT_NEAR(norm_sq, ref_sq, ref_sq * 1e-14);
+    }
+  }
+}
+
+TEST(FlatParamTest, ShardedAndReplicatedAreBitIdentical) {
+  for (int world = 1; world <= 8; ++world) {
+    // G == 1, arbitrary values: both modes sum the same terms in ascending rank order.
+    // G > 1 with dyadic values: every partial sum is exact, so order cannot matter.
+    for (const auto& [micro, dyadic] : {std::pair<int, bool>{1, false}, {4, true}}) {
+      std::vector<std::vector<float>> sharded, replicated;
+      std::vector<double> n1, n2;
+      ASSERT_TRUE(ReduceOnRanks(world, {ShardingMode::kSharded, DType::kF32, micro, dyadic},
+                                &sharded, &n1).ok());
+      ASSERT_TRUE(ReduceOnRanks(world, {ShardingMode::kReplicated, DType::kF32, micro, dyadic},
+                                &replicated, &n2).ok());
+      const std::vector<float> a = Concat(sharded), b = Concat(replicated);
+      ASSERT_EQ(a.size(), b.size());
+      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * 4), 0) << "world " << world;
+      EXPECT_EQ(n1, n2);
+      if (dyadic) {
+        const std::vector<double> ref = ReferenceGrad(world, micro, true);
+        for (size_t i = 0; i < ref.size(); ++i) EXPECT_EQ(a[i], ref[i]) << i;
+      }
+    }
+  }
+}
+
+TEST(FlatParamTest, Bf16ReduceIsARealSumWithinBf16Rounding) {
+  for (int world : {1, 2, 3, 5, 8}) {
+    for (ShardingMode mode : {ShardingMode::kSharded, ShardingMode::kReplicated}) {
+      std::vector<std::vector<float>> owned32, owned16;
+      std::vector<double> n;
+      ASSERT_TRUE(ReduceOnRanks(world, {mode, DType::kF32, 1, false}, &owned32, &n).ok());
+      ASSERT_TRUE(ReduceOnRanks(world, {mode, DType::kBF16, 1, false}, &owned16, &n).ok());
+      const std::vector<float> f32 = Concat(owned32), bf16 = Concat(owned16);
+      size_t i = 0;
+      for (const ParamSpec& p : DenseSpecs()) {
+        int64_t numel = 1;
+        for (int64_t d : p.shape) numel *= d;
+        for (int64_t k = 0; k < numel; ++k, ++i) {
+          // The exact sum of the bf16-rounded inputs, rounded once to bf16: what a real
+          // bf16 SUM with fp32 accumulation gives (up to fp32 accumulation error).
+          double exact = 0, abs_sum = 0;
+          for (int r = 0; r < world; ++r) {
+            const float g = Grad(p.name, k, r, 0);
+            exact += BF16::FromFloat(g).ToFloat();
+            abs_sum += std::fabs(g);
+          }
+          EXPECT_TRUE(BF16::FromFloat(bf16[i]).ToFloat() == bf16[i]) << "not a bf16 value";
+          const double ulp = std::ldexp(1.0, std::ilogb(std::fabs(exact) + 1e-30) - 7);
+          EXPECT_LE(std::fabs(bf16[i] - exact), 0.5 * ulp + abs_sum * 1e-7)
+              << "world " << world << " " << p.name << "[" << k << "]";
+          // And against the fp32 reduction: input and output rounding of bf16 only.
+          // bf16 keeps 8 significant bits: unit roundoff 2^-8 per input and once for the output.
+          EXPECT_LE(std::fabs(bf16[i] - f32[i]), abs_sum * 0x1p-8 * (1 + 0x1p-8) + std::fabs(f32[i]) * 0x1p-8);
+        }
+      }
+    }
+  }
+  // A real SUM, not an average: eight ranks of 1.0 give 8.0, and tiny values do not
+  // vanish (a pre-divided sum of 1e-38 / 8 would fall into bf16 subnormals).
+  for (float v : {1.0f, 3e-38f}) {
+    absl::Status s = RunRanks(8, [&](Communicator& comm) -> absl::Status {
+      FlatParamOptions opts;
+      opts.reduce_dtype = DType::kBF16;
+      GRADSUM_ASSIGN_OR_RETURN(auto fp, FlatParam::Create("g", {{"w", {8}}}, &comm, opts));
+      GRADSUM_ASSIGN_OR_RETURN(TensorView g, fp->grad(0));
+      for (int i = 0; i < 8; ++i) g.data<float>()[i] = v;
+      GRADSUM_RETURN_IF_ERROR(fp->ReduceGrad(true));
+      const float want = BF16::FromFloat(8 * BF16::FromFloat(v).ToFloat()).ToFloat();
+      if (fp->master_grad()[0] != want) {
+        return absl::InternalError(absl::StrCat("sum ", fp->master_grad()[0], " want ", want));
+      }
+      return absl::OkStatus();
+    });
+    EXPECT_TRUE(s.ok()) << s;
+  }
+}
+
+TEST(FlatParamTest, GradReduceMisuseIsRefused) {
+  absl::Status s = RunRanks(2, [&](Communicator& comm) -> absl::Status {
+    GRADSUM_ASSIGN_OR_RETURN(auto fp, FlatParam::Create("g", {{"w", {3}}}, &comm));
+    GRADSUM_RETURN_IF_ERROR(fp->StartGradReduce(true));
+    const bool refused =
+        fp->StartGradReduce(true).code() == absl::StatusCode::kFailedPrecondition &&
+        fp->grad(0).status().code() == absl::StatusCode::kFailedPrecondition &&
+        fp->ZeroGrad().code() == absl::StatusCode::kFailedPrecondition;
+    GRADSUM_RETURN_IF_ERROR(fp->FinishGradReduce());
+    if (!refused) return absl::InternalError("misuse during an in-flight reduction accepted");
+    return fp->FinishGradReduce();  // nothing in flight: OK
+  });
+  EXPECT_TRUE(s.ok()) << s;
+}
+
+}  // namespace
+}  // namespace gradsum
