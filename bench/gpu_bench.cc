@@ -7,9 +7,9 @@
 //   Bytes = 3 passes over the logits (read for the logsumexp, read again and write the
 //   gradient). Counters: ce_GBps, copy_GBps (a D2D copy of the logits' size, timed inside
 //   the same benchmark) and frac_of_copy = ce_GBps / copy_GBps (target >= 0.70).
-// - BM_NcclAllReduceRaw: ncclAllReduce (SUM, in place) over every visible GPU from one
-//   process: the baseline that the library's NCCL backend is to be compared with once it
-//   exists (algbw and busbw = algbw * 2 (n - 1) / n).
+// - BM_NcclAllReduceLibraryVsRaw: the library's NCCL all-reduce against raw ncclAllReduce
+//   on the same buffers, measured alternately in one benchmark (lib_overhead_pct, target
+//   < 3%).
 //
 //   ./bazelw run -c opt --config=cuda //bench:gpu_bench -- --benchmark_out=gpu_bench.json
 //       --benchmark_out_format=json      (one line; see bench/run_gpu_checks.sh)
@@ -17,7 +17,11 @@
 // Without a usable GPU the binary prints why and exits with status 77 (skipped).
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <memory>
+#include <thread>
 #include <cstdio>
 #include <random>
 #include <string>
@@ -29,6 +33,9 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "benchmark/benchmark.h"
+#include "collectives/communicator.h"
+#include "collectives/nccl_backend.h"
+#include "collectives/thread_backend.h"
 #include "core/cuda/cuda_status.h"
 #include "core/cuda/device_buffer.h"
 #include "core/dtype.h"
@@ -191,70 +198,130 @@ BENCHMARK(BM_CrossEntropyCuda)
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 
-// Raw NCCL all-reduce (SUM, in place, f32) over all visible devices of this process.
-void BM_NcclAllReduceRaw(benchmark::State& state) {
+// NCCL all-reduce (SUM, in place, f32) over every visible GPU of this process, one rank
+// (thread) per GPU, on the same device buffers: raw ncclAllReduce on communicators from
+// ncclCommInitAll, and the library's NcclCommunicator::AllReduceAsync (agreement check off,
+// the documented fast setting; then with it on). Each phase runs the same way: one thread
+// per rank issues kRepsPerIteration operations and waits for its stream; the phase's time
+// is from starting the threads to joining them. The manual time reported is the library's;
+// counters give raw_us, lib_us, lib_checked_us per operation and lib_overhead_pct.
+// With one GPU an all-reduce moves no data, so the numbers are per-call overheads.
+template <typename Fn>
+double WallSecondsPerRank(int ranks, Fn fn) {
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::thread> threads;
+  for (int r = 1; r < ranks; ++r) threads.emplace_back(fn, r);
+  fn(0);
+  for (std::thread& t : threads) t.join();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+void BM_NcclAllReduceLibraryVsRaw(benchmark::State& state) {
   const size_t count = static_cast<size_t>(state.range(0)) / sizeof(float);
   int ndev = 0;
   if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev < 1) {
     state.SkipWithError("no device");
     return;
   }
-  std::vector<ncclComm_t> comms(ndev);
-  if (ncclCommInitAll(comms.data(), ndev, nullptr) != ncclSuccess) {
+  std::vector<ncclComm_t> raw(ndev);
+  if (ncclCommInitAll(raw.data(), ndev, nullptr) != ncclSuccess) {
     state.SkipWithError("ncclCommInitAll failed");
     return;
   }
   std::vector<float*> bufs(ndev, nullptr);
   std::vector<cudaStream_t> streams(ndev, nullptr);
-  std::vector<cudaEvent_t> starts(ndev, nullptr), stops(ndev, nullptr);
-  bool ok = true;
-  for (int dvc = 0; dvc < ndev && ok; ++dvc) {
-    ok = cudaSetDevice(dvc) == cudaSuccess &&
-         cudaMalloc(reinterpret_cast<void**>(&bufs[dvc]), count * sizeof(float)) == cudaSuccess &&
-         cudaMemset(bufs[dvc], 0, count * sizeof(float)) == cudaSuccess &&
-         cudaStreamCreateWithFlags(&streams[dvc], cudaStreamNonBlocking) == cudaSuccess &&
-         cudaEventCreate(&starts[dvc]) == cudaSuccess && cudaEventCreate(&stops[dvc]) == cudaSuccess;
+  std::atomic<bool> ok{true};
+  for (int d = 0; d < ndev; ++d) {
+    ok = ok && cudaSetDevice(d) == cudaSuccess &&
+         cudaMalloc(reinterpret_cast<void**>(&bufs[d]), count * sizeof(float)) == cudaSuccess &&
+         cudaMemset(bufs[d], 0, count * sizeof(float)) == cudaSuccess &&
+         cudaStreamCreateWithFlags(&streams[d], cudaStreamNonBlocking) == cudaSuccess;
   }
-  auto all_reduce = [&]() {
-    ncclGroupStart();
-    for (int dvc = 0; dvc < ndev; ++dvc) {
-      ncclAllReduce(bufs[dvc], bufs[dvc], count, ncclFloat, ncclSum, comms[dvc], streams[dvc]);
+  // Library communicators, bootstrapped over the thread backend (collective: one thread per rank).
+  std::vector<std::unique_ptr<NcclCommunicator>> fast(ndev), checked(ndev);
+  absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> boot = CreateThreadCommunicators(ndev);
+  if (!boot.ok()) ok = false;
+  if (ok) {
+    WallSecondsPerRank(ndev, [&](int r) {
+      cudaSetDevice(r);
+      NcclBackendOptions o;
+      o.device = r;
+      o.check_agreement = false;
+      absl::StatusOr<std::unique_ptr<NcclCommunicator>> f = CreateNcclCommunicator(*(*boot)[r], o);
+      o.check_agreement = true;
+      absl::StatusOr<std::unique_ptr<NcclCommunicator>> c = CreateNcclCommunicator(*(*boot)[r], o);
+      if (!f.ok() || !c.ok()) {
+        ok = false;
+        return;
+      }
+      fast[r] = std::move(*f);
+      checked[r] = std::move(*c);
+    });
+  }
+  auto raw_phase = [&](int r) {
+    cudaSetDevice(r);
+    for (int i = 0; i < kRepsPerIteration; ++i) {
+      if (ncclAllReduce(bufs[r], bufs[r], count, ncclFloat, ncclSum, raw[r], streams[r]) != ncclSuccess) ok = false;
     }
-    return ncclGroupEnd() == ncclSuccess;
+    if (cudaStreamSynchronize(streams[r]) != cudaSuccess) ok = false;
   };
-  if (ok) ok = all_reduce();  // warm-up (connection setup)
-  for (int dvc = 0; dvc < ndev && ok; ++dvc) ok = cudaStreamSynchronize(streams[dvc]) == cudaSuccess;
+  auto lib_phase = [&](std::vector<std::unique_ptr<NcclCommunicator>>& comms, int r) {
+    cudaSetDevice(r);
+    std::vector<std::unique_ptr<Work>> works;
+    for (int i = 0; i < kRepsPerIteration; ++i) {
+      absl::StatusOr<std::unique_ptr<Work>> w =
+          comms[r]->AllReduceAsync(bufs[r], bufs[r], count, DType::kF32, ReduceOp::kSum);
+      if (!w.ok()) {
+        ok = false;
+        return;
+      }
+      works.push_back(std::move(*w));
+    }
+    for (auto& w : works) {
+      if (!w->Wait(absl::Seconds(60)).ok()) ok = false;
+    }
+  };
+  // Warm-up of all three paths (connection setup).
+  if (ok) WallSecondsPerRank(ndev, raw_phase);
+  if (ok) WallSecondsPerRank(ndev, [&](int r) { lib_phase(fast, r); });
+  if (ok) WallSecondsPerRank(ndev, [&](int r) { lib_phase(checked, r); });
   if (!ok) state.SkipWithError("NCCL setup failed");
+  double raw_sec = 0, lib_sec = 0, checked_sec = 0;
   for (auto _ : state) {
     if (!ok) break;
-    for (int dvc = 0; dvc < ndev; ++dvc) cudaEventRecord(starts[dvc], streams[dvc]);
-    for (int r = 0; r < kRepsPerIteration && ok; ++r) ok = all_reduce();
-    float worst_ms = 0;
-    for (int dvc = 0; dvc < ndev; ++dvc) {
-      cudaSetDevice(dvc);
-      cudaEventRecord(stops[dvc], streams[dvc]);
-      cudaEventSynchronize(stops[dvc]);
-      float ms = 0;
-      cudaEventElapsedTime(&ms, starts[dvc], stops[dvc]);
-      worst_ms = std::max(worst_ms, ms);
-    }
-    state.SetIterationTime(worst_ms * 1e-3 / kRepsPerIteration);
+    raw_sec += WallSecondsPerRank(ndev, raw_phase);
+    const double lib = WallSecondsPerRank(ndev, [&](int r) { lib_phase(fast, r); });
+    checked_sec += WallSecondsPerRank(ndev, [&](int r) { lib_phase(checked, r); });
+    lib_sec += lib;
+    state.SetIterationTime(lib / kRepsPerIteration);
   }
-  const double bytes = static_cast<double>(count * sizeof(float));
-  state.SetBytesProcessed(static_cast<int64_t>(bytes * state.iterations()));
-  state.counters["ranks"] = ndev;
-  state.counters["busbw_factor"] = ndev > 1 ? 2.0 * (ndev - 1) / ndev : 0.0;
-  for (int dvc = 0; dvc < ndev; ++dvc) {
-    cudaSetDevice(dvc);
-    if (bufs[dvc]) cudaFree(bufs[dvc]);
-    if (streams[dvc]) cudaStreamDestroy(streams[dvc]);
-    if (starts[dvc]) cudaEventDestroy(starts[dvc]);
-    if (stops[dvc]) cudaEventDestroy(stops[dvc]);
-    ncclCommDestroy(comms[dvc]);
+  if (ok && state.iterations() > 0) {
+    const double ops = static_cast<double>(state.iterations()) * kRepsPerIteration;
+    state.SetBytesProcessed(static_cast<int64_t>(ops * count * sizeof(float)));
+    state.counters["ranks"] = ndev;
+    state.counters["raw_us"] = raw_sec / ops * 1e6;
+    state.counters["lib_us"] = lib_sec / ops * 1e6;
+    state.counters["lib_checked_us"] = checked_sec / ops * 1e6;
+    state.counters["lib_overhead_pct"] = (lib_sec / raw_sec - 1.0) * 100.0;
+    state.counters["raw_algbw_GBps"] = ops * count * sizeof(float) / raw_sec * 1e-9;
+  } else if (ok) {
+    state.SkipWithError("no iterations");
+  }
+  fast.clear();
+  checked.clear();
+  for (int d = 0; d < ndev; ++d) {
+    cudaSetDevice(d);
+    if (bufs[d]) cudaFree(bufs[d]);
+    if (streams[d]) cudaStreamDestroy(streams[d]);
+    ncclCommDestroy(raw[d]);
   }
   cudaSetDevice(0);
 }
-BENCHMARK(BM_NcclAllReduceRaw)->Arg(int64_t{256} << 20)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_NcclAllReduceLibraryVsRaw)
+    ->Arg(int64_t{64} << 20)
+    ->Arg(int64_t{1} << 20)
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 }  // namespace gradsum::bench

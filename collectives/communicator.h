@@ -18,7 +18,11 @@
 // - SUM is the default and the reduction the library's gradients use (SEMANTICS.md §2, §7).
 //   AVG exists only for the legacy-equivalence check of SEMANTICS.md §9.
 // - bf16/f16 reductions accumulate in fp32 and round once (CPU backends).
-// - send == recv means in place. Otherwise the buffers must not overlap.
+// - In place: all-reduce with send == recv; reduce-scatter with recv == send + rank() *
+//   recv_count (my block of the full buffer); all-gather with send == recv + rank() *
+//   send_count (NCCL's conventions). Any other overlap of send and recv is InvalidArgument;
+//   all-to-all-v has no in-place form.
+// - AVG needs a floating dtype (InvalidArgument otherwise); reduce-scatter takes SUM or AVG.
 // - Bad arguments on one rank (null buffer with a non-zero count, root out of range,
 //   counts that do not add up) are InvalidArgument on that rank, before any exchange.
 // - Ranks that disagree on op, dtype or counts all fail with InvalidArgument naming the

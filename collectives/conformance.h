@@ -1,7 +1,8 @@
 #ifndef GRADSUM_COLLECTIVES_CONFORMANCE_H_
 #define GRADSUM_COLLECTIVES_CONFORMANCE_H_
 
-// Conformance checks for any Communicator backend (thread, mpi, nccl-on-host-staging...).
+// Conformance checks for any Communicator backend whose buffers are host memory (thread,
+// mpi; an nccl test would stage through host copies).
 //
 // Every check is collective: each rank of `comm` calls it with the same arguments, in the
 // same order, as it would call the collective itself. Each rank generates every rank's

@@ -6,9 +6,34 @@
 //   auto comms = CreateThreadCommunicators(4, {.timeout = absl::Seconds(10)});
 //   // thread r uses (*comms)[r]; every thread must call the same collectives.
 //
-// Reductions sum in ascending rank order with fp32 (or wider) accumulation, so results
-// are deterministic and bit-identical on every rank. Waits block (condition variables),
-// never spin, so 8 ranks run fine on 2 cores.
+// Reductions sum in ascending rank order with fp32 accumulation for bf16/f16/f32 and fp64
+// for f64, rounding once (SEMANTICS.md §7), so results are deterministic and bit-identical
+// on every rank, whoever computes them. Waits block (std::condition_variable), never spin,
+// so 8 ranks run fine on 2 cores.
+//
+// How it works: each communicator runs its operations in issue order, on a worker thread
+// for async progress, or on the caller's own thread when it waits on an operation that
+// nobody has started (the sync forms do this). An operation is a rendezvous of all ranks
+// on shared memory: every rank posts its arguments, every rank checks that all agree, then
+// all-reduce and reduce-scatter cut the buffer into chunks; whoever claims a chunk reduces
+// it over every rank's send buffer and writes the result into every rank's recv buffer
+// (reduce-scatter then all-gather in one pass, no gather to a root, no staging copy).
+// Nobody returns until every rank is done with every buffer.
+//
+// Failures:
+// - Invalid arguments on one rank: InvalidArgument from that rank's call; its peers fail
+//   the same operation with InvalidArgument naming the rank (no timeout), and later
+//   operations still line up.
+// - Ranks that disagree on operation, dtype, reduce op, count, root or the all-to-all-v
+//   count matrix: every rank gets InvalidArgument naming the first mismatch, e.g.
+//   "rank 2 passed count 10, rank 0 passed 12". The communicator stays usable.
+// - A rank that does not arrive within `timeout`: the waiting ranks get DeadlineExceeded
+//   naming the missing ranks; the group is then broken and every later call on any of its
+//   communicators is FailedPrecondition. Destroying a communicator with an operation still
+//   in flight also breaks its group (its peers fail instead of waiting).
+// Destroying communicators never hangs; Work handles stay valid after their communicator
+// is destroyed. Sub-communicators from Split() are independent of their parent and may
+// outlive it.
 
 #include <memory>
 #include <vector>

@@ -13,14 +13,11 @@
 #include <vector>
 
 #include "absl/flags/parse.h"
-#include "absl/strings/str_format.h"
-#include "absl/synchronization/mutex.h"
+#include "absl/strings/str_cat.h"
 #include "collectives/mpi_backend.h"
 #include "collectives/thread_backend.h"
 #include "core/status.h"
-#include "train/config.h"
 #include "train/config_flags.h"
-#include "train/data.h"
 #include "train/rank_main.h"
 
 namespace gradsum::train {
@@ -52,11 +49,11 @@ absl::Status Main() {
     options.timeout = timeout;
     GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> world,
                              CreateMpiWorldCommunicator(options));
-    const bool rank0 = world->rank() == 0;
-    if (rank0) PrintBanner(config, std::cout);
-    absl::Status s = RunRank(config, world.get(), rank0 ? &std::cout : nullptr);
+    const int rank = world->rank();
+    if (rank == 0) PrintBanner(config, std::cout);
+    absl::Status s = RunRank(config, world.get(), rank == 0 ? &std::cout : nullptr);
     world.reset();  // before MPI finalises at exit
-    return Annotate(s, absl::StrCat("rank ", rank0 ? 0 : -1));
+    return Annotate(s, absl::StrCat("rank ", rank));
   }
   return absl::UnimplementedError(absl::StrCat(
       "backend=", config.backend(),

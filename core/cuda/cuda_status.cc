@@ -77,6 +77,12 @@ absl::Status CheckDevicePointer(const void* ptr, absl::string_view name) {
         name, " is not device memory (cudaPointerGetAttributes type ", static_cast<int>(attr.type),
         ": ", attr.type == cudaMemoryTypeHost ? "pinned host" : "unregistered host", ")"));
   }
+  int current = 0;
+  if (attr.type == cudaMemoryTypeDevice && cudaGetDevice(&current) == cudaSuccess &&
+      attr.device != current) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " is memory of device ", attr.device,
+                                                   " but the current device is ", current));
+  }
   return absl::OkStatus();
 }
 

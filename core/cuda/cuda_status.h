@@ -35,8 +35,9 @@ absl::Status CublasStatusToStatus(cublasStatus_t status, absl::string_view what)
 // runtime's reason (e.g. "CUDA driver version is insufficient for CUDA runtime version").
 absl::Status RequireCudaDevice();
 
-// OK when `ptr` is device (or managed) memory visible to the current device.
-// InvalidArgument naming `name` for null, host (pageable or pinned) or unregistered memory.
+// OK when `ptr` is device memory of the current device (or managed memory).
+// InvalidArgument naming `name` for null, host (pageable or pinned) or unregistered memory,
+// or memory of another device (kernels run on the current device: cudaSetDevice first).
 absl::Status CheckDevicePointer(const void* ptr, absl::string_view name);
 
 // Like CheckDevicePointer, but a null pointer is accepted (optional buffers).

@@ -1,0 +1,128 @@
+// Whole training step of moe_lm (//train:moe_lm's Trainer) on the thread backend at the
+// binary's default sizes: tokens/s, and the step time split into compute, communication
+// (time inside collectives, including waiting for the peer inside them) and waiting (the
+// end-of-step barrier: load imbalance). Side by side: world 1 (no peer) and world 2, both
+// sharding modes, and an Eigen fp32 GEMM of the experts' shape as the compute limit.
+//
+//   ./bazelw run -c opt //bench:step_bench -- --benchmark_min_time=0.1
+//
+// Each benchmark iteration builds the ranks' trainers (untimed), runs 3 warm-up steps,
+// then times `kTimedSteps` steps; the reported time is per step (manual time, measured by
+// rank 0 between two barriers).
+#include <algorithm>
+#include <thread>
+#include <vector>
+
+#include "Eigen/Core"
+#include "absl/time/clock.h"
+#include "benchmark/benchmark.h"
+#include "collectives/thread_backend.h"
+#include "train/config.pb.h"
+#include "train/rank_main.h"
+#include "train/trainer.h"
+
+namespace gradsum::bench {
+namespace {
+
+constexpr int kWarmupSteps = 3;
+constexpr int kTimedSteps = 10;
+
+// Forward + backward FLOPs per routed token (matmuls only; backward = 2x forward).
+double FlopsPerToken(const train::ModelConfig& m) {
+  const double d = m.dim(), h = m.expert_dim(), e = m.experts(), v = m.vocab();
+  const double forward = m.layers() * (m.top_k() * 6 * d * h + 2 * d * e) + 2 * d * v;
+  return 3 * forward;
+}
+
+void BM_TrainStep(benchmark::State& state) {
+  const int world = static_cast<int>(state.range(0));
+  train::TrainConfig config;  // the binary's defaults
+  config.set_world(world);
+  config.set_ep(world);
+  config.set_sharding(state.range(1) == 0 ? "fsdp" : "replicated");
+  config.set_steps(1 << 30);
+  double step_s = 0, comm_s = 0, wait_s = 0, tokens = 0;
+  for (auto _ : state) {
+    auto comms = CreateThreadCommunicators(world);
+    if (!comms.ok()) {
+      state.SkipWithError(comms.status().ToString().c_str());
+      return;
+    }
+    std::vector<absl::Status> status(world);
+    std::vector<double> elapsed(world, 0);
+    std::vector<train::StepRecord> records;
+    std::vector<std::thread> threads;
+    for (int r = 0; r < world; ++r) {
+      threads.emplace_back([&, r] {
+        auto fail = [&](absl::Status s) { status[r] = s; };
+        absl::StatusOr<train::RankMesh> mesh = train::MakeRankMesh((*comms)[r].get(), world);
+        if (!mesh.ok()) return fail(mesh.status());
+        auto trainer = train::Trainer::Create(config, mesh->comms());
+        if (!trainer.ok()) return fail(trainer.status());
+        for (int i = 0; i < kWarmupSteps; ++i) {
+          if (auto s = (*trainer)->Step(); !s.ok()) return fail(s.status());
+        }
+        if (auto s = mesh->world->Barrier(); !s.ok()) return fail(s);
+        const absl::Time start = absl::Now();
+        for (int i = 0; i < kTimedSteps; ++i) {
+          auto s = (*trainer)->Step();
+          if (!s.ok()) return fail(s.status());
+          if (r == 0) records.push_back(*s);
+        }
+        if (auto s = mesh->world->Barrier(); !s.ok()) return fail(s);
+        elapsed[r] = absl::ToDoubleSeconds(absl::Now() - start);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    for (const absl::Status& s : status) {
+      if (!s.ok()) {
+        state.SkipWithError(s.ToString().c_str());
+        return;
+      }
+    }
+    state.SetIterationTime(elapsed[0] / kTimedSteps);
+    for (const train::StepRecord& rec : records) {
+      step_s += rec.step_seconds;
+      comm_s += rec.comm_seconds;
+      wait_s += rec.wait_seconds;
+      tokens += rec.routed_tokens;
+    }
+  }
+  const double flops = FlopsPerToken(config.model());
+  state.counters["tokens_per_s"] = tokens / step_s;
+  state.counters["GFLOP_per_s"] = tokens * flops / step_s / 1e9;
+  state.counters["compute_pct"] = 100 * (step_s - comm_s - wait_s) / step_s;
+  state.counters["comm_pct"] = 100 * comm_s / step_s;
+  state.counters["wait_pct"] = 100 * wait_s / step_s;
+}
+BENCHMARK(BM_TrainStep)
+    ->ArgNames({"world", "replicated"})
+    ->Args({1, 0})
+    ->Args({2, 0})
+    ->Args({2, 1})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+
+// The compute limit: one fp32 Eigen GEMM of the experts' up-projection shape,
+// [rows, D] x [D, H], on one thread (what a rank's expert matmuls can reach at best).
+void BM_ExpertShapedGemm(benchmark::State& state) {
+  const train::ModelConfig m;  // default sizes
+  const int rows = static_cast<int>(state.range(0));
+  Eigen::setNbThreads(1);
+  Eigen::MatrixXf a = Eigen::MatrixXf::Random(rows, m.dim());
+  Eigen::MatrixXf b = Eigen::MatrixXf::Random(m.dim(), m.expert_dim());
+  Eigen::MatrixXf c(rows, m.expert_dim());
+  for (auto _ : state) {
+    c.noalias() = a * b;
+    benchmark::DoNotOptimize(c.data());
+  }
+  state.counters["GFLOP_per_s"] =
+      benchmark::Counter(2.0 * rows * m.dim() * m.expert_dim() * state.iterations() / 1e9,
+                         benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_ExpertShapedGemm)->Arg(256)->Arg(1024)->UseRealTime();
+
+}  // namespace
+}  // namespace gradsum::bench
+
+BENCHMARK_MAIN();
