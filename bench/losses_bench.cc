@@ -15,6 +15,7 @@
 // Counter `peak_extra_bytes`: the peak heap growth during one call, measured by the
 // malloc/free interposer below (every allocation of the process, Eigen's included).
 #include <malloc.h>
+#include <time.h>
 
 #include <algorithm>
 #include <atomic>
@@ -49,9 +50,8 @@ std::atomic<int64_t> g_heap_peak{0};
 
 void* Track(void* p) {
   if (p != nullptr) {
-    const int64_t now =
-        g_heap_bytes.fetch_add(static_cast<int64_t>(malloc_usable_size(p))) +
-        static_cast<int64_t>(malloc_usable_size(p));
+    const int64_t now = g_heap_bytes.fetch_add(static_cast<int64_t>(malloc_usable_size(p))) +
+                        static_cast<int64_t>(malloc_usable_size(p));
     int64_t peak = g_heap_peak.load(std::memory_order_relaxed);
     while (now > peak && !g_heap_peak.compare_exchange_weak(peak, now)) {
     }
@@ -146,34 +146,57 @@ std::vector<int64_t> RandomLabels(int64_t n, int64_t v) {
   return y;
 }
 
-// Memcpy bandwidth (bytes copied per second) of `bytes`, best of a few copies, measured
-// inside the benchmark so the ratio is side by side with the kernel.
-double MemcpyBytesPerSecond(size_t bytes) {
+// Wall and process-CPU clocks. This machine is shared (load ~7x its 2 cores), so wall
+// time mostly measures the scheduler; process CPU time (all threads) is reported beside it.
+struct Clock {
+  double wall = 0.0, cpu = 0.0;
+  static Clock Now() {
+    timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return {
+        std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(),
+        static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec)};
+  }
+  Clock operator-(const Clock& o) const { return {wall - o.wall, cpu - o.cpu}; }
+  Clock& operator+=(const Clock& o) {
+    wall += o.wall;
+    cpu += o.cpu;
+    return *this;
+  }
+};
+
+// Memcpy bandwidth (bytes copied per second, by wall and by CPU time) of `bytes`, best of a
+// few copies, measured inside the benchmark so the ratio is side by side with the kernel.
+Clock MemcpyBytesPerSecond(size_t bytes) {
   std::vector<char> src(bytes, 1), dst(bytes, 0);
-  double best = 1e30;
+  Clock best{1e30, 1e30};
   for (int i = 0; i < 5; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
+    const Clock t0 = Clock::Now();
     std::memcpy(dst.data(), src.data(), bytes);
     benchmark::DoNotOptimize(dst.data());
     benchmark::ClobberMemory();
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    const Clock dt = Clock::Now() - t0;
+    best.wall = std::min(best.wall, dt.wall);
+    best.cpu = std::min(best.cpu, dt.cpu);
   }
-  return static_cast<double>(bytes) / best;
+  return {static_cast<double>(bytes) / best.wall, static_cast<double>(bytes) / best.cpu};
 }
 
-// `seconds`: wall time of the timed calls, measured by the benchmark itself.
+// `spent`: wall and CPU time of the timed calls, measured by the benchmark itself.
 void ReportCeCounters(benchmark::State& state, int64_t n, int64_t v, size_t elem,
-                      double seconds) {
+                      const Clock& spent) {
   const double logits_bytes = static_cast<double>(n * v) * static_cast<double>(elem);
   const double three_pass = 3.0 * logits_bytes;
-  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * three_pass));
-  const double memcpy_rate = MemcpyBytesPerSecond(static_cast<size_t>(logits_bytes));
+  const Clock memcpy_rate = MemcpyBytesPerSecond(static_cast<size_t>(logits_bytes));
   // A memcpy of B bytes moves 2B (read + write): the 3-pass count at that bandwidth takes
   // three_pass / (2 * rate) seconds.
-  const double limit_seconds = three_pass / (2.0 * memcpy_rate);
-  state.counters["frac_of_memcpy_limit"] =
-      limit_seconds * static_cast<double>(state.iterations()) / seconds;
-  state.counters["memcpy_GBps"] = memcpy_rate / 1e9;
+  const double iters = static_cast<double>(state.iterations());
+  state.counters["frac_limit_wall"] = three_pass / (2.0 * memcpy_rate.wall) * iters / spent.wall;
+  state.counters["frac_limit_cpu"] = three_pass / (2.0 * memcpy_rate.cpu) * iters / spent.cpu;
+  state.counters["GBps_wall"] = three_pass * iters / spent.wall / 1e9;
+  state.counters["GBps_cpu"] = three_pass * iters / spent.cpu / 1e9;
+  state.counters["memcpy_GBps_wall"] = memcpy_rate.wall / 1e9;
+  state.counters["memcpy_GBps_cpu"] = memcpy_rate.cpu / 1e9;
 }
 
 template <typename T>
@@ -184,11 +207,11 @@ void BM_CrossEntropyFused(benchmark::State& state) {
   const std::vector<int64_t> y = RandomLabels(n, v);
   const TensorView zv = *TensorView::Create(z.data(), DTypeOf<T>(), {n, v});
   const TensorView gv = *TensorView::Create(grad.data(), DTypeOf<T>(), {n, v});
-  double seconds = 0.0;
+  Clock spent;
   for (auto _ : state) {
-    const auto t0 = std::chrono::steady_clock::now();
+    const Clock t0 = Clock::Now();
     auto r = CrossEntropyForwardBackward(zv, y, {}, static_cast<double>(n), gv);
-    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    spent += Clock::Now() - t0;
     if (!r.ok()) {
       state.SkipWithError(std::string(r.status().message()).c_str());
       break;
@@ -196,7 +219,7 @@ void BM_CrossEntropyFused(benchmark::State& state) {
     benchmark::DoNotOptimize(r->local_loss);
     benchmark::ClobberMemory();
   }
-  ReportCeCounters(state, n, v, sizeof(T), seconds);
+  ReportCeCounters(state, n, v, sizeof(T), spent);
 }
 
 // The unfused path: log-softmax written out in fp32, loss read from it, then the NLL
@@ -210,9 +233,9 @@ void BM_CrossEntropyNaive(benchmark::State& state) {
   const std::vector<int64_t> y = RandomLabels(n, v);
   const double d = static_cast<double>(n);
   std::vector<double> row_loss(static_cast<size_t>(n));
-  double seconds = 0.0;
+  Clock spent;
   for (auto _ : state) {
-    const auto t0 = std::chrono::steady_clock::now();
+    const Clock t0 = Clock::Now();
     losses::ParallelFor(2, n, [&](int64_t t) {
       const T* x = z.data() + t * v;
       float* lp = logp.data() + t * v;
@@ -235,16 +258,19 @@ void BM_CrossEntropyNaive(benchmark::State& state) {
         g[j] = FromFloat<T>(scale * (std::exp(lp[j]) - (j == y[t] ? 1.0f : 0.0f)));
       }
     });
-    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    spent += Clock::Now() - t0;
     benchmark::DoNotOptimize(loss);
     benchmark::ClobberMemory();
   }
-  ReportCeCounters(state, n, v, sizeof(T), seconds);
+  ReportCeCounters(state, n, v, sizeof(T), spent);
 }
 
 void CeSizes(benchmark::internal::Benchmark* b) {
-  b->Args({512, 8192})->Args({1024, 32768})->Args({4096, 32768})->UseRealTime()->Unit(
-      benchmark::kMillisecond);
+  b->Args({512, 8192})
+      ->Args({1024, 32768})
+      ->Args({4096, 32768})
+      ->MeasureProcessCPUTime()
+      ->Unit(benchmark::kMillisecond);
 }
 
 BENCHMARK_TEMPLATE(BM_CrossEntropyFused, float)->Apply(CeSizes);
@@ -252,8 +278,12 @@ BENCHMARK_TEMPLATE(BM_CrossEntropyNaive, float)->Apply(CeSizes);
 BENCHMARK_TEMPLATE(BM_CrossEntropyFused, BF16)->Apply(CeSizes);
 BENCHMARK_TEMPLATE(BM_CrossEntropyNaive, BF16)->Apply(CeSizes);
 // Same bytes as one logits buffer of the sizes above (f32: 16 MiB, 128 MiB, 512 MiB).
-BENCHMARK(BM_Memcpy)->Arg(512 * 8192 * 4)->Arg(1024 * 32768 * 4)->Arg(int64_t{4096} * 32768 * 4)
-    ->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Memcpy)
+    ->Arg(512 * 8192 * 4)
+    ->Arg(1024 * 32768 * 4)
+    ->Arg(int64_t{4096} * 32768 * 4)
+    ->MeasureProcessCPUTime()
+    ->Unit(benchmark::kMillisecond);
 
 // ---- Fused linear CE vs the materialised path. ----
 
@@ -290,18 +320,18 @@ void BM_FusedLinearCE(benchmark::State& state) {
   int64_t peak = 0;
   for (auto _ : state) {
     peak = std::max(peak, PeakExtraBytes([&] {
-      auto r = losses::LinearCrossEntropyForwardBackward(
-          view(p.h, p.n, p.dm), view(p.w, p.dm, p.v), p.y, {}, static_cast<double>(p.n),
-          view(p.gh, p.n, p.dm), view(p.gw, p.dm, p.v));
-      if (!r.ok()) state.SkipWithError(std::string(r.status().message()).c_str());
-      benchmark::DoNotOptimize(r);
-    }));
+                      auto r = losses::LinearCrossEntropyForwardBackward(
+                          view(p.h, p.n, p.dm), view(p.w, p.dm, p.v), p.y, {},
+                          static_cast<double>(p.n), view(p.gh, p.n, p.dm), view(p.gw, p.dm, p.v));
+                      if (!r.ok()) state.SkipWithError(std::string(r.status().message()).c_str());
+                      benchmark::DoNotOptimize(r);
+                    }));
   }
   state.counters["peak_extra_bytes"] = static_cast<double>(peak);
   state.counters["logits_bytes"] = static_cast<double>(p.n * p.v * 4);
   state.counters["peak_over_logits"] = static_cast<double>(peak) / (p.n * p.v * 4.0);
-  state.counters["GFLOP/s"] = benchmark::Counter(
-      6.0 * p.n * p.dm * p.v * state.iterations() / 1e9, benchmark::Counter::kIsRate);
+  state.counters["GFLOP/s"] = benchmark::Counter(6.0 * p.n * p.dm * p.v * state.iterations() / 1e9,
+                                                 benchmark::Counter::kIsRate);
 }
 
 void BM_MatmulThenFusedCE(benchmark::State& state) {
@@ -309,41 +339,45 @@ void BM_MatmulThenFusedCE(benchmark::State& state) {
   const int threads = 2;
   int64_t peak = 0;
   for (auto _ : state) {
-    peak = std::max(peak, PeakExtraBytes([&] {
-      Eigen::Map<const RowMajor> h(p.h.data(), p.n, p.dm), w(p.w.data(), p.dm, p.v);
-      Eigen::Map<RowMajor> gh(p.gh.data(), p.n, p.dm), gw(p.gw.data(), p.dm, p.v);
-      RowMajor logits(p.n, p.v);
-      auto part = [&](int64_t n, int64_t i) {
-        return std::pair<int64_t, int64_t>{n * i / threads, n * (i + 1) / threads - n * i / threads};
-      };
-      losses::ParallelFor(threads, threads, [&](int64_t i) {
-        const auto [c0, cn] = part(p.v, i);
-        logits.middleCols(c0, cn).noalias() = h * w.middleCols(c0, cn);
-      });
-      const TensorView lv = *TensorView::Create(logits.data(), DType::kF32, {p.n, p.v});
-      auto r = CrossEntropyForwardBackward(lv, p.y, {}, static_cast<double>(p.n), lv);
-      if (!r.ok()) state.SkipWithError(std::string(r.status().message()).c_str());
-      losses::ParallelFor(threads, threads, [&](int64_t i) {
-        const auto [c0, cn] = part(p.v, i);
-        gw.middleCols(c0, cn).noalias() += h.transpose() * logits.middleCols(c0, cn);
-      });
-      losses::ParallelFor(threads, threads, [&](int64_t i) {
-        const auto [r0, rn] = part(p.n, i);
-        gh.middleRows(r0, rn).noalias() = logits.middleRows(r0, rn) * w.transpose();
-      });
-      benchmark::DoNotOptimize(gh.data());
-    }));
+    peak = std::max(
+        peak, PeakExtraBytes([&] {
+          Eigen::Map<const RowMajor> h(p.h.data(), p.n, p.dm), w(p.w.data(), p.dm, p.v);
+          Eigen::Map<RowMajor> gh(p.gh.data(), p.n, p.dm), gw(p.gw.data(), p.dm, p.v);
+          RowMajor logits(p.n, p.v);
+          auto part = [&](int64_t n, int64_t i) {
+            return std::pair<int64_t, int64_t>{n * i / threads,
+                                               n * (i + 1) / threads - n * i / threads};
+          };
+          losses::ParallelFor(threads, threads, [&](int64_t i) {
+            const auto [c0, cn] = part(p.v, i);
+            logits.middleCols(c0, cn).noalias() = h * w.middleCols(c0, cn);
+          });
+          const TensorView lv = *TensorView::Create(logits.data(), DType::kF32, {p.n, p.v});
+          auto r = CrossEntropyForwardBackward(lv, p.y, {}, static_cast<double>(p.n), lv);
+          if (!r.ok()) state.SkipWithError(std::string(r.status().message()).c_str());
+          losses::ParallelFor(threads, threads, [&](int64_t i) {
+            const auto [c0, cn] = part(p.v, i);
+            gw.middleCols(c0, cn).noalias() += h.transpose() * logits.middleCols(c0, cn);
+          });
+          losses::ParallelFor(threads, threads, [&](int64_t i) {
+            const auto [r0, rn] = part(p.n, i);
+            gh.middleRows(r0, rn).noalias() = logits.middleRows(r0, rn) * w.transpose();
+          });
+          benchmark::DoNotOptimize(gh.data());
+        }));
   }
   state.counters["peak_extra_bytes"] = static_cast<double>(peak);
   state.counters["logits_bytes"] = static_cast<double>(p.n * p.v * 4);
   state.counters["peak_over_logits"] = static_cast<double>(peak) / (p.n * p.v * 4.0);
-  state.counters["GFLOP/s"] = benchmark::Counter(
-      6.0 * p.n * p.dm * p.v * state.iterations() / 1e9, benchmark::Counter::kIsRate);
+  state.counters["GFLOP/s"] = benchmark::Counter(6.0 * p.n * p.dm * p.v * state.iterations() / 1e9,
+                                                 benchmark::Counter::kIsRate);
 }
 
 void LinearSizes(benchmark::internal::Benchmark* b) {
-  b->Args({512, 256, 8192})->Args({2048, 256, 16384})->UseRealTime()->Unit(
-      benchmark::kMillisecond);
+  b->Args({512, 256, 8192})
+      ->Args({1024, 256, 16384})
+      ->MeasureProcessCPUTime()
+      ->Unit(benchmark::kMillisecond);
 }
 
 BENCHMARK(BM_FusedLinearCE)->Apply(LinearSizes);

@@ -23,10 +23,12 @@
 //   r = CrossEntropyForwardBackward(z, labels, {}, stats.global_ce_weight_sum, z);
 //
 // Implementation: rows are split into blocks over `num_threads` threads. Each row is read
-// from memory once to get max and sum(exp) together (an online logsumexp over L1-sized
-// tiles: a tile's max, then the running sum rescaled once per tile), and once more to write
-// the gradient. All arithmetic is fp32 (exp, softmax) with per-row sums and the loss in
-// fp64, whatever the logits dtype (f32 or bf16). Results do not depend on the thread count.
+// from memory once: an online logsumexp over L1-sized tiles (a tile's max, the running sum
+// rescaled once per tile when the max grows, then the tile's exp values) computes max and
+// sum together and keeps the exp values in a per-thread fp32 row buffer (V * 4 bytes,
+// thread_local, reused), from which the gradient is written with one multiply per element.
+// All arithmetic is fp32 (exp, softmax) with per-row sums and the loss in fp64, whatever
+// the logits dtype (f32 or bf16). Results do not depend on the thread count.
 
 #include <cstdint>
 
@@ -78,8 +80,8 @@ struct CrossEntropyResult {
 //   infinite). `grad_logits` is then partly written and must not be used.
 absl::StatusOr<CrossEntropyResult> CrossEntropyForwardBackward(
     const TensorView& logits, absl::Span<const int64_t> labels,
-    absl::Span<const float> token_weights, double global_weight_sum,
-    const TensorView& grad_logits, const CrossEntropyOptions& options = {});
+    absl::Span<const float> token_weights, double global_weight_sum, const TensorView& grad_logits,
+    const CrossEntropyOptions& options = {});
 
 // Forward only (no gradient written; `logits` is only read). Same checks and result.
 absl::StatusOr<CrossEntropyResult> CrossEntropyForward(const TensorView& logits,

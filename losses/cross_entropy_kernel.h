@@ -19,20 +19,16 @@ namespace gradsum::losses::internal {
 // weight sign and finiteness, D >= 0 and finite, D >= this call's weight sum. Row numbers
 // in messages are `row_offset + i`.
 absl::Status CheckCrossEntropyArgs(int64_t rows, int64_t vocab, absl::Span<const int64_t> labels,
-                                   absl::Span<const float> token_weights,
-                                   double global_weight_sum, int64_t ignore_index,
-                                   int64_t row_offset = 0);
+                                   absl::Span<const float> token_weights, double global_weight_sum,
+                                   int64_t ignore_index, int64_t row_offset = 0);
 
 // Runs the kernel on checked arguments. `logits` is [rows, vocab] of `dtype` (f32/bf16);
 // `grad` (same dtype and shape) may alias it or be null (forward only). Non-finite rows are
 // reported as InvalidArgument naming row `row_offset + i`.
-absl::StatusOr<CrossEntropyResult> CrossEntropyKernel(const void* logits, void* grad, DType dtype,
-                                                      int64_t rows, int64_t vocab,
-                                                      absl::Span<const int64_t> labels,
-                                                      absl::Span<const float> token_weights,
-                                                      double global_weight_sum,
-                                                      const CrossEntropyOptions& options,
-                                                      int64_t row_offset = 0);
+absl::StatusOr<CrossEntropyResult> CrossEntropyKernel(
+    const void* logits, void* grad, DType dtype, int64_t rows, int64_t vocab,
+    absl::Span<const int64_t> labels, absl::Span<const float> token_weights,
+    double global_weight_sum, const CrossEntropyOptions& options, int64_t row_offset = 0);
 
 }  // namespace gradsum::losses::internal
 

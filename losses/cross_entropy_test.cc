@@ -112,7 +112,8 @@ TEST(CrossEntropyTest, SampleAndSquareModeWeightsMatchReference) {
   EXPECT_EQ(*ws, expect_sample);
   auto wq = ComputeTokenWeights(y, sid, CeWeightMode::kSquare);
   ASSERT_TRUE(wq.ok());
-  const float r3 = static_cast<float>(1 / std::sqrt(3.0)), r2 = static_cast<float>(1 / std::sqrt(2.0));
+  const float r3 = static_cast<float>(1 / std::sqrt(3.0)),
+              r2 = static_cast<float>(1 / std::sqrt(2.0));
   const std::vector<float> expect_square = {r3, r3, 0, r3, 1, 0, r2, r2};
   EXPECT_EQ(*wq, expect_square);
   auto wt = ComputeTokenWeights(y, {}, CeWeightMode::kToken);
@@ -311,10 +312,9 @@ TEST(CrossEntropyTest, CustomIgnoreIndex) {
   EXPECT_EQ(r->local_valid_tokens, 1);
   EXPECT_NEAR(r->local_loss, std::log(std::exp(3.0) + std::exp(2.0) + std::exp(1.0)) - 3.0, 1e-7);
   const std::vector<int64_t> bad = {-100, 0};  // -100 is an ordinary label now
-  EXPECT_EQ(CrossEntropyForward(View(z.data(), DType::kF32, n, v), bad, {}, 1.0, opt)
-                .status()
-                .code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      CrossEntropyForward(View(z.data(), DType::kF32, n, v), bad, {}, 1.0, opt).status().code(),
+      absl::StatusCode::kInvalidArgument);
 }
 
 // ---- Error paths. ----

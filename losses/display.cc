@@ -25,7 +25,9 @@ class Fingerprint {
     Mix(static_cast<uint64_t>(s.size()));
     for (char c : s) Mix(static_cast<uint64_t>(static_cast<unsigned char>(c)));
   }
-  double Value16() const { return static_cast<double>((h_ ^ (h_ >> 16) ^ (h_ >> 32) ^ (h_ >> 48)) & 0xffffu); }
+  double Value16() const {
+    return static_cast<double>((h_ ^ (h_ >> 16) ^ (h_ >> 32) ^ (h_ >> 48)) & 0xffffu);
+  }
 
  private:
   uint64_t h_ = 14695981039346656037ull;
@@ -52,7 +54,8 @@ StepDisplay::StepDisplay(int num_moe_layers, int num_experts)
 absl::Status StepDisplay::RegisterTerm(absl::string_view name, DisplayTermKind kind) {
   if (name.empty()) return absl::InvalidArgumentError("display: a term needs a name");
   if (index_.contains(name)) {
-    return absl::AlreadyExistsError(absl::StrCat("display: term '", name, "' is already registered"));
+    return absl::AlreadyExistsError(
+        absl::StrCat("display: term '", name, "' is already registered"));
   }
   index_.emplace(std::string(name), entries_.size());
   entries_.push_back(Entry{std::string(name), kind, 0.0, 0});
@@ -91,15 +94,15 @@ absl::Status StepDisplay::AddMetric(absl::string_view name, double local_value) 
   return Add(name, local_value, DisplayTermKind::kMetric);
 }
 
-absl::Status StepDisplay::AddGlobalExpertCounts(int layer, absl::Span<const int64_t> global_counts) {
+absl::Status StepDisplay::AddGlobalExpertCounts(int layer,
+                                                absl::Span<const int64_t> global_counts) {
   if (layer < 0 || layer >= static_cast<int>(histogram_.size())) {
-    return absl::InvalidArgumentError(absl::StrCat("display: MoE layer ", layer,
-                                                   " outside [0, ", histogram_.size(), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("display: MoE layer ", layer, " outside [0, ", histogram_.size(), ")"));
   }
   if (static_cast<int>(global_counts.size()) != num_experts_) {
-    return absl::InvalidArgumentError(absl::StrCat("display: ", global_counts.size(),
-                                                   " expert counts for ", num_experts_,
-                                                   " experts"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "display: ", global_counts.size(), " expert counts for ", num_experts_, " experts"));
   }
   for (size_t e = 0; e < global_counts.size(); ++e) {
     if (global_counts[e] < 0) {
@@ -153,10 +156,10 @@ absl::StatusOr<StepDisplayValues> StepDisplay::Reduce(Communicator& world) {
   for (size_t i = 0; i < t; ++i) {
     const double adders = packed[t + i];
     if (entries_[i].kind == DisplayTermKind::kLoss && adders < world.size()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "display: loss term '", entries_[i].name, "' received no value this step on ",
-          world.size() - adders, " of ", world.size(),
-          " rank(s); a registered loss term must be logged every step"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("display: loss term '", entries_[i].name,
+                       "' received no value this step on ", world.size() - adders, " of ",
+                       world.size(), " rank(s); a registered loss term must be logged every step"));
     }
   }
   if (!AllRanksAgree(packed[2 * t + 2], packed[2 * t + 3], world.size())) {

@@ -46,8 +46,8 @@ TEST(StepDisplayTest, OneReduceGivesIdenticalGlobalValuesAndHistograms) {
   const int world = 3, g = 2;
   // local[r][m] = {ce, z, tokens}; counts[m][l] = global c (the same on every rank).
   auto local = [](int r, int m, int term) { return 0.125 * (r + 1) + 0.5 * m + 2.0 * term; };
-  const std::vector<std::vector<std::vector<int64_t>>> counts = {
-      {{4, 0, 2, 2}, {1, 1, 1, 1}}, {{0, 4, 2, 2}, {2, 2, 2, 2}}};
+  const std::vector<std::vector<std::vector<int64_t>>> counts = {{{4, 0, 2, 2}, {1, 1, 1, 1}},
+                                                                 {{0, 4, 2, 2}, {2, 2, 2, 2}}};
   std::vector<StepDisplayValues> got(world);
   absl::Status s = RunRanks(world, [&](Communicator& comm) -> absl::Status {
     StepDisplay display(/*num_moe_layers=*/2, /*num_experts=*/4);
@@ -110,7 +110,7 @@ TEST(StepDisplayTest, MaxVioOfImbalancedAndEmptyLayers) {
   });
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_DOUBLE_EQ(got[0].maxvio[0], (6.0 - 2.0) / 2.0);  // mean 2, max 6
-  EXPECT_EQ(got[0].maxvio[1], 0.0);                        // nothing routed
+  EXPECT_EQ(got[0].maxvio[1], 0.0);                       // nothing routed
   EXPECT_EQ(got[0].total_loss, 0.0);
 }
 
@@ -130,8 +130,8 @@ TEST(StepDisplayTest, CollectiveErrorsFailEveryRank) {
             .IgnoreError();
       }
       // Local counts differ between ranks; global ones would not.
-      const std::vector<int64_t> c = fault == kLocalCounts ? std::vector<int64_t>{r, 1}
-                                                           : std::vector<int64_t>{1, 1};
+      const std::vector<int64_t> c =
+          fault == kLocalCounts ? std::vector<int64_t>{r, 1} : std::vector<int64_t>{1, 1};
       display.AddGlobalExpertCounts(0, c).IgnoreError();
       status[r] = display.Reduce(comm).status();
       return absl::OkStatus();
@@ -158,14 +158,18 @@ TEST(StepDisplayTest, CollectiveErrorsFailEveryRank) {
 
 TEST(StepDisplayTest, DifferentTermCountsFailInTheAllReduce) {
   std::vector<absl::Status> status(2);
-  RunRanks(2, [&](Communicator& comm) -> absl::Status {
-    StepDisplay display;
-    display.RegisterTerm("ce").IgnoreError();
-    if (comm.rank() == 1) display.RegisterTerm("extra", DisplayTermKind::kMetric).IgnoreError();
-    display.AddBackwardTerm("ce", 1.0).IgnoreError();
-    status[comm.rank()] = display.Reduce(comm).status();
-    return absl::OkStatus();
-  }, {absl::Seconds(5)}).IgnoreError();
+  RunRanks(2,
+           [&](Communicator& comm) -> absl::Status {
+             StepDisplay display;
+             display.RegisterTerm("ce").IgnoreError();
+             if (comm.rank() == 1)
+               display.RegisterTerm("extra", DisplayTermKind::kMetric).IgnoreError();
+             display.AddBackwardTerm("ce", 1.0).IgnoreError();
+             status[comm.rank()] = display.Reduce(comm).status();
+             return absl::OkStatus();
+           },
+           {absl::Seconds(5)})
+      .IgnoreError();
   for (const absl::Status& st : status) EXPECT_FALSE(st.ok());
 }
 

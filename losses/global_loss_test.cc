@@ -20,6 +20,7 @@
 #include "losses/linear_cross_entropy.h"
 #include "losses/router_losses.h"
 #include "losses/step_stats.h"
+#include "losses/test_util.h"
 #include "testing/run_ranks.h"
 
 namespace gradsum::losses {
@@ -75,7 +76,8 @@ std::vector<float> Logits(const Batch& b, const std::vector<float>& head) {
   for (int64_t t = 0; t < b.tokens; ++t)
     for (int64_t j = 0; j < kVocab; ++j) {
       double acc = 0;
-      for (int64_t k = 0; k < kDim; ++k) acc += double{b.hidden[t * kDim + k]} * head[k * kVocab + j];
+      for (int64_t k = 0; k < kDim; ++k)
+        acc += double{b.hidden[t * kDim + k]} * head[k * kVocab + j];
       z[t * kVocab + j] = static_cast<float>(acc);
     }
   return z;
@@ -89,7 +91,9 @@ std::vector<double> ReferenceWeights(const Batch& b, CeWeightMode mode) {
   for (int64_t t = 0; t < b.tokens; ++t) {
     if (b.labels[t] == -100) continue;
     const double n = n_s[b.sample_ids[t]];
-    w[t] = mode == CeWeightMode::kToken ? 1.0 : mode == CeWeightMode::kSample ? 1.0 / n : 1.0 / std::sqrt(n);
+    w[t] = mode == CeWeightMode::kToken    ? 1.0
+           : mode == CeWeightMode::kSample ? 1.0 / n
+                                           : 1.0 / std::sqrt(n);
   }
   return w;
 }
@@ -116,7 +120,8 @@ GlobalCe ReferenceGlobalCe(const std::vector<std::vector<Batch>>& world_batches,
         if (w[t] == 0.0) continue;
         std::vector<double> z(kVocab, 0.0);
         for (int64_t j = 0; j < kVocab; ++j)
-          for (int64_t k = 0; k < kDim; ++k) z[j] += double{b.hidden[t * kDim + k]} * head[k * kVocab + j];
+          for (int64_t k = 0; k < kDim; ++k)
+            z[j] += double{b.hidden[t * kDim + k]} * head[k * kVocab + j];
         const double mx = *std::max_element(z.begin(), z.end());
         double s = 0;
         for (double x : z) s += std::exp(x - mx);
@@ -124,15 +129,12 @@ GlobalCe ReferenceGlobalCe(const std::vector<std::vector<Batch>>& world_batches,
         ref.loss += w[t] * (lse - z[b.labels[t]]) / d;
         for (int64_t j = 0; j < kVocab; ++j) {
           const double dz = w[t] / d * (std::exp(z[j] - lse) - (j == b.labels[t] ? 1.0 : 0.0));
-          for (int64_t k = 0; k < kDim; ++k) ref.grad_head[k * kVocab + j] += b.hidden[t * kDim + k] * dz;
+          for (int64_t k = 0; k < kDim; ++k)
+            ref.grad_head[k * kVocab + j] += b.hidden[t * kDim + k] * dz;
         }
       }
     }
   return ref;
-}
-
-TensorView View(float* p, int64_t rows, int64_t cols) {
-  return *TensorView::Create(p, DType::kF32, {rows, cols});
 }
 
 // G = 1, 2, 3 with uneven token counts and W = 1, 2, 3: the CE components (fused CE on
@@ -142,7 +144,8 @@ TEST(GlobalLossTest, CeComponentsAndHeadGradientMatchSingleProcess) {
   const std::vector<float> head = MakeHead(3);
   for (int world : {1, 2, 3}) {
     for (int g : {1, 2, 3}) {
-      for (CeWeightMode mode : {CeWeightMode::kToken, CeWeightMode::kSample, CeWeightMode::kSquare}) {
+      for (CeWeightMode mode :
+           {CeWeightMode::kToken, CeWeightMode::kSample, CeWeightMode::kSquare}) {
         const auto batches = MakeWorld(world, g, 11 * world + g);
         const GlobalCe ref = ReferenceGlobalCe(batches, head, mode);
         std::vector<double> display_ce(world), linear_sum(world);
@@ -163,8 +166,8 @@ TEST(GlobalLossTest, CeComponentsAndHeadGradientMatchSingleProcess) {
             Batch b = batches[r][m];
             std::vector<float> z = Logits(b, head);
             absl::StatusOr<CrossEntropyResult> ce = CrossEntropyForwardBackward(
-                View(z.data(), b.tokens, kVocab), b.labels, stats->token_weights[m],
-                stats->global_ce_weight_sum, View(z.data(), b.tokens, kVocab));
+                F32Matrix(z.data(), b.tokens, kVocab), b.labels, stats->token_weights[m],
+                stats->global_ce_weight_sum, F32Matrix(z.data(), b.tokens, kVocab));
             if (!ce.ok()) return ce.status();
             if (!(st = display.AddBackwardTerm("ce", ce->local_loss)).ok()) return st;
             std::vector<float> h = b.hidden, gh(b.tokens * kDim);
@@ -172,9 +175,9 @@ TEST(GlobalLossTest, CeComponentsAndHeadGradientMatchSingleProcess) {
             LinearCrossEntropyOptions lopt;
             lopt.chunk_rows = 3;
             absl::StatusOr<LinearCrossEntropyResult> lce = LinearCrossEntropyForwardBackward(
-                View(h.data(), b.tokens, kDim), View(w.data(), kDim, kVocab), b.labels,
+                F32Matrix(h.data(), b.tokens, kDim), F32Matrix(w.data(), kDim, kVocab), b.labels,
                 stats->token_weights[m], stats->global_ce_weight_sum,
-                View(gh.data(), b.tokens, kDim), View(gw.data(), kDim, kVocab), lopt);
+                F32Matrix(gh.data(), b.tokens, kDim), F32Matrix(gw.data(), kDim, kVocab), lopt);
             if (!lce.ok()) return lce.status();
             linear_sum[r] += lce->ce.local_loss;
           }
@@ -223,8 +226,8 @@ TEST(GlobalLossTest, AllIgnoredStepIsZeroEverywhere) {
       const Batch& b = batches[comm.rank()][m];
       std::vector<float> z = Logits(b, head);
       absl::StatusOr<CrossEntropyResult> ce = CrossEntropyForwardBackward(
-          View(z.data(), b.tokens, kVocab), b.labels, stats->token_weights[m], 0.0,
-          View(z.data(), b.tokens, kVocab));
+          F32Matrix(z.data(), b.tokens, kVocab), b.labels, stats->token_weights[m], 0.0,
+          F32Matrix(z.data(), b.tokens, kVocab));
       if (!ce.ok()) return ce.status();
       EXPECT_EQ(ce->local_loss, 0.0);
       for (float x : z) EXPECT_EQ(x, 0.0f);
@@ -243,7 +246,8 @@ std::vector<double> RouterLogits(const Batch& b, const std::vector<double>& wr) 
   std::vector<double> u(b.tokens * kExperts, 0.0);
   for (int64_t t = 0; t < b.tokens; ++t)
     for (int64_t e = 0; e < kExperts; ++e)
-      for (int64_t k = 0; k < kDim; ++k) u[t * kExperts + e] += double{b.hidden[t * kDim + k]} * wr[k * kExperts + e];
+      for (int64_t k = 0; k < kDim; ++k)
+        u[t * kExperts + e] += double{b.hidden[t * kDim + k]} * wr[k * kExperts + e];
   return u;
 }
 
@@ -259,8 +263,9 @@ std::vector<int32_t> TopK(const T* u) {
 // Global L_z + L_bal (§4, §5) over all tokens, as a function of the router weights, with
 // the detached counts c[m] given.
 double ReferenceRouterLoss(const std::vector<std::vector<Batch>>& batches,
-                           const std::vector<double>& wr, const std::vector<std::vector<int64_t>>& c,
-                           int g, double alpha_z, double alpha_b) {
+                           const std::vector<double>& wr,
+                           const std::vector<std::vector<int64_t>>& c, int g, double alpha_z,
+                           double alpha_b) {
   double n_step = 0;
   for (const auto& rb : batches)
     for (const Batch& b : rb)
@@ -333,18 +338,19 @@ TEST(GlobalLossTest, RouterGradientsSummedOverRanksMatchGlobalFormula) {
           absl::StatusOr<std::vector<int64_t>> local =
               CountLocalExpertAssignments(topk, kTopK, b.mask, kExperts);
           if (!local.ok()) return local.status();
-          absl::StatusOr<ExpertCountReduction> red = ExpertCountReduction::Start(comm, *local, kTopK);
+          absl::StatusOr<ExpertCountReduction> red =
+              ExpertCountReduction::Start(comm, *local, kTopK);
           if (!red.ok()) return red.status();
           absl::StatusOr<double> z = RouterZLossForwardBackward(
-              View(u.data(), b.tokens, kExperts), b.mask, stats->global_routed_tokens, alpha_z,
-              View(du.data(), b.tokens, kExperts));
+              F32Matrix(u.data(), b.tokens, kExperts), b.mask, stats->global_routed_tokens, alpha_z,
+              F32Matrix(du.data(), b.tokens, kExperts));
           if (!z.ok()) return z.status();
           absl::StatusOr<absl::Span<const int64_t>> cm = red->Wait();
           if (!cm.ok()) return cm.status();
           EXPECT_EQ(std::vector<int64_t>(cm->begin(), cm->end()), c[m]);
           absl::StatusOr<double> bal = LoadBalancingLossForwardBackward(
-              View(u.data(), b.tokens, kExperts), b.mask, *cm, kTopK, g, alpha_b,
-              View(du.data(), b.tokens, kExperts));
+              F32Matrix(u.data(), b.tokens, kExperts), b.mask, *cm, kTopK, g, alpha_b,
+              F32Matrix(du.data(), b.tokens, kExperts));
           if (!bal.ok()) return bal.status();
           if (!(st = display.AddBackwardTerm("z_loss", *z)).ok()) return st;
           if (!(st = display.AddBackwardTerm("balance", *bal)).ok()) return st;
@@ -374,7 +380,8 @@ TEST(GlobalLossTest, RouterGradientsSummedOverRanksMatchGlobalFormula) {
         wp[i] += 1e-4;
         wm[i] -= 1e-4;
         const double fd = (ReferenceRouterLoss(batches, wp, c, g, alpha_z, alpha_b) -
-                           ReferenceRouterLoss(batches, wm, c, g, alpha_z, alpha_b)) / 2e-4;
+                           ReferenceRouterLoss(batches, wm, c, g, alpha_z, alpha_b)) /
+                          2e-4;
         EXPECT_NEAR(grad[0][i], fd, 1e-6 + 1e-5 * std::abs(fd)) << where << " weight " << i;
       }
     }

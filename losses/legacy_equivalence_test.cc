@@ -17,6 +17,7 @@
 #include "losses/linear_cross_entropy.h"
 #include "losses/router_losses.h"
 #include "losses/step_stats.h"
+#include "losses/test_util.h"
 #include "testing/run_ranks.h"
 
 namespace gradsum::losses {
@@ -26,18 +27,6 @@ using ::gradsum::testing::RunRanks;
 
 constexpr int64_t kVocab = 29, kDim = 5, kExperts = 4;
 constexpr int kTopK = 2, kMicroBatches = 2;
-
-std::vector<float> Random(size_t n, uint32_t seed, float scale) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.0f, scale);
-  std::vector<float> x(n);
-  for (float& e : x) e = dist(rng);
-  return x;
-}
-
-TensorView View(float* p, int64_t rows, int64_t cols) {
-  return *TensorView::Create(p, DType::kF32, {rows, cols});
-}
 
 // Per rank: local gradients of the LM head (CE) and of the router logits' weights
 // (balancing), accumulated over the micro-batches. Everything is rank-local.
@@ -53,9 +42,10 @@ absl::StatusOr<LocalGrads> ComputeLocalGrads(Communicator& comm, const std::vect
   std::vector<MicroBatchTokens> mbs;
   for (int m = 0; m < kMicroBatches; ++m) {
     const int64_t t = 3 + 4 * ((r + m) % 3);  // uneven
-    hidden[m] = Random(t * kDim, 100 * r + m, 1.0f);
+    hidden[m] = RandomNormal(t * kDim, 100 * r + m, 1.0f);
     std::mt19937 rng(7 * r + m);
-    for (int64_t i = 0; i < t; ++i) labels[m].push_back(i % 4 == 3 ? -100 : static_cast<int64_t>(rng() % kVocab));
+    for (int64_t i = 0; i < t; ++i)
+      labels[m].push_back(i % 4 == 3 ? -100 : static_cast<int64_t>(rng() % kVocab));
   }
   for (int m = 0; m < kMicroBatches; ++m) mbs.push_back({labels[m], {}, {}});
   GRADSUM_ASSIGN_OR_RETURN(StepStats stats, ComputeStepStats(comm, mbs));
@@ -64,16 +54,18 @@ absl::StatusOr<LocalGrads> ComputeLocalGrads(Communicator& comm, const std::vect
     const int64_t t = static_cast<int64_t>(labels[m].size());
     std::vector<float> h = hidden[m], w = head, gh(t * kDim);
     GRADSUM_RETURN_IF_ERROR(LinearCrossEntropyForwardBackward(
-                                View(h.data(), t, kDim), View(w.data(), kDim, kVocab), labels[m],
-                                stats.token_weights[m], stats.global_ce_weight_sum,
-                                View(gh.data(), t, kDim), View(g.head.data(), kDim, kVocab))
+                                F32Matrix(h.data(), t, kDim), F32Matrix(w.data(), kDim, kVocab),
+                                labels[m], stats.token_weights[m], stats.global_ce_weight_sum,
+                                F32Matrix(gh.data(), t, kDim),
+                                F32Matrix(g.head.data(), kDim, kVocab))
                                 .status());
     // Router logits u = hidden @ router; counts from the top-k, reduced over the world.
     std::vector<float> u(t * kExperts, 0.0f), du(t * kExperts, 0.0f);
     std::vector<int32_t> topk;
     for (int64_t i = 0; i < t; ++i) {
       for (int64_t e = 0; e < kExperts; ++e)
-        for (int64_t k = 0; k < kDim; ++k) u[i * kExperts + e] += h[i * kDim + k] * router[k * kExperts + e];
+        for (int64_t k = 0; k < kDim; ++k)
+          u[i * kExperts + e] += h[i * kDim + k] * router[k * kExperts + e];
       int32_t a = 0, b = 1;
       if (u[i * kExperts + b] > u[i * kExperts + a]) std::swap(a, b);
       for (int32_t e = 2; e < kExperts; ++e) {
@@ -92,9 +84,9 @@ absl::StatusOr<LocalGrads> ComputeLocalGrads(Communicator& comm, const std::vect
     GRADSUM_ASSIGN_OR_RETURN(ExpertCountReduction red,
                              ExpertCountReduction::Start(comm, local, kTopK));
     GRADSUM_ASSIGN_OR_RETURN(absl::Span<const int64_t> c, red.Wait());
-    GRADSUM_RETURN_IF_ERROR(LoadBalancingLossForwardBackward(View(u.data(), t, kExperts), {}, c,
-                                                             kTopK, kMicroBatches, 0.01,
-                                                             View(du.data(), t, kExperts))
+    GRADSUM_RETURN_IF_ERROR(LoadBalancingLossForwardBackward(F32Matrix(u.data(), t, kExperts), {},
+                                                             c, kTopK, kMicroBatches, 0.01,
+                                                             F32Matrix(du.data(), t, kExperts))
                                 .status());
     for (int64_t i = 0; i < t; ++i)
       for (int64_t k = 0; k < kDim; ++k)
@@ -105,8 +97,8 @@ absl::StatusOr<LocalGrads> ComputeLocalGrads(Communicator& comm, const std::vect
 }
 
 void RunEquivalence(int world) {
-  const std::vector<float> head = Random(kDim * kVocab, 1, 0.5f);
-  const std::vector<float> router = Random(kDim * kExperts, 2, 1.0f);
+  const std::vector<float> head = RandomNormal(kDim * kVocab, 1, 0.5f);
+  const std::vector<float> router = RandomNormal(kDim * kExperts, 2, 1.0f);
   std::vector<std::vector<float>> sum_path(world), legacy_path(world), plain_avg(world);
   absl::Status s = RunRanks(world, [&](Communicator& comm) -> absl::Status {
     GRADSUM_ASSIGN_OR_RETURN(LocalGrads g, ComputeLocalGrads(comm, head, router));
@@ -142,7 +134,8 @@ void RunEquivalence(int world) {
     ASSERT_EQ(sum_path[r].size(), legacy_path[r].size());
     int nonzero = 0;
     for (size_t i = 0; i < sum_path[r].size(); ++i) {
-      ASSERT_EQ(sum_path[r][i], legacy_path[r][i]) << "W=" << world << " rank " << r << " element " << i;
+      ASSERT_EQ(sum_path[r][i], legacy_path[r][i])
+          << "W=" << world << " rank " << r << " element " << i;
       if (sum_path[r][i] != 0.0f) {
         ++nonzero;
         EXPECT_EQ(plain_avg[r][i] * static_cast<float>(world), sum_path[r][i]);

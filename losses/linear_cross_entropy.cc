@@ -29,8 +29,8 @@ absl::Status CheckF32Matrix(const TensorView& t, const char* what, int64_t rows,
   }
   if ((rows >= 0 && t.dim(0) != rows) || (cols >= 0 && t.dim(1) != cols)) {
     return absl::InvalidArgumentError(absl::StrCat("linear cross-entropy: ", what, " is ",
-                                                   t.DebugString(), ", expected [", rows, ",",
-                                                   cols, "]"));
+                                                   t.DebugString(), ", expected [", rows, ",", cols,
+                                                   "]"));
   }
   return absl::OkStatus();
 }
@@ -51,9 +51,8 @@ std::pair<int64_t, int64_t> Part(int64_t n, int64_t parts, int64_t i) {
 
 absl::StatusOr<LinearCrossEntropyResult> LinearCrossEntropyForwardBackward(
     const TensorView& hidden, const TensorView& head, absl::Span<const int64_t> labels,
-    absl::Span<const float> token_weights, double global_weight_sum,
-    const TensorView& grad_hidden, const TensorView& grad_head,
-    const LinearCrossEntropyOptions& options) {
+    absl::Span<const float> token_weights, double global_weight_sum, const TensorView& grad_hidden,
+    const TensorView& grad_head, const LinearCrossEntropyOptions& options) {
   absl::Status s = CheckF32Matrix(hidden, "hidden", -1, -1);
   if (!s.ok()) return s;
   const int64_t n = hidden.dim(0);
@@ -81,7 +80,11 @@ absl::StatusOr<LinearCrossEntropyResult> LinearCrossEntropyForwardBackward(
   if (!s.ok()) return s;
 
   int64_t chunk = options.chunk_rows;
-  if (chunk == 0) chunk = std::max(kMinAutoChunkRows, kAutoChunkBytes / (v * 4));
+  if (chunk == 0) {
+    // Large enough for efficient GEMMs, small enough that the logits chunk stays a small
+    // fraction (<= 1/8) of the [N, V] logits it replaces.
+    chunk = std::max(kMinAutoChunkRows, std::min(kAutoChunkBytes / (v * 4), n / 8));
+  }
   chunk = std::max<int64_t>(1, std::min(chunk, n));
 
   LinearCrossEntropyResult result;
@@ -117,8 +120,11 @@ absl::StatusOr<LinearCrossEntropyResult> LinearCrossEntropyForwardBackward(
     }
     if (logits_buf == nullptr) {
       logits_buf.reset(new float[static_cast<size_t>(chunk * v)]);
-      // The CE kernel keeps 9 bytes per row (row loss + row status) while it runs.
-      result.peak_scratch_bytes = chunk * v * static_cast<int64_t>(sizeof(float)) + chunk * 9;
+      // The CE kernel keeps 9 bytes per row (row loss + row status) and, per thread, one
+      // fp32 row of exp values plus one float per 1024-column tile.
+      result.peak_scratch_bytes =
+          chunk * v * static_cast<int64_t>(sizeof(float)) + chunk * 9 +
+          threads * (v + (v + 1023) / 1024) * static_cast<int64_t>(sizeof(float));
     }
     Map logits(logits_buf.get(), rows, v);
     const auto h_c = h.middleRows(r0, rows);

@@ -9,7 +9,7 @@
 //   dlogits_c     = fused CE forward+backward in place   (cross_entropy.h)
 //   grad_head    += hidden_c^T @ dlogits_c               accumulated in fp32
 //   grad_hidden_c = dlogits_c @ head^T
-// Peak extra memory is one chunk of logits (C * V * 4 bytes) plus O(C) row scratch,
+// Peak extra memory is one chunk of logits (C * V * 4 bytes) plus O(C + V) scratch,
 // reported in LinearCrossEntropyResult::peak_scratch_bytes. GEMMs are Eigen's, split over
 // `num_threads` threads (columns of V for the head-side products, rows for grad_hidden).
 // Chunks whose rows all have weight 0 skip the matmuls (their grad_hidden rows are 0).
@@ -34,16 +34,17 @@ struct LinearCrossEntropyOptions {
   int64_t ignore_index = -100;
   // Threads for the GEMMs and the CE rows (caller's thread included).
   int num_threads = 2;
-  // Token rows per chunk. 0 = automatic: the largest count whose fp32 logits fit in 4 MiB,
-  // at least 32 rows and at most N.
+  // Token rows per chunk. 0 = automatic: min(rows whose fp32 logits fit in 4 MiB, N / 8),
+  // but at least 32 rows, and at most N.
   int64_t chunk_rows = 0;
 };
 
 struct LinearCrossEntropyResult {
   // Loss, weight sum and valid count of these rows, as from CrossEntropyForwardBackward.
   CrossEntropyResult ce;
-  // The most bytes this call held allocated at once (logits chunk + per-row scratch).
-  // Eigen's internal GEMM packing buffers (cache-sized) are not included.
+  // The most bytes this call held allocated at once: the logits chunk, 9 bytes per chunk
+  // row and one fp32 row of V per thread (the CE kernel's). Eigen's internal GEMM packing
+  // buffers (cache-sized) are not included; bench/losses_bench measures the true heap peak.
   int64_t peak_scratch_bytes = 0;
   // Chunk size used.
   int64_t chunk_rows = 0;
@@ -64,9 +65,8 @@ struct LinearCrossEntropyResult {
 // written and must not be used.
 absl::StatusOr<LinearCrossEntropyResult> LinearCrossEntropyForwardBackward(
     const TensorView& hidden, const TensorView& head, absl::Span<const int64_t> labels,
-    absl::Span<const float> token_weights, double global_weight_sum,
-    const TensorView& grad_hidden, const TensorView& grad_head,
-    const LinearCrossEntropyOptions& options = {});
+    absl::Span<const float> token_weights, double global_weight_sum, const TensorView& grad_hidden,
+    const TensorView& grad_head, const LinearCrossEntropyOptions& options = {});
 
 }  // namespace gradsum::losses
 

@@ -10,23 +10,12 @@
 #include "core/tensor.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "losses/test_util.h"
 
 namespace gradsum::losses {
 namespace {
 
 using ::testing::HasSubstr;
-
-TensorView View(float* data, int64_t rows, int64_t cols) {
-  return *TensorView::Create(data, DType::kF32, {rows, cols});
-}
-
-std::vector<float> Random(size_t n, uint32_t seed, float scale) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.0f, scale);
-  std::vector<float> x(n);
-  for (float& e : x) e = dist(rng);
-  return x;
-}
 
 // Double-precision reference: logits = H W, the §3 loss, dH = dZ W^T, dW = H^T dZ.
 struct Reference {
@@ -73,7 +62,7 @@ struct Problem {
 };
 
 Problem MakeProblem(int64_t n, int64_t dm, int64_t v, uint32_t seed, double ignore_fraction) {
-  Problem p{n, dm, v, Random(n * dm, seed, 1.0f), Random(dm * v, seed + 1, 0.5f), {}};
+  Problem p{n, dm, v, RandomNormal(n * dm, seed, 1.0f), RandomNormal(dm * v, seed + 1, 0.5f), {}};
   std::mt19937 rng(seed + 2);
   std::uniform_int_distribution<int64_t> cls(0, v - 1);
   std::bernoulli_distribution ignore(ignore_fraction);
@@ -83,21 +72,20 @@ Problem MakeProblem(int64_t n, int64_t dm, int64_t v, uint32_t seed, double igno
 
 TEST(LinearCrossEntropyTest, MatchesDoubleReferenceForEveryChunking) {
   Problem p = MakeProblem(29, 16, 301, 1, 0.2);
-  std::vector<float> weights = Random(p.n, 4, 1.0f);
+  std::vector<float> weights = RandomNormal(p.n, 4, 1.0f);
   for (float& e : weights) e = std::abs(e);
   double d = 0.0;
   for (int64_t t = 0; t < p.n; ++t) d += p.y[t] == -100 ? 0.0 : weights[t];
   d *= 1.5;  // other micro-batches hold the rest
   const Reference ref = ReferenceLinearCe(p.h, p.w, p.n, p.dm, p.v, p.y, weights, d);
-  const std::vector<float> head_before = Random(p.dm * p.v, 5, 0.1f);
+  const std::vector<float> head_before = RandomNormal(p.dm * p.v, 5, 0.1f);
   for (int64_t chunk : {0, 1, 3, 7, 29, 100}) {
     std::vector<float> gh(p.n * p.dm, std::nanf("")), gw = head_before;
     LinearCrossEntropyOptions opt;
     opt.chunk_rows = chunk;
-    auto r = LinearCrossEntropyForwardBackward(View(p.h.data(), p.n, p.dm),
-                                               View(p.w.data(), p.dm, p.v), p.y, weights, d,
-                                               View(gh.data(), p.n, p.dm),
-                                               View(gw.data(), p.dm, p.v), opt);
+    auto r = LinearCrossEntropyForwardBackward(
+        F32Matrix(p.h.data(), p.n, p.dm), F32Matrix(p.w.data(), p.dm, p.v), p.y, weights, d,
+        F32Matrix(gh.data(), p.n, p.dm), F32Matrix(gw.data(), p.dm, p.v), opt);
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_NEAR(r->ce.local_loss, ref.loss, 1e-6 * ref.loss) << "chunk " << chunk;
     EXPECT_EQ(r->chunk_rows, chunk == 0 || chunk > p.n ? p.n : chunk);
@@ -118,18 +106,16 @@ TEST(LinearCrossEntropyTest, GradientsMatchCentralFiniteDifferences) {
   std::vector<float> gh(p.n * p.dm), gw(p.dm * p.v, 0.0f);
   LinearCrossEntropyOptions opt;
   opt.chunk_rows = 4;
-  auto r = LinearCrossEntropyForwardBackward(View(p.h.data(), p.n, p.dm),
-                                             View(p.w.data(), p.dm, p.v), p.y, {}, d,
-                                             View(gh.data(), p.n, p.dm),
-                                             View(gw.data(), p.dm, p.v), opt);
+  auto r = LinearCrossEntropyForwardBackward(
+      F32Matrix(p.h.data(), p.n, p.dm), F32Matrix(p.w.data(), p.dm, p.v), p.y, {}, d,
+      F32Matrix(gh.data(), p.n, p.dm), F32Matrix(gw.data(), p.dm, p.v), opt);
   ASSERT_TRUE(r.ok()) << r.status();
   auto loss = [&](const std::vector<float>& h, const std::vector<float>& w) {
     std::vector<float> sh(h.size()), sw(w.size(), 0.0f);
     std::vector<float> hc = h, wc = w;
-    auto l = LinearCrossEntropyForwardBackward(View(hc.data(), p.n, p.dm),
-                                               View(wc.data(), p.dm, p.v), p.y, {}, d,
-                                               View(sh.data(), p.n, p.dm),
-                                               View(sw.data(), p.dm, p.v), opt);
+    auto l = LinearCrossEntropyForwardBackward(
+        F32Matrix(hc.data(), p.n, p.dm), F32Matrix(wc.data(), p.dm, p.v), p.y, {}, d,
+        F32Matrix(sh.data(), p.n, p.dm), F32Matrix(sw.data(), p.dm, p.v), opt);
     EXPECT_TRUE(l.ok());
     return l->ce.local_loss;
   };
@@ -155,16 +141,14 @@ TEST(LinearCrossEntropyTest, InPlaceHiddenGradientEqualsOutOfPlace) {
   LinearCrossEntropyOptions opt;
   opt.chunk_rows = 9;
   std::vector<float> gh(p.n * p.dm), gw1(p.dm * p.v, 0.0f), gw2(p.dm * p.v, 0.0f);
-  auto a = LinearCrossEntropyForwardBackward(View(p.h.data(), p.n, p.dm),
-                                             View(p.w.data(), p.dm, p.v), p.y, {}, 40.0,
-                                             View(gh.data(), p.n, p.dm),
-                                             View(gw1.data(), p.dm, p.v), opt);
+  auto a = LinearCrossEntropyForwardBackward(
+      F32Matrix(p.h.data(), p.n, p.dm), F32Matrix(p.w.data(), p.dm, p.v), p.y, {}, 40.0,
+      F32Matrix(gh.data(), p.n, p.dm), F32Matrix(gw1.data(), p.dm, p.v), opt);
   ASSERT_TRUE(a.ok());
   std::vector<float> h = p.h;
-  auto b = LinearCrossEntropyForwardBackward(View(h.data(), p.n, p.dm),
-                                             View(p.w.data(), p.dm, p.v), p.y, {}, 40.0,
-                                             View(h.data(), p.n, p.dm),
-                                             View(gw2.data(), p.dm, p.v), opt);
+  auto b = LinearCrossEntropyForwardBackward(
+      F32Matrix(h.data(), p.n, p.dm), F32Matrix(p.w.data(), p.dm, p.v), p.y, {}, 40.0,
+      F32Matrix(h.data(), p.n, p.dm), F32Matrix(gw2.data(), p.dm, p.v), opt);
   ASSERT_TRUE(b.ok()) << b.status();
   EXPECT_EQ(h, gh);
   EXPECT_EQ(gw1, gw2);
@@ -175,20 +159,18 @@ TEST(LinearCrossEntropyTest, AllIgnoredGivesZerosAndLeavesHeadGradientAlone) {
   Problem p = MakeProblem(10, 4, 13, 13, 0.0);
   const std::vector<int64_t> y(p.n, -100);
   std::vector<float> gh(p.n * p.dm, 7.0f), gw(p.dm * p.v, 3.0f);
-  auto r = LinearCrossEntropyForwardBackward(View(p.h.data(), p.n, p.dm),
-                                             View(p.w.data(), p.dm, p.v), y, {}, 0.0,
-                                             View(gh.data(), p.n, p.dm),
-                                             View(gw.data(), p.dm, p.v));
+  auto r = LinearCrossEntropyForwardBackward(
+      F32Matrix(p.h.data(), p.n, p.dm), F32Matrix(p.w.data(), p.dm, p.v), y, {}, 0.0,
+      F32Matrix(gh.data(), p.n, p.dm), F32Matrix(gw.data(), p.dm, p.v));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->ce.local_loss, 0.0);
   EXPECT_EQ(r->peak_scratch_bytes, 0);
   for (float g : gh) EXPECT_EQ(g, 0.0f);
   for (float g : gw) EXPECT_EQ(g, 3.0f);
   // A rank with no valid tokens while D > 0 elsewhere: the same zeros.
-  auto r2 = LinearCrossEntropyForwardBackward(View(p.h.data(), p.n, p.dm),
-                                              View(p.w.data(), p.dm, p.v), y, {}, 17.0,
-                                              View(gh.data(), p.n, p.dm),
-                                              View(gw.data(), p.dm, p.v));
+  auto r2 = LinearCrossEntropyForwardBackward(
+      F32Matrix(p.h.data(), p.n, p.dm), F32Matrix(p.w.data(), p.dm, p.v), y, {}, 17.0,
+      F32Matrix(gh.data(), p.n, p.dm), F32Matrix(gw.data(), p.dm, p.v));
   ASSERT_TRUE(r2.ok());
   EXPECT_EQ(r2->ce.local_loss, 0.0);
   for (float g : gh) EXPECT_EQ(g, 0.0f);
@@ -199,10 +181,9 @@ TEST(LinearCrossEntropyTest, ScratchIsOneChunkOfLogits) {
   LinearCrossEntropyOptions opt;
   opt.chunk_rows = 16;
   std::vector<float> gh(p.n * p.dm), gw(p.dm * p.v, 0.0f);
-  auto r = LinearCrossEntropyForwardBackward(View(p.h.data(), p.n, p.dm),
-                                             View(p.w.data(), p.dm, p.v), p.y, {}, 64.0,
-                                             View(gh.data(), p.n, p.dm),
-                                             View(gw.data(), p.dm, p.v), opt);
+  auto r = LinearCrossEntropyForwardBackward(
+      F32Matrix(p.h.data(), p.n, p.dm), F32Matrix(p.w.data(), p.dm, p.v), p.y, {}, 64.0,
+      F32Matrix(gh.data(), p.n, p.dm), F32Matrix(gw.data(), p.dm, p.v), opt);
   ASSERT_TRUE(r.ok());
   const int64_t full_logits_bytes = p.n * p.v * 4;
   EXPECT_GE(r->peak_scratch_bytes, 16 * p.v * 4);
@@ -217,22 +198,22 @@ TEST(LinearCrossEntropyErrorsTest, ArgumentsAreChecked) {
                  LinearCrossEntropyOptions opt = {}) {
     return LinearCrossEntropyForwardBackward(h, w, y, {}, 8.0, g_h, g_w, opt).status();
   };
-  const TensorView h = View(p.h.data(), p.n, p.dm), w = View(p.w.data(), p.dm, p.v);
-  const TensorView g_h = View(gh.data(), p.n, p.dm), g_w = View(gw.data(), p.dm, p.v);
+  const TensorView h = F32Matrix(p.h.data(), p.n, p.dm), w = F32Matrix(p.w.data(), p.dm, p.v);
+  const TensorView g_h = F32Matrix(gh.data(), p.n, p.dm), g_w = F32Matrix(gw.data(), p.dm, p.v);
   ASSERT_TRUE(run(h, w, g_h, g_w, p.y).ok());
   std::vector<uint16_t> bf(p.n * p.dm);
   auto h_bf16 = *TensorView::Create(bf.data(), DType::kBF16, {p.n, p.dm});
   EXPECT_EQ(run(h_bf16, w, g_h, g_w, p.y).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(run(h, View(p.w.data(), p.dm - 1, p.v), g_h, g_w, p.y).code(),
+  EXPECT_EQ(run(h, F32Matrix(p.w.data(), p.dm - 1, p.v), g_h, g_w, p.y).code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(run(h, w, View(gh.data(), p.n - 1, p.dm), g_w, p.y).code(),
+  EXPECT_EQ(run(h, w, F32Matrix(gh.data(), p.n - 1, p.dm), g_w, p.y).code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(run(h, w, g_h, View(gw.data(), p.dm, p.v - 1), p.y).code(),
+  EXPECT_EQ(run(h, w, g_h, F32Matrix(gw.data(), p.dm, p.v - 1), p.y).code(),
             absl::StatusCode::kInvalidArgument);
   // grad_head overlapping hidden; grad_hidden overlapping head.
-  EXPECT_EQ(run(h, w, g_h, View(p.h.data(), p.dm, p.v), p.y).code(),
+  EXPECT_EQ(run(h, w, g_h, F32Matrix(p.h.data(), p.dm, p.v), p.y).code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(run(h, w, View(p.w.data() + 1, p.n, 2), g_w, p.y).code(),
+  EXPECT_EQ(run(h, w, F32Matrix(p.w.data() + 1, p.n, 2), g_w, p.y).code(),
             absl::StatusCode::kInvalidArgument);
   LinearCrossEntropyOptions neg;
   neg.chunk_rows = -1;
@@ -250,7 +231,7 @@ TEST(LinearCrossEntropyErrorsTest, ArgumentsAreChecked) {
   // A NaN hidden row makes a NaN logits row, reported with its row in [0, N).
   std::vector<float> hn = p.h;
   hn[6 * p.dm + 1] = std::numeric_limits<float>::quiet_NaN();
-  s = run(View(hn.data(), p.n, p.dm), w, g_h, g_w, p.y, small);
+  s = run(F32Matrix(hn.data(), p.n, p.dm), w, g_h, g_w, p.y, small);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(s.message()), HasSubstr("row 6"));
   EXPECT_THAT(std::string(s.message()), HasSubstr("NaN"));

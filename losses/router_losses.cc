@@ -13,17 +13,16 @@ namespace {
 
 absl::Status CheckRouterViews(const TensorView& logits, absl::Span<const uint8_t> mask,
                               const TensorView& grad, const char* loss) {
-  if (logits.rank() != 2 || logits.dtype() != DType::kF32 ||
-      logits.device().type != Device::kCpu || logits.dim(1) < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        loss, ": router logits must be a 2-D f32 CPU tensor [T, E] with E >= 1, got ",
-        logits.DebugString()));
+  if (logits.rank() != 2 || logits.dtype() != DType::kF32 || logits.device().type != Device::kCpu ||
+      logits.dim(1) < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(loss, ": router logits must be a 2-D f32 CPU tensor [T, E] with E >= 1, got ",
+                     logits.DebugString()));
   }
   if (grad.dtype() != DType::kF32 || grad.shape() != logits.shape() ||
       grad.device().type != Device::kCpu) {
-    return absl::InvalidArgumentError(absl::StrCat(loss, ": grad_router_logits ",
-                                                   grad.DebugString(), " must match ",
-                                                   logits.DebugString()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        loss, ": grad_router_logits ", grad.DebugString(), " must match ", logits.DebugString()));
   }
   const char* a = static_cast<const char*>(logits.raw());
   const char* b = static_cast<const char*>(grad.raw());
@@ -37,9 +36,8 @@ absl::Status CheckRouterViews(const TensorView& logits, absl::Span<const uint8_t
   }
   for (size_t t = 0; t < mask.size(); ++t) {
     if (mask[t] > 1) {
-      return absl::InvalidArgumentError(absl::StrCat(loss, ": input_mask[", t, "] = ",
-                                                     static_cast<int>(mask[t]),
-                                                     " must be 0 or 1"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          loss, ": input_mask[", t, "] = ", static_cast<int>(mask[t]), " must be 0 or 1"));
     }
   }
   return absl::OkStatus();
@@ -68,9 +66,8 @@ absl::Status RowSoftmax(const float* u, int64_t e, int64_t row, const char* loss
   double mx = -INFINITY;
   for (int64_t j = 0; j < e; ++j) {
     if (!std::isfinite(u[j])) {
-      return absl::InvalidArgumentError(absl::StrCat(loss, ": router logits row ", row,
-                                                     " has a non-finite entry ", u[j],
-                                                     " at expert ", j));
+      return absl::InvalidArgumentError(absl::StrCat(
+          loss, ": router logits row ", row, " has a non-finite entry ", u[j], " at expert ", j));
     }
     mx = std::max(mx, static_cast<double>(u[j]));
   }
@@ -146,8 +143,8 @@ absl::StatusOr<double> LoadBalancingLossForwardBackward(
         absl::StrCat(kLoss, ": top_k ", top_k, " must be in [1, ", e, "]"));
   }
   if (num_micro_batches < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        kLoss, ": number of micro-batches G = ", num_micro_batches, " must be >= 1"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(kLoss, ": number of micro-batches G = ", num_micro_batches, " must be >= 1"));
   }
   int64_t assignments = 0;
   for (int64_t j = 0; j < e; ++j) {
@@ -158,8 +155,7 @@ absl::StatusOr<double> LoadBalancingLossForwardBackward(
     assignments += global_expert_counts[j];
   }
   if (assignments % top_k != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(kLoss, ": expert counts sum to ",
-                                                   assignments,
+    return absl::InvalidArgumentError(absl::StrCat(kLoss, ": expert counts sum to ", assignments,
                                                    ", not a multiple of top_k = ", top_k));
   }
   const int64_t n_lm = assignments / top_k;  // routed tokens of this micro-step, all ranks

@@ -12,23 +12,12 @@
 #include "core/tensor.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "losses/test_util.h"
 
 namespace gradsum::losses {
 namespace {
 
 using ::testing::HasSubstr;
-
-TensorView View(float* data, int64_t rows, int64_t cols) {
-  return *TensorView::Create(data, DType::kF32, {rows, cols});
-}
-
-std::vector<float> Random(size_t n, uint32_t seed, float scale) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.0f, scale);
-  std::vector<float> x(n);
-  for (float& e : x) e = dist(rng);
-  return x;
-}
 
 std::vector<double> Softmax(const float* u, int64_t e) {
   std::vector<double> p(e);
@@ -56,13 +45,14 @@ std::vector<int64_t> TopK(const float* u, int64_t e, int k) {
 
 TEST(RouterZLossTest, MatchesReferenceAndAddsIntoGradient) {
   const int64_t t = 7, e = 5;
-  std::vector<float> u = Random(t * e, 1, 2.0f);
+  std::vector<float> u = RandomNormal(t * e, 1, 2.0f);
   u[3 * e + 2] = std::numeric_limits<float>::quiet_NaN();  // padding row: never read
   const std::vector<uint8_t> mask = {1, 1, 1, 0, 1, 0, 1};
   const int64_t n = 40;  // global routed tokens of the step
   const double alpha = 0.01;
   std::vector<float> du(t * e, 0.5f);
-  auto r = RouterZLossForwardBackward(View(u.data(), t, e), mask, n, alpha, View(du.data(), t, e));
+  auto r = RouterZLossForwardBackward(F32Matrix(u.data(), t, e), mask, n, alpha,
+                                      F32Matrix(du.data(), t, e));
   ASSERT_TRUE(r.ok()) << r.status();
   double ref = 0;
   for (int64_t i = 0; i < t; ++i) {
@@ -82,18 +72,19 @@ TEST(RouterZLossTest, MatchesReferenceAndAddsIntoGradient) {
 
 TEST(RouterZLossTest, GradientMatchesCentralFiniteDifferences) {
   const int64_t t = 4, e = 6;
-  std::vector<float> u = Random(t * e, 2, 1.5f);
+  std::vector<float> u = RandomNormal(t * e, 2, 1.5f);
   std::vector<float> du(t * e, 0.0f);
-  ASSERT_TRUE(RouterZLossForwardBackward(View(u.data(), t, e), {}, 9, 0.3, View(du.data(), t, e))
-                  .ok());
+  ASSERT_TRUE(
+      RouterZLossForwardBackward(F32Matrix(u.data(), t, e), {}, 9, 0.3, F32Matrix(du.data(), t, e))
+          .ok());
   for (size_t i = 0; i < u.size(); ++i) {
     std::vector<float> up = u, um = u, scratch(t * e);
     up[i] += 1e-2f;
     um[i] -= 1e-2f;
-    const double lp =
-        *RouterZLossForwardBackward(View(up.data(), t, e), {}, 9, 0.3, View(scratch.data(), t, e));
-    const double lm =
-        *RouterZLossForwardBackward(View(um.data(), t, e), {}, 9, 0.3, View(scratch.data(), t, e));
+    const double lp = *RouterZLossForwardBackward(F32Matrix(up.data(), t, e), {}, 9, 0.3,
+                                                  F32Matrix(scratch.data(), t, e));
+    const double lm = *RouterZLossForwardBackward(F32Matrix(um.data(), t, e), {}, 9, 0.3,
+                                                  F32Matrix(scratch.data(), t, e));
     EXPECT_NEAR(du[i], (lp - lm) / (double{up[i]} - um[i]), 1e-5) << i;
   }
 }
@@ -119,12 +110,12 @@ TEST(LoadBalancingLossTest, MatchesReferenceAndFiniteDifferences) {
   const int64_t t = 6, e = 4;
   const int k = 2, g = 3;
   const double alpha = 0.5;
-  std::vector<float> u = Random(t * e, 3, 1.0f);
+  std::vector<float> u = RandomNormal(t * e, 3, 1.0f);
   const std::vector<uint8_t> mask = {1, 0, 1, 1, 1, 1};
   const std::vector<int64_t> c = {9, 3, 6, 4};  // global: 11 tokens over all ranks, K = 2
   std::vector<float> du(t * e, 0.0f);
-  auto r = LoadBalancingLossForwardBackward(View(u.data(), t, e), mask, c, k, g, alpha,
-                                            View(du.data(), t, e));
+  auto r = LoadBalancingLossForwardBackward(F32Matrix(u.data(), t, e), mask, c, k, g, alpha,
+                                            F32Matrix(du.data(), t, e));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_NEAR(*r, ReferenceBalancing(u, t, e, mask, c, k, g, alpha), 1e-12);
   for (int64_t j = 0; j < e; ++j) EXPECT_EQ(du[1 * e + j], 0.0f);  // padding row
@@ -141,15 +132,16 @@ TEST(LoadBalancingLossTest, MatchesReferenceAndFiniteDifferences) {
 
 TEST(LoadBalancingLossTest, ZeroRoutedMicroStepContributesZero) {
   const int64_t t = 3, e = 4;
-  std::vector<float> u = Random(t * e, 4, 1.0f);
+  std::vector<float> u = RandomNormal(t * e, 4, 1.0f);
   std::vector<float> du(t * e, 1.0f);
   const std::vector<uint8_t> mask = {0, 0, 0};
-  auto r = LoadBalancingLossForwardBackward(View(u.data(), t, e), mask, {0, 0, 0, 0}, 2, 1, 0.1,
-                                            View(du.data(), t, e));
+  auto r = LoadBalancingLossForwardBackward(F32Matrix(u.data(), t, e), mask, {0, 0, 0, 0}, 2, 1,
+                                            0.1, F32Matrix(du.data(), t, e));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(*r, 0.0);
   for (float x : du) EXPECT_EQ(x, 1.0f);
-  auto z = RouterZLossForwardBackward(View(u.data(), t, e), mask, 0, 0.1, View(du.data(), t, e));
+  auto z = RouterZLossForwardBackward(F32Matrix(u.data(), t, e), mask, 0, 0.1,
+                                      F32Matrix(du.data(), t, e));
   ASSERT_TRUE(z.ok());
   EXPECT_EQ(*z, 0.0);
   for (float x : du) EXPECT_EQ(x, 1.0f);
@@ -162,17 +154,16 @@ TEST(LoadBalancingLossTest, RankAndMicroBatchSplitSumsToGlobalGradient) {
   const int64_t dm = 3, e = 4;
   const int k = 2, world = 3, g = 2;
   const double alpha_b = 0.2, alpha_z = 0.05;
-  std::vector<float> wr = Random(dm * e, 5, 1.0f);  // router weights: u = a @ wr
+  std::vector<float> wr = RandomNormal(dm * e, 5, 1.0f);  // router weights: u = a @ wr
   // tokens[m][r]: uneven per-rank token counts, with some padding.
   std::vector<std::vector<std::vector<float>>> a(g, std::vector<std::vector<float>>(world));
-  std::vector<std::vector<std::vector<uint8_t>>> mask(g,
-                                                      std::vector<std::vector<uint8_t>>(world));
+  std::vector<std::vector<std::vector<uint8_t>>> mask(g, std::vector<std::vector<uint8_t>>(world));
   const int counts[2][3] = {{5, 0, 3}, {2, 4, 1}};
   uint32_t seed = 10;
   int64_t step_routed = 0;
   for (int m = 0; m < g; ++m) {
     for (int r = 0; r < world; ++r) {
-      a[m][r] = Random(counts[m][r] * dm, seed++, 1.0f);
+      a[m][r] = RandomNormal(counts[m][r] * dm, seed++, 1.0f);
       for (int i = 0; i < counts[m][r]; ++i) mask[m][r].push_back(i % 4 == 3 ? 0 : 1);
       for (uint8_t x : mask[m][r]) step_routed += x;
     }
@@ -225,10 +216,10 @@ TEST(LoadBalancingLossTest, RankAndMicroBatchSplitSumsToGlobalGradient) {
     for (int r = 0; r < world; ++r) {
       const int64_t t = counts[m][r];
       std::vector<float> u = logits(wr, m, r), du(t * e, 0.0f);
-      auto b = LoadBalancingLossForwardBackward(View(u.data(), t, e), mask[m][r], c[m], k, g,
-                                                alpha_b, View(du.data(), t, e));
-      auto z = RouterZLossForwardBackward(View(u.data(), t, e), mask[m][r], step_routed, alpha_z,
-                                          View(du.data(), t, e));
+      auto b = LoadBalancingLossForwardBackward(F32Matrix(u.data(), t, e), mask[m][r], c[m], k, g,
+                                                alpha_b, F32Matrix(du.data(), t, e));
+      auto z = RouterZLossForwardBackward(F32Matrix(u.data(), t, e), mask[m][r], step_routed,
+                                          alpha_z, F32Matrix(du.data(), t, e));
       ASSERT_TRUE(b.ok() && z.ok()) << b.status() << z.status();
       sum_local += *b + *z;
       for (int64_t d = 0; d < dm; ++d)
@@ -247,19 +238,20 @@ TEST(LoadBalancingLossTest, RankAndMicroBatchSplitSumsToGlobalGradient) {
 
 TEST(RouterLossErrorsTest, ArgumentsAreChecked) {
   const int64_t t = 3, e = 4;
-  std::vector<float> u = Random(t * e, 6, 1.0f), du(t * e, 0.0f);
-  const TensorView uv = View(u.data(), t, e), dv = View(du.data(), t, e);
+  std::vector<float> u = RandomNormal(t * e, 6, 1.0f), du(t * e, 0.0f);
+  const TensorView uv = F32Matrix(u.data(), t, e), dv = F32Matrix(du.data(), t, e);
   auto z = [&](const TensorView& a, absl::Span<const uint8_t> mask, int64_t n, double alpha,
                const TensorView& b) {
     return RouterZLossForwardBackward(a, mask, n, alpha, b).status();
   };
-  auto bal = [&](absl::Span<const uint8_t> mask, std::vector<int64_t> c, int k, int g,
-                 double alpha, const TensorView& a) {
+  auto bal = [&](absl::Span<const uint8_t> mask, std::vector<int64_t> c, int k, int g, double alpha,
+                 const TensorView& a) {
     return LoadBalancingLossForwardBackward(a, mask, c, k, g, alpha, dv).status();
   };
   const auto kInvalid = absl::StatusCode::kInvalidArgument;
   EXPECT_TRUE(z(uv, {}, 3, 0.1, dv).ok());
-  EXPECT_EQ(z(View(u.data(), t, e), {}, 2, 0.1, dv).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(z(F32Matrix(u.data(), t, e), {}, 2, 0.1, dv).code(),
+            absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(z(uv, {}, 2, 0.1, dv).message()), HasSubstr("global N = 2"));
   EXPECT_EQ(z(uv, {}, -1, 0.1, dv).code(), kInvalid);
   EXPECT_EQ(z(uv, {}, 3, -0.1, dv).code(), kInvalid);
@@ -267,14 +259,14 @@ TEST(RouterLossErrorsTest, ArgumentsAreChecked) {
   EXPECT_EQ(z(uv, std::vector<uint8_t>{1, 1}, 3, 0.1, dv).code(), kInvalid);
   EXPECT_THAT(std::string(z(uv, std::vector<uint8_t>{1, 2, 1}, 3, 0.1, dv).message()),
               HasSubstr("input_mask[1] = 2"));
-  EXPECT_EQ(z(uv, {}, 3, 0.1, uv).code(), kInvalid);                      // overlap
-  EXPECT_EQ(z(uv, {}, 3, 0.1, View(du.data(), e, t)).code(), kInvalid);  // shape
+  EXPECT_EQ(z(uv, {}, 3, 0.1, uv).code(), kInvalid);                          // overlap
+  EXPECT_EQ(z(uv, {}, 3, 0.1, F32Matrix(du.data(), e, t)).code(), kInvalid);  // shape
   std::vector<uint16_t> half(t * e);
   EXPECT_EQ(z(*TensorView::Create(half.data(), DType::kBF16, {t, e}), {}, 3, 0.1, dv).code(),
             kInvalid);
   std::vector<float> bad = u;
   bad[2 * e + 1] = std::numeric_limits<float>::infinity();
-  absl::Status nonfinite = z(View(bad.data(), t, e), {}, 3, 0.1, dv);
+  absl::Status nonfinite = z(F32Matrix(bad.data(), t, e), {}, 3, 0.1, dv);
   EXPECT_EQ(nonfinite.code(), kInvalid);
   EXPECT_THAT(std::string(nonfinite.message()), HasSubstr("row 2"));
 
@@ -288,7 +280,7 @@ TEST(RouterLossErrorsTest, ArgumentsAreChecked) {
   EXPECT_EQ(bal({}, {2, 2, 1, 1}, 2, 0, 0.1, uv).code(), kInvalid);
   EXPECT_EQ(bal({}, {2, 2, 1, 1}, 2, 1, -1.0, uv).code(), kInvalid);
   EXPECT_EQ(bal({}, {1, 1, 0, 0}, 2, 1, 0.1, uv).code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(bal({}, {2, 2, 1, 1}, 2, 1, 0.1, View(bad.data(), t, e)).code(), kInvalid);
+  EXPECT_EQ(bal({}, {2, 2, 1, 1}, 2, 1, 0.1, F32Matrix(bad.data(), t, e)).code(), kInvalid);
 }
 
 }  // namespace

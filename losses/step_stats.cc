@@ -15,12 +15,12 @@ constexpr double kTwoTo53 = 9007199254740992.0;  // f64 counts are exact below t
 
 // Packed layout of the one step-statistics all-reduce.
 enum Slot : int {
-  kWeightSum = 0,  // D
-  kRouted,         // N
-  kValid,          // valid tokens
-  kMicroBatches,   // G
-  kMicroBatchesSq, // G^2: with G's sum, tells whether every rank has the same G
-  kFailedRanks,    // ranks whose input was rejected before the all-reduce
+  kWeightSum = 0,   // D
+  kRouted,          // N
+  kValid,           // valid tokens
+  kMicroBatches,    // G
+  kMicroBatchesSq,  // G^2: with G's sum, tells whether every rank has the same G
+  kFailedRanks,     // ranks whose input was rejected before the all-reduce
   kNumSlots,
 };
 
@@ -33,9 +33,8 @@ absl::Status CheckMicroBatch(const MicroBatchTokens& mb, size_t m, const StepSta
   }
   for (size_t i = 0; i < mb.input_mask.size(); ++i) {
     if (mb.input_mask[i] > 1) {
-      return absl::InvalidArgumentError(absl::StrCat("step stats: micro-batch ", m,
-                                                     " input_mask[", i, "] = ",
-                                                     static_cast<int>(mb.input_mask[i]),
+      return absl::InvalidArgumentError(absl::StrCat("step stats: micro-batch ", m, " input_mask[",
+                                                     i, "] = ", static_cast<int>(mb.input_mask[i]),
                                                      " must be 0 or 1"));
     }
     if (mb.input_mask[i] == 0 && mb.labels[i] != opt.ignore_index) {
@@ -58,10 +57,10 @@ absl::StatusOr<StepStats> ComputeStepStats(Communicator& world,
   stats.num_micro_batches = static_cast<int>(micro_batches.size());
   // Local work first; a local error still joins the all-reduce (as a failed-rank count)
   // so that the other ranks fail with it instead of waiting for a rank that left.
-  absl::Status local_status = micro_batches.empty()
-                                  ? absl::InvalidArgumentError(
-                                        "step stats: no micro-batches (G must be >= 1)")
-                                  : absl::OkStatus();
+  absl::Status local_status =
+      micro_batches.empty()
+          ? absl::InvalidArgumentError("step stats: no micro-batches (G must be >= 1)")
+          : absl::OkStatus();
   for (size_t m = 0; m < micro_batches.size() && local_status.ok(); ++m) {
     const MicroBatchTokens& mb = micro_batches[m];
     local_status = CheckMicroBatch(mb, m, options);
@@ -104,10 +103,10 @@ absl::StatusOr<StepStats> ComputeStepStats(Communicator& world,
   // (all terms are small integers, exact in f64).
   const double w = static_cast<double>(world.size());
   if (w * packed[kMicroBatchesSq] != packed[kMicroBatches] * packed[kMicroBatches]) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "step stats: ranks disagree on the number of micro-batches G (this rank has ",
-        stats.num_micro_batches, ", the mean over ", world.size(), " ranks is ",
-        packed[kMicroBatches] / w, ")"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("step stats: ranks disagree on the number of micro-batches G (this rank has ",
+                     stats.num_micro_batches, ", the mean over ", world.size(), " ranks is ",
+                     packed[kMicroBatches] / w, ")"));
   }
   if (packed[kRouted] >= kTwoTo53 || packed[kValid] >= kTwoTo53) {
     return absl::OutOfRangeError(absl::StrCat("step stats: global token counts (", packed[kRouted],
@@ -124,14 +123,12 @@ absl::StatusOr<std::vector<int64_t>> CountLocalExpertAssignments(
     absl::Span<const int32_t> topk_indices, int top_k, absl::Span<const uint8_t> input_mask,
     int num_experts) {
   if (top_k < 1 || num_experts < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("expert counts: top_k ", top_k,
-                                                   " and num_experts ", num_experts,
-                                                   " must be >= 1"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "expert counts: top_k ", top_k, " and num_experts ", num_experts, " must be >= 1"));
   }
   if (topk_indices.size() % static_cast<size_t>(top_k) != 0) {
     return absl::InvalidArgumentError(absl::StrCat("expert counts: ", topk_indices.size(),
-                                                   " indices is not a multiple of top_k ",
-                                                   top_k));
+                                                   " indices is not a multiple of top_k ", top_k));
   }
   const size_t tokens = topk_indices.size() / static_cast<size_t>(top_k);
   if (!input_mask.empty() && input_mask.size() != tokens) {
@@ -142,8 +139,8 @@ absl::StatusOr<std::vector<int64_t>> CountLocalExpertAssignments(
   for (size_t t = 0; t < tokens; ++t) {
     if (!input_mask.empty()) {
       if (input_mask[t] > 1) {
-        return absl::InvalidArgumentError(absl::StrCat("expert counts: input_mask[", t, "] = ",
-                                                       static_cast<int>(input_mask[t]),
+        return absl::InvalidArgumentError(absl::StrCat("expert counts: input_mask[", t,
+                                                       "] = ", static_cast<int>(input_mask[t]),
                                                        " must be 0 or 1"));
       }
       if (input_mask[t] == 0) continue;  // padding is not routed
@@ -211,9 +208,9 @@ absl::StatusOr<absl::Span<const int64_t>> ExpertCountReduction::Wait(absl::Durat
       int64_t assignments = 0;
       for (int64_t c : counts_) assignments += c;
       if (assignments % top_k_ != 0) {
-        status_ = absl::InvalidArgumentError(absl::StrCat(
-            "expert-count all-reduce: global counts sum to ", assignments,
-            ", not a multiple of top_k ", top_k_, " (do all ranks use the same K?)"));
+        status_ = absl::InvalidArgumentError(
+            absl::StrCat("expert-count all-reduce: global counts sum to ", assignments,
+                         ", not a multiple of top_k ", top_k_, " (do all ranks use the same K?)"));
       } else {
         global_routed_tokens_ = assignments / top_k_;
       }

@@ -11,7 +11,8 @@
 // exact below 2^53 (checked).
 //
 //   std::vector<MicroBatchTokens> mbs = {{labels0, sample_ids0, mask0}, {labels1, ...}};
-//   GRADSUM_ASSIGN_OR_RETURN(StepStats stats, ComputeStepStats(world, mbs, {CeWeightMode::kSample}));
+//   GRADSUM_ASSIGN_OR_RETURN(StepStats stats, ComputeStepStats(world, mbs,
+//   {CeWeightMode::kSample}));
 //   // micro-batch m: CrossEntropyForwardBackward(z, labels_m, stats.token_weights[m],
 //   //                                           stats.global_ce_weight_sum, dz);
 //
@@ -21,7 +22,8 @@
 //
 //   GRADSUM_ASSIGN_OR_RETURN(std::vector<int64_t> local,
 //       CountLocalExpertAssignments(topk_idx, /*top_k=*/2, mask, /*num_experts=*/E));
-//   GRADSUM_ASSIGN_OR_RETURN(ExpertCountReduction counts, ExpertCountReduction::Start(world, local, /*top_k=*/2));
+//   GRADSUM_ASSIGN_OR_RETURN(ExpertCountReduction counts, ExpertCountReduction::Start(world, local,
+//   /*top_k=*/2));
 //   ... experts run ...
 //   GRADSUM_ASSIGN_OR_RETURN(absl::Span<const int64_t> c, counts.Wait());
 //   int64_t n_lm = counts.global_routed_tokens();     // sum_e c_e / K

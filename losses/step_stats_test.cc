@@ -53,8 +53,9 @@ double ReferenceD(const std::vector<std::vector<Batch>>& batches, CeWeightMode m
       for (size_t t = 0; t < b.labels.size(); ++t) {
         if (b.labels[t] == -100) continue;
         const double n = n_s[b.sample_ids[t]];
-        d += mode == CeWeightMode::kToken ? 1.0 : mode == CeWeightMode::kSample ? 1.0 / n
-                                                                                  : 1.0 / std::sqrt(n);
+        d += mode == CeWeightMode::kToken    ? 1.0
+             : mode == CeWeightMode::kSample ? 1.0 / n
+                                             : 1.0 / std::sqrt(n);
       }
     }
   }
@@ -64,7 +65,8 @@ double ReferenceD(const std::vector<std::vector<Batch>>& batches, CeWeightMode m
 TEST(StepStatsTest, GlobalSumsMatchSingleProcessOnEveryRank) {
   for (int world : {1, 3}) {
     for (int g : {1, 2, 3}) {
-      for (CeWeightMode mode : {CeWeightMode::kToken, CeWeightMode::kSample, CeWeightMode::kSquare}) {
+      for (CeWeightMode mode :
+           {CeWeightMode::kToken, CeWeightMode::kSample, CeWeightMode::kSquare}) {
         std::vector<std::vector<Batch>> batches(world);
         int64_t routed = 0, valid = 0;
         for (int r = 0; r < world; ++r) {
@@ -87,7 +89,8 @@ TEST(StepStatsTest, GlobalSumsMatchSingleProcessOnEveryRank) {
           return absl::OkStatus();
         });
         ASSERT_TRUE(s.ok()) << s;
-        const std::string where = absl::StrCat("W=", world, " G=", g, " mode=", CeWeightModeName(mode));
+        const std::string where =
+            absl::StrCat("W=", world, " G=", g, " mode=", CeWeightModeName(mode));
         for (int r = 0; r < world; ++r) {
           EXPECT_NEAR(got[r].global_ce_weight_sum, ref_d, 1e-6 * ref_d) << where;
           EXPECT_EQ(got[r].global_ce_weight_sum, got[0].global_ce_weight_sum) << where;
@@ -145,7 +148,11 @@ TEST(StepStatsTest, BadInputOnOneRankFailsEveryRankWithoutWaiting) {
     const char* text;
   };
   const std::vector<Case> cases = {
-      {{1, 2}, {}, {1, 0}, CeWeightMode::kToken, "token 1 is padding (input_mask 0) but has label 2"},
+      {{1, 2},
+       {},
+       {1, 0},
+       CeWeightMode::kToken,
+       "token 1 is padding (input_mask 0) but has label 2"},
       {{1, 2}, {}, {1}, CeWeightMode::kToken, "1 mask entries for 2 labels"},
       {{1, 2}, {}, {1, 3}, CeWeightMode::kToken, "input_mask[1] = 3"},
       {{1, 2}, {}, {}, CeWeightMode::kSample, "sample ids"},
@@ -172,7 +179,8 @@ TEST(StepStatsTest, BadInputOnOneRankFailsEveryRankWithoutWaiting) {
     const std::vector<int64_t> labels = {1};
     const MicroBatchTokens mb{labels, {}, {}};
     status[comm.rank()] =
-        ComputeStepStats(comm, comm.rank() == 0 ? absl::Span<const MicroBatchTokens>() : absl::Span<const MicroBatchTokens>(&mb, 1))
+        ComputeStepStats(comm, comm.rank() == 0 ? absl::Span<const MicroBatchTokens>()
+                                                : absl::Span<const MicroBatchTokens>(&mb, 1))
             .status();
     return absl::OkStatus();
   }).IgnoreError();

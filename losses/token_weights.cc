@@ -38,9 +38,9 @@ absl::StatusOr<std::vector<float>> ComputeTokenWeights(absl::Span<const int64_t>
         absl::StrCat("unknown cross-entropy weight mode ", static_cast<int>(mode)));
   }
   if (sample_ids.size() != labels.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        CeWeightModeName(mode), " mode needs one sample id per token: got ", sample_ids.size(),
-        " sample ids for ", labels.size(), " labels"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(CeWeightModeName(mode), " mode needs one sample id per token: got ",
+                     sample_ids.size(), " sample ids for ", labels.size(), " labels"));
   }
   absl::flat_hash_map<int64_t, int64_t> valid_per_sample;  // n_s
   for (size_t t = 0; t < labels.size(); ++t) {
@@ -49,8 +49,8 @@ absl::StatusOr<std::vector<float>> ComputeTokenWeights(absl::Span<const int64_t>
   for (size_t t = 0; t < labels.size(); ++t) {
     if (labels[t] == ignore_index) continue;
     const double n_s = static_cast<double>(valid_per_sample[sample_ids[t]]);
-    weights[t] = static_cast<float>(mode == CeWeightMode::kSample ? 1.0 / n_s
-                                                                  : 1.0 / std::sqrt(n_s));
+    weights[t] =
+        static_cast<float>(mode == CeWeightMode::kSample ? 1.0 / n_s : 1.0 / std::sqrt(n_s));
   }
   return weights;
 }
