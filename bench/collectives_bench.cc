@@ -10,7 +10,6 @@
 // Rank 0 runs in the benchmark's own thread; rank 1 runs the same operation in a peer
 // thread until told to stop, then both drain to the same operation count.
 
-#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
@@ -201,26 +200,22 @@ void BM_AllReducePerTensor(benchmark::State& state) {
       kTransformerBytes);
 }
 
-BENCHMARK(BM_Memcpy)
-    ->RangeMultiplier(16)
-    ->Range(4 << 10, 256 << 20)
-    ->Arg(64 << 20)
-    ->Arg(kTransformerBytes)
-    ->MinTime(0.3)
-    ->UseRealTime()
-    ->MeasureProcessCPUTime();
-BENCHMARK(BM_AllReduceContiguous)
-    ->RangeMultiplier(16)
-    ->Range(4 << 10, 256 << 20)
-    ->Arg(64 << 20)
-    ->Arg(kTransformerBytes)
-    ->MinTime(0.3)
-    ->UseRealTime()
-    ->MeasureProcessCPUTime();
-BENCHMARK(BM_AllReduceBucketed)->MinTime(0.5)->UseRealTime()
-    ->MeasureProcessCPUTime();
-BENCHMARK(BM_AllReducePerTensor)->MinTime(0.5)->UseRealTime()
-    ->MeasureProcessCPUTime();
+// Buffer sizes for memcpy and the contiguous all-reduce: 4 KiB .. 256 MiB, 64 MiB, and
+// the gradient set's exact size (the equal-bytes comparison).
+void BufferSizes(benchmark::internal::Benchmark* b) {
+  b->RangeMultiplier(16)
+      ->Range(4 << 10, 256 << 20)
+      ->Arg(64 << 20)
+      ->Arg(kTransformerBytes)
+      ->MinTime(0.3)
+      ->UseRealTime()
+      ->MeasureProcessCPUTime();
+}
+
+BENCHMARK(BM_Memcpy)->Apply(BufferSizes);
+BENCHMARK(BM_AllReduceContiguous)->Apply(BufferSizes);
+BENCHMARK(BM_AllReduceBucketed)->MinTime(0.5)->UseRealTime()->MeasureProcessCPUTime();
+BENCHMARK(BM_AllReducePerTensor)->MinTime(0.5)->UseRealTime()->MeasureProcessCPUTime();
 
 }  // namespace
 }  // namespace gradsum::bench

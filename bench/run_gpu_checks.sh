@@ -17,17 +17,9 @@ mkdir -p "${OUT_DIR}"
 BUNDLE=gpu_checks
 BENCH_FLAGS=(--benchmark_min_time=0.2 --benchmark_out="${OUT_DIR}/gpu_bench.json"
              --benchmark_out_format=json --benchmark_counters_tabular=true)
-# The gpu-tagged test targets (kept in step with the BUILD files by `package`, which
-# queries them; listed here for the prebuilt run).
-TESTS=(
-  //third_party:cuda_smoke_test
-  //core/cuda:gemm_test
-  //losses/cuda:cross_entropy_cuda_test
-  //moe/cuda:layers_cuda_test
-  //moe/cuda:router_cuda_test
-  //moe/cuda:permute_cuda_test
-  //moe/cuda:moe_layer_cuda_test
-)
+# The gpu-tagged tests, from the BUILD files (Bazel modes only; `prebuilt` runs every
+# *_test binary in the bundle).
+gpu_tests() { "$1" query 'attr(tags, "\bgpu\b", tests(//...))' 2>/dev/null; }
 
 log() { echo "[run_gpu_checks] $*" | tee -a "${OUT_DIR}/summary.txt"; }
 
@@ -56,7 +48,7 @@ run_with_bazel() {
       --test_summary=detailed //... > "${OUT_DIR}/test.log" 2>&1 || rc=1
   grep -E "PASSED|FAILED|SKIPPED|NO STATUS|Executed" "${OUT_DIR}/test.log" | tee -a "${OUT_DIR}/summary.txt"
   # Test XML (one per target) for the record; flattened so the files come back from $OUT.
-  for t in "${TESTS[@]}"; do
+  for t in $(gpu_tests "${bz}"); do
     local p="${t#//}"; p="${p/://}"
     [[ -f "bazel-testlogs/${p}/test.log" ]] && cp "bazel-testlogs/${p}/test.log" "${OUT_DIR}/$(basename "${p}").log"
   done
@@ -69,10 +61,12 @@ run_with_bazel() {
 package_bundle() {
   local bz; bz="$(bazel_cmd)"
   [[ -n "${bz}" ]] || { echo "package needs Bazel" >&2; return 1; }
-  "${bz}" build -c opt --config=cuda "${TESTS[@]}" //bench:gpu_bench || return 1
+  local tests; tests=($(gpu_tests "${bz}"))
+  [[ ${#tests[@]} -gt 0 ]] || { echo "bazel query found no gpu tests" >&2; return 1; }
+  "${bz}" build -c opt --config=cuda "${tests[@]}" //bench:gpu_bench || return 1
   rm -rf "${BUNDLE}"; mkdir -p "${BUNDLE}/bin" "${BUNDLE}/lib"
   local bins=(bazel-bin/bench/gpu_bench)
-  for t in "${TESTS[@]}"; do local p="${t#//}"; bins+=("bazel-bin/${p/://}"); done
+  for t in "${tests[@]}"; do local p="${t#//}"; bins+=("bazel-bin/${p/://}"); done
   for b in "${bins[@]}"; do
     cp -L "${b}" "${BUNDLE}/bin/"
     # Every shared library except glibc/libstdc++ and the CUDA ones (the GPU machine's own

@@ -120,7 +120,7 @@ void BM_ExpertShapedGemm(benchmark::State& state) {
       benchmark::Counter(2.0 * rows * m.dim() * m.expert_dim() * state.iterations() / 1e9,
                          benchmark::Counter::kIsRate);
 }
-BENCHMARK(BM_ExpertShapedGemm)->Arg(256)->Arg(1024);
+BENCHMARK(BM_ExpertShapedGemm)->Arg(256)->Arg(1024)->UseRealTime();
 
 }  // namespace
 }  // namespace gradsum::bench

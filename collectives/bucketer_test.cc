@@ -5,33 +5,22 @@
 #include <cstring>
 #include <numeric>
 #include <random>
-#include <set>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "collectives/thread_backend.h"
 #include "core/half.h"
+#include "core/status.h"
 #include "gtest/gtest.h"
 #include "testing/run_ranks.h"
+#include "testing/status_testing.h"
 
 namespace gradsum {
 namespace {
 
 using ::gradsum::testing::RunRanks;
 using ::gradsum::testing::RunRanksPerRank;
-
-#define EXPECT_OK(expr)             \
-  do {                              \
-    const absl::Status s_ = (expr); \
-    EXPECT_TRUE(s_.ok()) << s_;     \
-  } while (0)
-
-#define RETURN_IF_ERROR(expr)       \
-  do {                              \
-    const absl::Status s_ = (expr); \
-    if (!s_.ok()) return s_;        \
-  } while (0)
 
 // Rank r's gradient value for element i of parameter id in a given step.
 float GradValue(int rank, int id, int64_t i, int step) {
@@ -108,7 +97,7 @@ TEST(GradBucketerTest, ReverseOrderGreedyBucketsUpToTheCap) {
   // f32 sizes 40, 40, 40, 20 bytes; reverse order: 20 + 40 + 40 = 100 fits, then 40 alone.
   for (int64_t n : {10, 10, 10, 5}) ASSERT_TRUE(b.Register("w", DType::kF32, n).ok());
   ASSERT_TRUE(b.Register("big", DType::kF32, 1000).ok());  // 4000 bytes > cap: alone
-  EXPECT_OK(b.Finalize());
+  GRADSUM_EXPECT_OK(b.Finalize());
   ASSERT_EQ(b.num_buckets(), 3);
   EXPECT_EQ(b.bucket(0).param_ids, (std::vector<int>{4}));
   EXPECT_EQ(b.bucket(1).param_ids, (std::vector<int>{3, 2, 1}));
@@ -133,7 +122,7 @@ TEST(GradBucketerTest, OneDTypePerBucketOrderedByCompletionInBackward) {
   ASSERT_TRUE(b.Register("b", DType::kBF16, 3).ok());
   ASSERT_TRUE(b.Register("c", DType::kF32, 3).ok());
   ASSERT_TRUE(b.Register("d", DType::kBF16, 3).ok());
-  EXPECT_OK(b.Finalize());
+  GRADSUM_EXPECT_OK(b.Finalize());
   ASSERT_EQ(b.num_buckets(), 2);
   // Backward marks d, c, b, a: the bf16 bucket {d, b} completes before the f32 one {c, a}.
   EXPECT_EQ(b.bucket(0).dtype, DType::kBF16);
@@ -149,7 +138,7 @@ TEST(GradBucketerTest, LayoutOf300MixedParameters) {
   o.bucket_cap_bytes = 16 << 10;
   GradBucketer b((*comms)[0].get(), o);
   const auto params = MixedParams(300);
-  EXPECT_OK(RegisterAll(b, params));
+  GRADSUM_EXPECT_OK(RegisterAll(b, params));
   std::vector<int> seen(params.size(), 0);
   int prev_min_id = static_cast<int>(params.size());
   for (int k = 0; k < b.num_buckets(); ++k) {
@@ -188,12 +177,12 @@ TEST(GradBucketerTest, RandomReadyOrderPerRankOverSteps) {
       GradBucketerOptions o;
       o.bucket_cap_bytes = 32 << 10;
       GradBucketer b(&comm, o);
-      RETURN_IF_ERROR(RegisterAll(b, params));
+      GRADSUM_RETURN_IF_ERROR(RegisterAll(b, params));
       std::mt19937 rng(777 + comm.rank());
       std::vector<int> order(params.size());
       std::iota(order.begin(), order.end(), 0);
       for (int step = 0; step < 3; ++step) {
-        RETURN_IF_ERROR(b.ZeroGrads());
+        GRADSUM_RETURN_IF_ERROR(b.ZeroGrads());
         for (int id = 0; id < b.num_params(); ++id) {
           const TensorView g = b.grad(id);
           for (int64_t i = 0; i < g.numel(); ++i) {
@@ -203,11 +192,11 @@ TEST(GradBucketerTest, RandomReadyOrderPerRankOverSteps) {
         std::shuffle(order.begin(), order.end(), rng);
         for (int id : order) {
           WriteGrad(b.grad(id), comm.rank(), id, step);
-          RETURN_IF_ERROR(b.MarkReady(id));
+          GRADSUM_RETURN_IF_ERROR(b.MarkReady(id));
         }
-        RETURN_IF_ERROR(b.Finish());
+        GRADSUM_RETURN_IF_ERROR(b.Finish());
         for (int id = 0; id < b.num_params(); ++id) {
-          RETURN_IF_ERROR(CheckGrad(b.grad(id), world, id, step));
+          GRADSUM_RETURN_IF_ERROR(CheckGrad(b.grad(id), world, id, step));
         }
       }
       return absl::OkStatus();
@@ -217,14 +206,14 @@ TEST(GradBucketerTest, RandomReadyOrderPerRankOverSteps) {
 }
 
 TEST(GradBucketerTest, BucketsIssueWhenCompleteAndInBucketOrder) {
-  EXPECT_OK(RunRanks(2, [](Communicator& comm) -> absl::Status {
+  GRADSUM_EXPECT_OK(RunRanks(2, [](Communicator& comm) -> absl::Status {
     GradBucketerOptions o;
     o.bucket_cap_bytes = 8;  // two f32 per bucket
     GradBucketer b(&comm, o);
     for (int i = 0; i < 6; ++i) {
       if (!b.Register(absl::StrCat("p", i), DType::kF32, 1).ok()) return absl::InternalError("reg");
     }
-    RETURN_IF_ERROR(b.Finalize());
+    GRADSUM_RETURN_IF_ERROR(b.Finalize());
     // Buckets: 0 = {5, 4}, 1 = {3, 2}, 2 = {1, 0}.
     if (b.num_buckets() != 3 || b.bucket(0).param_ids != std::vector<int>{5, 4}) {
       return absl::InternalError("unexpected buckets");
@@ -239,17 +228,17 @@ TEST(GradBucketerTest, BucketsIssueWhenCompleteAndInBucketOrder) {
       }
       return absl::OkStatus();
     };
-    RETURN_IF_ERROR(mark(5));
-    RETURN_IF_ERROR(expect_issued(0, "half of bucket 0"));
-    RETURN_IF_ERROR(mark(1));
-    RETURN_IF_ERROR(mark(0));
-    RETURN_IF_ERROR(expect_issued(0, "bucket 2 complete, bucket 0 not"));
-    RETURN_IF_ERROR(mark(4));
-    RETURN_IF_ERROR(expect_issued(1, "bucket 0 complete"));
-    RETURN_IF_ERROR(mark(2));
-    RETURN_IF_ERROR(mark(3));
-    RETURN_IF_ERROR(expect_issued(3, "all complete"));
-    RETURN_IF_ERROR(b.Finish());
+    GRADSUM_RETURN_IF_ERROR(mark(5));
+    GRADSUM_RETURN_IF_ERROR(expect_issued(0, "half of bucket 0"));
+    GRADSUM_RETURN_IF_ERROR(mark(1));
+    GRADSUM_RETURN_IF_ERROR(mark(0));
+    GRADSUM_RETURN_IF_ERROR(expect_issued(0, "bucket 2 complete, bucket 0 not"));
+    GRADSUM_RETURN_IF_ERROR(mark(4));
+    GRADSUM_RETURN_IF_ERROR(expect_issued(1, "bucket 0 complete"));
+    GRADSUM_RETURN_IF_ERROR(mark(2));
+    GRADSUM_RETURN_IF_ERROR(mark(3));
+    GRADSUM_RETURN_IF_ERROR(expect_issued(3, "all complete"));
+    GRADSUM_RETURN_IF_ERROR(b.Finish());
     for (int id = 0; id < 6; ++id) {
       const float want = static_cast<float>(20 * id + 1);  // (10 id + 0) + (10 id + 1)
       if (b.grad(id).data<float>()[0] != want) {
@@ -268,10 +257,10 @@ TEST(GradBucketerTest, FinishWithMissingGradientThenRecover) {
     for (int i = 0; i < 4; ++i) {
       if (!b.Register(absl::StrCat("layer", i), DType::kF32, 1).ok()) return absl::InternalError("reg");
     }
-    RETURN_IF_ERROR(b.Finalize());
+    GRADSUM_RETURN_IF_ERROR(b.Finalize());
     for (int id = 3; id >= 1; --id) {
       b.grad(id).data<float>()[0] = 1.0f;
-      RETURN_IF_ERROR(b.MarkReady(id));
+      GRADSUM_RETURN_IF_ERROR(b.MarkReady(id));
     }
     absl::Status again = b.MarkReady(3);
     if (again.code() != absl::StatusCode::kFailedPrecondition ||
@@ -290,15 +279,15 @@ TEST(GradBucketerTest, FinishWithMissingGradientThenRecover) {
       }
     }
     b.grad(0).data<float>()[0] = 1.0f;
-    RETURN_IF_ERROR(b.MarkReady(0));
-    RETURN_IF_ERROR(b.Finish());
+    GRADSUM_RETURN_IF_ERROR(b.MarkReady(0));
+    GRADSUM_RETURN_IF_ERROR(b.Finish());
     for (int id = 0; id < 4; ++id) {
       if (b.grad(id).data<float>()[0] != 2.0f) return absl::InternalError("bad sum");
     }
     return absl::OkStatus();
   });
   ASSERT_TRUE(statuses.ok());
-  for (const absl::Status& s : *statuses) EXPECT_OK(s);
+  for (const absl::Status& s : *statuses) GRADSUM_EXPECT_OK(s);
 }
 
 TEST(GradBucketerTest, MisuseIsReported) {
@@ -315,17 +304,17 @@ TEST(GradBucketerTest, MisuseIsReported) {
   EXPECT_EQ(b.ZeroGrads().code(), absl::StatusCode::kFailedPrecondition);
   ASSERT_TRUE(b.Register("x", DType::kF32, 4).ok());
   ASSERT_TRUE(b.Register("empty", DType::kF32, 0).ok());
-  EXPECT_OK(b.Finalize());
+  GRADSUM_EXPECT_OK(b.Finalize());
   EXPECT_EQ(b.Finalize().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(b.Register("late", DType::kF32, 1).status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(b.MarkReady(2).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(b.MarkReady(-1).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(b.shard(0).numel(), 0);  // all-reduce mode has no shards
   // A zero-size gradient still has to be marked.
-  EXPECT_OK(b.MarkReady(0));
+  GRADSUM_EXPECT_OK(b.MarkReady(0));
   EXPECT_EQ(b.Finish().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_OK(b.MarkReady(1));
-  EXPECT_OK(b.Finish());
+  GRADSUM_EXPECT_OK(b.MarkReady(1));
+  GRADSUM_EXPECT_OK(b.Finish());
 
   GradBucketerOptions zero_cap;
   zero_cap.bucket_cap_bytes = 0;
@@ -343,12 +332,12 @@ TEST(GradBucketerTest, ReduceScatterModeShardsThePaddedBucket) {
       o.mode = GradBucketerOptions::Mode::kReduceScatter;
       o.bucket_cap_bytes = 8 << 10;
       GradBucketer b(&comm, o);
-      RETURN_IF_ERROR(RegisterAll(b, params));
+      GRADSUM_RETURN_IF_ERROR(RegisterAll(b, params));
       for (int id = b.num_params() - 1; id >= 0; --id) {
         WriteGrad(b.grad(id), comm.rank(), id, 0);
-        RETURN_IF_ERROR(b.MarkReady(id));
+        GRADSUM_RETURN_IF_ERROR(b.MarkReady(id));
       }
-      RETURN_IF_ERROR(b.Finish());
+      GRADSUM_RETURN_IF_ERROR(b.Finish());
       for (int k = 0; k < b.num_buckets(); ++k) {
         const GradBucketInfo& info = b.bucket(k);
         if (info.padded_numel % world != 0 || info.padded_numel < info.numel ||

@@ -291,6 +291,78 @@ class MpiCommunicator final : public Communicator {
                                                        size_t count, DType dtype,
                                                        ReduceOp op) override {
     const int64_t seq = next_seq_++;
+    return PoisonIfInvalid(seq, Kind::kAllReduce,
+                           IssueAllReduce(seq, send, recv, count, dtype, op));
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> ReduceScatterAsync(const void* send, void* recv,
+                                                           size_t recv_count, DType dtype,
+                                                           ReduceOp op) override {
+    const int64_t seq = next_seq_++;
+    return PoisonIfInvalid(seq, Kind::kReduceScatter,
+                           IssueReduceScatter(seq, send, recv, recv_count, dtype, op));
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const void* send, void* recv,
+                                                       size_t send_count, DType dtype) override {
+    const int64_t seq = next_seq_++;
+    return PoisonIfInvalid(seq, Kind::kAllGather,
+                           IssueAllGather(seq, send, recv, send_count, dtype));
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(
+      const void* send, absl::Span<const size_t> send_counts,
+      absl::Span<const size_t> send_offsets, void* recv, absl::Span<const size_t> recv_counts,
+      absl::Span<const size_t> recv_offsets, DType dtype) override {
+    const int64_t seq = next_seq_++;
+    return PoisonIfInvalid(seq, Kind::kAllToAllV,
+                           IssueAllToAllV(seq, send, send_counts, send_offsets, recv,
+                                          recv_counts, recv_offsets, dtype));
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(void* buf, size_t count, DType dtype,
+                                                       int root) override {
+    const int64_t seq = next_seq_++;
+    return PoisonIfInvalid(seq, Kind::kBroadcast, IssueBroadcast(seq, buf, count, dtype, root));
+  }
+
+  // The descriptor all-reduce already waits for every rank, so it is the barrier.
+  absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override {
+    const int64_t seq = next_seq_++;
+    const OpDescriptor d{Kind::kBarrier, DType::kF32, ReduceOp::kSum, 0, -1};
+    return Enqueue(seq, d.kind, [=](OpContext& ctx) { return Agree(ctx, d); });
+  }
+
+  absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
+    const int64_t seq = next_seq_++;
+    auto result = std::make_shared<absl::StatusOr<std::unique_ptr<Communicator>>>(nullptr);
+    const OpDescriptor d{Kind::kSplit, DType::kF32, ReduceOp::kSum, 0, -1};
+    // Runs on the progress thread so that it is ordered after earlier async operations.
+    absl::StatusOr<std::unique_ptr<Work>> work =
+        Enqueue(seq, d.kind, [=](OpContext& ctx) -> absl::Status {
+          GRADSUM_RETURN_IF_ERROR(Agree(ctx, d));
+          // Every rank has arrived (the descriptor exchange completed), so the blocking
+          // split cannot wait on an absent rank.
+          MPI_Comm child = MPI_COMM_NULL;
+          const int rc = CallMpi([&] {
+            return MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &child);
+          });
+          if (rc != MPI_SUCCESS) {
+            ctx.breaks_comm = true;
+            return MpiError(rc, ctx.label);
+          }
+          if (child != MPI_COMM_NULL) {
+            *result = std::unique_ptr<Communicator>(new MpiCommunicator(child, options_));
+          }
+          return absl::OkStatus();
+        });
+    GRADSUM_RETURN_IF_ERROR(WaitIssued(std::move(work)));
+    return std::move(*result);
+  }
+
+ private:
+  absl::StatusOr<std::unique_ptr<Work>> IssueAllReduce(int64_t seq, const void* send, void* recv,
+                                                       size_t count, DType dtype, ReduceOp op) {
     GRADSUM_RETURN_IF_ERROR(CheckDType(dtype));
     GRADSUM_RETURN_IF_ERROR(CheckReduceOp(op, dtype, /*allow_max=*/true));
     GRADSUM_RETURN_IF_ERROR(CheckFitsInt(count, "all-reduce count"));
@@ -328,10 +400,9 @@ class MpiCommunicator final : public Communicator {
     });
   }
 
-  absl::StatusOr<std::unique_ptr<Work>> ReduceScatterAsync(const void* send, void* recv,
-                                                           size_t recv_count, DType dtype,
-                                                           ReduceOp op) override {
-    const int64_t seq = next_seq_++;
+  absl::StatusOr<std::unique_ptr<Work>> IssueReduceScatter(int64_t seq, const void* send,
+                                                           void* recv, size_t recv_count,
+                                                           DType dtype, ReduceOp op) {
     GRADSUM_RETURN_IF_ERROR(CheckDType(dtype));
     GRADSUM_RETURN_IF_ERROR(CheckReduceOp(op, dtype, /*allow_max=*/false));
     GRADSUM_RETURN_IF_ERROR(CheckFitsInt(recv_count, "reduce-scatter recv_count"));
@@ -339,7 +410,8 @@ class MpiCommunicator final : public Communicator {
     GRADSUM_RETURN_IF_ERROR(CheckBuffer(send, send_count, "reduce-scatter send"));
     GRADSUM_RETURN_IF_ERROR(CheckBuffer(recv, recv_count, "reduce-scatter recv"));
     const size_t esize = DTypeSize(dtype);
-    const bool in_place = recv == static_cast<const unsigned char*>(send) + rank_ * recv_count * esize;
+    const bool in_place =
+        recv == static_cast<const unsigned char*>(send) + rank_ * recv_count * esize;
     if (!in_place && Overlaps(send, send_count * esize, recv, recv_count * esize)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "reduce-scatter buffers overlap; in place needs recv == send + rank * recv_count (rank ",
@@ -383,16 +455,16 @@ class MpiCommunicator final : public Communicator {
     });
   }
 
-  absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const void* send, void* recv,
-                                                       size_t send_count, DType dtype) override {
-    const int64_t seq = next_seq_++;
+  absl::StatusOr<std::unique_ptr<Work>> IssueAllGather(int64_t seq, const void* send, void* recv,
+                                                       size_t send_count, DType dtype) {
     GRADSUM_RETURN_IF_ERROR(CheckDType(dtype));
     GRADSUM_RETURN_IF_ERROR(CheckFitsInt(send_count, "all-gather send_count"));
     const size_t recv_count = send_count * static_cast<size_t>(size_);
     GRADSUM_RETURN_IF_ERROR(CheckBuffer(send, send_count, "all-gather send"));
     GRADSUM_RETURN_IF_ERROR(CheckBuffer(recv, recv_count, "all-gather recv"));
     const size_t esize = DTypeSize(dtype);
-    const bool in_place = send == static_cast<const unsigned char*>(recv) + rank_ * send_count * esize;
+    const bool in_place =
+        send == static_cast<const unsigned char*>(recv) + rank_ * send_count * esize;
     if (!in_place && Overlaps(send, send_count * esize, recv, recv_count * esize)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "all-gather buffers overlap; in place needs send == recv + rank * send_count (rank ",
@@ -413,11 +485,10 @@ class MpiCommunicator final : public Communicator {
     });
   }
 
-  absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(
-      const void* send, absl::Span<const size_t> send_counts,
+  absl::StatusOr<std::unique_ptr<Work>> IssueAllToAllV(
+      int64_t seq, const void* send, absl::Span<const size_t> send_counts,
       absl::Span<const size_t> send_offsets, void* recv, absl::Span<const size_t> recv_counts,
-      absl::Span<const size_t> recv_offsets, DType dtype) override {
-    const int64_t seq = next_seq_++;
+      absl::Span<const size_t> recv_offsets, DType dtype) {
     GRADSUM_RETURN_IF_ERROR(CheckDType(dtype));
     const size_t world = static_cast<size_t>(size_);
     for (auto [span, name] : {std::pair(send_counts, "send_counts"),
@@ -464,9 +535,8 @@ class MpiCommunicator final : public Communicator {
     });
   }
 
-  absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(void* buf, size_t count, DType dtype,
-                                                       int root) override {
-    const int64_t seq = next_seq_++;
+  absl::StatusOr<std::unique_ptr<Work>> IssueBroadcast(int64_t seq, void* buf, size_t count,
+                                                       DType dtype, int root) {
     GRADSUM_RETURN_IF_ERROR(CheckDType(dtype));
     if (root < 0 || root >= size_) {
       return absl::InvalidArgumentError(
@@ -487,41 +557,6 @@ class MpiCommunicator final : public Communicator {
     });
   }
 
-  // The descriptor all-reduce already waits for every rank, so it is the barrier.
-  absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override {
-    const int64_t seq = next_seq_++;
-    const OpDescriptor d{Kind::kBarrier, DType::kF32, ReduceOp::kSum, 0, -1};
-    return Enqueue(seq, d.kind, [=](OpContext& ctx) { return Agree(ctx, d); });
-  }
-
-  absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
-    const int64_t seq = next_seq_++;
-    auto result = std::make_shared<absl::StatusOr<std::unique_ptr<Communicator>>>(nullptr);
-    const OpDescriptor d{Kind::kSplit, DType::kF32, ReduceOp::kSum, 0, -1};
-    // Runs on the progress thread so that it is ordered after earlier async operations.
-    absl::StatusOr<std::unique_ptr<Work>> work =
-        Enqueue(seq, d.kind, [=](OpContext& ctx) -> absl::Status {
-          GRADSUM_RETURN_IF_ERROR(Agree(ctx, d));
-          // Every rank has arrived (the descriptor exchange completed), so the blocking
-          // split cannot wait on an absent rank.
-          MPI_Comm child = MPI_COMM_NULL;
-          const int rc = CallMpi([&] {
-            return MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &child);
-          });
-          if (rc != MPI_SUCCESS) {
-            ctx.breaks_comm = true;
-            return MpiError(rc, ctx.label);
-          }
-          if (child != MPI_COMM_NULL) {
-            *result = std::unique_ptr<Communicator>(new MpiCommunicator(child, options_));
-          }
-          return absl::OkStatus();
-        });
-    GRADSUM_RETURN_IF_ERROR(WaitIssued(std::move(work)));
-    return std::move(*result);
-  }
-
- private:
   static absl::Status CheckReduceOp(ReduceOp op, DType dtype, bool allow_max) {
     if (op != ReduceOp::kSum && op != ReduceOp::kAvg && op != ReduceOp::kMax) {
       return absl::InvalidArgumentError(
@@ -572,6 +607,24 @@ class MpiCommunicator final : public Communicator {
       }
     }
     return absl::OkStatus();
+  }
+
+  // A call that failed its local checks still takes part in the descriptor exchange, marked
+  // invalid, so its peers fail the same operation with InvalidArgument naming this rank
+  // instead of waiting for it, and later operations still line up. The local checks are
+  // the only source of InvalidArgument before Enqueue (which fails only with
+  // FailedPrecondition), so that code identifies them.
+  absl::StatusOr<std::unique_ptr<Work>> PoisonIfInvalid(
+      int64_t seq, Kind kind, absl::StatusOr<std::unique_ptr<Work>> issued) {
+    if (issued.ok() || issued.status().code() != absl::StatusCode::kInvalidArgument) {
+      return issued;
+    }
+    OpDescriptor d;
+    d.kind = kind;
+    d.invalid_rank = rank_;
+    // The exchange runs in the background; its outcome is this call's local error.
+    Enqueue(seq, kind, [=](OpContext& ctx) { return Agree(ctx, d); }).IgnoreError();
+    return issued.status();
   }
 
   // AVG is reduced as SUM and divided afterwards.
@@ -675,18 +728,14 @@ class MpiCommunicator final : public Communicator {
   absl::Status Agree(OpContext& ctx, const OpDescriptor& d) {
     std::vector<int64_t>& buf = ctx.scratch->i64a;
     buf.resize(collectives_internal::kDescriptorWords);
-    collectives_internal::EncodeDescriptor(d, ctx.seq, buf.data());
+    collectives_internal::EncodeDescriptor(d, buf.data());
     MPI_Request req;
     GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
       return MPI_Iallreduce(MPI_IN_PLACE, buf.data(), collectives_internal::kDescriptorWords,
                             MPI_INT64_T, MPI_MIN, comm_, &req);
     }));
     GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
-    bool out_of_step = false;
-    absl::Status s =
-        collectives_internal::CheckDescriptorAgreed(d, ctx.seq, buf.data(), ctx.label, &out_of_step);
-    if (out_of_step) ctx.breaks_comm = true;
-    return s;
+    return collectives_internal::CheckDescriptorAgreed(d, buf.data(), ctx.label);
   }
 
   // All-to-all-v: rank r's send_counts[p] must equal rank p's recv_counts[r]. Each rank
@@ -719,9 +768,7 @@ class MpiCommunicator final : public Communicator {
   const MpiBackendOptions options_;
   int rank_ = 0;
   int size_ = 0;
-  // Counts every operation call, including those rejected locally, so that a rank which
-  // skipped an operation is caught by the descriptor check instead of pairing its next
-  // operation with the others' current one. Caller's thread only.
+  // Numbers every operation call (for messages). Caller's thread only.
   int64_t next_seq_ = 0;
 
   std::mutex mu_;

@@ -12,14 +12,17 @@
 // How it works. Each communicator owns a private duplicate of its MPI communicator (so its
 // traffic never matches the caller's own MPI calls) and one progress thread that runs the
 // issued operations strictly in issue order. Every operation first all-reduces a small
-// descriptor (sequence number, operation, dtype, op, count, root) with MIN over (d, -d), so
+// descriptor (operation, dtype, op, count, root, validity) with MIN over (d, -d), so
 // every rank learns the min and max of each field and all ranks reach the same verdict:
 // disagreement is InvalidArgument on every rank, naming the field and the two values, and
 // no data moves. The data then moves with non-blocking MPI (MPI_Iallreduce, ...) polled
 // with MPI_Test until done or until `timeout` after the operation started: a rank that
 // never arrives makes the others fail with DeadlineExceeded, and the communicator is then
-// broken (FailedPrecondition on every later call). A disagreement on the sequence number
-// (a rank skipped an operation, e.g. because its own arguments were invalid) also breaks it.
+// broken (FailedPrecondition on every later call). A call whose own arguments fail the
+// local checks returns InvalidArgument at once and still joins the descriptor exchange,
+// marked invalid, so its peers fail that operation with InvalidArgument naming the rank
+// and later operations still line up. A rank that does not call an operation at all pairs
+// its next one with the others' current one: that is a disagreement if the two differ.
 //
 // Numerics (SEMANTICS.md §7): f32/f64/i32/i64 reduce natively in MPI. bf16/f16 are widened
 // to an fp32 buffer, reduced in fp32 by MPI, and rounded once (nearest even) on the way

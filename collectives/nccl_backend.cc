@@ -171,9 +171,12 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
                                                        ReduceOp op) override {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
-    GRADSUM_RETURN_IF_ERROR(CheckDTypeAndOp(dtype, op, /*allow_max=*/true));
-    GRADSUM_RETURN_IF_ERROR(CheckDeviceBuffer(send, count, "all_reduce send"));
-    GRADSUM_RETURN_IF_ERROR(CheckDeviceBuffer(recv, count, "all_reduce recv"));
+    GRADSUM_RETURN_IF_ERROR(
+        Poisoned(seq, OpKind::kAllReduce, CheckDTypeAndOp(dtype, op, /*allow_max=*/true)));
+    GRADSUM_RETURN_IF_ERROR(
+        Poisoned(seq, OpKind::kAllReduce, CheckDeviceBuffer(send, count, "all_reduce send")));
+    GRADSUM_RETURN_IF_ERROR(
+        Poisoned(seq, OpKind::kAllReduce, CheckDeviceBuffer(recv, count, "all_reduce recv")));
     const OpDescriptor d{OpKind::kAllReduce, dtype, op, static_cast<int64_t>(count), -1};
     return Issue(seq, d, [&] {
       return ncclAllReduce(send, recv, count, NcclType(dtype), NcclOp(op), comm_, stream_);
@@ -185,11 +188,14 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
                                                            ReduceOp op) override {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
-    GRADSUM_RETURN_IF_ERROR(CheckDTypeAndOp(dtype, op, /*allow_max=*/false));
-    GRADSUM_RETURN_IF_ERROR(CheckDeviceBuffer(send, recv_count * size_, "reduce_scatter send"));
-    GRADSUM_RETURN_IF_ERROR(CheckDeviceBuffer(recv, recv_count, "reduce_scatter recv"));
-    const OpDescriptor d{OpKind::kReduceScatter, dtype, op, static_cast<int64_t>(recv_count),
-                         -1};
+    GRADSUM_RETURN_IF_ERROR(
+        Poisoned(seq, OpKind::kReduceScatter, CheckDTypeAndOp(dtype, op, /*allow_max=*/false)));
+    GRADSUM_RETURN_IF_ERROR(
+        Poisoned(seq, OpKind::kReduceScatter,
+                 CheckDeviceBuffer(send, recv_count * size_, "reduce_scatter send")));
+    GRADSUM_RETURN_IF_ERROR(Poisoned(seq, OpKind::kReduceScatter,
+                                     CheckDeviceBuffer(recv, recv_count, "reduce_scatter recv")));
+    const OpDescriptor d{OpKind::kReduceScatter, dtype, op, static_cast<int64_t>(recv_count), -1};
     // In place (recv == send + rank * recv_count) is NCCL's own convention.
     return Issue(seq, d, [&] {
       return ncclReduceScatter(send, recv, recv_count, NcclType(dtype), NcclOp(op), comm_,
@@ -201,9 +207,12 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
                                                        size_t send_count, DType dtype) override {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
-    GRADSUM_RETURN_IF_ERROR(CheckDTypeAndOp(dtype, ReduceOp::kSum, true));
-    GRADSUM_RETURN_IF_ERROR(CheckDeviceBuffer(send, send_count, "all_gather send"));
-    GRADSUM_RETURN_IF_ERROR(CheckDeviceBuffer(recv, send_count * size_, "all_gather recv"));
+    GRADSUM_RETURN_IF_ERROR(
+        Poisoned(seq, OpKind::kAllGather, CheckDTypeAndOp(dtype, ReduceOp::kSum, true)));
+    GRADSUM_RETURN_IF_ERROR(
+        Poisoned(seq, OpKind::kAllGather, CheckDeviceBuffer(send, send_count, "all_gather send")));
+    GRADSUM_RETURN_IF_ERROR(Poisoned(
+        seq, OpKind::kAllGather, CheckDeviceBuffer(recv, send_count * size_, "all_gather recv")));
     const OpDescriptor d{OpKind::kAllGather, dtype, ReduceOp::kSum,
                          static_cast<int64_t>(send_count), -1};
     return Issue(seq, d, [&] {
@@ -218,22 +227,25 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
       absl::Span<const size_t> recv_offsets, DType dtype) override {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
-    GRADSUM_RETURN_IF_ERROR(CheckDTypeAndOp(dtype, ReduceOp::kSum, true));
+    GRADSUM_RETURN_IF_ERROR(
+        Poisoned(seq, OpKind::kAllToAllV, CheckDTypeAndOp(dtype, ReduceOp::kSum, true)));
     const size_t world = static_cast<size_t>(size_);
     if (send_counts.size() != world || send_offsets.size() != world ||
         recv_counts.size() != world || recv_offsets.size() != world) {
-      return absl::InvalidArgumentError(absl::StrCat(
+      return Poisoned(seq, OpKind::kAllToAllV, absl::InvalidArgumentError(absl::StrCat(
           "all_to_all_v needs ", world, " entries per span; got send_counts ",
           send_counts.size(), ", send_offsets ", send_offsets.size(), ", recv_counts ",
-          recv_counts.size(), ", recv_offsets ", recv_offsets.size()));
+          recv_counts.size(), ", recv_offsets ", recv_offsets.size())));
     }
     size_t send_total = 0, recv_total = 0;
     for (size_t p = 0; p < world; ++p) {
       send_total = std::max(send_total, send_offsets[p] + send_counts[p]);
       recv_total = std::max(recv_total, recv_offsets[p] + recv_counts[p]);
     }
-    GRADSUM_RETURN_IF_ERROR(CheckDeviceBuffer(send, send_total, "all_to_all_v send"));
-    GRADSUM_RETURN_IF_ERROR(CheckDeviceBuffer(recv, recv_total, "all_to_all_v recv"));
+    GRADSUM_RETURN_IF_ERROR(Poisoned(seq, OpKind::kAllToAllV,
+                                     CheckDeviceBuffer(send, send_total, "all_to_all_v send")));
+    GRADSUM_RETURN_IF_ERROR(Poisoned(seq, OpKind::kAllToAllV,
+                                     CheckDeviceBuffer(recv, recv_total, "all_to_all_v recv")));
     if (options_.check_agreement && group_ == nullptr) {
       GRADSUM_RETURN_IF_ERROR(AgreeOnCounts(seq, send_counts, recv_counts));
     }
@@ -261,12 +273,14 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
                                                        int root) override {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
-    GRADSUM_RETURN_IF_ERROR(CheckDTypeAndOp(dtype, ReduceOp::kSum, true));
+    GRADSUM_RETURN_IF_ERROR(
+        Poisoned(seq, OpKind::kBroadcast, CheckDTypeAndOp(dtype, ReduceOp::kSum, true)));
     if (root < 0 || root >= size_) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("broadcast root ", root, " is outside [0, ", size_, ")"));
+      return Poisoned(seq, OpKind::kBroadcast, absl::InvalidArgumentError(
+          absl::StrCat("broadcast root ", root, " is outside [0, ", size_, ")")));
     }
-    GRADSUM_RETURN_IF_ERROR(CheckDeviceBuffer(buf, count, "broadcast"));
+    GRADSUM_RETURN_IF_ERROR(
+        Poisoned(seq, OpKind::kBroadcast, CheckDeviceBuffer(buf, count, "broadcast")));
     const OpDescriptor d{OpKind::kBroadcast, dtype, ReduceOp::kSum, static_cast<int64_t>(count),
                          root};
     return Issue(seq, d, [&] {
@@ -408,6 +422,18 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
     return absl::OkStatus();
   }
 
+  // A call whose own arguments are invalid (`local` not OK) still joins the agreement
+  // exchange, marked invalid, so that its peers fail the same operation with
+  // InvalidArgument naming this rank instead of timing out. Returns `local`.
+  absl::Status Poisoned(int64_t seq, OpKind kind, absl::Status local) {
+    if (local.ok() || !options_.check_agreement || group_ != nullptr || aborted_) return local;
+    OpDescriptor d;
+    d.kind = kind;
+    d.invalid_rank = rank_;
+    if (cudaSetDevice(device_) == cudaSuccess) Agree(seq, d).IgnoreError();
+    return local;
+  }
+
   // Aborts the communicator (so no rank blocks on it any longer) and returns `s`.
   absl::Status Fail(absl::Status s) {
     if (!aborted_) {
@@ -535,16 +561,12 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
   absl::Status Agree(int64_t seq, const OpDescriptor& d) {
     const std::string label = Label(d.kind, seq);
     const size_t n = collectives_internal::kDescriptorWords;
-    collectives_internal::EncodeDescriptor(d, seq, host_scratch_);
+    collectives_internal::EncodeDescriptor(d, host_scratch_);
     GRADSUM_RETURN_IF_ERROR(RoundTrip(label, 0, n, 0, n, [&] {
       return ncclAllReduce(device_scratch_, device_scratch_, n, ncclInt64, ncclMin, comm_,
                            stream_);
     }));
-    bool out_of_step = false;
-    absl::Status s = collectives_internal::CheckDescriptorAgreed(d, seq, host_scratch_, label,
-                                                                 &out_of_step);
-    if (out_of_step) return Fail(s);
-    return s;
+    return collectives_internal::CheckDescriptorAgreed(d, host_scratch_, label);
   }
 
   // Rank r's send_counts[p] must equal rank p's recv_counts[r] (see op_descriptor.h).

@@ -30,7 +30,7 @@
 // backends); MAX is ncclMax.
 //
 // Agreement: unless `check_agreement` is false, every operation outside a coalesced group
-// first all-reduces a small descriptor (op, dtype, count, root, sequence number) on the
+// first all-reduces a small descriptor (operation, dtype, op, count, root) on the
 // device and waits for it on the host, so ranks that disagree all fail with
 // InvalidArgument naming the field (for all-to-all-v, also the count matrix). This costs
 // one small round trip per operation; turn it off for speed once a program is known good.

@@ -7,11 +7,11 @@
 namespace gradsum::collectives_internal {
 namespace {
 
-enum Field { kSeq = 0, kKind, kDType, kOp, kCount, kRoot };
+enum Field { kInvalidRank = 0, kKind, kDType, kOp, kCount, kRoot };
 
 const char* FieldName(int f) {
   switch (f) {
-    case kSeq: return "the sequence number (a rank skipped or added an operation)";
+    case kInvalidRank: return "argument validity";
     case kKind: return "the operation";
     case kDType: return "the dtype";
     case kOp: return "the reduce op";
@@ -35,8 +35,8 @@ std::string FieldValue(int f, int64_t v) {
   }
 }
 
-void Fields(const OpDescriptor& d, int64_t seq, int64_t* f) {
-  f[kSeq] = seq;
+void Fields(const OpDescriptor& d, int64_t* f) {
+  f[kInvalidRank] = d.invalid_rank;
   f[kKind] = static_cast<int64_t>(d.kind);
   f[kDType] = static_cast<int64_t>(d.dtype);
   f[kOp] = static_cast<int64_t>(d.op);
@@ -59,24 +59,28 @@ const char* OpKindName(OpKind k) {
   return "invalid";
 }
 
-void EncodeDescriptor(const OpDescriptor& d, int64_t seq, int64_t* out) {
+void EncodeDescriptor(const OpDescriptor& d, int64_t* out) {
   int64_t f[kDescriptorFields];
-  Fields(d, seq, f);
+  Fields(d, f);
   for (int i = 0; i < kDescriptorFields; ++i) {
     out[i] = f[i];
     out[kDescriptorFields + i] = -f[i];
   }
 }
 
-absl::Status CheckDescriptorAgreed(const OpDescriptor& d, int64_t seq, const int64_t* reduced,
-                                   absl::string_view label, bool* sequence_mismatch) {
+absl::Status CheckDescriptorAgreed(const OpDescriptor& d, const int64_t* reduced,
+                                   absl::string_view label) {
   int64_t mine[kDescriptorFields];
-  Fields(d, seq, mine);
+  Fields(d, mine);
+  const int64_t highest_invalid = -reduced[kDescriptorFields + kInvalidRank];
+  if (highest_invalid >= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(label, ": rank ", highest_invalid,
+                                                   " passed invalid arguments to its ",
+                                                   OpKindName(d.kind), " (see that rank's error)"));
+  }
   for (int f = 0; f < kDescriptorFields; ++f) {
     const int64_t lo = reduced[f], hi = -reduced[kDescriptorFields + f];
     if (lo == hi) continue;
-    // Ranks that are out of step stay out of step: nothing later can match up.
-    if (f == kSeq) *sequence_mismatch = true;
     return absl::InvalidArgumentError(absl::StrCat(
         label, ": ranks disagree on ", FieldName(f), ": ", FieldValue(f, lo), " vs ",
         FieldValue(f, hi), " (this rank: ", FieldValue(f, mine[f]), ")"));

@@ -10,10 +10,9 @@
 // values, so every rank reaches the same verdict and reports the same message.
 //
 //   int64_t buf[kDescriptorWords];
-//   EncodeDescriptor(d, seq, buf);
+//   EncodeDescriptor(d, buf);
 //   ... all-reduce buf with MIN over int64 ...
-//   bool out_of_step = false;
-//   GRADSUM_RETURN_IF_ERROR(CheckDescriptorAgreed(d, seq, buf, label, &out_of_step));
+//   GRADSUM_RETURN_IF_ERROR(CheckDescriptorAgreed(d, buf, label));
 
 #include <cstdint>
 
@@ -44,22 +43,24 @@ struct OpDescriptor {
   ReduceOp op = ReduceOp::kSum;
   int64_t count = 0;
   int64_t root = -1;
+  // This rank's number when its own arguments failed the local checks (it still joins
+  // the exchange so that its peers fail too instead of waiting); -1 otherwise.
+  int64_t invalid_rank = -1;
 };
 
-// Sequence number, kind, dtype, op, count, root; each twice (value, negated value).
+// Invalid rank, kind, dtype, op, count, root; each twice (value, negated value).
 inline constexpr int kDescriptorFields = 6;
 inline constexpr int kDescriptorWords = 2 * kDescriptorFields;
 
-// Fills out[0, kDescriptorWords) for a MIN all-reduce. `seq` counts this rank's calls on
-// the communicator, so a rank that skipped one is caught.
-void EncodeDescriptor(const OpDescriptor& d, int64_t seq, int64_t* out);
+// Fills out[0, kDescriptorWords) for a MIN all-reduce.
+void EncodeDescriptor(const OpDescriptor& d, int64_t* out);
 
 // `reduced` is the MIN all-reduce of every rank's EncodeDescriptor. Returns OK when all
-// fields agree, else InvalidArgument "<label>: ranks disagree on <field>: <min> vs <max>
-// (this rank: <mine>)". Sets *sequence_mismatch when the ranks are out of step (the
-// communicator cannot be used again).
-absl::Status CheckDescriptorAgreed(const OpDescriptor& d, int64_t seq, const int64_t* reduced,
-                                   absl::string_view label, bool* sequence_mismatch);
+// fields agree. Otherwise InvalidArgument: "<label>: rank R passed invalid arguments ..."
+// (the highest such rank), else "<label>: ranks disagree on <field>: <min> vs <max> (this
+// rank: <mine>)" for the first field that differs.
+absl::Status CheckDescriptorAgreed(const OpDescriptor& d, const int64_t* reduced,
+                                   absl::string_view label);
 
 // All-to-all-v: rank r's send_counts[p] must equal rank p's recv_counts[r]. Each rank
 // reports (first sender p whose count differs, or -1; what p sends; what this rank

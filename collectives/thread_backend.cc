@@ -34,6 +34,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "collectives/op_descriptor.h"
 #include "collectives/reduce_kernels.h"
 
 namespace gradsum {
@@ -50,20 +51,8 @@ absl::Status Fresh(const absl::Status& s) {
   return absl::Status(s.code(), std::string(s.message()));
 }
 
-enum class OpKind { kAllReduce, kReduceScatter, kAllGather, kAllToAllV, kBroadcast, kBarrier, kSplit };
-
-const char* OpKindName(OpKind k) {
-  switch (k) {
-    case OpKind::kAllReduce: return "all_reduce";
-    case OpKind::kReduceScatter: return "reduce_scatter";
-    case OpKind::kAllGather: return "all_gather";
-    case OpKind::kAllToAllV: return "all_to_all_v";
-    case OpKind::kBroadcast: return "broadcast";
-    case OpKind::kBarrier: return "barrier";
-    case OpKind::kSplit: return "split";
-  }
-  return "invalid";
-}
+using collectives_internal::OpKind;
+using collectives_internal::OpKindName;
 
 bool HasDType(OpKind k) { return k != OpKind::kBarrier && k != OpKind::kSplit; }
 bool HasCount(OpKind k) {
@@ -235,49 +224,25 @@ class ThreadCommunicator : public Communicator {
 
   absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv, size_t count,
                                                        DType dtype, ReduceOp op) override {
-    OpArgs a;
-    a.kind = OpKind::kAllReduce;
-    a.send = send;
-    a.recv = recv;
-    a.count = count;
-    a.dtype = dtype;
-    a.reduce = op;
-    return Issue(std::move(a));
+    return Issue(Args(OpKind::kAllReduce, send, recv, count, dtype, op));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> ReduceScatterAsync(const void* send, void* recv,
                                                            size_t recv_count, DType dtype,
                                                            ReduceOp op) override {
-    OpArgs a;
-    a.kind = OpKind::kReduceScatter;
-    a.send = send;
-    a.recv = recv;
-    a.count = recv_count;
-    a.dtype = dtype;
-    a.reduce = op;
-    return Issue(std::move(a));
+    return Issue(Args(OpKind::kReduceScatter, send, recv, recv_count, dtype, op));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const void* send, void* recv,
                                                        size_t send_count, DType dtype) override {
-    OpArgs a;
-    a.kind = OpKind::kAllGather;
-    a.send = send;
-    a.recv = recv;
-    a.count = send_count;
-    a.dtype = dtype;
-    return Issue(std::move(a));
+    return Issue(Args(OpKind::kAllGather, send, recv, send_count, dtype));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(
       const void* send, absl::Span<const size_t> send_counts,
       absl::Span<const size_t> send_offsets, void* recv, absl::Span<const size_t> recv_counts,
       absl::Span<const size_t> recv_offsets, DType dtype) override {
-    OpArgs a;
-    a.kind = OpKind::kAllToAllV;
-    a.send = send;
-    a.recv = recv;
-    a.dtype = dtype;
+    OpArgs a = Args(OpKind::kAllToAllV, send, recv, 0, dtype);
     a.send_counts.assign(send_counts.begin(), send_counts.end());
     a.send_offsets.assign(send_offsets.begin(), send_offsets.end());
     a.recv_counts.assign(recv_counts.begin(), recv_counts.end());
@@ -287,24 +252,17 @@ class ThreadCommunicator : public Communicator {
 
   absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(void* buf, size_t count, DType dtype,
                                                        int root) override {
-    OpArgs a;
-    a.kind = OpKind::kBroadcast;
-    a.recv = buf;
-    a.count = count;
-    a.dtype = dtype;
+    OpArgs a = Args(OpKind::kBroadcast, nullptr, buf, count, dtype);
     a.root = root;
     return Issue(std::move(a));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override {
-    OpArgs a;
-    a.kind = OpKind::kBarrier;
-    return Issue(std::move(a));
+    return Issue(Args(OpKind::kBarrier, nullptr, nullptr, 0, DType::kF32));
   }
 
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
-    OpArgs a;
-    a.kind = OpKind::kSplit;
+    OpArgs a = Args(OpKind::kSplit, nullptr, nullptr, 0, DType::kF32);
     a.color = color;
     a.key = key;
     auto op = std::make_shared<OpState>();
@@ -317,6 +275,18 @@ class ThreadCommunicator : public Communicator {
   }
 
  private:
+  static OpArgs Args(OpKind kind, const void* send, void* recv, size_t count, DType dtype,
+                     ReduceOp reduce = ReduceOp::kSum) {
+    OpArgs a;
+    a.kind = kind;
+    a.send = send;
+    a.recv = recv;
+    a.count = count;
+    a.dtype = dtype;
+    a.reduce = reduce;
+    return a;
+  }
+
   // Checks this rank's own arguments (no exchange). The rules here are what the header
   // documents for in-place and overlapping buffers.
   absl::Status CheckLocal(const OpArgs& a) const {

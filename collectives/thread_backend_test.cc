@@ -18,6 +18,7 @@
 #include "core/half.h"
 #include "gtest/gtest.h"
 #include "testing/run_ranks.h"
+#include "testing/status_testing.h"
 
 namespace gradsum {
 namespace {
@@ -25,18 +26,12 @@ namespace {
 using ::gradsum::testing::RunRanks;
 using ::gradsum::testing::RunRanksPerRank;
 
-#define EXPECT_OK(expr)                        \
-  do {                                         \
-    const absl::Status s_ = (expr);            \
-    EXPECT_TRUE(s_.ok()) << s_;                \
-  } while (0)
-
 constexpr size_t kCounts[] = {0, 1, 13, 1000, 4099};
 
 class ThreadConformanceTest : public ::testing::TestWithParam<int> {};
 
 TEST_P(ThreadConformanceTest, AllReduceEveryDTypeOpCountAndPlacement) {
-  EXPECT_OK(RunRanks(GetParam(), [](Communicator& comm) -> absl::Status {
+  GRADSUM_EXPECT_OK(RunRanks(GetParam(), [](Communicator& comm) -> absl::Status {
     for (DType t : kAllDTypes) {
       for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax}) {
         if (op == ReduceOp::kAvg && !IsFloating(t)) continue;
@@ -53,7 +48,7 @@ TEST_P(ThreadConformanceTest, AllReduceEveryDTypeOpCountAndPlacement) {
 }
 
 TEST_P(ThreadConformanceTest, ReduceScatterAndAllGather) {
-  EXPECT_OK(RunRanks(GetParam(), [](Communicator& comm) -> absl::Status {
+  GRADSUM_EXPECT_OK(RunRanks(GetParam(), [](Communicator& comm) -> absl::Status {
     for (DType t : kAllDTypes) {
       for (size_t n : {0, 1, 7, 300}) {
         for (bool in_place : {false, true}) {
@@ -72,7 +67,7 @@ TEST_P(ThreadConformanceTest, ReduceScatterAndAllGather) {
 }
 
 TEST_P(ThreadConformanceTest, AllToAllVUnevenCountsAndBroadcastFromEveryRoot) {
-  EXPECT_OK(RunRanks(GetParam(), [](Communicator& comm) -> absl::Status {
+  GRADSUM_EXPECT_OK(RunRanks(GetParam(), [](Communicator& comm) -> absl::Status {
     for (DType t : kAllDTypes) {
       for (size_t max_count : {0, 1, 5, 200}) {
         conformance::CheckOptions o;
@@ -92,7 +87,7 @@ TEST_P(ThreadConformanceTest, AllToAllVUnevenCountsAndBroadcastFromEveryRoot) {
 }
 
 TEST_P(ThreadConformanceTest, AsyncSplitAndMismatches) {
-  EXPECT_OK(RunRanks(GetParam(), [](Communicator& comm) -> absl::Status {
+  GRADSUM_EXPECT_OK(RunRanks(GetParam(), [](Communicator& comm) -> absl::Status {
     absl::Status s = conformance::CheckAsyncInIssueOrder(comm);
     if (s.ok()) s = conformance::CheckSplit(comm);
     if (s.ok()) s = conformance::CheckMismatchesFail(comm);
@@ -106,7 +101,7 @@ TEST_P(ThreadConformanceTest, IntegerValuedInputsAsAnyBackendWouldSee) {
   conformance::CheckOptions o;
   o.rank_ordered_sums = false;
   o.seed = 99;
-  EXPECT_OK(RunRanks(GetParam(), [&](Communicator& comm) -> absl::Status {
+  GRADSUM_EXPECT_OK(RunRanks(GetParam(), [&](Communicator& comm) -> absl::Status {
     absl::Status s = conformance::CheckAllReduce(comm, DType::kBF16, ReduceOp::kAvg, 1000, true, o);
     if (s.ok()) s = conformance::CheckReduceScatter(comm, DType::kF16, ReduceOp::kSum, 100, false, o);
     if (s.ok()) s = conformance::CheckAllToAllV(comm, DType::kI32, 50, o);
@@ -122,7 +117,7 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, ThreadConformanceTest, ::testing::Range(1, 
 // Buffers well past the 256 KiB work chunk, so each rank reduces several chunks claimed
 // dynamically, including the ragged last one.
 TEST(ThreadBackendTest, LargeBuffersSpanManyChunks) {
-  EXPECT_OK(RunRanks(3, [](Communicator& comm) -> absl::Status {
+  GRADSUM_EXPECT_OK(RunRanks(3, [](Communicator& comm) -> absl::Status {
     for (bool in_place : {false, true}) {
       absl::Status s = conformance::CheckAllReduce(comm, DType::kF32, ReduceOp::kSum, 200003, in_place);
       if (s.ok()) s = conformance::CheckAllReduce(comm, DType::kBF16, ReduceOp::kAvg, 300001, in_place);
@@ -152,7 +147,7 @@ TEST(ThreadBackendTest, RejectsBadWorldSizeAndTimeout) {
 // after every addition would stay at 1 (each 2^-8 is half an ulp, ties to even); one
 // rounding of the exact 1.02734375 gives 1.03125 (3.5 ulps, tie to even 4 ulps).
 TEST(ThreadBackendTest, Bf16SumRoundsOnce) {
-  EXPECT_OK(RunRanks(8, [](Communicator& comm) -> absl::Status {
+  GRADSUM_EXPECT_OK(RunRanks(8, [](Communicator& comm) -> absl::Status {
     BF16 x = BF16::FromFloat(comm.rank() == 0 ? 1.0f : 0.00390625f);
     absl::Status s = comm.AllReduce(&x, &x, 1, DType::kBF16, ReduceOp::kSum);
     if (!s.ok()) return s;
@@ -217,12 +212,12 @@ TEST(ThreadBackendTest, LocalArgumentChecks) {
   // Receive blocks of one peer can't overlap in a 1-rank world; send/recv overlap can.
   EXPECT_EQ(code(c.AllToAllV(a.data(), one, zero, a.data(), one, zero, DType::kF32)), kInvalid);
   // Zero elements with null buffers are fine.
-  EXPECT_OK(c.AllReduce(nullptr, nullptr, 0, DType::kF64));
-  EXPECT_OK(c.AllToAllV(nullptr, zero, zero, nullptr, zero, zero, DType::kF32));
+  GRADSUM_EXPECT_OK(c.AllReduce(nullptr, nullptr, 0, DType::kF64));
+  GRADSUM_EXPECT_OK(c.AllToAllV(nullptr, zero, zero, nullptr, zero, zero, DType::kF32));
 }
 
 TEST(ThreadBackendTest, InPlaceConventionsForScatterAndGather) {
-  EXPECT_OK(RunRanks(2, [](Communicator& comm) -> absl::Status {
+  GRADSUM_EXPECT_OK(RunRanks(2, [](Communicator& comm) -> absl::Status {
     std::vector<float> full(9, 1.0f);
     // recv == send (base) on rank 1 overlaps another rank's block: rejected.
     absl::Status s = comm.ReduceScatter(full.data(), full.data(), 4, DType::kF32);
@@ -268,14 +263,14 @@ TEST(ThreadBackendTest, MissingRankTimesOutThenCommunicatorIsUnusable) {
       },
       o);
   ASSERT_TRUE(statuses.ok());
-  for (const absl::Status& s : *statuses) EXPECT_OK(s);
+  for (const absl::Status& s : *statuses) GRADSUM_EXPECT_OK(s);
   const absl::Duration took = absl::Now() - start;
   EXPECT_GE(took, absl::Milliseconds(200));
   EXPECT_LT(took, absl::Seconds(20));
 }
 
 TEST(ThreadBackendTest, WaitTimeoutLeavesOperationInFlight) {
-  EXPECT_OK(RunRanks(2, [](Communicator& comm) -> absl::Status {
+  GRADSUM_EXPECT_OK(RunRanks(2, [](Communicator& comm) -> absl::Status {
     int64_t x = comm.rank() + 1;
     if (comm.rank() == 1) {
       std::this_thread::sleep_for(std::chrono::milliseconds(300));
@@ -295,7 +290,7 @@ TEST(ThreadBackendTest, WaitTimeoutLeavesOperationInFlight) {
 }
 
 TEST(ThreadBackendTest, ManyAsyncOperationsCompleteInIssueOrder) {
-  EXPECT_OK(RunRanks(8, [](Communicator& comm) -> absl::Status {
+  GRADSUM_EXPECT_OK(RunRanks(8, [](Communicator& comm) -> absl::Status {
     constexpr int kOps = 200;
     std::vector<int32_t> bufs(kOps);
     std::vector<std::unique_ptr<Work>> works;
@@ -344,7 +339,7 @@ TEST(ThreadBackendTest, SubCommunicatorsOutliveAndPredeceaseTheirParents) {
       return absl::OkStatus();
     });
     ASSERT_TRUE(statuses.ok());
-    for (const absl::Status& s : *statuses) EXPECT_OK(s);
+    for (const absl::Status& s : *statuses) GRADSUM_EXPECT_OK(s);
   }
   // The parents are gone; the children still work.
   std::vector<std::thread> threads;
@@ -357,7 +352,7 @@ TEST(ThreadBackendTest, SubCommunicatorsOutliveAndPredeceaseTheirParents) {
     });
   }
   for (auto& t : threads) t.join();
-  for (const absl::Status& s : results) EXPECT_OK(s);
+  for (const absl::Status& s : results) GRADSUM_EXPECT_OK(s);
 }
 
 }  // namespace

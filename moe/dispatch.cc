@@ -102,8 +102,9 @@ absl::Status DispatchCombineForward(Communicator& ep_group, const DispatchConfig
   GRADSUM_RETURN_IF_ERROR(
       internal::CheckSize("dispatch combine_weight", combine_weight.size(), T * K, "[T, K]"));
   GRADSUM_RETURN_IF_ERROR(internal::CheckSize("dispatch output y", y.size(), T * D, "[T, D]"));
+  // Every local check before the first collective, so a bad argument fails fast here.
   const ExpertsConfig experts_config = LocalExpertsConfig(config, P);
-  GRADSUM_RETURN_IF_ERROR(ValidateExpertsConfig(experts_config));
+  GRADSUM_RETURN_IF_ERROR(CheckExpertWeights(experts_config, local_weights));
 
   // 1. Order the copies by destination expert (a stable counting sort).
   std::vector<int64_t> counts(E, 0);
@@ -224,6 +225,8 @@ absl::Status DispatchCombineBackward(Communicator& ep_group, const DispatchConfi
   GRADSUM_RETURN_IF_ERROR(internal::CheckSize("dispatch d_a", d_a.size(), T * D, "[T, D]"));
   GRADSUM_RETURN_IF_ERROR(
       internal::CheckSize("dispatch d_combine_weight", d_combine_weight.size(), T * K, "[T, K]"));
+  GRADSUM_RETURN_IF_ERROR(CheckExpertWeights(LocalExpertsConfig(config, P), local_weights));
+  GRADSUM_RETURN_IF_ERROR(CheckExpertWeightGrads(LocalExpertsConfig(config, P), local_grads));
 
   // d w_tk = <dy_t, out_tk>; the copy's output gradient is w_tk dy_t (sent in send order).
   std::fill(d_combine_weight.begin(), d_combine_weight.end(), 0.0f);

@@ -22,6 +22,10 @@
 // receive zero rows, and a rank may have zero tokens. Counts are data-dependent, so every
 // EP rank must call forward and backward, even with no tokens.
 //
+// All argument checks run before the first collective. A rank that fails one returns its
+// InvalidArgument at once; the other ranks then fail in the first exchange with the
+// communicator's DeadlineExceeded (after its timeout), as for any rank that does not arrive.
+//
 //   DispatchConfig config{.d_model = D, .hidden = H, .num_experts = E, .top_k = K};
 //   DispatchState state;
 //   GRADSUM_RETURN_IF_ERROR(DispatchCombineForward(ep_group, config, local_weights, a,

@@ -172,6 +172,16 @@ TEST(DispatchTest, BadArgumentsAreInvalidArgument) {
                                         absl::MakeSpan(d_a), absl::MakeSpan(bad), grads)
                     .message(),
                 HasSubstr("d_combine_weight has 4"));
+    EXPECT_THAT(
+        DispatchCombineBackward(comm, p.config(), {wg, wu, wd}, state, y, absl::MakeSpan(d_a),
+                                absl::MakeSpan(d_cw),
+                                {absl::MakeSpan(dwg), absl::MakeSpan(bad), absl::MakeSpan(dwd)})
+            .message(),
+        HasSubstr("dWu has 4"));
+    EXPECT_THAT(DispatchCombineBackward(comm, p.config(), {wg, bad, wd}, state, y,
+                                        absl::MakeSpan(d_a), absl::MakeSpan(d_cw), grads)
+                    .message(),
+                HasSubstr("Wu has 4"));
     DispatchConfig other = p.config();
     other.top_k = 1;
     EXPECT_THAT(DispatchCombineBackward(comm, other, {wg, wu, wd}, state, y, absl::MakeSpan(d_a),

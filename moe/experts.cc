@@ -17,15 +17,7 @@ using Map = Eigen::Map<RowMatrix>;
 // Checks config, weights and group sizes; returns N = sum(group_sizes).
 absl::StatusOr<int64_t> CheckCommon(const ExpertsConfig& config, const ExpertWeights& weights,
                                     absl::Span<const int64_t> group_sizes) {
-  GRADSUM_RETURN_IF_ERROR(ValidateExpertsConfig(config));
-  const int64_t per_expert = config.d_model * config.hidden;
-  const int64_t stacked = per_expert * config.num_local_experts;
-  GRADSUM_RETURN_IF_ERROR(
-      internal::CheckSize("expert weight Wg", weights.gate.size(), stacked, "[E_local, D, H]"));
-  GRADSUM_RETURN_IF_ERROR(
-      internal::CheckSize("expert weight Wu", weights.up.size(), stacked, "[E_local, D, H]"));
-  GRADSUM_RETURN_IF_ERROR(
-      internal::CheckSize("expert weight Wd", weights.down.size(), stacked, "[E_local, H, D]"));
+  GRADSUM_RETURN_IF_ERROR(CheckExpertWeights(config, weights));
   GRADSUM_RETURN_IF_ERROR(internal::CheckSize("expert group_sizes", group_sizes.size(),
                                               config.num_local_experts, "[E_local]"));
   int64_t n = 0;
@@ -42,6 +34,26 @@ absl::StatusOr<int64_t> CheckCommon(const ExpertsConfig& config, const ExpertWei
 inline float Sigmoid(float g) { return 1.0f / (1.0f + std::exp(-g)); }
 
 }  // namespace
+
+absl::Status CheckExpertWeights(const ExpertsConfig& config, const ExpertWeights& weights) {
+  GRADSUM_RETURN_IF_ERROR(ValidateExpertsConfig(config));
+  const int64_t stacked = config.d_model * config.hidden * config.num_local_experts;
+  GRADSUM_RETURN_IF_ERROR(
+      internal::CheckSize("expert weight Wg", weights.gate.size(), stacked, "[E_local, D, H]"));
+  GRADSUM_RETURN_IF_ERROR(
+      internal::CheckSize("expert weight Wu", weights.up.size(), stacked, "[E_local, D, H]"));
+  return internal::CheckSize("expert weight Wd", weights.down.size(), stacked, "[E_local, H, D]");
+}
+
+absl::Status CheckExpertWeightGrads(const ExpertsConfig& config, const ExpertWeightGrads& grads) {
+  GRADSUM_RETURN_IF_ERROR(ValidateExpertsConfig(config));
+  const int64_t stacked = config.d_model * config.hidden * config.num_local_experts;
+  GRADSUM_RETURN_IF_ERROR(
+      internal::CheckSize("expert grad dWg", grads.gate.size(), stacked, "[E_local, D, H]"));
+  GRADSUM_RETURN_IF_ERROR(
+      internal::CheckSize("expert grad dWu", grads.up.size(), stacked, "[E_local, D, H]"));
+  return internal::CheckSize("expert grad dWd", grads.down.size(), stacked, "[E_local, H, D]");
+}
 
 absl::Status ValidateExpertsConfig(const ExpertsConfig& config) {
   if (config.d_model < 1 || config.hidden < 1 || config.num_local_experts < 1) {
@@ -102,12 +114,7 @@ absl::Status ExpertsBackward(const ExpertsConfig& config, const ExpertWeights& w
       internal::CheckSize("saved gate_pre", saved.gate_pre.size(), N * H, "[N, H]"));
   GRADSUM_RETURN_IF_ERROR(
       internal::CheckSize("saved up_pre", saved.up_pre.size(), N * H, "[N, H]"));
-  GRADSUM_RETURN_IF_ERROR(
-      internal::CheckSize("expert grad dWg", grads.gate.size(), stacked, "[E_local, D, H]"));
-  GRADSUM_RETURN_IF_ERROR(
-      internal::CheckSize("expert grad dWu", grads.up.size(), stacked, "[E_local, D, H]"));
-  GRADSUM_RETURN_IF_ERROR(
-      internal::CheckSize("expert grad dWd", grads.down.size(), stacked, "[E_local, H, D]"));
+  GRADSUM_RETURN_IF_ERROR(CheckExpertWeightGrads(config, grads));
 
   std::vector<float> act, d_gate, d_up;
   int64_t row = 0;

@@ -51,6 +51,12 @@ struct ExpertWeightGrads {
   absl::Span<float> down;
 };
 
+// InvalidArgument (naming the matrix and both sizes) unless the config is valid and each
+// stacked matrix has E_local * D * H elements. Lets callers that exchange rows first
+// (moe/dispatch.h) reject bad weights before any collective.
+absl::Status CheckExpertWeights(const ExpertsConfig& config, const ExpertWeights& weights);
+absl::Status CheckExpertWeightGrads(const ExpertsConfig& config, const ExpertWeightGrads& grads);
+
 // Activations that forward keeps for backward.
 struct ExpertsSaved {
   std::vector<float> gate_pre;  // [N, H] x Wg (before SiLU)

@@ -3,7 +3,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/status.h"
-#include "train/config.h"
 #include "train/data.h"
 #include "train/moe_lm.h"
 
@@ -32,7 +31,12 @@ void PrintBanner(const TrainConfig& config, std::ostream& out) {
     for (int64_t d : shape) n *= d;
     params += n;
   }
-  out << "moe_lm: " << ConfigToShortText(config) << "\n";
+  out << absl::StrFormat(
+      "moe_lm: %d steps; AdamW lr %g (warmup %d), clip %g; compute %s, reduce %s; "
+      "alpha_b %g, alpha_z %g; seed %d\n",
+      config.steps(), config.optim().lr(), config.optim().warmup_steps(),
+      config.optim().grad_clip(), config.compute_dtype(), config.reduce_dtype(), config.alpha_b(),
+      config.alpha_z(), config.seed());
   out << absl::StrFormat(
       "model: V=%d D=%d L=%d E=%d K=%d H=%d, %d parameters; mesh F=%d x P=%d, G=%d, %s, "
       "backend %s\n",

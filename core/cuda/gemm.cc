@@ -91,4 +91,26 @@ absl::Status GemmRowMajor(const CublasHandle& handle, cudaStream_t stream, const
       absl::StrCat("cublasGemmEx m=", g.m, " n=", g.n, " k=", g.k));
 }
 
+absl::Status GemmRowMajor(const CublasHandle& handle, cudaStream_t stream, bool trans_a, bool trans_b,
+                          int64_t m, int64_t n, int64_t k, const void* a, int64_t lda, const void* b,
+                          int64_t ldb, DType in, void* c, int64_t ldc, DType out, float beta) {
+  GemmArgs g;
+  g.trans_a = trans_a;
+  g.trans_b = trans_b;
+  g.m = m;
+  g.n = n;
+  g.k = k;
+  g.beta = beta;
+  g.a = a;
+  g.a_dtype = in;
+  g.lda = lda;
+  g.b = b;
+  g.b_dtype = in;
+  g.ldb = ldb;
+  g.c = c;
+  g.c_dtype = out;
+  g.ldc = ldc;
+  return GemmRowMajor(handle, stream, g);
+}
+
 }  // namespace gradsum::cuda

@@ -75,6 +75,12 @@ struct GemmArgs {
 // k == 0 scales C by beta (cuBLAS semantics).
 absl::Status GemmRowMajor(const CublasHandle& handle, cudaStream_t stream, const GemmArgs& args);
 
+// Shorthand for the common case alpha = 1: C[m, n] = op(A) op(B) + beta * C with A and B
+// of dtype `in` and C of dtype `out`. Same checks and errors.
+absl::Status GemmRowMajor(const CublasHandle& handle, cudaStream_t stream, bool trans_a, bool trans_b,
+                          int64_t m, int64_t n, int64_t k, const void* a, int64_t lda, const void* b,
+                          int64_t ldb, DType in, void* c, int64_t ldc, DType out, float beta = 0.0f);
+
 }  // namespace gradsum::cuda
 
 #endif  // GRADSUM_CORE_CUDA_GEMM_H_

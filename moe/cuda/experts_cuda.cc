@@ -9,7 +9,6 @@ namespace gradsum::moe {
 namespace {
 
 using cuda::CheckDevicePointer;
-using cuda::GemmArgs;
 
 absl::Status CheckConfig(const ExpertsCudaConfig& c, absl::Span<const int64_t> offsets) {
   if (c.d_model < 1 || c.hidden < 1 || c.num_local_experts < 1) {
@@ -42,29 +41,6 @@ void* At(void* base, int64_t row, int64_t cols, DType dtype) {
   return static_cast<char*>(base) + row * cols * static_cast<int64_t>(DTypeSize(dtype));
 }
 
-// C[m, n] (beta)= op(A) op(B) for row-major operands.
-absl::Status Gemm(const cuda::CublasHandle& blas, cudaStream_t stream, bool ta, bool tb, int64_t m,
-                  int64_t n, int64_t k, const void* a, int64_t lda, const void* b, int64_t ldb,
-                  DType in, void* c, int64_t ldc, DType out, float beta) {
-  GemmArgs g;
-  g.trans_a = ta;
-  g.trans_b = tb;
-  g.m = m;
-  g.n = n;
-  g.k = k;
-  g.beta = beta;
-  g.a = a;
-  g.a_dtype = in;
-  g.lda = lda;
-  g.b = b;
-  g.b_dtype = in;
-  g.ldb = ldb;
-  g.c = c;
-  g.c_dtype = out;
-  g.ldc = ldc;
-  return cuda::GemmRowMajor(blas, stream, g);
-}
-
 }  // namespace
 
 absl::Status ExpertsForwardCuda(const cuda::CublasHandle& blas, cudaStream_t stream,
@@ -86,9 +62,9 @@ absl::Status ExpertsForwardCuda(const cuda::CublasHandle& blas, cudaStream_t str
     const int64_t begin = offsets[j], rows = offsets[j + 1] - offsets[j];
     if (rows == 0) continue;
     const void* xj = At(x, begin, D, t);
-    GRADSUM_RETURN_IF_ERROR(Gemm(blas, stream, false, false, rows, H, D, xj, D, At(w.gate, j * D, H, t), H,
+    GRADSUM_RETURN_IF_ERROR(cuda::GemmRowMajor(blas, stream, false, false, rows, H, D, xj, D, At(w.gate, j * D, H, t), H,
                                  t, At(saved.gate_pre, begin, H, t), H, t, 0.0f));
-    GRADSUM_RETURN_IF_ERROR(Gemm(blas, stream, false, false, rows, H, D, xj, D, At(w.up, j * D, H, t), H,
+    GRADSUM_RETURN_IF_ERROR(cuda::GemmRowMajor(blas, stream, false, false, rows, H, D, xj, D, At(w.up, j * D, H, t), H,
                                  t, At(saved.up_pre, begin, H, t), H, t, 0.0f));
   }
   SwiGluArgs s;
@@ -101,7 +77,7 @@ absl::Status ExpertsForwardCuda(const cuda::CublasHandle& blas, cudaStream_t str
   for (int j = 0; j < c.num_local_experts; ++j) {
     const int64_t begin = offsets[j], rows = offsets[j + 1] - offsets[j];
     if (rows == 0) continue;
-    GRADSUM_RETURN_IF_ERROR(Gemm(blas, stream, false, false, rows, D, H, At(saved.hidden, begin, H, t), H,
+    GRADSUM_RETURN_IF_ERROR(cuda::GemmRowMajor(blas, stream, false, false, rows, D, H, At(saved.hidden, begin, H, t), H,
                                  At(w.down, j * H, D, t), D, t, At(y, begin, D, t), D, t, 0.0f));
   }
   return absl::OkStatus();
@@ -132,9 +108,9 @@ absl::Status ExpertsBackwardCuda(const cuda::CublasHandle& blas, cudaStream_t st
     if (rows == 0) continue;
     void* hid = At(saved.hidden, begin, H, t);
     const void* dyj = At(dy, begin, D, t);
-    GRADSUM_RETURN_IF_ERROR(Gemm(blas, stream, true, false, H, D, rows, hid, H, dyj, D, t,
+    GRADSUM_RETURN_IF_ERROR(cuda::GemmRowMajor(blas, stream, true, false, H, D, rows, hid, H, dyj, D, t,
                                  g.down + j * H * D, D, DType::kF32, 1.0f));
-    GRADSUM_RETURN_IF_ERROR(Gemm(blas, stream, false, true, rows, H, D, dyj, D, At(w.down, j * H, D, t), D,
+    GRADSUM_RETURN_IF_ERROR(cuda::GemmRowMajor(blas, stream, false, true, rows, H, D, dyj, D, At(w.down, j * H, D, t), D,
                                  t, hid, H, t, 0.0f));
   }
   // SwiGLU backward in place: d_gate_pre into gate_pre, d_up_pre into up_pre.
@@ -153,14 +129,14 @@ absl::Status ExpertsBackwardCuda(const cuda::CublasHandle& blas, cudaStream_t st
     const void* xj = At(x, begin, D, t);
     const void* dg = At(saved.gate_pre, begin, H, t);
     const void* du = At(saved.up_pre, begin, H, t);
-    GRADSUM_RETURN_IF_ERROR(Gemm(blas, stream, true, false, D, H, rows, xj, D, dg, H, t,
+    GRADSUM_RETURN_IF_ERROR(cuda::GemmRowMajor(blas, stream, true, false, D, H, rows, xj, D, dg, H, t,
                                  g.gate + j * D * H, H, DType::kF32, 1.0f));
-    GRADSUM_RETURN_IF_ERROR(Gemm(blas, stream, true, false, D, H, rows, xj, D, du, H, t,
+    GRADSUM_RETURN_IF_ERROR(cuda::GemmRowMajor(blas, stream, true, false, D, H, rows, xj, D, du, H, t,
                                  g.up + j * D * H, H, DType::kF32, 1.0f));
     void* dxj = At(dx, begin, D, t);
-    GRADSUM_RETURN_IF_ERROR(Gemm(blas, stream, false, true, rows, D, H, dg, H, At(w.gate, j * D, H, t), H,
+    GRADSUM_RETURN_IF_ERROR(cuda::GemmRowMajor(blas, stream, false, true, rows, D, H, dg, H, At(w.gate, j * D, H, t), H,
                                  t, dxj, D, t, 0.0f));
-    GRADSUM_RETURN_IF_ERROR(Gemm(blas, stream, false, true, rows, D, H, du, H, At(w.up, j * D, H, t), H,
+    GRADSUM_RETURN_IF_ERROR(cuda::GemmRowMajor(blas, stream, false, true, rows, D, H, du, H, At(w.up, j * D, H, t), H,
                                  t, dxj, D, t, 1.0f));
   }
   return absl::OkStatus();

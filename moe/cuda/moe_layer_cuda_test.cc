@@ -12,6 +12,7 @@
 #include "collectives/communicator.h"
 #include "core/cuda/device_buffer.h"
 #include "core/cuda/gemm.h"
+#include "core/dtype.h"
 #include "gtest/gtest.h"
 #include "moe/cuda/experts_cuda.h"
 #include "moe/cuda/permute_cuda.h"
@@ -28,9 +29,12 @@ using cuda::CublasHandle;
 using cuda::DeviceBuffer;
 using ::gradsum::testing::Dev;
 using ::gradsum::testing::DevZeros;
+using ::gradsum::testing::DownloadAsDouble;
 using ::gradsum::testing::ExpectAllNear;
 using ::gradsum::testing::Host;
 using ::gradsum::testing::RandomNormal;
+using ::gradsum::testing::RoundTo;
+using ::gradsum::testing::UploadAs;
 
 double MaxAbs(const std::vector<float>& v) {
   double m = 0;
@@ -41,6 +45,7 @@ double MaxAbs(const std::vector<float>& v) {
 struct LayerCase {
   int64_t T, D, H;
   int E, K;
+  DType dtype;  // activations and expert weights on the GPU; the CPU reference is fp32
 };
 
 class MoeLayerCuda : public ::testing::TestWithParam<LayerCase> {};
@@ -62,6 +67,12 @@ TEST_P(MoeLayerCuda, ForwardAndBackwardMatchCpuDispatchOnOneRank) {
   std::vector<float> a = RandomNormal(T * D, 2), cw = RandomNormal(copies, 3);
   std::vector<float> wg = RandomNormal(E * D * H, 4, 0.2f), wu = RandomNormal(E * D * H, 5, 0.2f);
   std::vector<float> wd = RandomNormal(E * H * D, 6, 0.2f), dy = RandomNormal(T * D, 7);
+  // The CPU sees exactly the values the GPU stores (bf16 rounding of inputs and weights);
+  // the remaining differences are the GPU's bf16 intermediates.
+  const DType dt = c.dtype;
+  for (auto* v : {&a, &wg, &wu, &wd, &dy}) RoundTo(dt, v);
+  // fp32: fp32 rounding only; bf16: a few bf16 roundings of intermediates (2^-9 each).
+  const double rtol = dt == DType::kBF16 ? 3e-2 : 1e-4, atol_frac = dt == DType::kBF16 ? 2e-2 : 1e-5;
   for (int64_t t = 0; t < T; ++t) {
     if (t % 7 == 3) std::fill(cw.begin() + t * K, cw.begin() + (t + 1) * K, 0.0f);
   }
@@ -95,62 +106,66 @@ TEST_P(MoeLayerCuda, ForwardAndBackwardMatchCpuDispatchOnOneRank) {
   plan.permuted_copy = perm.as<int64_t>();
   plan.copy_position = pos.as<int64_t>();
   ASSERT_TRUE(PermutePlanCuda(plan, nullptr).ok());
-  DeviceBuffer a_dev = Dev(a), send = DevZeros(sizeof(float) * copies * D);
-  ASSERT_TRUE(PermuteRowsCuda({a_dev.get(), DType::kF32, D, send.get()}, plan, nullptr).ok());
+  const size_t es = DTypeSize(dt);
+  DeviceBuffer a_dev = UploadAs(a, dt), send = DevZeros(es * copies * D);
+  ASSERT_TRUE(PermuteRowsCuda({a_dev.get(), dt, D, send.get()}, plan, nullptr).ok());
   const std::vector<int64_t> host_offsets = Host<int64_t>(offsets);
   const int64_t routed = host_offsets[E];
   std::vector<int64_t> perm_host = Host<int64_t>(perm);
   perm_host.resize(routed);
   EXPECT_EQ(perm_host, state.send_copy);  // the same send order as the CPU dispatch
 
-  DeviceBuffer wg_dev = Dev(wg), wu_dev = Dev(wu), wd_dev = Dev(wd);
-  ExpertsCudaConfig ec{D, H, E, DType::kF32};
+  DeviceBuffer wg_dev = UploadAs(wg, dt), wu_dev = UploadAs(wu, dt), wd_dev = UploadAs(wd, dt);
+  ExpertsCudaConfig ec{D, H, E, dt};
   ExpertsCudaWeights ew{wg_dev.get(), wu_dev.get(), wd_dev.get()};
-  DeviceBuffer gate_pre = DevZeros(sizeof(float) * copies * H), up_pre = DevZeros(sizeof(float) * copies * H);
-  DeviceBuffer hidden = DevZeros(sizeof(float) * copies * H), expert_out = DevZeros(sizeof(float) * copies * D);
+  DeviceBuffer gate_pre = DevZeros(es * copies * H), up_pre = DevZeros(es * copies * H);
+  DeviceBuffer hidden = DevZeros(es * copies * H), expert_out = DevZeros(es * copies * D);
   ExpertsCudaSaved saved{gate_pre.get(), up_pre.get(), hidden.get()};
   absl::Status s = ExpertsForwardCuda(*blas, nullptr, ec, ew, send.get(), host_offsets, expert_out.get(), saved);
   ASSERT_TRUE(s.ok()) << s;
-  DeviceBuffer cw_dev = Dev(cw), y_dev = DevZeros(sizeof(float) * T * D);
+  DeviceBuffer cw_dev = Dev(cw), y_dev = DevZeros(es * T * D);
   CombineCudaArgs cmb;
+  cmb.dtype = dt;
   cmb.width = D;
   cmb.rows = expert_out.get();
   cmb.weights = cw_dev.as<float>();
   cmb.out = y_dev.get();
   ASSERT_TRUE(CombineCuda(cmb, plan, nullptr).ok());
-  ExpectAllNear(Host<float>(y_dev), y_cpu, 1e-5 * MaxAbs(y_cpu), 1e-4, "y");
+  ExpectAllNear(DownloadAsDouble(y_dev, dt), y_cpu, atol_frac * MaxAbs(y_cpu), rtol, "y");
 
   // Backward: combine, experts, gather.
-  DeviceBuffer dy_dev = Dev(dy), d_rows = DevZeros(sizeof(float) * copies * D);
+  DeviceBuffer dy_dev = UploadAs(dy, dt), d_rows = DevZeros(es * copies * D);
   DeviceBuffer dcw_dev = DevZeros(sizeof(float) * copies);
   cmb.d_out = dy_dev.get();
   cmb.d_rows = d_rows.get();
   cmb.d_weights = dcw_dev.as<float>();
   ASSERT_TRUE(CombineBackwardCuda(cmb, plan, nullptr).ok());
-  DeviceBuffer dx_rows = DevZeros(sizeof(float) * copies * D);
+  DeviceBuffer dx_rows = DevZeros(es * copies * D);
   DeviceBuffer dwg = DevZeros(sizeof(float) * E * D * H), dwu = DevZeros(sizeof(float) * E * D * H);
   DeviceBuffer dwd = DevZeros(sizeof(float) * E * H * D);
   ExpertsCudaWeightGrads eg{dwg.as<float>(), dwu.as<float>(), dwd.as<float>()};
   s = ExpertsBackwardCuda(*blas, nullptr, ec, ew, send.get(), host_offsets, saved, d_rows.get(),
                           dx_rows.get(), eg);
   ASSERT_TRUE(s.ok()) << s;
-  DeviceBuffer da_dev = DevZeros(sizeof(float) * T * D);
+  DeviceBuffer da_dev = DevZeros(es * T * D);
   CombineCudaArgs back;
+  back.dtype = dt;
   back.width = D;
   back.rows = dx_rows.get();
   back.out = da_dev.get();
   ASSERT_TRUE(CombineCuda(back, plan, nullptr).ok());
 
-  ExpectAllNear(Host<float>(dcw_dev), dcw_cpu, 1e-5 * MaxAbs(dcw_cpu), 1e-4, "d_combine_weight");
-  ExpectAllNear(Host<float>(da_dev), da_cpu, 1e-5 * MaxAbs(da_cpu), 1e-4, "d_a");
-  ExpectAllNear(Host<float>(dwg), dwg_cpu, 1e-5 * MaxAbs(dwg_cpu), 1e-4, "d_gate");
-  ExpectAllNear(Host<float>(dwu), dwu_cpu, 1e-5 * MaxAbs(dwu_cpu), 1e-4, "d_up");
-  ExpectAllNear(Host<float>(dwd), dwd_cpu, 1e-5 * MaxAbs(dwd_cpu), 1e-4, "d_down");
+  ExpectAllNear(Host<float>(dcw_dev), dcw_cpu, atol_frac * MaxAbs(dcw_cpu), rtol, "d_combine_weight");
+  ExpectAllNear(DownloadAsDouble(da_dev, dt), da_cpu, atol_frac * MaxAbs(da_cpu), rtol, "d_a");
+  ExpectAllNear(Host<float>(dwg), dwg_cpu, atol_frac * MaxAbs(dwg_cpu), rtol, "d_gate");
+  ExpectAllNear(Host<float>(dwu), dwu_cpu, atol_frac * MaxAbs(dwu_cpu), rtol, "d_up");
+  ExpectAllNear(Host<float>(dwd), dwd_cpu, atol_frac * MaxAbs(dwd_cpu), rtol, "d_down");
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, MoeLayerCuda,
-                         ::testing::Values(LayerCase{40, 16, 24, 4, 2},       // small
-                                           LayerCase{600, 64, 96, 16, 4}));  // many chunks
+                         ::testing::Values(LayerCase{40, 16, 24, 4, 2, DType::kF32},      // small
+                                           LayerCase{600, 64, 96, 16, 4, DType::kF32},    // many chunks
+                                           LayerCase{600, 64, 96, 16, 4, DType::kBF16}));
 
 TEST(ExpertsCuda, BadOffsetsAreInvalidArgument) {
   GRADSUM_SKIP_WITHOUT_GPU();

@@ -25,7 +25,6 @@ namespace {
 
 using cuda::CublasHandle;
 using cuda::DeviceBuffer;
-using cuda::GemmArgs;
 using cuda::GemmRowMajor;
 using ::gradsum::testing::Dev;
 using ::gradsum::testing::ExpectAllNear;
@@ -96,17 +95,9 @@ TEST_P(RouterCudaVsCpu, ForwardMatchesCpuRouterAndCublasLogitsMatchCpuLogits) {
   absl::StatusOr<CublasHandle> blas = CublasHandle::Create();
   ASSERT_TRUE(blas.ok()) << blas.status();
   DeviceBuffer a_dev = Dev(a), wr_dev = Dev(wr), u_dev = DevZeros(sizeof(float) * c.T * c.E);
-  GemmArgs g;
-  g.m = c.T;
-  g.n = c.E;
-  g.k = c.D;
-  g.a = a_dev.get();
-  g.lda = c.D;
-  g.b = wr_dev.get();
-  g.ldb = c.E;
-  g.c = u_dev.get();
-  g.ldc = c.E;
-  ASSERT_TRUE(GemmRowMajor(*blas, nullptr, g).ok());
+  ASSERT_TRUE(GemmRowMajor(*blas, nullptr, false, false, c.T, c.E, c.D, a_dev.get(), c.D, wr_dev.get(),
+                           c.E, DType::kF32, u_dev.get(), c.E, DType::kF32)
+                  .ok());
   std::vector<float> u_gpu = Host<float>(u_dev);
   for (int64_t t = 0; t < c.T; ++t) {
     if (!mask[t]) continue;  // the CPU router leaves padding rows at 0
@@ -234,30 +225,13 @@ TEST_P(RouterCudaVsCpu, CombineWeightGradientMatchesCpuRouterBackward) {
   ASSERT_TRUE(blas.ok());
   DeviceBuffer a_dev = Dev(a), wr_dev = Dev(wr);
   DeviceBuffer dwr_dev = DevZeros(sizeof(float) * c.D * c.E), da_dev = DevZeros(sizeof(float) * c.T * c.D);
-  GemmArgs g1;  // d_Wr[D, E] = a^T du
-  g1.trans_a = true;
-  g1.m = c.D;
-  g1.n = c.E;
-  g1.k = c.T;
-  g1.a = a_dev.get();
-  g1.lda = c.D;
-  g1.b = du_dev.get();
-  g1.ldb = c.E;
-  g1.c = dwr_dev.get();
-  g1.ldc = c.E;
-  ASSERT_TRUE(GemmRowMajor(*blas, nullptr, g1).ok());
-  GemmArgs g2;  // d_a[T, D] = du Wr^T
-  g2.trans_b = true;
-  g2.m = c.T;
-  g2.n = c.D;
-  g2.k = c.E;
-  g2.a = du_dev.get();
-  g2.lda = c.E;
-  g2.b = wr_dev.get();
-  g2.ldb = c.E;
-  g2.c = da_dev.get();
-  g2.ldc = c.D;
-  ASSERT_TRUE(GemmRowMajor(*blas, nullptr, g2).ok());
+  // d_Wr[D, E] = a^T du ;  d_a[T, D] = du Wr^T
+  ASSERT_TRUE(GemmRowMajor(*blas, nullptr, true, false, c.D, c.E, c.T, a_dev.get(), c.D, du_dev.get(), c.E,
+                           DType::kF32, dwr_dev.get(), c.E, DType::kF32)
+                  .ok());
+  ASSERT_TRUE(GemmRowMajor(*blas, nullptr, false, true, c.T, c.D, c.E, du_dev.get(), c.E, wr_dev.get(), c.E,
+                           DType::kF32, da_dev.get(), c.D, DType::kF32)
+                  .ok());
   double max_dwr = 0, max_da = 0;
   for (float v : dwr_cpu) max_dwr = std::max(max_dwr, static_cast<double>(std::abs(v)));
   for (float v : da_cpu) max_da = std::max(max_da, static_cast<double>(std::abs(v)));

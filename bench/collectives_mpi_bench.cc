@@ -1,0 +1,243 @@
+// MPI collectives benchmark: the library's mpi-backend all-reduce against raw MPI_Allreduce
+// on the same buffers, and BM_Memcpy (the physical limit), in one run. Run under mpirun,
+// one process per rank; only rank 0 reports:
+//
+//   ./bazelw build -c opt //bench:collectives_mpi_bench
+//   OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --oversubscribe
+//       --bind-to none -np 2 bazel-bin/bench/collectives_mpi_bench [--benchmark_format=json]
+//
+// Counters as in bench/collectives_bench: bytes_per_second is the algorithm bandwidth (one
+// rank's buffer per second); busbw = algbw * 2 (W - 1) / W (the NCCL-tests convention).
+//
+// Every rank must issue the same collectives, so each benchmark runs a fixed number of
+// iterations (Google Benchmark's adaptive count could differ between processes), and every
+// benchmark starts with an MPI_Barrier.
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "bench/memcpy_bench.h"
+#include "benchmark/benchmark.h"
+#include "collectives/bucketer.h"
+#include "collectives/communicator.h"
+#include "collectives/mpi_backend.h"
+
+namespace gradsum::bench {
+namespace {
+
+Communicator *g_comm = nullptr;  // the mpi backend over MPI_COMM_WORLD
+
+void Check(const absl::Status &s, const char *what) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, s.ToString().c_str());
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  }
+}
+
+// Iterations for a buffer of `bytes`: about 256 MiB of traffic, between 2 and 200 (the
+// machine is small and shared; raw MPI_Allreduce busy-polls and suffers when oversubscribed).
+int64_t Iterations(int64_t bytes) {
+  return std::clamp<int64_t>((int64_t{256} << 20) / std::max<int64_t>(bytes, 1), 2, 200);
+}
+
+void SetBandwidth(benchmark::State &state, int64_t bytes_per_iter) {
+  const int world = g_comm->size();
+  state.SetBytesProcessed(state.iterations() * bytes_per_iter);
+  state.counters["busbw"] = benchmark::Counter(
+      static_cast<double>(state.iterations()) * bytes_per_iter * 2.0 * (world - 1) / world,
+      benchmark::Counter::kIsRate, benchmark::Counter::kIs1024);
+}
+
+// The same gradient set as bench/collectives_bench (keep the two in step): 300
+// f32 tensors of a small transformer, a 4 MiB embedding then 20 blocks of 15
+// tensors (d = 256: norms and biases of 1-4 KiB, attention projections of 256
+// KiB, MLP matrices of 1 MiB), minus one norm. About 65.8 MiB.
+std::vector<size_t> TransformerGradSizes() {
+  constexpr size_t d = 256;
+  std::vector<size_t> sizes = {1 << 20};
+  for (int layer = 0; layer < 20; ++layer) {
+    const std::vector<size_t> block = {d,     d, d * d, d, d * d,     d,     d * d,    d,
+                                       d * d, d, d,     d, 4 * d * d, 4 * d, 4 * d * d};
+    for (size_t i = (layer == 0 ? 1 : 0); i < block.size(); ++i) sizes.push_back(block[i]);
+  }
+  return sizes;
+}
+
+int64_t TransformerBytes() {
+  int64_t total = 0;
+  for (size_t n : TransformerGradSizes()) total += static_cast<int64_t>(n * sizeof(float));
+  return total;
+}
+
+// gradsum's mpi backend, in place, f32 SUM.
+void BM_MpiAllReduceContiguous(benchmark::State &state) {
+  const size_t n = static_cast<size_t>(state.range(0)) / sizeof(float);
+  std::vector<float> buf(n, 0.0f);  // zeros: the sum stays finite whatever the count
+  MPI_Barrier(MPI_COMM_WORLD);
+  for (auto _ : state) {
+    Check(g_comm->AllReduce(buf.data(), buf.data(), n, DType::kF32, ReduceOp::kSum), "AllReduce");
+  }
+  SetBandwidth(state, state.range(0));
+}
+
+// The same buffer through MPI_Allreduce directly (blocking, in place).
+void BM_RawMpiAllreduce(benchmark::State &state) {
+  const int n = static_cast<int>(static_cast<size_t>(state.range(0)) / sizeof(float));
+  std::vector<float> buf(n, 0.0f);
+  MPI_Barrier(MPI_COMM_WORLD);
+  for (auto _ : state) {
+    MPI_Allreduce(MPI_IN_PLACE, buf.data(), n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+  }
+  SetBandwidth(state, state.range(0));
+}
+
+// bf16 through the mpi backend (widened to fp32, reduced, rounded once); bytes
+// are bf16 bytes, so compare with the f32 rows at twice the size for equal
+// element counts.
+void BM_MpiAllReduceContiguousBF16(benchmark::State &state) {
+  const size_t n = static_cast<size_t>(state.range(0)) / 2;
+  std::vector<uint16_t> buf(n, 0);
+  MPI_Barrier(MPI_COMM_WORLD);
+  for (auto _ : state) {
+    Check(g_comm->AllReduce(buf.data(), buf.data(), n, DType::kBF16, ReduceOp::kSum),
+          "AllReduce bf16");
+  }
+  SetBandwidth(state, state.range(0));
+}
+
+// The 300-tensor set through the GradBucketer (default 25 MiB buckets),
+// gradients marked ready last-first as backward would.
+void BM_MpiAllReduceBucketed(benchmark::State &state) {
+  const std::vector<size_t> sizes = TransformerGradSizes();
+  GradBucketer bucketer(g_comm);
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    Check(bucketer.Register(absl::StrCat("g", i), DType::kF32, static_cast<int64_t>(sizes[i]))
+              .status(),
+          "Register");
+  }
+  Check(bucketer.Finalize(), "Finalize");
+  state.counters["buckets"] = bucketer.num_buckets();
+  MPI_Barrier(MPI_COMM_WORLD);
+  for (auto _ : state) {
+    for (int id = bucketer.num_params() - 1; id >= 0; --id) Check(bucketer.MarkReady(id), "Mark");
+    Check(bucketer.Finish(), "Finish");
+  }
+  SetBandwidth(state, TransformerBytes());
+}
+
+// The same set, one async all-reduce per tensor (issued last-first, then all
+// waited).
+void BM_MpiAllReducePerTensor(benchmark::State &state) {
+  const std::vector<size_t> sizes = TransformerGradSizes();
+  std::vector<std::vector<float>> grads;
+  for (size_t n : sizes) grads.emplace_back(n, 0.0f);
+  MPI_Barrier(MPI_COMM_WORLD);
+  for (auto _ : state) {
+    std::vector<std::unique_ptr<Work>> works;
+    works.reserve(sizes.size());
+    for (size_t i = sizes.size(); i-- > 0;) {
+      auto w = g_comm->AllReduceAsync(grads[i].data(), grads[i].data(), sizes[i], DType::kF32,
+                                      ReduceOp::kSum);
+      Check(w.status(), "AllReduceAsync");
+      works.push_back(std::move(*w));
+    }
+    for (auto &w : works) Check(w->Wait(), "Wait");
+  }
+  SetBandwidth(state, TransformerBytes());
+}
+
+// The same set, one raw MPI_Allreduce per tensor (blocking).
+void BM_RawMpiAllreducePerTensor(benchmark::State &state) {
+  const std::vector<size_t> sizes = TransformerGradSizes();
+  std::vector<std::vector<float>> grads;
+  for (size_t n : sizes) grads.emplace_back(n, 0.0f);
+  MPI_Barrier(MPI_COMM_WORLD);
+  for (auto _ : state) {
+    for (size_t i = sizes.size(); i-- > 0;) {
+      MPI_Allreduce(MPI_IN_PLACE, grads[i].data(), static_cast<int>(sizes[i]), MPI_FLOAT, MPI_SUM,
+                    MPI_COMM_WORLD);
+    }
+  }
+  SetBandwidth(state, TransformerBytes());
+}
+
+// Memcpy on rank 0 alone (the others idle through the same iteration count), so
+// that it is the single-process copy bandwidth that bench/collectives_bench
+// also reports.
+void BM_MemcpySynced(benchmark::State &state) {
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (g_comm->rank() == 0) {
+    BM_Memcpy(state);
+    return;
+  }
+  for (auto _ : state) {
+  }
+}
+
+void RegisterAll() {
+  const int64_t kSizes[] = {4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20};
+  for (int64_t bytes : kSizes) {
+    for (auto [name, fn] : {std::pair("BM_Memcpy", &BM_MemcpySynced),
+                            std::pair("BM_MpiAllReduceContiguous", &BM_MpiAllReduceContiguous),
+                            std::pair("BM_RawMpiAllreduce", &BM_RawMpiAllreduce)}) {
+      benchmark::RegisterBenchmark(name, fn)
+          ->Arg(bytes)
+          ->Iterations(Iterations(bytes))
+          ->UseRealTime();
+    }
+  }
+  benchmark::RegisterBenchmark("BM_MpiAllReduceContiguousBF16", &BM_MpiAllReduceContiguousBF16)
+      ->Arg(32 << 20)
+      ->Iterations(Iterations(64 << 20))
+      ->UseRealTime();
+  const int64_t set_bytes = TransformerBytes();
+  for (auto [name, fn] : {std::pair("BM_MpiAllReduceBucketed", &BM_MpiAllReduceBucketed),
+                          std::pair("BM_MpiAllReducePerTensor", &BM_MpiAllReducePerTensor),
+                          std::pair("BM_RawMpiAllreducePerTensor", &BM_RawMpiAllreducePerTensor)}) {
+    benchmark::RegisterBenchmark(name, fn)->Iterations(Iterations(set_bytes))->UseRealTime();
+  }
+  benchmark::RegisterBenchmark("BM_MpiAllReduceContiguous/set", &BM_MpiAllReduceContiguous)
+      ->Arg(set_bytes)
+      ->Iterations(Iterations(set_bytes))
+      ->UseRealTime();
+}
+
+// Ranks other than 0 run every benchmark but print nothing.
+class SilentReporter : public benchmark::BenchmarkReporter {
+ public:
+  bool ReportContext(const Context &) override { return true; }
+  void ReportRuns(const std::vector<Run> &) override {}
+};
+
+}  // namespace
+}  // namespace gradsum::bench
+
+int main(int argc, char **argv) {
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  {
+    auto comm = gradsum::CreateMpiWorldCommunicator();
+    gradsum::bench::Check(comm.status(), "CreateMpiWorldCommunicator");
+    gradsum::bench::g_comm = comm->get();
+    benchmark::Initialize(&argc, argv);
+    gradsum::bench::RegisterAll();
+    if (rank == 0) {
+      benchmark::RunSpecifiedBenchmarks();
+    } else {
+      gradsum::bench::SilentReporter silent;
+      benchmark::RunSpecifiedBenchmarks(&silent);
+    }
+    gradsum::bench::g_comm = nullptr;
+  }
+  MPI_Finalize();
+  return 0;
+}
