@@ -375,27 +375,34 @@ class MpiCommunicator final : public Communicator {
     const OpDescriptor d{Kind::kAllReduce, dtype, op, static_cast<int64_t>(count), -1};
     return Enqueue(seq, d.kind, [=](OpContext& ctx) -> absl::Status {
       GRADSUM_RETURN_IF_ERROR(Agree(ctx, d));
-      if (count == 0) return absl::OkStatus();
-      const int n = static_cast<int>(count);
-      MPI_Request req;
-      if (IsHalf(dtype)) {
-        std::vector<float>& acc = ctx.scratch->f32a;
-        acc.resize(count);
-        Widen(send, dtype, count, acc.data());
+      // Large buffers go in chunks, one MPI_Iallreduce each, so that the fp32 staging of
+      // bf16/f16 stays small and in cache between widening, reducing and narrowing.
+      const size_t esize = DTypeSize(dtype);
+      for (size_t begin = 0; begin < count; begin += kAllReduceChunk) {
+        const size_t len = std::min(kAllReduceChunk, count - begin);
+        const int n = static_cast<int>(len);
+        const void* chunk_send = static_cast<const unsigned char*>(send) + begin * esize;
+        void* chunk_recv = static_cast<unsigned char*>(recv) + begin * esize;
+        MPI_Request req;
+        if (IsHalf(dtype)) {
+          std::vector<float>& acc = ctx.scratch->f32a;
+          acc.resize(len);
+          Widen(chunk_send, dtype, len, acc.data());
+          GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
+            return MPI_Iallreduce(MPI_IN_PLACE, acc.data(), n, MPI_FLOAT, MpiOp(op), comm_, &req);
+          }));
+          GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
+          if (op == ReduceOp::kAvg) DivideNative(acc.data(), len, DType::kF32, size_);
+          Narrow(acc.data(), dtype, len, chunk_recv);
+          continue;
+        }
+        const void* in = send == recv ? MPI_IN_PLACE : chunk_send;
         GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
-          return MPI_Iallreduce(MPI_IN_PLACE, acc.data(), n, MPI_FLOAT, MpiOp(op), comm_, &req);
+          return MPI_Iallreduce(in, chunk_recv, n, MoveType(dtype), MpiOp(op), comm_, &req);
         }));
         GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
-        if (op == ReduceOp::kAvg) DivideNative(acc.data(), count, DType::kF32, size_);
-        Narrow(acc.data(), dtype, count, recv);
-        return absl::OkStatus();
+        if (op == ReduceOp::kAvg) DivideNative(chunk_recv, len, dtype, size_);
       }
-      const void* in = send == recv ? MPI_IN_PLACE : send;
-      GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
-        return MPI_Iallreduce(in, recv, n, MoveType(dtype), MpiOp(op), comm_, &req);
-      }));
-      GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
-      if (op == ReduceOp::kAvg) DivideNative(recv, count, dtype, size_);
       return absl::OkStatus();
     });
   }
@@ -626,6 +633,9 @@ class MpiCommunicator final : public Communicator {
     Enqueue(seq, kind, [=](OpContext& ctx) { return Agree(ctx, d); }).IgnoreError();
     return issued.status();
   }
+
+  // Elements per MPI_Iallreduce of a large all-reduce (4 MiB of f32).
+  static constexpr size_t kAllReduceChunk = size_t{1} << 20;
 
   // AVG is reduced as SUM and divided afterwards.
   static MPI_Op MpiOp(ReduceOp op) { return op == ReduceOp::kMax ? MPI_MAX : MPI_SUM; }

@@ -199,6 +199,26 @@ TEST_F(MpiBackendTest, AllReduceEveryDTypeOpAndPlacement) {
   }
 }
 
+// More than one of the backend's 2^20-element chunks, in and out of place.
+TEST_F(MpiBackendTest, AllReduceLargerThanOneChunk) {
+  ASSERT_NE(comm_, nullptr);
+  const int world = comm_->size();
+  const size_t n = (size_t{1} << 20) + 3;
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    std::vector<double> want(n);
+    for (size_t i = 0; i < n; ++i) want[i] = ReferenceReduce(t, ReduceOp::kSum, world, i);
+    const std::vector<unsigned char> expected = FromDoubles(t, want);
+    for (bool in_place : {false, true}) {
+      SCOPED_TRACE(absl::StrCat(DTypeName(t), in_place ? " in place" : " out of place"));
+      std::vector<unsigned char> send = MakeInput(t, comm_->rank(), n);
+      std::vector<unsigned char> recv(send.size(), 0);
+      void* out = in_place ? send.data() : recv.data();
+      ASSERT_TRUE(comm_->AllReduce(send.data(), out, n, t, ReduceOp::kSum).ok());
+      ExpectSame(in_place ? send : recv, expected, t);
+    }
+  }
+}
+
 TEST_F(MpiBackendTest, AllReduceOfNothingSucceeds) {
   ASSERT_NE(comm_, nullptr);
   EXPECT_TRUE(comm_->AllReduce(nullptr, nullptr, 0, DType::kBF16, ReduceOp::kSum).ok());
