@@ -25,7 +25,8 @@ inline constexpr float kRmsNormEps = 1e-6f;  // SEMANTICS.md §10
 void RmsNormForward(absl::Span<const float> h, absl::Span<const float> gain, int64_t rows,
                     int64_t dim, absl::Span<float> a, absl::Span<float> inv_rms);
 
-// Given da = dL/da, ADDS dL/dh into dh and dL/dgain into dgain:
+// Given da = dL/da, ADDS dL/dh into dh and dL/dgain into dgain (the sum over rows in
+// fp64, rounded once):
 //   dgain_i += sum_t da_ti h_ti r_t
 //   dh_ti   += r_t g_i da_ti - r_t^3 h_ti (sum_j da_tj g_j h_tj) / D
 void RmsNormBackward(absl::Span<const float> h, absl::Span<const float> gain,
