@@ -69,7 +69,7 @@ struct StepDisplayValues {
 class StepDisplay {
  public:
   // num_moe_layers >= 0 and num_experts >= 0 size the histograms (0 and 0: no MoE).
-  StepDisplay(int num_moe_layers = 0, int num_experts = 0);
+  explicit StepDisplay(int num_moe_layers = 0, int num_experts = 0);
 
   // Registers a term. Every rank must register the same terms in the same order (checked
   // at Reduce). InvalidArgument for an empty name; AlreadyExists for a repeated name.

@@ -42,6 +42,7 @@ absl::StatusOr<std::unique_ptr<BucketedGradReducer>> BucketedGradReducer::Create
     r->param_ids_.push_back(std::move(ids));
   }
   GRADSUM_RETURN_IF_ERROR(r->bucketer_.Finalize());
+  r->handed_.assign(groups.size(), false);
   r->groups_ = std::move(groups);
   return r;
 }
@@ -52,6 +53,12 @@ absl::Status BucketedGradReducer::GroupReady(int index) {
                                                    " out of range [0, ", groups_.size(), ")"));
   }
   FlatParam& g = *groups_[index];
+  // Checked before touching the bucket storage: an all-reduce may be reading it now.
+  if (handed_[index]) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "BucketedGradReducer: group \"", g.name(), "\" was already handed over this step"));
+  }
+  handed_[index] = true;
   absl::Span<const float> full = g.full_grad();
   // Backward produces the last parameters first: mark them in that order.
   for (int k = g.num_params() - 1; k >= 0; --k) {
@@ -71,7 +78,15 @@ absl::Status BucketedGradReducer::GroupReady(int index) {
 }
 
 absl::Status BucketedGradReducer::Finish() {
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    if (!handed_[gi]) {
+      return absl::FailedPreconditionError(absl::StrCat("BucketedGradReducer: group \"",
+                                                        groups_[gi]->name(),
+                                                        "\" was not handed over this step"));
+    }
+  }
   GRADSUM_RETURN_IF_ERROR(bucketer_.Finish());
+  std::fill(handed_.begin(), handed_.end(), false);
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     FlatParam& g = *groups_[gi];
     absl::Span<float> out = g.master_grad();  // replicated: the full gradient, numel elements

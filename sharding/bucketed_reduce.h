@@ -57,6 +57,7 @@ class BucketedGradReducer {
       : bucketer_(comm, options) {}
   std::vector<FlatParam*> groups_;
   std::vector<std::vector<int>> param_ids_;  // bucketer ids of each group's parameters
+  std::vector<bool> handed_;                 // GroupReady called in the current step
   GradBucketer bucketer_;
 };
 

@@ -1,10 +1,10 @@
 #include "sharding/json.h"
 
 #include <cmath>
-#include <cstdlib>
 #include <limits>
 
 #include "absl/status/status.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
@@ -397,7 +397,10 @@ class JsonParser {
         return absl::OkStatus();
       }
     }
-    *out = JsonValue::Double(std::strtod(token.c_str(), nullptr));
+    // SimpleAtod is locale-independent ('.' is the decimal point whatever the locale).
+    double d = 0;
+    if (!absl::SimpleAtod(token, &d)) return Error(absl::StrCat("bad number ", token));
+    *out = JsonValue::Double(d);
     return absl::OkStatus();
   }
 

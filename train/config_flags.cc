@@ -21,7 +21,8 @@ ABSL_FLAG(std::optional<std::string>, backend, std::nullopt, "thread | mpi | ncc
 ABSL_FLAG(std::optional<std::string>, sharding, std::nullopt, "fsdp | replicated");
 ABSL_FLAG(std::optional<std::string>, reduce_dtype, std::nullopt,
           "gradient reduction dtype: f32 | bf16");
-ABSL_FLAG(std::optional<std::string>, compute_dtype, std::nullopt, "matmul dtype: f32 | bf16");
+ABSL_FLAG(std::optional<std::string>, compute_dtype, std::nullopt,
+          "parameter dtype forward reads: f32 | bf16");
 ABSL_FLAG(std::optional<uint64_t>, seed, std::nullopt, "parameter initialisation seed");
 ABSL_FLAG(std::optional<std::string>, data, std::nullopt,
           "byte-level text file, one document per line "

@@ -56,11 +56,14 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> MoeLmParamShapes(
 struct MoeLmOptions {
   ModelConfig model;
   ShardingMode sharding = ShardingMode::kSharded;
-  DType compute_dtype = DType::kF32;  // parameters as forward reads them: f32 or bf16
-  DType reduce_dtype = DType::kF32;   // gradient SUM dtype: f32 or bf16
-  double alpha_b = 0.001;             // §5
-  double alpha_z = 0.001;             // §4
-  int num_threads = 1;                // threads for the loss kernels
+  // Parameters as forward reads them: f32, or bf16 (rounded to nearest even and
+  // all-gathered in bf16, half the bytes; the CPU kernels then widen them exactly to fp32
+  // and compute in fp32). Gradients and the master weights stay fp32 either way.
+  DType compute_dtype = DType::kF32;
+  DType reduce_dtype = DType::kF32;  // gradient SUM dtype: f32 or bf16
+  double alpha_b = 0.001;            // §5
+  double alpha_z = 0.001;            // §4
+  int num_threads = 1;               // threads for the loss kernels
 };
 
 // The rank's communicators (not owned; they must outlive the model). ep_group: the P

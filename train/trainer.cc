@@ -304,11 +304,6 @@ absl::StatusOr<StepRecord> Trainer::Step() {
       parity_ = verdict;
     }
   }
-  if (!config_.checkpoint_dir().empty() &&
-      ((config_.checkpoint_every() > 0 && step_ % config_.checkpoint_every() == 0) ||
-       step_ == config_.steps())) {
-    GRADSUM_RETURN_IF_ERROR(SaveCheckpointNow());
-  }
   history_.push_back(r);
   return r;
 }
@@ -381,6 +376,13 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
     GRADSUM_ASSIGN_OR_RETURN(StepRecord r, Step());
     if (log != nullptr) *log << r.ToLogLine(config_.steps()) << std::endl;
     if (metrics.is_open()) metrics << r.ToJson() << std::endl;
+    // After the step's log lines, so a run killed right after a checkpoint has logged
+    // every step the checkpoint covers.
+    if (!config_.checkpoint_dir().empty() &&
+        ((config_.checkpoint_every() > 0 && step_ % config_.checkpoint_every() == 0) ||
+         step_ == config_.steps())) {
+      GRADSUM_RETURN_IF_ERROR(SaveCheckpointNow());
+    }
     if (r.step == summary.first_step) summary.first_ce = r.ce;
     summary.last_step = r.step;
     summary.last_ce = r.ce;

@@ -82,10 +82,10 @@ class Trainer {
 
   // Runs until config.steps steps are done. `log` (rank 0 usually) gets one line per step
   // and the summary. Writes metrics / dumps / checkpoints when configured (rank 0 for the
-  // shared files). Collective.
+  // shared files; a checkpoint after the step's metrics line). Collective.
   absl::StatusOr<TrainSummary> Run(std::ostream* log);
 
-  // One optimizer step. Collective.
+  // One optimizer step (no logging, no checkpoint). Collective.
   absl::StatusOr<StepRecord> Step();
 
   // Steps completed so far (including those restored from a checkpoint).

@@ -119,6 +119,23 @@ __device__ __forceinline__ MaxSum BlockMaxSum(MaxSum v, MaxSum* scratch) {
   return WarpMaxSum(v);
 }
 
+// Host side: the grid for a grid-stride kernel, `upper` lowered to the number of blocks
+// resident at once (blocks per SM from the occupancy calculator times the SM count), so the
+// work spreads over one full wave instead of a full wave plus a partial one.
+template <typename Kernel>
+inline int ResidentGrid(Kernel kernel, int threads, int upper, size_t dynamic_smem = 0) {
+  int device = 0, sms = 0, per_sm = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, dynamic_smem) !=
+          cudaSuccess ||
+      per_sm < 1) {
+    return upper;  // the launch itself reports a real problem
+  }
+  const long long resident = static_cast<long long>(per_sm) * sms;
+  return resident < upper ? static_cast<int>(resident) : upper;
+}
+
 }  // namespace gradsum::cuda_device
 
 #endif  // GRADSUM_CORE_CUDA_DEVICE_MATH_CUH_

@@ -194,6 +194,21 @@ __global__ void ResetRecordKernel(CeErrorRecord* r) {
   r->local_weight_sum = 0.0;
 }
 
+// Grid-stride over rows with a grid larger than what is resident would run a partial
+// second wave (a register-limited 512-thread block fits 3 times per SM, not 4): size the
+// grid to the resident blocks instead.
+template <typename Kernel>
+cudaError_t LaunchOneWave(Kernel kernel, CeLaunch p) {
+  p.num_blocks = cuda_device::ResidentGrid(kernel, p.threads, p.num_blocks);
+  if (p.rows > 0) {
+    kernel<<<p.num_blocks, p.threads, 0, p.stream>>>(p);
+    const cudaError_t launch = cudaGetLastError();
+    if (launch != cudaSuccess) return launch;
+  }
+  CrossEntropyFinaliseKernel<<<1, 256, 0, p.stream>>>(p);
+  return cudaGetLastError();
+}
+
 template <typename T>
 cudaError_t LaunchTyped(const CeLaunch& p) {
   constexpr int kVec = cuda_device::kVec16<T>;
@@ -201,17 +216,8 @@ cudaError_t LaunchTyped(const CeLaunch& p) {
     return ptr == nullptr || reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
   };
   const bool vec_ok = p.vocab % kVec == 0 && aligned(p.logits) && aligned(p.grad_logits);
-  if (p.rows > 0) {
-    if (vec_ok) {
-      CrossEntropyRowKernel<T, kVec><<<p.num_blocks, p.threads, 0, p.stream>>>(p);
-    } else {
-      CrossEntropyRowKernel<T, 1><<<p.num_blocks, p.threads, 0, p.stream>>>(p);
-    }
-    const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-  }
-  CrossEntropyFinaliseKernel<<<1, 256, 0, p.stream>>>(p);
-  return cudaGetLastError();
+  return vec_ok ? LaunchOneWave(CrossEntropyRowKernel<T, kVec>, p)
+                : LaunchOneWave(CrossEntropyRowKernel<T, 1>, p);
 }
 
 }  // namespace

@@ -47,7 +47,9 @@ struct CeLaunch {
   float* token_loss = nullptr;         // [rows] or null
   CeErrorRecord* error = nullptr;
   double* partials = nullptr;          // [2 * num_blocks] scratch
-  int num_blocks = 0;                  // grid size (<= kCeMaxBlocks)
+  int num_blocks = 0;                  // upper bound of the grid (<= kCeMaxBlocks); the
+                                       // launcher lowers it to the blocks that are resident
+                                       // at once, so rows spread evenly over one wave
   int threads = 0;                     // block size, multiple of 32, <= 1024
   cudaStream_t stream = nullptr;
 };

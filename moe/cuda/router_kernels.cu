@@ -305,18 +305,31 @@ __global__ void RouterBackwardKernel(RouterAuxLaunch p) {
 
 int LanesFor(int experts) { return (experts + 31) / 32; }
 
+template <int PL>
+void LaunchForwardPL(const RouterForwardLaunch& l) {
+  const int threads = 32 * kWarpsPerBlock;
+  const int grid = cuda_device::ResidentGrid(RouterForwardKernel<PL>, threads, l.num_blocks);
+  RouterForwardKernel<PL><<<grid, threads, 0, l.stream>>>(l);
+}
+
+template <int PL>
+void LaunchBackwardPL(const RouterAuxLaunch& l) {
+  const int threads = 32 * kWarpsPerBlock;
+  const int grid = cuda_device::ResidentGrid(RouterBackwardKernel<PL>, threads, l.num_blocks);
+  RouterBackwardKernel<PL><<<grid, threads, 0, l.stream>>>(l);
+}
+
 }  // namespace
 
 cudaError_t LaunchRouterForward(const RouterForwardLaunch& l) {
   if (l.tokens > 0) {
     const int pl = LanesFor(l.experts);
-    const dim3 grid(l.num_blocks), block(32 * kWarpsPerBlock);
-    if (pl <= 1) RouterForwardKernel<1><<<grid, block, 0, l.stream>>>(l);
-    else if (pl <= 2) RouterForwardKernel<2><<<grid, block, 0, l.stream>>>(l);
-    else if (pl <= 4) RouterForwardKernel<4><<<grid, block, 0, l.stream>>>(l);
-    else if (pl <= 8) RouterForwardKernel<8><<<grid, block, 0, l.stream>>>(l);
-    else if (pl <= 16) RouterForwardKernel<16><<<grid, block, 0, l.stream>>>(l);
-    else RouterForwardKernel<32><<<grid, block, 0, l.stream>>>(l);
+    if (pl <= 1) LaunchForwardPL<1>(l);
+    else if (pl <= 2) LaunchForwardPL<2>(l);
+    else if (pl <= 4) LaunchForwardPL<4>(l);
+    else if (pl <= 8) LaunchForwardPL<8>(l);
+    else if (pl <= 16) LaunchForwardPL<16>(l);
+    else LaunchForwardPL<32>(l);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
@@ -340,13 +353,12 @@ cudaError_t LaunchRouterAuxLoss(const RouterAuxLaunch& l) {
 cudaError_t LaunchRouterBackward(const RouterAuxLaunch& l) {
   if (l.tokens == 0) return cudaSuccess;
   const int pl = LanesFor(l.experts);
-  const dim3 grid(l.num_blocks), block(32 * kWarpsPerBlock);
-  if (pl <= 1) RouterBackwardKernel<1><<<grid, block, 0, l.stream>>>(l);
-  else if (pl <= 2) RouterBackwardKernel<2><<<grid, block, 0, l.stream>>>(l);
-  else if (pl <= 4) RouterBackwardKernel<4><<<grid, block, 0, l.stream>>>(l);
-  else if (pl <= 8) RouterBackwardKernel<8><<<grid, block, 0, l.stream>>>(l);
-  else if (pl <= 16) RouterBackwardKernel<16><<<grid, block, 0, l.stream>>>(l);
-  else RouterBackwardKernel<32><<<grid, block, 0, l.stream>>>(l);
+  if (pl <= 1) LaunchBackwardPL<1>(l);
+  else if (pl <= 2) LaunchBackwardPL<2>(l);
+  else if (pl <= 4) LaunchBackwardPL<4>(l);
+  else if (pl <= 8) LaunchBackwardPL<8>(l);
+  else if (pl <= 16) LaunchBackwardPL<16>(l);
+  else LaunchBackwardPL<32>(l);
   return cudaGetLastError();
 }
 
