@@ -412,18 +412,11 @@ class MpiCommunicator final : public Communicator {
                                                            DType dtype, ReduceOp op) {
     GRADSUM_RETURN_IF_ERROR(CheckDType(dtype));
     GRADSUM_RETURN_IF_ERROR(CheckReduceOp(op, dtype, /*allow_max=*/false));
-    GRADSUM_RETURN_IF_ERROR(CheckFitsInt(recv_count, "reduce-scatter recv_count"));
+    GRADSUM_ASSIGN_OR_RETURN(
+        const bool in_place,
+        CheckBlockLayout(send, recv, recv_count, dtype, "reduce-scatter", "recv", "send"));
     const size_t send_count = recv_count * static_cast<size_t>(size_);
-    GRADSUM_RETURN_IF_ERROR(CheckBuffer(send, send_count, "reduce-scatter send"));
-    GRADSUM_RETURN_IF_ERROR(CheckBuffer(recv, recv_count, "reduce-scatter recv"));
     const size_t esize = DTypeSize(dtype);
-    const bool in_place =
-        recv == static_cast<const unsigned char*>(send) + rank_ * recv_count * esize;
-    if (!in_place && Overlaps(send, send_count * esize, recv, recv_count * esize)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "reduce-scatter buffers overlap; in place needs recv == send + rank * recv_count (rank ",
-          rank_, ")"));
-    }
     const OpDescriptor d{Kind::kReduceScatter, dtype, op, static_cast<int64_t>(recv_count), -1};
     return Enqueue(seq, d.kind, [=](OpContext& ctx) -> absl::Status {
       GRADSUM_RETURN_IF_ERROR(Agree(ctx, d));
@@ -465,18 +458,9 @@ class MpiCommunicator final : public Communicator {
   absl::StatusOr<std::unique_ptr<Work>> IssueAllGather(int64_t seq, const void* send, void* recv,
                                                        size_t send_count, DType dtype) {
     GRADSUM_RETURN_IF_ERROR(CheckDType(dtype));
-    GRADSUM_RETURN_IF_ERROR(CheckFitsInt(send_count, "all-gather send_count"));
-    const size_t recv_count = send_count * static_cast<size_t>(size_);
-    GRADSUM_RETURN_IF_ERROR(CheckBuffer(send, send_count, "all-gather send"));
-    GRADSUM_RETURN_IF_ERROR(CheckBuffer(recv, recv_count, "all-gather recv"));
-    const size_t esize = DTypeSize(dtype);
-    const bool in_place =
-        send == static_cast<const unsigned char*>(recv) + rank_ * send_count * esize;
-    if (!in_place && Overlaps(send, send_count * esize, recv, recv_count * esize)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "all-gather buffers overlap; in place needs send == recv + rank * send_count (rank ",
-          rank_, ")"));
-    }
+    GRADSUM_ASSIGN_OR_RETURN(
+        const bool in_place,
+        CheckBlockLayout(recv, send, send_count, dtype, "all-gather", "send", "recv"));
     const OpDescriptor d{Kind::kAllGather, dtype, ReduceOp::kSum,
                        static_cast<int64_t>(send_count), -1};
     return Enqueue(seq, d.kind, [=](OpContext& ctx) -> absl::Status {
@@ -614,6 +598,28 @@ class MpiCommunicator final : public Communicator {
       }
     }
     return absl::OkStatus();
+  }
+
+  // Reduce-scatter and all-gather: `full` holds size() blocks of `block_count` elements and
+  // `block` is this rank's one. Returns whether the call is in place (block == full +
+  // rank * block_count, NCCL's convention); any other overlap is InvalidArgument.
+  absl::StatusOr<bool> CheckBlockLayout(const void* full, const void* block, size_t block_count,
+                                        DType dtype, absl::string_view op,
+                                        absl::string_view block_name,
+                                        absl::string_view full_name) const {
+    GRADSUM_RETURN_IF_ERROR(CheckFitsInt(block_count, absl::StrCat(op, " ", block_name, "_count")));
+    const size_t full_count = block_count * static_cast<size_t>(size_);
+    GRADSUM_RETURN_IF_ERROR(CheckBuffer(full, full_count, absl::StrCat(op, " ", full_name)));
+    GRADSUM_RETURN_IF_ERROR(CheckBuffer(block, block_count, absl::StrCat(op, " ", block_name)));
+    const size_t esize = DTypeSize(dtype);
+    const bool in_place =
+        block == static_cast<const unsigned char*>(full) + rank_ * block_count * esize;
+    if (!in_place && Overlaps(full, full_count * esize, block, block_count * esize)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          op, " buffers overlap; in place needs ", block_name, " == ", full_name, " + rank * ",
+          block_name, "_count (rank ", rank_, ")"));
+    }
+    return in_place;
   }
 
   // A call that failed its local checks still takes part in the descriptor exchange, marked
