@@ -19,7 +19,7 @@ final=$(printf "step-%08d" ${steps})
 "$bin" "${common[@]}" --checkpoint_dir="$tmp/ckpt" --metrics="$tmp/run.jsonl" \
   > "$tmp/run1.log" 2>&1 &
 pid=$!
-for _ in $(seq 1 3000); do
+for _ in $(seq 1 12000); do  # up to 2 min on a loaded machine
   [ -f "$tmp/ckpt/step-00000010/checkpoint.json" ] && break
   sleep 0.01
 done
