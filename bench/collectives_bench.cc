@@ -22,6 +22,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "bench/memcpy_bench.h"
+#include "bench/transformer_grads.h"
 #include "collectives/bucketer.h"
 #include "collectives/communicator.h"
 #include "collectives/thread_backend.h"
@@ -121,29 +122,11 @@ void BM_AllReduceContiguous(benchmark::State& state) {
       static_cast<int64_t>(bytes));
 }
 
-// ---- A small transformer's gradient set: 300 f32 tensors, 1 KiB to 4 MiB. ----
+// ---- A small transformer's gradient set (bench/transformer_grads.h). ----
 
-// Sizes in f32 elements: a 4 MiB embedding, then 20 blocks of 15 tensors (d = 256:
-// norms and biases of 1-4 KiB, attention projections of 256 KiB, MLP matrices of 1 MiB),
-// minus one norm so that there are exactly 300. About 65.8 MiB in total.
-std::vector<size_t> TransformerGradSizes() {
-  constexpr size_t d = 256;
-  std::vector<size_t> sizes = {1 << 20};  // embedding: 2^20 f32 = 4 MiB
-  for (int layer = 0; layer < 20; ++layer) {
-    const std::vector<size_t> block = {d,     d,     d * d, d,     d * d,     d,     d * d, d,
-                                       d * d, d,     d,     d,     4 * d * d, 4 * d, 4 * d * d};
-    for (size_t i = (layer == 0 ? 1 : 0); i < block.size(); ++i) sizes.push_back(block[i]);
-  }
-  return sizes;  // 1 + 14 + 19 * 15 = 300
-}
+using ::gradsum::bench::TransformerGradSizes;
 
-int64_t TotalBytes(const std::vector<size_t>& sizes) {
-  int64_t total = 0;
-  for (size_t n : sizes) total += static_cast<int64_t>(n * sizeof(float));
-  return total;
-}
-
-const int64_t kTransformerBytes = TotalBytes(TransformerGradSizes());
+const int64_t kTransformerBytes = ::gradsum::bench::TransformerGradBytes();
 
 void BM_AllReduceBucketed(benchmark::State& state) {
   const std::vector<size_t> sizes = TransformerGradSizes();

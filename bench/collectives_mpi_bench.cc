@@ -24,6 +24,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "bench/memcpy_bench.h"
+#include "bench/transformer_grads.h"
 #include "benchmark/benchmark.h"
 #include "collectives/bucketer.h"
 #include "collectives/communicator.h"
@@ -55,26 +56,10 @@ void SetBandwidth(benchmark::State &state, int64_t bytes_per_iter) {
       benchmark::Counter::kIsRate, benchmark::Counter::kIs1024);
 }
 
-// The same gradient set as bench/collectives_bench (keep the two in step): 300
-// f32 tensors of a small transformer, a 4 MiB embedding then 20 blocks of 15
-// tensors (d = 256: norms and biases of 1-4 KiB, attention projections of 256
-// KiB, MLP matrices of 1 MiB), minus one norm. About 65.8 MiB.
-std::vector<size_t> TransformerGradSizes() {
-  constexpr size_t d = 256;
-  std::vector<size_t> sizes = {1 << 20};
-  for (int layer = 0; layer < 20; ++layer) {
-    const std::vector<size_t> block = {d,     d, d * d, d, d * d,     d,     d * d,    d,
-                                       d * d, d, d,     d, 4 * d * d, 4 * d, 4 * d * d};
-    for (size_t i = (layer == 0 ? 1 : 0); i < block.size(); ++i) sizes.push_back(block[i]);
-  }
-  return sizes;
-}
+// The same gradient set as bench/collectives_bench (bench/transformer_grads.h).
+using ::gradsum::bench::TransformerGradSizes;
 
-int64_t TransformerBytes() {
-  int64_t total = 0;
-  for (size_t n : TransformerGradSizes()) total += static_cast<int64_t>(n * sizeof(float));
-  return total;
-}
+int64_t TransformerBytes() { return ::gradsum::bench::TransformerGradBytes(); }
 
 // gradsum's mpi backend, in place, f32 SUM.
 void BM_MpiAllReduceContiguous(benchmark::State &state) {
