@@ -311,24 +311,61 @@ absl::Status FlatParam::FinishGradReduce() {
     return absl::OkStatus();
   }
   // Sharded: fold this micro-batch's summed shard into the fp32 accumulator.
-  float* acc = grad_accum_.data();
   if (bf16) {
+    float* acc = grad_accum_.data();
     const BF16* in = reduce_recv_bf16_.data();
     if (grad_accum_empty_) {
       for (int64_t i = 0; i < shard_numel_; ++i) acc[i] = in[i].ToFloat();
     } else {
       for (int64_t i = 0; i < shard_numel_; ++i) acc[i] += in[i].ToFloat();
     }
+    grad_accum_empty_ = false;
+    std::fill(full_grad_.begin(), full_grad_.end(), 0.0f);
   } else {
-    const float* in = reduce_recv_f32_.data();
-    if (grad_accum_empty_) {
-      std::copy(in, in + shard_numel_, acc);
-    } else {
-      for (int64_t i = 0; i < shard_numel_; ++i) acc[i] += in[i];
-    }
+    AccumulateShard(reduce_recv_f32_.data());
+  }
+  return absl::OkStatus();
+}
+
+void FlatParam::AccumulateShard(const float* in) {
+  float* acc = grad_accum_.data();
+  if (grad_accum_empty_) {
+    std::copy(in, in + shard_numel_, acc);
+  } else {
+    for (int64_t i = 0; i < shard_numel_; ++i) acc[i] += in[i];
   }
   grad_accum_empty_ = false;
   std::fill(full_grad_.begin(), full_grad_.end(), 0.0f);
+}
+
+absl::Status FlatParam::FoldReducedGrad(absl::Span<const float> reduced, bool last_micro_batch) {
+  if (grad_work_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group \"", name_, "\": FoldReducedGrad while a gradient reduction is in flight"));
+  }
+  if (!sharded()) {
+    if (!last_micro_batch) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "group \"", name_,
+          "\": replicated mode folds the step's all-reduced gradient once, on the last "
+          "micro-batch (last_micro_batch=false)"));
+    }
+    if (static_cast<int64_t>(reduced.size()) != padded_numel_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("group \"", name_, "\": reduced gradient has ", reduced.size(),
+                       " elements, expected padded_numel ", padded_numel_));
+    }
+    std::copy(reduced.begin(), reduced.begin() + numel_, full_grad_.begin());
+    std::fill(full_grad_.begin() + numel_, full_grad_.end(), 0.0f);  // padding never leaks
+    return absl::OkStatus();
+  }
+  if (static_cast<int64_t>(reduced.size()) != shard_numel_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("group \"", name_, "\": reduced shard has ", reduced.size(),
+                     " elements, expected shard_numel ", shard_numel_));
+  }
+  AccumulateShard(reduced.data());
+  std::fill(grad_accum_.begin() + local_numel_, grad_accum_.end(), 0.0f);  // padding
   return absl::OkStatus();
 }
 

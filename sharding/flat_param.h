@@ -187,6 +187,16 @@ class FlatParam {
   absl::Status ReduceGrad(bool last_micro_batch);
   bool grad_reduce_in_flight() const { return grad_work_ != nullptr; }
 
+  // Folds a gradient reduced outside this FlatParam (on a GPU, by NCCL: train/cuda) into
+  // master_grad(), as FinishGradReduce folds its own collective's fp32 result. Sharded:
+  // `reduced` is this rank's SUM-reduce-scattered shard of one micro-batch (shard_numel()
+  // elements), added into the fp32 accumulator; call it every micro-batch instead of
+  // ReduceGrad. Replicated: `reduced` is the step's SUM-all-reduced full gradient
+  // (padded_numel() elements), given once with last_micro_batch. The local full gradient
+  // buffer is not read. InvalidArgument for a wrong size or (replicated) a call that is
+  // not the last micro-batch's; FailedPrecondition while a reduction is in flight.
+  absl::Status FoldReducedGrad(absl::Span<const float> reduced, bool last_micro_batch);
+
   // Zeroes master_grad() and the full gradient buffer: call after the optimizer step.
   // FailedPrecondition while a reduction is in flight.
   absl::Status ZeroGrad();
@@ -201,6 +211,8 @@ class FlatParam {
   FlatParam() = default;
   bool sharded() const { return options_.mode == ShardingMode::kSharded; }
   absl::Status CheckIndex(int index) const;
+  // Adds one micro-batch's reduced shard (shard_numel() fp32) into the accumulator.
+  void AccumulateShard(const float* in);
 
   std::string name_;
   Communicator* group_ = nullptr;

@@ -364,5 +364,73 @@ TEST(FlatParamTest, GradReduceMisuseIsRefused) {
   EXPECT_TRUE(s.ok()) << s;
 }
 
+// A gradient reduced elsewhere (the GPU path reduces on the device with NCCL) folds in as
+// the FlatParam's own reduction would: the test plays the device, summing the ranks'
+// dyadic gradients exactly, and checks owned_grad() against the single-process reference.
+TEST(FlatParamTest, FoldReducedGradAccumulatesExternalReductions) {
+  for (int world : {1, 3, 4}) {
+    const int G = 3;
+    const std::vector<double> ref = ReferenceGrad(world, G, /*dyadic=*/true);
+    for (ShardingMode mode : {ShardingMode::kSharded, ShardingMode::kReplicated}) {
+      std::vector<std::vector<float>> owned(world);
+      absl::Status s = RunRanks(world, [&](Communicator& comm) -> absl::Status {
+        FlatParamOptions opts;
+        opts.mode = mode;
+        GRADSUM_ASSIGN_OR_RETURN(auto fp, FlatParam::Create("dense", DenseSpecs(), &comm, opts));
+        // Micro-batch m's SUM over ranks (sharded), or the step's sum (replicated), of the
+        // flat gradient with its padding.
+        auto reduced = [&](int first_m, int last_m) {
+          std::vector<float> full(fp->padded_numel(), 0.0f);
+          for (const FlatParamEntry& e : fp->entries()) {
+            for (int64_t i = 0; i < e.numel; ++i) {
+              double sum = 0;
+              for (int r = 0; r < world; ++r) {
+                for (int m = first_m; m <= last_m; ++m) sum += DyadicGrad(e.name, i, r, m);
+              }
+              full[e.offset + i] = static_cast<float>(sum);
+            }
+          }
+          return full;
+        };
+        if (mode == ShardingMode::kSharded) {
+          for (int m = 0; m < G; ++m) {
+            std::vector<float> full = reduced(m, m);
+            // Garbage in the shard's padding must not survive.
+            for (int64_t i = fp->numel(); i < fp->padded_numel(); ++i) full[i] = 1e30f;
+            GRADSUM_RETURN_IF_ERROR(fp->FoldReducedGrad(
+                absl::MakeConstSpan(full).subspan(fp->shard_offset(), fp->shard_numel()),
+                m == G - 1));
+          }
+        } else {
+          std::vector<float> full = reduced(0, G - 1);
+          if (fp->FoldReducedGrad(full, /*last_micro_batch=*/false).code() !=
+              absl::StatusCode::kInvalidArgument) {
+            return absl::InternalError("replicated fold before the last micro-batch accepted");
+          }
+          GRADSUM_RETURN_IF_ERROR(fp->FoldReducedGrad(full, true));
+        }
+        // Wrong sizes are refused, naming the expected count.
+        absl::Status bad = fp->FoldReducedGrad(std::vector<float>(fp->padded_numel() + 1), true);
+        if (bad.code() != absl::StatusCode::kInvalidArgument ||
+            bad.message().find("expected") == absl::string_view::npos) {
+          return absl::InternalError(absl::StrCat("wrong-size fold: ", bad.ToString()));
+        }
+        absl::Span<const float> og = fp->owned_grad();
+        owned[comm.rank()].assign(og.begin(), og.end());
+        double norm_sq = 0;
+        for (float g : og) norm_sq += static_cast<double>(g) * g;
+        if (norm_sq != fp->OwnedGradSquaredNorm()) return absl::InternalError("padding counted");
+        return absl::OkStatus();
+      });
+      ASSERT_TRUE(s.ok()) << s;
+      const std::vector<float> got = Concat(owned);
+      ASSERT_EQ(got.size(), ref.size());
+      for (size_t i = 0; i < ref.size(); ++i) {
+        EXPECT_EQ(got[i], ref[i]) << ShardingModeName(mode) << " world " << world << " i " << i;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace gradsum
