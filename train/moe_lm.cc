@@ -58,6 +58,12 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> MoeLmParamShapes(const
 
 absl::StatusOr<std::unique_ptr<MoeLm>> MoeLm::Create(const MoeLmOptions& options,
                                                      const MoeLmGroups& groups) {
+  auto model = std::unique_ptr<MoeLm>(new MoeLm());
+  GRADSUM_RETURN_IF_ERROR(Init(options, groups, model.get()));
+  return model;
+}
+
+absl::Status MoeLm::Init(const MoeLmOptions& options, const MoeLmGroups& groups, MoeLm* model) {
   if (groups.world == nullptr || groups.ep_group == nullptr || groups.edp_group == nullptr) {
     return absl::InvalidArgumentError("MoeLm needs the world, EP and EDP communicators");
   }
@@ -85,7 +91,6 @@ absl::StatusOr<std::unique_ptr<MoeLm>> MoeLm::Create(const MoeLmOptions& options
     return absl::InvalidArgumentError(absl::StrCat(
         "model.experts=", m.experts(), " is not divisible by ep=", P, " (SEMANTICS.md §7)"));
   }
-  auto model = std::unique_ptr<MoeLm>(new MoeLm());
   model->options_ = options;
   model->comm_ = groups;
   model->ep_rank_ = groups.ep_group->rank();
@@ -127,7 +132,7 @@ absl::StatusOr<std::unique_ptr<MoeLm>> MoeLm::Create(const MoeLmOptions& options
     model->experts_.push_back(std::move(group));
   }
   model->layer_state_.resize(m.layers());
-  return model;
+  return absl::OkStatus();
 }
 
 NamedParams MoeLm::InitialParameters(const ModelConfig& m, uint64_t seed) {
@@ -206,6 +211,11 @@ const float* MoeLm::Param(FlatParam* g, int index) {
 absl::StatusOr<float*> MoeLm::Grad(FlatParam* g, int index) {
   GRADSUM_ASSIGN_OR_RETURN(TensorView view, g->grad(index));
   return view.data<float>();
+}
+
+absl::Status MoeLm::ReduceGrads(bool last_micro_batch) {
+  for (FlatParam* g : groups()) GRADSUM_RETURN_IF_ERROR(g->ReduceGrad(last_micro_batch));
+  return absl::OkStatus();
 }
 
 absl::Status MoeLm::RegisterDisplayTerms(losses::StepDisplay* display) {

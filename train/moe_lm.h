@@ -81,6 +81,8 @@ struct MicroBatchLosses {
 
 class MoeLm {
  public:
+  virtual ~MoeLm() = default;
+
   // InvalidArgument for bad sizes (E % P, K > E, non-positive sizes), null or
   // inconsistent groups (ep_group->size() * edp_group->size() != world->size()).
   static absl::StatusOr<std::unique_ptr<MoeLm>> Create(const MoeLmOptions& options,
@@ -96,7 +98,8 @@ class MoeLm {
 
   // All-gathers (sharded) or copies (replicated) the compute parameters; call before the
   // step's first forward and again after each optimizer step.
-  absl::Status Unshard();
+  // Virtual: train/cuda's MoeLmCuda also uploads them to its GPU.
+  virtual absl::Status Unshard();
 
   // Forward and backward of one micro-batch of this rank. `stats` are the step's global
   // statistics (D, N); `micro_index` in [0, G). Adds the local gradients into the groups'
@@ -104,9 +107,16 @@ class MoeLm {
   // Collective over the EP group (dispatch) and the world (expert-count all-reduce).
   // Errors: bad batch (labels or tokens outside [0, V)) as InvalidArgument; the
   // components' errors as they are.
-  absl::StatusOr<MicroBatchLosses> ForwardBackward(const MicroBatch& batch,
-                                                   const losses::StepStats& stats,
-                                                   losses::StepDisplay* display);
+  // Virtual: train/cuda's MoeLmCuda computes on its GPU instead.
+  virtual absl::StatusOr<MicroBatchLosses> ForwardBackward(const MicroBatch& batch,
+                                                           const losses::StepStats& stats,
+                                                           losses::StepDisplay* display);
+
+  // After micro-batch ForwardBackward: SUM-reduces this micro-batch's gradients into the
+  // groups' master_grad() (FlatParam::ReduceGrad on every group, §7). MoeLmCuda reduces
+  // its device gradients with NCCL and folds them in (FlatParam::FoldReducedGrad).
+  // Collective over the world.
+  virtual absl::Status ReduceGrads(bool last_micro_batch);
 
   // The parameter groups this rank holds (dense first).
   std::vector<FlatParam*> groups();
@@ -122,8 +132,22 @@ class MoeLm {
 
   const MoeLmOptions& options() const { return options_; }
 
- private:
+ protected:
   MoeLm() = default;
+  // Validates options and groups and builds `model`'s parameter groups (Create's work,
+  // shared with subclasses).
+  static absl::Status Init(const MoeLmOptions& options, const MoeLmGroups& groups, MoeLm* model);
+  int ep_rank() const { return ep_rank_; }
+  FlatParam* dense() const { return dense_.get(); }
+  FlatParam* experts(int layer) const { return experts_[layer].get(); }
+  int emb_index() const { return emb_index_; }
+  int final_norm_index() const { return final_norm_index_; }
+  int out_index() const { return out_index_; }
+  int norm_index(int layer) const { return norm_index_[layer]; }
+  int router_index(int layer) const { return router_index_[layer]; }
+  const MoeLmGroups& comm() const { return comm_; }
+
+ private:
   // Float view of parameter `index` of group `g` (converted once per Unshard if bf16).
   const float* Param(FlatParam* g, int index);
   absl::StatusOr<float*> Grad(FlatParam* g, int index);

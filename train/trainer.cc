@@ -138,8 +138,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   // The ranks of a thread run share the cores; the kernels use what is left per rank.
   const int cores = std::max(1u, std::thread::hardware_concurrency());
   options.num_threads = config.backend() == "thread" ? std::max(1, cores / config.world()) : 1;
-  GRADSUM_ASSIGN_OR_RETURN(trainer->model_,
-                           MoeLm::Create(options, {comms.world, comms.ep_group, comms.edp_group}));
+  const MoeLmGroups groups{comms.world, comms.ep_group, comms.edp_group};
+  GRADSUM_ASSIGN_OR_RETURN(trainer->model_, comms.make_model ? comms.make_model(options, groups)
+                                                             : MoeLm::Create(options, groups));
   GRADSUM_RETURN_IF_ERROR(
       trainer->model_->SetFullParameters(MoeLm::InitialParameters(config.model(), config.seed())));
   AdamWOptions adam;
@@ -228,7 +229,7 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   std::vector<FlatParam*> groups = model_->groups();
   for (int m = 0; m < G; ++m) {
     GRADSUM_RETURN_IF_ERROR(model_->ForwardBackward(batches[m], stats, &display_).status());
-    for (FlatParam* g : groups) GRADSUM_RETURN_IF_ERROR(g->ReduceGrad(m == G - 1));
+    GRADSUM_RETURN_IF_ERROR(model_->ReduceGrads(m == G - 1));
   }
   if (need_full) {
     GRADSUM_ASSIGN_OR_RETURN(NamedParams grads, model_->GatherFull(/*grads=*/true));

@@ -19,6 +19,7 @@
 // with FailedPrecondition if the reference disagrees beyond the tolerance).
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <ostream>
@@ -39,11 +40,17 @@ namespace gradsum::train {
 
 // The communicators of one rank (not owned). `timer` (may be null) is the CommTimer the
 // communicators add their time to (train/timed_communicator.h).
+// Builds the rank's model; the default is MoeLm::Create (host compute). The nccl backend
+// passes train/cuda's MoeLmCuda, which computes on the rank's GPU.
+using MoeLmFactory = std::function<absl::StatusOr<std::unique_ptr<MoeLm>>(const MoeLmOptions&,
+                                                                          const MoeLmGroups&)>;
+
 struct RankComms {
   Communicator* world = nullptr;
   Communicator* ep_group = nullptr;
   Communicator* edp_group = nullptr;
   std::shared_ptr<CommTimer> timer;
+  MoeLmFactory make_model;  // empty: MoeLm::Create
 };
 
 // What one step logs (global values, identical on every rank except the timings).
