@@ -3,6 +3,7 @@
 //   ./bazelw run -c opt //train:moe_lm                       # defaults: 2 thread ranks
 //   ./bazelw run -c opt //train:moe_lm -- --world=4 --ep=2 --grad_acc=3 --parity_check
 //   mpirun -np 4 bazel-bin/train/moe_lm --backend=mpi --world=4 --ep=2
+//   mpirun -np 8 bazel-bin/train/moe_lm --backend=nccl --world=8 --ep=4   # --config=cuda build
 //
 // Exit status: 0 on success; 1 when the config is bad, training fails, or the parity check
 // finds a difference beyond the tolerance.
@@ -19,6 +20,9 @@
 #include "core/status.h"
 #include "train/config_flags.h"
 #include "train/rank_main.h"
+#ifdef GRADSUM_HAVE_CUDA
+#include "train/cuda/nccl_rank.h"
+#endif
 
 namespace gradsum::train {
 namespace {
@@ -55,10 +59,27 @@ absl::Status Main() {
     world.reset();  // before MPI finalises at exit
     return Annotate(s, absl::StrCat("rank ", rank));
   }
-  return absl::UnimplementedError(absl::StrCat(
-      "backend=", config.backend(),
-      ": the moe_lm trainer keeps its tensors in host memory; the nccl backend needs device "
-      "buffers (build with --config=cuda and use it through the collectives API)"));
+  if (config.backend() == "nccl") {
+#ifdef GRADSUM_HAVE_CUDA
+    // MPI launches the ranks and carries the host side (statistics, norms, checkpoints);
+    // NCCL carries the gradients and the MoE exchange on the GPUs.
+    MpiBackendOptions options;
+    options.timeout = timeout;
+    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> world,
+                             CreateMpiWorldCommunicator(options));
+    const int rank = world->rank();
+    if (rank == 0) PrintBanner(config, std::cout);
+    absl::Status s = RunNcclRank(config, world.get(), rank == 0 ? &std::cout : nullptr);
+    world.reset();
+    return Annotate(s, absl::StrCat("rank ", rank));
+#else
+    return absl::FailedPreconditionError(
+        "backend=nccl: this moe_lm was built without CUDA; rebuild it with "
+        "`./bazelw build --config=cuda //train:moe_lm` and run one MPI rank per GPU");
+#endif
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("backend=", config.backend(), ": must be thread, mpi or nccl"));
 }
 
 }  // namespace

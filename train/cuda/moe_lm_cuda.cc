@@ -1,0 +1,629 @@
+#include "train/cuda/moe_lm_cuda.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/cuda/cuda_status.h"
+#include "core/cuda/device_buffer.h"
+#include "core/cuda/gemm.h"
+#include "core/half.h"
+#include "core/status.h"
+#include "losses/cuda/cross_entropy_cuda.h"
+#include "moe/cuda/experts_cuda.h"
+#include "moe/cuda/layers_cuda.h"
+#include "moe/cuda/permute_cuda.h"
+#include "moe/cuda/router_cuda.h"
+#include "train/cuda/model_kernels.h"
+#include "train/layers.h"
+
+namespace gradsum::train {
+namespace {
+
+using cuda::CublasHandle;
+using cuda::DeviceBuffer;
+using cuda::GemmRowMajor;
+
+// Grows `b` to at least `bytes` (contents are not kept). Never leaves a null buffer, so
+// zero-count collectives still get valid device pointers.
+absl::Status Reserve(DeviceBuffer* b, size_t bytes) {
+  bytes = std::max<size_t>(bytes, 256);
+  if (b->size() >= bytes) return absl::OkStatus();
+  *b = DeviceBuffer();
+  GRADSUM_ASSIGN_OR_RETURN(*b, DeviceBuffer::Create(bytes));
+  return absl::OkStatus();
+}
+
+// `consumer` waits (on the device) for everything enqueued on `producer` so far.
+absl::Status Fence(cudaStream_t producer, cudaStream_t consumer, cudaEvent_t event) {
+  GRADSUM_CUDA_RETURN_IF_ERROR(cudaEventRecord(event, producer), "record stream fence");
+  GRADSUM_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(consumer, event, 0), "wait on stream fence");
+  return absl::OkStatus();
+}
+
+// One parameter group on the device: compute values and the fp32 gradient, padded_numel()
+// elements each in the host group's flat layout.
+struct DeviceGroup {
+  FlatParam* host = nullptr;
+  NcclCommunicator* comm = nullptr;
+  DeviceBuffer param;    // f32 [padded]
+  DeviceBuffer grad;     // f32 [padded], this micro-batch (fsdp) or the step (replicated)
+  DeviceBuffer staging;  // bf16 [padded] (bf16 gather / bf16 reduction), f32 [shard] recv
+  DeviceBuffer shard;    // reduce-scatter output [shard], reduce dtype
+
+  float* param_ptr(int index) const {
+    return param.as<float>() + host->entries()[index].offset;
+  }
+  float* grad_ptr(int index) const { return grad.as<float>() + host->entries()[index].offset; }
+};
+
+// The EP exchange of one layer and micro-batch: row counts per peer (send side ordered by
+// expert, receive side by source then local expert).
+struct Exchange {
+  std::vector<size_t> send_counts, send_offsets, recv_counts, recv_offsets;  // elements
+  std::vector<std::vector<int64_t>> source_offsets;  // per source: E_l + 1 row prefix sums
+  std::vector<int64_t> source_first_row;              // per source: first received row
+  int64_t recv_rows = 0;
+};
+
+// Per-layer activations kept from forward for backward.
+struct LayerBuffers {
+  DeviceBuffer h_in, a, rstd;                          // [T, D], [T, D], [T]
+  DeviceBuffer logits, probs, index, weight, lse;      // [T, E], [T, E], [T, K], [T, K], [T]
+  DeviceBuffer local_counts, global_counts, gating;    // [E] i64, [E] i64, [E] f64
+  DeviceBuffer offsets, permuted_copy, copy_position;  // [E + 1], [T K], [T K] i64
+  DeviceBuffer recv, gate, up, hidden;                 // [R, D], [R, H] x 3
+  DeviceBuffer back;                                   // [T K, D] expert outputs, send order
+  Exchange exchange;
+  moe::PermutePlanCudaArgs plan;
+};
+
+}  // namespace
+
+struct MoeLmCuda::Impl {
+  MoeLmDeviceGroups dev;
+  int device = 0;
+  cuda::CudaStream stream;
+  CublasHandle blas;
+  cudaEvent_t fence = nullptr;
+  std::vector<DeviceGroup> groups;  // dense first, then experts per layer
+  // Micro-batch inputs and shared scratch, sized for `rows` tokens.
+  int64_t rows = -1;
+  DeviceBuffer tokens, labels, mask, scalars;  // scalars: D, N, ce, z, bal (f64)
+  std::vector<LayerBuffers> layers;
+  DeviceBuffer h_last, final_in_rstd, f, head, grad_f, dh, da, du, dw, y;  // h_last: [T, D]
+                                                                          // after layer L-1
+  DeviceBuffer send, expert_out, d_back, d_recv, dx_recv, d_send;
+
+  ~Impl() {
+    if (fence != nullptr) cudaEventDestroy(fence);
+  }
+};
+
+MoeLmCuda::MoeLmCuda() = default;
+MoeLmCuda::~MoeLmCuda() = default;
+
+absl::StatusOr<std::unique_ptr<MoeLm>> MoeLmCuda::Create(const MoeLmOptions& options,
+                                                         const MoeLmGroups& host,
+                                                         const MoeLmDeviceGroups& device) {
+  if (device.world == nullptr || device.ep_group == nullptr || device.edp_group == nullptr) {
+    return absl::InvalidArgumentError("MoeLmCuda needs the NCCL world, EP and EDP communicators");
+  }
+  const std::pair<Communicator*, NcclCommunicator*> pairs[] = {
+      {host.world, device.world}, {host.ep_group, device.ep_group},
+      {host.edp_group, device.edp_group}};
+  const char* names[] = {"world", "ep_group", "edp_group"};
+  for (int i = 0; i < 3; ++i) {
+    auto [h, d] = pairs[i];
+    if (h != nullptr && (h->rank() != d->rank() || h->size() != d->size())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "MoeLmCuda: NCCL ", names[i], " is rank ", d->rank(), " of ", d->size(),
+          " but the host ", names[i], " is rank ", h->rank(), " of ", h->size()));
+    }
+  }
+  if (device.ep_group->device() != device.world->device() ||
+      device.edp_group->device() != device.world->device()) {
+    return absl::InvalidArgumentError("MoeLmCuda: the NCCL communicators are on different GPUs");
+  }
+  auto model = std::unique_ptr<MoeLmCuda>(new MoeLmCuda());
+  GRADSUM_RETURN_IF_ERROR(MoeLm::Init(options, host, model.get()));
+  if (options.compute_dtype != DType::kF32 && options.compute_dtype != DType::kBF16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("compute_dtype=", DTypeName(options.compute_dtype), ": must be f32 or bf16"));
+  }
+  model->impl_ = std::make_unique<Impl>();
+  Impl& im = *model->impl_;
+  im.dev = device;
+  im.device = device.world->device();
+  GRADSUM_CUDA_RETURN_IF_ERROR(cudaSetDevice(im.device),
+                               absl::StrCat("cudaSetDevice(", im.device, ")"));
+  GRADSUM_ASSIGN_OR_RETURN(im.stream, cuda::CudaStream::Create());
+  GRADSUM_ASSIGN_OR_RETURN(im.blas, CublasHandle::Create());
+  GRADSUM_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&im.fence, cudaEventDisableTiming),
+                               "create fence event");
+  const int L = options.model.layers();
+  for (int g = 0; g <= L; ++g) {
+    DeviceGroup dg;
+    dg.host = g == 0 ? model->dense() : model->experts(g - 1);
+    dg.comm = g == 0 ? device.world : device.edp_group;
+    const size_t padded = dg.host->padded_numel();
+    GRADSUM_ASSIGN_OR_RETURN(dg.param, DeviceBuffer::Create(padded * sizeof(float)));
+    GRADSUM_ASSIGN_OR_RETURN(dg.grad, DeviceBuffer::Create(padded * sizeof(float)));
+    GRADSUM_RETURN_IF_ERROR(dg.param.Fill(0));
+    GRADSUM_RETURN_IF_ERROR(dg.grad.Fill(0));
+    im.groups.push_back(std::move(dg));
+  }
+  im.layers.resize(L);
+  return std::unique_ptr<MoeLm>(std::move(model));
+}
+
+absl::Status MoeLmCuda::Unshard() {
+  Impl& im = *impl_;
+  GRADSUM_CUDA_RETURN_IF_ERROR(cudaSetDevice(im.device), "cudaSetDevice");
+  const bool bf16 = options().compute_dtype == DType::kBF16;
+  for (DeviceGroup& g : im.groups) {
+    FlatParam* fp = g.host;
+    const bool sharded = fp->options().mode == ShardingMode::kSharded;
+    // The values this rank contributes, padded: its shard (fsdp) or everything (replicated).
+    const int64_t count = sharded ? fp->shard_numel() : fp->padded_numel();
+    const int64_t at = sharded ? fp->shard_offset() : 0;
+    std::vector<float> values(count, 0.0f);
+    absl::Span<const float> master = fp->master();
+    std::copy(master.begin(), master.end(), values.begin());
+    if (!bf16) {
+      GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpy(g.param.as<float>() + at, values.data(),
+                                              count * sizeof(float), cudaMemcpyHostToDevice),
+                                   "upload master parameters");
+      if (sharded) {
+        GRADSUM_RETURN_IF_ERROR(g.comm->AllGather(g.param.as<float>() + at, g.param.get(), count,
+                                                  DType::kF32));
+      }
+      continue;
+    }
+    // bf16: round once on the host (as FlatParam does), gather half the bytes, widen.
+    std::vector<BF16> rounded(count);
+    for (int64_t i = 0; i < count; ++i) rounded[i] = BF16::FromFloat(values[i]);
+    GRADSUM_RETURN_IF_ERROR(Reserve(&g.staging, fp->padded_numel() * sizeof(BF16)));
+    BF16* dst = g.staging.as<BF16>();
+    GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpy(dst + at, rounded.data(), count * sizeof(BF16),
+                                            cudaMemcpyHostToDevice),
+                                 "upload bf16 parameters");
+    if (sharded) {
+      GRADSUM_RETURN_IF_ERROR(g.comm->AllGather(dst + at, dst, count, DType::kBF16));
+    }
+    GRADSUM_RETURN_IF_ERROR(Bf16ToF32Cuda(reinterpret_cast<const uint16_t*>(dst),
+                                          g.param.as<float>(), fp->padded_numel(),
+                                          im.stream.get()));
+  }
+  return im.stream.Synchronize();
+}
+
+absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackward(const MicroBatch& batch,
+                                                            const losses::StepStats& stats,
+                                                            losses::StepDisplay* display) {
+  Impl& im = *impl_;
+  GRADSUM_CUDA_RETURN_IF_ERROR(cudaSetDevice(im.device), "cudaSetDevice");
+  const ModelConfig& m = options().model;
+  const int64_t T = static_cast<int64_t>(batch.tokens.size());
+  const int64_t D = m.dim(), V = m.vocab(), H = m.expert_dim();
+  const int E = m.experts(), K = m.top_k(), L = m.layers();
+  const int P = comm().ep_group->size();
+  const int El = E / P;
+  const int64_t TK = T * K;
+  cudaStream_t s = im.stream.get();
+  if (batch.labels.size() != batch.tokens.size() || batch.mask.size() != batch.tokens.size()) {
+    return absl::InvalidArgumentError("micro-batch: tokens, labels and mask differ in length");
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    if (batch.tokens[t] < 0 || batch.tokens[t] >= V) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("token ", batch.tokens[t], " at position ", t, " outside [0, ", V, ")"));
+    }
+  }
+
+  // ---- Buffers for T tokens (allocated on the first micro-batch or a new T). ----
+  if (im.rows != T) {
+    auto f32 = [](int64_t n) { return static_cast<size_t>(n) * sizeof(float); };
+    GRADSUM_RETURN_IF_ERROR(Reserve(&im.tokens, T * sizeof(int32_t)));
+    GRADSUM_RETURN_IF_ERROR(Reserve(&im.labels, T * sizeof(int64_t)));
+    GRADSUM_RETURN_IF_ERROR(Reserve(&im.mask, T));
+    GRADSUM_RETURN_IF_ERROR(Reserve(&im.scalars, 5 * sizeof(double)));
+    for (DeviceBuffer* b : {&im.h_last, &im.f, &im.grad_f, &im.dh, &im.da, &im.y}) {
+      GRADSUM_RETURN_IF_ERROR(Reserve(b, f32(T * D)));
+    }
+    GRADSUM_RETURN_IF_ERROR(Reserve(&im.final_in_rstd, f32(T)));
+    GRADSUM_RETURN_IF_ERROR(Reserve(&im.head, f32(T * V)));
+    GRADSUM_RETURN_IF_ERROR(Reserve(&im.du, f32(T * E)));
+    GRADSUM_RETURN_IF_ERROR(Reserve(&im.dw, f32(TK)));
+    for (DeviceBuffer* b : {&im.send, &im.d_back, &im.d_send}) {
+      GRADSUM_RETURN_IF_ERROR(Reserve(b, f32(TK * D)));
+    }
+    for (int l = 0; l < L; ++l) {
+      LayerBuffers& lb = im.layers[l];
+      GRADSUM_RETURN_IF_ERROR(Reserve(&lb.h_in, f32(T * D)));
+      GRADSUM_RETURN_IF_ERROR(Reserve(&lb.a, f32(T * D)));
+      GRADSUM_RETURN_IF_ERROR(Reserve(&lb.rstd, f32(T)));
+      GRADSUM_RETURN_IF_ERROR(Reserve(&lb.logits, f32(T * E)));
+      GRADSUM_RETURN_IF_ERROR(Reserve(&lb.probs, f32(T * E)));
+      GRADSUM_RETURN_IF_ERROR(Reserve(&lb.index, TK * sizeof(int32_t)));
+      GRADSUM_RETURN_IF_ERROR(Reserve(&lb.weight, f32(TK)));
+      GRADSUM_RETURN_IF_ERROR(Reserve(&lb.lse, f32(T)));
+      GRADSUM_RETURN_IF_ERROR(Reserve(&lb.local_counts, E * sizeof(int64_t)));
+      GRADSUM_RETURN_IF_ERROR(Reserve(&lb.global_counts, E * sizeof(int64_t)));
+      GRADSUM_RETURN_IF_ERROR(Reserve(&lb.gating, E * sizeof(double)));
+      GRADSUM_RETURN_IF_ERROR(Reserve(&lb.offsets, (E + 1) * sizeof(int64_t)));
+      GRADSUM_RETURN_IF_ERROR(Reserve(&lb.permuted_copy, TK * sizeof(int64_t)));
+      GRADSUM_RETURN_IF_ERROR(Reserve(&lb.copy_position, TK * sizeof(int64_t)));
+      GRADSUM_RETURN_IF_ERROR(Reserve(&lb.back, f32(TK * D)));
+    }
+    im.rows = T;
+  }
+  DeviceBuffer& h_last = im.h_last;  // the final norm's input
+
+  // ---- Inputs. ----
+  std::vector<int64_t> labels(batch.labels.begin(), batch.labels.end());
+  std::vector<uint8_t> mask(batch.mask.begin(), batch.mask.end());
+  const double scalars[5] = {stats.global_ce_weight_sum,
+                             static_cast<double>(stats.global_routed_tokens), 0, 0, 0};
+  GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(im.tokens.get(), batch.tokens.data(),
+                                               T * sizeof(int32_t), cudaMemcpyHostToDevice, s),
+                               "upload tokens");
+  GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(im.labels.get(), labels.data(),
+                                               T * sizeof(int64_t), cudaMemcpyHostToDevice, s),
+                               "upload labels");
+  GRADSUM_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(im.mask.get(), mask.data(), T, cudaMemcpyHostToDevice, s), "upload mask");
+  GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(im.scalars.get(), scalars, sizeof(scalars),
+                                               cudaMemcpyHostToDevice, s),
+                               "upload step statistics");
+  double* d_D = im.scalars.as<double>();
+  double* d_N = d_D + 1;
+  double* d_ce = d_D + 2;
+  double* d_z = d_D + 3;
+  double* d_bal = d_D + 4;
+  const int32_t* tokens = im.tokens.as<int32_t>();
+  const uint8_t* d_mask = im.mask.as<uint8_t>();
+
+  DeviceGroup& dense = im.groups[0];
+  auto rms = [&](const float* x, const float* gamma, float* y, float* rstd) {
+    moe::RmsNormArgs n;
+    n.dtype = DType::kF32;
+    n.rows = T;
+    n.width = D;
+    n.eps = kRmsNormEps;
+    n.x = x;
+    n.gamma = gamma;
+    n.y = y;
+    n.rstd = rstd;
+    return n;
+  };
+  moe::ExpertsCudaConfig ecfg;
+  ecfg.d_model = D;
+  ecfg.hidden = H;
+  ecfg.num_local_experts = El;
+  ecfg.dtype = DType::kF32;
+  auto expert_weights = [&](const DeviceGroup& g) {
+    moe::ExpertsCudaWeights w;
+    w.gate = g.param_ptr(0);
+    w.up = g.param_ptr(El);
+    w.down = g.param_ptr(2 * El);
+    return w;
+  };
+  // All-to-all-v over the NCCL EP group, ordered after the compute stream's work.
+  auto all_to_all = [&](const float* send, const std::vector<size_t>& sc,
+                        const std::vector<size_t>& so, float* recv, const std::vector<size_t>& rc,
+                        const std::vector<size_t>& ro) -> absl::Status {
+    GRADSUM_RETURN_IF_ERROR(Fence(s, im.dev.ep_group->stream(), im.fence));
+    return im.dev.ep_group->AllToAllV(send, sc, so, recv, rc, ro, DType::kF32);
+  };
+
+  // ---- Forward. ----
+  GRADSUM_RETURN_IF_ERROR(EmbeddingForwardCuda(dense.param_ptr(emb_index()), tokens, T, D,
+                                               im.layers.empty() ? h_last.as<float>()
+                                                                 : im.layers[0].h_in.as<float>(),
+                                               s));
+  for (int l = 0; l < L; ++l) {
+    LayerBuffers& lb = im.layers[l];
+    DeviceGroup& ex = im.groups[1 + l];
+    float* h_out = l + 1 < L ? im.layers[l + 1].h_in.as<float>() : h_last.as<float>();
+    GRADSUM_RETURN_IF_ERROR(moe::RmsNormForwardCuda(
+        rms(lb.h_in.as<float>(), dense.param_ptr(norm_index(l)), lb.a.as<float>(),
+            lb.rstd.as<float>()),
+        s));
+    GRADSUM_RETURN_IF_ERROR(GemmRowMajor(im.blas, s, false, false, T, E, D, lb.a.get(), D,
+                                         dense.param_ptr(router_index(l)), E, DType::kF32,
+                                         lb.logits.get(), E, DType::kF32));
+    moe::RouterForwardCudaArgs r;
+    r.logits = lb.logits.as<float>();
+    r.mask = d_mask;
+    r.tokens = T;
+    r.experts = E;
+    r.top_k = K;
+    r.norm_topk_prob = m.norm_topk_prob();
+    r.router_scale = m.router_scale();
+    r.probs = lb.probs.as<float>();
+    r.expert_index = lb.index.as<int32_t>();
+    r.combine_weight = lb.weight.as<float>();
+    r.logsumexp = lb.lse.as<float>();
+    r.local_expert_counts = lb.local_counts.as<int64_t>();
+    r.local_gating_sums = lb.gating.as<double>();
+    GRADSUM_RETURN_IF_ERROR(moe::RouterForwardCuda(r, s));  // checks inputs (a host sync)
+    // c[l, m, :] of §5: SUM over the world.
+    GRADSUM_RETURN_IF_ERROR(Fence(s, im.dev.world->stream(), im.fence));
+    GRADSUM_RETURN_IF_ERROR(im.dev.world->AllReduce(lb.local_counts.get(), lb.global_counts.get(),
+                                                    E, DType::kI64, ReduceOp::kSum));
+    // Dispatch plan: copies ordered by expert, so EP rank p's rows are contiguous.
+    lb.plan = moe::PermutePlanCudaArgs();
+    lb.plan.expert_index = lb.index.as<int32_t>();
+    lb.plan.tokens = T;
+    lb.plan.top_k = K;
+    lb.plan.experts = E;
+    lb.plan.expert_offsets = lb.offsets.as<int64_t>();
+    lb.plan.permuted_copy = lb.permuted_copy.as<int64_t>();
+    lb.plan.copy_position = lb.copy_position.as<int64_t>();
+    GRADSUM_RETURN_IF_ERROR(moe::PermutePlanCuda(lb.plan, s));
+    GRADSUM_RETURN_IF_ERROR(
+        moe::PermuteRowsCuda({lb.a.get(), DType::kF32, D, im.send.get()}, lb.plan, s));
+    std::vector<int64_t> offsets(E + 1);
+    GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(offsets.data(), lb.offsets.get(),
+                                                 (E + 1) * sizeof(int64_t),
+                                                 cudaMemcpyDeviceToHost, s),
+                                 "download expert offsets");
+    GRADSUM_RETURN_IF_ERROR(im.stream.Synchronize());
+    // Exchange the per-expert row counts over the host EP group (they size the NCCL
+    // all-to-all-v, which needs them on the host anyway).
+    std::vector<int64_t> my_counts(E), their_counts(E);
+    for (int e = 0; e < E; ++e) my_counts[e] = offsets[e + 1] - offsets[e];
+    std::vector<size_t> blocks(P, El), block_offsets(P);
+    for (int p = 0; p < P; ++p) block_offsets[p] = static_cast<size_t>(p) * El;
+    GRADSUM_RETURN_IF_ERROR(comm().ep_group->AllToAllV(my_counts.data(), blocks, block_offsets,
+                                                       their_counts.data(), blocks, block_offsets,
+                                                       DType::kI64));
+    Exchange& x = lb.exchange;
+    x = Exchange();
+    x.source_offsets.assign(P, std::vector<int64_t>(El + 1, 0));
+    for (int p = 0; p < P; ++p) {
+      const int64_t send_rows = offsets[(p + 1) * El] - offsets[p * El];
+      x.send_counts.push_back(send_rows * D);
+      x.send_offsets.push_back(offsets[p * El] * D);
+      x.source_first_row.push_back(x.recv_rows);
+      for (int j = 0; j < El; ++j) {
+        x.source_offsets[p][j + 1] = x.source_offsets[p][j] + their_counts[p * El + j];
+      }
+      x.recv_counts.push_back(x.source_offsets[p][El] * D);
+      x.recv_offsets.push_back(x.recv_rows * D);
+      x.recv_rows += x.source_offsets[p][El];
+    }
+    const int64_t R = x.recv_rows;
+    GRADSUM_RETURN_IF_ERROR(Reserve(&lb.recv, R * D * sizeof(float)));
+    for (DeviceBuffer* b : {&lb.gate, &lb.up, &lb.hidden}) {
+      GRADSUM_RETURN_IF_ERROR(Reserve(b, R * H * sizeof(float)));
+    }
+    for (DeviceBuffer* b : {&im.expert_out, &im.d_recv, &im.dx_recv}) {
+      GRADSUM_RETURN_IF_ERROR(Reserve(b, R * D * sizeof(float)));
+    }
+    GRADSUM_RETURN_IF_ERROR(all_to_all(im.send.as<float>(), x.send_counts, x.send_offsets,
+                                       lb.recv.as<float>(), x.recv_counts, x.recv_offsets));
+    for (int p = 0; p < P; ++p) {
+      const int64_t first = x.source_first_row[p];
+      if (x.source_offsets[p][El] == 0) continue;
+      moe::ExpertsCudaSaved saved{lb.gate.as<float>() + first * H, lb.up.as<float>() + first * H,
+                                  lb.hidden.as<float>() + first * H};
+      GRADSUM_RETURN_IF_ERROR(moe::ExpertsForwardCuda(
+          im.blas, s, ecfg, expert_weights(ex), lb.recv.as<float>() + first * D,
+          x.source_offsets[p], im.expert_out.as<float>() + first * D, saved));
+    }
+    // The outputs go back to where their rows came from (the reverse exchange).
+    GRADSUM_RETURN_IF_ERROR(all_to_all(im.expert_out.as<float>(), x.recv_counts, x.recv_offsets,
+                                       lb.back.as<float>(), x.send_counts, x.send_offsets));
+    moe::CombineCudaArgs c;
+    c.dtype = DType::kF32;
+    c.width = D;
+    c.rows = lb.back.get();
+    c.weights = lb.weight.as<float>();
+    c.out = im.y.get();
+    GRADSUM_RETURN_IF_ERROR(moe::CombineCuda(c, lb.plan, s));
+    GRADSUM_RETURN_IF_ERROR(AddCuda(lb.h_in.as<float>(), im.y.as<float>(), h_out, T * D, s));
+  }
+
+  // ---- Loss head: logits = f @ W_out, fused CE in place, and its GEMM backward (§3). ----
+  const float* w_out = dense.param_ptr(out_index());
+  GRADSUM_RETURN_IF_ERROR(moe::RmsNormForwardCuda(
+      rms(h_last.as<float>(), dense.param_ptr(final_norm_index()), im.f.as<float>(),
+          im.final_in_rstd.as<float>()),
+      s));
+  GRADSUM_RETURN_IF_ERROR(GemmRowMajor(im.blas, s, false, false, T, V, D, im.f.get(), D, w_out, V,
+                                       DType::kF32, im.head.get(), V, DType::kF32));
+  losses::CrossEntropyCudaArgs ce;
+  ce.logits = im.head.get();
+  ce.dtype = DType::kF32;
+  ce.rows = T;
+  ce.vocab = V;
+  ce.labels = im.labels.as<int64_t>();
+  ce.global_weight_sum = d_D;
+  ce.grad_logits = im.head.get();
+  ce.loss = d_ce;
+  ce.ignore_index = kIgnoreIndex;
+  GRADSUM_RETURN_IF_ERROR(losses::CrossEntropyCuda(ce, s));  // checks labels (a host sync)
+  // grad_f = dlogits @ W_out^T; dW_out += f^T @ dlogits.
+  GRADSUM_RETURN_IF_ERROR(GemmRowMajor(im.blas, s, false, true, T, D, V, im.head.get(), V, w_out,
+                                       V, DType::kF32, im.grad_f.get(), D, DType::kF32));
+  GRADSUM_RETURN_IF_ERROR(GemmRowMajor(im.blas, s, true, false, D, V, T, im.f.get(), D,
+                                       im.head.get(), V, DType::kF32,
+                                       dense.grad_ptr(out_index()), V, DType::kF32, 1.0f));
+  {
+    moe::RmsNormArgs n = rms(h_last.as<float>(), dense.param_ptr(final_norm_index()), nullptr,
+                             im.final_in_rstd.as<float>());
+    n.dy = im.grad_f.get();
+    n.dx = im.dh.get();
+    n.accumulate_dx = false;
+    n.dgamma = dense.grad_ptr(final_norm_index());
+    GRADSUM_RETURN_IF_ERROR(moe::RmsNormBackwardCuda(n, s));
+  }
+
+  // ---- Backward through the layers; dh holds dL/dh after layer l. ----
+  for (int l = L - 1; l >= 0; --l) {
+    LayerBuffers& lb = im.layers[l];
+    DeviceGroup& ex = im.groups[1 + l];
+    const Exchange& x = lb.exchange;
+    moe::RouterAuxCudaArgs aux;
+    aux.probs = lb.probs.as<float>();
+    aux.logsumexp = lb.lse.as<float>();
+    aux.mask = d_mask;
+    aux.tokens = T;
+    aux.experts = E;
+    aux.top_k = K;
+    aux.alpha_z = static_cast<float>(options().alpha_z);
+    aux.alpha_b = static_cast<float>(options().alpha_b);
+    aux.num_micro_batches = stats.num_micro_batches;
+    aux.global_routed_tokens = d_N;
+    aux.global_expert_counts = lb.global_counts.as<int64_t>();
+    aux.local_gating_sums = lb.gating.as<double>();
+    aux.z_loss = d_z;
+    aux.balance_loss = d_bal;
+    aux.accumulate_loss = true;
+    GRADSUM_RETURN_IF_ERROR(moe::RouterAuxLossCuda(aux, s));
+    // Combine backward: rows' gradient (w * dh) and the combine weights' gradient.
+    moe::CombineCudaArgs c;
+    c.dtype = DType::kF32;
+    c.width = D;
+    c.rows = lb.back.get();
+    c.weights = lb.weight.as<float>();
+    c.d_out = im.dh.get();
+    c.d_rows = im.d_back.get();
+    c.d_weights = im.dw.as<float>();
+    GRADSUM_RETURN_IF_ERROR(moe::CombineBackwardCuda(c, lb.plan, s));
+    aux.expert_index = lb.index.as<int32_t>();
+    aux.d_combine_weight = im.dw.as<float>();
+    aux.norm_topk_prob = m.norm_topk_prob();
+    aux.router_scale = m.router_scale();
+    aux.d_logits = im.du.as<float>();
+    aux.accumulate_grad = false;
+    GRADSUM_RETURN_IF_ERROR(moe::RouterBackwardCuda(aux, s));
+    // Expert backward where the rows were computed, then the input gradients come home.
+    GRADSUM_RETURN_IF_ERROR(all_to_all(im.d_back.as<float>(), x.send_counts, x.send_offsets,
+                                       im.d_recv.as<float>(), x.recv_counts, x.recv_offsets));
+    moe::ExpertsCudaWeightGrads eg{ex.grad_ptr(0), ex.grad_ptr(El), ex.grad_ptr(2 * El)};
+    for (int p = 0; p < P; ++p) {
+      const int64_t first = x.source_first_row[p];
+      if (x.source_offsets[p][El] == 0) continue;
+      moe::ExpertsCudaSaved saved{lb.gate.as<float>() + first * H, lb.up.as<float>() + first * H,
+                                  lb.hidden.as<float>() + first * H};
+      GRADSUM_RETURN_IF_ERROR(moe::ExpertsBackwardCuda(
+          im.blas, s, ecfg, expert_weights(ex), lb.recv.as<float>() + first * D,
+          x.source_offsets[p], saved, im.d_recv.as<float>() + first * D,
+          im.dx_recv.as<float>() + first * D, eg));
+    }
+    GRADSUM_RETURN_IF_ERROR(all_to_all(im.dx_recv.as<float>(), x.recv_counts, x.recv_offsets,
+                                       im.d_send.as<float>(), x.send_counts, x.send_offsets));
+    // The gather's backward: da[t] = sum_k d_send[pos(t, k)].
+    moe::CombineCudaArgs g;
+    g.dtype = DType::kF32;
+    g.width = D;
+    g.rows = im.d_send.get();
+    g.weights = nullptr;
+    g.out = im.da.get();
+    g.accumulate = false;
+    GRADSUM_RETURN_IF_ERROR(moe::CombineCuda(g, lb.plan, s));
+    // Router GEMM backward: dWr += a^T du; da += du Wr^T.
+    const float* wr = dense.param_ptr(router_index(l));
+    GRADSUM_RETURN_IF_ERROR(GemmRowMajor(im.blas, s, true, false, D, E, T, lb.a.get(), D,
+                                         im.du.get(), E, DType::kF32,
+                                         dense.grad_ptr(router_index(l)), E, DType::kF32, 1.0f));
+    GRADSUM_RETURN_IF_ERROR(GemmRowMajor(im.blas, s, false, true, T, D, E, im.du.get(), E, wr, E,
+                                         DType::kF32, im.da.get(), D, DType::kF32, 1.0f));
+    // Norm backward into the residual stream: dh += dL/dh through a = RMSNorm(h).
+    moe::RmsNormArgs n = rms(lb.h_in.as<float>(), dense.param_ptr(norm_index(l)), nullptr,
+                             lb.rstd.as<float>());
+    n.dy = im.da.get();
+    n.dx = im.dh.get();
+    n.accumulate_dx = true;
+    n.dgamma = dense.grad_ptr(norm_index(l));
+    GRADSUM_RETURN_IF_ERROR(moe::RmsNormBackwardCuda(n, s));
+  }
+  GRADSUM_RETURN_IF_ERROR(EmbeddingBackwardCuda(tokens, im.dh.as<float>(), T, D,
+                                                dense.grad_ptr(emb_index()), s));
+
+  // ---- Detached loss values and routing statistics for the display (§8). ----
+  double losses_host[3] = {0, 0, 0};
+  GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(losses_host, d_ce, sizeof(losses_host),
+                                               cudaMemcpyDeviceToHost, s),
+                               "download loss values");
+  std::vector<std::vector<int64_t>> counts(L, std::vector<int64_t>(E));
+  for (int l = 0; l < L; ++l) {
+    GRADSUM_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(counts[l].data(), im.layers[l].global_counts.get(), E * sizeof(int64_t),
+                        cudaMemcpyDeviceToHost, s),
+        "download expert counts");
+  }
+  GRADSUM_RETURN_IF_ERROR(im.stream.Synchronize());
+  MicroBatchLosses result;
+  result.ce = losses_host[0];
+  result.z = losses_host[1];
+  result.bal = losses_host[2];
+  if (display != nullptr) {
+    for (int l = 0; l < L; ++l) {
+      GRADSUM_RETURN_IF_ERROR(display->AddGlobalExpertCounts(l, counts[l]));
+    }
+    GRADSUM_RETURN_IF_ERROR(display->AddBackwardTerm("ce", result.ce));
+    GRADSUM_RETURN_IF_ERROR(display->AddBackwardTerm("z", result.z));
+    GRADSUM_RETURN_IF_ERROR(display->AddBackwardTerm("bal", result.bal));
+  }
+  return result;
+}
+
+absl::Status MoeLmCuda::ReduceGrads(bool last_micro_batch) {
+  Impl& im = *impl_;
+  GRADSUM_CUDA_RETURN_IF_ERROR(cudaSetDevice(im.device), "cudaSetDevice");
+  cudaStream_t s = im.stream.get();
+  const bool bf16 = options().reduce_dtype == DType::kBF16;
+  for (DeviceGroup& g : im.groups) {
+    FlatParam* fp = g.host;
+    const bool sharded = fp->options().mode == ShardingMode::kSharded;
+    if (!sharded && !last_micro_batch) continue;  // replicated: the step's grads accumulate
+    const int64_t padded = fp->padded_numel();
+    const int64_t out_count = sharded ? fp->shard_numel() : padded;
+    const void* send = g.grad.get();
+    DType dtype = DType::kF32;
+    if (bf16) {
+      GRADSUM_RETURN_IF_ERROR(Reserve(&g.staging, padded * sizeof(BF16)));
+      GRADSUM_RETURN_IF_ERROR(F32ToBf16Cuda(g.grad.as<float>(), g.staging.as<uint16_t>(), padded,
+                                            s));
+      send = g.staging.get();
+      dtype = DType::kBF16;
+    }
+    const size_t elem = bf16 ? sizeof(BF16) : sizeof(float);
+    GRADSUM_RETURN_IF_ERROR(Fence(s, g.comm->stream(), im.fence));
+    void* out = nullptr;
+    if (sharded) {
+      GRADSUM_RETURN_IF_ERROR(Reserve(&g.shard, out_count * elem));
+      out = g.shard.get();
+      GRADSUM_RETURN_IF_ERROR(g.comm->ReduceScatter(send, out, out_count, dtype, ReduceOp::kSum));
+    } else {
+      out = const_cast<void*>(send);  // in place
+      GRADSUM_RETURN_IF_ERROR(g.comm->AllReduce(send, out, padded, dtype, ReduceOp::kSum));
+    }
+    std::vector<float> reduced(out_count);
+    if (bf16) {
+      std::vector<BF16> raw(out_count);
+      GRADSUM_CUDA_RETURN_IF_ERROR(
+          cudaMemcpy(raw.data(), out, out_count * sizeof(BF16), cudaMemcpyDeviceToHost),
+          "download reduced gradient");
+      for (int64_t i = 0; i < out_count; ++i) reduced[i] = raw[i].ToFloat();
+    } else {
+      GRADSUM_CUDA_RETURN_IF_ERROR(
+          cudaMemcpy(reduced.data(), out, out_count * sizeof(float), cudaMemcpyDeviceToHost),
+          "download reduced gradient");
+    }
+    GRADSUM_RETURN_IF_ERROR(fp->FoldReducedGrad(reduced, last_micro_batch));
+    GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(g.grad.get(), 0, padded * sizeof(float), s),
+                                 "zero device gradient");
+  }
+  return im.stream.Synchronize();
+}
+
+}  // namespace gradsum::train

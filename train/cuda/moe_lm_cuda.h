@@ -1,0 +1,75 @@
+#ifndef GRADSUM_TRAIN_CUDA_MOE_LM_CUDA_H_
+#define GRADSUM_TRAIN_CUDA_MOE_LM_CUDA_H_
+
+// moe_lm (SEMANTICS.md §10) with its forward and backward on this rank's GPU and its
+// gradients SUM-reduced by NCCL: the `--backend=nccl` model of //train:moe_lm.
+//
+// Division of labour (the ZeRO-Offload split):
+// - Host (the base MoeLm): the fp32 master parameters in FlatParam groups, AdamW, the
+//   global grad norm and clipping, checkpoints, dumps and the parity check, over the host
+//   communicators (MPI) of MoeLmGroups, exactly as on the CPU path.
+// - Device: the compute parameters, every activation and the fp32 gradient buffers.
+//   Unshard() uploads each group's master (its shard in fsdp mode) and all-gathers it with
+//   NCCL (bf16 when compute_dtype is bf16, then widened exactly to fp32, as the CPU path
+//   does). ForwardBackward() runs embedding, RMSNorm (moe/cuda/layers_cuda.h), router and
+//   aux losses (moe/cuda/router_cuda.h), permutation and the EP all-to-all-v over NCCL
+//   (moe/cuda/permute_cuda.h), grouped SwiGLU experts through cuBLAS
+//   (moe/cuda/experts_cuda.h), the LM head GEMMs and fused CE (losses/cuda), and their
+//   backward, in fp32 with TF32 off. ReduceGrads() SUM-reduces the device gradients with
+//   NCCL (reduce-scatter per micro-batch in fsdp mode, all-reduce after the last one in
+//   replicated mode; in reduce_dtype) and folds the result into the host groups
+//   (FlatParam::FoldReducedGrad). Nothing divides by world, EP size or G.
+//
+//   MoeLmDeviceGroups dev{nccl_world, nccl_ep, nccl_edp};     // same mesh as the host groups
+//   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<MoeLm> model, MoeLmCuda::Create(options, host, dev));
+//   ... then exactly the MoeLm protocol (train/moe_lm.h), or through Trainer with
+//   RankComms::make_model (train/cuda/nccl_rank.h does this) ...
+//
+// Host syncs per micro-batch: one per layer for the routed counts that size the EP
+// exchange (NCCL needs them on the host), the collectives' own waits, and one at the end
+// for the loss values. Activations are fp32 whatever compute_dtype is.
+//
+// Thread safety: one MoeLmCuda per rank, used by that rank's thread.
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "collectives/nccl_backend.h"
+#include "train/moe_lm.h"
+
+namespace gradsum::train {
+
+// The rank's NCCL communicators, one GPU per rank, forming the same (F, P) mesh as the host
+// groups (collectives/mesh.h over the NCCL world). Not owned.
+struct MoeLmDeviceGroups {
+  NcclCommunicator* world = nullptr;
+  NcclCommunicator* ep_group = nullptr;
+  NcclCommunicator* edp_group = nullptr;
+};
+
+class MoeLmCuda : public MoeLm {
+ public:
+  ~MoeLmCuda() override;
+
+  // The model on device->world's GPU. Errors: those of MoeLm::Create; InvalidArgument for
+  // missing device groups or ones whose rank/size differ from the host groups';
+  // FailedPrecondition without a usable GPU (the CUDA runtime's reason).
+  static absl::StatusOr<std::unique_ptr<MoeLm>> Create(const MoeLmOptions& options,
+                                                       const MoeLmGroups& host,
+                                                       const MoeLmDeviceGroups& device);
+
+  absl::Status Unshard() override;
+  absl::StatusOr<MicroBatchLosses> ForwardBackward(const MicroBatch& batch,
+                                                   const losses::StepStats& stats,
+                                                   losses::StepDisplay* display) override;
+  absl::Status ReduceGrads(bool last_micro_batch) override;
+
+ private:
+  struct Impl;
+  MoeLmCuda();
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace gradsum::train
+
+#endif  // GRADSUM_TRAIN_CUDA_MOE_LM_CUDA_H_

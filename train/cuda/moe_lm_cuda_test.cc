@@ -1,0 +1,149 @@
+// The GPU model (MoeLmCuda through the Trainer, NCCL world of one GPU) against two
+// independent references: the double-precision single-process reference model (the
+// --parity_check of step 1, tolerance 1e-5) and the CPU trainer run on the same config
+// (reduced gradients of step 1 and the losses of the following steps). Skips without a GPU.
+//
+// One process drives one GPU here (NCCL refuses two ranks on one device), so the EP
+// all-to-all runs with P = 1; the multi-GPU mesh is //train/cuda:moe_lm_nccl_mpi_np*_test.
+#include <cmath>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "collectives/mesh.h"
+#include "collectives/nccl_backend.h"
+#include "collectives/thread_backend.h"
+#include "core/status.h"
+#include "gtest/gtest.h"
+#include "testing/gpu_test_util.h"
+#include "train/cuda/moe_lm_cuda.h"
+#include "train/rank_main.h"
+#include "train/test_util.h"
+#include "train/trainer.h"
+
+namespace gradsum::train {
+namespace {
+
+struct GpuRun {
+  std::vector<StepRecord> history;
+  std::optional<NamedParams> first_step_grads;
+  std::optional<ParityReport> parity;
+};
+
+// Runs `config` (world 1) with the GPU model on device 0.
+absl::StatusOr<GpuRun> RunOnGpu(const TrainConfig& config) {
+  GRADSUM_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Communicator>> host,
+                           CreateThreadCommunicators(1));
+  NcclBackendOptions options;
+  options.device = 0;
+  options.timeout = absl::Seconds(60);
+  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<NcclCommunicator> nccl,
+                           CreateNcclCommunicator(*host[0], options));
+  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Mesh> nccl_mesh, Mesh::Create(nccl.get(), 1));
+  GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(host[0].get(), 1));
+  RankComms comms = mesh.comms();
+  const MoeLmDeviceGroups dev{nccl.get(), dynamic_cast<NcclCommunicator*>(&nccl_mesh->ep_group()),
+                              dynamic_cast<NcclCommunicator*>(&nccl_mesh->edp_group())};
+  comms.make_model = [dev](const MoeLmOptions& o, const MoeLmGroups& g) {
+    return MoeLmCuda::Create(o, g, dev);
+  };
+  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(config, comms));
+  GRADSUM_RETURN_IF_ERROR(trainer->Run(nullptr).status());
+  GpuRun out;
+  out.history = trainer->history();
+  out.first_step_grads = trainer->first_step_grads();
+  out.parity = trainer->parity();
+  return out;
+}
+
+// (G, sharding, compute dtype, reduce dtype)
+using Case = std::tuple<int, const char*, const char*, const char*>;
+
+class MoeLmCudaTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MoeLmCudaTest, MatchesReferenceAndCpuTrainer) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  const auto [G, sharding, compute, reduce] = GetParam();
+  TrainConfig config = TinyConfig(1, 1, G, sharding);
+  config.set_compute_dtype(compute);
+  config.set_reduce_dtype(reduce);
+  config.set_steps(4);
+  config.set_parity_check(true);
+  absl::StatusOr<GpuRun> gpu = RunOnGpu(config);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  config.set_parity_check(true);
+  absl::StatusOr<std::vector<RankOutcome>> cpu = RunInProcess(config);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  ASSERT_TRUE((*cpu)[0].status.ok()) << (*cpu)[0].status;
+
+  // 1. Step 1 against the double-precision reference (same check as the CPU path). With
+  //    bf16 gradient reduction the reduced values carry bf16 rounding.
+  ASSERT_TRUE(gpu->parity.has_value());
+  if (std::string(reduce) == "f32") {
+    EXPECT_TRUE(gpu->parity->ok) << gpu->parity->ToString();
+    EXPECT_LE(gpu->parity->worst, 1e-5);
+  }
+
+  // 2. Step 1's reduced gradients against the CPU trainer's, parameter by parameter.
+  ASSERT_TRUE(gpu->first_step_grads.has_value());
+  const NamedParams& want = *(*cpu)[0].first_step_grads;
+  const NamedParams& got = *gpu->first_step_grads;
+  ASSERT_EQ(got.size(), want.size());
+  const double rtol = std::string(reduce) == "bf16" ? 1e-2 : 1e-5;
+  for (const auto& [name, w] : want) {
+    auto it = got.find(name);
+    ASSERT_NE(it, got.end()) << name;
+    ASSERT_EQ(it->second.size(), w.size()) << name;
+    double scale = 0;
+    for (float v : w) scale = std::max(scale, static_cast<double>(std::abs(v)));
+    for (size_t i = 0; i < w.size(); ++i) {
+      EXPECT_NEAR(it->second[i], w[i], rtol * scale + 1e-9) << name << "[" << i << "]";
+    }
+  }
+
+  // 3. Every step's detached losses and grad norm against the CPU run's.
+  const std::vector<StepRecord>& cpu_hist = (*cpu)[0].history;
+  ASSERT_EQ(gpu->history.size(), cpu_hist.size());
+  for (size_t s = 0; s < cpu_hist.size(); ++s) {
+    const double tol = std::string(reduce) == "bf16" ? 1e-2 : 1e-4;
+    EXPECT_NEAR(gpu->history[s].ce, cpu_hist[s].ce, tol * std::abs(cpu_hist[s].ce)) << s;
+    EXPECT_NEAR(gpu->history[s].z, cpu_hist[s].z, tol * std::abs(cpu_hist[s].z) + 1e-9) << s;
+    EXPECT_NEAR(gpu->history[s].bal, cpu_hist[s].bal, tol * std::abs(cpu_hist[s].bal) + 1e-9)
+        << s;
+    EXPECT_NEAR(gpu->history[s].grad_norm, cpu_hist[s].grad_norm,
+                tol * cpu_hist[s].grad_norm) << s;
+    EXPECT_EQ(gpu->history[s].valid_tokens, cpu_hist[s].valid_tokens);
+    EXPECT_EQ(gpu->history[s].routed_tokens, cpu_hist[s].routed_tokens);
+  }
+}
+
+std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
+  const auto [G, sharding, compute, reduce] = info.param;
+  return absl::StrCat("G", G, "_", sharding, "_compute_", compute, "_reduce_", reduce);
+}
+
+INSTANTIATE_TEST_SUITE_P(Configs, MoeLmCudaTest,
+                         ::testing::Values(Case{1, "fsdp", "f32", "f32"},
+                                           Case{3, "fsdp", "f32", "f32"},
+                                           Case{1, "replicated", "f32", "f32"},
+                                           Case{3, "replicated", "f32", "f32"},
+                                           Case{2, "fsdp", "bf16", "f32"},
+                                           Case{2, "fsdp", "f32", "bf16"}),
+                         CaseName);
+
+TEST(MoeLmCudaTest, CreateRejectsMissingOrMismatchedDeviceGroups) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  auto host = CreateThreadCommunicators(1);
+  ASSERT_TRUE(host.ok()) << host.status();
+  MoeLmOptions options;
+  options.model = TinyConfig(1, 1, 1, "fsdp").model();
+  const MoeLmGroups groups{(*host)[0].get(), (*host)[0].get(), (*host)[0].get()};
+  absl::StatusOr<std::unique_ptr<MoeLm>> none = MoeLmCuda::Create(options, groups, {});
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kInvalidArgument) << none.status();
+  EXPECT_NE(none.status().message().find("NCCL"), absl::string_view::npos);
+}
+
+}  // namespace
+}  // namespace gradsum::train

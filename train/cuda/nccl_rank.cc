@@ -1,0 +1,65 @@
+#include "train/cuda/nccl_rank.h"
+
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <memory>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "collectives/mesh.h"
+#include "collectives/nccl_backend.h"
+#include "core/cuda/cuda_status.h"
+#include "core/status.h"
+#include "train/cuda/moe_lm_cuda.h"
+#include "train/rank_main.h"
+#include "train/trainer.h"
+
+namespace gradsum::train {
+
+absl::StatusOr<int> LocalDeviceForRank(int world_rank) {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess || count == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "backend=nccl needs a CUDA device per rank; none is usable: ",
+        err != cudaSuccess ? cudaGetErrorString(err) : "cudaGetDeviceCount returned 0"));
+  }
+  int local = world_rank;
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}) {
+    const char* v = std::getenv(var);
+    int parsed = 0;
+    if (v != nullptr && absl::SimpleAtoi(v, &parsed) && parsed >= 0) {
+      local = parsed;
+      break;
+    }
+  }
+  return local % count;
+}
+
+absl::Status RunNcclRank(const TrainConfig& config, Communicator* host_world, std::ostream* log) {
+  if (host_world == nullptr) return absl::InvalidArgumentError("null host world communicator");
+  GRADSUM_ASSIGN_OR_RETURN(const int device, LocalDeviceForRank(host_world->rank()));
+  NcclBackendOptions options;
+  options.device = device;
+  options.timeout = absl::Seconds(config.timeout_s());
+  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<NcclCommunicator> nccl_world,
+                           CreateNcclCommunicator(*host_world, options));
+  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Mesh> nccl_mesh,
+                           Mesh::Create(nccl_world.get(), config.ep()));
+  auto* ep = dynamic_cast<NcclCommunicator*>(&nccl_mesh->ep_group());
+  auto* edp = dynamic_cast<NcclCommunicator*>(&nccl_mesh->edp_group());
+  if (ep == nullptr || edp == nullptr) {
+    return absl::InternalError("splitting the NCCL world did not give NCCL communicators");
+  }
+  GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(host_world, config.ep()));
+  RankComms comms = mesh.comms();
+  const MoeLmDeviceGroups dev{nccl_world.get(), ep, edp};
+  comms.make_model = [dev](const MoeLmOptions& o, const MoeLmGroups& g) {
+    return MoeLmCuda::Create(o, g, dev);
+  };
+  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(config, comms));
+  return trainer->Run(log).status();
+}
+
+}  // namespace gradsum::train

@@ -1,0 +1,33 @@
+#ifndef GRADSUM_TRAIN_CUDA_NCCL_RANK_H_
+#define GRADSUM_TRAIN_CUDA_NCCL_RANK_H_
+
+// One rank of `moe_lm --backend=nccl`: the rank's GPU, NCCL communicators for the
+// world and its (F, P) mesh (bootstrapped over the host world), and the Trainer with the
+// GPU model (train/cuda/moe_lm_cuda.h). The host world (MPI) keeps the step statistics,
+// the display, the grad norm, checkpoints and the parity check.
+//
+//   mpirun -np 8 bazel-bin/train/moe_lm --backend=nccl --world=8 --ep=4   # 8 GPUs, 1 node
+//
+// GPU choice: the node-local rank (OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID or
+// SLURM_LOCALID; else the world rank) modulo the visible device count.
+
+#include <ostream>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "collectives/communicator.h"
+#include "train/config.pb.h"
+
+namespace gradsum::train {
+
+// The CUDA ordinal for this process (see above). FailedPrecondition naming the CUDA
+// runtime's reason when no device is visible.
+absl::StatusOr<int> LocalDeviceForRank(int world_rank);
+
+// Runs config.steps steps on this rank. Collective over `host_world`, whose size must be
+// config.world(). Errors: those of the NCCL bootstrap, Trainer::Create and Trainer::Run.
+absl::Status RunNcclRank(const TrainConfig& config, Communicator* host_world, std::ostream* log);
+
+}  // namespace gradsum::train
+
+#endif  // GRADSUM_TRAIN_CUDA_NCCL_RANK_H_
