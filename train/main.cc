@@ -62,7 +62,16 @@ absl::Status Main() {
   if (config.backend() == "nccl") {
 #ifdef GRADSUM_HAVE_CUDA
     // MPI launches the ranks and carries the host side (statistics, norms, checkpoints);
-    // NCCL carries the gradients and the MoE exchange on the GPUs.
+    // NCCL carries the gradients and the MoE exchange on the GPUs. One GPU needs no
+    // launcher: a one-rank thread communicator is the host world.
+    if (config.world() == 1) {
+      PrintBanner(config, std::cout);
+      ThreadBackendOptions options;
+      options.timeout = timeout;
+      GRADSUM_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Communicator>> one,
+                               CreateThreadCommunicators(1, options));
+      return RunNcclRank(config, one[0].get(), &std::cout);
+    }
     MpiBackendOptions options;
     options.timeout = timeout;
     GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> world,

@@ -73,17 +73,16 @@ TEST_P(MoeLmCudaTest, MatchesReferenceAndCpuTrainer) {
   config.set_parity_check(true);
   absl::StatusOr<GpuRun> gpu = RunOnGpu(config);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
-  config.set_parity_check(true);
   absl::StatusOr<std::vector<RankOutcome>> cpu = RunInProcess(config);
   ASSERT_TRUE(cpu.ok()) << cpu.status();
   ASSERT_TRUE((*cpu)[0].status.ok()) << (*cpu)[0].status;
 
-  // 1. Step 1 against the double-precision reference (same check as the CPU path). With
-  //    bf16 gradient reduction the reduced values carry bf16 rounding.
+  // 1. Step 1 against the double-precision reference: the trainer's own check (1e-5 in
+  //    f32; 2e-2 when parameters or gradients are rounded to bf16).
   ASSERT_TRUE(gpu->parity.has_value());
-  if (std::string(reduce) == "f32") {
-    EXPECT_TRUE(gpu->parity->ok) << gpu->parity->ToString();
-    EXPECT_LE(gpu->parity->worst, 1e-5);
+  EXPECT_TRUE(gpu->parity->ok) << gpu->parity->ToString();
+  if (std::string(compute) == "f32" && std::string(reduce) == "f32") {
+    EXPECT_LE(gpu->parity->worst, 1e-5) << gpu->parity->ToString();
   }
 
   // 2. Step 1's reduced gradients against the CPU trainer's, parameter by parameter.
