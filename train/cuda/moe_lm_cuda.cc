@@ -93,6 +93,9 @@ struct MoeLmCuda::Impl {
   std::vector<DeviceGroup> groups;  // dense first, then experts per layer
   // Micro-batch inputs and shared scratch, sized for `rows` tokens.
   int64_t rows = -1;
+  // Set by Unshard(), cleared by the last micro-batch's ReduceGrads (the optimizer is about
+  // to change the master): forward must not read parameters the host has moved past.
+  bool params_current = false;
   DeviceBuffer tokens, labels, mask, scalars;  // scalars: D, N, ce, z, bal (f64)
   std::vector<LayerBuffers> layers;
   DeviceBuffer h_last, final_in_rstd, f, head, grad_f, dh, da, du, dw, y;  // h_last: [T, D]
@@ -153,11 +156,16 @@ absl::StatusOr<std::unique_ptr<MoeLm>> MoeLmCuda::Create(const MoeLmOptions& opt
     const size_t padded = dg.host->padded_numel();
     GRADSUM_ASSIGN_OR_RETURN(dg.param, DeviceBuffer::Create(padded * sizeof(float)));
     GRADSUM_ASSIGN_OR_RETURN(dg.grad, DeviceBuffer::Create(padded * sizeof(float)));
-    GRADSUM_RETURN_IF_ERROR(dg.param.Fill(0));
-    GRADSUM_RETURN_IF_ERROR(dg.grad.Fill(0));
+    // On the compute stream (the legacy default stream does not order the non-blocking
+    // streams that later read these buffers).
+    GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dg.param.get(), 0, dg.param.size(), im.stream.get()),
+                                 "zero device parameters");
+    GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dg.grad.get(), 0, dg.grad.size(), im.stream.get()),
+                                 "zero device gradients");
     im.groups.push_back(std::move(dg));
   }
   im.layers.resize(L);
+  GRADSUM_RETURN_IF_ERROR(im.stream.Synchronize());
   return std::unique_ptr<MoeLm>(std::move(model));
 }
 
@@ -165,6 +173,8 @@ absl::Status MoeLmCuda::Unshard() {
   Impl& im = *impl_;
   GRADSUM_CUDA_RETURN_IF_ERROR(cudaSetDevice(im.device), "cudaSetDevice");
   const bool bf16 = options().compute_dtype == DType::kBF16;
+  cudaStream_t s = im.stream.get();
+  im.params_current = false;
   for (DeviceGroup& g : im.groups) {
     FlatParam* fp = g.host;
     const bool sharded = fp->options().mode == ShardingMode::kSharded;
@@ -175,10 +185,14 @@ absl::Status MoeLmCuda::Unshard() {
     absl::Span<const float> master = fp->master();
     std::copy(master.begin(), master.end(), values.begin());
     if (!bf16) {
-      GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpy(g.param.as<float>() + at, values.data(),
-                                              count * sizeof(float), cudaMemcpyHostToDevice),
+      // Pageable source: the call returns once `values` is staged; the copy itself is
+      // ordered on `s`, and the NCCL stream waits for it.
+      GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g.param.as<float>() + at, values.data(),
+                                                   count * sizeof(float), cudaMemcpyHostToDevice,
+                                                   s),
                                    "upload master parameters");
       if (sharded) {
+        GRADSUM_RETURN_IF_ERROR(Fence(s, g.comm->stream(), im.fence));
         GRADSUM_RETURN_IF_ERROR(g.comm->AllGather(g.param.as<float>() + at, g.param.get(), count,
                                                   DType::kF32));
       }
@@ -189,17 +203,20 @@ absl::Status MoeLmCuda::Unshard() {
     for (int64_t i = 0; i < count; ++i) rounded[i] = BF16::FromFloat(values[i]);
     GRADSUM_RETURN_IF_ERROR(Reserve(&g.staging, fp->padded_numel() * sizeof(BF16)));
     BF16* dst = g.staging.as<BF16>();
-    GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpy(dst + at, rounded.data(), count * sizeof(BF16),
-                                            cudaMemcpyHostToDevice),
+    GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst + at, rounded.data(), count * sizeof(BF16),
+                                                 cudaMemcpyHostToDevice, s),
                                  "upload bf16 parameters");
     if (sharded) {
+      GRADSUM_RETURN_IF_ERROR(Fence(s, g.comm->stream(), im.fence));
       GRADSUM_RETURN_IF_ERROR(g.comm->AllGather(dst + at, dst, count, DType::kBF16));
     }
     GRADSUM_RETURN_IF_ERROR(Bf16ToF32Cuda(reinterpret_cast<const uint16_t*>(dst),
                                           g.param.as<float>(), fp->padded_numel(),
-                                          im.stream.get()));
+                                          s));
   }
-  return im.stream.Synchronize();
+  GRADSUM_RETURN_IF_ERROR(im.stream.Synchronize());
+  im.params_current = true;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackward(const MicroBatch& batch,
@@ -207,6 +224,34 @@ absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackward(const MicroBatch& ba
                                                             losses::StepDisplay* display) {
   Impl& im = *impl_;
   GRADSUM_CUDA_RETURN_IF_ERROR(cudaSetDevice(im.device), "cudaSetDevice");
+  if (!im.params_current) {
+    return absl::FailedPreconditionError(
+        "MoeLmCuda: the device parameters are not current: call Unshard() after creating the "
+        "model and after every optimizer step");
+  }
+  const int64_t V = options().model.vocab();
+  for (size_t t = 0; t < batch.labels.size(); ++t) {
+    const int32_t y = batch.labels[t];
+    if (y != kIgnoreIndex && (y < 0 || y >= V)) {
+      return absl::InvalidArgumentError(absl::StrCat("label ", y, " at position ", t,
+                                                     " outside [0, ", V, ") and not ignore_index ",
+                                                     kIgnoreIndex));
+    }
+  }
+  absl::StatusOr<MicroBatchLosses> result = ForwardBackwardOnDevice(batch, stats, display);
+  if (!result.ok()) {
+    // Do not leave a partial micro-batch in the gradient buffers for a later ReduceGrads.
+    for (DeviceGroup& g : im.groups) {
+      cudaMemsetAsync(g.grad.get(), 0, g.grad.size(), im.stream.get());
+    }
+    (void)im.stream.Synchronize();
+  }
+  return result;
+}
+
+absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackwardOnDevice(
+    const MicroBatch& batch, const losses::StepStats& stats, losses::StepDisplay* display) {
+  Impl& im = *impl_;
   const ModelConfig& m = options().model;
   const int64_t T = static_cast<int64_t>(batch.tokens.size());
   const int64_t D = m.dim(), V = m.vocab(), H = m.expert_dim();
@@ -623,6 +668,7 @@ absl::Status MoeLmCuda::ReduceGrads(bool last_micro_batch) {
     GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(g.grad.get(), 0, padded * sizeof(float), s),
                                  "zero device gradient");
   }
+  if (last_micro_batch) im.params_current = false;  // the optimizer step comes next
   return im.stream.Synchronize();
 }
 

@@ -25,6 +25,19 @@
 //   ... then exactly the MoeLm protocol (train/moe_lm.h), or through Trainer with
 //   RankComms::make_model (train/cuda/nccl_rank.h does this) ...
 //
+// Protocol checks beyond MoeLm's: ForwardBackward is FailedPrecondition unless Unshard() ran
+// since creation and since the last micro-batch's ReduceGrads (the optimizer step), and
+// InvalidArgument for a label outside [0, V) that is not kIgnoreIndex (checked on the host
+// before any device work). A failed ForwardBackward zeroes the device gradients, so a partial
+// micro-batch never reaches a reduction.
+//
+// Numerics: fp32 everywhere except what compute_dtype / reduce_dtype round to bf16. A bf16
+// reduction is NCCL's native bf16 sum (its order, rounding per step of the ring/tree), not
+// the CPU backends' fp32 accumulation with one rounding (collectives/nccl_backend.h). The
+// embedding's backward adds repeated tokens with fp32 atomics (rounding-level run-to-run
+// differences); the experts run once per EP source block, so their weight gradients add
+// rows in a different order than the CPU path.
+//
 // Host syncs per micro-batch: one per layer for the routed counts that size the EP
 // exchange (NCCL needs them on the host), the collectives' own waits, and one at the end
 // for the loss values. Activations are fp32 whatever compute_dtype is.
@@ -67,6 +80,9 @@ class MoeLmCuda : public MoeLm {
  private:
   struct Impl;
   MoeLmCuda();
+  absl::StatusOr<MicroBatchLosses> ForwardBackwardOnDevice(const MicroBatch& batch,
+                                                           const losses::StepStats& stats,
+                                                           losses::StepDisplay* display);
   std::unique_ptr<Impl> impl_;
 };
 

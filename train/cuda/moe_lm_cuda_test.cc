@@ -19,6 +19,7 @@
 #include "gtest/gtest.h"
 #include "testing/gpu_test_util.h"
 #include "train/cuda/moe_lm_cuda.h"
+#include "train/data.h"
 #include "train/rank_main.h"
 #include "train/test_util.h"
 #include "train/trainer.h"
@@ -142,6 +143,61 @@ TEST(MoeLmCudaTest, CreateRejectsMissingOrMismatchedDeviceGroups) {
   absl::StatusOr<std::unique_ptr<MoeLm>> none = MoeLmCuda::Create(options, groups, {});
   EXPECT_EQ(none.status().code(), absl::StatusCode::kInvalidArgument) << none.status();
   EXPECT_NE(none.status().message().find("NCCL"), absl::string_view::npos);
+}
+
+TEST(MoeLmCudaTest, ProtocolAndInputErrorsAreStatuses) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  auto host = CreateThreadCommunicators(1);
+  ASSERT_TRUE(host.ok()) << host.status();
+  NcclBackendOptions nccl_options;
+  nccl_options.device = 0;
+  auto nccl = CreateNcclCommunicator(*(*host)[0], nccl_options);
+  ASSERT_TRUE(nccl.ok()) << nccl.status();
+  auto nccl_mesh = Mesh::Create(nccl->get(), 1);
+  ASSERT_TRUE(nccl_mesh.ok()) << nccl_mesh.status();
+  MoeLmOptions options;
+  options.model = TinyConfig(1, 1, 1, "fsdp").model();
+  const MoeLmGroups groups{(*host)[0].get(), (*host)[0].get(), (*host)[0].get()};
+  const MoeLmDeviceGroups dev{nccl->get(),
+                              dynamic_cast<NcclCommunicator*>(&(*nccl_mesh)->ep_group()),
+                              dynamic_cast<NcclCommunicator*>(&(*nccl_mesh)->edp_group())};
+  auto model = MoeLmCuda::Create(options, groups, dev);
+  ASSERT_TRUE(model.ok()) << model.status();
+  ASSERT_TRUE((*model)->SetFullParameters(MoeLm::InitialParameters(options.model, 1)).ok());
+
+  MicroBatch batch;
+  batch.batch = 1;
+  batch.seq_len = 4;
+  batch.tokens = {1, 2, 3, 4};
+  batch.labels = {2, 3, 4, kIgnoreIndex};
+  batch.mask = {1, 1, 1, 1};
+  losses::StepStats stats;
+  stats.num_micro_batches = 1;
+  stats.global_ce_weight_sum = 3;
+  stats.global_routed_tokens = 4;
+  // Before Unshard: the device holds no parameters yet.
+  EXPECT_EQ((*model)->ForwardBackward(batch, stats, nullptr).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE((*model)->Unshard().ok());
+  // A label outside [0, V) is named; a token too.
+  MicroBatch bad = batch;
+  bad.labels[1] = 1000;
+  absl::Status s = (*model)->ForwardBackward(bad, stats, nullptr).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("label 1000 at position 1"), absl::string_view::npos) << s;
+  bad = batch;
+  bad.tokens[2] = -5;
+  s = (*model)->ForwardBackward(bad, stats, nullptr).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("token -5 at position 2"), absl::string_view::npos) << s;
+  // The good batch runs; after the last micro-batch's reduction the parameters are stale
+  // until the next Unshard.
+  auto ok = (*model)->ForwardBackward(batch, stats, nullptr);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_GT(ok->ce, 0.0);
+  ASSERT_TRUE((*model)->ReduceGrads(/*last_micro_batch=*/true).ok());
+  EXPECT_EQ((*model)->ForwardBackward(batch, stats, nullptr).status().code(),
+            absl::StatusCode::kFailedPrecondition);
 }
 
 }  // namespace

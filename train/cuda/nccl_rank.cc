@@ -25,6 +25,17 @@ absl::StatusOr<int> LocalDeviceForRank(int world_rank) {
         "backend=nccl needs a CUDA device per rank; none is usable: ",
         err != cudaSuccess ? cudaGetErrorString(err) : "cudaGetDeviceCount returned 0"));
   }
+  // Ranks per node beyond the GPU count would put two NCCL ranks on one device, which
+  // NCCL refuses with an opaque error: say so here.
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"}) {
+    const char* v = std::getenv(var);
+    int local_size = 0;
+    if (v != nullptr && absl::SimpleAtoi(v, &local_size) && local_size > count) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "backend=nccl runs one rank per GPU: ", var, "=", local_size, " ranks on this node but ",
+          count, " visible CUDA device(s)"));
+    }
+  }
   int local = world_rank;
   for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}) {
     const char* v = std::getenv(var);
