@@ -64,6 +64,8 @@ std::string StepRecord::ToJson() const {
   j.Set("step_s", JsonValue::Double(step_seconds));
   j.Set("comm_s", JsonValue::Double(comm_seconds));
   j.Set("wait_s", JsonValue::Double(wait_seconds));
+  j.Set("model_s", JsonValue::Double(model_seconds));
+  j.Set("update_s", JsonValue::Double(update_seconds));
   j.Set("tokens_per_s", JsonValue::Double(tokens_per_second));
   return j.Serialize();
 }
@@ -227,15 +229,18 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   }
 
   std::vector<FlatParam*> groups = model_->groups();
+  const absl::Time model_start = absl::Now();
   for (int m = 0; m < G; ++m) {
     GRADSUM_RETURN_IF_ERROR(model_->ForwardBackward(batches[m], stats, &display_).status());
     GRADSUM_RETURN_IF_ERROR(model_->ReduceGrads(m == G - 1));
   }
+  const absl::Duration model_time = absl::Now() - model_start;
   if (need_full) {
     GRADSUM_ASSIGN_OR_RETURN(NamedParams grads, model_->GatherFull(/*grads=*/true));
     first_step_grads_ = std::move(grads);
   }
 
+  const absl::Time update_start = absl::Now();
   double grad_norm;
   if (config_.optim().grad_clip() > 0) {
     GRADSUM_ASSIGN_OR_RETURN(grad_norm,
@@ -254,6 +259,7 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   GRADSUM_RETURN_IF_ERROR(optimizer_->Step());
   for (FlatParam* g : groups) GRADSUM_RETURN_IF_ERROR(g->ZeroGrad());
   GRADSUM_RETURN_IF_ERROR(model_->Unshard());
+  const absl::Duration update_time = absl::Now() - update_start;
   GRADSUM_ASSIGN_OR_RETURN(losses::StepDisplayValues values, display_.Reduce(*comms_.world));
 
   // Waiting: how long this rank idles at the step's end for the slowest rank.
@@ -277,6 +283,8 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   r.step_seconds = absl::ToDoubleSeconds(absl::Now() - start);
   r.comm_seconds = absl::ToDoubleSeconds(comm);
   r.wait_seconds = absl::ToDoubleSeconds(wait);
+  r.model_seconds = absl::ToDoubleSeconds(model_time);
+  r.update_seconds = absl::ToDoubleSeconds(update_time);
   r.tokens_per_second = r.step_seconds > 0 ? r.routed_tokens / r.step_seconds : 0;
   r.maxvio = values.maxvio;
 

@@ -61,6 +61,10 @@ struct StepRecord {
   double grad_norm = 0;
   double lr = 0;
   double step_seconds = 0, comm_seconds = 0, wait_seconds = 0;
+  // Parts of step_seconds: every micro-batch's forward, backward and gradient reduction
+  // (model), and grad norm + clipping + AdamW + Unshard (update). On the nccl backend the
+  // model part is the GPU's; the update part runs on the host.
+  double model_seconds = 0, update_seconds = 0;
   double tokens_per_second = 0;  // routed tokens of the world per second
   std::vector<double> maxvio;    // per layer (§8)
   // The log line, and the JSONL record.

@@ -38,6 +38,13 @@ TEST(TrainerTest, ThreeHundredStepsReachTheEntropyFloor) {
   EXPECT_GT(h.front().ce, 2 * floor);  // it did have something to learn
   EXPECT_LT(tail, 1.10 * floor) << "floor " << floor;
   EXPECT_GT(tail, 0.9 * floor) << "below the floor: the labels would leak";
+  // The step's time split: model (forward, backward, reduction) and update are disjoint
+  // parts of the step.
+  for (const StepRecord& r : h) {
+    EXPECT_GT(r.model_seconds, 0);
+    EXPECT_GT(r.update_seconds, 0);
+    EXPECT_LE(r.model_seconds + r.update_seconds, r.step_seconds);
+  }
 }
 
 TEST(TrainerTest, DumpWritesTheNamedFiles) {
