@@ -17,6 +17,8 @@ mkdir -p "${OUT_DIR}"
 BUNDLE=gpu_checks
 BENCH_FLAGS=(--benchmark_min_time=0.2 --benchmark_out="${OUT_DIR}/gpu_bench.json"
              --benchmark_out_format=json --benchmark_counters_tabular=true)
+STEP_BENCH_FLAGS=(--benchmark_out="${OUT_DIR}/gpu_step_bench.json" --benchmark_out_format=json
+                  --benchmark_counters_tabular=true)
 # The gpu-tagged tests, from the BUILD files (Bazel modes only; `prebuilt` runs every
 # *_test binary in the bundle). The bundle holds the gtest binaries only: the sh_tests that
 # launch moe_lm under mpirun need Open MPI and one GPU per rank, so they run in the Bazel
@@ -58,6 +60,9 @@ run_with_bazel() {
   log "bench: gpu_bench"
   timeout 180 bazel-bin/bench/gpu_bench "${BENCH_FLAGS[@]}" > "${OUT_DIR}/gpu_bench.txt" 2>&1 || rc=1
   cat "${OUT_DIR}/gpu_bench.txt"
+  log "bench: gpu_step_bench"
+  timeout 150 bazel-bin/bench/gpu_step_bench "${STEP_BENCH_FLAGS[@]}" > "${OUT_DIR}/gpu_step_bench.txt" 2>&1 || rc=1
+  cat "${OUT_DIR}/gpu_step_bench.txt"
   run_moe_lm_nccl bazel-bin/train/moe_lm || rc=1
   return ${rc}
 }
@@ -67,9 +72,10 @@ package_bundle() {
   [[ -n "${bz}" ]] || { echo "package needs Bazel" >&2; return 1; }
   local tests; tests=($(gpu_gtests "${bz}"))
   [[ ${#tests[@]} -gt 0 ]] || { echo "bazel query found no gpu tests" >&2; return 1; }
-  "${bz}" build -c opt --config=cuda "${tests[@]}" //bench:gpu_bench //train:moe_lm || return 1
+  "${bz}" build -c opt --config=cuda "${tests[@]}" //bench:gpu_bench //bench:gpu_step_bench \
+      //train:moe_lm || return 1
   rm -rf "${BUNDLE}"; mkdir -p "${BUNDLE}/bin" "${BUNDLE}/lib"
-  local bins=(bazel-bin/bench/gpu_bench bazel-bin/train/moe_lm)
+  local bins=(bazel-bin/bench/gpu_bench bazel-bin/bench/gpu_step_bench bazel-bin/train/moe_lm)
   for t in "${tests[@]}"; do local p="${t#//}"; bins+=("bazel-bin/${p/://}"); done
   for b in "${bins[@]}"; do
     cp -L "${b}" "${BUNDLE}/bin/"
@@ -97,8 +103,9 @@ cuda_lib_path() {
   local IFS=:; echo "${dirs[*]}"
 }
 
-# The training binary on one GPU (world 1 needs no MPI launcher; NCCL world of 1): step 1's parity check
-# at the CI config, then the default model for throughput. Logs go to $OUT.
+# The training binary on one GPU (world 1 needs no MPI launcher; NCCL world of 1): step 1's
+# parity check at the CI config, then 100 steps of the default model (convergence). The
+# step's speed against the CPU is gpu_step_bench's. Logs go to $OUT.
 run_moe_lm_nccl() {
   local bin="$1" rc=0
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -107,13 +114,10 @@ run_moe_lm_nccl() {
       --expert_dim=8 --experts=4 --seq_len=32 --max_doc_len=24 --micro_batch=2 \
       --alpha_b=0.01 --alpha_z=0.01 --parity_check > "${OUT_DIR}/moe_lm_nccl_parity.log" 2>&1 || rc=1
   log "$(grep -E 'parity (PASSED|FAILED)' "${OUT_DIR}/moe_lm_nccl_parity.log" || tail -3 "${OUT_DIR}/moe_lm_nccl_parity.log")"
-  local backend
-  for backend in nccl thread; do
-    log "moe_lm --backend=${backend} --world=1, default model, 100 steps"
-    timeout 150 "${bin}" --backend="${backend}" --world=1 --ep=1 --steps=100 \
-        > "${OUT_DIR}/moe_lm_${backend}_default.log" 2>&1 || rc=1
-    log "$(tail -2 "${OUT_DIR}/moe_lm_${backend}_default.log" | tr '\n' ' ')"
-  done
+  log "moe_lm --backend=nccl --world=1, default model, 100 steps"
+  timeout 150 "${bin}" --backend=nccl --world=1 --ep=1 --steps=100 \
+      > "${OUT_DIR}/moe_lm_nccl_default.log" 2>&1 || rc=1
+  log "$(tail -2 "${OUT_DIR}/moe_lm_nccl_default.log" | tr '\n' ' ')"
   return ${rc}
 }
 
@@ -133,6 +137,9 @@ run_prebuilt() {
   log "bench: gpu_bench"
   timeout 180 "${BUNDLE}/bin/gpu_bench" "${BENCH_FLAGS[@]}" > "${OUT_DIR}/gpu_bench.txt" 2>&1 || rc=1
   cat "${OUT_DIR}/gpu_bench.txt"
+  log "bench: gpu_step_bench"
+  timeout 150 "${BUNDLE}/bin/gpu_step_bench" "${STEP_BENCH_FLAGS[@]}" > "${OUT_DIR}/gpu_step_bench.txt" 2>&1 || rc=1
+  cat "${OUT_DIR}/gpu_step_bench.txt"
   run_moe_lm_nccl "${BUNDLE}/bin/moe_lm" || rc=1
   return ${rc}
 }

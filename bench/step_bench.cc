@@ -16,6 +16,7 @@
 #include "Eigen/Core"
 #include "absl/time/clock.h"
 #include "benchmark/benchmark.h"
+#include "bench/moe_lm_flops.h"
 #include "collectives/thread_backend.h"
 #include "train/config.pb.h"
 #include "train/rank_main.h"
@@ -26,13 +27,6 @@ namespace {
 
 constexpr int kWarmupSteps = 3;
 constexpr int kTimedSteps = 10;
-
-// Forward + backward FLOPs per routed token (matmuls only; backward = 2x forward).
-double FlopsPerToken(const train::ModelConfig& m) {
-  const double d = m.dim(), h = m.expert_dim(), e = m.experts(), v = m.vocab();
-  const double forward = m.layers() * (m.top_k() * 6 * d * h + 2 * d * e) + 2 * d * v;
-  return 3 * forward;
-}
 
 void BM_TrainStep(benchmark::State& state) {
   const int world = static_cast<int>(state.range(0));
@@ -88,7 +82,7 @@ void BM_TrainStep(benchmark::State& state) {
       tokens += rec.routed_tokens;
     }
   }
-  const double flops = FlopsPerToken(config.model());
+  const double flops = MoeLmFlopsPerToken(config.model());
   state.counters["tokens_per_s"] = tokens / step_s;
   state.counters["GFLOP_per_s"] = tokens * flops / step_s / 1e9;
   state.counters["compute_pct"] = 100 * (step_s - comm_s - wait_s) / step_s;

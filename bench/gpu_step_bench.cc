@@ -1,0 +1,126 @@
+// The moe_lm training step on one GPU (`--backend=nccl`, train/cuda/moe_lm_cuda.h) beside
+// the same step on the CPU (`--backend=thread`, every core), in one run: tokens/s, GFLOP/s
+// (bench/moe_lm_flops.h: the matmul FLOPs of a token, the physical yardstick) and the
+// step's split into model time (forward, backward and gradient reduction: the GPU's part on
+// the nccl backend) and update time (grad norm, clipping, AdamW and the parameter upload:
+// the host's part). World 1, so no peer: this is the single-device step, not scaling.
+//
+//   ./bazelw run -c opt --config=cuda //bench:gpu_step_bench
+//
+// Sizes: the binary's defaults (D = H = 128, 1024 tokens per micro-batch) and a wider model
+// (D = 512, H = 1024, 4096 tokens per micro-batch, 25M expert parameters) where the GPU has
+// work to do. Each benchmark iteration builds the trainer (untimed), runs 2 warm-up steps
+// and times 5; the reported time is per step. Without a usable GPU the binary prints why and
+// exits with status 77 (skipped).
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "bench/moe_lm_flops.h"
+#include "benchmark/benchmark.h"
+#include "collectives/mesh.h"
+#include "collectives/nccl_backend.h"
+#include "collectives/thread_backend.h"
+#include "core/cuda/cuda_status.h"
+#include "train/config.pb.h"
+#include "train/cuda/moe_lm_cuda.h"
+#include "train/rank_main.h"
+#include "train/trainer.h"
+
+namespace gradsum::bench {
+namespace {
+
+constexpr int kWarmupSteps = 2;
+constexpr int kTimedSteps = 5;
+
+train::TrainConfig StepConfig(bool wide) {
+  train::TrainConfig config;  // the binary's defaults
+  config.set_world(1);
+  config.set_ep(1);
+  config.set_steps(1 << 30);
+  if (wide) {
+    config.mutable_model()->set_dim(512);
+    config.mutable_model()->set_expert_dim(1024);
+    config.mutable_data()->set_seq_len(512);
+    config.mutable_data()->set_max_doc_len(384);
+  }
+  return config;
+}
+
+void BM_MoeLmStep(benchmark::State& state) {
+  const bool gpu = state.range(0) == 1;
+  const train::TrainConfig config = StepConfig(state.range(1) == 1);
+  double step_s = 0, model_s = 0, update_s = 0, tokens = 0;
+  for (auto _ : state) {
+    auto host = CreateThreadCommunicators(1);
+    if (!host.ok()) return state.SkipWithError(host.status().ToString().c_str());
+    absl::StatusOr<train::RankMesh> mesh = train::MakeRankMesh((*host)[0].get(), 1);
+    if (!mesh.ok()) return state.SkipWithError(mesh.status().ToString().c_str());
+    train::RankComms comms = mesh->comms();
+    std::unique_ptr<NcclCommunicator> nccl;
+    std::unique_ptr<Mesh> nccl_mesh;
+    if (gpu) {
+      NcclBackendOptions options;
+      options.device = 0;
+      auto n = CreateNcclCommunicator(*(*host)[0], options);
+      if (!n.ok()) return state.SkipWithError(n.status().ToString().c_str());
+      nccl = std::move(*n);
+      auto m = Mesh::Create(nccl.get(), 1);
+      if (!m.ok()) return state.SkipWithError(m.status().ToString().c_str());
+      nccl_mesh = std::move(*m);
+      const train::MoeLmDeviceGroups dev{
+          nccl.get(), dynamic_cast<NcclCommunicator*>(&nccl_mesh->ep_group()),
+          dynamic_cast<NcclCommunicator*>(&nccl_mesh->edp_group())};
+      comms.make_model = [dev](const train::MoeLmOptions& o, const train::MoeLmGroups& g) {
+        return train::MoeLmCuda::Create(o, g, dev);
+      };
+    }
+    auto trainer = train::Trainer::Create(config, comms);
+    if (!trainer.ok()) return state.SkipWithError(trainer.status().ToString().c_str());
+    for (int i = 0; i < kWarmupSteps; ++i) {
+      if (auto s = (*trainer)->Step(); !s.ok()) return state.SkipWithError(s.status().ToString().c_str());
+    }
+    const absl::Time start = absl::Now();
+    for (int i = 0; i < kTimedSteps; ++i) {
+      auto r = (*trainer)->Step();
+      if (!r.ok()) return state.SkipWithError(r.status().ToString().c_str());
+      step_s += r->step_seconds;
+      model_s += r->model_seconds;
+      update_s += r->update_seconds;
+      tokens += r->routed_tokens;
+    }
+    state.SetIterationTime(absl::ToDoubleSeconds(absl::Now() - start) / kTimedSteps);
+  }
+  state.counters["tokens_per_s"] = tokens / step_s;
+  state.counters["GFLOP_per_s"] = tokens * MoeLmFlopsPerToken(config.model()) / step_s / 1e9;
+  state.counters["model_pct"] = 100 * model_s / step_s;
+  state.counters["update_pct"] = 100 * update_s / step_s;
+}
+BENCHMARK(BM_MoeLmStep)
+    ->ArgNames({"gpu", "wide"})
+    ->Args({0, 0})
+    ->Args({1, 0})
+    ->Args({0, 1})
+    ->Args({1, 1})
+    ->Iterations(1)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+
+}  // namespace
+}  // namespace gradsum::bench
+
+int main(int argc, char** argv) {
+  const absl::Status device = gradsum::cuda::RequireCudaDevice();
+  if (!device.ok()) {
+    std::fprintf(stderr, "gpu_step_bench: skipped, nothing measured: %s\n",
+                 std::string(device.message()).c_str());
+    return 77;
+  }
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
