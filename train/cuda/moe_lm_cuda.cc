@@ -15,6 +15,7 @@
 #include "core/status.h"
 #include "losses/cuda/cross_entropy_cuda.h"
 #include "moe/cuda/experts_cuda.h"
+#include "moe/ep_exchange.h"
 #include "moe/cuda/layers_cuda.h"
 #include "moe/cuda/permute_cuda.h"
 #include "moe/cuda/router_cuda.h"
@@ -61,15 +62,6 @@ struct DeviceGroup {
   float* grad_ptr(int index) const { return grad.as<float>() + host->entries()[index].offset; }
 };
 
-// The EP exchange of one layer and micro-batch: row counts per peer (send side ordered by
-// expert, receive side by source then local expert).
-struct Exchange {
-  std::vector<size_t> send_counts, send_offsets, recv_counts, recv_offsets;  // elements
-  std::vector<std::vector<int64_t>> source_offsets;  // per source: E_l + 1 row prefix sums
-  std::vector<int64_t> source_first_row;              // per source: first received row
-  int64_t recv_rows = 0;
-};
-
 // Per-layer activations kept from forward for backward.
 struct LayerBuffers {
   DeviceBuffer h_in, a, rstd;                          // [T, D], [T, D], [T]
@@ -78,7 +70,7 @@ struct LayerBuffers {
   DeviceBuffer offsets, permuted_copy, copy_position;  // [E + 1], [T K], [T K] i64
   DeviceBuffer recv, gate, up, hidden;                 // [R, D], [R, H] x 3
   DeviceBuffer back;                                   // [T K, D] expert outputs, send order
-  Exchange exchange;
+  moe::EpExchangePlan exchange;  // send side by expert, receive side by source then expert
   moe::PermutePlanCudaArgs plan;
 };
 
@@ -428,21 +420,8 @@ absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackwardOnDevice(
     GRADSUM_RETURN_IF_ERROR(comm().ep_group->AllToAllV(my_counts.data(), blocks, block_offsets,
                                                        their_counts.data(), blocks, block_offsets,
                                                        DType::kI64));
-    Exchange& x = lb.exchange;
-    x = Exchange();
-    x.source_offsets.assign(P, std::vector<int64_t>(El + 1, 0));
-    for (int p = 0; p < P; ++p) {
-      const int64_t send_rows = offsets[(p + 1) * El] - offsets[p * El];
-      x.send_counts.push_back(send_rows * D);
-      x.send_offsets.push_back(offsets[p * El] * D);
-      x.source_first_row.push_back(x.recv_rows);
-      for (int j = 0; j < El; ++j) {
-        x.source_offsets[p][j + 1] = x.source_offsets[p][j] + their_counts[p * El + j];
-      }
-      x.recv_counts.push_back(x.source_offsets[p][El] * D);
-      x.recv_offsets.push_back(x.recv_rows * D);
-      x.recv_rows += x.source_offsets[p][El];
-    }
+    GRADSUM_ASSIGN_OR_RETURN(lb.exchange, moe::PlanEpExchange(offsets, their_counts, P, D));
+    const moe::EpExchangePlan& x = lb.exchange;
     const int64_t R = x.recv_rows;
     GRADSUM_RETURN_IF_ERROR(Reserve(&lb.recv, R * D * sizeof(float)));
     for (DeviceBuffer* b : {&lb.gate, &lb.up, &lb.hidden}) {
@@ -514,7 +493,7 @@ absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackwardOnDevice(
   for (int l = L - 1; l >= 0; --l) {
     LayerBuffers& lb = im.layers[l];
     DeviceGroup& ex = im.groups[1 + l];
-    const Exchange& x = lb.exchange;
+    const moe::EpExchangePlan& x = lb.exchange;
     moe::RouterAuxCudaArgs aux;
     aux.probs = lb.probs.as<float>();
     aux.logsumexp = lb.lse.as<float>();
