@@ -3,152 +3,34 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <limits>
 #include <vector>
-
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "core/dtype.h"
 #include "losses/cross_entropy_kernel.h"
+#include "losses/cross_entropy_rows.h"
 #include "losses/parallel.h"
 
 namespace gradsum::losses {
 namespace {
 
-constexpr int kLanes = 8;                // independent accumulators (two SSE vectors)
-constexpr int64_t kTile = 1024;          // floats per tile: 4 KiB, stays in L1 between max and sum
-constexpr float kExpUnderflow = -86.0f;  // exp(x) < 4.5e-38 below this: returned as 0
-
-// exp(x) in fp32 without a libm call, so the row loops vectorise. Cody-Waite range
-// reduction x = n ln2 + r, |r| <= ln2/2, and Cephes' degree-6 polynomial for exp(r):
-// about 2 ulp over [-86, 88]. Below -86 it returns exactly 0 (so exp(-inf) == 0).
-// NaN in gives NaN out (the caller detects NaN rows through the row sum).
-inline float FastExp(float x) {
-  const float xc = x < kExpUnderflow ? kExpUnderflow : (x > 88.0f ? 88.0f : x);
-  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float t = xc * 1.44269504088896341f + kRound;
-  const float fn = t - kRound;
-  uint32_t t_bits;
-  std::memcpy(&t_bits, &t, sizeof(t_bits));
-  const uint32_t n_shifted = (t_bits - 0x4B400000u) << 23;  // n * 2^23, two's complement
-  float r = xc - fn * 0.693359375f;
-  r = r - fn * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  uint32_t y_bits;
-  std::memcpy(&y_bits, &y, sizeof(y_bits));
-  y_bits += n_shifted;
-  float e;
-  std::memcpy(&e, &y_bits, sizeof(e));
-  return x < kExpUnderflow ? 0.0f : e;
-}
-
-// Round-to-nearest-even fp32 -> bf16 bits for finite values (the rows written here are
-// checked finite), branch-free so the store loop vectorises. Matches BF16::FromFloat.
-inline uint16_t ToBF16Bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-inline float BF16BitsToFloat(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-// Per-row outcome, kept per row so the first bad row is reported whatever the threading.
-enum RowCode : uint8_t { kRowOk = 0, kRowNaN, kRowPosInf, kRowAllNegInf, kRowTargetNegInf };
+using internal::kCeTile;
+using internal::kRowOk;
+using internal::RowScratchView;
 
 const char* RowCodeText(uint8_t code) {
   switch (code) {
-    case kRowNaN: return "contains NaN (the loss would be NaN)";
-    case kRowPosInf: return "contains +inf (the loss would be NaN)";
-    case kRowAllNegInf: return "is all -inf (the loss would be NaN)";
-    case kRowTargetNegInf: return "has a -inf target logit (the loss would be infinite)";
+    case internal::kRowNaN: return "contains NaN (the loss would be NaN)";
+    case internal::kRowPosInf: return "contains +inf (the loss would be NaN)";
+    case internal::kRowAllNegInf: return "is all -inf (the loss would be NaN)";
+    case internal::kRowTargetNegInf: return "has a -inf target logit (the loss would be infinite)";
     default: return "is fine";
   }
-}
-
-// Loads a tile of `len` elements as fp32: f32 rows are used in place, bf16 rows widened
-// into `buf`.
-template <typename T>
-inline const float* LoadTile(const T* x, int64_t len, float* buf);
-template <>
-inline const float* LoadTile<float>(const float* x, int64_t /*len*/, float* /*buf*/) {
-  return x;
-}
-template <>
-inline const float* LoadTile<uint16_t>(const uint16_t* x, int64_t len, float* buf) {
-  for (int64_t i = 0; i < len; ++i) buf[i] = BF16BitsToFloat(x[i]);
-  return buf;
-}
-
-template <typename T>
-inline float ToFloat(T v);
-template <>
-inline float ToFloat<float>(float v) {
-  return v;
-}
-template <>
-inline float ToFloat<uint16_t>(uint16_t v) {
-  return BF16BitsToFloat(v);
-}
-
-// Gradient stores. (Non-temporal stores were tried here: no measurable change on this
-// machine, where the kernel is bound by the exp throughput of SSE2, so they are not used.)
-template <typename T>
-inline void StoreTile(const float* g, int64_t len, T* out);
-template <>
-inline void StoreTile<float>(const float* g, int64_t len, float* out) {
-  std::memcpy(out, g, static_cast<size_t>(len) * sizeof(float));
-}
-template <>
-inline void StoreTile<uint16_t>(const float* g, int64_t len, uint16_t* out) {
-  for (int64_t i = 0; i < len; ++i) out[i] = ToBF16Bits(g[i]);
-}
-
-template <typename T>
-inline void StoreOne(float g, T* out);
-template <>
-inline void StoreOne<float>(float g, float* out) {
-  *out = g;
-}
-template <>
-inline void StoreOne<uint16_t>(float g, uint16_t* out) {
-  *out = ToBF16Bits(g);
-}
-
-// Max of x[0, body), body a multiple of kLanes; NaN entries are skipped (a NaN row is
-// caught through its exp sum instead). SSE2 (every x86-64) because GCC will not vectorise
-// a float max without -ffinite-math-only; a portable loop elsewhere.
-inline float TileMax(const float* x, int64_t body) {
-#if defined(__SSE2__)
-  __m128 m0 = _mm_set1_ps(-std::numeric_limits<float>::infinity());
-  __m128 m1 = m0;
-  for (int64_t i = 0; i < body; i += 8) {
-    m0 = _mm_max_ps(_mm_loadu_ps(x + i), m0);  // NaN in the first operand keeps m0
-    m1 = _mm_max_ps(_mm_loadu_ps(x + i + 4), m1);
-  }
-  float lanes[4];
-  _mm_storeu_ps(lanes, _mm_max_ps(m0, m1));
-  return std::max(std::max(lanes[0], lanes[1]), std::max(lanes[2], lanes[3]));
-#else
-  float m = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < body; ++i) m = x[i] > m ? x[i] : m;
-  return m;
-#endif
 }
 
 // Scratch for one row, reused by each thread: the row's exp values and each tile's
@@ -158,82 +40,17 @@ struct RowScratch {
   std::vector<float> tile_ref;
 };
 
-// The only read of the row from memory: logsumexp with an online max. Per tile (in L1):
-// the tile's max; if it grew, rescale the running sum once; then add exp(x - running max).
-// If `scratch` is given, the exp values are kept there (with the max they are relative
-// to), so the gradient needs no second exp and no second read of the logits.
-// Returns a RowCode; on success logsumexp(row) = *row_max + *log_sum (kept apart so that
-// large logits lose nothing).
+// The selected build's row function for T.
 template <typename T>
-uint8_t RowLogSumExp(const T* row, int64_t vocab, float* row_max, double* log_sum,
-                     RowScratch* scratch) {
-  float buf[kTile];
-  float running_max = -std::numeric_limits<float>::infinity();
-  double running_sum = 0.0;
-  for (int64_t start = 0, tile = 0; start < vocab; start += kTile, ++tile) {
-    const int64_t len = std::min(kTile, vocab - start);
-    const float* x = LoadTile<T>(row + start, len, buf);
-    const int64_t body = len - len % kLanes;
-    float tile_max = TileMax(x, body);
-    for (int64_t i = body; i < len; ++i) tile_max = x[i] > tile_max ? x[i] : tile_max;
-    if (tile_max == std::numeric_limits<float>::infinity()) return kRowPosInf;
-    if (tile_max > running_max) {
-      running_sum *= std::exp(static_cast<double>(running_max) - static_cast<double>(tile_max));
-      running_max = tile_max;
-    }
-    if (scratch != nullptr) scratch->tile_ref[tile] = running_max;
-    if (running_max == -std::numeric_limits<float>::infinity()) {
-      // Everything so far is -inf or NaN: x - max would be NaN, so look for NaN directly.
-      for (int64_t i = 0; i < len; ++i) {
-        if (std::isnan(x[i])) return kRowNaN;
-      }
-      if (scratch != nullptr) {
-        std::fill(scratch->exps.begin() + start, scratch->exps.begin() + start + len, 0.0f);
-      }
-      continue;
-    }
-    float* e = scratch != nullptr ? scratch->exps.data() + start : buf;  // buf: overwrite in place
-    for (int64_t i = 0; i < len; ++i) e[i] = FastExp(x[i] - running_max);
-    float lane_sum[kLanes] = {};
-    for (int64_t i = 0; i < body; i += kLanes) {
-      for (int k = 0; k < kLanes; ++k) lane_sum[k] += e[i + k];
-    }
-    float tile_sum = 0.0f;
-    for (int k = 0; k < kLanes; ++k) tile_sum += lane_sum[k];
-    for (int64_t i = body; i < len; ++i) tile_sum += e[i];
-    running_sum += static_cast<double>(tile_sum);  // NaN anywhere in the row lands here
-  }
-  if (std::isnan(running_sum)) return kRowNaN;
-  if (running_max == -std::numeric_limits<float>::infinity()) return kRowAllNegInf;
-  *row_max = running_max;
-  *log_sum = std::log(running_sum);
-  return kRowOk;
-}
-
-// Writes the gradient from the kept exp values: softmax_j = exp(x_j - ref_tile) *
-// exp(ref_tile - lse), the second factor once per tile; then the target's scale * (p_y - 1).
-// The logits are not read again, so `grad` may alias them.
-template <typename T>
-void RowGradient(const RowScratch& scratch, T* grad, int64_t vocab, int64_t label,
-                 float target_logit, float row_max, double log_sum, float scale) {
-  float out_buf[kTile];
-  const double lse = static_cast<double>(row_max) + log_sum;
-  for (int64_t start = 0, tile = 0; start < vocab; start += kTile, ++tile) {
-    const int64_t len = std::min(kTile, vocab - start);
-    const float ref = scratch.tile_ref[tile];
-    const float factor =
-        ref == -std::numeric_limits<float>::infinity()
-            ? 0.0f
-            : static_cast<float>(static_cast<double>(scale) *
-                                 std::exp((static_cast<double>(ref) - row_max) - log_sum));
-    const float* e = scratch.exps.data() + start;
-    for (int64_t i = 0; i < len; ++i) out_buf[i] = factor * e[i];
-    StoreTile<T>(out_buf, len, grad + start);
-  }
-  // d/dz_y: scale * (p_y - 1), computed directly rather than as a difference of stores.
-  const float p_target = static_cast<float>(std::exp(static_cast<double>(target_logit) - lse));
-  StoreOne<T>(scale * (p_target - 1.0f), grad + label);
-}
+struct RowFn;
+template <>
+struct RowFn<float> {
+  static internal::CeRowF32Fn Get() { return internal::SelectedCeRowKernels().f32; }
+};
+template <>
+struct RowFn<uint16_t> {
+  static internal::CeRowBf16Fn Get() { return internal::SelectedCeRowKernels().bf16; }
+};
 
 inline float RowWeight(absl::Span<const int64_t> labels, absl::Span<const float> weights,
                        int64_t row, int64_t ignore_index) {
@@ -249,6 +66,7 @@ absl::StatusOr<CrossEntropyResult> RunKernel(const T* logits, T* grad, int64_t r
                                              int64_t row_offset) {
   std::vector<double> row_loss(static_cast<size_t>(rows), 0.0);
   std::vector<uint8_t> row_code(static_cast<size_t>(rows), kRowOk);
+  const auto ce_row = RowFn<T>::Get();
   // ~64K elements per task: enough tasks to balance two threads, few enough to be cheap.
   const int64_t rows_per_block = std::clamp<int64_t>(65536 / vocab, 1, 1024);
   const int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
@@ -257,8 +75,9 @@ absl::StatusOr<CrossEntropyResult> RunKernel(const T* logits, T* grad, int64_t r
     thread_local RowScratch scratch;
     if (grad != nullptr && static_cast<int64_t>(scratch.exps.size()) < vocab) {
       scratch.exps.resize(static_cast<size_t>(vocab));
-      scratch.tile_ref.resize(static_cast<size_t>((vocab + kTile - 1) / kTile));
+      scratch.tile_ref.resize(static_cast<size_t>((vocab + kCeTile - 1) / kCeTile));
     }
+    const RowScratchView view{scratch.exps.data(), scratch.tile_ref.data()};
     const int64_t end = std::min(rows, (block + 1) * rows_per_block);
     for (int64_t r = block * rows_per_block; r < end; ++r) {
       const T* row = logits + r * vocab;
@@ -268,27 +87,7 @@ absl::StatusOr<CrossEntropyResult> RunKernel(const T* logits, T* grad, int64_t r
         if (grad_row != nullptr) std::memset(grad_row, 0, static_cast<size_t>(vocab) * sizeof(T));
         continue;
       }
-      const int64_t label = labels[r];
-      const float target_logit = ToFloat<T>(row[label]);
-      float row_max = 0.0f;
-      double log_sum = 0.0;
-      const uint8_t code =
-          RowLogSumExp<T>(row, vocab, &row_max, &log_sum, grad_row == nullptr ? nullptr : &scratch);
-      if (code != kRowOk) {
-        row_code[r] = code;
-        continue;
-      }
-      if (target_logit == -std::numeric_limits<float>::infinity()) {
-        row_code[r] = kRowTargetNegInf;
-        continue;
-      }
-      // CE = (max - z_y) + log_sum: the difference first, so large logits lose nothing.
-      row_loss[r] = static_cast<double>(w) *
-                    ((static_cast<double>(row_max) - static_cast<double>(target_logit)) + log_sum);
-      if (grad_row != nullptr) {
-        const float scale = static_cast<float>(static_cast<double>(w) / d);
-        RowGradient<T>(scratch, grad_row, vocab, label, target_logit, row_max, log_sum, scale);
-      }
+      row_code[r] = ce_row(row, grad_row, vocab, labels[r], w, d, &view, &row_loss[r]);
     }
   });
 
@@ -356,6 +155,21 @@ absl::StatusOr<CrossEntropyResult> ForwardBackward(const TensorView& logits,
 }  // namespace
 
 namespace internal {
+
+const CeRowKernels& SelectedCeRowKernels() {
+  static const CeRowKernels kernels = [] {
+    const char* forced = std::getenv("GRADSUM_CE_ISA");
+    const bool generic_only = forced != nullptr && std::string(forced) == "generic";
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    if (!generic_only && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+      return rows_avx2::Kernels();
+    }
+#endif
+    (void)generic_only;
+    return rows_generic::Kernels();
+  }();
+  return kernels;
+}
 
 absl::Status CheckCrossEntropyArgs(int64_t rows, int64_t vocab, absl::Span<const int64_t> labels,
                                    absl::Span<const float> token_weights, double global_weight_sum,
