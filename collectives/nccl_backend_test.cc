@@ -52,6 +52,8 @@ class DeviceBuffer {
   }
   explicit DeviceBuffer(const Bytes& host) : DeviceBuffer(host.size()) {
     EXPECT_EQ(cudaMemcpy(ptr_, host.data(), host.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    // The DMA from pageable memory may still be in flight; NCCL's stream is non-blocking.
+    EXPECT_EQ(cudaStreamSynchronize(cudaStreamLegacy), cudaSuccess);
   }
   ~DeviceBuffer() { cudaFree(ptr_); }
   void* get() const { return ptr_; }

@@ -5,12 +5,11 @@
 
 namespace gradsum::moe {
 
-absl::StatusOr<EpExchangePlan> PlanEpExchange(absl::Span<const int64_t> expert_offsets,
-                                              absl::Span<const int64_t> peer_counts, int ep_size,
-                                              int64_t width) {
-  const int P = ep_size;
+namespace {
+
+// E + 1 non-decreasing offsets from 0 with E % P == 0; returns E / P.
+absl::StatusOr<int> CheckOffsets(absl::Span<const int64_t> expert_offsets, int P) {
   if (P < 1) return absl::InvalidArgumentError(absl::StrCat("ep_size = ", P, " < 1"));
-  if (width < 0) return absl::InvalidArgumentError(absl::StrCat("width = ", width, " < 0"));
   if (expert_offsets.size() < 2) {
     return absl::InvalidArgumentError(absl::StrCat("expert_offsets has ", expert_offsets.size(),
                                                    " entries; need E + 1 >= 2"));
@@ -32,6 +31,19 @@ absl::StatusOr<EpExchangePlan> PlanEpExchange(absl::Span<const int64_t> expert_o
                                                      expert_offsets[e + 1]));
     }
   }
+  return El;
+}
+
+}  // namespace
+
+absl::StatusOr<EpExchangePlan> PlanEpExchange(absl::Span<const int64_t> expert_offsets,
+                                              absl::Span<const int64_t> peer_counts, int ep_size,
+                                              int64_t width) {
+  const int P = ep_size;
+  if (width < 0) return absl::InvalidArgumentError(absl::StrCat("width = ", width, " < 0"));
+  absl::StatusOr<int> El_or = CheckOffsets(expert_offsets, P);
+  if (!El_or.ok()) return El_or.status();
+  const int El = *El_or;
   if (static_cast<int64_t>(peer_counts.size()) != int64_t{P} * El) {
     return absl::InvalidArgumentError(absl::StrCat("peer_counts has ", peer_counts.size(),
                                                    " entries, expected ep_size * E / ep_size = ",
@@ -59,6 +71,24 @@ absl::StatusOr<EpExchangePlan> PlanEpExchange(absl::Span<const int64_t> expert_o
     x.recv_rows += x.source_offsets[p][El];
   }
   return x;
+}
+
+absl::StatusOr<std::vector<int64_t>> ExchangeExpertCounts(Communicator& ep_group,
+                                                          absl::Span<const int64_t> expert_offsets) {
+  const int P = ep_group.size();
+  absl::StatusOr<int> El_or = CheckOffsets(expert_offsets, P);
+  if (!El_or.ok()) return El_or.status();
+  const int El = *El_or;
+  const int E = P * El;
+  std::vector<int64_t> mine(E), theirs(E);
+  for (int e = 0; e < E; ++e) mine[e] = expert_offsets[e + 1] - expert_offsets[e];
+  // Block p of `mine` (p's experts) goes to p; block p of `theirs` comes from p.
+  std::vector<size_t> counts(P, static_cast<size_t>(El)), offsets(P);
+  for (int p = 0; p < P; ++p) offsets[p] = static_cast<size_t>(p) * El;
+  absl::Status s =
+      ep_group.AllToAllV(mine.data(), counts, offsets, theirs.data(), counts, offsets, DType::kI64);
+  if (!s.ok()) return s;
+  return theirs;
 }
 
 }  // namespace gradsum::moe

@@ -12,7 +12,8 @@
 // them local expert j's rows at [source_offsets[p][j], source_offsets[p][j+1]) (relative).
 // The reverse exchange (expert outputs home, or input gradients home) swaps the two sides.
 //
-//   // peer_counts[p * El + j]: rows source p sends to my local expert j (exchanged first)
+//   GRADSUM_ASSIGN_OR_RETURN(std::vector<int64_t> peer_counts,
+//                            ExchangeExpertCounts(host_ep_group, offsets));
 //   GRADSUM_ASSIGN_OR_RETURN(EpExchangePlan plan, PlanEpExchange(offsets, peer_counts, P, D));
 //   comm.AllToAllV(send, plan.send_counts, plan.send_offsets, recv, plan.recv_counts,
 //                  plan.recv_offsets, DType::kF32);
@@ -23,6 +24,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "collectives/communicator.h"
 
 namespace gradsum::moe {
 
@@ -41,6 +43,15 @@ struct EpExchangePlan {
 absl::StatusOr<EpExchangePlan> PlanEpExchange(absl::Span<const int64_t> expert_offsets,
                                               absl::Span<const int64_t> peer_counts, int ep_size,
                                               int64_t width);
+
+// The count exchange that precedes the rows': sends every EP rank p the row counts of its
+// experts [p*El, (p+1)*El) (from `expert_offsets`, E + 1 entries as above) and returns
+// peer_counts for PlanEpExchange: P * El entries, [p * El + j] = rows source p sends to my
+// local expert j. Collective over `ep_group` (host buffers: the mpi or thread backend).
+// InvalidArgument for offsets that are not E + 1 non-decreasing values from 0 with
+// E % P == 0 (before any communication); the communicator's errors otherwise.
+absl::StatusOr<std::vector<int64_t>> ExchangeExpertCounts(Communicator& ep_group,
+                                                          absl::Span<const int64_t> expert_offsets);
 
 }  // namespace gradsum::moe
 

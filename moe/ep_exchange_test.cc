@@ -6,7 +6,9 @@
 #include <tuple>
 #include <vector>
 
+#include "collectives/thread_backend.h"
 #include "gtest/gtest.h"
+#include "testing/run_ranks.h"
 
 namespace gradsum::moe {
 namespace {
@@ -115,6 +117,39 @@ TEST(EpExchangeTest, EveryRoutedCopyReachesItsExpertGroupedBySourceAndComesBack)
       for (int p = 0; p < P; ++p) EXPECT_EQ(back[p], send[p]) << "P " << P << " rank " << p;
     }
   }
+}
+
+// The count exchange over a real communicator (thread backend) delivers exactly what the
+// plan expects: peer_counts[p * El + j] = rows rank p routes to my local expert j.
+TEST(EpExchangeTest, ExchangeExpertCountsDeliversEachSourcesCountsForMyExperts) {
+  for (int P : {1, 2, 3, 4}) {
+    const int El = 2, E = P * El;
+    std::mt19937 gen(11 + P);
+    std::vector<SimRank> ranks;
+    for (int r = 0; r < P; ++r) ranks.push_back(Route(r, 4 + 5 * r, 2, E, gen));
+    std::vector<std::vector<int64_t>> got(P);
+    absl::Status s = testing::RunRanks(P, [&](Communicator& comm) -> absl::Status {
+      auto peer = ExchangeExpertCounts(comm, ranks[comm.rank()].offsets);
+      if (!peer.ok()) return peer.status();
+      got[comm.rank()] = *peer;
+      return absl::OkStatus();
+    });
+    ASSERT_TRUE(s.ok()) << s;
+    for (int q = 0; q < P; ++q) {
+      std::vector<int64_t> want(P * El, 0);
+      for (int p = 0; p < P; ++p) {
+        for (int e : ranks[p].expert_of_row) {
+          if (e / El == q) ++want[p * El + e % El];
+        }
+      }
+      EXPECT_EQ(got[q], want) << "P " << P << " rank " << q;
+    }
+  }
+  // Bad offsets fail before any communication (a one-rank group cannot hang).
+  auto one = CreateThreadCommunicators(1);
+  ASSERT_TRUE(one.ok());
+  auto bad = ExchangeExpertCounts(*(*one)[0], std::vector<int64_t>{0, 4, 2});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
 }
 
 TEST(EpExchangeTest, CountsAndOffsetsScaleWithTheRowWidth) {

@@ -147,6 +147,7 @@ absl::Status FlatParam::MasterUpdated() {
     return absl::FailedPreconditionError(
         absl::StrCat("group \"", name_, "\": master changed while an all-gather is in flight"));
   }
+  ++master_version_;
   return Reshard();
 }
 

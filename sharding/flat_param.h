@@ -146,6 +146,11 @@ class FlatParam {
   // all-gather is in flight.
   absl::Status MasterUpdated();
 
+  // Counts the changes to the master announced through SetFullValue and MasterUpdated
+  // (optimizer steps and checkpoint loads call the latter): a copy of the parameters made
+  // elsewhere (the GPU path's device copy) is current while this number is unchanged.
+  uint64_t master_version() const { return master_version_; }
+
   // ---- Forward: unshard / reshard. ----
 
   // Starts filling the compute buffer: an asynchronous all-gather of the master shards
@@ -228,6 +233,7 @@ class FlatParam {
 
   // Sharded: shard_numel() elements (padding zero). Replicated: padded_numel() elements.
   std::vector<float> master_;
+  uint64_t master_version_ = 0;
   // Sharded: the fp32 accumulator, shard_numel() elements. Replicated: unused
   // (master_grad() is the full gradient buffer after the all-reduce).
   std::vector<float> grad_accum_;

@@ -364,6 +364,29 @@ TEST(FlatParamTest, GradReduceMisuseIsRefused) {
   EXPECT_TRUE(s.ok()) << s;
 }
 
+TEST(FlatParamTest, MasterVersionCountsAnnouncedChanges) {
+  absl::Status s = RunRanks(2, [&](Communicator& comm) -> absl::Status {
+    GRADSUM_ASSIGN_OR_RETURN(auto fp, FlatParam::Create("g", {{"w", {3}}, {"b", {2}}}, &comm));
+    const uint64_t v0 = fp->master_version();
+    GRADSUM_RETURN_IF_ERROR(fp->SetFullValue(0, {1, 2, 3}));
+    const uint64_t v1 = fp->master_version();
+    GRADSUM_RETURN_IF_ERROR(fp->Unshard());  // reading does not change it
+    GRADSUM_RETURN_IF_ERROR(fp->ReduceGrad(true));
+    const uint64_t v2 = fp->master_version();
+    GRADSUM_RETURN_IF_ERROR(fp->MasterUpdated());
+    const uint64_t v3 = fp->master_version();
+    if (!(v1 > v0 && v2 == v1 && v3 > v2)) {
+      return absl::InternalError(absl::StrCat("versions ", v0, " ", v1, " ", v2, " ", v3));
+    }
+    // A refused change does not count.
+    if (fp->SetFullValue(0, {1, 2}).ok() || fp->master_version() != v3) {
+      return absl::InternalError("a rejected SetFullValue changed the version");
+    }
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(s.ok()) << s;
+}
+
 // A gradient reduced elsewhere (the GPU path reduces on the device with NCCL) folds in as
 // the FlatParam's own reduction would: the test plays the device, summing the ranks'
 // dyadic gradients exactly, and checks owned_grad() against the single-process reference.

@@ -39,6 +39,10 @@ absl::Status DeviceBuffer::CopyFromHost(const void* src, size_t bytes) {
   if (bytes == 0) return absl::OkStatus();
   GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpy(ptr_, src, bytes, cudaMemcpyHostToDevice),
                                "cudaMemcpy host->device");
+  // From pageable memory cudaMemcpy may return once the data is staged, before the DMA
+  // lands; kernels on non-blocking streams are not ordered after it. Wait for it.
+  GRADSUM_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cudaStreamLegacy),
+                               "cudaMemcpy host->device (sync)");
   return absl::OkStatus();
 }
 
@@ -56,6 +60,9 @@ absl::Status DeviceBuffer::CopyToHost(void* dst, size_t bytes) const {
 absl::Status DeviceBuffer::Fill(int byte_value) {
   if (bytes_ == 0) return absl::OkStatus();
   GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemset(ptr_, byte_value, bytes_), "cudaMemset");
+  // Synchronous as documented: cudaMemset may return before it lands, and non-blocking
+  // streams are not ordered after the legacy stream it runs on.
+  GRADSUM_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cudaStreamLegacy), "cudaMemset (sync)");
   return absl::OkStatus();
 }
 

@@ -52,7 +52,8 @@ class DeviceBuffer {
   }
   size_t size() const { return bytes_; }
 
-  // Synchronous copies; OutOfRange when `bytes` exceeds size().
+  // Synchronous copies (complete on return, also for kernels on non-blocking streams);
+  // OutOfRange when `bytes` exceeds size().
   absl::Status CopyFromHost(const void* src, size_t bytes);
   absl::Status CopyToHost(void* dst, size_t bytes) const;
   // Copies the whole buffer into a host vector of size() / sizeof(T) elements.

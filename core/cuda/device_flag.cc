@@ -26,6 +26,9 @@ absl::StatusOr<DeviceIndexFlag> DeviceIndexFlag::Create() {
   DeviceIndexFlag f;
   GRADSUM_CUDA_RETURN_IF_ERROR(cudaMalloc(&f.word_, sizeof(*f.word_)), "cudaMalloc(flag)");
   GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemset(f.word_, 0xff, sizeof(*f.word_)), "clear flag");
+  // cudaMemset may return before it lands, and the legacy stream it runs on does not order
+  // the non-blocking streams the kernels use: wait, so the cleared word is what they see.
+  GRADSUM_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cudaStreamLegacy), "clear flag (sync)");
   return f;
 }
 

@@ -338,6 +338,7 @@ TEST(CrossEntropyCuda, RowOffsetsBeyondInt32AreIndexedCorrectly) {
   ASSERT_EQ(cudaMemcpy(static_cast<char*>(logits.get()) + tail_offset, zt_bits.data(),
                        zt_bits.size() * 2, cudaMemcpyHostToDevice),
             cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(cudaStreamLegacy), cudaSuccess);  // the DMA has landed
   std::vector<int64_t> y = RandomLabels(rows, vocab, 16, 0.0);
   auto labels = Dev(y);
   const double D = static_cast<double>(rows);

@@ -85,9 +85,12 @@ struct MoeLmCuda::Impl {
   std::vector<DeviceGroup> groups;  // dense first, then experts per layer
   // Micro-batch inputs and shared scratch, sized for `rows` tokens.
   int64_t rows = -1;
-  // Set by Unshard(), cleared by the last micro-batch's ReduceGrads (the optimizer is about
-  // to change the master): forward must not read parameters the host has moved past.
-  bool params_current = false;
+  // The host groups' master_version() at the last Unshard(): forward refuses to read device
+  // parameters the host has moved past (optimizer step, checkpoint load, SetFullParameters).
+  std::vector<uint64_t> uploaded_version;
+  // A micro-batch of this step failed: its partial gradients are gone, so the step cannot be
+  // reduced; the next Unshard() starts over.
+  bool step_failed = false;
   DeviceBuffer tokens, labels, mask, scalars;  // scalars: D, N, ce, z, bal (f64)
   std::vector<LayerBuffers> layers;
   DeviceBuffer h_last, final_in_rstd, f, head, grad_f, dh, da, du, dw, y;  // h_last: [T, D]
@@ -166,7 +169,7 @@ absl::Status MoeLmCuda::Unshard() {
   GRADSUM_CUDA_RETURN_IF_ERROR(cudaSetDevice(im.device), "cudaSetDevice");
   const bool bf16 = options().compute_dtype == DType::kBF16;
   cudaStream_t s = im.stream.get();
-  im.params_current = false;
+  im.uploaded_version.clear();
   for (DeviceGroup& g : im.groups) {
     FlatParam* fp = g.host;
     const bool sharded = fp->options().mode == ShardingMode::kSharded;
@@ -207,7 +210,8 @@ absl::Status MoeLmCuda::Unshard() {
                                           s));
   }
   GRADSUM_RETURN_IF_ERROR(im.stream.Synchronize());
-  im.params_current = true;
+  for (const DeviceGroup& g : im.groups) im.uploaded_version.push_back(g.host->master_version());
+  im.step_failed = false;
   return absl::OkStatus();
 }
 
@@ -216,10 +220,22 @@ absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackward(const MicroBatch& ba
                                                             losses::StepDisplay* display) {
   Impl& im = *impl_;
   GRADSUM_CUDA_RETURN_IF_ERROR(cudaSetDevice(im.device), "cudaSetDevice");
-  if (!im.params_current) {
+  if (im.uploaded_version.size() != im.groups.size()) {
     return absl::FailedPreconditionError(
-        "MoeLmCuda: the device parameters are not current: call Unshard() after creating the "
-        "model and after every optimizer step");
+        "MoeLmCuda: no parameters on the device yet: call Unshard() before ForwardBackward");
+  }
+  for (size_t i = 0; i < im.groups.size(); ++i) {
+    if (im.groups[i].host->master_version() != im.uploaded_version[i]) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "MoeLmCuda: parameter group \"", im.groups[i].host->name(),
+          "\" changed on the host since the last Unshard(): call Unshard() after every "
+          "optimizer step or parameter load"));
+    }
+  }
+  if (im.step_failed) {
+    return absl::FailedPreconditionError(
+        "MoeLmCuda: an earlier micro-batch of this step failed; call Unshard() to start a new "
+        "step");
   }
   const int64_t V = options().model.vocab();
   for (size_t t = 0; t < batch.labels.size(); ++t) {
@@ -232,7 +248,8 @@ absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackward(const MicroBatch& ba
   }
   absl::StatusOr<MicroBatchLosses> result = ForwardBackwardOnDevice(batch, stats, display);
   if (!result.ok()) {
-    // Do not leave a partial micro-batch in the gradient buffers for a later ReduceGrads.
+    // The step's device gradients are incomplete: drop them and refuse to reduce them.
+    im.step_failed = true;
     for (DeviceGroup& g : im.groups) {
       cudaMemsetAsync(g.grad.get(), 0, g.grad.size(), im.stream.get());
     }
@@ -411,15 +428,10 @@ absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackwardOnDevice(
                                                  cudaMemcpyDeviceToHost, s),
                                  "download expert offsets");
     GRADSUM_RETURN_IF_ERROR(im.stream.Synchronize());
-    // Exchange the per-expert row counts over the host EP group (they size the NCCL
-    // all-to-all-v, which needs them on the host anyway).
-    std::vector<int64_t> my_counts(E), their_counts(E);
-    for (int e = 0; e < E; ++e) my_counts[e] = offsets[e + 1] - offsets[e];
-    std::vector<size_t> blocks(P, El), block_offsets(P);
-    for (int p = 0; p < P; ++p) block_offsets[p] = static_cast<size_t>(p) * El;
-    GRADSUM_RETURN_IF_ERROR(comm().ep_group->AllToAllV(my_counts.data(), blocks, block_offsets,
-                                                       their_counts.data(), blocks, block_offsets,
-                                                       DType::kI64));
+    // The per-expert row counts travel over the host EP group: they size the NCCL
+    // all-to-all-v, which needs them on the host anyway.
+    GRADSUM_ASSIGN_OR_RETURN(std::vector<int64_t> their_counts,
+                             moe::ExchangeExpertCounts(*comm().ep_group, offsets));
     GRADSUM_ASSIGN_OR_RETURN(lb.exchange, moe::PlanEpExchange(offsets, their_counts, P, D));
     const moe::EpExchangePlan& x = lb.exchange;
     const int64_t R = x.recv_rows;
@@ -604,6 +616,10 @@ absl::Status MoeLmCuda::ReduceGrads(bool last_micro_batch) {
   Impl& im = *impl_;
   GRADSUM_CUDA_RETURN_IF_ERROR(cudaSetDevice(im.device), "cudaSetDevice");
   cudaStream_t s = im.stream.get();
+  if (im.step_failed) {
+    return absl::FailedPreconditionError(
+        "MoeLmCuda: a micro-batch of this step failed; its gradients cannot be reduced");
+  }
   const bool bf16 = options().reduce_dtype == DType::kBF16;
   for (DeviceGroup& g : im.groups) {
     FlatParam* fp = g.host;
@@ -647,7 +663,6 @@ absl::Status MoeLmCuda::ReduceGrads(bool last_micro_batch) {
     GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(g.grad.get(), 0, padded * sizeof(float), s),
                                  "zero device gradient");
   }
-  if (last_micro_batch) im.params_current = false;  // the optimizer step comes next
   return im.stream.Synchronize();
 }
 

@@ -26,10 +26,12 @@
 //   RankComms::make_model (train/cuda/nccl_rank.h does this) ...
 //
 // Protocol checks beyond MoeLm's: ForwardBackward is FailedPrecondition unless Unshard() ran
-// since creation and since the last micro-batch's ReduceGrads (the optimizer step), and
-// InvalidArgument for a label outside [0, V) that is not kIgnoreIndex (checked on the host
-// before any device work). A failed ForwardBackward zeroes the device gradients, so a partial
-// micro-batch never reaches a reduction.
+// after the last change to any host group's master (FlatParam::master_version: optimizer
+// steps, checkpoint loads, SetFullParameters), and InvalidArgument for a label outside
+// [0, V) that is not kIgnoreIndex (checked on the host before any device work). A failed
+// ForwardBackward drops the step's device gradients; ForwardBackward and ReduceGrads are
+// then FailedPrecondition until the next Unshard() (what earlier micro-batches already
+// folded into the host groups is cleared by their ZeroGrad, as after any failed step).
 //
 // Numerics: fp32 everywhere except what compute_dtype / reduce_dtype round to bf16. A bf16
 // reduction is NCCL's native bf16 sum (its order, rounding per step of the ring/tree), not

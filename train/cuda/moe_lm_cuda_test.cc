@@ -190,14 +190,31 @@ TEST(MoeLmCudaTest, ProtocolAndInputErrorsAreStatuses) {
   s = (*model)->ForwardBackward(bad, stats, nullptr).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_NE(s.message().find("token -5 at position 2"), absl::string_view::npos) << s;
-  // The good batch runs; after the last micro-batch's reduction the parameters are stale
-  // until the next Unshard.
+  // The good batch runs and reduces.
   auto ok = (*model)->ForwardBackward(batch, stats, nullptr);
   ASSERT_TRUE(ok.ok()) << ok.status();
   EXPECT_GT(ok->ce, 0.0);
   ASSERT_TRUE((*model)->ReduceGrads(/*last_micro_batch=*/true).ok());
+  // New host parameters (as after an optimizer step) make the device copy stale.
+  NamedParams params = MoeLm::InitialParameters(options.model, 2);
+  ASSERT_TRUE((*model)->SetFullParameters(params).ok());
+  s = (*model)->ForwardBackward(batch, stats, nullptr).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("changed on the host"), absl::string_view::npos) << s;
+  // A failure inside the device work (a NaN router weight: non-finite logits) fails the
+  // micro-batch and the step: nothing partial is reduced, until the next Unshard.
+  params["layers.0.router"][0] = std::nanf("");
+  ASSERT_TRUE((*model)->SetFullParameters(params).ok());
+  ASSERT_TRUE((*model)->Unshard().ok());
+  s = (*model)->ForwardBackward(batch, stats, nullptr).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ((*model)->ReduceGrads(true).code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ((*model)->ForwardBackward(batch, stats, nullptr).status().code(),
             absl::StatusCode::kFailedPrecondition);
+  params["layers.0.router"][0] = 0.0f;
+  ASSERT_TRUE((*model)->SetFullParameters(params).ok());
+  ASSERT_TRUE((*model)->Unshard().ok());
+  EXPECT_TRUE((*model)->ForwardBackward(batch, stats, nullptr).ok());
 }
 
 }  // namespace

@@ -2,8 +2,14 @@
 
 #include <cuda_runtime.h>
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdlib>
+#include <cstring>
+#include <string>
 #include <memory>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -25,17 +31,6 @@ absl::StatusOr<int> LocalDeviceForRank(int world_rank) {
         "backend=nccl needs a CUDA device per rank; none is usable: ",
         err != cudaSuccess ? cudaGetErrorString(err) : "cudaGetDeviceCount returned 0"));
   }
-  // Ranks per node beyond the GPU count would put two NCCL ranks on one device, which
-  // NCCL refuses with an opaque error: say so here.
-  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"}) {
-    const char* v = std::getenv(var);
-    int local_size = 0;
-    if (v != nullptr && absl::SimpleAtoi(v, &local_size) && local_size > count) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "backend=nccl runs one rank per GPU: ", var, "=", local_size, " ranks on this node but ",
-          count, " visible CUDA device(s)"));
-    }
-  }
   int local = world_rank;
   for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}) {
     const char* v = std::getenv(var);
@@ -48,9 +43,34 @@ absl::StatusOr<int> LocalDeviceForRank(int world_rank) {
   return local % count;
 }
 
+absl::Status CheckOneRankPerGpu(Communicator& host_world, int device) {
+  char bus[64] = {};
+  GRADSUM_CUDA_RETURN_IF_ERROR(cudaDeviceGetPCIBusId(bus, sizeof(bus) - 1, device),
+                               absl::StrCat("cudaDeviceGetPCIBusId(", device, ")"));
+  char host[64] = {};
+  gethostname(host, sizeof(host) - 1);
+  const std::string id = absl::StrCat(host, " GPU ", bus);
+  constexpr int kWords = 16;  // 128 bytes per rank, sent as int64 words
+  std::vector<int64_t> mine(kWords, 0), all(static_cast<size_t>(kWords) * host_world.size());
+  std::memcpy(mine.data(), id.data(), std::min<size_t>(id.size(), kWords * 8 - 1));
+  GRADSUM_RETURN_IF_ERROR(host_world.AllGather(mine.data(), all.data(), kWords, DType::kI64));
+  const int me = host_world.rank();
+  for (int r = 0; r < host_world.size(); ++r) {
+    if (r == me) continue;
+    if (std::memcmp(all.data() + static_cast<size_t>(r) * kWords, mine.data(), kWords * 8) == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "backend=nccl runs one rank per GPU, but ranks ", std::min(r, me), " and ",
+          std::max(r, me), " both use ", id, " (CUDA device ", device,
+          "): start at most one rank per visible GPU on each node"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status RunNcclRank(const TrainConfig& config, Communicator* host_world, std::ostream* log) {
   if (host_world == nullptr) return absl::InvalidArgumentError("null host world communicator");
   GRADSUM_ASSIGN_OR_RETURN(const int device, LocalDeviceForRank(host_world->rank()));
+  GRADSUM_RETURN_IF_ERROR(CheckOneRankPerGpu(*host_world, device));
   NcclBackendOptions options;
   options.device = device;
   options.timeout = absl::Seconds(config.timeout_s());

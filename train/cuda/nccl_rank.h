@@ -9,7 +9,8 @@
 //   mpirun -np 8 bazel-bin/train/moe_lm --backend=nccl --world=8 --ep=4   # 8 GPUs, 1 node
 //
 // GPU choice: the node-local rank (OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID or
-// SLURM_LOCALID; else the world rank) modulo the visible device count.
+// SLURM_LOCALID; else the world rank) modulo the visible device count, so launchers that
+// give each rank its own CUDA_VISIBLE_DEVICES work too. Two ranks on one GPU are refused.
 
 #include <ostream>
 
@@ -23,6 +24,10 @@ namespace gradsum::train {
 // The CUDA ordinal for this process (see above). FailedPrecondition naming the CUDA
 // runtime's reason when no device is visible.
 absl::StatusOr<int> LocalDeviceForRank(int world_rank);
+
+// InvalidArgument naming both ranks when two ranks of `host_world` would drive the same GPU
+// (same host name and PCI bus id), which NCCL refuses with an opaque error. Collective.
+absl::Status CheckOneRankPerGpu(Communicator& host_world, int device);
 
 // Runs config.steps steps on this rank. Collective over `host_world`, whose size must be
 // config.world(). Errors: those of the NCCL bootstrap, Trainer::Create and Trainer::Run.
