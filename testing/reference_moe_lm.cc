@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <numeric>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 
@@ -71,6 +73,7 @@ struct TokenCache {
   int label = 0;
   bool routed = false;
   bool valid = false;
+  double weight = 0;  // w_t of §3 (valid tokens)
   std::vector<LayerCache> layers;
   std::vector<double> h_final, f, logits;
   double r_final = 0;
@@ -130,6 +133,12 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
   const int G = static_cast<int>(global_batch.size());
 
   // ---- Validate inputs; global statistics D and N (§3, §4). ----
+  if (c.ce_mode != "token" && c.ce_mode != "sample" && c.ce_mode != "square") {
+    return absl::InvalidArgumentError(StrCat("ce_mode \"", c.ce_mode, "\" is not token, sample or square"));
+  }
+  const bool by_sample = c.ce_mode != "token";
+  // n_s: valid tokens per sample, a sample being (m, r, sample id).
+  std::map<std::tuple<int, size_t, int64_t>, double> sample_size;
   std::vector<double> routed_per_micro(G, 0.0);
   for (int m = 0; m < G; ++m) {
     for (size_t r = 0; r < global_batch[m].size(); ++r) {
@@ -137,6 +146,12 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
       if (mb.labels.size() != mb.tokens.size() || mb.mask.size() != mb.tokens.size()) {
         return absl::InvalidArgumentError(
             StrCat("micro-batch [", m, "][", r, "]: tokens, labels and mask differ in length"));
+      }
+      if (by_sample && mb.sample_ids.size() != mb.tokens.size()) {
+        return absl::InvalidArgumentError(StrCat("micro-batch [", m, "][", r, "]: ",
+                                                 mb.sample_ids.size(), " sample ids for ",
+                                                 mb.tokens.size(), " tokens (", c.ce_mode,
+                                                 " mode)"));
       }
       for (size_t t = 0; t < mb.tokens.size(); ++t) {
         if (mb.tokens[t] < 0 || mb.tokens[t] >= V) {
@@ -153,18 +168,34 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
               StrCat("padding token at [", m, "][", r, "][", t, "] has label ", mb.labels[t]));
         }
         if (!ignored) result.valid_tokens += 1;
+        if (!ignored && by_sample) sample_size[{m, r, mb.sample_ids[t]}] += 1;
         if (mb.mask[t] != 0) routed_per_micro[m] += 1;
       }
     }
     result.routed_tokens += routed_per_micro[m];
   }
-  const double Dtok = result.valid_tokens, Ntok = result.routed_tokens;
+  // w_t per valid token, and D = sum of w_t.
+  auto weight_of = [&](int m, size_t r, size_t t) {
+    if (!by_sample) return 1.0;
+    const double n = sample_size.at({m, r, global_batch[m][r].sample_ids[t]});
+    return c.ce_mode == "sample" ? 1.0 / n : 1.0 / std::sqrt(n);
+  };
+  for (int m = 0; m < G; ++m) {
+    for (size_t r = 0; r < global_batch[m].size(); ++r) {
+      const ReferenceMicroBatch& mb = global_batch[m][r];
+      for (size_t t = 0; t < mb.tokens.size(); ++t) {
+        if (mb.labels[t] != c.ignore_index) result.ce_weight_sum += weight_of(m, r, t);
+      }
+    }
+  }
+  const double Dce = result.ce_weight_sum, Ntok = result.routed_tokens;
 
   // ---- Forward, token by token (the model has no cross-token interaction). ----
   result.expert_counts.assign(L, std::vector<std::vector<int64_t>>(G, std::vector<int64_t>(E, 0)));
   std::vector<TokenCache> cache;
   for (int m = 0; m < G; ++m) {
-    for (const ReferenceMicroBatch& mb : global_batch[m]) {
+    for (size_t r = 0; r < global_batch[m].size(); ++r) {
+      const ReferenceMicroBatch& mb = global_batch[m][r];
       for (size_t t = 0; t < mb.tokens.size(); ++t) {
         TokenCache tc;
         tc.micro = m;
@@ -172,6 +203,7 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
         tc.label = mb.labels[t];
         tc.routed = mb.mask[t] != 0;
         tc.valid = mb.labels[t] != c.ignore_index;
+        tc.weight = tc.valid ? weight_of(m, r, t) : 0.0;
         if (!tc.routed && !tc.valid) continue;  // padding: contributes nothing anywhere
         std::vector<double> h(P("emb") + tc.token * Dm, P("emb") + (tc.token + 1) * Dm);
         if (tc.routed) {
@@ -240,7 +272,9 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
 
   // ---- Loss values (§3-5). ----
   for (const TokenCache& tc : cache) {
-    if (tc.valid && Dtok > 0) result.ce += (LogSumExp(tc.logits) - tc.logits[tc.label]) / Dtok;
+    if (tc.valid && Dce > 0) {
+      result.ce += tc.weight * (LogSumExp(tc.logits) - tc.logits[tc.label]) / Dce;
+    }
     if (!tc.routed) continue;
     for (int l = 0; l < L; ++l) {
       const LayerCache& lc = tc.layers[l];
@@ -257,11 +291,11 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
   // ---- Backward. ----
   for (const TokenCache& tc : cache) {
     std::vector<double> dh(Dm, 0.0);
-    if (tc.valid && Dtok > 0) {
+    if (tc.valid && Dce > 0) {
       const double lse = LogSumExp(tc.logits);
       std::vector<double> dlogits(V);
-      for (int v = 0; v < V; ++v) dlogits[v] = std::exp(tc.logits[v] - lse) / Dtok;
-      dlogits[tc.label] -= 1.0 / Dtok;
+      for (int v = 0; v < V; ++v) dlogits[v] = tc.weight * std::exp(tc.logits[v] - lse) / Dce;
+      dlogits[tc.label] -= tc.weight / Dce;
       const double* wo = P("out");
       double* dwo = Gr("out");
       std::vector<double> df(Dm, 0.0);

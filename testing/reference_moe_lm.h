@@ -13,7 +13,9 @@
 //   absl::StatusOr<ReferenceResult> ref = ReferenceLossAndGrads(config, params, batch);
 //   ref->grads["layers.0.router"]  // dL/dWr_0, [D, E] row-major
 //
-// CE uses `token` weighting (w_t = 1 for valid tokens, §3). Parameter names and shapes
+// CE weights w_t follow config.ce_mode (§3): token (1 for valid tokens), sample (1 / n_s)
+// or square (1 / sqrt(n_s)), n_s = the valid tokens of sample s, a sample being the tokens
+// of one [m][r] micro-batch with equal sample id. Parameter names and shapes
 // are those of the training binary's dumps: `emb` [V,D], `layers.{l}.norm` [D],
 // `layers.{l}.router` [D,E], `layers.{l}.experts.{e}.wg` [D,H], `.wu` [D,H], `.wd` [H,D],
 // `final_norm` [D], `out` [D,V].
@@ -41,6 +43,7 @@ struct ReferenceConfig {
   double alpha_b = 0.001;
   double alpha_z = 0.001;
   int ignore_index = -100;
+  std::string ce_mode = "token";  // token | sample | square (§3)
 };
 
 // Row-major tensors by parameter name.
@@ -51,18 +54,20 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> ReferenceParamShapes(
     const ReferenceConfig& config);
 
 // The tokens of one rank's micro-batch, flattened (sequence boundaries do not matter
-// for a per-token model with token-weighted CE). Equal lengths.
+// for a per-token model; samples are named by sample_ids). Equal lengths.
 struct ReferenceMicroBatch {
   std::vector<int32_t> tokens;  // in [0, V)
   std::vector<int32_t> labels;  // in [0, V) or ignore_index
   std::vector<int32_t> mask;    // 1 routed, 0 padding (whose label must be ignore_index)
+  std::vector<int64_t> sample_ids;  // sample / square mode: one per token; else may be empty
 };
 
 struct ReferenceResult {
   // Global values of each term (§3, §4, §5) and their sum (§6).
   double ce = 0, z = 0, bal = 0;
   double total() const { return ce + z + bal; }
-  double valid_tokens = 0;   // D of §3 (token weighting)
+  double valid_tokens = 0;   // tokens with a label (D of §3 in token mode)
+  double ce_weight_sum = 0;  // D of §3: the sum of w_t
   double routed_tokens = 0;  // N of §4
   // c[l][m][e] of §5: (token, slot) assignments to expert e at micro-step m, all ranks.
   std::vector<std::vector<std::vector<int64_t>>> expert_counts;
@@ -73,8 +78,8 @@ struct ReferenceResult {
 // Runs forward and backward on `global_batch[m][r]` (G micro-steps, any number of ranks).
 // InvalidArgument if a parameter is missing or mis-sized, a config size is
 // non-positive, top_k > experts, a token is outside [0, V), a label is neither in
-// [0, V) nor ignore_index, a padding token has a real label, or a micro-batch's
-// vectors differ in length.
+// [0, V) nor ignore_index, a padding token has a real label, a micro-batch's vectors
+// differ in length (sample_ids too, outside token mode), or ce_mode is unknown.
 absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
     const ReferenceConfig& config, const NamedTensors& params,
     const std::vector<std::vector<ReferenceMicroBatch>>& global_batch);

@@ -1,6 +1,11 @@
 #include "testing/reference_moe_lm.h"
 
 #include <cmath>
+#include <map>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
 #include <random>
 
 #include "gmock/gmock.h"
@@ -40,6 +45,7 @@ std::vector<std::vector<ReferenceMicroBatch>> RandomBatch(const ReferenceConfig&
         mb.mask.push_back(t < n - pad ? 1 : 0);
         const bool ignored = t >= n - pad || rng() % 4 == 0;
         mb.labels.push_back(ignored ? c.ignore_index : static_cast<int>(rng() % c.vocab));
+        mb.sample_ids.push_back(t / 3);  // samples of 3 tokens (fewer valid ones)
       }
     }
   }
@@ -107,6 +113,66 @@ TEST(ReferenceMoeLmTest, GradientsMatchFiniteDifferencesRawTopK) {
   c.alpha_b = 0.1;
   c.alpha_z = 0.02;
   FiniteDifferenceCheck(c);
+}
+
+TEST(ReferenceMoeLmTest, GradientsMatchFiniteDifferencesSampleMode) {
+  ReferenceConfig c;
+  c.vocab = 7;
+  c.dim = 4;
+  c.layers = 1;
+  c.experts = 4;
+  c.top_k = 2;
+  c.expert_dim = 3;
+  c.alpha_b = 0.05;
+  c.alpha_z = 0.05;
+  c.ce_mode = "sample";
+  FiniteDifferenceCheck(c);
+}
+
+TEST(ReferenceMoeLmTest, GradientsMatchFiniteDifferencesSquareMode) {
+  ReferenceConfig c;
+  c.vocab = 6;
+  c.dim = 4;
+  c.layers = 1;
+  c.experts = 3;
+  c.top_k = 2;
+  c.expert_dim = 4;
+  c.alpha_b = 0.05;
+  c.alpha_z = 0.05;
+  c.ce_mode = "square";
+  FiniteDifferenceCheck(c);
+}
+
+// D of §3 by exact count: token mode counts valid tokens; sample mode counts the samples
+// with a valid token (each contributes n_s * 1/n_s = 1); square mode sums sqrt(n_s).
+TEST(ReferenceMoeLmTest, CeWeightSumIsTheModesCount) {
+  ReferenceConfig c;
+  c.vocab = 5;
+  c.dim = 4;
+  const auto batch = RandomBatch(c, 2, 3, 8, 21);
+  std::map<std::tuple<int, int, int64_t>, int> n;
+  int valid = 0;
+  for (int m = 0; m < 2; ++m) {
+    for (int r = 0; r < 3; ++r) {
+      const ReferenceMicroBatch& mb = batch[m][r];
+      for (size_t t = 0; t < mb.labels.size(); ++t) {
+        if (mb.labels[t] == c.ignore_index) continue;
+        ++valid;
+        ++n[{m, r, mb.sample_ids[t]}];
+      }
+    }
+  }
+  double square = 0;
+  for (const auto& [key, count] : n) square += std::sqrt(static_cast<double>(count));
+  const NamedTensors params = RandomParams(c, 2, 0.5);
+  for (const auto& [mode, want] : std::vector<std::pair<std::string, double>>{
+           {"token", valid}, {"sample", static_cast<double>(n.size())}, {"square", square}}) {
+    c.ce_mode = mode;
+    absl::StatusOr<ReferenceResult> ref = ReferenceLossAndGrads(c, params, batch);
+    ASSERT_TRUE(ref.ok()) << ref.status();
+    EXPECT_NEAR(ref->ce_weight_sum, want, 1e-12 * want) << mode;
+    EXPECT_EQ(ref->valid_tokens, valid) << mode;
+  }
 }
 
 // With a zero LM head and zero routers every term has a closed form: CE = ln V;
@@ -186,6 +252,14 @@ TEST(ReferenceMoeLmTest, BadInputsAreInvalidArgument) {
   NamedTensors wrong = params;
   wrong["emb"].pop_back();
   check(wrong, {{ok}}, "parameter emb has");
+  ReferenceConfig sample = c;
+  sample.ce_mode = "sample";
+  EXPECT_THAT(ReferenceLossAndGrads(sample, params, {{ok}}).status().message(),
+              HasSubstr("0 sample ids for 2 tokens (sample mode)"));
+  ReferenceConfig bad_mode = c;
+  bad_mode.ce_mode = "mean";
+  EXPECT_THAT(ReferenceLossAndGrads(bad_mode, params, {{ok}}).status().message(),
+              HasSubstr("ce_mode \"mean\""));
   ReferenceConfig bad_k = c;
   bad_k.top_k = 9;
   EXPECT_EQ(ReferenceLossAndGrads(bad_k, params, {{ok}}).status().code(),

@@ -183,6 +183,9 @@ absl::Status ValidateConfig(const TrainConfig& c) {
   if (c.sharding() != "fsdp" && c.sharding() != "replicated") {
     return Bad("sharding", c.sharding(), "must be fsdp or replicated");
   }
+  if (c.ce_mode() != "token" && c.ce_mode() != "sample" && c.ce_mode() != "square") {
+    return Bad("ce_mode", c.ce_mode(), "must be token, sample or square");
+  }
   for (const auto& [name, value] :
        {std::pair<const char*, std::string>{"reduce_dtype", c.reduce_dtype()},
         {"compute_dtype", c.compute_dtype()}}) {

@@ -19,6 +19,8 @@ ABSL_FLAG(std::optional<int32_t>, grad_acc, std::nullopt, "micro-batches per ste
 ABSL_FLAG(std::optional<int32_t>, steps, std::nullopt, "optimizer steps");
 ABSL_FLAG(std::optional<std::string>, backend, std::nullopt, "thread | mpi | nccl");
 ABSL_FLAG(std::optional<std::string>, sharding, std::nullopt, "fsdp | replicated");
+ABSL_FLAG(std::optional<std::string>, ce_mode, std::nullopt,
+          "cross-entropy token weights (SEMANTICS.md §3): token | sample | square");
 ABSL_FLAG(std::optional<std::string>, reduce_dtype, std::nullopt,
           "gradient reduction dtype: f32 | bf16");
 ABSL_FLAG(std::optional<std::string>, compute_dtype, std::nullopt,
@@ -67,6 +69,7 @@ const std::vector<FlagField>& OverridableFlags() {
       {"steps", "steps"},
       {"backend", "backend"},
       {"sharding", "sharding"},
+      {"ce_mode", "ce_mode"},
       {"reduce_dtype", "reduce_dtype"},
       {"compute_dtype", "compute_dtype"},
       {"seed", "seed"},

@@ -138,6 +138,7 @@ TEST(ConfigTest, ValidationNamesFieldAndValue) {
       {{{"data.corpus_documents", "0"}}, "data.corpus_documents=0"},
       {{{"backend", "gloo"}}, "backend=gloo"},
       {{{"sharding", "zero1"}}, "sharding=zero1"},
+      {{{"ce_mode", "mean"}}, "ce_mode=mean"},
       {{{"reduce_dtype", "f16"}}, "reduce_dtype=f16"},
       {{{"compute_dtype", "f64"}}, "compute_dtype=f64"},
       {{{"model.router_scale", "0"}}, "model.router_scale=0"},

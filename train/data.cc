@@ -263,20 +263,24 @@ std::vector<int64_t> RankDataLoader::NextSequenceDocs() {
 
 std::vector<MicroBatch> RankDataLoader::NextStep(int grad_acc) {
   std::vector<MicroBatch> step(grad_acc);
+  int64_t sample = -1;  // index of the current document among those packed into the step
   for (MicroBatch& mb : step) {
     mb.batch = micro_batch_;
     mb.seq_len = seq_len_;
     mb.tokens.assign(static_cast<size_t>(micro_batch_) * seq_len_, 0);
     mb.labels.assign(mb.tokens.size(), kIgnoreIndex);
     mb.mask.assign(mb.tokens.size(), 0);
+    mb.sample_ids.assign(mb.tokens.size(), -1);
     for (int b = 0; b < micro_batch_; ++b) {
       mb.doc_ids.push_back(NextSequenceDocs());
       size_t pos = static_cast<size_t>(b) * seq_len_;
       for (int64_t id : mb.doc_ids.back()) {
         const std::vector<int32_t> doc = corpus_->Document(id);
+        ++sample;
         for (size_t t = 0; t < doc.size(); ++t, ++pos) {
           mb.tokens[pos] = doc[t];
           mb.mask[pos] = 1;
+          mb.sample_ids[pos] = sample;
           // The last token of a document has no next token in it: ignored.
           mb.labels[pos] = t + 1 < doc.size() ? doc[t + 1] : kIgnoreIndex;
         }

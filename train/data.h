@@ -142,6 +142,9 @@ struct MicroBatch {
   std::vector<int32_t> tokens;  // [batch * seq_len]; padding 0
   std::vector<int32_t> labels;  // next token or kIgnoreIndex
   std::vector<int32_t> mask;    // 1 routed (a document token), 0 padding
+  // Which packed document (sample, SEMANTICS.md §3) each token belongs to: unique within the
+  // rank's step (a running count of the documents packed into it), -1 for padding.
+  std::vector<int64_t> sample_ids;
   // The documents packed into each sequence, in order (for tests and dumps).
   std::vector<std::vector<int64_t>> doc_ids;
 

@@ -140,6 +140,38 @@ TEST(RankDataLoaderTest, PackingInvariantsAndDisjointShards) {
   EXPECT_GT(valid_counts.size(), 3u) << "valid-token counts should vary across micro-batches";
 }
 
+// Sample ids (the CE's samples, SEMANTICS.md §3): one per packed document occurrence, in
+// packing order, unique within the rank's step, -1 on padding; runs of equal ids are
+// exactly the documents' tokens.
+TEST(RankDataLoaderTest, SampleIdsNameEachPackedDocumentOfTheStep) {
+  const DataConfig config = SmallConfig();
+  auto corpus = MakeCorpus(config);
+  ASSERT_TRUE(corpus.ok());
+  absl::StatusOr<RankDataLoader> loader = RankDataLoader::Create(*corpus, config, 0, 2);
+  ASSERT_TRUE(loader.ok()) << loader.status();
+  for (int step = 0; step < 3; ++step) {
+    int64_t next_id = 0;
+    for (const MicroBatch& mb : loader->NextStep(3)) {
+      ASSERT_EQ(mb.sample_ids.size(), mb.tokens.size());
+      for (int b = 0; b < mb.batch; ++b) {
+        size_t pos = static_cast<size_t>(b) * mb.seq_len;
+        for (int64_t doc : mb.doc_ids[b]) {
+          const int64_t len = (*corpus)->DocumentLength(doc);
+          for (int64_t t = 0; t < len; ++t, ++pos) {
+            ASSERT_EQ(mb.sample_ids[pos], next_id) << "step " << step << " pos " << pos;
+          }
+          ++next_id;
+        }
+        for (; pos < static_cast<size_t>(b + 1) * mb.seq_len; ++pos) {
+          EXPECT_EQ(mb.sample_ids[pos], -1) << "padding at " << pos;
+          EXPECT_EQ(mb.mask[pos], 0);
+        }
+      }
+    }
+    EXPECT_GT(next_id, 3) << "a step packs several documents";
+  }
+}
+
 TEST(RankDataLoaderTest, SkipStepsReplaysTheSameStream) {
   const DataConfig config = SmallConfig();
   auto corpus = MakeCorpus(config);

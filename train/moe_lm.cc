@@ -38,6 +38,22 @@ moe::MoeLayerConfig LayerConfig(const ModelConfig& m) {
 
 }  // namespace
 
+absl::StatusOr<absl::Span<const float>> MicroBatchTokenWeights(const losses::StepStats& stats,
+                                                               int micro_index, int64_t tokens) {
+  if (micro_index < 0 || micro_index >= stats.num_micro_batches) {
+    return absl::InvalidArgumentError(absl::StrCat("micro_index ", micro_index, " outside [0, ",
+                                                   stats.num_micro_batches, ")"));
+  }
+  if (stats.mode == losses::CeWeightMode::kToken) return absl::Span<const float>();
+  if (micro_index >= static_cast<int>(stats.token_weights.size()) ||
+      static_cast<int64_t>(stats.token_weights[micro_index].size()) != tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "step statistics hold no CE weights for the ", tokens, " tokens of micro-batch ",
+        micro_index, " (", losses::CeWeightModeName(stats.mode), " mode)"));
+  }
+  return absl::MakeConstSpan(stats.token_weights[micro_index]);
+}
+
 std::vector<std::pair<std::string, std::vector<int64_t>>> MoeLmParamShapes(const ModelConfig& m) {
   std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
   const int64_t V = m.vocab(), D = m.dim(), E = m.experts(), H = m.expert_dim();
@@ -225,6 +241,7 @@ absl::Status MoeLm::RegisterDisplayTerms(losses::StepDisplay* display) {
 
 absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
                                                         const losses::StepStats& stats,
+                                                        int micro_index,
                                                         losses::StepDisplay* display) {
   const ModelConfig& m = options_.model;
   const int64_t T = static_cast<int64_t>(batch.tokens.size());
@@ -239,6 +256,8 @@ absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
           absl::StrCat("token ", batch.tokens[t], " at position ", t, " outside [0, ", V, ")"));
     }
   }
+  GRADSUM_ASSIGN_OR_RETURN(absl::Span<const float> token_weights,
+                           MicroBatchTokenWeights(stats, micro_index, T));
   for (FlatParam* g : groups()) {
     if (!g->is_unsharded()) {
       return absl::FailedPreconditionError(
@@ -303,7 +322,7 @@ absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
   ce_options.num_threads = options_.num_threads;
   GRADSUM_ASSIGN_OR_RETURN(
       losses::LinearCrossEntropyResult ce,
-      losses::LinearCrossEntropyForwardBackward(f_view, head_view, labels, /*token_weights=*/{},
+      losses::LinearCrossEntropyForwardBackward(f_view, head_view, labels, token_weights,
                                                 stats.global_ce_weight_sum, grad_f_view,
                                                 grad_head_view, ce_options));
 

@@ -20,7 +20,7 @@
 //   GRADSUM_RETURN_IF_ERROR(model->SetFullParameters(MoeLm::InitialParameters(config, seed)));
 //   GRADSUM_RETURN_IF_ERROR(model->Unshard());
 //   for (int m = 0; m < G; ++m) {
-//     GRADSUM_ASSIGN_OR_RETURN(MicroBatchLosses l, model->ForwardBackward(batch[m], stats,
+//     GRADSUM_ASSIGN_OR_RETURN(MicroBatchLosses l, model->ForwardBackward(batch[m], stats, m,
 //     &display)); for (FlatParam* g : model->groups()) GRADSUM_RETURN_IF_ERROR(g->ReduceGrad(m == G
 //     - 1));
 //   }
@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "collectives/communicator.h"
 #include "core/dtype.h"
 #include "losses/display.h"
@@ -48,6 +49,12 @@ namespace gradsum::train {
 
 // Full parameter (or gradient) values by name, row-major fp32.
 using NamedParams = std::map<std::string, std::vector<float>>;
+
+// The CE weights w_t (§3) of micro-batch `micro_index` with `tokens` tokens: empty in token
+// mode (w_t = 1 for valid tokens), else stats.token_weights[micro_index]. InvalidArgument
+// for a micro_index outside [0, G) or weights of another length.
+absl::StatusOr<absl::Span<const float>> MicroBatchTokenWeights(const losses::StepStats& stats,
+                                                               int micro_index, int64_t tokens);
 
 // Every parameter's name and shape (SEMANTICS.md §10 names, as in the dumps).
 std::vector<std::pair<std::string, std::vector<int64_t>>> MoeLmParamShapes(
@@ -102,7 +109,9 @@ class MoeLm {
   virtual absl::Status Unshard();
 
   // Forward and backward of one micro-batch of this rank. `stats` are the step's global
-  // statistics (D, N); `micro_index` in [0, G). Adds the local gradients into the groups'
+  // statistics (D, N, and in sample / square mode the CE weights w_t of every micro-batch,
+  // §3); `micro_index` in [0, G) picks this micro-batch's weights. InvalidArgument for a
+  // micro_index outside the statistics or weights of the wrong length. Adds the local gradients into the groups'
   // gradient buffers and the loss components into `display` (terms "ce", "z", "bal").
   // Collective over the EP group (dispatch) and the world (expert-count all-reduce).
   // Errors: bad batch (labels or tokens outside [0, V)) as InvalidArgument; the
@@ -110,6 +119,7 @@ class MoeLm {
   // Virtual: train/cuda's MoeLmCuda computes on its GPU instead.
   virtual absl::StatusOr<MicroBatchLosses> ForwardBackward(const MicroBatch& batch,
                                                            const losses::StepStats& stats,
+                                                           int micro_index,
                                                            losses::StepDisplay* display);
 
   // After micro-batch ForwardBackward: SUM-reduces this micro-batch's gradients into the

@@ -22,6 +22,7 @@ expect_error "model.vocab=300" --vocab=300
 expect_error "ep=3: must divide model.experts=8" --world=3 --ep=3
 expect_error "model.dim=0" --dim=0
 expect_error "sharding=zero" --sharding=zero
+expect_error "ce_mode=mean" --ce_mode=mean
 expect_error "backend=nccl" --backend=nccl --steps=1 --dim=8 --expert_dim=8
 expect_error "--config=/nonexistent.textproto" --config=/nonexistent.textproto
 expect_error "--data=/nonexistent.txt" --data=/nonexistent.txt --steps=1

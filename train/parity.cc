@@ -57,12 +57,13 @@ absl::StatusOr<ParityReport> CheckParity(const TrainConfig& config, const NamedP
   rc.alpha_b = config.alpha_b();
   rc.alpha_z = config.alpha_z();
   rc.ignore_index = kIgnoreIndex;
+  rc.ce_mode = config.ce_mode();
   testing::NamedTensors params;
   for (const auto& [name, values] : weights) params[name].assign(values.begin(), values.end());
   std::vector<std::vector<testing::ReferenceMicroBatch>> batch(global_batch.size());
   for (size_t mi = 0; mi < global_batch.size(); ++mi) {
     for (const MicroBatch& mb : global_batch[mi]) {
-      batch[mi].push_back({mb.tokens, mb.labels, mb.mask});
+      batch[mi].push_back({mb.tokens, mb.labels, mb.mask, mb.sample_ids});
     }
   }
   GRADSUM_ASSIGN_OR_RETURN(testing::ReferenceResult ref,

@@ -33,10 +33,10 @@ void PrintBanner(const TrainConfig& config, std::ostream& out) {
   }
   out << absl::StrFormat(
       "moe_lm: %d steps; AdamW lr %g (warmup %d), clip %g; compute %s, reduce %s; "
-      "alpha_b %g, alpha_z %g; seed %d\n",
+      "CE weights %s; alpha_b %g, alpha_z %g; seed %d\n",
       config.steps(), config.optim().lr(), config.optim().warmup_steps(),
-      config.optim().grad_clip(), config.compute_dtype(), config.reduce_dtype(), config.alpha_b(),
-      config.alpha_z(), config.seed());
+      config.optim().grad_clip(), config.compute_dtype(), config.reduce_dtype(), config.ce_mode(),
+      config.alpha_b(), config.alpha_z(), config.seed());
   out << absl::StrFormat(
       "model: V=%d D=%d L=%d E=%d K=%d H=%d, %d parameters; mesh F=%d x P=%d, G=%d, %s, "
       "backend %s\n",

@@ -218,10 +218,13 @@ absl::StatusOr<StepRecord> Trainer::Step() {
     labels[m].assign(batches[m].labels.begin(), batches[m].labels.end());
     masks[m].assign(batches[m].mask.begin(), batches[m].mask.end());
     tokens[m].labels = labels[m];
+    tokens[m].sample_ids = batches[m].sample_ids;
     tokens[m].input_mask = masks[m];
   }
+  losses::StepStatsOptions stats_options;
+  GRADSUM_ASSIGN_OR_RETURN(stats_options.mode, losses::ParseCeWeightMode(config_.ce_mode()));
   GRADSUM_ASSIGN_OR_RETURN(losses::StepStats stats,
-                           losses::ComputeStepStats(*comms_.world, tokens));
+                           losses::ComputeStepStats(*comms_.world, tokens, stats_options));
 
   NamedParams weights;
   if (need_full) {
@@ -231,7 +234,7 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   std::vector<FlatParam*> groups = model_->groups();
   const absl::Time model_start = absl::Now();
   for (int m = 0; m < G; ++m) {
-    GRADSUM_RETURN_IF_ERROR(model_->ForwardBackward(batches[m], stats, &display_).status());
+    GRADSUM_RETURN_IF_ERROR(model_->ForwardBackward(batches[m], stats, m, &display_).status());
     GRADSUM_RETURN_IF_ERROR(model_->ReduceGrads(m == G - 1));
   }
   const absl::Duration model_time = absl::Now() - model_start;
@@ -327,11 +330,13 @@ absl::Status Trainer::WriteDump(const NamedParams& weights, const NamedParams& g
   for (size_t m = 0; m < batches.size(); ++m) {
     const MicroBatch& mb = batches[m];
     std::vector<int64_t> tok(mb.tokens.begin(), mb.tokens.end()),
-        lab(mb.labels.begin(), mb.labels.end()), msk(mb.mask.begin(), mb.mask.end());
+        lab(mb.labels.begin(), mb.labels.end()), msk(mb.mask.begin(), mb.mask.end()),
+        sid(mb.sample_ids.begin(), mb.sample_ids.end());
     SafetensorsWriter w;
     for (auto& [name, v] : {std::pair<const char*, std::vector<int64_t>*>{"tokens", &tok},
                             {"labels", &lab},
-                            {"mask", &msk}}) {
+                            {"mask", &msk},
+                            {"sample_ids", &sid}}) {
       GRADSUM_ASSIGN_OR_RETURN(TensorView view,
                                TensorView::Create(v->data(), DType::kI64, {mb.batch, mb.seq_len}));
       GRADSUM_RETURN_IF_ERROR(w.Add(name, view));

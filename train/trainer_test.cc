@@ -104,6 +104,11 @@ TEST(TrainerTest, DumpWritesTheNamedFiles) {
         EXPECT_EQ(t->shape(), (std::vector<int64_t>{2, 16}));
         for (size_t i = 0; i < v->size(); ++i) ASSERT_EQ(t->data<int64_t>()[i], (*v)[i]) << name;
       }
+      auto ids = b->Get("sample_ids");  // which packed document each token belongs to
+      ASSERT_TRUE(ids.ok()) << ids.status();
+      for (size_t i = 0; i < want.sample_ids.size(); ++i) {
+        ASSERT_EQ(ids->data<int64_t>()[i], want.sample_ids[i]) << "sample_ids " << i;
+      }
     }
   }
   EXPECT_FALSE(std::filesystem::exists(dir + "/batch.r4.m0.safetensors"));

@@ -92,6 +92,7 @@ struct MoeLmCuda::Impl {
   // reduced; the next Unshard() starts over.
   bool step_failed = false;
   DeviceBuffer tokens, labels, mask, scalars;  // scalars: D, N, ce, z, bal (f64)
+  DeviceBuffer weights;                        // [T] CE weights w_t (sample / square mode)
   std::vector<LayerBuffers> layers;
   DeviceBuffer h_last, final_in_rstd, f, head, grad_f, dh, da, du, dw, y;  // h_last: [T, D]
                                                                           // after layer L-1
@@ -217,6 +218,7 @@ absl::Status MoeLmCuda::Unshard() {
 
 absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackward(const MicroBatch& batch,
                                                             const losses::StepStats& stats,
+                                                            int micro_index,
                                                             losses::StepDisplay* display) {
   Impl& im = *impl_;
   GRADSUM_CUDA_RETURN_IF_ERROR(cudaSetDevice(im.device), "cudaSetDevice");
@@ -246,7 +248,11 @@ absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackward(const MicroBatch& ba
                                                      kIgnoreIndex));
     }
   }
-  absl::StatusOr<MicroBatchLosses> result = ForwardBackwardOnDevice(batch, stats, display);
+  GRADSUM_ASSIGN_OR_RETURN(
+      absl::Span<const float> token_weights,
+      MicroBatchTokenWeights(stats, micro_index, static_cast<int64_t>(batch.tokens.size())));
+  absl::StatusOr<MicroBatchLosses> result =
+      ForwardBackwardOnDevice(batch, stats, token_weights, display);
   if (!result.ok()) {
     // The step's device gradients are incomplete: drop them and refuse to reduce them.
     im.step_failed = true;
@@ -259,7 +265,8 @@ absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackward(const MicroBatch& ba
 }
 
 absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackwardOnDevice(
-    const MicroBatch& batch, const losses::StepStats& stats, losses::StepDisplay* display) {
+    const MicroBatch& batch, const losses::StepStats& stats, absl::Span<const float> token_weights,
+    losses::StepDisplay* display) {
   Impl& im = *impl_;
   const ModelConfig& m = options().model;
   const int64_t T = static_cast<int64_t>(batch.tokens.size());
@@ -285,6 +292,7 @@ absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackwardOnDevice(
     GRADSUM_RETURN_IF_ERROR(Reserve(&im.tokens, T * sizeof(int32_t)));
     GRADSUM_RETURN_IF_ERROR(Reserve(&im.labels, T * sizeof(int64_t)));
     GRADSUM_RETURN_IF_ERROR(Reserve(&im.mask, T));
+    GRADSUM_RETURN_IF_ERROR(Reserve(&im.weights, T * sizeof(float)));
     GRADSUM_RETURN_IF_ERROR(Reserve(&im.scalars, 5 * sizeof(double)));
     for (DeviceBuffer* b : {&im.h_last, &im.f, &im.grad_f, &im.dh, &im.da, &im.y}) {
       GRADSUM_RETURN_IF_ERROR(Reserve(b, f32(T * D)));
@@ -331,6 +339,11 @@ absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackwardOnDevice(
                                "upload labels");
   GRADSUM_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(im.mask.get(), mask.data(), T, cudaMemcpyHostToDevice, s), "upload mask");
+  if (!token_weights.empty()) {
+    GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(im.weights.get(), token_weights.data(),
+                                                 T * sizeof(float), cudaMemcpyHostToDevice, s),
+                                 "upload CE weights");
+  }
   GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(im.scalars.get(), scalars, sizeof(scalars),
                                                cudaMemcpyHostToDevice, s),
                                "upload step statistics");
@@ -480,6 +493,7 @@ absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackwardOnDevice(
   ce.rows = T;
   ce.vocab = V;
   ce.labels = im.labels.as<int64_t>();
+  ce.token_weights = token_weights.empty() ? nullptr : im.weights.as<float>();  // null: token mode
   ce.global_weight_sum = d_D;
   ce.grad_logits = im.head.get();
   ce.loss = d_ce;

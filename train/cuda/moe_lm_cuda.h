@@ -76,15 +76,16 @@ class MoeLmCuda : public MoeLm {
   absl::Status Unshard() override;
   absl::StatusOr<MicroBatchLosses> ForwardBackward(const MicroBatch& batch,
                                                    const losses::StepStats& stats,
+                                                   int micro_index,
                                                    losses::StepDisplay* display) override;
   absl::Status ReduceGrads(bool last_micro_batch) override;
 
  private:
   struct Impl;
   MoeLmCuda();
-  absl::StatusOr<MicroBatchLosses> ForwardBackwardOnDevice(const MicroBatch& batch,
-                                                           const losses::StepStats& stats,
-                                                           losses::StepDisplay* display);
+  absl::StatusOr<MicroBatchLosses> ForwardBackwardOnDevice(
+      const MicroBatch& batch, const losses::StepStats& stats,
+      absl::Span<const float> token_weights, losses::StepDisplay* display);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -176,29 +176,29 @@ TEST(MoeLmCudaTest, ProtocolAndInputErrorsAreStatuses) {
   stats.global_ce_weight_sum = 3;
   stats.global_routed_tokens = 4;
   // Before Unshard: the device holds no parameters yet.
-  EXPECT_EQ((*model)->ForwardBackward(batch, stats, nullptr).status().code(),
+  EXPECT_EQ((*model)->ForwardBackward(batch, stats, 0, nullptr).status().code(),
             absl::StatusCode::kFailedPrecondition);
   ASSERT_TRUE((*model)->Unshard().ok());
   // A label outside [0, V) is named; a token too.
   MicroBatch bad = batch;
   bad.labels[1] = 1000;
-  absl::Status s = (*model)->ForwardBackward(bad, stats, nullptr).status();
+  absl::Status s = (*model)->ForwardBackward(bad, stats, 0, nullptr).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_NE(s.message().find("label 1000 at position 1"), absl::string_view::npos) << s;
   bad = batch;
   bad.tokens[2] = -5;
-  s = (*model)->ForwardBackward(bad, stats, nullptr).status();
+  s = (*model)->ForwardBackward(bad, stats, 0, nullptr).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_NE(s.message().find("token -5 at position 2"), absl::string_view::npos) << s;
   // The good batch runs and reduces.
-  auto ok = (*model)->ForwardBackward(batch, stats, nullptr);
+  auto ok = (*model)->ForwardBackward(batch, stats, 0, nullptr);
   ASSERT_TRUE(ok.ok()) << ok.status();
   EXPECT_GT(ok->ce, 0.0);
   ASSERT_TRUE((*model)->ReduceGrads(/*last_micro_batch=*/true).ok());
   // New host parameters (as after an optimizer step) make the device copy stale.
   NamedParams params = MoeLm::InitialParameters(options.model, 2);
   ASSERT_TRUE((*model)->SetFullParameters(params).ok());
-  s = (*model)->ForwardBackward(batch, stats, nullptr).status();
+  s = (*model)->ForwardBackward(batch, stats, 0, nullptr).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
   EXPECT_NE(s.message().find("changed on the host"), absl::string_view::npos) << s;
   // A failure inside the device work (a NaN router weight: non-finite logits) fails the
@@ -206,15 +206,15 @@ TEST(MoeLmCudaTest, ProtocolAndInputErrorsAreStatuses) {
   params["layers.0.router"][0] = std::nanf("");
   ASSERT_TRUE((*model)->SetFullParameters(params).ok());
   ASSERT_TRUE((*model)->Unshard().ok());
-  s = (*model)->ForwardBackward(batch, stats, nullptr).status();
+  s = (*model)->ForwardBackward(batch, stats, 0, nullptr).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_EQ((*model)->ReduceGrads(true).code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ((*model)->ForwardBackward(batch, stats, nullptr).status().code(),
+  EXPECT_EQ((*model)->ForwardBackward(batch, stats, 0, nullptr).status().code(),
             absl::StatusCode::kFailedPrecondition);
   params["layers.0.router"][0] = 0.0f;
   ASSERT_TRUE((*model)->SetFullParameters(params).ok());
   ASSERT_TRUE((*model)->Unshard().ok());
-  EXPECT_TRUE((*model)->ForwardBackward(batch, stats, nullptr).ok());
+  EXPECT_TRUE((*model)->ForwardBackward(batch, stats, 0, nullptr).ok());
 }
 
 }  // namespace
