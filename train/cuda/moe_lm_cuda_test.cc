@@ -59,15 +59,16 @@ absl::StatusOr<GpuRun> RunOnGpu(const TrainConfig& config) {
   return out;
 }
 
-// (G, sharding, compute dtype, reduce dtype)
-using Case = std::tuple<int, const char*, const char*, const char*>;
+// (G, sharding, compute dtype, reduce dtype, CE weighting)
+using Case = std::tuple<int, const char*, const char*, const char*, const char*>;
 
 class MoeLmCudaTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(MoeLmCudaTest, MatchesReferenceAndCpuTrainer) {
   GRADSUM_SKIP_WITHOUT_GPU();
-  const auto [G, sharding, compute, reduce] = GetParam();
+  const auto [G, sharding, compute, reduce, ce_mode] = GetParam();
   TrainConfig config = TinyConfig(1, 1, G, sharding);
+  config.set_ce_mode(ce_mode);
   config.set_compute_dtype(compute);
   config.set_reduce_dtype(reduce);
   config.set_steps(4);
@@ -120,17 +121,20 @@ TEST_P(MoeLmCudaTest, MatchesReferenceAndCpuTrainer) {
 }
 
 std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
-  const auto [G, sharding, compute, reduce] = info.param;
-  return absl::StrCat("G", G, "_", sharding, "_compute_", compute, "_reduce_", reduce);
+  const auto [G, sharding, compute, reduce, ce_mode] = info.param;
+  return absl::StrCat("G", G, "_", sharding, "_compute_", compute, "_reduce_", reduce, "_ce_",
+                      ce_mode);
 }
 
 INSTANTIATE_TEST_SUITE_P(Configs, MoeLmCudaTest,
-                         ::testing::Values(Case{1, "fsdp", "f32", "f32"},
-                                           Case{3, "fsdp", "f32", "f32"},
-                                           Case{1, "replicated", "f32", "f32"},
-                                           Case{3, "replicated", "f32", "f32"},
-                                           Case{2, "fsdp", "bf16", "f32"},
-                                           Case{2, "fsdp", "f32", "bf16"}),
+                         ::testing::Values(Case{1, "fsdp", "f32", "f32", "token"},
+                                           Case{3, "fsdp", "f32", "f32", "token"},
+                                           Case{1, "replicated", "f32", "f32", "token"},
+                                           Case{3, "replicated", "f32", "f32", "token"},
+                                           Case{2, "fsdp", "bf16", "f32", "token"},
+                                           Case{2, "fsdp", "f32", "bf16", "token"},
+                                           Case{2, "fsdp", "f32", "f32", "sample"},
+                                           Case{2, "replicated", "f32", "f32", "square"}),
                          CaseName);
 
 TEST(MoeLmCudaTest, CreateRejectsMissingOrMismatchedDeviceGroups) {
