@@ -11,7 +11,8 @@
 
 // Value flags are optional: unset (std::nullopt) unless given, so the defaults live only
 // in config.proto and a flag never overrides a config file's value by its own default.
-// --resume and --parity_check are switches: given, they set the field to true.
+// --resume, --parity_check and --nccl_skip_agreement are switches: given, they set the field
+// to true.
 ABSL_FLAG(std::string, config, "", "textproto TrainConfig file (train/config.proto)");
 ABSL_FLAG(std::optional<int32_t>, world, std::nullopt, "ranks (threads for --backend=thread)");
 ABSL_FLAG(std::optional<int32_t>, ep, std::nullopt, "expert-parallel group size P");
@@ -40,6 +41,9 @@ ABSL_FLAG(std::optional<std::string>, checkpoint_dir, std::nullopt, "sharded che
 ABSL_FLAG(std::optional<int32_t>, checkpoint_every, std::nullopt,
           "steps between checkpoints (0: at the end only)");
 ABSL_FLAG(bool, resume, false, "continue from the latest checkpoint in --checkpoint_dir");
+ABSL_FLAG(bool, nccl_skip_agreement, false,
+          "backend=nccl: no per-collective agreement check (faster; mismatched ranks then fail "
+          "inside NCCL or hang until the timeout instead of naming the mismatch)");
 ABSL_FLAG(bool, parity_check, false,
           "compare step 1's gradients with the single-process reference; fail above 1e-5");
 ABSL_FLAG(std::optional<double>, alpha_b, std::nullopt,
@@ -83,6 +87,7 @@ const std::vector<FlagField>& OverridableFlags() {
       {"checkpoint_every", "checkpoint_every"},
       {"resume", "resume"},
       {"parity_check", "parity_check"},
+      {"nccl_skip_agreement", "nccl_skip_agreement"},
       {"alpha_b", "alpha_b"},
       {"alpha_z", "alpha_z"},
       {"lr", "optim.lr"},

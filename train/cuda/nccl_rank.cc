@@ -74,6 +74,7 @@ absl::Status RunNcclRank(const TrainConfig& config, Communicator* host_world, st
   NcclBackendOptions options;
   options.device = device;
   options.timeout = absl::Seconds(config.timeout_s());
+  options.check_agreement = !config.nccl_skip_agreement();
   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<NcclCommunicator> nccl_world,
                            CreateNcclCommunicator(*host_world, options));
   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Mesh> nccl_mesh,
