@@ -4,7 +4,7 @@
 // Internal: the per-row body of the fused CPU cross-entropy, built for two instruction
 // sets and picked once at run time. The row code (losses/cross_entropy_rows.inc) is bound by
 // the throughput of its vectorised fp32 exp; the baseline x86-64 build (SSE2) runs it 4 wide,
-// the AVX2 + FMA build 8 wide. The AVX2 build is compiled with -ffp-contract=off and the code
+// the AVX2 + FMA build 8 wide. Both are compiled with -ffp-contract=off and the code
 // never reassociates, so both builds give the same bits (checked by
 // cross_entropy_rows_test); only the speed differs.
 //
@@ -45,7 +45,7 @@ namespace rows_generic {
 CeRowKernels Kernels();
 }  // namespace rows_generic
 
-#if defined(__x86_64__)
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 namespace rows_avx2 {
 // Only call through SelectedCeRowKernels (the CPU must support AVX2 and FMA).
 CeRowKernels Kernels();

@@ -1,8 +1,10 @@
-// The AVX2 + FMA build (x86-64 only; the library picks it at run time) of the CE row code (losses/cross_entropy_rows.h).
+// The AVX2 + FMA build of the CE row code (losses/cross_entropy_rows.h), x86-64 only; the
+// library picks it at run time. The target is set by a pragma after every #include (not by
+// -mavx2 on the command line): header code stays baseline, and the file builds whatever
+// --cpu Bazel is given.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -10,12 +12,21 @@
 
 #include "losses/cross_entropy_rows.h"
 
-#if defined(__x86_64__)
-#if !defined(__AVX2__) || !defined(__FMA__)
-#error "cross_entropy_rows_avx2.cc must be compiled with -mavx2 -mfma"
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
 #endif
 
 #define GRADSUM_CE_ROWS_NS rows_avx2
 #define GRADSUM_CE_ROWS_ISA "avx2+fma"
 #include "losses/cross_entropy_rows.inc"
-#endif  // defined(__x86_64__)
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif  // x86-64 with GCC or clang

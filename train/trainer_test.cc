@@ -106,6 +106,8 @@ TEST(TrainerTest, DumpWritesTheNamedFiles) {
       }
       auto ids = b->Get("sample_ids");  // which packed document each token belongs to
       ASSERT_TRUE(ids.ok()) << ids.status();
+      ASSERT_EQ(ids->dtype(), DType::kI64);
+      ASSERT_EQ(ids->shape(), (std::vector<int64_t>{2, 16}));
       for (size_t i = 0; i < want.sample_ids.size(); ++i) {
         ASSERT_EQ(ids->data<int64_t>()[i], want.sample_ids[i]) << "sample_ids " << i;
       }
