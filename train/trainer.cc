@@ -173,6 +173,55 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   return trainer;
 }
 
+absl::Status Trainer::CheckResumeCompatible(const CheckpointInfo& info, int64_t step) const {
+  auto it = info.extra.find("config");
+  if (it == info.extra.end()) return absl::OkStatus();  // written by other code: nothing to check
+  GRADSUM_ASSIGN_OR_RETURN(TrainConfig saved, ParseConfigText(it->second));
+  // What decides where the data stream resumes (RankDataLoader::SkipSteps replays
+  // step * grad_acc micro-batches of this rank's shard) and what the parameters are. The
+  // optimizer settings, step count, logging, dtypes, CE weighting and backend may change.
+  const DataConfig &a = saved.data(), &b = config_.data();
+  const std::pair<const char*, std::pair<std::string, std::string>> fields[] = {
+      {"world", {absl::StrCat(saved.world()), absl::StrCat(config_.world())}},
+      {"ep", {absl::StrCat(saved.ep()), absl::StrCat(config_.ep())}},
+      {"grad_acc", {absl::StrCat(saved.grad_acc()), absl::StrCat(config_.grad_acc())}},
+      {"sharding", {saved.sharding(), config_.sharding()}},
+      {"data.path", {a.path(), b.path()}},
+      {"data.seq_len", {absl::StrCat(a.seq_len()), absl::StrCat(b.seq_len())}},
+      {"data.micro_batch", {absl::StrCat(a.micro_batch()), absl::StrCat(b.micro_batch())}},
+      {"data.corpus_seed", {absl::StrCat(a.corpus_seed()), absl::StrCat(b.corpus_seed())}},
+      {"data.min_doc_len", {absl::StrCat(a.min_doc_len()), absl::StrCat(b.min_doc_len())}},
+      {"data.max_doc_len", {absl::StrCat(a.max_doc_len()), absl::StrCat(b.max_doc_len())}},
+      {"data.corpus_documents",
+       {absl::StrCat(a.corpus_documents()), absl::StrCat(b.corpus_documents())}},
+  };
+  const ModelConfig &ma = saved.model(), &mb = config_.model();
+  const std::pair<const char*, std::pair<std::string, std::string>> model_fields[] = {
+      {"model.vocab", {absl::StrCat(ma.vocab()), absl::StrCat(mb.vocab())}},
+      {"model.dim", {absl::StrCat(ma.dim()), absl::StrCat(mb.dim())}},
+      {"model.layers", {absl::StrCat(ma.layers()), absl::StrCat(mb.layers())}},
+      {"model.experts", {absl::StrCat(ma.experts()), absl::StrCat(mb.experts())}},
+      {"model.top_k", {absl::StrCat(ma.top_k()), absl::StrCat(mb.top_k())}},
+      {"model.expert_dim", {absl::StrCat(ma.expert_dim()), absl::StrCat(mb.expert_dim())}},
+      {"model.norm_topk_prob",
+       {absl::StrCat(ma.norm_topk_prob()), absl::StrCat(mb.norm_topk_prob())}},
+      {"model.router_scale", {absl::StrCat(ma.router_scale()), absl::StrCat(mb.router_scale())}},
+  };
+  std::vector<std::pair<const char*, std::pair<std::string, std::string>>> all(
+      std::begin(fields), std::end(fields));
+  all.insert(all.end(), std::begin(model_fields), std::end(model_fields));
+  for (const auto& [name, values] : all) {
+    if (values.first != values.second) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "--resume: the checkpoint of step ", step, " was written with ", name, "=",
+          values.first, " but this run has ", name, "=", values.second,
+          "; resuming would continue a different data stream or model (start a new "
+          "checkpoint_dir, or resume with the saved value)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Trainer::Resume() {
   // Every rank must pick the same checkpoint: rank 0 decides, the others follow.
   int64_t step = -1;
@@ -191,6 +240,7 @@ absl::Status Trainer::Resume() {
   GRADSUM_ASSIGN_OR_RETURN(
       CheckpointInfo info,
       LoadCheckpoint(CheckpointPath(config_.checkpoint_dir(), step), *comms_.world, *optimizer_));
+  GRADSUM_RETURN_IF_ERROR(CheckResumeCompatible(info, step));
   step_ = info.step;
   fresh_start_ = false;
   loader_->SkipSteps(step_, config_.grad_acc());

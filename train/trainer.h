@@ -30,6 +30,7 @@
 #include "collectives/communicator.h"
 #include "losses/display.h"
 #include "sharding/adamw.h"
+#include "sharding/checkpoint.h"
 #include "train/config.pb.h"
 #include "train/data.h"
 #include "train/moe_lm.h"
@@ -115,6 +116,9 @@ class Trainer {
                          const std::vector<MicroBatch>& batches, const StepRecord& record);
   absl::Status SaveCheckpointNow();
   absl::Status Resume();
+  // FailedPrecondition naming the first field that differs between the checkpoint's saved
+  // config and this run's among those that decide the data stream and the model.
+  absl::Status CheckResumeCompatible(const CheckpointInfo& info, int64_t step) const;
   bool is_rank0() const { return comms_.world->rank() == 0; }
 
   TrainConfig config_;

@@ -167,6 +167,47 @@ TEST(TrainerTest, ResumeContinuesBitExactly) {
   }
 }
 
+// A checkpoint resumes only under the settings that decide its data stream and model:
+// changing G would replay a different number of micro-batches, so it is refused by name,
+// while a new learning rate or step count is fine.
+TEST(TrainerTest, ResumeRefusesAnotherDataStreamButAllowsNewOptimizerSettings) {
+  const std::string dir = ::testing::TempDir() + "/ckpt_compat";
+  std::filesystem::remove_all(dir);
+  TrainConfig first = TinyConfig(2, 2, 2, "fsdp");
+  first.set_steps(2);
+  first.set_checkpoint_dir(dir);
+  auto a = RunInProcess(first);
+  ASSERT_TRUE(a.ok() && (*a)[0].status.ok()) << (*a)[0].status;
+
+  TrainConfig other_g = first;
+  other_g.set_steps(4);
+  other_g.set_resume(true);
+  other_g.set_grad_acc(3);
+  auto b = RunInProcess(other_g);
+  ASSERT_TRUE(b.ok());
+  for (const RankOutcome& r : *b) {
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kFailedPrecondition) << r.status;
+    EXPECT_THAT(r.status.message(), HasSubstr("grad_acc=2 but this run has grad_acc=3"));
+  }
+  TrainConfig other_model = first;
+  other_model.set_resume(true);
+  other_model.set_steps(3);
+  other_model.mutable_model()->set_router_scale(2.0f);
+  auto c = RunInProcess(other_model);
+  ASSERT_TRUE(c.ok());
+  EXPECT_THAT((*c)[0].status.message(), HasSubstr("model.router_scale=1 but this run has"));
+
+  TrainConfig new_lr = first;
+  new_lr.set_resume(true);
+  new_lr.set_steps(3);
+  new_lr.mutable_optim()->set_lr(0.003);
+  auto d = RunInProcess(new_lr);
+  ASSERT_TRUE(d.ok());
+  ASSERT_TRUE((*d)[0].status.ok()) << (*d)[0].status;
+  ASSERT_EQ((*d)[0].history.size(), 1u);
+  EXPECT_EQ((*d)[0].history[0].step, 3);
+}
+
 TEST(TrainerTest, ResumeWithoutCheckpointIsNotFound) {
   const std::string dir = ::testing::TempDir() + "/empty_ckpt";
   std::filesystem::create_directories(dir);
