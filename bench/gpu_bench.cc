@@ -32,6 +32,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "bench/gpu_bench_main.h"
 #include "benchmark/benchmark.h"
 #include "collectives/communicator.h"
 #include "collectives/nccl_backend.h"
@@ -327,14 +328,5 @@ BENCHMARK(BM_NcclAllReduceLibraryVsRaw)
 }  // namespace gradsum::bench
 
 int main(int argc, char** argv) {
-  const absl::Status device = gradsum::cuda::RequireCudaDevice();
-  if (!device.ok()) {
-    std::fprintf(stderr, "gpu_bench: skipped, nothing measured: %s\n", std::string(device.message()).c_str());
-    return 77;
-  }
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
+  return gradsum::bench::GpuBenchmarkMain("gpu_bench", argc, argv);
 }

@@ -19,6 +19,7 @@
 
 #include "absl/time/clock.h"
 #include "bench/moe_lm_flops.h"
+#include "bench/gpu_bench_main.h"
 #include "benchmark/benchmark.h"
 #include "collectives/mesh.h"
 #include "collectives/nccl_backend.h"
@@ -112,15 +113,5 @@ BENCHMARK(BM_MoeLmStep)
 }  // namespace gradsum::bench
 
 int main(int argc, char** argv) {
-  const absl::Status device = gradsum::cuda::RequireCudaDevice();
-  if (!device.ok()) {
-    std::fprintf(stderr, "gpu_step_bench: skipped, nothing measured: %s\n",
-                 std::string(device.message()).c_str());
-    return 77;
-  }
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
+  return gradsum::bench::GpuBenchmarkMain("gpu_step_bench", argc, argv);
 }

@@ -8,6 +8,7 @@
 // Exit status: 0 on success; 1 when the config is bad, training fails, or the parity check
 // finds a difference beyond the tolerance.
 
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <thread>
@@ -26,6 +27,21 @@
 
 namespace gradsum::train {
 namespace {
+
+// One process per rank under an MPI launcher: the MPI world, rank 0 prints the banner and
+// the log, `run` does the rank's work with it.
+absl::Status RunOnMpiWorld(const TrainConfig& config, absl::Duration timeout,
+                           const std::function<absl::Status(Communicator*, std::ostream*)>& run) {
+  MpiBackendOptions options;
+  options.timeout = timeout;
+  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> world,
+                           CreateMpiWorldCommunicator(options));
+  const int rank = world->rank();
+  if (rank == 0) PrintBanner(config, std::cout);
+  absl::Status s = run(world.get(), rank == 0 ? &std::cout : nullptr);
+  world.reset();  // before MPI finalises at exit
+  return Annotate(s, absl::StrCat("rank ", rank));
+}
 
 absl::Status Main() {
   GRADSUM_ASSIGN_OR_RETURN(TrainConfig config, ConfigFromFlags());
@@ -49,15 +65,9 @@ absl::Status Main() {
     return absl::OkStatus();
   }
   if (config.backend() == "mpi") {
-    MpiBackendOptions options;
-    options.timeout = timeout;
-    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> world,
-                             CreateMpiWorldCommunicator(options));
-    const int rank = world->rank();
-    if (rank == 0) PrintBanner(config, std::cout);
-    absl::Status s = RunRank(config, world.get(), rank == 0 ? &std::cout : nullptr);
-    world.reset();  // before MPI finalises at exit
-    return Annotate(s, absl::StrCat("rank ", rank));
+    return RunOnMpiWorld(config, timeout, [&](Communicator* world, std::ostream* log) {
+      return RunRank(config, world, log);
+    });
   }
   if (config.backend() == "nccl") {
 #ifdef GRADSUM_HAVE_CUDA
@@ -72,15 +82,9 @@ absl::Status Main() {
                                CreateThreadCommunicators(1, options));
       return RunNcclRank(config, one[0].get(), &std::cout);
     }
-    MpiBackendOptions options;
-    options.timeout = timeout;
-    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> world,
-                             CreateMpiWorldCommunicator(options));
-    const int rank = world->rank();
-    if (rank == 0) PrintBanner(config, std::cout);
-    absl::Status s = RunNcclRank(config, world.get(), rank == 0 ? &std::cout : nullptr);
-    world.reset();
-    return Annotate(s, absl::StrCat("rank ", rank));
+    return RunOnMpiWorld(config, timeout, [&](Communicator* world, std::ostream* log) {
+      return RunNcclRank(config, world, log);
+    });
 #else
     return absl::FailedPreconditionError(
         "backend=nccl: this moe_lm was built without CUDA; rebuild it with "

@@ -380,6 +380,11 @@ absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackwardOnDevice(
     w.down = g.param_ptr(2 * El);
     return w;
   };
+  // The experts' saved activations of the rows that start at received row `first`.
+  auto saved_rows = [&](const LayerBuffers& lb, int64_t first) {
+    return moe::ExpertsCudaSaved{lb.gate.as<float>() + first * H, lb.up.as<float>() + first * H,
+                                 lb.hidden.as<float>() + first * H};
+  };
   // All-to-all-v over the NCCL EP group, ordered after the compute stream's work.
   auto all_to_all = [&](const float* send, const std::vector<size_t>& sc,
                         const std::vector<size_t>& so, float* recv, const std::vector<size_t>& rc,
@@ -460,11 +465,9 @@ absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackwardOnDevice(
     for (int p = 0; p < P; ++p) {
       const int64_t first = x.source_first_row[p];
       if (x.source_offsets[p][El] == 0) continue;
-      moe::ExpertsCudaSaved saved{lb.gate.as<float>() + first * H, lb.up.as<float>() + first * H,
-                                  lb.hidden.as<float>() + first * H};
       GRADSUM_RETURN_IF_ERROR(moe::ExpertsForwardCuda(
           im.blas, s, ecfg, expert_weights(ex), lb.recv.as<float>() + first * D,
-          x.source_offsets[p], im.expert_out.as<float>() + first * D, saved));
+          x.source_offsets[p], im.expert_out.as<float>() + first * D, saved_rows(lb, first)));
     }
     // The outputs go back to where their rows came from (the reverse exchange).
     GRADSUM_RETURN_IF_ERROR(all_to_all(im.expert_out.as<float>(), x.recv_counts, x.recv_offsets,
@@ -561,11 +564,9 @@ absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackwardOnDevice(
     for (int p = 0; p < P; ++p) {
       const int64_t first = x.source_first_row[p];
       if (x.source_offsets[p][El] == 0) continue;
-      moe::ExpertsCudaSaved saved{lb.gate.as<float>() + first * H, lb.up.as<float>() + first * H,
-                                  lb.hidden.as<float>() + first * H};
       GRADSUM_RETURN_IF_ERROR(moe::ExpertsBackwardCuda(
           im.blas, s, ecfg, expert_weights(ex), lb.recv.as<float>() + first * D,
-          x.source_offsets[p], saved, im.d_recv.as<float>() + first * D,
+          x.source_offsets[p], saved_rows(lb, first), im.d_recv.as<float>() + first * D,
           im.dx_recv.as<float>() + first * D, eg));
     }
     GRADSUM_RETURN_IF_ERROR(all_to_all(im.dx_recv.as<float>(), x.recv_counts, x.recv_offsets,
