@@ -38,6 +38,19 @@ moe::MoeLayerConfig LayerConfig(const ModelConfig& m) {
 
 }  // namespace
 
+absl::Status CheckMicroBatchTokens(const MicroBatch& batch, int64_t vocab) {
+  if (batch.labels.size() != batch.tokens.size() || batch.mask.size() != batch.tokens.size()) {
+    return absl::InvalidArgumentError("micro-batch: tokens, labels and mask differ in length");
+  }
+  for (size_t t = 0; t < batch.tokens.size(); ++t) {
+    if (batch.tokens[t] < 0 || batch.tokens[t] >= vocab) {
+      return absl::InvalidArgumentError(absl::StrCat("token ", batch.tokens[t], " at position ",
+                                                     t, " outside [0, ", vocab, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<absl::Span<const float>> MicroBatchTokenWeights(const losses::StepStats& stats,
                                                                int micro_index, int64_t tokens) {
   if (micro_index < 0 || micro_index >= stats.num_micro_batches) {
@@ -247,15 +260,7 @@ absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
   const int64_t T = static_cast<int64_t>(batch.tokens.size());
   const int64_t D = m.dim(), V = m.vocab(), E = m.experts();
   const int L = m.layers(), K = m.top_k();
-  if (batch.labels.size() != batch.tokens.size() || batch.mask.size() != batch.tokens.size()) {
-    return absl::InvalidArgumentError("micro-batch: tokens, labels and mask differ in length");
-  }
-  for (int64_t t = 0; t < T; ++t) {
-    if (batch.tokens[t] < 0 || batch.tokens[t] >= V) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("token ", batch.tokens[t], " at position ", t, " outside [0, ", V, ")"));
-    }
-  }
+  GRADSUM_RETURN_IF_ERROR(CheckMicroBatchTokens(batch, V));
   GRADSUM_ASSIGN_OR_RETURN(absl::Span<const float> token_weights,
                            MicroBatchTokenWeights(stats, micro_index, T));
   for (FlatParam* g : groups()) {

@@ -50,6 +50,10 @@ namespace gradsum::train {
 // Full parameter (or gradient) values by name, row-major fp32.
 using NamedParams = std::map<std::string, std::vector<float>>;
 
+// InvalidArgument unless tokens, labels and mask have one length and every token is in
+// [0, vocab) (naming the first bad token and its position). Labels are the CE's to check.
+absl::Status CheckMicroBatchTokens(const MicroBatch& batch, int64_t vocab);
+
 // The CE weights w_t (§3) of micro-batch `micro_index` with `tokens` tokens: empty in token
 // mode (w_t = 1 for valid tokens), else stats.token_weights[micro_index]. InvalidArgument
 // for a micro_index outside [0, G) or weights of another length.

@@ -276,15 +276,7 @@ absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackwardOnDevice(
   const int El = E / P;
   const int64_t TK = T * K;
   cudaStream_t s = im.stream.get();
-  if (batch.labels.size() != batch.tokens.size() || batch.mask.size() != batch.tokens.size()) {
-    return absl::InvalidArgumentError("micro-batch: tokens, labels and mask differ in length");
-  }
-  for (int64_t t = 0; t < T; ++t) {
-    if (batch.tokens[t] < 0 || batch.tokens[t] >= V) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("token ", batch.tokens[t], " at position ", t, " outside [0, ", V, ")"));
-    }
-  }
+  GRADSUM_RETURN_IF_ERROR(CheckMicroBatchTokens(batch, V));
 
   // ---- Buffers for T tokens (allocated on the first micro-batch or a new T). ----
   if (im.rows != T) {
