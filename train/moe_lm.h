@@ -151,7 +151,6 @@ class MoeLm {
   // Validates options and groups and builds `model`'s parameter groups (Create's work,
   // shared with subclasses).
   static absl::Status Init(const MoeLmOptions& options, const MoeLmGroups& groups, MoeLm* model);
-  int ep_rank() const { return ep_rank_; }
   FlatParam* dense() const { return dense_.get(); }
   FlatParam* experts(int layer) const { return experts_[layer].get(); }
   int emb_index() const { return emb_index_; }

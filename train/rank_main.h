@@ -25,7 +25,10 @@ struct RankMesh {
   std::unique_ptr<TimedCommunicator> world;
   std::unique_ptr<Mesh> mesh;  // over `world`, so the EP and EDP groups are timed too
   std::shared_ptr<CommTimer> timer;
-  RankComms comms() const { return {&mesh->world(), &mesh->ep_group(), &mesh->edp_group(), timer}; }
+  // The host model (make_model empty); callers set make_model for another.
+  RankComms comms() const {
+    return {&mesh->world(), &mesh->ep_group(), &mesh->edp_group(), timer, /*make_model=*/{}};
+  }
 };
 
 // Wraps `world` (not owned; must outlive the result) in a timer and builds the mesh with
