@@ -1,8 +1,13 @@
 // Whole training step of moe_lm (//train:moe_lm's Trainer) on the thread backend at the
-// binary's default sizes: tokens/s, and the step time split into compute, communication
-// (time inside collectives, including waiting for the peer inside them) and waiting (the
-// end-of-step barrier: load imbalance). Side by side: world 1 (no peer) and world 2, both
-// sharding modes, and an Eigen fp32 GEMM of the experts' shape as the compute limit.
+// binary's default sizes: tokens/s, the model's matmul GFLOP/s (bench/moe_lm_flops.h), and
+// the step time split into compute, communication (time inside collectives, including
+// waiting for the peer inside them) and waiting (the end-of-step barrier: load imbalance).
+// Side by side: world 1 (no peer) and world 2 at ep 1 and 2, both sharding modes.
+//
+// The physical limit, measured in the same run: the single-thread BLAS GEMM rate at the
+// experts' shape ([2048, D] x [D, H], core/gemm.h) times the cores the ranks use
+// (limit_GFLOP_per_s); pct_of_limit = GFLOP_per_s / limit. BM_Gemm reports that rate and
+// Eigen's (no -march) next to it.
 //
 //   ./bazelw run -c opt //bench:step_bench -- --benchmark_min_time=0.1
 //
@@ -18,6 +23,7 @@
 #include "benchmark/benchmark.h"
 #include "bench/moe_lm_flops.h"
 #include "collectives/thread_backend.h"
+#include "core/gemm.h"
 #include "train/config.pb.h"
 #include "train/rank_main.h"
 #include "train/trainer.h"
@@ -27,13 +33,41 @@ namespace {
 
 constexpr int kWarmupSteps = 3;
 constexpr int kTimedSteps = 10;
+constexpr int kLimitRows = 2048;  // rows of the limit GEMM
+
+// GFLOP/s of one single-threaded BLAS GEMM [rows, D] x [D, H] (C overwritten), timed over
+// at least `seconds`.
+double GemmGflops(int rows, double seconds) {
+  const train::ModelConfig m;
+  const int64_t d = m.dim(), h = m.expert_dim();
+  std::vector<float> a(rows * d, 0.5f), b(d * h, 0.25f), c(rows * h);
+  int64_t reps = 0;
+  const absl::Time start = absl::Now();
+  absl::Duration elapsed;
+  do {
+    for (int i = 0; i < 10; ++i) {
+      (void)Sgemm(Trans::kNo, Trans::kNo, rows, h, d, 1.0f, a, d, b, h, 0.0f,
+                  absl::MakeSpan(c), h);
+    }
+    reps += 10;
+    elapsed = absl::Now() - start;
+  } while (elapsed < absl::Seconds(seconds));
+  benchmark::DoNotOptimize(c.data());
+  return 2.0 * rows * d * h * reps / absl::ToDoubleSeconds(elapsed) / 1e9;
+}
+
+// The single-core GEMM rate, measured once per run (first use).
+double SingleCoreGemmGflops() {
+  static const double rate = GemmGflops(kLimitRows, 0.5);
+  return rate;
+}
 
 void BM_TrainStep(benchmark::State& state) {
   const int world = static_cast<int>(state.range(0));
   train::TrainConfig config;  // the binary's defaults
   config.set_world(world);
-  config.set_ep(world);
-  config.set_sharding(state.range(1) == 0 ? "fsdp" : "replicated");
+  config.set_ep(static_cast<int>(state.range(1)));
+  config.set_sharding(state.range(2) == 0 ? "fsdp" : "replicated");
   config.set_steps(1 << 30);
   double step_s = 0, comm_s = 0, wait_s = 0, tokens = 0;
   for (auto _ : state) {
@@ -83,23 +117,41 @@ void BM_TrainStep(benchmark::State& state) {
     }
   }
   const double flops = MoeLmFlopsPerToken(config.model());
+  // The trainer gives each of the world's ranks cores / world threads (thread backend).
+  const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const int cores_in_use = std::min(cores, world * std::max(1, cores / world));
+  const double limit = SingleCoreGemmGflops() * cores_in_use;
   state.counters["tokens_per_s"] = tokens / step_s;
   state.counters["GFLOP_per_s"] = tokens * flops / step_s / 1e9;
+  state.counters["limit_GFLOP_per_s"] = limit;
+  state.counters["pct_of_limit"] = 100 * tokens * flops / step_s / 1e9 / limit;
   state.counters["compute_pct"] = 100 * (step_s - comm_s - wait_s) / step_s;
   state.counters["comm_pct"] = 100 * comm_s / step_s;
   state.counters["wait_pct"] = 100 * wait_s / step_s;
 }
 BENCHMARK(BM_TrainStep)
-    ->ArgNames({"world", "replicated"})
-    ->Args({1, 0})
-    ->Args({2, 0})
-    ->Args({2, 1})
+    ->ArgNames({"world", "ep", "replicated"})
+    ->Args({1, 1, 0})
+    ->Args({2, 1, 0})
+    ->Args({2, 2, 0})
+    ->Args({2, 1, 1})
+    ->Args({2, 2, 1})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 
-// The compute limit: one fp32 Eigen GEMM of the experts' up-projection shape,
-// [rows, D] x [D, H], on one thread (what a rank's expert matmuls can reach at best).
-void BM_ExpertShapedGemm(benchmark::State& state) {
+// The compute limit: one single-threaded BLAS GEMM of the experts' up-projection shape,
+// [rows, D] x [D, H] (what one core's expert matmuls can reach at best).
+void BM_Gemm(benchmark::State& state) {
+  const int rows = static_cast<int>(state.range(0));
+  double rate = 0;
+  for (auto _ : state) rate = GemmGflops(rows, 0.2);
+  state.counters["GFLOP_per_s"] = rate;
+  state.SetLabel(BlasCoreName());
+}
+BENCHMARK(BM_Gemm)->Arg(256)->Arg(kLimitRows)->Iterations(1);
+
+// The same product through Eigen (no -march), the GEMM before core/gemm.h.
+void BM_EigenGemm(benchmark::State& state) {
   const train::ModelConfig m;  // default sizes
   const int rows = static_cast<int>(state.range(0));
   Eigen::setNbThreads(1);
@@ -114,7 +166,7 @@ void BM_ExpertShapedGemm(benchmark::State& state) {
       benchmark::Counter(2.0 * rows * m.dim() * m.expert_dim() * state.iterations() / 1e9,
                          benchmark::Counter::kIsRate);
 }
-BENCHMARK(BM_ExpertShapedGemm)->Arg(256)->Arg(1024)->UseRealTime();
+BENCHMARK(BM_EigenGemm)->Arg(256)->Arg(kLimitRows)->UseRealTime();
 
 }  // namespace
 }  // namespace gradsum::bench

@@ -5,19 +5,14 @@
 #include <memory>
 #include <vector>
 
-#include "Eigen/Core"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "core/dtype.h"
+#include "core/gemm.h"
 #include "losses/cross_entropy_kernel.h"
-#include "losses/parallel.h"
 
 namespace gradsum::losses {
 namespace {
-
-using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-using ConstMap = Eigen::Map<const RowMajor>;
-using Map = Eigen::Map<RowMajor>;
 
 constexpr int64_t kAutoChunkBytes = int64_t{4} << 20;
 constexpr int64_t kMinAutoChunkRows = 32;
@@ -39,12 +34,6 @@ bool Overlap(const TensorView& a, const TensorView& b) {
   const char* a0 = static_cast<const char*>(a.raw());
   const char* b0 = static_cast<const char*>(b.raw());
   return a.nbytes() > 0 && b.nbytes() > 0 && a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
-}
-
-// Splits [0, n) into `parts` near-equal ranges; returns range `i` as (begin, size).
-std::pair<int64_t, int64_t> Part(int64_t n, int64_t parts, int64_t i) {
-  const int64_t begin = n * i / parts;
-  return {begin, n * (i + 1) / parts - begin};
 }
 
 }  // namespace
@@ -89,10 +78,10 @@ absl::StatusOr<LinearCrossEntropyResult> LinearCrossEntropyForwardBackward(
 
   LinearCrossEntropyResult result;
   result.chunk_rows = chunk;
-  ConstMap h(hidden.data<float>(), n, dm);
-  ConstMap w(head.data<float>(), dm, v);
-  Map gh(grad_hidden.data<float>(), n, dm);
-  Map gw(grad_head.data<float>(), dm, v);
+  const absl::Span<const float> h(hidden.data<float>(), n * dm);
+  const absl::Span<const float> w(head.data<float>(), dm * v);
+  const absl::Span<float> gh(grad_hidden.data<float>(), n * dm);
+  const absl::Span<float> gw(grad_head.data<float>(), dm * v);
 
   std::unique_ptr<float[]> logits_buf;  // allocated on the first chunk that needs it
   const int threads = std::max(1, options.num_threads);
@@ -115,7 +104,7 @@ absl::StatusOr<LinearCrossEntropyResult> LinearCrossEntropyForwardBackward(
       for (int64_t i = 0; i < rows; ++i) {
         if (chunk_labels[i] != options.ignore_index) ++result.ce.local_valid_tokens;
       }
-      gh.middleRows(r0, rows).setZero();
+      std::fill_n(gh.data() + r0 * dm, rows * dm, 0.0f);
       continue;
     }
     if (logits_buf == nullptr) {
@@ -126,14 +115,13 @@ absl::StatusOr<LinearCrossEntropyResult> LinearCrossEntropyForwardBackward(
           chunk * v * static_cast<int64_t>(sizeof(float)) + chunk * 9 +
           threads * (v + (v + 1023) / 1024) * static_cast<int64_t>(sizeof(float));
     }
-    Map logits(logits_buf.get(), rows, v);
-    const auto h_c = h.middleRows(r0, rows);
+    const absl::Span<float> logits(logits_buf.get(), rows * v);
+    const absl::Span<const float> h_c = h.subspan(r0 * dm, rows * dm);
 
-    // logits_c = hidden_c @ head, split over columns of V.
-    ParallelFor(threads, threads, [&](int64_t part) {
-      const auto [c0, cn] = Part(v, threads, part);
-      logits.middleCols(c0, cn).noalias() = h_c * w.middleCols(c0, cn);
-    });
+    // logits_c = hidden_c @ head (core/gemm.h splits it over the threads).
+    s = Sgemm(Trans::kNo, Trans::kNo, rows, v, dm, 1.0f, h_c, dm, w, v, 0.0f, logits, v,
+              threads);
+    if (!s.ok()) return s;
     absl::StatusOr<CrossEntropyResult> ce = internal::CrossEntropyKernel(
         logits_buf.get(), logits_buf.get(), DType::kF32, rows, v, chunk_labels, chunk_weights,
         global_weight_sum, ce_options, /*row_offset=*/r0);
@@ -142,18 +130,15 @@ absl::StatusOr<LinearCrossEntropyResult> LinearCrossEntropyForwardBackward(
     result.ce.local_weight_sum += ce->local_weight_sum;
     result.ce.local_valid_tokens += ce->local_valid_tokens;
 
-    // grad_head += hidden_c^T @ dlogits_c (columns of V), before grad_hidden_c is written,
-    // so grad_hidden may alias hidden.
-    ParallelFor(threads, threads, [&](int64_t part) {
-      const auto [c0, cn] = Part(v, threads, part);
-      gw.middleCols(c0, cn).noalias() += h_c.transpose() * logits.middleCols(c0, cn);
-    });
-    // grad_hidden_c = dlogits_c @ head^T (rows of the chunk).
-    ParallelFor(threads, threads, [&](int64_t part) {
-      const auto [i0, in] = Part(rows, threads, part);
-      if (in == 0) return;
-      gh.middleRows(r0 + i0, in).noalias() = logits.middleRows(i0, in) * w.transpose();
-    });
+    // grad_head += hidden_c^T @ dlogits_c, before grad_hidden_c is written, so grad_hidden
+    // may alias hidden.
+    s = Sgemm(Trans::kYes, Trans::kNo, dm, v, rows, 1.0f, h_c, dm, logits, v, 1.0f, gw, v,
+              threads);
+    if (!s.ok()) return s;
+    // grad_hidden_c = dlogits_c @ head^T.
+    s = Sgemm(Trans::kNo, Trans::kYes, rows, dm, v, 1.0f, logits, v, w, v, 0.0f,
+              gh.subspan(r0 * dm, rows * dm), dm, threads);
+    if (!s.ok()) return s;
   }
   result.ce.local_loss =
       global_weight_sum > 0.0 ? result.ce.local_weighted_ce_sum / global_weight_sum : 0.0;

@@ -10,8 +10,8 @@
 //   grad_head    += hidden_c^T @ dlogits_c               accumulated in fp32
 //   grad_hidden_c = dlogits_c @ head^T
 // Peak extra memory is one chunk of logits (C * V * 4 bytes) plus O(C + V) scratch,
-// reported in LinearCrossEntropyResult::peak_scratch_bytes. GEMMs are Eigen's, split over
-// `num_threads` threads (columns of V for the head-side products, rows for grad_hidden).
+// reported in LinearCrossEntropyResult::peak_scratch_bytes. GEMMs are BLAS calls
+// (core/gemm.h), split over `num_threads` threads of the shared pool.
 // Chunks whose rows all have weight 0 skip the matmuls (their grad_hidden rows are 0).
 //
 //   LinearCrossEntropyOptions opt;                    // automatic chunk size
@@ -43,7 +43,7 @@ struct LinearCrossEntropyResult {
   // Loss, weight sum and valid count of these rows, as from CrossEntropyForwardBackward.
   CrossEntropyResult ce;
   // The most bytes this call held allocated at once: the logits chunk, 9 bytes per chunk
-  // row and one fp32 row of V per thread (the CE kernel's). Eigen's internal GEMM packing
+  // row and one fp32 row of V per thread (the CE kernel's). The BLAS's internal GEMM packing
   // buffers (cache-sized) are not included; bench/losses_bench measures the true heap peak.
   int64_t peak_scratch_bytes = 0;
   // Chunk size used.

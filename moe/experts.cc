@@ -1,18 +1,17 @@
 #include "moe/experts.h"
 
-#include <Eigen/Dense>
 #include <cmath>
+#include <functional>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/gemm.h"
 #include "core/status.h"
+#include "core/thread_pool.h"
 #include "moe/shapes.h"
 
 namespace gradsum::moe {
 namespace {
-
-using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-using ConstMap = Eigen::Map<const RowMatrix>;
-using Map = Eigen::Map<RowMatrix>;
 
 // Checks config, weights and group sizes; returns N = sum(group_sizes).
 absl::StatusOr<int64_t> CheckCommon(const ExpertsConfig& config, const ExpertWeights& weights,
@@ -32,6 +31,27 @@ absl::StatusOr<int64_t> CheckCommon(const ExpertsConfig& config, const ExpertWei
 }
 
 inline float Sigmoid(float g) { return 1.0f / (1.0f + std::exp(-g)); }
+
+// First row of each group: offsets[j] = sum(group_sizes[0, j)).
+std::vector<int64_t> GroupOffsets(absl::Span<const int64_t> group_sizes) {
+  std::vector<int64_t> offsets(group_sizes.size() + 1, 0);
+  for (size_t j = 0; j < group_sizes.size(); ++j) offsets[j + 1] = offsets[j] + group_sizes[j];
+  return offsets;
+}
+
+// Runs fn(j) for every local expert with rows, spread over the rank's compute threads
+// (ComputeThreads(), core/thread_pool.h). Each expert touches only its own rows and its own
+// weight-gradient block, with single-threaded GEMMs, so the result does not depend on the
+// thread count. Returns the first error in expert order.
+absl::Status ForEachExpert(absl::Span<const int64_t> group_sizes,
+                           const std::function<absl::Status(int)>& fn) {
+  std::vector<absl::Status> status(group_sizes.size());
+  ParallelFor(ComputeThreads(), static_cast<int64_t>(group_sizes.size()), [&](int64_t j) {
+    if (group_sizes[j] > 0) status[j] = fn(static_cast<int>(j));
+  });
+  for (absl::Status& s : status) GRADSUM_RETURN_IF_ERROR(s);
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -77,26 +97,24 @@ absl::Status ExpertsForward(const ExpertsConfig& config, const ExpertWeights& we
   ExpertsSaved& s = saved != nullptr ? *saved : local;
   s.gate_pre.resize(N * H);
   s.up_pre.resize(N * H);
-  std::vector<float> act;  // SiLU(g) * u of the current group
-  int64_t row = 0;
-  for (int j = 0; j < config.num_local_experts; ++j) {
-    const int64_t n = group_sizes[j];
-    if (n == 0) continue;
-    ConstMap xj(x.data() + row * D, n, D);
-    Map g(s.gate_pre.data() + row * H, n, H);
-    Map u(s.up_pre.data() + row * H, n, H);
-    g.noalias() = xj * ConstMap(weights.gate.data() + j * D * H, D, H);
-    u.noalias() = xj * ConstMap(weights.up.data() + j * D * H, D, H);
-    act.resize(n * H);
-    for (int64_t i = 0; i < n * H; ++i) {
-      const float gi = g.data()[i];
-      act[i] = gi * Sigmoid(gi) * u.data()[i];
-    }
-    Map(y.data() + row * D, n, D).noalias() =
-        ConstMap(act.data(), n, H) * ConstMap(weights.down.data() + j * H * D, H, D);
-    row += n;
-  }
-  return absl::OkStatus();
+  std::vector<float> act(N * H);  // SiLU(g) * u
+  const std::vector<int64_t> offsets = GroupOffsets(group_sizes);
+  return ForEachExpert(group_sizes, [&](int j) -> absl::Status {
+    const int64_t row = offsets[j], n = group_sizes[j];
+    const auto xj = x.subspan(row * D, n * D);
+    float* g = s.gate_pre.data() + row * H;
+    float* u = s.up_pre.data() + row * H;
+    float* a = act.data() + row * H;
+    GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kNo, n, H, D, 1.0f, xj, D,
+                                  weights.gate.subspan(j * D * H, D * H), H, 0.0f,
+                                  absl::MakeSpan(g, n * H), H));
+    GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kNo, n, H, D, 1.0f, xj, D,
+                                  weights.up.subspan(j * D * H, D * H), H, 0.0f,
+                                  absl::MakeSpan(u, n * H), H));
+    for (int64_t i = 0; i < n * H; ++i) a[i] = g[i] * Sigmoid(g[i]) * u[i];
+    return Sgemm(Trans::kNo, Trans::kNo, n, D, H, 1.0f, absl::MakeConstSpan(a, n * H), H,
+                 weights.down.subspan(j * H * D, H * D), D, 0.0f, y.subspan(row * D, n * D), D);
+  });
 }
 
 absl::Status ExpertsBackward(const ExpertsConfig& config, const ExpertWeights& weights,
@@ -106,7 +124,6 @@ absl::Status ExpertsBackward(const ExpertsConfig& config, const ExpertWeights& w
   GRADSUM_ASSIGN_OR_RETURN(const int64_t N, CheckCommon(config, weights, group_sizes));
   const int64_t D = config.d_model;
   const int64_t H = config.hidden;
-  const int64_t stacked = D * H * config.num_local_experts;
   GRADSUM_RETURN_IF_ERROR(internal::CheckSize("expert input x", x.size(), N * D, "[N, D]"));
   GRADSUM_RETURN_IF_ERROR(internal::CheckSize("expert dy", dy.size(), N * D, "[N, D]"));
   GRADSUM_RETURN_IF_ERROR(internal::CheckSize("expert dx", dx.size(), N * D, "[N, D]"));
@@ -116,44 +133,46 @@ absl::Status ExpertsBackward(const ExpertsConfig& config, const ExpertWeights& w
       internal::CheckSize("saved up_pre", saved.up_pre.size(), N * H, "[N, H]"));
   GRADSUM_RETURN_IF_ERROR(CheckExpertWeightGrads(config, grads));
 
-  std::vector<float> act, d_gate, d_up;
-  int64_t row = 0;
-  for (int j = 0; j < config.num_local_experts; ++j) {
-    const int64_t n = group_sizes[j];
-    if (n == 0) continue;
-    ConstMap xj(x.data() + row * D, n, D);
-    ConstMap dyj(dy.data() + row * D, n, D);
-    ConstMap wg(weights.gate.data() + j * D * H, D, H);
-    ConstMap wu(weights.up.data() + j * D * H, D, H);
-    ConstMap wd(weights.down.data() + j * H * D, H, D);
+  std::vector<float> act(N * H), d_gate(N * H), d_up(N * H);
+  const std::vector<int64_t> offsets = GroupOffsets(group_sizes);
+  return ForEachExpert(group_sizes, [&](int j) -> absl::Status {
+    const int64_t row = offsets[j], n = group_sizes[j];
+    const auto xj = x.subspan(row * D, n * D);
+    const auto dyj = dy.subspan(row * D, n * D);
+    const auto wg = weights.gate.subspan(j * D * H, D * H);
+    const auto wu = weights.up.subspan(j * D * H, D * H);
+    const auto wd = weights.down.subspan(j * H * D, H * D);
     const float* g = saved.gate_pre.data() + row * H;
     const float* u = saved.up_pre.data() + row * H;
-    act.resize(n * H);
-    d_gate.resize(n * H);
-    d_up.resize(n * H);
+    float* a = act.data() + row * H;
+    float* dg = d_gate.data() + row * H;
+    float* du = d_up.data() + row * H;
     // d(act) = dy Wd^T, computed into d_gate and turned into the two pre-activation grads.
-    Map(d_gate.data(), n, H).noalias() = dyj * wd.transpose();
+    GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kYes, n, H, D, 1.0f, dyj, D, wd, D, 0.0f,
+                                  absl::MakeSpan(dg, n * H), H));
     for (int64_t i = 0; i < n * H; ++i) {
       const float sig = Sigmoid(g[i]);
       const float silu = g[i] * sig;
-      const float d_act = d_gate[i];
-      act[i] = silu * u[i];
-      d_up[i] = d_act * silu;
+      const float d_act = dg[i];
+      a[i] = silu * u[i];
+      du[i] = d_act * silu;
       // SiLU'(g) = sig(g) (1 + g (1 - sig(g))).
-      d_gate[i] = d_act * u[i] * sig * (1.0f + g[i] * (1.0f - sig));
+      dg[i] = d_act * u[i] * sig * (1.0f + g[i] * (1.0f - sig));
     }
-    ConstMap dg(d_gate.data(), n, H);
-    ConstMap du(d_up.data(), n, H);
-    Map(grads.down.data() + j * H * D, H, D).noalias() +=
-        ConstMap(act.data(), n, H).transpose() * dyj;
-    Map(grads.gate.data() + j * D * H, D, H).noalias() += xj.transpose() * dg;
-    Map(grads.up.data() + j * D * H, D, H).noalias() += xj.transpose() * du;
-    Map dxj(dx.data() + row * D, n, D);
-    dxj.noalias() = dg * wg.transpose();
-    dxj.noalias() += du * wu.transpose();
-    row += n;
-  }
-  return absl::OkStatus();
+    const auto dgj = absl::MakeConstSpan(dg, n * H);
+    const auto duj = absl::MakeConstSpan(du, n * H);
+    GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kYes, Trans::kNo, H, D, n, 1.0f,
+                                  absl::MakeConstSpan(a, n * H), H, dyj, D, 1.0f,
+                                  grads.down.subspan(j * H * D, H * D), D));
+    GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kYes, Trans::kNo, D, H, n, 1.0f, xj, D, dgj, H, 1.0f,
+                                  grads.gate.subspan(j * D * H, D * H), H));
+    GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kYes, Trans::kNo, D, H, n, 1.0f, xj, D, duj, H, 1.0f,
+                                  grads.up.subspan(j * D * H, D * H), H));
+    const auto dxj = dx.subspan(row * D, n * D);
+    GRADSUM_RETURN_IF_ERROR(
+        Sgemm(Trans::kNo, Trans::kYes, n, D, H, 1.0f, dgj, H, wg, H, 0.0f, dxj, D));
+    return Sgemm(Trans::kNo, Trans::kYes, n, D, H, 1.0f, duj, H, wu, H, 1.0f, dxj, D);
+  });
 }
 
 }  // namespace gradsum::moe

@@ -17,8 +17,10 @@
 //   ExpertWeightGrads g{.gate = dwg, .up = dwu, .down = dwd};   // accumulated (+=)
 //   GRADSUM_RETURN_IF_ERROR(ExpertsBackward(config, w, x, group_sizes, saved, dy, dx, g));
 //
-// Every product is one Eigen fp32 GEMM per expert; weight gradients accumulate in fp32 so
-// that micro-batches sum (SEMANTICS.md §2).
+// Every product is one single-threaded fp32 BLAS GEMM per expert (core/gemm.h); the local
+// experts are spread over the calling thread's compute budget (ComputeThreads(),
+// core/thread_pool.h), one expert per task, so results do not depend on the thread count.
+// Weight gradients accumulate in fp32 so that micro-batches sum (SEMANTICS.md §2).
 
 #include <cstdint>
 #include <vector>

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "gmock/gmock.h"
+#include "core/thread_pool.h"
 #include "gtest/gtest.h"
 #include "moe/reference.h"
 #include "moe/test_util.h"
@@ -104,6 +105,45 @@ TEST(ExpertsTest, BackwardMatchesFiniteDifferencesOfReference) {
   check(p.wu, dwu, 2.0, "dWu");
   check(p.wd, dwd, 2.0, "dWd");
   check(p.x, dx, 1.0, "dx");  // dx is overwritten, not accumulated
+}
+
+// The local experts are spread over the caller's compute threads, one expert per task with
+// single-threaded GEMMs: the output matches the reference and the bits do not depend on the
+// thread count (the trainer's parity checks rely on that).
+TEST(ExpertsTest, ComputeThreadsDoNotChangeTheBits) {
+  Problem p(3);
+  const std::vector<float> x = test::ToFloat(p.x), wg = test::ToFloat(p.wg),
+                           wu = test::ToFloat(p.wu), wd = test::ToFloat(p.wd);
+  const std::vector<float> dy = test::ToFloat(test::RandomFp32Values(p.x.size(), 1.0, 4));
+  struct Out {
+    std::vector<float> y, dx, dwg, dwu, dwd;
+  };
+  auto run = [&](int threads) {
+    ScopedComputeThreads budget(threads);
+    Out o{std::vector<float>(x.size()), std::vector<float>(x.size()),
+          std::vector<float>(wg.size()), std::vector<float>(wu.size()),
+          std::vector<float>(wd.size())};
+    ExpertsSaved saved;
+    EXPECT_TRUE(
+        ExpertsForward(p.config(), {wg, wu, wd}, x, p.groups, absl::MakeSpan(o.y), &saved).ok());
+    EXPECT_TRUE(ExpertsBackward(p.config(), {wg, wu, wd}, x, p.groups, saved, dy,
+                                absl::MakeSpan(o.dx),
+                                {absl::MakeSpan(o.dwg), absl::MakeSpan(o.dwu),
+                                 absl::MakeSpan(o.dwd)})
+                    .ok());
+    return o;
+  };
+  const Out one = run(1);
+  const std::vector<double> ref = p.ReferenceForward();
+  for (int threads : {2, 4}) {
+    const Out many = run(threads);
+    for (size_t i = 0; i < ref.size(); ++i) EXPECT_NEAR(many.y[i], ref[i], 1e-5) << i;
+    EXPECT_EQ(many.y, one.y) << threads;
+    EXPECT_EQ(many.dx, one.dx) << threads;
+    EXPECT_EQ(many.dwg, one.dwg) << threads;
+    EXPECT_EQ(many.dwu, one.dwu) << threads;
+    EXPECT_EQ(many.dwd, one.dwd) << threads;
+  }
 }
 
 // Central differences of the fp32 forward itself against its own backward.

@@ -1,20 +1,17 @@
 #include "moe/router.h"
 
-#include <Eigen/Dense>
 #include <algorithm>
 #include <cmath>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "core/gemm.h"
 #include "core/status.h"
+#include "core/thread_pool.h"
 #include "moe/shapes.h"
 
 namespace gradsum::moe {
 namespace {
-
-using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-using ConstMap = Eigen::Map<const RowMatrix>;
-using Map = Eigen::Map<RowMatrix>;
 
 absl::StatusOr<int64_t> CheckInputs(const RouterConfig& config, absl::Span<const float> a,
                                     absl::Span<const float> router_weight) {
@@ -82,8 +79,8 @@ absl::StatusOr<RouterOutput> RouterForward(const RouterConfig& config, absl::Spa
   if (T == 0) return out;
 
   // u = a @ Wr in fp32 (SEMANTICS.md §10).
-  Map(out.logits.data(), T, E).noalias() =
-      ConstMap(a.data(), T, D) * ConstMap(router_weight.data(), D, E);
+  GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kNo, T, E, D, 1.0f, a, D, router_weight, E,
+                                0.0f, absl::MakeSpan(out.logits), E, ComputeThreads()));
 
   std::vector<int> order(E);
   for (int64_t t = 0; t < T; ++t) {
@@ -205,11 +202,11 @@ absl::Status RouterBackward(const RouterConfig& config, absl::Span<const float> 
     }
   }
 
-  ConstMap a_mat(a.data(), T, D);
-  ConstMap du_mat(du.data(), T, E);
-  Map(d_router_weight.data(), D, E).noalias() += a_mat.transpose() * du_mat;
-  Map(d_a.data(), T, D).noalias() += du_mat * ConstMap(router_weight.data(), D, E).transpose();
-  return absl::OkStatus();
+  // dWr += a^T du;  d_a += du Wr^T.
+  GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kYes, Trans::kNo, D, E, T, 1.0f, a, D, du, E, 1.0f,
+                                d_router_weight, E, ComputeThreads()));
+  return Sgemm(Trans::kNo, Trans::kYes, T, D, E, 1.0f, du, E, router_weight, E, 1.0f, d_a, D,
+               ComputeThreads());
 }
 
 }  // namespace gradsum::moe

@@ -143,6 +143,18 @@ def _system_repo_impl(ctx):
         missing.append("mpi")
         build.append(_lib("mpi", linkopts = mpi_libs))
 
+    # OpenBLAS: cblas.h lives in the variant's directory (openblas-pthread), outside
+    # /usr/include; the library picks its CPU kernels at run time (DYNAMIC_ARCH).
+    blas_cflags = _pkg_config(ctx, ["openblas"], "--cflags-only-I") or []
+    blas_libs = _pkg_config(ctx, ["openblas"], "--libs") or ["-lopenblas"]
+    blas_inc = [f[2:] for f in blas_cflags if f.startswith("-I")]
+    if blas_inc and ctx.path(blas_inc[0] + "/cblas.h").exists:
+        ctx.symlink(ctx.path(blas_inc[0]), "openblas_include")
+        build.append(_lib("openblas", hdrs_glob = ["openblas_include/*.h"], includes = ["openblas_include"], linkopts = blas_libs))
+    else:
+        missing.append("openblas")
+        build.append(_lib("openblas", linkopts = blas_libs))
+
     # CUDA and NCCL (only linked under --config=cuda; an empty stand-in elsewhere).
     cuda_root = ctx.os.environ.get("CUDA_PATH", "/usr/local/cuda")
     has_cuda = ctx.path(cuda_root + "/include/cuda_runtime.h").exists

@@ -7,6 +7,7 @@
 #include "core/half.h"
 #include "core/status.h"
 #include "core/tensor.h"
+#include "core/thread_pool.h"
 #include "losses/linear_cross_entropy.h"
 #include "losses/router_losses.h"
 #include "train/layers.h"
@@ -256,6 +257,8 @@ absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
                                                         const losses::StepStats& stats,
                                                         int micro_index,
                                                         losses::StepDisplay* display) {
+  // The GEMMs below (router, experts) use this rank's thread budget.
+  ScopedComputeThreads compute_threads(options_.num_threads);
   const ModelConfig& m = options_.model;
   const int64_t T = static_cast<int64_t>(batch.tokens.size());
   const int64_t D = m.dim(), V = m.vocab(), E = m.experts();

@@ -74,7 +74,7 @@ struct MoeLmOptions {
   DType reduce_dtype = DType::kF32;  // gradient SUM dtype: f32 or bf16
   double alpha_b = 0.001;            // §5
   double alpha_z = 0.001;            // §4
-  int num_threads = 1;               // threads for the loss kernels
+  int num_threads = 1;               // threads for the rank's loss kernels and GEMMs
 };
 
 // The rank's communicators (not owned; they must outlive the model). ep_group: the P
