@@ -83,7 +83,7 @@ void BM_TrainStep(benchmark::State& state) {
     for (int r = 0; r < world; ++r) {
       threads.emplace_back([&, r] {
         auto fail = [&](absl::Status s) { status[r] = s; };
-        absl::StatusOr<train::RankMesh> mesh = train::MakeRankMesh((*comms)[r].get(), world);
+        absl::StatusOr<train::RankMesh> mesh = train::MakeRankMesh((*comms)[r].get(), config.ep());
         if (!mesh.ok()) return fail(mesh.status());
         auto trainer = train::Trainer::Create(config, mesh->comms());
         if (!trainer.ok()) return fail(trainer.status());
