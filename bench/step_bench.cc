@@ -24,6 +24,7 @@
 #include "bench/moe_lm_flops.h"
 #include "collectives/thread_backend.h"
 #include "core/gemm.h"
+#include "core/thread_pool.h"
 #include "train/config.pb.h"
 #include "train/rank_main.h"
 #include "train/trainer.h"
@@ -118,7 +119,7 @@ void BM_TrainStep(benchmark::State& state) {
   }
   const double flops = MoeLmFlopsPerToken(config.model());
   // The trainer gives each of the world's ranks cores / world threads (thread backend).
-  const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const int cores = AvailableCores();
   const int cores_in_use = std::min(cores, world * std::max(1, cores / world));
   const double limit = SingleCoreGemmGflops() * cores_in_use;
   state.counters["tokens_per_s"] = tokens / step_s;

@@ -1,5 +1,7 @@
 #include "core/thread_pool.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
 
@@ -34,8 +36,7 @@ ThreadPool::~ThreadPool() {
 
 ThreadPool& ThreadPool::Shared() {
   // Never destroyed: kernels may still run from other static destructors' threads.
-  static ThreadPool* const pool =
-      new ThreadPool(std::max(1, static_cast<int>(std::thread::hardware_concurrency())) - 1);
+  static ThreadPool* const pool = new ThreadPool(AvailableCores() - 1);
   return *pool;
 }
 
@@ -90,6 +91,12 @@ void ThreadPool::Run(int max_threads, int64_t num_tasks, absl::FunctionRef<void(
   std::unique_lock<std::mutex> lock(mu_);
   jobs_.remove(&job);
   done_cv_.wait(lock, [&] { return job.helpers == 0; });
+}
+
+int AvailableCores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
 }
 
 int ComputeThreads() { return tls_compute_threads; }

@@ -18,7 +18,7 @@
 // Run(). Callers must not rely on which thread runs a task: the kernels write per-task
 // outputs and reduce them in task order, so results do not depend on the thread count.
 //
-// The shared pool has hardware_concurrency - 1 workers (the caller is the last thread);
+// The shared pool has AvailableCores() - 1 workers (the caller is the last thread);
 // the budget of a rank is what bounds it: with the thread backend each of W ranks gets
 // cores / W threads, so W ranks never run more than `cores` threads together.
 
@@ -41,7 +41,7 @@ class ThreadPool {
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
-  // The process-wide pool, started on first use with hardware_concurrency - 1 workers.
+  // The process-wide pool, started on first use with AvailableCores() - 1 workers.
   static ThreadPool& Shared();
 
   int num_workers() const { return static_cast<int>(workers_.size()); }
@@ -72,6 +72,10 @@ inline void ParallelFor(int num_threads, int64_t num_tasks, absl::FunctionRef<vo
   }
   ThreadPool::Shared().Run(num_threads, num_tasks, fn);
 }
+
+// The cores this process may run on (its CPU affinity mask, so taskset and cpusets count),
+// at least 1; hardware_concurrency() where the mask cannot be read.
+int AvailableCores();
 
 // The number of threads compute kernels started from this thread may use (>= 1; 1 unless
 // a ScopedComputeThreads is active on this thread).

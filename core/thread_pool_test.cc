@@ -1,5 +1,7 @@
 #include "core/thread_pool.h"
 
+#include <sched.h>
+
 #include <atomic>
 #include <thread>
 #include <vector>
@@ -78,8 +80,16 @@ TEST(ThreadPoolTest, SharedPoolParallelFor) {
   std::vector<int> out(100, 0);
   ParallelFor(4, 100, [&](int64_t t) { out[t] = static_cast<int>(t) * 2; });
   for (int t = 0; t < 100; ++t) ASSERT_EQ(out[t], 2 * t);
-  EXPECT_EQ(ThreadPool::Shared().num_workers(),
-            std::max(1, static_cast<int>(std::thread::hardware_concurrency())) - 1);
+  EXPECT_EQ(ThreadPool::Shared().num_workers(), AvailableCores() - 1);
+}
+
+// The count is the process's CPU affinity mask (taskset, cpusets), read here independently.
+TEST(ThreadPoolTest, AvailableCoresIsTheAffinityMask) {
+  cpu_set_t set;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(set), &set), 0);
+  EXPECT_EQ(AvailableCores(), CPU_COUNT(&set));
+  EXPECT_GE(AvailableCores(), 1);
+  EXPECT_LE(AvailableCores(), static_cast<int>(std::thread::hardware_concurrency()));
 }
 
 TEST(ThreadPoolTest, ScopedComputeThreadsNestsAndIsPerThread) {

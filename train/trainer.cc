@@ -11,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "core/status.h"
+#include "core/thread_pool.h"
 #include "losses/step_stats.h"
 #include "sharding/checkpoint.h"
 #include "sharding/grad_norm.h"
@@ -138,7 +139,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   options.alpha_b = config.alpha_b();
   options.alpha_z = config.alpha_z();
   // The ranks of a thread run share the cores; the kernels use what is left per rank.
-  const int cores = std::max(1u, std::thread::hardware_concurrency());
+  const int cores = AvailableCores();
   options.num_threads = config.backend() == "thread" ? std::max(1, cores / config.world()) : 1;
   const MoeLmGroups groups{comms.world, comms.ep_group, comms.edp_group};
   GRADSUM_ASSIGN_OR_RETURN(trainer->model_, comms.make_model ? comms.make_model(options, groups)
