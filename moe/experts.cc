@@ -39,6 +39,16 @@ std::vector<int64_t> GroupOffsets(absl::Span<const int64_t> group_sizes) {
   return offsets;
 }
 
+// Scratch of the calling thread, reused across calls: the step's [N, H] temporaries would
+// otherwise be fresh allocations (page faults, zero fill) on every forward and backward.
+// Contents are unspecified; `slot` picks one of three independent buffers.
+absl::Span<float> Scratch(int slot, int64_t n) {
+  thread_local std::vector<float> buffers[3];
+  std::vector<float>& b = buffers[slot];
+  if (static_cast<int64_t>(b.size()) < n) b.resize(n);
+  return absl::MakeSpan(b.data(), n);
+}
+
 // Runs fn(j) for every local expert with rows, spread over the rank's compute threads
 // (ComputeThreads(), core/thread_pool.h). Each expert touches only its own rows and its own
 // weight-gradient block, with single-threaded GEMMs, so the result does not depend on the
@@ -97,7 +107,7 @@ absl::Status ExpertsForward(const ExpertsConfig& config, const ExpertWeights& we
   ExpertsSaved& s = saved != nullptr ? *saved : local;
   s.gate_pre.resize(N * H);
   s.up_pre.resize(N * H);
-  std::vector<float> act(N * H);  // SiLU(g) * u
+  const absl::Span<float> act = Scratch(0, N * H);  // SiLU(g) * u
   const std::vector<int64_t> offsets = GroupOffsets(group_sizes);
   return ForEachExpert(group_sizes, [&](int j) -> absl::Status {
     const int64_t row = offsets[j], n = group_sizes[j];
@@ -133,7 +143,8 @@ absl::Status ExpertsBackward(const ExpertsConfig& config, const ExpertWeights& w
       internal::CheckSize("saved up_pre", saved.up_pre.size(), N * H, "[N, H]"));
   GRADSUM_RETURN_IF_ERROR(CheckExpertWeightGrads(config, grads));
 
-  std::vector<float> act(N * H), d_gate(N * H), d_up(N * H);
+  const absl::Span<float> act = Scratch(0, N * H), d_gate = Scratch(1, N * H),
+                          d_up = Scratch(2, N * H);
   const std::vector<int64_t> offsets = GroupOffsets(group_sizes);
   return ForEachExpert(group_sizes, [&](int j) -> absl::Status {
     const int64_t row = offsets[j], n = group_sizes[j];

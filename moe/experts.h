@@ -21,6 +21,8 @@
 // experts are spread over the calling thread's compute budget (ComputeThreads(),
 // core/thread_pool.h), one expert per task, so results do not depend on the thread count.
 // Weight gradients accumulate in fp32 so that micro-batches sum (SEMANTICS.md §2).
+// The [N, H] temporaries live in scratch buffers of the calling thread that are kept for the
+// next call (at most 3 * N * H floats per thread, the largest N seen).
 
 #include <cstdint>
 #include <vector>
