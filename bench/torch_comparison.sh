@@ -8,20 +8,25 @@
 #   bench/torch_comparison.sh bazel-bin/train/moe_lm [OTHER_MOE_LM_BINARY ...]
 #
 # Extra binaries (e.g. one built from an older commit) run the same moe_lm configurations
-# in the same session, for before/after tables.
+# in the same session, interleaved, for before/after tables. The torch peer runs first and
+# last.
 set -euo pipefail
 STEPS=${STEPS:-40}
 TORCH_STEPS=${TORCH_STEPS:-30}
+torch() {
+  OPENBLAS_NUM_THREADS=1 /usr/bin/python3 "$(dirname "$0")/torch_ddp_moe_lm.py" --world 2 \
+    --steps "${TORCH_STEPS}"
+}
 echo "load: $(cut -d' ' -f1-3 /proc/loadavg)"
-for bin in "$@"; do
-  for ep in 1 2; do
-    for sharding in fsdp replicated; do
+torch  # before and after the moe_lm runs, to show how far the load drifted
+for ep in 1 2; do
+  for sharding in fsdp replicated; do
+    for bin in "$@"; do  # interleaved, so binaries see the same load
       line=$("${bin}" --world=2 --ep="${ep}" --sharding="${sharding}" --steps="${STEPS}" 2>&1 |
         grep "summary: steps")
       echo "${bin} ep=${ep} ${sharding}: ${line}"
     done
   done
 done
-OPENBLAS_NUM_THREADS=1 /usr/bin/python3 "$(dirname "$0")/torch_ddp_moe_lm.py" --world 2 \
-  --steps "${TORCH_STEPS}"
+torch
 echo "load: $(cut -d' ' -f1-3 /proc/loadavg)"

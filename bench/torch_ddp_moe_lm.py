@@ -23,9 +23,10 @@ the timed steps, summed over ranks, the number moe_lm's summary line prints.
 comparison: update-alternatives --display libblas.so.3-x86_64-linux-gnu.)
 """
 import argparse
-import math
 import os
+import queue
 import random
+import socket
 import time
 
 import torch
@@ -191,15 +192,27 @@ def main():
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--port", type=int, default=29517)
+    parser.add_argument("--port", type=int, default=0, help="0: a free port")
     args = parser.parse_args()
+    if args.port == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            args.port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     result = ctx.Queue()
     procs = [ctx.Process(target=run, args=(r, args.world, args.steps, args.warmup, args.port,
                                            result)) for r in range(args.world)]
     for p in procs:
         p.start()
-    total, elapsed = result.get()
+    while True:  # a rank that dies never reports: stop instead of waiting forever
+        try:
+            total, elapsed = result.get(timeout=5)
+            break
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    p.kill()
+                raise SystemExit("a rank failed: " + str([p.exitcode for p in procs]))
     for p in procs:
         p.join()
         if p.exitcode != 0:
