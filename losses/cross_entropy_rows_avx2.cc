@@ -6,13 +6,13 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__SSE2__)
-#include <emmintrin.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
 #endif
 
 #include "losses/cross_entropy_rows.h"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(GRADSUM_CE_ROWS_X86)
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
 #else
@@ -22,6 +22,7 @@
 
 #define GRADSUM_CE_ROWS_NS rows_avx2
 #define GRADSUM_CE_ROWS_ISA "avx2+fma"
+#define GRADSUM_CE_ROWS_AVX 1
 #include "losses/cross_entropy_rows.inc"
 
 #if defined(__clang__)
@@ -29,4 +30,4 @@
 #else
 #pragma GCC pop_options
 #endif
-#endif  // x86-64 with GCC or clang
+#endif  // GRADSUM_CE_ROWS_X86
