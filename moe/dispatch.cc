@@ -70,6 +70,46 @@ float* Scratch(std::vector<float>& buffer, int64_t n) {
   return buffer.data();
 }
 
+// Row kernels, out of line so that they vectorise (elementwise: the same bits either way).
+__attribute__((noinline)) void SetScaledRow(float* __restrict dst, float w,
+                                            const float* __restrict src, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = 0.0f + w * src[d];  // 0 + x: -0 becomes +0
+}
+__attribute__((noinline)) void AddScaledRow(float* __restrict dst, float w,
+                                            const float* __restrict src, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] += w * src[d];
+}
+__attribute__((noinline)) void ScaleRow(float* __restrict dst, float w,
+                                        const float* __restrict src, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = w * src[d];
+}
+__attribute__((noinline)) void AddRow(float* __restrict dst, const float* __restrict src,
+                                      int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] += src[d];
+}
+
+// dot[i] = sum_d (double) a[i][d] * b[i][d] for eight rows, each sum in increasing d.
+__attribute__((noinline)) void DotRows8(const float* const* a, const float* const* b, int64_t n,
+                                        double* dot) {
+  double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0, s4 = 0.0, s5 = 0.0, s6 = 0.0, s7 = 0.0;
+  const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3], *a4 = a[4], *a5 = a[5],
+              *a6 = a[6], *a7 = a[7];
+  const float *b0 = b[0], *b1 = b[1], *b2 = b[2], *b3 = b[3], *b4 = b[4], *b5 = b[5],
+              *b6 = b[6], *b7 = b[7];
+  for (int64_t d = 0; d < n; ++d) {
+    s0 += static_cast<double>(a0[d]) * b0[d];
+    s1 += static_cast<double>(a1[d]) * b1[d];
+    s2 += static_cast<double>(a2[d]) * b2[d];
+    s3 += static_cast<double>(a3[d]) * b3[d];
+    s4 += static_cast<double>(a4[d]) * b4[d];
+    s5 += static_cast<double>(a5[d]) * b5[d];
+    s6 += static_cast<double>(a6[d]) * b6[d];
+    s7 += static_cast<double>(a7[d]) * b7[d];
+  }
+  dot[0] = s0, dot[1] = s1, dot[2] = s2, dot[3] = s3;
+  dot[4] = s4, dot[5] = s5, dot[6] = s6, dot[7] = s7;
+}
+
 // Sent row `pos`'s expert output (see DispatchState::output_row).
 inline const float* OutputRow(const DispatchState& s, int64_t pos, int64_t d_model) {
   const int64_t r = s.output_row[pos];
@@ -220,9 +260,9 @@ absl::Status DispatchCombineForward(Communicator& ep_group, const DispatchConfig
       const float w = combine_weight[t * K + k];
       const float* out = OutputRow(s, pos, D);
       if (first) {
-        for (int64_t d = 0; d < D; ++d) yt[d] = 0.0f + w * out[d];  // 0 + x: -0 becomes +0
+        SetScaledRow(yt, w, out, D);
       } else {
-        for (int64_t d = 0; d < D; ++d) yt[d] += w * out[d];
+        AddScaledRow(yt, w, out, D);
       }
       first = false;
     }
@@ -270,30 +310,27 @@ absl::Status DispatchCombineBackward(Communicator& ep_group, const DispatchConfi
   float* send = Scratch(state.scratch_send, num_sent * D);
   float* expert_dy = Scratch(state.scratch_expert_a, num_received * D);
   float* expert_dx = Scratch(state.scratch_expert_b, num_received * D);
-  // Four rows at a time: each dot is one chain of dependent double adds (its order fixes
+  // Eight rows at a time: each dot is one chain of dependent double adds (its order fixes
   // the bits), so interleaving rows is what keeps the core busy.
-  constexpr int64_t kRows = 4;
+  constexpr int64_t kRows = 8;
   for (int64_t pos0 = 0; pos0 < num_sent; pos0 += kRows) {
     const int64_t n = std::min(kRows, num_sent - pos0);
     const float* dyt[kRows];
     const float* out[kRows];
-    double dot[kRows] = {};
     for (int64_t i = 0; i < kRows; ++i) {
       const int64_t pos = pos0 + (i < n ? i : 0);  // short block: repeat the first row
       dyt[i] = &dy[(state.send_copy[pos] / K) * D];
       out[i] = OutputRow(state, pos, D);
     }
-    for (int64_t d = 0; d < D; ++d) {
-      for (int64_t i = 0; i < kRows; ++i) dot[i] += static_cast<double>(dyt[i][d]) * out[i][d];
-    }
+    double dot[kRows] = {};
+    DotRows8(dyt, out, D, dot);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t pos = pos0 + i;
       const int64_t c = state.send_copy[pos];
       d_combine_weight[c] = static_cast<float>(dot[i]);
       const int64_t r = state.output_row[pos];
       float* g = r >= 0 ? send + pos * D : expert_dy + (-1 - r) * D;
-      const float w = state.combine_weight[c];
-      for (int64_t d = 0; d < D; ++d) g[d] = w * dyt[i][d];
+      ScaleRow(g, state.combine_weight[c], dyt[i], D);
     }
   }
   GRADSUM_RETURN_IF_ERROR(ExchangeByExpert(ep_group, state, config.num_experts,
@@ -307,12 +344,22 @@ absl::Status DispatchCombineBackward(Communicator& ep_group, const DispatchConfi
   GRADSUM_RETURN_IF_ERROR(ExchangeByExpert(ep_group, state, config.num_experts,
                                            /*to_owners=*/false, expert_dx, send, D,
                                            "returning input gradients"));
-  // Sum the K copies of each token into d_a, in send order, straight from where they are.
-  for (int64_t pos = 0; pos < num_sent; ++pos) {
-    float* dat = &d_a[(state.send_copy[pos] / K) * D];
-    const int64_t r = state.output_row[pos];
-    const float* g = r >= 0 ? send + pos * D : expert_dx + (-1 - r) * D;
-    for (int64_t d = 0; d < D; ++d) dat[d] += g[d];
+  // Sum the K copies of each token into d_a straight from where they are, token by token
+  // (one pass over d_a), each token's copies in send order as before.
+  std::vector<int64_t> copy_pos(static_cast<size_t>(T) * K, -1);
+  for (int64_t pos = 0; pos < num_sent; ++pos) copy_pos[state.send_copy[pos]] = pos;
+  std::vector<int64_t> token_pos(K);
+  for (int64_t t = 0; t < T; ++t) {
+    int n = 0;
+    for (int k = 0; k < K; ++k) {
+      if (copy_pos[t * K + k] >= 0) token_pos[n++] = copy_pos[t * K + k];
+    }
+    std::sort(token_pos.begin(), token_pos.begin() + n);
+    for (int i = 0; i < n; ++i) {
+      const int64_t pos = token_pos[i];
+      const int64_t r = state.output_row[pos];
+      AddRow(&d_a[t * D], r >= 0 ? send + pos * D : expert_dx + (-1 - r) * D, D);
+    }
   }
   return absl::OkStatus();
 }
