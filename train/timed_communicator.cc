@@ -7,22 +7,68 @@ namespace {
 
 class TimedWork : public Work {
  public:
-  TimedWork(std::unique_ptr<Work> inner, std::shared_ptr<CommTimer> timer)
-      : inner_(std::move(inner)), timer_(std::move(timer)) {}
+  TimedWork(std::unique_ptr<Work> inner, std::shared_ptr<CommTimer> timer, absl::Time issued)
+      : inner_(std::move(inner)), timer_(std::move(timer)) {
+    op_ = std::make_shared<CommTimer::InFlight>();
+    op_->work = inner_.get();
+    op_->issued = issued;
+    timer_->Track(op_);
+  }
+  ~TimedWork() override {
+    // Never waited on: count it until now, and stop tracking the handle.
+    timer_->Complete(*op_);
+  }
   absl::Status Wait(absl::Duration timeout) override {
     const absl::Time start = absl::Now();
     absl::Status s = inner_->Wait(timeout);
-    timer_->Add(absl::Now() - start);
+    const absl::Time end = absl::Now();
+    timer_->Add(end - start);
+    if (s.ok() || inner_->IsCompleted()) timer_->Complete(*op_);
+    timer_->Poll();
     return s;
   }
-  bool IsCompleted() override { return inner_->IsCompleted(); }
+  bool IsCompleted() override {
+    const bool done = inner_->IsCompleted();
+    if (done) timer_->Complete(*op_);
+    return done;
+  }
 
  private:
   std::unique_ptr<Work> inner_;
   std::shared_ptr<CommTimer> timer_;
+  std::shared_ptr<CommTimer::InFlight> op_;
 };
 
 }  // namespace
+
+void CommTimer::Track(std::shared_ptr<InFlight> op) {
+  std::lock_guard<std::mutex> lock(mu_);
+  in_flight_.push_back(std::move(op));
+}
+
+void CommTimer::Complete(InFlight& op) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (op.done) return;
+  op.done = true;
+  op.work = nullptr;
+  AddBusy(absl::Now() - op.issued);
+}
+
+void CommTimer::Poll() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const absl::Time now = absl::Now();
+  size_t kept = 0;
+  for (size_t i = 0; i < in_flight_.size(); ++i) {
+    InFlight& op = *in_flight_[i];
+    if (!op.done && op.work->IsCompleted()) {
+      op.done = true;
+      op.work = nullptr;
+      AddBusy(now - op.issued);
+    }
+    if (!op.done) in_flight_[kept++] = in_flight_[i];
+  }
+  in_flight_.resize(kept);
+}
 
 TimedCommunicator::TimedCommunicator(std::unique_ptr<Communicator> inner,
                                      std::shared_ptr<CommTimer> timer)
@@ -33,9 +79,14 @@ TimedCommunicator::TimedCommunicator(Communicator* inner, std::shared_ptr<CommTi
 
 absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::Wrap(
     absl::Time start, absl::StatusOr<std::unique_ptr<Work>> work) {
-  timer_->Add(absl::Now() - start);
-  if (!work.ok()) return work.status();
-  return std::unique_ptr<Work>(new TimedWork(std::move(*work), timer_));
+  const absl::Duration issuing = absl::Now() - start;
+  timer_->Add(issuing);
+  timer_->Poll();
+  if (!work.ok()) {
+    timer_->AddBusy(issuing);
+    return work.status();
+  }
+  return std::unique_ptr<Work>(new TimedWork(std::move(*work), timer_, start));
 }
 
 absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::AllReduceAsync(const void* send,

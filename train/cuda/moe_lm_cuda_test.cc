@@ -198,7 +198,7 @@ TEST(MoeLmCudaTest, ProtocolAndInputErrorsAreStatuses) {
   auto ok = (*model)->ForwardBackward(batch, stats, 0, nullptr);
   ASSERT_TRUE(ok.ok()) << ok.status();
   EXPECT_GT(ok->ce, 0.0);
-  ASSERT_TRUE((*model)->ReduceGrads(/*last_micro_batch=*/true).ok());
+  ASSERT_TRUE((*model)->FinishGradReduce().ok());
   // New host parameters (as after an optimizer step) make the device copy stale.
   NamedParams params = MoeLm::InitialParameters(options.model, 2);
   ASSERT_TRUE((*model)->SetFullParameters(params).ok());
@@ -212,7 +212,7 @@ TEST(MoeLmCudaTest, ProtocolAndInputErrorsAreStatuses) {
   ASSERT_TRUE((*model)->Unshard().ok());
   s = (*model)->ForwardBackward(batch, stats, 0, nullptr).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_EQ((*model)->ReduceGrads(true).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*model)->FinishGradReduce().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ((*model)->ForwardBackward(batch, stats, 0, nullptr).status().code(),
             absl::StatusCode::kFailedPrecondition);
   params["layers.0.router"][0] = 0.0f;
