@@ -1,5 +1,6 @@
 #include "train/timed_communicator.h"
 
+#include <chrono>
 #include <utility>
 
 namespace gradsum::train {
@@ -41,9 +42,20 @@ class TimedWork : public Work {
 
 }  // namespace
 
+CommTimer::~CommTimer() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (watcher_.joinable()) watcher_.join();
+}
+
 void CommTimer::Track(std::shared_ptr<InFlight> op) {
   std::lock_guard<std::mutex> lock(mu_);
   in_flight_.push_back(std::move(op));
+  if (!watcher_.joinable()) watcher_ = std::thread([this] { Watch(); });
+  cv_.notify_all();
 }
 
 void CommTimer::Complete(InFlight& op) {
@@ -56,6 +68,10 @@ void CommTimer::Complete(InFlight& op) {
 
 void CommTimer::Poll() {
   std::lock_guard<std::mutex> lock(mu_);
+  PollLocked();
+}
+
+void CommTimer::PollLocked() {
   const absl::Time now = absl::Now();
   size_t kept = 0;
   for (size_t i = 0; i < in_flight_.size(); ++i) {
@@ -68,6 +84,20 @@ void CommTimer::Poll() {
     if (!op.done) in_flight_[kept++] = in_flight_[i];
   }
   in_flight_.resize(kept);
+}
+
+void CommTimer::Watch() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    if (in_flight_.empty()) {
+      cv_.wait(lock);
+      continue;
+    }
+    PollLocked();
+    lock.unlock();
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+    lock.lock();
+  }
 }
 
 TimedCommunicator::TimedCommunicator(std::unique_ptr<Communicator> inner,

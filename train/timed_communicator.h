@@ -8,10 +8,10 @@
 //   running a synchronous one, waiting on an async one): time compute was blocked.
 // - busy: the summed duration of the collectives, each from its issue to its completion.
 //   A synchronous one counts its call; an async one counts until its completion is first
-//   seen: its Wait returning, or a poll finding it complete. Polls happen at every issue
-//   and wait on any of the rank's timed communicators and at Poll(), so the end of an
-//   overlapped collective is seen late by at most the gap between two such calls (an
-//   overestimate of busy, bounded by that gap).
+//   seen: its Wait returning, or a poll finding it complete. A watcher thread polls the
+//   collectives in flight every 100 us (Work::IsCompleted, which the backends make
+//   thread-safe), and every issue and wait polls too, so an overlapped collective's end is
+//   seen late by about the polling interval plus the watcher's scheduling delay.
 //
 //   auto timer = std::make_shared<CommTimer>();
 //   TimedCommunicator world(std::move(inner_world), timer);
@@ -23,10 +23,12 @@
 // bytes and waiting for the peers cannot be told apart from one side.
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/time/clock.h"
@@ -64,10 +66,21 @@ class CommTimer {
   // Checks every tracked collective for completion.
   void Poll();
 
+  CommTimer() = default;
+  CommTimer(const CommTimer&) = delete;
+  CommTimer& operator=(const CommTimer&) = delete;
+  ~CommTimer();
+
  private:
+  void PollLocked();
+  void Watch();
+
   std::atomic<int64_t> nanos_{0};
   std::atomic<int64_t> busy_nanos_{0};
   std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread watcher_;  // started by the first Track()
   std::vector<std::shared_ptr<InFlight>> in_flight_;
 };
 
