@@ -118,6 +118,20 @@ TEST_P(MoeLmCudaTest, MatchesReferenceAndCpuTrainer) {
     EXPECT_EQ(gpu->history[s].valid_tokens, cpu_hist[s].valid_tokens);
     EXPECT_EQ(gpu->history[s].routed_tokens, cpu_hist[s].routed_tokens);
   }
+
+  // 4. Parameter memory on the device (fp32 unit buffers): the whole model is emb, two
+  //    layers' norm + router and experts, and the head; fsdp holds at most two layers' units
+  //    or a layer's with the head or the embedding at once (the shared schedule frees units
+  //    after use), replicated keeps every unit.
+  const int64_t full = 4 * (256 * 8 + 2 * (8 + 8 * 4 + 4 * 3 * 8 * 8) + 8 + 8 * 256);
+  for (const StepRecord& r : gpu->history) {
+    EXPECT_EQ(r.full_param_bytes, full);
+    if (std::string(sharding) == "fsdp") {
+      EXPECT_LT(r.peak_unsharded_param_bytes, full * 6 / 10);
+    } else {
+      EXPECT_GE(r.peak_unsharded_param_bytes, full);
+    }
+  }
 }
 
 std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
