@@ -17,6 +17,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "testing/run_ranks.h"
+#include "train/config.h"
 #include "train/rank_main.h"
 #include "train/test_util.h"
 #include "train/trainer.h"
@@ -130,6 +131,9 @@ struct RankRun {
 absl::StatusOr<std::vector<RankRun>> Record(const TrainConfig& config, int steps,
                                             absl::Duration gather_delay = absl::ZeroDuration()) {
   std::vector<RankRun> runs(config.world());
+  // Reads the config's lazily built default strings once before the rank threads do
+  // (protobuf builds them on first use; TSan does not see inside the library).
+  GRADSUM_RETURN_IF_ERROR(ValidateConfig(config));
   absl::Status s = testing::RunRanks(config.world(), [&](Communicator& world) -> absl::Status {
     auto log = std::make_shared<std::vector<Op>>();
     RecordingCommunicator recording(&world, log, gather_delay);
