@@ -18,7 +18,7 @@ torch() {
     --steps "${TORCH_STEPS}"
 }
 echo "load: $(cut -d' ' -f1-3 /proc/loadavg)"
-torch  # before and after the moe_lm runs, to show how far the load drifted
+torch || echo "torch run failed"  # before and after the moe_lm runs, to show how far the load drifted
 for ep in 1 2; do
   for sharding in fsdp replicated; do
     for bin in "$@"; do  # interleaved, so binaries see the same load
@@ -28,5 +28,5 @@ for ep in 1 2; do
     done
   done
 done
-torch
+torch || echo "torch run failed"
 echo "load: $(cut -d' ' -f1-3 /proc/loadavg)"
