@@ -65,6 +65,15 @@ ABSL_FLAG(std::optional<double>, router_scale, std::nullopt, "router weight scal
 ABSL_FLAG(std::optional<double>, timeout_s, std::nullopt,
           "seconds a rank waits for the others in a collective before the run fails "
           "(DeadlineExceeded); a failure then ends every rank");
+ABSL_FLAG(std::optional<int32_t>, layers_per_unit, std::nullopt,
+          "wrap policy: layers per FlatParam unit");
+ABSL_FLAG(std::optional<bool>, reshard_after_forward, std::nullopt,
+          "fsdp: free each unit after its forward, re-gather it for backward");
+ABSL_FLAG(std::optional<bool>, reduce_every_micro_batch, std::nullopt,
+          "fsdp: reduce-scatter every micro-batch (false: only the last one)");
+ABSL_FLAG(std::optional<double>, bucket_cap_mb, std::nullopt, "replicated: gradient bucket cap");
+ABSL_FLAG(std::optional<double>, first_bucket_mb, std::nullopt,
+          "replicated: cap of the first gradient bucket");
 
 namespace gradsum::train {
 
@@ -106,6 +115,11 @@ const std::vector<FlagField>& OverridableFlags() {
       {"norm_topk_prob", "model.norm_topk_prob"},
       {"router_scale", "model.router_scale"},
       {"timeout_s", "timeout_s"},
+      {"layers_per_unit", "layers_per_unit"},
+      {"reshard_after_forward", "reshard_after_forward"},
+      {"reduce_every_micro_batch", "reduce_every_micro_batch"},
+      {"bucket_cap_mb", "bucket_cap_mb"},
+      {"first_bucket_mb", "first_bucket_mb"},
   };
   return *flags;
 }
