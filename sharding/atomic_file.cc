@@ -17,7 +17,7 @@ namespace gradsum {
 namespace {
 
 absl::Status ErrnoError(int err, absl::string_view what, absl::string_view path) {
-  return absl::ErrnoToStatus(err, absl::StrCat(what, " '", path, "'"));
+  return ErrnoStatus(err, absl::StrCat(what, " '", path, "'"));
 }
 
 std::string DirName(const std::string& path) {
@@ -51,6 +51,13 @@ absl::Status FsyncDir(const std::string& dir) {
 }
 
 }  // namespace
+
+absl::Status ErrnoStatus(int err, absl::string_view message) {
+  char buf[256];
+  // GNU strerror_r: returns the message (in buf or a static string).
+  const char* text = ::strerror_r(err, buf, sizeof(buf));
+  return absl::Status(absl::ErrnoToStatusCode(err), absl::StrCat(message, ": ", text));
+}
 
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view bytes) {
   if (path.empty() || path.back() == '/') {

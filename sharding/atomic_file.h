@@ -18,6 +18,11 @@
 
 namespace gradsum {
 
+// absl::ErrnoToStatus(err, message) without absl's StrError: the code from errno and
+// "message: <strerror_r text>". Debian's absl StrError is not built with TSan and reports a
+// race when rank threads fail at once; strerror_r is thread-safe and seen by TSan.
+absl::Status ErrnoStatus(int err, absl::string_view message);
+
 // Errors carry the errno-derived code (NotFound for a missing directory, PermissionDenied,
 // ...) and name the path; the temporary file is removed on failure. An existing `path` that
 // is not a regular file (a device such as /dev/full, a FIFO, a directory, a symlink) is

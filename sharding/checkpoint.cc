@@ -46,7 +46,7 @@ absl::Status MakeDir(const std::string& dir) {
     if (::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) return absl::OkStatus();
     return absl::FailedPreconditionError(absl::StrCat("'", dir, "' exists and is not a directory"));
   }
-  return absl::ErrnoToStatus(errno, absl::StrCat("mkdir '", dir, "'"));
+  return ErrnoStatus(errno, absl::StrCat("mkdir '", dir, "'"));
 }
 
 // ---- Manifest records and their strict reading (every problem is DataLoss). ----
@@ -466,7 +466,7 @@ absl::Status SaveCheckpoint(const std::string& dir, Communicator& world,
   if (local.ok() && rank == 0) {
     const std::string marker = Join(dir, kMarkerName);
     if (::unlink(marker.c_str()) != 0 && errno != ENOENT) {
-      local = absl::ErrnoToStatus(errno, absl::StrCat("unlink '", marker, "'"));
+      local = ErrnoStatus(errno, absl::StrCat("unlink '", marker, "'"));
     }
     // No rank writes before the agreement below, so every *.tmp.* here is stale.
     if (local.ok()) RemoveStaleTempFiles(dir);

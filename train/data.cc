@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "sharding/atomic_file.h"
 
 namespace gradsum::train {
 namespace {
@@ -173,13 +174,13 @@ absl::StatusOr<std::unique_ptr<TextFileCorpus>> TextFileCorpus::Load(const std::
     return absl::InvalidArgumentError(absl::StrCat("max_len=", max_len, ": must be positive"));
   }
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return absl::ErrnoToStatus(errno, absl::StrCat(name, ": cannot open"));
+  if (fd < 0) return ErrnoStatus(errno, absl::StrCat(name, ": cannot open"));
   struct Closer {
     int fd;
     ~Closer() { ::close(fd); }
   } closer{fd};
   struct stat st;
-  if (::fstat(fd, &st) != 0) return absl::ErrnoToStatus(errno, absl::StrCat(name, ": stat"));
+  if (::fstat(fd, &st) != 0) return ErrnoStatus(errno, absl::StrCat(name, ": stat"));
   if (!S_ISREG(st.st_mode)) {
     return absl::FailedPreconditionError(
         absl::StrCat(name, ": not a regular file (a text file is expected, one document per line)"));
@@ -198,7 +199,7 @@ absl::StatusOr<std::unique_ptr<TextFileCorpus>> TextFileCorpus::Load(const std::
     const ssize_t n = ::read(fd, &piece[0], piece.size());
     if (n < 0) {
       if (errno == EINTR) continue;
-      return absl::ErrnoToStatus(errno, absl::StrCat(name, ": read"));
+      return ErrnoStatus(errno, absl::StrCat(name, ": read"));
     }
     if (n == 0) break;
     if (corpus->bytes_.size() + static_cast<size_t>(n) > kMaxDataFileBytes) {

@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "sharding/atomic_file.h"
 
 namespace gradsum::train {
 
@@ -32,7 +33,7 @@ absl::StatusOr<MetricsFile> MetricsFile::Open(const std::string& path, bool appe
   const std::string name = absl::StrCat("--metrics=", path);
   const int fd = ::open(path.c_str(),
                         O_WRONLY | O_CREAT | O_CLOEXEC | (append ? O_APPEND : O_TRUNC), 0644);
-  if (fd < 0) return absl::ErrnoToStatus(errno, absl::StrCat(name, ": cannot open"));
+  if (fd < 0) return ErrnoStatus(errno, absl::StrCat(name, ": cannot open"));
   MetricsFile f;
   f.fd_ = fd;
   f.path_ = path;
@@ -48,7 +49,7 @@ absl::Status MetricsFile::WriteLine(absl::string_view line) {
     const ssize_t n = ::write(fd_, text.data() + done, text.size() - done);
     if (n < 0) {
       if (errno == EINTR) continue;
-      return absl::ErrnoToStatus(errno, absl::StrCat(name, ": write failed"));
+      return ErrnoStatus(errno, absl::StrCat(name, ": write failed"));
     }
     done += static_cast<size_t>(n);
   }
@@ -58,7 +59,7 @@ absl::Status MetricsFile::WriteLine(absl::string_view line) {
 absl::Status MetricsFile::Close() {
   if (fd_ < 0) return absl::OkStatus();
   const int rc = ::close(std::exchange(fd_, -1));
-  if (rc != 0) return absl::ErrnoToStatus(errno, absl::StrCat("--metrics=", path_, ": close failed"));
+  if (rc != 0) return ErrnoStatus(errno, absl::StrCat("--metrics=", path_, ": close failed"));
   return absl::OkStatus();
 }
 

@@ -12,6 +12,7 @@
 #include "sharding/json.h"
 #include "sharding/safetensors.h"
 #include "testing/run_ranks.h"
+#include "train/config.h"
 #include "train/moe_lm.h"
 #include "train/rank_main.h"
 #include "train/test_util.h"
@@ -270,7 +271,8 @@ TEST(TrainerTest, ResumeWithoutCheckpointIsNotFound) {
 }
 
 TEST(TrainerTest, CommunicatorsThatDisagreeWithTheConfigAreInvalidArgument) {
-  TrainConfig config = TinyConfig(4, 2, 1, "fsdp");  // but run on 2 ranks
+  // Resolved: the rank threads read it concurrently (train/config.h ResolvedConfig).
+  TrainConfig config = ResolvedConfig(TinyConfig(4, 2, 1, "fsdp"));  // but run on 2 ranks
   absl::Status s = testing::RunRanks(2, [&](Communicator& world) -> absl::Status {
     absl::StatusOr<RankMesh> mesh = MakeRankMesh(&world, 2);
     if (!mesh.ok()) return mesh.status();
