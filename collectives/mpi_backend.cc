@@ -62,6 +62,17 @@ void FinalizeAtExit() {
   if (!finalized) MPI_Finalize();
 }
 
+}  // namespace
+
+void AbortMpiJob(int code) {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized) MPI_Abort(MPI_COMM_WORLD, code);
+}
+
+namespace {
+
 const char* ThreadLevelName(int level) {
   switch (level) {
     case MPI_THREAD_SINGLE: return "MPI_THREAD_SINGLE";

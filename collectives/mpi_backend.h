@@ -78,6 +78,13 @@ struct MpiBackendOptions {
 absl::StatusOr<std::unique_ptr<Communicator>> CreateMpiWorldCommunicator(
     MpiBackendOptions options = {});
 
+// Ends the whole MPI job at once: MPI_Abort(MPI_COMM_WORLD, code), which makes the launcher
+// kill every process of the job (stopped ones included). For a fatal error that the other
+// ranks may not know about (a collective timed out, a peer is stopped or dead): returning
+// from main instead would wait in MPI_Finalize for that peer forever. Returns without doing
+// anything if MPI is not initialised or already finalised (report the error, then call it).
+void AbortMpiJob(int code);
+
 }  // namespace gradsum
 
 #endif  // GRADSUM_COLLECTIVES_MPI_BACKEND_H_

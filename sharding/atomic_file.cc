@@ -5,6 +5,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <xxhash.h>
+
 #include <atomic>
 #include <cstring>
 
@@ -15,7 +17,7 @@ namespace gradsum {
 namespace {
 
 absl::Status ErrnoError(int err, absl::string_view what, absl::string_view path) {
-  return absl::ErrnoToStatus(err, absl::StrCat(what, " '", path, "'"));
+  return ErrnoStatus(err, absl::StrCat(what, " '", path, "'"));
 }
 
 std::string DirName(const std::string& path) {
@@ -50,9 +52,23 @@ absl::Status FsyncDir(const std::string& dir) {
 
 }  // namespace
 
+absl::Status ErrnoStatus(int err, absl::string_view message) {
+  char buf[256];
+  // GNU strerror_r: returns the message (in buf or a static string).
+  const char* text = ::strerror_r(err, buf, sizeof(buf));
+  return absl::Status(absl::ErrnoToStatusCode(err), absl::StrCat(message, ": ", text));
+}
+
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view bytes) {
   if (path.empty() || path.back() == '/') {
     return absl::InvalidArgumentError(absl::StrCat("not a file path: '", path, "'"));
+  }
+  // Only a regular file may be replaced: renaming over a device (/dev/full), a FIFO or a
+  // directory would swap it for a plain file, hiding the write error the caller must see.
+  struct stat existing;
+  if (::lstat(path.c_str(), &existing) == 0 && !S_ISREG(existing.st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("'", path, "' exists and is not a regular file; not replacing it"));
   }
   static std::atomic<uint64_t> counter{0};
   // pid + counter keeps concurrent writers (ranks as threads, or processes) apart.
@@ -108,20 +124,44 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path, uint64_t m
   return out;
 }
 
-uint64_t Fingerprint64(absl::string_view bytes) {
-  // FNV-1a over 8-byte little-endian words (one multiply per word, ~8x faster than per
-  // byte on multi-GB checkpoints), then the tail bytes, then the length.
-  constexpr uint64_t kPrime = 0x100000001b3ull;
-  uint64_t h = 0xcbf29ce484222325ull;
-  size_t i = 0;
-  for (; i + 8 <= bytes.size(); i += 8) {
-    uint64_t word;
-    std::memcpy(&word, bytes.data() + i, 8);
-    h = (h ^ word) * kPrime;
-    h ^= h >> 29;  // FNV's multiply only moves bits up; fold high bits back down
+uint64_t Fingerprint64(absl::string_view bytes) { return XXH3_64bits(bytes.data(), bytes.size()); }
+
+absl::StatusOr<uint64_t> FingerprintFile(const std::string& path, uint64_t max_bytes) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoError(errno, "open", path);
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return ErrnoError(errno, "stat", path);
+  if (!S_ISREG(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat("not a regular file: '", path, "'"));
   }
-  for (; i < bytes.size(); ++i) h = (h ^ static_cast<unsigned char>(bytes[i])) * kPrime;
-  return (h ^ bytes.size()) * kPrime;
+  XXH3_state_t* state = XXH3_createState();
+  if (state == nullptr) return absl::ResourceExhaustedError("XXH3_createState");
+  struct Freer {
+    XXH3_state_t* s;
+    ~Freer() { XXH3_freeState(s); }
+  } freer{state};
+  XXH3_64bits_reset(state);
+  std::string buf(1 << 20, '\0');
+  uint64_t total = 0;
+  while (true) {
+    const ssize_t n = ::read(fd, &buf[0], buf.size());
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoError(errno, "read", path);
+    }
+    if (n == 0) break;
+    total += static_cast<uint64_t>(n);
+    if (total > max_bytes) {
+      return absl::OutOfRangeError(
+          absl::StrCat("file '", path, "' has more than the limit of ", max_bytes, " bytes"));
+    }
+    XXH3_64bits_update(state, buf.data(), static_cast<size_t>(n));
+  }
+  return static_cast<uint64_t>(XXH3_64bits_digest(state));
 }
 
 }  // namespace gradsum

@@ -18,8 +18,15 @@
 
 namespace gradsum {
 
+// absl::ErrnoToStatus(err, message) without absl's StrError: the code from errno and
+// "message: <strerror_r text>". Debian's absl StrError is not built with TSan and reports a
+// race when rank threads fail at once; strerror_r is thread-safe and seen by TSan.
+absl::Status ErrnoStatus(int err, absl::string_view message);
+
 // Errors carry the errno-derived code (NotFound for a missing directory, PermissionDenied,
-// ...) and name the path; the temporary file is removed on failure.
+// ...) and name the path; the temporary file is removed on failure. An existing `path` that
+// is not a regular file (a device such as /dev/full, a FIFO, a directory, a symlink) is
+// FailedPrecondition and left alone.
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view bytes);
 
 // Reads the whole file. A file larger than `max_bytes` is OutOfRange naming its size
@@ -27,10 +34,15 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view byte
 absl::StatusOr<std::string> ReadFileToString(const std::string& path,
                                              uint64_t max_bytes = uint64_t{1} << 40);
 
-// A 64-bit FNV-1a-style checksum over `bytes` (word-wise, so it runs near memory speed):
-// detects flipped bits in a checkpoint file whose structure is still valid. Assumes a
-// little-endian host (as safetensors does). Not cryptographic.
+// XXH3-64 (xxHash, seed 0) of `bytes`: detects flipped bits in a checkpoint file whose
+// structure is still valid, and tells files apart. Outside tools compute the same value
+// (`xxhsum -H3 FILE`). Not cryptographic.
 uint64_t Fingerprint64(absl::string_view bytes);
+
+// Fingerprint64 of the file at `path`, read in pieces (never whole into memory). The file
+// must be regular (FailedPrecondition otherwise) and at most `max_bytes` long (OutOfRange).
+// Errors name the path.
+absl::StatusOr<uint64_t> FingerprintFile(const std::string& path, uint64_t max_bytes);
 
 }  // namespace gradsum
 

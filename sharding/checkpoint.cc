@@ -1,10 +1,12 @@
 #include "sharding/checkpoint.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <set>
 #include <utility>
@@ -22,12 +24,13 @@
 #include "sharding/flat_param.h"
 #include "sharding/json.h"
 #include "sharding/safetensors.h"
+#include "sharding/status_agreement.h"
 
 namespace gradsum {
 namespace {
 
 constexpr absl::string_view kFormat = "gradsum.sharded_checkpoint";
-constexpr int64_t kVersion = 1;
+constexpr int64_t kVersion = 2;  // 2: the marker records every rank's file fingerprints
 constexpr absl::string_view kMarkerName = "checkpoint.json";
 
 std::string RankStem(int64_t rank) { return absl::StrFormat("rank-%05d", rank); }
@@ -43,21 +46,7 @@ absl::Status MakeDir(const std::string& dir) {
     if (::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) return absl::OkStatus();
     return absl::FailedPreconditionError(absl::StrCat("'", dir, "' exists and is not a directory"));
   }
-  return absl::ErrnoToStatus(errno, absl::StrCat("mkdir '", dir, "'"));
-}
-
-// Every rank learns whether every rank succeeded (one i32 SUM all-reduce), so a failure on
-// one rank never leaves the others waiting in a later collective.
-absl::Status Agree(Communicator& world, const absl::Status& local, absl::string_view what) {
-  int32_t failed = local.ok() ? 0 : 1;
-  int32_t total = 0;
-  absl::Status s = world.AllReduce(&failed, &total, 1, DType::kI32, ReduceOp::kSum);
-  if (!local.ok()) return local;
-  if (!s.ok()) return Annotate(s, what);
-  if (total > 0) {
-    return absl::FailedPreconditionError(absl::StrCat(what, " failed on ", total, " other rank(s)"));
-  }
-  return absl::OkStatus();
+  return ErrnoStatus(errno, absl::StrCat("mkdir '", dir, "'"));
 }
 
 // ---- Manifest records and their strict reading (every problem is DataLoss). ----
@@ -75,6 +64,7 @@ struct Manifest {
   std::string tensors_file;
   int64_t tensors_bytes = 0;
   uint64_t tensors_fingerprint = 0;
+  uint64_t file_fingerprint = 0;  // of the manifest file itself
   std::vector<GroupRecord> groups;
 };
 
@@ -116,8 +106,10 @@ class FieldReader {
   std::string file_;
 };
 
-absl::StatusOr<JsonValue> ReadJsonFile(const std::string& path, const FieldReader& r) {
+absl::StatusOr<JsonValue> ReadJsonFile(const std::string& path, const FieldReader& r,
+                                       uint64_t* fingerprint = nullptr) {
   GRADSUM_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path, uint64_t{1} << 30));
+  if (fingerprint != nullptr) *fingerprint = Fingerprint64(text);
   absl::StatusOr<JsonValue> v = ParseJson(text);
   if (!v.ok()) return r.Loss(v.status().message());
   if (!v->is_object()) return r.Loss("not a JSON object");
@@ -216,8 +208,8 @@ absl::StatusOr<GroupRecord> GroupFromJson(const JsonValue& o, const FieldReader&
 absl::StatusOr<Manifest> ReadManifest(const std::string& dir, int64_t rank) {
   const std::string path = Join(dir, ManifestName(rank));
   FieldReader r(path);
-  GRADSUM_ASSIGN_OR_RETURN(JsonValue v, ReadJsonFile(path, r));
   Manifest m;
+  GRADSUM_ASSIGN_OR_RETURN(JsonValue v, ReadJsonFile(path, r, &m.file_fingerprint));
   GRADSUM_ASSIGN_OR_RETURN(m.rank, r.NonNegative(v, "rank"));
   GRADSUM_ASSIGN_OR_RETURN(m.world, r.NonNegative(v, "world"));
   GRADSUM_ASSIGN_OR_RETURN(m.step, r.NonNegative(v, "step"));
@@ -277,8 +269,30 @@ absl::StatusOr<std::vector<float>> ReadSlice(const SafetensorsFile& f, const Gro
 
 struct MarkerRecord {
   int64_t world = 0, step = 0;
+  // Per rank: the fingerprints of its manifest and tensor files as saved.
+  std::vector<std::pair<uint64_t, uint64_t>> rank_files;
   std::map<std::string, std::string> extra;
 };
+
+std::string Hex(uint64_t v) { return absl::StrFormat("%016x", v); }
+
+// The marker's own fingerprint covers every other member, in order, as serialized.
+uint64_t MarkerBodyFingerprint(const JsonValue& marker) {
+  JsonValue body = JsonValue::Object();
+  for (const auto& [k, v] : marker.members()) {
+    if (k != "fingerprint") body.Set(k, v);
+  }
+  return Fingerprint64(body.Serialize());
+}
+
+absl::StatusOr<uint64_t> HexField(const FieldReader& r, const JsonValue& obj, absl::string_view key) {
+  GRADSUM_ASSIGN_OR_RETURN(std::string hex, r.Str(obj, key));
+  uint64_t v = 0;
+  if (hex.size() != 16 || !absl::SimpleHexAtoi(hex, &v)) {
+    return r.Loss(absl::StrCat("\"", key, "\" is \"", hex, "\", not 16 hex digits"));
+  }
+  return v;
+}
 
 absl::StatusOr<MarkerRecord> ReadMarker(const std::string& dir) {
   const std::string path = Join(dir, kMarkerName);
@@ -292,15 +306,55 @@ absl::StatusOr<MarkerRecord> ReadMarker(const std::string& dir) {
   FieldReader r(path);
   GRADSUM_ASSIGN_OR_RETURN(JsonValue v, ReadJsonFile(path, r));
   MarkerRecord m;
+  GRADSUM_ASSIGN_OR_RETURN(uint64_t fingerprint, HexField(r, v, "fingerprint"));
+  if (fingerprint != MarkerBodyFingerprint(v)) {
+    return r.Loss("does not match its own fingerprint (corrupt)");
+  }
   GRADSUM_ASSIGN_OR_RETURN(m.world, r.NonNegative(v, "world"));
   GRADSUM_ASSIGN_OR_RETURN(m.step, r.NonNegative(v, "step"));
   if (m.world < 1) return r.Loss("world is 0");
+  GRADSUM_ASSIGN_OR_RETURN(const JsonValue* ranks, r.Array(v, "ranks"));
+  if (static_cast<int64_t>(ranks->array().size()) != m.world) {
+    return r.Loss(absl::StrCat("records the files of ", ranks->array().size(), " ranks, world is ",
+                               m.world));
+  }
+  for (const JsonValue& rank : ranks->array()) {
+    if (!rank.is_object()) return r.Loss("a \"ranks\" entry is not an object");
+    GRADSUM_ASSIGN_OR_RETURN(uint64_t manifest, HexField(r, rank, "manifest"));
+    GRADSUM_ASSIGN_OR_RETURN(uint64_t tensors, HexField(r, rank, "tensors"));
+    m.rank_files.push_back({manifest, tensors});
+  }
   GRADSUM_ASSIGN_OR_RETURN(const JsonValue* extra, r.Object(v, "extra"));
   for (const auto& [k, val] : extra->members()) {
     if (!val.is_string()) return r.Loss(absl::StrCat("extra \"", k, "\" is not a string"));
     m.extra[k] = val.as_string();
   }
   return m;
+}
+
+// A rank's files must be the ones this save's commit marker recorded: a file copied in from
+// another run or left from another save at the same step is DataLoss naming rank and file.
+absl::Status CheckAgainstMarker(const std::string& dir, const MarkerRecord& marker,
+                                const Manifest& m) {
+  if (m.world != marker.world || m.step != marker.step) {
+    return absl::DataLossError(absl::StrCat("checkpoint '", dir, "': rank ", m.rank, "'s ",
+                                            ManifestName(m.rank), " records world ", m.world,
+                                            " step ", m.step, ", the commit marker world ",
+                                            marker.world, " step ", marker.step,
+                                            " (files from different saves)"));
+  }
+  const auto& [manifest_fp, tensors_fp] = marker.rank_files[m.rank];
+  if (m.file_fingerprint != manifest_fp || m.tensors_fingerprint != tensors_fp) {
+    const bool manifest = m.file_fingerprint != manifest_fp;
+    return absl::DataLossError(absl::StrCat(
+        "checkpoint '", dir, "': rank ", m.rank, "'s ",
+        manifest ? ManifestName(m.rank) : TensorsName(m.rank),
+        " is not the file this save's commit marker recorded (fingerprint ",
+        Hex(manifest ? m.file_fingerprint : m.tensors_fingerprint), ", recorded ",
+        Hex(manifest ? manifest_fp : tensors_fp),
+        "): it comes from another run or another save"));
+  }
+  return absl::OkStatus();
 }
 
 // A checkpoint group must have the layout of the live group it is loaded into.
@@ -346,8 +400,9 @@ absl::Span<const float> OwnedPart(const FlatParam& g, absl::Span<const float> be
              : beside_master.subspan(g.shard_offset(), g.local_numel());
 }
 
+// Writes the rank's files; `fingerprints` gets (manifest, tensors) file fingerprints.
 absl::Status WriteRankFiles(const std::string& dir, int rank, int world,
-                            const ShardedAdamW& optimizer) {
+                            const ShardedAdamW& optimizer, std::array<int64_t, 2>* fingerprints) {
   SafetensorsWriter writer;
   JsonValue groups = JsonValue::Array();
   for (size_t gi = 0; gi < optimizer.groups().size(); ++gi) {
@@ -376,12 +431,30 @@ absl::Status WriteRankFiles(const std::string& dir, int rank, int world,
   manifest.Set("step", JsonValue::Int(optimizer.step()));
   manifest.Set("tensors_file", JsonValue::String(TensorsName(rank)));
   manifest.Set("tensors_bytes", JsonValue::Int(static_cast<int64_t>(bytes.size())));
-  manifest.Set("tensors_fingerprint", JsonValue::String(absl::StrFormat("%016x", Fingerprint64(bytes))));
+  const uint64_t tensors_fp = Fingerprint64(bytes);
+  manifest.Set("tensors_fingerprint", JsonValue::String(Hex(tensors_fp)));
   manifest.Set("groups", std::move(groups));
-  return WriteFileAtomically(Join(dir, ManifestName(rank)), manifest.Serialize() + "\n");
+  const std::string text = manifest.Serialize() + "\n";
+  (*fingerprints)[0] = static_cast<int64_t>(Fingerprint64(text));
+  (*fingerprints)[1] = static_cast<int64_t>(tensors_fp);
+  return WriteFileAtomically(Join(dir, ManifestName(rank)), text);
 }
 
 }  // namespace
+
+int RemoveStaleTempFiles(const std::string& dir) {
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return 0;
+  int removed = 0;
+  while (const struct dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.find(".tmp.") != std::string::npos && ::unlink(Join(dir, name).c_str()) == 0) {
+      ++removed;
+    }
+  }
+  ::closedir(d);
+  return removed;
+}
 
 absl::Status SaveCheckpoint(const std::string& dir, Communicator& world,
                             const ShardedAdamW& optimizer,
@@ -393,13 +466,20 @@ absl::Status SaveCheckpoint(const std::string& dir, Communicator& world,
   if (local.ok() && rank == 0) {
     const std::string marker = Join(dir, kMarkerName);
     if (::unlink(marker.c_str()) != 0 && errno != ENOENT) {
-      local = absl::ErrnoToStatus(errno, absl::StrCat("unlink '", marker, "'"));
+      local = ErrnoStatus(errno, absl::StrCat("unlink '", marker, "'"));
     }
+    // No rank writes before the agreement below, so every *.tmp.* here is stale.
+    if (local.ok()) RemoveStaleTempFiles(dir);
   }
-  GRADSUM_RETURN_IF_ERROR(Agree(world, local, "checkpoint save (prepare)"));
+  GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world, local, "checkpoint save (prepare)"));
   // Phase 2: every rank writes its own files.
-  GRADSUM_RETURN_IF_ERROR(Agree(world, WriteRankFiles(dir, rank, world.size(), optimizer),
-                                "checkpoint save (rank files)"));
+  std::array<int64_t, 2> fingerprints{};
+  GRADSUM_RETURN_IF_ERROR(
+      AgreeOnStatus(world, WriteRankFiles(dir, rank, world.size(), optimizer, &fingerprints),
+                    "checkpoint save (rank files)"));
+  std::vector<int64_t> all_fingerprints(2 * world.size());
+  GRADSUM_RETURN_IF_ERROR(
+      world.AllGather(fingerprints.data(), all_fingerprints.data(), 2, DType::kI64));
   // Phase 3: commit.
   local = absl::OkStatus();
   if (rank == 0) {
@@ -408,12 +488,21 @@ absl::Status SaveCheckpoint(const std::string& dir, Communicator& world,
     marker.Set("version", JsonValue::Int(kVersion));
     marker.Set("world", JsonValue::Int(world.size()));
     marker.Set("step", JsonValue::Int(optimizer.step()));
+    JsonValue ranks = JsonValue::Array();
+    for (int r = 0; r < world.size(); ++r) {
+      JsonValue files = JsonValue::Object();
+      files.Set("manifest", JsonValue::String(Hex(static_cast<uint64_t>(all_fingerprints[2 * r]))));
+      files.Set("tensors", JsonValue::String(Hex(static_cast<uint64_t>(all_fingerprints[2 * r + 1]))));
+      ranks.Append(std::move(files));
+    }
+    marker.Set("ranks", std::move(ranks));
     JsonValue extra_json = JsonValue::Object();
     for (const auto& [k, v] : extra) extra_json.Set(k, JsonValue::String(v));
     marker.Set("extra", std::move(extra_json));
+    marker.Set("fingerprint", JsonValue::String(Hex(MarkerBodyFingerprint(marker))));
     local = WriteFileAtomically(Join(dir, kMarkerName), marker.Serialize() + "\n");
   }
-  return Agree(world, local, "checkpoint save (commit)");
+  return AgreeOnStatus(world, local, "checkpoint save (commit)");
 }
 
 absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& dir, Communicator& world,
@@ -434,12 +523,7 @@ absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& dir, Communicat
                                                         ", the current world size is ", world.size()));
     }
     GRADSUM_ASSIGN_OR_RETURN(Manifest m, ReadManifest(dir, rank));
-    if (m.world != marker.world || m.step != marker.step) {
-      return absl::DataLossError(absl::StrCat("checkpoint '", dir, "': ", ManifestName(rank),
-                                              " records world ", m.world, " step ", m.step,
-                                              ", the commit marker world ", marker.world, " step ",
-                                              marker.step, " (files from different saves)"));
-    }
+    GRADSUM_RETURN_IF_ERROR(CheckAgainstMarker(dir, marker, m));
     const auto& groups = optimizer.groups();
     if (m.groups.size() != groups.size()) {
       return absl::FailedPreconditionError(absl::StrCat("checkpoint '", dir, "' has ", m.groups.size(),
@@ -463,7 +547,7 @@ absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& dir, Communicat
     info.extra = std::move(marker.extra);
     return absl::OkStatus();
   };
-  GRADSUM_RETURN_IF_ERROR(Agree(world, read_all(), "checkpoint load"));
+  GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world, read_all(), "checkpoint load"));
 
   // Phase 2: install. Replicated groups rebuild their full copies from every rank's slice.
   absl::Status local = absl::OkStatus();
@@ -490,7 +574,7 @@ absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& dir, Communicat
     if (local.ok()) local = g.ZeroGrad();
   }
   if (local.ok()) local = optimizer.set_step(info.step);
-  GRADSUM_RETURN_IF_ERROR(Agree(world, local, "checkpoint load (install)"));
+  GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world, local, "checkpoint load (install)"));
   return info;
 }
 
@@ -508,11 +592,7 @@ absl::Status ExportConsolidated(const std::string& dir, const std::string& out_p
   std::map<std::string, Assembled> groups;
   for (int64_t r = 0; r < marker.world; ++r) {
     GRADSUM_ASSIGN_OR_RETURN(Manifest m, ReadManifest(dir, r));
-    if (m.world != marker.world || m.step != marker.step) {
-      return absl::DataLossError(absl::StrCat("checkpoint '", dir, "': ", ManifestName(r),
-                                              " is from another save (world ", m.world, ", step ",
-                                              m.step, ")"));
-    }
+    GRADSUM_RETURN_IF_ERROR(CheckAgainstMarker(dir, marker, m));
     GRADSUM_ASSIGN_OR_RETURN(SafetensorsFile tensors, ReadRankTensors(dir, m));
     for (const GroupRecord& rec : m.groups) {
       GRADSUM_ASSIGN_OR_RETURN(std::vector<float> slice, ReadSlice(tensors, rec, "master"));

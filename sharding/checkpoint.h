@@ -20,10 +20,17 @@
 //                              params (name, shape, offset); plus the tensor file's
 //                              size and 64-bit fingerprint
 //   checkpoint.json            the commit marker, written by world rank 0 only after every
-//                              rank's files are complete: world, step, extra metadata
+//                              rank's files are complete: world, step, per rank the
+//                              fingerprints of its manifest and tensor files, extra
+//                              metadata (moe_lm puts its config and run id there), and the
+//                              marker's own fingerprint over all of that
+// Fingerprints are XXH3-64 (sharding/atomic_file.h), written as 16 hex digits.
 // A directory without checkpoint.json is an incomplete checkpoint. Saving removes an old
-// marker first, so a save that dies half-way never passes for a complete one.
-//
+// marker and the temporary files (*.tmp.*) of interrupted saves first, so a save that dies
+// half-way never passes for a complete one. A rank file that is not the one the marker
+// recorded (copied from another run, or left from another save at the same step) is
+// DataLoss naming the rank and the file.
+
 // Both sharding modes store the same owned slices, so a checkpoint saved in one mode
 // loads in the other (same world size and group layout). Resuming is bit-exact: master
 // values, both moments and the step count are restored exactly.
@@ -31,9 +38,9 @@
 // Errors: a truncated, corrupt or inconsistent file is DataLoss naming the file and the
 // problem; a checkpoint written for another world size or group layout is
 // FailedPrecondition naming the value that differs; a missing checkpoint is NotFound.
-// Collective calls agree on the outcome: if any rank fails, every rank returns an error
-// (the failing rank its own, the others FailedPrecondition naming how many ranks failed)
-// instead of some ranks hanging in a collective.
+// Collective calls agree on the outcome (sharding/status_agreement.h): if any rank fails,
+// every rank returns the same error, with the code of the lowest failing rank and every
+// failing rank's message, instead of some ranks hanging in a collective.
 
 #include <cstdint>
 #include <map>
@@ -65,6 +72,11 @@ absl::Status SaveCheckpoint(const std::string& dir, Communicator& world,
 // On error nothing has been modified on any rank.
 absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& dir, Communicator& world,
                                               ShardedAdamW& optimizer);
+
+// Removes the temporary files (*.tmp.*) that interrupted saves left in `dir`; returns how
+// many. SaveCheckpoint does this itself; a resume calls it for the incomplete saves it skips.
+// Only while no save into `dir` is running.
+int RemoveStaleTempFiles(const std::string& dir);
 
 // Reads every rank's files of the checkpoint in `dir` and writes one safetensors file at
 // `out_path` holding each parameter's full, unpadded value with its shape, named as in

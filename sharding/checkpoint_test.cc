@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -275,6 +276,11 @@ TEST(CheckpointTest, CorruptOrMismatchedCheckpointsAreErrorsOnEveryRank) {
   const std::string good = TestDir("good");
   ASSERT_TRUE(Train(s, 1, "", good).ok());
   ASSERT_TRUE(LoadStatuses(s, good)[1].ok());
+  // Another run at the same step with the same layout (other data: other values).
+  RunSetup other_run = s;
+  other_run.micro_batches = 3;
+  const std::string other = TestDir("other_run");
+  ASSERT_TRUE(Train(other_run, 1, "", other).ok());
 
   struct Case {
     std::string name;
@@ -312,6 +318,22 @@ TEST(CheckpointTest, CorruptOrMismatchedCheckpointsAreErrorsOnEveryRank) {
        absl::StatusCode::kDataLoss, "JSON error"},
       {"no commit marker", [&](const std::string& d) { ::unlink((d + "/checkpoint.json").c_str()); },
        absl::StatusCode::kNotFound, "incomplete"},
+      {"rank 1 files of another run",
+       [&](const std::string& d) {
+         Write(d + m1, Read(other + m1));
+         Write(d + t1, Read(other + t1));
+       },
+       absl::StatusCode::kDataLoss,
+       "rank 1's rank-00001.manifest.json is not the file this save's commit marker recorded"},
+      {"marker edited",
+       [&](const std::string& d) {
+         const std::string m = Read(d + "/checkpoint.json");
+         ASSERT_NE(m.find("\"step\":1"), std::string::npos);
+         Write(d + "/checkpoint.json", absl::StrReplaceAll(m, {{"\"step\":1", "\"step\":2"}}));
+       },
+       absl::StatusCode::kDataLoss, "does not match its own fingerprint"},
+      {"marker garbage", [&](const std::string& d) { Write(d + "/checkpoint.json", "{\"format\""); },
+       absl::StatusCode::kDataLoss, "checkpoint.json"},
   };
   for (const Case& c : cases) {
     const std::string dir = TestDir("case_" + absl::StrReplaceAll(c.name, {{" ", "_"}}));
@@ -341,6 +363,21 @@ TEST(CheckpointTest, CorruptOrMismatchedCheckpointsAreErrorsOnEveryRank) {
     EXPECT_NE(x.message().find("numel"), std::string::npos) << x;
   }
   EXPECT_EQ(LoadStatuses(s, TestDir("does_not_exist"))[0].code(), absl::StatusCode::kNotFound);
+}
+
+TEST(CheckpointTest, SavingRemovesTheTempFilesOfInterruptedSaves) {
+  const RunSetup s{.world = 2, .ep = 1};
+  const std::string dir = TestDir("stale_tmp");
+  ::mkdir(dir.c_str(), 0755);
+  Write(dir + "/rank-00001.safetensors.tmp.4242.0", "half a file");
+  Write(dir + "/checkpoint.json.tmp.4242.1", "{");
+  ASSERT_TRUE(Train(s, 1, "", dir).ok());
+  std::vector<std::string> files = ListDir(dir);
+  std::sort(files.begin(), files.end());
+  EXPECT_EQ(files, (std::vector<std::string>{"checkpoint.json", "rank-00000.manifest.json",
+                                             "rank-00000.safetensors", "rank-00001.manifest.json",
+                                             "rank-00001.safetensors"}));
+  EXPECT_TRUE(LoadStatuses(s, dir)[0].ok());
 }
 
 }  // namespace

@@ -1,7 +1,13 @@
 #include "sharding/safetensors.h"
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
+#include <set>
+#include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -140,9 +146,60 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(absl::string_view bytes,
   const absl::string_view header_text = bytes.substr(8, header_len);
   const absl::string_view data = bytes.substr(8 + header_len);
 
-  absl::StatusOr<JsonValue> header = ParseJson(header_text);
-  if (!header.ok()) return loss("bad header: ", header.status().message());
-  if (!header->is_object()) return loss("header is not a JSON object");
+  // nlohmann-json parses; the safetensors rules are checked here. JSON itself allows
+  // duplicate keys (nlohmann keeps the last); a tensor file must not, so the parser's
+  // callback records them.
+  // Deeper values are dropped, not built (a header is 3 levels deep; this bounds the memory
+  // and the destructor's recursion on a hostile header).
+  constexpr int kMaxDepth = 16;
+  std::vector<std::set<std::string>> open_objects;
+  std::string duplicate;
+  bool too_deep = false;
+  const nlohmann::json::parser_callback_t on_event =
+      [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+        if (depth > kMaxDepth) {
+          too_deep = true;
+          return false;
+        }
+        switch (event) {
+          case nlohmann::json::parse_event_t::object_start:
+            open_objects.emplace_back();
+            break;
+          case nlohmann::json::parse_event_t::key:
+            if (!open_objects.back().insert(parsed.get<std::string>()).second &&
+                duplicate.empty()) {
+              duplicate = parsed.get<std::string>();
+            }
+            break;
+          case nlohmann::json::parse_event_t::object_end:
+            open_objects.pop_back();
+            break;
+          default:
+            break;
+        }
+        return true;
+      };
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(header_text.begin(), header_text.end(), on_event);
+  } catch (const nlohmann::json::exception& e) {
+    return loss("bad header: ", e.what());
+  }
+  if (too_deep) return loss("bad header: nesting deeper than ", kMaxDepth);
+  if (!duplicate.empty()) return loss("bad header: duplicate key \"", duplicate, "\"");
+  if (!header.is_object()) return loss("header is not a JSON object");
+
+  // A JSON integer that fits int64_t and is >= 0.
+  auto non_negative = [](const nlohmann::json& v, int64_t* out) {
+    if (v.is_number_unsigned()) {
+      if (v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) return false;
+      *out = static_cast<int64_t>(v.get<uint64_t>());
+      return true;
+    }
+    if (!v.is_number_integer() || v.get<int64_t>() < 0) return false;
+    *out = v.get<int64_t>();
+    return true;
+  };
 
   SafetensorsFile file;
   file.source_ = std::string(source);
@@ -151,62 +208,63 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(absl::string_view bytes,
     const std::string* name;
   };
   std::vector<Span> spans;
-  for (const auto& [name, value] : header->members()) {
+  for (const auto& [name, value] : header.items()) {
     if (name == kMetadataKey) {
       if (!value.is_object()) return loss("\"__metadata__\" is not an object");
-      for (const auto& [k, v] : value.members()) {
+      for (const auto& [k, v] : value.items()) {
         if (!v.is_string()) return loss("metadata value for \"", k, "\" is not a string");
-        file.metadata_[k] = v.as_string();
+        file.metadata_[k] = v.get<std::string>();
       }
       continue;
     }
     if (name.empty()) return loss("a tensor has an empty name");
     if (!value.is_object()) return loss("entry \"", name, "\" is not an object");
-    const JsonValue* dtype_v = value.Find("dtype");
-    const JsonValue* shape_v = value.Find("shape");
-    const JsonValue* offsets_v = value.Find("data_offsets");
-    if (dtype_v == nullptr || !dtype_v->is_string()) {
+    const auto dtype_v = value.find("dtype");
+    const auto shape_v = value.find("shape");
+    const auto offsets_v = value.find("data_offsets");
+    if (dtype_v == value.end() || !dtype_v->is_string()) {
       return loss("tensor \"", name, "\" has no string \"dtype\"");
     }
-    if (shape_v == nullptr || !shape_v->is_array()) {
+    if (shape_v == value.end() || !shape_v->is_array()) {
       return loss("tensor \"", name, "\" has no array \"shape\"");
     }
-    if (offsets_v == nullptr || !offsets_v->is_array() || offsets_v->array().size() != 2) {
+    if (offsets_v == value.end() || !offsets_v->is_array() || offsets_v->size() != 2) {
       return loss("tensor \"", name, "\" has no two-element \"data_offsets\"");
     }
+    const std::string dtype_name = dtype_v->get<std::string>();
     Entry entry;
     bool known = false;
     for (const auto& e : kDTypeNames) {
-      if (e.name == dtype_v->as_string()) {
+      if (e.name == dtype_name) {
         entry.dtype = e.dtype;
         known = true;
       }
     }
     if (!known) {
       for (absl::string_view foreign : kForeignDTypes) {
-        if (foreign == dtype_v->as_string()) {
+        if (foreign == dtype_name) {
           return absl::UnimplementedError(
               absl::StrCat("safetensors file '", source, "': tensor \"", name, "\" has dtype ",
                            foreign, ", which gradsum does not support"));
         }
       }
-      return loss("tensor \"", name, "\" has unknown dtype \"", dtype_v->as_string(), "\"");
+      return loss("tensor \"", name, "\" has unknown dtype \"", dtype_name, "\"");
     }
-    for (const JsonValue& d : shape_v->array()) {
-      if (!d.is_int() || d.as_int() < 0) {
+    for (const nlohmann::json& d : *shape_v) {
+      int64_t dim = 0;
+      if (!non_negative(d, &dim)) {
         return loss("tensor \"", name, "\" has a shape entry that is not a non-negative integer");
       }
-      entry.shape.push_back(d.as_int());
+      entry.shape.push_back(dim);
     }
     absl::StatusOr<int64_t> numel = NumElements(entry.shape);
     if (!numel.ok()) return loss("tensor \"", name, "\": ", numel.status().message());
-    const JsonValue& b = offsets_v->array()[0];
-    const JsonValue& e = offsets_v->array()[1];
-    if (!b.is_int() || !e.is_int() || b.as_int() < 0 || e.as_int() < b.as_int()) {
+    int64_t b = 0, e = 0;
+    if (!non_negative((*offsets_v)[0], &b) || !non_negative((*offsets_v)[1], &e) || e < b) {
       return loss("tensor \"", name, "\" has invalid data_offsets");
     }
-    const uint64_t begin = static_cast<uint64_t>(b.as_int());
-    const uint64_t end = static_cast<uint64_t>(e.as_int());
+    const uint64_t begin = static_cast<uint64_t>(b);
+    const uint64_t end = static_cast<uint64_t>(e);
     if (end > data.size()) {
       return loss("tensor \"", name, "\" data_offsets [", begin, ", ", end,
                   ") run past the data buffer of ", data.size(), " bytes (truncated?)");
@@ -215,7 +273,7 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(absl::string_view bytes,
     if (static_cast<uint64_t>(*numel) > data.size() / elem ||
         static_cast<uint64_t>(*numel) * elem != end - begin) {
       return loss("tensor \"", name, "\" has ", end - begin, " bytes but shape [",
-                  absl::StrJoin(entry.shape, ","), "] of ", dtype_v->as_string(), " needs ",
+                  absl::StrJoin(entry.shape, ","), "] of ", dtype_name, " needs ",
                   static_cast<uint64_t>(*numel) * elem);
     }
     entry.storage = std::make_shared<std::vector<uint64_t>>((end - begin + 7) / 8);

@@ -229,6 +229,11 @@ TEST(SafetensorsTest, CorruptHeadersAreDataLoss) {
   ExpectDataLoss(RawFile(R"({"__metadata__":[1]})", ""), "__metadata__");
   ExpectDataLoss(RawFile(R"({"__metadata__":{"k":1}})", ""), "not a string");
   ExpectDataLoss(RawFile(R"({"w":5})", ""), "not an object");
+  ExpectDataLoss(RawFile("{\"w\":" + std::string(100000, '[') + std::string(100000, ']') + "}", ""),
+                 "nesting deeper than");
+  ExpectDataLoss(RawFile(R"({"w":{"dtype":"F32","dtype":"F16","shape":[2],"data_offsets":[0,8]}})", d8),
+                 "duplicate key \"dtype\"");
+  ExpectDataLoss(RawFile("{\"\xff\":1}", ""), "bad header");  // not UTF-8
 
   absl::StatusOr<SafetensorsFile> u8 =
       SafetensorsFile::Parse(RawFile(R"({"w":{"dtype":"U8","shape":[8],"data_offsets":[0,8]}})", d8));

@@ -118,6 +118,8 @@ def _system_repo_impl(ctx):
         ("gmock", ["gmock"], ["-lgmock", "-lgtest", "-pthread"]),
         ("benchmark", ["benchmark"], ["-lbenchmark", "-pthread"]),
         ("protobuf", ["protobuf"], ["-lprotobuf", "-pthread"]),
+        ("xxhash", ["libxxhash"], ["-lxxhash"]),
+        ("nlohmann_json", ["nlohmann_json"], []),
     ]:
         libs = _pkg_config(ctx, mod, "--libs") or fallback
         build.append(_lib(name, linkopts = libs))

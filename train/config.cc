@@ -6,13 +6,12 @@
 #include <google/protobuf/text_format.h>
 
 #include <cmath>
-#include <fstream>
-#include <sstream>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "core/status.h"
+#include "sharding/atomic_file.h"
 
 namespace gradsum::train {
 namespace {
@@ -101,11 +100,9 @@ absl::StatusOr<TrainConfig> ParseConfigText(absl::string_view text) {
 }
 
 absl::StatusOr<TrainConfig> LoadConfigFile(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat("--config=", path, ": cannot open"));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  absl::StatusOr<TrainConfig> config = ParseConfigText(ss.str());
+  absl::StatusOr<std::string> text = ReadFileToString(path, uint64_t{1} << 20);
+  if (!text.ok()) return Annotate(text.status(), absl::StrCat("--config=", path));
+  absl::StatusOr<TrainConfig> config = ParseConfigText(*text);
   if (!config.ok()) return Annotate(config.status(), absl::StrCat("--config=", path));
   return config;
 }
@@ -300,6 +297,38 @@ void SetDefaultsExplicitly(pb::Message* msg) {
   }
 }
 }  // namespace
+
+namespace {
+void CollectFields(const pb::Message& msg, const std::string& prefix,
+                   std::vector<FieldOverride>* out) {
+  const pb::Descriptor* d = msg.GetDescriptor();
+  const pb::Reflection* r = msg.GetReflection();
+  for (int i = 0; i < d->field_count(); ++i) {
+    const pb::FieldDescriptor* f = d->field(i);
+    if (f->is_repeated()) continue;
+    const std::string path = prefix.empty() ? f->name() : absl::StrCat(prefix, ".", f->name());
+    if (f->cpp_type() == pb::FieldDescriptor::CPPTYPE_MESSAGE) {
+      CollectFields(r->GetMessage(msg, f), path, out);
+      continue;
+    }
+    std::string value;
+    pb::TextFormat::PrintFieldValueToString(msg, f, -1, &value);
+    out->push_back({path, value});
+  }
+}
+}  // namespace
+
+std::vector<FieldOverride> ConfigFields(const TrainConfig& config) {
+  std::vector<FieldOverride> out;
+  CollectFields(config, "", &out);
+  return out;
+}
+
+TrainConfig ResolvedConfig(const TrainConfig& in) {
+  TrainConfig config = in;
+  SetDefaultsExplicitly(&config);
+  return config;
+}
 
 std::string ConfigToShortText(const TrainConfig& in) {
   TrainConfig config = in;

@@ -26,7 +26,9 @@ namespace gradsum::train {
 // field is InvalidArgument with the parser's line and column.
 absl::StatusOr<TrainConfig> ParseConfigText(absl::string_view text);
 
-// Reads and parses `path`. A missing or unreadable file is NotFound naming the path.
+// Reads and parses `path`, which must be a regular file of at most 1 MiB. A missing or
+// unreadable file (NotFound, PermissionDenied, ...), a directory or device
+// (FailedPrecondition) or a bigger file (OutOfRange) is an error naming the path.
 absl::StatusOr<TrainConfig> LoadConfigFile(const std::string& path);
 
 // One override: a dotted field path of TrainConfig ("world", "model.dim",
@@ -47,6 +49,14 @@ absl::Status ApplyOverrides(const std::vector<FieldOverride>& overrides, TrainCo
 // that fit a sequence, optimiser ranges, resume needing a checkpoint_dir. Returns the
 // first violation as InvalidArgument "field=value: reason".
 absl::Status ValidateConfig(const TrainConfig& config);
+
+// Every scalar field of `config` as (dotted path, value as text), defaults included, in
+// declaration order: what a run actually uses (for comparing the ranks' configs).
+std::vector<FieldOverride> ConfigFields(const TrainConfig& config);
+
+// `config` with every field set explicitly, defaults included. Reading a resolved config
+// never touches protobuf's lazily built default values, so rank threads can share it.
+TrainConfig ResolvedConfig(const TrainConfig& config);
 
 // The config as one-line textproto with every field written out, defaults included
 // (for logs, losses.json and checkpoints); ParseConfigText reads it back.

@@ -62,6 +62,9 @@ ABSL_FLAG(std::optional<int32_t>, expert_dim, std::nullopt, "H");
 ABSL_FLAG(std::optional<bool>, norm_topk_prob, std::nullopt,
           "renormalise the top-k router weights");
 ABSL_FLAG(std::optional<double>, router_scale, std::nullopt, "router weight scale");
+ABSL_FLAG(std::optional<double>, timeout_s, std::nullopt,
+          "seconds a rank waits for the others in a collective before the run fails "
+          "(DeadlineExceeded); a failure then ends every rank");
 ABSL_FLAG(std::optional<int32_t>, layers_per_unit, std::nullopt,
           "wrap policy: layers per FlatParam unit");
 ABSL_FLAG(std::optional<bool>, reshard_after_forward, std::nullopt,
@@ -111,6 +114,7 @@ const std::vector<FlagField>& OverridableFlags() {
       {"expert_dim", "model.expert_dim"},
       {"norm_topk_prob", "model.norm_topk_prob"},
       {"router_scale", "model.router_scale"},
+      {"timeout_s", "timeout_s"},
       {"layers_per_unit", "layers_per_unit"},
       {"reshard_after_forward", "reshard_after_forward"},
       {"reduce_every_micro_batch", "reduce_every_micro_batch"},
@@ -141,7 +145,7 @@ absl::StatusOr<TrainConfig> ConfigFromFlags() {
   }
   GRADSUM_RETURN_IF_ERROR(ApplyOverrides(overrides, &config));
   GRADSUM_RETURN_IF_ERROR(ValidateConfig(config));
-  return config;
+  return ResolvedConfig(config);
 }
 
 }  // namespace gradsum::train

@@ -15,7 +15,8 @@
 // --compute_dtype --seed --data --seq_len --max_doc_len --micro_batch --dump_dir --metrics
 // --checkpoint_dir --checkpoint_every --resume --parity_check --alpha_b --alpha_z --lr
 // --warmup_steps --weight_decay --grad_clip and the model sizes --vocab (V) --dim (D)
-// --layers (L) --experts (E) --top_k (K) --expert_dim (H) --norm_topk_prob --router_scale.
+// --layers (L) --experts (E) --top_k (K) --expert_dim (H) --norm_topk_prob --router_scale
+// --timeout_s.
 
 #include <string>
 #include <vector>

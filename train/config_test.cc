@@ -185,5 +185,34 @@ TEST(ConfigTest, ShortTextListsDefaultsAndRoundTrips) {
   EXPECT_EQ(back->model().experts(), 8);
 }
 
+
+TEST(ConfigTest, ConfigMustBeARegularFile) {
+  for (const std::string path : {::testing::TempDir(), std::string("/dev/zero")}) {
+    absl::StatusOr<TrainConfig> c = LoadConfigFile(path);
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kFailedPrecondition) << path;
+    EXPECT_THAT(c.status().message(), HasSubstr("--config=" + path + ": not a regular file"));
+  }
+}
+
+TEST(ConfigTest, FieldsListEveryValueAndResolvedConfigSetsThem) {
+  TrainConfig c;
+  c.mutable_optim()->set_lr(0.5);
+  const std::vector<FieldOverride> fields = ConfigFields(c);
+  auto value = [&](const std::string& path) {
+    for (const FieldOverride& f : fields) {
+      if (f.path == path) return f.value;
+    }
+    return std::string("<missing>");
+  };
+  EXPECT_EQ(value("optim.lr"), "0.5");
+  EXPECT_EQ(value("model.experts"), "8");       // a default
+  EXPECT_EQ(value("backend"), "\"thread\"");   // as textproto
+  EXPECT_EQ(value("data.path"), "\"\"");
+  const TrainConfig resolved = ResolvedConfig(c);
+  EXPECT_TRUE(resolved.has_backend());
+  EXPECT_TRUE(resolved.data().has_path());
+  EXPECT_EQ(ConfigToShortText(resolved), ConfigToShortText(c));
+}
+
 }  // namespace
 }  // namespace gradsum::train

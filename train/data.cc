@@ -1,12 +1,17 @@
 #include "train/data.h"
 
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
-#include <fstream>
-#include <sstream>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "sharding/atomic_file.h"
 
 namespace gradsum::train {
 namespace {
@@ -164,36 +169,69 @@ std::vector<int32_t> MarkovCorpus::Document(int64_t i) const {
 
 absl::StatusOr<std::unique_ptr<TextFileCorpus>> TextFileCorpus::Load(const std::string& path,
                                                                      int max_len) {
+  const std::string name = absl::StrCat("--data=", path);
   if (max_len < 1) {
     return absl::InvalidArgumentError(absl::StrCat("max_len=", max_len, ": must be positive"));
   }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("--data=", path, ": cannot open"));
-  std::stringstream ss;
-  ss << in.rdbuf();
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoStatus(errno, absl::StrCat(name, ": cannot open"));
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return ErrnoStatus(errno, absl::StrCat(name, ": stat"));
+  if (!S_ISREG(st.st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(name, ": not a regular file (a text file is expected, one document per line)"));
+  }
+  if (static_cast<uint64_t>(st.st_size) > kMaxDataFileBytes) {
+    return absl::OutOfRangeError(absl::StrCat(name, ": ", st.st_size,
+                                              " bytes, more than the limit of ",
+                                              kMaxDataFileBytes, " bytes"));
+  }
   auto corpus = std::unique_ptr<TextFileCorpus>(new TextFileCorpus());
-  corpus->bytes_ = ss.str();
+  corpus->path_ = path;
+  corpus->bytes_.reserve(static_cast<size_t>(st.st_size));
+  // Streamed: the limit holds even if the file grows while it is read.
+  std::string piece(1 << 20, '\0');
+  while (true) {
+    const ssize_t n = ::read(fd, &piece[0], piece.size());
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(errno, absl::StrCat(name, ": read"));
+    }
+    if (n == 0) break;
+    if (corpus->bytes_.size() + static_cast<size_t>(n) > kMaxDataFileBytes) {
+      return absl::OutOfRangeError(absl::StrCat(name, ": more than the limit of ",
+                                                kMaxDataFileBytes, " bytes"));
+    }
+    corpus->bytes_.append(piece.data(), static_cast<size_t>(n));
+  }
   if (corpus->bytes_.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("--data=", path, ": file is empty"));
+    return absl::InvalidArgumentError(absl::StrCat(name, ": file is empty"));
   }
   const int64_t n = static_cast<int64_t>(corpus->bytes_.size());
+  corpus->min_len_ = max_len;
   int64_t line_start = 0;
   while (line_start < n) {
-    int64_t line_end = line_start;
-    while (line_end < n && corpus->bytes_[line_end] != '\n') ++line_end;
-    if (line_end < n) ++line_end;  // the '\n' belongs to its line
+    const void* nl = std::memchr(corpus->bytes_.data() + line_start, '\n', n - line_start);
+    int64_t line_end = nl == nullptr ? n : static_cast<const char*>(nl) - corpus->bytes_.data() + 1;
     for (int64_t s = line_start; s < line_end; s += max_len) {
       corpus->starts_.push_back(s);
-      corpus->lengths_.push_back(std::min<int64_t>(max_len, line_end - s));
+      const int64_t len = std::min<int64_t>(max_len, line_end - s);
+      corpus->min_len_ = std::min(corpus->min_len_, len);
+      corpus->max_len_ = std::max(corpus->max_len_, len);
     }
     line_start = line_end;
   }
+  corpus->starts_.push_back(n);
   return corpus;
 }
 
 std::vector<int32_t> TextFileCorpus::Document(int64_t i) const {
-  std::vector<int32_t> doc(lengths_[i]);
-  for (int64_t t = 0; t < lengths_[i]; ++t) {
+  std::vector<int32_t> doc(DocumentLength(i));
+  for (int64_t t = 0; t < static_cast<int64_t>(doc.size()); ++t) {
     doc[t] = static_cast<unsigned char>(bytes_[starts_[i] + t]);
   }
   return doc;
@@ -229,17 +267,31 @@ absl::StatusOr<RankDataLoader> RankDataLoader::Create(std::shared_ptr<const Docu
   const int64_t n = corpus->num_documents();
   loader.shard_begin_ = rank * n / world;
   loader.shard_end_ = (rank + 1) * n / world;
+  const std::string where = absl::StrCat(corpus->Describe(), ", rank ", rank, " of world=", world);
   if (loader.shard_end_ <= loader.shard_begin_) {
-    return absl::InvalidArgumentError(absl::StrCat("the corpus has ", n,
-                                                   " documents, too few for world=", world,
-                                                   " (rank ", rank, " gets none)"));
+    return absl::InvalidArgumentError(absl::StrCat(where, ": the corpus has ", n,
+                                                   " documents, too few for every rank to get "
+                                                   "one (this rank gets none)"));
   }
-  for (int64_t i = loader.shard_begin_; i < loader.shard_end_; ++i) {
-    if (corpus->DocumentLength(i) > config.seq_len()) {
-      return absl::InvalidArgumentError(absl::StrCat("document ", i, " has length ",
-                                                     corpus->DocumentLength(i),
-                                                     " > data.seq_len=", config.seq_len()));
+  if (corpus->MaxDocumentLength() > config.seq_len()) {
+    for (int64_t i = loader.shard_begin_; i < loader.shard_end_; ++i) {
+      if (corpus->DocumentLength(i) > config.seq_len()) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ": document ", i, " has length ",
+                                                       corpus->DocumentLength(i),
+                                                       " > data.seq_len=", config.seq_len()));
+      }
     }
+  }
+  // A document needs 2 tokens for one labelled pair (SEMANTICS.md §1).
+  bool trainable = corpus->MinDocumentLength() >= 2;
+  for (int64_t i = loader.shard_begin_; !trainable && i < loader.shard_end_; ++i) {
+    trainable = corpus->DocumentLength(i) >= 2;
+  }
+  if (!trainable) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": no trainable token in this rank's documents [", loader.shard_begin_, ", ",
+        loader.shard_end_, ") (every document, i.e. line, has fewer than 2 bytes, so no token "
+        "has a next token to predict)"));
   }
   loader.corpus_ = std::move(corpus);
   loader.seq_len_ = config.seq_len();

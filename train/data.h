@@ -97,6 +97,11 @@ class DocumentSource {
   virtual std::vector<int32_t> Document(int64_t i) const = 0;
   // The floor of the expected CE in nats/token if known (the Markov corpus), else < 0.
   virtual double EntropyFloorNats() const { return -1; }
+  // Bounds on DocumentLength over all documents (so a loader need not scan them).
+  virtual int64_t MinDocumentLength() const = 0;
+  virtual int64_t MaxDocumentLength() const = 0;
+  // What the documents come from, for messages ("the embedded Markov corpus", "--data=x").
+  virtual std::string Describe() const = 0;
 };
 
 // The embedded corpus: `corpus_documents` documents from MarkovChain::Create(corpus_seed),
@@ -108,6 +113,9 @@ class MarkovCorpus : public DocumentSource {
   int64_t DocumentLength(int64_t i) const override;
   std::vector<int32_t> Document(int64_t i) const override;
   double EntropyFloorNats() const override { return chain_.ConditionalEntropyNats(); }
+  int64_t MinDocumentLength() const override { return min_len_; }
+  int64_t MaxDocumentLength() const override { return max_len_; }
+  std::string Describe() const override { return "the embedded Markov corpus"; }
   const MarkovChain& chain() const { return chain_; }
 
  private:
@@ -117,19 +125,30 @@ class MarkovCorpus : public DocumentSource {
   int min_len_, max_len_;
 };
 
+// The largest --data file (bytes): the file is held in memory with an 8-byte index entry
+// per document, so a file of N bytes takes at most 9 N bytes.
+inline constexpr uint64_t kMaxDataFileBytes = uint64_t{1} << 30;
+
 // A text file as documents: each line including its '\n' is a document; a line longer
 // than `max_len` bytes is split into pieces of at most `max_len`.
 class TextFileCorpus : public DocumentSource {
  public:
-  // NotFound if the file cannot be read; InvalidArgument if it is empty.
+  // Reads `path` in pieces. It must be a regular file (FailedPrecondition naming it: not a
+  // device or a directory) of 1 to kMaxDataFileBytes bytes (InvalidArgument if empty,
+  // OutOfRange if bigger); a file that cannot be read is NotFound / PermissionDenied.
   static absl::StatusOr<std::unique_ptr<TextFileCorpus>> Load(const std::string& path, int max_len);
-  int64_t num_documents() const override { return static_cast<int64_t>(starts_.size()); }
-  int64_t DocumentLength(int64_t i) const override { return lengths_[i]; }
+  int64_t num_documents() const override { return static_cast<int64_t>(starts_.size()) - 1; }
+  int64_t DocumentLength(int64_t i) const override { return starts_[i + 1] - starts_[i]; }
   std::vector<int32_t> Document(int64_t i) const override;
+  int64_t MinDocumentLength() const override { return min_len_; }
+  int64_t MaxDocumentLength() const override { return max_len_; }
+  std::string Describe() const override { return "--data=" + path_; }
 
  private:
+  std::string path_;
   std::string bytes_;
-  std::vector<int64_t> starts_, lengths_;
+  std::vector<int64_t> starts_;  // documents tile the file: starts_[i + 1] ends document i
+  int64_t min_len_ = 0, max_len_ = 0;
 };
 
 // The corpus `config` names: the text file `path`, or the Markov corpus when empty.
@@ -156,7 +175,9 @@ struct MicroBatch {
 class RankDataLoader {
  public:
   // InvalidArgument if rank is outside [0, world), if the shard is empty (fewer
-  // documents than ranks) or if a document is longer than data.seq_len.
+  // documents than ranks), if no document of the shard has a trainable token (all shorter
+  // than 2 tokens) or if a document is longer than data.seq_len; the message names the
+  // corpus (Describe) and the rank.
   static absl::StatusOr<RankDataLoader> Create(std::shared_ptr<const DocumentSource> corpus,
                                                const DataConfig& config, int rank, int world);
 

@@ -269,5 +269,33 @@ TEST(TextFileCorpusTest, PacksThroughTheLoader) {
   for (const MicroBatch& mb : loader->NextStep(2)) CheckPacking(mb, **corpus);
 }
 
+
+TEST(TextFileCorpusTest, OnlyRegularFilesAndShardsWithSomethingToPredict) {
+  auto dev = TextFileCorpus::Load("/dev/zero", 4);
+  EXPECT_EQ(dev.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(dev.status().message(), HasSubstr("--data=/dev/zero: not a regular file"));
+  auto dir = TextFileCorpus::Load(::testing::TempDir(), 4);
+  EXPECT_EQ(dir.status().code(), absl::StatusCode::kFailedPrecondition);
+
+  // Lines of one byte ("\n") have no token with a next token to predict.
+  const std::string path = ::testing::TempDir() + "/no_pairs.txt";
+  std::ofstream(path, std::ios::binary) << "\n\n\nab\n\n\n";  // documents: 1 1 1 3 1 1
+  DataConfig config = SmallConfig();
+  config.set_path(path);
+  auto corpus = MakeCorpus(config);
+  ASSERT_TRUE(corpus.ok()) << corpus.status();
+  EXPECT_EQ((*corpus)->MinDocumentLength(), 1);
+  EXPECT_EQ((*corpus)->MaxDocumentLength(), 3);
+  auto rank0 = RankDataLoader::Create(*corpus, config, 0, 2);  // documents [0, 3): all "\n"
+  EXPECT_EQ(rank0.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(rank0.status().message(),
+              HasSubstr("--data=" + path + ", rank 0 of world=2: no trainable token"));
+  EXPECT_TRUE(RankDataLoader::Create(*corpus, config, 1, 2).ok());  // has "ab\n"
+  // More ranks than documents: a rank with an empty shard, named.
+  auto empty = RankDataLoader::Create(*corpus, config, 0, 7);
+  EXPECT_EQ(empty.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(empty.status().message(), HasSubstr(", rank 0 of world=7: the corpus has 6 documents"));
+}
+
 }  // namespace
 }  // namespace gradsum::train

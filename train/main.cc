@@ -7,6 +7,14 @@
 //
 // Exit status: 0 on success; 1 when the config is bad, training fails, or the parity check
 // finds a difference beyond the tolerance.
+//
+// Failures (docs/ARCHITECTURE.md, "Failures"): an error one rank finds outside a collective
+// reaches every rank at the next agreement point (start-up, checkpoint load/save, step
+// boundaries; sharding/status_agreement.h), and rank 0 reports every failing rank's message;
+// the ranks then end normally with status 1. An error only one rank knows about (a collective
+// that timed out because a peer is stopped or dead) is reported by that rank, which then
+// aborts the whole MPI job (AbortMpiJob): nothing waits in MPI_Finalize for a peer that
+// cannot come. An escaped exception becomes an error status the same way (CatchExceptions).
 
 #include <functional>
 #include <iostream>
@@ -19,6 +27,8 @@
 #include "collectives/mpi_backend.h"
 #include "collectives/thread_backend.h"
 #include "core/status.h"
+#include "sharding/status_agreement.h"
+#include "train/config.h"
 #include "train/config_flags.h"
 #include "train/rank_main.h"
 #ifdef GRADSUM_HAVE_CUDA
@@ -28,71 +38,119 @@
 namespace gradsum::train {
 namespace {
 
-// One process per rank under an MPI launcher: the MPI world, rank 0 prints the banner and
-// the log, `run` does the rank's work with it.
-absl::Status RunOnMpiWorld(const TrainConfig& config, absl::Duration timeout,
-                           const std::function<absl::Status(Communicator*, std::ostream*)>& run) {
-  MpiBackendOptions options;
-  options.timeout = timeout;
-  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> world,
-                           CreateMpiWorldCommunicator(options));
-  const int rank = world->rank();
-  if (rank == 0) PrintBanner(config, std::cout);
-  absl::Status s = run(world.get(), rank == 0 ? &std::cout : nullptr);
-  world.reset();  // before MPI finalises at exit
-  return Annotate(s, absl::StrCat("rank ", rank));
+// The code and the message (not the status's internal payloads).
+void Report(const absl::Status& s) {
+  std::cerr << "moe_lm: " << absl::StatusCodeToString(s.code()) << ": " << s.message()
+            << std::endl;
 }
 
-absl::Status Main() {
-  GRADSUM_ASSIGN_OR_RETURN(TrainConfig config, ConfigFromFlags());
-  const absl::Duration timeout = absl::Seconds(config.timeout_s());
-  if (config.backend() == "thread") {
-    PrintBanner(config, std::cout);
-    ThreadBackendOptions options;
-    options.timeout = timeout;
-    GRADSUM_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Communicator>> comms,
-                             CreateThreadCommunicators(config.world(), options));
-    std::vector<absl::Status> status(config.world());
-    std::vector<std::thread> threads;
-    for (int r = 0; r < config.world(); ++r) {
-      threads.emplace_back(
-          [&, r] { status[r] = RunRank(config, comms[r].get(), r == 0 ? &std::cout : nullptr); });
-    }
-    for (std::thread& t : threads) t.join();
-    for (int r = 0; r < config.world(); ++r) {
-      if (!status[r].ok()) return Annotate(status[r], absl::StrCat("rank ", r));
-    }
-    return absl::OkStatus();
+// One process per rank under an MPI launcher: the MPI world, rank 0 prints the banner and
+// the log, `run` does the rank's work with it. Returns the exit status.
+int RunOnMpiWorld(const TrainConfig& config, absl::Duration timeout,
+                  const std::function<absl::Status(Communicator*, std::ostream*)>& run) {
+  MpiBackendOptions options;
+  options.timeout = timeout;
+  absl::StatusOr<std::unique_ptr<Communicator>> world = CreateMpiWorldCommunicator(options);
+  if (!world.ok()) {
+    Report(world.status());
+    AbortMpiJob(1);
+    return 1;
   }
-  if (config.backend() == "mpi") {
-    return RunOnMpiWorld(config, timeout, [&](Communicator* world, std::ostream* log) {
-      return RunRank(config, world, log);
+  const int rank = (*world)->rank();
+  if (rank == 0) PrintBanner(config, std::cout);
+  const absl::Status s =
+      CatchExceptions([&] { return run(world->get(), rank == 0 ? &std::cout : nullptr); });
+  if (s.ok() || IsAgreedFailure(s)) {
+    // Every rank knows the outcome and ends here: rank 0 reports, MPI finalises normally.
+    if (!s.ok() && rank == 0) Report(s);
+    world->reset();  // before MPI finalises at exit
+    return s.ok() ? 0 : 1;
+  }
+  // Only this rank may know: report, then end the whole job (a peer may be stopped or dead,
+  // and MPI_Finalize would wait for it).
+  Report(Annotate(s, absl::StrCat("rank ", rank)));
+  AbortMpiJob(1);
+  return 1;
+}
+
+// Thread ranks: every failing rank's message, once for an error they all agreed on.
+int RunOnThreads(const TrainConfig& config, absl::Duration timeout) {
+  PrintBanner(config, std::cout);
+  ThreadBackendOptions options;
+  options.timeout = timeout;
+  absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> comms =
+      CreateThreadCommunicators(config.world(), options);
+  if (!comms.ok()) {
+    Report(comms.status());
+    return 1;
+  }
+  std::vector<absl::Status> status(config.world());
+  std::vector<std::thread> threads;
+  for (int r = 0; r < config.world(); ++r) {
+    threads.emplace_back([&, r] {
+      status[r] = CatchExceptions(
+          [&] { return RunRank(config, (*comms)[r].get(), r == 0 ? &std::cout : nullptr); });
     });
   }
-  if (config.backend() == "nccl") {
+  for (std::thread& t : threads) t.join();
+  int rc = 0;
+  for (int r = 0; r < config.world(); ++r) {
+    if (status[r].ok()) continue;
+    if (IsAgreedFailure(status[r])) {
+      Report(status[r]);  // identical on every rank, and it names every failing rank
+      return 1;
+    }
+    Report(Annotate(status[r], absl::StrCat("rank ", r)));
+    rc = 1;
+  }
+  return rc;
+}
+
+int Main() {
+  absl::StatusOr<TrainConfig> config = ConfigFromFlags();
+  absl::Status s = config.status();
+  if (s.ok()) s = CheckResourceBounds(*config, MachineMemoryBytes());
+  if (!s.ok()) {
+    Report(s);
+    return 1;
+  }
+  const absl::Duration timeout = absl::Seconds(config->timeout_s());
+  if (config->backend() == "thread") return RunOnThreads(*config, timeout);
+  if (config->backend() == "mpi") {
+    return RunOnMpiWorld(*config, timeout, [&](Communicator* world, std::ostream* log) {
+      return RunRank(*config, world, log);
+    });
+  }
+  if (config->backend() == "nccl") {
 #ifdef GRADSUM_HAVE_CUDA
     // MPI launches the ranks and carries the host side (statistics, norms, checkpoints);
     // NCCL carries the gradients and the MoE exchange on the GPUs. One GPU needs no
     // launcher: a one-rank thread communicator is the host world.
-    if (config.world() == 1) {
-      PrintBanner(config, std::cout);
+    if (config->world() == 1) {
+      PrintBanner(*config, std::cout);
       ThreadBackendOptions options;
       options.timeout = timeout;
-      GRADSUM_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Communicator>> one,
-                               CreateThreadCommunicators(1, options));
-      return RunNcclRank(config, one[0].get(), &std::cout);
+      absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> one =
+          CreateThreadCommunicators(1, options);
+      s = one.ok() ? CatchExceptions(
+                         [&] { return RunNcclRank(*config, (*one)[0].get(), &std::cout); })
+                   : one.status();
+      if (!s.ok()) Report(s);
+      return s.ok() ? 0 : 1;
     }
-    return RunOnMpiWorld(config, timeout, [&](Communicator* world, std::ostream* log) {
-      return RunNcclRank(config, world, log);
+    return RunOnMpiWorld(*config, timeout, [&](Communicator* world, std::ostream* log) {
+      return RunNcclRank(*config, world, log);
     });
 #else
-    return absl::FailedPreconditionError(
+    Report(absl::FailedPreconditionError(
         "backend=nccl: this moe_lm was built without CUDA; rebuild it with "
-        "`./bazelw build --config=cuda //train:moe_lm` and run one MPI rank per GPU");
+        "`./bazelw build --config=cuda //train:moe_lm` and run one MPI rank per GPU"));
+    return 1;
 #endif
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("backend=", config.backend(), ": must be thread, mpi or nccl"));
+  Report(absl::InvalidArgumentError(
+      absl::StrCat("backend=", config->backend(), ": must be thread, mpi or nccl")));
+  return 1;
 }
 
 }  // namespace
@@ -100,10 +158,17 @@ absl::Status Main() {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  absl::Status s = gradsum::train::Main();
+  // The last line: an exception that escaped everything else still ends in a message and
+  // status 1 (and, under MPI, ends the job), never in std::terminate's abort.
+  int rc = 1;
+  const absl::Status s = gradsum::train::CatchExceptions([&] {
+    rc = gradsum::train::Main();
+    return absl::OkStatus();
+  });
   if (!s.ok()) {
-    std::cerr << "moe_lm: " << s << std::endl;
+    gradsum::train::Report(s);
+    gradsum::AbortMpiJob(1);
     return 1;
   }
-  return 0;
+  return rc;
 }

@@ -47,4 +47,37 @@ for i in $(seq 1 200); do echo "the quick brown fox $i jumps over the lazy dog";
 "$bin" "${tiny[@]}" --steps=2 --data="$tmp/corpus.txt" > "$tmp/data.txt" 2>&1 \
   || fail "--data run failed: $(cat "$tmp/data.txt")"
 grep -q "^step 2/2" "$tmp/data.txt" || fail "--data run logged no step 2"
+
+# Bad inputs found at start-up or during the run: status 1 and a message naming the value.
+expect_error "--config=$tmp: not a regular file" --config="$tmp"  # a directory
+expect_error "--data=/dev/zero: not a regular file" --data=/dev/zero "${tiny[@]}" --steps=1
+# Sizes checked before anything is allocated, against overflow and the machine's memory.
+expect_error "RESOURCE_EXHAUSTED: the run needs an estimated" --dim=1000000000 --steps=1
+expect_error "model.dim=1000000000" --dim=1000000000 --steps=1
+expect_error "model.experts=2000000000" --experts=2000000000 --ep=1 --world=1 --steps=1
+expect_error "model.layers=2000000000" --layers=2000000000 --steps=1
+expect_error "data.micro_batch=2000000000 x data.seq_len=128" --micro_batch=2000000000 --steps=1
+expect_error "grad_acc=2000000000" --grad_acc=2000000000 --steps=1
+# Metrics to a full device: the write error names the path; nothing passes silently.
+expect_error "--metrics=/dev/full: write failed: No space left on device" \
+  "${tiny[@]}" --steps=2 --metrics=/dev/full
+expect_error "--metrics=$tmp: cannot open" "${tiny[@]}" --steps=1 --metrics="$tmp"
+# Data that cannot train: an empty shard, or no document with a token to predict.
+printf 'x\n' > "$tmp/one_line.txt"
+expect_error "--data=$tmp/one_line.txt, rank 0 of world=2: the corpus has 1 documents" \
+  "${tiny[@]}" --steps=1 --data="$tmp/one_line.txt"
+printf '\n\n\n\n' > "$tmp/no_pairs.txt"
+expect_error "--data=$tmp/no_pairs.txt, rank 0 of world=2: no trainable token" \
+  "${tiny[@]}" --steps=1 --data="$tmp/no_pairs.txt"
+# Both ranks fail at start-up: one message names both.
+expect_error "start-up failed on ranks 0, 1 of 2" "${tiny[@]}" --steps=1 --data="$tmp/no_pairs.txt"
+# A dump directory that cannot be created (a file is in the way) fails the run.
+touch "$tmp/a_file"
+expect_error "--dump_dir failed on ranks 0, 1 of 2" "${tiny[@]}" --steps=1 --dump_dir="$tmp/a_file/dump"
+# Test-only fault hook: an exception escaping a rank is a clean error, not an abort.
+GRADSUM_TEST_FAULT=throw:1:2 expect_error "INTERNAL: rank 1: uncaught exception: injected fault on rank 1 at step 2" \
+  "${tiny[@]}" --steps=3 --timeout_s=5
+# A rank-local failure on thread ranks reaches every rank at the step boundary.
+GRADSUM_TEST_FAULT=fail:1:2 expect_error "step 2 failed on rank 1 of 2: INTERNAL: injected fault on rank 1 at step 2" \
+  "${tiny[@]}" --steps=3
 echo "PASS"

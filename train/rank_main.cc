@@ -1,5 +1,10 @@
 #include "train/rank_main.h"
 
+#include <unistd.h>
+
+#include <exception>
+#include <new>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/status.h"
@@ -55,6 +60,83 @@ void PrintBanner(const TrainConfig& config, std::ostream& out) {
         corpus.EntropyFloorNats());
   }
   out << std::flush;
+}
+
+absl::Status CatchExceptions(const std::function<absl::Status()>& f) {
+  try {
+    return f();
+  } catch (const std::bad_alloc& e) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "out of memory (", e.what(), "): the run needs more memory than it could allocate"));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("uncaught exception: ", e.what()));
+  } catch (...) {
+    return absl::InternalError("uncaught exception of unknown type");
+  }
+}
+
+absl::StatusOr<ResourceEstimate> EstimateResources(const TrainConfig& config) {
+  using LD = long double;
+  const ModelConfig& m = config.model();
+  const LD V = m.vocab(), D = m.dim(), L = m.layers(), E = m.experts(), K = m.top_k(),
+           H = m.expert_dim(), P = config.ep();
+  const LD T = LD{1} * config.data().micro_batch() * config.data().seq_len();
+  const LD G = config.grad_acc();
+  if (T > 2147483647.0L) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "data.micro_batch=%d x data.seq_len=%d = %.0Lf tokens per micro-batch: more than "
+        "2^31 - 1",
+        config.data().micro_batch(), config.data().seq_len(), T));
+  }
+  // MoeLmParamShapes, counted without building the list (which has L * E * 3 entries).
+  const LD dense = 2 * V * D + L * (D + D * E) + D;
+  const LD experts = L * E * 3 * D * H;
+  ResourceEstimate r;
+  r.params = dense + experts;
+  if (r.params > 4611686018427387904.0L) {  // 2^62
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "model.vocab=%d, model.dim=%d, model.layers=%d, model.experts=%d, model.expert_dim=%d "
+        "give %.3Le parameters: more than 2^62",
+        m.vocab(), m.dim(), m.layers(), m.experts(), m.expert_dim(), r.params));
+  }
+  const LD rank_params = dense + experts / P;
+  const LD shard_ways = config.sharding() == "fsdp" ? config.world() : 1;
+  // initial copy + compute copy + gradients, and master, exp_avg, exp_avg_sq slices (f32).
+  r.parameter_bytes = 4 * rank_params * (3 + 3 / shard_ways);
+  // Per token and layer: residual, norm, router logits and probabilities, each routed copy's
+  // input, gate, up, activation and output; then the logits and their gradient.
+  r.activation_bytes = 4 * T * (L * (4 * D + 2 * E + K * (2 * D + 3 * H)) + 3 * V);
+  // tokens, labels, mask (i32) and sample ids (i64), twice (loader and model copies).
+  r.batch_bytes = 2 * G * T * (3 * 4 + 8);
+  const LD per_rank = r.parameter_bytes + r.activation_bytes + r.batch_bytes;
+  r.process_bytes = per_rank * (config.backend() == "thread" ? config.world() : 1);
+  return r;
+}
+
+absl::Status CheckResourceBounds(const TrainConfig& config, uint64_t memory_bytes) {
+  GRADSUM_ASSIGN_OR_RETURN(ResourceEstimate r, EstimateResources(config));
+  if (r.process_bytes <= static_cast<long double>(memory_bytes)) return absl::OkStatus();
+  const ModelConfig& m = config.model();
+  constexpr long double kGiB = 1024.0L * 1024 * 1024;
+  return absl::ResourceExhaustedError(absl::StrFormat(
+      "the run needs an estimated %.1Lf GiB per process, more than this machine's %.1Lf GiB: "
+      "parameters %.1Lf GiB (%.3Le parameters from model.vocab=%d, model.dim=%d, "
+      "model.layers=%d, model.experts=%d, model.expert_dim=%d, ep=%d), activations %.1Lf GiB "
+      "(data.micro_batch=%d x data.seq_len=%d tokens, model.top_k=%d), batch %.1Lf GiB "
+      "(grad_acc=%d)%s",
+      r.process_bytes / kGiB, memory_bytes / kGiB, r.parameter_bytes / kGiB, r.params,
+      m.vocab(), m.dim(), m.layers(), m.experts(), m.expert_dim(), config.ep(),
+      r.activation_bytes / kGiB, config.data().micro_batch(), config.data().seq_len(), m.top_k(),
+      r.batch_bytes / kGiB, config.grad_acc(),
+      config.backend() == "thread" ? absl::StrCat(", per rank x world=", config.world(),
+                                                  " thread ranks")
+                                   : ""));
+}
+
+uint64_t MachineMemoryBytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page <= 0) return UINT64_MAX;  // unknown: no bound
+  return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
 }
 
 }  // namespace gradsum::train

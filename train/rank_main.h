@@ -8,6 +8,8 @@
 //
 //   absl::Status s = RunRank(config, world_comm, rank == 0 ? &std::cout : nullptr);
 
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <ostream>
 
@@ -40,6 +42,30 @@ absl::Status RunRank(const TrainConfig& config, Communicator* world, std::ostrea
 
 // The start-up lines rank 0 prints: config, sizes, the corpus's entropy floor.
 void PrintBanner(const TrainConfig& config, std::ostream& out);
+
+// Runs `f`; an exception that escapes it becomes a status (std::bad_alloc ResourceExhausted,
+// anything else Internal, with what() in the message) instead of std::terminate's abort.
+absl::Status CatchExceptions(const std::function<absl::Status()>& f);
+
+// What one rank holds, estimated from the config before anything is allocated (bytes):
+// parameters (the rank's dense parameters and its E/P experts' share: an initial copy, the
+// compute copy and gradients, the master, exp_avg and exp_avg_sq slices), the activations of
+// one micro-batch and the step's batch. An upper estimate, not an exact count.
+struct ResourceEstimate {
+  long double params = 0;  // parameters of the whole model
+  long double parameter_bytes = 0, activation_bytes = 0, batch_bytes = 0;
+  long double process_bytes = 0;  // per process: x world for the thread backend
+};
+// InvalidArgument naming the fields whose product overflows what the kernels index (more
+// than 2^31 - 1 tokens per micro-batch, more than 2^62 parameters).
+absl::StatusOr<ResourceEstimate> EstimateResources(const TrainConfig& config);
+
+// Fails before any allocation when the estimate exceeds `memory_bytes`: ResourceExhausted
+// naming the estimate, its parts and the sizes they come from. Errors of EstimateResources.
+absl::Status CheckResourceBounds(const TrainConfig& config, uint64_t memory_bytes);
+
+// The machine's physical memory in bytes.
+uint64_t MachineMemoryBytes();
 
 }  // namespace gradsum::train
 

@@ -30,6 +30,12 @@ if [ -f "$tmp/ckpt/${final}/checkpoint.json" ]; then
   exit 1
 fi
 echo "killed after $(grep -c '"step"' "$tmp/run.jsonl" || true) logged steps"
+# The newest complete save, and a newer save that died before its commit marker (with the
+# temporary file it was writing): --resume must take the former, say so, and clean up.
+latest=$(ls -d "$tmp"/ckpt/step-*/checkpoint.json | sort | tail -1)
+latest_step=$(basename "$(dirname "$latest")" | sed 's/^step-0*//')
+mkdir -p "$tmp/ckpt/step-00000299"
+echo "half a shard" > "$tmp/ckpt/step-00000299/rank-00001.safetensors.tmp.12345.0"
 
 "$bin" "${common[@]}" --checkpoint_dir="$tmp/ckpt" --metrics="$tmp/run.jsonl" --resume \
   > "$tmp/run2.log" 2>&1
@@ -51,5 +57,12 @@ for r in 0 1; do
   cmp "$tmp/ref_ckpt/${final}/$f" "$tmp/ckpt/${final}/$f" \
     || { echo "FAIL: final checkpoint shard $f differs"; exit 1; }
 done
-grep -q "resumed\|step" "$tmp/run2.log"
+grep -q "^resumed from step ${latest_step} of run [0-9a-f]\{16\} in $tmp/ckpt/step-0*${latest_step} (skipped [0-9]* incomplete newer save(s), the newest step 299" "$tmp/run2.log" \
+  || { echo "FAIL: no resume line naming step ${latest_step} and the skipped save:"; head -5 "$tmp/run2.log"; exit 1; }
+if [ -e "$tmp/ckpt/step-00000299/rank-00001.safetensors.tmp.12345.0" ]; then
+  echo "FAIL: the interrupted save's temporary file was not removed"; exit 1
+fi
+# Every save of both runs records the same run id (kept across the resume).
+ids=$(grep -ho '"run_id":"[0-9a-f]*"' "$tmp"/ckpt/step-*/checkpoint.json | sort -u | wc -l)
+[ "$ids" -eq 1 ] || { echo "FAIL: ${ids} run ids in the checkpoints, expected 1"; exit 1; }
 echo "PASS: ${steps} steps identical after kill -9 and --resume"

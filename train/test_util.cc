@@ -2,6 +2,7 @@
 
 #include "core/status.h"
 #include "testing/run_ranks.h"
+#include "train/config.h"
 #include "train/rank_main.h"
 
 namespace gradsum::train {
@@ -32,7 +33,9 @@ TrainConfig TinyConfig(int world, int ep, int grad_acc, const char* sharding) {
   return c;
 }
 
-absl::StatusOr<std::vector<RankOutcome>> RunInProcess(const TrainConfig& config) {
+absl::StatusOr<std::vector<RankOutcome>> RunInProcess(const TrainConfig& unresolved) {
+  // Every default set before the rank threads share it (train/config.h ResolvedConfig).
+  const TrainConfig config = ResolvedConfig(unresolved);
   std::vector<RankOutcome> outcomes(config.world());
   ThreadBackendOptions options;
   options.timeout = absl::Seconds(config.timeout_s());

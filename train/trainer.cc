@@ -4,6 +4,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <thread>
 
 #include "absl/strings/numbers.h"
@@ -16,8 +17,13 @@
 #include "sharding/checkpoint.h"
 #include "sharding/grad_norm.h"
 #include "sharding/json.h"
+#include "sharding/atomic_file.h"
 #include "sharding/safetensors.h"
+#include "sharding/status_agreement.h"
 #include "train/config.h"
+#include "train/config_agreement.h"
+#include "train/fault_injection.h"
+#include "train/metrics_file.h"
 
 namespace gradsum::train {
 namespace {
@@ -130,6 +136,33 @@ absl::StatusOr<int64_t> LatestCheckpointStep(const std::string& checkpoint_dir) 
   return best;
 }
 
+std::vector<int64_t> IncompleteCheckpointsAfter(const std::string& checkpoint_dir, int64_t step) {
+  std::error_code ec;
+  std::vector<int64_t> out;
+  for (const fs::directory_entry& e : fs::directory_iterator(checkpoint_dir, ec)) {
+    const std::string name = e.path().filename().string();
+    int64_t s;
+    if (name.rfind("step-", 0) != 0 || !absl::SimpleAtoi(name.substr(5), &s)) continue;
+    if (s > step && !fs::exists(e.path() / "checkpoint.json")) out.push_back(s);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+namespace {
+// A fresh run's id (16 hex digits): drawn on rank 0, the same on every rank. It goes into
+// every checkpoint's commit marker and is kept by --resume.
+absl::StatusOr<std::string> NewRunId(Communicator& world) {
+  uint64_t id = 0;
+  if (world.rank() == 0) {
+    std::random_device rd;
+    id = (uint64_t{rd()} << 32) ^ rd() ^ static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()));
+  }
+  GRADSUM_RETURN_IF_ERROR(world.Broadcast(&id, 1, DType::kI64, 0));
+  return absl::StrFormat("%016x", id);
+}
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& config,
                                                          const RankComms& comms) {
   GRADSUM_RETURN_IF_ERROR(ValidateConfig(config));
@@ -144,6 +177,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
     return absl::InvalidArgumentError(
         absl::StrCat("ep=", config.ep(), ": the EP group has ", comms.ep_group->size(), " ranks"));
   }
+  // Ranks launched separately must agree on every setting and on the data before anything
+  // else is collective.
+  GRADSUM_RETURN_IF_ERROR(CheckRanksAgree(config, *comms.world));
   auto trainer = std::unique_ptr<Trainer>(new Trainer());
   trainer->config_ = config;
   trainer->comms_ = comms;
@@ -178,30 +214,52 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   adam.weight_decay = config.optim().weight_decay();
   GRADSUM_ASSIGN_OR_RETURN(trainer->optimizer_,
                            ShardedAdamW::Create(trainer->model_->groups(), adam));
-  GRADSUM_ASSIGN_OR_RETURN(trainer->corpus_, MakeCorpus(config.data()));
-  GRADSUM_ASSIGN_OR_RETURN(RankDataLoader loader,
-                           RankDataLoader::Create(trainer->corpus_, config.data(),
-                                                  comms.world->rank(), comms.world->size()));
-  trainer->loader_ = std::make_unique<RankDataLoader>(std::move(loader));
   trainer->display_ = losses::StepDisplay(config.model().layers(), config.model().experts());
   GRADSUM_RETURN_IF_ERROR(MoeLm::RegisterDisplayTerms(&trainer->display_));
-  if (!config.checkpoint_dir().empty()) {
-    std::error_code ec;
-    fs::create_directories(config.checkpoint_dir(), ec);
-    if (ec) {
-      return absl::FailedPreconditionError(absl::StrCat("checkpoint_dir=", config.checkpoint_dir(),
-                                                        ": cannot create: ", ec.message()));
-    }
+  // Rank-local start-up work (the data file, this rank's shard, the checkpoint directory):
+  // every rank learns at once if any rank failed, with that rank's message.
+  GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(*comms.world, trainer->PrepareLocal(), "start-up"));
+  if (config.resume()) {
+    GRADSUM_RETURN_IF_ERROR(trainer->Resume());
+  } else {
+    GRADSUM_ASSIGN_OR_RETURN(trainer->run_id_, NewRunId(*comms.world));
   }
-  if (config.resume()) GRADSUM_RETURN_IF_ERROR(trainer->Resume());
   GRADSUM_RETURN_IF_ERROR(trainer->model_->Unshard());
   return trainer;
 }
 
+absl::Status Trainer::PrepareLocal() {
+  GRADSUM_ASSIGN_OR_RETURN(corpus_, MakeCorpus(config_.data()));
+  GRADSUM_ASSIGN_OR_RETURN(RankDataLoader loader,
+                           RankDataLoader::Create(corpus_, config_.data(), comms_.world->rank(),
+                                                  comms_.world->size()));
+  loader_ = std::make_unique<RankDataLoader>(std::move(loader));
+  if (!config_.checkpoint_dir().empty()) {
+    std::error_code ec;
+    fs::create_directories(config_.checkpoint_dir(), ec);
+    if (ec) {
+      return absl::FailedPreconditionError(absl::StrCat("checkpoint_dir=", config_.checkpoint_dir(),
+                                                        ": cannot create: ", ec.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Trainer::CheckResumeCompatible(const CheckpointInfo& info, int64_t step) const {
   auto it = info.extra.find("config");
-  if (it == info.extra.end()) return absl::OkStatus();  // written by other code: nothing to check
-  GRADSUM_ASSIGN_OR_RETURN(TrainConfig saved, ParseConfigText(it->second));
+  if (it == info.extra.end()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--resume: the checkpoint of step ", step, " in ", config_.checkpoint_dir(),
+        " has no \"config\" in its commit marker, so nothing shows that it continues this "
+        "run's data stream and model; refusing it"));
+  }
+  absl::StatusOr<TrainConfig> parsed = ParseConfigText(it->second);
+  if (!parsed.ok()) {
+    return absl::DataLossError(absl::StrCat("--resume: the checkpoint of step ", step,
+                                            ": its saved config does not parse: ",
+                                            parsed.status().message()));
+  }
+  const TrainConfig& saved = *parsed;
   // What decides where the data stream resumes (RankDataLoader::SkipSteps replays
   // step * grad_acc micro-batches of this rank's shard) and what the parameters are. The
   // optimizer settings, step count, logging, dtypes, CE weighting and backend may change.
@@ -258,16 +316,32 @@ absl::Status Trainer::Resume() {
     if (latest.ok()) step = *latest;
     found = latest.status();
   }
+  GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(*comms_.world, found, "--resume"));
   GRADSUM_RETURN_IF_ERROR(comms_.world->Broadcast(&step, 1, DType::kI64, 0));
-  if (step < 0) {
-    return is_rank0() ? found
-                      : absl::NotFoundError(absl::StrCat("--resume: no complete checkpoint in ",
-                                                         config_.checkpoint_dir()));
+  const std::string dir = CheckpointPath(config_.checkpoint_dir(), step);
+  GRADSUM_ASSIGN_OR_RETURN(CheckpointInfo info, LoadCheckpoint(dir, *comms_.world, *optimizer_));
+  // The same marker on every rank: the same verdict everywhere.
+  GRADSUM_RETURN_IF_ERROR(MarkAgreed(CheckResumeCompatible(info, step)));
+  auto run_id = info.extra.find("run_id");
+  if (run_id == info.extra.end() || run_id->second.empty()) {
+    return MarkAgreed(absl::FailedPreconditionError(absl::StrCat(
+        "--resume: the checkpoint ", dir, " has no run_id in its commit marker")));
   }
-  GRADSUM_ASSIGN_OR_RETURN(
-      CheckpointInfo info,
-      LoadCheckpoint(CheckpointPath(config_.checkpoint_dir(), step), *comms_.world, *optimizer_));
-  GRADSUM_RETURN_IF_ERROR(CheckResumeCompatible(info, step));
+  run_id_ = run_id->second;
+  resume_note_ = absl::StrCat("resumed from step ", info.step, " of run ", run_id_, " in ", dir);
+  if (is_rank0()) {
+    const std::vector<int64_t> skipped = IncompleteCheckpointsAfter(config_.checkpoint_dir(), step);
+    int removed = 0;
+    for (int64_t s : skipped) {
+      removed += RemoveStaleTempFiles(CheckpointPath(config_.checkpoint_dir(), s));
+    }
+    if (!skipped.empty()) {
+      absl::StrAppend(&resume_note_, " (skipped ", skipped.size(),
+                      " incomplete newer save(s), the newest step ", skipped.back(),
+                      ": interrupted before its commit marker; removed ", removed,
+                      " temporary file(s))");
+    }
+  }
   step_ = info.step;
   fresh_start_ = false;
   loader_->SkipSteps(step_, config_.grad_acc());
@@ -276,7 +350,7 @@ absl::Status Trainer::Resume() {
 
 absl::Status Trainer::SaveCheckpointNow() {
   return SaveCheckpoint(CheckpointPath(config_.checkpoint_dir(), step_), *comms_.world, *optimizer_,
-                        {{"config", ConfigToShortText(config_)}});
+                        {{"config", ConfigToShortText(config_)}, {"run_id", run_id_}});
 }
 
 absl::StatusOr<StepRecord> Trainer::Step() {
@@ -376,12 +450,14 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   r.maxvio = values.maxvio;
 
   if (first && !config_.dump_dir().empty()) {
-    GRADSUM_RETURN_IF_ERROR(WriteDump(weights, *first_step_grads_, batches, r));
+    GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(
+        *comms_.world, WriteDump(weights, *first_step_grads_, batches, r), "--dump_dir"));
   }
   if (first && config_.parity_check()) {
     // Rank 0 runs the reference; every rank learns the verdict, so all fail together.
     int64_t ok = 0;
-    if (is_rank0()) {
+    absl::Status local = absl::OkStatus();
+    if (is_rank0()) local = [&]() -> absl::Status {
       const bool f32 = config_.compute_dtype() == "f32" && config_.reduce_dtype() == "f32";
       // bf16 rounds parameters or gradients to 8 bits of mantissa: a looser bar.
       const double tol =
@@ -392,7 +468,9 @@ absl::StatusOr<StepRecord> Trainer::Step() {
           CheckParity(config_, weights, global_batch, *first_step_grads_, {r.ce, r.z, r.bal}, tol));
       ok = report.ok ? 1 : 0;
       parity_ = std::move(report);
-    }
+      return absl::OkStatus();
+    }();
+    GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(*comms_.world, local, "--parity_check"));
     GRADSUM_RETURN_IF_ERROR(comms_.world->Broadcast(&ok, 1, DType::kI64, 0));
     if (!is_rank0()) {
       ParityReport verdict;
@@ -451,29 +529,34 @@ absl::Status Trainer::WriteDump(const NamedParams& weights, const NamedParams& g
   j.Set("valid_tokens", JsonValue::Int(record.valid_tokens));
   j.Set("routed_tokens", JsonValue::Int(record.routed_tokens));
   j.Set("config", JsonValue::String(ConfigToShortText(config_)));
-  std::ofstream out(absl::StrCat(dir, "/losses.json"));
-  out << j.Serialize() << "\n";
-  if (!out) return absl::InternalError(absl::StrCat("cannot write ", dir, "/losses.json"));
-  return absl::OkStatus();
+  return WriteFileAtomically(absl::StrCat(dir, "/losses.json"), j.Serialize() + "\n");
 }
 
 absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
   TrainSummary summary;
   summary.first_step = step_ + 1;
   summary.entropy_floor = corpus_->EntropyFloorNats();
-  std::ofstream metrics;
+  if (log != nullptr && !resume_note_.empty()) *log << resume_note_ << std::endl;
+  // Rank-local failures (the metrics file, the fault hook) are agreed on at each step
+  // boundary: every rank stops together with the failing rank's message.
+  MetricsFile metrics;
+  absl::Status local = absl::OkStatus();
   if (is_rank0() && !config_.metrics().empty()) {
-    metrics.open(config_.metrics(), fresh_start_ ? std::ios::trunc : std::ios::app);
-    if (!metrics) {
-      return absl::InternalError(absl::StrCat("--metrics=", config_.metrics(), ": cannot open"));
-    }
+    absl::StatusOr<MetricsFile> opened = MetricsFile::Open(config_.metrics(), !fresh_start_);
+    if (opened.ok()) metrics = std::move(*opened);
+    local = opened.status();
   }
   double ce_tail_sum = 0;
   std::vector<double> ces;
-  while (step_ < config_.steps()) {
+  while (true) {
+    if (local.ok() && step_ < config_.steps()) local = MaybeInjectFault(comms_.world->rank(), step_ + 1);
+    GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(
+        *comms_.world, local,
+        step_ < config_.steps() ? absl::StrCat("step ", step_ + 1) : "end of training"));
+    if (step_ >= config_.steps()) break;
     GRADSUM_ASSIGN_OR_RETURN(StepRecord r, Step());
     if (log != nullptr) *log << r.ToLogLine(config_.steps()) << std::endl;
-    if (metrics.is_open()) metrics << r.ToJson() << std::endl;
+    if (metrics.is_open()) local = metrics.WriteLine(r.ToJson());
     // After the step's log lines, so a run killed right after a checkpoint has logged
     // every step the checkpoint covers.
     if (!config_.checkpoint_dir().empty() &&
@@ -492,12 +575,13 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
     if (parity_.has_value() && r.step == 1) {
       if (log != nullptr && !parity_->params.empty()) *log << parity_->ToString() << std::flush;
       if (!parity_->ok) {
-        return absl::FailedPreconditionError(
+        return MarkAgreed(absl::FailedPreconditionError(
             "--parity_check: step 1 differs from the single-process reference beyond the "
-            "tolerance (see the parity lines)");
+            "tolerance (see the parity lines)"));
       }
     }
   }
+  GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(*comms_.world, metrics.Close(), "--metrics"));
   const size_t tail = std::min<size_t>(10, ces.size());
   for (size_t i = ces.size() - tail; i < ces.size(); ++i) ce_tail_sum += ces[i];
   summary.tail_mean_ce = tail > 0 ? ce_tail_sum / tail : 0;

@@ -126,6 +126,8 @@ class Trainer {
   absl::Status WriteDump(const NamedParams& weights, const NamedParams& grads,
                          const std::vector<MicroBatch>& batches, const StepRecord& record);
   absl::Status SaveCheckpointNow();
+  // The rank-local part of Create: corpus, data loader, checkpoint directory.
+  absl::Status PrepareLocal();
   absl::Status Resume();
   // FailedPrecondition naming the first field that differs between the checkpoint's saved
   // config and this run's among those that decide the data stream and the model.
@@ -141,6 +143,8 @@ class Trainer {
   losses::StepDisplay display_;
   int64_t step_ = 0;
   bool fresh_start_ = true;
+  std::string run_id_;       // kept in every checkpoint and across --resume
+  std::string resume_note_;  // "resumed from step ..." (Run logs it)
   std::optional<ParityReport> parity_;
   std::optional<NamedParams> first_step_grads_;
   std::vector<StepRecord> history_;
@@ -152,6 +156,10 @@ std::string CheckpointPath(const std::string& checkpoint_dir, int64_t step);
 // The step of the newest complete checkpoint in `checkpoint_dir` (one with its commit
 // marker), or NotFound.
 absl::StatusOr<int64_t> LatestCheckpointStep(const std::string& checkpoint_dir);
+
+// Steps after `step` whose directories in `checkpoint_dir` have no commit marker (saves
+// interrupted before they committed), ascending.
+std::vector<int64_t> IncompleteCheckpointsAfter(const std::string& checkpoint_dir, int64_t step);
 
 }  // namespace gradsum::train
 

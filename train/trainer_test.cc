@@ -7,9 +7,12 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "absl/strings/str_format.h"
+#include "sharding/atomic_file.h"
 #include "sharding/json.h"
 #include "sharding/safetensors.h"
 #include "testing/run_ranks.h"
+#include "train/config.h"
 #include "train/moe_lm.h"
 #include "train/rank_main.h"
 #include "train/test_util.h"
@@ -208,6 +211,51 @@ TEST(TrainerTest, ResumeRefusesAnotherDataStreamButAllowsNewOptimizerSettings) {
   EXPECT_EQ((*d)[0].history[0].step, 3);
 }
 
+// A commit marker without the config that wrote it proves nothing about the data stream
+// and the model: refused, on every rank. The marker is rewritten with a valid fingerprint
+// (XXH3 of its other members), so only the missing config can be the reason.
+TEST(TrainerTest, ResumeRefusesAMarkerWithoutItsConfig) {
+  const std::string dir = ::testing::TempDir() + "/ckpt_no_config";
+  std::filesystem::remove_all(dir);
+  TrainConfig first = TinyConfig(2, 2, 1, "fsdp");
+  first.set_steps(2);
+  first.set_checkpoint_dir(dir);
+  auto a = RunInProcess(first);
+  ASSERT_TRUE(a.ok() && (*a)[0].status.ok()) << (*a)[0].status;
+  const std::string marker_path = dir + "/step-00000002/checkpoint.json";
+  absl::StatusOr<std::string> text = ReadFileToString(marker_path);
+  ASSERT_TRUE(text.ok());
+  absl::StatusOr<JsonValue> marker = ParseJson(*text);
+  ASSERT_TRUE(marker.ok()) << marker.status();
+  JsonValue body = JsonValue::Object();
+  for (const auto& [k, v] : marker->members()) {
+    if (k == "fingerprint") continue;
+    if (k != "extra") {
+      body.Set(k, v);
+      continue;
+    }
+    JsonValue extra = JsonValue::Object();
+    for (const auto& [ek, ev] : v.members()) {
+      if (ek != "config") extra.Set(ek, ev);
+    }
+    body.Set(k, std::move(extra));
+  }
+  JsonValue rewritten = body;
+  rewritten.Set("fingerprint",
+                JsonValue::String(absl::StrFormat("%016x", Fingerprint64(body.Serialize()))));
+  ASSERT_TRUE(WriteFileAtomically(marker_path, rewritten.Serialize() + "\n").ok());
+
+  TrainConfig again = first;
+  again.set_steps(3);
+  again.set_resume(true);
+  auto b = RunInProcess(again);
+  ASSERT_TRUE(b.ok());
+  for (const RankOutcome& r : *b) {
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kFailedPrecondition) << r.status;
+    EXPECT_THAT(r.status.message(), HasSubstr("has no \"config\" in its commit marker"));
+  }
+}
+
 TEST(TrainerTest, ResumeWithoutCheckpointIsNotFound) {
   const std::string dir = ::testing::TempDir() + "/empty_ckpt";
   std::filesystem::create_directories(dir);
@@ -223,7 +271,8 @@ TEST(TrainerTest, ResumeWithoutCheckpointIsNotFound) {
 }
 
 TEST(TrainerTest, CommunicatorsThatDisagreeWithTheConfigAreInvalidArgument) {
-  TrainConfig config = TinyConfig(4, 2, 1, "fsdp");  // but run on 2 ranks
+  // Resolved: the rank threads read it concurrently (train/config.h ResolvedConfig).
+  TrainConfig config = ResolvedConfig(TinyConfig(4, 2, 1, "fsdp"));  // but run on 2 ranks
   absl::Status s = testing::RunRanks(2, [&](Communicator& world) -> absl::Status {
     absl::StatusOr<RankMesh> mesh = MakeRankMesh(&world, 2);
     if (!mesh.ok()) return mesh.status();

@@ -1,0 +1,67 @@
+#include "train/config_agreement.h"
+
+#include <algorithm>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/status.h"
+#include "sharding/atomic_file.h"
+#include "sharding/status_agreement.h"
+#include "train/config.h"
+#include "train/data.h"
+
+namespace gradsum::train {
+
+absl::Status CheckRanksAgree(const TrainConfig& config, Communicator& world) {
+  const std::vector<FieldOverride> fields = ConfigFields(config);
+  std::vector<int64_t> mine(fields.size() + 1, 0);
+  for (size_t i = 0; i < fields.size(); ++i) {
+    mine[i] = static_cast<int64_t>(Fingerprint64(absl::StrCat(fields[i].path, "=", fields[i].value)));
+  }
+  absl::Status local = absl::OkStatus();
+  if (!config.data().path().empty()) {
+    absl::StatusOr<uint64_t> fp = FingerprintFile(config.data().path(), kMaxDataFileBytes);
+    if (fp.ok()) {
+      mine.back() = static_cast<int64_t>(*fp);
+    } else {
+      local = Annotate(fp.status(), absl::StrCat("--data=", config.data().path()));
+    }
+  }
+  GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world, local, "start-up (reading the data file)"));
+  const size_t n = mine.size();
+  std::vector<int64_t> all(n * world.size());
+  GRADSUM_RETURN_IF_ERROR(world.AllGather(mine.data(), all.data(), n, DType::kI64));
+  std::vector<std::string> differences;
+  for (size_t i = 0; i < n; ++i) {
+    // Ranks grouped by their fingerprint of field i, in rank order of first appearance.
+    std::vector<std::pair<int64_t, std::vector<int>>> groups;
+    for (int r = 0; r < world.size(); ++r) {
+      const int64_t v = all[r * n + i];
+      auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == v; });
+      if (it == groups.end()) {
+        groups.push_back({v, {r}});
+      } else {
+        it->second.push_back(r);
+      }
+    }
+    if (groups.size() == 1) continue;
+    std::vector<std::string> sets;
+    for (const auto& [v, ranks] : groups) sets.push_back(absl::StrCat("{", absl::StrJoin(ranks, ","), "}"));
+    const std::string what = i < fields.size()
+                                 ? absl::StrCat(fields[i].path, " (", fields[i].value, " on rank ",
+                                                world.rank(), ")")
+                                 : absl::StrCat("the content of data.path=", config.data().path());
+    differences.push_back(absl::StrCat(what, " differs: ranks ", absl::StrJoin(sets, " vs ")));
+  }
+  if (differences.empty()) return absl::OkStatus();
+  // Every rank sees the same fingerprints, so every rank fails here: an agreed failure.
+  return MarkAgreed(absl::InvalidArgumentError(absl::StrCat(
+      "the ranks were started with different configs (give every rank the same flags, config "
+      "file and data): ",
+      absl::StrJoin(differences, "; "))));
+}
+
+}  // namespace gradsum::train

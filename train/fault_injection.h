@@ -1,0 +1,26 @@
+#ifndef GRADSUM_TRAIN_FAULT_INJECTION_H_
+#define GRADSUM_TRAIN_FAULT_INJECTION_H_
+
+// A test-only fault injection hook for the reliability tests (train/fault_test.sh): the
+// environment variable GRADSUM_TEST_FAULT=MODE:RANK:STEP makes world rank RANK misbehave
+// at the start of step STEP (1-based). Unset (the normal case) it does nothing.
+//
+//   fail   return Internal "injected fault" (a rank-local error outside any collective)
+//   throw  throw std::runtime_error (an escaped exception)
+//   stall  sleep until killed (a rank that stops making progress)
+//   stop   raise(SIGSTOP) (a stopped process: it holds its MPI connections, sends nothing)
+//   kill   raise(SIGKILL) (a rank that dies)
+//
+// A malformed value is InvalidArgument naming it, on every rank at the first step.
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+namespace gradsum::train {
+
+absl::Status MaybeInjectFault(int rank, int64_t step);
+
+}  // namespace gradsum::train
+
+#endif  // GRADSUM_TRAIN_FAULT_INJECTION_H_

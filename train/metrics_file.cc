@@ -1,0 +1,66 @@
+#include "train/metrics_file.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "sharding/atomic_file.h"
+
+namespace gradsum::train {
+
+MetricsFile::MetricsFile(MetricsFile&& other) noexcept
+    : fd_(std::exchange(other.fd_, -1)), path_(std::move(other.path_)) {}
+
+MetricsFile& MetricsFile::operator=(MetricsFile&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = std::exchange(other.fd_, -1);
+    path_ = std::move(other.path_);
+  }
+  return *this;
+}
+
+MetricsFile::~MetricsFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+absl::StatusOr<MetricsFile> MetricsFile::Open(const std::string& path, bool append) {
+  const std::string name = absl::StrCat("--metrics=", path);
+  const int fd = ::open(path.c_str(),
+                        O_WRONLY | O_CREAT | O_CLOEXEC | (append ? O_APPEND : O_TRUNC), 0644);
+  if (fd < 0) return ErrnoStatus(errno, absl::StrCat(name, ": cannot open"));
+  MetricsFile f;
+  f.fd_ = fd;
+  f.path_ = path;
+  return f;
+}
+
+absl::Status MetricsFile::WriteLine(absl::string_view line) {
+  const std::string name = absl::StrCat("--metrics=", path_);
+  if (fd_ < 0) return absl::FailedPreconditionError(absl::StrCat(name, ": not open"));
+  const std::string text = absl::StrCat(line, "\n");
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(fd_, text.data() + done, text.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(errno, absl::StrCat(name, ": write failed"));
+    }
+    done += static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status MetricsFile::Close() {
+  if (fd_ < 0) return absl::OkStatus();
+  const int rc = ::close(std::exchange(fd_, -1));
+  if (rc != 0) return ErrnoStatus(errno, absl::StrCat("--metrics=", path_, ": close failed"));
+  return absl::OkStatus();
+}
+
+}  // namespace gradsum::train

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# A failure on one MPI rank ends every rank of the job, promptly, with a non-zero status:
+#   mpi_fault_test.sh MOE_LM_BINARY MPIRUN_TEST_SH
+# Faults come from the test-only hook GRADSUM_TEST_FAULT=MODE:RANK:STEP (train/fault_injection.h).
+# - stop: rank 1 is SIGSTOPped at step 2; rank 0 times out in its next collective (--timeout_s=3),
+#   reports DeadlineExceeded and aborts the job, which takes the stopped rank down too.
+# - kill: rank 1 dies (SIGKILL) at step 2; the launcher ends the others.
+# - fail: rank 1 fails outside any collective at step 2; with a long collective timeout
+#   (--timeout_s=120) every rank still learns at once, at the step boundary, and rank 0
+#   reports rank 1's own message.
+# - different --seed on the two ranks: refused at start naming the field and the ranks.
+# For each: the job's status is non-zero, no process of the job is left, and it ended well
+# before the bound (a hang check, not a speed test; the hard kill comes 30 s after it).
+set -uo pipefail
+bin="$1"
+mpirun_sh="$2"
+tmp="${TEST_TMPDIR:-$(mktemp -d)}/mpi_fault"
+rm -rf "$tmp"; mkdir -p "$tmp"
+fail() { echo "FAIL: $*"; exit 1; }
+tiny=(--backend=mpi --world=2 --ep=2 --grad_acc=1 --dim=8 --expert_dim=8 --experts=4
+      --seq_len=32 --max_doc_len=24 --micro_batch=2 --steps=50)
+bound=90  # seconds; every case ends within its collective timeout plus a few seconds
+
+run_case() {  # run_case NAME FAULT TIMEOUT_S [extra args...]
+  local name="$1" fault="$2" timeout_s="$3"; shift 3
+  local out="$tmp/$name.txt"
+  local start=$SECONDS
+  # The unique --metrics path marks this job's processes (checked below).
+  GRADSUM_TEST_FAULT="$fault" GRADSUM_MPI_TIMEOUT_S=$((bound + 30)) \
+    "$mpirun_sh" 2 "$bin" "${tiny[@]}" --timeout_s="$timeout_s" \
+    --metrics="$tmp/$name.metrics.jsonl" "$@" > "$out" 2>&1
+  local rc=$? elapsed=$((SECONDS - start))
+  echo "$name: exit $rc after ${elapsed}s"
+  [ "$rc" -ne 0 ] || fail "$name: the job exited 0: $(cat "$out")"
+  # (137 is also mpirun's status when a rank was SIGKILLed; a hang shows in the time.)
+  [ "$elapsed" -lt "$bound" ] || fail "$name: took ${elapsed}s (bound ${bound}s): $(cat "$out")"
+  local left
+  left=$(pgrep -f -- "$tmp/$name.metrics.jsonl" || true)
+  if [ -n "$left" ]; then
+    kill -9 $left 2>/dev/null
+    fail "$name: processes of the job outlived it: $left"
+  fi
+}
+
+run_case stop stop:1:2 3
+grep -q "DEADLINE_EXCEEDED" "$tmp/stop.txt" || fail "stop: no DeadlineExceeded report: $(cat "$tmp/stop.txt")"
+grep -q "rank 0" "$tmp/stop.txt" || fail "stop: the report does not name rank 0: $(cat "$tmp/stop.txt")"
+
+run_case kill kill:1:2 3
+
+run_case fail fail:1:2 120
+grep -q "step 2 failed on rank 1 of 2: INTERNAL: injected fault on rank 1 at step 2" "$tmp/fail.txt" \
+  || fail "fail: rank 1's message was not reported: $(cat "$tmp/fail.txt")"
+[ "$(grep -c '^step ' "$tmp/fail.txt")" -eq 1 ] || fail "fail: expected exactly step 1 to run"
+
+# Ranks launched with different seeds (MPMD: one process per app context).
+GRADSUM_MPI_TIMEOUT_S=$((bound + 30)) "$mpirun_sh" 1 "$bin" "${tiny[@]}" --timeout_s=120 --seed=1 \
+  : -np 1 "$bin" "${tiny[@]}" --timeout_s=120 --seed=2 > "$tmp/seed.txt" 2>&1
+rc=$?
+[ "$rc" -ne 0 ] || fail "different seeds: exit 0: $(cat "$tmp/seed.txt")"
+grep -q "seed (1 on rank 0) differs: ranks {0} vs {1}" "$tmp/seed.txt" \
+  || fail "different seeds: the field and ranks were not named: $(cat "$tmp/seed.txt")"
+for name in stop kill fail; do echo "--- $name"; tail -4 "$tmp/$name.txt"; done
+echo "PASS"

@@ -1,0 +1,90 @@
+#include "train/rank_main.h"
+
+#include <new>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "train/moe_lm.h"
+#include "train/test_util.h"
+
+namespace gradsum::train {
+namespace {
+
+using ::testing::HasSubstr;
+
+// The estimate counts the parameters without building MoeLmParamShapes' list: compare with
+// the list for a few small models.
+TEST(ResourcesTest, ParameterCountMatchesTheModelsShapes) {
+  for (const auto& [dim, layers, experts, expert_dim] :
+       std::vector<std::tuple<int, int, int, int>>{{8, 2, 4, 8}, {16, 3, 8, 5}, {1, 1, 1, 1}}) {
+    TrainConfig c = TinyConfig(2, 2, 1, "fsdp");
+    c.mutable_model()->set_dim(dim);
+    c.mutable_model()->set_layers(layers);
+    c.mutable_model()->set_experts(experts);
+    c.mutable_model()->set_top_k(1);
+    c.mutable_model()->set_expert_dim(expert_dim);
+    int64_t want = 0;
+    for (const auto& [name, shape] : MoeLmParamShapes(c.model())) {
+      int64_t n = 1;
+      for (int64_t d : shape) n *= d;
+      want += n;
+    }
+    absl::StatusOr<ResourceEstimate> r = EstimateResources(c);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(static_cast<int64_t>(r->params), want) << dim << " " << layers << " " << experts;
+  }
+}
+
+TEST(ResourcesTest, TooBigForTheMachineIsResourceExhaustedNamingTheSizes) {
+  TrainConfig c = TinyConfig(2, 2, 1, "fsdp");
+  EXPECT_TRUE(CheckResourceBounds(c, uint64_t{1} << 40).ok());
+  absl::Status s = CheckResourceBounds(c, 1024);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_THAT(s.message(), HasSubstr("more than this machine's 0.0 GiB"));
+  EXPECT_THAT(s.message(), HasSubstr("model.dim=8"));
+  EXPECT_THAT(s.message(), HasSubstr("data.micro_batch=2 x data.seq_len=16"));
+  // The thread backend holds every rank in one process.
+  c.set_backend("thread");
+  absl::StatusOr<ResourceEstimate> threads = EstimateResources(c);
+  c.set_backend("mpi");
+  absl::StatusOr<ResourceEstimate> mpi = EstimateResources(c);
+  ASSERT_TRUE(threads.ok() && mpi.ok());
+  EXPECT_EQ(threads->process_bytes, 2 * mpi->process_bytes);
+  // A billion-wide model on this machine.
+  c.mutable_model()->set_dim(1000000000);
+  s = CheckResourceBounds(c, MachineMemoryBytes());
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_THAT(s.message(), HasSubstr("model.dim=1000000000"));
+}
+
+TEST(ResourcesTest, CountsBeyondTheKernelsIndexRangeAreInvalidArgument) {
+  TrainConfig c = TinyConfig(2, 2, 1, "fsdp");
+  c.mutable_data()->set_micro_batch(1 << 30);
+  absl::Status s = CheckResourceBounds(c, UINT64_MAX);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("data.micro_batch=1073741824 x data.seq_len=16"));
+  c = TinyConfig(2, 2, 1, "fsdp");
+  c.mutable_model()->set_dim(2000000000);
+  c.mutable_model()->set_expert_dim(2000000000);
+  c.mutable_model()->set_experts(2000000000);
+  s = CheckResourceBounds(c, UINT64_MAX);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("more than 2^62"));
+}
+
+TEST(CatchExceptionsTest, ExceptionsBecomeStatuses) {
+  EXPECT_TRUE(CatchExceptions([] { return absl::OkStatus(); }).ok());
+  absl::Status s = CatchExceptions([]() -> absl::Status { throw std::runtime_error("oops"); });
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(s.message(), HasSubstr("oops"));
+  s = CatchExceptions([]() -> absl::Status { throw std::bad_alloc(); });
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  s = CatchExceptions([]() -> absl::Status { throw 42; });
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal);
+}
+
+}  // namespace
+}  // namespace gradsum::train
