@@ -35,12 +35,12 @@
 #include "train/data.h"
 #include "train/moe_lm.h"
 #include "train/parity.h"
-#include "train/timed_communicator.h"
+#include "collectives/timed_communicator.h"
 
 namespace gradsum::train {
 
 // The communicators of one rank (not owned). `timer` (may be null) is the CommTimer the
-// communicators add their time to (train/timed_communicator.h).
+// communicators add their time to (collectives/timed_communicator.h).
 // Builds the rank's model; the default is MoeLm::Create (host compute). The nccl backend
 // passes train/cuda's MoeLmCuda, which computes on the rank's GPU.
 using MoeLmFactory = std::function<absl::StatusOr<std::unique_ptr<MoeLm>>(const MoeLmOptions&,

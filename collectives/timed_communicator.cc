@@ -1,4 +1,4 @@
-#include "train/timed_communicator.h"
+#include "collectives/timed_communicator.h"
 
 #include <utility>
 
