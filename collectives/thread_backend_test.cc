@@ -16,6 +16,7 @@
 #include "absl/time/clock.h"
 #include "collectives/conformance.h"
 #include "core/half.h"
+#include "core/status.h"
 #include "gtest/gtest.h"
 #include "testing/run_ranks.h"
 #include "testing/status_testing.h"
@@ -304,6 +305,64 @@ TEST(ThreadBackendTest, ManyAsyncOperationsCompleteInIssueOrder) {
       absl::Status s = works[i]->Wait();
       if (!s.ok()) return s;
       if (bufs[i] != i * 800 + 28) return absl::InternalError(absl::StrCat("op ", i, " = ", bufs[i]));
+    }
+    return absl::OkStatus();
+  }));
+}
+
+TEST(ThreadBackendTest, SyncCallsRunAfterPendingAsyncOnes) {
+  GRADSUM_EXPECT_OK(RunRanks(4, [](Communicator& comm) -> absl::Status {
+    // The async all-gather is issued first, so it must run first on every rank even though
+    // the sync all-reduce (which could run on the caller's thread) comes before its Wait.
+    const int32_t mine = comm.rank() + 1;
+    std::vector<int32_t> gathered(4, -1);
+    auto gather = comm.AllGatherAsync(&mine, gathered.data(), 1, DType::kI32);
+    if (!gather.ok()) return gather.status();
+    int64_t sum = comm.rank();
+    GRADSUM_RETURN_IF_ERROR(comm.AllReduce(&sum, &sum, 1, DType::kI64));
+    GRADSUM_RETURN_IF_ERROR((*gather)->Wait());
+    if (sum != 6) return absl::InternalError(absl::StrCat("sum ", sum));
+    for (int p = 0; p < 4; ++p) {
+      if (gathered[p] != p + 1) return absl::InternalError(absl::StrCat("gathered[", p, "]"));
+    }
+    return absl::OkStatus();
+  }));
+}
+
+TEST(ThreadBackendTest, ManySmallSyncOperationsMixedKinds) {
+  // Exercises the reused rendezvous: thousands of back-to-back operations of different
+  // kinds and sizes, each checked against its closed-form result.
+  GRADSUM_EXPECT_OK(RunRanks(8, [](Communicator& comm) -> absl::Status {
+    const int w = comm.size(), r = comm.rank();
+    for (int i = 0; i < 1500; ++i) {
+      const size_t n = 1 + static_cast<size_t>(i % 37) * 5;
+      std::vector<int32_t> v(n * w);
+      for (size_t k = 0; k < v.size(); ++k) v[k] = static_cast<int32_t>(i + r * 7 + k);
+      if (i % 3 == 0) {
+        GRADSUM_RETURN_IF_ERROR(comm.AllReduce(v.data(), v.data(), v.size(), DType::kI32));
+        for (size_t k = 0; k < v.size(); ++k) {
+          const int32_t want = static_cast<int32_t>(w * (i + k) + 7 * w * (w - 1) / 2);
+          if (v[k] != want) return absl::InternalError(absl::StrCat("op ", i, " elem ", k));
+        }
+      } else if (i % 3 == 1) {
+        std::vector<int32_t> out(n, -1);
+        GRADSUM_RETURN_IF_ERROR(comm.ReduceScatter(v.data(), out.data(), n, DType::kI32));
+        for (size_t k = 0; k < n; ++k) {
+          const size_t idx = static_cast<size_t>(r) * n + k;
+          const int32_t want = static_cast<int32_t>(w * (i + idx) + 7 * w * (w - 1) / 2);
+          if (out[k] != want) return absl::InternalError(absl::StrCat("op ", i, " elem ", k));
+        }
+      } else {
+        std::vector<int32_t> all(n * w, -1);
+        GRADSUM_RETURN_IF_ERROR(comm.AllGather(v.data(), all.data(), n, DType::kI32));
+        for (int p = 0; p < w; ++p) {
+          for (size_t k = 0; k < n; ++k) {
+            if (all[p * n + k] != static_cast<int32_t>(i + p * 7 + k)) {
+              return absl::InternalError(absl::StrCat("op ", i, " peer ", p, " elem ", k));
+            }
+          }
+        }
+      }
     }
     return absl::OkStatus();
   }));
