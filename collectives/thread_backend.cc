@@ -100,9 +100,12 @@ class Event {
   }
 
   // Waits until done() (which reads atomics with acquire) or `deadline`; returns done().
-  // Spins up to `spin` first, then sleeps.
+  // Spins up to `spin` first, then sleeps. *quick (if given) tells whether it was done
+  // without sleeping.
   template <typename Done>
-  bool Wait(const Done& done, Clock::time_point deadline, Clock::duration spin) {
+  bool Wait(const Done& done, Clock::time_point deadline, Clock::duration spin,
+            bool* quick = nullptr) {
+    if (quick != nullptr) *quick = true;
     if (done()) return true;
     if (spin > Clock::duration::zero()) {
       const Clock::time_point spin_end = Clock::now() + spin;
@@ -112,6 +115,7 @@ class Event {
         if (i % 64 == 0 && Clock::now() >= spin_end) break;
       }
     }
+    if (quick != nullptr) *quick = false;
     for (;;) {
       const uint32_t seen = epoch_.load(std::memory_order_seq_cst);
       if (done()) return true;
@@ -141,8 +145,9 @@ class Event {
 
 static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "futex word");
 
-// How long a waiter spins before sleeping: spinning pays only when every rank can run at
-// once; with more ranks than cores the peer we wait for needs our core.
+// The most a waiter spins before sleeping: spinning pays only when every rank can run at
+// once; with more ranks than cores the peer we wait for needs our core. Each rank adapts
+// its budget below this (AdaptSpin), so a loaded machine stops spinning.
 Clock::duration SpinFor(int world) {
   const unsigned cores = std::thread::hardware_concurrency();
   if (cores == 0 || static_cast<unsigned>(world) > cores) return Clock::duration::zero();
@@ -298,6 +303,7 @@ class ThreadCommunicator : public Communicator {
   ThreadCommunicator(std::shared_ptr<Group> group, int rank)
       : group_(std::move(group)),
         rank_(rank),
+        spin_(group_->spin),
         srcs_(group_->size),
         dsts_(group_->size),
         exec_(std::make_shared<ExecState>()) {
@@ -537,12 +543,14 @@ class ThreadCommunicator : public Communicator {
           g.timeout == absl::InfiniteDuration()
               ? Clock::time_point::max()
               : Clock::now() + absl::ToChronoNanoseconds(g.timeout);
+      bool quick;
       g.event.Wait(
           [&] {
             return g.arrived.load(std::memory_order_acquire) == target ||
                    g.broken.load(std::memory_order_acquire);
           },
-          deadline, g.spin);
+          deadline, spin_, &quick);
+      AdaptSpin(quick);
       if (g.arrived.load(std::memory_order_acquire) != target) {
         // Timed out, or the group broke: withdraw my arrival, unless the last peer arrived
         // meanwhile (then the operation runs after all, with every buffer still valid).
@@ -578,12 +586,25 @@ class ThreadCommunicator : public Communicator {
     } else {
       // No deadline: each peer's data phase is local work that always finishes, and no
       // rank may return while a peer may still read or write its buffers.
+      bool quick;
       g.event.Wait(
           [&] { return g.finished.load(std::memory_order_acquire) == target; },
-          Clock::time_point::max(), g.spin);
+          Clock::time_point::max(), spin_, &quick);
+      AdaptSpin(quick);
     }
     ++op_index_;
     return agreed;
+  }
+
+  // Adaptive spinning: double the budget (up to the group's cap) after a wait that ended
+  // while spinning, halve it after one that had to sleep. On a loaded machine, where the
+  // peer we wait for is descheduled, the budget falls to nothing within a few operations.
+  void AdaptSpin(bool quick) {
+    if (quick) {
+      spin_ = std::min(group_->spin, spin_ * 2 + std::chrono::microseconds(1));
+    } else {
+      spin_ /= 2;
+    }
   }
 
   const OpArgs& Args(int p) const { return *group_->posted[p].args; }
@@ -751,6 +772,8 @@ class ThreadCommunicator : public Communicator {
   // The index of this rank's next operation in the group. Only the thread holding
   // `executing` touches it (handed over through exec_->mu).
   uint32_t op_index_ = 0;
+  // The current spin budget (AdaptSpin); same owner as op_index_.
+  Clock::duration spin_;
   // Per-call scratch of the data phase (size W, allocated once).
   std::vector<const void*> srcs_;
   std::vector<void*> dsts_;

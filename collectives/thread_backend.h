@@ -17,7 +17,9 @@
 // rank's recv buffer (reduce-scatter then all-gather in one pass, no gather to a root, no
 // staging copy). Nobody returns until every rank is done with every buffer. Waiting spins
 // for up to 50 us when the machine has at least as many cores as ranks, never otherwise,
-// then sleeps on a futex, so 8 ranks run fine on 2 cores.
+// then sleeps on a futex, so 8 ranks run fine on 2 cores; each rank halves its spin budget
+// whenever it had to sleep (and doubles it when spinning sufficed), so a loaded machine
+// stops spinning.
 // Synchronous calls run on the caller's thread without allocating. Asynchronous calls
 // are queued and run in issue order by a per-communicator worker thread, or by the
 // caller's own thread when it waits on an operation nobody has started; a synchronous
