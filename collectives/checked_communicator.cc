@@ -12,6 +12,9 @@
 namespace gradsum {
 namespace {
 
+using collectives_internal::MakeAllToAllVCall;
+using collectives_internal::MakeBroadcastCall;
+using collectives_internal::MakeCall;
 using collectives_internal::OpCall;
 using collectives_internal::OpDescriptor;
 using collectives_internal::OpKind;
@@ -28,12 +31,12 @@ class CheckedCommunicator final : public Communicator {
   absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv,
                                                        size_t count, DType dtype,
                                                        ReduceOp op) override {
-    GRADSUM_RETURN_IF_ERROR(Agree(Call(OpKind::kAllReduce, send, recv, count, dtype, op)));
+    GRADSUM_RETURN_IF_ERROR(Agree(MakeCall(OpKind::kAllReduce, send, recv, count, dtype, op)));
     return inner_->AllReduceAsync(send, recv, count, dtype, op);
   }
   absl::Status AllReduce(const void* send, void* recv, size_t count, DType dtype,
                          ReduceOp op) override {
-    GRADSUM_RETURN_IF_ERROR(Agree(Call(OpKind::kAllReduce, send, recv, count, dtype, op)));
+    GRADSUM_RETURN_IF_ERROR(Agree(MakeCall(OpKind::kAllReduce, send, recv, count, dtype, op)));
     return inner_->AllReduce(send, recv, count, dtype, op);
   }
 
@@ -41,23 +44,23 @@ class CheckedCommunicator final : public Communicator {
                                                            size_t recv_count, DType dtype,
                                                            ReduceOp op) override {
     GRADSUM_RETURN_IF_ERROR(
-        Agree(Call(OpKind::kReduceScatter, send, recv, recv_count, dtype, op)));
+        Agree(MakeCall(OpKind::kReduceScatter, send, recv, recv_count, dtype, op)));
     return inner_->ReduceScatterAsync(send, recv, recv_count, dtype, op);
   }
   absl::Status ReduceScatter(const void* send, void* recv, size_t recv_count, DType dtype,
                              ReduceOp op) override {
     GRADSUM_RETURN_IF_ERROR(
-        Agree(Call(OpKind::kReduceScatter, send, recv, recv_count, dtype, op)));
+        Agree(MakeCall(OpKind::kReduceScatter, send, recv, recv_count, dtype, op)));
     return inner_->ReduceScatter(send, recv, recv_count, dtype, op);
   }
 
   absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const void* send, void* recv,
                                                        size_t send_count, DType dtype) override {
-    GRADSUM_RETURN_IF_ERROR(Agree(Call(OpKind::kAllGather, send, recv, send_count, dtype)));
+    GRADSUM_RETURN_IF_ERROR(Agree(MakeCall(OpKind::kAllGather, send, recv, send_count, dtype)));
     return inner_->AllGatherAsync(send, recv, send_count, dtype);
   }
   absl::Status AllGather(const void* send, void* recv, size_t send_count, DType dtype) override {
-    GRADSUM_RETURN_IF_ERROR(Agree(Call(OpKind::kAllGather, send, recv, send_count, dtype)));
+    GRADSUM_RETURN_IF_ERROR(Agree(MakeCall(OpKind::kAllGather, send, recv, send_count, dtype)));
     return inner_->AllGather(send, recv, send_count, dtype);
   }
 
@@ -66,7 +69,7 @@ class CheckedCommunicator final : public Communicator {
       absl::Span<const size_t> send_offsets, void* recv, absl::Span<const size_t> recv_counts,
       absl::Span<const size_t> recv_offsets, DType dtype) override {
     GRADSUM_RETURN_IF_ERROR(
-        Agree(A2av(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dtype)));
+        Agree(MakeAllToAllVCall(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dtype)));
     return inner_->AllToAllVAsync(send, send_counts, send_offsets, recv, recv_counts,
                                   recv_offsets, dtype);
   }
@@ -75,68 +78,40 @@ class CheckedCommunicator final : public Communicator {
                          absl::Span<const size_t> recv_counts,
                          absl::Span<const size_t> recv_offsets, DType dtype) override {
     GRADSUM_RETURN_IF_ERROR(
-        Agree(A2av(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dtype)));
+        Agree(MakeAllToAllVCall(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dtype)));
     return inner_->AllToAllV(send, send_counts, send_offsets, recv, recv_counts, recv_offsets,
                              dtype);
   }
 
   absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(void* buf, size_t count, DType dtype,
                                                        int root) override {
-    GRADSUM_RETURN_IF_ERROR(Agree(Bcast(buf, count, dtype, root)));
+    GRADSUM_RETURN_IF_ERROR(Agree(MakeBroadcastCall(buf, count, dtype, root)));
     return inner_->BroadcastAsync(buf, count, dtype, root);
   }
   absl::Status Broadcast(void* buf, size_t count, DType dtype, int root) override {
-    GRADSUM_RETURN_IF_ERROR(Agree(Bcast(buf, count, dtype, root)));
+    GRADSUM_RETURN_IF_ERROR(Agree(MakeBroadcastCall(buf, count, dtype, root)));
     return inner_->Broadcast(buf, count, dtype, root);
   }
 
   // The descriptor exchange already waits for every rank, but the inner barrier also
   // orders it after the inner's pending async operations.
   absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override {
-    GRADSUM_RETURN_IF_ERROR(Agree(Call(OpKind::kBarrier, nullptr, nullptr, 0, DType::kF32)));
+    GRADSUM_RETURN_IF_ERROR(Agree(MakeCall(OpKind::kBarrier, nullptr, nullptr, 0, DType::kF32)));
     return inner_->BarrierAsync();
   }
   absl::Status Barrier() override {
-    GRADSUM_RETURN_IF_ERROR(Agree(Call(OpKind::kBarrier, nullptr, nullptr, 0, DType::kF32)));
+    GRADSUM_RETURN_IF_ERROR(Agree(MakeCall(OpKind::kBarrier, nullptr, nullptr, 0, DType::kF32)));
     return inner_->Barrier();
   }
 
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
-    GRADSUM_RETURN_IF_ERROR(Agree(Call(OpKind::kSplit, nullptr, nullptr, 0, DType::kF32)));
+    GRADSUM_RETURN_IF_ERROR(Agree(MakeCall(OpKind::kSplit, nullptr, nullptr, 0, DType::kF32)));
     GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> sub, inner_->Split(color, key));
     if (sub == nullptr) return sub;
     return std::unique_ptr<Communicator>(new CheckedCommunicator(std::move(sub)));
   }
 
  private:
-  static OpCall Call(OpKind kind, const void* send, void* recv, size_t count, DType dtype,
-                     ReduceOp op = ReduceOp::kSum) {
-    OpCall c;
-    c.kind = kind;
-    c.send = send;
-    c.recv = recv;
-    c.count = count;
-    c.dtype = dtype;
-    c.op = op;
-    return c;
-  }
-  static OpCall Bcast(void* buf, size_t count, DType dtype, int root) {
-    OpCall c = Call(OpKind::kBroadcast, nullptr, buf, count, dtype);
-    c.root = root;
-    return c;
-  }
-  static OpCall A2av(const void* send, absl::Span<const size_t> send_counts,
-                     absl::Span<const size_t> send_offsets, void* recv,
-                     absl::Span<const size_t> recv_counts,
-                     absl::Span<const size_t> recv_offsets, DType dtype) {
-    OpCall c = Call(OpKind::kAllToAllV, send, recv, 0, dtype);
-    c.send_counts = send_counts;
-    c.send_offsets = send_offsets;
-    c.recv_counts = recv_counts;
-    c.recv_offsets = recv_offsets;
-    return c;
-  }
-
   std::string Label(OpKind kind, int64_t seq) const {
     return absl::StrFormat("%s %s #%d (rank %d of %d)", inner_->backend(),
                            collectives_internal::OpKindName(kind), seq, rank(), size());

@@ -28,6 +28,7 @@
 namespace gradsum {
 namespace {
 
+using collectives_internal::MakeCall;
 using collectives_internal::OpCall;
 using Kind = collectives_internal::OpKind;
 constexpr auto KindName = collectives_internal::OpKindName;
@@ -263,62 +264,58 @@ class MpiCommunicator final : public Communicator {
   absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv,
                                                        size_t count, DType dtype,
                                                        ReduceOp op) override {
-    return Async(Call(Kind::kAllReduce, send, recv, count, dtype, op));
+    return Async(MakeCall(Kind::kAllReduce, send, recv, count, dtype, op));
   }
   absl::Status AllReduce(const void* send, void* recv, size_t count, DType dtype,
                          ReduceOp op) override {
-    return Sync(Call(Kind::kAllReduce, send, recv, count, dtype, op));
+    return Sync(MakeCall(Kind::kAllReduce, send, recv, count, dtype, op));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> ReduceScatterAsync(const void* send, void* recv,
                                                            size_t recv_count, DType dtype,
                                                            ReduceOp op) override {
-    return Async(Call(Kind::kReduceScatter, send, recv, recv_count, dtype, op));
+    return Async(MakeCall(Kind::kReduceScatter, send, recv, recv_count, dtype, op));
   }
   absl::Status ReduceScatter(const void* send, void* recv, size_t recv_count, DType dtype,
                              ReduceOp op) override {
-    return Sync(Call(Kind::kReduceScatter, send, recv, recv_count, dtype, op));
+    return Sync(MakeCall(Kind::kReduceScatter, send, recv, recv_count, dtype, op));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const void* send, void* recv,
                                                        size_t send_count, DType dtype) override {
-    return Async(Call(Kind::kAllGather, send, recv, send_count, dtype));
+    return Async(MakeCall(Kind::kAllGather, send, recv, send_count, dtype));
   }
   absl::Status AllGather(const void* send, void* recv, size_t send_count, DType dtype) override {
-    return Sync(Call(Kind::kAllGather, send, recv, send_count, dtype));
+    return Sync(MakeCall(Kind::kAllGather, send, recv, send_count, dtype));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(
       const void* send, absl::Span<const size_t> send_counts,
       absl::Span<const size_t> send_offsets, void* recv, absl::Span<const size_t> recv_counts,
       absl::Span<const size_t> recv_offsets, DType dtype) override {
-    return Async(
-        A2av(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dtype));
+    return Async(collectives_internal::MakeAllToAllVCall(send, send_counts, send_offsets, recv,
+                                                         recv_counts, recv_offsets, dtype));
   }
   absl::Status AllToAllV(const void* send, absl::Span<const size_t> send_counts,
                          absl::Span<const size_t> send_offsets, void* recv,
                          absl::Span<const size_t> recv_counts,
                          absl::Span<const size_t> recv_offsets, DType dtype) override {
-    return Sync(A2av(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dtype));
+    return Sync(collectives_internal::MakeAllToAllVCall(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dtype));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(void* buf, size_t count, DType dtype,
                                                        int root) override {
-    OpCall c = Call(Kind::kBroadcast, nullptr, buf, count, dtype);
-    c.root = root;
-    return Async(c);
+    return Async(collectives_internal::MakeBroadcastCall(buf, count, dtype, root));
   }
   absl::Status Broadcast(void* buf, size_t count, DType dtype, int root) override {
-    OpCall c = Call(Kind::kBroadcast, nullptr, buf, count, dtype);
-    c.root = root;
-    return Sync(c);
+    return Sync(collectives_internal::MakeBroadcastCall(buf, count, dtype, root));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override {
-    return Async(Call(Kind::kBarrier, nullptr, nullptr, 0, DType::kF32));
+    return Async(MakeCall(Kind::kBarrier, nullptr, nullptr, 0, DType::kF32));
   }
   absl::Status Barrier() override {
-    return Sync(Call(Kind::kBarrier, nullptr, nullptr, 0, DType::kF32));
+    return Sync(MakeCall(Kind::kBarrier, nullptr, nullptr, 0, DType::kF32));
   }
 
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
@@ -350,30 +347,6 @@ class MpiCommunicator final : public Communicator {
   }
 
  private:
-  static OpCall Call(Kind kind, const void* send, void* recv, size_t count, DType dtype,
-                     ReduceOp op = ReduceOp::kSum) {
-    OpCall c;
-    c.kind = kind;
-    c.send = send;
-    c.recv = recv;
-    c.count = count;
-    c.dtype = dtype;
-    c.op = op;
-    return c;
-  }
-
-  static OpCall A2av(const void* send, absl::Span<const size_t> send_counts,
-                     absl::Span<const size_t> send_offsets, void* recv,
-                     absl::Span<const size_t> recv_counts,
-                     absl::Span<const size_t> recv_offsets, DType dtype) {
-    OpCall c = Call(Kind::kAllToAllV, send, recv, 0, dtype);
-    c.send_counts = send_counts;
-    c.send_offsets = send_offsets;
-    c.recv_counts = recv_counts;
-    c.recv_offsets = recv_offsets;
-    return c;
-  }
-
   // The one local check of every backend; every MPI count and offset must fit in an int.
   absl::Status Validate(const OpCall& c) const {
     return collectives_internal::ValidateCall(c, rank_, size_, static_cast<size_t>(INT_MAX));

@@ -24,6 +24,7 @@
 namespace gradsum {
 namespace {
 
+using collectives_internal::MakeCall;
 using collectives_internal::OpCall;
 using collectives_internal::OpDescriptor;
 using collectives_internal::OpKind;
@@ -172,7 +173,7 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
                                                        ReduceOp op) override {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
-    GRADSUM_RETURN_IF_ERROR(Validate(seq, Call(OpKind::kAllReduce, send, recv, count, dtype, op)));
+    GRADSUM_RETURN_IF_ERROR(Validate(seq, MakeCall(OpKind::kAllReduce, send, recv, count, dtype, op)));
     const OpDescriptor d{OpKind::kAllReduce, dtype, op, static_cast<int64_t>(count), -1};
     return Issue(seq, d, [&] {
       return ncclAllReduce(send, recv, count, NcclType(dtype), NcclOp(op), comm_, stream_);
@@ -185,7 +186,7 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
     GRADSUM_RETURN_IF_ERROR(
-        Validate(seq, Call(OpKind::kReduceScatter, send, recv, recv_count, dtype, op)));
+        Validate(seq, MakeCall(OpKind::kReduceScatter, send, recv, recv_count, dtype, op)));
     const OpDescriptor d{OpKind::kReduceScatter, dtype, op, static_cast<int64_t>(recv_count), -1};
     // In place (recv == send + rank * recv_count) is NCCL's own convention.
     return Issue(seq, d, [&] {
@@ -199,7 +200,7 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
     GRADSUM_RETURN_IF_ERROR(
-        Validate(seq, Call(OpKind::kAllGather, send, recv, send_count, dtype)));
+        Validate(seq, MakeCall(OpKind::kAllGather, send, recv, send_count, dtype)));
     const OpDescriptor d{OpKind::kAllGather, dtype, ReduceOp::kSum,
                          static_cast<int64_t>(send_count), -1};
     return Issue(seq, d, [&] {
@@ -214,12 +215,8 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
       absl::Span<const size_t> recv_offsets, DType dtype) override {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
-    OpCall call = Call(OpKind::kAllToAllV, send, recv, 0, dtype);
-    call.send_counts = send_counts;
-    call.send_offsets = send_offsets;
-    call.recv_counts = recv_counts;
-    call.recv_offsets = recv_offsets;
-    GRADSUM_RETURN_IF_ERROR(Validate(seq, call));
+    GRADSUM_RETURN_IF_ERROR(Validate(seq, collectives_internal::MakeAllToAllVCall(
+        send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dtype)));
     const size_t world = static_cast<size_t>(size_);
     if (options_.check_agreement && group_ == nullptr) {
       GRADSUM_RETURN_IF_ERROR(AgreeOnCounts(seq, send_counts, recv_counts));
@@ -248,9 +245,8 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
                                                        int root) override {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
-    OpCall call = Call(OpKind::kBroadcast, nullptr, buf, count, dtype);
-    call.root = root;
-    GRADSUM_RETURN_IF_ERROR(Validate(seq, call));
+    GRADSUM_RETURN_IF_ERROR(
+        Validate(seq, collectives_internal::MakeBroadcastCall(buf, count, dtype, root)));
     const OpDescriptor d{OpKind::kBroadcast, dtype, ReduceOp::kSum, static_cast<int64_t>(count),
                          root};
     return Issue(seq, d, [&] {
@@ -412,18 +408,6 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
       ncclCommAbort(comm_);
     }
     return s;
-  }
-
-  static OpCall Call(OpKind kind, const void* send, void* recv, size_t count, DType dtype,
-                     ReduceOp op = ReduceOp::kSum) {
-    OpCall c;
-    c.kind = kind;
-    c.send = send;
-    c.recv = recv;
-    c.count = count;
-    c.dtype = dtype;
-    c.op = op;
-    return c;
   }
 
   // The validation every backend shares, then this backend's own rule: every buffer with

@@ -202,6 +202,36 @@ absl::Status ValidateCall(const OpCall& a, int rank, int size, size_t max_count)
   return absl::OkStatus();
 }
 
+OpCall MakeCall(OpKind kind, const void* send, void* recv, size_t count, DType dtype,
+                ReduceOp op) {
+  OpCall c;
+  c.kind = kind;
+  c.send = send;
+  c.recv = recv;
+  c.count = count;
+  c.dtype = dtype;
+  c.op = op;
+  return c;
+}
+
+OpCall MakeBroadcastCall(void* buf, size_t count, DType dtype, int root) {
+  OpCall c = MakeCall(OpKind::kBroadcast, nullptr, buf, count, dtype);
+  c.root = root;
+  return c;
+}
+
+OpCall MakeAllToAllVCall(const void* send, absl::Span<const size_t> send_counts,
+                         absl::Span<const size_t> send_offsets, void* recv,
+                         absl::Span<const size_t> recv_counts,
+                         absl::Span<const size_t> recv_offsets, DType dtype) {
+  OpCall c = MakeCall(OpKind::kAllToAllV, send, recv, 0, dtype);
+  c.send_counts = send_counts;
+  c.send_offsets = send_offsets;
+  c.recv_counts = recv_counts;
+  c.recv_offsets = recv_offsets;
+  return c;
+}
+
 bool IsInPlace(const OpCall& a, int rank) {
   switch (a.kind) {
     case OpKind::kAllReduce:

@@ -56,6 +56,15 @@ struct OpCall {
   absl::Span<const size_t> send_counts, send_offsets, recv_counts, recv_offsets;
 };
 
+// Builders for the calls of each shape (every backend's entry points use these).
+OpCall MakeCall(OpKind kind, const void* send, void* recv, size_t count, DType dtype,
+                ReduceOp op = ReduceOp::kSum);
+OpCall MakeBroadcastCall(void* buf, size_t count, DType dtype, int root);
+OpCall MakeAllToAllVCall(const void* send, absl::Span<const size_t> send_counts,
+                         absl::Span<const size_t> send_offsets, void* recv,
+                         absl::Span<const size_t> recv_counts,
+                         absl::Span<const size_t> recv_offsets, DType dtype);
+
 // Checks one rank's own arguments, before any exchange, the same way on every backend
 // (the rules of communicator.h): a valid dtype and reduce op (reduce-scatter: no MAX; AVG
 // needs a floating dtype), no null buffer with elements, the in-place conventions and no

@@ -58,6 +58,9 @@ namespace gradsum {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using collectives_internal::MakeAllToAllVCall;
+using collectives_internal::MakeBroadcastCall;
+using collectives_internal::MakeCall;
 using collectives_internal::OpCall;
 using collectives_internal::OpKind;
 using collectives_internal::OpKindName;
@@ -286,15 +289,9 @@ size_t ChunkElems(size_t n, size_t elem, int w) {
   return (c + unit - 1) / unit * unit;
 }
 
-OpArgs MakeArgs(OpKind kind, const void* send, void* recv, size_t count, DType dtype,
-                ReduceOp reduce = ReduceOp::kSum) {
+OpArgs ToArgs(OpCall call) {
   OpArgs a;
-  a.call.kind = kind;
-  a.call.send = send;
-  a.call.recv = recv;
-  a.call.count = count;
-  a.call.dtype = dtype;
-  a.call.op = reduce;
+  a.call = call;
   return a;
 }
 
@@ -345,45 +342,39 @@ class ThreadCommunicator : public Communicator {
 
   absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv, size_t count,
                                                        DType dtype, ReduceOp op) override {
-    return Issue(MakeArgs(OpKind::kAllReduce, send, recv, count, dtype, op));
+    return Issue(ToArgs(MakeCall(OpKind::kAllReduce, send, recv, count, dtype, op)));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> ReduceScatterAsync(const void* send, void* recv,
                                                            size_t recv_count, DType dtype,
                                                            ReduceOp op) override {
-    return Issue(MakeArgs(OpKind::kReduceScatter, send, recv, recv_count, dtype, op));
+    return Issue(ToArgs(MakeCall(OpKind::kReduceScatter, send, recv, recv_count, dtype, op)));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const void* send, void* recv,
                                                        size_t send_count, DType dtype) override {
-    return Issue(MakeArgs(OpKind::kAllGather, send, recv, send_count, dtype));
+    return Issue(ToArgs(MakeCall(OpKind::kAllGather, send, recv, send_count, dtype)));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(
       const void* send, absl::Span<const size_t> send_counts,
       absl::Span<const size_t> send_offsets, void* recv, absl::Span<const size_t> recv_counts,
       absl::Span<const size_t> recv_offsets, DType dtype) override {
-    OpArgs a = MakeArgs(OpKind::kAllToAllV, send, recv, 0, dtype);
-    a.call.send_counts = send_counts;
-    a.call.send_offsets = send_offsets;
-    a.call.recv_counts = recv_counts;
-    a.call.recv_offsets = recv_offsets;
-    return Issue(a);
+    return Issue(ToArgs(MakeAllToAllVCall(send, send_counts, send_offsets, recv, recv_counts,
+                                          recv_offsets, dtype)));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(void* buf, size_t count, DType dtype,
                                                        int root) override {
-    OpArgs a = MakeArgs(OpKind::kBroadcast, nullptr, buf, count, dtype);
-    a.call.root = root;
-    return Issue(a);
+    return Issue(ToArgs(MakeBroadcastCall(buf, count, dtype, root)));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override {
-    return Issue(MakeArgs(OpKind::kBarrier, nullptr, nullptr, 0, DType::kF32));
+    return Issue(ToArgs(MakeCall(OpKind::kBarrier, nullptr, nullptr, 0, DType::kF32)));
   }
 
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
-    OpArgs a = MakeArgs(OpKind::kSplit, nullptr, nullptr, 0, DType::kF32);
+    OpArgs a = ToArgs(MakeCall(OpKind::kSplit, nullptr, nullptr, 0, DType::kF32));
     a.color = color;
     a.key = key;
     auto op = std::make_shared<OpState>();
@@ -399,33 +390,27 @@ class ThreadCommunicator : public Communicator {
 
   absl::Status AllReduce(const void* send, void* recv, size_t count, DType dtype,
                          ReduceOp op) override {
-    return RunSync(MakeArgs(OpKind::kAllReduce, send, recv, count, dtype, op));
+    return RunSync(ToArgs(MakeCall(OpKind::kAllReduce, send, recv, count, dtype, op)));
   }
   absl::Status ReduceScatter(const void* send, void* recv, size_t recv_count, DType dtype,
                              ReduceOp op) override {
-    return RunSync(MakeArgs(OpKind::kReduceScatter, send, recv, recv_count, dtype, op));
+    return RunSync(ToArgs(MakeCall(OpKind::kReduceScatter, send, recv, recv_count, dtype, op)));
   }
   absl::Status AllGather(const void* send, void* recv, size_t send_count, DType dtype) override {
-    return RunSync(MakeArgs(OpKind::kAllGather, send, recv, send_count, dtype));
+    return RunSync(ToArgs(MakeCall(OpKind::kAllGather, send, recv, send_count, dtype)));
   }
   absl::Status AllToAllV(const void* send, absl::Span<const size_t> send_counts,
                          absl::Span<const size_t> send_offsets, void* recv,
                          absl::Span<const size_t> recv_counts,
                          absl::Span<const size_t> recv_offsets, DType dtype) override {
-    OpArgs a = MakeArgs(OpKind::kAllToAllV, send, recv, 0, dtype);
-    a.call.send_counts = send_counts;
-    a.call.send_offsets = send_offsets;
-    a.call.recv_counts = recv_counts;
-    a.call.recv_offsets = recv_offsets;
-    return RunSync(a);
+    return RunSync(ToArgs(MakeAllToAllVCall(send, send_counts, send_offsets, recv, recv_counts,
+                                            recv_offsets, dtype)));
   }
   absl::Status Broadcast(void* buf, size_t count, DType dtype, int root) override {
-    OpArgs a = MakeArgs(OpKind::kBroadcast, nullptr, buf, count, dtype);
-    a.call.root = root;
-    return RunSync(a);
+    return RunSync(ToArgs(MakeBroadcastCall(buf, count, dtype, root)));
   }
   absl::Status Barrier() override {
-    return RunSync(MakeArgs(OpKind::kBarrier, nullptr, nullptr, 0, DType::kF32));
+    return RunSync(ToArgs(MakeCall(OpKind::kBarrier, nullptr, nullptr, 0, DType::kF32)));
   }
 
   // Runs an operation popped from the queue by the caller, who set `executing`.
