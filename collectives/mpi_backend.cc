@@ -179,6 +179,7 @@ struct OpContext {
   Scratch* scratch = nullptr;  // the communicator's, reused by every operation
   bool breaks_comm = false;    // set when the communicator must not be used again
   bool leak_scratch = false;   // set when MPI may still write into the scratch
+  bool blocking = false;       // a sync all-reduce with MpiBackendOptions::blocking_sync_calls
 };
 
 using OpFn = std::function<absl::Status(OpContext&)>;
@@ -446,27 +447,39 @@ class MpiCommunicator final : public Communicator {
       const int n = static_cast<int>(len);
       const void* chunk_send = static_cast<const unsigned char*>(send) + begin * esize;
       void* chunk_recv = static_cast<unsigned char*>(recv) + begin * esize;
-      MPI_Request req;
       if (IsHalf(dtype)) {
         std::vector<float>& acc = ctx.scratch->f32a;
         acc.resize(len);
         Widen(chunk_send, dtype, len, acc.data());
-        GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
-          return MPI_Iallreduce(MPI_IN_PLACE, acc.data(), n, MPI_FLOAT, MpiOp(op), comm_, &req);
-        }));
-        GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
+        GRADSUM_RETURN_IF_ERROR(
+            AllReduceChunk(ctx, MPI_IN_PLACE, acc.data(), n, MPI_FLOAT, MpiOp(op)));
         if (op == ReduceOp::kAvg) DivideNative(acc.data(), len, DType::kF32, size_);
         Narrow(acc.data(), dtype, len, chunk_recv);
         continue;
       }
       const void* in = send == recv ? MPI_IN_PLACE : chunk_send;
-      GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
-        return MPI_Iallreduce(in, chunk_recv, n, MoveType(dtype), MpiOp(op), comm_, &req);
-      }));
-      GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
+      GRADSUM_RETURN_IF_ERROR(AllReduceChunk(ctx, in, chunk_recv, n, MoveType(dtype), MpiOp(op)));
       if (op == ReduceOp::kAvg) DivideNative(chunk_recv, len, dtype, size_);
     }
     return absl::OkStatus();
+  }
+
+  // One MPI all-reduce: blocking MPI_Allreduce for a sync call when the options ask for it
+  // (raw-MPI latency, no deadline), else MPI_Iallreduce polled until the deadline.
+  absl::Status AllReduceChunk(OpContext& ctx, const void* in, void* out, int n, MPI_Datatype t,
+                              MPI_Op op) {
+    if (ctx.blocking) {
+      const int rc = CallMpi([&] { return MPI_Allreduce(in, out, n, t, op, comm_); });
+      if (rc != MPI_SUCCESS) {
+        ctx.breaks_comm = true;
+        return MpiError(rc, Label(ctx));
+      }
+      return absl::OkStatus();
+    }
+    MPI_Request req;
+    GRADSUM_RETURN_IF_ERROR(
+        Post(ctx, [&] { return MPI_Iallreduce(in, out, n, t, op, comm_, &req); }));
+    return Await(ctx, &req);
   }
 
   absl::Status RunReduceScatter(OpContext& ctx, const void* send, void* recv, size_t recv_count,
@@ -550,7 +563,7 @@ class MpiCommunicator final : public Communicator {
       }
       executing_ = true;
     }
-    absl::Status s = Execute(seq, kind, fn);
+    absl::Status s = Execute(seq, kind, fn, options_.blocking_sync_calls);
     {
       std::lock_guard<std::mutex> lock(mu_);
       executing_ = false;
@@ -561,12 +574,13 @@ class MpiCommunicator final : public Communicator {
 
   // Runs one operation; the caller holds `executing_`.
   template <typename F>
-  absl::Status Execute(int64_t seq, Kind kind, F& fn) {
+  absl::Status Execute(int64_t seq, Kind kind, F& fn, bool blocking = false) {
     OpContext ctx;
     ctx.seq = seq;
     ctx.kind = kind;
     ctx.deadline = absl::Now() + options_.timeout;
     ctx.scratch = scratch_.get();
+    ctx.blocking = blocking;
     absl::Status status = fn(ctx);
     if (ctx.leak_scratch) {
       LeakForever(std::move(scratch_));

@@ -425,6 +425,33 @@ TEST_F(MpiBackendTest, WithoutAgreementCheckDataStillMoves) {
   ASSERT_TRUE(async.ok()) << async;
 }
 
+// blocking_sync_calls: the same results through blocking MPI_Allreduce, with and without
+// the agreement check (whose own descriptor exchange is then blocking too).
+TEST_F(MpiBackendTest, BlockingSyncCallsGiveTheSameResults) {
+  for (bool check : {true, false}) {
+    MpiBackendOptions o;
+    o.timeout = absl::Seconds(10);
+    o.check_agreement = check;
+    o.blocking_sync_calls = true;
+    absl::StatusOr<std::unique_ptr<Communicator>> c = CreateMpiWorldCommunicator(o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    conformance::CheckOptions exact;
+    exact.rank_ordered_sums = false;
+    for (DType t : {DType::kF32, DType::kBF16, DType::kI64}) {
+      for (size_t n : {size_t{1}, size_t{1000}}) {
+        const absl::Status s =
+            conformance::CheckAllReduce(**c, t, ReduceOp::kSum, n, /*in_place=*/true, exact);
+        EXPECT_TRUE(s.ok()) << s;
+      }
+    }
+    if (check && (*c)->size() > 1) {
+      float x = 1;
+      ExpectInvalid((*c)->AllReduce(&x, &x, (*c)->rank() == 0 ? 1 : 0, DType::kF32),
+                    {"element count"});
+    }
+  }
+}
+
 // Two async in-place all-reduces of one buffer: the second must see the first's result,
 // whatever order the handles are waited in.
 TEST_F(MpiBackendTest, AsyncOperationsRunInIssueOrder) {
