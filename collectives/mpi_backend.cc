@@ -564,11 +564,15 @@ class MpiCommunicator final : public Communicator {
       executing_ = true;
     }
     absl::Status s = Execute(seq, kind, fn, options_.blocking_sync_calls);
+    bool wake;
     {
       std::lock_guard<std::mutex> lock(mu_);
       executing_ = false;
+      wake = !queue_.empty();
     }
-    queue_cv_.notify_all();
+    // Only the progress thread waits on queue_cv_, and only for work: waking it after
+    // every sync call would cost a context switch per call.
+    if (wake) queue_cv_.notify_all();
     return s;
   }
 
@@ -616,7 +620,6 @@ class MpiCommunicator final : public Communicator {
         std::lock_guard<std::mutex> lock(mu_);
         executing_ = false;
       }
-      queue_cv_.notify_all();
       op->Finish(std::move(status));
     }
   }
