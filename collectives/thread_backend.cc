@@ -223,6 +223,7 @@ struct OpState {
   std::vector<size_t> send_counts, send_offsets, recv_counts, recv_offsets;
   std::string local_error;
   std::atomic<bool> done{false};
+  bool queued = false;  // guarded by ExecState::mu; true until taken off the queue
   Event event;
   absl::Status status;                         // written before done
   std::unique_ptr<Communicator> split_result;  // Split only; read after done
@@ -476,6 +477,7 @@ class ThreadCommunicator : public Communicator {
 
   void Enqueue(std::shared_ptr<OpState> op) {
     std::lock_guard<std::mutex> lock(exec_->mu);
+    op->queued = true;
     exec_->queue.push_back(std::move(op));
     exec_->WakeIfNeeded();
   }
@@ -499,6 +501,7 @@ class ThreadCommunicator : public Communicator {
         if (e.queue.empty()) return;
         op = std::move(e.queue.front());
         e.queue.pop_front();
+        op->queued = false;
         e.executing = true;
       }
       RunClaimed(*op);
@@ -777,11 +780,12 @@ absl::Status ThreadWork::Wait(absl::Duration timeout) {
       {
         std::lock_guard<std::mutex> lock(exec_->mu);
         if (exec_->executing || exec_->stopping || exec_->owner == nullptr ||
-            std::find(exec_->queue.begin(), exec_->queue.end(), op_) == exec_->queue.end()) {
+            !op_->queued) {
           break;
         }
         front = std::move(exec_->queue.front());
         exec_->queue.pop_front();
+        front->queued = false;
         exec_->executing = true;
         owner = exec_->owner;
       }
