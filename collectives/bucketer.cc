@@ -47,13 +47,16 @@ absl::Status GradBucketer::Finalize() {
   // backward interleaves dtypes; a bucket closes when the next parameter would overflow it.
   std::vector<GradBucketInfo> infos;
   std::map<DType, int> open;  // dtype -> index into infos
+  const size_t first_cap = options_.first_bucket_cap_bytes > 0 ? options_.first_bucket_cap_bytes
+                                                               : options_.bucket_cap_bytes;
   for (int id = num_params() - 1; id >= 0; --id) {
     const Param& p = params_[id];
     const size_t bytes = static_cast<size_t>(p.numel) * DTypeSize(p.dtype);
     auto it = open.find(p.dtype);
     if (it != open.end()) {
       const size_t used = static_cast<size_t>(infos[it->second].numel) * DTypeSize(p.dtype);
-      if (used + bytes > options_.bucket_cap_bytes) {
+      const size_t cap = it->second == 0 ? first_cap : options_.bucket_cap_bytes;
+      if (used + bytes > cap) {
         open.erase(it);
         it = open.end();
       }

@@ -6,7 +6,8 @@
 //
 // Parameters are registered in forward order. Finalize() assigns them to buckets in
 // reverse order (backward produces gradients last-first), one dtype per bucket, each
-// bucket up to `bucket_cap_bytes` (a larger parameter gets a bucket of its own). Each
+// bucket up to `bucket_cap_bytes` (a larger parameter gets a bucket of its own; the very
+// first bucket up to `first_bucket_cap_bytes` when set). Each
 // gradient is a view into its bucket's flat storage, so nothing is copied before the
 // collective. When the last gradient of a bucket is marked ready, the bucket's coalesced
 // SUM all-reduce (or reduce-scatter) is issued asynchronously; buckets are issued in
@@ -58,6 +59,10 @@ struct GradBucketerOptions {
   // Upper bound on a bucket's gradient bytes (a single larger parameter is alone in its
   // bucket). Must be >= 1.
   size_t bucket_cap_bytes = size_t{25} << 20;
+  // Cap of the first bucket backward completes (DDP's small first bucket: its
+  // collective starts early, behind only the last layers' gradients). 0: the same as
+  // bucket_cap_bytes.
+  size_t first_bucket_cap_bytes = 0;
 };
 
 // What Finalize() decided for one bucket (for tests, logging and the sharding layer).

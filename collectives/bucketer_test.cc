@@ -114,6 +114,23 @@ TEST(GradBucketerTest, ReverseOrderGreedyBucketsUpToTheCap) {
   EXPECT_EQ(b.grad(7).numel(), 0);  // out of range: empty view
 }
 
+// DDP's small first bucket: the first bucket backward completes has its own cap, the
+// others the normal one.
+TEST(GradBucketerTest, FirstBucketHasItsOwnCap) {
+  auto comms = CreateThreadCommunicators(1);
+  ASSERT_TRUE(comms.ok());
+  GradBucketerOptions o;
+  o.bucket_cap_bytes = 100;
+  o.first_bucket_cap_bytes = 40;
+  GradBucketer b((*comms)[0].get(), o);
+  // f32 sizes 20, 20, 20, 20, 20, 20 bytes; reverse order: {5, 4} (40), then {3, 2, 1, 0}.
+  for (int i = 0; i < 6; ++i) ASSERT_TRUE(b.Register("w", DType::kF32, 5).ok());
+  GRADSUM_EXPECT_OK(b.Finalize());
+  ASSERT_EQ(b.num_buckets(), 2);
+  EXPECT_EQ(b.bucket(0).param_ids, (std::vector<int>{5, 4}));
+  EXPECT_EQ(b.bucket(1).param_ids, (std::vector<int>{3, 2, 1, 0}));
+}
+
 TEST(GradBucketerTest, OneDTypePerBucketOrderedByCompletionInBackward) {
   auto comms = CreateThreadCommunicators(1);
   ASSERT_TRUE(comms.ok());

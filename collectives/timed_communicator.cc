@@ -1,5 +1,6 @@
 #include "collectives/timed_communicator.h"
 
+#include <chrono>
 #include <utility>
 
 namespace gradsum::train {
@@ -7,22 +8,97 @@ namespace {
 
 class TimedWork : public Work {
  public:
-  TimedWork(std::unique_ptr<Work> inner, std::shared_ptr<CommTimer> timer)
-      : inner_(std::move(inner)), timer_(std::move(timer)) {}
+  TimedWork(std::unique_ptr<Work> inner, std::shared_ptr<CommTimer> timer, absl::Time issued)
+      : inner_(std::move(inner)), timer_(std::move(timer)) {
+    op_ = std::make_shared<CommTimer::InFlight>();
+    op_->work = inner_.get();
+    op_->issued = issued;
+    timer_->Track(op_);
+  }
+  ~TimedWork() override {
+    // Never waited on: count it until now, and stop tracking the handle.
+    timer_->Complete(*op_);
+  }
   absl::Status Wait(absl::Duration timeout) override {
     const absl::Time start = absl::Now();
     absl::Status s = inner_->Wait(timeout);
-    timer_->Add(absl::Now() - start);
+    const absl::Time end = absl::Now();
+    timer_->Add(end - start);
+    if (s.ok() || inner_->IsCompleted()) timer_->Complete(*op_);
+    timer_->Poll();
     return s;
   }
-  bool IsCompleted() override { return inner_->IsCompleted(); }
+  bool IsCompleted() override {
+    const bool done = inner_->IsCompleted();
+    if (done) timer_->Complete(*op_);
+    return done;
+  }
 
  private:
   std::unique_ptr<Work> inner_;
   std::shared_ptr<CommTimer> timer_;
+  std::shared_ptr<CommTimer::InFlight> op_;
 };
 
 }  // namespace
+
+CommTimer::~CommTimer() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (watcher_.joinable()) watcher_.join();
+}
+
+void CommTimer::Track(std::shared_ptr<InFlight> op) {
+  std::lock_guard<std::mutex> lock(mu_);
+  in_flight_.push_back(std::move(op));
+  if (!watcher_.joinable()) watcher_ = std::thread([this] { Watch(); });
+  cv_.notify_all();
+}
+
+void CommTimer::Complete(InFlight& op) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (op.done) return;
+  op.done = true;
+  op.work = nullptr;
+  AddBusy(absl::Now() - op.issued);
+}
+
+void CommTimer::Poll() {
+  std::lock_guard<std::mutex> lock(mu_);
+  PollLocked();
+}
+
+void CommTimer::PollLocked() {
+  const absl::Time now = absl::Now();
+  size_t kept = 0;
+  for (size_t i = 0; i < in_flight_.size(); ++i) {
+    InFlight& op = *in_flight_[i];
+    if (!op.done && op.work->IsCompleted()) {
+      op.done = true;
+      op.work = nullptr;
+      AddBusy(now - op.issued);
+    }
+    if (!op.done) in_flight_[kept++] = in_flight_[i];
+  }
+  in_flight_.resize(kept);
+}
+
+void CommTimer::Watch() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    if (in_flight_.empty()) {
+      cv_.wait(lock);
+      continue;
+    }
+    PollLocked();
+    lock.unlock();
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+    lock.lock();
+  }
+}
 
 TimedCommunicator::TimedCommunicator(std::unique_ptr<Communicator> inner,
                                      std::shared_ptr<CommTimer> timer)
@@ -33,9 +109,14 @@ TimedCommunicator::TimedCommunicator(Communicator* inner, std::shared_ptr<CommTi
 
 absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::Wrap(
     absl::Time start, absl::StatusOr<std::unique_ptr<Work>> work) {
-  timer_->Add(absl::Now() - start);
-  if (!work.ok()) return work.status();
-  return std::unique_ptr<Work>(new TimedWork(std::move(*work), timer_));
+  const absl::Duration issuing = absl::Now() - start;
+  timer_->Add(issuing);
+  timer_->Poll();
+  if (!work.ok()) {
+    timer_->AddBusy(issuing);
+    return work.status();
+  }
+  return std::unique_ptr<Work>(new TimedWork(std::move(*work), timer_, start));
 }
 
 absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::AllReduceAsync(const void* send,

@@ -1,24 +1,37 @@
 #ifndef GRADSUM_TRAIN_TIMED_COMMUNICATOR_H_
 #define GRADSUM_TRAIN_TIMED_COMMUNICATOR_H_
 
-// A Communicator decorator that adds up the wall time this rank spends inside
-// collectives (issuing them and waiting on them), for the per-step "comm" column of the
-// training log and the step benchmark. Sub-communicators made by Split() share the
-// timer, so the EP and EDP groups count too.
+// A Communicator decorator that measures this rank's communication, for the per-step
+// comm columns of the training log and the step benchmark. Sub-communicators made by
+// Split() share the timer, so the EP and EDP groups count too. Two numbers:
+// - exposed: the wall time the rank's thread spent inside collective calls (issuing them,
+//   running a synchronous one, waiting on an async one): time compute was blocked.
+// - busy: the summed duration of the collectives, each from its issue to its completion.
+//   A synchronous one counts its call; an async one counts until its completion is first
+//   seen: its Wait returning, or a poll finding it complete. A watcher thread polls the
+//   collectives in flight every 100 us (Work::IsCompleted, which the backends make
+//   thread-safe), and every issue and wait polls too, so an overlapped collective's end is
+//   seen late by about the polling interval plus the watcher's scheduling delay.
 //
 //   auto timer = std::make_shared<CommTimer>();
 //   TimedCommunicator world(std::move(inner_world), timer);
 //   ... train ...
-//   absl::Duration in_collectives = timer->Take();   // and reset
+//   absl::Duration blocked = timer->Take();        // exposed, and reset
+//   absl::Duration busy = timer->TakeBusy();       // summed durations, and reset
 //
-// The time includes waiting for slower ranks inside a collective: on shared memory,
-// moving the bytes and waiting for the peers cannot be told apart from one side.
+// Both include waiting for slower ranks inside a collective: on shared memory, moving the
+// bytes and waiting for the peers cannot be told apart from one side.
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
 
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "collectives/communicator.h"
 
@@ -26,13 +39,49 @@ namespace gradsum::train {
 
 class CommTimer {
  public:
+  // Exposed (blocked) time.
   void Add(absl::Duration d) { nanos_.fetch_add(absl::ToInt64Nanoseconds(d)); }
   absl::Duration Total() const { return absl::Nanoseconds(nanos_.load()); }
   // Returns the total so far and resets it to zero.
   absl::Duration Take() { return absl::Nanoseconds(nanos_.exchange(0)); }
 
+  // Busy time: summed collective durations.
+  void AddBusy(absl::Duration d) { busy_nanos_.fetch_add(absl::ToInt64Nanoseconds(d)); }
+  // Stamps the completion of every tracked async collective found complete, then returns
+  // the busy total and resets it (collectives still in flight count in a later Take).
+  absl::Duration TakeBusy() {
+    Poll();
+    return absl::Nanoseconds(busy_nanos_.exchange(0));
+  }
+
+  // An async collective in flight, tracked until its completion is seen.
+  struct InFlight {
+    Work* work = nullptr;  // owned by the TimedWork that tracks it
+    absl::Time issued;
+    bool done = false;
+  };
+  void Track(std::shared_ptr<InFlight> op);
+  // Marks `op` complete now (if it was not), adding its duration to busy.
+  void Complete(InFlight& op);
+  // Checks every tracked collective for completion.
+  void Poll();
+
+  CommTimer() = default;
+  CommTimer(const CommTimer&) = delete;
+  CommTimer& operator=(const CommTimer&) = delete;
+  ~CommTimer();
+
  private:
+  void PollLocked();
+  void Watch();
+
   std::atomic<int64_t> nanos_{0};
+  std::atomic<int64_t> busy_nanos_{0};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread watcher_;  // started by the first Track()
+  std::vector<std::shared_ptr<InFlight>> in_flight_;
 };
 
 class TimedCommunicator : public Communicator {

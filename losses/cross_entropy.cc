@@ -156,17 +156,47 @@ absl::StatusOr<CrossEntropyResult> ForwardBackward(const TensorView& logits,
 
 namespace internal {
 
-const CeRowKernels& SelectedCeRowKernels() {
-  static const CeRowKernels kernels = [] {
-    const char* forced = std::getenv("GRADSUM_CE_ISA");
-    const bool generic_only = forced != nullptr && std::string(forced) == "generic";
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    if (!generic_only && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-      return rows_avx2::Kernels();
-    }
+bool CpuHasCeAvx2() {
+#if defined(GRADSUM_CE_ROWS_X86)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
 #endif
-    (void)generic_only;
-    return rows_generic::Kernels();
+}
+
+bool CpuHasCeAvx512() {
+#if defined(GRADSUM_CE_ROWS_X86)
+  return CpuHasCeAvx2() && __builtin_cpu_supports("avx512f") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512dq");
+#else
+  return false;
+#endif
+}
+
+const CeRowKernels* CeRowKernelsFor(const char* isa) {
+  static const CeRowKernels generic = rows_generic::Kernels();
+  const std::string name = isa;
+  if (name == "generic") return &generic;
+#if defined(GRADSUM_CE_ROWS_X86)
+  static const CeRowKernels avx2 = rows_avx2::Kernels();
+  static const CeRowKernels avx512 = rows_avx512::Kernels();
+  if (name == "avx2" && CpuHasCeAvx2()) return &avx2;
+  if (name == "avx512" && CpuHasCeAvx512()) return &avx512;
+#endif
+  return nullptr;
+}
+
+const CeRowKernels& SelectedCeRowKernels() {
+  static const CeRowKernels& kernels = []() -> const CeRowKernels& {
+    const char* forced = std::getenv("GRADSUM_CE_ISA");
+    if (forced != nullptr) {
+      if (const CeRowKernels* k = CeRowKernelsFor(forced); k != nullptr) return *k;
+    }
+    for (const char* isa : {"avx512", "avx2"}) {
+      if (const CeRowKernels* k = CeRowKernelsFor(isa); k != nullptr) return *k;
+    }
+    return *CeRowKernelsFor("generic");
   }();
   return kernels;
 }

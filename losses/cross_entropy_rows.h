@@ -1,14 +1,15 @@
 #ifndef GRADSUM_LOSSES_CROSS_ENTROPY_ROWS_H_
 #define GRADSUM_LOSSES_CROSS_ENTROPY_ROWS_H_
 
-// Internal: the per-row body of the fused CPU cross-entropy, built for two instruction
+// Internal: the per-row body of the fused CPU cross-entropy, built for three instruction
 // sets and picked once at run time. The row code (losses/cross_entropy_rows.inc) is bound by
 // the throughput of its vectorised fp32 exp; the baseline x86-64 build (SSE2) runs it 4 wide,
-// the AVX2 + FMA build 8 wide. Both are compiled with -ffp-contract=off and the code
-// never reassociates, so both builds give the same bits (checked by
-// cross_entropy_rows_test); only the speed differs.
+// the AVX2 + FMA build 8 wide, the AVX-512 build 16 wide. All are compiled with
+// -ffp-contract=off and the code never reassociates, so every build gives the same bits
+// (checked by cross_entropy_rows_test); only the speed differs.
 //
-// GRADSUM_CE_ISA=generic in the environment forces the baseline build (for comparison).
+// GRADSUM_CE_ISA in the environment forces a build (for comparison): "generic", "avx2" or
+// "avx512" (a build the CPU cannot run falls back to the best one it can).
 
 #include <cstdint>
 
@@ -34,11 +35,17 @@ using CeRowF32Fn = uint8_t (*)(const float* row, float* grad_row, int64_t vocab,
 using CeRowBf16Fn = uint8_t (*)(const uint16_t* row, uint16_t* grad_row, int64_t vocab,
                                 int64_t label, float w, double d, const RowScratchView* scratch,
                                 double* loss);
+// The rows' bf16 <-> fp32 conversions, n elements: widening is exact; narrowing rounds to
+// nearest even and keeps NaN a quiet NaN, bit for bit as BF16::FromFloat (core/half.h).
+using Bf16ToF32Fn = void (*)(const uint16_t* in, float* out, int64_t n);
+using F32ToBf16Fn = void (*)(const float* in, uint16_t* out, int64_t n);
 
 struct CeRowKernels {
   CeRowF32Fn f32 = nullptr;
   CeRowBf16Fn bf16 = nullptr;
-  const char* isa = "";  // "generic" or "avx2+fma"
+  Bf16ToF32Fn bf16_to_f32 = nullptr;
+  F32ToBf16Fn f32_to_bf16 = nullptr;
+  const char* isa = "";  // "generic", "avx2+fma" or "avx512"
 };
 
 namespace rows_generic {
@@ -46,14 +53,26 @@ CeRowKernels Kernels();
 }  // namespace rows_generic
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define GRADSUM_CE_ROWS_X86 1
 namespace rows_avx2 {
 // Only call through SelectedCeRowKernels (the CPU must support AVX2 and FMA).
 CeRowKernels Kernels();
 }  // namespace rows_avx2
+namespace rows_avx512 {
+// Only call when CpuHasCeAvx512() (AVX-512 F, BW, VL and DQ, and AVX2 + FMA).
+CeRowKernels Kernels();
+}  // namespace rows_avx512
 #endif
 
-// The build for this CPU, chosen once: AVX2 + FMA when the CPU has both (and
-// GRADSUM_CE_ISA is not "generic"), else the baseline build.
+// Whether this CPU can run the AVX2 + FMA build, and the AVX-512 build.
+bool CpuHasCeAvx2();
+bool CpuHasCeAvx512();
+
+// The kernels for "generic", "avx2" or "avx512" if the CPU runs that build, else nullptr.
+const CeRowKernels* CeRowKernelsFor(const char* isa);
+
+// The build for this CPU, chosen once: the widest the CPU supports, unless GRADSUM_CE_ISA
+// names another (see above).
 const CeRowKernels& SelectedCeRowKernels();
 
 }  // namespace gradsum::losses::internal

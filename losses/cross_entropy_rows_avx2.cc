@@ -1,32 +1,16 @@
 // The AVX2 + FMA build of the CE row code (losses/cross_entropy_rows.h), x86-64 only; the
-// library picks it at run time. The target is set by a pragma after every #include (not by
-// -mavx2 on the command line): header code stays baseline, and the file builds whatever
-// --cpu Bazel is given.
+// library picks it at run time. The target is set by cross_entropy_rows_x86.inc.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
-#if defined(__SSE2__)
-#include <emmintrin.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
 #endif
 
 #include "losses/cross_entropy_rows.h"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-#endif
-
 #define GRADSUM_CE_ROWS_NS rows_avx2
 #define GRADSUM_CE_ROWS_ISA "avx2+fma"
-#include "losses/cross_entropy_rows.inc"
-
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
-#endif  // x86-64 with GCC or clang
+#define GRADSUM_CE_ROWS_TARGET "avx2,fma"
+#include "losses/cross_entropy_rows_x86.inc"

@@ -2,8 +2,12 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
+#include <utility>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "core/dtype.h"
 #include "core/status.h"
 #include "moe/placement.h"
@@ -12,30 +16,52 @@
 namespace gradsum::moe {
 namespace {
 
-// Element counts and offsets of an all-to-all-v of rows of width D.
-struct RowLayout {
-  std::vector<size_t> counts;
-  std::vector<size_t> offsets;
-};
-
-RowLayout ElementLayout(const std::vector<size_t>& rows, int64_t d_model) {
-  RowLayout layout;
-  size_t offset = 0;
-  for (size_t r : rows) {
-    layout.counts.push_back(r * static_cast<size_t>(d_model));
-    layout.offsets.push_back(offset);
-    offset += r * static_cast<size_t>(d_model);
+// Moves the rows of every local expert slot between the home layout (send order) and the
+// owner layout (expert-major) of `state`: one all-to-all-v per slot j, carrying expert
+// p * El + j's rows between each home rank and owner p. `to_owners` picks the direction.
+// Rows for this rank's own experts are not exchanged (the callers read them in place).
+absl::Status ExchangeByExpert(Communicator& comm, const DispatchState& state, int num_experts,
+                              bool to_owners, const float* src, float* dst, int64_t d_model,
+                              const char* what) {
+  const int P = comm.size();
+  const int me = comm.rank();
+  if (P == 1) return absl::OkStatus();  // every row stays here
+  const int El = num_experts / P;
+  const size_t D = static_cast<size_t>(d_model);
+  // Per slot: home counts/offsets, owner counts/offsets; kept alive until every wait.
+  std::vector<std::vector<size_t>> plan(static_cast<size_t>(El) * 4, std::vector<size_t>(P, 0));
+  std::vector<std::unique_ptr<Work>> works;
+  absl::Status status;
+  for (int j = 0; j < El && status.ok(); ++j) {
+    std::vector<size_t>& home_counts = plan[4 * j];
+    std::vector<size_t>& home_offsets = plan[4 * j + 1];
+    std::vector<size_t>& owner_counts = plan[4 * j + 2];
+    std::vector<size_t>& owner_offsets = plan[4 * j + 3];
+    for (int p = 0; p < P; ++p) {
+      const int e = p * El + j;
+      home_offsets[p] = static_cast<size_t>(state.expert_first[e]) * D;
+      owner_offsets[p] = static_cast<size_t>(state.owner_first[p * El + j]) * D;
+      if (p == me) continue;
+      home_counts[p] = static_cast<size_t>(state.expert_first[e + 1] - state.expert_first[e]) * D;
+      owner_counts[p] = static_cast<size_t>(state.owner_count[p * El + j]) * D;
+    }
+    absl::StatusOr<std::unique_ptr<Work>> work =
+        to_owners ? comm.AllToAllVAsync(src, home_counts, home_offsets, dst, owner_counts,
+                                        owner_offsets, DType::kF32)
+                  : comm.AllToAllVAsync(src, owner_counts, owner_offsets, dst, home_counts,
+                                        home_offsets, DType::kF32);
+    if (work.ok()) {
+      works.push_back(*std::move(work));
+    } else {
+      status = work.status();
+    }
   }
-  return layout;
-}
-
-// Sends send_rows[p] rows to each peer p and receives recv_rows[q] rows from each peer q.
-absl::Status ExchangeRows(Communicator& comm, const float* send,
-                          const std::vector<size_t>& send_rows, float* recv,
-                          const std::vector<size_t>& recv_rows, int64_t d_model) {
-  const RowLayout s = ElementLayout(send_rows, d_model);
-  const RowLayout r = ElementLayout(recv_rows, d_model);
-  return comm.AllToAllV(send, s.counts, s.offsets, recv, r.counts, r.offsets, DType::kF32);
+  // Wait for everything issued (its buffers must outlive it), keeping the first error.
+  for (std::unique_ptr<Work>& work : works) {
+    absl::Status s = work->Wait(comm.timeout() + absl::Seconds(5));
+    if (status.ok()) status = s;
+  }
+  return Annotate(status, what);
 }
 
 // At least n floats of `buffer`, keeping earlier contents and capacity (no re-zeroing).
@@ -44,18 +70,50 @@ float* Scratch(std::vector<float>& buffer, int64_t n) {
   return buffer.data();
 }
 
-// dst[index[i]] = src[i] (rows of width D).
-void ScatterRows(const float* src, const std::vector<int64_t>& index, int64_t d_model, float* dst) {
-  for (size_t i = 0; i < index.size(); ++i) {
-    std::memcpy(dst + index[i] * d_model, src + i * d_model, sizeof(float) * d_model);
-  }
+// Row kernels, out of line so that they vectorise (elementwise: the same bits either way).
+__attribute__((noinline)) void SetScaledRow(float* __restrict dst, float w,
+                                            const float* __restrict src, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = 0.0f + w * src[d];  // 0 + x: -0 becomes +0
+}
+__attribute__((noinline)) void AddScaledRow(float* __restrict dst, float w,
+                                            const float* __restrict src, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] += w * src[d];
+}
+__attribute__((noinline)) void ScaleRow(float* __restrict dst, float w,
+                                        const float* __restrict src, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = w * src[d];
+}
+__attribute__((noinline)) void AddRow(float* __restrict dst, const float* __restrict src,
+                                      int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] += src[d];
 }
 
-// dst[i] = src[index[i]] (rows of width D).
-void GatherRows(const float* src, const std::vector<int64_t>& index, int64_t d_model, float* dst) {
-  for (size_t i = 0; i < index.size(); ++i) {
-    std::memcpy(dst + i * d_model, src + index[i] * d_model, sizeof(float) * d_model);
+// dot[i] = sum_d (double) a[i][d] * b[i][d] for eight rows, each sum in increasing d.
+__attribute__((noinline)) void DotRows8(const float* const* a, const float* const* b, int64_t n,
+                                        double* dot) {
+  double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0, s4 = 0.0, s5 = 0.0, s6 = 0.0, s7 = 0.0;
+  const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3], *a4 = a[4], *a5 = a[5],
+              *a6 = a[6], *a7 = a[7];
+  const float *b0 = b[0], *b1 = b[1], *b2 = b[2], *b3 = b[3], *b4 = b[4], *b5 = b[5],
+              *b6 = b[6], *b7 = b[7];
+  for (int64_t d = 0; d < n; ++d) {
+    s0 += static_cast<double>(a0[d]) * b0[d];
+    s1 += static_cast<double>(a1[d]) * b1[d];
+    s2 += static_cast<double>(a2[d]) * b2[d];
+    s3 += static_cast<double>(a3[d]) * b3[d];
+    s4 += static_cast<double>(a4[d]) * b4[d];
+    s5 += static_cast<double>(a5[d]) * b5[d];
+    s6 += static_cast<double>(a6[d]) * b6[d];
+    s7 += static_cast<double>(a7[d]) * b7[d];
   }
+  dot[0] = s0, dot[1] = s1, dot[2] = s2, dot[3] = s3;
+  dot[4] = s4, dot[5] = s5, dot[6] = s6, dot[7] = s7;
+}
+
+// Sent row `pos`'s expert output (see DispatchState::output_row).
+inline const float* OutputRow(const DispatchState& s, int64_t pos, int64_t d_model) {
+  const int64_t r = s.output_row[pos];
+  return r >= 0 ? s.copy_output.data() + r * d_model : s.expert_output.data() + (-1 - r) * d_model;
 }
 
 ExpertsConfig LocalExpertsConfig(const DispatchConfig& config, int ep_size) {
@@ -119,11 +177,11 @@ absl::Status DispatchCombineForward(Communicator& ep_group, const DispatchConfig
   // Reset the state field by field, keeping the vectors' capacity for reuse.
   DispatchState& s = *state;
   s.num_tokens = T;
-  s.expert_row.clear();
   s.combine_weight.assign(combine_weight.begin(), combine_weight.end());
-  std::vector<int64_t> next(E, 0);
-  for (int e = 1; e < E; ++e) next[e] = next[e - 1] + counts[e - 1];
-  const int64_t num_sent = next[E - 1] + counts[E - 1];
+  s.expert_first.assign(E + 1, 0);
+  for (int e = 0; e < E; ++e) s.expert_first[e + 1] = s.expert_first[e] + counts[e];
+  std::vector<int64_t> next(s.expert_first.begin(), s.expert_first.end() - 1);
+  const int64_t num_sent = s.expert_first[E];
   s.send_copy.resize(num_sent);
   std::vector<int64_t> copy_pos(T * K, -1);
   for (int64_t c = 0; c < T * K; ++c) {
@@ -131,8 +189,6 @@ absl::Status DispatchCombineForward(Communicator& ep_group, const DispatchConfig
     copy_pos[c] = next[expert_index[c]]++;
     s.send_copy[copy_pos[c]] = c;
   }
-  s.send_rows.assign(P, 0);
-  for (int e = 0; e < E; ++e) s.send_rows[e / E_local] += counts[e];
 
   // 2. Exchange the per-expert counts: all_counts[q * E + e] = rows rank q sends to expert e.
   std::vector<int64_t> all_counts(static_cast<size_t>(P) * E);
@@ -140,62 +196,77 @@ absl::Status DispatchCombineForward(Communicator& ep_group, const DispatchConfig
       Annotate(ep_group.AllGather(counts.data(), all_counts.data(), E, DType::kI64),
                "exchanging expert counts"));
 
-  // Received rows come source-major (q, then local expert j); experts want j-major.
-  s.recv_rows.assign(P, 0);
+  // The experts want their rows grouped by local expert j, and within j by source rank q.
   s.local_group_sizes.assign(E_local, 0);
+  s.owner_count.assign(static_cast<size_t>(P) * E_local, 0);
+  s.owner_first.assign(static_cast<size_t>(P) * E_local, 0);
   for (int q = 0; q < P; ++q) {
     for (int j = 0; j < E_local; ++j) {
       const int64_t n = all_counts[q * E + me * E_local + j];
-      s.recv_rows[q] += n;
+      s.owner_count[q * E_local + j] = n;
       s.local_group_sizes[j] += n;
     }
   }
-  std::vector<int64_t> group_next(E_local, 0);
-  for (int j = 1; j < E_local; ++j) {
-    group_next[j] = group_next[j - 1] + s.local_group_sizes[j - 1];
-  }
-  for (int q = 0; q < P; ++q) {
-    for (int j = 0; j < E_local; ++j) {
-      const int64_t n = all_counts[q * E + me * E_local + j];
-      for (int64_t i = 0; i < n; ++i) s.expert_row.push_back(group_next[j]++);
+  int64_t row = 0;
+  for (int j = 0; j < E_local; ++j) {
+    for (int q = 0; q < P; ++q) {
+      s.owner_first[q * E_local + j] = row;
+      row += s.owner_count[q * E_local + j];
     }
   }
-  const int64_t num_received = static_cast<int64_t>(s.expert_row.size());
+  const int64_t num_received = row;
+  s.num_received = num_received;
 
-  // 3. Send the rows to the experts' owners and run the local experts.
-  float* send = Scratch(s.scratch_send, num_sent * D);
-  for (int64_t pos = 0; pos < num_sent; ++pos) {
-    std::memcpy(send + pos * D, &a[(s.send_copy[pos] / K) * D], sizeof(float) * D);
+  // Where each sent row's output will be: its own row of copy_output, or for this rank's
+  // own experts (never exchanged) its row of expert_output.
+  s.output_row.resize(num_sent);
+  for (int64_t pos = 0; pos < num_sent; ++pos) s.output_row[pos] = pos;
+  for (int j = 0; j < E_local; ++j) {
+    const int e = me * E_local + j;
+    const int64_t first = s.owner_first[me * E_local + j];
+    for (int64_t pos = s.expert_first[e]; pos < s.expert_first[e + 1]; ++pos) {
+      s.output_row[pos] = -1 - (first + pos - s.expert_first[e]);
+    }
   }
-  // With one source rank or one local expert the received order is already expert-major,
-  // so the regrouping copies are skipped.
-  const bool regroup = P > 1 && E_local > 1;
-  s.expert_input.resize(num_received * D);
-  float* recv = regroup ? Scratch(s.scratch_recv, num_received * D) : s.expert_input.data();
-  GRADSUM_RETURN_IF_ERROR(Annotate(ExchangeRows(ep_group, send, s.send_rows, recv, s.recv_rows, D),
-                                   "dispatching token rows"));
-  if (regroup) ScatterRows(recv, s.expert_row, D, s.expert_input.data());
-  float* expert_output = Scratch(s.scratch_expert_a, num_received * D);
-  GRADSUM_RETURN_IF_ERROR(
-      ExpertsForward(experts_config, local_weights, s.expert_input, s.local_group_sizes,
-                     absl::MakeSpan(expert_output, num_received * D), &s.experts_saved));
 
-  // 4. Send the outputs home (the reverse exchange) and combine there.
-  if (regroup) GatherRows(expert_output, s.expert_row, D, recv);
+  // 3. Pack the rows straight into the send buffer (own experts' rows straight into the
+  // experts' input), exchange them into the experts' layout, run the local experts.
+  float* send = Scratch(s.scratch_send, num_sent * D);
+  s.expert_input.resize(num_received * D);
+  for (int64_t pos = 0; pos < num_sent; ++pos) {
+    const int64_t r = s.output_row[pos];
+    float* dst = r >= 0 ? send + pos * D : s.expert_input.data() + (-1 - r) * D;
+    std::memcpy(dst, &a[(s.send_copy[pos] / K) * D], sizeof(float) * D);
+  }
+  GRADSUM_RETURN_IF_ERROR(ExchangeByExpert(ep_group, s, E, /*to_owners=*/true, send,
+                                           s.expert_input.data(), D, "dispatching token rows"));
+  s.expert_output.resize(num_received * D);
+  GRADSUM_RETURN_IF_ERROR(ExpertsForward(experts_config, local_weights, s.expert_input,
+                                         s.local_group_sizes, absl::MakeSpan(s.expert_output),
+                                         &s.experts_saved));
+
+  // 4. Send the outputs home (the reverse exchange) and combine straight from there:
+  // y_t = 0 + sum_k w_tk out_tk, slots in order, so the sum does not depend on P.
   s.copy_output.resize(num_sent * D);
-  GRADSUM_RETURN_IF_ERROR(Annotate(ExchangeRows(ep_group, regroup ? recv : expert_output,
-                                                s.recv_rows, s.copy_output.data(), s.send_rows, D),
-                                   "returning expert outputs"));
-  std::fill(y.begin(), y.end(), 0.0f);
+  GRADSUM_RETURN_IF_ERROR(ExchangeByExpert(ep_group, s, E, /*to_owners=*/false,
+                                           s.expert_output.data(), s.copy_output.data(), D,
+                                           "returning expert outputs"));
   for (int64_t t = 0; t < T; ++t) {
     float* yt = &y[t * D];
-    for (int k = 0; k < K; ++k) {  // slots in order, so the sum does not depend on P
+    bool first = true;
+    for (int k = 0; k < K; ++k) {
       const int64_t pos = copy_pos[t * K + k];
       if (pos < 0) continue;
       const float w = combine_weight[t * K + k];
-      const float* out = &s.copy_output[pos * D];
-      for (int64_t d = 0; d < D; ++d) yt[d] += w * out[d];
+      const float* out = OutputRow(s, pos, D);
+      if (first) {
+        SetScaledRow(yt, w, out, D);
+      } else {
+        AddScaledRow(yt, w, out, D);
+      }
+      first = false;
     }
+    if (first) std::fill(yt, yt + D, 0.0f);
   }
   return absl::OkStatus();
 }
@@ -212,14 +283,19 @@ absl::Status DispatchCombineBackward(Communicator& ep_group, const DispatchConfi
   const int64_t T = state.num_tokens;
   const int64_t num_sent = state.sent_rows();
   const int64_t num_received = state.received_rows();
-  if (state.send_rows.size() != static_cast<size_t>(P) ||
-      state.recv_rows.size() != static_cast<size_t>(P) ||
+  const int E_local = config.num_experts / P;
+  if (state.expert_first.size() != static_cast<size_t>(config.num_experts) + 1 ||
+      state.owner_first.size() != static_cast<size_t>(P) * E_local ||
+      state.owner_count.size() != static_cast<size_t>(P) * E_local ||
       state.combine_weight.size() != static_cast<size_t>(T * K) ||
+      state.output_row.size() != static_cast<size_t>(num_sent) ||
       state.copy_output.size() != static_cast<size_t>(num_sent * D) ||
-      state.expert_input.size() != static_cast<size_t>(num_received * D)) {
+      state.expert_input.size() != static_cast<size_t>(num_received * D) ||
+      state.expert_output.size() != static_cast<size_t>(num_received * D)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("dispatch state (T=", T, ", ", state.send_rows.size(),
-                     " EP ranks) does not come from a forward with D=", D, ", K=", K, ", P=", P));
+        absl::StrCat("dispatch state (T=", T, ", ", state.expert_first.size(),
+                     " expert offsets) does not come from a forward with D=", D, ", K=", K,
+                     ", E=", config.num_experts, ", P=", P));
   }
   GRADSUM_RETURN_IF_ERROR(internal::CheckSize("dispatch dy", dy.size(), T * D, "[T, D]"));
   GRADSUM_RETURN_IF_ERROR(internal::CheckSize("dispatch d_a", d_a.size(), T * D, "[T, D]"));
@@ -228,42 +304,62 @@ absl::Status DispatchCombineBackward(Communicator& ep_group, const DispatchConfi
   GRADSUM_RETURN_IF_ERROR(CheckExpertWeights(LocalExpertsConfig(config, P), local_weights));
   GRADSUM_RETURN_IF_ERROR(CheckExpertWeightGrads(LocalExpertsConfig(config, P), local_grads));
 
-  // d w_tk = <dy_t, out_tk>; the copy's output gradient is w_tk dy_t (sent in send order).
-  std::fill(d_combine_weight.begin(), d_combine_weight.end(), 0.0f);
+  // d w_tk = <dy_t, out_tk>; the copy's output gradient w_tk dy_t goes straight into the
+  // send buffer (own experts' rows straight into the experts' output gradient).
+  std::fill(d_combine_weight.begin(), d_combine_weight.end(), 0.0f);  // unrouted copies
   float* send = Scratch(state.scratch_send, num_sent * D);
-  for (int64_t pos = 0; pos < num_sent; ++pos) {
-    const int64_t c = state.send_copy[pos];
-    const float* dyt = &dy[(c / K) * D];
-    const float* out = &state.copy_output[pos * D];
-    const float w = state.combine_weight[c];
-    double dot = 0.0;
-    for (int64_t d = 0; d < D; ++d) {
-      dot += static_cast<double>(dyt[d]) * out[d];
-      send[pos * D + d] = w * dyt[d];
-    }
-    d_combine_weight[c] = static_cast<float>(dot);
-  }
-  const bool regroup = P > 1 && config.num_experts / P > 1;  // as in forward
   float* expert_dy = Scratch(state.scratch_expert_a, num_received * D);
   float* expert_dx = Scratch(state.scratch_expert_b, num_received * D);
-  float* recv = regroup ? Scratch(state.scratch_recv, num_received * D) : expert_dy;
-  GRADSUM_RETURN_IF_ERROR(
-      Annotate(ExchangeRows(ep_group, send, state.send_rows, recv, state.recv_rows, D),
-               "dispatching output gradients"));
-  if (regroup) ScatterRows(recv, state.expert_row, D, expert_dy);
+  // Eight rows at a time: each dot is one chain of dependent double adds (its order fixes
+  // the bits), so interleaving rows is what keeps the core busy.
+  constexpr int64_t kRows = 8;
+  for (int64_t pos0 = 0; pos0 < num_sent; pos0 += kRows) {
+    const int64_t n = std::min(kRows, num_sent - pos0);
+    const float* dyt[kRows];
+    const float* out[kRows];
+    for (int64_t i = 0; i < kRows; ++i) {
+      const int64_t pos = pos0 + (i < n ? i : 0);  // short block: repeat the first row
+      dyt[i] = &dy[(state.send_copy[pos] / K) * D];
+      out[i] = OutputRow(state, pos, D);
+    }
+    double dot[kRows] = {};
+    DotRows8(dyt, out, D, dot);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t pos = pos0 + i;
+      const int64_t c = state.send_copy[pos];
+      d_combine_weight[c] = static_cast<float>(dot[i]);
+      const int64_t r = state.output_row[pos];
+      float* g = r >= 0 ? send + pos * D : expert_dy + (-1 - r) * D;
+      ScaleRow(g, state.combine_weight[c], dyt[i], D);
+    }
+  }
+  GRADSUM_RETURN_IF_ERROR(ExchangeByExpert(ep_group, state, config.num_experts,
+                                           /*to_owners=*/true, send, expert_dy, D,
+                                           "dispatching output gradients"));
   GRADSUM_RETURN_IF_ERROR(ExpertsBackward(
       LocalExpertsConfig(config, P), local_weights, state.expert_input, state.local_group_sizes,
       state.experts_saved, absl::MakeSpan(expert_dy, num_received * D),
       absl::MakeSpan(expert_dx, num_received * D), local_grads));
-  if (regroup) GatherRows(expert_dx, state.expert_row, D, recv);
-  GRADSUM_RETURN_IF_ERROR(Annotate(
-      ExchangeRows(ep_group, regroup ? recv : expert_dx, state.recv_rows, send, state.send_rows, D),
-      "returning input gradients"));
-  // Sum the K copies of each token into d_a.
-  for (int64_t pos = 0; pos < num_sent; ++pos) {
-    float* dat = &d_a[(state.send_copy[pos] / K) * D];
-    const float* g = send + pos * D;
-    for (int64_t d = 0; d < D; ++d) dat[d] += g[d];
+  // The input gradients come home into the send buffer (its rows were consumed above).
+  GRADSUM_RETURN_IF_ERROR(ExchangeByExpert(ep_group, state, config.num_experts,
+                                           /*to_owners=*/false, expert_dx, send, D,
+                                           "returning input gradients"));
+  // Sum the K copies of each token into d_a straight from where they are, token by token
+  // (one pass over d_a), each token's copies in send order as before.
+  std::vector<int64_t> copy_pos(static_cast<size_t>(T) * K, -1);
+  for (int64_t pos = 0; pos < num_sent; ++pos) copy_pos[state.send_copy[pos]] = pos;
+  std::vector<int64_t> token_pos(K);
+  for (int64_t t = 0; t < T; ++t) {
+    int n = 0;
+    for (int k = 0; k < K; ++k) {
+      if (copy_pos[t * K + k] >= 0) token_pos[n++] = copy_pos[t * K + k];
+    }
+    std::sort(token_pos.begin(), token_pos.begin() + n);
+    for (int i = 0; i < n; ++i) {
+      const int64_t pos = token_pos[i];
+      const int64_t r = state.output_row[pos];
+      AddRow(&d_a[t * D], r >= 0 ? send + pos * D : expert_dx + (-1 - r) * D, D);
+    }
   }
   return absl::OkStatus();
 }

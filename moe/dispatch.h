@@ -10,10 +10,12 @@
 //   1. the K copies of every routed token are ordered by destination expert (so also by
 //      destination rank),
 //   2. per-expert counts are exchanged (one all-gather of E int64 per rank),
-//   3. the rows go to the experts' owners (all-to-all-v), which regroup them by local expert
-//      and run the grouped SwiGLU experts (moe/experts.h),
-//   4. the outputs go back (all-to-all-v) and the home rank combines
-//      y_t = sum_k w_tk * Expert_{i_tk}(a_t).
+//   3. the rows are packed into the send buffer and go to the experts' owners (all-to-all-v),
+//      landing grouped by local expert, where the grouped SwiGLU experts run (moe/experts.h),
+//   4. the outputs go back (all-to-all-v) and the home rank combines them straight from the
+//      receive buffer: y_t = sum_k w_tk * Expert_{i_tk}(a_t).
+// Each row is copied at most twice each way (pack + exchange, exchange + combine); rows for
+// this rank's own experts skip the exchange.
 // Backward sends w_tk * dy_t to the owners, runs the experts' backward (weight gradients
 // accumulate there), sends the input gradients back and sums the K copies into d_a. It also
 // returns d w_tk = <dy_t, Expert_{i_tk}(a_t)>, the gradient for the router (moe/router.h).
@@ -55,27 +57,38 @@ struct DispatchConfig {
 
 // What forward keeps for backward (one per layer and micro-batch). Opaque to callers except
 // for the read-only statistics at the end.
+//
+// Row layouts (moe/dispatch.cc): home side, the routed copies in send order (sorted by
+// destination expert, so by destination EP rank); owner side, the rows grouped by local
+// expert (the experts' input layout), and within an expert by source rank. Each exchange is
+// one all-to-all-v per local expert slot, straight between the two layouts; rows for this
+// rank's own experts never enter an exchange.
 struct DispatchState {
   int64_t num_tokens = 0;
   // Home side: the copies in send order (sorted by destination expert).
   std::vector<int64_t> send_copy;     // [S] copy index t * K + k of each sent row
-  std::vector<size_t> send_rows;      // [P] rows sent to each EP rank
-  std::vector<size_t> recv_rows;      // [P] rows received from each EP rank
+  std::vector<int64_t> expert_first;  // [E + 1] first send position of each expert's rows
   std::vector<float> combine_weight;  // [T, K] the weights used by the combine
+  // Where sent row `pos`'s expert output is: copy_output row output_row[pos] when >= 0,
+  // else (own experts) expert_output row -1 - output_row[pos].
+  std::vector<int64_t> output_row;    // [S]
   std::vector<float> copy_output;     // [S, D] expert outputs back home, in send order
-  // Owner side.
-  std::vector<int64_t> expert_row;         // [R] expert-major position of each received row
-  std::vector<int64_t> local_group_sizes;  // [E / P] rows per local expert
-  std::vector<float> expert_input;         // [R, D] rows grouped by local expert
+  // Owner side: rows from source q for local expert j are the expert-major rows
+  // [owner_first[q * El + j], + owner_count[q * El + j]).
+  std::vector<int64_t> owner_first, owner_count;  // [P * El]
+  std::vector<int64_t> local_group_sizes;         // [E / P] rows per local expert
+  int64_t num_received = 0;                       // R
+  std::vector<float> expert_input;                // [R, D] rows grouped by local expert
+  std::vector<float> expert_output;               // [R, D] their outputs, same layout
   ExpertsSaved experts_saved;
 
   // Scratch reused by later calls with the same state (so a layer's state kept across steps
   // allocates only once); holds no meaning between calls.
-  mutable std::vector<float> scratch_send, scratch_recv, scratch_expert_a, scratch_expert_b;
+  mutable std::vector<float> scratch_send, scratch_expert_a, scratch_expert_b;
 
   // Rows this rank received for its experts, and rows it sent (= routed copies), for stats
   // and benchmarks.
-  int64_t received_rows() const { return static_cast<int64_t>(expert_row.size()); }
+  int64_t received_rows() const { return num_received; }
   int64_t sent_rows() const { return static_cast<int64_t>(send_copy.size()); }
 };
 

@@ -10,7 +10,7 @@
 namespace gradsum {
 
 absl::StatusOr<std::unique_ptr<BucketedGradReducer>> BucketedGradReducer::Create(
-    std::vector<FlatParam*> groups, size_t bucket_cap_bytes) {
+    std::vector<FlatParam*> groups, size_t bucket_cap_bytes, size_t first_bucket_cap_bytes) {
   if (groups.empty()) return absl::InvalidArgumentError("BucketedGradReducer: no groups");
   for (const FlatParam* g : groups) {
     if (g == nullptr) return absl::InvalidArgumentError("BucketedGradReducer: null group");
@@ -30,6 +30,7 @@ absl::StatusOr<std::unique_ptr<BucketedGradReducer>> BucketedGradReducer::Create
   GradBucketerOptions options;
   options.mode = GradBucketerOptions::Mode::kAllReduce;
   options.bucket_cap_bytes = bucket_cap_bytes;
+  options.first_bucket_cap_bytes = first_bucket_cap_bytes;
   std::unique_ptr<BucketedGradReducer> r(new BucketedGradReducer(groups[0]->group(), options));
   for (const FlatParam* g : groups) {
     std::vector<int> ids;

@@ -35,11 +35,13 @@ namespace gradsum {
 class BucketedGradReducer {
  public:
   // `groups` (not owned, non-empty) must all be in replicated mode and share one
-  // communicator; their parameters are registered in the given (forward) order.
+  // communicator; their parameters are registered in the given (forward) order. The caps
+  // are GradBucketerOptions' (collectives/bucketer.h).
   // InvalidArgument otherwise (naming the group), or for invalid bucketer options.
   // Collective only in the sense that every rank must build the same reducer.
   static absl::StatusOr<std::unique_ptr<BucketedGradReducer>> Create(
-      std::vector<FlatParam*> groups, size_t bucket_cap_bytes = size_t{25} << 20);
+      std::vector<FlatParam*> groups, size_t bucket_cap_bytes = size_t{25} << 20,
+      size_t first_bucket_cap_bytes = 0);
 
   // Hands group `index`'s accumulated gradient to its buckets (copied, or rounded to bf16
   // for a bf16 reduce dtype) and marks it ready; full buckets launch their all-reduce.

@@ -185,6 +185,10 @@ absl::Status FlatParam::StartUnshard() {
   return absl::OkStatus();
 }
 
+int64_t FlatParam::unsharded_bytes() const {
+  return unshard_state_ == UnshardState::kNone ? 0 : full_compute_bytes();
+}
+
 absl::Status FlatParam::WaitUnshard() {
   if (unshard_state_ == UnshardState::kReady) return absl::OkStatus();
   if (unshard_state_ == UnshardState::kNone) {
@@ -256,8 +260,11 @@ absl::Status FlatParam::StartGradReduce(bool last_micro_batch) {
   }
   // Padding must stay zero whatever backward did, so it never enters a sum.
   std::fill(full_grad_.begin() + numel_, full_grad_.end(), 0.0f);
-  // Replicated mode, not the last micro-batch: DDP's no_sync, gradients accumulate here.
-  if (!sharded() && !last_micro_batch) return absl::OkStatus();
+  // Replicated mode (or sharded without reduce_every_micro_batch), not the last
+  // micro-batch: DDP's no_sync, gradients accumulate here.
+  if ((!sharded() || !options_.reduce_every_micro_batch) && !last_micro_batch) {
+    return absl::OkStatus();
+  }
   const bool bf16 = options_.reduce_dtype == DType::kBF16;
   if (bf16) {
     reduce_send_bf16_.resize(padded_numel_);

@@ -68,6 +68,11 @@ struct FlatParamOptions {
   // real SUM of bf16-rounded gradients (accumulated in fp32 by the CPU backends, rounded
   // once), added into fp32 accumulators.
   DType reduce_dtype = DType::kF32;
+  // Sharded mode: reduce-scatter every micro-batch's gradient (true), or let the full
+  // gradient accumulate locally over the step and reduce-scatter it once, on the last
+  // micro-batch (false: FSDP2's requires_gradient_sync off for the others; more memory,
+  // fewer collectives). Replicated mode always reduces once, on the last micro-batch.
+  bool reduce_every_micro_batch = true;
 };
 
 // A parameter to place in a group.
@@ -164,6 +169,12 @@ class FlatParam {
   // StartUnshard() + WaitUnshard().
   absl::Status Unshard();
   bool is_unsharded() const { return unshard_state_ == UnshardState::kReady; }
+  // Bytes of the compute buffer held now (padded_numel() elements of the compute dtype
+  // while unsharded or gathering, else 0), and what it holds when unsharded.
+  int64_t unsharded_bytes() const;
+  int64_t full_compute_bytes() const {
+    return padded_numel_ * static_cast<int64_t>(DTypeSize(options_.compute_dtype));
+  }
   bool unshard_in_flight() const { return unshard_state_ == UnshardState::kInFlight; }
   // Parameter `index` in the compute dtype, with its shape; valid until Reshard().
   // FailedPrecondition unless unsharded; InvalidArgument on a bad index.
@@ -182,7 +193,8 @@ class FlatParam {
   absl::Span<float> full_grad();
 
   // Starts this micro-batch's reduction. Sharded: reduce-scatter (SUM, reduce dtype) of
-  // the full gradient, every micro-batch. Replicated: all-reduce (SUM, reduce dtype) when
+  // the full gradient, every micro-batch (or only when `last_micro_batch` if
+  // !reduce_every_micro_batch). Replicated: all-reduce (SUM, reduce dtype) when
   // `last_micro_batch`, nothing otherwise. FailedPrecondition if one is already in
   // flight; the collective's error otherwise.
   absl::Status StartGradReduce(bool last_micro_batch);

@@ -246,6 +246,15 @@ absl::Status ValidateConfig(const TrainConfig& c) {
   if (!(std::isfinite(c.timeout_s()) && c.timeout_s() > 0)) {
     return Bad("timeout_s", StrCat(c.timeout_s()), "must be > 0");
   }
+  if (c.layers_per_unit() < 1) {
+    return Bad("layers_per_unit", StrCat(c.layers_per_unit()), "must be >= 1");
+  }
+  for (const auto& [name, mb] : {std::pair<const char*, double>{"bucket_cap_mb", c.bucket_cap_mb()},
+                                 {"first_bucket_mb", c.first_bucket_mb()}}) {
+    if (!(std::isfinite(mb) && mb > 0 && mb <= 1 << 20)) {
+      return Bad(name, StrCat(mb), "must be in (0, 1048576] MiB");
+    }
+  }
   return absl::OkStatus();
 }
 

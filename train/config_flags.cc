@@ -62,6 +62,15 @@ ABSL_FLAG(std::optional<int32_t>, expert_dim, std::nullopt, "H");
 ABSL_FLAG(std::optional<bool>, norm_topk_prob, std::nullopt,
           "renormalise the top-k router weights");
 ABSL_FLAG(std::optional<double>, router_scale, std::nullopt, "router weight scale");
+ABSL_FLAG(std::optional<int32_t>, layers_per_unit, std::nullopt,
+          "wrap policy: layers per FlatParam unit");
+ABSL_FLAG(std::optional<bool>, reshard_after_forward, std::nullopt,
+          "fsdp: free each unit after its forward, re-gather it for backward");
+ABSL_FLAG(std::optional<bool>, reduce_every_micro_batch, std::nullopt,
+          "fsdp: reduce-scatter every micro-batch (false: only the last one)");
+ABSL_FLAG(std::optional<double>, bucket_cap_mb, std::nullopt, "replicated: gradient bucket cap");
+ABSL_FLAG(std::optional<double>, first_bucket_mb, std::nullopt,
+          "replicated: cap of the first gradient bucket");
 
 namespace gradsum::train {
 
@@ -102,6 +111,11 @@ const std::vector<FlagField>& OverridableFlags() {
       {"expert_dim", "model.expert_dim"},
       {"norm_topk_prob", "model.norm_topk_prob"},
       {"router_scale", "model.router_scale"},
+      {"layers_per_unit", "layers_per_unit"},
+      {"reshard_after_forward", "reshard_after_forward"},
+      {"reduce_every_micro_batch", "reduce_every_micro_batch"},
+      {"bucket_cap_mb", "bucket_cap_mb"},
+      {"first_bucket_mb", "first_bucket_mb"},
   };
   return *flags;
 }

@@ -158,6 +158,9 @@ TEST(ConfigTest, ValidationNamesFieldAndValue) {
       {{{"resume", "true"}}, "resume=true: needs checkpoint_dir"},
       {{{"parity_tolerance", "0"}}, "parity_tolerance=0"},
       {{{"timeout_s", "0"}}, "timeout_s=0"},
+      {{{"layers_per_unit", "0"}}, "layers_per_unit=0"},
+      {{{"bucket_cap_mb", "0"}}, "bucket_cap_mb=0"},
+      {{{"first_bucket_mb", "-1"}}, "first_bucket_mb=-1"},
   };
   for (const Case& k : cases) {
     TrainConfig c;

@@ -9,6 +9,7 @@
 #include "core/tensor.h"
 #include "losses/linear_cross_entropy.h"
 #include "losses/router_losses.h"
+#include "sharding/bucketed_reduce.h"
 #include "train/layers.h"
 
 namespace gradsum::train {
@@ -35,6 +36,126 @@ moe::MoeLayerConfig LayerConfig(const ModelConfig& m) {
   c.router_scale = m.router_scale();
   return c;
 }
+
+// The host model's units: FlatParams gathered and reduced over the host communicators.
+// Replicated mode reduces through one BucketedGradReducer per communicator (the world's
+// units, the EDP group's), on the last micro-batch.
+class HostUnitStore : public UnitStore {
+ public:
+  static absl::StatusOr<std::unique_ptr<HostUnitStore>> Create(std::vector<FlatParam*> units,
+                                                               const MoeLmOptions& options) {
+    auto store = std::unique_ptr<HostUnitStore>(new HostUnitStore());
+    store->units_ = units;
+    store->bf16_ = options.compute_dtype == DType::kBF16;
+    store->widened.resize(units.size());
+    store->widened_version_.assign(units.size(), 0);
+    store->widened_valid_.assign(units.size(), false);
+    if (options.sharding == ShardingMode::kReplicated) {
+      // Units grouped by communicator, in forward order; each unit's reducer and index.
+      std::vector<std::pair<Communicator*, std::vector<FlatParam*>>> by_comm;
+      store->reducer_of_.resize(units.size());
+      for (size_t u = 0; u < units.size(); ++u) {
+        auto it = std::find_if(by_comm.begin(), by_comm.end(),
+                               [&](const auto& e) { return e.first == units[u]->group(); });
+        if (it == by_comm.end()) {
+          by_comm.push_back({units[u]->group(), {}});
+          it = by_comm.end() - 1;
+        }
+        store->reducer_of_[u] = {static_cast<int>(it - by_comm.begin()),
+                                 static_cast<int>(it->second.size())};
+        it->second.push_back(units[u]);
+      }
+      for (auto& [comm, group_units] : by_comm) {
+        GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<BucketedGradReducer> r,
+                                 BucketedGradReducer::Create(group_units, options.bucket_cap_bytes,
+                                                             options.first_bucket_cap_bytes));
+        store->reducers_.push_back(std::move(r));
+      }
+      store->handed_.assign(store->reducers_.size(), false);
+    }
+    return store;
+  }
+
+  absl::Status StartGather(int u) override { return units_[u]->StartUnshard(); }
+
+  absl::Status WaitGather(int u) override {
+    FlatParam* g = units_[u];
+    if (g->unshard_in_flight()) GRADSUM_RETURN_IF_ERROR(g->WaitUnshard());
+    if (!g->is_unsharded()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("unit ", g->name(), " was not gathered before it was read"));
+    }
+    if (!bf16_ || (widened_valid_[u] && widened_version_[u] == g->master_version())) {
+      return absl::OkStatus();
+    }
+    // bf16 parameters (halved all-gather traffic); the CPU kernels read them widened to
+    // fp32, which is exact.
+    std::vector<float>& f32 = widened[u];
+    f32.resize(g->numel());
+    for (int i = 0; i < g->num_params(); ++i) {
+      GRADSUM_ASSIGN_OR_RETURN(TensorView view, g->param(i));
+      const BF16* src = view.data<BF16>();
+      const FlatParamEntry& e = g->entries()[i];
+      for (int64_t k = 0; k < e.numel; ++k) f32[e.offset + k] = src[k].ToFloat();
+    }
+    widened_valid_[u] = true;
+    widened_version_[u] = g->master_version();
+    return absl::OkStatus();
+  }
+
+  absl::Status Release(int u) override {
+    if (bf16_) {
+      std::vector<float>().swap(widened[u]);
+      widened_valid_[u] = false;
+    }
+    return units_[u]->Reshard();
+  }
+
+  absl::Status StartReduce(int u, bool last_micro_batch) override {
+    if (reducers_.empty()) return units_[u]->StartGradReduce(last_micro_batch);
+    if (!last_micro_batch) return absl::OkStatus();  // replicated: accumulate (no_sync)
+    const auto [r, index] = reducer_of_[u];
+    handed_[r] = true;
+    return reducers_[r]->GroupReady(index);
+  }
+
+  absl::Status WaitReduce(int u) override {
+    return reducers_.empty() ? units_[u]->FinishGradReduce() : absl::OkStatus();
+  }
+
+  absl::Status FinishReductions() override {
+    for (FlatParam* g : units_) GRADSUM_RETURN_IF_ERROR(g->FinishGradReduce());
+    for (size_t r = 0; r < reducers_.size(); ++r) {
+      if (!handed_[r]) continue;
+      handed_[r] = false;
+      GRADSUM_RETURN_IF_ERROR(reducers_[r]->Finish());
+    }
+    return absl::OkStatus();
+  }
+
+  int64_t UnshardedBytes() const override {
+    int64_t n = 0;
+    for (const FlatParam* g : units_) n += g->unsharded_bytes();
+    return n;
+  }
+  int64_t FullBytes() const override {
+    int64_t n = 0;
+    for (const FlatParam* g : units_) n += g->full_compute_bytes();
+    return n;
+  }
+
+  std::vector<std::vector<float>> widened;  // per unit, bf16 compute only
+
+ private:
+  HostUnitStore() = default;
+  std::vector<FlatParam*> units_;
+  bool bf16_ = false;
+  std::vector<uint64_t> widened_version_;
+  std::vector<bool> widened_valid_;
+  std::vector<std::unique_ptr<BucketedGradReducer>> reducers_;
+  std::vector<std::pair<int, int>> reducer_of_;  // unit -> (reducer, index in it)
+  std::vector<bool> handed_;                     // reducer got units this step
+};
 
 }  // namespace
 
@@ -120,6 +241,10 @@ absl::Status MoeLm::Init(const MoeLmOptions& options, const MoeLmGroups& groups,
     return absl::InvalidArgumentError(absl::StrCat(
         "model.experts=", m.experts(), " is not divisible by ep=", P, " (SEMANTICS.md §7)"));
   }
+  if (options.layers_per_unit < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layers_per_unit=", options.layers_per_unit, ": must be >= 1"));
+  }
   model->options_ = options;
   model->comm_ = groups;
   model->ep_rank_ = groups.ep_group->rank();
@@ -127,41 +252,84 @@ absl::Status MoeLm::Init(const MoeLmOptions& options, const MoeLmGroups& groups,
   fp_options.mode = options.sharding;
   fp_options.compute_dtype = options.compute_dtype;
   fp_options.reduce_dtype = options.reduce_dtype;
+  fp_options.reduce_every_micro_batch = options.reduce_every_micro_batch;
 
   const int64_t V = m.vocab(), D = m.dim(), E = m.experts(), H = m.expert_dim();
-  std::vector<ParamSpec> dense = {{"emb", {V, D}}};
-  for (int l = 0; l < m.layers(); ++l) {
-    model->norm_index_.push_back(static_cast<int>(dense.size()));
-    dense.push_back({LayerName(l, "norm"), {D}});
-    model->router_index_.push_back(static_cast<int>(dense.size()));
-    dense.push_back({LayerName(l, "router"), {D, E}});
-  }
-  model->final_norm_index_ = static_cast<int>(dense.size());
-  dense.push_back({"final_norm", {D}});
-  model->out_index_ = static_cast<int>(dense.size());
-  dense.push_back({"out", {D, V}});
-  GRADSUM_ASSIGN_OR_RETURN(model->dense_,
-                           FlatParam::Create("dense", std::move(dense), groups.world, fp_options));
-
-  // This EP slot's experts, stacked per kind so moe/experts.h sees [E/P, ...] blocks.
+  const int L = m.layers(), k = options.layers_per_unit;
   const int local = m.experts() / P, first = model->ep_rank_ * local;
-  for (int l = 0; l < m.layers(); ++l) {
-    std::vector<ParamSpec> specs;
-    for (const char* kind : {"wg", "wu", "wd"}) {
-      for (int j = 0; j < local; ++j) {
-        const bool down = std::string(kind) == "wd";
-        specs.push_back({ExpertName(l, first + j, kind),
-                         down ? std::vector<int64_t>{H, D} : std::vector<int64_t>{D, H}});
-      }
-    }
+  auto add_unit = [&](std::string name, std::vector<ParamSpec> specs, bool expert) -> absl::Status {
     GRADSUM_ASSIGN_OR_RETURN(
-        std::unique_ptr<FlatParam> group,
-        FlatParam::Create(absl::StrCat("layers.", l, ".experts.ep", model->ep_rank_),
-                          std::move(specs), groups.edp_group, fp_options));
-    model->experts_.push_back(std::move(group));
+        std::unique_ptr<FlatParam> unit,
+        FlatParam::Create(std::move(name), std::move(specs),
+                          expert ? groups.edp_group : groups.world, fp_options));
+    model->units_.push_back(std::move(unit));
+    model->expert_unit_.push_back(expert);
+    return absl::OkStatus();
+  };
+  const int emb_unit = 0;
+  model->emb_ = {emb_unit, 0};
+  GRADSUM_RETURN_IF_ERROR(add_unit("emb", {{"emb", {V, D}}}, false));
+  std::vector<std::vector<int>> stage_units = {{emb_unit}};
+  model->norm_.resize(L);
+  model->router_.resize(L);
+  model->gate_.resize(L);
+  for (int a = 0; a < L; a += k) {
+    const int b = std::min(L, a + k) - 1;
+    const std::string name =
+        a == b ? absl::StrCat("layers.", a) : absl::StrCat("layers.", a, "-", b);
+    const int dense_unit = static_cast<int>(model->units_.size());
+    const int expert_unit = dense_unit + 1;
+    std::vector<ParamSpec> dense, experts;
+    for (int l = a; l <= b; ++l) {
+      model->norm_[l] = {dense_unit, static_cast<int>(dense.size())};
+      dense.push_back({LayerName(l, "norm"), {D}});
+      model->router_[l] = {dense_unit, static_cast<int>(dense.size())};
+      dense.push_back({LayerName(l, "router"), {D, E}});
+      // This EP slot's experts, stacked per kind so moe/experts.h sees [E/P, ...] blocks.
+      model->gate_[l] = {expert_unit, static_cast<int>(experts.size())};
+      for (const char* kind : {"wg", "wu", "wd"}) {
+        for (int j = 0; j < local; ++j) {
+          const bool down = std::string(kind) == "wd";
+          experts.push_back({ExpertName(l, first + j, kind),
+                             down ? std::vector<int64_t>{H, D} : std::vector<int64_t>{D, H}});
+        }
+      }
+      stage_units.push_back({dense_unit, expert_unit});
+    }
+    GRADSUM_RETURN_IF_ERROR(add_unit(name, std::move(dense), false));
+    GRADSUM_RETURN_IF_ERROR(
+        add_unit(absl::StrCat(name, ".experts.ep", model->ep_rank_), std::move(experts), true));
   }
+  const int head_unit = static_cast<int>(model->units_.size());
+  model->final_norm_ = {head_unit, 0};
+  model->out_ = {head_unit, 1};
+  GRADSUM_RETURN_IF_ERROR(add_unit("head", {{"final_norm", {D}}, {"out", {D, V}}}, false));
+  stage_units.push_back({head_unit});
+  // Every stage's backward reads its parameters except the embedding's (a scatter-add).
+  std::vector<bool> backward_reads(stage_units.size(), true);
+  backward_reads[0] = false;
+  UnitScheduleOptions schedule_options;
+  schedule_options.sharded = options.sharding == ShardingMode::kSharded;
+  schedule_options.reshard_after_forward = options.reshard_after_forward;
+  GRADSUM_ASSIGN_OR_RETURN(
+      model->schedule_,
+      UnitSchedule::Create(static_cast<int>(model->units_.size()), std::move(stage_units),
+                           std::move(backward_reads), schedule_options));
+  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<HostUnitStore> store,
+                           HostUnitStore::Create(model->groups(), options));
+  model->widened_ = &store->widened;
+  model->store_ = std::move(store);
   model->layer_state_.resize(m.layers());
   return absl::OkStatus();
+}
+
+MoeLm::ParamRef MoeLm::up_ref(int layer) const {
+  const int local = options_.model.experts() / comm_.ep_group->size();
+  return {gate_[layer].unit, gate_[layer].index + local};
+}
+MoeLm::ParamRef MoeLm::down_ref(int layer) const {
+  const int local = options_.model.experts() / comm_.ep_group->size();
+  return {gate_[layer].unit, gate_[layer].index + 2 * local};
 }
 
 NamedParams MoeLm::InitialParameters(const ModelConfig& m, uint64_t seed) {
@@ -185,8 +353,8 @@ NamedParams MoeLm::InitialParameters(const ModelConfig& m, uint64_t seed) {
 }
 
 std::vector<FlatParam*> MoeLm::groups() {
-  std::vector<FlatParam*> g = {dense_.get()};
-  for (auto& e : experts_) g.push_back(e.get());
+  std::vector<FlatParam*> g;
+  for (auto& u : units_) g.push_back(u.get());
   return g;
 }
 
@@ -211,40 +379,27 @@ absl::Status MoeLm::SetFullParameters(const NamedParams& params) {
 }
 
 absl::Status MoeLm::Unshard() {
-  for (FlatParam* g : groups()) GRADSUM_RETURN_IF_ERROR(g->StartUnshard());
-  compute_f32_.clear();
-  for (FlatParam* g : groups()) {
-    if (g->unshard_in_flight()) GRADSUM_RETURN_IF_ERROR(g->WaitUnshard());
-    if (options_.compute_dtype != DType::kBF16) continue;
-    // bf16 parameters (halved all-gather traffic); the CPU kernels read them widened
-    // to fp32, which is exact.
-    std::vector<float>& f32 = compute_f32_[g];
-    f32.resize(g->numel());
-    for (int i = 0; i < g->num_params(); ++i) {
-      GRADSUM_ASSIGN_OR_RETURN(TensorView view, g->param(i));
-      const BF16* src = view.data<BF16>();
-      const FlatParamEntry& e = g->entries()[i];
-      for (int64_t k = 0; k < e.numel; ++k) f32[e.offset + k] = src[k].ToFloat();
-    }
-  }
+  // Units are gathered by the schedule as the stages need them; the master's changes
+  // already dropped every stale compute buffer (FlatParam::MasterUpdated).
   return absl::OkStatus();
 }
 
-const float* MoeLm::Param(FlatParam* g, int index) {
+const float* MoeLm::Param(ParamRef ref) {
+  FlatParam* g = units_[ref.unit].get();
   if (options_.compute_dtype == DType::kBF16) {
-    return compute_f32_.at(g).data() + g->entries()[index].offset;
+    return (*widened_)[ref.unit].data() + g->entries()[ref.index].offset;
   }
-  return g->param(index)->data<float>();
+  return g->param(ref.index)->data<float>();
 }
 
-absl::StatusOr<float*> MoeLm::Grad(FlatParam* g, int index) {
-  GRADSUM_ASSIGN_OR_RETURN(TensorView view, g->grad(index));
+absl::StatusOr<float*> MoeLm::Grad(ParamRef ref) {
+  GRADSUM_ASSIGN_OR_RETURN(TensorView view, units_[ref.unit]->grad(ref.index));
   return view.data<float>();
 }
 
-absl::Status MoeLm::ReduceGrads(bool last_micro_batch) {
-  for (FlatParam* g : groups()) GRADSUM_RETURN_IF_ERROR(g->ReduceGrad(last_micro_batch));
-  return absl::OkStatus();
+absl::Status MoeLm::FinishGradReduce() {
+  GRADSUM_RETURN_IF_ERROR(CheckStepReducible());
+  return schedule_.FinishStep(*store_);
 }
 
 absl::Status MoeLm::RegisterDisplayTerms(losses::StepDisplay* display) {
@@ -263,12 +418,6 @@ absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
   GRADSUM_RETURN_IF_ERROR(CheckMicroBatchTokens(batch, V));
   GRADSUM_ASSIGN_OR_RETURN(absl::Span<const float> token_weights,
                            MicroBatchTokenWeights(stats, micro_index, T));
-  for (FlatParam* g : groups()) {
-    if (!g->is_unsharded()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("parameter group ", g->name(), " is not unsharded: call Unshard()"));
-    }
-  }
   std::vector<uint8_t> mask(batch.mask.begin(), batch.mask.end());
   std::vector<int64_t> labels(batch.labels.begin(), batch.labels.end());
   const moe::MoeLayerConfig layer_config = LayerConfig(m);
@@ -277,69 +426,84 @@ absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
 
   auto layer_weights = [&](int l) {
     moe::MoeLayerWeights w;
-    w.router = absl::MakeConstSpan(Param(dense_.get(), router_index_[l]), D * E);
-    FlatParam* g = experts_[l].get();
-    w.local_experts.gate = absl::MakeConstSpan(Param(g, 0), expert_block);
-    w.local_experts.up = absl::MakeConstSpan(Param(g, local), expert_block);
-    w.local_experts.down = absl::MakeConstSpan(Param(g, 2 * local), expert_block);
+    w.router = absl::MakeConstSpan(Param(router_[l]), D * E);
+    w.local_experts.gate = absl::MakeConstSpan(Param(gate_ref(l)), expert_block);
+    w.local_experts.up = absl::MakeConstSpan(Param(up_ref(l)), expert_block);
+    w.local_experts.down = absl::MakeConstSpan(Param(down_ref(l)), expert_block);
     return w;
   };
 
-  // ---- Forward. ----
   std::vector<float> h(T * D);
-  EmbeddingForward(absl::MakeConstSpan(Param(dense_.get(), emb_index_), V * D), batch.tokens, D,
-                   absl::MakeSpan(h));
   std::vector<std::vector<float>> h_in(L), a(L), inv_rms(L);
   std::vector<losses::ExpertCountReduction> counts;
   counts.reserve(L);
   std::vector<float> y(T * D);
-  for (int l = 0; l < L; ++l) {
-    h_in[l] = h;
-    a[l].resize(T * D);
-    inv_rms[l].resize(T);
-    RmsNormForward(h, absl::MakeConstSpan(Param(dense_.get(), norm_index_[l]), D), T, D,
-                   absl::MakeSpan(a[l]), absl::MakeSpan(inv_rms[l]));
-    GRADSUM_RETURN_IF_ERROR(moe::MoeLayerForward(*comm_.ep_group, layer_config, layer_weights(l),
-                                                 a[l], mask, absl::MakeSpan(y), &layer_state_[l]));
-    // c[l, m, :] of §5 travels while the next layers compute.
-    GRADSUM_ASSIGN_OR_RETURN(losses::ExpertCountReduction c,
-                             losses::ExpertCountReduction::Start(
-                                 *comm_.world, layer_state_[l].route.local_expert_counts, K));
-    counts.push_back(std::move(c));
-    for (int64_t i = 0; i < T * D; ++i) h[i] += y[i];
-  }
-  std::vector<float> f(T * D), inv_rms_final(T), grad_f(T * D);
-  const float* final_norm = Param(dense_.get(), final_norm_index_);
-  RmsNormForward(h, absl::MakeConstSpan(final_norm, D), T, D, absl::MakeSpan(f),
-                 absl::MakeSpan(inv_rms_final));
-
-  // ---- Loss head: fused LM-head matmul + CE forward and backward (§3). ----
-  GRADSUM_ASSIGN_OR_RETURN(TensorView f_view, TensorView::Create(f.data(), DType::kF32, {T, D}));
-  GRADSUM_ASSIGN_OR_RETURN(
-      TensorView head_view,
-      TensorView::Create(const_cast<float*>(Param(dense_.get(), out_index_)), DType::kF32, {D, V}));
-  GRADSUM_ASSIGN_OR_RETURN(TensorView grad_f_view,
-                           TensorView::Create(grad_f.data(), DType::kF32, {T, D}));
-  GRADSUM_ASSIGN_OR_RETURN(float* grad_out, Grad(dense_.get(), out_index_));
-  GRADSUM_ASSIGN_OR_RETURN(TensorView grad_head_view,
-                           TensorView::Create(grad_out, DType::kF32, {D, V}));
-  losses::LinearCrossEntropyOptions ce_options;
-  ce_options.num_threads = options_.num_threads;
-  GRADSUM_ASSIGN_OR_RETURN(
-      losses::LinearCrossEntropyResult ce,
-      losses::LinearCrossEntropyForwardBackward(f_view, head_view, labels, token_weights,
-                                                stats.global_ce_weight_sum, grad_f_view,
-                                                grad_head_view, ce_options));
-
-  // ---- Backward. ----
   std::vector<float> dh(T * D, 0.0f);
-  GRADSUM_ASSIGN_OR_RETURN(float* grad_final_norm, Grad(dense_.get(), final_norm_index_));
-  RmsNormBackward(h, absl::MakeConstSpan(final_norm, D), inv_rms_final, grad_f, T, D,
-                  absl::MakeSpan(dh), absl::MakeSpan(grad_final_norm, D));
-  MicroBatchLosses result;
-  result.ce = ce.ce.local_loss;
   std::vector<float> du(T * E), da(T * D);
-  for (int l = L - 1; l >= 0; --l) {
+  MicroBatchLosses result;
+
+  // Stage 0: embedding; 1 + l: layer l; L + 1: the head (forward and backward).
+  auto forward = [&](int stage) -> absl::Status {
+    if (stage == 0) {
+      EmbeddingForward(absl::MakeConstSpan(Param(emb_), V * D), batch.tokens, D,
+                       absl::MakeSpan(h));
+      return absl::OkStatus();
+    }
+    if (stage <= L) {
+      const int l = stage - 1;
+      h_in[l] = h;
+      a[l].resize(T * D);
+      inv_rms[l].resize(T);
+      RmsNormForward(h, absl::MakeConstSpan(Param(norm_[l]), D), T, D, absl::MakeSpan(a[l]),
+                     absl::MakeSpan(inv_rms[l]));
+      GRADSUM_RETURN_IF_ERROR(moe::MoeLayerForward(*comm_.ep_group, layer_config,
+                                                   layer_weights(l), a[l], mask,
+                                                   absl::MakeSpan(y), &layer_state_[l]));
+      // c[l, m, :] of §5 travels while the next layers compute.
+      GRADSUM_ASSIGN_OR_RETURN(losses::ExpertCountReduction c,
+                               losses::ExpertCountReduction::Start(
+                                   *comm_.world, layer_state_[l].route.local_expert_counts, K));
+      counts.push_back(std::move(c));
+      for (int64_t i = 0; i < T * D; ++i) h[i] += y[i];
+      return absl::OkStatus();
+    }
+    // The head: final norm, fused LM-head matmul + CE forward and backward (§3), and the
+    // final norm's backward.
+    std::vector<float> f(T * D), inv_rms_final(T), grad_f(T * D);
+    const float* final_norm = Param(final_norm_);
+    RmsNormForward(h, absl::MakeConstSpan(final_norm, D), T, D, absl::MakeSpan(f),
+                   absl::MakeSpan(inv_rms_final));
+    GRADSUM_ASSIGN_OR_RETURN(TensorView f_view,
+                             TensorView::Create(f.data(), DType::kF32, {T, D}));
+    GRADSUM_ASSIGN_OR_RETURN(
+        TensorView head_view,
+        TensorView::Create(const_cast<float*>(Param(out_)), DType::kF32, {D, V}));
+    GRADSUM_ASSIGN_OR_RETURN(TensorView grad_f_view,
+                             TensorView::Create(grad_f.data(), DType::kF32, {T, D}));
+    GRADSUM_ASSIGN_OR_RETURN(float* grad_out, Grad(out_));
+    GRADSUM_ASSIGN_OR_RETURN(TensorView grad_head_view,
+                             TensorView::Create(grad_out, DType::kF32, {D, V}));
+    losses::LinearCrossEntropyOptions ce_options;
+    ce_options.num_threads = options_.num_threads;
+    GRADSUM_ASSIGN_OR_RETURN(
+        losses::LinearCrossEntropyResult ce,
+        losses::LinearCrossEntropyForwardBackward(f_view, head_view, labels, token_weights,
+                                                  stats.global_ce_weight_sum, grad_f_view,
+                                                  grad_head_view, ce_options));
+    GRADSUM_ASSIGN_OR_RETURN(float* grad_final_norm, Grad(final_norm_));
+    RmsNormBackward(h, absl::MakeConstSpan(final_norm, D), inv_rms_final, grad_f, T, D,
+                    absl::MakeSpan(dh), absl::MakeSpan(grad_final_norm, D));
+    result.ce = ce.ce.local_loss;
+    return absl::OkStatus();
+  };
+
+  auto backward = [&](int stage) -> absl::Status {
+    if (stage == 0) {
+      GRADSUM_ASSIGN_OR_RETURN(float* grad_emb, Grad(emb_));
+      EmbeddingBackward(batch.tokens, dh, D, absl::MakeSpan(grad_emb, V * D));
+      return absl::OkStatus();
+    }
+    const int l = stage - 1;
     moe::RouterOutput& route = layer_state_[l].route;
     std::fill(du.begin(), du.end(), 0.0f);
     GRADSUM_ASSIGN_OR_RETURN(TensorView u,
@@ -359,11 +523,10 @@ absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
       GRADSUM_RETURN_IF_ERROR(display->AddGlobalExpertCounts(l, global_counts));
 
     std::fill(da.begin(), da.end(), 0.0f);
-    FlatParam* g = experts_[l].get();
-    GRADSUM_ASSIGN_OR_RETURN(float* grad_router, Grad(dense_.get(), router_index_[l]));
-    GRADSUM_ASSIGN_OR_RETURN(float* grad_gate, Grad(g, 0));
-    GRADSUM_ASSIGN_OR_RETURN(float* grad_up, Grad(g, local));
-    GRADSUM_ASSIGN_OR_RETURN(float* grad_down, Grad(g, 2 * local));
+    GRADSUM_ASSIGN_OR_RETURN(float* grad_router, Grad(router_[l]));
+    GRADSUM_ASSIGN_OR_RETURN(float* grad_gate, Grad(gate_ref(l)));
+    GRADSUM_ASSIGN_OR_RETURN(float* grad_up, Grad(up_ref(l)));
+    GRADSUM_ASSIGN_OR_RETURN(float* grad_down, Grad(down_ref(l)));
     moe::MoeLayerGrads grads;
     grads.router = absl::MakeSpan(grad_router, D * E);
     grads.local_experts.gate = absl::MakeSpan(grad_gate, expert_block);
@@ -375,13 +538,14 @@ absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
     GRADSUM_RETURN_IF_ERROR(moe::MoeLayerBackward(*comm_.ep_group, layer_config, layer_weights(l),
                                                   a[l], layer_state_[l], dh, loss_grads,
                                                   absl::MakeSpan(da), grads));
-    GRADSUM_ASSIGN_OR_RETURN(float* grad_norm, Grad(dense_.get(), norm_index_[l]));
-    RmsNormBackward(h_in[l], absl::MakeConstSpan(Param(dense_.get(), norm_index_[l]), D),
-                    inv_rms[l], da, T, D, absl::MakeSpan(dh), absl::MakeSpan(grad_norm, D));
-  }
-  GRADSUM_ASSIGN_OR_RETURN(float* grad_emb, Grad(dense_.get(), emb_index_));
-  EmbeddingBackward(batch.tokens, dh, D, absl::MakeSpan(grad_emb, V * D));
+    GRADSUM_ASSIGN_OR_RETURN(float* grad_norm, Grad(norm_[l]));
+    RmsNormBackward(h_in[l], absl::MakeConstSpan(Param(norm_[l]), D), inv_rms[l], da, T, D,
+                    absl::MakeSpan(dh), absl::MakeSpan(grad_norm, D));
+    return absl::OkStatus();
+  };
 
+  GRADSUM_RETURN_IF_ERROR(schedule_.RunMicroBatch(
+      *store_, {forward, backward}, micro_index == stats.num_micro_batches - 1));
   if (display != nullptr) {
     GRADSUM_RETURN_IF_ERROR(display->AddBackwardTerm("ce", result.ce));
     GRADSUM_RETURN_IF_ERROR(display->AddBackwardTerm("z", result.z));
@@ -401,7 +565,8 @@ absl::StatusOr<NamedParams> MoeLm::GatherFull(bool grads) {
   std::vector<float> all(total, 0.0f);
   const int world_rank = comm_.world->rank();
   const int P = comm_.ep_group->size();
-  for (FlatParam* g : groups()) {
+  for (size_t u = 0; u < units_.size(); ++u) {
+    FlatParam* g = units_[u].get();
     absl::Span<const float> owned = grads ? g->owned_grad() : g->owned_master();
     std::vector<float> send(g->shard_numel(), 0.0f);
     std::copy(owned.begin(), owned.end(), send.begin());
@@ -410,7 +575,7 @@ absl::StatusOr<NamedParams> MoeLm::GatherFull(bool grads) {
         g->group()->AllGather(send.data(), full.data(), g->shard_numel(), DType::kF32));
     // One writer per parameter: world rank 0 for dense values, the f == 0 rank of each EP
     // slot for its experts. Everyone else adds zeros, so the SUM below is exact.
-    const bool writer = g == dense_.get() ? world_rank == 0 : world_rank < P;
+    const bool writer = expert_unit_[u] ? world_rank < P : world_rank == 0;
     if (!writer) continue;
     for (const FlatParamEntry& e : g->entries()) {
       std::copy(full.begin() + e.offset, full.begin() + e.offset + e.numel,

@@ -7,23 +7,30 @@
 // sharding/ (flat parameter groups with sharded or replicated SUM reduction). The
 // embedding and RMSNorm are train/layers.h.
 //
-// Parameters live in FlatParam groups:
-//   "dense"                  over the world: emb, layers.{l}.norm, layers.{l}.router,
-//                            final_norm, out (every rank holds them, §7)
-//   "layers.{l}.experts.ep{p}" over this rank's EDP group: the E/P experts of EP slot p,
-//                            stacked as all wg, then all wu, then all wd (moe/experts.h)
-// Each micro-batch's forward + backward ADDS the local gradient of the rank's local loss
-// components (§3-5) into the groups' gradient buffers; the caller reduces them (ReduceGrad)
-// and steps the optimizer (see train/trainer.h).
+// Parameters live in FlatParam units (docs/CHECKPOINTS.md has the layout), in forward
+// order, with layers_per_unit = k (the wrap policy; 1 by default):
+//   "emb"                               over the world: emb
+//   "layers.{l}" ("layers.{a}-{b}")     over the world: the norm and router of layer l
+//                                       (of layers a..b when k > 1)
+//   "layers.{l}.experts.ep{p}"          over this rank's EDP group: the E/P experts of EP
+//                                       slot p (of every layer of the unit), stacked per
+//                                       layer as all wg, then all wu, then all wd
+//   "head"                              over the world: final_norm, out
+// Each micro-batch's forward + backward runs through the shared UnitSchedule
+// (train/unit_schedule.h): units are gathered one stage ahead, freed after forward
+// (sharded mode), re-gathered one stage ahead in backward, and each unit's SUM reduction
+// is issued as soon as backward has completed its gradient (sharded: a reduce-scatter
+// into the fp32 sharded accumulator; replicated: GradBucketer buckets, last micro-batch).
+// FinishGradReduce() waits for them before the optimizer (see train/trainer.h).
 //
 //   GRADSUM_ASSIGN_OR_RETURN(auto model, MoeLm::Create(options, mesh));
 //   GRADSUM_RETURN_IF_ERROR(model->SetFullParameters(MoeLm::InitialParameters(config, seed)));
 //   GRADSUM_RETURN_IF_ERROR(model->Unshard());
 //   for (int m = 0; m < G; ++m) {
-//     GRADSUM_ASSIGN_OR_RETURN(MicroBatchLosses l, model->ForwardBackward(batch[m], stats, m,
-//     &display)); for (FlatParam* g : model->groups()) GRADSUM_RETURN_IF_ERROR(g->ReduceGrad(m == G
-//     - 1));
+//     GRADSUM_ASSIGN_OR_RETURN(MicroBatchLosses l,
+//                              model->ForwardBackward(batch[m], stats, m, &display));
 //   }
+//   GRADSUM_RETURN_IF_ERROR(model->FinishGradReduce());   // master_grad() complete
 //
 // Thread safety: one MoeLm per rank, used by that rank's thread.
 
@@ -44,6 +51,7 @@
 #include "sharding/flat_param.h"
 #include "train/config.pb.h"
 #include "train/data.h"
+#include "train/unit_schedule.h"
 
 namespace gradsum::train {
 
@@ -75,6 +83,15 @@ struct MoeLmOptions {
   double alpha_b = 0.001;            // §5
   double alpha_z = 0.001;            // §4
   int num_threads = 1;               // threads for the loss kernels
+  // The unit schedule (train/unit_schedule.h, docs/CHECKPOINTS.md):
+  int layers_per_unit = 1;            // wrap policy: layers per FlatParam unit
+  bool reshard_after_forward = true;  // sharded mode: free units after their forward
+  // Sharded mode: reduce-scatter every micro-batch (true) or only the last one's
+  // accumulated full gradient (false).
+  bool reduce_every_micro_batch = true;
+  // Replicated mode: GradBucketer caps (collectives/bucketer.h).
+  size_t bucket_cap_bytes = size_t{25} << 20;
+  size_t first_bucket_cap_bytes = size_t{1} << 20;
 };
 
 // The rank's communicators (not owned; they must outlive the model). ep_group: the P
@@ -107,16 +124,19 @@ class MoeLm {
   // InvalidArgument naming a missing or mis-sized parameter.
   absl::Status SetFullParameters(const NamedParams& params);
 
-  // All-gathers (sharded) or copies (replicated) the compute parameters; call before the
-  // step's first forward and again after each optimizer step.
-  // Virtual: train/cuda's MoeLmCuda also uploads them to its GPU.
+  // Prepares the next step after the master parameters changed (creation, optimizer step,
+  // checkpoint load); call before the step's first forward. The parameters themselves
+  // are gathered unit by unit during forward and backward (replicated mode: copied once
+  // and kept). Virtual: train/cuda's MoeLmCuda also resets its failed-step state.
   virtual absl::Status Unshard();
 
   // Forward and backward of one micro-batch of this rank. `stats` are the step's global
   // statistics (D, N, and in sample / square mode the CE weights w_t of every micro-batch,
-  // §3); `micro_index` in [0, G) picks this micro-batch's weights. InvalidArgument for a
-  // micro_index outside the statistics or weights of the wrong length. Adds the local gradients into the groups'
-  // gradient buffers and the loss components into `display` (terms "ce", "z", "bal").
+  // §3); `micro_index` in [0, G) picks this micro-batch's weights (and micro_index ==
+  // G - 1 marks the last micro-batch). InvalidArgument for a micro_index outside the
+  // statistics or weights of the wrong length. Adds the local gradients into the units'
+  // gradient buffers, issues their SUM reductions as they complete (see above), and adds
+  // the loss components into `display` (terms "ce", "z", "bal").
   // Collective over the EP group (dispatch) and the world (expert-count all-reduce).
   // Errors: bad batch (labels or tokens outside [0, V)) as InvalidArgument; the
   // components' errors as they are.
@@ -126,13 +146,17 @@ class MoeLm {
                                                            int micro_index,
                                                            losses::StepDisplay* display);
 
-  // After micro-batch ForwardBackward: SUM-reduces this micro-batch's gradients into the
-  // groups' master_grad() (FlatParam::ReduceGrad on every group, §7). MoeLmCuda reduces
-  // its device gradients with NCCL and folds them in (FlatParam::FoldReducedGrad).
-  // Collective over the world.
-  virtual absl::Status ReduceGrads(bool last_micro_batch);
+  // After the step's last ForwardBackward: waits for every unit's reduction, so that
+  // master_grad() holds the SUM-reduced gradient (§7). Collective (the waits).
+  absl::Status FinishGradReduce();
 
-  // The parameter groups this rank holds (dense first).
+  // The step's unit traffic so far, and reset: the most parameter bytes held unsharded at
+  // once (compute dtype), and what the rank would hold with every unit unsharded.
+  int64_t TakePeakUnshardedBytes() { return schedule_.TakePeakUnshardedBytes(); }
+  int64_t FullParamBytes() const { return store_->FullBytes(); }
+
+  // The parameter units this rank holds, in forward order (the optimizer's and the
+  // checkpoint's groups).
   std::vector<FlatParam*> groups();
 
   // Full values of every parameter of the model, on every rank: each group's owned
@@ -151,30 +175,52 @@ class MoeLm {
   // Validates options and groups and builds `model`'s parameter groups (Create's work,
   // shared with subclasses).
   static absl::Status Init(const MoeLmOptions& options, const MoeLmGroups& groups, MoeLm* model);
-  FlatParam* dense() const { return dense_.get(); }
-  FlatParam* experts(int layer) const { return experts_[layer].get(); }
-  int emb_index() const { return emb_index_; }
-  int final_norm_index() const { return final_norm_index_; }
-  int out_index() const { return out_index_; }
-  int norm_index(int layer) const { return norm_index_[layer]; }
-  int router_index(int layer) const { return router_index_[layer]; }
+  // FinishGradReduce's precondition beyond the store's (MoeLmCuda: no failed micro-batch).
+  virtual absl::Status CheckStepReducible() { return absl::OkStatus(); }
+  // Where a parameter lives: unit and index in it.
+  struct ParamRef {
+    int unit = 0;
+    int index = 0;
+  };
+  ParamRef emb_ref() const { return emb_; }
+  ParamRef norm_ref(int layer) const { return norm_[layer]; }
+  ParamRef router_ref(int layer) const { return router_[layer]; }
+  // The first wg / wu / wd of this EP slot's experts of `layer` (E/P stacked entries).
+  ParamRef gate_ref(int layer) const { return gate_[layer]; }
+  ParamRef up_ref(int layer) const;
+  ParamRef down_ref(int layer) const;
+  ParamRef final_norm_ref() const { return final_norm_; }
+  ParamRef out_ref() const { return out_; }
+  FlatParam* unit(int u) const { return units_[u].get(); }
+  int num_units() const { return static_cast<int>(units_.size()); }
+  // Whether unit u holds experts (sharded over the EDP group) rather than world parameters.
+  bool expert_unit(int u) const { return expert_unit_[u]; }
+  // The schedule (stages: 0 embedding, 1 + l layer l, L + 1 the head) and the store it
+  // moves units with; MoeLmCuda installs its device store.
+  UnitSchedule& schedule() { return schedule_; }
+  void set_store(std::unique_ptr<UnitStore> store) {
+    store_ = std::move(store);
+    widened_ = nullptr;
+  }
+  UnitStore& store() { return *store_; }
   const MoeLmGroups& comm() const { return comm_; }
 
  private:
-  // Float view of parameter `index` of group `g` (converted once per Unshard if bf16).
-  const float* Param(FlatParam* g, int index);
-  absl::StatusOr<float*> Grad(FlatParam* g, int index);
+  // Float view of a parameter (widened once per gather if bf16) and of its gradient.
+  const float* Param(ParamRef ref);
+  absl::StatusOr<float*> Grad(ParamRef ref);
 
   MoeLmOptions options_;
   MoeLmGroups comm_;
   int ep_rank_ = 0;
-  std::unique_ptr<FlatParam> dense_;
-  std::vector<std::unique_ptr<FlatParam>> experts_;  // one per layer
-  // Indices in dense_: emb, per layer norm and router, final_norm, out.
-  int emb_index_ = 0, final_norm_index_ = 0, out_index_ = 0;
-  std::vector<int> norm_index_, router_index_;
-  // fp32 copies of the compute parameters when compute_dtype is bf16 (group -> values).
-  std::map<FlatParam*, std::vector<float>> compute_f32_;
+  std::vector<std::unique_ptr<FlatParam>> units_;
+  std::vector<bool> expert_unit_;
+  ParamRef emb_, final_norm_, out_;
+  std::vector<ParamRef> norm_, router_, gate_;
+  UnitSchedule schedule_;
+  std::unique_ptr<UnitStore> store_;
+  // fp32 copies of bf16 compute parameters, per unit, kept by the host store.
+  std::vector<std::vector<float>>* widened_ = nullptr;
   std::vector<moe::MoeLayerState> layer_state_;
 };
 

@@ -36,7 +36,8 @@ grep -q "entropy floor: " "$tmp/run.txt" || fail "no entropy floor line"
 grep -q "parity PASSED" "$tmp/run.txt" || fail "parity did not pass"
 grep -q "^summary: " "$tmp/run.txt" || fail "no summary"
 [ "$(wc -l < "$tmp/m.jsonl")" -eq 3 ] || fail "expected 3 JSONL records"
-for key in '"step":3' '"ce":' '"z":' '"bal":' '"valid_tokens":' '"grad_norm":' '"comm_s":'; do
+for key in '"step":3' '"ce":' '"z":' '"bal":' '"valid_tokens":' '"grad_norm":' '"comm_s":' '"comm_exposed_s":' \
+    '"peak_unsharded_param_bytes":' '"full_param_bytes":'; do
   tail -1 "$tmp/m.jsonl" | grep -qF "$key" || fail "no $key in the metrics"
 done
 

@@ -35,16 +35,26 @@ std::string HumanRate(double per_second) {
   return absl::StrFormat("%.0f", per_second);
 }
 
+// The median of `v` (the mean of the middle two for an even count); -1 when empty.
+double Median(std::vector<double> v) {
+  if (v.empty()) return -1;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
 }  // namespace
 
 std::string StepRecord::ToLogLine(int64_t total_steps) const {
-  const double comm_pct = step_seconds > 0 ? 100.0 * comm_seconds / step_seconds : 0.0;
+  const double exposed_pct =
+      step_seconds > 0 ? 100.0 * comm_exposed_seconds / step_seconds : 0.0;
   return absl::StrFormat(
       "step %*d/%d | ce %.4f | bal %.6f | z %.6f | valid %d | gnorm %.4f | lr %.2e | "
-      "%s tok/s | comm %.1f ms (%.0f%%) | wait %.1f ms",
+      "%s tok/s | comm %.1f ms, exposed %.1f ms (%.0f%%) | wait %.1f ms | params %.0f%%",
       static_cast<int>(absl::StrCat(total_steps).size()), step, total_steps, ce, bal, z,
-      valid_tokens, grad_norm, lr, HumanRate(tokens_per_second), comm_seconds * 1e3, comm_pct,
-      wait_seconds * 1e3);
+      valid_tokens, grad_norm, lr, HumanRate(tokens_per_second), comm_seconds * 1e3,
+      comm_exposed_seconds * 1e3, exposed_pct, wait_seconds * 1e3,
+      full_param_bytes > 0 ? 100.0 * peak_unsharded_param_bytes / full_param_bytes : 0.0);
 }
 
 std::string StepRecord::ToJson() const {
@@ -63,6 +73,9 @@ std::string StepRecord::ToJson() const {
   j.Set("maxvio", std::move(mv));
   j.Set("step_s", JsonValue::Double(step_seconds));
   j.Set("comm_s", JsonValue::Double(comm_seconds));
+  j.Set("comm_exposed_s", JsonValue::Double(comm_exposed_seconds));
+  j.Set("peak_unsharded_param_bytes", JsonValue::Int(peak_unsharded_param_bytes));
+  j.Set("full_param_bytes", JsonValue::Int(full_param_bytes));
   j.Set("wait_s", JsonValue::Double(wait_seconds));
   j.Set("model_s", JsonValue::Double(model_seconds));
   j.Set("update_s", JsonValue::Double(update_seconds));
@@ -73,10 +86,16 @@ std::string StepRecord::ToJson() const {
 std::string TrainSummary::ToString() const {
   if (first_step > last_step) return "summary: no steps run\n";
   std::string out = absl::StrFormat(
-      "summary: steps %d-%d in %.1f s, %s tok/s, comm %.0f%%, wait %.0f%% of step time\n",
+      "summary: steps %d-%d in %.1f s, %s tok/s, comm %.0f%% (exposed %.0f%%), wait %.0f%% of "
+      "step time\n",
       first_step, last_step, seconds, HumanRate(tokens_per_second),
       seconds > 0 ? 100 * comm_seconds / seconds : 0.0,
+      seconds > 0 ? 100 * comm_exposed_seconds / seconds : 0.0,
       seconds > 0 ? 100 * wait_seconds / seconds : 0.0);
+  absl::StrAppendFormat(&out,
+                        "summary: median exposed / comm %.3f; median peak unsharded / full "
+                        "parameter bytes %.3f\n",
+                        median_exposed_fraction, median_peak_param_fraction);
   absl::StrAppendFormat(&out, "summary: ce %.4f -> %.4f (mean of the last steps %.4f)\n", first_ce,
                         last_ce, tail_mean_ce);
   if (entropy_floor > 0) {
@@ -137,6 +156,11 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   GRADSUM_ASSIGN_OR_RETURN(options.reduce_dtype, ParseFloatDType(config.reduce_dtype()));
   options.alpha_b = config.alpha_b();
   options.alpha_z = config.alpha_z();
+  options.layers_per_unit = config.layers_per_unit();
+  options.reshard_after_forward = config.reshard_after_forward();
+  options.reduce_every_micro_batch = config.reduce_every_micro_batch();
+  options.bucket_cap_bytes = static_cast<size_t>(config.bucket_cap_mb() * (1 << 20));
+  options.first_bucket_cap_bytes = static_cast<size_t>(config.first_bucket_mb() * (1 << 20));
   // The ranks of a thread run share the cores; the kernels use what is left per rank.
   const int cores = std::max(1u, std::thread::hardware_concurrency());
   options.num_threads = config.backend() == "thread" ? std::max(1, cores / config.world()) : 1;
@@ -186,6 +210,8 @@ absl::Status Trainer::CheckResumeCompatible(const CheckpointInfo& info, int64_t 
       {"ep", {absl::StrCat(saved.ep()), absl::StrCat(config_.ep())}},
       {"grad_acc", {absl::StrCat(saved.grad_acc()), absl::StrCat(config_.grad_acc())}},
       {"sharding", {saved.sharding(), config_.sharding()}},
+      {"layers_per_unit",
+       {absl::StrCat(saved.layers_per_unit()), absl::StrCat(config_.layers_per_unit())}},
       {"data.path", {a.path(), b.path()}},
       {"data.seq_len", {absl::StrCat(a.seq_len()), absl::StrCat(b.seq_len())}},
       {"data.micro_batch", {absl::StrCat(a.micro_batch()), absl::StrCat(b.micro_batch())}},
@@ -255,6 +281,8 @@ absl::Status Trainer::SaveCheckpointNow() {
 absl::StatusOr<StepRecord> Trainer::Step() {
   const absl::Time start = absl::Now();
   comms_.timer->Take();
+  comms_.timer->TakeBusy();
+  model_->TakePeakUnshardedBytes();
   const int G = config_.grad_acc();
   const bool first = fresh_start_ && step_ == 0;
   const bool need_full = first && (config_.parity_check() || !config_.dump_dir().empty());
@@ -285,8 +313,8 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   const absl::Time model_start = absl::Now();
   for (int m = 0; m < G; ++m) {
     GRADSUM_RETURN_IF_ERROR(model_->ForwardBackward(batches[m], stats, m, &display_).status());
-    GRADSUM_RETURN_IF_ERROR(model_->ReduceGrads(m == G - 1));
   }
+  GRADSUM_RETURN_IF_ERROR(model_->FinishGradReduce());
   const absl::Duration model_time = absl::Now() - model_start;
   if (need_full) {
     GRADSUM_ASSIGN_OR_RETURN(NamedParams grads, model_->GatherFull(/*grads=*/true));
@@ -316,11 +344,13 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   GRADSUM_ASSIGN_OR_RETURN(losses::StepDisplayValues values, display_.Reduce(*comms_.world));
 
   // Waiting: how long this rank idles at the step's end for the slowest rank.
-  const absl::Duration comm = comms_.timer->Take();
+  const absl::Duration exposed = comms_.timer->Take();
+  const absl::Duration comm = comms_.timer->TakeBusy();
   const absl::Time wait_start = absl::Now();
   GRADSUM_RETURN_IF_ERROR(comms_.world->Barrier());
   const absl::Duration wait = absl::Now() - wait_start;
   comms_.timer->Take();  // the barrier is not communication of the step
+  comms_.timer->TakeBusy();
 
   ++step_;
   StepRecord r;
@@ -335,6 +365,9 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   r.lr = lr;
   r.step_seconds = absl::ToDoubleSeconds(absl::Now() - start);
   r.comm_seconds = absl::ToDoubleSeconds(comm);
+  r.comm_exposed_seconds = absl::ToDoubleSeconds(exposed);
+  r.peak_unsharded_param_bytes = model_->TakePeakUnshardedBytes();
+  r.full_param_bytes = model_->FullParamBytes();
   r.wait_seconds = absl::ToDoubleSeconds(wait);
   r.model_seconds = absl::ToDoubleSeconds(model_time);
   r.update_seconds = absl::ToDoubleSeconds(update_time);
@@ -452,6 +485,7 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
     summary.last_ce = r.ce;
     summary.seconds += r.step_seconds;  // steps only: no parity, dump or checkpoint time
     summary.comm_seconds += r.comm_seconds;
+    summary.comm_exposed_seconds += r.comm_exposed_seconds;
     summary.wait_seconds += r.wait_seconds;
     ces.push_back(r.ce);
     if (parity_.has_value() && r.step == 1) {
@@ -470,6 +504,16 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
   for (const StepRecord& r : history_) tokens += r.routed_tokens;
   summary.tokens_per_second = summary.seconds > 0 ? tokens / summary.seconds : 0;
   summary.parity = parity_;
+  std::vector<double> exposed, peak;
+  for (const StepRecord& r : history_) {
+    if (r.step < summary.first_step) continue;
+    if (r.comm_seconds > 0) exposed.push_back(r.comm_exposed_seconds / r.comm_seconds);
+    if (r.full_param_bytes > 0) {
+      peak.push_back(static_cast<double>(r.peak_unsharded_param_bytes) / r.full_param_bytes);
+    }
+  }
+  summary.median_exposed_fraction = Median(exposed);
+  summary.median_peak_param_fraction = Median(peak);
   if (log != nullptr) *log << summary.ToString() << std::flush;
   return summary;
 }

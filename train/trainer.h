@@ -11,9 +11,11 @@
 //   GRADSUM_ASSIGN_OR_RETURN(TrainSummary s, trainer->Run(rank == 0 ? &std::cout : nullptr));
 //
 // One step (SEMANTICS.md): NextStep(G) on this rank's data shard; ComputeStepStats (one
-// all-reduce: D, N, §3-4); for each micro-batch MoeLm::ForwardBackward then ReduceGrad
-// (reduce-scatter every micro-batch in fsdp mode, all-reduce after the last one in
-// replicated mode, §7); ClipGradNorm (§7); AdamW; StepDisplay::Reduce (§8).
+// all-reduce: D, N, §3-4); for each micro-batch MoeLm::ForwardBackward, which gathers
+// and frees the parameter units and issues each unit's SUM reduction as its gradient
+// completes (train/unit_schedule.h; reduce-scatter in fsdp mode, bucketed all-reduce on
+// the last micro-batch in replicated mode, §7); MoeLm::FinishGradReduce; ClipGradNorm
+// (§7); AdamW; StepDisplay::Reduce (§8).
 //
 // Step 1 of a fresh run also writes --dump_dir and runs --parity_check (fails the run
 // with FailedPrecondition if the reference disagrees beyond the tolerance).
@@ -61,7 +63,13 @@ struct StepRecord {
   int64_t valid_tokens = 0, routed_tokens = 0;
   double grad_norm = 0;
   double lr = 0;
-  double step_seconds = 0, comm_seconds = 0, wait_seconds = 0;
+  double step_seconds = 0, wait_seconds = 0;
+  // The step's collectives (collectives/timed_communicator.h): their summed durations (comm_s)
+  // and the part the rank's thread spent blocked in them (comm_exposed_s).
+  double comm_seconds = 0, comm_exposed_seconds = 0;
+  // Parameter bytes (compute dtype) held unsharded at once at most during the step, and
+  // with every unit unsharded (train/unit_schedule.h).
+  int64_t peak_unsharded_param_bytes = 0, full_param_bytes = 0;
   // Parts of step_seconds: every micro-batch's forward, backward and gradient reduction
   // (model), and grad norm + clipping + AdamW + Unshard (update). On the nccl backend the
   // model part is the GPU's; the update part runs on the host.
@@ -78,7 +86,10 @@ struct TrainSummary {
   double first_ce = 0, last_ce = 0;
   double tail_mean_ce = 0;    // mean CE of the last min(10, steps) steps
   double entropy_floor = -1;  // nats/token, < 0 when unknown (a --data file)
-  double seconds = 0, comm_seconds = 0, wait_seconds = 0;
+  double seconds = 0, comm_seconds = 0, comm_exposed_seconds = 0, wait_seconds = 0;
+  // Medians over the steps of comm_exposed_s / comm_s and peak_unsharded_param_bytes /
+  // full_param_bytes (-1 when no step ran).
+  double median_exposed_fraction = -1, median_peak_param_fraction = -1;
   double tokens_per_second = 0;
   std::optional<ParityReport> parity;
   std::string ToString() const;

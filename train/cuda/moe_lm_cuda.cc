@@ -46,15 +46,20 @@ absl::Status Fence(cudaStream_t producer, cudaStream_t consumer, cudaEvent_t eve
   return absl::OkStatus();
 }
 
-// One parameter group on the device: compute values and the fp32 gradient, padded_numel()
-// elements each in the host group's flat layout.
+// One parameter unit on the device: its compute values (fp32, padded_numel() elements in
+// the host unit's flat layout; allocated while gathered) and its fp32 gradient (kept).
 struct DeviceGroup {
   FlatParam* host = nullptr;
   NcclCommunicator* comm = nullptr;
-  DeviceBuffer param;    // f32 [padded]
-  DeviceBuffer grad;     // f32 [padded], this micro-batch (fsdp) or the step (replicated)
-  DeviceBuffer staging;  // bf16 [padded] (bf16 gather / bf16 reduction), f32 [shard] recv
-  DeviceBuffer shard;    // reduce-scatter output [shard], reduce dtype
+  DeviceBuffer param;          // f32 [padded] while gathered, else empty
+  DeviceBuffer gather_bf16;    // bf16 [padded] while a bf16 gather is in flight
+  DeviceBuffer grad;           // f32 [padded], this micro-batch (fsdp) or the step
+  DeviceBuffer reduce_bf16;    // bf16 [padded] send buffer of a bf16 reduction
+  DeviceBuffer shard;          // reduce-scatter output [shard], reduce dtype
+  std::unique_ptr<Work> gather_work, reduce_work;
+  bool gathering = false, gathered = false;
+  bool reduce_last = false;    // the reduction in flight is the last micro-batch's
+  uint64_t gathered_version = 0;  // host master_version() of the gathered values
 
   float* param_ptr(int index) const {
     return param.as<float>() + host->entries()[index].offset;
@@ -74,6 +79,201 @@ struct LayerBuffers {
   moe::PermutePlanCudaArgs plan;
 };
 
+// The device model's units for the shared UnitSchedule: gathers upload the host master
+// (this rank's shard in fsdp mode) on the unit's NCCL stream and all-gather it there (bf16
+// when compute_dtype is bf16, widened on the compute stream after the wait); reductions
+// reduce-scatter (fsdp) or all-reduce (replicated, last micro-batch) the device gradient
+// on the NCCL stream after a fence on the compute stream, and their waits fold the result
+// into the host unit (FlatParam::FoldReducedGrad).
+class DeviceUnitStore : public UnitStore {
+ public:
+  DeviceUnitStore(std::vector<DeviceGroup>* groups, cudaStream_t stream, cudaEvent_t fence,
+                  const MoeLmOptions& options)
+      : groups_(groups),
+        stream_(stream),
+        fence_(fence),
+        bf16_compute_(options.compute_dtype == DType::kBF16),
+        bf16_reduce_(options.reduce_dtype == DType::kBF16),
+        every_micro_batch_(options.reduce_every_micro_batch) {}
+
+  absl::Status StartGather(int u) override {
+    DeviceGroup& g = (*groups_)[u];
+    FlatParam* fp = g.host;
+    if (g.gathering) return absl::OkStatus();
+    if (g.gathered && g.gathered_version == fp->master_version()) return absl::OkStatus();
+    const bool sharded = fp->options().mode == ShardingMode::kSharded;
+    const int64_t padded = fp->padded_numel();
+    // The values this rank contributes, padded: its shard (fsdp) or everything (replicated).
+    const int64_t count = sharded ? fp->shard_numel() : padded;
+    const int64_t at = sharded ? fp->shard_offset() : 0;
+    std::vector<float> values(count, 0.0f);
+    absl::Span<const float> master = fp->master();
+    std::copy(master.begin(), master.end(), values.begin());
+    GRADSUM_RETURN_IF_ERROR(Reserve(&g.param, padded * sizeof(float)));
+    cudaStream_t cs = g.comm->stream();
+    absl::StatusOr<std::unique_ptr<Work>> work;
+    if (!bf16_compute_) {
+      // Pageable source: the call returns once `values` is staged.
+      GRADSUM_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(g.param.as<float>() + at, values.data(), count * sizeof(float),
+                          cudaMemcpyHostToDevice, cs),
+          "upload master parameters");
+      if (sharded) {
+        work = g.comm->AllGatherAsync(g.param.as<float>() + at, g.param.get(), count, DType::kF32);
+      }
+    } else {
+      // bf16: round once on the host (as FlatParam does), gather half the bytes.
+      std::vector<BF16> rounded(count);
+      for (int64_t i = 0; i < count; ++i) rounded[i] = BF16::FromFloat(values[i]);
+      GRADSUM_RETURN_IF_ERROR(Reserve(&g.gather_bf16, padded * sizeof(BF16)));
+      BF16* dst = g.gather_bf16.as<BF16>();
+      GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst + at, rounded.data(), count * sizeof(BF16),
+                                                   cudaMemcpyHostToDevice, cs),
+                                   "upload bf16 parameters");
+      if (sharded) work = g.comm->AllGatherAsync(dst + at, dst, count, DType::kBF16);
+    }
+    if (sharded) {
+      if (!work.ok()) return work.status();
+      g.gather_work = std::move(*work);
+    }
+    g.gathering = true;
+    g.gathered = false;
+    g.gathered_version = fp->master_version();
+    return absl::OkStatus();
+  }
+
+  absl::Status WaitGather(int u) override {
+    DeviceGroup& g = (*groups_)[u];
+    if (g.gathered) return absl::OkStatus();
+    if (!g.gathering) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("unit ", g.host->name(), " was not gathered before it was read"));
+    }
+    if (g.gather_work) {
+      absl::Status s = g.gather_work->Wait(g.comm->timeout());
+      g.gather_work.reset();
+      if (!s.ok()) {
+        g.gathering = false;
+        return s;
+      }
+    }
+    // The compute stream reads what the NCCL stream wrote (upload and gather).
+    GRADSUM_RETURN_IF_ERROR(Fence(g.comm->stream(), stream_, fence_));
+    if (bf16_compute_) {
+      GRADSUM_RETURN_IF_ERROR(Bf16ToF32Cuda(g.gather_bf16.as<uint16_t>(), g.param.as<float>(),
+                                            g.host->padded_numel(), stream_));
+    }
+    g.gathering = false;
+    g.gathered = true;
+    return absl::OkStatus();
+  }
+
+  absl::Status Release(int u) override {
+    DeviceGroup& g = (*groups_)[u];
+    if (g.gathering) GRADSUM_RETURN_IF_ERROR(WaitGather(u));
+    // Kernels enqueued on the compute stream may still read the buffers.
+    GRADSUM_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_), "release a unit");
+    g.param = DeviceBuffer();
+    g.gather_bf16 = DeviceBuffer();
+    g.gathered = false;
+    return absl::OkStatus();
+  }
+
+  absl::Status StartReduce(int u, bool last_micro_batch) override {
+    DeviceGroup& g = (*groups_)[u];
+    FlatParam* fp = g.host;
+    const bool sharded = fp->options().mode == ShardingMode::kSharded;
+    if (!last_micro_batch && (!sharded || !every_micro_batch_)) return absl::OkStatus();
+    const int64_t padded = fp->padded_numel();
+    const void* send = g.grad.get();
+    DType dtype = DType::kF32;
+    if (bf16_reduce_) {
+      GRADSUM_RETURN_IF_ERROR(Reserve(&g.reduce_bf16, padded * sizeof(BF16)));
+      GRADSUM_RETURN_IF_ERROR(
+          F32ToBf16Cuda(g.grad.as<float>(), g.reduce_bf16.as<uint16_t>(), padded, stream_));
+      send = g.reduce_bf16.get();
+      dtype = DType::kBF16;
+    }
+    GRADSUM_RETURN_IF_ERROR(Fence(stream_, g.comm->stream(), fence_));
+    absl::StatusOr<std::unique_ptr<Work>> work;
+    if (sharded) {
+      GRADSUM_RETURN_IF_ERROR(Reserve(&g.shard, fp->shard_numel() * DTypeSize(dtype)));
+      work =
+          g.comm->ReduceScatterAsync(send, g.shard.get(), fp->shard_numel(), dtype, ReduceOp::kSum);
+    } else {
+      work = g.comm->AllReduceAsync(send, const_cast<void*>(send), padded, dtype, ReduceOp::kSum);
+    }
+    if (!work.ok()) return work.status();
+    g.reduce_work = std::move(*work);
+    g.reduce_last = last_micro_batch;
+    return absl::OkStatus();
+  }
+
+  absl::Status WaitReduce(int u) override {
+    DeviceGroup& g = (*groups_)[u];
+    if (!g.reduce_work) return absl::OkStatus();
+    absl::Status s = g.reduce_work->Wait(g.comm->timeout());
+    g.reduce_work.reset();
+    GRADSUM_RETURN_IF_ERROR(s);
+    FlatParam* fp = g.host;
+    const bool sharded = fp->options().mode == ShardingMode::kSharded;
+    const int64_t out_count = sharded ? fp->shard_numel() : fp->padded_numel();
+    const void* out = sharded ? g.shard.get() : (bf16_reduce_ ? g.reduce_bf16.get() : g.grad.get());
+    std::vector<float> reduced(out_count);
+    if (bf16_reduce_) {
+      std::vector<BF16> raw(out_count);
+      GRADSUM_CUDA_RETURN_IF_ERROR(
+          cudaMemcpy(raw.data(), out, out_count * sizeof(BF16), cudaMemcpyDeviceToHost),
+          "download reduced gradient");
+      for (int64_t i = 0; i < out_count; ++i) reduced[i] = raw[i].ToFloat();
+    } else {
+      GRADSUM_CUDA_RETURN_IF_ERROR(
+          cudaMemcpy(reduced.data(), out, out_count * sizeof(float), cudaMemcpyDeviceToHost),
+          "download reduced gradient");
+    }
+    GRADSUM_RETURN_IF_ERROR(fp->FoldReducedGrad(reduced, g.reduce_last));
+    GRADSUM_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(g.grad.get(), 0, fp->padded_numel() * sizeof(float), stream_),
+        "zero device gradient");
+    return absl::OkStatus();
+  }
+
+  absl::Status FinishReductions() override {
+    for (size_t u = 0; u < groups_->size(); ++u) {
+      GRADSUM_RETURN_IF_ERROR(WaitReduce(static_cast<int>(u)));
+    }
+    return absl::OkStatus();
+  }
+
+  int64_t UnshardedBytes() const override {
+    int64_t n = 0;
+    for (const DeviceGroup& g : *groups_) n += g.param.size() + g.gather_bf16.size();
+    return n;
+  }
+  int64_t FullBytes() const override {
+    int64_t n = 0;
+    for (const DeviceGroup& g : *groups_) n += g.host->padded_numel() * sizeof(float);
+    return n;
+  }
+
+  // After a failed micro-batch: drop what is in flight without folding it.
+  void Abandon() {
+    for (DeviceGroup& g : *groups_) {
+      if (g.gather_work) g.gather_work->Wait(g.comm->timeout()).IgnoreError();
+      if (g.reduce_work) g.reduce_work->Wait(g.comm->timeout()).IgnoreError();
+      g.gather_work.reset();
+      g.reduce_work.reset();
+      g.gathering = false;
+    }
+  }
+
+ private:
+  std::vector<DeviceGroup>* groups_;
+  cudaStream_t stream_;
+  cudaEvent_t fence_;
+  bool bf16_compute_, bf16_reduce_, every_micro_batch_;
+};
+
 }  // namespace
 
 struct MoeLmCuda::Impl {
@@ -82,7 +282,8 @@ struct MoeLmCuda::Impl {
   cuda::CudaStream stream;
   CublasHandle blas;
   cudaEvent_t fence = nullptr;
-  std::vector<DeviceGroup> groups;  // dense first, then experts per layer
+  std::vector<DeviceGroup> groups;  // one per host unit, same order
+  DeviceUnitStore* store = nullptr;  // owned by the base MoeLm
   // Micro-batch inputs and shared scratch, sized for `rows` tokens.
   int64_t rows = -1;
   // The host groups' master_version() at the last Unshard(): forward refuses to read device
@@ -145,21 +346,21 @@ absl::StatusOr<std::unique_ptr<MoeLm>> MoeLmCuda::Create(const MoeLmOptions& opt
   GRADSUM_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&im.fence, cudaEventDisableTiming),
                                "create fence event");
   const int L = options.model.layers();
-  for (int g = 0; g <= L; ++g) {
+  for (int u = 0; u < model->num_units(); ++u) {
     DeviceGroup dg;
-    dg.host = g == 0 ? model->dense() : model->experts(g - 1);
-    dg.comm = g == 0 ? device.world : device.edp_group;
+    dg.host = model->unit(u);
+    dg.comm = model->expert_unit(u) ? device.edp_group : device.world;
     const size_t padded = dg.host->padded_numel();
-    GRADSUM_ASSIGN_OR_RETURN(dg.param, DeviceBuffer::Create(padded * sizeof(float)));
     GRADSUM_ASSIGN_OR_RETURN(dg.grad, DeviceBuffer::Create(padded * sizeof(float)));
     // On the compute stream (the legacy default stream does not order the non-blocking
     // streams that later read these buffers).
-    GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dg.param.get(), 0, dg.param.size(), im.stream.get()),
-                                 "zero device parameters");
     GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dg.grad.get(), 0, dg.grad.size(), im.stream.get()),
                                  "zero device gradients");
     im.groups.push_back(std::move(dg));
   }
+  auto store = std::make_unique<DeviceUnitStore>(&im.groups, im.stream.get(), im.fence, options);
+  im.store = store.get();
+  model->set_store(std::move(store));
   im.layers.resize(L);
   GRADSUM_RETURN_IF_ERROR(im.stream.Synchronize());
   return std::unique_ptr<MoeLm>(std::move(model));
@@ -168,49 +369,11 @@ absl::StatusOr<std::unique_ptr<MoeLm>> MoeLmCuda::Create(const MoeLmOptions& opt
 absl::Status MoeLmCuda::Unshard() {
   Impl& im = *impl_;
   GRADSUM_CUDA_RETURN_IF_ERROR(cudaSetDevice(im.device), "cudaSetDevice");
-  const bool bf16 = options().compute_dtype == DType::kBF16;
-  cudaStream_t s = im.stream.get();
-  im.uploaded_version.clear();
-  for (DeviceGroup& g : im.groups) {
-    FlatParam* fp = g.host;
-    const bool sharded = fp->options().mode == ShardingMode::kSharded;
-    // The values this rank contributes, padded: its shard (fsdp) or everything (replicated).
-    const int64_t count = sharded ? fp->shard_numel() : fp->padded_numel();
-    const int64_t at = sharded ? fp->shard_offset() : 0;
-    std::vector<float> values(count, 0.0f);
-    absl::Span<const float> master = fp->master();
-    std::copy(master.begin(), master.end(), values.begin());
-    if (!bf16) {
-      // Pageable source: the call returns once `values` is staged; the copy itself is
-      // ordered on `s`, and the NCCL stream waits for it.
-      GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(g.param.as<float>() + at, values.data(),
-                                                   count * sizeof(float), cudaMemcpyHostToDevice,
-                                                   s),
-                                   "upload master parameters");
-      if (sharded) {
-        GRADSUM_RETURN_IF_ERROR(Fence(s, g.comm->stream(), im.fence));
-        GRADSUM_RETURN_IF_ERROR(g.comm->AllGather(g.param.as<float>() + at, g.param.get(), count,
-                                                  DType::kF32));
-      }
-      continue;
-    }
-    // bf16: round once on the host (as FlatParam does), gather half the bytes, widen.
-    std::vector<BF16> rounded(count);
-    for (int64_t i = 0; i < count; ++i) rounded[i] = BF16::FromFloat(values[i]);
-    GRADSUM_RETURN_IF_ERROR(Reserve(&g.staging, fp->padded_numel() * sizeof(BF16)));
-    BF16* dst = g.staging.as<BF16>();
-    GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst + at, rounded.data(), count * sizeof(BF16),
-                                                 cudaMemcpyHostToDevice, s),
-                                 "upload bf16 parameters");
-    if (sharded) {
-      GRADSUM_RETURN_IF_ERROR(Fence(s, g.comm->stream(), im.fence));
-      GRADSUM_RETURN_IF_ERROR(g.comm->AllGather(dst + at, dst, count, DType::kBF16));
-    }
-    GRADSUM_RETURN_IF_ERROR(Bf16ToF32Cuda(reinterpret_cast<const uint16_t*>(dst),
-                                          g.param.as<float>(), fp->padded_numel(),
-                                          s));
-  }
+  // A new step: nothing of a failed one stays in flight; the units are gathered from the
+  // current host masters by the schedule as the stages need them.
+  im.store->Abandon();
   GRADSUM_RETURN_IF_ERROR(im.stream.Synchronize());
+  im.uploaded_version.clear();
   for (const DeviceGroup& g : im.groups) im.uploaded_version.push_back(g.host->master_version());
   im.step_failed = false;
   return absl::OkStatus();
@@ -224,7 +387,7 @@ absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackward(const MicroBatch& ba
   GRADSUM_CUDA_RETURN_IF_ERROR(cudaSetDevice(im.device), "cudaSetDevice");
   if (im.uploaded_version.size() != im.groups.size()) {
     return absl::FailedPreconditionError(
-        "MoeLmCuda: no parameters on the device yet: call Unshard() before ForwardBackward");
+        "MoeLmCuda: the step was not prepared: call Unshard() before ForwardBackward");
   }
   for (size_t i = 0; i < im.groups.size(); ++i) {
     if (im.groups[i].host->master_version() != im.uploaded_version[i]) {
@@ -252,10 +415,11 @@ absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackward(const MicroBatch& ba
       absl::Span<const float> token_weights,
       MicroBatchTokenWeights(stats, micro_index, static_cast<int64_t>(batch.tokens.size())));
   absl::StatusOr<MicroBatchLosses> result =
-      ForwardBackwardOnDevice(batch, stats, token_weights, display);
+      ForwardBackwardOnDevice(batch, stats, token_weights, micro_index, display);
   if (!result.ok()) {
     // The step's device gradients are incomplete: drop them and refuse to reduce them.
     im.step_failed = true;
+    im.store->Abandon();
     for (DeviceGroup& g : im.groups) {
       cudaMemsetAsync(g.grad.get(), 0, g.grad.size(), im.stream.get());
     }
@@ -266,7 +430,7 @@ absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackward(const MicroBatch& ba
 
 absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackwardOnDevice(
     const MicroBatch& batch, const losses::StepStats& stats, absl::Span<const float> token_weights,
-    losses::StepDisplay* display) {
+    int micro_index, losses::StepDisplay* display) {
   Impl& im = *impl_;
   const ModelConfig& m = options().model;
   const int64_t T = static_cast<int64_t>(batch.tokens.size());
@@ -347,7 +511,8 @@ absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackwardOnDevice(
   const int32_t* tokens = im.tokens.as<int32_t>();
   const uint8_t* d_mask = im.mask.as<uint8_t>();
 
-  DeviceGroup& dense = im.groups[0];
+  auto param = [&](ParamRef r) { return im.groups[r.unit].param_ptr(r.index); };
+  auto grad = [&](ParamRef r) { return im.groups[r.unit].grad_ptr(r.index); };
   auto rms = [&](const float* x, const float* gamma, float* y, float* rstd) {
     moe::RmsNormArgs n;
     n.dtype = DType::kF32;
@@ -365,11 +530,11 @@ absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackwardOnDevice(
   ecfg.hidden = H;
   ecfg.num_local_experts = El;
   ecfg.dtype = DType::kF32;
-  auto expert_weights = [&](const DeviceGroup& g) {
+  auto expert_weights = [&](int l) {
     moe::ExpertsCudaWeights w;
-    w.gate = g.param_ptr(0);
-    w.up = g.param_ptr(El);
-    w.down = g.param_ptr(2 * El);
+    w.gate = param(gate_ref(l));
+    w.up = param(up_ref(l));
+    w.down = param(down_ref(l));
     return w;
   };
   // The experts' saved activations of the rows that start at received row `first`.
@@ -385,21 +550,16 @@ absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackwardOnDevice(
     return im.dev.ep_group->AllToAllV(send, sc, so, recv, rc, ro, DType::kF32);
   };
 
-  // ---- Forward. ----
-  GRADSUM_RETURN_IF_ERROR(EmbeddingForwardCuda(dense.param_ptr(emb_index()), tokens, T, D,
-                                               im.layers.empty() ? h_last.as<float>()
-                                                                 : im.layers[0].h_in.as<float>(),
-                                               s));
-  for (int l = 0; l < L; ++l) {
+  // ---- Forward of layer l. ----
+  auto layer_forward = [&](int l) -> absl::Status {
     LayerBuffers& lb = im.layers[l];
-    DeviceGroup& ex = im.groups[1 + l];
     float* h_out = l + 1 < L ? im.layers[l + 1].h_in.as<float>() : h_last.as<float>();
     GRADSUM_RETURN_IF_ERROR(moe::RmsNormForwardCuda(
-        rms(lb.h_in.as<float>(), dense.param_ptr(norm_index(l)), lb.a.as<float>(),
+        rms(lb.h_in.as<float>(), param(norm_ref(l)), lb.a.as<float>(),
             lb.rstd.as<float>()),
         s));
     GRADSUM_RETURN_IF_ERROR(GemmRowMajor(im.blas, s, false, false, T, E, D, lb.a.get(), D,
-                                         dense.param_ptr(router_index(l)), E, DType::kF32,
+                                         param(router_ref(l)), E, DType::kF32,
                                          lb.logits.get(), E, DType::kF32));
     moe::RouterForwardCudaArgs r;
     r.logits = lb.logits.as<float>();
@@ -458,7 +618,7 @@ absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackwardOnDevice(
       const int64_t first = x.source_first_row[p];
       if (x.source_offsets[p][El] == 0) continue;
       GRADSUM_RETURN_IF_ERROR(moe::ExpertsForwardCuda(
-          im.blas, s, ecfg, expert_weights(ex), lb.recv.as<float>() + first * D,
+          im.blas, s, ecfg, expert_weights(l), lb.recv.as<float>() + first * D,
           x.source_offsets[p], im.expert_out.as<float>() + first * D, saved_rows(lb, first)));
     }
     // The outputs go back to where their rows came from (the reverse exchange).
@@ -472,48 +632,52 @@ absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackwardOnDevice(
     c.out = im.y.get();
     GRADSUM_RETURN_IF_ERROR(moe::CombineCuda(c, lb.plan, s));
     GRADSUM_RETURN_IF_ERROR(AddCuda(lb.h_in.as<float>(), im.y.as<float>(), h_out, T * D, s));
-  }
+    return absl::OkStatus();
+  };
 
   // ---- Loss head: logits = f @ W_out, fused CE in place, and its GEMM backward (§3). ----
-  const float* w_out = dense.param_ptr(out_index());
-  GRADSUM_RETURN_IF_ERROR(moe::RmsNormForwardCuda(
-      rms(h_last.as<float>(), dense.param_ptr(final_norm_index()), im.f.as<float>(),
-          im.final_in_rstd.as<float>()),
-      s));
-  GRADSUM_RETURN_IF_ERROR(GemmRowMajor(im.blas, s, false, false, T, V, D, im.f.get(), D, w_out, V,
-                                       DType::kF32, im.head.get(), V, DType::kF32));
-  losses::CrossEntropyCudaArgs ce;
-  ce.logits = im.head.get();
-  ce.dtype = DType::kF32;
-  ce.rows = T;
-  ce.vocab = V;
-  ce.labels = im.labels.as<int64_t>();
-  ce.token_weights = token_weights.empty() ? nullptr : im.weights.as<float>();  // null: token mode
-  ce.global_weight_sum = d_D;
-  ce.grad_logits = im.head.get();
-  ce.loss = d_ce;
-  ce.ignore_index = kIgnoreIndex;
-  GRADSUM_RETURN_IF_ERROR(losses::CrossEntropyCuda(ce, s));  // checks labels (a host sync)
-  // grad_f = dlogits @ W_out^T; dW_out += f^T @ dlogits.
-  GRADSUM_RETURN_IF_ERROR(GemmRowMajor(im.blas, s, false, true, T, D, V, im.head.get(), V, w_out,
-                                       V, DType::kF32, im.grad_f.get(), D, DType::kF32));
-  GRADSUM_RETURN_IF_ERROR(GemmRowMajor(im.blas, s, true, false, D, V, T, im.f.get(), D,
-                                       im.head.get(), V, DType::kF32,
-                                       dense.grad_ptr(out_index()), V, DType::kF32, 1.0f));
-  {
-    moe::RmsNormArgs n = rms(h_last.as<float>(), dense.param_ptr(final_norm_index()), nullptr,
-                             im.final_in_rstd.as<float>());
-    n.dy = im.grad_f.get();
-    n.dx = im.dh.get();
-    n.accumulate_dx = false;
-    n.dgamma = dense.grad_ptr(final_norm_index());
-    GRADSUM_RETURN_IF_ERROR(moe::RmsNormBackwardCuda(n, s));
-  }
+  auto head = [&]() -> absl::Status {
+    const float* w_out = param(out_ref());
+    GRADSUM_RETURN_IF_ERROR(
+        moe::RmsNormForwardCuda(rms(h_last.as<float>(), param(final_norm_ref()), im.f.as<float>(),
+                                    im.final_in_rstd.as<float>()),
+                                s));
+    GRADSUM_RETURN_IF_ERROR(GemmRowMajor(im.blas, s, false, false, T, V, D, im.f.get(), D, w_out, V,
+                                         DType::kF32, im.head.get(), V, DType::kF32));
+    losses::CrossEntropyCudaArgs ce;
+    ce.logits = im.head.get();
+    ce.dtype = DType::kF32;
+    ce.rows = T;
+    ce.vocab = V;
+    ce.labels = im.labels.as<int64_t>();
+    ce.token_weights =
+        token_weights.empty() ? nullptr : im.weights.as<float>();  // null: token mode
+    ce.global_weight_sum = d_D;
+    ce.grad_logits = im.head.get();
+    ce.loss = d_ce;
+    ce.ignore_index = kIgnoreIndex;
+    GRADSUM_RETURN_IF_ERROR(losses::CrossEntropyCuda(ce, s));  // checks labels (a host sync)
+    // grad_f = dlogits @ W_out^T; dW_out += f^T @ dlogits.
+    GRADSUM_RETURN_IF_ERROR(GemmRowMajor(im.blas, s, false, true, T, D, V, im.head.get(), V, w_out,
+                                         V, DType::kF32, im.grad_f.get(), D, DType::kF32));
+    GRADSUM_RETURN_IF_ERROR(GemmRowMajor(im.blas, s, true, false, D, V, T, im.f.get(), D,
+                                         im.head.get(), V, DType::kF32, grad(out_ref()), V,
+                                         DType::kF32, 1.0f));
+    {
+      moe::RmsNormArgs n =
+          rms(h_last.as<float>(), param(final_norm_ref()), nullptr, im.final_in_rstd.as<float>());
+      n.dy = im.grad_f.get();
+      n.dx = im.dh.get();
+      n.accumulate_dx = false;
+      n.dgamma = grad(final_norm_ref());
+      GRADSUM_RETURN_IF_ERROR(moe::RmsNormBackwardCuda(n, s));
+    }
+    return absl::OkStatus();
+  };
 
-  // ---- Backward through the layers; dh holds dL/dh after layer l. ----
-  for (int l = L - 1; l >= 0; --l) {
+  // ---- Backward of layer l; dh holds dL/dh after layer l. ----
+  auto layer_backward = [&](int l) -> absl::Status {
     LayerBuffers& lb = im.layers[l];
-    DeviceGroup& ex = im.groups[1 + l];
     const moe::EpExchangePlan& x = lb.exchange;
     moe::RouterAuxCudaArgs aux;
     aux.probs = lb.probs.as<float>();
@@ -552,12 +716,12 @@ absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackwardOnDevice(
     // Expert backward where the rows were computed, then the input gradients come home.
     GRADSUM_RETURN_IF_ERROR(all_to_all(im.d_back.as<float>(), x.send_counts, x.send_offsets,
                                        im.d_recv.as<float>(), x.recv_counts, x.recv_offsets));
-    moe::ExpertsCudaWeightGrads eg{ex.grad_ptr(0), ex.grad_ptr(El), ex.grad_ptr(2 * El)};
+    moe::ExpertsCudaWeightGrads eg{grad(gate_ref(l)), grad(up_ref(l)), grad(down_ref(l))};
     for (int p = 0; p < P; ++p) {
       const int64_t first = x.source_first_row[p];
       if (x.source_offsets[p][El] == 0) continue;
       GRADSUM_RETURN_IF_ERROR(moe::ExpertsBackwardCuda(
-          im.blas, s, ecfg, expert_weights(ex), lb.recv.as<float>() + first * D,
+          im.blas, s, ecfg, expert_weights(l), lb.recv.as<float>() + first * D,
           x.source_offsets[p], saved_rows(lb, first), im.d_recv.as<float>() + first * D,
           im.dx_recv.as<float>() + first * D, eg));
     }
@@ -573,23 +737,41 @@ absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackwardOnDevice(
     g.accumulate = false;
     GRADSUM_RETURN_IF_ERROR(moe::CombineCuda(g, lb.plan, s));
     // Router GEMM backward: dWr += a^T du; da += du Wr^T.
-    const float* wr = dense.param_ptr(router_index(l));
+    const float* wr = param(router_ref(l));
     GRADSUM_RETURN_IF_ERROR(GemmRowMajor(im.blas, s, true, false, D, E, T, lb.a.get(), D,
                                          im.du.get(), E, DType::kF32,
-                                         dense.grad_ptr(router_index(l)), E, DType::kF32, 1.0f));
+                                         grad(router_ref(l)), E, DType::kF32, 1.0f));
     GRADSUM_RETURN_IF_ERROR(GemmRowMajor(im.blas, s, false, true, T, D, E, im.du.get(), E, wr, E,
                                          DType::kF32, im.da.get(), D, DType::kF32, 1.0f));
     // Norm backward into the residual stream: dh += dL/dh through a = RMSNorm(h).
-    moe::RmsNormArgs n = rms(lb.h_in.as<float>(), dense.param_ptr(norm_index(l)), nullptr,
+    moe::RmsNormArgs n = rms(lb.h_in.as<float>(), param(norm_ref(l)), nullptr,
                              lb.rstd.as<float>());
     n.dy = im.da.get();
     n.dx = im.dh.get();
     n.accumulate_dx = true;
-    n.dgamma = dense.grad_ptr(norm_index(l));
+    n.dgamma = grad(norm_ref(l));
     GRADSUM_RETURN_IF_ERROR(moe::RmsNormBackwardCuda(n, s));
-  }
-  GRADSUM_RETURN_IF_ERROR(EmbeddingBackwardCuda(tokens, im.dh.as<float>(), T, D,
-                                                dense.grad_ptr(emb_index()), s));
+    return absl::OkStatus();
+  };
+
+  // The stages of the shared schedule (train/unit_schedule.h): 0 the embedding, 1 + l
+  // layer l, L + 1 the head.
+  UnitSchedule::Stages stages;
+  stages.forward = [&](int stage) -> absl::Status {
+    if (stage == 0) {
+      return EmbeddingForwardCuda(param(emb_ref()), tokens, T, D,
+                                  im.layers.empty() ? h_last.as<float>()
+                                                    : im.layers[0].h_in.as<float>(),
+                                  s);
+    }
+    return stage <= L ? layer_forward(stage - 1) : head();
+  };
+  stages.backward = [&](int stage) -> absl::Status {
+    if (stage > 0) return layer_backward(stage - 1);
+    return EmbeddingBackwardCuda(tokens, im.dh.as<float>(), T, D, grad(emb_ref()), s);
+  };
+  GRADSUM_RETURN_IF_ERROR(
+      schedule().RunMicroBatch(store(), stages, micro_index == stats.num_micro_batches - 1));
 
   // ---- Detached loss values and routing statistics for the display (§8). ----
   double losses_host[3] = {0, 0, 0};
@@ -619,58 +801,12 @@ absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackwardOnDevice(
   return result;
 }
 
-absl::Status MoeLmCuda::ReduceGrads(bool last_micro_batch) {
-  Impl& im = *impl_;
-  GRADSUM_CUDA_RETURN_IF_ERROR(cudaSetDevice(im.device), "cudaSetDevice");
-  cudaStream_t s = im.stream.get();
-  if (im.step_failed) {
+absl::Status MoeLmCuda::CheckStepReducible() {
+  if (impl_->step_failed) {
     return absl::FailedPreconditionError(
         "MoeLmCuda: a micro-batch of this step failed; its gradients cannot be reduced");
   }
-  const bool bf16 = options().reduce_dtype == DType::kBF16;
-  for (DeviceGroup& g : im.groups) {
-    FlatParam* fp = g.host;
-    const bool sharded = fp->options().mode == ShardingMode::kSharded;
-    if (!sharded && !last_micro_batch) continue;  // replicated: the step's grads accumulate
-    const int64_t padded = fp->padded_numel();
-    const int64_t out_count = sharded ? fp->shard_numel() : padded;
-    const void* send = g.grad.get();
-    DType dtype = DType::kF32;
-    if (bf16) {
-      GRADSUM_RETURN_IF_ERROR(Reserve(&g.staging, padded * sizeof(BF16)));
-      GRADSUM_RETURN_IF_ERROR(F32ToBf16Cuda(g.grad.as<float>(), g.staging.as<uint16_t>(), padded,
-                                            s));
-      send = g.staging.get();
-      dtype = DType::kBF16;
-    }
-    const size_t elem = bf16 ? sizeof(BF16) : sizeof(float);
-    GRADSUM_RETURN_IF_ERROR(Fence(s, g.comm->stream(), im.fence));
-    void* out = nullptr;
-    if (sharded) {
-      GRADSUM_RETURN_IF_ERROR(Reserve(&g.shard, out_count * elem));
-      out = g.shard.get();
-      GRADSUM_RETURN_IF_ERROR(g.comm->ReduceScatter(send, out, out_count, dtype, ReduceOp::kSum));
-    } else {
-      out = const_cast<void*>(send);  // in place
-      GRADSUM_RETURN_IF_ERROR(g.comm->AllReduce(send, out, padded, dtype, ReduceOp::kSum));
-    }
-    std::vector<float> reduced(out_count);
-    if (bf16) {
-      std::vector<BF16> raw(out_count);
-      GRADSUM_CUDA_RETURN_IF_ERROR(
-          cudaMemcpy(raw.data(), out, out_count * sizeof(BF16), cudaMemcpyDeviceToHost),
-          "download reduced gradient");
-      for (int64_t i = 0; i < out_count; ++i) reduced[i] = raw[i].ToFloat();
-    } else {
-      GRADSUM_CUDA_RETURN_IF_ERROR(
-          cudaMemcpy(reduced.data(), out, out_count * sizeof(float), cudaMemcpyDeviceToHost),
-          "download reduced gradient");
-    }
-    GRADSUM_RETURN_IF_ERROR(fp->FoldReducedGrad(reduced, last_micro_batch));
-    GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(g.grad.get(), 0, padded * sizeof(float), s),
-                                 "zero device gradient");
-  }
-  return im.stream.Synchronize();
+  return absl::OkStatus();
 }
 
 }  // namespace gradsum::train

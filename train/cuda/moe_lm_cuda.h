@@ -9,16 +9,22 @@
 //   global grad norm and clipping, checkpoints, dumps and the parity check, over the host
 //   communicators (MPI) of MoeLmGroups, exactly as on the CPU path.
 // - Device: the compute parameters, every activation and the fp32 gradient buffers.
-//   Unshard() uploads each group's master (its shard in fsdp mode) and all-gathers it with
-//   NCCL (bf16 when compute_dtype is bf16, then widened exactly to fp32, as the CPU path
-//   does). ForwardBackward() runs embedding, RMSNorm (moe/cuda/layers_cuda.h), router and
-//   aux losses (moe/cuda/router_cuda.h), permutation and the EP all-to-all-v over NCCL
-//   (moe/cuda/permute_cuda.h), grouped SwiGLU experts through cuBLAS
-//   (moe/cuda/experts_cuda.h), the LM head GEMMs and fused CE (losses/cuda), and their
-//   backward, in fp32 with TF32 off. ReduceGrads() SUM-reduces the device gradients with
-//   NCCL (reduce-scatter per micro-batch in fsdp mode, all-reduce after the last one in
-//   replicated mode; in reduce_dtype) and folds the result into the host groups
-//   (FlatParam::FoldReducedGrad). Nothing divides by world, EP size or G.
+//   The parameter units, their order, prefetch, resharding and the issue of each unit's
+//   reduction are the shared UnitSchedule's (train/unit_schedule.h), as on the host; this
+//   model supplies the stages' device compute and a device UnitStore: a gather uploads
+//   the unit's master (its shard in fsdp mode) on the unit's NCCL stream and all-gathers
+//   it there (bf16 when compute_dtype is bf16, then widened exactly to fp32, as the CPU
+//   path does); freeing a unit frees its device buffer. ForwardBackward() runs embedding,
+//   RMSNorm (moe/cuda/layers_cuda.h), router and aux losses (moe/cuda/router_cuda.h),
+//   permutation and the EP all-to-all-v over NCCL (moe/cuda/permute_cuda.h), grouped
+//   SwiGLU experts through cuBLAS (moe/cuda/experts_cuda.h), the LM head GEMMs and fused
+//   CE (losses/cuda), and their backward, in fp32 with TF32 off. As each unit's gradient
+//   completes, its NCCL reduction (reduce-scatter in fsdp mode, per micro-batch or only on
+//   the last; all-reduce on the last micro-batch in replicated mode; in reduce_dtype) is
+//   issued on the NCCL stream; it is waited for, downloaded and folded into the host unit
+//   (FlatParam::FoldReducedGrad) before the unit's gradient is written again or in
+//   FinishGradReduce(). Nothing divides by world, EP size or G. Replicated mode reduces
+//   unit by unit (no GradBucketer: its buckets live in host memory).
 //
 //   MoeLmDeviceGroups dev{nccl_world, nccl_ep, nccl_edp};     // same mesh as the host groups
 //   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<MoeLm> model, MoeLmCuda::Create(options, host, dev));
@@ -29,8 +35,8 @@
 // after the last change to any host group's master (FlatParam::master_version: optimizer
 // steps, checkpoint loads, SetFullParameters), and InvalidArgument for a label outside
 // [0, V) that is not kIgnoreIndex (checked on the host before any device work). A failed
-// ForwardBackward drops the step's device gradients; ForwardBackward and ReduceGrads are
-// then FailedPrecondition until the next Unshard() (what earlier micro-batches already
+// ForwardBackward drops the step's device gradients; ForwardBackward and FinishGradReduce
+// are then FailedPrecondition until the next Unshard() (what earlier micro-batches already
 // folded into the host groups is cleared by their ZeroGrad, as after any failed step).
 //
 // Numerics: fp32 everywhere except what compute_dtype / reduce_dtype round to bf16. A bf16
@@ -78,14 +84,14 @@ class MoeLmCuda : public MoeLm {
                                                    const losses::StepStats& stats,
                                                    int micro_index,
                                                    losses::StepDisplay* display) override;
-  absl::Status ReduceGrads(bool last_micro_batch) override;
 
  private:
   struct Impl;
   MoeLmCuda();
   absl::StatusOr<MicroBatchLosses> ForwardBackwardOnDevice(
       const MicroBatch& batch, const losses::StepStats& stats,
-      absl::Span<const float> token_weights, losses::StepDisplay* display);
+      absl::Span<const float> token_weights, int micro_index, losses::StepDisplay* display);
+  absl::Status CheckStepReducible() override;
   std::unique_ptr<Impl> impl_;
 };
 

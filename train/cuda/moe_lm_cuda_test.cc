@@ -118,6 +118,20 @@ TEST_P(MoeLmCudaTest, MatchesReferenceAndCpuTrainer) {
     EXPECT_EQ(gpu->history[s].valid_tokens, cpu_hist[s].valid_tokens);
     EXPECT_EQ(gpu->history[s].routed_tokens, cpu_hist[s].routed_tokens);
   }
+
+  // 4. Parameter memory on the device (fp32 unit buffers): the whole model is emb, two
+  //    layers' norm + router and experts, and the head; fsdp holds at most two layers' units
+  //    or a layer's with the head or the embedding at once (the shared schedule frees units
+  //    after use), replicated keeps every unit.
+  const int64_t full = 4 * (256 * 8 + 2 * (8 + 8 * 4 + 4 * 3 * 8 * 8) + 8 + 8 * 256);
+  for (const StepRecord& r : gpu->history) {
+    EXPECT_EQ(r.full_param_bytes, full);
+    if (std::string(sharding) == "fsdp") {
+      EXPECT_LT(r.peak_unsharded_param_bytes, full * 6 / 10);
+    } else {
+      EXPECT_GE(r.peak_unsharded_param_bytes, full);
+    }
+  }
 }
 
 std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
@@ -198,7 +212,7 @@ TEST(MoeLmCudaTest, ProtocolAndInputErrorsAreStatuses) {
   auto ok = (*model)->ForwardBackward(batch, stats, 0, nullptr);
   ASSERT_TRUE(ok.ok()) << ok.status();
   EXPECT_GT(ok->ce, 0.0);
-  ASSERT_TRUE((*model)->ReduceGrads(/*last_micro_batch=*/true).ok());
+  ASSERT_TRUE((*model)->FinishGradReduce().ok());
   // New host parameters (as after an optimizer step) make the device copy stale.
   NamedParams params = MoeLm::InitialParameters(options.model, 2);
   ASSERT_TRUE((*model)->SetFullParameters(params).ok());
@@ -212,7 +226,7 @@ TEST(MoeLmCudaTest, ProtocolAndInputErrorsAreStatuses) {
   ASSERT_TRUE((*model)->Unshard().ok());
   s = (*model)->ForwardBackward(batch, stats, 0, nullptr).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_EQ((*model)->ReduceGrads(true).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*model)->FinishGradReduce().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ((*model)->ForwardBackward(batch, stats, 0, nullptr).status().code(),
             absl::StatusCode::kFailedPrecondition);
   params["layers.0.router"][0] = 0.0f;

@@ -1,0 +1,22 @@
+// The AVX-512 build of the CE row code (losses/cross_entropy_rows.h), x86-64 only; the
+// library picks it at run time on CPUs with AVX-512 F/BW/VL/DQ. The target (512-bit vectors
+// preferred) is set by cross_entropy_rows_x86.inc; no FP contraction, so the bits are the
+// generic build's.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "losses/cross_entropy_rows.h"
+
+#define GRADSUM_CE_ROWS_NS rows_avx512
+#define GRADSUM_CE_ROWS_ISA "avx512"
+#if defined(__clang__)
+#define GRADSUM_CE_ROWS_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"
+#else
+#define GRADSUM_CE_ROWS_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,prefer-vector-width=512"
+#endif
+#include "losses/cross_entropy_rows_x86.inc"

@@ -1,0 +1,116 @@
+#ifndef GRADSUM_TRAIN_UNIT_SCHEDULE_H_
+#define GRADSUM_TRAIN_UNIT_SCHEDULE_H_
+
+// The order of a training step's parameter communication (FSDP2's schedule), written once
+// for every model: which parameter units are gathered before each stage of forward and
+// backward, which are prefetched one stage ahead, when each is freed again, and when each
+// unit's gradient reduction is issued and waited on. The models (train/moe_lm.h on the
+// host, train/cuda's MoeLmCuda on a GPU) supply only the stages' compute and a UnitStore
+// that moves their units' bytes.
+//
+// A model is a chain of stages 0 .. S-1 in forward order; the last one is the turn stage,
+// whose forward call also runs its backward (the LM head's fused CE). Each stage reads a
+// set of units; a unit may span several stages (a coarser wrap policy). One micro-batch:
+//
+//   forward, s = 0 .. S-2:  gather s's units (wait) | issue s+1's gathers | forward(s) |
+//                           free the units s was the last forward reader of
+//                           (reshard_after_forward)
+//   turn, s = S-1:          gather s's units (wait) | issue S-2's gathers (if its backward
+//                           reads parameters) | forward(s), which includes backward(s) |
+//                           free + issue the reduction of units whose gradient is complete
+//   backward, s = S-2 .. 0: wait the previous micro-batch's reduction of units whose
+//                           gradient s writes first | gather s's units if backward(s)
+//                           reads them (wait) | issue s-1's gathers | backward(s) | free +
+//                           issue the reduction of the units s was the first reader of
+//
+// Reductions are only waited for where their values are needed: before the next
+// micro-batch writes the unit's gradient again, and in FinishStep (grad norm, optimizer).
+// In replicated mode nothing is freed (the units stay resident; gathering is a copy).
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace gradsum::train {
+
+// Where a model's units live and how their bytes move (host FlatParams, or device
+// buffers). Every call is made by the rank's thread, in the schedule's order, identically
+// on every rank.
+class UnitStore {
+ public:
+  virtual ~UnitStore() = default;
+  // Starts making unit u's parameters readable (an all-gather in sharded mode). No-op
+  // when they already are or the gather is in flight.
+  virtual absl::Status StartGather(int u) = 0;
+  // Waits for it; afterwards the unit's parameters are readable by the stage compute.
+  virtual absl::Status WaitGather(int u) = 0;
+  // Frees the gathered parameters (sharded mode).
+  virtual absl::Status Release(int u) = 0;
+  // Unit u's gradient of this micro-batch is complete: issue its SUM reduction (or keep
+  // accumulating, where the mode reduces only on the last micro-batch).
+  virtual absl::Status StartReduce(int u, bool last_micro_batch) = 0;
+  // Waits for u's reduction in flight and folds it into the sharded accumulator (OK if
+  // none is). Afterwards u's gradient buffer may be written again.
+  virtual absl::Status WaitReduce(int u) = 0;
+  // After the last micro-batch: every reduction done, master_grad() complete.
+  virtual absl::Status FinishReductions() = 0;
+  // Parameter bytes held unsharded now (compute dtype), and with every unit unsharded.
+  virtual int64_t UnshardedBytes() const = 0;
+  virtual int64_t FullBytes() const = 0;
+};
+
+struct UnitScheduleOptions {
+  // Sharded mode: units are gathered and freed; replicated: they stay resident.
+  bool sharded = true;
+  // Free each unit after the forward of its last stage (re-gathered for backward).
+  bool reshard_after_forward = true;
+};
+
+class UnitSchedule {
+ public:
+  // stage_units[s]: the units stage s reads (each in [0, num_units)); backward_reads[s]:
+  // whether backward(s) reads them (the embedding's backward does not). Every unit must be
+  // read by a contiguous range of stages. InvalidArgument otherwise.
+  static absl::StatusOr<UnitSchedule> Create(int num_units,
+                                             std::vector<std::vector<int>> stage_units,
+                                             std::vector<bool> backward_reads,
+                                             UnitScheduleOptions options);
+  UnitSchedule() = default;
+
+  struct Stages {
+    // forward(S-1) runs the turn stage's forward and backward.
+    std::function<absl::Status(int stage)> forward;
+    std::function<absl::Status(int stage)> backward;  // stages S-2 .. 0
+  };
+
+  // One micro-batch's forward and backward with the unit traffic described above.
+  // After an error the units may be left gathered; the next micro-batch re-uses them.
+  absl::Status RunMicroBatch(UnitStore& store, const Stages& stages, bool last_micro_batch);
+  // Waits for every reduction (before the grad norm and the optimizer).
+  absl::Status FinishStep(UnitStore& store);
+
+  // The most parameter bytes held unsharded at once since the last call (sampled after
+  // every gather issued), and resets it.
+  int64_t TakePeakUnshardedBytes();
+
+  int num_stages() const { return static_cast<int>(stage_units_.size()); }
+  int num_units() const { return num_units_; }
+  const UnitScheduleOptions& options() const { return options_; }
+
+ private:
+  absl::Status Gather(UnitStore& store, int stage, bool wait);
+  absl::Status Complete(UnitStore& store, int stage, bool last_micro_batch);
+
+  int num_units_ = 0;
+  std::vector<std::vector<int>> stage_units_;
+  std::vector<bool> backward_reads_;
+  std::vector<int> first_stage_, last_stage_;  // per unit
+  UnitScheduleOptions options_;
+  int64_t peak_ = 0;
+};
+
+}  // namespace gradsum::train
+
+#endif  // GRADSUM_TRAIN_UNIT_SCHEDULE_H_
