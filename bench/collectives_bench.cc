@@ -183,6 +183,20 @@ void BM_AllReducePerTensor(benchmark::State& state) {
       kTransformerBytes);
 }
 
+// ---- Small-message latency, as nccl-tests reports it (8 B .. 64 KiB, doubling). ----
+
+// Time per synchronous f32 SUM all-reduce, in place, world 2 (the peer in its own thread).
+// Compare with BM_RawMpiAllreduce at the same sizes in bench/collectives_mpi_bench (two
+// processes) and BM_Memcpy here.
+void BM_AllReduceLatency(benchmark::State& state) { BM_AllReduceContiguous(state); }
+
+void LatencySizes(benchmark::internal::Benchmark* b) {
+  b->RangeMultiplier(2)->Range(8, 64 << 10)->MinTime(0.2)->UseRealTime();
+}
+
+BENCHMARK(BM_Memcpy)->Apply(LatencySizes);
+BENCHMARK(BM_AllReduceLatency)->Apply(LatencySizes);
+
 // Buffer sizes for memcpy and the contiguous all-reduce: 4 KiB .. 256 MiB, 64 MiB, and
 // the gradient set's exact size (the equal-bytes comparison).
 void BufferSizes(benchmark::internal::Benchmark* b) {

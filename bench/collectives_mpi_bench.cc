@@ -33,7 +33,11 @@
 namespace gradsum::bench {
 namespace {
 
-Communicator *g_comm = nullptr;  // the mpi backend over MPI_COMM_WORLD
+Communicator *g_comm = nullptr;          // the mpi backend over MPI_COMM_WORLD (checked)
+Communicator *g_comm_nocheck = nullptr;  // the same without the agreement check
+// Both again with MpiBackendOptions::blocking_sync_calls (blocking MPI_Allreduce).
+Communicator *g_comm_blocking = nullptr;
+Communicator *g_comm_nocheck_blocking = nullptr;
 
 void Check(const absl::Status &s, const char *what) {
   if (!s.ok()) {
@@ -153,6 +157,32 @@ void BM_RawMpiAllreducePerTensor(benchmark::State &state) {
   SetBandwidth(state, TransformerBytes());
 }
 
+// ---- Small-message latency, as nccl-tests reports it (8 B .. 64 KiB, doubling). ----
+
+// The mpi backend, sync f32 SUM in place, with the default agreement check (one
+// descriptor all-reduce per call) or without it (data movement only).
+void BM_MpiAllReduceLatency(benchmark::State &state) { BM_MpiAllReduceContiguous(state); }
+
+void LatencyOn(Communicator *comm, benchmark::State &state) {
+  const size_t n = static_cast<size_t>(state.range(0)) / sizeof(float);
+  std::vector<float> buf(n, 0.0f);
+  MPI_Barrier(MPI_COMM_WORLD);
+  for (auto _ : state) {
+    Check(comm->AllReduce(buf.data(), buf.data(), n, DType::kF32, ReduceOp::kSum), "AllReduce");
+  }
+  SetBandwidth(state, state.range(0));
+}
+
+void BM_MpiAllReduceLatencyNoCheck(benchmark::State &state) { LatencyOn(g_comm_nocheck, state); }
+void BM_MpiAllReduceLatencyBlocking(benchmark::State &state) {
+  LatencyOn(g_comm_blocking, state);
+}
+void BM_MpiAllReduceLatencyNoCheckBlocking(benchmark::State &state) {
+  LatencyOn(g_comm_nocheck_blocking, state);
+}
+
+void BM_RawMpiAllreduceLatency(benchmark::State &state) { BM_RawMpiAllreduce(state); }
+
 // Memcpy on rank 0 alone (the others idle through the same iteration count), so
 // that it is the single-process copy bandwidth that bench/collectives_bench
 // also reports.
@@ -176,6 +206,18 @@ void RegisterAll() {
           ->Arg(bytes)
           ->Iterations(Iterations(bytes))
           ->UseRealTime();
+    }
+  }
+  for (int64_t bytes = 8; bytes <= (64 << 10); bytes *= 2) {
+    for (auto [name, fn] :
+         {std::pair("BM_Memcpy", &BM_MemcpySynced),
+          std::pair("BM_RawMpiAllreduceLatency", &BM_RawMpiAllreduceLatency),
+          std::pair("BM_MpiAllReduceLatency", &BM_MpiAllReduceLatency),
+          std::pair("BM_MpiAllReduceLatencyNoCheck", &BM_MpiAllReduceLatencyNoCheck),
+          std::pair("BM_MpiAllReduceLatencyBlocking", &BM_MpiAllReduceLatencyBlocking),
+          std::pair("BM_MpiAllReduceLatencyNoCheckBlocking",
+                    &BM_MpiAllReduceLatencyNoCheckBlocking)}) {
+      benchmark::RegisterBenchmark(name, fn)->Arg(bytes)->Iterations(3000)->UseRealTime();
     }
   }
   benchmark::RegisterBenchmark("BM_MpiAllReduceContiguousBF16", &BM_MpiAllReduceContiguousBF16)
@@ -213,6 +255,19 @@ int main(int argc, char **argv) {
     auto comm = gradsum::CreateMpiWorldCommunicator();
     gradsum::bench::Check(comm.status(), "CreateMpiWorldCommunicator");
     gradsum::bench::g_comm = comm->get();
+    std::unique_ptr<gradsum::Communicator> variants[3];
+    gradsum::Communicator **slots[3] = {&gradsum::bench::g_comm_nocheck,
+                                        &gradsum::bench::g_comm_blocking,
+                                        &gradsum::bench::g_comm_nocheck_blocking};
+    for (int v = 0; v < 3; ++v) {
+      gradsum::MpiBackendOptions o;
+      o.check_agreement = v == 1;
+      o.blocking_sync_calls = v >= 1;
+      auto c = gradsum::CreateMpiWorldCommunicator(o);
+      gradsum::bench::Check(c.status(), "CreateMpiWorldCommunicator (variant)");
+      variants[v] = std::move(*c);
+      *slots[v] = variants[v].get();
+    }
     benchmark::Initialize(&argc, argv);
     gradsum::bench::RegisterAll();
     if (rank == 0) {
@@ -222,6 +277,7 @@ int main(int argc, char **argv) {
       benchmark::RunSpecifiedBenchmarks(&silent);
     }
     gradsum::bench::g_comm = nullptr;
+    for (gradsum::Communicator **slot : slots) *slot = nullptr;
   }
   MPI_Finalize();
   return 0;

@@ -1,5 +1,7 @@
 #include "collectives/communicator.h"
 
+#include <utility>
+
 namespace gradsum {
 
 const char* ReduceOpName(ReduceOp op) {
@@ -44,5 +46,100 @@ absl::Status Communicator::Broadcast(void* buf, size_t count, DType dtype, int r
 }
 
 absl::Status Communicator::Barrier() { return WaitIssued(BarrierAsync()); }
+
+namespace {
+
+// A Work whose Wait() without an argument uses the timeout of its options.
+class TimeoutWork final : public Work {
+ public:
+  TimeoutWork(std::unique_ptr<Work> inner, absl::Duration timeout)
+      : inner_(std::move(inner)), timeout_(timeout) {}
+  absl::Status Wait(absl::Duration timeout) override {
+    return inner_->Wait(timeout == absl::InfiniteDuration() ? timeout_ : timeout);
+  }
+  bool IsCompleted() override { return inner_->IsCompleted(); }
+
+ private:
+  std::unique_ptr<Work> inner_;
+  absl::Duration timeout_;
+};
+
+}  // namespace
+
+template <typename Sync, typename Async>
+absl::Status Communicator::WithTimeout(absl::Duration timeout, Sync&& sync, Async&& async) {
+  if (timeout == absl::ZeroDuration()) return sync();
+  absl::StatusOr<std::unique_ptr<Work>> work = async();
+  if (!work.ok()) return work.status();
+  return (*work)->Wait(timeout);
+}
+
+absl::StatusOr<std::unique_ptr<Work>> Communicator::DefaultWait(
+    absl::Duration timeout, absl::StatusOr<std::unique_ptr<Work>> work) {
+  if (!work.ok() || timeout == absl::ZeroDuration()) return work;
+  return std::unique_ptr<Work>(new TimeoutWork(std::move(*work), timeout));
+}
+
+absl::Status Communicator::AllReduce(const AllReduceOptions& o) {
+  return WithTimeout(
+      o.timeout, [&] { return AllReduce(o.send, o.recv, o.count, o.dtype, o.op); },
+      [&] { return AllReduceAsync(o.send, o.recv, o.count, o.dtype, o.op); });
+}
+absl::StatusOr<std::unique_ptr<Work>> Communicator::AllReduceAsync(const AllReduceOptions& o) {
+  return DefaultWait(o.timeout, AllReduceAsync(o.send, o.recv, o.count, o.dtype, o.op));
+}
+
+absl::Status Communicator::ReduceScatter(const ReduceScatterOptions& o) {
+  return WithTimeout(
+      o.timeout, [&] { return ReduceScatter(o.send, o.recv, o.recv_count, o.dtype, o.op); },
+      [&] { return ReduceScatterAsync(o.send, o.recv, o.recv_count, o.dtype, o.op); });
+}
+absl::StatusOr<std::unique_ptr<Work>> Communicator::ReduceScatterAsync(
+    const ReduceScatterOptions& o) {
+  return DefaultWait(o.timeout, ReduceScatterAsync(o.send, o.recv, o.recv_count, o.dtype, o.op));
+}
+
+absl::Status Communicator::AllGather(const AllGatherOptions& o) {
+  return WithTimeout(
+      o.timeout, [&] { return AllGather(o.send, o.recv, o.send_count, o.dtype); },
+      [&] { return AllGatherAsync(o.send, o.recv, o.send_count, o.dtype); });
+}
+absl::StatusOr<std::unique_ptr<Work>> Communicator::AllGatherAsync(const AllGatherOptions& o) {
+  return DefaultWait(o.timeout, AllGatherAsync(o.send, o.recv, o.send_count, o.dtype));
+}
+
+absl::Status Communicator::AllToAllV(const AllToAllVOptions& o) {
+  return WithTimeout(
+      o.timeout,
+      [&] {
+        return AllToAllV(o.send, o.send_counts, o.send_offsets, o.recv, o.recv_counts,
+                         o.recv_offsets, o.dtype);
+      },
+      [&] {
+        return AllToAllVAsync(o.send, o.send_counts, o.send_offsets, o.recv, o.recv_counts,
+                              o.recv_offsets, o.dtype);
+      });
+}
+absl::StatusOr<std::unique_ptr<Work>> Communicator::AllToAllVAsync(const AllToAllVOptions& o) {
+  return DefaultWait(o.timeout, AllToAllVAsync(o.send, o.send_counts, o.send_offsets, o.recv,
+                                               o.recv_counts, o.recv_offsets, o.dtype));
+}
+
+absl::Status Communicator::Broadcast(const BroadcastOptions& o) {
+  return WithTimeout(
+      o.timeout, [&] { return Broadcast(o.buf, o.count, o.dtype, o.root); },
+      [&] { return BroadcastAsync(o.buf, o.count, o.dtype, o.root); });
+}
+absl::StatusOr<std::unique_ptr<Work>> Communicator::BroadcastAsync(const BroadcastOptions& o) {
+  return DefaultWait(o.timeout, BroadcastAsync(o.buf, o.count, o.dtype, o.root));
+}
+
+absl::Status Communicator::Barrier(const BarrierOptions& o) {
+  return WithTimeout(
+      o.timeout, [&] { return Barrier(); }, [&] { return BarrierAsync(); });
+}
+absl::StatusOr<std::unique_ptr<Work>> Communicator::BarrierAsync(const BarrierOptions& o) {
+  return DefaultWait(o.timeout, BarrierAsync());
+}
 
 }  // namespace gradsum

@@ -13,6 +13,10 @@
 //   absl::StatusOr<std::unique_ptr<Work>> w =
 //       comm.AllReduceAsync(buf, buf, n, DType::kBF16, ReduceOp::kSum);
 //   GRADSUM_RETURN_IF_ERROR((*w)->Wait(absl::Seconds(30)));
+//   // The same with an options struct per operation (as Gloo's AllreduceOptions):
+//   GRADSUM_RETURN_IF_ERROR(comm.AllReduce({.send = g, .recv = g, .count = n,
+//                                           .dtype = DType::kF32,
+//                                           .timeout = absl::Seconds(5)}));
 //
 // Contract of every backend:
 // - SUM is the default and the reduction the library's gradients use (SEMANTICS.md §2, §7).
@@ -30,6 +34,23 @@
 //   after `timeout()`. After such a failure the communicator may be unusable
 //   (FailedPrecondition on later calls), as with an aborted NCCL communicator.
 // - Operations are executed in the order they are issued, sync or async.
+// - Arguments are checked by one function shared by every backend
+//   (collectives/op_descriptor.h ValidateCall); cross-rank agreement is checked by the
+//   thread backend's rendezvous, and for other backends by the WithAgreementCheck
+//   decorator (collectives/checked_communicator.h).
+//
+// Work lifetime (every backend):
+// - A Work may be waited on, polled and destroyed from the thread that issued it, in any
+//   order relative to other Works; destroying a Work does not cancel or wait for its
+//   operation, which still runs in issue order.
+// - The operation's buffers (and, for all-to-all-v, nothing else: the count spans are
+//   copied at issue) must stay alive and untouched until a Wait on its Work returns OK or
+//   an error other than the DeadlineExceeded of that Wait's own timeout, or until the
+//   communicator is destroyed.
+// - A Work may outlive its communicator: Wait then returns the operation's result if it
+//   finished, or FailedPrecondition (the thread and mpi backends finish or fail everything
+//   issued before the destructor returns). The nccl backend is the exception: its Works
+//   must not outlive the communicator (they wait on its CUDA stream).
 
 #include <cstddef>
 #include <memory>
@@ -51,6 +72,60 @@ enum class ReduceOp {
 
 // "sum", "avg", "max".
 const char* ReduceOpName(ReduceOp op);
+
+// ---- Options per operation (Gloo's *Options, c10d's *Options). ----
+// `timeout`: how long this call waits for the operation; ZeroDuration() (the default)
+// means the communicator's timeout(). A sync call whose own timeout passes returns
+// DeadlineExceeded with the operation still in flight: as with Work::Wait, its buffers
+// must then stay alive until the communicator is destroyed. For async calls the timeout is
+// what Wait() with no argument uses.
+
+struct AllReduceOptions {
+  const void* send = nullptr;
+  void* recv = nullptr;
+  size_t count = 0;
+  DType dtype = DType::kF32;
+  ReduceOp op = ReduceOp::kSum;
+  absl::Duration timeout = absl::ZeroDuration();
+};
+
+struct ReduceScatterOptions {
+  const void* send = nullptr;  // size() * recv_count elements
+  void* recv = nullptr;
+  size_t recv_count = 0;
+  DType dtype = DType::kF32;
+  ReduceOp op = ReduceOp::kSum;
+  absl::Duration timeout = absl::ZeroDuration();
+};
+
+struct AllGatherOptions {
+  const void* send = nullptr;
+  void* recv = nullptr;  // size() * send_count elements
+  size_t send_count = 0;
+  DType dtype = DType::kF32;
+  absl::Duration timeout = absl::ZeroDuration();
+};
+
+struct AllToAllVOptions {
+  const void* send = nullptr;
+  absl::Span<const size_t> send_counts, send_offsets;
+  void* recv = nullptr;
+  absl::Span<const size_t> recv_counts, recv_offsets;
+  DType dtype = DType::kF32;
+  absl::Duration timeout = absl::ZeroDuration();
+};
+
+struct BroadcastOptions {
+  void* buf = nullptr;
+  size_t count = 0;
+  DType dtype = DType::kF32;
+  int root = 0;
+  absl::Duration timeout = absl::ZeroDuration();
+};
+
+struct BarrierOptions {
+  absl::Duration timeout = absl::ZeroDuration();
+};
 
 // A handle to an asynchronous collective.
 class Work {
@@ -107,24 +182,49 @@ class Communicator {
   // A negative color means "not in any new communicator" (returns nullptr). Collective.
   virtual absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) = 0;
 
-  // ---- Synchronous forms: issue the async form and wait up to timeout(). ----
+  // ---- Synchronous forms. ----
+  // By default: issue the async form and wait up to timeout(). A backend may override them
+  // with a cheaper path (the thread backend runs them on the caller's thread without
+  // allocating); the result must be the same as async + Wait.
 
-  absl::Status AllReduce(const void* send, void* recv, size_t count, DType dtype,
-                         ReduceOp op = ReduceOp::kSum);
-  absl::Status ReduceScatter(const void* send, void* recv, size_t recv_count, DType dtype,
-                             ReduceOp op = ReduceOp::kSum);
-  absl::Status AllGather(const void* send, void* recv, size_t send_count, DType dtype);
-  absl::Status AllToAllV(const void* send, absl::Span<const size_t> send_counts,
-                         absl::Span<const size_t> send_offsets, void* recv,
-                         absl::Span<const size_t> recv_counts,
-                         absl::Span<const size_t> recv_offsets, DType dtype);
-  absl::Status Broadcast(void* buf, size_t count, DType dtype, int root);
-  absl::Status Barrier();
+  virtual absl::Status AllReduce(const void* send, void* recv, size_t count, DType dtype,
+                                 ReduceOp op = ReduceOp::kSum);
+  virtual absl::Status ReduceScatter(const void* send, void* recv, size_t recv_count,
+                                     DType dtype, ReduceOp op = ReduceOp::kSum);
+  virtual absl::Status AllGather(const void* send, void* recv, size_t send_count, DType dtype);
+  virtual absl::Status AllToAllV(const void* send, absl::Span<const size_t> send_counts,
+                                 absl::Span<const size_t> send_offsets, void* recv,
+                                 absl::Span<const size_t> recv_counts,
+                                 absl::Span<const size_t> recv_offsets, DType dtype);
+  virtual absl::Status Broadcast(void* buf, size_t count, DType dtype, int root);
+  virtual absl::Status Barrier();
+
+  // ---- The same operations with an options struct (thin wrappers over the above). ----
+
+  absl::Status AllReduce(const AllReduceOptions& o);
+  absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const AllReduceOptions& o);
+  absl::Status ReduceScatter(const ReduceScatterOptions& o);
+  absl::StatusOr<std::unique_ptr<Work>> ReduceScatterAsync(const ReduceScatterOptions& o);
+  absl::Status AllGather(const AllGatherOptions& o);
+  absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const AllGatherOptions& o);
+  absl::Status AllToAllV(const AllToAllVOptions& o);
+  absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(const AllToAllVOptions& o);
+  absl::Status Broadcast(const BroadcastOptions& o);
+  absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(const BroadcastOptions& o);
+  absl::Status Barrier(const BarrierOptions& o);
+  absl::StatusOr<std::unique_ptr<Work>> BarrierAsync(const BarrierOptions& o);
 
  protected:
   // Waits on an issued operation with this communicator's timeout plus a margin, so
   // that the backend's own DeadlineExceeded is what the caller normally sees.
   absl::Status WaitIssued(absl::StatusOr<std::unique_ptr<Work>> work);
+
+ private:
+  // The options forms: `timeout` zero means the plain call; otherwise async + Wait.
+  template <typename Sync, typename Async>
+  absl::Status WithTimeout(absl::Duration timeout, Sync&& sync, Async&& async);
+  absl::StatusOr<std::unique_ptr<Work>> DefaultWait(absl::Duration timeout,
+                                                    absl::StatusOr<std::unique_ptr<Work>> work);
 };
 
 }  // namespace gradsum

@@ -1,8 +1,9 @@
 #ifndef GRADSUM_COLLECTIVES_CONFORMANCE_H_
 #define GRADSUM_COLLECTIVES_CONFORMANCE_H_
 
-// Conformance checks for any Communicator backend whose buffers are host memory (thread,
-// mpi; an nccl test would stage through host copies).
+// Conformance checks for any Communicator backend. Buffers are host memory: the thread and
+// mpi tests call them directly; collectives/nccl_conformance_test.cc runs them against the
+// nccl backend through an adapter that stages every call through device copies.
 //
 // Every check is collective: each rank of `comm` calls it with the same arguments, in the
 // same order, as it would call the collective itself. Each rank generates every rank's

@@ -38,4 +38,14 @@ absl::StatusOr<std::unique_ptr<Mesh>> Mesh::Create(Communicator* world, int ep_s
       new Mesh(world, ep_size, std::move(ep_group), std::move(edp_group)));
 }
 
+absl::Status HierarchicalReduceScatter(Mesh& mesh, const void* send, void* shard,
+                                       size_t shard_count, DType dtype) {
+  GRADSUM_RETURN_IF_ERROR(Annotate(
+      mesh.ep_group().ReduceScatter(send, shard, shard_count, dtype, ReduceOp::kSum),
+      "hierarchical reduce-scatter, within the shard group"));
+  return Annotate(
+      mesh.edp_group().AllReduce(shard, shard, shard_count, dtype, ReduceOp::kSum),
+      "hierarchical reduce-scatter, across the replica groups");
+}
+
 }  // namespace gradsum

@@ -50,6 +50,21 @@ class Mesh {
   std::unique_ptr<Communicator> edp_group_;
 };
 
+// Two-level (HSDP-style) SUM reduce-scatter over the mesh: the shard group is ep_group()
+// (P contiguous ranks), the replica group edp_group() (F ranks with the same p). `send`
+// holds this rank's full buffer, P * shard_count elements; on return `shard` holds block
+// p_index() of the SUM of `send` over all W ranks: first a reduce-scatter within the shard
+// group (each rank gets the partial sum of its block over its P peers), then an
+// all-reduce of that block across the replica group. Traffic per rank is that of one
+// reduce-scatter of the full buffer plus one all-reduce of 1/P of it, instead of a flat
+// all-reduce of the full buffer over W ranks.
+// `shard` must not overlap `send` except as the reduce-scatter in-place layout
+// (shard == send + p_index() * shard_count). Integer SUMs and f32/f64 values that sum
+// exactly equal the flat SUM bit for bit; floating sums in general differ from the flat
+// order by rounding (and bf16/f16 round after each level). Collective over the whole mesh.
+absl::Status HierarchicalReduceScatter(Mesh& mesh, const void* send, void* shard,
+                                       size_t shard_count, DType dtype);
+
 }  // namespace gradsum
 
 #endif  // GRADSUM_COLLECTIVES_MESH_H_

@@ -20,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "collectives/checked_communicator.h"
 #include "collectives/op_descriptor.h"
 #include "core/half.h"
 #include "core/status.h"
@@ -27,7 +28,8 @@
 namespace gradsum {
 namespace {
 
-using collectives_internal::OpDescriptor;
+using collectives_internal::MakeCall;
+using collectives_internal::OpCall;
 using Kind = collectives_internal::OpKind;
 constexpr auto KindName = collectives_internal::OpKindName;
 
@@ -165,42 +167,9 @@ void DivideNative(void* buf, size_t n, DType t, int divisor) {
   }
 }
 
-// ---- Local argument checks (before any exchange, so only the offending rank fails). ----
-
-absl::Status CheckDType(DType t) {
-  if (!IsValidDType(static_cast<int>(t))) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("invalid dtype value ", static_cast<int>(t)));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckFitsInt(size_t v, absl::string_view what) {
-  if (v > static_cast<size_t>(INT_MAX)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, " = ", v, " exceeds the MPI backend's per-call limit of ", INT_MAX, " elements"));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckBuffer(const void* p, size_t count, absl::string_view what) {
-  if (p == nullptr && count > 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, " buffer is null with ", count, " elements"));
-  }
-  return absl::OkStatus();
-}
-
-bool Overlaps(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
-  const auto x = reinterpret_cast<uintptr_t>(a);
-  const auto y = reinterpret_cast<uintptr_t>(b);
-  return a_bytes > 0 && b_bytes > 0 && x < y + b_bytes && y < x + a_bytes;
-}
-
 // Scratch memory of one operation. MPI may still write into it after a timeout (a late
 // peer completes the request), so a timed-out operation's scratch is never freed.
 struct Scratch {
-  std::vector<int64_t> i64a, i64b, i64c;
   std::vector<float> f32a, f32b;
   std::vector<unsigned char> bytes;
   std::vector<int> send_counts, send_displs, recv_counts, recv_displs;
@@ -216,18 +185,19 @@ void LeakForever(std::unique_ptr<Scratch> scratch) {
 // What an executing operation knows about itself.
 struct OpContext {
   int64_t seq = 0;
+  Kind kind = Kind::kBarrier;
   absl::Time deadline;
-  std::unique_ptr<Scratch> scratch = std::make_unique<Scratch>();
-  std::string label;          // "mpi all_reduce #3 (rank 1 of 4)"
-  bool breaks_comm = false;   // set when the communicator must not be used again
-  bool leak_scratch = false;  // set when MPI may still write into the scratch
+  Scratch* scratch = nullptr;  // the communicator's, reused by every operation
+  bool breaks_comm = false;    // set when the communicator must not be used again
+  bool leak_scratch = false;   // set when MPI may still write into the scratch
+  bool blocking = false;       // a sync all-reduce with MpiBackendOptions::blocking_sync_calls
 };
 
 using OpFn = std::function<absl::Status(OpContext&)>;
 
 struct Op {
   Kind kind;
-  int64_t seq = 0;  // issue order on this rank, counting calls that failed locally
+  int64_t seq = 0;  // issue order on this rank
   OpFn run;
   std::mutex mu;
   std::condition_variable cv;
@@ -272,7 +242,8 @@ class MpiWork final : public Work {
 class MpiCommunicator final : public Communicator {
  public:
   // Takes ownership of `comm` (frees it on destruction unless the communicator broke).
-  MpiCommunicator(MPI_Comm comm, MpiBackendOptions options) : comm_(comm), options_(options) {
+  MpiCommunicator(MPI_Comm comm, MpiBackendOptions options)
+      : comm_(comm), options_(options), scratch_(std::make_unique<Scratch>()) {
     CallMpi([&] { return MPI_Comm_rank(comm_, &rank_); });
     CallMpi([&] { return MPI_Comm_size(comm_, &size_); });
     CallMpi([&] { return MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN); });
@@ -284,7 +255,7 @@ class MpiCommunicator final : public Communicator {
       std::lock_guard<std::mutex> lock(mu_);
       stopping_ = true;
     }
-    queue_cv_.notify_one();
+    queue_cv_.notify_all();
     worker_.join();  // after running what was already issued
     int finalized = 0;
     MPI_Finalized(&finalized);
@@ -298,69 +269,85 @@ class MpiCommunicator final : public Communicator {
   std::string backend() const override { return "mpi"; }
   absl::Duration timeout() const override { return options_.timeout; }
 
+  // Async forms: validated on the caller's thread, run in issue order by the progress
+  // thread. Sync forms: the same operation, run on the caller's thread when nothing of
+  // this communicator's is queued or running (no hand-off, no allocation), else queued.
+
   absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv,
                                                        size_t count, DType dtype,
                                                        ReduceOp op) override {
-    const int64_t seq = next_seq_++;
-    return PoisonIfInvalid(seq, Kind::kAllReduce,
-                           IssueAllReduce(seq, send, recv, count, dtype, op));
+    return Async(MakeCall(Kind::kAllReduce, send, recv, count, dtype, op));
+  }
+  absl::Status AllReduce(const void* send, void* recv, size_t count, DType dtype,
+                         ReduceOp op) override {
+    return Sync(MakeCall(Kind::kAllReduce, send, recv, count, dtype, op));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> ReduceScatterAsync(const void* send, void* recv,
                                                            size_t recv_count, DType dtype,
                                                            ReduceOp op) override {
-    const int64_t seq = next_seq_++;
-    return PoisonIfInvalid(seq, Kind::kReduceScatter,
-                           IssueReduceScatter(seq, send, recv, recv_count, dtype, op));
+    return Async(MakeCall(Kind::kReduceScatter, send, recv, recv_count, dtype, op));
+  }
+  absl::Status ReduceScatter(const void* send, void* recv, size_t recv_count, DType dtype,
+                             ReduceOp op) override {
+    return Sync(MakeCall(Kind::kReduceScatter, send, recv, recv_count, dtype, op));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const void* send, void* recv,
                                                        size_t send_count, DType dtype) override {
-    const int64_t seq = next_seq_++;
-    return PoisonIfInvalid(seq, Kind::kAllGather,
-                           IssueAllGather(seq, send, recv, send_count, dtype));
+    return Async(MakeCall(Kind::kAllGather, send, recv, send_count, dtype));
+  }
+  absl::Status AllGather(const void* send, void* recv, size_t send_count, DType dtype) override {
+    return Sync(MakeCall(Kind::kAllGather, send, recv, send_count, dtype));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(
       const void* send, absl::Span<const size_t> send_counts,
       absl::Span<const size_t> send_offsets, void* recv, absl::Span<const size_t> recv_counts,
       absl::Span<const size_t> recv_offsets, DType dtype) override {
-    const int64_t seq = next_seq_++;
-    return PoisonIfInvalid(seq, Kind::kAllToAllV,
-                           IssueAllToAllV(seq, send, send_counts, send_offsets, recv,
-                                          recv_counts, recv_offsets, dtype));
+    return Async(collectives_internal::MakeAllToAllVCall(send, send_counts, send_offsets, recv,
+                                                         recv_counts, recv_offsets, dtype));
+  }
+  absl::Status AllToAllV(const void* send, absl::Span<const size_t> send_counts,
+                         absl::Span<const size_t> send_offsets, void* recv,
+                         absl::Span<const size_t> recv_counts,
+                         absl::Span<const size_t> recv_offsets, DType dtype) override {
+    return Sync(collectives_internal::MakeAllToAllVCall(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dtype));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(void* buf, size_t count, DType dtype,
                                                        int root) override {
-    const int64_t seq = next_seq_++;
-    return PoisonIfInvalid(seq, Kind::kBroadcast, IssueBroadcast(seq, buf, count, dtype, root));
+    return Async(collectives_internal::MakeBroadcastCall(buf, count, dtype, root));
+  }
+  absl::Status Broadcast(void* buf, size_t count, DType dtype, int root) override {
+    return Sync(collectives_internal::MakeBroadcastCall(buf, count, dtype, root));
   }
 
-  // The descriptor all-reduce already waits for every rank, so it is the barrier.
   absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override {
-    const int64_t seq = next_seq_++;
-    const OpDescriptor d{Kind::kBarrier, DType::kF32, ReduceOp::kSum, 0, -1};
-    return Enqueue(seq, d.kind, [=](OpContext& ctx) { return Agree(ctx, d); });
+    return Async(MakeCall(Kind::kBarrier, nullptr, nullptr, 0, DType::kF32));
+  }
+  absl::Status Barrier() override {
+    return Sync(MakeCall(Kind::kBarrier, nullptr, nullptr, 0, DType::kF32));
   }
 
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
     const int64_t seq = next_seq_++;
     auto result = std::make_shared<absl::StatusOr<std::unique_ptr<Communicator>>>(nullptr);
-    const OpDescriptor d{Kind::kSplit, DType::kF32, ReduceOp::kSum, 0, -1};
     // Runs on the progress thread so that it is ordered after earlier async operations.
     absl::StatusOr<std::unique_ptr<Work>> work =
-        Enqueue(seq, d.kind, [=](OpContext& ctx) -> absl::Status {
-          GRADSUM_RETURN_IF_ERROR(Agree(ctx, d));
-          // Every rank has arrived (the descriptor exchange completed), so the blocking
-          // split cannot wait on an absent rank.
+        Enqueue(seq, Kind::kSplit, [=](OpContext& ctx) -> absl::Status {
+          // A barrier with the deadline first, so that the blocking split cannot wait on
+          // an absent rank.
+          MPI_Request req;
+          GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] { return MPI_Ibarrier(comm_, &req); }));
+          GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
           MPI_Comm child = MPI_COMM_NULL;
           const int rc = CallMpi([&] {
             return MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &child);
           });
           if (rc != MPI_SUCCESS) {
             ctx.breaks_comm = true;
-            return MpiError(rc, ctx.label);
+            return MpiError(rc, Label(ctx));
           }
           if (child != MPI_COMM_NULL) {
             *result = std::unique_ptr<Communicator>(new MpiCommunicator(child, options_));
@@ -372,283 +359,176 @@ class MpiCommunicator final : public Communicator {
   }
 
  private:
-  absl::StatusOr<std::unique_ptr<Work>> IssueAllReduce(int64_t seq, const void* send, void* recv,
-                                                       size_t count, DType dtype, ReduceOp op) {
-    GRADSUM_RETURN_IF_ERROR(CheckDType(dtype));
-    GRADSUM_RETURN_IF_ERROR(CheckReduceOp(op, dtype, /*allow_max=*/true));
-    GRADSUM_RETURN_IF_ERROR(CheckFitsInt(count, "all-reduce count"));
-    GRADSUM_RETURN_IF_ERROR(CheckBuffer(send, count, "all-reduce send"));
-    GRADSUM_RETURN_IF_ERROR(CheckBuffer(recv, count, "all-reduce recv"));
-    if (send != recv && Overlaps(send, count * DTypeSize(dtype), recv, count * DTypeSize(dtype))) {
-      return absl::InvalidArgumentError(
-          "all-reduce send and recv overlap without being equal (in place is send == recv)");
-    }
-    const OpDescriptor d{Kind::kAllReduce, dtype, op, static_cast<int64_t>(count), -1};
-    return Enqueue(seq, d.kind, [=](OpContext& ctx) -> absl::Status {
-      GRADSUM_RETURN_IF_ERROR(Agree(ctx, d));
-      // Large buffers go in chunks, one MPI_Iallreduce each, so that the fp32 staging of
-      // bf16/f16 stays small and in cache between widening, reducing and narrowing.
-      const size_t esize = DTypeSize(dtype);
-      for (size_t begin = 0; begin < count; begin += kAllReduceChunk) {
-        const size_t len = std::min(kAllReduceChunk, count - begin);
-        const int n = static_cast<int>(len);
-        const void* chunk_send = static_cast<const unsigned char*>(send) + begin * esize;
-        void* chunk_recv = static_cast<unsigned char*>(recv) + begin * esize;
-        MPI_Request req;
-        if (IsHalf(dtype)) {
-          std::vector<float>& acc = ctx.scratch->f32a;
-          acc.resize(len);
-          Widen(chunk_send, dtype, len, acc.data());
+  // The one local check of every backend; every MPI count and offset must fit in an int.
+  absl::Status Validate(const OpCall& c) const {
+    return collectives_internal::ValidateCall(c, rank_, size_, static_cast<size_t>(INT_MAX));
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> Async(const OpCall& c) {
+    const int64_t seq = next_seq_++;
+    GRADSUM_RETURN_IF_ERROR(Validate(c));
+    return Dispatch<absl::StatusOr<std::unique_ptr<Work>>>(
+        c, [&](auto&& fn) { return Enqueue(seq, c.kind, OpFn(std::move(fn))); });
+  }
+
+  absl::Status Sync(const OpCall& c) {
+    const int64_t seq = next_seq_++;
+    GRADSUM_RETURN_IF_ERROR(Validate(c));
+    return Dispatch<absl::Status>(c, [&](auto&& fn) { return RunNow(seq, c.kind, fn); });
+  }
+
+  // Builds the data movement of a validated call and hands it to `run` (which queues it
+  // or runs it now). Everything the closure needs is captured by value.
+  template <typename R, typename Run>
+  R Dispatch(const OpCall& c, Run&& run) {
+    const DType dtype = c.dtype;
+    const ReduceOp op = c.op;
+    const size_t count = c.count;
+    const void* send = c.send;
+    void* recv = c.recv;
+    const bool in_place = collectives_internal::IsInPlace(c, rank_);
+    switch (c.kind) {
+      case Kind::kAllReduce:
+        return run([=](OpContext& ctx) { return RunAllReduce(ctx, send, recv, count, dtype, op); });
+      case Kind::kReduceScatter:
+        return run([=](OpContext& ctx) {
+          return RunReduceScatter(ctx, send, recv, count, dtype, op, in_place);
+        });
+      case Kind::kAllGather:
+        return run([=](OpContext& ctx) -> absl::Status {
+          if (count == 0) return absl::OkStatus();
+          const void* in = in_place ? MPI_IN_PLACE : send;
+          const int n = static_cast<int>(count);
+          MPI_Request req;
           GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
-            return MPI_Iallreduce(MPI_IN_PLACE, acc.data(), n, MPI_FLOAT, MpiOp(op), comm_, &req);
+            return MPI_Iallgather(in, n, MoveType(dtype), recv, n, MoveType(dtype), comm_, &req);
           }));
-          GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
-          if (op == ReduceOp::kAvg) DivideNative(acc.data(), len, DType::kF32, size_);
-          Narrow(acc.data(), dtype, len, chunk_recv);
-          continue;
-        }
-        const void* in = send == recv ? MPI_IN_PLACE : chunk_send;
-        GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
-          return MPI_Iallreduce(in, chunk_recv, n, MoveType(dtype), MpiOp(op), comm_, &req);
-        }));
-        GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
-        if (op == ReduceOp::kAvg) DivideNative(chunk_recv, len, dtype, size_);
+          return Await(ctx, &req);
+        });
+      case Kind::kAllToAllV: {
+        auto to_ints = [](absl::Span<const size_t> s) {
+          return std::vector<int>(s.begin(), s.end());
+        };
+        std::vector<int> sc = to_ints(c.send_counts), sd = to_ints(c.send_offsets);
+        std::vector<int> rc = to_ints(c.recv_counts), rd = to_ints(c.recv_offsets);
+        return run([=](OpContext& ctx) -> absl::Status {
+          Scratch& s = *ctx.scratch;
+          s.send_counts = sc;
+          s.send_displs = sd;
+          s.recv_counts = rc;
+          s.recv_displs = rd;
+          MPI_Request req;
+          GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
+            return MPI_Ialltoallv(send, s.send_counts.data(), s.send_displs.data(),
+                                  MoveType(dtype), recv, s.recv_counts.data(),
+                                  s.recv_displs.data(), MoveType(dtype), comm_, &req);
+          }));
+          return Await(ctx, &req);
+        });
       }
-      return absl::OkStatus();
+      case Kind::kBroadcast: {
+        const int root = c.root;
+        return run([=](OpContext& ctx) -> absl::Status {
+          if (count == 0) return absl::OkStatus();
+          MPI_Request req;
+          GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
+            return MPI_Ibcast(recv, static_cast<int>(count), MoveType(dtype), root, comm_, &req);
+          }));
+          return Await(ctx, &req);
+        });
+      }
+      case Kind::kBarrier:
+      case Kind::kSplit:
+        break;
+    }
+    return run([=](OpContext& ctx) -> absl::Status {
+      MPI_Request req;
+      GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] { return MPI_Ibarrier(comm_, &req); }));
+      return Await(ctx, &req);
     });
   }
 
-  absl::StatusOr<std::unique_ptr<Work>> IssueReduceScatter(int64_t seq, const void* send,
-                                                           void* recv, size_t recv_count,
-                                                           DType dtype, ReduceOp op) {
-    GRADSUM_RETURN_IF_ERROR(CheckDType(dtype));
-    GRADSUM_RETURN_IF_ERROR(CheckReduceOp(op, dtype, /*allow_max=*/false));
-    GRADSUM_ASSIGN_OR_RETURN(
-        const bool in_place,
-        CheckBlockLayout(send, recv, recv_count, dtype, "reduce-scatter", "recv", "send"));
+  absl::Status RunAllReduce(OpContext& ctx, const void* send, void* recv, size_t count,
+                            DType dtype, ReduceOp op) {
+    // Large buffers go in chunks, one MPI_Iallreduce each, so that the fp32 staging of
+    // bf16/f16 stays small and in cache between widening, reducing and narrowing.
+    const size_t esize = DTypeSize(dtype);
+    for (size_t begin = 0; begin < count; begin += kAllReduceChunk) {
+      const size_t len = std::min(kAllReduceChunk, count - begin);
+      const int n = static_cast<int>(len);
+      const void* chunk_send = static_cast<const unsigned char*>(send) + begin * esize;
+      void* chunk_recv = static_cast<unsigned char*>(recv) + begin * esize;
+      if (IsHalf(dtype)) {
+        std::vector<float>& acc = ctx.scratch->f32a;
+        acc.resize(len);
+        Widen(chunk_send, dtype, len, acc.data());
+        GRADSUM_RETURN_IF_ERROR(
+            AllReduceChunk(ctx, MPI_IN_PLACE, acc.data(), n, MPI_FLOAT, MpiOp(op)));
+        if (op == ReduceOp::kAvg) DivideNative(acc.data(), len, DType::kF32, size_);
+        Narrow(acc.data(), dtype, len, chunk_recv);
+        continue;
+      }
+      const void* in = send == recv ? MPI_IN_PLACE : chunk_send;
+      GRADSUM_RETURN_IF_ERROR(AllReduceChunk(ctx, in, chunk_recv, n, MoveType(dtype), MpiOp(op)));
+      if (op == ReduceOp::kAvg) DivideNative(chunk_recv, len, dtype, size_);
+    }
+    return absl::OkStatus();
+  }
+
+  // One MPI all-reduce: blocking MPI_Allreduce for a sync call when the options ask for it
+  // (raw-MPI latency, no deadline), else MPI_Iallreduce polled until the deadline.
+  absl::Status AllReduceChunk(OpContext& ctx, const void* in, void* out, int n, MPI_Datatype t,
+                              MPI_Op op) {
+    if (ctx.blocking) {
+      const int rc = CallMpi([&] { return MPI_Allreduce(in, out, n, t, op, comm_); });
+      if (rc != MPI_SUCCESS) {
+        ctx.breaks_comm = true;
+        return MpiError(rc, Label(ctx));
+      }
+      return absl::OkStatus();
+    }
+    MPI_Request req;
+    GRADSUM_RETURN_IF_ERROR(
+        Post(ctx, [&] { return MPI_Iallreduce(in, out, n, t, op, comm_, &req); }));
+    return Await(ctx, &req);
+  }
+
+  absl::Status RunReduceScatter(OpContext& ctx, const void* send, void* recv, size_t recv_count,
+                                DType dtype, ReduceOp op, bool in_place) {
+    if (recv_count == 0) return absl::OkStatus();
     const size_t send_count = recv_count * static_cast<size_t>(size_);
     const size_t esize = DTypeSize(dtype);
-    const OpDescriptor d{Kind::kReduceScatter, dtype, op, static_cast<int64_t>(recv_count), -1};
-    return Enqueue(seq, d.kind, [=](OpContext& ctx) -> absl::Status {
-      GRADSUM_RETURN_IF_ERROR(Agree(ctx, d));
-      if (recv_count == 0) return absl::OkStatus();
-      const int n = static_cast<int>(recv_count);
-      MPI_Request req;
-      if (IsHalf(dtype)) {
-        std::vector<float>& in = ctx.scratch->f32a;
-        std::vector<float>& out = ctx.scratch->f32b;
-        in.resize(send_count);
-        out.resize(recv_count);
-        Widen(send, dtype, send_count, in.data());
-        GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
-          return MPI_Ireduce_scatter_block(in.data(), out.data(), n, MPI_FLOAT, MPI_SUM, comm_,
-                                           &req);
-        }));
-        GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
-        if (op == ReduceOp::kAvg) DivideNative(out.data(), recv_count, DType::kF32, size_);
-        Narrow(out.data(), dtype, recv_count, recv);
-        return absl::OkStatus();
-      }
-      // In place, recv aliases my block of send, which MPI must not see as both input and
-      // output: reduce into scratch and copy.
-      void* out = recv;
-      if (in_place) {
-        ctx.scratch->bytes.resize(recv_count * esize);
-        out = ctx.scratch->bytes.data();
-      }
+    const int n = static_cast<int>(recv_count);
+    MPI_Request req;
+    if (IsHalf(dtype)) {
+      std::vector<float>& in = ctx.scratch->f32a;
+      std::vector<float>& out = ctx.scratch->f32b;
+      in.resize(send_count);
+      out.resize(recv_count);
+      Widen(send, dtype, send_count, in.data());
       GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
-        return MPI_Ireduce_scatter_block(send, out, n, MoveType(dtype), MPI_SUM, comm_, &req);
+        return MPI_Ireduce_scatter_block(in.data(), out.data(), n, MPI_FLOAT, MPI_SUM, comm_,
+                                         &req);
       }));
       GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
-      if (op == ReduceOp::kAvg) DivideNative(out, recv_count, dtype, size_);
-      if (out != recv) std::memcpy(recv, out, recv_count * esize);
+      if (op == ReduceOp::kAvg) DivideNative(out.data(), recv_count, DType::kF32, size_);
+      Narrow(out.data(), dtype, recv_count, recv);
       return absl::OkStatus();
-    });
-  }
-
-  absl::StatusOr<std::unique_ptr<Work>> IssueAllGather(int64_t seq, const void* send, void* recv,
-                                                       size_t send_count, DType dtype) {
-    GRADSUM_RETURN_IF_ERROR(CheckDType(dtype));
-    GRADSUM_ASSIGN_OR_RETURN(
-        const bool in_place,
-        CheckBlockLayout(recv, send, send_count, dtype, "all-gather", "send", "recv"));
-    const OpDescriptor d{Kind::kAllGather, dtype, ReduceOp::kSum,
-                       static_cast<int64_t>(send_count), -1};
-    return Enqueue(seq, d.kind, [=](OpContext& ctx) -> absl::Status {
-      GRADSUM_RETURN_IF_ERROR(Agree(ctx, d));
-      if (send_count == 0) return absl::OkStatus();
-      const void* in = in_place ? MPI_IN_PLACE : send;
-      const int n = static_cast<int>(send_count);
-      MPI_Request req;
-      GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
-        return MPI_Iallgather(in, n, MoveType(dtype), recv, n, MoveType(dtype), comm_, &req);
-      }));
-      return Await(ctx, &req);
-    });
-  }
-
-  absl::StatusOr<std::unique_ptr<Work>> IssueAllToAllV(
-      int64_t seq, const void* send, absl::Span<const size_t> send_counts,
-      absl::Span<const size_t> send_offsets, void* recv, absl::Span<const size_t> recv_counts,
-      absl::Span<const size_t> recv_offsets, DType dtype) {
-    GRADSUM_RETURN_IF_ERROR(CheckDType(dtype));
-    const size_t world = static_cast<size_t>(size_);
-    for (auto [span, name] : {std::pair(send_counts, "send_counts"),
-                              std::pair(send_offsets, "send_offsets"),
-                              std::pair(recv_counts, "recv_counts"),
-                              std::pair(recv_offsets, "recv_offsets")}) {
-      if (span.size() != world) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "all-to-all-v ", name, " has ", span.size(), " entries, expected size() = ", world));
-      }
-      for (size_t p = 0; p < world; ++p) {
-        GRADSUM_RETURN_IF_ERROR(
-            CheckFitsInt(span[p], absl::StrCat("all-to-all-v ", name, "[", p, "]")));
-      }
     }
-    size_t send_total = 0, recv_total = 0;
-    for (size_t p = 0; p < world; ++p) {
-      send_total += send_counts[p];
-      recv_total += recv_counts[p];
+    // In place, recv aliases my block of send, which MPI must not see as both input and
+    // output: reduce into scratch and copy.
+    void* out = recv;
+    if (in_place) {
+      ctx.scratch->bytes.resize(recv_count * esize);
+      out = ctx.scratch->bytes.data();
     }
-    GRADSUM_RETURN_IF_ERROR(CheckBuffer(send, send_total, "all-to-all-v send"));
-    GRADSUM_RETURN_IF_ERROR(CheckBuffer(recv, recv_total, "all-to-all-v recv"));
-    GRADSUM_RETURN_IF_ERROR(CheckAllToAllVBlocks(send, send_counts, send_offsets, recv,
-                                                 recv_counts, recv_offsets, DTypeSize(dtype)));
-    auto to_ints = [](absl::Span<const size_t> s) { return std::vector<int>(s.begin(), s.end()); };
-    std::vector<int> sc = to_ints(send_counts), sd = to_ints(send_offsets);
-    std::vector<int> rc = to_ints(recv_counts), rd = to_ints(recv_offsets);
-    const OpDescriptor d{Kind::kAllToAllV, dtype, ReduceOp::kSum, 0, -1};
-    return Enqueue(seq, d.kind, [=](OpContext& ctx) -> absl::Status {
-      GRADSUM_RETURN_IF_ERROR(Agree(ctx, d));
-      GRADSUM_RETURN_IF_ERROR(AgreeOnCounts(ctx, sc, rc));
-      Scratch& s = *ctx.scratch;
-      s.send_counts = sc;
-      s.send_displs = sd;
-      s.recv_counts = rc;
-      s.recv_displs = rd;
-      MPI_Request req;
-      GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
-        return MPI_Ialltoallv(send, s.send_counts.data(), s.send_displs.data(), MoveType(dtype),
-                              recv, s.recv_counts.data(), s.recv_displs.data(), MoveType(dtype),
-                              comm_, &req);
-      }));
-      return Await(ctx, &req);
-    });
-  }
-
-  absl::StatusOr<std::unique_ptr<Work>> IssueBroadcast(int64_t seq, void* buf, size_t count,
-                                                       DType dtype, int root) {
-    GRADSUM_RETURN_IF_ERROR(CheckDType(dtype));
-    if (root < 0 || root >= size_) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("broadcast root ", root, " is outside [0, ", size_, ")"));
-    }
-    GRADSUM_RETURN_IF_ERROR(CheckFitsInt(count, "broadcast count"));
-    GRADSUM_RETURN_IF_ERROR(CheckBuffer(buf, count, "broadcast"));
-    const OpDescriptor d{Kind::kBroadcast, dtype, ReduceOp::kSum, static_cast<int64_t>(count),
-                       root};
-    return Enqueue(seq, d.kind, [=](OpContext& ctx) -> absl::Status {
-      GRADSUM_RETURN_IF_ERROR(Agree(ctx, d));
-      if (count == 0) return absl::OkStatus();
-      MPI_Request req;
-      GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
-        return MPI_Ibcast(buf, static_cast<int>(count), MoveType(dtype), root, comm_, &req);
-      }));
-      return Await(ctx, &req);
-    });
-  }
-
-  static absl::Status CheckReduceOp(ReduceOp op, DType dtype, bool allow_max) {
-    if (op != ReduceOp::kSum && op != ReduceOp::kAvg && op != ReduceOp::kMax) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("invalid reduce op value ", static_cast<int>(op)));
-    }
-    if (op == ReduceOp::kMax && !allow_max) {
-      return absl::InvalidArgumentError("reduce-scatter supports sum and avg, not max");
-    }
-    if (op == ReduceOp::kAvg && !IsFloating(dtype)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("avg needs a floating dtype, got ", DTypeName(dtype)));
-    }
+    GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
+      return MPI_Ireduce_scatter_block(send, out, n, MoveType(dtype), MPI_SUM, comm_, &req);
+    }));
+    GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
+    if (op == ReduceOp::kAvg) DivideNative(out, recv_count, dtype, size_);
+    if (out != recv) std::memcpy(recv, out, recv_count * esize);
     return absl::OkStatus();
-  }
-
-  // Receive blocks must not overlap each other, and nothing sent may overlap anything
-  // received (MPI_Ialltoallv has no in-place form with separate send data).
-  static absl::Status CheckAllToAllVBlocks(const void* send, absl::Span<const size_t> send_counts,
-                                           absl::Span<const size_t> send_offsets, void* recv,
-                                           absl::Span<const size_t> recv_counts,
-                                           absl::Span<const size_t> recv_offsets, size_t esize) {
-    const size_t n = send_counts.size();
-    std::vector<std::pair<size_t, size_t>> recv_ranges;
-    for (size_t p = 0; p < n; ++p) {
-      if (recv_counts[p] > 0) {
-        recv_ranges.push_back({recv_offsets[p], recv_offsets[p] + recv_counts[p]});
-      }
-    }
-    std::sort(recv_ranges.begin(), recv_ranges.end());
-    for (size_t i = 1; i < recv_ranges.size(); ++i) {
-      if (recv_ranges[i].first < recv_ranges[i - 1].second) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "all-to-all-v recv blocks overlap: [", recv_ranges[i - 1].first, ", ",
-            recv_ranges[i - 1].second, ") and [", recv_ranges[i].first, ", ",
-            recv_ranges[i].second, ")"));
-      }
-    }
-    const auto* s = static_cast<const unsigned char*>(send);
-    const auto* r = static_cast<const unsigned char*>(recv);
-    for (size_t p = 0; p < n; ++p) {
-      for (size_t q = 0; q < n; ++q) {
-        if (Overlaps(s + send_offsets[p] * esize, send_counts[p] * esize,
-                     r + recv_offsets[q] * esize, recv_counts[q] * esize)) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "all-to-all-v send block for peer ", p, " overlaps recv block from peer ", q,
-              " (in place is not supported)"));
-        }
-      }
-    }
-    return absl::OkStatus();
-  }
-
-  // Reduce-scatter and all-gather: `full` holds size() blocks of `block_count` elements and
-  // `block` is this rank's one. Returns whether the call is in place (block == full +
-  // rank * block_count, NCCL's convention); any other overlap is InvalidArgument.
-  absl::StatusOr<bool> CheckBlockLayout(const void* full, const void* block, size_t block_count,
-                                        DType dtype, absl::string_view op,
-                                        absl::string_view block_name,
-                                        absl::string_view full_name) const {
-    GRADSUM_RETURN_IF_ERROR(CheckFitsInt(block_count, absl::StrCat(op, " ", block_name, "_count")));
-    const size_t full_count = block_count * static_cast<size_t>(size_);
-    GRADSUM_RETURN_IF_ERROR(CheckBuffer(full, full_count, absl::StrCat(op, " ", full_name)));
-    GRADSUM_RETURN_IF_ERROR(CheckBuffer(block, block_count, absl::StrCat(op, " ", block_name)));
-    const size_t esize = DTypeSize(dtype);
-    const bool in_place =
-        block == static_cast<const unsigned char*>(full) + rank_ * block_count * esize;
-    if (!in_place && Overlaps(full, full_count * esize, block, block_count * esize)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          op, " buffers overlap; in place needs ", block_name, " == ", full_name, " + rank * ",
-          block_name, "_count (rank ", rank_, ")"));
-    }
-    return in_place;
-  }
-
-  // A call that failed its local checks still takes part in the descriptor exchange, marked
-  // invalid, so its peers fail the same operation with InvalidArgument naming this rank
-  // instead of waiting for it, and later operations still line up. The local checks are
-  // the only source of InvalidArgument before Enqueue (which fails only with
-  // FailedPrecondition), so that code identifies them.
-  absl::StatusOr<std::unique_ptr<Work>> PoisonIfInvalid(
-      int64_t seq, Kind kind, absl::StatusOr<std::unique_ptr<Work>> issued) {
-    if (issued.ok() || issued.status().code() != absl::StatusCode::kInvalidArgument) {
-      return issued;
-    }
-    OpDescriptor d;
-    d.kind = kind;
-    d.invalid_rank = rank_;
-    // The exchange runs in the background; its outcome is this call's local error.
-    Enqueue(seq, kind, [=](OpContext& ctx) { return Agree(ctx, d); }).IgnoreError();
-    return issued.status();
   }
 
   // Elements per MPI_Iallreduce of a large all-reduce (4 MiB of f32).
@@ -657,6 +537,16 @@ class MpiCommunicator final : public Communicator {
   // AVG is reduced as SUM and divided afterwards.
   static MPI_Op MpiOp(ReduceOp op) { return op == ReduceOp::kMax ? MPI_MAX : MPI_SUM; }
 
+  std::string Label(const OpContext& ctx) const {
+    return absl::StrFormat("mpi %s #%d (rank %d of %d)", KindName(ctx.kind), ctx.seq, rank_,
+                           size_);
+  }
+
+  std::string BrokenMessage() const {
+    return absl::StrCat("mpi communicator is unusable after an earlier failure: ",
+                        broken_reason_);
+  }
+
   absl::StatusOr<std::unique_ptr<Work>> Enqueue(int64_t seq, Kind kind, OpFn fn) {
     auto op = std::make_shared<Op>();
     op->kind = kind;
@@ -664,45 +554,82 @@ class MpiCommunicator final : public Communicator {
     op->run = std::move(fn);
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (broken_) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "mpi communicator is unusable after an earlier failure: ", broken_reason_));
-      }
+      if (broken_) return absl::FailedPreconditionError(BrokenMessage());
       queue_.push_back(op);
     }
-    queue_cv_.notify_one();
+    queue_cv_.notify_all();
     return std::unique_ptr<Work>(new MpiWork(std::move(op)));
+  }
+
+  // Runs `fn` on the caller's thread if nothing is queued or running; else queues a copy
+  // behind the pending operations and waits for it.
+  template <typename F>
+  absl::Status RunNow(int64_t seq, Kind kind, F& fn) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (broken_) return absl::FailedPreconditionError(BrokenMessage());
+      if (executing_ || !queue_.empty()) {
+        lock.unlock();
+        return WaitIssued(Enqueue(seq, kind, OpFn(fn)));
+      }
+      executing_ = true;
+    }
+    absl::Status s = Execute(seq, kind, fn, options_.blocking_sync_calls);
+    bool wake;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      executing_ = false;
+      wake = !queue_.empty();
+    }
+    // Only the progress thread waits on queue_cv_, and only for work: waking it after
+    // every sync call would cost a context switch per call.
+    if (wake) queue_cv_.notify_all();
+    return s;
+  }
+
+  // Runs one operation; the caller holds `executing_`.
+  template <typename F>
+  absl::Status Execute(int64_t seq, Kind kind, F& fn, bool blocking = false) {
+    OpContext ctx;
+    ctx.seq = seq;
+    ctx.kind = kind;
+    ctx.deadline = absl::Now() + options_.timeout;
+    ctx.scratch = scratch_.get();
+    ctx.blocking = blocking;
+    absl::Status status = fn(ctx);
+    if (ctx.leak_scratch) {
+      LeakForever(std::move(scratch_));
+      scratch_ = std::make_unique<Scratch>();
+    }
+    if (ctx.breaks_comm) {
+      std::lock_guard<std::mutex> lock(mu_);
+      broken_ = true;
+      broken_reason_ = std::string(status.message());
+    }
+    return status;
   }
 
   void WorkerLoop() {
     while (true) {
       std::shared_ptr<Op> op;
-      std::string broken_reason;
+      bool broken;
       {
         std::unique_lock<std::mutex> lock(mu_);
-        queue_cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+        queue_cv_.wait(lock, [this] { return stopping_ || (!queue_.empty() && !executing_); });
         if (queue_.empty()) return;  // stopping
+        if (executing_) {
+          queue_cv_.wait(lock, [this] { return !executing_; });
+        }
         op = std::move(queue_.front());
         queue_.pop_front();
-        if (broken_) broken_reason = broken_reason_;
+        broken = broken_;
+        executing_ = true;
       }
-      absl::Status status;
-      if (!broken_reason.empty()) {
-        status = absl::FailedPreconditionError(absl::StrCat(
-            "mpi communicator is unusable after an earlier failure: ", broken_reason));
-      } else {
-        OpContext ctx;
-        ctx.seq = op->seq;
-        ctx.deadline = absl::Now() + options_.timeout;
-        ctx.label = absl::StrFormat("mpi %s #%d (rank %d of %d)", KindName(op->kind), ctx.seq,
-                                    rank_, size_);
-        status = op->run(ctx);
-        if (ctx.leak_scratch) LeakForever(std::move(ctx.scratch));
-        if (ctx.breaks_comm) {
-          std::lock_guard<std::mutex> lock(mu_);
-          broken_ = true;
-          broken_reason_ = std::string(status.message());
-        }
+      absl::Status status =
+          broken ? absl::FailedPreconditionError(BrokenMessage()) : Execute(op->seq, op->kind, op->run);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        executing_ = false;
       }
       op->Finish(std::move(status));
     }
@@ -714,7 +641,7 @@ class MpiCommunicator final : public Communicator {
     const int rc = CallMpi(start);
     if (rc != MPI_SUCCESS) {
       ctx.breaks_comm = true;
-      return MpiError(rc, ctx.label);
+      return MpiError(rc, Label(ctx));
     }
     return absl::OkStatus();
   }
@@ -723,72 +650,32 @@ class MpiCommunicator final : public Communicator {
   // the core) while young, since MPI only progresses inside MPI calls; backs off to short
   // sleeps once a peer is clearly late, so a waiting rank does not burn a shared core.
   absl::Status Await(OpContext& ctx, MPI_Request* req) {
-    const absl::Time start = absl::Now();
+    absl::Time start;
     for (int polls = 0;; ++polls) {
       int done = 0;
       const int rc = CallMpi([&] { return MPI_Test(req, &done, MPI_STATUS_IGNORE); });
       if (rc != MPI_SUCCESS) {
         ctx.breaks_comm = true;
         ctx.leak_scratch = true;
-        return MpiError(rc, ctx.label);
+        return MpiError(rc, Label(ctx));
       }
       if (done) return absl::OkStatus();
+      if (polls < 64) continue;  // the common case: no clock reads at all
       const absl::Time now = absl::Now();
+      if (polls == 64) start = now;
       if (now >= ctx.deadline) {
         ctx.breaks_comm = true;
         ctx.leak_scratch = true;  // the request stays in flight; MPI cannot cancel it
         return absl::DeadlineExceededError(absl::StrCat(
-            ctx.label, ": not every rank arrived within the timeout of ",
-            absl::FormatDuration(options_.timeout),
-            "; the communicator is now unusable"));
+            Label(ctx), ": not every rank arrived within the timeout of ",
+            absl::FormatDuration(options_.timeout), "; the communicator is now unusable"));
       }
       if (now - start > absl::Milliseconds(500)) {
         absl::SleepFor(absl::Microseconds(200));
-      } else if (polls >= 64) {
+      } else {
         std::this_thread::yield();
       }
     }
-  }
-
-  // Every rank all-reduces (d, -d) with MIN, learning each field's min and max; a field
-  // whose min and max differ is a disagreement that every rank reports identically.
-  absl::Status Agree(OpContext& ctx, const OpDescriptor& d) {
-    std::vector<int64_t>& buf = ctx.scratch->i64a;
-    buf.resize(collectives_internal::kDescriptorWords);
-    collectives_internal::EncodeDescriptor(d, buf.data());
-    MPI_Request req;
-    GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
-      return MPI_Iallreduce(MPI_IN_PLACE, buf.data(), collectives_internal::kDescriptorWords,
-                            MPI_INT64_T, MPI_MIN, comm_, &req);
-    }));
-    GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
-    return collectives_internal::CheckDescriptorAgreed(d, buf.data(), ctx.label);
-  }
-
-  // All-to-all-v: rank r's send_counts[p] must equal rank p's recv_counts[r]. Each rank
-  // learns what its peers will send it (MPI_Ialltoall), then all ranks all-gather the
-  // first mismatch each one saw, so every rank fails with the same message.
-  absl::Status AgreeOnCounts(OpContext& ctx, const std::vector<int>& send_counts,
-                             const std::vector<int>& recv_counts) {
-    Scratch& s = *ctx.scratch;
-    s.i64a.assign(send_counts.begin(), send_counts.end());  // what I send to each peer
-    s.i64b.assign(size_, 0);                                 // what each peer sends me
-    MPI_Request req;
-    GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
-      return MPI_Ialltoall(s.i64a.data(), 1, MPI_INT64_T, s.i64b.data(), 1, MPI_INT64_T, comm_,
-                           &req);
-    }));
-    GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
-    const std::vector<int64_t> expected(recv_counts.begin(), recv_counts.end());
-    s.i64a.assign(3, 0);
-    collectives_internal::MakeCountReport(s.i64b, expected, s.i64a.data());
-    s.i64c.assign(3 * static_cast<size_t>(size_), 0);
-    GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
-      return MPI_Iallgather(s.i64a.data(), 3, MPI_INT64_T, s.i64c.data(), 3, MPI_INT64_T, comm_,
-                            &req);
-    }));
-    GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
-    return collectives_internal::CheckCountReports(s.i64c, ctx.label);
   }
 
   MPI_Comm comm_;
@@ -802,9 +689,12 @@ class MpiCommunicator final : public Communicator {
   std::condition_variable queue_cv_;
   std::deque<std::shared_ptr<Op>> queue_;  // guarded by mu_
   bool stopping_ = false;                  // guarded by mu_
-  // Written under mu_ by the progress thread; read by the destructor after the join.
+  bool executing_ = false;                 // guarded by mu_; an operation is running
+  // Written under mu_ by whoever executes; read by the destructor after the join.
   bool broken_ = false;
   std::string broken_reason_;  // guarded by mu_
+  // Used only by whoever holds executing_.
+  std::unique_ptr<Scratch> scratch_;
   std::thread worker_;
 };
 
@@ -832,7 +722,9 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateMpiWorldCommunicator(
     }
     if (!done) std::this_thread::yield();
   }
-  return std::unique_ptr<Communicator>(new MpiCommunicator(dup, options));
+  std::unique_ptr<Communicator> comm(new MpiCommunicator(dup, options));
+  if (options.check_agreement) return WithAgreementCheck(std::move(comm));
+  return comm;
 }
 
 }  // namespace gradsum

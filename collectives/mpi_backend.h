@@ -11,18 +11,23 @@
 //
 // How it works. Each communicator owns a private duplicate of its MPI communicator (so its
 // traffic never matches the caller's own MPI calls) and one progress thread that runs the
-// issued operations strictly in issue order. Every operation first all-reduces a small
-// descriptor (operation, dtype, op, count, root, validity) with MIN over (d, -d), so
-// every rank learns the min and max of each field and all ranks reach the same verdict:
-// disagreement is InvalidArgument on every rank, naming the field and the two values, and
-// no data moves. The data then moves with non-blocking MPI (MPI_Iallreduce, ...) polled
-// with MPI_Test until done or until `timeout` after the operation started: a rank that
-// never arrives makes the others fail with DeadlineExceeded, and the communicator is then
-// broken (FailedPrecondition on every later call). A call whose own arguments fail the
-// local checks returns InvalidArgument at once and still joins the descriptor exchange,
-// marked invalid, so its peers fail that operation with InvalidArgument naming the rank
-// and later operations still line up. A rank that does not call an operation at all pairs
-// its next one with the others' current one: that is a disagreement if the two differ.
+// issued async operations strictly in issue order. A synchronous call made while nothing
+// is queued or running runs on the caller's thread instead (no hand-off, no allocation);
+// otherwise it queues behind the pending operations. Data moves with non-blocking MPI
+// (MPI_Iallreduce, ...) polled with MPI_Test until done or until `timeout` after the
+// operation started: a rank that never arrives makes the others fail with
+// DeadlineExceeded, and the communicator is then broken (FailedPrecondition on every
+// later call).
+//
+// Arguments are checked on the calling rank with the validation every backend shares
+// (InvalidArgument naming the value). Cross-rank agreement is the WithAgreementCheck
+// decorator (collectives/checked_communicator.h), applied by default: every operation
+// first all-reduces a small descriptor, so ranks that disagree on operation, dtype, op,
+// count or root all fail with InvalidArgument naming the field and no data moves, and a
+// rank whose own arguments are invalid makes its peers fail that operation with
+// InvalidArgument naming it instead of waiting. With check_agreement = false the backend
+// moves data only: a disagreement is then undefined (MPI may fail, hang until the timeout
+// or truncate), and an invalid call on one rank leaves its peers waiting for the timeout.
 //
 // Numerics (SEMANTICS.md §7): f32/f64/i32/i64 reduce natively in MPI. bf16/f16 are widened
 // to an fp32 buffer, reduced in fp32 by MPI, and rounded once (nearest even) on the way
@@ -67,6 +72,14 @@ struct MpiBackendOptions {
   // the operations issued before it have finished) before DeadlineExceeded. Split
   // communicators inherit it.
   absl::Duration timeout = absl::Seconds(60);
+  // Wrap the communicator in WithAgreementCheck (see above). Split communicators inherit it.
+  bool check_agreement = true;
+  // Synchronous all-reduces that run on the caller's thread use blocking MPI_Allreduce
+  // instead of MPI_Iallreduce + MPI_Test. Open MPI's non-blocking collectives cost ~5-15 us
+  // more per call than the blocking ones at small sizes, so this gives raw-MPI latency;
+  // but a blocking call cannot time out: a rank that never arrives then hangs its peers
+  // instead of failing them with DeadlineExceeded. Off by default.
+  bool blocking_sync_calls = false;
 };
 
 // Returns a communicator over all processes of the job (a duplicate of MPI_COMM_WORLD).

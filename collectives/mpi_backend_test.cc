@@ -377,6 +377,81 @@ TEST_F(MpiBackendTest, BarrierWaitsForEveryRank) {
   EXPECT_GE(exit_ns, rank0_arrival_ns);
 }
 
+// Expects `s` to be InvalidArgument mentioning every string in `words`.
+void ExpectInvalid(const absl::Status& s, std::initializer_list<const char*> words) {
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  for (const char* w : words) EXPECT_NE(s.message().find(w), std::string::npos) << w << ": " << s;
+}
+
+// A sync call issued while async ones are pending runs after them (the sync fast path on
+// the caller's thread must not overtake the queue): the all-reduce sees the async
+// all-reduce's result.
+TEST_F(MpiBackendTest, SyncCallAfterPendingAsyncRunsSecond) {
+  ASSERT_NE(comm_, nullptr);
+  const int world = comm_->size();
+  std::vector<int64_t> buf(300, comm_->rank() + 1);
+  auto first = comm_->AllReduceAsync(buf.data(), buf.data(), buf.size(), DType::kI64,
+                                     ReduceOp::kSum);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE(comm_->AllReduce(buf.data(), buf.data(), buf.size(), DType::kI64).ok());
+  ASSERT_TRUE((*first)->Wait().ok());
+  const int64_t once = static_cast<int64_t>(world) * (world + 1) / 2;
+  EXPECT_EQ(buf, std::vector<int64_t>(300, once * world));
+}
+
+// Without the agreement decorator the backend only moves data: correct results, local
+// argument checks still InvalidArgument, the mismatch check gone (not exercised: it
+// would be undefined).
+TEST_F(MpiBackendTest, WithoutAgreementCheckDataStillMoves) {
+  MpiBackendOptions o;
+  o.timeout = absl::Seconds(10);
+  o.check_agreement = false;
+  absl::StatusOr<std::unique_ptr<Communicator>> raw = CreateMpiWorldCommunicator(o);
+  ASSERT_TRUE(raw.ok()) << raw.status();
+  Communicator& c = **raw;
+  const int world = c.size();
+  std::vector<float> v(1000);
+  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(c.rank() * 3 + i % 5);
+  ASSERT_TRUE(c.AllReduce(v.data(), v.data(), v.size(), DType::kF32).ok());
+  for (size_t i = 0; i < v.size(); ++i) {
+    ASSERT_EQ(v[i], static_cast<float>(3 * world * (world - 1) / 2 + world * (i % 5))) << i;
+  }
+  float x = 0;
+  ExpectInvalid(c.AllReduce(nullptr, &x, 1, DType::kF32), {"null"});
+  ASSERT_TRUE(c.Barrier().ok());
+  conformance::CheckOptions exact;  // MPI's summation order is its own beyond 2 ranks
+  exact.rank_ordered_sums = false;
+  const absl::Status async = conformance::CheckAsyncInIssueOrder(c, exact);
+  ASSERT_TRUE(async.ok()) << async;
+}
+
+// blocking_sync_calls: the same results through blocking MPI_Allreduce, with and without
+// the agreement check (whose own descriptor exchange is then blocking too).
+TEST_F(MpiBackendTest, BlockingSyncCallsGiveTheSameResults) {
+  for (bool check : {true, false}) {
+    MpiBackendOptions o;
+    o.timeout = absl::Seconds(10);
+    o.check_agreement = check;
+    o.blocking_sync_calls = true;
+    absl::StatusOr<std::unique_ptr<Communicator>> c = CreateMpiWorldCommunicator(o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    conformance::CheckOptions exact;
+    exact.rank_ordered_sums = false;
+    for (DType t : {DType::kF32, DType::kBF16, DType::kI64}) {
+      for (size_t n : {size_t{1}, size_t{1000}}) {
+        const absl::Status s =
+            conformance::CheckAllReduce(**c, t, ReduceOp::kSum, n, /*in_place=*/true, exact);
+        EXPECT_TRUE(s.ok()) << s;
+      }
+    }
+    if (check && (*c)->size() > 1) {
+      float x = 1;
+      ExpectInvalid((*c)->AllReduce(&x, &x, (*c)->rank() == 0 ? 1 : 0, DType::kF32),
+                    {"element count"});
+    }
+  }
+}
+
 // Two async in-place all-reduces of one buffer: the second must see the first's result,
 // whatever order the handles are waited in.
 TEST_F(MpiBackendTest, AsyncOperationsRunInIssueOrder) {
@@ -434,12 +509,6 @@ TEST_F(MpiBackendTest, SplitWithNegativeColorReturnsNull) {
   EXPECT_EQ((*child)->size(), comm_->size() - 1);
   EXPECT_EQ((*child)->rank(), rank - 1);
   ASSERT_TRUE((*child)->Barrier().ok());
-}
-
-// Expects `s` to be InvalidArgument mentioning every string in `words`.
-void ExpectInvalid(const absl::Status& s, std::initializer_list<const char*> words) {
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  for (const char* w : words) EXPECT_NE(s.message().find(w), std::string::npos) << w << ": " << s;
 }
 
 TEST_F(MpiBackendTest, DisagreementsFailEveryRankAndLeaveTheCommunicatorUsable) {

@@ -24,6 +24,8 @@
 namespace gradsum {
 namespace {
 
+using collectives_internal::MakeCall;
+using collectives_internal::OpCall;
 using collectives_internal::OpDescriptor;
 using collectives_internal::OpKind;
 using collectives_internal::OpKindName;
@@ -171,12 +173,7 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
                                                        ReduceOp op) override {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
-    GRADSUM_RETURN_IF_ERROR(
-        Poisoned(seq, OpKind::kAllReduce, CheckDTypeAndOp(dtype, op, /*allow_max=*/true)));
-    GRADSUM_RETURN_IF_ERROR(
-        Poisoned(seq, OpKind::kAllReduce, CheckDeviceBuffer(send, count, "all_reduce send")));
-    GRADSUM_RETURN_IF_ERROR(
-        Poisoned(seq, OpKind::kAllReduce, CheckDeviceBuffer(recv, count, "all_reduce recv")));
+    GRADSUM_RETURN_IF_ERROR(Validate(seq, MakeCall(OpKind::kAllReduce, send, recv, count, dtype, op)));
     const OpDescriptor d{OpKind::kAllReduce, dtype, op, static_cast<int64_t>(count), -1};
     return Issue(seq, d, [&] {
       return ncclAllReduce(send, recv, count, NcclType(dtype), NcclOp(op), comm_, stream_);
@@ -189,12 +186,7 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
     GRADSUM_RETURN_IF_ERROR(
-        Poisoned(seq, OpKind::kReduceScatter, CheckDTypeAndOp(dtype, op, /*allow_max=*/false)));
-    GRADSUM_RETURN_IF_ERROR(
-        Poisoned(seq, OpKind::kReduceScatter,
-                 CheckDeviceBuffer(send, recv_count * size_, "reduce_scatter send")));
-    GRADSUM_RETURN_IF_ERROR(Poisoned(seq, OpKind::kReduceScatter,
-                                     CheckDeviceBuffer(recv, recv_count, "reduce_scatter recv")));
+        Validate(seq, MakeCall(OpKind::kReduceScatter, send, recv, recv_count, dtype, op)));
     const OpDescriptor d{OpKind::kReduceScatter, dtype, op, static_cast<int64_t>(recv_count), -1};
     // In place (recv == send + rank * recv_count) is NCCL's own convention.
     return Issue(seq, d, [&] {
@@ -208,11 +200,7 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
     GRADSUM_RETURN_IF_ERROR(
-        Poisoned(seq, OpKind::kAllGather, CheckDTypeAndOp(dtype, ReduceOp::kSum, true)));
-    GRADSUM_RETURN_IF_ERROR(
-        Poisoned(seq, OpKind::kAllGather, CheckDeviceBuffer(send, send_count, "all_gather send")));
-    GRADSUM_RETURN_IF_ERROR(Poisoned(
-        seq, OpKind::kAllGather, CheckDeviceBuffer(recv, send_count * size_, "all_gather recv")));
+        Validate(seq, MakeCall(OpKind::kAllGather, send, recv, send_count, dtype)));
     const OpDescriptor d{OpKind::kAllGather, dtype, ReduceOp::kSum,
                          static_cast<int64_t>(send_count), -1};
     return Issue(seq, d, [&] {
@@ -227,25 +215,9 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
       absl::Span<const size_t> recv_offsets, DType dtype) override {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
-    GRADSUM_RETURN_IF_ERROR(
-        Poisoned(seq, OpKind::kAllToAllV, CheckDTypeAndOp(dtype, ReduceOp::kSum, true)));
+    GRADSUM_RETURN_IF_ERROR(Validate(seq, collectives_internal::MakeAllToAllVCall(
+        send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dtype)));
     const size_t world = static_cast<size_t>(size_);
-    if (send_counts.size() != world || send_offsets.size() != world ||
-        recv_counts.size() != world || recv_offsets.size() != world) {
-      return Poisoned(seq, OpKind::kAllToAllV, absl::InvalidArgumentError(absl::StrCat(
-          "all_to_all_v needs ", world, " entries per span; got send_counts ",
-          send_counts.size(), ", send_offsets ", send_offsets.size(), ", recv_counts ",
-          recv_counts.size(), ", recv_offsets ", recv_offsets.size())));
-    }
-    size_t send_total = 0, recv_total = 0;
-    for (size_t p = 0; p < world; ++p) {
-      send_total = std::max(send_total, send_offsets[p] + send_counts[p]);
-      recv_total = std::max(recv_total, recv_offsets[p] + recv_counts[p]);
-    }
-    GRADSUM_RETURN_IF_ERROR(Poisoned(seq, OpKind::kAllToAllV,
-                                     CheckDeviceBuffer(send, send_total, "all_to_all_v send")));
-    GRADSUM_RETURN_IF_ERROR(Poisoned(seq, OpKind::kAllToAllV,
-                                     CheckDeviceBuffer(recv, recv_total, "all_to_all_v recv")));
     if (options_.check_agreement && group_ == nullptr) {
       GRADSUM_RETURN_IF_ERROR(AgreeOnCounts(seq, send_counts, recv_counts));
     }
@@ -274,13 +246,7 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
     GRADSUM_RETURN_IF_ERROR(
-        Poisoned(seq, OpKind::kBroadcast, CheckDTypeAndOp(dtype, ReduceOp::kSum, true)));
-    if (root < 0 || root >= size_) {
-      return Poisoned(seq, OpKind::kBroadcast, absl::InvalidArgumentError(
-          absl::StrCat("broadcast root ", root, " is outside [0, ", size_, ")")));
-    }
-    GRADSUM_RETURN_IF_ERROR(
-        Poisoned(seq, OpKind::kBroadcast, CheckDeviceBuffer(buf, count, "broadcast")));
+        Validate(seq, collectives_internal::MakeBroadcastCall(buf, count, dtype, root)));
     const OpDescriptor d{OpKind::kBroadcast, dtype, ReduceOp::kSum, static_cast<int64_t>(count),
                          root};
     return Issue(seq, d, [&] {
@@ -444,21 +410,42 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
     return s;
   }
 
-  static absl::Status CheckDTypeAndOp(DType dtype, ReduceOp op, bool allow_max) {
-    if (!IsValidDType(static_cast<int>(dtype))) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("invalid dtype value ", static_cast<int>(dtype)));
-    }
-    if (op != ReduceOp::kSum && op != ReduceOp::kAvg && op != ReduceOp::kMax) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("invalid reduce op value ", static_cast<int>(op)));
-    }
-    if (op == ReduceOp::kMax && !allow_max) {
-      return absl::InvalidArgumentError("reduce_scatter supports sum and avg, not max");
-    }
-    if (op == ReduceOp::kAvg && !IsFloating(dtype)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("avg needs a floating dtype, got ", DTypeName(dtype)));
+  // The validation every backend shares, then this backend's own rule: every buffer with
+  // elements must be device memory. An invalid call still joins the agreement exchange.
+  absl::Status Validate(int64_t seq, const OpCall& c) {
+    absl::Status s = collectives_internal::ValidateCall(c, rank_, size_);
+    if (s.ok()) s = CheckDeviceBuffers(c);
+    return Poisoned(seq, c.kind, std::move(s));
+  }
+
+  absl::Status CheckDeviceBuffers(const OpCall& c) const {
+    const size_t w = static_cast<size_t>(size_);
+    const char* name = OpKindName(c.kind);
+    switch (c.kind) {
+      case OpKind::kAllReduce:
+        GRADSUM_RETURN_IF_ERROR(CheckDeviceBuffer(c.send, c.count, absl::StrCat(name, " send")));
+        return CheckDeviceBuffer(c.recv, c.count, absl::StrCat(name, " recv"));
+      case OpKind::kReduceScatter:
+        GRADSUM_RETURN_IF_ERROR(
+            CheckDeviceBuffer(c.send, c.count * w, absl::StrCat(name, " send")));
+        return CheckDeviceBuffer(c.recv, c.count, absl::StrCat(name, " recv"));
+      case OpKind::kAllGather:
+        GRADSUM_RETURN_IF_ERROR(CheckDeviceBuffer(c.send, c.count, absl::StrCat(name, " send")));
+        return CheckDeviceBuffer(c.recv, c.count * w, absl::StrCat(name, " recv"));
+      case OpKind::kAllToAllV: {
+        size_t send_end = 0, recv_end = 0;
+        for (size_t p = 0; p < w; ++p) {
+          send_end = std::max(send_end, c.send_offsets[p] + c.send_counts[p]);
+          recv_end = std::max(recv_end, c.recv_offsets[p] + c.recv_counts[p]);
+        }
+        GRADSUM_RETURN_IF_ERROR(CheckDeviceBuffer(c.send, send_end, absl::StrCat(name, " send")));
+        return CheckDeviceBuffer(c.recv, recv_end, absl::StrCat(name, " recv"));
+      }
+      case OpKind::kBroadcast:
+        return CheckDeviceBuffer(c.recv, c.count, name);
+      case OpKind::kBarrier:
+      case OpKind::kSplit:
+        break;
     }
     return absl::OkStatus();
   }
@@ -563,7 +550,7 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
     const size_t n = collectives_internal::kDescriptorWords;
     collectives_internal::EncodeDescriptor(d, host_scratch_);
     GRADSUM_RETURN_IF_ERROR(RoundTrip(label, 0, n, 0, n, [&] {
-      return ncclAllReduce(device_scratch_, device_scratch_, n, ncclInt64, ncclMin, comm_,
+      return ncclAllReduce(device_scratch_, device_scratch_, n, ncclInt64, ncclMax, comm_,
                            stream_);
     }));
     return collectives_internal::CheckDescriptorAgreed(d, host_scratch_, label);

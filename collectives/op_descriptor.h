@@ -1,20 +1,25 @@
 #ifndef GRADSUM_COLLECTIVES_OP_DESCRIPTOR_H_
 #define GRADSUM_COLLECTIVES_OP_DESCRIPTOR_H_
 
-// The agreement check shared by the mpi and nccl backends (an implementation detail of
-// collectives/, not an API for callers).
+// What every backend shares about one collective call (an implementation detail of
+// collectives/, not an API for callers): the call's arguments (OpCall), the one local
+// argument check every backend runs before any exchange (ValidateCall), and the
+// cross-rank agreement check on a small fixed-size descriptor.
 //
-// Before moving data, every rank all-reduces its operation's descriptor encoded as
-// (d, -d) with MIN, which yields each field's minimum and maximum over the ranks. A field
-// whose minimum and maximum differ is a disagreement; every rank sees the same reduced
-// values, so every rank reaches the same verdict and reports the same message.
+// Agreement: before moving data, every rank all-reduces its operation's descriptor
+// encoded as (-d, d) with MAX, which yields each field's minimum (negated) and maximum
+// over the ranks. A field whose minimum and maximum differ is a disagreement; every rank
+// sees the same reduced values, so every rank reaches the same verdict and reports the
+// same message.
 //
 //   int64_t buf[kDescriptorWords];
 //   EncodeDescriptor(d, buf);
-//   ... all-reduce buf with MIN over int64 ...
-//   GRADSUM_RETURN_IF_ERROR(CheckDescriptorAgreed(d, buf, label));
+//   ... all-reduce buf with MAX over int64 ...
+//   if (!DescriptorAgreed(buf)) return CheckDescriptorAgreed(d, buf, label);
 
+#include <cstddef>
 #include <cstdint>
+#include <limits>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -37,6 +42,44 @@ enum class OpKind : int64_t {
 // "all_reduce", "reduce_scatter", ... (the thread backend's names).
 const char* OpKindName(OpKind k);
 
+// One rank's arguments to one collective.
+struct OpCall {
+  OpKind kind = OpKind::kBarrier;
+  DType dtype = DType::kF32;
+  ReduceOp op = ReduceOp::kSum;
+  // all-reduce: count; reduce-scatter: recv_count; all-gather: send_count; broadcast: count.
+  size_t count = 0;
+  int root = 0;
+  const void* send = nullptr;
+  void* recv = nullptr;  // broadcast: the buffer
+  // all-to-all-v only (each size() entries).
+  absl::Span<const size_t> send_counts, send_offsets, recv_counts, recv_offsets;
+};
+
+// Builders for the calls of each shape (every backend's entry points use these).
+OpCall MakeCall(OpKind kind, const void* send, void* recv, size_t count, DType dtype,
+                ReduceOp op = ReduceOp::kSum);
+OpCall MakeBroadcastCall(void* buf, size_t count, DType dtype, int root);
+OpCall MakeAllToAllVCall(const void* send, absl::Span<const size_t> send_counts,
+                         absl::Span<const size_t> send_offsets, void* recv,
+                         absl::Span<const size_t> recv_counts,
+                         absl::Span<const size_t> recv_offsets, DType dtype);
+
+// Checks one rank's own arguments, before any exchange, the same way on every backend
+// (the rules of communicator.h): a valid dtype and reduce op (reduce-scatter: no MAX; AVG
+// needs a floating dtype), no null buffer with elements, the in-place conventions and no
+// other overlap, a broadcast root inside [0, size), all-to-all-v spans of size() entries
+// with non-overlapping receive blocks and no send block overlapping a receive block.
+// `max_count` is the backend's limit on any count or offset in elements (MPI: INT_MAX).
+// Returns OK without formatting anything, or InvalidArgument "<operation>: <what>"
+// naming the offending value.
+absl::Status ValidateCall(const OpCall& c, int rank, int size,
+                          size_t max_count = std::numeric_limits<size_t>::max());
+
+// True for reduce-scatter / all-gather calls that follow the in-place convention (my
+// block of the full buffer is the small one); all-reduce with send == recv.
+bool IsInPlace(const OpCall& c, int rank);
+
 struct OpDescriptor {
   OpKind kind = OpKind::kBarrier;
   DType dtype = DType::kF32;
@@ -48,14 +91,21 @@ struct OpDescriptor {
   int64_t invalid_rank = -1;
 };
 
+// The descriptor of a call (invalid_rank -1).
+OpDescriptor Describe(const OpCall& c);
+
 // Invalid rank, kind, dtype, op, count, root; each twice (value, negated value).
 inline constexpr int kDescriptorFields = 6;
 inline constexpr int kDescriptorWords = 2 * kDescriptorFields;
 
-// Fills out[0, kDescriptorWords) for a MIN all-reduce.
+// Fills out[0, kDescriptorWords) for a MAX all-reduce.
 void EncodeDescriptor(const OpDescriptor& d, int64_t* out);
 
-// `reduced` is the MIN all-reduce of every rank's EncodeDescriptor. Returns OK when all
+// True when the reduced descriptor shows full agreement and no invalid rank (formats
+// nothing: the cheap test before CheckDescriptorAgreed builds a message).
+bool DescriptorAgreed(const int64_t* reduced);
+
+// `reduced` is the MAX all-reduce of every rank's EncodeDescriptor. Returns OK when all
 // fields agree. Otherwise InvalidArgument: "<label>: rank R passed invalid arguments ..."
 // (the highest such rank), else "<label>: ranks disagree on <field>: <min> vs <max> (this
 // rank: <mine>)" for the first field that differs.

@@ -1,35 +1,52 @@
 // The thread backend (see thread_backend.h).
 //
 // Structure:
-// - A `Group` is the state the W ranks of one communicator share: a rendezvous slot per
-//   operation sequence number, and a failure status once the group is broken.
-// - Each `ThreadCommunicator` owns a worker thread that executes its operations in issue
-//   order; the sync forms of Communicator are async + Wait, so order holds for both.
-// - One operation = arrive (post my arguments into the slot, wait with a deadline until all
-//   W have posted) -> every rank checks the same arguments the same way (so all fail alike
-//   on a mismatch) -> data phase (each rank reads its peers' buffers directly, shared
-//   memory) -> end barrier (no rank returns while a peer may still touch its buffers).
+// - A `Group` is the state the W ranks of one communicator share: one rendezvous (every
+//   rank's posted arguments, an arrival counter, a finish counter, the chunk counters of
+//   the data phase) reused by every operation, and the failure once the group is broken.
+// - One operation = arrive (post a pointer to my arguments, bump `arrived`, wait until all
+//   W have arrived or the deadline) -> every rank checks the same arguments the same way
+//   (so all fail alike on a mismatch) -> data phase (each rank reads its peers' buffers
+//   directly, shared memory) -> end barrier (bump `finished`; nobody returns while a peer
+//   may still touch its buffers or read its posted arguments).
+// - The counters are monotonic: operation u of the group completes its arrival when
+//   `arrived` reaches (u + 1) * W, and its end barrier when `finished` does. No rank can
+//   arrive at operation u + 1 before every rank has left operation u's data phase, so one
+//   rendezvous suffices and nothing is reset between operations.
+// - Waiting spins briefly (only when there are at least as many cores as ranks), then
+//   blocks on a futex, so 8 ranks on 2 cores do not burn CPU.
+// - Synchronous calls run on the caller's thread with no allocation and no formatting
+//   (unless they fail). Asynchronous calls are queued per communicator and run in issue
+//   order by a worker thread, or by the caller's thread when it waits on one nobody has
+//   started. A synchronous call issued while async ones are pending takes the queue too.
 //
-// Synchronisation uses std::mutex / std::condition_variable, not absl::Mutex: the system
+// Synchronisation uses std atomics, std::mutex and raw futexes, not absl::Mutex: the system
 // abseil is not built with ThreadSanitizer, which then cannot see absl::Mutex's ordering
-// and reports false races; pthread-based primitives are intercepted by TSan.
+// and reports false races. Every value that crosses threads is published through a std
+// atomic (release/acquire), which TSan sees; the futex only puts waiters to sleep.
 
 #include "collectives/thread_backend.h"
 
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
-#include <cmath>
+#include <climits>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <ctime>
 #include <deque>
-#include <limits>
 #include <map>
 #include <mutex>
+#include <string>
 #include <thread>
-#include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -41,6 +58,12 @@ namespace gradsum {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using collectives_internal::MakeAllToAllVCall;
+using collectives_internal::MakeBroadcastCall;
+using collectives_internal::MakeCall;
+using collectives_internal::OpCall;
+using collectives_internal::OpKind;
+using collectives_internal::OpKindName;
 
 // A status that shares no heap state with `s`. absl::Status copies share a refcounted
 // message; the system abseil is not TSan-instrumented, so TSan cannot see that refcount's
@@ -51,9 +74,6 @@ absl::Status Fresh(const absl::Status& s) {
   return absl::Status(s.code(), std::string(s.message()));
 }
 
-using collectives_internal::OpKind;
-using collectives_internal::OpKindName;
-
 bool HasDType(OpKind k) { return k != OpKind::kBarrier && k != OpKind::kSplit; }
 bool HasCount(OpKind k) {
   return k == OpKind::kAllReduce || k == OpKind::kReduceScatter || k == OpKind::kAllGather ||
@@ -61,85 +81,184 @@ bool HasCount(OpKind k) {
 }
 bool HasReduceOp(OpKind k) { return k == OpKind::kAllReduce || k == OpKind::kReduceScatter; }
 
-// What one rank passes to a collective. Copied into the shared slot on arrival, so peers
-// may read it until the slot is erased, whatever happens to the caller's spans.
+// ---- Waiting: bounded spinning, then a futex. ----
+
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Something waiters can sleep on: Notify() after changing any state they test.
+class Event {
+ public:
+  void Notify() {
+    epoch_.fetch_add(1, std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&epoch_), FUTEX_WAKE_PRIVATE, INT_MAX,
+              nullptr, nullptr, 0);
+    }
+  }
+
+  // Waits until done() (which reads atomics with acquire) or `deadline`; returns done().
+  // Spins up to `spin` first, then sleeps. *quick (if given) tells whether it was done
+  // without sleeping.
+  template <typename Done>
+  bool Wait(const Done& done, Clock::time_point deadline, Clock::duration spin,
+            bool* quick = nullptr) {
+    if (quick != nullptr) *quick = true;
+    if (done()) return true;
+    if (spin > Clock::duration::zero()) {
+      const Clock::time_point spin_end = Clock::now() + spin;
+      for (int i = 1;; ++i) {
+        CpuRelax();
+        if (done()) return true;
+        if (i % 64 == 0 && Clock::now() >= spin_end) break;
+      }
+    }
+    if (quick != nullptr) *quick = false;
+    for (;;) {
+      const uint32_t seen = epoch_.load(std::memory_order_seq_cst);
+      if (done()) return true;
+      timespec rel;
+      timespec* timeout = nullptr;
+      if (deadline != Clock::time_point::max()) {
+        const Clock::time_point now = Clock::now();
+        if (now >= deadline) return done();
+        const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now);
+        rel.tv_sec = static_cast<time_t>(ns.count() / 1000000000);
+        rel.tv_nsec = static_cast<long>(ns.count() % 1000000000);
+        timeout = &rel;
+      }
+      sleepers_.fetch_add(1, std::memory_order_seq_cst);
+      if (!done()) {
+        syscall(SYS_futex, reinterpret_cast<uint32_t*>(&epoch_), FUTEX_WAIT_PRIVATE, seen,
+                timeout, nullptr, 0);
+      }
+      sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+    }
+  }
+
+ private:
+  std::atomic<uint32_t> epoch_{0};
+  std::atomic<int> sleepers_{0};
+};
+
+static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "futex word");
+
+// The most a waiter spins before sleeping: spinning pays only when every rank can run at
+// once; with more ranks than cores the peer we wait for needs our core. Each rank adapts
+// its budget below this (AdaptSpin), so a loaded machine stops spinning.
+Clock::duration SpinFor(int world) {
+  const unsigned cores = std::thread::hardware_concurrency();
+  if (cores == 0 || static_cast<unsigned>(world) > cores) return Clock::duration::zero();
+  return std::chrono::microseconds(50);
+}
+
+// ---- Arguments and the shared rendezvous. ----
+
+// What one rank passes to an operation; peers read it through Group::posted.
 struct OpArgs {
-  OpKind kind = OpKind::kBarrier;
-  DType dtype = DType::kF32;
-  ReduceOp reduce = ReduceOp::kSum;
-  // all-reduce: count; reduce-scatter: recv_count; all-gather: send_count; broadcast: count.
-  size_t count = 0;
-  int root = 0;
-  const void* send = nullptr;
-  void* recv = nullptr;  // broadcast: the buffer
-  std::vector<size_t> send_counts, send_offsets, recv_counts, recv_offsets;
-  int color = 0;
+  OpCall call;
+  int color = 0;  // split only
   int key = 0;
-  // Set when this rank's own arguments were invalid: the caller got the error at issue
-  // time, and the peers fail with InvalidArgument instead of waiting for a timeout.
-  // (A string, not a Status, so that no Status state is shared across threads.)
-  std::string local_error;
+  // Non-null when this rank's own arguments were invalid: the caller got the error at
+  // issue time, and the peers fail with InvalidArgument instead of waiting for a timeout.
+  const std::string* local_error = nullptr;
 };
 
 struct Group;
 
-// The rendezvous of the W ranks for one operation.
-struct Slot {
-  explicit Slot(int size) : args(size), posted(size, false) {}
-  std::vector<OpArgs> args;
-  std::vector<bool> posted;
-  int arrived = 0;
-  int finished = 0;  // ranks past the data phase
-  int departed = 0;  // ranks done with the slot; the last one erases it
-  // Work chunks of the data phase claimed so far (all-reduce, reduce-scatter).
-  std::atomic<size_t> next_chunk{0};
-  // Split only: the new groups by color, created by the first rank to need them.
-  std::map<int, std::shared_ptr<Group>> split_groups;
-  bool split_done = false;
+struct alignas(64) Posted {
+  const OpArgs* args = nullptr;  // published by the `arrived` increment
+  std::atomic<uint32_t> op{0};   // index + 1 of the last operation this rank arrived at
 };
 
 struct Group {
-  Group(int size_in, absl::Duration timeout_in) : size(size_in), timeout(timeout_in) {}
+  Group(int size_in, absl::Duration timeout_in)
+      : size(size_in), timeout(timeout_in), spin(SpinFor(size_in)), posted(size_in) {}
   const int size;
   const absl::Duration timeout;
+  const Clock::duration spin;
+  std::vector<Posted> posted;
+  Event event;  // notified on every arrival completion, finish completion, and breakage
+  alignas(64) std::atomic<uint32_t> arrived{0};
+  alignas(64) std::atomic<uint32_t> finished{0};
+  // Work chunks of the data phase claimed so far; operation u uses next_chunk[u % 2], which
+  // the last rank to finish operation u resets for operation u + 2.
+  alignas(64) std::atomic<size_t> next_chunk[2] = {{0}, {0}};
+  alignas(64) std::atomic<bool> broken{false};
+
   std::mutex mu;
-  std::condition_variable cv;
-  std::map<uint64_t, std::unique_ptr<Slot>> slots;  // guarded by mu
-  absl::Status failure;                            // guarded by mu; non-OK once broken
+  absl::StatusCode failure_code = absl::StatusCode::kOk;  // guarded by mu
+  std::string failure;  // guarded by mu; set once, when broken
+  // Split only: the new groups by color, made by the first member to need them; the last
+  // member to take its group clears the map.
+  std::map<int, std::shared_ptr<Group>> split_groups;  // guarded by mu
+  int split_taken = 0;                                  // guarded by mu
+
+  void Break(absl::StatusCode code, absl::string_view why) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (failure_code == absl::StatusCode::kOk) {
+        failure_code = code;
+        failure = std::string(why);
+      }
+    }
+    broken.store(true, std::memory_order_release);
+    event.Notify();
+  }
+  absl::Status Failure() {
+    std::lock_guard<std::mutex> lock(mu);
+    return absl::Status(failure_code, failure);
+  }
 };
 
-// One issued operation and its completion state, shared by the queue and the Work handle.
+// One issued asynchronous operation, shared by the queue and its Work handle. Owns what
+// the caller's spans pointed to.
 struct OpState {
   OpArgs args;
-  std::mutex mu;
-  std::condition_variable cv;
-  bool done = false;  // guarded by mu
-  absl::Status status;
+  std::vector<size_t> send_counts, send_offsets, recv_counts, recv_offsets;
+  std::string local_error;
+  std::atomic<bool> done{false};
+  bool queued = false;  // guarded by ExecState::mu; true until taken off the queue
+  Event event;
+  absl::Status status;                         // written before done
   std::unique_ptr<Communicator> split_result;  // Split only; read after done
 
   void Complete(absl::Status s) {
-    std::lock_guard<std::mutex> lock(mu);
     status = std::move(s);
-    done = true;
-    cv.notify_all();
+    done.store(true, std::memory_order_release);
+    event.Notify();
   }
 };
 
 class ThreadCommunicator;
 
-// One rank's queue of issued operations. Shared by the communicator, its worker thread
-// and the Work handles, so that a caller blocked in Wait() can run the queued operations
-// itself while the worker is idle (saving two thread hand-offs per synchronous call).
-// Whoever runs an operation holds `executing`, so operations still run one at a time in
-// issue order.
+// One rank's queue of issued async operations. Shared by the communicator, its worker
+// thread and the Work handles, so that a caller blocked in Wait() can run the queued
+// operations itself while the worker is idle. Whoever runs an operation holds
+// `executing`, so operations still run one at a time in issue order.
 struct ExecState {
   std::mutex mu;
   std::condition_variable cv;
   std::deque<std::shared_ptr<OpState>> queue;  // guarded by mu
   bool executing = false;                      // guarded by mu
   bool stopping = false;                       // guarded by mu
+  bool worker_idle = false;                    // guarded by mu; the worker sleeps on cv
+  int idle_waiters = 0;                        // guarded by mu; others sleeping on cv
   ThreadCommunicator* owner = nullptr;         // null once the communicator is destroyed
   absl::Duration timeout;                      // the group's timeout
+  Clock::duration spin{};                      // the group's spin before sleeping
+
+  // After a change that may let a sleeper proceed. Caller holds mu.
+  void WakeIfNeeded() {
+    if ((worker_idle && (!queue.empty() || stopping) && !executing) || idle_waiters > 0) {
+      cv.notify_all();
+    }
+  }
 };
 
 class ThreadWork : public Work {
@@ -149,23 +268,12 @@ class ThreadWork : public Work {
 
   absl::Status Wait(absl::Duration timeout) override;
 
-  bool IsCompleted() override {
-    std::lock_guard<std::mutex> lock(op_->mu);
-    return op_->done;
-  }
+  bool IsCompleted() override { return op_->done.load(std::memory_order_acquire); }
 
  private:
   std::shared_ptr<OpState> op_;
   std::shared_ptr<ExecState> exec_;
 };
-
-// [begin, end) byte ranges; true if both are non-empty and intersect.
-bool Overlaps(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
-  if (a_bytes == 0 || b_bytes == 0) return false;
-  const auto pa = reinterpret_cast<uintptr_t>(a);
-  const auto pb = reinterpret_cast<uintptr_t>(b);
-  return pa < pb + b_bytes && pb < pa + a_bytes;
-}
 
 const char* Ptr(const void* p, size_t off_bytes) { return static_cast<const char*>(p) + off_bytes; }
 char* Ptr(void* p, size_t off_bytes) { return static_cast<char*>(p) + off_bytes; }
@@ -182,12 +290,24 @@ size_t ChunkElems(size_t n, size_t elem, int w) {
   return (c + unit - 1) / unit * unit;
 }
 
+OpArgs ToArgs(OpCall call) {
+  OpArgs a;
+  a.call = call;
+  return a;
+}
+
 class ThreadCommunicator : public Communicator {
  public:
   ThreadCommunicator(std::shared_ptr<Group> group, int rank)
-      : group_(std::move(group)), rank_(rank), exec_(std::make_shared<ExecState>()) {
+      : group_(std::move(group)),
+        rank_(rank),
+        spin_(group_->spin),
+        srcs_(group_->size),
+        dsts_(group_->size),
+        exec_(std::make_shared<ExecState>()) {
     exec_->owner = this;
     exec_->timeout = group_->timeout;
+    exec_->spin = group_->spin;
     worker_ = std::thread([this] { WorkerLoop(); });
   }
 
@@ -196,24 +316,21 @@ class ThreadCommunicator : public Communicator {
     {
       std::lock_guard<std::mutex> lock(exec_->mu);
       exec_->stopping = true;
-      exec_->cv.notify_all();
       abandoning = exec_->executing || !exec_->queue.empty();
+      exec_->cv.notify_all();
     }
     // If an operation of ours is still waiting for peers, break the group so that it (and
     // the peers, who can no longer complete with us) return instead of hanging.
     if (abandoning) {
-      std::lock_guard<std::mutex> lock(group_->mu);
-      if (group_->failure.ok()) {
-        group_->failure = absl::FailedPreconditionError(
-            absl::StrCat("rank ", rank_, "'s thread communicator was destroyed with an ",
-                         "operation in flight"));
-      }
-      group_->cv.notify_all();
+      group_->Break(absl::StatusCode::kFailedPrecondition, absl::StrCat("rank ", rank_, "'s thread communicator was destroyed with an ",
+                                 "operation in flight"));
     }
     worker_.join();
     // A caller running an operation inline finishes it before we go away.
     std::unique_lock<std::mutex> lock(exec_->mu);
+    ++exec_->idle_waiters;
     exec_->cv.wait(lock, [&] { return !exec_->executing; });
+    --exec_->idle_waiters;
     exec_->owner = nullptr;
   }
 
@@ -222,51 +339,47 @@ class ThreadCommunicator : public Communicator {
   std::string backend() const override { return "thread"; }
   absl::Duration timeout() const override { return group_->timeout; }
 
+  // ---- Async forms: queued. ----
+
   absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv, size_t count,
                                                        DType dtype, ReduceOp op) override {
-    return Issue(Args(OpKind::kAllReduce, send, recv, count, dtype, op));
+    return Issue(ToArgs(MakeCall(OpKind::kAllReduce, send, recv, count, dtype, op)));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> ReduceScatterAsync(const void* send, void* recv,
                                                            size_t recv_count, DType dtype,
                                                            ReduceOp op) override {
-    return Issue(Args(OpKind::kReduceScatter, send, recv, recv_count, dtype, op));
+    return Issue(ToArgs(MakeCall(OpKind::kReduceScatter, send, recv, recv_count, dtype, op)));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const void* send, void* recv,
                                                        size_t send_count, DType dtype) override {
-    return Issue(Args(OpKind::kAllGather, send, recv, send_count, dtype));
+    return Issue(ToArgs(MakeCall(OpKind::kAllGather, send, recv, send_count, dtype)));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(
       const void* send, absl::Span<const size_t> send_counts,
       absl::Span<const size_t> send_offsets, void* recv, absl::Span<const size_t> recv_counts,
       absl::Span<const size_t> recv_offsets, DType dtype) override {
-    OpArgs a = Args(OpKind::kAllToAllV, send, recv, 0, dtype);
-    a.send_counts.assign(send_counts.begin(), send_counts.end());
-    a.send_offsets.assign(send_offsets.begin(), send_offsets.end());
-    a.recv_counts.assign(recv_counts.begin(), recv_counts.end());
-    a.recv_offsets.assign(recv_offsets.begin(), recv_offsets.end());
-    return Issue(std::move(a));
+    return Issue(ToArgs(MakeAllToAllVCall(send, send_counts, send_offsets, recv, recv_counts,
+                                          recv_offsets, dtype)));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(void* buf, size_t count, DType dtype,
                                                        int root) override {
-    OpArgs a = Args(OpKind::kBroadcast, nullptr, buf, count, dtype);
-    a.root = root;
-    return Issue(std::move(a));
+    return Issue(ToArgs(MakeBroadcastCall(buf, count, dtype, root)));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override {
-    return Issue(Args(OpKind::kBarrier, nullptr, nullptr, 0, DType::kF32));
+    return Issue(ToArgs(MakeCall(OpKind::kBarrier, nullptr, nullptr, 0, DType::kF32)));
   }
 
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
-    OpArgs a = Args(OpKind::kSplit, nullptr, nullptr, 0, DType::kF32);
+    OpArgs a = ToArgs(MakeCall(OpKind::kSplit, nullptr, nullptr, 0, DType::kF32));
     a.color = color;
     a.key = key;
     auto op = std::make_shared<OpState>();
-    op->args = std::move(a);
+    op->args = a;
     Enqueue(op);
     ThreadWork work(op, exec_);
     absl::Status s = work.Wait(timeout() + absl::Seconds(5));
@@ -274,156 +387,89 @@ class ThreadCommunicator : public Communicator {
     return std::move(op->split_result);
   }
 
+  // ---- Sync forms: on the caller's thread, no allocation. ----
+
+  absl::Status AllReduce(const void* send, void* recv, size_t count, DType dtype,
+                         ReduceOp op) override {
+    return RunSync(ToArgs(MakeCall(OpKind::kAllReduce, send, recv, count, dtype, op)));
+  }
+  absl::Status ReduceScatter(const void* send, void* recv, size_t recv_count, DType dtype,
+                             ReduceOp op) override {
+    return RunSync(ToArgs(MakeCall(OpKind::kReduceScatter, send, recv, recv_count, dtype, op)));
+  }
+  absl::Status AllGather(const void* send, void* recv, size_t send_count, DType dtype) override {
+    return RunSync(ToArgs(MakeCall(OpKind::kAllGather, send, recv, send_count, dtype)));
+  }
+  absl::Status AllToAllV(const void* send, absl::Span<const size_t> send_counts,
+                         absl::Span<const size_t> send_offsets, void* recv,
+                         absl::Span<const size_t> recv_counts,
+                         absl::Span<const size_t> recv_offsets, DType dtype) override {
+    return RunSync(ToArgs(MakeAllToAllVCall(send, send_counts, send_offsets, recv, recv_counts,
+                                            recv_offsets, dtype)));
+  }
+  absl::Status Broadcast(void* buf, size_t count, DType dtype, int root) override {
+    return RunSync(ToArgs(MakeBroadcastCall(buf, count, dtype, root)));
+  }
+  absl::Status Barrier() override {
+    return RunSync(ToArgs(MakeCall(OpKind::kBarrier, nullptr, nullptr, 0, DType::kF32)));
+  }
+
+  // Runs an operation popped from the queue by the caller, who set `executing`.
+  void RunClaimed(OpState& op) {
+    absl::Status s = Execute(op.args, &op.split_result);
+    Release();
+    op.Complete(std::move(s));
+  }
+
  private:
-  static OpArgs Args(OpKind kind, const void* send, void* recv, size_t count, DType dtype,
-                     ReduceOp reduce = ReduceOp::kSum) {
-    OpArgs a;
-    a.kind = kind;
-    a.send = send;
-    a.recv = recv;
-    a.count = count;
-    a.dtype = dtype;
-    a.reduce = reduce;
-    return a;
-  }
-
-  // Checks this rank's own arguments (no exchange). The rules here are what the header
-  // documents for in-place and overlapping buffers.
   absl::Status CheckLocal(const OpArgs& a) const {
-    const int w = size();
-    if (HasDType(a.kind) && !IsValidDType(static_cast<int>(a.dtype))) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("invalid dtype value ", static_cast<int>(a.dtype)));
-    }
-    const size_t elem = HasDType(a.kind) ? DTypeSize(a.dtype) : 1;
-    const size_t max_count = std::numeric_limits<size_t>::max() / 16 / static_cast<size_t>(w);
-    if (HasCount(a.kind) && a.count > max_count) {
-      return absl::InvalidArgumentError(absl::StrCat("count ", a.count, " is too large"));
-    }
-    if (HasReduceOp(a.kind)) {
-      if (a.reduce != ReduceOp::kSum && a.reduce != ReduceOp::kAvg && a.reduce != ReduceOp::kMax) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("invalid reduce op value ", static_cast<int>(a.reduce)));
-      }
-      if (a.kind == OpKind::kReduceScatter && a.reduce == ReduceOp::kMax) {
-        return absl::InvalidArgumentError("reduce_scatter supports sum and avg, not max");
-      }
-      if (a.reduce == ReduceOp::kAvg && !IsFloating(a.dtype)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("avg needs a floating dtype, got ", DTypeName(a.dtype)));
-      }
-    }
-    const auto need = [&](const void* p, const char* what, size_t n) -> absl::Status {
-      if (p == nullptr && n > 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(what, " is null with ", n, " elements to move"));
-      }
-      return absl::OkStatus();
-    };
-    switch (a.kind) {
-      case OpKind::kAllReduce: {
-        const size_t bytes = a.count * elem;
-        if (absl::Status s = need(a.send, "send", a.count); !s.ok()) return s;
-        if (absl::Status s = need(a.recv, "recv", a.count); !s.ok()) return s;
-        if (a.send != a.recv && Overlaps(a.send, bytes, a.recv, bytes)) {
-          return absl::InvalidArgumentError(
-              "all_reduce send and recv overlap without being equal (in place is send == recv)");
-        }
-        break;
-      }
-      case OpKind::kReduceScatter:
-      case OpKind::kAllGather: {
-        const bool rs = a.kind == OpKind::kReduceScatter;
-        const size_t full = a.count * static_cast<size_t>(w);
-        if (absl::Status s = need(a.send, "send", rs ? full : a.count); !s.ok()) return s;
-        if (absl::Status s = need(a.recv, "recv", rs ? a.count : full); !s.ok()) return s;
-        // In place is the NCCL convention: my block of the full buffer is the small one.
-        const void* full_buf = rs ? a.send : a.recv;
-        const void* block = rs ? a.recv : a.send;
-        const bool in_place = block == Ptr(full_buf, static_cast<size_t>(rank_) * a.count * elem);
-        if (!in_place && Overlaps(full_buf, full * elem, block, a.count * elem)) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              OpKindName(a.kind), " buffers overlap; in place needs ",
-              rs ? "recv == send + rank * recv_count" : "send == recv + rank * send_count",
-              " (rank ", rank_, ")"));
-        }
-        break;
-      }
-      case OpKind::kAllToAllV: {
-        const size_t n = static_cast<size_t>(w);
-        if (a.send_counts.size() != n || a.send_offsets.size() != n || a.recv_counts.size() != n ||
-            a.recv_offsets.size() != n) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "all_to_all_v needs ", n, " entries per span; got send_counts ",
-              a.send_counts.size(), ", send_offsets ", a.send_offsets.size(), ", recv_counts ",
-              a.recv_counts.size(), ", recv_offsets ", a.recv_offsets.size()));
-        }
-        // Ranges in elements; reject overflow, overlapping receive blocks, and any overlap
-        // between what peers read (send) and what I write (recv).
-        std::vector<std::pair<size_t, size_t>> recv_ranges;
-        size_t send_total = 0, recv_total = 0;
-        for (size_t p = 0; p < n; ++p) {
-          for (const bool is_send : {true, false}) {
-            const size_t off = is_send ? a.send_offsets[p] : a.recv_offsets[p];
-            const size_t cnt = is_send ? a.send_counts[p] : a.recv_counts[p];
-            if (cnt > max_count || off > max_count) {
-              return absl::InvalidArgumentError(absl::StrCat(
-                  "all_to_all_v ", is_send ? "send" : "recv", " block for peer ", p, " (offset ",
-                  off, ", count ", cnt, ") is too large"));
-            }
-          }
-          send_total += a.send_counts[p];
-          recv_total += a.recv_counts[p];
-          if (a.recv_counts[p] > 0) {
-            recv_ranges.push_back({a.recv_offsets[p], a.recv_offsets[p] + a.recv_counts[p]});
-          }
-        }
-        if (absl::Status s = need(a.send, "send", send_total); !s.ok()) return s;
-        if (absl::Status s = need(a.recv, "recv", recv_total); !s.ok()) return s;
-        std::sort(recv_ranges.begin(), recv_ranges.end());
-        for (size_t i = 1; i < recv_ranges.size(); ++i) {
-          if (recv_ranges[i].first < recv_ranges[i - 1].second) {
-            return absl::InvalidArgumentError(absl::StrCat(
-                "all_to_all_v recv blocks overlap: [", recv_ranges[i - 1].first, ", ",
-                recv_ranges[i - 1].second, ") and [", recv_ranges[i].first, ", ",
-                recv_ranges[i].second, ")"));
-          }
-        }
-        for (size_t p = 0; p < n; ++p) {
-          for (size_t q = 0; q < n; ++q) {
-            if (Overlaps(Ptr(a.send, a.send_offsets[p] * elem), a.send_counts[p] * elem,
-                         Ptr(a.recv, a.recv_offsets[q] * elem), a.recv_counts[q] * elem)) {
-              return absl::InvalidArgumentError(absl::StrCat(
-                  "all_to_all_v send block for peer ", p, " overlaps recv block from peer ", q,
-                  " (in place is not supported)"));
-            }
-          }
-        }
-        break;
-      }
-      case OpKind::kBroadcast:
-        if (a.root < 0 || a.root >= w) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("broadcast root ", a.root, " is outside [0, ", w, ")"));
-        }
-        if (absl::Status s = need(a.recv, "buf", a.count); !s.ok()) return s;
-        break;
-      case OpKind::kBarrier:
-      case OpKind::kSplit:
-        break;
-    }
-    return absl::OkStatus();
+    return collectives_internal::ValidateCall(a.call, rank_, size());
   }
 
-  absl::StatusOr<std::unique_ptr<Work>> Issue(OpArgs args) {
+  // Runs a synchronous call on this thread when nothing of ours is queued or running;
+  // otherwise queues it behind the pending async operations and waits.
+  absl::Status RunSync(const OpArgs& a) {
+    if (absl::Status local = CheckLocal(a); !local.ok()) {
+      // Queued like an async call, so the peers learn of it and later calls line up.
+      return Issue(a).status();
+    }
+    bool inline_ok;
+    {
+      std::lock_guard<std::mutex> lock(exec_->mu);
+      inline_ok = !exec_->executing && exec_->queue.empty() && !exec_->stopping;
+      if (inline_ok) exec_->executing = true;
+    }
+    if (!inline_ok) {
+      absl::StatusOr<std::unique_ptr<Work>> work = Issue(a);
+      if (!work.ok()) return work.status();
+      return (*work)->Wait(timeout() + absl::Seconds(5));
+    }
+    absl::Status s = Execute(a, nullptr);
+    Release();
+    return s;
+  }
+
+  // Issues an async operation (a locally invalid one too: it takes its place in the
+  // sequence, so the peers learn of it and later calls still line up).
+  absl::StatusOr<std::unique_ptr<Work>> Issue(const OpArgs& args) {
     absl::Status local = CheckLocal(args);
-    if (!local.ok()) local = absl::InvalidArgumentError(
-        absl::StrCat(OpKindName(args.kind), ": ", local.message()));
     auto op = std::make_shared<OpState>();
-    op->args = std::move(args);
-    if (!local.ok()) op->args.local_error = std::string(local.message());
-    // Even a locally invalid call takes its place in the sequence, so the peers learn of
-    // it (InvalidArgument) rather than time out, and later calls still line up.
+    op->args = args;
+    if (args.call.kind == OpKind::kAllToAllV) {
+      const OpCall& c = args.call;
+      op->send_counts.assign(c.send_counts.begin(), c.send_counts.end());
+      op->send_offsets.assign(c.send_offsets.begin(), c.send_offsets.end());
+      op->recv_counts.assign(c.recv_counts.begin(), c.recv_counts.end());
+      op->recv_offsets.assign(c.recv_offsets.begin(), c.recv_offsets.end());
+      op->args.call.send_counts = op->send_counts;
+      op->args.call.send_offsets = op->send_offsets;
+      op->args.call.recv_counts = op->recv_counts;
+      op->args.call.recv_offsets = op->recv_offsets;
+    }
+    if (!local.ok()) {
+      op->local_error = std::string(local.message());
+      op->args.local_error = &op->local_error;
+    }
     Enqueue(op);
     if (!local.ok()) return local;
     return std::unique_ptr<Work>(new ThreadWork(std::move(op), exec_));
@@ -431,8 +477,16 @@ class ThreadCommunicator : public Communicator {
 
   void Enqueue(std::shared_ptr<OpState> op) {
     std::lock_guard<std::mutex> lock(exec_->mu);
+    op->queued = true;
     exec_->queue.push_back(std::move(op));
-    exec_->cv.notify_all();
+    exec_->WakeIfNeeded();
+  }
+
+  // Ends an execution claimed by setting `executing`.
+  void Release() {
+    std::lock_guard<std::mutex> lock(exec_->mu);
+    exec_->executing = false;
+    exec_->WakeIfNeeded();
   }
 
   void WorkerLoop() {
@@ -441,122 +495,137 @@ class ThreadCommunicator : public Communicator {
       std::shared_ptr<OpState> op;
       {
         std::unique_lock<std::mutex> lock(e.mu);
+        e.worker_idle = true;
         e.cv.wait(lock, [&] { return !e.executing && (e.stopping || !e.queue.empty()); });
+        e.worker_idle = false;
         if (e.queue.empty()) return;
         op = std::move(e.queue.front());
         e.queue.pop_front();
+        op->queued = false;
         e.executing = true;
       }
       RunClaimed(*op);
     }
   }
 
- public:
-  // Runs an operation popped from the queue by the caller, who set `executing`.
-  void RunClaimed(OpState& op) {
-    absl::Status s = Execute(op);
-    {
-      std::lock_guard<std::mutex> lock(exec_->mu);
-      exec_->executing = false;
-      exec_->cv.notify_all();
-    }
-    op.Complete(std::move(s));
+  absl::Status Broken(OpKind kind) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(OpKindName(kind), ": the thread communicator is unusable after an earlier ",
+                     "failure: ", group_->Failure().message()));
   }
 
- private:
-  // Runs one operation to completion on the worker thread.
-  absl::Status Execute(OpState& op) {
-    const OpArgs& mine = op.args;
+  // Runs one operation to completion on the calling thread.
+  absl::Status Execute(const OpArgs& mine, std::unique_ptr<Communicator>* split_result) {
     Group& g = *group_;
     const int w = g.size;
-    const uint64_t seq = next_seq_++;
-    const std::string what = absl::StrCat(OpKindName(mine.kind), " #", seq);
-    Slot* slot = nullptr;
-    {
-      std::unique_lock<std::mutex> lock(g.mu);
-      if (!g.failure.ok()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            what, ": the thread communicator is unusable after an earlier failure: ",
-            g.failure.message()));
-      }
-      {
-        std::lock_guard<std::mutex> self(exec_->mu);
-        if (exec_->stopping) {
-          return absl::FailedPreconditionError(
-              absl::StrCat(what, ": the communicator was destroyed before it ran"));
+    const OpKind kind = mine.call.kind;
+    if (g.broken.load(std::memory_order_acquire)) return Broken(kind);
+    const uint32_t u = op_index_;
+    const uint32_t target = (u + 1) * static_cast<uint32_t>(w);  // wraps like the counters
+    g.posted[rank_].args = &mine;
+    g.posted[rank_].op.store(u + 1, std::memory_order_relaxed);
+    if (g.arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == target) {
+      g.event.Notify();
+    } else {
+      const Clock::time_point deadline =
+          g.timeout == absl::InfiniteDuration()
+              ? Clock::time_point::max()
+              : Clock::now() + absl::ToChronoNanoseconds(g.timeout);
+      bool quick;
+      g.event.Wait(
+          [&] {
+            return g.arrived.load(std::memory_order_acquire) == target ||
+                   g.broken.load(std::memory_order_acquire);
+          },
+          deadline, spin_, &quick);
+      AdaptSpin(quick);
+      if (g.arrived.load(std::memory_order_acquire) != target) {
+        // Timed out, or the group broke: withdraw my arrival, unless the last peer arrived
+        // meanwhile (then the operation runs after all, with every buffer still valid).
+        uint32_t v = g.arrived.load(std::memory_order_acquire);
+        while (v != target &&
+               !g.arrived.compare_exchange_weak(v, v - 1, std::memory_order_acq_rel)) {
         }
-      }
-      std::unique_ptr<Slot>& s = g.slots[seq];
-      if (!s) s = std::make_unique<Slot>(w);
-      slot = s.get();
-      slot->args[rank_] = mine;
-      slot->posted[rank_] = true;
-      if (++slot->arrived == w) g.cv.notify_all();
-      const auto deadline = Clock::now() + absl::ToChronoNanoseconds(g.timeout);
-      const auto all_here = [&] { return slot->arrived == w || !g.failure.ok(); };
-      if (g.timeout == absl::InfiniteDuration()) {
-        g.cv.wait(lock, all_here);
-      } else if (!g.cv.wait_until(lock, deadline, all_here)) {
-        std::vector<int> missing;
-        for (int p = 0; p < w; ++p) {
-          if (!slot->posted[p]) missing.push_back(p);
+        if (v != target) {
+          ++op_index_;
+          // Someone else broke the group while we waited: report that failure as ours.
+          if (g.broken.load(std::memory_order_acquire)) return g.Failure();
+          std::vector<int> missing;
+          for (int p = 0; p < w; ++p) {
+            if (p != rank_ && g.posted[p].op.load(std::memory_order_relaxed) != u + 1) {
+              missing.push_back(p);
+            }
+          }
+          absl::Status s = absl::DeadlineExceededError(absl::StrCat(
+              OpKindName(kind), " #", u, ": rank ", rank_, " waited ",
+              absl::FormatDuration(g.timeout), " for rank", missing.size() > 1 ? "s " : " ",
+              absl::StrJoin(missing, ", "), " to arrive"));
+          g.Break(s.code(), s.message());
+          return s;
         }
-        g.failure = absl::DeadlineExceededError(absl::StrCat(
-            what, ": rank ", rank_, " waited ", absl::FormatDuration(g.timeout), " for rank",
-            missing.size() > 1 ? "s " : " ", absl::StrJoin(missing, ", "), " to arrive"));
-        g.cv.notify_all();
-        return Fresh(g.failure);
-      }
-      if (slot->arrived < w) {
-        // Someone else broke the group while we waited; report that failure as ours.
-        return Fresh(g.failure);
       }
     }
-    // From here every peer has posted; slot->args is immutable until the slot is erased.
-    absl::Status agreed = CheckAgreement(slot->args, what);
-    if (agreed.ok()) {
-      RunDataPhase(*slot, op);
-      std::unique_lock<std::mutex> lock(g.mu);
-      if (++slot->finished == w) g.cv.notify_all();
+    // Every peer has posted; their arguments stay put until they pass the end barrier.
+    absl::Status agreed = CheckAgreement(u);
+    if (agreed.ok()) RunDataPhase(u, split_result);
+    if (g.finished.fetch_add(1, std::memory_order_acq_rel) + 1 == target) {
+      g.next_chunk[u % 2].store(0, std::memory_order_relaxed);  // for operation u + 2
+      g.event.Notify();
+    } else {
       // No deadline: each peer's data phase is local work that always finishes, and no
       // rank may return while a peer may still read or write its buffers.
-      g.cv.wait(lock, [&] { return slot->finished == w; });
+      bool quick;
+      g.event.Wait(
+          [&] { return g.finished.load(std::memory_order_acquire) == target; },
+          Clock::time_point::max(), spin_, &quick);
+      AdaptSpin(quick);
     }
-    {
-      std::lock_guard<std::mutex> lock(g.mu);
-      if (++slot->departed == w) g.slots.erase(seq);
-    }
+    ++op_index_;
     return agreed;
   }
 
-  // Identical on every rank (same inputs, same order), so every rank fails alike.
-  static absl::Status CheckAgreement(const std::vector<OpArgs>& args, const std::string& what) {
-    const int w = static_cast<int>(args.size());
+  // Adaptive spinning: double the budget (up to the group's cap) after a wait that ended
+  // while spinning, halve it after one that had to sleep. On a loaded machine, where the
+  // peer we wait for is descheduled, the budget falls to nothing within a few operations.
+  void AdaptSpin(bool quick) {
+    if (quick) {
+      spin_ = std::min(group_->spin, spin_ * 2 + std::chrono::microseconds(1));
+    } else {
+      spin_ /= 2;
+    }
+  }
+
+  const OpArgs& Args(int p) const { return *group_->posted[p].args; }
+
+  // Identical on every rank (same inputs, same order), so every rank fails alike. Formats
+  // nothing unless there is a failure.
+  absl::Status CheckAgreement(uint32_t u) const {
+    const int w = size();
     for (int p = 0; p < w; ++p) {
-      if (!args[p].local_error.empty()) {
-        return absl::InvalidArgumentError(absl::StrCat(what, ": rank ", p,
-                                                       " passed invalid arguments: ",
-                                                       args[p].local_error));
+      if (Args(p).local_error != nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            OpKindName(Args(rank_).call.kind), " #", u, ": rank ", p,
+            " passed invalid arguments: ", *Args(p).local_error));
       }
     }
-    const OpArgs& a0 = args[0];
+    const OpCall& a0 = Args(0).call;
     for (int p = 1; p < w; ++p) {
-      const OpArgs& a = args[p];
+      const OpCall& a = Args(p).call;
       const auto mismatch = [&](absl::string_view field, const auto& mine, const auto& theirs) {
-        return absl::InvalidArgumentError(absl::StrCat(what, ": ranks disagree on ", field,
-                                                       ": rank ", p, " passed ", field, " ",
-                                                       mine, ", rank 0 passed ", theirs));
+        return absl::InvalidArgumentError(absl::StrCat(
+            OpKindName(a0.kind), " #", u, ": ranks disagree on ", field, ": rank ", p,
+            " passed ", field, " ", mine, ", rank 0 passed ", theirs));
       };
       if (a.kind != a0.kind) {
-        return absl::InvalidArgumentError(absl::StrCat(what, ": ranks disagree on the operation: rank ", p,
-                                                       " called ", OpKindName(a.kind),
-                                                       ", rank 0 called ", OpKindName(a0.kind)));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "operation #", u, ": ranks disagree on the operation: rank ", p, " called ",
+            OpKindName(a.kind), ", rank 0 called ", OpKindName(a0.kind)));
       }
       if (HasDType(a.kind) && a.dtype != a0.dtype) {
         return mismatch("dtype", DTypeName(a.dtype), DTypeName(a0.dtype));
       }
-      if (HasReduceOp(a.kind) && a.reduce != a0.reduce) {
-        return mismatch("reduce op", ReduceOpName(a.reduce), ReduceOpName(a0.reduce));
+      if (HasReduceOp(a.kind) && a.op != a0.op) {
+        return mismatch("reduce op", ReduceOpName(a.op), ReduceOpName(a0.op));
       }
       if (HasCount(a.kind) && a.count != a0.count) {
         return mismatch("count", a.count, a0.count);
@@ -568,11 +637,11 @@ class ThreadCommunicator : public Communicator {
     if (a0.kind == OpKind::kAllToAllV) {
       for (int p = 0; p < w; ++p) {
         for (int q = 0; q < w; ++q) {
-          if (args[p].send_counts[q] != args[q].recv_counts[p]) {
+          if (Args(p).call.send_counts[q] != Args(q).call.recv_counts[p]) {
             return absl::InvalidArgumentError(absl::StrCat(
-                what, ": count matrix mismatch: rank ", p, " sends ", args[p].send_counts[q],
-                " elements to rank ", q, ", but rank ", q, " expects ", args[q].recv_counts[p],
-                " from rank ", p));
+                OpKindName(a0.kind), " #", u, ": count matrix mismatch: rank ", p, " sends ",
+                Args(p).call.send_counts[q], " elements to rank ", q, ", but rank ", q,
+                " expects ", Args(q).call.recv_counts[p], " from rank ", p));
           }
         }
       }
@@ -581,11 +650,11 @@ class ThreadCommunicator : public Communicator {
   }
 
   // The data movement of one agreed operation, run by this rank on shared buffers.
-  void RunDataPhase(Slot& slot, OpState& op) {
-    const std::vector<OpArgs>& args = slot.args;
-    const OpArgs& mine = args[rank_];
+  void RunDataPhase(uint32_t u, std::unique_ptr<Communicator>* split_result) {
+    const OpCall& mine = Args(rank_).call;
     const int w = size();
     const size_t elem = HasDType(mine.kind) ? DTypeSize(mine.dtype) : 1;
+    std::atomic<size_t>& next_chunk = group_->next_chunk[u % 2];
     switch (mine.kind) {
       case OpKind::kAllReduce: {
         // Reduce-scatter then all-gather in one pass over shared memory: the buffer is cut
@@ -597,16 +666,14 @@ class ThreadCommunicator : public Communicator {
         const size_t n = mine.count;
         const size_t chunk = ChunkElems(n, elem, w);
         const size_t chunks = chunk == 0 ? 0 : (n + chunk - 1) / chunk;
-        std::vector<const void*> srcs(w);
-        std::vector<void*> dsts(w);
-        for (size_t c; (c = slot.next_chunk.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
+        for (size_t c; (c = next_chunk.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
           const size_t lo = c * chunk, hi = std::min(n, lo + chunk);
           for (int p = 0; p < w; ++p) {
-            srcs[p] = Ptr(args[p].send, lo * elem);
+            srcs_[p] = Ptr(Args(p).call.send, lo * elem);
             // My own recv first: the kernel rounds into it once, then copies to the others.
-            dsts[p] = Ptr(args[(rank_ + p) % w].recv, lo * elem);
+            dsts_[p] = Ptr(Args((rank_ + p) % w).call.recv, lo * elem);
           }
-          ReduceInto(mine.dtype, mine.reduce, srcs, hi - lo, dsts);
+          ReduceInto(mine.dtype, mine.op, srcs_, hi - lo, dsts_);
         }
         break;
       }
@@ -617,13 +684,12 @@ class ThreadCommunicator : public Communicator {
         const size_t chunk = ChunkElems(n, elem, w);
         const size_t per_block = chunk == 0 ? 0 : (n + chunk - 1) / chunk;
         const size_t tasks = per_block * static_cast<size_t>(w);
-        std::vector<const void*> srcs(w);
-        for (size_t t; (t = slot.next_chunk.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
+        for (size_t t; (t = next_chunk.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
           const size_t block = t / per_block;
           const size_t lo = (t % per_block) * chunk, hi = std::min(n, lo + chunk);
-          for (int p = 0; p < w; ++p) srcs[p] = Ptr(args[p].send, (block * n + lo) * elem);
-          void* dst = Ptr(args[block].recv, lo * elem);
-          ReduceInto(mine.dtype, mine.reduce, srcs, hi - lo, absl::MakeConstSpan(&dst, 1));
+          for (int p = 0; p < w; ++p) srcs_[p] = Ptr(Args(p).call.send, (block * n + lo) * elem);
+          dsts_[0] = Ptr(Args(static_cast<int>(block)).call.recv, lo * elem);
+          ReduceInto(mine.dtype, mine.op, srcs_, hi - lo, absl::MakeConstSpan(dsts_.data(), 1));
         }
         break;
       }
@@ -631,7 +697,7 @@ class ThreadCommunicator : public Communicator {
         const size_t bytes = mine.count * elem;
         for (int p = 0; p < w; ++p) {
           char* dst = Ptr(mine.recv, static_cast<size_t>(p) * bytes);
-          if (dst != args[p].send && bytes > 0) std::memcpy(dst, args[p].send, bytes);
+          if (dst != Args(p).call.send && bytes > 0) std::memcpy(dst, Args(p).call.send, bytes);
         }
         break;
       }
@@ -640,54 +706,65 @@ class ThreadCommunicator : public Communicator {
           const size_t bytes = mine.recv_counts[p] * elem;
           if (bytes == 0) continue;
           std::memcpy(Ptr(mine.recv, mine.recv_offsets[p] * elem),
-                      Ptr(args[p].send, args[p].send_offsets[rank_] * elem), bytes);
+                      Ptr(Args(p).call.send, Args(p).call.send_offsets[rank_] * elem), bytes);
         }
         break;
       case OpKind::kBroadcast:
         if (rank_ != mine.root && mine.count > 0) {
-          std::memcpy(mine.recv, args[mine.root].recv, mine.count * elem);
+          std::memcpy(mine.recv, Args(mine.root).call.recv, mine.count * elem);
         }
         break;
       case OpKind::kBarrier:
         break;
       case OpKind::kSplit:
-        op.split_result = JoinSplit(slot);
+        if (split_result != nullptr) *split_result = JoinSplit();
         break;
     }
   }
 
   // Split: ranks with my color, ordered by (key, old rank), form a new group; the first
   // rank here creates every new group so that all members share the same one.
-  std::unique_ptr<Communicator> JoinSplit(Slot& slot) {
-    const std::vector<OpArgs>& args = slot.args;
+  std::unique_ptr<Communicator> JoinSplit() {
     const int w = size();
+    const OpArgs& me = Args(rank_);
     std::shared_ptr<Group> mine;
     {
-      std::lock_guard<std::mutex> lock(group_->mu);
-      if (!slot.split_done) {
+      Group& g = *group_;
+      std::lock_guard<std::mutex> lock(g.mu);
+      if (g.split_taken == 0) {
         std::map<int, int> members;
         for (int p = 0; p < w; ++p) {
-          if (args[p].color >= 0) ++members[args[p].color];
+          if (Args(p).color >= 0) ++members[Args(p).color];
         }
         for (const auto& [color, n] : members) {
-          slot.split_groups[color] = std::make_shared<Group>(n, group_->timeout);
+          g.split_groups[color] = std::make_shared<Group>(n, g.timeout);
         }
-        slot.split_done = true;
       }
-      if (args[rank_].color < 0) return nullptr;
-      mine = slot.split_groups[args[rank_].color];
+      if (me.color >= 0) mine = g.split_groups[me.color];
+      if (++g.split_taken == w) {
+        g.split_taken = 0;
+        g.split_groups.clear();
+      }
     }
+    if (me.color < 0) return nullptr;
     int new_rank = 0;
     for (int p = 0; p < w; ++p) {
-      if (p == rank_ || args[p].color != args[rank_].color) continue;
-      if (std::make_pair(args[p].key, p) < std::make_pair(args[rank_].key, rank_)) ++new_rank;
+      if (p == rank_ || Args(p).color != me.color) continue;
+      if (std::make_pair(Args(p).key, p) < std::make_pair(me.key, rank_)) ++new_rank;
     }
     return std::make_unique<ThreadCommunicator>(std::move(mine), new_rank);
   }
 
   const std::shared_ptr<Group> group_;
   const int rank_;
-  uint64_t next_seq_ = 0;  // worker thread only
+  // The index of this rank's next operation in the group. Only the thread holding
+  // `executing` touches it (handed over through exec_->mu).
+  uint32_t op_index_ = 0;
+  // The current spin budget (AdaptSpin); same owner as op_index_.
+  Clock::duration spin_;
+  // Per-call scratch of the data phase (size W, allocated once).
+  std::vector<const void*> srcs_;
+  std::vector<void*> dsts_;
 
   const std::shared_ptr<ExecState> exec_;
   std::thread worker_;  // started in the constructor body, after everything else
@@ -703,11 +780,12 @@ absl::Status ThreadWork::Wait(absl::Duration timeout) {
       {
         std::lock_guard<std::mutex> lock(exec_->mu);
         if (exec_->executing || exec_->stopping || exec_->owner == nullptr ||
-            std::find(exec_->queue.begin(), exec_->queue.end(), op_) == exec_->queue.end()) {
+            !op_->queued) {
           break;
         }
         front = std::move(exec_->queue.front());
         exec_->queue.pop_front();
+        front->queued = false;
         exec_->executing = true;
         owner = exec_->owner;
       }
@@ -715,16 +793,19 @@ absl::Status ThreadWork::Wait(absl::Duration timeout) {
       if (front == op_) break;
     }
   }
-  std::unique_lock<std::mutex> lock(op_->mu);
-  if (timeout == absl::InfiniteDuration()) {
-    op_->cv.wait(lock, [&] { return op_->done; });
-  } else {
-    const auto deadline = Clock::now() + absl::ToChronoNanoseconds(timeout);
-    if (!op_->cv.wait_until(lock, deadline, [&] { return op_->done; })) {
-      return absl::DeadlineExceededError(absl::StrCat(OpKindName(op_->args.kind),
-                                                      " still in flight after waiting ",
-                                                      absl::FormatDuration(timeout)));
-    }
+  const Clock::time_point deadline =
+      timeout == absl::InfiniteDuration()
+          ? Clock::time_point::max()
+          : Clock::now() + absl::ToChronoNanoseconds(std::max(timeout, absl::ZeroDuration()));
+  // No spinning here: the operation is being run by the worker thread (or waits for it),
+  // which needs the core more than this waiter does.
+  const bool done = op_->event.Wait(
+      [&] { return op_->done.load(std::memory_order_acquire); }, deadline,
+      Clock::duration::zero());
+  if (!done) {
+    return absl::DeadlineExceededError(absl::StrCat(OpKindName(op_->args.call.kind),
+                                                    " still in flight after waiting ",
+                                                    absl::FormatDuration(timeout)));
   }
   return Fresh(op_->status);
 }

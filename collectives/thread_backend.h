@@ -8,17 +8,22 @@
 //
 // Reductions sum in ascending rank order with fp32 accumulation for bf16/f16/f32 and fp64
 // for f64, rounding once (SEMANTICS.md §7), so results are deterministic and bit-identical
-// on every rank, whoever computes them. Waits block (std::condition_variable), never spin,
-// so 8 ranks run fine on 2 cores.
+// on every rank, whoever computes them.
 //
-// How it works: each communicator runs its operations in issue order, on a worker thread
-// for async progress, or on the caller's own thread when it waits on an operation that
-// nobody has started (the sync forms do this). An operation is a rendezvous of all ranks
-// on shared memory: every rank posts its arguments, every rank checks that all agree, then
-// all-reduce and reduce-scatter cut the buffer into chunks; whoever claims a chunk reduces
-// it over every rank's send buffer and writes the result into every rank's recv buffer
-// (reduce-scatter then all-gather in one pass, no gather to a root, no staging copy).
-// Nobody returns until every rank is done with every buffer.
+// How it works: an operation is a rendezvous of all ranks on shared memory: every rank
+// posts a pointer to its arguments and bumps an atomic arrival counter, every rank checks
+// that all agree, then all-reduce and reduce-scatter cut the buffer into chunks; whoever
+// claims a chunk reduces it over every rank's send buffer and writes the result into every
+// rank's recv buffer (reduce-scatter then all-gather in one pass, no gather to a root, no
+// staging copy). Nobody returns until every rank is done with every buffer. Waiting spins
+// for up to 50 us when the machine has at least as many cores as ranks, never otherwise,
+// then sleeps on a futex, so 8 ranks run fine on 2 cores; each rank halves its spin budget
+// whenever it had to sleep (and doubles it when spinning sufficed), so a loaded machine
+// stops spinning.
+// Synchronous calls run on the caller's thread without allocating. Asynchronous calls
+// are queued and run in issue order by a per-communicator worker thread, or by the
+// caller's own thread when it waits on an operation nobody has started; a synchronous
+// call issued while async ones are pending runs after them.
 //
 // Failures:
 // - Invalid arguments on one rank: InvalidArgument from that rank's call; its peers fail

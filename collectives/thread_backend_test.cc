@@ -16,6 +16,7 @@
 #include "absl/time/clock.h"
 #include "collectives/conformance.h"
 #include "core/half.h"
+#include "core/status.h"
 #include "gtest/gtest.h"
 #include "testing/run_ranks.h"
 #include "testing/status_testing.h"
@@ -307,6 +308,120 @@ TEST(ThreadBackendTest, ManyAsyncOperationsCompleteInIssueOrder) {
     }
     return absl::OkStatus();
   }));
+}
+
+TEST(ThreadBackendTest, SyncCallsRunAfterPendingAsyncOnes) {
+  GRADSUM_EXPECT_OK(RunRanks(4, [](Communicator& comm) -> absl::Status {
+    // The async all-gather is issued first, so it must run first on every rank even though
+    // the sync all-reduce (which could run on the caller's thread) comes before its Wait.
+    const int32_t mine = comm.rank() + 1;
+    std::vector<int32_t> gathered(4, -1);
+    auto gather = comm.AllGatherAsync(&mine, gathered.data(), 1, DType::kI32);
+    if (!gather.ok()) return gather.status();
+    int64_t sum = comm.rank();
+    GRADSUM_RETURN_IF_ERROR(comm.AllReduce(&sum, &sum, 1, DType::kI64));
+    GRADSUM_RETURN_IF_ERROR((*gather)->Wait());
+    if (sum != 6) return absl::InternalError(absl::StrCat("sum ", sum));
+    for (int p = 0; p < 4; ++p) {
+      if (gathered[p] != p + 1) return absl::InternalError(absl::StrCat("gathered[", p, "]"));
+    }
+    return absl::OkStatus();
+  }));
+}
+
+TEST(ThreadBackendTest, ManySmallSyncOperationsMixedKinds) {
+  // Exercises the reused rendezvous: thousands of back-to-back operations of different
+  // kinds and sizes, each checked against its closed-form result.
+  GRADSUM_EXPECT_OK(RunRanks(8, [](Communicator& comm) -> absl::Status {
+    const int w = comm.size(), r = comm.rank();
+    for (int i = 0; i < 1500; ++i) {
+      const size_t n = 1 + static_cast<size_t>(i % 37) * 5;
+      std::vector<int32_t> v(n * w);
+      for (size_t k = 0; k < v.size(); ++k) v[k] = static_cast<int32_t>(i + r * 7 + k);
+      if (i % 3 == 0) {
+        GRADSUM_RETURN_IF_ERROR(comm.AllReduce(v.data(), v.data(), v.size(), DType::kI32));
+        for (size_t k = 0; k < v.size(); ++k) {
+          const int32_t want = static_cast<int32_t>(w * (i + k) + 7 * w * (w - 1) / 2);
+          if (v[k] != want) return absl::InternalError(absl::StrCat("op ", i, " elem ", k));
+        }
+      } else if (i % 3 == 1) {
+        std::vector<int32_t> out(n, -1);
+        GRADSUM_RETURN_IF_ERROR(comm.ReduceScatter(v.data(), out.data(), n, DType::kI32));
+        for (size_t k = 0; k < n; ++k) {
+          const size_t idx = static_cast<size_t>(r) * n + k;
+          const int32_t want = static_cast<int32_t>(w * (i + idx) + 7 * w * (w - 1) / 2);
+          if (out[k] != want) return absl::InternalError(absl::StrCat("op ", i, " elem ", k));
+        }
+      } else {
+        std::vector<int32_t> all(n * w, -1);
+        GRADSUM_RETURN_IF_ERROR(comm.AllGather(v.data(), all.data(), n, DType::kI32));
+        for (int p = 0; p < w; ++p) {
+          for (size_t k = 0; k < n; ++k) {
+            if (all[p * n + k] != static_cast<int32_t>(i + p * 7 + k)) {
+              return absl::InternalError(absl::StrCat("op ", i, " peer ", p, " elem ", k));
+            }
+          }
+        }
+      }
+    }
+    return absl::OkStatus();
+  }));
+}
+
+// The options forms (communicator.h) give the positional results, checked against closed
+// forms, on every operation.
+TEST(CommunicatorOptionsTest, OptionsFormsGiveThePositionalResults) {
+  GRADSUM_EXPECT_OK(RunRanks(3, [](Communicator& comm) -> absl::Status {
+    const int w = comm.size(), r = comm.rank();
+    int64_t x = r + 1, sum = 0;
+    GRADSUM_RETURN_IF_ERROR(
+        comm.AllReduce({.send = &x, .recv = &sum, .count = 1, .dtype = DType::kI64}));
+    if (sum != 6) return absl::InternalError(absl::StrCat("all_reduce ", sum));
+    std::vector<int32_t> full = {1, 2, 3}, mine(1, -1), gathered(3, -1);
+    GRADSUM_RETURN_IF_ERROR(comm.ReduceScatter(
+        {.send = full.data(), .recv = mine.data(), .recv_count = 1, .dtype = DType::kI32}));
+    if (mine[0] != 3 * (r + 1)) return absl::InternalError("reduce_scatter");
+    const int32_t me = 10 * r;
+    GRADSUM_RETURN_IF_ERROR(comm.AllGather(
+        {.send = &me, .recv = gathered.data(), .send_count = 1, .dtype = DType::kI32}));
+    if (gathered != std::vector<int32_t>({0, 10, 20})) return absl::InternalError("all_gather");
+    double b = r == 2 ? 7.5 : 0.0;
+    GRADSUM_RETURN_IF_ERROR(
+        comm.Broadcast({.buf = &b, .count = 1, .dtype = DType::kF64, .root = 2}));
+    if (b != 7.5) return absl::InternalError("broadcast");
+    std::vector<size_t> ones(w, 1), offsets = {0, 1, 2};
+    std::vector<int32_t> send = {100 * r, 100 * r + 1, 100 * r + 2}, recv(3, -1);
+    auto a2a = comm.AllToAllVAsync({.send = send.data(), .send_counts = ones,
+                                    .send_offsets = offsets, .recv = recv.data(),
+                                    .recv_counts = ones, .recv_offsets = offsets,
+                                    .dtype = DType::kI32, .timeout = absl::Seconds(30)});
+    if (!a2a.ok()) return a2a.status();
+    GRADSUM_RETURN_IF_ERROR((*a2a)->Wait());
+    for (int p = 0; p < w; ++p) {
+      if (recv[p] != 100 * p + r) return absl::InternalError("all_to_all_v");
+    }
+    return comm.Barrier(BarrierOptions{.timeout = absl::Seconds(30)});
+  }));
+}
+
+// A per-call timeout shorter than the communicator's: the call returns DeadlineExceeded
+// after about that long (the operation stays in flight, as documented), and an async
+// handle's argument-less Wait() uses the options' timeout.
+TEST(CommunicatorOptionsTest, PerCallTimeoutBoundsTheWait) {
+  auto comms = CreateThreadCommunicators(2, {.timeout = absl::Seconds(60)});
+  ASSERT_TRUE(comms.ok());
+  float x = 1;  // must outlive the in-flight operation: the communicators go first
+  const absl::Time start = absl::Now();
+  const absl::Status s = (*comms)[0]->AllReduce(
+      {.send = &x, .recv = &x, .count = 1, .dtype = DType::kF32,
+       .timeout = absl::Milliseconds(100)});
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  auto w = (*comms)[0]->BarrierAsync(BarrierOptions{.timeout = absl::Milliseconds(100)});
+  ASSERT_TRUE(w.ok());
+  EXPECT_EQ((*w)->Wait().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+  // Rank 1 never joined; destroying the communicators breaks the group instead of hanging.
+  comms->clear();
 }
 
 TEST(ThreadBackendTest, DestroyingWithOperationInFlightDoesNotHang) {

@@ -17,7 +17,7 @@
 #include "collectives/communicator.h"
 #include "collectives/mesh.h"
 #include "train/config.pb.h"
-#include "train/timed_communicator.h"
+#include "collectives/timed_communicator.h"
 #include "train/trainer.h"
 
 namespace gradsum::train {

@@ -37,12 +37,12 @@
 #include "train/data.h"
 #include "train/moe_lm.h"
 #include "train/parity.h"
-#include "train/timed_communicator.h"
+#include "collectives/timed_communicator.h"
 
 namespace gradsum::train {
 
 // The communicators of one rank (not owned). `timer` (may be null) is the CommTimer the
-// communicators add their time to (train/timed_communicator.h).
+// communicators add their time to (collectives/timed_communicator.h).
 // Builds the rank's model; the default is MoeLm::Create (host compute). The nccl backend
 // passes train/cuda's MoeLmCuda, which computes on the rank's GPU.
 using MoeLmFactory = std::function<absl::StatusOr<std::unique_ptr<MoeLm>>(const MoeLmOptions&,
@@ -64,7 +64,7 @@ struct StepRecord {
   double grad_norm = 0;
   double lr = 0;
   double step_seconds = 0, wait_seconds = 0;
-  // The step's collectives (train/timed_communicator.h): their summed durations (comm_s)
+  // The step's collectives (collectives/timed_communicator.h): their summed durations (comm_s)
   // and the part the rank's thread spent blocked in them (comm_exposed_s).
   double comm_seconds = 0, comm_exposed_seconds = 0;
   // Parameter bytes (compute dtype) held unsharded at once at most during the step, and

@@ -1,4 +1,4 @@
-#include "train/timed_communicator.h"
+#include "collectives/timed_communicator.h"
 
 #include <chrono>
 #include <utility>
@@ -166,6 +166,50 @@ absl::StatusOr<std::unique_ptr<Communicator>> TimedCommunicator::Split(int color
   timer_->Add(absl::Now() - start);
   if (!sub.ok() || *sub == nullptr) return sub;
   return std::unique_ptr<Communicator>(new TimedCommunicator(std::move(*sub), timer_));
+}
+
+template <typename F>
+absl::Status TimedCommunicator::TimeSync(F&& call) {
+  const absl::Time start = absl::Now();
+  absl::Status s = call();
+  const absl::Duration took = absl::Now() - start;
+  timer_->Add(took);
+  timer_->AddBusy(took);
+  timer_->Poll();
+  return s;
+}
+
+absl::Status TimedCommunicator::AllReduce(const void* send, void* recv, size_t count,
+                                          DType dtype, ReduceOp op) {
+  return TimeSync([&] { return inner_->AllReduce(send, recv, count, dtype, op); });
+}
+
+absl::Status TimedCommunicator::ReduceScatter(const void* send, void* recv, size_t recv_count,
+                                              DType dtype, ReduceOp op) {
+  return TimeSync([&] { return inner_->ReduceScatter(send, recv, recv_count, dtype, op); });
+}
+
+absl::Status TimedCommunicator::AllGather(const void* send, void* recv, size_t send_count,
+                                          DType dtype) {
+  return TimeSync([&] { return inner_->AllGather(send, recv, send_count, dtype); });
+}
+
+absl::Status TimedCommunicator::AllToAllV(const void* send, absl::Span<const size_t> send_counts,
+                                          absl::Span<const size_t> send_offsets, void* recv,
+                                          absl::Span<const size_t> recv_counts,
+                                          absl::Span<const size_t> recv_offsets, DType dtype) {
+  return TimeSync([&] {
+    return inner_->AllToAllV(send, send_counts, send_offsets, recv, recv_counts, recv_offsets,
+                             dtype);
+  });
+}
+
+absl::Status TimedCommunicator::Broadcast(void* buf, size_t count, DType dtype, int root) {
+  return TimeSync([&] { return inner_->Broadcast(buf, count, dtype, root); });
+}
+
+absl::Status TimedCommunicator::Barrier() {
+  return TimeSync([&] { return inner_->Barrier(); });
 }
 
 }  // namespace gradsum::train

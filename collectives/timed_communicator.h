@@ -113,7 +113,37 @@ class TimedCommunicator : public Communicator {
   absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override;
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override;
 
+  // Synchronous forms forwarded as such, so the inner backend's sync fast path (no
+  // allocation, no hand-off) is kept; each counts its call as both exposed and busy time,
+  // as a sync call through the async form would.
+  // (Defaults repeated: a default argument belongs to the declaration it is called through.)
+  absl::Status AllReduce(const void* send, void* recv, size_t count, DType dtype,
+                         ReduceOp op = ReduceOp::kSum) override;
+  absl::Status ReduceScatter(const void* send, void* recv, size_t recv_count, DType dtype,
+                             ReduceOp op = ReduceOp::kSum) override;
+  absl::Status AllGather(const void* send, void* recv, size_t send_count, DType dtype) override;
+  absl::Status AllToAllV(const void* send, absl::Span<const size_t> send_counts,
+                         absl::Span<const size_t> send_offsets, void* recv,
+                         absl::Span<const size_t> recv_counts,
+                         absl::Span<const size_t> recv_offsets, DType dtype) override;
+  absl::Status Broadcast(void* buf, size_t count, DType dtype, int root) override;
+  absl::Status Barrier() override;
+  using Communicator::AllGather;
+  using Communicator::AllGatherAsync;
+  using Communicator::AllReduce;
+  using Communicator::AllReduceAsync;
+  using Communicator::AllToAllV;
+  using Communicator::AllToAllVAsync;
+  using Communicator::Barrier;
+  using Communicator::BarrierAsync;
+  using Communicator::Broadcast;
+  using Communicator::BroadcastAsync;
+  using Communicator::ReduceScatter;
+  using Communicator::ReduceScatterAsync;
+
  private:
+  template <typename F>
+  absl::Status TimeSync(F&& call);
   absl::StatusOr<std::unique_ptr<Work>> Wrap(absl::Time start,
                                              absl::StatusOr<std::unique_ptr<Work>> work);
 

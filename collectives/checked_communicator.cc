@@ -1,0 +1,171 @@
+#include "collectives/checked_communicator.h"
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "collectives/op_descriptor.h"
+#include "core/status.h"
+
+namespace gradsum {
+namespace {
+
+using collectives_internal::MakeAllToAllVCall;
+using collectives_internal::MakeBroadcastCall;
+using collectives_internal::MakeCall;
+using collectives_internal::OpCall;
+using collectives_internal::OpDescriptor;
+using collectives_internal::OpKind;
+
+class CheckedCommunicator final : public Communicator {
+ public:
+  explicit CheckedCommunicator(std::unique_ptr<Communicator> inner) : inner_(std::move(inner)) {}
+
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  std::string backend() const override { return inner_->backend(); }
+  absl::Duration timeout() const override { return inner_->timeout(); }
+
+  absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv,
+                                                       size_t count, DType dtype,
+                                                       ReduceOp op) override {
+    GRADSUM_RETURN_IF_ERROR(Agree(MakeCall(OpKind::kAllReduce, send, recv, count, dtype, op)));
+    return inner_->AllReduceAsync(send, recv, count, dtype, op);
+  }
+  absl::Status AllReduce(const void* send, void* recv, size_t count, DType dtype,
+                         ReduceOp op) override {
+    GRADSUM_RETURN_IF_ERROR(Agree(MakeCall(OpKind::kAllReduce, send, recv, count, dtype, op)));
+    return inner_->AllReduce(send, recv, count, dtype, op);
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> ReduceScatterAsync(const void* send, void* recv,
+                                                           size_t recv_count, DType dtype,
+                                                           ReduceOp op) override {
+    GRADSUM_RETURN_IF_ERROR(
+        Agree(MakeCall(OpKind::kReduceScatter, send, recv, recv_count, dtype, op)));
+    return inner_->ReduceScatterAsync(send, recv, recv_count, dtype, op);
+  }
+  absl::Status ReduceScatter(const void* send, void* recv, size_t recv_count, DType dtype,
+                             ReduceOp op) override {
+    GRADSUM_RETURN_IF_ERROR(
+        Agree(MakeCall(OpKind::kReduceScatter, send, recv, recv_count, dtype, op)));
+    return inner_->ReduceScatter(send, recv, recv_count, dtype, op);
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const void* send, void* recv,
+                                                       size_t send_count, DType dtype) override {
+    GRADSUM_RETURN_IF_ERROR(Agree(MakeCall(OpKind::kAllGather, send, recv, send_count, dtype)));
+    return inner_->AllGatherAsync(send, recv, send_count, dtype);
+  }
+  absl::Status AllGather(const void* send, void* recv, size_t send_count, DType dtype) override {
+    GRADSUM_RETURN_IF_ERROR(Agree(MakeCall(OpKind::kAllGather, send, recv, send_count, dtype)));
+    return inner_->AllGather(send, recv, send_count, dtype);
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(
+      const void* send, absl::Span<const size_t> send_counts,
+      absl::Span<const size_t> send_offsets, void* recv, absl::Span<const size_t> recv_counts,
+      absl::Span<const size_t> recv_offsets, DType dtype) override {
+    GRADSUM_RETURN_IF_ERROR(
+        Agree(MakeAllToAllVCall(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dtype)));
+    return inner_->AllToAllVAsync(send, send_counts, send_offsets, recv, recv_counts,
+                                  recv_offsets, dtype);
+  }
+  absl::Status AllToAllV(const void* send, absl::Span<const size_t> send_counts,
+                         absl::Span<const size_t> send_offsets, void* recv,
+                         absl::Span<const size_t> recv_counts,
+                         absl::Span<const size_t> recv_offsets, DType dtype) override {
+    GRADSUM_RETURN_IF_ERROR(
+        Agree(MakeAllToAllVCall(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dtype)));
+    return inner_->AllToAllV(send, send_counts, send_offsets, recv, recv_counts, recv_offsets,
+                             dtype);
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(void* buf, size_t count, DType dtype,
+                                                       int root) override {
+    GRADSUM_RETURN_IF_ERROR(Agree(MakeBroadcastCall(buf, count, dtype, root)));
+    return inner_->BroadcastAsync(buf, count, dtype, root);
+  }
+  absl::Status Broadcast(void* buf, size_t count, DType dtype, int root) override {
+    GRADSUM_RETURN_IF_ERROR(Agree(MakeBroadcastCall(buf, count, dtype, root)));
+    return inner_->Broadcast(buf, count, dtype, root);
+  }
+
+  // The descriptor exchange already waits for every rank, but the inner barrier also
+  // orders it after the inner's pending async operations.
+  absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override {
+    GRADSUM_RETURN_IF_ERROR(Agree(MakeCall(OpKind::kBarrier, nullptr, nullptr, 0, DType::kF32)));
+    return inner_->BarrierAsync();
+  }
+  absl::Status Barrier() override {
+    GRADSUM_RETURN_IF_ERROR(Agree(MakeCall(OpKind::kBarrier, nullptr, nullptr, 0, DType::kF32)));
+    return inner_->Barrier();
+  }
+
+  absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
+    GRADSUM_RETURN_IF_ERROR(Agree(MakeCall(OpKind::kSplit, nullptr, nullptr, 0, DType::kF32)));
+    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> sub, inner_->Split(color, key));
+    if (sub == nullptr) return sub;
+    return std::unique_ptr<Communicator>(new CheckedCommunicator(std::move(sub)));
+  }
+
+ private:
+  std::string Label(OpKind kind, int64_t seq) const {
+    return absl::StrFormat("%s %s #%d (rank %d of %d)", inner_->backend(),
+                           collectives_internal::OpKindName(kind), seq, rank(), size());
+  }
+
+  // Local validation, then the descriptor exchange; OK when every rank agrees.
+  absl::Status Agree(const OpCall& c) {
+    const int64_t seq = seq_++;
+    const absl::Status local = collectives_internal::ValidateCall(c, rank(), size());
+    OpDescriptor d = collectives_internal::Describe(c);
+    if (!local.ok()) d.invalid_rank = rank();
+    int64_t buf[collectives_internal::kDescriptorWords];
+    collectives_internal::EncodeDescriptor(d, buf);
+    GRADSUM_RETURN_IF_ERROR(inner_->AllReduce(buf, buf, collectives_internal::kDescriptorWords,
+                                              DType::kI64, ReduceOp::kMax));
+    // A locally invalid call reports its own error, not the peers' view of it.
+    if (!local.ok()) return local;
+    if (!collectives_internal::DescriptorAgreed(buf)) {
+      return collectives_internal::CheckDescriptorAgreed(d, buf, Label(c.kind, seq));
+    }
+    if (c.kind == OpKind::kAllToAllV) return AgreeOnCounts(c, seq);
+    return absl::OkStatus();
+  }
+
+  // Rank r's send_counts[p] must equal rank p's recv_counts[r]: each rank learns what its
+  // peers will send it, then all ranks all-gather the first mismatch each one saw.
+  absl::Status AgreeOnCounts(const OpCall& c, int64_t seq) {
+    const size_t w = static_cast<size_t>(size());
+    std::vector<int64_t> out(c.send_counts.begin(), c.send_counts.end()), in(w, 0);
+    std::vector<size_t> ones(w, 1), offsets(w);
+    for (size_t p = 0; p < w; ++p) offsets[p] = p;
+    GRADSUM_RETURN_IF_ERROR(
+        inner_->AllToAllV(out.data(), ones, offsets, in.data(), ones, offsets, DType::kI64));
+    const std::vector<int64_t> expected(c.recv_counts.begin(), c.recv_counts.end());
+    int64_t report[3];
+    collectives_internal::MakeCountReport(in, expected, report);
+    std::vector<int64_t> all(3 * w, 0);
+    GRADSUM_RETURN_IF_ERROR(inner_->AllGather(report, all.data(), 3, DType::kI64));
+    for (size_t p = 0; p < w; ++p) {
+      if (all[3 * p] >= 0) {
+        return collectives_internal::CheckCountReports(all, Label(c.kind, seq));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  std::unique_ptr<Communicator> inner_;
+  int64_t seq_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> WithAgreementCheck(std::unique_ptr<Communicator> inner) {
+  return std::make_unique<CheckedCommunicator>(std::move(inner));
+}
+
+}  // namespace gradsum

@@ -1,0 +1,45 @@
+#ifndef GRADSUM_COLLECTIVES_CHECKED_COMMUNICATOR_H_
+#define GRADSUM_COLLECTIVES_CHECKED_COMMUNICATOR_H_
+
+// The cross-rank agreement check as a decorator over any Communicator (as c10d's
+// ProcessGroupWrapper): before each operation, every rank checks its own arguments with
+// the one validation every backend uses (op_descriptor.h ValidateCall) and all-reduces a
+// fixed-size descriptor of the call (operation, dtype, reduce op, count, root, and whether
+// the call was locally invalid; 12 int64) with MAX through the inner communicator. All
+// ranks see the same reduced descriptor, so all reach the same verdict:
+// - a rank whose own arguments are invalid gets InvalidArgument naming the value; its peers
+//   get InvalidArgument naming that rank (instead of waiting for it), and later
+//   operations still line up;
+// - ranks that disagree all get InvalidArgument naming the field and both values, e.g.
+//   "mpi all_reduce #3 (rank 1 of 2): ranks disagree on the element count: 10 vs 12
+//   (this rank: 12)", and no data moves;
+// - for all-to-all-v, also each rank's send count against its peer's receive count
+//   (one all-to-all of counts and one all-gather of reports).
+// Nothing is formatted unless a check fails.
+//
+//   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> raw, MakeSomeBackend());
+//   std::unique_ptr<Communicator> comm = WithAgreementCheck(std::move(raw));
+//
+// The mpi backend's factory applies it by default (MpiBackendOptions::check_agreement).
+// The thread backend needs no decorator: its rendezvous already shares every rank's
+// arguments, so it compares them there at no extra cost.
+//
+// Cost: one small all-reduce per operation, run synchronously when the operation is
+// issued, async forms included (the check must finish before the data may move). An
+// async operation's issue therefore waits until every rank has issued it, as with
+// ProcessGroupWrapper; turn the check off for speed once a program is known good.
+// Sub-communicators from Split() are checked too.
+
+#include <memory>
+
+#include "collectives/communicator.h"
+
+namespace gradsum {
+
+// Wraps `inner` (which must not be null). size_t counts beyond what `inner` accepts are
+// caught by `inner` after the exchange, on that rank only.
+std::unique_ptr<Communicator> WithAgreementCheck(std::unique_ptr<Communicator> inner);
+
+}  // namespace gradsum
+
+#endif  // GRADSUM_COLLECTIVES_CHECKED_COMMUNICATOR_H_
