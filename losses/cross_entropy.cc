@@ -156,24 +156,6 @@ absl::StatusOr<CrossEntropyResult> ForwardBackward(const TensorView& logits,
 
 namespace internal {
 
-bool CpuHasCeAvx2() {
-#if defined(GRADSUM_CE_ROWS_X86)
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-  return false;
-#endif
-}
-
-bool CpuHasCeAvx512() {
-#if defined(GRADSUM_CE_ROWS_X86)
-  return CpuHasCeAvx2() && __builtin_cpu_supports("avx512f") &&
-         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512dq");
-#else
-  return false;
-#endif
-}
-
 const CeRowKernels* CeRowKernelsFor(const char* isa) {
   static const CeRowKernels generic = rows_generic::Kernels();
   const std::string name = isa;
@@ -181,23 +163,15 @@ const CeRowKernels* CeRowKernelsFor(const char* isa) {
 #if defined(GRADSUM_CE_ROWS_X86)
   static const CeRowKernels avx2 = rows_avx2::Kernels();
   static const CeRowKernels avx512 = rows_avx512::Kernels();
-  if (name == "avx2" && CpuHasCeAvx2()) return &avx2;
-  if (name == "avx512" && CpuHasCeAvx512()) return &avx512;
+  if (name == "avx2" && CpuHasAvx2Fma()) return &avx2;
+  if (name == "avx512" && CpuHasAvx512()) return &avx512;
 #endif
   return nullptr;
 }
 
 const CeRowKernels& SelectedCeRowKernels() {
-  static const CeRowKernels& kernels = []() -> const CeRowKernels& {
-    const char* forced = std::getenv("GRADSUM_CE_ISA");
-    if (forced != nullptr) {
-      if (const CeRowKernels* k = CeRowKernelsFor(forced); k != nullptr) return *k;
-    }
-    for (const char* isa : {"avx512", "avx2"}) {
-      if (const CeRowKernels* k = CeRowKernelsFor(isa); k != nullptr) return *k;
-    }
-    return *CeRowKernelsFor("generic");
-  }();
+  static const CeRowKernels& kernels =
+      PickIsaBuild<CeRowKernels>("GRADSUM_CE_ISA", &CeRowKernelsFor);
   return kernels;
 }
 

@@ -13,6 +13,8 @@
 
 #include <cstdint>
 
+#include "core/cpu_isa.h"
+
 namespace gradsum::losses::internal {
 
 // Per-row outcome, kept per row so the first bad row is reported whatever the threading.
@@ -52,27 +54,23 @@ namespace rows_generic {
 CeRowKernels Kernels();
 }  // namespace rows_generic
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(GRADSUM_ISA_X86)
 #define GRADSUM_CE_ROWS_X86 1
 namespace rows_avx2 {
 // Only call through SelectedCeRowKernels (the CPU must support AVX2 and FMA).
 CeRowKernels Kernels();
 }  // namespace rows_avx2
 namespace rows_avx512 {
-// Only call when CpuHasCeAvx512() (AVX-512 F, BW, VL and DQ, and AVX2 + FMA).
+// Only call when CpuHasAvx512() (core/cpu_isa.h).
 CeRowKernels Kernels();
 }  // namespace rows_avx512
 #endif
 
-// Whether this CPU can run the AVX2 + FMA build, and the AVX-512 build.
-bool CpuHasCeAvx2();
-bool CpuHasCeAvx512();
-
 // The kernels for "generic", "avx2" or "avx512" if the CPU runs that build, else nullptr.
 const CeRowKernels* CeRowKernelsFor(const char* isa);
 
-// The build for this CPU, chosen once: the widest the CPU supports, unless GRADSUM_CE_ISA
-// names another (see above).
+// The build for this CPU, chosen once (PickIsaBuild, core/cpu_isa.h): the widest the CPU
+// supports, unless GRADSUM_CE_ISA names another (see above).
 const CeRowKernels& SelectedCeRowKernels();
 
 }  // namespace gradsum::losses::internal

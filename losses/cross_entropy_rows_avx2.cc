@@ -1,5 +1,5 @@
 // The AVX2 + FMA build of the CE row code (losses/cross_entropy_rows.h), x86-64 only; the
-// library picks it at run time. The target is set by cross_entropy_rows_x86.inc.
+// library picks it at run time. The target is set by pragma (cross_entropy_rows_x86.inc).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -12,5 +12,5 @@
 
 #define GRADSUM_CE_ROWS_NS rows_avx2
 #define GRADSUM_CE_ROWS_ISA "avx2+fma"
-#define GRADSUM_CE_ROWS_TARGET "avx2,fma"
+#define GRADSUM_ISA_TARGET GRADSUM_ISA_TARGET_AVX2
 #include "losses/cross_entropy_rows_x86.inc"

@@ -14,9 +14,5 @@
 
 #define GRADSUM_CE_ROWS_NS rows_avx512
 #define GRADSUM_CE_ROWS_ISA "avx512"
-#if defined(__clang__)
-#define GRADSUM_CE_ROWS_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"
-#else
-#define GRADSUM_CE_ROWS_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,prefer-vector-width=512"
-#endif
+#define GRADSUM_ISA_TARGET GRADSUM_ISA_TARGET_AVX512
 #include "losses/cross_entropy_rows_x86.inc"

@@ -70,13 +70,13 @@ void RunRow(Fn fn, const std::vector<T>& row, int64_t label, std::vector<T>* gra
 TEST(CrossEntropyRowsTest, SelectionFollowsTheCpuAndTheEnvironment) {
   ASSERT_NE(CeRowKernelsFor("generic"), nullptr);
   EXPECT_EQ(CeRowKernelsFor("sse9"), nullptr);
-  EXPECT_EQ(CeRowKernelsFor("avx2") != nullptr, CpuHasCeAvx2());
-  EXPECT_EQ(CeRowKernelsFor("avx512") != nullptr, CpuHasCeAvx512());
+  EXPECT_EQ(CeRowKernelsFor("avx2") != nullptr, CpuHasAvx2Fma());
+  EXPECT_EQ(CeRowKernelsFor("avx512") != nullptr, CpuHasAvx512());
   const char* forced = std::getenv("GRADSUM_CE_ISA");
   const CeRowKernels* want = forced != nullptr ? CeRowKernelsFor(forced) : nullptr;
   if (want == nullptr) {
-    want = CpuHasCeAvx512() ? CeRowKernelsFor("avx512")
-           : CpuHasCeAvx2() ? CeRowKernelsFor("avx2")
+    want = CpuHasAvx512() ? CeRowKernelsFor("avx512")
+           : CpuHasAvx2Fma() ? CeRowKernelsFor("avx2")
                             : CeRowKernelsFor("generic");
   }
   EXPECT_STREQ(SelectedCeRowKernels().isa, want->isa);

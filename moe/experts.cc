@@ -1,6 +1,5 @@
 #include "moe/experts.h"
 
-#include <cmath>
 #include <functional>
 #include <vector>
 
@@ -8,6 +7,7 @@
 #include "core/gemm.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
+#include "core/vec_math.h"
 #include "moe/shapes.h"
 
 namespace gradsum::moe {
@@ -29,8 +29,6 @@ absl::StatusOr<int64_t> CheckCommon(const ExpertsConfig& config, const ExpertWei
   }
   return n;
 }
-
-inline float Sigmoid(float g) { return 1.0f / (1.0f + std::exp(-g)); }
 
 // First row of each group: offsets[j] = sum(group_sizes[0, j)).
 std::vector<int64_t> GroupOffsets(absl::Span<const int64_t> group_sizes) {
@@ -121,7 +119,7 @@ absl::Status ExpertsForward(const ExpertsConfig& config, const ExpertWeights& we
     GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kNo, n, H, D, 1.0f, xj, D,
                                   weights.up.subspan(j * D * H, D * H), H, 0.0f,
                                   absl::MakeSpan(u, n * H), H));
-    for (int64_t i = 0; i < n * H; ++i) a[i] = g[i] * Sigmoid(g[i]) * u[i];
+    vec::SwiGlu(g, u, a, n * H);  // vectorised, the same bits on every CPU
     return Sgemm(Trans::kNo, Trans::kNo, n, D, H, 1.0f, absl::MakeConstSpan(a, n * H), H,
                  weights.down.subspan(j * H * D, H * D), D, 0.0f, y.subspan(row * D, n * D), D);
   });
@@ -161,15 +159,9 @@ absl::Status ExpertsBackward(const ExpertsConfig& config, const ExpertWeights& w
     // d(act) = dy Wd^T, computed into d_gate and turned into the two pre-activation grads.
     GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kYes, n, H, D, 1.0f, dyj, D, wd, D, 0.0f,
                                   absl::MakeSpan(dg, n * H), H));
-    for (int64_t i = 0; i < n * H; ++i) {
-      const float sig = Sigmoid(g[i]);
-      const float silu = g[i] * sig;
-      const float d_act = dg[i];
-      a[i] = silu * u[i];
-      du[i] = d_act * silu;
-      // SiLU'(g) = sig(g) (1 + g (1 - sig(g))).
-      dg[i] = d_act * u[i] * sig * (1.0f + g[i] * (1.0f - sig));
-    }
+    // In place: d(act) -> dL/dg; also dL/du and the forward's act for the dWd product
+    // (SiLU'(g) = sig(g) (1 + g (1 - sig(g))), core/vec_math.h).
+    vec::SwiGluBackward(g, u, dg, du, a, n * H);
     const auto dgj = absl::MakeConstSpan(dg, n * H);
     const auto duj = absl::MakeConstSpan(du, n * H);
     GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kYes, Trans::kNo, H, D, n, 1.0f,

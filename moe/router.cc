@@ -2,12 +2,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
 #include "core/gemm.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
+#include "core/vec_math.h"
 #include "moe/shapes.h"
 
 namespace gradsum::moe {
@@ -82,14 +84,17 @@ absl::StatusOr<RouterOutput> RouterForward(const RouterConfig& config, absl::Spa
   GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kNo, T, E, D, 1.0f, a, D, router_weight, E,
                                 0.0f, absl::MakeSpan(out.logits), E, ComputeThreads()));
 
-  std::vector<int> order(E);
+  // Pass 1, in token order (the first bad logit is the one reported): check the logits,
+  // zero the padding rows' logits, and write u - max(u) into p (-inf for padding, so its
+  // probabilities come out 0). Pass 2: one vectorised exp over all of p (core/vec_math.h).
   for (int64_t t = 0; t < T; ++t) {
     float* u = &out.logits[t * E];
+    float* p = &out.probs[t * E];
     if (!out.routed[t]) {
       std::fill(u, u + E, 0.0f);
+      std::fill(p, p + E, -std::numeric_limits<float>::infinity());
       continue;
     }
-    ++out.local_routed_tokens;
     float max_u = u[0];
     for (int e = 0; e < E; ++e) {
       if (!std::isfinite(u[e])) {
@@ -98,12 +103,17 @@ absl::StatusOr<RouterOutput> RouterForward(const RouterConfig& config, absl::Spa
       }
       max_u = std::max(max_u, u[e]);
     }
+    for (int e = 0; e < E; ++e) p[e] = u[e] - max_u;
+  }
+  vec::Exp(out.probs.data(), out.probs.data(), T * E);
+
+  std::vector<int> order(E);
+  for (int64_t t = 0; t < T; ++t) {
+    if (!out.routed[t]) continue;
+    ++out.local_routed_tokens;
     float* p = &out.probs[t * E];
     double z = 0.0;
-    for (int e = 0; e < E; ++e) {
-      p[e] = std::exp(u[e] - max_u);
-      z += p[e];
-    }
+    for (int e = 0; e < E; ++e) z += p[e];
     const float inv_z = static_cast<float>(1.0 / z);
     for (int e = 0; e < E; ++e) {
       p[e] *= inv_z;

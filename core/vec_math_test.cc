@@ -1,0 +1,232 @@
+// The elementwise kernels of core/vec_math.h against the same functions in double, over a
+// sweep of the floats in the accurate range (every 61st bit pattern) with the error bounds
+// the header states, their special values, and every build this CPU runs against the
+// generic build bit for bit.
+#include "core/vec_math.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "core/cpu_isa.h"
+#include "gtest/gtest.h"
+
+namespace gradsum::vec {
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+float FromBits(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, sizeof(f));
+  return f;
+}
+uint32_t Bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof(b));
+  return b;
+}
+
+// |approx - ref| in units of the fp32 ulp at ref (ref a normal float's magnitude).
+double UlpError(float approx, double ref) {
+  int exponent = 0;
+  std::frexp(ref, &exponent);  // ref = m 2^exponent, m in [0.5, 1)
+  return std::fabs(static_cast<double>(approx) - ref) / std::ldexp(1.0, exponent - 24);
+}
+
+std::vector<const VecKernels*> Builds() {
+  std::vector<const VecKernels*> builds;
+  for (const char* isa : {"generic", "avx2", "avx512"}) {
+    if (const VecKernels* k = VecKernelsFor(isa); k != nullptr) builds.push_back(k);
+  }
+  return builds;
+}
+
+// Every 61st float in [lo, hi] (both signs handled by bit order), plus lo and hi.
+std::vector<float> Sweep(float lo, float hi) {
+  std::vector<float> xs = {lo, hi};
+  if (lo < 0.0f) {
+    for (uint32_t b = Bits(-0.0f); b <= Bits(lo); b += 61) xs.push_back(FromBits(b));
+  }
+  for (uint32_t b = Bits(lo > 0.0f ? lo : 0.0f); b <= Bits(hi); b += 61) {
+    xs.push_back(FromBits(b));
+  }
+  return xs;
+}
+
+TEST(VecMathTest, ExpWithinTwoUlpOfDoubleExp) {
+  const std::vector<float> xs = Sweep(-86.0f, 88.7228f);
+  ASSERT_GT(xs.size(), 30'000'000u);
+  for (const VecKernels* k : Builds()) {
+    std::vector<float> y(xs.size());
+    k->exp(xs.data(), y.data(), static_cast<int64_t>(xs.size()));
+    double worst = 0.0;
+    float worst_x = 0.0f;
+    for (size_t i = 0; i < xs.size(); ++i) {
+      const double e = UlpError(y[i], std::exp(static_cast<double>(xs[i])));
+      if (e > worst) worst = e, worst_x = xs[i];
+    }
+    EXPECT_LE(worst, 2.0) << k->isa << ": worst at x=" << worst_x;
+    std::printf("exp (%s): max error %.3f ulp at x=%.9g\n", k->isa, worst, worst_x);
+  }
+}
+
+TEST(VecMathTest, ExpSpecialValues) {
+  const float nan_payload = FromBits(0x7fc12345u), neg_nan = FromBits(0xffd00001u);
+  const std::vector<float> x = {-kInf, -1e30f, -86.5f, -86.0f, 0.0f,  -0.0f,       1.0f,
+                                88.0f, 88.7228f, 88.73f, 1e30f, kInf, nan_payload, neg_nan};
+  for (const VecKernels* k : Builds()) {
+    std::vector<float> y(x.size());
+    k->exp(x.data(), y.data(), static_cast<int64_t>(x.size()));
+    EXPECT_EQ(Bits(y[0]), 0u) << k->isa;  // +0, exactly
+    EXPECT_EQ(y[1], 0.0f) << k->isa;
+    EXPECT_EQ(y[2], 0.0f) << k->isa;
+    EXPECT_GT(y[3], 0.0f) << k->isa;
+    EXPECT_EQ(y[4], 1.0f) << k->isa;
+    EXPECT_EQ(y[5], 1.0f) << k->isa;
+    EXPECT_NEAR(y[6], std::exp(1.0), 2.4e-7) << k->isa;
+    EXPECT_LT(y[8], kInf) << k->isa;  // exp(88.7228) < FLT_MAX
+    EXPECT_GT(y[8], 3.4e38f) << k->isa;
+    EXPECT_EQ(y[9], kInf) << k->isa;
+    EXPECT_EQ(y[10], kInf) << k->isa;
+    EXPECT_EQ(y[11], kInf) << k->isa;
+    EXPECT_TRUE(std::isnan(y[12])) << k->isa;
+    EXPECT_TRUE(std::isnan(y[13])) << k->isa;
+  }
+}
+
+TEST(VecMathTest, SigmoidWithinFourUlpOfDouble) {
+  const std::vector<float> xs = Sweep(-86.0f, 40.0f);
+  for (const VecKernels* k : Builds()) {
+    std::vector<float> y(xs.size());
+    k->sigmoid(xs.data(), y.data(), static_cast<int64_t>(xs.size()));
+    double worst = 0.0;
+    float worst_x = 0.0f;
+    for (size_t i = 0; i < xs.size(); ++i) {
+      const double ref = 1.0 / (1.0 + std::exp(-static_cast<double>(xs[i])));
+      const double e = UlpError(y[i], ref);
+      if (e > worst) worst = e, worst_x = xs[i];
+    }
+    EXPECT_LE(worst, 4.0) << k->isa << ": worst at x=" << worst_x;
+    std::printf("sigmoid (%s): max error %.3f ulp at x=%.9g\n", k->isa, worst, worst_x);
+  }
+}
+
+TEST(VecMathTest, SigmoidSpecialValues) {
+  const std::vector<float> x = {-kInf, -200.0f, -87.0f, 0.0f, -0.0f, 200.0f, kInf,
+                                std::numeric_limits<float>::quiet_NaN()};
+  for (const VecKernels* k : Builds()) {
+    std::vector<float> y(x.size());
+    k->sigmoid(x.data(), y.data(), static_cast<int64_t>(x.size()));
+    EXPECT_EQ(y[0], 0.0f) << k->isa;
+    EXPECT_EQ(y[1], 0.0f) << k->isa;
+    EXPECT_LT(y[2], 4.5e-38f) << k->isa;  // true value 1.6e-38
+    EXPECT_EQ(y[3], 0.5f) << k->isa;
+    EXPECT_EQ(y[4], 0.5f) << k->isa;
+    EXPECT_EQ(y[5], 1.0f) << k->isa;
+    EXPECT_EQ(y[6], 1.0f) << k->isa;
+    EXPECT_TRUE(std::isnan(y[7])) << k->isa;
+  }
+}
+
+double SigmoidD(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+
+// SwiGLU forward and backward against double, on random g (including the zero of SiLU' near
+// g = -1.28, where d_gate cancels), u and d. Bounds from the header's: sigmoid <= 4 ulp, then
+// a few correctly rounded products, each relative to the size of its terms (for d_gate that
+// includes g * s: the error of s, carried through 1 - s and scaled by g).
+TEST(VecMathTest, SwiGluMatchesDouble) {
+  std::mt19937 gen(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> wide(-30.0f, 30.0f);
+  const int64_t n = 100'003;
+  std::vector<float> g(n), u(n), d(n);
+  for (int64_t i = 0; i < n; ++i) {
+    g[i] = i % 3 == 0 ? wide(gen) : (i % 3 == 1 ? 4.0f * normal(gen) : -1.2785f + 0.01f * normal(gen));
+    u[i] = normal(gen);
+    d[i] = normal(gen);
+  }
+  const double eps = std::ldexp(1.0, -24);
+  for (const VecKernels* k : Builds()) {
+    std::vector<float> a(n), a2(n), dg(d), du(n);
+    k->swiglu(g.data(), u.data(), a.data(), n);
+    k->swiglu_backward(g.data(), u.data(), dg.data(), du.data(), a2.data(), n);
+    for (int64_t i = 0; i < n; ++i) {
+      const double gi = g[i], ui = u[i], di = d[i], s = SigmoidD(gi);
+      const double a_ref = gi * s * ui;
+      ASSERT_LE(std::fabs(a[i] - a_ref), 12 * eps * std::fabs(a_ref) + 1e-37)
+          << k->isa << " a at g=" << g[i] << " u=" << u[i];
+      ASSERT_EQ(Bits(a2[i]), Bits(a[i])) << k->isa << ": the backward's recomputed forward";
+      const double du_ref = di * gi * s;
+      ASSERT_LE(std::fabs(du[i] - du_ref), 12 * eps * std::fabs(du_ref) + 1e-37)
+          << k->isa << " d_up at g=" << g[i];
+      const double dg_ref = di * ui * s * (1.0 + gi * (1.0 - s));
+      // 1 - s loses s's absolute error (a few ulp of s) when s is near 1, and g scales it.
+      const double size = std::fabs(di * ui * s) * (1.0 + std::fabs(gi * (1.0 - s)) + std::fabs(gi) * s);
+      ASSERT_LE(std::fabs(dg[i] - dg_ref), 16 * eps * size + 1e-37)
+          << k->isa << " d_gate at g=" << g[i];
+    }
+  }
+}
+
+// Random and special inputs, lengths that exercise 4-, 8- and 16-wide bodies and tails, and
+// an aliased exp: every build gives the generic build's bits.
+TEST(VecMathTest, EveryBuildGivesTheGenericBits) {
+  const std::vector<const VecKernels*> builds = Builds();
+  ASSERT_STREQ(builds[0]->isa, "generic");
+  std::mt19937 gen(11);
+  std::normal_distribution<float> normal(0.0f, 8.0f);
+  for (int64_t n : {1, 3, 4, 7, 8, 15, 16, 17, 33, 1000, 4099}) {
+    std::vector<float> x(n), u(n), d(n);
+    for (int64_t i = 0; i < n; ++i) x[i] = normal(gen), u[i] = normal(gen), d[i] = normal(gen);
+    const float specials[] = {-kInf, kInf, 0.0f, -0.0f, 1e-40f, -90.0f, 89.0f,
+                              std::numeric_limits<float>::quiet_NaN()};
+    for (int64_t i = 0; i < n && i < 8; ++i) x[(i * 5) % n] = specials[i];
+    struct Out {
+      std::vector<float> exp, sig, a, a2, dg, du;
+    };
+    auto run = [&](const VecKernels& k) {
+      Out o{x, std::vector<float>(n), std::vector<float>(n), std::vector<float>(n), d,
+            std::vector<float>(n)};
+      k.exp(o.exp.data(), o.exp.data(), n);  // in place
+      k.sigmoid(x.data(), o.sig.data(), n);
+      k.swiglu(x.data(), u.data(), o.a.data(), n);
+      k.swiglu_backward(x.data(), u.data(), o.dg.data(), o.du.data(), o.a2.data(), n);
+      return o;
+    };
+    const Out want = run(*builds[0]);
+    for (size_t b = 1; b < builds.size(); ++b) {
+      const Out got = run(*builds[b]);
+      for (int64_t i = 0; i < n; ++i) {
+        ASSERT_EQ(Bits(got.exp[i]), Bits(want.exp[i])) << builds[b]->isa << " exp n=" << n;
+        ASSERT_EQ(Bits(got.sig[i]), Bits(want.sig[i])) << builds[b]->isa << " sigmoid n=" << n;
+        ASSERT_EQ(Bits(got.a[i]), Bits(want.a[i])) << builds[b]->isa << " swiglu n=" << n;
+        ASSERT_EQ(Bits(got.a2[i]), Bits(want.a2[i])) << builds[b]->isa << " n=" << n;
+        ASSERT_EQ(Bits(got.dg[i]), Bits(want.dg[i])) << builds[b]->isa << " d_gate n=" << n;
+        ASSERT_EQ(Bits(got.du[i]), Bits(want.du[i])) << builds[b]->isa << " d_up n=" << n;
+      }
+    }
+  }
+}
+
+TEST(VecMathTest, PicksTheWidestBuildUnlessForced) {
+  EXPECT_EQ(VecKernelsFor("sse9"), nullptr);
+  EXPECT_EQ(VecKernelsFor("avx2") != nullptr, CpuHasAvx2Fma());
+  EXPECT_EQ(VecKernelsFor("avx512") != nullptr, CpuHasAvx512());
+  const char* forced = std::getenv("GRADSUM_VEC_ISA");
+  const VecKernels* want = forced != nullptr ? VecKernelsFor(forced) : nullptr;
+  if (want == nullptr) {
+    want = CpuHasAvx512() ? VecKernelsFor("avx512")
+           : CpuHasAvx2Fma() ? VecKernelsFor("avx2")
+                             : VecKernelsFor("generic");
+  }
+  EXPECT_STREQ(SelectedVecKernels().isa, want->isa);
+}
+
+}  // namespace
+}  // namespace gradsum::vec
