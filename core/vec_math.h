@@ -1,8 +1,8 @@
 #ifndef GRADSUM_CORE_VEC_MATH_H_
 #define GRADSUM_CORE_VEC_MATH_H_
 
-// Vectorised elementwise fp32 math for the CPU compute path: exp, sigmoid and the SwiGLU
-// activation (forward and backward), built for three instruction sets and picked once per
+// Vectorised elementwise fp32 math for the CPU compute path: exp, sigmoid, the SwiGLU
+// activation (forward and backward) and RMSNorm rows (forward and backward), built for three instruction sets and picked once per
 // process at run time (core/cpu_isa.h): baseline (SSE2 on x86-64, 4 wide), AVX2 + FMA
 // (8 wide) and AVX-512 (16 wide). All builds give the same bits (no FP contraction, no
 // reassociation; core/vec_math_test compares them), so every rank computes the same values
@@ -39,6 +39,17 @@ struct VecKernels {
   //   d_gate[i] = (((d * u[i]) * s) * (1 + g[i] * (1 - s)))  (SiLU'(g) = s (1 + g (1 - s)))
   void (*swiglu_backward)(const float* g, const float* u, float* d_gate, float* d_up, float* a,
                           int64_t n) = nullptr;
+  // One RMSNorm row (train/layers.h): ms = sum(x^2) in fp64, the sum kept in 8 lanes
+  // (lane k takes the elements i = k mod 8) added pairwise at the end, so every build
+  // adds in the same order; r = float(1 / sqrt(ms / n + eps)); y[i] = (x[i] * r) * gain[i].
+  // Returns r.
+  float (*rms_norm_row)(const float* x, const float* gain, float eps, float* y,
+                        int64_t n) = nullptr;
+  // Its backward, given da = dL/dy: dgain_sum[i] += (double(da[i]) * x[i]) * r (fp64);
+  // dot = sum(double(da[i]) * gain[i] * x[i]) in lanes as above;
+  // coef = float(r^3 dot / n) (fp64); dx[i] += (r * gain[i]) * da[i] - coef * x[i].
+  void (*rms_norm_backward_row)(const float* x, const float* da, const float* gain, float r,
+                                double* dgain_sum, float* dx, int64_t n) = nullptr;
   const char* isa = "";  // "generic", "avx2+fma" or "avx512"
 };
 
@@ -58,6 +69,14 @@ inline void SwiGlu(const float* g, const float* u, float* a, int64_t n) {
 inline void SwiGluBackward(const float* g, const float* u, float* d_gate, float* d_up, float* a,
                            int64_t n) {
   SelectedVecKernels().swiglu_backward(g, u, d_gate, d_up, a, n);
+}
+
+inline float RmsNormRow(const float* x, const float* gain, float eps, float* y, int64_t n) {
+  return SelectedVecKernels().rms_norm_row(x, gain, eps, y, n);
+}
+inline void RmsNormBackwardRow(const float* x, const float* da, const float* gain, float r,
+                               double* dgain_sum, float* dx, int64_t n) {
+  SelectedVecKernels().rms_norm_backward_row(x, da, gain, r, dgain_sum, dx, n);
 }
 
 namespace internal {

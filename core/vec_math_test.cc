@@ -1,7 +1,7 @@
-// The elementwise kernels of core/vec_math.h against the same functions in double, over a
+// The kernels of core/vec_math.h against the same functions in double: exp and sigmoid over a
 // sweep of the floats in the accurate range (every 61st bit pattern) with the error bounds
-// the header states, their special values, and every build this CPU runs against the
-// generic build bit for bit.
+// the header states and their special values, SwiGLU and RMSNorm rows on random inputs; and
+// every build this CPU runs against the generic build bit for bit.
 #include "core/vec_math.h"
 
 #include <cmath>
@@ -174,6 +174,42 @@ TEST(VecMathTest, SwiGluMatchesDouble) {
   }
 }
 
+// RMSNorm rows against double (the normalised values and the gradients: relative to the size
+// of their terms), for lengths with and without the 8-lane body and a tail.
+TEST(VecMathTest, RmsNormRowsMatchDouble) {
+  std::mt19937 gen(5);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  const float eps = 1e-6f;
+  const double tol = std::ldexp(1.0, -20);  // a few fp32 roundings
+  for (int64_t n : {1, 5, 8, 13, 128, 133}) {
+    std::vector<float> x(n), gain(n), da(n);
+    for (int64_t i = 0; i < n; ++i) {
+      x[i] = normal(gen), gain[i] = 1.0f + 0.1f * normal(gen), da[i] = normal(gen);
+    }
+    double ms = 0.0;
+    for (float v : x) ms += static_cast<double>(v) * v;
+    const double r = 1.0 / std::sqrt(ms / n + eps);
+    double dot = 0.0;
+    for (int64_t i = 0; i < n; ++i) dot += static_cast<double>(da[i]) * gain[i] * x[i];
+    for (const VecKernels* k : Builds()) {
+      std::vector<float> y(n), dx(n, 0.25f);
+      std::vector<double> dgain(n, -1.0);
+      const float rf = k->rms_norm_row(x.data(), gain.data(), eps, y.data(), n);
+      ASSERT_NEAR(rf, r, tol * r) << k->isa << " n=" << n;
+      k->rms_norm_backward_row(x.data(), da.data(), gain.data(), rf, dgain.data(), dx.data(), n);
+      for (int64_t i = 0; i < n; ++i) {
+        ASSERT_NEAR(y[i], x[i] * r * gain[i], tol * std::fabs(x[i] * r * gain[i]) + 1e-30)
+            << k->isa << " n=" << n << " i=" << i;
+        ASSERT_NEAR(dgain[i], -1.0 + da[i] * x[i] * r, tol * (1.0 + std::fabs(da[i] * x[i] * r)))
+            << k->isa << " n=" << n << " i=" << i;
+        const double t1 = r * gain[i] * da[i], t2 = r * r * r * dot / n * x[i];
+        ASSERT_NEAR(dx[i], 0.25 + t1 - t2, tol * (0.25 + std::fabs(t1) + std::fabs(t2)))
+            << k->isa << " n=" << n << " i=" << i;
+      }
+    }
+  }
+}
+
 // Random and special inputs, lengths that exercise 4-, 8- and 16-wide bodies and tails, and
 // an aliased exp: every build gives the generic build's bits.
 TEST(VecMathTest, EveryBuildGivesTheGenericBits) {
@@ -188,15 +224,20 @@ TEST(VecMathTest, EveryBuildGivesTheGenericBits) {
                               std::numeric_limits<float>::quiet_NaN()};
     for (int64_t i = 0; i < n && i < 8; ++i) x[(i * 5) % n] = specials[i];
     struct Out {
-      std::vector<float> exp, sig, a, a2, dg, du;
+      std::vector<float> exp, sig, a, a2, dg, du, norm, dx;
+      std::vector<double> dgain;
+      float r = 0.0f;
     };
     auto run = [&](const VecKernels& k) {
       Out o{x, std::vector<float>(n), std::vector<float>(n), std::vector<float>(n), d,
-            std::vector<float>(n)};
+            std::vector<float>(n), std::vector<float>(n), d, std::vector<double>(n, 0.5)};
       k.exp(o.exp.data(), o.exp.data(), n);  // in place
       k.sigmoid(x.data(), o.sig.data(), n);
       k.swiglu(x.data(), u.data(), o.a.data(), n);
       k.swiglu_backward(x.data(), u.data(), o.dg.data(), o.du.data(), o.a2.data(), n);
+      // RMSNorm rows on finite inputs: u as the row, d as gain and as dL/dy.
+      o.r = k.rms_norm_row(u.data(), d.data(), 1e-6f, o.norm.data(), n);
+      k.rms_norm_backward_row(u.data(), d.data(), d.data(), o.r, o.dgain.data(), o.dx.data(), n);
       return o;
     };
     const Out want = run(*builds[0]);
@@ -209,7 +250,11 @@ TEST(VecMathTest, EveryBuildGivesTheGenericBits) {
         ASSERT_EQ(Bits(got.a2[i]), Bits(want.a2[i])) << builds[b]->isa << " n=" << n;
         ASSERT_EQ(Bits(got.dg[i]), Bits(want.dg[i])) << builds[b]->isa << " d_gate n=" << n;
         ASSERT_EQ(Bits(got.du[i]), Bits(want.du[i])) << builds[b]->isa << " d_up n=" << n;
+        ASSERT_EQ(Bits(got.norm[i]), Bits(want.norm[i])) << builds[b]->isa << " norm n=" << n;
+        ASSERT_EQ(Bits(got.dx[i]), Bits(want.dx[i])) << builds[b]->isa << " norm dx n=" << n;
+        ASSERT_EQ(got.dgain[i], want.dgain[i]) << builds[b]->isa << " dgain n=" << n;
       }
+      ASSERT_EQ(Bits(got.r), Bits(want.r)) << builds[b]->isa << " inv_rms n=" << n;
     }
   }
 }

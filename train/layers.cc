@@ -1,21 +1,17 @@
 #include "train/layers.h"
 
-#include <cmath>
 #include <cstring>
 #include <vector>
+
+#include "core/vec_math.h"
 
 namespace gradsum::train {
 
 void RmsNormForward(absl::Span<const float> h, absl::Span<const float> gain, int64_t rows,
                     int64_t dim, absl::Span<float> a, absl::Span<float> inv_rms) {
   for (int64_t t = 0; t < rows; ++t) {
-    const float* x = h.data() + t * dim;
-    double ms = 0;
-    for (int64_t i = 0; i < dim; ++i) ms += static_cast<double>(x[i]) * x[i];
-    const float r = static_cast<float>(1.0 / std::sqrt(ms / dim + kRmsNormEps));
-    inv_rms[t] = r;
-    float* y = a.data() + t * dim;
-    for (int64_t i = 0; i < dim; ++i) y[i] = x[i] * r * gain[i];
+    inv_rms[t] =
+        vec::RmsNormRow(h.data() + t * dim, gain.data(), kRmsNormEps, a.data() + t * dim, dim);
   }
 }
 
@@ -26,17 +22,8 @@ void RmsNormBackward(absl::Span<const float> h, absl::Span<const float> gain,
   // round once, so it does not lose digits to thousands of fp32 additions.
   std::vector<double> dgain_sum(dim, 0.0);
   for (int64_t t = 0; t < rows; ++t) {
-    const float* x = h.data() + t * dim;
-    const float* g = da.data() + t * dim;
-    const float r = inv_rms[t];
-    double dot = 0;
-    for (int64_t i = 0; i < dim; ++i) {
-      dgain_sum[i] += static_cast<double>(g[i]) * x[i] * r;
-      dot += static_cast<double>(g[i]) * gain[i] * x[i];
-    }
-    const float coef = static_cast<float>(static_cast<double>(r) * r * r * dot / dim);
-    float* out = dh.data() + t * dim;
-    for (int64_t i = 0; i < dim; ++i) out[i] += r * gain[i] * g[i] - coef * x[i];
+    vec::RmsNormBackwardRow(h.data() + t * dim, da.data() + t * dim, gain.data(), inv_rms[t],
+                            dgain_sum.data(), dh.data() + t * dim, dim);
   }
   for (int64_t i = 0; i < dim; ++i) dgain[i] += static_cast<float>(dgain_sum[i]);
 }

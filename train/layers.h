@@ -21,7 +21,8 @@ namespace gradsum::train {
 inline constexpr float kRmsNormEps = 1e-6f;  // SEMANTICS.md §10
 
 // a[t] = h[t] * r_t * gain with r_t = 1 / sqrt(mean(h[t]^2) + eps) (accumulated in fp64);
-// stores r_t in inv_rms[t].
+// stores r_t in inv_rms[t]. The rows run through core/vec_math.h (vectorised, the same bits
+// on every CPU; its RmsNormRow gives the exact order of the operations).
 void RmsNormForward(absl::Span<const float> h, absl::Span<const float> gain, int64_t rows,
                     int64_t dim, absl::Span<float> a, absl::Span<float> inv_rms);
 

@@ -22,8 +22,12 @@ double WeightedNormLoss(const std::vector<double>& h, const std::vector<double>&
   return loss;
 }
 
-TEST(RmsNormTest, ForwardMatchesDoubleAndBackwardMatchesFiniteDifferences) {
-  const int rows = 5, dim = 7;
+// dim 7: only the scalar tail of the row kernels (core/vec_math.h); 37: the 8-lane body
+// and a tail.
+class RmsNormTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(RmsNormTest, ForwardMatchesDoubleAndBackwardMatchesFiniteDifferences) {
+  const int rows = 5, dim = GetParam();
   std::mt19937 rng(3);
   std::normal_distribution<double> normal(0.0, 1.0);
   std::vector<double> h(rows * dim), g(dim), w(rows * dim);
@@ -61,6 +65,8 @@ TEST(RmsNormTest, ForwardMatchesDoubleAndBackwardMatchesFiniteDifferences) {
     EXPECT_NEAR(dg[i] + 0.25f, fd, 2e-5) << "g[" << i << "]";
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Dims, RmsNormTest, ::testing::Values(7, 37));
 
 TEST(EmbeddingTest, GathersRowsAndScatterAddsGradients) {
   const int dim = 3;

@@ -436,13 +436,27 @@ absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
     return w;
   };
 
-  std::vector<float> h(T * D);
-  std::vector<std::vector<float>> h_in(L), a(L), inv_rms(L);
+  // Buffers kept across micro-batches (buffers_); each is overwritten before it is read,
+  // dh is zeroed here (the head's norm backward adds into it).
+  MicroBatchBuffers& b = buffers_;
+  std::vector<float>& h = b.h;
+  std::vector<float>& y = b.y;
+  std::vector<float>& dh = b.dh;
+  std::vector<float>& du = b.du;
+  std::vector<float>& da = b.da;
+  std::vector<std::vector<float>>& h_in = b.h_in;
+  std::vector<std::vector<float>>& a = b.a;
+  std::vector<std::vector<float>>& inv_rms = b.inv_rms;
+  h.resize(T * D);
+  y.resize(T * D);
+  dh.assign(T * D, 0.0f);
+  du.resize(T * E);
+  da.resize(T * D);
+  h_in.resize(L);
+  a.resize(L);
+  inv_rms.resize(L);
   std::vector<losses::ExpertCountReduction> counts;
   counts.reserve(L);
-  std::vector<float> y(T * D);
-  std::vector<float> dh(T * D, 0.0f);
-  std::vector<float> du(T * E), da(T * D);
   MicroBatchLosses result;
 
   // Stage 0: embedding; 1 + l: layer l; L + 1: the head (forward and backward).
@@ -472,7 +486,12 @@ absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
     }
     // The head: final norm, fused LM-head matmul + CE forward and backward (§3), and the
     // final norm's backward.
-    std::vector<float> f(T * D), inv_rms_final(T), grad_f(T * D);
+    std::vector<float>& f = b.f;
+    std::vector<float>& inv_rms_final = b.inv_rms_final;
+    std::vector<float>& grad_f = b.grad_f;
+    f.resize(T * D);
+    inv_rms_final.resize(T);
+    grad_f.resize(T * D);
     const float* final_norm = Param(final_norm_);
     RmsNormForward(h, absl::MakeConstSpan(final_norm, D), T, D, absl::MakeSpan(f),
                    absl::MakeSpan(inv_rms_final));

@@ -222,6 +222,14 @@ class MoeLm {
   // fp32 copies of bf16 compute parameters, per unit, kept by the host store.
   std::vector<std::vector<float>>* widened_ = nullptr;
   std::vector<moe::MoeLayerState> layer_state_;
+  // ForwardBackward's activations and gradients, kept from one micro-batch to the next so
+  // that they are not fresh allocations (page faults, zero fill) every micro-batch.
+  struct MicroBatchBuffers {
+    std::vector<float> h, y, dh, du, da;         // [T, D] residual stream, ..., [T, E], [T, D]
+    std::vector<std::vector<float>> h_in, a, inv_rms;  // per layer: [T, D], [T, D], [T]
+    std::vector<float> f, inv_rms_final, grad_f;       // the head: [T, D], [T], [T, D]
+  };
+  MicroBatchBuffers buffers_;
 };
 
 }  // namespace gradsum::train
