@@ -9,7 +9,8 @@
 // The physical limit, measured in the same run: the single-thread BLAS GEMM rate at the
 // experts' shape ([2048, D] x [D, H], core/gemm.h) times the cores the ranks use
 // (limit_GFLOP_per_s); pct_of_limit = GFLOP_per_s / limit. BM_Gemm reports that rate and
-// Eigen's (no -march) next to it.
+// Eigen's (no -march) next to it. BM_SwiGluBackward: the experts' elementwise SwiGLU
+// backward, libm loop against core/vec_math's builds, beside BM_Memcpy.
 //
 //   ./bazelw run -c opt //bench:step_bench -- --benchmark_min_time=0.1
 //
@@ -17,16 +18,19 @@
 // then times `kTimedSteps` steps; the reported time is per step (manual time, measured by
 // rank 0 between two barriers).
 #include <algorithm>
+#include <cmath>
 #include <thread>
 #include <vector>
 
 #include "Eigen/Core"
 #include "absl/time/clock.h"
 #include "benchmark/benchmark.h"
+#include "bench/memcpy_bench.h"
 #include "bench/moe_lm_flops.h"
 #include "collectives/thread_backend.h"
 #include "core/gemm.h"
 #include "core/thread_pool.h"
+#include "core/vec_math.h"
 #include "train/config.pb.h"
 #include "train/rank_main.h"
 #include "train/trainer.h"
@@ -172,6 +176,46 @@ void BM_EigenGemm(benchmark::State& state) {
                          benchmark::Counter::kIsRate);
 }
 BENCHMARK(BM_EigenGemm)->Arg(256)->Arg(kLimitRows)->UseRealTime();
+
+// The experts' SwiGLU backward over [kLimitRows, H] (the elementwise work between their
+// GEMMs): arg 0 the scalar loop with libm expf that moe/experts.cc ran before core/vec_math,
+// 1 vec::SwiGluBackward's generic (SSE2) build, 2 the build this CPU picks. With the copy
+// that refreshes d_gate each iteration it reads 16 bytes per element and writes 16, so
+// bytes/s is comparable with BM_Memcpy of the same bytes (read once, written once).
+void BM_SwiGluBackward(benchmark::State& state) {
+  const train::ModelConfig m;
+  const int64_t n = int64_t{kLimitRows} * m.expert_dim();
+  std::vector<float> g(n), u(n), d(n), dg(n), du(n), a(n);
+  for (int64_t i = 0; i < n; ++i) {
+    g[i] = static_cast<float>(i % 97) * 0.1f - 4.8f;
+    u[i] = static_cast<float>(i % 13) * 0.2f - 1.2f;
+    d[i] = static_cast<float>(i % 7) * 0.3f - 0.9f;
+  }
+  const int variant = static_cast<int>(state.range(0));
+  const vec::VecKernels& k =
+      variant == 1 ? *vec::VecKernelsFor("generic") : vec::SelectedVecKernels();
+  for (auto _ : state) {
+    std::copy(d.begin(), d.end(), dg.begin());  // d_gate is in/out
+    if (variant == 0) {
+      for (int64_t i = 0; i < n; ++i) {
+        const float sig = 1.0f / (1.0f + std::exp(-g[i]));
+        const float silu = g[i] * sig;
+        const float d_act = dg[i];
+        a[i] = silu * u[i];
+        du[i] = d_act * silu;
+        dg[i] = d_act * u[i] * sig * (1.0f + g[i] * (1.0f - sig));
+      }
+    } else {
+      k.swiglu_backward(g.data(), u.data(), dg.data(), du.data(), a.data(), n);
+    }
+    benchmark::DoNotOptimize(dg.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * n * 4 * static_cast<int64_t>(sizeof(float)));
+  state.SetLabel(variant == 0 ? "libm expf loop" : k.isa);
+}
+BENCHMARK(BM_SwiGluBackward)->Arg(0)->Arg(1)->Arg(2);
+BENCHMARK(BM_Memcpy)->Arg(int64_t{kLimitRows} * 128 * 16);  // the same bytes, at H = 128
 
 }  // namespace
 }  // namespace gradsum::bench

@@ -13,9 +13,9 @@
 set -euo pipefail
 STEPS=${STEPS:-40}
 TORCH_STEPS=${TORCH_STEPS:-30}
-torch() {
-  OPENBLAS_NUM_THREADS=1 /usr/bin/python3 "$(dirname "$0")/torch_ddp_moe_lm.py" --world 2 \
-    --steps "${TORCH_STEPS}"
+torch() {  # bounded: a gloo rank once hung in a futex after its peer had finished
+  OPENBLAS_NUM_THREADS=1 timeout "${TORCH_TIMEOUT:-120}" /usr/bin/python3 \
+    "$(dirname "$0")/torch_ddp_moe_lm.py" --world 2 --steps "${TORCH_STEPS}"
 }
 echo "load: $(cut -d' ' -f1-3 /proc/loadavg)"
 torch || echo "torch run failed"  # before and after the moe_lm runs, to show how far the load drifted
