@@ -30,10 +30,20 @@ namespace {
 
 namespace fs = std::filesystem;
 
-absl::StatusOr<DType> ParseFloatDType(const std::string& name) {
-  if (name == "f32") return DType::kF32;
-  if (name == "bf16") return DType::kBF16;
-  return absl::InvalidArgumentError(absl::StrCat("dtype ", name, ": must be f32 or bf16"));
+// The config's choices as the types of the code that implements them.
+DType ToDType(TrainConfig::FloatDType d) {
+  return d == TrainConfig::bf16 ? DType::kBF16 : DType::kF32;
+}
+ShardingMode ToShardingMode(TrainConfig::Sharding s) {
+  return s == TrainConfig::fsdp ? ShardingMode::kSharded : ShardingMode::kReplicated;
+}
+losses::CeWeightMode ToCeWeightMode(TrainConfig::CeMode m) {
+  switch (m) {
+    case TrainConfig::sample: return losses::CeWeightMode::kSample;
+    case TrainConfig::square: return losses::CeWeightMode::kSquare;
+    case TrainConfig::token: break;
+  }
+  return losses::CeWeightMode::kToken;
 }
 
 std::string HumanRate(double per_second) {
@@ -187,10 +197,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
 
   MoeLmOptions options;
   options.model = config.model();
-  options.sharding =
-      config.sharding() == "fsdp" ? ShardingMode::kSharded : ShardingMode::kReplicated;
-  GRADSUM_ASSIGN_OR_RETURN(options.compute_dtype, ParseFloatDType(config.compute_dtype()));
-  GRADSUM_ASSIGN_OR_RETURN(options.reduce_dtype, ParseFloatDType(config.reduce_dtype()));
+  options.sharding = ToShardingMode(config.sharding());
+  options.compute_dtype = ToDType(config.compute_dtype());
+  options.reduce_dtype = ToDType(config.reduce_dtype());
   options.alpha_b = config.alpha_b();
   options.alpha_z = config.alpha_z();
   options.layers_per_unit = config.layers_per_unit();
@@ -200,7 +209,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   options.first_bucket_cap_bytes = static_cast<size_t>(config.first_bucket_mb() * (1 << 20));
   // The ranks of a thread run share the cores; the kernels use what is left per rank.
   const int cores = AvailableCores();
-  options.num_threads = config.backend() == "thread" ? std::max(1, cores / config.world()) : 1;
+  options.num_threads = config.backend() == TrainConfig::thread ? std::max(1, cores / config.world()) : 1;
   const MoeLmGroups groups{comms.world, comms.ep_group, comms.edp_group};
   GRADSUM_ASSIGN_OR_RETURN(trainer->model_, comms.make_model ? comms.make_model(options, groups)
                                                              : MoeLm::Create(options, groups));
@@ -268,7 +277,8 @@ absl::Status Trainer::CheckResumeCompatible(const CheckpointInfo& info, int64_t 
       {"world", {absl::StrCat(saved.world()), absl::StrCat(config_.world())}},
       {"ep", {absl::StrCat(saved.ep()), absl::StrCat(config_.ep())}},
       {"grad_acc", {absl::StrCat(saved.grad_acc()), absl::StrCat(config_.grad_acc())}},
-      {"sharding", {saved.sharding(), config_.sharding()}},
+      {"sharding",
+       {TrainConfig::Sharding_Name(saved.sharding()), TrainConfig::Sharding_Name(config_.sharding())}},
       {"layers_per_unit",
        {absl::StrCat(saved.layers_per_unit()), absl::StrCat(config_.layers_per_unit())}},
       {"data.path", {a.path(), b.path()}},
@@ -375,7 +385,7 @@ absl::StatusOr<StepRecord> Trainer::Step() {
     tokens[m].input_mask = masks[m];
   }
   losses::StepStatsOptions stats_options;
-  GRADSUM_ASSIGN_OR_RETURN(stats_options.mode, losses::ParseCeWeightMode(config_.ce_mode()));
+  stats_options.mode = ToCeWeightMode(config_.ce_mode());
   GRADSUM_ASSIGN_OR_RETURN(losses::StepStats stats,
                            losses::ComputeStepStats(*comms_.world, tokens, stats_options));
 
@@ -458,7 +468,8 @@ absl::StatusOr<StepRecord> Trainer::Step() {
     int64_t ok = 0;
     absl::Status local = absl::OkStatus();
     if (is_rank0()) local = [&]() -> absl::Status {
-      const bool f32 = config_.compute_dtype() == "f32" && config_.reduce_dtype() == "f32";
+      const bool f32 =
+          config_.compute_dtype() == TrainConfig::f32 && config_.reduce_dtype() == TrainConfig::f32;
       // bf16 rounds parameters or gradients to 8 bits of mantissa: a looser bar.
       const double tol =
           f32 ? config_.parity_tolerance() : std::max(config_.parity_tolerance(), 2e-2);

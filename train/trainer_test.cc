@@ -53,7 +53,7 @@ TEST(TrainerTest, ThreeHundredStepsReachTheEntropyFloor) {
 TEST(TrainerTest, DumpWritesTheNamedFiles) {
   const std::string dir = ::testing::TempDir() + "/dump";
   std::filesystem::remove_all(dir);
-  TrainConfig config = TinyConfig(4, 2, 2, "fsdp");
+  TrainConfig config = TinyConfig(4, 2, 2, TrainConfig::fsdp);
   config.set_dump_dir(dir);
   config.set_steps(2);
   auto out = RunInProcess(config);
@@ -135,8 +135,8 @@ TEST(TrainerTest, DumpWritesTheNamedFiles) {
 // Resuming from a checkpoint continues bit-exactly: the same losses and grad norms as an
 // uninterrupted run (the kill -9 variant is resume_kill_test.sh).
 TEST(TrainerTest, ResumeContinuesBitExactly) {
-  for (const char* sharding : {"fsdp", "replicated"}) {
-    const std::string dir = ::testing::TempDir() + "/ckpt_" + sharding;
+  for (auto sharding : {TrainConfig::fsdp, TrainConfig::replicated}) {
+    const std::string dir = ::testing::TempDir() + "/ckpt_" + TrainConfig::Sharding_Name(sharding);
     std::filesystem::remove_all(dir);
     TrainConfig full = TinyConfig(4, 2, 2, sharding);
     full.set_steps(6);
@@ -176,7 +176,7 @@ TEST(TrainerTest, ResumeContinuesBitExactly) {
 TEST(TrainerTest, ResumeRefusesAnotherDataStreamButAllowsNewOptimizerSettings) {
   const std::string dir = ::testing::TempDir() + "/ckpt_compat";
   std::filesystem::remove_all(dir);
-  TrainConfig first = TinyConfig(2, 2, 2, "fsdp");
+  TrainConfig first = TinyConfig(2, 2, 2, TrainConfig::fsdp);
   first.set_steps(2);
   first.set_checkpoint_dir(dir);
   auto a = RunInProcess(first);
@@ -217,7 +217,7 @@ TEST(TrainerTest, ResumeRefusesAnotherDataStreamButAllowsNewOptimizerSettings) {
 TEST(TrainerTest, ResumeRefusesAMarkerWithoutItsConfig) {
   const std::string dir = ::testing::TempDir() + "/ckpt_no_config";
   std::filesystem::remove_all(dir);
-  TrainConfig first = TinyConfig(2, 2, 1, "fsdp");
+  TrainConfig first = TinyConfig(2, 2, 1, TrainConfig::fsdp);
   first.set_steps(2);
   first.set_checkpoint_dir(dir);
   auto a = RunInProcess(first);
@@ -259,7 +259,7 @@ TEST(TrainerTest, ResumeRefusesAMarkerWithoutItsConfig) {
 TEST(TrainerTest, ResumeWithoutCheckpointIsNotFound) {
   const std::string dir = ::testing::TempDir() + "/empty_ckpt";
   std::filesystem::create_directories(dir);
-  TrainConfig config = TinyConfig(2, 1, 1, "fsdp");
+  TrainConfig config = TinyConfig(2, 1, 1, TrainConfig::fsdp);
   config.set_checkpoint_dir(dir);
   config.set_resume(true);
   auto out = RunInProcess(config);
@@ -272,7 +272,7 @@ TEST(TrainerTest, ResumeWithoutCheckpointIsNotFound) {
 
 TEST(TrainerTest, CommunicatorsThatDisagreeWithTheConfigAreInvalidArgument) {
   // Resolved: the rank threads read it concurrently (train/config.h ResolvedConfig).
-  TrainConfig config = ResolvedConfig(TinyConfig(4, 2, 1, "fsdp"));  // but run on 2 ranks
+  TrainConfig config = ResolvedConfig(TinyConfig(4, 2, 1, TrainConfig::fsdp));  // but run on 2 ranks
   absl::Status s = testing::RunRanks(2, [&](Communicator& world) -> absl::Status {
     absl::StatusOr<RankMesh> mesh = MakeRankMesh(&world, 2);
     if (!mesh.ok()) return mesh.status();
@@ -292,7 +292,7 @@ TEST(TrainerTest, CommunicatorsThatDisagreeWithTheConfigAreInvalidArgument) {
 }
 
 TEST(TrainerTest, BadConfigFailsBeforeTraining) {
-  TrainConfig config = TinyConfig(2, 2, 1, "fsdp");
+  TrainConfig config = TinyConfig(2, 2, 1, TrainConfig::fsdp);
   config.mutable_model()->set_experts(3);  // 3 % ep 2 != 0
   auto out = RunInProcess(config);
   ASSERT_TRUE(out.ok());
@@ -303,9 +303,9 @@ TEST(TrainerTest, BadConfigFailsBeforeTraining) {
 
 // bf16 compute and bf16 reduction train, and stay close to the fp32 gradients.
 TEST(TrainerTest, Bf16ComputeAndReduceStayNearTheReference) {
-  TrainConfig config = TinyConfig(2, 2, 2, "fsdp");
-  config.set_compute_dtype("bf16");
-  config.set_reduce_dtype("bf16");
+  TrainConfig config = TinyConfig(2, 2, 2, TrainConfig::fsdp);
+  config.set_compute_dtype(TrainConfig::bf16);
+  config.set_reduce_dtype(TrainConfig::bf16);
   config.set_parity_check(true);  // bf16 uses a 2e-2 bar
   auto out = RunInProcess(config);
   ASSERT_TRUE(out.ok());
