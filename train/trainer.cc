@@ -16,13 +16,14 @@
 #include "losses/step_stats.h"
 #include "sharding/checkpoint.h"
 #include "sharding/grad_norm.h"
-#include "sharding/json.h"
+#include "sharding/proto_json.h"
 #include "sharding/atomic_file.h"
 #include "sharding/safetensors.h"
 #include "sharding/status_agreement.h"
 #include "train/config.h"
 #include "train/config_agreement.h"
 #include "train/fault_injection.h"
+#include "train/metrics.pb.h"
 #include "train/metrics_file.h"
 
 namespace gradsum::train {
@@ -74,30 +75,28 @@ std::string StepRecord::ToLogLine(int64_t total_steps) const {
       full_param_bytes > 0 ? 100.0 * peak_unsharded_param_bytes / full_param_bytes : 0.0);
 }
 
-std::string StepRecord::ToJson() const {
-  JsonValue j = JsonValue::Object();
-  j.Set("step", JsonValue::Int(step));
-  j.Set("ce", JsonValue::Double(ce));
-  j.Set("z", JsonValue::Double(z));
-  j.Set("bal", JsonValue::Double(bal));
-  j.Set("loss", JsonValue::Double(loss));
-  j.Set("valid_tokens", JsonValue::Int(valid_tokens));
-  j.Set("routed_tokens", JsonValue::Int(routed_tokens));
-  j.Set("grad_norm", JsonValue::Double(grad_norm));
-  j.Set("lr", JsonValue::Double(lr));
-  JsonValue mv = JsonValue::Array();
-  for (double v : maxvio) mv.Append(JsonValue::Double(v));
-  j.Set("maxvio", std::move(mv));
-  j.Set("step_s", JsonValue::Double(step_seconds));
-  j.Set("comm_s", JsonValue::Double(comm_seconds));
-  j.Set("comm_exposed_s", JsonValue::Double(comm_exposed_seconds));
-  j.Set("peak_unsharded_param_bytes", JsonValue::Int(peak_unsharded_param_bytes));
-  j.Set("full_param_bytes", JsonValue::Int(full_param_bytes));
-  j.Set("wait_s", JsonValue::Double(wait_seconds));
-  j.Set("model_s", JsonValue::Double(model_seconds));
-  j.Set("update_s", JsonValue::Double(update_seconds));
-  j.Set("tokens_per_s", JsonValue::Double(tokens_per_second));
-  return j.Serialize();
+absl::StatusOr<std::string> StepRecord::ToJson() const {
+  StepMetrics j;
+  j.set_step(static_cast<int32_t>(step));  // <= TrainConfig.steps, an int32
+  j.set_ce(ce);
+  j.set_z(z);
+  j.set_bal(bal);
+  j.set_loss(loss);
+  j.set_valid_tokens(valid_tokens);
+  j.set_routed_tokens(routed_tokens);
+  j.set_grad_norm(grad_norm);
+  j.set_lr(lr);
+  for (double v : maxvio) j.add_maxvio(v);
+  j.set_step_s(step_seconds);
+  j.set_comm_s(comm_seconds);
+  j.set_comm_exposed_s(comm_exposed_seconds);
+  j.set_peak_unsharded_param_bytes(peak_unsharded_param_bytes);
+  j.set_full_param_bytes(full_param_bytes);
+  j.set_wait_s(wait_seconds);
+  j.set_model_s(model_seconds);
+  j.set_update_s(update_seconds);
+  j.set_tokens_per_s(tokens_per_second);
+  return ProtoToJson(j);
 }
 
 std::string TrainSummary::ToString() const {
@@ -531,16 +530,17 @@ absl::Status Trainer::WriteDump(const NamedParams& weights, const NamedParams& g
     GRADSUM_RETURN_IF_ERROR(w.AddMetadata("step", "1"));
     GRADSUM_RETURN_IF_ERROR(w.WriteFile(absl::StrCat(dir, "/", file)));
   }
-  JsonValue j = JsonValue::Object();
-  j.Set("step", JsonValue::Int(1));
-  j.Set("ce", JsonValue::Double(record.ce));
-  j.Set("z", JsonValue::Double(record.z));
-  j.Set("bal", JsonValue::Double(record.bal));
-  j.Set("loss", JsonValue::Double(record.loss));
-  j.Set("valid_tokens", JsonValue::Int(record.valid_tokens));
-  j.Set("routed_tokens", JsonValue::Int(record.routed_tokens));
-  j.Set("config", JsonValue::String(ConfigToShortText(config_)));
-  return WriteFileAtomically(absl::StrCat(dir, "/losses.json"), j.Serialize() + "\n");
+  DumpedLosses j;
+  j.set_step(1);
+  j.set_ce(record.ce);
+  j.set_z(record.z);
+  j.set_bal(record.bal);
+  j.set_loss(record.loss);
+  j.set_valid_tokens(record.valid_tokens);
+  j.set_routed_tokens(record.routed_tokens);
+  j.set_config(ConfigToShortText(config_));
+  GRADSUM_ASSIGN_OR_RETURN(std::string text, ProtoToJson(j));
+  return WriteFileAtomically(absl::StrCat(dir, "/losses.json"), text + "\n");
 }
 
 absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
@@ -567,7 +567,10 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
     if (step_ >= config_.steps()) break;
     GRADSUM_ASSIGN_OR_RETURN(StepRecord r, Step());
     if (log != nullptr) *log << r.ToLogLine(config_.steps()) << std::endl;
-    if (metrics.is_open()) local = metrics.WriteLine(r.ToJson());
+    if (metrics.is_open()) {
+      absl::StatusOr<std::string> line = r.ToJson();
+      local = line.ok() ? metrics.WriteLine(*line) : line.status();
+    }
     // After the step's log lines, so a run killed right after a checkpoint has logged
     // every step the checkpoint covers.
     if (!config_.checkpoint_dir().empty() &&

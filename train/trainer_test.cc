@@ -7,12 +7,15 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "sharding/atomic_file.h"
-#include "sharding/json.h"
+#include "sharding/checkpoint.pb.h"
+#include "sharding/proto_json.h"
 #include "sharding/safetensors.h"
 #include "testing/run_ranks.h"
 #include "train/config.h"
+#include "train/metrics.pb.h"
 #include "train/moe_lm.h"
 #include "train/rank_main.h"
 #include "train/test_util.h"
@@ -122,14 +125,17 @@ TEST(TrainerTest, DumpWritesTheNamedFiles) {
   std::ifstream in(dir + "/losses.json");
   std::stringstream ss;
   ss << in.rdbuf();
-  auto json = ParseJson(ss.str());
-  ASSERT_TRUE(json.ok()) << json.status();
+  DumpedLosses losses;
+  ASSERT_TRUE(ProtoFromJson(ss.str(), &losses).ok()) << ss.str();
+  EXPECT_EQ(FirstMissingField(losses), "");
   const StepRecord& s1 = (*out)[0].history[0];
-  EXPECT_EQ(json->Find("ce")->as_double(), s1.ce);
-  EXPECT_EQ(json->Find("z")->as_double(), s1.z);
-  EXPECT_EQ(json->Find("bal")->as_double(), s1.bal);
-  EXPECT_EQ(json->Find("valid_tokens")->as_int(), s1.valid_tokens);
-  EXPECT_THAT(json->Find("config")->as_string(), HasSubstr("world: 4"));
+  EXPECT_EQ(losses.step(), 1);
+  EXPECT_EQ(losses.ce(), s1.ce);
+  EXPECT_EQ(losses.z(), s1.z);
+  EXPECT_EQ(losses.bal(), s1.bal);
+  EXPECT_EQ(losses.valid_tokens(), s1.valid_tokens);
+  EXPECT_THAT(ss.str(), HasSubstr(absl::StrCat("\"valid_tokens\":\"", s1.valid_tokens, "\"")));
+  EXPECT_THAT(losses.config(), HasSubstr("world: 4"));
 }
 
 // Resuming from a checkpoint continues bit-exactly: the same losses and grad norms as an
@@ -225,25 +231,18 @@ TEST(TrainerTest, ResumeRefusesAMarkerWithoutItsConfig) {
   const std::string marker_path = dir + "/step-00000002/checkpoint.json";
   absl::StatusOr<std::string> text = ReadFileToString(marker_path);
   ASSERT_TRUE(text.ok());
-  absl::StatusOr<JsonValue> marker = ParseJson(*text);
-  ASSERT_TRUE(marker.ok()) << marker.status();
-  JsonValue body = JsonValue::Object();
-  for (const auto& [k, v] : marker->members()) {
-    if (k == "fingerprint") continue;
-    if (k != "extra") {
-      body.Set(k, v);
-      continue;
-    }
-    JsonValue extra = JsonValue::Object();
-    for (const auto& [ek, ev] : v.members()) {
-      if (ek != "config") extra.Set(ek, ev);
-    }
-    body.Set(k, std::move(extra));
-  }
-  JsonValue rewritten = body;
-  rewritten.Set("fingerprint",
-                JsonValue::String(absl::StrFormat("%016x", Fingerprint64(body.Serialize()))));
-  ASSERT_TRUE(WriteFileAtomically(marker_path, rewritten.Serialize() + "\n").ok());
+  checkpoint::CommitMarker marker;
+  ASSERT_TRUE(ProtoFromJson(*text, &marker).ok()) << *text;
+  ASSERT_EQ(marker.extra().count("config"), 1u);
+  marker.mutable_extra()->erase("config");
+  // The documented fingerprint: XXH3-64 of the marker's JSON without "fingerprint".
+  marker.clear_fingerprint();
+  absl::StatusOr<std::string> body = ProtoToJson(marker);
+  ASSERT_TRUE(body.ok());
+  marker.set_fingerprint(absl::StrFormat("%016x", Fingerprint64(*body)));
+  absl::StatusOr<std::string> rewritten = ProtoToJson(marker);
+  ASSERT_TRUE(rewritten.ok());
+  ASSERT_TRUE(WriteFileAtomically(marker_path, *rewritten + "\n").ok());
 
   TrainConfig again = first;
   again.set_steps(3);
