@@ -268,9 +268,11 @@ TEST(UnitScheduleTest, PeakUnshardedBytesFollowTheSchedule) {
     ASSERT_TRUE(runs.ok()) << runs.status();
     for (const RankRun& run : *runs) {
       for (const StepRecord& r : run.steps) {
-        EXPECT_EQ(r.full_param_bytes, c.want_full) << c.sharding << " " << c.compute_dtype;
-        EXPECT_EQ(r.peak_unsharded_param_bytes, c.want_peak)
-            << c.sharding << " reshard " << c.reshard_after_forward << " " << c.compute_dtype;
+        const std::string what =
+            absl::StrCat(TrainConfig::Sharding_Name(c.sharding), " reshard ",
+                         c.reshard_after_forward, " ", TrainConfig::FloatDType_Name(c.compute_dtype));
+        EXPECT_EQ(r.full_param_bytes, c.want_full) << what;
+        EXPECT_EQ(r.peak_unsharded_param_bytes, c.want_peak) << what;
       }
     }
   }
