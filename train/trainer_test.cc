@@ -7,12 +7,15 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "sharding/atomic_file.h"
-#include "sharding/json.h"
+#include "sharding/checkpoint.pb.h"
+#include "sharding/proto_json.h"
 #include "sharding/safetensors.h"
 #include "testing/run_ranks.h"
 #include "train/config.h"
+#include "train/metrics.pb.h"
 #include "train/moe_lm.h"
 #include "train/rank_main.h"
 #include "train/test_util.h"
@@ -53,7 +56,7 @@ TEST(TrainerTest, ThreeHundredStepsReachTheEntropyFloor) {
 TEST(TrainerTest, DumpWritesTheNamedFiles) {
   const std::string dir = ::testing::TempDir() + "/dump";
   std::filesystem::remove_all(dir);
-  TrainConfig config = TinyConfig(4, 2, 2, "fsdp");
+  TrainConfig config = TinyConfig(4, 2, 2, TrainConfig::fsdp);
   config.set_dump_dir(dir);
   config.set_steps(2);
   auto out = RunInProcess(config);
@@ -122,21 +125,24 @@ TEST(TrainerTest, DumpWritesTheNamedFiles) {
   std::ifstream in(dir + "/losses.json");
   std::stringstream ss;
   ss << in.rdbuf();
-  auto json = ParseJson(ss.str());
-  ASSERT_TRUE(json.ok()) << json.status();
+  DumpedLosses losses;
+  ASSERT_TRUE(ProtoFromJson(ss.str(), &losses).ok()) << ss.str();
+  EXPECT_EQ(FirstMissingField(losses), "");
   const StepRecord& s1 = (*out)[0].history[0];
-  EXPECT_EQ(json->Find("ce")->as_double(), s1.ce);
-  EXPECT_EQ(json->Find("z")->as_double(), s1.z);
-  EXPECT_EQ(json->Find("bal")->as_double(), s1.bal);
-  EXPECT_EQ(json->Find("valid_tokens")->as_int(), s1.valid_tokens);
-  EXPECT_THAT(json->Find("config")->as_string(), HasSubstr("world: 4"));
+  EXPECT_EQ(losses.step(), 1);
+  EXPECT_EQ(losses.ce(), s1.ce);
+  EXPECT_EQ(losses.z(), s1.z);
+  EXPECT_EQ(losses.bal(), s1.bal);
+  EXPECT_EQ(losses.valid_tokens(), s1.valid_tokens);
+  EXPECT_THAT(ss.str(), HasSubstr(absl::StrCat("\"valid_tokens\":\"", s1.valid_tokens, "\"")));
+  EXPECT_THAT(losses.config(), HasSubstr("world: 4"));
 }
 
 // Resuming from a checkpoint continues bit-exactly: the same losses and grad norms as an
 // uninterrupted run (the kill -9 variant is resume_kill_test.sh).
 TEST(TrainerTest, ResumeContinuesBitExactly) {
-  for (const char* sharding : {"fsdp", "replicated"}) {
-    const std::string dir = ::testing::TempDir() + "/ckpt_" + sharding;
+  for (auto sharding : {TrainConfig::fsdp, TrainConfig::replicated}) {
+    const std::string dir = ::testing::TempDir() + "/ckpt_" + TrainConfig::Sharding_Name(sharding);
     std::filesystem::remove_all(dir);
     TrainConfig full = TinyConfig(4, 2, 2, sharding);
     full.set_steps(6);
@@ -176,7 +182,7 @@ TEST(TrainerTest, ResumeContinuesBitExactly) {
 TEST(TrainerTest, ResumeRefusesAnotherDataStreamButAllowsNewOptimizerSettings) {
   const std::string dir = ::testing::TempDir() + "/ckpt_compat";
   std::filesystem::remove_all(dir);
-  TrainConfig first = TinyConfig(2, 2, 2, "fsdp");
+  TrainConfig first = TinyConfig(2, 2, 2, TrainConfig::fsdp);
   first.set_steps(2);
   first.set_checkpoint_dir(dir);
   auto a = RunInProcess(first);
@@ -217,7 +223,7 @@ TEST(TrainerTest, ResumeRefusesAnotherDataStreamButAllowsNewOptimizerSettings) {
 TEST(TrainerTest, ResumeRefusesAMarkerWithoutItsConfig) {
   const std::string dir = ::testing::TempDir() + "/ckpt_no_config";
   std::filesystem::remove_all(dir);
-  TrainConfig first = TinyConfig(2, 2, 1, "fsdp");
+  TrainConfig first = TinyConfig(2, 2, 1, TrainConfig::fsdp);
   first.set_steps(2);
   first.set_checkpoint_dir(dir);
   auto a = RunInProcess(first);
@@ -225,25 +231,18 @@ TEST(TrainerTest, ResumeRefusesAMarkerWithoutItsConfig) {
   const std::string marker_path = dir + "/step-00000002/checkpoint.json";
   absl::StatusOr<std::string> text = ReadFileToString(marker_path);
   ASSERT_TRUE(text.ok());
-  absl::StatusOr<JsonValue> marker = ParseJson(*text);
-  ASSERT_TRUE(marker.ok()) << marker.status();
-  JsonValue body = JsonValue::Object();
-  for (const auto& [k, v] : marker->members()) {
-    if (k == "fingerprint") continue;
-    if (k != "extra") {
-      body.Set(k, v);
-      continue;
-    }
-    JsonValue extra = JsonValue::Object();
-    for (const auto& [ek, ev] : v.members()) {
-      if (ek != "config") extra.Set(ek, ev);
-    }
-    body.Set(k, std::move(extra));
-  }
-  JsonValue rewritten = body;
-  rewritten.Set("fingerprint",
-                JsonValue::String(absl::StrFormat("%016x", Fingerprint64(body.Serialize()))));
-  ASSERT_TRUE(WriteFileAtomically(marker_path, rewritten.Serialize() + "\n").ok());
+  checkpoint::CommitMarker marker;
+  ASSERT_TRUE(ProtoFromJson(*text, &marker).ok()) << *text;
+  ASSERT_EQ(marker.extra().count("config"), 1u);
+  marker.mutable_extra()->erase("config");
+  // The documented fingerprint: XXH3-64 of the marker's JSON without "fingerprint".
+  marker.clear_fingerprint();
+  absl::StatusOr<std::string> body = ProtoToJson(marker);
+  ASSERT_TRUE(body.ok());
+  marker.set_fingerprint(absl::StrFormat("%016x", Fingerprint64(*body)));
+  absl::StatusOr<std::string> rewritten = ProtoToJson(marker);
+  ASSERT_TRUE(rewritten.ok());
+  ASSERT_TRUE(WriteFileAtomically(marker_path, *rewritten + "\n").ok());
 
   TrainConfig again = first;
   again.set_steps(3);
@@ -259,7 +258,7 @@ TEST(TrainerTest, ResumeRefusesAMarkerWithoutItsConfig) {
 TEST(TrainerTest, ResumeWithoutCheckpointIsNotFound) {
   const std::string dir = ::testing::TempDir() + "/empty_ckpt";
   std::filesystem::create_directories(dir);
-  TrainConfig config = TinyConfig(2, 1, 1, "fsdp");
+  TrainConfig config = TinyConfig(2, 1, 1, TrainConfig::fsdp);
   config.set_checkpoint_dir(dir);
   config.set_resume(true);
   auto out = RunInProcess(config);
@@ -272,7 +271,7 @@ TEST(TrainerTest, ResumeWithoutCheckpointIsNotFound) {
 
 TEST(TrainerTest, CommunicatorsThatDisagreeWithTheConfigAreInvalidArgument) {
   // Resolved: the rank threads read it concurrently (train/config.h ResolvedConfig).
-  TrainConfig config = ResolvedConfig(TinyConfig(4, 2, 1, "fsdp"));  // but run on 2 ranks
+  TrainConfig config = ResolvedConfig(TinyConfig(4, 2, 1, TrainConfig::fsdp));  // but run on 2 ranks
   absl::Status s = testing::RunRanks(2, [&](Communicator& world) -> absl::Status {
     absl::StatusOr<RankMesh> mesh = MakeRankMesh(&world, 2);
     if (!mesh.ok()) return mesh.status();
@@ -292,7 +291,7 @@ TEST(TrainerTest, CommunicatorsThatDisagreeWithTheConfigAreInvalidArgument) {
 }
 
 TEST(TrainerTest, BadConfigFailsBeforeTraining) {
-  TrainConfig config = TinyConfig(2, 2, 1, "fsdp");
+  TrainConfig config = TinyConfig(2, 2, 1, TrainConfig::fsdp);
   config.mutable_model()->set_experts(3);  // 3 % ep 2 != 0
   auto out = RunInProcess(config);
   ASSERT_TRUE(out.ok());
@@ -303,9 +302,9 @@ TEST(TrainerTest, BadConfigFailsBeforeTraining) {
 
 // bf16 compute and bf16 reduction train, and stay close to the fp32 gradients.
 TEST(TrainerTest, Bf16ComputeAndReduceStayNearTheReference) {
-  TrainConfig config = TinyConfig(2, 2, 2, "fsdp");
-  config.set_compute_dtype("bf16");
-  config.set_reduce_dtype("bf16");
+  TrainConfig config = TinyConfig(2, 2, 2, TrainConfig::fsdp);
+  config.set_compute_dtype(TrainConfig::bf16);
+  config.set_reduce_dtype(TrainConfig::bf16);
   config.set_parity_check(true);  // bf16 uses a 2e-2 bar
   auto out = RunInProcess(config);
   ASSERT_TRUE(out.ok());
