@@ -49,7 +49,9 @@ TEST(PickIsaBuildTest, WidestTheCpuRunsUnlessForced) {
 }
 
 TEST(CpuIsaTest, Avx512ImpliesAvx2Fma) {
-  if (CpuHasAvx512()) EXPECT_TRUE(CpuHasAvx2Fma());
+  if (CpuHasAvx512()) {
+    EXPECT_TRUE(CpuHasAvx2Fma());
+  }
 }
 
 }  // namespace

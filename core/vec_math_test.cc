@@ -59,20 +59,29 @@ std::vector<float> Sweep(float lo, float hi) {
   return xs;
 }
 
+// The largest UlpError of one build's kernel `fn` over xs against ref(x) in double; prints it
+// with where it happened.
+template <typename Ref>
+double WorstUlp(const VecKernels& k, void (*fn)(const float*, float*, int64_t), const char* what,
+                const std::vector<float>& xs, Ref ref) {
+  std::vector<float> y(xs.size());
+  fn(xs.data(), y.data(), static_cast<int64_t>(xs.size()));
+  double worst = 0.0;
+  float worst_x = 0.0f;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const double e = UlpError(y[i], ref(static_cast<double>(xs[i])));
+    if (e > worst) worst = e, worst_x = xs[i];
+  }
+  std::printf("%s (%s): max error %.3f ulp at x=%.9g\n", what, k.isa, worst, worst_x);
+  return worst;
+}
+
 TEST(VecMathTest, ExpWithinTwoUlpOfDoubleExp) {
   const std::vector<float> xs = Sweep(-86.0f, 88.7228f);
   ASSERT_GT(xs.size(), 30'000'000u);
   for (const VecKernels* k : Builds()) {
-    std::vector<float> y(xs.size());
-    k->exp(xs.data(), y.data(), static_cast<int64_t>(xs.size()));
-    double worst = 0.0;
-    float worst_x = 0.0f;
-    for (size_t i = 0; i < xs.size(); ++i) {
-      const double e = UlpError(y[i], std::exp(static_cast<double>(xs[i])));
-      if (e > worst) worst = e, worst_x = xs[i];
-    }
-    EXPECT_LE(worst, 2.0) << k->isa << ": worst at x=" << worst_x;
-    std::printf("exp (%s): max error %.3f ulp at x=%.9g\n", k->isa, worst, worst_x);
+    EXPECT_LE(WorstUlp(*k, k->exp, "exp", xs, [](double x) { return std::exp(x); }), 2.0)
+        << k->isa;
   }
 }
 
@@ -103,17 +112,10 @@ TEST(VecMathTest, ExpSpecialValues) {
 TEST(VecMathTest, SigmoidWithinFourUlpOfDouble) {
   const std::vector<float> xs = Sweep(-86.0f, 40.0f);
   for (const VecKernels* k : Builds()) {
-    std::vector<float> y(xs.size());
-    k->sigmoid(xs.data(), y.data(), static_cast<int64_t>(xs.size()));
-    double worst = 0.0;
-    float worst_x = 0.0f;
-    for (size_t i = 0; i < xs.size(); ++i) {
-      const double ref = 1.0 / (1.0 + std::exp(-static_cast<double>(xs[i])));
-      const double e = UlpError(y[i], ref);
-      if (e > worst) worst = e, worst_x = xs[i];
-    }
-    EXPECT_LE(worst, 4.0) << k->isa << ": worst at x=" << worst_x;
-    std::printf("sigmoid (%s): max error %.3f ulp at x=%.9g\n", k->isa, worst, worst_x);
+    EXPECT_LE(WorstUlp(*k, k->sigmoid, "sigmoid", xs,
+                       [](double x) { return 1.0 / (1.0 + std::exp(-x)); }),
+              4.0)
+        << k->isa;
   }
 }
 
@@ -266,7 +268,9 @@ TEST(VecMathTest, BuildsExistWhereTheCpuRunsThem) {
   EXPECT_EQ(VecKernelsFor("avx2") != nullptr, CpuHasAvx2Fma());
   EXPECT_EQ(VecKernelsFor("avx512") != nullptr, CpuHasAvx512());
   const char* forced = std::getenv("GRADSUM_VEC_ISA");
-  if (forced == nullptr && CpuHasAvx512()) EXPECT_STREQ(SelectedVecKernels().isa, "avx512");
+  if (forced == nullptr && CpuHasAvx512()) {
+    EXPECT_STREQ(SelectedVecKernels().isa, "avx512");
+  }
 }
 
 }  // namespace
