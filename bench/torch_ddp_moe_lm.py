@@ -184,6 +184,10 @@ def run(rank, world, steps, warmup, port, result):
     total = all_reduce_sum(torch.tensor([float(routed)])).item()
     if rank == 0:
         result.put((total, elapsed))
+        # put() hands the item to a feeder thread; flush it before the gloo teardown, which
+        # can block (holding the GIL) and so left the parent waiting for a result forever.
+        result.close()
+        result.join_thread()
     dist.destroy_process_group()
 
 
@@ -209,13 +213,17 @@ def main():
             total, elapsed = result.get(timeout=5)
             break
         except queue.Empty:
-            if any(p.exitcode not in (None, 0) for p in procs):
+            if any(p.exitcode not in (None, 0) for p in procs) or all(
+                    p.exitcode is not None for p in procs):
                 for p in procs:
                     p.kill()
-                raise SystemExit("a rank failed: " + str([p.exitcode for p in procs]))
+                raise SystemExit("a rank failed or none reported: " +
+                                 str([p.exitcode for p in procs]))
     for p in procs:
-        p.join()
-        if p.exitcode != 0:
+        p.join(timeout=60)  # the result is in: a rank stuck in teardown does not matter
+        if p.exitcode is None:
+            p.kill()
+        elif p.exitcode != 0:
             raise SystemExit(f"rank exited with {p.exitcode}")
     print(f"torch DDP world={args.world} steps={args.steps}: {total / elapsed:.0f} routed tok/s "
           f"({elapsed / args.steps * 1e3:.1f} ms/step, torch {torch.__version__}, "
