@@ -225,7 +225,8 @@ class MoeLm {
   // ForwardBackward's activations and gradients, kept from one micro-batch to the next so
   // that they are not fresh allocations (page faults, zero fill) every micro-batch.
   struct MicroBatchBuffers {
-    std::vector<float> h, y, dh, du, da;         // [T, D] residual stream, ..., [T, E], [T, D]
+    std::vector<float> h, y, dh, da;                   // [T, D]
+    std::vector<float> du;                             // [T, E]
     std::vector<std::vector<float>> h_in, a, inv_rms;  // per layer: [T, D], [T, D], [T]
     std::vector<float> f, inv_rms_final, grad_f;       // the head: [T, D], [T], [T, D]
   };
