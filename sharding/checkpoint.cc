@@ -357,32 +357,6 @@ absl::Status CheckAgainstMarker(const std::string& dir, const MarkerRecord& mark
   return absl::OkStatus();
 }
 
-// A checkpoint group must have the layout of the live group it is loaded into.
-absl::Status CheckLayout(const GroupRecord& rec, const FlatParam& g) {
-  auto mismatch = [&](absl::string_view field, auto saved, auto current) {
-    return absl::FailedPreconditionError(absl::StrCat("checkpoint group \"", g.name(), "\": ", field,
-                                                      " is ", saved, " in the checkpoint but ",
-                                                      current, " now"));
-  };
-  if (rec.group_size != g.group_size()) return mismatch("group_size", rec.group_size, g.group_size());
-  if (rec.group_rank != g.group_rank()) return mismatch("group_rank", rec.group_rank, g.group_rank());
-  if (rec.numel != g.numel()) return mismatch("numel", rec.numel, g.numel());
-  if (rec.params.size() != g.entries().size()) {
-    return mismatch("parameter count", rec.params.size(), g.entries().size());
-  }
-  for (size_t i = 0; i < rec.params.size(); ++i) {
-    const FlatParamEntry& a = rec.params[i];
-    const FlatParamEntry& b = g.entries()[i];
-    if (a.name != b.name) return mismatch(absl::StrCat("parameter ", i), a.name, b.name);
-    if (a.shape != b.shape) {
-      return mismatch(absl::StrCat("shape of \"", a.name, "\""),
-                      absl::StrCat("[", absl::StrJoin(a.shape, ","), "]"),
-                      absl::StrCat("[", absl::StrJoin(b.shape, ","), "]"));
-    }
-  }
-  return absl::OkStatus();
-}
-
 absl::Status CheckIdle(const ShardedAdamW& optimizer) {
   for (const FlatParam* g : optimizer.groups()) {
     if (g->grad_reduce_in_flight() || g->unshard_in_flight()) {
@@ -392,6 +366,124 @@ absl::Status CheckIdle(const ShardedAdamW& optimizer) {
   }
   return absl::OkStatus();
 }
+
+std::string ShapeText(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ","), "]");
+}
+
+// A saved checkpoint as an index of its parameters, for loading onto any layout: where each
+// parameter lives (its unit and offset), which world rank holds each (unit, group rank)
+// shard, and the rank tensor files, opened on first use by their header only and read by
+// the byte ranges a loader needs (docs/CHECKPOINTS.md, "Resharding").
+class SavedLayout {
+ public:
+  // Reads every rank's manifest and checks it against the marker. Parameters must have one
+  // unit, offset and shape across the manifests, and each (unit, group rank) one holder.
+  static absl::StatusOr<SavedLayout> Read(const std::string& dir, MarkerRecord marker) {
+    SavedLayout s;
+    s.dir_ = dir;
+    s.marker_ = std::move(marker);
+    for (int64_t r = 0; r < s.marker_.world; ++r) {
+      GRADSUM_ASSIGN_OR_RETURN(Manifest m, ReadManifest(dir, r));
+      if (m.rank != r) {
+        return absl::DataLossError(absl::StrCat("checkpoint file '", Join(dir, ManifestName(r)),
+                                                "' records rank ", m.rank));
+      }
+      GRADSUM_RETURN_IF_ERROR(CheckAgainstMarker(dir, s.marker_, m));
+      s.manifests_.push_back(std::move(m));
+    }
+    for (const Manifest& m : s.manifests_) {
+      for (const GroupRecord& g : m.groups) {
+        auto [holder, fresh] = s.holders_.try_emplace({g.name, g.group_rank}, m.rank);
+        if (!fresh) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "checkpoint '", dir, "': unit \"", g.name, "\" has two shards for group rank ",
+              g.group_rank, " (world ranks ", holder->second, " and ", m.rank, ")"));
+        }
+        for (const FlatParamEntry& e : g.params) {
+          auto [it, inserted] = s.params_.try_emplace(e.name, Param{&g, &e});
+          const Param& p = it->second;
+          if (!inserted && (p.unit->name != g.name || p.unit->numel != g.numel ||
+                            p.unit->group_size != g.group_size || p.entry->offset != e.offset ||
+                            p.entry->shape != e.shape)) {
+            return absl::DataLossError(absl::StrCat(
+                "checkpoint '", dir, "': parameter \"", e.name, "\" is at offset ",
+                p.entry->offset, " of unit \"", p.unit->name, "\" on one rank and at offset ",
+                e.offset, " of unit \"", g.name, "\" on rank ", m.rank, " (inconsistent manifests)"));
+          }
+        }
+      }
+    }
+    return s;
+  }
+
+  struct Param {
+    const GroupRecord* unit;
+    const FlatParamEntry* entry;
+  };
+  // The saved parameters by name.
+  const std::map<std::string, Param>& params() const { return params_; }
+
+  // Saved elements [begin, end) of unit `unit`'s flat `what` (master, exp_avg or
+  // exp_avg_sq) into `out`, from the shards holding them.
+  absl::Status ReadUnitRange(const GroupRecord& unit, absl::string_view what, int64_t begin,
+                             int64_t end, float* out) {
+    const int64_t shard = unit.padded_numel / unit.group_size;
+    for (int64_t q = begin / shard; begin < end; ++q) {
+      const int64_t hi = std::min(end, (q + 1) * shard);
+      auto holder = holders_.find({unit.name, q});
+      if (holder == holders_.end()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "checkpoint '", dir_, "': unit \"", unit.name, "\" lacks the shard of group rank ", q));
+      }
+      GRADSUM_ASSIGN_OR_RETURN(const SafetensorsHeader* file, File(holder->second));
+      const std::string name = absl::StrCat(unit.name, "/", what);
+      GRADSUM_ASSIGN_OR_RETURN(const SafetensorsTensorRange* t, file->Find(name));
+      const int64_t local = std::clamp<int64_t>(unit.numel - q * shard, 0, shard);
+      if (t->dtype != DType::kF32 || t->shape != std::vector<int64_t>{local}) {
+        return absl::DataLossError(absl::StrCat("checkpoint file '", file->path(), "': \"", name,
+                                                "\" is ", DTypeName(t->dtype), ShapeText(t->shape),
+                                                ", expected f32[", local, "]"));
+      }
+      GRADSUM_RETURN_IF_ERROR(file->ReadTensorBytes(name, (begin - q * shard) * sizeof(float),
+                                                    (hi - begin) * sizeof(float), out));
+      out += hi - begin;
+      begin = hi;
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  // Rank r's tensor file, checked once against its manifest's size and fingerprint (hashed
+  // streaming, never held whole), then opened by its header.
+  absl::StatusOr<const SafetensorsHeader*> File(int64_t r) {
+    auto it = files_.find(r);
+    if (it != files_.end()) return &it->second;
+    const Manifest& m = manifests_[r];
+    const std::string path = Join(dir_, m.tensors_file);
+    struct stat st;
+    if (::stat(path.c_str(), &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat '", path, "'"));
+    if (st.st_size != m.tensors_bytes) {
+      return absl::DataLossError(absl::StrCat("checkpoint file '", path, "' has ", st.st_size,
+                                              " bytes, the manifest says ", m.tensors_bytes,
+                                              " (truncated or replaced)"));
+    }
+    GRADSUM_ASSIGN_OR_RETURN(uint64_t fingerprint, FingerprintFile(path, m.tensors_bytes));
+    if (fingerprint != m.tensors_fingerprint) {
+      return absl::DataLossError(absl::StrCat("checkpoint file '", path,
+                                              "' does not match its manifest fingerprint (corrupt)"));
+    }
+    GRADSUM_ASSIGN_OR_RETURN(SafetensorsHeader h, SafetensorsHeader::Read(path));
+    return &files_.emplace(r, std::move(h)).first->second;
+  }
+
+  std::string dir_;
+  MarkerRecord marker_;
+  std::vector<Manifest> manifests_;  // by world rank; params_ points into them
+  std::map<std::string, Param> params_;
+  std::map<std::pair<std::string, int64_t>, int64_t> holders_;
+  std::map<int64_t, SafetensorsHeader> files_;
+};
 
 // The owned slice of a vector stored beside master() (m or v).
 absl::Span<const float> OwnedPart(const FlatParam& g, absl::Span<const float> beside_master) {
@@ -505,49 +597,82 @@ absl::Status SaveCheckpoint(const std::string& dir, Communicator& world,
   return AgreeOnStatus(world, local, "checkpoint save (commit)");
 }
 
+absl::StatusOr<CheckpointInfo> ReadCheckpointInfo(const std::string& dir) {
+  GRADSUM_ASSIGN_OR_RETURN(MarkerRecord marker, ReadMarker(dir));
+  CheckpointInfo info;
+  info.step = marker.step;
+  info.world = marker.world;
+  info.extra = std::move(marker.extra);
+  return info;
+}
+
 absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& dir, Communicator& world,
                                               ShardedAdamW& optimizer) {
-  const int rank = world.rank();
   struct Staged {
     std::vector<float> master, exp_avg, exp_avg_sq;  // owned slices
   };
   std::vector<Staged> staged(optimizer.groups().size());
   CheckpointInfo info;
-  // Phase 1: read and validate everything locally; nothing is modified yet.
+  std::vector<std::string> used_names;
+  // Phase 1: read and validate everything locally; nothing is modified yet. Each live
+  // group's owned slice is gathered parameter by parameter from wherever the saved layout
+  // put it (any world size, EP size, unit grouping or sharding mode).
+  std::vector<int64_t> used;  // per saved parameter (by name): found in a live group here
   auto read_all = [&]() -> absl::Status {
     GRADSUM_RETURN_IF_ERROR(CheckIdle(optimizer));
     GRADSUM_ASSIGN_OR_RETURN(MarkerRecord marker, ReadMarker(dir));
-    if (marker.world != world.size()) {
-      return absl::FailedPreconditionError(absl::StrCat("checkpoint '", dir,
-                                                        "' was written by world size ", marker.world,
-                                                        ", the current world size is ", world.size()));
-    }
-    GRADSUM_ASSIGN_OR_RETURN(Manifest m, ReadManifest(dir, rank));
-    GRADSUM_RETURN_IF_ERROR(CheckAgainstMarker(dir, marker, m));
-    const auto& groups = optimizer.groups();
-    if (m.groups.size() != groups.size()) {
-      return absl::FailedPreconditionError(absl::StrCat("checkpoint '", dir, "' has ", m.groups.size(),
-                                                        " groups on rank ", rank, ", the optimizer has ",
-                                                        groups.size()));
-    }
-    GRADSUM_ASSIGN_OR_RETURN(SafetensorsFile tensors, ReadRankTensors(dir, m));
-    for (size_t gi = 0; gi < groups.size(); ++gi) {
-      const GroupRecord& rec = m.groups[gi];
-      if (rec.name != groups[gi]->name()) {
-        return absl::FailedPreconditionError(absl::StrCat("checkpoint group ", gi, " is \"", rec.name,
-                                                          "\", the optimizer's is \"",
-                                                          groups[gi]->name(), "\""));
-      }
-      GRADSUM_RETURN_IF_ERROR(CheckLayout(rec, *groups[gi]));
-      GRADSUM_ASSIGN_OR_RETURN(staged[gi].master, ReadSlice(tensors, rec, "master"));
-      GRADSUM_ASSIGN_OR_RETURN(staged[gi].exp_avg, ReadSlice(tensors, rec, "exp_avg"));
-      GRADSUM_ASSIGN_OR_RETURN(staged[gi].exp_avg_sq, ReadSlice(tensors, rec, "exp_avg_sq"));
-    }
     info.step = marker.step;
-    info.extra = std::move(marker.extra);
+    info.world = marker.world;
+    info.extra = marker.extra;
+    GRADSUM_ASSIGN_OR_RETURN(SavedLayout saved, SavedLayout::Read(dir, std::move(marker)));
+    std::set<std::string> live;
+    for (size_t gi = 0; gi < optimizer.groups().size(); ++gi) {
+      const FlatParam& g = *optimizer.groups()[gi];
+      const int64_t begin = g.shard_offset(), end = begin + g.local_numel();
+      Staged& st = staged[gi];
+      for (std::vector<float>* v : {&st.master, &st.exp_avg, &st.exp_avg_sq}) v->resize(end - begin);
+      for (const FlatParamEntry& e : g.entries()) {
+        live.insert(e.name);
+        auto it = saved.params().find(e.name);
+        if (it == saved.params().end()) {
+          return absl::FailedPreconditionError(absl::StrCat("checkpoint '", dir,
+                                                            "' has no parameter \"", e.name,
+                                                            "\" (of unit \"", g.name(), "\")"));
+        }
+        const SavedLayout::Param& p = it->second;
+        if (p.entry->shape != e.shape) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "checkpoint parameter \"", e.name, "\": shape is ", ShapeText(p.entry->shape),
+              " in the checkpoint but ", ShapeText(e.shape), " now"));
+        }
+        const int64_t lo = std::max(begin, e.offset), hi = std::min(end, e.offset + e.numel);
+        if (lo >= hi) continue;
+        const int64_t from = p.entry->offset + (lo - e.offset);
+        for (const auto& [what, dest] : {std::pair<const char*, std::vector<float>*>{"master", &st.master},
+                                         {"exp_avg", &st.exp_avg},
+                                         {"exp_avg_sq", &st.exp_avg_sq}}) {
+          GRADSUM_RETURN_IF_ERROR(
+              saved.ReadUnitRange(*p.unit, what, from, from + (hi - lo), dest->data() + (lo - begin)));
+        }
+      }
+    }
+    for (const auto& [name, p] : saved.params()) used.push_back(live.count(name));
+    used_names.clear();
+    for (const auto& [name, p] : saved.params()) used_names.push_back(name);
     return absl::OkStatus();
   };
   GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world, read_all(), "checkpoint load"));
+  // A saved parameter that no rank's model has: the checkpoint is of another model.
+  std::vector<int64_t> used_anywhere(used.size());
+  GRADSUM_RETURN_IF_ERROR(
+      world.AllReduce(used.data(), used_anywhere.data(), used.size(), DType::kI64));
+  for (size_t i = 0; i < used_anywhere.size(); ++i) {
+    if (used_anywhere[i] == 0) {
+      return MarkAgreed(absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint '", dir, "' has parameter \"", used_names[i],
+          "\", which this model does not have")));
+    }
+  }
 
   // Phase 2: install. Replicated groups rebuild their full copies from every rank's slice.
   absl::Status local = absl::OkStatus();

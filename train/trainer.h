@@ -132,6 +132,9 @@ class Trainer {
   // FailedPrecondition naming the first field that differs between the checkpoint's saved
   // config and this run's among those that decide the data stream and the model.
   absl::Status CheckResumeCompatible(const CheckpointInfo& info, int64_t step) const;
+  // Seeks the data stream to the position the checkpoint recorded (DataLoss if it is not
+  // the end of step_ steps of the global batch), or replays step_ steps if it has none.
+  absl::Status RestoreDataPosition(const CheckpointInfo& info, const std::string& dir);
   bool is_rank0() const { return comms_.world->rank() == 0; }
 
   TrainConfig config_;
@@ -149,6 +152,18 @@ class Trainer {
   std::optional<NamedParams> first_step_grads_;
   std::vector<StepRecord> history_;
 };
+
+// Writes every parameter of `model` (MoeLmParamShapes names and shapes) from `params` as one
+// fp32 safetensors file with metadata "step" (the dumps' weights, --export).
+absl::Status WriteParamsFile(const std::string& path, const ModelConfig& model,
+                             const NamedParams& params, int64_t step);
+
+// Reads such a file (--init_from): exactly the parameters of `model`, f32, their shapes. A
+// missing, extra or misshapen tensor is InvalidArgument naming it; read errors name `path`.
+absl::StatusOr<NamedParams> ReadParamsFile(const std::string& path, const ModelConfig& model);
+
+// The global batch B = world x grad_acc x micro_batch: sequences per step (train/data.h).
+int64_t GlobalBatch(const TrainConfig& config);
 
 // The directory of the checkpoint after `step` inside `checkpoint_dir`.
 std::string CheckpointPath(const std::string& checkpoint_dir, int64_t step);
