@@ -233,40 +233,6 @@ absl::StatusOr<Manifest> ReadManifest(const std::string& dir, int64_t rank) {
   return m;
 }
 
-// Reads the rank's tensor file, checks it against the manifest's size and fingerprint
-// (flipped bits in an otherwise valid file are caught here), then parses it.
-absl::StatusOr<SafetensorsFile> ReadRankTensors(const std::string& dir, const Manifest& m) {
-  const std::string path = Join(dir, m.tensors_file);
-  GRADSUM_ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(path));
-  if (static_cast<int64_t>(bytes.size()) != m.tensors_bytes) {
-    return absl::DataLossError(absl::StrCat("checkpoint file '", path, "' has ", bytes.size(),
-                                            " bytes, the manifest says ", m.tensors_bytes,
-                                            " (truncated or replaced)"));
-  }
-  if (Fingerprint64(bytes) != m.tensors_fingerprint) {
-    return absl::DataLossError(
-        absl::StrCat("checkpoint file '", path, "' does not match its manifest fingerprint (corrupt)"));
-  }
-  return SafetensorsFile::Parse(bytes, path);
-}
-
-// The f32 [local_numel] tensor "<group>/<what>" copied out, or DataLoss.
-absl::StatusOr<std::vector<float>> ReadSlice(const SafetensorsFile& f, const GroupRecord& g,
-                                             absl::string_view what) {
-  const std::string name = absl::StrCat(g.name, "/", what);
-  absl::StatusOr<TensorView> t = f.Get(name);
-  if (!t.ok()) {
-    return absl::DataLossError(absl::StrCat("checkpoint file '", f.source(), "' lacks \"", name, "\""));
-  }
-  if (t->dtype() != DType::kF32 || t->rank() != 1 || t->dim(0) != g.local_numel) {
-    return absl::DataLossError(absl::StrCat("checkpoint file '", f.source(), "': \"", name,
-                                            "\" is ", t->DebugString(), ", expected f32[",
-                                            g.local_numel, "]"));
-  }
-  const float* p = t->data<float>();
-  return std::vector<float>(p, p + g.local_numel);
-}
-
 struct MarkerRecord {
   int64_t world = 0, step = 0;
   // Per rank: the fingerprints of its manifest and tensor files as saved.
@@ -709,77 +675,34 @@ absl::Status ExportConsolidated(const std::string& dir, const std::string& out_p
         absl::StrCat("export dtype must be f32 or bf16, got ", DTypeName(dtype)));
   }
   GRADSUM_ASSIGN_OR_RETURN(MarkerRecord marker, ReadMarker(dir));
-  struct Assembled {
-    GroupRecord layout;
-    std::vector<bool> have_rank;
-    std::vector<float> full;
-  };
-  std::map<std::string, Assembled> groups;
-  for (int64_t r = 0; r < marker.world; ++r) {
-    GRADSUM_ASSIGN_OR_RETURN(Manifest m, ReadManifest(dir, r));
-    GRADSUM_RETURN_IF_ERROR(CheckAgainstMarker(dir, marker, m));
-    GRADSUM_ASSIGN_OR_RETURN(SafetensorsFile tensors, ReadRankTensors(dir, m));
-    for (const GroupRecord& rec : m.groups) {
-      GRADSUM_ASSIGN_OR_RETURN(std::vector<float> slice, ReadSlice(tensors, rec, "master"));
-      auto [it, inserted] = groups.try_emplace(rec.name);
-      Assembled& a = it->second;
-      if (inserted) {
-        a.layout = rec;
-        a.have_rank.assign(rec.group_size, false);
-        a.full.assign(rec.numel, 0.0f);
-      } else {
-        bool same = a.layout.group_size == rec.group_size && a.layout.numel == rec.numel &&
-                    a.layout.params.size() == rec.params.size();
-        for (size_t i = 0; same && i < rec.params.size(); ++i) {
-          same = a.layout.params[i].name == rec.params[i].name &&
-                 a.layout.params[i].shape == rec.params[i].shape;
-        }
-        if (!same) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "checkpoint '", dir, "': group \"", rec.name, "\" on rank ", r,
-              " has another layout than elsewhere; groups holding different parameters need "
-              "different names (e.g. one per EP slot)"));
-        }
-      }
-      if (a.have_rank[rec.group_rank]) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "checkpoint '", dir, "': group \"", rec.name, "\" has two shards for group rank ",
-            rec.group_rank, " (second on world rank ", r, "); give each EP slot's group its own name"));
-      }
-      a.have_rank[rec.group_rank] = true;
-      std::copy(slice.begin(), slice.end(), a.full.begin() + rec.shard_offset);
-    }
-  }
+  const int64_t step = marker.step;
+  GRADSUM_ASSIGN_OR_RETURN(SavedLayout saved, SavedLayout::Read(dir, std::move(marker)));
+  // Each parameter read from the shards that hold it (the resharding rule with one rank).
+  std::vector<std::vector<float>> values;
+  std::vector<std::vector<BF16>> halves;
   SafetensorsWriter writer;
-  std::vector<std::vector<BF16>> bf16_copies;
-  bf16_copies.reserve(groups.size());
-  for (auto& [name, a] : groups) {
-    for (size_t q = 0; q < a.have_rank.size(); ++q) {
-      if (!a.have_rank[q]) {
-        return absl::FailedPreconditionError(absl::StrCat("checkpoint '", dir, "': group \"", name,
-                                                          "\" lacks the shard of group rank ", q));
-      }
-    }
-    void* base = a.full.data();
+  for (const auto& [name, p] : saved.params()) {
+    const FlatParamEntry& e = *p.entry;
+    values.emplace_back(e.numel);
+    GRADSUM_RETURN_IF_ERROR(
+        saved.ReadUnitRange(*p.unit, "master", e.offset, e.offset + e.numel, values.back().data()));
+    void* base = values.back().data();
     if (dtype == DType::kBF16) {
-      bf16_copies.emplace_back(a.full.size());
-      for (size_t i = 0; i < a.full.size(); ++i) bf16_copies.back()[i] = BF16::FromFloat(a.full[i]);
-      base = bf16_copies.back().data();
+      halves.emplace_back(e.numel);
+      for (int64_t i = 0; i < e.numel; ++i) halves.back()[i] = BF16::FromFloat(values.back()[i]);
+      base = halves.back().data();
     }
-    for (const FlatParamEntry& e : a.layout.params) {
-      char* p = static_cast<char*>(base) + e.offset * static_cast<int64_t>(DTypeSize(dtype));
-      GRADSUM_ASSIGN_OR_RETURN(TensorView view,
-                               TensorView::Create(e.numel > 0 ? p : nullptr, dtype, e.shape));
-      absl::Status s = writer.Add(e.name, view);
-      if (!s.ok()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "checkpoint '", dir, "': parameter \"", e.name, "\" of group \"", name,
-            "\" cannot be exported: ", s.message()));
-      }
+    GRADSUM_ASSIGN_OR_RETURN(TensorView view,
+                             TensorView::Create(e.numel > 0 ? base : nullptr, dtype, e.shape));
+    absl::Status s = writer.Add(e.name, view);
+    if (!s.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint '", dir, "': parameter \"", e.name, "\" of group \"", p.unit->name,
+          "\" cannot be exported: ", s.message()));
     }
   }
   GRADSUM_RETURN_IF_ERROR(writer.AddMetadata("format", "pt"));
-  GRADSUM_RETURN_IF_ERROR(writer.AddMetadata("step", absl::StrCat(marker.step)));
+  GRADSUM_RETURN_IF_ERROR(writer.AddMetadata("step", absl::StrCat(step)));
   return writer.WriteFile(out_path);
 }
 

@@ -94,12 +94,13 @@ absl::StatusOr<CheckpointInfo> ReadCheckpointInfo(const std::string& dir);
 // Only while no save into `dir` is running.
 int RemoveStaleTempFiles(const std::string& dir);
 
-// Reads every rank's files of the checkpoint in `dir` and writes one safetensors file at
-// `out_path` holding each parameter's full, unpadded value with its shape, named as in
-// its ParamSpec, in `dtype` (kF32 or kBF16, rounded to nearest even), with metadata
-// "step". Not collective. Group names must identify one set of shards across the world
-// (FailedPrecondition naming the group if two disagree or a shard is missing);
-// parameter names must be unique across groups.
+// Writes one safetensors file at `out_path` holding each parameter of the checkpoint in
+// `dir` with its full, unpadded value and shape, named as in its ParamSpec, in `dtype`
+// (kF32 or kBF16, rounded to nearest even), with metadata "step". Each parameter is read
+// as LoadCheckpoint reads it (from the byte ranges of the shards holding it, each file
+// fingerprinted first). Not collective. Unit names must identify one set of shards across
+// the world (FailedPrecondition naming the unit if two ranks hold the same shard or a
+// needed shard is missing); a parameter recorded in two places is DataLoss.
 absl::Status ExportConsolidated(const std::string& dir, const std::string& out_path,
                                 DType dtype = DType::kF32);
 
