@@ -273,7 +273,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
                            ShardedAdamW::Create(trainer->model_->groups(), adam));
   trainer->display_ = losses::StepDisplay(config.model().layers(), config.model().experts());
   GRADSUM_RETURN_IF_ERROR(MoeLm::RegisterDisplayTerms(&trainer->display_));
-  // Rank-local start-up work (the data file, this rank's shard, the checkpoint directory):
+  // Rank-local start-up work (the data file, the data loader, the checkpoint directory):
   // every rank learns at once if any rank failed, with that rank's message.
   GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(*comms.world, trainer->PrepareLocal(), "start-up"));
   if (config.resume()) {

@@ -10,7 +10,7 @@
 //   GRADSUM_ASSIGN_OR_RETURN(auto trainer, Trainer::Create(config, comms));
 //   GRADSUM_ASSIGN_OR_RETURN(TrainSummary s, trainer->Run(rank == 0 ? &std::cout : nullptr));
 //
-// One step (SEMANTICS.md): NextStep(G) on this rank's data shard; ComputeStepStats (one
+// One step (SEMANTICS.md): NextStep(G), this rank's rows of the step's global sequences; ComputeStepStats (one
 // all-reduce: D, N, §3-4); for each micro-batch MoeLm::ForwardBackward, which gathers
 // and frees the parameter units and issues each unit's SUM reduction as its gradient
 // completes (train/unit_schedule.h; reduce-scatter in fsdp mode, bucketed all-reduce on
@@ -98,13 +98,14 @@ struct TrainSummary {
 class Trainer {
  public:
   // Validates `config` (ValidateConfig) and the communicators (world size == config.world,
-  // ep_group size == config.ep), builds the model with the initial parameters (or loads the
-  // latest checkpoint with --resume). Collective over the world.
+  // ep_group size == config.ep), builds the model with the initial parameters (--init_from's
+  // file if given), or with --resume loads the latest checkpoint, written on any mesh with
+  // the same model and global batch (docs/CHECKPOINTS.md). Collective over the world.
   static absl::StatusOr<std::unique_ptr<Trainer>> Create(const TrainConfig& config,
                                                          const RankComms& comms);
 
   // Runs until config.steps steps are done. `log` (rank 0 usually) gets one line per step
-  // and the summary. Writes metrics / dumps / checkpoints when configured (rank 0 for the
+  // and the summary. Writes metrics / dumps / checkpoints / the --export file when configured (rank 0 for the
   // shared files; a checkpoint after the step's metrics line). Collective.
   absl::StatusOr<TrainSummary> Run(std::ostream* log);
 
