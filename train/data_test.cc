@@ -140,7 +140,8 @@ TEST(RankDataLoaderTest, EveryMeshWithTheSameBatchSeesTheSameSequences) {
     config.set_micro_batch(mesh.micro_batch);
     std::vector<int> seen(int64_t{B} * steps, 0);
     for (int r = 0; r < mesh.world; ++r) {
-      absl::StatusOr<RankDataLoader> loader = RankDataLoader::Create(*corpus, config, r, mesh.world);
+      absl::StatusOr<RankDataLoader> loader =
+          RankDataLoader::Create(*corpus, config, r, mesh.world);
       ASSERT_TRUE(loader.ok()) << loader.status();
       for (int s = 0; s < steps; ++s) {
         const std::vector<MicroBatch> step = loader->NextStep(mesh.grad_acc);

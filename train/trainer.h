@@ -10,10 +10,10 @@
 //   GRADSUM_ASSIGN_OR_RETURN(auto trainer, Trainer::Create(config, comms));
 //   GRADSUM_ASSIGN_OR_RETURN(TrainSummary s, trainer->Run(rank == 0 ? &std::cout : nullptr));
 //
-// One step (SEMANTICS.md): NextStep(G), this rank's rows of the step's global sequences; ComputeStepStats (one
-// all-reduce: D, N, §3-4); for each micro-batch MoeLm::ForwardBackward, which gathers
-// and frees the parameter units and issues each unit's SUM reduction as its gradient
-// completes (train/unit_schedule.h; reduce-scatter in fsdp mode, bucketed all-reduce on
+// One step (SEMANTICS.md): NextStep(G), this rank's rows of the step's global sequences
+// (train/data.h); ComputeStepStats (one all-reduce: D, N, §3-4); for each micro-batch
+// MoeLm::ForwardBackward, which gathers and frees the parameter units and issues each
+// unit's SUM reduction as its gradient completes (train/unit_schedule.h; reduce-scatter in fsdp mode, bucketed all-reduce on
 // the last micro-batch in replicated mode, §7); MoeLm::FinishGradReduce; ClipGradNorm
 // (§7); AdamW; StepDisplay::Reduce (§8).
 //

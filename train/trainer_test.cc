@@ -199,8 +199,9 @@ TEST(TrainerTest, ResumeRefusesAnotherDataStreamButAllowsNewOptimizerSettings) {
   for (const RankOutcome& r : *b) {
     EXPECT_EQ(r.status.code(), absl::StatusCode::kFailedPrecondition) << r.status;
     EXPECT_THAT(r.status.message(),
-                HasSubstr("global batch B=8 (world x grad_acc x micro_batch = 2 x 2 x 2) but this "
-                          "run has global batch B=12 (world x grad_acc x micro_batch = 2 x 3 x 2)"));
+                HasSubstr("global batch B=8 (world x grad_acc x micro_batch = 2 x 2 x 2) but "
+                          "this run has global batch B=12 (world x grad_acc x micro_batch = 2 "
+                          "x 3 x 2)"));
   }
   TrainConfig other_model = first;
   other_model.set_resume(true);
