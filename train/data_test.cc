@@ -122,12 +122,21 @@ std::vector<std::vector<int64_t>> ReferenceSequences(const DocumentSource& corpu
 
 // Every mesh with the same B = world x G x micro_batch trains on the same sequences in every
 // step: row j of micro-batch m on rank r of step s is global sequence
-// s B + (m world + r) micro_batch + j of the reference packing.
-TEST(RankDataLoaderTest, EveryMeshWithTheSameBatchSeesTheSameSequences) {
+// s B + (m world + r) micro_batch + j of the reference packing. For the embedded corpus and
+// for a --data file alike.
+class GlobalStreamTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(GlobalStreamTest, EveryMeshWithTheSameBatchSeesTheSameSequences) {
   DataConfig config = SmallConfig();
   config.set_corpus_documents(40);  // a few epochs in the steps below
+  if (GetParam()) {
+    const std::string path = ::testing::TempDir() + "/stream.txt";
+    std::ofstream out(path, std::ios::binary);
+    for (int i = 0; i < 30; ++i) out << "document " << i << (i % 3 ? " of the file" : "") << "\n";
+    config.set_path(path);
+  }
   auto corpus = MakeCorpus(config);
-  ASSERT_TRUE(corpus.ok());
+  ASSERT_TRUE(corpus.ok()) << corpus.status();
   const int B = 12, steps = 5;
   const std::vector<std::vector<int64_t>> want =
       ReferenceSequences(**corpus, config.seq_len(), int64_t{B} * steps);
@@ -170,6 +179,8 @@ TEST(RankDataLoaderTest, EveryMeshWithTheSameBatchSeesTheSameSequences) {
   }
   EXPECT_GT(valid_counts.size(), 3u) << "valid-token counts should vary across micro-batches";
 }
+
+INSTANTIATE_TEST_SUITE_P(MarkovAndTextFile, GlobalStreamTest, ::testing::Bool());
 
 // A loader of another rank and world that seeks to a position continues the same stream.
 TEST(RankDataLoaderTest, SeekContinuesTheStreamOnAnotherMesh) {
