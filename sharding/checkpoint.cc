@@ -630,8 +630,10 @@ absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& dir, Communicat
   GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world, read_all(), "checkpoint load"));
   // A saved parameter that no rank's model has: the checkpoint is of another model.
   std::vector<int64_t> used_anywhere(used.size());
-  GRADSUM_RETURN_IF_ERROR(
-      world.AllReduce(used.data(), used_anywhere.data(), used.size(), DType::kI64));
+  if (!used.empty()) {
+    GRADSUM_RETURN_IF_ERROR(
+        world.AllReduce(used.data(), used_anywhere.data(), used.size(), DType::kI64));
+  }
   for (size_t i = 0; i < used_anywhere.size(); ++i) {
     if (used_anywhere[i] == 0) {
       return MarkAgreed(absl::FailedPreconditionError(absl::StrCat(
