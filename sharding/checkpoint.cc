@@ -375,7 +375,8 @@ class SavedLayout {
             return absl::DataLossError(absl::StrCat(
                 "checkpoint '", dir, "': parameter \"", e.name, "\" is at offset ",
                 p.entry->offset, " of unit \"", p.unit->name, "\" on one rank and at offset ",
-                e.offset, " of unit \"", g.name, "\" on rank ", m.rank, " (inconsistent manifests)"));
+                e.offset, " of unit \"", g.name, "\" on rank ", m.rank,
+                " (inconsistent manifests)"));
           }
         }
       }
@@ -428,7 +429,9 @@ class SavedLayout {
     const Manifest& m = manifests_[r];
     const std::string path = Join(dir_, m.tensors_file);
     struct stat st;
-    if (::stat(path.c_str(), &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat '", path, "'"));
+    if (::stat(path.c_str(), &st) != 0) {
+      return ErrnoStatus(errno, absl::StrCat("stat '", path, "'"));
+    }
     if (st.st_size != m.tensors_bytes) {
       return absl::DataLossError(absl::StrCat("checkpoint file '", path, "' has ", st.st_size,
                                               " bytes, the manifest says ", m.tensors_bytes,
@@ -436,8 +439,8 @@ class SavedLayout {
     }
     GRADSUM_ASSIGN_OR_RETURN(uint64_t fingerprint, FingerprintFile(path, m.tensors_bytes));
     if (fingerprint != m.tensors_fingerprint) {
-      return absl::DataLossError(absl::StrCat("checkpoint file '", path,
-                                              "' does not match its manifest fingerprint (corrupt)"));
+      return absl::DataLossError(absl::StrCat(
+          "checkpoint file '", path, "' does not match its manifest fingerprint (corrupt)"));
     }
     GRADSUM_ASSIGN_OR_RETURN(SafetensorsHeader h, SafetensorsHeader::Read(path));
     return &files_.emplace(r, std::move(h)).first->second;
@@ -596,7 +599,9 @@ absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& dir, Communicat
       const FlatParam& g = *optimizer.groups()[gi];
       const int64_t begin = g.shard_offset(), end = begin + g.local_numel();
       Staged& st = staged[gi];
-      for (std::vector<float>* v : {&st.master, &st.exp_avg, &st.exp_avg_sq}) v->resize(end - begin);
+      for (std::vector<float>* v : {&st.master, &st.exp_avg, &st.exp_avg_sq}) {
+        v->resize(end - begin);
+      }
       for (const FlatParamEntry& e : g.entries()) {
         live.insert(e.name);
         auto it = saved.params().find(e.name);
@@ -614,17 +619,18 @@ absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& dir, Communicat
         const int64_t lo = std::max(begin, e.offset), hi = std::min(end, e.offset + e.numel);
         if (lo >= hi) continue;
         const int64_t from = p.entry->offset + (lo - e.offset);
-        for (const auto& [what, dest] : {std::pair<const char*, std::vector<float>*>{"master", &st.master},
-                                         {"exp_avg", &st.exp_avg},
-                                         {"exp_avg_sq", &st.exp_avg_sq}}) {
-          GRADSUM_RETURN_IF_ERROR(
-              saved.ReadUnitRange(*p.unit, what, from, from + (hi - lo), dest->data() + (lo - begin)));
+        const std::pair<const char*, std::vector<float>*> parts[] = {
+            {"master", &st.master}, {"exp_avg", &st.exp_avg}, {"exp_avg_sq", &st.exp_avg_sq}};
+        for (const auto& [what, dest] : parts) {
+          GRADSUM_RETURN_IF_ERROR(saved.ReadUnitRange(*p.unit, what, from, from + (hi - lo),
+                                                      dest->data() + (lo - begin)));
         }
       }
     }
-    for (const auto& [name, p] : saved.params()) used.push_back(live.count(name));
-    used_names.clear();
-    for (const auto& [name, p] : saved.params()) used_names.push_back(name);
+    for (const auto& [name, p] : saved.params()) {
+      used.push_back(live.count(name));
+      used_names.push_back(name);
+    }
     return absl::OkStatus();
   };
   GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world, read_all(), "checkpoint load"));
