@@ -22,15 +22,21 @@
 #include "core/tensor.h"
 #include "sharding/atomic_file.h"
 #include "sharding/flat_param.h"
-#include "sharding/json.h"
+#include "sharding/checkpoint.pb.h"
+#include "sharding/proto_json.h"
 #include "sharding/safetensors.h"
 #include "sharding/status_agreement.h"
 
 namespace gradsum {
 namespace {
 
+namespace cp = ::gradsum::checkpoint;  // sharding/checkpoint.proto
+namespace pb = ::google::protobuf;
+
 constexpr absl::string_view kFormat = "gradsum.sharded_checkpoint";
-constexpr int64_t kVersion = 2;  // 2: the marker records every rank's file fingerprints
+// 2: the marker records every rank's file fingerprints. 3: the files are the proto3 JSON of
+// sharding/checkpoint.proto (int64 values as strings).
+constexpr int32_t kVersion = 3;
 constexpr absl::string_view kMarkerName = "checkpoint.json";
 
 std::string RankStem(int64_t rank) { return absl::StrFormat("rank-%05d", rank); }
@@ -68,166 +74,159 @@ struct Manifest {
   std::vector<GroupRecord> groups;
 };
 
-class FieldReader {
- public:
-  explicit FieldReader(std::string file) : file_(std::move(file)) {}
-  absl::Status Loss(absl::string_view what) const {
-    return absl::DataLossError(absl::StrCat("checkpoint file '", file_, "': ", what));
-  }
-  absl::StatusOr<const JsonValue*> Get(const JsonValue& obj, absl::string_view key,
-                                       JsonValue::Type type, absl::string_view type_name) const {
-    const JsonValue* v = obj.Find(key);
-    if (v == nullptr) return Loss(absl::StrCat("missing field \"", key, "\""));
-    if (v->type() != type) return Loss(absl::StrCat("field \"", key, "\" is not ", type_name));
-    return v;
-  }
-  absl::StatusOr<int64_t> Int(const JsonValue& obj, absl::string_view key) const {
-    GRADSUM_ASSIGN_OR_RETURN(const JsonValue* v, Get(obj, key, JsonValue::Type::kInt, "an integer"));
-    return v->as_int();
-  }
-  absl::StatusOr<int64_t> NonNegative(const JsonValue& obj, absl::string_view key) const {
-    GRADSUM_ASSIGN_OR_RETURN(int64_t v, Int(obj, key));
-    if (v < 0) return Loss(absl::StrCat("field \"", key, "\" is negative: ", v));
-    return v;
-  }
-  absl::StatusOr<std::string> Str(const JsonValue& obj, absl::string_view key) const {
-    GRADSUM_ASSIGN_OR_RETURN(const JsonValue* v, Get(obj, key, JsonValue::Type::kString, "a string"));
-    return v->as_string();
-  }
-  absl::StatusOr<const JsonValue*> Array(const JsonValue& obj, absl::string_view key) const {
-    return Get(obj, key, JsonValue::Type::kArray, "an array");
-  }
-  absl::StatusOr<const JsonValue*> Object(const JsonValue& obj, absl::string_view key) const {
-    return Get(obj, key, JsonValue::Type::kObject, "an object");
-  }
-  const std::string& file() const { return file_; }
+std::string Hex(uint64_t v) { return absl::StrFormat("%016x", v); }
 
- private:
-  std::string file_;
-};
+absl::Status Loss(const std::string& file, absl::string_view what) {
+  return absl::DataLossError(absl::StrCat("checkpoint file '", file, "': ", what));
+}
 
-absl::StatusOr<JsonValue> ReadJsonFile(const std::string& path, const FieldReader& r,
-                                       uint64_t* fingerprint = nullptr) {
-  GRADSUM_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path, uint64_t{1} << 30));
-  if (fingerprint != nullptr) *fingerprint = Fingerprint64(text);
-  absl::StatusOr<JsonValue> v = ParseJson(text);
-  if (!v.ok()) return r.Loss(v.status().message());
-  if (!v->is_object()) return r.Loss("not a JSON object");
-  GRADSUM_ASSIGN_OR_RETURN(std::string format, r.Str(*v, "format"));
-  if (format != kFormat) return r.Loss(absl::StrCat("format is \"", format, "\", not ", kFormat));
-  GRADSUM_ASSIGN_OR_RETURN(int64_t version, r.Int(*v, "version"));
-  if (version != kVersion) {
-    return absl::FailedPreconditionError(absl::StrCat("checkpoint file '", path, "' has version ",
-                                                      version, "; this build reads ", kVersion));
+// 16 hex digits, as Hex writes them.
+absl::StatusOr<uint64_t> FromHex(const std::string& file, absl::string_view field,
+                                 const std::string& hex) {
+  uint64_t v = 0;
+  if (hex.size() != 16 || !absl::SimpleHexAtoi(hex, &v)) {
+    return Loss(file, absl::StrCat("\"", field, "\" is \"", hex, "\", not 16 hex digits"));
   }
   return v;
 }
 
-JsonValue GroupToJson(const FlatParam& g) {
-  JsonValue o = JsonValue::Object();
-  o.Set("name", JsonValue::String(g.name()));
-  o.Set("mode", JsonValue::String(ShardingModeName(g.options().mode)));
-  o.Set("group_size", JsonValue::Int(g.group_size()));
-  o.Set("group_rank", JsonValue::Int(g.group_rank()));
-  o.Set("numel", JsonValue::Int(g.numel()));
-  o.Set("padded_numel", JsonValue::Int(g.padded_numel()));
-  o.Set("shard_offset", JsonValue::Int(g.shard_offset()));
-  o.Set("local_numel", JsonValue::Int(g.local_numel()));
-  JsonValue params = JsonValue::Array();
-  for (const FlatParamEntry& e : g.entries()) {
-    JsonValue p = JsonValue::Object();
-    p.Set("name", JsonValue::String(e.name));
-    JsonValue shape = JsonValue::Array();
-    for (int64_t d : e.shape) shape.Append(JsonValue::Int(d));
-    p.Set("shape", std::move(shape));
-    p.Set("offset", JsonValue::Int(e.offset));
-    params.Append(std::move(p));
+// Reads the JSON file at `path` into `message`: first its format and version (a file of
+// another version is FailedPrecondition naming both versions, whatever else it holds), then
+// the whole message, every field required. `fingerprint` gets the file's.
+absl::Status ReadJsonFile(const std::string& path, pb::Message* message,
+                          uint64_t* fingerprint = nullptr) {
+  GRADSUM_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path, uint64_t{1} << 30));
+  if (fingerprint != nullptr) *fingerprint = Fingerprint64(text);
+  cp::FormatHeader header;
+  absl::Status s = ProtoFromJson(text, &header, /*ignore_unknown_fields=*/true);
+  if (!s.ok()) return Loss(path, s.message());
+  if (!header.has_format()) return Loss(path, "missing field \"format\"");
+  if (header.format() != kFormat) {
+    return Loss(path, absl::StrCat("format is \"", header.format(), "\", not ", kFormat));
   }
-  o.Set("params", std::move(params));
+  if (!header.has_version()) return Loss(path, "missing field \"version\"");
+  if (header.version() != kVersion) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint file '", path, "' has format version ", header.version(),
+        "; this build reads only version ", kVersion,
+        header.version() < kVersion ? " (the checkpoint was written by an older build)" : ""));
+  }
+  s = ProtoFromJson(text, message);
+  if (!s.ok()) return Loss(path, s.message());
+  const std::string missing = FirstMissingField(*message);
+  if (!missing.empty()) return Loss(path, absl::StrCat("missing field \"", missing, "\""));
+  return absl::OkStatus();
+}
+
+cp::GroupRecord GroupToProto(const FlatParam& g) {
+  cp::GroupRecord o;
+  o.set_name(g.name());
+  o.set_mode(ShardingModeName(g.options().mode));
+  o.set_group_size(g.group_size());
+  o.set_group_rank(g.group_rank());
+  o.set_numel(g.numel());
+  o.set_padded_numel(g.padded_numel());
+  o.set_shard_offset(g.shard_offset());
+  o.set_local_numel(g.local_numel());
+  for (const FlatParamEntry& e : g.entries()) {
+    cp::ParamRecord* p = o.add_params();
+    p->set_name(e.name);
+    for (int64_t d : e.shape) p->add_shape(d);
+    p->set_offset(e.offset);
+  }
   return o;
 }
 
-absl::StatusOr<GroupRecord> GroupFromJson(const JsonValue& o, const FieldReader& r) {
-  if (!o.is_object()) return r.Loss("a group entry is not an object");
+absl::StatusOr<GroupRecord> GroupFromProto(const cp::GroupRecord& o, const std::string& file) {
   GroupRecord g;
-  GRADSUM_ASSIGN_OR_RETURN(g.name, r.Str(o, "name"));
-  GRADSUM_ASSIGN_OR_RETURN(g.mode, r.Str(o, "mode"));
-  GRADSUM_ASSIGN_OR_RETURN(g.group_size, r.NonNegative(o, "group_size"));
-  GRADSUM_ASSIGN_OR_RETURN(g.group_rank, r.NonNegative(o, "group_rank"));
-  GRADSUM_ASSIGN_OR_RETURN(g.numel, r.NonNegative(o, "numel"));
-  GRADSUM_ASSIGN_OR_RETURN(g.padded_numel, r.NonNegative(o, "padded_numel"));
-  GRADSUM_ASSIGN_OR_RETURN(g.shard_offset, r.NonNegative(o, "shard_offset"));
-  GRADSUM_ASSIGN_OR_RETURN(g.local_numel, r.NonNegative(o, "local_numel"));
+  g.name = o.name();
+  g.mode = o.mode();
+  g.group_size = o.group_size();
+  g.group_rank = o.group_rank();
+  g.numel = o.numel();
+  g.padded_numel = o.padded_numel();
+  g.shard_offset = o.shard_offset();
+  g.local_numel = o.local_numel();
   const std::string where = absl::StrCat("group \"", g.name, "\": ");
+  for (const auto& [field, v] : {std::pair<const char*, int64_t>{"group_size", g.group_size},
+                                 {"group_rank", g.group_rank},
+                                 {"numel", g.numel},
+                                 {"padded_numel", g.padded_numel},
+                                 {"shard_offset", g.shard_offset},
+                                 {"local_numel", g.local_numel}}) {
+    if (v < 0) return Loss(file, absl::StrCat(where, "field \"", field, "\" is negative: ", v));
+  }
   // The layout must be the one FlatParam computes; anything else is corruption.
   if (g.group_size < 1 || g.group_rank >= g.group_size || g.numel > (int64_t{1} << 60)) {
-    return r.Loss(absl::StrCat(where, "group_rank ", g.group_rank, " / group_size ", g.group_size,
-                               " / numel ", g.numel, " are inconsistent"));
+    return Loss(file, absl::StrCat(where, "group_rank ", g.group_rank, " / group_size ",
+                                   g.group_size, " / numel ", g.numel, " are inconsistent"));
   }
   const int64_t padded = (g.numel + g.group_size - 1) / g.group_size * g.group_size;
   const int64_t shard = padded / g.group_size;
   if (g.padded_numel != padded || g.shard_offset != g.group_rank * shard ||
       g.local_numel != std::clamp<int64_t>(g.numel - g.shard_offset, 0, shard)) {
-    return r.Loss(absl::StrCat(where, "padded_numel ", g.padded_numel, ", shard_offset ",
-                               g.shard_offset, ", local_numel ", g.local_numel,
-                               " do not match numel ", g.numel, " over ", g.group_size, " ranks"));
+    return Loss(file, absl::StrCat(where, "padded_numel ", g.padded_numel, ", shard_offset ",
+                                   g.shard_offset, ", local_numel ", g.local_numel,
+                                   " do not match numel ", g.numel, " over ", g.group_size,
+                                   " ranks"));
   }
   if (g.mode != ShardingModeName(ShardingMode::kSharded) &&
       g.mode != ShardingModeName(ShardingMode::kReplicated)) {
-    return r.Loss(absl::StrCat(where, "unknown mode \"", g.mode, "\""));
+    return Loss(file, absl::StrCat(where, "unknown mode \"", g.mode, "\""));
   }
-  GRADSUM_ASSIGN_OR_RETURN(const JsonValue* params, r.Array(o, "params"));
   int64_t offset = 0;
-  for (const JsonValue& p : params->array()) {
-    if (!p.is_object()) return r.Loss(absl::StrCat(where, "a parameter entry is not an object"));
+  for (const cp::ParamRecord& p : o.params()) {
     FlatParamEntry e;
-    GRADSUM_ASSIGN_OR_RETURN(e.name, r.Str(p, "name"));
-    GRADSUM_ASSIGN_OR_RETURN(e.offset, r.NonNegative(p, "offset"));
-    GRADSUM_ASSIGN_OR_RETURN(const JsonValue* shape, r.Array(p, "shape"));
-    for (const JsonValue& d : shape->array()) {
-      if (!d.is_int() || d.as_int() < 0) {
-        return r.Loss(absl::StrCat(where, "parameter \"", e.name, "\" has a bad shape"));
-      }
-      e.shape.push_back(d.as_int());
+    e.name = p.name();
+    e.offset = p.offset();
+    for (int64_t d : p.shape()) {
+      if (d < 0) return Loss(file, absl::StrCat(where, "parameter \"", e.name, "\" has a bad shape"));
+      e.shape.push_back(d);
     }
     absl::StatusOr<int64_t> n = NumElements(e.shape);
     if (!n.ok() || e.offset != offset || *n > g.numel - offset) {
-      return r.Loss(absl::StrCat(where, "parameter \"", e.name, "\" at offset ", e.offset,
-                                 " does not fit the flat layout"));
+      return Loss(file, absl::StrCat(where, "parameter \"", e.name, "\" at offset ", e.offset,
+                                     " does not fit the flat layout"));
     }
     e.numel = *n;
     offset += *n;
     g.params.push_back(std::move(e));
   }
   if (offset != g.numel) {
-    return r.Loss(absl::StrCat(where, "parameters cover ", offset, " of ", g.numel, " elements"));
+    return Loss(file,
+                absl::StrCat(where, "parameters cover ", offset, " of ", g.numel, " elements"));
   }
   return g;
 }
 
 absl::StatusOr<Manifest> ReadManifest(const std::string& dir, int64_t rank) {
   const std::string path = Join(dir, ManifestName(rank));
-  FieldReader r(path);
   Manifest m;
-  GRADSUM_ASSIGN_OR_RETURN(JsonValue v, ReadJsonFile(path, r, &m.file_fingerprint));
-  GRADSUM_ASSIGN_OR_RETURN(m.rank, r.NonNegative(v, "rank"));
-  GRADSUM_ASSIGN_OR_RETURN(m.world, r.NonNegative(v, "world"));
-  GRADSUM_ASSIGN_OR_RETURN(m.step, r.NonNegative(v, "step"));
-  GRADSUM_ASSIGN_OR_RETURN(m.tensors_file, r.Str(v, "tensors_file"));
-  GRADSUM_ASSIGN_OR_RETURN(m.tensors_bytes, r.NonNegative(v, "tensors_bytes"));
-  GRADSUM_ASSIGN_OR_RETURN(std::string fp, r.Str(v, "tensors_fingerprint"));
-  if (fp.size() != 16 || !absl::SimpleHexAtoi(fp, &m.tensors_fingerprint)) {
-    return r.Loss(absl::StrCat("tensors_fingerprint \"", fp, "\" is not 16 hex digits"));
+  cp::RankManifest v;
+  GRADSUM_RETURN_IF_ERROR(ReadJsonFile(path, &v, &m.file_fingerprint));
+  m.rank = v.rank();
+  m.world = v.world();
+  m.step = v.step();
+  m.tensors_file = v.tensors_file();
+  m.tensors_bytes = v.tensors_bytes();
+  for (const auto& [field, value] : {std::pair<const char*, int64_t>{"rank", m.rank},
+                                     {"world", m.world},
+                                     {"step", m.step},
+                                     {"tensors_bytes", m.tensors_bytes}}) {
+    if (value < 0) return Loss(path, absl::StrCat("field \"", field, "\" is negative: ", value));
   }
-  if (m.rank != rank) return r.Loss(absl::StrCat("records rank ", m.rank, ", expected ", rank));
+  GRADSUM_ASSIGN_OR_RETURN(m.tensors_fingerprint,
+                           FromHex(path, "tensors_fingerprint", v.tensors_fingerprint()));
+  if (m.rank != rank) return Loss(path, absl::StrCat("records rank ", m.rank, ", expected ", rank));
   if (m.tensors_file != TensorsName(rank)) {
-    return r.Loss(absl::StrCat("tensors_file \"", m.tensors_file, "\" is not ", TensorsName(rank)));
+    return Loss(path, absl::StrCat("tensors_file \"", m.tensors_file, "\" is not ", TensorsName(rank)));
   }
-  GRADSUM_ASSIGN_OR_RETURN(const JsonValue* groups, r.Array(v, "groups"));
   std::set<std::string> names;
-  for (const JsonValue& gj : groups->array()) {
-    GRADSUM_ASSIGN_OR_RETURN(GroupRecord g, GroupFromJson(gj, r));
-    if (!names.insert(g.name).second) return r.Loss(absl::StrCat("duplicate group \"", g.name, "\""));
+  for (const cp::GroupRecord& gp : v.groups()) {
+    GRADSUM_ASSIGN_OR_RETURN(GroupRecord g, GroupFromProto(gp, path));
+    if (!names.insert(g.name).second) {
+      return Loss(path, absl::StrCat("duplicate group \"", g.name, "\""));
+    }
     m.groups.push_back(std::move(g));
   }
   return m;
@@ -240,24 +239,11 @@ struct MarkerRecord {
   std::map<std::string, std::string> extra;
 };
 
-std::string Hex(uint64_t v) { return absl::StrFormat("%016x", v); }
-
-// The marker's own fingerprint covers every other member, in order, as serialized.
-uint64_t MarkerBodyFingerprint(const JsonValue& marker) {
-  JsonValue body = JsonValue::Object();
-  for (const auto& [k, v] : marker.members()) {
-    if (k != "fingerprint") body.Set(k, v);
-  }
-  return Fingerprint64(body.Serialize());
-}
-
-absl::StatusOr<uint64_t> HexField(const FieldReader& r, const JsonValue& obj, absl::string_view key) {
-  GRADSUM_ASSIGN_OR_RETURN(std::string hex, r.Str(obj, key));
-  uint64_t v = 0;
-  if (hex.size() != 16 || !absl::SimpleHexAtoi(hex, &v)) {
-    return r.Loss(absl::StrCat("\"", key, "\" is \"", hex, "\", not 16 hex digits"));
-  }
-  return v;
+// The marker's own fingerprint covers every other member, as ProtoToJson writes them.
+absl::StatusOr<uint64_t> MarkerBodyFingerprint(cp::CommitMarker marker) {
+  marker.clear_fingerprint();
+  GRADSUM_ASSIGN_OR_RETURN(std::string body, ProtoToJson(marker));
+  return Fingerprint64(body);
 }
 
 absl::StatusOr<MarkerRecord> ReadMarker(const std::string& dir) {
@@ -269,32 +255,28 @@ absl::StatusOr<MarkerRecord> ReadMarker(const std::string& dir) {
     return absl::NotFoundError(absl::StrCat("'", dir, "' has no ", kMarkerName,
                                             ": no checkpoint, or an incomplete one"));
   }
-  FieldReader r(path);
-  GRADSUM_ASSIGN_OR_RETURN(JsonValue v, ReadJsonFile(path, r));
+  cp::CommitMarker v;
+  GRADSUM_RETURN_IF_ERROR(ReadJsonFile(path, &v));
   MarkerRecord m;
-  GRADSUM_ASSIGN_OR_RETURN(uint64_t fingerprint, HexField(r, v, "fingerprint"));
-  if (fingerprint != MarkerBodyFingerprint(v)) {
-    return r.Loss("does not match its own fingerprint (corrupt)");
+  GRADSUM_ASSIGN_OR_RETURN(uint64_t fingerprint, FromHex(path, "fingerprint", v.fingerprint()));
+  GRADSUM_ASSIGN_OR_RETURN(uint64_t body_fingerprint, MarkerBodyFingerprint(v));
+  if (fingerprint != body_fingerprint) {
+    return Loss(path, "does not match its own fingerprint (corrupt)");
   }
-  GRADSUM_ASSIGN_OR_RETURN(m.world, r.NonNegative(v, "world"));
-  GRADSUM_ASSIGN_OR_RETURN(m.step, r.NonNegative(v, "step"));
-  if (m.world < 1) return r.Loss("world is 0");
-  GRADSUM_ASSIGN_OR_RETURN(const JsonValue* ranks, r.Array(v, "ranks"));
-  if (static_cast<int64_t>(ranks->array().size()) != m.world) {
-    return r.Loss(absl::StrCat("records the files of ", ranks->array().size(), " ranks, world is ",
-                               m.world));
+  m.world = v.world();
+  m.step = v.step();
+  if (m.world < 1) return Loss(path, absl::StrCat("world is ", m.world));
+  if (m.step < 0) return Loss(path, absl::StrCat("field \"step\" is negative: ", m.step));
+  if (v.ranks_size() != m.world) {
+    return Loss(path, absl::StrCat("records the files of ", v.ranks_size(), " ranks, world is ",
+                                   m.world));
   }
-  for (const JsonValue& rank : ranks->array()) {
-    if (!rank.is_object()) return r.Loss("a \"ranks\" entry is not an object");
-    GRADSUM_ASSIGN_OR_RETURN(uint64_t manifest, HexField(r, rank, "manifest"));
-    GRADSUM_ASSIGN_OR_RETURN(uint64_t tensors, HexField(r, rank, "tensors"));
+  for (const cp::RankFiles& files : v.ranks()) {
+    GRADSUM_ASSIGN_OR_RETURN(uint64_t manifest, FromHex(path, "manifest", files.manifest()));
+    GRADSUM_ASSIGN_OR_RETURN(uint64_t tensors, FromHex(path, "tensors", files.tensors()));
     m.rank_files.push_back({manifest, tensors});
   }
-  GRADSUM_ASSIGN_OR_RETURN(const JsonValue* extra, r.Object(v, "extra"));
-  for (const auto& [k, val] : extra->members()) {
-    if (!val.is_string()) return r.Loss(absl::StrCat("extra \"", k, "\" is not a string"));
-    m.extra[k] = val.as_string();
-  }
+  for (const auto& [key, value] : v.extra()) m.extra[key] = value;
   return m;
 }
 
@@ -465,7 +447,7 @@ absl::Span<const float> OwnedPart(const FlatParam& g, absl::Span<const float> be
 absl::Status WriteRankFiles(const std::string& dir, int rank, int world,
                             const ShardedAdamW& optimizer, std::array<int64_t, 2>* fingerprints) {
   SafetensorsWriter writer;
-  JsonValue groups = JsonValue::Array();
+  cp::RankManifest manifest;
   for (size_t gi = 0; gi < optimizer.groups().size(); ++gi) {
     const FlatParam& g = *optimizer.groups()[gi];
     const std::pair<const char*, absl::Span<const float>> parts[] = {
@@ -480,22 +462,21 @@ absl::Status WriteRankFiles(const std::string& dir, int rank, int world,
                              {static_cast<int64_t>(span.size())}));
       GRADSUM_RETURN_IF_ERROR(writer.Add(absl::StrCat(g.name(), "/", what), view));
     }
-    groups.Append(GroupToJson(g));
+    *manifest.add_groups() = GroupToProto(g);
   }
   const std::string bytes = writer.Serialize();
   GRADSUM_RETURN_IF_ERROR(WriteFileAtomically(Join(dir, TensorsName(rank)), bytes));
-  JsonValue manifest = JsonValue::Object();
-  manifest.Set("format", JsonValue::String(std::string(kFormat)));
-  manifest.Set("version", JsonValue::Int(kVersion));
-  manifest.Set("rank", JsonValue::Int(rank));
-  manifest.Set("world", JsonValue::Int(world));
-  manifest.Set("step", JsonValue::Int(optimizer.step()));
-  manifest.Set("tensors_file", JsonValue::String(TensorsName(rank)));
-  manifest.Set("tensors_bytes", JsonValue::Int(static_cast<int64_t>(bytes.size())));
+  manifest.set_format(std::string(kFormat));
+  manifest.set_version(kVersion);
+  manifest.set_rank(rank);
+  manifest.set_world(world);
+  manifest.set_step(optimizer.step());
+  manifest.set_tensors_file(TensorsName(rank));
+  manifest.set_tensors_bytes(static_cast<int64_t>(bytes.size()));
   const uint64_t tensors_fp = Fingerprint64(bytes);
-  manifest.Set("tensors_fingerprint", JsonValue::String(Hex(tensors_fp)));
-  manifest.Set("groups", std::move(groups));
-  const std::string text = manifest.Serialize() + "\n";
+  manifest.set_tensors_fingerprint(Hex(tensors_fp));
+  GRADSUM_ASSIGN_OR_RETURN(std::string text, ProtoToJson(manifest));
+  text += "\n";
   (*fingerprints)[0] = static_cast<int64_t>(Fingerprint64(text));
   (*fingerprints)[1] = static_cast<int64_t>(tensors_fp);
   return WriteFileAtomically(Join(dir, ManifestName(rank)), text);
@@ -544,24 +525,23 @@ absl::Status SaveCheckpoint(const std::string& dir, Communicator& world,
   // Phase 3: commit.
   local = absl::OkStatus();
   if (rank == 0) {
-    JsonValue marker = JsonValue::Object();
-    marker.Set("format", JsonValue::String(std::string(kFormat)));
-    marker.Set("version", JsonValue::Int(kVersion));
-    marker.Set("world", JsonValue::Int(world.size()));
-    marker.Set("step", JsonValue::Int(optimizer.step()));
-    JsonValue ranks = JsonValue::Array();
-    for (int r = 0; r < world.size(); ++r) {
-      JsonValue files = JsonValue::Object();
-      files.Set("manifest", JsonValue::String(Hex(static_cast<uint64_t>(all_fingerprints[2 * r]))));
-      files.Set("tensors", JsonValue::String(Hex(static_cast<uint64_t>(all_fingerprints[2 * r + 1]))));
-      ranks.Append(std::move(files));
-    }
-    marker.Set("ranks", std::move(ranks));
-    JsonValue extra_json = JsonValue::Object();
-    for (const auto& [k, v] : extra) extra_json.Set(k, JsonValue::String(v));
-    marker.Set("extra", std::move(extra_json));
-    marker.Set("fingerprint", JsonValue::String(Hex(MarkerBodyFingerprint(marker))));
-    local = WriteFileAtomically(Join(dir, kMarkerName), marker.Serialize() + "\n");
+    local = [&]() -> absl::Status {
+      cp::CommitMarker marker;
+      marker.set_format(std::string(kFormat));
+      marker.set_version(kVersion);
+      marker.set_world(world.size());
+      marker.set_step(optimizer.step());
+      for (int r = 0; r < world.size(); ++r) {
+        cp::RankFiles* files = marker.add_ranks();
+        files->set_manifest(Hex(static_cast<uint64_t>(all_fingerprints[2 * r])));
+        files->set_tensors(Hex(static_cast<uint64_t>(all_fingerprints[2 * r + 1])));
+      }
+      for (const auto& [key, value] : extra) (*marker.mutable_extra())[key] = value;
+      GRADSUM_ASSIGN_OR_RETURN(uint64_t fingerprint, MarkerBodyFingerprint(marker));
+      marker.set_fingerprint(Hex(fingerprint));
+      GRADSUM_ASSIGN_OR_RETURN(std::string text, ProtoToJson(marker));
+      return WriteFileAtomically(Join(dir, kMarkerName), text + "\n");
+    }();
   }
   return AgreeOnStatus(world, local, "checkpoint save (commit)");
 }

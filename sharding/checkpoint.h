@@ -27,6 +27,8 @@
 //                              fingerprints of its manifest and tensor files, extra
 //                              metadata (moe_lm puts its config and run id there), and the
 //                              marker's own fingerprint over all of that
+// Both JSON files are the proto3 JSON of sharding/checkpoint.proto (format version 3;
+// docs/CHECKPOINTS.md has the details, such as int64 values being JSON strings).
 // Fingerprints are XXH3-64 (sharding/atomic_file.h), written as 16 hex digits.
 // A directory without checkpoint.json is an incomplete checkpoint. Saving removes an old
 // marker and the temporary files (*.tmp.*) of interrupted saves first, so a save that dies

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
 #include <mutex>
 #include "core/half.h"
@@ -306,16 +307,33 @@ TEST(CheckpointTest, CorruptOrMismatchedCheckpointsAreErrorsOnEveryRank) {
        absl::StatusCode::kDataLoss, "rank-00001.manifest.json"},
       {"manifest layout edited",
        [&](const std::string& d) {
-         Write(d + m1, absl::StrReplaceAll(Read(d + m1), {{"\"local_numel\":18", "\"local_numel\":17"}}));
+         // int64 members are JSON strings (the proto3 mapping, docs/CHECKPOINTS.md).
+         const std::string m = Read(d + m1);
+         ASSERT_NE(m.find("\"local_numel\":\"18\""), std::string::npos) << m;
+         Write(d + m1, absl::StrReplaceAll(m, {{"\"local_numel\":\"18\"", "\"local_numel\":17"}}));
        },
        absl::StatusCode::kDataLoss, "local_numel 17"},
       {"manifest field wrong type",
        [&](const std::string& d) {
-         Write(d + m1, absl::StrReplaceAll(Read(d + m1), {{"\"step\":1", "\"step\":\"1\""}}));
+         const std::string m = Read(d + m1);
+         ASSERT_NE(m.find("\"step\":\"1\""), std::string::npos) << m;
+         Write(d + m1, absl::StrReplaceAll(m, {{"\"step\":\"1\"", "\"step\":true"}}));
        },
-       absl::StatusCode::kDataLoss, "\"step\" is not an integer"},
+       absl::StatusCode::kDataLoss, "(step): invalid value true"},
+      {"manifest field missing",
+       [&](const std::string& d) {
+         Write(d + m1, absl::StrReplaceAll(Read(d + m1), {{"\"offset\":\"0\"", "\"offset\":null"}}));
+       },
+       absl::StatusCode::kDataLoss, "missing field \"groups[0].params[0].offset\""},
+      {"manifest of another version",
+       [&](const std::string& d) {
+         Write(d + m1, absl::StrReplaceAll(Read(d + m1), {{"\"version\":3", "\"version\":2"}}));
+       },
+       absl::StatusCode::kFailedPrecondition,
+       "rank-00001.manifest.json' has format version 2; this build reads only version 3 (the "
+       "checkpoint was written by an older build)"},
       {"manifest garbage", [&](const std::string& d) { Write(d + m1, "\x01\x02{{{"); },
-       absl::StatusCode::kDataLoss, "JSON error"},
+       absl::StatusCode::kDataLoss, "rank-00001.manifest.json': not a valid FormatHeader in JSON"},
       {"no commit marker", [&](const std::string& d) { ::unlink((d + "/checkpoint.json").c_str()); },
        absl::StatusCode::kNotFound, "incomplete"},
       {"rank 1 files of another run",
@@ -328,12 +346,19 @@ TEST(CheckpointTest, CorruptOrMismatchedCheckpointsAreErrorsOnEveryRank) {
       {"marker edited",
        [&](const std::string& d) {
          const std::string m = Read(d + "/checkpoint.json");
-         ASSERT_NE(m.find("\"step\":1"), std::string::npos);
-         Write(d + "/checkpoint.json", absl::StrReplaceAll(m, {{"\"step\":1", "\"step\":2"}}));
+         ASSERT_NE(m.find("\"step\":\"1\""), std::string::npos) << m;
+         Write(d + "/checkpoint.json", absl::StrReplaceAll(m, {{"\"step\":\"1\"", "\"step\":2"}}));
        },
        absl::StatusCode::kDataLoss, "does not match its own fingerprint"},
       {"marker garbage", [&](const std::string& d) { Write(d + "/checkpoint.json", "{\"format\""); },
        absl::StatusCode::kDataLoss, "checkpoint.json"},
+      {"marker of another version",
+       [&](const std::string& d) {
+         const std::string m = Read(d + "/checkpoint.json");
+         Write(d + "/checkpoint.json", absl::StrReplaceAll(m, {{"\"version\":3", "\"version\":4"}}));
+       },
+       absl::StatusCode::kFailedPrecondition,
+       "checkpoint.json' has format version 4; this build reads only version 3"},
   };
   for (const Case& c : cases) {
     const std::string dir = TestDir("case_" + absl::StrReplaceAll(c.name, {{" ", "_"}}));
@@ -412,6 +437,41 @@ TEST(CheckpointTest, LoadsOntoAnyWorldSizeAndModeExactly) {
     EXPECT_NE(x.message().find("rank-00003.safetensors' does not match its manifest fingerprint"),
               std::string::npos) << x;
   }
+}
+
+// The files are the JSON docs/CHECKPOINTS.md describes, written out here by hand; the
+// fingerprints are XXH3-64 of the files' bytes (what `xxhsum -H3` prints), and the marker's
+// own covers its text without the "fingerprint" member.
+TEST(CheckpointTest, FilesAreTheDocumentedJson) {
+  const std::string dir = TestDir("documented_json");
+  ASSERT_TRUE(Train({.world = 2, .ep = 1}, 1, "", dir).ok());
+  auto hex = [](uint64_t v) { return absl::StrFormat("%016x", v); };
+  const std::string t1 = Read(dir + "/rank-00001.safetensors");
+  // DenseSpecs: emb [7], proj [13], scale [1], empty [0], head [3, 5]: 36 elements, 18 a rank.
+  EXPECT_EQ(Read(dir + "/rank-00001.manifest.json"),
+            absl::StrCat(
+                R"({"format":"gradsum.sharded_checkpoint","version":3,"rank":1,"world":2,)",
+                R"("step":"1","tensors_file":"rank-00001.safetensors","tensors_bytes":")",
+                t1.size(), R"(","tensors_fingerprint":")", hex(Fingerprint64(t1)), R"(",)",
+                R"("groups":[{"name":"dense","mode":"sharded","group_size":2,"group_rank":1,)",
+                R"("numel":"36","padded_numel":"36","shard_offset":"18","local_numel":"18",)",
+                R"("params":[{"name":"emb","shape":["7"],"offset":"0"},)",
+                R"({"name":"proj","shape":["13"],"offset":"7"},)",
+                R"({"name":"scale","shape":["1"],"offset":"20"},)",
+                R"({"name":"empty","shape":["0"],"offset":"21"},)",
+                R"({"name":"head","shape":["3","5"],"offset":"21"}]}]})", "\n"));
+  std::string body = R"({"format":"gradsum.sharded_checkpoint","version":3,"world":2,"step":"1",)"
+                     R"("ranks":[)";
+  for (int r = 0; r < 2; ++r) {
+    absl::StrAppend(&body, r > 0 ? "," : "", R"({"manifest":")",
+                    hex(Fingerprint64(Read(dir + absl::StrFormat("/rank-%05d.manifest.json", r)))),
+                    R"(","tensors":")",
+                    hex(Fingerprint64(Read(dir + absl::StrFormat("/rank-%05d.safetensors", r)))),
+                    R"("})");
+  }
+  absl::StrAppend(&body, R"(],"extra":{"data_position":"10"})");
+  EXPECT_EQ(Read(dir + "/checkpoint.json"),
+            absl::StrCat(body, R"(,"fingerprint":")", hex(Fingerprint64(body + "}")), "\"}\n"));
 }
 
 TEST(CheckpointTest, SavingRemovesTheTempFilesOfInterruptedSaves) {

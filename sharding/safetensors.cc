@@ -19,7 +19,6 @@
 #include "absl/strings/str_join.h"
 #include "sharding/atomic_file.h"
 #include "core/status.h"
-#include "sharding/json.h"
 
 namespace gradsum {
 namespace {
@@ -48,6 +47,16 @@ constexpr absl::string_view kForeignDTypes[] = {"BOOL", "U8",      "I8",       "
                                                 "I16",  "U32",     "U64",      "F8_E4M3",
                                                 "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2"};
 
+// The header is JSON, which holds only UTF-8 text: InvalidArgument naming `what` otherwise.
+absl::Status CheckUtf8(absl::string_view what, absl::string_view text) {
+  try {
+    (void)nlohmann::json(std::string(text)).dump();
+  } catch (const nlohmann::json::type_error&) {
+    return absl::InvalidArgumentError(absl::StrCat("safetensors ", what, " is not UTF-8"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::string_view SafetensorsDTypeName(DType dtype) {
@@ -66,6 +75,7 @@ absl::Status SafetensorsWriter::Add(absl::string_view name, const TensorView& te
     return absl::InvalidArgumentError(
         absl::StrCat("safetensors tensor \"", name, "\" is not on the CPU: ", tensor.DebugString()));
   }
+  if (absl::Status s = CheckUtf8("tensor name", name); !s.ok()) return s;
   if (!tensors_.emplace(std::string(name), tensor).second) {
     return absl::InvalidArgumentError(absl::StrCat("duplicate safetensors tensor \"", name, "\""));
   }
@@ -73,6 +83,10 @@ absl::Status SafetensorsWriter::Add(absl::string_view name, const TensorView& te
 }
 
 absl::Status SafetensorsWriter::AddMetadata(absl::string_view key, absl::string_view value) {
+  if (absl::Status s = CheckUtf8(absl::StrCat("metadata key \"", key, "\""), key); !s.ok()) return s;
+  if (absl::Status s = CheckUtf8(absl::StrCat("metadata value of \"", key, "\""), value); !s.ok()) {
+    return s;
+  }
   if (!metadata_.emplace(std::string(key), std::string(value)).second) {
     return absl::InvalidArgumentError(absl::StrCat("duplicate safetensors metadata key \"", key, "\""));
   }
@@ -80,27 +94,24 @@ absl::Status SafetensorsWriter::AddMetadata(absl::string_view key, absl::string_
 }
 
 std::string SafetensorsWriter::Serialize() const {
-  JsonValue header = JsonValue::Object();
+  // An ordered_json keeps the members in insertion order: __metadata__ first, then the
+  // tensors by name, their data laid out in that order.
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata_.empty()) {
-    JsonValue meta = JsonValue::Object();
-    for (const auto& kv : metadata_) meta.Set(kv.first, JsonValue::String(kv.second));
-    header.Set(std::string(kMetadataKey), std::move(meta));
+    nlohmann::ordered_json& meta = header[std::string(kMetadataKey)];
+    meta = nlohmann::ordered_json::object();
+    for (const auto& kv : metadata_) meta[kv.first] = kv.second;
   }
   uint64_t offset = 0;
   for (const auto& [name, t] : tensors_) {
-    JsonValue entry = JsonValue::Object();
-    entry.Set("dtype", JsonValue::String(std::string(SafetensorsDTypeName(t.dtype()))));
-    JsonValue shape = JsonValue::Array();
-    for (int64_t d : t.shape()) shape.Append(JsonValue::Int(d));
-    entry.Set("shape", std::move(shape));
-    JsonValue offsets = JsonValue::Array();
-    offsets.Append(JsonValue::Int(static_cast<int64_t>(offset)));
+    const uint64_t begin = offset;
     offset += t.nbytes();
-    offsets.Append(JsonValue::Int(static_cast<int64_t>(offset)));
-    entry.Set("data_offsets", std::move(offsets));
-    header.Set(name, std::move(entry));
+    header[name] = {{"dtype", std::string(SafetensorsDTypeName(t.dtype()))},
+                    {"shape", t.shape()},
+                    {"data_offsets", {begin, offset}}};
   }
-  std::string json = header.Serialize();
+  // Add and AddMetadata admit only UTF-8, so `replace` never fires: no throw here.
+  std::string json = header.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   json.append((8 - json.size() % 8) % 8, ' ');
   std::string out;
   out.reserve(8 + json.size() + offset);

@@ -47,11 +47,12 @@ absl::string_view SafetensorsDTypeName(DType dtype);
 class SafetensorsWriter {
  public:
   // Adds a CPU tensor. The view's memory must stay valid until the file is written.
-  // InvalidArgument: empty name, the reserved name "__metadata__", a duplicate name, or a
-  // view that is not on the CPU.
+  // InvalidArgument: empty name, the reserved name "__metadata__", a duplicate name, a name
+  // that is not UTF-8, or a view that is not on the CPU.
   absl::Status Add(absl::string_view name, const TensorView& tensor);
 
-  // Adds a string entry to "__metadata__". InvalidArgument on a duplicate key.
+  // Adds a string entry to "__metadata__". InvalidArgument on a duplicate key, or a key or
+  // value that is not UTF-8.
   absl::Status AddMetadata(absl::string_view key, absl::string_view value);
 
   // The complete file contents. The header is padded with spaces to a multiple of 8

@@ -138,6 +138,15 @@ TEST(SafetensorsTest, CallerErrorsAreInvalidArgument) {
   EXPECT_EQ(writer.Add("g", *gpu).code(), absl::StatusCode::kInvalidArgument);
   ASSERT_TRUE(writer.AddMetadata("m", "1").ok());
   EXPECT_EQ(writer.AddMetadata("m", "2").code(), absl::StatusCode::kInvalidArgument);
+  // The header is JSON, so names and metadata must be UTF-8 ("\xff" never is).
+  absl::Status bad = writer.Add("w\xff", View(&x, DType::kF32, {1}));
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("tensor name is not UTF-8"), std::string::npos) << bad;
+  EXPECT_EQ(writer.AddMetadata("k\xff", "v").code(), absl::StatusCode::kInvalidArgument);
+  bad = writer.AddMetadata("k", "v\xc3");
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("metadata value of \"k\" is not UTF-8"), std::string::npos) << bad;
+  ASSERT_TRUE(writer.Add("caf\xc3\xa9", View(&x, DType::kF32, {1})).ok());  // UTF-8 is fine
 }
 
 TEST(SafetensorsTest, AtomicWriteReplacesAndLeavesNoTemporaryFiles) {

@@ -18,13 +18,14 @@
 #include "losses/step_stats.h"
 #include "sharding/checkpoint.h"
 #include "sharding/grad_norm.h"
-#include "sharding/json.h"
+#include "sharding/proto_json.h"
 #include "sharding/atomic_file.h"
 #include "sharding/safetensors.h"
 #include "sharding/status_agreement.h"
 #include "train/config.h"
 #include "train/config_agreement.h"
 #include "train/fault_injection.h"
+#include "train/metrics.pb.h"
 #include "train/metrics_file.h"
 
 namespace gradsum::train {
@@ -36,10 +37,20 @@ namespace fs = std::filesystem;
 constexpr char kDataNextDocument[] = "data_next_document";
 constexpr char kDataSequences[] = "data_sequences";
 
-absl::StatusOr<DType> ParseFloatDType(const std::string& name) {
-  if (name == "f32") return DType::kF32;
-  if (name == "bf16") return DType::kBF16;
-  return absl::InvalidArgumentError(absl::StrCat("dtype ", name, ": must be f32 or bf16"));
+// The config's choices as the types of the code that implements them.
+DType ToDType(TrainConfig::FloatDType d) {
+  return d == TrainConfig::bf16 ? DType::kBF16 : DType::kF32;
+}
+ShardingMode ToShardingMode(TrainConfig::Sharding s) {
+  return s == TrainConfig::fsdp ? ShardingMode::kSharded : ShardingMode::kReplicated;
+}
+losses::CeWeightMode ToCeWeightMode(TrainConfig::CeMode m) {
+  switch (m) {
+    case TrainConfig::sample: return losses::CeWeightMode::kSample;
+    case TrainConfig::square: return losses::CeWeightMode::kSquare;
+    case TrainConfig::token: break;
+  }
+  return losses::CeWeightMode::kToken;
 }
 
 std::string HumanRate(double per_second) {
@@ -118,30 +129,28 @@ std::string StepRecord::ToLogLine(int64_t total_steps) const {
       full_param_bytes > 0 ? 100.0 * peak_unsharded_param_bytes / full_param_bytes : 0.0);
 }
 
-std::string StepRecord::ToJson() const {
-  JsonValue j = JsonValue::Object();
-  j.Set("step", JsonValue::Int(step));
-  j.Set("ce", JsonValue::Double(ce));
-  j.Set("z", JsonValue::Double(z));
-  j.Set("bal", JsonValue::Double(bal));
-  j.Set("loss", JsonValue::Double(loss));
-  j.Set("valid_tokens", JsonValue::Int(valid_tokens));
-  j.Set("routed_tokens", JsonValue::Int(routed_tokens));
-  j.Set("grad_norm", JsonValue::Double(grad_norm));
-  j.Set("lr", JsonValue::Double(lr));
-  JsonValue mv = JsonValue::Array();
-  for (double v : maxvio) mv.Append(JsonValue::Double(v));
-  j.Set("maxvio", std::move(mv));
-  j.Set("step_s", JsonValue::Double(step_seconds));
-  j.Set("comm_s", JsonValue::Double(comm_seconds));
-  j.Set("comm_exposed_s", JsonValue::Double(comm_exposed_seconds));
-  j.Set("peak_unsharded_param_bytes", JsonValue::Int(peak_unsharded_param_bytes));
-  j.Set("full_param_bytes", JsonValue::Int(full_param_bytes));
-  j.Set("wait_s", JsonValue::Double(wait_seconds));
-  j.Set("model_s", JsonValue::Double(model_seconds));
-  j.Set("update_s", JsonValue::Double(update_seconds));
-  j.Set("tokens_per_s", JsonValue::Double(tokens_per_second));
-  return j.Serialize();
+absl::StatusOr<std::string> StepRecord::ToJson() const {
+  StepMetrics j;
+  j.set_step(static_cast<int32_t>(step));  // <= TrainConfig.steps, an int32
+  j.set_ce(ce);
+  j.set_z(z);
+  j.set_bal(bal);
+  j.set_loss(loss);
+  j.set_valid_tokens(valid_tokens);
+  j.set_routed_tokens(routed_tokens);
+  j.set_grad_norm(grad_norm);
+  j.set_lr(lr);
+  for (double v : maxvio) j.add_maxvio(v);
+  j.set_step_s(step_seconds);
+  j.set_comm_s(comm_seconds);
+  j.set_comm_exposed_s(comm_exposed_seconds);
+  j.set_peak_unsharded_param_bytes(peak_unsharded_param_bytes);
+  j.set_full_param_bytes(full_param_bytes);
+  j.set_wait_s(wait_seconds);
+  j.set_model_s(model_seconds);
+  j.set_update_s(update_seconds);
+  j.set_tokens_per_s(tokens_per_second);
+  return ProtoToJson(j);
 }
 
 std::string TrainSummary::ToString() const {
@@ -241,10 +250,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
 
   MoeLmOptions options;
   options.model = config.model();
-  options.sharding =
-      config.sharding() == "fsdp" ? ShardingMode::kSharded : ShardingMode::kReplicated;
-  GRADSUM_ASSIGN_OR_RETURN(options.compute_dtype, ParseFloatDType(config.compute_dtype()));
-  GRADSUM_ASSIGN_OR_RETURN(options.reduce_dtype, ParseFloatDType(config.reduce_dtype()));
+  options.sharding = ToShardingMode(config.sharding());
+  options.compute_dtype = ToDType(config.compute_dtype());
+  options.reduce_dtype = ToDType(config.reduce_dtype());
   options.alpha_b = config.alpha_b();
   options.alpha_z = config.alpha_z();
   options.layers_per_unit = config.layers_per_unit();
@@ -254,7 +262,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   options.first_bucket_cap_bytes = static_cast<size_t>(config.first_bucket_mb() * (1 << 20));
   // The ranks of a thread run share the cores; the kernels use what is left per rank.
   const int cores = AvailableCores();
-  options.num_threads = config.backend() == "thread" ? std::max(1, cores / config.world()) : 1;
+  options.num_threads = config.backend() == TrainConfig::thread ? std::max(1, cores / config.world()) : 1;
   const MoeLmGroups groups{comms.world, comms.ep_group, comms.edp_group};
   GRADSUM_ASSIGN_OR_RETURN(trainer->model_, comms.make_model ? comms.make_model(options, groups)
                                                              : MoeLm::Create(options, groups));
@@ -418,10 +426,10 @@ absl::Status Trainer::Resume() {
                      saved->sharding() != config_.sharding() ||
                      saved->layers_per_unit() != config_.layers_per_unit())) {
     absl::StrAppend(&resume_note_, "; resharded from world=", saved->world(), " ep=", saved->ep(),
-                    " grad_acc=", saved->grad_acc(), " sharding=", saved->sharding(),
+                    " grad_acc=", saved->grad_acc(), " sharding=", TrainConfig::Sharding_Name(saved->sharding()),
                     " layers_per_unit=", saved->layers_per_unit(), " to world=", config_.world(),
                     " ep=", config_.ep(), " grad_acc=", config_.grad_acc(),
-                    " sharding=", config_.sharding(),
+                    " sharding=", TrainConfig::Sharding_Name(config_.sharding()),
                     " layers_per_unit=", config_.layers_per_unit());
   }
   return absl::OkStatus();
@@ -478,7 +486,7 @@ absl::StatusOr<StepRecord> Trainer::Step() {
     tokens[m].input_mask = masks[m];
   }
   losses::StepStatsOptions stats_options;
-  GRADSUM_ASSIGN_OR_RETURN(stats_options.mode, losses::ParseCeWeightMode(config_.ce_mode()));
+  stats_options.mode = ToCeWeightMode(config_.ce_mode());
   GRADSUM_ASSIGN_OR_RETURN(losses::StepStats stats,
                            losses::ComputeStepStats(*comms_.world, tokens, stats_options));
 
@@ -561,7 +569,8 @@ absl::StatusOr<StepRecord> Trainer::Step() {
     int64_t ok = 0;
     absl::Status local = absl::OkStatus();
     if (is_rank0()) local = [&]() -> absl::Status {
-      const bool f32 = config_.compute_dtype() == "f32" && config_.reduce_dtype() == "f32";
+      const bool f32 =
+          config_.compute_dtype() == TrainConfig::f32 && config_.reduce_dtype() == TrainConfig::f32;
       // bf16 rounds parameters or gradients to 8 bits of mantissa: a looser bar, the one
       // moe/cuda's bf16 layer test uses (the tiny test models' expert gradients reach 2.1e-2).
       const double tol =
@@ -622,16 +631,17 @@ absl::Status Trainer::WriteDump(const NamedParams& weights, const NamedParams& g
     GRADSUM_RETURN_IF_ERROR(
         WriteParamsFile(absl::StrCat(dir, "/", file), config_.model(), *tensors, 1));
   }
-  JsonValue j = JsonValue::Object();
-  j.Set("step", JsonValue::Int(1));
-  j.Set("ce", JsonValue::Double(record.ce));
-  j.Set("z", JsonValue::Double(record.z));
-  j.Set("bal", JsonValue::Double(record.bal));
-  j.Set("loss", JsonValue::Double(record.loss));
-  j.Set("valid_tokens", JsonValue::Int(record.valid_tokens));
-  j.Set("routed_tokens", JsonValue::Int(record.routed_tokens));
-  j.Set("config", JsonValue::String(ConfigToShortText(config_)));
-  return WriteFileAtomically(absl::StrCat(dir, "/losses.json"), j.Serialize() + "\n");
+  DumpedLosses j;
+  j.set_step(1);
+  j.set_ce(record.ce);
+  j.set_z(record.z);
+  j.set_bal(record.bal);
+  j.set_loss(record.loss);
+  j.set_valid_tokens(record.valid_tokens);
+  j.set_routed_tokens(record.routed_tokens);
+  j.set_config(ConfigToShortText(config_));
+  GRADSUM_ASSIGN_OR_RETURN(std::string text, ProtoToJson(j));
+  return WriteFileAtomically(absl::StrCat(dir, "/losses.json"), text + "\n");
 }
 
 absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
@@ -658,7 +668,10 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
     if (step_ >= config_.steps()) break;
     GRADSUM_ASSIGN_OR_RETURN(StepRecord r, Step());
     if (log != nullptr) *log << r.ToLogLine(config_.steps()) << std::endl;
-    if (metrics.is_open()) local = metrics.WriteLine(r.ToJson());
+    if (metrics.is_open()) {
+      absl::StatusOr<std::string> line = r.ToJson();
+      local = line.ok() ? metrics.WriteLine(*line) : line.status();
+    }
     // After the step's log lines, so a run killed right after a checkpoint has logged
     // every step the checkpoint covers.
     if (!config_.checkpoint_dir().empty() &&

@@ -76,9 +76,9 @@ struct StepRecord {
   double model_seconds = 0, update_seconds = 0;
   double tokens_per_second = 0;  // routed tokens of the world per second
   std::vector<double> maxvio;    // per layer (§8)
-  // The log line, and the JSONL record.
+  // The log line, and the JSONL record (train/metrics.proto StepMetrics).
   std::string ToLogLine(int64_t total_steps) const;
-  std::string ToJson() const;
+  absl::StatusOr<std::string> ToJson() const;
 };
 
 struct TrainSummary {

@@ -9,13 +9,16 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "sharding/atomic_file.h"
 #include "sharding/checkpoint.h"
-#include "sharding/json.h"
+#include "sharding/checkpoint.pb.h"
+#include "sharding/proto_json.h"
 #include "sharding/safetensors.h"
 #include "testing/run_ranks.h"
 #include "train/config.h"
+#include "train/metrics.pb.h"
 #include "train/moe_lm.h"
 #include "train/rank_main.h"
 #include "train/test_util.h"
@@ -56,7 +59,7 @@ TEST(TrainerTest, ThreeHundredStepsReachTheEntropyFloor) {
 TEST(TrainerTest, DumpWritesTheNamedFiles) {
   const std::string dir = ::testing::TempDir() + "/dump";
   std::filesystem::remove_all(dir);
-  TrainConfig config = TinyConfig(4, 2, 2, "fsdp");
+  TrainConfig config = TinyConfig(4, 2, 2, TrainConfig::fsdp);
   config.set_dump_dir(dir);
   config.set_steps(2);
   auto out = RunInProcess(config);
@@ -130,21 +133,24 @@ TEST(TrainerTest, DumpWritesTheNamedFiles) {
   std::ifstream in(dir + "/losses.json");
   std::stringstream ss;
   ss << in.rdbuf();
-  auto json = ParseJson(ss.str());
-  ASSERT_TRUE(json.ok()) << json.status();
+  DumpedLosses losses;
+  ASSERT_TRUE(ProtoFromJson(ss.str(), &losses).ok()) << ss.str();
+  EXPECT_EQ(FirstMissingField(losses), "");
   const StepRecord& s1 = (*out)[0].history[0];
-  EXPECT_EQ(json->Find("ce")->as_double(), s1.ce);
-  EXPECT_EQ(json->Find("z")->as_double(), s1.z);
-  EXPECT_EQ(json->Find("bal")->as_double(), s1.bal);
-  EXPECT_EQ(json->Find("valid_tokens")->as_int(), s1.valid_tokens);
-  EXPECT_THAT(json->Find("config")->as_string(), HasSubstr("world: 4"));
+  EXPECT_EQ(losses.step(), 1);
+  EXPECT_EQ(losses.ce(), s1.ce);
+  EXPECT_EQ(losses.z(), s1.z);
+  EXPECT_EQ(losses.bal(), s1.bal);
+  EXPECT_EQ(losses.valid_tokens(), s1.valid_tokens);
+  EXPECT_THAT(ss.str(), HasSubstr(absl::StrCat("\"valid_tokens\":\"", s1.valid_tokens, "\"")));
+  EXPECT_THAT(losses.config(), HasSubstr("world: 4"));
 }
 
 // Resuming from a checkpoint continues bit-exactly: the same losses and grad norms as an
 // uninterrupted run (the kill -9 variant is resume_kill_test.sh).
 TEST(TrainerTest, ResumeContinuesBitExactly) {
-  for (const char* sharding : {"fsdp", "replicated"}) {
-    const std::string dir = ::testing::TempDir() + "/ckpt_" + sharding;
+  for (auto sharding : {TrainConfig::fsdp, TrainConfig::replicated}) {
+    const std::string dir = ::testing::TempDir() + "/ckpt_" + TrainConfig::Sharding_Name(sharding);
     std::filesystem::remove_all(dir);
     TrainConfig full = TinyConfig(4, 2, 2, sharding);
     full.set_steps(6);
@@ -184,7 +190,7 @@ TEST(TrainerTest, ResumeContinuesBitExactly) {
 TEST(TrainerTest, ResumeRefusesAnotherDataStreamButAllowsNewOptimizerSettings) {
   const std::string dir = ::testing::TempDir() + "/ckpt_compat";
   std::filesystem::remove_all(dir);
-  TrainConfig first = TinyConfig(2, 2, 2, "fsdp");
+  TrainConfig first = TinyConfig(2, 2, 2, TrainConfig::fsdp);
   first.set_steps(2);
   first.set_checkpoint_dir(dir);
   auto a = RunInProcess(first);
@@ -260,23 +266,23 @@ void ExpectContinues(const std::vector<StepRecord>& resumed,
 TEST(TrainerTest, ResumeOntoAnotherMeshContinuesTheUninterruptedRun) {
   const std::string dir = ::testing::TempDir() + "/ckpt_elastic";
   std::filesystem::remove_all(dir);
-  auto mesh = [&](int world, int ep, int g, const char* sharding, int steps) {
+  auto mesh = [&](int world, int ep, int g, TrainConfig::Sharding sharding, int steps) {
     TrainConfig c = TinyConfig(world, ep, g, sharding);
     c.set_alpha_b(0);
     c.set_steps(steps);
     c.set_checkpoint_dir(dir);
     return c;
   };
-  TrainConfig reference = mesh(4, 2, 1, "fsdp", 15);
+  TrainConfig reference = mesh(4, 2, 1, TrainConfig::fsdp, 15);
   reference.clear_checkpoint_dir();
   const std::vector<StepRecord> want = TrainOrDie(reference);
   ASSERT_EQ(want.size(), 15u);
 
-  TrainOrDie(mesh(4, 2, 1, "fsdp", 2));
-  TrainConfig second = mesh(2, 1, 2, "replicated", 4);
+  TrainOrDie(mesh(4, 2, 1, TrainConfig::fsdp, 2));
+  TrainConfig second = mesh(2, 1, 2, TrainConfig::replicated, 4);
   second.set_resume(true);
   ExpectContinues(TrainOrDie(second), want, "(4,2,1) fsdp -> (2,1,2) replicated");
-  TrainConfig third = mesh(1, 1, 4, "fsdp", 15);
+  TrainConfig third = mesh(1, 1, 4, TrainConfig::fsdp, 15);
   third.set_resume(true);
   const std::vector<StepRecord> last = TrainOrDie(third);
   ASSERT_EQ(last.size(), 11u);  // the first step after the resume and 10 more
@@ -289,11 +295,11 @@ TEST(TrainerTest, ResumeOntoAnotherMeshContinuesTheUninterruptedRun) {
 TEST(TrainerTest, ResumeOntoAnotherWorldAndUnitGroupingKeepsTheBalancingLoss) {
   const std::string dir = ::testing::TempDir() + "/ckpt_elastic_bal";
   std::filesystem::remove_all(dir);
-  TrainConfig first = TinyConfig(4, 2, 2, "fsdp");
+  TrainConfig first = TinyConfig(4, 2, 2, TrainConfig::fsdp);
   first.set_steps(3);
   first.set_checkpoint_dir(dir);
   TrainOrDie(first);
-  TrainConfig target = TinyConfig(2, 2, 2, "replicated");
+  TrainConfig target = TinyConfig(2, 2, 2, TrainConfig::replicated);
   target.mutable_data()->set_micro_batch(4);
   target.set_layers_per_unit(2);
   target.set_steps(14);
@@ -313,7 +319,7 @@ TEST(TrainerTest, ExportWritesTheFinalParametersAndInitFromStartsFromThem) {
   const std::string dir = ::testing::TempDir() + "/export";
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
-  TrainConfig config = TinyConfig(4, 2, 2, "fsdp");
+  TrainConfig config = TinyConfig(4, 2, 2, TrainConfig::fsdp);
   config.set_steps(3);
   config.set_checkpoint_dir(dir + "/ckpt");
   config.set_export_path(dir + "/final.safetensors");
@@ -336,7 +342,7 @@ TEST(TrainerTest, ExportWritesTheFinalParametersAndInitFromStartsFromThem) {
     EXPECT_NE(0, std::memcmp(a->raw(), init.at(name).data(), a->nbytes())) << name << " trained";
   }
 
-  TrainConfig next = TinyConfig(2, 1, 1, "replicated");
+  TrainConfig next = TinyConfig(2, 1, 1, TrainConfig::replicated);
   next.set_init_from(dir + "/final.safetensors");
   next.set_dump_dir(dir + "/dump");
   TrainOrDie(next);
@@ -356,7 +362,7 @@ TEST(TrainerTest, InitFromRefusesAFileOfAnotherModel) {
   const std::string dir = ::testing::TempDir() + "/init_bad";
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
-  TrainConfig config = TinyConfig(2, 2, 1, "fsdp");
+  TrainConfig config = TinyConfig(2, 2, 1, TrainConfig::fsdp);
   const NamedParams init = MoeLm::InitialParameters(config.model(), 7);
   const auto shapes = MoeLmParamShapes(config.model());
   struct Case {
@@ -434,7 +440,7 @@ TEST(TrainerTest, InitFromRefusesAFileOfAnotherModel) {
 TEST(TrainerTest, ResumeRefusesAMarkerWithoutItsConfig) {
   const std::string dir = ::testing::TempDir() + "/ckpt_no_config";
   std::filesystem::remove_all(dir);
-  TrainConfig first = TinyConfig(2, 2, 1, "fsdp");
+  TrainConfig first = TinyConfig(2, 2, 1, TrainConfig::fsdp);
   first.set_steps(2);
   first.set_checkpoint_dir(dir);
   auto a = RunInProcess(first);
@@ -442,25 +448,18 @@ TEST(TrainerTest, ResumeRefusesAMarkerWithoutItsConfig) {
   const std::string marker_path = dir + "/step-00000002/checkpoint.json";
   absl::StatusOr<std::string> text = ReadFileToString(marker_path);
   ASSERT_TRUE(text.ok());
-  absl::StatusOr<JsonValue> marker = ParseJson(*text);
-  ASSERT_TRUE(marker.ok()) << marker.status();
-  JsonValue body = JsonValue::Object();
-  for (const auto& [k, v] : marker->members()) {
-    if (k == "fingerprint") continue;
-    if (k != "extra") {
-      body.Set(k, v);
-      continue;
-    }
-    JsonValue extra = JsonValue::Object();
-    for (const auto& [ek, ev] : v.members()) {
-      if (ek != "config") extra.Set(ek, ev);
-    }
-    body.Set(k, std::move(extra));
-  }
-  JsonValue rewritten = body;
-  rewritten.Set("fingerprint",
-                JsonValue::String(absl::StrFormat("%016x", Fingerprint64(body.Serialize()))));
-  ASSERT_TRUE(WriteFileAtomically(marker_path, rewritten.Serialize() + "\n").ok());
+  checkpoint::CommitMarker marker;
+  ASSERT_TRUE(ProtoFromJson(*text, &marker).ok()) << *text;
+  ASSERT_EQ(marker.extra().count("config"), 1u);
+  marker.mutable_extra()->erase("config");
+  // The documented fingerprint: XXH3-64 of the marker's JSON without "fingerprint".
+  marker.clear_fingerprint();
+  absl::StatusOr<std::string> body = ProtoToJson(marker);
+  ASSERT_TRUE(body.ok());
+  marker.set_fingerprint(absl::StrFormat("%016x", Fingerprint64(*body)));
+  absl::StatusOr<std::string> rewritten = ProtoToJson(marker);
+  ASSERT_TRUE(rewritten.ok());
+  ASSERT_TRUE(WriteFileAtomically(marker_path, *rewritten + "\n").ok());
 
   TrainConfig again = first;
   again.set_steps(3);
@@ -476,7 +475,7 @@ TEST(TrainerTest, ResumeRefusesAMarkerWithoutItsConfig) {
 TEST(TrainerTest, ResumeWithoutCheckpointIsNotFound) {
   const std::string dir = ::testing::TempDir() + "/empty_ckpt";
   std::filesystem::create_directories(dir);
-  TrainConfig config = TinyConfig(2, 1, 1, "fsdp");
+  TrainConfig config = TinyConfig(2, 1, 1, TrainConfig::fsdp);
   config.set_checkpoint_dir(dir);
   config.set_resume(true);
   auto out = RunInProcess(config);
@@ -489,7 +488,7 @@ TEST(TrainerTest, ResumeWithoutCheckpointIsNotFound) {
 
 TEST(TrainerTest, CommunicatorsThatDisagreeWithTheConfigAreInvalidArgument) {
   // Resolved: the rank threads read it concurrently (train/config.h ResolvedConfig).
-  TrainConfig config = ResolvedConfig(TinyConfig(4, 2, 1, "fsdp"));  // but run on 2 ranks
+  TrainConfig config = ResolvedConfig(TinyConfig(4, 2, 1, TrainConfig::fsdp));  // but run on 2 ranks
   absl::Status s = testing::RunRanks(2, [&](Communicator& world) -> absl::Status {
     absl::StatusOr<RankMesh> mesh = MakeRankMesh(&world, 2);
     if (!mesh.ok()) return mesh.status();
@@ -509,7 +508,7 @@ TEST(TrainerTest, CommunicatorsThatDisagreeWithTheConfigAreInvalidArgument) {
 }
 
 TEST(TrainerTest, BadConfigFailsBeforeTraining) {
-  TrainConfig config = TinyConfig(2, 2, 1, "fsdp");
+  TrainConfig config = TinyConfig(2, 2, 1, TrainConfig::fsdp);
   config.mutable_model()->set_experts(3);  // 3 % ep 2 != 0
   auto out = RunInProcess(config);
   ASSERT_TRUE(out.ok());
@@ -520,9 +519,9 @@ TEST(TrainerTest, BadConfigFailsBeforeTraining) {
 
 // bf16 compute and bf16 reduction train, and stay close to the fp32 gradients.
 TEST(TrainerTest, Bf16ComputeAndReduceStayNearTheReference) {
-  TrainConfig config = TinyConfig(2, 2, 2, "fsdp");
-  config.set_compute_dtype("bf16");
-  config.set_reduce_dtype("bf16");
+  TrainConfig config = TinyConfig(2, 2, 2, TrainConfig::fsdp);
+  config.set_compute_dtype(TrainConfig::bf16);
+  config.set_reduce_dtype(TrainConfig::bf16);
   config.set_parity_check(true);  // bf16 uses a 3e-2 bar
   auto out = RunInProcess(config);
   ASSERT_TRUE(out.ok());
