@@ -425,12 +425,12 @@ absl::Status Trainer::Resume() {
                      saved->grad_acc() != config_.grad_acc() ||
                      saved->sharding() != config_.sharding() ||
                      saved->layers_per_unit() != config_.layers_per_unit())) {
-    absl::StrAppend(&resume_note_, "; resharded from world=", saved->world(), " ep=", saved->ep(),
-                    " grad_acc=", saved->grad_acc(), " sharding=", TrainConfig::Sharding_Name(saved->sharding()),
-                    " layers_per_unit=", saved->layers_per_unit(), " to world=", config_.world(),
-                    " ep=", config_.ep(), " grad_acc=", config_.grad_acc(),
-                    " sharding=", TrainConfig::Sharding_Name(config_.sharding()),
-                    " layers_per_unit=", config_.layers_per_unit());
+    auto mesh = [](const TrainConfig& c) {
+      return absl::StrCat("world=", c.world(), " ep=", c.ep(), " grad_acc=", c.grad_acc(),
+                          " sharding=", TrainConfig::Sharding_Name(c.sharding()),
+                          " layers_per_unit=", c.layers_per_unit());
+    };
+    absl::StrAppend(&resume_note_, "; resharded from ", mesh(*saved), " to ", mesh(config_));
   }
   return absl::OkStatus();
 }
