@@ -232,40 +232,6 @@ absl::StatusOr<Manifest> ReadManifest(const std::string& dir, int64_t rank) {
   return m;
 }
 
-// Reads the rank's tensor file, checks it against the manifest's size and fingerprint
-// (flipped bits in an otherwise valid file are caught here), then parses it.
-absl::StatusOr<SafetensorsFile> ReadRankTensors(const std::string& dir, const Manifest& m) {
-  const std::string path = Join(dir, m.tensors_file);
-  GRADSUM_ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(path));
-  if (static_cast<int64_t>(bytes.size()) != m.tensors_bytes) {
-    return absl::DataLossError(absl::StrCat("checkpoint file '", path, "' has ", bytes.size(),
-                                            " bytes, the manifest says ", m.tensors_bytes,
-                                            " (truncated or replaced)"));
-  }
-  if (Fingerprint64(bytes) != m.tensors_fingerprint) {
-    return absl::DataLossError(
-        absl::StrCat("checkpoint file '", path, "' does not match its manifest fingerprint (corrupt)"));
-  }
-  return SafetensorsFile::Parse(bytes, path);
-}
-
-// The f32 [local_numel] tensor "<group>/<what>" copied out, or DataLoss.
-absl::StatusOr<std::vector<float>> ReadSlice(const SafetensorsFile& f, const GroupRecord& g,
-                                             absl::string_view what) {
-  const std::string name = absl::StrCat(g.name, "/", what);
-  absl::StatusOr<TensorView> t = f.Get(name);
-  if (!t.ok()) {
-    return absl::DataLossError(absl::StrCat("checkpoint file '", f.source(), "' lacks \"", name, "\""));
-  }
-  if (t->dtype() != DType::kF32 || t->rank() != 1 || t->dim(0) != g.local_numel) {
-    return absl::DataLossError(absl::StrCat("checkpoint file '", f.source(), "': \"", name,
-                                            "\" is ", t->DebugString(), ", expected f32[",
-                                            g.local_numel, "]"));
-  }
-  const float* p = t->data<float>();
-  return std::vector<float>(p, p + g.local_numel);
-}
-
 struct MarkerRecord {
   int64_t world = 0, step = 0;
   // Per rank: the fingerprints of its manifest and tensor files as saved.
@@ -339,32 +305,6 @@ absl::Status CheckAgainstMarker(const std::string& dir, const MarkerRecord& mark
   return absl::OkStatus();
 }
 
-// A checkpoint group must have the layout of the live group it is loaded into.
-absl::Status CheckLayout(const GroupRecord& rec, const FlatParam& g) {
-  auto mismatch = [&](absl::string_view field, auto saved, auto current) {
-    return absl::FailedPreconditionError(absl::StrCat("checkpoint group \"", g.name(), "\": ", field,
-                                                      " is ", saved, " in the checkpoint but ",
-                                                      current, " now"));
-  };
-  if (rec.group_size != g.group_size()) return mismatch("group_size", rec.group_size, g.group_size());
-  if (rec.group_rank != g.group_rank()) return mismatch("group_rank", rec.group_rank, g.group_rank());
-  if (rec.numel != g.numel()) return mismatch("numel", rec.numel, g.numel());
-  if (rec.params.size() != g.entries().size()) {
-    return mismatch("parameter count", rec.params.size(), g.entries().size());
-  }
-  for (size_t i = 0; i < rec.params.size(); ++i) {
-    const FlatParamEntry& a = rec.params[i];
-    const FlatParamEntry& b = g.entries()[i];
-    if (a.name != b.name) return mismatch(absl::StrCat("parameter ", i), a.name, b.name);
-    if (a.shape != b.shape) {
-      return mismatch(absl::StrCat("shape of \"", a.name, "\""),
-                      absl::StrCat("[", absl::StrJoin(a.shape, ","), "]"),
-                      absl::StrCat("[", absl::StrJoin(b.shape, ","), "]"));
-    }
-  }
-  return absl::OkStatus();
-}
-
 absl::Status CheckIdle(const ShardedAdamW& optimizer) {
   for (const FlatParam* g : optimizer.groups()) {
     if (g->grad_reduce_in_flight() || g->unshard_in_flight()) {
@@ -374,6 +314,127 @@ absl::Status CheckIdle(const ShardedAdamW& optimizer) {
   }
   return absl::OkStatus();
 }
+
+std::string ShapeText(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ","), "]");
+}
+
+// A saved checkpoint as an index of its parameters, for loading onto any layout: where each
+// parameter lives (its unit and offset), which world rank holds each (unit, group rank)
+// shard, and the rank tensor files, opened on first use by their header only and read by
+// the byte ranges a loader needs (docs/CHECKPOINTS.md, "Resharding").
+class SavedLayout {
+ public:
+  // Reads every rank's manifest and checks it against the marker. Parameters must have one
+  // unit, offset and shape across the manifests, and each (unit, group rank) one holder.
+  static absl::StatusOr<SavedLayout> Read(const std::string& dir, MarkerRecord marker) {
+    SavedLayout s;
+    s.dir_ = dir;
+    s.marker_ = std::move(marker);
+    for (int64_t r = 0; r < s.marker_.world; ++r) {
+      GRADSUM_ASSIGN_OR_RETURN(Manifest m, ReadManifest(dir, r));
+      if (m.rank != r) {
+        return absl::DataLossError(absl::StrCat("checkpoint file '", Join(dir, ManifestName(r)),
+                                                "' records rank ", m.rank));
+      }
+      GRADSUM_RETURN_IF_ERROR(CheckAgainstMarker(dir, s.marker_, m));
+      s.manifests_.push_back(std::move(m));
+    }
+    for (const Manifest& m : s.manifests_) {
+      for (const GroupRecord& g : m.groups) {
+        auto [holder, fresh] = s.holders_.try_emplace({g.name, g.group_rank}, m.rank);
+        if (!fresh) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "checkpoint '", dir, "': unit \"", g.name, "\" has two shards for group rank ",
+              g.group_rank, " (world ranks ", holder->second, " and ", m.rank, ")"));
+        }
+        for (const FlatParamEntry& e : g.params) {
+          auto [it, inserted] = s.params_.try_emplace(e.name, Param{&g, &e});
+          const Param& p = it->second;
+          if (!inserted && (p.unit->name != g.name || p.unit->numel != g.numel ||
+                            p.unit->group_size != g.group_size || p.entry->offset != e.offset ||
+                            p.entry->shape != e.shape)) {
+            return absl::DataLossError(absl::StrCat(
+                "checkpoint '", dir, "': parameter \"", e.name, "\" is at offset ",
+                p.entry->offset, " of unit \"", p.unit->name, "\" on one rank and at offset ",
+                e.offset, " of unit \"", g.name, "\" on rank ", m.rank,
+                " (inconsistent manifests)"));
+          }
+        }
+      }
+    }
+    return s;
+  }
+
+  struct Param {
+    const GroupRecord* unit;
+    const FlatParamEntry* entry;
+  };
+  // The saved parameters by name.
+  const std::map<std::string, Param>& params() const { return params_; }
+
+  // Saved elements [begin, end) of unit `unit`'s flat `what` (master, exp_avg or
+  // exp_avg_sq) into `out`, from the shards holding them.
+  absl::Status ReadUnitRange(const GroupRecord& unit, absl::string_view what, int64_t begin,
+                             int64_t end, float* out) {
+    const int64_t shard = unit.padded_numel / unit.group_size;
+    for (int64_t q = begin / shard; begin < end; ++q) {
+      const int64_t hi = std::min(end, (q + 1) * shard);
+      auto holder = holders_.find({unit.name, q});
+      if (holder == holders_.end()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "checkpoint '", dir_, "': unit \"", unit.name, "\" lacks the shard of group rank ", q));
+      }
+      GRADSUM_ASSIGN_OR_RETURN(const SafetensorsHeader* file, File(holder->second));
+      const std::string name = absl::StrCat(unit.name, "/", what);
+      GRADSUM_ASSIGN_OR_RETURN(const SafetensorsTensorRange* t, file->Find(name));
+      const int64_t local = std::clamp<int64_t>(unit.numel - q * shard, 0, shard);
+      if (t->dtype != DType::kF32 || t->shape != std::vector<int64_t>{local}) {
+        return absl::DataLossError(absl::StrCat("checkpoint file '", file->path(), "': \"", name,
+                                                "\" is ", DTypeName(t->dtype), ShapeText(t->shape),
+                                                ", expected f32[", local, "]"));
+      }
+      GRADSUM_RETURN_IF_ERROR(file->ReadTensorBytes(name, (begin - q * shard) * sizeof(float),
+                                                    (hi - begin) * sizeof(float), out));
+      out += hi - begin;
+      begin = hi;
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  // Rank r's tensor file, checked once against its manifest's size and fingerprint (hashed
+  // streaming, never held whole), then opened by its header.
+  absl::StatusOr<const SafetensorsHeader*> File(int64_t r) {
+    auto it = files_.find(r);
+    if (it != files_.end()) return &it->second;
+    const Manifest& m = manifests_[r];
+    const std::string path = Join(dir_, m.tensors_file);
+    struct stat st;
+    if (::stat(path.c_str(), &st) != 0) {
+      return ErrnoStatus(errno, absl::StrCat("stat '", path, "'"));
+    }
+    if (st.st_size != m.tensors_bytes) {
+      return absl::DataLossError(absl::StrCat("checkpoint file '", path, "' has ", st.st_size,
+                                              " bytes, the manifest says ", m.tensors_bytes,
+                                              " (truncated or replaced)"));
+    }
+    GRADSUM_ASSIGN_OR_RETURN(uint64_t fingerprint, FingerprintFile(path, m.tensors_bytes));
+    if (fingerprint != m.tensors_fingerprint) {
+      return absl::DataLossError(absl::StrCat(
+          "checkpoint file '", path, "' does not match its manifest fingerprint (corrupt)"));
+    }
+    GRADSUM_ASSIGN_OR_RETURN(SafetensorsHeader h, SafetensorsHeader::Read(path));
+    return &files_.emplace(r, std::move(h)).first->second;
+  }
+
+  std::string dir_;
+  MarkerRecord marker_;
+  std::vector<Manifest> manifests_;  // by world rank; params_ points into them
+  std::map<std::string, Param> params_;
+  std::map<std::pair<std::string, int64_t>, int64_t> holders_;
+  std::map<int64_t, SafetensorsHeader> files_;
+};
 
 // The owned slice of a vector stored beside master() (m or v).
 absl::Span<const float> OwnedPart(const FlatParam& g, absl::Span<const float> beside_master) {
@@ -485,49 +546,87 @@ absl::Status SaveCheckpoint(const std::string& dir, Communicator& world,
   return AgreeOnStatus(world, local, "checkpoint save (commit)");
 }
 
+absl::StatusOr<CheckpointInfo> ReadCheckpointInfo(const std::string& dir) {
+  GRADSUM_ASSIGN_OR_RETURN(MarkerRecord marker, ReadMarker(dir));
+  CheckpointInfo info;
+  info.step = marker.step;
+  info.world = marker.world;
+  info.extra = std::move(marker.extra);
+  return info;
+}
+
 absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& dir, Communicator& world,
                                               ShardedAdamW& optimizer) {
-  const int rank = world.rank();
   struct Staged {
     std::vector<float> master, exp_avg, exp_avg_sq;  // owned slices
   };
   std::vector<Staged> staged(optimizer.groups().size());
   CheckpointInfo info;
-  // Phase 1: read and validate everything locally; nothing is modified yet.
+  std::vector<std::string> used_names;
+  // Phase 1: read and validate everything locally; nothing is modified yet. Each live
+  // group's owned slice is gathered parameter by parameter from wherever the saved layout
+  // put it (any world size, EP size, unit grouping or sharding mode).
+  std::vector<int64_t> used;  // per saved parameter (by name): found in a live group here
   auto read_all = [&]() -> absl::Status {
     GRADSUM_RETURN_IF_ERROR(CheckIdle(optimizer));
     GRADSUM_ASSIGN_OR_RETURN(MarkerRecord marker, ReadMarker(dir));
-    if (marker.world != world.size()) {
-      return absl::FailedPreconditionError(absl::StrCat("checkpoint '", dir,
-                                                        "' was written by world size ", marker.world,
-                                                        ", the current world size is ", world.size()));
-    }
-    GRADSUM_ASSIGN_OR_RETURN(Manifest m, ReadManifest(dir, rank));
-    GRADSUM_RETURN_IF_ERROR(CheckAgainstMarker(dir, marker, m));
-    const auto& groups = optimizer.groups();
-    if (m.groups.size() != groups.size()) {
-      return absl::FailedPreconditionError(absl::StrCat("checkpoint '", dir, "' has ", m.groups.size(),
-                                                        " groups on rank ", rank, ", the optimizer has ",
-                                                        groups.size()));
-    }
-    GRADSUM_ASSIGN_OR_RETURN(SafetensorsFile tensors, ReadRankTensors(dir, m));
-    for (size_t gi = 0; gi < groups.size(); ++gi) {
-      const GroupRecord& rec = m.groups[gi];
-      if (rec.name != groups[gi]->name()) {
-        return absl::FailedPreconditionError(absl::StrCat("checkpoint group ", gi, " is \"", rec.name,
-                                                          "\", the optimizer's is \"",
-                                                          groups[gi]->name(), "\""));
-      }
-      GRADSUM_RETURN_IF_ERROR(CheckLayout(rec, *groups[gi]));
-      GRADSUM_ASSIGN_OR_RETURN(staged[gi].master, ReadSlice(tensors, rec, "master"));
-      GRADSUM_ASSIGN_OR_RETURN(staged[gi].exp_avg, ReadSlice(tensors, rec, "exp_avg"));
-      GRADSUM_ASSIGN_OR_RETURN(staged[gi].exp_avg_sq, ReadSlice(tensors, rec, "exp_avg_sq"));
-    }
     info.step = marker.step;
-    info.extra = std::move(marker.extra);
+    info.world = marker.world;
+    info.extra = marker.extra;
+    GRADSUM_ASSIGN_OR_RETURN(SavedLayout saved, SavedLayout::Read(dir, std::move(marker)));
+    std::set<std::string> live;
+    for (size_t gi = 0; gi < optimizer.groups().size(); ++gi) {
+      const FlatParam& g = *optimizer.groups()[gi];
+      const int64_t begin = g.shard_offset(), end = begin + g.local_numel();
+      Staged& st = staged[gi];
+      for (std::vector<float>* v : {&st.master, &st.exp_avg, &st.exp_avg_sq}) {
+        v->resize(end - begin);
+      }
+      for (const FlatParamEntry& e : g.entries()) {
+        live.insert(e.name);
+        auto it = saved.params().find(e.name);
+        if (it == saved.params().end()) {
+          return absl::FailedPreconditionError(absl::StrCat("checkpoint '", dir,
+                                                            "' has no parameter \"", e.name,
+                                                            "\" (of unit \"", g.name(), "\")"));
+        }
+        const SavedLayout::Param& p = it->second;
+        if (p.entry->shape != e.shape) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "checkpoint parameter \"", e.name, "\": shape is ", ShapeText(p.entry->shape),
+              " in the checkpoint but ", ShapeText(e.shape), " now"));
+        }
+        const int64_t lo = std::max(begin, e.offset), hi = std::min(end, e.offset + e.numel);
+        if (lo >= hi) continue;
+        const int64_t from = p.entry->offset + (lo - e.offset);
+        const std::pair<const char*, std::vector<float>*> parts[] = {
+            {"master", &st.master}, {"exp_avg", &st.exp_avg}, {"exp_avg_sq", &st.exp_avg_sq}};
+        for (const auto& [what, dest] : parts) {
+          GRADSUM_RETURN_IF_ERROR(saved.ReadUnitRange(*p.unit, what, from, from + (hi - lo),
+                                                      dest->data() + (lo - begin)));
+        }
+      }
+    }
+    for (const auto& [name, p] : saved.params()) {
+      used.push_back(live.count(name));
+      used_names.push_back(name);
+    }
     return absl::OkStatus();
   };
   GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world, read_all(), "checkpoint load"));
+  // A saved parameter that no rank's model has: the checkpoint is of another model.
+  std::vector<int64_t> used_anywhere(used.size());
+  if (!used.empty()) {
+    GRADSUM_RETURN_IF_ERROR(
+        world.AllReduce(used.data(), used_anywhere.data(), used.size(), DType::kI64));
+  }
+  for (size_t i = 0; i < used_anywhere.size(); ++i) {
+    if (used_anywhere[i] == 0) {
+      return MarkAgreed(absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint '", dir, "' has parameter \"", used_names[i],
+          "\", which this model does not have")));
+    }
+  }
 
   // Phase 2: install. Replicated groups rebuild their full copies from every rank's slice.
   absl::Status local = absl::OkStatus();
@@ -564,77 +663,34 @@ absl::Status ExportConsolidated(const std::string& dir, const std::string& out_p
         absl::StrCat("export dtype must be f32 or bf16, got ", DTypeName(dtype)));
   }
   GRADSUM_ASSIGN_OR_RETURN(MarkerRecord marker, ReadMarker(dir));
-  struct Assembled {
-    GroupRecord layout;
-    std::vector<bool> have_rank;
-    std::vector<float> full;
-  };
-  std::map<std::string, Assembled> groups;
-  for (int64_t r = 0; r < marker.world; ++r) {
-    GRADSUM_ASSIGN_OR_RETURN(Manifest m, ReadManifest(dir, r));
-    GRADSUM_RETURN_IF_ERROR(CheckAgainstMarker(dir, marker, m));
-    GRADSUM_ASSIGN_OR_RETURN(SafetensorsFile tensors, ReadRankTensors(dir, m));
-    for (const GroupRecord& rec : m.groups) {
-      GRADSUM_ASSIGN_OR_RETURN(std::vector<float> slice, ReadSlice(tensors, rec, "master"));
-      auto [it, inserted] = groups.try_emplace(rec.name);
-      Assembled& a = it->second;
-      if (inserted) {
-        a.layout = rec;
-        a.have_rank.assign(rec.group_size, false);
-        a.full.assign(rec.numel, 0.0f);
-      } else {
-        bool same = a.layout.group_size == rec.group_size && a.layout.numel == rec.numel &&
-                    a.layout.params.size() == rec.params.size();
-        for (size_t i = 0; same && i < rec.params.size(); ++i) {
-          same = a.layout.params[i].name == rec.params[i].name &&
-                 a.layout.params[i].shape == rec.params[i].shape;
-        }
-        if (!same) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "checkpoint '", dir, "': group \"", rec.name, "\" on rank ", r,
-              " has another layout than elsewhere; groups holding different parameters need "
-              "different names (e.g. one per EP slot)"));
-        }
-      }
-      if (a.have_rank[rec.group_rank]) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "checkpoint '", dir, "': group \"", rec.name, "\" has two shards for group rank ",
-            rec.group_rank, " (second on world rank ", r, "); give each EP slot's group its own name"));
-      }
-      a.have_rank[rec.group_rank] = true;
-      std::copy(slice.begin(), slice.end(), a.full.begin() + rec.shard_offset);
-    }
-  }
+  const int64_t step = marker.step;
+  GRADSUM_ASSIGN_OR_RETURN(SavedLayout saved, SavedLayout::Read(dir, std::move(marker)));
+  // Each parameter read from the shards that hold it (the resharding rule with one rank).
+  std::vector<std::vector<float>> values;
+  std::vector<std::vector<BF16>> halves;
   SafetensorsWriter writer;
-  std::vector<std::vector<BF16>> bf16_copies;
-  bf16_copies.reserve(groups.size());
-  for (auto& [name, a] : groups) {
-    for (size_t q = 0; q < a.have_rank.size(); ++q) {
-      if (!a.have_rank[q]) {
-        return absl::FailedPreconditionError(absl::StrCat("checkpoint '", dir, "': group \"", name,
-                                                          "\" lacks the shard of group rank ", q));
-      }
-    }
-    void* base = a.full.data();
+  for (const auto& [name, p] : saved.params()) {
+    const FlatParamEntry& e = *p.entry;
+    values.emplace_back(e.numel);
+    GRADSUM_RETURN_IF_ERROR(
+        saved.ReadUnitRange(*p.unit, "master", e.offset, e.offset + e.numel, values.back().data()));
+    void* base = values.back().data();
     if (dtype == DType::kBF16) {
-      bf16_copies.emplace_back(a.full.size());
-      for (size_t i = 0; i < a.full.size(); ++i) bf16_copies.back()[i] = BF16::FromFloat(a.full[i]);
-      base = bf16_copies.back().data();
+      halves.emplace_back(e.numel);
+      for (int64_t i = 0; i < e.numel; ++i) halves.back()[i] = BF16::FromFloat(values.back()[i]);
+      base = halves.back().data();
     }
-    for (const FlatParamEntry& e : a.layout.params) {
-      char* p = static_cast<char*>(base) + e.offset * static_cast<int64_t>(DTypeSize(dtype));
-      GRADSUM_ASSIGN_OR_RETURN(TensorView view,
-                               TensorView::Create(e.numel > 0 ? p : nullptr, dtype, e.shape));
-      absl::Status s = writer.Add(e.name, view);
-      if (!s.ok()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "checkpoint '", dir, "': parameter \"", e.name, "\" of group \"", name,
-            "\" cannot be exported: ", s.message()));
-      }
+    GRADSUM_ASSIGN_OR_RETURN(TensorView view,
+                             TensorView::Create(e.numel > 0 ? base : nullptr, dtype, e.shape));
+    absl::Status s = writer.Add(e.name, view);
+    if (!s.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint '", dir, "': parameter \"", e.name, "\" of group \"", p.unit->name,
+          "\" cannot be exported: ", s.message()));
     }
   }
   GRADSUM_RETURN_IF_ERROR(writer.AddMetadata("format", "pt"));
-  GRADSUM_RETURN_IF_ERROR(writer.AddMetadata("step", absl::StrCat(marker.step)));
+  GRADSUM_RETURN_IF_ERROR(writer.AddMetadata("step", absl::StrCat(step)));
   return writer.WriteFile(out_path);
 }
 

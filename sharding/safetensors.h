@@ -70,6 +70,49 @@ class SafetensorsWriter {
   std::map<std::string, std::string> metadata_;
 };
 
+// Where one tensor's bytes are: [begin, end) relative to the data buffer.
+struct SafetensorsTensorRange {
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  uint64_t begin = 0, end = 0;
+};
+
+// A safetensors file on disk read by its header only: the tensors' dtypes, shapes and byte
+// ranges (validated as SafetensorsFile::Parse validates them, against the file's size),
+// and reads of byte ranges of one tensor (pread), so that a reader needing part of a large
+// file never holds the whole of it.
+//
+//   GRADSUM_ASSIGN_OR_RETURN(SafetensorsHeader h, SafetensorsHeader::Read(path));
+//   std::vector<float> part(n);
+//   GRADSUM_RETURN_IF_ERROR(h.ReadTensorBytes("emb/master", 4 * first, 4 * n, part.data()));
+class SafetensorsHeader {
+ public:
+  // Opens `path` (kept open while a copy lives) and reads its header. Errors as Read's.
+  static absl::StatusOr<SafetensorsHeader> Read(const std::string& path);
+  // NotFound naming the tensor and the file.
+  absl::StatusOr<const SafetensorsTensorRange*> Find(absl::string_view name) const;
+  // Bytes [offset, offset + n) of tensor `name`'s data into `out`. OutOfRange beyond the
+  // tensor; DataLoss if the file ends early.
+  absl::Status ReadTensorBytes(absl::string_view name, uint64_t offset, uint64_t n,
+                               void* out) const;
+  std::vector<std::string> names() const;
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  uint64_t file_bytes() const { return file_bytes_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  struct FileDescriptor {
+    int fd = -1;
+    ~FileDescriptor();
+  };
+  absl::Status ReadAt(uint64_t offset, uint64_t n, void* out) const;
+  std::string path_;
+  std::shared_ptr<FileDescriptor> fd_;
+  uint64_t file_bytes_ = 0, data_begin_ = 0;
+  std::map<std::string, SafetensorsTensorRange, std::less<>> tensors_;
+  std::map<std::string, std::string> metadata_;
+};
+
 // A parsed, validated safetensors file that owns its tensors' memory (each tensor is
 // copied into its own 8-byte aligned storage, so views are aligned for their dtype).
 class SafetensorsFile {

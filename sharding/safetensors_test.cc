@@ -283,5 +283,40 @@ TEST(SafetensorsTest, RandomCorruptionNeverCrashes) {
   EXPECT_LT(accepted, 20000);
 }
 
+// The header-only reader: the ranges of a hand-built file, reads of parts of one tensor,
+// and the same validation as a whole-file read.
+TEST(SafetensorsHeaderTest, ReadsRangesOfOneTensorWithoutTheRest) {
+  const std::string dir = TestDir("header");
+  float a[3] = {1.5f, -2.0f, 4.0f};
+  float b[2] = {7.0f, 8.0f};
+  std::string data(reinterpret_cast<const char*>(a), 12);
+  data.append(reinterpret_cast<const char*>(b), 8);
+  const std::string header =
+      R"({"__metadata__":{"k":"v"},"a":{"dtype":"F32","shape":[3],"data_offsets":[0,12]},)"
+      R"("b":{"dtype":"F32","shape":[1,2],"data_offsets":[12,20]}})";
+  ASSERT_TRUE(WriteFileAtomically(dir + "/f.safetensors", RawFile(header, data)).ok());
+  absl::StatusOr<SafetensorsHeader> h = SafetensorsHeader::Read(dir + "/f.safetensors");
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_EQ(h->names(), (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(h->metadata().at("k"), "v");
+  EXPECT_EQ((*h->Find("b"))->shape, (std::vector<int64_t>{1, 2}));
+  float got[2] = {0, 0};
+  ASSERT_TRUE(h->ReadTensorBytes("a", 4, 8, got).ok());
+  EXPECT_EQ(got[0], -2.0f);
+  EXPECT_EQ(got[1], 4.0f);
+  ASSERT_TRUE(h->ReadTensorBytes("b", 4, 4, got).ok());
+  EXPECT_EQ(got[0], 8.0f);
+  EXPECT_EQ(h->ReadTensorBytes("b", 4, 8, got).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(h->ReadTensorBytes("c", 0, 4, got).code(), absl::StatusCode::kNotFound);
+  // A truncated file fails as the whole-file reader fails.
+  ASSERT_TRUE(
+      WriteFileAtomically(dir + "/t.safetensors", RawFile(header, data.substr(0, 16))).ok());
+  absl::StatusOr<SafetensorsHeader> t = SafetensorsHeader::Read(dir + "/t.safetensors");
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(SafetensorsFile::Read(dir + "/t.safetensors").status().message(),
+            t.status().message());
+  EXPECT_EQ(SafetensorsHeader::Read(dir + "/none").status().code(), absl::StatusCode::kNotFound);
+}
+
 }  // namespace
 }  // namespace gradsum

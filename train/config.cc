@@ -317,6 +317,10 @@ absl::Status ValidateConfig(const TrainConfig& c) {
   if (c.resume() && c.checkpoint_dir().empty()) {
     return Bad("resume", "true", "needs checkpoint_dir");
   }
+  if (c.resume() && !c.init_from().empty()) {
+    return Bad("init_from", c.init_from(), "cannot be combined with resume (the checkpoint "
+               "holds the parameters)");
+  }
   if (c.checkpoint_every() > 0 && c.checkpoint_dir().empty()) {
     return Bad("checkpoint_every", StrCat(c.checkpoint_every()), "needs checkpoint_dir");
   }

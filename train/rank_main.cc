@@ -50,8 +50,9 @@ void PrintBanner(const TrainConfig& config, std::ostream& out) {
       config.world() / config.ep(), config.ep(), config.grad_acc(),
       TrainConfig::Sharding_Name(config.sharding()), TrainConfig::Backend_Name(config.backend()));
   out << absl::StrFormat(
-      "data: %d x %d tokens per rank and micro-batch, %s\n", config.data().micro_batch(),
-      config.data().seq_len(),
+      "data: %d x %d tokens per rank and micro-batch, global batch B=%d sequences per "
+      "step, %s\n",
+      config.data().micro_batch(), config.data().seq_len(), GlobalBatch(config),
       config.data().path().empty() ? "embedded Markov corpus" : config.data().path());
   if (config.data().path().empty()) {
     MarkovCorpus corpus(config.data());

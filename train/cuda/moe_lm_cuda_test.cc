@@ -81,7 +81,7 @@ TEST_P(MoeLmCudaTest, MatchesReferenceAndCpuTrainer) {
   ASSERT_TRUE((*cpu)[0].status.ok()) << (*cpu)[0].status;
 
   // 1. Step 1 against the double-precision reference: the trainer's own check (1e-5 in
-  //    f32; 2e-2 when parameters or gradients are rounded to bf16).
+  //    f32; 3e-2 when parameters or gradients are rounded to bf16).
   ASSERT_TRUE(gpu->parity.has_value());
   EXPECT_TRUE(gpu->parity->ok) << gpu->parity->ToString();
   if (compute == TrainConfig::f32 && reduce == TrainConfig::f32) {
