@@ -461,7 +461,7 @@ class MpiCommunicator final : public Communicator {
 
   absl::Status RunAllReduce(OpContext& ctx, const void* send, void* recv, size_t count,
                             DType dtype, ReduceOp op) {
-    // Large buffers go in chunks, one MPI_Iallreduce each, so that the fp32 staging of
+    // Large buffers go in chunks, one MPI all-reduce each, so that the fp32 staging of
     // bf16/f16 stays small and in cache between widening, reducing and narrowing.
     const size_t esize = DTypeSize(dtype);
     for (size_t begin = 0; begin < count; begin += kAllReduceChunk) {
