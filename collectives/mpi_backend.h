@@ -17,9 +17,9 @@
 // allocation) with blocking MPI (MPI_Allreduce, ...), Open MPI's fastest path for small
 // messages, once the async operations issued before it have finished. MPI never matches a
 // blocking collective with a non-blocking one, so ranks must agree on sync versus async for
-// each operation (the agreement check cannot see it; a mix hangs until the watchdog ends
-// the job). The options forms with a per-call timeout (communicator.h) are async + Wait,
-// hence non-blocking: use them on every rank or on none for a given operation.
+// each operation: the agreement check reports a mix as InvalidArgument ("ranks disagree on
+// sync versus async"); without the check a mix hangs until the watchdog ends the job. The
+// options forms with a per-call timeout (communicator.h) are async + Wait, hence async.
 //
 // Timeouts. A rank that never arrives makes the others fail after `timeout`:
 // - an async operation fails with DeadlineExceeded, and the

@@ -623,6 +623,35 @@ TEST_F(MpiBackendTest, SkippedOperationIsAnOperationMismatch) {
   EXPECT_TRUE(comm_->Barrier().ok());
 }
 
+// One rank's sync call against its peers' async form of the same operation (or the options
+// form with a per-call timeout, which is async + Wait): the mpi backend would run blocking
+// against non-blocking MPI, which never match, so the agreement check fails every rank with
+// InvalidArgument, no data moves, and the next operation lines up again.
+TEST_F(MpiBackendTest, SyncAgainstAsyncIsADisagreement) {
+  ASSERT_NE(comm_, nullptr);
+  for (bool per_call_timeout : {false, true}) {
+    float x = 1;
+    absl::Status s;
+    if (comm_->rank() == 0) {
+      s = comm_->AllReduce(&x, &x, 1, DType::kF32);
+    } else if (per_call_timeout) {
+      AllReduceOptions o;
+      o.send = &x;
+      o.recv = &x;
+      o.count = 1;
+      o.timeout = absl::Seconds(20);
+      s = comm_->AllReduce(o);
+    } else {
+      absl::StatusOr<std::unique_ptr<Work>> w = comm_->AllReduceAsync(&x, &x, 1, DType::kF32,
+                                                                      ReduceOp::kSum);
+      s = w.ok() ? (*w)->Wait(absl::Seconds(20)) : w.status();
+    }
+    ExpectInvalid(s, {"sync versus async", "sync vs async"});
+    EXPECT_EQ(x, 1.0f);
+    EXPECT_TRUE(comm_->Barrier().ok());
+  }
+}
+
 // With blocking_sync_calls = false a sync call that times out returns DeadlineExceeded
 // (with the default blocking calls the job ends instead: mpi_watchdog_test.sh).
 TEST_F(MpiBackendTest, AbsentRankMakesOthersFailWithDeadlineExceeded) {
