@@ -184,6 +184,23 @@ void BM_MpiAllReduceLatencyNoCheckNonBlocking(benchmark::State &state) {
 
 void BM_RawMpiAllreduceLatency(benchmark::State &state) { BM_RawMpiAllreduce(state); }
 
+// Raw MPI_Allreduce on a duplicate of MPI_COMM_WORLD, as the backend uses: separates the
+// backend's own cost from any difference between communicators.
+void BM_RawMpiAllreduceDupLatency(benchmark::State &state) {
+  static MPI_Comm dup = [] {
+    MPI_Comm c;
+    MPI_Comm_dup(MPI_COMM_WORLD, &c);
+    return c;
+  }();
+  const int n = static_cast<int>(static_cast<size_t>(state.range(0)) / sizeof(float));
+  std::vector<float> buf(n, 0.0f);
+  MPI_Barrier(MPI_COMM_WORLD);
+  for (auto _ : state) {
+    MPI_Allreduce(MPI_IN_PLACE, buf.data(), n, MPI_FLOAT, MPI_SUM, dup);
+  }
+  SetBandwidth(state, state.range(0));
+}
+
 // Memcpy on rank 0 alone (the others idle through the same iteration count), so
 // that it is the single-process copy bandwidth that bench/collectives_bench
 // also reports.
@@ -214,6 +231,7 @@ void RegisterAll() {
          {std::pair("BM_Memcpy", &BM_MemcpySynced),
           std::pair("BM_RawMpiAllreduceLatency", &BM_RawMpiAllreduceLatency),
           std::pair("BM_MpiAllReduceLatency", &BM_MpiAllReduceLatency),
+          std::pair("BM_RawMpiAllreduceDupLatency", &BM_RawMpiAllreduceDupLatency),
           std::pair("BM_MpiAllReduceLatencyNoCheck", &BM_MpiAllReduceLatencyNoCheck),
           std::pair("BM_MpiAllReduceLatencyNonBlocking", &BM_MpiAllReduceLatencyNonBlocking),
           std::pair("BM_MpiAllReduceLatencyNoCheckNonBlocking",

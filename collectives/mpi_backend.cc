@@ -557,6 +557,7 @@ class MpiCommunicator final : public Communicator {
       std::lock_guard<std::mutex> lock(mu_);
       if (broken_) return absl::FailedPreconditionError(BrokenMessage());
       queue_.push_back(op);
+      pending_.fetch_add(1, std::memory_order_relaxed);
     }
     queue_cv_.notify_all();
     return std::unique_ptr<Work>(new MpiWork(std::move(op)));
@@ -569,6 +570,13 @@ class MpiCommunicator final : public Communicator {
   // copy behind the pending operations and waits for it.
   template <typename F>
   absl::Status RunNow(int64_t seq, Kind kind, F& fn) {
+    // Fast path: no async operation is queued or running. Only this (the caller's) thread
+    // issues operations, so the progress thread stays idle until this call returns, and
+    // the acquire load orders everything it did (broken_, the scratch) before this call.
+    if (blocking_sync_ && pending_.load(std::memory_order_acquire) == 0) {
+      if (broken_) return absl::FailedPreconditionError(BrokenMessage());
+      return Execute(seq, kind, fn, /*blocking=*/true);
+    }
     {
       std::unique_lock<std::mutex> lock(mu_);
       if (broken_) return absl::FailedPreconditionError(BrokenMessage());
@@ -597,13 +605,14 @@ class MpiCommunicator final : public Communicator {
     return s;
   }
 
-  // Runs one operation; the caller holds `executing_`.
+  // Runs one operation; the caller holds `executing_` (or is RunNow's fast path, with no async
+  // operation pending).
   template <typename F>
   absl::Status Execute(int64_t seq, Kind kind, F& fn, bool blocking = false) {
     OpContext ctx;
     ctx.seq = seq;
     ctx.kind = kind;
-    ctx.deadline = absl::Now() + options_.timeout;
+    if (!blocking) ctx.deadline = absl::Now() + options_.timeout;  // the watchdog's otherwise
     ctx.scratch = scratch_.get();
     ctx.blocking = blocking;
     if (blocking) Arm(seq, kind);
@@ -649,6 +658,7 @@ class MpiCommunicator final : public Communicator {
       {
         std::lock_guard<std::mutex> lock(mu_);
         executing_ = false;
+        pending_.fetch_sub(1, std::memory_order_release);
         drained = sync_waiting_ && queue_.empty();
       }
       if (drained) drained_cv_.notify_all();
@@ -786,6 +796,9 @@ class MpiCommunicator final : public Communicator {
   std::deque<std::shared_ptr<Op>> queue_;  // guarded by mu_
   bool stopping_ = false;                  // guarded by mu_
   bool executing_ = false;                 // guarded by mu_; an operation is running
+  // Async operations queued or running: incremented by the caller's thread when it queues
+  // one, decremented (release) by the progress thread when one is done.
+  std::atomic<int64_t> pending_{0};
   // A blocking sync call waits on drained_cv_ for the queue to empty (guarded by mu_).
   bool sync_waiting_ = false;
   std::condition_variable drained_cv_;
