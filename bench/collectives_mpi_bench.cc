@@ -77,16 +77,18 @@ void BM_MpiAllReduceContiguous(benchmark::State &state) {
   SetBandwidth(state, state.range(0));
 }
 
-// The same buffer through MPI_Allreduce directly (blocking, in place).
-void BM_RawMpiAllreduce(benchmark::State &state) {
+// The same buffer through MPI_Allreduce directly (blocking, in place) on `comm`.
+void RawAllreduceOn(MPI_Comm comm, benchmark::State &state) {
   const int n = static_cast<int>(static_cast<size_t>(state.range(0)) / sizeof(float));
   std::vector<float> buf(n, 0.0f);
   MPI_Barrier(MPI_COMM_WORLD);
   for (auto _ : state) {
-    MPI_Allreduce(MPI_IN_PLACE, buf.data(), n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+    MPI_Allreduce(MPI_IN_PLACE, buf.data(), n, MPI_FLOAT, MPI_SUM, comm);
   }
   SetBandwidth(state, state.range(0));
 }
+
+void BM_RawMpiAllreduce(benchmark::State &state) { RawAllreduceOn(MPI_COMM_WORLD, state); }
 
 // bf16 through the mpi backend (widened to fp32, reduced, rounded once); bytes
 // are bf16 bytes, so compare with the f32 rows at twice the size for equal
@@ -192,13 +194,7 @@ void BM_RawMpiAllreduceDupLatency(benchmark::State &state) {
     MPI_Comm_dup(MPI_COMM_WORLD, &c);
     return c;
   }();
-  const int n = static_cast<int>(static_cast<size_t>(state.range(0)) / sizeof(float));
-  std::vector<float> buf(n, 0.0f);
-  MPI_Barrier(MPI_COMM_WORLD);
-  for (auto _ : state) {
-    MPI_Allreduce(MPI_IN_PLACE, buf.data(), n, MPI_FLOAT, MPI_SUM, dup);
-  }
-  SetBandwidth(state, state.range(0));
+  RawAllreduceOn(dup, state);
 }
 
 // Memcpy on rank 0 alone (the others idle through the same iteration count), so
