@@ -31,7 +31,8 @@ class CheckedCommunicator final : public Communicator {
   absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv,
                                                        size_t count, DType dtype,
                                                        ReduceOp op) override {
-    GRADSUM_RETURN_IF_ERROR(Agree(MakeCall(OpKind::kAllReduce, send, recv, count, dtype, op)));
+    GRADSUM_RETURN_IF_ERROR(
+        AgreeAsync(MakeCall(OpKind::kAllReduce, send, recv, count, dtype, op)));
     return inner_->AllReduceAsync(send, recv, count, dtype, op);
   }
   absl::Status AllReduce(const void* send, void* recv, size_t count, DType dtype,
@@ -44,7 +45,7 @@ class CheckedCommunicator final : public Communicator {
                                                            size_t recv_count, DType dtype,
                                                            ReduceOp op) override {
     GRADSUM_RETURN_IF_ERROR(
-        Agree(MakeCall(OpKind::kReduceScatter, send, recv, recv_count, dtype, op)));
+        AgreeAsync(MakeCall(OpKind::kReduceScatter, send, recv, recv_count, dtype, op)));
     return inner_->ReduceScatterAsync(send, recv, recv_count, dtype, op);
   }
   absl::Status ReduceScatter(const void* send, void* recv, size_t recv_count, DType dtype,
@@ -56,7 +57,8 @@ class CheckedCommunicator final : public Communicator {
 
   absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const void* send, void* recv,
                                                        size_t send_count, DType dtype) override {
-    GRADSUM_RETURN_IF_ERROR(Agree(MakeCall(OpKind::kAllGather, send, recv, send_count, dtype)));
+    GRADSUM_RETURN_IF_ERROR(
+        AgreeAsync(MakeCall(OpKind::kAllGather, send, recv, send_count, dtype)));
     return inner_->AllGatherAsync(send, recv, send_count, dtype);
   }
   absl::Status AllGather(const void* send, void* recv, size_t send_count, DType dtype) override {
@@ -69,7 +71,7 @@ class CheckedCommunicator final : public Communicator {
       absl::Span<const size_t> send_offsets, void* recv, absl::Span<const size_t> recv_counts,
       absl::Span<const size_t> recv_offsets, DType dtype) override {
     GRADSUM_RETURN_IF_ERROR(
-        Agree(MakeAllToAllVCall(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dtype)));
+        AgreeAsync(MakeAllToAllVCall(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dtype)));
     return inner_->AllToAllVAsync(send, send_counts, send_offsets, recv, recv_counts,
                                   recv_offsets, dtype);
   }
@@ -85,7 +87,7 @@ class CheckedCommunicator final : public Communicator {
 
   absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(void* buf, size_t count, DType dtype,
                                                        int root) override {
-    GRADSUM_RETURN_IF_ERROR(Agree(MakeBroadcastCall(buf, count, dtype, root)));
+    GRADSUM_RETURN_IF_ERROR(AgreeAsync(MakeBroadcastCall(buf, count, dtype, root)));
     return inner_->BroadcastAsync(buf, count, dtype, root);
   }
   absl::Status Broadcast(void* buf, size_t count, DType dtype, int root) override {
@@ -96,7 +98,8 @@ class CheckedCommunicator final : public Communicator {
   // The descriptor exchange already waits for every rank, but the inner barrier also
   // orders it after the inner's pending async operations.
   absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override {
-    GRADSUM_RETURN_IF_ERROR(Agree(MakeCall(OpKind::kBarrier, nullptr, nullptr, 0, DType::kF32)));
+    GRADSUM_RETURN_IF_ERROR(
+        AgreeAsync(MakeCall(OpKind::kBarrier, nullptr, nullptr, 0, DType::kF32)));
     return inner_->BarrierAsync();
   }
   absl::Status Barrier() override {
@@ -117,11 +120,14 @@ class CheckedCommunicator final : public Communicator {
                            collectives_internal::OpKindName(kind), seq, rank(), size());
   }
 
-  // Local validation, then the descriptor exchange; OK when every rank agrees.
-  absl::Status Agree(const OpCall& c) {
+  // Local validation, then the descriptor exchange; OK when every rank agrees. Whether the
+  // call is sync or async is part of the descriptor: a backend may run the two forms in
+  // ways that never match (the mpi backend: blocking versus non-blocking MPI).
+  absl::Status Agree(const OpCall& c, bool async = false) {
     const int64_t seq = seq_++;
     const absl::Status local = collectives_internal::ValidateCall(c, rank(), size());
     OpDescriptor d = collectives_internal::Describe(c);
+    d.async = async;
     if (!local.ok()) d.invalid_rank = rank();
     int64_t buf[collectives_internal::kDescriptorWords];
     collectives_internal::EncodeDescriptor(d, buf);
@@ -135,6 +141,8 @@ class CheckedCommunicator final : public Communicator {
     if (c.kind == OpKind::kAllToAllV) return AgreeOnCounts(c, seq);
     return absl::OkStatus();
   }
+
+  absl::Status AgreeAsync(const OpCall& c) { return Agree(c, /*async=*/true); }
 
   // Rank r's send_counts[p] must equal rank p's recv_counts[r]: each rank learns what its
   // peers will send it, then all ranks all-gather the first mismatch each one saw.

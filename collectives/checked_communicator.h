@@ -4,8 +4,9 @@
 // The cross-rank agreement check as a decorator over any Communicator (as c10d's
 // ProcessGroupWrapper): before each operation, every rank checks its own arguments with
 // the one validation every backend uses (op_descriptor.h ValidateCall) and all-reduces a
-// fixed-size descriptor of the call (operation, dtype, reduce op, count, root, and whether
-// the call was locally invalid; 12 int64) with MAX through the inner communicator. All
+// fixed-size descriptor of the call (operation, dtype, reduce op, count, root, sync or
+// async, and whether the call was locally invalid; 14 int64) with MAX through the inner
+// communicator. All
 // ranks see the same reduced descriptor, so all reach the same verdict:
 // - a rank whose own arguments are invalid gets InvalidArgument naming the value; its peers
 //   get InvalidArgument naming that rank (instead of waiting for it), and later
@@ -13,6 +14,10 @@
 // - ranks that disagree all get InvalidArgument naming the field and both values, e.g.
 //   "mpi all_reduce #3 (rank 1 of 2): ranks disagree on the element count: 10 vs 12
 //   (this rank: 12)", and no data moves;
+// - ranks that issue one operation in different forms (sync on one rank, async or with a
+//   per-call timeout on another) fail the same way ("ranks disagree on sync versus
+//   async"): the mpi backend runs sync calls as blocking MPI and async ones as
+//   non-blocking MPI, which never match each other;
 // - for all-to-all-v, also each rank's send count against its peer's receive count
 //   (one all-to-all of counts and one all-gather of reports).
 // Nothing is formatted unless a check fails.

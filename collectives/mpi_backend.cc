@@ -3,10 +3,12 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <climits>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -190,7 +192,7 @@ struct OpContext {
   Scratch* scratch = nullptr;  // the communicator's, reused by every operation
   bool breaks_comm = false;    // set when the communicator must not be used again
   bool leak_scratch = false;   // set when MPI may still write into the scratch
-  bool blocking = false;       // a sync all-reduce with MpiBackendOptions::blocking_sync_calls
+  bool blocking = false;       // a sync call run with blocking MPI, watched by the watchdog
 };
 
 using OpFn = std::function<absl::Status(OpContext&)>;
@@ -243,7 +245,13 @@ class MpiCommunicator final : public Communicator {
  public:
   // Takes ownership of `comm` (frees it on destruction unless the communicator broke).
   MpiCommunicator(MPI_Comm comm, MpiBackendOptions options)
-      : comm_(comm), options_(options), scratch_(std::make_unique<Scratch>()) {
+      : comm_(comm),
+        options_(options),
+        blocking_sync_(options.blocking_sync_calls && g_serial_mu == nullptr),
+        timeout_ns_(absl::ToInt64Nanoseconds(options.timeout)),
+        watch_period_(std::clamp<int64_t>(absl::ToInt64Nanoseconds(options.timeout) / 4,
+                                          int64_t{1'000'000}, int64_t{100'000'000})),
+        scratch_(std::make_unique<Scratch>()) {
     CallMpi([&] { return MPI_Comm_rank(comm_, &rank_); });
     CallMpi([&] { return MPI_Comm_size(comm_, &size_); });
     CallMpi([&] { return MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN); });
@@ -399,11 +407,10 @@ class MpiCommunicator final : public Communicator {
           if (count == 0) return absl::OkStatus();
           const void* in = in_place ? MPI_IN_PLACE : send;
           const int n = static_cast<int>(count);
-          MPI_Request req;
-          GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
-            return MPI_Iallgather(in, n, MoveType(dtype), recv, n, MoveType(dtype), comm_, &req);
-          }));
-          return Await(ctx, &req);
+          const MPI_Datatype t = MoveType(dtype);
+          return Collective(
+              ctx, [&] { return MPI_Allgather(in, n, t, recv, n, t, comm_); },
+              [&](MPI_Request* req) { return MPI_Iallgather(in, n, t, recv, n, t, comm_, req); });
         });
       case Kind::kAllToAllV: {
         auto to_ints = [](absl::Span<const size_t> s) {
@@ -417,24 +424,28 @@ class MpiCommunicator final : public Communicator {
           s.send_displs = sd;
           s.recv_counts = rc;
           s.recv_displs = rd;
-          MPI_Request req;
-          GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
-            return MPI_Ialltoallv(send, s.send_counts.data(), s.send_displs.data(),
-                                  MoveType(dtype), recv, s.recv_counts.data(),
-                                  s.recv_displs.data(), MoveType(dtype), comm_, &req);
-          }));
-          return Await(ctx, &req);
+          const MPI_Datatype t = MoveType(dtype);
+          return Collective(
+              ctx,
+              [&] {
+                return MPI_Alltoallv(send, s.send_counts.data(), s.send_displs.data(), t, recv,
+                                     s.recv_counts.data(), s.recv_displs.data(), t, comm_);
+              },
+              [&](MPI_Request* req) {
+                return MPI_Ialltoallv(send, s.send_counts.data(), s.send_displs.data(), t, recv,
+                                      s.recv_counts.data(), s.recv_displs.data(), t, comm_, req);
+              });
         });
       }
       case Kind::kBroadcast: {
         const int root = c.root;
         return run([=](OpContext& ctx) -> absl::Status {
           if (count == 0) return absl::OkStatus();
-          MPI_Request req;
-          GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
-            return MPI_Ibcast(recv, static_cast<int>(count), MoveType(dtype), root, comm_, &req);
-          }));
-          return Await(ctx, &req);
+          const int n = static_cast<int>(count);
+          const MPI_Datatype t = MoveType(dtype);
+          return Collective(
+              ctx, [&] { return MPI_Bcast(recv, n, t, root, comm_); },
+              [&](MPI_Request* req) { return MPI_Ibcast(recv, n, t, root, comm_, req); });
         });
       }
       case Kind::kBarrier:
@@ -442,15 +453,15 @@ class MpiCommunicator final : public Communicator {
         break;
     }
     return run([=](OpContext& ctx) -> absl::Status {
-      MPI_Request req;
-      GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] { return MPI_Ibarrier(comm_, &req); }));
-      return Await(ctx, &req);
+      return Collective(
+          ctx, [&] { return MPI_Barrier(comm_); },
+          [&](MPI_Request* req) { return MPI_Ibarrier(comm_, req); });
     });
   }
 
   absl::Status RunAllReduce(OpContext& ctx, const void* send, void* recv, size_t count,
                             DType dtype, ReduceOp op) {
-    // Large buffers go in chunks, one MPI_Iallreduce each, so that the fp32 staging of
+    // Large buffers go in chunks, one MPI all-reduce each, so that the fp32 staging of
     // bf16/f16 stays small and in cache between widening, reducing and narrowing.
     const size_t esize = DTypeSize(dtype);
     for (size_t begin = 0; begin < count; begin += kAllReduceChunk) {
@@ -475,22 +486,11 @@ class MpiCommunicator final : public Communicator {
     return absl::OkStatus();
   }
 
-  // One MPI all-reduce: blocking MPI_Allreduce for a sync call when the options ask for it
-  // (raw-MPI latency, no deadline), else MPI_Iallreduce polled until the deadline.
   absl::Status AllReduceChunk(OpContext& ctx, const void* in, void* out, int n, MPI_Datatype t,
                               MPI_Op op) {
-    if (ctx.blocking) {
-      const int rc = CallMpi([&] { return MPI_Allreduce(in, out, n, t, op, comm_); });
-      if (rc != MPI_SUCCESS) {
-        ctx.breaks_comm = true;
-        return MpiError(rc, Label(ctx));
-      }
-      return absl::OkStatus();
-    }
-    MPI_Request req;
-    GRADSUM_RETURN_IF_ERROR(
-        Post(ctx, [&] { return MPI_Iallreduce(in, out, n, t, op, comm_, &req); }));
-    return Await(ctx, &req);
+    return Collective(
+        ctx, [&] { return MPI_Allreduce(in, out, n, t, op, comm_); },
+        [&](MPI_Request* req) { return MPI_Iallreduce(in, out, n, t, op, comm_, req); });
   }
 
   absl::Status RunReduceScatter(OpContext& ctx, const void* send, void* recv, size_t recv_count,
@@ -499,18 +499,13 @@ class MpiCommunicator final : public Communicator {
     const size_t send_count = recv_count * static_cast<size_t>(size_);
     const size_t esize = DTypeSize(dtype);
     const int n = static_cast<int>(recv_count);
-    MPI_Request req;
     if (IsHalf(dtype)) {
       std::vector<float>& in = ctx.scratch->f32a;
       std::vector<float>& out = ctx.scratch->f32b;
       in.resize(send_count);
       out.resize(recv_count);
       Widen(send, dtype, send_count, in.data());
-      GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
-        return MPI_Ireduce_scatter_block(in.data(), out.data(), n, MPI_FLOAT, MPI_SUM, comm_,
-                                         &req);
-      }));
-      GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
+      GRADSUM_RETURN_IF_ERROR(ReduceScatterBlock(ctx, in.data(), out.data(), n, MPI_FLOAT));
       if (op == ReduceOp::kAvg) DivideNative(out.data(), recv_count, DType::kF32, size_);
       Narrow(out.data(), dtype, recv_count, recv);
       return absl::OkStatus();
@@ -522,16 +517,22 @@ class MpiCommunicator final : public Communicator {
       ctx.scratch->bytes.resize(recv_count * esize);
       out = ctx.scratch->bytes.data();
     }
-    GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] {
-      return MPI_Ireduce_scatter_block(send, out, n, MoveType(dtype), MPI_SUM, comm_, &req);
-    }));
-    GRADSUM_RETURN_IF_ERROR(Await(ctx, &req));
+    GRADSUM_RETURN_IF_ERROR(ReduceScatterBlock(ctx, send, out, n, MoveType(dtype)));
     if (op == ReduceOp::kAvg) DivideNative(out, recv_count, dtype, size_);
     if (out != recv) std::memcpy(recv, out, recv_count * esize);
     return absl::OkStatus();
   }
 
-  // Elements per MPI_Iallreduce of a large all-reduce (4 MiB of f32).
+  absl::Status ReduceScatterBlock(OpContext& ctx, const void* in, void* out, int n,
+                                  MPI_Datatype t) {
+    return Collective(
+        ctx, [&] { return MPI_Reduce_scatter_block(in, out, n, t, MPI_SUM, comm_); },
+        [&](MPI_Request* req) {
+          return MPI_Ireduce_scatter_block(in, out, n, t, MPI_SUM, comm_, req);
+        });
+  }
+
+  // Elements per MPI all-reduce of a large all-reduce (4 MiB of f32).
   static constexpr size_t kAllReduceChunk = size_t{1} << 20;
 
   // AVG is reduced as SUM and divided afterwards.
@@ -556,25 +557,42 @@ class MpiCommunicator final : public Communicator {
       std::lock_guard<std::mutex> lock(mu_);
       if (broken_) return absl::FailedPreconditionError(BrokenMessage());
       queue_.push_back(op);
+      pending_.fetch_add(1, std::memory_order_relaxed);
     }
     queue_cv_.notify_all();
     return std::unique_ptr<Work>(new MpiWork(std::move(op)));
   }
 
-  // Runs `fn` on the caller's thread if nothing is queued or running; else queues a copy
-  // behind the pending operations and waits for it.
+  // Runs `fn` on the caller's thread once nothing is queued or running. With blocking sync
+  // calls it waits for the pending async operations to finish first (each is bounded by its
+  // own deadline), so that a sync call is blocking MPI on every rank whatever the timing:
+  // MPI never matches a blocking collective with a non-blocking one. Without, it queues a
+  // copy behind the pending operations and waits for it.
   template <typename F>
   absl::Status RunNow(int64_t seq, Kind kind, F& fn) {
+    // Fast path: no async operation is queued or running. Only this (the caller's) thread
+    // issues operations, so the progress thread stays idle until this call returns, and
+    // the acquire load orders everything it did (broken_, the scratch) before this call.
+    if (blocking_sync_ && pending_.load(std::memory_order_acquire) == 0) {
+      if (broken_) return absl::FailedPreconditionError(BrokenMessage());
+      return Execute(seq, kind, fn, /*blocking=*/true);
+    }
     {
       std::unique_lock<std::mutex> lock(mu_);
       if (broken_) return absl::FailedPreconditionError(BrokenMessage());
       if (executing_ || !queue_.empty()) {
-        lock.unlock();
-        return WaitIssued(Enqueue(seq, kind, OpFn(fn)));
+        if (!blocking_sync_) {
+          lock.unlock();
+          return WaitIssued(Enqueue(seq, kind, OpFn(fn)));
+        }
+        sync_waiting_ = true;
+        drained_cv_.wait(lock, [this] { return !executing_ && queue_.empty(); });
+        sync_waiting_ = false;
+        if (broken_) return absl::FailedPreconditionError(BrokenMessage());
       }
       executing_ = true;
     }
-    absl::Status s = Execute(seq, kind, fn, options_.blocking_sync_calls);
+    absl::Status s = Execute(seq, kind, fn, blocking_sync_);
     bool wake;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -587,16 +605,19 @@ class MpiCommunicator final : public Communicator {
     return s;
   }
 
-  // Runs one operation; the caller holds `executing_`.
+  // Runs one operation; the caller holds `executing_` (or is RunNow's fast path, with no async
+  // operation pending).
   template <typename F>
   absl::Status Execute(int64_t seq, Kind kind, F& fn, bool blocking = false) {
     OpContext ctx;
     ctx.seq = seq;
     ctx.kind = kind;
-    ctx.deadline = absl::Now() + options_.timeout;
+    if (!blocking) ctx.deadline = absl::Now() + options_.timeout;  // the watchdog's otherwise
     ctx.scratch = scratch_.get();
     ctx.blocking = blocking;
+    if (blocking) Arm(seq, kind);
     absl::Status status = fn(ctx);
+    if (blocking) watch_deadline_ns_.store(0, std::memory_order_release);
     if (ctx.leak_scratch) {
       LeakForever(std::move(scratch_));
       scratch_ = std::make_unique<Scratch>();
@@ -615,11 +636,17 @@ class MpiCommunicator final : public Communicator {
       bool broken;
       {
         std::unique_lock<std::mutex> lock(mu_);
-        queue_cv_.wait(lock, [this] { return stopping_ || (!queue_.empty() && !executing_); });
-        if (queue_.empty()) return;  // stopping
-        if (executing_) {
-          queue_cv_.wait(lock, [this] { return !executing_; });
+        // Idle, or a sync call runs on the caller's thread: wake every watch period to
+        // check that call's deadline (nobody notifies for a sync call; that would cost a
+        // context switch per call).
+        while (!(stopping_ || (!queue_.empty() && !executing_))) {
+          if (queue_cv_.wait_for(lock, watch_period_) == std::cv_status::timeout) {
+            lock.unlock();
+            CheckWatchedCall();
+            lock.lock();
+          }
         }
+        if (queue_.empty()) return;  // stopping
         op = std::move(queue_.front());
         queue_.pop_front();
         broken = broken_;
@@ -627,12 +654,76 @@ class MpiCommunicator final : public Communicator {
       }
       absl::Status status =
           broken ? absl::FailedPreconditionError(BrokenMessage()) : Execute(op->seq, op->kind, op->run);
+      bool drained;
       {
         std::lock_guard<std::mutex> lock(mu_);
         executing_ = false;
+        pending_.fetch_sub(1, std::memory_order_release);
+        drained = sync_waiting_ && queue_.empty();
       }
+      if (drained) drained_cv_.notify_all();
       op->Finish(std::move(status));
     }
+  }
+
+  // One MPI collective: the blocking form on a watched sync call (ctx.blocking), else the
+  // non-blocking form polled until the operation's deadline.
+  template <typename Blocking, typename Start>
+  absl::Status Collective(OpContext& ctx, Blocking&& blocking, Start&& start) {
+    if (ctx.blocking) {
+      const int rc = CallMpi(blocking);
+      if (rc != MPI_SUCCESS) {
+        ctx.breaks_comm = true;
+        return MpiError(rc, Label(ctx));
+      }
+      return absl::OkStatus();
+    }
+    MPI_Request req;
+    GRADSUM_RETURN_IF_ERROR(Post(ctx, [&] { return start(&req); }));
+    return Await(ctx, &req);
+  }
+
+  static int64_t SteadyNanos() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+
+  // Arms the watchdog for a blocking sync call (three relaxed stores and a release; no
+  // allocation, no lock, no notification).
+  void Arm(int64_t seq, Kind kind) {
+    watch_seq_.store(seq, std::memory_order_relaxed);
+    watch_kind_.store(static_cast<int64_t>(kind), std::memory_order_relaxed);
+    const int64_t now = SteadyNanos();
+    const int64_t deadline = timeout_ns_ > INT64_MAX - now ? INT64_MAX : now + timeout_ns_;
+    watch_deadline_ns_.store(deadline, std::memory_order_release);
+  }
+
+  // The watchdog (on the progress thread, which is idle while a sync call runs on the
+  // caller's thread): a blocking call still armed after its deadline cannot be interrupted
+  // (MPI cannot cancel a collective), so the rank reports DeadlineExceeded and ends the
+  // job, as a timed-out collective in a training job does (train/main.cc).
+  void CheckWatchedCall() {
+    // The clock is read before the deadline: if the deadline loaded afterwards has passed
+    // at `now`, the call armed with it was still running after its deadline.
+    const int64_t now = SteadyNanos();
+    const int64_t deadline = watch_deadline_ns_.load(std::memory_order_acquire);
+    if (deadline == 0 || now <= deadline) return;
+    const int64_t seq = watch_seq_.load(std::memory_order_relaxed);
+    const auto kind = static_cast<Kind>(watch_kind_.load(std::memory_order_relaxed));
+    // Re-armed meanwhile (the label would belong to a newer call): check again later.
+    if (watch_deadline_ns_.load(std::memory_order_acquire) != deadline) return;
+    OpContext ctx;
+    ctx.seq = seq;
+    ctx.kind = kind;
+    const std::string message = absl::StrCat(
+        "gradsum mpi backend: DEADLINE_EXCEEDED: ", Label(ctx),
+        ": not every rank arrived within the timeout of ", absl::FormatDuration(options_.timeout),
+        " in a blocking call, which cannot be abandoned; ending the MPI job");
+    std::fprintf(stderr, "%s\n", message.c_str());
+    std::fflush(stderr);
+    AbortMpiJob(kWatchdogExitCode);
+    std::_Exit(kWatchdogExitCode);  // only if MPI was already finalised
   }
 
   // Starts a non-blocking MPI call; an error breaks the communicator.
@@ -678,8 +769,23 @@ class MpiCommunicator final : public Communicator {
     }
   }
 
+  // The exit status of a job that the watchdog ends.
+  static constexpr int kWatchdogExitCode = 1;
+
   MPI_Comm comm_;
   const MpiBackendOptions options_;
+  // Sync calls on the caller's thread use blocking MPI (options, and MPI_THREAD_MULTIPLE:
+  // under MPI_THREAD_SERIALIZED a blocking call would hold the process-wide MPI lock
+  // while it waits, stalling every other communicator's progress).
+  const bool blocking_sync_;
+  const int64_t timeout_ns_;
+  // How often the idle progress thread checks a watched call: timeout / 4, in [1, 100] ms.
+  const std::chrono::nanoseconds watch_period_;
+  // The watched call: deadline in steady-clock ns, 0 when none. Written by the caller's
+  // thread, read by the progress thread.
+  std::atomic<int64_t> watch_deadline_ns_{0};
+  std::atomic<int64_t> watch_seq_{0};
+  std::atomic<int64_t> watch_kind_{0};
   int rank_ = 0;
   int size_ = 0;
   // Numbers every operation call (for messages). Caller's thread only.
@@ -690,6 +796,12 @@ class MpiCommunicator final : public Communicator {
   std::deque<std::shared_ptr<Op>> queue_;  // guarded by mu_
   bool stopping_ = false;                  // guarded by mu_
   bool executing_ = false;                 // guarded by mu_; an operation is running
+  // Async operations queued or running: incremented by the caller's thread when it queues
+  // one, decremented (release) by the progress thread when one is done.
+  std::atomic<int64_t> pending_{0};
+  // A blocking sync call waits on drained_cv_ for the queue to empty (guarded by mu_).
+  bool sync_waiting_ = false;
+  std::condition_variable drained_cv_;
   // Written under mu_ by whoever executes; read by the destructor after the join.
   bool broken_ = false;
   std::string broken_reason_;  // guarded by mu_

@@ -11,13 +11,27 @@
 //
 // How it works. Each communicator owns a private duplicate of its MPI communicator (so its
 // traffic never matches the caller's own MPI calls) and one progress thread that runs the
-// issued async operations strictly in issue order. A synchronous call made while nothing
-// is queued or running runs on the caller's thread instead (no hand-off, no allocation);
-// otherwise it queues behind the pending operations. Data moves with non-blocking MPI
+// issued async operations strictly in issue order. Async operations use non-blocking MPI
 // (MPI_Iallreduce, ...) polled with MPI_Test until done or until `timeout` after the
-// operation started: a rank that never arrives makes the others fail with
-// DeadlineExceeded, and the communicator is then broken (FailedPrecondition on every
-// later call).
+// operation started. A synchronous call runs on the caller's thread (no hand-off, no
+// allocation) with blocking MPI (MPI_Allreduce, ...), Open MPI's fastest path for small
+// messages, once the async operations issued before it have finished. MPI never matches a
+// blocking collective with a non-blocking one, so ranks must agree on sync versus async for
+// each operation: the agreement check reports a mix as InvalidArgument ("ranks disagree on
+// sync versus async"); without the check a mix hangs until the watchdog ends the job. The
+// options forms with a per-call timeout (communicator.h) are async + Wait, hence async.
+//
+// Timeouts. A rank that never arrives makes the others fail after `timeout`:
+// - an async operation fails with DeadlineExceeded, and the
+//   communicator is then broken (FailedPrecondition on every later call);
+// - a blocking sync call cannot be abandoned (MPI cannot cancel a collective), so a
+//   watchdog (the idle progress thread, checking an atomically armed deadline every
+//   timeout / 4, at most 100 ms) prints "gradsum mpi backend: DEADLINE_EXCEEDED: mpi
+//   all_reduce #N (rank R of W): not every rank arrived within the timeout of T ..." to
+//   stderr and ends the whole job (AbortMpiJob, exit status 1), as a training job does
+//   after any timed-out collective (train/main.cc). Programs that want DeadlineExceeded
+//   back from sync calls instead set blocking_sync_calls = false (costs 5-15 us per
+//   small call; docs/benchmarks/mpi.md).
 //
 // Arguments are checked on the calling rank with the validation every backend shares
 // (InvalidArgument naming the value). Cross-rank agreement is the WithAgreementCheck
@@ -74,12 +88,13 @@ struct MpiBackendOptions {
   absl::Duration timeout = absl::Seconds(60);
   // Wrap the communicator in WithAgreementCheck (see above). Split communicators inherit it.
   bool check_agreement = true;
-  // Synchronous all-reduces that run on the caller's thread use blocking MPI_Allreduce
-  // instead of MPI_Iallreduce + MPI_Test. Open MPI's non-blocking collectives cost ~5-15 us
-  // more per call than the blocking ones at small sizes, so this gives raw-MPI latency;
-  // but a blocking call cannot time out: a rank that never arrives then hangs its peers
-  // instead of failing them with DeadlineExceeded. Off by default.
-  bool blocking_sync_calls = false;
+  // Synchronous calls that run on the caller's thread use blocking MPI under the watchdog
+  // (see "Timeouts" above): raw-MPI latency, but a timeout ends the job. false: they use
+  // non-blocking MPI polled with MPI_Test (Open MPI's non-blocking collectives cost ~5-15 us
+  // more per call at small sizes), queued behind pending async operations, and a timeout
+  // returns DeadlineExceeded. Every rank must use the same setting. Blocking needs
+  // MPI_THREAD_MULTIPLE; under MPI_THREAD_SERIALIZED sync calls are non-blocking anyway.
+  bool blocking_sync_calls = true;
 };
 
 // Returns a communicator over all processes of the job (a duplicate of MPI_COMM_WORLD).

@@ -11,7 +11,7 @@
 namespace gradsum::collectives_internal {
 namespace {
 
-enum Field { kInvalidRank = 0, kKind, kDType, kOp, kCount, kRoot };
+enum Field { kInvalidRank = 0, kKind, kDType, kOp, kCount, kRoot, kAsync };
 
 const char* FieldName(int f) {
   switch (f) {
@@ -21,6 +21,7 @@ const char* FieldName(int f) {
     case kOp: return "the reduce op";
     case kCount: return "the element count";
     case kRoot: return "the root";
+    case kAsync: return "sync versus async";
   }
   return "?";
 }
@@ -35,6 +36,7 @@ std::string FieldValue(int f, int64_t v) {
       return IsValidDType(static_cast<int>(v)) ? std::string(DTypeName(static_cast<DType>(v)))
                                                : absl::StrCat(v);
     case kOp: return ReduceOpName(static_cast<ReduceOp>(v));
+    case kAsync: return v != 0 ? "async" : "sync";
     default: return absl::StrCat(v);
   }
 }
@@ -46,6 +48,7 @@ void Fields(const OpDescriptor& d, int64_t* f) {
   f[kOp] = static_cast<int64_t>(d.op);
   f[kCount] = d.count;
   f[kRoot] = d.root;
+  f[kAsync] = d.async ? 1 : 0;
 }
 
 bool HasDType(OpKind k) { return k != OpKind::kBarrier && k != OpKind::kSplit; }

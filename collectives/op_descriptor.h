@@ -89,13 +89,17 @@ struct OpDescriptor {
   // This rank's number when its own arguments failed the local checks (it still joins
   // the exchange so that its peers fail too instead of waiting); -1 otherwise.
   int64_t invalid_rank = -1;
+  // Issued as an async operation (including the options forms with a per-call timeout,
+  // which are async + Wait). A backend may run sync and async forms differently (the mpi
+  // backend: blocking versus non-blocking MPI, which never match each other).
+  bool async = false;
 };
 
-// The descriptor of a call (invalid_rank -1).
+// The descriptor of a call (invalid_rank -1, async false).
 OpDescriptor Describe(const OpCall& c);
 
-// Invalid rank, kind, dtype, op, count, root; each twice (value, negated value).
-inline constexpr int kDescriptorFields = 6;
+// Invalid rank, kind, dtype, op, count, root, async; each twice (value, negated value).
+inline constexpr int kDescriptorFields = 7;
 inline constexpr int kDescriptorWords = 2 * kDescriptorFields;
 
 // Fills out[0, kDescriptorWords) for a MAX all-reduce.
