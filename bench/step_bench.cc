@@ -70,7 +70,8 @@ void BM_TrainStep(benchmark::State& state) {
   train::TrainConfig config;  // the binary's defaults
   config.set_world(world);
   config.set_ep(static_cast<int>(state.range(1)));
-  config.set_sharding(state.range(2) == 0 ? "fsdp" : "replicated");
+  config.set_sharding(state.range(2) == 0 ? train::TrainConfig::fsdp
+                                          : train::TrainConfig::replicated);
   config.set_steps(1 << 30);
   double step_s = 0, comm_s = 0, exposed_s = 0, wait_s = 0, tokens = 0;
   for (auto _ : state) {

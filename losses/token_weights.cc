@@ -17,14 +17,6 @@ const char* CeWeightModeName(CeWeightMode mode) {
   return "invalid";
 }
 
-absl::StatusOr<CeWeightMode> ParseCeWeightMode(absl::string_view name) {
-  if (name == "token") return CeWeightMode::kToken;
-  if (name == "sample") return CeWeightMode::kSample;
-  if (name == "square") return CeWeightMode::kSquare;
-  return absl::InvalidArgumentError(absl::StrCat("unknown cross-entropy weight mode '", name,
-                                                 "' (expected token, sample or square)"));
-}
-
 absl::StatusOr<std::vector<float>> ComputeTokenWeights(absl::Span<const int64_t> labels,
                                                        absl::Span<const int64_t> sample_ids,
                                                        CeWeightMode mode, int64_t ignore_index) {

@@ -19,18 +19,15 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 
 namespace gradsum::losses {
 
 enum class CeWeightMode { kToken = 0, kSample = 1, kSquare = 2 };
 
-// "token", "sample", "square".
+// "token", "sample", "square" (for messages; moe_lm reads the mode from its config's
+// ce_mode enum, train/config.proto).
 const char* CeWeightModeName(CeWeightMode mode);
-
-// Inverse of CeWeightModeName; anything else is InvalidArgument naming the input.
-absl::StatusOr<CeWeightMode> ParseCeWeightMode(absl::string_view name);
 
 // Returns w_t for each token (fp32; the kernels and D use exactly these values).
 //

@@ -22,15 +22,21 @@
 #include "core/tensor.h"
 #include "sharding/atomic_file.h"
 #include "sharding/flat_param.h"
-#include "sharding/json.h"
+#include "sharding/checkpoint.pb.h"
+#include "sharding/proto_json.h"
 #include "sharding/safetensors.h"
 #include "sharding/status_agreement.h"
 
 namespace gradsum {
 namespace {
 
+namespace cp = ::gradsum::checkpoint;  // sharding/checkpoint.proto
+namespace pb = ::google::protobuf;
+
 constexpr absl::string_view kFormat = "gradsum.sharded_checkpoint";
-constexpr int64_t kVersion = 2;  // 2: the marker records every rank's file fingerprints
+// 2: the marker records every rank's file fingerprints. 3: the files are the proto3 JSON of
+// sharding/checkpoint.proto (int64 values as strings).
+constexpr int32_t kVersion = 3;
 constexpr absl::string_view kMarkerName = "checkpoint.json";
 
 std::string RankStem(int64_t rank) { return absl::StrFormat("rank-%05d", rank); }
@@ -68,203 +74,162 @@ struct Manifest {
   std::vector<GroupRecord> groups;
 };
 
-class FieldReader {
- public:
-  explicit FieldReader(std::string file) : file_(std::move(file)) {}
-  absl::Status Loss(absl::string_view what) const {
-    return absl::DataLossError(absl::StrCat("checkpoint file '", file_, "': ", what));
-  }
-  absl::StatusOr<const JsonValue*> Get(const JsonValue& obj, absl::string_view key,
-                                       JsonValue::Type type, absl::string_view type_name) const {
-    const JsonValue* v = obj.Find(key);
-    if (v == nullptr) return Loss(absl::StrCat("missing field \"", key, "\""));
-    if (v->type() != type) return Loss(absl::StrCat("field \"", key, "\" is not ", type_name));
-    return v;
-  }
-  absl::StatusOr<int64_t> Int(const JsonValue& obj, absl::string_view key) const {
-    GRADSUM_ASSIGN_OR_RETURN(const JsonValue* v, Get(obj, key, JsonValue::Type::kInt, "an integer"));
-    return v->as_int();
-  }
-  absl::StatusOr<int64_t> NonNegative(const JsonValue& obj, absl::string_view key) const {
-    GRADSUM_ASSIGN_OR_RETURN(int64_t v, Int(obj, key));
-    if (v < 0) return Loss(absl::StrCat("field \"", key, "\" is negative: ", v));
-    return v;
-  }
-  absl::StatusOr<std::string> Str(const JsonValue& obj, absl::string_view key) const {
-    GRADSUM_ASSIGN_OR_RETURN(const JsonValue* v, Get(obj, key, JsonValue::Type::kString, "a string"));
-    return v->as_string();
-  }
-  absl::StatusOr<const JsonValue*> Array(const JsonValue& obj, absl::string_view key) const {
-    return Get(obj, key, JsonValue::Type::kArray, "an array");
-  }
-  absl::StatusOr<const JsonValue*> Object(const JsonValue& obj, absl::string_view key) const {
-    return Get(obj, key, JsonValue::Type::kObject, "an object");
-  }
-  const std::string& file() const { return file_; }
+std::string Hex(uint64_t v) { return absl::StrFormat("%016x", v); }
 
- private:
-  std::string file_;
-};
+absl::Status Loss(const std::string& file, absl::string_view what) {
+  return absl::DataLossError(absl::StrCat("checkpoint file '", file, "': ", what));
+}
 
-absl::StatusOr<JsonValue> ReadJsonFile(const std::string& path, const FieldReader& r,
-                                       uint64_t* fingerprint = nullptr) {
-  GRADSUM_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path, uint64_t{1} << 30));
-  if (fingerprint != nullptr) *fingerprint = Fingerprint64(text);
-  absl::StatusOr<JsonValue> v = ParseJson(text);
-  if (!v.ok()) return r.Loss(v.status().message());
-  if (!v->is_object()) return r.Loss("not a JSON object");
-  GRADSUM_ASSIGN_OR_RETURN(std::string format, r.Str(*v, "format"));
-  if (format != kFormat) return r.Loss(absl::StrCat("format is \"", format, "\", not ", kFormat));
-  GRADSUM_ASSIGN_OR_RETURN(int64_t version, r.Int(*v, "version"));
-  if (version != kVersion) {
-    return absl::FailedPreconditionError(absl::StrCat("checkpoint file '", path, "' has version ",
-                                                      version, "; this build reads ", kVersion));
+// 16 hex digits, as Hex writes them.
+absl::StatusOr<uint64_t> FromHex(const std::string& file, absl::string_view field,
+                                 const std::string& hex) {
+  uint64_t v = 0;
+  if (hex.size() != 16 || !absl::SimpleHexAtoi(hex, &v)) {
+    return Loss(file, absl::StrCat("\"", field, "\" is \"", hex, "\", not 16 hex digits"));
   }
   return v;
 }
 
-JsonValue GroupToJson(const FlatParam& g) {
-  JsonValue o = JsonValue::Object();
-  o.Set("name", JsonValue::String(g.name()));
-  o.Set("mode", JsonValue::String(ShardingModeName(g.options().mode)));
-  o.Set("group_size", JsonValue::Int(g.group_size()));
-  o.Set("group_rank", JsonValue::Int(g.group_rank()));
-  o.Set("numel", JsonValue::Int(g.numel()));
-  o.Set("padded_numel", JsonValue::Int(g.padded_numel()));
-  o.Set("shard_offset", JsonValue::Int(g.shard_offset()));
-  o.Set("local_numel", JsonValue::Int(g.local_numel()));
-  JsonValue params = JsonValue::Array();
-  for (const FlatParamEntry& e : g.entries()) {
-    JsonValue p = JsonValue::Object();
-    p.Set("name", JsonValue::String(e.name));
-    JsonValue shape = JsonValue::Array();
-    for (int64_t d : e.shape) shape.Append(JsonValue::Int(d));
-    p.Set("shape", std::move(shape));
-    p.Set("offset", JsonValue::Int(e.offset));
-    params.Append(std::move(p));
+// Reads the JSON file at `path` into `message`: first its format and version (a file of
+// another version is FailedPrecondition naming both versions, whatever else it holds), then
+// the whole message, every field required. `fingerprint` gets the file's.
+absl::Status ReadJsonFile(const std::string& path, pb::Message* message,
+                          uint64_t* fingerprint = nullptr) {
+  GRADSUM_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path, uint64_t{1} << 30));
+  if (fingerprint != nullptr) *fingerprint = Fingerprint64(text);
+  cp::FormatHeader header;
+  absl::Status s = ProtoFromJson(text, &header, /*ignore_unknown_fields=*/true);
+  if (!s.ok()) return Loss(path, s.message());
+  if (!header.has_format()) return Loss(path, "missing field \"format\"");
+  if (header.format() != kFormat) {
+    return Loss(path, absl::StrCat("format is \"", header.format(), "\", not ", kFormat));
   }
-  o.Set("params", std::move(params));
+  if (!header.has_version()) return Loss(path, "missing field \"version\"");
+  if (header.version() != kVersion) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint file '", path, "' has format version ", header.version(),
+        "; this build reads only version ", kVersion,
+        header.version() < kVersion ? " (the checkpoint was written by an older build)" : ""));
+  }
+  s = ProtoFromJson(text, message);
+  if (!s.ok()) return Loss(path, s.message());
+  const std::string missing = FirstMissingField(*message);
+  if (!missing.empty()) return Loss(path, absl::StrCat("missing field \"", missing, "\""));
+  return absl::OkStatus();
+}
+
+cp::GroupRecord GroupToProto(const FlatParam& g) {
+  cp::GroupRecord o;
+  o.set_name(g.name());
+  o.set_mode(ShardingModeName(g.options().mode));
+  o.set_group_size(g.group_size());
+  o.set_group_rank(g.group_rank());
+  o.set_numel(g.numel());
+  o.set_padded_numel(g.padded_numel());
+  o.set_shard_offset(g.shard_offset());
+  o.set_local_numel(g.local_numel());
+  for (const FlatParamEntry& e : g.entries()) {
+    cp::ParamRecord* p = o.add_params();
+    p->set_name(e.name);
+    for (int64_t d : e.shape) p->add_shape(d);
+    p->set_offset(e.offset);
+  }
   return o;
 }
 
-absl::StatusOr<GroupRecord> GroupFromJson(const JsonValue& o, const FieldReader& r) {
-  if (!o.is_object()) return r.Loss("a group entry is not an object");
+absl::StatusOr<GroupRecord> GroupFromProto(const cp::GroupRecord& o, const std::string& file) {
   GroupRecord g;
-  GRADSUM_ASSIGN_OR_RETURN(g.name, r.Str(o, "name"));
-  GRADSUM_ASSIGN_OR_RETURN(g.mode, r.Str(o, "mode"));
-  GRADSUM_ASSIGN_OR_RETURN(g.group_size, r.NonNegative(o, "group_size"));
-  GRADSUM_ASSIGN_OR_RETURN(g.group_rank, r.NonNegative(o, "group_rank"));
-  GRADSUM_ASSIGN_OR_RETURN(g.numel, r.NonNegative(o, "numel"));
-  GRADSUM_ASSIGN_OR_RETURN(g.padded_numel, r.NonNegative(o, "padded_numel"));
-  GRADSUM_ASSIGN_OR_RETURN(g.shard_offset, r.NonNegative(o, "shard_offset"));
-  GRADSUM_ASSIGN_OR_RETURN(g.local_numel, r.NonNegative(o, "local_numel"));
+  g.name = o.name();
+  g.mode = o.mode();
+  g.group_size = o.group_size();
+  g.group_rank = o.group_rank();
+  g.numel = o.numel();
+  g.padded_numel = o.padded_numel();
+  g.shard_offset = o.shard_offset();
+  g.local_numel = o.local_numel();
   const std::string where = absl::StrCat("group \"", g.name, "\": ");
+  for (const auto& [field, v] : {std::pair<const char*, int64_t>{"group_size", g.group_size},
+                                 {"group_rank", g.group_rank},
+                                 {"numel", g.numel},
+                                 {"padded_numel", g.padded_numel},
+                                 {"shard_offset", g.shard_offset},
+                                 {"local_numel", g.local_numel}}) {
+    if (v < 0) return Loss(file, absl::StrCat(where, "field \"", field, "\" is negative: ", v));
+  }
   // The layout must be the one FlatParam computes; anything else is corruption.
   if (g.group_size < 1 || g.group_rank >= g.group_size || g.numel > (int64_t{1} << 60)) {
-    return r.Loss(absl::StrCat(where, "group_rank ", g.group_rank, " / group_size ", g.group_size,
-                               " / numel ", g.numel, " are inconsistent"));
+    return Loss(file, absl::StrCat(where, "group_rank ", g.group_rank, " / group_size ",
+                                   g.group_size, " / numel ", g.numel, " are inconsistent"));
   }
   const int64_t padded = (g.numel + g.group_size - 1) / g.group_size * g.group_size;
   const int64_t shard = padded / g.group_size;
   if (g.padded_numel != padded || g.shard_offset != g.group_rank * shard ||
       g.local_numel != std::clamp<int64_t>(g.numel - g.shard_offset, 0, shard)) {
-    return r.Loss(absl::StrCat(where, "padded_numel ", g.padded_numel, ", shard_offset ",
-                               g.shard_offset, ", local_numel ", g.local_numel,
-                               " do not match numel ", g.numel, " over ", g.group_size, " ranks"));
+    return Loss(file, absl::StrCat(where, "padded_numel ", g.padded_numel, ", shard_offset ",
+                                   g.shard_offset, ", local_numel ", g.local_numel,
+                                   " do not match numel ", g.numel, " over ", g.group_size,
+                                   " ranks"));
   }
   if (g.mode != ShardingModeName(ShardingMode::kSharded) &&
       g.mode != ShardingModeName(ShardingMode::kReplicated)) {
-    return r.Loss(absl::StrCat(where, "unknown mode \"", g.mode, "\""));
+    return Loss(file, absl::StrCat(where, "unknown mode \"", g.mode, "\""));
   }
-  GRADSUM_ASSIGN_OR_RETURN(const JsonValue* params, r.Array(o, "params"));
   int64_t offset = 0;
-  for (const JsonValue& p : params->array()) {
-    if (!p.is_object()) return r.Loss(absl::StrCat(where, "a parameter entry is not an object"));
+  for (const cp::ParamRecord& p : o.params()) {
     FlatParamEntry e;
-    GRADSUM_ASSIGN_OR_RETURN(e.name, r.Str(p, "name"));
-    GRADSUM_ASSIGN_OR_RETURN(e.offset, r.NonNegative(p, "offset"));
-    GRADSUM_ASSIGN_OR_RETURN(const JsonValue* shape, r.Array(p, "shape"));
-    for (const JsonValue& d : shape->array()) {
-      if (!d.is_int() || d.as_int() < 0) {
-        return r.Loss(absl::StrCat(where, "parameter \"", e.name, "\" has a bad shape"));
-      }
-      e.shape.push_back(d.as_int());
+    e.name = p.name();
+    e.offset = p.offset();
+    for (int64_t d : p.shape()) {
+      if (d < 0) return Loss(file, absl::StrCat(where, "parameter \"", e.name, "\" has a bad shape"));
+      e.shape.push_back(d);
     }
     absl::StatusOr<int64_t> n = NumElements(e.shape);
     if (!n.ok() || e.offset != offset || *n > g.numel - offset) {
-      return r.Loss(absl::StrCat(where, "parameter \"", e.name, "\" at offset ", e.offset,
-                                 " does not fit the flat layout"));
+      return Loss(file, absl::StrCat(where, "parameter \"", e.name, "\" at offset ", e.offset,
+                                     " does not fit the flat layout"));
     }
     e.numel = *n;
     offset += *n;
     g.params.push_back(std::move(e));
   }
   if (offset != g.numel) {
-    return r.Loss(absl::StrCat(where, "parameters cover ", offset, " of ", g.numel, " elements"));
+    return Loss(file,
+                absl::StrCat(where, "parameters cover ", offset, " of ", g.numel, " elements"));
   }
   return g;
 }
 
 absl::StatusOr<Manifest> ReadManifest(const std::string& dir, int64_t rank) {
   const std::string path = Join(dir, ManifestName(rank));
-  FieldReader r(path);
   Manifest m;
-  GRADSUM_ASSIGN_OR_RETURN(JsonValue v, ReadJsonFile(path, r, &m.file_fingerprint));
-  GRADSUM_ASSIGN_OR_RETURN(m.rank, r.NonNegative(v, "rank"));
-  GRADSUM_ASSIGN_OR_RETURN(m.world, r.NonNegative(v, "world"));
-  GRADSUM_ASSIGN_OR_RETURN(m.step, r.NonNegative(v, "step"));
-  GRADSUM_ASSIGN_OR_RETURN(m.tensors_file, r.Str(v, "tensors_file"));
-  GRADSUM_ASSIGN_OR_RETURN(m.tensors_bytes, r.NonNegative(v, "tensors_bytes"));
-  GRADSUM_ASSIGN_OR_RETURN(std::string fp, r.Str(v, "tensors_fingerprint"));
-  if (fp.size() != 16 || !absl::SimpleHexAtoi(fp, &m.tensors_fingerprint)) {
-    return r.Loss(absl::StrCat("tensors_fingerprint \"", fp, "\" is not 16 hex digits"));
+  cp::RankManifest v;
+  GRADSUM_RETURN_IF_ERROR(ReadJsonFile(path, &v, &m.file_fingerprint));
+  m.rank = v.rank();
+  m.world = v.world();
+  m.step = v.step();
+  m.tensors_file = v.tensors_file();
+  m.tensors_bytes = v.tensors_bytes();
+  for (const auto& [field, value] : {std::pair<const char*, int64_t>{"rank", m.rank},
+                                     {"world", m.world},
+                                     {"step", m.step},
+                                     {"tensors_bytes", m.tensors_bytes}}) {
+    if (value < 0) return Loss(path, absl::StrCat("field \"", field, "\" is negative: ", value));
   }
-  if (m.rank != rank) return r.Loss(absl::StrCat("records rank ", m.rank, ", expected ", rank));
+  GRADSUM_ASSIGN_OR_RETURN(m.tensors_fingerprint,
+                           FromHex(path, "tensors_fingerprint", v.tensors_fingerprint()));
+  if (m.rank != rank) return Loss(path, absl::StrCat("records rank ", m.rank, ", expected ", rank));
   if (m.tensors_file != TensorsName(rank)) {
-    return r.Loss(absl::StrCat("tensors_file \"", m.tensors_file, "\" is not ", TensorsName(rank)));
+    return Loss(path, absl::StrCat("tensors_file \"", m.tensors_file, "\" is not ", TensorsName(rank)));
   }
-  GRADSUM_ASSIGN_OR_RETURN(const JsonValue* groups, r.Array(v, "groups"));
   std::set<std::string> names;
-  for (const JsonValue& gj : groups->array()) {
-    GRADSUM_ASSIGN_OR_RETURN(GroupRecord g, GroupFromJson(gj, r));
-    if (!names.insert(g.name).second) return r.Loss(absl::StrCat("duplicate group \"", g.name, "\""));
+  for (const cp::GroupRecord& gp : v.groups()) {
+    GRADSUM_ASSIGN_OR_RETURN(GroupRecord g, GroupFromProto(gp, path));
+    if (!names.insert(g.name).second) {
+      return Loss(path, absl::StrCat("duplicate group \"", g.name, "\""));
+    }
     m.groups.push_back(std::move(g));
   }
   return m;
-}
-
-// Reads the rank's tensor file, checks it against the manifest's size and fingerprint
-// (flipped bits in an otherwise valid file are caught here), then parses it.
-absl::StatusOr<SafetensorsFile> ReadRankTensors(const std::string& dir, const Manifest& m) {
-  const std::string path = Join(dir, m.tensors_file);
-  GRADSUM_ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(path));
-  if (static_cast<int64_t>(bytes.size()) != m.tensors_bytes) {
-    return absl::DataLossError(absl::StrCat("checkpoint file '", path, "' has ", bytes.size(),
-                                            " bytes, the manifest says ", m.tensors_bytes,
-                                            " (truncated or replaced)"));
-  }
-  if (Fingerprint64(bytes) != m.tensors_fingerprint) {
-    return absl::DataLossError(
-        absl::StrCat("checkpoint file '", path, "' does not match its manifest fingerprint (corrupt)"));
-  }
-  return SafetensorsFile::Parse(bytes, path);
-}
-
-// The f32 [local_numel] tensor "<group>/<what>" copied out, or DataLoss.
-absl::StatusOr<std::vector<float>> ReadSlice(const SafetensorsFile& f, const GroupRecord& g,
-                                             absl::string_view what) {
-  const std::string name = absl::StrCat(g.name, "/", what);
-  absl::StatusOr<TensorView> t = f.Get(name);
-  if (!t.ok()) {
-    return absl::DataLossError(absl::StrCat("checkpoint file '", f.source(), "' lacks \"", name, "\""));
-  }
-  if (t->dtype() != DType::kF32 || t->rank() != 1 || t->dim(0) != g.local_numel) {
-    return absl::DataLossError(absl::StrCat("checkpoint file '", f.source(), "': \"", name,
-                                            "\" is ", t->DebugString(), ", expected f32[",
-                                            g.local_numel, "]"));
-  }
-  const float* p = t->data<float>();
-  return std::vector<float>(p, p + g.local_numel);
 }
 
 struct MarkerRecord {
@@ -274,24 +239,11 @@ struct MarkerRecord {
   std::map<std::string, std::string> extra;
 };
 
-std::string Hex(uint64_t v) { return absl::StrFormat("%016x", v); }
-
-// The marker's own fingerprint covers every other member, in order, as serialized.
-uint64_t MarkerBodyFingerprint(const JsonValue& marker) {
-  JsonValue body = JsonValue::Object();
-  for (const auto& [k, v] : marker.members()) {
-    if (k != "fingerprint") body.Set(k, v);
-  }
-  return Fingerprint64(body.Serialize());
-}
-
-absl::StatusOr<uint64_t> HexField(const FieldReader& r, const JsonValue& obj, absl::string_view key) {
-  GRADSUM_ASSIGN_OR_RETURN(std::string hex, r.Str(obj, key));
-  uint64_t v = 0;
-  if (hex.size() != 16 || !absl::SimpleHexAtoi(hex, &v)) {
-    return r.Loss(absl::StrCat("\"", key, "\" is \"", hex, "\", not 16 hex digits"));
-  }
-  return v;
+// The marker's own fingerprint covers every other member, as ProtoToJson writes them.
+absl::StatusOr<uint64_t> MarkerBodyFingerprint(cp::CommitMarker marker) {
+  marker.clear_fingerprint();
+  GRADSUM_ASSIGN_OR_RETURN(std::string body, ProtoToJson(marker));
+  return Fingerprint64(body);
 }
 
 absl::StatusOr<MarkerRecord> ReadMarker(const std::string& dir) {
@@ -303,32 +255,28 @@ absl::StatusOr<MarkerRecord> ReadMarker(const std::string& dir) {
     return absl::NotFoundError(absl::StrCat("'", dir, "' has no ", kMarkerName,
                                             ": no checkpoint, or an incomplete one"));
   }
-  FieldReader r(path);
-  GRADSUM_ASSIGN_OR_RETURN(JsonValue v, ReadJsonFile(path, r));
+  cp::CommitMarker v;
+  GRADSUM_RETURN_IF_ERROR(ReadJsonFile(path, &v));
   MarkerRecord m;
-  GRADSUM_ASSIGN_OR_RETURN(uint64_t fingerprint, HexField(r, v, "fingerprint"));
-  if (fingerprint != MarkerBodyFingerprint(v)) {
-    return r.Loss("does not match its own fingerprint (corrupt)");
+  GRADSUM_ASSIGN_OR_RETURN(uint64_t fingerprint, FromHex(path, "fingerprint", v.fingerprint()));
+  GRADSUM_ASSIGN_OR_RETURN(uint64_t body_fingerprint, MarkerBodyFingerprint(v));
+  if (fingerprint != body_fingerprint) {
+    return Loss(path, "does not match its own fingerprint (corrupt)");
   }
-  GRADSUM_ASSIGN_OR_RETURN(m.world, r.NonNegative(v, "world"));
-  GRADSUM_ASSIGN_OR_RETURN(m.step, r.NonNegative(v, "step"));
-  if (m.world < 1) return r.Loss("world is 0");
-  GRADSUM_ASSIGN_OR_RETURN(const JsonValue* ranks, r.Array(v, "ranks"));
-  if (static_cast<int64_t>(ranks->array().size()) != m.world) {
-    return r.Loss(absl::StrCat("records the files of ", ranks->array().size(), " ranks, world is ",
-                               m.world));
+  m.world = v.world();
+  m.step = v.step();
+  if (m.world < 1) return Loss(path, absl::StrCat("world is ", m.world));
+  if (m.step < 0) return Loss(path, absl::StrCat("field \"step\" is negative: ", m.step));
+  if (v.ranks_size() != m.world) {
+    return Loss(path, absl::StrCat("records the files of ", v.ranks_size(), " ranks, world is ",
+                                   m.world));
   }
-  for (const JsonValue& rank : ranks->array()) {
-    if (!rank.is_object()) return r.Loss("a \"ranks\" entry is not an object");
-    GRADSUM_ASSIGN_OR_RETURN(uint64_t manifest, HexField(r, rank, "manifest"));
-    GRADSUM_ASSIGN_OR_RETURN(uint64_t tensors, HexField(r, rank, "tensors"));
+  for (const cp::RankFiles& files : v.ranks()) {
+    GRADSUM_ASSIGN_OR_RETURN(uint64_t manifest, FromHex(path, "manifest", files.manifest()));
+    GRADSUM_ASSIGN_OR_RETURN(uint64_t tensors, FromHex(path, "tensors", files.tensors()));
     m.rank_files.push_back({manifest, tensors});
   }
-  GRADSUM_ASSIGN_OR_RETURN(const JsonValue* extra, r.Object(v, "extra"));
-  for (const auto& [k, val] : extra->members()) {
-    if (!val.is_string()) return r.Loss(absl::StrCat("extra \"", k, "\" is not a string"));
-    m.extra[k] = val.as_string();
-  }
+  for (const auto& [key, value] : v.extra()) m.extra[key] = value;
   return m;
 }
 
@@ -357,32 +305,6 @@ absl::Status CheckAgainstMarker(const std::string& dir, const MarkerRecord& mark
   return absl::OkStatus();
 }
 
-// A checkpoint group must have the layout of the live group it is loaded into.
-absl::Status CheckLayout(const GroupRecord& rec, const FlatParam& g) {
-  auto mismatch = [&](absl::string_view field, auto saved, auto current) {
-    return absl::FailedPreconditionError(absl::StrCat("checkpoint group \"", g.name(), "\": ", field,
-                                                      " is ", saved, " in the checkpoint but ",
-                                                      current, " now"));
-  };
-  if (rec.group_size != g.group_size()) return mismatch("group_size", rec.group_size, g.group_size());
-  if (rec.group_rank != g.group_rank()) return mismatch("group_rank", rec.group_rank, g.group_rank());
-  if (rec.numel != g.numel()) return mismatch("numel", rec.numel, g.numel());
-  if (rec.params.size() != g.entries().size()) {
-    return mismatch("parameter count", rec.params.size(), g.entries().size());
-  }
-  for (size_t i = 0; i < rec.params.size(); ++i) {
-    const FlatParamEntry& a = rec.params[i];
-    const FlatParamEntry& b = g.entries()[i];
-    if (a.name != b.name) return mismatch(absl::StrCat("parameter ", i), a.name, b.name);
-    if (a.shape != b.shape) {
-      return mismatch(absl::StrCat("shape of \"", a.name, "\""),
-                      absl::StrCat("[", absl::StrJoin(a.shape, ","), "]"),
-                      absl::StrCat("[", absl::StrJoin(b.shape, ","), "]"));
-    }
-  }
-  return absl::OkStatus();
-}
-
 absl::Status CheckIdle(const ShardedAdamW& optimizer) {
   for (const FlatParam* g : optimizer.groups()) {
     if (g->grad_reduce_in_flight() || g->unshard_in_flight()) {
@@ -392,6 +314,127 @@ absl::Status CheckIdle(const ShardedAdamW& optimizer) {
   }
   return absl::OkStatus();
 }
+
+std::string ShapeText(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ","), "]");
+}
+
+// A saved checkpoint as an index of its parameters, for loading onto any layout: where each
+// parameter lives (its unit and offset), which world rank holds each (unit, group rank)
+// shard, and the rank tensor files, opened on first use by their header only and read by
+// the byte ranges a loader needs (docs/CHECKPOINTS.md, "Resharding").
+class SavedLayout {
+ public:
+  // Reads every rank's manifest and checks it against the marker. Parameters must have one
+  // unit, offset and shape across the manifests, and each (unit, group rank) one holder.
+  static absl::StatusOr<SavedLayout> Read(const std::string& dir, MarkerRecord marker) {
+    SavedLayout s;
+    s.dir_ = dir;
+    s.marker_ = std::move(marker);
+    for (int64_t r = 0; r < s.marker_.world; ++r) {
+      GRADSUM_ASSIGN_OR_RETURN(Manifest m, ReadManifest(dir, r));
+      if (m.rank != r) {
+        return absl::DataLossError(absl::StrCat("checkpoint file '", Join(dir, ManifestName(r)),
+                                                "' records rank ", m.rank));
+      }
+      GRADSUM_RETURN_IF_ERROR(CheckAgainstMarker(dir, s.marker_, m));
+      s.manifests_.push_back(std::move(m));
+    }
+    for (const Manifest& m : s.manifests_) {
+      for (const GroupRecord& g : m.groups) {
+        auto [holder, fresh] = s.holders_.try_emplace({g.name, g.group_rank}, m.rank);
+        if (!fresh) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "checkpoint '", dir, "': unit \"", g.name, "\" has two shards for group rank ",
+              g.group_rank, " (world ranks ", holder->second, " and ", m.rank, ")"));
+        }
+        for (const FlatParamEntry& e : g.params) {
+          auto [it, inserted] = s.params_.try_emplace(e.name, Param{&g, &e});
+          const Param& p = it->second;
+          if (!inserted && (p.unit->name != g.name || p.unit->numel != g.numel ||
+                            p.unit->group_size != g.group_size || p.entry->offset != e.offset ||
+                            p.entry->shape != e.shape)) {
+            return absl::DataLossError(absl::StrCat(
+                "checkpoint '", dir, "': parameter \"", e.name, "\" is at offset ",
+                p.entry->offset, " of unit \"", p.unit->name, "\" on one rank and at offset ",
+                e.offset, " of unit \"", g.name, "\" on rank ", m.rank,
+                " (inconsistent manifests)"));
+          }
+        }
+      }
+    }
+    return s;
+  }
+
+  struct Param {
+    const GroupRecord* unit;
+    const FlatParamEntry* entry;
+  };
+  // The saved parameters by name.
+  const std::map<std::string, Param>& params() const { return params_; }
+
+  // Saved elements [begin, end) of unit `unit`'s flat `what` (master, exp_avg or
+  // exp_avg_sq) into `out`, from the shards holding them.
+  absl::Status ReadUnitRange(const GroupRecord& unit, absl::string_view what, int64_t begin,
+                             int64_t end, float* out) {
+    const int64_t shard = unit.padded_numel / unit.group_size;
+    for (int64_t q = begin / shard; begin < end; ++q) {
+      const int64_t hi = std::min(end, (q + 1) * shard);
+      auto holder = holders_.find({unit.name, q});
+      if (holder == holders_.end()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "checkpoint '", dir_, "': unit \"", unit.name, "\" lacks the shard of group rank ", q));
+      }
+      GRADSUM_ASSIGN_OR_RETURN(const SafetensorsHeader* file, File(holder->second));
+      const std::string name = absl::StrCat(unit.name, "/", what);
+      GRADSUM_ASSIGN_OR_RETURN(const SafetensorsTensorRange* t, file->Find(name));
+      const int64_t local = std::clamp<int64_t>(unit.numel - q * shard, 0, shard);
+      if (t->dtype != DType::kF32 || t->shape != std::vector<int64_t>{local}) {
+        return absl::DataLossError(absl::StrCat("checkpoint file '", file->path(), "': \"", name,
+                                                "\" is ", DTypeName(t->dtype), ShapeText(t->shape),
+                                                ", expected f32[", local, "]"));
+      }
+      GRADSUM_RETURN_IF_ERROR(file->ReadTensorBytes(name, (begin - q * shard) * sizeof(float),
+                                                    (hi - begin) * sizeof(float), out));
+      out += hi - begin;
+      begin = hi;
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  // Rank r's tensor file, checked once against its manifest's size and fingerprint (hashed
+  // streaming, never held whole), then opened by its header.
+  absl::StatusOr<const SafetensorsHeader*> File(int64_t r) {
+    auto it = files_.find(r);
+    if (it != files_.end()) return &it->second;
+    const Manifest& m = manifests_[r];
+    const std::string path = Join(dir_, m.tensors_file);
+    struct stat st;
+    if (::stat(path.c_str(), &st) != 0) {
+      return ErrnoStatus(errno, absl::StrCat("stat '", path, "'"));
+    }
+    if (st.st_size != m.tensors_bytes) {
+      return absl::DataLossError(absl::StrCat("checkpoint file '", path, "' has ", st.st_size,
+                                              " bytes, the manifest says ", m.tensors_bytes,
+                                              " (truncated or replaced)"));
+    }
+    GRADSUM_ASSIGN_OR_RETURN(uint64_t fingerprint, FingerprintFile(path, m.tensors_bytes));
+    if (fingerprint != m.tensors_fingerprint) {
+      return absl::DataLossError(absl::StrCat(
+          "checkpoint file '", path, "' does not match its manifest fingerprint (corrupt)"));
+    }
+    GRADSUM_ASSIGN_OR_RETURN(SafetensorsHeader h, SafetensorsHeader::Read(path));
+    return &files_.emplace(r, std::move(h)).first->second;
+  }
+
+  std::string dir_;
+  MarkerRecord marker_;
+  std::vector<Manifest> manifests_;  // by world rank; params_ points into them
+  std::map<std::string, Param> params_;
+  std::map<std::pair<std::string, int64_t>, int64_t> holders_;
+  std::map<int64_t, SafetensorsHeader> files_;
+};
 
 // The owned slice of a vector stored beside master() (m or v).
 absl::Span<const float> OwnedPart(const FlatParam& g, absl::Span<const float> beside_master) {
@@ -404,7 +447,7 @@ absl::Span<const float> OwnedPart(const FlatParam& g, absl::Span<const float> be
 absl::Status WriteRankFiles(const std::string& dir, int rank, int world,
                             const ShardedAdamW& optimizer, std::array<int64_t, 2>* fingerprints) {
   SafetensorsWriter writer;
-  JsonValue groups = JsonValue::Array();
+  cp::RankManifest manifest;
   for (size_t gi = 0; gi < optimizer.groups().size(); ++gi) {
     const FlatParam& g = *optimizer.groups()[gi];
     const std::pair<const char*, absl::Span<const float>> parts[] = {
@@ -419,22 +462,21 @@ absl::Status WriteRankFiles(const std::string& dir, int rank, int world,
                              {static_cast<int64_t>(span.size())}));
       GRADSUM_RETURN_IF_ERROR(writer.Add(absl::StrCat(g.name(), "/", what), view));
     }
-    groups.Append(GroupToJson(g));
+    *manifest.add_groups() = GroupToProto(g);
   }
   const std::string bytes = writer.Serialize();
   GRADSUM_RETURN_IF_ERROR(WriteFileAtomically(Join(dir, TensorsName(rank)), bytes));
-  JsonValue manifest = JsonValue::Object();
-  manifest.Set("format", JsonValue::String(std::string(kFormat)));
-  manifest.Set("version", JsonValue::Int(kVersion));
-  manifest.Set("rank", JsonValue::Int(rank));
-  manifest.Set("world", JsonValue::Int(world));
-  manifest.Set("step", JsonValue::Int(optimizer.step()));
-  manifest.Set("tensors_file", JsonValue::String(TensorsName(rank)));
-  manifest.Set("tensors_bytes", JsonValue::Int(static_cast<int64_t>(bytes.size())));
+  manifest.set_format(std::string(kFormat));
+  manifest.set_version(kVersion);
+  manifest.set_rank(rank);
+  manifest.set_world(world);
+  manifest.set_step(optimizer.step());
+  manifest.set_tensors_file(TensorsName(rank));
+  manifest.set_tensors_bytes(static_cast<int64_t>(bytes.size()));
   const uint64_t tensors_fp = Fingerprint64(bytes);
-  manifest.Set("tensors_fingerprint", JsonValue::String(Hex(tensors_fp)));
-  manifest.Set("groups", std::move(groups));
-  const std::string text = manifest.Serialize() + "\n";
+  manifest.set_tensors_fingerprint(Hex(tensors_fp));
+  GRADSUM_ASSIGN_OR_RETURN(std::string text, ProtoToJson(manifest));
+  text += "\n";
   (*fingerprints)[0] = static_cast<int64_t>(Fingerprint64(text));
   (*fingerprints)[1] = static_cast<int64_t>(tensors_fp);
   return WriteFileAtomically(Join(dir, ManifestName(rank)), text);
@@ -483,71 +525,108 @@ absl::Status SaveCheckpoint(const std::string& dir, Communicator& world,
   // Phase 3: commit.
   local = absl::OkStatus();
   if (rank == 0) {
-    JsonValue marker = JsonValue::Object();
-    marker.Set("format", JsonValue::String(std::string(kFormat)));
-    marker.Set("version", JsonValue::Int(kVersion));
-    marker.Set("world", JsonValue::Int(world.size()));
-    marker.Set("step", JsonValue::Int(optimizer.step()));
-    JsonValue ranks = JsonValue::Array();
-    for (int r = 0; r < world.size(); ++r) {
-      JsonValue files = JsonValue::Object();
-      files.Set("manifest", JsonValue::String(Hex(static_cast<uint64_t>(all_fingerprints[2 * r]))));
-      files.Set("tensors", JsonValue::String(Hex(static_cast<uint64_t>(all_fingerprints[2 * r + 1]))));
-      ranks.Append(std::move(files));
-    }
-    marker.Set("ranks", std::move(ranks));
-    JsonValue extra_json = JsonValue::Object();
-    for (const auto& [k, v] : extra) extra_json.Set(k, JsonValue::String(v));
-    marker.Set("extra", std::move(extra_json));
-    marker.Set("fingerprint", JsonValue::String(Hex(MarkerBodyFingerprint(marker))));
-    local = WriteFileAtomically(Join(dir, kMarkerName), marker.Serialize() + "\n");
+    local = [&]() -> absl::Status {
+      cp::CommitMarker marker;
+      marker.set_format(std::string(kFormat));
+      marker.set_version(kVersion);
+      marker.set_world(world.size());
+      marker.set_step(optimizer.step());
+      for (int r = 0; r < world.size(); ++r) {
+        cp::RankFiles* files = marker.add_ranks();
+        files->set_manifest(Hex(static_cast<uint64_t>(all_fingerprints[2 * r])));
+        files->set_tensors(Hex(static_cast<uint64_t>(all_fingerprints[2 * r + 1])));
+      }
+      for (const auto& [key, value] : extra) (*marker.mutable_extra())[key] = value;
+      GRADSUM_ASSIGN_OR_RETURN(uint64_t fingerprint, MarkerBodyFingerprint(marker));
+      marker.set_fingerprint(Hex(fingerprint));
+      GRADSUM_ASSIGN_OR_RETURN(std::string text, ProtoToJson(marker));
+      return WriteFileAtomically(Join(dir, kMarkerName), text + "\n");
+    }();
   }
   return AgreeOnStatus(world, local, "checkpoint save (commit)");
 }
 
+absl::StatusOr<CheckpointInfo> ReadCheckpointInfo(const std::string& dir) {
+  GRADSUM_ASSIGN_OR_RETURN(MarkerRecord marker, ReadMarker(dir));
+  CheckpointInfo info;
+  info.step = marker.step;
+  info.world = marker.world;
+  info.extra = std::move(marker.extra);
+  return info;
+}
+
 absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& dir, Communicator& world,
                                               ShardedAdamW& optimizer) {
-  const int rank = world.rank();
   struct Staged {
     std::vector<float> master, exp_avg, exp_avg_sq;  // owned slices
   };
   std::vector<Staged> staged(optimizer.groups().size());
   CheckpointInfo info;
-  // Phase 1: read and validate everything locally; nothing is modified yet.
+  std::vector<std::string> used_names;
+  // Phase 1: read and validate everything locally; nothing is modified yet. Each live
+  // group's owned slice is gathered parameter by parameter from wherever the saved layout
+  // put it (any world size, EP size, unit grouping or sharding mode).
+  std::vector<int64_t> used;  // per saved parameter (by name): found in a live group here
   auto read_all = [&]() -> absl::Status {
     GRADSUM_RETURN_IF_ERROR(CheckIdle(optimizer));
     GRADSUM_ASSIGN_OR_RETURN(MarkerRecord marker, ReadMarker(dir));
-    if (marker.world != world.size()) {
-      return absl::FailedPreconditionError(absl::StrCat("checkpoint '", dir,
-                                                        "' was written by world size ", marker.world,
-                                                        ", the current world size is ", world.size()));
-    }
-    GRADSUM_ASSIGN_OR_RETURN(Manifest m, ReadManifest(dir, rank));
-    GRADSUM_RETURN_IF_ERROR(CheckAgainstMarker(dir, marker, m));
-    const auto& groups = optimizer.groups();
-    if (m.groups.size() != groups.size()) {
-      return absl::FailedPreconditionError(absl::StrCat("checkpoint '", dir, "' has ", m.groups.size(),
-                                                        " groups on rank ", rank, ", the optimizer has ",
-                                                        groups.size()));
-    }
-    GRADSUM_ASSIGN_OR_RETURN(SafetensorsFile tensors, ReadRankTensors(dir, m));
-    for (size_t gi = 0; gi < groups.size(); ++gi) {
-      const GroupRecord& rec = m.groups[gi];
-      if (rec.name != groups[gi]->name()) {
-        return absl::FailedPreconditionError(absl::StrCat("checkpoint group ", gi, " is \"", rec.name,
-                                                          "\", the optimizer's is \"",
-                                                          groups[gi]->name(), "\""));
-      }
-      GRADSUM_RETURN_IF_ERROR(CheckLayout(rec, *groups[gi]));
-      GRADSUM_ASSIGN_OR_RETURN(staged[gi].master, ReadSlice(tensors, rec, "master"));
-      GRADSUM_ASSIGN_OR_RETURN(staged[gi].exp_avg, ReadSlice(tensors, rec, "exp_avg"));
-      GRADSUM_ASSIGN_OR_RETURN(staged[gi].exp_avg_sq, ReadSlice(tensors, rec, "exp_avg_sq"));
-    }
     info.step = marker.step;
-    info.extra = std::move(marker.extra);
+    info.world = marker.world;
+    info.extra = marker.extra;
+    GRADSUM_ASSIGN_OR_RETURN(SavedLayout saved, SavedLayout::Read(dir, std::move(marker)));
+    std::set<std::string> live;
+    for (size_t gi = 0; gi < optimizer.groups().size(); ++gi) {
+      const FlatParam& g = *optimizer.groups()[gi];
+      const int64_t begin = g.shard_offset(), end = begin + g.local_numel();
+      Staged& st = staged[gi];
+      for (std::vector<float>* v : {&st.master, &st.exp_avg, &st.exp_avg_sq}) {
+        v->resize(end - begin);
+      }
+      for (const FlatParamEntry& e : g.entries()) {
+        live.insert(e.name);
+        auto it = saved.params().find(e.name);
+        if (it == saved.params().end()) {
+          return absl::FailedPreconditionError(absl::StrCat("checkpoint '", dir,
+                                                            "' has no parameter \"", e.name,
+                                                            "\" (of unit \"", g.name(), "\")"));
+        }
+        const SavedLayout::Param& p = it->second;
+        if (p.entry->shape != e.shape) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "checkpoint parameter \"", e.name, "\": shape is ", ShapeText(p.entry->shape),
+              " in the checkpoint but ", ShapeText(e.shape), " now"));
+        }
+        const int64_t lo = std::max(begin, e.offset), hi = std::min(end, e.offset + e.numel);
+        if (lo >= hi) continue;
+        const int64_t from = p.entry->offset + (lo - e.offset);
+        const std::pair<const char*, std::vector<float>*> parts[] = {
+            {"master", &st.master}, {"exp_avg", &st.exp_avg}, {"exp_avg_sq", &st.exp_avg_sq}};
+        for (const auto& [what, dest] : parts) {
+          GRADSUM_RETURN_IF_ERROR(saved.ReadUnitRange(*p.unit, what, from, from + (hi - lo),
+                                                      dest->data() + (lo - begin)));
+        }
+      }
+    }
+    for (const auto& [name, p] : saved.params()) {
+      used.push_back(live.count(name));
+      used_names.push_back(name);
+    }
     return absl::OkStatus();
   };
   GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world, read_all(), "checkpoint load"));
+  // A saved parameter that no rank's model has: the checkpoint is of another model.
+  std::vector<int64_t> used_anywhere(used.size());
+  if (!used.empty()) {
+    GRADSUM_RETURN_IF_ERROR(
+        world.AllReduce(used.data(), used_anywhere.data(), used.size(), DType::kI64));
+  }
+  for (size_t i = 0; i < used_anywhere.size(); ++i) {
+    if (used_anywhere[i] == 0) {
+      return MarkAgreed(absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint '", dir, "' has parameter \"", used_names[i],
+          "\", which this model does not have")));
+    }
+  }
 
   // Phase 2: install. Replicated groups rebuild their full copies from every rank's slice.
   absl::Status local = absl::OkStatus();
@@ -584,77 +663,34 @@ absl::Status ExportConsolidated(const std::string& dir, const std::string& out_p
         absl::StrCat("export dtype must be f32 or bf16, got ", DTypeName(dtype)));
   }
   GRADSUM_ASSIGN_OR_RETURN(MarkerRecord marker, ReadMarker(dir));
-  struct Assembled {
-    GroupRecord layout;
-    std::vector<bool> have_rank;
-    std::vector<float> full;
-  };
-  std::map<std::string, Assembled> groups;
-  for (int64_t r = 0; r < marker.world; ++r) {
-    GRADSUM_ASSIGN_OR_RETURN(Manifest m, ReadManifest(dir, r));
-    GRADSUM_RETURN_IF_ERROR(CheckAgainstMarker(dir, marker, m));
-    GRADSUM_ASSIGN_OR_RETURN(SafetensorsFile tensors, ReadRankTensors(dir, m));
-    for (const GroupRecord& rec : m.groups) {
-      GRADSUM_ASSIGN_OR_RETURN(std::vector<float> slice, ReadSlice(tensors, rec, "master"));
-      auto [it, inserted] = groups.try_emplace(rec.name);
-      Assembled& a = it->second;
-      if (inserted) {
-        a.layout = rec;
-        a.have_rank.assign(rec.group_size, false);
-        a.full.assign(rec.numel, 0.0f);
-      } else {
-        bool same = a.layout.group_size == rec.group_size && a.layout.numel == rec.numel &&
-                    a.layout.params.size() == rec.params.size();
-        for (size_t i = 0; same && i < rec.params.size(); ++i) {
-          same = a.layout.params[i].name == rec.params[i].name &&
-                 a.layout.params[i].shape == rec.params[i].shape;
-        }
-        if (!same) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "checkpoint '", dir, "': group \"", rec.name, "\" on rank ", r,
-              " has another layout than elsewhere; groups holding different parameters need "
-              "different names (e.g. one per EP slot)"));
-        }
-      }
-      if (a.have_rank[rec.group_rank]) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "checkpoint '", dir, "': group \"", rec.name, "\" has two shards for group rank ",
-            rec.group_rank, " (second on world rank ", r, "); give each EP slot's group its own name"));
-      }
-      a.have_rank[rec.group_rank] = true;
-      std::copy(slice.begin(), slice.end(), a.full.begin() + rec.shard_offset);
-    }
-  }
+  const int64_t step = marker.step;
+  GRADSUM_ASSIGN_OR_RETURN(SavedLayout saved, SavedLayout::Read(dir, std::move(marker)));
+  // Each parameter read from the shards that hold it (the resharding rule with one rank).
+  std::vector<std::vector<float>> values;
+  std::vector<std::vector<BF16>> halves;
   SafetensorsWriter writer;
-  std::vector<std::vector<BF16>> bf16_copies;
-  bf16_copies.reserve(groups.size());
-  for (auto& [name, a] : groups) {
-    for (size_t q = 0; q < a.have_rank.size(); ++q) {
-      if (!a.have_rank[q]) {
-        return absl::FailedPreconditionError(absl::StrCat("checkpoint '", dir, "': group \"", name,
-                                                          "\" lacks the shard of group rank ", q));
-      }
-    }
-    void* base = a.full.data();
+  for (const auto& [name, p] : saved.params()) {
+    const FlatParamEntry& e = *p.entry;
+    values.emplace_back(e.numel);
+    GRADSUM_RETURN_IF_ERROR(
+        saved.ReadUnitRange(*p.unit, "master", e.offset, e.offset + e.numel, values.back().data()));
+    void* base = values.back().data();
     if (dtype == DType::kBF16) {
-      bf16_copies.emplace_back(a.full.size());
-      for (size_t i = 0; i < a.full.size(); ++i) bf16_copies.back()[i] = BF16::FromFloat(a.full[i]);
-      base = bf16_copies.back().data();
+      halves.emplace_back(e.numel);
+      for (int64_t i = 0; i < e.numel; ++i) halves.back()[i] = BF16::FromFloat(values.back()[i]);
+      base = halves.back().data();
     }
-    for (const FlatParamEntry& e : a.layout.params) {
-      char* p = static_cast<char*>(base) + e.offset * static_cast<int64_t>(DTypeSize(dtype));
-      GRADSUM_ASSIGN_OR_RETURN(TensorView view,
-                               TensorView::Create(e.numel > 0 ? p : nullptr, dtype, e.shape));
-      absl::Status s = writer.Add(e.name, view);
-      if (!s.ok()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "checkpoint '", dir, "': parameter \"", e.name, "\" of group \"", name,
-            "\" cannot be exported: ", s.message()));
-      }
+    GRADSUM_ASSIGN_OR_RETURN(TensorView view,
+                             TensorView::Create(e.numel > 0 ? base : nullptr, dtype, e.shape));
+    absl::Status s = writer.Add(e.name, view);
+    if (!s.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint '", dir, "': parameter \"", e.name, "\" of group \"", p.unit->name,
+          "\" cannot be exported: ", s.message()));
     }
   }
   GRADSUM_RETURN_IF_ERROR(writer.AddMetadata("format", "pt"));
-  GRADSUM_RETURN_IF_ERROR(writer.AddMetadata("step", absl::StrCat(marker.step)));
+  GRADSUM_RETURN_IF_ERROR(writer.AddMetadata("step", absl::StrCat(step)));
   return writer.WriteFile(out_path);
 }
 

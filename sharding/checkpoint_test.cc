@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
 #include <mutex>
 #include "core/half.h"
@@ -306,16 +307,33 @@ TEST(CheckpointTest, CorruptOrMismatchedCheckpointsAreErrorsOnEveryRank) {
        absl::StatusCode::kDataLoss, "rank-00001.manifest.json"},
       {"manifest layout edited",
        [&](const std::string& d) {
-         Write(d + m1, absl::StrReplaceAll(Read(d + m1), {{"\"local_numel\":18", "\"local_numel\":17"}}));
+         // int64 members are JSON strings (the proto3 mapping, docs/CHECKPOINTS.md).
+         const std::string m = Read(d + m1);
+         ASSERT_NE(m.find("\"local_numel\":\"18\""), std::string::npos) << m;
+         Write(d + m1, absl::StrReplaceAll(m, {{"\"local_numel\":\"18\"", "\"local_numel\":17"}}));
        },
        absl::StatusCode::kDataLoss, "local_numel 17"},
       {"manifest field wrong type",
        [&](const std::string& d) {
-         Write(d + m1, absl::StrReplaceAll(Read(d + m1), {{"\"step\":1", "\"step\":\"1\""}}));
+         const std::string m = Read(d + m1);
+         ASSERT_NE(m.find("\"step\":\"1\""), std::string::npos) << m;
+         Write(d + m1, absl::StrReplaceAll(m, {{"\"step\":\"1\"", "\"step\":true"}}));
        },
-       absl::StatusCode::kDataLoss, "\"step\" is not an integer"},
+       absl::StatusCode::kDataLoss, "(step): invalid value true"},
+      {"manifest field missing",
+       [&](const std::string& d) {
+         Write(d + m1, absl::StrReplaceAll(Read(d + m1), {{"\"offset\":\"0\"", "\"offset\":null"}}));
+       },
+       absl::StatusCode::kDataLoss, "missing field \"groups[0].params[0].offset\""},
+      {"manifest of another version",
+       [&](const std::string& d) {
+         Write(d + m1, absl::StrReplaceAll(Read(d + m1), {{"\"version\":3", "\"version\":2"}}));
+       },
+       absl::StatusCode::kFailedPrecondition,
+       "rank-00001.manifest.json' has format version 2; this build reads only version 3 (the "
+       "checkpoint was written by an older build)"},
       {"manifest garbage", [&](const std::string& d) { Write(d + m1, "\x01\x02{{{"); },
-       absl::StatusCode::kDataLoss, "JSON error"},
+       absl::StatusCode::kDataLoss, "rank-00001.manifest.json': not a valid FormatHeader in JSON"},
       {"no commit marker", [&](const std::string& d) { ::unlink((d + "/checkpoint.json").c_str()); },
        absl::StatusCode::kNotFound, "incomplete"},
       {"rank 1 files of another run",
@@ -328,12 +346,19 @@ TEST(CheckpointTest, CorruptOrMismatchedCheckpointsAreErrorsOnEveryRank) {
       {"marker edited",
        [&](const std::string& d) {
          const std::string m = Read(d + "/checkpoint.json");
-         ASSERT_NE(m.find("\"step\":1"), std::string::npos);
-         Write(d + "/checkpoint.json", absl::StrReplaceAll(m, {{"\"step\":1", "\"step\":2"}}));
+         ASSERT_NE(m.find("\"step\":\"1\""), std::string::npos) << m;
+         Write(d + "/checkpoint.json", absl::StrReplaceAll(m, {{"\"step\":\"1\"", "\"step\":2"}}));
        },
        absl::StatusCode::kDataLoss, "does not match its own fingerprint"},
       {"marker garbage", [&](const std::string& d) { Write(d + "/checkpoint.json", "{\"format\""); },
        absl::StatusCode::kDataLoss, "checkpoint.json"},
+      {"marker of another version",
+       [&](const std::string& d) {
+         const std::string m = Read(d + "/checkpoint.json");
+         Write(d + "/checkpoint.json", absl::StrReplaceAll(m, {{"\"version\":3", "\"version\":4"}}));
+       },
+       absl::StatusCode::kFailedPrecondition,
+       "checkpoint.json' has format version 4; this build reads only version 3"},
   };
   for (const Case& c : cases) {
     const std::string dir = TestDir("case_" + absl::StrReplaceAll(c.name, {{" ", "_"}}));
@@ -347,22 +372,106 @@ TEST(CheckpointTest, CorruptOrMismatchedCheckpointsAreErrorsOnEveryRank) {
     EXPECT_FALSE(ExportConsolidated(dir, dir + "/../x.safetensors").ok()) << c.name;
   }
 
-  // A checkpoint for another world size or another layout: FailedPrecondition naming it.
-  RunSetup three = s;
-  three.world = 3;
-  std::vector<absl::Status> st = LoadStatuses(three, good);
-  for (const absl::Status& x : st) {
-    EXPECT_EQ(x.code(), absl::StatusCode::kFailedPrecondition) << x;
-    EXPECT_NE(x.message().find("world size 2"), std::string::npos) << x;
-  }
+  // A checkpoint of another model (another parameter shape, a parameter more or less):
+  // FailedPrecondition naming the parameter, on every rank.
   RunSetup other_layout = s;
   other_layout.dense_head_rows = 4;
-  st = LoadStatuses(other_layout, good);
+  std::vector<absl::Status> st = LoadStatuses(other_layout, good);
   for (const absl::Status& x : st) {
     EXPECT_EQ(x.code(), absl::StatusCode::kFailedPrecondition) << x;
-    EXPECT_NE(x.message().find("numel"), std::string::npos) << x;
+    EXPECT_NE(x.message().find("\"head\": shape is [3,5] in the checkpoint but [4,5] now"),
+              std::string::npos) << x;
+  }
+  RunSetup with_experts{.world = 2, .ep = 2};
+  st = LoadStatuses(with_experts, good);
+  for (const absl::Status& x : st) {
+    EXPECT_EQ(x.code(), absl::StatusCode::kFailedPrecondition) << x;
+    EXPECT_NE(x.message().find("has no parameter \"expert"), std::string::npos) << x;
+  }
+  const std::string experts_dir = TestDir("with_experts");
+  ASSERT_TRUE(Train(with_experts, 1, "", experts_dir).ok());
+  st = LoadStatuses(s, experts_dir);
+  for (const absl::Status& x : st) {
+    EXPECT_EQ(x.code(), absl::StatusCode::kFailedPrecondition) << x;
+    EXPECT_NE(x.message().find("has parameter \"expert0.w1\", which this model does not have"),
+              std::string::npos) << x;
   }
   EXPECT_EQ(LoadStatuses(s, TestDir("does_not_exist"))[0].code(), absl::StatusCode::kNotFound);
+}
+
+// A checkpoint loads onto another world size (EDP size) and sharding mode: each rank reads
+// the parameter ranges its new shards cover. Loading moves the master values exactly (the
+// parameters gathered after the load equal the saved run's), and the moments too: the
+// round trip 4 -> 2 (replicated) -> 8 -> 4 ranks writes rank files byte-identical to the
+// original save.
+TEST(CheckpointTest, LoadsOntoAnyWorldSizeAndModeExactly) {
+  const RunSetup four{.world = 4, .ep = 2, .mode = ShardingMode::kSharded};
+  const RunSetup two{.world = 2, .ep = 2, .mode = ShardingMode::kReplicated};
+  const RunSetup eight{.world = 8, .ep = 2, .mode = ShardingMode::kSharded};
+  const std::string a = TestDir("mesh_a"), b = TestDir("mesh_b"), c = TestDir("mesh_c"),
+                    d = TestDir("mesh_d");
+  absl::StatusOr<Params> saved = Train(four, 2, "", a);
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  absl::StatusOr<Params> on_two = Train(two, 0, a, b);
+  ASSERT_TRUE(on_two.ok()) << on_two.status();
+  ExpectBitEqual(*saved, *on_two, "4 -> 2 ranks");
+  absl::StatusOr<Params> on_eight = Train(eight, 0, b, c);
+  ASSERT_TRUE(on_eight.ok()) << on_eight.status();
+  ExpectBitEqual(*saved, *on_eight, "2 -> 8 ranks");
+  ASSERT_TRUE(Train(four, 0, c, d).ok());
+  for (int r = 0; r < 4; ++r) {
+    for (const char* f : {"safetensors", "manifest.json"}) {
+      const std::string name = absl::StrCat("/rank-0000", r, ".", f);
+      EXPECT_EQ(Read(a + name), Read(d + name)) << name << " after 4 -> 2 -> 8 -> 4 ranks";
+    }
+  }
+  // A flipped byte in a file another rank count reads is still caught by its fingerprint.
+  const std::string e = TestDir("mesh_e");
+  CopyDir(a, e);
+  std::string bytes = Read(e + "/rank-00003.safetensors");
+  bytes[bytes.size() - 2] ^= 0x10;
+  Write(e + "/rank-00003.safetensors", bytes);
+  const std::vector<absl::Status> st = LoadStatuses(two, e);
+  for (const absl::Status& x : st) {
+    EXPECT_EQ(x.code(), absl::StatusCode::kDataLoss) << x;
+    EXPECT_NE(x.message().find("rank-00003.safetensors' does not match its manifest fingerprint"),
+              std::string::npos) << x;
+  }
+}
+
+// The files are the JSON docs/CHECKPOINTS.md describes, written out here by hand; the
+// fingerprints are XXH3-64 of the files' bytes (what `xxhsum -H3` prints), and the marker's
+// own covers its text without the "fingerprint" member.
+TEST(CheckpointTest, FilesAreTheDocumentedJson) {
+  const std::string dir = TestDir("documented_json");
+  ASSERT_TRUE(Train({.world = 2, .ep = 1}, 1, "", dir).ok());
+  auto hex = [](uint64_t v) { return absl::StrFormat("%016x", v); };
+  const std::string t1 = Read(dir + "/rank-00001.safetensors");
+  // DenseSpecs: emb [7], proj [13], scale [1], empty [0], head [3, 5]: 36 elements, 18 a rank.
+  EXPECT_EQ(Read(dir + "/rank-00001.manifest.json"),
+            absl::StrCat(
+                R"({"format":"gradsum.sharded_checkpoint","version":3,"rank":1,"world":2,)",
+                R"("step":"1","tensors_file":"rank-00001.safetensors","tensors_bytes":")",
+                t1.size(), R"(","tensors_fingerprint":")", hex(Fingerprint64(t1)), R"(",)",
+                R"("groups":[{"name":"dense","mode":"sharded","group_size":2,"group_rank":1,)",
+                R"("numel":"36","padded_numel":"36","shard_offset":"18","local_numel":"18",)",
+                R"("params":[{"name":"emb","shape":["7"],"offset":"0"},)",
+                R"({"name":"proj","shape":["13"],"offset":"7"},)",
+                R"({"name":"scale","shape":["1"],"offset":"20"},)",
+                R"({"name":"empty","shape":["0"],"offset":"21"},)",
+                R"({"name":"head","shape":["3","5"],"offset":"21"}]}]})", "\n"));
+  std::string body = R"({"format":"gradsum.sharded_checkpoint","version":3,"world":2,"step":"1",)"
+                     R"("ranks":[)";
+  for (int r = 0; r < 2; ++r) {
+    absl::StrAppend(&body, r > 0 ? "," : "", R"({"manifest":")",
+                    hex(Fingerprint64(Read(dir + absl::StrFormat("/rank-%05d.manifest.json", r)))),
+                    R"(","tensors":")",
+                    hex(Fingerprint64(Read(dir + absl::StrFormat("/rank-%05d.safetensors", r)))),
+                    R"("})");
+  }
+  absl::StrAppend(&body, R"(],"extra":{"data_position":"10"})");
+  EXPECT_EQ(Read(dir + "/checkpoint.json"),
+            absl::StrCat(body, R"(,"fingerprint":")", hex(Fingerprint64(body + "}")), "\"}\n"));
 }
 
 TEST(CheckpointTest, SavingRemovesTheTempFilesOfInterruptedSaves) {

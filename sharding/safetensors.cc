@@ -1,5 +1,10 @@
 #include "sharding/safetensors.h"
 
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -13,7 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "sharding/atomic_file.h"
-#include "sharding/json.h"
+#include "core/status.h"
 
 namespace gradsum {
 namespace {
@@ -42,6 +47,16 @@ constexpr absl::string_view kForeignDTypes[] = {"BOOL", "U8",      "I8",       "
                                                 "I16",  "U32",     "U64",      "F8_E4M3",
                                                 "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2"};
 
+// The header is JSON, which holds only UTF-8 text: InvalidArgument naming `what` otherwise.
+absl::Status CheckUtf8(absl::string_view what, absl::string_view text) {
+  try {
+    (void)nlohmann::json(std::string(text)).dump();
+  } catch (const nlohmann::json::type_error&) {
+    return absl::InvalidArgumentError(absl::StrCat("safetensors ", what, " is not UTF-8"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::string_view SafetensorsDTypeName(DType dtype) {
@@ -60,6 +75,7 @@ absl::Status SafetensorsWriter::Add(absl::string_view name, const TensorView& te
     return absl::InvalidArgumentError(
         absl::StrCat("safetensors tensor \"", name, "\" is not on the CPU: ", tensor.DebugString()));
   }
+  if (absl::Status s = CheckUtf8("tensor name", name); !s.ok()) return s;
   if (!tensors_.emplace(std::string(name), tensor).second) {
     return absl::InvalidArgumentError(absl::StrCat("duplicate safetensors tensor \"", name, "\""));
   }
@@ -67,6 +83,10 @@ absl::Status SafetensorsWriter::Add(absl::string_view name, const TensorView& te
 }
 
 absl::Status SafetensorsWriter::AddMetadata(absl::string_view key, absl::string_view value) {
+  if (absl::Status s = CheckUtf8(absl::StrCat("metadata key \"", key, "\""), key); !s.ok()) return s;
+  if (absl::Status s = CheckUtf8(absl::StrCat("metadata value of \"", key, "\""), value); !s.ok()) {
+    return s;
+  }
   if (!metadata_.emplace(std::string(key), std::string(value)).second) {
     return absl::InvalidArgumentError(absl::StrCat("duplicate safetensors metadata key \"", key, "\""));
   }
@@ -74,27 +94,24 @@ absl::Status SafetensorsWriter::AddMetadata(absl::string_view key, absl::string_
 }
 
 std::string SafetensorsWriter::Serialize() const {
-  JsonValue header = JsonValue::Object();
+  // An ordered_json keeps the members in insertion order: __metadata__ first, then the
+  // tensors by name, their data laid out in that order.
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata_.empty()) {
-    JsonValue meta = JsonValue::Object();
-    for (const auto& kv : metadata_) meta.Set(kv.first, JsonValue::String(kv.second));
-    header.Set(std::string(kMetadataKey), std::move(meta));
+    nlohmann::ordered_json& meta = header[std::string(kMetadataKey)];
+    meta = nlohmann::ordered_json::object();
+    for (const auto& kv : metadata_) meta[kv.first] = kv.second;
   }
   uint64_t offset = 0;
   for (const auto& [name, t] : tensors_) {
-    JsonValue entry = JsonValue::Object();
-    entry.Set("dtype", JsonValue::String(std::string(SafetensorsDTypeName(t.dtype()))));
-    JsonValue shape = JsonValue::Array();
-    for (int64_t d : t.shape()) shape.Append(JsonValue::Int(d));
-    entry.Set("shape", std::move(shape));
-    JsonValue offsets = JsonValue::Array();
-    offsets.Append(JsonValue::Int(static_cast<int64_t>(offset)));
+    const uint64_t begin = offset;
     offset += t.nbytes();
-    offsets.Append(JsonValue::Int(static_cast<int64_t>(offset)));
-    entry.Set("data_offsets", std::move(offsets));
-    header.Set(name, std::move(entry));
+    header[name] = {{"dtype", std::string(SafetensorsDTypeName(t.dtype()))},
+                    {"shape", t.shape()},
+                    {"data_offsets", {begin, offset}}};
   }
-  std::string json = header.Serialize();
+  // Add and AddMetadata admit only UTF-8, so `replace` never fires: no throw here.
+  std::string json = header.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   json.append((8 - json.size() % 8) % 8, ' ');
   std::string out;
   out.reserve(8 + json.size() + offset);
@@ -120,32 +137,16 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Read(const std::string& path) {
   return Parse(*bytes, path);
 }
 
-absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(absl::string_view bytes,
-                                                       absl::string_view source) {
+namespace {
+
+// Parses and validates a header (the JSON text) for a data buffer of `data_size` bytes:
+// every rule of the format, and that the tensors tile the buffer.
+absl::Status ParseHeader(absl::string_view header_text, uint64_t data_size, absl::string_view source,
+                         std::map<std::string, SafetensorsTensorRange, std::less<>>* tensors,
+                         std::map<std::string, std::string>* metadata) {
   auto loss = [&](auto&&... parts) {
     return absl::DataLossError(absl::StrCat("safetensors file '", source, "': ", parts...));
   };
-  if (!HostIsLittleEndian()) {
-    return absl::UnimplementedError("safetensors reading needs a little-endian host");
-  }
-  if (bytes.size() < 8) {
-    return loss("truncated: ", bytes.size(), " bytes, fewer than the 8-byte header length");
-  }
-  uint64_t header_len = 0;
-  for (int i = 0; i < 8; ++i) {
-    header_len |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
-  }
-  if (header_len > bytes.size() - 8) {
-    return loss("header length ", header_len, " exceeds the ", bytes.size() - 8,
-                " bytes after the length field (truncated or corrupt)");
-  }
-  if (header_len > kMaxHeaderBytes) {
-    return loss("header length ", header_len, " exceeds the limit ", kMaxHeaderBytes);
-  }
-  if (header_len < 2) return loss("header length ", header_len, " is too short for JSON");
-  const absl::string_view header_text = bytes.substr(8, header_len);
-  const absl::string_view data = bytes.substr(8 + header_len);
-
   // nlohmann-json parses; the safetensors rules are checked here. JSON itself allows
   // duplicate keys (nlohmann keeps the last); a tensor file must not, so the parser's
   // callback records them.
@@ -201,8 +202,6 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(absl::string_view bytes,
     return true;
   };
 
-  SafetensorsFile file;
-  file.source_ = std::string(source);
   struct Span {
     uint64_t begin, end;
     const std::string* name;
@@ -213,7 +212,7 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(absl::string_view bytes,
       if (!value.is_object()) return loss("\"__metadata__\" is not an object");
       for (const auto& [k, v] : value.items()) {
         if (!v.is_string()) return loss("metadata value for \"", k, "\" is not a string");
-        file.metadata_[k] = v.get<std::string>();
+        (*metadata)[k] = v.get<std::string>();
       }
       continue;
     }
@@ -232,7 +231,7 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(absl::string_view bytes,
       return loss("tensor \"", name, "\" has no two-element \"data_offsets\"");
     }
     const std::string dtype_name = dtype_v->get<std::string>();
-    Entry entry;
+    SafetensorsTensorRange entry;
     bool known = false;
     for (const auto& e : kDTypeNames) {
       if (e.name == dtype_name) {
@@ -265,20 +264,20 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(absl::string_view bytes,
     }
     const uint64_t begin = static_cast<uint64_t>(b);
     const uint64_t end = static_cast<uint64_t>(e);
-    if (end > data.size()) {
+    if (end > data_size) {
       return loss("tensor \"", name, "\" data_offsets [", begin, ", ", end,
-                  ") run past the data buffer of ", data.size(), " bytes (truncated?)");
+                  ") run past the data buffer of ", data_size, " bytes (truncated?)");
     }
     const uint64_t elem = DTypeSize(entry.dtype);
-    if (static_cast<uint64_t>(*numel) > data.size() / elem ||
+    if (static_cast<uint64_t>(*numel) > data_size / elem ||
         static_cast<uint64_t>(*numel) * elem != end - begin) {
       return loss("tensor \"", name, "\" has ", end - begin, " bytes but shape [",
                   absl::StrJoin(entry.shape, ","), "] of ", dtype_name, " needs ",
                   static_cast<uint64_t>(*numel) * elem);
     }
-    entry.storage = std::make_shared<std::vector<uint64_t>>((end - begin + 7) / 8);
-    if (end > begin) std::memcpy(entry.storage->data(), data.data() + begin, end - begin);
-    auto inserted = file.tensors_.emplace(name, std::move(entry));
+    entry.begin = begin;
+    entry.end = end;
+    auto inserted = tensors->emplace(name, std::move(entry));
     spans.push_back({begin, end, &inserted.first->first});
   }
   // Tensors must tile the buffer exactly: no overlap (aliasing) and no hole (hidden bytes).
@@ -295,10 +294,147 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(absl::string_view bytes,
     cursor = s.end;
     previous = s.name;
   }
-  if (cursor != data.size()) {
-    return loss("data buffer has ", data.size(), " bytes but the tensors cover ", cursor);
+  if (cursor != data_size) {
+    return loss("data buffer has ", data_size, " bytes but the tensors cover ", cursor);
+  }
+  return absl::OkStatus();
+}
+
+// The 8-byte little-endian header length at `bytes`.
+uint64_t HeaderLength(const char* bytes) {
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
+  return n;
+}
+
+// The header length field `header_len` of a file with `after` bytes after the field.
+absl::Status CheckHeaderLength(uint64_t header_len, uint64_t after, absl::string_view source) {
+  auto loss = [&](auto&&... parts) {
+    return absl::DataLossError(absl::StrCat("safetensors file '", source, "': ", parts...));
+  };
+  if (header_len > after) {
+    return loss("header length ", header_len, " exceeds the ", after,
+                " bytes after the length field (truncated or corrupt)");
+  }
+  if (header_len > kMaxHeaderBytes) {
+    return loss("header length ", header_len, " exceeds the limit ", kMaxHeaderBytes);
+  }
+  if (header_len < 2) return loss("header length ", header_len, " is too short for JSON");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(absl::string_view bytes,
+                                                       absl::string_view source) {
+  auto loss = [&](auto&&... parts) {
+    return absl::DataLossError(absl::StrCat("safetensors file '", source, "': ", parts...));
+  };
+  if (!HostIsLittleEndian()) {
+    return absl::UnimplementedError("safetensors reading needs a little-endian host");
+  }
+  if (bytes.size() < 8) {
+    return loss("truncated: ", bytes.size(), " bytes, fewer than the 8-byte header length");
+  }
+  const uint64_t header_len = HeaderLength(bytes.data());
+  GRADSUM_RETURN_IF_ERROR(CheckHeaderLength(header_len, bytes.size() - 8, source));
+  const absl::string_view data = bytes.substr(8 + header_len);
+  std::map<std::string, SafetensorsTensorRange, std::less<>> ranges;
+  SafetensorsFile file;
+  file.source_ = std::string(source);
+  GRADSUM_RETURN_IF_ERROR(
+      ParseHeader(bytes.substr(8, header_len), data.size(), source, &ranges, &file.metadata_));
+  for (auto& [name, r] : ranges) {
+    Entry entry;
+    entry.dtype = r.dtype;
+    entry.shape = std::move(r.shape);
+    entry.storage = std::make_shared<std::vector<uint64_t>>((r.end - r.begin + 7) / 8);
+    if (r.end > r.begin) std::memcpy(entry.storage->data(), data.data() + r.begin, r.end - r.begin);
+    file.tensors_.emplace(name, std::move(entry));
   }
   return file;
+}
+
+absl::StatusOr<SafetensorsHeader> SafetensorsHeader::Read(const std::string& path) {
+  auto loss = [&](auto&&... parts) {
+    return absl::DataLossError(absl::StrCat("safetensors file '", path, "': ", parts...));
+  };
+  if (!HostIsLittleEndian()) {
+    return absl::UnimplementedError("safetensors reading needs a little-endian host");
+  }
+  SafetensorsHeader h;
+  h.path_ = path;
+  h.fd_ = std::make_shared<FileDescriptor>();
+  h.fd_->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (h.fd_->fd < 0) return ErrnoStatus(errno, absl::StrCat("open '", path, "'"));
+  struct stat st;
+  if (::fstat(h.fd_->fd, &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat '", path, "'"));
+  if (!S_ISREG(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat("not a regular file: '", path, "'"));
+  }
+  h.file_bytes_ = static_cast<uint64_t>(st.st_size);
+  if (h.file_bytes_ < 8) {
+    return loss("truncated: ", h.file_bytes_, " bytes, fewer than the 8-byte header length");
+  }
+  char length[8];
+  GRADSUM_RETURN_IF_ERROR(h.ReadAt(0, 8, length));
+  const uint64_t header_len = HeaderLength(length);
+  GRADSUM_RETURN_IF_ERROR(CheckHeaderLength(header_len, h.file_bytes_ - 8, path));
+  std::string header(header_len, '\0');
+  GRADSUM_RETURN_IF_ERROR(h.ReadAt(8, header_len, &header[0]));
+  h.data_begin_ = 8 + header_len;
+  GRADSUM_RETURN_IF_ERROR(
+      ParseHeader(header, h.file_bytes_ - h.data_begin_, path, &h.tensors_, &h.metadata_));
+  return h;
+}
+
+SafetensorsHeader::FileDescriptor::~FileDescriptor() {
+  if (fd >= 0) ::close(fd);
+}
+
+absl::Status SafetensorsHeader::ReadAt(uint64_t offset, uint64_t n, void* out) const {
+  char* p = static_cast<char*>(out);
+  while (n > 0) {
+    const ssize_t got = ::pread(fd_->fd, p, n, static_cast<off_t>(offset));
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(errno, absl::StrCat("read '", path_, "'"));
+    }
+    if (got == 0) {
+      return absl::DataLossError(absl::StrCat("safetensors file '", path_, "': ends at byte ",
+                                              offset, ", before its header says (truncated)"));
+    }
+    p += got;
+    offset += static_cast<uint64_t>(got);
+    n -= static_cast<uint64_t>(got);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<const SafetensorsTensorRange*> SafetensorsHeader::Find(absl::string_view name) const {
+  auto it = tensors_.find(name);
+  if (it == tensors_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("no tensor \"", name, "\" in safetensors file '", path_, "'"));
+  }
+  return &it->second;
+}
+
+absl::Status SafetensorsHeader::ReadTensorBytes(absl::string_view name, uint64_t offset, uint64_t n,
+                                                void* out) const {
+  GRADSUM_ASSIGN_OR_RETURN(const SafetensorsTensorRange* t, Find(name));
+  if (offset > t->end - t->begin || n > t->end - t->begin - offset) {
+    return absl::OutOfRangeError(absl::StrCat("bytes [", offset, ", ", offset + n, ") of tensor \"",
+                                              name, "\" in '", path_, "', which has ",
+                                              t->end - t->begin));
+  }
+  return ReadAt(data_begin_ + t->begin + offset, n, out);
+}
+
+std::vector<std::string> SafetensorsHeader::names() const {
+  std::vector<std::string> out;
+  for (const auto& kv : tensors_) out.push_back(kv.first);
+  return out;
 }
 
 std::vector<std::string> SafetensorsFile::names() const {

@@ -47,11 +47,12 @@ absl::string_view SafetensorsDTypeName(DType dtype);
 class SafetensorsWriter {
  public:
   // Adds a CPU tensor. The view's memory must stay valid until the file is written.
-  // InvalidArgument: empty name, the reserved name "__metadata__", a duplicate name, or a
-  // view that is not on the CPU.
+  // InvalidArgument: empty name, the reserved name "__metadata__", a duplicate name, a name
+  // that is not UTF-8, or a view that is not on the CPU.
   absl::Status Add(absl::string_view name, const TensorView& tensor);
 
-  // Adds a string entry to "__metadata__". InvalidArgument on a duplicate key.
+  // Adds a string entry to "__metadata__". InvalidArgument on a duplicate key, or a key or
+  // value that is not UTF-8.
   absl::Status AddMetadata(absl::string_view key, absl::string_view value);
 
   // The complete file contents. The header is padded with spaces to a multiple of 8
@@ -66,6 +67,49 @@ class SafetensorsWriter {
 
  private:
   std::map<std::string, TensorView> tensors_;
+  std::map<std::string, std::string> metadata_;
+};
+
+// Where one tensor's bytes are: [begin, end) relative to the data buffer.
+struct SafetensorsTensorRange {
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  uint64_t begin = 0, end = 0;
+};
+
+// A safetensors file on disk read by its header only: the tensors' dtypes, shapes and byte
+// ranges (validated as SafetensorsFile::Parse validates them, against the file's size),
+// and reads of byte ranges of one tensor (pread), so that a reader needing part of a large
+// file never holds the whole of it.
+//
+//   GRADSUM_ASSIGN_OR_RETURN(SafetensorsHeader h, SafetensorsHeader::Read(path));
+//   std::vector<float> part(n);
+//   GRADSUM_RETURN_IF_ERROR(h.ReadTensorBytes("emb/master", 4 * first, 4 * n, part.data()));
+class SafetensorsHeader {
+ public:
+  // Opens `path` (kept open while a copy lives) and reads its header. Errors as Read's.
+  static absl::StatusOr<SafetensorsHeader> Read(const std::string& path);
+  // NotFound naming the tensor and the file.
+  absl::StatusOr<const SafetensorsTensorRange*> Find(absl::string_view name) const;
+  // Bytes [offset, offset + n) of tensor `name`'s data into `out`. OutOfRange beyond the
+  // tensor; DataLoss if the file ends early.
+  absl::Status ReadTensorBytes(absl::string_view name, uint64_t offset, uint64_t n,
+                               void* out) const;
+  std::vector<std::string> names() const;
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  uint64_t file_bytes() const { return file_bytes_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  struct FileDescriptor {
+    int fd = -1;
+    ~FileDescriptor();
+  };
+  absl::Status ReadAt(uint64_t offset, uint64_t n, void* out) const;
+  std::string path_;
+  std::shared_ptr<FileDescriptor> fd_;
+  uint64_t file_bytes_ = 0, data_begin_ = 0;
+  std::map<std::string, SafetensorsTensorRange, std::less<>> tensors_;
   std::map<std::string, std::string> metadata_;
 };
 

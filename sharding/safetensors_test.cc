@@ -138,6 +138,15 @@ TEST(SafetensorsTest, CallerErrorsAreInvalidArgument) {
   EXPECT_EQ(writer.Add("g", *gpu).code(), absl::StatusCode::kInvalidArgument);
   ASSERT_TRUE(writer.AddMetadata("m", "1").ok());
   EXPECT_EQ(writer.AddMetadata("m", "2").code(), absl::StatusCode::kInvalidArgument);
+  // The header is JSON, so names and metadata must be UTF-8 ("\xff" never is).
+  absl::Status bad = writer.Add("w\xff", View(&x, DType::kF32, {1}));
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("tensor name is not UTF-8"), std::string::npos) << bad;
+  EXPECT_EQ(writer.AddMetadata("k\xff", "v").code(), absl::StatusCode::kInvalidArgument);
+  bad = writer.AddMetadata("k", "v\xc3");
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("metadata value of \"k\" is not UTF-8"), std::string::npos) << bad;
+  ASSERT_TRUE(writer.Add("caf\xc3\xa9", View(&x, DType::kF32, {1})).ok());  // UTF-8 is fine
 }
 
 TEST(SafetensorsTest, AtomicWriteReplacesAndLeavesNoTemporaryFiles) {
@@ -272,6 +281,41 @@ TEST(SafetensorsTest, RandomCorruptionNeverCrashes) {
   }
   EXPECT_GT(accepted, 0);
   EXPECT_LT(accepted, 20000);
+}
+
+// The header-only reader: the ranges of a hand-built file, reads of parts of one tensor,
+// and the same validation as a whole-file read.
+TEST(SafetensorsHeaderTest, ReadsRangesOfOneTensorWithoutTheRest) {
+  const std::string dir = TestDir("header");
+  float a[3] = {1.5f, -2.0f, 4.0f};
+  float b[2] = {7.0f, 8.0f};
+  std::string data(reinterpret_cast<const char*>(a), 12);
+  data.append(reinterpret_cast<const char*>(b), 8);
+  const std::string header =
+      R"({"__metadata__":{"k":"v"},"a":{"dtype":"F32","shape":[3],"data_offsets":[0,12]},)"
+      R"("b":{"dtype":"F32","shape":[1,2],"data_offsets":[12,20]}})";
+  ASSERT_TRUE(WriteFileAtomically(dir + "/f.safetensors", RawFile(header, data)).ok());
+  absl::StatusOr<SafetensorsHeader> h = SafetensorsHeader::Read(dir + "/f.safetensors");
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_EQ(h->names(), (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(h->metadata().at("k"), "v");
+  EXPECT_EQ((*h->Find("b"))->shape, (std::vector<int64_t>{1, 2}));
+  float got[2] = {0, 0};
+  ASSERT_TRUE(h->ReadTensorBytes("a", 4, 8, got).ok());
+  EXPECT_EQ(got[0], -2.0f);
+  EXPECT_EQ(got[1], 4.0f);
+  ASSERT_TRUE(h->ReadTensorBytes("b", 4, 4, got).ok());
+  EXPECT_EQ(got[0], 8.0f);
+  EXPECT_EQ(h->ReadTensorBytes("b", 4, 8, got).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(h->ReadTensorBytes("c", 0, 4, got).code(), absl::StatusCode::kNotFound);
+  // A truncated file fails as the whole-file reader fails.
+  ASSERT_TRUE(
+      WriteFileAtomically(dir + "/t.safetensors", RawFile(header, data.substr(0, 16))).ok());
+  absl::StatusOr<SafetensorsHeader> t = SafetensorsHeader::Read(dir + "/t.safetensors");
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(SafetensorsFile::Read(dir + "/t.safetensors").status().message(),
+            t.status().message());
+  EXPECT_EQ(SafetensorsHeader::Read(dir + "/none").status().code(), absl::StatusCode::kNotFound);
 }
 
 }  // namespace

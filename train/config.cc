@@ -2,9 +2,11 @@
 
 #include <google/protobuf/descriptor.h>
 #include <google/protobuf/io/tokenizer.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 #include <google/protobuf/message.h>
 #include <google/protobuf/text_format.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/strings/numbers.h"
@@ -32,6 +34,95 @@ class CollectingErrors : public pb::io::ErrorCollector {
 
 absl::Status Bad(absl::string_view field, const std::string& value, absl::string_view why) {
   return absl::InvalidArgumentError(absl::StrCat(field, "=", value, ": ", why));
+}
+
+// "must be thread, mpi or nccl": the value names of an enum field, the only words accepted.
+std::string MustBeOneOf(const pb::EnumDescriptor* e) {
+  std::string out = "must be ";
+  for (int i = 0; i < e->value_count(); ++i) {
+    if (i > 0) absl::StrAppend(&out, i + 1 == e->value_count() ? " or " : ", ");
+    absl::StrAppend(&out, e->value(i)->name());
+  }
+  return out;
+}
+
+// The value of enum field `f` named `word`, or InvalidArgument "path=word: must be ...".
+absl::StatusOr<const pb::EnumValueDescriptor*> EnumValue(const pb::FieldDescriptor* f,
+                                                         absl::string_view path,
+                                                         const std::string& word) {
+  const pb::EnumValueDescriptor* v = f->enum_type()->FindValueByName(word);
+  if (v == nullptr) return Bad(path, word, MustBeOneOf(f->enum_type()));
+  return v;
+}
+
+// Config files written before the choices were enums quote their words
+// (`sharding: "replicated"`); the text format reads an enum only as a bare name. This pass
+// unquotes the value of every enum field, and names the allowed words for an unknown one.
+// It keeps every token's line and column, so the parser's positions stay those of `text`;
+// comments are dropped. Text the tokenizer rejects is returned as is, for the parser to
+// report.
+absl::StatusOr<std::string> UnquoteEnumWords(absl::string_view text) {
+  pb::io::ArrayInputStream input(text.data(), static_cast<int>(text.size()));
+  CollectingErrors errors;
+  pb::io::Tokenizer tokenizer(&input, &errors);
+  tokenizer.set_comment_style(pb::io::Tokenizer::SH_COMMENT_STYLE);
+  tokenizer.set_require_space_after_number(false);
+  std::vector<pb::io::Tokenizer::Token> tokens;
+  while (tokenizer.Next()) tokens.push_back(tokenizer.current());
+  if (!errors.first().empty()) return std::string(text);
+  using Tokenizer = pb::io::Tokenizer;
+  using Token = Tokenizer::Token;
+  // The message type of each open brace ({ or <); nullptr inside an unknown field.
+  std::vector<const pb::Descriptor*> scopes = {TrainConfig::descriptor()};
+  const pb::Descriptor* next_scope = nullptr;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    const Token& t = tokens[i];
+    if (t.type == Tokenizer::TYPE_SYMBOL && (t.text == "{" || t.text == "<")) {
+      scopes.push_back(next_scope);
+      next_scope = nullptr;
+      continue;
+    }
+    if (t.type == Tokenizer::TYPE_SYMBOL && (t.text == "}" || t.text == ">")) {
+      if (scopes.size() > 1) scopes.pop_back();
+      continue;
+    }
+    if (t.type != Tokenizer::TYPE_IDENTIFIER || scopes.back() == nullptr) continue;
+    const pb::FieldDescriptor* f = scopes.back()->FindFieldByName(t.text);
+    if (f == nullptr) continue;
+    if (f->cpp_type() == pb::FieldDescriptor::CPPTYPE_MESSAGE) {
+      next_scope = f->message_type();
+      continue;
+    }
+    if (f->cpp_type() != pb::FieldDescriptor::CPPTYPE_ENUM || i + 2 >= tokens.size() ||
+        tokens[i + 1].text != ":") {
+      continue;
+    }
+    Token& value = tokens[i + 2];
+    std::string word;
+    if (value.type == Tokenizer::TYPE_STRING) {
+      pb::io::Tokenizer::ParseString(value.text, &word);
+    } else if (value.type == Tokenizer::TYPE_IDENTIFIER) {
+      word = value.text;
+    } else {
+      continue;  // a number or a symbol: the parser's to judge
+    }
+    absl::StatusOr<const pb::EnumValueDescriptor*> v = EnumValue(f, f->name(), word);
+    if (!v.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("config textproto: line ", value.line + 1,
+                                                     ":", value.column + 1, ": ",
+                                                     v.status().message()));
+    }
+    value.text = word;
+  }
+  std::string out;
+  int line = 0, column = 0;
+  for (const Token& t : tokens) {
+    for (; line < t.line; ++line) out.push_back('\n'), column = 0;
+    out.append(std::max(0, t.column - column), ' ');
+    out.append(t.text);
+    column = t.column + static_cast<int>(t.text.size());
+  }
+  return out;
 }
 
 absl::Status SetFromText(pb::Message* msg, const pb::FieldDescriptor* f, const std::string& path,
@@ -80,6 +171,11 @@ absl::Status SetFromText(pb::Message* msg, const pb::FieldDescriptor* f, const s
     case pb::FieldDescriptor::CPPTYPE_STRING:
       r->SetString(msg, f, value);
       return absl::OkStatus();
+    case pb::FieldDescriptor::CPPTYPE_ENUM: {
+      GRADSUM_ASSIGN_OR_RETURN(const pb::EnumValueDescriptor* v, EnumValue(f, path, value));
+      r->SetEnum(msg, f, v);
+      return absl::OkStatus();
+    }
     default:
       return absl::InvalidArgumentError(
           absl::StrCat(path, ": a field of this type cannot be overridden"));
@@ -90,10 +186,11 @@ absl::Status SetFromText(pb::Message* msg, const pb::FieldDescriptor* f, const s
 
 absl::StatusOr<TrainConfig> ParseConfigText(absl::string_view text) {
   TrainConfig config;
+  GRADSUM_ASSIGN_OR_RETURN(const std::string unquoted, UnquoteEnumWords(text));
   pb::TextFormat::Parser parser;
   CollectingErrors errors;
   parser.RecordErrorsTo(&errors);
-  if (!parser.ParseFromString(std::string(text), &config)) {
+  if (!parser.ParseFromString(unquoted, &config)) {
     return absl::InvalidArgumentError(absl::StrCat("config textproto: ", errors.first()));
   }
   return config;
@@ -174,20 +271,6 @@ absl::Status ValidateConfig(const TrainConfig& c) {
   if (!(std::isfinite(m.init_std()) && m.init_std() > 0)) {
     return Bad("model.init_std", StrCat(m.init_std()), "must be finite and positive");
   }
-  if (c.backend() != "thread" && c.backend() != "mpi" && c.backend() != "nccl") {
-    return Bad("backend", c.backend(), "must be thread, mpi or nccl");
-  }
-  if (c.sharding() != "fsdp" && c.sharding() != "replicated") {
-    return Bad("sharding", c.sharding(), "must be fsdp or replicated");
-  }
-  if (c.ce_mode() != "token" && c.ce_mode() != "sample" && c.ce_mode() != "square") {
-    return Bad("ce_mode", c.ce_mode(), "must be token, sample or square");
-  }
-  for (const auto& [name, value] :
-       {std::pair<const char*, std::string>{"reduce_dtype", c.reduce_dtype()},
-        {"compute_dtype", c.compute_dtype()}}) {
-    if (value != "f32" && value != "bf16") return Bad(name, value, "must be f32 or bf16");
-  }
   const DataConfig& d = c.data();
   if (d.seq_len() < 2) return Bad("data.seq_len", StrCat(d.seq_len()), "must be >= 2");
   if (d.min_doc_len() < 2) {
@@ -233,6 +316,10 @@ absl::Status ValidateConfig(const TrainConfig& c) {
   }
   if (c.resume() && c.checkpoint_dir().empty()) {
     return Bad("resume", "true", "needs checkpoint_dir");
+  }
+  if (c.resume() && !c.init_from().empty()) {
+    return Bad("init_from", c.init_from(), "cannot be combined with resume (the checkpoint "
+               "holds the parameters)");
   }
   if (c.checkpoint_every() > 0 && c.checkpoint_dir().empty()) {
     return Bad("checkpoint_every", StrCat(c.checkpoint_every()), "needs checkpoint_dir");
@@ -290,6 +377,9 @@ void SetDefaultsExplicitly(pb::Message* msg) {
         break;
       case pb::FieldDescriptor::CPPTYPE_STRING:
         r->SetString(msg, f, r->GetString(*msg, f));
+        break;
+      case pb::FieldDescriptor::CPPTYPE_ENUM:
+        r->SetEnum(msg, f, r->GetEnum(*msg, f));
         break;
       default:
         break;

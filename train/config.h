@@ -23,7 +23,9 @@
 namespace gradsum::train {
 
 // Parses textproto `text` (empty text gives all defaults). A syntax error or an unknown
-// field is InvalidArgument with the parser's line and column.
+// field is InvalidArgument with the parser's line and column. An enum field reads its word
+// bare or quoted (`backend: mpi`, `backend: "mpi"`); an unknown word is InvalidArgument
+// naming the field, the word and the allowed words.
 absl::StatusOr<TrainConfig> ParseConfigText(absl::string_view text);
 
 // Reads and parses `path`, which must be a regular file of at most 1 MiB. A missing or
@@ -40,12 +42,13 @@ struct FieldOverride {
 
 // Sets each field in order. An unknown path, a path that names a message, or a value
 // that does not parse as the field's type (or overflows it) is InvalidArgument naming
-// the path and the value.
+// the path and the value; for an enum field ("sharding") also the allowed words
+// ("sharding=zero: must be fsdp or replicated").
 absl::Status ApplyOverrides(const std::vector<FieldOverride>& overrides, TrainConfig* config);
 
 // Checks everything that can be checked before any rank starts: positive sizes,
 // world % ep == 0, experts % ep == 0 (SEMANTICS.md §7), top_k <= experts, vocab == 256
-// (all data is byte-level), known backend / sharding / dtype names, document lengths
+// (all data is byte-level), document lengths
 // that fit a sequence, optimiser ranges, resume needing a checkpoint_dir. Returns the
 // first violation as InvalidArgument "field=value: reason".
 absl::Status ValidateConfig(const TrainConfig& config);

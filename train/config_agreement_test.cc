@@ -13,7 +13,7 @@ using ::testing::HasSubstr;
 
 // Ranks started with different configs are refused by name on every rank.
 TEST(CheckRanksAgreeTest, DifferentFieldsAreNamedWithTheRanks) {
-  const TrainConfig base = ResolvedConfig(TinyConfig(3, 1, 1, "fsdp"));
+  const TrainConfig base = ResolvedConfig(TinyConfig(3, 1, 1, TrainConfig::fsdp));
   auto st = gradsum::testing::RunRanksPerRank(3, [&](Communicator& c) -> absl::Status {
     TrainConfig mine = base;
     if (c.rank() == 2) mine.set_seed(7);
@@ -36,7 +36,7 @@ TEST(CheckRanksAgreeTest, DifferentFieldsAreNamedWithTheRanks) {
 }
 
 TEST(CheckRanksAgreeTest, ADataFileOneRankCannotReadFailsEveryRankWithItsMessage) {
-  const TrainConfig base = ResolvedConfig(TinyConfig(2, 1, 1, "fsdp"));
+  const TrainConfig base = ResolvedConfig(TinyConfig(2, 1, 1, TrainConfig::fsdp));
   auto st = gradsum::testing::RunRanksPerRank(2, [&](Communicator& c) -> absl::Status {
     TrainConfig mine = base;
     if (c.rank() == 1) mine.mutable_data()->set_path("/nonexistent/corpus.txt");

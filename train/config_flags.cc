@@ -40,7 +40,13 @@ ABSL_FLAG(std::optional<std::string>, metrics, std::nullopt, "JSONL file, one li
 ABSL_FLAG(std::optional<std::string>, checkpoint_dir, std::nullopt, "sharded checkpoints");
 ABSL_FLAG(std::optional<int32_t>, checkpoint_every, std::nullopt,
           "steps between checkpoints (0: at the end only)");
-ABSL_FLAG(bool, resume, false, "continue from the latest checkpoint in --checkpoint_dir");
+ABSL_FLAG(bool, resume, false,
+          "continue from the latest checkpoint in --checkpoint_dir (written on any mesh with "
+          "the same model and global batch world x grad_acc x micro_batch)");
+ABSL_FLAG(std::optional<std::string>, export, std::nullopt,
+          "at the end of training, write the full fp32 parameters to this safetensors file");
+ABSL_FLAG(std::optional<std::string>, init_from, std::nullopt,
+          "start from the parameters of a --export file, with fresh optimizer state");
 ABSL_FLAG(bool, nccl_skip_agreement, false,
           "backend=nccl: no per-collective agreement check (faster; mismatched ranks then fail "
           "inside NCCL or hang until the timeout instead of naming the mismatch)");
@@ -98,6 +104,8 @@ const std::vector<FlagField>& OverridableFlags() {
       {"checkpoint_dir", "checkpoint_dir"},
       {"checkpoint_every", "checkpoint_every"},
       {"resume", "resume"},
+      {"export", "export_path"},
+      {"init_from", "init_from"},
       {"parity_check", "parity_check"},
       {"nccl_skip_agreement", "nccl_skip_agreement"},
       {"alpha_b", "alpha_b"},

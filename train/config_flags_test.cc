@@ -6,6 +6,7 @@
 
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
+#include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -18,8 +19,19 @@ TEST(ConfigFlagsTest, EveryFlagMapsToARealField) {
   for (const FlagField& f : OverridableFlags()) {
     ASSERT_NE(absl::FindCommandLineFlag(f.flag), nullptr) << f.flag;
     TrainConfig c;
-    // "1" parses as every scalar type the flags use, so only a wrong path can fail.
-    absl::Status s = ApplyOverrides({{f.field_path, "1"}}, &c);
+    // "1" parses as every numeric and bool type the flags use, and an enum flag takes its
+    // last word (not the default), so only a wrong path can fail.
+    const google::protobuf::Descriptor* d = TrainConfig::descriptor();
+    const google::protobuf::FieldDescriptor* field = nullptr;
+    for (absl::string_view part : absl::StrSplit(f.field_path, '.')) {
+      ASSERT_NE(d, nullptr) << f.field_path;
+      field = d->FindFieldByName(std::string(part));
+      ASSERT_NE(field, nullptr) << f.field_path;
+      d = field->message_type();
+    }
+    const google::protobuf::EnumDescriptor* e = field->enum_type();
+    const std::string value = e == nullptr ? "1" : e->value(e->value_count() - 1)->name();
+    absl::Status s = ApplyOverrides({{f.field_path, value}}, &c);
     EXPECT_TRUE(s.ok()) << f.flag << ": " << s;
     // Unset until given: the flag's own default never overrides a config file.
     EXPECT_TRUE(absl::FindCommandLineFlag(f.flag)->CurrentValue().empty() ||
@@ -47,7 +59,7 @@ TEST(ConfigFlagsTest, CommandLineOverridesFileOnlyWhereGiven) {
   EXPECT_EQ(c->steps(), 11);           // file
   EXPECT_EQ(c->model().dim(), 24);     // flag beats file
   EXPECT_EQ(c->grad_acc(), 3);
-  EXPECT_EQ(c->sharding(), "replicated");
+  EXPECT_EQ(c->sharding(), TrainConfig::replicated);
   EXPECT_TRUE(c->parity_check());
 
   // A bad combination is caught at start, naming the field.

@@ -15,7 +15,7 @@ using ::testing::HasSubstr;
 TEST(ConfigTest, DefaultsAreValid) {
   TrainConfig c;
   EXPECT_EQ(c.model().vocab(), 256);
-  EXPECT_EQ(c.backend(), "thread");
+  EXPECT_EQ(c.backend(), TrainConfig::thread);
   EXPECT_TRUE(ValidateConfig(c).ok()) << ValidateConfig(c);
 }
 
@@ -35,8 +35,43 @@ TEST(ConfigTest, ParsesTextproto) {
   EXPECT_EQ(c->model().layers(), 2);  // default kept
   EXPECT_EQ(c->world(), 4);
   EXPECT_EQ(c->grad_acc(), 3);
-  EXPECT_EQ(c->sharding(), "replicated");
+  EXPECT_EQ(c->sharding(), TrainConfig::replicated);
   EXPECT_DOUBLE_EQ(c->optim().lr(), 0.5);
+}
+
+// The choices read as bare words or, as config files written before they were enums
+// have them, quoted; comments, tabs and nested messages around them do not matter.
+TEST(ConfigTest, EnumFieldsReadBareOrQuotedWords) {
+  absl::StatusOr<TrainConfig> c = ParseConfigText(
+      "# a run\n"
+      "backend: mpi  # trailing comment\n"
+      "model { dim: 16 }\n"
+      "\tsharding: \"replicated\" reduce_dtype: 'bf16'\n"
+      "compute_dtype:bf16 ce_mode: \"square\"; data { path: \"sample\" }\n");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->backend(), TrainConfig::mpi);
+  EXPECT_EQ(c->sharding(), TrainConfig::replicated);
+  EXPECT_EQ(c->reduce_dtype(), TrainConfig::bf16);
+  EXPECT_EQ(c->compute_dtype(), TrainConfig::bf16);
+  EXPECT_EQ(c->ce_mode(), TrainConfig::square);
+  EXPECT_EQ(c->model().dim(), 16);
+  EXPECT_EQ(c->data().path(), "sample");  // a string field keeps its quotes' content
+}
+
+// An unknown word, bare or quoted, names the field, the word, the allowed words and where;
+// a syntax error after an unquoted word keeps the parser's line and column.
+TEST(ConfigTest, UnknownEnumWordNamesTheAllowedWords) {
+  for (const char* text : {"world: 2\n  sharding: zero\n", "world: 2\n  sharding: \"zero\"\n"}) {
+    absl::StatusOr<TrainConfig> c = ParseConfigText(text);
+    ASSERT_FALSE(c.ok()) << text;
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(c.status().message(),
+                HasSubstr("line 2:13: sharding=zero: must be fsdp or replicated"));
+  }
+  absl::StatusOr<TrainConfig> c = ParseConfigText("sharding: \"fsdp\"\n\tworld: x\n");
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(c.status().message(), HasSubstr("line 2:16"));  // the tab counts to column 8
 }
 
 TEST(ConfigTest, UnknownFieldIsInvalidArgumentWithLine) {
@@ -88,7 +123,7 @@ TEST(ConfigTest, OverridesSetNestedFieldsOfEveryType) {
   EXPECT_DOUBLE_EQ(c.optim().lr(), 1e-4);
   EXPECT_EQ(c.seed(), 18446744073709551615ull);
   EXPECT_EQ(c.data().path(), "/tmp/x.txt");
-  EXPECT_EQ(c.backend(), "mpi");
+  EXPECT_EQ(c.backend(), TrainConfig::mpi);
   EXPECT_EQ(c.data().corpus_documents(), 123);
 }
 
@@ -102,7 +137,14 @@ TEST(ConfigTest, BadOverridesNameThePathAndValue) {
         Case{{"world", "99999999999"}, "world=99999999999"},
         Case{{"resume", "maybe"}, "resume=maybe"}, Case{{"optim.lr", "fast"}, "optim.lr=fast"},
         Case{{"seed", "-1"}, "seed=-1"}, Case{{"model.dimm", "3"}, "model.dimm"},
-        Case{{"model", "3"}, "names a message"}, Case{{"world.x", "3"}, "world.x"}}) {
+        Case{{"model", "3"}, "names a message"}, Case{{"world.x", "3"}, "world.x"},
+        // An enum field names the allowed words; the words are exact (lowercase).
+        Case{{"backend", "gloo"}, "backend=gloo: must be thread, mpi or nccl"},
+        Case{{"sharding", "zero1"}, "sharding=zero1: must be fsdp or replicated"},
+        Case{{"sharding", "FSDP"}, "sharding=FSDP: must be fsdp or replicated"},
+        Case{{"ce_mode", "mean"}, "ce_mode=mean: must be token, sample or square"},
+        Case{{"reduce_dtype", "f16"}, "reduce_dtype=f16: must be f32 or bf16"},
+        Case{{"compute_dtype", "1"}, "compute_dtype=1: must be f32 or bf16"}}) {
     TrainConfig c;
     absl::Status s = ApplyOverrides({k.o}, &c);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << k.o.path;
@@ -136,11 +178,6 @@ TEST(ConfigTest, ValidationNamesFieldAndValue) {
       {{{"data.min_doc_len", "1"}}, "data.min_doc_len=1"},
       {{{"data.min_doc_len", "50"}, {"data.max_doc_len", "40"}}, "data.max_doc_len=40"},
       {{{"data.corpus_documents", "0"}}, "data.corpus_documents=0"},
-      {{{"backend", "gloo"}}, "backend=gloo"},
-      {{{"sharding", "zero1"}}, "sharding=zero1"},
-      {{{"ce_mode", "mean"}}, "ce_mode=mean"},
-      {{{"reduce_dtype", "f16"}}, "reduce_dtype=f16"},
-      {{{"compute_dtype", "f64"}}, "compute_dtype=f64"},
       {{{"model.router_scale", "0"}}, "model.router_scale=0"},
       {{{"model.init_std", "-1"}}, "model.init_std=-1"},
       {{{"optim.lr", "0"}}, "optim.lr=0"},
@@ -181,7 +218,7 @@ TEST(ConfigTest, ShortTextListsDefaultsAndRoundTrips) {
   absl::StatusOr<TrainConfig> back = ParseConfigText(text);
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->model().dim(), 48);
-  EXPECT_EQ(back->sharding(), "replicated");
+  EXPECT_EQ(back->sharding(), TrainConfig::replicated);
   EXPECT_EQ(back->model().experts(), 8);
 }
 
@@ -206,7 +243,7 @@ TEST(ConfigTest, FieldsListEveryValueAndResolvedConfigSetsThem) {
   };
   EXPECT_EQ(value("optim.lr"), "0.5");
   EXPECT_EQ(value("model.experts"), "8");       // a default
-  EXPECT_EQ(value("backend"), "\"thread\"");   // as textproto
+  EXPECT_EQ(value("backend"), "thread");   // as textproto: the enum value's name
   EXPECT_EQ(value("data.path"), "\"\"");
   const TrainConfig resolved = ResolvedConfig(c);
   EXPECT_TRUE(resolved.has_backend());

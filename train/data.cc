@@ -251,6 +251,12 @@ int64_t MicroBatch::valid_tokens() const {
 
 int64_t MicroBatch::routed_tokens() const { return std::count(mask.begin(), mask.end(), 1); }
 
+int64_t GlobalSequenceIndex(int64_t step, int m, int rank, int j, int world, int grad_acc,
+                            int micro_batch) {
+  const int64_t per_step = int64_t{world} * grad_acc * micro_batch;
+  return step * per_step + (int64_t{m} * world + rank) * micro_batch + j;
+}
+
 absl::StatusOr<RankDataLoader> RankDataLoader::Create(std::shared_ptr<const DocumentSource> corpus,
                                                       const DataConfig& config, int rank,
                                                       int world) {
@@ -263,18 +269,11 @@ absl::StatusOr<RankDataLoader> RankDataLoader::Create(std::shared_ptr<const Docu
                                                    ", data.micro_batch=", config.micro_batch(),
                                                    ": need seq_len >= 2 and micro_batch >= 1"));
   }
-  RankDataLoader loader;
   const int64_t n = corpus->num_documents();
-  loader.shard_begin_ = rank * n / world;
-  loader.shard_end_ = (rank + 1) * n / world;
-  const std::string where = absl::StrCat(corpus->Describe(), ", rank ", rank, " of world=", world);
-  if (loader.shard_end_ <= loader.shard_begin_) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": the corpus has ", n,
-                                                   " documents, too few for every rank to get "
-                                                   "one (this rank gets none)"));
-  }
+  const std::string where = corpus->Describe();
+  if (n < 1) return absl::InvalidArgumentError(absl::StrCat(where, ": has no document"));
   if (corpus->MaxDocumentLength() > config.seq_len()) {
-    for (int64_t i = loader.shard_begin_; i < loader.shard_end_; ++i) {
+    for (int64_t i = 0; i < n; ++i) {
       if (corpus->DocumentLength(i) > config.seq_len()) {
         return absl::InvalidArgumentError(absl::StrCat(where, ": document ", i, " has length ",
                                                        corpus->DocumentLength(i),
@@ -284,38 +283,51 @@ absl::StatusOr<RankDataLoader> RankDataLoader::Create(std::shared_ptr<const Docu
   }
   // A document needs 2 tokens for one labelled pair (SEMANTICS.md §1).
   bool trainable = corpus->MinDocumentLength() >= 2;
-  for (int64_t i = loader.shard_begin_; !trainable && i < loader.shard_end_; ++i) {
-    trainable = corpus->DocumentLength(i) >= 2;
-  }
+  for (int64_t i = 0; !trainable && i < n; ++i) trainable = corpus->DocumentLength(i) >= 2;
   if (!trainable) {
     return absl::InvalidArgumentError(absl::StrCat(
-        where, ": no trainable token in this rank's documents [", loader.shard_begin_, ", ",
-        loader.shard_end_, ") (every document, i.e. line, has fewer than 2 bytes, so no token "
-        "has a next token to predict)"));
+        where, ": no trainable token in its ", n, " documents (every document, i.e. line, has "
+        "fewer than 2 bytes, so no token has a next token to predict)"));
   }
+  RankDataLoader loader;
   loader.corpus_ = std::move(corpus);
+  loader.rank_ = rank;
+  loader.world_ = world;
   loader.seq_len_ = config.seq_len();
   loader.micro_batch_ = config.micro_batch();
-  loader.cursor_ = loader.shard_begin_;
   return loader;
+}
+
+absl::Status RankDataLoader::Seek(const DataPosition& position) {
+  if (position.next_document < 0 || position.next_document >= corpus_->num_documents() ||
+      position.sequences < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "data position: next_document=", position.next_document, ", sequences=",
+        position.sequences, " is not a position in ", corpus_->Describe(), " (",
+        corpus_->num_documents(), " documents)"));
+  }
+  cursor_ = position.next_document;
+  sequences_ = position.sequences;
+  return absl::OkStatus();
 }
 
 std::vector<int64_t> RankDataLoader::NextSequenceDocs() {
   std::vector<int64_t> docs;
   int64_t used = 0;
+  const int64_t n = corpus_->num_documents();
   while (true) {
     const int64_t len = corpus_->DocumentLength(cursor_);
     if (used + len > seq_len_) break;  // every document fits an empty sequence
     docs.push_back(cursor_);
     used += len;
-    if (++cursor_ == shard_end_) cursor_ = shard_begin_;  // next epoch of the shard
+    if (++cursor_ == n) cursor_ = 0;  // next epoch
   }
+  ++sequences_;
   return docs;
 }
 
 std::vector<MicroBatch> RankDataLoader::NextStep(int grad_acc) {
   std::vector<MicroBatch> step(grad_acc);
-  int64_t sample = -1;  // index of the current document among those packed into the step
   for (MicroBatch& mb : step) {
     mb.batch = micro_batch_;
     mb.seq_len = seq_len_;
@@ -323,27 +335,42 @@ std::vector<MicroBatch> RankDataLoader::NextStep(int grad_acc) {
     mb.labels.assign(mb.tokens.size(), kIgnoreIndex);
     mb.mask.assign(mb.tokens.size(), 0);
     mb.sample_ids.assign(mb.tokens.size(), -1);
-    for (int b = 0; b < micro_batch_; ++b) {
-      mb.doc_ids.push_back(NextSequenceDocs());
-      size_t pos = static_cast<size_t>(b) * seq_len_;
-      for (int64_t id : mb.doc_ids.back()) {
-        const std::vector<int32_t> doc = corpus_->Document(id);
-        ++sample;
-        for (size_t t = 0; t < doc.size(); ++t, ++pos) {
-          mb.tokens[pos] = doc[t];
-          mb.mask[pos] = 1;
-          mb.sample_ids[pos] = sample;
-          // The last token of a document has no next token in it: ignored.
-          mb.labels[pos] = t + 1 < doc.size() ? doc[t + 1] : kIgnoreIndex;
-        }
+    mb.sequence_ids.assign(micro_batch_, -1);
+    mb.doc_ids.assign(micro_batch_, {});
+  }
+  // The step's global sequences k = (m world + r) micro_batch + j, in order: this rank's
+  // rows come in (m, j) order, so sample ids count its documents in packing order.
+  int64_t sample = -1;  // index of the current document among those packed into the step
+  const int per_micro = world_ * micro_batch_;
+  for (int64_t k = 0; k < int64_t{grad_acc} * per_micro; ++k) {
+    const int64_t index = sequences_;
+    std::vector<int64_t> docs = NextSequenceDocs();
+    const int m = static_cast<int>(k / per_micro);
+    const int r = static_cast<int>(k % per_micro) / micro_batch_;
+    const int j = static_cast<int>(k % micro_batch_);
+    if (r != rank_) continue;
+    MicroBatch& mb = step[m];
+    mb.sequence_ids[j] = index;
+    size_t pos = static_cast<size_t>(j) * seq_len_;
+    for (int64_t id : docs) {
+      const std::vector<int32_t> doc = corpus_->Document(id);
+      ++sample;
+      for (size_t t = 0; t < doc.size(); ++t, ++pos) {
+        mb.tokens[pos] = doc[t];
+        mb.mask[pos] = 1;
+        mb.sample_ids[pos] = sample;
+        // The last token of a document has no next token in it: ignored.
+        mb.labels[pos] = t + 1 < doc.size() ? doc[t + 1] : kIgnoreIndex;
       }
     }
+    mb.doc_ids[j] = std::move(docs);
   }
   return step;
 }
 
 void RankDataLoader::SkipSteps(int64_t steps, int grad_acc) {
-  for (int64_t s = 0; s < steps * grad_acc * micro_batch_; ++s) NextSequenceDocs();
+  const int64_t sequences = steps * grad_acc * world_ * micro_batch_;
+  for (int64_t s = 0; s < sequences; ++s) NextSequenceDocs();
 }
 
 }  // namespace gradsum::train

@@ -11,11 +11,21 @@
 // stationary distribution is the floor of the expected CE; documents start in the
 // stationary distribution so that every labelled pair is a stationary transition.
 //
-// Packing (RankDataLoader): each rank owns a disjoint contiguous shard of the documents
-// and fills sequences greedily with whole documents (cycling through its shard). Inside
-// a sequence, label[t] = token[t+1] of the same document; the last token of each
-// document is ignored (label kIgnoreIndex); the tail is padding (mask 0, label
-// kIgnoreIndex, token 0). So valid-token counts differ across ranks and micro-batches.
+// Packing (RankDataLoader): one global stream of packed sequences, the same at every mesh
+// (SEMANTICS.md §11). A global cursor walks the documents 0, 1, ..., n - 1, 0, 1, ...
+// (epochs) and fills sequences greedily with whole documents; sequence i (0-based, global)
+// is the i-th sequence so packed. Step s consumes sequences [s B, (s + 1) B), B = world x
+// grad_acc x micro_batch, and sequence
+//   i = s B + (m world + r) micro_batch + j
+// is row j of micro-batch m on rank r. So runs whose meshes give the same B train on the
+// same sequences in every step, and micro-batch m of the step is the contiguous range
+// [s B + m world micro_batch, s B + (m + 1) world micro_batch) whatever the world.
+// Every rank runs the packer over the whole step (document lengths only, cheap) and
+// builds the tokens of its own rows. Inside a sequence, label[t] = token[t+1] of the same
+// document; the last token of each document is ignored (label kIgnoreIndex); the tail is
+// padding (mask 0, label kIgnoreIndex, token 0). So valid-token counts differ across
+// ranks and micro-batches. The stream's position (DataPosition: the next document and the
+// sequences consumed) goes into checkpoints; Seek continues from it on any mesh.
 //
 //   GRADSUM_ASSIGN_OR_RETURN(auto corpus, MakeCorpus(config.data()));
 //   GRADSUM_ASSIGN_OR_RETURN(RankDataLoader loader,
@@ -164,6 +174,8 @@ struct MicroBatch {
   // Which packed document (sample, SEMANTICS.md §3) each token belongs to: unique within the
   // rank's step (a running count of the documents packed into it), -1 for padding.
   std::vector<int64_t> sample_ids;
+  // The global index of each sequence (row) in the stream (see RankDataLoader).
+  std::vector<int64_t> sequence_ids;
   // The documents packed into each sequence, in order (for tests and dumps).
   std::vector<std::vector<int64_t>> doc_ids;
 
@@ -171,33 +183,48 @@ struct MicroBatch {
   int64_t routed_tokens() const;  // mask == 1
 };
 
-// Packs the documents of rank `rank`'s shard [rank * n / world, (rank + 1) * n / world).
+// Where the global sequence stream stands: the next document the packer takes and how
+// many sequences it has packed.
+struct DataPosition {
+  int64_t next_document = 0;
+  int64_t sequences = 0;
+};
+
+// The global index of row j of micro-batch m on rank r in step s (0-based), for a mesh of
+// `world` ranks with `grad_acc` micro-batches of `micro_batch` sequences.
+int64_t GlobalSequenceIndex(int64_t step, int m, int rank, int j, int world, int grad_acc,
+                            int micro_batch);
+
+// Packs the global sequence stream and hands rank `rank` its rows of every step.
 class RankDataLoader {
  public:
-  // InvalidArgument if rank is outside [0, world), if the shard is empty (fewer
-  // documents than ranks), if no document of the shard has a trainable token (all shorter
-  // than 2 tokens) or if a document is longer than data.seq_len; the message names the
-  // corpus (Describe) and the rank.
+  // InvalidArgument if rank is outside [0, world), if the corpus has no document, if no
+  // document has a trainable token (all shorter than 2 tokens) or if a document is longer
+  // than data.seq_len; the message names the corpus (Describe).
   static absl::StatusOr<RankDataLoader> Create(std::shared_ptr<const DocumentSource> corpus,
                                                const DataConfig& config, int rank, int world);
 
   // The next `grad_acc` micro-batches of this rank (one optimizer step).
   std::vector<MicroBatch> NextStep(int grad_acc);
-  // Advances as if NextStep(grad_acc) had been called `steps` times (for --resume),
-  // without generating tokens.
+  // Advances as if NextStep(grad_acc) had been called `steps` times, without generating
+  // tokens (packs document lengths only).
   void SkipSteps(int64_t steps, int grad_acc);
 
-  int64_t shard_begin() const { return shard_begin_; }
-  int64_t shard_end() const { return shard_end_; }
+  // The stream's position after the steps so far; Seek(position()) on a loader of any
+  // rank and world continues the same stream. InvalidArgument naming the value if
+  // next_document is outside [0, num_documents) or sequences is negative.
+  DataPosition position() const { return {cursor_, sequences_}; }
+  absl::Status Seek(const DataPosition& position);
 
  private:
   RankDataLoader() = default;
-  // Documents of the next sequence; advances the cursor.
+  // Documents of the next global sequence; advances the cursor.
   std::vector<int64_t> NextSequenceDocs();
 
   std::shared_ptr<const DocumentSource> corpus_;
+  int rank_ = 0, world_ = 1;
   int seq_len_ = 0, micro_batch_ = 0;
-  int64_t shard_begin_ = 0, shard_end_ = 0, cursor_ = 0;
+  int64_t cursor_ = 0, sequences_ = 0;
 };
 
 }  // namespace gradsum::train

@@ -103,41 +103,109 @@ void CheckPacking(const MicroBatch& mb, const DocumentSource& corpus) {
   }
 }
 
-TEST(RankDataLoaderTest, PackingInvariantsAndDisjointShards) {
-  const DataConfig config = SmallConfig();
-  auto corpus = MakeCorpus(config);
-  ASSERT_TRUE(corpus.ok());
-  const int world = 3, grad_acc = 2;
-  std::vector<std::set<int64_t>> seen(world);
-  std::set<int64_t> valid_counts;
-  for (int r = 0; r < world; ++r) {
-    absl::StatusOr<RankDataLoader> loader = RankDataLoader::Create(*corpus, config, r, world);
-    ASSERT_TRUE(loader.ok()) << loader.status();
-    for (int step = 0; step < 4; ++step) {
-      for (const MicroBatch& mb : loader->NextStep(grad_acc)) {
-        CheckPacking(mb, **corpus);
-        valid_counts.insert(mb.valid_tokens());
-        int64_t docs = 0;
-        for (const auto& ids : mb.doc_ids) {
-          docs += ids.size();
-          for (int64_t id : ids) {
-            EXPECT_GE(id, loader->shard_begin());
-            EXPECT_LT(id, loader->shard_end());
-            seen[r].insert(id);
-          }
-        }
-        // Each document gives one ignored label; the rest are valid.
-        EXPECT_EQ(mb.valid_tokens(), mb.routed_tokens() - docs);
-      }
+// The reference packing, written out directly: documents 0, 1, 2, ... (cycling) laid into
+// sequences greedily; sequence i is the i-th so filled.
+std::vector<std::vector<int64_t>> ReferenceSequences(const DocumentSource& corpus, int seq_len,
+                                                     int64_t count) {
+  std::vector<std::vector<int64_t>> out(count);
+  int64_t doc = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    int64_t used = 0;
+    while (used + corpus.DocumentLength(doc) <= seq_len) {
+      used += corpus.DocumentLength(doc);
+      out[i].push_back(doc);
+      doc = (doc + 1) % corpus.num_documents();
     }
   }
-  for (int a = 0; a < world; ++a) {
-    EXPECT_FALSE(seen[a].empty());
-    for (int b = a + 1; b < world; ++b) {
-      for (int64_t id : seen[a]) EXPECT_EQ(seen[b].count(id), 0u) << "doc " << id;
+  return out;
+}
+
+// Every mesh with the same B = world x G x micro_batch trains on the same sequences in every
+// step: row j of micro-batch m on rank r of step s is global sequence
+// s B + (m world + r) micro_batch + j of the reference packing. For the embedded corpus and
+// for a --data file alike.
+class GlobalStreamTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(GlobalStreamTest, EveryMeshWithTheSameBatchSeesTheSameSequences) {
+  DataConfig config = SmallConfig();
+  config.set_corpus_documents(40);  // a few epochs in the steps below
+  if (GetParam()) {
+    const std::string path = ::testing::TempDir() + "/stream.txt";
+    std::ofstream out(path, std::ios::binary);
+    for (int i = 0; i < 30; ++i) out << "document " << i << (i % 3 ? " of the file" : "") << "\n";
+    config.set_path(path);
+  }
+  auto corpus = MakeCorpus(config);
+  ASSERT_TRUE(corpus.ok()) << corpus.status();
+  const int B = 12, steps = 5;
+  const std::vector<std::vector<int64_t>> want =
+      ReferenceSequences(**corpus, config.seq_len(), int64_t{B} * steps);
+  std::set<int64_t> valid_counts;
+  struct Mesh {
+    int world, grad_acc, micro_batch;
+  };
+  for (const Mesh& mesh : {Mesh{4, 1, 3}, Mesh{2, 2, 3}, Mesh{1, 4, 3}, Mesh{3, 2, 2},
+                           Mesh{1, 1, 12}, Mesh{6, 2, 1}}) {
+    config.set_micro_batch(mesh.micro_batch);
+    std::vector<int> seen(int64_t{B} * steps, 0);
+    for (int r = 0; r < mesh.world; ++r) {
+      absl::StatusOr<RankDataLoader> loader =
+          RankDataLoader::Create(*corpus, config, r, mesh.world);
+      ASSERT_TRUE(loader.ok()) << loader.status();
+      for (int s = 0; s < steps; ++s) {
+        const std::vector<MicroBatch> step = loader->NextStep(mesh.grad_acc);
+        ASSERT_EQ(step.size(), static_cast<size_t>(mesh.grad_acc));
+        for (int m = 0; m < mesh.grad_acc; ++m) {
+          const MicroBatch& mb = step[m];
+          CheckPacking(mb, **corpus);
+          valid_counts.insert(mb.valid_tokens());
+          int64_t docs = 0;
+          for (int j = 0; j < mb.batch; ++j) {
+            const int64_t i = int64_t{s} * B + (int64_t{m} * mesh.world + r) * mesh.micro_batch + j;
+            EXPECT_EQ(i, GlobalSequenceIndex(s, m, r, j, mesh.world, mesh.grad_acc,
+                                             mesh.micro_batch));
+            ASSERT_EQ(mb.sequence_ids[j], i);
+            EXPECT_EQ(mb.doc_ids[j], want[i]) << "sequence " << i << " world " << mesh.world;
+            ++seen[i];
+            docs += mb.doc_ids[j].size();
+          }
+          // Each document gives one ignored label; the rest are valid.
+          EXPECT_EQ(mb.valid_tokens(), mb.routed_tokens() - docs);
+        }
+      }
+      EXPECT_EQ(loader->position().sequences, int64_t{B} * steps);
     }
+    for (size_t i = 0; i < seen.size(); ++i) EXPECT_EQ(seen[i], 1) << "sequence " << i;
   }
   EXPECT_GT(valid_counts.size(), 3u) << "valid-token counts should vary across micro-batches";
+}
+
+INSTANTIATE_TEST_SUITE_P(MarkovAndTextFile, GlobalStreamTest, ::testing::Bool());
+
+// A loader of another rank and world that seeks to a position continues the same stream.
+TEST(RankDataLoaderTest, SeekContinuesTheStreamOnAnotherMesh) {
+  DataConfig config = SmallConfig();
+  auto corpus = MakeCorpus(config);
+  ASSERT_TRUE(corpus.ok());
+  auto a = RankDataLoader::Create(*corpus, config, 1, 2);  // B = 2 x 2 x 3
+  ASSERT_TRUE(a.ok());
+  for (int s = 0; s < 3; ++s) a->NextStep(2);
+  const DataPosition pos = a->position();
+  EXPECT_EQ(pos.sequences, 36);
+  const std::vector<std::vector<int64_t>> want = ReferenceSequences(**corpus, 32, 48);
+  auto b = RankDataLoader::Create(*corpus, config, 0, 1);  // B = 1 x 4 x 3
+  ASSERT_TRUE(b.ok());
+  ASSERT_TRUE(b->Seek(pos).ok());
+  const std::vector<MicroBatch> step = b->NextStep(4);
+  for (int m = 0; m < 4; ++m) {
+    for (int j = 0; j < 3; ++j) {
+      EXPECT_EQ(step[m].sequence_ids[j], 36 + 3 * m + j);
+      EXPECT_EQ(step[m].doc_ids[j], want[36 + 3 * m + j]);
+    }
+  }
+  const absl::Status bad = b->Seek({5000, 0});
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.message(), HasSubstr("next_document=5000"));
 }
 
 // Sample ids (the CE's samples, SEMANTICS.md §3): one per packed document occurrence, in
@@ -217,10 +285,9 @@ TEST(RankDataLoaderTest, BadArgumentsAreInvalidArgument) {
   config.set_corpus_documents(2);
   auto corpus = MakeCorpus(config);
   ASSERT_TRUE(corpus.ok());
-  auto s = RankDataLoader::Create(*corpus, config, 0, 4);
-  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(s.status().message(), HasSubstr("world=4"));
-  s = RankDataLoader::Create(*corpus, config, 2, 2);
+  // Fewer documents than ranks is fine: the stream is global.
+  EXPECT_TRUE(RankDataLoader::Create(*corpus, config, 3, 4).ok());
+  auto s = RankDataLoader::Create(*corpus, config, 2, 2);
   EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.status().message(), HasSubstr("rank=2"));
   config.set_corpus_documents(100);
@@ -270,7 +337,7 @@ TEST(TextFileCorpusTest, PacksThroughTheLoader) {
 }
 
 
-TEST(TextFileCorpusTest, OnlyRegularFilesAndShardsWithSomethingToPredict) {
+TEST(TextFileCorpusTest, OnlyRegularFilesAndCorporaWithSomethingToPredict) {
   auto dev = TextFileCorpus::Load("/dev/zero", 4);
   EXPECT_EQ(dev.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(dev.status().message(), HasSubstr("--data=/dev/zero: not a regular file"));
@@ -286,15 +353,15 @@ TEST(TextFileCorpusTest, OnlyRegularFilesAndShardsWithSomethingToPredict) {
   ASSERT_TRUE(corpus.ok()) << corpus.status();
   EXPECT_EQ((*corpus)->MinDocumentLength(), 1);
   EXPECT_EQ((*corpus)->MaxDocumentLength(), 3);
-  auto rank0 = RankDataLoader::Create(*corpus, config, 0, 2);  // documents [0, 3): all "\n"
+  EXPECT_TRUE(RankDataLoader::Create(*corpus, config, 0, 2).ok());  // "ab\n" somewhere
+  // Only one-byte lines: nothing to predict anywhere, named.
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << "\n\n\n";
+  auto none = MakeCorpus(config);
+  ASSERT_TRUE(none.ok()) << none.status();
+  auto rank0 = RankDataLoader::Create(*none, config, 0, 2);
   EXPECT_EQ(rank0.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(rank0.status().message(),
-              HasSubstr("--data=" + path + ", rank 0 of world=2: no trainable token"));
-  EXPECT_TRUE(RankDataLoader::Create(*corpus, config, 1, 2).ok());  // has "ab\n"
-  // More ranks than documents: a rank with an empty shard, named.
-  auto empty = RankDataLoader::Create(*corpus, config, 0, 7);
-  EXPECT_EQ(empty.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(empty.status().message(), HasSubstr(", rank 0 of world=7: the corpus has 6 documents"));
+              HasSubstr("--data=" + path + ": no trainable token in its 3 documents"));
 }
 
 }  // namespace

@@ -115,41 +115,41 @@ int Main() {
     return 1;
   }
   const absl::Duration timeout = absl::Seconds(config->timeout_s());
-  if (config->backend() == "thread") return RunOnThreads(*config, timeout);
-  if (config->backend() == "mpi") {
-    return RunOnMpiWorld(*config, timeout, [&](Communicator* world, std::ostream* log) {
-      return RunRank(*config, world, log);
-    });
-  }
-  if (config->backend() == "nccl") {
+  switch (config->backend()) {
+    case TrainConfig::thread:
+      return RunOnThreads(*config, timeout);
+    case TrainConfig::mpi:
+      return RunOnMpiWorld(*config, timeout, [&](Communicator* world, std::ostream* log) {
+        return RunRank(*config, world, log);
+      });
+    case TrainConfig::nccl:
 #ifdef GRADSUM_HAVE_CUDA
-    // MPI launches the ranks and carries the host side (statistics, norms, checkpoints);
-    // NCCL carries the gradients and the MoE exchange on the GPUs. One GPU needs no
-    // launcher: a one-rank thread communicator is the host world.
-    if (config->world() == 1) {
-      PrintBanner(*config, std::cout);
-      ThreadBackendOptions options;
-      options.timeout = timeout;
-      absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> one =
-          CreateThreadCommunicators(1, options);
-      s = one.ok() ? CatchExceptions(
-                         [&] { return RunNcclRank(*config, (*one)[0].get(), &std::cout); })
-                   : one.status();
-      if (!s.ok()) Report(s);
-      return s.ok() ? 0 : 1;
-    }
-    return RunOnMpiWorld(*config, timeout, [&](Communicator* world, std::ostream* log) {
-      return RunNcclRank(*config, world, log);
-    });
+      // MPI launches the ranks and carries the host side (statistics, norms, checkpoints);
+      // NCCL carries the gradients and the MoE exchange on the GPUs. One GPU needs no
+      // launcher: a one-rank thread communicator is the host world.
+      if (config->world() == 1) {
+        PrintBanner(*config, std::cout);
+        ThreadBackendOptions options;
+        options.timeout = timeout;
+        absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> one =
+            CreateThreadCommunicators(1, options);
+        s = one.ok() ? CatchExceptions(
+                           [&] { return RunNcclRank(*config, (*one)[0].get(), &std::cout); })
+                     : one.status();
+        if (!s.ok()) Report(s);
+        return s.ok() ? 0 : 1;
+      }
+      return RunOnMpiWorld(*config, timeout, [&](Communicator* world, std::ostream* log) {
+        return RunNcclRank(*config, world, log);
+      });
 #else
-    Report(absl::FailedPreconditionError(
-        "backend=nccl: this moe_lm was built without CUDA; rebuild it with "
-        "`./bazelw build --config=cuda //train:moe_lm` and run one MPI rank per GPU"));
-    return 1;
+      Report(absl::FailedPreconditionError(
+          "backend=nccl: this moe_lm was built without CUDA; rebuild it with "
+          "`./bazelw build --config=cuda //train:moe_lm` and run one MPI rank per GPU"));
+      return 1;
 #endif
   }
-  Report(absl::InvalidArgumentError(
-      absl::StrCat("backend=", config->backend(), ": must be thread, mpi or nccl")));
+  Report(absl::InternalError(absl::StrCat("backend=", config->backend(), ": unhandled")));
   return 1;
 }
 

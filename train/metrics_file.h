@@ -6,7 +6,8 @@
 // naming the path and the cause (a full disk, /dev/full, a directory, no permission).
 //
 //   GRADSUM_ASSIGN_OR_RETURN(MetricsFile f, MetricsFile::Open(path, /*append=*/false));
-//   GRADSUM_RETURN_IF_ERROR(f.WriteLine(record.ToJson()));
+//   GRADSUM_ASSIGN_OR_RETURN(std::string line, record.ToJson());
+//   GRADSUM_RETURN_IF_ERROR(f.WriteLine(line));
 //   GRADSUM_RETURN_IF_ERROR(f.Close());
 
 #include <string>

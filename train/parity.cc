@@ -57,7 +57,7 @@ absl::StatusOr<ParityReport> CheckParity(const TrainConfig& config, const NamedP
   rc.alpha_b = config.alpha_b();
   rc.alpha_z = config.alpha_z();
   rc.ignore_index = kIgnoreIndex;
-  rc.ce_mode = config.ce_mode();
+  rc.ce_mode = TrainConfig::CeMode_Name(config.ce_mode());
   testing::NamedTensors params;
   for (const auto& [name, values] : weights) params[name].assign(values.begin(), values.end());
   std::vector<std::vector<testing::ReferenceMicroBatch>> batch(global_batch.size());

@@ -48,7 +48,7 @@ struct ParityReport {
 };
 
 // The global batch of step `step_index` (0-based): batch[m][r] for every rank r of the
-// world, rebuilt from the data config (each rank's loader is deterministic).
+// world: rows of the global sequence stream (train/data.h), rebuilt from the data config.
 absl::StatusOr<std::vector<std::vector<MicroBatch>>> GlobalBatchForStep(const TrainConfig& config,
                                                                         int64_t step_index);
 

@@ -13,7 +13,7 @@ namespace gradsum::train {
 namespace {
 
 // (F, P, G, sharding)
-using Case = std::tuple<int, int, int, const char*>;
+using Case = std::tuple<int, int, int, TrainConfig::Sharding>;
 
 class ParityTest : public ::testing::TestWithParam<Case> {};
 
@@ -49,7 +49,7 @@ TEST_P(ParityTest, StepOneMatchesReferenceOnEveryRank) {
 
 std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
   const auto [F, P, G, sharding] = info.param;
-  return absl::StrCat("F", F, "P", P, "G", G, "_", sharding);
+  return absl::StrCat("F", F, "P", P, "G", G, "_", TrainConfig::Sharding_Name(sharding));
 }
 
 // (F, P, G, sharding): every mesh of the issue, G in {1, 2, 3}, both modes.
@@ -58,7 +58,9 @@ std::vector<Case> AllCases() {
   for (const auto& [F, P] :
        std::vector<std::pair<int, int>>{{1, 1}, {2, 1}, {1, 2}, {2, 2}, {4, 2}, {2, 4}}) {
     for (int G : {1, 2, 3}) {
-      for (const char* sharding : {"fsdp", "replicated"}) cases.push_back({F, P, G, sharding});
+      for (auto sharding : {TrainConfig::fsdp, TrainConfig::replicated}) {
+        cases.push_back({F, P, G, sharding});
+      }
     }
   }
   return cases;
@@ -70,8 +72,8 @@ INSTANTIATE_TEST_SUITE_P(Meshes, ParityTest, ::testing::ValuesIn(AllCases()), Ca
 // (with G == 1 they add the same terms in the same order).
 TEST(ParityModesTest, FsdpAndReplicatedAreBitIdenticalAtOneMicroBatch) {
   for (const auto& [F, P] : {std::pair<int, int>{2, 2}, {4, 2}, {2, 4}}) {
-    TrainConfig fsdp = TinyConfig(F * P, P, 1, "fsdp");
-    TrainConfig replicated = TinyConfig(F * P, P, 1, "replicated");
+    TrainConfig fsdp = TinyConfig(F * P, P, 1, TrainConfig::fsdp);
+    TrainConfig replicated = TinyConfig(F * P, P, 1, TrainConfig::replicated);
     fsdp.set_parity_check(true);
     replicated.set_parity_check(true);
     auto a = RunInProcess(fsdp);
@@ -90,8 +92,8 @@ TEST(ParityModesTest, FsdpAndReplicatedAreBitIdenticalAtOneMicroBatch) {
 // units too.
 TEST(ParityScheduleTest, WrapPolicyReshardAndLastMicroBatchReductionMatchTheReference) {
   for (const auto& [F, P, G, sharding] :
-       std::vector<Case>{{2, 2, 1, "fsdp"}, {2, 2, 3, "fsdp"}, {4, 2, 2, "fsdp"},
-                         {2, 2, 3, "replicated"}}) {
+       std::vector<Case>{{2, 2, 1, TrainConfig::fsdp}, {2, 2, 3, TrainConfig::fsdp},
+                         {4, 2, 2, TrainConfig::fsdp}, {2, 2, 3, TrainConfig::replicated}}) {
     TrainConfig config = TinyConfig(F * P, P, G, sharding);
     config.mutable_model()->set_layers(3);
     config.set_layers_per_unit(2);
@@ -104,14 +106,14 @@ TEST(ParityScheduleTest, WrapPolicyReshardAndLastMicroBatchReductionMatchTheRefe
     for (const RankOutcome& r : *out) ASSERT_TRUE(r.status.ok()) << r.status;
     ASSERT_TRUE((*out)[0].parity.has_value());
     EXPECT_TRUE((*out)[0].parity->ok) << (*out)[0].parity->ToString();
-    EXPECT_LE((*out)[0].parity->worst, 1e-5) << F << "x" << P << " G" << G << " " << sharding;
+    EXPECT_LE((*out)[0].parity->worst, 1e-5) << F << "x" << P << " G" << G << " " << TrainConfig::Sharding_Name(sharding);
   }
-  TrainConfig fsdp = TinyConfig(4, 2, 1, "fsdp");
+  TrainConfig fsdp = TinyConfig(4, 2, 1, TrainConfig::fsdp);
   fsdp.mutable_model()->set_layers(3);
   fsdp.set_layers_per_unit(2);
   fsdp.set_parity_check(true);
   TrainConfig replicated = fsdp;
-  replicated.set_sharding("replicated");
+  replicated.set_sharding(TrainConfig::replicated);
   auto a = RunInProcess(fsdp);
   auto b = RunInProcess(replicated);
   ASSERT_TRUE(a.ok() && b.ok());
@@ -127,12 +129,13 @@ TEST(ParityScheduleTest, WrapPolicyReshardAndLastMicroBatchReductionMatchTheRefe
 // weighting must matter (the CE differs from token mode's).
 TEST(ParityCeModesTest, SampleAndSquareWeightingMatchTheReference) {
   for (const auto& [F, P, G, sharding] :
-       std::vector<Case>{{1, 1, 1, "fsdp"}, {2, 2, 2, "fsdp"}, {1, 2, 3, "replicated"}}) {
+       std::vector<Case>{{1, 1, 1, TrainConfig::fsdp}, {2, 2, 2, TrainConfig::fsdp},
+                         {1, 2, 3, TrainConfig::replicated}}) {
     TrainConfig token = TinyConfig(F * P, P, G, sharding);
     token.set_parity_check(true);
     auto t = RunInProcess(token);
     ASSERT_TRUE(t.ok() && (*t)[0].status.ok());
-    for (const char* mode : {"sample", "square"}) {
+    for (auto mode : {TrainConfig::sample, TrainConfig::square}) {
       TrainConfig config = token;
       config.set_ce_mode(mode);
       absl::StatusOr<std::vector<RankOutcome>> out = RunInProcess(config);
@@ -149,7 +152,7 @@ TEST(ParityCeModesTest, SampleAndSquareWeightingMatchTheReference) {
 
 // The bar can fail: a tolerance below fp32 rounding must fail the check on every rank.
 TEST(ParityCheckTest, FailsWhenTheToleranceIsBelowRoundingError) {
-  TrainConfig config = TinyConfig(2, 2, 2, "fsdp");
+  TrainConfig config = TinyConfig(2, 2, 2, TrainConfig::fsdp);
   config.set_parity_check(true);
   config.set_parity_tolerance(1e-13);  // below fp32 rounding: must fail
   auto out = RunInProcess(config);

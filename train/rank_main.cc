@@ -40,17 +40,19 @@ void PrintBanner(const TrainConfig& config, std::ostream& out) {
       "moe_lm: %d steps; AdamW lr %g (warmup %d), clip %g; compute %s, reduce %s; "
       "CE weights %s; alpha_b %g, alpha_z %g; seed %d\n",
       config.steps(), config.optim().lr(), config.optim().warmup_steps(),
-      config.optim().grad_clip(), config.compute_dtype(), config.reduce_dtype(), config.ce_mode(),
+      config.optim().grad_clip(), TrainConfig::FloatDType_Name(config.compute_dtype()),
+      TrainConfig::FloatDType_Name(config.reduce_dtype()), TrainConfig::CeMode_Name(config.ce_mode()),
       config.alpha_b(), config.alpha_z(), config.seed());
   out << absl::StrFormat(
       "model: V=%d D=%d L=%d E=%d K=%d H=%d, %d parameters; mesh F=%d x P=%d, G=%d, %s, "
       "backend %s\n",
       m.vocab(), m.dim(), m.layers(), m.experts(), m.top_k(), m.expert_dim(), params,
-      config.world() / config.ep(), config.ep(), config.grad_acc(), config.sharding(),
-      config.backend());
+      config.world() / config.ep(), config.ep(), config.grad_acc(),
+      TrainConfig::Sharding_Name(config.sharding()), TrainConfig::Backend_Name(config.backend()));
   out << absl::StrFormat(
-      "data: %d x %d tokens per rank and micro-batch, %s\n", config.data().micro_batch(),
-      config.data().seq_len(),
+      "data: %d x %d tokens per rank and micro-batch, global batch B=%d sequences per "
+      "step, %s\n",
+      config.data().micro_batch(), config.data().seq_len(), GlobalBatch(config),
       config.data().path().empty() ? "embedded Markov corpus" : config.data().path());
   if (config.data().path().empty()) {
     MarkovCorpus corpus(config.data());
@@ -100,7 +102,7 @@ absl::StatusOr<ResourceEstimate> EstimateResources(const TrainConfig& config) {
         m.vocab(), m.dim(), m.layers(), m.experts(), m.expert_dim(), r.params));
   }
   const LD rank_params = dense + experts / P;
-  const LD shard_ways = config.sharding() == "fsdp" ? config.world() : 1;
+  const LD shard_ways = config.sharding() == TrainConfig::fsdp ? config.world() : 1;
   // initial copy + compute copy + gradients, and master, exp_avg, exp_avg_sq slices (f32).
   r.parameter_bytes = 4 * rank_params * (3 + 3 / shard_ways);
   // Per token and layer: residual, norm, router logits and probabilities, each routed copy's
@@ -109,7 +111,7 @@ absl::StatusOr<ResourceEstimate> EstimateResources(const TrainConfig& config) {
   // tokens, labels, mask (i32) and sample ids (i64), twice (loader and model copies).
   r.batch_bytes = 2 * G * T * (3 * 4 + 8);
   const LD per_rank = r.parameter_bytes + r.activation_bytes + r.batch_bytes;
-  r.process_bytes = per_rank * (config.backend() == "thread" ? config.world() : 1);
+  r.process_bytes = per_rank * (config.backend() == TrainConfig::thread ? config.world() : 1);
   return r;
 }
 
@@ -128,7 +130,7 @@ absl::Status CheckResourceBounds(const TrainConfig& config, uint64_t memory_byte
       m.vocab(), m.dim(), m.layers(), m.experts(), m.expert_dim(), config.ep(),
       r.activation_bytes / kGiB, config.data().micro_batch(), config.data().seq_len(), m.top_k(),
       r.batch_bytes / kGiB, config.grad_acc(),
-      config.backend() == "thread" ? absl::StrCat(", per rank x world=", config.world(),
+      config.backend() == TrainConfig::thread ? absl::StrCat(", per rank x world=", config.world(),
                                                   " thread ranks")
                                    : ""));
 }

@@ -20,7 +20,7 @@ using ::testing::HasSubstr;
 TEST(ResourcesTest, ParameterCountMatchesTheModelsShapes) {
   for (const auto& [dim, layers, experts, expert_dim] :
        std::vector<std::tuple<int, int, int, int>>{{8, 2, 4, 8}, {16, 3, 8, 5}, {1, 1, 1, 1}}) {
-    TrainConfig c = TinyConfig(2, 2, 1, "fsdp");
+    TrainConfig c = TinyConfig(2, 2, 1, TrainConfig::fsdp);
     c.mutable_model()->set_dim(dim);
     c.mutable_model()->set_layers(layers);
     c.mutable_model()->set_experts(experts);
@@ -39,7 +39,7 @@ TEST(ResourcesTest, ParameterCountMatchesTheModelsShapes) {
 }
 
 TEST(ResourcesTest, TooBigForTheMachineIsResourceExhaustedNamingTheSizes) {
-  TrainConfig c = TinyConfig(2, 2, 1, "fsdp");
+  TrainConfig c = TinyConfig(2, 2, 1, TrainConfig::fsdp);
   EXPECT_TRUE(CheckResourceBounds(c, uint64_t{1} << 40).ok());
   absl::Status s = CheckResourceBounds(c, 1024);
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
@@ -47,9 +47,9 @@ TEST(ResourcesTest, TooBigForTheMachineIsResourceExhaustedNamingTheSizes) {
   EXPECT_THAT(s.message(), HasSubstr("model.dim=8"));
   EXPECT_THAT(s.message(), HasSubstr("data.micro_batch=2 x data.seq_len=16"));
   // The thread backend holds every rank in one process.
-  c.set_backend("thread");
+  c.set_backend(TrainConfig::thread);
   absl::StatusOr<ResourceEstimate> threads = EstimateResources(c);
-  c.set_backend("mpi");
+  c.set_backend(TrainConfig::mpi);
   absl::StatusOr<ResourceEstimate> mpi = EstimateResources(c);
   ASSERT_TRUE(threads.ok() && mpi.ok());
   EXPECT_EQ(threads->process_bytes, 2 * mpi->process_bytes);
@@ -61,12 +61,12 @@ TEST(ResourcesTest, TooBigForTheMachineIsResourceExhaustedNamingTheSizes) {
 }
 
 TEST(ResourcesTest, CountsBeyondTheKernelsIndexRangeAreInvalidArgument) {
-  TrainConfig c = TinyConfig(2, 2, 1, "fsdp");
+  TrainConfig c = TinyConfig(2, 2, 1, TrainConfig::fsdp);
   c.mutable_data()->set_micro_batch(1 << 30);
   absl::Status s = CheckResourceBounds(c, UINT64_MAX);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_THAT(s.message(), HasSubstr("data.micro_batch=1073741824 x data.seq_len=16"));
-  c = TinyConfig(2, 2, 1, "fsdp");
+  c = TinyConfig(2, 2, 1, TrainConfig::fsdp);
   c.mutable_model()->set_dim(2000000000);
   c.mutable_model()->set_expert_dim(2000000000);
   c.mutable_model()->set_experts(2000000000);

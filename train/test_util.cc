@@ -7,7 +7,7 @@
 
 namespace gradsum::train {
 
-TrainConfig TinyConfig(int world, int ep, int grad_acc, const char* sharding) {
+TrainConfig TinyConfig(int world, int ep, int grad_acc, TrainConfig::Sharding sharding) {
   TrainConfig c;
   c.set_world(world);
   c.set_ep(ep);

@@ -16,7 +16,7 @@ namespace gradsum::train {
 
 // V=256 (byte data), D=8, L=2, E=4, K=2, H=8; sequences of 16, 2 per micro-batch;
 // documents of 2..12 tokens; alpha_b = alpha_z = 0.01 so the aux gradients matter.
-TrainConfig TinyConfig(int world, int ep, int grad_acc, const char* sharding);
+TrainConfig TinyConfig(int world, int ep, int grad_acc, TrainConfig::Sharding sharding);
 
 struct RankOutcome {
   std::vector<StepRecord> history;

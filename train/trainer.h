@@ -10,10 +10,10 @@
 //   GRADSUM_ASSIGN_OR_RETURN(auto trainer, Trainer::Create(config, comms));
 //   GRADSUM_ASSIGN_OR_RETURN(TrainSummary s, trainer->Run(rank == 0 ? &std::cout : nullptr));
 //
-// One step (SEMANTICS.md): NextStep(G) on this rank's data shard; ComputeStepStats (one
-// all-reduce: D, N, §3-4); for each micro-batch MoeLm::ForwardBackward, which gathers
-// and frees the parameter units and issues each unit's SUM reduction as its gradient
-// completes (train/unit_schedule.h; reduce-scatter in fsdp mode, bucketed all-reduce on
+// One step (SEMANTICS.md): NextStep(G), this rank's rows of the step's global sequences
+// (train/data.h); ComputeStepStats (one all-reduce: D, N, §3-4); for each micro-batch
+// MoeLm::ForwardBackward, which gathers and frees the parameter units and issues each
+// unit's SUM reduction as its gradient completes (train/unit_schedule.h; reduce-scatter in fsdp mode, bucketed all-reduce on
 // the last micro-batch in replicated mode, §7); MoeLm::FinishGradReduce; ClipGradNorm
 // (§7); AdamW; StepDisplay::Reduce (§8).
 //
@@ -76,9 +76,9 @@ struct StepRecord {
   double model_seconds = 0, update_seconds = 0;
   double tokens_per_second = 0;  // routed tokens of the world per second
   std::vector<double> maxvio;    // per layer (§8)
-  // The log line, and the JSONL record.
+  // The log line, and the JSONL record (train/metrics.proto StepMetrics).
   std::string ToLogLine(int64_t total_steps) const;
-  std::string ToJson() const;
+  absl::StatusOr<std::string> ToJson() const;
 };
 
 struct TrainSummary {
@@ -98,13 +98,14 @@ struct TrainSummary {
 class Trainer {
  public:
   // Validates `config` (ValidateConfig) and the communicators (world size == config.world,
-  // ep_group size == config.ep), builds the model with the initial parameters (or loads the
-  // latest checkpoint with --resume). Collective over the world.
+  // ep_group size == config.ep), builds the model with the initial parameters (--init_from's
+  // file if given), or with --resume loads the latest checkpoint, written on any mesh with
+  // the same model and global batch (docs/CHECKPOINTS.md). Collective over the world.
   static absl::StatusOr<std::unique_ptr<Trainer>> Create(const TrainConfig& config,
                                                          const RankComms& comms);
 
   // Runs until config.steps steps are done. `log` (rank 0 usually) gets one line per step
-  // and the summary. Writes metrics / dumps / checkpoints when configured (rank 0 for the
+  // and the summary. Writes metrics / dumps / checkpoints / the --export file when configured (rank 0 for the
   // shared files; a checkpoint after the step's metrics line). Collective.
   absl::StatusOr<TrainSummary> Run(std::ostream* log);
 
@@ -132,6 +133,9 @@ class Trainer {
   // FailedPrecondition naming the first field that differs between the checkpoint's saved
   // config and this run's among those that decide the data stream and the model.
   absl::Status CheckResumeCompatible(const CheckpointInfo& info, int64_t step) const;
+  // Seeks the data stream to the position the checkpoint recorded (DataLoss if it is not
+  // the end of step_ steps of the global batch), or replays step_ steps if it has none.
+  absl::Status RestoreDataPosition(const CheckpointInfo& info, const std::string& dir);
   bool is_rank0() const { return comms_.world->rank() == 0; }
 
   TrainConfig config_;
@@ -149,6 +153,18 @@ class Trainer {
   std::optional<NamedParams> first_step_grads_;
   std::vector<StepRecord> history_;
 };
+
+// Writes every parameter of `model` (MoeLmParamShapes names and shapes) from `params` as one
+// fp32 safetensors file with metadata "step" (the dumps' weights, --export).
+absl::Status WriteParamsFile(const std::string& path, const ModelConfig& model,
+                             const NamedParams& params, int64_t step);
+
+// Reads such a file (--init_from): exactly the parameters of `model`, f32, their shapes. A
+// missing, extra or misshapen tensor is InvalidArgument naming it; read errors name `path`.
+absl::StatusOr<NamedParams> ReadParamsFile(const std::string& path, const ModelConfig& model);
+
+// The global batch B = world x grad_acc x micro_batch: sequences per step (train/data.h).
+int64_t GlobalBatch(const TrainConfig& config);
 
 // The directory of the checkpoint after `step` inside `checkpoint_dir`.
 std::string CheckpointPath(const std::string& checkpoint_dir, int64_t step);

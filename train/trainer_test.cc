@@ -1,18 +1,24 @@
 #include "train/trainer.h"
 
 #include <cmath>
+#include <cstring>
+#include <functional>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "sharding/atomic_file.h"
-#include "sharding/json.h"
+#include "sharding/checkpoint.h"
+#include "sharding/checkpoint.pb.h"
+#include "sharding/proto_json.h"
 #include "sharding/safetensors.h"
 #include "testing/run_ranks.h"
 #include "train/config.h"
+#include "train/metrics.pb.h"
 #include "train/moe_lm.h"
 #include "train/rank_main.h"
 #include "train/test_util.h"
@@ -53,7 +59,7 @@ TEST(TrainerTest, ThreeHundredStepsReachTheEntropyFloor) {
 TEST(TrainerTest, DumpWritesTheNamedFiles) {
   const std::string dir = ::testing::TempDir() + "/dump";
   std::filesystem::remove_all(dir);
-  TrainConfig config = TinyConfig(4, 2, 2, "fsdp");
+  TrainConfig config = TinyConfig(4, 2, 2, TrainConfig::fsdp);
   config.set_dump_dir(dir);
   config.set_steps(2);
   auto out = RunInProcess(config);
@@ -114,6 +120,11 @@ TEST(TrainerTest, DumpWritesTheNamedFiles) {
       for (size_t i = 0; i < want.sample_ids.size(); ++i) {
         ASSERT_EQ(ids->data<int64_t>()[i], want.sample_ids[i]) << "sample_ids " << i;
       }
+      // The global index of each row: step 0, (m world + r) micro_batch + j.
+      auto seq = b->Get("sequence_ids");
+      ASSERT_TRUE(seq.ok()) << seq.status();
+      ASSERT_EQ(seq->shape(), (std::vector<int64_t>{2}));
+      for (int j = 0; j < 2; ++j) EXPECT_EQ(seq->data<int64_t>()[j], (m * 4 + r) * 2 + j);
     }
   }
   EXPECT_FALSE(std::filesystem::exists(dir + "/batch.r4.m0.safetensors"));
@@ -122,21 +133,24 @@ TEST(TrainerTest, DumpWritesTheNamedFiles) {
   std::ifstream in(dir + "/losses.json");
   std::stringstream ss;
   ss << in.rdbuf();
-  auto json = ParseJson(ss.str());
-  ASSERT_TRUE(json.ok()) << json.status();
+  DumpedLosses losses;
+  ASSERT_TRUE(ProtoFromJson(ss.str(), &losses).ok()) << ss.str();
+  EXPECT_EQ(FirstMissingField(losses), "");
   const StepRecord& s1 = (*out)[0].history[0];
-  EXPECT_EQ(json->Find("ce")->as_double(), s1.ce);
-  EXPECT_EQ(json->Find("z")->as_double(), s1.z);
-  EXPECT_EQ(json->Find("bal")->as_double(), s1.bal);
-  EXPECT_EQ(json->Find("valid_tokens")->as_int(), s1.valid_tokens);
-  EXPECT_THAT(json->Find("config")->as_string(), HasSubstr("world: 4"));
+  EXPECT_EQ(losses.step(), 1);
+  EXPECT_EQ(losses.ce(), s1.ce);
+  EXPECT_EQ(losses.z(), s1.z);
+  EXPECT_EQ(losses.bal(), s1.bal);
+  EXPECT_EQ(losses.valid_tokens(), s1.valid_tokens);
+  EXPECT_THAT(ss.str(), HasSubstr(absl::StrCat("\"valid_tokens\":\"", s1.valid_tokens, "\"")));
+  EXPECT_THAT(losses.config(), HasSubstr("world: 4"));
 }
 
 // Resuming from a checkpoint continues bit-exactly: the same losses and grad norms as an
 // uninterrupted run (the kill -9 variant is resume_kill_test.sh).
 TEST(TrainerTest, ResumeContinuesBitExactly) {
-  for (const char* sharding : {"fsdp", "replicated"}) {
-    const std::string dir = ::testing::TempDir() + "/ckpt_" + sharding;
+  for (auto sharding : {TrainConfig::fsdp, TrainConfig::replicated}) {
+    const std::string dir = ::testing::TempDir() + "/ckpt_" + TrainConfig::Sharding_Name(sharding);
     std::filesystem::remove_all(dir);
     TrainConfig full = TinyConfig(4, 2, 2, sharding);
     full.set_steps(6);
@@ -171,12 +185,12 @@ TEST(TrainerTest, ResumeContinuesBitExactly) {
 }
 
 // A checkpoint resumes only under the settings that decide its data stream and model:
-// changing G would replay a different number of micro-batches, so it is refused by name,
-// while a new learning rate or step count is fine.
+// another global batch B = world x G x micro_batch would continue another stream, so it is
+// refused naming both values, while a new learning rate or step count is fine.
 TEST(TrainerTest, ResumeRefusesAnotherDataStreamButAllowsNewOptimizerSettings) {
   const std::string dir = ::testing::TempDir() + "/ckpt_compat";
   std::filesystem::remove_all(dir);
-  TrainConfig first = TinyConfig(2, 2, 2, "fsdp");
+  TrainConfig first = TinyConfig(2, 2, 2, TrainConfig::fsdp);
   first.set_steps(2);
   first.set_checkpoint_dir(dir);
   auto a = RunInProcess(first);
@@ -190,7 +204,10 @@ TEST(TrainerTest, ResumeRefusesAnotherDataStreamButAllowsNewOptimizerSettings) {
   ASSERT_TRUE(b.ok());
   for (const RankOutcome& r : *b) {
     EXPECT_EQ(r.status.code(), absl::StatusCode::kFailedPrecondition) << r.status;
-    EXPECT_THAT(r.status.message(), HasSubstr("grad_acc=2 but this run has grad_acc=3"));
+    EXPECT_THAT(r.status.message(),
+                HasSubstr("global batch B=8 (world x grad_acc x micro_batch = 2 x 2 x 2) but "
+                          "this run has global batch B=12 (world x grad_acc x micro_batch = 2 "
+                          "x 3 x 2)"));
   }
   TrainConfig other_model = first;
   other_model.set_resume(true);
@@ -211,13 +228,219 @@ TEST(TrainerTest, ResumeRefusesAnotherDataStreamButAllowsNewOptimizerSettings) {
   EXPECT_EQ((*d)[0].history[0].step, 3);
 }
 
+// Rank 0's step records of `config` run in process (every rank must succeed).
+std::vector<StepRecord> TrainOrDie(const TrainConfig& config) {
+  auto out = RunInProcess(config);
+  EXPECT_TRUE(out.ok()) << out.status();
+  if (!out.ok()) return {};
+  for (const RankOutcome& r : *out) EXPECT_TRUE(r.status.ok()) << r.status;
+  return (*out)[0].history;
+}
+
+double RelErr(double a, double b) { return std::abs(a - b) / std::abs(b); }
+
+// `resumed` continues `reference` (records of steps 1..): its first step within 1e-5
+// relative of the uninterrupted run's loss and CE, the rest within 1e-3.
+void ExpectContinues(const std::vector<StepRecord>& resumed,
+                     const std::vector<StepRecord>& reference, const std::string& what) {
+  ASSERT_FALSE(resumed.empty()) << what;
+  for (size_t i = 0; i < resumed.size(); ++i) {
+    const StepRecord& got = resumed[i];
+    ASSERT_LE(got.step, static_cast<int64_t>(reference.size())) << what;
+    const StepRecord& want = reference[got.step - 1];
+    const double tol = i == 0 ? 1e-5 : 1e-3;
+    EXPECT_LE(RelErr(got.loss, want.loss), tol) << what << " step " << got.step << ": loss "
+                                                << got.loss << " vs " << want.loss;
+    EXPECT_LE(RelErr(got.ce, want.ce), tol) << what << " step " << got.step;
+    EXPECT_EQ(got.valid_tokens, want.valid_tokens) << what << " step " << got.step;
+  }
+}
+
+// Elastic resume: a run checkpointed on one mesh continues on others with the same global
+// batch B = world x G x micro_batch = 8, through (world, ep, G) = (4, 2, 1) fsdp ->
+// (2, 1, 2) replicated -> (1, 1, 4) fsdp. The reference is the uninterrupted run on the
+// original mesh (4, 2, 1): the data stream is mesh-independent, so it trains on the same
+// sequences. alpha_b = 0 here because the balancing loss is defined per micro-step
+// (SEMANTICS.md §5: expert counts of micro-batch m), so with alpha_b > 0 another G is
+// another objective; the test with a fixed G below keeps alpha_b.
+TEST(TrainerTest, ResumeOntoAnotherMeshContinuesTheUninterruptedRun) {
+  const std::string dir = ::testing::TempDir() + "/ckpt_elastic";
+  std::filesystem::remove_all(dir);
+  auto mesh = [&](int world, int ep, int g, TrainConfig::Sharding sharding, int steps) {
+    TrainConfig c = TinyConfig(world, ep, g, sharding);
+    c.set_alpha_b(0);
+    c.set_steps(steps);
+    c.set_checkpoint_dir(dir);
+    return c;
+  };
+  TrainConfig reference = mesh(4, 2, 1, TrainConfig::fsdp, 15);
+  reference.clear_checkpoint_dir();
+  const std::vector<StepRecord> want = TrainOrDie(reference);
+  ASSERT_EQ(want.size(), 15u);
+
+  TrainOrDie(mesh(4, 2, 1, TrainConfig::fsdp, 2));
+  TrainConfig second = mesh(2, 1, 2, TrainConfig::replicated, 4);
+  second.set_resume(true);
+  ExpectContinues(TrainOrDie(second), want, "(4,2,1) fsdp -> (2,1,2) replicated");
+  TrainConfig third = mesh(1, 1, 4, TrainConfig::fsdp, 15);
+  third.set_resume(true);
+  const std::vector<StepRecord> last = TrainOrDie(third);
+  ASSERT_EQ(last.size(), 11u);  // the first step after the resume and 10 more
+  ExpectContinues(last, want, "(2,1,2) replicated -> (1,1,4) fsdp");
+}
+
+// The same with the balancing loss on and G fixed: (world, ep, micro_batch) = (4, 2, 2)
+// fsdp -> (2, 2, 4) replicated with two layers per unit (B = 16 both), against the
+// uninterrupted run on the target mesh.
+TEST(TrainerTest, ResumeOntoAnotherWorldAndUnitGroupingKeepsTheBalancingLoss) {
+  const std::string dir = ::testing::TempDir() + "/ckpt_elastic_bal";
+  std::filesystem::remove_all(dir);
+  TrainConfig first = TinyConfig(4, 2, 2, TrainConfig::fsdp);
+  first.set_steps(3);
+  first.set_checkpoint_dir(dir);
+  TrainOrDie(first);
+  TrainConfig target = TinyConfig(2, 2, 2, TrainConfig::replicated);
+  target.mutable_data()->set_micro_batch(4);
+  target.set_layers_per_unit(2);
+  target.set_steps(14);
+  const std::vector<StepRecord> want = TrainOrDie(target);
+  target.set_checkpoint_dir(dir);
+  target.set_resume(true);
+  const std::vector<StepRecord> resumed = TrainOrDie(target);
+  ASSERT_EQ(resumed.size(), 11u);
+  ExpectContinues(resumed, want, "(4,2,2) mb 2 fsdp -> (2,2,2) mb 4 replicated");
+}
+
+// --export writes the final parameters as the dumps name and shape them; they equal the
+// offline consolidation of the run's last checkpoint (sharding/checkpoint.h, assembled from
+// the shards). --init_from starts a run from such a file: its step-1 dump holds exactly the
+// file's values.
+TEST(TrainerTest, ExportWritesTheFinalParametersAndInitFromStartsFromThem) {
+  const std::string dir = ::testing::TempDir() + "/export";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  TrainConfig config = TinyConfig(4, 2, 2, TrainConfig::fsdp);
+  config.set_steps(3);
+  config.set_checkpoint_dir(dir + "/ckpt");
+  config.set_export_path(dir + "/final.safetensors");
+  TrainOrDie(config);
+  ASSERT_TRUE(ExportConsolidated(dir + "/ckpt/step-00000003", dir + "/offline.safetensors").ok());
+  auto exported = SafetensorsFile::Read(dir + "/final.safetensors");
+  auto offline = SafetensorsFile::Read(dir + "/offline.safetensors");
+  ASSERT_TRUE(exported.ok() && offline.ok());
+  const auto shapes = MoeLmParamShapes(config.model());
+  ASSERT_EQ(exported->num_tensors(), static_cast<int>(shapes.size()));
+  EXPECT_EQ(exported->metadata().at("step"), "3");
+  const NamedParams init = MoeLm::InitialParameters(config.model(), config.seed());
+  for (const auto& [name, shape] : shapes) {
+    auto a = exported->Get(name);
+    auto b = offline->Get(name);
+    ASSERT_TRUE(a.ok() && b.ok()) << name;
+    EXPECT_EQ(a->shape(), shape) << name;
+    EXPECT_EQ(a->dtype(), DType::kF32) << name;
+    EXPECT_EQ(0, std::memcmp(a->raw(), b->raw(), a->nbytes())) << name;
+    EXPECT_NE(0, std::memcmp(a->raw(), init.at(name).data(), a->nbytes())) << name << " trained";
+  }
+
+  TrainConfig next = TinyConfig(2, 1, 1, TrainConfig::replicated);
+  next.set_init_from(dir + "/final.safetensors");
+  next.set_dump_dir(dir + "/dump");
+  TrainOrDie(next);
+  auto dumped = SafetensorsFile::Read(dir + "/dump/weights.safetensors");
+  ASSERT_TRUE(dumped.ok());
+  for (const auto& [name, shape] : shapes) {
+    auto a = exported->Get(name);
+    auto b = dumped->Get(name);
+    ASSERT_TRUE(b.ok()) << name;
+    EXPECT_EQ(0, std::memcmp(a->raw(), b->raw(), a->nbytes())) << name;
+  }
+}
+
+// A file that is not exactly this model's parameters is refused at start-up on every rank,
+// naming the tensor: one missing, one extra, one of another shape or dtype.
+TEST(TrainerTest, InitFromRefusesAFileOfAnotherModel) {
+  const std::string dir = ::testing::TempDir() + "/init_bad";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  TrainConfig config = TinyConfig(2, 2, 1, TrainConfig::fsdp);
+  const NamedParams init = MoeLm::InitialParameters(config.model(), 7);
+  const auto shapes = MoeLmParamShapes(config.model());
+  struct Case {
+    const char* name;
+    std::function<void(SafetensorsWriter&, const std::string&, const std::vector<int64_t>&,
+                       float*)>
+        add;
+    std::string needle;
+  };
+  std::vector<float> extra(3, 1.0f);
+  std::vector<double> wide(8 * 256, 0.0);
+  const std::vector<Case> cases = {
+      {"missing",
+       [](SafetensorsWriter& w, const std::string& n, const std::vector<int64_t>& s, float* p) {
+         if (n != "layers.1.router") {
+           ASSERT_TRUE(w.Add(n, *TensorView::Create(p, DType::kF32, s)).ok());
+         }
+       },
+       "no tensor \"layers.1.router\", which this model needs with shape [8,4]"},
+      {"extra",
+       [&](SafetensorsWriter& w, const std::string& n, const std::vector<int64_t>& s, float* p) {
+         ASSERT_TRUE(w.Add(n, *TensorView::Create(p, DType::kF32, s)).ok());
+         if (n == "emb") {
+           ASSERT_TRUE(
+               w.Add("layers.2.norm", *TensorView::Create(extra.data(), DType::kF32, {3})).ok());
+         }
+       },
+       "tensor \"layers.2.norm\" is not a parameter of this model"},
+      {"misshapen",
+       [](SafetensorsWriter& w, const std::string& n, const std::vector<int64_t>& s, float* p) {
+         std::vector<int64_t> shape = s;
+         if (n == "out") shape = {256, 8};
+         ASSERT_TRUE(w.Add(n, *TensorView::Create(p, DType::kF32, shape)).ok());
+       },
+       "tensor \"out\" is"},
+      {"f64",
+       [&](SafetensorsWriter& w, const std::string& n, const std::vector<int64_t>& s, float* p) {
+         if (n == "out") {
+           ASSERT_TRUE(w.Add(n, *TensorView::Create(wide.data(), DType::kF64, s)).ok());
+         } else {
+           ASSERT_TRUE(w.Add(n, *TensorView::Create(p, DType::kF32, s)).ok());
+         }
+       },
+       "tensor \"out\" is"},
+  };
+  for (const Case& c : cases) {
+    NamedParams copy = init;
+    SafetensorsWriter w;
+    for (const auto& [name, shape] : shapes) c.add(w, name, shape, copy.at(name).data());
+    const std::string path = dir + "/" + c.name + ".safetensors";
+    ASSERT_TRUE(w.WriteFile(path).ok());
+    TrainConfig bad = config;
+    bad.set_init_from(path);
+    auto out = RunInProcess(bad);
+    ASSERT_TRUE(out.ok());
+    for (const RankOutcome& r : *out) {
+      EXPECT_EQ(r.status.code(), absl::StatusCode::kInvalidArgument) << c.name << ": " << r.status;
+      EXPECT_THAT(r.status.message(), HasSubstr(c.needle)) << c.name;
+      EXPECT_THAT(r.status.message(), HasSubstr("--init_from=" + path)) << c.name;
+    }
+  }
+  TrainConfig both = config;
+  both.set_init_from(dir + "/missing.safetensors");
+  both.set_checkpoint_dir(dir);
+  both.set_resume(true);
+  auto out = RunInProcess(both);
+  ASSERT_TRUE(out.ok());
+  EXPECT_EQ((*out)[0].status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT((*out)[0].status.message(), HasSubstr("cannot be combined with resume"));
+}
+
 // A commit marker without the config that wrote it proves nothing about the data stream
 // and the model: refused, on every rank. The marker is rewritten with a valid fingerprint
 // (XXH3 of its other members), so only the missing config can be the reason.
 TEST(TrainerTest, ResumeRefusesAMarkerWithoutItsConfig) {
   const std::string dir = ::testing::TempDir() + "/ckpt_no_config";
   std::filesystem::remove_all(dir);
-  TrainConfig first = TinyConfig(2, 2, 1, "fsdp");
+  TrainConfig first = TinyConfig(2, 2, 1, TrainConfig::fsdp);
   first.set_steps(2);
   first.set_checkpoint_dir(dir);
   auto a = RunInProcess(first);
@@ -225,25 +448,18 @@ TEST(TrainerTest, ResumeRefusesAMarkerWithoutItsConfig) {
   const std::string marker_path = dir + "/step-00000002/checkpoint.json";
   absl::StatusOr<std::string> text = ReadFileToString(marker_path);
   ASSERT_TRUE(text.ok());
-  absl::StatusOr<JsonValue> marker = ParseJson(*text);
-  ASSERT_TRUE(marker.ok()) << marker.status();
-  JsonValue body = JsonValue::Object();
-  for (const auto& [k, v] : marker->members()) {
-    if (k == "fingerprint") continue;
-    if (k != "extra") {
-      body.Set(k, v);
-      continue;
-    }
-    JsonValue extra = JsonValue::Object();
-    for (const auto& [ek, ev] : v.members()) {
-      if (ek != "config") extra.Set(ek, ev);
-    }
-    body.Set(k, std::move(extra));
-  }
-  JsonValue rewritten = body;
-  rewritten.Set("fingerprint",
-                JsonValue::String(absl::StrFormat("%016x", Fingerprint64(body.Serialize()))));
-  ASSERT_TRUE(WriteFileAtomically(marker_path, rewritten.Serialize() + "\n").ok());
+  checkpoint::CommitMarker marker;
+  ASSERT_TRUE(ProtoFromJson(*text, &marker).ok()) << *text;
+  ASSERT_EQ(marker.extra().count("config"), 1u);
+  marker.mutable_extra()->erase("config");
+  // The documented fingerprint: XXH3-64 of the marker's JSON without "fingerprint".
+  marker.clear_fingerprint();
+  absl::StatusOr<std::string> body = ProtoToJson(marker);
+  ASSERT_TRUE(body.ok());
+  marker.set_fingerprint(absl::StrFormat("%016x", Fingerprint64(*body)));
+  absl::StatusOr<std::string> rewritten = ProtoToJson(marker);
+  ASSERT_TRUE(rewritten.ok());
+  ASSERT_TRUE(WriteFileAtomically(marker_path, *rewritten + "\n").ok());
 
   TrainConfig again = first;
   again.set_steps(3);
@@ -259,7 +475,7 @@ TEST(TrainerTest, ResumeRefusesAMarkerWithoutItsConfig) {
 TEST(TrainerTest, ResumeWithoutCheckpointIsNotFound) {
   const std::string dir = ::testing::TempDir() + "/empty_ckpt";
   std::filesystem::create_directories(dir);
-  TrainConfig config = TinyConfig(2, 1, 1, "fsdp");
+  TrainConfig config = TinyConfig(2, 1, 1, TrainConfig::fsdp);
   config.set_checkpoint_dir(dir);
   config.set_resume(true);
   auto out = RunInProcess(config);
@@ -272,7 +488,7 @@ TEST(TrainerTest, ResumeWithoutCheckpointIsNotFound) {
 
 TEST(TrainerTest, CommunicatorsThatDisagreeWithTheConfigAreInvalidArgument) {
   // Resolved: the rank threads read it concurrently (train/config.h ResolvedConfig).
-  TrainConfig config = ResolvedConfig(TinyConfig(4, 2, 1, "fsdp"));  // but run on 2 ranks
+  TrainConfig config = ResolvedConfig(TinyConfig(4, 2, 1, TrainConfig::fsdp));  // but run on 2 ranks
   absl::Status s = testing::RunRanks(2, [&](Communicator& world) -> absl::Status {
     absl::StatusOr<RankMesh> mesh = MakeRankMesh(&world, 2);
     if (!mesh.ok()) return mesh.status();
@@ -292,7 +508,7 @@ TEST(TrainerTest, CommunicatorsThatDisagreeWithTheConfigAreInvalidArgument) {
 }
 
 TEST(TrainerTest, BadConfigFailsBeforeTraining) {
-  TrainConfig config = TinyConfig(2, 2, 1, "fsdp");
+  TrainConfig config = TinyConfig(2, 2, 1, TrainConfig::fsdp);
   config.mutable_model()->set_experts(3);  // 3 % ep 2 != 0
   auto out = RunInProcess(config);
   ASSERT_TRUE(out.ok());
@@ -303,10 +519,10 @@ TEST(TrainerTest, BadConfigFailsBeforeTraining) {
 
 // bf16 compute and bf16 reduction train, and stay close to the fp32 gradients.
 TEST(TrainerTest, Bf16ComputeAndReduceStayNearTheReference) {
-  TrainConfig config = TinyConfig(2, 2, 2, "fsdp");
-  config.set_compute_dtype("bf16");
-  config.set_reduce_dtype("bf16");
-  config.set_parity_check(true);  // bf16 uses a 2e-2 bar
+  TrainConfig config = TinyConfig(2, 2, 2, TrainConfig::fsdp);
+  config.set_compute_dtype(TrainConfig::bf16);
+  config.set_reduce_dtype(TrainConfig::bf16);
+  config.set_parity_check(true);  // bf16 uses a 3e-2 bar
   auto out = RunInProcess(config);
   ASSERT_TRUE(out.ok());
   ASSERT_TRUE((*out)[0].status.ok()) << (*out)[0].status;

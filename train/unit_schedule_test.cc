@@ -192,7 +192,7 @@ const std::vector<std::string> kMicroBatch = {
 };
 
 TEST(UnitScheduleTest, CollectivesAreIssuedInFsdpOrder) {
-  TrainConfig config = TinyConfig(2, 1, 1, "fsdp");
+  TrainConfig config = TinyConfig(2, 1, 1, TrainConfig::fsdp);
   auto runs = Record(config, 1);
   ASSERT_TRUE(runs.ok()) << runs.status();
   for (const RankRun& run : *runs) {
@@ -201,7 +201,7 @@ TEST(UnitScheduleTest, CollectivesAreIssuedInFsdpOrder) {
 }
 
 TEST(UnitScheduleTest, EveryMicroBatchOrOnlyTheLastReduceScatters) {
-  TrainConfig config = TinyConfig(2, 1, 2, "fsdp");
+  TrainConfig config = TinyConfig(2, 1, 2, TrainConfig::fsdp);
   std::vector<std::string> twice = kMicroBatch;
   twice.insert(twice.end(), kMicroBatch.begin(), kMicroBatch.end());
   auto runs = Record(config, 1);
@@ -228,7 +228,7 @@ TEST(UnitScheduleTest, EveryMicroBatchOrOnlyTheLastReduceScatters) {
 // group, the 24 expert matrices of 64 floats fill a first bucket of 16 and a second of 8,
 // both complete when layer 0's backward hands over its experts.
 TEST(UnitScheduleTest, ReplicatedBucketsAreIssuedAsBackwardCompletesThem) {
-  TrainConfig config = TinyConfig(2, 1, 2, "replicated");
+  TrainConfig config = TinyConfig(2, 1, 2, TrainConfig::replicated);
   config.set_first_bucket_mb(4096.0 / (1 << 20));
   auto runs = Record(config, 1);
   ASSERT_TRUE(runs.ok()) << runs.status();
@@ -251,15 +251,16 @@ TEST(UnitScheduleTest, PeakUnshardedBytesFollowTheSchedule) {
       std::max({kEmb + kLayer + kExperts, 2 * (kLayer + kExperts), kLayer + kExperts + kHead}) *
       f32;
   struct Case {
-    const char* sharding;
+    TrainConfig::Sharding sharding;
     bool reshard_after_forward;
-    const char* compute_dtype;
+    TrainConfig::FloatDType compute_dtype;
     int64_t want_peak, want_full;
   };
   for (const Case& c :
-       {Case{"fsdp", true, "f32", peak, full}, Case{"fsdp", true, "bf16", peak / 2, full / 2},
-        Case{"fsdp", false, "f32", full, full},  // all held by the head
-        Case{"replicated", true, "f32", full, full}}) {
+       {Case{TrainConfig::fsdp, true, TrainConfig::f32, peak, full},
+        Case{TrainConfig::fsdp, true, TrainConfig::bf16, peak / 2, full / 2},
+        Case{TrainConfig::fsdp, false, TrainConfig::f32, full, full},  // all held by the head
+        Case{TrainConfig::replicated, true, TrainConfig::f32, full, full}}) {
     TrainConfig config = TinyConfig(2, 1, 2, c.sharding);
     config.set_reshard_after_forward(c.reshard_after_forward);
     config.set_compute_dtype(c.compute_dtype);
@@ -267,9 +268,11 @@ TEST(UnitScheduleTest, PeakUnshardedBytesFollowTheSchedule) {
     ASSERT_TRUE(runs.ok()) << runs.status();
     for (const RankRun& run : *runs) {
       for (const StepRecord& r : run.steps) {
-        EXPECT_EQ(r.full_param_bytes, c.want_full) << c.sharding << " " << c.compute_dtype;
-        EXPECT_EQ(r.peak_unsharded_param_bytes, c.want_peak)
-            << c.sharding << " reshard " << c.reshard_after_forward << " " << c.compute_dtype;
+        const std::string what =
+            absl::StrCat(TrainConfig::Sharding_Name(c.sharding), " reshard ",
+                         c.reshard_after_forward, " ", TrainConfig::FloatDType_Name(c.compute_dtype));
+        EXPECT_EQ(r.full_param_bytes, c.want_full) << what;
+        EXPECT_EQ(r.peak_unsharded_param_bytes, c.want_peak) << what;
       }
     }
   }
@@ -279,7 +282,7 @@ TEST(UnitScheduleTest, PeakUnshardedBytesFollowTheSchedule) {
 // hide behind, so at least that long is exposed; exposed time never exceeds the
 // collectives' summed durations.
 TEST(UnitScheduleTest, SlowGatherShowsAsExposedTime) {
-  TrainConfig config = TinyConfig(2, 1, 1, "fsdp");
+  TrainConfig config = TinyConfig(2, 1, 1, TrainConfig::fsdp);
   const absl::Duration delay = absl::Milliseconds(150);
   auto runs = Record(config, 1, delay);
   ASSERT_TRUE(runs.ok()) << runs.status();

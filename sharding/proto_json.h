@@ -1,0 +1,50 @@
+#ifndef GRADSUM_SHARDING_PROTO_JSON_H_
+#define GRADSUM_SHARDING_PROTO_JSON_H_
+
+// The JSON files gradsum defines (checkpoint manifests and commit markers,
+// sharding/checkpoint.proto; the --metrics records, train/metrics.proto) are protobuf
+// messages in the proto3 JSON mapping, written and read by protobuf's own JSON code
+// (google/protobuf/util/json_util.h).
+//
+//   GRADSUM_ASSIGN_OR_RETURN(std::string text, ProtoToJson(manifest));
+//   GRADSUM_RETURN_IF_ERROR(ProtoFromJson(text, &manifest));
+//   if (std::string f = FirstMissingField(manifest); !f.empty()) ...  // "groups[0].numel"
+//
+// What the mapping means for readers of these files: members carry the proto field names;
+// int64 and uint64 values are JSON strings ("step": "1000"; the parser takes numbers
+// too), int32 and double values are numbers; a non-finite double is the string "NaN",
+// "Infinity" or "-Infinity".
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace google::protobuf {
+class Message;
+}  // namespace google::protobuf
+
+namespace gradsum {
+
+// Compact JSON of `message` on one line: members in field-number order, map keys sorted
+// (protobuf's deterministic serialization), so equal messages give equal bytes; fields
+// with presence are written when set, also at their default value. Internal if protobuf
+// cannot print it (a string field that is not UTF-8, say).
+absl::StatusOr<std::string> ProtoToJson(const google::protobuf::Message& message);
+
+// Parses `text` into `message` (cleared first). Malformed JSON, a member of the wrong type
+// or out of range, a repeated member, or a member the message does not define (unless
+// `ignore_unknown_fields`) is InvalidArgument with protobuf's description, which names the
+// member.
+absl::Status ProtoFromJson(absl::string_view text, google::protobuf::Message* message,
+                           bool ignore_unknown_fields = false);
+
+// The path of the first singular field with presence that is not set, depth first in
+// field order ("groups[1].params[0].offset"); "" when every such field is set. Messages
+// whose every field is `optional` are complete exactly when this is "".
+std::string FirstMissingField(const google::protobuf::Message& message);
+
+}  // namespace gradsum
+
+#endif  // GRADSUM_SHARDING_PROTO_JSON_H_

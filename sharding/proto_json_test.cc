@@ -1,0 +1,112 @@
+#include "sharding/proto_json.h"
+
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "sharding/checkpoint.pb.h"
+
+namespace gradsum {
+namespace {
+
+using ::testing::HasSubstr;
+namespace cp = ::gradsum::checkpoint;
+
+cp::CommitMarker SmallMarker() {
+  cp::CommitMarker m;
+  m.set_format("f");
+  m.set_version(0);  // set at its default: still written
+  m.set_world(1);
+  m.set_step(int64_t{1} << 40);
+  cp::RankFiles* r = m.add_ranks();
+  r->set_manifest("00000000000000ff");
+  r->set_tensors("0123456789abcdef");
+  // Inserted out of order: written sorted.
+  (*m.mutable_extra())["zeta"] = "quote \" backslash \\ newline \n";
+  (*m.mutable_extra())["alpha"] = "caf\xc3\xa9";
+  return m;
+}
+
+// The expected text is written out by hand from the proto3 JSON mapping: proto field names,
+// int64 as a string, field-number order, map keys sorted, JSON escapes.
+TEST(ProtoJsonTest, WritesTheProto3MappingCompactAndDeterministic) {
+  absl::StatusOr<std::string> json = ProtoToJson(SmallMarker());
+  ASSERT_TRUE(json.ok()) << json.status();
+  EXPECT_EQ(*json,
+            "{\"format\":\"f\",\"version\":0,\"world\":1,\"step\":\"1099511627776\","
+            "\"ranks\":[{\"manifest\":\"00000000000000ff\",\"tensors\":\"0123456789abcdef\"}],"
+            "\"extra\":{\"alpha\":\"caf\xc3\xa9\",\"zeta\":\"quote \\\" backslash \\\\ newline "
+            "\\n\"}}");
+}
+
+TEST(ProtoJsonTest, ReadsWhatItWritesAndInt64AsNumberOrString) {
+  const cp::CommitMarker want = SmallMarker();
+  absl::StatusOr<std::string> json = ProtoToJson(want);
+  ASSERT_TRUE(json.ok());
+  cp::CommitMarker got;
+  ASSERT_TRUE(ProtoFromJson(*json, &got).ok());
+  EXPECT_EQ(got.SerializeAsString(), want.SerializeAsString());
+  EXPECT_TRUE(got.has_version());  // presence survives a zero
+  for (const char* text : {R"({"step": 1099511627776})", R"( {"step":"1099511627776"} )"}) {
+    ASSERT_TRUE(ProtoFromJson(text, &got).ok()) << text;
+    EXPECT_EQ(got.step(), int64_t{1} << 40) << text;
+    EXPECT_FALSE(got.has_world()) << "cleared before parsing";
+  }
+}
+
+TEST(ProtoJsonTest, MalformedInputIsInvalidArgumentNamingTheMember) {
+  struct Case {
+    const char* text;
+    const char* needle;
+  };
+  for (const Case& c : {
+           Case{R"({"step": 1.5})", "step"},
+           Case{R"({"step": "99999999999999999999"})", "step"},
+           Case{R"({"world": "two"})", "world"},
+           Case{R"({"world": 4294967296})", "world"},
+           Case{R"({"ranks": [{"manifest": "a"}, 3]})", "ranks[1]"},
+           Case{R"({"extra": {"a": 1}})", "extra"},
+           Case{R"({"extra": {"a": "1", "a": "2"}})", "a"},
+           Case{R"({"step": "1", "step": "2"})", "step"},
+           Case{R"({"format": "f", "bogus": 1})", "bogus"},
+           Case{"[1, 2]", "message"},
+           Case{"{\"format\"", "Expected"},
+           Case{"\x01\x02{{{", "Expected"},
+           Case{"", ""},
+       }) {
+    cp::CommitMarker m;
+    absl::Status s = ProtoFromJson(c.text, &m);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.text << ": " << s;
+    EXPECT_THAT(s.message(), HasSubstr("not a valid CommitMarker in JSON: ")) << c.text;
+    EXPECT_THAT(s.message(), HasSubstr(c.needle)) << c.text;
+  }
+  cp::CommitMarker m;
+  EXPECT_TRUE(ProtoFromJson(R"({"format": "f", "bogus": {"x": [1]}})", &m,
+                            /*ignore_unknown_fields=*/true)
+                  .ok());
+  EXPECT_EQ(m.format(), "f");
+}
+
+TEST(ProtoJsonTest, FirstMissingFieldNamesThePath) {
+  cp::RankManifest m;
+  EXPECT_EQ(FirstMissingField(m), "format");
+  ASSERT_TRUE(ProtoFromJson(R"({"format": "f", "version": 3, "rank": 0, "world": 2,
+      "step": 1, "tensors_file": "t", "tensors_bytes": "8", "tensors_fingerprint": "x",
+      "groups": [
+        {"name": "a", "mode": "sharded", "group_size": 1, "group_rank": 0, "numel": 1,
+         "padded_numel": 1, "shard_offset": 0, "local_numel": 1,
+         "params": [{"name": "p", "shape": [1], "offset": 0}]},
+        {"name": "b", "mode": "sharded", "group_size": 1, "group_rank": 0, "numel": 1,
+         "padded_numel": 1, "shard_offset": 0, "local_numel": null,
+         "params": [{"name": "q", "shape": []}]}]})",
+                            &m)
+                  .ok());
+  EXPECT_EQ(FirstMissingField(m), "groups[1].local_numel");  // null is absent
+  m.mutable_groups(1)->set_local_numel(1);
+  EXPECT_EQ(FirstMissingField(m), "groups[1].params[0].offset");
+  m.mutable_groups(1)->mutable_params(0)->set_offset(0);
+  EXPECT_EQ(FirstMissingField(m), "");  // an empty repeated field is not missing
+}
+
+}  // namespace
+}  // namespace gradsum
