@@ -16,20 +16,21 @@
 //      receive buffer: y_t = sum_k w_tk * Expert_{i_tk}(a_t).
 // Each row is copied at most twice each way (pack + exchange, exchange + combine); rows for
 // this rank's own experts skip the exchange.
+// Backward sends w_tk * dy_t to the owners, runs the experts' backward (weight gradients
+// accumulate there), sends the input gradients back and sums the K copies into d_a. It also
+// returns d w_tk = <dy_t, Expert_{i_tk}(a_t)>, the gradient for the router (moe/router.h).
 //
 // Overlap: the exchanges are asynchronous and pipelined with the experts (as Tutel's and
 // Megatron's MoE overlap do). There is one all-to-all-v per local expert slot j (it carries
 // expert p * E/P + j's rows for every owner p), all issued at once; the local experts run
 // in chunks of consecutive slots, each chunk as soon as its slots have arrived, and each
-// chunk's results start back while the next chunk computes. So only the first chunk's
-// arrival and the last chunk's return are waited for with nothing to do. Chunks are as
+// chunk's results start back while the next chunk computes. So apart from waiting for an
+// EP peer whose experts got more rows (load imbalance, which no overlap hides), only the
+// first chunk's arrival and the last chunk's return leave the rank idle. Chunks are as
 // wide as the thread budget (ComputeThreads(), core/thread_pool.h) allows the experts of
 // one call to run in parallel, with at least two chunks when E/P >= 2; one chunk at P = 1.
 // Every expert still sees all its rows in one call of moe/experts.h, so the results are
 // bit-identical to the unchunked computation.
-// Backward sends w_tk * dy_t to the owners, runs the experts' backward (weight gradients
-// accumulate there), sends the input gradients back and sums the K copies into d_a. It also
-// returns d w_tk = <dy_t, Expert_{i_tk}(a_t)>, the gradient for the router (moe/router.h).
 //
 // Dropless: every copy reaches its expert whatever the imbalance; an expert or a rank may
 // receive zero rows, and a rank may have zero tokens. Counts are data-dependent, so every
