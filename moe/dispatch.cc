@@ -10,58 +10,143 @@
 #include "absl/time/time.h"
 #include "core/dtype.h"
 #include "core/status.h"
+#include "core/thread_pool.h"
 #include "moe/placement.h"
 #include "moe/shapes.h"
 
 namespace gradsum::moe {
 namespace {
 
-// Moves the rows of every local expert slot between the home layout (send order) and the
-// owner layout (expert-major) of `state`: one all-to-all-v per slot j, carrying expert
-// p * El + j's rows between each home rank and owner p. `to_owners` picks the direction.
-// Rows for this rank's own experts are not exchanged (the callers read them in place).
-absl::Status ExchangeByExpert(Communicator& comm, const DispatchState& state, int num_experts,
-                              bool to_owners, const float* src, float* dst, int64_t d_model,
-                              const char* what) {
-  const int P = comm.size();
-  const int me = comm.rank();
-  if (P == 1) return absl::OkStatus();  // every row stays here
-  const int El = num_experts / P;
-  const size_t D = static_cast<size_t>(d_model);
-  // Per slot: home counts/offsets, owner counts/offsets; kept alive until every wait.
-  std::vector<std::vector<size_t>> plan(static_cast<size_t>(El) * 4, std::vector<size_t>(P, 0));
-  std::vector<std::unique_ptr<Work>> works;
-  absl::Status status;
-  for (int j = 0; j < El && status.ok(); ++j) {
-    std::vector<size_t>& home_counts = plan[4 * j];
-    std::vector<size_t>& home_offsets = plan[4 * j + 1];
-    std::vector<size_t>& owner_counts = plan[4 * j + 2];
-    std::vector<size_t>& owner_offsets = plan[4 * j + 3];
+// The per-slot exchanges of one direction between the home layout (send order) and the
+// owner layout (expert-major) of `state`: slot j's all-to-all-v carries expert p * El + j's
+// rows between each home rank and owner p. `to_owners` picks the direction. Rows for this
+// rank's own experts are not exchanged (the callers read them in place). Slots are issued
+// one by one (Start), so that the experts of slot j can run while later slots are still in
+// flight, and waited one by one; every issued exchange is waited for before this object
+// goes away (its buffers must outlive it), also on an error path.
+class SlotExchanges {
+ public:
+  SlotExchanges(Communicator& comm, const DispatchState& state, int num_experts, bool to_owners,
+                const float* src, float* dst, int64_t d_model, const char* what)
+      : comm_(comm), state_(state), to_owners_(to_owners), src_(src), dst_(dst),
+        d_model_(static_cast<size_t>(d_model)), what_(what),
+        num_slots_(comm.size() > 1 ? num_experts / comm.size() : 0),
+        plans_(static_cast<size_t>(num_slots_)),
+        works_(static_cast<size_t>(num_slots_)) {}
+  SlotExchanges(const SlotExchanges&) = delete;
+  SlotExchanges& operator=(const SlotExchanges&) = delete;
+  ~SlotExchanges() { WaitAll().IgnoreError(); }
+
+  // Issues slot j's exchange (nothing to do at P == 1: every row stays here).
+  absl::Status Start(int j) {
+    if (j >= num_slots_) return absl::OkStatus();
+    const int P = comm_.size();
+    const int me = comm_.rank();
+    const int El = num_slots_;
+    Plan& plan = plans_[j];
+    for (std::vector<size_t>* v :
+         {&plan.home_counts, &plan.home_offsets, &plan.owner_counts, &plan.owner_offsets}) {
+      v->assign(P, 0);
+    }
     for (int p = 0; p < P; ++p) {
       const int e = p * El + j;
-      home_offsets[p] = static_cast<size_t>(state.expert_first[e]) * D;
-      owner_offsets[p] = static_cast<size_t>(state.owner_first[p * El + j]) * D;
+      plan.home_offsets[p] = static_cast<size_t>(state_.expert_first[e]) * d_model_;
+      plan.owner_offsets[p] = static_cast<size_t>(state_.owner_first[p * El + j]) * d_model_;
       if (p == me) continue;
-      home_counts[p] = static_cast<size_t>(state.expert_first[e + 1] - state.expert_first[e]) * D;
-      owner_counts[p] = static_cast<size_t>(state.owner_count[p * El + j]) * D;
+      plan.home_counts[p] =
+          static_cast<size_t>(state_.expert_first[e + 1] - state_.expert_first[e]) * d_model_;
+      plan.owner_counts[p] = static_cast<size_t>(state_.owner_count[p * El + j]) * d_model_;
     }
     absl::StatusOr<std::unique_ptr<Work>> work =
-        to_owners ? comm.AllToAllVAsync(src, home_counts, home_offsets, dst, owner_counts,
-                                        owner_offsets, DType::kF32)
-                  : comm.AllToAllVAsync(src, owner_counts, owner_offsets, dst, home_counts,
-                                        home_offsets, DType::kF32);
-    if (work.ok()) {
-      works.push_back(*std::move(work));
-    } else {
-      status = work.status();
+        to_owners_ ? comm_.AllToAllVAsync(src_, plan.home_counts, plan.home_offsets, dst_,
+                                          plan.owner_counts, plan.owner_offsets, DType::kF32)
+                   : comm_.AllToAllVAsync(src_, plan.owner_counts, plan.owner_offsets, dst_,
+                                          plan.home_counts, plan.home_offsets, DType::kF32);
+    if (!work.ok()) return Annotate(work.status(), what_);
+    works_[j] = *std::move(work);
+    return absl::OkStatus();
+  }
+
+  // Waits for slot j's exchange if it was issued and not yet waited for.
+  absl::Status Wait(int j) {
+    if (j >= num_slots_ || works_[j] == nullptr) return absl::OkStatus();
+    absl::Status s = works_[j]->Wait(comm_.timeout() + absl::Seconds(5));
+    works_[j].reset();
+    return Annotate(s, what_);
+  }
+
+  // Waits for every slot still in flight; the first error.
+  absl::Status WaitAll() {
+    absl::Status status;
+    for (int j = 0; j < num_slots_; ++j) {
+      absl::Status s = Wait(j);
+      if (status.ok()) status = s;
     }
+    return status;
   }
-  // Wait for everything issued (its buffers must outlive it), keeping the first error.
-  for (std::unique_ptr<Work>& work : works) {
-    absl::Status s = work->Wait(comm.timeout() + absl::Seconds(5));
-    if (status.ok()) status = s;
+
+ private:
+  struct Plan {  // per peer, kept alive until the exchange is waited for
+    std::vector<size_t> home_counts, home_offsets, owner_counts, owner_offsets;
+  };
+  Communicator& comm_;
+  const DispatchState& state_;
+  const bool to_owners_;
+  const float* const src_;
+  float* const dst_;
+  const size_t d_model_;
+  const char* const what_;
+  const int num_slots_;
+  std::vector<Plan> plans_;
+  std::vector<std::unique_ptr<Work>> works_;
+};
+
+// How forward splits the local experts into pipeline chunks (consecutive experts): one
+// chunk at P == 1 (nothing to overlap); otherwise chunks as wide as the thread budget
+// (the experts of a chunk run in parallel), but at least two chunks when there are two
+// experts, so that an exchange is always in flight while experts compute.
+std::vector<int> ChunkFirsts(int ep_size, int num_local_experts) {
+  int width = num_local_experts;
+  if (ep_size > 1) {
+    width = std::max(1, std::min(ComputeThreads(), num_local_experts / 2));
   }
-  return Annotate(status, what);
+  std::vector<int> firsts;
+  for (int j = 0; j < num_local_experts; j += width) firsts.push_back(j);
+  firsts.push_back(num_local_experts);
+  return firsts;
+}
+
+// The owner-layout rows and group sizes of chunk c: every local expert outside the chunk
+// gets zero rows, so moe/experts.h runs exactly the chunk's experts on exactly the rows it
+// would run them on in one call (the same GEMMs, the same bits).
+struct ChunkRows {
+  int64_t first_row = 0, num_rows = 0;
+  std::vector<int64_t> group_sizes;
+};
+// Whether the state's chunks cover the E_local experts in order, one saved set each.
+bool ValidChunks(const DispatchState& s, int num_local_experts) {
+  const std::vector<int>& f = s.chunk_first;
+  if (f.size() < 2 || f.front() != 0 || f.back() != num_local_experts ||
+      s.experts_saved.size() != f.size() - 1 ||
+      s.local_group_sizes.size() != static_cast<size_t>(num_local_experts)) {
+    return false;
+  }
+  for (size_t c = 0; c + 1 < f.size(); ++c) {
+    if (f[c] >= f[c + 1]) return false;
+  }
+  return true;
+}
+
+ChunkRows RowsOfChunk(const DispatchState& s, int c) {
+  const int j0 = s.chunk_first[c], j1 = s.chunk_first[c + 1];
+  ChunkRows r;
+  r.group_sizes.assign(s.local_group_sizes.size(), 0);
+  for (int j = 0; j < j0; ++j) r.first_row += s.local_group_sizes[j];
+  for (int j = j0; j < j1; ++j) {
+    r.group_sizes[j] = s.local_group_sizes[j];
+    r.num_rows += s.local_group_sizes[j];
+  }
+  return r;
 }
 
 // At least n floats of `buffer`, keeping earlier contents and capacity (no re-zeroing).
@@ -230,27 +315,43 @@ absl::Status DispatchCombineForward(Communicator& ep_group, const DispatchConfig
   }
 
   // 3. Pack the rows straight into the send buffer (own experts' rows straight into the
-  // experts' input), exchange them into the experts' layout, run the local experts.
+  // experts' input).
   float* send = Scratch(s.scratch_send, num_sent * D);
   s.expert_input.resize(num_received * D);
+  s.expert_output.resize(num_received * D);
+  s.copy_output.resize(num_sent * D);
   for (int64_t pos = 0; pos < num_sent; ++pos) {
     const int64_t r = s.output_row[pos];
     float* dst = r >= 0 ? send + pos * D : s.expert_input.data() + (-1 - r) * D;
     std::memcpy(dst, &a[(s.send_copy[pos] / K) * D], sizeof(float) * D);
   }
-  GRADSUM_RETURN_IF_ERROR(ExchangeByExpert(ep_group, s, E, /*to_owners=*/true, send,
-                                           s.expert_input.data(), D, "dispatching token rows"));
-  s.expert_output.resize(num_received * D);
-  GRADSUM_RETURN_IF_ERROR(ExpertsForward(experts_config, local_weights, s.expert_input,
-                                         s.local_group_sizes, absl::MakeSpan(s.expert_output),
-                                         &s.experts_saved));
+  // 4. A pipeline over chunks of local experts: every slot's rows leave at once; a chunk's
+  // experts run as soon as its slots have arrived, and its outputs travel home while the
+  // next chunk computes. Each expert sees the same rows as in one call (same bits).
+  s.chunk_first = ChunkFirsts(P, E_local);
+  const int num_chunks = static_cast<int>(s.chunk_first.size()) - 1;
+  s.experts_saved.resize(num_chunks);
+  SlotExchanges dispatch(ep_group, s, E, /*to_owners=*/true, send, s.expert_input.data(), D,
+                         "dispatching token rows");
+  SlotExchanges back(ep_group, s, E, /*to_owners=*/false, s.expert_output.data(),
+                     s.copy_output.data(), D, "returning expert outputs");
+  for (int j = 0; j < E_local; ++j) GRADSUM_RETURN_IF_ERROR(dispatch.Start(j));
+  for (int c = 0; c < num_chunks; ++c) {
+    const int j0 = s.chunk_first[c], j1 = s.chunk_first[c + 1];
+    for (int j = j0; j < j1; ++j) GRADSUM_RETURN_IF_ERROR(dispatch.Wait(j));
+    const ChunkRows rows = RowsOfChunk(s, c);
+    GRADSUM_RETURN_IF_ERROR(ExpertsForward(
+        experts_config, local_weights,
+        absl::MakeConstSpan(s.expert_input).subspan(rows.first_row * D, rows.num_rows * D),
+        rows.group_sizes,
+        absl::MakeSpan(s.expert_output).subspan(rows.first_row * D, rows.num_rows * D),
+        &s.experts_saved[c]));
+    for (int j = j0; j < j1; ++j) GRADSUM_RETURN_IF_ERROR(back.Start(j));
+  }
+  GRADSUM_RETURN_IF_ERROR(back.WaitAll());
 
-  // 4. Send the outputs home (the reverse exchange) and combine straight from there:
-  // y_t = 0 + sum_k w_tk out_tk, slots in order, so the sum does not depend on P.
-  s.copy_output.resize(num_sent * D);
-  GRADSUM_RETURN_IF_ERROR(ExchangeByExpert(ep_group, s, E, /*to_owners=*/false,
-                                           s.expert_output.data(), s.copy_output.data(), D,
-                                           "returning expert outputs"));
+  // 5. Combine straight from where the outputs are: y_t = 0 + sum_k w_tk out_tk, slots in
+  // order, so the sum does not depend on P.
   for (int64_t t = 0; t < T; ++t) {
     float* yt = &y[t * D];
     bool first = true;
@@ -291,7 +392,8 @@ absl::Status DispatchCombineBackward(Communicator& ep_group, const DispatchConfi
       state.output_row.size() != static_cast<size_t>(num_sent) ||
       state.copy_output.size() != static_cast<size_t>(num_sent * D) ||
       state.expert_input.size() != static_cast<size_t>(num_received * D) ||
-      state.expert_output.size() != static_cast<size_t>(num_received * D)) {
+      state.expert_output.size() != static_cast<size_t>(num_received * D) ||
+      !ValidChunks(state, E_local)) {
     return absl::InvalidArgumentError(
         absl::StrCat("dispatch state (T=", T, ", ", state.expert_first.size(),
                      " expert offsets) does not come from a forward with D=", D, ", K=", K,
@@ -333,17 +435,28 @@ absl::Status DispatchCombineBackward(Communicator& ep_group, const DispatchConfi
       ScaleRow(g, state.combine_weight[c], dyt[i], D);
     }
   }
-  GRADSUM_RETURN_IF_ERROR(ExchangeByExpert(ep_group, state, config.num_experts,
-                                           /*to_owners=*/true, send, expert_dy, D,
-                                           "dispatching output gradients"));
-  GRADSUM_RETURN_IF_ERROR(ExpertsBackward(
-      LocalExpertsConfig(config, P), local_weights, state.expert_input, state.local_group_sizes,
-      state.experts_saved, absl::MakeSpan(expert_dy, num_received * D),
-      absl::MakeSpan(expert_dx, num_received * D), local_grads));
-  // The input gradients come home into the send buffer (its rows were consumed above).
-  GRADSUM_RETURN_IF_ERROR(ExchangeByExpert(ep_group, state, config.num_experts,
-                                           /*to_owners=*/false, expert_dx, send, D,
-                                           "returning input gradients"));
+  // The same pipeline as forward, over forward's chunks. The input gradients come home
+  // into the send buffer: slot j's rows there were read by slot j's dispatch, which is
+  // complete before slot j's return is issued.
+  const int num_chunks = static_cast<int>(state.chunk_first.size()) - 1;
+  SlotExchanges dispatch(ep_group, state, config.num_experts, /*to_owners=*/true, send,
+                         expert_dy, D, "dispatching output gradients");
+  SlotExchanges back(ep_group, state, config.num_experts, /*to_owners=*/false, expert_dx, send,
+                     D, "returning input gradients");
+  for (int j = 0; j < E_local; ++j) GRADSUM_RETURN_IF_ERROR(dispatch.Start(j));
+  for (int c = 0; c < num_chunks; ++c) {
+    const int j0 = state.chunk_first[c], j1 = state.chunk_first[c + 1];
+    for (int j = j0; j < j1; ++j) GRADSUM_RETURN_IF_ERROR(dispatch.Wait(j));
+    const ChunkRows rows = RowsOfChunk(state, c);
+    const int64_t first = rows.first_row * D, n = rows.num_rows * D;
+    GRADSUM_RETURN_IF_ERROR(ExpertsBackward(
+        LocalExpertsConfig(config, P), local_weights,
+        absl::MakeConstSpan(state.expert_input).subspan(first, n), rows.group_sizes,
+        state.experts_saved[c], absl::MakeConstSpan(expert_dy + first, n),
+        absl::MakeSpan(expert_dx + first, n), local_grads));
+    for (int j = j0; j < j1; ++j) GRADSUM_RETURN_IF_ERROR(back.Start(j));
+  }
+  GRADSUM_RETURN_IF_ERROR(back.WaitAll());
   // Sum the K copies of each token into d_a straight from where they are, token by token
   // (one pass over d_a), each token's copies in send order as before.
   std::vector<int64_t> copy_pos(static_cast<size_t>(T) * K, -1);

@@ -20,6 +20,18 @@
 // accumulate there), sends the input gradients back and sums the K copies into d_a. It also
 // returns d w_tk = <dy_t, Expert_{i_tk}(a_t)>, the gradient for the router (moe/router.h).
 //
+// Overlap: the exchanges are asynchronous and pipelined with the experts (as Tutel's and
+// Megatron's MoE overlap do). There is one all-to-all-v per local expert slot j (it carries
+// expert p * E/P + j's rows for every owner p), all issued at once; the local experts run
+// in chunks of consecutive slots, each chunk as soon as its slots have arrived, and each
+// chunk's results start back while the next chunk computes. So apart from waiting for an
+// EP peer whose experts got more rows (load imbalance, which no overlap hides), only the
+// first chunk's arrival and the last chunk's return leave the rank idle. Chunks are as
+// wide as the thread budget (ComputeThreads(), core/thread_pool.h) allows the experts of
+// one call to run in parallel, with at least two chunks when E/P >= 2; one chunk at P = 1.
+// Every expert still sees all its rows in one call of moe/experts.h, so the results are
+// bit-identical to the unchunked computation.
+//
 // Dropless: every copy reaches its expert whatever the imbalance; an expert or a rank may
 // receive zero rows, and a rank may have zero tokens. Counts are data-dependent, so every
 // EP rank must call forward and backward, even with no tokens.
@@ -80,7 +92,10 @@ struct DispatchState {
   int64_t num_received = 0;                       // R
   std::vector<float> expert_input;                // [R, D] rows grouped by local expert
   std::vector<float> expert_output;               // [R, D] their outputs, same layout
-  ExpertsSaved experts_saved;
+  // The pipeline's chunks of local experts: chunk c is experts [chunk_first[c],
+  // chunk_first[c + 1]); what the experts keep for backward, per chunk.
+  std::vector<int> chunk_first;
+  std::vector<ExpertsSaved> experts_saved;
 
   // Scratch reused by later calls with the same state (so a layer's state kept across steps
   // allocates only once); holds no meaning between calls.

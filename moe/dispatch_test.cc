@@ -3,13 +3,18 @@
 // EDP group as SEMANTICS.md §7 prescribes.
 #include "moe/dispatch.h"
 
+#include <memory>
+#include <mutex>
+#include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "collectives/communicator.h"
 #include "core/status.h"
+#include "core/thread_pool.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "moe/dispatch_testing.h"
@@ -19,6 +24,7 @@
 namespace gradsum::moe {
 namespace {
 
+using ::testing::ElementsAreArray;
 using ::testing::HasSubstr;
 
 using test::MakeProblem;
@@ -62,6 +68,116 @@ INSTANTIATE_TEST_SUITE_P(
       return absl::StrCat("W", std::get<0>(info.param), "_EP", std::get<1>(info.param), "_E",
                           std::get<2>(info.param), "_K", std::get<3>(info.param));
     });
+
+// Records the issue and the wait of every all-to-all-v ("i3": the fourth one issued, "w3":
+// the wait for it), forwarding everything to `inner`; sub-communicators record into the
+// same log.
+class ExchangeRecorder : public Communicator {
+ public:
+  explicit ExchangeRecorder(std::unique_ptr<Communicator> inner)
+      : inner_(std::move(inner)), log_(std::make_shared<Log>()) {}
+  std::vector<std::string> events() const { return log_->events; }
+
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  std::string backend() const override { return inner_->backend(); }
+  absl::Duration timeout() const override { return inner_->timeout(); }
+  absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv, size_t count,
+                                                       DType dtype, ReduceOp op) override {
+    return inner_->AllReduceAsync(send, recv, count, dtype, op);
+  }
+  absl::StatusOr<std::unique_ptr<Work>> ReduceScatterAsync(const void* send, void* recv,
+                                                           size_t recv_count, DType dtype,
+                                                           ReduceOp op) override {
+    return inner_->ReduceScatterAsync(send, recv, recv_count, dtype, op);
+  }
+  absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const void* send, void* recv,
+                                                       size_t send_count, DType dtype) override {
+    return inner_->AllGatherAsync(send, recv, send_count, dtype);
+  }
+  absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(
+      const void* send, absl::Span<const size_t> send_counts, absl::Span<const size_t> send_offsets,
+      void* recv, absl::Span<const size_t> recv_counts, absl::Span<const size_t> recv_offsets,
+      DType dtype) override {
+    const int id = log_->next++;
+    log_->events.push_back(absl::StrCat("i", id));
+    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Work> work,
+                             inner_->AllToAllVAsync(send, send_counts, send_offsets, recv,
+                                                    recv_counts, recv_offsets, dtype));
+    return std::unique_ptr<Work>(new RecordedWork(std::move(work), log_, id));
+  }
+  absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(void* buf, size_t count, DType dtype,
+                                                       int root) override {
+    return inner_->BroadcastAsync(buf, count, dtype, root);
+  }
+  absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override { return inner_->BarrierAsync(); }
+  absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
+    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> sub, inner_->Split(color, key));
+    auto recorder = std::make_unique<ExchangeRecorder>(std::move(sub));
+    recorder->log_ = log_;
+    return std::unique_ptr<Communicator>(std::move(recorder));
+  }
+
+ private:
+  struct Log {  // used by one rank's thread only
+    int next = 0;
+    std::vector<std::string> events;
+  };
+  class RecordedWork : public Work {
+   public:
+    RecordedWork(std::unique_ptr<Work> inner, std::shared_ptr<Log> log, int id)
+        : inner_(std::move(inner)), log_(std::move(log)), id_(id) {}
+    absl::Status Wait(absl::Duration timeout) override {
+      log_->events.push_back(absl::StrCat("w", id_));
+      return inner_->Wait(timeout);
+    }
+    bool IsCompleted() override { return inner_->IsCompleted(); }
+
+   private:
+    std::unique_ptr<Work> inner_;
+    std::shared_ptr<Log> log_;
+    int id_;
+  };
+  std::unique_ptr<Communicator> inner_;
+  std::shared_ptr<Log> log_;
+};
+
+// The exchanges overlap the experts: with E/P = 4 local experts, every slot's rows leave
+// before the first wait, and chunk c's results are issued home before chunk c + 1's rows
+// are waited for (its experts then run while they travel), in forward and in backward.
+// The chunks are one expert wide on one compute thread and two wide on two. The results
+// still match the reference.
+TEST(DispatchTest, ExchangesArePipelinedWithTheExperts) {
+  const Problem p = MakeProblem(/*world=*/2, /*ep_size=*/2, /*E=*/8, /*K=*/2, {9, 6}, 77);
+  for (int threads : {1, 2}) {
+    std::vector<RankResult> results(p.world);
+    std::vector<std::vector<std::string>> events(p.world);
+    absl::Status status = testing::RunRanks(p.world, [&](Communicator& world) -> absl::Status {
+      ScopedComputeThreads budget(threads);
+      GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> copy, world.Split(0, world.rank()));
+      ExchangeRecorder recorder(std::move(copy));
+      GRADSUM_RETURN_IF_ERROR(test::RunDispatchOnRank(recorder, p, &results[world.rank()]));
+      events[world.rank()] = recorder.events();
+      return absl::OkStatus();
+    });
+    ASSERT_TRUE(status.ok()) << status;
+    // Per pass (forward: exchanges 0-7, backward: 8-15): dispatch slots 0-3, returns 4-7.
+    std::vector<std::string> want;
+    for (int base : {0, 8}) {
+      for (int j = 0; j < 4; ++j) want.push_back(absl::StrCat("i", base + j));
+      for (int j0 = 0; j0 < 4; j0 += threads) {
+        for (int j = j0; j < j0 + threads; ++j) want.push_back(absl::StrCat("w", base + j));
+        for (int j = j0; j < j0 + threads; ++j) want.push_back(absl::StrCat("i", base + 4 + j));
+      }
+      for (int j = 0; j < 4; ++j) want.push_back(absl::StrCat("w", base + 4 + j));
+    }
+    for (int r = 0; r < p.world; ++r) {
+      EXPECT_THAT(events[r], ElementsAreArray(want)) << "rank " << r << ", " << threads
+                                                     << " compute threads";
+      test::ExpectRankMatchesReference(p, r, results[r]);
+    }
+  }
+}
 
 TEST(DispatchTest, AllTokensToOneExpertLeavesOtherRanksEmpty) {
   // K = 1, every token of every rank goes to expert E-1 (owned by the last EP rank): the
