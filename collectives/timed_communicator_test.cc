@@ -3,6 +3,7 @@
 
 #include "collectives/timed_communicator.h"
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <thread>
@@ -26,14 +27,20 @@ TEST(TimedCommunicatorTest, SyncCallsAreForwardedAndCountedAsExposedAndBusy) {
   }
   std::vector<int64_t> sums(2, 0);
   std::vector<absl::Status> statuses(2);
+  // Rank 1 arrives 150 ms after rank 0 is about to call, so rank 0's sync call lasts
+  // close to that; the assertion below asks for 100 ms, leaving 50 ms for rank 0 to get
+  // from the flag into the call on a loaded machine (a 100 ms sleep against a 100 ms bound
+  // failed once in 4 TSan runs, at 99.92 ms).
+  std::atomic<bool> rank0_calling{false};
   std::thread late([&] {
-    // Rank 1 arrives 100 ms late, so rank 0's sync call lasts at least that long.
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    while (!rank0_calling.load()) std::this_thread::yield();
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
     int64_t x = 2;
     statuses[1] = timed[1]->AllReduce(&x, &sums[1], 1, DType::kI64);
     if (statuses[1].ok()) statuses[1] = timed[1]->Barrier();
   });
   int64_t x = 1;
+  rank0_calling.store(true);
   statuses[0] = timed[0]->AllReduce(&x, &sums[0], 1, DType::kI64);
   if (statuses[0].ok()) statuses[0] = timed[0]->Barrier();
   late.join();
