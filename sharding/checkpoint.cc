@@ -161,10 +161,9 @@ absl::StatusOr<GroupRecord> GroupFromProto(const cp::GroupRecord& o, const std::
     return Loss(file, absl::StrCat(where, "group_rank ", g.group_rank, " / group_size ",
                                    g.group_size, " / numel ", g.numel, " are inconsistent"));
   }
-  const int64_t padded = (g.numel + g.group_size - 1) / g.group_size * g.group_size;
-  const int64_t shard = padded / g.group_size;
-  if (g.padded_numel != padded || g.shard_offset != g.group_rank * shard ||
-      g.local_numel != std::clamp<int64_t>(g.numel - g.shard_offset, 0, shard)) {
+  const ShardLayout layout = ComputeShardLayout(g.numel, g.group_size, g.group_rank);
+  if (g.padded_numel != layout.padded_numel || g.shard_offset != layout.shard_offset ||
+      g.local_numel != layout.local_numel) {
     return Loss(file, absl::StrCat(where, "padded_numel ", g.padded_numel, ", shard_offset ",
                                    g.shard_offset, ", local_numel ", g.local_numel,
                                    " do not match numel ", g.numel, " over ", g.group_size,
@@ -327,17 +326,13 @@ class SavedLayout {
  public:
   // Reads every rank's manifest and checks it against the marker. Parameters must have one
   // unit, offset and shape across the manifests, and each (unit, group rank) one holder.
-  static absl::StatusOr<SavedLayout> Read(const std::string& dir, MarkerRecord marker) {
+  static absl::StatusOr<SavedLayout> Read(const std::string& dir, const MarkerRecord& marker) {
     SavedLayout s;
     s.dir_ = dir;
-    s.marker_ = std::move(marker);
-    for (int64_t r = 0; r < s.marker_.world; ++r) {
+    for (int64_t r = 0; r < marker.world; ++r) {
+      // ReadManifest checks that the manifest records rank r.
       GRADSUM_ASSIGN_OR_RETURN(Manifest m, ReadManifest(dir, r));
-      if (m.rank != r) {
-        return absl::DataLossError(absl::StrCat("checkpoint file '", Join(dir, ManifestName(r)),
-                                                "' records rank ", m.rank));
-      }
-      GRADSUM_RETURN_IF_ERROR(CheckAgainstMarker(dir, s.marker_, m));
+      GRADSUM_RETURN_IF_ERROR(CheckAgainstMarker(dir, marker, m));
       s.manifests_.push_back(std::move(m));
     }
     for (const Manifest& m : s.manifests_) {
@@ -388,7 +383,7 @@ class SavedLayout {
       GRADSUM_ASSIGN_OR_RETURN(const SafetensorsHeader* file, File(holder->second));
       const std::string name = absl::StrCat(unit.name, "/", what);
       GRADSUM_ASSIGN_OR_RETURN(const SafetensorsTensorRange* t, file->Find(name));
-      const int64_t local = std::clamp<int64_t>(unit.numel - q * shard, 0, shard);
+      const int64_t local = ComputeShardLayout(unit.numel, unit.group_size, q).local_numel;
       if (t->dtype != DType::kF32 || t->shape != std::vector<int64_t>{local}) {
         return absl::DataLossError(absl::StrCat("checkpoint file '", file->path(), "': \"", name,
                                                 "\" is ", DTypeName(t->dtype), ShapeText(t->shape),
@@ -429,7 +424,6 @@ class SavedLayout {
   }
 
   std::string dir_;
-  MarkerRecord marker_;
   std::vector<Manifest> manifests_;  // by world rank; params_ points into them
   std::map<std::string, Param> params_;
   std::map<std::pair<std::string, int64_t>, int64_t> holders_;
@@ -572,8 +566,8 @@ absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& dir, Communicat
     GRADSUM_ASSIGN_OR_RETURN(MarkerRecord marker, ReadMarker(dir));
     info.step = marker.step;
     info.world = marker.world;
-    info.extra = marker.extra;
-    GRADSUM_ASSIGN_OR_RETURN(SavedLayout saved, SavedLayout::Read(dir, std::move(marker)));
+    GRADSUM_ASSIGN_OR_RETURN(SavedLayout saved, SavedLayout::Read(dir, marker));
+    info.extra = std::move(marker.extra);
     std::set<std::string> live;
     for (size_t gi = 0; gi < optimizer.groups().size(); ++gi) {
       const FlatParam& g = *optimizer.groups()[gi];
@@ -664,7 +658,7 @@ absl::Status ExportConsolidated(const std::string& dir, const std::string& out_p
   }
   GRADSUM_ASSIGN_OR_RETURN(MarkerRecord marker, ReadMarker(dir));
   const int64_t step = marker.step;
-  GRADSUM_ASSIGN_OR_RETURN(SavedLayout saved, SavedLayout::Read(dir, std::move(marker)));
+  GRADSUM_ASSIGN_OR_RETURN(SavedLayout saved, SavedLayout::Read(dir, marker));
   // Each parameter read from the shards that hold it (the resharding rule with one rank).
   std::vector<std::vector<float>> values;
   std::vector<std::vector<BF16>> halves;

@@ -63,12 +63,12 @@ absl::StatusOr<std::unique_ptr<FlatParam>> FlatParam::Create(std::string name,
     fp->entries_.push_back({std::move(p.name), std::move(p.shape), offset, *n});
     offset += *n;
   }
-  const int64_t s = fp->group_size_;
   fp->numel_ = offset;
-  fp->padded_numel_ = (offset + s - 1) / s * s;
-  fp->shard_numel_ = fp->padded_numel_ / s;
-  fp->shard_offset_ = fp->group_rank_ * fp->shard_numel_;
-  fp->local_numel_ = std::clamp<int64_t>(fp->numel_ - fp->shard_offset_, 0, fp->shard_numel_);
+  const ShardLayout layout = ComputeShardLayout(offset, fp->group_size_, fp->group_rank_);
+  fp->padded_numel_ = layout.padded_numel;
+  fp->shard_numel_ = layout.shard_numel;
+  fp->shard_offset_ = layout.shard_offset;
+  fp->local_numel_ = layout.local_numel;
   fp->master_.assign(fp->sharded() ? fp->shard_numel_ : fp->padded_numel_, 0.0f);
   if (fp->sharded()) fp->grad_accum_.assign(fp->shard_numel_, 0.0f);
   fp->full_grad_.assign(fp->padded_numel_, 0.0f);

@@ -40,6 +40,7 @@
 //
 // Thread safety: one thread per FlatParam (the rank's thread), like its communicator.
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -82,6 +83,24 @@ struct ParamSpec {
 };
 
 // Where a parameter sits in the flat (unpadded) buffer.
+// Where group rank `group_rank` of `group_size` stands in a flat buffer of `numel`
+// elements (the layout above): the one rule FlatParam, the checkpoint reader and the
+// resharding loader all use.
+struct ShardLayout {
+  int64_t padded_numel;  // numel rounded up to a multiple of group_size
+  int64_t shard_numel;   // padded_numel / group_size
+  int64_t shard_offset;  // group_rank * shard_numel
+  int64_t local_numel;   // the shard's elements before the padding
+};
+inline ShardLayout ComputeShardLayout(int64_t numel, int64_t group_size, int64_t group_rank) {
+  ShardLayout l;
+  l.padded_numel = (numel + group_size - 1) / group_size * group_size;
+  l.shard_numel = l.padded_numel / group_size;
+  l.shard_offset = group_rank * l.shard_numel;
+  l.local_numel = std::clamp<int64_t>(numel - l.shard_offset, 0, l.shard_numel);
+  return l;
+}
+
 struct FlatParamEntry {
   std::string name;
   std::vector<int64_t> shape;
