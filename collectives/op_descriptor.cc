@@ -51,13 +51,6 @@ void Fields(const OpDescriptor& d, int64_t* f) {
   f[kAsync] = d.async ? 1 : 0;
 }
 
-bool HasDType(OpKind k) { return k != OpKind::kBarrier && k != OpKind::kSplit; }
-bool HasCount(OpKind k) {
-  return k == OpKind::kAllReduce || k == OpKind::kReduceScatter || k == OpKind::kAllGather ||
-         k == OpKind::kBroadcast;
-}
-bool HasReduceOp(OpKind k) { return k == OpKind::kAllReduce || k == OpKind::kReduceScatter; }
-
 // [begin, end) byte ranges; true if both are non-empty and intersect.
 bool Overlaps(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
   if (a_bytes == 0 || b_bytes == 0) return false;
@@ -140,6 +133,13 @@ absl::Status ValidateAllToAllV(const OpCall& a, int w, size_t max_count, size_t 
 }
 
 }  // namespace
+
+bool HasDType(OpKind k) { return k != OpKind::kBarrier && k != OpKind::kSplit; }
+bool HasCount(OpKind k) {
+  return k == OpKind::kAllReduce || k == OpKind::kReduceScatter || k == OpKind::kAllGather ||
+         k == OpKind::kBroadcast;
+}
+bool HasReduceOp(OpKind k) { return k == OpKind::kAllReduce || k == OpKind::kReduceScatter; }
 
 absl::Status ValidateCall(const OpCall& a, int rank, int size, size_t max_count) {
   const size_t w = static_cast<size_t>(size);

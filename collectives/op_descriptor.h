@@ -76,6 +76,14 @@ OpCall MakeAllToAllVCall(const void* send, absl::Span<const size_t> send_counts,
 absl::Status ValidateCall(const OpCall& c, int rank, int size,
                           size_t max_count = std::numeric_limits<size_t>::max());
 
+// Which fields of an OpCall an operation kind uses (the rest are ignored and neither
+// validated nor compared across ranks): the dtype (all but barrier and split), the element
+// count (the four uniform collectives; all-to-all-v has per-peer counts) and the reduction
+// (all-reduce and reduce-scatter).
+bool HasDType(OpKind k);
+bool HasCount(OpKind k);
+bool HasReduceOp(OpKind k);
+
 // True for reduce-scatter / all-gather calls that follow the in-place convention (my
 // block of the full buffer is the small one); all-reduce with send == recv.
 bool IsInPlace(const OpCall& c, int rank);

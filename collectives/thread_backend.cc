@@ -58,6 +58,9 @@ namespace gradsum {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using collectives_internal::HasCount;
+using collectives_internal::HasDType;
+using collectives_internal::HasReduceOp;
 using collectives_internal::MakeAllToAllVCall;
 using collectives_internal::MakeBroadcastCall;
 using collectives_internal::MakeCall;
@@ -73,13 +76,6 @@ absl::Status Fresh(const absl::Status& s) {
   if (s.ok()) return absl::OkStatus();
   return absl::Status(s.code(), std::string(s.message()));
 }
-
-bool HasDType(OpKind k) { return k != OpKind::kBarrier && k != OpKind::kSplit; }
-bool HasCount(OpKind k) {
-  return k == OpKind::kAllReduce || k == OpKind::kReduceScatter || k == OpKind::kAllGather ||
-         k == OpKind::kBroadcast;
-}
-bool HasReduceOp(OpKind k) { return k == OpKind::kAllReduce || k == OpKind::kReduceScatter; }
 
 // ---- Waiting: bounded spinning, then a futex. ----
 
@@ -431,7 +427,7 @@ class ThreadCommunicator : public Communicator {
   absl::Status RunSync(const OpArgs& a) {
     if (absl::Status local = CheckLocal(a); !local.ok()) {
       // Queued like an async call, so the peers learn of it and later calls line up.
-      return Issue(a).status();
+      return Issue(a, std::move(local)).status();
     }
     bool inline_ok;
     {
@@ -440,7 +436,7 @@ class ThreadCommunicator : public Communicator {
       if (inline_ok) exec_->executing = true;
     }
     if (!inline_ok) {
-      absl::StatusOr<std::unique_ptr<Work>> work = Issue(a);
+      absl::StatusOr<std::unique_ptr<Work>> work = Issue(a, absl::OkStatus());  // checked above
       if (!work.ok()) return work.status();
       return (*work)->Wait(timeout() + absl::Seconds(5));
     }
@@ -452,7 +448,10 @@ class ThreadCommunicator : public Communicator {
   // Issues an async operation (a locally invalid one too: it takes its place in the
   // sequence, so the peers learn of it and later calls still line up).
   absl::StatusOr<std::unique_ptr<Work>> Issue(const OpArgs& args) {
-    absl::Status local = CheckLocal(args);
+    return Issue(args, CheckLocal(args));
+  }
+  // The same, for a call whose local check (`local`, CheckLocal's result) was already made.
+  absl::StatusOr<std::unique_ptr<Work>> Issue(const OpArgs& args, absl::Status local) {
     auto op = std::make_shared<OpState>();
     op->args = args;
     if (args.call.kind == OpKind::kAllToAllV) {
