@@ -1,16 +1,12 @@
 #include "train/data.h"
 
-#include <errno.h>
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "core/status.h"
 #include "sharding/atomic_file.h"
 
 namespace gradsum::train {
@@ -173,41 +169,11 @@ absl::StatusOr<std::unique_ptr<TextFileCorpus>> TextFileCorpus::Load(const std::
   if (max_len < 1) {
     return absl::InvalidArgumentError(absl::StrCat("max_len=", max_len, ": must be positive"));
   }
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoStatus(errno, absl::StrCat(name, ": cannot open"));
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
-  struct stat st;
-  if (::fstat(fd, &st) != 0) return ErrnoStatus(errno, absl::StrCat(name, ": stat"));
-  if (!S_ISREG(st.st_mode)) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(name, ": not a regular file (a text file is expected, one document per line)"));
-  }
-  if (static_cast<uint64_t>(st.st_size) > kMaxDataFileBytes) {
-    return absl::OutOfRangeError(absl::StrCat(name, ": ", st.st_size,
-                                              " bytes, more than the limit of ",
-                                              kMaxDataFileBytes, " bytes"));
-  }
+  absl::StatusOr<std::string> bytes = ReadFileToString(path, kMaxDataFileBytes);
+  if (!bytes.ok()) return Annotate(bytes.status(), name);
   auto corpus = std::unique_ptr<TextFileCorpus>(new TextFileCorpus());
   corpus->path_ = path;
-  corpus->bytes_.reserve(static_cast<size_t>(st.st_size));
-  // Streamed: the limit holds even if the file grows while it is read.
-  std::string piece(1 << 20, '\0');
-  while (true) {
-    const ssize_t n = ::read(fd, &piece[0], piece.size());
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return ErrnoStatus(errno, absl::StrCat(name, ": read"));
-    }
-    if (n == 0) break;
-    if (corpus->bytes_.size() + static_cast<size_t>(n) > kMaxDataFileBytes) {
-      return absl::OutOfRangeError(absl::StrCat(name, ": more than the limit of ",
-                                                kMaxDataFileBytes, " bytes"));
-    }
-    corpus->bytes_.append(piece.data(), static_cast<size_t>(n));
-  }
+  corpus->bytes_ = std::move(*bytes);
   if (corpus->bytes_.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": file is empty"));
   }

@@ -143,9 +143,9 @@ inline constexpr uint64_t kMaxDataFileBytes = uint64_t{1} << 30;
 // than `max_len` bytes is split into pieces of at most `max_len`.
 class TextFileCorpus : public DocumentSource {
  public:
-  // Reads `path` in pieces. It must be a regular file (FailedPrecondition naming it: not a
-  // device or a directory) of 1 to kMaxDataFileBytes bytes (InvalidArgument if empty,
-  // OutOfRange if bigger); a file that cannot be read is NotFound / PermissionDenied.
+  // Reads `path` (ReadFileToString). It must be a regular file (FailedPrecondition naming
+  // it: not a device or a directory) of 1 to kMaxDataFileBytes bytes (InvalidArgument if
+  // empty, OutOfRange if bigger); a file that cannot be read is NotFound / PermissionDenied.
   static absl::StatusOr<std::unique_ptr<TextFileCorpus>> Load(const std::string& path, int max_len);
   int64_t num_documents() const override { return static_cast<int64_t>(starts_.size()) - 1; }
   int64_t DocumentLength(int64_t i) const override { return starts_[i + 1] - starts_[i]; }
