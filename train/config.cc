@@ -421,8 +421,7 @@ TrainConfig ResolvedConfig(const TrainConfig& in) {
 }
 
 std::string ConfigToShortText(const TrainConfig& in) {
-  TrainConfig config = in;
-  SetDefaultsExplicitly(&config);
+  const TrainConfig config = ResolvedConfig(in);
   pb::TextFormat::Printer printer;
   printer.SetSingleLineMode(true);
   std::string out;

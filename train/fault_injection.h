@@ -1,7 +1,7 @@
 #ifndef GRADSUM_TRAIN_FAULT_INJECTION_H_
 #define GRADSUM_TRAIN_FAULT_INJECTION_H_
 
-// A test-only fault injection hook for the reliability tests (train/fault_test.sh): the
+// A test-only fault injection hook for the reliability tests (train/mpi_fault_test.sh): the
 // environment variable GRADSUM_TEST_FAULT=MODE:RANK:STEP makes world rank RANK misbehave
 // at the start of step STEP (1-based). Unset (the normal case) it does nothing.
 //

@@ -7,6 +7,8 @@
 #include <random>
 #include <set>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -182,15 +184,28 @@ std::string CheckpointPath(const std::string& checkpoint_dir, int64_t step) {
   return absl::StrFormat("%s/step-%08d", checkpoint_dir, step);
 }
 
-absl::StatusOr<int64_t> LatestCheckpointStep(const std::string& checkpoint_dir) {
+namespace {
+
+// The step-NNNNNNNN directories of checkpoint_dir: (step, whether its save completed, i.e.
+// it has its commit marker).
+std::vector<std::pair<int64_t, bool>> CheckpointSteps(const std::string& checkpoint_dir) {
   std::error_code ec;
-  int64_t best = -1;
+  std::vector<std::pair<int64_t, bool>> out;
   for (const fs::directory_entry& e : fs::directory_iterator(checkpoint_dir, ec)) {
     const std::string name = e.path().filename().string();
     int64_t step;
     if (name.rfind("step-", 0) != 0 || !absl::SimpleAtoi(name.substr(5), &step)) continue;
-    if (!fs::exists(e.path() / "checkpoint.json")) continue;  // incomplete save
-    best = std::max(best, step);
+    out.emplace_back(step, fs::exists(e.path() / "checkpoint.json"));
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<int64_t> LatestCheckpointStep(const std::string& checkpoint_dir) {
+  int64_t best = -1;
+  for (const auto& [step, complete] : CheckpointSteps(checkpoint_dir)) {
+    if (complete) best = std::max(best, step);  // an incomplete save does not count
   }
   if (best < 0) {
     return absl::NotFoundError(
@@ -200,13 +215,9 @@ absl::StatusOr<int64_t> LatestCheckpointStep(const std::string& checkpoint_dir) 
 }
 
 std::vector<int64_t> IncompleteCheckpointsAfter(const std::string& checkpoint_dir, int64_t step) {
-  std::error_code ec;
   std::vector<int64_t> out;
-  for (const fs::directory_entry& e : fs::directory_iterator(checkpoint_dir, ec)) {
-    const std::string name = e.path().filename().string();
-    int64_t s;
-    if (name.rfind("step-", 0) != 0 || !absl::SimpleAtoi(name.substr(5), &s)) continue;
-    if (s > step && !fs::exists(e.path() / "checkpoint.json")) out.push_back(s);
+  for (const auto& [s, complete] : CheckpointSteps(checkpoint_dir)) {
+    if (s > step && !complete) out.push_back(s);
   }
   std::sort(out.begin(), out.end());
   return out;
@@ -420,16 +431,13 @@ absl::Status Trainer::Resume() {
   step_ = info.step;
   fresh_start_ = false;
   GRADSUM_RETURN_IF_ERROR(MarkAgreed(RestoreDataPosition(info, dir)));
+  auto mesh = [](const TrainConfig& c) {
+    return absl::StrCat("world=", c.world(), " ep=", c.ep(), " grad_acc=", c.grad_acc(),
+                        " sharding=", TrainConfig::Sharding_Name(c.sharding()),
+                        " layers_per_unit=", c.layers_per_unit());
+  };
   absl::StatusOr<TrainConfig> saved = ParseConfigText(info.extra.at("config"));
-  if (saved.ok() && (saved->world() != config_.world() || saved->ep() != config_.ep() ||
-                     saved->grad_acc() != config_.grad_acc() ||
-                     saved->sharding() != config_.sharding() ||
-                     saved->layers_per_unit() != config_.layers_per_unit())) {
-    auto mesh = [](const TrainConfig& c) {
-      return absl::StrCat("world=", c.world(), " ep=", c.ep(), " grad_acc=", c.grad_acc(),
-                          " sharding=", TrainConfig::Sharding_Name(c.sharding()),
-                          " layers_per_unit=", c.layers_per_unit());
-    };
+  if (saved.ok() && mesh(*saved) != mesh(config_)) {
     absl::StrAppend(&resume_note_, "; resharded from ", mesh(*saved), " to ", mesh(config_));
   }
   return absl::OkStatus();
