@@ -66,16 +66,19 @@ using ::gradsum::bench::TransformerGradSizes;
 
 int64_t TransformerBytes() { return ::gradsum::bench::TransformerGradBytes(); }
 
-// gradsum's mpi backend, in place, f32 SUM.
-void BM_MpiAllReduceContiguous(benchmark::State &state) {
+// A gradsum mpi communicator (`comm`), in place, f32 SUM.
+void LatencyOn(Communicator *comm, benchmark::State &state) {
   const size_t n = static_cast<size_t>(state.range(0)) / sizeof(float);
   std::vector<float> buf(n, 0.0f);  // zeros: the sum stays finite whatever the count
   MPI_Barrier(MPI_COMM_WORLD);
   for (auto _ : state) {
-    Check(g_comm->AllReduce(buf.data(), buf.data(), n, DType::kF32, ReduceOp::kSum), "AllReduce");
+    Check(comm->AllReduce(buf.data(), buf.data(), n, DType::kF32, ReduceOp::kSum), "AllReduce");
   }
   SetBandwidth(state, state.range(0));
 }
+
+// gradsum's mpi backend (the default options), in place, f32 SUM.
+void BM_MpiAllReduceContiguous(benchmark::State &state) { LatencyOn(g_comm, state); }
 
 // The same buffer through MPI_Allreduce directly (blocking, in place) on `comm`.
 void RawAllreduceOn(MPI_Comm comm, benchmark::State &state) {
@@ -165,16 +168,6 @@ void BM_RawMpiAllreducePerTensor(benchmark::State &state) {
 // The mpi backend, sync f32 SUM in place, with the default agreement check (one
 // descriptor all-reduce per call) or without it (data movement only).
 void BM_MpiAllReduceLatency(benchmark::State &state) { BM_MpiAllReduceContiguous(state); }
-
-void LatencyOn(Communicator *comm, benchmark::State &state) {
-  const size_t n = static_cast<size_t>(state.range(0)) / sizeof(float);
-  std::vector<float> buf(n, 0.0f);
-  MPI_Barrier(MPI_COMM_WORLD);
-  for (auto _ : state) {
-    Check(comm->AllReduce(buf.data(), buf.data(), n, DType::kF32, ReduceOp::kSum), "AllReduce");
-  }
-  SetBandwidth(state, state.range(0));
-}
 
 void BM_MpiAllReduceLatencyNoCheck(benchmark::State &state) { LatencyOn(g_comm_nocheck, state); }
 void BM_MpiAllReduceLatencyNonBlocking(benchmark::State &state) {
