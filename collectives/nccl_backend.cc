@@ -429,8 +429,7 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
         GRADSUM_RETURN_IF_ERROR(CheckDeviceBuffer(c.send, c.count, name, "send"));
         return CheckDeviceBuffer(c.recv, c.count, name, "recv");
       case OpKind::kReduceScatter:
-        GRADSUM_RETURN_IF_ERROR(
-            CheckDeviceBuffer(c.send, c.count * w, name, "send"));
+        GRADSUM_RETURN_IF_ERROR(CheckDeviceBuffer(c.send, c.count * w, name, "send"));
         return CheckDeviceBuffer(c.recv, c.count, name, "recv");
       case OpKind::kAllGather:
         GRADSUM_RETURN_IF_ERROR(CheckDeviceBuffer(c.send, c.count, name, "send"));
@@ -766,7 +765,9 @@ class TimedNcclCommunicator final : public NcclCommunicator {
     timer_->Add(absl::Now() - start);
     if (!sub.ok() || *sub == nullptr) return sub;
     std::unique_ptr<NcclCommunicator> child(dynamic_cast<NcclCommunicator*>(sub->get()));
-    if (child == nullptr) return absl::InternalError("nccl Split did not give an nccl communicator");
+    if (child == nullptr) {
+      return absl::InternalError("nccl Split did not give an nccl communicator");
+    }
     sub->release();
     return std::unique_ptr<Communicator>(new TimedNcclCommunicator(std::move(child), timer_));
   }

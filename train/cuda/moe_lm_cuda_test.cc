@@ -154,7 +154,8 @@ std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
   return absl::StrCat("G", G, "_", TrainConfig::Sharding_Name(sharding), "_compute_",
                       TrainConfig::FloatDType_Name(compute), "_reduce_",
                       TrainConfig::FloatDType_Name(reduce), "_ce_",
-                      TrainConfig::CeMode_Name(ce_mode), small_buckets ? "_small_buckets" : "");
+                      TrainConfig::CeMode_Name(ce_mode),
+                      small_buckets ? "_small_buckets" : "");
 }
 
 using C = TrainConfig;
