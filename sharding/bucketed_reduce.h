@@ -25,10 +25,10 @@
 //
 // Device buckets (a GPU model, train/cuda): with a BucketedGradDevice the buckets live in
 // its memory and are reduced over its communicator (NCCL, standing for the groups' host
-// one). The gradients then are the bucket views, grad_view(group, k): the caller writes
-// each parameter's gradient there (in the reduce dtype) before GroupReady, which only
+// one). The caller puts each parameter's gradient into its bucket view, grad_view(group,
+// k) (in the reduce dtype, by its own device copy), before GroupReady, which then only
 // marks them; Finish copies each reduced bucket to the host once, folds it into the
-// masters as above and zeroes the buckets for the next step.
+// masters as above and zeroes the buckets (so a caller may also accumulate in the views).
 //
 // BucketedUnitReducers below applies this to a model's units over several communicators
 // (the world's units and the EDP group's), for both the host and the device model.

@@ -48,17 +48,14 @@ absl::Status Fence(cudaStream_t producer, cudaStream_t consumer, cudaEvent_t eve
 }
 
 // One parameter unit on the device: its compute values (fp32, padded_numel() elements in
-// the host unit's flat layout; allocated while gathered) and its fp32 gradient (kept):
-// its own buffer, or in replicated mode with an f32 reduce dtype the GradBucketer's
-// bucket views (the gradients are reduced where backward wrote them).
+// the host unit's flat layout; allocated while gathered) and its fp32 gradient (kept, in
+// the same layout: the expert kernels address a unit's stacked experts as one block).
 struct DeviceGroup {
   FlatParam* host = nullptr;
   NcclCommunicator* comm = nullptr;
   DeviceBuffer param;          // f32 [padded] while gathered, else empty
   DeviceBuffer gather_bf16;    // bf16 [padded] while a bf16 gather is in flight
-  DeviceBuffer grad;           // f32 [padded], this micro-batch (fsdp) or the step; empty
-                               // when the gradients are bucket views
-  std::vector<float*> grad_at; // each parameter's gradient (in `grad` or a bucket)
+  DeviceBuffer grad;           // f32 [padded], this micro-batch (fsdp) or the step
   DeviceBuffer reduce_bf16;    // bf16 [padded] send buffer of a bf16 reduce-scatter
   DeviceBuffer shard;          // reduce-scatter output [shard], reduce dtype
   std::unique_ptr<Work> gather_work, reduce_work;
@@ -69,7 +66,7 @@ struct DeviceGroup {
   float* param_ptr(int index) const {
     return param.as<float>() + host->entries()[index].offset;
   }
-  float* grad_ptr(int index) const { return grad_at[index]; }
+  float* grad_ptr(int index) const { return grad.as<float>() + host->entries()[index].offset; }
 };
 
 // Per-layer activations kept from forward for backward.
@@ -123,6 +120,9 @@ class DeviceBucketMemory final : public BucketMemory {
 // (FlatParam::FoldReducedGrad). Replicated mode reduces on the last micro-batch through
 // the host store's BucketedUnitReducers (sharding/bucketed_reduce.h) with the buckets in
 // device memory and NCCL all-reduces: the same buckets, ready order and caps as the CPU.
+// A unit's gradient is copied into its bucket views when handed over (not accumulated in
+// them: the buckets hold parameters in reverse order, possibly split over buckets, and the
+// expert kernels write a unit's stacked experts as one block).
 class DeviceUnitStore : public UnitStore {
  public:
   DeviceUnitStore(std::vector<DeviceGroup>* groups, cudaStream_t stream, cudaEvent_t fence,
@@ -135,8 +135,9 @@ class DeviceUnitStore : public UnitStore {
         every_micro_batch_(options.reduce_every_micro_batch),
         bucket_memory_(stream) {}
 
-  // Allocates each unit's gradient: replicated mode's bucketed reduction (with an f32
-  // reduce dtype the gradients are the bucket views), else a buffer per unit.
+  // Allocates and zeroes each unit's gradient (on the compute stream: the legacy default
+  // stream does not order the non-blocking streams that later read these buffers), and in
+  // replicated mode the bucketed reduction.
   absl::Status Init(const MoeLmOptions& options) {
     std::vector<DeviceGroup>& groups = *groups_;
     if (options.sharding == ShardingMode::kReplicated) {
@@ -152,24 +153,11 @@ class DeviceUnitStore : public UnitStore {
                                        options.first_bucket_cap_bytes, &comms, &bucket_memory_));
       reducers_ = std::make_unique<BucketedUnitReducers>(std::move(r));
     }
-    for (size_t u = 0; u < groups.size(); ++u) {
-      DeviceGroup& g = groups[u];
-      const std::vector<FlatParamEntry>& entries = g.host->entries();
-      g.grad_at.clear();
-      if (reducers_ != nullptr && !bf16_reduce_) {
-        for (size_t k = 0; k < entries.size(); ++k) {
-          g.grad_at.push_back(
-              reducers_->grad_view(static_cast<int>(u), static_cast<int>(k)).data<float>());
-        }
-        continue;
-      }
+    for (DeviceGroup& g : groups) {
       GRADSUM_ASSIGN_OR_RETURN(g.grad,
                                DeviceBuffer::Create(g.host->padded_numel() * sizeof(float)));
-      GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(g.grad.get(), 0, g.grad.size(), stream_),
-                                   "zero device gradients");
-      for (const FlatParamEntry& e : entries) g.grad_at.push_back(g.grad.as<float>() + e.offset);
     }
-    return absl::OkStatus();
+    return ZeroGradBuffers();
   }
 
   absl::Status StartGather(int u) override {
@@ -261,11 +249,19 @@ class DeviceUnitStore : public UnitStore {
     const bool sharded = fp->options().mode == ShardingMode::kSharded;
     if (!last_micro_batch && (!sharded || !every_micro_batch_)) return absl::OkStatus();
     if (reducers_ != nullptr) {
-      if (bf16_reduce_) {  // the step's fp32 gradient rounded into its bf16 bucket views
-        for (int k = 0; k < fp->num_params(); ++k) {
-          GRADSUM_RETURN_IF_ERROR(F32ToBf16Cuda(g.grad_at[k],
-                                                reducers_->grad_view(u, k).data<uint16_t>(),
-                                                fp->entries()[k].numel, stream_));
+      // The step's gradient into its bucket views on the compute stream (copied, or
+      // rounded for a bf16 reduce dtype), as the host store copies FlatParam gradients.
+      for (int k = 0; k < fp->num_params(); ++k) {
+        const int64_t n = fp->entries()[k].numel;
+        TensorView view = reducers_->grad_view(u, k);
+        if (bf16_reduce_) {
+          GRADSUM_RETURN_IF_ERROR(
+              F32ToBf16Cuda(g.grad_ptr(k), view.data<uint16_t>(), n, stream_));
+        } else if (n > 0) {
+          GRADSUM_CUDA_RETURN_IF_ERROR(
+              cudaMemcpyAsync(view.raw(), g.grad_ptr(k), n * sizeof(float),
+                              cudaMemcpyDeviceToDevice, stream_),
+              "copy a gradient into its bucket");
         }
       }
       // The buckets' all-reduces on the NCCL stream read what the compute stream wrote.
@@ -326,7 +322,7 @@ class DeviceUnitStore : public UnitStore {
       GRADSUM_RETURN_IF_ERROR(WaitReduce(static_cast<int>(u)));
     }
     if (reducers_ == nullptr) return absl::OkStatus();
-    GRADSUM_RETURN_IF_ERROR(reducers_->Finish());  // zeroes the bucket views too
+    GRADSUM_RETURN_IF_ERROR(reducers_->Finish());
     return ZeroGradBuffers();
   }
 
@@ -362,7 +358,6 @@ class DeviceUnitStore : public UnitStore {
  private:
   absl::Status ZeroGradBuffers() {
     for (DeviceGroup& g : *groups_) {
-      if (g.grad.size() == 0) continue;
       GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(g.grad.get(), 0, g.grad.size(), stream_),
                                    "zero device gradient");
     }
@@ -456,8 +451,6 @@ absl::StatusOr<std::unique_ptr<MoeLm>> MoeLmCuda::Create(const MoeLmOptions& opt
     im.groups.push_back(std::move(dg));
   }
   auto store = std::make_unique<DeviceUnitStore>(&im.groups, im.stream.get(), im.fence, options);
-  // Gradients are zeroed on the compute stream (the legacy default stream does not order
-  // the non-blocking streams that later read these buffers).
   GRADSUM_RETURN_IF_ERROR(store->Init(options));
   im.store = store.get();
   model->set_store(std::move(store));

@@ -24,9 +24,9 @@
 //   into the host unit (FlatParam::FoldReducedGrad) before the unit's gradient is written
 //   again or in FinishGradReduce(). Replicated (last micro-batch): the CPU store's
 //   BucketedUnitReducers (sharding/bucketed_reduce.h) with its GradBucketer buckets in
-//   device memory, all-reduced as each completes and folded into the host masters in
-//   FinishGradReduce(); with an f32 reduce_dtype the device gradients are the bucket
-//   views. Nothing divides by world, EP size or G. The NCCL communicators should be timed
+//   device memory (each unit's gradient copied or rounded into its bucket views when
+//   complete), all-reduced as each bucket completes and folded into the host masters in
+//   FinishGradReduce(). Nothing divides by world, EP size or G. The NCCL communicators should be timed
 //   (TimeNcclCommunicator, as train/cuda/nccl_rank.h's MakeNcclMesh does) so that their
 //   collectives count in the step's comm metrics.
 //
