@@ -392,10 +392,9 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
   // A call whose own arguments are invalid (`local` not OK) still joins the agreement
   // exchange, marked invalid, so that its peers fail the same operation with
   // InvalidArgument naming this rank instead of timing out. Returns `local`.
-  absl::Status Poisoned(int64_t seq, OpKind kind, absl::Status local) {
+  absl::Status Poisoned(int64_t seq, const OpCall& c, absl::Status local) {
     if (local.ok() || !options_.check_agreement || group_ != nullptr || aborted_) return local;
-    OpDescriptor d;
-    d.kind = kind;
+    OpDescriptor d = Describe(c);
     d.invalid_rank = rank_;
     if (cudaSetDevice(device_) == cudaSuccess) Agree(seq, d).IgnoreError();
     return local;
@@ -417,7 +416,7 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
   absl::StatusOr<OpDescriptor> Validate(int64_t seq, const OpCall& c) {
     absl::Status s = collectives_internal::ValidateCall(c, rank_, size_);
     if (s.ok()) s = CheckDeviceBuffers(c);
-    GRADSUM_RETURN_IF_ERROR(Poisoned(seq, c.kind, std::move(s)));
+    GRADSUM_RETURN_IF_ERROR(Poisoned(seq, c, std::move(s)));
     return Describe(c);
   }
 
