@@ -21,6 +21,10 @@
 //
 // Both include waiting for slower ranks inside a collective: on shared memory, moving the
 // bytes and waiting for the peers cannot be told apart from one side.
+//
+// NCCL communicators feed the same timer through their own decorator,
+// TimeNcclCommunicator (collectives/nccl_backend.h): busy from CUDA events around each
+// operation on its stream, exposed the blocked host time capped at that.
 
 #include <atomic>
 #include <condition_variable>
