@@ -41,8 +41,9 @@
 
 namespace gradsum {
 
-// Wraps `inner` (which must not be null). size_t counts beyond what `inner` accepts are
-// caught by `inner` after the exchange, on that rank only.
+// Wraps `inner` (which must not be null). Local arguments are checked against
+// inner->max_count() (MPI: INT_MAX), so a count or offset that `inner` would reject fails
+// every rank here: its own rank with the value, the peers naming that rank.
 std::unique_ptr<Communicator> WithAgreementCheck(std::unique_ptr<Communicator> inner);
 
 }  // namespace gradsum

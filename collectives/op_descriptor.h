@@ -70,7 +70,8 @@ OpCall MakeAllToAllVCall(const void* send, absl::Span<const size_t> send_counts,
 // needs a floating dtype), no null buffer with elements, the in-place conventions and no
 // other overlap, a broadcast root inside [0, size), all-to-all-v spans of size() entries
 // with non-overlapping receive blocks and no send block overlapping a receive block.
-// `max_count` is the backend's limit on any count or offset in elements (MPI: INT_MAX).
+// `max_count` is the backend's limit on any count or offset in elements
+// (Communicator::max_count(); MPI: INT_MAX).
 // Returns OK without formatting anything, or InvalidArgument "<operation>: <what>"
 // naming the offending value.
 absl::Status ValidateCall(const OpCall& c, int rank, int size,
