@@ -1,6 +1,8 @@
 #include "collectives/checked_communicator.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -147,10 +149,25 @@ class CheckedCommunicator final : public Communicator {
     collectives_internal::EncodeDescriptor(d, buf);
     GRADSUM_RETURN_IF_ERROR(inner_->AllReduce(buf, buf, collectives_internal::kDescriptorWords,
                                               DType::kI64, ReduceOp::kMax));
-    // A locally invalid call reports its own error, not the peers' view of it.
-    if (!local.ok()) return local;
     if (!collectives_internal::DescriptorAgreed(buf)) {
-      return collectives_internal::CheckDescriptorAgreed(d, buf, Label(c.kind, seq));
+      const int64_t bad = collectives_internal::HighestInvalidRank(buf);
+      std::string message;
+      if (bad >= 0 && inner_->max_count() > 0) {
+        // Every rank knows `bad` from the same reduced descriptor, so every rank joins this
+        // broadcast of its error message (failures only; no cost on the agreed path).
+        int32_t text[kMessageWords] = {};  // NUL-terminated, cut at the end if longer
+        const size_t words = std::min(kMessageWords, inner_->max_count());
+        if (bad == rank()) {
+          const absl::string_view m = local.message();
+          std::memcpy(text, m.data(), std::min(m.size(), words * sizeof(int32_t) - 1));
+        }
+        GRADSUM_RETURN_IF_ERROR(
+            inner_->Broadcast(text, words, DType::kI32, static_cast<int>(bad)));
+        message = reinterpret_cast<const char*>(text);
+      }
+      // A locally invalid call reports its own error, not the peers' view of it.
+      if (!local.ok()) return local;
+      return collectives_internal::CheckDescriptorAgreed(d, buf, Label(c.kind, seq), message);
     }
     if (c.kind == OpKind::kAllToAllV) return AgreeOnCounts(c, seq);
     return absl::OkStatus();
@@ -178,6 +195,10 @@ class CheckedCommunicator final : public Communicator {
     }
     return absl::OkStatus();
   }
+
+  // The invalid rank's error message, shared on failure: at most 511 bytes of it (fewer if
+  // the inner backend's max_count is below 128 words).
+  static constexpr size_t kMessageWords = 128;
 
   std::unique_ptr<Communicator> inner_;
   const size_t w_;  // size()

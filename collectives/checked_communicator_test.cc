@@ -1,7 +1,8 @@
 // WithAgreementCheck over a backend with a small element limit (Communicator::max_count),
 // on the thread backend at several world sizes: a count or offset over the limit on one
 // rank must fail every rank with InvalidArgument (that rank naming the value, its peers
-// naming that rank), not that rank alone while its peers wait in the data exchange. The
+// naming that rank and repeating its message), not that rank alone while its peers wait
+// in the data exchange. The
 // mpi backend's limit (INT_MAX) is tested the same way in mpi_backend_test.cc.
 
 #include "collectives/checked_communicator.h"
@@ -142,7 +143,8 @@ TEST_P(CheckedLimitTest, OneRankOverTheBackendLimitFailsEveryRank) {
           if (me) {
             ExpectInvalid(s, {"all_reduce", "count 101", "limit of 100"});
           } else {
-            ExpectInvalid(s, {"all_reduce", absl::StrCat("rank ", bad_rank, " passed invalid")});
+            ExpectInvalid(s, {"all_reduce", absl::StrCat("rank ", bad_rank, " passed invalid"),
+                              "count 101", "limit of 100"});
           }
           EXPECT_EQ(x[0], 1.0f);  // no data moved
         } else {
@@ -172,7 +174,9 @@ TEST_P(CheckedLimitTest, OneRankOverTheBackendLimitFailsEveryRank) {
                                                      : "recv block for peer 0",
                               "101", "limit of 100"});
           } else {
-            ExpectInvalid(s, {"all_to_all_v", absl::StrCat("rank ", bad_rank, " passed invalid")});
+            // With the bad rank's own message.
+            ExpectInvalid(s, {"all_to_all_v", absl::StrCat("rank ", bad_rank, " passed invalid"),
+                              "block for peer 0", "101", "limit of 100"});
           }
           for (float v : a.recv) EXPECT_EQ(v, -1.0f);  // no data moved
         }
