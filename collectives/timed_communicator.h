@@ -99,6 +99,7 @@ class TimedCommunicator : public Communicator {
   int size() const override { return inner_->size(); }
   std::string backend() const override { return inner_->backend(); }
   absl::Duration timeout() const override { return inner_->timeout(); }
+  size_t max_count() const override { return inner_->max_count(); }
   const std::shared_ptr<CommTimer>& timer() const { return timer_; }
 
   absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv, size_t count,
