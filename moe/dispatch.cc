@@ -261,6 +261,7 @@ absl::Status DispatchCombineForwardWith(Communicator& ep_group, const DispatchCo
   const int me = ep_group.rank();
   GRADSUM_RETURN_IF_ERROR(ValidateDispatchConfig(config, P));
   if (state == nullptr) return absl::InvalidArgumentError("dispatch state must not be null");
+  if (!experts) return absl::InvalidArgumentError("dispatch forward: no experts function");
   const int64_t D = config.d_model;
   const int E = config.num_experts;
   const int K = config.top_k;
@@ -399,6 +400,7 @@ absl::Status DispatchCombineBackwardWith(Communicator& ep_group, const DispatchC
                                          absl::Span<float> d_combine_weight) {
   const int P = ep_group.size();
   GRADSUM_RETURN_IF_ERROR(ValidateDispatchConfig(config, P));
+  if (!experts) return absl::InvalidArgumentError("dispatch backward: no experts function");
   const int64_t D = config.d_model;
   const int K = config.top_k;
   const int64_t T = state.num_tokens;
