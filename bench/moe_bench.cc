@@ -2,14 +2,22 @@
 //
 // BM_DispatchCombine/<tokens>/<D>/<EP>: one forward + backward of the dropless dispatch over
 //   an EP group of EP thread-backend ranks (each with <tokens> tokens, K = 2, E = 4 * EP,
-//   uniform random routing, expert width H = 1 so the experts' GEMMs are negligible).
-//   bytes_per_second counts the all-to-all payload (4 exchanges of every routed copy's row,
-//   summed over the ranks); BM_Memcpy in the same run is the physical limit.
+//   uniform random routing, expert width H = 1), end to end: the experts' compute is timed
+//   too. bytes_per_second counts the all-to-all payload (4 exchanges of every routed copy's
+//   row, summed over the ranks); vs_memcpy is one thread's memcpy time for those same bytes,
+//   measured at the end of the same run, over this benchmark's time per iteration.
+// BM_DispatchMove/<tokens>/<D>/<EP>: the same with no-op experts, so only the dispatch's own
+//   work (sort, count exchange, pack, the exchanges, combine, d w, scale, d_a sum) is timed.
+//   Per routed row that is 2 copies each way (8 per forward + backward, of which the 4
+//   exchanges are the counted payload); rows for a rank's own experts skip the exchanges.
 // BM_Experts/<tokens>/<D>/<H>/<E>: grouped SwiGLU forward over <tokens> rows split evenly over
 //   E local experts; BM_ExpertsBackward likewise. GFLOP/s counts the GEMMs (6 N D H forward,
 //   12 N D H backward). BM_Gemm/<M>/<K>/<N> is one large Eigen GEMM; BM_Gemm/<tokens>/<D>/<3H>
 //   has exactly the forward's FLOPs.
 #include <Eigen/Dense>
+#include <algorithm>
+#include <chrono>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
@@ -42,8 +50,24 @@ struct DispatchRank {
   DispatchState state;
 };
 
-absl::Status DispatchStep(Communicator& comm, const DispatchConfig& config, DispatchRank& r) {
+// Forward + backward of one EP rank; with `move_only` the experts are no-ops (their outputs
+// are whatever their buffers held), so only the dispatch's own work is timed.
+absl::Status DispatchStep(Communicator& comm, const DispatchConfig& config, DispatchRank& r,
+                          bool move_only) {
   const ExpertWeights w{r.wg, r.wu, r.wd};
+  if (move_only) {
+    absl::Status s = internal::DispatchCombineForwardWith(
+        comm, config,
+        [](absl::Span<const float>, absl::Span<const int64_t>, absl::Span<float>,
+           ExpertsSaved*) { return absl::OkStatus(); },
+        r.a, r.idx, r.cw, absl::MakeSpan(r.y), &r.state);
+    if (!s.ok()) return s;
+    return internal::DispatchCombineBackwardWith(
+        comm, config,
+        [](absl::Span<const float>, absl::Span<const int64_t>, const ExpertsSaved&,
+           absl::Span<const float>, absl::Span<float>) { return absl::OkStatus(); },
+        r.state, r.dy, absl::MakeSpan(r.d_a), absl::MakeSpan(r.d_cw));
+  }
   absl::Status s =
       DispatchCombineForward(comm, config, w, r.a, r.idx, r.cw, absl::MakeSpan(r.y), &r.state);
   if (!s.ok()) return s;
@@ -52,7 +76,28 @@ absl::Status DispatchStep(Communicator& comm, const DispatchConfig& config, Disp
       {absl::MakeSpan(r.dwg), absl::MakeSpan(r.dwu), absl::MakeSpan(r.dwd)});
 }
 
-void BM_DispatchCombine(benchmark::State& state) {
+// Seconds per memcpy of `bytes` bytes on this thread, through a 64 MiB buffer pair (the
+// same size as BM_Memcpy/64 MiB, larger than the caches), the best of `repeats`.
+double MemcpySeconds(int64_t bytes, int repeats) {
+  constexpr size_t kBuffer = size_t{64} << 20;
+  std::vector<char> src(kBuffer, 1), dst(kBuffer, 0);
+  double best = 1e30;
+  for (int i = 0; i < repeats; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int64_t done = 0; done < bytes;) {
+      const size_t n = static_cast<size_t>(std::min<int64_t>(bytes - done, kBuffer));
+      std::memcpy(dst.data(), src.data(), n);
+      benchmark::DoNotOptimize(dst.data());
+      benchmark::ClobberMemory();
+      done += static_cast<int64_t>(n);
+    }
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+                              .count());
+  }
+  return best;
+}
+
+void RunDispatchBench(benchmark::State& state, bool move_only) {
   const int64_t tokens = state.range(0);
   const int64_t D = state.range(1);
   const int ep = static_cast<int>(state.range(2));
@@ -102,17 +147,21 @@ void BM_DispatchCombine(benchmark::State& state) {
           gate.mu.Await(absl::Condition(&ready));
           if (gate.released < i) return;  // stopped
         }
-        status[p] = DispatchStep(*(*comms)[p], config, ranks[p]);
+        status[p] = DispatchStep(*(*comms)[p], config, ranks[p], move_only);
         if (!status[p].ok()) return;
       }
     });
   }
+  auto timed_start = std::chrono::steady_clock::now();
+  bool first_iteration = true;
   for (auto _ : state) {
+    if (first_iteration) timed_start = std::chrono::steady_clock::now();
+    first_iteration = false;
     {
       absl::MutexLock lock(&gate.mu);
       ++gate.released;
     }
-    status[0] = DispatchStep(*(*comms)[0], config, ranks[0]);
+    status[0] = DispatchStep(*(*comms)[0], config, ranks[0], move_only);
     if (!status[0].ok()) break;
   }
   {
@@ -133,13 +182,32 @@ void BM_DispatchCombine(benchmark::State& state) {
   const int64_t bytes_per_iteration = 4 * copies * D * static_cast<int64_t>(sizeof(float));
   state.SetBytesProcessed(state.iterations() * bytes_per_iteration);
   state.counters["copies"] = static_cast<double>(copies);
+  // The limit in the same run: one thread's memcpy of the same bytes, against this
+  // benchmark's mean real time per iteration.
+  const double seconds =
+      state.iterations() > 0
+          ? std::chrono::duration<double>(std::chrono::steady_clock::now() - timed_start).count() /
+                static_cast<double>(state.iterations())
+          : 0.0;
+  const double memcpy_seconds = MemcpySeconds(bytes_per_iteration, 3);
+  state.counters["memcpy_ms"] = memcpy_seconds * 1e3;
+  state.counters["vs_memcpy"] = seconds > 0 ? memcpy_seconds / seconds : 0.0;
 }
+
+void BM_DispatchCombine(benchmark::State& state) { RunDispatchBench(state, false); }
+void BM_DispatchMove(benchmark::State& state) { RunDispatchBench(state, true); }
 
 BENCHMARK(BM_DispatchCombine)
     ->Args({4096, 512, 1})
     ->Args({4096, 512, 2})
     ->Args({4096, 512, 4})
     ->Args({1024, 1024, 4})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_DispatchMove)
+    ->Args({4096, 512, 1})
+    ->Args({4096, 512, 2})
+    ->Args({4096, 512, 4})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 

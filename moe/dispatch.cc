@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <utility>
 
@@ -149,6 +150,32 @@ ChunkRows RowsOfChunk(const DispatchState& s, int c) {
   return r;
 }
 
+// The pipeline of one pass (forward or backward) over the chunks of `s`: every slot's rows
+// leave home (`home_out`, send order) for the owners' `owner_in` (expert-major) at once; a
+// chunk runs `compute(c, rows)` as soon as its slots have arrived, and its results
+// (`owner_out`) start back into `home_in` while the next chunk computes. Returns after every
+// exchange has completed (on an error path too: the exchanges' destructors wait).
+absl::Status RunPipeline(Communicator& comm, const DispatchState& s, int num_experts,
+                         int64_t d_model, const float* home_out, float* owner_in,
+                         const float* owner_out, float* home_in, const char* what_out,
+                         const char* what_back,
+                         const std::function<absl::Status(int, const ChunkRows&)>& compute) {
+  SlotExchanges out(comm, s, num_experts, /*to_owners=*/true, home_out, owner_in, d_model,
+                    what_out);
+  SlotExchanges back(comm, s, num_experts, /*to_owners=*/false, owner_out, home_in, d_model,
+                     what_back);
+  const int num_local_experts = num_experts / comm.size();
+  for (int j = 0; j < num_local_experts; ++j) GRADSUM_RETURN_IF_ERROR(out.Start(j));
+  const int num_chunks = static_cast<int>(s.chunk_first.size()) - 1;
+  for (int c = 0; c < num_chunks; ++c) {
+    const int j0 = s.chunk_first[c], j1 = s.chunk_first[c + 1];
+    for (int j = j0; j < j1; ++j) GRADSUM_RETURN_IF_ERROR(out.Wait(j));
+    GRADSUM_RETURN_IF_ERROR(compute(c, RowsOfChunk(s, c)));
+    for (int j = j0; j < j1; ++j) GRADSUM_RETURN_IF_ERROR(back.Start(j));
+  }
+  return back.WaitAll();
+}
+
 // At least n floats of `buffer`, keeping earlier contents and capacity (no re-zeroing).
 float* Scratch(std::vector<float>& buffer, int64_t n) {
   if (buffer.size() < static_cast<size_t>(n)) buffer.resize(n);
@@ -222,15 +249,19 @@ absl::Status ValidateDispatchConfig(const DispatchConfig& config, int ep_size) {
   return absl::OkStatus();
 }
 
-absl::Status DispatchCombineForward(Communicator& ep_group, const DispatchConfig& config,
-                                    const ExpertWeights& local_weights, absl::Span<const float> a,
-                                    absl::Span<const int32_t> expert_index,
-                                    absl::Span<const float> combine_weight, absl::Span<float> y,
-                                    DispatchState* state) {
+namespace internal {
+
+absl::Status DispatchCombineForwardWith(Communicator& ep_group, const DispatchConfig& config,
+                                        const ExpertsForwardFn& experts,
+                                        absl::Span<const float> a,
+                                        absl::Span<const int32_t> expert_index,
+                                        absl::Span<const float> combine_weight,
+                                        absl::Span<float> y, DispatchState* state) {
   const int P = ep_group.size();
   const int me = ep_group.rank();
   GRADSUM_RETURN_IF_ERROR(ValidateDispatchConfig(config, P));
   if (state == nullptr) return absl::InvalidArgumentError("dispatch state must not be null");
+  if (!experts) return absl::InvalidArgumentError("dispatch forward: no experts function");
   const int64_t D = config.d_model;
   const int E = config.num_experts;
   const int K = config.top_k;
@@ -245,9 +276,8 @@ absl::Status DispatchCombineForward(Communicator& ep_group, const DispatchConfig
   GRADSUM_RETURN_IF_ERROR(
       internal::CheckSize("dispatch combine_weight", combine_weight.size(), T * K, "[T, K]"));
   GRADSUM_RETURN_IF_ERROR(internal::CheckSize("dispatch output y", y.size(), T * D, "[T, D]"));
-  // Every local check before the first collective, so a bad argument fails fast here.
-  const ExpertsConfig experts_config = LocalExpertsConfig(config, P);
-  GRADSUM_RETURN_IF_ERROR(CheckExpertWeights(experts_config, local_weights));
+  // Every local check before the first collective, so a bad argument fails fast here (the
+  // experts' own checks ran in the caller).
 
   // 1. Order the copies by destination expert (a stable counting sort).
   std::vector<int64_t> counts(E, 0);
@@ -329,26 +359,17 @@ absl::Status DispatchCombineForward(Communicator& ep_group, const DispatchConfig
   // experts run as soon as its slots have arrived, and its outputs travel home while the
   // next chunk computes. Each expert sees the same rows as in one call (same bits).
   s.chunk_first = ChunkFirsts(P, E_local);
-  const int num_chunks = static_cast<int>(s.chunk_first.size()) - 1;
-  s.experts_saved.resize(num_chunks);
-  SlotExchanges dispatch(ep_group, s, E, /*to_owners=*/true, send, s.expert_input.data(), D,
-                         "dispatching token rows");
-  SlotExchanges back(ep_group, s, E, /*to_owners=*/false, s.expert_output.data(),
-                     s.copy_output.data(), D, "returning expert outputs");
-  for (int j = 0; j < E_local; ++j) GRADSUM_RETURN_IF_ERROR(dispatch.Start(j));
-  for (int c = 0; c < num_chunks; ++c) {
-    const int j0 = s.chunk_first[c], j1 = s.chunk_first[c + 1];
-    for (int j = j0; j < j1; ++j) GRADSUM_RETURN_IF_ERROR(dispatch.Wait(j));
-    const ChunkRows rows = RowsOfChunk(s, c);
-    GRADSUM_RETURN_IF_ERROR(ExpertsForward(
-        experts_config, local_weights,
-        absl::MakeConstSpan(s.expert_input).subspan(rows.first_row * D, rows.num_rows * D),
-        rows.group_sizes,
-        absl::MakeSpan(s.expert_output).subspan(rows.first_row * D, rows.num_rows * D),
-        &s.experts_saved[c]));
-    for (int j = j0; j < j1; ++j) GRADSUM_RETURN_IF_ERROR(back.Start(j));
-  }
-  GRADSUM_RETURN_IF_ERROR(back.WaitAll());
+  s.experts_saved.resize(s.chunk_first.size() - 1);
+  GRADSUM_RETURN_IF_ERROR(RunPipeline(
+      ep_group, s, E, D, send, s.expert_input.data(), s.expert_output.data(),
+      s.copy_output.data(), "dispatching token rows", "returning expert outputs",
+      [&](int c, const ChunkRows& rows) {
+        return experts(
+            absl::MakeConstSpan(s.expert_input).subspan(rows.first_row * D, rows.num_rows * D),
+            rows.group_sizes,
+            absl::MakeSpan(s.expert_output).subspan(rows.first_row * D, rows.num_rows * D),
+            &s.experts_saved[c]);
+      }));
 
   // 5. Combine straight from where the outputs are: y_t = 0 + sum_k w_tk out_tk, slots in
   // order, so the sum does not depend on P.
@@ -372,13 +393,14 @@ absl::Status DispatchCombineForward(Communicator& ep_group, const DispatchConfig
   return absl::OkStatus();
 }
 
-absl::Status DispatchCombineBackward(Communicator& ep_group, const DispatchConfig& config,
-                                     const ExpertWeights& local_weights, const DispatchState& state,
-                                     absl::Span<const float> dy, absl::Span<float> d_a,
-                                     absl::Span<float> d_combine_weight,
-                                     const ExpertWeightGrads& local_grads) {
+absl::Status DispatchCombineBackwardWith(Communicator& ep_group, const DispatchConfig& config,
+                                         const ExpertsBackwardFn& experts,
+                                         const DispatchState& state, absl::Span<const float> dy,
+                                         absl::Span<float> d_a,
+                                         absl::Span<float> d_combine_weight) {
   const int P = ep_group.size();
   GRADSUM_RETURN_IF_ERROR(ValidateDispatchConfig(config, P));
+  if (!experts) return absl::InvalidArgumentError("dispatch backward: no experts function");
   const int64_t D = config.d_model;
   const int K = config.top_k;
   const int64_t T = state.num_tokens;
@@ -403,8 +425,6 @@ absl::Status DispatchCombineBackward(Communicator& ep_group, const DispatchConfi
   GRADSUM_RETURN_IF_ERROR(internal::CheckSize("dispatch d_a", d_a.size(), T * D, "[T, D]"));
   GRADSUM_RETURN_IF_ERROR(
       internal::CheckSize("dispatch d_combine_weight", d_combine_weight.size(), T * K, "[T, K]"));
-  GRADSUM_RETURN_IF_ERROR(CheckExpertWeights(LocalExpertsConfig(config, P), local_weights));
-  GRADSUM_RETURN_IF_ERROR(CheckExpertWeightGrads(LocalExpertsConfig(config, P), local_grads));
 
   // d w_tk = <dy_t, out_tk>; the copy's output gradient w_tk dy_t goes straight into the
   // send buffer (own experts' rows straight into the experts' output gradient).
@@ -438,25 +458,16 @@ absl::Status DispatchCombineBackward(Communicator& ep_group, const DispatchConfi
   // The same pipeline as forward, over forward's chunks. The input gradients come home
   // into the send buffer: slot j's rows there were read by slot j's dispatch, which is
   // complete before slot j's return is issued.
-  const int num_chunks = static_cast<int>(state.chunk_first.size()) - 1;
-  SlotExchanges dispatch(ep_group, state, config.num_experts, /*to_owners=*/true, send,
-                         expert_dy, D, "dispatching output gradients");
-  SlotExchanges back(ep_group, state, config.num_experts, /*to_owners=*/false, expert_dx, send,
-                     D, "returning input gradients");
-  for (int j = 0; j < E_local; ++j) GRADSUM_RETURN_IF_ERROR(dispatch.Start(j));
-  for (int c = 0; c < num_chunks; ++c) {
-    const int j0 = state.chunk_first[c], j1 = state.chunk_first[c + 1];
-    for (int j = j0; j < j1; ++j) GRADSUM_RETURN_IF_ERROR(dispatch.Wait(j));
-    const ChunkRows rows = RowsOfChunk(state, c);
-    const int64_t first = rows.first_row * D, n = rows.num_rows * D;
-    GRADSUM_RETURN_IF_ERROR(ExpertsBackward(
-        LocalExpertsConfig(config, P), local_weights,
-        absl::MakeConstSpan(state.expert_input).subspan(first, n), rows.group_sizes,
-        state.experts_saved[c], absl::MakeConstSpan(expert_dy + first, n),
-        absl::MakeSpan(expert_dx + first, n), local_grads));
-    for (int j = j0; j < j1; ++j) GRADSUM_RETURN_IF_ERROR(back.Start(j));
-  }
-  GRADSUM_RETURN_IF_ERROR(back.WaitAll());
+  GRADSUM_RETURN_IF_ERROR(RunPipeline(
+      ep_group, state, config.num_experts, D, send, expert_dy, expert_dx, send,
+      "dispatching output gradients", "returning input gradients",
+      [&](int c, const ChunkRows& rows) {
+        const int64_t first = rows.first_row * D, n = rows.num_rows * D;
+        return experts(absl::MakeConstSpan(state.expert_input).subspan(first, n),
+                       rows.group_sizes, state.experts_saved[c],
+                       absl::MakeConstSpan(expert_dy + first, n),
+                       absl::MakeSpan(expert_dx + first, n));
+      }));
   // Sum the K copies of each token into d_a straight from where they are, token by token
   // (one pass over d_a), each token's copies in send order as before.
   std::vector<int64_t> copy_pos(static_cast<size_t>(T) * K, -1);
@@ -475,6 +486,44 @@ absl::Status DispatchCombineBackward(Communicator& ep_group, const DispatchConfi
     }
   }
   return absl::OkStatus();
+}
+
+}  // namespace internal
+
+absl::Status DispatchCombineForward(Communicator& ep_group, const DispatchConfig& config,
+                                    const ExpertWeights& local_weights, absl::Span<const float> a,
+                                    absl::Span<const int32_t> expert_index,
+                                    absl::Span<const float> combine_weight, absl::Span<float> y,
+                                    DispatchState* state) {
+  GRADSUM_RETURN_IF_ERROR(ValidateDispatchConfig(config, ep_group.size()));
+  const ExpertsConfig experts_config = LocalExpertsConfig(config, ep_group.size());
+  GRADSUM_RETURN_IF_ERROR(CheckExpertWeights(experts_config, local_weights));
+  return internal::DispatchCombineForwardWith(
+      ep_group, config,
+      [&](absl::Span<const float> x, absl::Span<const int64_t> group_sizes,
+          absl::Span<float> out, ExpertsSaved* saved) {
+        return ExpertsForward(experts_config, local_weights, x, group_sizes, out, saved);
+      },
+      a, expert_index, combine_weight, y, state);
+}
+
+absl::Status DispatchCombineBackward(Communicator& ep_group, const DispatchConfig& config,
+                                     const ExpertWeights& local_weights, const DispatchState& state,
+                                     absl::Span<const float> dy, absl::Span<float> d_a,
+                                     absl::Span<float> d_combine_weight,
+                                     const ExpertWeightGrads& local_grads) {
+  GRADSUM_RETURN_IF_ERROR(ValidateDispatchConfig(config, ep_group.size()));
+  const ExpertsConfig experts_config = LocalExpertsConfig(config, ep_group.size());
+  GRADSUM_RETURN_IF_ERROR(CheckExpertWeights(experts_config, local_weights));
+  GRADSUM_RETURN_IF_ERROR(CheckExpertWeightGrads(experts_config, local_grads));
+  return internal::DispatchCombineBackwardWith(
+      ep_group, config,
+      [&](absl::Span<const float> x, absl::Span<const int64_t> group_sizes,
+          const ExpertsSaved& saved, absl::Span<const float> d_out, absl::Span<float> d_in) {
+        return ExpertsBackward(experts_config, local_weights, x, group_sizes, saved, d_out, d_in,
+                               local_grads);
+      },
+      state, dy, d_a, d_combine_weight);
 }
 
 }  // namespace gradsum::moe

@@ -51,6 +51,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -138,6 +139,33 @@ absl::Status DispatchCombineBackward(Communicator& ep_group, const DispatchConfi
                                      absl::Span<const float> dy, absl::Span<float> d_a,
                                      absl::Span<float> d_combine_weight,
                                      const ExpertWeightGrads& local_grads);
+
+namespace internal {
+
+// The same two calls with the owner side's compute passed in: the functions above pass the
+// SwiGLU experts of moe/experts.h with their weights; bench/moe_bench.cc passes no-op experts
+// to time the dispatch's data movement alone. Each call gets one pipeline chunk's rows (the
+// chunk's experts only: the other local experts' group sizes are 0), as ExpertsForward /
+// ExpertsBackward would, and `saved` is the chunk's.
+using ExpertsForwardFn =
+    std::function<absl::Status(absl::Span<const float> x, absl::Span<const int64_t> group_sizes,
+                               absl::Span<float> y, ExpertsSaved* saved)>;
+using ExpertsBackwardFn = std::function<absl::Status(
+    absl::Span<const float> x, absl::Span<const int64_t> group_sizes, const ExpertsSaved& saved,
+    absl::Span<const float> dy, absl::Span<float> dx)>;
+absl::Status DispatchCombineForwardWith(Communicator& ep_group, const DispatchConfig& config,
+                                        const ExpertsForwardFn& experts,
+                                        absl::Span<const float> a,
+                                        absl::Span<const int32_t> expert_index,
+                                        absl::Span<const float> combine_weight,
+                                        absl::Span<float> y, DispatchState* state);
+absl::Status DispatchCombineBackwardWith(Communicator& ep_group, const DispatchConfig& config,
+                                         const ExpertsBackwardFn& experts,
+                                         const DispatchState& state, absl::Span<const float> dy,
+                                         absl::Span<float> d_a,
+                                         absl::Span<float> d_combine_weight);
+
+}  // namespace internal
 
 }  // namespace gradsum::moe
 
