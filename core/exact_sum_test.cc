@@ -1,10 +1,6 @@
-// exact_sum against an independent reference.
-//
-// The reference never calls the code under test: it decodes each value with frexp into an
-// integer mantissa and exponent, rounds it to the LSB with integer arithmetic (ties to
-// even, decided by comparing the remainder with half the divisor), sums in __int128 and
-// converts back with the compiler's own __int128 -> float/double conversion (correctly
-// rounded) and an exact ldexp. Accuracy is also checked against long-double sums.
+// exact_sum against an independent reference (testing/exact_sum_reference.h: integer
+// rounding of frexp's mantissa, __int128 sums, the compiler's conversions). Accuracy is
+// also checked against long-double sums.
 #include "core/exact_sum.h"
 
 #include <algorithm>
@@ -16,37 +12,16 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "testing/exact_sum_reference.h"
 
 namespace gradsum::exact {
 namespace {
 
-using i128 = __int128;
-
-// round(x / 2^lsb), ties to even, by integer arithmetic on x's exact mantissa.
-i128 RefUnits(double x, int lsb) {
-  if (x == 0) return 0;
-  int e;
-  const double f = std::frexp(std::fabs(x), &e);     // |x| = f * 2^e, f in [0.5, 1)
-  const int64_t m = static_cast<int64_t>(std::ldexp(f, 53));  // exact integer
-  const int shift = e - 53 - lsb;                    // |x| / 2^lsb = m * 2^shift
-  i128 q;
-  if (shift >= 0) {
-    q = static_cast<i128>(m) << shift;
-  } else if (shift <= -64) {
-    q = 0;  // below a quarter LSB
-  } else {
-    const int s = -shift;
-    const i128 div = static_cast<i128>(1) << s;
-    q = m / div;
-    const i128 rem = m % div;
-    const i128 half = div / 2;
-    if (rem > half || (rem == half && (q & 1))) ++q;
-  }
-  return x < 0 ? -q : q;
-}
-
-float RefFloat(i128 v, int lsb) { return std::ldexp(static_cast<float>(v), lsb); }
-double RefDouble(i128 v, int lsb) { return std::ldexp(static_cast<double>(v), lsb); }
+using exact_reference::i128;
+using RefUnitsFn = i128 (*)(double, int);
+constexpr RefUnitsFn RefUnits = exact_reference::Units;
+float RefFloat(i128 v, int lsb) { return exact_reference::ToFloat(v, lsb); }
+double RefDouble(i128 v, int lsb) { return exact_reference::ToDouble(v, lsb); }
 
 uint32_t Bits(float f) {
   uint32_t u;
@@ -223,7 +198,9 @@ TEST(ExactSumTest, PermutationsAndGroupingsGiveIdenticalBits) {
       for (size_t j = i; j < std::min(rows, i + len); ++j) {
         ASSERT_TRUE(AddFloats(contrib[order[j]], absl::MakeSpan(g), &rejected).ok());
       }
-      if (rng() & 1) ASSERT_TRUE(Normalize(absl::MakeSpan(g)).ok());
+      if (rng() & 1) {
+        ASSERT_TRUE(Normalize(absl::MakeSpan(g)).ok());
+      }
       groups.push_back(std::move(g));
       i += len;
     }
