@@ -1,5 +1,6 @@
 #include "core/exact_sum.h"
 
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -30,7 +31,36 @@ struct Consts {
   static constexpr double kScale = Pow2(-F::kLsbExponent);  // value -> units of the LSB
   static constexpr double kMaxAbs = Pow2(F::kMaxExponent);
   static constexpr int64_t kMask = (int64_t{1} << F::kLimbBits) - 1;
+  // Limb k's unit 2^(B k) and its inverse (constants: the hot loops must not compute them).
+  static constexpr std::array<double, F::kLimbs> kUnit = [] {
+    std::array<double, F::kLimbs> u{};
+    for (int k = 0; k < F::kLimbs; ++k) u[k] = Pow2(F::kLimbBits * k);
+    return u;
+  }();
+  static constexpr std::array<double, F::kLimbs> kInvUnit = [] {
+    std::array<double, F::kLimbs> u{};
+    for (int k = 0; k < F::kLimbs; ++k) u[k] = Pow2(-F::kLimbBits * k);
+    return u;
+  }();
 };
+
+// 2^e as a T, built from its exponent bits (exact; e within T's normal range).
+template <class T>
+inline T Pow2Of(int e);
+template <>
+inline float Pow2Of<float>(int e) {
+  const uint32_t bits = static_cast<uint32_t>(e + 127) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+template <>
+inline double Pow2Of<double>(int e) {
+  const uint64_t bits = static_cast<uint64_t>(e + 1023) << 52;
+  double d;
+  std::memcpy(&d, &bits, 8);
+  return d;
+}
 
 // Splits x into the limbs of round(x / LSB); false (nothing written) when x is rejected.
 // y - q * 2^(B k) keeps the low bits of y, so every step is exact; only the last limb
@@ -41,9 +71,8 @@ inline bool Split(double x, int64_t* q) {
   if (!(std::fabs(x) < Consts<F>::kMaxAbs)) return false;  // NaN fails the comparison too
   double y = x * Consts<F>::kScale;                        // exact: a power of two
   for (int k = F::kLimbs - 1; k >= 1; --k) {
-    const double unit = Pow2(F::kLimbBits * k);
-    const int64_t qk = static_cast<int64_t>(y * (1.0 / unit));  // truncates toward zero
-    y -= static_cast<double>(qk) * unit;
+    const int64_t qk = static_cast<int64_t>(y * Consts<F>::kInvUnit[k]);  // toward zero
+    y -= static_cast<double>(qk) * Consts<F>::kUnit[k];
     q[k] = qk;
   }
   q[0] = static_cast<int64_t>(RoundNearestEven(y));
@@ -105,8 +134,10 @@ T ElementTo(const int64_t* limbs) {
     for (int i = 0; i < wi; ++i) sticky = sticky || w[i] != 0;
     mant |= sticky ? 1u : 0u;
   }
-  // (T)mant rounds to nearest-even; the scaling is exact (normal results only).
-  const T r = std::ldexp(static_cast<T>(mant), shift + F::kLsbExponent);
+  // (T)mant rounds to nearest-even; the scaling is exact (normal results only: the
+  // format's LSB and range are within T's normal exponents).
+  static_assert(F::kLsbExponent >= -126 && F::kMaxExponent <= 127, "normal in float");
+  const T r = static_cast<T>(mant) * Pow2Of<T>(shift + F::kLsbExponent);
   return negative ? -r : r;
 }
 
