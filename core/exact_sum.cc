@@ -1,6 +1,5 @@
 #include "core/exact_sum.h"
 
-#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -17,13 +16,15 @@ constexpr double Pow2(int e) {
   return r;
 }
 
-// Rounds |y| < 2^51 to the nearest integer, ties to even (FE_TONEAREST): adding and
-// subtracting 1.5 * 2^52 leaves no fraction bits. Faster than nearbyint (a libm call
-// without SSE4.1) and exact for the remainders below 2^kLimbBits it sees.
-inline double RoundNearestEven(double y) {
-  constexpr double kMagic = 6755399441055744.0;  // 1.5 * 2^52
-  // Not folded: the build has no -ffast-math, and IEEE arithmetic forbids it.
-  return (y + kMagic) - kMagic;
+// round(y) to the nearest integer, ties to even, for |y| < 2^51 (FE_TONEAREST): adding
+// 1.5 * 2^52 leaves no fraction bits; the integer sits in the low mantissa bits (read off
+// by subtracting the constant's bit pattern) and, as a double, is t - 1.5 * 2^52: no
+// float <-> int conversion instructions on the critical path (3.4 -> 2.9 ns per element).
+// Not folded: the build has no -ffast-math.
+constexpr double kRoundMagic = 6755399441055744.0;  // 1.5 * 2^52
+constexpr int64_t kRoundMagicBits = 0x4338000000000000;
+inline int64_t RoundToInt(double y) {
+  return __builtin_bit_cast(int64_t, y + kRoundMagic) - kRoundMagicBits;
 }
 
 template <class F>
@@ -31,17 +32,6 @@ struct Consts {
   static constexpr double kScale = Pow2(-F::kLsbExponent);  // value -> units of the LSB
   static constexpr double kMaxAbs = Pow2(F::kMaxExponent);
   static constexpr int64_t kMask = (int64_t{1} << F::kLimbBits) - 1;
-  // Limb k's unit 2^(B k) and its inverse (constants: the hot loops must not compute them).
-  static constexpr std::array<double, F::kLimbs> kUnit = [] {
-    std::array<double, F::kLimbs> u{};
-    for (int k = 0; k < F::kLimbs; ++k) u[k] = Pow2(F::kLimbBits * k);
-    return u;
-  }();
-  static constexpr std::array<double, F::kLimbs> kInvUnit = [] {
-    std::array<double, F::kLimbs> u{};
-    for (int k = 0; k < F::kLimbs; ++k) u[k] = Pow2(-F::kLimbBits * k);
-    return u;
-  }();
 };
 
 // 2^e as a T, built from its exponent bits (exact; e within T's normal range).
@@ -62,21 +52,36 @@ inline double Pow2Of<double>(int e) {
   return d;
 }
 
-// Splits x into the limbs of round(x / LSB); false (nothing written) when x is rejected.
-// y - q * 2^(B k) keeps the low bits of y, so every step is exact; only the last limb
-// rounds, and since every higher limb is a multiple of 2^B (even), rounding the last
-// remainder to nearest-even is rounding the whole value to nearest-even.
+// Limbs K-1 .. 1 of y (in LSB units), top first: q_k = round(y / 2^(B k)), then
+// y -= q_k * 2^(B k). Unrolled at compile time so the units are immediate constants.
+template <class F, int K>
+inline void SplitHigh(double& y, int64_t* q) {
+  if constexpr (K >= 1) {
+    constexpr double kUnit = Pow2(F::kLimbBits * K);
+    constexpr double kInv = Pow2(-F::kLimbBits * K);
+    const double t = y * kInv + kRoundMagic;
+    q[K] = __builtin_bit_cast(int64_t, t) - kRoundMagicBits;
+    y -= (t - kRoundMagic) * kUnit;
+    SplitHigh<F, K - 1>(y, q);
+  }
+}
+
+// Splits x into the limbs of round(x / LSB); returns false (and zero limbs) when x is
+// rejected. Each remainder above is a multiple of y's ulp no larger than |y| (or 0), so
+// every step is exact and only the value itself is rounded, once, to nearest-even: every
+// higher limb is a multiple of 2^B (even), so rounding the last remainder is rounding the
+// whole value. Branch-free. (GCC 12 does not vectorise the loops over it at the baseline
+// ISA: SSE2 has no 64-bit compare or conversions; docs/BENCHMARKS.md has its speed.)
 template <class F>
 inline bool Split(double x, int64_t* q) {
-  if (!(std::fabs(x) < Consts<F>::kMaxAbs)) return false;  // NaN fails the comparison too
-  double y = x * Consts<F>::kScale;                        // exact: a power of two
-  for (int k = F::kLimbs - 1; k >= 1; --k) {
-    const int64_t qk = static_cast<int64_t>(y * Consts<F>::kInvUnit[k]);  // toward zero
-    y -= static_cast<double>(qk) * Consts<F>::kUnit[k];
-    q[k] = qk;
-  }
-  q[0] = static_cast<int64_t>(RoundNearestEven(y));
-  return true;
+  const bool ok = std::fabs(x) < Consts<F>::kMaxAbs;  // NaN fails the comparison too
+  // y = x / LSB (exact: a power of two), or +0 when rejected (masked as bits: no branch).
+  double y = __builtin_bit_cast(
+      double, __builtin_bit_cast(uint64_t, x * Consts<F>::kScale) &
+                  (uint64_t{0} - static_cast<uint64_t>(ok)));
+  SplitHigh<F, F::kLimbs - 1>(y, q);
+  q[0] = RoundToInt(y);
+  return ok;
 }
 
 template <class F>
@@ -141,6 +146,18 @@ T ElementTo(const int64_t* limbs) {
   return negative ? -r : r;
 }
 
+// The hot loop: x[i] into out[i * kLimbs ..]; returns the rejected count.
+template <class T>
+int64_t AddKernel(const T* __restrict x, size_t n, int64_t* __restrict out) {
+  int64_t bad = 0;
+  for (size_t i = 0; i < n; ++i) {
+    int64_t q[kLimbs];
+    bad += Split<GradFormat>(static_cast<double>(x[i]), q) ? 0 : 1;
+    for (int k = 0; k < kLimbs; ++k) out[i * kLimbs + k] += q[k];
+  }
+  return bad;
+}
+
 template <class T>
 absl::Status AddValues(absl::Span<const T> values, absl::Span<int64_t> limbs,
                        int64_t* rejected) {
@@ -150,17 +167,7 @@ absl::Status AddValues(absl::Span<const T> values, absl::Span<int64_t> limbs,
                                                    " values need ", values.size() * kLimbs,
                                                    " limbs, got ", limbs.size()));
   }
-  int64_t bad = 0;
-  int64_t* out = limbs.data();
-  for (size_t i = 0; i < values.size(); ++i, out += kLimbs) {
-    int64_t q[kLimbs];
-    if (!Split<GradFormat>(static_cast<double>(values[i]), q)) {
-      ++bad;
-      continue;
-    }
-    for (int k = 0; k < kLimbs; ++k) out[k] += q[k];
-  }
-  *rejected += bad;
+  *rejected += AddKernel(values.data(), values.size(), limbs.data());
   return absl::OkStatus();
 }
 
