@@ -111,7 +111,9 @@ struct Config {
 };
 
 // Sequence j goes to slot (j + shift) % (W * G): micro-batch slot / W, rank slot % W.
-absl::StatusOr<Result> RunMesh(const Config& cfg, int shift, int nan_rank = -1) {
+// max_norm > 0: ClipGradNorm instead of GlobalGradNorm (the grads are then the clipped ones).
+absl::StatusOr<Result> RunMesh(const Config& cfg, int shift, int nan_rank = -1,
+                               double max_norm = 0) {
   const auto specs = GroupSpecs();
   Result out;
   for (const auto& s : specs) {
@@ -182,7 +184,8 @@ absl::StatusOr<Result> RunMesh(const Config& cfg, int shift, int nan_rank = -1) 
       }
       for (auto& fp : groups) GRADSUM_RETURN_IF_ERROR(fp->FinishGradReduce());
     }
-    GRADSUM_ASSIGN_OR_RETURN(double norm, GlobalGradNorm(ptrs, comm));
+    GRADSUM_ASSIGN_OR_RETURN(double norm, max_norm > 0 ? ClipGradNorm(ptrs, comm, max_norm)
+                                                       : GlobalGradNorm(ptrs, comm));
     std::lock_guard<std::mutex> lock(mu);
     norms[comm.rank()] = norm;
     for (size_t g = 0; g < groups.size(); ++g) {
@@ -235,6 +238,24 @@ TEST(ExactGradTest, EveryMeshGivesTheReferenceBits) {
         }
       }
       ASSERT_EQ(got->norm, want.norm) << cfg.Name();
+    }
+  }
+}
+
+TEST(ExactGradTest, ClippedGradientsAreTheSameBitsAtEveryMesh) {
+  const Result want = Reference();
+  const double max_norm = want.norm / 3;
+  const float scale = static_cast<float>(max_norm / (want.norm + 1e-6));  // PyTorch's rule
+  for (const Config& cfg : {Config{1, 1, ShardingMode::kSharded, true, false},
+                            Config{3, 2, ShardingMode::kSharded, false, false},
+                            Config{4, 3, ShardingMode::kReplicated, true, true}}) {
+    absl::StatusOr<Result> got = RunMesh(cfg, 1, -1, max_norm);
+    ASSERT_TRUE(got.ok()) << cfg.Name() << ": " << got.status();
+    EXPECT_EQ(got->norm, want.norm) << cfg.Name();
+    for (size_t g = 0; g < want.grads.size(); ++g) {
+      for (size_t i = 0; i < want.grads[g].size(); ++i) {
+        ASSERT_EQ(Bits(got->grads[g][i]), Bits(want.grads[g][i] * scale)) << cfg.Name();
+      }
     }
   }
 }
