@@ -19,6 +19,7 @@
 #include "core/status.h"
 #include "gtest/gtest.h"
 #include "sharding/bucketed_reduce.h"
+#include "sharding/exact_grad_testing.h"
 #include "sharding/flat_param.h"
 #include "sharding/grad_norm.h"
 #include "sharding/test_util.h"
@@ -29,14 +30,15 @@ namespace gradsum {
 namespace {
 
 namespace ref = exact_reference;
+using exact_grad_testing::Config;
+using exact_grad_testing::Contribution;
+using exact_grad_testing::GroupSpecs;
+using exact_grad_testing::kSequences;
+using exact_grad_testing::MakeContribution;
+using exact_grad_testing::Reference;
+using exact_grad_testing::Result;
 using sharding_testing::DenseSpecs;
 using testing::RunRanks;
-
-constexpr int kSequences = 24;
-
-std::vector<std::vector<ParamSpec>> GroupSpecs() {
-  return {DenseSpecs(), {{"w", {4, 6}}, {"b", {5}}}};
-}
 
 int64_t Numel(const ParamSpec& p) {
   int64_t n = 1;
@@ -44,160 +46,27 @@ int64_t Numel(const ParamSpec& p) {
   return n;
 }
 
-// Sequence j's contribution to parameter (group, param): `count` values starting at
-// element `offset` (some sequences touch only part of a parameter, like embedding rows).
-struct Contribution {
-  int64_t offset = 0;
-  std::vector<float> values;
-};
-Contribution MakeContribution(int group, int param, int j, int64_t numel) {
-  std::mt19937 rng(static_cast<uint32_t>(1000 * group + 100 * param + j + 1));
-  std::uniform_real_distribution<float> mant(1.0f, 2.0f);
-  std::uniform_int_distribution<int> ex(-30, 0);
-  Contribution c;
-  if (numel > 0 && j % 3 == 2) {
-    c.offset = static_cast<int64_t>(rng() % numel);
-    c.values.resize(static_cast<size_t>(1 + rng() % (numel - c.offset)));
-  } else {
-    c.values.resize(static_cast<size_t>(numel));
-  }
-  for (float& v : c.values) v = std::ldexp(mant(rng), ex(rng)) * ((rng() & 1) ? -1.0f : 1.0f);
-  return c;
-}
-
-struct Result {
-  std::vector<std::vector<float>> grads;  // per group, numel elements
-  double norm = 0;
-};
-
-// The reference: per element, the __int128 sum of every sequence's rounded contribution.
-Result Reference() {
-  Result r;
-  ref::i128 sq = 0;
-  const auto specs = GroupSpecs();
-  for (size_t g = 0; g < specs.size(); ++g) {
-    std::vector<float> flat;
-    for (size_t p = 0; p < specs[g].size(); ++p) {
-      const int64_t n = Numel(specs[g][p]);
-      std::vector<ref::i128> acc(n, 0);
-      for (int j = 0; j < kSequences; ++j) {
-        const Contribution c = MakeContribution(g, p, j, n);
-        for (size_t i = 0; i < c.values.size(); ++i) {
-          acc[c.offset + i] += ref::Units(c.values[i], exact::kLsbExponent);
-        }
-      }
-      for (ref::i128 v : acc) {
-        const float f = ref::ToFloat(v, exact::kLsbExponent);
-        flat.push_back(f);
-        sq += ref::Units(static_cast<double>(f) * f, -100);
-      }
-    }
-    r.grads.push_back(std::move(flat));
-  }
-  r.norm = std::sqrt(ref::ToDouble(sq, -100));
-  return r;
-}
-
-struct Config {
-  int world;
-  int micro_batches;
-  ShardingMode mode;
-  bool reduce_every_micro_batch;
-  bool bucketed;  // replicated only: through BucketedGradReducer
-  std::string Name() const {
-    return absl::StrCat("world ", world, " G ", micro_batches, " ", ShardingModeName(mode),
-                        reduce_every_micro_batch ? "" : " reduce-last", bucketed ? " bucketed" : "");
-  }
-};
-
-// Sequence j goes to slot (j + shift) % (W * G): micro-batch slot / W, rank slot % W.
-// max_norm > 0: ClipGradNorm instead of GlobalGradNorm (the grads are then the clipped ones).
+// Every rank's RankStep on the thread backend; the ranks' owned slices together and the
+// norm, which every rank must report identically.
 absl::StatusOr<Result> RunMesh(const Config& cfg, int shift, int nan_rank = -1,
                                double max_norm = 0) {
-  const auto specs = GroupSpecs();
   Result out;
-  for (const auto& s : specs) {
-    int64_t n = 0;
-    for (const auto& p : s) n += Numel(p);
-    out.grads.emplace_back(n, -12345.0f);
-  }
-  std::mutex mu;
+  for (const auto& g : Reference().grads) out.grads.emplace_back(g.size(), -12345.0f);
   std::vector<double> norms(cfg.world, 0.0);
+  std::vector<std::vector<std::vector<float>>> per_rank(cfg.world, out.grads);
   absl::Status s = RunRanks(cfg.world, [&](Communicator& comm) -> absl::Status {
-    FlatParamOptions opts;
-    opts.mode = cfg.mode;
-    opts.exact_grads = true;
-    opts.reduce_every_micro_batch = cfg.reduce_every_micro_batch;
-    std::vector<std::unique_ptr<FlatParam>> groups;
-    std::vector<FlatParam*> ptrs;
-    for (size_t g = 0; g < specs.size(); ++g) {
-      GRADSUM_ASSIGN_OR_RETURN(auto fp, FlatParam::Create(absl::StrCat("g", g), specs[g], &comm, opts));
-      ptrs.push_back(fp.get());
-      groups.push_back(std::move(fp));
-    }
-    std::unique_ptr<BucketedGradReducer> reducer;
-    if (cfg.bucketed) {
-      GRADSUM_ASSIGN_OR_RETURN(reducer, BucketedGradReducer::Create(ptrs, /*cap=*/256));
-    }
-    const int W = cfg.world, G = cfg.micro_batches;
-    bool injected = false;  // nan_rank's first contribution to g0's second parameter
-    for (int m = 0; m < G; ++m) {
-      const bool last = m == G - 1;
-      for (size_t g = 0; g < groups.size(); ++g) {
-        FlatParam& fp = *groups[g];
-        for (int j = 0; j < kSequences; ++j) {
-          const int slot = (j + shift) % (W * G);
-          if (slot / W != m || slot % W != comm.rank()) continue;
-          for (int p = 0; p < fp.num_params(); ++p) {
-            Contribution c = MakeContribution(g, p, j, fp.entries()[p].numel);
-            if (comm.rank() == nan_rank && g == 0 && p == 1 && !injected) {
-              c.values[0] = std::numeric_limits<float>::quiet_NaN();
-              injected = true;
-            }
-            if (j % 2 == 0) {
-              GRADSUM_RETURN_IF_ERROR(fp.AddExactGrad(p, c.offset, c.values));
-            } else {
-              // The lower-level route: the limb view and exact::AddFloats.
-              GRADSUM_ASSIGN_OR_RETURN(absl::Span<int64_t> limbs, fp.exact_grad(p));
-              int64_t rejected = 0;
-              GRADSUM_RETURN_IF_ERROR(exact::AddFloats(
-                  c.values,
-                  limbs.subspan(c.offset * exact::kLimbs, c.values.size() * exact::kLimbs),
-                  &rejected));
-              fp.CountRejectedExactGrad(rejected);
-            }
-          }
-        }
-        if (cfg.bucketed) {
-          if (!last) {
-            GRADSUM_RETURN_IF_ERROR(fp.StartGradReduce(false));  // normalises only
-          }
-        } else {
-          GRADSUM_RETURN_IF_ERROR(fp.StartGradReduce(last));
-        }
-      }
-      if (cfg.bucketed && last) {
-        for (int g = static_cast<int>(groups.size()) - 1; g >= 0; --g) {
-          GRADSUM_RETURN_IF_ERROR(reducer->GroupReady(g));
-        }
-        GRADSUM_RETURN_IF_ERROR(reducer->Finish());
-      }
-      for (auto& fp : groups) GRADSUM_RETURN_IF_ERROR(fp->FinishGradReduce());
-    }
-    GRADSUM_ASSIGN_OR_RETURN(double norm, max_norm > 0 ? ClipGradNorm(ptrs, comm, max_norm)
-                                                       : GlobalGradNorm(ptrs, comm));
-    std::lock_guard<std::mutex> lock(mu);
-    norms[comm.rank()] = norm;
-    for (size_t g = 0; g < groups.size(); ++g) {
-      absl::Span<const float> owned = groups[g]->owned_grad();
-      std::copy(owned.begin(), owned.end(), out.grads[g].begin() + groups[g]->shard_offset());
-    }
-    return absl::OkStatus();
+    return exact_grad_testing::RankStep(comm, cfg, shift, nan_rank, max_norm,
+                                        &per_rank[comm.rank()], &norms[comm.rank()]);
   });
   if (!s.ok()) return s;
-  for (int r = 1; r < cfg.world; ++r) {
+  for (int r = 0; r < cfg.world; ++r) {
     if (std::memcmp(&norms[r], &norms[0], sizeof(double)) != 0) {
       return absl::InternalError(absl::StrCat("rank ", r, " norm ", norms[r], " != ", norms[0]));
+    }
+    for (size_t g = 0; g < out.grads.size(); ++g) {
+      for (size_t i = 0; i < out.grads[g].size(); ++i) {
+        if (per_rank[r][g][i] != -12345.0f) out.grads[g][i] = per_rank[r][g][i];
+      }
     }
   }
   out.norm = norms[0];
