@@ -48,6 +48,11 @@
 // anywhere was non-finite or out of range; +-Inf where a sum left the range 2^29).
 // Limits: at most exact::kMaxAddsBetweenNormalize - 1 contributions per element per
 // micro-batch on a rank, and group sizes below exact::kMaxAddsBetweenNormalize.
+// Memory: the full limb buffer is 16 bytes per element (4x the fp32 gradient it replaces);
+// sharded mode adds a 16-byte-per-element shard accumulator and receive buffer. Parallel
+// adds (the compute pool) may use exact::AddFloats on disjoint ranges of exact_grad() with
+// their own rejected counts, handed to CountRejectedExactGrad by the rank's thread;
+// AddExactGrad and CountRejectedExactGrad themselves are for the rank's thread only.
 //
 // Padding never leaks: padding elements of the master and of every gradient buffer are
 // zero, and master(), master_grad(), norms and checkpoints exclude them.
