@@ -106,21 +106,27 @@ void RunLockStep(benchmark::State& state, std::vector<std::unique_ptr<Communicat
 
 // ---- One contiguous buffer. ----
 
-void BM_AllReduceContiguous(benchmark::State& state) {
+// In place (send == recv), or out of place, where the results go to buffers that are not
+// in cache (each store first reads its line: 6 buffer passes per element pair, not 4).
+void AllReduceOneBuffer(benchmark::State& state, bool in_place) {
   const size_t bytes = static_cast<size_t>(state.range(0));
   const size_t count = bytes / sizeof(float);
   auto comms = MakeComms();
-  std::vector<std::vector<float>> bufs(kWorld, std::vector<float>(count, 0.0f));
+  std::vector<std::vector<float>> send(kWorld, std::vector<float>(count, 0.0f));
+  std::vector<std::vector<float>> recv(in_place ? 0 : kWorld, std::vector<float>(count, 0.0f));
   RunLockStep(
       state, comms,
       [&](int r) -> std::function<void()> {
         return [&, r] {
-          Check(comms[r]->AllReduce(bufs[r].data(), bufs[r].data(), count, DType::kF32),
-                "all_reduce");
+          float* out = in_place ? send[r].data() : recv[r].data();
+          Check(comms[r]->AllReduce(send[r].data(), out, count, DType::kF32), "all_reduce");
         };
       },
       static_cast<int64_t>(bytes));
 }
+
+void BM_AllReduceContiguous(benchmark::State& state) { AllReduceOneBuffer(state, true); }
+void BM_AllReduceOutOfPlace(benchmark::State& state) { AllReduceOneBuffer(state, false); }
 
 // ---- A small transformer's gradient set (bench/transformer_grads.h). ----
 
@@ -156,7 +162,11 @@ void BM_AllReduceBucketed(benchmark::State& state) {
   bucketers.clear();  // before the communicators
 }
 
-void BM_AllReducePerTensor(benchmark::State& state) {
+// One all-reduce per tensor of the same 300, in backward order (last first). `async`: all
+// issued, then all waited, the same overlap the bucketer gets, one collective per tensor
+// instead of per bucket (the issue's "per-tensor" row). Sync: one blocking call after the
+// other (no queue, worker or Work handle), which isolates the rendezvous' own cost per call.
+void PerTensor(benchmark::State& state, bool async) {
   const std::vector<size_t> sizes = TransformerGradSizes();
   auto comms = MakeComms();
   std::vector<std::vector<std::vector<float>>> grads(kWorld);
@@ -167,13 +177,16 @@ void BM_AllReducePerTensor(benchmark::State& state) {
       state, comms,
       [&](int r) -> std::function<void()> {
         return [&, r] {
-          // Issued as backward would (last first, asynchronously), then waited: the same
-          // overlap the bucketer gets, one collective per tensor instead of per bucket.
           std::vector<std::unique_ptr<Work>> works;
-          works.reserve(sizes.size());
+          works.reserve(async ? sizes.size() : 0);
           for (size_t i = sizes.size(); i-- > 0;) {
-            auto w = comms[r]->AllReduceAsync(grads[r][i].data(), grads[r][i].data(), sizes[i],
-                                              DType::kF32, ReduceOp::kSum);
+            float* g = grads[r][i].data();
+            if (!async) {
+              Check(comms[r]->AllReduce(g, g, sizes[i], DType::kF32, ReduceOp::kSum),
+                    "all_reduce");
+              continue;
+            }
+            auto w = comms[r]->AllReduceAsync(g, g, sizes[i], DType::kF32, ReduceOp::kSum);
             Check(w.status(), "issue");
             works.push_back(std::move(*w));
           }
@@ -182,6 +195,9 @@ void BM_AllReducePerTensor(benchmark::State& state) {
       },
       kTransformerBytes);
 }
+
+void BM_AllReducePerTensor(benchmark::State& state) { PerTensor(state, /*async=*/true); }
+void BM_AllReducePerTensorSync(benchmark::State& state) { PerTensor(state, /*async=*/false); }
 
 // ---- Small-message latency, as nccl-tests reports it (8 B .. 64 KiB, doubling). ----
 
@@ -211,8 +227,14 @@ void BufferSizes(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(BM_Memcpy)->Apply(BufferSizes);
 BENCHMARK(BM_AllReduceContiguous)->Apply(BufferSizes);
+BENCHMARK(BM_AllReduceOutOfPlace)
+    ->Arg(64 << 20)
+    ->MinTime(0.3)
+    ->UseRealTime()
+    ->MeasureProcessCPUTime();
 BENCHMARK(BM_AllReduceBucketed)->MinTime(0.5)->UseRealTime()->MeasureProcessCPUTime();
 BENCHMARK(BM_AllReducePerTensor)->MinTime(0.5)->UseRealTime()->MeasureProcessCPUTime();
+BENCHMARK(BM_AllReducePerTensorSync)->MinTime(0.5)->UseRealTime()->MeasureProcessCPUTime();
 
 }  // namespace
 }  // namespace gradsum::bench

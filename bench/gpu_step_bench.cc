@@ -3,7 +3,9 @@
 // (bench/moe_lm_flops.h: the matmul FLOPs of a token, the physical yardstick) and the
 // step's split into model time (forward, backward and gradient reduction: the GPU's part on
 // the nccl backend) and update time (grad norm, clipping, AdamW and the parameter upload:
-// the host's part). World 1, so no peer: this is the single-device step, not scaling.
+// the host's part), and the step's comm_s / comm_exposed_s as percentages of it (the nccl
+// backend's collectives timed by CUDA events, TimeNcclCommunicator). World 1, so no peer:
+// this is the single-device step, not scaling.
 //
 //   ./bazelw run -c opt --config=cuda //bench:gpu_step_bench
 //
@@ -21,12 +23,12 @@
 #include "bench/moe_lm_flops.h"
 #include "bench/gpu_bench_main.h"
 #include "benchmark/benchmark.h"
-#include "collectives/mesh.h"
 #include "collectives/nccl_backend.h"
 #include "collectives/thread_backend.h"
 #include "core/cuda/cuda_status.h"
 #include "train/config.pb.h"
 #include "train/cuda/moe_lm_cuda.h"
+#include "train/cuda/nccl_rank.h"
 #include "train/rank_main.h"
 #include "train/trainer.h"
 
@@ -53,27 +55,21 @@ train::TrainConfig StepConfig(bool wide) {
 void BM_MoeLmStep(benchmark::State& state) {
   const bool gpu = state.range(0) == 1;
   const train::TrainConfig config = StepConfig(state.range(1) == 1);
-  double step_s = 0, model_s = 0, update_s = 0, tokens = 0;
+  double step_s = 0, model_s = 0, update_s = 0, comm_s = 0, exposed_s = 0, tokens = 0;
   for (auto _ : state) {
     auto host = CreateThreadCommunicators(1);
     if (!host.ok()) return state.SkipWithError(host.status().ToString().c_str());
     absl::StatusOr<train::RankMesh> mesh = train::MakeRankMesh((*host)[0].get(), 1);
     if (!mesh.ok()) return state.SkipWithError(mesh.status().ToString().c_str());
     train::RankComms comms = mesh->comms();
-    std::unique_ptr<NcclCommunicator> nccl;
-    std::unique_ptr<Mesh> nccl_mesh;
+    train::NcclMesh nccl;  // timed into the host mesh's CommTimer, as moe_lm's
     if (gpu) {
       NcclBackendOptions options;
       options.device = 0;
-      auto n = CreateNcclCommunicator(*(*host)[0], options);
+      auto n = train::MakeNcclMesh(*(*host)[0], options, 1, mesh->timer);
       if (!n.ok()) return state.SkipWithError(n.status().ToString().c_str());
       nccl = std::move(*n);
-      auto m = Mesh::Create(nccl.get(), 1);
-      if (!m.ok()) return state.SkipWithError(m.status().ToString().c_str());
-      nccl_mesh = std::move(*m);
-      const train::MoeLmDeviceGroups dev{
-          nccl.get(), dynamic_cast<NcclCommunicator*>(&nccl_mesh->ep_group()),
-          dynamic_cast<NcclCommunicator*>(&nccl_mesh->edp_group())};
+      const train::MoeLmDeviceGroups dev = nccl.groups();
       comms.make_model = [dev](const train::MoeLmOptions& o, const train::MoeLmGroups& g) {
         return train::MoeLmCuda::Create(o, g, dev);
       };
@@ -90,6 +86,8 @@ void BM_MoeLmStep(benchmark::State& state) {
       step_s += r->step_seconds;
       model_s += r->model_seconds;
       update_s += r->update_seconds;
+      comm_s += r->comm_seconds;
+      exposed_s += r->comm_exposed_seconds;
       tokens += r->routed_tokens;
     }
     state.SetIterationTime(absl::ToDoubleSeconds(absl::Now() - start) / kTimedSteps);
@@ -98,6 +96,8 @@ void BM_MoeLmStep(benchmark::State& state) {
   state.counters["GFLOP_per_s"] = tokens * MoeLmFlopsPerToken(config.model()) / step_s / 1e9;
   state.counters["model_pct"] = 100 * model_s / step_s;
   state.counters["update_pct"] = 100 * update_s / step_s;
+  state.counters["comm_pct"] = 100 * comm_s / step_s;
+  state.counters["comm_exposed_pct"] = 100 * exposed_s / step_s;
 }
 BENCHMARK(BM_MoeLmStep)
     ->ArgNames({"gpu", "wide"})

@@ -7,13 +7,50 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "core/status.h"
 
 namespace gradsum {
 
-GradBucketer::GradBucketer(Communicator* comm, GradBucketerOptions options)
-    : comm_(comm), options_(options) {}
+namespace {
 
-GradBucketer::~GradBucketer() { WaitAll().IgnoreError(); }
+class HostMemory final : public BucketMemory {
+ public:
+  absl::StatusOr<void*> Allocate(size_t bytes) override {
+    return static_cast<void*>(new uint64_t[(bytes + 7) / 8]());  // zeroed
+  }
+  void Free(void* storage) override { delete[] static_cast<uint64_t*>(storage); }
+  absl::Status Zero(void* storage, size_t bytes) override {
+    std::memset(storage, 0, bytes);
+    return absl::OkStatus();
+  }
+  absl::Status CopyToHost(const void* storage, void* host, size_t bytes) override {
+    std::memcpy(host, storage, bytes);
+    return absl::OkStatus();
+  }
+};
+
+size_t StorageBytes(const GradBucketInfo& info) {
+  return static_cast<size_t>(info.padded_numel) * DTypeSize(info.dtype);
+}
+
+}  // namespace
+
+BucketMemory& HostBucketMemory() {
+  static HostMemory* memory = new HostMemory();
+  return *memory;
+}
+
+GradBucketer::GradBucketer(Communicator* comm, GradBucketerOptions options)
+    : comm_(comm),
+      options_(options),
+      memory_(options.memory != nullptr ? options.memory : &HostBucketMemory()) {}
+
+GradBucketer::~GradBucketer() {
+  WaitAll().IgnoreError();
+  for (Bucket& b : buckets_) {
+    if (b.storage != nullptr) memory_->Free(b.storage);
+  }
+}
 
 absl::StatusOr<int> GradBucketer::Register(absl::string_view name, DType dtype, int64_t numel) {
   if (finalized_) {
@@ -87,8 +124,8 @@ absl::Status GradBucketer::Finalize() {
     if (options_.mode == GradBucketerOptions::Mode::kReduceScatter) {
       info.padded_numel = (info.numel + group - 1) / group * group;
     }
-    const size_t bytes = static_cast<size_t>(info.padded_numel) * DTypeSize(info.dtype);
-    bucket.storage.reset(new uint64_t[(bytes + 7) / 8]());  // zeroed
+    GRADSUM_ASSIGN_OR_RETURN(bucket.storage,
+                             memory_->Allocate(std::max<size_t>(StorageBytes(info), 1)));
     bucket.pending = static_cast<int>(info.param_ids.size());
     for (size_t i = 0; i < info.param_ids.size(); ++i) {
       Param& p = params_[info.param_ids[i]];
@@ -103,7 +140,7 @@ absl::Status GradBucketer::Finalize() {
 TensorView GradBucketer::grad(int id) const {
   if (!finalized_ || id < 0 || id >= num_params()) return TensorView();
   const Param& p = params_[id];
-  char* base = reinterpret_cast<char*>(buckets_[p.bucket].storage.get());
+  char* base = static_cast<char*>(buckets_[p.bucket].storage);
   absl::StatusOr<TensorView> v =
       TensorView::Create(base + p.offset * DTypeSize(p.dtype), p.dtype, {p.numel});
   return v.ok() ? *v : TensorView();
@@ -116,7 +153,7 @@ TensorView GradBucketer::shard(int b) const {
   }
   const GradBucketInfo& info = buckets_[b].info;
   const int64_t block = info.padded_numel / comm_->size();
-  char* base = reinterpret_cast<char*>(buckets_[b].storage.get());
+  char* base = static_cast<char*>(buckets_[b].storage);
   absl::StatusOr<TensorView> v = TensorView::Create(
       base + comm_->rank() * block * DTypeSize(info.dtype), info.dtype, {block});
   return v.ok() ? *v : TensorView();
@@ -151,7 +188,7 @@ absl::Status GradBucketer::MarkReady(int id) {
 absl::Status GradBucketer::IssueReadyBuckets() {
   while (next_to_issue_ < num_buckets() && buckets_[next_to_issue_].pending == 0) {
     Bucket& b = buckets_[next_to_issue_++];
-    void* data = b.storage.get();
+    void* data = b.storage;
     const size_t n = static_cast<size_t>(b.info.padded_numel);
     absl::StatusOr<std::unique_ptr<Work>> work;
     if (options_.mode == GradBucketerOptions::Mode::kReduceScatter) {
@@ -200,12 +237,25 @@ absl::Status GradBucketer::Finish() {
   }
   absl::Status s = WaitAll();
   if (s.ok()) s = issue_error_;
-  // Start the next step.
+  ResetStep();
+  return s;
+}
+
+void GradBucketer::ResetStep() {
   for (Param& p : params_) p.ready = false;
   for (Bucket& b : buckets_) b.pending = static_cast<int>(b.info.param_ids.size());
   marked_ = 0;
   next_to_issue_ = 0;
   issue_error_ = absl::OkStatus();
+}
+
+absl::Status GradBucketer::AbandonStep() {
+  if (!finalized_) {
+    return absl::FailedPreconditionError("GradBucketer::AbandonStep() before Finalize()");
+  }
+  absl::Status s = WaitAll();
+  ResetStep();
+  GRADSUM_RETURN_IF_ERROR(ZeroGrads());
   return s;
 }
 
@@ -216,10 +266,17 @@ absl::Status GradBucketer::ZeroGrads() {
         "GradBucketer::ZeroGrads: a step is open (", marked_, " gradients marked); call Finish()"));
   }
   for (Bucket& b : buckets_) {
-    std::memset(b.storage.get(), 0,
-                static_cast<size_t>(b.info.padded_numel) * DTypeSize(b.info.dtype));
+    GRADSUM_RETURN_IF_ERROR(memory_->Zero(b.storage, StorageBytes(b.info)));
   }
   return absl::OkStatus();
+}
+
+absl::Status GradBucketer::CopyBucketToHost(int b, void* host) const {
+  if (!finalized_ || b < 0 || b >= num_buckets()) {
+    return absl::InvalidArgumentError(absl::StrCat("GradBucketer::CopyBucketToHost: bucket ", b,
+                                                   " is outside [0, ", num_buckets(), ")"));
+  }
+  return memory_->CopyToHost(buckets_[b].storage, host, StorageBytes(buckets_[b].info));
 }
 
 }  // namespace gradsum

@@ -30,6 +30,10 @@
 // Every rank of the communicator must register the same parameters (names, dtypes and
 // sizes, in the same order) and use the same options. A GradBucketer is used by one
 // thread at a time. The communicator must outlive it.
+//
+// The storage is host memory unless GradBucketerOptions::memory places it elsewhere (a
+// GPU model's device memory, reduced by NCCL: train/cuda). Then grad() and shard() are
+// views of that memory, readable only by its device.
 
 #include <cstddef>
 #include <cstdint>
@@ -45,6 +49,21 @@
 #include "core/tensor.h"
 
 namespace gradsum {
+
+// Where a GradBucketer's bucket storage lives, and how it is zeroed and read back.
+class BucketMemory {
+ public:
+  virtual ~BucketMemory() = default;
+  // `bytes` (>= 1) of zeroed storage, aligned for every dtype; freed by Free().
+  virtual absl::StatusOr<void*> Allocate(size_t bytes) = 0;
+  virtual void Free(void* storage) = 0;
+  virtual absl::Status Zero(void* storage, size_t bytes) = 0;
+  // Copies `bytes` of storage (after its collective finished) into host memory.
+  virtual absl::Status CopyToHost(const void* storage, void* host, size_t bytes) = 0;
+};
+
+// Plain host memory (the default).
+BucketMemory& HostBucketMemory();
 
 struct GradBucketerOptions {
   enum class Mode {
@@ -63,6 +82,8 @@ struct GradBucketerOptions {
   // collective starts early, behind only the last layers' gradients). 0: the same as
   // bucket_cap_bytes.
   size_t first_bucket_cap_bytes = 0;
+  // Where the buckets live (not owned, must outlive the bucketer); null: host memory.
+  BucketMemory* memory = nullptr;
 };
 
 // What Finalize() decided for one bucket (for tests, logging and the sharding layer).
@@ -114,6 +135,16 @@ class GradBucketer {
   // open (some gradient marked but Finish() not yet returned OK) or before Finalize().
   absl::Status ZeroGrads();
 
+  // Drops the current step (one that failed part-way): waits for the collectives in
+  // flight (up to the communicator's timeout; their results are discarded), unmarks every
+  // gradient and zeroes the storage. Returns the first wait error; the step is dropped
+  // either way. FailedPrecondition before Finalize().
+  absl::Status AbandonStep();
+
+  // Copies bucket b's storage (padded_numel elements, after Finish()) into `host`, which
+  // holds at least that many bytes. InvalidArgument for b out of range.
+  absl::Status CopyBucketToHost(int b, void* host) const;
+
   // Reduce-scatter mode, after Finish(): this rank's block of bucket b's reduced storage,
   // padded_numel / size() elements starting at rank() * that. An empty view in
   // all-reduce mode, before Finalize() or for b out of range.
@@ -143,16 +174,18 @@ class GradBucketer {
   };
   struct Bucket {
     GradBucketInfo info;
-    std::unique_ptr<uint64_t[]> storage;  // 8-byte aligned, padded_numel elements
+    void* storage = nullptr;  // from memory_, padded_numel elements
     int pending = 0;                      // gradients not yet marked this step
     std::unique_ptr<Work> work;
   };
 
   absl::Status IssueReadyBuckets();
   absl::Status WaitAll();
+  void ResetStep();  // the next MarkReady starts a new step
 
   Communicator* comm_;
   GradBucketerOptions options_;
+  BucketMemory* memory_;
   bool finalized_ = false;
   std::vector<Param> params_;
   std::vector<Bucket> buckets_;

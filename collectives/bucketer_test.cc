@@ -307,6 +307,48 @@ TEST(GradBucketerTest, FinishWithMissingGradientThenRecover) {
   for (const absl::Status& s : *statuses) GRADSUM_EXPECT_OK(s);
 }
 
+// A step that failed part-way (some buckets issued, some gradients never marked) is
+// dropped: every gradient may be marked again, the storage is zero, and the next step
+// reduces only its own values. CopyBucketToHost reads a bucket's reduced storage.
+TEST(GradBucketerTest, AbandonStepDropsAPartialStepAndCopyBucketToHostReadsTheSum) {
+  GRADSUM_EXPECT_OK(RunRanks(2, [](Communicator& comm) -> absl::Status {
+    GradBucketerOptions o;
+    o.bucket_cap_bytes = 8;  // two f32 gradients of one element per bucket
+    GradBucketer b(&comm, o);
+    if (b.AbandonStep().code() != absl::StatusCode::kFailedPrecondition) {
+      return absl::InternalError("AbandonStep before Finalize accepted");
+    }
+    for (int i = 0; i < 4; ++i) {
+      GRADSUM_RETURN_IF_ERROR(b.Register(absl::StrCat("p", i), DType::kF32, 1).status());
+    }
+    GRADSUM_RETURN_IF_ERROR(b.Finalize());
+    for (int id = 3; id >= 1; --id) {  // bucket 0 (ids 3, 2) is issued, bucket 1 is not
+      b.grad(id).data<float>()[0] = 5.0f;
+      GRADSUM_RETURN_IF_ERROR(b.MarkReady(id));
+    }
+    if (b.issued_buckets() != 1) return absl::InternalError("bucket 0 was not issued");
+    GRADSUM_RETURN_IF_ERROR(b.AbandonStep());
+    if (b.issued_buckets() != 0) return absl::InternalError("the step is still open");
+    for (int id = 0; id < 4; ++id) {
+      if (b.grad(id).data<float>()[0] != 0.0f) return absl::InternalError("storage not zeroed");
+    }
+    for (int id = 3; id >= 0; --id) {
+      b.grad(id).data<float>()[0] = static_cast<float>(id + 1);
+      GRADSUM_RETURN_IF_ERROR(b.MarkReady(id));
+    }
+    GRADSUM_RETURN_IF_ERROR(b.Finish());
+    float host[2] = {0, 0};
+    GRADSUM_RETURN_IF_ERROR(b.CopyBucketToHost(1, host));  // ids 1, 0 in storage order
+    if (host[0] != 4.0f || host[1] != 2.0f) {
+      return absl::InternalError(absl::StrCat("bucket 1 holds ", host[0], ", ", host[1]));
+    }
+    if (b.CopyBucketToHost(2, host).code() != absl::StatusCode::kInvalidArgument) {
+      return absl::InternalError("bucket out of range accepted");
+    }
+    return absl::OkStatus();
+  }));
+}
+
 TEST(GradBucketerTest, MisuseIsReported) {
   auto comms = CreateThreadCommunicators(1);
   ASSERT_TRUE(comms.ok());

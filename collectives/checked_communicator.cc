@@ -1,6 +1,8 @@
 #include "collectives/checked_communicator.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -21,12 +23,23 @@ using collectives_internal::OpKind;
 
 class CheckedCommunicator final : public Communicator {
  public:
-  explicit CheckedCommunicator(std::unique_ptr<Communicator> inner) : inner_(std::move(inner)) {}
+  explicit CheckedCommunicator(std::unique_ptr<Communicator> inner)
+      : inner_(std::move(inner)),
+        w_(static_cast<size_t>(inner_->size())),
+        ones_(w_, 1),
+        offsets_(w_),
+        incoming_(w_),
+        outgoing_(w_),
+        expected_(w_),
+        reports_(3 * w_) {
+    for (size_t p = 0; p < w_; ++p) offsets_[p] = p;
+  }
 
   int rank() const override { return inner_->rank(); }
   int size() const override { return inner_->size(); }
   std::string backend() const override { return inner_->backend(); }
   absl::Duration timeout() const override { return inner_->timeout(); }
+  size_t max_count() const override { return inner_->max_count(); }
 
   absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv,
                                                        size_t count, DType dtype,
@@ -125,7 +138,10 @@ class CheckedCommunicator final : public Communicator {
   // ways that never match (the mpi backend: blocking versus non-blocking MPI).
   absl::Status Agree(const OpCall& c, bool async = false) {
     const int64_t seq = seq_++;
-    const absl::Status local = collectives_internal::ValidateCall(c, rank(), size());
+    // With the inner backend's limit: a count or offset it would reject must fail here, on
+    // every rank, not in the inner backend on this rank alone while its peers wait.
+    const absl::Status local =
+        collectives_internal::ValidateCall(c, rank(), size(), inner_->max_count());
     OpDescriptor d = collectives_internal::Describe(c);
     d.async = async;
     if (!local.ok()) d.invalid_rank = rank();
@@ -133,10 +149,25 @@ class CheckedCommunicator final : public Communicator {
     collectives_internal::EncodeDescriptor(d, buf);
     GRADSUM_RETURN_IF_ERROR(inner_->AllReduce(buf, buf, collectives_internal::kDescriptorWords,
                                               DType::kI64, ReduceOp::kMax));
-    // A locally invalid call reports its own error, not the peers' view of it.
-    if (!local.ok()) return local;
     if (!collectives_internal::DescriptorAgreed(buf)) {
-      return collectives_internal::CheckDescriptorAgreed(d, buf, Label(c.kind, seq));
+      const int64_t bad = collectives_internal::HighestInvalidRank(buf);
+      std::string message;
+      if (bad >= 0 && inner_->max_count() > 0) {
+        // Every rank knows `bad` from the same reduced descriptor, so every rank joins this
+        // broadcast of its error message (failures only; no cost on the agreed path).
+        int32_t text[kMessageWords] = {};  // NUL-terminated, cut at the end if longer
+        const size_t words = std::min(kMessageWords, inner_->max_count());
+        if (bad == rank()) {
+          const absl::string_view m = local.message();
+          std::memcpy(text, m.data(), std::min(m.size(), words * sizeof(int32_t) - 1));
+        }
+        GRADSUM_RETURN_IF_ERROR(
+            inner_->Broadcast(text, words, DType::kI32, static_cast<int>(bad)));
+        message = reinterpret_cast<const char*>(text);
+      }
+      // A locally invalid call reports its own error, not the peers' view of it.
+      if (!local.ok()) return local;
+      return collectives_internal::CheckDescriptorAgreed(d, buf, Label(c.kind, seq), message);
     }
     if (c.kind == OpKind::kAllToAllV) return AgreeOnCounts(c, seq);
     return absl::OkStatus();
@@ -145,28 +176,35 @@ class CheckedCommunicator final : public Communicator {
   absl::Status AgreeAsync(const OpCall& c) { return Agree(c, /*async=*/true); }
 
   // Rank r's send_counts[p] must equal rank p's recv_counts[r]: each rank learns what its
-  // peers will send it, then all ranks all-gather the first mismatch each one saw.
+  // peers will send it, then all ranks all-gather the first mismatch each one saw. Uses the
+  // scratch below (sized once: no allocation per call).
   absl::Status AgreeOnCounts(const OpCall& c, int64_t seq) {
-    const size_t w = static_cast<size_t>(size());
-    std::vector<int64_t> out(c.send_counts.begin(), c.send_counts.end()), in(w, 0);
-    std::vector<size_t> ones(w, 1), offsets(w);
-    for (size_t p = 0; p < w; ++p) offsets[p] = p;
-    GRADSUM_RETURN_IF_ERROR(
-        inner_->AllToAllV(out.data(), ones, offsets, in.data(), ones, offsets, DType::kI64));
-    const std::vector<int64_t> expected(c.recv_counts.begin(), c.recv_counts.end());
+    for (size_t p = 0; p < w_; ++p) {
+      outgoing_[p] = static_cast<int64_t>(c.send_counts[p]);
+      expected_[p] = static_cast<int64_t>(c.recv_counts[p]);
+    }
+    GRADSUM_RETURN_IF_ERROR(inner_->AllToAllV(outgoing_.data(), ones_, offsets_, incoming_.data(),
+                                              ones_, offsets_, DType::kI64));
     int64_t report[3];
-    collectives_internal::MakeCountReport(in, expected, report);
-    std::vector<int64_t> all(3 * w, 0);
-    GRADSUM_RETURN_IF_ERROR(inner_->AllGather(report, all.data(), 3, DType::kI64));
-    for (size_t p = 0; p < w; ++p) {
-      if (all[3 * p] >= 0) {
-        return collectives_internal::CheckCountReports(all, Label(c.kind, seq));
+    collectives_internal::MakeCountReport(incoming_, expected_, report);
+    GRADSUM_RETURN_IF_ERROR(inner_->AllGather(report, reports_.data(), 3, DType::kI64));
+    for (size_t p = 0; p < w_; ++p) {
+      if (reports_[3 * p] >= 0) {
+        return collectives_internal::CheckCountReports(reports_, Label(c.kind, seq));
       }
     }
     return absl::OkStatus();
   }
 
+  // The invalid rank's error message, shared on failure: at most 511 bytes of it (fewer if
+  // the inner backend's max_count is below 128 words).
+  static constexpr size_t kMessageWords = 128;
+
   std::unique_ptr<Communicator> inner_;
+  const size_t w_;  // size()
+  // AgreeOnCounts: one element to and from each peer (constant), and per-call scratch.
+  std::vector<size_t> ones_, offsets_;
+  std::vector<int64_t> incoming_, outgoing_, expected_, reports_;
   int64_t seq_ = 0;
 };
 

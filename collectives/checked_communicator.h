@@ -9,8 +9,9 @@
 // communicator. All
 // ranks see the same reduced descriptor, so all reach the same verdict:
 // - a rank whose own arguments are invalid gets InvalidArgument naming the value; its peers
-//   get InvalidArgument naming that rank (instead of waiting for it), and later
-//   operations still line up;
+//   get InvalidArgument naming that rank and carrying its message (one extra broadcast from
+//   it, on this failure only) instead of waiting for it, and later operations still line
+//   up; arguments are checked against the wrapped backend's max_count();
 // - ranks that disagree all get InvalidArgument naming the field and both values, e.g.
 //   "mpi all_reduce #3 (rank 1 of 2): ranks disagree on the element count: 10 vs 12
 //   (this rank: 12)", and no data moves;
@@ -41,8 +42,9 @@
 
 namespace gradsum {
 
-// Wraps `inner` (which must not be null). size_t counts beyond what `inner` accepts are
-// caught by `inner` after the exchange, on that rank only.
+// Wraps `inner` (which must not be null). Local arguments are checked against
+// inner->max_count() (MPI: INT_MAX), so a count or offset that `inner` would reject fails
+// every rank here: its own rank with the value, the peers naming that rank.
 std::unique_ptr<Communicator> WithAgreementCheck(std::unique_ptr<Communicator> inner);
 
 }  // namespace gradsum

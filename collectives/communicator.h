@@ -53,6 +53,7 @@
 //   must not outlive the communicator (they wait on its CUDA stream).
 
 #include <cstddef>
+#include <limits>
 #include <memory>
 #include <string>
 
@@ -150,6 +151,12 @@ class Communicator {
   virtual std::string backend() const = 0;
   // How long an operation waits for the other ranks before DeadlineExceeded.
   virtual absl::Duration timeout() const = 0;
+  // The most elements this backend accepts for any count or offset of one call (an
+  // all-to-all-v block's count and offset included); larger is InvalidArgument. The mpi
+  // backend: INT_MAX (MPI counts are int). Decorators report their inner backend's limit,
+  // so that the agreement check (checked_communicator.h) rejects such a call on every rank
+  // before the exchange instead of letting one rank fail alone.
+  virtual size_t max_count() const { return std::numeric_limits<size_t>::max(); }
 
   // ---- Asynchronous operations (the primitives every backend implements). ----
 

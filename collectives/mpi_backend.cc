@@ -276,6 +276,8 @@ class MpiCommunicator final : public Communicator {
   int size() const override { return size_; }
   std::string backend() const override { return "mpi"; }
   absl::Duration timeout() const override { return options_.timeout; }
+  // Every MPI count and displacement is an int.
+  size_t max_count() const override { return static_cast<size_t>(INT_MAX); }
 
   // Async forms: validated on the caller's thread, run in issue order by the progress
   // thread. Sync forms: the same operation, run on the caller's thread when nothing of
@@ -367,9 +369,9 @@ class MpiCommunicator final : public Communicator {
   }
 
  private:
-  // The one local check of every backend; every MPI count and offset must fit in an int.
+  // The one local check of every backend, with this backend's limit (max_count()).
   absl::Status Validate(const OpCall& c) const {
-    return collectives_internal::ValidateCall(c, rank_, size_, static_cast<size_t>(INT_MAX));
+    return collectives_internal::ValidateCall(c, rank_, size_, max_count());
   }
 
   absl::StatusOr<std::unique_ptr<Work>> Async(const OpCall& c) {

@@ -57,8 +57,11 @@
 // all-to-all-v receive blocks, or an all-to-all-v send block overlapping a receive block
 // is InvalidArgument.
 //
-// Limits: every MPI count (elements per call, per peer, and offsets) must fit in an int;
-// larger is InvalidArgument naming the value.
+// Limits: every MPI count (elements per call, per peer, and offsets) must fit in an int
+// (max_count() = INT_MAX); larger is InvalidArgument naming the value. The agreement check
+// validates against the same limit, so when one rank's count or offset is too large, every
+// rank fails that operation promptly (its peers naming that rank); with check_agreement =
+// false only that rank fails and its peers wait for the watchdog.
 //
 // MPI lifetime. The first factory call initialises MPI with MPI_Init_thread(
 // MPI_THREAD_MULTIPLE) if nothing has yet. Who finalises:

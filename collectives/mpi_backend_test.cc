@@ -602,13 +602,43 @@ TEST_F(MpiBackendTest, InvalidArgumentsOnOneRankFailItsPeersToo) {
     ExpectInvalid(comm_->AllReduce(nullptr, &x, 1, DType::kF32), {"null"});
   } else {
     ExpectInvalid(comm_->AllReduce(&x, &x, 1, DType::kF32),
-                  {"rank 0 passed invalid arguments", "all_reduce"});
+                  {"rank 0 passed invalid arguments", "all_reduce", "send buffer is null"});
   }
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
   EXPECT_EQ(x, 1.0f);
   float sum = 0;
   ASSERT_TRUE(comm_->AllReduce(&x, &sum, 1, DType::kF32).ok());
   EXPECT_EQ(sum, static_cast<float>(comm_->size()));
+}
+
+// The last rank's all-to-all-v has a receive offset past INT_MAX (MPI's int counts): the
+// agreement check knows the backend's limit (max_count), so that rank fails with the value
+// and its peers with InvalidArgument naming it, instead of entering MPI_Alltoallv alone and
+// waiting for the watchdog to end the job. Nothing is allocated at that offset: the call
+// is rejected before any buffer is touched. The communicator stays in step.
+TEST_F(MpiBackendTest, OffsetBeyondIntMaxOnOneRankFailsEveryRank) {
+  ASSERT_NE(comm_, nullptr);
+  const int world = comm_->size(), rank = comm_->rank(), bad = world - 1;
+  EXPECT_EQ(comm_->max_count(), static_cast<size_t>(std::numeric_limits<int>::max()));
+  std::vector<float> send(world), recv(world, -1.0f);
+  std::vector<size_t> ones(world, 1), offsets(world), recv_offsets(world);
+  for (int p = 0; p < world; ++p) {
+    send[p] = static_cast<float>(100 * rank + p);
+    offsets[p] = recv_offsets[p] = static_cast<size_t>(p);
+  }
+  if (rank == bad) recv_offsets[0] = size_t{1} << 31;
+  absl::Status s =
+      comm_->AllToAllV(send.data(), ones, offsets, recv.data(), ones, recv_offsets, DType::kF32);
+  if (rank == bad) {
+    ExpectInvalid(s, {"all_to_all_v", "recv block for peer 0", "2147483648", "2147483647"});
+  } else {
+    ExpectInvalid(s, {"all_to_all_v", absl::StrCat("rank ", bad, " passed invalid").c_str(),
+                      "recv block for peer 0", "2147483648"});
+  }
+  for (float v : recv) EXPECT_EQ(v, -1.0f);
+  ASSERT_TRUE(
+      comm_->AllToAllV(send.data(), ones, offsets, recv.data(), ones, offsets, DType::kF32).ok());
+  for (int p = 0; p < world; ++p) EXPECT_EQ(recv[p], static_cast<float>(100 * p + rank));
 }
 
 // Rank 0 skips an all-reduce altogether: its barrier pairs with the others' all-reduce,

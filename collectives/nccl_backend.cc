@@ -24,6 +24,7 @@
 namespace gradsum {
 namespace {
 
+using collectives_internal::Describe;
 using collectives_internal::MakeCall;
 using collectives_internal::OpCall;
 using collectives_internal::OpDescriptor;
@@ -173,8 +174,9 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
                                                        ReduceOp op) override {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
-    GRADSUM_RETURN_IF_ERROR(Validate(seq, MakeCall(OpKind::kAllReduce, send, recv, count, dtype, op)));
-    const OpDescriptor d{OpKind::kAllReduce, dtype, op, static_cast<int64_t>(count), -1};
+    GRADSUM_ASSIGN_OR_RETURN(
+        const OpDescriptor d,
+        Validate(seq, MakeCall(OpKind::kAllReduce, send, recv, count, dtype, op)));
     return Issue(seq, d, [&] {
       return ncclAllReduce(send, recv, count, NcclType(dtype), NcclOp(op), comm_, stream_);
     });
@@ -185,9 +187,9 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
                                                            ReduceOp op) override {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
-    GRADSUM_RETURN_IF_ERROR(
+    GRADSUM_ASSIGN_OR_RETURN(
+        const OpDescriptor d,
         Validate(seq, MakeCall(OpKind::kReduceScatter, send, recv, recv_count, dtype, op)));
-    const OpDescriptor d{OpKind::kReduceScatter, dtype, op, static_cast<int64_t>(recv_count), -1};
     // In place (recv == send + rank * recv_count) is NCCL's own convention.
     return Issue(seq, d, [&] {
       return ncclReduceScatter(send, recv, recv_count, NcclType(dtype), NcclOp(op), comm_,
@@ -199,10 +201,9 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
                                                        size_t send_count, DType dtype) override {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
-    GRADSUM_RETURN_IF_ERROR(
+    GRADSUM_ASSIGN_OR_RETURN(
+        const OpDescriptor d,
         Validate(seq, MakeCall(OpKind::kAllGather, send, recv, send_count, dtype)));
-    const OpDescriptor d{OpKind::kAllGather, dtype, ReduceOp::kSum,
-                         static_cast<int64_t>(send_count), -1};
     return Issue(seq, d, [&] {
       return ncclAllGather(send, recv, send_count, NcclType(dtype), comm_, stream_);
     });
@@ -215,13 +216,14 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
       absl::Span<const size_t> recv_offsets, DType dtype) override {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
-    GRADSUM_RETURN_IF_ERROR(Validate(seq, collectives_internal::MakeAllToAllVCall(
-        send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dtype)));
+    GRADSUM_ASSIGN_OR_RETURN(const OpDescriptor d,
+                             Validate(seq, collectives_internal::MakeAllToAllVCall(
+                                               send, send_counts, send_offsets, recv,
+                                               recv_counts, recv_offsets, dtype)));
     const size_t world = static_cast<size_t>(size_);
     if (options_.check_agreement && group_ == nullptr) {
       GRADSUM_RETURN_IF_ERROR(AgreeOnCounts(seq, send_counts, recv_counts));
     }
-    const OpDescriptor d{OpKind::kAllToAllV, dtype, ReduceOp::kSum, 0, -1};
     const size_t esize = DTypeSize(dtype);
     return Issue(seq, d, [&] {
       ncclResult_t r = ncclGroupStart();
@@ -245,10 +247,9 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
                                                        int root) override {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
-    GRADSUM_RETURN_IF_ERROR(
+    GRADSUM_ASSIGN_OR_RETURN(
+        const OpDescriptor d,
         Validate(seq, collectives_internal::MakeBroadcastCall(buf, count, dtype, root)));
-    const OpDescriptor d{OpKind::kBroadcast, dtype, ReduceOp::kSum, static_cast<int64_t>(count),
-                         root};
     return Issue(seq, d, [&] {
       return ncclBroadcast(buf, buf, count, NcclType(dtype), root, comm_, stream_);
     });
@@ -258,7 +259,7 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
   absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
-    const OpDescriptor d{OpKind::kBarrier, DType::kF32, ReduceOp::kSum, 0, -1};
+    const OpDescriptor d = Describe(MakeCall(OpKind::kBarrier, nullptr, nullptr, 0, DType::kF32));
     int64_t* word = device_scratch_;
     return Issue(seq, d, [&] {
       return ncclAllReduce(word, word, 1, ncclInt64, ncclSum, comm_, stream_);
@@ -272,7 +273,7 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
       return absl::FailedPreconditionError("nccl Split inside an open coalesced group");
     }
     GRADSUM_CUDA_RETURN(cudaSetDevice(device_), "cudaSetDevice");
-    const OpDescriptor d{OpKind::kSplit, DType::kF32, ReduceOp::kSum, 0, -1};
+    const OpDescriptor d = Describe(MakeCall(OpKind::kSplit, nullptr, nullptr, 0, DType::kF32));
     if (options_.check_agreement) GRADSUM_RETURN_IF_ERROR(Agree(seq, d));
     // Earlier operations on the stream must be done before the split's own traffic.
     GRADSUM_RETURN_IF_ERROR(WaitStream(Label(OpKind::kSplit, seq)));
@@ -391,10 +392,9 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
   // A call whose own arguments are invalid (`local` not OK) still joins the agreement
   // exchange, marked invalid, so that its peers fail the same operation with
   // InvalidArgument naming this rank instead of timing out. Returns `local`.
-  absl::Status Poisoned(int64_t seq, OpKind kind, absl::Status local) {
+  absl::Status Poisoned(int64_t seq, const OpCall& c, absl::Status local) {
     if (local.ok() || !options_.check_agreement || group_ != nullptr || aborted_) return local;
-    OpDescriptor d;
-    d.kind = kind;
+    OpDescriptor d = Describe(c);
     d.invalid_rank = rank_;
     if (cudaSetDevice(device_) == cudaSuccess) Agree(seq, d).IgnoreError();
     return local;
@@ -412,10 +412,12 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
 
   // The validation every backend shares, then this backend's own rule: every buffer with
   // elements must be device memory. An invalid call still joins the agreement exchange.
-  absl::Status Validate(int64_t seq, const OpCall& c) {
+  // Returns the call's descriptor (op_descriptor's Describe, as every backend).
+  absl::StatusOr<OpDescriptor> Validate(int64_t seq, const OpCall& c) {
     absl::Status s = collectives_internal::ValidateCall(c, rank_, size_);
     if (s.ok()) s = CheckDeviceBuffers(c);
-    return Poisoned(seq, c.kind, std::move(s));
+    GRADSUM_RETURN_IF_ERROR(Poisoned(seq, c, std::move(s)));
+    return Describe(c);
   }
 
   absl::Status CheckDeviceBuffers(const OpCall& c) const {
@@ -423,26 +425,25 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
     const char* name = OpKindName(c.kind);
     switch (c.kind) {
       case OpKind::kAllReduce:
-        GRADSUM_RETURN_IF_ERROR(CheckDeviceBuffer(c.send, c.count, absl::StrCat(name, " send")));
-        return CheckDeviceBuffer(c.recv, c.count, absl::StrCat(name, " recv"));
+        GRADSUM_RETURN_IF_ERROR(CheckDeviceBuffer(c.send, c.count, name, "send"));
+        return CheckDeviceBuffer(c.recv, c.count, name, "recv");
       case OpKind::kReduceScatter:
-        GRADSUM_RETURN_IF_ERROR(
-            CheckDeviceBuffer(c.send, c.count * w, absl::StrCat(name, " send")));
-        return CheckDeviceBuffer(c.recv, c.count, absl::StrCat(name, " recv"));
+        GRADSUM_RETURN_IF_ERROR(CheckDeviceBuffer(c.send, c.count * w, name, "send"));
+        return CheckDeviceBuffer(c.recv, c.count, name, "recv");
       case OpKind::kAllGather:
-        GRADSUM_RETURN_IF_ERROR(CheckDeviceBuffer(c.send, c.count, absl::StrCat(name, " send")));
-        return CheckDeviceBuffer(c.recv, c.count * w, absl::StrCat(name, " recv"));
+        GRADSUM_RETURN_IF_ERROR(CheckDeviceBuffer(c.send, c.count, name, "send"));
+        return CheckDeviceBuffer(c.recv, c.count * w, name, "recv");
       case OpKind::kAllToAllV: {
         size_t send_end = 0, recv_end = 0;
         for (size_t p = 0; p < w; ++p) {
           send_end = std::max(send_end, c.send_offsets[p] + c.send_counts[p]);
           recv_end = std::max(recv_end, c.recv_offsets[p] + c.recv_counts[p]);
         }
-        GRADSUM_RETURN_IF_ERROR(CheckDeviceBuffer(c.send, send_end, absl::StrCat(name, " send")));
-        return CheckDeviceBuffer(c.recv, recv_end, absl::StrCat(name, " recv"));
+        GRADSUM_RETURN_IF_ERROR(CheckDeviceBuffer(c.send, send_end, name, "send"));
+        return CheckDeviceBuffer(c.recv, recv_end, name, "recv");
       }
       case OpKind::kBroadcast:
-        return CheckDeviceBuffer(c.recv, c.count, name);
+        return CheckDeviceBuffer(c.recv, c.count, name, "");
       case OpKind::kBarrier:
       case OpKind::kSplit:
         break;
@@ -451,22 +452,25 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
   }
 
   // Null with elements, or memory the GPU cannot address as device memory, is invalid.
-  static absl::Status CheckDeviceBuffer(const void* p, size_t count, absl::string_view what) {
+  // The message names `op` and `side` ("send", "recv" or ""), formatted only on failure.
+  static absl::Status CheckDeviceBuffer(const void* p, size_t count, const char* op,
+                                        const char* side) {
     if (count == 0) return absl::OkStatus();
+    auto what = [&] { return *side == '\0' ? std::string(op) : absl::StrCat(op, " ", side); };
     if (p == nullptr) {
       return absl::InvalidArgumentError(
-          absl::StrCat(what, " buffer is null with ", count, " elements"));
+          absl::StrCat(what(), " buffer is null with ", count, " elements"));
     }
     cudaPointerAttributes attr;
     const cudaError_t e = cudaPointerGetAttributes(&attr, p);
     if (e != cudaSuccess) {
       cudaGetLastError();  // clear the sticky-free error state of this query
       return absl::InvalidArgumentError(
-          absl::StrCat(what, " buffer is not CUDA memory: ", cudaGetErrorString(e)));
+          absl::StrCat(what(), " buffer is not CUDA memory: ", cudaGetErrorString(e)));
     }
     if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) {
       return absl::InvalidArgumentError(
-          absl::StrCat(what, " buffer is host memory; the nccl backend needs device memory"));
+          absl::StrCat(what(), " buffer is host memory; the nccl backend needs device memory"));
     }
     return absl::OkStatus();
   }
@@ -652,7 +656,196 @@ absl::Status MakeUniqueId(ncclUniqueId* id) {
   return absl::OkStatus();
 }
 
+// ---- The timing decorator (TimeNcclCommunicator). ----
+
+// CUDA events recorded on the NCCL stream before and after one operation.
+struct OpEvents {
+  cudaEvent_t start = nullptr, end = nullptr;
+  ~OpEvents() {
+    if (start != nullptr) cudaEventDestroy(start);
+    if (end != nullptr) cudaEventDestroy(end);
+  }
+};
+
+class TimedNcclWork final : public Work {
+ public:
+  TimedNcclWork(std::unique_ptr<Work> inner, std::unique_ptr<OpEvents> events,
+                absl::Duration blocked, std::shared_ptr<train::CommTimer> timer)
+      : inner_(std::move(inner)),
+        events_(std::move(events)),
+        blocked_(blocked),
+        timer_(std::move(timer)) {}
+  ~TimedNcclWork() override {
+    if (!counted_ && cudaEventQuery(events_->end) == cudaSuccess) Count();
+  }
+  absl::Status Wait(absl::Duration timeout) override {
+    const absl::Time start = absl::Now();
+    absl::Status s = inner_->Wait(timeout);
+    blocked_ += absl::Now() - start;
+    if (s.ok() && !counted_) Count();
+    return s;
+  }
+  bool IsCompleted() override {
+    const bool done = inner_->IsCompleted();
+    if (done && !counted_ && cudaEventQuery(events_->end) == cudaSuccess) Count();
+    return done;
+  }
+
+ private:
+  // Busy: the events' interval; exposed: the host's blocked time, capped at it.
+  void Count() {
+    counted_ = true;
+    float ms = 0;
+    if (cudaEventSynchronize(events_->end) != cudaSuccess ||
+        cudaEventElapsedTime(&ms, events_->start, events_->end) != cudaSuccess) {
+      cudaGetLastError();  // an aborted operation: count the host's view of it
+      timer_->AddBusy(blocked_);
+      timer_->Add(blocked_);
+      return;
+    }
+    const absl::Duration busy = absl::Microseconds(static_cast<int64_t>(ms * 1000.0f));
+    timer_->AddBusy(busy);
+    timer_->Add(std::min(blocked_, busy));
+  }
+
+  std::unique_ptr<Work> inner_;
+  std::unique_ptr<OpEvents> events_;
+  absl::Duration blocked_;
+  std::shared_ptr<train::CommTimer> timer_;
+  bool counted_ = false;
+};
+
+class TimedNcclCommunicator final : public NcclCommunicator {
+ public:
+  TimedNcclCommunicator(std::unique_ptr<NcclCommunicator> inner,
+                        std::shared_ptr<train::CommTimer> timer)
+      : inner_(std::move(inner)), timer_(std::move(timer)) {}
+
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  std::string backend() const override { return inner_->backend(); }
+  absl::Duration timeout() const override { return inner_->timeout(); }
+  cudaStream_t stream() const override { return inner_->stream(); }
+  int device() const override { return inner_->device(); }
+
+  absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv,
+                                                       size_t count, DType dtype,
+                                                       ReduceOp op) override {
+    return Timed([&] { return inner_->AllReduceAsync(send, recv, count, dtype, op); });
+  }
+  absl::StatusOr<std::unique_ptr<Work>> ReduceScatterAsync(const void* send, void* recv,
+                                                           size_t recv_count, DType dtype,
+                                                           ReduceOp op) override {
+    return Timed([&] { return inner_->ReduceScatterAsync(send, recv, recv_count, dtype, op); });
+  }
+  absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const void* send, void* recv,
+                                                       size_t send_count, DType dtype) override {
+    return Timed([&] { return inner_->AllGatherAsync(send, recv, send_count, dtype); });
+  }
+  absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(
+      const void* send, absl::Span<const size_t> send_counts,
+      absl::Span<const size_t> send_offsets, void* recv, absl::Span<const size_t> recv_counts,
+      absl::Span<const size_t> recv_offsets, DType dtype) override {
+    return Timed([&] {
+      return inner_->AllToAllVAsync(send, send_counts, send_offsets, recv, recv_counts,
+                                    recv_offsets, dtype);
+    });
+  }
+  absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(void* buf, size_t count, DType dtype,
+                                                       int root) override {
+    return Timed([&] { return inner_->BroadcastAsync(buf, count, dtype, root); });
+  }
+  absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override {
+    return Timed([&] { return inner_->BarrierAsync(); });
+  }
+  absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
+    const absl::Time start = absl::Now();
+    absl::StatusOr<std::unique_ptr<Communicator>> sub = inner_->Split(color, key);
+    timer_->Add(absl::Now() - start);
+    if (!sub.ok() || *sub == nullptr) return sub;
+    std::unique_ptr<NcclCommunicator> child(dynamic_cast<NcclCommunicator*>(sub->get()));
+    if (child == nullptr) {
+      return absl::InternalError("nccl Split did not give an nccl communicator");
+    }
+    sub->release();
+    return std::unique_ptr<Communicator>(new TimedNcclCommunicator(std::move(child), timer_));
+  }
+
+  absl::Status BeginCoalescing() override {
+    GRADSUM_RETURN_IF_ERROR(inner_->BeginCoalescing());
+    absl::StatusOr<std::unique_ptr<OpEvents>> events = StartEvents();
+    if (!events.ok()) {
+      absl::StatusOr<std::unique_ptr<Work>> closed = inner_->EndCoalescing();
+      if (closed.ok()) (*closed)->Wait(timeout()).IgnoreError();
+      return events.status();
+    }
+    group_ = std::move(*events);
+    group_start_ = absl::Now();
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::unique_ptr<Work>> EndCoalescing() override {
+    std::unique_ptr<OpEvents> events = std::move(group_);
+    if (events == nullptr) return inner_->EndCoalescing();  // inner's FailedPrecondition
+    return Finish(group_start_, std::move(events), inner_->EndCoalescing());
+  }
+  absl::StatusOr<std::unique_ptr<Work>> AllReduceCoalescedAsync(absl::Span<const Buffer> buffers,
+                                                                DType dtype,
+                                                                ReduceOp op) override {
+    return Timed([&] { return inner_->AllReduceCoalescedAsync(buffers, dtype, op); });
+  }
+
+ private:
+  absl::StatusOr<std::unique_ptr<OpEvents>> StartEvents() {
+    GRADSUM_CUDA_RETURN(cudaSetDevice(device()), "cudaSetDevice");
+    auto events = std::make_unique<OpEvents>();
+    GRADSUM_CUDA_RETURN(cudaEventCreate(&events->start), "cudaEventCreate");
+    GRADSUM_CUDA_RETURN(cudaEventCreate(&events->end), "cudaEventCreate");
+    GRADSUM_CUDA_RETURN(cudaEventRecord(events->start, stream()), "cudaEventRecord");
+    return events;
+  }
+
+  // Records the end event after `work` was issued and wraps it.
+  absl::StatusOr<std::unique_ptr<Work>> Finish(absl::Time start, std::unique_ptr<OpEvents> events,
+                                               absl::StatusOr<std::unique_ptr<Work>> work) {
+    const absl::Duration issuing = absl::Now() - start;
+    if (!work.ok()) {
+      timer_->Add(issuing);
+      timer_->AddBusy(issuing);
+      return work.status();
+    }
+    cudaError_t e = cudaSetDevice(device());
+    if (e == cudaSuccess) e = cudaEventRecord(events->end, stream());
+    if (e != cudaSuccess) {
+      // Untimed rather than lost: the operation is in flight and its Work still works.
+      timer_->Add(issuing);
+      timer_->AddBusy(issuing);
+      return std::move(*work);
+    }
+    return std::unique_ptr<Work>(
+        new TimedNcclWork(std::move(*work), std::move(events), issuing, timer_));
+  }
+
+  template <typename F>
+  absl::StatusOr<std::unique_ptr<Work>> Timed(F&& issue) {
+    if (group_ != nullptr) return issue();  // timed as the whole group
+    const absl::Time start = absl::Now();
+    absl::StatusOr<std::unique_ptr<OpEvents>> events = StartEvents();
+    if (!events.ok()) return events.status();
+    return Finish(start, std::move(*events), issue());
+  }
+
+  std::unique_ptr<NcclCommunicator> inner_;
+  std::shared_ptr<train::CommTimer> timer_;
+  std::unique_ptr<OpEvents> group_;  // non-null while a coalesced group is open
+  absl::Time group_start_;
+};
+
 }  // namespace
+
+std::unique_ptr<NcclCommunicator> TimeNcclCommunicator(std::unique_ptr<NcclCommunicator> inner,
+                                                       std::shared_ptr<train::CommTimer> timer) {
+  return std::make_unique<TimedNcclCommunicator>(std::move(inner), std::move(timer));
+}
 
 absl::StatusOr<std::unique_ptr<NcclCommunicator>> CreateNcclCommunicator(
     Communicator& bootstrap, NcclBackendOptions options) {

@@ -52,6 +52,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "collectives/communicator.h"
+#include "collectives/timed_communicator.h"
 
 namespace gradsum {
 
@@ -109,6 +110,25 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> CreateNcclCommunicator(
 // [0, world) and Unavailable if rank 0 cannot write the file (naming the path).
 absl::StatusOr<std::unique_ptr<NcclCommunicator>> CreateNcclCommunicatorFromFile(
     const std::string& id_path, int rank, int world, NcclBackendOptions options = {});
+
+// Times every operation of `inner` (owned) into `timer`, the CommTimer of the rank's host
+// communicators (collectives/timed_communicator.h), so that NCCL's collectives count in
+// the step's comm_s and comm_exposed_s like the host's:
+// - busy: each operation's duration on the NCCL stream, from CUDA events recorded on it
+//   around the operation (its agreement exchange included). Time the stream spent waiting
+//   for earlier work (a fence on the compute stream, the previous operation) is not in it.
+// - exposed: the host time the caller spent in the issuing call and in Wait, capped at
+//   that duration: the part of the block during which the collective itself ran (the
+//   rest is the GPU finishing compute queued before the fence). The host runs ahead of
+//   the GPU only between the model's syncs, so a wait on a collective while compute was
+//   still queued may still count.
+// Counted once, when the operation is first waited for successfully, found complete by
+// IsCompleted(), or dropped complete; one dropped unfinished is not counted. A coalesced
+// group (BeginCoalescing .. EndCoalescing, AllReduceCoalescedAsync) counts as one
+// operation; the Works of the operations inside it are not timed. Split() returns a
+// timed child over the same timer, so a Mesh built over the result is timed throughout.
+std::unique_ptr<NcclCommunicator> TimeNcclCommunicator(std::unique_ptr<NcclCommunicator> inner,
+                                                       std::shared_ptr<train::CommTimer> timer);
 
 }  // namespace gradsum
 

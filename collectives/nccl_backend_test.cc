@@ -6,10 +6,12 @@
 
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -191,6 +193,70 @@ TEST_F(NcclWorldOneTest, SplitAndBadArguments) {
   EXPECT_EQ(nccl_->Broadcast(d.get(), 8, DType::kI32, 1).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(nccl_->Barrier().ok());  // still usable
+}
+
+// TimeNcclCommunicator: each collective's duration on the NCCL stream counts as busy
+// time, and the caller's blocked time as exposed time only up to that duration; the time
+// the stream was held by earlier work (here a host function on another stream that the
+// NCCL stream waits for, as it waits for the compute stream) is neither.
+void HoldStream(void*) { std::this_thread::sleep_for(std::chrono::milliseconds(300)); }
+
+TEST_F(NcclWorldOneTest, TimedCountsTheCollectiveNotTheStreamWaitBeforeIt) {
+  auto timer = std::make_shared<train::CommTimer>();
+  std::unique_ptr<NcclCommunicator> timed = TimeNcclCommunicator(std::move(nccl_), timer);
+  EXPECT_EQ(timed->backend(), "nccl");
+  const size_t n = 1 << 20;
+  const Bytes in = MakeInput(DType::kF32, n, 3);
+  DeviceBuffer d(in);
+
+  // An async all-reduce, waited for: counted once, exposed <= busy, the result unchanged.
+  absl::StatusOr<std::unique_ptr<Work>> w =
+      timed->AllReduceAsync(d.get(), d.get(), n, DType::kF32, ReduceOp::kSum);
+  ASSERT_TRUE(w.ok()) << w.status();
+  ASSERT_TRUE((*w)->Wait().ok());
+  EXPECT_TRUE((*w)->IsCompleted());
+  absl::Duration exposed = timer->Take(), busy = timer->TakeBusy();
+  EXPECT_GT(busy, absl::ZeroDuration());
+  EXPECT_LE(exposed, busy);
+  EXPECT_EQ(d.ToHost(), in);
+
+  // The NCCL stream held for 300 ms before a synchronous all-reduce: the caller blocks
+  // through the hold, but the counted time is the all-reduce's own (far less).
+  cudaStream_t side = nullptr;
+  cudaEvent_t held = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaEventCreateWithFlags(&held, cudaEventDisableTiming), cudaSuccess);
+  ASSERT_EQ(cudaLaunchHostFunc(side, HoldStream, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaEventRecord(held, side), cudaSuccess);
+  ASSERT_EQ(cudaStreamWaitEvent(timed->stream(), held, 0), cudaSuccess);
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE(timed->AllReduce(d.get(), d.get(), n, DType::kF32).ok());
+  const absl::Duration blocked = absl::Now() - start;
+  exposed = timer->Take();
+  busy = timer->TakeBusy();
+  EXPECT_GE(blocked, absl::Milliseconds(300));
+  EXPECT_GT(busy, absl::ZeroDuration());
+  EXPECT_LT(busy, blocked / 2) << "the 300 ms hold was counted as communication";
+  EXPECT_LE(exposed, busy);
+  cudaEventDestroy(held);
+  cudaStreamDestroy(side);
+
+  // Split gives a timed child on the same timer (a Mesh over the timed world is timed).
+  absl::StatusOr<std::unique_ptr<Communicator>> child = timed->Split(0, 0);
+  ASSERT_TRUE(child.ok()) << child.status();
+  auto* nccl_child = dynamic_cast<NcclCommunicator*>(child->get());
+  ASSERT_NE(nccl_child, nullptr);
+  ASSERT_TRUE(nccl_child->AllReduce(d.get(), d.get(), n, DType::kF32).ok());
+  EXPECT_GT(timer->TakeBusy(), absl::ZeroDuration());
+  timer->Take();
+
+  // A coalesced group counts as one operation when it completes.
+  ASSERT_TRUE(timed->BeginCoalescing().ok());
+  ASSERT_TRUE(timed->AllReduceAsync(d.get(), d.get(), n / 2, DType::kF32, ReduceOp::kSum).ok());
+  absl::StatusOr<std::unique_ptr<Work>> group = timed->EndCoalescing();
+  ASSERT_TRUE(group.ok()) << group.status();
+  ASSERT_TRUE((*group)->Wait().ok());
+  EXPECT_LE(timer->Take(), timer->TakeBusy());
 }
 
 TEST(NcclFileBootstrapTest, WorldOfOne) {

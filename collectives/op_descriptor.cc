@@ -281,22 +281,27 @@ void EncodeDescriptor(const OpDescriptor& d, int64_t* out) {
 }
 
 bool DescriptorAgreed(const int64_t* reduced) {
-  if (reduced[kDescriptorFields + kInvalidRank] >= 0) return false;
+  if (HighestInvalidRank(reduced) >= 0) return false;
   for (int f = 0; f < kDescriptorFields; ++f) {
     if (-reduced[f] != reduced[kDescriptorFields + f]) return false;
   }
   return true;
 }
 
+int64_t HighestInvalidRank(const int64_t* reduced) {
+  return reduced[kDescriptorFields + kInvalidRank];
+}
+
 absl::Status CheckDescriptorAgreed(const OpDescriptor& d, const int64_t* reduced,
-                                   absl::string_view label) {
+                                   absl::string_view label, absl::string_view invalid_message) {
   int64_t mine[kDescriptorFields];
   Fields(d, mine);
-  const int64_t highest_invalid = reduced[kDescriptorFields + kInvalidRank];
+  const int64_t highest_invalid = HighestInvalidRank(reduced);
   if (highest_invalid >= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(label, ": rank ", highest_invalid,
-                                                   " passed invalid arguments to its ",
-                                                   OpKindName(d.kind), " (see that rank's error)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        label, ": rank ", highest_invalid, " passed invalid arguments to its ",
+        OpKindName(d.kind),
+        invalid_message.empty() ? " (see that rank's error)" : ": ", invalid_message));
   }
   for (int f = 0; f < kDescriptorFields; ++f) {
     const int64_t lo = -reduced[f], hi = reduced[kDescriptorFields + f];

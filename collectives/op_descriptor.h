@@ -70,7 +70,8 @@ OpCall MakeAllToAllVCall(const void* send, absl::Span<const size_t> send_counts,
 // needs a floating dtype), no null buffer with elements, the in-place conventions and no
 // other overlap, a broadcast root inside [0, size), all-to-all-v spans of size() entries
 // with non-overlapping receive blocks and no send block overlapping a receive block.
-// `max_count` is the backend's limit on any count or offset in elements (MPI: INT_MAX).
+// `max_count` is the backend's limit on any count or offset in elements
+// (Communicator::max_count(); MPI: INT_MAX).
 // Returns OK without formatting anything, or InvalidArgument "<operation>: <what>"
 // naming the offending value.
 absl::Status ValidateCall(const OpCall& c, int rank, int size,
@@ -117,12 +118,17 @@ void EncodeDescriptor(const OpDescriptor& d, int64_t* out);
 // nothing: the cheap test before CheckDescriptorAgreed builds a message).
 bool DescriptorAgreed(const int64_t* reduced);
 
+// The highest rank whose own arguments were invalid, or -1 (from the reduced descriptor).
+int64_t HighestInvalidRank(const int64_t* reduced);
+
 // `reduced` is the MAX all-reduce of every rank's EncodeDescriptor. Returns OK when all
-// fields agree. Otherwise InvalidArgument: "<label>: rank R passed invalid arguments ..."
-// (the highest such rank), else "<label>: ranks disagree on <field>: <min> vs <max> (this
-// rank: <mine>)" for the first field that differs.
+// fields agree. Otherwise InvalidArgument: "<label>: rank R passed invalid arguments to its
+// <op>: <invalid_message>" (R = HighestInvalidRank; `invalid_message` is that rank's own
+// error, if the caller fetched it, else "(see that rank's error)"), else "<label>: ranks
+// disagree on <field>: <min> vs <max> (this rank: <mine>)" for the first field that differs.
 absl::Status CheckDescriptorAgreed(const OpDescriptor& d, const int64_t* reduced,
-                                   absl::string_view label);
+                                   absl::string_view label,
+                                   absl::string_view invalid_message = {});
 
 // All-to-all-v: rank r's send_counts[p] must equal rank p's recv_counts[r]. Each rank
 // reports (first sender p whose count differs, or -1; what p sends; what this rank

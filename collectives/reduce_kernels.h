@@ -15,8 +15,9 @@
 // - i32/i64 SUM wraps modulo 2^32 / 2^64 (no undefined overflow); AVG needs a floating
 //   dtype (the caller checks); AVG is the SUM divided by the number of sources;
 // - MAX propagates NaN; otherwise it returns one of the inputs exactly.
-// The result is written to dsts[0] and then copied to dsts[1..]. A destination may equal
-// a source (in place); otherwise destinations must not overlap the sources or each other.
+// The result is rounded once and stored into every destination, 64 elements at a time. A
+// destination may equal a source (in place); otherwise destinations must not overlap the
+// sources or each other.
 
 #include <cstddef>
 

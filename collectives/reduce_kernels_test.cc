@@ -1,5 +1,6 @@
 #include "collectives/reduce_kernels.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -22,6 +23,41 @@ TEST(ReduceKernelsTest, MaxPropagatesNanFromAnySource) {
   EXPECT_TRUE(std::isnan(out[1]));
   EXPECT_TRUE(std::isnan(out[2]));
   EXPECT_EQ(out[3], -1.0f);
+}
+
+// The kernel works in vectorized tiles of 64 elements plus a scalar tail: every position,
+// in a full tile and in the tail, against a plain per-element loop (f32 SUM in source
+// order; MAX with NaNs in both parts), three sources, two destinations.
+TEST(ReduceKernelsTest, TilesAndTailMatchAPlainLoop) {
+  const size_t n = 64 * 3 + 37;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<std::vector<float>> src(3, std::vector<float>(n));
+  for (size_t p = 0; p < 3; ++p) {
+    for (size_t i = 0; i < n; ++i) {
+      // Values whose sum depends on the order (1e8 + 1 - 1e8 != 1 in f32).
+      src[p][i] = p == 0 ? 1e8f : p == 1 ? static_cast<float>(i % 7) - 3.0f : -1e8f;
+    }
+  }
+  std::vector<const void*> srcs = {src[0].data(), src[1].data(), src[2].data()};
+  std::vector<float> out0(n), out1(n);
+  std::vector<void*> dsts = {out0.data(), out1.data()};
+  ReduceInto(DType::kF32, ReduceOp::kSum, srcs, n, dsts);
+  for (size_t i = 0; i < n; ++i) {
+    const float want = (src[0][i] + src[1][i]) + src[2][i];
+    ASSERT_EQ(out0[i], want) << i;
+    ASSERT_EQ(out1[i], want) << i;
+  }
+  src[1][5] = nan;            // in the first tile
+  src[2][64 * 3 + 30] = nan;  // in the tail
+  ReduceInto(DType::kF32, ReduceOp::kMax, srcs, n, dsts);
+  for (size_t i = 0; i < n; ++i) {
+    if (i == 5 || i == 64 * 3 + 30) {
+      EXPECT_TRUE(std::isnan(out0[i]) && std::isnan(out1[i])) << i;
+    } else {
+      EXPECT_EQ(out0[i], std::max({src[0][i], src[1][i], src[2][i]})) << i;
+      EXPECT_EQ(out1[i], out0[i]) << i;
+    }
+  }
 }
 
 TEST(ReduceKernelsTest, IntegerSumWrapsAndMaxIsSigned) {

@@ -669,7 +669,7 @@ class ThreadCommunicator : public Communicator {
           const size_t lo = c * chunk, hi = std::min(n, lo + chunk);
           for (int p = 0; p < w; ++p) {
             srcs_[p] = Ptr(Args(p).call.send, lo * elem);
-            // My own recv first: the kernel rounds into it once, then copies to the others.
+            // Every rank's recv gets the rounded result (my own first).
             dsts_[p] = Ptr(Args((rank_ + p) % w).call.recv, lo * elem);
           }
           ReduceInto(mine.dtype, mine.op, srcs_, hi - lo, dsts_);

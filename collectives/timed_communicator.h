@@ -21,6 +21,10 @@
 //
 // Both include waiting for slower ranks inside a collective: on shared memory, moving the
 // bytes and waiting for the peers cannot be told apart from one side.
+//
+// NCCL communicators feed the same timer through their own decorator,
+// TimeNcclCommunicator (collectives/nccl_backend.h): busy from CUDA events around each
+// operation on its stream, exposed the blocked host time capped at that.
 
 #include <atomic>
 #include <condition_variable>
@@ -95,6 +99,7 @@ class TimedCommunicator : public Communicator {
   int size() const override { return inner_->size(); }
   std::string backend() const override { return inner_->backend(); }
   absl::Duration timeout() const override { return inner_->timeout(); }
+  size_t max_count() const override { return inner_->max_count(); }
   const std::shared_ptr<CommTimer>& timer() const { return timer_; }
 
   absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv, size_t count,

@@ -87,39 +87,52 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view byte
   return FsyncDir(DirName(path));
 }
 
-absl::StatusOr<std::string> ReadFileToString(const std::string& path, uint64_t max_bytes) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoError(errno, "open", path);
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    const int err = errno;
-    ::close(fd);
-    return ErrnoError(err, "stat", path);
+ReadOnlyFile& ReadOnlyFile::operator=(ReadOnlyFile&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = other.fd_;
+    size_ = other.size_;
+    other.fd_ = -1;
   }
+  return *this;
+}
+
+ReadOnlyFile::~ReadOnlyFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+absl::StatusOr<ReadOnlyFile> OpenRegularFile(const std::string& path) {
+  ReadOnlyFile file;
+  file.fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (file.fd_ < 0) return ErrnoError(errno, "open", path);
+  struct stat st;
+  if (::fstat(file.fd_, &st) != 0) return ErrnoError(errno, "stat", path);
   if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
     return absl::FailedPreconditionError(absl::StrCat("not a regular file: '", path, "'"));
   }
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  file.size_ = static_cast<uint64_t>(st.st_size);
+  return file;
+}
+
+absl::StatusOr<std::string> ReadFileToString(const std::string& path, uint64_t max_bytes) {
+  absl::StatusOr<ReadOnlyFile> file = OpenRegularFile(path);
+  if (!file.ok()) return file.status();
+  const uint64_t size = file->size();
   if (size > max_bytes) {
-    ::close(fd);
     return absl::OutOfRangeError(
         absl::StrCat("file '", path, "' has ", size, " bytes, more than the limit ", max_bytes));
   }
   std::string out(size, '\0');
   size_t done = 0;
   while (done < size) {
-    const ssize_t n = ::read(fd, &out[done], size - done);
+    const ssize_t n = ::read(file->fd(), &out[done], size - done);
     if (n < 0) {
       if (errno == EINTR) continue;
-      const int err = errno;
-      ::close(fd);
-      return ErrnoError(err, "read", path);
+      return ErrnoError(errno, "read", path);
     }
     if (n == 0) break;  // shrank while reading
     done += static_cast<size_t>(n);
   }
-  ::close(fd);
   out.resize(done);
   return out;
 }
@@ -127,17 +140,8 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path, uint64_t m
 uint64_t Fingerprint64(absl::string_view bytes) { return XXH3_64bits(bytes.data(), bytes.size()); }
 
 absl::StatusOr<uint64_t> FingerprintFile(const std::string& path, uint64_t max_bytes) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoError(errno, "open", path);
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
-  struct stat st;
-  if (::fstat(fd, &st) != 0) return ErrnoError(errno, "stat", path);
-  if (!S_ISREG(st.st_mode)) {
-    return absl::FailedPreconditionError(absl::StrCat("not a regular file: '", path, "'"));
-  }
+  absl::StatusOr<ReadOnlyFile> file = OpenRegularFile(path);
+  if (!file.ok()) return file.status();
   XXH3_state_t* state = XXH3_createState();
   if (state == nullptr) return absl::ResourceExhaustedError("XXH3_createState");
   struct Freer {
@@ -148,7 +152,7 @@ absl::StatusOr<uint64_t> FingerprintFile(const std::string& path, uint64_t max_b
   std::string buf(1 << 20, '\0');
   uint64_t total = 0;
   while (true) {
-    const ssize_t n = ::read(fd, &buf[0], buf.size());
+    const ssize_t n = ::read(file->fd(), &buf[0], buf.size());
     if (n < 0) {
       if (errno == EINTR) continue;
       return ErrnoError(errno, "read", path);

@@ -29,6 +29,32 @@ absl::Status ErrnoStatus(int err, absl::string_view message);
 // FailedPrecondition and left alone.
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view bytes);
 
+// A file opened read-only, closed when the object goes. OpenRegularFile opens `path`
+// (O_RDONLY | O_CLOEXEC) and checks that it is a regular file: errors carry the errno code
+// and name the path; a directory, device, FIFO or socket is FailedPrecondition. The one
+// open/stat/check preamble of every reader here (ReadFileToString, FingerprintFile, the
+// safetensors readers).
+class ReadOnlyFile {
+ public:
+  ReadOnlyFile() = default;
+  ReadOnlyFile(ReadOnlyFile&& other) noexcept : fd_(other.fd_), size_(other.size_) {
+    other.fd_ = -1;
+  }
+  ReadOnlyFile& operator=(ReadOnlyFile&& other) noexcept;
+  ReadOnlyFile(const ReadOnlyFile&) = delete;
+  ReadOnlyFile& operator=(const ReadOnlyFile&) = delete;
+  ~ReadOnlyFile();
+
+  int fd() const { return fd_; }
+  uint64_t size() const { return size_; }  // st_size when opened
+
+ private:
+  friend absl::StatusOr<ReadOnlyFile> OpenRegularFile(const std::string& path);
+  int fd_ = -1;
+  uint64_t size_ = 0;
+};
+absl::StatusOr<ReadOnlyFile> OpenRegularFile(const std::string& path);
+
 // Reads the whole file. A file larger than `max_bytes` is OutOfRange naming its size
 // (guards against reading a wrong, huge path into memory). Errors name the path.
 absl::StatusOr<std::string> ReadFileToString(const std::string& path,

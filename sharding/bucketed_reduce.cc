@@ -11,7 +11,8 @@
 namespace gradsum {
 
 absl::StatusOr<std::unique_ptr<BucketedGradReducer>> BucketedGradReducer::Create(
-    std::vector<FlatParam*> groups, size_t bucket_cap_bytes, size_t first_bucket_cap_bytes) {
+    std::vector<FlatParam*> groups, size_t bucket_cap_bytes, size_t first_bucket_cap_bytes,
+    const BucketedGradDevice* device) {
   if (groups.empty()) return absl::InvalidArgumentError("BucketedGradReducer: no groups");
   for (const FlatParam* g : groups) {
     if (g == nullptr) return absl::InvalidArgumentError("BucketedGradReducer: null group");
@@ -34,28 +35,54 @@ absl::StatusOr<std::unique_ptr<BucketedGradReducer>> BucketedGradReducer::Create
   if (bucket_cap_bytes == 0) {
     return absl::InvalidArgumentError("BucketedGradReducer: bucket_cap_bytes must be >= 1");
   }
+  Communicator* comm = groups[0]->group();
   GradBucketerOptions options;
   options.mode = GradBucketerOptions::Mode::kAllReduce;
   options.bucket_cap_bytes = bucket_cap_bytes;
   options.first_bucket_cap_bytes = first_bucket_cap_bytes;
-  std::unique_ptr<BucketedGradReducer> r(new BucketedGradReducer(groups[0]->group(), options));
-  r->exact_ = groups[0]->options().exact_grads;
-  for (const FlatParam* g : groups) {
+  const bool exact = groups[0]->options().exact_grads;
+  if (device != nullptr && exact) {
+    return absl::UnimplementedError(absl::StrCat(
+        "BucketedGradReducer: exact gradients (group \"", groups[0]->name(),
+        "\") are reduced in host buckets only"));
+  }
+  if (device != nullptr) {
+    if (device->comm == nullptr || device->memory == nullptr) {
+      return absl::InvalidArgumentError(
+          "BucketedGradReducer: device buckets need a communicator and a memory");
+    }
+    if (device->comm->rank() != comm->rank() || device->comm->size() != comm->size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "BucketedGradReducer: the device communicator is rank ", device->comm->rank(), " of ",
+          device->comm->size(), " but group \"", groups[0]->name(), "\"'s is rank ",
+          comm->rank(), " of ", comm->size()));
+    }
+    comm = device->comm;
+    options.memory = device->memory;
+  }
+  std::unique_ptr<BucketedGradReducer> r(new BucketedGradReducer(comm, options));
+  r->device_ = device != nullptr;
+  r->exact_ = exact;
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    const FlatParam* g = groups[gi];
     std::vector<int> ids;
-    for (const FlatParamEntry& e : g->entries()) {
+    for (int k = 0; k < g->num_params(); ++k) {
+      const FlatParamEntry& e = g->entries()[k];
       // Exact mode: each element's int64 limbs (SEMANTICS.md §11).
       GRADSUM_ASSIGN_OR_RETURN(
-          int id, r->exact_ ? r->bucketer_.Register(absl::StrCat(g->name(), "/", e.name),
-                                                    DType::kI64, e.numel * exact::kLimbs)
-                            : r->bucketer_.Register(absl::StrCat(g->name(), "/", e.name),
-                                                    g->options().reduce_dtype, e.numel));
+          int id, exact ? r->bucketer_.Register(absl::StrCat(g->name(), "/", e.name),
+                                                DType::kI64, e.numel * exact::kLimbs)
+                        : r->bucketer_.Register(absl::StrCat(g->name(), "/", e.name),
+                                                g->options().reduce_dtype, e.numel));
       ids.push_back(id);
+      r->owner_.push_back({static_cast<int>(gi), k});
     }
-    if (r->exact_) {
+    if (exact) {
       // The group's rejected-contribution count travels in the same buckets, last.
       GRADSUM_ASSIGN_OR_RETURN(
           int id, r->bucketer_.Register(absl::StrCat(g->name(), "/#rejected"), DType::kI64, 1));
       ids.push_back(id);
+      r->owner_.push_back({static_cast<int>(gi), -1});
     }
     r->param_ids_.push_back(std::move(ids));
   }
@@ -83,6 +110,10 @@ absl::Status BucketedGradReducer::GroupReady(int index) {
   for (int k = g.num_params() - 1; k >= 0; --k) {
     const FlatParamEntry& e = g.entries()[k];
     const int id = param_ids_[index][k];
+    if (device_) {  // the gradient is the bucket view
+      GRADSUM_RETURN_IF_ERROR(bucketer_.MarkReady(id));
+      continue;
+    }
     TensorView view = bucketer_.grad(id);
     const float* src = full.data() + e.offset;
     if (view.dtype() == DType::kBF16) {
@@ -114,6 +145,23 @@ absl::Status BucketedGradReducer::ExactGroupReady(int index) {
   return absl::OkStatus();
 }
 
+absl::Status BucketedGradReducer::FinishExact() {
+  // Host buckets: each group's summed limbs, converted once into master_grad(); NaN for a
+  // group with a rejected contribution on any rank.
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    FlatParam& g = *groups_[gi];
+    const int64_t rejected = *bucketer_.grad(param_ids_[gi].back()).data<int64_t>();
+    for (int k = 0; k < g.num_params(); ++k) {
+      const FlatParamEntry& e = g.entries()[k];
+      TensorView view = bucketer_.grad(param_ids_[gi][k]);
+      GRADSUM_RETURN_IF_ERROR(exact::ToFloats(
+          absl::MakeConstSpan(view.data<int64_t>(), e.numel * exact::kLimbs), rejected,
+          g.master_grad().subspan(e.offset, e.numel)));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status BucketedGradReducer::Finish() {
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     if (!handed_[gi]) {
@@ -124,33 +172,115 @@ absl::Status BucketedGradReducer::Finish() {
   }
   GRADSUM_RETURN_IF_ERROR(bucketer_.Finish());
   std::fill(handed_.begin(), handed_.end(), false);
-  for (size_t gi = 0; gi < groups_.size(); ++gi) {
-    FlatParam& g = *groups_[gi];
-    absl::Span<float> out = g.master_grad();  // replicated: the full gradient, numel elements
-    if (exact_) {
-      const int64_t rejected = *bucketer_.grad(param_ids_[gi].back()).data<int64_t>();
-      for (int k = 0; k < g.num_params(); ++k) {
-        const FlatParamEntry& e = g.entries()[k];
-        TensorView view = bucketer_.grad(param_ids_[gi][k]);
-        GRADSUM_RETURN_IF_ERROR(exact::ToFloats(
-            absl::MakeConstSpan(view.data<int64_t>(), e.numel * exact::kLimbs), rejected,
-            out.subspan(e.offset, e.numel)));
-      }
-      continue;
+  if (exact_) return FinishExact();
+  // Bucket by bucket (device buckets: one copy to the host each), each parameter's sum
+  // into its group's master_grad() (replicated: the full gradient, numel elements).
+  std::vector<uint64_t> staging;
+  for (int b = 0; b < bucketer_.num_buckets(); ++b) {
+    const GradBucketInfo& info = bucketer_.bucket(b);
+    const size_t esize = DTypeSize(info.dtype);
+    if (device_) {
+      staging.resize((static_cast<size_t>(info.padded_numel) * esize + 7) / 8);
+      GRADSUM_RETURN_IF_ERROR(bucketer_.CopyBucketToHost(b, staging.data()));
     }
-    for (int k = 0; k < g.num_params(); ++k) {
-      const FlatParamEntry& e = g.entries()[k];
-      TensorView view = bucketer_.grad(param_ids_[gi][k]);
-      float* dst = out.data() + e.offset;
-      if (view.dtype() == DType::kBF16) {
-        const BF16* src = view.data<BF16>();
-        for (int64_t i = 0; i < e.numel; ++i) dst[i] = src[i].ToFloat();
+    for (size_t i = 0; i < info.param_ids.size(); ++i) {
+      const int id = info.param_ids[i];
+      const auto [gi, k] = owner_[id];
+      const FlatParamEntry& e = groups_[gi]->entries()[k];
+      const void* src = device_ ? reinterpret_cast<const char*>(staging.data()) +
+                                      info.offsets[i] * esize
+                                : bucketer_.grad(id).raw();
+      float* dst = groups_[gi]->master_grad().data() + e.offset;
+      if (info.dtype == DType::kBF16) {
+        const BF16* in = static_cast<const BF16*>(src);
+        for (int64_t j = 0; j < e.numel; ++j) dst[j] = in[j].ToFloat();
       } else {
-        std::copy(view.data<float>(), view.data<float>() + e.numel, dst);
+        const float* in = static_cast<const float*>(src);
+        std::copy(in, in + e.numel, dst);
       }
     }
   }
+  // Device buckets hold the gradients themselves: the next step accumulates from zero.
+  if (device_) GRADSUM_RETURN_IF_ERROR(bucketer_.ZeroGrads());
   return absl::OkStatus();
+}
+
+absl::Status BucketedGradReducer::Abandon() {
+  std::fill(handed_.begin(), handed_.end(), false);
+  return bucketer_.AbandonStep();
+}
+
+absl::StatusOr<BucketedUnitReducers> BucketedUnitReducers::Create(
+    const std::vector<FlatParam*>& units, size_t bucket_cap_bytes,
+    size_t first_bucket_cap_bytes, const std::vector<Communicator*>* device_comms,
+    BucketMemory* memory) {
+  if (device_comms != nullptr && device_comms->size() != units.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("BucketedUnitReducers: ", units.size(),
+                                                   " units but ", device_comms->size(),
+                                                   " device communicators"));
+  }
+  auto comm_of = [&](size_t u) {
+    return device_comms != nullptr ? (*device_comms)[u] : units[u]->group();
+  };
+  // Units grouped by communicator, in forward order; each unit's reducer and index.
+  std::vector<std::pair<Communicator*, std::vector<FlatParam*>>> by_comm;
+  BucketedUnitReducers r;
+  r.reducer_of_.resize(units.size());
+  for (size_t u = 0; u < units.size(); ++u) {
+    auto it = std::find_if(by_comm.begin(), by_comm.end(),
+                           [&](const auto& e) { return e.first == comm_of(u); });
+    if (it == by_comm.end()) {
+      by_comm.push_back({comm_of(u), {}});
+      it = by_comm.end() - 1;
+    }
+    r.reducer_of_[u] = {static_cast<int>(it - by_comm.begin()),
+                        static_cast<int>(it->second.size())};
+    it->second.push_back(units[u]);
+  }
+  for (auto& [comm, group_units] : by_comm) {
+    const BucketedGradDevice device{comm, memory};
+    GRADSUM_ASSIGN_OR_RETURN(
+        std::unique_ptr<BucketedGradReducer> reducer,
+        BucketedGradReducer::Create(group_units, bucket_cap_bytes, first_bucket_cap_bytes,
+                                    device_comms != nullptr ? &device : nullptr));
+    r.reducers_.push_back(std::move(reducer));
+  }
+  r.handed_.assign(r.reducers_.size(), false);
+  return r;
+}
+
+absl::Status BucketedUnitReducers::Ready(int u) {
+  if (u < 0 || u >= static_cast<int>(reducer_of_.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("BucketedUnitReducers: unit ", u,
+                                                   " outside [0, ", reducer_of_.size(), ")"));
+  }
+  const auto [r, index] = reducer_of_[u];
+  handed_[r] = true;
+  return reducers_[r]->GroupReady(index);
+}
+
+absl::Status BucketedUnitReducers::Finish() {
+  for (size_t r = 0; r < reducers_.size(); ++r) {
+    if (!handed_[r]) continue;
+    handed_[r] = false;
+    GRADSUM_RETURN_IF_ERROR(reducers_[r]->Finish());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status BucketedUnitReducers::Abandon() {
+  absl::Status first;
+  for (size_t r = 0; r < reducers_.size(); ++r) {
+    handed_[r] = false;
+    absl::Status s = reducers_[r]->Abandon();
+    if (first.ok()) first = s;
+  }
+  return first;
+}
+
+TensorView BucketedUnitReducers::grad_view(int u, int k) const {
+  const auto [r, index] = reducer_of_[u];
+  return reducers_[r]->grad_view(index, k);
 }
 
 }  // namespace gradsum

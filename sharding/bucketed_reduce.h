@@ -23,12 +23,24 @@
 // result is bit-identical to FlatParam's own all-reduce: the same per-element SUM in the
 // group's reduce dtype.
 //
-// Exact groups (FlatParamOptions::exact_grads; all groups or none) travel as their int64
-// limbs, canonicalised on the way into the buckets, plus one int64 per group for the
-// rejected-contribution count; Finish converts the sums into master_grad() exactly as
-// FlatParam's own exact all-reduce does (SEMANTICS.md §11).
+// Device buckets (a GPU model, train/cuda): with a BucketedGradDevice the buckets live in
+// its memory and are reduced over its communicator (NCCL, standing for the groups' host
+// one). The caller puts each parameter's gradient into its bucket view, grad_view(group,
+// k) (in the reduce dtype, by its own device copy), before GroupReady, which then only
+// marks them; Finish copies each reduced bucket to the host once, folds it into the
+// masters as above and zeroes the buckets (so a caller may also accumulate in the views).
+//
+// Exact groups (FlatParamOptions::exact_grads; all groups or none; host buckets only,
+// Unimplemented with device buckets) travel as their int64 limbs, canonicalised on the way
+// into the buckets, plus one int64 per group for the rejected-contribution count; Finish
+// converts the sums into master_grad() exactly as FlatParam's own exact all-reduce does
+// (SEMANTICS.md §11).
+//
+// BucketedUnitReducers below applies this to a model's units over several communicators
+// (the world's units and the EDP group's), for both the host and the device model.
 
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -37,6 +49,12 @@
 
 namespace gradsum {
 
+// Where device buckets live and what reduces them (see above). Not owned.
+struct BucketedGradDevice {
+  Communicator* comm = nullptr;   // same rank and size as the groups' host communicator
+  BucketMemory* memory = nullptr;
+};
+
 class BucketedGradReducer {
  public:
   // `groups` (not owned, non-empty) must all be in replicated mode and share one
@@ -44,12 +62,15 @@ class BucketedGradReducer {
   // are GradBucketerOptions' (collectives/bucketer.h).
   // InvalidArgument otherwise (naming the group), or for invalid bucketer options.
   // Collective only in the sense that every rank must build the same reducer.
+  // `device`: device buckets (see above); InvalidArgument if its communicator's rank or
+  // size differ from the groups'.
   static absl::StatusOr<std::unique_ptr<BucketedGradReducer>> Create(
       std::vector<FlatParam*> groups, size_t bucket_cap_bytes = size_t{25} << 20,
-      size_t first_bucket_cap_bytes = 0);
+      size_t first_bucket_cap_bytes = 0, const BucketedGradDevice* device = nullptr);
 
-  // Hands group `index`'s accumulated gradient to its buckets (copied, or rounded to bf16
-  // for a bf16 reduce dtype) and marks it ready; full buckets launch their all-reduce.
+  // Hands group `index`'s accumulated gradient to its buckets (host buckets: copied, or
+  // rounded to bf16 for a bf16 reduce dtype; device buckets: already there) and marks it
+  // ready, its last parameter first; full buckets launch their all-reduce.
   // InvalidArgument for a bad index; FailedPrecondition if already handed this step.
   absl::Status GroupReady(int index);
 
@@ -57,19 +78,61 @@ class BucketedGradReducer {
   // FailedPrecondition naming a group not handed over this step (the step stays open).
   absl::Status Finish();
 
+  // Drops a step that failed part-way (GradBucketer::AbandonStep): nothing is folded, the
+  // buckets are zeroed and every group may be handed over again.
+  absl::Status Abandon();
+
+  // Group `index`'s parameter k's bucket view (device buckets: where its gradient goes).
+  // Precondition: both in range.
+  TensorView grad_view(int index, int k) const {
+    return bucketer_.grad(param_ids_[index][k]);
+  }
+
   const GradBucketer& bucketer() const { return bucketer_; }
 
  private:
   explicit BucketedGradReducer(Communicator* comm, GradBucketerOptions options)
       : bucketer_(comm, options) {}
   absl::Status ExactGroupReady(int index);
+  absl::Status FinishExact();
 
+  bool device_ = false;
   bool exact_ = false;
   std::vector<FlatParam*> groups_;
   // Bucketer ids of each group's parameters (exact mode: then its rejected count's).
   std::vector<std::vector<int>> param_ids_;
   std::vector<bool> handed_;                 // GroupReady called in the current step
+  std::vector<std::pair<int, int>> owner_;  // bucketer id -> (group, parameter or -1)
   GradBucketer bucketer_;
+};
+
+// Replicated-mode reduction of a model's units (train/unit_schedule.h's UnitStore, host
+// and device): the units are split by communicator into BucketedGradReducers, each unit's
+// parameters registered in forward order, and handed over as backward completes them.
+class BucketedUnitReducers {
+ public:
+  // `units`: replicated FlatParams in forward order. `device_comms` (device buckets, one
+  // entry per unit) / `memory`: as BucketedGradDevice, per unit; both null for host
+  // buckets. Errors of BucketedGradReducer::Create.
+  static absl::StatusOr<BucketedUnitReducers> Create(
+      const std::vector<FlatParam*>& units, size_t bucket_cap_bytes,
+      size_t first_bucket_cap_bytes, const std::vector<Communicator*>* device_comms = nullptr,
+      BucketMemory* memory = nullptr);
+  BucketedUnitReducers() = default;
+
+  // Unit u's gradient is complete (last micro-batch): BucketedGradReducer::GroupReady.
+  absl::Status Ready(int u);
+  // Finishes every reducer that was handed a unit this step.
+  absl::Status Finish();
+  // Abandons every reducer's step (BucketedGradReducer::Abandon).
+  absl::Status Abandon();
+  // Unit u's parameter k's bucket view. Precondition: both in range.
+  TensorView grad_view(int u, int k) const;
+
+ private:
+  std::vector<std::unique_ptr<BucketedGradReducer>> reducers_;
+  std::vector<std::pair<int, int>> reducer_of_;  // unit -> (reducer, index in it)
+  std::vector<bool> handed_;                     // reducer got units this step
 };
 
 }  // namespace gradsum

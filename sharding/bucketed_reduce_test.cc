@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "collectives/thread_backend.h"
+#include "core/half.h"
 #include "core/status.h"
 #include "gtest/gtest.h"
 #include "sharding/test_util.h"
@@ -25,7 +26,30 @@ std::vector<std::pair<std::string, std::vector<ParamSpec>>> Groups() {
           {"norm1", {{"norm1.g", {5}}, {"norm1.b", {2}}}}};
 }
 
-enum class Path { kBucketed, kPerGroupReplicated, kSharded };
+enum class Path { kBucketed, kDeviceBuckets, kPerGroupReplicated, kSharded };
+
+// "Device" bucket memory for the CPU test of the device path: host memory that counts how
+// the reducer uses it (a GPU model's is device memory, train/cuda).
+class CountingMemory final : public BucketMemory {
+ public:
+  absl::StatusOr<void*> Allocate(size_t bytes) override {
+    ++live;
+    return HostBucketMemory().Allocate(bytes);
+  }
+  void Free(void* storage) override {
+    --live;
+    HostBucketMemory().Free(storage);
+  }
+  absl::Status Zero(void* storage, size_t bytes) override {
+    ++zeroes;
+    return HostBucketMemory().Zero(storage, bytes);
+  }
+  absl::Status CopyToHost(const void* storage, void* host, size_t bytes) override {
+    ++copies;
+    return HostBucketMemory().CopyToHost(storage, host, bytes);
+  }
+  int live = 0, zeroes = 0, copies = 0;
+};
 
 // Reduces G micro-batches of fp32 gradients; returns each group's owned gradient slice
 // per rank: result[group][rank].
@@ -46,9 +70,17 @@ absl::StatusOr<std::vector<std::vector<std::vector<float>>>> Reduce(int world, P
       owned.push_back(std::move(g));
     }
     std::unique_ptr<BucketedGradReducer> reducer;
-    if (path == Path::kBucketed) {
+    const bool bucketed = path == Path::kBucketed || path == Path::kDeviceBuckets;
+    // Device buckets: f32 gradients accumulate in the bucket views themselves; bf16 ones
+    // in the group's fp32 buffer, rounded into the views when handed over (as MoeLmCuda).
+    const bool in_views = path == Path::kDeviceBuckets && reduce_dtype == DType::kF32;
+    CountingMemory memory;
+    const BucketedGradDevice device{&comm, &memory};
+    if (bucketed) {
       // A tiny cap: several buckets, and groups split across buckets.
-      GRADSUM_ASSIGN_OR_RETURN(reducer, BucketedGradReducer::Create(groups, /*cap=*/40));
+      GRADSUM_ASSIGN_OR_RETURN(
+          reducer, BucketedGradReducer::Create(groups, /*cap=*/40, 0,
+                                               path == Path::kDeviceBuckets ? &device : nullptr));
       if (reducer->bucketer().num_buckets() < 3) return absl::InternalError("too few buckets");
     }
     for (int m = 0; m < G; ++m) {
@@ -57,17 +89,42 @@ absl::StatusOr<std::vector<std::vector<std::vector<float>>>> Reduce(int world, P
         FlatParam& g = *groups[gi];
         for (int k = 0; k < g.num_params(); ++k) {
           GRADSUM_ASSIGN_OR_RETURN(TensorView t, g.grad(k));
+          float* dst = in_views ? reducer->grad_view(gi, k).data<float>() : t.data<float>();
           for (int64_t i = 0; i < t.numel(); ++i) {
-            t.data<float>()[i] += static_cast<float>(Noise(g.entries()[k].name, i, comm.rank(), m));
+            dst[i] += static_cast<float>(Noise(g.entries()[k].name, i, comm.rank(), m));
+          }
+          if (path == Path::kDeviceBuckets && !in_views && last) {
+            BF16* view = reducer->grad_view(gi, k).data<BF16>();
+            for (int64_t i = 0; i < t.numel(); ++i) view[i] = BF16::FromFloat(t.data<float>()[i]);
           }
         }
-        if (path == Path::kBucketed) {
+        if (bucketed) {
           if (last) GRADSUM_RETURN_IF_ERROR(reducer->GroupReady(gi));
         } else {
           GRADSUM_RETURN_IF_ERROR(g.ReduceGrad(last));
         }
       }
-      if (path == Path::kBucketed && last) GRADSUM_RETURN_IF_ERROR(reducer->Finish());
+      if (bucketed && last) GRADSUM_RETURN_IF_ERROR(reducer->Finish());
+    }
+    if (path == Path::kDeviceBuckets) {
+      // One copy to the host per bucket, then the views zeroed for the next step.
+      const int buckets = reducer->bucketer().num_buckets();
+      if (memory.live != buckets || memory.copies != buckets || memory.zeroes < buckets) {
+        return absl::InternalError(absl::StrCat(memory.live, " buckets allocated, ",
+                                                memory.copies, " copies, ", memory.zeroes,
+                                                " zeroes for ", buckets, " buckets"));
+      }
+      for (int gi = 0; gi < static_cast<int>(groups.size()); ++gi) {
+        for (int k = 0; k < groups[gi]->num_params(); ++k) {
+          TensorView v = reducer->grad_view(gi, k);
+          const char* bytes = static_cast<const char*>(v.raw());
+          for (int64_t i = 0; i < v.numel() * static_cast<int64_t>(DTypeSize(v.dtype())); ++i) {
+            if (bytes[i] != 0) return absl::InternalError("a bucket view was not zeroed");
+          }
+        }
+      }
+      reducer.reset();
+      if (memory.live != 0) return absl::InternalError("bucket storage leaked");
     }
     for (size_t gi = 0; gi < groups.size(); ++gi) {
       absl::Span<const float> o = groups[gi]->owned_grad();
@@ -97,10 +154,13 @@ TEST(BucketedGradReducerTest, BitIdenticalToPerGroupAllReduceAndToSharded) {
     for (DType dt : {DType::kF32, DType::kBF16}) {
       const std::string what = absl::StrCat("world ", world, " ", DTypeName(dt));
       auto bucketed = Reduce(world, Path::kBucketed, 3, dt);
+      auto device = Reduce(world, Path::kDeviceBuckets, 3, dt);
       auto per_group = Reduce(world, Path::kPerGroupReplicated, 3, dt);
       ASSERT_TRUE(bucketed.ok()) << bucketed.status();
+      ASSERT_TRUE(device.ok()) << device.status();
       ASSERT_TRUE(per_group.ok()) << per_group.status();
       ExpectSame(*bucketed, *per_group, what + " G=3 vs per-group");
+      ExpectSame(*device, *per_group, what + " G=3 device buckets vs per-group");
       auto bucketed1 = Reduce(world, Path::kBucketed, 1, dt);
       auto sharded1 = Reduce(world, Path::kSharded, 1, dt);
       ASSERT_TRUE(bucketed1.ok() && sharded1.ok());
@@ -132,6 +192,23 @@ TEST(BucketedGradReducerTest, MisuseIsRefused) {
   EXPECT_EQ(BucketedGradReducer::Create({a->get(), b->get()}).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(BucketedGradReducer::Create({a->get()}, 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // Device buckets: a communicator of another size, or no memory, is refused by name.
+  auto single = CreateThreadCommunicators(1);
+  ASSERT_TRUE(single.ok());
+  CountingMemory memory;
+  const BucketedGradDevice other_size{(*single)[0].get(), &memory};
+  auto mismatched = BucketedGradReducer::Create({a->get()}, 40, 0, &other_size);
+  EXPECT_EQ(mismatched.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(mismatched.status().message().find("rank 0 of 1"), std::string::npos)
+      << mismatched.status();
+  const BucketedGradDevice no_memory{(*comms)[0].get(), nullptr};
+  EXPECT_EQ(BucketedGradReducer::Create({a->get()}, 40, 0, &no_memory).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  const std::vector<Communicator*> one_comm = {(*comms)[0].get()};
+  EXPECT_EQ(BucketedUnitReducers::Create({a->get(), a->get()}, 40, 0, &one_comm, &memory)
+                .status()
+                .code(),
             absl::StatusCode::kInvalidArgument);
 
   absl::Status s = RunRanks(2, [&](Communicator& comm) -> absl::Status {

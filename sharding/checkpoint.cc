@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <initializer_list>
 #include <set>
 #include <utility>
 #include <vector>
@@ -137,6 +138,17 @@ cp::GroupRecord GroupToProto(const FlatParam& g) {
   return o;
 }
 
+// DataLoss naming the first of `fields` (name, value) that is negative, after `where`.
+absl::Status CheckNotNegative(const std::string& file, absl::string_view where,
+                              std::initializer_list<std::pair<const char*, int64_t>> fields) {
+  for (const auto& [field, value] : fields) {
+    if (value < 0) {
+      return Loss(file, absl::StrCat(where, "field \"", field, "\" is negative: ", value));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<GroupRecord> GroupFromProto(const cp::GroupRecord& o, const std::string& file) {
   GroupRecord g;
   g.name = o.name();
@@ -148,14 +160,12 @@ absl::StatusOr<GroupRecord> GroupFromProto(const cp::GroupRecord& o, const std::
   g.shard_offset = o.shard_offset();
   g.local_numel = o.local_numel();
   const std::string where = absl::StrCat("group \"", g.name, "\": ");
-  for (const auto& [field, v] : {std::pair<const char*, int64_t>{"group_size", g.group_size},
-                                 {"group_rank", g.group_rank},
-                                 {"numel", g.numel},
-                                 {"padded_numel", g.padded_numel},
-                                 {"shard_offset", g.shard_offset},
-                                 {"local_numel", g.local_numel}}) {
-    if (v < 0) return Loss(file, absl::StrCat(where, "field \"", field, "\" is negative: ", v));
-  }
+  GRADSUM_RETURN_IF_ERROR(CheckNotNegative(file, where, {{"group_size", g.group_size},
+                                                         {"group_rank", g.group_rank},
+                                                         {"numel", g.numel},
+                                                         {"padded_numel", g.padded_numel},
+                                                         {"shard_offset", g.shard_offset},
+                                                         {"local_numel", g.local_numel}}));
   // The layout must be the one FlatParam computes; anything else is corruption.
   if (g.group_size < 1 || g.group_rank >= g.group_size || g.numel > (int64_t{1} << 60)) {
     return Loss(file, absl::StrCat(where, "group_rank ", g.group_rank, " / group_size ",
@@ -208,12 +218,10 @@ absl::StatusOr<Manifest> ReadManifest(const std::string& dir, int64_t rank) {
   m.step = v.step();
   m.tensors_file = v.tensors_file();
   m.tensors_bytes = v.tensors_bytes();
-  for (const auto& [field, value] : {std::pair<const char*, int64_t>{"rank", m.rank},
-                                     {"world", m.world},
-                                     {"step", m.step},
-                                     {"tensors_bytes", m.tensors_bytes}}) {
-    if (value < 0) return Loss(path, absl::StrCat("field \"", field, "\" is negative: ", value));
-  }
+  GRADSUM_RETURN_IF_ERROR(CheckNotNegative(path, "", {{"rank", m.rank},
+                                                      {"world", m.world},
+                                                      {"step", m.step},
+                                                      {"tensors_bytes", m.tensors_bytes}}));
   GRADSUM_ASSIGN_OR_RETURN(m.tensors_fingerprint,
                            FromHex(path, "tensors_fingerprint", v.tensors_fingerprint()));
   if (m.rank != rank) return Loss(path, absl::StrCat("records rank ", m.rank, ", expected ", rank));
@@ -265,7 +273,7 @@ absl::StatusOr<MarkerRecord> ReadMarker(const std::string& dir) {
   m.world = v.world();
   m.step = v.step();
   if (m.world < 1) return Loss(path, absl::StrCat("world is ", m.world));
-  if (m.step < 0) return Loss(path, absl::StrCat("field \"step\" is negative: ", m.step));
+  GRADSUM_RETURN_IF_ERROR(CheckNotNegative(path, "", {{"step", m.step}}));
   if (v.ranks_size() != m.world) {
     return Loss(path, absl::StrCat("records the files of ", v.ranks_size(), " ranks, world is ",
                                    m.world));

@@ -47,6 +47,12 @@ constexpr absl::string_view kForeignDTypes[] = {"BOOL", "U8",      "I8",       "
                                                 "I16",  "U32",     "U64",      "F8_E4M3",
                                                 "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2"};
 
+// DataLoss "safetensors file '<source>': <parts>", the message of every malformed file.
+template <typename... Parts>
+absl::Status DataLoss(absl::string_view source, const Parts&... parts) {
+  return absl::DataLossError(absl::StrCat("safetensors file '", source, "': ", parts...));
+}
+
 // The header is JSON, which holds only UTF-8 text: InvalidArgument naming `what` otherwise.
 absl::Status CheckUtf8(absl::string_view what, absl::string_view text) {
   try {
@@ -144,9 +150,7 @@ namespace {
 absl::Status ParseHeader(absl::string_view header_text, uint64_t data_size, absl::string_view source,
                          std::map<std::string, SafetensorsTensorRange, std::less<>>* tensors,
                          std::map<std::string, std::string>* metadata) {
-  auto loss = [&](auto&&... parts) {
-    return absl::DataLossError(absl::StrCat("safetensors file '", source, "': ", parts...));
-  };
+  auto loss = [&](auto&&... parts) { return DataLoss(source, parts...); };
   // nlohmann-json parses; the safetensors rules are checked here. JSON itself allows
   // duplicate keys (nlohmann keeps the last); a tensor file must not, so the parser's
   // callback records them.
@@ -309,9 +313,7 @@ uint64_t HeaderLength(const char* bytes) {
 
 // The header length field `header_len` of a file with `after` bytes after the field.
 absl::Status CheckHeaderLength(uint64_t header_len, uint64_t after, absl::string_view source) {
-  auto loss = [&](auto&&... parts) {
-    return absl::DataLossError(absl::StrCat("safetensors file '", source, "': ", parts...));
-  };
+  auto loss = [&](auto&&... parts) { return DataLoss(source, parts...); };
   if (header_len > after) {
     return loss("header length ", header_len, " exceeds the ", after,
                 " bytes after the length field (truncated or corrupt)");
@@ -327,9 +329,7 @@ absl::Status CheckHeaderLength(uint64_t header_len, uint64_t after, absl::string
 
 absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(absl::string_view bytes,
                                                        absl::string_view source) {
-  auto loss = [&](auto&&... parts) {
-    return absl::DataLossError(absl::StrCat("safetensors file '", source, "': ", parts...));
-  };
+  auto loss = [&](auto&&... parts) { return DataLoss(source, parts...); };
   if (!HostIsLittleEndian()) {
     return absl::UnimplementedError("safetensors reading needs a little-endian host");
   }
@@ -356,23 +356,15 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(absl::string_view bytes,
 }
 
 absl::StatusOr<SafetensorsHeader> SafetensorsHeader::Read(const std::string& path) {
-  auto loss = [&](auto&&... parts) {
-    return absl::DataLossError(absl::StrCat("safetensors file '", path, "': ", parts...));
-  };
+  auto loss = [&](auto&&... parts) { return DataLoss(path, parts...); };
   if (!HostIsLittleEndian()) {
     return absl::UnimplementedError("safetensors reading needs a little-endian host");
   }
   SafetensorsHeader h;
   h.path_ = path;
-  h.fd_ = std::make_shared<FileDescriptor>();
-  h.fd_->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (h.fd_->fd < 0) return ErrnoStatus(errno, absl::StrCat("open '", path, "'"));
-  struct stat st;
-  if (::fstat(h.fd_->fd, &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat '", path, "'"));
-  if (!S_ISREG(st.st_mode)) {
-    return absl::FailedPreconditionError(absl::StrCat("not a regular file: '", path, "'"));
-  }
-  h.file_bytes_ = static_cast<uint64_t>(st.st_size);
+  GRADSUM_ASSIGN_OR_RETURN(ReadOnlyFile file, OpenRegularFile(path));
+  h.file_bytes_ = file.size();
+  h.file_ = std::make_shared<ReadOnlyFile>(std::move(file));
   if (h.file_bytes_ < 8) {
     return loss("truncated: ", h.file_bytes_, " bytes, fewer than the 8-byte header length");
   }
@@ -388,21 +380,16 @@ absl::StatusOr<SafetensorsHeader> SafetensorsHeader::Read(const std::string& pat
   return h;
 }
 
-SafetensorsHeader::FileDescriptor::~FileDescriptor() {
-  if (fd >= 0) ::close(fd);
-}
-
 absl::Status SafetensorsHeader::ReadAt(uint64_t offset, uint64_t n, void* out) const {
   char* p = static_cast<char*>(out);
   while (n > 0) {
-    const ssize_t got = ::pread(fd_->fd, p, n, static_cast<off_t>(offset));
+    const ssize_t got = ::pread(file_->fd(), p, n, static_cast<off_t>(offset));
     if (got < 0) {
       if (errno == EINTR) continue;
       return ErrnoStatus(errno, absl::StrCat("read '", path_, "'"));
     }
     if (got == 0) {
-      return absl::DataLossError(absl::StrCat("safetensors file '", path_, "': ends at byte ",
-                                              offset, ", before its header says (truncated)"));
+      return DataLoss(path_, "ends at byte ", offset, ", before its header says (truncated)");
     }
     p += got;
     offset += static_cast<uint64_t>(got);

@@ -39,6 +39,8 @@
 
 namespace gradsum {
 
+class ReadOnlyFile;  // sharding/atomic_file.h
+
 // "F32", "F64", "BF16", "F16", "I32", "I64".
 absl::string_view SafetensorsDTypeName(DType dtype);
 
@@ -101,13 +103,9 @@ class SafetensorsHeader {
   const std::string& path() const { return path_; }
 
  private:
-  struct FileDescriptor {
-    int fd = -1;
-    ~FileDescriptor();
-  };
   absl::Status ReadAt(uint64_t offset, uint64_t n, void* out) const;
   std::string path_;
-  std::shared_ptr<FileDescriptor> fd_;
+  std::shared_ptr<ReadOnlyFile> file_;  // shared: the header is copyable
   uint64_t file_bytes_ = 0, data_begin_ = 0;
   std::map<std::string, SafetensorsTensorRange, std::less<>> tensors_;
   std::map<std::string, std::string> metadata_;

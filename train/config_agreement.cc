@@ -15,21 +15,17 @@
 
 namespace gradsum::train {
 
-absl::Status CheckRanksAgree(const TrainConfig& config, Communicator& world) {
+absl::Status CheckRanksAgree(const TrainConfig& config,
+                             const absl::StatusOr<std::shared_ptr<const DocumentSource>>& corpus,
+                             Communicator& world) {
   const std::vector<FieldOverride> fields = ConfigFields(config);
   std::vector<int64_t> mine(fields.size() + 1, 0);
   for (size_t i = 0; i < fields.size(); ++i) {
     mine[i] = static_cast<int64_t>(Fingerprint64(absl::StrCat(fields[i].path, "=", fields[i].value)));
   }
-  absl::Status local = absl::OkStatus();
-  if (!config.data().path().empty()) {
-    absl::StatusOr<uint64_t> fp = FingerprintFile(config.data().path(), kMaxDataFileBytes);
-    if (fp.ok()) {
-      mine.back() = static_cast<int64_t>(*fp);
-    } else {
-      local = Annotate(fp.status(), absl::StrCat("--data=", config.data().path()));
-    }
-  }
+  absl::Status local = corpus.status();
+  if (local.ok() && *corpus == nullptr) local = absl::InvalidArgumentError("no corpus");
+  if (local.ok()) mine.back() = static_cast<int64_t>((*corpus)->ContentFingerprint());
   GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world, local, "start-up (reading the data file)"));
   const size_t n = mine.size();
   std::vector<int64_t> all(n * world.size());

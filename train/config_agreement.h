@@ -6,19 +6,29 @@
 //
 //   GRADSUM_RETURN_IF_ERROR(CheckRanksAgree(config, *world));
 
+#include <memory>
+
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "collectives/communicator.h"
 #include "train/config.pb.h"
+#include "train/data.h"
 
 namespace gradsum::train {
 
 // Start-up check that every rank runs the same effective config on the same data: each
 // rank fingerprints every config field (ConfigFields: flags, file and defaults alike) and
-// the --data file (streamed, at most kMaxDataFileBytes), and the ranks compare. A
-// difference is InvalidArgument on every rank naming each differing field, this rank's
-// value and which ranks agree with which; a --data file a rank cannot read fails every
-// rank with that rank's message. Collective over `world`.
-absl::Status CheckRanksAgree(const TrainConfig& config, Communicator& world);
+// takes its loaded corpus's ContentFingerprint (the --data file's bytes, read once), and
+// the ranks compare. `corpus` is this rank's MakeCorpus(config.data()) result: a corpus a
+// rank could not load (its error) fails every rank with that rank's message. A difference
+// is InvalidArgument on every rank naming each differing field, this rank's value and
+// which ranks agree with which. Collective over `world`.
+//
+//   absl::StatusOr<std::shared_ptr<const DocumentSource>> corpus = MakeCorpus(config.data());
+//   GRADSUM_RETURN_IF_ERROR(CheckRanksAgree(config, corpus, *world));
+absl::Status CheckRanksAgree(const TrainConfig& config,
+                             const absl::StatusOr<std::shared_ptr<const DocumentSource>>& corpus,
+                             Communicator& world);
 
 }  // namespace gradsum::train
 

@@ -1,5 +1,10 @@
 #include "train/config_agreement.h"
 
+#include <fstream>
+#include <memory>
+#include <string>
+
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "testing/run_ranks.h"
@@ -18,7 +23,7 @@ TEST(CheckRanksAgreeTest, DifferentFieldsAreNamedWithTheRanks) {
     TrainConfig mine = base;
     if (c.rank() == 2) mine.set_seed(7);
     if (c.rank() >= 1) mine.mutable_optim()->set_lr(0.5);
-    return CheckRanksAgree(mine, c);
+    return CheckRanksAgree(mine, MakeCorpus(mine.data()), c);
   });
   ASSERT_TRUE(st.ok());
   for (int r = 0; r < 3; ++r) {
@@ -30,7 +35,7 @@ TEST(CheckRanksAgreeTest, DifferentFieldsAreNamedWithTheRanks) {
   }
   EXPECT_THAT((*st)[2].message(), HasSubstr("seed (7 on rank 2)"));
   auto same = gradsum::testing::RunRanksPerRank(
-      2, [&](Communicator& c) { return CheckRanksAgree(base, c); });
+      2, [&](Communicator& c) { return CheckRanksAgree(base, MakeCorpus(base.data()), c); });
   ASSERT_TRUE(same.ok());
   EXPECT_TRUE((*same)[0].ok() && (*same)[1].ok()) << (*same)[0];
 }
@@ -40,12 +45,35 @@ TEST(CheckRanksAgreeTest, ADataFileOneRankCannotReadFailsEveryRankWithItsMessage
   auto st = gradsum::testing::RunRanksPerRank(2, [&](Communicator& c) -> absl::Status {
     TrainConfig mine = base;
     if (c.rank() == 1) mine.mutable_data()->set_path("/nonexistent/corpus.txt");
-    return CheckRanksAgree(mine, c);
+    return CheckRanksAgree(mine, MakeCorpus(mine.data()), c);
   });
   ASSERT_TRUE(st.ok());
   for (const absl::Status& s : *st) {
     EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
     EXPECT_THAT(s.message(), HasSubstr("failed on rank 1 of 2: NOT_FOUND: --data=/nonexistent/corpus.txt"));
+  }
+}
+
+// The data files' bytes are compared, not their names: same path text, other content.
+TEST(CheckRanksAgreeTest, DataFilesWithOtherContentAreRefused) {
+  const std::string dir = ::testing::TempDir();
+  for (int r = 0; r < 2; ++r) {
+    std::ofstream(absl::StrCat(dir, "/agree_corpus_", r, ".txt"))
+        << "the same first line\n" << (r == 0 ? "rank zero's line\n" : "rank one's line\n");
+  }
+  TrainConfig base = ResolvedConfig(TinyConfig(2, 1, 1, TrainConfig::fsdp));
+  auto st = gradsum::testing::RunRanksPerRank(2, [&](Communicator& c) -> absl::Status {
+    TrainConfig mine = base;
+    mine.mutable_data()->set_path(absl::StrCat(dir, "/agree_corpus_", c.rank(), ".txt"));
+    // Both ranks report the same path text, so only the content can differ.
+    absl::StatusOr<std::shared_ptr<const DocumentSource>> corpus = MakeCorpus(mine.data());
+    mine.mutable_data()->set_path("corpus.txt");
+    return CheckRanksAgree(mine, corpus, c);
+  });
+  ASSERT_TRUE(st.ok());
+  for (const absl::Status& s : *st) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(s.message(), HasSubstr("the content of data.path=corpus.txt differs: ranks {0} vs {1}"));
   }
 }
 

@@ -177,6 +177,7 @@ absl::StatusOr<std::unique_ptr<TextFileCorpus>> TextFileCorpus::Load(const std::
   if (corpus->bytes_.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": file is empty"));
   }
+  corpus->fingerprint_ = Fingerprint64(corpus->bytes_);
   const int64_t n = static_cast<int64_t>(corpus->bytes_.size());
   corpus->min_len_ = max_len;
   int64_t line_start = 0;

@@ -112,6 +112,9 @@ class DocumentSource {
   virtual int64_t MaxDocumentLength() const = 0;
   // What the documents come from, for messages ("the embedded Markov corpus", "--data=x").
   virtual std::string Describe() const = 0;
+  // A fingerprint of the content that the config does not already fix (the --data file's
+  // bytes), so ranks can check they train on the same data; 0 for generated corpora.
+  virtual uint64_t ContentFingerprint() const { return 0; }
 };
 
 // The embedded corpus: `corpus_documents` documents from MarkovChain::Create(corpus_seed),
@@ -153,10 +156,13 @@ class TextFileCorpus : public DocumentSource {
   int64_t MinDocumentLength() const override { return min_len_; }
   int64_t MaxDocumentLength() const override { return max_len_; }
   std::string Describe() const override { return "--data=" + path_; }
+  // XXH3-64 of the file's bytes (sharding/atomic_file.h Fingerprint64, `xxhsum -H3 FILE`).
+  uint64_t ContentFingerprint() const override { return fingerprint_; }
 
  private:
   std::string path_;
   std::string bytes_;
+  uint64_t fingerprint_ = 0;
   std::vector<int64_t> starts_;  // documents tile the file: starts_[i + 1] ends document i
   int64_t min_len_ = 0, max_len_ = 0;
 };

@@ -39,8 +39,8 @@ moe::MoeLayerConfig LayerConfig(const ModelConfig& m) {
 }
 
 // The host model's units: FlatParams gathered and reduced over the host communicators.
-// Replicated mode reduces through one BucketedGradReducer per communicator (the world's
-// units, the EDP group's), on the last micro-batch.
+// Replicated mode reduces through BucketedUnitReducers (one GradBucketer per communicator:
+// the world's units, the EDP group's), on the last micro-batch.
 class HostUnitStore : public UnitStore {
  public:
   static absl::StatusOr<std::unique_ptr<HostUnitStore>> Create(std::vector<FlatParam*> units,
@@ -52,27 +52,10 @@ class HostUnitStore : public UnitStore {
     store->widened_version_.assign(units.size(), 0);
     store->widened_valid_.assign(units.size(), false);
     if (options.sharding == ShardingMode::kReplicated) {
-      // Units grouped by communicator, in forward order; each unit's reducer and index.
-      std::vector<std::pair<Communicator*, std::vector<FlatParam*>>> by_comm;
-      store->reducer_of_.resize(units.size());
-      for (size_t u = 0; u < units.size(); ++u) {
-        auto it = std::find_if(by_comm.begin(), by_comm.end(),
-                               [&](const auto& e) { return e.first == units[u]->group(); });
-        if (it == by_comm.end()) {
-          by_comm.push_back({units[u]->group(), {}});
-          it = by_comm.end() - 1;
-        }
-        store->reducer_of_[u] = {static_cast<int>(it - by_comm.begin()),
-                                 static_cast<int>(it->second.size())};
-        it->second.push_back(units[u]);
-      }
-      for (auto& [comm, group_units] : by_comm) {
-        GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<BucketedGradReducer> r,
-                                 BucketedGradReducer::Create(group_units, options.bucket_cap_bytes,
-                                                             options.first_bucket_cap_bytes));
-        store->reducers_.push_back(std::move(r));
-      }
-      store->handed_.assign(store->reducers_.size(), false);
+      GRADSUM_ASSIGN_OR_RETURN(BucketedUnitReducers r,
+                               BucketedUnitReducers::Create(units, options.bucket_cap_bytes,
+                                                            options.first_bucket_cap_bytes));
+      store->reducers_ = std::make_unique<BucketedUnitReducers>(std::move(r));
     }
     return store;
   }
@@ -113,27 +96,20 @@ class HostUnitStore : public UnitStore {
   }
 
   absl::Status StartReduce(int u, bool last_micro_batch) override {
-    if (reducers_.empty()) return units_[u]->StartGradReduce(last_micro_batch);
+    if (reducers_ == nullptr) return units_[u]->StartGradReduce(last_micro_batch);
     // Replicated: accumulate (no_sync); FlatParam only tidies its buffer (zero padding;
     // exact mode: canonical limbs each micro-batch).
     if (!last_micro_batch) return units_[u]->StartGradReduce(false);
-    const auto [r, index] = reducer_of_[u];
-    handed_[r] = true;
-    return reducers_[r]->GroupReady(index);
+    return reducers_->Ready(u);
   }
 
   absl::Status WaitReduce(int u) override {
-    return reducers_.empty() ? units_[u]->FinishGradReduce() : absl::OkStatus();
+    return reducers_ == nullptr ? units_[u]->FinishGradReduce() : absl::OkStatus();
   }
 
   absl::Status FinishReductions() override {
     for (FlatParam* g : units_) GRADSUM_RETURN_IF_ERROR(g->FinishGradReduce());
-    for (size_t r = 0; r < reducers_.size(); ++r) {
-      if (!handed_[r]) continue;
-      handed_[r] = false;
-      GRADSUM_RETURN_IF_ERROR(reducers_[r]->Finish());
-    }
-    return absl::OkStatus();
+    return reducers_ != nullptr ? reducers_->Finish() : absl::OkStatus();
   }
 
   int64_t UnshardedBytes() const override {
@@ -155,9 +131,7 @@ class HostUnitStore : public UnitStore {
   bool bf16_ = false;
   std::vector<uint64_t> widened_version_;
   std::vector<bool> widened_valid_;
-  std::vector<std::unique_ptr<BucketedGradReducer>> reducers_;
-  std::vector<std::pair<int, int>> reducer_of_;  // unit -> (reducer, index in it)
-  std::vector<bool> handed_;                     // reducer got units this step
+  std::unique_ptr<BucketedUnitReducers> reducers_;  // replicated mode
 };
 
 }  // namespace

@@ -253,8 +253,11 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   }
   // Ranks launched separately must agree on every setting and on the data before anything
   // else is collective.
-  GRADSUM_RETURN_IF_ERROR(CheckRanksAgree(config, *comms.world));
+  // The data file is read once: its loaded bytes give the fingerprint the ranks compare.
+  absl::StatusOr<std::shared_ptr<const DocumentSource>> corpus = MakeCorpus(config.data());
+  GRADSUM_RETURN_IF_ERROR(CheckRanksAgree(config, corpus, *comms.world));
   auto trainer = std::unique_ptr<Trainer>(new Trainer());
+  trainer->corpus_ = *std::move(corpus);
   trainer->config_ = config;
   trainer->comms_ = comms;
   if (trainer->comms_.timer == nullptr) trainer->comms_.timer = std::make_shared<CommTimer>();
@@ -305,7 +308,6 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
 }
 
 absl::Status Trainer::PrepareLocal() {
-  GRADSUM_ASSIGN_OR_RETURN(corpus_, MakeCorpus(config_.data()));
   GRADSUM_ASSIGN_OR_RETURN(RankDataLoader loader,
                            RankDataLoader::Create(corpus_, config_.data(), comms_.world->rank(),
                                                   comms_.world->size()));

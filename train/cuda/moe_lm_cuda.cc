@@ -19,6 +19,7 @@
 #include "moe/cuda/layers_cuda.h"
 #include "moe/cuda/permute_cuda.h"
 #include "moe/cuda/router_cuda.h"
+#include "sharding/bucketed_reduce.h"
 #include "train/cuda/model_kernels.h"
 #include "train/layers.h"
 
@@ -47,14 +48,15 @@ absl::Status Fence(cudaStream_t producer, cudaStream_t consumer, cudaEvent_t eve
 }
 
 // One parameter unit on the device: its compute values (fp32, padded_numel() elements in
-// the host unit's flat layout; allocated while gathered) and its fp32 gradient (kept).
+// the host unit's flat layout; allocated while gathered) and its fp32 gradient (kept, in
+// the same layout: the expert kernels address a unit's stacked experts as one block).
 struct DeviceGroup {
   FlatParam* host = nullptr;
   NcclCommunicator* comm = nullptr;
   DeviceBuffer param;          // f32 [padded] while gathered, else empty
   DeviceBuffer gather_bf16;    // bf16 [padded] while a bf16 gather is in flight
   DeviceBuffer grad;           // f32 [padded], this micro-batch (fsdp) or the step
-  DeviceBuffer reduce_bf16;    // bf16 [padded] send buffer of a bf16 reduction
+  DeviceBuffer reduce_bf16;    // bf16 [padded] send buffer of a bf16 reduce-scatter
   DeviceBuffer shard;          // reduce-scatter output [shard], reduce dtype
   std::unique_ptr<Work> gather_work, reduce_work;
   bool gathering = false, gathered = false;
@@ -79,12 +81,48 @@ struct LayerBuffers {
   moe::PermutePlanCudaArgs plan;
 };
 
+// GradBucketer storage in device memory, zeroed on the compute stream (which writes the
+// gradients); read back after the bucket's NCCL all-reduce was waited for.
+class DeviceBucketMemory final : public BucketMemory {
+ public:
+  explicit DeviceBucketMemory(cudaStream_t stream) : stream_(stream) {}
+  absl::StatusOr<void*> Allocate(size_t bytes) override {
+    void* p = nullptr;
+    GRADSUM_CUDA_RETURN_IF_ERROR(cudaMalloc(&p, bytes), "allocate a gradient bucket");
+    absl::Status s = Zero(p, bytes);
+    if (!s.ok()) {
+      cudaFree(p);
+      return s;
+    }
+    return p;
+  }
+  void Free(void* storage) override { cudaFree(storage); }
+  absl::Status Zero(void* storage, size_t bytes) override {
+    GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(storage, 0, bytes, stream_),
+                                 "zero a gradient bucket");
+    return absl::OkStatus();
+  }
+  absl::Status CopyToHost(const void* storage, void* host, size_t bytes) override {
+    GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpy(host, storage, bytes, cudaMemcpyDeviceToHost),
+                                 "download a reduced gradient bucket");
+    return absl::OkStatus();
+  }
+
+ private:
+  cudaStream_t stream_;
+};
+
 // The device model's units for the shared UnitSchedule: gathers upload the host master
 // (this rank's shard in fsdp mode) on the unit's NCCL stream and all-gather it there (bf16
 // when compute_dtype is bf16, widened on the compute stream after the wait); reductions
-// reduce-scatter (fsdp) or all-reduce (replicated, last micro-batch) the device gradient
-// on the NCCL stream after a fence on the compute stream, and their waits fold the result
-// into the host unit (FlatParam::FoldReducedGrad).
+// reduce-scatter (fsdp) the device gradient on the NCCL stream after a fence on the
+// compute stream, and their waits fold the result into the host unit
+// (FlatParam::FoldReducedGrad). Replicated mode reduces on the last micro-batch through
+// the host store's BucketedUnitReducers (sharding/bucketed_reduce.h) with the buckets in
+// device memory and NCCL all-reduces: the same buckets, ready order and caps as the CPU.
+// A unit's gradient is copied into its bucket views when handed over (not accumulated in
+// them: the buckets hold parameters in reverse order, possibly split over buckets, and the
+// expert kernels write a unit's stacked experts as one block).
 class DeviceUnitStore : public UnitStore {
  public:
   DeviceUnitStore(std::vector<DeviceGroup>* groups, cudaStream_t stream, cudaEvent_t fence,
@@ -94,7 +132,33 @@ class DeviceUnitStore : public UnitStore {
         fence_(fence),
         bf16_compute_(options.compute_dtype == DType::kBF16),
         bf16_reduce_(options.reduce_dtype == DType::kBF16),
-        every_micro_batch_(options.reduce_every_micro_batch) {}
+        every_micro_batch_(options.reduce_every_micro_batch),
+        bucket_memory_(stream) {}
+
+  // Allocates and zeroes each unit's gradient (on the compute stream: the legacy default
+  // stream does not order the non-blocking streams that later read these buffers), and in
+  // replicated mode the bucketed reduction.
+  absl::Status Init(const MoeLmOptions& options) {
+    std::vector<DeviceGroup>& groups = *groups_;
+    if (options.sharding == ShardingMode::kReplicated) {
+      std::vector<FlatParam*> units;
+      std::vector<Communicator*> comms;
+      for (const DeviceGroup& g : groups) {
+        units.push_back(g.host);
+        comms.push_back(g.comm);
+      }
+      GRADSUM_ASSIGN_OR_RETURN(
+          BucketedUnitReducers r,
+          BucketedUnitReducers::Create(units, options.bucket_cap_bytes,
+                                       options.first_bucket_cap_bytes, &comms, &bucket_memory_));
+      reducers_ = std::make_unique<BucketedUnitReducers>(std::move(r));
+    }
+    for (DeviceGroup& g : groups) {
+      GRADSUM_ASSIGN_OR_RETURN(g.grad,
+                               DeviceBuffer::Create(g.host->padded_numel() * sizeof(float)));
+    }
+    return ZeroGradBuffers();
+  }
 
   absl::Status StartGather(int u) override {
     DeviceGroup& g = (*groups_)[u];
@@ -184,6 +248,26 @@ class DeviceUnitStore : public UnitStore {
     FlatParam* fp = g.host;
     const bool sharded = fp->options().mode == ShardingMode::kSharded;
     if (!last_micro_batch && (!sharded || !every_micro_batch_)) return absl::OkStatus();
+    if (reducers_ != nullptr) {
+      // The step's gradient into its bucket views on the compute stream (copied, or
+      // rounded for a bf16 reduce dtype), as the host store copies FlatParam gradients.
+      for (int k = 0; k < fp->num_params(); ++k) {
+        const int64_t n = fp->entries()[k].numel;
+        TensorView view = reducers_->grad_view(u, k);
+        if (bf16_reduce_) {
+          GRADSUM_RETURN_IF_ERROR(
+              F32ToBf16Cuda(g.grad_ptr(k), view.data<uint16_t>(), n, stream_));
+        } else if (n > 0) {
+          GRADSUM_CUDA_RETURN_IF_ERROR(
+              cudaMemcpyAsync(view.raw(), g.grad_ptr(k), n * sizeof(float),
+                              cudaMemcpyDeviceToDevice, stream_),
+              "copy a gradient into its bucket");
+        }
+      }
+      // The buckets' all-reduces on the NCCL stream read what the compute stream wrote.
+      GRADSUM_RETURN_IF_ERROR(Fence(stream_, g.comm->stream(), fence_));
+      return reducers_->Ready(u);
+    }
     const int64_t padded = fp->padded_numel();
     const void* send = g.grad.get();
     DType dtype = DType::kF32;
@@ -195,14 +279,9 @@ class DeviceUnitStore : public UnitStore {
       dtype = DType::kBF16;
     }
     GRADSUM_RETURN_IF_ERROR(Fence(stream_, g.comm->stream(), fence_));
-    absl::StatusOr<std::unique_ptr<Work>> work;
-    if (sharded) {
-      GRADSUM_RETURN_IF_ERROR(Reserve(&g.shard, fp->shard_numel() * DTypeSize(dtype)));
-      work =
-          g.comm->ReduceScatterAsync(send, g.shard.get(), fp->shard_numel(), dtype, ReduceOp::kSum);
-    } else {
-      work = g.comm->AllReduceAsync(send, const_cast<void*>(send), padded, dtype, ReduceOp::kSum);
-    }
+    GRADSUM_RETURN_IF_ERROR(Reserve(&g.shard, fp->shard_numel() * DTypeSize(dtype)));
+    absl::StatusOr<std::unique_ptr<Work>> work =
+        g.comm->ReduceScatterAsync(send, g.shard.get(), fp->shard_numel(), dtype, ReduceOp::kSum);
     if (!work.ok()) return work.status();
     g.reduce_work = std::move(*work);
     g.reduce_last = last_micro_batch;
@@ -215,10 +294,10 @@ class DeviceUnitStore : public UnitStore {
     absl::Status s = g.reduce_work->Wait(g.comm->timeout());
     g.reduce_work.reset();
     GRADSUM_RETURN_IF_ERROR(s);
+    // The reduce-scatter's output (replicated mode reduces through the buckets).
     FlatParam* fp = g.host;
-    const bool sharded = fp->options().mode == ShardingMode::kSharded;
-    const int64_t out_count = sharded ? fp->shard_numel() : fp->padded_numel();
-    const void* out = sharded ? g.shard.get() : (bf16_reduce_ ? g.reduce_bf16.get() : g.grad.get());
+    const int64_t out_count = fp->shard_numel();
+    const void* out = g.shard.get();
     std::vector<float> reduced(out_count);
     if (bf16_reduce_) {
       std::vector<BF16> raw(out_count);
@@ -242,7 +321,9 @@ class DeviceUnitStore : public UnitStore {
     for (size_t u = 0; u < groups_->size(); ++u) {
       GRADSUM_RETURN_IF_ERROR(WaitReduce(static_cast<int>(u)));
     }
-    return absl::OkStatus();
+    if (reducers_ == nullptr) return absl::OkStatus();
+    GRADSUM_RETURN_IF_ERROR(reducers_->Finish());
+    return ZeroGradBuffers();
   }
 
   int64_t UnshardedBytes() const override {
@@ -267,11 +348,28 @@ class DeviceUnitStore : public UnitStore {
     }
   }
 
+  // Drops the step's gradients: waits for the buckets in flight (discarded) and zeroes
+  // every gradient on the compute stream.
+  absl::Status DropGradients() {
+    if (reducers_ != nullptr) GRADSUM_RETURN_IF_ERROR(reducers_->Abandon());
+    return ZeroGradBuffers();
+  }
+
  private:
+  absl::Status ZeroGradBuffers() {
+    for (DeviceGroup& g : *groups_) {
+      GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(g.grad.get(), 0, g.grad.size(), stream_),
+                                   "zero device gradient");
+    }
+    return absl::OkStatus();
+  }
+
   std::vector<DeviceGroup>* groups_;
   cudaStream_t stream_;
   cudaEvent_t fence_;
   bool bf16_compute_, bf16_reduce_, every_micro_batch_;
+  DeviceBucketMemory bucket_memory_;             // outlives reducers_ (declared first)
+  std::unique_ptr<BucketedUnitReducers> reducers_;  // replicated mode
 };
 
 }  // namespace
@@ -350,15 +448,10 @@ absl::StatusOr<std::unique_ptr<MoeLm>> MoeLmCuda::Create(const MoeLmOptions& opt
     DeviceGroup dg;
     dg.host = model->unit(u);
     dg.comm = model->expert_unit(u) ? device.edp_group : device.world;
-    const size_t padded = dg.host->padded_numel();
-    GRADSUM_ASSIGN_OR_RETURN(dg.grad, DeviceBuffer::Create(padded * sizeof(float)));
-    // On the compute stream (the legacy default stream does not order the non-blocking
-    // streams that later read these buffers).
-    GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dg.grad.get(), 0, dg.grad.size(), im.stream.get()),
-                                 "zero device gradients");
     im.groups.push_back(std::move(dg));
   }
   auto store = std::make_unique<DeviceUnitStore>(&im.groups, im.stream.get(), im.fence, options);
+  GRADSUM_RETURN_IF_ERROR(store->Init(options));
   im.store = store.get();
   model->set_store(std::move(store));
   im.layers.resize(L);
@@ -420,9 +513,7 @@ absl::StatusOr<MicroBatchLosses> MoeLmCuda::ForwardBackward(const MicroBatch& ba
     // The step's device gradients are incomplete: drop them and refuse to reduce them.
     im.step_failed = true;
     im.store->Abandon();
-    for (DeviceGroup& g : im.groups) {
-      cudaMemsetAsync(g.grad.get(), 0, g.grad.size(), im.stream.get());
-    }
+    im.store->DropGradients().IgnoreError();
     (void)im.stream.Synchronize();
   }
   return result;

@@ -19,12 +19,16 @@
 //   permutation and the EP all-to-all-v over NCCL (moe/cuda/permute_cuda.h), grouped
 //   SwiGLU experts through cuBLAS (moe/cuda/experts_cuda.h), the LM head GEMMs and fused
 //   CE (losses/cuda), and their backward, in fp32 with TF32 off. As each unit's gradient
-//   completes, its NCCL reduction (reduce-scatter in fsdp mode, per micro-batch or only on
-//   the last; all-reduce on the last micro-batch in replicated mode; in reduce_dtype) is
-//   issued on the NCCL stream; it is waited for, downloaded and folded into the host unit
-//   (FlatParam::FoldReducedGrad) before the unit's gradient is written again or in
-//   FinishGradReduce(). Nothing divides by world, EP size or G. Replicated mode reduces
-//   unit by unit (no GradBucketer: its buckets live in host memory).
+//   completes, its NCCL reduction is issued on the NCCL stream, in reduce_dtype. fsdp: a
+//   reduce-scatter (per micro-batch or only on the last), waited for, downloaded and folded
+//   into the host unit (FlatParam::FoldReducedGrad) before the unit's gradient is written
+//   again or in FinishGradReduce(). Replicated (last micro-batch): the CPU store's
+//   BucketedUnitReducers (sharding/bucketed_reduce.h) with its GradBucketer buckets in
+//   device memory (each unit's gradient copied or rounded into its bucket views when
+//   complete), all-reduced as each bucket completes and folded into the host masters in
+//   FinishGradReduce(). Nothing divides by world, EP size or G. The NCCL communicators should be timed
+//   (TimeNcclCommunicator, as train/cuda/nccl_rank.h's MakeNcclMesh does) so that their
+//   collectives count in the step's comm metrics.
 //
 //   MoeLmDeviceGroups dev{nccl_world, nccl_ep, nccl_edp};     // same mesh as the host groups
 //   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<MoeLm> model, MoeLmCuda::Create(options, host, dev));

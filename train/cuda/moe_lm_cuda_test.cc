@@ -19,6 +19,7 @@
 #include "gtest/gtest.h"
 #include "testing/gpu_test_util.h"
 #include "train/cuda/moe_lm_cuda.h"
+#include "train/cuda/nccl_rank.h"
 #include "train/data.h"
 #include "train/rank_main.h"
 #include "train/test_util.h"
@@ -40,13 +41,11 @@ absl::StatusOr<GpuRun> RunOnGpu(const TrainConfig& config) {
   NcclBackendOptions options;
   options.device = 0;
   options.timeout = absl::Seconds(60);
-  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<NcclCommunicator> nccl,
-                           CreateNcclCommunicator(*host[0], options));
-  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Mesh> nccl_mesh, Mesh::Create(nccl.get(), 1));
   GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(host[0].get(), 1));
+  // As RunNcclRank: NCCL's collectives are timed into the host mesh's CommTimer.
+  GRADSUM_ASSIGN_OR_RETURN(NcclMesh nccl, MakeNcclMesh(*host[0], options, 1, mesh.timer));
   RankComms comms = mesh.comms();
-  const MoeLmDeviceGroups dev{nccl.get(), dynamic_cast<NcclCommunicator*>(&nccl_mesh->ep_group()),
-                              dynamic_cast<NcclCommunicator*>(&nccl_mesh->edp_group())};
+  const MoeLmDeviceGroups dev = nccl.groups();
   comms.make_model = [dev](const MoeLmOptions& o, const MoeLmGroups& g) {
     return MoeLmCuda::Create(o, g, dev);
   };
@@ -59,19 +58,27 @@ absl::StatusOr<GpuRun> RunOnGpu(const TrainConfig& config) {
   return out;
 }
 
-// (G, sharding, compute dtype, reduce dtype, CE weighting)
+// (G, sharding, compute dtype, reduce dtype, CE weighting, small buckets)
 using Case = std::tuple<int, TrainConfig::Sharding, TrainConfig::FloatDType, TrainConfig::FloatDType,
-                        TrainConfig::CeMode>;
+                        TrainConfig::CeMode, bool>;
 
 class MoeLmCudaTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(MoeLmCudaTest, MatchesReferenceAndCpuTrainer) {
   GRADSUM_SKIP_WITHOUT_GPU();
-  const auto [G, sharding, compute, reduce, ce_mode] = GetParam();
+  const auto [G, sharding, compute, reduce, ce_mode, small_buckets] = GetParam();
   TrainConfig config = TinyConfig(1, 1, G, sharding);
   config.set_ce_mode(ce_mode);
   config.set_compute_dtype(compute);
   config.set_reduce_dtype(reduce);
+  if (small_buckets) {
+    // Replicated: GradBucketer buckets of at most 524 bytes (the first: 104), so the tiny
+    // model's gradients travel in many buckets: the 2048-float embedding and head alone,
+    // a layer's norm and router together, two 64-float expert matrices per bucket. The CPU
+    // run below buckets the same way.
+    config.set_bucket_cap_mb(0.0005);
+    config.set_first_bucket_mb(0.0001);
+  }
   config.set_steps(4);
   config.set_parity_check(true);
   absl::StatusOr<GpuRun> gpu = RunOnGpu(config);
@@ -120,7 +127,14 @@ TEST_P(MoeLmCudaTest, MatchesReferenceAndCpuTrainer) {
     EXPECT_EQ(gpu->history[s].routed_tokens, cpu_hist[s].routed_tokens);
   }
 
-  // 4. Parameter memory on the device (fp32 unit buffers): the whole model is emb, two
+  // 4. NCCL's collectives are in the comm metrics (TimeNcclCommunicator, with the host's):
+  //    some communication every step, and never more exposed than its total.
+  for (const StepRecord& r : gpu->history) {
+    EXPECT_GT(r.comm_seconds, 0.0) << r.step;
+    EXPECT_LE(r.comm_exposed_seconds, r.comm_seconds) << r.step;
+  }
+
+  // 5. Parameter memory on the device (fp32 unit buffers): the whole model is emb, two
   //    layers' norm + router and experts, and the head; fsdp holds at most two layers' units
   //    or a layer's with the head or the embedding at once (the shared schedule frees units
   //    after use), replicated keeps every unit.
@@ -136,24 +150,28 @@ TEST_P(MoeLmCudaTest, MatchesReferenceAndCpuTrainer) {
 }
 
 std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
-  const auto [G, sharding, compute, reduce, ce_mode] = info.param;
+  const auto [G, sharding, compute, reduce, ce_mode, small_buckets] = info.param;
   return absl::StrCat("G", G, "_", TrainConfig::Sharding_Name(sharding), "_compute_",
                       TrainConfig::FloatDType_Name(compute), "_reduce_",
                       TrainConfig::FloatDType_Name(reduce), "_ce_",
-                      TrainConfig::CeMode_Name(ce_mode));
+                      TrainConfig::CeMode_Name(ce_mode),
+                      small_buckets ? "_small_buckets" : "");
 }
 
 using C = TrainConfig;
 INSTANTIATE_TEST_SUITE_P(
     Configs, MoeLmCudaTest,
-    ::testing::Values(Case{1, C::fsdp, C::f32, C::f32, C::token},
-                      Case{3, C::fsdp, C::f32, C::f32, C::token},
-                      Case{1, C::replicated, C::f32, C::f32, C::token},
-                      Case{3, C::replicated, C::f32, C::f32, C::token},
-                      Case{2, C::fsdp, C::bf16, C::f32, C::token},
-                      Case{2, C::fsdp, C::f32, C::bf16, C::token},
-                      Case{2, C::fsdp, C::f32, C::f32, C::sample},
-                      Case{2, C::replicated, C::f32, C::f32, C::square}),
+    ::testing::Values(Case{1, C::fsdp, C::f32, C::f32, C::token, false},
+                      Case{3, C::fsdp, C::f32, C::f32, C::token, false},
+                      Case{1, C::replicated, C::f32, C::f32, C::token, false},
+                      Case{3, C::replicated, C::f32, C::f32, C::token, false},
+                      Case{1, C::replicated, C::f32, C::f32, C::token, true},
+                      Case{3, C::replicated, C::f32, C::f32, C::token, true},
+                      Case{2, C::replicated, C::f32, C::bf16, C::token, true},
+                      Case{2, C::fsdp, C::bf16, C::f32, C::token, false},
+                      Case{2, C::fsdp, C::f32, C::bf16, C::token, false},
+                      Case{2, C::fsdp, C::f32, C::f32, C::sample, false},
+                      Case{2, C::replicated, C::f32, C::f32, C::square, false}),
     CaseName);
 
 TEST(MoeLmCudaTest, CreateRejectsMissingOrMismatchedDeviceGroups) {
@@ -174,16 +192,12 @@ TEST(MoeLmCudaTest, ProtocolAndInputErrorsAreStatuses) {
   ASSERT_TRUE(host.ok()) << host.status();
   NcclBackendOptions nccl_options;
   nccl_options.device = 0;
-  auto nccl = CreateNcclCommunicator(*(*host)[0], nccl_options);
+  auto nccl = MakeNcclMesh(*(*host)[0], nccl_options, 1, std::make_shared<CommTimer>());
   ASSERT_TRUE(nccl.ok()) << nccl.status();
-  auto nccl_mesh = Mesh::Create(nccl->get(), 1);
-  ASSERT_TRUE(nccl_mesh.ok()) << nccl_mesh.status();
   MoeLmOptions options;
   options.model = TinyConfig(1, 1, 1, TrainConfig::fsdp).model();
   const MoeLmGroups groups{(*host)[0].get(), (*host)[0].get(), (*host)[0].get()};
-  const MoeLmDeviceGroups dev{nccl->get(),
-                              dynamic_cast<NcclCommunicator*>(&(*nccl_mesh)->ep_group()),
-                              dynamic_cast<NcclCommunicator*>(&(*nccl_mesh)->edp_group())};
+  const MoeLmDeviceGroups dev = nccl->groups();
   auto model = MoeLmCuda::Create(options, groups, dev);
   ASSERT_TRUE(model.ok()) << model.status();
   ASSERT_TRUE((*model)->SetFullParameters(MoeLm::InitialParameters(options.model, 1)).ok());

@@ -67,6 +67,26 @@ absl::Status CheckOneRankPerGpu(Communicator& host_world, int device) {
   return absl::OkStatus();
 }
 
+MoeLmDeviceGroups NcclMesh::groups() const {
+  // MakeNcclMesh checked that the splits are NCCL communicators.
+  return {world.get(), static_cast<NcclCommunicator*>(&mesh->ep_group()),
+          static_cast<NcclCommunicator*>(&mesh->edp_group())};
+}
+
+absl::StatusOr<NcclMesh> MakeNcclMesh(Communicator& host_world, const NcclBackendOptions& options,
+                                      int ep, std::shared_ptr<CommTimer> timer) {
+  NcclMesh out;
+  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<NcclCommunicator> world,
+                           CreateNcclCommunicator(host_world, options));
+  out.world = TimeNcclCommunicator(std::move(world), std::move(timer));
+  GRADSUM_ASSIGN_OR_RETURN(out.mesh, Mesh::Create(out.world.get(), ep));
+  if (dynamic_cast<NcclCommunicator*>(&out.mesh->ep_group()) == nullptr ||
+      dynamic_cast<NcclCommunicator*>(&out.mesh->edp_group()) == nullptr) {
+    return absl::InternalError("splitting the NCCL world did not give NCCL communicators");
+  }
+  return out;
+}
+
 absl::Status RunNcclRank(const TrainConfig& config, Communicator* host_world, std::ostream* log) {
   if (host_world == nullptr) return absl::InvalidArgumentError("null host world communicator");
   GRADSUM_ASSIGN_OR_RETURN(const int device, LocalDeviceForRank(host_world->rank()));
@@ -75,18 +95,11 @@ absl::Status RunNcclRank(const TrainConfig& config, Communicator* host_world, st
   options.device = device;
   options.timeout = absl::Seconds(config.timeout_s());
   options.check_agreement = !config.nccl_skip_agreement();
-  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<NcclCommunicator> nccl_world,
-                           CreateNcclCommunicator(*host_world, options));
-  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Mesh> nccl_mesh,
-                           Mesh::Create(nccl_world.get(), config.ep()));
-  auto* ep = dynamic_cast<NcclCommunicator*>(&nccl_mesh->ep_group());
-  auto* edp = dynamic_cast<NcclCommunicator*>(&nccl_mesh->edp_group());
-  if (ep == nullptr || edp == nullptr) {
-    return absl::InternalError("splitting the NCCL world did not give NCCL communicators");
-  }
   GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(host_world, config.ep()));
+  GRADSUM_ASSIGN_OR_RETURN(NcclMesh nccl,
+                           MakeNcclMesh(*host_world, options, config.ep(), mesh.timer));
   RankComms comms = mesh.comms();
-  const MoeLmDeviceGroups dev{nccl_world.get(), ep, edp};
+  const MoeLmDeviceGroups dev = nccl.groups();
   comms.make_model = [dev](const MoeLmOptions& o, const MoeLmGroups& g) {
     return MoeLmCuda::Create(o, g, dev);
   };

@@ -14,10 +14,16 @@
 
 #include <ostream>
 
+#include <memory>
+
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "collectives/communicator.h"
+#include "collectives/mesh.h"
+#include "collectives/nccl_backend.h"
+#include "collectives/timed_communicator.h"
 #include "train/config.pb.h"
+#include "train/cuda/moe_lm_cuda.h"
 
 namespace gradsum::train {
 
@@ -28,6 +34,18 @@ absl::StatusOr<int> LocalDeviceForRank(int world_rank);
 // InvalidArgument naming both ranks when two ranks of `host_world` would drive the same GPU
 // (same host name and PCI bus id), which NCCL refuses with an opaque error. Collective.
 absl::Status CheckOneRankPerGpu(Communicator& host_world, int device);
+
+// The rank's NCCL world, bootstrapped over `host_world` and timed into `timer` (the host
+// mesh's CommTimer: TimeNcclCommunicator, so NCCL time counts in comm_s and
+// comm_exposed_s), and its (F, P) mesh with EP size `ep`: MoeLmCuda's device groups.
+struct NcclMesh {
+  std::unique_ptr<NcclCommunicator> world;
+  std::unique_ptr<Mesh> mesh;  // over `world`: its EP and EDP groups are timed too
+  MoeLmDeviceGroups groups() const;
+};
+// Collective over `host_world`. Errors of CreateNcclCommunicator and Mesh::Create.
+absl::StatusOr<NcclMesh> MakeNcclMesh(Communicator& host_world, const NcclBackendOptions& options,
+                                      int ep, std::shared_ptr<CommTimer> timer);
 
 // Runs config.steps steps on this rank. Collective over `host_world`, whose size must be
 // config.world(). Errors: those of the NCCL bootstrap, Trainer::Create and Trainer::Run.
