@@ -4,6 +4,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "core/exact_sum.h"
 #include "core/half.h"
 #include "core/status.h"
 
@@ -19,6 +20,12 @@ absl::StatusOr<std::unique_ptr<BucketedGradReducer>> BucketedGradReducer::Create
       return absl::InvalidArgumentError(
           absl::StrCat("BucketedGradReducer: group \"", g->name(), "\" is not replicated"));
     }
+    if (g->options().exact_grads != groups[0]->options().exact_grads) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "BucketedGradReducer: group \"", g->name(), "\" has exact_grads=",
+          g->options().exact_grads, " but \"", groups[0]->name(), "\" has ",
+          groups[0]->options().exact_grads));
+    }
     if (g->group() != groups[0]->group()) {
       return absl::InvalidArgumentError(absl::StrCat("BucketedGradReducer: group \"", g->name(),
                                                      "\" uses another communicator than \"",
@@ -33,6 +40,12 @@ absl::StatusOr<std::unique_ptr<BucketedGradReducer>> BucketedGradReducer::Create
   options.mode = GradBucketerOptions::Mode::kAllReduce;
   options.bucket_cap_bytes = bucket_cap_bytes;
   options.first_bucket_cap_bytes = first_bucket_cap_bytes;
+  const bool exact = groups[0]->options().exact_grads;
+  if (device != nullptr && exact) {
+    return absl::UnimplementedError(absl::StrCat(
+        "BucketedGradReducer: exact gradients (group \"", groups[0]->name(),
+        "\") are reduced in host buckets only"));
+  }
   if (device != nullptr) {
     if (device->comm == nullptr || device->memory == nullptr) {
       return absl::InvalidArgumentError(
@@ -49,16 +62,27 @@ absl::StatusOr<std::unique_ptr<BucketedGradReducer>> BucketedGradReducer::Create
   }
   std::unique_ptr<BucketedGradReducer> r(new BucketedGradReducer(comm, options));
   r->device_ = device != nullptr;
+  r->exact_ = exact;
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     const FlatParam* g = groups[gi];
     std::vector<int> ids;
     for (int k = 0; k < g->num_params(); ++k) {
       const FlatParamEntry& e = g->entries()[k];
+      // Exact mode: each element's int64 limbs (SEMANTICS.md §11).
       GRADSUM_ASSIGN_OR_RETURN(
-          int id, r->bucketer_.Register(absl::StrCat(g->name(), "/", e.name),
-                                        g->options().reduce_dtype, e.numel));
+          int id, exact ? r->bucketer_.Register(absl::StrCat(g->name(), "/", e.name),
+                                                DType::kI64, e.numel * exact::kLimbs)
+                        : r->bucketer_.Register(absl::StrCat(g->name(), "/", e.name),
+                                                g->options().reduce_dtype, e.numel));
       ids.push_back(id);
       r->owner_.push_back({static_cast<int>(gi), k});
+    }
+    if (exact) {
+      // The group's rejected-contribution count travels in the same buckets, last.
+      GRADSUM_ASSIGN_OR_RETURN(
+          int id, r->bucketer_.Register(absl::StrCat(g->name(), "/#rejected"), DType::kI64, 1));
+      ids.push_back(id);
+      r->owner_.push_back({static_cast<int>(gi), -1});
     }
     r->param_ids_.push_back(std::move(ids));
   }
@@ -80,6 +104,7 @@ absl::Status BucketedGradReducer::GroupReady(int index) {
         "BucketedGradReducer: group \"", g.name(), "\" was already handed over this step"));
   }
   handed_[index] = true;
+  if (exact_) return ExactGroupReady(index);
   absl::Span<const float> full = g.full_grad();
   // Backward produces the last parameters first: mark them in that order.
   for (int k = g.num_params() - 1; k >= 0; --k) {
@@ -102,6 +127,41 @@ absl::Status BucketedGradReducer::GroupReady(int index) {
   return absl::OkStatus();
 }
 
+absl::Status BucketedGradReducer::ExactGroupReady(int index) {
+  FlatParam& g = *groups_[index];
+  const std::vector<int>& ids = param_ids_[index];
+  TensorView rejected = bucketer_.grad(ids.back());
+  *rejected.data<int64_t>() = g.exact_rejected();
+  GRADSUM_RETURN_IF_ERROR(bucketer_.MarkReady(ids.back()));
+  absl::Span<const int64_t> full = g.exact_full_grad();
+  for (int k = g.num_params() - 1; k >= 0; --k) {
+    const FlatParamEntry& e = g.entries()[k];
+    TensorView view = bucketer_.grad(ids[k]);
+    absl::Span<int64_t> dst(view.data<int64_t>(), e.numel * exact::kLimbs);
+    std::copy_n(full.data() + e.offset * exact::kLimbs, dst.size(), dst.data());
+    GRADSUM_RETURN_IF_ERROR(exact::Normalize(dst));  // canonical before the SUM
+    GRADSUM_RETURN_IF_ERROR(bucketer_.MarkReady(ids[k]));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status BucketedGradReducer::FinishExact() {
+  // Host buckets: each group's summed limbs, converted once into master_grad(); NaN for a
+  // group with a rejected contribution on any rank.
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    FlatParam& g = *groups_[gi];
+    const int64_t rejected = *bucketer_.grad(param_ids_[gi].back()).data<int64_t>();
+    for (int k = 0; k < g.num_params(); ++k) {
+      const FlatParamEntry& e = g.entries()[k];
+      TensorView view = bucketer_.grad(param_ids_[gi][k]);
+      GRADSUM_RETURN_IF_ERROR(exact::ToFloats(
+          absl::MakeConstSpan(view.data<int64_t>(), e.numel * exact::kLimbs), rejected,
+          g.master_grad().subspan(e.offset, e.numel)));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status BucketedGradReducer::Finish() {
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     if (!handed_[gi]) {
@@ -112,6 +172,7 @@ absl::Status BucketedGradReducer::Finish() {
   }
   GRADSUM_RETURN_IF_ERROR(bucketer_.Finish());
   std::fill(handed_.begin(), handed_.end(), false);
+  if (exact_) return FinishExact();
   // Bucket by bucket (device buckets: one copy to the host each), each parameter's sum
   // into its group's master_grad() (replicated: the full gradient, numel elements).
   std::vector<uint64_t> staging;

@@ -30,6 +30,12 @@
 // marks them; Finish copies each reduced bucket to the host once, folds it into the
 // masters as above and zeroes the buckets (so a caller may also accumulate in the views).
 //
+// Exact groups (FlatParamOptions::exact_grads; all groups or none; host buckets only,
+// Unimplemented with device buckets) travel as their int64 limbs, canonicalised on the way
+// into the buckets, plus one int64 per group for the rejected-contribution count; Finish
+// converts the sums into master_grad() exactly as FlatParam's own exact all-reduce does
+// (SEMANTICS.md §11).
+//
 // BucketedUnitReducers below applies this to a model's units over several communicators
 // (the world's units and the EDP group's), for both the host and the device model.
 
@@ -87,11 +93,16 @@ class BucketedGradReducer {
  private:
   explicit BucketedGradReducer(Communicator* comm, GradBucketerOptions options)
       : bucketer_(comm, options) {}
+  absl::Status ExactGroupReady(int index);
+  absl::Status FinishExact();
+
   bool device_ = false;
+  bool exact_ = false;
   std::vector<FlatParam*> groups_;
-  std::vector<std::vector<int>> param_ids_;  // bucketer ids of each group's parameters
+  // Bucketer ids of each group's parameters (exact mode: then its rejected count's).
+  std::vector<std::vector<int>> param_ids_;
   std::vector<bool> handed_;                 // GroupReady called in the current step
-  std::vector<std::pair<int, int>> owner_;  // bucketer id -> (group, parameter)
+  std::vector<std::pair<int, int>> owner_;  // bucketer id -> (group, parameter or -1)
   GradBucketer bucketer_;
 };
 
