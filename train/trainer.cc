@@ -269,6 +269,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   options.layers_per_unit = config.layers_per_unit();
   options.reshard_after_forward = config.reshard_after_forward();
   options.reduce_every_micro_batch = config.reduce_every_micro_batch();
+  options.reproducible = config.reproducible();
   options.bucket_cap_bytes = static_cast<size_t>(config.bucket_cap_mb() * (1 << 20));
   options.first_bucket_cap_bytes = static_cast<size_t>(config.first_bucket_mb() * (1 << 20));
   // The ranks of a thread run share the cores; the kernels use what is left per rank.
