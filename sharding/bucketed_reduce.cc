@@ -4,6 +4,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "core/exact_sum.h"
 #include "core/half.h"
 #include "core/status.h"
 
@@ -17,6 +18,12 @@ absl::StatusOr<std::unique_ptr<BucketedGradReducer>> BucketedGradReducer::Create
     if (g->options().mode != ShardingMode::kReplicated) {
       return absl::InvalidArgumentError(
           absl::StrCat("BucketedGradReducer: group \"", g->name(), "\" is not replicated"));
+    }
+    if (g->options().exact_grads != groups[0]->options().exact_grads) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "BucketedGradReducer: group \"", g->name(), "\" has exact_grads=",
+          g->options().exact_grads, " but \"", groups[0]->name(), "\" has ",
+          groups[0]->options().exact_grads));
     }
     if (g->group() != groups[0]->group()) {
       return absl::InvalidArgumentError(absl::StrCat("BucketedGradReducer: group \"", g->name(),
@@ -32,12 +39,22 @@ absl::StatusOr<std::unique_ptr<BucketedGradReducer>> BucketedGradReducer::Create
   options.bucket_cap_bytes = bucket_cap_bytes;
   options.first_bucket_cap_bytes = first_bucket_cap_bytes;
   std::unique_ptr<BucketedGradReducer> r(new BucketedGradReducer(groups[0]->group(), options));
+  r->exact_ = groups[0]->options().exact_grads;
   for (const FlatParam* g : groups) {
     std::vector<int> ids;
     for (const FlatParamEntry& e : g->entries()) {
+      // Exact mode: each element's int64 limbs (SEMANTICS.md §11).
       GRADSUM_ASSIGN_OR_RETURN(
-          int id, r->bucketer_.Register(absl::StrCat(g->name(), "/", e.name),
-                                        g->options().reduce_dtype, e.numel));
+          int id, r->exact_ ? r->bucketer_.Register(absl::StrCat(g->name(), "/", e.name),
+                                                    DType::kI64, e.numel * exact::kLimbs)
+                            : r->bucketer_.Register(absl::StrCat(g->name(), "/", e.name),
+                                                    g->options().reduce_dtype, e.numel));
+      ids.push_back(id);
+    }
+    if (r->exact_) {
+      // The group's rejected-contribution count travels in the same buckets, last.
+      GRADSUM_ASSIGN_OR_RETURN(
+          int id, r->bucketer_.Register(absl::StrCat(g->name(), "/#rejected"), DType::kI64, 1));
       ids.push_back(id);
     }
     r->param_ids_.push_back(std::move(ids));
@@ -60,6 +77,7 @@ absl::Status BucketedGradReducer::GroupReady(int index) {
         "BucketedGradReducer: group \"", g.name(), "\" was already handed over this step"));
   }
   handed_[index] = true;
+  if (exact_) return ExactGroupReady(index);
   absl::Span<const float> full = g.full_grad();
   // Backward produces the last parameters first: mark them in that order.
   for (int k = g.num_params() - 1; k >= 0; --k) {
@@ -78,6 +96,24 @@ absl::Status BucketedGradReducer::GroupReady(int index) {
   return absl::OkStatus();
 }
 
+absl::Status BucketedGradReducer::ExactGroupReady(int index) {
+  FlatParam& g = *groups_[index];
+  const std::vector<int>& ids = param_ids_[index];
+  TensorView rejected = bucketer_.grad(ids.back());
+  *rejected.data<int64_t>() = g.exact_rejected();
+  GRADSUM_RETURN_IF_ERROR(bucketer_.MarkReady(ids.back()));
+  absl::Span<const int64_t> full = g.exact_full_grad();
+  for (int k = g.num_params() - 1; k >= 0; --k) {
+    const FlatParamEntry& e = g.entries()[k];
+    TensorView view = bucketer_.grad(ids[k]);
+    absl::Span<int64_t> dst(view.data<int64_t>(), e.numel * exact::kLimbs);
+    std::copy_n(full.data() + e.offset * exact::kLimbs, dst.size(), dst.data());
+    GRADSUM_RETURN_IF_ERROR(exact::Normalize(dst));  // canonical before the SUM
+    GRADSUM_RETURN_IF_ERROR(bucketer_.MarkReady(ids[k]));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status BucketedGradReducer::Finish() {
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     if (!handed_[gi]) {
@@ -91,6 +127,17 @@ absl::Status BucketedGradReducer::Finish() {
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     FlatParam& g = *groups_[gi];
     absl::Span<float> out = g.master_grad();  // replicated: the full gradient, numel elements
+    if (exact_) {
+      const int64_t rejected = *bucketer_.grad(param_ids_[gi].back()).data<int64_t>();
+      for (int k = 0; k < g.num_params(); ++k) {
+        const FlatParamEntry& e = g.entries()[k];
+        TensorView view = bucketer_.grad(param_ids_[gi][k]);
+        GRADSUM_RETURN_IF_ERROR(exact::ToFloats(
+            absl::MakeConstSpan(view.data<int64_t>(), e.numel * exact::kLimbs), rejected,
+            out.subspan(e.offset, e.numel)));
+      }
+      continue;
+    }
     for (int k = 0; k < g.num_params(); ++k) {
       const FlatParamEntry& e = g.entries()[k];
       TensorView view = bucketer_.grad(param_ids_[gi][k]);

@@ -22,6 +22,11 @@
 // (earlier micro-batches need no call: replicated gradients accumulate locally). The
 // result is bit-identical to FlatParam's own all-reduce: the same per-element SUM in the
 // group's reduce dtype.
+//
+// Exact groups (FlatParamOptions::exact_grads; all groups or none) travel as their int64
+// limbs, canonicalised on the way into the buckets, plus one int64 per group for the
+// rejected-contribution count; Finish converts the sums into master_grad() exactly as
+// FlatParam's own exact all-reduce does (SEMANTICS.md §11).
 
 #include <memory>
 #include <vector>
@@ -57,8 +62,12 @@ class BucketedGradReducer {
  private:
   explicit BucketedGradReducer(Communicator* comm, GradBucketerOptions options)
       : bucketer_(comm, options) {}
+  absl::Status ExactGroupReady(int index);
+
+  bool exact_ = false;
   std::vector<FlatParam*> groups_;
-  std::vector<std::vector<int>> param_ids_;  // bucketer ids of each group's parameters
+  // Bucketer ids of each group's parameters (exact mode: then its rejected count's).
+  std::vector<std::vector<int>> param_ids_;
   std::vector<bool> handed_;                 // GroupReady called in the current step
   GradBucketer bucketer_;
 };

@@ -37,6 +37,16 @@ absl::StatusOr<std::unique_ptr<FlatParam>> FlatParam::Create(std::string name,
     return absl::InvalidArgumentError(absl::StrCat("flat param group \"", name, "\": bad mode ",
                                                    static_cast<int>(options.mode)));
   }
+  if (options.exact_grads && options.reduce_dtype != DType::kF32) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("flat param group \"", name, "\": exact gradients travel as int64 limbs; ",
+                     "reduce dtype ", DTypeName(options.reduce_dtype), " does not apply (use f32)"));
+  }
+  if (options.exact_grads && group->size() >= exact::kMaxAddsBetweenNormalize) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "flat param group \"", name, "\": exact gradients sum at most ",
+        exact::kMaxAddsBetweenNormalize - 1, " ranks, the group has ", group->size()));
+  }
   std::unique_ptr<FlatParam> fp(new FlatParam());
   fp->name_ = std::move(name);
   fp->group_ = group;
@@ -71,7 +81,18 @@ absl::StatusOr<std::unique_ptr<FlatParam>> FlatParam::Create(std::string name,
   fp->local_numel_ = layout.local_numel;
   fp->master_.assign(fp->sharded() ? fp->shard_numel_ : fp->padded_numel_, 0.0f);
   if (fp->sharded()) fp->grad_accum_.assign(fp->shard_numel_, 0.0f);
-  fp->full_grad_.assign(fp->padded_numel_, 0.0f);
+  if (fp->exact()) {
+    // The limbs take full_grad_'s role; fp32 holds only the reduced gradient (replicated
+    // mode's master_grad is full_grad_).
+    fp->exact_full_.assign(fp->padded_numel_ * exact::kLimbs, 0);
+    if (fp->sharded()) {
+      fp->exact_accum_.assign(fp->shard_numel_ * exact::kLimbs, 0);
+    } else {
+      fp->full_grad_.assign(fp->padded_numel_, 0.0f);
+    }
+  } else {
+    fp->full_grad_.assign(fp->padded_numel_, 0.0f);
+  }
   return fp;
 }
 
@@ -79,6 +100,7 @@ FlatParam::~FlatParam() {
   // An in-flight collective still reads or writes our buffers: let it finish first.
   if (unshard_work_) unshard_work_->Wait(group_->timeout()).IgnoreError();
   if (grad_work_) grad_work_->Wait(group_->timeout()).IgnoreError();
+  if (rejected_work_) rejected_work_->Wait(group_->timeout()).IgnoreError();
 }
 
 absl::StatusOr<int> FlatParam::IndexOf(absl::string_view param_name) const {
@@ -242,6 +264,11 @@ absl::Status FlatParam::Reshard() {
 
 absl::StatusOr<TensorView> FlatParam::grad(int index) {
   GRADSUM_RETURN_IF_ERROR(CheckIndex(index));
+  if (exact()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group \"", name_, "\" holds exact gradients: add into exact_grad(", index,
+        ") or AddExactGrad, not the fp32 grad()"));
+  }
   if (grad_work_) {
     return absl::FailedPreconditionError(
         absl::StrCat("group \"", name_, "\": grad() while a gradient reduction is in flight"));
@@ -251,13 +278,49 @@ absl::StatusOr<TensorView> FlatParam::grad(int index) {
                             e.shape);
 }
 
-absl::Span<float> FlatParam::full_grad() { return absl::MakeSpan(full_grad_.data(), numel_); }
+absl::Span<float> FlatParam::full_grad() {
+  if (exact()) return {};
+  return absl::MakeSpan(full_grad_.data(), numel_);
+}
+
+absl::StatusOr<absl::Span<int64_t>> FlatParam::exact_grad(int index) {
+  if (!exact()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("group \"", name_, "\": exact_grad() outside exact mode (exact_grads=false)"));
+  }
+  GRADSUM_RETURN_IF_ERROR(CheckIndex(index));
+  if (grad_work_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group \"", name_, "\": exact_grad() while a gradient reduction is in flight"));
+  }
+  const FlatParamEntry& e = entries_[index];
+  return absl::MakeSpan(exact_full_.data() + e.offset * exact::kLimbs, e.numel * exact::kLimbs);
+}
+
+absl::Status FlatParam::AddExactGrad(int index, int64_t offset, absl::Span<const float> values) {
+  GRADSUM_ASSIGN_OR_RETURN(absl::Span<int64_t> limbs, exact_grad(index));
+  const int64_t numel = entries_[index].numel;
+  const int64_t n = static_cast<int64_t>(values.size());
+  if (offset < 0 || offset > numel || n > numel - offset) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "group \"", name_, "\": AddExactGrad of ", n, " values at offset ", offset,
+        " leaves parameter \"", entries_[index].name, "\" (", numel, " elements)"));
+  }
+  return exact::AddFloats(values, limbs.subspan(offset * exact::kLimbs, n * exact::kLimbs),
+                          &exact_rejected_);
+}
+
+absl::Span<int64_t> FlatParam::exact_full_grad() {
+  if (!exact()) return {};
+  return absl::MakeSpan(exact_full_.data(), numel_ * exact::kLimbs);
+}
 
 absl::Status FlatParam::StartGradReduce(bool last_micro_batch) {
   if (grad_work_) {
     return absl::FailedPreconditionError(
         absl::StrCat("group \"", name_, "\": a gradient reduction is already in flight"));
   }
+  if (exact()) return StartExactGradReduce(last_micro_batch);
   // Padding must stay zero whatever backward did, so it never enters a sum.
   std::fill(full_grad_.begin() + numel_, full_grad_.end(), 0.0f);
   // Replicated mode (or sharded without reduce_every_micro_batch), not the last
@@ -303,8 +366,73 @@ absl::Status FlatParam::StartGradReduce(bool last_micro_batch) {
   return absl::OkStatus();
 }
 
+absl::Status FlatParam::StartExactGradReduce(bool last_micro_batch) {
+  // Padding stays zero; the limbs are canonical before they are summed (every
+  // micro-batch, so the per-micro-batch contribution limit holds over a whole step).
+  std::fill(exact_full_.begin() + numel_ * exact::kLimbs, exact_full_.end(), 0);
+  GRADSUM_RETURN_IF_ERROR(exact::Normalize(absl::MakeSpan(exact_full_)));
+  if ((!sharded() || !options_.reduce_every_micro_batch) && !last_micro_batch) {
+    return absl::OkStatus();
+  }
+  const std::string what = absl::StrCat("exact gradient reduction of group \"", name_, "\"");
+  absl::StatusOr<std::unique_ptr<Work>> work;
+  if (sharded()) {
+    exact_recv_.resize(shard_numel_ * exact::kLimbs);
+    work = group_->ReduceScatterAsync(exact_full_.data(), exact_recv_.data(),
+                                      shard_numel_ * exact::kLimbs, DType::kI64, ReduceOp::kSum);
+  } else {
+    work = group_->AllReduceAsync(exact_full_.data(), exact_full_.data(),
+                                  padded_numel_ * exact::kLimbs, DType::kI64, ReduceOp::kSum);
+  }
+  if (!work.ok()) return Annotate(work.status(), what);
+  grad_work_ = std::move(*work);
+  grad_work_is_allreduce_ = !sharded();
+  grad_work_last_ = last_micro_batch;
+  if (last_micro_batch) {
+    // Issued right behind the limbs, in the same order on every rank.
+    work = group_->AllReduceAsync(&exact_rejected_, &exact_rejected_total_, 1, DType::kI64,
+                                  ReduceOp::kSum);
+    if (!work.ok()) return Annotate(work.status(), what);
+    rejected_work_ = std::move(*work);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FlatParam::FinishExactGradReduce() {
+  const std::string what = absl::StrCat("exact gradient reduction of group \"", name_, "\"");
+  absl::Status s = grad_work_->Wait(group_->timeout() + absl::Seconds(5));
+  if (!s.ok() && absl::IsDeadlineExceeded(s) && !grad_work_->IsCompleted()) {
+    return Annotate(s, what);
+  }
+  grad_work_.reset();
+  if (rejected_work_) {
+    absl::Status r = rejected_work_->Wait(group_->timeout() + absl::Seconds(5));
+    if (!r.ok() && absl::IsDeadlineExceeded(r) && !rejected_work_->IsCompleted()) {
+      return Annotate(r, what);
+    }
+    rejected_work_.reset();
+    if (s.ok()) s = r;
+  }
+  if (!s.ok()) return Annotate(s, what);
+  if (grad_work_is_allreduce_) {
+    // Replicated: the step's summed limbs, converted once into master_grad().
+    return exact::ToFloats(absl::MakeConstSpan(exact_full_.data(), numel_ * exact::kLimbs),
+                           exact_rejected_total_, absl::MakeSpan(full_grad_.data(), numel_));
+  }
+  // Sharded: add this micro-batch's summed shard into the limb accumulator (canonical +
+  // a sum of group_size canonical buffers: within the normalisation budget).
+  GRADSUM_RETURN_IF_ERROR(exact::AddLimbs(exact_recv_, absl::MakeSpan(exact_accum_)));
+  GRADSUM_RETURN_IF_ERROR(exact::Normalize(absl::MakeSpan(exact_accum_)));
+  std::fill(exact_full_.begin(), exact_full_.end(), 0);
+  if (!grad_work_last_) return absl::OkStatus();
+  grad_accum_empty_ = false;
+  return exact::ToFloats(absl::MakeConstSpan(exact_accum_.data(), local_numel_ * exact::kLimbs),
+                         exact_rejected_total_, absl::MakeSpan(grad_accum_.data(), local_numel_));
+}
+
 absl::Status FlatParam::FinishGradReduce() {
   if (!grad_work_) return absl::OkStatus();
+  if (exact()) return FinishExactGradReduce();
   absl::Status s = grad_work_->Wait(group_->timeout() + absl::Seconds(5));
   if (!s.ok() && absl::IsDeadlineExceeded(s) && !grad_work_->IsCompleted()) {
     return Annotate(s, absl::StrCat("gradient reduction of group \"", name_, "\""));
@@ -347,6 +475,12 @@ void FlatParam::AccumulateShard(const float* in) {
 }
 
 absl::Status FlatParam::FoldReducedGrad(absl::Span<const float> reduced, bool last_micro_batch) {
+  if (exact()) {
+    return absl::UnimplementedError(absl::StrCat(
+        "group \"", name_, "\": exact gradients are reduced as int64 limbs by FlatParam or "
+        "BucketedGradReducer; an fp32 gradient reduced elsewhere (the GPU path) cannot be "
+        "folded in"));
+  }
   if (grad_work_) {
     return absl::FailedPreconditionError(absl::StrCat(
         "group \"", name_, "\": FoldReducedGrad while a gradient reduction is in flight"));
@@ -390,6 +524,10 @@ absl::Status FlatParam::ZeroGrad() {
   std::fill(full_grad_.begin(), full_grad_.end(), 0.0f);
   std::fill(grad_accum_.begin(), grad_accum_.end(), 0.0f);
   grad_accum_empty_ = true;
+  std::fill(exact_full_.begin(), exact_full_.end(), 0);
+  std::fill(exact_accum_.begin(), exact_accum_.end(), 0);
+  exact_rejected_ = 0;
+  exact_rejected_total_ = 0;
   return absl::OkStatus();
 }
 
@@ -397,6 +535,10 @@ double FlatParam::OwnedGradSquaredNorm() const {
   double sum = 0.0;
   for (float g : owned_grad()) sum += static_cast<double>(g) * static_cast<double>(g);
   return sum;
+}
+
+void FlatParam::AddOwnedGradSquares(exact::ExactScalar& sum) const {
+  sum.AddSquares(owned_grad());
 }
 
 }  // namespace gradsum

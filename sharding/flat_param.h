@@ -35,6 +35,20 @@
 //   ... GlobalGradNorm / ClipGradNorm, ShardedAdamW::Step (sharding/adamw.h) ...
 //   fp->ZeroGrad();
 //
+// Exact mode (FlatParamOptions::exact_grads, SEMANTICS.md §11): the gradient is held as
+// exact fixed-point limbs (core/exact_sum.h) instead of fp32, so every sum over
+// sequences, micro-batches and ranks is associative and the reduced gradient is the same
+// bits at every mesh, sharding mode and G. Backward adds each contribution through
+// AddExactGrad (or exact::AddFloats into exact_grad(), then CountRejectedExactGrad);
+// grad() is FailedPrecondition. The reductions carry int64 limbs with SUM (a
+// reduce-scatter every micro-batch or on the last one, or the last micro-batch's
+// all-reduce, as in fp32 mode) plus, on the last micro-batch, one int64 all-reduce of
+// the rejected-contribution count; FinishGradReduce of the last micro-batch converts the
+// owned limbs to master_grad() (correctly rounded to fp32; all NaN when any contribution
+// anywhere was non-finite or out of range; +-Inf where a sum left the range 2^29).
+// Limits: at most exact::kMaxAddsBetweenNormalize - 1 contributions per element per
+// micro-batch on a rank, and group sizes below exact::kMaxAddsBetweenNormalize.
+//
 // Padding never leaks: padding elements of the master and of every gradient buffer are
 // zero, and master(), master_grad(), norms and checkpoints exclude them.
 //
@@ -51,6 +65,7 @@
 #include "absl/types/span.h"
 #include "collectives/communicator.h"
 #include "core/dtype.h"
+#include "core/exact_sum.h"
 #include "core/half.h"
 #include "core/tensor.h"
 
@@ -74,6 +89,8 @@ struct FlatParamOptions {
   // micro-batch (false: FSDP2's requires_gradient_sync off for the others; more memory,
   // fewer collectives). Replicated mode always reduces once, on the last micro-batch.
   bool reduce_every_micro_batch = true;
+  // Exact gradients (see above); reduce_dtype must be kF32 (it is not used).
+  bool exact_grads = false;
 };
 
 // A parameter to place in a group.
@@ -208,8 +225,30 @@ class FlatParam {
   // FinishGradReduce(); replicated mode: it accumulates the step's micro-batches.
   // InvalidArgument on a bad index; FailedPrecondition while a reduction is in flight.
   absl::StatusOr<TensorView> grad(int index);
-  // The whole full gradient buffer (numel() elements, padding excluded).
+  // The whole full gradient buffer (numel() elements, padding excluded). Empty in exact
+  // mode (see exact_full_grad()).
   absl::Span<float> full_grad();
+
+  // ---- Exact mode (options().exact_grads). ----
+
+  // Element-major limbs (exact::kLimbs int64 per element) of parameter `index`'s full
+  // gradient: e.numel * kLimbs words. Backward adds contributions with exact::AddFloats
+  // and reports their rejected count with CountRejectedExactGrad. Like grad(), it holds
+  // one micro-batch in sharded mode and the step in replicated mode.
+  // FailedPrecondition outside exact mode or while a reduction is in flight;
+  // InvalidArgument on a bad index.
+  absl::StatusOr<absl::Span<int64_t>> exact_grad(int index);
+  // Adds `values` into parameter `index`'s exact gradient at elements [offset, offset +
+  // values.size()), counting rejected (non-finite, out-of-range) values. Errors as
+  // exact_grad(), and InvalidArgument when the range leaves the parameter.
+  absl::Status AddExactGrad(int index, int64_t offset, absl::Span<const float> values);
+  // Counts contributions that exact::AddFloats rejected (they turn the group's reduced
+  // gradient into NaN on every rank). n >= 0.
+  void CountRejectedExactGrad(int64_t n) { exact_rejected_ += n; }
+  // The whole full exact gradient (numel() * kLimbs words) and the local rejected count,
+  // for a reduction outside this FlatParam (BucketedGradReducer). Empty outside exact mode.
+  absl::Span<int64_t> exact_full_grad();
+  int64_t exact_rejected() const { return exact_rejected_; }
 
   // Starts this micro-batch's reduction. Sharded: reduce-scatter (SUM, reduce dtype) of
   // the full gradient, every micro-batch (or only when `last_micro_batch` if
@@ -240,12 +279,18 @@ class FlatParam {
   // Sum of squares of owned_grad(), in fp64 (SEMANTICS.md §7: summed over the world it
   // counts every element exactly once).
   double OwnedGradSquaredNorm() const;
+  // The same sum, exact (core/exact_sum.h), added into `sum`: what the exact mode's
+  // global norm uses, so the norm does not depend on how the elements are split.
+  void AddOwnedGradSquares(exact::ExactScalar& sum) const;
 
  private:
   enum class UnshardState { kNone, kInFlight, kReady };
 
   FlatParam() = default;
   bool sharded() const { return options_.mode == ShardingMode::kSharded; }
+  bool exact() const { return options_.exact_grads; }
+  absl::Status StartExactGradReduce(bool last_micro_batch);
+  absl::Status FinishExactGradReduce();
   absl::Status CheckIndex(int index) const;
   // Adds one micro-batch's reduced shard (shard_numel() fp32) into the accumulator.
   void AccumulateShard(const float* in);
@@ -285,6 +330,18 @@ class FlatParam {
   std::vector<float> reduce_recv_f32_;
   std::vector<BF16> reduce_send_bf16_;
   std::vector<BF16> reduce_recv_bf16_;
+
+  // Exact mode. Full gradient limbs (padded_numel() * kLimbs, the role of full_grad_);
+  // sharded: the limb accumulator and the reduce-scatter's output (shard_numel() *
+  // kLimbs each). The local rejected count, and the step's global one (an all-reduce on
+  // the last micro-batch, in flight beside grad_work_).
+  std::vector<int64_t> exact_full_;
+  std::vector<int64_t> exact_accum_;
+  std::vector<int64_t> exact_recv_;
+  int64_t exact_rejected_ = 0;
+  int64_t exact_rejected_total_ = 0;
+  std::unique_ptr<Work> rejected_work_;
+  bool grad_work_last_ = false;
 };
 
 }  // namespace gradsum

@@ -10,13 +10,33 @@ namespace gradsum {
 
 absl::StatusOr<double> GlobalGradNorm(absl::Span<FlatParam* const> groups, Communicator& world) {
   double local_sq = 0.0;
+  exact::ExactScalar exact_sq;
   for (const FlatParam* g : groups) {
     if (g == nullptr) return absl::InvalidArgumentError("GlobalGradNorm: null group");
     if (g->grad_reduce_in_flight()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "GlobalGradNorm: gradient reduction of group \"", g->name(), "\" is still in flight"));
     }
-    local_sq += g->OwnedGradSquaredNorm();
+    if (g->options().exact_grads != groups[0]->options().exact_grads) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "GlobalGradNorm: group \"", g->name(), "\" has exact_grads=", g->options().exact_grads,
+          " but \"", groups[0]->name(), "\" has ", groups[0]->options().exact_grads));
+    }
+    if (g->options().exact_grads) {
+      g->AddOwnedGradSquares(exact_sq);
+    } else {
+      local_sq += g->OwnedGradSquaredNorm();
+    }
+  }
+  if (!groups.empty() && groups[0]->options().exact_grads) {
+    // SEMANTICS.md §11: the exact sum of the squares, reduced as int64 words, is the
+    // same bits however the elements are split over ranks.
+    exact_sq.Normalize();
+    exact::ExactScalar global;
+    GRADSUM_RETURN_IF_ERROR(world.AllReduce(exact_sq.words().data(), global.words().data(),
+                                            exact::ExactScalar::kWords, DType::kI64,
+                                            ReduceOp::kSum));
+    return std::sqrt(global.ToDouble());
   }
   double global_sq = 0.0;
   GRADSUM_RETURN_IF_ERROR(world.AllReduce(&local_sq, &global_sq, 1, DType::kF64, ReduceOp::kSum));

@@ -116,7 +116,9 @@ class HostUnitStore : public UnitStore {
 
   absl::Status StartReduce(int u, bool last_micro_batch) override {
     if (reducers_.empty()) return units_[u]->StartGradReduce(last_micro_batch);
-    if (!last_micro_batch) return absl::OkStatus();  // replicated: accumulate (no_sync)
+    // Replicated: accumulate (no_sync); FlatParam only tidies its buffer (zero padding;
+    // exact mode: canonical limbs each micro-batch).
+    if (!last_micro_batch) return units_[u]->StartGradReduce(false);
     const auto [r, index] = reducer_of_[u];
     handed_[r] = true;
     return reducers_[r]->GroupReady(index);

@@ -1,0 +1,235 @@
+#include "core/exact_sum.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+
+namespace gradsum::exact {
+namespace {
+
+constexpr double Pow2(int e) {
+  double r = 1.0;
+  for (; e > 0; --e) r *= 2.0;
+  for (; e < 0; ++e) r *= 0.5;
+  return r;
+}
+
+// Rounds |y| < 2^51 to the nearest integer, ties to even (FE_TONEAREST): adding and
+// subtracting 1.5 * 2^52 leaves no fraction bits. Faster than nearbyint (a libm call
+// without SSE4.1) and exact for the remainders below 2^kLimbBits it sees.
+inline double RoundNearestEven(double y) {
+  constexpr double kMagic = 6755399441055744.0;  // 1.5 * 2^52
+  // Not folded: the build has no -ffast-math, and IEEE arithmetic forbids it.
+  return (y + kMagic) - kMagic;
+}
+
+template <class F>
+struct Consts {
+  static constexpr double kScale = Pow2(-F::kLsbExponent);  // value -> units of the LSB
+  static constexpr double kMaxAbs = Pow2(F::kMaxExponent);
+  static constexpr int64_t kMask = (int64_t{1} << F::kLimbBits) - 1;
+};
+
+// Splits x into the limbs of round(x / LSB); false (nothing written) when x is rejected.
+// y - q * 2^(B k) keeps the low bits of y, so every step is exact; only the last limb
+// rounds, and since every higher limb is a multiple of 2^B (even), rounding the last
+// remainder to nearest-even is rounding the whole value to nearest-even.
+template <class F>
+inline bool Split(double x, int64_t* q) {
+  if (!(std::fabs(x) < Consts<F>::kMaxAbs)) return false;  // NaN fails the comparison too
+  double y = x * Consts<F>::kScale;                        // exact: a power of two
+  for (int k = F::kLimbs - 1; k >= 1; --k) {
+    const double unit = Pow2(F::kLimbBits * k);
+    const int64_t qk = static_cast<int64_t>(y * (1.0 / unit));  // truncates toward zero
+    y -= static_cast<double>(qk) * unit;
+    q[k] = qk;
+  }
+  q[0] = static_cast<int64_t>(RoundNearestEven(y));
+  return true;
+}
+
+template <class F>
+inline void NormalizeElement(int64_t* c) {
+  for (int k = 0; k + 1 < F::kLimbs; ++k) {
+    const int64_t carry = c[k] >> F::kLimbBits;  // floor division (arithmetic shift)
+    c[k] &= Consts<F>::kMask;
+    c[k + 1] += carry;
+  }
+}
+
+// Correctly rounded value of an element's limbs (any form) as T (float or double).
+template <class F, class T>
+T ElementTo(const int64_t* limbs) {
+  int64_t c[F::kLimbs];
+  std::memcpy(c, limbs, sizeof(c));
+  NormalizeElement<F>(c);
+  const int64_t top_limit = int64_t{1} << (F::kLimbBits - 1);
+  int64_t& top = c[F::kLimbs - 1];
+  if (top >= top_limit) return std::numeric_limits<T>::infinity();
+  if (top < -top_limit) return -std::numeric_limits<T>::infinity();
+  const bool negative = top < 0;
+  if (negative) {
+    for (int64_t& v : c) v = -v;
+    NormalizeElement<F>(c);
+  }
+  // The magnitude, packed into 192 bits (the canonical limbs do not overlap).
+  static_assert(F::kLimbs * F::kLimbBits <= 192, "fits three words");
+  uint64_t w[3] = {0, 0, 0};
+  for (int k = 0; k < F::kLimbs; ++k) {
+    const uint64_t v = static_cast<uint64_t>(c[k]);
+    const int o = k * F::kLimbBits;
+    const int wi = o / 64, b = o % 64;
+    w[wi] |= v << b;
+    if (b != 0 && b + F::kLimbBits > 64) w[wi + 1] |= v >> (64 - b);
+  }
+  int msb = -1;
+  for (int i = 2; i >= 0 && msb < 0; --i) {
+    if (w[i] != 0) msb = 64 * i + 63 - __builtin_clzll(w[i]);
+  }
+  if (msb < 0) return T(0);
+  uint64_t mant;
+  int shift = 0;
+  if (msb < 64) {
+    mant = w[0];
+  } else {
+    // 64 bits [shift, shift + 64) and a sticky bit for everything below: bit 0 lies far
+    // below the rounding position of float and double, so the conversion of `mant`
+    // rounds exactly as the full magnitude would.
+    shift = msb - 63;
+    const int wi = shift / 64, b = shift % 64;
+    mant = w[wi] >> b;
+    if (b != 0) mant |= w[wi + 1] << (64 - b);
+    bool sticky = b != 0 && (w[wi] & ((uint64_t{1} << b) - 1)) != 0;
+    for (int i = 0; i < wi; ++i) sticky = sticky || w[i] != 0;
+    mant |= sticky ? 1u : 0u;
+  }
+  // (T)mant rounds to nearest-even; the scaling is exact (normal results only).
+  const T r = std::ldexp(static_cast<T>(mant), shift + F::kLsbExponent);
+  return negative ? -r : r;
+}
+
+template <class T>
+absl::Status AddValues(absl::Span<const T> values, absl::Span<int64_t> limbs,
+                       int64_t* rejected) {
+  if (rejected == nullptr) return absl::InvalidArgumentError("exact::Add: null rejected count");
+  if (limbs.size() != values.size() * kLimbs) {
+    return absl::InvalidArgumentError(absl::StrCat("exact::Add: ", values.size(),
+                                                   " values need ", values.size() * kLimbs,
+                                                   " limbs, got ", limbs.size()));
+  }
+  int64_t bad = 0;
+  int64_t* out = limbs.data();
+  for (size_t i = 0; i < values.size(); ++i, out += kLimbs) {
+    int64_t q[kLimbs];
+    if (!Split<GradFormat>(static_cast<double>(values[i]), q)) {
+      ++bad;
+      continue;
+    }
+    for (int k = 0; k < kLimbs; ++k) out[k] += q[k];
+  }
+  *rejected += bad;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status AddFloats(absl::Span<const float> values, absl::Span<int64_t> limbs,
+                       int64_t* rejected) {
+  return AddValues(values, limbs, rejected);
+}
+
+absl::Status AddDoubles(absl::Span<const double> values, absl::Span<int64_t> limbs,
+                        int64_t* rejected) {
+  return AddValues(values, limbs, rejected);
+}
+
+absl::Status AddLimbs(absl::Span<const int64_t> in, absl::Span<int64_t> acc) {
+  if (in.size() != acc.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("exact::AddLimbs: ", in.size(), " limbs into ", acc.size()));
+  }
+  for (size_t i = 0; i < in.size(); ++i) acc[i] += in[i];
+  return absl::OkStatus();
+}
+
+absl::Status Normalize(absl::Span<int64_t> limbs) {
+  if (limbs.size() % kLimbs != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("exact::Normalize: ", limbs.size(), " limbs is not a multiple of ", kLimbs));
+  }
+  for (size_t i = 0; i < limbs.size(); i += kLimbs) NormalizeElement<GradFormat>(&limbs[i]);
+  return absl::OkStatus();
+}
+
+absl::Status ToFloats(absl::Span<const int64_t> limbs, int64_t rejected, absl::Span<float> out) {
+  if (limbs.size() != out.size() * kLimbs) {
+    return absl::InvalidArgumentError(absl::StrCat("exact::ToFloats: ", limbs.size(),
+                                                   " limbs for ", out.size(), " floats"));
+  }
+  if (rejected != 0) {
+    for (float& f : out) f = std::numeric_limits<float>::quiet_NaN();
+    return absl::OkStatus();
+  }
+  for (size_t i = 0; i < out.size(); ++i) {
+    out[i] = ElementTo<GradFormat, float>(&limbs[i * kLimbs]);
+  }
+  return absl::OkStatus();
+}
+
+double ToDouble(absl::Span<const int64_t> element_limbs, int64_t rejected) {
+  if (rejected != 0 || element_limbs.size() != static_cast<size_t>(kLimbs)) {
+    return std::numeric_limits<double>::quiet_NaN();
+  }
+  return ElementTo<GradFormat, double>(element_limbs.data());
+}
+
+// ---- ExactScalar ----
+
+void ExactScalar::CountAdd() {
+  if (++adds_since_normalize_ >= WideFormat::kMaxAddsBetweenNormalize) Normalize();
+}
+
+void ExactScalar::Add(double v) {
+  int64_t q[kLimbs];
+  if (!Split<WideFormat>(v, q)) {
+    ++words_[kLimbs];
+    return;
+  }
+  for (int k = 0; k < kLimbs; ++k) words_[k] += q[k];
+  CountAdd();
+}
+
+void ExactScalar::AddSquares(absl::Span<const float> v) {
+  for (float x : v) Add(static_cast<double>(x) * static_cast<double>(x));
+}
+
+void ExactScalar::Add(const ExactScalar& other) {
+  ExactScalar o = other;
+  o.Normalize();
+  for (int k = 0; k < kWords; ++k) words_[k] += o.words_[k];
+  CountAdd();
+}
+
+void ExactScalar::Normalize() {
+  NormalizeElement<WideFormat>(words_.data());
+  adds_since_normalize_ = 0;
+}
+
+double ExactScalar::ToDouble() const {
+  if (rejected() != 0) return std::numeric_limits<double>::quiet_NaN();
+  return ElementTo<WideFormat, double>(words_.data());
+}
+
+bool ExactScalar::IsZero() const {
+  int64_t c[kLimbs];
+  std::memcpy(c, words_.data(), sizeof(c));
+  NormalizeElement<WideFormat>(c);
+  for (int64_t v : c) {
+    if (v != 0) return false;
+  }
+  return rejected() == 0;
+}
+
+}  // namespace gradsum::exact
