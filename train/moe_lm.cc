@@ -1,10 +1,12 @@
 #include "train/moe_lm.h"
 
 #include <algorithm>
+#include <atomic>
 #include <functional>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "core/exact_sum.h"
 #include "core/grad_sink.h"
 #include "core/half.h"
 #include "core/status.h"
@@ -164,45 +166,54 @@ class HostUnitStore : public UnitStore {
 
 // Reproducible mode: entries [first, first + count) of a unit, back to back, as one exact
 // gradient (a single parameter, or moe/experts.h's "all Wg, then all Wu, then all Wd" run of
-// one layer's experts).
+// one layer's experts). The entries' limb spans are taken on the rank's thread at
+// creation; Add only adds into them (exact::AddFloats), so kernels may call it from pool
+// threads on disjoint ranges. The rejected-contribution count goes to the unit when the
+// sink goes away (before the unit's reduction starts).
 class EntriesGradSink : public ExactGradSink {
  public:
-  EntriesGradSink(FlatParam* unit, int first, int count)
-      : unit_(unit), first_(first), count_(count) {}
+  static absl::StatusOr<std::unique_ptr<EntriesGradSink>> Create(FlatParam* unit, int first,
+                                                                 int count) {
+    auto sink = std::unique_ptr<EntriesGradSink>(new EntriesGradSink(unit));
+    for (int i = first; i < first + count; ++i) {
+      GRADSUM_ASSIGN_OR_RETURN(absl::Span<int64_t> limbs, unit->exact_grad(i));
+      sink->limbs_.push_back(limbs);
+    }
+    return sink;
+  }
+  ~EntriesGradSink() override { unit_->CountRejectedExactGrad(rejected_.load()); }
 
   absl::Status Add(int64_t offset, absl::Span<const float> c) override {
-    for (int i = first_; i < first_ + count_ && !c.empty(); ++i) {
-      const int64_t numel = unit_->entries()[i].numel;
+    const int64_t size = static_cast<int64_t>(c.size());
+    for (absl::Span<int64_t> limbs : limbs_) {
+      if (c.empty()) break;
+      const int64_t numel = static_cast<int64_t>(limbs.size()) / exact::kLimbs;
       if (offset >= numel) {
         offset -= numel;
         continue;
       }
       const int64_t n = std::min<int64_t>(numel - offset, static_cast<int64_t>(c.size()));
-      GRADSUM_RETURN_IF_ERROR(AddToEntry(i, offset, c.first(n)));
+      int64_t rejected = 0;
+      GRADSUM_RETURN_IF_ERROR(exact::AddFloats(
+          c.first(n), limbs.subspan(offset * exact::kLimbs, n * exact::kLimbs), &rejected));
+      if (rejected > 0) rejected_.fetch_add(rejected);
       c.remove_prefix(n);
       offset = 0;
     }
     if (!c.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "exact gradient of ", unit_->entries()[first_].name, " (+", count_ - 1,
-          " entries): contribution runs past its end"));
+      return absl::InvalidArgumentError(absl::StrCat("exact gradient of unit ", unit_->name(),
+                                                     ": a contribution of ", size,
+                                                     " values runs past its entries"));
     }
     return absl::OkStatus();
   }
 
  private:
-  absl::Status AddToEntry(int i, int64_t offset, absl::Span<const float> c);
+  explicit EntriesGradSink(FlatParam* unit) : unit_(unit) {}
   FlatParam* unit_;
-  int first_, count_;
+  std::vector<absl::Span<int64_t>> limbs_;
+  std::atomic<int64_t> rejected_{0};
 };
-
-absl::Status EntriesGradSink::AddToEntry(int i, int64_t offset, absl::Span<const float> c) {
-  // TODO(i17b): exact limbs (i17a's FlatParam exact-gradient mode).
-  GRADSUM_ASSIGN_OR_RETURN(TensorView view, unit_->grad(i));
-  float* g = view.data<float>() + offset;
-  for (size_t k = 0; k < c.size(); ++k) g[k] += c[k];
-  return absl::OkStatus();
-}
 
 // Runs fn(s) for every sequence s in [0, n) over the thread budget; the first error in
 // sequence order.
@@ -325,6 +336,7 @@ absl::Status MoeLm::Init(const MoeLmOptions& options, const MoeLmGroups& groups,
   fp_options.compute_dtype = options.compute_dtype;
   fp_options.reduce_dtype = options.reduce_dtype;
   fp_options.reduce_every_micro_batch = options.reduce_every_micro_batch;
+  fp_options.exact_grads = options.reproducible;
 
   const int64_t V = m.vocab(), D = m.dim(), E = m.experts(), H = m.expert_dim();
   const int L = m.layers(), k = options.layers_per_unit;
@@ -538,7 +550,7 @@ absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
   counts.reserve(L);
   MicroBatchLosses result;
   auto sink = [&](ParamRef ref, int count = 1) {
-    return EntriesGradSink(units_[ref.unit].get(), ref.index, count);
+    return EntriesGradSink::Create(units_[ref.unit].get(), ref.index, count);
   };
   // Reproducible mode: RMSNorm backward per sequence, the gain's share of each into its
   // own row of scratch, then added exactly.
@@ -560,8 +572,8 @@ absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
                       absl::MakeSpan(dgain_blocks).subspan(q * D, D));
       return absl::OkStatus();
     }));
-    EntriesGradSink gain_sink = sink(gain);
-    return AddBlocksExact(gain_sink, dgain_blocks, D);
+    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<EntriesGradSink> gain_sink, sink(gain));
+    return AddBlocksExact(*gain_sink, dgain_blocks, D);
   };
   // Display terms: per sequence in reproducible mode (the exact display sums then give the
   // same bits at every mesh), else one value per micro-batch.
@@ -641,8 +653,8 @@ absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
                                  head(q * S, S, grad_head_blocks.data() + q * D * V, ce_options));
         return absl::OkStatus();
       }));
-      EntriesGradSink out_sink = sink(out_);
-      GRADSUM_RETURN_IF_ERROR(AddBlocksExact(out_sink, grad_head_blocks, D * V));
+      GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<EntriesGradSink> out_sink, sink(out_));
+      GRADSUM_RETURN_IF_ERROR(AddBlocksExact(*out_sink, grad_head_blocks, D * V));
       for (double v : seq_ce) result.ce += v;
     }
     return norm_backward(h, final_norm_, inv_rms_final, grad_f);
@@ -656,7 +668,7 @@ absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
         return absl::OkStatus();
       }
       // Per sequence: each token's rows summed in token order, then added exactly.
-      EntriesGradSink emb_sink = sink(emb_);
+      GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<EntriesGradSink> emb_sink, sink(emb_));
       std::vector<float> rows(V * D);
       std::vector<uint8_t> seen(V);
       for (int64_t q = 0; q < J; ++q) {
@@ -671,7 +683,7 @@ absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
         for (int64_t v = 0; v < V; ++v) {
           if (seen[v]) {
             GRADSUM_RETURN_IF_ERROR(
-                emb_sink.Add(v * D, absl::MakeConstSpan(rows).subspan(v * D, D)));
+                emb_sink->Add(v * D, absl::MakeConstSpan(rows).subspan(v * D, D)));
           }
         }
       }
@@ -717,11 +729,12 @@ absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
 
     std::fill(da.begin(), da.end(), 0.0f);
     moe::MoeLayerGrads grads;
-    EntriesGradSink router_sink = sink(router_[l]);
-    EntriesGradSink experts_sink = sink(gate_ref(l), 3 * local);
+    std::unique_ptr<EntriesGradSink> router_sink, experts_sink;
     if (repro) {
-      grads.router_exact = &router_sink;
-      grads.local_experts.exact = &experts_sink;
+      GRADSUM_ASSIGN_OR_RETURN(router_sink, sink(router_[l]));
+      GRADSUM_ASSIGN_OR_RETURN(experts_sink, sink(gate_ref(l), 3 * local));
+      grads.router_exact = router_sink.get();
+      grads.local_experts.exact = experts_sink.get();
     } else {
       GRADSUM_ASSIGN_OR_RETURN(float* grad_router, Grad(router_[l]));
       GRADSUM_ASSIGN_OR_RETURN(float* grad_gate, Grad(gate_ref(l)));
