@@ -3,8 +3,10 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
+#include "core/exact_add.h"
 
 namespace gradsum::exact {
 namespace {
@@ -30,6 +32,12 @@ struct Consts {
   static constexpr double kScale = Pow2(-F::kLsbExponent);  // value -> units of the LSB
   static constexpr double kMaxAbs = Pow2(F::kMaxExponent);
   static constexpr int64_t kMask = (int64_t{1} << F::kLimbBits) - 1;
+  // 2^(kLimbBits k) and its inverse as constants: Pow2's loop, called with a loop
+  // variable, is not folded and ran once per element (26 ns per AddFloats element).
+  static constexpr double kUnit[4] = {1.0, Pow2(F::kLimbBits), Pow2(2 * F::kLimbBits),
+                                      Pow2(3 * F::kLimbBits)};
+  static constexpr double kInvUnit[4] = {1.0, Pow2(-F::kLimbBits), Pow2(-2 * F::kLimbBits),
+                                         Pow2(-3 * F::kLimbBits)};
 };
 
 // Splits x into the limbs of round(x / LSB); false (nothing written) when x is rejected.
@@ -41,9 +49,8 @@ inline bool Split(double x, int64_t* q) {
   if (!(std::fabs(x) < Consts<F>::kMaxAbs)) return false;  // NaN fails the comparison too
   double y = x * Consts<F>::kScale;                        // exact: a power of two
   for (int k = F::kLimbs - 1; k >= 1; --k) {
-    const double unit = Pow2(F::kLimbBits * k);
-    const int64_t qk = static_cast<int64_t>(y * (1.0 / unit));  // truncates toward zero
-    y -= static_cast<double>(qk) * unit;
+    const int64_t qk = static_cast<int64_t>(y * Consts<F>::kInvUnit[k]);  // toward zero
+    y -= static_cast<double>(qk) * Consts<F>::kUnit[k];
     q[k] = qk;
   }
   q[0] = static_cast<int64_t>(RoundNearestEven(y));
@@ -119,17 +126,13 @@ absl::Status AddValues(absl::Span<const T> values, absl::Span<int64_t> limbs,
                                                    " values need ", values.size() * kLimbs,
                                                    " limbs, got ", limbs.size()));
   }
-  int64_t bad = 0;
-  int64_t* out = limbs.data();
-  for (size_t i = 0; i < values.size(); ++i, out += kLimbs) {
-    int64_t q[kLimbs];
-    if (!Split<GradFormat>(static_cast<double>(values[i]), q)) {
-      ++bad;
-      continue;
-    }
-    for (int k = 0; k < kLimbs; ++k) out[k] += q[k];
+  // The vectorised split (core/exact_add.h; the same integers as Split<GradFormat>).
+  const internal::AddKernels& k = internal::SelectedAddKernels();
+  if constexpr (std::is_same_v<T, float>) {
+    *rejected += k.add_floats(values.data(), values.size(), limbs.data());
+  } else {
+    *rejected += k.add_doubles(values.data(), values.size(), limbs.data());
   }
-  *rejected += bad;
   return absl::OkStatus();
 }
 

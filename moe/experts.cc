@@ -187,50 +187,58 @@ absl::Status ExpertsBackward(const ExpertsConfig& config, const ExpertWeights& w
     const auto wg = weights.gate.subspan(j * D * H, D * H);
     const auto wu = weights.up.subspan(j * D * H, D * H);
     const auto wd = weights.down.subspan(j * H * D, H * D);
-    // dW += X^T dY into the gradient span, or (exact) into scratch and then the sink at the
-    // stacked offset of matrix `which` (0 Wg, 1 Wu, 2 Wd).
-    auto weight_grad = [&](int which, int64_t rows, int64_t cols, int64_t n,
-                           absl::Span<const float> xt, absl::Span<const float> dy_block,
-                           absl::Span<float> grad) -> absl::Status {
-      if (grads.exact == nullptr) {
-        return Sgemm(Trans::kYes, Trans::kNo, rows, cols, n, 1.0f, xt, rows, dy_block, cols,
-                     1.0f, grad, cols);
-      }
-      const absl::Span<float> c = Scratch(3, rows * cols);
-      GRADSUM_RETURN_IF_ERROR(
-          Sgemm(Trans::kYes, Trans::kNo, rows, cols, n, 1.0f, xt, rows, dy_block, cols, 0.0f, c,
-                cols));
-      return grads.exact->Add((which * El + j) * D * H, c);
-    };
-    const auto span_of = [&](absl::Span<float> stacked) {
-      return grads.exact != nullptr ? stacked : stacked.subspan(j * D * H, D * H);
-    };
-    return ForEachBlock(config, j, offsets[j], group_sizes[j],
-                        [&](int64_t row, int64_t n) -> absl::Status {
+    // The weight gradients of rows [row, row + n): dW += X^T dY for Wd (act^T dy), Wg
+    // (x^T dg) and Wu (x^T du), straight into the gradient spans.
+    auto weight_grads = [&](int64_t row, int64_t n) -> absl::Status {
       const auto xj = x.subspan(row * D, n * D);
+      const auto dyj = dy.subspan(row * D, n * D);
+      GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kYes, Trans::kNo, H, D, n, 1.0f,
+                                    act.subspan(row * H, n * H), H, dyj, D, 1.0f,
+                                    grads.down.subspan(j * H * D, H * D), D));
+      GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kYes, Trans::kNo, D, H, n, 1.0f, xj, D,
+                                    d_gate.subspan(row * H, n * H), H, 1.0f,
+                                    grads.gate.subspan(j * D * H, D * H), H));
+      return Sgemm(Trans::kYes, Trans::kNo, D, H, n, 1.0f, xj, D, d_up.subspan(row * H, n * H),
+                   H, 1.0f, grads.up.subspan(j * D * H, D * H), H);
+    };
+    // Row products per block: d(act) = dy Wd^T, the SwiGLU backward (in place: d(act) ->
+    // dL/dg; also dL/du and the forward's act, core/vec_math.h), dx = dg Wg^T + du Wu^T.
+    GRADSUM_RETURN_IF_ERROR(ForEachBlock(config, j, offsets[j], group_sizes[j],
+                                         [&](int64_t row, int64_t n) -> absl::Status {
       const auto dyj = dy.subspan(row * D, n * D);
       const float* g = saved.gate_pre.data() + row * H;
       const float* u = saved.up_pre.data() + row * H;
-      float* a = act.data() + row * H;
       float* dg = d_gate.data() + row * H;
       float* du = d_up.data() + row * H;
-      // d(act) = dy Wd^T, computed into d_gate and turned into the two pre-activation grads.
       GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kYes, n, H, D, 1.0f, dyj, D, wd, D, 0.0f,
                                     absl::MakeSpan(dg, n * H), H));
-      // In place: d(act) -> dL/dg; also dL/du and the forward's act for the dWd product
-      // (SiLU'(g) = sig(g) (1 + g (1 - sig(g))), core/vec_math.h).
-      vec::SwiGluBackward(g, u, dg, du, a, n * H);
-      const auto dgj = absl::MakeConstSpan(dg, n * H);
-      const auto duj = absl::MakeConstSpan(du, n * H);
-      GRADSUM_RETURN_IF_ERROR(weight_grad(2, H, D, n, absl::MakeConstSpan(a, n * H), dyj,
-                                          span_of(grads.down)));
-      GRADSUM_RETURN_IF_ERROR(weight_grad(0, D, H, n, xj, dgj, span_of(grads.gate)));
-      GRADSUM_RETURN_IF_ERROR(weight_grad(1, D, H, n, xj, duj, span_of(grads.up)));
+      vec::SwiGluBackward(g, u, dg, du, act.data() + row * H, n * H);
+      // Without exact gradients, the weight gradients follow here (as one block).
+      if (grads.exact == nullptr) GRADSUM_RETURN_IF_ERROR(weight_grads(row, n));
       const auto dxj = dx.subspan(row * D, n * D);
-      GRADSUM_RETURN_IF_ERROR(
-          Sgemm(Trans::kNo, Trans::kYes, n, D, H, 1.0f, dgj, H, wg, H, 0.0f, dxj, D));
-      return Sgemm(Trans::kNo, Trans::kYes, n, D, H, 1.0f, duj, H, wu, H, 1.0f, dxj, D);
-    });
+      GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kYes, n, D, H, 1.0f,
+                                    absl::MakeConstSpan(dg, n * H), H, wg, H, 0.0f, dxj, D));
+      return Sgemm(Trans::kNo, Trans::kYes, n, D, H, 1.0f, absl::MakeConstSpan(du, n * H), H, wu,
+                   H, 1.0f, dxj, D);
+    }));
+    if (grads.exact == nullptr) return absl::OkStatus();
+    // Exact: one matrix at a time over every block (its limbs stay in cache), each block's
+    // contribution into scratch and then added exactly at its stacked offset.
+    const absl::Span<float> c = Scratch(3, D * H);
+    for (int which : {2, 0, 1}) {  // Wd, Wg, Wu
+      const int64_t rows = which == 2 ? H : D, cols = which == 2 ? D : H;
+      GRADSUM_RETURN_IF_ERROR(ForEachBlock(config, j, offsets[j], group_sizes[j],
+                                           [&](int64_t row, int64_t n) -> absl::Status {
+        const auto xt = which == 2 ? act.subspan(row * H, n * H) : x.subspan(row * D, n * D);
+        const auto d = which == 2   ? dy.subspan(row * D, n * D)
+                       : which == 0 ? d_gate.subspan(row * H, n * H)
+                                    : d_up.subspan(row * H, n * H);
+        GRADSUM_RETURN_IF_ERROR(
+            Sgemm(Trans::kYes, Trans::kNo, rows, cols, n, 1.0f, xt, rows, d, cols, 0.0f, c, cols));
+        return grads.exact->Add((which * El + j) * D * H, c);
+      }));
+    }
+    return absl::OkStatus();
   });
 }
 
