@@ -18,13 +18,15 @@ constexpr double Pow2(int e) {
   return r;
 }
 
-// Rounds |y| < 2^51 to the nearest integer, ties to even (FE_TONEAREST): adding and
-// subtracting 1.5 * 2^52 leaves no fraction bits. Faster than nearbyint (a libm call
-// without SSE4.1) and exact for the remainders below 2^kLimbBits it sees.
-inline double RoundNearestEven(double y) {
-  constexpr double kMagic = 6755399441055744.0;  // 1.5 * 2^52
-  // Not folded: the build has no -ffast-math, and IEEE arithmetic forbids it.
-  return (y + kMagic) - kMagic;
+// round(y) to the nearest integer, ties to even, for |y| < 2^51 (FE_TONEAREST): adding
+// 1.5 * 2^52 leaves no fraction bits; the integer sits in the low mantissa bits (read off
+// by subtracting the constant's bit pattern) and, as a double, is t - 1.5 * 2^52: no
+// float <-> int conversion instructions on the critical path (3.4 -> 2.9 ns per element).
+// Not folded: the build has no -ffast-math.
+constexpr double kRoundMagic = 6755399441055744.0;  // 1.5 * 2^52
+constexpr int64_t kRoundMagicBits = 0x4338000000000000;
+inline int64_t RoundToInt(double y) {
+  return __builtin_bit_cast(int64_t, y + kRoundMagic) - kRoundMagicBits;
 }
 
 template <class F>
@@ -32,29 +34,56 @@ struct Consts {
   static constexpr double kScale = Pow2(-F::kLsbExponent);  // value -> units of the LSB
   static constexpr double kMaxAbs = Pow2(F::kMaxExponent);
   static constexpr int64_t kMask = (int64_t{1} << F::kLimbBits) - 1;
-  // 2^(kLimbBits k) and its inverse as constants: Pow2's loop, called with a loop
-  // variable, is not folded and ran once per element (26 ns per AddFloats element).
-  static constexpr double kUnit[4] = {1.0, Pow2(F::kLimbBits), Pow2(2 * F::kLimbBits),
-                                      Pow2(3 * F::kLimbBits)};
-  static constexpr double kInvUnit[4] = {1.0, Pow2(-F::kLimbBits), Pow2(-2 * F::kLimbBits),
-                                         Pow2(-3 * F::kLimbBits)};
 };
 
-// Splits x into the limbs of round(x / LSB); false (nothing written) when x is rejected.
-// y - q * 2^(B k) keeps the low bits of y, so every step is exact; only the last limb
-// rounds, and since every higher limb is a multiple of 2^B (even), rounding the last
-// remainder to nearest-even is rounding the whole value to nearest-even.
+// 2^e as a T, built from its exponent bits (exact; e within T's normal range).
+template <class T>
+inline T Pow2Of(int e);
+template <>
+inline float Pow2Of<float>(int e) {
+  const uint32_t bits = static_cast<uint32_t>(e + 127) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+template <>
+inline double Pow2Of<double>(int e) {
+  const uint64_t bits = static_cast<uint64_t>(e + 1023) << 52;
+  double d;
+  std::memcpy(&d, &bits, 8);
+  return d;
+}
+
+// Limbs K-1 .. 1 of y (in LSB units), top first: q_k = round(y / 2^(B k)), then
+// y -= q_k * 2^(B k). Unrolled at compile time so the units are immediate constants.
+template <class F, int K>
+inline void SplitHigh(double& y, int64_t* q) {
+  if constexpr (K >= 1) {
+    constexpr double kUnit = Pow2(F::kLimbBits * K);
+    constexpr double kInv = Pow2(-F::kLimbBits * K);
+    const double t = y * kInv + kRoundMagic;
+    q[K] = __builtin_bit_cast(int64_t, t) - kRoundMagicBits;
+    y -= (t - kRoundMagic) * kUnit;
+    SplitHigh<F, K - 1>(y, q);
+  }
+}
+
+// Splits x into the limbs of round(x / LSB); returns false (and zero limbs) when x is
+// rejected. Each remainder above is a multiple of y's ulp no larger than |y| (or 0), so
+// every step is exact and only the value itself is rounded, once, to nearest-even: every
+// higher limb is a multiple of 2^B (even), so rounding the last remainder is rounding the
+// whole value. Branch-free. (GCC 12 does not vectorise the loops over it at the baseline
+// ISA: SSE2 has no 64-bit compare or conversions; docs/BENCHMARKS.md has its speed.)
 template <class F>
 inline bool Split(double x, int64_t* q) {
-  if (!(std::fabs(x) < Consts<F>::kMaxAbs)) return false;  // NaN fails the comparison too
-  double y = x * Consts<F>::kScale;                        // exact: a power of two
-  for (int k = F::kLimbs - 1; k >= 1; --k) {
-    const int64_t qk = static_cast<int64_t>(y * Consts<F>::kInvUnit[k]);  // toward zero
-    y -= static_cast<double>(qk) * Consts<F>::kUnit[k];
-    q[k] = qk;
-  }
-  q[0] = static_cast<int64_t>(RoundNearestEven(y));
-  return true;
+  const bool ok = std::fabs(x) < Consts<F>::kMaxAbs;  // NaN fails the comparison too
+  // y = x / LSB (exact: a power of two), or +0 when rejected (masked as bits: no branch).
+  double y = __builtin_bit_cast(
+      double, __builtin_bit_cast(uint64_t, x * Consts<F>::kScale) &
+                  (uint64_t{0} - static_cast<uint64_t>(ok)));
+  SplitHigh<F, F::kLimbs - 1>(y, q);
+  q[0] = RoundToInt(y);
+  return ok;
 }
 
 template <class F>
@@ -112,8 +141,10 @@ T ElementTo(const int64_t* limbs) {
     for (int i = 0; i < wi; ++i) sticky = sticky || w[i] != 0;
     mant |= sticky ? 1u : 0u;
   }
-  // (T)mant rounds to nearest-even; the scaling is exact (normal results only).
-  const T r = std::ldexp(static_cast<T>(mant), shift + F::kLsbExponent);
+  // (T)mant rounds to nearest-even; the scaling is exact (normal results only: the
+  // format's LSB and range are within T's normal exponents).
+  static_assert(F::kLsbExponent >= -126 && F::kMaxExponent <= 127, "normal in float");
+  const T r = static_cast<T>(mant) * Pow2Of<T>(shift + F::kLsbExponent);
   return negative ? -r : r;
 }
 
@@ -126,7 +157,8 @@ absl::Status AddValues(absl::Span<const T> values, absl::Span<int64_t> limbs,
                                                    " values need ", values.size() * kLimbs,
                                                    " limbs, got ", limbs.size()));
   }
-  // The vectorised split (core/exact_add.h; the same integers as Split<GradFormat>).
+  // Split<GradFormat> for every element, vectorised: core/exact_add.inc is the same split
+  // built for baseline, AVX2 and AVX-512 (GCC does not vectorise it at the baseline ISA).
   const internal::AddKernels& k = internal::SelectedAddKernels();
   if constexpr (std::is_same_v<T, float>) {
     *rejected += k.add_floats(values.data(), values.size(), limbs.data());

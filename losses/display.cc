@@ -46,8 +46,9 @@ absl::StatusOr<double> StepDisplayValues::Value(absl::string_view name) const {
   return absl::NotFoundError(absl::StrCat("display: no term named '", name, "'"));
 }
 
-StepDisplay::StepDisplay(int num_moe_layers, int num_experts)
-    : num_experts_(std::max(num_experts, 0)),
+StepDisplay::StepDisplay(int num_moe_layers, int num_experts, bool exact)
+    : exact_(exact),
+      num_experts_(std::max(num_experts, 0)),
       histogram_(static_cast<size_t>(std::max(num_moe_layers, 0)),
                  std::vector<int64_t>(static_cast<size_t>(std::max(num_experts, 0)), 0)) {}
 
@@ -58,7 +59,7 @@ absl::Status StepDisplay::RegisterTerm(absl::string_view name, DisplayTermKind k
         absl::StrCat("display: term '", name, "' is already registered"));
   }
   index_.emplace(std::string(name), entries_.size());
-  entries_.push_back(Entry{std::string(name), kind, 0.0, 0});
+  entries_.push_back(Entry{std::string(name), kind, 0.0, {}, 0});
   return absl::OkStatus();
 }
 
@@ -81,7 +82,15 @@ absl::Status StepDisplay::Add(absl::string_view name, double value, DisplayTermK
     return absl::InvalidArgumentError(
         absl::StrCat("display: non-finite value ", value, " for '", name, "'"));
   }
-  e.local_sum += value;
+  if (exact_) {
+    if (!(std::fabs(value) < exact::ExactScalar::kMaxAbs)) {
+      return absl::InvalidArgumentError(absl::StrCat("display: value ", value, " for '", name,
+                                                     "' is outside the exact range (2^59)"));
+    }
+    e.exact_sum.Add(value);
+  } else {
+    e.local_sum += value;
+  }
   ++e.additions;
   return absl::OkStatus();
 }
@@ -114,15 +123,89 @@ absl::Status StepDisplay::AddGlobalExpertCounts(int layer,
   return absl::OkStatus();
 }
 
-absl::StatusOr<StepDisplayValues> StepDisplay::Reduce(Communicator& world) {
+absl::StatusOr<StepDisplay::GlobalSums> StepDisplay::AllReduceF64(Communicator& world,
+                                                                   double registry,
+                                                                   double hist) {
   // Packed layout: [term sums (T)] [ranks that added each term (T)]
   //                [registry fingerprint, its square] [histogram fingerprint, its square].
   const size_t t = entries_.size();
   std::vector<double> packed(2 * t + 4, 0.0);
-  Fingerprint registry;
   for (size_t i = 0; i < t; ++i) {
     packed[i] = entries_[i].local_sum;
     packed[t + i] = entries_[i].additions > 0 ? 1.0 : 0.0;
+  }
+  packed[2 * t] = registry;
+  packed[2 * t + 1] = registry * registry;
+  packed[2 * t + 2] = hist;
+  packed[2 * t + 3] = hist * hist;
+  // SEMANTICS §8: one coalesced SUM all-reduce of every term's detached local sum.
+  absl::Status s =
+      world.AllReduce(packed.data(), packed.data(), packed.size(), DType::kF64, ReduceOp::kSum);
+  if (!s.ok()) return Annotate(s, "display all-reduce");
+  GlobalSums g;
+  g.value.assign(packed.begin(), packed.begin() + t);
+  g.adders.assign(packed.begin() + t, packed.begin() + 2 * t);
+  g.registry = packed[2 * t];
+  g.registry_sq = packed[2 * t + 1];
+  g.hist = packed[2 * t + 2];
+  g.hist_sq = packed[2 * t + 3];
+  for (size_t i = 0; i < t; ++i) {
+    if (entries_[i].kind == DisplayTermKind::kLoss) g.total_loss += g.value[i];
+  }
+  return g;
+}
+
+absl::StatusOr<StepDisplay::GlobalSums> StepDisplay::AllReduceExact(Communicator& world,
+                                                                     double registry,
+                                                                     double hist) {
+  // The same layout in int64 words (SEMANTICS.md §11): [T * kWords exact sums] [adders (T)]
+  // [registry fingerprint, its square, histogram fingerprint, its square, exact-mode ranks].
+  // Everything is an integer, so the one SUM all-reduce is exact and order-free.
+  constexpr int kW = exact::ExactScalar::kWords;
+  const size_t t = entries_.size();
+  std::vector<int64_t> packed(t * kW + t + 5, 0);
+  for (size_t i = 0; i < t; ++i) {
+    exact::ExactScalar sum = entries_[i].exact_sum;
+    sum.Normalize();
+    std::copy(sum.words().begin(), sum.words().end(), packed.begin() + i * kW);
+    packed[t * kW + i] = entries_[i].additions > 0 ? 1 : 0;
+  }
+  int64_t* tail = packed.data() + t * kW + t;
+  tail[0] = static_cast<int64_t>(registry);
+  tail[1] = tail[0] * tail[0];
+  tail[2] = static_cast<int64_t>(hist);
+  tail[3] = tail[2] * tail[2];
+  tail[4] = 1;
+  absl::Status s =
+      world.AllReduce(packed.data(), packed.data(), packed.size(), DType::kI64, ReduceOp::kSum);
+  if (!s.ok()) return Annotate(s, "display all-reduce (exact)");
+  if (tail[4] != world.size()) {
+    // Ranks that are not in exact mode sent a shorter f64 vector: the all-reduce itself
+    // fails there, or this count tells.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "display: only ", tail[4], " of ", world.size(), " ranks reduce in exact mode"));
+  }
+  GlobalSums g;
+  exact::ExactScalar total;
+  for (size_t i = 0; i < t; ++i) {
+    exact::ExactScalar sum;
+    std::copy(packed.begin() + i * kW, packed.begin() + (i + 1) * kW, sum.words().begin());
+    g.value.push_back(sum.ToDouble());
+    g.adders.push_back(static_cast<double>(packed[t * kW + i]));
+    if (entries_[i].kind == DisplayTermKind::kLoss) total.Add(sum);
+  }
+  g.total_loss = total.ToDouble();
+  g.registry = static_cast<double>(tail[0]);
+  g.registry_sq = static_cast<double>(tail[1]);
+  g.hist = static_cast<double>(tail[2]);
+  g.hist_sq = static_cast<double>(tail[3]);
+  return g;
+}
+
+absl::StatusOr<StepDisplayValues> StepDisplay::Reduce(Communicator& world) {
+  const size_t t = entries_.size();
+  Fingerprint registry;
+  for (size_t i = 0; i < t; ++i) {
     registry.Mix(entries_[i].name);
     registry.Mix(static_cast<uint64_t>(entries_[i].kind));
   }
@@ -130,31 +213,28 @@ absl::StatusOr<StepDisplayValues> StepDisplay::Reduce(Communicator& world) {
   for (const std::vector<int64_t>& layer : histogram_) {
     for (int64_t c : layer) hist.Mix(static_cast<uint64_t>(c));
   }
-  packed[2 * t] = registry.Value16();
-  packed[2 * t + 1] = registry.Value16() * registry.Value16();
-  packed[2 * t + 2] = hist.Value16();
-  packed[2 * t + 3] = hist.Value16() * hist.Value16();
-
-  // SEMANTICS §8: one coalesced SUM all-reduce of every term's detached local sum.
-  absl::Status s =
-      world.AllReduce(packed.data(), packed.data(), packed.size(), DType::kF64, ReduceOp::kSum);
-  if (!s.ok()) return Annotate(s, "display all-reduce");
+  absl::StatusOr<GlobalSums> sums = exact_
+                                        ? AllReduceExact(world, registry.Value16(), hist.Value16())
+                                        : AllReduceF64(world, registry.Value16(), hist.Value16());
 
   StepDisplayValues out;
   out.tokens_per_expert = histogram_;
   // The accumulators start afresh whatever the outcome below.
   for (Entry& e : entries_) {
     e.local_sum = 0.0;
+    e.exact_sum = exact::ExactScalar();
     e.additions = 0;
   }
   for (std::vector<int64_t>& layer : histogram_) std::fill(layer.begin(), layer.end(), 0);
+  if (!sums.ok()) return sums.status();
+  const GlobalSums& g = *sums;
 
-  if (!AllRanksAgree(packed[2 * t], packed[2 * t + 1], world.size())) {
+  if (!AllRanksAgree(g.registry, g.registry_sq, world.size())) {
     return absl::FailedPreconditionError(
         "display: ranks registered different terms (names, kinds or order differ)");
   }
   for (size_t i = 0; i < t; ++i) {
-    const double adders = packed[t + i];
+    const double adders = g.adders[i];
     if (entries_[i].kind == DisplayTermKind::kLoss && adders < world.size()) {
       return absl::FailedPreconditionError(
           absl::StrCat("display: loss term '", entries_[i].name,
@@ -162,15 +242,15 @@ absl::StatusOr<StepDisplayValues> StepDisplay::Reduce(Communicator& world) {
                        world.size(), " rank(s); a registered loss term must be logged every step"));
     }
   }
-  if (!AllRanksAgree(packed[2 * t + 2], packed[2 * t + 3], world.size())) {
+  if (!AllRanksAgree(g.hist, g.hist_sq, world.size())) {
     return absl::InvalidArgumentError(
         "display: ranks hold different tokens-per-expert histograms; pass the GLOBAL counts "
         "c[l, m, :] (after ExpertCountReduction), not local ones");
   }
   for (size_t i = 0; i < t; ++i) {
-    out.terms.push_back(DisplayTerm{entries_[i].name, entries_[i].kind, packed[i]});
-    if (entries_[i].kind == DisplayTermKind::kLoss) out.total_loss += packed[i];
+    out.terms.push_back(DisplayTerm{entries_[i].name, entries_[i].kind, g.value[i]});
   }
+  out.total_loss = g.total_loss;
   for (const std::vector<int64_t>& layer : out.tokens_per_expert) {
     // §8: maxvio = (max_e c_e - mean_e c_e) / mean_e c_e.
     double total = 0.0, mx = 0.0;

@@ -26,6 +26,13 @@
 //   GRADSUM_ASSIGN_OR_RETURN(StepDisplayValues v, display.Reduce(world));  // collective
 //   // v.total_loss, v.Value("ce"), v.tokens_per_expert[l], v.maxvio[l]
 //
+// Exact mode (reproducible training, SEMANTICS.md §11): every added value is converted to
+// exact fixed point (core/exact_sum.h, ExactScalar: LSB 2^-100, |value| < 2^59) and the
+// step-end reduction is one int64 SUM all-reduce of the words, so a term's global value
+// (and total_loss, summed exactly too) is the same bits whatever the mesh, as long as the
+// model adds the same per-sequence (or per-token) values. Out-of-range values are
+// InvalidArgument there, as non-finite ones are in both modes.
+//
 // Not thread-safe: one StepDisplay per rank, used by that rank's thread.
 
 #include <cstdint>
@@ -38,6 +45,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "collectives/communicator.h"
+#include "core/exact_sum.h"
 
 namespace gradsum::losses {
 
@@ -69,7 +77,9 @@ struct StepDisplayValues {
 class StepDisplay {
  public:
   // num_moe_layers >= 0 and num_experts >= 0 size the histograms (0 and 0: no MoE).
-  explicit StepDisplay(int num_moe_layers = 0, int num_experts = 0);
+  // `exact`: exact mode (above); every rank must choose the same (checked at Reduce).
+  explicit StepDisplay(int num_moe_layers = 0, int num_experts = 0, bool exact = false);
+  bool exact() const { return exact_; }
 
   // Registers a term. Every rank must register the same terms in the same order (checked
   // at Reduce). InvalidArgument for an empty name; AlreadyExists for a repeated name.
@@ -101,10 +111,21 @@ class StepDisplay {
     std::string name;
     DisplayTermKind kind;
     double local_sum = 0.0;
+    exact::ExactScalar exact_sum;  // exact mode
     int64_t additions = 0;
   };
+  // The step's global sums, whichever mode produced them.
+  struct GlobalSums {
+    std::vector<double> value;   // per term
+    std::vector<double> adders;  // ranks that added each term
+    double registry = 0, registry_sq = 0, hist = 0, hist_sq = 0;
+    double total_loss = 0;
+  };
   absl::Status Add(absl::string_view name, double value, DisplayTermKind kind);
+  absl::StatusOr<GlobalSums> AllReduceF64(Communicator& world, double registry, double hist);
+  absl::StatusOr<GlobalSums> AllReduceExact(Communicator& world, double registry, double hist);
 
+  bool exact_ = false;
   std::vector<Entry> entries_;
   absl::flat_hash_map<std::string, size_t> index_;
   int num_experts_;

@@ -2,12 +2,17 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <random>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "collectives/communicator.h"
+#include "core/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "testing/exact_sum_reference.h"
 #include "testing/run_ranks.h"
 
 namespace gradsum::losses {
@@ -171,6 +176,82 @@ TEST(StepDisplayTest, DifferentTermCountsFailInTheAllReduce) {
            {absl::Seconds(5)})
       .IgnoreError();
   for (const absl::Status& st : status) EXPECT_FALSE(st.ok());
+}
+
+// Exact mode (SEMANTICS.md §11): per-sequence values split over ranks and micro-batches
+// in different ways give the same bits, equal to an independent __int128 reference.
+TEST(StepDisplayTest, ExactModeIsTheSameBitsAtEveryMesh) {
+  constexpr int kSeq = 48;
+  std::mt19937_64 rng(17);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  std::vector<double> ce(kSeq), z(kSeq);
+  for (int j = 0; j < kSeq; ++j) {
+    ce[j] = std::ldexp(u(rng), static_cast<int>(rng() % 12));  // per-sequence losses
+    z[j] = std::ldexp(u(rng), -static_cast<int>(rng() % 40));
+  }
+  namespace ref = ::gradsum::exact_reference;
+  ref::i128 ce_units = 0, z_units = 0;
+  for (int j = 0; j < kSeq; ++j) {
+    ce_units += ref::Units(ce[j], -100);
+    z_units += ref::Units(z[j], -100);
+  }
+  const double want_ce = ref::ToDouble(ce_units, -100);
+  const double want_z = ref::ToDouble(z_units, -100);
+  const double want_total = ref::ToDouble(ce_units + z_units, -100);
+  for (int world : {1, 2, 3, 4}) {
+    for (int micro : {1, 3}) {
+      std::mutex mu;
+      std::vector<StepDisplayValues> got(world);
+      absl::Status s = RunRanks(world, [&](Communicator& comm) -> absl::Status {
+        StepDisplay d(0, 0, /*exact=*/true);
+        if (!d.exact()) return absl::InternalError("not exact");
+        GRADSUM_RETURN_IF_ERROR(d.RegisterTerm("ce"));
+        GRADSUM_RETURN_IF_ERROR(d.RegisterTerm("z"));
+        for (int m = 0; m < micro; ++m) {
+          for (int j = 0; j < kSeq; ++j) {
+            const int slot = (j * 7 + world) % (world * micro);
+            if (slot / world != m || slot % world != comm.rank()) continue;
+            GRADSUM_RETURN_IF_ERROR(d.AddBackwardTerm("ce", ce[j]));
+            GRADSUM_RETURN_IF_ERROR(d.AddBackwardTerm("z", z[j]));
+          }
+        }
+        GRADSUM_ASSIGN_OR_RETURN(StepDisplayValues v, d.Reduce(comm));
+        std::lock_guard<std::mutex> lock(mu);
+        got[comm.rank()] = v;
+        return absl::OkStatus();
+      });
+      ASSERT_TRUE(s.ok()) << "world " << world << ": " << s;
+      for (const StepDisplayValues& v : got) {
+        EXPECT_EQ(*v.Value("ce"), want_ce) << world << " " << micro;
+        EXPECT_EQ(*v.Value("z"), want_z) << world << " " << micro;
+        EXPECT_EQ(v.total_loss, want_total) << world << " " << micro;
+      }
+    }
+  }
+  // The exact sum is also accurate: within a double's rounding of the long-double sum.
+  long double sum = 0;
+  for (double x : ce) sum += x;
+  EXPECT_NEAR(want_ce, static_cast<double>(sum), std::fabs(want_ce) * 1e-15);
+}
+
+TEST(StepDisplayTest, ExactModeRejectsOutOfRangeValues) {
+  StepDisplay d(0, 0, /*exact=*/true);
+  ASSERT_TRUE(d.RegisterTerm("ce").ok());
+  absl::Status s = d.AddBackwardTerm("ce", std::ldexp(1.0, 60));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("'ce'"));
+  EXPECT_EQ(d.AddBackwardTerm("ce", std::nan("")).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(StepDisplayTest, MixedExactAndF64RanksFail) {
+  auto statuses = ::gradsum::testing::RunRanksPerRank(2, [&](Communicator& comm) -> absl::Status {
+    StepDisplay d(0, 0, /*exact=*/comm.rank() == 0);
+    GRADSUM_RETURN_IF_ERROR(d.RegisterTerm("ce"));
+    GRADSUM_RETURN_IF_ERROR(d.AddBackwardTerm("ce", 1.0));
+    return d.Reduce(comm).status();
+  });
+  ASSERT_TRUE(statuses.ok());
+  for (const absl::Status& s : *statuses) EXPECT_FALSE(s.ok());
 }
 
 }  // namespace
