@@ -291,7 +291,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   adam.weight_decay = config.optim().weight_decay();
   GRADSUM_ASSIGN_OR_RETURN(trainer->optimizer_,
                            ShardedAdamW::Create(trainer->model_->groups(), adam));
-  trainer->display_ = losses::StepDisplay(config.model().layers(), config.model().experts());
+  trainer->display_ = losses::StepDisplay(config.model().layers(), config.model().experts(),
+                                          /*exact=*/config.reproducible());
   GRADSUM_RETURN_IF_ERROR(MoeLm::RegisterDisplayTerms(&trainer->display_));
   // Rank-local start-up work (the data file, the data loader, the checkpoint directory):
   // every rank learns at once if any rank failed, with that rank's message.
