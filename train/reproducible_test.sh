@@ -4,8 +4,9 @@
 # Global batch B = world x grad_acc x micro_batch = 8 sequences in every run.
 # 1. Fixed G = 2 (default-style alpha_b > 0): eight steps on seven meshes (world 1, 2, 4;
 #    ep 1, 2, 4; fsdp and replicated; reduce every micro-batch or once; layers_per_unit 1
-#    and 2; thread and Open MPI backends). The --export files must be byte-identical, and
-#    so must every step's logged ce, z, bal, loss and grad_norm (printed with 17 digits).
+#    and 2; thread and Open MPI backends; baseline and AVX builds of the kernels). The
+#    --export files must be byte-identical, and so must every step's logged ce, z, bal,
+#    loss, grad_norm and maxvio (doubles printed with 17 digits).
 # 2. alpha_b = 0 (the balancing loss is the only G-dependent term, SEMANTICS.md §5): G = 1,
 #    4 and 2 (world 1, 2, 4, thread and MPI) give identical bits too.
 # 3. A run checkpointed after 3 steps on one mesh and resumed on another (Open MPI) ends
@@ -60,8 +61,10 @@ check_same() {  # check_same REF OTHER
 ab=(--alpha_b=0.01 --grad_acc=2)
 run g2_w1 -- "${ab[@]}" --reproducible --world=1 --ep=1 --micro_batch=4
 run g2_w2_fsdp -- "${ab[@]}" --reproducible --world=2 --ep=2 --micro_batch=2
-run g2_w2_repl -- "${ab[@]}" --reproducible --world=2 --ep=1 --micro_batch=2 \
-  --sharding=replicated
+# This one also forces the baseline builds of the run-time-picked kernels (vec_math, the CE
+# rows, the exact adds): every build gives the same bits.
+run g2_w2_repl env GRADSUM_VEC_ISA=generic GRADSUM_CE_ISA=generic GRADSUM_EXACT_ISA=generic \
+  -- "${ab[@]}" --reproducible --world=2 --ep=1 --micro_batch=2 --sharding=replicated
 run g2_w4_fsdp_once -- "${ab[@]}" --reproducible --world=4 --ep=2 --micro_batch=1 \
   --reduce_every_micro_batch=false --layers_per_unit=2
 run g2_mpi4_repl "${mpi4[@]}" -- "${ab[@]}" --reproducible --backend=mpi --world=4 --ep=4 \
