@@ -54,12 +54,18 @@ void BM_ExactAddFloats(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * n);
 }
 
-void BM_ExactNormalize(benchmark::State& state) {
-  const int64_t n = state.range(0);
+// Limbs holding the sum of 8 copies of Values(n) (not normalised).
+std::vector<int64_t> SummedLimbs(int64_t n) {
   const std::vector<float> x = Values(n);
   std::vector<int64_t> limbs(n * exact::kLimbs, 0);
   int64_t rejected = 0;
   for (int k = 0; k < 8; ++k) (void)exact::AddFloats(x, absl::MakeSpan(limbs), &rejected);
+  return limbs;
+}
+
+void BM_ExactNormalize(benchmark::State& state) {
+  const int64_t n = state.range(0);
+  std::vector<int64_t> limbs = SummedLimbs(n);
   for (auto _ : state) {
     if (!exact::Normalize(absl::MakeSpan(limbs)).ok()) state.SkipWithError("normalize");
     benchmark::ClobberMemory();
@@ -69,10 +75,7 @@ void BM_ExactNormalize(benchmark::State& state) {
 
 void BM_ExactToFloats(benchmark::State& state) {
   const int64_t n = state.range(0);
-  const std::vector<float> x = Values(n);
-  std::vector<int64_t> limbs(n * exact::kLimbs, 0);
-  int64_t rejected = 0;
-  for (int k = 0; k < 8; ++k) (void)exact::AddFloats(x, absl::MakeSpan(limbs), &rejected);
+  const std::vector<int64_t> limbs = SummedLimbs(n);
   std::vector<float> out(n);
   for (auto _ : state) {
     if (!exact::ToFloats(limbs, 0, absl::MakeSpan(out)).ok()) state.SkipWithError("to floats");

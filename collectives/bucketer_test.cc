@@ -387,5 +387,50 @@ TEST(GradBucketerTest, ReduceScatterModeShardsThePaddedBucket) {
   }
 }
 
+// int64 parameters (the exact-gradient limbs of reproducible mode) share buckets with
+// nothing else and are summed exactly, wrapping modulo 2^64 like the backends (never UB).
+TEST(GradBucketerTest, Int64ParametersSumExactlyAndWrap) {
+  for (int world : {2, 3}) {
+    absl::Status s = RunRanks(world, [&](Communicator& comm) -> absl::Status {
+      GradBucketerOptions o;
+      o.bucket_cap_bytes = 256;
+      GradBucketer b(&comm, o);
+      GRADSUM_ASSIGN_OR_RETURN(int f, b.Register("f", DType::kF32, 10));
+      GRADSUM_ASSIGN_OR_RETURN(int i, b.Register("limbs", DType::kI64, 50));
+      GRADSUM_RETURN_IF_ERROR(b.Finalize());
+      for (int k = 0; k < b.num_buckets(); ++k) {
+        for (int id : b.bucket(k).param_ids) {
+          if (b.bucket(k).dtype != (id == i ? DType::kI64 : DType::kF32)) {
+            return absl::InternalError(absl::StrCat("bucket ", k, " mixes dtypes"));
+          }
+        }
+      }
+      // Element j on rank r: big values whose sum overflows int64 for j odd.
+      auto value = [](int r, int64_t j) -> int64_t {
+        return j % 2 ? INT64_MAX - r : (int64_t{1} << 40) * (r + 1) - j;
+      };
+      int64_t* g = b.grad(i).data<int64_t>();
+      for (int64_t j = 0; j < 50; ++j) g[j] = value(comm.rank(), j);
+      std::fill_n(b.grad(f).data<float>(), 10, 1.0f);
+      GRADSUM_RETURN_IF_ERROR(b.MarkReady(i));
+      GRADSUM_RETURN_IF_ERROR(b.MarkReady(f));
+      GRADSUM_RETURN_IF_ERROR(b.Finish());
+      for (int64_t j = 0; j < 50; ++j) {
+        uint64_t want = 0;
+        for (int r = 0; r < comm.size(); ++r) want += static_cast<uint64_t>(value(r, j));
+        const int64_t got = b.grad(i).data<int64_t>()[j];
+        if (static_cast<uint64_t>(got) != want) {
+          return absl::InternalError(absl::StrCat("element ", j, ": got ", got));
+        }
+      }
+      if (b.grad(f).data<float>()[9] != static_cast<float>(comm.size())) {
+        return absl::InternalError("f32 parameter");
+      }
+      return absl::OkStatus();
+    });
+    EXPECT_TRUE(s.ok()) << "world " << world << ": " << s;
+  }
+}
+
 }  // namespace
 }  // namespace gradsum

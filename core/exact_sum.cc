@@ -36,22 +36,17 @@ struct Consts {
   static constexpr int64_t kMask = (int64_t{1} << F::kLimbBits) - 1;
 };
 
-// 2^e as a T, built from its exponent bits (exact; e within T's normal range).
+// 2^e as a T (float or double), built from its exponent bits (exact; e within T's normal
+// range).
 template <class T>
-inline T Pow2Of(int e);
-template <>
-inline float Pow2Of<float>(int e) {
-  const uint32_t bits = static_cast<uint32_t>(e + 127) << 23;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-template <>
-inline double Pow2Of<double>(int e) {
-  const uint64_t bits = static_cast<uint64_t>(e + 1023) << 52;
-  double d;
-  std::memcpy(&d, &bits, 8);
-  return d;
+inline T Pow2Of(int e) {
+  using U = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
+  constexpr int kMantissaBits = std::numeric_limits<T>::digits - 1;
+  constexpr int kBias = std::numeric_limits<T>::max_exponent - 1;
+  const U bits = static_cast<U>(e + kBias) << kMantissaBits;
+  T r;
+  std::memcpy(&r, &bits, sizeof(T));
+  return r;
 }
 
 // Limbs K-1 .. 1 of y (in LSB units), top first: q_k = round(y / 2^(B k)), then
