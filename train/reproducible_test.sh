@@ -96,6 +96,16 @@ run resumed "${mpi4[@]}" -- "${ab[@]}" --reproducible --backend=mpi --world=4 --
 grep -q "^resumed from step 3" "$tmp/resumed.log" || fail "the MPI segment did not resume"
 cmp -s "$tmp/g2_w1.safetensors" "$tmp/resumed.safetensors" \
   || fail "the resumed run's parameters differ from the uninterrupted run's"
+python3 - "$tmp/g2_w1.jsonl" "$tmp/resumed.jsonl" <<'PY' || fail "the resumed run logged other values"
+import json, sys
+ref = {r["step"]: r for r in map(json.loads, filter(str.strip, open(sys.argv[1])))}
+got = [json.loads(l) for l in open(sys.argv[2]) if l.strip()]
+assert [r["step"] for r in got] == [4, 5, 6, 7, 8], [r["step"] for r in got]
+for r in got:
+    for k in ("ce", "z", "bal", "loss", "grad_norm"):
+        if r[k] != ref[r["step"]][k]:
+            sys.exit(f"step {r['step']}: {k} {r[k]!r} != {ref[r['step']][k]!r}")
+PY
 echo "identical: g2_w1 vs the run resumed on another mesh"
 
 # The normal mode is not bit-identical across meshes (so the checks above can fail).
