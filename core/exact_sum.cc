@@ -4,6 +4,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "core/exact_add.h"
@@ -18,16 +19,13 @@ constexpr double Pow2(int e) {
   return r;
 }
 
-// round(y) to the nearest integer, ties to even, for |y| < 2^51 (FE_TONEAREST): adding
-// 1.5 * 2^52 leaves no fraction bits; the integer sits in the low mantissa bits (read off
-// by subtracting the constant's bit pattern) and, as a double, is t - 1.5 * 2^52: no
-// float <-> int conversion instructions on the critical path (3.4 -> 2.9 ns per element).
-// Not folded: the build has no -ffast-math.
+// Rounding to an integer, ties to even, for |y| < 2^51 (FE_TONEAREST): t = y + 1.5 * 2^52
+// leaves no fraction bits; the integer sits in the low mantissa bits (read off by
+// subtracting the constant's bit pattern) and, as a double, is t - 1.5 * 2^52. No
+// float <-> int conversion instructions (SSE2 has none for 64-bit lanes). Not folded: the
+// build has no -ffast-math.
 constexpr double kRoundMagic = 6755399441055744.0;  // 1.5 * 2^52
 constexpr int64_t kRoundMagicBits = 0x4338000000000000;
-inline int64_t RoundToInt(double y) {
-  return __builtin_bit_cast(int64_t, y + kRoundMagic) - kRoundMagicBits;
-}
 
 template <class F>
 struct Consts {
@@ -49,35 +47,45 @@ inline T Pow2Of(int e) {
   return r;
 }
 
+// Split below runs on one double (D = double, I = int64_t) or on two at once (GCC vector
+// extensions, SSE2 at the baseline ISA: D = V2d, I = V2i); every operation is written once
+// for both. A mask is all ones (-1) in an accepted lane, 0 in a rejected one.
+using V2d = double __attribute__((vector_size(16)));
+using V2i = int64_t __attribute__((vector_size(16)));
+inline int64_t LessMask(double a, double b) { return -static_cast<int64_t>(a < b); }
+inline V2i LessMask(V2d a, V2d b) { return a < b; }  // -1 where true
+template <class To, class From>
+inline To BitCast(From v) {
+  return __builtin_bit_cast(To, v);
+}
+
 // Limbs K-1 .. 1 of y (in LSB units), top first: q_k = round(y / 2^(B k)), then
 // y -= q_k * 2^(B k). Unrolled at compile time so the units are immediate constants.
-template <class F, int K>
-inline void SplitHigh(double& y, int64_t* q) {
+template <class F, int K, class D, class I>
+inline void SplitHigh(D& y, I* q) {
   if constexpr (K >= 1) {
     constexpr double kUnit = Pow2(F::kLimbBits * K);
     constexpr double kInv = Pow2(-F::kLimbBits * K);
-    const double t = y * kInv + kRoundMagic;
-    q[K] = __builtin_bit_cast(int64_t, t) - kRoundMagicBits;
+    const D t = y * kInv + kRoundMagic;
+    q[K] = BitCast<I>(t) - kRoundMagicBits;
     y -= (t - kRoundMagic) * kUnit;
     SplitHigh<F, K - 1>(y, q);
   }
 }
 
-// Splits x into the limbs of round(x / LSB); returns false (and zero limbs) when x is
-// rejected. Each remainder above is a multiple of y's ulp no larger than |y| (or 0), so
-// every step is exact and only the value itself is rounded, once, to nearest-even: every
-// higher limb is a multiple of 2^B (even), so rounding the last remainder is rounding the
-// whole value. Branch-free. (GCC 12 does not vectorise the loops over it at the baseline
-// ISA: SSE2 has no 64-bit compare or conversions; docs/BENCHMARKS.md has its speed.)
-template <class F>
-inline bool Split(double x, int64_t* q) {
-  const bool ok = std::fabs(x) < Consts<F>::kMaxAbs;  // NaN fails the comparison too
-  // y = x / LSB (exact: a power of two), or +0 when rejected (masked as bits: no branch).
-  double y = __builtin_bit_cast(
-      double, __builtin_bit_cast(uint64_t, x * Consts<F>::kScale) &
-                  (uint64_t{0} - static_cast<uint64_t>(ok)));
+// Splits x into the limbs of round(x / LSB), q[0] least significant; returns the accept
+// mask (rejected lanes: NaN, Inf, |x| >= kMaxAbs, get zero limbs). Each remainder above
+// is a multiple of y's ulp no larger than |y| (or 0), so every step is exact and only the
+// value itself is rounded, once, to nearest-even: every higher limb is a multiple of 2^B
+// (even), so rounding the last remainder is rounding the whole value. Branch-free.
+template <class F, class D, class I>
+inline I Split(D x, I* q) {
+  constexpr int64_t kAbs = INT64_MAX;  // clears the sign bit
+  const I ok = LessMask(BitCast<D>(BitCast<I>(x) & kAbs), D{} + Consts<F>::kMaxAbs);
+  // y = x / LSB (exact: a power of two), or +0 when rejected (NaN fails the comparison).
+  D y = BitCast<D>(BitCast<I>(x * Consts<F>::kScale) & ok);
   SplitHigh<F, F::kLimbs - 1>(y, q);
-  q[0] = RoundToInt(y);
+  q[0] = BitCast<I>(y + kRoundMagic) - kRoundMagicBits;
   return ok;
 }
 
@@ -152,8 +160,9 @@ absl::Status AddValues(absl::Span<const T> values, absl::Span<int64_t> limbs,
                                                    " values need ", values.size() * kLimbs,
                                                    " limbs, got ", limbs.size()));
   }
-  // Split<GradFormat> for every element, vectorised: core/exact_add.inc is the same split
-  // built for baseline, AVX2 and AVX-512 (GCC does not vectorise it at the baseline ISA).
+  // Split<GradFormat> for every element, as core/exact_add.inc's per-ISA builds (baseline,
+  // AVX2, AVX-512, picked at run time): the same integers, wider vectors than the pair
+  // loop SSE2 allows (reproducible mode adds every contribution through here).
   const internal::AddKernels& k = internal::SelectedAddKernels();
   if constexpr (std::is_same_v<T, float>) {
     *rejected += k.add_floats(values.data(), values.size(), limbs.data());
@@ -223,7 +232,7 @@ void ExactScalar::CountAdd() {
 
 void ExactScalar::Add(double v) {
   int64_t q[kLimbs];
-  if (!Split<WideFormat>(v, q)) {
+  if (Split<WideFormat>(v, q) == 0) {
     ++words_[kLimbs];
     return;
   }
@@ -232,7 +241,27 @@ void ExactScalar::Add(double v) {
 }
 
 void ExactScalar::AddSquares(absl::Span<const float> v) {
-  for (float x : v) Add(static_cast<double>(x) * static_cast<double>(x));
+  // Two squares at a time into per-lane limb sums, folded into words_ every 2^20 pairs:
+  // a lane then holds at most 2^20 limbs of magnitude <= 2^40, so the two lanes and the
+  // normalised words add without overflow.
+  constexpr int64_t kFoldEvery = int64_t{1} << 20;
+  size_t i = 0;
+  while (i + 2 <= v.size()) {
+    V2i acc[kLimbs] = {};
+    V2i accepted = {0, 0};  // minus the accepted count per lane
+    int64_t pairs = 0;
+    for (; i + 2 <= v.size() && pairs < kFoldEvery; i += 2, ++pairs) {
+      const V2d sq = {static_cast<double>(v[i]) * v[i], static_cast<double>(v[i + 1]) * v[i + 1]};
+      V2i q[kLimbs];
+      accepted += Split<WideFormat>(sq, q);
+      for (int k = 0; k < kLimbs; ++k) acc[k] += q[k];
+    }
+    Normalize();
+    for (int k = 0; k < kLimbs; ++k) words_[k] += acc[k][0] + acc[k][1];
+    words_[kLimbs] += 2 * pairs + accepted[0] + accepted[1];
+    Normalize();
+  }
+  for (; i < v.size(); ++i) Add(static_cast<double>(v[i]) * v[i]);
 }
 
 void ExactScalar::Add(const ExactScalar& other) {

@@ -19,6 +19,9 @@
 // limb may take at most kMaxAddsBetweenNormalize additions of canonical values or of fresh
 // contributions (each limb then stays below 2^62 in magnitude: no int64 overflow). A SUM
 // collective over S ranks of canonical buffers is such an addition S times.
+// Normalising never shrinks the top limb, so partial sums must also stay below
+// 2^(63 + (kLimbs - 1) * kLimbBits + kLsbExponent) in magnitude (2^47 for GradFormat, 2^83
+// for WideFormat), far beyond the range that reads back finite.
 //
 // Contributions. A float or double x becomes V = round(x / 2^kLsbExponent) to the nearest
 // integer, ties to even (the value itself is rounded, once, so the result does not depend

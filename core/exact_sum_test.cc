@@ -109,19 +109,20 @@ TEST(ExactSumTest, RejectsNonFiniteAndOutOfRange) {
                                   -std::numeric_limits<float>::infinity(),
                                   std::ldexp(1.0f, 29), -std::ldexp(1.0f, 29), 1e30f};
   for (float b : bad) {
-    std::vector<float> v = {1.0f, b, 2.0f};
-    std::vector<int64_t> limbs(3 * kLimbs, 0);
-    int64_t rejected = 5;  // accumulates, is not reset
-    ASSERT_TRUE(AddFloats(v, absl::MakeSpan(limbs), &rejected).ok());
-    EXPECT_EQ(rejected, 6) << b;
-    std::vector<float> out(3);
-    ASSERT_TRUE(ToFloats(limbs, rejected, absl::MakeSpan(out)).ok());
-    for (float o : out) EXPECT_TRUE(std::isnan(o)) << b;  // the whole tensor reads NaN
-    // The other elements were still added (the count, not the limbs, carries the flag).
-    ASSERT_TRUE(ToFloats(limbs, 0, absl::MakeSpan(out)).ok());
-    EXPECT_EQ(out[0], 1.0f);
-    EXPECT_EQ(out[1], 0.0f);
-    EXPECT_EQ(out[2], 2.0f);
+    for (int pos = 0; pos < 5; ++pos) {  // in either lane of a pair, and in the odd tail
+      std::vector<float> v = {1.0f, 2.0f, 3.0f, 4.0f, 5.0f};
+      v[pos] = b;
+      std::vector<int64_t> limbs(5 * kLimbs, 0);
+      int64_t rejected = 5;  // accumulates, is not reset
+      ASSERT_TRUE(AddFloats(v, absl::MakeSpan(limbs), &rejected).ok());
+      EXPECT_EQ(rejected, 6) << b << " at " << pos;
+      std::vector<float> out(5);
+      ASSERT_TRUE(ToFloats(limbs, rejected, absl::MakeSpan(out)).ok());
+      for (float o : out) EXPECT_TRUE(std::isnan(o)) << b;  // the whole tensor reads NaN
+      // The other elements were still added (the count, not the limbs, carries the flag).
+      ASSERT_TRUE(ToFloats(limbs, 0, absl::MakeSpan(out)).ok());
+      for (int i = 0; i < 5; ++i) EXPECT_EQ(out[i], i == pos ? 0.0f : i + 1.0f) << b << " " << pos;
+    }
   }
 }
 
@@ -365,6 +366,22 @@ TEST(ExactScalarTest, SquaresMatchLongDouble) {
     t.AddSquares(absl::MakeConstSpan(r).subspan(i, std::min<size_t>(1000, r.size() - i)));
   }
   EXPECT_EQ(t.ToDouble(), s.ToDouble());
+}
+
+TEST(ExactScalarTest, SquaresRejectInEveryPosition) {
+  for (int pos = 0; pos < 5; ++pos) {
+    std::vector<float> v = {1.0f, 2.0f, 3.0f, 4.0f, 5.0f};
+    v[pos] = std::numeric_limits<float>::infinity();
+    ExactScalar s;
+    s.AddSquares(v);
+    EXPECT_EQ(s.rejected(), 1) << pos;
+    EXPECT_TRUE(std::isnan(s.ToDouble()));
+    ExactScalar ok;
+    v[pos] = 0.0f;
+    ok.AddSquares(v);
+    double want = 55.0 - (pos + 1.0) * (pos + 1.0);
+    EXPECT_EQ(ok.ToDouble(), want) << pos;
+  }
 }
 
 TEST(ExactScalarTest, NonFiniteAndOverflow) {
