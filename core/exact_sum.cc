@@ -4,8 +4,10 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
+#include "core/exact_add.h"
 
 namespace gradsum::exact {
 namespace {
@@ -149,37 +151,6 @@ T ElementTo(const int64_t* limbs) {
   return negative ? -r : r;
 }
 
-// The hot loop: x[i] into out[i * kLimbs ..]; returns the rejected count. Two elements at
-// a time (their limbs are 4 consecutive int64), then the odd one.
-template <class T>
-int64_t AddKernel(const T* __restrict x, size_t n, int64_t* __restrict out) {
-  static_assert(kLimbs == 2, "the pair loop interleaves two limbs");
-  V2i accepted = {0, 0};  // minus the accepted count per lane
-  size_t i = 0;
-  for (; i + 2 <= n; i += 2) {
-    const V2d v = {static_cast<double>(x[i]), static_cast<double>(x[i + 1])};
-    V2i q[kLimbs];
-    accepted += Split<GradFormat>(v, q);
-    // Element i's limbs {q0[0], q1[0]}, element i+1's {q0[1], q1[1]}.
-    const V2i lo = __builtin_shuffle(q[0], q[1], V2i{0, 2});
-    const V2i hi = __builtin_shuffle(q[0], q[1], V2i{1, 3});
-    V2i o0, o1;
-    std::memcpy(&o0, out + i * kLimbs, sizeof(o0));
-    std::memcpy(&o1, out + i * kLimbs + 2, sizeof(o1));
-    o0 += lo;
-    o1 += hi;
-    std::memcpy(out + i * kLimbs, &o0, sizeof(o0));
-    std::memcpy(out + i * kLimbs + 2, &o1, sizeof(o1));
-  }
-  int64_t bad = static_cast<int64_t>(i) + accepted[0] + accepted[1];
-  for (; i < n; ++i) {
-    int64_t q[kLimbs];
-    bad += 1 + Split<GradFormat>(static_cast<double>(x[i]), q);
-    for (int k = 0; k < kLimbs; ++k) out[i * kLimbs + k] += q[k];
-  }
-  return bad;
-}
-
 template <class T>
 absl::Status AddValues(absl::Span<const T> values, absl::Span<int64_t> limbs,
                        int64_t* rejected) {
@@ -189,7 +160,15 @@ absl::Status AddValues(absl::Span<const T> values, absl::Span<int64_t> limbs,
                                                    " values need ", values.size() * kLimbs,
                                                    " limbs, got ", limbs.size()));
   }
-  *rejected += AddKernel(values.data(), values.size(), limbs.data());
+  // Split<GradFormat> for every element, as core/exact_add.inc's per-ISA builds (baseline,
+  // AVX2, AVX-512, picked at run time): the same integers, wider vectors than the pair
+  // loop SSE2 allows (reproducible mode adds every contribution through here).
+  const internal::AddKernels& k = internal::SelectedAddKernels();
+  if constexpr (std::is_same_v<T, float>) {
+    *rejected += k.add_floats(values.data(), values.size(), limbs.data());
+  } else {
+    *rejected += k.add_doubles(values.data(), values.size(), limbs.data());
+  }
   return absl::OkStatus();
 }
 

@@ -231,7 +231,8 @@ inline const float* OutputRow(const DispatchState& s, int64_t pos, int64_t d_mod
 ExpertsConfig LocalExpertsConfig(const DispatchConfig& config, int ep_size) {
   return ExpertsConfig{.d_model = config.d_model,
                        .hidden = config.hidden,
-                       .num_local_experts = config.num_experts / ep_size};
+                       .num_local_experts = config.num_experts / ep_size,
+                       .row_blocks = config.expert_row_blocks};
 }
 
 }  // namespace

@@ -66,6 +66,9 @@ struct DispatchConfig {
   int64_t hidden = 0;   // H, expert width
   int num_experts = 0;  // E, over the whole EP group; E % P == 0
   int top_k = 0;        // K, 1 <= K <= E
+  // Reproducible mode: the local experts' row blocks in the owner layout, passed on as
+  // ExpertsConfig::row_blocks (moe/experts.h; moe/moe_layer.h computes them). Not owned.
+  const std::vector<std::vector<int64_t>>* expert_row_blocks = nullptr;
 };
 
 // What forward keeps for backward (one per layer and micro-batch). Opaque to callers except

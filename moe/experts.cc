@@ -27,7 +27,40 @@ absl::StatusOr<int64_t> CheckCommon(const ExpertsConfig& config, const ExpertWei
     }
     n += group_sizes[j];
   }
+  if (config.row_blocks != nullptr) {
+    const std::vector<std::vector<int64_t>>& blocks = *config.row_blocks;
+    GRADSUM_RETURN_IF_ERROR(internal::CheckSize("expert row_blocks", blocks.size(),
+                                                config.num_local_experts, "[E_local]"));
+    for (size_t j = 0; j < group_sizes.size(); ++j) {
+      if (group_sizes[j] == 0) continue;  // not in this call (dispatch's pipeline chunks)
+      int64_t sum = 0;
+      for (int64_t b : blocks[j]) {
+        if (b < 0) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("expert row_blocks[", j, "] has a negative block (", b, ")"));
+        }
+        sum += b;
+      }
+      if (sum != group_sizes[j]) {
+        return absl::InvalidArgumentError(absl::StrCat("expert row_blocks[", j, "] sum to ", sum,
+                                                       " rows, group_sizes[", j, "] is ",
+                                                       group_sizes[j]));
+      }
+    }
+  }
   return n;
+}
+
+// Runs fn(first_row, rows) for each row block of local expert j, whose rows start at `row`
+// and number `n`: the blocks of config.row_blocks in order, else the whole group.
+absl::Status ForEachBlock(const ExpertsConfig& config, int j, int64_t row, int64_t n,
+                          const std::function<absl::Status(int64_t, int64_t)>& fn) {
+  if (config.row_blocks == nullptr) return fn(row, n);
+  for (int64_t b : (*config.row_blocks)[j]) {
+    if (b > 0) GRADSUM_RETURN_IF_ERROR(fn(row, b));
+    row += b;
+  }
+  return absl::OkStatus();
 }
 
 // First row of each group: offsets[j] = sum(group_sizes[0, j)).
@@ -39,9 +72,10 @@ std::vector<int64_t> GroupOffsets(absl::Span<const int64_t> group_sizes) {
 
 // Scratch of the calling thread, reused across calls: the step's [N, H] temporaries would
 // otherwise be fresh allocations (page faults, zero fill) on every forward and backward.
-// Contents are unspecified; `slot` picks one of three independent buffers.
+// Contents are unspecified; `slot` picks one of four independent buffers (the fourth holds
+// a row block's weight-gradient contribution in reproducible mode).
 absl::Span<float> Scratch(int slot, int64_t n) {
-  thread_local std::vector<float> buffers[3];
+  thread_local std::vector<float> buffers[4];
   std::vector<float>& b = buffers[slot];
   if (static_cast<int64_t>(b.size()) < n) b.resize(n);
   return absl::MakeSpan(b.data(), n);
@@ -75,6 +109,7 @@ absl::Status CheckExpertWeights(const ExpertsConfig& config, const ExpertWeights
 
 absl::Status CheckExpertWeightGrads(const ExpertsConfig& config, const ExpertWeightGrads& grads) {
   GRADSUM_RETURN_IF_ERROR(ValidateExpertsConfig(config));
+  if (grads.exact != nullptr) return absl::OkStatus();  // the spans are not used
   const int64_t stacked = config.d_model * config.hidden * config.num_local_experts;
   GRADSUM_RETURN_IF_ERROR(
       internal::CheckSize("expert grad dWg", grads.gate.size(), stacked, "[E_local, D, H]"));
@@ -108,20 +143,23 @@ absl::Status ExpertsForward(const ExpertsConfig& config, const ExpertWeights& we
   const absl::Span<float> act = Scratch(0, N * H);  // SiLU(g) * u
   const std::vector<int64_t> offsets = GroupOffsets(group_sizes);
   return ForEachExpert(group_sizes, [&](int j) -> absl::Status {
-    const int64_t row = offsets[j], n = group_sizes[j];
-    const auto xj = x.subspan(row * D, n * D);
-    float* g = s.gate_pre.data() + row * H;
-    float* u = s.up_pre.data() + row * H;
-    float* a = act.data() + row * H;
-    GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kNo, n, H, D, 1.0f, xj, D,
-                                  weights.gate.subspan(j * D * H, D * H), H, 0.0f,
-                                  absl::MakeSpan(g, n * H), H));
-    GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kNo, n, H, D, 1.0f, xj, D,
-                                  weights.up.subspan(j * D * H, D * H), H, 0.0f,
-                                  absl::MakeSpan(u, n * H), H));
-    vec::SwiGlu(g, u, a, n * H);  // vectorised, the same bits on every CPU
-    return Sgemm(Trans::kNo, Trans::kNo, n, D, H, 1.0f, absl::MakeConstSpan(a, n * H), H,
-                 weights.down.subspan(j * H * D, H * D), D, 0.0f, y.subspan(row * D, n * D), D);
+    return ForEachBlock(config, j, offsets[j], group_sizes[j],
+                        [&](int64_t row, int64_t n) -> absl::Status {
+      const auto xj = x.subspan(row * D, n * D);
+      float* g = s.gate_pre.data() + row * H;
+      float* u = s.up_pre.data() + row * H;
+      float* a = act.data() + row * H;
+      GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kNo, n, H, D, 1.0f, xj, D,
+                                    weights.gate.subspan(j * D * H, D * H), H, 0.0f,
+                                    absl::MakeSpan(g, n * H), H));
+      GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kNo, n, H, D, 1.0f, xj, D,
+                                    weights.up.subspan(j * D * H, D * H), H, 0.0f,
+                                    absl::MakeSpan(u, n * H), H));
+      vec::SwiGlu(g, u, a, n * H);  // vectorised, the same bits on every CPU
+      return Sgemm(Trans::kNo, Trans::kNo, n, D, H, 1.0f, absl::MakeConstSpan(a, n * H), H,
+                   weights.down.subspan(j * H * D, H * D), D, 0.0f, y.subspan(row * D, n * D),
+                   D);
+    });
   });
 }
 
@@ -144,37 +182,63 @@ absl::Status ExpertsBackward(const ExpertsConfig& config, const ExpertWeights& w
   const absl::Span<float> act = Scratch(0, N * H), d_gate = Scratch(1, N * H),
                           d_up = Scratch(2, N * H);
   const std::vector<int64_t> offsets = GroupOffsets(group_sizes);
+  const int64_t El = config.num_local_experts;
   return ForEachExpert(group_sizes, [&](int j) -> absl::Status {
-    const int64_t row = offsets[j], n = group_sizes[j];
-    const auto xj = x.subspan(row * D, n * D);
-    const auto dyj = dy.subspan(row * D, n * D);
     const auto wg = weights.gate.subspan(j * D * H, D * H);
     const auto wu = weights.up.subspan(j * D * H, D * H);
     const auto wd = weights.down.subspan(j * H * D, H * D);
-    const float* g = saved.gate_pre.data() + row * H;
-    const float* u = saved.up_pre.data() + row * H;
-    float* a = act.data() + row * H;
-    float* dg = d_gate.data() + row * H;
-    float* du = d_up.data() + row * H;
-    // d(act) = dy Wd^T, computed into d_gate and turned into the two pre-activation grads.
-    GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kYes, n, H, D, 1.0f, dyj, D, wd, D, 0.0f,
-                                  absl::MakeSpan(dg, n * H), H));
-    // In place: d(act) -> dL/dg; also dL/du and the forward's act for the dWd product
-    // (SiLU'(g) = sig(g) (1 + g (1 - sig(g))), core/vec_math.h).
-    vec::SwiGluBackward(g, u, dg, du, a, n * H);
-    const auto dgj = absl::MakeConstSpan(dg, n * H);
-    const auto duj = absl::MakeConstSpan(du, n * H);
-    GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kYes, Trans::kNo, H, D, n, 1.0f,
-                                  absl::MakeConstSpan(a, n * H), H, dyj, D, 1.0f,
-                                  grads.down.subspan(j * H * D, H * D), D));
-    GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kYes, Trans::kNo, D, H, n, 1.0f, xj, D, dgj, H, 1.0f,
-                                  grads.gate.subspan(j * D * H, D * H), H));
-    GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kYes, Trans::kNo, D, H, n, 1.0f, xj, D, duj, H, 1.0f,
-                                  grads.up.subspan(j * D * H, D * H), H));
-    const auto dxj = dx.subspan(row * D, n * D);
-    GRADSUM_RETURN_IF_ERROR(
-        Sgemm(Trans::kNo, Trans::kYes, n, D, H, 1.0f, dgj, H, wg, H, 0.0f, dxj, D));
-    return Sgemm(Trans::kNo, Trans::kYes, n, D, H, 1.0f, duj, H, wu, H, 1.0f, dxj, D);
+    // The weight gradients of rows [row, row + n): dW += X^T dY for Wd (act^T dy), Wg
+    // (x^T dg) and Wu (x^T du), straight into the gradient spans.
+    auto weight_grads = [&](int64_t row, int64_t n) -> absl::Status {
+      const auto xj = x.subspan(row * D, n * D);
+      const auto dyj = dy.subspan(row * D, n * D);
+      GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kYes, Trans::kNo, H, D, n, 1.0f,
+                                    act.subspan(row * H, n * H), H, dyj, D, 1.0f,
+                                    grads.down.subspan(j * H * D, H * D), D));
+      GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kYes, Trans::kNo, D, H, n, 1.0f, xj, D,
+                                    d_gate.subspan(row * H, n * H), H, 1.0f,
+                                    grads.gate.subspan(j * D * H, D * H), H));
+      return Sgemm(Trans::kYes, Trans::kNo, D, H, n, 1.0f, xj, D, d_up.subspan(row * H, n * H),
+                   H, 1.0f, grads.up.subspan(j * D * H, D * H), H);
+    };
+    // Row products per block: d(act) = dy Wd^T, the SwiGLU backward (in place: d(act) ->
+    // dL/dg; also dL/du and the forward's act, core/vec_math.h), dx = dg Wg^T + du Wu^T.
+    GRADSUM_RETURN_IF_ERROR(ForEachBlock(config, j, offsets[j], group_sizes[j],
+                                         [&](int64_t row, int64_t n) -> absl::Status {
+      const auto dyj = dy.subspan(row * D, n * D);
+      const float* g = saved.gate_pre.data() + row * H;
+      const float* u = saved.up_pre.data() + row * H;
+      float* dg = d_gate.data() + row * H;
+      float* du = d_up.data() + row * H;
+      GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kYes, n, H, D, 1.0f, dyj, D, wd, D, 0.0f,
+                                    absl::MakeSpan(dg, n * H), H));
+      vec::SwiGluBackward(g, u, dg, du, act.data() + row * H, n * H);
+      // Without exact gradients, the weight gradients follow here (as one block).
+      if (grads.exact == nullptr) GRADSUM_RETURN_IF_ERROR(weight_grads(row, n));
+      const auto dxj = dx.subspan(row * D, n * D);
+      GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kYes, n, D, H, 1.0f,
+                                    absl::MakeConstSpan(dg, n * H), H, wg, H, 0.0f, dxj, D));
+      return Sgemm(Trans::kNo, Trans::kYes, n, D, H, 1.0f, absl::MakeConstSpan(du, n * H), H, wu,
+                   H, 1.0f, dxj, D);
+    }));
+    if (grads.exact == nullptr) return absl::OkStatus();
+    // Exact: one matrix at a time over every block (its limbs stay in cache), each block's
+    // contribution into scratch and then added exactly at its stacked offset.
+    const absl::Span<float> c = Scratch(3, D * H);
+    for (int which : {2, 0, 1}) {  // Wd, Wg, Wu
+      const int64_t rows = which == 2 ? H : D, cols = which == 2 ? D : H;
+      GRADSUM_RETURN_IF_ERROR(ForEachBlock(config, j, offsets[j], group_sizes[j],
+                                           [&](int64_t row, int64_t n) -> absl::Status {
+        const auto xt = which == 2 ? act.subspan(row * H, n * H) : x.subspan(row * D, n * D);
+        const auto d = which == 2   ? dy.subspan(row * D, n * D)
+                       : which == 0 ? d_gate.subspan(row * H, n * H)
+                                    : d_up.subspan(row * H, n * H);
+        GRADSUM_RETURN_IF_ERROR(
+            Sgemm(Trans::kYes, Trans::kNo, rows, cols, n, 1.0f, xt, rows, d, cols, 0.0f, c, cols));
+        return grads.exact->Add((which * El + j) * D * H, c);
+      }));
+    }
+    return absl::OkStatus();
   });
 }
 

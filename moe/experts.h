@@ -17,7 +17,8 @@
 //   ExpertWeightGrads g{.gate = dwg, .up = dwu, .down = dwd};   // accumulated (+=)
 //   GRADSUM_RETURN_IF_ERROR(ExpertsBackward(config, w, x, group_sizes, saved, dy, dx, g));
 //
-// Every product is one single-threaded fp32 BLAS GEMM per expert (core/gemm.h); the local
+// Every product is one single-threaded fp32 BLAS GEMM per expert (per row block of an expert
+// with ExpertsConfig::row_blocks; core/gemm.h); the local
 // experts are spread over the calling thread's compute budget (ComputeThreads(),
 // core/thread_pool.h), one expert per task, so results do not depend on the thread count.
 // Weight gradients accumulate in fp32 so that micro-batches sum (SEMANTICS.md §2).
@@ -29,6 +30,7 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "core/grad_sink.h"
 
 namespace gradsum::moe {
 
@@ -36,6 +38,12 @@ struct ExpertsConfig {
   int64_t d_model = 0;        // D >= 1
   int64_t hidden = 0;         // H >= 1
   int num_local_experts = 0;  // E / P >= 1
+  // Reproducible mode (docs/REPRODUCIBILITY.md): when set, [E_local] lists; expert j's
+  // rows are the consecutive blocks (*row_blocks)[j] (sizes >= 0 that sum to its group
+  // size whenever that is not 0). Every product then runs per block, so a row's output
+  // does not depend on the rows of other blocks, and the weight gradients are summed per
+  // block (ExpertWeightGrads::exact). Not owned.
+  const std::vector<std::vector<int64_t>>* row_blocks = nullptr;
 };
 
 // InvalidArgument naming the field unless D, H and the local expert count are >= 1.
@@ -53,6 +61,11 @@ struct ExpertWeightGrads {
   absl::Span<float> gate;
   absl::Span<float> up;
   absl::Span<float> down;
+  // Reproducible mode: when set, the spans above are not used (they may be empty) and each
+  // row block's contribution (computed alone, into fp32 scratch) is added exactly here, at
+  // the offsets of the stacking "all Wg, then all Wu, then all Wd": expert j's Wg at
+  // j * D * H, its Wu at (E_local + j) * D * H, its Wd at (2 * E_local + j) * D * H.
+  ExactGradSink* exact = nullptr;
 };
 
 // InvalidArgument (naming the matrix and both sizes) unless the config is valid and each

@@ -1,6 +1,8 @@
 #include "moe/experts.h"
 
 #include <cmath>
+#include <mutex>
+#include <utility>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -186,6 +188,128 @@ TEST(ExpertsTest, BackwardMatchesFiniteDifferencesOfFp32Forward) {
   check(wu, dwu, "dWu");
   check(wd, dwd, "dWd");
   check(x, dx, "dx");
+}
+
+// Records every contribution an exact sink receives (offset, values), in call order per
+// offset (the experts call it from several threads, one expert each).
+class RecordingSink : public ExactGradSink {
+ public:
+  absl::Status Add(int64_t offset, absl::Span<const float> c) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    adds.push_back({offset, std::vector<float>(c.begin(), c.end())});
+    return absl::OkStatus();
+  }
+  std::vector<std::pair<int64_t, std::vector<float>>> adds;
+
+ private:
+  std::mutex mu_;
+};
+
+// Reproducible mode (ExpertsConfig::row_blocks): every row block is computed as if it were
+// alone in the call, so a row's output, its input gradient and its block's weight-gradient
+// contribution are the same bits whatever other blocks share the call (their number, sizes
+// and positions differ from mesh to mesh). Each block is run alone as the comparison, and
+// the blocks' summed contributions must still be the weight gradient (against the double
+// reference's finite differences).
+TEST(ExpertsTest, RowBlocksComputeEachBlockAsIfAlone) {
+  Problem p(7);
+  p.D = 40;
+  p.H = 36;
+  p.E_local = 2;
+  p.groups = {21, 23};
+  const std::vector<std::vector<int64_t>> blocks = {{7, 13, 0, 1}, {20, 3}};
+  int64_t n = 0;
+  for (int64_t g : p.groups) n += g;
+  p.x = test::RandomFp32Values(n * p.D, 1.0, 70);
+  p.wg = test::RandomFp32Values(p.E_local * p.D * p.H, 0.3, 71);
+  p.wu = test::RandomFp32Values(p.E_local * p.D * p.H, 0.3, 72);
+  p.wd = test::RandomFp32Values(p.E_local * p.H * p.D, 0.3, 73);
+  const int64_t D = p.D, H = p.H, El = p.E_local;
+  const std::vector<float> x = test::ToFloat(p.x), wg = test::ToFloat(p.wg),
+                           wu = test::ToFloat(p.wu), wd = test::ToFloat(p.wd);
+  const std::vector<float> dy = test::ToFloat(test::RandomFp32Values(n * D, 1.0, 74));
+  ExpertsConfig config = p.config();
+  config.row_blocks = &blocks;
+  ScopedComputeThreads budget(2);
+  std::vector<float> y(n * D), dx(n * D);
+  ExpertsSaved saved;
+  ASSERT_TRUE(ExpertsForward(config, {wg, wu, wd}, x, p.groups, absl::MakeSpan(y), &saved).ok());
+  RecordingSink sink;
+  ExpertWeightGrads grads;
+  grads.exact = &sink;
+  ASSERT_TRUE(
+      ExpertsBackward(config, {wg, wu, wd}, x, p.groups, saved, dy, absl::MakeSpan(dx), grads)
+          .ok());
+  const std::vector<double> ref = p.ReferenceForward();
+  for (size_t i = 0; i < y.size(); ++i) EXPECT_NEAR(y[i], ref[i], 1e-5) << "y[" << i << "]";
+
+  // Each block alone: expert j gets only the block's rows.
+  std::vector<double> dw_sum(3 * El * D * H, 0.0);
+  int64_t row = 0;
+  for (int j = 0; j < El; ++j) {
+    for (int64_t b : blocks[j]) {
+      if (b == 0) continue;
+      std::vector<int64_t> groups(El, 0);
+      groups[j] = b;
+      const auto xb = absl::MakeConstSpan(x).subspan(row * D, b * D);
+      const auto dyb = absl::MakeConstSpan(dy).subspan(row * D, b * D);
+      std::vector<float> yb(b * D), dxb(b * D);
+      ExpertsSaved sb;
+      ASSERT_TRUE(ExpertsForward(p.config(), {wg, wu, wd}, xb, groups, absl::MakeSpan(yb), &sb)
+                      .ok());
+      RecordingSink alone;
+      ExpertWeightGrads g;
+      g.exact = &alone;
+      ASSERT_TRUE(
+          ExpertsBackward(p.config(), {wg, wu, wd}, xb, groups, sb, dyb, absl::MakeSpan(dxb), g)
+              .ok());
+      for (int64_t i = 0; i < b * D; ++i) {
+        ASSERT_EQ(yb[i], y[row * D + i]) << "expert " << j << " row " << row + i / D;
+        ASSERT_EQ(dxb[i], dx[row * D + i]) << "expert " << j << " row " << row + i / D;
+      }
+      // The block's three contributions (Wd, Wg, Wu) are among the recorded ones, bit for bit.
+      ASSERT_EQ(alone.adds.size(), 3u);
+      for (const auto& [offset, values] : alone.adds) {
+        EXPECT_EQ(offset % (El * D * H), j * D * H);
+        int found = 0;
+        for (const auto& rec : sink.adds) found += rec.first == offset && rec.second == values;
+        EXPECT_EQ(found, 1) << "block of expert " << j << " at row " << row;
+        for (size_t i = 0; i < values.size(); ++i) dw_sum[offset + i] += values[i];
+      }
+      row += b;
+    }
+  }
+  EXPECT_EQ(sink.adds.size(), 3u * 5);  // 5 non-empty blocks, 3 matrices each
+  // The summed contributions are the weight gradients of L = sum_i dy_i y_i.
+  const std::vector<double> r(dy.begin(), dy.end());
+  auto loss = [&] {
+    const std::vector<double> yr = p.ReferenceForward();
+    double l = 0.0;
+    for (size_t i = 0; i < yr.size(); ++i) l += r[i] * yr[i];
+    return l;
+  };
+  for (int which = 0; which < 3; ++which) {
+    std::vector<double>& w = which == 0 ? p.wg : which == 1 ? p.wu : p.wd;
+    for (size_t i = 0; i < w.size(); i += 37) {  // a sample of every matrix
+      const double fd = reference::CentralDifference(loss, &w[i], 1e-6);
+      EXPECT_NEAR(dw_sum[which * El * D * H + i], fd, 1e-4 * (1.0 + std::abs(fd)))
+          << "matrix " << which << " element " << i;
+    }
+  }
+}
+
+TEST(ExpertsTest, RowBlocksThatDoNotSumToTheGroupAreInvalidArgument) {
+  const ExpertsConfig base{.d_model = 2, .hidden = 2, .num_local_experts = 2};
+  const std::vector<std::vector<int64_t>> bad = {{1, 1}, {3}};
+  ExpertsConfig config = base;
+  config.row_blocks = &bad;
+  const std::vector<float> w(8, 0.1f), x(4 * 2, 1.0f);
+  const std::vector<int64_t> groups = {2, 2};
+  std::vector<float> y4(4 * 2);
+  absl::Status s =
+      ExpertsForward(config, {w, w, w}, x, groups, absl::MakeSpan(y4), nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("row_blocks[1] sum to 3 rows, group_sizes[1] is 2"));
 }
 
 TEST(ExpertsTest, AllGroupsEmptyIsANoOp) {

@@ -23,6 +23,7 @@
 // grads.local_experts over this rank's EDP group (moe/placement.h).
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
@@ -40,13 +41,20 @@ struct MoeLayerConfig {
   int top_k = 0;        // K
   bool norm_topk_prob = false;
   float router_scale = 1.0f;
+  // Reproducible mode (docs/REPRODUCIBILITY.md): when > 0, the tokens are consecutive
+  // blocks of row_block rows (moe_lm: packed sequences), the same number on every EP rank.
+  // The router computes per block (RouterConfig::row_block), and every expert computes
+  // per (block, expert) row group, whichever rank the block came from: forward learns the
+  // groups from one extra all-gather of per-(expert, block) counts over the EP group.
+  int64_t row_block = 0;
 
   RouterConfig router() const {
     return RouterConfig{.d_model = d_model,
                         .num_experts = num_experts,
                         .top_k = top_k,
                         .norm_topk_prob = norm_topk_prob,
-                        .router_scale = router_scale};
+                        .router_scale = router_scale,
+                        .row_block = row_block};
   }
   DispatchConfig dispatch() const {
     return DispatchConfig{
@@ -63,6 +71,9 @@ struct MoeLayerWeights {
 struct MoeLayerGrads {
   absl::Span<float> router;         // [D, E]
   ExpertWeightGrads local_experts;  // shapes of MoeLayerWeights::local_experts
+  // Reproducible mode: when set, `router` is not used and each row block's router gradient
+  // is added exactly here (local_experts.exact does the same for the experts).
+  ExactGradSink* router_exact = nullptr;
 };
 
 // Gradients the auxiliary losses put on the router outputs; empty spans mean zero.
@@ -75,6 +86,8 @@ struct RouterLossGrads {
 struct MoeLayerState {
   RouterOutput route;  // routing decisions and statistics of this micro-batch
   DispatchState dispatch;
+  // Reproducible mode: the row blocks of each local expert's rows (ExpertsConfig::row_blocks).
+  std::vector<std::vector<int64_t>> expert_row_blocks;
 };
 
 // a: [T, D]; mask: [T] (1 routed, 0 padding) or empty; y: [T, D] overwritten.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <numeric>
 
@@ -27,6 +28,27 @@ absl::StatusOr<int64_t> CheckInputs(const RouterConfig& config, absl::Span<const
   return static_cast<int64_t>(a.size()) / config.d_model;
 }
 
+// Runs fn(first_row, rows) over the row blocks of config.row_block (one block of all T
+// rows when it is 0), in parallel over the thread budget; the first error in block order.
+absl::Status ForEachRowBlock(const RouterConfig& config, int64_t T,
+                             const std::function<absl::Status(int64_t, int64_t)>& fn) {
+  if (config.row_block <= 0) return fn(0, T);
+  const int64_t blocks = (T + config.row_block - 1) / config.row_block;
+  std::vector<absl::Status> status(blocks);
+  ParallelFor(ComputeThreads(), blocks, [&](int64_t b) {
+    const int64_t r0 = b * config.row_block;
+    status[b] = fn(r0, std::min(config.row_block, T - r0));
+  });
+  for (absl::Status& s : status) GRADSUM_RETURN_IF_ERROR(s);
+  return absl::OkStatus();
+}
+
+// Threads for one GEMM of ForEachRowBlock's fn: the budget when there is one block of all
+// rows, else 1 (the blocks are the parallelism).
+int GemmThreads(const RouterConfig& config) {
+  return config.row_block > 0 ? 1 : ComputeThreads();
+}
+
 }  // namespace
 
 absl::Status ValidateRouterConfig(const RouterConfig& config) {
@@ -45,6 +67,10 @@ absl::Status ValidateRouterConfig(const RouterConfig& config) {
   if (!std::isfinite(config.router_scale)) {
     return absl::InvalidArgumentError(
         absl::StrCat("router_scale must be finite, got ", config.router_scale));
+  }
+  if (config.row_block < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("router row_block must be >= 0, got ", config.row_block));
   }
   return absl::OkStatus();
 }
@@ -81,8 +107,11 @@ absl::StatusOr<RouterOutput> RouterForward(const RouterConfig& config, absl::Spa
   if (T == 0) return out;
 
   // u = a @ Wr in fp32 (SEMANTICS.md §10).
-  GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kNo, T, E, D, 1.0f, a, D, router_weight, E,
-                                0.0f, absl::MakeSpan(out.logits), E, ComputeThreads()));
+  GRADSUM_RETURN_IF_ERROR(ForEachRowBlock(config, T, [&](int64_t r0, int64_t n) {
+    return Sgemm(Trans::kNo, Trans::kNo, n, E, D, 1.0f, a.subspan(r0 * D, n * D), D,
+                 router_weight, E, 0.0f, absl::MakeSpan(out.logits).subspan(r0 * E, n * E), E,
+                 GemmThreads(config));
+  }));
 
   // Pass 1, in token order (the first bad logit is the one reported): check the logits,
   // zero the padding rows' logits, and write u - max(u) into p (-inf for padding, so its
@@ -142,7 +171,7 @@ absl::StatusOr<RouterOutput> RouterForward(const RouterConfig& config, absl::Spa
 absl::Status RouterBackward(const RouterConfig& config, absl::Span<const float> a,
                             absl::Span<const float> router_weight, const RouterOutput& forward,
                             const RouterOutputGrads& grads, absl::Span<float> d_router_weight,
-                            absl::Span<float> d_a) {
+                            absl::Span<float> d_a, ExactGradSink* d_router_weight_exact) {
   GRADSUM_ASSIGN_OR_RETURN(const int64_t T, CheckInputs(config, a, router_weight));
   const int64_t D = config.d_model;
   const int E = config.num_experts;
@@ -170,8 +199,10 @@ absl::Status RouterBackward(const RouterConfig& config, absl::Span<const float> 
     GRADSUM_RETURN_IF_ERROR(
         internal::CheckSize("d_logits", grads.d_logits.size(), T * E, "[T, E]"));
   }
-  GRADSUM_RETURN_IF_ERROR(
-      internal::CheckSize("d_router_weight", d_router_weight.size(), D * E, "[D, E]"));
+  if (d_router_weight_exact == nullptr) {
+    GRADSUM_RETURN_IF_ERROR(
+        internal::CheckSize("d_router_weight", d_router_weight.size(), D * E, "[D, E]"));
+  }
   GRADSUM_RETURN_IF_ERROR(internal::CheckSize("d_a", d_a.size(), T * D, "[T, D]"));
   if (T == 0) return absl::OkStatus();
 
@@ -212,11 +243,30 @@ absl::Status RouterBackward(const RouterConfig& config, absl::Span<const float> 
     }
   }
 
-  // dWr += a^T du;  d_a += du Wr^T.
-  GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kYes, Trans::kNo, D, E, T, 1.0f, a, D, du, E, 1.0f,
-                                d_router_weight, E, ComputeThreads()));
-  return Sgemm(Trans::kNo, Trans::kYes, T, D, E, 1.0f, du, E, router_weight, E, 1.0f, d_a, D,
-               ComputeThreads());
+  // dWr += a^T du (exact: each block's share into its own scratch row, added to the sink in
+  // block order);  d_a += du Wr^T.
+  if (d_router_weight_exact != nullptr) {
+    const int64_t block = config.row_block > 0 ? config.row_block : T;
+    const int64_t blocks = (T + block - 1) / block;
+    std::vector<float> share(blocks * D * E);
+    GRADSUM_RETURN_IF_ERROR(ForEachRowBlock(config, T, [&](int64_t r0, int64_t n) {
+      return Sgemm(Trans::kYes, Trans::kNo, D, E, n, 1.0f, a.subspan(r0 * D, n * D), D,
+                   absl::MakeConstSpan(du).subspan(r0 * E, n * E), E, 0.0f,
+                   absl::MakeSpan(share).subspan(r0 / block * D * E, D * E), E, 1);
+    }));
+    for (int64_t b = 0; b < blocks; ++b) {
+      GRADSUM_RETURN_IF_ERROR(
+          d_router_weight_exact->Add(0, absl::MakeConstSpan(share).subspan(b * D * E, D * E)));
+    }
+  } else {
+    GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kYes, Trans::kNo, D, E, T, 1.0f, a, D, du, E, 1.0f,
+                                  d_router_weight, E, ComputeThreads()));
+  }
+  return ForEachRowBlock(config, T, [&](int64_t r0, int64_t n) {
+    return Sgemm(Trans::kNo, Trans::kYes, n, D, E, 1.0f,
+                 absl::MakeConstSpan(du).subspan(r0 * E, n * E), E, router_weight, E, 1.0f,
+                 d_a.subspan(r0 * D, n * D), D, GemmThreads(config));
+  });
 }
 
 }  // namespace gradsum::moe

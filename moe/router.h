@@ -29,6 +29,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "core/grad_sink.h"
 
 namespace gradsum::moe {
 
@@ -38,6 +39,12 @@ struct RouterConfig {
   int top_k = 0;                // K, 1 <= K <= E
   bool norm_topk_prob = false;  // divide the top-K weights by their sum
   float router_scale = 1.0f;    // multiplies the (renormalised) top-K weights; finite
+  // Reproducible mode (docs/REPRODUCIBILITY.md): when > 0, the token rows are taken in
+  // consecutive blocks of row_block rows (the last may be shorter; moe_lm: one packed
+  // sequence each) and every GEMM runs per block, single-threaded (blocks spread over the
+  // thread budget), so a row's values do not depend on the other blocks or the thread
+  // count. 0: one GEMM over all rows, split over the threads.
+  int64_t row_block = 0;
 };
 
 // InvalidArgument naming the offending field unless D >= 1, E >= 1, 1 <= K <= E and
@@ -86,12 +93,15 @@ struct RouterOutputGrads {
 //   d_router_weight += a^T du      ([D, E])
 //   d_a             += du Wr^T     ([T, D])
 // Both are accumulated (+=) so micro-batches and the expert path can add into them.
+// `d_router_weight_exact` (reproducible mode): when set, d_router_weight is not used (may
+// be empty) and each row block's a_b^T du_b is added exactly to the sink instead.
 // `a` and `router_weight` must be those given to the RouterForward that produced `forward`.
 // Errors: InvalidArgument for a bad config or any span of the wrong size (named).
 absl::Status RouterBackward(const RouterConfig& config, absl::Span<const float> a,
                             absl::Span<const float> router_weight, const RouterOutput& forward,
                             const RouterOutputGrads& grads, absl::Span<float> d_router_weight,
-                            absl::Span<float> d_a);
+                            absl::Span<float> d_a,
+                            ExactGradSink* d_router_weight_exact = nullptr);
 
 }  // namespace gradsum::moe
 

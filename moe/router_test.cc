@@ -10,6 +10,7 @@
 #include "gtest/gtest.h"
 #include "moe/reference.h"
 #include "moe/test_util.h"
+#include "core/thread_pool.h"
 
 namespace gradsum::moe {
 namespace {
@@ -200,6 +201,65 @@ TEST(RouterTest, BackwardMatchesFiniteDifferencesOfFp32Forward) {
   };
   for (int i = 0; i < D * E; ++i) EXPECT_NEAR(dwr[i], fd(&wr[i]), 3e-3) << "dWr[" << i << "]";
   for (int i = 0; i < T * D; ++i) EXPECT_NEAR(da[i], fd(&a[i]), 3e-3) << "da[" << i << "]";
+}
+
+// Reproducible mode (RouterConfig::row_block): the logits, the input gradient and each
+// block's router-weight contribution of a block are the bits of that block run alone,
+// whatever the other blocks and the thread count; the contributions sum to the normal
+// mode's gradient.
+TEST(RouterTest, RowBlocksComputeEachBlockAsIfAlone) {
+  class Recording : public ExactGradSink {
+   public:
+    absl::Status Add(int64_t offset, absl::Span<const float> c) override {
+      EXPECT_EQ(offset, 0);
+      adds.emplace_back(c.begin(), c.end());
+      return absl::OkStatus();
+    }
+    std::vector<std::vector<float>> adds;
+  };
+  const int S = 37, blocks = 3, T = S * blocks, D = 48, E = 8, K = 2;
+  RouterConfig config{.d_model = D, .num_experts = E, .top_k = K, .norm_topk_prob = true};
+  RouterConfig blocked = config;
+  blocked.row_block = S;
+  const std::vector<float> a = test::ToFloat(test::RandomFp32Values(T * D, 1.0, 31));
+  const std::vector<float> wr = test::ToFloat(test::RandomFp32Values(D * E, 0.5, 32));
+  const std::vector<float> cw = test::ToFloat(test::RandomFp32Values(T * K, 1.0, 33));
+  std::vector<uint8_t> mask(T, 1);
+  mask[5] = mask[S + 1] = 0;
+  auto run = [&](const RouterConfig& c, int64_t r0, int64_t rows, int threads,
+                 std::vector<float>* logits, std::vector<float>* da, Recording* sink,
+                 std::vector<float>* dwr) {
+    ScopedComputeThreads budget(threads);
+    const auto ab = absl::MakeConstSpan(a).subspan(r0 * D, rows * D);
+    absl::StatusOr<RouterOutput> out =
+        RouterForward(c, ab, wr, absl::MakeConstSpan(mask).subspan(r0, rows));
+    ASSERT_TRUE(out.ok()) << out.status();
+    *logits = out->logits;
+    RouterOutputGrads g;
+    g.d_combine_weight = absl::MakeConstSpan(cw).subspan(r0 * K, rows * K);
+    da->assign(rows * D, 0.0f);
+    ASSERT_TRUE(RouterBackward(c, ab, wr, *out, g, absl::MakeSpan(*dwr), absl::MakeSpan(*da),
+                               sink)
+                    .ok());
+  };
+  std::vector<float> logits, da, unused;
+  Recording sink;
+  run(blocked, 0, T, 2, &logits, &da, &sink, &unused);
+  ASSERT_EQ(sink.adds.size(), static_cast<size_t>(blocks));
+  std::vector<double> sum(D * E, 0.0);
+  for (int b = 0; b < blocks; ++b) {
+    std::vector<float> lb, dab;
+    Recording alone;
+    run(config, b * S, S, 1, &lb, &dab, &alone, &unused);
+    ASSERT_EQ(alone.adds.size(), 1u);
+    EXPECT_EQ(alone.adds[0], sink.adds[b]) << "block " << b;
+    for (int i = 0; i < S * E; ++i) ASSERT_EQ(lb[i], logits[b * S * E + i]) << "block " << b;
+    for (int i = 0; i < S * D; ++i) ASSERT_EQ(dab[i], da[b * S * D + i]) << "block " << b;
+    for (int i = 0; i < D * E; ++i) sum[i] += sink.adds[b][i];
+  }
+  std::vector<float> l2, da2, dwr(D * E, 0.0f);
+  run(config, 0, T, 1, &l2, &da2, nullptr, &dwr);
+  for (int i = 0; i < D * E; ++i) EXPECT_NEAR(sum[i], dwr[i], 1e-5 * (1 + std::abs(dwr[i]))) << i;
 }
 
 TEST(RouterTest, TiesGoToTheLowerExpertIndex) {

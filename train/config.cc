@@ -330,6 +330,14 @@ absl::Status ValidateConfig(const TrainConfig& c) {
   if (!(std::isfinite(c.timeout_s()) && c.timeout_s() > 0)) {
     return Bad("timeout_s", StrCat(c.timeout_s()), "must be > 0");
   }
+  if (c.reproducible() && c.backend() == TrainConfig::nccl) {
+    return Bad("reproducible", "true",
+               "is implemented for the CPU backends (thread, mpi) only, not backend=nccl");
+  }
+  if (c.reproducible() && c.reduce_dtype() != TrainConfig::f32) {
+    return Bad("reproducible", "true",
+               "reduces gradients exactly in integers; it needs reduce_dtype=f32 (got bf16)");
+  }
   if (c.layers_per_unit() < 1) {
     return Bad("layers_per_unit", StrCat(c.layers_per_unit()), "must be >= 1");
   }

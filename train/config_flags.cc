@@ -11,7 +11,7 @@
 
 // Value flags are optional: unset (std::nullopt) unless given, so the defaults live only
 // in config.proto and a flag never overrides a config file's value by its own default.
-// --resume, --parity_check and --nccl_skip_agreement are switches: given, they set the field
+// --resume, --parity_check, --nccl_skip_agreement and --reproducible are switches: given, they set the field
 // to true.
 ABSL_FLAG(std::string, config, "", "textproto TrainConfig file (train/config.proto)");
 ABSL_FLAG(std::optional<int32_t>, world, std::nullopt, "ranks (threads for --backend=thread)");
@@ -52,6 +52,9 @@ ABSL_FLAG(bool, nccl_skip_agreement, false,
           "inside NCCL or hang until the timeout instead of naming the mismatch)");
 ABSL_FLAG(bool, parity_check, false,
           "compare step 1's gradients with the single-process reference; fail above 1e-5");
+ABSL_FLAG(bool, reproducible, false,
+          "bitwise-reproducible training: the same bits at every mesh with the same global "
+          "batch (docs/REPRODUCIBILITY.md); thread and mpi backends");
 ABSL_FLAG(std::optional<double>, alpha_b, std::nullopt,
           "load-balancing loss weight (SEMANTICS.md §5)");
 ABSL_FLAG(std::optional<double>, alpha_z, std::nullopt, "router z-loss weight (SEMANTICS.md §4)");
@@ -108,6 +111,7 @@ const std::vector<FlagField>& OverridableFlags() {
       {"init_from", "init_from"},
       {"parity_check", "parity_check"},
       {"nccl_skip_agreement", "nccl_skip_agreement"},
+      {"reproducible", "reproducible"},
       {"alpha_b", "alpha_b"},
       {"alpha_z", "alpha_z"},
       {"lr", "optim.lr"},

@@ -198,6 +198,10 @@ TEST(ConfigTest, ValidationNamesFieldAndValue) {
       {{{"layers_per_unit", "0"}}, "layers_per_unit=0"},
       {{{"bucket_cap_mb", "0"}}, "bucket_cap_mb=0"},
       {{{"first_bucket_mb", "-1"}}, "first_bucket_mb=-1"},
+      {{{"reproducible", "true"}, {"backend", "nccl"}},
+       "reproducible=true: is implemented for the CPU backends (thread, mpi) only, not "
+       "backend=nccl"},
+      {{{"reproducible", "true"}, {"reduce_dtype", "bf16"}}, "reproducible=true: reduces"},
   };
   for (const Case& k : cases) {
     TrainConfig c;

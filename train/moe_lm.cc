@@ -1,9 +1,13 @@
 #include "train/moe_lm.h"
 
 #include <algorithm>
+#include <atomic>
+#include <functional>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "core/exact_sum.h"
+#include "core/grad_sink.h"
 #include "core/half.h"
 #include "core/status.h"
 #include "core/tensor.h"
@@ -134,6 +138,82 @@ class HostUnitStore : public UnitStore {
   std::unique_ptr<BucketedUnitReducers> reducers_;  // replicated mode
 };
 
+// Reproducible mode: entries [first, first + count) of a unit, back to back, as one exact
+// gradient (a single parameter, or moe/experts.h's "all Wg, then all Wu, then all Wd" run of
+// one layer's experts). The entries' limb spans are taken on the rank's thread at
+// creation; Add only adds into them (exact::AddFloats), so kernels may call it from pool
+// threads on disjoint ranges. The rejected-contribution count goes to the unit when the
+// sink goes away (before the unit's reduction starts).
+class EntriesGradSink : public ExactGradSink {
+ public:
+  static absl::StatusOr<std::unique_ptr<EntriesGradSink>> Create(FlatParam* unit, int first,
+                                                                 int count) {
+    auto sink = std::unique_ptr<EntriesGradSink>(new EntriesGradSink(unit));
+    for (int i = first; i < first + count; ++i) {
+      GRADSUM_ASSIGN_OR_RETURN(absl::Span<int64_t> limbs, unit->exact_grad(i));
+      sink->limbs_.push_back(limbs);
+    }
+    return sink;
+  }
+  ~EntriesGradSink() override { unit_->CountRejectedExactGrad(rejected_.load()); }
+
+  absl::Status Add(int64_t offset, absl::Span<const float> c) override {
+    const int64_t size = static_cast<int64_t>(c.size());
+    for (absl::Span<int64_t> limbs : limbs_) {
+      if (c.empty()) break;
+      const int64_t numel = static_cast<int64_t>(limbs.size()) / exact::kLimbs;
+      if (offset >= numel) {
+        offset -= numel;
+        continue;
+      }
+      const int64_t n = std::min<int64_t>(numel - offset, static_cast<int64_t>(c.size()));
+      int64_t rejected = 0;
+      GRADSUM_RETURN_IF_ERROR(exact::AddFloats(
+          c.first(n), limbs.subspan(offset * exact::kLimbs, n * exact::kLimbs), &rejected));
+      if (rejected > 0) rejected_.fetch_add(rejected);
+      c.remove_prefix(n);
+      offset = 0;
+    }
+    if (!c.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("exact gradient of unit ", unit_->name(),
+                                                     ": a contribution of ", size,
+                                                     " values runs past its entries"));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  explicit EntriesGradSink(FlatParam* unit) : unit_(unit) {}
+  FlatParam* unit_;
+  std::vector<absl::Span<int64_t>> limbs_;
+  std::atomic<int64_t> rejected_{0};
+};
+
+// Runs fn(s) for every sequence s in [0, n) over the thread budget; the first error in
+// sequence order.
+absl::Status ForEachSequence(int64_t n, const std::function<absl::Status(int64_t)>& fn) {
+  std::vector<absl::Status> status(n);
+  ParallelFor(ComputeThreads(), n, [&](int64_t s) { status[s] = fn(s); });
+  for (absl::Status& st : status) GRADSUM_RETURN_IF_ERROR(st);
+  return absl::OkStatus();
+}
+
+// Adds blocks [b * n, (b + 1) * n) of `blocks` (each one sequence's contribution) to the
+// sink's elements [0, n), in block order, split into element ranges over the threads
+// (disjoint ranges may be added concurrently, core/grad_sink.h).
+absl::Status AddBlocksExact(ExactGradSink& sink, absl::Span<const float> blocks, int64_t n) {
+  const int64_t num_blocks = n == 0 ? 0 : static_cast<int64_t>(blocks.size()) / n;
+  constexpr int64_t kMinRange = 4096;
+  const int64_t ranges = std::max<int64_t>(1, std::min<int64_t>(ComputeThreads(), n / kMinRange));
+  return ForEachSequence(ranges, [&](int64_t r) -> absl::Status {
+    const int64_t begin = n * r / ranges, end = n * (r + 1) / ranges;
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      GRADSUM_RETURN_IF_ERROR(sink.Add(begin, blocks.subspan(b * n + begin, end - begin)));
+    }
+    return absl::OkStatus();
+  });
+}
+
 }  // namespace
 
 absl::Status CheckMicroBatchTokens(const MicroBatch& batch, int64_t vocab) {
@@ -230,6 +310,7 @@ absl::Status MoeLm::Init(const MoeLmOptions& options, const MoeLmGroups& groups,
   fp_options.compute_dtype = options.compute_dtype;
   fp_options.reduce_dtype = options.reduce_dtype;
   fp_options.reduce_every_micro_batch = options.reduce_every_micro_batch;
+  fp_options.exact_grads = options.reproducible;
 
   const int64_t V = m.vocab(), D = m.dim(), E = m.experts(), H = m.expert_dim();
   const int L = m.layers(), k = options.layers_per_unit;
@@ -399,7 +480,15 @@ absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
                            MicroBatchTokenWeights(stats, micro_index, T));
   std::vector<uint8_t> mask(batch.mask.begin(), batch.mask.end());
   std::vector<int64_t> labels(batch.labels.begin(), batch.labels.end());
-  const moe::MoeLayerConfig layer_config = LayerConfig(m);
+  const bool repro = options_.reproducible;
+  // Reproducible mode: the micro-batch's packed sequences (row blocks of S tokens).
+  const int64_t S = batch.seq_len, J = batch.batch;
+  if (repro && (S < 1 || J * S != T)) {
+    return absl::InvalidArgumentError(absl::StrCat("reproducible mode: micro-batch of ", T,
+                                                   " tokens is not ", J, " sequences of ", S));
+  }
+  moe::MoeLayerConfig layer_config = LayerConfig(m);
+  if (repro) layer_config.row_block = S;
   const int local = m.experts() / comm_.ep_group->size();
   const int64_t expert_block = local * D * m.expert_dim();
 
@@ -434,6 +523,35 @@ absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
   std::vector<losses::ExpertCountReduction> counts;
   counts.reserve(L);
   MicroBatchLosses result;
+  auto sink = [&](ParamRef ref, int count = 1) {
+    return EntriesGradSink::Create(units_[ref.unit].get(), ref.index, count);
+  };
+  // Reproducible mode: RMSNorm backward per sequence, the gain's share of each into its
+  // own row of scratch, then added exactly.
+  std::vector<float> dgain_blocks;
+  auto norm_backward = [&](absl::Span<const float> x, ParamRef gain, absl::Span<const float> r,
+                           absl::Span<const float> d_out) -> absl::Status {
+    const float* g = Param(gain);
+    if (!repro) {
+      GRADSUM_ASSIGN_OR_RETURN(float* grad_gain, Grad(gain));
+      RmsNormBackward(x, absl::MakeConstSpan(g, D), r, d_out, T, D, absl::MakeSpan(dh),
+                      absl::MakeSpan(grad_gain, D));
+      return absl::OkStatus();
+    }
+    dgain_blocks.assign(J * D, 0.0f);
+    GRADSUM_RETURN_IF_ERROR(ForEachSequence(J, [&](int64_t q) {
+      RmsNormBackward(x.subspan(q * S * D, S * D), absl::MakeConstSpan(g, D),
+                      r.subspan(q * S, S), d_out.subspan(q * S * D, S * D),
+                      S, D, absl::MakeSpan(dh).subspan(q * S * D, S * D),
+                      absl::MakeSpan(dgain_blocks).subspan(q * D, D));
+      return absl::OkStatus();
+    }));
+    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<EntriesGradSink> gain_sink, sink(gain));
+    return AddBlocksExact(*gain_sink, dgain_blocks, D);
+  };
+  // Display terms: per sequence in reproducible mode (the exact display sums then give the
+  // same bits at every mesh), else one value per micro-batch.
+  std::vector<double> seq_ce, seq_z, seq_bal;
 
   // Stage 0: embedding; 1 + l: layer l; L + 1: the head (forward and backward).
   auto forward = [&](int stage) -> absl::Status {
@@ -471,83 +589,158 @@ absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
     const float* final_norm = Param(final_norm_);
     RmsNormForward(h, absl::MakeConstSpan(final_norm, D), T, D, absl::MakeSpan(f),
                    absl::MakeSpan(inv_rms_final));
-    GRADSUM_ASSIGN_OR_RETURN(TensorView f_view,
-                             TensorView::Create(f.data(), DType::kF32, {T, D}));
     GRADSUM_ASSIGN_OR_RETURN(
         TensorView head_view,
         TensorView::Create(const_cast<float*>(Param(out_)), DType::kF32, {D, V}));
-    GRADSUM_ASSIGN_OR_RETURN(TensorView grad_f_view,
-                             TensorView::Create(grad_f.data(), DType::kF32, {T, D}));
-    GRADSUM_ASSIGN_OR_RETURN(float* grad_out, Grad(out_));
-    GRADSUM_ASSIGN_OR_RETURN(TensorView grad_head_view,
-                             TensorView::Create(grad_out, DType::kF32, {D, V}));
+    // The fused head over rows [r0, r0 + rows), its head gradient added into grad_head.
+    auto head = [&](int64_t r0, int64_t rows, float* grad_head,
+                    const losses::LinearCrossEntropyOptions& ce_options)
+        -> absl::StatusOr<double> {
+      GRADSUM_ASSIGN_OR_RETURN(TensorView f_view,
+                               TensorView::Create(f.data() + r0 * D, DType::kF32, {rows, D}));
+      GRADSUM_ASSIGN_OR_RETURN(
+          TensorView grad_f_view,
+          TensorView::Create(grad_f.data() + r0 * D, DType::kF32, {rows, D}));
+      GRADSUM_ASSIGN_OR_RETURN(TensorView grad_head_view,
+                               TensorView::Create(grad_head, DType::kF32, {D, V}));
+      GRADSUM_ASSIGN_OR_RETURN(
+          losses::LinearCrossEntropyResult ce,
+          losses::LinearCrossEntropyForwardBackward(
+              f_view, head_view, absl::MakeConstSpan(labels).subspan(r0, rows),
+              token_weights.empty() ? token_weights : token_weights.subspan(r0, rows),
+              stats.global_ce_weight_sum, grad_f_view, grad_head_view, ce_options));
+      return ce.ce.local_loss;
+    };
     losses::LinearCrossEntropyOptions ce_options;
-    ce_options.num_threads = options_.num_threads;
-    GRADSUM_ASSIGN_OR_RETURN(
-        losses::LinearCrossEntropyResult ce,
-        losses::LinearCrossEntropyForwardBackward(f_view, head_view, labels, token_weights,
-                                                  stats.global_ce_weight_sum, grad_f_view,
-                                                  grad_head_view, ce_options));
-    GRADSUM_ASSIGN_OR_RETURN(float* grad_final_norm, Grad(final_norm_));
-    RmsNormBackward(h, absl::MakeConstSpan(final_norm, D), inv_rms_final, grad_f, T, D,
-                    absl::MakeSpan(dh), absl::MakeSpan(grad_final_norm, D));
-    result.ce = ce.ce.local_loss;
-    return absl::OkStatus();
+    if (!repro) {
+      ce_options.num_threads = options_.num_threads;
+      GRADSUM_ASSIGN_OR_RETURN(float* grad_out, Grad(out_));
+      GRADSUM_ASSIGN_OR_RETURN(result.ce, head(0, T, grad_out, ce_options));
+    } else {
+      // One sequence per call, single-threaded, one chunk: the same GEMMs at every mesh.
+      ce_options.num_threads = 1;
+      ce_options.chunk_rows = S;
+      std::vector<float> grad_head_blocks(J * D * V, 0.0f);
+      seq_ce.assign(J, 0.0);
+      GRADSUM_RETURN_IF_ERROR(ForEachSequence(J, [&](int64_t q) -> absl::Status {
+        GRADSUM_ASSIGN_OR_RETURN(seq_ce[q],
+                                 head(q * S, S, grad_head_blocks.data() + q * D * V, ce_options));
+        return absl::OkStatus();
+      }));
+      GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<EntriesGradSink> out_sink, sink(out_));
+      GRADSUM_RETURN_IF_ERROR(AddBlocksExact(*out_sink, grad_head_blocks, D * V));
+      for (double v : seq_ce) result.ce += v;
+    }
+    return norm_backward(h, final_norm_, inv_rms_final, grad_f);
   };
 
   auto backward = [&](int stage) -> absl::Status {
     if (stage == 0) {
-      GRADSUM_ASSIGN_OR_RETURN(float* grad_emb, Grad(emb_));
-      EmbeddingBackward(batch.tokens, dh, D, absl::MakeSpan(grad_emb, V * D));
+      if (!repro) {
+        GRADSUM_ASSIGN_OR_RETURN(float* grad_emb, Grad(emb_));
+        EmbeddingBackward(batch.tokens, dh, D, absl::MakeSpan(grad_emb, V * D));
+        return absl::OkStatus();
+      }
+      // Per sequence: each token's rows summed in token order, then added exactly.
+      GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<EntriesGradSink> emb_sink, sink(emb_));
+      std::vector<float> rows(V * D);
+      std::vector<uint8_t> seen(V);
+      for (int64_t q = 0; q < J; ++q) {
+        std::fill(seen.begin(), seen.end(), 0);
+        for (int64_t t = q * S; t < (q + 1) * S; ++t) {
+          const int32_t v = batch.tokens[t];
+          float* row = rows.data() + static_cast<int64_t>(v) * D;
+          if (!seen[v]) std::fill(row, row + D, 0.0f);
+          seen[v] = 1;
+          for (int64_t i = 0; i < D; ++i) row[i] += dh[t * D + i];
+        }
+        for (int64_t v = 0; v < V; ++v) {
+          if (seen[v]) {
+            GRADSUM_RETURN_IF_ERROR(
+                emb_sink->Add(v * D, absl::MakeConstSpan(rows).subspan(v * D, D)));
+          }
+        }
+      }
       return absl::OkStatus();
     }
     const int l = stage - 1;
     moe::RouterOutput& route = layer_state_[l].route;
     std::fill(du.begin(), du.end(), 0.0f);
-    GRADSUM_ASSIGN_OR_RETURN(TensorView u,
-                             TensorView::Create(route.logits.data(), DType::kF32, {T, E}));
-    GRADSUM_ASSIGN_OR_RETURN(TensorView du_view,
-                             TensorView::Create(du.data(), DType::kF32, {T, E}));
-    GRADSUM_ASSIGN_OR_RETURN(double z,
-                             losses::RouterZLossForwardBackward(u, mask, stats.global_routed_tokens,
-                                                                options_.alpha_z, du_view));
     GRADSUM_ASSIGN_OR_RETURN(absl::Span<const int64_t> global_counts, counts[l].Wait());
-    GRADSUM_ASSIGN_OR_RETURN(double bal, losses::LoadBalancingLossForwardBackward(
-                                             u, mask, global_counts, K, stats.num_micro_batches,
-                                             options_.alpha_b, du_view));
-    result.z += z;
-    result.bal += bal;
+    // The z and balancing losses of rows [r0, r0 + rows) (row-wise gradients; the loss
+    // values are sums over the rows).
+    auto router_losses = [&](int64_t r0, int64_t rows, double* z, double* bal) -> absl::Status {
+      GRADSUM_ASSIGN_OR_RETURN(
+          TensorView u, TensorView::Create(route.logits.data() + r0 * E, DType::kF32, {rows, E}));
+      GRADSUM_ASSIGN_OR_RETURN(TensorView du_view,
+                               TensorView::Create(du.data() + r0 * E, DType::kF32, {rows, E}));
+      const auto m_rows = absl::MakeConstSpan(mask).subspan(r0, rows);
+      GRADSUM_ASSIGN_OR_RETURN(*z, losses::RouterZLossForwardBackward(
+                                       u, m_rows, stats.global_routed_tokens, options_.alpha_z,
+                                       du_view));
+      GRADSUM_ASSIGN_OR_RETURN(*bal, losses::LoadBalancingLossForwardBackward(
+                                         u, m_rows, global_counts, K, stats.num_micro_batches,
+                                         options_.alpha_b, du_view));
+      return absl::OkStatus();
+    };
+    if (!repro) {
+      double z = 0, bal = 0;
+      GRADSUM_RETURN_IF_ERROR(router_losses(0, T, &z, &bal));
+      result.z += z;
+      result.bal += bal;
+    } else {
+      for (int64_t q = 0; q < J; ++q) {
+        double z = 0, bal = 0;
+        GRADSUM_RETURN_IF_ERROR(router_losses(q * S, S, &z, &bal));
+        seq_z.push_back(z);
+        seq_bal.push_back(bal);
+        result.z += z;
+        result.bal += bal;
+      }
+    }
     if (display != nullptr)
       GRADSUM_RETURN_IF_ERROR(display->AddGlobalExpertCounts(l, global_counts));
 
     std::fill(da.begin(), da.end(), 0.0f);
-    GRADSUM_ASSIGN_OR_RETURN(float* grad_router, Grad(router_[l]));
-    GRADSUM_ASSIGN_OR_RETURN(float* grad_gate, Grad(gate_ref(l)));
-    GRADSUM_ASSIGN_OR_RETURN(float* grad_up, Grad(up_ref(l)));
-    GRADSUM_ASSIGN_OR_RETURN(float* grad_down, Grad(down_ref(l)));
     moe::MoeLayerGrads grads;
-    grads.router = absl::MakeSpan(grad_router, D * E);
-    grads.local_experts.gate = absl::MakeSpan(grad_gate, expert_block);
-    grads.local_experts.up = absl::MakeSpan(grad_up, expert_block);
-    grads.local_experts.down = absl::MakeSpan(grad_down, expert_block);
+    std::unique_ptr<EntriesGradSink> router_sink, experts_sink;
+    if (repro) {
+      GRADSUM_ASSIGN_OR_RETURN(router_sink, sink(router_[l]));
+      GRADSUM_ASSIGN_OR_RETURN(experts_sink, sink(gate_ref(l), 3 * local));
+      grads.router_exact = router_sink.get();
+      grads.local_experts.exact = experts_sink.get();
+    } else {
+      GRADSUM_ASSIGN_OR_RETURN(float* grad_router, Grad(router_[l]));
+      GRADSUM_ASSIGN_OR_RETURN(float* grad_gate, Grad(gate_ref(l)));
+      GRADSUM_ASSIGN_OR_RETURN(float* grad_up, Grad(up_ref(l)));
+      GRADSUM_ASSIGN_OR_RETURN(float* grad_down, Grad(down_ref(l)));
+      grads.router = absl::MakeSpan(grad_router, D * E);
+      grads.local_experts.gate = absl::MakeSpan(grad_gate, expert_block);
+      grads.local_experts.up = absl::MakeSpan(grad_up, expert_block);
+      grads.local_experts.down = absl::MakeSpan(grad_down, expert_block);
+    }
     moe::RouterLossGrads loss_grads;
     loss_grads.d_logits = du;
     // h_out = h_in + y: dL/dy = dL/dh_out, and dL/dh_in = dL/dh_out + the norm branch.
     GRADSUM_RETURN_IF_ERROR(moe::MoeLayerBackward(*comm_.ep_group, layer_config, layer_weights(l),
                                                   a[l], layer_state_[l], dh, loss_grads,
                                                   absl::MakeSpan(da), grads));
-    GRADSUM_ASSIGN_OR_RETURN(float* grad_norm, Grad(norm_[l]));
-    RmsNormBackward(h_in[l], absl::MakeConstSpan(Param(norm_[l]), D), inv_rms[l], da, T, D,
-                    absl::MakeSpan(dh), absl::MakeSpan(grad_norm, D));
-    return absl::OkStatus();
+    return norm_backward(h_in[l], norm_[l], inv_rms[l], da);
   };
 
   GRADSUM_RETURN_IF_ERROR(schedule_.RunMicroBatch(
       *store_, {forward, backward}, micro_index == stats.num_micro_batches - 1));
-  if (display != nullptr) {
+  if (display != nullptr && !repro) {
     GRADSUM_RETURN_IF_ERROR(display->AddBackwardTerm("ce", result.ce));
     GRADSUM_RETURN_IF_ERROR(display->AddBackwardTerm("z", result.z));
     GRADSUM_RETURN_IF_ERROR(display->AddBackwardTerm("bal", result.bal));
+  } else if (display != nullptr) {
+    for (const auto& [name, values] : {std::pair<const char*, const std::vector<double>*>{
+                                           "ce", &seq_ce},
+                                       {"z", &seq_z},
+                                       {"bal", &seq_bal}}) {
+      for (double v : *values) GRADSUM_RETURN_IF_ERROR(display->AddBackwardTerm(name, v));
+    }
   }
   return result;
 }

@@ -92,6 +92,11 @@ struct MoeLmOptions {
   // Replicated mode: GradBucketer caps (collectives/bucketer.h).
   size_t bucket_cap_bytes = size_t{25} << 20;
   size_t first_bucket_cap_bytes = size_t{1} << 20;
+  // Bitwise-reproducible mode (docs/REPRODUCIBILITY.md): every per-token value is computed
+  // per packed sequence (row blocks of seq_len rows), every weight gradient is summed
+  // exactly per sequence (per (sequence, expert) for the experts) in FlatParam's exact
+  // gradient mode, and the display terms are added per sequence. The CPU model only.
+  bool reproducible = false;
 };
 
 // The rank's communicators (not owned; they must outlive the model). ep_group: the P

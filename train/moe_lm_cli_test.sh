@@ -24,6 +24,10 @@ expect_error "model.dim=0" --dim=0
 expect_error "sharding=zero" --sharding=zero
 expect_error "ce_mode=mean" --ce_mode=mean
 expect_error "backend=nccl" --backend=nccl --steps=1 --dim=8 --expert_dim=8
+expect_error "reproducible=true: is implemented for the CPU backends (thread, mpi) only, not backend=nccl" \
+  --reproducible --backend=nccl --steps=1
+expect_error "reproducible=true: reduces gradients exactly in integers" --reproducible \
+  --reduce_dtype=bf16 --steps=1
 expect_error "--config=/nonexistent.textproto" --config=/nonexistent.textproto
 expect_error "--data=/nonexistent.txt" --data=/nonexistent.txt --steps=1
 

@@ -272,6 +272,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   options.layers_per_unit = config.layers_per_unit();
   options.reshard_after_forward = config.reshard_after_forward();
   options.reduce_every_micro_batch = config.reduce_every_micro_batch();
+  options.reproducible = config.reproducible();
   options.bucket_cap_bytes = static_cast<size_t>(config.bucket_cap_mb() * (1 << 20));
   options.first_bucket_cap_bytes = static_cast<size_t>(config.first_bucket_mb() * (1 << 20));
   // The ranks of a thread run share the cores; the kernels use what is left per rank.
@@ -293,7 +294,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   adam.weight_decay = config.optim().weight_decay();
   GRADSUM_ASSIGN_OR_RETURN(trainer->optimizer_,
                            ShardedAdamW::Create(trainer->model_->groups(), adam));
-  trainer->display_ = losses::StepDisplay(config.model().layers(), config.model().experts());
+  trainer->display_ = losses::StepDisplay(config.model().layers(), config.model().experts(),
+                                          /*exact=*/config.reproducible());
   GRADSUM_RETURN_IF_ERROR(MoeLm::RegisterDisplayTerms(&trainer->display_));
   // Rank-local start-up work (the data file, the data loader, the checkpoint directory):
   // every rank learns at once if any rank failed, with that rank's message.
