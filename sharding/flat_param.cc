@@ -255,7 +255,7 @@ absl::Status FlatParam::Reshard() {
         absl::StrCat("group \"", name_, "\": Reshard while an all-gather is in flight"));
   }
   // Really release the memory: this is what sharding saves.
-  std::vector<float>().swap(compute_f32_);
+  decltype(compute_f32_)().swap(compute_f32_);
   std::vector<BF16>().swap(compute_bf16_);
   std::vector<BF16>().swap(gather_send_bf16_);
   unshard_state_ = UnshardState::kNone;

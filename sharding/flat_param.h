@@ -69,6 +69,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "collectives/communicator.h"
+#include "core/default_init_allocator.h"
 #include "core/dtype.h"
 #include "core/exact_sum.h"
 #include "core/half.h"
@@ -323,7 +324,8 @@ class FlatParam {
   std::vector<float> full_grad_;
 
   // Compute buffer (padded_numel elements of the compute dtype) and the unshard transfer.
-  std::vector<float> compute_f32_;
+  // Not zeroed when it grows: the all-gather (or the replicated copy) writes every element.
+  std::vector<float, DefaultInitAllocator<float>> compute_f32_;
   std::vector<BF16> compute_bf16_;
   std::vector<BF16> gather_send_bf16_;
   UnshardState unshard_state_ = UnshardState::kNone;

@@ -228,7 +228,7 @@ TEST(ConfigTest, ShortTextListsDefaultsAndRoundTrips) {
 
 
 TEST(ConfigTest, ConfigMustBeARegularFile) {
-  for (const std::string path : {::testing::TempDir(), std::string("/dev/zero")}) {
+  for (const std::string& path : {::testing::TempDir(), std::string("/dev/zero")}) {
     absl::StatusOr<TrainConfig> c = LoadConfigFile(path);
     EXPECT_EQ(c.status().code(), absl::StatusCode::kFailedPrecondition) << path;
     EXPECT_THAT(c.status().message(), HasSubstr("--config=" + path + ": not a regular file"));
