@@ -9,10 +9,11 @@
 #    loss, grad_norm and maxvio (doubles printed with 17 digits).
 # 2. alpha_b = 0 (the balancing loss is the only G-dependent term, SEMANTICS.md §5): G = 1,
 #    4 and 2 (world 1, 2, 4, thread and MPI) give identical bits too.
-# 3. A run checkpointed after 3 steps on one mesh and resumed on another (Open MPI) ends
+# 3. The sample and square CE weightings and bf16 compute: two meshes each.
+# 4. A run checkpointed after 3 steps on one mesh and resumed on another (Open MPI) ends
 #    with the bits of the uninterrupted run.
 # Every run also passes --parity_check on step 1 (gradients within 1e-5 of the double
-# reference), and the normal mode must NOT give identical bits across two of the meshes
+# reference; 3e-2 with bf16 compute), and the normal mode must NOT give identical bits across two of the meshes
 # (else this test could not tell the modes apart).
 set -euo pipefail
 bin="$1"
@@ -85,6 +86,22 @@ run a0_g2_mpi4 "${mpi4[@]}" -- --alpha_b=0 --reproducible --backend=mpi --grad_a
   --world=4 --ep=2 --micro_batch=1
 check_same a0_g1_w1 a0_g4_w2
 check_same a0_g1_w1 a0_g2_mpi4
+
+# The per-sample and per-square CE weightings (SEMANTICS.md §3: D is a sum of fractional
+# weights) and the bf16 compute dtype (another model, but as deterministic) are exact the
+# same way.
+run sample_w1 -- "${ab[@]}" --reproducible --ce_mode=sample --world=1 --ep=1 --micro_batch=4
+run sample_mpi4 "${mpi4[@]}" -- "${ab[@]}" --reproducible --ce_mode=sample --backend=mpi \
+  --world=4 --ep=2 --micro_batch=1
+check_same sample_w1 sample_mpi4
+run square_w1 -- "${ab[@]}" --reproducible --ce_mode=square --world=1 --ep=1 --micro_batch=4
+run square_w4 -- "${ab[@]}" --reproducible --ce_mode=square --world=4 --ep=4 --micro_batch=1 \
+  --sharding=replicated
+check_same square_w1 square_w4
+run bf16_w1 -- "${ab[@]}" --reproducible --compute_dtype=bf16 --world=1 --ep=1 --micro_batch=4
+run bf16_mpi2 "${mpi2[@]}" -- "${ab[@]}" --reproducible --compute_dtype=bf16 --backend=mpi \
+  --world=2 --ep=2 --micro_batch=2
+check_same bf16_w1 bf16_mpi2
 
 # Resume onto another mesh: 3 steps on world 2 (thread, fsdp), then Open MPI world 4
 # (replicated) to step 8.
