@@ -21,6 +21,7 @@
 #include "collectives/op_descriptor.h"
 #include "core/status.h"
 #include "gtest/gtest.h"
+#include "testing/forwarding_communicator.h"
 #include "testing/run_ranks.h"
 
 namespace gradsum {
@@ -37,35 +38,30 @@ constexpr size_t kLimit = 100;
 // Forwards to a thread communicator, but accepts at most kLimit elements per count or
 // offset and, like the mpi backend, rejects a larger call on its own rank before any
 // exchange (so without the agreement check's own limit the peers would wait for it).
-class LimitedCommunicator final : public Communicator {
+class LimitedCommunicator final : public gradsum::testing::ForwardingCommunicator {
  public:
-  explicit LimitedCommunicator(Communicator* inner) : inner_(inner) {}
-  explicit LimitedCommunicator(std::unique_ptr<Communicator> owned)
-      : owned_(std::move(owned)), inner_(owned_.get()) {}
+  using ForwardingCommunicator::ForwardingCommunicator;
 
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
   std::string backend() const override { return "limited"; }
-  absl::Duration timeout() const override { return inner_->timeout(); }
   size_t max_count() const override { return kLimit; }
 
   absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv,
                                                        size_t count, DType dtype,
                                                        ReduceOp op) override {
     GRADSUM_RETURN_IF_ERROR(Check(MakeCall(OpKind::kAllReduce, send, recv, count, dtype, op)));
-    return inner_->AllReduceAsync(send, recv, count, dtype, op);
+    return inner().AllReduceAsync(send, recv, count, dtype, op);
   }
   absl::StatusOr<std::unique_ptr<Work>> ReduceScatterAsync(const void* send, void* recv,
                                                            size_t recv_count, DType dtype,
                                                            ReduceOp op) override {
     GRADSUM_RETURN_IF_ERROR(
         Check(MakeCall(OpKind::kReduceScatter, send, recv, recv_count, dtype, op)));
-    return inner_->ReduceScatterAsync(send, recv, recv_count, dtype, op);
+    return inner().ReduceScatterAsync(send, recv, recv_count, dtype, op);
   }
   absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const void* send, void* recv,
                                                        size_t send_count, DType dtype) override {
     GRADSUM_RETURN_IF_ERROR(Check(MakeCall(OpKind::kAllGather, send, recv, send_count, dtype)));
-    return inner_->AllGatherAsync(send, recv, send_count, dtype);
+    return inner().AllGatherAsync(send, recv, send_count, dtype);
   }
   absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(
       const void* send, absl::Span<const size_t> send_counts,
@@ -73,17 +69,16 @@ class LimitedCommunicator final : public Communicator {
       absl::Span<const size_t> recv_offsets, DType dtype) override {
     GRADSUM_RETURN_IF_ERROR(Check(MakeAllToAllVCall(send, send_counts, send_offsets, recv,
                                                     recv_counts, recv_offsets, dtype)));
-    return inner_->AllToAllVAsync(send, send_counts, send_offsets, recv, recv_counts,
+    return inner().AllToAllVAsync(send, send_counts, send_offsets, recv, recv_counts,
                                   recv_offsets, dtype);
   }
   absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(void* buf, size_t count, DType dtype,
                                                        int root) override {
     GRADSUM_RETURN_IF_ERROR(Check(MakeBroadcastCall(buf, count, dtype, root)));
-    return inner_->BroadcastAsync(buf, count, dtype, root);
+    return inner().BroadcastAsync(buf, count, dtype, root);
   }
-  absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override { return inner_->BarrierAsync(); }
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
-    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> sub, inner_->Split(color, key));
+    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> sub, inner().Split(color, key));
     if (sub == nullptr) return sub;
     return std::unique_ptr<Communicator>(new LimitedCommunicator(std::move(sub)));
   }
@@ -92,9 +87,6 @@ class LimitedCommunicator final : public Communicator {
   absl::Status Check(const OpCall& c) const {
     return collectives_internal::ValidateCall(c, rank(), size(), kLimit);
   }
-
-  std::unique_ptr<Communicator> owned_;
-  Communicator* inner_;
 };
 
 // Every rank sends one float to every peer: rank r's element for peer p is 1000 r + p.

@@ -19,6 +19,7 @@
 #include "gtest/gtest.h"
 #include "moe/dispatch_testing.h"
 #include "moe/test_util.h"
+#include "testing/forwarding_communicator.h"
 #include "testing/run_ranks.h"
 
 namespace gradsum::moe {
@@ -72,29 +73,12 @@ INSTANTIATE_TEST_SUITE_P(
 // Records the issue and the wait of every all-to-all-v ("i3": the fourth one issued, "w3":
 // the wait for it), forwarding everything to `inner`; sub-communicators record into the
 // same log.
-class ExchangeRecorder : public Communicator {
+class ExchangeRecorder : public gradsum::testing::ForwardingCommunicator {
  public:
   explicit ExchangeRecorder(std::unique_ptr<Communicator> inner)
-      : inner_(std::move(inner)), log_(std::make_shared<Log>()) {}
+      : ForwardingCommunicator(std::move(inner)), log_(std::make_shared<Log>()) {}
   std::vector<std::string> events() const { return log_->events; }
 
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  std::string backend() const override { return inner_->backend(); }
-  absl::Duration timeout() const override { return inner_->timeout(); }
-  absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv, size_t count,
-                                                       DType dtype, ReduceOp op) override {
-    return inner_->AllReduceAsync(send, recv, count, dtype, op);
-  }
-  absl::StatusOr<std::unique_ptr<Work>> ReduceScatterAsync(const void* send, void* recv,
-                                                           size_t recv_count, DType dtype,
-                                                           ReduceOp op) override {
-    return inner_->ReduceScatterAsync(send, recv, recv_count, dtype, op);
-  }
-  absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const void* send, void* recv,
-                                                       size_t send_count, DType dtype) override {
-    return inner_->AllGatherAsync(send, recv, send_count, dtype);
-  }
   absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(
       const void* send, absl::Span<const size_t> send_counts, absl::Span<const size_t> send_offsets,
       void* recv, absl::Span<const size_t> recv_counts, absl::Span<const size_t> recv_offsets,
@@ -102,17 +86,12 @@ class ExchangeRecorder : public Communicator {
     const int id = log_->next++;
     log_->events.push_back(absl::StrCat("i", id));
     GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Work> work,
-                             inner_->AllToAllVAsync(send, send_counts, send_offsets, recv,
+                             inner().AllToAllVAsync(send, send_counts, send_offsets, recv,
                                                     recv_counts, recv_offsets, dtype));
     return std::unique_ptr<Work>(new RecordedWork(std::move(work), log_, id));
   }
-  absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(void* buf, size_t count, DType dtype,
-                                                       int root) override {
-    return inner_->BroadcastAsync(buf, count, dtype, root);
-  }
-  absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override { return inner_->BarrierAsync(); }
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
-    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> sub, inner_->Split(color, key));
+    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> sub, inner().Split(color, key));
     auto recorder = std::make_unique<ExchangeRecorder>(std::move(sub));
     recorder->log_ = log_;
     return std::unique_ptr<Communicator>(std::move(recorder));
@@ -138,7 +117,6 @@ class ExchangeRecorder : public Communicator {
     std::shared_ptr<Log> log_;
     int id_;
   };
-  std::unique_ptr<Communicator> inner_;
   std::shared_ptr<Log> log_;
 };
 

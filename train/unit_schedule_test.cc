@@ -16,6 +16,7 @@
 #include "core/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "testing/forwarding_communicator.h"
 #include "testing/run_ranks.h"
 #include "train/config.h"
 #include "train/rank_main.h"
@@ -38,38 +39,32 @@ struct Op {
 // Forwards to `inner` and appends every issued operation to `log` (shared with the
 // sub-communicators of Split). Optionally makes all-gathers slow: their Work completes no
 // earlier than `gather_delay` after the issue.
-class RecordingCommunicator : public Communicator {
+class RecordingCommunicator : public gradsum::testing::ForwardingCommunicator {
  public:
   RecordingCommunicator(Communicator* inner, std::shared_ptr<std::vector<Op>> log,
                         absl::Duration gather_delay)
-      : inner_(inner), log_(std::move(log)), gather_delay_(gather_delay) {}
+      : ForwardingCommunicator(inner), log_(std::move(log)), gather_delay_(gather_delay) {}
   RecordingCommunicator(std::unique_ptr<Communicator> owned, std::shared_ptr<std::vector<Op>> log,
                         absl::Duration gather_delay)
-      : owned_(std::move(owned)),
-        inner_(owned_.get()),
+      : ForwardingCommunicator(std::move(owned)),
         log_(std::move(log)),
         gather_delay_(gather_delay) {}
-
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  std::string backend() const override { return inner_->backend(); }
-  absl::Duration timeout() const override { return inner_->timeout(); }
 
   absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv, size_t count,
                                                        DType dtype, ReduceOp op) override {
     log_->push_back({"AR", count, dtype});
-    return inner_->AllReduceAsync(send, recv, count, dtype, op);
+    return inner().AllReduceAsync(send, recv, count, dtype, op);
   }
   absl::StatusOr<std::unique_ptr<Work>> ReduceScatterAsync(const void* send, void* recv,
                                                            size_t recv_count, DType dtype,
                                                            ReduceOp op) override {
     log_->push_back({"RS", recv_count, dtype});
-    return inner_->ReduceScatterAsync(send, recv, recv_count, dtype, op);
+    return inner().ReduceScatterAsync(send, recv, recv_count, dtype, op);
   }
   absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const void* send, void* recv,
                                                        size_t send_count, DType dtype) override {
     log_->push_back({"AG", send_count, dtype});
-    absl::StatusOr<std::unique_ptr<Work>> w = inner_->AllGatherAsync(send, recv, send_count, dtype);
+    absl::StatusOr<std::unique_ptr<Work>> w = inner().AllGatherAsync(send, recv, send_count, dtype);
     if (!w.ok() || gather_delay_ <= absl::ZeroDuration()) return w;
     return std::unique_ptr<Work>(new SlowWork(std::move(*w), absl::Now() + gather_delay_));
   }
@@ -78,20 +73,20 @@ class RecordingCommunicator : public Communicator {
       void* recv, absl::Span<const size_t> recv_counts, absl::Span<const size_t> recv_offsets,
       DType dtype) override {
     log_->push_back({"A2A", 0, dtype});
-    return inner_->AllToAllVAsync(send, send_counts, send_offsets, recv, recv_counts, recv_offsets,
+    return inner().AllToAllVAsync(send, send_counts, send_offsets, recv, recv_counts, recv_offsets,
                                   dtype);
   }
   absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(void* buf, size_t count, DType dtype,
                                                        int root) override {
     log_->push_back({"BC", count, dtype});
-    return inner_->BroadcastAsync(buf, count, dtype, root);
+    return inner().BroadcastAsync(buf, count, dtype, root);
   }
   absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override {
     log_->push_back({"BAR", 0, DType::kF32});
-    return inner_->BarrierAsync();
+    return inner().BarrierAsync();
   }
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
-    absl::StatusOr<std::unique_ptr<Communicator>> sub = inner_->Split(color, key);
+    absl::StatusOr<std::unique_ptr<Communicator>> sub = inner().Split(color, key);
     if (!sub.ok() || *sub == nullptr) return sub;
     return std::unique_ptr<Communicator>(
         new RecordingCommunicator(std::move(*sub), log_, gather_delay_));
@@ -115,8 +110,6 @@ class RecordingCommunicator : public Communicator {
     absl::Time ready_;
   };
 
-  std::unique_ptr<Communicator> owned_;
-  Communicator* inner_;
   std::shared_ptr<std::vector<Op>> log_;
   absl::Duration gather_delay_;
 };
