@@ -58,6 +58,7 @@ class TimeoutWork final : public Work {
     return inner_->Wait(timeout == absl::InfiniteDuration() ? timeout_ : timeout);
   }
   bool IsCompleted() override { return inner_->IsCompleted(); }
+  absl::Time CompletionTime() override { return inner_->CompletionTime(); }
 
  private:
   std::unique_ptr<Work> inner_;

@@ -139,6 +139,13 @@ class Work {
   virtual absl::Status Wait(absl::Duration timeout = absl::InfiniteDuration()) = 0;
   // True once the operation has finished (successfully or not).
   virtual bool IsCompleted() = 0;
+  // When the operation finished, as its backend stamped it at completion (the thread and
+  // mpi backends do), so that a caller who learns of the completion later still knows when
+  // it happened (CommTimer's busy time needs no polling thread). absl::InfiniteFuture()
+  // while the operation is in flight, and always for a backend that does not stamp; a
+  // caller then uses the moment it saw IsCompleted(). Thread-safe, like IsCompleted.
+  // Decorators forward it.
+  virtual absl::Time CompletionTime() { return absl::InfiniteFuture(); }
 };
 
 class Communicator {

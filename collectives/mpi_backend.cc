@@ -22,6 +22,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "collectives/checked_communicator.h"
 #include "collectives/op_descriptor.h"
 #include "core/half.h"
@@ -205,9 +207,11 @@ struct Op {
   std::condition_variable cv;
   bool done = false;     // guarded by mu
   absl::Status status;   // written before done is set
+  absl::Time finished_at = absl::InfiniteFuture();  // guarded by mu
 
   void Finish(absl::Status s) {
     std::lock_guard<std::mutex> lock(mu);
+    finished_at = absl::Now();
     status = std::move(s);
     done = true;
     cv.notify_all();
@@ -235,6 +239,10 @@ class MpiWork final : public Work {
   bool IsCompleted() override {
     std::lock_guard<std::mutex> lock(op_->mu);
     return op_->done;
+  }
+  absl::Time CompletionTime() override {
+    std::lock_guard<std::mutex> lock(op_->mu);
+    return op_->finished_at;
   }
 
  private:

@@ -51,6 +51,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "collectives/op_descriptor.h"
 #include "collectives/reduce_kernels.h"
 
@@ -222,10 +224,12 @@ struct OpState {
   bool queued = false;  // guarded by ExecState::mu; true until taken off the queue
   Event event;
   absl::Status status;                         // written before done
+  absl::Time completed_at;                     // written before done
   std::unique_ptr<Communicator> split_result;  // Split only; read after done
 
   void Complete(absl::Status s) {
     status = std::move(s);
+    completed_at = absl::Now();
     done.store(true, std::memory_order_release);
     event.Notify();
   }
@@ -265,6 +269,9 @@ class ThreadWork : public Work {
   absl::Status Wait(absl::Duration timeout) override;
 
   bool IsCompleted() override { return op_->done.load(std::memory_order_acquire); }
+  absl::Time CompletionTime() override {
+    return IsCompleted() ? op_->completed_at : absl::InfiniteFuture();
+  }
 
  private:
   std::shared_ptr<OpState> op_;

@@ -1,6 +1,5 @@
 #include "collectives/timed_communicator.h"
 
-#include <chrono>
 #include <utility>
 
 namespace gradsum::train {
@@ -16,7 +15,8 @@ class TimedWork : public Work {
     timer_->Track(op_);
   }
   ~TimedWork() override {
-    // Never waited on: count it until now, and stop tracking the handle.
+    // Never waited on: count it until its completion (or now, if it is still in flight or
+    // not stamped), and stop tracking the handle.
     timer_->Complete(*op_);
   }
   absl::Status Wait(absl::Duration timeout) override {
@@ -33,6 +33,7 @@ class TimedWork : public Work {
     if (done) timer_->Complete(*op_);
     return done;
   }
+  absl::Time CompletionTime() override { return inner_->CompletionTime(); }
 
  private:
   std::unique_ptr<Work> inner_;
@@ -42,62 +43,35 @@ class TimedWork : public Work {
 
 }  // namespace
 
-CommTimer::~CommTimer() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-  }
-  cv_.notify_all();
-  if (watcher_.joinable()) watcher_.join();
-}
-
 void CommTimer::Track(std::shared_ptr<InFlight> op) {
   std::lock_guard<std::mutex> lock(mu_);
   in_flight_.push_back(std::move(op));
-  if (!watcher_.joinable()) watcher_ = std::thread([this] { Watch(); });
-  cv_.notify_all();
+}
+
+void CommTimer::CompleteLocked(InFlight& op, absl::Time now) {
+  if (op.done) return;
+  absl::Time end = op.work != nullptr ? op.work->CompletionTime() : absl::InfiniteFuture();
+  if (end == absl::InfiniteFuture()) end = now;  // not stamped, or still in flight
+  op.done = true;
+  op.work = nullptr;
+  AddBusy(end - op.issued);
 }
 
 void CommTimer::Complete(InFlight& op) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (op.done) return;
-  op.done = true;
-  op.work = nullptr;
-  AddBusy(absl::Now() - op.issued);
+  CompleteLocked(op, absl::Now());
 }
 
 void CommTimer::Poll() {
   std::lock_guard<std::mutex> lock(mu_);
-  PollLocked();
-}
-
-void CommTimer::PollLocked() {
   const absl::Time now = absl::Now();
   size_t kept = 0;
   for (size_t i = 0; i < in_flight_.size(); ++i) {
     InFlight& op = *in_flight_[i];
-    if (!op.done && op.work->IsCompleted()) {
-      op.done = true;
-      op.work = nullptr;
-      AddBusy(now - op.issued);
-    }
+    if (!op.done && op.work->IsCompleted()) CompleteLocked(op, now);
     if (!op.done) in_flight_[kept++] = in_flight_[i];
   }
   in_flight_.resize(kept);
-}
-
-void CommTimer::Watch() {
-  std::unique_lock<std::mutex> lock(mu_);
-  while (!stop_) {
-    if (in_flight_.empty()) {
-      cv_.wait(lock);
-      continue;
-    }
-    PollLocked();
-    lock.unlock();
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
-    lock.lock();
-  }
 }
 
 TimedCommunicator::TimedCommunicator(std::unique_ptr<Communicator> inner,

@@ -56,5 +56,42 @@ TEST(TimedCommunicatorTest, SyncCallsAreForwardedAndCountedAsExposedAndBusy) {
   comms->clear();
 }
 
+// An async collective nobody waits on is timed to its completion, as the backend stamped
+// it, not to the moment the timer happens to look (there is no polling thread): rank 1
+// joins 150 ms after rank 0 issued, and rank 0 looks only 700 ms after issuing.
+TEST(TimedCommunicatorTest, AsyncBusyTimeEndsAtTheStampedCompletion) {
+  auto comms = CreateThreadCommunicators(2);
+  ASSERT_TRUE(comms.ok());
+  auto timer = std::make_shared<train::CommTimer>();
+  train::TimedCommunicator timed((*comms)[0].get(), timer);
+  std::atomic<bool> issued{false};
+  int64_t sums[2] = {0, 0};
+  absl::Status late_status;
+  std::thread late([&] {
+    while (!issued.load()) std::this_thread::yield();
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    int64_t x = 2;
+    late_status = (*comms)[1]->AllReduce(&x, &sums[1], 1, DType::kI64);
+  });
+  const int64_t x = 1;
+  const absl::Time start = absl::Now();
+  auto work = timed.AllReduceAsync(&x, &sums[0], 1, DType::kI64, ReduceOp::kSum);
+  ASSERT_TRUE(work.ok()) << work.status();
+  issued.store(true);
+  late.join();
+  ASSERT_TRUE(late_status.ok()) << late_status;
+  // Nothing touches rank 0's handle or timer until 700 ms after the issue.
+  std::this_thread::sleep_until(absl::ToChronoTime(start + absl::Milliseconds(700)));
+  const absl::Duration busy = timer->TakeBusy();
+  EXPECT_GE(busy, absl::Milliseconds(100));
+  EXPECT_LT(busy, absl::Milliseconds(600)) << "timed to when it was seen, not to its completion";
+  ASSERT_TRUE((*work)->Wait().ok());
+  const absl::Time stamped = (*work)->CompletionTime();
+  EXPECT_GE(stamped, start + absl::Milliseconds(100));
+  EXPECT_LT(stamped, start + absl::Milliseconds(600));
+  EXPECT_EQ(sums[0], 3);
+  EXPECT_EQ(sums[1], 3);
+}
+
 }  // namespace
 }  // namespace gradsum

@@ -111,6 +111,7 @@ class ExchangeRecorder : public gradsum::testing::ForwardingCommunicator {
       return inner_->Wait(timeout);
     }
     bool IsCompleted() override { return inner_->IsCompleted(); }
+    absl::Time CompletionTime() override { return inner_->CompletionTime(); }
 
    private:
     std::unique_ptr<Work> inner_;
