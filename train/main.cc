@@ -73,8 +73,11 @@ int RunOnMpiWorld(const TrainConfig& config, absl::Duration timeout,
   return 1;
 }
 
-// Thread ranks: every failing rank's message, once for an error they all agreed on.
-int RunOnThreads(const TrainConfig& config, absl::Duration timeout) {
+// Thread ranks, config.world() of them in this process, each running `run` with its
+// communicator (rank 0 gets the log): every failing rank's message, once for an error they
+// all agreed on. Returns the exit status.
+int RunOnThreads(const TrainConfig& config, absl::Duration timeout,
+                 const std::function<absl::Status(Communicator*, std::ostream*)>& run) {
   PrintBanner(config, std::cout);
   ThreadBackendOptions options;
   options.timeout = timeout;
@@ -88,8 +91,8 @@ int RunOnThreads(const TrainConfig& config, absl::Duration timeout) {
   std::vector<std::thread> threads;
   for (int r = 0; r < config.world(); ++r) {
     threads.emplace_back([&, r] {
-      status[r] = CatchExceptions(
-          [&] { return RunRank(config, (*comms)[r].get(), r == 0 ? &std::cout : nullptr); });
+      status[r] =
+          CatchExceptions([&] { return run((*comms)[r].get(), r == 0 ? &std::cout : nullptr); });
     });
   }
   for (std::thread& t : threads) t.join();
@@ -117,7 +120,9 @@ int Main() {
   const absl::Duration timeout = absl::Seconds(config->timeout_s());
   switch (config->backend()) {
     case TrainConfig::thread:
-      return RunOnThreads(*config, timeout);
+      return RunOnThreads(*config, timeout, [&](Communicator* world, std::ostream* log) {
+        return RunRank(*config, world, log);
+      });
     case TrainConfig::mpi:
       return RunOnMpiWorld(*config, timeout, [&](Communicator* world, std::ostream* log) {
         return RunRank(*config, world, log);
@@ -128,16 +133,9 @@ int Main() {
       // NCCL carries the gradients and the MoE exchange on the GPUs. One GPU needs no
       // launcher: a one-rank thread communicator is the host world.
       if (config->world() == 1) {
-        PrintBanner(*config, std::cout);
-        ThreadBackendOptions options;
-        options.timeout = timeout;
-        absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> one =
-            CreateThreadCommunicators(1, options);
-        s = one.ok() ? CatchExceptions(
-                           [&] { return RunNcclRank(*config, (*one)[0].get(), &std::cout); })
-                     : one.status();
-        if (!s.ok()) Report(s);
-        return s.ok() ? 0 : 1;
+        return RunOnThreads(*config, timeout, [&](Communicator* world, std::ostream* log) {
+          return RunNcclRank(*config, world, log);
+        });
       }
       return RunOnMpiWorld(*config, timeout, [&](Communicator* world, std::ostream* log) {
         return RunNcclRank(*config, world, log);
