@@ -208,6 +208,8 @@ BENCHMARK(BM_DispatchMove)
     ->Args({4096, 512, 1})
     ->Args({4096, 512, 2})
     ->Args({4096, 512, 4})
+    ->Args({1024, 128, 1})  // moe_lm's default micro-batch (8 x 128 tokens, D = 128): in cache
+    ->Args({1024, 128, 2})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 

@@ -46,6 +46,25 @@ void DisableBlasThreads() {
 
 CBLAS_TRANSPOSE Cblas(Trans t) { return t == Trans::kYes ? CblasTrans : CblasNoTrans; }
 
+// C = op(A) op(B) + beta C for k = 1, alpha = 1, beta 0 or 1: each element is one product,
+// so there is nothing to block; the BLAS driver would still zero C (beta = 0), pack both
+// operands and run its kernel, three passes over C where one does. Same bits as the BLAS:
+// its kernel starts each element from +0 (so the product's -0 becomes +0) and adds it to C
+// (zeroed for beta = 0), c = round(c + (round(a b) + 0)); core/gemm_test compares the two.
+// A's element i is a[i * a_step], B's element j is b[j * b_step].
+void RankOneUpdate(int64_t m, int64_t n, const float* a, int64_t a_step, const float* b,
+                   int64_t b_step, bool beta_zero, float* c, int64_t ldc) {
+  for (int64_t i = 0; i < m; ++i) {
+    const float ai = a[i * a_step];
+    float* ci = c + i * ldc;
+    if (beta_zero) {
+      for (int64_t j = 0; j < n; ++j) ci[j] = 0.0f + (ai * b[j * b_step] + 0.0f);
+    } else {
+      for (int64_t j = 0; j < n; ++j) ci[j] += ai * b[j * b_step] + 0.0f;
+    }
+  }
+}
+
 }  // namespace
 
 absl::Status Sgemm(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k, float alpha,
@@ -75,6 +94,7 @@ absl::Status Sgemm(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k
   const int64_t extent = by_rows ? m : n;
   const int64_t parts = std::max<int64_t>(
       1, std::min<int64_t>(std::max(num_threads, 1), extent / kMinBand));
+  const bool rank_one = k == 1 && alpha == 1.0f && (beta == 0.0f || beta == 1.0f);
   auto band = [&](int64_t p) {
     const int64_t begin = extent * p / parts;
     const int64_t size = extent * (p + 1) / parts - begin;
@@ -90,6 +110,10 @@ absl::Status Sgemm(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k
       bp += tb ? begin * ldb : begin;
       cp += begin;
       bn = size;
+    }
+    if (rank_one) {
+      RankOneUpdate(bm, bn, ap, ta ? 1 : lda, bp, tb ? ldb : 1, beta == 0.0f, cp, ldc);
+      return;
     }
     cblas_sgemm(CblasRowMajor, Cblas(trans_a), Cblas(trans_b), static_cast<int>(bm),
                 static_cast<int>(bn), static_cast<int>(k), alpha, ap, static_cast<int>(lda), bp,

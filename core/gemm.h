@@ -16,7 +16,9 @@
 //
 // A is stored [m, k] (kNo) or [k, m] (kYes) with row stride lda; B is stored [k, n] or
 // [n, k] with row stride ldb; C is [m, n] with row stride ldc. beta = 0 overwrites C
-// (whatever it held, NaN included). k = 0 gives C = beta * C.
+// (whatever it held, NaN included). k = 0 gives C = beta * C. A product with k = 1,
+// alpha = 1 and beta 0 or 1 (a rank-one update: every element one product) is computed
+// here directly rather than through the BLAS driver, with the same bits.
 //
 // Threads: BLAS itself always runs single-threaded (its own thread pool is switched off
 // on first use, so it never competes with the ranks' threads). num_threads > 1 splits C

@@ -1,6 +1,9 @@
 #include "core/gemm.h"
 
+#include <cblas.h>
+
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -136,6 +139,54 @@ TEST(GemmTest, RejectsBadShapes) {
   EXPECT_NE(s.message().find("overlaps"), std::string::npos) << s;
   s = call(int64_t{1} << 33, 1, 1, 1, 1, 1, absl::MakeSpan(c));
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+}
+
+// k = 1 with alpha = 1 and beta 0 or 1 does not go through the BLAS (core/gemm.h); its
+// results must still be the BLAS's bit for bit, signed zeros included.
+TEST(GemmTest, RankOneUpdatesMatchTheBlasBitForBit) {
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<double> exponent(-20, 20), sign(-1, 1);
+  std::uniform_int_distribution<int> pick(0, 15);
+  auto value = [&] {
+    const int p = pick(rng);
+    if (p < 2) return p == 0 ? 0.0f : -0.0f;
+    return static_cast<float>(std::copysign(std::exp2(exponent(rng)), sign(rng)));
+  };
+  for (bool ta : {false, true}) {
+    for (bool tb : {false, true}) {
+      for (float beta : {0.0f, 1.0f}) {
+        for (int64_t m : {1, 3, 40, 257}) {
+          for (int64_t n : {1, 7, 64, 130}) {
+            const int64_t lda = (ta ? m : 1) + 2, ldb = (tb ? 1 : n) + 1, ldc = n + 3;
+            std::vector<float> a((ta ? 1 : m) * lda), b((tb ? n : 1) * ldb), c(m * ldc);
+            for (float& x : a) x = value();
+            for (float& x : b) x = value();
+            for (float& x : c) x = beta == 0.0f ? NAN : value();
+            std::vector<float> want = c;
+            cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans,
+                        tb ? CblasTrans : CblasNoTrans, static_cast<int>(m),
+                        static_cast<int>(n), 1, 1.0f, a.data(), static_cast<int>(lda), b.data(),
+                        static_cast<int>(ldb), beta, want.data(), static_cast<int>(ldc));
+            for (int threads : {1, 3}) {
+              std::vector<float> got = c;
+              ASSERT_TRUE(Sgemm(ta ? Trans::kYes : Trans::kNo, tb ? Trans::kYes : Trans::kNo, m,
+                                n, 1, 1.0f, a, lda, b, ldb, beta, absl::MakeSpan(got), ldc,
+                                threads)
+                              .ok());
+              for (int64_t i = 0; i < m; ++i) {
+                for (int64_t j = 0; j < n; ++j) {
+                  const int64_t at = i * ldc + j;
+                  ASSERT_EQ(std::memcmp(&got[at], &want[at], sizeof(float)), 0)
+                      << got[at] << " vs " << want[at] << " at " << i << "," << j << " ta=" << ta
+                      << " tb=" << tb << " beta=" << beta << " m=" << m << " n=" << n;
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
 }
 
 TEST(GemmTest, NamesItsKernel) { EXPECT_STRNE(BlasCoreName(), ""); }

@@ -12,6 +12,7 @@
 #include "core/dtype.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
+#include "moe/dispatch_rows.h"
 #include "moe/placement.h"
 #include "moe/shapes.h"
 
@@ -182,46 +183,6 @@ float* Scratch(std::vector<float>& buffer, int64_t n) {
   return buffer.data();
 }
 
-// Row kernels, out of line so that they vectorise (elementwise: the same bits either way).
-__attribute__((noinline)) void SetScaledRow(float* __restrict dst, float w,
-                                            const float* __restrict src, int64_t n) {
-  for (int64_t d = 0; d < n; ++d) dst[d] = 0.0f + w * src[d];  // 0 + x: -0 becomes +0
-}
-__attribute__((noinline)) void AddScaledRow(float* __restrict dst, float w,
-                                            const float* __restrict src, int64_t n) {
-  for (int64_t d = 0; d < n; ++d) dst[d] += w * src[d];
-}
-__attribute__((noinline)) void ScaleRow(float* __restrict dst, float w,
-                                        const float* __restrict src, int64_t n) {
-  for (int64_t d = 0; d < n; ++d) dst[d] = w * src[d];
-}
-__attribute__((noinline)) void AddRow(float* __restrict dst, const float* __restrict src,
-                                      int64_t n) {
-  for (int64_t d = 0; d < n; ++d) dst[d] += src[d];
-}
-
-// dot[i] = sum_d (double) a[i][d] * b[i][d] for eight rows, each sum in increasing d.
-__attribute__((noinline)) void DotRows8(const float* const* a, const float* const* b, int64_t n,
-                                        double* dot) {
-  double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0, s4 = 0.0, s5 = 0.0, s6 = 0.0, s7 = 0.0;
-  const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3], *a4 = a[4], *a5 = a[5],
-              *a6 = a[6], *a7 = a[7];
-  const float *b0 = b[0], *b1 = b[1], *b2 = b[2], *b3 = b[3], *b4 = b[4], *b5 = b[5],
-              *b6 = b[6], *b7 = b[7];
-  for (int64_t d = 0; d < n; ++d) {
-    s0 += static_cast<double>(a0[d]) * b0[d];
-    s1 += static_cast<double>(a1[d]) * b1[d];
-    s2 += static_cast<double>(a2[d]) * b2[d];
-    s3 += static_cast<double>(a3[d]) * b3[d];
-    s4 += static_cast<double>(a4[d]) * b4[d];
-    s5 += static_cast<double>(a5[d]) * b5[d];
-    s6 += static_cast<double>(a6[d]) * b6[d];
-    s7 += static_cast<double>(a7[d]) * b7[d];
-  }
-  dot[0] = s0, dot[1] = s1, dot[2] = s2, dot[3] = s3;
-  dot[4] = s4, dot[5] = s5, dot[6] = s6, dot[7] = s7;
-}
-
 // Sent row `pos`'s expert output (see DispatchState::output_row).
 inline const float* OutputRow(const DispatchState& s, int64_t pos, int64_t d_model) {
   const int64_t r = s.output_row[pos];
@@ -351,10 +312,13 @@ absl::Status DispatchCombineForwardWith(Communicator& ep_group, const DispatchCo
   s.expert_input.resize(num_received * D);
   s.expert_output.resize(num_received * D);
   s.copy_output.resize(num_sent * D);
-  for (int64_t pos = 0; pos < num_sent; ++pos) {
+  // Token by token, so that each row of `a` is read from memory once for its K copies.
+  for (int64_t c = 0; c < T * K; ++c) {
+    const int64_t pos = copy_pos[c];
+    if (pos < 0) continue;
     const int64_t r = s.output_row[pos];
     float* dst = r >= 0 ? send + pos * D : s.expert_input.data() + (-1 - r) * D;
-    std::memcpy(dst, &a[(s.send_copy[pos] / K) * D], sizeof(float) * D);
+    std::memcpy(dst, &a[(c / K) * D], sizeof(float) * D);
   }
   // 4. A pipeline over chunks of local experts: every slot's rows leave at once; a chunk's
   // experts run as soon as its slots have arrived, and its outputs travel home while the
@@ -374,6 +338,7 @@ absl::Status DispatchCombineForwardWith(Communicator& ep_group, const DispatchCo
 
   // 5. Combine straight from where the outputs are: y_t = 0 + sum_k w_tk out_tk, slots in
   // order, so the sum does not depend on P.
+  const internal::RowKernels& rk = internal::SelectedRowKernels();
   for (int64_t t = 0; t < T; ++t) {
     float* yt = &y[t * D];
     bool first = true;
@@ -383,9 +348,9 @@ absl::Status DispatchCombineForwardWith(Communicator& ep_group, const DispatchCo
       const float w = combine_weight[t * K + k];
       const float* out = OutputRow(s, pos, D);
       if (first) {
-        SetScaledRow(yt, w, out, D);
+        rk.set_scaled(yt, w, out, D);
       } else {
-        AddScaledRow(yt, w, out, D);
+        rk.add_scaled(yt, w, out, D);
       }
       first = false;
     }
@@ -433,27 +398,33 @@ absl::Status DispatchCombineBackwardWith(Communicator& ep_group, const DispatchC
   float* send = Scratch(state.scratch_send, num_sent * D);
   float* expert_dy = Scratch(state.scratch_expert_a, num_received * D);
   float* expert_dx = Scratch(state.scratch_expert_b, num_received * D);
-  // Eight rows at a time: each dot is one chain of dependent double adds (its order fixes
-  // the bits), so interleaving rows is what keeps the core busy.
-  constexpr int64_t kRows = 8;
-  for (int64_t pos0 = 0; pos0 < num_sent; pos0 += kRows) {
-    const int64_t n = std::min(kRows, num_sent - pos0);
+  // Token by token (each dy row is read from memory once for its K copies), the dot
+  // products kDotRowsMax copies at a time (each one sequential fp64 sum; the rows run side
+  // by side, moe/dispatch_rows.h).
+  std::vector<int64_t> copy_pos(static_cast<size_t>(T) * K, -1);
+  for (int64_t pos = 0; pos < num_sent; ++pos) copy_pos[state.send_copy[pos]] = pos;
+  const internal::RowKernels& rk = internal::SelectedRowKernels();
+  constexpr int kRows = internal::kDotRowsMax;
+  for (int64_t c0 = 0; c0 < T * K;) {
+    int64_t copy[kRows];
+    int n = 0;
+    for (; c0 < T * K && n < kRows; ++c0) {
+      if (copy_pos[c0] >= 0) copy[n++] = c0;
+    }
     const float* dyt[kRows];
     const float* out[kRows];
-    for (int64_t i = 0; i < kRows; ++i) {
-      const int64_t pos = pos0 + (i < n ? i : 0);  // short block: repeat the first row
-      dyt[i] = &dy[(state.send_copy[pos] / K) * D];
-      out[i] = OutputRow(state, pos, D);
+    for (int i = 0; i < n; ++i) {
+      dyt[i] = &dy[(copy[i] / K) * D];
+      out[i] = OutputRow(state, copy_pos[copy[i]], D);
     }
-    double dot[kRows] = {};
-    DotRows8(dyt, out, D, dot);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t pos = pos0 + i;
-      const int64_t c = state.send_copy[pos];
+    double dot[kRows];
+    if (n > 0) rk.dot_rows(dyt, out, D, n, dot);
+    for (int i = 0; i < n; ++i) {
+      const int64_t c = copy[i], pos = copy_pos[c];
       d_combine_weight[c] = static_cast<float>(dot[i]);
       const int64_t r = state.output_row[pos];
       float* g = r >= 0 ? send + pos * D : expert_dy + (-1 - r) * D;
-      ScaleRow(g, state.combine_weight[c], dyt[i], D);
+      rk.scale(g, state.combine_weight[c], dyt[i], D);
     }
   }
   // The same pipeline as forward, over forward's chunks. The input gradients come home
@@ -471,8 +442,6 @@ absl::Status DispatchCombineBackwardWith(Communicator& ep_group, const DispatchC
       }));
   // Sum the K copies of each token into d_a straight from where they are, token by token
   // (one pass over d_a), each token's copies in send order as before.
-  std::vector<int64_t> copy_pos(static_cast<size_t>(T) * K, -1);
-  for (int64_t pos = 0; pos < num_sent; ++pos) copy_pos[state.send_copy[pos]] = pos;
   std::vector<int64_t> token_pos(K);
   for (int64_t t = 0; t < T; ++t) {
     int n = 0;
@@ -483,7 +452,7 @@ absl::Status DispatchCombineBackwardWith(Communicator& ep_group, const DispatchC
     for (int i = 0; i < n; ++i) {
       const int64_t pos = token_pos[i];
       const int64_t r = state.output_row[pos];
-      AddRow(&d_a[t * D], r >= 0 ? send + pos * D : expert_dx + (-1 - r) * D, D);
+      rk.add(&d_a[t * D], r >= 0 ? send + pos * D : expert_dx + (-1 - r) * D, D);
     }
   }
   return absl::OkStatus();
