@@ -1,12 +1,14 @@
 #ifndef GRADSUM_LOSSES_CROSS_ENTROPY_ROWS_H_
 #define GRADSUM_LOSSES_CROSS_ENTROPY_ROWS_H_
 
-// Internal: the per-row body of the fused CPU cross-entropy, built for three instruction
-// sets and picked once at run time. The row code (losses/cross_entropy_rows.inc) is bound by
-// the throughput of its vectorised fp32 exp; the baseline x86-64 build (SSE2) runs it 4 wide,
-// the AVX2 + FMA build 8 wide, the AVX-512 build 16 wide. All are compiled with
-// -ffp-contract=off and the code never reassociates, so every build gives the same bits
-// (checked by cross_entropy_rows_test); only the speed differs.
+// Internal: the row code of the fused CPU cross-entropy, built for three instruction sets
+// and picked once at run time. The row code (losses/cross_entropy_rows.inc) is bound by the
+// throughput of its vectorised fp32 exp (core/fast_exp.inc); the baseline x86-64 build
+// (SSE2) runs it 4 wide, the AVX2 + FMA build 8 wide, the AVX-512 build 16 wide. All are
+// compiled with -ffp-contract=off, the code never reassociates, and the exp's explicit fused
+// multiply-adds round once in every build (FMA instructions, or an exact emulation in the
+// baseline build), so every build gives the same bits (checked by cross_entropy_rows_test);
+// only the speed differs.
 //
 // GRADSUM_CE_ISA in the environment forces a build (for comparison): "generic", "avx2" or
 // "avx512" (a build the CPU cannot run falls back to the best one it can).

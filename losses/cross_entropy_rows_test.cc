@@ -2,8 +2,9 @@
 // build's bits: loss and every gradient element, f32 and bf16, for blocks of rows with vocab
 // sizes that exercise the 8- and 16-lane bodies, the scalar tails and several tiles, with
 // -inf entries, large logits and a -inf-only tile. Gradients written under the next row's
-// forward match those of rows run alone, also around a failing and a zero-weight row. Every build's bf16 conversions agree with core/half.h bit for
-// bit. The values themselves are checked against references in cross_entropy_test.
+// forward match those of rows run alone, also around a failing and a zero-weight row. Every
+// build's bf16 conversions agree with core/half.h bit for bit. The values themselves are
+// checked against references in cross_entropy_test.
 #include "losses/cross_entropy_rows.h"
 
 #include <cmath>
