@@ -33,23 +33,24 @@ const char* RowCodeText(uint8_t code) {
   }
 }
 
-// Scratch for one row, reused by each thread: the row's exp values and each tile's
-// reference max. A row of V = 32768 fp32 values (128 KiB) stays in L2 between the sweeps.
+// Scratch reused by each thread: two rows' exp values and tile reference maxes (the row being
+// read and the row whose gradient is written under it). Two rows of V = 32768 fp32 values
+// (256 KiB) stay in L2.
 struct RowScratch {
   std::vector<float> exps;
   std::vector<float> tile_ref;
 };
 
-// The selected build's row function for T.
+// The selected build's block function for T.
 template <typename T>
-struct RowFn;
+struct RowsFn;
 template <>
-struct RowFn<float> {
-  static internal::CeRowF32Fn Get() { return internal::SelectedCeRowKernels().f32; }
+struct RowsFn<float> {
+  static internal::CeRowsF32Fn Get() { return internal::SelectedCeRowKernels().f32; }
 };
 template <>
-struct RowFn<uint16_t> {
-  static internal::CeRowBf16Fn Get() { return internal::SelectedCeRowKernels().bf16; }
+struct RowsFn<uint16_t> {
+  static internal::CeRowsBf16Fn Get() { return internal::SelectedCeRowKernels().bf16; }
 };
 
 inline float RowWeight(absl::Span<const int64_t> labels, absl::Span<const float> weights,
@@ -66,29 +67,31 @@ absl::StatusOr<CrossEntropyResult> RunKernel(const T* logits, T* grad, int64_t r
                                              int64_t row_offset) {
   std::vector<double> row_loss(static_cast<size_t>(rows), 0.0);
   std::vector<uint8_t> row_code(static_cast<size_t>(rows), kRowOk);
-  const auto ce_row = RowFn<T>::Get();
-  // ~64K elements per task: enough tasks to balance two threads, few enough to be cheap.
-  const int64_t rows_per_block = std::clamp<int64_t>(65536 / vocab, 1, 1024);
+  std::vector<float> row_weight(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) {
+    row_weight[r] = RowWeight(labels, weights, r, options.ignore_index);
+  }
+  const auto ce_rows = RowsFn<T>::Get();
+  // ~256K elements per task: enough tasks to balance two threads, long enough that the
+  // gradient of all but a block's last row is written under the next row's forward.
+  const int64_t rows_per_block = std::clamp<int64_t>((int64_t{1} << 18) / vocab, 1, 1024);
   const int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
   const int threads = rows * vocab >= (int64_t{1} << 16) ? options.num_threads : 1;
   ParallelFor(threads, blocks, [&](int64_t block) {
     thread_local RowScratch scratch;
-    if (grad != nullptr && static_cast<int64_t>(scratch.exps.size()) < vocab) {
-      scratch.exps.resize(static_cast<size_t>(vocab));
-      scratch.tile_ref.resize(static_cast<size_t>((vocab + kCeTile - 1) / kCeTile));
+    const int64_t tiles = (vocab + kCeTile - 1) / kCeTile;
+    if (grad != nullptr && static_cast<int64_t>(scratch.exps.size()) < 2 * vocab) {
+      scratch.exps.resize(static_cast<size_t>(2 * vocab));
+    }
+    if (grad != nullptr && static_cast<int64_t>(scratch.tile_ref.size()) < 2 * tiles) {
+      scratch.tile_ref.resize(static_cast<size_t>(2 * tiles));
     }
     const RowScratchView view{scratch.exps.data(), scratch.tile_ref.data()};
-    const int64_t end = std::min(rows, (block + 1) * rows_per_block);
-    for (int64_t r = block * rows_per_block; r < end; ++r) {
-      const T* row = logits + r * vocab;
-      T* grad_row = grad == nullptr ? nullptr : grad + r * vocab;
-      const float w = RowWeight(labels, weights, r, options.ignore_index);
-      if (w == 0.0f) {
-        if (grad_row != nullptr) std::memset(grad_row, 0, static_cast<size_t>(vocab) * sizeof(T));
-        continue;
-      }
-      row_code[r] = ce_row(row, grad_row, vocab, labels[r], w, d, &view, &row_loss[r]);
-    }
+    const int64_t begin = block * rows_per_block;
+    const int64_t end = std::min(rows, begin + rows_per_block);
+    ce_rows(logits + begin * vocab, grad == nullptr ? nullptr : grad + begin * vocab, end - begin,
+            vocab, labels.data() + begin, row_weight.data() + begin, d, &view,
+            row_loss.data() + begin, row_code.data() + begin);
   });
 
   CrossEntropyResult result;
@@ -101,8 +104,7 @@ absl::StatusOr<CrossEntropyResult> RunKernel(const T* logits, T* grad, int64_t r
                        RowCodeText(row_code[r]), "; ", bad_rows, " such row(s) in total"));
     }
     result.local_weighted_ce_sum += row_loss[r];
-    const float w = RowWeight(labels, weights, r, options.ignore_index);
-    result.local_weight_sum += static_cast<double>(w);
+    result.local_weight_sum += static_cast<double>(row_weight[r]);
     if (labels[r] != options.ignore_index) ++result.local_valid_tokens;
   }
   result.local_loss = d > 0.0 ? result.local_weighted_ce_sum / d : 0.0;

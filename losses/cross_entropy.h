@@ -25,8 +25,9 @@
 // Implementation: rows are split into blocks over `num_threads` threads. Each row is read
 // from memory once: an online logsumexp over L1-sized tiles (a tile's max, the running sum
 // rescaled once per tile when the max grows, then the tile's exp values) computes max and
-// sum together and keeps the exp values in a per-thread fp32 row buffer (V * 4 bytes,
-// thread_local, reused), from which the gradient is written with one multiply per element.
+// sum together and keeps the exp values in a per-thread fp32 buffer of two rows (2 * V * 4
+// bytes, thread_local, reused), from which the gradient is written with one multiply per
+// element, one tile at a time while the next row of the block is read.
 // All arithmetic is fp32 (exp, softmax) with per-row sums and the loss in fp64, whatever
 // the logits dtype (f32 or bf16). Results do not depend on the thread count.
 

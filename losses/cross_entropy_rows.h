@@ -1,12 +1,14 @@
 #ifndef GRADSUM_LOSSES_CROSS_ENTROPY_ROWS_H_
 #define GRADSUM_LOSSES_CROSS_ENTROPY_ROWS_H_
 
-// Internal: the per-row body of the fused CPU cross-entropy, built for three instruction
-// sets and picked once at run time. The row code (losses/cross_entropy_rows.inc) is bound by
-// the throughput of its vectorised fp32 exp; the baseline x86-64 build (SSE2) runs it 4 wide,
-// the AVX2 + FMA build 8 wide, the AVX-512 build 16 wide. All are compiled with
-// -ffp-contract=off and the code never reassociates, so every build gives the same bits
-// (checked by cross_entropy_rows_test); only the speed differs.
+// Internal: the row code of the fused CPU cross-entropy, built for three instruction sets
+// and picked once at run time. The row code (losses/cross_entropy_rows.inc) is bound by the
+// throughput of its vectorised fp32 exp (core/fast_exp.inc); the baseline x86-64 build
+// (SSE2) runs it 4 wide, the AVX2 + FMA build 8 wide, the AVX-512 build 16 wide. All are
+// compiled with -ffp-contract=off, the code never reassociates, and the exp's explicit fused
+// multiply-adds round once in every build (FMA instructions, or an exact emulation in the
+// baseline build), so every build gives the same bits (checked by cross_entropy_rows_test);
+// only the speed differs.
 //
 // GRADSUM_CE_ISA in the environment forces a build (for comparison): "generic", "avx2" or
 // "avx512" (a build the CPU cannot run falls back to the best one it can).
@@ -22,29 +24,36 @@ enum RowCode : uint8_t { kRowOk = 0, kRowNaN, kRowPosInf, kRowAllNegInf, kRowTar
 
 inline constexpr int64_t kCeTile = 1024;  // floats per tile: 4 KiB, stays in L1
 
-// Per-thread scratch for one row with a gradient: the row's exp values ([vocab]) and each
-// tile's reference max ([ceil(vocab / kCeTile)]).
+// Per-thread scratch for a block of rows with a gradient: two rows' exp values
+// ([2 * vocab]) and two rows' tile reference maxes ([2 * ceil(vocab / kCeTile)]); one half
+// holds the row being read, the other the row whose gradient is being written under it.
 struct RowScratchView {
   float* exps = nullptr;
   float* tile_ref = nullptr;
 };
 
-// One row of fused CE forward (+ backward when grad_row is non-null; it may alias row):
-// returns a RowCode; on kRowOk *loss = w * (logsumexp(row) - row[label]) and
-// grad_row = (w / d) * (softmax(row) - onehot(label)). `label` in [0, vocab), w > 0, d > 0.
-using CeRowF32Fn = uint8_t (*)(const float* row, float* grad_row, int64_t vocab, int64_t label,
-                               float w, double d, const RowScratchView* scratch, double* loss);
-using CeRowBf16Fn = uint8_t (*)(const uint16_t* row, uint16_t* grad_row, int64_t vocab,
-                                int64_t label, float w, double d, const RowScratchView* scratch,
-                                double* loss);
+// A block of `rows` rows of fused CE forward (+ backward when grad is non-null; it may alias
+// logits), row r at logits + r * vocab, with labels[r] in [0, vocab) and weights[r] >= 0, d > 0.
+// Per row: codes[r] = a RowCode; loss[r] = w * (logsumexp(row) - row[label]) on kRowOk, else
+// 0; the gradient row = (w / d) * (softmax(row) - onehot(label)) on kRowOk, zeros where
+// w == 0 (no forward), left as it was on any other code. The logits are read once: each row's
+// exps are kept in the scratch and its gradient written from them while the next row of the
+// block is read. `scratch` is only used with a gradient.
+using CeRowsF32Fn = void (*)(const float* logits, float* grad, int64_t rows, int64_t vocab,
+                             const int64_t* labels, const float* weights, double d,
+                             const RowScratchView* scratch, double* loss, uint8_t* codes);
+using CeRowsBf16Fn = void (*)(const uint16_t* logits, uint16_t* grad, int64_t rows,
+                              int64_t vocab, const int64_t* labels, const float* weights,
+                              double d, const RowScratchView* scratch, double* loss,
+                              uint8_t* codes);
 // The rows' bf16 <-> fp32 conversions, n elements: widening is exact; narrowing rounds to
 // nearest even and keeps NaN a quiet NaN, bit for bit as BF16::FromFloat (core/half.h).
 using Bf16ToF32Fn = void (*)(const uint16_t* in, float* out, int64_t n);
 using F32ToBf16Fn = void (*)(const float* in, uint16_t* out, int64_t n);
 
 struct CeRowKernels {
-  CeRowF32Fn f32 = nullptr;
-  CeRowBf16Fn bf16 = nullptr;
+  CeRowsF32Fn f32 = nullptr;
+  CeRowsBf16Fn bf16 = nullptr;
   Bf16ToF32Fn bf16_to_f32 = nullptr;
   F32ToBf16Fn f32_to_bf16 = nullptr;
   const char* isa = "";  // "generic", "avx2+fma" or "avx512"

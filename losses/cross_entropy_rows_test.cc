@@ -1,8 +1,10 @@
 // Every build of the CE row code this CPU runs (AVX2 + FMA, AVX-512) gives the generic
-// build's bits: loss and every gradient element, f32 and bf16, for vocab sizes that exercise
-// the 8- and 16-lane bodies, the scalar tails and several tiles, with -inf entries, large
-// logits and a -inf-only tile. Every build's bf16 conversions agree with core/half.h bit for
-// bit. The values themselves are checked against references in cross_entropy_test.
+// build's bits: loss and every gradient element, f32 and bf16, for blocks of rows with vocab
+// sizes that exercise the 8- and 16-lane bodies, the scalar tails and several tiles, with
+// -inf entries, large logits and a -inf-only tile. Gradients written under the next row's
+// forward match those of rows run alone, also around a failing and a zero-weight row. Every
+// build's bf16 conversions agree with core/half.h bit for bit. The values themselves are
+// checked against references in cross_entropy_test.
 #include "losses/cross_entropy_rows.h"
 
 #include <cmath>
@@ -28,43 +30,72 @@ std::vector<const CeRowKernels*> WideBuilds() {
   return builds;
 }
 
-struct Row {
-  std::vector<float> logits;
-  int64_t label = 0;
-};
-
-std::vector<Row> Rows() {
-  std::mt19937 gen(3);
-  std::normal_distribution<float> normal(0.0f, 4.0f);
-  std::vector<Row> rows;
-  for (int64_t v : {1, 7, 8, 9, 15, 16, 17, 31, 1000, 1024, 1031, 4096 + 5, 32768}) {
-    Row r;
-    r.logits.resize(v);
-    for (float& x : r.logits) x = normal(gen);
-    r.label = v / 3;
-    rows.push_back(r);
-    Row big = r;  // large logits: the max subtraction matters
-    for (float& x : big.logits) x += 3000.0f;
-    rows.push_back(big);
-    if (v > 2100) {  // a first tile of -inf only, and scattered -inf
-      Row inf = r;
-      for (int64_t i = 0; i < 1024; ++i) inf.logits[i] = -std::numeric_limits<float>::infinity();
-      for (int64_t i = 1500; i < v; i += 37) inf.logits[i] = -std::numeric_limits<float>::infinity();
-      inf.label = 2000;
-      rows.push_back(inf);
-    }
-  }
-  return rows;
+// Every build, the generic one included.
+std::vector<const CeRowKernels*> AllBuilds() {
+  std::vector<const CeRowKernels*> builds = WideBuilds();
+  builds.insert(builds.begin(), CeRowKernelsFor("generic"));
+  return builds;
 }
 
+// A block of rows of one vocab size: run as one call, so each row's gradient is written
+// under the next row's forward (cross_entropy_rows.h).
+struct Block {
+  std::vector<float> logits;  // [rows, vocab]
+  int64_t vocab = 0;
+  std::vector<int64_t> labels;
+  std::vector<float> weights;
+  int64_t rows() const { return static_cast<int64_t>(labels.size()); }
+};
+
+// Per vocab size: a normal row, the same with large logits (the max subtraction matters),
+// and above 2100 one with a first tile of -inf only and scattered -inf.
+std::vector<Block> Blocks() {
+  std::mt19937 gen(3);
+  std::normal_distribution<float> normal(0.0f, 4.0f);
+  std::vector<Block> blocks;
+  for (int64_t v : {1, 7, 8, 9, 15, 16, 17, 31, 1000, 1024, 1031, 4096 + 5, 32768}) {
+    Block b;
+    b.vocab = v;
+    std::vector<float> row(v);
+    for (float& x : row) x = normal(gen);
+    auto add = [&b](const std::vector<float>& r, int64_t label) {
+      b.logits.insert(b.logits.end(), r.begin(), r.end());
+      b.labels.push_back(label);
+      b.weights.push_back(0.75f);
+    };
+    add(row, v / 3);
+    std::vector<float> big = row;
+    for (float& x : big) x += 3000.0f;
+    add(big, v / 3);
+    if (v > 2100) {
+      std::vector<float> inf = row;
+      for (int64_t i = 0; i < 1024; ++i) inf[i] = -std::numeric_limits<float>::infinity();
+      for (int64_t i = 1500; i < v; i += 37) inf[i] = -std::numeric_limits<float>::infinity();
+      add(inf, 2000);
+    }
+    blocks.push_back(b);
+  }
+  return blocks;
+}
+
+// Runs `block` (as logits of type T) through fn; the gradient starts as `fill`.
 template <typename T, typename Fn>
-void RunRow(Fn fn, const std::vector<T>& row, int64_t label, std::vector<T>* grad, double* loss,
-            uint8_t* code) {
-  const int64_t v = static_cast<int64_t>(row.size());
-  std::vector<float> exps(v), tile_ref((v + kCeTile - 1) / kCeTile);
+void RunBlock(Fn fn, const std::vector<T>& logits, const Block& block, std::vector<T>* grad,
+              std::vector<double>* loss, std::vector<uint8_t>* codes, T fill = T{}) {
+  const int64_t v = block.vocab;
+  std::vector<float> exps(2 * v), tile_ref(2 * ((v + kCeTile - 1) / kCeTile));
   const RowScratchView view{exps.data(), tile_ref.data()};
-  grad->assign(v, T{});
-  *code = fn(row.data(), grad->data(), v, label, 0.75f, 123.0, &view, loss);
+  grad->assign(logits.size(), fill);
+  loss->assign(block.rows(), -1.0);
+  codes->assign(block.rows(), 255);
+  fn(logits.data(), grad->data(), block.rows(), v, block.labels.data(), block.weights.data(),
+     123.0, &view, loss->data(), codes->data());
+}
+
+std::vector<uint16_t> ToBf16(const std::vector<float>& x) {
+  std::vector<uint16_t> b(x.size());
+  for (size_t i = 0; i < x.size(); ++i) b[i] = BF16::FromFloat(x[i]).bits;
+  return b;
 }
 
 TEST(CrossEntropyRowsTest, SelectionFollowsTheCpuAndTheEnvironment) {
@@ -88,41 +119,77 @@ TEST(CrossEntropyRowsTest, WiderBuildsGiveTheGenericBuildsBits) {
   const CeRowKernels& generic = *CeRowKernelsFor("generic");
   for (const CeRowKernels* build : wide) {
     SCOPED_TRACE(build->isa);
-    for (const Row& r : Rows()) {
+    for (const Block& b : Blocks()) {
+      std::vector<double> la, lb;
+      std::vector<uint8_t> ca, cb;
       {
         std::vector<float> ga, gb;
-        double la = -1, lb = -2;
-        uint8_t ca, cb;
-        RunRow<float>(generic.f32, r.logits, r.label, &ga, &la, &ca);
-        RunRow<float>(build->f32, r.logits, r.label, &gb, &lb, &cb);
-        ASSERT_EQ(ca, kRowOk) << "vocab " << r.logits.size();
+        RunBlock<float>(generic.f32, b.logits, b, &ga, &la, &ca);
+        RunBlock<float>(build->f32, b.logits, b, &gb, &lb, &cb);
+        ASSERT_EQ(ca, std::vector<uint8_t>(b.rows(), kRowOk)) << "vocab " << b.vocab;
         ASSERT_EQ(cb, ca);
-        EXPECT_EQ(std::memcmp(&la, &lb, sizeof(la)), 0) << la << " vs " << lb;
+        EXPECT_EQ(std::memcmp(la.data(), lb.data(), la.size() * 8), 0) << la[0] << " vs " << lb[0];
         EXPECT_EQ(std::memcmp(ga.data(), gb.data(), ga.size() * 4), 0)
-            << "f32 gradient differs, vocab " << r.logits.size();
+            << "f32 gradient differs, vocab " << b.vocab;
       }
       {
-        std::vector<uint16_t> row(r.logits.size());
-        for (size_t i = 0; i < row.size(); ++i) row[i] = BF16::FromFloat(r.logits[i]).bits;
+        const std::vector<uint16_t> logits = ToBf16(b.logits);
         std::vector<uint16_t> ga, gb;
-        double la = -1, lb = -2;
-        uint8_t ca, cb;
-        RunRow<uint16_t>(generic.bf16, row, r.label, &ga, &la, &ca);
-        RunRow<uint16_t>(build->bf16, row, r.label, &gb, &lb, &cb);
-        ASSERT_EQ(ca, kRowOk);
+        RunBlock<uint16_t>(generic.bf16, logits, b, &ga, &la, &ca);
+        RunBlock<uint16_t>(build->bf16, logits, b, &gb, &lb, &cb);
+        ASSERT_EQ(ca, std::vector<uint8_t>(b.rows(), kRowOk));
         ASSERT_EQ(cb, ca);
-        EXPECT_EQ(std::memcmp(&la, &lb, sizeof(la)), 0) << la << " vs " << lb;
-        EXPECT_EQ(ga, gb) << "bf16 gradient differs, vocab " << row.size();
+        EXPECT_EQ(std::memcmp(la.data(), lb.data(), la.size() * 8), 0) << la[0] << " vs " << lb[0];
+        EXPECT_EQ(ga, gb) << "bf16 gradient differs, vocab " << b.vocab;
       }
     }
   }
 }
 
-// Every build, the generic one included.
-std::vector<const CeRowKernels*> AllBuilds() {
-  std::vector<const CeRowKernels*> builds = WideBuilds();
-  builds.insert(builds.begin(), CeRowKernelsFor("generic"));
-  return builds;
+// A block whose rows' gradients are written under the next row's forward gives each row
+// what a block of that row alone gives (there nothing is interleaved), also around a row
+// that fails part way (its gradient is left as it was, the pending row's is finished) and a
+// zero-weight row (zeros, no forward).
+TEST(CrossEntropyRowsTest, InterleavedGradientsMatchOneRowAtATime) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const int64_t v = 3 * kCeTile + 100;
+  std::mt19937 gen(5);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  Block block;
+  block.vocab = v;
+  for (int r = 0; r < 6; ++r) {
+    for (int64_t i = 0; i < v; ++i) block.logits.push_back(normal(gen));
+    block.labels.push_back(r * 500 + 5);
+    block.weights.push_back(r == 3 ? 0.0f : 0.5f + r);
+  }
+  block.logits[2 * v + kCeTile + 7] = nan;  // row 2 fails in its second tile
+  const std::vector<uint8_t> want_codes = {kRowOk, kRowOk, kRowNaN, kRowOk, kRowOk, kRowOk};
+  for (const CeRowKernels* build : AllBuilds()) {
+    SCOPED_TRACE(build->isa);
+    std::vector<float> grad;
+    std::vector<double> loss;
+    std::vector<uint8_t> codes;
+    RunBlock<float>(build->f32, block.logits, block, &grad, &loss, &codes, 9.0f);
+    EXPECT_EQ(codes, want_codes);
+    for (int64_t r = 0; r < block.rows(); ++r) {
+      Block one;
+      one.vocab = v;
+      one.logits.assign(block.logits.begin() + r * v, block.logits.begin() + (r + 1) * v);
+      one.labels = {block.labels[r]};
+      one.weights = {block.weights[r]};
+      std::vector<float> g1;
+      std::vector<double> l1;
+      std::vector<uint8_t> c1;
+      RunBlock<float>(build->f32, one.logits, one, &g1, &l1, &c1, 9.0f);
+      EXPECT_EQ(c1[0], codes[r]) << "row " << r;
+      EXPECT_EQ(l1[0], loss[r]) << "row " << r;
+      EXPECT_EQ(std::memcmp(g1.data(), grad.data() + r * v, v * 4), 0) << "row " << r;
+    }
+    EXPECT_EQ(grad[2 * v], 9.0f);  // the failed row's gradient is untouched
+    EXPECT_EQ(grad[2 * v + v - 1], 9.0f);
+    EXPECT_EQ(grad[3 * v + 17], 0.0f);  // the zero-weight row's is zero
+    EXPECT_EQ(loss[3], 0.0);
+  }
 }
 
 TEST(CrossEntropyRowsTest, Bf16WideningMatchesHalfHForEveryPattern) {
@@ -173,25 +240,30 @@ TEST(CrossEntropyRowsTest, Bf16NarrowingMatchesHalfHOnAStrideOfFloatsAndEveryTie
 
 TEST(CrossEntropyRowsTest, EveryBuildReportsBadRowsAlike) {
   const float inf = std::numeric_limits<float>::infinity();
+  auto code_of = [](const CeRowKernels& k, const std::vector<float>& row, int64_t label) {
+    Block b;
+    b.vocab = static_cast<int64_t>(row.size());
+    b.logits = row;
+    b.labels = {label};
+    b.weights = {0.75f};
+    std::vector<float> g;
+    std::vector<double> loss;
+    std::vector<uint8_t> codes;
+    RunBlock<float>(k.f32, b.logits, b, &g, &loss, &codes);
+    return codes[0];
+  };
   for (const CeRowKernels* build : AllBuilds()) {
     const CeRowKernels& k = *build;
-    std::vector<float> g;
-    double loss = 0;
-    uint8_t code;
-    RunRow<float>(k.f32, std::vector<float>(20, -inf), 3, &g, &loss, &code);
-    EXPECT_EQ(code, kRowAllNegInf) << k.isa;
+    EXPECT_EQ(code_of(k, std::vector<float>(20, -inf), 3), kRowAllNegInf) << k.isa;
     std::vector<float> nan_row(1500, 1.0f);
     nan_row[1200] = std::nanf("");
-    RunRow<float>(k.f32, nan_row, 3, &g, &loss, &code);
-    EXPECT_EQ(code, kRowNaN) << k.isa;
+    EXPECT_EQ(code_of(k, nan_row, 3), kRowNaN) << k.isa;
     std::vector<float> pinf(33, 0.5f);
     pinf[32] = inf;
-    RunRow<float>(k.f32, pinf, 3, &g, &loss, &code);
-    EXPECT_EQ(code, kRowPosInf) << k.isa;
+    EXPECT_EQ(code_of(k, pinf, 3), kRowPosInf) << k.isa;
     std::vector<float> target(9, 0.5f);
     target[4] = -inf;
-    RunRow<float>(k.f32, target, 4, &g, &loss, &code);
-    EXPECT_EQ(code, kRowTargetNegInf) << k.isa;
+    EXPECT_EQ(code_of(k, target, 4), kRowTargetNegInf) << k.isa;
   }
 }
 

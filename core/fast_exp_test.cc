@@ -1,0 +1,64 @@
+// FastExpFma (core/fast_exp.inc) as the generic build compiles it (no FMA instruction in the
+// baseline x86-64 target: the exact emulation in double) against libm's correctly rounded
+// fmaf, on random operands and on sums built to land exactly on, and one unit of the last
+// place either side of, the midpoint between two floats (where rounding twice goes wrong).
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+
+#include "gtest/gtest.h"
+
+namespace gradsum {
+namespace {
+
+#include "core/fast_exp.inc"
+
+uint32_t Bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof(b));
+  return b;
+}
+
+TEST(FastExpFmaTest, RoundsOnceLikeLibmFmaf) {
+  std::mt19937_64 gen(42);
+  std::uniform_real_distribution<float> mantissa(1.0f, 2.0f);
+  auto random_float = [&](int lo, int hi) {
+    const float v = std::ldexp(mantissa(gen), lo + static_cast<int>(gen() % (hi - lo + 1)));
+    return (gen() & 1) != 0 ? -v : v;
+  };
+  int64_t checked = 0, midpoints = 0;
+  for (int i = 0; i < 2'000'000; ++i) {
+    const float a = random_float(-30, 10), b = random_float(-30, 10);
+    float c;
+    switch (i % 3) {
+      case 0:  // unrelated magnitudes
+        c = random_float(-40, 20);
+        break;
+      case 1: {  // cancellation against the rounded product
+        c = -(a * b) * (1.0f + std::ldexp(1.0f, -static_cast<int>(gen() % 24)));
+        break;
+      }
+      default: {  // a * b + c exactly halfway between two floats, or one double ulp off
+        const double p = static_cast<double>(a) * static_cast<double>(b);
+        const float f = static_cast<float>(p);
+        const double half_ulp = std::ldexp(1.0, std::ilogb(f) - 24);
+        c = static_cast<float>((static_cast<double>(f) + half_ulp) - p);
+        if (gen() % 3 == 0) c = std::nextafterf(c, (gen() & 1) != 0 ? 1e30f : -1e30f);
+        double s = p + static_cast<double>(c);
+        uint64_t s_bits;
+        std::memcpy(&s_bits, &s, sizeof(s_bits));
+        midpoints += (static_cast<uint32_t>(s_bits) & 0x1FFFFFFFu) == 0x10000000u ? 1 : 0;
+      }
+    }
+    const float want = std::fmaf(a, b, c);
+    const float got = FastExpFma(a, b, c);
+    ASSERT_EQ(Bits(got), Bits(want)) << std::hexfloat << a << " * " << b << " + " << c;
+    ++checked;
+  }
+  EXPECT_GT(midpoints, 100'000);  // the hard case was exercised
+  EXPECT_EQ(checked, 2'000'000);
+}
+
+}  // namespace
+}  // namespace gradsum
