@@ -5,10 +5,14 @@
 // (no -march anywhere: the builds set their target by pragma, core/isa_build.inc).
 //
 // A kernel source is compiled three times: the baseline ("generic"), "avx2" (AVX2 + FMA)
-// and "avx512" (AVX-512 F/BW/VL/DQ, 512-bit vectors). Each library exposes a
-// `const Kernels* KernelsFor(const char* isa)` that returns null for a build this CPU
-// cannot run, and picks one build per process with PickIsaBuild:
+// and "avx512" (AVX-512 F/BW/VL/DQ, 512-bit vectors; these two only on x86-64). Each
+// library exposes a `const Kernels* KernelsFor(const char* isa)` that returns null for a
+// build this CPU cannot run (IsaBuilds), and picks one build per process with PickIsaBuild:
 //
+//   const VecKernels* VecKernelsFor(const char* isa) {
+//     static const IsaBuilds<VecKernels> builds(GRADSUM_ISA_BUILDS(internal::vec, Kernels));
+//     return builds.For(isa);
+//   }
 //   const VecKernels& SelectedVecKernels() {
 //     static const VecKernels& k = PickIsaBuild<VecKernels>("GRADSUM_VEC_ISA", &VecKernelsFor);
 //     return k;
@@ -19,6 +23,8 @@
 // and ranks on different CPUs still agree.
 
 #include <cstdlib>
+#include <cstring>
+#include <initializer_list>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define GRADSUM_ISA_X86 1
@@ -31,12 +37,48 @@
 #endif
 #endif
 
+// The table makers of a kernel library's three builds, `prefix`_generic::`fn`,
+// `prefix`_avx2::`fn` and `prefix`_avx512::`fn` (the last two null off x86-64, where they
+// are not built), as IsaBuilds' constructor takes them.
+#if defined(GRADSUM_ISA_X86)
+#define GRADSUM_ISA_BUILDS(prefix, fn) \
+  &prefix##_generic::fn, &prefix##_avx2::fn, &prefix##_avx512::fn
+#else
+#define GRADSUM_ISA_BUILDS(prefix, fn) &prefix##_generic::fn, nullptr, nullptr
+#endif
+
 namespace gradsum {
 
 // Whether this CPU runs the "avx2" build (AVX2 and FMA), and the "avx512" build (AVX-512
 // F, BW, VL and DQ, and AVX2 + FMA). False off x86-64.
 bool CpuHasAvx2Fma();
 bool CpuHasAvx512();
+
+// The kernel tables of one library's builds, each made once, and the one a name selects.
+template <typename Kernels>
+class IsaBuilds {
+ public:
+  using Make = Kernels (*)();
+  // `avx2` and `avx512` are null where those builds do not exist (GRADSUM_ISA_BUILDS).
+  IsaBuilds(Make generic, Make avx2, Make avx512)
+      : generic_(generic()),
+        avx2_(avx2 != nullptr ? avx2() : Kernels{}),
+        avx512_(avx512 != nullptr ? avx512() : Kernels{}),
+        has_avx2_(avx2 != nullptr && CpuHasAvx2Fma()),
+        has_avx512_(avx512 != nullptr && CpuHasAvx512()) {}
+  // The build named "generic", "avx2" or "avx512"; null for another name or a build this
+  // CPU cannot run.
+  const Kernels* For(const char* isa) const {
+    if (std::strcmp(isa, "generic") == 0) return &generic_;
+    if (std::strcmp(isa, "avx2") == 0) return has_avx2_ ? &avx2_ : nullptr;
+    if (std::strcmp(isa, "avx512") == 0) return has_avx512_ ? &avx512_ : nullptr;
+    return nullptr;
+  }
+
+ private:
+  Kernels generic_, avx2_, avx512_;
+  bool has_avx2_, has_avx512_;
+};
 
 // The build a process uses: the one `env_var` names ("generic", "avx2", "avx512") if set
 // and this CPU runs it, else the widest this CPU runs. `kernels_for` must return non-null

@@ -159,16 +159,8 @@ absl::StatusOr<CrossEntropyResult> ForwardBackward(const TensorView& logits,
 namespace internal {
 
 const CeRowKernels* CeRowKernelsFor(const char* isa) {
-  static const CeRowKernels generic = rows_generic::Kernels();
-  const std::string name = isa;
-  if (name == "generic") return &generic;
-#if defined(GRADSUM_CE_ROWS_X86)
-  static const CeRowKernels avx2 = rows_avx2::Kernels();
-  static const CeRowKernels avx512 = rows_avx512::Kernels();
-  if (name == "avx2" && CpuHasAvx2Fma()) return &avx2;
-  if (name == "avx512" && CpuHasAvx512()) return &avx512;
-#endif
-  return nullptr;
+  static const IsaBuilds<CeRowKernels> builds(GRADSUM_ISA_BUILDS(rows, Kernels));
+  return builds.For(isa);
 }
 
 const CeRowKernels& SelectedCeRowKernels() {

@@ -64,7 +64,6 @@ CeRowKernels Kernels();
 }  // namespace rows_generic
 
 #if defined(GRADSUM_ISA_X86)
-#define GRADSUM_CE_ROWS_X86 1
 namespace rows_avx2 {
 // Only call through SelectedCeRowKernels (the CPU must support AVX2 and FMA).
 CeRowKernels Kernels();
