@@ -592,15 +592,17 @@ class ThreadCommunicator : public Communicator {
 
   // Adaptive spinning. `slept` is how long a wait that had to sleep lasted (zero when
   // spinning sufficed). Double the budget (up to the group's cap) after a wait that ended
-  // while spinning, or that slept but ended within the cap (the peer was running, only a
-  // little late: spinning longer would have saved the futex round trip); halve it after a
-  // longer one. On a loaded machine, where the peer we wait for is descheduled for a time
-  // slice, the budget falls to nothing within a few operations; it comes back as soon as
-  // waits are short again (a budget decided by wait lengths, not by the last outcome alone,
-  // which would keep a budget of zero at zero: a rank that does not spin always sleeps).
+  // while spinning; add 1 us after one that slept but ended within the cap (the peer was
+  // running, only a little late: a longer spin would have saved the futex round trip);
+  // halve it after a longer one (a descheduled peer). On a loaded machine the budget falls
+  // to nothing within a few operations and stays low while long waits keep coming; it
+  // grows back once waits are short again. (Halving after every sleep, as before, kept a
+  // budget of zero at zero for good: a waiter that does not spin always sleeps.)
   void AdaptSpin(Clock::duration slept) {
-    if (slept < group_->spin) {
+    if (slept == Clock::duration::zero()) {
       spin_ = std::min(group_->spin, spin_ * 2 + std::chrono::microseconds(1));
+    } else if (slept < group_->spin) {
+      spin_ = std::min(group_->spin, spin_ + std::chrono::microseconds(1));
     } else {
       spin_ /= 2;
     }
