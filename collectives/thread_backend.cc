@@ -101,22 +101,29 @@ class Event {
   }
 
   // Waits until done() (which reads atomics with acquire) or `deadline`; returns done().
-  // Spins up to `spin` first, then sleeps. *quick (if given) tells whether it was done
-  // without sleeping.
+  // Spins up to `spin` first, then sleeps. *slept (if given) is how long the wait lasted
+  // when it had to sleep, zero when it was done without sleeping.
   template <typename Done>
   bool Wait(const Done& done, Clock::time_point deadline, Clock::duration spin,
-            bool* quick = nullptr) {
-    if (quick != nullptr) *quick = true;
+            Clock::duration* slept = nullptr) {
+    if (slept != nullptr) *slept = Clock::duration::zero();
     if (done()) return true;
+    const Clock::time_point start = Clock::now();
     if (spin > Clock::duration::zero()) {
-      const Clock::time_point spin_end = Clock::now() + spin;
+      const Clock::time_point spin_end = start + spin;
       for (int i = 1;; ++i) {
         CpuRelax();
         if (done()) return true;
         if (i % 64 == 0 && Clock::now() >= spin_end) break;
       }
     }
-    if (quick != nullptr) *quick = false;
+    struct Stamp {  // records the wait's length however the loop below returns
+      Clock::duration* slept;
+      Clock::time_point start;
+      ~Stamp() {
+        if (slept != nullptr) *slept = std::max(Clock::now() - start, Clock::duration(1));
+      }
+    } stamp{slept, start};
     for (;;) {
       const uint32_t seen = epoch_.load(std::memory_order_seq_cst);
       if (done()) return true;
@@ -537,14 +544,14 @@ class ThreadCommunicator : public Communicator {
           g.timeout == absl::InfiniteDuration()
               ? Clock::time_point::max()
               : Clock::now() + absl::ToChronoNanoseconds(g.timeout);
-      bool quick;
+      Clock::duration slept;
       g.event.Wait(
           [&] {
             return g.arrived.load(std::memory_order_acquire) == target ||
                    g.broken.load(std::memory_order_acquire);
           },
-          deadline, spin_, &quick);
-      AdaptSpin(quick);
+          deadline, spin_, &slept);
+      AdaptSpin(slept);
       if (g.arrived.load(std::memory_order_acquire) != target) {
         // Timed out, or the group broke: withdraw my arrival, unless the last peer arrived
         // meanwhile (then the operation runs after all, with every buffer still valid).
@@ -580,22 +587,29 @@ class ThreadCommunicator : public Communicator {
     } else {
       // No deadline: each peer's data phase is local work that always finishes, and no
       // rank may return while a peer may still read or write its buffers.
-      bool quick;
+      Clock::duration slept;
       g.event.Wait(
           [&] { return g.finished.load(std::memory_order_acquire) == target; },
-          Clock::time_point::max(), spin_, &quick);
-      AdaptSpin(quick);
+          Clock::time_point::max(), spin_, &slept);
+      AdaptSpin(slept);
     }
     ++op_index_;
     return agreed;
   }
 
-  // Adaptive spinning: double the budget (up to the group's cap) after a wait that ended
-  // while spinning, halve it after one that had to sleep. On a loaded machine, where the
-  // peer we wait for is descheduled, the budget falls to nothing within a few operations.
-  void AdaptSpin(bool quick) {
-    if (quick) {
+  // Adaptive spinning. `slept` is how long a wait that had to sleep lasted (zero when
+  // spinning sufficed). Double the budget (up to the group's cap) after a wait that ended
+  // while spinning; add 1 us after one that slept but ended within the cap (the peer was
+  // running, only a little late: a longer spin would have saved the futex round trip);
+  // halve it after a longer one (a descheduled peer). On a loaded machine the budget falls
+  // to nothing within a few operations and stays low while long waits keep coming; it
+  // grows back once waits are short again. (Halving after every sleep, as before, kept a
+  // budget of zero at zero for good: a waiter that does not spin always sleeps.)
+  void AdaptSpin(Clock::duration slept) {
+    if (slept == Clock::duration::zero()) {
       spin_ = std::min(group_->spin, spin_ * 2 + std::chrono::microseconds(1));
+    } else if (slept < group_->spin) {
+      spin_ = std::min(group_->spin, spin_ + std::chrono::microseconds(1));
     } else {
       spin_ /= 2;
     }

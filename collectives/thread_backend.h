@@ -18,8 +18,9 @@
 // staging copy). Nobody returns until every rank is done with every buffer. Waiting spins
 // for up to 50 us when the machine has at least as many cores as ranks, never otherwise,
 // then sleeps on a futex, so 8 ranks run fine on 2 cores; each rank halves its spin budget
-// whenever it had to sleep (and doubles it when spinning sufficed), so a loaded machine
-// stops spinning.
+// after a wait longer than that cap (a descheduled peer), doubles it when spinning sufficed
+// and adds 1 us after a short wait that slept, so a loaded machine stops spinning and an
+// idle one starts again.
 // Synchronous calls run on the caller's thread without allocating. Asynchronous calls
 // are queued and run in issue order by a per-communicator worker thread, or by the
 // caller's own thread when it waits on an operation nobody has started; a synchronous
