@@ -165,11 +165,15 @@ TEST(GradBucketerTest, LayoutOf300MixedParameters) {
       const int id = info.param_ids[j];
       ++seen[id];
       EXPECT_EQ(params[id].first, info.dtype) << "bucket " << k << " mixes dtypes";
-      if (j > 0) EXPECT_LT(id, info.param_ids[j - 1]) << "not in reverse order";
+      if (j > 0) {
+        EXPECT_LT(id, info.param_ids[j - 1]) << "not in reverse order";
+      }
       EXPECT_EQ(b.bucket_of(id), k);
       bytes += params[id].second * DTypeSize(info.dtype);
     }
-    if (info.param_ids.size() > 1) EXPECT_LE(bytes, o.bucket_cap_bytes) << "bucket " << k;
+    if (info.param_ids.size() > 1) {
+      EXPECT_LE(bytes, o.bucket_cap_bytes) << "bucket " << k;
+    }
     EXPECT_EQ(static_cast<int64_t>(bytes / DTypeSize(info.dtype)), info.numel);
     EXPECT_LT(info.param_ids.back(), prev_min_id) << "buckets out of completion order";
     prev_min_id = info.param_ids.back();

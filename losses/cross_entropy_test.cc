@@ -422,7 +422,9 @@ TEST(CrossEntropyErrorsTest, NonFiniteRowsAreReportedWithTheirRow) {
       EXPECT_THAT(std::string(s.message()), HasSubstr(c.text));
       // The same row with its label ignored is never read: no error.
       const std::vector<int64_t> y_ignored = {0, 1, -100, 2};
-      if (dt == DType::kF32) EXPECT_TRUE(RunF32(z, n, v, y_ignored, {}, 4.0).ok()) << c.text;
+      if (dt == DType::kF32) {
+        EXPECT_TRUE(RunF32(z, n, v, y_ignored, {}, 4.0).ok()) << c.text;
+      }
     }
   }
 }
