@@ -260,10 +260,11 @@ absl::Status DispatchCombineForwardWith(Communicator& ep_group, const DispatchCo
   std::vector<int64_t> next(s.expert_first.begin(), s.expert_first.end() - 1);
   const int64_t num_sent = s.expert_first[E];
   s.send_copy.resize(num_sent);
-  std::vector<int64_t> copy_pos(T * K, -1);
+  s.copy_pos.assign(T * K, -1);
+  const std::vector<int64_t>& copy_pos = s.copy_pos;
   for (int64_t c = 0; c < T * K; ++c) {
     if (expert_index[c] < 0) continue;
-    copy_pos[c] = next[expert_index[c]]++;
+    s.copy_pos[c] = next[expert_index[c]]++;
     s.send_copy[copy_pos[c]] = c;
   }
 
@@ -377,6 +378,7 @@ absl::Status DispatchCombineBackwardWith(Communicator& ep_group, const DispatchC
       state.owner_first.size() != static_cast<size_t>(P) * E_local ||
       state.owner_count.size() != static_cast<size_t>(P) * E_local ||
       state.combine_weight.size() != static_cast<size_t>(T * K) ||
+      state.copy_pos.size() != static_cast<size_t>(T * K) ||
       state.output_row.size() != static_cast<size_t>(num_sent) ||
       state.copy_output.size() != static_cast<size_t>(num_sent * D) ||
       state.expert_input.size() != static_cast<size_t>(num_received * D) ||
@@ -401,8 +403,7 @@ absl::Status DispatchCombineBackwardWith(Communicator& ep_group, const DispatchC
   // Token by token (each dy row is read from memory once for its K copies), the dot
   // products kDotRowsMax copies at a time (each one sequential fp64 sum; the rows run side
   // by side, moe/dispatch_rows.h).
-  std::vector<int64_t> copy_pos(static_cast<size_t>(T) * K, -1);
-  for (int64_t pos = 0; pos < num_sent; ++pos) copy_pos[state.send_copy[pos]] = pos;
+  const std::vector<int64_t>& copy_pos = state.copy_pos;  // forward's inverse of send_copy
   const internal::RowKernels& rk = internal::SelectedRowKernels();
   constexpr int kRows = internal::kDotRowsMax;
   for (int64_t c0 = 0; c0 < T * K;) {

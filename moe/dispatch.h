@@ -83,6 +83,7 @@ struct DispatchState {
   int64_t num_tokens = 0;
   // Home side: the copies in send order (sorted by destination expert).
   std::vector<int64_t> send_copy;     // [S] copy index t * K + k of each sent row
+  std::vector<int64_t> copy_pos;      // [T * K] its inverse: copy c's send position, or -1
   std::vector<int64_t> expert_first;  // [E + 1] first send position of each expert's rows
   std::vector<float> combine_weight;  // [T, K] the weights used by the combine
   // Where sent row `pos`'s expert output is: copy_output row output_row[pos] when >= 0,
