@@ -217,18 +217,21 @@ absl::Status FlatParam::WaitUnshard() {
     return absl::FailedPreconditionError(
         absl::StrCat("group \"", name_, "\": WaitUnshard without StartUnshard"));
   }
-  absl::Status s = unshard_work_->Wait(group_->timeout() + absl::Seconds(5));
-  if (!s.ok() && absl::IsDeadlineExceeded(s) && !unshard_work_->IsCompleted()) {
-    // Still in flight: keep the handle (and the buffers) so a later wait can finish it.
-    return Annotate(s, absl::StrCat("unshard of group \"", name_, "\""));
-  }
-  unshard_work_.reset();
+  bool in_flight;
+  const absl::Status s = AwaitWork(unshard_work_, &in_flight);
   if (!s.ok()) {
-    unshard_state_ = UnshardState::kNone;
+    if (!in_flight) unshard_state_ = UnshardState::kNone;
     return Annotate(s, absl::StrCat("unshard of group \"", name_, "\""));
   }
   unshard_state_ = UnshardState::kReady;
   return absl::OkStatus();
+}
+
+absl::Status FlatParam::AwaitWork(std::unique_ptr<Work>& work, bool* in_flight) const {
+  const absl::Status s = work->Wait(group_->timeout() + absl::Seconds(5));
+  *in_flight = !s.ok() && absl::IsDeadlineExceeded(s) && !work->IsCompleted();
+  if (!*in_flight) work.reset();
+  return s;
 }
 
 absl::Status FlatParam::Unshard() {
@@ -400,17 +403,12 @@ absl::Status FlatParam::StartExactGradReduce(bool last_micro_batch) {
 
 absl::Status FlatParam::FinishExactGradReduce() {
   const std::string what = absl::StrCat("exact gradient reduction of group \"", name_, "\"");
-  absl::Status s = grad_work_->Wait(group_->timeout() + absl::Seconds(5));
-  if (!s.ok() && absl::IsDeadlineExceeded(s) && !grad_work_->IsCompleted()) {
-    return Annotate(s, what);
-  }
-  grad_work_.reset();
+  bool in_flight;
+  absl::Status s = AwaitWork(grad_work_, &in_flight);
+  if (in_flight) return Annotate(s, what);
   if (rejected_work_) {
-    absl::Status r = rejected_work_->Wait(group_->timeout() + absl::Seconds(5));
-    if (!r.ok() && absl::IsDeadlineExceeded(r) && !rejected_work_->IsCompleted()) {
-      return Annotate(r, what);
-    }
-    rejected_work_.reset();
+    const absl::Status r = AwaitWork(rejected_work_, &in_flight);
+    if (in_flight) return Annotate(r, what);
     if (s.ok()) s = r;
   }
   if (!s.ok()) return Annotate(s, what);
@@ -433,11 +431,8 @@ absl::Status FlatParam::FinishExactGradReduce() {
 absl::Status FlatParam::FinishGradReduce() {
   if (!grad_work_) return absl::OkStatus();
   if (exact()) return FinishExactGradReduce();
-  absl::Status s = grad_work_->Wait(group_->timeout() + absl::Seconds(5));
-  if (!s.ok() && absl::IsDeadlineExceeded(s) && !grad_work_->IsCompleted()) {
-    return Annotate(s, absl::StrCat("gradient reduction of group \"", name_, "\""));
-  }
-  grad_work_.reset();
+  bool in_flight;
+  const absl::Status s = AwaitWork(grad_work_, &in_flight);
   if (!s.ok()) return Annotate(s, absl::StrCat("gradient reduction of group \"", name_, "\""));
   const bool bf16 = options_.reduce_dtype == DType::kBF16;
   if (grad_work_is_allreduce_) {

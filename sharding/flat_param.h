@@ -297,6 +297,11 @@ class FlatParam {
   bool exact() const { return options_.exact_grads; }
   absl::Status StartExactGradReduce(bool last_micro_batch);
   absl::Status FinishExactGradReduce();
+  // Waits for `work` (the group's timeout plus 5 s of grace). If it is still in flight
+  // then: DeadlineExceeded, *in_flight = true, and `work` is kept (its buffers stay in use;
+  // a later wait can finish it). Otherwise *in_flight = false, `work` is released and its
+  // status returned.
+  absl::Status AwaitWork(std::unique_ptr<Work>& work, bool* in_flight) const;
   absl::Status CheckIndex(int index) const;
   // Adds one micro-batch's reduced shard (shard_numel() fp32) into the accumulator.
   void AccumulateShard(const float* in);
