@@ -70,10 +70,9 @@ absl::StatusOr<std::unique_ptr<BucketedGradReducer>> BucketedGradReducer::Create
       const FlatParamEntry& e = g->entries()[k];
       // Exact mode: each element's int64 limbs (SEMANTICS.md §11).
       GRADSUM_ASSIGN_OR_RETURN(
-          int id, exact ? r->bucketer_.Register(absl::StrCat(g->name(), "/", e.name),
-                                                DType::kI64, e.numel * exact::kLimbs)
-                        : r->bucketer_.Register(absl::StrCat(g->name(), "/", e.name),
-                                                g->options().reduce_dtype, e.numel));
+          int id, r->bucketer_.Register(absl::StrCat(g->name(), "/", e.name),
+                                        exact ? DType::kI64 : g->options().reduce_dtype,
+                                        exact ? e.numel * exact::kLimbs : e.numel));
       ids.push_back(id);
       r->owner_.push_back({static_cast<int>(gi), k});
     }
