@@ -187,19 +187,19 @@ absl::Status ExpertsBackward(const ExpertsConfig& config, const ExpertWeights& w
     const auto wg = weights.gate.subspan(j * D * H, D * H);
     const auto wu = weights.up.subspan(j * D * H, D * H);
     const auto wd = weights.down.subspan(j * H * D, H * D);
-    // The weight gradients of rows [row, row + n): dW += X^T dY for Wd (act^T dy), Wg
-    // (x^T dg) and Wu (x^T du), straight into the gradient spans.
-    auto weight_grads = [&](int64_t row, int64_t n) -> absl::Status {
-      const auto xj = x.subspan(row * D, n * D);
-      const auto dyj = dy.subspan(row * D, n * D);
-      GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kYes, Trans::kNo, H, D, n, 1.0f,
-                                    act.subspan(row * H, n * H), H, dyj, D, 1.0f,
-                                    grads.down.subspan(j * H * D, H * D), D));
-      GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kYes, Trans::kNo, D, H, n, 1.0f, xj, D,
-                                    d_gate.subspan(row * H, n * H), H, 1.0f,
-                                    grads.gate.subspan(j * D * H, D * H), H));
-      return Sgemm(Trans::kYes, Trans::kNo, D, H, n, 1.0f, xj, D, d_up.subspan(row * H, n * H),
-                   H, 1.0f, grads.up.subspan(j * D * H, D * H), H);
+    // Weight gradient `which` (0 Wg, 1 Wu, 2 Wd: the stacked order) of rows [row, row + n):
+    // X^T dY (x^T dg, x^T du, act^T dy) into `out`, added to it (beta 1) or over it (beta 0).
+    // Wd, Wg, Wu is the order both modes run them in.
+    constexpr int kWeightOrder[] = {2, 0, 1};
+    auto weight_grad = [&](int which, int64_t row, int64_t n, float beta,
+                           absl::Span<float> out) -> absl::Status {
+      const int64_t rows = which == 2 ? H : D, cols = which == 2 ? D : H;
+      const auto xt = which == 2 ? act.subspan(row * H, n * H) : x.subspan(row * D, n * D);
+      const auto d = which == 2   ? dy.subspan(row * D, n * D)
+                     : which == 0 ? d_gate.subspan(row * H, n * H)
+                                  : d_up.subspan(row * H, n * H);
+      return Sgemm(Trans::kYes, Trans::kNo, rows, cols, n, 1.0f, xt, rows, d, cols, beta, out,
+                   cols);
     };
     // Row products per block: d(act) = dy Wd^T, the SwiGLU backward (in place: d(act) ->
     // dL/dg; also dL/du and the forward's act, core/vec_math.h), dx = dg Wg^T + du Wu^T.
@@ -213,8 +213,16 @@ absl::Status ExpertsBackward(const ExpertsConfig& config, const ExpertWeights& w
       GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kYes, n, H, D, 1.0f, dyj, D, wd, D, 0.0f,
                                     absl::MakeSpan(dg, n * H), H));
       vec::SwiGluBackward(g, u, dg, du, act.data() + row * H, n * H);
-      // Without exact gradients, the weight gradients follow here (as one block).
-      if (grads.exact == nullptr) GRADSUM_RETURN_IF_ERROR(weight_grads(row, n));
+      // Without exact gradients, the weight gradients follow here, straight into the
+      // gradient spans (as one block).
+      if (grads.exact == nullptr) {
+        for (int which : kWeightOrder) {
+          const absl::Span<float> out = which == 2   ? grads.down.subspan(j * H * D, H * D)
+                                        : which == 0 ? grads.gate.subspan(j * D * H, D * H)
+                                                     : grads.up.subspan(j * D * H, D * H);
+          GRADSUM_RETURN_IF_ERROR(weight_grad(which, row, n, 1.0f, out));
+        }
+      }
       const auto dxj = dx.subspan(row * D, n * D);
       GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kYes, n, D, H, 1.0f,
                                     absl::MakeConstSpan(dg, n * H), H, wg, H, 0.0f, dxj, D));
@@ -225,16 +233,10 @@ absl::Status ExpertsBackward(const ExpertsConfig& config, const ExpertWeights& w
     // Exact: one matrix at a time over every block (its limbs stay in cache), each block's
     // contribution into scratch and then added exactly at its stacked offset.
     const absl::Span<float> c = Scratch(3, D * H);
-    for (int which : {2, 0, 1}) {  // Wd, Wg, Wu
-      const int64_t rows = which == 2 ? H : D, cols = which == 2 ? D : H;
+    for (int which : kWeightOrder) {
       GRADSUM_RETURN_IF_ERROR(ForEachBlock(config, j, offsets[j], group_sizes[j],
                                            [&](int64_t row, int64_t n) -> absl::Status {
-        const auto xt = which == 2 ? act.subspan(row * H, n * H) : x.subspan(row * D, n * D);
-        const auto d = which == 2   ? dy.subspan(row * D, n * D)
-                       : which == 0 ? d_gate.subspan(row * H, n * H)
-                                    : d_up.subspan(row * H, n * H);
-        GRADSUM_RETURN_IF_ERROR(
-            Sgemm(Trans::kYes, Trans::kNo, rows, cols, n, 1.0f, xt, rows, d, cols, 0.0f, c, cols));
+        GRADSUM_RETURN_IF_ERROR(weight_grad(which, row, n, 0.0f, c));
         return grads.exact->Add((which * El + j) * D * H, c);
       }));
     }
