@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
 
 namespace gradsum {
 
@@ -71,6 +72,19 @@ inline void ParallelFor(int num_threads, int64_t num_tasks, absl::FunctionRef<vo
     return;
   }
   ThreadPool::Shared().Run(num_threads, num_tasks, fn);
+}
+
+// ParallelFor over tasks that can fail: runs fn(t) for every t < num_tasks (all of them,
+// whichever fail) and returns the first error in task order, so which error is reported
+// does not depend on the thread count.
+inline absl::Status ParallelForStatus(int num_threads, int64_t num_tasks,
+                                      absl::FunctionRef<absl::Status(int64_t)> fn) {
+  std::vector<absl::Status> status(static_cast<size_t>(num_tasks));
+  ParallelFor(num_threads, num_tasks, [&](int64_t t) { status[t] = fn(t); });
+  for (absl::Status& s : status) {
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
 }
 
 // The cores this process may run on (its CPU affinity mask, so taskset and cpusets count),

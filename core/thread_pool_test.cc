@@ -6,6 +6,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
 namespace gradsum {
@@ -107,6 +109,25 @@ TEST(ThreadPoolTest, ScopedComputeThreadsNestsAndIsPerThread) {
     EXPECT_EQ(ComputeThreads(), 3);
   }
   EXPECT_EQ(ComputeThreads(), 1);
+}
+
+// Every task runs, and the error reported is the lowest-numbered failing task's, at any
+// thread count.
+TEST(ThreadPoolTest, ParallelForStatusRunsAllAndReportsTheFirstErrorInTaskOrder) {
+  for (int threads : {1, 2, 4}) {
+    std::vector<std::atomic<int>> runs(64);
+    const absl::Status s = ParallelForStatus(threads, 64, [&](int64_t t) {
+      ++runs[t];
+      if (t == 41 || t == 17 || t == 63) {
+        return absl::InvalidArgumentError(absl::StrCat("task ", t));
+      }
+      return absl::OkStatus();
+    });
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << threads;
+    EXPECT_EQ(s.message(), "task 17") << threads;
+    for (int t = 0; t < 64; ++t) EXPECT_EQ(runs[t].load(), 1) << t;
+  }
+  EXPECT_TRUE(ParallelForStatus(2, 0, [](int64_t) { return absl::InternalError("no"); }).ok());
 }
 
 }  // namespace

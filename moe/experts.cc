@@ -87,12 +87,10 @@ absl::Span<float> Scratch(int slot, int64_t n) {
 // thread count. Returns the first error in expert order.
 absl::Status ForEachExpert(absl::Span<const int64_t> group_sizes,
                            const std::function<absl::Status(int)>& fn) {
-  std::vector<absl::Status> status(group_sizes.size());
-  ParallelFor(ComputeThreads(), static_cast<int64_t>(group_sizes.size()), [&](int64_t j) {
-    if (group_sizes[j] > 0) status[j] = fn(static_cast<int>(j));
-  });
-  for (absl::Status& s : status) GRADSUM_RETURN_IF_ERROR(s);
-  return absl::OkStatus();
+  return ParallelForStatus(
+      ComputeThreads(), static_cast<int64_t>(group_sizes.size()), [&](int64_t j) {
+        return group_sizes[j] > 0 ? fn(static_cast<int>(j)) : absl::OkStatus();
+      });
 }
 
 }  // namespace

@@ -34,13 +34,10 @@ absl::Status ForEachRowBlock(const RouterConfig& config, int64_t T,
                              const std::function<absl::Status(int64_t, int64_t)>& fn) {
   if (config.row_block <= 0) return fn(0, T);
   const int64_t blocks = (T + config.row_block - 1) / config.row_block;
-  std::vector<absl::Status> status(blocks);
-  ParallelFor(ComputeThreads(), blocks, [&](int64_t b) {
+  return ParallelForStatus(ComputeThreads(), blocks, [&](int64_t b) {
     const int64_t r0 = b * config.row_block;
-    status[b] = fn(r0, std::min(config.row_block, T - r0));
+    return fn(r0, std::min(config.row_block, T - r0));
   });
-  for (absl::Status& s : status) GRADSUM_RETURN_IF_ERROR(s);
-  return absl::OkStatus();
 }
 
 // Threads for one GEMM of ForEachRowBlock's fn: the budget when there is one block of all

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <functional>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -189,15 +188,6 @@ class EntriesGradSink : public ExactGradSink {
   std::atomic<int64_t> rejected_{0};
 };
 
-// Runs fn(s) for every sequence s in [0, n) over the thread budget; the first error in
-// sequence order.
-absl::Status ForEachSequence(int64_t n, const std::function<absl::Status(int64_t)>& fn) {
-  std::vector<absl::Status> status(n);
-  ParallelFor(ComputeThreads(), n, [&](int64_t s) { status[s] = fn(s); });
-  for (absl::Status& st : status) GRADSUM_RETURN_IF_ERROR(st);
-  return absl::OkStatus();
-}
-
 // Adds blocks [b * n, (b + 1) * n) of `blocks` (each one sequence's contribution) to the
 // sink's elements [0, n), in block order, split into element ranges over the threads
 // (disjoint ranges may be added concurrently, core/grad_sink.h).
@@ -205,7 +195,7 @@ absl::Status AddBlocksExact(ExactGradSink& sink, absl::Span<const float> blocks,
   const int64_t num_blocks = n == 0 ? 0 : static_cast<int64_t>(blocks.size()) / n;
   constexpr int64_t kMinRange = 4096;
   const int64_t ranges = std::max<int64_t>(1, std::min<int64_t>(ComputeThreads(), n / kMinRange));
-  return ForEachSequence(ranges, [&](int64_t r) -> absl::Status {
+  return ParallelForStatus(ComputeThreads(), ranges, [&](int64_t r) -> absl::Status {
     const int64_t begin = n * r / ranges, end = n * (r + 1) / ranges;
     for (int64_t b = 0; b < num_blocks; ++b) {
       GRADSUM_RETURN_IF_ERROR(sink.Add(begin, blocks.subspan(b * n + begin, end - begin)));
@@ -539,7 +529,7 @@ absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
       return absl::OkStatus();
     }
     dgain_blocks.assign(J * D, 0.0f);
-    GRADSUM_RETURN_IF_ERROR(ForEachSequence(J, [&](int64_t q) {
+    GRADSUM_RETURN_IF_ERROR(ParallelForStatus(ComputeThreads(), J, [&](int64_t q) {
       RmsNormBackward(x.subspan(q * S * D, S * D), absl::MakeConstSpan(g, D),
                       r.subspan(q * S, S), d_out.subspan(q * S * D, S * D),
                       S, D, absl::MakeSpan(dh).subspan(q * S * D, S * D),
@@ -622,7 +612,7 @@ absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
       ce_options.chunk_rows = S;
       std::vector<float> grad_head_blocks(J * D * V, 0.0f);
       seq_ce.assign(J, 0.0);
-      GRADSUM_RETURN_IF_ERROR(ForEachSequence(J, [&](int64_t q) -> absl::Status {
+      GRADSUM_RETURN_IF_ERROR(ParallelForStatus(ComputeThreads(), J, [&](int64_t q) -> absl::Status {
         GRADSUM_ASSIGN_OR_RETURN(seq_ce[q],
                                  head(q * S, S, grad_head_blocks.data() + q * D * V, ce_options));
         return absl::OkStatus();
