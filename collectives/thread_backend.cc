@@ -260,11 +260,11 @@ struct ExecState {
   absl::Duration timeout;                      // the group's timeout
   Clock::duration spin{};                      // the group's spin before sleeping
 
-  // After a change that may let a sleeper proceed. Caller holds mu.
-  void WakeIfNeeded() {
-    if ((worker_idle && (!queue.empty() || stopping) && !executing) || idle_waiters > 0) {
-      cv.notify_all();
-    }
+  // After a change that may let a sleeper proceed: whether to notify `cv`. Caller holds
+  // mu, and notifies after releasing it: a sleeper woken while the notifier still holds mu
+  // would only block on mu again (two more context switches per hand-off on a busy core).
+  bool NeedsWake() const {
+    return (worker_idle && (!queue.empty() || stopping) && !executing) || idle_waiters > 0;
   }
 };
 
@@ -489,17 +489,25 @@ class ThreadCommunicator : public Communicator {
   }
 
   void Enqueue(std::shared_ptr<OpState> op) {
-    std::lock_guard<std::mutex> lock(exec_->mu);
-    op->queued = true;
-    exec_->queue.push_back(std::move(op));
-    exec_->WakeIfNeeded();
+    bool wake;
+    {
+      std::lock_guard<std::mutex> lock(exec_->mu);
+      op->queued = true;
+      exec_->queue.push_back(std::move(op));
+      wake = exec_->NeedsWake();
+    }
+    if (wake) exec_->cv.notify_all();
   }
 
   // Ends an execution claimed by setting `executing`.
   void Release() {
-    std::lock_guard<std::mutex> lock(exec_->mu);
-    exec_->executing = false;
-    exec_->WakeIfNeeded();
+    bool wake;
+    {
+      std::lock_guard<std::mutex> lock(exec_->mu);
+      exec_->executing = false;
+      wake = exec_->NeedsWake();
+    }
+    if (wake) exec_->cv.notify_all();
   }
 
   void WorkerLoop() {
