@@ -52,7 +52,11 @@ class SlotExchanges {
     }
     for (int p = 0; p < P; ++p) {
       const int e = p * El + j;
-      plan.home_offsets[p] = static_cast<size_t>(state_.expert_first[e]) * d_model_;
+      // The home buffers skip this rank's own rows (DispatchState::own_first).
+      const int64_t home_row = p < me    ? state_.expert_first[e]
+                               : p == me ? state_.own_first
+                                         : state_.expert_first[e] - state_.own_rows;
+      plan.home_offsets[p] = static_cast<size_t>(home_row) * d_model_;
       plan.owner_offsets[p] = static_cast<size_t>(state_.owner_first[p * El + j]) * d_model_;
       if (p == me) continue;
       plan.home_counts[p] =
@@ -295,10 +299,15 @@ absl::Status DispatchCombineForwardWith(Communicator& ep_group, const DispatchCo
   const int64_t num_received = row;
   s.num_received = num_received;
 
-  // Where each sent row's output will be: its own row of copy_output, or for this rank's
-  // own experts (never exchanged) its row of expert_output.
+  // Where each sent row's output will be: its row of copy_output (which skips the own
+  // range), or for this rank's own experts (never exchanged) its row of expert_output.
+  s.own_first = s.expert_first[me * E_local];
+  s.own_rows = s.expert_first[(me + 1) * E_local] - s.own_first;
+  const int64_t num_exchanged = s.exchanged_rows();
   s.output_row.resize(num_sent);
-  for (int64_t pos = 0; pos < num_sent; ++pos) s.output_row[pos] = pos;
+  for (int64_t pos = 0; pos < num_sent; ++pos) {
+    s.output_row[pos] = pos < s.own_first ? pos : pos - s.own_rows;
+  }
   for (int j = 0; j < E_local; ++j) {
     const int e = me * E_local + j;
     const int64_t first = s.owner_first[me * E_local + j];
@@ -309,16 +318,16 @@ absl::Status DispatchCombineForwardWith(Communicator& ep_group, const DispatchCo
 
   // 3. Pack the rows straight into the send buffer (own experts' rows straight into the
   // experts' input).
-  float* send = Scratch(s.scratch_send, num_sent * D);
+  float* send = Scratch(s.scratch_send, num_exchanged * D);
   s.expert_input.resize(num_received * D);
   s.expert_output.resize(num_received * D);
-  s.copy_output.resize(num_sent * D);
+  s.copy_output.resize(num_exchanged * D);
   // Token by token, so that each row of `a` is read from memory once for its K copies.
   for (int64_t c = 0; c < T * K; ++c) {
     const int64_t pos = copy_pos[c];
     if (pos < 0) continue;
     const int64_t r = s.output_row[pos];
-    float* dst = r >= 0 ? send + pos * D : s.expert_input.data() + (-1 - r) * D;
+    float* dst = r >= 0 ? send + r * D : s.expert_input.data() + (-1 - r) * D;
     std::memcpy(dst, &a[(c / K) * D], sizeof(float) * D);
   }
   // 4. A pipeline over chunks of local experts: every slot's rows leave at once; a chunk's
@@ -380,7 +389,8 @@ absl::Status DispatchCombineBackwardWith(Communicator& ep_group, const DispatchC
       state.combine_weight.size() != static_cast<size_t>(T * K) ||
       state.copy_pos.size() != static_cast<size_t>(T * K) ||
       state.output_row.size() != static_cast<size_t>(num_sent) ||
-      state.copy_output.size() != static_cast<size_t>(num_sent * D) ||
+      state.own_first < 0 || state.own_rows < 0 || state.own_first + state.own_rows > num_sent ||
+      state.copy_output.size() != static_cast<size_t>(state.exchanged_rows() * D) ||
       state.expert_input.size() != static_cast<size_t>(num_received * D) ||
       state.expert_output.size() != static_cast<size_t>(num_received * D) ||
       !ValidChunks(state, E_local)) {
@@ -397,7 +407,7 @@ absl::Status DispatchCombineBackwardWith(Communicator& ep_group, const DispatchC
   // d w_tk = <dy_t, out_tk>; the copy's output gradient w_tk dy_t goes straight into the
   // send buffer (own experts' rows straight into the experts' output gradient).
   std::fill(d_combine_weight.begin(), d_combine_weight.end(), 0.0f);  // unrouted copies
-  float* send = Scratch(state.scratch_send, num_sent * D);
+  float* send = Scratch(state.scratch_send, state.exchanged_rows() * D);
   float* expert_dy = Scratch(state.scratch_expert_a, num_received * D);
   float* expert_dx = Scratch(state.scratch_expert_b, num_received * D);
   // Token by token (each dy row is read from memory once for its K copies), the dot
@@ -424,7 +434,7 @@ absl::Status DispatchCombineBackwardWith(Communicator& ep_group, const DispatchC
       const int64_t c = copy[i], pos = copy_pos[c];
       d_combine_weight[c] = static_cast<float>(dot[i]);
       const int64_t r = state.output_row[pos];
-      float* g = r >= 0 ? send + pos * D : expert_dy + (-1 - r) * D;
+      float* g = r >= 0 ? send + r * D : expert_dy + (-1 - r) * D;
       rk.scale(g, state.combine_weight[c], dyt[i], D);
     }
   }
@@ -453,7 +463,7 @@ absl::Status DispatchCombineBackwardWith(Communicator& ep_group, const DispatchC
     for (int i = 0; i < n; ++i) {
       const int64_t pos = token_pos[i];
       const int64_t r = state.output_row[pos];
-      rk.add(&d_a[t * D], r >= 0 ? send + pos * D : expert_dx + (-1 - r) * D, D);
+      rk.add(&d_a[t * D], r >= 0 ? send + r * D : expert_dx + (-1 - r) * D, D);
     }
   }
   return absl::OkStatus();

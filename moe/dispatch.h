@@ -86,10 +86,15 @@ struct DispatchState {
   std::vector<int64_t> copy_pos;      // [T * K] its inverse: copy c's send position, or -1
   std::vector<int64_t> expert_first;  // [E + 1] first send position of each expert's rows
   std::vector<float> combine_weight;  // [T, K] the weights used by the combine
+  // The sent rows for this rank's own experts: send positions [own_first, own_first +
+  // own_rows). They never leave, so the home side's exchange buffers (copy_output, and the
+  // send scratch) hold only the other X = S - own_rows rows: row pos, or pos - own_rows
+  // after the own range.
+  int64_t own_first = 0, own_rows = 0;
   // Where sent row `pos`'s expert output is: copy_output row output_row[pos] when >= 0,
   // else (own experts) expert_output row -1 - output_row[pos].
   std::vector<int64_t> output_row;    // [S]
-  std::vector<float> copy_output;     // [S, D] expert outputs back home, in send order
+  std::vector<float> copy_output;     // [X, D] expert outputs back home, in send order
   // Owner side: rows from source q for local expert j are the expert-major rows
   // [owner_first[q * El + j], + owner_count[q * El + j]).
   std::vector<int64_t> owner_first, owner_count;  // [P * El]
@@ -110,6 +115,8 @@ struct DispatchState {
   // and benchmarks.
   int64_t received_rows() const { return num_received; }
   int64_t sent_rows() const { return static_cast<int64_t>(send_copy.size()); }
+  // Sent rows that cross to another rank (X above).
+  int64_t exchanged_rows() const { return sent_rows() - own_rows; }
 };
 
 // InvalidArgument unless D, H >= 1, E >= 1, 1 <= K <= E and E % ep_size == 0 (the messages
