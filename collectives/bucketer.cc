@@ -214,7 +214,7 @@ absl::Status GradBucketer::WaitAll() {
   absl::Status first;
   for (int b = 0; b < num_buckets(); ++b) {
     if (buckets_[b].work == nullptr) continue;
-    absl::Status s = buckets_[b].work->Wait(comm_->timeout() + absl::Seconds(5));
+    absl::Status s = buckets_[b].work->Wait(comm_->OperationWaitLimit());
     if (!s.ok() && first.ok()) {
       first = absl::Status(s.code(), absl::StrCat("GradBucketer bucket ", b, ": ", s.message()));
     }

@@ -15,7 +15,7 @@ const char* ReduceOpName(ReduceOp op) {
 
 absl::Status Communicator::WaitIssued(absl::StatusOr<std::unique_ptr<Work>> work) {
   if (!work.ok()) return work.status();
-  return (*work)->Wait(timeout() + absl::Seconds(5));
+  return (*work)->Wait(OperationWaitLimit());
 }
 
 absl::Status Communicator::AllReduce(const void* send, void* recv, size_t count, DType dtype,

@@ -228,6 +228,11 @@ class Communicator {
   absl::Status Barrier(const BarrierOptions& o);
   absl::StatusOr<std::unique_ptr<Work>> BarrierAsync(const BarrierOptions& o);
 
+  // How long to wait on one of this communicator's operations: timeout() plus a margin,
+  // so that the backend's own DeadlineExceeded (which names the ranks that did not
+  // arrive) is what a caller normally sees, rather than its own wait's.
+  absl::Duration OperationWaitLimit() const { return timeout() + absl::Seconds(5); }
+
  protected:
   // Waits on an issued operation with this communicator's timeout plus a margin, so
   // that the backend's own DeadlineExceeded is what the caller normally sees.

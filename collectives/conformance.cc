@@ -162,7 +162,7 @@ absl::Status Compare(const std::string& what, DType t, const uint8_t* got, size_
 
 absl::Status WaitFor(Communicator& comm, absl::StatusOr<std::unique_ptr<Work>> work) {
   if (!work.ok()) return work.status();
-  return (*work)->Wait(comm.timeout() + absl::Seconds(5));
+  return (*work)->Wait(comm.OperationWaitLimit());
 }
 
 uint64_t Tag(int kind, DType t, int op, size_t count) {
@@ -464,7 +464,7 @@ absl::Status CheckAsyncInIssueOrder(Communicator& comm, const CheckOptions& opti
   }
   for (size_t i = works.size(); i-- > 0;) {
     GRADSUM_RETURN_IF_ERROR(
-        Annotate(works[i]->Wait(comm.timeout() + absl::Seconds(5)), cases[i]->name()));
+        Annotate(works[i]->Wait(comm.OperationWaitLimit()), cases[i]->name()));
     if (!works[i]->IsCompleted()) {
       return absl::InternalError(absl::StrCat(cases[i]->name(), ": Wait returned OK but IsCompleted is false"));
     }

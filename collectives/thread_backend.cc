@@ -392,7 +392,7 @@ class ThreadCommunicator : public Communicator {
     op->args = a;
     Enqueue(op);
     ThreadWork work(op, exec_);
-    absl::Status s = work.Wait(timeout() + absl::Seconds(5));
+    absl::Status s = work.Wait(OperationWaitLimit());
     if (!s.ok()) return s;
     return std::move(op->split_result);
   }
@@ -452,7 +452,7 @@ class ThreadCommunicator : public Communicator {
     if (!inline_ok) {
       absl::StatusOr<std::unique_ptr<Work>> work = Issue(a, absl::OkStatus());  // checked above
       if (!work.ok()) return work.status();
-      return (*work)->Wait(timeout() + absl::Seconds(5));
+      return (*work)->Wait(OperationWaitLimit());
     }
     absl::Status s = Execute(a, nullptr);
     Release();

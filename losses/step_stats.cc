@@ -176,7 +176,7 @@ absl::StatusOr<ExpertCountReduction> ExpertCountReduction::Start(
   ExpertCountReduction r;
   r.counts_.assign(local_counts.begin(), local_counts.end());
   r.top_k_ = top_k;
-  r.default_timeout_ = world.timeout() + absl::Seconds(5);
+  r.default_timeout_ = world.OperationWaitLimit();
   // SEMANTICS §5: one SUM all-reduce of the length-E count vector, async during forward.
   absl::StatusOr<std::unique_ptr<Work>> work = world.AllReduceAsync(
       r.counts_.data(), r.counts_.data(), r.counts_.size(), DType::kI64, ReduceOp::kSum);

@@ -76,7 +76,7 @@ class SlotExchanges {
   // Waits for slot j's exchange if it was issued and not yet waited for.
   absl::Status Wait(int j) {
     if (j >= num_slots_ || works_[j] == nullptr) return absl::OkStatus();
-    absl::Status s = works_[j]->Wait(comm_.timeout() + absl::Seconds(5));
+    absl::Status s = works_[j]->Wait(comm_.OperationWaitLimit());
     works_[j].reset();
     return Annotate(s, what_);
   }

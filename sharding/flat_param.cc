@@ -228,7 +228,7 @@ absl::Status FlatParam::WaitUnshard() {
 }
 
 absl::Status FlatParam::AwaitWork(std::unique_ptr<Work>& work, bool* in_flight) const {
-  const absl::Status s = work->Wait(group_->timeout() + absl::Seconds(5));
+  const absl::Status s = work->Wait(group_->OperationWaitLimit());
   *in_flight = !s.ok() && absl::IsDeadlineExceeded(s) && !work->IsCompleted();
   if (!*in_flight) work.reset();
   return s;
