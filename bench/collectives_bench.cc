@@ -126,6 +126,26 @@ void AllReduceOneBuffer(benchmark::State& state, bool in_place) {
 }
 
 void BM_AllReduceContiguous(benchmark::State& state) { AllReduceOneBuffer(state, true); }
+
+// The same in-place all-reduce issued async and waited for at once: the path of a small
+// collective that a caller overlaps (the MoE expert counts, a loss statistic), handle and
+// queue included.
+void BM_AllReduceLatencyAsync(benchmark::State& state) {
+  const size_t count = static_cast<size_t>(state.range(0)) / sizeof(float);
+  auto comms = MakeComms();
+  std::vector<std::vector<float>> buf(kWorld, std::vector<float>(count, 0.0f));
+  RunLockStep(
+      state, comms,
+      [&](int r) -> std::function<void()> {
+        return [&, r] {
+          auto w = comms[r]->AllReduceAsync(buf[r].data(), buf[r].data(), count, DType::kF32,
+                                            ReduceOp::kSum);
+          Check(w.status(), "issue");
+          Check((*w)->Wait(), "wait");
+        };
+      },
+      static_cast<int64_t>(count * sizeof(float)));
+}
 void BM_AllReduceOutOfPlace(benchmark::State& state) { AllReduceOneBuffer(state, false); }
 
 // ---- A small transformer's gradient set (bench/transformer_grads.h). ----
@@ -212,6 +232,7 @@ void LatencySizes(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(BM_Memcpy)->Apply(LatencySizes);
 BENCHMARK(BM_AllReduceLatency)->Apply(LatencySizes);
+BENCHMARK(BM_AllReduceLatencyAsync)->Apply(LatencySizes);
 
 // Buffer sizes for memcpy and the contiguous all-reduce: 4 KiB .. 256 MiB, 64 MiB, and
 // the gradient set's exact size (the equal-bytes comparison).

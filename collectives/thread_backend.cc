@@ -285,6 +285,46 @@ class ThreadWork : public Work {
   std::shared_ptr<ExecState> exec_;
 };
 
+// The larger of the bytes one rank's call reads and writes in its buffers (its own
+// share, not the whole group's).
+size_t PayloadBytes(const OpCall& c, int w) {
+  if (!HasDType(c.kind)) return 0;
+  const size_t elem = DTypeSize(c.dtype);
+  switch (c.kind) {
+    case OpKind::kReduceScatter:
+    case OpKind::kAllGather:
+      return c.count * static_cast<size_t>(w) * elem;
+    case OpKind::kAllToAllV: {
+      size_t sent = 0, received = 0;
+      for (size_t n : c.send_counts) sent += n;
+      for (size_t n : c.recv_counts) received += n;
+      return std::max(sent, received) * elem;
+    }
+    default:
+      return c.count * elem;
+  }
+}
+
+// Operations up to this size run on the issuing thread when its peers are already waiting
+// in them (ThreadCommunicator::Issue). Larger ones go to the worker even then: their data
+// phase is long enough that running it beside the caller's compute, on a core a waiting
+// peer leaves free, pays for the hand-off.
+constexpr size_t kIssueInlineBytes = size_t{64} << 10;
+
+// An operation that completed during its issue call (ThreadCommunicator::Issue).
+class DoneWork : public Work {
+ public:
+  DoneWork(absl::Status status, absl::Time completed_at)
+      : status_(std::move(status)), completed_at_(completed_at) {}
+  absl::Status Wait(absl::Duration /*timeout*/) override { return Fresh(status_); }
+  bool IsCompleted() override { return true; }
+  absl::Time CompletionTime() override { return completed_at_; }
+
+ private:
+  const absl::Status status_;
+  const absl::Time completed_at_;
+};
+
 const char* Ptr(const void* p, size_t off_bytes) { return static_cast<const char*>(p) + off_bytes; }
 char* Ptr(void* p, size_t off_bytes) { return static_cast<char*>(p) + off_bytes; }
 
@@ -466,6 +506,31 @@ class ThreadCommunicator : public Communicator {
   }
   // The same, for a call whose local check (`local`, CheckLocal's result) was already made.
   absl::StatusOr<std::unique_ptr<Work>> Issue(const OpArgs& args, absl::Status local) {
+    // The last rank to issue a small operation runs it at once, on its own thread, when
+    // every peer is already waiting in it and nothing of its own is queued: the peers are
+    // ready for the data phase, so it does not block, and waking the worker for it would
+    // only cost two context switches (on a busy core, the woken worker preempts the
+    // caller).
+    if (local.ok() && args.call.kind != OpKind::kSplit &&
+        PayloadBytes(args.call, size()) <= kIssueInlineBytes) {
+      bool claimed;
+      {
+        std::lock_guard<std::mutex> lock(exec_->mu);
+        claimed = !exec_->executing && exec_->queue.empty() && !exec_->stopping;
+        if (claimed) exec_->executing = true;
+      }
+      if (claimed) {
+        const uint32_t w = static_cast<uint32_t>(size());
+        const bool peers_waiting =
+            group_->arrived.load(std::memory_order_acquire) + 1 == (op_index_ + 1) * w;
+        if (peers_waiting) {
+          absl::Status s = Execute(args, nullptr);
+          Release();
+          return std::unique_ptr<Work>(new DoneWork(std::move(s), absl::Now()));
+        }
+        Release();
+      }
+    }
     auto op = std::make_shared<OpState>();
     op->args = args;
     if (args.call.kind == OpKind::kAllToAllV) {

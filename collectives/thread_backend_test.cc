@@ -310,6 +310,43 @@ TEST(ThreadBackendTest, ManyAsyncOperationsCompleteInIssueOrder) {
   }));
 }
 
+// Rank 0 is already waiting inside each operation when rank 1 issues it async, so rank 1
+// normally runs the (small) operation during its issue call, on its own thread, instead of
+// handing it to its worker. Whichever thread runs it, rank 1's handle must report the
+// operation's own result: the values, and a mismatch's InvalidArgument from Wait (not from
+// the issue call, which only checks rank 1's own arguments).
+TEST(ThreadBackendTest, OperationIssuedWhilePeersWaitGivesTheSameResults) {
+  auto comms = CreateThreadCommunicators(2);
+  ASSERT_TRUE(comms.ok());
+  Communicator& c0 = *(*comms)[0];
+  Communicator& c1 = *(*comms)[1];
+  for (int round = 0; round < 4; ++round) {
+    const bool mismatch = round % 2 == 1;
+    std::vector<float> b0 = {1, 2, 3}, b1 = {10, 20, 30};
+    absl::Status s0;
+    std::thread peer([&] { s0 = c0.AllReduce(b0.data(), b0.data(), 3, DType::kF32); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // let rank 0 arrive
+    auto w = c1.AllReduceAsync(b1.data(), b1.data(), mismatch ? 2 : 3, DType::kF32,
+                               ReduceOp::kSum);
+    ASSERT_TRUE(w.ok()) << w.status();
+    const absl::Status s1 = (*w)->Wait();
+    peer.join();
+    EXPECT_TRUE((*w)->IsCompleted());
+    if (mismatch) {
+      EXPECT_EQ(s1.code(), absl::StatusCode::kInvalidArgument) << s1;
+      EXPECT_TRUE(absl::StrContains(s1.message(), "rank 1 passed count 2, rank 0 passed 3"))
+          << s1;
+      EXPECT_EQ(s0.code(), absl::StatusCode::kInvalidArgument) << s0;
+      EXPECT_EQ(b1, (std::vector<float>{10, 20, 30}));  // untouched
+    } else {
+      GRADSUM_EXPECT_OK(s1);
+      GRADSUM_EXPECT_OK(s0);
+      EXPECT_EQ(b0, (std::vector<float>{11, 22, 33}));
+      EXPECT_EQ(b1, (std::vector<float>{11, 22, 33}));
+    }
+  }
+}
+
 TEST(ThreadBackendTest, SyncCallsRunAfterPendingAsyncOnes) {
   GRADSUM_EXPECT_OK(RunRanks(4, [](Communicator& comm) -> absl::Status {
     // The async all-gather is issued first, so it must run first on every rank even though
