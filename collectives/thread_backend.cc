@@ -19,6 +19,8 @@
 //   (unless they fail). Asynchronous calls are queued per communicator and run in issue
 //   order by a worker thread, or by the caller's thread when it waits on one nobody has
 //   started. A synchronous call issued while async ones are pending takes the queue too.
+//   A small async call (<= 64 KiB) whose peers are all already waiting in it, with
+//   nothing of its rank queued, runs during the issue call and returns a completed handle.
 //
 // Synchronisation uses std atomics, std::mutex and raw futexes, not absl::Mutex: the system
 // abseil is not built with ThreadSanitizer, which then cannot see absl::Mutex's ordering

@@ -24,7 +24,9 @@
 // Synchronous calls run on the caller's thread without allocating. Asynchronous calls
 // are queued and run in issue order by a per-communicator worker thread, or by the
 // caller's own thread when it waits on an operation nobody has started; a synchronous
-// call issued while async ones are pending runs after them.
+// call issued while async ones are pending runs after them. An async call of at most
+// 64 KiB issued when every peer is already waiting in that operation (and nothing of the
+// rank's is queued) runs during the issue call; its handle is returned completed.
 //
 // Failures:
 // - Invalid arguments on one rank: InvalidArgument from that rank's call; its peers fail
