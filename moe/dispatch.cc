@@ -52,11 +52,9 @@ class SlotExchanges {
     }
     for (int p = 0; p < P; ++p) {
       const int e = p * El + j;
-      // The home buffers skip this rank's own rows (DispatchState::own_first).
-      const int64_t home_row = p < me    ? state_.expert_first[e]
-                               : p == me ? state_.own_first
-                                         : state_.expert_first[e] - state_.own_rows;
-      plan.home_offsets[p] = static_cast<size_t>(home_row) * d_model_;
+      // The home buffers skip this rank's own rows (DispatchState::HomeRow).
+      plan.home_offsets[p] =
+          static_cast<size_t>(state_.HomeRow(state_.expert_first[e])) * d_model_;
       plan.owner_offsets[p] = static_cast<size_t>(state_.owner_first[p * El + j]) * d_model_;
       if (p == me) continue;
       plan.home_counts[p] =
@@ -305,9 +303,7 @@ absl::Status DispatchCombineForwardWith(Communicator& ep_group, const DispatchCo
   s.own_rows = s.expert_first[(me + 1) * E_local] - s.own_first;
   const int64_t num_exchanged = s.exchanged_rows();
   s.output_row.resize(num_sent);
-  for (int64_t pos = 0; pos < num_sent; ++pos) {
-    s.output_row[pos] = pos < s.own_first ? pos : pos - s.own_rows;
-  }
+  for (int64_t pos = 0; pos < num_sent; ++pos) s.output_row[pos] = s.HomeRow(pos);
   for (int j = 0; j < E_local; ++j) {
     const int e = me * E_local + j;
     const int64_t first = s.owner_first[me * E_local + j];

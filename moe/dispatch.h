@@ -117,6 +117,11 @@ struct DispatchState {
   int64_t sent_rows() const { return static_cast<int64_t>(send_copy.size()); }
   // Sent rows that cross to another rank (X above).
   int64_t exchanged_rows() const { return sent_rows() - own_rows; }
+  // Send position `pos`'s row in the home side's exchange buffers; positions inside the
+  // own range (never exchanged) map to its start.
+  int64_t HomeRow(int64_t pos) const {
+    return pos < own_first ? pos : pos < own_first + own_rows ? own_first : pos - own_rows;
+  }
 };
 
 // InvalidArgument unless D, H >= 1, E >= 1, 1 <= K <= E and E % ep_size == 0 (the messages
