@@ -234,8 +234,7 @@ class Communicator {
   absl::Duration OperationWaitLimit() const { return timeout() + absl::Seconds(5); }
 
  protected:
-  // Waits on an issued operation with this communicator's timeout plus a margin, so
-  // that the backend's own DeadlineExceeded is what the caller normally sees.
+  // Waits on an issued operation for OperationWaitLimit().
   absl::Status WaitIssued(absl::StatusOr<std::unique_ptr<Work>> work);
 
  private:

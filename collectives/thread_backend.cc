@@ -517,20 +517,18 @@ class ThreadCommunicator : public Communicator {
         PayloadBytes(args.call, size()) <= kIssueInlineBytes) {
       bool claimed;
       {
+        // With nothing queued or running, op_index_ is this rank's next operation and
+        // nobody else may change it while we hold mu.
         std::lock_guard<std::mutex> lock(exec_->mu);
-        claimed = !exec_->executing && exec_->queue.empty() && !exec_->stopping;
+        const uint32_t w = static_cast<uint32_t>(size());
+        claimed = !exec_->executing && exec_->queue.empty() && !exec_->stopping &&
+                  group_->arrived.load(std::memory_order_acquire) + 1 == (op_index_ + 1) * w;
         if (claimed) exec_->executing = true;
       }
       if (claimed) {
-        const uint32_t w = static_cast<uint32_t>(size());
-        const bool peers_waiting =
-            group_->arrived.load(std::memory_order_acquire) + 1 == (op_index_ + 1) * w;
-        if (peers_waiting) {
-          absl::Status s = Execute(args, nullptr);
-          Release();
-          return std::unique_ptr<Work>(new DoneWork(std::move(s), absl::Now()));
-        }
+        absl::Status s = Execute(args, nullptr);
         Release();
+        return std::unique_ptr<Work>(new DoneWork(std::move(s), absl::Now()));
       }
     }
     auto op = std::make_shared<OpState>();
