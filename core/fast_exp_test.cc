@@ -60,5 +60,25 @@ TEST(FastExpFmaTest, RoundsOnceLikeLibmFmaf) {
   EXPECT_EQ(checked, 2'000'000);
 }
 
+// FastExpNonPositive drops only FastExp's overflow select, which no x <= 0 or NaN takes:
+// the same bits on every such input (every 4099th bit pattern of the negative floats, from
+// -0 through -inf to the negative NaNs, plus +0 and the positive NaNs' ends).
+TEST(FastExpNonPositiveTest, SameBitsAsFastExpOnNonPositiveInputs) {
+  int64_t checked = 0;
+  auto check = [&](uint32_t bits) {
+    float x;
+    std::memcpy(&x, &bits, sizeof(x));
+    ASSERT_EQ(Bits(FastExpNonPositive(x)), Bits(FastExp(x))) << std::hexfloat << x;
+    ++checked;
+  };
+  for (uint64_t b = 0x80000000u; b <= 0xFFFFFFFFu; b += 4099) check(static_cast<uint32_t>(b));
+  for (uint32_t b : {0x00000000u, 0x80000000u, 0xFF800000u, 0xFF800001u, 0xFFC00000u,
+                     0xFFFFFFFFu, 0x7FC00000u, 0x7F800001u, 0x7FFFFFFFu, 0xC2AC0000u /* -86 */,
+                     0xC2ABFFFFu, 0xC2AC0001u}) {
+    check(b);
+  }
+  EXPECT_EQ(checked, (0x80000000LL + 4098) / 4099 + 12);
+}
+
 }  // namespace
 }  // namespace gradsum

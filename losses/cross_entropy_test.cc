@@ -167,6 +167,42 @@ TEST(CrossEntropyTest, Bf16MatchesReferenceOnRoundedLogits) {
   }
 }
 
+// The bf16 kernel widens its logits exactly and runs the fp32 row code, so its gradient is
+// the fp32 kernel's gradient on the widened logits, rounded once by BF16::FromFloat
+// (core/half.h): bit for bit, tiny entries included (weights 0 and 2^-20 to 2^28, so
+// entries span from subnormal to order 1).
+TEST(CrossEntropyTest, Bf16GradientIsTheF32GradientRoundedOnce) {
+  const int64_t n = 17, v = 3001;
+  std::vector<float> zf = RandomLogits(n, v, 8, 30.0f);  // probabilities down to subnormal
+  std::vector<BF16> z(zf.size());
+  for (size_t i = 0; i < zf.size(); ++i) {
+    z[i] = BF16::FromFloat(zf[i]);
+    zf[i] = z[i].ToFloat();
+  }
+  std::vector<int64_t> y = RandomLabels(n, v, 9, 0.2);
+  std::vector<float> w(static_cast<size_t>(n));
+  for (int64_t r = 0; r < n; ++r) {
+    w[r] = r % 3 == 0 ? 0.0f : std::ldexp(1.0f, -20 + 3 * static_cast<int>(r));
+  }
+  double d = 0.0;
+  for (float x : w) d += x;
+  std::vector<float> gf(zf.size());
+  std::vector<BF16> gb(z.size());
+  auto a = CrossEntropyForwardBackward(View(zf.data(), DType::kF32, n, v), y, w, d,
+                                       View(gf.data(), DType::kF32, n, v));
+  auto b = CrossEntropyForwardBackward(View(z.data(), DType::kBF16, n, v), y, w, d,
+                                       View(gb.data(), DType::kBF16, n, v));
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(a->local_weighted_ce_sum, b->local_weighted_ce_sum);
+  int64_t subnormal = 0;
+  for (size_t i = 0; i < gf.size(); ++i) {
+    ASSERT_EQ(gb[i].bits, BF16::FromFloat(gf[i]).bits) << i << ": " << gf[i];
+    subnormal += gf[i] != 0.0f && std::abs(gf[i]) < 1.17549435e-38f ? 1 : 0;
+  }
+  EXPECT_GT(subnormal, 0);  // the small end was exercised
+}
+
 TEST(CrossEntropyTest, InPlaceEqualsOutOfPlaceBitwise) {
   const int64_t n = 23, v = 3001;
   std::vector<int64_t> y = RandomLabels(n, v, 6, 0.3);
