@@ -485,13 +485,7 @@ class ThreadCommunicator : public Communicator {
       // Queued like an async call, so the peers learn of it and later calls line up.
       return Issue(a, std::move(local)).status();
     }
-    bool inline_ok;
-    {
-      std::lock_guard<std::mutex> lock(exec_->mu);
-      inline_ok = !exec_->executing && exec_->queue.empty() && !exec_->stopping;
-      if (inline_ok) exec_->executing = true;
-    }
-    if (!inline_ok) {
+    if (!ClaimIfIdle(/*only_if_peers_waiting=*/false)) {
       absl::StatusOr<std::unique_ptr<Work>> work = Issue(a, absl::OkStatus());  // checked above
       if (!work.ok()) return work.status();
       return (*work)->Wait(OperationWaitLimit());
@@ -514,22 +508,11 @@ class ThreadCommunicator : public Communicator {
     // only cost two context switches (on a busy core, the woken worker preempts the
     // caller).
     if (local.ok() && args.call.kind != OpKind::kSplit &&
-        PayloadBytes(args.call, size()) <= kIssueInlineBytes) {
-      bool claimed;
-      {
-        // With nothing queued or running, op_index_ is this rank's next operation and
-        // nobody else may change it while we hold mu.
-        std::lock_guard<std::mutex> lock(exec_->mu);
-        const uint32_t w = static_cast<uint32_t>(size());
-        claimed = !exec_->executing && exec_->queue.empty() && !exec_->stopping &&
-                  group_->arrived.load(std::memory_order_acquire) + 1 == (op_index_ + 1) * w;
-        if (claimed) exec_->executing = true;
-      }
-      if (claimed) {
-        absl::Status s = Execute(args, nullptr);
-        Release();
-        return std::unique_ptr<Work>(new DoneWork(std::move(s), absl::Now()));
-      }
+        PayloadBytes(args.call, size()) <= kIssueInlineBytes &&
+        ClaimIfIdle(/*only_if_peers_waiting=*/true)) {
+      absl::Status s = Execute(args, nullptr);
+      Release();
+      return std::unique_ptr<Work>(new DoneWork(std::move(s), absl::Now()));
     }
     auto op = std::make_shared<OpState>();
     op->args = args;
@@ -551,6 +534,23 @@ class ThreadCommunicator : public Communicator {
     Enqueue(op);
     if (!local.ok()) return local;
     return std::unique_ptr<Work>(new ThreadWork(std::move(op), exec_));
+  }
+
+  // Claims execution for this thread (sets `executing`; end it with Release()) when
+  // nothing of this rank's is queued or running, and with `only_if_peers_waiting` only if
+  // every peer is also already waiting in this rank's next operation.
+  bool ClaimIfIdle(bool only_if_peers_waiting) {
+    std::lock_guard<std::mutex> lock(exec_->mu);
+    if (exec_->executing || !exec_->queue.empty() || exec_->stopping) return false;
+    // With nothing queued or running, op_index_ is this rank's next operation and nobody
+    // else may change it while we hold mu.
+    const uint32_t w = static_cast<uint32_t>(size());
+    if (only_if_peers_waiting &&
+        group_->arrived.load(std::memory_order_acquire) + 1 != (op_index_ + 1) * w) {
+      return false;
+    }
+    exec_->executing = true;
+    return true;
   }
 
   void Enqueue(std::shared_ptr<OpState> op) {

@@ -297,7 +297,7 @@ class FlatParam {
   bool exact() const { return options_.exact_grads; }
   absl::Status StartExactGradReduce(bool last_micro_batch);
   absl::Status FinishExactGradReduce();
-  // Waits for `work` (the group's timeout plus 5 s of grace). If it is still in flight
+  // Waits for `work` (Communicator::OperationWaitLimit). If it is still in flight
   // then: DeadlineExceeded, *in_flight = true, and `work` is kept (its buffers stay in use;
   // a later wait can finish it). Otherwise *in_flight = false, `work` is released and its
   // status returned.
