@@ -20,4 +20,12 @@ bool CpuHasAvx512() {
 #endif
 }
 
+bool CpuHasAvx512Bf16() {
+#if defined(GRADSUM_ISA_X86)
+  return CpuHasAvx512() && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
 }  // namespace gradsum

@@ -35,6 +35,9 @@
 #define GRADSUM_ISA_TARGET_AVX512 \
   "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,prefer-vector-width=512"
 #endif
+// For single functions of an "avx512" build that use AVX-512 BF16's instructions (a target
+// attribute, called only where CpuHasAvx512Bf16()).
+#define GRADSUM_ISA_TARGET_AVX512_BF16 GRADSUM_ISA_TARGET_AVX512 ",avx512bf16"
 #endif
 
 // The table makers of a kernel library's three builds, `prefix`_generic::`fn`,
@@ -53,6 +56,9 @@ namespace gradsum {
 // F, BW, VL and DQ, and AVX2 + FMA). False off x86-64.
 bool CpuHasAvx2Fma();
 bool CpuHasAvx512();
+// Whether it also has AVX-512 BF16 (bf16 conversions and dot products), which an "avx512"
+// build may use in a function of its own, chosen at run time. False off x86-64.
+bool CpuHasAvx512Bf16();
 
 // The kernel tables of one library's builds, each made once, and the one a name selects.
 template <typename Kernels>

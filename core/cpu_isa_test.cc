@@ -54,5 +54,11 @@ TEST(CpuIsaTest, Avx512ImpliesAvx2Fma) {
   }
 }
 
+TEST(CpuIsaTest, Avx512Bf16ImpliesAvx512) {
+  if (CpuHasAvx512Bf16()) {
+    EXPECT_TRUE(CpuHasAvx512());
+  }
+}
+
 }  // namespace
 }  // namespace gradsum

@@ -1,15 +1,35 @@
 // FastExpFma (core/fast_exp.inc) as the generic build compiles it (no FMA instruction in the
 // baseline x86-64 target: the exact emulation in double) against libm's correctly rounded
 // fmaf, on random operands and on sums built to land exactly on, and one unit of the last
-// place either side of, the midpoint between two floats (where rounding twice goes wrong).
+// place either side of, the midpoint between two floats (where rounding twice goes wrong);
+// FastExpNonPositive against FastExp; and the AVX-512 form FastExpNonPositive16 against the
+// scalar form as the generic build compiles it.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <vector>
 
+#include "core/cpu_isa.h"
 #include "gtest/gtest.h"
 
+#if defined(GRADSUM_ISA_X86)
+#include <immintrin.h>
+#endif
+
 namespace gradsum {
+#if defined(GRADSUM_ISA_X86)
+namespace fast_exp_avx512 {
+#define GRADSUM_ISA_AVX512 1
+#define GRADSUM_ISA_TARGET GRADSUM_ISA_TARGET_AVX512
+#define GRADSUM_ISA_BODY "core/fast_exp_test_avx512.inc"
+#include "core/isa_build.inc"
+#undef GRADSUM_ISA_AVX512
+#undef GRADSUM_ISA_AVX
+}  // namespace fast_exp_avx512
+#endif
+
 namespace {
 
 #include "core/fast_exp.inc"
@@ -78,6 +98,49 @@ TEST(FastExpNonPositiveTest, SameBitsAsFastExpOnNonPositiveInputs) {
     check(b);
   }
   EXPECT_EQ(checked, (0x80000000LL + 4098) / 4099 + 12);
+}
+
+// The AVX-512 form computes what the scalar one does, 16 lanes at a time: the same bits for
+// every x <= 0 that is not NaN (every 4099th negative float and the edges of the range), and
+// a NaN for a NaN (its bits may differ). The lanes of one call hold unrelated values.
+TEST(FastExpNonPositive16Test, SameBitsAsTheScalarFormOnNonPositiveInputs) {
+#if defined(GRADSUM_ISA_X86)
+  if (!CpuHasAvx512()) GTEST_SKIP() << "this CPU has no AVX-512";
+  std::vector<uint32_t> bits;
+  for (uint64_t b = 0x80000000u; b <= 0xFFFFFFFFu; b += 4099) bits.push_back(static_cast<uint32_t>(b));
+  for (uint32_t b : {0x00000000u, 0x80000000u, 0xFF800000u, 0xFF800001u, 0xFFC00000u,
+                     0xFFFFFFFFu, 0x7FC00000u, 0x7F800001u, 0x7FFFFFFFu, 0xC2AC0000u /* -86 */,
+                     0xC2ABFFFFu, 0xC2AC0001u, 0x80000001u /* -denormal */, 0xBF317218u}) {
+    bits.push_back(b);
+  }
+  std::mt19937 gen(7);
+  std::shuffle(bits.begin(), bits.end(), gen);
+  while (bits.size() % 16 != 0) bits.push_back(0xBF800000u);  // -1
+  int64_t numbers = 0, nans = 0, nonzero = 0;
+  for (size_t i = 0; i < bits.size(); i += 16) {
+    float x[16], got[16];
+    std::memcpy(x, bits.data() + i, sizeof(x));
+    fast_exp_avx512::ExpNonPositive16(x, got);
+    for (int k = 0; k < 16; ++k) {
+      if (std::isnan(x[k])) {
+        ASSERT_TRUE(std::isnan(got[k])) << "lane " << k << ": " << got[k];
+        ++nans;
+      } else {
+        ASSERT_EQ(Bits(got[k]), Bits(FastExpNonPositive(x[k]))) << std::hexfloat << x[k];
+        ++numbers;
+        nonzero += got[k] != 0.0f ? 1 : 0;
+      }
+    }
+  }
+  // The negative NaNs are 2^23 - 1 of the 2^31 patterns swept; the sweep covers both sides
+  // of -86 (below it the answer is 0).
+  EXPECT_GT(nans, 1000);
+  EXPECT_GT(numbers, 500000);
+  EXPECT_GT(nonzero, 1000);
+  EXPECT_LT(nonzero, numbers);
+#else
+  GTEST_SKIP() << "the AVX-512 form is built on x86-64 only";
+#endif
 }
 
 }  // namespace

@@ -56,7 +56,7 @@ struct CeRowKernels {
   CeRowsBf16Fn bf16 = nullptr;
   Bf16ToF32Fn bf16_to_f32 = nullptr;
   F32ToBf16Fn f32_to_bf16 = nullptr;
-  const char* isa = "";  // "generic", "avx2+fma" or "avx512"
+  const char* isa = "";  // "generic", "avx2+fma", "avx512" or "avx512+bf16"
 };
 
 namespace rows_generic {
