@@ -80,39 +80,41 @@ TEST(FastExpFmaTest, RoundsOnceLikeLibmFmaf) {
   EXPECT_EQ(checked, 2'000'000);
 }
 
-// FastExpNonPositive drops only FastExp's overflow select, which no x <= 0 or NaN takes:
-// the same bits on every such input (every 4099th bit pattern of the negative floats, from
-// -0 through -inf to the negative NaNs, plus +0 and the positive NaNs' ends).
-TEST(FastExpNonPositiveTest, SameBitsAsFastExpOnNonPositiveInputs) {
-  int64_t checked = 0;
-  auto check = [&](uint32_t bits) {
-    float x;
-    std::memcpy(&x, &bits, sizeof(x));
-    ASSERT_EQ(Bits(FastExpNonPositive(x)), Bits(FastExp(x))) << std::hexfloat << x;
-    ++checked;
-  };
-  for (uint64_t b = 0x80000000u; b <= 0xFFFFFFFFu; b += 4099) check(static_cast<uint32_t>(b));
-  for (uint32_t b : {0x00000000u, 0x80000000u, 0xFF800000u, 0xFF800001u, 0xFFC00000u,
-                     0xFFFFFFFFu, 0x7FC00000u, 0x7F800001u, 0x7FFFFFFFu, 0xC2AC0000u /* -86 */,
-                     0xC2ABFFFFu, 0xC2AC0001u}) {
-    check(b);
-  }
-  EXPECT_EQ(checked, (0x80000000LL + 4098) / 4099 + 12);
-}
-
-// The AVX-512 form computes what the scalar one does, 16 lanes at a time: the same bits for
-// every x <= 0 that is not NaN (every 4099th negative float and the edges of the range), and
-// a NaN for a NaN (its bits may differ). The lanes of one call hold unrelated values.
-TEST(FastExpNonPositive16Test, SameBitsAsTheScalarFormOnNonPositiveInputs) {
-#if defined(GRADSUM_ISA_X86)
-  if (!CpuHasAvx512()) GTEST_SKIP() << "this CPU has no AVX-512";
+// The inputs of FastExpNonPositive's tests: every 4099th bit pattern of the negative
+// floats, from -0 through -inf to the negative NaNs, and fourteen edges (+0, NaNs of both
+// signs, -86 and its neighbours, the smallest negative subnormal, about -ln 2).
+constexpr int64_t kNonPositiveProbes = (0x80000000LL + 4098) / 4099 + 14;
+std::vector<uint32_t> NonPositiveProbeBits() {
   std::vector<uint32_t> bits;
   for (uint64_t b = 0x80000000u; b <= 0xFFFFFFFFu; b += 4099) bits.push_back(static_cast<uint32_t>(b));
   for (uint32_t b : {0x00000000u, 0x80000000u, 0xFF800000u, 0xFF800001u, 0xFFC00000u,
                      0xFFFFFFFFu, 0x7FC00000u, 0x7F800001u, 0x7FFFFFFFu, 0xC2AC0000u /* -86 */,
-                     0xC2ABFFFFu, 0xC2AC0001u, 0x80000001u /* -denormal */, 0xBF317218u}) {
+                     0xC2ABFFFFu, 0xC2AC0001u, 0x80000001u /* -subnormal */, 0xBF317218u}) {
     bits.push_back(b);
   }
+  return bits;
+}
+
+// FastExpNonPositive drops only FastExp's overflow select, which no x <= 0 or NaN takes:
+// the same bits on every such input.
+TEST(FastExpNonPositiveTest, SameBitsAsFastExpOnNonPositiveInputs) {
+  int64_t checked = 0;
+  for (uint32_t bits : NonPositiveProbeBits()) {
+    float x;
+    std::memcpy(&x, &bits, sizeof(x));
+    ASSERT_EQ(Bits(FastExpNonPositive(x)), Bits(FastExp(x))) << std::hexfloat << x;
+    ++checked;
+  }
+  EXPECT_EQ(checked, kNonPositiveProbes);
+}
+
+// The AVX-512 form computes what the scalar one does, 16 lanes at a time: the same bits for
+// every x <= 0 that is not NaN (the probes above), and a NaN for a NaN (its bits may
+// differ). The lanes of one call hold unrelated values.
+TEST(FastExpNonPositive16Test, SameBitsAsTheScalarFormOnNonPositiveInputs) {
+#if defined(GRADSUM_ISA_X86)
+  if (!CpuHasAvx512()) GTEST_SKIP() << "this CPU has no AVX-512";
+  std::vector<uint32_t> bits = NonPositiveProbeBits();
   std::mt19937 gen(7);
   std::shuffle(bits.begin(), bits.end(), gen);
   while (bits.size() % 16 != 0) bits.push_back(0xBF800000u);  // -1
