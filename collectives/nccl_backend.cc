@@ -670,11 +670,13 @@ struct OpEvents {
 class TimedNcclWork final : public Work {
  public:
   TimedNcclWork(std::unique_ptr<Work> inner, std::unique_ptr<OpEvents> events,
-                absl::Duration blocked, std::shared_ptr<train::CommTimer> timer)
+                absl::Duration blocked, std::shared_ptr<train::CommTimer> timer,
+                train::CommKind kind)
       : inner_(std::move(inner)),
         events_(std::move(events)),
         blocked_(blocked),
-        timer_(std::move(timer)) {}
+        timer_(std::move(timer)),
+        kind_(kind) {}
   ~TimedNcclWork() override {
     if (!counted_ && cudaEventQuery(events_->end) == cudaSuccess) Count();
   }
@@ -700,18 +702,19 @@ class TimedNcclWork final : public Work {
         cudaEventElapsedTime(&ms, events_->start, events_->end) != cudaSuccess) {
       cudaGetLastError();  // an aborted operation: count the host's view of it
       timer_->AddBusy(blocked_);
-      timer_->Add(blocked_);
+      timer_->Add(blocked_, kind_);
       return;
     }
     const absl::Duration busy = absl::Microseconds(static_cast<int64_t>(ms * 1000.0f));
     timer_->AddBusy(busy);
-    timer_->Add(std::min(blocked_, busy));
+    timer_->Add(std::min(blocked_, busy), kind_);
   }
 
   std::unique_ptr<Work> inner_;
   std::unique_ptr<OpEvents> events_;
   absl::Duration blocked_;
   std::shared_ptr<train::CommTimer> timer_;
+  const train::CommKind kind_;
   bool counted_ = false;
 };
 
@@ -731,37 +734,42 @@ class TimedNcclCommunicator final : public NcclCommunicator {
   absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv,
                                                        size_t count, DType dtype,
                                                        ReduceOp op) override {
-    return Timed([&] { return inner_->AllReduceAsync(send, recv, count, dtype, op); });
+    return Timed(train::CommKind::kAllReduce,
+                 [&] { return inner_->AllReduceAsync(send, recv, count, dtype, op); });
   }
   absl::StatusOr<std::unique_ptr<Work>> ReduceScatterAsync(const void* send, void* recv,
                                                            size_t recv_count, DType dtype,
                                                            ReduceOp op) override {
-    return Timed([&] { return inner_->ReduceScatterAsync(send, recv, recv_count, dtype, op); });
+    return Timed(train::CommKind::kReduceScatter, [&] {
+      return inner_->ReduceScatterAsync(send, recv, recv_count, dtype, op);
+    });
   }
   absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const void* send, void* recv,
                                                        size_t send_count, DType dtype) override {
-    return Timed([&] { return inner_->AllGatherAsync(send, recv, send_count, dtype); });
+    return Timed(train::CommKind::kAllGather,
+                 [&] { return inner_->AllGatherAsync(send, recv, send_count, dtype); });
   }
   absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(
       const void* send, absl::Span<const size_t> send_counts,
       absl::Span<const size_t> send_offsets, void* recv, absl::Span<const size_t> recv_counts,
       absl::Span<const size_t> recv_offsets, DType dtype) override {
-    return Timed([&] {
+    return Timed(train::CommKind::kAllToAll, [&] {
       return inner_->AllToAllVAsync(send, send_counts, send_offsets, recv, recv_counts,
                                     recv_offsets, dtype);
     });
   }
   absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(void* buf, size_t count, DType dtype,
                                                        int root) override {
-    return Timed([&] { return inner_->BroadcastAsync(buf, count, dtype, root); });
+    return Timed(train::CommKind::kOther,
+                 [&] { return inner_->BroadcastAsync(buf, count, dtype, root); });
   }
   absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override {
-    return Timed([&] { return inner_->BarrierAsync(); });
+    return Timed(train::CommKind::kOther, [&] { return inner_->BarrierAsync(); });
   }
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
     const absl::Time start = absl::Now();
     absl::StatusOr<std::unique_ptr<Communicator>> sub = inner_->Split(color, key);
-    timer_->Add(absl::Now() - start);
+    timer_->Add(absl::Now() - start, train::CommKind::kOther);
     if (!sub.ok() || *sub == nullptr) return sub;
     std::unique_ptr<NcclCommunicator> child(dynamic_cast<NcclCommunicator*>(sub->get()));
     if (child == nullptr) {
@@ -786,12 +794,14 @@ class TimedNcclCommunicator final : public NcclCommunicator {
   absl::StatusOr<std::unique_ptr<Work>> EndCoalescing() override {
     std::unique_ptr<OpEvents> events = std::move(group_);
     if (events == nullptr) return inner_->EndCoalescing();  // inner's FailedPrecondition
-    return Finish(group_start_, std::move(events), inner_->EndCoalescing());
+    return Finish(train::CommKind::kOther, group_start_, std::move(events),
+                  inner_->EndCoalescing());
   }
   absl::StatusOr<std::unique_ptr<Work>> AllReduceCoalescedAsync(absl::Span<const Buffer> buffers,
                                                                 DType dtype,
                                                                 ReduceOp op) override {
-    return Timed([&] { return inner_->AllReduceCoalescedAsync(buffers, dtype, op); });
+    return Timed(train::CommKind::kAllReduce,
+                 [&] { return inner_->AllReduceCoalescedAsync(buffers, dtype, op); });
   }
 
  private:
@@ -804,12 +814,13 @@ class TimedNcclCommunicator final : public NcclCommunicator {
     return events;
   }
 
-  // Records the end event after `work` was issued and wraps it.
-  absl::StatusOr<std::unique_ptr<Work>> Finish(absl::Time start, std::unique_ptr<OpEvents> events,
+  // Records the end event after `work` (of `kind`) was issued and wraps it.
+  absl::StatusOr<std::unique_ptr<Work>> Finish(train::CommKind kind, absl::Time start,
+                                               std::unique_ptr<OpEvents> events,
                                                absl::StatusOr<std::unique_ptr<Work>> work) {
     const absl::Duration issuing = absl::Now() - start;
     if (!work.ok()) {
-      timer_->Add(issuing);
+      timer_->Add(issuing, kind);
       timer_->AddBusy(issuing);
       return work.status();
     }
@@ -817,21 +828,21 @@ class TimedNcclCommunicator final : public NcclCommunicator {
     if (e == cudaSuccess) e = cudaEventRecord(events->end, stream());
     if (e != cudaSuccess) {
       // Untimed rather than lost: the operation is in flight and its Work still works.
-      timer_->Add(issuing);
+      timer_->Add(issuing, kind);
       timer_->AddBusy(issuing);
       return std::move(*work);
     }
     return std::unique_ptr<Work>(
-        new TimedNcclWork(std::move(*work), std::move(events), issuing, timer_));
+        new TimedNcclWork(std::move(*work), std::move(events), issuing, timer_, kind));
   }
 
   template <typename F>
-  absl::StatusOr<std::unique_ptr<Work>> Timed(F&& issue) {
+  absl::StatusOr<std::unique_ptr<Work>> Timed(train::CommKind kind, F&& issue) {
     if (group_ != nullptr) return issue();  // timed as the whole group
     const absl::Time start = absl::Now();
     absl::StatusOr<std::unique_ptr<OpEvents>> events = StartEvents();
     if (!events.ok()) return events.status();
-    return Finish(start, std::move(*events), issue());
+    return Finish(kind, start, std::move(*events), issue());
   }
 
   std::unique_ptr<NcclCommunicator> inner_;

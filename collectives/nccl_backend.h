@@ -121,7 +121,8 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> CreateNcclCommunicatorFromFile
 //   that duration: the part of the block during which the collective itself ran (the
 //   rest is the GPU finishing compute queued before the fence). The host runs ahead of
 //   the GPU only between the model's syncs, so a wait on a collective while compute was
-//   still queued may still count.
+//   still queued may still count. It is attributed to the operation's CommKind; a
+//   BeginCoalescing .. EndCoalescing group to kOther, AllReduceCoalescedAsync to kAllReduce.
 // Counted once, when the operation is first waited for successfully, found complete by
 // IsCompleted(), or dropped complete; one dropped unfinished is not counted. A coalesced
 // group (BeginCoalescing .. EndCoalescing, AllReduceCoalescedAsync) counts as one

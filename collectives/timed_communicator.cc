@@ -7,8 +7,9 @@ namespace {
 
 class TimedWork : public Work {
  public:
-  TimedWork(std::unique_ptr<Work> inner, std::shared_ptr<CommTimer> timer, absl::Time issued)
-      : inner_(std::move(inner)), timer_(std::move(timer)) {
+  TimedWork(std::unique_ptr<Work> inner, std::shared_ptr<CommTimer> timer, CommKind kind,
+            absl::Time issued)
+      : inner_(std::move(inner)), timer_(std::move(timer)), kind_(kind) {
     op_ = std::make_shared<CommTimer::InFlight>();
     op_->work = inner_.get();
     op_->issued = issued;
@@ -23,7 +24,7 @@ class TimedWork : public Work {
     const absl::Time start = absl::Now();
     absl::Status s = inner_->Wait(timeout);
     const absl::Time end = absl::Now();
-    timer_->Add(end - start);
+    timer_->Add(end - start, kind_);
     if (s.ok() || inner_->IsCompleted()) timer_->Complete(*op_);
     timer_->Poll();
     return s;
@@ -38,10 +39,45 @@ class TimedWork : public Work {
  private:
   std::unique_ptr<Work> inner_;
   std::shared_ptr<CommTimer> timer_;
+  const CommKind kind_;
   std::shared_ptr<CommTimer::InFlight> op_;
 };
 
 }  // namespace
+
+const char* CommKindName(CommKind kind) {
+  switch (kind) {
+    case CommKind::kAllGather:
+      return "all_gather";
+    case CommKind::kReduceScatter:
+      return "reduce_scatter";
+    case CommKind::kAllReduce:
+      return "all_reduce";
+    case CommKind::kAllToAll:
+      return "all_to_all";
+    case CommKind::kOther:
+      return "other";
+  }
+  return "other";
+}
+
+absl::Duration CommTimer::Total() const {
+  int64_t sum = 0;
+  for (const std::atomic<int64_t>& n : nanos_) sum += n.load();
+  return absl::Nanoseconds(sum);
+}
+
+CommTimer::Exposed CommTimer::TakeByKind() {
+  Exposed e;
+  int64_t sum = 0;
+  for (int k = 0; k < kNumCommKinds; ++k) {
+    const int64_t n = nanos_[k].exchange(0);
+    e.by_kind[k] = absl::Nanoseconds(n);
+    sum += n;
+  }
+  e.total = absl::Nanoseconds(sum);
+  return e;
+}
 
 void CommTimer::Track(std::shared_ptr<InFlight> op) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -82,28 +118,28 @@ TimedCommunicator::TimedCommunicator(Communicator* inner, std::shared_ptr<CommTi
     : inner_(inner), timer_(std::move(timer)) {}
 
 absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::Wrap(
-    absl::Time start, absl::StatusOr<std::unique_ptr<Work>> work) {
+    CommKind kind, absl::Time start, absl::StatusOr<std::unique_ptr<Work>> work) {
   const absl::Duration issuing = absl::Now() - start;
-  timer_->Add(issuing);
+  timer_->Add(issuing, kind);
   timer_->Poll();
   if (!work.ok()) {
     timer_->AddBusy(issuing);
     return work.status();
   }
-  return std::unique_ptr<Work>(new TimedWork(std::move(*work), timer_, start));
+  return std::unique_ptr<Work>(new TimedWork(std::move(*work), timer_, kind, start));
 }
 
 absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::AllReduceAsync(const void* send,
                                                                         void* recv, size_t count,
                                                                         DType dtype, ReduceOp op) {
   const absl::Time start = absl::Now();
-  return Wrap(start, inner_->AllReduceAsync(send, recv, count, dtype, op));
+  return Wrap(CommKind::kAllReduce, start, inner_->AllReduceAsync(send, recv, count, dtype, op));
 }
 
 absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::ReduceScatterAsync(
     const void* send, void* recv, size_t recv_count, DType dtype, ReduceOp op) {
   const absl::Time start = absl::Now();
-  return Wrap(start, inner_->ReduceScatterAsync(send, recv, recv_count, dtype, op));
+  return Wrap(CommKind::kReduceScatter, start, inner_->ReduceScatterAsync(send, recv, recv_count, dtype, op));
 }
 
 absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::AllGatherAsync(const void* send,
@@ -111,7 +147,7 @@ absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::AllGatherAsync(const vo
                                                                         size_t send_count,
                                                                         DType dtype) {
   const absl::Time start = absl::Now();
-  return Wrap(start, inner_->AllGatherAsync(send, recv, send_count, dtype));
+  return Wrap(CommKind::kAllGather, start, inner_->AllGatherAsync(send, recv, send_count, dtype));
 }
 
 absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::AllToAllVAsync(
@@ -119,35 +155,35 @@ absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::AllToAllVAsync(
     void* recv, absl::Span<const size_t> recv_counts, absl::Span<const size_t> recv_offsets,
     DType dtype) {
   const absl::Time start = absl::Now();
-  return Wrap(start, inner_->AllToAllVAsync(send, send_counts, send_offsets, recv, recv_counts,
+  return Wrap(CommKind::kAllToAll, start, inner_->AllToAllVAsync(send, send_counts, send_offsets, recv, recv_counts,
                                             recv_offsets, dtype));
 }
 
 absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::BroadcastAsync(void* buf, size_t count,
                                                                         DType dtype, int root) {
   const absl::Time start = absl::Now();
-  return Wrap(start, inner_->BroadcastAsync(buf, count, dtype, root));
+  return Wrap(CommKind::kOther, start, inner_->BroadcastAsync(buf, count, dtype, root));
 }
 
 absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::BarrierAsync() {
   const absl::Time start = absl::Now();
-  return Wrap(start, inner_->BarrierAsync());
+  return Wrap(CommKind::kOther, start, inner_->BarrierAsync());
 }
 
 absl::StatusOr<std::unique_ptr<Communicator>> TimedCommunicator::Split(int color, int key) {
   const absl::Time start = absl::Now();
   absl::StatusOr<std::unique_ptr<Communicator>> sub = inner_->Split(color, key);
-  timer_->Add(absl::Now() - start);
+  timer_->Add(absl::Now() - start, CommKind::kOther);
   if (!sub.ok() || *sub == nullptr) return sub;
   return std::unique_ptr<Communicator>(new TimedCommunicator(std::move(*sub), timer_));
 }
 
 template <typename F>
-absl::Status TimedCommunicator::TimeSync(F&& call) {
+absl::Status TimedCommunicator::TimeSync(CommKind kind, F&& call) {
   const absl::Time start = absl::Now();
   absl::Status s = call();
   const absl::Duration took = absl::Now() - start;
-  timer_->Add(took);
+  timer_->Add(took, kind);
   timer_->AddBusy(took);
   timer_->Poll();
   return s;
@@ -155,35 +191,35 @@ absl::Status TimedCommunicator::TimeSync(F&& call) {
 
 absl::Status TimedCommunicator::AllReduce(const void* send, void* recv, size_t count,
                                           DType dtype, ReduceOp op) {
-  return TimeSync([&] { return inner_->AllReduce(send, recv, count, dtype, op); });
+  return TimeSync(CommKind::kAllReduce, [&] { return inner_->AllReduce(send, recv, count, dtype, op); });
 }
 
 absl::Status TimedCommunicator::ReduceScatter(const void* send, void* recv, size_t recv_count,
                                               DType dtype, ReduceOp op) {
-  return TimeSync([&] { return inner_->ReduceScatter(send, recv, recv_count, dtype, op); });
+  return TimeSync(CommKind::kReduceScatter, [&] { return inner_->ReduceScatter(send, recv, recv_count, dtype, op); });
 }
 
 absl::Status TimedCommunicator::AllGather(const void* send, void* recv, size_t send_count,
                                           DType dtype) {
-  return TimeSync([&] { return inner_->AllGather(send, recv, send_count, dtype); });
+  return TimeSync(CommKind::kAllGather, [&] { return inner_->AllGather(send, recv, send_count, dtype); });
 }
 
 absl::Status TimedCommunicator::AllToAllV(const void* send, absl::Span<const size_t> send_counts,
                                           absl::Span<const size_t> send_offsets, void* recv,
                                           absl::Span<const size_t> recv_counts,
                                           absl::Span<const size_t> recv_offsets, DType dtype) {
-  return TimeSync([&] {
+  return TimeSync(CommKind::kAllToAll, [&] {
     return inner_->AllToAllV(send, send_counts, send_offsets, recv, recv_counts, recv_offsets,
                              dtype);
   });
 }
 
 absl::Status TimedCommunicator::Broadcast(void* buf, size_t count, DType dtype, int root) {
-  return TimeSync([&] { return inner_->Broadcast(buf, count, dtype, root); });
+  return TimeSync(CommKind::kOther, [&] { return inner_->Broadcast(buf, count, dtype, root); });
 }
 
 absl::Status TimedCommunicator::Barrier() {
-  return TimeSync([&] { return inner_->Barrier(); });
+  return TimeSync(CommKind::kOther, [&] { return inner_->Barrier(); });
 }
 
 }  // namespace gradsum::train

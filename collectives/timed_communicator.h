@@ -20,10 +20,13 @@
 //   TimedCommunicator world(std::move(inner_world), timer);
 //   ... train ...
 //   absl::Duration blocked = timer->Take();        // exposed, and reset
+//   CommTimer::Exposed e = timer->TakeByKind();    // the same, split by CommKind
 //   absl::Duration busy = timer->TakeBusy();       // summed durations, and reset
 //
 // Both include waiting for slower ranks inside a collective: on shared memory, moving the
-// bytes and waiting for the peers cannot be told apart from one side.
+// bytes and waiting for the peers cannot be told apart from one side. The exposed time is
+// also kept by the kind of collective that blocked (CommKind), so that a step's record can
+// say which collectives compute waited for.
 //
 // NCCL communicators feed the same timer through their own decorator,
 // TimeNcclCommunicator (collectives/nccl_backend.h): busy from CUDA events around each
@@ -42,13 +45,29 @@
 
 namespace gradsum::train {
 
+// The kinds of collective a rank's exposed time is attributed to. kOther: broadcasts,
+// barriers, Split, and an nccl coalesced group as a whole.
+enum class CommKind : int { kAllGather = 0, kReduceScatter, kAllReduce, kAllToAll, kOther };
+inline constexpr int kNumCommKinds = 5;
+// "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "other".
+const char* CommKindName(CommKind kind);
+
 class CommTimer {
  public:
-  // Exposed (blocked) time.
-  void Add(absl::Duration d) { nanos_.fetch_add(absl::ToInt64Nanoseconds(d)); }
-  absl::Duration Total() const { return absl::Nanoseconds(nanos_.load()); }
-  // Returns the total so far and resets it to zero.
-  absl::Duration Take() { return absl::Nanoseconds(nanos_.exchange(0)); }
+  // Exposed (blocked) time, attributed to the kind of collective that blocked.
+  void Add(absl::Duration d, CommKind kind) {
+    nanos_[static_cast<int>(kind)].fetch_add(absl::ToInt64Nanoseconds(d));
+  }
+  absl::Duration Total() const;
+  // The exposed time since the last take, in total and by kind (indexed by CommKind; the
+  // kinds sum to the total exactly), and resets it to zero.
+  struct Exposed {
+    absl::Duration total;
+    absl::Duration by_kind[kNumCommKinds];
+  };
+  Exposed TakeByKind();
+  // TakeByKind().total.
+  absl::Duration Take() { return TakeByKind().total; }
 
   // Busy time: summed collective durations.
   void AddBusy(absl::Duration d) { busy_nanos_.fetch_add(absl::ToInt64Nanoseconds(d)); }
@@ -79,7 +98,7 @@ class CommTimer {
  private:
   void CompleteLocked(InFlight& op, absl::Time now);
 
-  std::atomic<int64_t> nanos_{0};
+  std::atomic<int64_t> nanos_[kNumCommKinds] = {};  // exposed, by CommKind
   std::atomic<int64_t> busy_nanos_{0};
   std::mutex mu_;
   std::vector<std::shared_ptr<InFlight>> in_flight_;  // guarded by mu_
@@ -145,8 +164,8 @@ class TimedCommunicator : public Communicator {
 
  private:
   template <typename F>
-  absl::Status TimeSync(F&& call);
-  absl::StatusOr<std::unique_ptr<Work>> Wrap(absl::Time start,
+  absl::Status TimeSync(CommKind kind, F&& call);
+  absl::StatusOr<std::unique_ptr<Work>> Wrap(CommKind kind, absl::Time start,
                                              absl::StatusOr<std::unique_ptr<Work>> work);
 
   std::unique_ptr<Communicator> owned_;

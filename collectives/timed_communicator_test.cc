@@ -93,5 +93,57 @@ TEST(TimedCommunicatorTest, AsyncBusyTimeEndsAtTheStampedCompletion) {
   EXPECT_EQ(sums[1], 3);
 }
 
+// Exposed time is attributed to the kind of collective that blocked: rank 1 joins a sync
+// all-gather 150 ms late, then an all-reduce that rank 0 issued async and waits on, 150 ms
+// after rank 0 issued it. Kinds rank 0 never called stay at zero, and the parts sum to the
+// total exactly.
+TEST(TimedCommunicatorTest, ExposedTimeIsSplitByTheKindThatBlocked) {
+  auto comms = CreateThreadCommunicators(2);
+  ASSERT_TRUE(comms.ok());
+  auto timer = std::make_shared<train::CommTimer>();
+  train::TimedCommunicator timed((*comms)[0].get(), timer);
+  std::atomic<bool> gathering{false}, reduce_issued{false};
+  float gathered[2][2] = {};
+  float sums[2] = {0, 0};
+  absl::Status late_status;
+  std::thread late([&] {
+    while (!gathering.load()) std::this_thread::yield();
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    const float mine = 2;
+    late_status = (*comms)[1]->AllGather(&mine, gathered[1], 1, DType::kF32);
+    if (!late_status.ok()) return;
+    while (!reduce_issued.load()) std::this_thread::yield();
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    const float x = 2;
+    late_status = (*comms)[1]->AllReduce(&x, &sums[1], 1, DType::kF32);
+  });
+  const float mine = 1;
+  gathering.store(true);
+  const absl::Status gather_status = timed.AllGather(&mine, gathered[0], 1, DType::kF32);
+  const float x = 1;
+  auto work = timed.AllReduceAsync(&x, &sums[0], 1, DType::kF32, ReduceOp::kSum);
+  reduce_issued.store(true);
+  absl::Status wait_status = work.ok() ? (*work)->Wait() : work.status();
+  late.join();
+  ASSERT_TRUE(gather_status.ok()) << gather_status;
+  ASSERT_TRUE(wait_status.ok()) << wait_status;
+  ASSERT_TRUE(late_status.ok()) << late_status;
+  EXPECT_EQ(gathered[0][1], 2.0f);
+  EXPECT_EQ(sums[0], 3.0f);
+
+  const train::CommTimer::Exposed e = timer->TakeByKind();
+  auto part = [&](train::CommKind k) { return e.by_kind[static_cast<int>(k)]; };
+  EXPECT_GE(part(train::CommKind::kAllGather), absl::Milliseconds(100));
+  EXPECT_GE(part(train::CommKind::kAllReduce), absl::Milliseconds(100));
+  EXPECT_EQ(part(train::CommKind::kReduceScatter), absl::ZeroDuration());
+  EXPECT_EQ(part(train::CommKind::kAllToAll), absl::ZeroDuration());
+  EXPECT_EQ(part(train::CommKind::kOther), absl::ZeroDuration());
+  absl::Duration sum;
+  for (absl::Duration d : e.by_kind) sum += d;
+  EXPECT_EQ(sum, e.total);
+  EXPECT_EQ(timer->Take(), absl::ZeroDuration()) << "taken and reset";
+  EXPECT_STREQ(train::CommKindName(train::CommKind::kAllToAll), "all_to_all");
+}
+
 }  // namespace
 }  // namespace gradsum

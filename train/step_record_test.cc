@@ -25,6 +25,9 @@ TEST(StepRecordTest, JsonIsTheProto3MappingInFieldOrder) {
   r.step_seconds = 1.5;
   r.comm_seconds = 0.25;
   r.comm_exposed_seconds = 0.0625;
+  // all_gather, reduce_scatter, all_reduce, all_to_all, other (CommKind order).
+  const double by_kind[kNumCommKinds] = {0.03125, 0.015625, 0.0078125, 0, 0.0078125};
+  for (int k = 0; k < kNumCommKinds; ++k) r.comm_exposed_by_kind_seconds[k] = by_kind[k];
   r.peak_unsharded_param_bytes = 1024;
   r.full_param_bytes = 2048;
   r.wait_seconds = 0;
@@ -39,7 +42,9 @@ TEST(StepRecordTest, JsonIsTheProto3MappingInFieldOrder) {
             "\"lr\":0.0001,\"maxvio\":[0.5,0],\"step_s\":1.5,\"comm_s\":0.25,"
             "\"comm_exposed_s\":0.0625,\"peak_unsharded_param_bytes\":\"1024\","
             "\"full_param_bytes\":\"2048\",\"wait_s\":0,\"model_s\":1,\"update_s\":0.5,"
-            "\"tokens_per_s\":30000000000}");
+            "\"tokens_per_s\":30000000000,\"exposed_all_gather_s\":0.03125,"
+            "\"exposed_reduce_scatter_s\":0.015625,\"exposed_all_reduce_s\":0.0078125,"
+            "\"exposed_all_to_all_s\":0,\"exposed_other_s\":0.0078125}");
 }
 
 TEST(StepRecordTest, NonFiniteValuesAreTheMappingsStrings) {

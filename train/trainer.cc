@@ -146,6 +146,12 @@ absl::StatusOr<std::string> StepRecord::ToJson() const {
   j.set_step_s(step_seconds);
   j.set_comm_s(comm_seconds);
   j.set_comm_exposed_s(comm_exposed_seconds);
+  j.set_exposed_all_gather_s(comm_exposed_by_kind_seconds[static_cast<int>(CommKind::kAllGather)]);
+  j.set_exposed_reduce_scatter_s(
+      comm_exposed_by_kind_seconds[static_cast<int>(CommKind::kReduceScatter)]);
+  j.set_exposed_all_reduce_s(comm_exposed_by_kind_seconds[static_cast<int>(CommKind::kAllReduce)]);
+  j.set_exposed_all_to_all_s(comm_exposed_by_kind_seconds[static_cast<int>(CommKind::kAllToAll)]);
+  j.set_exposed_other_s(comm_exposed_by_kind_seconds[static_cast<int>(CommKind::kOther)]);
   j.set_peak_unsharded_param_bytes(peak_unsharded_param_bytes);
   j.set_full_param_bytes(full_param_bytes);
   j.set_wait_s(wait_seconds);
@@ -164,6 +170,15 @@ std::string TrainSummary::ToString() const {
       seconds > 0 ? 100 * comm_seconds / seconds : 0.0,
       seconds > 0 ? 100 * comm_exposed_seconds / seconds : 0.0,
       seconds > 0 ? 100 * wait_seconds / seconds : 0.0);
+  if (seconds > 0) {
+    absl::StrAppend(&out, "summary: exposed by collective (% of step time):");
+    for (int k = 0; k < kNumCommKinds; ++k) {
+      absl::StrAppendFormat(&out, "%s %s %.1f%%", k == 0 ? "" : ",",
+                            CommKindName(static_cast<CommKind>(k)),
+                            100 * comm_exposed_by_kind_seconds[k] / seconds);
+    }
+    absl::StrAppend(&out, "\n");
+  }
   absl::StrAppendFormat(&out,
                         "summary: median exposed / comm %.3f; median peak unsharded / full "
                         "parameter bytes %.3f\n",
@@ -542,7 +557,7 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   GRADSUM_ASSIGN_OR_RETURN(losses::StepDisplayValues values, display_.Reduce(*comms_.world));
 
   // Waiting: how long this rank idles at the step's end for the slowest rank.
-  const absl::Duration exposed = comms_.timer->Take();
+  const CommTimer::Exposed exposed = comms_.timer->TakeByKind();
   const absl::Duration comm = comms_.timer->TakeBusy();
   const absl::Time wait_start = absl::Now();
   GRADSUM_RETURN_IF_ERROR(comms_.world->Barrier());
@@ -563,7 +578,10 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   r.lr = lr;
   r.step_seconds = absl::ToDoubleSeconds(absl::Now() - start);
   r.comm_seconds = absl::ToDoubleSeconds(comm);
-  r.comm_exposed_seconds = absl::ToDoubleSeconds(exposed);
+  r.comm_exposed_seconds = absl::ToDoubleSeconds(exposed.total);
+  for (int k = 0; k < kNumCommKinds; ++k) {
+    r.comm_exposed_by_kind_seconds[k] = absl::ToDoubleSeconds(exposed.by_kind[k]);
+  }
   r.peak_unsharded_param_bytes = model_->TakePeakUnshardedBytes();
   r.full_param_bytes = model_->FullParamBytes();
   r.wait_seconds = absl::ToDoubleSeconds(wait);
@@ -697,6 +715,9 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
     summary.seconds += r.step_seconds;  // steps only: no parity, dump or checkpoint time
     summary.comm_seconds += r.comm_seconds;
     summary.comm_exposed_seconds += r.comm_exposed_seconds;
+    for (int k = 0; k < kNumCommKinds; ++k) {
+      summary.comm_exposed_by_kind_seconds[k] += r.comm_exposed_by_kind_seconds[k];
+    }
     summary.wait_seconds += r.wait_seconds;
     ces.push_back(r.ce);
     if (parity_.has_value() && r.step == 1) {

@@ -67,6 +67,9 @@ struct StepRecord {
   // The step's collectives (collectives/timed_communicator.h): their summed durations (comm_s)
   // and the part the rank's thread spent blocked in them (comm_exposed_s).
   double comm_seconds = 0, comm_exposed_seconds = 0;
+  // comm_exposed_s split by the kind of collective that blocked (indexed by CommKind; the
+  // parts sum to comm_exposed_s).
+  double comm_exposed_by_kind_seconds[kNumCommKinds] = {};
   // Parameter bytes (compute dtype) held unsharded at once at most during the step, and
   // with every unit unsharded (train/unit_schedule.h).
   int64_t peak_unsharded_param_bytes = 0, full_param_bytes = 0;
@@ -87,6 +90,7 @@ struct TrainSummary {
   double tail_mean_ce = 0;    // mean CE of the last min(10, steps) steps
   double entropy_floor = -1;  // nats/token, < 0 when unknown (a --data file)
   double seconds = 0, comm_seconds = 0, comm_exposed_seconds = 0, wait_seconds = 0;
+  double comm_exposed_by_kind_seconds[kNumCommKinds] = {};  // as StepRecord's, summed
   // Medians over the steps of comm_exposed_s / comm_s and peak_unsharded_param_bytes /
   // full_param_bytes (-1 when no step ran).
   double median_exposed_fraction = -1, median_peak_param_fraction = -1;

@@ -284,6 +284,12 @@ TEST(UnitScheduleTest, SlowGatherShowsAsExposedTime) {
     EXPECT_GE(r.comm_exposed_seconds, absl::ToDoubleSeconds(delay));
     EXPECT_GE(r.comm_seconds, r.comm_exposed_seconds);
     EXPECT_GE(r.step_seconds, r.comm_exposed_seconds);
+    // The split by kind: the slow gathers are where the time went, and the parts add up.
+    EXPECT_GE(r.comm_exposed_by_kind_seconds[static_cast<int>(CommKind::kAllGather)],
+              absl::ToDoubleSeconds(delay));
+    double parts = 0;
+    for (double v : r.comm_exposed_by_kind_seconds) parts += v;
+    EXPECT_NEAR(parts, r.comm_exposed_seconds, 1e-9);
   }
 }
 
