@@ -139,7 +139,8 @@ absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::AllReduceAsync(const vo
 absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::ReduceScatterAsync(
     const void* send, void* recv, size_t recv_count, DType dtype, ReduceOp op) {
   const absl::Time start = absl::Now();
-  return Wrap(CommKind::kReduceScatter, start, inner_->ReduceScatterAsync(send, recv, recv_count, dtype, op));
+  return Wrap(CommKind::kReduceScatter, start,
+              inner_->ReduceScatterAsync(send, recv, recv_count, dtype, op));
 }
 
 absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::AllGatherAsync(const void* send,
@@ -155,8 +156,9 @@ absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::AllToAllVAsync(
     void* recv, absl::Span<const size_t> recv_counts, absl::Span<const size_t> recv_offsets,
     DType dtype) {
   const absl::Time start = absl::Now();
-  return Wrap(CommKind::kAllToAll, start, inner_->AllToAllVAsync(send, send_counts, send_offsets, recv, recv_counts,
-                                            recv_offsets, dtype));
+  return Wrap(CommKind::kAllToAll, start,
+              inner_->AllToAllVAsync(send, send_counts, send_offsets, recv, recv_counts,
+                                     recv_offsets, dtype));
 }
 
 absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::BroadcastAsync(void* buf, size_t count,
@@ -189,19 +191,22 @@ absl::Status TimedCommunicator::TimeSync(CommKind kind, F&& call) {
   return s;
 }
 
-absl::Status TimedCommunicator::AllReduce(const void* send, void* recv, size_t count,
-                                          DType dtype, ReduceOp op) {
-  return TimeSync(CommKind::kAllReduce, [&] { return inner_->AllReduce(send, recv, count, dtype, op); });
+absl::Status TimedCommunicator::AllReduce(const void* send, void* recv, size_t count, DType dtype,
+                                          ReduceOp op) {
+  return TimeSync(CommKind::kAllReduce,
+                  [&] { return inner_->AllReduce(send, recv, count, dtype, op); });
 }
 
 absl::Status TimedCommunicator::ReduceScatter(const void* send, void* recv, size_t recv_count,
                                               DType dtype, ReduceOp op) {
-  return TimeSync(CommKind::kReduceScatter, [&] { return inner_->ReduceScatter(send, recv, recv_count, dtype, op); });
+  return TimeSync(CommKind::kReduceScatter,
+                  [&] { return inner_->ReduceScatter(send, recv, recv_count, dtype, op); });
 }
 
 absl::Status TimedCommunicator::AllGather(const void* send, void* recv, size_t send_count,
                                           DType dtype) {
-  return TimeSync(CommKind::kAllGather, [&] { return inner_->AllGather(send, recv, send_count, dtype); });
+  return TimeSync(CommKind::kAllGather,
+                  [&] { return inner_->AllGather(send, recv, send_count, dtype); });
 }
 
 absl::Status TimedCommunicator::AllToAllV(const void* send, absl::Span<const size_t> send_counts,
