@@ -1,4 +1,4 @@
-// The moe_lm training step on one GPU (`--backend=nccl`, train/cuda/moe_lm_cuda.h) beside
+// The moe_lm training step on one GPU (`--backend=nccl`, train/cuda/cuda_compute.h) beside
 // the same step on the CPU (`--backend=thread`, every core), in one run: tokens/s, GFLOP/s
 // (bench/moe_lm_flops.h: the matmul FLOPs of a token, the physical yardstick) and the
 // step's split into model time (forward, backward and gradient reduction: the GPU's part on
@@ -27,7 +27,7 @@
 #include "collectives/thread_backend.h"
 #include "core/cuda/cuda_status.h"
 #include "train/config.pb.h"
-#include "train/cuda/moe_lm_cuda.h"
+#include "train/cuda/cuda_compute.h"
 #include "train/cuda/nccl_rank.h"
 #include "train/rank_main.h"
 #include "train/trainer.h"
@@ -71,7 +71,7 @@ void BM_MoeLmStep(benchmark::State& state) {
       nccl = std::move(*n);
       const train::MoeLmDeviceGroups dev = nccl.groups();
       comms.make_model = [dev](const train::MoeLmOptions& o, const train::MoeLmGroups& g) {
-        return train::MoeLmCuda::Create(o, g, dev);
+        return train::CreateCudaMoeLm(o, g, dev);
       };
     }
     auto trainer = train::Trainer::Create(config, comms);

@@ -16,6 +16,8 @@
 // expert (expert weights): both are the same at every mesh.
 
 #include <cstdint>
+#include <memory>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
@@ -30,6 +32,37 @@ class ExactGradSink {
   // ranges must not. InvalidArgument for a range outside the gradient or a non-finite
   // value (naming it).
   virtual absl::Status Add(int64_t offset, absl::Span<const float> contribution) = 0;
+};
+
+// Where one weight's gradient goes, as the model's compute sees it: ADDED straight into
+// an fp32 buffer (`accumulate`, numel() elements in the compute device's memory), or, in
+// exact mode, into an ExactGradSink (host), one row block's contribution at a time. Exactly
+// one of the two is set. Move-only: an exact sink reports what it rejected when it goes
+// away, so a target lives for one kernel call, before the unit's reduction starts.
+class GradTarget {
+ public:
+  GradTarget() = default;
+  static GradTarget Accumulate(float* buffer, int64_t numel) {
+    GradTarget t;
+    t.accumulate_ = buffer;
+    t.numel_ = numel;
+    return t;
+  }
+  static GradTarget Exact(std::unique_ptr<ExactGradSink> sink, int64_t numel) {
+    GradTarget t;
+    t.exact_ = std::move(sink);
+    t.numel_ = numel;
+    return t;
+  }
+
+  float* accumulate() const { return accumulate_; }
+  ExactGradSink* exact() const { return exact_.get(); }
+  int64_t numel() const { return numel_; }
+
+ private:
+  float* accumulate_ = nullptr;
+  std::unique_ptr<ExactGradSink> exact_;
+  int64_t numel_ = 0;
 };
 
 }  // namespace gradsum

@@ -39,7 +39,7 @@ struct VecKernels {
   //   d_gate[i] = (((d * u[i]) * s) * (1 + g[i] * (1 - s)))  (SiLU'(g) = s (1 + g (1 - s)))
   void (*swiglu_backward)(const float* g, const float* u, float* d_gate, float* d_up, float* a,
                           int64_t n) = nullptr;
-  // One RMSNorm row (train/layers.h): ms = sum(x^2) in fp64, the sum kept in 8 lanes
+  // One RMSNorm row (model/layers.h): ms = sum(x^2) in fp64, the sum kept in 8 lanes
   // (lane k takes the elements i = k mod 8) added pairwise at the end, so every build
   // adds in the same order; r = float(1 / sqrt(ms / n + eps)); y[i] = (x[i] * r) * gain[i].
   // Returns r.

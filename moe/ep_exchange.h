@@ -2,7 +2,7 @@
 #define GRADSUM_MOE_EP_EXCHANGE_H_
 
 // The row bookkeeping of one dropless EP exchange when rows stay grouped by source on the
-// receiving side (the GPU path, train/cuda/moe_lm_cuda.h): pure host arithmetic, no
+// receiving side (the GPU path, moe/cuda/moe_layer_cuda.h): pure host arithmetic, no
 // communication, so it is tested on the CPU.
 //
 // Send side: the K copies of this rank's tokens sorted by expert (moe/cuda/permute_cuda.h),

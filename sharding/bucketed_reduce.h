@@ -106,7 +106,7 @@ class BucketedGradReducer {
   GradBucketer bucketer_;
 };
 
-// Replicated-mode reduction of a model's units (train/unit_schedule.h's UnitStore, host
+// Replicated-mode reduction of a model's units (parallel/unit_schedule.h's UnitStore, host
 // and device): the units are split by communicator into BucketedGradReducers, each unit's
 // parameters registered in forward order, and handed over as backward completes them.
 class BucketedUnitReducers {

@@ -72,7 +72,7 @@ absl::StatusOr<std::vector<std::vector<std::vector<float>>>> Reduce(int world, P
     std::unique_ptr<BucketedGradReducer> reducer;
     const bool bucketed = path == Path::kBucketed || path == Path::kDeviceBuckets;
     // Device buckets: f32 gradients accumulate in the bucket views themselves; bf16 ones
-    // in the group's fp32 buffer, rounded into the views when handed over (as MoeLmCuda).
+    // in the group's fp32 buffer, rounded into the views when handed over (as the GPU store, parallel/cuda).
     const bool in_views = path == Path::kDeviceBuckets && reduce_dtype == DType::kF32;
     CountingMemory memory;
     const BucketedGradDevice device{&comm, &memory};

@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "core/random.h"
 #include "train/config.pb.h"
 
 namespace gradsum::train {
@@ -45,25 +46,6 @@ namespace gradsum::train {
 // Label of a token that CE ignores (SEMANTICS.md §1).
 inline constexpr int32_t kIgnoreIndex = -100;
 
-// SplitMix64: a small, portable, seedable generator (identical on every platform, so
-// the corpus and the initial weights are the same everywhere).
-class SplitMix64 {
- public:
-  explicit SplitMix64(uint64_t seed) : state_(seed) {}
-  uint64_t Next();
-  // Uniform in [0, 1) with 53 random bits.
-  double Uniform();
-  // Uniform integer in [0, n), n > 0.
-  uint64_t Below(uint64_t n);
-  // Standard normal (Box-Muller).
-  double Normal();
-
- private:
-  uint64_t state_;
-};
-
-// Mixes several words into one seed (for keyed random streams).
-uint64_t MixSeed(uint64_t a, uint64_t b, uint64_t c = 0);
 
 // A first-order Markov chain over the 256 byte values. Only a small alphabet of
 // printable bytes is reachable, each with a few successors of skewed probability, so

@@ -279,17 +279,19 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
 
   MoeLmOptions options;
   options.model = config.model();
-  options.sharding = ToShardingMode(config.sharding());
-  options.compute_dtype = ToDType(config.compute_dtype());
-  options.reduce_dtype = ToDType(config.reduce_dtype());
   options.alpha_b = config.alpha_b();
   options.alpha_z = config.alpha_z();
-  options.layers_per_unit = config.layers_per_unit();
-  options.reshard_after_forward = config.reshard_after_forward();
-  options.reduce_every_micro_batch = config.reduce_every_micro_batch();
-  options.reproducible = config.reproducible();
-  options.bucket_cap_bytes = static_cast<size_t>(config.bucket_cap_mb() * (1 << 20));
-  options.first_bucket_cap_bytes = static_cast<size_t>(config.first_bucket_mb() * (1 << 20));
+  parallel::ParallelOptions& p = options.parallel;
+  p.sharding = ToShardingMode(config.sharding());
+  p.compute_dtype = ToDType(config.compute_dtype());
+  p.reduce_dtype = ToDType(config.reduce_dtype());
+  p.precision =
+      config.reproducible() ? parallel::GradPrecision::kExact : parallel::GradPrecision::kF32;
+  p.layers_per_unit = config.layers_per_unit();
+  p.reshard_after_forward = config.reshard_after_forward();
+  p.reduce_every_micro_batch = config.reduce_every_micro_batch();
+  p.bucket_cap_bytes = static_cast<size_t>(config.bucket_cap_mb() * (1 << 20));
+  p.first_bucket_cap_bytes = static_cast<size_t>(config.first_bucket_mb() * (1 << 20));
   // The ranks of a thread run share the cores; the kernels use what is left per rank.
   const int cores = AvailableCores();
   options.num_threads = config.backend() == TrainConfig::thread ? std::max(1, cores / config.world()) : 1;

@@ -44,7 +44,7 @@ namespace gradsum::train {
 // The communicators of one rank (not owned). `timer` (may be null) is the CommTimer the
 // communicators add their time to (collectives/timed_communicator.h).
 // Builds the rank's model; the default is MoeLm::Create (host compute). The nccl backend
-// passes train/cuda's MoeLmCuda, which computes on the rank's GPU.
+// passes train/cuda's CreateCudaMoeLm, which computes on the rank's GPU.
 using MoeLmFactory = std::function<absl::StatusOr<std::unique_ptr<MoeLm>>(const MoeLmOptions&,
                                                                           const MoeLmGroups&)>;
 

@@ -1,8 +1,8 @@
-// The training step's parameter traffic (train/unit_schedule.h through MoeLm and the
+// The training step's parameter traffic (parallel/unit_schedule.h through MoeLm and the
 // Trainer): the order of the issued collectives, seen by a recording communicator; the
 // memory accounting against sizes computed by hand from the config; a slow collective
 // showing up as exposed time.
-#include "train/unit_schedule.h"
+#include "parallel/unit_schedule.h"
 
 #include <memory>
 #include <mutex>
@@ -27,6 +27,7 @@ namespace gradsum::train {
 namespace {
 
 using ::testing::ElementsAreArray;
+using parallel::UnitSchedule;
 
 // One issued collective: operation, element count (recv count for reduce-scatter, send
 // count for all-gather), dtype.

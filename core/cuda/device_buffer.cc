@@ -1,5 +1,6 @@
 #include "core/cuda/device_buffer.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -123,6 +124,22 @@ absl::StatusOr<float> CudaEvent::ElapsedMsSince(const CudaEvent& start) const {
   GRADSUM_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, start.event_, event_),
                                "cudaEventElapsedTime");
   return ms;
+}
+
+absl::Status Reserve(DeviceBuffer* b, size_t bytes) {
+  bytes = std::max<size_t>(bytes, 256);
+  if (b->size() >= bytes) return absl::OkStatus();
+  *b = DeviceBuffer();
+  absl::StatusOr<DeviceBuffer> fresh = DeviceBuffer::Create(bytes);
+  if (!fresh.ok()) return fresh.status();
+  *b = *std::move(fresh);
+  return absl::OkStatus();
+}
+
+absl::Status Fence(cudaStream_t producer, cudaStream_t consumer, cudaEvent_t event) {
+  GRADSUM_CUDA_RETURN_IF_ERROR(cudaEventRecord(event, producer), "record stream fence");
+  GRADSUM_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(consumer, event, 0), "wait on stream fence");
+  return absl::OkStatus();
 }
 
 }  // namespace gradsum::cuda

@@ -113,6 +113,14 @@ class CudaEvent {
   cudaEvent_t event_ = nullptr;
 };
 
+// Grows `b` to at least `bytes` (contents are not kept). Never leaves a null buffer, so
+// zero-count collectives still get valid device pointers.
+absl::Status Reserve(DeviceBuffer* b, size_t bytes);
+
+// `consumer` waits (on the device) for everything enqueued on `producer` so far, through
+// `event` (recorded on producer).
+absl::Status Fence(cudaStream_t producer, cudaStream_t consumer, cudaEvent_t event);
+
 }  // namespace gradsum::cuda
 
 #endif  // GRADSUM_CORE_CUDA_DEVICE_BUFFER_H_

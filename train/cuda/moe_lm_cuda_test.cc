@@ -1,4 +1,4 @@
-// The GPU model (MoeLmCuda through the Trainer, NCCL world of one GPU) against two
+// The GPU model (CreateCudaMoeLm through the Trainer, NCCL world of one GPU) against two
 // independent references: the double-precision single-process reference model (the
 // --parity_check of step 1, tolerance 1e-5) and the CPU trainer run on the same config
 // (reduced gradients of step 1 and the losses of the following steps). Skips without a GPU.
@@ -18,7 +18,7 @@
 #include "core/status.h"
 #include "gtest/gtest.h"
 #include "testing/gpu_test_util.h"
-#include "train/cuda/moe_lm_cuda.h"
+#include "train/cuda/cuda_compute.h"
 #include "train/cuda/nccl_rank.h"
 #include "train/data.h"
 #include "train/rank_main.h"
@@ -47,7 +47,7 @@ absl::StatusOr<GpuRun> RunOnGpu(const TrainConfig& config) {
   RankComms comms = mesh.comms();
   const MoeLmDeviceGroups dev = nccl.groups();
   comms.make_model = [dev](const MoeLmOptions& o, const MoeLmGroups& g) {
-    return MoeLmCuda::Create(o, g, dev);
+    return CreateCudaMoeLm(o, g, dev);
   };
   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(config, comms));
   GRADSUM_RETURN_IF_ERROR(trainer->Run(nullptr).status());
@@ -181,7 +181,7 @@ TEST(MoeLmCudaTest, CreateRejectsMissingOrMismatchedDeviceGroups) {
   MoeLmOptions options;
   options.model = TinyConfig(1, 1, 1, TrainConfig::fsdp).model();
   const MoeLmGroups groups{(*host)[0].get(), (*host)[0].get(), (*host)[0].get()};
-  absl::StatusOr<std::unique_ptr<MoeLm>> none = MoeLmCuda::Create(options, groups, {});
+  absl::StatusOr<std::unique_ptr<MoeLm>> none = CreateCudaMoeLm(options, groups, {});
   EXPECT_EQ(none.status().code(), absl::StatusCode::kInvalidArgument) << none.status();
   EXPECT_NE(none.status().message().find("NCCL"), absl::string_view::npos);
 }
@@ -198,7 +198,7 @@ TEST(MoeLmCudaTest, ProtocolAndInputErrorsAreStatuses) {
   options.model = TinyConfig(1, 1, 1, TrainConfig::fsdp).model();
   const MoeLmGroups groups{(*host)[0].get(), (*host)[0].get(), (*host)[0].get()};
   const MoeLmDeviceGroups dev = nccl->groups();
-  auto model = MoeLmCuda::Create(options, groups, dev);
+  auto model = CreateCudaMoeLm(options, groups, dev);
   ASSERT_TRUE(model.ok()) << model.status();
   ASSERT_TRUE((*model)->SetFullParameters(MoeLm::InitialParameters(options.model, 1)).ok());
 

@@ -17,7 +17,7 @@
 #include "collectives/nccl_backend.h"
 #include "core/cuda/cuda_status.h"
 #include "core/status.h"
-#include "train/cuda/moe_lm_cuda.h"
+#include "train/cuda/cuda_compute.h"
 #include "train/rank_main.h"
 #include "train/trainer.h"
 
@@ -101,7 +101,7 @@ absl::Status RunNcclRank(const TrainConfig& config, Communicator* host_world, st
   RankComms comms = mesh.comms();
   const MoeLmDeviceGroups dev = nccl.groups();
   comms.make_model = [dev](const MoeLmOptions& o, const MoeLmGroups& g) {
-    return MoeLmCuda::Create(o, g, dev);
+    return CreateCudaMoeLm(o, g, dev);
   };
   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(config, comms));
   return trainer->Run(log).status();

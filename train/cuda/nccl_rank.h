@@ -3,7 +3,7 @@
 
 // One rank of `moe_lm --backend=nccl`: the rank's GPU, NCCL communicators for the
 // world and its (F, P) mesh (bootstrapped over the host world), and the Trainer with the
-// GPU model (train/cuda/moe_lm_cuda.h). The host world (MPI) keeps the step statistics,
+// GPU model (train/cuda/cuda_compute.h). The host world (MPI) keeps the step statistics,
 // the display, the grad norm, checkpoints and the parity check.
 //
 //   mpirun -np 8 bazel-bin/train/moe_lm --backend=nccl --world=8 --ep=4   # 8 GPUs, 1 node
@@ -23,7 +23,7 @@
 #include "collectives/nccl_backend.h"
 #include "collectives/timed_communicator.h"
 #include "train/config.pb.h"
-#include "train/cuda/moe_lm_cuda.h"
+#include "train/cuda/cuda_compute.h"
 
 namespace gradsum::train {
 
@@ -37,7 +37,7 @@ absl::Status CheckOneRankPerGpu(Communicator& host_world, int device);
 
 // The rank's NCCL world, bootstrapped over `host_world` and timed into `timer` (the host
 // mesh's CommTimer: TimeNcclCommunicator, so NCCL time counts in comm_s and
-// comm_exposed_s), and its (F, P) mesh with EP size `ep`: MoeLmCuda's device groups.
+// comm_exposed_s), and its (F, P) mesh with EP size `ep`: the GPU model's device groups.
 struct NcclMesh {
   std::unique_ptr<NcclCommunicator> world;
   std::unique_ptr<Mesh> mesh;  // over `world`: its EP and EDP groups are timed too

@@ -1,7 +1,10 @@
-// The MoE layer composed from the CUDA pieces (permute plan, gather, grouped experts through
-// cuBLAS + SwiGLU, weighted combine, and their backward) against the CPU dispatch/combine
-// (moe/dispatch.h) on one EP rank: same send order, outputs, input and combine-weight
-// gradients, expert weight gradients. Skips without a GPU.
+// The dispatch kernels (permute plan, gather, grouped experts through cuBLAS + SwiGLU,
+// weighted combine, and their backward) on a fixed routing, in f32 and bf16 activations,
+// against the CPU dispatch/combine (moe/dispatch.h) on one EP rank: same send order,
+// outputs, input and combine-weight gradients, expert weight gradients. The layer that
+// ships (router, NCCL exchange and these kernels: moe/cuda/moe_layer_cuda.h) is checked
+// against the CPU's through the model's ops, model/cuda/cuda_ops_test.cc. Skips without a
+// GPU.
 #include <algorithm>
 #include <cstdint>
 #include <numeric>
@@ -48,9 +51,9 @@ struct LayerCase {
   DType dtype;  // activations and expert weights on the GPU; the CPU reference is fp32
 };
 
-class MoeLayerCuda : public ::testing::TestWithParam<LayerCase> {};
+class DispatchCuda : public ::testing::TestWithParam<LayerCase> {};
 
-TEST_P(MoeLayerCuda, ForwardAndBackwardMatchCpuDispatchOnOneRank) {
+TEST_P(DispatchCuda, ForwardAndBackwardMatchCpuDispatchOnOneRank) {
   GRADSUM_SKIP_WITHOUT_GPU();
   const LayerCase c = GetParam();
   const int64_t T = c.T, D = c.D, H = c.H, copies = T * c.K;
@@ -162,7 +165,7 @@ TEST_P(MoeLayerCuda, ForwardAndBackwardMatchCpuDispatchOnOneRank) {
   ExpectAllNear(Host<float>(dwd), dwd_cpu, atol_frac * MaxAbs(dwd_cpu), rtol, "d_down");
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, MoeLayerCuda,
+INSTANTIATE_TEST_SUITE_P(Shapes, DispatchCuda,
                          ::testing::Values(LayerCase{40, 16, 24, 4, 2, DType::kF32},      // small
                                            LayerCase{600, 64, 96, 16, 4, DType::kF32},    // many chunks
                                            LayerCase{600, 64, 96, 16, 4, DType::kBF16}));

@@ -1,4 +1,4 @@
-#include "train/unit_schedule.h"
+#include "parallel/unit_schedule.h"
 
 #include <algorithm>
 #include <utility>
@@ -6,7 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
 
-namespace gradsum::train {
+namespace gradsum::parallel {
 
 absl::StatusOr<UnitSchedule> UnitSchedule::Create(int num_units,
                                                   std::vector<std::vector<int>> stage_units,
@@ -117,4 +117,4 @@ int64_t UnitSchedule::TakePeakUnshardedBytes() {
   return p;
 }
 
-}  // namespace gradsum::train
+}  // namespace gradsum::parallel

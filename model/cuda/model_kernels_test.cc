@@ -1,8 +1,8 @@
-// The model's own CUDA kernels (train/cuda/model_kernels.h) against the CPU: embedding gather
-// and scatter-add against train/layers.h, the residual add, and the bf16 conversions against
+// The model's own CUDA kernels (model/cuda/model_kernels.h) against the CPU: embedding gather
+// and scatter-add against model/layers.h, the residual add, and the bf16 conversions against
 // core/half.h for every bf16 bit pattern and a sweep of floats (ties, NaN, inf, subnormals).
 // Skips without a GPU; the no-device case checks the FailedPrecondition path.
-#include "train/cuda/model_kernels.h"
+#include "model/cuda/model_kernels.h"
 
 #include <cmath>
 #include <cstdint>
@@ -16,9 +16,9 @@
 #include "gtest/gtest.h"
 #include "testing/gpu_compare.h"
 #include "testing/gpu_test_util.h"
-#include "train/layers.h"
+#include "model/layers.h"
 
-namespace gradsum::train {
+namespace gradsum::model {
 namespace {
 
 using ::gradsum::testing::Dev;
@@ -143,4 +143,4 @@ TEST(ModelKernelsCudaWithoutDevice, ReturnsFailedPreconditionNotACrash) {
 }
 
 }  // namespace
-}  // namespace gradsum::train
+}  // namespace gradsum::model

@@ -1,10 +1,10 @@
-#include "train/cuda/model_kernels.h"
+#include "model/cuda/model_kernels.h"
 
 #include "absl/strings/str_cat.h"
 #include "core/cuda/cuda_status.h"
 #include "core/status.h"
 
-namespace gradsum::train {
+namespace gradsum::model {
 namespace cuda_internal {
 cudaError_t LaunchEmbeddingForward(const float* emb, const int32_t* tokens, int64_t rows,
                                    int64_t dim, float* h, cudaStream_t stream);
@@ -85,4 +85,4 @@ absl::Status F32ToBf16Cuda(const float* in, uint16_t* out, int64_t n, cudaStream
   return absl::OkStatus();
 }
 
-}  // namespace gradsum::train
+}  // namespace gradsum::model

@@ -1,5 +1,5 @@
-#ifndef GRADSUM_TRAIN_CUDA_MODEL_KERNELS_H_
-#define GRADSUM_TRAIN_CUDA_MODEL_KERNELS_H_
+#ifndef GRADSUM_MODEL_CUDA_MODEL_KERNELS_H_
+#define GRADSUM_MODEL_CUDA_MODEL_KERNELS_H_
 
 // The elementwise pieces of moe_lm on the GPU that no library package provides: the token
 // embedding (gather and its scatter-add backward), the residual add, and the f32 <-> bf16
@@ -19,7 +19,7 @@
 
 #include "absl/status/status.h"
 
-namespace gradsum::train {
+namespace gradsum::model {
 
 // h[t, :] = emb[tokens[t], :] for t < rows (f32).
 absl::Status EmbeddingForwardCuda(const float* emb, const int32_t* tokens, int64_t rows,
@@ -39,6 +39,6 @@ absl::Status Bf16ToF32Cuda(const uint16_t* in, float* out, int64_t n, cudaStream
 // out[i] = bf16(in[i]), round to nearest even (NaN stays NaN), as core/half.h.
 absl::Status F32ToBf16Cuda(const float* in, uint16_t* out, int64_t n, cudaStream_t stream);
 
-}  // namespace gradsum::train
+}  // namespace gradsum::model
 
-#endif  // GRADSUM_TRAIN_CUDA_MODEL_KERNELS_H_
+#endif  // GRADSUM_MODEL_CUDA_MODEL_KERNELS_H_

@@ -1,5 +1,5 @@
-#ifndef GRADSUM_TRAIN_LAYERS_H_
-#define GRADSUM_TRAIN_LAYERS_H_
+#ifndef GRADSUM_MODEL_LAYERS_H_
+#define GRADSUM_MODEL_LAYERS_H_
 
 // The two dense pieces of moe_lm (SEMANTICS.md §10) that no other package provides:
 // the token embedding and RMSNorm, forward and backward, fp32 on the CPU, row by row.
@@ -16,7 +16,7 @@
 
 #include "absl/types/span.h"
 
-namespace gradsum::train {
+namespace gradsum::model {
 
 inline constexpr float kRmsNormEps = 1e-6f;  // SEMANTICS.md §10
 
@@ -42,6 +42,6 @@ void EmbeddingForward(absl::Span<const float> emb, absl::Span<const int32_t> tok
 void EmbeddingBackward(absl::Span<const int32_t> tokens, absl::Span<const float> dh, int64_t dim,
                        absl::Span<float> demb);
 
-}  // namespace gradsum::train
+}  // namespace gradsum::model
 
-#endif  // GRADSUM_TRAIN_LAYERS_H_
+#endif  // GRADSUM_MODEL_LAYERS_H_

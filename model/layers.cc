@@ -1,11 +1,11 @@
-#include "train/layers.h"
+#include "model/layers.h"
 
 #include <cstring>
 #include <vector>
 
 #include "core/vec_math.h"
 
-namespace gradsum::train {
+namespace gradsum::model {
 
 void RmsNormForward(absl::Span<const float> h, absl::Span<const float> gain, int64_t rows,
                     int64_t dim, absl::Span<float> a, absl::Span<float> inv_rms) {
@@ -45,4 +45,4 @@ void EmbeddingBackward(absl::Span<const int32_t> tokens, absl::Span<const float>
   }
 }
 
-}  // namespace gradsum::train
+}  // namespace gradsum::model

@@ -1,4 +1,4 @@
-#include "train/layers.h"
+#include "model/layers.h"
 
 #include <cmath>
 #include <random>
@@ -6,7 +6,7 @@
 
 #include "gtest/gtest.h"
 
-namespace gradsum::train {
+namespace gradsum::model {
 namespace {
 
 // L(h, g) = sum_t sum_i w_ti * RmsNorm(h; g)_ti in double, for finite differences.
@@ -81,4 +81,4 @@ TEST(EmbeddingTest, GathersRowsAndScatterAddsGradients) {
 }
 
 }  // namespace
-}  // namespace gradsum::train
+}  // namespace gradsum::model

@@ -1,12 +1,13 @@
-#ifndef GRADSUM_TRAIN_UNIT_SCHEDULE_H_
-#define GRADSUM_TRAIN_UNIT_SCHEDULE_H_
+#ifndef GRADSUM_PARALLEL_UNIT_SCHEDULE_H_
+#define GRADSUM_PARALLEL_UNIT_SCHEDULE_H_
 
 // The order of a training step's parameter communication (FSDP2's schedule), written once
-// for every model: which parameter units are gathered before each stage of forward and
-// backward, which are prefetched one stage ahead, when each is freed again, and when each
-// unit's gradient reduction is issued and waited on. The models (train/moe_lm.h on the
-// host, train/cuda's MoeLmCuda on a GPU) supply only the stages' compute and a UnitStore
-// that moves their units' bytes.
+// for every model and device: which parameter units are gathered before each stage of
+// forward and backward, which are prefetched one stage ahead, when each is freed again, and
+// when each unit's gradient reduction is issued and waited on. The model (model/moe_lm.h)
+// supplies only its stages' compute, and a UnitStore (parallel/host_unit_store.h on the
+// host, parallel/cuda/device_unit_store.h on a GPU) moves the units' bytes;
+// parallel/parallelize.h puts the three together.
 //
 // A model is a chain of stages 0 .. S-1 in forward order; the last one is the turn stage,
 // whose forward call also runs its backward (the LM head's fused CE). Each stage reads a
@@ -32,15 +33,34 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "core/grad_sink.h"
 
-namespace gradsum::train {
+namespace gradsum::parallel {
 
 // Where a model's units live and how their bytes move (host FlatParams, or device
-// buffers). Every call is made by the rank's thread, in the schedule's order, identically
-// on every rank.
+// buffers), and what the compute reads and writes of them. Every call is made by the rank's
+// thread (the schedule's calls in the schedule's order, identically on every rank).
 class UnitStore {
  public:
   virtual ~UnitStore() = default;
+
+  // ---- What the compute sees (while the schedule holds the unit gathered). ----
+  // Entry `index` of unit u as forward reads it: fp32 in the compute device's memory.
+  virtual const float* Values(int u, int index) = 0;
+  // Where backward adds the gradient of entries [first, first + count) of unit u, which
+  // lie end to end in the unit's flat layout.
+  virtual absl::StatusOr<GradTarget> Grad(int u, int first, int count) = 0;
+
+  // ---- The step's protocol. ----
+  // The masters changed (creation, optimizer step, checkpoint load): a new step starts.
+  virtual absl::Status PrepareStep() { return absl::OkStatus(); }
+  // Before a micro-batch: FailedPrecondition if the store cannot run one now (a device
+  // store whose copy of the masters is stale, or whose step already failed).
+  virtual absl::Status CheckMicroBatch() { return absl::OkStatus(); }
+  // A micro-batch failed: its gradients are incomplete (a device store drops them).
+  virtual void MicroBatchFailed() {}
+
+  // ---- The schedule's calls. ----
   // Starts making unit u's parameters readable (an all-gather in sharded mode). No-op
   // when they already are or the gather is in flight.
   virtual absl::Status StartGather(int u) = 0;
@@ -55,6 +75,7 @@ class UnitStore {
   // none is). Afterwards u's gradient buffer may be written again.
   virtual absl::Status WaitReduce(int u) = 0;
   // After the last micro-batch: every reduction done, master_grad() complete.
+  // FailedPrecondition after MicroBatchFailed() in this step.
   virtual absl::Status FinishReductions() = 0;
   // Parameter bytes held unsharded now (compute dtype), and with every unit unsharded.
   virtual int64_t UnshardedBytes() const = 0;
@@ -111,6 +132,6 @@ class UnitSchedule {
   int64_t peak_ = 0;
 };
 
-}  // namespace gradsum::train
+}  // namespace gradsum::parallel
 
-#endif  // GRADSUM_TRAIN_UNIT_SCHEDULE_H_
+#endif  // GRADSUM_PARALLEL_UNIT_SCHEDULE_H_

@@ -1,10 +1,10 @@
-// Kernels of train/cuda/model_kernels.h (launch wrappers below return cudaError_t; the
+// Kernels of model/cuda/model_kernels.h (launch wrappers below return cudaError_t; the
 // absl::Status wrappers are in model_kernels.cc so that nvcc never sees absl).
 #include <cstdint>
 
 #include <cuda_runtime.h>
 
-namespace gradsum::train::cuda_internal {
+namespace gradsum::model::cuda_internal {
 namespace {
 
 constexpr int kThreads = 256;
@@ -99,4 +99,4 @@ cudaError_t LaunchF32ToBf16(const float* in, uint16_t* out, int64_t n, cudaStrea
   return cudaGetLastError();
 }
 
-}  // namespace gradsum::train::cuda_internal
+}  // namespace gradsum::model::cuda_internal

@@ -1,0 +1,353 @@
+#include "model/cpu_ops.h"
+
+#include <algorithm>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/status.h"
+#include "core/tensor.h"
+#include "core/thread_pool.h"
+#include "losses/linear_cross_entropy.h"
+#include "losses/router_losses.h"
+#include "losses/step_stats.h"
+#include "model/layers.h"
+#include "moe/moe_layer.h"
+
+namespace gradsum::model {
+namespace {
+
+class HostArray : public DeviceArray {
+ public:
+  explicit HostArray(int64_t numel) : storage_(numel) {
+    data_ = storage_.data();
+    size_ = numel;
+  }
+
+ private:
+  std::vector<float> storage_;
+};
+
+// Adds blocks [b * n, (b + 1) * n) of `blocks` (each one row block's contribution) to the
+// sink's elements [0, n), in block order, split into element ranges over the threads
+// (disjoint ranges may be added concurrently, core/grad_sink.h).
+absl::Status AddBlocksExact(ExactGradSink& sink, absl::Span<const float> blocks, int64_t n) {
+  const int64_t num_blocks = n == 0 ? 0 : static_cast<int64_t>(blocks.size()) / n;
+  constexpr int64_t kMinRange = 4096;
+  const int64_t ranges = std::max<int64_t>(1, std::min<int64_t>(ComputeThreads(), n / kMinRange));
+  return ParallelForStatus(ComputeThreads(), ranges, [&](int64_t r) -> absl::Status {
+    const int64_t begin = n * r / ranges, end = n * (r + 1) / ranges;
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      GRADSUM_RETURN_IF_ERROR(sink.Add(begin, blocks.subspan(b * n + begin, end - begin)));
+    }
+    return absl::OkStatus();
+  });
+}
+
+// A weight gradient of n values summed over the row blocks of T rows. compute(q, r0, rows,
+// out) ADDS block q's (rows [r0, r0 + rows)) contribution into out[0, n). One block and an
+// fp32 target: straight into the target. Otherwise each block into its own zeroed scratch
+// (blocks run in parallel), then added to the target: exactly, or in block order.
+template <typename Fn>
+absl::Status AccumulateRowBlocks(const GradTarget& target, int64_t T, int64_t row_block,
+                                 int64_t n, Fn compute) {
+  if (row_block <= 0 && target.accumulate() != nullptr) {
+    return compute(0, 0, T, target.accumulate());
+  }
+  const int64_t rows = row_block > 0 ? row_block : T;
+  const int64_t blocks = rows == 0 ? 0 : T / rows;
+  std::vector<float> scratch(blocks * n, 0.0f);
+  GRADSUM_RETURN_IF_ERROR(ParallelForStatus(ComputeThreads(), blocks, [&](int64_t q) {
+    return compute(q, q * rows, rows, scratch.data() + q * n);
+  }));
+  if (target.exact() != nullptr) return AddBlocksExact(*target.exact(), scratch, n);
+  float* acc = target.accumulate();
+  for (int64_t q = 0; q < blocks; ++q) {
+    for (int64_t i = 0; i < n; ++i) acc[i] += scratch[q * n + i];
+  }
+  return absl::OkStatus();
+}
+
+class CpuOps : public ModelOps {
+ public:
+  CpuOps(const MoeLmSpec& spec, const CpuOpsComms& comms, int num_threads)
+      : config_(spec.config()), comms_(comms), num_threads_(num_threads) {
+    const MoeLmConfig& m = config_;
+    layer_config_.d_model = m.dim;
+    layer_config_.hidden = m.expert_dim;
+    layer_config_.num_experts = m.experts;
+    layer_config_.top_k = m.top_k;
+    layer_config_.norm_topk_prob = m.norm_topk_prob;
+    layer_config_.router_scale = m.router_scale;
+    local_experts_ = m.experts / comms.ep_group->size();
+    layer_state_.resize(m.layers);
+  }
+
+  absl::StatusOr<std::unique_ptr<DeviceArray>> Allocate(int64_t numel) override {
+    return std::unique_ptr<DeviceArray>(new HostArray(numel));
+  }
+
+  absl::Status Begin(const MicroBatchInputs& in) override {
+    if (in.row_block < 0 || (in.row_block > 0 && in.rows % in.row_block != 0)) {
+      return absl::InvalidArgumentError(absl::StrCat("row_block ", in.row_block,
+                                                     " does not divide the ", in.rows,
+                                                     " rows of the micro-batch"));
+    }
+    in_ = in;
+    mask_.assign(in.mask.begin(), in.mask.end());
+    labels_.assign(in.labels.begin(), in.labels.end());
+    layer_config_.row_block = in.row_block;
+    counts_.clear();
+    counts_.reserve(config_.layers);
+    global_counts_.assign(config_.layers, {});
+    terms_ = MicroBatchLossTerms();
+    return absl::OkStatus();
+  }
+
+  absl::Status Add(const float* a, const float* b, float* out, int64_t n) override {
+    for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+    return absl::OkStatus();
+  }
+
+  absl::Status EmbeddingForward(const float* emb, float* h) override {
+    const int64_t D = config_.dim;
+    model::EmbeddingForward(absl::MakeConstSpan(emb, config_.vocab * D), in_.tokens, D,
+                            absl::MakeSpan(h, in_.rows * D));
+    return absl::OkStatus();
+  }
+
+  absl::Status EmbeddingBackward(const float* dh, GradTarget demb) override {
+    const int64_t D = config_.dim, V = config_.vocab, T = in_.rows;
+    if (demb.exact() == nullptr && in_.row_block <= 0) {
+      model::EmbeddingBackward(in_.tokens, absl::MakeConstSpan(dh, T * D), D,
+                               absl::MakeSpan(demb.accumulate(), V * D));
+      return absl::OkStatus();
+    }
+    // Per row block: each token's rows summed in token order, then handed over row by row
+    // (only the vocabulary rows the block touched).
+    const int64_t S = in_.row_block > 0 ? in_.row_block : T;
+    std::vector<float> rows(V * D);
+    std::vector<uint8_t> seen(V);
+    for (int64_t q = 0; q * S < T; ++q) {
+      std::fill(seen.begin(), seen.end(), 0);
+      for (int64_t t = q * S; t < (q + 1) * S; ++t) {
+        const int32_t v = in_.tokens[t];
+        float* row = rows.data() + static_cast<int64_t>(v) * D;
+        if (!seen[v]) std::fill(row, row + D, 0.0f);
+        seen[v] = 1;
+        for (int64_t i = 0; i < D; ++i) row[i] += dh[t * D + i];
+      }
+      for (int64_t v = 0; v < V; ++v) {
+        if (!seen[v]) continue;
+        const auto row = absl::MakeConstSpan(rows).subspan(v * D, D);
+        if (demb.exact() != nullptr) {
+          GRADSUM_RETURN_IF_ERROR(demb.exact()->Add(v * D, row));
+        } else {
+          float* acc = demb.accumulate() + v * D;
+          for (int64_t i = 0; i < D; ++i) acc[i] += row[i];
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status RmsNormForward(const float* x, const float* gain, float* y,
+                              float* inv_rms) override {
+    const int64_t D = config_.dim, T = in_.rows;
+    model::RmsNormForward(absl::MakeConstSpan(x, T * D), absl::MakeConstSpan(gain, D), T, D,
+                          absl::MakeSpan(y, T * D), absl::MakeSpan(inv_rms, T));
+    return absl::OkStatus();
+  }
+
+  absl::Status RmsNormBackward(const float* x, const float* gain, const float* inv_rms,
+                               const float* dy, float* dx, bool accumulate_dx,
+                               GradTarget dgain) override {
+    const int64_t D = config_.dim, T = in_.rows;
+    if (!accumulate_dx) std::fill(dx, dx + T * D, 0.0f);
+    return AccumulateRowBlocks(
+        dgain, T, in_.row_block, D,
+        [&](int64_t, int64_t r0, int64_t rows, float* out) -> absl::Status {
+          model::RmsNormBackward(absl::MakeConstSpan(x + r0 * D, rows * D),
+                                 absl::MakeConstSpan(gain, D),
+                                 absl::MakeConstSpan(inv_rms + r0, rows),
+                                 absl::MakeConstSpan(dy + r0 * D, rows * D), rows, D,
+                                 absl::MakeSpan(dx + r0 * D, rows * D), absl::MakeSpan(out, D));
+          return absl::OkStatus();
+        });
+  }
+
+  absl::Status MoeForward(int l, const float* a, const MoeWeights& w, float* y) override {
+    const int64_t D = config_.dim, T = in_.rows;
+    GRADSUM_RETURN_IF_ERROR(moe::MoeLayerForward(
+        *comms_.ep_group, layer_config_, LayerWeights(w), absl::MakeConstSpan(a, T * D), mask_,
+        absl::MakeSpan(y, T * D), &layer_state_[l]));
+    // c[l, m, :] of §5 travels while the next layers compute.
+    GRADSUM_ASSIGN_OR_RETURN(
+        losses::ExpertCountReduction c,
+        losses::ExpertCountReduction::Start(
+            *comms_.world, layer_state_[l].route.local_expert_counts, config_.top_k));
+    if (static_cast<int>(counts_.size()) != l) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("MoE layer ", l, " ran forward out of order"));
+    }
+    counts_.push_back(std::move(c));
+    return absl::OkStatus();
+  }
+
+  absl::Status MoeBackward(int l, const float* a, const MoeWeights& w, const float* dy,
+                           float* da, MoeGrads g) override {
+    const int64_t D = config_.dim, E = config_.experts, T = in_.rows;
+    const int K = config_.top_k;
+    if (l >= static_cast<int>(counts_.size())) {
+      return absl::FailedPreconditionError(absl::StrCat("MoE layer ", l, " has no forward"));
+    }
+    moe::RouterOutput& route = layer_state_[l].route;
+    du_.assign(T * E, 0.0f);
+    GRADSUM_ASSIGN_OR_RETURN(absl::Span<const int64_t> global_counts, counts_[l].Wait());
+    // The z and balancing losses (row-wise gradients into du; the values are sums over
+    // the rows), per row block.
+    const int64_t S = in_.row_block > 0 ? in_.row_block : T;
+    for (int64_t r0 = 0; r0 < T; r0 += S) {
+      GRADSUM_ASSIGN_OR_RETURN(
+          TensorView u, TensorView::Create(route.logits.data() + r0 * E, DType::kF32, {S, E}));
+      GRADSUM_ASSIGN_OR_RETURN(TensorView du_view,
+                               TensorView::Create(du_.data() + r0 * E, DType::kF32, {S, E}));
+      const auto m_rows = absl::MakeConstSpan(mask_).subspan(r0, S);
+      GRADSUM_ASSIGN_OR_RETURN(double z, losses::RouterZLossForwardBackward(
+                                             u, m_rows, in_.global_routed_tokens,
+                                             config_.alpha_z, du_view));
+      GRADSUM_ASSIGN_OR_RETURN(double bal, losses::LoadBalancingLossForwardBackward(
+                                               u, m_rows, global_counts, K,
+                                               in_.num_micro_batches, config_.alpha_b, du_view));
+      terms_.z += z;
+      terms_.bal += bal;
+      if (in_.row_block > 0) {
+        terms_.z_terms.push_back(z);
+        terms_.bal_terms.push_back(bal);
+      }
+    }
+    global_counts_[l].assign(global_counts.begin(), global_counts.end());
+
+    std::fill(da, da + T * D, 0.0f);
+    moe::MoeLayerGrads grads;
+    const int64_t expert_block = local_experts_ * D * config_.expert_dim;
+    if (g.router.exact() != nullptr || g.local_experts.exact() != nullptr) {
+      if (g.router.exact() == nullptr || g.local_experts.exact() == nullptr) {
+        return absl::InvalidArgumentError(
+            "MoE layer gradients: the router and the experts need the same kind of target");
+      }
+      grads.router_exact = g.router.exact();
+      grads.local_experts.exact = g.local_experts.exact();
+    } else {
+      float* experts = g.local_experts.accumulate();
+      grads.router = absl::MakeSpan(g.router.accumulate(), D * E);
+      grads.local_experts.gate = absl::MakeSpan(experts, expert_block);
+      grads.local_experts.up = absl::MakeSpan(experts + expert_block, expert_block);
+      grads.local_experts.down = absl::MakeSpan(experts + 2 * expert_block, expert_block);
+    }
+    moe::RouterLossGrads loss_grads;
+    loss_grads.d_logits = du_;
+    return moe::MoeLayerBackward(*comms_.ep_group, layer_config_, LayerWeights(w),
+                                 absl::MakeConstSpan(a, T * D), layer_state_[l],
+                                 absl::MakeConstSpan(dy, T * D), loss_grads,
+                                 absl::MakeSpan(da, T * D), grads);
+  }
+
+  absl::Status LmHeadCrossEntropy(const float* f, const float* w_out, float* grad_f,
+                                  GradTarget grad_out) override {
+    const int64_t D = config_.dim, V = config_.vocab, T = in_.rows;
+    GRADSUM_ASSIGN_OR_RETURN(
+        TensorView head_view,
+        TensorView::Create(const_cast<float*>(w_out), DType::kF32, {D, V}));
+    losses::LinearCrossEntropyOptions ce_options;
+    // One block: the rank's threads over its chunks. Row blocks: one block per call,
+    // single-threaded and in one chunk, so a block's GEMMs are the same at every mesh;
+    // the blocks run in parallel.
+    ce_options.num_threads = in_.row_block > 0 ? 1 : num_threads_;
+    if (in_.row_block > 0) ce_options.chunk_rows = in_.row_block;
+    const int64_t blocks = in_.row_block > 0 ? T / in_.row_block : 1;
+    std::vector<double> block_ce(blocks, 0.0);
+    GRADSUM_RETURN_IF_ERROR(AccumulateRowBlocks(
+        grad_out, T, in_.row_block, D * V,
+        [&](int64_t q, int64_t r0, int64_t rows, float* out) -> absl::Status {
+          GRADSUM_ASSIGN_OR_RETURN(
+              TensorView f_view,
+              TensorView::Create(const_cast<float*>(f) + r0 * D, DType::kF32, {rows, D}));
+          GRADSUM_ASSIGN_OR_RETURN(TensorView grad_f_view,
+                                   TensorView::Create(grad_f + r0 * D, DType::kF32, {rows, D}));
+          GRADSUM_ASSIGN_OR_RETURN(TensorView grad_head_view,
+                                   TensorView::Create(out, DType::kF32, {D, V}));
+          const absl::Span<const float> weights =
+              in_.ce_weights.empty() ? in_.ce_weights : in_.ce_weights.subspan(r0, rows);
+          GRADSUM_ASSIGN_OR_RETURN(
+              losses::LinearCrossEntropyResult ce,
+              losses::LinearCrossEntropyForwardBackward(
+                  f_view, head_view, absl::MakeConstSpan(labels_).subspan(r0, rows), weights,
+                  in_.global_ce_weight_sum, grad_f_view, grad_head_view, ce_options));
+          block_ce[q] = ce.ce.local_loss;
+          return absl::OkStatus();
+        }));
+    for (double v : block_ce) terms_.ce += v;
+    if (in_.row_block > 0) terms_.ce_terms = std::move(block_ce);
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<MicroBatchLossTerms> End() override {
+    if (in_.row_block <= 0) {
+      terms_.ce_terms = {terms_.ce};
+      terms_.z_terms = {terms_.z};
+      terms_.bal_terms = {terms_.bal};
+    }
+    terms_.global_expert_counts = std::move(global_counts_);
+    counts_.clear();
+    return std::move(terms_);
+  }
+
+  void Abandon() override { counts_.clear(); }
+
+ private:
+  moe::MoeLayerWeights LayerWeights(const MoeWeights& w) const {
+    const int64_t D = config_.dim, E = config_.experts;
+    const int64_t block = local_experts_ * D * config_.expert_dim;
+    moe::MoeLayerWeights out;
+    out.router = absl::MakeConstSpan(w.router, D * E);
+    out.local_experts.gate = absl::MakeConstSpan(w.local_experts, block);
+    out.local_experts.up = absl::MakeConstSpan(w.local_experts + block, block);
+    out.local_experts.down = absl::MakeConstSpan(w.local_experts + 2 * block, block);
+    return out;
+  }
+
+  MoeLmConfig config_;
+  CpuOpsComms comms_;
+  int num_threads_ = 1;
+  int local_experts_ = 1;
+  moe::MoeLayerConfig layer_config_;
+  std::vector<moe::MoeLayerState> layer_state_;
+  // The micro-batch.
+  MicroBatchInputs in_;
+  std::vector<uint8_t> mask_;
+  std::vector<int64_t> labels_;
+  std::vector<losses::ExpertCountReduction> counts_;  // per layer, in flight from forward
+  std::vector<std::vector<int64_t>> global_counts_;
+  std::vector<float> du_;  // [T, E]
+  MicroBatchLossTerms terms_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ModelOps>> MakeCpuOps(const MoeLmSpec& spec,
+                                                     const CpuOpsComms& comms, int num_threads) {
+  if (comms.world == nullptr || comms.ep_group == nullptr) {
+    return absl::InvalidArgumentError("CPU ops need the world and EP communicators");
+  }
+  const int P = comms.ep_group->size();
+  if (spec.config().experts % P != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("model.experts=", spec.config().experts,
+                                                   " is not divisible by ep=", P,
+                                                   " (SEMANTICS.md §7)"));
+  }
+  return std::unique_ptr<ModelOps>(new CpuOps(spec, comms, num_threads));
+}
+
+}  // namespace gradsum::model

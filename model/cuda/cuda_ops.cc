@@ -1,0 +1,291 @@
+#include "model/cuda/cuda_ops.h"
+
+#include <cuda_runtime.h>
+
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/cuda/cuda_status.h"
+#include "core/cuda/device_buffer.h"
+#include "core/cuda/gemm.h"
+#include "core/status.h"
+#include "losses/cuda/cross_entropy_cuda.h"
+#include "model/cuda/model_kernels.h"
+#include "model/layers.h"
+#include "moe/cuda/layers_cuda.h"
+#include "moe/cuda/moe_layer_cuda.h"
+
+namespace gradsum::model {
+namespace {
+
+using cuda::DeviceBuffer;
+using cuda::GemmRowMajor;
+using cuda::Reserve;
+
+class CudaArray : public DeviceArray {
+ public:
+  explicit CudaArray(DeviceBuffer buffer, int64_t numel) : buffer_(std::move(buffer)) {
+    data_ = buffer_.as<float>();
+    size_ = numel;
+  }
+
+ private:
+  DeviceBuffer buffer_;
+};
+
+// The fp32 device buffer of a gradient target (this device keeps no exact sums).
+absl::StatusOr<float*> DeviceGrad(const GradTarget& t, const char* what) {
+  if (t.accumulate() == nullptr) {
+    return absl::UnimplementedError(absl::StrCat(
+        "the CUDA ops add gradients into fp32 device buffers only; ", what,
+        " has an exact target (reproducible mode runs on the CPU backends)"));
+  }
+  return t.accumulate();
+}
+
+class CudaOps : public ModelOps {
+ public:
+  CudaOps(const MoeLmSpec& spec, std::shared_ptr<cuda::ComputeContext> ctx,
+          const CudaOpsComms& comms)
+      : config_(spec.config()), ctx_(std::move(ctx)), comms_(comms) {
+    const MoeLmConfig& m = config_;
+    layer_config_.d_model = m.dim;
+    layer_config_.hidden = m.expert_dim;
+    layer_config_.num_experts = m.experts;
+    layer_config_.top_k = m.top_k;
+    layer_config_.norm_topk_prob = m.norm_topk_prob;
+    layer_config_.router_scale = m.router_scale;
+    layers_.resize(m.layers);
+    exec_.blas = &ctx_->blas;
+    exec_.stream = ctx_->stream.get();
+    exec_.fence = ctx_->fence;
+    moe_comms_.world = comms.world;
+    moe_comms_.ep_group = comms.ep_group;
+    moe_comms_.host_ep_group = comms.host_ep_group;
+  }
+
+  absl::StatusOr<std::unique_ptr<DeviceArray>> Allocate(int64_t numel) override {
+    GRADSUM_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_->device), "cudaSetDevice");
+    GRADSUM_ASSIGN_OR_RETURN(DeviceBuffer b,
+                             DeviceBuffer::Create(std::max<int64_t>(numel, 1) * sizeof(float)));
+    return std::unique_ptr<DeviceArray>(new CudaArray(std::move(b), numel));
+  }
+
+  absl::Status Begin(const MicroBatchInputs& in) override {
+    GRADSUM_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_->device), "cudaSetDevice");
+    if (in.row_block != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the CUDA ops compute a micro-batch as one block, not in blocks of ", in.row_block,
+          " rows (per-sequence blocks are the exact gradient precision's: CPU backends only)"));
+    }
+    const int64_t V = config_.vocab, T = in.rows;
+    // Labels on the host, before any device work: the kernels trust them.
+    for (int64_t t = 0; t < T; ++t) {
+      const int32_t y = in.labels[t];
+      if (y != kIgnoreIndex && (y < 0 || y >= V)) {
+        return absl::InvalidArgumentError(absl::StrCat("label ", y, " at position ", t,
+                                                       " outside [0, ", V,
+                                                       ") and not ignore_index ", kIgnoreIndex));
+      }
+    }
+    in_ = in;
+    cudaStream_t s = exec_.stream;
+    if (rows_ != T) {
+      const int64_t D = config_.dim;
+      GRADSUM_RETURN_IF_ERROR(Reserve(&tokens_, T * sizeof(int32_t)));
+      GRADSUM_RETURN_IF_ERROR(Reserve(&labels_, T * sizeof(int64_t)));
+      GRADSUM_RETURN_IF_ERROR(Reserve(&mask_, T));
+      GRADSUM_RETURN_IF_ERROR(Reserve(&weights_, T * sizeof(float)));
+      GRADSUM_RETURN_IF_ERROR(Reserve(&scalars_, 5 * sizeof(double)));
+      GRADSUM_RETURN_IF_ERROR(Reserve(&logits_, static_cast<size_t>(T) * V * sizeof(float)));
+      (void)D;
+      rows_ = T;
+    }
+    labels_host_.assign(in.labels.begin(), in.labels.end());
+    mask_host_.assign(in.mask.begin(), in.mask.end());
+    const double scalars[5] = {in.global_ce_weight_sum,
+                               static_cast<double>(in.global_routed_tokens), 0, 0, 0};
+    GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(tokens_.get(), in.tokens.data(),
+                                                 T * sizeof(int32_t), cudaMemcpyHostToDevice, s),
+                                 "upload tokens");
+    GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(labels_.get(), labels_host_.data(),
+                                                 T * sizeof(int64_t), cudaMemcpyHostToDevice, s),
+                                 "upload labels");
+    GRADSUM_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(mask_.get(), mask_host_.data(), T, cudaMemcpyHostToDevice, s),
+        "upload mask");
+    if (!in.ce_weights.empty()) {
+      GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(weights_.get(), in.ce_weights.data(),
+                                                   T * sizeof(float), cudaMemcpyHostToDevice, s),
+                                   "upload CE weights");
+    }
+    GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(scalars_.get(), scalars, sizeof(scalars),
+                                                 cudaMemcpyHostToDevice, s),
+                                 "upload step statistics");
+    // The host copies above are pageable: the calls return once they are staged.
+    return absl::OkStatus();
+  }
+
+  absl::Status Add(const float* a, const float* b, float* out, int64_t n) override {
+    return AddCuda(a, b, out, n, exec_.stream);
+  }
+
+  absl::Status EmbeddingForward(const float* emb, float* h) override {
+    return EmbeddingForwardCuda(emb, tokens_.as<int32_t>(), in_.rows, config_.dim, h,
+                                exec_.stream);
+  }
+
+  absl::Status EmbeddingBackward(const float* dh, GradTarget demb) override {
+    GRADSUM_ASSIGN_OR_RETURN(float* grad, DeviceGrad(demb, "emb"));
+    return EmbeddingBackwardCuda(tokens_.as<int32_t>(), dh, in_.rows, config_.dim, grad,
+                                 exec_.stream);
+  }
+
+  absl::Status RmsNormForward(const float* x, const float* gain, float* y,
+                              float* inv_rms) override {
+    moe::RmsNormArgs n = Rms(x, gain, inv_rms);
+    n.y = y;
+    return moe::RmsNormForwardCuda(n, exec_.stream);
+  }
+
+  absl::Status RmsNormBackward(const float* x, const float* gain, const float* inv_rms,
+                               const float* dy, float* dx, bool accumulate_dx,
+                               GradTarget dgain) override {
+    GRADSUM_ASSIGN_OR_RETURN(float* grad, DeviceGrad(dgain, "an RMSNorm gain"));
+    // Backward only reads rstd (moe/cuda/layers_cuda.h).
+    moe::RmsNormArgs n = Rms(x, gain, const_cast<float*>(inv_rms));
+    n.dy = dy;
+    n.dx = dx;
+    n.accumulate_dx = accumulate_dx;
+    n.dgamma = grad;
+    return moe::RmsNormBackwardCuda(n, exec_.stream);
+  }
+
+  absl::Status MoeForward(int l, const float* a, const MoeWeights& w, float* y) override {
+    return layers_[l].Forward(exec_, moe_comms_, layer_config_, &scratch_, in_.rows, a,
+                              {w.router, w.local_experts}, mask_.as<uint8_t>(), y);
+  }
+
+  absl::Status MoeBackward(int l, const float* a, const MoeWeights& w, const float* dy,
+                           float* da, MoeGrads g) override {
+    GRADSUM_ASSIGN_OR_RETURN(float* d_router, DeviceGrad(g.router, "a router"));
+    GRADSUM_ASSIGN_OR_RETURN(float* d_experts, DeviceGrad(g.local_experts, "the experts"));
+    double* d = scalars_.as<double>();
+    moe::MoeRouterLossCudaArgs losses;
+    losses.alpha_z = static_cast<float>(config_.alpha_z);
+    losses.alpha_b = static_cast<float>(config_.alpha_b);
+    losses.num_micro_batches = in_.num_micro_batches;
+    losses.global_routed_tokens = d + 1;
+    losses.z_loss = d + 3;
+    losses.balance_loss = d + 4;
+    return layers_[l].Backward(exec_, moe_comms_, layer_config_, &scratch_, a,
+                               {w.router, w.local_experts}, mask_.as<uint8_t>(), losses, dy, da,
+                               {d_router, d_experts});
+  }
+
+  // logits = f @ W_out, the fused CE in place, grad_f = dlogits @ W_out^T,
+  // dW_out += f^T @ dlogits (§3).
+  absl::Status LmHeadCrossEntropy(const float* f, const float* w_out, float* grad_f,
+                                  GradTarget grad_out) override {
+    GRADSUM_ASSIGN_OR_RETURN(float* d_out, DeviceGrad(grad_out, "out"));
+    const int64_t T = in_.rows, D = config_.dim, V = config_.vocab;
+    cudaStream_t s = exec_.stream;
+    double* d = scalars_.as<double>();
+    GRADSUM_RETURN_IF_ERROR(GemmRowMajor(ctx_->blas, s, false, false, T, V, D, f, D, w_out, V,
+                                         DType::kF32, logits_.get(), V, DType::kF32));
+    losses::CrossEntropyCudaArgs ce;
+    ce.logits = logits_.get();
+    ce.dtype = DType::kF32;
+    ce.rows = T;
+    ce.vocab = V;
+    ce.labels = labels_.as<int64_t>();
+    ce.token_weights = in_.ce_weights.empty() ? nullptr : weights_.as<float>();  // null: token
+    ce.global_weight_sum = d;
+    ce.grad_logits = logits_.get();
+    ce.loss = d + 2;
+    ce.ignore_index = kIgnoreIndex;
+    GRADSUM_RETURN_IF_ERROR(losses::CrossEntropyCuda(ce, s));  // checks labels (a host sync)
+    GRADSUM_RETURN_IF_ERROR(GemmRowMajor(ctx_->blas, s, false, true, T, D, V, logits_.get(), V,
+                                         w_out, V, DType::kF32, grad_f, D, DType::kF32));
+    return GemmRowMajor(ctx_->blas, s, true, false, D, V, T, f, D, logits_.get(), V, DType::kF32,
+                        d_out, V, DType::kF32, 1.0f);
+  }
+
+  absl::StatusOr<MicroBatchLossTerms> End() override {
+    cudaStream_t s = exec_.stream;
+    const int L = config_.layers, E = config_.experts;
+    double losses_host[3] = {0, 0, 0};
+    GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(losses_host, scalars_.as<double>() + 2,
+                                                 sizeof(losses_host), cudaMemcpyDeviceToHost, s),
+                                 "download loss values");
+    MicroBatchLossTerms terms;
+    terms.global_expert_counts.assign(L, std::vector<int64_t>(E));
+    for (int l = 0; l < L; ++l) {
+      GRADSUM_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(terms.global_expert_counts[l].data(), layers_[l].global_counts(),
+                          E * sizeof(int64_t), cudaMemcpyDeviceToHost, s),
+          "download expert counts");
+    }
+    GRADSUM_RETURN_IF_ERROR(ctx_->stream.Synchronize());
+    terms.ce = losses_host[0];
+    terms.z = losses_host[1];
+    terms.bal = losses_host[2];
+    terms.ce_terms = {terms.ce};
+    terms.z_terms = {terms.z};
+    terms.bal_terms = {terms.bal};
+    return terms;
+  }
+
+  void Abandon() override { (void)ctx_->stream.Synchronize(); }
+
+ private:
+  moe::RmsNormArgs Rms(const float* x, const float* gain, float* inv_rms) const {
+    moe::RmsNormArgs n;
+    n.dtype = DType::kF32;
+    n.rows = in_.rows;
+    n.width = config_.dim;
+    n.eps = kRmsNormEps;
+    n.x = x;
+    n.gamma = gain;
+    n.rstd = inv_rms;
+    return n;
+  }
+
+  MoeLmConfig config_;
+  std::shared_ptr<cuda::ComputeContext> ctx_;
+  CudaOpsComms comms_;
+  moe::CudaExec exec_;
+  moe::MoeLayerCudaComms moe_comms_;
+  moe::MoeLayerCudaConfig layer_config_;
+  std::vector<moe::MoeLayerCuda> layers_;
+  moe::MoeLayerCudaScratch scratch_;
+  // The micro-batch's inputs on the device, sized for rows_ tokens.
+  MicroBatchInputs in_;
+  int64_t rows_ = -1;
+  std::vector<int64_t> labels_host_;
+  std::vector<uint8_t> mask_host_;
+  DeviceBuffer tokens_, labels_, mask_, weights_;
+  DeviceBuffer scalars_;  // D, N, ce, z, bal (f64)
+  DeviceBuffer logits_;   // [T, V], its CE gradient in place
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ModelOps>> MakeCudaOps(
+    const MoeLmSpec& spec, std::shared_ptr<cuda::ComputeContext> context,
+    const CudaOpsComms& comms) {
+  if (context == nullptr || comms.world == nullptr || comms.ep_group == nullptr ||
+      comms.host_ep_group == nullptr) {
+    return absl::InvalidArgumentError(
+        "CUDA ops need a compute context, the NCCL world and EP group, and the host EP group");
+  }
+  if (spec.config().experts % comms.ep_group->size() != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("model.experts=", spec.config().experts,
+                                                   " is not divisible by ep=",
+                                                   comms.ep_group->size(), " (SEMANTICS.md §7)"));
+  }
+  return std::unique_ptr<ModelOps>(new CudaOps(spec, std::move(context), comms));
+}
+
+}  // namespace gradsum::model

@@ -1,0 +1,42 @@
+#ifndef GRADSUM_MODEL_CUDA_CUDA_OPS_H_
+#define GRADSUM_MODEL_CUDA_CUDA_OPS_H_
+
+// A GPU's ops (model/ops.h): the model's layers on one CUDA device, fp32 activations with
+// TF32 off. Embedding, residual add: model/cuda/model_kernels.h; RMSNorm:
+// moe/cuda/layers_cuda.h; the MoE layer: moe/cuda/moe_layer_cuda.h (its EP all-to-all-v
+// over NCCL); the head: a cuBLAS GEMM into a [T, V] logits buffer, the fused CE in place
+// (losses/cuda), and the two backward GEMMs. Loss values accumulate on the device and come
+// to the host once, in End().
+//
+// Limits: one row block per micro-batch (Begin refuses row_block > 0: the exact gradient
+// precision is host-only), fp32 gradient targets in device memory.
+//
+//   CudaOpsComms comms{nccl_world, nccl_ep, host_ep};
+//   GRADSUM_ASSIGN_OR_RETURN(auto ops, MakeCudaOps(spec, context, comms));
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "collectives/communicator.h"
+#include "collectives/nccl_backend.h"
+#include "core/cuda/compute_context.h"
+#include "model/moe_lm_spec.h"
+#include "model/ops.h"
+
+namespace gradsum::model {
+
+// Not owned; they must outlive the ops.
+struct CudaOpsComms {
+  NcclCommunicator* world = nullptr;     // the expert counts' SUM (§5)
+  NcclCommunicator* ep_group = nullptr;  // the MoE all-to-all-v
+  Communicator* host_ep_group = nullptr; // the row counts that size it
+};
+
+// InvalidArgument for missing communicators or experts the EP group does not divide.
+absl::StatusOr<std::unique_ptr<ModelOps>> MakeCudaOps(
+    const MoeLmSpec& spec, std::shared_ptr<cuda::ComputeContext> context,
+    const CudaOpsComms& comms);
+
+}  // namespace gradsum::model
+
+#endif  // GRADSUM_MODEL_CUDA_CUDA_OPS_H_

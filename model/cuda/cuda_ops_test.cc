@@ -1,0 +1,228 @@
+// The GPU's ops against the host's (model/ops.h, the one declaration of the model's layers):
+// every op of model/cuda/cuda_ops.h on the same inputs as model/cpu_ops.h, one rank (the
+// thread backend's world of 1 on the host, an NCCL world of 1 on device 0): embedding,
+// RMSNorm, the whole MoE layer (router, counts, exchange, experts, combine; forward and
+// backward with the router losses), the fused LM head + CE, and the loss values and expert
+// counts End() reports. Skips without a GPU.
+#include "model/cuda/cuda_ops.h"
+
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "collectives/nccl_backend.h"
+#include "collectives/thread_backend.h"
+#include "core/cuda/compute_context.h"
+#include "core/cuda/device_buffer.h"
+#include "gtest/gtest.h"
+#include "model/cpu_ops.h"
+#include "model/moe_lm_spec.h"
+#include "testing/gpu_compare.h"
+#include "testing/gpu_test_util.h"
+
+namespace gradsum::model {
+namespace {
+
+using cuda::DeviceBuffer;
+using ::gradsum::testing::Dev;
+using ::gradsum::testing::DevZeros;
+using ::gradsum::testing::ExpectAllNear;
+using ::gradsum::testing::Host;
+using ::gradsum::testing::RandomNormal;
+
+double MaxAbs(const std::vector<float>& v) {
+  double m = 0;
+  for (float f : v) m = std::max(m, static_cast<double>(std::abs(f)));
+  return m;
+}
+
+// fp32 on both devices with TF32 off: only the summation orders differ.
+void ExpectClose(const std::vector<float>& gpu, const std::vector<float>& cpu,
+                 const std::string& what) {
+  ExpectAllNear(gpu, cpu, 1e-5 * std::max(1.0, MaxAbs(cpu)), 1e-4, what);
+}
+
+TEST(CudaOpsTest, EveryOpMatchesTheHostOps) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  MoeLmConfig c;
+  c.vocab = 50;
+  c.dim = 16;
+  c.layers = 1;
+  c.experts = 4;
+  c.top_k = 2;
+  c.expert_dim = 24;
+  absl::StatusOr<MoeLmSpec> spec = MoeLmSpec::Create(c);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  const int64_t T = 40, D = c.dim, V = c.vocab, E = c.experts, H = c.expert_dim;
+
+  // One rank: the host world, and NCCL over it on device 0.
+  auto host = CreateThreadCommunicators(1);
+  ASSERT_TRUE(host.ok()) << host.status();
+  Communicator* world = (*host)[0].get();
+  NcclBackendOptions nccl_options;
+  nccl_options.device = 0;
+  absl::StatusOr<std::unique_ptr<NcclCommunicator>> nccl = CreateNcclCommunicator(*world, nccl_options);
+  ASSERT_TRUE(nccl.ok()) << nccl.status();
+  absl::StatusOr<std::shared_ptr<cuda::ComputeContext>> ctx = cuda::ComputeContext::Create(0);
+  ASSERT_TRUE(ctx.ok()) << ctx.status();
+  auto cpu = MakeCpuOps(*spec, {world, world}, 1);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  auto gpu = MakeCudaOps(*spec, *ctx, {nccl->get(), nccl->get(), world});
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+
+  // The micro-batch: every 9th token padding (label ignored), every 7th label ignored.
+  std::vector<int32_t> tokens(T), labels(T), mask(T);
+  double valid = 0;
+  int64_t routed = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    tokens[t] = static_cast<int32_t>((t * 13 + 5) % V);
+    mask[t] = t % 9 == 4 ? 0 : 1;
+    labels[t] = (mask[t] == 0 || t % 7 == 2) ? kIgnoreIndex : static_cast<int32_t>((t * 7 + 1) % V);
+    valid += labels[t] != kIgnoreIndex;
+    routed += mask[t];
+  }
+  MicroBatchInputs in;
+  in.rows = T;
+  in.tokens = tokens;
+  in.labels = labels;
+  in.mask = mask;
+  in.global_ce_weight_sum = valid;
+  in.global_routed_tokens = routed;
+  in.num_micro_batches = 1;
+  ASSERT_TRUE((*cpu)->Begin(in).ok());
+  ASSERT_TRUE((*gpu)->Begin(in).ok());
+
+  const std::vector<float> emb = RandomNormal(V * D, 1);
+  std::vector<float> gain = RandomNormal(D, 2, 0.3f);
+  for (float& g : gain) g += 1.0f;
+  const std::vector<float> router = RandomNormal(D * E, 3, 0.3f);
+  const std::vector<float> experts = RandomNormal(3 * E * D * H, 4, 0.2f);
+  const std::vector<float> w_out = RandomNormal(D * V, 5, 0.2f), dy = RandomNormal(T * D, 6);
+  DeviceBuffer emb_d = Dev(emb), gain_d = Dev(gain), router_d = Dev(router);
+  DeviceBuffer experts_d = Dev(experts), w_out_d = Dev(w_out), dy_d = Dev(dy);
+  auto zeros = [](int64_t n) { return std::vector<float>(n, 0.0f); };
+  auto dz = [](int64_t n) { return DevZeros(n * sizeof(float)); };
+
+  // Embedding forward.
+  std::vector<float> h = zeros(T * D);
+  DeviceBuffer h_d = dz(T * D);
+  ASSERT_TRUE((*cpu)->EmbeddingForward(emb.data(), h.data()).ok());
+  ASSERT_TRUE((*gpu)->EmbeddingForward(emb_d.as<float>(), h_d.as<float>()).ok());
+  ExpectClose(Host<float>(h_d), h, "h");
+
+  // RMSNorm forward.
+  std::vector<float> a = zeros(T * D), r = zeros(T);
+  DeviceBuffer a_d = dz(T * D), r_d = dz(T);
+  ASSERT_TRUE((*cpu)->RmsNormForward(h.data(), gain.data(), a.data(), r.data()).ok());
+  ASSERT_TRUE(
+      (*gpu)->RmsNormForward(h_d.as<float>(), gain_d.as<float>(), a_d.as<float>(), r_d.as<float>()).ok());
+  ExpectClose(Host<float>(a_d), a, "a");
+  ExpectClose(Host<float>(r_d), r, "inv_rms");
+
+  // The MoE layer forward (the layer takes the normed input as the model does).
+  std::vector<float> y = zeros(T * D);
+  DeviceBuffer y_d = dz(T * D);
+  ASSERT_TRUE((*cpu)->MoeForward(0, a.data(), {router.data(), experts.data()}, y.data()).ok());
+  absl::Status s = (*gpu)->MoeForward(0, a_d.as<float>(), {router_d.as<float>(), experts_d.as<float>()},
+                                      y_d.as<float>());
+  ASSERT_TRUE(s.ok()) << s;
+  ExpectClose(Host<float>(y_d), y, "moe y");
+
+  // The LM head on a (as the final norm's output would be).
+  std::vector<float> grad_f = zeros(T * D), d_out = zeros(D * V);
+  DeviceBuffer grad_f_d = dz(T * D), d_out_d = dz(D * V);
+  ASSERT_TRUE((*cpu)->LmHeadCrossEntropy(a.data(), w_out.data(), grad_f.data(),
+                                         GradTarget::Accumulate(d_out.data(), D * V)).ok());
+  s = (*gpu)->LmHeadCrossEntropy(a_d.as<float>(), w_out_d.as<float>(), grad_f_d.as<float>(),
+                                 GradTarget::Accumulate(d_out_d.as<float>(), D * V));
+  ASSERT_TRUE(s.ok()) << s;
+  ExpectClose(Host<float>(grad_f_d), grad_f, "grad_f");
+  ExpectClose(Host<float>(d_out_d), d_out, "d_out");
+
+  // The MoE layer backward with its router losses.
+  std::vector<float> da = zeros(T * D), d_router = zeros(D * E), d_experts = zeros(3 * E * D * H);
+  DeviceBuffer da_d = dz(T * D), d_router_d = dz(D * E), d_experts_d = dz(3 * E * D * H);
+  MoeGrads cg{GradTarget::Accumulate(d_router.data(), D * E),
+              GradTarget::Accumulate(d_experts.data(), 3 * E * D * H)};
+  MoeGrads gg{GradTarget::Accumulate(d_router_d.as<float>(), D * E),
+              GradTarget::Accumulate(d_experts_d.as<float>(), 3 * E * D * H)};
+  ASSERT_TRUE((*cpu)->MoeBackward(0, a.data(), {router.data(), experts.data()}, dy.data(),
+                                  da.data(), std::move(cg)).ok());
+  s = (*gpu)->MoeBackward(0, a_d.as<float>(), {router_d.as<float>(), experts_d.as<float>()},
+                          dy_d.as<float>(), da_d.as<float>(), std::move(gg));
+  ASSERT_TRUE(s.ok()) << s;
+  ExpectClose(Host<float>(da_d), da, "moe da");
+  ExpectClose(Host<float>(d_router_d), d_router, "d_router");
+  ExpectClose(Host<float>(d_experts_d), d_experts, "d_experts");
+
+  // RMSNorm backward, written and accumulated.
+  std::vector<float> dx = zeros(T * D), dgain = zeros(D);
+  DeviceBuffer dx_d = dz(T * D), dgain_d = dz(D);
+  for (bool accumulate : {false, true}) {
+    ASSERT_TRUE((*cpu)->RmsNormBackward(h.data(), gain.data(), r.data(), dy.data(), dx.data(),
+                                        accumulate, GradTarget::Accumulate(dgain.data(), D)).ok());
+    ASSERT_TRUE((*gpu)->RmsNormBackward(h_d.as<float>(), gain_d.as<float>(), r_d.as<float>(),
+                                        dy_d.as<float>(), dx_d.as<float>(), accumulate,
+                                        GradTarget::Accumulate(dgain_d.as<float>(), D)).ok());
+    ExpectClose(Host<float>(dx_d), dx, accumulate ? "dx (accumulated)" : "dx");
+    ExpectClose(Host<float>(dgain_d), dgain, "dgain");
+  }
+
+  // Embedding backward (repeated tokens: fp32 atomics on the GPU, rounding-level order).
+  std::vector<float> demb = zeros(V * D);
+  DeviceBuffer demb_d = dz(V * D);
+  ASSERT_TRUE((*cpu)->EmbeddingBackward(dy.data(), GradTarget::Accumulate(demb.data(), V * D)).ok());
+  ASSERT_TRUE((*gpu)->EmbeddingBackward(dy_d.as<float>(),
+                                        GradTarget::Accumulate(demb_d.as<float>(), V * D)).ok());
+  ExpectClose(Host<float>(demb_d), demb, "demb");
+
+  // The loss values and the counts.
+  absl::StatusOr<MicroBatchLossTerms> ct = (*cpu)->End(), gt = (*gpu)->End();
+  ASSERT_TRUE(ct.ok()) << ct.status();
+  ASSERT_TRUE(gt.ok()) << gt.status();
+  EXPECT_NEAR(gt->ce, ct->ce, 1e-5 * std::abs(ct->ce));
+  EXPECT_NEAR(gt->z, ct->z, 1e-5 * std::abs(ct->z) + 1e-12);
+  EXPECT_NEAR(gt->bal, ct->bal, 1e-5 * std::abs(ct->bal) + 1e-12);
+  EXPECT_EQ(gt->global_expert_counts, ct->global_expert_counts);
+  EXPECT_GT(ct->ce, 0.0);
+}
+
+TEST(CudaOpsTest, RowBlocksAndExactTargetsAreRefused) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  MoeLmConfig c;
+  c.vocab = 8;
+  c.dim = 4;
+  c.layers = 1;
+  c.experts = 2;
+  c.top_k = 1;
+  c.expert_dim = 4;
+  absl::StatusOr<MoeLmSpec> spec = MoeLmSpec::Create(c);
+  ASSERT_TRUE(spec.ok());
+  auto host = CreateThreadCommunicators(1);
+  ASSERT_TRUE(host.ok());
+  NcclBackendOptions nccl_options;
+  nccl_options.device = 0;
+  auto nccl = CreateNcclCommunicator(*(*host)[0], nccl_options);
+  ASSERT_TRUE(nccl.ok()) << nccl.status();
+  auto ctx = cuda::ComputeContext::Create(0);
+  ASSERT_TRUE(ctx.ok());
+  auto gpu = MakeCudaOps(*spec, *ctx, {nccl->get(), nccl->get(), (*host)[0].get()});
+  ASSERT_TRUE(gpu.ok());
+  std::vector<int32_t> tokens = {1, 2, 3, 4}, labels = {2, 3, 4, kIgnoreIndex}, mask = {1, 1, 1, 1};
+  MicroBatchInputs in;
+  in.rows = 4;
+  in.tokens = tokens;
+  in.labels = labels;
+  in.mask = mask;
+  in.row_block = 2;
+  EXPECT_EQ((*gpu)->Begin(in).code(), absl::StatusCode::kInvalidArgument);
+  in.row_block = 0;
+  labels[1] = 9;
+  absl::Status s = (*gpu)->Begin(in);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("label 9 at position 1"), absl::string_view::npos) << s;
+}
+
+}  // namespace
+}  // namespace gradsum::model

@@ -1,0 +1,118 @@
+#ifndef GRADSUM_MODEL_MOE_LM_H_
+#define GRADSUM_MODEL_MOE_LM_H_
+
+// The moe_lm model (SEMANTICS.md §10), forward and backward of one micro-batch, written
+// once for every device: the stages of MoeLmSpec composed from one device's ops
+// (model/ops.h) over parameters it reads and writes through ModelParams (sharded or not,
+// on whichever device: parallel/parallelize.h decides).
+//
+//   stage 0       h_0 = Emb[x]
+//   stage 1 + l   a_l = RMSNorm(h_l; g_l); h_{l+1} = h_l + MoE_l(a_l)
+//   stage L + 1   f = RMSNorm(h_L; g_f); CE(f @ Wo) forward and backward; RMSNorm backward
+//   backward of stage 1 + l: the router losses (§4, §5), MoE backward, RMSNorm backward
+//   backward of stage 0: the embedding's scatter-add
+//
+//   GRADSUM_ASSIGN_OR_RETURN(auto model, MoeLmModel::Create(spec, &params, std::move(ops)));
+//   for (int m = 0; m < G; ++m) {
+//     GRADSUM_ASSIGN_OR_RETURN(MicroBatchLosses l,
+//                              model->ForwardBackward(batch[m], stats, m, &display));
+//   }
+//
+// Each rank back-propagates only its own loss components (§2): the CE is divided by the
+// global weight sum D, the z-loss by the global routed count N, the balancing loss uses
+// the global expert counts; nothing divides by the world, EP size or G.
+//
+// Thread safety: one model per rank, used by that rank's thread.
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "losses/display.h"
+#include "losses/step_stats.h"
+#include "model/model_params.h"
+#include "model/moe_lm_spec.h"
+#include "model/ops.h"
+
+namespace gradsum::model {
+
+// One rank's micro-batch: `sequences` packed sequences of `seq_len` tokens (host memory).
+struct TokenBatch {
+  int sequences = 0;
+  int seq_len = 0;
+  absl::Span<const int32_t> tokens;  // [T] in [0, V); padding 0
+  absl::Span<const int32_t> labels;  // [T] next token or ignore_index
+  absl::Span<const int32_t> mask;    // [T] 1 routed, 0 padding
+};
+
+// One micro-batch's local loss components (detached, §8).
+struct MicroBatchLosses {
+  double ce = 0, z = 0, bal = 0;
+};
+
+// InvalidArgument unless tokens, labels and mask have one length and every token is in
+// [0, vocab) (naming the first bad token and its position). Labels are the CE's to check.
+absl::Status CheckTokenBatch(const TokenBatch& batch, int64_t vocab);
+
+// The CE weights w_t (§3) of micro-batch `micro_index` with `tokens` tokens: empty in token
+// mode (w_t = 1 for valid tokens), else stats.token_weights[micro_index]. InvalidArgument
+// for a micro_index outside [0, G) or weights of another length.
+absl::StatusOr<absl::Span<const float>> MicroBatchTokenWeights(const losses::StepStats& stats,
+                                                               int micro_index, int64_t tokens);
+
+class MoeLmModel {
+ public:
+  // `params` is not owned and must outlive the model. InvalidArgument for a null argument
+  // or params whose experts do not divide the spec's.
+  static absl::StatusOr<std::unique_ptr<MoeLmModel>> Create(const MoeLmSpec& spec,
+                                                            ModelParams* params,
+                                                            std::unique_ptr<ModelOps> ops);
+
+  // Forward and backward of one micro-batch of this rank. `stats` are the step's global
+  // statistics (D, N, and in sample / square mode the CE weights of every micro-batch);
+  // `micro_index` in [0, G) picks this micro-batch's weights, and G - 1 marks the last.
+  // Adds the local gradients through ModelParams (which reduces them as they complete) and
+  // the loss components and expert counts into `display` (may be null; terms "ce", "z",
+  // "bal"). Collective over the EP group and the world.
+  // Errors: a bad batch as InvalidArgument (CheckTokenBatch); the ops' and the
+  // parameters' errors as they are.
+  absl::StatusOr<MicroBatchLosses> ForwardBackward(const TokenBatch& batch,
+                                                   const losses::StepStats& stats,
+                                                   int micro_index,
+                                                   losses::StepDisplay* display);
+
+  // Registers the display terms this model adds ("ce", "z", "bal").
+  static absl::Status RegisterDisplayTerms(losses::StepDisplay* display);
+
+  const MoeLmSpec& spec() const { return spec_; }
+
+ private:
+  MoeLmModel() = default;
+  // Sizes the activations for `tokens` tokens (kept from one micro-batch to the next).
+  absl::Status EnsureActivations(int64_t tokens);
+  absl::Status Forward(int stage);
+  absl::Status Backward(int stage);
+  absl::Status LayerForward(int layer);
+  absl::Status LayerBackward(int layer);
+  absl::Status HeadForwardBackward();
+  MoeWeights LayerWeights(int layer);
+
+  MoeLmSpec spec_;
+  ModelParams* params_ = nullptr;
+  std::unique_ptr<ModelOps> ops_;
+
+  // Activations in the device's memory, kept across micro-batches.
+  using Array = std::unique_ptr<DeviceArray>;
+  int64_t rows_ = -1;          // the T they are sized for
+  std::vector<Array> h_;       // [L + 1] x [T, D]: h_[l] enters layer l, h_[L] the head
+  std::vector<Array> a_;       // [L] x [T, D]: the normed input of each layer's MoE
+  std::vector<Array> inv_rms_; // [L] x [T]
+  Array y_, dh_, da_;          // [T, D]: a MoE output; dL/dh; dL/da
+  Array f_, inv_rms_f_, grad_f_;  // the head: [T, D], [T], [T, D]
+};
+
+}  // namespace gradsum::model
+
+#endif  // GRADSUM_MODEL_MOE_LM_H_

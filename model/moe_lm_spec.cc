@@ -1,0 +1,101 @@
+#include "model/moe_lm_spec.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "core/random.h"
+
+namespace gradsum::model {
+
+int64_t ParamDef::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::string MoeLmSpec::LayerParamName(int layer, const char* what) {
+  return absl::StrCat("layers.", layer, ".", what);
+}
+
+std::string MoeLmSpec::ExpertParamName(int layer, int expert, const char* what) {
+  return absl::StrCat("layers.", layer, ".experts.", expert, ".", what);
+}
+
+absl::StatusOr<MoeLmSpec> MoeLmSpec::Create(const MoeLmConfig& m) {
+  for (const auto& [name, v] : {std::pair<const char*, int64_t>{"vocab", m.vocab},
+                                {"dim", m.dim},
+                                {"layers", m.layers},
+                                {"experts", m.experts},
+                                {"top_k", m.top_k},
+                                {"expert_dim", m.expert_dim}}) {
+    if (v <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat("model.", name, "=", v, ": must be > 0"));
+    }
+  }
+  if (m.top_k > m.experts) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model.top_k=", m.top_k, ": exceeds model.experts=", m.experts));
+  }
+  MoeLmSpec spec;
+  spec.config_ = m;
+  const int64_t V = m.vocab, D = m.dim, H = m.expert_dim;
+  auto add = [&](std::string name, std::vector<int64_t> shape, ParamInit init, int layer = -1,
+                 int expert = -1, ExpertMatrix matrix = ExpertMatrix::kGate) {
+    ParamDef p;
+    p.name = std::move(name);
+    p.shape = std::move(shape);
+    p.init = init;
+    p.layer = layer;
+    p.expert = expert;
+    p.matrix = matrix;
+    spec.params_.push_back(std::move(p));
+  };
+  add("emb", {V, D}, ParamInit::kNormal);
+  spec.stages_.push_back({StageKind::kEmbedding, -1, /*backward_reads_params=*/false});
+  for (int l = 0; l < m.layers; ++l) {
+    spec.layer_first_.push_back(static_cast<int>(spec.params_.size()));
+    add(LayerParamName(l, "norm"), {D}, ParamInit::kOnes, l);
+    add(LayerParamName(l, "router"), {D, m.experts}, ParamInit::kScaledNormal, l);
+    for (int e = 0; e < m.experts; ++e) {
+      add(ExpertParamName(l, e, "wg"), {D, H}, ParamInit::kScaledNormal, l, e, ExpertMatrix::kGate);
+      add(ExpertParamName(l, e, "wu"), {D, H}, ParamInit::kScaledNormal, l, e, ExpertMatrix::kUp);
+      add(ExpertParamName(l, e, "wd"), {H, D}, ParamInit::kScaledNormal, l, e, ExpertMatrix::kDown);
+    }
+    spec.stages_.push_back({StageKind::kLayer, l, true});
+  }
+  add("final_norm", {D}, ParamInit::kOnes);
+  add("out", {D, V}, ParamInit::kScaledNormal);
+  spec.stages_.push_back({StageKind::kHead, -1, true});
+  return spec;
+}
+
+int MoeLmSpec::StageOf(int p) const {
+  const ParamDef& def = params_[p];
+  if (def.layer >= 0) return 1 + def.layer;
+  return p == emb() ? 0 : static_cast<int>(stages_.size()) - 1;
+}
+
+NamedParams MoeLmSpec::InitialParameters(uint64_t seed) const {
+  SplitMix64 rng(MixSeed(seed, 0x696e6974ull));
+  NamedParams params;
+  for (const ParamDef& p : params_) {
+    std::vector<float>& v = params[p.name];
+    v.resize(p.numel());
+    for (float& x : v) {
+      switch (p.init) {
+        case ParamInit::kOnes:
+          x = 1.0f;
+          break;
+        case ParamInit::kNormal:
+          x = static_cast<float>(rng.Normal());
+          break;
+        case ParamInit::kScaledNormal:
+          x = static_cast<float>(rng.Normal() * config_.init_std);
+          break;
+      }
+    }
+  }
+  return params;
+}
+
+}  // namespace gradsum::model

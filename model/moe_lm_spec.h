@@ -1,0 +1,118 @@
+#ifndef GRADSUM_MODEL_MOE_LM_SPEC_H_
+#define GRADSUM_MODEL_MOE_LM_SPEC_H_
+
+// The moe_lm model of SEMANTICS.md §10 as data, written once for every device and every
+// parallelism: its sizes, every parameter (name, shape, initialisation, the layer and expert
+// it belongs to) and the stages of its forward pass with the parameters each reads.
+//
+//   GRADSUM_ASSIGN_OR_RETURN(MoeLmSpec spec, MoeLmSpec::Create(config));
+//   NamedParams init = spec.InitialParameters(seed);   // the same on every rank and device
+//   for (const ParamDef& p : spec.params()) ...        // names of the dumps and checkpoints
+//
+// Who reads it:
+// - parallel/parallelize.h groups the parameters into sharded units (the wrap policy and
+//   the EP placement are parallelism, not model);
+// - model/moe_lm.h runs the stages over one device's ops (model/ops.h);
+// - the trainer's dumps, exports, --init_from and the parity check name parameters by it.
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace gradsum::model {
+
+// Full parameter (or gradient) values by name, row-major fp32.
+using NamedParams = std::map<std::string, std::vector<float>>;
+
+// SEMANTICS.md §10's sizes (names of the spec in brackets).
+struct MoeLmConfig {
+  int64_t vocab = 256;      // [V]
+  int64_t dim = 128;        // [D] residual width
+  int layers = 2;           // [L] MoE layers
+  int experts = 8;          // [E] experts per layer
+  int top_k = 2;            // [K] experts per routed token
+  int64_t expert_dim = 128; // [H] SwiGLU hidden width
+  bool norm_topk_prob = true;
+  float router_scale = 1.0f;
+  float init_std = 0.1f;    // matrices ~ N(0, init_std^2)
+  // The loss weights of the router z-loss (§4) and the balancing loss (§5); 0 disables.
+  double alpha_z = 0.001;
+  double alpha_b = 0.001;
+};
+
+// How a parameter starts (InitialParameters).
+enum class ParamInit {
+  kOnes,          // norm gains
+  kNormal,        // N(0, 1): the embedding
+  kScaledNormal,  // N(0, init_std^2): every matrix
+};
+
+// An expert's three matrices, in the order moe/experts.h stacks them.
+enum class ExpertMatrix { kGate = 0, kUp = 1, kDown = 2 };
+inline constexpr int kNumExpertMatrices = 3;
+
+struct ParamDef {
+  std::string name;  // "emb", "layers.{l}.norm", "layers.{l}.experts.{e}.wg", ...
+  std::vector<int64_t> shape;
+  ParamInit init = ParamInit::kScaledNormal;
+  int layer = -1;   // its MoE layer, -1 for emb, final_norm and out
+  int expert = -1;  // its expert, -1 for dense parameters (the same on every rank)
+  ExpertMatrix matrix = ExpertMatrix::kGate;  // for expert parameters
+  int64_t numel() const;
+};
+
+// The stages of one micro-batch, in forward order: the shared schedule gathers and frees
+// parameter units around them (parallel/unit_schedule.h). The last stage is the turn
+// stage: its forward also runs its backward (the head's fused CE).
+enum class StageKind { kEmbedding, kLayer, kHead };
+struct StageDef {
+  StageKind kind = StageKind::kEmbedding;
+  int layer = -1;                     // kLayer only
+  bool backward_reads_params = true;  // the embedding's backward is a scatter-add
+};
+
+class MoeLmSpec {
+ public:
+  // InvalidArgument naming the field: a size <= 0, top_k > experts.
+  static absl::StatusOr<MoeLmSpec> Create(const MoeLmConfig& config);
+  MoeLmSpec() = default;
+
+  const MoeLmConfig& config() const { return config_; }
+  // Every parameter in forward order (emb; per layer: norm, router, then each expert's wg,
+  // wu, wd; final_norm; out): the order of the dumps and of InitialParameters' draws.
+  const std::vector<ParamDef>& params() const { return params_; }
+  // Stage 0 the embedding, 1 + l layer l, L + 1 the head.
+  const std::vector<StageDef>& stages() const { return stages_; }
+  // The stage whose forward reads parameter `p` (an index into params()).
+  int StageOf(int p) const;
+
+  // Indices into params() of the parameters the stages read.
+  int emb() const { return 0; }
+  int norm(int layer) const { return layer_first_[layer]; }
+  int router(int layer) const { return layer_first_[layer] + 1; }
+  int expert_param(int layer, int expert, ExpertMatrix m) const {
+    return layer_first_[layer] + 2 + expert * kNumExpertMatrices + static_cast<int>(m);
+  }
+  int final_norm() const { return static_cast<int>(params_.size()) - 2; }
+  int out() const { return static_cast<int>(params_.size()) - 1; }
+
+  // The initial parameters, the same on every rank for a seed: norm gains 1, emb ~ N(0,1),
+  // every matrix ~ N(0, init_std^2), drawn in params() order from one SplitMix64 stream.
+  NamedParams InitialParameters(uint64_t seed) const;
+
+  static std::string LayerParamName(int layer, const char* what);
+  static std::string ExpertParamName(int layer, int expert, const char* what);
+
+ private:
+  MoeLmConfig config_;
+  std::vector<ParamDef> params_;
+  std::vector<StageDef> stages_;
+  std::vector<int> layer_first_;  // per layer: index of its norm
+};
+
+}  // namespace gradsum::model
+
+#endif  // GRADSUM_MODEL_MOE_LM_SPEC_H_

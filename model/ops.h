@@ -1,0 +1,139 @@
+#ifndef GRADSUM_MODEL_OPS_H_
+#define GRADSUM_MODEL_OPS_H_
+
+// One device's kernels for the model's layers: the declaration that model/moe_lm.h composes
+// the model from, once, and that each device implements (model/cpu_ops.h on the host,
+// model/cuda/cuda_ops.h on a GPU). A new layer type adds its forward and backward here and
+// in each device's ops; its place in the model is written once, in model/moe_lm.cc.
+//
+// Pointers are the device's memory (DeviceArray, ModelParams::Values) unless a comment
+// says host. Calls run in order on the rank's thread; a device may enqueue them
+// asynchronously, so results are only guaranteed on the host after End().
+//
+// One micro-batch:
+//   ops.Begin(inputs);                       // tokens, labels, mask, CE weights, D, N, G
+//   ... the stages' calls (model/moe_lm.cc) ...
+//   GRADSUM_ASSIGN_OR_RETURN(MicroBatchLossTerms terms, ops.End());
+//
+// Row blocks (MicroBatchInputs::row_block): 0 lets a kernel treat the T tokens as one block;
+// > 0 asks every per-token value and every weight-gradient contribution to be computed per
+// block of that many rows (a packed sequence), so that its bits do not depend on which
+// other sequences share the micro-batch (the exact gradient precision asks for this,
+// core/grad_sink.h). A device that cannot (CUDA) refuses it in Begin.
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "core/grad_sink.h"
+
+namespace gradsum::model {
+
+// Label of a token that CE ignores (SEMANTICS.md §1).
+inline constexpr int32_t kIgnoreIndex = -100;
+
+// A float array in the device's memory, owned. Its contents are unspecified when allocated.
+class DeviceArray {
+ public:
+  virtual ~DeviceArray() = default;
+  float* data() const { return data_; }
+  int64_t size() const { return size_; }
+
+ protected:
+  float* data_ = nullptr;
+  int64_t size_ = 0;
+};
+
+// One micro-batch's inputs (host memory; valid until End()).
+struct MicroBatchInputs {
+  int64_t rows = 0;                      // T tokens
+  int64_t row_block = 0;                 // see above; > 0 divides rows
+  absl::Span<const int32_t> tokens;      // [T] in [0, V)
+  absl::Span<const int32_t> labels;      // [T] in [0, V) or the ignore index
+  absl::Span<const int32_t> mask;        // [T] 1 routed, 0 padding
+  absl::Span<const float> ce_weights;    // [T] w_t (SEMANTICS.md §3), empty in token mode
+  double global_ce_weight_sum = 0;       // D (§3)
+  int64_t global_routed_tokens = 0;      // N (§4)
+  int num_micro_batches = 1;             // G (§5)
+};
+
+// A MoE layer's weights as the compute reads them: the router [D, E] (the same on every
+// rank) and this rank's E_local = E / ep experts, stacked per matrix: all Wg [E_local, D, H],
+// then all Wu, then all Wd [E_local, H, D] (moe/experts.h).
+struct MoeWeights {
+  const float* router = nullptr;
+  const float* local_experts = nullptr;
+};
+
+struct MoeGrads {
+  GradTarget router;         // [D, E]
+  GradTarget local_experts;  // the stacked layout above
+};
+
+// What a micro-batch computed for the logs (SEMANTICS.md §8), on the host after End().
+struct MicroBatchLossTerms {
+  // This rank's loss components (detached): L_ce[r, m], L_z[r, m], L_bal[r, m].
+  double ce = 0, z = 0, bal = 0;
+  // The same values as the display adds them: one value per term for a single row block,
+  // one per (layer, block) or block with row blocks, so that exact display sums see
+  // per-sequence values (losses/display.h).
+  std::vector<double> ce_terms, z_terms, bal_terms;
+  // Per layer: c[l, m, :] of §5, global (every rank's SUM).
+  std::vector<std::vector<int64_t>> global_expert_counts;
+};
+
+class ModelOps {
+ public:
+  virtual ~ModelOps() = default;
+
+  virtual absl::StatusOr<std::unique_ptr<DeviceArray>> Allocate(int64_t numel) = 0;
+
+  // Starts a micro-batch: takes its inputs (uploads them on a GPU). InvalidArgument for a
+  // row_block the device does not support or that does not divide rows.
+  virtual absl::Status Begin(const MicroBatchInputs& inputs) = 0;
+
+  // out[i] = a[i] + b[i], i < n (out may alias a or b).
+  virtual absl::Status Add(const float* a, const float* b, float* out, int64_t n) = 0;
+
+  // h[t] = emb[tokens[t]] (emb [V, D], h [T, D]).
+  virtual absl::Status EmbeddingForward(const float* emb, float* h) = 0;
+  // demb[tokens[t]] += dh[t].
+  virtual absl::Status EmbeddingBackward(const float* dh, GradTarget demb) = 0;
+
+  // y[t] = x[t] * r_t * gain, r_t = 1 / sqrt(mean(x[t]^2) + eps), stored in inv_rms[t]
+  // (SEMANTICS.md §10). x, y [T, D]; gain [D]; inv_rms [T].
+  virtual absl::Status RmsNormForward(const float* x, const float* gain, float* y,
+                                      float* inv_rms) = 0;
+  // Given dy = dL/dy: dx = dL/dx (added into dx when accumulate_dx, else written), and
+  // dL/dgain into dgain.
+  virtual absl::Status RmsNormBackward(const float* x, const float* gain, const float* inv_rms,
+                                       const float* dy, float* dx, bool accumulate_dx,
+                                       GradTarget dgain) = 0;
+
+  // MoE layer `layer` (router, dropless dispatch over the EP group, SwiGLU experts,
+  // combine; SEMANTICS.md §10): y[t] = sum_k w_tk Expert_{i_tk}(a[t]), 0 for padding. Keeps
+  // what backward needs, and starts the SUM of the layer's expert counts over the world
+  // (§5). Collective over the EP group and the world.
+  virtual absl::Status MoeForward(int layer, const float* a, const MoeWeights& w, float* y) = 0;
+  // Its backward with the layer's router z-loss (§4) and balancing loss (§5): da = dL/da
+  // (written), the weight gradients into `grads`. Collective over the EP group.
+  virtual absl::Status MoeBackward(int layer, const float* a, const MoeWeights& w,
+                                   const float* dy, float* da, MoeGrads grads) = 0;
+
+  // The head's fused LM-head matmul and CE (§3), forward and backward at once:
+  // logits = f @ w_out (f [T, D], w_out [D, V]); grad_f = dL_ce/df (written), dL_ce/dw_out
+  // into grad_out. Never holds all T x V logits at once where the device need not.
+  virtual absl::Status LmHeadCrossEntropy(const float* f, const float* w_out, float* grad_f,
+                                          GradTarget grad_out) = 0;
+
+  // Ends the micro-batch: waits for the device and returns its loss terms and counts.
+  virtual absl::StatusOr<MicroBatchLossTerms> End() = 0;
+  // After a failed micro-batch: drops what is in flight (the step is lost).
+  virtual void Abandon() {}
+};
+
+}  // namespace gradsum::model
+
+#endif  // GRADSUM_MODEL_OPS_H_

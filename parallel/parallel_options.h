@@ -1,0 +1,56 @@
+#ifndef GRADSUM_PARALLEL_PARALLEL_OPTIONS_H_
+#define GRADSUM_PARALLEL_PARALLEL_OPTIONS_H_
+
+// How a model's parameters are distributed over the mesh (parallel/parallelize.h): the
+// sharding mode, the wrap policy, the unit schedule's choices, the dtypes, and the
+// gradient precision. The mesh itself (world, EP and EDP groups) is given beside it.
+
+#include <cstddef>
+
+#include "core/dtype.h"
+#include "sharding/flat_param.h"
+
+namespace gradsum::parallel {
+
+// How gradients are held and summed, chosen once for a run:
+// - kF32: fp32 buffers, reduced in the reduce dtype (f32, or bf16 on the wire);
+// - kExact: exact fixed-point limbs (core/exact_sum.h, SEMANTICS.md §11), so every sum over
+//   sequences, micro-batches and ranks is associative. The compute then hands each packed
+//   sequence's contribution on its own (model/ops.h row blocks).
+enum class GradPrecision { kF32 = 0, kExact = 1 };
+
+struct ParallelOptions {
+  ShardingMode sharding = ShardingMode::kSharded;
+  // Parameters as forward reads them: f32, or bf16 (rounded to nearest even and
+  // all-gathered in bf16, half the bytes; the CPU kernels widen them exactly to fp32).
+  // Gradients and the master weights stay fp32 either way.
+  DType compute_dtype = DType::kF32;
+  DType reduce_dtype = DType::kF32;  // gradient SUM dtype under kF32: f32 or bf16
+  GradPrecision precision = GradPrecision::kF32;
+  // Wrap policy: layers per parameter unit (their dense parameters in one unit, their
+  // experts in one per EP slot).
+  int layers_per_unit = 1;
+  // Sharded mode: free units after their forward (re-gathered for backward).
+  bool reshard_after_forward = true;
+  // Sharded mode: reduce-scatter every micro-batch (true) or only the last one's
+  // accumulated full gradient (false).
+  bool reduce_every_micro_batch = true;
+  // Replicated mode: GradBucketer caps (collectives/bucketer.h).
+  size_t bucket_cap_bytes = size_t{25} << 20;
+  size_t first_bucket_cap_bytes = size_t{1} << 20;
+
+  // The FlatParam options every unit is created with.
+  FlatParamOptions flat_param_options() const {
+    FlatParamOptions o;
+    o.mode = sharding;
+    o.compute_dtype = compute_dtype;
+    o.reduce_dtype = reduce_dtype;
+    o.reduce_every_micro_batch = reduce_every_micro_batch;
+    o.exact_grads = precision == GradPrecision::kExact;
+    return o;
+  }
+};
+
+}  // namespace gradsum::parallel
+
+#endif  // GRADSUM_PARALLEL_PARALLEL_OPTIONS_H_

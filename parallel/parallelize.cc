@@ -1,0 +1,223 @@
+#include "parallel/parallelize.h"
+
+#include <algorithm>
+#include <map>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "core/status.h"
+#include "parallel/host_unit_store.h"
+
+namespace gradsum::parallel {
+
+absl::StatusOr<std::unique_ptr<UnitStore>> HostUnitDevice::MakeStore(
+    std::vector<FlatParam*> units, std::vector<bool> /*expert_unit*/,
+    const ParallelOptions& options) {
+  return MakeHostUnitStore(std::move(units), options);
+}
+
+ParallelParams::~ParallelParams() = default;
+
+absl::StatusOr<std::unique_ptr<ParallelParams>> Parallelize(const model::MoeLmSpec& spec,
+                                                            const MeshGroups& mesh,
+                                                            const ParallelOptions& options,
+                                                            UnitDevice& device) {
+  if (mesh.world == nullptr || mesh.ep_group == nullptr || mesh.edp_group == nullptr) {
+    return absl::InvalidArgumentError("Parallelize needs the world, EP and EDP communicators");
+  }
+  const int P = mesh.ep_group->size();
+  if (P * mesh.edp_group->size() != mesh.world->size()) {
+    return absl::InvalidArgumentError(absl::StrCat("mesh: ep_group size ", P, " * edp_group size ",
+                                                   mesh.edp_group->size(), " != world size ",
+                                                   mesh.world->size()));
+  }
+  const model::MoeLmConfig& m = spec.config();
+  if (m.experts % P != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model.experts=", m.experts, " is not divisible by ep=", P, " (SEMANTICS.md §7)"));
+  }
+  if (options.layers_per_unit < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layers_per_unit=", options.layers_per_unit, ": must be >= 1"));
+  }
+  auto params = std::unique_ptr<ParallelParams>(new ParallelParams());
+  ParallelParams& pp = *params;
+  pp.spec_ = spec;
+  pp.options_ = options;
+  pp.groups_ = mesh;
+  const int ep_rank = mesh.ep_group->rank();
+  const int local = m.experts / P, first = ep_rank * local;
+  pp.local_experts_ = local;
+  pp.first_local_expert_ = first;
+  const FlatParamOptions fp_options = options.flat_param_options();
+  const std::vector<model::ParamDef>& defs = spec.params();
+  pp.dense_.assign(defs.size(), {});
+  pp.experts_.assign(m.layers, {});
+
+  // Units from the spec's parameters: `params` (indices into defs) in this order.
+  auto add_unit = [&](std::string name, const std::vector<int>& members,
+                      bool expert) -> absl::Status {
+    std::vector<ParamSpec> specs;
+    for (int p : members) specs.push_back({defs[p].name, defs[p].shape});
+    GRADSUM_ASSIGN_OR_RETURN(
+        std::unique_ptr<FlatParam> unit,
+        FlatParam::Create(std::move(name), std::move(specs), expert ? mesh.edp_group : mesh.world,
+                          fp_options));
+    const int u = static_cast<int>(pp.units_.size());
+    for (size_t i = 0; i < members.size(); ++i) {
+      if (!expert) pp.dense_[members[i]] = {u, static_cast<int>(i), 1};
+    }
+    pp.units_.push_back(std::move(unit));
+    pp.expert_unit_.push_back(expert);
+    return absl::OkStatus();
+  };
+  const int L = m.layers, k = options.layers_per_unit;
+  std::vector<std::vector<int>> stage_units;
+  // The embedding.
+  stage_units.push_back({0});
+  GRADSUM_RETURN_IF_ERROR(add_unit("emb", {spec.emb()}, false));
+  // Layers a..b: their dense parameters, then this EP slot's experts stacked per layer and
+  // per matrix, so moe/experts.h sees [E/P, ...] blocks.
+  for (int a = 0; a < L; a += k) {
+    const int b = std::min(L, a + k) - 1;
+    const std::string name =
+        a == b ? absl::StrCat("layers.", a) : absl::StrCat("layers.", a, "-", b);
+    const int dense_unit = static_cast<int>(pp.units_.size());
+    const int expert_unit = dense_unit + 1;
+    std::vector<int> dense, experts;
+    for (int l = a; l <= b; ++l) {
+      dense.push_back(spec.norm(l));
+      dense.push_back(spec.router(l));
+      pp.experts_[l] = {expert_unit, static_cast<int>(experts.size()),
+                        model::kNumExpertMatrices * local};
+      for (int mat = 0; mat < model::kNumExpertMatrices; ++mat) {
+        for (int j = 0; j < local; ++j) {
+          experts.push_back(
+              spec.expert_param(l, first + j, static_cast<model::ExpertMatrix>(mat)));
+        }
+      }
+      stage_units.push_back({dense_unit, expert_unit});
+    }
+    GRADSUM_RETURN_IF_ERROR(add_unit(name, dense, false));
+    GRADSUM_RETURN_IF_ERROR(
+        add_unit(absl::StrCat(name, ".experts.ep", ep_rank), experts, true));
+  }
+  // The head.
+  const int head_unit = static_cast<int>(pp.units_.size());
+  GRADSUM_RETURN_IF_ERROR(add_unit("head", {spec.final_norm(), spec.out()}, false));
+  stage_units.push_back({head_unit});
+
+  std::vector<bool> backward_reads;
+  for (const model::StageDef& s : spec.stages()) backward_reads.push_back(s.backward_reads_params);
+  UnitScheduleOptions schedule_options;
+  schedule_options.sharded = options.sharding == ShardingMode::kSharded;
+  schedule_options.reshard_after_forward = options.reshard_after_forward;
+  GRADSUM_ASSIGN_OR_RETURN(
+      pp.schedule_, UnitSchedule::Create(static_cast<int>(pp.units_.size()),
+                                         std::move(stage_units), std::move(backward_reads),
+                                         schedule_options));
+  GRADSUM_ASSIGN_OR_RETURN(pp.store_, device.MakeStore(pp.units(), pp.expert_unit_, options));
+  return params;
+}
+
+const float* ParallelParams::Values(int p) {
+  const Ref& r = dense_[p];
+  return store_->Values(r.unit, r.index);
+}
+
+absl::StatusOr<GradTarget> ParallelParams::Grad(int p) {
+  const Ref& r = dense_[p];
+  if (r.unit < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("parameter ", spec_.params()[p].name, " is an expert's: use the layer's"));
+  }
+  return store_->Grad(r.unit, r.index, r.count);
+}
+
+const float* ParallelParams::LocalExperts(int layer) {
+  const Ref& r = experts_[layer];
+  return store_->Values(r.unit, r.index);
+}
+
+absl::StatusOr<GradTarget> ParallelParams::LocalExpertsGrad(int layer) {
+  const Ref& r = experts_[layer];
+  return store_->Grad(r.unit, r.index, r.count);
+}
+
+int64_t ParallelParams::RowBlock(int64_t seq_len) const {
+  return options_.precision == GradPrecision::kExact ? seq_len : 0;
+}
+
+absl::Status ParallelParams::RunMicroBatch(const model::StageFns& stages, bool last_micro_batch) {
+  GRADSUM_RETURN_IF_ERROR(store_->CheckMicroBatch());
+  UnitSchedule::Stages s{stages.forward, stages.backward};
+  absl::Status status = schedule_.RunMicroBatch(*store_, s, last_micro_batch);
+  if (!status.ok()) store_->MicroBatchFailed();
+  return status;
+}
+
+std::vector<FlatParam*> ParallelParams::units() const {
+  std::vector<FlatParam*> g;
+  for (const auto& u : units_) g.push_back(u.get());
+  return g;
+}
+
+absl::Status ParallelParams::SetFullParameters(const NamedParams& params) {
+  for (FlatParam* g : units()) {
+    for (int i = 0; i < g->num_params(); ++i) {
+      const FlatParamEntry& entry = g->entries()[i];
+      auto it = params.find(entry.name);
+      if (it == params.end()) {
+        return absl::InvalidArgumentError(absl::StrCat("missing parameter ", entry.name));
+      }
+      if (static_cast<int64_t>(it->second.size()) != entry.numel) {
+        return absl::InvalidArgumentError(absl::StrCat("parameter ", entry.name, " has ",
+                                                       it->second.size(), " elements, expected ",
+                                                       entry.numel));
+      }
+      GRADSUM_RETURN_IF_ERROR(g->SetFullValue(i, it->second));
+    }
+    GRADSUM_RETURN_IF_ERROR(g->MasterUpdated());
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<NamedParams> ParallelParams::GatherFull(bool grads) {
+  const std::vector<model::ParamDef>& defs = spec_.params();
+  std::map<std::string, int64_t> offset;
+  int64_t total = 0;
+  for (const model::ParamDef& d : defs) {
+    offset[d.name] = total;
+    total += d.numel();
+  }
+  std::vector<float> all(total, 0.0f);
+  const int world_rank = groups_.world->rank();
+  const int P = groups_.ep_group->size();
+  for (size_t u = 0; u < units_.size(); ++u) {
+    FlatParam* g = units_[u].get();
+    absl::Span<const float> owned = grads ? g->owned_grad() : g->owned_master();
+    std::vector<float> send(g->shard_numel(), 0.0f);
+    std::copy(owned.begin(), owned.end(), send.begin());
+    std::vector<float> full(g->shard_numel() * g->group_size());
+    GRADSUM_RETURN_IF_ERROR(
+        g->group()->AllGather(send.data(), full.data(), g->shard_numel(), DType::kF32));
+    // One writer per parameter: world rank 0 for dense values, the f == 0 rank of each EP
+    // slot for its experts. Everyone else adds zeros, so the SUM below is exact.
+    const bool writer = expert_unit_[u] ? world_rank < P : world_rank == 0;
+    if (!writer) continue;
+    for (const FlatParamEntry& e : g->entries()) {
+      std::copy(full.begin() + e.offset, full.begin() + e.offset + e.numel,
+                all.begin() + offset.at(e.name));
+    }
+  }
+  GRADSUM_RETURN_IF_ERROR(
+      groups_.world->AllReduce(all.data(), all.data(), all.size(), DType::kF32, ReduceOp::kSum));
+  NamedParams out;
+  for (const model::ParamDef& d : defs) {
+    out[d.name].assign(all.begin() + offset.at(d.name), all.begin() + offset.at(d.name) + d.numel());
+  }
+  return out;
+}
+
+}  // namespace gradsum::parallel

@@ -1,0 +1,56 @@
+#include "train/cuda/cuda_compute.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "core/cuda/compute_context.h"
+#include "core/status.h"
+#include "model/cuda/cuda_ops.h"
+#include "parallel/cuda/device_unit_store.h"
+
+namespace gradsum::train {
+
+absl::StatusOr<ComputeDevice> MakeCudaCompute(const MoeLmGroups& host,
+                                              const MoeLmDeviceGroups& device) {
+  if (device.world == nullptr || device.ep_group == nullptr || device.edp_group == nullptr) {
+    return absl::InvalidArgumentError(
+        "the GPU model needs the NCCL world, EP and EDP communicators");
+  }
+  const std::pair<Communicator*, NcclCommunicator*> pairs[] = {
+      {host.world, device.world}, {host.ep_group, device.ep_group},
+      {host.edp_group, device.edp_group}};
+  const char* names[] = {"world", "ep_group", "edp_group"};
+  for (int i = 0; i < 3; ++i) {
+    auto [h, d] = pairs[i];
+    if (h == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("the GPU model needs the host ", names[i]));
+    }
+    if (h->rank() != d->rank() || h->size() != d->size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "GPU model: NCCL ", names[i], " is rank ", d->rank(), " of ", d->size(),
+          " but the host ", names[i], " is rank ", h->rank(), " of ", h->size()));
+    }
+  }
+  if (device.ep_group->device() != device.world->device() ||
+      device.edp_group->device() != device.world->device()) {
+    return absl::InvalidArgumentError("GPU model: the NCCL communicators are on different GPUs");
+  }
+  GRADSUM_ASSIGN_OR_RETURN(std::shared_ptr<cuda::ComputeContext> ctx,
+                           cuda::ComputeContext::Create(device.world->device()));
+  ComputeDevice out;
+  out.units = std::make_shared<parallel::CudaUnitDevice>(ctx, device.world, device.edp_group);
+  const model::CudaOpsComms comms{device.world, device.ep_group, host.ep_group};
+  out.ops = [ctx, comms](const model::MoeLmSpec& spec) {
+    return model::MakeCudaOps(spec, ctx, comms);
+  };
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<MoeLm>> CreateCudaMoeLm(const MoeLmOptions& options,
+                                                       const MoeLmGroups& host,
+                                                       const MoeLmDeviceGroups& device) {
+  GRADSUM_ASSIGN_OR_RETURN(ComputeDevice compute, MakeCudaCompute(host, device));
+  return MoeLm::Create(options, host, std::move(compute));
+}
+
+}  // namespace gradsum::train
