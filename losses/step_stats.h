@@ -49,6 +49,10 @@ struct MicroBatchTokens {
   absl::Span<const int64_t> sample_ids;
   // T entries, 1 = routed, 0 = padding (SEMANTICS §1). Empty = every token is routed.
   absl::Span<const uint8_t> input_mask;
+  // Optional, T entries: each token's sample size n_s (its whole document's valid count,
+  // also where the document spans the ranks of a sequence-parallel group, §12). Empty: n_s
+  // is counted here from sample_ids.
+  absl::Span<const int64_t> sample_sizes;
 };
 
 struct StepStatsOptions {

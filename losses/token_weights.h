@@ -7,8 +7,9 @@
 //   sample:           w_t = 1 / n_s for the valid tokens of sample s (n_s its valid count).
 //   square:           w_t = 1 / sqrt(n_s).
 //
-// A sample is identified by its id within one micro-batch (a sample never spans
-// micro-batches or ranks), so n_s is counted locally.
+// A sample is identified by its id within one micro-batch, and n_s is counted locally
+// unless the caller gives each token's n_s (`sample_sizes`): a sample that spans the ranks
+// of a sequence-parallel group (SEMANTICS.md §12) has its whole valid count on every rank.
 //
 //   absl::StatusOr<std::vector<float>> w =
 //       ComputeTokenWeights(labels, sample_ids, CeWeightMode::kSample);
@@ -34,12 +35,16 @@ const char* CeWeightModeName(CeWeightMode mode);
 // labels:      one per token; ignore_index marks an invalid token (weight 0).
 // sample_ids:  one per token (any int64 values; equal ids = same sample). Required for
 //              kSample and kSquare; ignored (may be empty) for kToken.
-// Errors: InvalidArgument if sample_ids is required and its size differs from labels', or
-// if mode is not a known enumerator.
+// sample_sizes: empty, or one per token: n_s of the token's sample (used instead of
+//              counting by sample_ids; >= 1 for valid tokens).
+// Errors: InvalidArgument if sample_ids (or sample_sizes, when given) is required and its
+// size differs from labels', a valid token's sample size is below 1, or mode is not a
+// known enumerator.
 absl::StatusOr<std::vector<float>> ComputeTokenWeights(absl::Span<const int64_t> labels,
                                                        absl::Span<const int64_t> sample_ids,
                                                        CeWeightMode mode,
-                                                       int64_t ignore_index = -100);
+                                                       int64_t ignore_index = -100,
+                                                       absl::Span<const int64_t> sample_sizes = {});
 
 }  // namespace gradsum::losses
 

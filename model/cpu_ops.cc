@@ -1,17 +1,20 @@
 #include "model/cpu_ops.h"
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/gemm.h"
 #include "core/status.h"
 #include "core/tensor.h"
 #include "core/thread_pool.h"
 #include "losses/linear_cross_entropy.h"
 #include "losses/router_losses.h"
 #include "losses/step_stats.h"
+#include "model/attention.h"
 #include "model/layers.h"
 #include "moe/moe_layer.h"
 
@@ -82,6 +85,13 @@ class CpuOps : public ModelOps {
     layer_config_.router_scale = m.router_scale;
     local_experts_ = m.experts / comms.ep_group->size();
     layer_state_.resize(m.layers);
+    sp_size_ = comms.sp_group != nullptr ? comms.sp_group->size() : 1;
+    sp_rank_ = comms.sp_group != nullptr ? comms.sp_group->rank() : 0;
+    if (m.attention) {
+      head_dim_ = m.dim / m.n_heads;
+      heads_local_ = m.n_heads / sp_size_;
+      group_ = m.n_heads / m.n_kv_heads;
+    }
   }
 
   absl::StatusOr<std::unique_ptr<DeviceArray>> Allocate(int64_t numel) override {
@@ -95,6 +105,7 @@ class CpuOps : public ModelOps {
                                                      " rows of the micro-batch"));
     }
     in_ = in;
+    if (config_.attention) GRADSUM_RETURN_IF_ERROR(BeginAttention());
     mask_.assign(in.mask.begin(), in.mask.end());
     labels_.assign(in.labels.begin(), in.labels.end());
     layer_config_.row_block = in.row_block;
@@ -293,6 +304,145 @@ class CpuOps : public ModelOps {
     return absl::OkStatus();
   }
 
+  // ---- The attention block. ----
+
+  absl::Status MatMul(const float* x, const float* w, int64_t in, int64_t out,
+                      float* y) override {
+    const int64_t T = in_.rows;
+    return ForEachRowBlock([&](int64_t r0, int64_t rows, int threads) {
+      return Sgemm(Trans::kNo, Trans::kNo, rows, out, in, 1.0f,
+                   absl::MakeConstSpan(x + r0 * in, rows * in), in, absl::MakeConstSpan(w, in * out),
+                   out, 0.0f, absl::MakeSpan(y + r0 * out, rows * out), out, threads);
+    }, T);
+  }
+
+  absl::Status MatMulBackward(const float* x, const float* w, int64_t in, int64_t out,
+                              const float* dy, float* dx, bool accumulate_dx,
+                              GradTarget dw) override {
+    const int64_t T = in_.rows;
+    GRADSUM_RETURN_IF_ERROR(ForEachRowBlock([&](int64_t r0, int64_t rows, int threads) {
+      return Sgemm(Trans::kNo, Trans::kYes, rows, in, out, 1.0f,
+                   absl::MakeConstSpan(dy + r0 * out, rows * out), out,
+                   absl::MakeConstSpan(w, in * out), out, accumulate_dx ? 1.0f : 0.0f,
+                   absl::MakeSpan(dx + r0 * in, rows * in), in, threads);
+    }, T));
+    const int threads = in_.row_block > 0 ? 1 : ComputeThreads();
+    return AccumulateRowBlocks(
+        dw, T, in_.row_block, in * out,
+        [&](int64_t, int64_t r0, int64_t rows, float* acc) -> absl::Status {
+          return Sgemm(Trans::kYes, Trans::kNo, in, out, rows, 1.0f,
+                       absl::MakeConstSpan(x + r0 * in, rows * in), in,
+                       absl::MakeConstSpan(dy + r0 * out, rows * out), out, 1.0f,
+                       absl::MakeSpan(acc, in * out), out, threads);
+        });
+  }
+
+  absl::Status Rope(float* x, int heads, bool inverse) override {
+    const int64_t half = head_dim_ / 2, T = in_.rows;
+    const float sign = inverse ? -1.0f : 1.0f;
+    return ParallelForStatus(ComputeThreads(), T, [&](int64_t t) {
+      const float* c = rope_cos_.data() + t * half;
+      const float* sn = rope_sin_.data() + t * half;
+      for (int h = 0; h < heads; ++h) {
+        float* v = x + (t * heads + h) * head_dim_;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = v[i], b = v[i + half], s = sign * sn[i];
+          v[i] = a * c[i] - b * s;
+          v[i + half] = b * c[i] + a * s;
+        }
+      }
+      return absl::OkStatus();
+    });
+  }
+
+  absl::Status TokensToHeads(const float* x, bool kv, float* out) override {
+    const int64_t hd = head_dim_, Hl = heads_local_, T = in_.rows;
+    const int heads_in = kv ? config_.n_kv_heads : config_.n_heads;
+    // For destination rank j, head slot hl: the input head it carries.
+    auto source_head = [&](int j, int64_t hl) {
+      const int64_t h = j * Hl + hl;  // the destination's query head
+      return kv ? static_cast<int>(h / group_) : static_cast<int>(h);
+    };
+    const int64_t block = T * Hl * hd;  // floats per (source, destination) pair
+    send_.resize(sp_size_ * block);
+    for (int j = 0; j < sp_size_; ++j) {
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t hl = 0; hl < Hl; ++hl) {
+          const float* src = x + (t * heads_in + source_head(j, hl)) * hd;
+          std::copy(src, src + hd, send_.data() + j * block + (t * Hl + hl) * hd);
+        }
+      }
+    }
+    GRADSUM_RETURN_IF_ERROR(Exchange(block));
+    // From source i: its slice [i L, (i + 1) L) of every sequence.
+    const int64_t L = in_.seq_len / sp_size_, row = Hl * hd;
+    for (int i = 0; i < sp_size_; ++i) {
+      for (int64_t n = 0; n < in_.sequences; ++n) {
+        const float* src = recv_.data() + i * block + n * L * row;
+        std::copy(src, src + L * row, out + (n * in_.seq_len + i * L) * row);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status HeadsToTokens(const float* x, float* out) override {
+    const int64_t hd = head_dim_, Hl = heads_local_, T = in_.rows, H = config_.n_heads;
+    const int64_t L = in_.seq_len / sp_size_, row = Hl * hd, block = T * row;
+    send_.resize(sp_size_ * block);
+    // To destination j: its slice of every sequence, this rank's heads.
+    for (int j = 0; j < sp_size_; ++j) {
+      for (int64_t n = 0; n < in_.sequences; ++n) {
+        const float* src = x + (n * in_.seq_len + j * L) * row;
+        std::copy(src, src + L * row, send_.data() + j * block + n * L * row);
+      }
+    }
+    GRADSUM_RETURN_IF_ERROR(Exchange(block));
+    for (int i = 0; i < sp_size_; ++i) {
+      for (int64_t t = 0; t < T; ++t) {
+        const float* src = recv_.data() + i * block + t * row;
+        std::copy(src, src + row, out + (t * H + i * Hl) * hd);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status SumKvGroups(const float* x, float* out) override {
+    const int64_t hd = head_dim_, T = in_.rows, H = config_.n_heads, Hk = config_.n_kv_heads;
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t j = 0; j < Hk; ++j) {
+        float* o = out + (t * Hk + j) * hd;
+        const float* first = x + (t * H + j * group_) * hd;
+        std::copy(first, first + hd, o);
+        for (int g = 1; g < group_; ++g) {
+          const float* src = first + g * hd;
+          for (int64_t i = 0; i < hd; ++i) o[i] += src[i];
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Attention(const float* q, const float* k, const float* v, float* out,
+                         float* lse) override {
+    const AttentionDims dims = HeadDims();
+    const int64_t n = HeadSplitRows() * heads_local_ * head_dim_;
+    return AttentionForward(dims, absl::MakeConstSpan(q, n), absl::MakeConstSpan(k, n),
+                            absl::MakeConstSpan(v, n), in_.doc_start, absl::MakeSpan(out, n),
+                            absl::MakeSpan(lse, HeadSplitRows() * heads_local_));
+  }
+
+  absl::Status AttentionBackward(const float* q, const float* k, const float* v,
+                                 const float* out, const float* lse, const float* d_out,
+                                 float* dq, float* dk, float* dv) override {
+    const AttentionDims dims = HeadDims();
+    const int64_t n = HeadSplitRows() * heads_local_ * head_dim_;
+    return model::AttentionBackward(
+        dims, absl::MakeConstSpan(q, n), absl::MakeConstSpan(k, n), absl::MakeConstSpan(v, n),
+        in_.doc_start, absl::MakeConstSpan(out, n),
+        absl::MakeConstSpan(lse, HeadSplitRows() * heads_local_), absl::MakeConstSpan(d_out, n),
+        absl::MakeSpan(dq, n), absl::MakeSpan(dk, n), absl::MakeSpan(dv, n));
+  }
+
   absl::StatusOr<MicroBatchLossTerms> End() override {
     if (in_.row_block <= 0) {
       terms_.ce_terms = {terms_.ce};
@@ -307,6 +457,70 @@ class CpuOps : public ModelOps {
   void Abandon() override { counts_.clear(); }
 
  private:
+  // Attention: the layout checks and the RoPE tables of the micro-batch.
+  absl::Status BeginAttention() {
+    const int64_t T = in_.rows;
+    if (in_.seq_len % sp_size_ != 0 || in_.sequences * (in_.seq_len / sp_size_) != T) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "attention: ", T, " tokens are not ", in_.sequences, " sequences of ", in_.seq_len,
+          " / sp=", sp_size_, " tokens"));
+    }
+    if (static_cast<int64_t>(in_.positions.size()) != T ||
+        static_cast<int64_t>(in_.doc_start.size()) != in_.sequences * in_.seq_len) {
+      return absl::InvalidArgumentError("attention: positions or document starts missing");
+    }
+    const int64_t half = head_dim_ / 2;
+    rope_cos_.resize(T * half);
+    rope_sin_.resize(T * half);
+    for (int64_t i = 0; i < half; ++i) {
+      const double f = std::pow(config_.rope_theta, -2.0 * i / static_cast<double>(head_dim_));
+      for (int64_t t = 0; t < T; ++t) {
+        const double angle = static_cast<double>(in_.positions[t]) * f;
+        rope_cos_[t * half + i] = static_cast<float>(std::cos(angle));
+        rope_sin_[t * half + i] = static_cast<float>(std::sin(angle));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Rows of the head split: the whole sequences of the micro-batch.
+  int64_t HeadSplitRows() const { return in_.sequences * in_.seq_len; }
+
+  // The head split's attention: this rank's query heads, each with its own key/value head.
+  AttentionDims HeadDims() const {
+    AttentionDims d;
+    d.num_seqs = in_.sequences;
+    d.seq_len = in_.seq_len;
+    d.q_heads = heads_local_;
+    d.kv_heads = heads_local_;
+    d.head_dim = head_dim_;
+    return d;
+  }
+
+  // send_ [S][block] -> recv_ [S][block] over the SP group (a copy without one).
+  absl::Status Exchange(int64_t block) {
+    recv_.resize(sp_size_ * block);
+    if (sp_size_ == 1) {
+      std::copy(send_.begin(), send_.begin() + block, recv_.begin());
+      return absl::OkStatus();
+    }
+    std::vector<size_t> counts(sp_size_, static_cast<size_t>(block)), offsets(sp_size_);
+    for (int i = 0; i < sp_size_; ++i) offsets[i] = static_cast<size_t>(i * block);
+    return comms_.sp_group->AllToAllV(send_.data(), counts, offsets, recv_.data(), counts,
+                                      offsets, DType::kF32);
+  }
+
+  // Runs fn(first_row, rows, gemm_threads) over the row blocks (one block of all T rows
+  // when row_block is 0, with the rank's threads; else the blocks in parallel, one thread
+  // each).
+  template <typename Fn>
+  absl::Status ForEachRowBlock(Fn fn, int64_t T) {
+    if (in_.row_block <= 0) return fn(0, T, ComputeThreads());
+    return ParallelForStatus(ComputeThreads(), T / in_.row_block, [&](int64_t b) {
+      return fn(b * in_.row_block, in_.row_block, 1);
+    });
+  }
+
   moe::MoeLayerWeights LayerWeights(const MoeWeights& w) const {
     const int64_t D = config_.dim, E = config_.experts;
     const int64_t block = local_experts_ * D * config_.expert_dim;
@@ -332,6 +546,13 @@ class CpuOps : public ModelOps {
   std::vector<std::vector<int64_t>> global_counts_;
   std::vector<float> du_;  // [T, E]
   MicroBatchLossTerms terms_;
+  // Attention: the SP group's size and this rank's place in it, the head layout, the
+  // micro-batch's RoPE tables [T, head_dim / 2], and the exchanges' buffers.
+  int sp_size_ = 1, sp_rank_ = 0;
+  int64_t head_dim_ = 0, heads_local_ = 0;
+  int group_ = 1;  // query heads per kv head
+  std::vector<float> rope_cos_, rope_sin_;
+  std::vector<float> send_, recv_;
 };
 
 }  // namespace
@@ -342,6 +563,12 @@ absl::StatusOr<std::unique_ptr<ModelOps>> MakeCpuOps(const MoeLmSpec& spec,
     return absl::InvalidArgumentError("CPU ops need the world and EP communicators");
   }
   const int P = comms.ep_group->size();
+  const int S = comms.sp_group != nullptr ? comms.sp_group->size() : 1;
+  if (spec.config().attention && spec.config().n_heads % S != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("model.heads=", spec.config().n_heads,
+                                                   " is not divisible by sp=", S,
+                                                   " (Ulysses splits whole heads)"));
+  }
   if (spec.config().experts % P != 0) {
     return absl::InvalidArgumentError(absl::StrCat("model.experts=", spec.config().experts,
                                                    " is not divisible by ep=", P,

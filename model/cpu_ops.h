@@ -4,7 +4,9 @@
 // The host's ops (model/ops.h): fp32 kernels on the CPU through the BLAS and the shared
 // compute pool. Embedding and RMSNorm are model/layers.h, the MoE layer moe/moe_layer.h
 // (router, dropless all-to-all dispatch over the EP group overlapped with the experts),
-// the head losses/linear_cross_entropy.h, the router losses losses/router_losses.h.
+// the head losses/linear_cross_entropy.h, the router losses losses/router_losses.h,
+// attention model/attention.h, its sequence-parallel exchanges host all-to-alls over the SP
+// group.
 //
 // Row blocks (ops.h): with row_block > 0 every kernel runs per block (a packed sequence),
 // the router per block and the experts per (block, expert) row group (moe/moe_layer.h),
@@ -27,6 +29,9 @@ namespace gradsum::model {
 struct CpuOpsComms {
   Communicator* world = nullptr;     // the expert-count SUM (§5)
   Communicator* ep_group = nullptr;  // the MoE dispatch
+  // The SP group (§12: the ranks sharing this rank's sequences); null means no sequence
+  // parallelism (a group of one).
+  Communicator* sp_group = nullptr;
 };
 
 // `num_threads`: threads for the head's fused CE (the rank's compute budget).

@@ -38,10 +38,11 @@ class ModelParams {
   virtual int num_local_experts() const = 0;
   virtual int first_local_expert() const = 0;
 
-  // The row block the gradient precision asks of the compute for micro-batches of packed
-  // sequences of `seq_len` tokens (model/ops.h): 0, or seq_len where each sequence's
-  // contribution must not depend on its neighbours (exact gradients).
-  virtual int64_t RowBlock(int64_t seq_len) const = 0;
+  // The row block the gradient precision asks of the compute when this rank holds
+  // `local_seq_len` consecutive tokens of each sequence (model/ops.h): 0, or, with exact
+  // gradients, a block no contribution may cross (the configured one, or the rank's share
+  // of each sequence), so that its bits do not depend on its neighbours or the mesh.
+  virtual int64_t RowBlock(int64_t local_seq_len) const = 0;
 
   // Runs one micro-batch's stages with the parameter traffic around them (gathers before
   // the stages that read a unit, frees after, and each unit's gradient reduction issued as

@@ -1,5 +1,6 @@
 #include "model/moe_lm.h"
 
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -80,6 +81,23 @@ absl::Status MoeLmModel::EnsureActivations(int64_t T) {
   }
   for (Array* a : {&y_, &dh_, &da_, &f_, &grad_f_}) GRADSUM_RETURN_IF_ERROR(alloc(*a, T * D));
   GRADSUM_RETURN_IF_ERROR(alloc(inv_rms_f_, T));
+  attn_.clear();
+  if (m.attention) {
+    const int64_t Hq = m.n_heads, kv_dim = m.n_kv_heads * spec_.head_dim();
+    attn_.resize(L);
+    for (AttentionActs& x : attn_) {
+      for (Array* a : {&x.b, &x.qh, &x.kh, &x.vh, &x.oh, &x.o, &x.m}) {
+        GRADSUM_RETURN_IF_ERROR(alloc(*a, T * D));
+      }
+      GRADSUM_RETURN_IF_ERROR(alloc(x.inv_rms, T));
+      GRADSUM_RETURN_IF_ERROR(alloc(x.lse, T * Hq));
+    }
+    for (Array* a : {&q_, &doh_, &dqh_, &dkh_, &dvh_, &dkq_, &dvq_}) {
+      GRADSUM_RETURN_IF_ERROR(alloc(*a, T * D));
+    }
+    GRADSUM_RETURN_IF_ERROR(alloc(k_, T * kv_dim));
+    GRADSUM_RETURN_IF_ERROR(alloc(v_, T * kv_dim));
+  }
   rows_ = T;
   return absl::OkStatus();
 }
@@ -119,13 +137,16 @@ absl::Status MoeLmModel::Backward(int stage) {
   return absl::InternalError(absl::StrCat("stage ", stage, " has no separate backward"));
 }
 
-// a_l = RMSNorm(h_l; g_l); h_{l+1} = h_l + MoE_l(a_l).
+// With attention: m_l = h_l + attention(RMSNorm(h_l; g^attn_l)); without, m_l = h_l.
+// Then a_l = RMSNorm(m_l; g_l); h_{l+1} = m_l + MoE_l(a_l).
 absl::Status MoeLmModel::LayerForward(int l) {
   const int64_t n = rows_ * spec_.config().dim;
-  GRADSUM_RETURN_IF_ERROR(ops_->RmsNormForward(h_[l]->data(), params_->Values(spec_.norm(l)),
-                                               a_[l]->data(), inv_rms_[l]->data()));
+  if (spec_.config().attention) GRADSUM_RETURN_IF_ERROR(AttentionForward(l));
+  float* m = spec_.config().attention ? attn_[l].m->data() : h_[l]->data();
+  GRADSUM_RETURN_IF_ERROR(ops_->RmsNormForward(m, params_->Values(spec_.norm(l)), a_[l]->data(),
+                                               inv_rms_[l]->data()));
   GRADSUM_RETURN_IF_ERROR(ops_->MoeForward(l, a_[l]->data(), LayerWeights(l), y_->data()));
-  return ops_->Add(h_[l]->data(), y_->data(), h_[l + 1]->data(), n);
+  return ops_->Add(m, y_->data(), h_[l + 1]->data(), n);
 }
 
 // dh holds dL/dh_{l+1} (= dL/dy through the residual); afterwards dL/dh_l.
@@ -136,9 +157,75 @@ absl::Status MoeLmModel::LayerBackward(int l) {
   GRADSUM_RETURN_IF_ERROR(ops_->MoeBackward(l, a_[l]->data(), LayerWeights(l), dh_->data(),
                                             da_->data(), std::move(grads)));
   GRADSUM_ASSIGN_OR_RETURN(GradTarget dgain, params_->Grad(spec_.norm(l)));
-  return ops_->RmsNormBackward(h_[l]->data(), params_->Values(spec_.norm(l)),
-                               inv_rms_[l]->data(), da_->data(), dh_->data(),
-                               /*accumulate_dx=*/true, std::move(dgain));
+  const float* m = spec_.config().attention ? attn_[l].m->data() : h_[l]->data();
+  GRADSUM_RETURN_IF_ERROR(ops_->RmsNormBackward(m, params_->Values(spec_.norm(l)),
+                                                inv_rms_[l]->data(), da_->data(), dh_->data(),
+                                                /*accumulate_dx=*/true, std::move(dgain)));
+  // dh now holds dL/dm_l.
+  return spec_.config().attention ? AttentionBackward(l) : absl::OkStatus();
+}
+
+// m_l = h_l + o Wo, o = the heads' document-causal attention over RoPE'd q, k, v of
+// b_l = RMSNorm(h_l; g^attn_l).
+absl::Status MoeLmModel::AttentionForward(int l) {
+  const MoeLmConfig& c = spec_.config();
+  const int64_t D = c.dim, kv_dim = c.n_kv_heads * spec_.head_dim();
+  AttentionActs& x = attn_[l];
+  GRADSUM_RETURN_IF_ERROR(ops_->RmsNormForward(h_[l]->data(), params_->Values(spec_.attn_norm(l)),
+                                               x.b->data(), x.inv_rms->data()));
+  GRADSUM_RETURN_IF_ERROR(ops_->MatMul(x.b->data(), params_->Values(spec_.wq(l)), D, D, q_->data()));
+  GRADSUM_RETURN_IF_ERROR(
+      ops_->MatMul(x.b->data(), params_->Values(spec_.wk(l)), D, kv_dim, k_->data()));
+  GRADSUM_RETURN_IF_ERROR(
+      ops_->MatMul(x.b->data(), params_->Values(spec_.wv(l)), D, kv_dim, v_->data()));
+  GRADSUM_RETURN_IF_ERROR(ops_->Rope(q_->data(), c.n_heads, /*inverse=*/false));
+  GRADSUM_RETURN_IF_ERROR(ops_->Rope(k_->data(), c.n_kv_heads, /*inverse=*/false));
+  GRADSUM_RETURN_IF_ERROR(ops_->TokensToHeads(q_->data(), /*kv=*/false, x.qh->data()));
+  GRADSUM_RETURN_IF_ERROR(ops_->TokensToHeads(k_->data(), /*kv=*/true, x.kh->data()));
+  GRADSUM_RETURN_IF_ERROR(ops_->TokensToHeads(v_->data(), /*kv=*/true, x.vh->data()));
+  GRADSUM_RETURN_IF_ERROR(ops_->Attention(x.qh->data(), x.kh->data(), x.vh->data(),
+                                          x.oh->data(), x.lse->data()));
+  GRADSUM_RETURN_IF_ERROR(ops_->HeadsToTokens(x.oh->data(), x.o->data()));
+  GRADSUM_RETURN_IF_ERROR(ops_->MatMul(x.o->data(), params_->Values(spec_.wo(l)), D, D, y_->data()));
+  return ops_->Add(h_[l]->data(), y_->data(), x.m->data(), rows_ * D);
+}
+
+// dh holds dL/dm_l (which is also dL/d(o Wo)); afterwards dL/dh_l.
+absl::Status MoeLmModel::AttentionBackward(int l) {
+  const MoeLmConfig& c = spec_.config();
+  const int64_t D = c.dim, kv_dim = c.n_kv_heads * spec_.head_dim();
+  AttentionActs& x = attn_[l];
+  float* d_o = da_->data();  // dL/do, token split (da is free until the norm below)
+  GRADSUM_ASSIGN_OR_RETURN(GradTarget dwo, params_->Grad(spec_.wo(l)));
+  GRADSUM_RETURN_IF_ERROR(ops_->MatMulBackward(x.o->data(), params_->Values(spec_.wo(l)), D, D,
+                                               dh_->data(), d_o, /*accumulate_dx=*/false,
+                                               std::move(dwo)));
+  GRADSUM_RETURN_IF_ERROR(ops_->TokensToHeads(d_o, /*kv=*/false, doh_->data()));
+  GRADSUM_RETURN_IF_ERROR(ops_->AttentionBackward(x.qh->data(), x.kh->data(), x.vh->data(),
+                                                  x.oh->data(), x.lse->data(), doh_->data(),
+                                                  dqh_->data(), dkh_->data(), dvh_->data()));
+  // Back to the token split: dq [T, D]; dk, dv per query head, then summed per kv head.
+  GRADSUM_RETURN_IF_ERROR(ops_->HeadsToTokens(dqh_->data(), q_->data()));
+  GRADSUM_RETURN_IF_ERROR(ops_->HeadsToTokens(dkh_->data(), dkq_->data()));
+  GRADSUM_RETURN_IF_ERROR(ops_->HeadsToTokens(dvh_->data(), dvq_->data()));
+  GRADSUM_RETURN_IF_ERROR(ops_->SumKvGroups(dkq_->data(), k_->data()));
+  GRADSUM_RETURN_IF_ERROR(ops_->SumKvGroups(dvq_->data(), v_->data()));
+  GRADSUM_RETURN_IF_ERROR(ops_->Rope(q_->data(), c.n_heads, /*inverse=*/true));
+  GRADSUM_RETURN_IF_ERROR(ops_->Rope(k_->data(), c.n_kv_heads, /*inverse=*/true));
+  // dL/db through the three projections, then the norm into dh.
+  float* db = da_->data();
+  for (const auto& [w, dy, out] : {std::tuple<int, float*, int64_t>{spec_.wq(l), q_->data(), D},
+                                   {spec_.wk(l), k_->data(), kv_dim},
+                                   {spec_.wv(l), v_->data(), kv_dim}}) {
+    GRADSUM_ASSIGN_OR_RETURN(GradTarget dw, params_->Grad(w));
+    GRADSUM_RETURN_IF_ERROR(ops_->MatMulBackward(x.b->data(), params_->Values(w), D, out, dy, db,
+                                                 /*accumulate_dx=*/w != spec_.wq(l),
+                                                 std::move(dw)));
+  }
+  GRADSUM_ASSIGN_OR_RETURN(GradTarget dgain, params_->Grad(spec_.attn_norm(l)));
+  return ops_->RmsNormBackward(h_[l]->data(), params_->Values(spec_.attn_norm(l)),
+                               x.inv_rms->data(), db, dh_->data(), /*accumulate_dx=*/true,
+                               std::move(dgain));
 }
 
 // The turn stage: final norm, fused LM head + CE forward and backward (§3), and the final
@@ -166,15 +253,35 @@ absl::StatusOr<MicroBatchLosses> MoeLmModel::ForwardBackward(const TokenBatch& b
   MicroBatchInputs in;
   GRADSUM_ASSIGN_OR_RETURN(in.ce_weights, MicroBatchTokenWeights(stats, micro_index, T));
   in.rows = T;
-  in.row_block = params_->RowBlock(batch.seq_len);
-  if (in.row_block > 0 && (batch.seq_len < 1 || int64_t{batch.sequences} * batch.seq_len != T)) {
-    return absl::InvalidArgumentError(absl::StrCat("per-sequence row blocks: micro-batch of ", T,
-                                                   " tokens is not ", batch.sequences,
-                                                   " sequences of ", batch.seq_len));
+  const int local = batch.local_seq_len > 0 ? batch.local_seq_len : batch.seq_len;
+  in.row_block = params_->RowBlock(local);
+  if ((in.row_block > 0 || m.attention) &&
+      (local < 1 || batch.seq_len % local != 0 || int64_t{batch.sequences} * local != T)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "micro-batch of ", T, " tokens is not ", batch.sequences, " sequences of ", local,
+        " tokens (of ", batch.seq_len, ")"));
+  }
+  if (in.row_block > 0 && local % in.row_block != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "reproducible row block of ", in.row_block, " tokens does not divide the ", local,
+        " tokens this rank holds of each sequence"));
   }
   in.tokens = batch.tokens;
   in.labels = batch.labels;
   in.mask = batch.mask;
+  in.sequences = batch.sequences;
+  in.seq_len = batch.seq_len;
+  if (m.attention) {
+    if (static_cast<int64_t>(batch.positions.size()) != T ||
+        static_cast<int64_t>(batch.doc_start.size()) != int64_t{batch.sequences} * batch.seq_len) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "attention needs every token's position (", batch.positions.size(), " for ", T,
+          ") and the whole sequences' document starts (", batch.doc_start.size(), " for ",
+          int64_t{batch.sequences} * batch.seq_len, ")"));
+    }
+    in.positions = batch.positions;
+    in.doc_start = batch.doc_start;
+  }
   in.global_ce_weight_sum = stats.global_ce_weight_sum;
   in.global_routed_tokens = stats.global_routed_tokens;
   in.num_micro_batches = stats.num_micro_batches;

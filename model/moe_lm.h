@@ -7,7 +7,10 @@
 // on whichever device: parallel/parallelize.h decides).
 //
 //   stage 0       h_0 = Emb[x]
-//   stage 1 + l   a_l = RMSNorm(h_l; g_l); h_{l+1} = h_l + MoE_l(a_l)
+//   stage 1 + l   attention block: b_l = RMSNorm(h_l; g^attn_l); q, k, v = b_l Wq, Wk, Wv;
+//                 RoPE; (sequence parallelism: tokens -> heads); document-causal attention;
+//                 (heads -> tokens); m_l = h_l + o Wo   (m_l = h_l without attention)
+//                 MoE block: a_l = RMSNorm(m_l; g_l); h_{l+1} = m_l + MoE_l(a_l)
 //   stage L + 1   f = RMSNorm(h_L; g_f); CE(f @ Wo) forward and backward; RMSNorm backward
 //   backward of stage 1 + l: the router losses (§4, §5), MoE backward, RMSNorm backward
 //   backward of stage 0: the embedding's scatter-add
@@ -38,13 +41,20 @@
 
 namespace gradsum::model {
 
-// One rank's micro-batch: `sequences` packed sequences of `seq_len` tokens (host memory).
+// One rank's micro-batch (host memory): `sequences` packed sequences of `seq_len` tokens,
+// of which the rank holds `local_seq_len` consecutive tokens each (seq_len / S with
+// sequence parallelism, SEMANTICS.md §12; seq_len without), T = sequences * local_seq_len.
 struct TokenBatch {
   int sequences = 0;
   int seq_len = 0;
-  absl::Span<const int32_t> tokens;  // [T] in [0, V); padding 0
-  absl::Span<const int32_t> labels;  // [T] next token or ignore_index
-  absl::Span<const int32_t> mask;    // [T] 1 routed, 0 padding
+  int local_seq_len = 0;
+  absl::Span<const int32_t> tokens;     // [T] in [0, V); padding 0
+  absl::Span<const int32_t> labels;     // [T] next token or ignore_index
+  absl::Span<const int32_t> mask;       // [T] 1 routed, 0 padding
+  // Attention only (model/ops.h MicroBatchInputs): the RoPE position of each local token,
+  // and the document start of every token of the whole sequences (-1: padding).
+  absl::Span<const int32_t> positions;  // [T]
+  absl::Span<const int32_t> doc_start;  // [sequences * seq_len]
 };
 
 // One micro-batch's local loss components (detached, §8).
@@ -96,6 +106,8 @@ class MoeLmModel {
   absl::Status Backward(int stage);
   absl::Status LayerForward(int layer);
   absl::Status LayerBackward(int layer);
+  absl::Status AttentionForward(int layer);
+  absl::Status AttentionBackward(int layer);
   absl::Status HeadForwardBackward();
   MoeWeights LayerWeights(int layer);
 
@@ -109,8 +121,18 @@ class MoeLmModel {
   std::vector<Array> h_;       // [L + 1] x [T, D]: h_[l] enters layer l, h_[L] the head
   std::vector<Array> a_;       // [L] x [T, D]: the normed input of each layer's MoE
   std::vector<Array> inv_rms_; // [L] x [T]
-  Array y_, dh_, da_;          // [T, D]: a MoE output; dL/dh; dL/da
+  Array y_, dh_, da_;          // [T, D]: a block's output; dL/dh; dL/da
   Array f_, inv_rms_f_, grad_f_;  // the head: [T, D], [T], [T, D]
+  // The attention block, per layer (kept for backward): the normed input b, its 1/rms,
+  // q, k, v and the output per query head in the head split (T * D floats each at any S),
+  // the softmax statistics, the output in the token split, and m = h + attention.
+  struct AttentionActs {
+    Array b, inv_rms, qh, kh, vh, oh, lse, o, m;
+  };
+  std::vector<AttentionActs> attn_;
+  // Attention scratch: q [T, D], k and v [T, kv_dim] in the token split; the head-split
+  // output gradient and the per-query-head gradients of q, k, v.
+  Array q_, k_, v_, doh_, dqh_, dkh_, dvh_, dkq_, dvq_;
 };
 
 }  // namespace gradsum::model

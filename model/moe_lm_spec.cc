@@ -36,6 +36,26 @@ absl::StatusOr<MoeLmSpec> MoeLmSpec::Create(const MoeLmConfig& m) {
     return absl::InvalidArgumentError(
         absl::StrCat("model.top_k=", m.top_k, ": exceeds model.experts=", m.experts));
   }
+  if (m.attention) {
+    if (m.n_heads < 1 || m.n_kv_heads < 1) {
+      return absl::InvalidArgumentError(absl::StrCat("model.heads=", m.n_heads, ", model.kv_heads=",
+                                                     m.n_kv_heads, ": both must be >= 1"));
+    }
+    if (m.n_heads % m.n_kv_heads != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("model.heads=", m.n_heads,
+                                                     " is not divisible by model.kv_heads=",
+                                                     m.n_kv_heads, " (GQA)"));
+    }
+    if (m.dim % m.n_heads != 0 || (m.dim / m.n_heads) % 2 != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "model.dim=", m.dim, " / model.heads=", m.n_heads,
+          ": head_dim must be a whole, even number (RoPE rotates pairs)"));
+    }
+    if (!(m.rope_theta > 1.0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("model.rope_theta=", m.rope_theta, ": must be > 1"));
+    }
+  }
   MoeLmSpec spec;
   spec.config_ = m;
   const int64_t V = m.vocab, D = m.dim, H = m.expert_dim;
@@ -52,8 +72,17 @@ absl::StatusOr<MoeLmSpec> MoeLmSpec::Create(const MoeLmConfig& m) {
   };
   add("emb", {V, D}, ParamInit::kNormal);
   spec.stages_.push_back({StageKind::kEmbedding, -1, /*backward_reads_params=*/false});
+  const int64_t kv_dim = m.attention ? m.n_kv_heads * (D / m.n_heads) : 0;
   for (int l = 0; l < m.layers; ++l) {
     spec.layer_first_.push_back(static_cast<int>(spec.params_.size()));
+    if (m.attention) {
+      add(LayerParamName(l, "attn_norm"), {D}, ParamInit::kOnes, l);
+      add(LayerParamName(l, "wq"), {D, D}, ParamInit::kScaledNormal, l);
+      add(LayerParamName(l, "wk"), {D, kv_dim}, ParamInit::kScaledNormal, l);
+      add(LayerParamName(l, "wv"), {D, kv_dim}, ParamInit::kScaledNormal, l);
+      add(LayerParamName(l, "wo"), {D, D}, ParamInit::kScaledNormal, l);
+    }
+    spec.moe_first_.push_back(static_cast<int>(spec.params_.size()));
     add(LayerParamName(l, "norm"), {D}, ParamInit::kOnes, l);
     add(LayerParamName(l, "router"), {D, m.experts}, ParamInit::kScaledNormal, l);
     for (int e = 0; e < m.experts; ++e) {

@@ -38,6 +38,11 @@ struct MoeLmConfig {
   bool norm_topk_prob = true;
   float router_scale = 1.0f;
   float init_std = 0.1f;    // matrices ~ N(0, init_std^2)
+  // The attention block of each layer (§10); false: the per-token model (no attention).
+  bool attention = false;
+  int n_heads = 4;             // query heads; head_dim = dim / n_heads (even)
+  int n_kv_heads = 4;          // key/value heads (GQA), divides n_heads
+  double rope_theta = 10000.0; // RoPE base
   // The loss weights of the router z-loss (§4) and the balancing loss (§5); 0 disables.
   double alpha_z = 0.001;
   double alpha_b = 0.001;
@@ -76,25 +81,36 @@ struct StageDef {
 
 class MoeLmSpec {
  public:
-  // InvalidArgument naming the field: a size <= 0, top_k > experts.
+  // InvalidArgument naming the field: a size <= 0, top_k > experts; with attention, heads
+  // that do not divide (n_heads % n_kv_heads, dim % n_heads), an odd head_dim, or
+  // rope_theta <= 1.
   static absl::StatusOr<MoeLmSpec> Create(const MoeLmConfig& config);
   MoeLmSpec() = default;
 
   const MoeLmConfig& config() const { return config_; }
-  // Every parameter in forward order (emb; per layer: norm, router, then each expert's wg,
-  // wu, wd; final_norm; out): the order of the dumps and of InitialParameters' draws.
+  // Every parameter in forward order (emb; per layer: attn_norm, wq, wk, wv, wo when
+  // attention is on, then norm, router, each expert's wg, wu, wd; final_norm; out): the order of the dumps and of InitialParameters' draws.
   const std::vector<ParamDef>& params() const { return params_; }
   // Stage 0 the embedding, 1 + l layer l, L + 1 the head.
   const std::vector<StageDef>& stages() const { return stages_; }
   // The stage whose forward reads parameter `p` (an index into params()).
   int StageOf(int p) const;
 
-  // Indices into params() of the parameters the stages read.
+  // head_dim = dim / n_heads (attention only).
+  int64_t head_dim() const { return config_.dim / config_.n_heads; }
+
+  // Indices into params() of the parameters the stages read. The attention block's
+  // (attn_norm, wq, wk, wv, wo) exist only with config().attention.
   int emb() const { return 0; }
-  int norm(int layer) const { return layer_first_[layer]; }
-  int router(int layer) const { return layer_first_[layer] + 1; }
+  int attn_norm(int layer) const { return layer_first_[layer]; }
+  int wq(int layer) const { return layer_first_[layer] + 1; }
+  int wk(int layer) const { return layer_first_[layer] + 2; }
+  int wv(int layer) const { return layer_first_[layer] + 3; }
+  int wo(int layer) const { return layer_first_[layer] + 4; }
+  int norm(int layer) const { return moe_first_[layer]; }
+  int router(int layer) const { return moe_first_[layer] + 1; }
   int expert_param(int layer, int expert, ExpertMatrix m) const {
-    return layer_first_[layer] + 2 + expert * kNumExpertMatrices + static_cast<int>(m);
+    return moe_first_[layer] + 2 + expert * kNumExpertMatrices + static_cast<int>(m);
   }
   int final_norm() const { return static_cast<int>(params_.size()) - 2; }
   int out() const { return static_cast<int>(params_.size()) - 1; }
@@ -110,7 +126,8 @@ class MoeLmSpec {
   MoeLmConfig config_;
   std::vector<ParamDef> params_;
   std::vector<StageDef> stages_;
-  std::vector<int> layer_first_;  // per layer: index of its norm
+  std::vector<int> layer_first_;  // per layer: index of its first parameter
+  std::vector<int> moe_first_;    // per layer: index of its MoE norm
 };
 
 }  // namespace gradsum::model

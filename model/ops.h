@@ -46,13 +46,23 @@ class DeviceArray {
   int64_t size_ = 0;
 };
 
-// One micro-batch's inputs (host memory; valid until End()).
+// One micro-batch's inputs (host memory; valid until End()). With sequence parallelism
+// (SEMANTICS.md §12) the rank holds `local_seq_len = seq_len / S` consecutive tokens of each
+// of its `sequences`; T = sequences * local_seq_len.
 struct MicroBatchInputs {
   int64_t rows = 0;                      // T tokens
   int64_t row_block = 0;                 // see above; > 0 divides rows
   absl::Span<const int32_t> tokens;      // [T] in [0, V)
   absl::Span<const int32_t> labels;      // [T] in [0, V) or the ignore index
   absl::Span<const int32_t> mask;        // [T] 1 routed, 0 padding
+  // The sequences' layout, for attention. positions[t]: the RoPE position of local token t
+  // (from its document's first token). doc_start: for every token of the WHOLE sequences
+  // (sequences * seq_len, in sequence order), the index within its sequence of its
+  // document's first token, -1 for padding. Empty without attention.
+  int64_t sequences = 0;
+  int64_t seq_len = 0;                   // tokens of a whole sequence
+  absl::Span<const int32_t> positions;   // [T]
+  absl::Span<const int32_t> doc_start;   // [sequences * seq_len]
   absl::Span<const float> ce_weights;    // [T] w_t (SEMANTICS.md §3), empty in token mode
   double global_ce_weight_sum = 0;       // D (§3)
   int64_t global_routed_tokens = 0;      // N (§4)
@@ -127,6 +137,42 @@ class ModelOps {
   // into grad_out. Never holds all T x V logits at once where the device need not.
   virtual absl::Status LmHeadCrossEntropy(const float* f, const float* w_out, float* grad_f,
                                           GradTarget grad_out) = 0;
+
+  // ---- The attention block (SEMANTICS.md §10). ----
+  // y = x @ w: x [T, in], w [in, out], y [T, out] written.
+  virtual absl::Status MatMul(const float* x, const float* w, int64_t in, int64_t out,
+                              float* y) = 0;
+  // Its backward given dy [T, out]: dx = dy @ w^T (added into dx when accumulate_dx, else
+  // written), x^T dy into dw.
+  virtual absl::Status MatMulBackward(const float* x, const float* w, int64_t in, int64_t out,
+                                      const float* dy, float* dx, bool accumulate_dx,
+                                      GradTarget dw) = 0;
+  // RoPE in place on x [T, heads, head_dim] at the tokens' positions; `inverse` rotates by
+  // the opposite angles (RoPE's backward: the transpose of a rotation).
+  virtual absl::Status Rope(float* x, int heads, bool inverse) = 0;
+  // Sequence parallelism (Ulysses, §12; a copy without it). x [T, heads, head_dim] holds
+  // this rank's tokens of every head (n_heads query heads, or n_kv_heads when `kv`); out
+  // [sequences * seq_len, n_heads / S, head_dim] holds the whole sequences for this rank's
+  // query heads (for `kv`: the key/value head each of them uses, repeated). Collective
+  // over the SP group.
+  virtual absl::Status TokensToHeads(const float* x, bool kv, float* out) = 0;
+  // The inverse exchange: x [sequences * seq_len, n_heads / S, head_dim] → out [T, n_heads,
+  // head_dim] (written). Collective over the SP group.
+  virtual absl::Status HeadsToTokens(const float* x, float* out) = 0;
+  // out[t, j] = sum of x[t, h] over the query heads h of kv head j, in head order: x [T,
+  // n_heads, head_dim] → out [T, n_kv_heads, head_dim] (written). (Per-query-head key and
+  // value gradients summed the same way whatever S is.)
+  virtual absl::Status SumKvGroups(const float* x, float* out) = 0;
+  // Document-causal attention (§10) of this rank's query heads over whole sequences:
+  // q, k, v, out [sequences * seq_len, n_heads / S, head_dim] (k, v: each query head's own
+  // key/value head, as TokensToHeads gives them); lse [sequences * seq_len, n_heads / S]
+  // kept for backward.
+  virtual absl::Status Attention(const float* q, const float* k, const float* v, float* out,
+                                 float* lse) = 0;
+  // Its backward: dq, dk, dv (per query head) written.
+  virtual absl::Status AttentionBackward(const float* q, const float* k, const float* v,
+                                         const float* out, const float* lse, const float* d_out,
+                                         float* dq, float* dk, float* dv) = 0;
 
   // Ends the micro-batch: waits for the device and returns its loss terms and counts.
   virtual absl::StatusOr<MicroBatchLossTerms> End() = 0;

@@ -35,6 +35,11 @@ struct ParallelOptions {
   // Sharded mode: reduce-scatter every micro-batch (true) or only the last one's
   // accumulated full gradient (false).
   bool reduce_every_micro_batch = true;
+  // kExact: the row block of every contribution, in tokens; 0 means the tokens this rank
+  // holds of each sequence (the whole sequence without sequence parallelism). Parameters
+  // are the same bits at every SP size S whose seq_len / S is a multiple of it
+  // (SEMANTICS.md §12).
+  int64_t repro_block = 0;
   // Replicated mode: GradBucketer caps (collectives/bucketer.h).
   size_t bucket_cap_bytes = size_t{25} << 20;
   size_t first_bucket_cap_bytes = size_t{1} << 20;

@@ -37,6 +37,15 @@ absl::StatusOr<std::unique_ptr<ParallelParams>> Parallelize(const model::MoeLmSp
     return absl::InvalidArgumentError(absl::StrCat(
         "model.experts=", m.experts, " is not divisible by ep=", P, " (SEMANTICS.md §7)"));
   }
+  if (mesh.sp_group != nullptr && mesh.world->size() % mesh.sp_group->size() != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("mesh: sp_group size ", mesh.sp_group->size(),
+                                                   " does not divide world size ",
+                                                   mesh.world->size()));
+  }
+  if (options.repro_block < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("repro_block=", options.repro_block, ": must be >= 0"));
+  }
   if (options.layers_per_unit < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("layers_per_unit=", options.layers_per_unit, ": must be >= 1"));
@@ -87,6 +96,11 @@ absl::StatusOr<std::unique_ptr<ParallelParams>> Parallelize(const model::MoeLmSp
     const int expert_unit = dense_unit + 1;
     std::vector<int> dense, experts;
     for (int l = a; l <= b; ++l) {
+      if (m.attention) {
+        for (int p : {spec.attn_norm(l), spec.wq(l), spec.wk(l), spec.wv(l), spec.wo(l)}) {
+          dense.push_back(p);
+        }
+      }
       dense.push_back(spec.norm(l));
       dense.push_back(spec.router(l));
       pp.experts_[l] = {expert_unit, static_cast<int>(experts.size()),
@@ -145,8 +159,9 @@ absl::StatusOr<GradTarget> ParallelParams::LocalExpertsGrad(int layer) {
   return store_->Grad(r.unit, r.index, r.count);
 }
 
-int64_t ParallelParams::RowBlock(int64_t seq_len) const {
-  return options_.precision == GradPrecision::kExact ? seq_len : 0;
+int64_t ParallelParams::RowBlock(int64_t local_seq_len) const {
+  if (options_.precision != GradPrecision::kExact) return 0;
+  return options_.repro_block > 0 ? options_.repro_block : local_seq_len;
 }
 
 absl::Status ParallelParams::RunMicroBatch(const model::StageFns& stages, bool last_micro_batch) {

@@ -16,8 +16,10 @@
 //
 // Units, in forward order, with layers_per_unit = k (docs/CHECKPOINTS.md has the layout):
 //   "emb"                               over the world: emb
-//   "layers.{l}" ("layers.{a}-{b}")     over the world: the norm and router of layer l
-//                                       (of layers a..b when k > 1)
+//   "layers.{l}" ("layers.{a}-{b}")     over the world: the attention block's parameters
+//                                       (attn_norm, wq, wk, wv, wo) when the model has
+//                                       them, then the norm and router of layer l (of
+//                                       layers a..b when k > 1)
 //   "layers.{l}.experts.ep{p}"          over this rank's EDP group: the E/P experts of EP
 //                                       slot p (of every layer of the unit), stacked per
 //                                       layer as all wg, then all wu, then all wd
@@ -44,6 +46,9 @@ struct MeshGroups {
   Communicator* world = nullptr;
   Communicator* ep_group = nullptr;
   Communicator* edp_group = nullptr;
+  // The SP group (SEMANTICS.md §12: the S consecutive ranks that share sequences); null
+  // means none. Parameters are not split over it: the compute uses it for attention.
+  Communicator* sp_group = nullptr;
 };
 
 // Where a rank's parameter units live while the compute reads them: makes their store
@@ -80,7 +85,7 @@ class ParallelParams : public model::ModelParams {
   absl::StatusOr<GradTarget> LocalExpertsGrad(int layer) override;
   int num_local_experts() const override { return local_experts_; }
   int first_local_expert() const override { return first_local_expert_; }
-  int64_t RowBlock(int64_t seq_len) const override;
+  int64_t RowBlock(int64_t local_seq_len) const override;
   absl::Status RunMicroBatch(const model::StageFns& stages, bool last_micro_batch) override;
 
   // ---- The host side: optimizer, checkpoints, dumps. ----

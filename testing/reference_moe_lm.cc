@@ -69,6 +69,7 @@ struct LayerCache {
 
 struct TokenCache {
   int micro = 0;
+  int position = 0;  // in its sequence
   int token = 0;
   int label = 0;
   bool routed = false;
@@ -79,13 +80,38 @@ struct TokenCache {
   double r_final = 0;
 };
 
+// The attention block of one layer over one sequence, per token (empty for padding).
+struct AttentionCache {
+  std::vector<std::vector<double>> h_in, b;  // [S][D] the block's input, its norm
+  std::vector<double> r;                     // [S]
+  std::vector<std::vector<double>> q, k, v;  // [S][heads * head_dim], after RoPE (q, k)
+  std::vector<std::vector<std::vector<double>>> p;  // [S][Hq][keys of the document up to t]
+  std::vector<std::vector<double>> o;        // [S][D] the heads' outputs, concatenated
+};
+
+// One sequence: its tokens are cache[first_cache .. first_cache + len).
+struct SequenceCache {
+  size_t first_cache = 0;
+  int len = 0;
+  std::vector<int> doc_start;  // [len], -1 for padding
+  std::vector<AttentionCache> attn;  // per layer (attention only)
+};
+
 }  // namespace
 
 std::vector<std::pair<std::string, std::vector<int64_t>>> ReferenceParamShapes(
     const ReferenceConfig& c) {
   std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
   shapes.push_back({"emb", {c.vocab, c.dim}});
+  const int64_t kv_dim = c.attention ? c.n_kv_heads * (c.dim / c.n_heads) : 0;
   for (int l = 0; l < c.layers; ++l) {
+    if (c.attention) {
+      shapes.push_back({LayerName(l, "attn_norm"), {c.dim}});
+      shapes.push_back({LayerName(l, "wq"), {c.dim, c.dim}});
+      shapes.push_back({LayerName(l, "wk"), {c.dim, kv_dim}});
+      shapes.push_back({LayerName(l, "wv"), {c.dim, kv_dim}});
+      shapes.push_back({LayerName(l, "wo"), {c.dim, c.dim}});
+    }
     shapes.push_back({LayerName(l, "norm"), {c.dim}});
     shapes.push_back({LayerName(l, "router"), {c.dim, c.experts}});
     for (int e = 0; e < c.experts; ++e) {
@@ -113,6 +139,12 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
   }
   if (c.top_k > c.experts) {
     return absl::InvalidArgumentError(StrCat("top_k=", c.top_k, ": exceeds experts=", c.experts));
+  }
+  if (c.attention && (c.n_heads < 1 || c.n_kv_heads < 1 || c.n_heads % c.n_kv_heads != 0 ||
+                      c.dim % c.n_heads != 0 || (c.dim / c.n_heads) % 2 != 0)) {
+    return absl::InvalidArgumentError(StrCat("attention: heads=", c.n_heads, " kv_heads=",
+                                             c.n_kv_heads, " dim=", c.dim,
+                                             " do not divide into even heads"));
   }
   ReferenceResult result;
   for (const auto& [name, shape] : ReferenceParamShapes(c)) {
@@ -146,6 +178,13 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
       if (mb.labels.size() != mb.tokens.size() || mb.mask.size() != mb.tokens.size()) {
         return absl::InvalidArgumentError(
             StrCat("micro-batch [", m, "][", r, "]: tokens, labels and mask differ in length"));
+      }
+      if (c.attention && (mb.seq_len < 1 || mb.tokens.size() % mb.seq_len != 0 ||
+                          mb.doc_start.size() != mb.tokens.size())) {
+        return absl::InvalidArgumentError(StrCat("micro-batch [", m, "][", r, "]: ",
+                                                 mb.tokens.size(), " tokens are not sequences of ",
+                                                 mb.seq_len, " with ", mb.doc_start.size(),
+                                                 " document starts"));
       }
       if (by_sample && mb.sample_ids.size() != mb.tokens.size()) {
         return absl::InvalidArgumentError(StrCat("micro-batch [", m, "][", r, "]: ",
@@ -190,82 +229,175 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
   }
   const double Dce = result.ce_weight_sum, Ntok = result.routed_tokens;
 
-  // ---- Forward, token by token (the model has no cross-token interaction). ----
+  // ---- Forward, sequence by sequence (tokens meet only in attention). ----
   result.expert_counts.assign(L, std::vector<std::vector<int64_t>>(G, std::vector<int64_t>(E, 0)));
   std::vector<TokenCache> cache;
+  std::vector<SequenceCache> sequences;
+  const int Hq = c.attention ? c.n_heads : 0, Hk = c.attention ? c.n_kv_heads : 0;
+  const int hd = c.attention ? Dm / c.n_heads : 0;
+  // The MoE block of layer l on one token (SEMANTICS.md §10): h += sum_k w_k Expert(a).
+  auto moe_forward = [&](int l, int m, std::vector<double>& h, LayerCache& lc) {
+    lc.h_in = h;
+    lc.r = RmsNorm(h, P(LayerName(l, "norm")), &lc.a);
+    const double* wr = P(LayerName(l, "router"));
+    lc.u.assign(E, 0.0);
+    for (int i = 0; i < Dm; ++i) {
+      for (int e = 0; e < E; ++e) lc.u[e] += lc.a[i] * wr[i * E + e];
+    }
+    const double lse = LogSumExp(lc.u);
+    lc.p.resize(E);
+    for (int e = 0; e < E; ++e) lc.p[e] = std::exp(lc.u[e] - lse);
+    std::vector<int> order(E);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return lc.p[x] > lc.p[y]; });
+    lc.experts.assign(order.begin(), order.begin() + K);
+    double sel = 0;
+    for (int e : lc.experts) sel += lc.p[e];
+    lc.w.resize(K);
+    for (int k = 0; k < K; ++k) {
+      lc.w[k] = lc.p[lc.experts[k]] / (c.norm_topk_prob ? sel : 1.0) * c.router_scale;
+      ++result.expert_counts[l][m][lc.experts[k]];
+    }
+    lc.g.assign(K, std::vector<double>(H, 0.0));
+    lc.v.assign(K, std::vector<double>(H, 0.0));
+    lc.y.assign(K, std::vector<double>(Dm, 0.0));
+    for (int k = 0; k < K; ++k) {
+      const int e = lc.experts[k];
+      const double* wg = P(ExpertName(l, e, "wg"));
+      const double* wu = P(ExpertName(l, e, "wu"));
+      const double* wd = P(ExpertName(l, e, "wd"));
+      for (int i = 0; i < Dm; ++i) {
+        for (int j = 0; j < H; ++j) {
+          lc.g[k][j] += lc.a[i] * wg[i * H + j];
+          lc.v[k][j] += lc.a[i] * wu[i * H + j];
+        }
+      }
+      for (int j = 0; j < H; ++j) {
+        const double s = Silu(lc.g[k][j]) * lc.v[k][j];
+        for (int i = 0; i < Dm; ++i) lc.y[k][i] += s * wd[j * Dm + i];
+      }
+    }
+    for (int k = 0; k < K; ++k) {
+      for (int i = 0; i < Dm; ++i) h[i] += lc.w[k] * lc.y[k][i];
+    }
+  };
+  // RoPE (§10, rotate-half) of one head's values at position pos; sign -1: its inverse.
+  auto rope = [&](double* x, int pos, double sign) {
+    for (int i = 0; i < hd / 2; ++i) {
+      const double angle = pos * std::pow(c.rope_theta, -2.0 * i / hd);
+      const double cs = std::cos(angle), sn = sign * std::sin(angle);
+      const double a = x[i], b = x[i + hd / 2];
+      x[i] = a * cs - b * sn;
+      x[i + hd / 2] = b * cs + a * sn;
+    }
+  };
+  // The attention block of layer l on the sequence's routed tokens: h += o Wo.
+  auto attention_forward = [&](int l, SequenceCache& sc, std::vector<std::vector<double>>& h) {
+    AttentionCache& ac = sc.attn[l];
+    const int S = sc.len;
+    ac.h_in = h;
+    ac.b.assign(S, {});
+    ac.r.assign(S, 0.0);
+    ac.q.assign(S, std::vector<double>(Hq * hd, 0.0));
+    ac.k.assign(S, std::vector<double>(Hk * hd, 0.0));
+    ac.v.assign(S, std::vector<double>(Hk * hd, 0.0));
+    ac.o.assign(S, std::vector<double>(Dm, 0.0));
+    ac.p.assign(S, std::vector<std::vector<double>>(Hq));
+    const double* wq = P(LayerName(l, "wq"));
+    const double* wk = P(LayerName(l, "wk"));
+    const double* wv = P(LayerName(l, "wv"));
+    const double* wo = P(LayerName(l, "wo"));
+    for (int t = 0; t < S; ++t) {
+      if (sc.doc_start[t] < 0) continue;
+      ac.r[t] = RmsNorm(h[t], P(LayerName(l, "attn_norm")), &ac.b[t]);
+      for (int i = 0; i < Dm; ++i) {
+        for (int j = 0; j < Hq * hd; ++j) ac.q[t][j] += ac.b[t][i] * wq[i * Hq * hd + j];
+        for (int j = 0; j < Hk * hd; ++j) {
+          ac.k[t][j] += ac.b[t][i] * wk[i * Hk * hd + j];
+          ac.v[t][j] += ac.b[t][i] * wv[i * Hk * hd + j];
+        }
+      }
+      const int pos = t - sc.doc_start[t];
+      for (int hh = 0; hh < Hq; ++hh) rope(ac.q[t].data() + hh * hd, pos, 1.0);
+      for (int hh = 0; hh < Hk; ++hh) rope(ac.k[t].data() + hh * hd, pos, 1.0);
+    }
+    const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+    for (int t = 0; t < S; ++t) {
+      if (sc.doc_start[t] < 0) continue;
+      for (int hh = 0; hh < Hq; ++hh) {
+        const int j = hh / (Hq / Hk);
+        std::vector<double> scores;
+        for (int s = sc.doc_start[t]; s <= t; ++s) {
+          double dot = 0;
+          for (int i = 0; i < hd; ++i) dot += ac.q[t][hh * hd + i] * ac.k[s][j * hd + i];
+          scores.push_back(dot * scale);
+        }
+        const double lse = LogSumExp(scores);
+        std::vector<double>& p = ac.p[t][hh];
+        p.resize(scores.size());
+        for (size_t x = 0; x < scores.size(); ++x) {
+          p[x] = std::exp(scores[x] - lse);
+          const int s = sc.doc_start[t] + static_cast<int>(x);
+          for (int i = 0; i < hd; ++i) ac.o[t][hh * hd + i] += p[x] * ac.v[s][j * hd + i];
+        }
+      }
+      for (int i = 0; i < Dm; ++i) {
+        for (int j = 0; j < Dm; ++j) h[t][j] += ac.o[t][i] * wo[i * Dm + j];
+      }
+    }
+  };
   for (int m = 0; m < G; ++m) {
     for (size_t r = 0; r < global_batch[m].size(); ++r) {
       const ReferenceMicroBatch& mb = global_batch[m][r];
-      for (size_t t = 0; t < mb.tokens.size(); ++t) {
-        TokenCache tc;
-        tc.micro = m;
-        tc.token = mb.tokens[t];
-        tc.label = mb.labels[t];
-        tc.routed = mb.mask[t] != 0;
-        tc.valid = mb.labels[t] != c.ignore_index;
-        tc.weight = tc.valid ? weight_of(m, r, t) : 0.0;
-        if (!tc.routed && !tc.valid) continue;  // padding: contributes nothing anywhere
-        std::vector<double> h(P("emb") + tc.token * Dm, P("emb") + (tc.token + 1) * Dm);
-        if (tc.routed) {
-          tc.layers.resize(L);
-          for (int l = 0; l < L; ++l) {
-            LayerCache& lc = tc.layers[l];
-            lc.h_in = h;
-            lc.r = RmsNorm(h, P(LayerName(l, "norm")), &lc.a);
-            const double* wr = P(LayerName(l, "router"));
-            lc.u.assign(E, 0.0);
+      const int64_t T = static_cast<int64_t>(mb.tokens.size());
+      const int64_t len = c.attention ? mb.seq_len : std::max<int64_t>(T, 1);
+      for (int64_t first = 0; first < T; first += len) {
+        SequenceCache sc;
+        sc.len = static_cast<int>(len);
+        sc.first_cache = cache.size();
+        sc.doc_start.assign(len, -1);
+        std::vector<std::vector<double>> h(len);
+        for (int64_t t = first; t < first + len; ++t) {
+          TokenCache tc;
+          tc.micro = m;
+          tc.token = mb.tokens[t];
+          tc.label = mb.labels[t];
+          tc.routed = mb.mask[t] != 0;
+          tc.valid = mb.labels[t] != c.ignore_index;
+          tc.weight = tc.valid ? weight_of(m, r, t) : 0.0;
+          if (tc.routed && c.attention) sc.doc_start[t - first] = mb.doc_start[t];
+          if (c.attention && tc.routed &&
+              (mb.doc_start[t] < 0 || mb.doc_start[t] > t - first ||
+               mb.mask[first + mb.doc_start[t]] == 0)) {
+            return absl::InvalidArgumentError(StrCat("micro-batch [", m, "][", r, "]: token ", t,
+                                                     " has document start ", mb.doc_start[t]));
+          }
+          h[t - first].assign(P("emb") + tc.token * Dm, P("emb") + (tc.token + 1) * Dm);
+          if (tc.routed) tc.layers.resize(L);
+          tc.position = static_cast<int>(t - first);
+          cache.push_back(std::move(tc));  // padding too; it contributes nothing anywhere
+        }
+        sc.attn.resize(c.attention ? L : 0);
+        for (int l = 0; l < L; ++l) {
+          if (c.attention) attention_forward(l, sc, h);
+          for (int t = 0; t < sc.len; ++t) {
+            TokenCache& tc = cache[sc.first_cache + t];
+            if (tc.routed) moe_forward(l, m, h[t], tc.layers[l]);
+          }
+        }
+        for (int t = 0; t < sc.len; ++t) {
+          TokenCache& tc = cache[sc.first_cache + t];
+          tc.h_final = h[t];
+          if (tc.valid) {  // only valid tokens reach the LM head with a non-zero weight
+            tc.r_final = RmsNorm(h[t], P("final_norm"), &tc.f);
+            const double* wo = P("out");
+            tc.logits.assign(V, 0.0);
             for (int i = 0; i < Dm; ++i) {
-              for (int e = 0; e < E; ++e) lc.u[e] += lc.a[i] * wr[i * E + e];
-            }
-            const double lse = LogSumExp(lc.u);
-            lc.p.resize(E);
-            for (int e = 0; e < E; ++e) lc.p[e] = std::exp(lc.u[e] - lse);
-            std::vector<int> order(E);
-            std::iota(order.begin(), order.end(), 0);
-            std::stable_sort(order.begin(), order.end(),
-                             [&](int x, int y) { return lc.p[x] > lc.p[y]; });
-            lc.experts.assign(order.begin(), order.begin() + K);
-            double sel = 0;
-            for (int e : lc.experts) sel += lc.p[e];
-            lc.w.resize(K);
-            for (int k = 0; k < K; ++k) {
-              lc.w[k] = lc.p[lc.experts[k]] / (c.norm_topk_prob ? sel : 1.0) * c.router_scale;
-              ++result.expert_counts[l][m][lc.experts[k]];
-            }
-            lc.g.assign(K, std::vector<double>(H, 0.0));
-            lc.v.assign(K, std::vector<double>(H, 0.0));
-            lc.y.assign(K, std::vector<double>(Dm, 0.0));
-            for (int k = 0; k < K; ++k) {
-              const int e = lc.experts[k];
-              const double* wg = P(ExpertName(l, e, "wg"));
-              const double* wu = P(ExpertName(l, e, "wu"));
-              const double* wd = P(ExpertName(l, e, "wd"));
-              for (int i = 0; i < Dm; ++i) {
-                for (int j = 0; j < H; ++j) {
-                  lc.g[k][j] += lc.a[i] * wg[i * H + j];
-                  lc.v[k][j] += lc.a[i] * wu[i * H + j];
-                }
-              }
-              for (int j = 0; j < H; ++j) {
-                const double s = Silu(lc.g[k][j]) * lc.v[k][j];
-                for (int i = 0; i < Dm; ++i) lc.y[k][i] += s * wd[j * Dm + i];
-              }
-            }
-            for (int k = 0; k < K; ++k) {
-              for (int i = 0; i < Dm; ++i) h[i] += lc.w[k] * lc.y[k][i];
+              for (int v = 0; v < V; ++v) tc.logits[v] += tc.f[i] * wo[i * V + v];
             }
           }
         }
-        tc.h_final = h;
-        if (tc.valid) {  // only valid tokens reach the LM head with a non-zero weight
-          tc.r_final = RmsNorm(h, P("final_norm"), &tc.f);
-          const double* wo = P("out");
-          tc.logits.assign(V, 0.0);
-          for (int i = 0; i < Dm; ++i) {
-            for (int v = 0; v < V; ++v) tc.logits[v] += tc.f[i] * wo[i * V + v];
-          }
-        }
-        cache.push_back(std::move(tc));
+        sequences.push_back(std::move(sc));
       }
     }
   }
@@ -288,10 +420,161 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
     }
   }
 
-  // ---- Backward. ----
-  for (const TokenCache& tc : cache) {
-    std::vector<double> dh(Dm, 0.0);
-    if (tc.valid && Dce > 0) {
+  // ---- Backward, sequence by sequence, layer by layer. ----
+  // The MoE block of layer l on one token: dh (dL/dh after the block) becomes dL/dh before.
+  auto moe_backward = [&](int l, const TokenCache& tc, std::vector<double>& dh) {
+    const LayerCache& lc = tc.layers[l];
+    std::vector<double> da(Dm, 0.0);
+    // Experts and gate weights: h_out = h_in + sum_k w_k y_k.
+    std::vector<double> dw(K, 0.0);
+    for (int k = 0; k < K; ++k) {
+      const int e = lc.experts[k];
+      const double* wg = P(ExpertName(l, e, "wg"));
+      const double* wu = P(ExpertName(l, e, "wu"));
+      const double* wd = P(ExpertName(l, e, "wd"));
+      double* dwg = Gr(ExpertName(l, e, "wg"));
+      double* dwu = Gr(ExpertName(l, e, "wu"));
+      double* dwd = Gr(ExpertName(l, e, "wd"));
+      std::vector<double> dy(Dm);
+      for (int i = 0; i < Dm; ++i) {
+        dw[k] += dh[i] * lc.y[k][i];
+        dy[i] = lc.w[k] * dh[i];
+      }
+      for (int j = 0; j < H; ++j) {
+        const double s = Silu(lc.g[k][j]) * lc.v[k][j];
+        double ds = 0;
+        for (int i = 0; i < Dm; ++i) {
+          dwd[j * Dm + i] += s * dy[i];
+          ds += wd[j * Dm + i] * dy[i];
+        }
+        const double dgate = ds * lc.v[k][j] * SiluGrad(lc.g[k][j]);
+        const double dup = ds * Silu(lc.g[k][j]);
+        for (int i = 0; i < Dm; ++i) {
+          dwg[i * H + j] += lc.a[i] * dgate;
+          dwu[i * H + j] += lc.a[i] * dup;
+          da[i] += wg[i * H + j] * dgate + wu[i * H + j] * dup;
+        }
+      }
+    }
+    // Gate weights -> probabilities.
+    std::vector<double> dp(E, 0.0);
+    double sel = 0;
+    for (int e : lc.experts) sel += lc.p[e];
+    if (c.norm_topk_prob) {
+      // w_k = scale * p_k / S, S = sum of the selected p.
+      double dot = 0;
+      for (int k = 0; k < K; ++k) dot += dw[k] * lc.p[lc.experts[k]];
+      for (int k = 0; k < K; ++k) {
+        dp[lc.experts[k]] += c.router_scale * (dw[k] / sel - dot / (sel * sel));
+      }
+    } else {
+      for (int k = 0; k < K; ++k) dp[lc.experts[k]] += c.router_scale * dw[k];
+    }
+    // Balancing loss (§5): counts are detached constants.
+    const double n_lm = routed_per_micro[tc.micro];
+    for (int e = 0; e < E; ++e) {
+      dp[e] += c.alpha_b / G * E * result.expert_counts[l][tc.micro][e] / (n_lm * K) / n_lm;
+    }
+    // Softmax backward, plus the z-loss (§4) on the logits directly.
+    double pdp = 0;
+    for (int e = 0; e < E; ++e) pdp += lc.p[e] * dp[e];
+    const double lse = LogSumExp(lc.u);
+    std::vector<double> du(E);
+    for (int e = 0; e < E; ++e) {
+      du[e] = lc.p[e] * (dp[e] - pdp) + c.alpha_z * 2.0 * lse * lc.p[e] / Ntok;
+    }
+    const double* wr = P(LayerName(l, "router"));
+    double* dwr = Gr(LayerName(l, "router"));
+    for (int i = 0; i < Dm; ++i) {
+      for (int e = 0; e < E; ++e) {
+        dwr[i * E + e] += lc.a[i] * du[e];
+        da[i] += wr[i * E + e] * du[e];
+      }
+    }
+    const std::vector<double> dh_norm =
+        RmsNormBackward(lc.h_in, P(LayerName(l, "norm")), lc.r, da, Gr(LayerName(l, "norm")));
+    for (int i = 0; i < Dm; ++i) dh[i] += dh_norm[i];  // residual + norm branch
+  };
+  // The attention block of layer l: dh (dL/dh after the block, for every token of the
+  // sequence) becomes dL/dh before it.
+  auto attention_backward = [&](int l, const SequenceCache& sc,
+                                std::vector<std::vector<double>>& dh) {
+    const AttentionCache& ac = sc.attn[l];
+    const int S = sc.len;
+    const double* wq = P(LayerName(l, "wq"));
+    const double* wk = P(LayerName(l, "wk"));
+    const double* wv = P(LayerName(l, "wv"));
+    const double* wo = P(LayerName(l, "wo"));
+    double* dwq = Gr(LayerName(l, "wq"));
+    double* dwk = Gr(LayerName(l, "wk"));
+    double* dwv = Gr(LayerName(l, "wv"));
+    double* dwo = Gr(LayerName(l, "wo"));
+    std::vector<std::vector<double>> d_o(S, std::vector<double>(Dm, 0.0));
+    std::vector<std::vector<double>> dq(S, std::vector<double>(Hq * hd, 0.0));
+    std::vector<std::vector<double>> dk(S, std::vector<double>(Hk * hd, 0.0));
+    std::vector<std::vector<double>> dv(S, std::vector<double>(Hk * hd, 0.0));
+    for (int t = 0; t < S; ++t) {
+      if (sc.doc_start[t] < 0) continue;
+      for (int i = 0; i < Dm; ++i) {
+        for (int j = 0; j < Dm; ++j) {
+          dwo[i * Dm + j] += ac.o[t][i] * dh[t][j];
+          d_o[t][i] += wo[i * Dm + j] * dh[t][j];
+        }
+      }
+    }
+    const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+    for (int t = 0; t < S; ++t) {
+      if (sc.doc_start[t] < 0) continue;
+      for (int hh = 0; hh < Hq; ++hh) {
+        const int j = hh / (Hq / Hk);
+        const std::vector<double>& p = ac.p[t][hh];
+        std::vector<double> dp(p.size(), 0.0);
+        double pdp = 0;
+        for (size_t x = 0; x < p.size(); ++x) {
+          const int s = sc.doc_start[t] + static_cast<int>(x);
+          for (int i = 0; i < hd; ++i) {
+            dp[x] += d_o[t][hh * hd + i] * ac.v[s][j * hd + i];
+            dv[s][j * hd + i] += p[x] * d_o[t][hh * hd + i];
+          }
+          pdp += p[x] * dp[x];
+        }
+        for (size_t x = 0; x < p.size(); ++x) {
+          const int s = sc.doc_start[t] + static_cast<int>(x);
+          const double ds = p[x] * (dp[x] - pdp) * scale;
+          for (int i = 0; i < hd; ++i) {
+            dq[t][hh * hd + i] += ds * ac.k[s][j * hd + i];
+            dk[s][j * hd + i] += ds * ac.q[t][hh * hd + i];
+          }
+        }
+      }
+    }
+    for (int t = 0; t < S; ++t) {
+      if (sc.doc_start[t] < 0) continue;
+      const int pos = t - sc.doc_start[t];
+      for (int hh = 0; hh < Hq; ++hh) rope(dq[t].data() + hh * hd, pos, -1.0);
+      for (int hh = 0; hh < Hk; ++hh) rope(dk[t].data() + hh * hd, pos, -1.0);
+      std::vector<double> db(Dm, 0.0);
+      for (int i = 0; i < Dm; ++i) {
+        for (int j = 0; j < Hq * hd; ++j) {
+          dwq[i * Hq * hd + j] += ac.b[t][i] * dq[t][j];
+          db[i] += wq[i * Hq * hd + j] * dq[t][j];
+        }
+        for (int j = 0; j < Hk * hd; ++j) {
+          dwk[i * Hk * hd + j] += ac.b[t][i] * dk[t][j];
+          dwv[i * Hk * hd + j] += ac.b[t][i] * dv[t][j];
+          db[i] += wk[i * Hk * hd + j] * dk[t][j] + wv[i * Hk * hd + j] * dv[t][j];
+        }
+      }
+      const std::vector<double> dh_norm = RmsNormBackward(
+          ac.h_in[t], P(LayerName(l, "attn_norm")), ac.r[t], db, Gr(LayerName(l, "attn_norm")));
+      for (int i = 0; i < Dm; ++i) dh[t][i] += dh_norm[i];
+    }
+  };
+  for (const SequenceCache& sc : sequences) {
+    std::vector<std::vector<double>> dh(sc.len, std::vector<double>(Dm, 0.0));
+    for (int t = 0; t < sc.len; ++t) {
+      const TokenCache& tc = cache[sc.first_cache + t];
+      if (!tc.valid || Dce <= 0) continue;
       const double lse = LogSumExp(tc.logits);
       std::vector<double> dlogits(V);
       for (int v = 0; v < V; ++v) dlogits[v] = tc.weight * std::exp(tc.logits[v] - lse) / Dce;
@@ -305,85 +588,21 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
           df[i] += wo[i * V + v] * dlogits[v];
         }
       }
-      dh = RmsNormBackward(tc.h_final, P("final_norm"), tc.r_final, df, Gr("final_norm"));
+      dh[t] = RmsNormBackward(tc.h_final, P("final_norm"), tc.r_final, df, Gr("final_norm"));
     }
-    if (tc.routed) {
-      for (int l = L - 1; l >= 0; --l) {
-        const LayerCache& lc = tc.layers[l];
-        std::vector<double> da(Dm, 0.0);
-        // Experts and gate weights: h_out = h_in + sum_k w_k y_k.
-        std::vector<double> dw(K, 0.0);
-        for (int k = 0; k < K; ++k) {
-          const int e = lc.experts[k];
-          const double* wg = P(ExpertName(l, e, "wg"));
-          const double* wu = P(ExpertName(l, e, "wu"));
-          const double* wd = P(ExpertName(l, e, "wd"));
-          double* dwg = Gr(ExpertName(l, e, "wg"));
-          double* dwu = Gr(ExpertName(l, e, "wu"));
-          double* dwd = Gr(ExpertName(l, e, "wd"));
-          std::vector<double> dy(Dm);
-          for (int i = 0; i < Dm; ++i) {
-            dw[k] += dh[i] * lc.y[k][i];
-            dy[i] = lc.w[k] * dh[i];
-          }
-          for (int j = 0; j < H; ++j) {
-            const double s = Silu(lc.g[k][j]) * lc.v[k][j];
-            double ds = 0;
-            for (int i = 0; i < Dm; ++i) {
-              dwd[j * Dm + i] += s * dy[i];
-              ds += wd[j * Dm + i] * dy[i];
-            }
-            const double dgate = ds * lc.v[k][j] * SiluGrad(lc.g[k][j]);
-            const double dup = ds * Silu(lc.g[k][j]);
-            for (int i = 0; i < Dm; ++i) {
-              dwg[i * H + j] += lc.a[i] * dgate;
-              dwu[i * H + j] += lc.a[i] * dup;
-              da[i] += wg[i * H + j] * dgate + wu[i * H + j] * dup;
-            }
-          }
-        }
-        // Gate weights -> probabilities.
-        std::vector<double> dp(E, 0.0);
-        double sel = 0;
-        for (int e : lc.experts) sel += lc.p[e];
-        if (c.norm_topk_prob) {
-          // w_k = scale * p_k / S, S = sum of the selected p.
-          double dot = 0;
-          for (int k = 0; k < K; ++k) dot += dw[k] * lc.p[lc.experts[k]];
-          for (int k = 0; k < K; ++k) {
-            dp[lc.experts[k]] += c.router_scale * (dw[k] / sel - dot / (sel * sel));
-          }
-        } else {
-          for (int k = 0; k < K; ++k) dp[lc.experts[k]] += c.router_scale * dw[k];
-        }
-        // Balancing loss (§5): counts are detached constants.
-        const double n_lm = routed_per_micro[tc.micro];
-        for (int e = 0; e < E; ++e) {
-          dp[e] += c.alpha_b / G * E * result.expert_counts[l][tc.micro][e] / (n_lm * K) / n_lm;
-        }
-        // Softmax backward, plus the z-loss (§4) on the logits directly.
-        double pdp = 0;
-        for (int e = 0; e < E; ++e) pdp += lc.p[e] * dp[e];
-        const double lse = LogSumExp(lc.u);
-        std::vector<double> du(E);
-        for (int e = 0; e < E; ++e) {
-          du[e] = lc.p[e] * (dp[e] - pdp) + c.alpha_z * 2.0 * lse * lc.p[e] / Ntok;
-        }
-        const double* wr = P(LayerName(l, "router"));
-        double* dwr = Gr(LayerName(l, "router"));
-        for (int i = 0; i < Dm; ++i) {
-          for (int e = 0; e < E; ++e) {
-            dwr[i * E + e] += lc.a[i] * du[e];
-            da[i] += wr[i * E + e] * du[e];
-          }
-        }
-        const std::vector<double> dh_norm =
-            RmsNormBackward(lc.h_in, P(LayerName(l, "norm")), lc.r, da, Gr(LayerName(l, "norm")));
-        for (int i = 0; i < Dm; ++i) dh[i] += dh_norm[i];  // residual + norm branch
+    for (int l = L - 1; l >= 0; --l) {
+      for (int t = 0; t < sc.len; ++t) {
+        const TokenCache& tc = cache[sc.first_cache + t];
+        if (tc.routed) moe_backward(l, tc, dh[t]);
       }
+      if (c.attention) attention_backward(l, sc, dh);
     }
-    double* demb = Gr("emb") + tc.token * Dm;
-    for (int i = 0; i < Dm; ++i) demb[i] += dh[i];
+    for (int t = 0; t < sc.len; ++t) {
+      const TokenCache& tc = cache[sc.first_cache + t];
+      if (!tc.routed && !tc.valid) continue;  // padding
+      double* demb = Gr("emb") + tc.token * Dm;
+      for (int i = 0; i < Dm; ++i) demb[i] += dh[t][i];
+    }
   }
   return result;
 }

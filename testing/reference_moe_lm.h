@@ -13,6 +13,11 @@
 //   absl::StatusOr<ReferenceResult> ref = ReferenceLossAndGrads(config, params, batch);
 //   ref->grads["layers.0.router"]  // dL/dWr_0, [D, E] row-major
 //
+// With config.attention, each layer starts with the attention block of §10 (GQA, RoPE at
+// positions counted from each document's start, attention restricted to the token's own
+// document and earlier tokens); each micro-batch is then seq_len-token sequences whose
+// documents doc_start gives.
+//
 // CE weights w_t follow config.ce_mode (§3): token (1 for valid tokens), sample (1 / n_s)
 // or square (1 / sqrt(n_s)), n_s = the valid tokens of sample s, a sample being the tokens
 // of one [m][r] micro-batch with equal sample id. Parameter names and shapes
@@ -42,6 +47,11 @@ struct ReferenceConfig {
   double router_scale = 1.0;
   double alpha_b = 0.001;
   double alpha_z = 0.001;
+  // §10's attention block.
+  bool attention = false;
+  int n_heads = 2;
+  int n_kv_heads = 1;
+  double rope_theta = 10000.0;
   int ignore_index = -100;
   std::string ce_mode = "token";  // token | sample | square (§3)
 };
@@ -60,6 +70,11 @@ struct ReferenceMicroBatch {
   std::vector<int32_t> labels;  // in [0, V) or ignore_index
   std::vector<int32_t> mask;    // 1 routed, 0 padding (whose label must be ignore_index)
   std::vector<int64_t> sample_ids;  // sample / square mode: one per token; else may be empty
+  // Attention only: tokens per sequence (the micro-batch is tokens.size() / seq_len of
+  // them), and per token the index within its sequence of its document's first token, -1
+  // for padding.
+  int seq_len = 0;
+  std::vector<int32_t> doc_start;
 };
 
 struct ReferenceResult {
@@ -79,7 +94,8 @@ struct ReferenceResult {
 // InvalidArgument if a parameter is missing or mis-sized, a config size is
 // non-positive, top_k > experts, a token is outside [0, V), a label is neither in
 // [0, V) nor ignore_index, a padding token has a real label, a micro-batch's vectors
-// differ in length (sample_ids too, outside token mode), or ce_mode is unknown.
+// differ in length (sample_ids too, outside token mode), or ce_mode is unknown; with
+// attention, heads that do not divide, or sequences and document starts that do not fit.
 absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
     const ReferenceConfig& config, const NamedTensors& params,
     const std::vector<std::vector<ReferenceMicroBatch>>& global_batch);

@@ -52,9 +52,53 @@ std::vector<std::vector<ReferenceMicroBatch>> RandomBatch(const ReferenceConfig&
   return batch;
 }
 
+// With attention: micro-batches of `sequences` sequences of `seq_len` tokens, each packed
+// with documents of 1 to 3 tokens (sample ids = documents) and 0 or 1 padding tokens at
+// its end; some labels ignored.
+std::vector<std::vector<ReferenceMicroBatch>> RandomSequences(const ReferenceConfig& c, int G,
+                                                              int ranks, int sequences,
+                                                              int seq_len, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<std::vector<ReferenceMicroBatch>> batch(G, std::vector<ReferenceMicroBatch>(ranks));
+  int64_t sample = 0;
+  for (int m = 0; m < G; ++m) {
+    for (int r = 0; r < ranks; ++r) {
+      ReferenceMicroBatch& mb = batch[m][r];
+      mb.seq_len = seq_len;
+      for (int q = 0; q < sequences; ++q) {
+        const int used = seq_len - static_cast<int>(rng() % 2);
+        int start = 0;
+        for (int t = 0; t < seq_len; ++t) {
+          if (t >= used) {
+            mb.tokens.push_back(0);
+            mb.mask.push_back(0);
+            mb.labels.push_back(c.ignore_index);
+            mb.sample_ids.push_back(-1);
+            mb.doc_start.push_back(-1);
+            continue;
+          }
+          if (t > start && rng() % 3 == 0) {
+            start = t;  // a new document
+            ++sample;
+          }
+          mb.tokens.push_back(static_cast<int>(rng() % c.vocab));
+          mb.mask.push_back(1);
+          mb.labels.push_back(rng() % 5 == 0 ? c.ignore_index : static_cast<int>(rng() % c.vocab));
+          mb.sample_ids.push_back(sample);
+          mb.doc_start.push_back(start);
+        }
+        ++sample;
+      }
+    }
+  }
+  return batch;
+}
+
 void FiniteDifferenceCheck(const ReferenceConfig& c) {
   const NamedTensors params = RandomParams(c, 5, 0.6);
-  const auto batch = RandomBatch(c, /*G=*/2, /*ranks=*/2, /*n=*/7, 11);
+  const auto batch = c.attention ? RandomSequences(c, /*G=*/2, /*ranks=*/2, /*sequences=*/2,
+                                                   /*seq_len=*/4, 11)
+                                 : RandomBatch(c, /*G=*/2, /*ranks=*/2, /*n=*/7, 11);
   absl::StatusOr<ReferenceResult> base = ReferenceLossAndGrads(c, params, batch);
   ASSERT_TRUE(base.ok()) << base.status();
   ASSERT_GT(base->valid_tokens, 0);
@@ -141,6 +185,79 @@ TEST(ReferenceMoeLmTest, GradientsMatchFiniteDifferencesSquareMode) {
   c.alpha_z = 0.05;
   c.ce_mode = "square";
   FiniteDifferenceCheck(c);
+}
+
+TEST(ReferenceMoeLmTest, GradientsMatchFiniteDifferencesWithGqaAttention) {
+  ReferenceConfig c;
+  c.vocab = 6;
+  c.dim = 4;
+  c.layers = 1;
+  c.experts = 3;
+  c.top_k = 2;
+  c.expert_dim = 3;
+  c.alpha_b = 0.05;
+  c.alpha_z = 0.05;
+  c.attention = true;
+  c.n_heads = 2;
+  c.n_kv_heads = 1;
+  c.rope_theta = 7.0;  // small, so that the rotations are far from the identity
+  FiniteDifferenceCheck(c);
+}
+
+TEST(ReferenceMoeLmTest, GradientsMatchFiniteDifferencesWithAttentionTwoLayersSampleMode) {
+  ReferenceConfig c;
+  c.vocab = 5;
+  c.dim = 4;
+  c.layers = 2;
+  c.experts = 2;
+  c.top_k = 1;
+  c.expert_dim = 2;
+  c.alpha_b = 0.05;
+  c.alpha_z = 0.05;
+  c.attention = true;
+  c.n_heads = 2;
+  c.n_kv_heads = 2;
+  c.rope_theta = 5.0;
+  c.ce_mode = "sample";
+  FiniteDifferenceCheck(c);
+}
+
+// Attention never crosses a document: a document's loss and gradients do not depend on
+// the tokens of another document packed into the same sequence.
+TEST(ReferenceMoeLmTest, AttentionStaysInsideDocuments) {
+  ReferenceConfig c;
+  c.vocab = 6;
+  c.dim = 4;
+  c.layers = 1;
+  c.experts = 2;
+  c.top_k = 1;
+  c.expert_dim = 2;
+  c.alpha_b = 0;
+  c.alpha_z = 0;
+  c.attention = true;
+  c.n_heads = 2;
+  c.n_kv_heads = 1;
+  const NamedTensors params = RandomParams(c, 3, 0.6);
+  ReferenceMicroBatch mb;
+  mb.seq_len = 6;
+  mb.tokens = {1, 2, 3, 4, 5, 0};
+  mb.labels = {2, 3, c.ignore_index, 5, 0, 1};
+  mb.mask = {1, 1, 1, 1, 1, 1};
+  mb.doc_start = {0, 0, 0, 3, 3, 3};
+  ReferenceMicroBatch other = mb;
+  other.tokens = {4, 0, 1, 4, 5, 0};  // the first document changed, the second not
+  other.labels = {0, 1, c.ignore_index, 5, 0, 1};
+  // The second document alone (as the first document's labels ignored in both).
+  for (ReferenceMicroBatch* b : {&mb, &other}) {
+    for (int t = 0; t < 3; ++t) b->labels[t] = c.ignore_index;
+  }
+  absl::StatusOr<ReferenceResult> a = ReferenceLossAndGrads(c, params, {{mb}});
+  absl::StatusOr<ReferenceResult> b = ReferenceLossAndGrads(c, params, {{other}});
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_DOUBLE_EQ(a->ce, b->ce);
+  for (const char* name : {"layers.0.wq", "layers.0.wk", "layers.0.wv", "out"}) {
+    EXPECT_EQ(a->grads.at(name), b->grads.at(name)) << name;
+  }
 }
 
 // D of §3 by exact count: token mode counts valid tokens; sample mode counts the samples

@@ -188,10 +188,14 @@ int64_t GlobalSequenceIndex(int64_t step, int m, int rank, int j, int world, int
 
 absl::StatusOr<RankDataLoader> RankDataLoader::Create(std::shared_ptr<const DocumentSource> corpus,
                                                       const DataConfig& config, int rank,
-                                                      int world) {
+                                                      int world, int sp) {
   if (world < 1 || rank < 0 || rank >= world) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank=", rank, ": must be in [0, world=", world, ")"));
+  }
+  if (sp < 1 || world % sp != 0 || config.seq_len() % sp != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("sp=", sp, ": must divide world=", world,
+                                                   " and data.seq_len=", config.seq_len()));
   }
   if (config.seq_len() < 2 || config.micro_batch() < 1) {
     return absl::InvalidArgumentError(absl::StrCat("data.seq_len=", config.seq_len(),
@@ -220,8 +224,10 @@ absl::StatusOr<RankDataLoader> RankDataLoader::Create(std::shared_ptr<const Docu
   }
   RankDataLoader loader;
   loader.corpus_ = std::move(corpus);
-  loader.rank_ = rank;
-  loader.world_ = world;
+  loader.rank_ = rank / sp;
+  loader.world_ = world / sp;
+  loader.sp_ = sp;
+  loader.sp_rank_ = rank % sp;
   loader.seq_len_ = config.seq_len();
   loader.micro_batch_ = config.micro_batch();
   return loader;
@@ -256,21 +262,29 @@ std::vector<int64_t> RankDataLoader::NextSequenceDocs() {
 }
 
 std::vector<MicroBatch> RankDataLoader::NextStep(int grad_acc) {
+  const int local = seq_len_ / sp_;
   std::vector<MicroBatch> step(grad_acc);
   for (MicroBatch& mb : step) {
     mb.batch = micro_batch_;
     mb.seq_len = seq_len_;
-    mb.tokens.assign(static_cast<size_t>(micro_batch_) * seq_len_, 0);
-    mb.labels.assign(mb.tokens.size(), kIgnoreIndex);
-    mb.mask.assign(mb.tokens.size(), 0);
-    mb.sample_ids.assign(mb.tokens.size(), -1);
+    mb.local_seq_len = local;
+    const size_t n = static_cast<size_t>(micro_batch_) * local;
+    mb.tokens.assign(n, 0);
+    mb.labels.assign(n, kIgnoreIndex);
+    mb.mask.assign(n, 0);
+    mb.sample_ids.assign(n, -1);
+    mb.sample_valid.assign(n, 0);
+    mb.positions.assign(n, 0);
+    mb.doc_start.assign(static_cast<size_t>(micro_batch_) * seq_len_, -1);
     mb.sequence_ids.assign(micro_batch_, -1);
     mb.doc_ids.assign(micro_batch_, {});
   }
   // The step's global sequences k = (m world + r) micro_batch + j, in order: this rank's
-  // rows come in (m, j) order, so sample ids count its documents in packing order.
+  // rows come in (m, j) order, so sample ids count its documents in packing order. A
+  // sequence is laid out whole; the rank keeps its slice [sp_rank local, + local).
   int64_t sample = -1;  // index of the current document among those packed into the step
   const int per_micro = world_ * micro_batch_;
+  const int64_t first = int64_t{sp_rank_} * local, last = first + local;
   for (int64_t k = 0; k < int64_t{grad_acc} * per_micro; ++k) {
     const int64_t index = sequences_;
     std::vector<int64_t> docs = NextSequenceDocs();
@@ -280,16 +294,22 @@ std::vector<MicroBatch> RankDataLoader::NextStep(int grad_acc) {
     if (r != rank_) continue;
     MicroBatch& mb = step[m];
     mb.sequence_ids[j] = index;
-    size_t pos = static_cast<size_t>(j) * seq_len_;
+    int64_t pos = 0;  // in the whole sequence
     for (int64_t id : docs) {
       const std::vector<int32_t> doc = corpus_->Document(id);
       ++sample;
+      const int64_t start = pos;
       for (size_t t = 0; t < doc.size(); ++t, ++pos) {
-        mb.tokens[pos] = doc[t];
-        mb.mask[pos] = 1;
-        mb.sample_ids[pos] = sample;
+        mb.doc_start[static_cast<size_t>(j) * seq_len_ + pos] = static_cast<int32_t>(start);
+        if (pos < first || pos >= last) continue;
+        const size_t at = static_cast<size_t>(j) * local + (pos - first);
+        mb.tokens[at] = doc[t];
+        mb.mask[at] = 1;
+        mb.sample_ids[at] = sample;
+        mb.sample_valid[at] = static_cast<int64_t>(doc.size()) - 1;
+        mb.positions[at] = static_cast<int32_t>(t);
         // The last token of a document has no next token in it: ignored.
-        mb.labels[pos] = t + 1 < doc.size() ? doc[t + 1] : kIgnoreIndex;
+        mb.labels[at] = t + 1 < doc.size() ? doc[t + 1] : kIgnoreIndex;
       }
     }
     mb.doc_ids[j] = std::move(docs);

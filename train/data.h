@@ -155,13 +155,25 @@ absl::StatusOr<std::shared_ptr<const DocumentSource>> MakeCorpus(const DataConfi
 // One micro-batch of one rank: `batch` packed sequences of `seq_len` tokens, row-major.
 struct MicroBatch {
   int batch = 0;
-  int seq_len = 0;
-  std::vector<int32_t> tokens;  // [batch * seq_len]; padding 0
+  int seq_len = 0;        // tokens of a whole sequence
+  // Tokens of each sequence this rank holds: seq_len / sp (the rank's contiguous slice,
+  // SEMANTICS.md §12), seq_len without sequence parallelism. The per-token vectors below
+  // hold batch * local_seq_len entries, sequence after sequence.
+  int local_seq_len = 0;
+  std::vector<int32_t> tokens;  // [batch * local_seq_len]; padding 0
   std::vector<int32_t> labels;  // next token or kIgnoreIndex
   std::vector<int32_t> mask;    // 1 routed (a document token), 0 padding
   // Which packed document (sample, SEMANTICS.md §3) each token belongs to: unique within the
   // rank's step (a running count of the documents packed into it), -1 for padding.
   std::vector<int64_t> sample_ids;
+  // The valid (labelled) tokens of each token's whole document, n_s of §3 even where the
+  // document spans the ranks of an SP group; 0 for padding.
+  std::vector<int64_t> sample_valid;
+  // Attention's layout: each token's position in its document (RoPE), and for every
+  // token of the WHOLE sequences [batch * seq_len] the index within its sequence of its
+  // document's first token (-1 for padding).
+  std::vector<int32_t> positions;
+  std::vector<int32_t> doc_start;
   // The global index of each sequence (row) in the stream (see RankDataLoader).
   std::vector<int64_t> sequence_ids;
   // The documents packed into each sequence, in order (for tests and dumps).
@@ -186,11 +198,16 @@ int64_t GlobalSequenceIndex(int64_t step, int m, int rank, int j, int world, int
 // Packs the global sequence stream and hands rank `rank` its rows of every step.
 class RankDataLoader {
  public:
-  // InvalidArgument if rank is outside [0, world), if the corpus has no document, if no
-  // document has a trainable token (all shorter than 2 tokens) or if a document is longer
-  // than data.seq_len; the message names the corpus (Describe).
+  // `rank` of `world`; with sequence parallelism (SEMANTICS.md §12) the world is
+  // world / sp groups of `sp` consecutive ranks: group r = rank / sp reads the rows of data
+  // rank r of world / sp, and rank i = rank % sp of it holds tokens [i seq_len / sp,
+  // (i + 1) seq_len / sp) of each. InvalidArgument if rank is outside [0, world), sp does
+  // not divide world or seq_len, the corpus has no document, no document has a trainable
+  // token (all shorter than 2 tokens) or a document is longer than data.seq_len; the
+  // message names the corpus (Describe).
   static absl::StatusOr<RankDataLoader> Create(std::shared_ptr<const DocumentSource> corpus,
-                                               const DataConfig& config, int rank, int world);
+                                               const DataConfig& config, int rank, int world,
+                                               int sp = 1);
 
   // The next `grad_acc` micro-batches of this rank (one optimizer step).
   std::vector<MicroBatch> NextStep(int grad_acc);
@@ -210,7 +227,8 @@ class RankDataLoader {
   std::vector<int64_t> NextSequenceDocs();
 
   std::shared_ptr<const DocumentSource> corpus_;
-  int rank_ = 0, world_ = 1;
+  int rank_ = 0, world_ = 1;  // the data rank (SP group) and the number of them
+  int sp_ = 1, sp_rank_ = 0;
   int seq_len_ = 0, micro_batch_ = 0;
   int64_t cursor_ = 0, sequences_ = 0;
 };

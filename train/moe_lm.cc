@@ -19,6 +19,10 @@ model::MoeLmConfig ToMoeLmConfig(const ModelConfig& m, double alpha_b, double al
   c.norm_topk_prob = m.norm_topk_prob();
   c.router_scale = m.router_scale();
   c.init_std = m.init_std();
+  c.attention = m.attention() != ModelConfig::none;
+  c.n_heads = m.heads();
+  c.n_kv_heads = m.kv_heads();
+  c.rope_theta = m.rope_theta();
   c.alpha_b = alpha_b;
   c.alpha_z = alpha_z;
   return c;
@@ -46,7 +50,7 @@ absl::StatusOr<std::unique_ptr<MoeLm>> MoeLm::Create(const MoeLmOptions& options
       model::MoeLmSpec::Create(ToMoeLmConfig(options.model, options.alpha_b, options.alpha_z)));
   if (device.units == nullptr) device.units = std::make_shared<parallel::HostUnitDevice>();
   if (!device.ops) {
-    const model::CpuOpsComms comms{groups.world, groups.ep_group};
+    const model::CpuOpsComms comms{groups.world, groups.ep_group, groups.sp_group};
     const int threads = options.num_threads;
     device.ops = [comms, threads](const model::MoeLmSpec& s) {
       return model::MakeCpuOps(s, comms, threads);
@@ -79,9 +83,12 @@ absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
   model::TokenBatch tokens;
   tokens.sequences = batch.batch;
   tokens.seq_len = batch.seq_len;
+  tokens.local_seq_len = batch.local_seq_len > 0 ? batch.local_seq_len : batch.seq_len;
   tokens.tokens = batch.tokens;
   tokens.labels = batch.labels;
   tokens.mask = batch.mask;
+  tokens.positions = batch.positions;
+  tokens.doc_start = batch.doc_start;
   return model_->ForwardBackward(tokens, stats, micro_index, display);
 }
 

@@ -56,6 +56,10 @@ absl::StatusOr<ParityReport> CheckParity(const TrainConfig& config, const NamedP
   rc.router_scale = m.router_scale();
   rc.alpha_b = config.alpha_b();
   rc.alpha_z = config.alpha_z();
+  rc.attention = m.attention() != ModelConfig::none;
+  rc.n_heads = m.heads();
+  rc.n_kv_heads = m.kv_heads();
+  rc.rope_theta = m.rope_theta();
   rc.ignore_index = kIgnoreIndex;
   rc.ce_mode = TrainConfig::CeMode_Name(config.ce_mode());
   testing::NamedTensors params;
@@ -63,7 +67,10 @@ absl::StatusOr<ParityReport> CheckParity(const TrainConfig& config, const NamedP
   std::vector<std::vector<testing::ReferenceMicroBatch>> batch(global_batch.size());
   for (size_t mi = 0; mi < global_batch.size(); ++mi) {
     for (const MicroBatch& mb : global_batch[mi]) {
-      batch[mi].push_back({mb.tokens, mb.labels, mb.mask, mb.sample_ids});
+      testing::ReferenceMicroBatch r{mb.tokens, mb.labels, mb.mask, mb.sample_ids};
+      r.seq_len = mb.seq_len;
+      r.doc_start = mb.doc_start;
+      batch[mi].push_back(std::move(r));
     }
   }
   GRADSUM_ASSIGN_OR_RETURN(testing::ReferenceResult ref,
