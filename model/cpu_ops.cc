@@ -469,17 +469,7 @@ class CpuOps : public ModelOps {
         static_cast<int64_t>(in_.doc_start.size()) != in_.sequences * in_.seq_len) {
       return absl::InvalidArgumentError("attention: positions or document starts missing");
     }
-    const int64_t half = head_dim_ / 2;
-    rope_cos_.resize(T * half);
-    rope_sin_.resize(T * half);
-    for (int64_t i = 0; i < half; ++i) {
-      const double f = std::pow(config_.rope_theta, -2.0 * i / static_cast<double>(head_dim_));
-      for (int64_t t = 0; t < T; ++t) {
-        const double angle = static_cast<double>(in_.positions[t]) * f;
-        rope_cos_[t * half + i] = static_cast<float>(std::cos(angle));
-        rope_sin_[t * half + i] = static_cast<float>(std::sin(angle));
-      }
-    }
+    RopeTable(in_.positions, head_dim_, config_.rope_theta, &rope_cos_, &rope_sin_);
     return absl::OkStatus();
   }
 

@@ -1,5 +1,6 @@
 #include "model/layers.h"
 
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -42,6 +43,21 @@ void EmbeddingBackward(absl::Span<const int32_t> tokens, absl::Span<const float>
     float* row = demb.data() + static_cast<int64_t>(tokens[t]) * dim;
     const float* g = dh.data() + t * dim;
     for (int64_t i = 0; i < dim; ++i) row[i] += g[i];
+  }
+}
+
+void RopeTable(absl::Span<const int32_t> positions, int64_t head_dim, double theta,
+               std::vector<float>* cos_table, std::vector<float>* sin_table) {
+  const int64_t half = head_dim / 2, T = static_cast<int64_t>(positions.size());
+  cos_table->resize(T * half);
+  sin_table->resize(T * half);
+  for (int64_t i = 0; i < half; ++i) {
+    const double f = std::pow(theta, -2.0 * i / static_cast<double>(head_dim));
+    for (int64_t t = 0; t < T; ++t) {
+      const double angle = static_cast<double>(positions[t]) * f;
+      (*cos_table)[t * half + i] = static_cast<float>(std::cos(angle));
+      (*sin_table)[t * half + i] = static_cast<float>(std::sin(angle));
+    }
   }
 }
 

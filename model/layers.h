@@ -13,6 +13,7 @@
 // h, a, dh, da: [T, D]; gain, dgain: [D]; inv_rms: [T]; tokens: [T] in [0, V); emb: [V, D].
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/types/span.h"
 
@@ -41,6 +42,13 @@ void EmbeddingForward(absl::Span<const float> emb, absl::Span<const int32_t> tok
 // demb[tokens[t]] += dh[t], in token order.
 void EmbeddingBackward(absl::Span<const int32_t> tokens, absl::Span<const float> dh, int64_t dim,
                        absl::Span<float> demb);
+
+// RoPE's rotation table (SEMANTICS.md §10, rotate-half form) for tokens at `positions`:
+// cos_table[t * half + i] = cos(positions[t] * theta^(-2 i / head_dim)), likewise sin_table,
+// half = head_dim / 2; the angles in fp64, rounded once to fp32. Both devices rotate by
+// these values.
+void RopeTable(absl::Span<const int32_t> positions, int64_t head_dim, double theta,
+               std::vector<float>* cos_table, std::vector<float>* sin_table);
 
 }  // namespace gradsum::model
 

@@ -63,6 +63,12 @@ class CudaOps : public ModelOps {
     moe_comms_.world = comms.world;
     moe_comms_.ep_group = comms.ep_group;
     moe_comms_.host_ep_group = comms.host_ep_group;
+    sp_size_ = comms.sp_group != nullptr ? comms.sp_group->size() : 1;
+    if (m.attention) {
+      head_dim_ = m.dim / m.n_heads;
+      heads_local_ = m.n_heads / sp_size_;
+      group_ = m.n_heads / m.n_kv_heads;
+    }
   }
 
   absl::StatusOr<std::unique_ptr<DeviceArray>> Allocate(int64_t numel) override {
@@ -91,6 +97,30 @@ class CudaOps : public ModelOps {
     }
     in_ = in;
     cudaStream_t s = exec_.stream;
+    if (config_.attention) {
+      if (in.seq_len % sp_size_ != 0 || in.sequences * (in.seq_len / sp_size_) != T ||
+          static_cast<int64_t>(in.positions.size()) != T) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "attention: ", T, " tokens are not ", in.sequences, " sequences of ", in.seq_len,
+            " / sp=", sp_size_, " tokens with positions"));
+      }
+      RopeTable(in.positions, head_dim_, config_.rope_theta, &cos_host_, &sin_host_);
+      GRADSUM_RETURN_IF_ERROR(Reserve(&rope_cos_, cos_host_.size() * sizeof(float)));
+      GRADSUM_RETURN_IF_ERROR(Reserve(&rope_sin_, sin_host_.size() * sizeof(float)));
+      GRADSUM_RETURN_IF_ERROR(Reserve(&doc_start_, in.doc_start.size() * sizeof(int32_t)));
+      GRADSUM_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(rope_cos_.get(), cos_host_.data(), cos_host_.size() * sizeof(float),
+                          cudaMemcpyHostToDevice, s),
+          "upload RoPE cosines");
+      GRADSUM_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(rope_sin_.get(), sin_host_.data(), sin_host_.size() * sizeof(float),
+                          cudaMemcpyHostToDevice, s),
+          "upload RoPE sines");
+      GRADSUM_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(doc_start_.get(), in.doc_start.data(),
+                          in.doc_start.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s),
+          "upload document starts");
+    }
     if (rows_ != T) {
       const int64_t D = config_.dim;
       GRADSUM_RETURN_IF_ERROR(Reserve(&tokens_, T * sizeof(int32_t)));
@@ -212,6 +242,104 @@ class CudaOps : public ModelOps {
                         d_out, V, DType::kF32, 1.0f);
   }
 
+  // ---- The attention block. ----
+
+  absl::Status MatMul(const float* x, const float* w, int64_t in, int64_t out,
+                      float* y) override {
+    return GemmRowMajor(ctx_->blas, exec_.stream, false, false, in_.rows, out, in, x, in, w, out,
+                        DType::kF32, y, out, DType::kF32);
+  }
+
+  absl::Status MatMulBackward(const float* x, const float* w, int64_t in, int64_t out,
+                              const float* dy, float* dx, bool accumulate_dx,
+                              GradTarget dw) override {
+    GRADSUM_ASSIGN_OR_RETURN(float* grad, DeviceGrad(dw, "a projection"));
+    const int64_t T = in_.rows;
+    GRADSUM_RETURN_IF_ERROR(GemmRowMajor(ctx_->blas, exec_.stream, false, true, T, in, out, dy,
+                                         out, w, out, DType::kF32, dx, in, DType::kF32,
+                                         accumulate_dx ? 1.0f : 0.0f));
+    return GemmRowMajor(ctx_->blas, exec_.stream, true, false, in, out, T, x, in, dy, out,
+                        DType::kF32, grad, out, DType::kF32, 1.0f);
+  }
+
+  absl::Status Rope(float* x, int heads, bool inverse) override {
+    return RopeCuda(x, rope_cos_.as<float>(), rope_sin_.as<float>(), in_.rows, heads, head_dim_,
+                    inverse, exec_.stream);
+  }
+
+  absl::Status TokensToHeads(const float* x, bool kv, float* out) override {
+    const int64_t hd = head_dim_, Hl = heads_local_, T = in_.rows;
+    const int heads_in = kv ? config_.n_kv_heads : config_.n_heads;
+    const size_t f = sizeof(float);
+    const int64_t block = T * Hl * hd;
+    GRADSUM_RETURN_IF_ERROR(Reserve(&send_, sp_size_ * block * f));
+    GRADSUM_RETURN_IF_ERROR(Reserve(&recv_, sp_size_ * block * f));
+    cudaStream_t s = exec_.stream;
+    // To destination j, per token: the heads of its query heads (for `kv`, the kv head
+    // each uses), one strided copy per head slot.
+    for (int j = 0; j < sp_size_; ++j) {
+      for (int64_t hl = 0; hl < Hl; ++hl) {
+        const int64_t h = j * Hl + hl;
+        const int64_t src_head = kv ? h / group_ : h;
+        GRADSUM_CUDA_RETURN_IF_ERROR(
+            cudaMemcpy2DAsync(send_.as<float>() + j * block + hl * hd, Hl * hd * f,
+                              x + src_head * hd, heads_in * hd * f, hd * f, T,
+                              cudaMemcpyDeviceToDevice, s),
+            "pack the head split");
+      }
+    }
+    GRADSUM_RETURN_IF_ERROR(Exchange(block));
+    // From source i: its slice [i L, (i + 1) L) of every sequence.
+    const int64_t L = in_.seq_len / sp_size_, row = Hl * hd;
+    for (int i = 0; i < sp_size_; ++i) {
+      GRADSUM_CUDA_RETURN_IF_ERROR(
+          cudaMemcpy2DAsync(out + i * L * row, in_.seq_len * row * f,
+                            recv_.as<float>() + i * block, L * row * f, L * row * f,
+                            in_.sequences, cudaMemcpyDeviceToDevice, s),
+          "unpack the head split");
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status HeadsToTokens(const float* x, float* out) override {
+    const int64_t hd = head_dim_, Hl = heads_local_, T = in_.rows, H = config_.n_heads;
+    const int64_t L = in_.seq_len / sp_size_, row = Hl * hd, block = T * row;
+    const size_t f = sizeof(float);
+    GRADSUM_RETURN_IF_ERROR(Reserve(&send_, sp_size_ * block * f));
+    GRADSUM_RETURN_IF_ERROR(Reserve(&recv_, sp_size_ * block * f));
+    cudaStream_t s = exec_.stream;
+    for (int j = 0; j < sp_size_; ++j) {
+      GRADSUM_CUDA_RETURN_IF_ERROR(
+          cudaMemcpy2DAsync(send_.as<float>() + j * block, L * row * f, x + j * L * row,
+                            in_.seq_len * row * f, L * row * f, in_.sequences,
+                            cudaMemcpyDeviceToDevice, s),
+          "pack the token split");
+    }
+    GRADSUM_RETURN_IF_ERROR(Exchange(block));
+    for (int i = 0; i < sp_size_; ++i) {
+      GRADSUM_CUDA_RETURN_IF_ERROR(
+          cudaMemcpy2DAsync(out + i * Hl * hd, H * hd * f, recv_.as<float>() + i * block,
+                            row * f, row * f, T, cudaMemcpyDeviceToDevice, s),
+          "unpack the token split");
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status SumKvGroups(const float* x, float* out) override {
+    return SumGroupsCuda(x, out, in_.rows, config_.n_kv_heads, group_, head_dim_, exec_.stream);
+  }
+
+  absl::Status Attention(const float*, const float*, const float*, float*, float*) override {
+    return absl::UnimplementedError(
+        "attention on the GPU: the CUDA attention kernel is not wired into the ops yet");
+  }
+
+  absl::Status AttentionBackward(const float*, const float*, const float*, const float*,
+                                 const float*, const float*, float*, float*, float*) override {
+    return absl::UnimplementedError(
+        "attention on the GPU: the CUDA attention kernel is not wired into the ops yet");
+  }
+
   absl::StatusOr<MicroBatchLossTerms> End() override {
     cudaStream_t s = exec_.stream;
     const int L = config_.layers, E = config_.experts;
@@ -240,6 +368,26 @@ class CudaOps : public ModelOps {
   void Abandon() override { (void)ctx_->stream.Synchronize(); }
 
  private:
+  // send_ [S][block] -> recv_ [S][block] over the NCCL SP group, ordered after the compute
+  // stream (a device copy without sequence parallelism).
+  absl::Status Exchange(int64_t block) {
+    const size_t bytes = static_cast<size_t>(block) * sizeof(float);
+    if (sp_size_ == 1) {
+      GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(recv_.get(), send_.get(), bytes,
+                                                   cudaMemcpyDeviceToDevice, exec_.stream),
+                                   "copy the head split");
+      return absl::OkStatus();
+    }
+    NcclCommunicator& sp = *comms_.sp_group;
+    GRADSUM_RETURN_IF_ERROR(cuda::Fence(exec_.stream, sp.stream(), exec_.fence));
+    std::vector<size_t> counts(sp_size_, static_cast<size_t>(block)), offsets(sp_size_);
+    for (int i = 0; i < sp_size_; ++i) offsets[i] = static_cast<size_t>(i) * block;
+    GRADSUM_RETURN_IF_ERROR(sp.AllToAllV(send_.get(), counts, offsets, recv_.get(), counts,
+                                         offsets, DType::kF32));
+    // The compute stream reads what the NCCL stream wrote.
+    return cuda::Fence(sp.stream(), exec_.stream, exec_.fence);
+  }
+
   moe::RmsNormArgs Rms(const float* x, const float* gain, float* inv_rms) const {
     moe::RmsNormArgs n;
     n.dtype = DType::kF32;
@@ -268,6 +416,14 @@ class CudaOps : public ModelOps {
   DeviceBuffer tokens_, labels_, mask_, weights_;
   DeviceBuffer scalars_;  // D, N, ce, z, bal (f64)
   DeviceBuffer logits_;   // [T, V], its CE gradient in place
+  // Attention: the SP group's size, the head layout, the RoPE tables and document starts
+  // of the micro-batch, and the exchanges' buffers.
+  int sp_size_ = 1;
+  int64_t head_dim_ = 0, heads_local_ = 0;
+  int group_ = 1;
+  std::vector<float> cos_host_, sin_host_;
+  DeviceBuffer rope_cos_, rope_sin_, doc_start_;
+  DeviceBuffer send_, recv_;
 };
 
 }  // namespace

@@ -30,6 +30,7 @@ struct CudaOpsComms {
   NcclCommunicator* world = nullptr;     // the expert counts' SUM (§5)
   NcclCommunicator* ep_group = nullptr;  // the MoE all-to-all-v
   Communicator* host_ep_group = nullptr; // the row counts that size it
+  NcclCommunicator* sp_group = nullptr;  // the Ulysses all-to-alls (§12); null: no SP
 };
 
 // InvalidArgument for missing communicators or experts the EP group does not divide.

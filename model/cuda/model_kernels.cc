@@ -13,6 +13,10 @@ cudaError_t LaunchEmbeddingBackward(const int32_t* tokens, const float* dh, int6
 cudaError_t LaunchAdd(const float* a, const float* b, float* out, int64_t n, cudaStream_t stream);
 cudaError_t LaunchBf16ToF32(const uint16_t* in, float* out, int64_t n, cudaStream_t stream);
 cudaError_t LaunchF32ToBf16(const float* in, uint16_t* out, int64_t n, cudaStream_t stream);
+cudaError_t LaunchRope(float* x, const float* cos_t, const float* sin_t, int64_t rows, int heads,
+                       int64_t half, bool inverse, cudaStream_t stream);
+cudaError_t LaunchSumGroups(const float* x, float* out, int64_t rows, int64_t groups, int group,
+                            int64_t dim, cudaStream_t stream);
 }  // namespace cuda_internal
 
 namespace {
@@ -82,6 +86,39 @@ absl::Status F32ToBf16Cuda(const float* in, uint16_t* out, int64_t n, cudaStream
   GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(out, "out"));
   GRADSUM_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchF32ToBf16(in, out, n, stream),
                                "launch f32 -> bf16");
+  return absl::OkStatus();
+}
+
+absl::Status RopeCuda(float* x, const float* cos_table, const float* sin_table, int64_t rows,
+                      int heads, int64_t head_dim, bool inverse, cudaStream_t stream) {
+  GRADSUM_RETURN_IF_ERROR(CheckSizes("RoPE", rows, head_dim));
+  if (heads < 0 || head_dim % 2 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("RoPE: heads = ", heads, ", head_dim = ", head_dim, " (must be even)"));
+  }
+  if (rows * heads * head_dim == 0) return absl::OkStatus();
+  GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(x, "x"));
+  GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(cos_table, "cos_table"));
+  GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(sin_table, "sin_table"));
+  GRADSUM_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchRope(x, cos_table, sin_table, rows, heads,
+                                                         head_dim / 2, inverse, stream),
+                               "launch RoPE");
+  return absl::OkStatus();
+}
+
+absl::Status SumGroupsCuda(const float* x, float* out, int64_t rows, int64_t groups, int group,
+                           int64_t dim, cudaStream_t stream) {
+  GRADSUM_RETURN_IF_ERROR(CheckSizes("group sum", rows, dim));
+  if (groups < 0 || group < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("group sum: groups = ", groups, ", group = ", group));
+  }
+  if (rows * groups * dim == 0) return absl::OkStatus();
+  GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(x, "x"));
+  GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(out, "out"));
+  GRADSUM_CUDA_RETURN_IF_ERROR(
+      cuda_internal::LaunchSumGroups(x, out, rows, groups, group, dim, stream),
+      "launch group sum");
   return absl::OkStatus();
 }
 

@@ -64,7 +64,55 @@ __global__ void F32ToBf16Kernel(const float* __restrict__ in, uint16_t* __restri
   }
 }
 
+// x [rows, heads, 2 half]: each head's (i, i + half) pairs rotated by the row's angles
+// (cos, sin [rows, half]); sign -1 rotates back.
+__global__ void RopeKernel(float* __restrict__ x, const float* __restrict__ cos_t,
+                           const float* __restrict__ sin_t, int64_t rows, int heads, int64_t half,
+                           float sign) {
+  const int64_t n = rows * heads * half;
+  for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < n;
+       idx += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t i = idx % half, th = idx / half, t = th / heads;
+    float* v = x + th * 2 * half;
+    const float c = cos_t[t * half + i], s = sign * sin_t[t * half + i];
+    const float a = v[i], b = v[i + half];
+    v[i] = a * c - b * s;
+    v[i + half] = b * c + a * s;
+  }
+}
+
+// out[t, j, :] = sum over g of x[t, j * group + g, :], in g order.
+__global__ void SumGroupsKernel(const float* __restrict__ x, float* __restrict__ out,
+                                int64_t rows, int64_t groups, int group, int64_t dim) {
+  const int64_t n = rows * groups * dim;
+  for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < n;
+       idx += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t i = idx % dim, tj = idx / dim;
+    const float* src = x + tj * group * dim + i;
+    float acc = src[0];
+    for (int g = 1; g < group; ++g) acc += src[g * dim];
+    out[idx] = acc;
+  }
+}
+
 }  // namespace
+
+cudaError_t LaunchRope(float* x, const float* cos_t, const float* sin_t, int64_t rows, int heads,
+                       int64_t half, bool inverse, cudaStream_t stream) {
+  const int64_t n = rows * heads * half;
+  if (n == 0) return cudaSuccess;
+  RopeKernel<<<Blocks(n), kThreads, 0, stream>>>(x, cos_t, sin_t, rows, heads, half,
+                                                  inverse ? -1.0f : 1.0f);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchSumGroups(const float* x, float* out, int64_t rows, int64_t groups, int group,
+                            int64_t dim, cudaStream_t stream) {
+  const int64_t n = rows * groups * dim;
+  if (n == 0) return cudaSuccess;
+  SumGroupsKernel<<<Blocks(n), kThreads, 0, stream>>>(x, out, rows, groups, group, dim);
+  return cudaGetLastError();
+}
 
 cudaError_t LaunchEmbeddingForward(const float* emb, const int32_t* tokens, int64_t rows,
                                    int64_t dim, float* h, cudaStream_t stream) {

@@ -39,6 +39,18 @@ absl::Status Bf16ToF32Cuda(const uint16_t* in, float* out, int64_t n, cudaStream
 // out[i] = bf16(in[i]), round to nearest even (NaN stays NaN), as core/half.h.
 absl::Status F32ToBf16Cuda(const float* in, uint16_t* out, int64_t n, cudaStream_t stream);
 
+// RoPE in place on x [rows, heads, head_dim] (head_dim even), rotate-half form
+// (SEMANTICS.md §10): each head's pairs (i, i + head_dim / 2) rotated by the row's angle,
+// whose cosines and sines (computed on the host, so that both devices rotate by the same
+// fp32 values) are cos_table, sin_table [rows, head_dim / 2]; `inverse` rotates back.
+absl::Status RopeCuda(float* x, const float* cos_table, const float* sin_table, int64_t rows,
+                      int heads, int64_t head_dim, bool inverse, cudaStream_t stream);
+
+// out[t, j, :] = x[t, j * group, :] + ... + x[t, j * group + group - 1, :], added in that
+// order: x [rows, groups * group, dim] -> out [rows, groups, dim].
+absl::Status SumGroupsCuda(const float* x, float* out, int64_t rows, int64_t groups, int group,
+                           int64_t dim, cudaStream_t stream);
+
 }  // namespace gradsum::model
 
 #endif  // GRADSUM_MODEL_CUDA_MODEL_KERNELS_H_
