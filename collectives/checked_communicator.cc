@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "collectives/forwarding_communicator.h"
 #include "collectives/op_descriptor.h"
 #include "core/status.h"
 
@@ -21,11 +22,11 @@ using collectives_internal::OpCall;
 using collectives_internal::OpDescriptor;
 using collectives_internal::OpKind;
 
-class CheckedCommunicator final : public Communicator {
+class CheckedCommunicator final : public ForwardingCommunicator {
  public:
   explicit CheckedCommunicator(std::unique_ptr<Communicator> inner)
-      : inner_(std::move(inner)),
-        w_(static_cast<size_t>(inner_->size())),
+      : ForwardingCommunicator(std::move(inner)),
+        w_(static_cast<size_t>(size())),
         ones_(w_, 1),
         offsets_(w_),
         incoming_(w_),
@@ -35,23 +36,17 @@ class CheckedCommunicator final : public Communicator {
     for (size_t p = 0; p < w_; ++p) offsets_[p] = p;
   }
 
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  std::string backend() const override { return inner_->backend(); }
-  absl::Duration timeout() const override { return inner_->timeout(); }
-  size_t max_count() const override { return inner_->max_count(); }
-
   absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv,
                                                        size_t count, DType dtype,
                                                        ReduceOp op) override {
     GRADSUM_RETURN_IF_ERROR(
         AgreeAsync(MakeCall(OpKind::kAllReduce, send, recv, count, dtype, op)));
-    return inner_->AllReduceAsync(send, recv, count, dtype, op);
+    return inner().AllReduceAsync(send, recv, count, dtype, op);
   }
   absl::Status AllReduce(const void* send, void* recv, size_t count, DType dtype,
                          ReduceOp op) override {
     GRADSUM_RETURN_IF_ERROR(Agree(MakeCall(OpKind::kAllReduce, send, recv, count, dtype, op)));
-    return inner_->AllReduce(send, recv, count, dtype, op);
+    return inner().AllReduce(send, recv, count, dtype, op);
   }
 
   absl::StatusOr<std::unique_ptr<Work>> ReduceScatterAsync(const void* send, void* recv,
@@ -59,24 +54,24 @@ class CheckedCommunicator final : public Communicator {
                                                            ReduceOp op) override {
     GRADSUM_RETURN_IF_ERROR(
         AgreeAsync(MakeCall(OpKind::kReduceScatter, send, recv, recv_count, dtype, op)));
-    return inner_->ReduceScatterAsync(send, recv, recv_count, dtype, op);
+    return inner().ReduceScatterAsync(send, recv, recv_count, dtype, op);
   }
   absl::Status ReduceScatter(const void* send, void* recv, size_t recv_count, DType dtype,
                              ReduceOp op) override {
     GRADSUM_RETURN_IF_ERROR(
         Agree(MakeCall(OpKind::kReduceScatter, send, recv, recv_count, dtype, op)));
-    return inner_->ReduceScatter(send, recv, recv_count, dtype, op);
+    return inner().ReduceScatter(send, recv, recv_count, dtype, op);
   }
 
   absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const void* send, void* recv,
                                                        size_t send_count, DType dtype) override {
     GRADSUM_RETURN_IF_ERROR(
         AgreeAsync(MakeCall(OpKind::kAllGather, send, recv, send_count, dtype)));
-    return inner_->AllGatherAsync(send, recv, send_count, dtype);
+    return inner().AllGatherAsync(send, recv, send_count, dtype);
   }
   absl::Status AllGather(const void* send, void* recv, size_t send_count, DType dtype) override {
     GRADSUM_RETURN_IF_ERROR(Agree(MakeCall(OpKind::kAllGather, send, recv, send_count, dtype)));
-    return inner_->AllGather(send, recv, send_count, dtype);
+    return inner().AllGather(send, recv, send_count, dtype);
   }
 
   absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(
@@ -85,7 +80,7 @@ class CheckedCommunicator final : public Communicator {
       absl::Span<const size_t> recv_offsets, DType dtype) override {
     GRADSUM_RETURN_IF_ERROR(
         AgreeAsync(MakeAllToAllVCall(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dtype)));
-    return inner_->AllToAllVAsync(send, send_counts, send_offsets, recv, recv_counts,
+    return inner().AllToAllVAsync(send, send_counts, send_offsets, recv, recv_counts,
                                   recv_offsets, dtype);
   }
   absl::Status AllToAllV(const void* send, absl::Span<const size_t> send_counts,
@@ -94,18 +89,18 @@ class CheckedCommunicator final : public Communicator {
                          absl::Span<const size_t> recv_offsets, DType dtype) override {
     GRADSUM_RETURN_IF_ERROR(
         Agree(MakeAllToAllVCall(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dtype)));
-    return inner_->AllToAllV(send, send_counts, send_offsets, recv, recv_counts, recv_offsets,
+    return inner().AllToAllV(send, send_counts, send_offsets, recv, recv_counts, recv_offsets,
                              dtype);
   }
 
   absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(void* buf, size_t count, DType dtype,
                                                        int root) override {
     GRADSUM_RETURN_IF_ERROR(AgreeAsync(MakeBroadcastCall(buf, count, dtype, root)));
-    return inner_->BroadcastAsync(buf, count, dtype, root);
+    return inner().BroadcastAsync(buf, count, dtype, root);
   }
   absl::Status Broadcast(void* buf, size_t count, DType dtype, int root) override {
     GRADSUM_RETURN_IF_ERROR(Agree(MakeBroadcastCall(buf, count, dtype, root)));
-    return inner_->Broadcast(buf, count, dtype, root);
+    return inner().Broadcast(buf, count, dtype, root);
   }
 
   // The descriptor exchange already waits for every rank, but the inner barrier also
@@ -113,23 +108,23 @@ class CheckedCommunicator final : public Communicator {
   absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override {
     GRADSUM_RETURN_IF_ERROR(
         AgreeAsync(MakeCall(OpKind::kBarrier, nullptr, nullptr, 0, DType::kF32)));
-    return inner_->BarrierAsync();
+    return inner().BarrierAsync();
   }
   absl::Status Barrier() override {
     GRADSUM_RETURN_IF_ERROR(Agree(MakeCall(OpKind::kBarrier, nullptr, nullptr, 0, DType::kF32)));
-    return inner_->Barrier();
+    return inner().Barrier();
   }
 
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
     GRADSUM_RETURN_IF_ERROR(Agree(MakeCall(OpKind::kSplit, nullptr, nullptr, 0, DType::kF32)));
-    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> sub, inner_->Split(color, key));
+    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> sub, inner().Split(color, key));
     if (sub == nullptr) return sub;
     return std::unique_ptr<Communicator>(new CheckedCommunicator(std::move(sub)));
   }
 
  private:
   std::string Label(OpKind kind, int64_t seq) const {
-    return absl::StrFormat("%s %s #%d (rank %d of %d)", inner_->backend(),
+    return absl::StrFormat("%s %s #%d (rank %d of %d)", inner().backend(),
                            collectives_internal::OpKindName(kind), seq, rank(), size());
   }
 
@@ -141,28 +136,28 @@ class CheckedCommunicator final : public Communicator {
     // With the inner backend's limit: a count or offset it would reject must fail here, on
     // every rank, not in the inner backend on this rank alone while its peers wait.
     const absl::Status local =
-        collectives_internal::ValidateCall(c, rank(), size(), inner_->max_count());
+        collectives_internal::ValidateCall(c, rank(), size(), inner().max_count());
     OpDescriptor d = collectives_internal::Describe(c);
     d.async = async;
     if (!local.ok()) d.invalid_rank = rank();
     int64_t buf[collectives_internal::kDescriptorWords];
     collectives_internal::EncodeDescriptor(d, buf);
-    GRADSUM_RETURN_IF_ERROR(inner_->AllReduce(buf, buf, collectives_internal::kDescriptorWords,
+    GRADSUM_RETURN_IF_ERROR(inner().AllReduce(buf, buf, collectives_internal::kDescriptorWords,
                                               DType::kI64, ReduceOp::kMax));
     if (!collectives_internal::DescriptorAgreed(buf)) {
       const int64_t bad = collectives_internal::HighestInvalidRank(buf);
       std::string message;
-      if (bad >= 0 && inner_->max_count() > 0) {
+      if (bad >= 0 && inner().max_count() > 0) {
         // Every rank knows `bad` from the same reduced descriptor, so every rank joins this
         // broadcast of its error message (failures only; no cost on the agreed path).
         int32_t text[kMessageWords] = {};  // NUL-terminated, cut at the end if longer
-        const size_t words = std::min(kMessageWords, inner_->max_count());
+        const size_t words = std::min(kMessageWords, inner().max_count());
         if (bad == rank()) {
           const absl::string_view m = local.message();
           std::memcpy(text, m.data(), std::min(m.size(), words * sizeof(int32_t) - 1));
         }
         GRADSUM_RETURN_IF_ERROR(
-            inner_->Broadcast(text, words, DType::kI32, static_cast<int>(bad)));
+            inner().Broadcast(text, words, DType::kI32, static_cast<int>(bad)));
         message = reinterpret_cast<const char*>(text);
       }
       // A locally invalid call reports its own error, not the peers' view of it.
@@ -183,11 +178,11 @@ class CheckedCommunicator final : public Communicator {
       outgoing_[p] = static_cast<int64_t>(c.send_counts[p]);
       expected_[p] = static_cast<int64_t>(c.recv_counts[p]);
     }
-    GRADSUM_RETURN_IF_ERROR(inner_->AllToAllV(outgoing_.data(), ones_, offsets_, incoming_.data(),
+    GRADSUM_RETURN_IF_ERROR(inner().AllToAllV(outgoing_.data(), ones_, offsets_, incoming_.data(),
                                               ones_, offsets_, DType::kI64));
     int64_t report[3];
     collectives_internal::MakeCountReport(incoming_, expected_, report);
-    GRADSUM_RETURN_IF_ERROR(inner_->AllGather(report, reports_.data(), 3, DType::kI64));
+    GRADSUM_RETURN_IF_ERROR(inner().AllGather(report, reports_.data(), 3, DType::kI64));
     for (size_t p = 0; p < w_; ++p) {
       if (reports_[3 * p] >= 0) {
         return collectives_internal::CheckCountReports(reports_, Label(c.kind, seq));
@@ -200,7 +195,6 @@ class CheckedCommunicator final : public Communicator {
   // the inner backend's max_count is below 128 words).
   static constexpr size_t kMessageWords = 128;
 
-  std::unique_ptr<Communicator> inner_;
   const size_t w_;  // size()
   // AgreeOnCounts: one element to and from each peer (constant), and per-call scratch.
   std::vector<size_t> ones_, offsets_;

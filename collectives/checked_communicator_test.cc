@@ -19,9 +19,9 @@
 #include "absl/time/time.h"
 #include "collectives/communicator.h"
 #include "collectives/op_descriptor.h"
+#include "collectives/forwarding_communicator.h"
 #include "core/status.h"
 #include "gtest/gtest.h"
-#include "testing/forwarding_communicator.h"
 #include "testing/run_ranks.h"
 
 namespace gradsum {
@@ -38,9 +38,13 @@ constexpr size_t kLimit = 100;
 // Forwards to a thread communicator, but accepts at most kLimit elements per count or
 // offset and, like the mpi backend, rejects a larger call on its own rank before any
 // exchange (so without the agreement check's own limit the peers would wait for it).
-class LimitedCommunicator final : public gradsum::testing::ForwardingCommunicator {
+// Blocking calls go through the async forms below, so they are limited too.
+class LimitedCommunicator final : public ForwardingCommunicator {
  public:
-  using ForwardingCommunicator::ForwardingCommunicator;
+  explicit LimitedCommunicator(Communicator* inner)
+      : ForwardingCommunicator(inner, SyncCalls::kThroughAsync) {}
+  explicit LimitedCommunicator(std::unique_ptr<Communicator> owned)
+      : ForwardingCommunicator(std::move(owned), SyncCalls::kThroughAsync) {}
 
   std::string backend() const override { return "limited"; }
   size_t max_count() const override { return kLimit; }

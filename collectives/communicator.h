@@ -38,6 +38,9 @@
 //   (collectives/op_descriptor.h ValidateCall); cross-rank agreement is checked by the
 //   thread backend's rendezvous, and for other backends by the WithAgreementCheck
 //   decorator (collectives/checked_communicator.h).
+// - Decorators (agreement, timing, the tests' fault injectors) derive from
+//   ForwardingCommunicator (collectives/forwarding_communicator.h), which forwards every
+//   method.
 //
 // Work lifetime (every backend):
 // - A Work may be waited on, polled and destroyed from the thread that issued it, in any

@@ -112,10 +112,10 @@ void CommTimer::Poll() {
 
 TimedCommunicator::TimedCommunicator(std::unique_ptr<Communicator> inner,
                                      std::shared_ptr<CommTimer> timer)
-    : owned_(std::move(inner)), inner_(owned_.get()), timer_(std::move(timer)) {}
+    : ForwardingCommunicator(std::move(inner)), timer_(std::move(timer)) {}
 
 TimedCommunicator::TimedCommunicator(Communicator* inner, std::shared_ptr<CommTimer> timer)
-    : inner_(inner), timer_(std::move(timer)) {}
+    : ForwardingCommunicator(inner), timer_(std::move(timer)) {}
 
 absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::Wrap(
     CommKind kind, absl::Time start, absl::StatusOr<std::unique_ptr<Work>> work) {
@@ -133,14 +133,14 @@ absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::AllReduceAsync(const vo
                                                                         void* recv, size_t count,
                                                                         DType dtype, ReduceOp op) {
   const absl::Time start = absl::Now();
-  return Wrap(CommKind::kAllReduce, start, inner_->AllReduceAsync(send, recv, count, dtype, op));
+  return Wrap(CommKind::kAllReduce, start, inner().AllReduceAsync(send, recv, count, dtype, op));
 }
 
 absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::ReduceScatterAsync(
     const void* send, void* recv, size_t recv_count, DType dtype, ReduceOp op) {
   const absl::Time start = absl::Now();
   return Wrap(CommKind::kReduceScatter, start,
-              inner_->ReduceScatterAsync(send, recv, recv_count, dtype, op));
+              inner().ReduceScatterAsync(send, recv, recv_count, dtype, op));
 }
 
 absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::AllGatherAsync(const void* send,
@@ -148,7 +148,7 @@ absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::AllGatherAsync(const vo
                                                                         size_t send_count,
                                                                         DType dtype) {
   const absl::Time start = absl::Now();
-  return Wrap(CommKind::kAllGather, start, inner_->AllGatherAsync(send, recv, send_count, dtype));
+  return Wrap(CommKind::kAllGather, start, inner().AllGatherAsync(send, recv, send_count, dtype));
 }
 
 absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::AllToAllVAsync(
@@ -157,24 +157,24 @@ absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::AllToAllVAsync(
     DType dtype) {
   const absl::Time start = absl::Now();
   return Wrap(CommKind::kAllToAll, start,
-              inner_->AllToAllVAsync(send, send_counts, send_offsets, recv, recv_counts,
+              inner().AllToAllVAsync(send, send_counts, send_offsets, recv, recv_counts,
                                      recv_offsets, dtype));
 }
 
 absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::BroadcastAsync(void* buf, size_t count,
                                                                         DType dtype, int root) {
   const absl::Time start = absl::Now();
-  return Wrap(CommKind::kOther, start, inner_->BroadcastAsync(buf, count, dtype, root));
+  return Wrap(CommKind::kOther, start, inner().BroadcastAsync(buf, count, dtype, root));
 }
 
 absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::BarrierAsync() {
   const absl::Time start = absl::Now();
-  return Wrap(CommKind::kOther, start, inner_->BarrierAsync());
+  return Wrap(CommKind::kOther, start, inner().BarrierAsync());
 }
 
 absl::StatusOr<std::unique_ptr<Communicator>> TimedCommunicator::Split(int color, int key) {
   const absl::Time start = absl::Now();
-  absl::StatusOr<std::unique_ptr<Communicator>> sub = inner_->Split(color, key);
+  absl::StatusOr<std::unique_ptr<Communicator>> sub = inner().Split(color, key);
   timer_->Add(absl::Now() - start, CommKind::kOther);
   if (!sub.ok() || *sub == nullptr) return sub;
   return std::unique_ptr<Communicator>(new TimedCommunicator(std::move(*sub), timer_));
@@ -194,19 +194,19 @@ absl::Status TimedCommunicator::TimeSync(CommKind kind, F&& call) {
 absl::Status TimedCommunicator::AllReduce(const void* send, void* recv, size_t count, DType dtype,
                                           ReduceOp op) {
   return TimeSync(CommKind::kAllReduce,
-                  [&] { return inner_->AllReduce(send, recv, count, dtype, op); });
+                  [&] { return inner().AllReduce(send, recv, count, dtype, op); });
 }
 
 absl::Status TimedCommunicator::ReduceScatter(const void* send, void* recv, size_t recv_count,
                                               DType dtype, ReduceOp op) {
   return TimeSync(CommKind::kReduceScatter,
-                  [&] { return inner_->ReduceScatter(send, recv, recv_count, dtype, op); });
+                  [&] { return inner().ReduceScatter(send, recv, recv_count, dtype, op); });
 }
 
 absl::Status TimedCommunicator::AllGather(const void* send, void* recv, size_t send_count,
                                           DType dtype) {
   return TimeSync(CommKind::kAllGather,
-                  [&] { return inner_->AllGather(send, recv, send_count, dtype); });
+                  [&] { return inner().AllGather(send, recv, send_count, dtype); });
 }
 
 absl::Status TimedCommunicator::AllToAllV(const void* send, absl::Span<const size_t> send_counts,
@@ -214,17 +214,17 @@ absl::Status TimedCommunicator::AllToAllV(const void* send, absl::Span<const siz
                                           absl::Span<const size_t> recv_counts,
                                           absl::Span<const size_t> recv_offsets, DType dtype) {
   return TimeSync(CommKind::kAllToAll, [&] {
-    return inner_->AllToAllV(send, send_counts, send_offsets, recv, recv_counts, recv_offsets,
+    return inner().AllToAllV(send, send_counts, send_offsets, recv, recv_counts, recv_offsets,
                              dtype);
   });
 }
 
 absl::Status TimedCommunicator::Broadcast(void* buf, size_t count, DType dtype, int root) {
-  return TimeSync(CommKind::kOther, [&] { return inner_->Broadcast(buf, count, dtype, root); });
+  return TimeSync(CommKind::kOther, [&] { return inner().Broadcast(buf, count, dtype, root); });
 }
 
 absl::Status TimedCommunicator::Barrier() {
-  return TimeSync(CommKind::kOther, [&] { return inner_->Barrier(); });
+  return TimeSync(CommKind::kOther, [&] { return inner().Barrier(); });
 }
 
 }  // namespace gradsum::train

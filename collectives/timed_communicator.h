@@ -42,6 +42,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "collectives/communicator.h"
+#include "collectives/forwarding_communicator.h"
 
 namespace gradsum::train {
 
@@ -104,18 +105,13 @@ class CommTimer {
   std::vector<std::shared_ptr<InFlight>> in_flight_;  // guarded by mu_
 };
 
-class TimedCommunicator : public Communicator {
+class TimedCommunicator : public ForwardingCommunicator {
  public:
   // Owns `inner`. `timer` must not be null.
   TimedCommunicator(std::unique_ptr<Communicator> inner, std::shared_ptr<CommTimer> timer);
   // Does not own `inner`, which must outlive this object.
   TimedCommunicator(Communicator* inner, std::shared_ptr<CommTimer> timer);
 
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  std::string backend() const override { return inner_->backend(); }
-  absl::Duration timeout() const override { return inner_->timeout(); }
-  size_t max_count() const override { return inner_->max_count(); }
   const std::shared_ptr<CommTimer>& timer() const { return timer_; }
 
   absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv, size_t count,
@@ -168,8 +164,6 @@ class TimedCommunicator : public Communicator {
   absl::StatusOr<std::unique_ptr<Work>> Wrap(CommKind kind, absl::Time start,
                                              absl::StatusOr<std::unique_ptr<Work>> work);
 
-  std::unique_ptr<Communicator> owned_;
-  Communicator* inner_;
   std::shared_ptr<CommTimer> timer_;
 };
 

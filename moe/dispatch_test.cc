@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "collectives/forwarding_communicator.h"
 #include "collectives/communicator.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
@@ -19,7 +20,6 @@
 #include "gtest/gtest.h"
 #include "moe/dispatch_testing.h"
 #include "moe/test_util.h"
-#include "testing/forwarding_communicator.h"
 #include "testing/run_ranks.h"
 
 namespace gradsum::moe {
@@ -73,10 +73,11 @@ INSTANTIATE_TEST_SUITE_P(
 // Records the issue and the wait of every all-to-all-v ("i3": the fourth one issued, "w3":
 // the wait for it), forwarding everything to `inner`; sub-communicators record into the
 // same log.
-class ExchangeRecorder : public gradsum::testing::ForwardingCommunicator {
+class ExchangeRecorder : public ForwardingCommunicator {
  public:
   explicit ExchangeRecorder(std::unique_ptr<Communicator> inner)
-      : ForwardingCommunicator(std::move(inner)), log_(std::make_shared<Log>()) {}
+      : ForwardingCommunicator(std::move(inner), SyncCalls::kThroughAsync),
+        log_(std::make_shared<Log>()) {}
   std::vector<std::string> events() const { return log_->events; }
 
   absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(

@@ -13,10 +13,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "collectives/forwarding_communicator.h"
 #include "core/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "testing/forwarding_communicator.h"
 #include "testing/run_ranks.h"
 #include "train/config.h"
 #include "train/rank_main.h"
@@ -40,14 +40,16 @@ struct Op {
 // Forwards to `inner` and appends every issued operation to `log` (shared with the
 // sub-communicators of Split). Optionally makes all-gathers slow: their Work completes no
 // earlier than `gather_delay` after the issue.
-class RecordingCommunicator : public gradsum::testing::ForwardingCommunicator {
+class RecordingCommunicator : public ForwardingCommunicator {
  public:
   RecordingCommunicator(Communicator* inner, std::shared_ptr<std::vector<Op>> log,
                         absl::Duration gather_delay)
-      : ForwardingCommunicator(inner), log_(std::move(log)), gather_delay_(gather_delay) {}
+      : ForwardingCommunicator(inner, SyncCalls::kThroughAsync),
+        log_(std::move(log)),
+        gather_delay_(gather_delay) {}
   RecordingCommunicator(std::unique_ptr<Communicator> owned, std::shared_ptr<std::vector<Op>> log,
                         absl::Duration gather_delay)
-      : ForwardingCommunicator(std::move(owned)),
+      : ForwardingCommunicator(std::move(owned), SyncCalls::kThroughAsync),
         log_(std::move(log)),
         gather_delay_(gather_delay) {}
 
