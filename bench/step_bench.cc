@@ -80,7 +80,7 @@ void BM_TrainStep(benchmark::State& state) {
                                           : train::TrainConfig::replicated);
   config.set_steps(1 << 30);
   double step_s = 0, comm_s = 0, exposed_s = 0, wait_s = 0, tokens = 0;
-  double exposed_by_kind_s[train::kNumCommKinds] = {};
+  double exposed_by_kind_s[kNumCommKinds] = {};
   for (auto _ : state) {
     auto comms = CreateThreadCommunicators(world);
     if (!comms.ok()) {
@@ -124,7 +124,7 @@ void BM_TrainStep(benchmark::State& state) {
       step_s += rec.step_seconds;
       comm_s += rec.comm_seconds;
       exposed_s += rec.comm_exposed_seconds;
-      for (int k = 0; k < train::kNumCommKinds; ++k) {
+      for (int k = 0; k < kNumCommKinds; ++k) {
         exposed_by_kind_s[k] += rec.comm_exposed_by_kind_seconds[k];
       }
       wait_s += rec.wait_seconds;
@@ -144,8 +144,8 @@ void BM_TrainStep(benchmark::State& state) {
   state.counters["comm_pct"] = 100 * comm_s / step_s;
   state.counters["exposed_pct"] = 100 * exposed_s / step_s;
   // exposed_pct split by the kind of collective that blocked (it sums to exposed_pct).
-  for (int k = 0; k < train::kNumCommKinds; ++k) {
-    state.counters[absl::StrCat("exposed_", train::CommKindName(static_cast<train::CommKind>(k)),
+  for (int k = 0; k < kNumCommKinds; ++k) {
+    state.counters[absl::StrCat("exposed_", CommKindName(static_cast<CommKind>(k)),
                                 "_pct")] = 100 * exposed_by_kind_s[k] / step_s;
   }
   state.counters["wait_pct"] = 100 * wait_s / step_s;

@@ -670,8 +670,8 @@ struct OpEvents {
 class TimedNcclWork final : public Work {
  public:
   TimedNcclWork(std::unique_ptr<Work> inner, std::unique_ptr<OpEvents> events,
-                absl::Duration blocked, std::shared_ptr<train::CommTimer> timer,
-                train::CommKind kind)
+                absl::Duration blocked, std::shared_ptr<CommTimer> timer,
+                CommKind kind)
       : inner_(std::move(inner)),
         events_(std::move(events)),
         blocked_(blocked),
@@ -713,15 +713,15 @@ class TimedNcclWork final : public Work {
   std::unique_ptr<Work> inner_;
   std::unique_ptr<OpEvents> events_;
   absl::Duration blocked_;
-  std::shared_ptr<train::CommTimer> timer_;
-  const train::CommKind kind_;
+  std::shared_ptr<CommTimer> timer_;
+  const CommKind kind_;
   bool counted_ = false;
 };
 
 class TimedNcclCommunicator final : public NcclCommunicator {
  public:
   TimedNcclCommunicator(std::unique_ptr<NcclCommunicator> inner,
-                        std::shared_ptr<train::CommTimer> timer)
+                        std::shared_ptr<CommTimer> timer)
       : inner_(std::move(inner)), timer_(std::move(timer)) {}
 
   int rank() const override { return inner_->rank(); }
@@ -734,42 +734,42 @@ class TimedNcclCommunicator final : public NcclCommunicator {
   absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv,
                                                        size_t count, DType dtype,
                                                        ReduceOp op) override {
-    return Timed(train::CommKind::kAllReduce,
+    return Timed(CommKind::kAllReduce,
                  [&] { return inner_->AllReduceAsync(send, recv, count, dtype, op); });
   }
   absl::StatusOr<std::unique_ptr<Work>> ReduceScatterAsync(const void* send, void* recv,
                                                            size_t recv_count, DType dtype,
                                                            ReduceOp op) override {
-    return Timed(train::CommKind::kReduceScatter, [&] {
+    return Timed(CommKind::kReduceScatter, [&] {
       return inner_->ReduceScatterAsync(send, recv, recv_count, dtype, op);
     });
   }
   absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const void* send, void* recv,
                                                        size_t send_count, DType dtype) override {
-    return Timed(train::CommKind::kAllGather,
+    return Timed(CommKind::kAllGather,
                  [&] { return inner_->AllGatherAsync(send, recv, send_count, dtype); });
   }
   absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(
       const void* send, absl::Span<const size_t> send_counts,
       absl::Span<const size_t> send_offsets, void* recv, absl::Span<const size_t> recv_counts,
       absl::Span<const size_t> recv_offsets, DType dtype) override {
-    return Timed(train::CommKind::kAllToAll, [&] {
+    return Timed(CommKind::kAllToAll, [&] {
       return inner_->AllToAllVAsync(send, send_counts, send_offsets, recv, recv_counts,
                                     recv_offsets, dtype);
     });
   }
   absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(void* buf, size_t count, DType dtype,
                                                        int root) override {
-    return Timed(train::CommKind::kOther,
+    return Timed(CommKind::kOther,
                  [&] { return inner_->BroadcastAsync(buf, count, dtype, root); });
   }
   absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override {
-    return Timed(train::CommKind::kOther, [&] { return inner_->BarrierAsync(); });
+    return Timed(CommKind::kOther, [&] { return inner_->BarrierAsync(); });
   }
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
     const absl::Time start = absl::Now();
     absl::StatusOr<std::unique_ptr<Communicator>> sub = inner_->Split(color, key);
-    timer_->Add(absl::Now() - start, train::CommKind::kOther);
+    timer_->Add(absl::Now() - start, CommKind::kOther);
     if (!sub.ok() || *sub == nullptr) return sub;
     std::unique_ptr<NcclCommunicator> child(dynamic_cast<NcclCommunicator*>(sub->get()));
     if (child == nullptr) {
@@ -794,13 +794,13 @@ class TimedNcclCommunicator final : public NcclCommunicator {
   absl::StatusOr<std::unique_ptr<Work>> EndCoalescing() override {
     std::unique_ptr<OpEvents> events = std::move(group_);
     if (events == nullptr) return inner_->EndCoalescing();  // inner's FailedPrecondition
-    return Finish(train::CommKind::kOther, group_start_, std::move(events),
+    return Finish(CommKind::kOther, group_start_, std::move(events),
                   inner_->EndCoalescing());
   }
   absl::StatusOr<std::unique_ptr<Work>> AllReduceCoalescedAsync(absl::Span<const Buffer> buffers,
                                                                 DType dtype,
                                                                 ReduceOp op) override {
-    return Timed(train::CommKind::kAllReduce,
+    return Timed(CommKind::kAllReduce,
                  [&] { return inner_->AllReduceCoalescedAsync(buffers, dtype, op); });
   }
 
@@ -815,7 +815,7 @@ class TimedNcclCommunicator final : public NcclCommunicator {
   }
 
   // Records the end event after `work` (of `kind`) was issued and wraps it.
-  absl::StatusOr<std::unique_ptr<Work>> Finish(train::CommKind kind, absl::Time start,
+  absl::StatusOr<std::unique_ptr<Work>> Finish(CommKind kind, absl::Time start,
                                                std::unique_ptr<OpEvents> events,
                                                absl::StatusOr<std::unique_ptr<Work>> work) {
     const absl::Duration issuing = absl::Now() - start;
@@ -837,7 +837,7 @@ class TimedNcclCommunicator final : public NcclCommunicator {
   }
 
   template <typename F>
-  absl::StatusOr<std::unique_ptr<Work>> Timed(train::CommKind kind, F&& issue) {
+  absl::StatusOr<std::unique_ptr<Work>> Timed(CommKind kind, F&& issue) {
     if (group_ != nullptr) return issue();  // timed as the whole group
     const absl::Time start = absl::Now();
     absl::StatusOr<std::unique_ptr<OpEvents>> events = StartEvents();
@@ -846,7 +846,7 @@ class TimedNcclCommunicator final : public NcclCommunicator {
   }
 
   std::unique_ptr<NcclCommunicator> inner_;
-  std::shared_ptr<train::CommTimer> timer_;
+  std::shared_ptr<CommTimer> timer_;
   std::unique_ptr<OpEvents> group_;  // non-null while a coalesced group is open
   absl::Time group_start_;
 };
@@ -854,7 +854,7 @@ class TimedNcclCommunicator final : public NcclCommunicator {
 }  // namespace
 
 std::unique_ptr<NcclCommunicator> TimeNcclCommunicator(std::unique_ptr<NcclCommunicator> inner,
-                                                       std::shared_ptr<train::CommTimer> timer) {
+                                                       std::shared_ptr<CommTimer> timer) {
   return std::make_unique<TimedNcclCommunicator>(std::move(inner), std::move(timer));
 }
 

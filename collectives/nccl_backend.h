@@ -129,7 +129,7 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> CreateNcclCommunicatorFromFile
 // operation; the Works of the operations inside it are not timed. Split() returns a
 // timed child over the same timer, so a Mesh built over the result is timed throughout.
 std::unique_ptr<NcclCommunicator> TimeNcclCommunicator(std::unique_ptr<NcclCommunicator> inner,
-                                                       std::shared_ptr<train::CommTimer> timer);
+                                                       std::shared_ptr<CommTimer> timer);
 
 }  // namespace gradsum
 

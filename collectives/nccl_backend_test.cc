@@ -202,7 +202,7 @@ TEST_F(NcclWorldOneTest, SplitAndBadArguments) {
 void HoldStream(void*) { std::this_thread::sleep_for(std::chrono::milliseconds(300)); }
 
 TEST_F(NcclWorldOneTest, TimedCountsTheCollectiveNotTheStreamWaitBeforeIt) {
-  auto timer = std::make_shared<train::CommTimer>();
+  auto timer = std::make_shared<CommTimer>();
   std::unique_ptr<NcclCommunicator> timed = TimeNcclCommunicator(std::move(nccl_), timer);
   EXPECT_EQ(timed->backend(), "nccl");
   const size_t n = 1 << 20;

@@ -2,7 +2,7 @@
 
 #include <utility>
 
-namespace gradsum::train {
+namespace gradsum {
 namespace {
 
 class TimedWork : public Work {
@@ -227,4 +227,4 @@ absl::Status TimedCommunicator::Barrier() {
   return TimeSync(CommKind::kOther, [&] { return inner().Barrier(); });
 }
 
-}  // namespace gradsum::train
+}  // namespace gradsum

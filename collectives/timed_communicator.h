@@ -1,5 +1,5 @@
-#ifndef GRADSUM_TRAIN_TIMED_COMMUNICATOR_H_
-#define GRADSUM_TRAIN_TIMED_COMMUNICATOR_H_
+#ifndef GRADSUM_COLLECTIVES_TIMED_COMMUNICATOR_H_
+#define GRADSUM_COLLECTIVES_TIMED_COMMUNICATOR_H_
 
 // A Communicator decorator that measures this rank's communication, for the per-step
 // comm columns of the training log and the step benchmark. Sub-communicators made by
@@ -44,7 +44,7 @@
 #include "collectives/communicator.h"
 #include "collectives/forwarding_communicator.h"
 
-namespace gradsum::train {
+namespace gradsum {
 
 // The kinds of collective a rank's exposed time is attributed to. kOther: broadcasts,
 // barriers, Split, and an nccl coalesced group as a whole.
@@ -167,6 +167,6 @@ class TimedCommunicator : public ForwardingCommunicator {
   std::shared_ptr<CommTimer> timer_;
 };
 
-}  // namespace gradsum::train
+}  // namespace gradsum
 
-#endif  // GRADSUM_TRAIN_TIMED_COMMUNICATOR_H_
+#endif  // GRADSUM_COLLECTIVES_TIMED_COMMUNICATOR_H_

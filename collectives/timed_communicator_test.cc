@@ -19,11 +19,11 @@ namespace {
 TEST(TimedCommunicatorTest, SyncCallsAreForwardedAndCountedAsExposedAndBusy) {
   auto comms = CreateThreadCommunicators(2);
   ASSERT_TRUE(comms.ok());
-  std::vector<std::shared_ptr<train::CommTimer>> timers = {
-      std::make_shared<train::CommTimer>(), std::make_shared<train::CommTimer>()};
-  std::vector<std::unique_ptr<train::TimedCommunicator>> timed;
+  std::vector<std::shared_ptr<CommTimer>> timers = {
+      std::make_shared<CommTimer>(), std::make_shared<CommTimer>()};
+  std::vector<std::unique_ptr<TimedCommunicator>> timed;
   for (int r = 0; r < 2; ++r) {
-    timed.push_back(std::make_unique<train::TimedCommunicator>((*comms)[r].get(), timers[r]));
+    timed.push_back(std::make_unique<TimedCommunicator>((*comms)[r].get(), timers[r]));
   }
   std::vector<int64_t> sums(2, 0);
   std::vector<absl::Status> statuses(2);
@@ -62,8 +62,8 @@ TEST(TimedCommunicatorTest, SyncCallsAreForwardedAndCountedAsExposedAndBusy) {
 TEST(TimedCommunicatorTest, AsyncBusyTimeEndsAtTheStampedCompletion) {
   auto comms = CreateThreadCommunicators(2);
   ASSERT_TRUE(comms.ok());
-  auto timer = std::make_shared<train::CommTimer>();
-  train::TimedCommunicator timed((*comms)[0].get(), timer);
+  auto timer = std::make_shared<CommTimer>();
+  TimedCommunicator timed((*comms)[0].get(), timer);
   std::atomic<bool> issued{false};
   int64_t sums[2] = {0, 0};
   absl::Status late_status;
@@ -100,8 +100,8 @@ TEST(TimedCommunicatorTest, AsyncBusyTimeEndsAtTheStampedCompletion) {
 TEST(TimedCommunicatorTest, ExposedTimeIsSplitByTheKindThatBlocked) {
   auto comms = CreateThreadCommunicators(2);
   ASSERT_TRUE(comms.ok());
-  auto timer = std::make_shared<train::CommTimer>();
-  train::TimedCommunicator timed((*comms)[0].get(), timer);
+  auto timer = std::make_shared<CommTimer>();
+  TimedCommunicator timed((*comms)[0].get(), timer);
   std::atomic<bool> gathering{false}, reduce_issued{false};
   float gathered[2][2] = {};
   float sums[2] = {0, 0};
@@ -131,18 +131,18 @@ TEST(TimedCommunicatorTest, ExposedTimeIsSplitByTheKindThatBlocked) {
   EXPECT_EQ(gathered[0][1], 2.0f);
   EXPECT_EQ(sums[0], 3.0f);
 
-  const train::CommTimer::Exposed e = timer->TakeByKind();
-  auto part = [&](train::CommKind k) { return e.by_kind[static_cast<int>(k)]; };
-  EXPECT_GE(part(train::CommKind::kAllGather), absl::Milliseconds(100));
-  EXPECT_GE(part(train::CommKind::kAllReduce), absl::Milliseconds(100));
-  EXPECT_EQ(part(train::CommKind::kReduceScatter), absl::ZeroDuration());
-  EXPECT_EQ(part(train::CommKind::kAllToAll), absl::ZeroDuration());
-  EXPECT_EQ(part(train::CommKind::kOther), absl::ZeroDuration());
+  const CommTimer::Exposed e = timer->TakeByKind();
+  auto part = [&](CommKind k) { return e.by_kind[static_cast<int>(k)]; };
+  EXPECT_GE(part(CommKind::kAllGather), absl::Milliseconds(100));
+  EXPECT_GE(part(CommKind::kAllReduce), absl::Milliseconds(100));
+  EXPECT_EQ(part(CommKind::kReduceScatter), absl::ZeroDuration());
+  EXPECT_EQ(part(CommKind::kAllToAll), absl::ZeroDuration());
+  EXPECT_EQ(part(CommKind::kOther), absl::ZeroDuration());
   absl::Duration sum;
   for (absl::Duration d : e.by_kind) sum += d;
   EXPECT_EQ(sum, e.total);
   EXPECT_EQ(timer->Take(), absl::ZeroDuration()) << "taken and reset";
-  EXPECT_STREQ(train::CommKindName(train::CommKind::kAllToAll), "all_to_all");
+  EXPECT_STREQ(CommKindName(CommKind::kAllToAll), "all_to_all");
 }
 
 }  // namespace
