@@ -201,7 +201,7 @@ BENCHMARK(BM_CrossEntropyCuda)
 
 // NCCL all-reduce (SUM, in place, f32) over every visible GPU of this process, one rank
 // (thread) per GPU, on the same device buffers: raw ncclAllReduce on communicators from
-// ncclCommInitAll, and the library's NcclCommunicator::AllReduceAsync (agreement check off,
+// ncclCommInitAll, and the library's nccl backend AllReduceAsync (agreement check off,
 // the documented fast setting; then with it on). Each phase runs the same way: one thread
 // per rank issues kRepsPerIteration operations and waits for its stream; the phase's time
 // is from starting the threads to joining them. The manual time reported is the library's;
@@ -239,7 +239,7 @@ void BM_NcclAllReduceLibraryVsRaw(benchmark::State& state) {
          cudaStreamCreateWithFlags(&streams[d], cudaStreamNonBlocking) == cudaSuccess;
   }
   // Library communicators, bootstrapped over the thread backend (collective: one thread per rank).
-  std::vector<std::unique_ptr<NcclCommunicator>> fast(ndev), checked(ndev);
+  std::vector<std::unique_ptr<Communicator>> fast(ndev), checked(ndev);
   absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> boot = CreateThreadCommunicators(ndev);
   if (!boot.ok()) ok = false;
   if (ok) {
@@ -248,9 +248,9 @@ void BM_NcclAllReduceLibraryVsRaw(benchmark::State& state) {
       NcclBackendOptions o;
       o.device = r;
       o.check_agreement = false;
-      absl::StatusOr<std::unique_ptr<NcclCommunicator>> f = CreateNcclCommunicator(*(*boot)[r], o);
+      absl::StatusOr<std::unique_ptr<Communicator>> f = CreateNcclCommunicator(*(*boot)[r], o);
       o.check_agreement = true;
-      absl::StatusOr<std::unique_ptr<NcclCommunicator>> c = CreateNcclCommunicator(*(*boot)[r], o);
+      absl::StatusOr<std::unique_ptr<Communicator>> c = CreateNcclCommunicator(*(*boot)[r], o);
       if (!f.ok() || !c.ok()) {
         ok = false;
         return;
@@ -266,7 +266,7 @@ void BM_NcclAllReduceLibraryVsRaw(benchmark::State& state) {
     }
     if (cudaStreamSynchronize(streams[r]) != cudaSuccess) ok = false;
   };
-  auto lib_phase = [&](std::vector<std::unique_ptr<NcclCommunicator>>& comms, int r) {
+  auto lib_phase = [&](std::vector<std::unique_ptr<Communicator>>& comms, int r) {
     cudaSetDevice(r);
     std::vector<std::unique_ptr<Work>> works;
     for (int i = 0; i < kRepsPerIteration; ++i) {

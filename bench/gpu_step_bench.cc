@@ -4,7 +4,7 @@
 // step's split into model time (forward, backward and gradient reduction: the GPU's part on
 // the nccl backend) and update time (grad norm, clipping, AdamW and the parameter upload:
 // the host's part), and the step's comm_s / comm_exposed_s as percentages of it (the nccl
-// backend's collectives timed by CUDA events, TimeNcclCommunicator). World 1, so no peer:
+// backend's collectives timed by CUDA events, TimedCommunicator). World 1, so no peer:
 // this is the single-device step, not scaling.
 //
 //   ./bazelw run -c opt --config=cuda //bench:gpu_step_bench

@@ -7,7 +7,9 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "collectives/device_stream.h"
 #include "collectives/forwarding_communicator.h"
 #include "collectives/op_descriptor.h"
 #include "core/status.h"
@@ -22,10 +24,16 @@ using collectives_internal::OpCall;
 using collectives_internal::OpDescriptor;
 using collectives_internal::OpKind;
 
+// Exchanges through `inner` itself, or through a separate host communicator (`exchange`,
+// for a device backend). Data always moves through `inner`.
 class CheckedCommunicator final : public ForwardingCommunicator {
  public:
-  explicit CheckedCommunicator(std::unique_ptr<Communicator> inner)
+  CheckedCommunicator(std::unique_ptr<Communicator> inner,
+                      std::unique_ptr<Communicator> exchange = nullptr)
       : ForwardingCommunicator(std::move(inner)),
+        own_exchange_(std::move(exchange)),
+        exchange_(own_exchange_ != nullptr ? own_exchange_.get() : &this->inner()),
+        stream_(this->inner().device_stream()),
         w_(static_cast<size_t>(size())),
         ones_(w_, 1),
         offsets_(w_),
@@ -117,9 +125,25 @@ class CheckedCommunicator final : public ForwardingCommunicator {
 
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
     GRADSUM_RETURN_IF_ERROR(Agree(MakeCall(OpKind::kSplit, nullptr, nullptr, 0, DType::kF32)));
+    if (own_exchange_ == nullptr) {
+      GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> sub, inner().Split(color, key));
+      if (sub == nullptr) return sub;
+      return std::unique_ptr<Communicator>(new CheckedCommunicator(std::move(sub)));
+    }
+    // Inside a coalesced group the backend refuses to split; nothing to split alongside.
+    if (InGroup()) return inner().Split(color, key);
+    // The same colors and keys give the same members in the same order on both.
+    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> sub_exchange,
+                             exchange_->Split(color, key));
     GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> sub, inner().Split(color, key));
     if (sub == nullptr) return sub;
-    return std::unique_ptr<Communicator>(new CheckedCommunicator(std::move(sub)));
+    if (sub_exchange == nullptr) {
+      return absl::InternalError(absl::StrCat(
+          Label(OpKind::kSplit, seq_ - 1), ": the exchange communicator's split has no group "
+          "for color ", color));
+    }
+    return std::unique_ptr<Communicator>(
+        new CheckedCommunicator(std::move(sub), std::move(sub_exchange)));
   }
 
  private:
@@ -128,36 +152,49 @@ class CheckedCommunicator final : public ForwardingCommunicator {
                            collectives_internal::OpKindName(kind), seq, rank(), size());
   }
 
+  // A device backend's coalesced group is open: its operations are one fused launch.
+  bool InGroup() const { return stream_ != nullptr && stream_->coalescing(); }
+
+  // The local checks: the validation every backend shares, with the inner backend's limit
+  // (a count or offset it would reject must fail here, on every rank, not in the inner
+  // backend on this rank alone while its peers wait), and a device backend's buffer rule.
+  absl::Status CheckLocal(const OpCall& c) const {
+    GRADSUM_RETURN_IF_ERROR(
+        collectives_internal::ValidateCall(c, rank(), size(), inner().max_count()));
+    if (stream_ == nullptr) return absl::OkStatus();
+    return collectives_internal::CheckEachBuffer(
+        c, size(), [this](const void* p) { return stream_->CheckBuffer(p); });
+  }
+
   // Local validation, then the descriptor exchange; OK when every rank agrees. Whether the
   // call is sync or async is part of the descriptor: a backend may run the two forms in
-  // ways that never match (the mpi backend: blocking versus non-blocking MPI).
+  // ways that never match (the mpi backend: blocking versus non-blocking MPI). Inside a
+  // coalesced group: nothing (the backend still validates its own arguments).
   absl::Status Agree(const OpCall& c, bool async = false) {
     const int64_t seq = seq_++;
-    // With the inner backend's limit: a count or offset it would reject must fail here, on
-    // every rank, not in the inner backend on this rank alone while its peers wait.
-    const absl::Status local =
-        collectives_internal::ValidateCall(c, rank(), size(), inner().max_count());
+    if (InGroup()) return absl::OkStatus();
+    const absl::Status local = CheckLocal(c);
     OpDescriptor d = collectives_internal::Describe(c);
     d.async = async;
     if (!local.ok()) d.invalid_rank = rank();
     int64_t buf[collectives_internal::kDescriptorWords];
     collectives_internal::EncodeDescriptor(d, buf);
-    GRADSUM_RETURN_IF_ERROR(inner().AllReduce(buf, buf, collectives_internal::kDescriptorWords,
-                                              DType::kI64, ReduceOp::kMax));
+    GRADSUM_RETURN_IF_ERROR(exchange_->AllReduce(
+        buf, buf, collectives_internal::kDescriptorWords, DType::kI64, ReduceOp::kMax));
     if (!collectives_internal::DescriptorAgreed(buf)) {
       const int64_t bad = collectives_internal::HighestInvalidRank(buf);
       std::string message;
-      if (bad >= 0 && inner().max_count() > 0) {
+      if (bad >= 0 && exchange_->max_count() > 0) {
         // Every rank knows `bad` from the same reduced descriptor, so every rank joins this
         // broadcast of its error message (failures only; no cost on the agreed path).
         int32_t text[kMessageWords] = {};  // NUL-terminated, cut at the end if longer
-        const size_t words = std::min(kMessageWords, inner().max_count());
+        const size_t words = std::min(kMessageWords, exchange_->max_count());
         if (bad == rank()) {
           const absl::string_view m = local.message();
           std::memcpy(text, m.data(), std::min(m.size(), words * sizeof(int32_t) - 1));
         }
         GRADSUM_RETURN_IF_ERROR(
-            inner().Broadcast(text, words, DType::kI32, static_cast<int>(bad)));
+            exchange_->Broadcast(text, words, DType::kI32, static_cast<int>(bad)));
         message = reinterpret_cast<const char*>(text);
       }
       // A locally invalid call reports its own error, not the peers' view of it.
@@ -178,11 +215,11 @@ class CheckedCommunicator final : public ForwardingCommunicator {
       outgoing_[p] = static_cast<int64_t>(c.send_counts[p]);
       expected_[p] = static_cast<int64_t>(c.recv_counts[p]);
     }
-    GRADSUM_RETURN_IF_ERROR(inner().AllToAllV(outgoing_.data(), ones_, offsets_, incoming_.data(),
-                                              ones_, offsets_, DType::kI64));
+    GRADSUM_RETURN_IF_ERROR(exchange_->AllToAllV(outgoing_.data(), ones_, offsets_,
+                                                 incoming_.data(), ones_, offsets_, DType::kI64));
     int64_t report[3];
     collectives_internal::MakeCountReport(incoming_, expected_, report);
-    GRADSUM_RETURN_IF_ERROR(inner().AllGather(report, reports_.data(), 3, DType::kI64));
+    GRADSUM_RETURN_IF_ERROR(exchange_->AllGather(report, reports_.data(), 3, DType::kI64));
     for (size_t p = 0; p < w_; ++p) {
       if (reports_[3 * p] >= 0) {
         return collectives_internal::CheckCountReports(reports_, Label(c.kind, seq));
@@ -192,9 +229,12 @@ class CheckedCommunicator final : public ForwardingCommunicator {
   }
 
   // The invalid rank's error message, shared on failure: at most 511 bytes of it (fewer if
-  // the inner backend's max_count is below 128 words).
+  // the exchange's max_count is below 128 words).
   static constexpr size_t kMessageWords = 128;
 
+  std::unique_ptr<Communicator> own_exchange_;  // null: the exchange is inner()
+  Communicator* const exchange_;
+  DeviceStream* const stream_;  // inner()'s, or null for a host backend
   const size_t w_;  // size()
   // AgreeOnCounts: one element to and from each peer (constant), and per-call scratch.
   std::vector<size_t> ones_, offsets_;
@@ -206,6 +246,22 @@ class CheckedCommunicator final : public ForwardingCommunicator {
 
 std::unique_ptr<Communicator> WithAgreementCheck(std::unique_ptr<Communicator> inner) {
   return std::make_unique<CheckedCommunicator>(std::move(inner));
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> WithAgreementCheckOver(
+    std::unique_ptr<Communicator> inner, std::unique_ptr<Communicator> exchange) {
+  if (inner == nullptr || exchange == nullptr) {
+    return absl::InvalidArgumentError("WithAgreementCheckOver: null communicator");
+  }
+  if (inner->rank() != exchange->rank() || inner->size() != exchange->size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "WithAgreementCheckOver: the %s communicator is rank %d of %d but the %s exchange is "
+        "rank %d of %d",
+        inner->backend(), inner->rank(), inner->size(), exchange->backend(), exchange->rank(),
+        exchange->size()));
+  }
+  return std::unique_ptr<Communicator>(
+      std::make_unique<CheckedCommunicator>(std::move(inner), std::move(exchange)));
 }
 
 }  // namespace gradsum

@@ -30,14 +30,26 @@
 // The thread backend needs no decorator: its rendezvous already shares every rank's
 // arguments, so it compares them there at no extra cost.
 //
+// A stream-ordered device backend (nccl, whose operations take device buffers) is checked
+// over a host communicator instead, as c10d's ProcessGroupWrapper checks NCCL over Gloo:
+// WithAgreementCheckOver(nccl, host) exchanges the descriptors (and, on failure, the
+// message) through `host` and moves the data through `nccl`. The nccl factory does this
+// over a split of its bootstrap communicator (NcclBackendOptions::check_agreement). For
+// such a backend the local check also asks the backend whether each buffer is memory it can
+// use (DeviceStream::CheckBuffer: device memory), so one rank's host buffer fails every
+// rank; and no exchange runs inside a coalesced group (DeviceStream::coalescing(): a fused
+// launch is checked by nobody, as before).
+//
 // Cost: one small all-reduce per operation, run synchronously when the operation is
 // issued, async forms included (the check must finish before the data may move). An
 // async operation's issue therefore waits until every rank has issued it, as with
 // ProcessGroupWrapper; turn the check off for speed once a program is known good.
-// Sub-communicators from Split() are checked too.
+// Sub-communicators from Split() are checked too (with a host exchange, over the same
+// split of it).
 
 #include <memory>
 
+#include "absl/status/statusor.h"
 #include "collectives/communicator.h"
 
 namespace gradsum {
@@ -46,6 +58,13 @@ namespace gradsum {
 // inner->max_count() (MPI: INT_MAX), so a count or offset that `inner` would reject fails
 // every rank here: its own rank with the value, the peers naming that rank.
 std::unique_ptr<Communicator> WithAgreementCheck(std::unique_ptr<Communicator> inner);
+
+// The same with the descriptors exchanged through `exchange` (owned; a host communicator
+// over the same processes, rank r of one being rank r of the other) while the operations
+// run on `inner`. Split() splits both the same way. InvalidArgument naming both when their
+// rank or size differ.
+absl::StatusOr<std::unique_ptr<Communicator>> WithAgreementCheckOver(
+    std::unique_ptr<Communicator> inner, std::unique_ptr<Communicator> exchange);
 
 }  // namespace gradsum
 

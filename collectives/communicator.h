@@ -40,7 +40,7 @@
 //   decorator (collectives/checked_communicator.h).
 // - Decorators (agreement, timing, the tests' fault injectors) derive from
 //   ForwardingCommunicator (collectives/forwarding_communicator.h), which forwards every
-//   method.
+//   method, device_stream() included.
 //
 // Work lifetime (every backend):
 // - A Work may be waited on, polled and destroyed from the thread that issued it, in any
@@ -67,6 +67,8 @@
 #include "core/dtype.h"
 
 namespace gradsum {
+
+class DeviceStream;  // collectives/device_stream.h
 
 enum class ReduceOp {
   kSum = 0,
@@ -167,6 +169,11 @@ class Communicator {
   // so that the agreement check (checked_communicator.h) rejects such a call on every rank
   // before the exchange instead of letting one rank fail alone.
   virtual size_t max_count() const { return std::numeric_limits<size_t>::max(); }
+  // The stream-ordered device capability (collectives/device_stream.h: the CUDA stream the
+  // operations are enqueued on, coalescing, timing markers) of a device backend (nccl);
+  // null for the host backends. Decorators forward it (or their own view of it), so code
+  // that needs the stream asks the communicator it holds instead of casting to a backend.
+  virtual DeviceStream* device_stream() { return nullptr; }
 
   // ---- Asynchronous operations (the primitives every backend implements). ----
 

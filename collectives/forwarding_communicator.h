@@ -4,8 +4,8 @@
 // ForwardingCommunicator: the base of every Communicator decorator (the agreement check,
 // checked_communicator.h; the timer, timed_communicator.h; the tests' recorders, limiters
 // and slow links). It forwards every method of Communicator to an inner communicator
-// (borrowed or owned): the identity queries, max_count(), every asynchronous and blocking
-// operation and Split. A decorator overrides only what it
+// (borrowed or owned): the identity queries, max_count(), device_stream(), every
+// asynchronous and blocking operation and Split. A decorator overrides only what it
 // observes or changes, and reaches the inner communicator through inner().
 //
 //   class CountingCommunicator : public ForwardingCommunicator {
@@ -60,6 +60,7 @@ class ForwardingCommunicator : public Communicator {
   std::string backend() const override { return inner_->backend(); }
   absl::Duration timeout() const override { return inner_->timeout(); }
   size_t max_count() const override { return inner_->max_count(); }
+  DeviceStream* device_stream() override { return inner_->device_stream(); }
 
   absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv, size_t count,
                                                        DType dtype, ReduceOp op) override {

@@ -5,31 +5,34 @@
 
 #include <unistd.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <string>
 #include <thread>
+#include <type_traits>
+#include <memory>
 #include <utility>
-#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "collectives/checked_communicator.h"
+#include "collectives/device_stream.h"
 #include "collectives/op_descriptor.h"
 #include "core/status.h"
 
 namespace gradsum {
 namespace {
 
-using collectives_internal::Describe;
 using collectives_internal::MakeCall;
 using collectives_internal::OpCall;
-using collectives_internal::OpDescriptor;
 using collectives_internal::OpKind;
 using collectives_internal::OpKindName;
+
+static_assert(std::is_same_v<cudaStream_t, CUstream_st*>,
+              "DeviceStream::stream() hands out cudaStream_t as CUstream_st*");
 
 absl::Status CudaError(cudaError_t e, absl::string_view what) {
   return absl::InternalError(
@@ -94,6 +97,37 @@ struct Completion {
   }
 };
 
+// A CUDA event recorded on the communicator's stream (DeviceStream::RecordMarker).
+class CudaMarker final : public StreamMarker {
+ public:
+  ~CudaMarker() override {
+    if (event_ != nullptr) cudaEventDestroy(event_);
+  }
+  static absl::StatusOr<std::unique_ptr<StreamMarker>> Record(int device, cudaStream_t stream) {
+    GRADSUM_CUDA_RETURN(cudaSetDevice(device), "cudaSetDevice");
+    auto m = std::make_unique<CudaMarker>();
+    GRADSUM_CUDA_RETURN(cudaEventCreate(&m->event_), "cudaEventCreate");
+    GRADSUM_CUDA_RETURN(cudaEventRecord(m->event_, stream), "cudaEventRecord");
+    return std::unique_ptr<StreamMarker>(std::move(m));
+  }
+  bool Reached() override { return cudaEventQuery(event_) == cudaSuccess; }
+  absl::StatusOr<absl::Duration> ElapsedSince(StreamMarker& start) override {
+    // Markers come from one DeviceStream, so `start` is a CudaMarker too.
+    const cudaEvent_t from = static_cast<CudaMarker&>(start).event_;
+    float ms = 0;
+    cudaError_t e = cudaEventSynchronize(event_);
+    if (e == cudaSuccess) e = cudaEventElapsedTime(&ms, from, event_);
+    if (e != cudaSuccess) {
+      cudaGetLastError();  // an aborted operation: clear the error, report it
+      return CudaError(e, "timing an nccl operation");
+    }
+    return absl::Microseconds(static_cast<int64_t>(ms * 1000.0f));
+  }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
 class NcclCommunicatorImpl;
 
 class NcclWork final : public Work {
@@ -108,9 +142,10 @@ class NcclWork final : public Work {
   std::shared_ptr<Completion> c_;
 };
 
-class NcclCommunicatorImpl final : public NcclCommunicator {
+// The backend moves data only; agreement is the decorator's (CreateNcclCommunicator).
+class NcclCommunicatorImpl final : public Communicator, public DeviceStream {
  public:
-  // Takes ownership of `comm`; creates the stream and the agreement scratch.
+  // Takes ownership of `comm`; creates the stream and the barrier's scratch word.
   static absl::StatusOr<std::unique_ptr<NcclCommunicatorImpl>> Wrap(ncclComm_t comm, int device,
                                                                      NcclBackendOptions options) {
     std::unique_ptr<NcclCommunicatorImpl> c(new NcclCommunicatorImpl(comm, device, options));
@@ -122,14 +157,8 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
     GRADSUM_RETURN_IF_ERROR(c->CheckNccl(ncclCommCount(comm, &size), "ncclCommCount"));
     c->rank_ = rank;
     c->size_ = size;
-    // Descriptor (kDescriptorWords), all-to-all counts out and in (2 * size), and the
-    // gathered count reports (3 * size + 3 for this rank's own report).
-    c->scratch_words_ = collectives_internal::kDescriptorWords + 5 * size + 3;
-    const size_t bytes = c->scratch_words_ * sizeof(int64_t);
-    GRADSUM_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(&c->device_scratch_), bytes),
-                        "cudaMalloc");
-    GRADSUM_CUDA_RETURN(cudaMallocHost(reinterpret_cast<void**>(&c->host_scratch_), bytes),
-                        "cudaMallocHost");
+    GRADSUM_CUDA_RETURN(
+        cudaMalloc(reinterpret_cast<void**>(&c->device_scratch_), sizeof(int64_t)), "cudaMalloc");
     return c;
   }
 
@@ -158,7 +187,6 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
       }
     }
     if (device_scratch_ != nullptr) cudaFree(device_scratch_);
-    if (host_scratch_ != nullptr) cudaFreeHost(host_scratch_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
@@ -166,18 +194,41 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
   int size() const override { return size_; }
   std::string backend() const override { return "nccl"; }
   absl::Duration timeout() const override { return options_.timeout; }
-  cudaStream_t stream() const override { return stream_; }
+  DeviceStream* device_stream() override { return this; }
+
+  // ---- DeviceStream. ----
+
+  CUstream_st* stream() const override { return stream_; }
   int device() const override { return device_; }
+  bool coalescing() const override { return group_ != nullptr; }
+  absl::StatusOr<std::unique_ptr<StreamMarker>> RecordMarker() override {
+    return CudaMarker::Record(device_, stream_);
+  }
+
+  // Memory the GPU cannot address as device memory is invalid.
+  absl::Status CheckBuffer(const void* p) const override {
+    cudaPointerAttributes attr;
+    const cudaError_t e = cudaPointerGetAttributes(&attr, p);
+    if (e != cudaSuccess) {
+      cudaGetLastError();  // clear the sticky-free error state of this query
+      return absl::InvalidArgumentError(
+          absl::StrCat("is not CUDA memory: ", cudaGetErrorString(e)));
+    }
+    if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) {
+      return absl::InvalidArgumentError("is host memory; the nccl backend needs device memory");
+    }
+    return absl::OkStatus();
+  }
+
+  // ---- Communicator. ----
 
   absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv,
                                                        size_t count, DType dtype,
                                                        ReduceOp op) override {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
-    GRADSUM_ASSIGN_OR_RETURN(
-        const OpDescriptor d,
-        Validate(seq, MakeCall(OpKind::kAllReduce, send, recv, count, dtype, op)));
-    return Issue(seq, d, [&] {
+    GRADSUM_RETURN_IF_ERROR(Validate(MakeCall(OpKind::kAllReduce, send, recv, count, dtype, op)));
+    return Issue(seq, OpKind::kAllReduce, [&] {
       return ncclAllReduce(send, recv, count, NcclType(dtype), NcclOp(op), comm_, stream_);
     });
   }
@@ -187,11 +238,10 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
                                                            ReduceOp op) override {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
-    GRADSUM_ASSIGN_OR_RETURN(
-        const OpDescriptor d,
-        Validate(seq, MakeCall(OpKind::kReduceScatter, send, recv, recv_count, dtype, op)));
+    GRADSUM_RETURN_IF_ERROR(
+        Validate(MakeCall(OpKind::kReduceScatter, send, recv, recv_count, dtype, op)));
     // In place (recv == send + rank * recv_count) is NCCL's own convention.
-    return Issue(seq, d, [&] {
+    return Issue(seq, OpKind::kReduceScatter, [&] {
       return ncclReduceScatter(send, recv, recv_count, NcclType(dtype), NcclOp(op), comm_,
                                stream_);
     });
@@ -201,10 +251,8 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
                                                        size_t send_count, DType dtype) override {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
-    GRADSUM_ASSIGN_OR_RETURN(
-        const OpDescriptor d,
-        Validate(seq, MakeCall(OpKind::kAllGather, send, recv, send_count, dtype)));
-    return Issue(seq, d, [&] {
+    GRADSUM_RETURN_IF_ERROR(Validate(MakeCall(OpKind::kAllGather, send, recv, send_count, dtype)));
+    return Issue(seq, OpKind::kAllGather, [&] {
       return ncclAllGather(send, recv, send_count, NcclType(dtype), comm_, stream_);
     });
   }
@@ -216,16 +264,11 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
       absl::Span<const size_t> recv_offsets, DType dtype) override {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
-    GRADSUM_ASSIGN_OR_RETURN(const OpDescriptor d,
-                             Validate(seq, collectives_internal::MakeAllToAllVCall(
-                                               send, send_counts, send_offsets, recv,
-                                               recv_counts, recv_offsets, dtype)));
+    GRADSUM_RETURN_IF_ERROR(Validate(collectives_internal::MakeAllToAllVCall(
+        send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dtype)));
     const size_t world = static_cast<size_t>(size_);
-    if (options_.check_agreement && group_ == nullptr) {
-      GRADSUM_RETURN_IF_ERROR(AgreeOnCounts(seq, send_counts, recv_counts));
-    }
     const size_t esize = DTypeSize(dtype);
-    return Issue(seq, d, [&] {
+    return Issue(seq, OpKind::kAllToAllV, [&] {
       ncclResult_t r = ncclGroupStart();
       for (size_t p = 0; p < world && r == ncclSuccess; ++p) {
         const int peer = static_cast<int>(p);
@@ -247,10 +290,9 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
                                                        int root) override {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
-    GRADSUM_ASSIGN_OR_RETURN(
-        const OpDescriptor d,
-        Validate(seq, collectives_internal::MakeBroadcastCall(buf, count, dtype, root)));
-    return Issue(seq, d, [&] {
+    GRADSUM_RETURN_IF_ERROR(
+        Validate(collectives_internal::MakeBroadcastCall(buf, count, dtype, root)));
+    return Issue(seq, OpKind::kBroadcast, [&] {
       return ncclBroadcast(buf, buf, count, NcclType(dtype), root, comm_, stream_);
     });
   }
@@ -259,9 +301,8 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
   absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
-    const OpDescriptor d = Describe(MakeCall(OpKind::kBarrier, nullptr, nullptr, 0, DType::kF32));
     int64_t* word = device_scratch_;
-    return Issue(seq, d, [&] {
+    return Issue(seq, OpKind::kBarrier, [&] {
       return ncclAllReduce(word, word, 1, ncclInt64, ncclSum, comm_, stream_);
     });
   }
@@ -273,8 +314,6 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
       return absl::FailedPreconditionError("nccl Split inside an open coalesced group");
     }
     GRADSUM_CUDA_RETURN(cudaSetDevice(device_), "cudaSetDevice");
-    const OpDescriptor d = Describe(MakeCall(OpKind::kSplit, nullptr, nullptr, 0, DType::kF32));
-    if (options_.check_agreement) GRADSUM_RETURN_IF_ERROR(Agree(seq, d));
     // Earlier operations on the stream must be done before the split's own traffic.
     GRADSUM_RETURN_IF_ERROR(WaitStream(Label(OpKind::kSplit, seq)));
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -389,17 +428,6 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
     return absl::OkStatus();
   }
 
-  // A call whose own arguments are invalid (`local` not OK) still joins the agreement
-  // exchange, marked invalid, so that its peers fail the same operation with
-  // InvalidArgument naming this rank instead of timing out. Returns `local`.
-  absl::Status Poisoned(int64_t seq, const OpCall& c, absl::Status local) {
-    if (local.ok() || !options_.check_agreement || group_ != nullptr || aborted_) return local;
-    OpDescriptor d = Describe(c);
-    d.invalid_rank = rank_;
-    if (cudaSetDevice(device_) == cudaSuccess) Agree(seq, d).IgnoreError();
-    return local;
-  }
-
   // Aborts the communicator (so no rank blocks on it any longer) and returns `s`.
   absl::Status Fail(absl::Status s) {
     if (!aborted_) {
@@ -411,68 +439,12 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
   }
 
   // The validation every backend shares, then this backend's own rule: every buffer with
-  // elements must be device memory. An invalid call still joins the agreement exchange.
-  // Returns the call's descriptor (op_descriptor's Describe, as every backend).
-  absl::StatusOr<OpDescriptor> Validate(int64_t seq, const OpCall& c) {
-    absl::Status s = collectives_internal::ValidateCall(c, rank_, size_);
-    if (s.ok()) s = CheckDeviceBuffers(c);
-    GRADSUM_RETURN_IF_ERROR(Poisoned(seq, c, std::move(s)));
-    return Describe(c);
-  }
-
-  absl::Status CheckDeviceBuffers(const OpCall& c) const {
-    const size_t w = static_cast<size_t>(size_);
-    const char* name = OpKindName(c.kind);
-    switch (c.kind) {
-      case OpKind::kAllReduce:
-        GRADSUM_RETURN_IF_ERROR(CheckDeviceBuffer(c.send, c.count, name, "send"));
-        return CheckDeviceBuffer(c.recv, c.count, name, "recv");
-      case OpKind::kReduceScatter:
-        GRADSUM_RETURN_IF_ERROR(CheckDeviceBuffer(c.send, c.count * w, name, "send"));
-        return CheckDeviceBuffer(c.recv, c.count, name, "recv");
-      case OpKind::kAllGather:
-        GRADSUM_RETURN_IF_ERROR(CheckDeviceBuffer(c.send, c.count, name, "send"));
-        return CheckDeviceBuffer(c.recv, c.count * w, name, "recv");
-      case OpKind::kAllToAllV: {
-        size_t send_end = 0, recv_end = 0;
-        for (size_t p = 0; p < w; ++p) {
-          send_end = std::max(send_end, c.send_offsets[p] + c.send_counts[p]);
-          recv_end = std::max(recv_end, c.recv_offsets[p] + c.recv_counts[p]);
-        }
-        GRADSUM_RETURN_IF_ERROR(CheckDeviceBuffer(c.send, send_end, name, "send"));
-        return CheckDeviceBuffer(c.recv, recv_end, name, "recv");
-      }
-      case OpKind::kBroadcast:
-        return CheckDeviceBuffer(c.recv, c.count, name, "");
-      case OpKind::kBarrier:
-      case OpKind::kSplit:
-        break;
-    }
-    return absl::OkStatus();
-  }
-
-  // Null with elements, or memory the GPU cannot address as device memory, is invalid.
-  // The message names `op` and `side` ("send", "recv" or ""), formatted only on failure.
-  static absl::Status CheckDeviceBuffer(const void* p, size_t count, const char* op,
-                                        const char* side) {
-    if (count == 0) return absl::OkStatus();
-    auto what = [&] { return *side == '\0' ? std::string(op) : absl::StrCat(op, " ", side); };
-    if (p == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(what(), " buffer is null with ", count, " elements"));
-    }
-    cudaPointerAttributes attr;
-    const cudaError_t e = cudaPointerGetAttributes(&attr, p);
-    if (e != cudaSuccess) {
-      cudaGetLastError();  // clear the sticky-free error state of this query
-      return absl::InvalidArgumentError(
-          absl::StrCat(what(), " buffer is not CUDA memory: ", cudaGetErrorString(e)));
-    }
-    if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(what(), " buffer is host memory; the nccl backend needs device memory"));
-    }
-    return absl::OkStatus();
+  // elements must be device memory (CheckBuffer, which the agreement decorator also runs
+  // before its exchange, so that one rank's host buffer fails every rank).
+  absl::Status Validate(const OpCall& c) const {
+    GRADSUM_RETURN_IF_ERROR(collectives_internal::ValidateCall(c, rank_, size_));
+    return collectives_internal::CheckEachBuffer(
+        c, size_, [this](const void* p) { return CheckBuffer(p); });
   }
 
   // NCCL results in non-blocking mode: ncclInProgress means "poll until it settles".
@@ -520,76 +492,16 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
     return Annotate(WaitCompletion(c, absl::InfiniteDuration()), label);
   }
 
-  // Checks agreement (outside groups), enqueues `enqueue`'s NCCL calls, returns a Work.
+  // Enqueues `enqueue`'s NCCL calls, returns a Work (the group's inside a coalesced group).
   template <typename F>
-  absl::StatusOr<std::unique_ptr<Work>> Issue(int64_t seq, const OpDescriptor& d, F&& enqueue) {
+  absl::StatusOr<std::unique_ptr<Work>> Issue(int64_t seq, OpKind kind, F&& enqueue) {
     GRADSUM_CUDA_RETURN(cudaSetDevice(device_), "cudaSetDevice");
-    if (options_.check_agreement && group_ == nullptr) GRADSUM_RETURN_IF_ERROR(Agree(seq, d));
-    GRADSUM_RETURN_IF_ERROR(CheckNccl(enqueue(), Label(d.kind, seq)));
+    GRADSUM_RETURN_IF_ERROR(CheckNccl(enqueue(), Label(kind, seq)));
     if (group_ != nullptr) return std::unique_ptr<Work>(new NcclWork(this, group_));
     auto c = std::make_shared<Completion>();
     c->issued = absl::Now();
     GRADSUM_RETURN_IF_ERROR(Record(*c));
     return std::unique_ptr<Work>(new NcclWork(this, std::move(c)));
-  }
-
-  // Runs NCCL calls on small host data: copy `words` int64 from host_scratch_ at
-  // `host_in` to the device, enqueue, copy `out_words` back to `host_out`, and wait.
-  template <typename F>
-  absl::Status RoundTrip(const std::string& label, size_t in_offset, size_t in_words,
-                         size_t out_offset, size_t out_words, F&& enqueue) {
-    const size_t w = sizeof(int64_t);
-    GRADSUM_CUDA_RETURN(cudaMemcpyAsync(device_scratch_ + in_offset, host_scratch_ + in_offset,
-                                        in_words * w, cudaMemcpyHostToDevice, stream_),
-                        "cudaMemcpyAsync");
-    GRADSUM_RETURN_IF_ERROR(CheckNccl(enqueue(), label));
-    GRADSUM_CUDA_RETURN(cudaMemcpyAsync(host_scratch_ + out_offset, device_scratch_ + out_offset,
-                                        out_words * w, cudaMemcpyDeviceToHost, stream_),
-                        "cudaMemcpyAsync");
-    return WaitStream(label);
-  }
-
-  absl::Status Agree(int64_t seq, const OpDescriptor& d) {
-    const std::string label = Label(d.kind, seq);
-    const size_t n = collectives_internal::kDescriptorWords;
-    collectives_internal::EncodeDescriptor(d, host_scratch_);
-    GRADSUM_RETURN_IF_ERROR(RoundTrip(label, 0, n, 0, n, [&] {
-      return ncclAllReduce(device_scratch_, device_scratch_, n, ncclInt64, ncclMax, comm_,
-                           stream_);
-    }));
-    return collectives_internal::CheckDescriptorAgreed(d, host_scratch_, label);
-  }
-
-  // Rank r's send_counts[p] must equal rank p's recv_counts[r] (see op_descriptor.h).
-  absl::Status AgreeOnCounts(int64_t seq, absl::Span<const size_t> send_counts,
-                             absl::Span<const size_t> recv_counts) {
-    const std::string label = Label(OpKind::kAllToAllV, seq);
-    const size_t world = static_cast<size_t>(size_);
-    const size_t out_at = collectives_internal::kDescriptorWords;  // what I send to each peer
-    const size_t in_at = out_at + world;                           // what each peer sends me
-    const size_t report_at = in_at + world;                        // my report (3 words)
-    const size_t all_at = report_at + 3;                           // everyone's reports
-    for (size_t p = 0; p < world; ++p) host_scratch_[out_at + p] = send_counts[p];
-    GRADSUM_RETURN_IF_ERROR(RoundTrip(label, out_at, world, in_at, world, [&] {
-      ncclResult_t r = ncclGroupStart();
-      for (int p = 0; p < size_ && r == ncclSuccess; ++p) {
-        r = ncclSend(device_scratch_ + out_at + p, 1, ncclInt64, p, comm_, stream_);
-        if (r == ncclSuccess) {
-          r = ncclRecv(device_scratch_ + in_at + p, 1, ncclInt64, p, comm_, stream_);
-        }
-      }
-      const ncclResult_t end = ncclGroupEnd();
-      return r != ncclSuccess ? r : end;
-    }));
-    std::vector<int64_t> expected(recv_counts.begin(), recv_counts.end());
-    collectives_internal::MakeCountReport(
-        absl::MakeConstSpan(host_scratch_ + in_at, world), expected, host_scratch_ + report_at);
-    GRADSUM_RETURN_IF_ERROR(RoundTrip(label, report_at, 3, all_at, 3 * world, [&] {
-      return ncclAllGather(device_scratch_ + report_at, device_scratch_ + all_at, 3, ncclInt64,
-                           comm_, stream_);
-    }));
-    return collectives_internal::CheckCountReports(
-        absl::MakeConstSpan(host_scratch_ + all_at, 3 * world), label);
   }
 
   ncclComm_t comm_;
@@ -598,9 +510,7 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
   int rank_ = 0;
   int size_ = 0;
   cudaStream_t stream_ = nullptr;
-  int64_t* device_scratch_ = nullptr;  // agreement scratch, scratch_words_ int64
-  int64_t* host_scratch_ = nullptr;    // pinned mirror
-  size_t scratch_words_ = 0;
+  int64_t* device_scratch_ = nullptr;  // one int64, the barrier's
   int64_t next_seq_ = 0;
   std::shared_ptr<Completion> group_;  // non-null while a coalesced group is open
   bool aborted_ = false;
@@ -610,9 +520,9 @@ class NcclCommunicatorImpl final : public NcclCommunicator {
 absl::Status NcclWork::Wait(absl::Duration timeout) { return comm_->WaitCompletion(*c_, timeout); }
 bool NcclWork::IsCompleted() { return comm_->IsCompleted(*c_); }
 
-absl::StatusOr<std::unique_ptr<NcclCommunicator>> InitRank(const ncclUniqueId& id, int rank,
-                                                            int world, int device,
-                                                            const NcclBackendOptions& options) {
+absl::StatusOr<std::unique_ptr<Communicator>> InitRank(const ncclUniqueId& id, int rank,
+                                                       int world, int device,
+                                                       const NcclBackendOptions& options) {
   GRADSUM_CUDA_RETURN(cudaSetDevice(device), "cudaSetDevice");
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
@@ -637,7 +547,7 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> InitRank(const ncclUniqueId& i
   }
   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<NcclCommunicatorImpl> c,
                            NcclCommunicatorImpl::Wrap(comm, device, options));
-  return std::unique_ptr<NcclCommunicator>(std::move(c));
+  return std::unique_ptr<Communicator>(std::move(c));
 }
 
 absl::Status CheckOptions(const NcclBackendOptions& options) {
@@ -656,209 +566,9 @@ absl::Status MakeUniqueId(ncclUniqueId* id) {
   return absl::OkStatus();
 }
 
-// ---- The timing decorator (TimeNcclCommunicator). ----
-
-// CUDA events recorded on the NCCL stream before and after one operation.
-struct OpEvents {
-  cudaEvent_t start = nullptr, end = nullptr;
-  ~OpEvents() {
-    if (start != nullptr) cudaEventDestroy(start);
-    if (end != nullptr) cudaEventDestroy(end);
-  }
-};
-
-class TimedNcclWork final : public Work {
- public:
-  TimedNcclWork(std::unique_ptr<Work> inner, std::unique_ptr<OpEvents> events,
-                absl::Duration blocked, std::shared_ptr<CommTimer> timer,
-                CommKind kind)
-      : inner_(std::move(inner)),
-        events_(std::move(events)),
-        blocked_(blocked),
-        timer_(std::move(timer)),
-        kind_(kind) {}
-  ~TimedNcclWork() override {
-    if (!counted_ && cudaEventQuery(events_->end) == cudaSuccess) Count();
-  }
-  absl::Status Wait(absl::Duration timeout) override {
-    const absl::Time start = absl::Now();
-    absl::Status s = inner_->Wait(timeout);
-    blocked_ += absl::Now() - start;
-    if (s.ok() && !counted_) Count();
-    return s;
-  }
-  bool IsCompleted() override {
-    const bool done = inner_->IsCompleted();
-    if (done && !counted_ && cudaEventQuery(events_->end) == cudaSuccess) Count();
-    return done;
-  }
-
- private:
-  // Busy: the events' interval; exposed: the host's blocked time, capped at it.
-  void Count() {
-    counted_ = true;
-    float ms = 0;
-    if (cudaEventSynchronize(events_->end) != cudaSuccess ||
-        cudaEventElapsedTime(&ms, events_->start, events_->end) != cudaSuccess) {
-      cudaGetLastError();  // an aborted operation: count the host's view of it
-      timer_->AddBusy(blocked_);
-      timer_->Add(blocked_, kind_);
-      return;
-    }
-    const absl::Duration busy = absl::Microseconds(static_cast<int64_t>(ms * 1000.0f));
-    timer_->AddBusy(busy);
-    timer_->Add(std::min(blocked_, busy), kind_);
-  }
-
-  std::unique_ptr<Work> inner_;
-  std::unique_ptr<OpEvents> events_;
-  absl::Duration blocked_;
-  std::shared_ptr<CommTimer> timer_;
-  const CommKind kind_;
-  bool counted_ = false;
-};
-
-class TimedNcclCommunicator final : public NcclCommunicator {
- public:
-  TimedNcclCommunicator(std::unique_ptr<NcclCommunicator> inner,
-                        std::shared_ptr<CommTimer> timer)
-      : inner_(std::move(inner)), timer_(std::move(timer)) {}
-
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  std::string backend() const override { return inner_->backend(); }
-  absl::Duration timeout() const override { return inner_->timeout(); }
-  cudaStream_t stream() const override { return inner_->stream(); }
-  int device() const override { return inner_->device(); }
-
-  absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv,
-                                                       size_t count, DType dtype,
-                                                       ReduceOp op) override {
-    return Timed(CommKind::kAllReduce,
-                 [&] { return inner_->AllReduceAsync(send, recv, count, dtype, op); });
-  }
-  absl::StatusOr<std::unique_ptr<Work>> ReduceScatterAsync(const void* send, void* recv,
-                                                           size_t recv_count, DType dtype,
-                                                           ReduceOp op) override {
-    return Timed(CommKind::kReduceScatter, [&] {
-      return inner_->ReduceScatterAsync(send, recv, recv_count, dtype, op);
-    });
-  }
-  absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const void* send, void* recv,
-                                                       size_t send_count, DType dtype) override {
-    return Timed(CommKind::kAllGather,
-                 [&] { return inner_->AllGatherAsync(send, recv, send_count, dtype); });
-  }
-  absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(
-      const void* send, absl::Span<const size_t> send_counts,
-      absl::Span<const size_t> send_offsets, void* recv, absl::Span<const size_t> recv_counts,
-      absl::Span<const size_t> recv_offsets, DType dtype) override {
-    return Timed(CommKind::kAllToAll, [&] {
-      return inner_->AllToAllVAsync(send, send_counts, send_offsets, recv, recv_counts,
-                                    recv_offsets, dtype);
-    });
-  }
-  absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(void* buf, size_t count, DType dtype,
-                                                       int root) override {
-    return Timed(CommKind::kOther,
-                 [&] { return inner_->BroadcastAsync(buf, count, dtype, root); });
-  }
-  absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override {
-    return Timed(CommKind::kOther, [&] { return inner_->BarrierAsync(); });
-  }
-  absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
-    const absl::Time start = absl::Now();
-    absl::StatusOr<std::unique_ptr<Communicator>> sub = inner_->Split(color, key);
-    timer_->Add(absl::Now() - start, CommKind::kOther);
-    if (!sub.ok() || *sub == nullptr) return sub;
-    std::unique_ptr<NcclCommunicator> child(dynamic_cast<NcclCommunicator*>(sub->get()));
-    if (child == nullptr) {
-      return absl::InternalError("nccl Split did not give an nccl communicator");
-    }
-    sub->release();
-    return std::unique_ptr<Communicator>(new TimedNcclCommunicator(std::move(child), timer_));
-  }
-
-  absl::Status BeginCoalescing() override {
-    GRADSUM_RETURN_IF_ERROR(inner_->BeginCoalescing());
-    absl::StatusOr<std::unique_ptr<OpEvents>> events = StartEvents();
-    if (!events.ok()) {
-      absl::StatusOr<std::unique_ptr<Work>> closed = inner_->EndCoalescing();
-      if (closed.ok()) (*closed)->Wait(timeout()).IgnoreError();
-      return events.status();
-    }
-    group_ = std::move(*events);
-    group_start_ = absl::Now();
-    return absl::OkStatus();
-  }
-  absl::StatusOr<std::unique_ptr<Work>> EndCoalescing() override {
-    std::unique_ptr<OpEvents> events = std::move(group_);
-    if (events == nullptr) return inner_->EndCoalescing();  // inner's FailedPrecondition
-    return Finish(CommKind::kOther, group_start_, std::move(events),
-                  inner_->EndCoalescing());
-  }
-  absl::StatusOr<std::unique_ptr<Work>> AllReduceCoalescedAsync(absl::Span<const Buffer> buffers,
-                                                                DType dtype,
-                                                                ReduceOp op) override {
-    return Timed(CommKind::kAllReduce,
-                 [&] { return inner_->AllReduceCoalescedAsync(buffers, dtype, op); });
-  }
-
- private:
-  absl::StatusOr<std::unique_ptr<OpEvents>> StartEvents() {
-    GRADSUM_CUDA_RETURN(cudaSetDevice(device()), "cudaSetDevice");
-    auto events = std::make_unique<OpEvents>();
-    GRADSUM_CUDA_RETURN(cudaEventCreate(&events->start), "cudaEventCreate");
-    GRADSUM_CUDA_RETURN(cudaEventCreate(&events->end), "cudaEventCreate");
-    GRADSUM_CUDA_RETURN(cudaEventRecord(events->start, stream()), "cudaEventRecord");
-    return events;
-  }
-
-  // Records the end event after `work` (of `kind`) was issued and wraps it.
-  absl::StatusOr<std::unique_ptr<Work>> Finish(CommKind kind, absl::Time start,
-                                               std::unique_ptr<OpEvents> events,
-                                               absl::StatusOr<std::unique_ptr<Work>> work) {
-    const absl::Duration issuing = absl::Now() - start;
-    if (!work.ok()) {
-      timer_->Add(issuing, kind);
-      timer_->AddBusy(issuing);
-      return work.status();
-    }
-    cudaError_t e = cudaSetDevice(device());
-    if (e == cudaSuccess) e = cudaEventRecord(events->end, stream());
-    if (e != cudaSuccess) {
-      // Untimed rather than lost: the operation is in flight and its Work still works.
-      timer_->Add(issuing, kind);
-      timer_->AddBusy(issuing);
-      return std::move(*work);
-    }
-    return std::unique_ptr<Work>(
-        new TimedNcclWork(std::move(*work), std::move(events), issuing, timer_, kind));
-  }
-
-  template <typename F>
-  absl::StatusOr<std::unique_ptr<Work>> Timed(CommKind kind, F&& issue) {
-    if (group_ != nullptr) return issue();  // timed as the whole group
-    const absl::Time start = absl::Now();
-    absl::StatusOr<std::unique_ptr<OpEvents>> events = StartEvents();
-    if (!events.ok()) return events.status();
-    return Finish(kind, start, std::move(*events), issue());
-  }
-
-  std::unique_ptr<NcclCommunicator> inner_;
-  std::shared_ptr<CommTimer> timer_;
-  std::unique_ptr<OpEvents> group_;  // non-null while a coalesced group is open
-  absl::Time group_start_;
-};
-
 }  // namespace
 
-std::unique_ptr<NcclCommunicator> TimeNcclCommunicator(std::unique_ptr<NcclCommunicator> inner,
-                                                       std::shared_ptr<CommTimer> timer) {
-  return std::make_unique<TimedNcclCommunicator>(std::move(inner), std::move(timer));
-}
-
-absl::StatusOr<std::unique_ptr<NcclCommunicator>> CreateNcclCommunicator(
+absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(
     Communicator& bootstrap, NcclBackendOptions options) {
   GRADSUM_RETURN_IF_ERROR(CheckOptions(options));
   int device = options.device;
@@ -878,6 +588,15 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> CreateNcclCommunicator(
   GRADSUM_RETURN_IF_ERROR(Annotate(
       bootstrap.Broadcast(&message, sizeof(message) / sizeof(int32_t), DType::kI32, /*root=*/0),
       "broadcasting the ncclUniqueId"));
+  // The agreement check's host exchange: a private copy of the bootstrap, split by every
+  // rank that joined the broadcast (so before any rank returns its error).
+  std::unique_ptr<Communicator> exchange;
+  if (options.check_agreement) {
+    absl::StatusOr<std::unique_ptr<Communicator>> split = bootstrap.Split(0, bootstrap.rank());
+    GRADSUM_RETURN_IF_ERROR(
+        Annotate(split.status(), "splitting the bootstrap communicator for the agreement check"));
+    exchange = std::move(*split);
+  }
   GRADSUM_RETURN_IF_ERROR(id_ok);
   GRADSUM_RETURN_IF_ERROR(device_ok);
   if (message.valid != 1) {
@@ -885,12 +604,21 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> CreateNcclCommunicator(
         "nccl backend: rank 0 of the bootstrap communicator could not create the NCCL id");
   }
   const ncclUniqueId& id = message.id;
-  return InitRank(id, bootstrap.rank(), bootstrap.size(), device, options);
+  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> nccl,
+                           InitRank(id, bootstrap.rank(), bootstrap.size(), device, options));
+  if (exchange == nullptr) return nccl;
+  return WithAgreementCheckOver(std::move(nccl), std::move(exchange));
 }
 
-absl::StatusOr<std::unique_ptr<NcclCommunicator>> CreateNcclCommunicatorFromFile(
+absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicatorFromFile(
     const std::string& id_path, int rank, int world, NcclBackendOptions options) {
   GRADSUM_RETURN_IF_ERROR(CheckOptions(options));
+  if (options.check_agreement) {
+    return absl::InvalidArgumentError(
+        "nccl file bootstrap: no host communicator to check agreement over; set "
+        "check_agreement = false (or wrap the result with WithAgreementCheckOver and a host "
+        "communicator)");
+  }
   if (world < 1 || rank < 0 || rank >= world) {
     return absl::InvalidArgumentError(
         absl::StrCat("nccl file bootstrap: rank ", rank, " is outside [0, ", world, ")"));

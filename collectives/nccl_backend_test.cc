@@ -17,7 +17,9 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "collectives/communicator.h"
+#include "collectives/device_stream.h"
 #include "collectives/thread_backend.h"
+#include "collectives/timed_communicator.h"
 #include "core/dtype.h"
 #include "core/half.h"
 #include "gtest/gtest.h"
@@ -78,21 +80,26 @@ class NcclWorldOneTest : public ::testing::Test {
         CreateThreadCommunicators(1);
     ASSERT_TRUE(threads.ok()) << threads.status();
     thread_ = std::move((*threads)[0]);
-    absl::StatusOr<std::unique_ptr<NcclCommunicator>> nccl =
+    // With the agreement check (the default), run over a split of the thread communicator.
+    absl::StatusOr<std::unique_ptr<Communicator>> nccl =
         CreateNcclCommunicator(*thread_, {.device = 0, .timeout = absl::Seconds(30)});
     ASSERT_TRUE(nccl.ok()) << nccl.status();
     nccl_ = std::move(*nccl);
+    ASSERT_NE(nccl_->device_stream(), nullptr);
   }
 
+  DeviceStream& ds() { return *nccl_->device_stream(); }
+
   std::unique_ptr<Communicator> thread_;
-  std::unique_ptr<NcclCommunicator> nccl_;
+  std::unique_ptr<Communicator> nccl_;
 };
 
 TEST_F(NcclWorldOneTest, Identity) {
   EXPECT_EQ(nccl_->rank(), 0);
   EXPECT_EQ(nccl_->size(), 1);
   EXPECT_EQ(nccl_->backend(), "nccl");
-  EXPECT_EQ(nccl_->device(), 0);
+  EXPECT_EQ(ds().device(), 0);
+  EXPECT_NE(ds().stream(), nullptr);
 }
 
 TEST_F(NcclWorldOneTest, AllReduceMatchesThreadBackend) {
@@ -154,22 +161,24 @@ TEST_F(NcclWorldOneTest, CoalescedAllReducesCompleteTogether) {
   ASSERT_TRUE(thread_->AllReduce(a.data(), want_a.data(), 4096, DType::kBF16).ok());
   ASSERT_TRUE(thread_->AllReduce(b.data(), want_b.data(), 17, DType::kBF16).ok());
   DeviceBuffer da(a), db(b);
-  const NcclCommunicator::Buffer buffers[] = {{da.get(), da.get(), 4096}, {db.get(), db.get(), 17}};
-  absl::StatusOr<std::unique_ptr<Work>> w = nccl_->AllReduceCoalescedAsync(buffers, DType::kBF16);
+  const DeviceStream::Buffer buffers[] = {{da.get(), da.get(), 4096}, {db.get(), db.get(), 17}};
+  absl::StatusOr<std::unique_ptr<Work>> w = ds().AllReduceCoalescedAsync(buffers, DType::kBF16);
   ASSERT_TRUE(w.ok()) << w.status();
   ASSERT_TRUE((*w)->Wait(absl::Seconds(30)).ok());
   EXPECT_TRUE((*w)->IsCompleted());
   EXPECT_EQ(da.ToHost(), want_a);
   EXPECT_EQ(db.ToHost(), want_b);
   // A Work from inside an open group cannot be waited on yet.
-  ASSERT_TRUE(nccl_->BeginCoalescing().ok());
+  ASSERT_TRUE(ds().BeginCoalescing().ok());
+  EXPECT_TRUE(ds().coalescing());
   absl::StatusOr<std::unique_ptr<Work>> inner =
       nccl_->AllReduceAsync(da.get(), da.get(), 4096, DType::kBF16, ReduceOp::kSum);
   ASSERT_TRUE(inner.ok());
   EXPECT_EQ((*inner)->Wait(absl::Seconds(1)).code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(nccl_->BeginCoalescing().code(), absl::StatusCode::kFailedPrecondition);
-  absl::StatusOr<std::unique_ptr<Work>> group = nccl_->EndCoalescing();
+  EXPECT_EQ(ds().BeginCoalescing().code(), absl::StatusCode::kFailedPrecondition);
+  absl::StatusOr<std::unique_ptr<Work>> group = ds().EndCoalescing();
   ASSERT_TRUE(group.ok());
+  EXPECT_FALSE(ds().coalescing());
   EXPECT_TRUE((*group)->Wait(absl::Seconds(30)).ok());
   EXPECT_TRUE((*inner)->Wait(absl::Seconds(30)).ok());
 }
@@ -179,10 +188,13 @@ TEST_F(NcclWorldOneTest, SplitAndBadArguments) {
   ASSERT_TRUE(child.ok()) << child.status();
   ASSERT_NE(*child, nullptr);
   EXPECT_EQ((*child)->size(), 1);
+  EXPECT_NE((*child)->device_stream(), nullptr);
   absl::StatusOr<std::unique_ptr<Communicator>> none = nccl_->Split(-1, 0);
   ASSERT_TRUE(none.ok()) << none.status();
   EXPECT_EQ(*none, nullptr);
 
+  // Rejected by the agreement check's local validation (the backend's CheckBuffer), which
+  // would name this rank to its peers.
   std::vector<float> host(8, 1.0f);
   absl::Status s = nccl_->AllReduce(host.data(), host.data(), 8, DType::kF32);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
@@ -195,7 +207,8 @@ TEST_F(NcclWorldOneTest, SplitAndBadArguments) {
   EXPECT_TRUE(nccl_->Barrier().ok());  // still usable
 }
 
-// TimeNcclCommunicator: each collective's duration on the NCCL stream counts as busy
+// TimedCommunicator over the nccl backend (its DeviceStream capability): each collective's
+// duration on the NCCL stream counts as busy
 // time, and the caller's blocked time as exposed time only up to that duration; the time
 // the stream was held by earlier work (here a host function on another stream that the
 // NCCL stream waits for, as it waits for the compute stream) is neither.
@@ -203,8 +216,9 @@ void HoldStream(void*) { std::this_thread::sleep_for(std::chrono::milliseconds(3
 
 TEST_F(NcclWorldOneTest, TimedCountsTheCollectiveNotTheStreamWaitBeforeIt) {
   auto timer = std::make_shared<CommTimer>();
-  std::unique_ptr<NcclCommunicator> timed = TimeNcclCommunicator(std::move(nccl_), timer);
+  auto timed = std::make_unique<TimedCommunicator>(std::move(nccl_), timer);
   EXPECT_EQ(timed->backend(), "nccl");
+  ASSERT_NE(timed->device_stream(), nullptr);
   const size_t n = 1 << 20;
   const Bytes in = MakeInput(DType::kF32, n, 3);
   DeviceBuffer d(in);
@@ -228,7 +242,7 @@ TEST_F(NcclWorldOneTest, TimedCountsTheCollectiveNotTheStreamWaitBeforeIt) {
   ASSERT_EQ(cudaEventCreateWithFlags(&held, cudaEventDisableTiming), cudaSuccess);
   ASSERT_EQ(cudaLaunchHostFunc(side, HoldStream, nullptr), cudaSuccess);
   ASSERT_EQ(cudaEventRecord(held, side), cudaSuccess);
-  ASSERT_EQ(cudaStreamWaitEvent(timed->stream(), held, 0), cudaSuccess);
+  ASSERT_EQ(cudaStreamWaitEvent(timed->device_stream()->stream(), held, 0), cudaSuccess);
   const absl::Time start = absl::Now();
   ASSERT_TRUE(timed->AllReduce(d.get(), d.get(), n, DType::kF32).ok());
   const absl::Duration blocked = absl::Now() - start;
@@ -244,16 +258,16 @@ TEST_F(NcclWorldOneTest, TimedCountsTheCollectiveNotTheStreamWaitBeforeIt) {
   // Split gives a timed child on the same timer (a Mesh over the timed world is timed).
   absl::StatusOr<std::unique_ptr<Communicator>> child = timed->Split(0, 0);
   ASSERT_TRUE(child.ok()) << child.status();
-  auto* nccl_child = dynamic_cast<NcclCommunicator*>(child->get());
-  ASSERT_NE(nccl_child, nullptr);
-  ASSERT_TRUE(nccl_child->AllReduce(d.get(), d.get(), n, DType::kF32).ok());
+  ASSERT_NE(*child, nullptr);
+  ASSERT_NE((*child)->device_stream(), nullptr);
+  ASSERT_TRUE((*child)->AllReduce(d.get(), d.get(), n, DType::kF32).ok());
   EXPECT_GT(timer->TakeBusy(), absl::ZeroDuration());
   timer->Take();
 
   // A coalesced group counts as one operation when it completes.
-  ASSERT_TRUE(timed->BeginCoalescing().ok());
+  ASSERT_TRUE(timed->device_stream()->BeginCoalescing().ok());
   ASSERT_TRUE(timed->AllReduceAsync(d.get(), d.get(), n / 2, DType::kF32, ReduceOp::kSum).ok());
-  absl::StatusOr<std::unique_ptr<Work>> group = timed->EndCoalescing();
+  absl::StatusOr<std::unique_ptr<Work>> group = timed->device_stream()->EndCoalescing();
   ASSERT_TRUE(group.ok()) << group.status();
   ASSERT_TRUE((*group)->Wait().ok());
   EXPECT_LE(timer->Take(), timer->TakeBusy());
@@ -262,9 +276,13 @@ TEST_F(NcclWorldOneTest, TimedCountsTheCollectiveNotTheStreamWaitBeforeIt) {
 TEST(NcclFileBootstrapTest, WorldOfOne) {
   GRADSUM_SKIP_WITHOUT_GPU();
   const std::string path = absl::StrCat(::testing::TempDir(), "/nccl_id_world_one");
-  absl::StatusOr<std::unique_ptr<NcclCommunicator>> nccl =
+  // No host communicator to check agreement over: the check must be turned off.
+  absl::StatusOr<std::unique_ptr<Communicator>> nccl =
       CreateNcclCommunicatorFromFile(path, 0, 1, {.device = 0});
+  EXPECT_EQ(nccl.status().code(), absl::StatusCode::kInvalidArgument) << nccl.status();
+  nccl = CreateNcclCommunicatorFromFile(path, 0, 1, {.device = 0, .check_agreement = false});
   ASSERT_TRUE(nccl.ok()) << nccl.status();
+  EXPECT_NE((*nccl)->device_stream(), nullptr);
   EXPECT_EQ((*nccl)->size(), 1);
   EXPECT_TRUE((*nccl)->Barrier().ok());
 }
@@ -278,13 +296,18 @@ TEST(NcclNoDeviceTest, FactoriesReportMissingDevice) {
   absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> threads =
       CreateThreadCommunicators(1);
   ASSERT_TRUE(threads.ok());
-  absl::StatusOr<std::unique_ptr<NcclCommunicator>> nccl = CreateNcclCommunicator(*(*threads)[0]);
+  absl::StatusOr<std::unique_ptr<Communicator>> nccl = CreateNcclCommunicator(*(*threads)[0]);
   EXPECT_EQ(nccl.status().code(), absl::StatusCode::kFailedPrecondition) << nccl.status();
   EXPECT_NE(nccl.status().message().find(why), std::string::npos) << nccl.status();
-  nccl = CreateNcclCommunicatorFromFile(::testing::TempDir() + "/unused_id", 0, 1);
+  const NcclBackendOptions unchecked = {.check_agreement = false};
+  nccl = CreateNcclCommunicatorFromFile(::testing::TempDir() + "/unused_id", 0, 1, unchecked);
   EXPECT_EQ(nccl.status().code(), absl::StatusCode::kFailedPrecondition) << nccl.status();
-  nccl = CreateNcclCommunicatorFromFile(::testing::TempDir() + "/unused_id", 3, 2);
+  nccl = CreateNcclCommunicatorFromFile(::testing::TempDir() + "/unused_id", 3, 2, unchecked);
   EXPECT_EQ(nccl.status().code(), absl::StatusCode::kInvalidArgument) << nccl.status();
+  // A file bootstrap with the agreement check on is refused before any device work.
+  nccl = CreateNcclCommunicatorFromFile(::testing::TempDir() + "/unused_id", 0, 1);
+  EXPECT_EQ(nccl.status().code(), absl::StatusCode::kInvalidArgument) << nccl.status();
+  EXPECT_NE(nccl.status().message().find("check_agreement"), std::string::npos) << nccl.status();
 }
 
 }  // namespace

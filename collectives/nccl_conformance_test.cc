@@ -196,7 +196,7 @@ TEST(NcclConformanceTest, WholeSuiteAtWorldOne) {
   absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> threads =
       CreateThreadCommunicators(1);
   ASSERT_TRUE(threads.ok()) << threads.status();
-  absl::StatusOr<std::unique_ptr<NcclCommunicator>> nccl =
+  absl::StatusOr<std::unique_ptr<Communicator>> nccl =
       CreateNcclCommunicator(*(*threads)[0], {.device = 0, .timeout = absl::Seconds(30)});
   ASSERT_TRUE(nccl.ok()) << nccl.status();
   HostStagingCommunicator comm(std::move(*nccl));

@@ -205,6 +205,52 @@ absl::Status ValidateCall(const OpCall& a, int rank, int size, size_t max_count)
   return absl::OkStatus();
 }
 
+absl::Status CheckEachBuffer(const OpCall& c, int size,
+                             absl::FunctionRef<absl::Status(const void*)> check) {
+  const size_t w = static_cast<size_t>(size);
+  // One buffer of `count` elements; `side` is "send", "recv" or "" (formatted on failure only).
+  auto one = [&](const void* p, size_t count, const char* side) -> absl::Status {
+    if (count == 0) return absl::OkStatus();
+    auto what = [&] {
+      return *side == '\0' ? std::string(OpKindName(c.kind))
+                           : absl::StrCat(OpKindName(c.kind), " ", side);
+    };
+    if (p == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what(), " buffer is null with ", count, " elements"));
+    }
+    absl::Status s = check(p);
+    if (s.ok()) return s;
+    return absl::InvalidArgumentError(absl::StrCat(what(), " buffer ", s.message()));
+  };
+  switch (c.kind) {
+    case OpKind::kAllReduce:
+      GRADSUM_RETURN_IF_ERROR(one(c.send, c.count, "send"));
+      return one(c.recv, c.count, "recv");
+    case OpKind::kReduceScatter:
+      GRADSUM_RETURN_IF_ERROR(one(c.send, c.count * w, "send"));
+      return one(c.recv, c.count, "recv");
+    case OpKind::kAllGather:
+      GRADSUM_RETURN_IF_ERROR(one(c.send, c.count, "send"));
+      return one(c.recv, c.count * w, "recv");
+    case OpKind::kAllToAllV: {
+      size_t send_end = 0, recv_end = 0;
+      for (size_t p = 0; p < w; ++p) {
+        send_end = std::max(send_end, c.send_offsets[p] + c.send_counts[p]);
+        recv_end = std::max(recv_end, c.recv_offsets[p] + c.recv_counts[p]);
+      }
+      GRADSUM_RETURN_IF_ERROR(one(c.send, send_end, "send"));
+      return one(c.recv, recv_end, "recv");
+    }
+    case OpKind::kBroadcast:
+      return one(c.recv, c.count, "");
+    case OpKind::kBarrier:
+    case OpKind::kSplit:
+      break;
+  }
+  return absl::OkStatus();
+}
+
 OpCall MakeCall(OpKind kind, const void* send, void* recv, size_t count, DType dtype,
                 ReduceOp op) {
   OpCall c;

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
@@ -76,6 +77,15 @@ OpCall MakeAllToAllVCall(const void* send, absl::Span<const size_t> send_counts,
 // naming the offending value.
 absl::Status ValidateCall(const OpCall& c, int rank, int size,
                           size_t max_count = std::numeric_limits<size_t>::max());
+
+// A backend's own rule for the buffers of a call (the nccl backend: device memory, through
+// DeviceStream::CheckBuffer), after ValidateCall passed: runs `check` on every buffer of the
+// call that has elements to move (all-to-all-v: the span of its blocks) and returns its
+// first error as InvalidArgument "<operation> <side> buffer <check's message>", e.g.
+// "all_reduce send buffer is host memory; the nccl backend needs device memory" (side
+// "send" or "recv"; a broadcast's one buffer has none).
+absl::Status CheckEachBuffer(const OpCall& c, int size,
+                             absl::FunctionRef<absl::Status(const void*)> check);
 
 // Which fields of an OpCall an operation kind uses (the rest are ignored and neither
 // validated nor compared across ranks): the dtype (all but barrier and split), the element

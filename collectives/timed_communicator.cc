@@ -1,6 +1,10 @@
 #include "collectives/timed_communicator.h"
 
+#include <algorithm>
 #include <utility>
+
+#include "collectives/device_stream.h"
+#include "core/status.h"
 
 namespace gradsum {
 namespace {
@@ -43,7 +47,137 @@ class TimedWork : public Work {
   std::shared_ptr<CommTimer::InFlight> op_;
 };
 
+// An operation of a device backend, timed by markers recorded on its stream before and
+// after it (TimedCommunicator::TimedStream).
+class StreamTimedWork final : public Work {
+ public:
+  StreamTimedWork(std::unique_ptr<Work> inner, std::unique_ptr<StreamMarker> start,
+                  std::unique_ptr<StreamMarker> end, absl::Duration blocked,
+                  std::shared_ptr<CommTimer> timer, CommKind kind)
+      : inner_(std::move(inner)),
+        start_(std::move(start)),
+        end_(std::move(end)),
+        blocked_(blocked),
+        timer_(std::move(timer)),
+        kind_(kind) {}
+  ~StreamTimedWork() override {
+    if (!counted_ && end_->Reached()) Count();
+  }
+  absl::Status Wait(absl::Duration timeout) override {
+    const absl::Time start = absl::Now();
+    absl::Status s = inner_->Wait(timeout);
+    blocked_ += absl::Now() - start;
+    if (s.ok() && !counted_) Count();
+    return s;
+  }
+  bool IsCompleted() override {
+    const bool done = inner_->IsCompleted();
+    if (done && !counted_ && end_->Reached()) Count();
+    return done;
+  }
+  absl::Time CompletionTime() override { return inner_->CompletionTime(); }
+
+ private:
+  // Busy: the markers' interval; exposed: the host's blocked time, capped at it.
+  void Count() {
+    counted_ = true;
+    absl::StatusOr<absl::Duration> busy = end_->ElapsedSince(*start_);
+    if (!busy.ok()) {  // an aborted operation: count the host's view of it
+      timer_->AddBusy(blocked_);
+      timer_->Add(blocked_, kind_);
+      return;
+    }
+    timer_->AddBusy(*busy);
+    timer_->Add(std::min(blocked_, *busy), kind_);
+  }
+
+  std::unique_ptr<Work> inner_;
+  std::unique_ptr<StreamMarker> start_, end_;
+  absl::Duration blocked_;
+  std::shared_ptr<CommTimer> timer_;
+  const CommKind kind_;
+  bool counted_ = false;
+};
+
 }  // namespace
+
+// The device-backend path: this decorator's view of the inner DeviceStream. Operations
+// (and coalesced groups, as one) are timed by markers recorded on the stream around them.
+class TimedCommunicator::TimedStream final : public DeviceStream {
+ public:
+  TimedStream(DeviceStream* inner, std::shared_ptr<CommTimer> timer, absl::Duration timeout)
+      : inner_(inner), timer_(std::move(timer)), timeout_(timeout) {}
+
+  CUstream_st* stream() const override { return inner_->stream(); }
+  int device() const override { return inner_->device(); }
+  absl::Status CheckBuffer(const void* p) const override { return inner_->CheckBuffer(p); }
+  bool coalescing() const override { return inner_->coalescing(); }
+  absl::StatusOr<std::unique_ptr<StreamMarker>> RecordMarker() override {
+    return inner_->RecordMarker();
+  }
+
+  absl::Status BeginCoalescing() override {
+    GRADSUM_RETURN_IF_ERROR(inner_->BeginCoalescing());
+    absl::StatusOr<std::unique_ptr<StreamMarker>> start = inner_->RecordMarker();
+    if (!start.ok()) {
+      absl::StatusOr<std::unique_ptr<Work>> closed = inner_->EndCoalescing();
+      if (closed.ok()) (*closed)->Wait(timeout_).IgnoreError();
+      return start.status();
+    }
+    group_ = std::move(*start);
+    group_start_ = absl::Now();
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::unique_ptr<Work>> EndCoalescing() override {
+    std::unique_ptr<StreamMarker> start = std::move(group_);
+    if (start == nullptr) return inner_->EndCoalescing();  // inner's FailedPrecondition
+    return Finish(CommKind::kOther, group_start_, std::move(start), inner_->EndCoalescing());
+  }
+  absl::StatusOr<std::unique_ptr<Work>> AllReduceCoalescedAsync(absl::Span<const Buffer> buffers,
+                                                                DType dtype,
+                                                                ReduceOp op) override {
+    return Timed(CommKind::kAllReduce,
+                 [&] { return inner_->AllReduceCoalescedAsync(buffers, dtype, op); });
+  }
+
+  // Times what `issue` enqueues: a marker before, one after. Inside an open group the
+  // operation is timed as part of the group.
+  template <typename F>
+  absl::StatusOr<std::unique_ptr<Work>> Timed(CommKind kind, F&& issue) {
+    if (group_ != nullptr) return issue();
+    const absl::Time start = absl::Now();
+    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<StreamMarker> before, inner_->RecordMarker());
+    return Finish(kind, start, std::move(before), issue());
+  }
+
+ private:
+  // Records the marker after `work` (of `kind`, issued since `start`) and wraps it.
+  absl::StatusOr<std::unique_ptr<Work>> Finish(CommKind kind, absl::Time start,
+                                               std::unique_ptr<StreamMarker> before,
+                                               absl::StatusOr<std::unique_ptr<Work>> work) {
+    const absl::Duration issuing = absl::Now() - start;
+    if (!work.ok()) {
+      timer_->Add(issuing, kind);
+      timer_->AddBusy(issuing);
+      return work.status();
+    }
+    absl::StatusOr<std::unique_ptr<StreamMarker>> after = inner_->RecordMarker();
+    if (!after.ok()) {
+      // Untimed rather than lost: the operation is in flight and its Work still works.
+      timer_->Add(issuing, kind);
+      timer_->AddBusy(issuing);
+      return std::move(*work);
+    }
+    return std::unique_ptr<Work>(new StreamTimedWork(std::move(*work), std::move(before),
+                                                     std::move(*after), issuing, timer_, kind));
+  }
+
+  DeviceStream* const inner_;
+  const std::shared_ptr<CommTimer> timer_;
+  const absl::Duration timeout_;
+  std::unique_ptr<StreamMarker> group_;  // non-null while a coalesced group is open
+  absl::Time group_start_;
+};
 
 const char* CommKindName(CommKind kind) {
   switch (kind) {
@@ -110,12 +244,40 @@ void CommTimer::Poll() {
   in_flight_.resize(kept);
 }
 
+namespace {
+
+// Over a device backend, the stream path (null otherwise). (A template: the stream class is
+// private to TimedCommunicator, which names it here.)
+template <typename Stream>
+std::unique_ptr<Stream> MakeStream(Communicator& inner, const std::shared_ptr<CommTimer>& timer) {
+  DeviceStream* ds = inner.device_stream();
+  if (ds == nullptr) return nullptr;
+  return std::make_unique<Stream>(ds, timer, inner.timeout());
+}
+
+}  // namespace
+
 TimedCommunicator::TimedCommunicator(std::unique_ptr<Communicator> inner,
                                      std::shared_ptr<CommTimer> timer)
-    : ForwardingCommunicator(std::move(inner)), timer_(std::move(timer)) {}
+    : ForwardingCommunicator(std::move(inner)),
+      timer_(std::move(timer)),
+      stream_(MakeStream<TimedStream>(this->inner(), timer_)) {}
 
 TimedCommunicator::TimedCommunicator(Communicator* inner, std::shared_ptr<CommTimer> timer)
-    : ForwardingCommunicator(inner), timer_(std::move(timer)) {}
+    : ForwardingCommunicator(inner),
+      timer_(std::move(timer)),
+      stream_(MakeStream<TimedStream>(this->inner(), timer_)) {}
+
+TimedCommunicator::~TimedCommunicator() = default;
+
+DeviceStream* TimedCommunicator::device_stream() { return stream_.get(); }
+
+template <typename F>
+absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::Timed(CommKind kind, F&& issue) {
+  if (stream_ != nullptr) return stream_->Timed(kind, issue);
+  const absl::Time start = absl::Now();
+  return Wrap(kind, start, issue());
+}
 
 absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::Wrap(
     CommKind kind, absl::Time start, absl::StatusOr<std::unique_ptr<Work>> work) {
@@ -132,44 +294,41 @@ absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::Wrap(
 absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::AllReduceAsync(const void* send,
                                                                         void* recv, size_t count,
                                                                         DType dtype, ReduceOp op) {
-  const absl::Time start = absl::Now();
-  return Wrap(CommKind::kAllReduce, start, inner().AllReduceAsync(send, recv, count, dtype, op));
+  return Timed(CommKind::kAllReduce,
+               [&] { return inner().AllReduceAsync(send, recv, count, dtype, op); });
 }
 
 absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::ReduceScatterAsync(
     const void* send, void* recv, size_t recv_count, DType dtype, ReduceOp op) {
-  const absl::Time start = absl::Now();
-  return Wrap(CommKind::kReduceScatter, start,
-              inner().ReduceScatterAsync(send, recv, recv_count, dtype, op));
+  return Timed(CommKind::kReduceScatter,
+               [&] { return inner().ReduceScatterAsync(send, recv, recv_count, dtype, op); });
 }
 
 absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::AllGatherAsync(const void* send,
                                                                         void* recv,
                                                                         size_t send_count,
                                                                         DType dtype) {
-  const absl::Time start = absl::Now();
-  return Wrap(CommKind::kAllGather, start, inner().AllGatherAsync(send, recv, send_count, dtype));
+  return Timed(CommKind::kAllGather,
+               [&] { return inner().AllGatherAsync(send, recv, send_count, dtype); });
 }
 
 absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::AllToAllVAsync(
     const void* send, absl::Span<const size_t> send_counts, absl::Span<const size_t> send_offsets,
     void* recv, absl::Span<const size_t> recv_counts, absl::Span<const size_t> recv_offsets,
     DType dtype) {
-  const absl::Time start = absl::Now();
-  return Wrap(CommKind::kAllToAll, start,
-              inner().AllToAllVAsync(send, send_counts, send_offsets, recv, recv_counts,
-                                     recv_offsets, dtype));
+  return Timed(CommKind::kAllToAll, [&] {
+    return inner().AllToAllVAsync(send, send_counts, send_offsets, recv, recv_counts,
+                                  recv_offsets, dtype);
+  });
 }
 
 absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::BroadcastAsync(void* buf, size_t count,
                                                                         DType dtype, int root) {
-  const absl::Time start = absl::Now();
-  return Wrap(CommKind::kOther, start, inner().BroadcastAsync(buf, count, dtype, root));
+  return Timed(CommKind::kOther, [&] { return inner().BroadcastAsync(buf, count, dtype, root); });
 }
 
 absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::BarrierAsync() {
-  const absl::Time start = absl::Now();
-  return Wrap(CommKind::kOther, start, inner().BarrierAsync());
+  return Timed(CommKind::kOther, [&] { return inner().BarrierAsync(); });
 }
 
 absl::StatusOr<std::unique_ptr<Communicator>> TimedCommunicator::Split(int color, int key) {
@@ -191,20 +350,26 @@ absl::Status TimedCommunicator::TimeSync(CommKind kind, F&& call) {
   return s;
 }
 
+// Over a device backend a blocking call is Communicator's default, the async form (timed
+// on the stream above) and a Wait.
+
 absl::Status TimedCommunicator::AllReduce(const void* send, void* recv, size_t count, DType dtype,
                                           ReduceOp op) {
+  if (stream_ != nullptr) return Communicator::AllReduce(send, recv, count, dtype, op);
   return TimeSync(CommKind::kAllReduce,
                   [&] { return inner().AllReduce(send, recv, count, dtype, op); });
 }
 
 absl::Status TimedCommunicator::ReduceScatter(const void* send, void* recv, size_t recv_count,
                                               DType dtype, ReduceOp op) {
+  if (stream_ != nullptr) return Communicator::ReduceScatter(send, recv, recv_count, dtype, op);
   return TimeSync(CommKind::kReduceScatter,
                   [&] { return inner().ReduceScatter(send, recv, recv_count, dtype, op); });
 }
 
 absl::Status TimedCommunicator::AllGather(const void* send, void* recv, size_t send_count,
                                           DType dtype) {
+  if (stream_ != nullptr) return Communicator::AllGather(send, recv, send_count, dtype);
   return TimeSync(CommKind::kAllGather,
                   [&] { return inner().AllGather(send, recv, send_count, dtype); });
 }
@@ -213,6 +378,10 @@ absl::Status TimedCommunicator::AllToAllV(const void* send, absl::Span<const siz
                                           absl::Span<const size_t> send_offsets, void* recv,
                                           absl::Span<const size_t> recv_counts,
                                           absl::Span<const size_t> recv_offsets, DType dtype) {
+  if (stream_ != nullptr) {
+    return Communicator::AllToAllV(send, send_counts, send_offsets, recv, recv_counts,
+                                   recv_offsets, dtype);
+  }
   return TimeSync(CommKind::kAllToAll, [&] {
     return inner().AllToAllV(send, send_counts, send_offsets, recv, recv_counts, recv_offsets,
                              dtype);
@@ -220,10 +389,12 @@ absl::Status TimedCommunicator::AllToAllV(const void* send, absl::Span<const siz
 }
 
 absl::Status TimedCommunicator::Broadcast(void* buf, size_t count, DType dtype, int root) {
+  if (stream_ != nullptr) return Communicator::Broadcast(buf, count, dtype, root);
   return TimeSync(CommKind::kOther, [&] { return inner().Broadcast(buf, count, dtype, root); });
 }
 
 absl::Status TimedCommunicator::Barrier() {
+  if (stream_ != nullptr) return Communicator::Barrier();
   return TimeSync(CommKind::kOther, [&] { return inner().Barrier(); });
 }
 

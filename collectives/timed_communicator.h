@@ -28,9 +28,26 @@
 // also kept by the kind of collective that blocked (CommKind), so that a step's record can
 // say which collectives compute waited for.
 //
-// NCCL communicators feed the same timer through their own decorator,
-// TimeNcclCommunicator (collectives/nccl_backend.h): busy from CUDA events around each
-// operation on its stream, exposed the blocked host time capped at that.
+// Over a stream-ordered device backend (inner->device_stream() non-null: nccl) the same
+// decorator times each operation on the device stream instead, through the capability's
+// markers (collectives/device_stream.h; CUDA events on the NCCL stream), so that the
+// device's collectives count in the same timer as the host's:
+// - busy: each operation's duration on the stream, from a marker recorded before it to
+//   one recorded after it (a host agreement exchange between the two included). Time the
+//   stream spent waiting for earlier work (a fence on the compute stream, the previous
+//   operation) is not in it.
+// - exposed: the host time the caller spent in the issuing call and in Wait, capped at
+//   that duration: the part of the block during which the collective itself ran (the rest
+//   is the GPU finishing compute queued before the fence). The host runs ahead of the GPU
+//   only between the model's syncs, so a wait on a collective while compute was still
+//   queued may still count. It is attributed to the operation's CommKind; a
+//   BeginCoalescing .. EndCoalescing group to kOther, AllReduceCoalescedAsync to
+//   kAllReduce.
+//   Counted once, when the operation is first waited for successfully, found complete by
+//   IsCompleted(), or dropped complete; one dropped unfinished is not counted. A
+//   coalesced group counts as one operation (begin and end it through this decorator's
+//   device_stream()); the Works of the operations inside it are not timed. Blocking calls
+//   are the async form and a Wait.
 
 #include <atomic>
 #include <cstdint>
@@ -111,8 +128,12 @@ class TimedCommunicator : public ForwardingCommunicator {
   TimedCommunicator(std::unique_ptr<Communicator> inner, std::shared_ptr<CommTimer> timer);
   // Does not own `inner`, which must outlive this object.
   TimedCommunicator(Communicator* inner, std::shared_ptr<CommTimer> timer);
+  ~TimedCommunicator() override;
 
   const std::shared_ptr<CommTimer>& timer() const { return timer_; }
+  // Over a device backend: this decorator's view of the inner capability (a coalesced group
+  // begun and ended through it is timed as one operation); null over a host backend.
+  DeviceStream* device_stream() override;
 
   absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv, size_t count,
                                                        DType dtype, ReduceOp op) override;
@@ -130,9 +151,10 @@ class TimedCommunicator : public ForwardingCommunicator {
   absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override;
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override;
 
-  // Synchronous forms forwarded as such, so the inner backend's sync fast path (no
-  // allocation, no hand-off) is kept; each counts its call as both exposed and busy time,
-  // as a sync call through the async form would.
+  // Synchronous forms forwarded as such over a host backend, so the inner backend's sync
+  // fast path (no allocation, no hand-off) is kept; each counts its call as both exposed
+  // and busy time, as a sync call through the async form would. Over a device backend:
+  // the async form and a Wait, timed on the stream.
   // (Defaults repeated: a default argument belongs to the declaration it is called through.)
   absl::Status AllReduce(const void* send, void* recv, size_t count, DType dtype,
                          ReduceOp op = ReduceOp::kSum) override;
@@ -159,12 +181,18 @@ class TimedCommunicator : public ForwardingCommunicator {
   using Communicator::ReduceScatterAsync;
 
  private:
+  class TimedStream;  // the device-backend path (timed_communicator.cc)
+
+  // Times an async operation issued by `issue`: on the stream over a device backend.
+  template <typename F>
+  absl::StatusOr<std::unique_ptr<Work>> Timed(CommKind kind, F&& issue);
   template <typename F>
   absl::Status TimeSync(CommKind kind, F&& call);
   absl::StatusOr<std::unique_ptr<Work>> Wrap(CommKind kind, absl::Time start,
                                              absl::StatusOr<std::unique_ptr<Work>> work);
 
   std::shared_ptr<CommTimer> timer_;
+  std::unique_ptr<TimedStream> stream_;  // non-null over a device backend
 };
 
 }  // namespace gradsum

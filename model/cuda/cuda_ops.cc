@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "collectives/device_stream.h"
 #include "core/cuda/cuda_status.h"
 #include "core/cuda/device_buffer.h"
 #include "core/cuda/gemm.h"
@@ -378,14 +379,15 @@ class CudaOps : public ModelOps {
                                    "copy the head split");
       return absl::OkStatus();
     }
-    NcclCommunicator& sp = *comms_.sp_group;
-    GRADSUM_RETURN_IF_ERROR(cuda::Fence(exec_.stream, sp.stream(), exec_.fence));
+    Communicator& sp = *comms_.sp_group;
+    cudaStream_t sp_stream = sp.device_stream()->stream();
+    GRADSUM_RETURN_IF_ERROR(cuda::Fence(exec_.stream, sp_stream, exec_.fence));
     std::vector<size_t> counts(sp_size_, static_cast<size_t>(block)), offsets(sp_size_);
     for (int i = 0; i < sp_size_; ++i) offsets[i] = static_cast<size_t>(i) * block;
     GRADSUM_RETURN_IF_ERROR(sp.AllToAllV(send_.get(), counts, offsets, recv_.get(), counts,
                                          offsets, DType::kF32));
     // The compute stream reads what the NCCL stream wrote.
-    return cuda::Fence(sp.stream(), exec_.stream, exec_.fence);
+    return cuda::Fence(sp_stream, exec_.stream, exec_.fence);
   }
 
   moe::RmsNormArgs Rms(const float* x, const float* gain, float* inv_rms) const {
@@ -432,7 +434,9 @@ absl::StatusOr<std::unique_ptr<ModelOps>> MakeCudaOps(
     const MoeLmSpec& spec, std::shared_ptr<cuda::ComputeContext> context,
     const CudaOpsComms& comms) {
   if (context == nullptr || comms.world == nullptr || comms.ep_group == nullptr ||
-      comms.host_ep_group == nullptr) {
+      comms.host_ep_group == nullptr || comms.world->device_stream() == nullptr ||
+      comms.ep_group->device_stream() == nullptr ||
+      (comms.sp_group != nullptr && comms.sp_group->device_stream() == nullptr)) {
     return absl::InvalidArgumentError(
         "CUDA ops need a compute context, the NCCL world and EP group, and the host EP group");
   }

@@ -18,22 +18,23 @@
 
 #include "absl/status/statusor.h"
 #include "collectives/communicator.h"
-#include "collectives/nccl_backend.h"
 #include "core/cuda/compute_context.h"
 #include "model/moe_lm_spec.h"
 #include "model/ops.h"
 
 namespace gradsum::model {
 
-// Not owned; they must outlive the ops.
+// Not owned; they must outlive the ops. world, ep_group and sp_group are NCCL
+// (device_stream() non-null).
 struct CudaOpsComms {
-  NcclCommunicator* world = nullptr;     // the expert counts' SUM (§5)
-  NcclCommunicator* ep_group = nullptr;  // the MoE all-to-all-v
+  Communicator* world = nullptr;     // the expert counts' SUM (§5)
+  Communicator* ep_group = nullptr;  // the MoE all-to-all-v
   Communicator* host_ep_group = nullptr; // the row counts that size it
-  NcclCommunicator* sp_group = nullptr;  // the Ulysses all-to-alls (§12); null: no SP
+  Communicator* sp_group = nullptr;  // the Ulysses all-to-alls (§12); null: no SP
 };
 
-// InvalidArgument for missing communicators or experts the EP group does not divide.
+// InvalidArgument for missing communicators, NCCL ones without a device stream, or experts
+// the EP group does not divide.
 absl::StatusOr<std::unique_ptr<ModelOps>> MakeCudaOps(
     const MoeLmSpec& spec, std::shared_ptr<cuda::ComputeContext> context,
     const CudaOpsComms& comms);

@@ -62,7 +62,7 @@ TEST(CudaOpsTest, EveryOpMatchesTheHostOps) {
   Communicator* world = (*host)[0].get();
   NcclBackendOptions nccl_options;
   nccl_options.device = 0;
-  absl::StatusOr<std::unique_ptr<NcclCommunicator>> nccl = CreateNcclCommunicator(*world, nccl_options);
+  absl::StatusOr<std::unique_ptr<Communicator>> nccl = CreateNcclCommunicator(*world, nccl_options);
   ASSERT_TRUE(nccl.ok()) << nccl.status();
   absl::StatusOr<std::shared_ptr<cuda::ComputeContext>> ctx = cuda::ComputeContext::Create(0);
   ASSERT_TRUE(ctx.ok()) << ctx.status();

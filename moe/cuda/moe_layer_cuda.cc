@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "collectives/device_stream.h"
 #include "core/cuda/cuda_status.h"
 #include "core/status.h"
 #include "moe/cuda/experts_cuda.h"
@@ -35,10 +36,10 @@ ExpertsCudaWeights ExpertWeights(const MoeLayerCudaWeights& w, int64_t block) {
 }
 
 // All-to-all-v over the NCCL EP group, ordered after the compute stream's work.
-absl::Status AllToAll(const CudaExec& exec, NcclCommunicator& ep, const float* send,
+absl::Status AllToAll(const CudaExec& exec, Communicator& ep, const float* send,
                       const std::vector<size_t>& sc, const std::vector<size_t>& so, float* recv,
                       const std::vector<size_t>& rc, const std::vector<size_t>& ro) {
-  GRADSUM_RETURN_IF_ERROR(Fence(exec.stream, ep.stream(), exec.fence));
+  GRADSUM_RETURN_IF_ERROR(Fence(exec.stream, ep.device_stream()->stream(), exec.fence));
   return ep.AllToAllV(send, sc, so, recv, rc, ro, DType::kF32);
 }
 
@@ -98,7 +99,7 @@ absl::Status MoeLayerCuda::Forward(const CudaExec& exec, const MoeLayerCudaComms
   r.local_gating_sums = gating_.as<double>();
   GRADSUM_RETURN_IF_ERROR(RouterForwardCuda(r, s));  // checks inputs (a host sync)
   // c[l, m, :] of §5: SUM over the world.
-  GRADSUM_RETURN_IF_ERROR(Fence(s, comms.world->stream(), exec.fence));
+  GRADSUM_RETURN_IF_ERROR(Fence(s, comms.world->device_stream()->stream(), exec.fence));
   GRADSUM_RETURN_IF_ERROR(comms.world->AllReduce(local_counts_.get(), global_counts_.get(), E,
                                                  DType::kI64, ReduceOp::kSum));
   // Dispatch plan: copies ordered by expert, so EP rank p's rows are contiguous.

@@ -26,7 +26,6 @@
 
 #include "absl/status/status.h"
 #include "collectives/communicator.h"
-#include "collectives/nccl_backend.h"
 #include "core/cuda/device_buffer.h"
 #include "core/cuda/gemm.h"
 #include "moe/cuda/permute_cuda.h"
@@ -51,10 +50,11 @@ struct CudaExec {
   cudaEvent_t fence = nullptr;
 };
 
-// The layer's communicators (not owned), over the same ranks as the host mesh.
+// The layer's communicators (not owned), over the same ranks as the host mesh; world and
+// ep_group are NCCL, their streams reached through device_stream().
 struct MoeLayerCudaComms {
-  NcclCommunicator* world = nullptr;     // SUM of the expert counts (§5)
-  NcclCommunicator* ep_group = nullptr;  // the all-to-all-v of the dispatch
+  Communicator* world = nullptr;     // SUM of the expert counts (§5)
+  Communicator* ep_group = nullptr;  // the all-to-all-v of the dispatch
   Communicator* host_ep_group = nullptr; // the per-expert row counts that size it
 };
 

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "collectives/device_stream.h"
 #include "core/cuda/cuda_status.h"
 #include "core/cuda/device_buffer.h"
 #include "core/half.h"
@@ -28,7 +29,7 @@ using cuda::Reserve;
 // the same layout: the expert kernels address a unit's stacked experts as one block).
 struct DeviceGroup {
   FlatParam* host = nullptr;
-  NcclCommunicator* comm = nullptr;
+  Communicator* comm = nullptr;  // NCCL
   DeviceBuffer param;          // f32 [padded] while gathered, else empty
   DeviceBuffer gather_bf16;    // bf16 [padded] while a bf16 gather is in flight
   DeviceBuffer grad;           // f32 [padded], this micro-batch (fsdp) or the step
@@ -183,7 +184,7 @@ class DeviceUnitStore : public UnitStore {
     absl::Span<const float> master = fp->master();
     std::copy(master.begin(), master.end(), values.begin());
     GRADSUM_RETURN_IF_ERROR(Reserve(&g.param, padded * sizeof(float)));
-    cudaStream_t cs = g.comm->stream();
+    cudaStream_t cs = g.comm->device_stream()->stream();
     absl::StatusOr<std::unique_ptr<Work>> work;
     if (!bf16_compute_) {
       // Pageable source: the call returns once `values` is staged.
@@ -231,7 +232,7 @@ class DeviceUnitStore : public UnitStore {
       }
     }
     // The compute stream reads what the NCCL stream wrote (upload and gather).
-    GRADSUM_RETURN_IF_ERROR(Fence(g.comm->stream(), stream_, fence_));
+    GRADSUM_RETURN_IF_ERROR(Fence(g.comm->device_stream()->stream(), stream_, fence_));
     if (bf16_compute_) {
       GRADSUM_RETURN_IF_ERROR(model::Bf16ToF32Cuda(g.gather_bf16.as<uint16_t>(),
                                                    g.param.as<float>(), g.host->padded_numel(),
@@ -275,7 +276,7 @@ class DeviceUnitStore : public UnitStore {
         }
       }
       // The buckets' all-reduces on the NCCL stream read what the compute stream wrote.
-      GRADSUM_RETURN_IF_ERROR(Fence(stream_, g.comm->stream(), fence_));
+      GRADSUM_RETURN_IF_ERROR(Fence(stream_, g.comm->device_stream()->stream(), fence_));
       return reducers_->Ready(u);
     }
     const int64_t padded = fp->padded_numel();
@@ -288,7 +289,7 @@ class DeviceUnitStore : public UnitStore {
       send = g.reduce_bf16.get();
       dtype = DType::kBF16;
     }
-    GRADSUM_RETURN_IF_ERROR(Fence(stream_, g.comm->stream(), fence_));
+    GRADSUM_RETURN_IF_ERROR(Fence(stream_, g.comm->device_stream()->stream(), fence_));
     GRADSUM_RETURN_IF_ERROR(Reserve(&g.shard, fp->shard_numel() * DTypeSize(dtype)));
     absl::StatusOr<std::unique_ptr<Work>> work =
         g.comm->ReduceScatterAsync(send, g.shard.get(), fp->shard_numel(), dtype, ReduceOp::kSum);
@@ -404,7 +405,8 @@ absl::StatusOr<std::unique_ptr<UnitStore>> CudaUnitDevice::MakeStore(
     return absl::InvalidArgumentError(
         absl::StrCat("compute_dtype=", DTypeName(options.compute_dtype), ": must be f32 or bf16"));
   }
-  if (context_ == nullptr || world_ == nullptr || edp_group_ == nullptr) {
+  if (context_ == nullptr || world_ == nullptr || edp_group_ == nullptr ||
+      world_->device_stream() == nullptr || edp_group_->device_stream() == nullptr) {
     return absl::InvalidArgumentError("device units need a compute context and NCCL groups");
   }
   std::vector<DeviceGroup> groups;

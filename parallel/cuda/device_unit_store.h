@@ -31,18 +31,18 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "collectives/nccl_backend.h"
+#include "collectives/communicator.h"
 #include "core/cuda/compute_context.h"
 #include "parallel/parallelize.h"
 
 namespace gradsum::parallel {
 
-// The rank's GPU and NCCL communicators (not owned; they must outlive the stores), the
-// same mesh as the host groups.
+// The rank's GPU and NCCL communicators (not owned; they must outlive the stores; their
+// streams are reached through device_stream()), the same mesh as the host groups.
 class CudaUnitDevice : public UnitDevice {
  public:
-  CudaUnitDevice(std::shared_ptr<cuda::ComputeContext> context, NcclCommunicator* world,
-                 NcclCommunicator* edp_group)
+  CudaUnitDevice(std::shared_ptr<cuda::ComputeContext> context, Communicator* world,
+                 Communicator* edp_group)
       : context_(std::move(context)), world_(world), edp_group_(edp_group) {}
 
   // Units reduced over the world get the NCCL world, expert units the NCCL EDP group.
@@ -54,8 +54,8 @@ class CudaUnitDevice : public UnitDevice {
 
  private:
   std::shared_ptr<cuda::ComputeContext> context_;
-  NcclCommunicator* world_;
-  NcclCommunicator* edp_group_;
+  Communicator* world_;
+  Communicator* edp_group_;
 };
 
 }  // namespace gradsum::parallel

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "collectives/device_stream.h"
 #include "core/cuda/compute_context.h"
 #include "core/status.h"
 #include "model/cuda/cuda_ops.h"
@@ -16,7 +17,7 @@ absl::StatusOr<ComputeDevice> MakeCudaCompute(const MoeLmGroups& host,
     return absl::InvalidArgumentError(
         "the GPU model needs the NCCL world, EP and EDP communicators");
   }
-  const std::pair<Communicator*, NcclCommunicator*> pairs[] = {
+  const std::pair<Communicator*, Communicator*> pairs[] = {
       {host.world, device.world}, {host.ep_group, device.ep_group},
       {host.edp_group, device.edp_group}};
   const char* names[] = {"world", "ep_group", "edp_group"};
@@ -25,18 +26,24 @@ absl::StatusOr<ComputeDevice> MakeCudaCompute(const MoeLmGroups& host,
     if (h == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("the GPU model needs the host ", names[i]));
     }
+    if (d->device_stream() == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "GPU model: the ", names[i], " device group is a ", d->backend(),
+          " communicator without a device stream; it must be NCCL"));
+    }
     if (h->rank() != d->rank() || h->size() != d->size()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "GPU model: NCCL ", names[i], " is rank ", d->rank(), " of ", d->size(),
           " but the host ", names[i], " is rank ", h->rank(), " of ", h->size()));
     }
   }
-  if (device.ep_group->device() != device.world->device() ||
-      device.edp_group->device() != device.world->device()) {
+  const int gpu = device.world->device_stream()->device();
+  if (device.ep_group->device_stream()->device() != gpu ||
+      device.edp_group->device_stream()->device() != gpu) {
     return absl::InvalidArgumentError("GPU model: the NCCL communicators are on different GPUs");
   }
   GRADSUM_ASSIGN_OR_RETURN(std::shared_ptr<cuda::ComputeContext> ctx,
-                           cuda::ComputeContext::Create(device.world->device()));
+                           cuda::ComputeContext::Create(gpu));
   ComputeDevice out;
   out.units = std::make_shared<parallel::CudaUnitDevice>(ctx, device.world, device.edp_group);
   const model::CudaOpsComms comms{device.world, device.ep_group, host.ep_group};

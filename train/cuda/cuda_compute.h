@@ -25,17 +25,18 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
-#include "collectives/nccl_backend.h"
+#include "collectives/communicator.h"
 #include "train/moe_lm.h"
 
 namespace gradsum::train {
 
-// The rank's NCCL communicators, one GPU per rank, forming the same (F, P) mesh as the host
-// groups (collectives/mesh.h over the NCCL world). Not owned.
+// The rank's NCCL communicators (decorated or not: each reaches its NCCL stream through
+// device_stream(), collectives/device_stream.h), one GPU per rank, forming the same (F, P)
+// mesh as the host groups (collectives/mesh.h over the NCCL world). Not owned.
 struct MoeLmDeviceGroups {
-  NcclCommunicator* world = nullptr;
-  NcclCommunicator* ep_group = nullptr;
-  NcclCommunicator* edp_group = nullptr;
+  Communicator* world = nullptr;
+  Communicator* ep_group = nullptr;
+  Communicator* edp_group = nullptr;
 };
 
 // The GPU as a ComputeDevice for MoeLm::Create. InvalidArgument for missing device groups

@@ -127,8 +127,9 @@ TEST_P(MoeLmCudaTest, MatchesReferenceAndCpuTrainer) {
     EXPECT_EQ(gpu->history[s].routed_tokens, cpu_hist[s].routed_tokens);
   }
 
-  // 4. NCCL's collectives are in the comm metrics (TimeNcclCommunicator, with the host's):
-  //    some communication every step, and never more exposed than its total.
+  // 4. NCCL's collectives are in the comm metrics (TimedCommunicator over the NCCL groups'
+  //    device streams, with the host's): some communication every step, and never more
+  //    exposed than its total.
   for (const StepRecord& r : gpu->history) {
     EXPECT_GT(r.comm_seconds, 0.0) << r.step;
     EXPECT_LE(r.comm_exposed_seconds, r.comm_seconds) << r.step;

@@ -35,12 +35,15 @@ absl::StatusOr<int> LocalDeviceForRank(int world_rank);
 // (same host name and PCI bus id), which NCCL refuses with an opaque error. Collective.
 absl::Status CheckOneRankPerGpu(Communicator& host_world, int device);
 
-// The rank's NCCL world, bootstrapped over `host_world` and timed into `timer` (the host
-// mesh's CommTimer: TimeNcclCommunicator, so NCCL time counts in comm_s and
-// comm_exposed_s), and its (F, P) mesh with EP size `ep`: the GPU model's device groups.
+// The rank's NCCL world, bootstrapped over `host_world` (its agreement check runs over a
+// split of `host_world` unless options.check_agreement is false) and timed into `timer`
+// (the host mesh's CommTimer: TimedCommunicator over NCCL's device stream, so NCCL time
+// counts in comm_s and comm_exposed_s), and its (F, P) mesh with EP size `ep`: the GPU
+// model's device groups. Every group is decorated the same way and reaches its NCCL stream
+// through device_stream().
 struct NcclMesh {
-  std::unique_ptr<NcclCommunicator> world;
-  std::unique_ptr<Mesh> mesh;  // over `world`: its EP and EDP groups are timed too
+  std::unique_ptr<TimedCommunicator> world;
+  std::unique_ptr<Mesh> mesh;  // over `world`: its EP and EDP groups are checked and timed too
   MoeLmDeviceGroups groups() const;
 };
 // Collective over `host_world`. Errors of CreateNcclCommunicator and Mesh::Create.
