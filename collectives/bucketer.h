@@ -32,7 +32,7 @@
 // thread at a time. The communicator must outlive it.
 //
 // The storage is host memory unless GradBucketerOptions::memory places it elsewhere (a
-// GPU model's device memory, reduced by NCCL: train/cuda). Then grad() and shard() are
+// GPU model's device memory, reduced by NCCL). Then grad() and shard() are
 // views of that memory, readable only by its device.
 
 #include <cstddef>

@@ -712,7 +712,7 @@ class MpiCommunicator final : public Communicator {
   // The watchdog (on the progress thread, which is idle while a sync call runs on the
   // caller's thread): a blocking call still armed after its deadline cannot be interrupted
   // (MPI cannot cancel a collective), so the rank reports DeadlineExceeded and ends the
-  // job, as a timed-out collective in a training job does (train/main.cc).
+  // job, as a training job does after any timed-out collective.
   void CheckWatchedCall() {
     // The clock is read before the deadline: if the deadline loaded afterwards has passed
     // at `now`, the call armed with it was still running after its deadline.

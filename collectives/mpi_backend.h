@@ -29,7 +29,7 @@
 //   timeout / 4, at most 100 ms) prints "gradsum mpi backend: DEADLINE_EXCEEDED: mpi
 //   all_reduce #N (rank R of W): not every rank arrived within the timeout of T ..." to
 //   stderr and ends the whole job (AbortMpiJob, exit status 1), as a training job does
-//   after any timed-out collective (train/main.cc). Programs that want DeadlineExceeded
+//   after any timed-out collective. Programs that want DeadlineExceeded
 //   back from sync calls instead set blocking_sync_calls = false (costs 5-15 us per
 //   small call; docs/benchmarks/mpi.md).
 //
