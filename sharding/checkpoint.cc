@@ -18,15 +18,16 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "collectives/status_agreement.h"
 #include "core/half.h"
 #include "core/status.h"
 #include "core/tensor.h"
-#include "sharding/atomic_file.h"
-#include "sharding/flat_param.h"
+#include "io/atomic_file.h"
+#include "io/fingerprint.h"
+#include "io/proto_json.h"
+#include "io/safetensors.h"
 #include "sharding/checkpoint.pb.h"
-#include "sharding/proto_json.h"
-#include "sharding/safetensors.h"
-#include "sharding/status_agreement.h"
+#include "sharding/flat_param.h"
 
 namespace gradsum {
 namespace {

@@ -29,7 +29,7 @@
 //                              marker's own fingerprint over all of that
 // Both JSON files are the proto3 JSON of sharding/checkpoint.proto (format version 3;
 // docs/CHECKPOINTS.md has the details, such as int64 values being JSON strings).
-// Fingerprints are XXH3-64 (sharding/atomic_file.h), written as 16 hex digits.
+// Fingerprints are XXH3-64 (io/fingerprint.h), written as 16 hex digits.
 // A directory without checkpoint.json is an incomplete checkpoint. Saving removes an old
 // marker and the temporary files (*.tmp.*) of interrupted saves first, so a save that dies
 // half-way never passes for a complete one. A rank file that is not the one the marker
@@ -43,7 +43,7 @@
 // Errors: a truncated, corrupt or inconsistent file is DataLoss naming the file and the
 // problem; a checkpoint of other parameters is FailedPrecondition naming the parameter;
 // a missing checkpoint is NotFound.
-// Collective calls agree on the outcome (sharding/status_agreement.h): if any rank fails,
+// Collective calls agree on the outcome (collectives/status_agreement.h): if any rank fails,
 // every rank returns the same error, with the code of the lowest failing rank and every
 // failing rank's message, instead of some ranks hanging in a collective.
 

@@ -18,8 +18,9 @@
 #include "core/half.h"
 #include "core/status.h"
 #include "gtest/gtest.h"
-#include "sharding/atomic_file.h"
-#include "sharding/safetensors.h"
+#include "io/atomic_file.h"
+#include "io/fingerprint.h"
+#include "io/safetensors.h"
 #include "sharding/test_util.h"
 #include "testing/run_ranks.h"
 

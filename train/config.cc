@@ -13,7 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "core/status.h"
-#include "sharding/atomic_file.h"
+#include "io/atomic_file.h"
 
 namespace gradsum::train {
 namespace {

@@ -7,9 +7,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "collectives/status_agreement.h"
 #include "core/status.h"
-#include "sharding/atomic_file.h"
-#include "sharding/status_agreement.h"
+#include "io/fingerprint.h"
 #include "train/config.h"
 #include "train/data.h"
 

@@ -7,7 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
-#include "sharding/atomic_file.h"
+#include "io/atomic_file.h"
+#include "io/fingerprint.h"
 
 namespace gradsum::train {
 namespace {

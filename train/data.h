@@ -138,7 +138,7 @@ class TextFileCorpus : public DocumentSource {
   int64_t MinDocumentLength() const override { return min_len_; }
   int64_t MaxDocumentLength() const override { return max_len_; }
   std::string Describe() const override { return "--data=" + path_; }
-  // XXH3-64 of the file's bytes (sharding/atomic_file.h Fingerprint64, `xxhsum -H3 FILE`).
+  // XXH3-64 of the file's bytes (io/fingerprint.h Fingerprint64, `xxhsum -H3 FILE`).
   uint64_t ContentFingerprint() const override { return fingerprint_; }
 
  private:

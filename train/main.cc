@@ -10,7 +10,7 @@
 //
 // Failures (docs/ARCHITECTURE.md, "Failures"): an error one rank finds outside a collective
 // reaches every rank at the next agreement point (start-up, checkpoint load/save, step
-// boundaries; sharding/status_agreement.h), and rank 0 reports every failing rank's message;
+// boundaries; collectives/status_agreement.h), and rank 0 reports every failing rank's message;
 // the ranks then end normally with status 1. An error only one rank knows about (a collective
 // that timed out because a peer is stopped or dead) is reported by that rank, which then
 // aborts the whole MPI job (AbortMpiJob): nothing waits in MPI_Finalize for a peer that
@@ -25,9 +25,9 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "collectives/mpi_backend.h"
+#include "collectives/status_agreement.h"
 #include "collectives/thread_backend.h"
 #include "core/status.h"
-#include "sharding/status_agreement.h"
 #include "train/config.h"
 #include "train/config_flags.h"
 #include "train/rank_main.h"

@@ -9,7 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "sharding/atomic_file.h"
+#include "io/atomic_file.h"
 
 namespace gradsum::train {
 

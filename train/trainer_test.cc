@@ -7,15 +7,16 @@
 #include <fstream>
 #include <sstream>
 
-#include "gmock/gmock.h"
-#include "gtest/gtest.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "sharding/atomic_file.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "io/atomic_file.h"
+#include "io/fingerprint.h"
+#include "io/proto_json.h"
+#include "io/safetensors.h"
 #include "sharding/checkpoint.h"
 #include "sharding/checkpoint.pb.h"
-#include "sharding/proto_json.h"
-#include "sharding/safetensors.h"
 #include "testing/run_ranks.h"
 #include "train/config.h"
 #include "train/metrics.pb.h"

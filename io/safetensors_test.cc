@@ -1,4 +1,4 @@
-#include "sharding/safetensors.h"
+#include "io/safetensors.h"
 
 #include <dirent.h>
 #include <unistd.h>
@@ -11,7 +11,7 @@
 #include "core/half.h"
 #include "core/tensor.h"
 #include "gtest/gtest.h"
-#include "sharding/atomic_file.h"
+#include "io/atomic_file.h"
 
 namespace gradsum {
 namespace {

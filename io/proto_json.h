@@ -1,5 +1,5 @@
-#ifndef GRADSUM_SHARDING_PROTO_JSON_H_
-#define GRADSUM_SHARDING_PROTO_JSON_H_
+#ifndef GRADSUM_IO_PROTO_JSON_H_
+#define GRADSUM_IO_PROTO_JSON_H_
 
 // The JSON files gradsum defines (checkpoint manifests and commit markers,
 // sharding/checkpoint.proto; the --metrics records, train/metrics.proto) are protobuf
@@ -47,4 +47,4 @@ std::string FirstMissingField(const google::protobuf::Message& message);
 
 }  // namespace gradsum
 
-#endif  // GRADSUM_SHARDING_PROTO_JSON_H_
+#endif  // GRADSUM_IO_PROTO_JSON_H_

@@ -1,5 +1,5 @@
-#ifndef GRADSUM_SHARDING_SAFETENSORS_H_
-#define GRADSUM_SHARDING_SAFETENSORS_H_
+#ifndef GRADSUM_IO_SAFETENSORS_H_
+#define GRADSUM_IO_SAFETENSORS_H_
 
 // Reading and writing the standard .safetensors format, for checkpoints and tensor dumps
 // that other tools (Python `safetensors`, `transformers`) read.
@@ -39,7 +39,7 @@
 
 namespace gradsum {
 
-class ReadOnlyFile;  // sharding/atomic_file.h
+class ReadOnlyFile;  // io/atomic_file.h
 
 // "F32", "F64", "BF16", "F16", "I32", "I64".
 absl::string_view SafetensorsDTypeName(DType dtype);
@@ -151,4 +151,4 @@ class SafetensorsFile {
 
 }  // namespace gradsum
 
-#endif  // GRADSUM_SHARDING_SAFETENSORS_H_
+#endif  // GRADSUM_IO_SAFETENSORS_H_

@@ -1,5 +1,5 @@
-#ifndef GRADSUM_SHARDING_STATUS_AGREEMENT_H_
-#define GRADSUM_SHARDING_STATUS_AGREEMENT_H_
+#ifndef GRADSUM_COLLECTIVES_STATUS_AGREEMENT_H_
+#define GRADSUM_COLLECTIVES_STATUS_AGREEMENT_H_
 
 // Agreement on the outcome of rank-local work, so that a failure found by one rank outside
 // a collective (a file it cannot read or write, a check only it makes) reaches every rank
@@ -37,4 +37,4 @@ absl::Status MarkAgreed(absl::Status s);
 
 }  // namespace gradsum
 
-#endif  // GRADSUM_SHARDING_STATUS_AGREEMENT_H_
+#endif  // GRADSUM_COLLECTIVES_STATUS_AGREEMENT_H_

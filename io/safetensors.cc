@@ -1,4 +1,4 @@
-#include "sharding/safetensors.h"
+#include "io/safetensors.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -17,8 +17,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "sharding/atomic_file.h"
 #include "core/status.h"
+#include "io/atomic_file.h"
 
 namespace gradsum {
 namespace {

@@ -1,7 +1,8 @@
-#ifndef GRADSUM_SHARDING_ATOMIC_FILE_H_
-#define GRADSUM_SHARDING_ATOMIC_FILE_H_
+#ifndef GRADSUM_IO_ATOMIC_FILE_H_
+#define GRADSUM_IO_ATOMIC_FILE_H_
 
-// Whole-file reads and crash-safe whole-file writes, for checkpoints and dumps.
+// Whole-file reads and crash-safe whole-file writes, for checkpoints, dumps, exports and
+// the files the trainer reads (config, data). Fingerprints are io/fingerprint.h.
 //
 //   GRADSUM_RETURN_IF_ERROR(WriteFileAtomically("/ckpt/rank-0.manifest.json", text));
 //   GRADSUM_ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(path));
@@ -13,6 +14,7 @@
 #include <cstdint>
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
@@ -32,7 +34,7 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view byte
 // A file opened read-only, closed when the object goes. OpenRegularFile opens `path`
 // (O_RDONLY | O_CLOEXEC) and checks that it is a regular file: errors carry the errno code
 // and name the path; a directory, device, FIFO or socket is FailedPrecondition. The one
-// open/stat/check preamble of every reader here (ReadFileToString, FingerprintFile, the
+// open/stat/check preamble of every reader in io/ (ReadFileToString, FingerprintFile, the
 // safetensors readers).
 class ReadOnlyFile {
  public:
@@ -60,16 +62,6 @@ absl::StatusOr<ReadOnlyFile> OpenRegularFile(const std::string& path);
 absl::StatusOr<std::string> ReadFileToString(const std::string& path,
                                              uint64_t max_bytes = uint64_t{1} << 40);
 
-// XXH3-64 (xxHash, seed 0) of `bytes`: detects flipped bits in a checkpoint file whose
-// structure is still valid, and tells files apart. Outside tools compute the same value
-// (`xxhsum -H3 FILE`). Not cryptographic.
-uint64_t Fingerprint64(absl::string_view bytes);
-
-// Fingerprint64 of the file at `path`, read in pieces (never whole into memory). The file
-// must be regular (FailedPrecondition otherwise) and at most `max_bytes` long (OutOfRange).
-// Errors name the path.
-absl::StatusOr<uint64_t> FingerprintFile(const std::string& path, uint64_t max_bytes);
-
 }  // namespace gradsum
 
-#endif  // GRADSUM_SHARDING_ATOMIC_FILE_H_
+#endif  // GRADSUM_IO_ATOMIC_FILE_H_

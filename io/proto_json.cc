@@ -1,4 +1,4 @@
-#include "sharding/proto_json.h"
+#include "io/proto_json.h"
 
 #include <google/protobuf/descriptor.h>
 #include <google/protobuf/io/coded_stream.h>

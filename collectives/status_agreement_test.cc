@@ -1,4 +1,4 @@
-#include "sharding/status_agreement.h"
+#include "collectives/status_agreement.h"
 
 #include <string>
 #include <vector>

@@ -1,25 +1,25 @@
-#include "sharding/proto_json.h"
+#include "io/proto_json.h"
 
 #include <string>
 
 #include "gmock/gmock.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "gtest/gtest.h"
-#include "sharding/checkpoint.pb.h"
+#include "io/proto_json_test.pb.h"
 
 namespace gradsum {
 namespace {
 
 using ::testing::HasSubstr;
-namespace cp = ::gradsum::checkpoint;
+namespace pt = ::gradsum::io_test;
 
-cp::CommitMarker SmallMarker() {
-  cp::CommitMarker m;
+pt::Marker SmallMarker() {
+  pt::Marker m;
   m.set_format("f");
   m.set_version(0);  // set at its default: still written
   m.set_world(1);
   m.set_step(int64_t{1} << 40);
-  cp::RankFiles* r = m.add_ranks();
+  pt::Files* r = m.add_ranks();
   r->set_manifest("00000000000000ff");
   r->set_tensors("0123456789abcdef");
   // Inserted out of order: written sorted.
@@ -41,10 +41,10 @@ TEST(ProtoJsonTest, WritesTheProto3MappingCompactAndDeterministic) {
 }
 
 TEST(ProtoJsonTest, ReadsWhatItWritesAndInt64AsNumberOrString) {
-  const cp::CommitMarker want = SmallMarker();
+  const pt::Marker want = SmallMarker();
   absl::StatusOr<std::string> json = ProtoToJson(want);
   ASSERT_TRUE(json.ok());
-  cp::CommitMarker got;
+  pt::Marker got;
   ASSERT_TRUE(ProtoFromJson(*json, &got).ok());
   // Field by field (a map's wire order is unspecified, so byte strings may differ).
   EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(got, want))
@@ -77,13 +77,13 @@ TEST(ProtoJsonTest, MalformedInputIsInvalidArgumentNamingTheMember) {
            Case{"\x01\x02{{{", "Expected"},
            Case{"", ""},
        }) {
-    cp::CommitMarker m;
+    pt::Marker m;
     absl::Status s = ProtoFromJson(c.text, &m);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.text << ": " << s;
-    EXPECT_THAT(s.message(), HasSubstr("not a valid CommitMarker in JSON: ")) << c.text;
+    EXPECT_THAT(s.message(), HasSubstr("not a valid Marker in JSON: ")) << c.text;
     EXPECT_THAT(s.message(), HasSubstr(c.needle)) << c.text;
   }
-  cp::CommitMarker m;
+  pt::Marker m;
   EXPECT_TRUE(ProtoFromJson(R"({"format": "f", "bogus": {"x": [1]}})", &m,
                             /*ignore_unknown_fields=*/true)
                   .ok());
@@ -91,16 +91,13 @@ TEST(ProtoJsonTest, MalformedInputIsInvalidArgumentNamingTheMember) {
 }
 
 TEST(ProtoJsonTest, FirstMissingFieldNamesThePath) {
-  cp::RankManifest m;
+  pt::Manifest m;
   EXPECT_EQ(FirstMissingField(m), "format");
-  ASSERT_TRUE(ProtoFromJson(R"({"format": "f", "version": 3, "rank": 0, "world": 2,
-      "step": 1, "tensors_file": "t", "tensors_bytes": "8", "tensors_fingerprint": "x",
+  ASSERT_TRUE(ProtoFromJson(R"({"format": "f", "rank": 0,
       "groups": [
-        {"name": "a", "mode": "sharded", "group_size": 1, "group_rank": 0, "numel": 1,
-         "padded_numel": 1, "shard_offset": 0, "local_numel": 1,
+        {"name": "a", "numel": 1, "local_numel": 1,
          "params": [{"name": "p", "shape": [1], "offset": 0}]},
-        {"name": "b", "mode": "sharded", "group_size": 1, "group_rank": 0, "numel": 1,
-         "padded_numel": 1, "shard_offset": 0, "local_numel": null,
+        {"name": "b", "numel": 1, "local_numel": null,
          "params": [{"name": "q", "shape": []}]}]})",
                             &m)
                   .ok());
