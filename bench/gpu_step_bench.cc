@@ -40,9 +40,9 @@ constexpr int kTimedSteps = 5;
 
 train::TrainConfig StepConfig(bool wide) {
   train::TrainConfig config;  // the binary's defaults
-  config.set_world(1);
-  config.set_ep(1);
-  config.set_steps(1 << 30);
+  config.mutable_parallelism()->set_world(1);
+  config.mutable_parallelism()->set_ep(1);
+  config.mutable_optim()->set_steps(1 << 30);
   if (wide) {
     config.mutable_model()->set_dim(512);
     config.mutable_model()->set_expert_dim(1024);

@@ -74,11 +74,11 @@ double SingleCoreGemmGflops() {
 void BM_TrainStep(benchmark::State& state) {
   const int world = static_cast<int>(state.range(0));
   train::TrainConfig config;  // the binary's defaults
-  config.set_world(world);
-  config.set_ep(static_cast<int>(state.range(1)));
-  config.set_sharding(state.range(2) == 0 ? train::TrainConfig::fsdp
+  config.mutable_parallelism()->set_world(world);
+  config.mutable_parallelism()->set_ep(static_cast<int>(state.range(1)));
+  config.mutable_parallelism()->set_sharding(state.range(2) == 0 ? train::TrainConfig::fsdp
                                           : train::TrainConfig::replicated);
-  config.set_steps(1 << 30);
+  config.mutable_optim()->set_steps(1 << 30);
   double step_s = 0, comm_s = 0, exposed_s = 0, wait_s = 0, tokens = 0;
   double exposed_by_kind_s[kNumCommKinds] = {};
   for (auto _ : state) {
@@ -94,7 +94,7 @@ void BM_TrainStep(benchmark::State& state) {
     for (int r = 0; r < world; ++r) {
       threads.emplace_back([&, r] {
         auto fail = [&](absl::Status s) { status[r] = s; };
-        absl::StatusOr<train::RankMesh> mesh = train::MakeRankMesh((*comms)[r].get(), config.ep());
+        absl::StatusOr<train::RankMesh> mesh = train::MakeRankMesh((*comms)[r].get(), config.parallelism().ep());
         if (!mesh.ok()) return fail(mesh.status());
         auto trainer = train::Trainer::Create(config, mesh->comms());
         if (!trainer.ok()) return fail(trainer.status());

@@ -8,6 +8,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -73,7 +77,7 @@ absl::StatusOr<std::string> UnquoteEnumWords(absl::string_view text) {
   using Tokenizer = pb::io::Tokenizer;
   using Token = Tokenizer::Token;
   // The message type of each open brace ({ or <); nullptr inside an unknown field.
-  std::vector<const pb::Descriptor*> scopes = {TrainConfig::descriptor()};
+  std::vector<const pb::Descriptor*> scopes = {TrainConfigFile::descriptor()};
   const pb::Descriptor* next_scope = nullptr;
   for (size_t i = 0; i < tokens.size(); ++i) {
     const Token& t = tokens[i];
@@ -182,18 +186,129 @@ absl::Status SetFromText(pb::Message* msg, const pb::FieldDescriptor* f, const s
   }
 }
 
+// The top-level fields of the layout before sections (TrainConfigFile) and where each lives
+// now. Every such field of TrainConfigFile is here (ParseConfigText fails otherwise).
+constexpr std::pair<const char*, const char*> kLegacyFieldPaths[] = {
+    {"world", "parallelism.world"},
+    {"ep", "parallelism.ep"},
+    {"grad_acc", "parallelism.grad_acc"},
+    {"steps", "optim.steps"},
+    {"backend", "comm.backend"},
+    {"sharding", "parallelism.sharding"},
+    {"reduce_dtype", "precision.reduce_dtype"},
+    {"compute_dtype", "precision.compute_dtype"},
+    {"seed", "model.seed"},
+    {"alpha_b", "loss.alpha_b"},
+    {"alpha_z", "loss.alpha_z"},
+    {"dump_dir", "debug.dump_dir"},
+    {"metrics", "log.metrics"},
+    {"checkpoint_dir", "checkpoint.dir"},
+    {"checkpoint_every", "checkpoint.every"},
+    {"resume", "checkpoint.resume"},
+    {"parity_check", "debug.parity_check"},
+    {"parity_tolerance", "debug.parity_tolerance"},
+    {"timeout_s", "comm.timeout_s"},
+    {"ce_mode", "loss.ce_mode"},
+    {"nccl_skip_agreement", "comm.nccl_skip_agreement"},
+    {"layers_per_unit", "parallelism.layers_per_unit"},
+    {"reshard_after_forward", "parallelism.reshard_after_forward"},
+    {"reduce_every_micro_batch", "parallelism.reduce_every_micro_batch"},
+    {"bucket_cap_mb", "comm.bucket_cap_mb"},
+    {"first_bucket_mb", "comm.first_bucket_mb"},
+    {"export_path", "checkpoint.export_path"},
+    {"init_from", "checkpoint.init_from"},
+    {"reproducible", "precision.reproducible"},
+};
+
+// Copies the value of singular field `from_field` of `from` into `to_field` of `to` (the same
+// type).
+void CopyField(const pb::Message& from, const pb::FieldDescriptor* from_field, pb::Message* to,
+               const pb::FieldDescriptor* to_field) {
+  const pb::Reflection* rf = from.GetReflection();
+  const pb::Reflection* rt = to->GetReflection();
+  switch (from_field->cpp_type()) {
+    case pb::FieldDescriptor::CPPTYPE_INT32:
+      return rt->SetInt32(to, to_field, rf->GetInt32(from, from_field));
+    case pb::FieldDescriptor::CPPTYPE_INT64:
+      return rt->SetInt64(to, to_field, rf->GetInt64(from, from_field));
+    case pb::FieldDescriptor::CPPTYPE_UINT32:
+      return rt->SetUInt32(to, to_field, rf->GetUInt32(from, from_field));
+    case pb::FieldDescriptor::CPPTYPE_UINT64:
+      return rt->SetUInt64(to, to_field, rf->GetUInt64(from, from_field));
+    case pb::FieldDescriptor::CPPTYPE_DOUBLE:
+      return rt->SetDouble(to, to_field, rf->GetDouble(from, from_field));
+    case pb::FieldDescriptor::CPPTYPE_FLOAT:
+      return rt->SetFloat(to, to_field, rf->GetFloat(from, from_field));
+    case pb::FieldDescriptor::CPPTYPE_BOOL:
+      return rt->SetBool(to, to_field, rf->GetBool(from, from_field));
+    case pb::FieldDescriptor::CPPTYPE_STRING:
+      return rt->SetString(to, to_field, rf->GetString(from, from_field));
+    case pb::FieldDescriptor::CPPTYPE_ENUM:
+      return rt->SetEnumValue(to, to_field, rf->GetEnumValue(from, from_field));
+    case pb::FieldDescriptor::CPPTYPE_MESSAGE:
+      return rt->MutableMessage(to, to_field)->CopyFrom(rf->GetMessage(from, from_field));
+  }
+}
+
+// The config a parsed file describes: its sections, and each top-level field of the layout
+// before sections moved to its section. A field set in both spellings to different values
+// is InvalidArgument naming both.
+absl::StatusOr<TrainConfig> FromConfigFile(const TrainConfigFile& file) {
+  TrainConfig config;
+  const pb::Descriptor* file_type = TrainConfigFile::descriptor();
+  const pb::Reflection* file_refl = file.GetReflection();
+  for (int i = 0; i < TrainConfig::descriptor()->field_count(); ++i) {
+    const pb::FieldDescriptor* section = TrainConfig::descriptor()->field(i);
+    const pb::FieldDescriptor* from = file_type->FindFieldByName(section->name());
+    if (file_refl->HasField(file, from)) CopyField(file, from, &config, section);
+  }
+  for (int i = 0; i < file_type->field_count(); ++i) {
+    const pb::FieldDescriptor* old_field = file_type->field(i);
+    if (old_field->cpp_type() == pb::FieldDescriptor::CPPTYPE_MESSAGE ||
+        !file_refl->HasField(file, old_field)) {
+      continue;
+    }
+    const auto* entry = std::find_if(
+        std::begin(kLegacyFieldPaths), std::end(kLegacyFieldPaths),
+        [&](const auto& e) { return old_field->name() == e.first; });
+    if (entry == std::end(kLegacyFieldPaths)) {
+      return absl::InternalError(
+          absl::StrCat("config field ", old_field->name(), " has no place in the sections"));
+    }
+    const std::vector<std::string> parts = absl::StrSplit(entry->second, '.');
+    const pb::FieldDescriptor* section = TrainConfig::descriptor()->FindFieldByName(parts[0]);
+    pb::Message* msg = config.GetReflection()->MutableMessage(&config, section);
+    const pb::FieldDescriptor* new_field = msg->GetDescriptor()->FindFieldByName(parts[1]);
+    std::string old_value;
+    pb::TextFormat::PrintFieldValueToString(file, old_field, -1, &old_value);
+    if (msg->GetReflection()->HasField(*msg, new_field)) {
+      std::string new_value;
+      pb::TextFormat::PrintFieldValueToString(*msg, new_field, -1, &new_value);
+      if (new_value != old_value) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "config textproto: ", old_field->name(), "=", old_value, " and ", entry->second, "=",
+            new_value, " are the same setting (", old_field->name(),
+            " is its name before config sections) with different values; keep one"));
+      }
+      continue;
+    }
+    CopyField(file, old_field, msg, new_field);
+  }
+  return config;
+}
+
 }  // namespace
 
 absl::StatusOr<TrainConfig> ParseConfigText(absl::string_view text) {
-  TrainConfig config;
+  TrainConfigFile file;
   GRADSUM_ASSIGN_OR_RETURN(const std::string unquoted, UnquoteEnumWords(text));
   pb::TextFormat::Parser parser;
   CollectingErrors errors;
   parser.RecordErrorsTo(&errors);
-  if (!parser.ParseFromString(unquoted, &config)) {
+  if (!parser.ParseFromString(unquoted, &file)) {
     return absl::InvalidArgumentError(absl::StrCat("config textproto: ", errors.first()));
   }
-  return config;
+  return FromConfigFile(file);
 }
 
 absl::StatusOr<TrainConfig> LoadConfigFile(const std::string& path) {
@@ -240,17 +355,18 @@ absl::Status ValidateConfig(const TrainConfig& c) {
     return Bad(name, StrCat(v), "must be positive");
   };
   const ModelConfig& m = c.model();
+  const ParallelismConfig& p = c.parallelism();
   GRADSUM_RETURN_IF_ERROR(positive("model.vocab", m.vocab()));
   GRADSUM_RETURN_IF_ERROR(positive("model.dim", m.dim()));
   GRADSUM_RETURN_IF_ERROR(positive("model.layers", m.layers()));
   GRADSUM_RETURN_IF_ERROR(positive("model.experts", m.experts()));
   GRADSUM_RETURN_IF_ERROR(positive("model.top_k", m.top_k()));
   GRADSUM_RETURN_IF_ERROR(positive("model.expert_dim", m.expert_dim()));
-  GRADSUM_RETURN_IF_ERROR(positive("world", c.world()));
-  GRADSUM_RETURN_IF_ERROR(positive("ep", c.ep()));
-  GRADSUM_RETURN_IF_ERROR(positive("grad_acc", c.grad_acc()));
+  GRADSUM_RETURN_IF_ERROR(positive("parallelism.world", p.world()));
+  GRADSUM_RETURN_IF_ERROR(positive("parallelism.ep", p.ep()));
+  GRADSUM_RETURN_IF_ERROR(positive("parallelism.grad_acc", p.grad_acc()));
   GRADSUM_RETURN_IF_ERROR(positive("data.micro_batch", c.data().micro_batch()));
-  if (c.steps() < 0) return Bad("steps", StrCat(c.steps()), "must be >= 0");
+  if (c.optim().steps() < 0) return Bad("optim.steps", StrCat(c.optim().steps()), "must be >= 0");
   if (m.vocab() != 256) {
     return Bad("model.vocab", StrCat(m.vocab()), "the data is byte-level, so vocab must be 256");
   }
@@ -258,11 +374,13 @@ absl::Status ValidateConfig(const TrainConfig& c) {
     return Bad("model.top_k", StrCat(m.top_k()),
                StrCat("cannot exceed model.experts=", m.experts()));
   }
-  if (c.world() % c.ep() != 0) {
-    return Bad("ep", StrCat(c.ep()), StrCat("must divide world=", c.world()));
+  // The EP size's one check before any rank starts; the mesh built from it
+  // (train/rank_main.h MakeRankMesh) is then the source of every group size.
+  if (p.world() % p.ep() != 0) {
+    return Bad("parallelism.ep", StrCat(p.ep()), StrCat("must divide parallelism.world=", p.world()));
   }
-  if (m.experts() % c.ep() != 0) {
-    return Bad("ep", StrCat(c.ep()),
+  if (m.experts() % p.ep() != 0) {
+    return Bad("parallelism.ep", StrCat(p.ep()),
                StrCat("must divide model.experts=", m.experts(), " (SEMANTICS.md §7)"));
   }
   if (!(std::isfinite(m.router_scale()) && m.router_scale() > 0)) {
@@ -305,44 +423,46 @@ absl::Status ValidateConfig(const TrainConfig& c) {
   if (o.warmup_steps() < 0) {
     return Bad("optim.warmup_steps", StrCat(o.warmup_steps()), "must be >= 0");
   }
-  if (!(std::isfinite(c.alpha_b()) && c.alpha_b() >= 0)) {
-    return Bad("alpha_b", StrCat(c.alpha_b()), "must be >= 0");
+  const LossConfig& l = c.loss();
+  if (!(std::isfinite(l.alpha_b()) && l.alpha_b() >= 0)) {
+    return Bad("loss.alpha_b", StrCat(l.alpha_b()), "must be >= 0");
   }
-  if (!(std::isfinite(c.alpha_z()) && c.alpha_z() >= 0)) {
-    return Bad("alpha_z", StrCat(c.alpha_z()), "must be >= 0");
+  if (!(std::isfinite(l.alpha_z()) && l.alpha_z() >= 0)) {
+    return Bad("loss.alpha_z", StrCat(l.alpha_z()), "must be >= 0");
   }
-  if (c.checkpoint_every() < 0) {
-    return Bad("checkpoint_every", StrCat(c.checkpoint_every()), "must be >= 0");
+  const CheckpointConfig& k = c.checkpoint();
+  if (k.every() < 0) return Bad("checkpoint.every", StrCat(k.every()), "must be >= 0");
+  if (k.resume() && k.dir().empty()) return Bad("checkpoint.resume", "true", "needs checkpoint.dir");
+  if (k.resume() && !k.init_from().empty()) {
+    return Bad("checkpoint.init_from", k.init_from(),
+               "cannot be combined with checkpoint.resume (the checkpoint holds the parameters)");
   }
-  if (c.resume() && c.checkpoint_dir().empty()) {
-    return Bad("resume", "true", "needs checkpoint_dir");
+  if (k.every() > 0 && k.dir().empty()) {
+    return Bad("checkpoint.every", StrCat(k.every()), "needs checkpoint.dir");
   }
-  if (c.resume() && !c.init_from().empty()) {
-    return Bad("init_from", c.init_from(), "cannot be combined with resume (the checkpoint "
-               "holds the parameters)");
+  if (!(std::isfinite(c.debug().parity_tolerance()) && c.debug().parity_tolerance() > 0)) {
+    return Bad("debug.parity_tolerance", StrCat(c.debug().parity_tolerance()), "must be > 0");
   }
-  if (c.checkpoint_every() > 0 && c.checkpoint_dir().empty()) {
-    return Bad("checkpoint_every", StrCat(c.checkpoint_every()), "needs checkpoint_dir");
+  const CommConfig& comm = c.comm();
+  if (!(std::isfinite(comm.timeout_s()) && comm.timeout_s() > 0)) {
+    return Bad("comm.timeout_s", StrCat(comm.timeout_s()), "must be > 0");
   }
-  if (!(std::isfinite(c.parity_tolerance()) && c.parity_tolerance() > 0)) {
-    return Bad("parity_tolerance", StrCat(c.parity_tolerance()), "must be > 0");
+  const PrecisionConfig& precision = c.precision();
+  if (precision.reproducible() && comm.backend() == TrainConfig::nccl) {
+    return Bad("precision.reproducible", "true",
+               "is implemented for the CPU backends (thread, mpi) only, not comm.backend=nccl");
   }
-  if (!(std::isfinite(c.timeout_s()) && c.timeout_s() > 0)) {
-    return Bad("timeout_s", StrCat(c.timeout_s()), "must be > 0");
+  if (precision.reproducible() && precision.reduce_dtype() != TrainConfig::f32) {
+    return Bad("precision.reproducible", "true",
+               "reduces gradients exactly in integers; it needs precision.reduce_dtype=f32 (got "
+               "bf16)");
   }
-  if (c.reproducible() && c.backend() == TrainConfig::nccl) {
-    return Bad("reproducible", "true",
-               "is implemented for the CPU backends (thread, mpi) only, not backend=nccl");
+  if (p.layers_per_unit() < 1) {
+    return Bad("parallelism.layers_per_unit", StrCat(p.layers_per_unit()), "must be >= 1");
   }
-  if (c.reproducible() && c.reduce_dtype() != TrainConfig::f32) {
-    return Bad("reproducible", "true",
-               "reduces gradients exactly in integers; it needs reduce_dtype=f32 (got bf16)");
-  }
-  if (c.layers_per_unit() < 1) {
-    return Bad("layers_per_unit", StrCat(c.layers_per_unit()), "must be >= 1");
-  }
-  for (const auto& [name, mb] : {std::pair<const char*, double>{"bucket_cap_mb", c.bucket_cap_mb()},
-                                 {"first_bucket_mb", c.first_bucket_mb()}}) {
+  for (const auto& [name, mb] :
+       {std::pair<const char*, double>{"comm.bucket_cap_mb", comm.bucket_cap_mb()},
+        {"comm.first_bucket_mb", comm.first_bucket_mb()}}) {
     if (!(std::isfinite(mb) && mb > 0 && mb <= 1 << 20)) {
       return Bad(name, StrCat(mb), "must be in (0, 1048576] MiB");
     }
@@ -426,6 +546,11 @@ TrainConfig ResolvedConfig(const TrainConfig& in) {
   TrainConfig config = in;
   SetDefaultsExplicitly(&config);
   return config;
+}
+
+int64_t GlobalBatch(const TrainConfig& config) {
+  return int64_t{config.parallelism().world()} * config.parallelism().grad_acc() *
+         config.data().micro_batch();
 }
 
 std::string ConfigToShortText(const TrainConfig& in) {

@@ -8,9 +8,11 @@
 // start with InvalidArgument naming the field and the value, never later in training.
 //
 //   GRADSUM_ASSIGN_OR_RETURN(TrainConfig c, LoadConfigFile("run.textproto"));
-//   GRADSUM_RETURN_IF_ERROR(ApplyOverrides({{"model.dim", "32"}, {"world", "4"}}, &c));
+//   GRADSUM_RETURN_IF_ERROR(
+//       ApplyOverrides({{"model.dim", "32"}, {"parallelism.world", "4"}}, &c));
 //   GRADSUM_RETURN_IF_ERROR(ValidateConfig(c));
 
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -26,6 +28,12 @@ namespace gradsum::train {
 // field is InvalidArgument with the parser's line and column. An enum field reads its word
 // bare or quoted (`backend: mpi`, `backend: "mpi"`); an unknown word is InvalidArgument
 // naming the field, the word and the allowed words.
+//
+// Files (and checkpoint markers) written before the config had sections set top-level
+// fields (`world: 4 ep: 2 steps: 100`); each is read into its section
+// (parallelism.world, parallelism.ep, optim.steps; the table is kLegacyFieldPaths in
+// config.cc), so such a file gives the same config as before. A file that sets a field in
+// both spellings with different values is InvalidArgument naming both.
 absl::StatusOr<TrainConfig> ParseConfigText(absl::string_view text);
 
 // Reads and parses `path`, which must be a regular file of at most 1 MiB. A missing or
@@ -33,7 +41,7 @@ absl::StatusOr<TrainConfig> ParseConfigText(absl::string_view text);
 // (FailedPrecondition) or a bigger file (OutOfRange) is an error naming the path.
 absl::StatusOr<TrainConfig> LoadConfigFile(const std::string& path);
 
-// One override: a dotted field path of TrainConfig ("world", "model.dim",
+// One override: a dotted field path of TrainConfig ("parallelism.world", "model.dim",
 // "optim.lr") and the value as text ("4", "0.5", "true", "bf16").
 struct FieldOverride {
   std::string path;
@@ -43,14 +51,16 @@ struct FieldOverride {
 // Sets each field in order. An unknown path, a path that names a message, or a value
 // that does not parse as the field's type (or overflows it) is InvalidArgument naming
 // the path and the value; for an enum field ("sharding") also the allowed words
-// ("sharding=zero: must be fsdp or replicated").
+// ("parallelism.sharding=zero: must be fsdp or replicated").
 absl::Status ApplyOverrides(const std::vector<FieldOverride>& overrides, TrainConfig* config);
 
 // Checks everything that can be checked before any rank starts: positive sizes,
-// world % ep == 0, experts % ep == 0 (SEMANTICS.md §7), top_k <= experts, vocab == 256
-// (all data is byte-level), document lengths
-// that fit a sequence, optimiser ranges, resume needing a checkpoint_dir. Returns the
-// first violation as InvalidArgument "field=value: reason".
+// world % ep == 0 and experts % ep == 0 (SEMANTICS.md §7; the EP size is checked here once,
+// and the mesh built from it is the source of the group sizes after), top_k <= experts,
+// vocab == 256 (all data is byte-level), document lengths that fit a sequence, optimiser
+// ranges, resume needing a checkpoint directory. Returns the first violation as
+// InvalidArgument "field=value: reason", the field as its dotted path
+// ("parallelism.ep=3: must divide parallelism.world=4").
 absl::Status ValidateConfig(const TrainConfig& config);
 
 // Every scalar field of `config` as (dotted path, value as text), defaults included, in
@@ -60,6 +70,9 @@ std::vector<FieldOverride> ConfigFields(const TrainConfig& config);
 // `config` with every field set explicitly, defaults included. Reading a resolved config
 // never touches protobuf's lazily built default values, so rank threads can share it.
 TrainConfig ResolvedConfig(const TrainConfig& config);
+
+// The global batch B = world x grad_acc x micro_batch: sequences per step (train/data.h).
+int64_t GlobalBatch(const TrainConfig& config);
 
 // The config as one-line textproto with every field written out, defaults included
 // (for logs, losses.json and checkpoints); ParseConfigText reads it back.

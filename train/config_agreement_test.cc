@@ -21,7 +21,7 @@ TEST(CheckRanksAgreeTest, DifferentFieldsAreNamedWithTheRanks) {
   const TrainConfig base = ResolvedConfig(TinyConfig(3, 1, 1, TrainConfig::fsdp));
   auto st = gradsum::testing::RunRanksPerRank(3, [&](Communicator& c) -> absl::Status {
     TrainConfig mine = base;
-    if (c.rank() == 2) mine.set_seed(7);
+    if (c.rank() == 2) mine.mutable_model()->set_seed(7);
     if (c.rank() >= 1) mine.mutable_optim()->set_lr(0.5);
     return CheckRanksAgree(mine, MakeCorpus(mine.data()), c);
   });

@@ -52,22 +52,24 @@ TEST(ConfigFlagsTest, CommandLineOverridesFileOnlyWhereGiven) {
   absl::ParseCommandLine(static_cast<int>(argv.size()), const_cast<char**>(argv.data()));
   absl::StatusOr<TrainConfig> c = ConfigFromFlags();
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(c->world(), 4);  // file
-  EXPECT_EQ(c->ep(), 2);     // flag, although 2 is also the proto default
+  // The file is in the layout before config sections: its top-level fields still count.
+  EXPECT_EQ(c->parallelism().world(), 4);  // file
+  EXPECT_EQ(c->parallelism().ep(), 2);     // flag, although 2 is also the proto default
   EXPECT_FALSE(c->model().norm_topk_prob());
   EXPECT_EQ(c->model().experts(), 8);  // file
-  EXPECT_EQ(c->steps(), 11);           // file
+  EXPECT_EQ(c->optim().steps(), 11);   // file
   EXPECT_EQ(c->model().dim(), 24);     // flag beats file
-  EXPECT_EQ(c->grad_acc(), 3);
-  EXPECT_EQ(c->sharding(), TrainConfig::replicated);
-  EXPECT_TRUE(c->parity_check());
+  EXPECT_EQ(c->parallelism().grad_acc(), 3);
+  EXPECT_EQ(c->parallelism().sharding(), TrainConfig::replicated);
+  EXPECT_TRUE(c->debug().parity_check());
 
   // A bad combination is caught at start, naming the field.
-  std::ofstream(path) << "world: 3\n";  // --ep=2 does not divide it
+  std::ofstream(path) << "parallelism { world: 3 }\n";  // --ep=2 does not divide it
   absl::StatusOr<TrainConfig> bad = ConfigFromFlags();
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(bad.status().message(), HasSubstr("ep=2: must divide world=3"));
+  EXPECT_THAT(bad.status().message(),
+              HasSubstr("parallelism.ep=2: must divide parallelism.world=3"));
 }
 
 }  // namespace

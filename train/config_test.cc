@@ -15,17 +15,14 @@ using ::testing::HasSubstr;
 TEST(ConfigTest, DefaultsAreValid) {
   TrainConfig c;
   EXPECT_EQ(c.model().vocab(), 256);
-  EXPECT_EQ(c.backend(), TrainConfig::thread);
+  EXPECT_EQ(c.comm().backend(), TrainConfig::thread);
   EXPECT_TRUE(ValidateConfig(c).ok()) << ValidateConfig(c);
 }
 
 TEST(ConfigTest, ParsesTextproto) {
   absl::StatusOr<TrainConfig> c = ParseConfigText(R"pb(
     model { dim: 32 experts: 4 top_k: 1 norm_topk_prob: false }
-    world: 4
-    ep: 2
-    grad_acc: 3
-    sharding: "replicated"
+    parallelism { world: 4 ep: 2 grad_acc: 3 sharding: replicated }
     optim { lr: 0.5 }
   )pb");
   ASSERT_TRUE(c.ok()) << c.status();
@@ -33,9 +30,9 @@ TEST(ConfigTest, ParsesTextproto) {
   EXPECT_EQ(c->model().experts(), 4);
   EXPECT_FALSE(c->model().norm_topk_prob());
   EXPECT_EQ(c->model().layers(), 2);  // default kept
-  EXPECT_EQ(c->world(), 4);
-  EXPECT_EQ(c->grad_acc(), 3);
-  EXPECT_EQ(c->sharding(), TrainConfig::replicated);
+  EXPECT_EQ(c->parallelism().world(), 4);
+  EXPECT_EQ(c->parallelism().grad_acc(), 3);
+  EXPECT_EQ(c->parallelism().sharding(), TrainConfig::replicated);
   EXPECT_DOUBLE_EQ(c->optim().lr(), 0.5);
 }
 
@@ -44,16 +41,16 @@ TEST(ConfigTest, ParsesTextproto) {
 TEST(ConfigTest, EnumFieldsReadBareOrQuotedWords) {
   absl::StatusOr<TrainConfig> c = ParseConfigText(
       "# a run\n"
-      "backend: mpi  # trailing comment\n"
+      "comm { backend: mpi }  # trailing comment\n"
       "model { dim: 16 }\n"
-      "\tsharding: \"replicated\" reduce_dtype: 'bf16'\n"
-      "compute_dtype:bf16 ce_mode: \"square\"; data { path: \"sample\" }\n");
+      "\tparallelism { sharding: \"replicated\" } precision { reduce_dtype: 'bf16'\n"
+      "compute_dtype:bf16 } loss { ce_mode: \"square\" }; data { path: \"sample\" }\n");
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(c->backend(), TrainConfig::mpi);
-  EXPECT_EQ(c->sharding(), TrainConfig::replicated);
-  EXPECT_EQ(c->reduce_dtype(), TrainConfig::bf16);
-  EXPECT_EQ(c->compute_dtype(), TrainConfig::bf16);
-  EXPECT_EQ(c->ce_mode(), TrainConfig::square);
+  EXPECT_EQ(c->comm().backend(), TrainConfig::mpi);
+  EXPECT_EQ(c->parallelism().sharding(), TrainConfig::replicated);
+  EXPECT_EQ(c->precision().reduce_dtype(), TrainConfig::bf16);
+  EXPECT_EQ(c->precision().compute_dtype(), TrainConfig::bf16);
+  EXPECT_EQ(c->loss().ce_mode(), TrainConfig::square);
   EXPECT_EQ(c->model().dim(), 16);
   EXPECT_EQ(c->data().path(), "sample");  // a string field keeps its quotes' content
 }
@@ -72,6 +69,109 @@ TEST(ConfigTest, UnknownEnumWordNamesTheAllowedWords) {
   ASSERT_FALSE(c.ok());
   EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(c.status().message(), HasSubstr("line 2:16"));  // the tab counts to column 8
+}
+
+// A file in the layout before config sections (every old top-level field set, enums bare
+// and quoted) gives the same config as the same settings written in sections.
+TEST(ConfigTest, TopLevelFieldsOfTheOldLayoutReadIntoTheirSections) {
+  absl::StatusOr<TrainConfig> old = ParseConfigText(R"pb(
+    model { dim: 32 }
+    world: 4 ep: 4 grad_acc: 3 steps: 9 backend: "mpi" sharding: replicated
+    reduce_dtype: "bf16" compute_dtype: bf16 seed: 7 alpha_b: 0.5 alpha_z: 0.25
+    dump_dir: "/d" metrics: "/m.jsonl" checkpoint_dir: "/c" checkpoint_every: 3
+    resume: true parity_check: true parity_tolerance: 0.001 timeout_s: 30
+    ce_mode: 'square' nccl_skip_agreement: true layers_per_unit: 2
+    reshard_after_forward: false reduce_every_micro_batch: false bucket_cap_mb: 4
+    first_bucket_mb: 0.5 export_path: "/e.safetensors" init_from: "/i.safetensors"
+    reproducible: true
+  )pb");
+  ASSERT_TRUE(old.ok()) << old.status();
+  absl::StatusOr<TrainConfig> sections = ParseConfigText(R"pb(
+    model { dim: 32 seed: 7 }
+    optim { steps: 9 }
+    loss { ce_mode: square alpha_b: 0.5 alpha_z: 0.25 }
+    precision { compute_dtype: bf16 reduce_dtype: bf16 reproducible: true }
+    parallelism {
+      world: 4 ep: 4 grad_acc: 3 sharding: replicated layers_per_unit: 2
+      reshard_after_forward: false reduce_every_micro_batch: false
+    }
+    comm {
+      backend: mpi timeout_s: 30 nccl_skip_agreement: true bucket_cap_mb: 4
+      first_bucket_mb: 0.5
+    }
+    checkpoint {
+      dir: "/c" every: 3 resume: true export_path: "/e.safetensors"
+      init_from: "/i.safetensors"
+    }
+    log { metrics: "/m.jsonl" }
+    debug { dump_dir: "/d" parity_check: true parity_tolerance: 0.001 }
+  )pb");
+  ASSERT_TRUE(sections.ok()) << sections.status();
+  EXPECT_EQ(ConfigToShortText(*old), ConfigToShortText(*sections));
+  EXPECT_EQ(old->parallelism().world(), 4);
+  EXPECT_EQ(old->comm().backend(), TrainConfig::mpi);
+  // Every field of the old layout has a place: a config with all of them set differs from
+  // the defaults in each (so none was dropped on the way).
+  const std::vector<FieldOverride> got = ConfigFields(*old);
+  const std::vector<FieldOverride> defaults = ConfigFields(TrainConfig());
+  ASSERT_EQ(got.size(), defaults.size());
+  int changed = 0;
+  for (size_t i = 0; i < got.size(); ++i) changed += got[i].value != defaults[i].value;
+  EXPECT_EQ(changed, 29 + 1);  // the 29 old top-level fields and model.dim
+}
+
+// The config a checkpoint's commit marker holds, as the binary before config sections wrote
+// it (ConfigToShortText of that layout): it still parses, to the same settings.
+TEST(ConfigTest, MarkerConfigOfTheOldLayoutParses) {
+  const char* old_marker_config =
+      "model { vocab: 256 dim: 32 layers: 2 experts: 8 top_k: 2 expert_dim: 32 "
+      "norm_topk_prob: true router_scale: 1 init_std: 0.1 } data { path: \"\" seq_len: 128 "
+      "micro_batch: 4 corpus_seed: 20261202 min_doc_len: 8 max_doc_len: 96 corpus_documents: "
+      "1048576 } optim { lr: 0.01 beta1: 0.9 beta2: 0.95 eps: 1e-08 weight_decay: 0 "
+      "grad_clip: 1 warmup_steps: 10 } world: 4 ep: 2 grad_acc: 1 steps: 3 backend: thread "
+      "sharding: fsdp reduce_dtype: f32 compute_dtype: f32 seed: 1 alpha_b: 0.001 alpha_z: "
+      "0.001 dump_dir: \"\" metrics: \"\" checkpoint_dir: \"/tmp/ckpt\" checkpoint_every: 0 "
+      "resume: false parity_check: false parity_tolerance: 1e-05 timeout_s: 120 ce_mode: "
+      "token nccl_skip_agreement: false layers_per_unit: 1 reshard_after_forward: true "
+      "reduce_every_micro_batch: true bucket_cap_mb: 25 first_bucket_mb: 1 export_path: \"\" "
+      "init_from: \"\" reproducible: false";
+  absl::StatusOr<TrainConfig> c = ParseConfigText(old_marker_config);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->parallelism().world(), 4);
+  EXPECT_EQ(c->parallelism().grad_acc(), 1);
+  EXPECT_EQ(c->optim().steps(), 3);
+  EXPECT_EQ(c->checkpoint().dir(), "/tmp/ckpt");
+  EXPECT_EQ(c->data().micro_batch(), 4);
+  TrainConfig want;
+  ASSERT_TRUE(ApplyOverrides({{"model.dim", "32"},
+                              {"model.expert_dim", "32"},
+                              {"data.micro_batch", "4"},
+                              {"parallelism.world", "4"},
+                              {"parallelism.grad_acc", "1"},
+                              {"optim.steps", "3"},
+                              {"checkpoint.dir", "/tmp/ckpt"}},
+                             &want)
+                  .ok());
+  EXPECT_EQ(ConfigToShortText(*c), ConfigToShortText(want));
+}
+
+TEST(ConfigTest, BothSpellingsOfAFieldMustAgree) {
+  absl::StatusOr<TrainConfig> c = ParseConfigText("world: 4\nparallelism { world: 2 }\n");
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(c.status().message(), HasSubstr("world=4 and parallelism.world=2"));
+  c = ParseConfigText("sharding: \"replicated\" parallelism { sharding: fsdp }");
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(),
+              HasSubstr("sharding=replicated and parallelism.sharding=fsdp"));
+  c = ParseConfigText("checkpoint_dir: \"/a\" checkpoint { dir: \"/b\" }");
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(), HasSubstr("checkpoint_dir=\"/a\" and checkpoint.dir=\"/b\""));
+  // The same value twice is one setting.
+  c = ParseConfigText("steps: 5 optim { steps: 5 lr: 0.1 }");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->optim().steps(), 5);
+  EXPECT_DOUBLE_EQ(c->optim().lr(), 0.1);
 }
 
 TEST(ConfigTest, UnknownFieldIsInvalidArgumentWithLine) {
@@ -94,7 +194,7 @@ TEST(ConfigTest, LoadsFile) {
   std::ofstream(path) << "steps: 7 model { layers: 3 }\n";
   absl::StatusOr<TrainConfig> c = LoadConfigFile(path);
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(c->steps(), 7);
+  EXPECT_EQ(c->optim().steps(), 7);  // a file in the layout before sections
   EXPECT_EQ(c->model().layers(), 3);
   std::ofstream(path) << "steps: seven\n";
   c = LoadConfigFile(path);
@@ -105,25 +205,25 @@ TEST(ConfigTest, LoadsFile) {
 
 TEST(ConfigTest, OverridesSetNestedFieldsOfEveryType) {
   TrainConfig c;
-  ASSERT_TRUE(ApplyOverrides({{"world", "8"},
+  ASSERT_TRUE(ApplyOverrides({{"parallelism.world", "8"},
                               {"model.dim", "16"},
                               {"model.norm_topk_prob", "false"},
                               {"model.router_scale", "2.5"},
                               {"optim.lr", "1e-4"},
-                              {"seed", "18446744073709551615"},
+                              {"model.seed", "18446744073709551615"},
                               {"data.path", "/tmp/x.txt"},
-                              {"backend", "mpi"},
+                              {"comm.backend", "mpi"},
                               {"data.corpus_documents", "123"}},
                              &c)
                   .ok());
-  EXPECT_EQ(c.world(), 8);
+  EXPECT_EQ(c.parallelism().world(), 8);
   EXPECT_EQ(c.model().dim(), 16);
   EXPECT_FALSE(c.model().norm_topk_prob());
   EXPECT_FLOAT_EQ(c.model().router_scale(), 2.5f);
   EXPECT_DOUBLE_EQ(c.optim().lr(), 1e-4);
-  EXPECT_EQ(c.seed(), 18446744073709551615ull);
+  EXPECT_EQ(c.model().seed(), 18446744073709551615ull);
   EXPECT_EQ(c.data().path(), "/tmp/x.txt");
-  EXPECT_EQ(c.backend(), TrainConfig::mpi);
+  EXPECT_EQ(c.comm().backend(), TrainConfig::mpi);
   EXPECT_EQ(c.data().corpus_documents(), 123);
 }
 
@@ -134,17 +234,22 @@ TEST(ConfigTest, BadOverridesNameThePathAndValue) {
   };
   for (const Case& k :
        {Case{{"model.dim", "abc"}, "model.dim=abc"},
-        Case{{"world", "99999999999"}, "world=99999999999"},
-        Case{{"resume", "maybe"}, "resume=maybe"}, Case{{"optim.lr", "fast"}, "optim.lr=fast"},
-        Case{{"seed", "-1"}, "seed=-1"}, Case{{"model.dimm", "3"}, "model.dimm"},
-        Case{{"model", "3"}, "names a message"}, Case{{"world.x", "3"}, "world.x"},
+        Case{{"parallelism.world", "99999999999"}, "parallelism.world=99999999999"},
+        Case{{"checkpoint.resume", "maybe"}, "checkpoint.resume=maybe"},
+        Case{{"optim.lr", "fast"}, "optim.lr=fast"}, Case{{"model.seed", "-1"}, "model.seed=-1"},
+        Case{{"model.dimm", "3"}, "model.dimm"}, Case{{"model", "3"}, "names a message"},
+        Case{{"parallelism.world.x", "3"}, "parallelism.world.x"},
+        // Overrides take the sections' paths only (the old top-level names are for files).
+        Case{{"world", "3"}, "override 'world': no such config field"},
         // An enum field names the allowed words; the words are exact (lowercase).
-        Case{{"backend", "gloo"}, "backend=gloo: must be thread, mpi or nccl"},
-        Case{{"sharding", "zero1"}, "sharding=zero1: must be fsdp or replicated"},
-        Case{{"sharding", "FSDP"}, "sharding=FSDP: must be fsdp or replicated"},
-        Case{{"ce_mode", "mean"}, "ce_mode=mean: must be token, sample or square"},
-        Case{{"reduce_dtype", "f16"}, "reduce_dtype=f16: must be f32 or bf16"},
-        Case{{"compute_dtype", "1"}, "compute_dtype=1: must be f32 or bf16"}}) {
+        Case{{"comm.backend", "gloo"}, "comm.backend=gloo: must be thread, mpi or nccl"},
+        Case{{"parallelism.sharding", "zero1"},
+             "parallelism.sharding=zero1: must be fsdp or replicated"},
+        Case{{"parallelism.sharding", "FSDP"},
+             "parallelism.sharding=FSDP: must be fsdp or replicated"},
+        Case{{"loss.ce_mode", "mean"}, "loss.ce_mode=mean: must be token, sample or square"},
+        Case{{"precision.reduce_dtype", "f16"}, "precision.reduce_dtype=f16: must be f32 or bf16"},
+        Case{{"precision.compute_dtype", "1"}, "precision.compute_dtype=1: must be f32 or bf16"}}) {
     TrainConfig c;
     absl::Status s = ApplyOverrides({k.o}, &c);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << k.o.path;
@@ -159,8 +264,9 @@ TEST(ConfigTest, ValidationNamesFieldAndValue) {
     const char* expect;
   };
   const Case cases[] = {
-      {{{"world", "3"}}, "ep=2"},  // world % ep
-      {{{"world", "4"}, {"ep", "4"}, {"model.experts", "6"}}, "ep=4: must divide model.experts=6"},
+      {{{"parallelism.world", "3"}}, "parallelism.ep=2: must divide parallelism.world=3"},
+      {{{"parallelism.world", "4"}, {"parallelism.ep", "4"}, {"model.experts", "6"}},
+       "parallelism.ep=4: must divide model.experts=6"},
       {{{"model.top_k", "9"}}, "model.top_k=9"},
       {{{"model.vocab", "300"}}, "model.vocab=300"},
       {{{"model.dim", "0"}}, "model.dim=0"},
@@ -168,10 +274,10 @@ TEST(ConfigTest, ValidationNamesFieldAndValue) {
       {{{"model.experts", "0"}}, "model.experts=0"},
       {{{"model.top_k", "0"}}, "model.top_k=0"},
       {{{"model.expert_dim", "0"}}, "model.expert_dim=0"},
-      {{{"world", "0"}}, "world=0"},
-      {{{"ep", "0"}}, "ep=0"},
-      {{{"grad_acc", "0"}}, "grad_acc=0"},
-      {{{"steps", "-2"}}, "steps=-2"},
+      {{{"parallelism.world", "0"}}, "parallelism.world=0"},
+      {{{"parallelism.ep", "0"}}, "parallelism.ep=0"},
+      {{{"parallelism.grad_acc", "0"}}, "parallelism.grad_acc=0"},
+      {{{"optim.steps", "-2"}}, "optim.steps=-2"},
       {{{"data.micro_batch", "0"}}, "data.micro_batch=0"},
       {{{"data.seq_len", "1"}}, "data.seq_len=1"},
       {{{"data.max_doc_len", "500"}}, "data.max_doc_len=500"},
@@ -188,20 +294,23 @@ TEST(ConfigTest, ValidationNamesFieldAndValue) {
       {{{"optim.weight_decay", "-1"}}, "optim.weight_decay=-1"},
       {{{"optim.grad_clip", "-1"}}, "optim.grad_clip=-1"},
       {{{"optim.warmup_steps", "-1"}}, "optim.warmup_steps=-1"},
-      {{{"alpha_b", "-0.5"}}, "alpha_b=-0.5"},
-      {{{"alpha_z", "inf"}}, "alpha_z=inf"},
-      {{{"checkpoint_every", "-1"}}, "checkpoint_every=-1"},
-      {{{"checkpoint_every", "5"}}, "checkpoint_every=5: needs checkpoint_dir"},
-      {{{"resume", "true"}}, "resume=true: needs checkpoint_dir"},
-      {{{"parity_tolerance", "0"}}, "parity_tolerance=0"},
-      {{{"timeout_s", "0"}}, "timeout_s=0"},
-      {{{"layers_per_unit", "0"}}, "layers_per_unit=0"},
-      {{{"bucket_cap_mb", "0"}}, "bucket_cap_mb=0"},
-      {{{"first_bucket_mb", "-1"}}, "first_bucket_mb=-1"},
-      {{{"reproducible", "true"}, {"backend", "nccl"}},
-       "reproducible=true: is implemented for the CPU backends (thread, mpi) only, not "
-       "backend=nccl"},
-      {{{"reproducible", "true"}, {"reduce_dtype", "bf16"}}, "reproducible=true: reduces"},
+      {{{"loss.alpha_b", "-0.5"}}, "loss.alpha_b=-0.5"},
+      {{{"loss.alpha_z", "inf"}}, "loss.alpha_z=inf"},
+      {{{"checkpoint.every", "-1"}}, "checkpoint.every=-1"},
+      {{{"checkpoint.every", "5"}}, "checkpoint.every=5: needs checkpoint.dir"},
+      {{{"checkpoint.resume", "true"}}, "checkpoint.resume=true: needs checkpoint.dir"},
+      {{{"checkpoint.resume", "true"}, {"checkpoint.dir", "/c"}, {"checkpoint.init_from", "x"}},
+       "checkpoint.init_from=x: cannot be combined with checkpoint.resume"},
+      {{{"debug.parity_tolerance", "0"}}, "debug.parity_tolerance=0"},
+      {{{"comm.timeout_s", "0"}}, "comm.timeout_s=0"},
+      {{{"parallelism.layers_per_unit", "0"}}, "parallelism.layers_per_unit=0"},
+      {{{"comm.bucket_cap_mb", "0"}}, "comm.bucket_cap_mb=0"},
+      {{{"comm.first_bucket_mb", "-1"}}, "comm.first_bucket_mb=-1"},
+      {{{"precision.reproducible", "true"}, {"comm.backend", "nccl"}},
+       "precision.reproducible=true: is implemented for the CPU backends (thread, mpi) only, "
+       "not comm.backend=nccl"},
+      {{{"precision.reproducible", "true"}, {"precision.reduce_dtype", "bf16"}},
+       "precision.reproducible=true: reduces"},
   };
   for (const Case& k : cases) {
     TrainConfig c;
@@ -214,7 +323,8 @@ TEST(ConfigTest, ValidationNamesFieldAndValue) {
 
 TEST(ConfigTest, ShortTextListsDefaultsAndRoundTrips) {
   TrainConfig c;
-  ASSERT_TRUE(ApplyOverrides({{"model.dim", "48"}, {"sharding", "replicated"}}, &c).ok());
+  ASSERT_TRUE(
+      ApplyOverrides({{"model.dim", "48"}, {"parallelism.sharding", "replicated"}}, &c).ok());
   const std::string text = ConfigToShortText(c);
   EXPECT_THAT(text, HasSubstr("dim: 48"));
   EXPECT_THAT(text, HasSubstr("experts: 8"));  // a default, written out
@@ -222,7 +332,7 @@ TEST(ConfigTest, ShortTextListsDefaultsAndRoundTrips) {
   absl::StatusOr<TrainConfig> back = ParseConfigText(text);
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->model().dim(), 48);
-  EXPECT_EQ(back->sharding(), TrainConfig::replicated);
+  EXPECT_EQ(back->parallelism().sharding(), TrainConfig::replicated);
   EXPECT_EQ(back->model().experts(), 8);
 }
 
@@ -247,10 +357,10 @@ TEST(ConfigTest, FieldsListEveryValueAndResolvedConfigSetsThem) {
   };
   EXPECT_EQ(value("optim.lr"), "0.5");
   EXPECT_EQ(value("model.experts"), "8");       // a default
-  EXPECT_EQ(value("backend"), "thread");   // as textproto: the enum value's name
+  EXPECT_EQ(value("comm.backend"), "thread");  // as textproto: the enum value's name
   EXPECT_EQ(value("data.path"), "\"\"");
   const TrainConfig resolved = ResolvedConfig(c);
-  EXPECT_TRUE(resolved.has_backend());
+  EXPECT_TRUE(resolved.comm().has_backend());
   EXPECT_TRUE(resolved.data().has_path());
   EXPECT_EQ(ConfigToShortText(resolved), ConfigToShortText(c));
 }

@@ -73,7 +73,7 @@ int RunOnMpiWorld(const TrainConfig& config, absl::Duration timeout,
   return 1;
 }
 
-// Thread ranks, config.world() of them in this process, each running `run` with its
+// Thread ranks, parallelism.world of them in this process, each running `run` with its
 // communicator (rank 0 gets the log): every failing rank's message, once for an error they
 // all agreed on. Returns the exit status.
 int RunOnThreads(const TrainConfig& config, absl::Duration timeout,
@@ -82,14 +82,14 @@ int RunOnThreads(const TrainConfig& config, absl::Duration timeout,
   ThreadBackendOptions options;
   options.timeout = timeout;
   absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> comms =
-      CreateThreadCommunicators(config.world(), options);
+      CreateThreadCommunicators(config.parallelism().world(), options);
   if (!comms.ok()) {
     Report(comms.status());
     return 1;
   }
-  std::vector<absl::Status> status(config.world());
+  std::vector<absl::Status> status(config.parallelism().world());
   std::vector<std::thread> threads;
-  for (int r = 0; r < config.world(); ++r) {
+  for (int r = 0; r < config.parallelism().world(); ++r) {
     threads.emplace_back([&, r] {
       status[r] =
           CatchExceptions([&] { return run((*comms)[r].get(), r == 0 ? &std::cout : nullptr); });
@@ -97,7 +97,7 @@ int RunOnThreads(const TrainConfig& config, absl::Duration timeout,
   }
   for (std::thread& t : threads) t.join();
   int rc = 0;
-  for (int r = 0; r < config.world(); ++r) {
+  for (int r = 0; r < config.parallelism().world(); ++r) {
     if (status[r].ok()) continue;
     if (IsAgreedFailure(status[r])) {
       Report(status[r]);  // identical on every rank, and it names every failing rank
@@ -117,8 +117,8 @@ int Main() {
     Report(s);
     return 1;
   }
-  const absl::Duration timeout = absl::Seconds(config->timeout_s());
-  switch (config->backend()) {
+  const absl::Duration timeout = absl::Seconds(config->comm().timeout_s());
+  switch (config->comm().backend()) {
     case TrainConfig::thread:
       return RunOnThreads(*config, timeout, [&](Communicator* world, std::ostream* log) {
         return RunRank(*config, world, log);
@@ -132,7 +132,7 @@ int Main() {
       // MPI launches the ranks and carries the host side (statistics, norms, checkpoints);
       // NCCL carries the gradients and the MoE exchange on the GPUs. One GPU needs no
       // launcher: a one-rank thread communicator is the host world.
-      if (config->world() == 1) {
+      if (config->parallelism().world() == 1) {
         return RunOnThreads(*config, timeout, [&](Communicator* world, std::ostream* log) {
           return RunNcclRank(*config, world, log);
         });
@@ -147,7 +147,8 @@ int Main() {
       return 1;
 #endif
   }
-  Report(absl::InternalError(absl::StrCat("backend=", config->backend(), ": unhandled")));
+  Report(absl::InternalError(
+      absl::StrCat("comm.backend=", config->comm().backend(), ": unhandled")));
   return 1;
 }
 

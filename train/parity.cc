@@ -28,7 +28,7 @@ std::string ParityReport::ToString() const {
 absl::StatusOr<std::vector<std::vector<MicroBatch>>> GlobalBatchForStep(const TrainConfig& config,
                                                                         int64_t step_index) {
   GRADSUM_ASSIGN_OR_RETURN(std::shared_ptr<const DocumentSource> corpus, MakeCorpus(config.data()));
-  const int G = config.grad_acc(), W = config.world();
+  const int G = config.parallelism().grad_acc(), W = config.parallelism().world();
   std::vector<std::vector<MicroBatch>> batch(G, std::vector<MicroBatch>(W));
   for (int r = 0; r < W; ++r) {
     GRADSUM_ASSIGN_OR_RETURN(RankDataLoader loader,
@@ -54,14 +54,14 @@ absl::StatusOr<ParityReport> CheckParity(const TrainConfig& config, const NamedP
   rc.expert_dim = m.expert_dim();
   rc.norm_topk_prob = m.norm_topk_prob();
   rc.router_scale = m.router_scale();
-  rc.alpha_b = config.alpha_b();
-  rc.alpha_z = config.alpha_z();
+  rc.alpha_b = config.loss().alpha_b();
+  rc.alpha_z = config.loss().alpha_z();
   rc.attention = m.attention() != ModelConfig::none;
   rc.n_heads = m.heads();
   rc.n_kv_heads = m.kv_heads();
   rc.rope_theta = m.rope_theta();
   rc.ignore_index = kIgnoreIndex;
-  rc.ce_mode = TrainConfig::CeMode_Name(config.ce_mode());
+  rc.ce_mode = TrainConfig::CeMode_Name(config.loss().ce_mode());
   testing::NamedTensors params;
   for (const auto& [name, values] : weights) params[name].assign(values.begin(), values.end());
   std::vector<std::vector<testing::ReferenceMicroBatch>> batch(global_batch.size());

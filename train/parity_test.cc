@@ -20,7 +20,7 @@ class ParityTest : public ::testing::TestWithParam<Case> {};
 TEST_P(ParityTest, StepOneMatchesReferenceOnEveryRank) {
   const auto [F, P, G, sharding] = GetParam();
   TrainConfig config = TinyConfig(F * P, P, G, sharding);
-  config.set_parity_check(true);
+  config.mutable_debug()->set_parity_check(true);
   absl::StatusOr<std::vector<RankOutcome>> out = RunInProcess(config);
   ASSERT_TRUE(out.ok()) << out.status();
   for (const RankOutcome& r : *out) ASSERT_TRUE(r.status.ok()) << r.status;
@@ -74,8 +74,8 @@ TEST(ParityModesTest, FsdpAndReplicatedAreBitIdenticalAtOneMicroBatch) {
   for (const auto& [F, P] : {std::pair<int, int>{2, 2}, {4, 2}, {2, 4}}) {
     TrainConfig fsdp = TinyConfig(F * P, P, 1, TrainConfig::fsdp);
     TrainConfig replicated = TinyConfig(F * P, P, 1, TrainConfig::replicated);
-    fsdp.set_parity_check(true);
-    replicated.set_parity_check(true);
+    fsdp.mutable_debug()->set_parity_check(true);
+    replicated.mutable_debug()->set_parity_check(true);
     auto a = RunInProcess(fsdp);
     auto b = RunInProcess(replicated);
     ASSERT_TRUE(a.ok() && b.ok());
@@ -96,11 +96,11 @@ TEST(ParityScheduleTest, WrapPolicyReshardAndLastMicroBatchReductionMatchTheRefe
                          {4, 2, 2, TrainConfig::fsdp}, {2, 2, 3, TrainConfig::replicated}}) {
     TrainConfig config = TinyConfig(F * P, P, G, sharding);
     config.mutable_model()->set_layers(3);
-    config.set_layers_per_unit(2);
-    config.set_reshard_after_forward(false);
-    config.set_reduce_every_micro_batch(false);
-    config.set_first_bucket_mb(1e-3);
-    config.set_parity_check(true);
+    config.mutable_parallelism()->set_layers_per_unit(2);
+    config.mutable_parallelism()->set_reshard_after_forward(false);
+    config.mutable_parallelism()->set_reduce_every_micro_batch(false);
+    config.mutable_comm()->set_first_bucket_mb(1e-3);
+    config.mutable_debug()->set_parity_check(true);
     auto out = RunInProcess(config);
     ASSERT_TRUE(out.ok()) << out.status();
     for (const RankOutcome& r : *out) ASSERT_TRUE(r.status.ok()) << r.status;
@@ -110,10 +110,10 @@ TEST(ParityScheduleTest, WrapPolicyReshardAndLastMicroBatchReductionMatchTheRefe
   }
   TrainConfig fsdp = TinyConfig(4, 2, 1, TrainConfig::fsdp);
   fsdp.mutable_model()->set_layers(3);
-  fsdp.set_layers_per_unit(2);
-  fsdp.set_parity_check(true);
+  fsdp.mutable_parallelism()->set_layers_per_unit(2);
+  fsdp.mutable_debug()->set_parity_check(true);
   TrainConfig replicated = fsdp;
-  replicated.set_sharding(TrainConfig::replicated);
+  replicated.mutable_parallelism()->set_sharding(TrainConfig::replicated);
   auto a = RunInProcess(fsdp);
   auto b = RunInProcess(replicated);
   ASSERT_TRUE(a.ok() && b.ok());
@@ -132,12 +132,12 @@ TEST(ParityCeModesTest, SampleAndSquareWeightingMatchTheReference) {
        std::vector<Case>{{1, 1, 1, TrainConfig::fsdp}, {2, 2, 2, TrainConfig::fsdp},
                          {1, 2, 3, TrainConfig::replicated}}) {
     TrainConfig token = TinyConfig(F * P, P, G, sharding);
-    token.set_parity_check(true);
+    token.mutable_debug()->set_parity_check(true);
     auto t = RunInProcess(token);
     ASSERT_TRUE(t.ok() && (*t)[0].status.ok());
     for (auto mode : {TrainConfig::sample, TrainConfig::square}) {
       TrainConfig config = token;
-      config.set_ce_mode(mode);
+      config.mutable_loss()->set_ce_mode(mode);
       absl::StatusOr<std::vector<RankOutcome>> out = RunInProcess(config);
       ASSERT_TRUE(out.ok()) << out.status();
       for (const RankOutcome& r : *out) ASSERT_TRUE(r.status.ok()) << mode << ": " << r.status;
@@ -153,8 +153,8 @@ TEST(ParityCeModesTest, SampleAndSquareWeightingMatchTheReference) {
 // The bar can fail: a tolerance below fp32 rounding must fail the check on every rank.
 TEST(ParityCheckTest, FailsWhenTheToleranceIsBelowRoundingError) {
   TrainConfig config = TinyConfig(2, 2, 2, TrainConfig::fsdp);
-  config.set_parity_check(true);
-  config.set_parity_tolerance(1e-13);  // below fp32 rounding: must fail
+  config.mutable_debug()->set_parity_check(true);
+  config.mutable_debug()->set_parity_tolerance(1e-13);  // below fp32 rounding: must fail
   auto out = RunInProcess(config);
   ASSERT_TRUE(out.ok());
   ASSERT_TRUE((*out)[0].parity.has_value());

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/status.h"
+#include "train/config.h"
 #include "train/data.h"
 #include "train/moe_lm.h"
 
@@ -23,7 +24,7 @@ absl::StatusOr<RankMesh> MakeRankMesh(Communicator* world, int ep) {
 }
 
 absl::Status RunRank(const TrainConfig& config, Communicator* world, std::ostream* log) {
-  GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(world, config.ep()));
+  GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(world, config.parallelism().ep()));
   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(config, mesh.comms()));
   return trainer->Run(log).status();
 }
@@ -36,19 +37,21 @@ void PrintBanner(const TrainConfig& config, std::ostream& out) {
     for (int64_t d : shape) n *= d;
     params += n;
   }
+  const ParallelismConfig& p = config.parallelism();
   out << absl::StrFormat(
       "moe_lm: %d steps; AdamW lr %g (warmup %d), clip %g; compute %s, reduce %s; "
       "CE weights %s; alpha_b %g, alpha_z %g; seed %d\n",
-      config.steps(), config.optim().lr(), config.optim().warmup_steps(),
-      config.optim().grad_clip(), TrainConfig::FloatDType_Name(config.compute_dtype()),
-      TrainConfig::FloatDType_Name(config.reduce_dtype()), TrainConfig::CeMode_Name(config.ce_mode()),
-      config.alpha_b(), config.alpha_z(), config.seed());
+      config.optim().steps(), config.optim().lr(), config.optim().warmup_steps(),
+      config.optim().grad_clip(), TrainConfig::FloatDType_Name(config.precision().compute_dtype()),
+      TrainConfig::FloatDType_Name(config.precision().reduce_dtype()),
+      TrainConfig::CeMode_Name(config.loss().ce_mode()), config.loss().alpha_b(),
+      config.loss().alpha_z(), m.seed());
   out << absl::StrFormat(
       "model: V=%d D=%d L=%d E=%d K=%d H=%d, %d parameters; mesh F=%d x P=%d, G=%d, %s, "
       "backend %s\n",
       m.vocab(), m.dim(), m.layers(), m.experts(), m.top_k(), m.expert_dim(), params,
-      config.world() / config.ep(), config.ep(), config.grad_acc(),
-      TrainConfig::Sharding_Name(config.sharding()), TrainConfig::Backend_Name(config.backend()));
+      p.world() / p.ep(), p.ep(), p.grad_acc(), TrainConfig::Sharding_Name(p.sharding()),
+      TrainConfig::Backend_Name(config.comm().backend()));
   out << absl::StrFormat(
       "data: %d x %d tokens per rank and micro-batch, global batch B=%d sequences per "
       "step, %s\n",
@@ -81,9 +84,9 @@ absl::StatusOr<ResourceEstimate> EstimateResources(const TrainConfig& config) {
   using LD = long double;
   const ModelConfig& m = config.model();
   const LD V = m.vocab(), D = m.dim(), L = m.layers(), E = m.experts(), K = m.top_k(),
-           H = m.expert_dim(), P = config.ep();
+           H = m.expert_dim(), P = config.parallelism().ep();
   const LD T = LD{1} * config.data().micro_batch() * config.data().seq_len();
-  const LD G = config.grad_acc();
+  const LD G = config.parallelism().grad_acc();
   if (T > 2147483647.0L) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "data.micro_batch=%d x data.seq_len=%d = %.0Lf tokens per micro-batch: more than "
@@ -102,7 +105,8 @@ absl::StatusOr<ResourceEstimate> EstimateResources(const TrainConfig& config) {
         m.vocab(), m.dim(), m.layers(), m.experts(), m.expert_dim(), r.params));
   }
   const LD rank_params = dense + experts / P;
-  const LD shard_ways = config.sharding() == TrainConfig::fsdp ? config.world() : 1;
+  const ParallelismConfig& p = config.parallelism();
+  const LD shard_ways = p.sharding() == TrainConfig::fsdp ? p.world() : 1;
   // initial copy + compute copy + gradients, and master, exp_avg, exp_avg_sq slices (f32).
   r.parameter_bytes = 4 * rank_params * (3 + 3 / shard_ways);
   // Per token and layer: residual, norm, router logits and probabilities, each routed copy's
@@ -111,7 +115,8 @@ absl::StatusOr<ResourceEstimate> EstimateResources(const TrainConfig& config) {
   // tokens, labels, mask (i32) and sample ids (i64), twice (loader and model copies).
   r.batch_bytes = 2 * G * T * (3 * 4 + 8);
   const LD per_rank = r.parameter_bytes + r.activation_bytes + r.batch_bytes;
-  r.process_bytes = per_rank * (config.backend() == TrainConfig::thread ? config.world() : 1);
+  const bool threads = config.comm().backend() == TrainConfig::thread;
+  r.process_bytes = per_rank * (threads ? p.world() : 1);
   return r;
 }
 
@@ -119,20 +124,21 @@ absl::Status CheckResourceBounds(const TrainConfig& config, uint64_t memory_byte
   GRADSUM_ASSIGN_OR_RETURN(ResourceEstimate r, EstimateResources(config));
   if (r.process_bytes <= static_cast<long double>(memory_bytes)) return absl::OkStatus();
   const ModelConfig& m = config.model();
+  const ParallelismConfig& p = config.parallelism();
   constexpr long double kGiB = 1024.0L * 1024 * 1024;
   return absl::ResourceExhaustedError(absl::StrFormat(
       "the run needs an estimated %.1Lf GiB per process, more than this machine's %.1Lf GiB: "
       "parameters %.1Lf GiB (%.3Le parameters from model.vocab=%d, model.dim=%d, "
-      "model.layers=%d, model.experts=%d, model.expert_dim=%d, ep=%d), activations %.1Lf GiB "
-      "(data.micro_batch=%d x data.seq_len=%d tokens, model.top_k=%d), batch %.1Lf GiB "
-      "(grad_acc=%d)%s",
+      "model.layers=%d, model.experts=%d, model.expert_dim=%d, parallelism.ep=%d), activations "
+      "%.1Lf GiB (data.micro_batch=%d x data.seq_len=%d tokens, model.top_k=%d), batch %.1Lf "
+      "GiB (parallelism.grad_acc=%d)%s",
       r.process_bytes / kGiB, memory_bytes / kGiB, r.parameter_bytes / kGiB, r.params,
-      m.vocab(), m.dim(), m.layers(), m.experts(), m.expert_dim(), config.ep(),
+      m.vocab(), m.dim(), m.layers(), m.experts(), m.expert_dim(), p.ep(),
       r.activation_bytes / kGiB, config.data().micro_batch(), config.data().seq_len(), m.top_k(),
-      r.batch_bytes / kGiB, config.grad_acc(),
-      config.backend() == TrainConfig::thread ? absl::StrCat(", per rank x world=", config.world(),
-                                                  " thread ranks")
-                                   : ""));
+      r.batch_bytes / kGiB, p.grad_acc(),
+      config.comm().backend() == TrainConfig::thread
+          ? absl::StrCat(", per rank x parallelism.world=", p.world(), " thread ranks")
+          : ""));
 }
 
 uint64_t MachineMemoryBytes() {

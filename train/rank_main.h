@@ -37,7 +37,7 @@ struct RankMesh {
 // EP size `ep`. Collective. InvalidArgument unless ep >= 1 divides world->size().
 absl::StatusOr<RankMesh> MakeRankMesh(Communicator* world, int ep);
 
-// Builds the mesh and the Trainer and runs config.steps steps. Collective over `world`.
+// Builds the mesh and the Trainer and runs optim.steps steps. Collective over `world`.
 absl::Status RunRank(const TrainConfig& config, Communicator* world, std::ostream* log);
 
 // The start-up lines rank 0 prints: config, sizes, the corpus's entropy floor.

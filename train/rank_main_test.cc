@@ -47,9 +47,9 @@ TEST(ResourcesTest, TooBigForTheMachineIsResourceExhaustedNamingTheSizes) {
   EXPECT_THAT(s.message(), HasSubstr("model.dim=8"));
   EXPECT_THAT(s.message(), HasSubstr("data.micro_batch=2 x data.seq_len=16"));
   // The thread backend holds every rank in one process.
-  c.set_backend(TrainConfig::thread);
+  c.mutable_comm()->set_backend(TrainConfig::thread);
   absl::StatusOr<ResourceEstimate> threads = EstimateResources(c);
-  c.set_backend(TrainConfig::mpi);
+  c.mutable_comm()->set_backend(TrainConfig::mpi);
   absl::StatusOr<ResourceEstimate> mpi = EstimateResources(c);
   ASSERT_TRUE(threads.ok() && mpi.ok());
   EXPECT_EQ(threads->process_bytes, 2 * mpi->process_bytes);

@@ -9,14 +9,14 @@ namespace gradsum::train {
 
 TrainConfig TinyConfig(int world, int ep, int grad_acc, TrainConfig::Sharding sharding) {
   TrainConfig c;
-  c.set_world(world);
-  c.set_ep(ep);
-  c.set_grad_acc(grad_acc);
-  c.set_sharding(sharding);
-  c.set_steps(1);
-  c.set_alpha_b(0.01);
-  c.set_alpha_z(0.01);
-  c.set_timeout_s(60);
+  c.mutable_parallelism()->set_world(world);
+  c.mutable_parallelism()->set_ep(ep);
+  c.mutable_parallelism()->set_grad_acc(grad_acc);
+  c.mutable_parallelism()->set_sharding(sharding);
+  c.mutable_optim()->set_steps(1);
+  c.mutable_loss()->set_alpha_b(0.01);
+  c.mutable_loss()->set_alpha_z(0.01);
+  c.mutable_comm()->set_timeout_s(60);
   ModelConfig* m = c.mutable_model();
   m->set_dim(8);
   m->set_layers(2);
@@ -36,16 +36,16 @@ TrainConfig TinyConfig(int world, int ep, int grad_acc, TrainConfig::Sharding sh
 absl::StatusOr<std::vector<RankOutcome>> RunInProcess(const TrainConfig& unresolved) {
   // Every default set before the rank threads share it (train/config.h ResolvedConfig).
   const TrainConfig config = ResolvedConfig(unresolved);
-  std::vector<RankOutcome> outcomes(config.world());
+  std::vector<RankOutcome> outcomes(config.parallelism().world());
   ThreadBackendOptions options;
-  options.timeout = absl::Seconds(config.timeout_s());
+  options.timeout = absl::Seconds(config.comm().timeout_s());
   GRADSUM_ASSIGN_OR_RETURN(std::vector<absl::Status> status,
                            testing::RunRanksPerRank(
-                               config.world(),
+                               config.parallelism().world(),
                                [&](Communicator& world) -> absl::Status {
                                  RankOutcome& out = outcomes[world.rank()];
                                  GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh,
-                                                          MakeRankMesh(&world, config.ep()));
+                                                          MakeRankMesh(&world, config.parallelism().ep()));
                                  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
                                                           Trainer::Create(config, mesh.comms()));
                                  absl::Status s = trainer->Run(nullptr).status();

@@ -25,7 +25,7 @@ struct RankOutcome {
   absl::Status status;
 };
 
-// Runs `config` on config.world() thread ranks (RunRank's mesh and Trainer) and returns
+// Runs `config` on parallelism.world thread ranks (RunRank's mesh and Trainer) and returns
 // each rank's outcome. InvalidArgument if the thread communicators cannot be made.
 absl::StatusOr<std::vector<RankOutcome>> RunInProcess(const TrainConfig& config);
 

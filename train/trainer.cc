@@ -115,10 +115,6 @@ absl::StatusOr<NamedParams> ReadParamsFile(const std::string& path, const ModelC
   return params;
 }
 
-int64_t GlobalBatch(const TrainConfig& config) {
-  return int64_t{config.world()} * config.grad_acc() * config.data().micro_batch();
-}
-
 std::string StepRecord::ToLogLine(int64_t total_steps) const {
   const double exposed_pct =
       step_seconds > 0 ? 100.0 * comm_exposed_seconds / step_seconds : 0.0;
@@ -258,13 +254,13 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   if (comms.world == nullptr || comms.ep_group == nullptr || comms.edp_group == nullptr) {
     return absl::InvalidArgumentError("Trainer needs the world, EP and EDP communicators");
   }
-  if (comms.world->size() != config.world()) {
-    return absl::InvalidArgumentError(absl::StrCat("world=", config.world(), ": the backend has ",
+  if (comms.world->size() != config.parallelism().world()) {
+    return absl::InvalidArgumentError(absl::StrCat("parallelism.world=", config.parallelism().world(), ": the backend has ",
                                                    comms.world->size(), " ranks"));
   }
-  if (comms.ep_group->size() != config.ep()) {
+  if (comms.ep_group->size() != config.parallelism().ep()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("ep=", config.ep(), ": the EP group has ", comms.ep_group->size(), " ranks"));
+        absl::StrCat("parallelism.ep=", config.parallelism().ep(), ": the EP group has ", comms.ep_group->size(), " ranks"));
   }
   // Ranks launched separately must agree on every setting and on the data before anything
   // else is collective.
@@ -279,28 +275,28 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
 
   MoeLmOptions options;
   options.model = config.model();
-  options.alpha_b = config.alpha_b();
-  options.alpha_z = config.alpha_z();
+  options.alpha_b = config.loss().alpha_b();
+  options.alpha_z = config.loss().alpha_z();
   parallel::ParallelOptions& p = options.parallel;
-  p.sharding = ToShardingMode(config.sharding());
-  p.compute_dtype = ToDType(config.compute_dtype());
-  p.reduce_dtype = ToDType(config.reduce_dtype());
+  p.sharding = ToShardingMode(config.parallelism().sharding());
+  p.compute_dtype = ToDType(config.precision().compute_dtype());
+  p.reduce_dtype = ToDType(config.precision().reduce_dtype());
   p.precision =
-      config.reproducible() ? parallel::GradPrecision::kExact : parallel::GradPrecision::kF32;
-  p.layers_per_unit = config.layers_per_unit();
-  p.reshard_after_forward = config.reshard_after_forward();
-  p.reduce_every_micro_batch = config.reduce_every_micro_batch();
-  p.bucket_cap_bytes = static_cast<size_t>(config.bucket_cap_mb() * (1 << 20));
-  p.first_bucket_cap_bytes = static_cast<size_t>(config.first_bucket_mb() * (1 << 20));
+      config.precision().reproducible() ? parallel::GradPrecision::kExact : parallel::GradPrecision::kF32;
+  p.layers_per_unit = config.parallelism().layers_per_unit();
+  p.reshard_after_forward = config.parallelism().reshard_after_forward();
+  p.reduce_every_micro_batch = config.parallelism().reduce_every_micro_batch();
+  p.bucket_cap_bytes = static_cast<size_t>(config.comm().bucket_cap_mb() * (1 << 20));
+  p.first_bucket_cap_bytes = static_cast<size_t>(config.comm().first_bucket_mb() * (1 << 20));
   // The ranks of a thread run share the cores; the kernels use what is left per rank.
   const int cores = AvailableCores();
-  options.num_threads = config.backend() == TrainConfig::thread ? std::max(1, cores / config.world()) : 1;
+  options.num_threads = config.comm().backend() == TrainConfig::thread ? std::max(1, cores / config.parallelism().world()) : 1;
   const MoeLmGroups groups{comms.world, comms.ep_group, comms.edp_group};
   GRADSUM_ASSIGN_OR_RETURN(trainer->model_, comms.make_model ? comms.make_model(options, groups)
                                                              : MoeLm::Create(options, groups));
   absl::StatusOr<NamedParams> initial =
-      config.init_from().empty() ? MoeLm::InitialParameters(config.model(), config.seed())
-                                 : ReadParamsFile(config.init_from(), config.model());
+      config.checkpoint().init_from().empty() ? MoeLm::InitialParameters(config.model(), config.model().seed())
+                                 : ReadParamsFile(config.checkpoint().init_from(), config.model());
   GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(*comms.world, initial.status(), "--init_from"));
   GRADSUM_RETURN_IF_ERROR(trainer->model_->SetFullParameters(*initial));
   AdamWOptions adam;
@@ -312,12 +308,12 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   GRADSUM_ASSIGN_OR_RETURN(trainer->optimizer_,
                            ShardedAdamW::Create(trainer->model_->groups(), adam));
   trainer->display_ = losses::StepDisplay(config.model().layers(), config.model().experts(),
-                                          /*exact=*/config.reproducible());
+                                          /*exact=*/config.precision().reproducible());
   GRADSUM_RETURN_IF_ERROR(MoeLm::RegisterDisplayTerms(&trainer->display_));
   // Rank-local start-up work (the data file, the data loader, the checkpoint directory):
   // every rank learns at once if any rank failed, with that rank's message.
   GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(*comms.world, trainer->PrepareLocal(), "start-up"));
-  if (config.resume()) {
+  if (config.checkpoint().resume()) {
     GRADSUM_RETURN_IF_ERROR(trainer->Resume());
   } else {
     GRADSUM_ASSIGN_OR_RETURN(trainer->run_id_, NewRunId(*comms.world));
@@ -331,11 +327,11 @@ absl::Status Trainer::PrepareLocal() {
                            RankDataLoader::Create(corpus_, config_.data(), comms_.world->rank(),
                                                   comms_.world->size()));
   loader_ = std::make_unique<RankDataLoader>(std::move(loader));
-  if (!config_.checkpoint_dir().empty()) {
+  if (!config_.checkpoint().dir().empty()) {
     std::error_code ec;
-    fs::create_directories(config_.checkpoint_dir(), ec);
+    fs::create_directories(config_.checkpoint().dir(), ec);
     if (ec) {
-      return absl::FailedPreconditionError(absl::StrCat("checkpoint_dir=", config_.checkpoint_dir(),
+      return absl::FailedPreconditionError(absl::StrCat("checkpoint_dir=", config_.checkpoint().dir(),
                                                         ": cannot create: ", ec.message()));
     }
   }
@@ -346,7 +342,7 @@ absl::Status Trainer::CheckResumeCompatible(const CheckpointInfo& info, int64_t 
   auto it = info.extra.find("config");
   if (it == info.extra.end()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "--resume: the checkpoint of step ", step, " in ", config_.checkpoint_dir(),
+        "--resume: the checkpoint of step ", step, " in ", config_.checkpoint().dir(),
         " has no \"config\" in its commit marker, so nothing shows that it continues this "
         "run's data stream and model; refusing it"));
   }
@@ -364,8 +360,8 @@ absl::Status Trainer::CheckResumeCompatible(const CheckpointInfo& info, int64_t 
   // CE weighting and backend.
   const DataConfig &a = saved.data(), &b = config_.data();
   auto batch_text = [](const TrainConfig& c) {
-    return absl::StrCat(GlobalBatch(c), " (world x grad_acc x micro_batch = ", c.world(), " x ",
-                        c.grad_acc(), " x ", c.data().micro_batch(), ")");
+    return absl::StrCat(GlobalBatch(c), " (world x grad_acc x micro_batch = ", c.parallelism().world(), " x ",
+                        c.parallelism().grad_acc(), " x ", c.data().micro_batch(), ")");
   };
   if (GlobalBatch(saved) != GlobalBatch(config_)) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -415,13 +411,13 @@ absl::Status Trainer::Resume() {
   int64_t step = -1;
   absl::Status found = absl::OkStatus();
   if (is_rank0()) {
-    absl::StatusOr<int64_t> latest = LatestCheckpointStep(config_.checkpoint_dir());
+    absl::StatusOr<int64_t> latest = LatestCheckpointStep(config_.checkpoint().dir());
     if (latest.ok()) step = *latest;
     found = latest.status();
   }
   GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(*comms_.world, found, "--resume"));
   GRADSUM_RETURN_IF_ERROR(comms_.world->Broadcast(&step, 1, DType::kI64, 0));
-  const std::string dir = CheckpointPath(config_.checkpoint_dir(), step);
+  const std::string dir = CheckpointPath(config_.checkpoint().dir(), step);
   // The saved config first, so that another model or global batch is refused by name
   // before any parameter is read.
   absl::StatusOr<CheckpointInfo> marker = ReadCheckpointInfo(dir);
@@ -437,10 +433,10 @@ absl::Status Trainer::Resume() {
   run_id_ = run_id->second;
   resume_note_ = absl::StrCat("resumed from step ", info.step, " of run ", run_id_, " in ", dir);
   if (is_rank0()) {
-    const std::vector<int64_t> skipped = IncompleteCheckpointsAfter(config_.checkpoint_dir(), step);
+    const std::vector<int64_t> skipped = IncompleteCheckpointsAfter(config_.checkpoint().dir(), step);
     int removed = 0;
     for (int64_t s : skipped) {
-      removed += RemoveStaleTempFiles(CheckpointPath(config_.checkpoint_dir(), s));
+      removed += RemoveStaleTempFiles(CheckpointPath(config_.checkpoint().dir(), s));
     }
     if (!skipped.empty()) {
       absl::StrAppend(&resume_note_, " (skipped ", skipped.size(),
@@ -453,9 +449,9 @@ absl::Status Trainer::Resume() {
   fresh_start_ = false;
   GRADSUM_RETURN_IF_ERROR(MarkAgreed(RestoreDataPosition(info, dir)));
   auto mesh = [](const TrainConfig& c) {
-    return absl::StrCat("world=", c.world(), " ep=", c.ep(), " grad_acc=", c.grad_acc(),
-                        " sharding=", TrainConfig::Sharding_Name(c.sharding()),
-                        " layers_per_unit=", c.layers_per_unit());
+    return absl::StrCat("world=", c.parallelism().world(), " ep=", c.parallelism().ep(), " grad_acc=", c.parallelism().grad_acc(),
+                        " sharding=", TrainConfig::Sharding_Name(c.parallelism().sharding()),
+                        " layers_per_unit=", c.parallelism().layers_per_unit());
   };
   absl::StatusOr<TrainConfig> saved = ParseConfigText(info.extra.at("config"));
   if (saved.ok() && mesh(*saved) != mesh(config_)) {
@@ -466,7 +462,7 @@ absl::Status Trainer::Resume() {
 
 absl::Status Trainer::SaveCheckpointNow() {
   const DataPosition position = loader_->position();
-  return SaveCheckpoint(CheckpointPath(config_.checkpoint_dir(), step_), *comms_.world, *optimizer_,
+  return SaveCheckpoint(CheckpointPath(config_.checkpoint().dir(), step_), *comms_.world, *optimizer_,
                         {{"config", ConfigToShortText(config_)},
                          {"run_id", run_id_},
                          {kDataNextDocument, absl::StrCat(position.next_document)},
@@ -478,7 +474,7 @@ absl::Status Trainer::RestoreDataPosition(const CheckpointInfo& info, const std:
   auto sequences = info.extra.find(kDataSequences);
   if (next == info.extra.end() || sequences == info.extra.end()) {
     // A checkpoint from before the position was recorded: replay the stream.
-    loader_->SkipSteps(step_, config_.grad_acc());
+    loader_->SkipSteps(step_, config_.parallelism().grad_acc());
     return absl::OkStatus();
   }
   DataPosition position;
@@ -498,9 +494,9 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   comms_.timer->Take();
   comms_.timer->TakeBusy();
   model_->TakePeakUnshardedBytes();
-  const int G = config_.grad_acc();
+  const int G = config_.parallelism().grad_acc();
   const bool first = fresh_start_ && step_ == 0;
-  const bool need_full = first && (config_.parity_check() || !config_.dump_dir().empty());
+  const bool need_full = first && (config_.debug().parity_check() || !config_.debug().dump_dir().empty());
 
   // Global statistics D and N before the first forward (§3, §4).
   std::vector<MicroBatch> batches = loader_->NextStep(G);
@@ -515,7 +511,7 @@ absl::StatusOr<StepRecord> Trainer::Step() {
     tokens[m].input_mask = masks[m];
   }
   losses::StepStatsOptions stats_options;
-  stats_options.mode = ToCeWeightMode(config_.ce_mode());
+  stats_options.mode = ToCeWeightMode(config_.loss().ce_mode());
   GRADSUM_ASSIGN_OR_RETURN(losses::StepStats stats,
                            losses::ComputeStepStats(*comms_.world, tokens, stats_options));
 
@@ -592,21 +588,21 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   r.tokens_per_second = r.step_seconds > 0 ? r.routed_tokens / r.step_seconds : 0;
   r.maxvio = values.maxvio;
 
-  if (first && !config_.dump_dir().empty()) {
+  if (first && !config_.debug().dump_dir().empty()) {
     GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(
         *comms_.world, WriteDump(weights, *first_step_grads_, batches, r), "--dump_dir"));
   }
-  if (first && config_.parity_check()) {
+  if (first && config_.debug().parity_check()) {
     // Rank 0 runs the reference; every rank learns the verdict, so all fail together.
     int64_t ok = 0;
     absl::Status local = absl::OkStatus();
     if (is_rank0()) local = [&]() -> absl::Status {
       const bool f32 =
-          config_.compute_dtype() == TrainConfig::f32 && config_.reduce_dtype() == TrainConfig::f32;
+          config_.precision().compute_dtype() == TrainConfig::f32 && config_.precision().reduce_dtype() == TrainConfig::f32;
       // bf16 rounds parameters or gradients to 8 bits of mantissa: a looser bar, the one
       // moe/cuda's bf16 layer test uses (the tiny test models' expert gradients reach 2.1e-2).
       const double tol =
-          f32 ? config_.parity_tolerance() : std::max(config_.parity_tolerance(), 3e-2);
+          f32 ? config_.debug().parity_tolerance() : std::max(config_.debug().parity_tolerance(), 3e-2);
       GRADSUM_ASSIGN_OR_RETURN(auto global_batch, GlobalBatchForStep(config_, 0));
       GRADSUM_ASSIGN_OR_RETURN(
           ParityReport report,
@@ -629,7 +625,7 @@ absl::StatusOr<StepRecord> Trainer::Step() {
 
 absl::Status Trainer::WriteDump(const NamedParams& weights, const NamedParams& grads,
                                 const std::vector<MicroBatch>& batches, const StepRecord& record) {
-  const std::string& dir = config_.dump_dir();
+  const std::string& dir = config_.debug().dump_dir();
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return absl::InternalError(absl::StrCat("--dump_dir=", dir, ": ", ec.message()));
@@ -685,30 +681,30 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
   // boundary: every rank stops together with the failing rank's message.
   MetricsFile metrics;
   absl::Status local = absl::OkStatus();
-  if (is_rank0() && !config_.metrics().empty()) {
-    absl::StatusOr<MetricsFile> opened = MetricsFile::Open(config_.metrics(), !fresh_start_);
+  if (is_rank0() && !config_.log().metrics().empty()) {
+    absl::StatusOr<MetricsFile> opened = MetricsFile::Open(config_.log().metrics(), !fresh_start_);
     if (opened.ok()) metrics = std::move(*opened);
     local = opened.status();
   }
   double ce_tail_sum = 0;
   std::vector<double> ces;
   while (true) {
-    if (local.ok() && step_ < config_.steps()) local = MaybeInjectFault(comms_.world->rank(), step_ + 1);
+    if (local.ok() && step_ < config_.optim().steps()) local = MaybeInjectFault(comms_.world->rank(), step_ + 1);
     GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(
         *comms_.world, local,
-        step_ < config_.steps() ? absl::StrCat("step ", step_ + 1) : "end of training"));
-    if (step_ >= config_.steps()) break;
+        step_ < config_.optim().steps() ? absl::StrCat("step ", step_ + 1) : "end of training"));
+    if (step_ >= config_.optim().steps()) break;
     GRADSUM_ASSIGN_OR_RETURN(StepRecord r, Step());
-    if (log != nullptr) *log << r.ToLogLine(config_.steps()) << std::endl;
+    if (log != nullptr) *log << r.ToLogLine(config_.optim().steps()) << std::endl;
     if (metrics.is_open()) {
       absl::StatusOr<std::string> line = r.ToJson();
       local = line.ok() ? metrics.WriteLine(*line) : line.status();
     }
     // After the step's log lines, so a run killed right after a checkpoint has logged
     // every step the checkpoint covers.
-    if (!config_.checkpoint_dir().empty() &&
-        ((config_.checkpoint_every() > 0 && step_ % config_.checkpoint_every() == 0) ||
-         step_ == config_.steps())) {
+    if (!config_.checkpoint().dir().empty() &&
+        ((config_.checkpoint().every() > 0 && step_ % config_.checkpoint().every() == 0) ||
+         step_ == config_.optim().steps())) {
       GRADSUM_RETURN_IF_ERROR(SaveCheckpointNow());
     }
     if (r.step == summary.first_step) summary.first_ce = r.ce;
@@ -732,15 +728,15 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
     }
   }
   GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(*comms_.world, metrics.Close(), "--metrics"));
-  if (!config_.export_path().empty()) {
+  if (!config_.checkpoint().export_path().empty()) {
     GRADSUM_ASSIGN_OR_RETURN(NamedParams params, model_->GatherFull(/*grads=*/false));
     GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(
         *comms_.world,
-        is_rank0() ? WriteParamsFile(config_.export_path(), config_.model(), params, step_)
+        is_rank0() ? WriteParamsFile(config_.checkpoint().export_path(), config_.model(), params, step_)
                    : absl::OkStatus(),
         "--export"));
     if (log != nullptr) *log << "exported the parameters of step " << step_ << " to "
-                             << config_.export_path() << std::endl;
+                             << config_.checkpoint().export_path() << std::endl;
   }
   const size_t tail = std::min<size_t>(10, ces.size());
   for (size_t i = ces.size() - tail; i < ces.size(); ++i) ce_tail_sum += ces[i];

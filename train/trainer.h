@@ -167,9 +167,6 @@ absl::Status WriteParamsFile(const std::string& path, const ModelConfig& model,
 // missing, extra or misshapen tensor is InvalidArgument naming it; read errors name `path`.
 absl::StatusOr<NamedParams> ReadParamsFile(const std::string& path, const ModelConfig& model);
 
-// The global batch B = world x grad_acc x micro_batch: sequences per step (train/data.h).
-int64_t GlobalBatch(const TrainConfig& config);
-
 // The directory of the checkpoint after `step` inside `checkpoint_dir`.
 std::string CheckpointPath(const std::string& checkpoint_dir, int64_t step);
 

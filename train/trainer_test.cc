@@ -33,7 +33,7 @@ using ::testing::HasSubstr;
 // chain's entropy floor. A small model keeps it fast; the corpus is the default one.
 TEST(TrainerTest, ThreeHundredStepsReachTheEntropyFloor) {
   TrainConfig config;  // default corpus, world 2, ep 2, G 2, fsdp
-  config.set_steps(300);
+  config.mutable_optim()->set_steps(300);
   config.mutable_model()->set_dim(32);
   config.mutable_model()->set_expert_dim(32);
   config.mutable_data()->set_micro_batch(2);
@@ -61,8 +61,8 @@ TEST(TrainerTest, DumpWritesTheNamedFiles) {
   const std::string dir = ::testing::TempDir() + "/dump";
   std::filesystem::remove_all(dir);
   TrainConfig config = TinyConfig(4, 2, 2, TrainConfig::fsdp);
-  config.set_dump_dir(dir);
-  config.set_steps(2);
+  config.mutable_debug()->set_dump_dir(dir);
+  config.mutable_optim()->set_steps(2);
   auto out = RunInProcess(config);
   ASSERT_TRUE(out.ok());
   ASSERT_TRUE((*out)[0].status.ok()) << (*out)[0].status;
@@ -70,7 +70,7 @@ TEST(TrainerTest, DumpWritesTheNamedFiles) {
   // weights: the initial parameters, every name with its shape.
   auto weights = SafetensorsFile::Read(dir + "/weights.safetensors");
   ASSERT_TRUE(weights.ok()) << weights.status();
-  const NamedParams init = MoeLm::InitialParameters(config.model(), config.seed());
+  const NamedParams init = MoeLm::InitialParameters(config.model(), config.model().seed());
   const auto shapes = MoeLmParamShapes(config.model());
   EXPECT_EQ(weights->num_tensors(), static_cast<int>(shapes.size()));
   for (const auto& [name, shape] : shapes) {
@@ -154,13 +154,13 @@ TEST(TrainerTest, ResumeContinuesBitExactly) {
     const std::string dir = ::testing::TempDir() + "/ckpt_" + TrainConfig::Sharding_Name(sharding);
     std::filesystem::remove_all(dir);
     TrainConfig full = TinyConfig(4, 2, 2, sharding);
-    full.set_steps(6);
+    full.mutable_optim()->set_steps(6);
     auto reference = RunInProcess(full);
     ASSERT_TRUE(reference.ok() && (*reference)[0].status.ok());
 
     TrainConfig first = full;
-    first.set_steps(3);
-    first.set_checkpoint_dir(dir);
+    first.mutable_optim()->set_steps(3);
+    first.mutable_checkpoint()->set_dir(dir);
     auto a = RunInProcess(first);
     ASSERT_TRUE(a.ok() && (*a)[0].status.ok()) << (*a)[0].status;
     absl::StatusOr<int64_t> latest = LatestCheckpointStep(dir);
@@ -168,8 +168,8 @@ TEST(TrainerTest, ResumeContinuesBitExactly) {
     EXPECT_EQ(*latest, 3);
 
     TrainConfig second = full;
-    second.set_checkpoint_dir(dir);
-    second.set_resume(true);
+    second.mutable_checkpoint()->set_dir(dir);
+    second.mutable_checkpoint()->set_resume(true);
     auto b = RunInProcess(second);
     ASSERT_TRUE(b.ok() && (*b)[0].status.ok()) << (*b)[0].status;
     const std::vector<StepRecord>& resumed = (*b)[0].history;
@@ -192,15 +192,15 @@ TEST(TrainerTest, ResumeRefusesAnotherDataStreamButAllowsNewOptimizerSettings) {
   const std::string dir = ::testing::TempDir() + "/ckpt_compat";
   std::filesystem::remove_all(dir);
   TrainConfig first = TinyConfig(2, 2, 2, TrainConfig::fsdp);
-  first.set_steps(2);
-  first.set_checkpoint_dir(dir);
+  first.mutable_optim()->set_steps(2);
+  first.mutable_checkpoint()->set_dir(dir);
   auto a = RunInProcess(first);
   ASSERT_TRUE(a.ok() && (*a)[0].status.ok()) << (*a)[0].status;
 
   TrainConfig other_g = first;
-  other_g.set_steps(4);
-  other_g.set_resume(true);
-  other_g.set_grad_acc(3);
+  other_g.mutable_optim()->set_steps(4);
+  other_g.mutable_checkpoint()->set_resume(true);
+  other_g.mutable_parallelism()->set_grad_acc(3);
   auto b = RunInProcess(other_g);
   ASSERT_TRUE(b.ok());
   for (const RankOutcome& r : *b) {
@@ -211,16 +211,16 @@ TEST(TrainerTest, ResumeRefusesAnotherDataStreamButAllowsNewOptimizerSettings) {
                           "x 3 x 2)"));
   }
   TrainConfig other_model = first;
-  other_model.set_resume(true);
-  other_model.set_steps(3);
+  other_model.mutable_checkpoint()->set_resume(true);
+  other_model.mutable_optim()->set_steps(3);
   other_model.mutable_model()->set_router_scale(2.0f);
   auto c = RunInProcess(other_model);
   ASSERT_TRUE(c.ok());
   EXPECT_THAT((*c)[0].status.message(), HasSubstr("model.router_scale=1 but this run has"));
 
   TrainConfig new_lr = first;
-  new_lr.set_resume(true);
-  new_lr.set_steps(3);
+  new_lr.mutable_checkpoint()->set_resume(true);
+  new_lr.mutable_optim()->set_steps(3);
   new_lr.mutable_optim()->set_lr(0.003);
   auto d = RunInProcess(new_lr);
   ASSERT_TRUE(d.ok());
@@ -269,22 +269,22 @@ TEST(TrainerTest, ResumeOntoAnotherMeshContinuesTheUninterruptedRun) {
   std::filesystem::remove_all(dir);
   auto mesh = [&](int world, int ep, int g, TrainConfig::Sharding sharding, int steps) {
     TrainConfig c = TinyConfig(world, ep, g, sharding);
-    c.set_alpha_b(0);
-    c.set_steps(steps);
-    c.set_checkpoint_dir(dir);
+    c.mutable_loss()->set_alpha_b(0);
+    c.mutable_optim()->set_steps(steps);
+    c.mutable_checkpoint()->set_dir(dir);
     return c;
   };
   TrainConfig reference = mesh(4, 2, 1, TrainConfig::fsdp, 15);
-  reference.clear_checkpoint_dir();
+  reference.mutable_checkpoint()->clear_dir();
   const std::vector<StepRecord> want = TrainOrDie(reference);
   ASSERT_EQ(want.size(), 15u);
 
   TrainOrDie(mesh(4, 2, 1, TrainConfig::fsdp, 2));
   TrainConfig second = mesh(2, 1, 2, TrainConfig::replicated, 4);
-  second.set_resume(true);
+  second.mutable_checkpoint()->set_resume(true);
   ExpectContinues(TrainOrDie(second), want, "(4,2,1) fsdp -> (2,1,2) replicated");
   TrainConfig third = mesh(1, 1, 4, TrainConfig::fsdp, 15);
-  third.set_resume(true);
+  third.mutable_checkpoint()->set_resume(true);
   const std::vector<StepRecord> last = TrainOrDie(third);
   ASSERT_EQ(last.size(), 11u);  // the first step after the resume and 10 more
   ExpectContinues(last, want, "(2,1,2) replicated -> (1,1,4) fsdp");
@@ -297,16 +297,16 @@ TEST(TrainerTest, ResumeOntoAnotherWorldAndUnitGroupingKeepsTheBalancingLoss) {
   const std::string dir = ::testing::TempDir() + "/ckpt_elastic_bal";
   std::filesystem::remove_all(dir);
   TrainConfig first = TinyConfig(4, 2, 2, TrainConfig::fsdp);
-  first.set_steps(3);
-  first.set_checkpoint_dir(dir);
+  first.mutable_optim()->set_steps(3);
+  first.mutable_checkpoint()->set_dir(dir);
   TrainOrDie(first);
   TrainConfig target = TinyConfig(2, 2, 2, TrainConfig::replicated);
   target.mutable_data()->set_micro_batch(4);
-  target.set_layers_per_unit(2);
-  target.set_steps(14);
+  target.mutable_parallelism()->set_layers_per_unit(2);
+  target.mutable_optim()->set_steps(14);
   const std::vector<StepRecord> want = TrainOrDie(target);
-  target.set_checkpoint_dir(dir);
-  target.set_resume(true);
+  target.mutable_checkpoint()->set_dir(dir);
+  target.mutable_checkpoint()->set_resume(true);
   const std::vector<StepRecord> resumed = TrainOrDie(target);
   ASSERT_EQ(resumed.size(), 11u);
   ExpectContinues(resumed, want, "(4,2,2) mb 2 fsdp -> (2,2,2) mb 4 replicated");
@@ -321,9 +321,9 @@ TEST(TrainerTest, ExportWritesTheFinalParametersAndInitFromStartsFromThem) {
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   TrainConfig config = TinyConfig(4, 2, 2, TrainConfig::fsdp);
-  config.set_steps(3);
-  config.set_checkpoint_dir(dir + "/ckpt");
-  config.set_export_path(dir + "/final.safetensors");
+  config.mutable_optim()->set_steps(3);
+  config.mutable_checkpoint()->set_dir(dir + "/ckpt");
+  config.mutable_checkpoint()->set_export_path(dir + "/final.safetensors");
   TrainOrDie(config);
   ASSERT_TRUE(ExportConsolidated(dir + "/ckpt/step-00000003", dir + "/offline.safetensors").ok());
   auto exported = SafetensorsFile::Read(dir + "/final.safetensors");
@@ -332,7 +332,7 @@ TEST(TrainerTest, ExportWritesTheFinalParametersAndInitFromStartsFromThem) {
   const auto shapes = MoeLmParamShapes(config.model());
   ASSERT_EQ(exported->num_tensors(), static_cast<int>(shapes.size()));
   EXPECT_EQ(exported->metadata().at("step"), "3");
-  const NamedParams init = MoeLm::InitialParameters(config.model(), config.seed());
+  const NamedParams init = MoeLm::InitialParameters(config.model(), config.model().seed());
   for (const auto& [name, shape] : shapes) {
     auto a = exported->Get(name);
     auto b = offline->Get(name);
@@ -344,8 +344,8 @@ TEST(TrainerTest, ExportWritesTheFinalParametersAndInitFromStartsFromThem) {
   }
 
   TrainConfig next = TinyConfig(2, 1, 1, TrainConfig::replicated);
-  next.set_init_from(dir + "/final.safetensors");
-  next.set_dump_dir(dir + "/dump");
+  next.mutable_checkpoint()->set_init_from(dir + "/final.safetensors");
+  next.mutable_debug()->set_dump_dir(dir + "/dump");
   TrainOrDie(next);
   auto dumped = SafetensorsFile::Read(dir + "/dump/weights.safetensors");
   ASSERT_TRUE(dumped.ok());
@@ -416,7 +416,7 @@ TEST(TrainerTest, InitFromRefusesAFileOfAnotherModel) {
     const std::string path = dir + "/" + c.name + ".safetensors";
     ASSERT_TRUE(w.WriteFile(path).ok());
     TrainConfig bad = config;
-    bad.set_init_from(path);
+    bad.mutable_checkpoint()->set_init_from(path);
     auto out = RunInProcess(bad);
     ASSERT_TRUE(out.ok());
     for (const RankOutcome& r : *out) {
@@ -426,13 +426,15 @@ TEST(TrainerTest, InitFromRefusesAFileOfAnotherModel) {
     }
   }
   TrainConfig both = config;
-  both.set_init_from(dir + "/missing.safetensors");
-  both.set_checkpoint_dir(dir);
-  both.set_resume(true);
+  both.mutable_checkpoint()->set_init_from(dir + "/missing.safetensors");
+  both.mutable_checkpoint()->set_dir(dir);
+  both.mutable_checkpoint()->set_resume(true);
   auto out = RunInProcess(both);
   ASSERT_TRUE(out.ok());
   EXPECT_EQ((*out)[0].status.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT((*out)[0].status.message(), HasSubstr("cannot be combined with resume"));
+  EXPECT_THAT((*out)[0].status.message(),
+              HasSubstr("checkpoint.init_from=" + dir +
+                        "/missing.safetensors: cannot be combined with checkpoint.resume"));
 }
 
 // A commit marker without the config that wrote it proves nothing about the data stream
@@ -442,8 +444,8 @@ TEST(TrainerTest, ResumeRefusesAMarkerWithoutItsConfig) {
   const std::string dir = ::testing::TempDir() + "/ckpt_no_config";
   std::filesystem::remove_all(dir);
   TrainConfig first = TinyConfig(2, 2, 1, TrainConfig::fsdp);
-  first.set_steps(2);
-  first.set_checkpoint_dir(dir);
+  first.mutable_optim()->set_steps(2);
+  first.mutable_checkpoint()->set_dir(dir);
   auto a = RunInProcess(first);
   ASSERT_TRUE(a.ok() && (*a)[0].status.ok()) << (*a)[0].status;
   const std::string marker_path = dir + "/step-00000002/checkpoint.json";
@@ -463,8 +465,8 @@ TEST(TrainerTest, ResumeRefusesAMarkerWithoutItsConfig) {
   ASSERT_TRUE(WriteFileAtomically(marker_path, *rewritten + "\n").ok());
 
   TrainConfig again = first;
-  again.set_steps(3);
-  again.set_resume(true);
+  again.mutable_optim()->set_steps(3);
+  again.mutable_checkpoint()->set_resume(true);
   auto b = RunInProcess(again);
   ASSERT_TRUE(b.ok());
   for (const RankOutcome& r : *b) {
@@ -473,12 +475,80 @@ TEST(TrainerTest, ResumeRefusesAMarkerWithoutItsConfig) {
   }
 }
 
+// A checkpoint written by the binary before the config had sections holds its config in
+// the old layout (top-level world, ep, steps, ...). It still resumes, and continues the
+// uninterrupted run bit-exactly. The marker is rewritten with that text (as the previous
+// binary wrote it for this config) and a valid fingerprint.
+TEST(TrainerTest, ResumeReadsAMarkerOfTheOldConfigLayout) {
+  const std::string dir = ::testing::TempDir() + "/ckpt_old_layout";
+  std::filesystem::remove_all(dir);
+  TrainConfig first = TinyConfig(2, 2, 1, TrainConfig::fsdp);
+  first.mutable_optim()->set_steps(2);
+  first.mutable_checkpoint()->set_dir(dir);
+  auto a = RunInProcess(first);
+  ASSERT_TRUE(a.ok() && (*a)[0].status.ok()) << (*a)[0].status;
+  const std::string marker_path = dir + "/step-00000002/checkpoint.json";
+  absl::StatusOr<std::string> text = ReadFileToString(marker_path);
+  ASSERT_TRUE(text.ok());
+  checkpoint::CommitMarker marker;
+  ASSERT_TRUE(ProtoFromJson(*text, &marker).ok()) << *text;
+  (*marker.mutable_extra())["config"] = absl::StrCat(
+      "model { vocab: 256 dim: 8 layers: 2 experts: 4 top_k: 2 expert_dim: 8 norm_topk_prob: "
+      "true router_scale: 1 init_std: 0.5 } data { path: \"\" seq_len: 16 micro_batch: 2 "
+      "corpus_seed: 20261202 min_doc_len: 2 max_doc_len: 12 corpus_documents: 4096 } optim { "
+      "lr: 0.01 beta1: 0.9 beta2: 0.95 eps: 1e-08 weight_decay: 0 grad_clip: 1 warmup_steps: "
+      "10 } world: 2 ep: 2 grad_acc: 1 steps: 2 backend: thread sharding: fsdp reduce_dtype: "
+      "f32 compute_dtype: f32 seed: 1 alpha_b: 0.01 alpha_z: 0.01 dump_dir: \"\" metrics: \"\" "
+      "checkpoint_dir: \"",
+      dir,
+      "\" checkpoint_every: 0 resume: false parity_check: false parity_tolerance: 1e-05 "
+      "timeout_s: 60 ce_mode: token nccl_skip_agreement: false layers_per_unit: 1 "
+      "reshard_after_forward: true reduce_every_micro_batch: true bucket_cap_mb: 25 "
+      "first_bucket_mb: 1 export_path: \"\" init_from: \"\" reproducible: false");
+  marker.clear_fingerprint();
+  absl::StatusOr<std::string> body = ProtoToJson(marker);
+  ASSERT_TRUE(body.ok());
+  marker.set_fingerprint(absl::StrFormat("%016x", Fingerprint64(*body)));
+  absl::StatusOr<std::string> rewritten = ProtoToJson(marker);
+  ASSERT_TRUE(rewritten.ok());
+  ASSERT_TRUE(WriteFileAtomically(marker_path, *rewritten + "\n").ok());
+
+  TrainConfig again = first;
+  again.mutable_optim()->set_steps(3);
+  again.mutable_checkpoint()->set_resume(true);
+  const std::vector<StepRecord> resumed = TrainOrDie(again);
+  TrainConfig uninterrupted = again;
+  uninterrupted.clear_checkpoint();
+  const std::vector<StepRecord> want = TrainOrDie(uninterrupted);
+  ASSERT_EQ(resumed.size(), 1u);
+  ASSERT_EQ(want.size(), 3u);
+  EXPECT_EQ(resumed[0].step, 3);
+  EXPECT_EQ(resumed[0].ce, want[2].ce);
+  EXPECT_EQ(resumed[0].grad_norm, want[2].grad_norm);
+
+  // The same marker with another global batch in the old layout is refused by name.
+  (*marker.mutable_extra())["config"] = "world: 2 ep: 2 grad_acc: 2 data { seq_len: 16 }";
+  marker.clear_fingerprint();
+  body = ProtoToJson(marker);
+  ASSERT_TRUE(body.ok());
+  marker.set_fingerprint(absl::StrFormat("%016x", Fingerprint64(*body)));
+  rewritten = ProtoToJson(marker);
+  ASSERT_TRUE(rewritten.ok());
+  ASSERT_TRUE(WriteFileAtomically(marker_path, *rewritten + "\n").ok());
+  std::filesystem::remove_all(dir + "/step-00000003");
+  auto refused = RunInProcess(again);
+  ASSERT_TRUE(refused.ok());
+  EXPECT_EQ((*refused)[0].status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT((*refused)[0].status.message(),
+              HasSubstr("global batch B=32 (world x grad_acc x micro_batch = 2 x 2 x 8)"));
+}
+
 TEST(TrainerTest, ResumeWithoutCheckpointIsNotFound) {
   const std::string dir = ::testing::TempDir() + "/empty_ckpt";
   std::filesystem::create_directories(dir);
   TrainConfig config = TinyConfig(2, 1, 1, TrainConfig::fsdp);
-  config.set_checkpoint_dir(dir);
-  config.set_resume(true);
+  config.mutable_checkpoint()->set_dir(dir);
+  config.mutable_checkpoint()->set_resume(true);
   auto out = RunInProcess(config);
   ASSERT_TRUE(out.ok());
   for (const RankOutcome& r : *out) {
@@ -497,8 +567,8 @@ TEST(TrainerTest, CommunicatorsThatDisagreeWithTheConfigAreInvalidArgument) {
   });
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("world=4"));
-  config.set_world(2);
-  config.set_ep(1);  // but the mesh has EP groups of 2
+  config.mutable_parallelism()->set_world(2);
+  config.mutable_parallelism()->set_ep(1);  // but the mesh has EP groups of 2
   s = testing::RunRanks(2, [&](Communicator& world) -> absl::Status {
     absl::StatusOr<RankMesh> mesh = MakeRankMesh(&world, 2);
     if (!mesh.ok()) return mesh.status();
@@ -521,9 +591,9 @@ TEST(TrainerTest, BadConfigFailsBeforeTraining) {
 // bf16 compute and bf16 reduction train, and stay close to the fp32 gradients.
 TEST(TrainerTest, Bf16ComputeAndReduceStayNearTheReference) {
   TrainConfig config = TinyConfig(2, 2, 2, TrainConfig::fsdp);
-  config.set_compute_dtype(TrainConfig::bf16);
-  config.set_reduce_dtype(TrainConfig::bf16);
-  config.set_parity_check(true);  // bf16 uses a 3e-2 bar
+  config.mutable_precision()->set_compute_dtype(TrainConfig::bf16);
+  config.mutable_precision()->set_reduce_dtype(TrainConfig::bf16);
+  config.mutable_debug()->set_parity_check(true);  // bf16 uses a 3e-2 bar
   auto out = RunInProcess(config);
   ASSERT_TRUE(out.ok());
   ASSERT_TRUE((*out)[0].status.ok()) << (*out)[0].status;

@@ -126,14 +126,14 @@ struct RankRun {
 // log holds only what those steps issued (not the trainer's set-up).
 absl::StatusOr<std::vector<RankRun>> Record(const TrainConfig& config, int steps,
                                             absl::Duration gather_delay = absl::ZeroDuration()) {
-  std::vector<RankRun> runs(config.world());
+  std::vector<RankRun> runs(config.parallelism().world());
   // Reads the config's lazily built default strings once before the rank threads do
   // (protobuf builds them on first use; TSan does not see inside the library).
   GRADSUM_RETURN_IF_ERROR(ValidateConfig(config));
-  absl::Status s = testing::RunRanks(config.world(), [&](Communicator& world) -> absl::Status {
+  absl::Status s = testing::RunRanks(config.parallelism().world(), [&](Communicator& world) -> absl::Status {
     auto log = std::make_shared<std::vector<Op>>();
     RecordingCommunicator recording(&world, log, gather_delay);
-    GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(&recording, config.ep()));
+    GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(&recording, config.parallelism().ep()));
     GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
                              Trainer::Create(config, mesh.comms()));
     log->clear();
@@ -206,7 +206,7 @@ TEST(UnitScheduleTest, EveryMicroBatchOrOnlyTheLastReduceScatters) {
 
   // requires_gradient_sync off for the first micro-batch: gathers only, then the same
   // traffic with the reduce-scatters.
-  config.set_reduce_every_micro_batch(false);
+  config.mutable_parallelism()->set_reduce_every_micro_batch(false);
   std::vector<std::string> last_only;
   for (const std::string& op : kMicroBatch) {
     if (op.rfind("AG", 0) == 0) last_only.push_back(op);
@@ -225,7 +225,7 @@ TEST(UnitScheduleTest, EveryMicroBatchOrOnlyTheLastReduceScatters) {
 // both complete when layer 0's backward hands over its experts.
 TEST(UnitScheduleTest, ReplicatedBucketsAreIssuedAsBackwardCompletesThem) {
   TrainConfig config = TinyConfig(2, 1, 2, TrainConfig::replicated);
-  config.set_first_bucket_mb(4096.0 / (1 << 20));
+  config.mutable_comm()->set_first_bucket_mb(4096.0 / (1 << 20));
   auto runs = Record(config, 1);
   ASSERT_TRUE(runs.ok()) << runs.status();
   std::vector<size_t> reduces;
@@ -258,8 +258,8 @@ TEST(UnitScheduleTest, PeakUnshardedBytesFollowTheSchedule) {
         Case{TrainConfig::fsdp, false, TrainConfig::f32, full, full},  // all held by the head
         Case{TrainConfig::replicated, true, TrainConfig::f32, full, full}}) {
     TrainConfig config = TinyConfig(2, 1, 2, c.sharding);
-    config.set_reshard_after_forward(c.reshard_after_forward);
-    config.set_compute_dtype(c.compute_dtype);
+    config.mutable_parallelism()->set_reshard_after_forward(c.reshard_after_forward);
+    config.mutable_precision()->set_compute_dtype(c.compute_dtype);
     auto runs = Record(config, 2);
     ASSERT_TRUE(runs.ok()) << runs.status();
     for (const RankRun& run : *runs) {

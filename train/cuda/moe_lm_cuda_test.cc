@@ -68,19 +68,19 @@ TEST_P(MoeLmCudaTest, MatchesReferenceAndCpuTrainer) {
   GRADSUM_SKIP_WITHOUT_GPU();
   const auto [G, sharding, compute, reduce, ce_mode, small_buckets] = GetParam();
   TrainConfig config = TinyConfig(1, 1, G, sharding);
-  config.set_ce_mode(ce_mode);
-  config.set_compute_dtype(compute);
-  config.set_reduce_dtype(reduce);
+  config.mutable_loss()->set_ce_mode(ce_mode);
+  config.mutable_precision()->set_compute_dtype(compute);
+  config.mutable_precision()->set_reduce_dtype(reduce);
   if (small_buckets) {
     // Replicated: GradBucketer buckets of at most 524 bytes (the first: 104), so the tiny
     // model's gradients travel in many buckets: the 2048-float embedding and head alone,
     // a layer's norm and router together, two 64-float expert matrices per bucket. The CPU
     // run below buckets the same way.
-    config.set_bucket_cap_mb(0.0005);
-    config.set_first_bucket_mb(0.0001);
+    config.mutable_comm()->set_bucket_cap_mb(0.0005);
+    config.mutable_comm()->set_first_bucket_mb(0.0001);
   }
-  config.set_steps(4);
-  config.set_parity_check(true);
+  config.mutable_optim()->set_steps(4);
+  config.mutable_debug()->set_parity_check(true);
   absl::StatusOr<GpuRun> gpu = RunOnGpu(config);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   absl::StatusOr<std::vector<RankOutcome>> cpu = RunInProcess(config);

@@ -87,11 +87,11 @@ absl::Status RunNcclRank(const TrainConfig& config, Communicator* host_world, st
   GRADSUM_RETURN_IF_ERROR(CheckOneRankPerGpu(*host_world, device));
   NcclBackendOptions options;
   options.device = device;
-  options.timeout = absl::Seconds(config.timeout_s());
-  options.check_agreement = !config.nccl_skip_agreement();
-  GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(host_world, config.ep()));
+  options.timeout = absl::Seconds(config.comm().timeout_s());
+  options.check_agreement = !config.comm().nccl_skip_agreement();
+  GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(host_world, config.parallelism().ep()));
   GRADSUM_ASSIGN_OR_RETURN(NcclMesh nccl,
-                           MakeNcclMesh(*host_world, options, config.ep(), mesh.timer));
+                           MakeNcclMesh(*host_world, options, config.parallelism().ep(), mesh.timer));
   RankComms comms = mesh.comms();
   const MoeLmDeviceGroups dev = nccl.groups();
   comms.make_model = [dev](const MoeLmOptions& o, const MoeLmGroups& g) {
