@@ -83,12 +83,12 @@ void BM_MoeLmStep(benchmark::State& state) {
     for (int i = 0; i < kTimedSteps; ++i) {
       auto r = (*trainer)->Step();
       if (!r.ok()) return state.SkipWithError(r.status().ToString().c_str());
-      step_s += r->step_seconds;
-      model_s += r->model_seconds;
-      update_s += r->update_seconds;
-      comm_s += r->comm_seconds;
-      exposed_s += r->comm_exposed_seconds;
-      tokens += r->routed_tokens;
+      step_s += r->step_s();
+      model_s += r->model_s();
+      update_s += r->update_s();
+      comm_s += r->comm_s();
+      exposed_s += r->comm_exposed_s();
+      tokens += r->routed_tokens();
     }
     state.SetIterationTime(absl::ToDoubleSeconds(absl::Now() - start) / kTimedSteps);
   }

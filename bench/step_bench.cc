@@ -34,7 +34,9 @@
 #include "core/thread_pool.h"
 #include "core/vec_math.h"
 #include "train/config.pb.h"
+#include "train/metrics.pb.h"
 #include "train/rank_main.h"
+#include "train/step_log.h"
 #include "train/trainer.h"
 
 namespace gradsum::bench {
@@ -89,12 +91,13 @@ void BM_TrainStep(benchmark::State& state) {
     }
     std::vector<absl::Status> status(world);
     std::vector<double> elapsed(world, 0);
-    std::vector<train::StepRecord> records;
+    std::vector<train::StepMetrics> records;
     std::vector<std::thread> threads;
     for (int r = 0; r < world; ++r) {
       threads.emplace_back([&, r] {
         auto fail = [&](absl::Status s) { status[r] = s; };
-        absl::StatusOr<train::RankMesh> mesh = train::MakeRankMesh((*comms)[r].get(), config.parallelism().ep());
+        absl::StatusOr<train::RankMesh> mesh = train::MakeRankMesh((*comms)[r].get(),
+                                                                         config.parallelism().ep());
         if (!mesh.ok()) return fail(mesh.status());
         auto trainer = train::Trainer::Create(config, mesh->comms());
         if (!trainer.ok()) return fail(trainer.status());
@@ -120,15 +123,15 @@ void BM_TrainStep(benchmark::State& state) {
       }
     }
     state.SetIterationTime(elapsed[0] / kTimedSteps);
-    for (const train::StepRecord& rec : records) {
-      step_s += rec.step_seconds;
-      comm_s += rec.comm_seconds;
-      exposed_s += rec.comm_exposed_seconds;
+    for (const train::StepMetrics& rec : records) {
+      step_s += rec.step_s();
+      comm_s += rec.comm_s();
+      exposed_s += rec.comm_exposed_s();
       for (int k = 0; k < kNumCommKinds; ++k) {
-        exposed_by_kind_s[k] += rec.comm_exposed_by_kind_seconds[k];
+        exposed_by_kind_s[k] += train::CommExposedSeconds(rec, static_cast<CommKind>(k));
       }
-      wait_s += rec.wait_seconds;
-      tokens += rec.routed_tokens;
+      wait_s += rec.wait_s();
+      tokens += rec.routed_tokens();
     }
   }
   const double flops = MoeLmFlopsPerToken(config.model());

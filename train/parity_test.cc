@@ -38,10 +38,10 @@ TEST_P(ParityTest, StepOneMatchesReferenceOnEveryRank) {
     ASSERT_TRUE(r.parity.has_value());
     EXPECT_TRUE(r.parity->ok);
     ASSERT_EQ(r.history.size(), 1u);
-    EXPECT_EQ(r.history[0].ce, r0.history[0].ce);
-    EXPECT_EQ(r.history[0].z, r0.history[0].z);
-    EXPECT_EQ(r.history[0].bal, r0.history[0].bal);
-    EXPECT_EQ(r.history[0].grad_norm, r0.history[0].grad_norm);
+    EXPECT_EQ(r.history[0].ce(), r0.history[0].ce());
+    EXPECT_EQ(r.history[0].z(), r0.history[0].z());
+    EXPECT_EQ(r.history[0].bal(), r0.history[0].bal());
+    EXPECT_EQ(r.history[0].grad_norm(), r0.history[0].grad_norm());
     ASSERT_TRUE(r.first_step_grads.has_value());
     EXPECT_EQ(*r.first_step_grads, *r0.first_step_grads);
   }
@@ -81,7 +81,7 @@ TEST(ParityModesTest, FsdpAndReplicatedAreBitIdenticalAtOneMicroBatch) {
     ASSERT_TRUE(a.ok() && b.ok());
     ASSERT_TRUE((*a)[0].status.ok() && (*b)[0].status.ok());
     EXPECT_EQ(*(*a)[0].first_step_grads, *(*b)[0].first_step_grads) << F << "x" << P;
-    EXPECT_EQ((*a)[0].history[0].ce, (*b)[0].history[0].ce);
+    EXPECT_EQ((*a)[0].history[0].ce(), (*b)[0].history[0].ce());
   }
 }
 
@@ -119,8 +119,8 @@ TEST(ParityScheduleTest, WrapPolicyReshardAndLastMicroBatchReductionMatchTheRefe
   ASSERT_TRUE(a.ok() && b.ok());
   ASSERT_TRUE((*a)[0].status.ok() && (*b)[0].status.ok());
   EXPECT_EQ(*(*a)[0].first_step_grads, *(*b)[0].first_step_grads);
-  EXPECT_EQ((*a)[0].history[0].grad_norm, (*b)[0].history[0].grad_norm);
-  EXPECT_EQ((*a)[0].history[0].ce, (*b)[0].history[0].ce);
+  EXPECT_EQ((*a)[0].history[0].grad_norm(), (*b)[0].history[0].grad_norm());
+  EXPECT_EQ((*a)[0].history[0].ce(), (*b)[0].history[0].ce());
 }
 
 // Sample and square CE weighting (§3): the trainer's weights come from
@@ -145,7 +145,7 @@ TEST(ParityCeModesTest, SampleAndSquareWeightingMatchTheReference) {
       ASSERT_TRUE(r0.parity.has_value());
       EXPECT_TRUE(r0.parity->ok) << mode << "\n" << r0.parity->ToString();
       EXPECT_LE(r0.parity->worst, 1e-5) << mode;
-      EXPECT_NE(r0.history[0].ce, (*t)[0].history[0].ce) << mode << ": weighting had no effect";
+      EXPECT_NE(r0.history[0].ce(), (*t)[0].history[0].ce()) << mode << ": weighting had no effect";
     }
   }
 }

@@ -16,8 +16,9 @@
 #include "absl/status/statusor.h"
 #include "collectives/communicator.h"
 #include "collectives/mesh.h"
-#include "train/config.pb.h"
 #include "collectives/timed_communicator.h"
+#include "train/build_model.h"
+#include "train/config.pb.h"
 #include "train/trainer.h"
 
 namespace gradsum::train {

@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "train/config.pb.h"
+#include "train/metrics.pb.h"
 #include "train/parity.h"
 #include "train/trainer.h"
 
@@ -19,7 +20,7 @@ namespace gradsum::train {
 TrainConfig TinyConfig(int world, int ep, int grad_acc, TrainConfig::Sharding sharding);
 
 struct RankOutcome {
-  std::vector<StepRecord> history;
+  std::vector<StepMetrics> history;
   std::optional<NamedParams> first_step_grads;
   std::optional<ParityReport> parity;
   absl::Status status;

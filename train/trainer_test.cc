@@ -18,6 +18,7 @@
 #include "sharding/checkpoint.h"
 #include "sharding/checkpoint.pb.h"
 #include "testing/run_ranks.h"
+#include "train/checkpointing.h"
 #include "train/config.h"
 #include "train/metrics.pb.h"
 #include "train/moe_lm.h"
@@ -40,20 +41,20 @@ TEST(TrainerTest, ThreeHundredStepsReachTheEntropyFloor) {
   auto out = RunInProcess(config);
   ASSERT_TRUE(out.ok()) << out.status();
   ASSERT_TRUE((*out)[0].status.ok()) << (*out)[0].status;
-  const std::vector<StepRecord>& h = (*out)[0].history;
+  const std::vector<StepMetrics>& h = (*out)[0].history;
   ASSERT_EQ(h.size(), 300u);
   double tail = 0;
-  for (size_t i = h.size() - 20; i < h.size(); ++i) tail += h[i].ce / 20;
+  for (size_t i = h.size() - 20; i < h.size(); ++i) tail += h[i].ce() / 20;
   const double floor = MarkovCorpus(config.data()).EntropyFloorNats();
-  EXPECT_GT(h.front().ce, 2 * floor);  // it did have something to learn
+  EXPECT_GT(h.front().ce(), 2 * floor);  // it did have something to learn
   EXPECT_LT(tail, 1.10 * floor) << "floor " << floor;
   EXPECT_GT(tail, 0.9 * floor) << "below the floor: the labels would leak";
   // The step's time split: model (forward, backward, reduction) and update are disjoint
   // parts of the step.
-  for (const StepRecord& r : h) {
-    EXPECT_GT(r.model_seconds, 0);
-    EXPECT_GT(r.update_seconds, 0);
-    EXPECT_LE(r.model_seconds + r.update_seconds, r.step_seconds);
+  for (const StepMetrics& r : h) {
+    EXPECT_GT(r.model_s(), 0);
+    EXPECT_GT(r.update_s(), 0);
+    EXPECT_LE(r.model_s() + r.update_s(), r.step_s());
   }
 }
 
@@ -137,13 +138,13 @@ TEST(TrainerTest, DumpWritesTheNamedFiles) {
   DumpedLosses losses;
   ASSERT_TRUE(ProtoFromJson(ss.str(), &losses).ok()) << ss.str();
   EXPECT_EQ(FirstMissingField(losses), "");
-  const StepRecord& s1 = (*out)[0].history[0];
+  const StepMetrics& s1 = (*out)[0].history[0];
   EXPECT_EQ(losses.step(), 1);
-  EXPECT_EQ(losses.ce(), s1.ce);
-  EXPECT_EQ(losses.z(), s1.z);
-  EXPECT_EQ(losses.bal(), s1.bal);
-  EXPECT_EQ(losses.valid_tokens(), s1.valid_tokens);
-  EXPECT_THAT(ss.str(), HasSubstr(absl::StrCat("\"valid_tokens\":\"", s1.valid_tokens, "\"")));
+  EXPECT_EQ(losses.ce(), s1.ce());
+  EXPECT_EQ(losses.z(), s1.z());
+  EXPECT_EQ(losses.bal(), s1.bal());
+  EXPECT_EQ(losses.valid_tokens(), s1.valid_tokens());
+  EXPECT_THAT(ss.str(), HasSubstr(absl::StrCat("\"valid_tokens\":\"", s1.valid_tokens(), "\"")));
   EXPECT_THAT(losses.config(), HasSubstr("world: 4"));
 }
 
@@ -172,15 +173,15 @@ TEST(TrainerTest, ResumeContinuesBitExactly) {
     second.mutable_checkpoint()->set_resume(true);
     auto b = RunInProcess(second);
     ASSERT_TRUE(b.ok() && (*b)[0].status.ok()) << (*b)[0].status;
-    const std::vector<StepRecord>& resumed = (*b)[0].history;
+    const std::vector<StepMetrics>& resumed = (*b)[0].history;
     ASSERT_EQ(resumed.size(), 3u);
     for (int i = 0; i < 3; ++i) {
-      const StepRecord& want = (*reference)[0].history[3 + i];
-      EXPECT_EQ(resumed[i].step, want.step);
-      EXPECT_EQ(resumed[i].ce, want.ce) << sharding << " step " << want.step;
-      EXPECT_EQ(resumed[i].bal, want.bal);
-      EXPECT_EQ(resumed[i].z, want.z);
-      EXPECT_EQ(resumed[i].grad_norm, want.grad_norm);
+      const StepMetrics& want = (*reference)[0].history[3 + i];
+      EXPECT_EQ(resumed[i].step(), want.step());
+      EXPECT_EQ(resumed[i].ce(), want.ce()) << sharding << " step " << want.step();
+      EXPECT_EQ(resumed[i].bal(), want.bal());
+      EXPECT_EQ(resumed[i].z(), want.z());
+      EXPECT_EQ(resumed[i].grad_norm(), want.grad_norm());
     }
   }
 }
@@ -226,11 +227,11 @@ TEST(TrainerTest, ResumeRefusesAnotherDataStreamButAllowsNewOptimizerSettings) {
   ASSERT_TRUE(d.ok());
   ASSERT_TRUE((*d)[0].status.ok()) << (*d)[0].status;
   ASSERT_EQ((*d)[0].history.size(), 1u);
-  EXPECT_EQ((*d)[0].history[0].step, 3);
+  EXPECT_EQ((*d)[0].history[0].step(), 3);
 }
 
 // Rank 0's step records of `config` run in process (every rank must succeed).
-std::vector<StepRecord> TrainOrDie(const TrainConfig& config) {
+std::vector<StepMetrics> TrainOrDie(const TrainConfig& config) {
   auto out = RunInProcess(config);
   EXPECT_TRUE(out.ok()) << out.status();
   if (!out.ok()) return {};
@@ -242,18 +243,18 @@ double RelErr(double a, double b) { return std::abs(a - b) / std::abs(b); }
 
 // `resumed` continues `reference` (records of steps 1..): its first step within 1e-5
 // relative of the uninterrupted run's loss and CE, the rest within 1e-3.
-void ExpectContinues(const std::vector<StepRecord>& resumed,
-                     const std::vector<StepRecord>& reference, const std::string& what) {
+void ExpectContinues(const std::vector<StepMetrics>& resumed,
+                     const std::vector<StepMetrics>& reference, const std::string& what) {
   ASSERT_FALSE(resumed.empty()) << what;
   for (size_t i = 0; i < resumed.size(); ++i) {
-    const StepRecord& got = resumed[i];
-    ASSERT_LE(got.step, static_cast<int64_t>(reference.size())) << what;
-    const StepRecord& want = reference[got.step - 1];
+    const StepMetrics& got = resumed[i];
+    ASSERT_LE(got.step(), static_cast<int64_t>(reference.size())) << what;
+    const StepMetrics& want = reference[got.step() - 1];
     const double tol = i == 0 ? 1e-5 : 1e-3;
-    EXPECT_LE(RelErr(got.loss, want.loss), tol) << what << " step " << got.step << ": loss "
-                                                << got.loss << " vs " << want.loss;
-    EXPECT_LE(RelErr(got.ce, want.ce), tol) << what << " step " << got.step;
-    EXPECT_EQ(got.valid_tokens, want.valid_tokens) << what << " step " << got.step;
+    EXPECT_LE(RelErr(got.loss(), want.loss()), tol) << what << " step " << got.step() << ": loss "
+                                                << got.loss() << " vs " << want.loss();
+    EXPECT_LE(RelErr(got.ce(), want.ce()), tol) << what << " step " << got.step();
+    EXPECT_EQ(got.valid_tokens(), want.valid_tokens()) << what << " step " << got.step();
   }
 }
 
@@ -276,7 +277,7 @@ TEST(TrainerTest, ResumeOntoAnotherMeshContinuesTheUninterruptedRun) {
   };
   TrainConfig reference = mesh(4, 2, 1, TrainConfig::fsdp, 15);
   reference.mutable_checkpoint()->clear_dir();
-  const std::vector<StepRecord> want = TrainOrDie(reference);
+  const std::vector<StepMetrics> want = TrainOrDie(reference);
   ASSERT_EQ(want.size(), 15u);
 
   TrainOrDie(mesh(4, 2, 1, TrainConfig::fsdp, 2));
@@ -285,7 +286,7 @@ TEST(TrainerTest, ResumeOntoAnotherMeshContinuesTheUninterruptedRun) {
   ExpectContinues(TrainOrDie(second), want, "(4,2,1) fsdp -> (2,1,2) replicated");
   TrainConfig third = mesh(1, 1, 4, TrainConfig::fsdp, 15);
   third.mutable_checkpoint()->set_resume(true);
-  const std::vector<StepRecord> last = TrainOrDie(third);
+  const std::vector<StepMetrics> last = TrainOrDie(third);
   ASSERT_EQ(last.size(), 11u);  // the first step after the resume and 10 more
   ExpectContinues(last, want, "(2,1,2) replicated -> (1,1,4) fsdp");
 }
@@ -304,10 +305,10 @@ TEST(TrainerTest, ResumeOntoAnotherWorldAndUnitGroupingKeepsTheBalancingLoss) {
   target.mutable_data()->set_micro_batch(4);
   target.mutable_parallelism()->set_layers_per_unit(2);
   target.mutable_optim()->set_steps(14);
-  const std::vector<StepRecord> want = TrainOrDie(target);
+  const std::vector<StepMetrics> want = TrainOrDie(target);
   target.mutable_checkpoint()->set_dir(dir);
   target.mutable_checkpoint()->set_resume(true);
-  const std::vector<StepRecord> resumed = TrainOrDie(target);
+  const std::vector<StepMetrics> resumed = TrainOrDie(target);
   ASSERT_EQ(resumed.size(), 11u);
   ExpectContinues(resumed, want, "(4,2,2) mb 2 fsdp -> (2,2,2) mb 4 replicated");
 }
@@ -516,15 +517,15 @@ TEST(TrainerTest, ResumeReadsAMarkerOfTheOldConfigLayout) {
   TrainConfig again = first;
   again.mutable_optim()->set_steps(3);
   again.mutable_checkpoint()->set_resume(true);
-  const std::vector<StepRecord> resumed = TrainOrDie(again);
+  const std::vector<StepMetrics> resumed = TrainOrDie(again);
   TrainConfig uninterrupted = again;
   uninterrupted.clear_checkpoint();
-  const std::vector<StepRecord> want = TrainOrDie(uninterrupted);
+  const std::vector<StepMetrics> want = TrainOrDie(uninterrupted);
   ASSERT_EQ(resumed.size(), 1u);
   ASSERT_EQ(want.size(), 3u);
-  EXPECT_EQ(resumed[0].step, 3);
-  EXPECT_EQ(resumed[0].ce, want[2].ce);
-  EXPECT_EQ(resumed[0].grad_norm, want[2].grad_norm);
+  EXPECT_EQ(resumed[0].step(), 3);
+  EXPECT_EQ(resumed[0].ce(), want[2].ce());
+  EXPECT_EQ(resumed[0].grad_norm(), want[2].grad_norm());
 
   // The same marker with another global batch in the old layout is refused by name.
   (*marker.mutable_extra())["config"] = "world: 2 ep: 2 grad_acc: 2 data { seq_len: 16 }";
@@ -584,7 +585,7 @@ TEST(TrainerTest, BadConfigFailsBeforeTraining) {
   auto out = RunInProcess(config);
   ASSERT_TRUE(out.ok());
   EXPECT_EQ((*out)[0].status.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT((*out)[0].status.message(), HasSubstr("ep=2"));
+  EXPECT_THAT((*out)[0].status.message(), HasSubstr("parallelism.ep=2: must divide model.experts=3"));
   EXPECT_TRUE((*out)[0].history.empty());
 }
 

@@ -20,6 +20,7 @@
 #include "testing/run_ranks.h"
 #include "train/config.h"
 #include "train/rank_main.h"
+#include "train/step_log.h"
 #include "train/test_util.h"
 #include "train/trainer.h"
 
@@ -119,7 +120,7 @@ class RecordingCommunicator : public ForwardingCommunicator {
 
 struct RankRun {
   std::vector<Op> log;            // the timed steps' collectives
-  std::vector<StepRecord> steps;  // their records
+  std::vector<StepMetrics> steps;  // their records
 };
 
 // Builds the Trainer of `config` on recording communicators and runs `steps` steps; the
@@ -139,7 +140,7 @@ absl::StatusOr<std::vector<RankRun>> Record(const TrainConfig& config, int steps
     log->clear();
     RankRun& run = runs[world.rank()];
     for (int i = 0; i < steps; ++i) {
-      GRADSUM_ASSIGN_OR_RETURN(StepRecord r, trainer->Step());
+      GRADSUM_ASSIGN_OR_RETURN(StepMetrics r, trainer->Step());
       run.steps.push_back(r);
     }
     run.log = *log;
@@ -263,12 +264,12 @@ TEST(UnitScheduleTest, PeakUnshardedBytesFollowTheSchedule) {
     auto runs = Record(config, 2);
     ASSERT_TRUE(runs.ok()) << runs.status();
     for (const RankRun& run : *runs) {
-      for (const StepRecord& r : run.steps) {
+      for (const StepMetrics& r : run.steps) {
         const std::string what =
             absl::StrCat(TrainConfig::Sharding_Name(c.sharding), " reshard ",
                          c.reshard_after_forward, " ", TrainConfig::FloatDType_Name(c.compute_dtype));
-        EXPECT_EQ(r.full_param_bytes, c.want_full) << what;
-        EXPECT_EQ(r.peak_unsharded_param_bytes, c.want_peak) << what;
+        EXPECT_EQ(r.full_param_bytes(), c.want_full) << what;
+        EXPECT_EQ(r.peak_unsharded_param_bytes(), c.want_peak) << what;
       }
     }
   }
@@ -283,16 +284,15 @@ TEST(UnitScheduleTest, SlowGatherShowsAsExposedTime) {
   auto runs = Record(config, 1, delay);
   ASSERT_TRUE(runs.ok()) << runs.status();
   for (const RankRun& run : *runs) {
-    const StepRecord& r = run.steps[0];
-    EXPECT_GE(r.comm_exposed_seconds, absl::ToDoubleSeconds(delay));
-    EXPECT_GE(r.comm_seconds, r.comm_exposed_seconds);
-    EXPECT_GE(r.step_seconds, r.comm_exposed_seconds);
+    const StepMetrics& r = run.steps[0];
+    EXPECT_GE(r.comm_exposed_s(), absl::ToDoubleSeconds(delay));
+    EXPECT_GE(r.comm_s(), r.comm_exposed_s());
+    EXPECT_GE(r.step_s(), r.comm_exposed_s());
     // The split by kind: the slow gathers are where the time went, and the parts add up.
-    EXPECT_GE(r.comm_exposed_by_kind_seconds[static_cast<int>(CommKind::kAllGather)],
-              absl::ToDoubleSeconds(delay));
+    EXPECT_GE(CommExposedSeconds(r, CommKind::kAllGather), absl::ToDoubleSeconds(delay));
     double parts = 0;
-    for (double v : r.comm_exposed_by_kind_seconds) parts += v;
-    EXPECT_NEAR(parts, r.comm_exposed_seconds, 1e-9);
+    for (int k = 0; k < kNumCommKinds; ++k) parts += CommExposedSeconds(r, static_cast<CommKind>(k));
+    EXPECT_NEAR(parts, r.comm_exposed_s(), 1e-9);
   }
 }
 

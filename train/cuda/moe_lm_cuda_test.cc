@@ -29,7 +29,7 @@ namespace gradsum::train {
 namespace {
 
 struct GpuRun {
-  std::vector<StepRecord> history;
+  std::vector<StepMetrics> history;
   std::optional<NamedParams> first_step_grads;
   std::optional<ParityReport> parity;
 };
@@ -113,26 +113,26 @@ TEST_P(MoeLmCudaTest, MatchesReferenceAndCpuTrainer) {
   }
 
   // 3. Every step's detached losses and grad norm against the CPU run's.
-  const std::vector<StepRecord>& cpu_hist = (*cpu)[0].history;
+  const std::vector<StepMetrics>& cpu_hist = (*cpu)[0].history;
   ASSERT_EQ(gpu->history.size(), cpu_hist.size());
   for (size_t s = 0; s < cpu_hist.size(); ++s) {
     const double tol = reduce == TrainConfig::bf16 ? 1e-2 : 1e-4;
-    EXPECT_NEAR(gpu->history[s].ce, cpu_hist[s].ce, tol * std::abs(cpu_hist[s].ce)) << s;
-    EXPECT_NEAR(gpu->history[s].z, cpu_hist[s].z, tol * std::abs(cpu_hist[s].z) + 1e-9) << s;
-    EXPECT_NEAR(gpu->history[s].bal, cpu_hist[s].bal, tol * std::abs(cpu_hist[s].bal) + 1e-9)
+    EXPECT_NEAR(gpu->history[s].ce(), cpu_hist[s].ce(), tol * std::abs(cpu_hist[s].ce())) << s;
+    EXPECT_NEAR(gpu->history[s].z(), cpu_hist[s].z(), tol * std::abs(cpu_hist[s].z()) + 1e-9) << s;
+    EXPECT_NEAR(gpu->history[s].bal(), cpu_hist[s].bal(), tol * std::abs(cpu_hist[s].bal()) + 1e-9)
         << s;
-    EXPECT_NEAR(gpu->history[s].grad_norm, cpu_hist[s].grad_norm,
-                tol * cpu_hist[s].grad_norm) << s;
-    EXPECT_EQ(gpu->history[s].valid_tokens, cpu_hist[s].valid_tokens);
-    EXPECT_EQ(gpu->history[s].routed_tokens, cpu_hist[s].routed_tokens);
+    EXPECT_NEAR(gpu->history[s].grad_norm(), cpu_hist[s].grad_norm(),
+                tol * cpu_hist[s].grad_norm()) << s;
+    EXPECT_EQ(gpu->history[s].valid_tokens(), cpu_hist[s].valid_tokens());
+    EXPECT_EQ(gpu->history[s].routed_tokens(), cpu_hist[s].routed_tokens());
   }
 
   // 4. NCCL's collectives are in the comm metrics (TimedCommunicator over the NCCL groups'
   //    device streams, with the host's): some communication every step, and never more
   //    exposed than its total.
-  for (const StepRecord& r : gpu->history) {
-    EXPECT_GT(r.comm_seconds, 0.0) << r.step;
-    EXPECT_LE(r.comm_exposed_seconds, r.comm_seconds) << r.step;
+  for (const StepMetrics& r : gpu->history) {
+    EXPECT_GT(r.comm_s(), 0.0) << r.step();
+    EXPECT_LE(r.comm_exposed_s(), r.comm_s()) << r.step();
   }
 
   // 5. Parameter memory on the device (fp32 unit buffers): the whole model is emb, two
@@ -140,12 +140,12 @@ TEST_P(MoeLmCudaTest, MatchesReferenceAndCpuTrainer) {
   //    or a layer's with the head or the embedding at once (the shared schedule frees units
   //    after use), replicated keeps every unit.
   const int64_t full = 4 * (256 * 8 + 2 * (8 + 8 * 4 + 4 * 3 * 8 * 8) + 8 + 8 * 256);
-  for (const StepRecord& r : gpu->history) {
-    EXPECT_EQ(r.full_param_bytes, full);
+  for (const StepMetrics& r : gpu->history) {
+    EXPECT_EQ(r.full_param_bytes(), full);
     if (sharding == TrainConfig::fsdp) {
-      EXPECT_LT(r.peak_unsharded_param_bytes, full * 6 / 10);
+      EXPECT_LT(r.peak_unsharded_param_bytes(), full * 6 / 10);
     } else {
-      EXPECT_GE(r.peak_unsharded_param_bytes, full);
+      EXPECT_GE(r.peak_unsharded_param_bytes(), full);
     }
   }
 }

@@ -50,8 +50,8 @@ struct NcclMesh {
 absl::StatusOr<NcclMesh> MakeNcclMesh(Communicator& host_world, const NcclBackendOptions& options,
                                       int ep, std::shared_ptr<CommTimer> timer);
 
-// Runs config.steps steps on this rank. Collective over `host_world`, whose size must be
-// config.world(). Errors: those of the NCCL bootstrap, Trainer::Create and Trainer::Run.
+// Runs optim.steps steps on this rank. Collective over `host_world`, whose size must be
+// parallelism.world. Errors: those of the NCCL bootstrap, Trainer::Create and Trainer::Run.
 absl::Status RunNcclRank(const TrainConfig& config, Communicator* host_world, std::ostream* log);
 
 }  // namespace gradsum::train

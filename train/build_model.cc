@@ -1,0 +1,49 @@
+#include "train/build_model.h"
+
+#include <algorithm>
+
+#include "core/dtype.h"
+#include "core/thread_pool.h"
+#include "parallel/parallel_options.h"
+#include "sharding/flat_param.h"
+
+namespace gradsum::train {
+namespace {
+
+// The config's choices as the types of the code that implements them.
+DType ToDType(TrainConfig::FloatDType d) {
+  return d == TrainConfig::bf16 ? DType::kBF16 : DType::kF32;
+}
+ShardingMode ToShardingMode(TrainConfig::Sharding s) {
+  return s == TrainConfig::fsdp ? ShardingMode::kSharded : ShardingMode::kReplicated;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<MoeLm>> BuildModel(const TrainConfig& config,
+                                                  const RankComms& comms) {
+  const ParallelismConfig& parallelism = config.parallelism();
+  MoeLmOptions options;
+  options.model = config.model();
+  options.alpha_b = config.loss().alpha_b();
+  options.alpha_z = config.loss().alpha_z();
+  parallel::ParallelOptions& p = options.parallel;
+  p.sharding = ToShardingMode(parallelism.sharding());
+  p.compute_dtype = ToDType(config.precision().compute_dtype());
+  p.reduce_dtype = ToDType(config.precision().reduce_dtype());
+  p.precision = config.precision().reproducible() ? parallel::GradPrecision::kExact
+                                                  : parallel::GradPrecision::kF32;
+  p.layers_per_unit = parallelism.layers_per_unit();
+  p.reshard_after_forward = parallelism.reshard_after_forward();
+  p.reduce_every_micro_batch = parallelism.reduce_every_micro_batch();
+  p.bucket_cap_bytes = static_cast<size_t>(config.comm().bucket_cap_mb() * (1 << 20));
+  p.first_bucket_cap_bytes = static_cast<size_t>(config.comm().first_bucket_mb() * (1 << 20));
+  // The ranks of a thread run share the cores; the kernels use what is left per rank.
+  options.num_threads = config.comm().backend() == TrainConfig::thread
+                            ? std::max(1, AvailableCores() / parallelism.world())
+                            : 1;
+  const MoeLmGroups groups{comms.world, comms.ep_group, comms.edp_group};
+  return comms.make_model ? comms.make_model(options, groups) : MoeLm::Create(options, groups);
+}
+
+}  // namespace gradsum::train

@@ -1,0 +1,46 @@
+#ifndef GRADSUM_TRAIN_BUILD_MODEL_H_
+#define GRADSUM_TRAIN_BUILD_MODEL_H_
+
+// The one place the trainer's model is built from the config: the model section, the
+// parallelism, precision and comm settings as MoeLmOptions, over the rank's mesh, by the
+// host model (MoeLm::Create) or the factory the rank driver passes (the nccl backend's GPU
+// model). Nothing else in train/ fills MoeLmOptions.
+//
+//   RankComms comms = rank_mesh.comms();   // train/rank_main.h
+//   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<MoeLm> model, BuildModel(config, comms));
+
+#include <functional>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "collectives/communicator.h"
+#include "collectives/timed_communicator.h"
+#include "train/config.pb.h"
+#include "train/moe_lm.h"
+
+namespace gradsum::train {
+
+// Builds the rank's model from its options and groups; the default is MoeLm::Create (host
+// compute). The nccl backend passes train/cuda's CreateCudaMoeLm, which computes on the
+// rank's GPU.
+using MoeLmFactory = std::function<absl::StatusOr<std::unique_ptr<MoeLm>>(const MoeLmOptions&,
+                                                                          const MoeLmGroups&)>;
+
+// The communicators of one rank (not owned). `timer` (may be null) is the CommTimer the
+// communicators add their time to (collectives/timed_communicator.h).
+struct RankComms {
+  Communicator* world = nullptr;
+  Communicator* ep_group = nullptr;
+  Communicator* edp_group = nullptr;
+  std::shared_ptr<CommTimer> timer;
+  MoeLmFactory make_model;  // empty: MoeLm::Create
+};
+
+// The model of `config` over `comms`' groups, with no parameters set yet. Errors are the
+// model's (MoeLm::Create, or the factory's).
+absl::StatusOr<std::unique_ptr<MoeLm>> BuildModel(const TrainConfig& config,
+                                                  const RankComms& comms);
+
+}  // namespace gradsum::train
+
+#endif  // GRADSUM_TRAIN_BUILD_MODEL_H_

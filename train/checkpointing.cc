@@ -1,0 +1,243 @@
+#include "train/checkpointing.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <iterator>
+#include <random>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "collectives/status_agreement.h"
+#include "core/status.h"
+#include "sharding/checkpoint.h"
+#include "train/config.h"
+
+namespace gradsum::train {
+namespace {
+
+namespace fs = std::filesystem;
+
+// The commit marker's record of the run (SaveRunCheckpoint).
+constexpr char kConfig[] = "config";
+constexpr char kRunId[] = "run_id";
+constexpr char kDataNextDocument[] = "data_next_document";
+constexpr char kDataSequences[] = "data_sequences";
+
+// The step-NNNNNNNN directories of checkpoint_dir: (step, whether its save completed, i.e.
+// it has its commit marker).
+std::vector<std::pair<int64_t, bool>> CheckpointSteps(const std::string& checkpoint_dir) {
+  std::error_code ec;
+  std::vector<std::pair<int64_t, bool>> out;
+  for (const fs::directory_entry& e : fs::directory_iterator(checkpoint_dir, ec)) {
+    const std::string name = e.path().filename().string();
+    int64_t step;
+    if (name.rfind("step-", 0) != 0 || !absl::SimpleAtoi(name.substr(5), &step)) continue;
+    out.emplace_back(step, fs::exists(e.path() / "checkpoint.json"));
+  }
+  return out;
+}
+
+// The saved config of the checkpoint of `step`: FailedPrecondition if the marker has none
+// (nothing shows that it continues this run), DataLoss if it does not parse.
+absl::StatusOr<TrainConfig> SavedConfig(const CheckpointInfo& info, int64_t step,
+                                        const std::string& checkpoint_dir) {
+  auto it = info.extra.find(kConfig);
+  if (it == info.extra.end()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--resume: the checkpoint of step ", step, " in ", checkpoint_dir,
+        " has no \"config\" in its commit marker, so nothing shows that it continues this "
+        "run's data stream and model; refusing it"));
+  }
+  absl::StatusOr<TrainConfig> parsed = ParseConfigText(it->second);
+  if (!parsed.ok()) {
+    return absl::DataLossError(absl::StrCat("--resume: the checkpoint of step ", step,
+                                            ": its saved config does not parse: ",
+                                            parsed.status().message()));
+  }
+  return parsed;
+}
+
+// Seeks `loader` to the position the checkpoint recorded (DataLoss if it is not the end of
+// `step` steps of the global batch), or replays `step` steps if it has none.
+absl::Status RestoreDataPosition(const CheckpointInfo& info, const std::string& dir,
+                                 const TrainConfig& config, int64_t step,
+                                 RankDataLoader& loader) {
+  auto next = info.extra.find(kDataNextDocument);
+  auto sequences = info.extra.find(kDataSequences);
+  if (next == info.extra.end() || sequences == info.extra.end()) {
+    // A checkpoint from before the position was recorded: replay the stream.
+    loader.SkipSteps(step, config.parallelism().grad_acc());
+    return absl::OkStatus();
+  }
+  DataPosition position;
+  if (!absl::SimpleAtoi(next->second, &position.next_document) ||
+      !absl::SimpleAtoi(sequences->second, &position.sequences) ||
+      position.sequences != step * GlobalBatch(config)) {
+    return absl::DataLossError(absl::StrCat(
+        "--resume: the checkpoint ", dir, " records the data position ", kDataNextDocument, "=",
+        next->second, ", ", kDataSequences, "=", sequences->second, ", which is not the end of ",
+        step, " steps of ", GlobalBatch(config), " sequences"));
+  }
+  return loader.Seek(position);
+}
+
+// The mesh a resume line names: "world=2 ep=2 grad_acc=2 sharding=fsdp layers_per_unit=1".
+std::string MeshText(const TrainConfig& c) {
+  const ParallelismConfig& p = c.parallelism();
+  return absl::StrCat("world=", p.world(), " ep=", p.ep(), " grad_acc=", p.grad_acc(),
+                      " sharding=", TrainConfig::Sharding_Name(p.sharding()),
+                      " layers_per_unit=", p.layers_per_unit());
+}
+
+}  // namespace
+
+std::string CheckpointPath(const std::string& checkpoint_dir, int64_t step) {
+  return absl::StrFormat("%s/step-%08d", checkpoint_dir, step);
+}
+
+absl::StatusOr<int64_t> LatestCheckpointStep(const std::string& checkpoint_dir) {
+  int64_t best = -1;
+  for (const auto& [step, complete] : CheckpointSteps(checkpoint_dir)) {
+    if (complete) best = std::max(best, step);  // an incomplete save does not count
+  }
+  if (best < 0) {
+    return absl::NotFoundError(
+        absl::StrCat("--resume: no complete checkpoint in checkpoint_dir=", checkpoint_dir));
+  }
+  return best;
+}
+
+std::vector<int64_t> IncompleteCheckpointsAfter(const std::string& checkpoint_dir, int64_t step) {
+  std::vector<int64_t> out;
+  for (const auto& [s, complete] : CheckpointSteps(checkpoint_dir)) {
+    if (s > step && !complete) out.push_back(s);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+absl::StatusOr<std::string> NewRunId(Communicator& world) {
+  uint64_t id = 0;
+  if (world.rank() == 0) {
+    std::random_device rd;
+    id = (uint64_t{rd()} << 32) ^ rd() ^ static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()));
+  }
+  GRADSUM_RETURN_IF_ERROR(world.Broadcast(&id, 1, DType::kI64, 0));
+  return absl::StrFormat("%016x", id);
+}
+
+absl::Status CheckResumeCompatible(const TrainConfig& saved, const TrainConfig& config,
+                                   int64_t step) {
+  // What decides the data stream and what the parameters are. The mesh (world, ep, G,
+  // micro_batch), the sharding mode and the unit grouping may change as long as the global
+  // batch B = world x grad_acc x micro_batch stays (the stream is global, RankDataLoader;
+  // LoadCheckpoint reshards); so may the optimizer settings, step count, logging, dtypes,
+  // CE weighting and backend.
+  auto batch_text = [](const TrainConfig& c) {
+    return absl::StrCat(GlobalBatch(c), " (world x grad_acc x micro_batch = ",
+                        c.parallelism().world(), " x ", c.parallelism().grad_acc(), " x ",
+                        c.data().micro_batch(), ")");
+  };
+  if (GlobalBatch(saved) != GlobalBatch(config)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--resume: the checkpoint of step ", step, " was written with global batch B=",
+        batch_text(saved), " but this run has global batch B=", batch_text(config),
+        "; the data stream continues only with the same B (choose world, grad_acc and "
+        "micro_batch with that product, or start a new checkpoint_dir)"));
+  }
+  const DataConfig &a = saved.data(), &b = config.data();
+  const ModelConfig &ma = saved.model(), &mb = config.model();
+  using absl::StrCat;
+  const std::pair<const char*, std::pair<std::string, std::string>> fields[] = {
+      {"data.path", {a.path(), b.path()}},
+      {"data.seq_len", {StrCat(a.seq_len()), StrCat(b.seq_len())}},
+      {"data.corpus_seed", {StrCat(a.corpus_seed()), StrCat(b.corpus_seed())}},
+      {"data.min_doc_len", {StrCat(a.min_doc_len()), StrCat(b.min_doc_len())}},
+      {"data.max_doc_len", {StrCat(a.max_doc_len()), StrCat(b.max_doc_len())}},
+      {"data.corpus_documents", {StrCat(a.corpus_documents()), StrCat(b.corpus_documents())}},
+      {"model.vocab", {StrCat(ma.vocab()), StrCat(mb.vocab())}},
+      {"model.dim", {StrCat(ma.dim()), StrCat(mb.dim())}},
+      {"model.layers", {StrCat(ma.layers()), StrCat(mb.layers())}},
+      {"model.experts", {StrCat(ma.experts()), StrCat(mb.experts())}},
+      {"model.top_k", {StrCat(ma.top_k()), StrCat(mb.top_k())}},
+      {"model.expert_dim", {StrCat(ma.expert_dim()), StrCat(mb.expert_dim())}},
+      {"model.norm_topk_prob", {StrCat(ma.norm_topk_prob()), StrCat(mb.norm_topk_prob())}},
+      {"model.router_scale", {StrCat(ma.router_scale()), StrCat(mb.router_scale())}},
+  };
+  for (const auto& [name, values] : fields) {
+    if (values.first != values.second) {
+      return absl::FailedPreconditionError(StrCat(
+          "--resume: the checkpoint of step ", step, " was written with ", name, "=",
+          values.first, " but this run has ", name, "=", values.second,
+          "; resuming would continue a different data stream or model (start a new "
+          "checkpoint_dir, or resume with the saved value)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SaveRunCheckpoint(const TrainConfig& config, Communicator& world,
+                               const ShardedAdamW& optimizer, int64_t step,
+                               const std::string& run_id, const DataPosition& position) {
+  return SaveCheckpoint(CheckpointPath(config.checkpoint().dir(), step), world, optimizer,
+                        {{kConfig, ConfigToShortText(config)},
+                         {kRunId, run_id},
+                         {kDataNextDocument, absl::StrCat(position.next_document)},
+                         {kDataSequences, absl::StrCat(position.sequences)}});
+}
+
+absl::StatusOr<ResumedRun> ResumeRun(const TrainConfig& config, Communicator& world,
+                                     ShardedAdamW& optimizer, RankDataLoader& loader) {
+  const std::string& checkpoint_dir = config.checkpoint().dir();
+  // Every rank must pick the same checkpoint: rank 0 decides, the others follow.
+  int64_t step = -1;
+  absl::Status found = absl::OkStatus();
+  if (world.rank() == 0) {
+    absl::StatusOr<int64_t> latest = LatestCheckpointStep(checkpoint_dir);
+    if (latest.ok()) step = *latest;
+    found = latest.status();
+  }
+  GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world, found, "--resume"));
+  GRADSUM_RETURN_IF_ERROR(world.Broadcast(&step, 1, DType::kI64, 0));
+  const std::string dir = CheckpointPath(checkpoint_dir, step);
+  // The saved config first, so that another model or global batch is refused by name
+  // before any parameter is read.
+  absl::StatusOr<CheckpointInfo> marker = ReadCheckpointInfo(dir);
+  absl::StatusOr<TrainConfig> saved =
+      marker.ok() ? SavedConfig(*marker, step, checkpoint_dir) : marker.status();
+  absl::Status compatible = saved.status();
+  if (compatible.ok()) compatible = CheckResumeCompatible(*saved, config, step);
+  GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world, compatible, "--resume"));
+  GRADSUM_ASSIGN_OR_RETURN(CheckpointInfo info, LoadCheckpoint(dir, world, optimizer));
+  auto run_id = info.extra.find(kRunId);
+  if (run_id == info.extra.end() || run_id->second.empty()) {
+    return MarkAgreed(absl::FailedPreconditionError(
+        absl::StrCat("--resume: the checkpoint ", dir, " has no run_id in its commit marker")));
+  }
+  ResumedRun run;
+  run.step = info.step;
+  run.run_id = run_id->second;
+  run.note = absl::StrCat("resumed from step ", info.step, " of run ", run.run_id, " in ", dir);
+  if (world.rank() == 0) {
+    const std::vector<int64_t> skipped = IncompleteCheckpointsAfter(checkpoint_dir, step);
+    int removed = 0;
+    for (int64_t s : skipped) removed += RemoveStaleTempFiles(CheckpointPath(checkpoint_dir, s));
+    if (!skipped.empty()) {
+      absl::StrAppend(&run.note, " (skipped ", skipped.size(),
+                      " incomplete newer save(s), the newest step ", skipped.back(),
+                      ": interrupted before its commit marker; removed ", removed,
+                      " temporary file(s))");
+    }
+  }
+  GRADSUM_RETURN_IF_ERROR(
+      MarkAgreed(RestoreDataPosition(info, dir, config, run.step, loader)));
+  if (MeshText(*saved) != MeshText(config)) {
+    absl::StrAppend(&run.note, "; resharded from ", MeshText(*saved), " to ", MeshText(config));
+  }
+  return run;
+}
+
+}  // namespace gradsum::train

@@ -1,0 +1,85 @@
+#ifndef GRADSUM_TRAIN_CHECKPOINTING_H_
+#define GRADSUM_TRAIN_CHECKPOINTING_H_
+
+// The checkpoints of a training run (docs/CHECKPOINTS.md): where they live in
+// checkpoint.dir, what a save records besides the parameters and the optimizer state
+// (sharding/checkpoint.h), and resuming.
+//
+//   checkpoint.dir/step-NNNNNNNN/   one save; complete once it has its commit marker
+//
+// The marker's `extra` holds the run's record: "config" (ConfigToShortText of the config
+// that wrote it), "run_id" (drawn by a fresh run, kept by every resume), and the data
+// stream's position ("data_next_document", "data_sequences"; train/data.h DataPosition).
+// A resume reads the saved config first and refuses, naming both values, another model,
+// another data stream or another global batch; everything else (the mesh, sharding, unit
+// grouping, backend, dtypes, optimizer settings) may change. A marker written before the
+// config had sections holds the old layout, which ParseConfigText still reads.
+//
+//   if (config.checkpoint().resume()) {
+//     GRADSUM_ASSIGN_OR_RETURN(ResumedRun run, ResumeRun(config, world, optimizer, loader));
+//   }
+//   ...
+//   GRADSUM_RETURN_IF_ERROR(SaveRunCheckpoint(config, world, optimizer, step, run_id,
+//                                             loader.position()));
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "collectives/communicator.h"
+#include "sharding/adamw.h"
+#include "train/config.pb.h"
+#include "train/data.h"
+
+namespace gradsum::train {
+
+// The directory of the checkpoint after `step` inside `checkpoint_dir`.
+std::string CheckpointPath(const std::string& checkpoint_dir, int64_t step);
+
+// The step of the newest complete checkpoint in `checkpoint_dir` (one with its commit
+// marker), or NotFound.
+absl::StatusOr<int64_t> LatestCheckpointStep(const std::string& checkpoint_dir);
+
+// Steps after `step` whose directories in `checkpoint_dir` have no commit marker (saves
+// interrupted before they committed), ascending.
+std::vector<int64_t> IncompleteCheckpointsAfter(const std::string& checkpoint_dir, int64_t step);
+
+// A fresh run's id (16 hex digits): drawn on rank 0, the same on every rank. Collective.
+absl::StatusOr<std::string> NewRunId(Communicator& world);
+
+// FailedPrecondition naming the first setting that differs between `saved` (the config in
+// the marker of the checkpoint of `step`) and `config` among those that decide the data
+// stream (data.*, the global batch) and the model (model.* but init_std and seed).
+absl::Status CheckResumeCompatible(const TrainConfig& saved, const TrainConfig& config,
+                                   int64_t step);
+
+// Saves the optimizer's state after `step` into CheckpointPath(config.checkpoint().dir(),
+// step) with the run's record (the config, `run_id`, the data `position`). Collective.
+absl::Status SaveRunCheckpoint(const TrainConfig& config, Communicator& world,
+                               const ShardedAdamW& optimizer, int64_t step,
+                               const std::string& run_id, const DataPosition& position);
+
+// What a resume continues.
+struct ResumedRun {
+  int64_t step = 0;    // steps done
+  std::string run_id;  // the run's id, kept
+  // "resumed from step S of run R in DIR", with the incomplete newer saves it skipped and
+  // the mesh it was resharded from, if any: the line Trainer::Run logs.
+  std::string note;
+};
+
+// Resumes from the latest complete checkpoint in config.checkpoint().dir(): rank 0 picks
+// it, every rank checks the saved config (CheckResumeCompatible), loads the parameters and
+// both AdamW moments into `optimizer` on this mesh (resharding), and seeks `loader` to the
+// recorded data position (DataLoss if it is not the end of `step` steps of the global
+// batch; a checkpoint without a position replays the stream). Rank 0 removes the
+// temporary files of newer saves that never committed. Collective; every rank returns the
+// same error.
+absl::StatusOr<ResumedRun> ResumeRun(const TrainConfig& config, Communicator& world,
+                                     ShardedAdamW& optimizer, RankDataLoader& loader);
+
+}  // namespace gradsum::train
+
+#endif  // GRADSUM_TRAIN_CHECKPOINTING_H_

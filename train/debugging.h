@@ -1,0 +1,57 @@
+#ifndef GRADSUM_TRAIN_DEBUGGING_H_
+#define GRADSUM_TRAIN_DEBUGGING_H_
+
+// What a run writes and checks besides training: step 1's dump (debug.dump_dir), step 1's
+// parity check against the single-process reference (debug.parity_check), and the
+// consolidated parameter files (checkpoint.export_path, checkpoint.init_from).
+//
+// A dump directory holds, after step 1 of a fresh run:
+//   batch.r{rank}.m{m}.safetensors   every rank's micro-batches: tokens, labels, mask,
+//                                    sample_ids [batch, seq_len] and sequence_ids [batch]
+//   weights.safetensors              the step's parameters (rank 0), MoeLmParamShapes
+//   grads.safetensors                the SUM-reduced gradients, before clipping (rank 0)
+//   losses.json                      DumpedLosses (train/metrics.proto), with the config
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "collectives/communicator.h"
+#include "train/config.pb.h"
+#include "train/data.h"
+#include "train/metrics.pb.h"
+#include "train/moe_lm.h"
+#include "train/parity.h"
+
+namespace gradsum::train {
+
+// Writes every parameter of `model` (MoeLmParamShapes names and shapes) from `params` as one
+// fp32 safetensors file with metadata "step" (the dumps' weights, --export).
+absl::Status WriteParamsFile(const std::string& path, const ModelConfig& model,
+                             const NamedParams& params, int64_t step);
+
+// Reads such a file (--init_from): exactly the parameters of `model`, f32, their shapes. A
+// missing, extra or misshapen tensor is InvalidArgument naming it; read errors name `path`.
+absl::StatusOr<NamedParams> ReadParamsFile(const std::string& path, const ModelConfig& model);
+
+// Writes step 1's dump into config.debug().dump_dir() (created if missing): this rank's
+// `batches`; on rank 0 also `weights`, `grads` and `record`'s losses. Rank-local: the
+// caller agrees on the outcome. Errors name the path.
+absl::Status WriteDump(const TrainConfig& config, int rank, const NamedParams& weights,
+                       const NamedParams& grads, const std::vector<MicroBatch>& batches,
+                       const StepMetrics& record);
+
+// The parity check of step 1 (train/parity.h): rank 0 runs the reference on step 1's
+// global batch with `weights` and compares `grads` and `record`'s losses, within
+// debug.parity_tolerance (at least 3e-2 when a dtype is bf16, which rounds to 8 bits of
+// mantissa). Every rank returns the verdict (rank 0 the whole report; the others `ok`
+// only), or the same error. Collective over `world`.
+absl::StatusOr<ParityReport> RunParityCheck(const TrainConfig& config, Communicator& world,
+                                            const NamedParams& weights, const NamedParams& grads,
+                                            const StepMetrics& record);
+
+}  // namespace gradsum::train
+
+#endif  // GRADSUM_TRAIN_DEBUGGING_H_

@@ -1,0 +1,142 @@
+#include "train/step_log.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/time.h"
+#include "io/proto_json.h"
+
+namespace gradsum::train {
+namespace {
+
+std::string HumanRate(double per_second) {
+  if (per_second >= 1e6) return absl::StrFormat("%.2fM", per_second / 1e6);
+  if (per_second >= 1e3) return absl::StrFormat("%.1fk", per_second / 1e3);
+  return absl::StrFormat("%.0f", per_second);
+}
+
+// The median of `v` (the mean of the middle two for an even count); -1 when empty.
+double Median(std::vector<double> v) {
+  if (v.empty()) return -1;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+}  // namespace
+
+void SetCommExposed(const CommTimer::Exposed& exposed, StepMetrics* record) {
+  auto seconds = [&](CommKind kind) {
+    return absl::ToDoubleSeconds(exposed.by_kind[static_cast<int>(kind)]);
+  };
+  record->set_comm_exposed_s(absl::ToDoubleSeconds(exposed.total));
+  record->set_exposed_all_gather_s(seconds(CommKind::kAllGather));
+  record->set_exposed_reduce_scatter_s(seconds(CommKind::kReduceScatter));
+  record->set_exposed_all_reduce_s(seconds(CommKind::kAllReduce));
+  record->set_exposed_all_to_all_s(seconds(CommKind::kAllToAll));
+  record->set_exposed_other_s(seconds(CommKind::kOther));
+}
+
+double CommExposedSeconds(const StepMetrics& record, CommKind kind) {
+  switch (kind) {
+    case CommKind::kAllGather: return record.exposed_all_gather_s();
+    case CommKind::kReduceScatter: return record.exposed_reduce_scatter_s();
+    case CommKind::kAllReduce: return record.exposed_all_reduce_s();
+    case CommKind::kAllToAll: return record.exposed_all_to_all_s();
+    case CommKind::kOther: break;
+  }
+  return record.exposed_other_s();
+}
+
+std::string StepLogLine(const StepMetrics& r, int64_t total_steps) {
+  const double exposed_pct = r.step_s() > 0 ? 100.0 * r.comm_exposed_s() / r.step_s() : 0.0;
+  return absl::StrFormat(
+      "step %*d/%d | ce %.4f | bal %.6f | z %.6f | valid %d | gnorm %.4f | lr %.2e | "
+      "%s tok/s | comm %.1f ms, exposed %.1f ms (%.0f%%) | wait %.1f ms | params %.0f%%",
+      static_cast<int>(absl::StrCat(total_steps).size()), r.step(), total_steps, r.ce(), r.bal(),
+      r.z(), r.valid_tokens(), r.grad_norm(), r.lr(), HumanRate(r.tokens_per_s()),
+      r.comm_s() * 1e3, r.comm_exposed_s() * 1e3, exposed_pct, r.wait_s() * 1e3,
+      r.full_param_bytes() > 0 ? 100.0 * r.peak_unsharded_param_bytes() / r.full_param_bytes()
+                               : 0.0);
+}
+
+absl::StatusOr<std::string> StepJsonLine(const StepMetrics& record) {
+  if (const std::string missing = FirstMissingField(record); !missing.empty()) {
+    return absl::InternalError(absl::StrCat("step ", record.step(), "'s metrics record has no ",
+                                            missing, " (every field is written)"));
+  }
+  return ProtoToJson(record);
+}
+
+TrainSummary Summarize(const std::vector<StepMetrics>& history, int64_t first_step,
+                       double entropy_floor) {
+  TrainSummary s;
+  s.first_step = first_step;
+  s.entropy_floor = entropy_floor;
+  std::vector<double> ces, exposed, peak;
+  int64_t tokens = 0;
+  for (const StepMetrics& r : history) {
+    if (r.step() < first_step) continue;
+    if (r.step() == first_step) s.first_ce = r.ce();
+    s.last_step = r.step();
+    s.last_ce = r.ce();
+    s.seconds += r.step_s();  // steps only: no parity, dump or checkpoint time
+    s.comm_seconds += r.comm_s();
+    s.comm_exposed_seconds += r.comm_exposed_s();
+    for (int k = 0; k < kNumCommKinds; ++k) {
+      s.comm_exposed_by_kind_seconds[k] += CommExposedSeconds(r, static_cast<CommKind>(k));
+    }
+    s.wait_seconds += r.wait_s();
+    ces.push_back(r.ce());
+    tokens += r.routed_tokens();
+    if (r.comm_s() > 0) exposed.push_back(r.comm_exposed_s() / r.comm_s());
+    if (r.full_param_bytes() > 0) {
+      peak.push_back(static_cast<double>(r.peak_unsharded_param_bytes()) / r.full_param_bytes());
+    }
+  }
+  const size_t tail = std::min<size_t>(10, ces.size());
+  double ce_tail_sum = 0;
+  for (size_t i = ces.size() - tail; i < ces.size(); ++i) ce_tail_sum += ces[i];
+  s.tail_mean_ce = tail > 0 ? ce_tail_sum / tail : 0;
+  s.tokens_per_second = s.seconds > 0 ? tokens / s.seconds : 0;
+  s.median_exposed_fraction = Median(exposed);
+  s.median_peak_param_fraction = Median(peak);
+  return s;
+}
+
+std::string TrainSummary::ToString() const {
+  if (first_step > last_step) return "summary: no steps run\n";
+  std::string out = absl::StrFormat(
+      "summary: steps %d-%d in %.1f s, %s tok/s, comm %.0f%% (exposed %.0f%%), wait %.0f%% of "
+      "step time\n",
+      first_step, last_step, seconds, HumanRate(tokens_per_second),
+      seconds > 0 ? 100 * comm_seconds / seconds : 0.0,
+      seconds > 0 ? 100 * comm_exposed_seconds / seconds : 0.0,
+      seconds > 0 ? 100 * wait_seconds / seconds : 0.0);
+  if (seconds > 0) {
+    absl::StrAppend(&out, "summary: exposed by collective (% of step time):");
+    for (int k = 0; k < kNumCommKinds; ++k) {
+      absl::StrAppendFormat(&out, "%s %s %.1f%%", k == 0 ? "" : ",",
+                            CommKindName(static_cast<CommKind>(k)),
+                            100 * comm_exposed_by_kind_seconds[k] / seconds);
+    }
+    absl::StrAppend(&out, "\n");
+  }
+  absl::StrAppendFormat(&out,
+                        "summary: median exposed / comm %.3f; median peak unsharded / full "
+                        "parameter bytes %.3f\n",
+                        median_exposed_fraction, median_peak_param_fraction);
+  absl::StrAppendFormat(&out, "summary: ce %.4f -> %.4f (mean of the last steps %.4f)\n", first_ce,
+                        last_ce, tail_mean_ce);
+  if (entropy_floor > 0) {
+    absl::StrAppendFormat(&out,
+                          "summary: entropy floor %.4f nats/token; ce / floor = %.3f (%s 1.10)\n",
+                          entropy_floor, tail_mean_ce / entropy_floor,
+                          tail_mean_ce <= 1.1 * entropy_floor ? "within" : "NOT within");
+  }
+  if (parity) absl::StrAppend(&out, "summary: parity ", parity->ok ? "passed" : "FAILED", "\n");
+  return out;
+}
+
+}  // namespace gradsum::train

@@ -1,0 +1,64 @@
+#ifndef GRADSUM_TRAIN_STEP_LOG_H_
+#define GRADSUM_TRAIN_STEP_LOG_H_
+
+// What a run reports about its steps. The record of one step is StepMetrics
+// (train/metrics.proto): global values, identical on every rank, and this rank's timings.
+// This file turns records into the log line, the --metrics JSONL line and the end-of-run
+// summary.
+//
+//   *log << StepLogLine(record, config.optim().steps()) << "\n";
+//   GRADSUM_ASSIGN_OR_RETURN(std::string json, StepJsonLine(record));
+//   TrainSummary summary = Summarize(history, first_step, entropy_floor);
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "collectives/timed_communicator.h"
+#include "train/metrics.pb.h"
+#include "train/parity.h"
+
+namespace gradsum::train {
+
+// The step's exposed communication time (comm_exposed_s and its parts by CommKind,
+// exposed_all_gather_s ... exposed_other_s) from what the CommTimer took.
+void SetCommExposed(const CommTimer::Exposed& exposed, StepMetrics* record);
+
+// The part of comm_exposed_s that collectives of `kind` blocked.
+double CommExposedSeconds(const StepMetrics& record, CommKind kind);
+
+// "step  12/500 | ce 1.3123 | bal ... | params 86%": the line moe_lm prints per step.
+std::string StepLogLine(const StepMetrics& record, int64_t total_steps);
+
+// The --metrics JSONL line: the proto3 JSON of `record` (io/proto_json.h), every field
+// written. Internal if a field of the record was never set (a zero must be written, not
+// omitted) or protobuf cannot print it.
+absl::StatusOr<std::string> StepJsonLine(const StepMetrics& record);
+
+// The end-of-run summary over the steps a Run did.
+struct TrainSummary {
+  int64_t first_step = 0, last_step = 0;  // 1-based, inclusive; first > last if none ran
+  double first_ce = 0, last_ce = 0;
+  double tail_mean_ce = 0;    // mean CE of the last min(10, steps) steps
+  double entropy_floor = -1;  // nats/token, < 0 when unknown (a --data file)
+  double seconds = 0, comm_seconds = 0, comm_exposed_seconds = 0, wait_seconds = 0;
+  double comm_exposed_by_kind_seconds[kNumCommKinds] = {};  // indexed by CommKind, summed
+  // Medians over the steps of comm_exposed_s / comm_s and peak_unsharded_param_bytes /
+  // full_param_bytes (-1 when no step ran).
+  double median_exposed_fraction = -1, median_peak_param_fraction = -1;
+  double tokens_per_second = 0;
+  std::optional<ParityReport> parity;
+  // The summary lines moe_lm prints at the end.
+  std::string ToString() const;
+};
+
+// The summary of the records of `history` from step `first_step` on (the steps one Run
+// did; the parity report is the caller's to add).
+TrainSummary Summarize(const std::vector<StepMetrics>& history, int64_t first_step,
+                       double entropy_floor);
+
+}  // namespace gradsum::train
+
+#endif  // GRADSUM_TRAIN_STEP_LOG_H_

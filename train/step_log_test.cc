@@ -1,0 +1,115 @@
+// The step record (train/metrics.proto StepMetrics) as moe_lm reports it: the --metrics
+// JSONL line against text written out by hand from the proto3 JSON mapping, the log line,
+// and the summary.
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "absl/time/time.h"
+#include "collectives/timed_communicator.h"
+#include "gtest/gtest.h"
+#include "train/metrics.pb.h"
+#include "train/step_log.h"
+
+namespace gradsum::train {
+namespace {
+
+// Every field set, in the order Trainer::Step sets them (not the field order).
+StepMetrics FullRecord() {
+  StepMetrics r;
+  r.set_step(7);
+  r.set_ce(2.5);
+  r.set_z(0);  // zero values are written, not omitted
+  r.set_bal(0.125);
+  r.set_loss(2.625);
+  r.set_valid_tokens(4096);
+  r.set_routed_tokens(int64_t{1} << 33);
+  r.set_grad_norm(0.1);  // not exact in binary: written so that it reads back exactly
+  r.set_lr(1e-4);
+  r.add_maxvio(0.5);
+  r.add_maxvio(0);
+  r.set_step_s(1.5);
+  r.set_comm_s(0.25);
+  CommTimer::Exposed exposed;
+  exposed.total = absl::Seconds(0.0625);
+  // all_gather, reduce_scatter, all_reduce, all_to_all, other (CommKind order).
+  const double by_kind[kNumCommKinds] = {0.03125, 0.015625, 0.0078125, 0, 0.0078125};
+  for (int k = 0; k < kNumCommKinds; ++k) exposed.by_kind[k] = absl::Seconds(by_kind[k]);
+  SetCommExposed(exposed, &r);
+  r.set_peak_unsharded_param_bytes(1024);
+  r.set_full_param_bytes(2048);
+  r.set_wait_s(0);
+  r.set_model_s(1);
+  r.set_update_s(0.5);
+  r.set_tokens_per_s(3e10);
+  return r;
+}
+
+TEST(StepLogTest, JsonIsTheProto3MappingInFieldOrder) {
+  const StepMetrics r = FullRecord();
+  const double by_kind[kNumCommKinds] = {0.03125, 0.015625, 0.0078125, 0, 0.0078125};
+  for (int k = 0; k < kNumCommKinds; ++k) {
+    EXPECT_EQ(CommExposedSeconds(r, static_cast<CommKind>(k)), by_kind[k]) << k;
+  }
+  absl::StatusOr<std::string> json = StepJsonLine(r);
+  ASSERT_TRUE(json.ok()) << json.status();
+  EXPECT_EQ(*json,
+            "{\"step\":7,\"ce\":2.5,\"z\":0,\"bal\":0.125,\"loss\":2.625,"
+            "\"valid_tokens\":\"4096\",\"routed_tokens\":\"8589934592\",\"grad_norm\":0.1,"
+            "\"lr\":0.0001,\"maxvio\":[0.5,0],\"step_s\":1.5,\"comm_s\":0.25,"
+            "\"comm_exposed_s\":0.0625,\"peak_unsharded_param_bytes\":\"1024\","
+            "\"full_param_bytes\":\"2048\",\"wait_s\":0,\"model_s\":1,\"update_s\":0.5,"
+            "\"tokens_per_s\":30000000000,\"exposed_all_gather_s\":0.03125,"
+            "\"exposed_reduce_scatter_s\":0.015625,\"exposed_all_reduce_s\":0.0078125,"
+            "\"exposed_all_to_all_s\":0,\"exposed_other_s\":0.0078125}");
+}
+
+TEST(StepLogTest, NonFiniteValuesAreTheMappingsStrings) {
+  StepMetrics r = FullRecord();
+  r.set_ce(std::numeric_limits<double>::quiet_NaN());
+  r.set_grad_norm(std::numeric_limits<double>::infinity());
+  absl::StatusOr<std::string> json = StepJsonLine(r);
+  ASSERT_TRUE(json.ok()) << json.status();
+  EXPECT_NE(json->find("\"ce\":\"NaN\""), std::string::npos) << *json;
+  EXPECT_NE(json->find("\"grad_norm\":\"Infinity\""), std::string::npos) << *json;
+}
+
+// A record with a field never set would drop it from the line: refused, naming it.
+TEST(StepLogTest, JsonOfARecordWithAnUnsetFieldIsInternal) {
+  StepMetrics r = FullRecord();
+  r.clear_wait_s();
+  absl::StatusOr<std::string> json = StepJsonLine(r);
+  EXPECT_EQ(json.status().code(), absl::StatusCode::kInternal);
+  EXPECT_NE(json.status().message().find("wait_s"), std::string::npos) << json.status();
+}
+
+TEST(StepLogTest, LogLineAndSummary) {
+  StepMetrics r = FullRecord();
+  EXPECT_EQ(StepLogLine(r, 500),
+            "step   7/500 | ce 2.5000 | bal 0.125000 | z 0.000000 | valid 4096 | gnorm 0.1000 | "
+            "lr 1.00e-04 | 30000.00M tok/s | comm 250.0 ms, exposed 62.5 ms (4%) | wait 0.0 ms | "
+            "params 50%");
+  StepMetrics r2 = r;
+  r2.set_step(8);
+  r2.set_ce(1.5);
+  const TrainSummary s = Summarize({r, r2}, /*first_step=*/8, /*entropy_floor=*/1.25);
+  EXPECT_EQ(s.first_step, 8);
+  EXPECT_EQ(s.last_step, 8);
+  EXPECT_EQ(s.first_ce, 1.5);
+  EXPECT_EQ(s.seconds, 1.5);  // step 7 was before this run
+  EXPECT_EQ(s.comm_exposed_by_kind_seconds[static_cast<int>(CommKind::kAllGather)], 0.03125);
+  EXPECT_EQ(s.median_peak_param_fraction, 0.5);
+  EXPECT_EQ(s.ToString(),
+            "summary: steps 8-8 in 1.5 s, 5726.62M tok/s, comm 17% (exposed 4%), wait 0% of step "
+            "time\n"
+            "summary: exposed by collective (% of step time): all_gather 2.1%, reduce_scatter "
+            "1.0%, all_reduce 0.5%, all_to_all 0.0%, other 0.5%\n"
+            "summary: median exposed / comm 0.250; median peak unsharded / full parameter bytes "
+            "0.500\n"
+            "summary: ce 1.5000 -> 1.5000 (mean of the last steps 1.5000)\n"
+            "summary: entropy floor 1.2500 nats/token; ce / floor = 1.200 (NOT within 1.10)\n");
+  EXPECT_EQ(Summarize({r}, 8, -1).ToString(), "summary: no steps run\n");
+}
+
+}  // namespace
+}  // namespace gradsum::train
