@@ -97,7 +97,7 @@ void BM_TrainStep(benchmark::State& state) {
       threads.emplace_back([&, r] {
         auto fail = [&](absl::Status s) { status[r] = s; };
         absl::StatusOr<train::RankMesh> mesh = train::MakeRankMesh((*comms)[r].get(),
-                                                                         config.parallelism().ep());
+                                                                         config.parallelism());
         if (!mesh.ok()) return fail(mesh.status());
         auto trainer = train::Trainer::Create(config, mesh->comms());
         if (!trainer.ok()) return fail(trainer.status());

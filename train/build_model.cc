@@ -40,9 +40,10 @@ absl::StatusOr<std::unique_ptr<MoeLm>> BuildModel(const TrainConfig& config,
   p.first_bucket_cap_bytes = static_cast<size_t>(config.comm().first_bucket_mb() * (1 << 20));
   // The ranks of a thread run share the cores; the kernels use what is left per rank.
   options.num_threads = config.comm().backend() == TrainConfig::thread
-                            ? std::max(1, AvailableCores() / parallelism.world())
+                            ? std::max(1, AvailableCores() / comms.mesh->world_size())
                             : 1;
-  const MoeLmGroups groups{comms.world, comms.ep_group, comms.edp_group};
+  const MoeLmGroups groups{&comms.mesh->world(), &comms.mesh->ep_group(),
+                           &comms.mesh->edp_group()};
   return comms.make_model ? comms.make_model(options, groups) : MoeLm::Create(options, groups);
 }
 

@@ -13,7 +13,7 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
-#include "collectives/communicator.h"
+#include "collectives/mesh.h"
 #include "collectives/timed_communicator.h"
 #include "train/config.pb.h"
 #include "train/moe_lm.h"
@@ -26,17 +26,16 @@ namespace gradsum::train {
 using MoeLmFactory = std::function<absl::StatusOr<std::unique_ptr<MoeLm>>(const MoeLmOptions&,
                                                                           const MoeLmGroups&)>;
 
-// The communicators of one rank (not owned). `timer` (may be null) is the CommTimer the
-// communicators add their time to (collectives/timed_communicator.h).
+// What a rank trains over (not owned).
 struct RankComms {
-  Communicator* world = nullptr;
-  Communicator* ep_group = nullptr;
-  Communicator* edp_group = nullptr;
+  // The (F, P) mesh: the world, EP and EDP groups, and the one source of their sizes.
+  Mesh* mesh = nullptr;
+  // The CommTimer the mesh's communicators add their time to (may be null).
   std::shared_ptr<CommTimer> timer;
   MoeLmFactory make_model;  // empty: MoeLm::Create
 };
 
-// The model of `config` over `comms`' groups, with no parameters set yet. Errors are the
+// The model of `config` over `comms.mesh`, with no parameters set yet. Errors are the
 // model's (MoeLm::Create, or the factory's).
 absl::StatusOr<std::unique_ptr<MoeLm>> BuildModel(const TrainConfig& config,
                                                   const RankComms& comms);

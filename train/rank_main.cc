@@ -14,17 +14,21 @@
 
 namespace gradsum::train {
 
-absl::StatusOr<RankMesh> MakeRankMesh(Communicator* world, int ep) {
+absl::StatusOr<RankMesh> MakeRankMesh(Communicator* world, const ParallelismConfig& parallelism) {
   if (world == nullptr) return absl::InvalidArgumentError("null world communicator");
+  if (world->size() != parallelism.world()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "parallelism.world=", parallelism.world(), ": the backend has ", world->size(), " ranks"));
+  }
   RankMesh mesh;
   mesh.timer = std::make_shared<CommTimer>();
   mesh.world = std::make_unique<TimedCommunicator>(world, mesh.timer);
-  GRADSUM_ASSIGN_OR_RETURN(mesh.mesh, Mesh::Create(mesh.world.get(), ep));
+  GRADSUM_ASSIGN_OR_RETURN(mesh.mesh, Mesh::Create(mesh.world.get(), parallelism.ep()));
   return mesh;
 }
 
 absl::Status RunRank(const TrainConfig& config, Communicator* world, std::ostream* log) {
-  GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(world, config.parallelism().ep()));
+  GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(world, config.parallelism()));
   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(config, mesh.comms()));
   return trainer->Run(log).status();
 }

@@ -29,14 +29,16 @@ struct RankMesh {
   std::unique_ptr<Mesh> mesh;  // over `world`, so the EP and EDP groups are timed too
   std::shared_ptr<CommTimer> timer;
   // The host model (make_model empty); callers set make_model for another.
-  RankComms comms() const {
-    return {&mesh->world(), &mesh->ep_group(), &mesh->edp_group(), timer, /*make_model=*/{}};
-  }
+  RankComms comms() const { return {mesh.get(), timer, /*make_model=*/{}}; }
 };
 
-// Wraps `world` (not owned; must outlive the result) in a timer and builds the mesh with
-// EP size `ep`. Collective. InvalidArgument unless ep >= 1 divides world->size().
-absl::StatusOr<RankMesh> MakeRankMesh(Communicator* world, int ep);
+// Wraps `world` (not owned; must outlive the result) in a timer and builds the mesh of
+// `parallelism`: EP size parallelism.ep over the world. The one place where the config's
+// group sizes meet the communicators: InvalidArgument naming both when the backend's world
+// size is not parallelism.world (an MPI job launched with another -np); an EP size that
+// does not divide the world is ValidateConfig's to refuse first (Mesh::Create refuses it
+// too). Collective.
+absl::StatusOr<RankMesh> MakeRankMesh(Communicator* world, const ParallelismConfig& parallelism);
 
 // Builds the mesh and the Trainer and runs optim.steps steps. Collective over `world`.
 absl::Status RunRank(const TrainConfig& config, Communicator* world, std::ostream* log);

@@ -44,8 +44,8 @@ absl::StatusOr<std::vector<RankOutcome>> RunInProcess(const TrainConfig& unresol
                                config.parallelism().world(),
                                [&](Communicator& world) -> absl::Status {
                                  RankOutcome& out = outcomes[world.rank()];
-                                 GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh,
-                                                          MakeRankMesh(&world, config.parallelism().ep()));
+                                 GRADSUM_ASSIGN_OR_RETURN(
+                                     RankMesh mesh, MakeRankMesh(&world, config.parallelism()));
                                  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
                                                           Trainer::Create(config, mesh.comms()));
                                  absl::Status s = trainer->Run(nullptr).status();

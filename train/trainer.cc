@@ -34,21 +34,8 @@ losses::CeWeightMode ToCeWeightMode(TrainConfig::CeMode m) {
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& config,
                                                          const RankComms& comms) {
   GRADSUM_RETURN_IF_ERROR(ValidateConfig(config));
-  if (comms.world == nullptr || comms.ep_group == nullptr || comms.edp_group == nullptr) {
-    return absl::InvalidArgumentError("Trainer needs the world, EP and EDP communicators");
-  }
-  const ParallelismConfig& parallelism = config.parallelism();
-  if (comms.world->size() != parallelism.world()) {
-    return absl::InvalidArgumentError(absl::StrCat("parallelism.world=", parallelism.world(),
-                                                   ": the backend has ", comms.world->size(),
-                                                   " ranks"));
-  }
-  if (comms.ep_group->size() != parallelism.ep()) {
-    return absl::InvalidArgumentError(absl::StrCat("parallelism.ep=", parallelism.ep(),
-                                                   ": the EP group has ", comms.ep_group->size(),
-                                                   " ranks"));
-  }
-  Communicator& world = *comms.world;
+  if (comms.mesh == nullptr) return absl::InvalidArgumentError("Trainer needs the rank's mesh");
+  Communicator& world = comms.mesh->world();
   // Ranks launched separately must agree on every setting and on the data before anything
   // else is collective.
   // The data file is read once: its loaded bytes give the fingerprint the ranks compare.
@@ -57,6 +44,11 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   auto trainer = std::unique_ptr<Trainer>(new Trainer());
   trainer->corpus_ = *std::move(corpus);
   trainer->config_ = config;
+  // The mesh is the one source of the group sizes (MakeRankMesh built it from these two
+  // fields and checked the world size); what the trainer records (the checkpoints' config,
+  // the global batch) is the mesh's.
+  trainer->config_.mutable_parallelism()->set_world(comms.mesh->world_size());
+  trainer->config_.mutable_parallelism()->set_ep(comms.mesh->ep_size());
   trainer->comms_ = comms;
   if (trainer->comms_.timer == nullptr) trainer->comms_.timer = std::make_shared<CommTimer>();
 

@@ -4,8 +4,8 @@
 // The training loop of one rank. Every rank runs the same Trainer; rank 0 writes the shared
 // files.
 //
-//   RankComms comms{world, ep_group, edp_group, timer};
-//   GRADSUM_ASSIGN_OR_RETURN(auto trainer, Trainer::Create(config, comms));
+//   RankMesh mesh = ...;                                   // train/rank_main.h
+//   GRADSUM_ASSIGN_OR_RETURN(auto trainer, Trainer::Create(config, mesh.comms()));
 //   GRADSUM_ASSIGN_OR_RETURN(TrainSummary s, trainer->Run(rank == 0 ? &std::cout : nullptr));
 //
 // One step (Step, SEMANTICS.md), in named phases:
@@ -50,9 +50,9 @@ class Trainer {
   // Validates `config` (ValidateConfig), checks that every rank has the same config and data
   // (train/config_agreement.h), builds the model (BuildModel) with the initial parameters
   // (--init_from's file if given), or with checkpoint.resume loads the latest checkpoint,
-  // written on any mesh with the same model and global batch (train/checkpointing.h).
-  // InvalidArgument if the world or EP group is not of the config's size. Collective over
-  // the world.
+  // written on any mesh with the same model and global batch (train/checkpointing.h). The
+  // group sizes are comms.mesh's (MakeRankMesh builds it from config.parallelism()).
+  // Collective over the world.
   static absl::StatusOr<std::unique_ptr<Trainer>> Create(const TrainConfig& config,
                                                          const RankComms& comms);
 
@@ -77,8 +77,8 @@ class Trainer {
 
  private:
   Trainer() = default;
-  Communicator& world() { return *comms_.world; }
-  bool is_rank0() const { return comms_.world->rank() == 0; }
+  Communicator& world() { return comms_.mesh->world(); }
+  bool is_rank0() const { return comms_.mesh->world().rank() == 0; }
   // The rank-local part of Create: the data loader, the checkpoint directory.
   absl::Status PrepareLocal();
 

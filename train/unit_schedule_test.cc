@@ -134,7 +134,7 @@ absl::StatusOr<std::vector<RankRun>> Record(const TrainConfig& config, int steps
   absl::Status s = testing::RunRanks(config.parallelism().world(), [&](Communicator& world) -> absl::Status {
     auto log = std::make_shared<std::vector<Op>>();
     RecordingCommunicator recording(&world, log, gather_delay);
-    GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(&recording, config.parallelism().ep()));
+    GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(&recording, config.parallelism()));
     GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
                              Trainer::Create(config, mesh.comms()));
     log->clear();

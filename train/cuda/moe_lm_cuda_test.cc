@@ -41,7 +41,7 @@ absl::StatusOr<GpuRun> RunOnGpu(const TrainConfig& config) {
   NcclBackendOptions options;
   options.device = 0;
   options.timeout = absl::Seconds(60);
-  GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(host[0].get(), 1));
+  GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(host[0].get(), config.parallelism()));
   // As RunNcclRank: NCCL's collectives are timed into the host mesh's CommTimer.
   GRADSUM_ASSIGN_OR_RETURN(NcclMesh nccl, MakeNcclMesh(*host[0], options, 1, mesh.timer));
   RankComms comms = mesh.comms();

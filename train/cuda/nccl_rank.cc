@@ -89,7 +89,7 @@ absl::Status RunNcclRank(const TrainConfig& config, Communicator* host_world, st
   options.device = device;
   options.timeout = absl::Seconds(config.comm().timeout_s());
   options.check_agreement = !config.comm().nccl_skip_agreement();
-  GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(host_world, config.parallelism().ep()));
+  GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(host_world, config.parallelism()));
   GRADSUM_ASSIGN_OR_RETURN(
       NcclMesh nccl, MakeNcclMesh(*host_world, options, config.parallelism().ep(), mesh.timer));
   RankComms comms = mesh.comms();
