@@ -441,22 +441,29 @@ TEST(TrainerTest, InitFromRefusesAFileOfAnotherModel) {
 // A commit marker without the config that wrote it proves nothing about the data stream
 // and the model: refused, on every rank. The marker is rewritten with a valid fingerprint
 // (XXH3 of its other members), so only the missing config can be the reason.
-TEST(TrainerTest, ResumeRefusesAMarkerWithoutItsConfig) {
-  const std::string dir = ::testing::TempDir() + "/ckpt_no_config";
+// Trains TinyConfig(2, 2, 1) for 2 steps with checkpoints in `dir` (emptied first), so
+// that dir/step-00000002 holds a complete checkpoint; returns the config.
+TrainConfig TwoCheckpointedSteps(const std::string& dir) {
   std::filesystem::remove_all(dir);
   TrainConfig first = TinyConfig(2, 2, 1, TrainConfig::fsdp);
   first.mutable_optim()->set_steps(2);
   first.mutable_checkpoint()->set_dir(dir);
-  auto a = RunInProcess(first);
-  ASSERT_TRUE(a.ok() && (*a)[0].status.ok()) << (*a)[0].status;
-  const std::string marker_path = dir + "/step-00000002/checkpoint.json";
+  TrainOrDie(first);
+  return first;
+}
+
+// Rewrites the commit marker at `marker_path` with `edit` applied to its `extra`, and a
+// valid fingerprint (the documented one: XXH3-64 of the marker's JSON without
+// "fingerprint"), so that only the edit can be the reason for what a resume does.
+void RewriteMarkerExtra(const std::string& marker_path,
+                        const std::function<void(google::protobuf::Map<std::string, std::string>*)>&
+                            edit) {
   absl::StatusOr<std::string> text = ReadFileToString(marker_path);
-  ASSERT_TRUE(text.ok());
+  ASSERT_TRUE(text.ok()) << text.status();
   checkpoint::CommitMarker marker;
   ASSERT_TRUE(ProtoFromJson(*text, &marker).ok()) << *text;
   ASSERT_EQ(marker.extra().count("config"), 1u);
-  marker.mutable_extra()->erase("config");
-  // The documented fingerprint: XXH3-64 of the marker's JSON without "fingerprint".
+  edit(marker.mutable_extra());
   marker.clear_fingerprint();
   absl::StatusOr<std::string> body = ProtoToJson(marker);
   ASSERT_TRUE(body.ok());
@@ -464,6 +471,13 @@ TEST(TrainerTest, ResumeRefusesAMarkerWithoutItsConfig) {
   absl::StatusOr<std::string> rewritten = ProtoToJson(marker);
   ASSERT_TRUE(rewritten.ok());
   ASSERT_TRUE(WriteFileAtomically(marker_path, *rewritten + "\n").ok());
+}
+
+TEST(TrainerTest, ResumeRefusesAMarkerWithoutItsConfig) {
+  const std::string dir = ::testing::TempDir() + "/ckpt_no_config";
+  const TrainConfig first = TwoCheckpointedSteps(dir);
+  RewriteMarkerExtra(dir + "/step-00000002/checkpoint.json",
+                     [](auto* extra) { extra->erase("config"); });
 
   TrainConfig again = first;
   again.mutable_optim()->set_steps(3);
@@ -482,18 +496,9 @@ TEST(TrainerTest, ResumeRefusesAMarkerWithoutItsConfig) {
 // binary wrote it for this config) and a valid fingerprint.
 TEST(TrainerTest, ResumeReadsAMarkerOfTheOldConfigLayout) {
   const std::string dir = ::testing::TempDir() + "/ckpt_old_layout";
-  std::filesystem::remove_all(dir);
-  TrainConfig first = TinyConfig(2, 2, 1, TrainConfig::fsdp);
-  first.mutable_optim()->set_steps(2);
-  first.mutable_checkpoint()->set_dir(dir);
-  auto a = RunInProcess(first);
-  ASSERT_TRUE(a.ok() && (*a)[0].status.ok()) << (*a)[0].status;
+  const TrainConfig first = TwoCheckpointedSteps(dir);
   const std::string marker_path = dir + "/step-00000002/checkpoint.json";
-  absl::StatusOr<std::string> text = ReadFileToString(marker_path);
-  ASSERT_TRUE(text.ok());
-  checkpoint::CommitMarker marker;
-  ASSERT_TRUE(ProtoFromJson(*text, &marker).ok()) << *text;
-  (*marker.mutable_extra())["config"] = absl::StrCat(
+  const std::string old_layout = absl::StrCat(
       "model { vocab: 256 dim: 8 layers: 2 experts: 4 top_k: 2 expert_dim: 8 norm_topk_prob: "
       "true router_scale: 1 init_std: 0.5 } data { path: \"\" seq_len: 16 micro_batch: 2 "
       "corpus_seed: 20261202 min_doc_len: 2 max_doc_len: 12 corpus_documents: 4096 } optim { "
@@ -506,13 +511,7 @@ TEST(TrainerTest, ResumeReadsAMarkerOfTheOldConfigLayout) {
       "timeout_s: 60 ce_mode: token nccl_skip_agreement: false layers_per_unit: 1 "
       "reshard_after_forward: true reduce_every_micro_batch: true bucket_cap_mb: 25 "
       "first_bucket_mb: 1 export_path: \"\" init_from: \"\" reproducible: false");
-  marker.clear_fingerprint();
-  absl::StatusOr<std::string> body = ProtoToJson(marker);
-  ASSERT_TRUE(body.ok());
-  marker.set_fingerprint(absl::StrFormat("%016x", Fingerprint64(*body)));
-  absl::StatusOr<std::string> rewritten = ProtoToJson(marker);
-  ASSERT_TRUE(rewritten.ok());
-  ASSERT_TRUE(WriteFileAtomically(marker_path, *rewritten + "\n").ok());
+  RewriteMarkerExtra(marker_path, [&](auto* extra) { (*extra)["config"] = old_layout; });
 
   TrainConfig again = first;
   again.mutable_optim()->set_steps(3);
@@ -528,14 +527,9 @@ TEST(TrainerTest, ResumeReadsAMarkerOfTheOldConfigLayout) {
   EXPECT_EQ(resumed[0].grad_norm(), want[2].grad_norm());
 
   // The same marker with another global batch in the old layout is refused by name.
-  (*marker.mutable_extra())["config"] = "world: 2 ep: 2 grad_acc: 2 data { seq_len: 16 }";
-  marker.clear_fingerprint();
-  body = ProtoToJson(marker);
-  ASSERT_TRUE(body.ok());
-  marker.set_fingerprint(absl::StrFormat("%016x", Fingerprint64(*body)));
-  rewritten = ProtoToJson(marker);
-  ASSERT_TRUE(rewritten.ok());
-  ASSERT_TRUE(WriteFileAtomically(marker_path, *rewritten + "\n").ok());
+  RewriteMarkerExtra(marker_path, [](auto* extra) {
+    (*extra)["config"] = "world: 2 ep: 2 grad_acc: 2 data { seq_len: 16 }";
+  });
   std::filesystem::remove_all(dir + "/step-00000003");
   auto refused = RunInProcess(again);
   ASSERT_TRUE(refused.ok());
