@@ -59,7 +59,8 @@ void BM_MoeLmStep(benchmark::State& state) {
   for (auto _ : state) {
     auto host = CreateThreadCommunicators(1);
     if (!host.ok()) return state.SkipWithError(host.status().ToString().c_str());
-    absl::StatusOr<train::RankMesh> mesh = train::MakeRankMesh((*host)[0].get(), config.parallelism());
+    absl::StatusOr<train::RankMesh> mesh =
+        train::MakeRankMesh((*host)[0].get(), config.parallelism());
     if (!mesh.ok()) return state.SkipWithError(mesh.status().ToString().c_str());
     train::RankComms comms = mesh->comms();
     train::NcclMesh nccl;  // timed into the host mesh's CommTimer, as moe_lm's

@@ -377,7 +377,8 @@ absl::Status ValidateConfig(const TrainConfig& c) {
   // The EP size's one check before any rank starts; the mesh built from it
   // (train/rank_main.h MakeRankMesh) is then the source of every group size.
   if (p.world() % p.ep() != 0) {
-    return Bad("parallelism.ep", StrCat(p.ep()), StrCat("must divide parallelism.world=", p.world()));
+    return Bad("parallelism.ep", StrCat(p.ep()),
+               StrCat("must divide parallelism.world=", p.world()));
   }
   if (m.experts() % p.ep() != 0) {
     return Bad("parallelism.ep", StrCat(p.ep()),
@@ -432,7 +433,9 @@ absl::Status ValidateConfig(const TrainConfig& c) {
   }
   const CheckpointConfig& k = c.checkpoint();
   if (k.every() < 0) return Bad("checkpoint.every", StrCat(k.every()), "must be >= 0");
-  if (k.resume() && k.dir().empty()) return Bad("checkpoint.resume", "true", "needs checkpoint.dir");
+  if (k.resume() && k.dir().empty()) {
+    return Bad("checkpoint.resume", "true", "needs checkpoint.dir");
+  }
   if (k.resume() && !k.init_from().empty()) {
     return Bad("checkpoint.init_from", k.init_from(),
                "cannot be combined with checkpoint.resume (the checkpoint holds the parameters)");

@@ -570,7 +570,8 @@ TEST(TrainerTest, BadConfigFailsBeforeTraining) {
   auto out = RunInProcess(config);
   ASSERT_TRUE(out.ok());
   EXPECT_EQ((*out)[0].status.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT((*out)[0].status.message(), HasSubstr("parallelism.ep=2: must divide model.experts=3"));
+  EXPECT_THAT((*out)[0].status.message(),
+              HasSubstr("parallelism.ep=2: must divide model.experts=3"));
   EXPECT_TRUE((*out)[0].history.empty());
 }
 

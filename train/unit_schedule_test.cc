@@ -127,11 +127,12 @@ struct RankRun {
 // log holds only what those steps issued (not the trainer's set-up).
 absl::StatusOr<std::vector<RankRun>> Record(const TrainConfig& config, int steps,
                                             absl::Duration gather_delay = absl::ZeroDuration()) {
-  std::vector<RankRun> runs(config.parallelism().world());
+  const int world_size = config.parallelism().world();
+  std::vector<RankRun> runs(world_size);
   // Reads the config's lazily built default strings once before the rank threads do
   // (protobuf builds them on first use; TSan does not see inside the library).
   GRADSUM_RETURN_IF_ERROR(ValidateConfig(config));
-  absl::Status s = testing::RunRanks(config.parallelism().world(), [&](Communicator& world) -> absl::Status {
+  absl::Status s = testing::RunRanks(world_size, [&](Communicator& world) -> absl::Status {
     auto log = std::make_shared<std::vector<Op>>();
     RecordingCommunicator recording(&world, log, gather_delay);
     GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(&recording, config.parallelism()));
@@ -291,7 +292,9 @@ TEST(UnitScheduleTest, SlowGatherShowsAsExposedTime) {
     // The split by kind: the slow gathers are where the time went, and the parts add up.
     EXPECT_GE(CommExposedSeconds(r, CommKind::kAllGather), absl::ToDoubleSeconds(delay));
     double parts = 0;
-    for (int k = 0; k < kNumCommKinds; ++k) parts += CommExposedSeconds(r, static_cast<CommKind>(k));
+    for (int k = 0; k < kNumCommKinds; ++k) {
+      parts += CommExposedSeconds(r, static_cast<CommKind>(k));
+    }
     EXPECT_NEAR(parts, r.comm_exposed_s(), 1e-9);
   }
 }
