@@ -23,6 +23,7 @@ TEST(CheckRanksAgreeTest, DifferentFieldsAreNamedWithTheRanks) {
     TrainConfig mine = base;
     if (c.rank() == 2) mine.mutable_model()->set_seed(7);
     if (c.rank() >= 1) mine.mutable_optim()->set_lr(0.5);
+    if (c.rank() == 1) mine.mutable_parallelism()->set_grad_acc(2);
     return CheckRanksAgree(mine, MakeCorpus(mine.data()), c);
   });
   ASSERT_TRUE(st.ok());
@@ -33,7 +34,10 @@ TEST(CheckRanksAgreeTest, DifferentFieldsAreNamedWithTheRanks) {
     EXPECT_THAT(s.message(), HasSubstr(") differs: ranks {0} vs {1,2}"));
     EXPECT_THAT(s.message(), HasSubstr(") differs: ranks {0,1} vs {2}"));
   }
-  EXPECT_THAT((*st)[2].message(), HasSubstr("seed (7 on rank 2)"));
+  EXPECT_THAT((*st)[2].message(), HasSubstr("model.seed (7 on rank 2)"));
+  // A field of a section the old layout had at top level is named by its section's path.
+  EXPECT_THAT((*st)[1].message(),
+              HasSubstr("parallelism.grad_acc (2 on rank 1) differs: ranks {0,2} vs {1}"));
   auto same = gradsum::testing::RunRanksPerRank(
       2, [&](Communicator& c) { return CheckRanksAgree(base, MakeCorpus(base.data()), c); });
   ASSERT_TRUE(same.ok());
