@@ -189,6 +189,8 @@ const char* CommKindName(CommKind kind) {
       return "all_reduce";
     case CommKind::kAllToAll:
       return "all_to_all";
+    case CommKind::kSpAllToAll:
+      return "sp_all_to_all";
     case CommKind::kOther:
       return "other";
   }
@@ -316,7 +318,7 @@ absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::AllToAllVAsync(
     const void* send, absl::Span<const size_t> send_counts, absl::Span<const size_t> send_offsets,
     void* recv, absl::Span<const size_t> recv_counts, absl::Span<const size_t> recv_offsets,
     DType dtype) {
-  return Timed(CommKind::kAllToAll, [&] {
+  return Timed(all_to_all_kind_, [&] {
     return inner().AllToAllVAsync(send, send_counts, send_offsets, recv, recv_counts,
                                   recv_offsets, dtype);
   });
@@ -332,11 +334,18 @@ absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::BarrierAsync() {
 }
 
 absl::StatusOr<std::unique_ptr<Communicator>> TimedCommunicator::Split(int color, int key) {
+  return SplitAs(color, key, all_to_all_kind_);
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> TimedCommunicator::SplitAs(
+    int color, int key, CommKind all_to_all_kind) {
   const absl::Time start = absl::Now();
   absl::StatusOr<std::unique_ptr<Communicator>> sub = inner().Split(color, key);
   timer_->Add(absl::Now() - start, CommKind::kOther);
   if (!sub.ok() || *sub == nullptr) return sub;
-  return std::unique_ptr<Communicator>(new TimedCommunicator(std::move(*sub), timer_));
+  auto timed = std::make_unique<TimedCommunicator>(std::move(*sub), timer_);
+  timed->all_to_all_kind_ = all_to_all_kind;
+  return std::unique_ptr<Communicator>(std::move(timed));
 }
 
 template <typename F>
@@ -382,7 +391,7 @@ absl::Status TimedCommunicator::AllToAllV(const void* send, absl::Span<const siz
     return Communicator::AllToAllV(send, send_counts, send_offsets, recv, recv_counts,
                                    recv_offsets, dtype);
   }
-  return TimeSync(CommKind::kAllToAll, [&] {
+  return TimeSync(all_to_all_kind_, [&] {
     return inner().AllToAllV(send, send_counts, send_offsets, recv, recv_counts, recv_offsets,
                              dtype);
   });

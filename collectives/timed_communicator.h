@@ -63,11 +63,20 @@
 
 namespace gradsum {
 
-// The kinds of collective a rank's exposed time is attributed to. kOther: broadcasts,
-// barriers, Split, and an nccl coalesced group as a whole.
-enum class CommKind : int { kAllGather = 0, kReduceScatter, kAllReduce, kAllToAll, kOther };
-inline constexpr int kNumCommKinds = 5;
-// "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "other".
+// The kinds of collective a rank's exposed time is attributed to. kSpAllToAll: the
+// all-to-alls of a sequence-parallel group (SEMANTICS.md §12; a communicator split with
+// SplitAs counts its all-to-alls so). kOther: broadcasts, barriers, Split, and an nccl
+// coalesced group as a whole.
+enum class CommKind : int {
+  kAllGather = 0,
+  kReduceScatter,
+  kAllReduce,
+  kAllToAll,
+  kSpAllToAll,
+  kOther
+};
+inline constexpr int kNumCommKinds = 6;
+// "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "sp_all_to_all", "other".
 const char* CommKindName(CommKind kind);
 
 class CommTimer {
@@ -150,6 +159,10 @@ class TimedCommunicator : public ForwardingCommunicator {
                                                        int root) override;
   absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override;
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override;
+  // Split, with the sub-communicator's all-to-alls counted as `all_to_all_kind` (e.g. the
+  // sequence-parallel group's as kSpAllToAll). Its own splits keep that kind.
+  absl::StatusOr<std::unique_ptr<Communicator>> SplitAs(int color, int key,
+                                                        CommKind all_to_all_kind);
 
   // Synchronous forms forwarded as such over a host backend, so the inner backend's sync
   // fast path (no allocation, no hand-off) is kept; each counts its call as both exposed
@@ -192,6 +205,7 @@ class TimedCommunicator : public ForwardingCommunicator {
                                              absl::StatusOr<std::unique_ptr<Work>> work);
 
   std::shared_ptr<CommTimer> timer_;
+  CommKind all_to_all_kind_ = CommKind::kAllToAll;
   std::unique_ptr<TimedStream> stream_;  // non-null over a device backend
 };
 

@@ -42,8 +42,9 @@ absl::StatusOr<std::unique_ptr<MoeLm>> BuildModel(const TrainConfig& config,
   options.num_threads = config.comm().backend() == TrainConfig::thread
                             ? std::max(1, AvailableCores() / comms.mesh->world_size())
                             : 1;
+  p.repro_block = config.precision().repro_block();
   const MoeLmGroups groups{&comms.mesh->world(), &comms.mesh->ep_group(),
-                           &comms.mesh->edp_group()};
+                           &comms.mesh->edp_group(), comms.sp_group};
   return comms.make_model ? comms.make_model(options, groups) : MoeLm::Create(options, groups);
 }
 

@@ -30,6 +30,9 @@ using MoeLmFactory = std::function<absl::StatusOr<std::unique_ptr<MoeLm>>(const 
 struct RankComms {
   // The (F, P) mesh: the world, EP and EDP groups, and the one source of their sizes.
   Mesh* mesh = nullptr;
+  // The SP group (SEMANTICS.md §12: the ranks sharing this rank's sequences), or null
+  // without sequence parallelism.
+  Communicator* sp_group = nullptr;
   // The CommTimer the mesh's communicators add their time to (may be null).
   std::shared_ptr<CommTimer> timer;
   MoeLmFactory make_model;  // empty: MoeLm::Create

@@ -384,6 +384,44 @@ absl::Status ValidateConfig(const TrainConfig& c) {
     return Bad("parallelism.ep", StrCat(p.ep()),
                StrCat("must divide model.experts=", m.experts(), " (SEMANTICS.md §7)"));
   }
+  // Sequence parallelism (§12): S consecutive ranks share each sequence.
+  GRADSUM_RETURN_IF_ERROR(positive("parallelism.sp", p.sp()));
+  if (p.world() % p.sp() != 0) {
+    return Bad("parallelism.sp", StrCat(p.sp()), StrCat("must divide parallelism.world=", p.world()));
+  }
+  if (c.data().seq_len() % p.sp() != 0) {
+    return Bad("parallelism.sp", StrCat(p.sp()),
+               StrCat("must divide data.seq_len=", c.data().seq_len(),
+                      " (each rank holds seq_len / sp tokens of every sequence)"));
+  }
+  if (m.attention() != ModelConfig::none) {
+    GRADSUM_RETURN_IF_ERROR(positive("model.heads", m.heads()));
+    GRADSUM_RETURN_IF_ERROR(positive("model.kv_heads", m.kv_heads()));
+    if (m.heads() % m.kv_heads() != 0) {
+      return Bad("model.kv_heads", StrCat(m.kv_heads()),
+                 StrCat("must divide model.heads=", m.heads(), " (GQA)"));
+    }
+    if (m.dim() % m.heads() != 0 || (m.dim() / m.heads()) % 2 != 0) {
+      return Bad("model.heads", StrCat(m.heads()),
+                 StrCat("must divide model.dim=", m.dim(),
+                        " into an even head_dim (RoPE rotates pairs)"));
+    }
+    if (m.heads() % p.sp() != 0) {
+      return Bad("parallelism.sp", StrCat(p.sp()),
+                 StrCat("must divide model.heads=", m.heads(),
+                        " (Ulysses gives each rank of the SP group whole heads)"));
+    }
+    if (!(std::isfinite(m.rope_theta()) && m.rope_theta() > 1)) {
+      return Bad("model.rope_theta", StrCat(m.rope_theta()), "must be finite and > 1");
+    }
+  }
+  if (c.precision().repro_block() < 0 ||
+      (c.precision().repro_block() > 0 &&
+       (c.data().seq_len() / p.sp()) % c.precision().repro_block() != 0)) {
+    return Bad("precision.repro_block", StrCat(c.precision().repro_block()),
+               StrCat("must be 0 or divide the ", c.data().seq_len() / p.sp(),
+                      " tokens a rank holds of each sequence (data.seq_len / parallelism.sp)"));
+  }
   if (!(std::isfinite(m.router_scale()) && m.router_scale() > 0)) {
     return Bad("model.router_scale", StrCat(m.router_scale()), "must be finite and positive");
   }
@@ -552,7 +590,8 @@ TrainConfig ResolvedConfig(const TrainConfig& in) {
 }
 
 int64_t GlobalBatch(const TrainConfig& config) {
-  return int64_t{config.parallelism().world()} * config.parallelism().grad_acc() *
+  return int64_t{config.parallelism().world() / std::max(1, config.parallelism().sp())} *
+         config.parallelism().grad_acc() *
          config.data().micro_batch();
 }
 

@@ -71,6 +71,17 @@ ABSL_FLAG(std::optional<int32_t>, expert_dim, std::nullopt, "H");
 ABSL_FLAG(std::optional<bool>, norm_topk_prob, std::nullopt,
           "renormalise the top-k router weights");
 ABSL_FLAG(std::optional<double>, router_scale, std::nullopt, "router weight scale");
+ABSL_FLAG(std::optional<std::string>, attention, std::nullopt,
+          "causal | none: each layer's document-causal attention block (SEMANTICS.md §10), or "
+          "the per-token model");
+ABSL_FLAG(std::optional<int32_t>, heads, std::nullopt, "attention query heads");
+ABSL_FLAG(std::optional<int32_t>, kv_heads, std::nullopt, "attention key/value heads (GQA)");
+ABSL_FLAG(std::optional<double>, rope_theta, std::nullopt, "RoPE base");
+ABSL_FLAG(std::optional<int32_t>, sp, std::nullopt,
+          "sequence-parallel group size S (Ulysses, SEMANTICS.md §12)");
+ABSL_FLAG(std::optional<int32_t>, repro_block, std::nullopt,
+          "--reproducible: tokens per contribution block (0: a rank's share of a sequence); "
+          "the same bits at every --sp whose seq_len / sp it divides");
 ABSL_FLAG(std::optional<double>, timeout_s, std::nullopt,
           "seconds a rank waits for the others in a collective before the run fails "
           "(DeadlineExceeded); a failure then ends every rank");
@@ -126,6 +137,12 @@ const std::vector<FlagField>& OverridableFlags() {
       {"expert_dim", "model.expert_dim"},
       {"norm_topk_prob", "model.norm_topk_prob"},
       {"router_scale", "model.router_scale"},
+      {"attention", "model.attention"},
+      {"heads", "model.heads"},
+      {"kv_heads", "model.kv_heads"},
+      {"rope_theta", "model.rope_theta"},
+      {"sp", "parallelism.sp"},
+      {"repro_block", "precision.repro_block"},
       {"timeout_s", "comm.timeout_s"},
       {"layers_per_unit", "parallelism.layers_per_unit"},
       {"reshard_after_forward", "parallelism.reshard_after_forward"},

@@ -28,7 +28,9 @@ std::string ParityReport::ToString() const {
 absl::StatusOr<std::vector<std::vector<MicroBatch>>> GlobalBatchForStep(const TrainConfig& config,
                                                                         int64_t step_index) {
   GRADSUM_ASSIGN_OR_RETURN(std::shared_ptr<const DocumentSource> corpus, MakeCorpus(config.data()));
-  const int G = config.parallelism().grad_acc(), W = config.parallelism().world();
+  // The whole sequences of the world / sp data ranks (each SP group's rows; §12).
+  const int G = config.parallelism().grad_acc(),
+            W = config.parallelism().world() / std::max(1, config.parallelism().sp());
   std::vector<std::vector<MicroBatch>> batch(G, std::vector<MicroBatch>(W));
   for (int r = 0; r < W; ++r) {
     GRADSUM_ASSIGN_OR_RETURN(RankDataLoader loader,

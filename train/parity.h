@@ -47,8 +47,9 @@ struct ParityReport {
   std::string ToString() const;
 };
 
-// The global batch of step `step_index` (0-based): batch[m][r] for every rank r of the
-// world: rows of the global sequence stream (train/data.h), rebuilt from the data config.
+// The global batch of step `step_index` (0-based): batch[m][r] for every data rank r (the
+// world's ranks, or its world / sp sequence-parallel groups, each with whole sequences):
+// rows of the global sequence stream (train/data.h), rebuilt from the data config.
 absl::StatusOr<std::vector<std::vector<MicroBatch>>> GlobalBatchForStep(const TrainConfig& config,
                                                                         int64_t step_index);
 

@@ -24,6 +24,17 @@ absl::StatusOr<RankMesh> MakeRankMesh(Communicator* world, const ParallelismConf
   mesh.timer = std::make_shared<CommTimer>();
   mesh.world = std::make_unique<TimedCommunicator>(world, mesh.timer);
   GRADSUM_ASSIGN_OR_RETURN(mesh.mesh, Mesh::Create(mesh.world.get(), parallelism.ep()));
+  const int sp = parallelism.sp();
+  if (sp > 1) {
+    if (world->size() % sp != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("parallelism.sp=", sp,
+                                                     ": must divide the world's ", world->size(),
+                                                     " ranks"));
+    }
+    const int rank = world->rank();
+    GRADSUM_ASSIGN_OR_RETURN(mesh.sp_group,
+                             mesh.world->SplitAs(rank / sp, rank % sp, CommKind::kSpAllToAll));
+  }
   return mesh;
 }
 
@@ -50,11 +61,16 @@ void PrintBanner(const TrainConfig& config, std::ostream& out) {
       TrainConfig::FloatDType_Name(config.precision().reduce_dtype()),
       TrainConfig::CeMode_Name(config.loss().ce_mode()), config.loss().alpha_b(),
       config.loss().alpha_z(), m.seed());
+  const std::string attention =
+      m.attention() == ModelConfig::none
+          ? std::string()
+          : absl::StrFormat(", attention %d heads (%d kv)", m.heads(), m.kv_heads());
+  const std::string sp = p.sp() > 1 ? absl::StrFormat(", SP=%d", p.sp()) : std::string();
   out << absl::StrFormat(
-      "model: V=%d D=%d L=%d E=%d K=%d H=%d, %d parameters; mesh F=%d x P=%d, G=%d, %s, "
+      "model: V=%d D=%d L=%d E=%d K=%d H=%d%s, %d parameters; mesh F=%d x P=%d%s, G=%d, %s, "
       "backend %s\n",
-      m.vocab(), m.dim(), m.layers(), m.experts(), m.top_k(), m.expert_dim(), params,
-      p.world() / p.ep(), p.ep(), p.grad_acc(), TrainConfig::Sharding_Name(p.sharding()),
+      m.vocab(), m.dim(), m.layers(), m.experts(), m.top_k(), m.expert_dim(), attention, params,
+      p.world() / p.ep(), p.ep(), sp, p.grad_acc(), TrainConfig::Sharding_Name(p.sharding()),
       TrainConfig::Backend_Name(config.comm().backend()));
   out << absl::StrFormat(
       "data: %d x %d tokens per rank and micro-batch, global batch B=%d sequences per "
@@ -89,7 +105,9 @@ absl::StatusOr<ResourceEstimate> EstimateResources(const TrainConfig& config) {
   const ModelConfig& m = config.model();
   const LD V = m.vocab(), D = m.dim(), L = m.layers(), E = m.experts(), K = m.top_k(),
            H = m.expert_dim(), P = config.parallelism().ep();
-  const LD T = LD{1} * config.data().micro_batch() * config.data().seq_len();
+  // Tokens a rank holds per micro-batch: its share of each sequence under SP (§12).
+  const LD T = LD{1} * config.data().micro_batch() * config.data().seq_len() /
+               std::max(1, config.parallelism().sp());
   const LD G = config.parallelism().grad_acc();
   if (T > 2147483647.0L) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -98,7 +116,10 @@ absl::StatusOr<ResourceEstimate> EstimateResources(const TrainConfig& config) {
         config.data().micro_batch(), config.data().seq_len(), T));
   }
   // MoeLmParamShapes, counted without building the list (which has L * E * 3 entries).
-  const LD dense = 2 * V * D + L * (D + D * E) + D;
+  const bool attention = m.attention() != ModelConfig::none;
+  const LD kv_dim = attention && m.heads() > 0 ? LD{1} * m.kv_heads() * (m.dim() / m.heads()) : 0;
+  const LD attention_params = attention ? D + 2 * D * D + 2 * D * kv_dim : 0;
+  const LD dense = 2 * V * D + L * (D + D * E + attention_params) + D;
   const LD experts = L * E * 3 * D * H;
   ResourceEstimate r;
   r.params = dense + experts;
@@ -115,7 +136,11 @@ absl::StatusOr<ResourceEstimate> EstimateResources(const TrainConfig& config) {
   r.parameter_bytes = 4 * rank_params * (3 + 3 / shard_ways);
   // Per token and layer: residual, norm, router logits and probabilities, each routed copy's
   // input, gate, up, activation and output; then the logits and their gradient.
-  r.activation_bytes = 4 * T * (L * (4 * D + 2 * E + K * (2 * D + 3 * H)) + 3 * V);
+  // With attention, per token and layer: its input, norm, q, k, v, output and the
+  // residual after it, plus the softmax statistics per head (model/moe_lm.h).
+  const LD attention_acts = attention ? 8 * D + m.heads() : 0;
+  r.activation_bytes =
+      4 * T * (L * (4 * D + 2 * E + K * (2 * D + 3 * H) + attention_acts) + 3 * V);
   // tokens, labels, mask (i32) and sample ids (i64), twice (loader and model copies).
   r.batch_bytes = 2 * G * T * (3 * 4 + 8);
   const LD per_rank = r.parameter_bytes + r.activation_bytes + r.batch_bytes;

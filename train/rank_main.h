@@ -27,13 +27,17 @@ namespace gradsum::train {
 struct RankMesh {
   std::unique_ptr<TimedCommunicator> world;
   std::unique_ptr<Mesh> mesh;  // over `world`, so the EP and EDP groups are timed too
+  // parallelism.sp > 1: the S consecutive ranks sharing this rank's sequences (§12), timed
+  // with its all-to-alls as CommKind::kSpAllToAll; else null.
+  std::unique_ptr<Communicator> sp_group;
   std::shared_ptr<CommTimer> timer;
   // The host model (make_model empty); callers set make_model for another.
-  RankComms comms() const { return {mesh.get(), timer, /*make_model=*/{}}; }
+  RankComms comms() const { return {mesh.get(), sp_group.get(), timer, /*make_model=*/{}}; }
 };
 
 // Wraps `world` (not owned; must outlive the result) in a timer and builds the mesh of
-// `parallelism`: EP size parallelism.ep over the world. The one place where the config's
+// `parallelism`: EP size parallelism.ep over the world, and the SP groups of
+// parallelism.sp consecutive ranks. The one place where the config's
 // group sizes meet the communicators: InvalidArgument naming both when the backend's world
 // size is not parallelism.world (an MPI job launched with another -np); an EP size that
 // does not divide the world is ValidateConfig's to refuse first (Mesh::Create refuses it

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # --reproducible (docs/REPRODUCIBILITY.md): the same bits at every mesh.
 #   reproducible_test.sh MOE_LM_BINARY MPIRUN_TEST_SH
-# Global batch B = world x grad_acc x micro_batch = 8 sequences in every run.
+# Global batch B = world / sp x grad_acc x micro_batch = 8 sequences in every run.
 # 1. Fixed G = 2 (default-style alpha_b > 0): eight steps on seven meshes (world 1, 2, 4;
 #    ep 1, 2, 4; fsdp and replicated; reduce every micro-batch or once; layers_per_unit 1
 #    and 2; thread and Open MPI backends; baseline and AVX builds of the kernels). The
@@ -12,6 +12,7 @@
 # 3. The sample and square CE weightings and bf16 compute: two meshes each.
 # 4. A run checkpointed after 3 steps on one mesh and resumed on another (Open MPI) ends
 #    with the bits of the uninterrupted run.
+# 5. With attention: SP sizes 1, 2, 4 (thread and Open MPI), and a resume from SP 2 onto 4.
 # Every run also passes --parity_check on step 1 (gradients within 1e-5 of the double
 # reference; 3e-2 with bf16 compute), and the normal mode must NOT give identical bits across two of the meshes
 # (else this test could not tell the modes apart).
@@ -124,6 +125,24 @@ for r in got:
             sys.exit(f"step {r['step']}: {k} {r[k]!r} != {ref[r['step']][k]!r}")
 PY
 echo "identical: g2_w1 vs the run resumed on another mesh"
+
+# Attention and sequence parallelism (SEMANTICS.md §12): the same bits at SP sizes 1, 2 and 4
+# (row blocks of 8 tokens, which every rank's slice of a 32-token sequence holds whole),
+# crossed with EP sizes, both modes and both backends, and across a resume onto another S.
+attn=(--attention=causal --heads=4 --kv_heads=2 --repro_block=8 "${ab[@]}" --reproducible)
+run sp1_w1 -- "${attn[@]}" --world=1 --ep=1 --micro_batch=4
+run sp2_w2 -- "${attn[@]}" --world=2 --ep=2 --sp=2 --micro_batch=4
+run sp4_w4_repl -- "${attn[@]}" --world=4 --ep=2 --sp=4 --micro_batch=4 --sharding=replicated
+run sp2_mpi4 "${mpi4[@]}" -- "${attn[@]}" --backend=mpi --world=4 --ep=4 --sp=2 --micro_batch=2
+for other in sp2_w2 sp4_w4_repl sp2_mpi4; do check_same sp1_w1 "$other"; done
+"$bin" "${tiny[@]}" "${attn[@]}" --world=2 --ep=1 --sp=2 --micro_batch=4 --steps=3 \
+  --checkpoint_dir="$tmp/ckpt_sp" > "$tmp/resume_sp_a.log" 2>&1 \
+  || { tail -20 "$tmp/resume_sp_a.log"; fail "first SP resume segment"; }
+run sp_resumed -- "${attn[@]}" --world=4 --ep=2 --sp=4 --micro_batch=4 \
+  --checkpoint_dir="$tmp/ckpt_sp" --resume
+cmp -s "$tmp/sp1_w1.safetensors" "$tmp/sp_resumed.safetensors" \
+  || fail "the run resumed from SP 2 onto SP 4 differs from the uninterrupted run"
+echo "identical: sp1_w1 vs the run resumed from SP 2 onto SP 4"
 
 # The normal mode is not bit-identical across meshes (so the checks above can fail).
 run normal_w1 -- "${ab[@]}" --world=1 --ep=1 --micro_batch=4

@@ -35,6 +35,7 @@ void SetCommExposed(const CommTimer::Exposed& exposed, StepMetrics* record) {
   record->set_exposed_reduce_scatter_s(seconds(CommKind::kReduceScatter));
   record->set_exposed_all_reduce_s(seconds(CommKind::kAllReduce));
   record->set_exposed_all_to_all_s(seconds(CommKind::kAllToAll));
+  record->set_exposed_sp_all_to_all_s(seconds(CommKind::kSpAllToAll));
   record->set_exposed_other_s(seconds(CommKind::kOther));
 }
 
@@ -44,6 +45,7 @@ double CommExposedSeconds(const StepMetrics& record, CommKind kind) {
     case CommKind::kReduceScatter: return record.exposed_reduce_scatter_s();
     case CommKind::kAllReduce: return record.exposed_all_reduce_s();
     case CommKind::kAllToAll: return record.exposed_all_to_all_s();
+    case CommKind::kSpAllToAll: return record.exposed_sp_all_to_all_s();
     case CommKind::kOther: break;
   }
   return record.exposed_other_s();

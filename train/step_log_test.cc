@@ -32,8 +32,9 @@ StepMetrics FullRecord() {
   r.set_comm_s(0.25);
   CommTimer::Exposed exposed;
   exposed.total = absl::Seconds(0.0625);
-  // all_gather, reduce_scatter, all_reduce, all_to_all, other (CommKind order).
-  const double by_kind[kNumCommKinds] = {0.03125, 0.015625, 0.0078125, 0, 0.0078125};
+  // all_gather, reduce_scatter, all_reduce, all_to_all, sp_all_to_all, other (CommKind
+  // order).
+  const double by_kind[kNumCommKinds] = {0.03125, 0.015625, 0.0078125, 0, 0.00390625, 0.00390625};
   for (int k = 0; k < kNumCommKinds; ++k) exposed.by_kind[k] = absl::Seconds(by_kind[k]);
   SetCommExposed(exposed, &r);
   r.set_peak_unsharded_param_bytes(1024);
@@ -47,7 +48,7 @@ StepMetrics FullRecord() {
 
 TEST(StepLogTest, JsonIsTheProto3MappingInFieldOrder) {
   const StepMetrics r = FullRecord();
-  const double by_kind[kNumCommKinds] = {0.03125, 0.015625, 0.0078125, 0, 0.0078125};
+  const double by_kind[kNumCommKinds] = {0.03125, 0.015625, 0.0078125, 0, 0.00390625, 0.00390625};
   for (int k = 0; k < kNumCommKinds; ++k) {
     EXPECT_EQ(CommExposedSeconds(r, static_cast<CommKind>(k)), by_kind[k]) << k;
   }
@@ -61,7 +62,8 @@ TEST(StepLogTest, JsonIsTheProto3MappingInFieldOrder) {
             "\"full_param_bytes\":\"2048\",\"wait_s\":0,\"model_s\":1,\"update_s\":0.5,"
             "\"tokens_per_s\":30000000000,\"exposed_all_gather_s\":0.03125,"
             "\"exposed_reduce_scatter_s\":0.015625,\"exposed_all_reduce_s\":0.0078125,"
-            "\"exposed_all_to_all_s\":0,\"exposed_other_s\":0.0078125}");
+            "\"exposed_all_to_all_s\":0,\"exposed_other_s\":0.00390625,"
+            "\"exposed_sp_all_to_all_s\":0.00390625}");
 }
 
 TEST(StepLogTest, NonFiniteValuesAreTheMappingsStrings) {
@@ -103,7 +105,7 @@ TEST(StepLogTest, LogLineAndSummary) {
             "summary: steps 8-8 in 1.5 s, 5726.62M tok/s, comm 17% (exposed 4%), wait 0% of step "
             "time\n"
             "summary: exposed by collective (% of step time): all_gather 2.1%, reduce_scatter "
-            "1.0%, all_reduce 0.5%, all_to_all 0.0%, other 0.5%\n"
+            "1.0%, all_reduce 0.5%, all_to_all 0.0%, sp_all_to_all 0.3%, other 0.3%\n"
             "summary: median exposed / comm 0.250; median peak unsharded / full parameter bytes "
             "0.500\n"
             "summary: ce 1.5000 -> 1.5000 (mean of the last steps 1.5000)\n"

@@ -49,6 +49,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   // the global batch) is the mesh's.
   trainer->config_.mutable_parallelism()->set_world(comms.mesh->world_size());
   trainer->config_.mutable_parallelism()->set_ep(comms.mesh->ep_size());
+  trainer->config_.mutable_parallelism()->set_sp(comms.sp_group != nullptr ? comms.sp_group->size()
+                                                                          : 1);
   trainer->comms_ = comms;
   if (trainer->comms_.timer == nullptr) trainer->comms_.timer = std::make_shared<CommTimer>();
 
@@ -91,7 +93,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
 absl::Status Trainer::PrepareLocal() {
   GRADSUM_ASSIGN_OR_RETURN(
       RankDataLoader loader,
-      RankDataLoader::Create(corpus_, config_.data(), world().rank(), world().size()));
+      RankDataLoader::Create(corpus_, config_.data(), world().rank(), world().size(),
+                             config_.parallelism().sp()));
   loader_ = std::make_unique<RankDataLoader>(std::move(loader));
   const std::string& dir = config_.checkpoint().dir();
   if (!dir.empty()) {
@@ -158,6 +161,7 @@ absl::StatusOr<losses::StepStats> Trainer::ComputeStatistics(
     masks[m].assign(batches[m].mask.begin(), batches[m].mask.end());
     tokens[m].labels = labels[m];
     tokens[m].sample_ids = batches[m].sample_ids;
+    tokens[m].sample_sizes = batches[m].sample_valid;
     tokens[m].input_mask = masks[m];
   }
   losses::StepStatsOptions options;
