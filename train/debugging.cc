@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <tuple>
 #include <set>
 #include <utility>
 
@@ -71,16 +72,25 @@ absl::Status WriteDump(const TrainConfig& config, int rank, const NamedParams& w
   // Every rank writes its own micro-batches.
   for (size_t m = 0; m < batches.size(); ++m) {
     const MicroBatch& mb = batches[m];
+    // The rank's tokens of each row (its slice under sequence parallelism), and the
+    // document starts of the whole rows (SEMANTICS.md §10: where attention is cut).
+    const int64_t local = mb.local_seq_len > 0 ? mb.local_seq_len : mb.seq_len;
     std::vector<int64_t> tok(mb.tokens.begin(), mb.tokens.end()),
         lab(mb.labels.begin(), mb.labels.end()), msk(mb.mask.begin(), mb.mask.end()),
-        sid(mb.sample_ids.begin(), mb.sample_ids.end());
+        sid(mb.sample_ids.begin(), mb.sample_ids.end()),
+        pos(mb.positions.begin(), mb.positions.end()),
+        starts(mb.doc_start.begin(), mb.doc_start.end());
     SafetensorsWriter w;
-    for (auto& [name, v] : {std::pair<const char*, std::vector<int64_t>*>{"tokens", &tok},
-                            {"labels", &lab},
-                            {"mask", &msk},
-                            {"sample_ids", &sid}}) {
+    for (auto& [name, v, width] :
+         {std::tuple<const char*, std::vector<int64_t>*, int64_t>{"tokens", &tok, local},
+          {"labels", &lab, local},
+          {"mask", &msk, local},
+          {"sample_ids", &sid, local},
+          {"positions", &pos, local},
+          {"doc_start", &starts, int64_t{mb.seq_len}}}) {
+      if (static_cast<int64_t>(v->size()) != int64_t{mb.batch} * width) continue;  // absent
       GRADSUM_ASSIGN_OR_RETURN(TensorView view,
-                               TensorView::Create(v->data(), DType::kI64, {mb.batch, mb.seq_len}));
+                               TensorView::Create(v->data(), DType::kI64, {mb.batch, width}));
       GRADSUM_RETURN_IF_ERROR(w.Add(name, view));
     }
     // The global index of each row in the data stream (train/data.h).
