@@ -148,6 +148,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("num_experts"), py::arg("input_mask") = py::none(), release,
         "This rank's (token, slot) assignments per expert for one layer and micro-batch: "
         "int64 [num_experts] from the [T, K] top-k expert ids (padding rows not counted).");
+  m.def("empty_cache", &ops::EmptyCache,
+        "Unmaps the large gradient buffer (32 MiB or more) that the ops keep for reuse between "
+        "calls, as torch.cuda.empty_cache() does for CUDA's cache; returns its bytes.");
   m.def("_cross_entropy_kernel_seconds_per_call", &ops::CrossEntropyKernelSecondsPerCall,
         py::arg("logits"), py::arg("labels"), py::arg("global_weight_sum"), py::arg("iters"),
         release, "Benchmark helper: the C++ kernel called directly in a loop.");

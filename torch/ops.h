@@ -24,6 +24,9 @@
 //
 // Threads: at::get_num_threads(), as for torch's own CPU ops (torch.set_num_threads).
 //
+// Memory: gradient buffers of 32 MiB and more come from large_buffers.h, which keeps the
+// last one freed for reuse (EmptyCache() unmaps it).
+//
 // Errors are thrown as StatusError carrying the library's absl::Status, before anything is
 // computed for argument errors (dtypes, devices, shapes, labels outside [0, V), weights, a
 // local D); a non-finite row of non-zero weight is reported by the kernel naming the row.
@@ -106,10 +109,13 @@ at::Tensor TokenWeights(const at::Tensor& labels, const c10::optional<at::Tensor
 at::Tensor CountExpertAssignments(const at::Tensor& topk_indices, int64_t num_experts,
                                   const c10::optional<at::Tensor>& input_mask);
 
+// Unmaps the large gradient buffer kept for reuse (large_buffers.h); returns its bytes.
+size_t EmptyCache();
+
 // For the overhead benchmark (bench/torch_losses_bench.py): seconds per call of
 // losses::CrossEntropyForwardBackward on these tensors (f32 or bf16 logits [N, V], int64
-// labels [N]), called `iters` times in a C++ loop into one preallocated gradient buffer,
-// with at::get_num_threads() threads.
+// labels [N]), called `iters` times in a C++ loop into one preallocated gradient buffer
+// (touched by one untimed call first), with at::get_num_threads() threads.
 double CrossEntropyKernelSecondsPerCall(const at::Tensor& logits, const at::Tensor& labels,
                                         double global_weight_sum, int64_t iters);
 

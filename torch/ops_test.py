@@ -146,6 +146,30 @@ class CrossEntropyTest(unittest.TestCase):
         self.assertEqual(grads[0][0], grads[1][0])
         self.assertTrue(torch.equal(grads[0][1], grads[1][1]))
 
+    def test_large_gradient_buffers_are_reused_only_once_free(self):
+        n, v = 1024, 8192  # a 32 MiB gradient: the huge-page buffers of large_buffers.h
+        logits = torch.randn(n, v, generator=self.gen)
+        labels = make_labels(n, v, 0.1, self.gen)
+        d = float((labels != IGNORE).sum())
+        _, (ref,) = grad_of(lambda z: reference_ce(z, labels, (labels != IGNORE).double(), d),
+                            logits)
+        x = logits.clone().requires_grad_()
+        (g1,) = torch.autograd.grad(gt.cross_entropy(x, labels, d), x)
+        kept = g1.clone()
+        other = labels.roll(1)  # another loss, while g1 is still held
+        (g2,) = torch.autograd.grad(gt.cross_entropy(x, other, float((other != IGNORE).sum())), x)
+        self.assertNotEqual(g1.data_ptr(), g2.data_ptr())
+        self.assertTrue(torch.equal(g1, kept))
+        torch.testing.assert_close(g1.double(), ref, rtol=1e-5, atol=1e-7)
+        ptr = g2.data_ptr()
+        del g2
+        (g3,) = torch.autograd.grad(gt.cross_entropy(x, labels, d), x)  # reuses g2's buffer
+        self.assertEqual(g3.data_ptr(), ptr)
+        torch.testing.assert_close(g3.double(), ref, rtol=1e-5, atol=1e-7)
+        del g1, g3
+        self.assertGreater(gt.empty_cache(), n * v * 4)
+        self.assertEqual(gt.empty_cache(), 0)
+
     def test_second_backward_is_refused_not_a_crash(self):
         x = torch.randn(4, 5, requires_grad=True)
         loss = gt.cross_entropy(x, torch.tensor([0, 1, 2, 3]), 4.0)

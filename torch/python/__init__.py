@@ -19,7 +19,9 @@ op communicates):
   token_weights(labels, sample_ids=None, mode="token"), count_expert_assignments(...)
 Errors in the arguments raise ValueError with the library's message.
 
-Threads: torch.get_num_threads(), as torch's own CPU ops.
+Threads: torch.get_num_threads(), as torch's own CPU ops. Gradient buffers of 32 MiB and
+more use huge pages, and the last one freed is kept for the next call; empty_cache()
+unmaps it.
 """
 
 import torch  # noqa: F401  (loads libtorch's Python bindings before the extension)
@@ -28,6 +30,7 @@ from gradsum_torch._C import (  # noqa: F401
     balancing_loss,
     count_expert_assignments,
     cross_entropy,
+    empty_cache,
     linear_cross_entropy,
     token_weights,
     z_loss,
@@ -39,6 +42,7 @@ __all__ = [
     "count_expert_assignments",
     "cross_entropy",
     "dist",
+    "empty_cache",
     "linear_cross_entropy",
     "token_weights",
     "z_loss",
