@@ -1,8 +1,10 @@
 """A tiny MoE language model in plain PyTorch, its data, and the single-process reference.
 
-The model is SEMANTICS.md §10's `moe_lm` at toy sizes: embedding, L MoE layers (RMSNorm,
-softmax top-K router with renormalised weights, SwiGLU experts, dropless), final RMSNorm,
-an untied LM head (an nn.Linear, so its weight is [V, D]). Padding tokens are not routed.
+The model is SEMANTICS.md §10's `moe_lm` with `attention = none` (the per-token model), at
+toy sizes: embedding, L MoE layers (RMSNorm, softmax top-K router with renormalised
+weights, SwiGLU experts, dropless), final RMSNorm, an untied LM head (an nn.Linear, so its
+weight is [V, D]). Padding tokens are not routed. Per-token, so the reference can run a
+micro-step's tokens of every rank as one batch.
 Every expert runs every step (on zero rows if it got no token), so all parameters are in
 every backward graph, as DDP without find_unused_parameters requires.
 
