@@ -303,60 +303,6 @@ class RouterZLossFunction : public torch::autograd::Function<RouterZLossFunction
   }
 };
 
-// §5 with the probabilities given: L = sum over routed t, e of g_e p_t[e] and dL/dp_t[e] = g_e,
-// g_e = alpha * E * c_e / (G * K * N^2), N = sum_e c_e / K. The library checks the counts,
-// K, G and alpha (a call on zero rows); the rows are checked here as its kernel checks logits.
-double BalancingFromProbs(const at::Tensor& probs, const OptTensor& mask,
-                          absl::Span<const int64_t> counts, int top_k, int g, double alpha,
-                          const at::Tensor& grad) {
-  const int64_t rows = probs.size(0);
-  const int64_t e = probs.size(1);
-  TensorView no_rows = ValueOrThrow(TensorView::Create(nullptr, DType::kF32, {0, e}));
-  ThrowIfError(
-      losses::LoadBalancingLossForwardBackward(no_rows, {}, counts, top_k, g, alpha, no_rows)
-          .status());
-  const absl::Span<const uint8_t> m = MaskSpan(mask);
-  int64_t assignments = 0;
-  for (int64_t c : counts) assignments += c;
-  const int64_t n_lm = assignments / top_k;
-  int64_t local_routed = 0;
-  for (int64_t t = 0; t < rows; ++t) {
-    if (!m.empty() && m[t] > 1) {
-      Fail("load-balancing loss",
-           absl::StrCat("input_mask[", t, "] = ", static_cast<int>(m[t]), " must be 0 or 1"));
-    }
-    local_routed += m.empty() ? 1 : m[t];
-  }
-  if (local_routed > n_lm) {
-    throw StatusError(absl::FailedPreconditionError(absl::StrCat(
-        "load-balancing loss: ", local_routed, " routed rows here but the expert counts give N = ",
-        n_lm, "; the counts must be summed over all ranks (SEMANTICS.md §5)")));
-  }
-  if (alpha == 0.0 || n_lm == 0) return 0.0;
-  const double n = static_cast<double>(n_lm);
-  std::vector<double> coeff(static_cast<size_t>(e));
-  for (int64_t j = 0; j < e; ++j) {
-    coeff[j] = alpha * static_cast<double>(e) * static_cast<double>(counts[j]) /
-               (static_cast<double>(g) * top_k * n * n);
-  }
-  const float* p = probs.data_ptr<float>();
-  float* dp = grad.data_ptr<float>();
-  double loss = 0.0;
-  for (int64_t t = 0; t < rows; ++t) {
-    if (!m.empty() && m[t] == 0) continue;
-    for (int64_t j = 0; j < e; ++j) {
-      const float v = p[t * e + j];
-      if (!std::isfinite(v)) {
-        Fail("load-balancing loss", absl::StrCat("router probabilities row ", t,
-                                                 " has a non-finite entry ", v, " at expert ", j));
-      }
-      loss += coeff[j] * v;
-      dp[t * e + j] = static_cast<float>(coeff[j]);
-    }
-  }
-  return loss;
-}
-
 class LoadBalancingLossFunction : public torch::autograd::Function<LoadBalancingLossFunction> {
  public:
   // router: contiguous f32 [T, E] logits or probabilities; mask: uint8 [T] or undefined;
@@ -365,13 +311,11 @@ class LoadBalancingLossFunction : public torch::autograd::Function<LoadBalancing
                             const OptTensor& counts, int64_t top_k, int64_t g, double alpha,
                             bool inputs_are_probs) {
     at::Tensor grad = at::zeros_like(router);
-    const absl::Span<const int64_t> c = Span<int64_t>(*counts);
-    const double loss = inputs_are_probs
-                            ? BalancingFromProbs(router, mask, c, static_cast<int>(top_k),
-                                                 static_cast<int>(g), alpha, grad)
-                            : ValueOrThrow(losses::LoadBalancingLossForwardBackward(
-                                  View(router), MaskSpan(mask), c, static_cast<int>(top_k),
-                                  static_cast<int>(g), alpha, View(grad)));
+    const auto kernel = inputs_are_probs ? &losses::LoadBalancingLossFromProbsForwardBackward
+                                         : &losses::LoadBalancingLossForwardBackward;
+    const double loss =
+        ValueOrThrow(kernel(View(router), MaskSpan(mask), Span<int64_t>(*counts),
+                            static_cast<int>(top_k), static_cast<int>(g), alpha, View(grad)));
     ctx->save_for_backward({grad});
     return Scalar(loss);
   }
