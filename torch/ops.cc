@@ -447,7 +447,7 @@ double CrossEntropyKernelSecondsPerCall(const at::Tensor& logits, const at::Tens
       labels.dim() != 1 || !labels.is_contiguous() || iters < 1) {
     Fail(kOp, "needs contiguous [N, V] logits, contiguous int64 [N] labels and iters >= 1");
   }
-  at::Tensor grad = at::empty_like(logits);
+  at::Tensor grad = EmptyOutput(logits);  // the op's kind of buffer (huge pages from 32 MiB)
   losses::CrossEntropyOptions opt;
   opt.num_threads = at::get_num_threads();
   const TensorView z = View(logits);

@@ -115,7 +115,8 @@ size_t EmptyCache();
 // For the overhead benchmark (bench/torch_losses_bench.py): seconds per call of
 // losses::CrossEntropyForwardBackward on these tensors (f32 or bf16 logits [N, V], int64
 // labels [N]), called `iters` times in a C++ loop into one preallocated gradient buffer
-// (touched by one untimed call first), with at::get_num_threads() threads.
+// (allocated as the op allocates it, and touched by one untimed call first), with
+// at::get_num_threads() threads.
 double CrossEntropyKernelSecondsPerCall(const at::Tensor& logits, const at::Tensor& labels,
                                         double global_weight_sum, int64_t iters);
 
