@@ -46,12 +46,14 @@ absl::StatusOr<LinearCrossEntropyResult> LinearCrossEntropyForwardBackward(
   if (!s.ok()) return s;
   const int64_t n = hidden.dim(0);
   const int64_t dm = hidden.dim(1);
-  s = CheckF32Matrix(head, "head", dm, -1);
+  const bool ht = options.head_transposed;  // head and grad_head are [V, Dm]
+  s = ht ? CheckF32Matrix(head, "head (transposed)", -1, dm) : CheckF32Matrix(head, "head", dm, -1);
   if (!s.ok()) return s;
-  const int64_t v = head.dim(1);
+  const int64_t v = ht ? head.dim(0) : head.dim(1);
   s = CheckF32Matrix(grad_hidden, "grad_hidden", n, dm);
   if (!s.ok()) return s;
-  s = CheckF32Matrix(grad_head, "grad_head", dm, v);
+  s = ht ? CheckF32Matrix(grad_head, "grad_head (transposed)", v, dm)
+         : CheckF32Matrix(grad_head, "grad_head", dm, v);
   if (!s.ok()) return s;
   if (Overlap(grad_head, hidden) || Overlap(grad_head, head) || Overlap(grad_head, grad_hidden) ||
       Overlap(grad_hidden, head) ||
@@ -119,8 +121,10 @@ absl::StatusOr<LinearCrossEntropyResult> LinearCrossEntropyForwardBackward(
     const absl::Span<const float> h_c = h.subspan(r0 * dm, rows * dm);
 
     // logits_c = hidden_c @ head (core/gemm.h splits it over the threads).
-    s = Sgemm(Trans::kNo, Trans::kNo, rows, v, dm, 1.0f, h_c, dm, w, v, 0.0f, logits, v,
-              threads);
+    s = ht ? Sgemm(Trans::kNo, Trans::kYes, rows, v, dm, 1.0f, h_c, dm, w, dm, 0.0f, logits, v,
+                   threads)
+           : Sgemm(Trans::kNo, Trans::kNo, rows, v, dm, 1.0f, h_c, dm, w, v, 0.0f, logits, v,
+                   threads);
     if (!s.ok()) return s;
     absl::StatusOr<CrossEntropyResult> ce = internal::CrossEntropyKernel(
         logits_buf.get(), logits_buf.get(), DType::kF32, rows, v, chunk_labels, chunk_weights,
@@ -132,12 +136,16 @@ absl::StatusOr<LinearCrossEntropyResult> LinearCrossEntropyForwardBackward(
 
     // grad_head += hidden_c^T @ dlogits_c, before grad_hidden_c is written, so grad_hidden
     // may alias hidden.
-    s = Sgemm(Trans::kYes, Trans::kNo, dm, v, rows, 1.0f, h_c, dm, logits, v, 1.0f, gw, v,
-              threads);
+    s = ht ? Sgemm(Trans::kYes, Trans::kNo, v, dm, rows, 1.0f, logits, v, h_c, dm, 1.0f, gw, dm,
+                   threads)
+           : Sgemm(Trans::kYes, Trans::kNo, dm, v, rows, 1.0f, h_c, dm, logits, v, 1.0f, gw, v,
+                   threads);
     if (!s.ok()) return s;
     // grad_hidden_c = dlogits_c @ head^T.
-    s = Sgemm(Trans::kNo, Trans::kYes, rows, dm, v, 1.0f, logits, v, w, v, 0.0f,
-              gh.subspan(r0 * dm, rows * dm), dm, threads);
+    s = ht ? Sgemm(Trans::kNo, Trans::kNo, rows, dm, v, 1.0f, logits, v, w, dm, 0.0f,
+                   gh.subspan(r0 * dm, rows * dm), dm, threads)
+           : Sgemm(Trans::kNo, Trans::kYes, rows, dm, v, 1.0f, logits, v, w, v, 0.0f,
+                   gh.subspan(r0 * dm, rows * dm), dm, threads);
     if (!s.ok()) return s;
   }
   result.ce.local_loss =

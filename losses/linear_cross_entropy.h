@@ -37,6 +37,10 @@ struct LinearCrossEntropyOptions {
   // Token rows per chunk. 0 = automatic: min(rows whose fp32 logits fit in 4 MiB, N / 8),
   // but at least 32 rows, and at most N.
   int64_t chunk_rows = 0;
+  // false: head and grad_head are [Dm, V]. true: both are [V, Dm], the layout of a
+  // torch.nn.Linear(Dm, V) weight, so a caller holding that layout passes it without a
+  // transposed copy (the GEMMs read it transposed; same math, another summation order).
+  bool head_transposed = false;
 };
 
 struct LinearCrossEntropyResult {
@@ -51,7 +55,8 @@ struct LinearCrossEntropyResult {
 };
 
 // hidden:        [N, Dm] f32 on the CPU (the final-norm output).
-// head:          [Dm, V] f32 (the LM head, `Wo` of SEMANTICS §10).
+// head:          [Dm, V] f32 (the LM head, `Wo` of SEMANTICS §10); [V, Dm] with
+//                options.head_transposed (then grad_head is [V, Dm] too).
 // labels, token_weights, global_weight_sum: as for CrossEntropyForwardBackward.
 // grad_hidden:   [N, Dm] f32, overwritten with dL/dhidden. May be the same memory as
 //                `hidden` (each chunk's rows are read for grad_head before being overwritten).

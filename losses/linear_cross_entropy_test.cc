@@ -99,6 +99,50 @@ TEST(LinearCrossEntropyTest, MatchesDoubleReferenceForEveryChunking) {
   }
 }
 
+// head_transposed: the head and its gradient stored [V, Dm] (torch.nn.Linear's layout).
+TEST(LinearCrossEntropyTest, TransposedHeadMatchesDoubleReference) {
+  Problem p = MakeProblem(37, 12, 173, 21, 0.2);
+  double d = 0.0;
+  for (int64_t t = 0; t < p.n; ++t) d += p.y[t] == -100 ? 0.0 : 1.0;
+  const Reference ref = ReferenceLinearCe(p.h, p.w, p.n, p.dm, p.v, p.y, {}, d);
+  std::vector<float> w_t(p.v * p.dm);  // [V, Dm]
+  for (int64_t k = 0; k < p.dm; ++k) {
+    for (int64_t j = 0; j < p.v; ++j) w_t[j * p.dm + k] = p.w[k * p.v + j];
+  }
+  for (int64_t chunk : {0, 5}) {
+    std::vector<float> gh(p.n * p.dm, std::nanf("")), gw_t(p.v * p.dm, 0.5f);
+    LinearCrossEntropyOptions opt;
+    opt.chunk_rows = chunk;
+    opt.head_transposed = true;
+    auto r = LinearCrossEntropyForwardBackward(
+        F32Matrix(p.h.data(), p.n, p.dm), F32Matrix(w_t.data(), p.v, p.dm), p.y, {}, d,
+        F32Matrix(gh.data(), p.n, p.dm), F32Matrix(gw_t.data(), p.v, p.dm), opt);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_NEAR(r->ce.local_loss, ref.loss, 1e-6 * ref.loss) << "chunk " << chunk;
+    for (size_t i = 0; i < gh.size(); ++i) {
+      ASSERT_NEAR(gh[i], ref.grad_hidden[i], 1e-5 * (1 + std::abs(ref.grad_hidden[i])))
+          << "chunk " << chunk << " element " << i;
+    }
+    for (int64_t k = 0; k < p.dm; ++k) {
+      for (int64_t j = 0; j < p.v; ++j) {
+        ASSERT_NEAR(gw_t[j * p.dm + k], 0.5 + ref.grad_head[k * p.v + j], 1e-5)
+            << "chunk " << chunk << " head row " << j << " col " << k;
+      }
+    }
+  }
+  // The [Dm, V] shapes are refused in this layout (unless Dm == V), naming the layout.
+  std::vector<float> gh(p.n * p.dm), gw(p.dm * p.v);
+  LinearCrossEntropyOptions opt;
+  opt.head_transposed = true;
+  absl::Status s = LinearCrossEntropyForwardBackward(
+                       F32Matrix(p.h.data(), p.n, p.dm), F32Matrix(p.w.data(), p.dm, p.v), p.y,
+                       {}, d, F32Matrix(gh.data(), p.n, p.dm), F32Matrix(gw.data(), p.dm, p.v),
+                       opt)
+                       .status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("transposed"));
+}
+
 TEST(LinearCrossEntropyTest, GradientsMatchCentralFiniteDifferences) {
   Problem p = MakeProblem(6, 5, 9, 7, 0.0);
   p.y[2] = -100;

@@ -65,6 +65,15 @@ absl::StatusOr<double> LoadBalancingLossForwardBackward(
     absl::Span<const int64_t> global_expert_counts, int top_k, int num_micro_batches,
     double alpha_b, const TensorView& grad_router_logits);
 
+// The same loss from the probabilities p = softmax(u) themselves ([T, E] f32, e.g. the
+// softmax the model routed with), for a caller that back-propagates through its own
+// softmax: adds dL/dp_t[e] = g_e to grad_router_probs for routed rows. Same arguments and
+// errors (a non-finite probability in a routed row names the row).
+absl::StatusOr<double> LoadBalancingLossFromProbsForwardBackward(
+    const TensorView& router_probs, absl::Span<const uint8_t> input_mask,
+    absl::Span<const int64_t> global_expert_counts, int top_k, int num_micro_batches,
+    double alpha_b, const TensorView& grad_router_probs);
+
 }  // namespace gradsum::losses
 
 #endif  // GRADSUM_LOSSES_ROUTER_LOSSES_H_

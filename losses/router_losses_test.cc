@@ -130,6 +130,56 @@ TEST(LoadBalancingLossTest, MatchesReferenceAndFiniteDifferences) {
   }
 }
 
+// From the probabilities: the same value, dL/dp = g_e on routed rows, and through the
+// softmax's Jacobian the logits form's gradient; checked like the logits form.
+TEST(LoadBalancingLossTest, FromProbabilitiesMatchesTheLogitsForm) {
+  const int64_t t = 6, e = 4;
+  const int k = 2, g = 3;
+  const double alpha = 0.5;
+  std::vector<float> u = RandomNormal(t * e, 8, 1.0f);
+  const std::vector<uint8_t> mask = {1, 1, 0, 1, 1, 1};
+  const std::vector<int64_t> c = {9, 3, 6, 4};
+  std::vector<float> p(t * e), dp(t * e, 0.25f), du(t * e, 0.0f);
+  for (int64_t i = 0; i < t; ++i) {
+    const std::vector<double> row = Softmax(&u[i * e], e);
+    for (int64_t j = 0; j < e; ++j) p[i * e + j] = static_cast<float>(row[j]);
+  }
+  p[2 * e + 1] = std::numeric_limits<float>::quiet_NaN();  // a padding row is never read
+  auto from_p = LoadBalancingLossFromProbsForwardBackward(F32Matrix(p.data(), t, e), mask, c, k,
+                                                          g, alpha, F32Matrix(dp.data(), t, e));
+  ASSERT_TRUE(from_p.ok()) << from_p.status();
+  auto from_u = LoadBalancingLossForwardBackward(F32Matrix(u.data(), t, e), mask, c, k, g, alpha,
+                                                 F32Matrix(du.data(), t, e));
+  ASSERT_TRUE(from_u.ok());
+  EXPECT_NEAR(*from_p, *from_u, 1e-7 * *from_u);
+  const double n = 11.0;  // sum c / K
+  for (int64_t i = 0; i < t; ++i) {
+    double gp = 0.0;
+    for (int64_t j = 0; j < e; ++j) {
+      const double g_j = alpha * e * c[j] / (g * k * n * n);
+      EXPECT_FLOAT_EQ(dp[i * e + j], mask[i] ? 0.25 + g_j : 0.25) << i << " " << j;
+      gp += g_j * p[i * e + j];
+    }
+    for (int64_t j = 0; mask[i] && j < e; ++j) {  // chain rule through the softmax
+      const double g_j = alpha * e * c[j] / (g * k * n * n);
+      EXPECT_NEAR(du[i * e + j], p[i * e + j] * (g_j - gp), 1e-9) << i << " " << j;
+    }
+  }
+  p[3 * e] = std::numeric_limits<float>::infinity();
+  absl::Status bad = LoadBalancingLossFromProbsForwardBackward(
+                         F32Matrix(p.data(), t, e), mask, c, k, g, alpha,
+                         F32Matrix(dp.data(), t, e))
+                         .status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("router probabilities row 3"));
+  EXPECT_EQ(LoadBalancingLossFromProbsForwardBackward(F32Matrix(p.data(), t, e), mask,
+                                                      {1, 1, 0, 0}, k, g, alpha,
+                                                      F32Matrix(dp.data(), t, e))
+                .status()
+                .code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
 TEST(LoadBalancingLossTest, ZeroRoutedMicroStepContributesZero) {
   const int64_t t = 3, e = 4;
   std::vector<float> u = RandomNormal(t * e, 4, 1.0f);

@@ -4,7 +4,7 @@
   remote_coverage_tools and platforms, which Bazel 4.2.3 would otherwise download.
 - gradsum_system_repository(): one repository, @gradsum_system, with a cc_library per
   outside library (abseil, GoogleTest, Google Benchmark, protobuf, Eigen, Open MPI,
-  CUDA, NCCL). Link flags come from pkg-config where the package ships a .pc file;
+  CUDA, NCCL, Python's headers, libtorch with pybind11). Link flags come from pkg-config where the package ships a .pc file;
   header trees outside /usr/include are symlinked in so Bazel can see them.
 """
 
@@ -156,6 +156,30 @@ def _system_repo_impl(ctx):
     else:
         missing.append("openblas")
         build.append(_lib("openblas", linkopts = blas_libs))
+
+    # Python headers of Debian's /usr/bin/python3 (the interpreter the torch extension is
+    # built for), symlinked in so that Bazel can declare them.
+    py = ctx.execute(["/usr/bin/python3", "-c", "import sysconfig; print(sysconfig.get_paths()['include'])"])
+    py_inc = py.stdout.strip() if py.return_code == 0 else ""
+    if py_inc and ctx.path(py_inc + "/Python.h").exists:
+        ctx.symlink(ctx.path(py_inc), "python_include")
+        build.append(_lib("python_headers", hdrs_glob = ["python_include/**/*.h"], includes = ["python_include"]))
+    else:
+        missing.append("python_headers")
+        build.append(_lib("python_headers"))
+
+    # Debian's libtorch (libtorch-dev) and pybind11 (pybind11-dev). Their headers are in
+    # /usr/include (ATen/, c10/, torch/csrc/, pybind11/), a system directory, so nothing is
+    # symlinked. libtorch is built by the system g++ with the C++11 std::string ABI, the
+    # default here, and its pybind11 ids (_gcc, _libstdcpp, _cxxabi1017) are pybind11's
+    # defaults for this compiler, so no ABI flags are needed.
+    if ctx.path("/usr/include/ATen/ATen.h").exists and ctx.path("/usr/include/pybind11/pybind11.h").exists:
+        build.append(_lib("torch", linkopts = ["-ltorch", "-ltorch_cpu", "-lc10"]))
+        build.append(_lib("torch_python", linkopts = ["-ltorch_python"], deps = ["torch", "python_headers"]))
+    else:
+        missing.append("torch")
+        build.append(_lib("torch"))
+        build.append(_lib("torch_python", deps = ["torch", "python_headers"]))
 
     # CUDA and NCCL (only linked under --config=cuda; an empty stand-in elsewhere).
     cuda_root = ctx.os.environ.get("CUDA_PATH", "/usr/local/cuda")

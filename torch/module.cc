@@ -1,0 +1,157 @@
+// The Python extension `gradsum_torch._C`: torch/ops.h's autograd operations for Debian's
+// python3-torch. The package gradsum_torch (python/__init__.py) re-exports them; its
+// docstrings below are what `help(gradsum_torch.cross_entropy)` shows.
+//
+// The GIL is released while a kernel runs. A StatusError (the library's absl::Status) becomes
+// ValueError for argument errors (InvalidArgument, FailedPrecondition, OutOfRange) and
+// RuntimeError otherwise, with the status text as the message; nothing aborts the interpreter.
+
+#include <torch/csrc/utils/pybind.h>
+
+#include <exception>
+#include <string>
+
+#include "absl/status/status.h"
+#include "torch/ops.h"
+
+namespace gradsum::torch_ops {
+namespace {
+
+namespace py = pybind11;
+
+bool IsArgumentError(absl::StatusCode code) {
+  return code == absl::StatusCode::kInvalidArgument ||
+         code == absl::StatusCode::kFailedPrecondition || code == absl::StatusCode::kOutOfRange;
+}
+
+CeWeights MakeCeWeights(const std::string& mode, const c10::optional<at::Tensor>& sample_ids,
+                        const c10::optional<at::Tensor>& token_weights, int64_t ignore_index) {
+  CeWeights w;
+  w.mode = mode;
+  w.sample_ids = sample_ids;
+  w.token_weights = token_weights;
+  w.ignore_index = ignore_index;
+  return w;
+}
+
+constexpr const char* kCrossEntropyDoc = R"doc(
+Rank-local cross-entropy component L_ce[r, m] of SEMANTICS.md §3, as an autograd op:
+
+    sum over tokens t of w_t * (logsumexp(z_t) - z_t[y_t]) / D
+
+logits: [..., V] float32 or bfloat16 CPU tensor; labels: integer tensor [...] (ignore_index
+or a class in [0, V)); global_weight_sum: D, the sum of w_t over ALL ranks and micro-batches
+of the step (gradsum_torch.dist.step_stats), a detached constant; mode: "token" (w_t = 1),
+"sample" (1 / n_s) or "square" (1 / sqrt(n_s)), which need sample_ids shaped like labels;
+token_weights: explicit w_t instead of a mode. Returns a 0-dim float32 tensor. Backward
+returns the fused kernel's gradient (computed in fp32 and stored in the logits' dtype).
+D == 0 gives 0 and a zero gradient. Raises ValueError with the library's message for a
+label outside [0, V), mismatched shapes, non-finite logits in a weighted row, or a D
+smaller than this call's own weight sum.
+)doc";
+
+constexpr const char* kLinearCrossEntropyDoc = R"doc(
+The cross-entropy of logits = hidden @ weight.T without ever holding the [N, V] logits
+(chunks of rows through the fused kernel; SEMANTICS.md §3). hidden: [..., Dm]; weight:
+[V, Dm], the layout of torch.nn.Linear(Dm, V, bias=False).weight; labels: [...]; other
+arguments as cross_entropy. float32 (bfloat16 inputs are widened to float32 copies).
+chunk_rows: rows per chunk, 0 = automatic (4 MiB of logits, at least 32 rows). Forward
+computes both gradients; backward only scales them.
+)doc";
+
+constexpr const char* kZLossDoc = R"doc(
+Router z-loss component of one MoE layer (SEMANTICS.md §4):
+
+    alpha * sum over routed t of logsumexp(u_t)^2 / N
+
+router_logits: [T, E] float32 (or bfloat16, widened); global_routed_tokens: N, routed tokens
+of the whole step over all ranks and micro-batches (StepStats.global_routed_tokens);
+input_mask: [T] of 0/1 (bool or integer), None = every row routed. Returns 0-dim float32.
+)doc";
+
+constexpr const char* kBalancingLossDoc = R"doc(
+Load-balancing loss component of one MoE layer and micro-batch (SEMANTICS.md §5):
+
+    alpha / G * E * sum_e (c_e / (N K)) * (sum over routed t of p_t[e]) / N,  N = sum_e c_e / K
+
+router_logits: [T, E] router logits (p = their full softmax, computed here), or with
+probs=True the probabilities p themselves (the gradient then flows through your softmax);
+global_expert_counts: the E (token, slot) counts of this layer and micro-step summed over
+all ranks (gradsum_torch.dist.expert_counts), detached; top_k: K; num_micro_batches: G.
+A micro-step with N == 0 contributes 0. Returns 0-dim float32.
+)doc";
+
+}  // namespace
+}  // namespace gradsum::torch_ops
+
+PYBIND11_MODULE(_C, m) {
+  namespace py = pybind11;
+  namespace ops = gradsum::torch_ops;
+  m.doc() = "gradsum's loss kernels as torch autograd operations (see the gradsum_torch package)";
+
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const ops::StatusError& e) {
+      PyErr_SetString(
+          ops::IsArgumentError(e.status().code()) ? PyExc_ValueError : PyExc_RuntimeError,
+          e.what());
+    }
+  });
+
+  const auto release = py::call_guard<py::gil_scoped_release>();
+  m.def(
+      "cross_entropy",
+      [](const at::Tensor& logits, const at::Tensor& labels, double global_weight_sum,
+         const std::string& mode, const c10::optional<at::Tensor>& sample_ids,
+         const c10::optional<at::Tensor>& token_weights, int64_t ignore_index) {
+        return ops::CrossEntropy(logits, labels, global_weight_sum,
+                                 ops::MakeCeWeights(mode, sample_ids, token_weights, ignore_index));
+      },
+      py::arg("logits"), py::arg("labels"), py::arg("global_weight_sum"), py::arg("mode") = "token",
+      py::kw_only(), py::arg("sample_ids") = py::none(), py::arg("token_weights") = py::none(),
+      py::arg("ignore_index") = -100, release, ops::kCrossEntropyDoc);
+  m.def(
+      "linear_cross_entropy",
+      [](const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
+         double global_weight_sum, const std::string& mode,
+         const c10::optional<at::Tensor>& sample_ids,
+         const c10::optional<at::Tensor>& token_weights, int64_t ignore_index, int64_t chunk_rows) {
+        return ops::LinearCrossEntropy(
+            hidden, weight, labels, global_weight_sum,
+            ops::MakeCeWeights(mode, sample_ids, token_weights, ignore_index), chunk_rows);
+      },
+      py::arg("hidden"), py::arg("weight"), py::arg("labels"), py::arg("global_weight_sum"),
+      py::arg("mode") = "token", py::kw_only(), py::arg("sample_ids") = py::none(),
+      py::arg("token_weights") = py::none(), py::arg("ignore_index") = -100,
+      py::arg("chunk_rows") = 0, release, ops::kLinearCrossEntropyDoc);
+  m.def("z_loss", &ops::RouterZLoss, py::arg("router_logits"), py::arg("global_routed_tokens"),
+        py::arg("alpha") = 0.001, py::kw_only(), py::arg("input_mask") = py::none(), release,
+        ops::kZLossDoc);
+  m.def(
+      "balancing_loss",
+      [](const at::Tensor& router_logits, const at::Tensor& global_expert_counts, int64_t top_k,
+         int64_t num_micro_batches, double alpha, const c10::optional<at::Tensor>& input_mask,
+         bool probs) {
+        return ops::LoadBalancingLoss(router_logits, global_expert_counts, top_k, num_micro_batches,
+                                      alpha, input_mask, probs);
+      },
+      py::arg("router_logits"), py::arg("global_expert_counts"), py::arg("top_k"),
+      py::arg("num_micro_batches") = 1, py::arg("alpha") = 0.001, py::kw_only(),
+      py::arg("input_mask") = py::none(), py::arg("probs") = false, release,
+      ops::kBalancingLossDoc);
+  m.def("token_weights", &ops::TokenWeights, py::arg("labels"), py::arg("sample_ids") = py::none(),
+        py::arg("mode") = "token", py::arg("ignore_index") = -100, release,
+        "The per-token CE weights w_t of SEMANTICS.md §3 (float32, shaped like labels), "
+        "computed by the library (sample/square modes need sample_ids).");
+  m.def("count_expert_assignments", &ops::CountExpertAssignments, py::arg("topk_indices"),
+        py::arg("num_experts"), py::arg("input_mask") = py::none(), release,
+        "This rank's (token, slot) assignments per expert for one layer and micro-batch: "
+        "int64 [num_experts] from the [T, K] top-k expert ids (padding rows not counted).");
+  m.def("empty_cache", &ops::EmptyCache,
+        "Unmaps the large gradient buffer (32 MiB or more) that the ops keep for reuse between "
+        "calls, as torch.cuda.empty_cache() does for CUDA's cache; returns its bytes.");
+  m.def("_cross_entropy_kernel_seconds_per_call", &ops::CrossEntropyKernelSecondsPerCall,
+        py::arg("logits"), py::arg("labels"), py::arg("global_weight_sum"), py::arg("iters"),
+        release, "Benchmark helper: the C++ kernel called directly in a loop.");
+}
