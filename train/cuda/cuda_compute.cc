@@ -46,7 +46,14 @@ absl::StatusOr<ComputeDevice> MakeCudaCompute(const MoeLmGroups& host,
                            cuda::ComputeContext::Create(gpu));
   ComputeDevice out;
   out.units = std::make_shared<parallel::CudaUnitDevice>(ctx, device.world, device.edp_group);
-  const model::CudaOpsComms comms{device.world, device.ep_group, host.ep_group};
+  if ((host.sp_group == nullptr) != (device.sp_group == nullptr) ||
+      (host.sp_group != nullptr && (host.sp_group->size() != device.sp_group->size() ||
+                                    host.sp_group->rank() != device.sp_group->rank()))) {
+    return absl::InvalidArgumentError(
+        "GPU model: the NCCL SP group does not match the host's (sequence parallelism)");
+  }
+  const model::CudaOpsComms comms{device.world, device.ep_group, host.ep_group,
+                                  device.sp_group};
   out.ops = [ctx, comms](const model::MoeLmSpec& spec) {
     return model::MakeCudaOps(spec, ctx, comms);
   };

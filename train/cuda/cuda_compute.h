@@ -37,6 +37,8 @@ struct MoeLmDeviceGroups {
   Communicator* world = nullptr;
   Communicator* ep_group = nullptr;
   Communicator* edp_group = nullptr;
+  // The SP group (SEMANTICS.md §12) when the host groups have one; else null.
+  Communicator* sp_group = nullptr;
 };
 
 // The GPU as a ComputeDevice for MoeLm::Create. InvalidArgument for missing device groups

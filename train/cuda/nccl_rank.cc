@@ -68,16 +68,21 @@ absl::Status CheckOneRankPerGpu(Communicator& host_world, int device) {
 }
 
 MoeLmDeviceGroups NcclMesh::groups() const {
-  return {world.get(), &mesh->ep_group(), &mesh->edp_group()};
+  return {world.get(), &mesh->ep_group(), &mesh->edp_group(), sp_group.get()};
 }
 
 absl::StatusOr<NcclMesh> MakeNcclMesh(Communicator& host_world, const NcclBackendOptions& options,
-                                      int ep, std::shared_ptr<CommTimer> timer) {
+                                      int ep, std::shared_ptr<CommTimer> timer, int sp) {
   NcclMesh out;
   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> world,
                            CreateNcclCommunicator(host_world, options));
   out.world = std::make_unique<TimedCommunicator>(std::move(world), std::move(timer));
   GRADSUM_ASSIGN_OR_RETURN(out.mesh, Mesh::Create(out.world.get(), ep));
+  if (sp > 1) {
+    const int rank = out.world->rank();
+    GRADSUM_ASSIGN_OR_RETURN(out.sp_group,
+                             out.world->SplitAs(rank / sp, rank % sp, CommKind::kSpAllToAll));
+  }
   return out;
 }
 
@@ -91,7 +96,8 @@ absl::Status RunNcclRank(const TrainConfig& config, Communicator* host_world, st
   options.check_agreement = !config.comm().nccl_skip_agreement();
   GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(host_world, config.parallelism()));
   GRADSUM_ASSIGN_OR_RETURN(
-      NcclMesh nccl, MakeNcclMesh(*host_world, options, config.parallelism().ep(), mesh.timer));
+      NcclMesh nccl, MakeNcclMesh(*host_world, options, config.parallelism().ep(), mesh.timer,
+                                  config.parallelism().sp()));
   RankComms comms = mesh.comms();
   const MoeLmDeviceGroups dev = nccl.groups();
   comms.make_model = [dev](const MoeLmOptions& o, const MoeLmGroups& g) {

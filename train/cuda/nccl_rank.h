@@ -44,11 +44,13 @@ absl::Status CheckOneRankPerGpu(Communicator& host_world, int device);
 struct NcclMesh {
   std::unique_ptr<TimedCommunicator> world;
   std::unique_ptr<Mesh> mesh;  // over `world`: its EP and EDP groups are checked and timed too
+  // sp > 1: the SP group of `sp` consecutive ranks, its all-to-alls timed as kSpAllToAll.
+  std::unique_ptr<Communicator> sp_group;
   MoeLmDeviceGroups groups() const;
 };
 // Collective over `host_world`. Errors of CreateNcclCommunicator and Mesh::Create.
 absl::StatusOr<NcclMesh> MakeNcclMesh(Communicator& host_world, const NcclBackendOptions& options,
-                                      int ep, std::shared_ptr<CommTimer> timer);
+                                      int ep, std::shared_ptr<CommTimer> timer, int sp = 1);
 
 // Runs optim.steps steps on this rank. Collective over `host_world`, whose size must be
 // parallelism.world. Errors: those of the NCCL bootstrap, Trainer::Create and Trainer::Run.
