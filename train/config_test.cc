@@ -311,6 +311,22 @@ TEST(ConfigTest, ValidationNamesFieldAndValue) {
        "not comm.backend=nccl"},
       {{{"precision.reproducible", "true"}, {"precision.reduce_dtype", "bf16"}},
        "precision.reproducible=true: reduces"},
+      // Attention (§10) and sequence parallelism (§12).
+      {{{"parallelism.sp", "0"}}, "parallelism.sp=0"},
+      {{{"parallelism.sp", "4"}}, "parallelism.sp=4: must divide parallelism.world=2"},
+      {{{"parallelism.sp", "2"}, {"data.seq_len", "127"}, {"data.max_doc_len", "96"}},
+       "parallelism.sp=2: must divide data.seq_len=127"},
+      {{{"model.attention", "causal"}, {"model.heads", "0"}}, "model.heads=0"},
+      {{{"model.attention", "causal"}, {"model.kv_heads", "3"}},
+       "model.kv_heads=3: must divide model.heads=4"},
+      {{{"model.attention", "causal"}, {"model.heads", "3"}, {"model.kv_heads", "1"}},
+       "model.heads=3: must divide model.dim=128 into an even head_dim"},
+      {{{"model.attention", "causal"}, {"model.heads", "2"}, {"model.kv_heads", "2"},
+        {"parallelism.world", "4"}, {"parallelism.sp", "4"}},
+       "parallelism.sp=4: must divide model.heads=2"},
+      {{{"model.attention", "causal"}, {"model.rope_theta", "1"}}, "model.rope_theta=1"},
+      {{{"precision.repro_block", "-1"}}, "precision.repro_block=-1"},
+      {{{"precision.repro_block", "48"}}, "precision.repro_block=48: must be 0 or divide the 128"},
   };
   for (const Case& k : cases) {
     TrainConfig c;
