@@ -3,13 +3,18 @@
 
 // Training data for moe_lm: byte-level documents packed into fixed-length sequences.
 //
-// The default corpus needs no file: document i is sampled from a fixed seeded
-// first-order Markov chain over bytes (MarkovChain), its length and tokens drawn from
-// random streams keyed by (corpus_seed, i), so any document can be produced on demand.
-// Since moe_lm predicts each next token from the current one alone (SEMANTICS.md §10
-// has no attention), the chain's conditional entropy H(X_{t+1} | X_t) under its
-// stationary distribution is the floor of the expected CE; documents start in the
-// stationary distribution so that every labelled pair is a stationary transition.
+// The embedded corpora need no file: document i is sampled from a fixed seeded Markov
+// chain over a small printable alphabet, its length and tokens drawn from random streams
+// keyed by (corpus_seed, i), so any document can be produced on demand. Two chains:
+//   markov1 (MarkovCorpus): first order. The conditional entropy H(X_{t+1} | X_t) under
+//     the stationary law is the floor of the expected CE of any model, per-token or not.
+//   markov2 (SecondOrderMarkovCorpus): second order, the next byte depending mostly on
+//     the byte before the current one, so a model that sees the previous token (attention)
+//     can go well below what a per-token model can reach.
+// Documents start in the stationary law of the chain's state, so every labelled pair is
+// a stationary transition. Each corpus states two floors of the expected CE per labelled
+// token: EntropyFloorNats, the best of a model that sees only the current token, and
+// ContextFloorNats, the best of one that sees the whole document so far.
 //
 // Packing (RankDataLoader): one global stream of packed sequences, the same at every mesh
 // (SEMANTICS.md §11). A global cursor walks the documents 0, 1, ..., n - 1, 0, 1, ...
@@ -35,6 +40,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -87,8 +93,13 @@ class DocumentSource {
   virtual int64_t DocumentLength(int64_t i) const = 0;
   // The tokens of document i (values in [0, 256)).
   virtual std::vector<int32_t> Document(int64_t i) const = 0;
-  // The floor of the expected CE in nats/token if known (the Markov corpus), else < 0.
+  // The per-token floor: the lowest expected CE (nats per labelled token, over the
+  // documents as generated) of any model that predicts each label from the current token
+  // alone, if known (the embedded corpora), else < 0.
   virtual double EntropyFloorNats() const { return -1; }
+  // The context floor: the same for a model that sees the whole document up to the current
+  // token (the best any model can reach), if known, else < 0. <= EntropyFloorNats().
+  virtual double ContextFloorNats() const { return -1; }
   // Bounds on DocumentLength over all documents (so a loader need not scan them).
   virtual int64_t MinDocumentLength() const = 0;
   virtual int64_t MaxDocumentLength() const = 0;
@@ -108,6 +119,9 @@ class MarkovCorpus : public DocumentSource {
   int64_t DocumentLength(int64_t i) const override;
   std::vector<int32_t> Document(int64_t i) const override;
   double EntropyFloorNats() const override { return chain_.ConditionalEntropyNats(); }
+  // A first-order chain: the current token is all the context there is, and every labelled
+  // pair (the first of a document included) is stationary, so both floors are H.
+  double ContextFloorNats() const override { return chain_.ConditionalEntropyNats(); }
   int64_t MinDocumentLength() const override { return min_len_; }
   int64_t MaxDocumentLength() const override { return max_len_; }
   std::string Describe() const override { return "the embedded Markov corpus"; }
@@ -115,6 +129,84 @@ class MarkovCorpus : public DocumentSource {
 
  private:
   MarkovChain chain_;
+  uint64_t seed_;
+  int64_t num_documents_;
+  int min_len_, max_len_;
+};
+
+// A second-order Markov chain over the 32 printable bytes of MarkovChain's alphabet: the
+// state is the pair (previous, current) and P(next | previous, current) puts most of its
+// mass on a few successors chosen by the previous byte (4 per byte, log-normal weights,
+// perturbed per pair), and the rest on the successor of the current byte in a random
+// cycle, which makes the pair chain have one recurrent class. So a model that sees only
+// the current byte is left with a mixture over the bytes that may precede it, while one
+// that also sees the previous byte knows the row. Pairs the chain never reaches have
+// stationary mass 0.
+//
+//   SecondOrderMarkovChain chain = SecondOrderMarkovChain::Create(seed);
+//   auto [a, b] = chain.SampleStationaryPair(rng);
+//   int c = chain.SampleNext(a, b, rng);
+class SecondOrderMarkovChain {
+ public:
+  // The chain for `seed`; the same seed gives the same chain everywhere.
+  static SecondOrderMarkovChain Create(uint64_t seed);
+
+  // P(next = to | previous = prev, current = cur); 0 if any byte is outside the alphabet.
+  double Transition(int prev, int cur, int to) const;
+  // The stationary law of the pair (X_{t-1}, X_t): pi2 with sum_a pi2(a, b) P(c | a, b) =
+  // pi2(b, c); 0 outside the alphabet.
+  double PairStationary(int prev, int cur) const;
+  // Bytes that the chain visits, ascending.
+  const std::vector<int>& alphabet() const { return alphabet_; }
+  // H(X_{t+1} | X_{t-1}, X_t) under pi2, nats, computed exactly: the cost of every label
+  // after a document's first for a model that sees the document so far.
+  double ConditionalEntropyNats() const;
+  // H(X_{t+1} | X_t) under pi2, nats, computed exactly: the cost of every label for a
+  // model that sees only the current byte (and of the first label of a document for any
+  // model, which has only its first byte to go on).
+  double FirstOrderEntropyNats() const;
+
+  // Draws the next byte after (prev, cur), both in the alphabet.
+  int SampleNext(int prev, int cur, SplitMix64& rng) const;
+  // Draws a pair (X_0, X_1) from pi2.
+  std::pair<int, int> SampleStationaryPair(SplitMix64& rng) const;
+
+ private:
+  int Index(int byte) const { return byte >= 0 && byte < 256 ? index_[byte] : -1; }
+  int n_ = 0;                    // alphabet size
+  std::vector<int> alphabet_;    // bytes by index
+  std::vector<int> index_;       // [256] index of each byte, -1 outside the alphabet
+  std::vector<double> transition_;  // [n, n, n] by indices (prev, cur, next)
+  std::vector<double> pair_stationary_;  // [n, n]
+};
+
+// The expected CE per labelled token over documents of lengths uniform in [min_len,
+// max_len] (a document of n tokens has n - 1 labels) when a document's first label costs
+// `first_label_nats` and each later one `later_label_nats` in expectation.
+double ExpectedNatsPerLabel(double first_label_nats, double later_label_nats, int min_len,
+                            int max_len);
+
+// The order-2 corpus: `corpus_documents` documents from
+// SecondOrderMarkovChain::Create(corpus_seed), lengths uniform in [min_doc_len,
+// max_doc_len], the first two tokens from pi2 (a one-token document keeps the first).
+// Floors (exact, ExpectedNatsPerLabel over the length law): per-token, H1 =
+// FirstOrderEntropyNats() for every label; context, H1 for each document's first label and
+// H2 = ConditionalEntropyNats() for the others.
+class SecondOrderMarkovCorpus : public DocumentSource {
+ public:
+  explicit SecondOrderMarkovCorpus(const DataConfig& config);
+  int64_t num_documents() const override { return num_documents_; }
+  int64_t DocumentLength(int64_t i) const override;
+  std::vector<int32_t> Document(int64_t i) const override;
+  double EntropyFloorNats() const override;
+  double ContextFloorNats() const override;
+  int64_t MinDocumentLength() const override { return min_len_; }
+  int64_t MaxDocumentLength() const override { return max_len_; }
+  std::string Describe() const override { return "the embedded order-2 Markov corpus"; }
+  const SecondOrderMarkovChain& chain() const { return chain_; }
+
+ private:
+  SecondOrderMarkovChain chain_;
   uint64_t seed_;
   int64_t num_documents_;
   int min_len_, max_len_;
