@@ -30,6 +30,9 @@ ABSL_FLAG(std::optional<uint64_t>, seed, std::nullopt, "parameter initialisation
 ABSL_FLAG(std::optional<std::string>, data, std::nullopt,
           "byte-level text file, one document per line "
           "(default: the embedded Markov corpus)");
+ABSL_FLAG(std::optional<std::string>, corpus, std::nullopt,
+          "embedded corpus without --data: markov1 (first-order chain) | markov2 (second "
+          "order: the previous token matters)");
 ABSL_FLAG(std::optional<int32_t>, seq_len, std::nullopt, "tokens per packed sequence");
 ABSL_FLAG(std::optional<int32_t>, max_doc_len, std::nullopt,
           "longest document of the embedded corpus (<= --seq_len)");
@@ -110,6 +113,7 @@ const std::vector<FlagField>& OverridableFlags() {
       {"compute_dtype", "precision.compute_dtype"},
       {"seed", "model.seed"},
       {"data", "data.path"},
+      {"corpus", "data.corpus"},
       {"seq_len", "data.seq_len"},
       {"micro_batch", "data.micro_batch"},
       {"max_doc_len", "data.max_doc_len"},

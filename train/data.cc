@@ -361,7 +361,21 @@ std::vector<int32_t> TextFileCorpus::Document(int64_t i) const {
 }
 
 absl::StatusOr<std::shared_ptr<const DocumentSource>> MakeCorpus(const DataConfig& config) {
-  if (config.path().empty()) return std::make_shared<const MarkovCorpus>(config);
+  if (config.path().empty()) {
+    switch (config.corpus()) {
+      case DataConfig::markov1:
+        return std::make_shared<const MarkovCorpus>(config);
+      case DataConfig::markov2:
+        return std::make_shared<const SecondOrderMarkovCorpus>(config);
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat("data.corpus=", static_cast<int>(config.corpus()), ": unknown corpus"));
+  }
+  if (config.corpus() != DataConfig::markov1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "data.corpus=", DataConfig::Corpus_Name(config.corpus()), " names an embedded corpus, "
+        "but data.path=", config.path(), " trains on a file: give one or the other"));
+  }
   absl::StatusOr<std::unique_ptr<TextFileCorpus>> file =
       TextFileCorpus::Load(config.path(), config.seq_len());
   if (!file.ok()) return file.status();

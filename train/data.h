@@ -5,7 +5,8 @@
 //
 // The embedded corpora need no file: document i is sampled from a fixed seeded Markov
 // chain over a small printable alphabet, its length and tokens drawn from random streams
-// keyed by (corpus_seed, i), so any document can be produced on demand. Two chains:
+// keyed by (corpus_seed, i), so any document can be produced on demand. data.corpus picks
+// the chain:
 //   markov1 (MarkovCorpus): first order. The conditional entropy H(X_{t+1} | X_t) under
 //     the stationary law is the floor of the expected CE of any model, per-token or not.
 //   markov2 (SecondOrderMarkovCorpus): second order, the next byte depending mostly on
@@ -186,7 +187,7 @@ class SecondOrderMarkovChain {
 double ExpectedNatsPerLabel(double first_label_nats, double later_label_nats, int min_len,
                             int max_len);
 
-// The order-2 corpus: `corpus_documents` documents from
+// data.corpus = markov2: `corpus_documents` documents from
 // SecondOrderMarkovChain::Create(corpus_seed), lengths uniform in [min_doc_len,
 // max_doc_len], the first two tokens from pi2 (a one-token document keeps the first).
 // Floors (exact, ExpectedNatsPerLabel over the length law): per-token, H1 =
@@ -241,7 +242,10 @@ class TextFileCorpus : public DocumentSource {
   int64_t min_len_ = 0, max_len_ = 0;
 };
 
-// The corpus `config` names: the text file `path`, or the Markov corpus when empty.
+// The corpus `config` names: the text file `path`, or when it is empty the embedded corpus
+// `corpus` (markov1: MarkovCorpus, markov2: SecondOrderMarkovCorpus). InvalidArgument naming
+// both fields if `path` is set and `corpus` names another embedded corpus than the
+// default; the file's errors as in TextFileCorpus::Load.
 absl::StatusOr<std::shared_ptr<const DocumentSource>> MakeCorpus(const DataConfig& config);
 
 // One micro-batch of one rank: `batch` packed sequences of `seq_len` tokens, row-major.

@@ -129,6 +129,24 @@ TEST(ExpectedNatsPerLabelTest, WeighsEachLengthByItsLabels) {
   EXPECT_LT(ExpectedNatsPerLabel(2.0, 1.0, 1, 1), 0);
 }
 
+// data.corpus picks the embedded corpus; a file and a non-default corpus contradict.
+TEST(MakeCorpusTest, PicksTheCorpusTheConfigNames) {
+  DataConfig config;
+  auto first = MakeCorpus(config);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_NE(dynamic_cast<const MarkovCorpus*>(first->get()), nullptr);
+  config.set_corpus(DataConfig::markov2);
+  auto second = MakeCorpus(config);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_NE(dynamic_cast<const SecondOrderMarkovCorpus*>(second->get()), nullptr);
+  EXPECT_THAT((*second)->Describe(), HasSubstr("order-2"));
+  config.set_path("/nonexistent/file.txt");
+  auto both = MakeCorpus(config);
+  EXPECT_EQ(both.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(both.status().message(), HasSubstr("data.corpus=markov2"));
+  EXPECT_THAT(both.status().message(), HasSubstr("data.path=/nonexistent/file.txt"));
+}
+
 // For the first-order chain the current token is all the context: both floors are H.
 TEST(MarkovCorpusTest, BothFloorsAreTheConditionalEntropy) {
   const MarkovCorpus corpus{DataConfig()};
@@ -136,7 +154,11 @@ TEST(MarkovCorpusTest, BothFloorsAreTheConditionalEntropy) {
   EXPECT_EQ(corpus.ContextFloorNats(), corpus.EntropyFloorNats());
 }
 
-DataConfig SecondOrderConfig() { return DataConfig(); }
+DataConfig SecondOrderConfig() {
+  DataConfig c;
+  c.set_corpus(DataConfig::markov2);
+  return c;
+}
 
 TEST(SecondOrderMarkovCorpusTest, DeterministicPerSeedAndOnDemand) {
   const DataConfig config = SecondOrderConfig();
