@@ -6,25 +6,46 @@
 #
 #   ./bazelw build -c opt //train:moe_lm
 #   bench/torch_comparison.sh bazel-bin/train/moe_lm [OTHER_MOE_LM_BINARY ...]
+#   ATTENTION=1 SP="1 2" bench/torch_comparison.sh bazel-bin/train/moe_lm
 #
 # Extra binaries (e.g. one built from an older commit) run the same moe_lm configurations
 # in the same session, interleaved, for before/after tables. The torch peer runs first and
 # last.
+#
+# ATTENTION=1 compares the models with SEMANTICS.md §10's attention block: --attention to the
+# torch peer, --attention=causal to moe_lm; HEADS and KV_HEADS, when set, go to both (unset:
+# each side's default, train/config.proto's). SP (a list, e.g. "1 2") runs moe_lm at each
+# --sp; unset, moe_lm gets no --sp. The torch peer is data-parallel only.
 set -euo pipefail
 STEPS=${STEPS:-40}
 TORCH_STEPS=${TORCH_STEPS:-30}
+torch_args=() moe_lm_args=()
+if [[ -n "${ATTENTION:-}" ]]; then
+  torch_args+=(--attention)
+  moe_lm_args+=(--attention=causal)
+  if [[ -n "${HEADS:-}" ]]; then torch_args+=(--heads "${HEADS}"); moe_lm_args+=(--heads="${HEADS}"); fi
+  if [[ -n "${KV_HEADS:-}" ]]; then
+    torch_args+=(--kv_heads "${KV_HEADS}")
+    moe_lm_args+=(--kv_heads="${KV_HEADS}")
+  fi
+fi
 torch() {  # bounded: a gloo rank once hung in a futex after its peer had finished
   OPENBLAS_NUM_THREADS=1 timeout "${TORCH_TIMEOUT:-120}" /usr/bin/python3 \
-    "$(dirname "$0")/torch_ddp_moe_lm.py" --world 2 --steps "${TORCH_STEPS}"
+    "$(dirname "$0")/torch_ddp_moe_lm.py" --world 2 --steps "${TORCH_STEPS}" "${torch_args[@]}"
 }
 echo "load: $(cut -d' ' -f1-3 /proc/loadavg)"
 torch || echo "torch run failed"  # before and after the moe_lm runs, to show how far the load drifted
-for ep in 1 2; do
-  for sharding in fsdp replicated; do
-    for bin in "$@"; do  # interleaved, so binaries see the same load
-      line=$("${bin}" --world=2 --ep="${ep}" --sharding="${sharding}" --steps="${STEPS}" 2>&1 |
-        grep "summary: steps")
-      echo "${bin} ep=${ep} ${sharding}: ${line}"
+for sp in ${SP:-none}; do
+  sp_args=()
+  [[ "${sp}" == none ]] || sp_args=(--sp="${sp}")
+  for ep in 1 2; do
+    for sharding in fsdp replicated; do
+      for bin in "$@"; do  # interleaved, so binaries see the same load
+        line=$("${bin}" --world=2 --ep="${ep}" --sharding="${sharding}" --steps="${STEPS}" \
+          "${moe_lm_args[@]}" "${sp_args[@]}" 2>&1 | grep "summary: steps")
+        echo "${bin}${moe_lm_args[*]:+ ${moe_lm_args[*]}}${sp_args[*]:+ ${sp_args[*]}} ep=${ep}" \
+          "${sharding}: ${line}"
+      done
     done
   done
 done
