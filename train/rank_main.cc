@@ -76,13 +76,22 @@ void PrintBanner(const TrainConfig& config, std::ostream& out) {
       "data: %d x %d tokens per rank and micro-batch, global batch B=%d sequences per "
       "step, %s\n",
       config.data().micro_batch(), config.data().seq_len(), GlobalBatch(config),
-      config.data().path().empty() ? "embedded Markov corpus" : config.data().path());
-  if (config.data().path().empty()) {
+      config.data().path().empty()
+          ? (config.data().corpus() == DataConfig::markov1 ? "embedded Markov corpus"
+                                                            : "embedded order-2 Markov corpus")
+          : config.data().path());
+  if (config.data().path().empty() && config.data().corpus() == DataConfig::markov1) {
     MarkovCorpus corpus(config.data());
     out << absl::StrFormat(
         "entropy floor: %.4f nats/token (the Markov chain's conditional entropy; "
         "the best CE this per-token model can reach)\n",
         corpus.EntropyFloorNats());
+  } else if (config.data().path().empty()) {
+    SecondOrderMarkovCorpus corpus(config.data());
+    out << absl::StrFormat(
+        "entropy floor: %.4f nats/token (the best CE of a per-token model); context floor "
+        "%.4f (the best of any model)\n",
+        corpus.EntropyFloorNats(), corpus.ContextFloorNats());
   }
   out << std::flush;
 }
