@@ -19,10 +19,9 @@ constexpr int kExtraSuccessors = 5;    // besides the cycle successor
 constexpr double kWeightSpread = 1.2;  // log-normal spread of the successor weights
 
 // SecondOrderMarkovChain: each byte a picks kPoolSize successors with weights
-// exp(kWeightSpread N(0, 1)); row (a, b) perturbs them by exp(kPairJitter N(0, 1)), scales
-// them to 1 - kCycleMass and gives kCycleMass to b's successor in a random cycle.
+// exp(kWeightSpread N(0, 1)); row (a, b) is those weights scaled to 1 - kCycleMass, plus
+// kCycleMass on b's successor in a random cycle.
 constexpr int kPoolSize = 4;
-constexpr double kPairJitter = 0.5;
 constexpr double kCycleMass = 0.15;
 
 // The alphabet's bytes, ascending.
@@ -188,12 +187,11 @@ SecondOrderMarkovChain SecondOrderMarkovChain::Create(uint64_t seed) {
   for (int a = 0; a < n; ++a) {
     for (int b = 0; b < n; ++b) {
       double* row = &chain.transition_[(static_cast<size_t>(a) * n + b) * n];
-      std::vector<double> w(kPoolSize);
       double total = 0;
+      for (double w : pool_weight[a]) total += w;
       for (int j = 0; j < kPoolSize; ++j) {
-        total += (w[j] = pool_weight[a][j] * std::exp(kPairJitter * rng.Normal()));
+        row[pool[a][j]] += (1 - kCycleMass) * pool_weight[a][j] / total;
       }
-      for (int j = 0; j < kPoolSize; ++j) row[pool[a][j]] += (1 - kCycleMass) * w[j] / total;
       row[cycle_next[b]] += kCycleMass;
     }
   }

@@ -136,13 +136,12 @@ class MarkovCorpus : public DocumentSource {
 };
 
 // A second-order Markov chain over the 32 printable bytes of MarkovChain's alphabet: the
-// state is the pair (previous, current) and P(next | previous, current) puts most of its
-// mass on a few successors chosen by the previous byte (4 per byte, log-normal weights,
-// perturbed per pair), and the rest on the successor of the current byte in a random
-// cycle, which makes the pair chain have one recurrent class. So a model that sees only
-// the current byte is left with a mixture over the bytes that may precede it, while one
-// that also sees the previous byte knows the row. Pairs the chain never reaches have
-// stationary mass 0.
+// state is the pair (previous, current), and P(next | previous, current) is a mixture:
+// 85% from a few successors of the previous byte (4 per byte, log-normal weights), 15% the
+// successor of the current byte in a random cycle, which gives the pair chain one recurrent
+// class. So a model that sees only the current byte is left with a mixture over the bytes
+// that may precede it, while one that also sees the previous byte knows the row. Pairs the
+// chain never reaches have stationary mass 0.
 //
 //   SecondOrderMarkovChain chain = SecondOrderMarkovChain::Create(seed);
 //   auto [a, b] = chain.SampleStationaryPair(rng);
