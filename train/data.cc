@@ -32,13 +32,6 @@ std::vector<int> SortedAlphabet() {
   return bytes;
 }
 
-// The length of document i of an embedded corpus: uniform in [min_len, max_len] from the
-// stream (seed, i, 1).
-int64_t UniformDocumentLength(uint64_t seed, int64_t i, int min_len, int max_len) {
-  SplitMix64 rng(MixSeed(seed, static_cast<uint64_t>(i), 1));
-  return min_len + static_cast<int64_t>(rng.Below(max_len - min_len + 1));
-}
-
 // The index drawn from the discrete law `p` (summing to 1 up to rounding) by one uniform.
 int SampleIndex(const double* p, int n, SplitMix64& rng) {
   const double u = rng.Uniform();
@@ -51,6 +44,27 @@ int SampleIndex(const double* p, int n, SplitMix64& rng) {
     if (u < acc) return j;
   }
   return last;  // u within rounding of 1
+}
+
+// The stationary law of a chain by power iteration on its lazy version (P + I) / 2, which
+// has the same stationary law and converges even if P is periodic: from `pi`, each round
+// lazy_step(pi, next) adds one lazy step of pi into `next` (zeroed), until the L1 change is
+// below 1e-15; the result is normalised.
+template <typename LazyStep>
+std::vector<double> StationaryByPowerIteration(std::vector<double> pi, LazyStep lazy_step) {
+  std::vector<double> next(pi.size());
+  for (int it = 0; it < 1000000; ++it) {
+    std::fill(next.begin(), next.end(), 0.0);
+    lazy_step(pi, next);
+    double diff = 0;
+    for (size_t s = 0; s < pi.size(); ++s) diff += std::abs(next[s] - pi[s]);
+    pi.swap(next);
+    if (diff < 1e-15) break;
+  }
+  double total = 0;
+  for (double p : pi) total += p;
+  for (double& p : pi) p /= total;
+  return pi;
 }
 
 }  // namespace
@@ -78,25 +92,15 @@ MarkovChain MarkovChain::Create(uint64_t seed) {
       chain.transition_[from * kStates + succ[j]] = w[j] / total;
     }
   }
-  // Stationary law by power iteration on the lazy chain (P + I) / 2, which has the same
-  // stationary law and converges even if P is periodic.
-  std::vector<double> pi(kStates, 0.0), next(kStates);
-  for (int s : chain.alphabet_) pi[s] = 1.0 / n;
-  for (int it = 0; it < 1000000; ++it) {
-    std::fill(next.begin(), next.end(), 0.0);
-    for (int i : chain.alphabet_) {
-      next[i] += 0.5 * pi[i];
-      for (int j : chain.alphabet_) next[j] += 0.5 * pi[i] * chain.Transition(i, j);
-    }
-    double diff = 0;
-    for (int s : chain.alphabet_) diff += std::abs(next[s] - pi[s]);
-    pi.swap(next);
-    if (diff < 1e-15) break;
-  }
-  double total = 0;
-  for (double p : pi) total += p;
-  for (double& p : pi) p /= total;
-  chain.stationary_ = std::move(pi);
+  std::vector<double> uniform(kStates, 0.0);
+  for (int s : chain.alphabet_) uniform[s] = 1.0 / n;
+  chain.stationary_ = StationaryByPowerIteration(
+      std::move(uniform), [&chain](const std::vector<double>& pi, std::vector<double>& next) {
+        for (int i : chain.alphabet_) {
+          next[i] += 0.5 * pi[i];
+          for (int j : chain.alphabet_) next[j] += 0.5 * pi[i] * chain.Transition(i, j);
+        }
+      });
   return chain;
 }
 
@@ -139,20 +143,27 @@ int MarkovChain::SampleStationary(SplitMix64& rng) const {
   return last;
 }
 
-MarkovCorpus::MarkovCorpus(const DataConfig& config)
-    : chain_(MarkovChain::Create(config.corpus_seed())),
-      seed_(config.corpus_seed()),
+SeededCorpus::SeededCorpus(const DataConfig& config)
+    : seed_(config.corpus_seed()),
       num_documents_(config.corpus_documents()),
       min_len_(config.min_doc_len()),
       max_len_(config.max_doc_len()) {}
 
-int64_t MarkovCorpus::DocumentLength(int64_t i) const {
-  return UniformDocumentLength(seed_, i, min_len_, max_len_);
+int64_t SeededCorpus::DocumentLength(int64_t i) const {
+  SplitMix64 rng(MixSeed(seed_, static_cast<uint64_t>(i), 1));
+  return min_len_ + static_cast<int64_t>(rng.Below(max_len_ - min_len_ + 1));
 }
+
+SplitMix64 SeededCorpus::TokenStream(int64_t i) const {
+  return SplitMix64(MixSeed(seed_, static_cast<uint64_t>(i), 2));
+}
+
+MarkovCorpus::MarkovCorpus(const DataConfig& config)
+    : SeededCorpus(config), chain_(MarkovChain::Create(config.corpus_seed())) {}
 
 std::vector<int32_t> MarkovCorpus::Document(int64_t i) const {
   const int64_t len = DocumentLength(i);
-  SplitMix64 rng(MixSeed(seed_, static_cast<uint64_t>(i), 2));
+  SplitMix64 rng = TokenStream(i);
   std::vector<int32_t> doc(len);
   doc[0] = chain_.SampleStationary(rng);
   for (int64_t t = 1; t < len; ++t) doc[t] = chain_.SampleNext(doc[t - 1], rng);
@@ -195,26 +206,19 @@ SecondOrderMarkovChain SecondOrderMarkovChain::Create(uint64_t seed) {
       row[cycle_next[b]] += kCycleMass;
     }
   }
-  // pi2 by power iteration on the lazy pair chain (P + I) / 2, as for MarkovChain.
-  std::vector<double> pi(static_cast<size_t>(n) * n, 1.0 / (n * n)), next(pi.size());
-  for (int it = 0; it < 100000; ++it) {
-    for (size_t s = 0; s < pi.size(); ++s) next[s] = 0.5 * pi[s];
-    for (int a = 0; a < n; ++a) {
-      for (int b = 0; b < n; ++b) {
-        const double mass = 0.5 * pi[a * n + b];
-        const double* row = &chain.transition_[(static_cast<size_t>(a) * n + b) * n];
-        for (int c = 0; c < n; ++c) next[b * n + c] += mass * row[c];
-      }
-    }
-    double diff = 0;
-    for (size_t s = 0; s < pi.size(); ++s) diff += std::abs(next[s] - pi[s]);
-    pi.swap(next);
-    if (diff < 1e-15) break;
-  }
-  double total = 0;
-  for (double p : pi) total += p;
-  for (double& p : pi) p /= total;
-  chain.pair_stationary_ = std::move(pi);
+  // pi2: the pair chain moves (a, b) to (b, c) with probability P(c | a, b).
+  chain.pair_stationary_ = StationaryByPowerIteration(
+      std::vector<double>(static_cast<size_t>(n) * n, 1.0 / (n * n)),
+      [&chain, n](const std::vector<double>& pi, std::vector<double>& next) {
+        for (size_t s = 0; s < pi.size(); ++s) next[s] += 0.5 * pi[s];
+        for (int a = 0; a < n; ++a) {
+          for (int b = 0; b < n; ++b) {
+            const double mass = 0.5 * pi[a * n + b];
+            const double* row = &chain.transition_[(static_cast<size_t>(a) * n + b) * n];
+            for (int c = 0; c < n; ++c) next[b * n + c] += mass * row[c];
+          }
+        }
+      });
   return chain;
 }
 
@@ -281,19 +285,11 @@ double ExpectedNatsPerLabel(double first_label_nats, double later_label_nats, in
 }
 
 SecondOrderMarkovCorpus::SecondOrderMarkovCorpus(const DataConfig& config)
-    : chain_(SecondOrderMarkovChain::Create(config.corpus_seed())),
-      seed_(config.corpus_seed()),
-      num_documents_(config.corpus_documents()),
-      min_len_(config.min_doc_len()),
-      max_len_(config.max_doc_len()) {}
-
-int64_t SecondOrderMarkovCorpus::DocumentLength(int64_t i) const {
-  return UniformDocumentLength(seed_, i, min_len_, max_len_);
-}
+    : SeededCorpus(config), chain_(SecondOrderMarkovChain::Create(config.corpus_seed())) {}
 
 std::vector<int32_t> SecondOrderMarkovCorpus::Document(int64_t i) const {
   const int64_t len = DocumentLength(i);
-  SplitMix64 rng(MixSeed(seed_, static_cast<uint64_t>(i), 2));
+  SplitMix64 rng = TokenStream(i);
   std::vector<int32_t> doc(len);
   if (len == 0) return doc;
   const auto [first, second] = chain_.SampleStationaryPair(rng);
@@ -306,7 +302,7 @@ std::vector<int32_t> SecondOrderMarkovCorpus::Document(int64_t i) const {
 double SecondOrderMarkovCorpus::EntropyFloorNats() const {
   // Every labelled pair is a stationary pair, the first of a document included.
   const double h1 = chain_.FirstOrderEntropyNats();
-  return ExpectedNatsPerLabel(h1, h1, min_len_, max_len_);
+  return ExpectedNatsPerLabel(h1, h1, MinDocumentLength(), MaxDocumentLength());
 }
 
 double SecondOrderMarkovCorpus::ContextFloorNats() const {
@@ -314,7 +310,7 @@ double SecondOrderMarkovCorpus::ContextFloorNats() const {
   // hides the others); every later one has the previous token too, which is all the
   // context there is for an order-2 chain.
   return ExpectedNatsPerLabel(chain_.FirstOrderEntropyNats(), chain_.ConditionalEntropyNats(),
-                              min_len_, max_len_);
+                              MinDocumentLength(), MaxDocumentLength());
 }
 
 absl::StatusOr<std::unique_ptr<TextFileCorpus>> TextFileCorpus::Load(const std::string& path,

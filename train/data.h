@@ -111,28 +111,41 @@ class DocumentSource {
   virtual uint64_t ContentFingerprint() const { return 0; }
 };
 
-// The embedded corpus: `corpus_documents` documents from MarkovChain::Create(corpus_seed),
-// lengths uniform in [min_doc_len, max_doc_len], first token from the stationary law.
-class MarkovCorpus : public DocumentSource {
+// What the embedded corpora share: `corpus_documents` documents, document i of a length
+// uniform in [min_doc_len, max_doc_len] drawn from the stream (corpus_seed, i, 1), its
+// tokens from TokenStream(i) = (corpus_seed, i, 2).
+class SeededCorpus : public DocumentSource {
  public:
-  explicit MarkovCorpus(const DataConfig& config);
   int64_t num_documents() const override { return num_documents_; }
   int64_t DocumentLength(int64_t i) const override;
+  int64_t MinDocumentLength() const override { return min_len_; }
+  int64_t MaxDocumentLength() const override { return max_len_; }
+
+ protected:
+  explicit SeededCorpus(const DataConfig& config);
+  SplitMix64 TokenStream(int64_t i) const;
+
+ private:
+  uint64_t seed_;
+  int64_t num_documents_;
+  int min_len_, max_len_;
+};
+
+// The embedded corpus: `corpus_documents` documents from MarkovChain::Create(corpus_seed),
+// lengths uniform in [min_doc_len, max_doc_len], first token from the stationary law.
+class MarkovCorpus : public SeededCorpus {
+ public:
+  explicit MarkovCorpus(const DataConfig& config);
   std::vector<int32_t> Document(int64_t i) const override;
   double EntropyFloorNats() const override { return chain_.ConditionalEntropyNats(); }
   // A first-order chain: the current token is all the context there is, and every labelled
   // pair (the first of a document included) is stationary, so both floors are H.
   double ContextFloorNats() const override { return chain_.ConditionalEntropyNats(); }
-  int64_t MinDocumentLength() const override { return min_len_; }
-  int64_t MaxDocumentLength() const override { return max_len_; }
   std::string Describe() const override { return "the embedded Markov corpus"; }
   const MarkovChain& chain() const { return chain_; }
 
  private:
   MarkovChain chain_;
-  uint64_t seed_;
-  int64_t num_documents_;
-  int min_len_, max_len_;
 };
 
 // A second-order Markov chain over the 32 printable bytes of MarkovChain's alphabet: the
@@ -192,24 +205,17 @@ double ExpectedNatsPerLabel(double first_label_nats, double later_label_nats, in
 // Floors (exact, ExpectedNatsPerLabel over the length law): per-token, H1 =
 // FirstOrderEntropyNats() for every label; context, H1 for each document's first label and
 // H2 = ConditionalEntropyNats() for the others.
-class SecondOrderMarkovCorpus : public DocumentSource {
+class SecondOrderMarkovCorpus : public SeededCorpus {
  public:
   explicit SecondOrderMarkovCorpus(const DataConfig& config);
-  int64_t num_documents() const override { return num_documents_; }
-  int64_t DocumentLength(int64_t i) const override;
   std::vector<int32_t> Document(int64_t i) const override;
   double EntropyFloorNats() const override;
   double ContextFloorNats() const override;
-  int64_t MinDocumentLength() const override { return min_len_; }
-  int64_t MaxDocumentLength() const override { return max_len_; }
   std::string Describe() const override { return "the embedded order-2 Markov corpus"; }
   const SecondOrderMarkovChain& chain() const { return chain_; }
 
  private:
   SecondOrderMarkovChain chain_;
-  uint64_t seed_;
-  int64_t num_documents_;
-  int min_len_, max_len_;
 };
 
 // The largest --data file (bytes): the file is held in memory with an 8-byte index entry
