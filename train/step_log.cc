@@ -72,10 +72,11 @@ absl::StatusOr<std::string> StepJsonLine(const StepMetrics& record) {
 }
 
 TrainSummary Summarize(const std::vector<StepMetrics>& history, int64_t first_step,
-                       double entropy_floor) {
+                       double entropy_floor, double context_floor) {
   TrainSummary s;
   s.first_step = first_step;
   s.entropy_floor = entropy_floor;
+  s.context_floor = context_floor;
   std::vector<double> ces, exposed, peak;
   int64_t tokens = 0;
   for (const StepMetrics& r : history) {
@@ -131,11 +132,20 @@ std::string TrainSummary::ToString() const {
                         median_exposed_fraction, median_peak_param_fraction);
   absl::StrAppendFormat(&out, "summary: ce %.4f -> %.4f (mean of the last steps %.4f)\n", first_ce,
                         last_ce, tail_mean_ce);
-  if (entropy_floor > 0) {
+  if (entropy_floor > 0 && !(context_floor > 0 && context_floor < entropy_floor)) {
+    // One floor (a first-order source: context cannot help).
     absl::StrAppendFormat(&out,
                           "summary: entropy floor %.4f nats/token; ce / floor = %.3f (%s 1.10)\n",
                           entropy_floor, tail_mean_ce / entropy_floor,
                           tail_mean_ce <= 1.1 * entropy_floor ? "within" : "NOT within");
+  } else if (entropy_floor > 0) {
+    absl::StrAppendFormat(
+        &out,
+        "summary: per-token floor %.4f, context floor %.4f nats/token; ce %s the per-token "
+        "floor; ce / context floor = %.3f (%s 1.10)\n",
+        entropy_floor, context_floor, tail_mean_ce < entropy_floor ? "below" : "NOT below",
+        tail_mean_ce / context_floor,
+        tail_mean_ce <= 1.1 * context_floor ? "within" : "NOT within");
   }
   if (parity) absl::StrAppend(&out, "summary: parity ", parity->ok ? "passed" : "FAILED", "\n");
   return out;

@@ -8,7 +8,7 @@
 //
 //   *log << StepLogLine(record, config.optim().steps()) << "\n";
 //   GRADSUM_ASSIGN_OR_RETURN(std::string json, StepJsonLine(record));
-//   TrainSummary summary = Summarize(history, first_step, entropy_floor);
+//   TrainSummary summary = Summarize(history, first_step, entropy_floor, context_floor);
 
 #include <cstdint>
 #include <optional>
@@ -42,7 +42,10 @@ struct TrainSummary {
   int64_t first_step = 0, last_step = 0;  // 1-based, inclusive; first > last if none ran
   double first_ce = 0, last_ce = 0;
   double tail_mean_ce = 0;    // mean CE of the last min(10, steps) steps
-  double entropy_floor = -1;  // nats/token, < 0 when unknown (a --data file)
+  // nats/token, < 0 when unknown (a --data file): the best expected CE of a model that sees
+  // only the current token, and of one that sees the whole document so far (train/data.h).
+  double entropy_floor = -1;
+  double context_floor = -1;
   double seconds = 0, comm_seconds = 0, comm_exposed_seconds = 0, wait_seconds = 0;
   double comm_exposed_by_kind_seconds[kNumCommKinds] = {};  // indexed by CommKind, summed
   // Medians over the steps of comm_exposed_s / comm_s and peak_unsharded_param_bytes /
@@ -57,7 +60,7 @@ struct TrainSummary {
 // The summary of the records of `history` from step `first_step` on (the steps one Run
 // did; the parity report is the caller's to add).
 TrainSummary Summarize(const std::vector<StepMetrics>& history, int64_t first_step,
-                       double entropy_floor);
+                       double entropy_floor, double context_floor = -1);
 
 }  // namespace gradsum::train
 

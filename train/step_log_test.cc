@@ -113,5 +113,24 @@ TEST(StepLogTest, LogLineAndSummary) {
   EXPECT_EQ(Summarize({r}, 8, -1).ToString(), "summary: no steps run\n");
 }
 
+// A source where context helps: both floors, the per-token one to beat and the context
+// one to approach.
+TEST(StepLogTest, SummaryWithTwoFloors) {
+  StepMetrics r = FullRecord();
+  r.set_ce(1.5);
+  const TrainSummary s = Summarize({r}, /*first_step=*/7, /*entropy_floor=*/2.5,
+                                   /*context_floor=*/1.4);
+  EXPECT_NE(s.ToString().find("summary: per-token floor 2.5000, context floor 1.4000 nats/token; "
+                              "ce below the per-token floor; ce / context floor = 1.071 (within "
+                              "1.10)\n"),
+            std::string::npos)
+      << s.ToString();
+  const TrainSummary worse = Summarize({r}, 7, /*entropy_floor=*/1.45, /*context_floor=*/1.2);
+  EXPECT_NE(worse.ToString().find("ce NOT below the per-token floor; ce / context floor = 1.250 "
+                                  "(NOT within 1.10)"),
+            std::string::npos)
+      << worse.ToString();
+}
+
 }  // namespace
 }  // namespace gradsum::train

@@ -326,7 +326,8 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
       *log << "exported the parameters of step " << step_ << " to " << export_path << std::endl;
     }
   }
-  TrainSummary summary = Summarize(history_, first_step, corpus_->EntropyFloorNats());
+  TrainSummary summary = Summarize(history_, first_step, corpus_->EntropyFloorNats(),
+                                   corpus_->ContextFloorNats());
   summary.parity = parity_;
   if (log != nullptr) *log << summary.ToString() << std::flush;
   return summary;
