@@ -55,8 +55,9 @@ void BM_ReduceGradSharded(benchmark::State& state) {
   const int64_t n = state.range(0);
   const int world = state.threads();
   FlatParamOptions opts;
-  opts.reduce_dtype = state.range(1) == 1 ? DType::kBF16 : DType::kF32;
-  opts.exact_grads = state.range(1) == 2;
+  constexpr GradPrecision kPrecisions[] = {GradPrecision::kF32, GradPrecision::kBF16Wire,
+                                           GradPrecision::kExact};
+  opts.precision = kPrecisions[state.range(1)];
   auto fp = FlatParam::Create("g", {{"w", {n}}}, SharedComm(world, state.thread_index()), opts);
   // One untimed call first: the receive buffers are allocated (and their pages first
   // touched) on the first reduction, which single-iteration runs would otherwise time.
@@ -65,7 +66,8 @@ void BM_ReduceGradSharded(benchmark::State& state) {
     if (!(*fp)->ReduceGrad(false).ok()) state.SkipWithError("reduce failed");
   }
   state.SetBytesProcessed(state.iterations() * n * 4);
-  state.SetLabel(opts.exact_grads ? "exact" : opts.reduce_dtype == DType::kBF16 ? "bf16" : "f32");
+  const char* const kLabels[] = {"f32", "bf16", "exact"};
+  state.SetLabel(kLabels[state.range(1)]);
 }
 
 BENCHMARK(BM_Memcpy)->Arg(4 << 20)->Arg(64 << 20);

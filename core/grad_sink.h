@@ -4,8 +4,9 @@
 // Where reproducible mode (docs/REPRODUCIBILITY.md) puts weight gradients. A kernel that
 // reduces over token rows (dW = X^T dY) computes each row block's contribution on its own,
 // in a fixed order, into fp32 scratch, and hands it to an ExactGradSink, which adds it
-// exactly (fixed point, sharding/flat_param.h's exact-gradient mode). The sum over blocks
-// then has the same bits whatever the order, grouping or rank of the additions.
+// exactly (fixed point; the exact GradPrecision's UnitGrad, sharding/unit_grad.h, makes
+// the sinks). The sum over blocks then has the same bits whatever the order, grouping or
+// rank of the additions.
 //
 //   std::vector<float> contribution(D * E);
 //   Sgemm(Trans::kYes, Trans::kNo, D, E, rows_of_block, 1.0f, a_block, D, du_block, E, 0.0f,

@@ -1,68 +1,14 @@
 #include "parallel/host_unit_store.h"
 
-#include <algorithm>
-#include <atomic>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "core/exact_sum.h"
 #include "core/half.h"
 #include "core/status.h"
 #include "sharding/bucketed_reduce.h"
 
 namespace gradsum::parallel {
 namespace {
-
-// Exact gradients: entries [first, first + count) of a unit, back to back, as one exact
-// gradient (a single parameter, or moe/experts.h's "all Wg, then all Wu, then all Wd" run of
-// one layer's experts). The entries' limb spans are taken on the rank's thread at
-// creation; Add only adds into them (exact::AddFloats), so kernels may call it from pool
-// threads on disjoint ranges. The rejected-contribution count goes to the unit when the
-// sink goes away (before the unit's reduction starts).
-class EntriesGradSink : public ExactGradSink {
- public:
-  static absl::StatusOr<std::unique_ptr<EntriesGradSink>> Create(FlatParam* unit, int first,
-                                                                 int count) {
-    auto sink = std::unique_ptr<EntriesGradSink>(new EntriesGradSink(unit));
-    for (int i = first; i < first + count; ++i) {
-      GRADSUM_ASSIGN_OR_RETURN(absl::Span<int64_t> limbs, unit->exact_grad(i));
-      sink->limbs_.push_back(limbs);
-    }
-    return sink;
-  }
-  ~EntriesGradSink() override { unit_->CountRejectedExactGrad(rejected_.load()); }
-
-  absl::Status Add(int64_t offset, absl::Span<const float> c) override {
-    const int64_t size = static_cast<int64_t>(c.size());
-    for (absl::Span<int64_t> limbs : limbs_) {
-      if (c.empty()) break;
-      const int64_t numel = static_cast<int64_t>(limbs.size()) / exact::kLimbs;
-      if (offset >= numel) {
-        offset -= numel;
-        continue;
-      }
-      const int64_t n = std::min<int64_t>(numel - offset, static_cast<int64_t>(c.size()));
-      int64_t rejected = 0;
-      GRADSUM_RETURN_IF_ERROR(exact::AddFloats(
-          c.first(n), limbs.subspan(offset * exact::kLimbs, n * exact::kLimbs), &rejected));
-      if (rejected > 0) rejected_.fetch_add(rejected);
-      c.remove_prefix(n);
-      offset = 0;
-    }
-    if (!c.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat("exact gradient of unit ", unit_->name(),
-                                                     ": a contribution of ", size,
-                                                     " values runs past its entries"));
-    }
-    return absl::OkStatus();
-  }
-
- private:
-  explicit EntriesGradSink(FlatParam* unit) : unit_(unit) {}
-  FlatParam* unit_;
-  std::vector<absl::Span<int64_t>> limbs_;
-  std::atomic<int64_t> rejected_{0};
-};
 
 class HostUnitStore : public UnitStore {
  public:
@@ -89,17 +35,9 @@ class HostUnitStore : public UnitStore {
     return g->param(index)->data<float>();
   }
 
+  // The unit's precision decides the target (fp32, or an exact sink: UnitGrad::Target).
   absl::StatusOr<GradTarget> Grad(int u, int first, int count) override {
-    FlatParam* g = units_[u];
-    int64_t numel = 0;
-    for (int i = first; i < first + count; ++i) numel += g->entries()[i].numel;
-    if (g->options().exact_grads) {
-      GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<EntriesGradSink> sink,
-                               EntriesGradSink::Create(g, first, count));
-      return GradTarget::Exact(std::move(sink), numel);
-    }
-    GRADSUM_ASSIGN_OR_RETURN(TensorView view, g->grad(first));
-    return GradTarget::Accumulate(view.data<float>(), numel);
+    return units_[u]->grad_target(first, count);
   }
 
   absl::Status StartGather(int u) override { return units_[u]->StartUnshard(); }

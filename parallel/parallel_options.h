@@ -8,16 +8,10 @@
 #include <cstddef>
 
 #include "core/dtype.h"
+#include "core/grad_precision.h"
 #include "sharding/flat_param.h"
 
 namespace gradsum::parallel {
-
-// How gradients are held and summed, chosen once for a run:
-// - kF32: fp32 buffers, reduced in the reduce dtype (f32, or bf16 on the wire);
-// - kExact: exact fixed-point limbs (core/exact_sum.h, SEMANTICS.md §11), so every sum over
-//   sequences, micro-batches and ranks is associative. The compute then hands each packed
-//   sequence's contribution on its own (model/ops.h row blocks).
-enum class GradPrecision { kF32 = 0, kExact = 1 };
 
 struct ParallelOptions {
   ShardingMode sharding = ShardingMode::kSharded;
@@ -25,7 +19,9 @@ struct ParallelOptions {
   // all-gathered in bf16, half the bytes; the CPU kernels widen them exactly to fp32).
   // Gradients and the master weights stay fp32 either way.
   DType compute_dtype = DType::kF32;
-  DType reduce_dtype = DType::kF32;  // gradient SUM dtype under kF32: f32 or bf16
+  // How gradients are held and summed, chosen once for a run (core/grad_precision.h): f32,
+  // bf16 on the wire, or exact limbs (then the compute hands each packed sequence's
+  // contribution on its own: ModelParams::RowBlock, model/ops.h row blocks).
   GradPrecision precision = GradPrecision::kF32;
   // Wrap policy: layers per parameter unit (their dense parameters in one unit, their
   // experts in one per EP slot).
@@ -49,9 +45,8 @@ struct ParallelOptions {
     FlatParamOptions o;
     o.mode = sharding;
     o.compute_dtype = compute_dtype;
-    o.reduce_dtype = reduce_dtype;
+    o.precision = precision;
     o.reduce_every_micro_batch = reduce_every_micro_batch;
-    o.exact_grads = precision == GradPrecision::kExact;
     return o;
   }
 };

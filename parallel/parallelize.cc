@@ -160,7 +160,7 @@ absl::StatusOr<GradTarget> ParallelParams::LocalExpertsGrad(int layer) {
 }
 
 int64_t ParallelParams::RowBlock(int64_t local_seq_len) const {
-  if (options_.precision != GradPrecision::kExact) return 0;
+  if (!IsExact(options_.precision)) return 0;
   return options_.repro_block > 0 ? options_.repro_block : local_seq_len;
 }
 

@@ -4,8 +4,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "core/exact_sum.h"
-#include "core/half.h"
+#include "core/grad_precision.h"
 #include "core/status.h"
 
 namespace gradsum {
@@ -20,11 +19,13 @@ absl::StatusOr<std::unique_ptr<BucketedGradReducer>> BucketedGradReducer::Create
       return absl::InvalidArgumentError(
           absl::StrCat("BucketedGradReducer: group \"", g->name(), "\" is not replicated"));
     }
-    if (g->options().exact_grads != groups[0]->options().exact_grads) {
+    // The norm and the trainer take exact and fp32 groups as different runs: one reducer
+    // holds one kind (f32 and bf16 wire may mix, in buckets of their own dtype).
+    if (IsExact(g->precision()) != IsExact(groups[0]->precision())) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "BucketedGradReducer: group \"", g->name(), "\" has exact_grads=",
-          g->options().exact_grads, " but \"", groups[0]->name(), "\" has ",
-          groups[0]->options().exact_grads));
+          "BucketedGradReducer: group \"", g->name(), "\" has precision ",
+          GradPrecisionName(g->precision()), " but \"", groups[0]->name(), "\" has ",
+          GradPrecisionName(groups[0]->precision())));
     }
     if (g->group() != groups[0]->group()) {
       return absl::InvalidArgumentError(absl::StrCat("BucketedGradReducer: group \"", g->name(),
@@ -40,8 +41,7 @@ absl::StatusOr<std::unique_ptr<BucketedGradReducer>> BucketedGradReducer::Create
   options.mode = GradBucketerOptions::Mode::kAllReduce;
   options.bucket_cap_bytes = bucket_cap_bytes;
   options.first_bucket_cap_bytes = first_bucket_cap_bytes;
-  const bool exact = groups[0]->options().exact_grads;
-  if (device != nullptr && exact) {
+  if (device != nullptr && groups[0]->unit_grad().carries_rejected_count()) {
     return absl::UnimplementedError(absl::StrCat(
         "BucketedGradReducer: exact gradients (group \"", groups[0]->name(),
         "\") are reduced in host buckets only"));
@@ -62,28 +62,31 @@ absl::StatusOr<std::unique_ptr<BucketedGradReducer>> BucketedGradReducer::Create
   }
   std::unique_ptr<BucketedGradReducer> r(new BucketedGradReducer(comm, options));
   r->device_ = device != nullptr;
-  r->exact_ = exact;
   for (size_t gi = 0; gi < groups.size(); ++gi) {
-    const FlatParam* g = groups[gi];
+    FlatParam* g = groups[gi];
+    const UnitGrad& grad = g->unit_grad();
     std::vector<int> ids;
     for (int k = 0; k < g->num_params(); ++k) {
       const FlatParamEntry& e = g->entries()[k];
-      // Exact mode: each element's int64 limbs (SEMANTICS.md §11).
+      // Each element as the precision puts it on the wire (exact: its int64 limbs,
+      // SEMANTICS.md §11).
       GRADSUM_ASSIGN_OR_RETURN(
           int id, r->bucketer_.Register(absl::StrCat(g->name(), "/", e.name),
-                                        exact ? DType::kI64 : g->options().reduce_dtype,
-                                        exact ? e.numel * exact::kLimbs : e.numel));
+                                        GradWireDType(grad.precision()),
+                                        e.numel * grad.wire_words_per_element()));
       ids.push_back(id);
       r->owner_.push_back({static_cast<int>(gi), k});
     }
-    if (exact) {
+    int rejected_id = -1;
+    if (grad.carries_rejected_count()) {
       // The group's rejected-contribution count travels in the same buckets, last.
       GRADSUM_ASSIGN_OR_RETURN(
-          int id, r->bucketer_.Register(absl::StrCat(g->name(), "/#rejected"), DType::kI64, 1));
-      ids.push_back(id);
+          rejected_id,
+          r->bucketer_.Register(absl::StrCat(g->name(), "/#rejected"), DType::kI64, 1));
       r->owner_.push_back({static_cast<int>(gi), -1});
     }
     r->param_ids_.push_back(std::move(ids));
+    r->rejected_ids_.push_back(rejected_id);
   }
   GRADSUM_RETURN_IF_ERROR(r->bucketer_.Finalize());
   r->handed_.assign(groups.size(), false);
@@ -103,60 +106,19 @@ absl::Status BucketedGradReducer::GroupReady(int index) {
         "BucketedGradReducer: group \"", g.name(), "\" was already handed over this step"));
   }
   handed_[index] = true;
-  if (exact_) return ExactGroupReady(index);
-  absl::Span<const float> full = g.full_grad();
+  UnitGrad& grad = g.unit_grad();
+  if (rejected_ids_[index] >= 0) {
+    const int id = rejected_ids_[index];
+    *bucketer_.grad(id).data<int64_t>() = grad.rejected();
+    GRADSUM_RETURN_IF_ERROR(bucketer_.MarkReady(id));
+  }
   // Backward produces the last parameters first: mark them in that order.
   for (int k = g.num_params() - 1; k >= 0; --k) {
     const FlatParamEntry& e = g.entries()[k];
     const int id = param_ids_[index][k];
-    if (device_) {  // the gradient is the bucket view
-      GRADSUM_RETURN_IF_ERROR(bucketer_.MarkReady(id));
-      continue;
-    }
-    TensorView view = bucketer_.grad(id);
-    const float* src = full.data() + e.offset;
-    if (view.dtype() == DType::kBF16) {
-      BF16* dst = view.data<BF16>();
-      for (int64_t i = 0; i < e.numel; ++i) dst[i] = BF16::FromFloat(src[i]);
-    } else {
-      std::copy(src, src + e.numel, view.data<float>());
-    }
+    // Device buckets: the gradient is already in the bucket view.
+    if (!device_) GRADSUM_RETURN_IF_ERROR(grad.ToWire(e.offset, e.numel, bucketer_.grad(id).raw()));
     GRADSUM_RETURN_IF_ERROR(bucketer_.MarkReady(id));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status BucketedGradReducer::ExactGroupReady(int index) {
-  FlatParam& g = *groups_[index];
-  const std::vector<int>& ids = param_ids_[index];
-  TensorView rejected = bucketer_.grad(ids.back());
-  *rejected.data<int64_t>() = g.exact_rejected();
-  GRADSUM_RETURN_IF_ERROR(bucketer_.MarkReady(ids.back()));
-  absl::Span<const int64_t> full = g.exact_full_grad();
-  for (int k = g.num_params() - 1; k >= 0; --k) {
-    const FlatParamEntry& e = g.entries()[k];
-    TensorView view = bucketer_.grad(ids[k]);
-    absl::Span<int64_t> dst(view.data<int64_t>(), e.numel * exact::kLimbs);
-    std::copy_n(full.data() + e.offset * exact::kLimbs, dst.size(), dst.data());
-    GRADSUM_RETURN_IF_ERROR(exact::Normalize(dst));  // canonical before the SUM
-    GRADSUM_RETURN_IF_ERROR(bucketer_.MarkReady(ids[k]));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status BucketedGradReducer::FinishExact() {
-  // Host buckets: each group's summed limbs, converted once into master_grad(); NaN for a
-  // group with a rejected contribution on any rank.
-  for (size_t gi = 0; gi < groups_.size(); ++gi) {
-    FlatParam& g = *groups_[gi];
-    const int64_t rejected = *bucketer_.grad(param_ids_[gi].back()).data<int64_t>();
-    for (int k = 0; k < g.num_params(); ++k) {
-      const FlatParamEntry& e = g.entries()[k];
-      TensorView view = bucketer_.grad(param_ids_[gi][k]);
-      GRADSUM_RETURN_IF_ERROR(exact::ToFloats(
-          absl::MakeConstSpan(view.data<int64_t>(), e.numel * exact::kLimbs), rejected,
-          g.master_grad().subspan(e.offset, e.numel)));
-    }
   }
   return absl::OkStatus();
 }
@@ -171,9 +133,13 @@ absl::Status BucketedGradReducer::Finish() {
   }
   GRADSUM_RETURN_IF_ERROR(bucketer_.Finish());
   std::fill(handed_.begin(), handed_.end(), false);
-  if (exact_) return FinishExact();
-  // Bucket by bucket (device buckets: one copy to the host each), each parameter's sum
-  // into its group's master_grad() (replicated: the full gradient, numel elements).
+  // Each group's global rejected count (exact precision; host buckets only), then bucket
+  // by bucket (device buckets: one copy to the host each), each parameter's sum into its
+  // group's master_grad() (replicated: the full gradient, numel elements).
+  std::vector<int64_t> rejected(groups_.size(), 0);
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    if (rejected_ids_[gi] >= 0) rejected[gi] = *bucketer_.grad(rejected_ids_[gi]).data<int64_t>();
+  }
   std::vector<uint64_t> staging;
   for (int b = 0; b < bucketer_.num_buckets(); ++b) {
     const GradBucketInfo& info = bucketer_.bucket(b);
@@ -185,18 +151,13 @@ absl::Status BucketedGradReducer::Finish() {
     for (size_t i = 0; i < info.param_ids.size(); ++i) {
       const int id = info.param_ids[i];
       const auto [gi, k] = owner_[id];
+      if (k < 0) continue;  // a rejected count, read above
       const FlatParamEntry& e = groups_[gi]->entries()[k];
       const void* src = device_ ? reinterpret_cast<const char*>(staging.data()) +
                                       info.offsets[i] * esize
                                 : bucketer_.grad(id).raw();
-      float* dst = groups_[gi]->master_grad().data() + e.offset;
-      if (info.dtype == DType::kBF16) {
-        const BF16* in = static_cast<const BF16*>(src);
-        for (int64_t j = 0; j < e.numel; ++j) dst[j] = in[j].ToFloat();
-      } else {
-        const float* in = static_cast<const float*>(src);
-        std::copy(in, in + e.numel, dst);
-      }
+      GRADSUM_RETURN_IF_ERROR(
+          groups_[gi]->unit_grad().FromWire(e.offset, e.numel, src, rejected[gi]));
     }
   }
   // Device buckets hold the gradients themselves: the next step accumulates from zero.

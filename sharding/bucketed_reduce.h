@@ -21,7 +21,9 @@
 // Use it instead of FlatParam::ReduceGrad(/*last_micro_batch=*/true) for these groups
 // (earlier micro-batches need no call: replicated gradients accumulate locally). The
 // result is bit-identical to FlatParam's own all-reduce: the same per-element SUM in the
-// group's reduce dtype.
+// group's wire dtype. What goes into and comes out of the buckets is the group's
+// UnitGrad's (ToWire / FromWire, sharding/unit_grad.h): a bucket of floats, bf16 or int64
+// limbs is the same bucket.
 //
 // Device buckets (a GPU model, train/cuda): with a BucketedGradDevice the buckets live in
 // its memory and are reduced over its communicator (NCCL, standing for the groups' host
@@ -30,7 +32,7 @@
 // marks them; Finish copies each reduced bucket to the host once, folds it into the
 // masters as above and zeroes the buckets (so a caller may also accumulate in the views).
 //
-// Exact groups (FlatParamOptions::exact_grads; all groups or none; host buckets only,
+// Exact groups (GradPrecision::kExact; all groups or none; host buckets only,
 // Unimplemented with device buckets) travel as their int64 limbs, canonicalised on the way
 // into the buckets, plus one int64 per group for the rejected-contribution count; Finish
 // converts the sums into master_grad() exactly as FlatParam's own exact all-reduce does
@@ -68,8 +70,8 @@ class BucketedGradReducer {
       std::vector<FlatParam*> groups, size_t bucket_cap_bytes = size_t{25} << 20,
       size_t first_bucket_cap_bytes = 0, const BucketedGradDevice* device = nullptr);
 
-  // Hands group `index`'s accumulated gradient to its buckets (host buckets: copied, or
-  // rounded to bf16 for a bf16 reduce dtype; device buckets: already there) and marks it
+  // Hands group `index`'s accumulated gradient to its buckets (host buckets: copied,
+  // rounded to bf16, or canonical limbs; device buckets: already there) and marks it
   // ready, its last parameter first; full buckets launch their all-reduce.
   // InvalidArgument for a bad index; FailedPrecondition if already handed this step.
   absl::Status GroupReady(int index);
@@ -93,14 +95,11 @@ class BucketedGradReducer {
  private:
   explicit BucketedGradReducer(Communicator* comm, GradBucketerOptions options)
       : bucketer_(comm, options) {}
-  absl::Status ExactGroupReady(int index);
-  absl::Status FinishExact();
-
   bool device_ = false;
-  bool exact_ = false;
   std::vector<FlatParam*> groups_;
-  // Bucketer ids of each group's parameters (exact mode: then its rejected count's).
+  // Bucketer ids of each group's parameters, and of its rejected count (-1: none).
   std::vector<std::vector<int>> param_ids_;
+  std::vector<int> rejected_ids_;
   std::vector<bool> handed_;                 // GroupReady called in the current step
   std::vector<std::pair<int, int>> owner_;  // bucketer id -> (group, parameter or -1)
   GradBucketer bucketer_;

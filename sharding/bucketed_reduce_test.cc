@@ -54,14 +54,14 @@ class CountingMemory final : public BucketMemory {
 // Reduces G micro-batches of fp32 gradients; returns each group's owned gradient slice
 // per rank: result[group][rank].
 absl::StatusOr<std::vector<std::vector<std::vector<float>>>> Reduce(int world, Path path, int G,
-                                                                    DType reduce_dtype) {
+                                                                    GradPrecision precision) {
   const auto specs = Groups();
   std::vector<std::vector<std::vector<float>>> out(specs.size(),
                                                    std::vector<std::vector<float>>(world));
   absl::Status s = RunRanks(world, [&](Communicator& comm) -> absl::Status {
     FlatParamOptions opts;
     opts.mode = path == Path::kSharded ? ShardingMode::kSharded : ShardingMode::kReplicated;
-    opts.reduce_dtype = reduce_dtype;
+    opts.precision = precision;
     std::vector<std::unique_ptr<FlatParam>> owned;
     std::vector<FlatParam*> groups;
     for (const auto& [name, params] : specs) {
@@ -73,7 +73,7 @@ absl::StatusOr<std::vector<std::vector<std::vector<float>>>> Reduce(int world, P
     const bool bucketed = path == Path::kBucketed || path == Path::kDeviceBuckets;
     // Device buckets: f32 gradients accumulate in the bucket views themselves; bf16 ones
     // in the group's fp32 buffer, rounded into the views when handed over (as the GPU store, parallel/cuda).
-    const bool in_views = path == Path::kDeviceBuckets && reduce_dtype == DType::kF32;
+    const bool in_views = path == Path::kDeviceBuckets && precision == GradPrecision::kF32;
     CountingMemory memory;
     const BucketedGradDevice device{&comm, &memory};
     if (bucketed) {
@@ -151,8 +151,8 @@ void ExpectSame(const std::vector<std::vector<std::vector<float>>>& a,
 
 TEST(BucketedGradReducerTest, BitIdenticalToPerGroupAllReduceAndToSharded) {
   for (int world : {1, 2, 3, 5, 8}) {
-    for (DType dt : {DType::kF32, DType::kBF16}) {
-      const std::string what = absl::StrCat("world ", world, " ", DTypeName(dt));
+    for (GradPrecision dt : {GradPrecision::kF32, GradPrecision::kBF16Wire}) {
+      const std::string what = absl::StrCat("world ", world, " ", GradPrecisionName(dt));
       auto bucketed = Reduce(world, Path::kBucketed, 3, dt);
       auto device = Reduce(world, Path::kDeviceBuckets, 3, dt);
       auto per_group = Reduce(world, Path::kPerGroupReplicated, 3, dt);
@@ -168,7 +168,7 @@ TEST(BucketedGradReducerTest, BitIdenticalToPerGroupAllReduceAndToSharded) {
     }
   }
   // Not vacuous: the reduced value is the rank sum of the inputs (world 2, G 1, fp32).
-  auto r = Reduce(2, Path::kBucketed, 1, DType::kF32);
+  auto r = Reduce(2, Path::kBucketed, 1, GradPrecision::kF32);
   ASSERT_TRUE(r.ok());
   const float want = static_cast<float>(Noise("norm0.g", 0, 0, 0)) + static_cast<float>(Noise("norm0.g", 0, 1, 0));
   const std::vector<float>& norm0_rank0 = (*r)[1][0];  // group "norm0", owned slice of rank 0

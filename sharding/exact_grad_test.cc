@@ -1,4 +1,4 @@
-// Exact-gradient mode (FlatParamOptions::exact_grads, SEMANTICS.md §11): the reduced
+// Exact-gradient mode (GradPrecision::kExact, SEMANTICS.md §11): the reduced
 // gradient and the global norm are the same bits for every world size, micro-batch count,
 // sharding mode and reduction path (FlatParam's own, BucketedGradReducer), with the
 // contributions ("sequences") split differently over ranks and micro-batches, and equal to
@@ -169,13 +169,7 @@ TEST(ExactGradTest, ARejectedContributionMakesTheGroupNaNOnEveryRank) {
 TEST(ExactGradTest, MisuseIsReported) {
   absl::Status s = RunRanks(2, [&](Communicator& comm) -> absl::Status {
     FlatParamOptions exact_opts;
-    exact_opts.exact_grads = true;
-    FlatParamOptions bf16 = exact_opts;
-    bf16.reduce_dtype = DType::kBF16;
-    auto bad = FlatParam::Create("x", DenseSpecs(), &comm, bf16);
-    if (bad.status().code() != absl::StatusCode::kInvalidArgument) {
-      return absl::InternalError(absl::StrCat("bf16 reduce in exact mode: ", bad.status().ToString()));
-    }
+    exact_opts.precision = GradPrecision::kExact;
     GRADSUM_ASSIGN_OR_RETURN(auto ex, FlatParam::Create("ex", DenseSpecs(), &comm, exact_opts));
     GRADSUM_ASSIGN_OR_RETURN(auto plain, FlatParam::Create("plain", DenseSpecs(), &comm));
     if (ex->grad(0).status().code() != absl::StatusCode::kFailedPrecondition) {

@@ -82,7 +82,7 @@ absl::Status RankStep(Communicator& comm, const Config& cfg, int shift, int nan_
   const auto specs = GroupSpecs();
   FlatParamOptions opts;
   opts.mode = cfg.mode;
-  opts.exact_grads = true;
+  opts.precision = GradPrecision::kExact;
   opts.reduce_every_micro_batch = cfg.reduce_every_micro_batch;
   std::vector<std::unique_ptr<FlatParam>> groups;
   std::vector<FlatParam*> ptrs;

@@ -11,14 +11,6 @@
 
 namespace gradsum {
 
-const char* ShardingModeName(ShardingMode mode) {
-  switch (mode) {
-    case ShardingMode::kSharded: return "sharded";
-    case ShardingMode::kReplicated: return "replicated";
-  }
-  return "invalid";
-}
-
 absl::StatusOr<std::unique_ptr<FlatParam>> FlatParam::Create(std::string name,
                                                              std::vector<ParamSpec> params,
                                                              Communicator* group,
@@ -27,25 +19,14 @@ absl::StatusOr<std::unique_ptr<FlatParam>> FlatParam::Create(std::string name,
     return absl::InvalidArgumentError(absl::StrCat("flat param group \"", name, "\": null communicator"));
   }
   if (name.empty()) return absl::InvalidArgumentError("flat param group name is empty");
-  for (DType t : {options.compute_dtype, options.reduce_dtype}) {
-    if (t != DType::kF32 && t != DType::kBF16) {
-      return absl::InvalidArgumentError(absl::StrCat("flat param group \"", name, "\": dtype ",
-                                                     DTypeName(t), " is not f32 or bf16"));
-    }
+  if (options.compute_dtype != DType::kF32 && options.compute_dtype != DType::kBF16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("flat param group \"", name, "\": dtype ",
+                     DTypeName(options.compute_dtype), " is not f32 or bf16"));
   }
   if (options.mode != ShardingMode::kSharded && options.mode != ShardingMode::kReplicated) {
     return absl::InvalidArgumentError(absl::StrCat("flat param group \"", name, "\": bad mode ",
                                                    static_cast<int>(options.mode)));
-  }
-  if (options.exact_grads && options.reduce_dtype != DType::kF32) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("flat param group \"", name, "\": exact gradients travel as int64 limbs; ",
-                     "reduce dtype ", DTypeName(options.reduce_dtype), " does not apply (use f32)"));
-  }
-  if (options.exact_grads && group->size() >= exact::kMaxAddsBetweenNormalize) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "flat param group \"", name, "\": exact gradients sum at most ",
-        exact::kMaxAddsBetweenNormalize - 1, " ranks, the group has ", group->size()));
   }
   std::unique_ptr<FlatParam> fp(new FlatParam());
   fp->name_ = std::move(name);
@@ -80,27 +61,21 @@ absl::StatusOr<std::unique_ptr<FlatParam>> FlatParam::Create(std::string name,
   fp->shard_offset_ = layout.shard_offset;
   fp->local_numel_ = layout.local_numel;
   fp->master_.assign(fp->sharded() ? fp->shard_numel_ : fp->padded_numel_, 0.0f);
-  if (fp->sharded()) fp->grad_accum_.assign(fp->shard_numel_, 0.0f);
-  if (fp->exact()) {
-    // The limbs take full_grad_'s role; fp32 holds only the reduced gradient (replicated
-    // mode's master_grad is full_grad_).
-    fp->exact_full_.assign(fp->padded_numel_ * exact::kLimbs, 0);
-    if (fp->sharded()) {
-      fp->exact_accum_.assign(fp->shard_numel_ * exact::kLimbs, 0);
-    } else {
-      fp->full_grad_.assign(fp->padded_numel_, 0.0f);
-    }
-  } else {
-    fp->full_grad_.assign(fp->padded_numel_, 0.0f);
-  }
+  UnitGradOptions grad;
+  grad.name = fp->name_;
+  grad.group = group;
+  grad.mode = options.mode;
+  grad.reduce_every_micro_batch = options.reduce_every_micro_batch;
+  grad.numel = offset;
+  grad.layout = layout;
+  GRADSUM_ASSIGN_OR_RETURN(fp->grad_, UnitGrad::Create(options.precision, std::move(grad)));
   return fp;
 }
 
 FlatParam::~FlatParam() {
-  // An in-flight collective still reads or writes our buffers: let it finish first.
+  // An in-flight collective still reads or writes our buffers: let it finish first (the
+  // UnitGrad waits for its own).
   if (unshard_work_) unshard_work_->Wait(group_->timeout()).IgnoreError();
-  if (grad_work_) grad_work_->Wait(group_->timeout()).IgnoreError();
-  if (rejected_work_) rejected_work_->Wait(group_->timeout()).IgnoreError();
 }
 
 absl::StatusOr<int> FlatParam::IndexOf(absl::string_view param_name) const {
@@ -119,6 +94,14 @@ absl::Status FlatParam::CheckIndex(int index) const {
   return absl::OkStatus();
 }
 
+absl::Status FlatParam::CheckNoGradReduce(absl::string_view what) const {
+  if (grad_->reduce_in_flight()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group \"", name_, "\": ", what, " while a gradient reduction is in flight"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Span<float> FlatParam::master() {
   return absl::MakeSpan(master_.data(), sharded() ? local_numel_ : numel_);
 }
@@ -127,22 +110,15 @@ absl::Span<const float> FlatParam::master() const {
 }
 int64_t FlatParam::master_offset() const { return sharded() ? shard_offset_ : 0; }
 
-absl::Span<float> FlatParam::master_grad() {
-  return sharded() ? absl::MakeSpan(grad_accum_.data(), local_numel_)
-                   : absl::MakeSpan(full_grad_.data(), numel_);
-}
+absl::Span<float> FlatParam::master_grad() { return grad_->master_grad(); }
 absl::Span<const float> FlatParam::master_grad() const {
-  return sharded() ? absl::MakeConstSpan(grad_accum_.data(), local_numel_)
-                   : absl::MakeConstSpan(full_grad_.data(), numel_);
+  return static_cast<const UnitGrad&>(*grad_).master_grad();
 }
 
 absl::Span<const float> FlatParam::owned_master() const {
   return sharded() ? master() : absl::MakeConstSpan(master_.data() + shard_offset_, local_numel_);
 }
-absl::Span<const float> FlatParam::owned_grad() const {
-  return sharded() ? master_grad()
-                   : absl::MakeConstSpan(full_grad_.data() + shard_offset_, local_numel_);
-}
+absl::Span<const float> FlatParam::owned_grad() const { return grad_->owned_grad(); }
 
 absl::Status FlatParam::SetFullValue(int index, absl::Span<const float> full_values) {
   GRADSUM_RETURN_IF_ERROR(CheckIndex(index));
@@ -218,20 +194,13 @@ absl::Status FlatParam::WaitUnshard() {
         absl::StrCat("group \"", name_, "\": WaitUnshard without StartUnshard"));
   }
   bool in_flight;
-  const absl::Status s = AwaitWork(unshard_work_, &in_flight);
+  const absl::Status s = AwaitWork(*group_, unshard_work_, &in_flight);
   if (!s.ok()) {
     if (!in_flight) unshard_state_ = UnshardState::kNone;
     return Annotate(s, absl::StrCat("unshard of group \"", name_, "\""));
   }
   unshard_state_ = UnshardState::kReady;
   return absl::OkStatus();
-}
-
-absl::Status FlatParam::AwaitWork(std::unique_ptr<Work>& work, bool* in_flight) const {
-  const absl::Status s = work->Wait(group_->OperationWaitLimit());
-  *in_flight = !s.ok() && absl::IsDeadlineExceeded(s) && !work->IsCompleted();
-  if (!*in_flight) work.reset();
-  return s;
 }
 
 absl::Status FlatParam::Unshard() {
@@ -265,6 +234,19 @@ absl::Status FlatParam::Reshard() {
   return absl::OkStatus();
 }
 
+absl::StatusOr<GradTarget> FlatParam::grad_target(int first, int count) {
+  GRADSUM_RETURN_IF_ERROR(CheckIndex(first));
+  if (count < 1 || count > num_params() - first) {
+    return absl::InvalidArgumentError(absl::StrCat("parameters [", first, ", ", first + count,
+                                                   ") out of range [0, ", num_params(),
+                                                   ") in group \"", name_, "\""));
+  }
+  GRADSUM_RETURN_IF_ERROR(CheckNoGradReduce("grad_target()"));
+  const FlatParamEntry& last = entries_[first + count - 1];
+  const int64_t offset = entries_[first].offset;
+  return grad_->Target(offset, last.offset + last.numel - offset);
+}
+
 absl::StatusOr<TensorView> FlatParam::grad(int index) {
   GRADSUM_RETURN_IF_ERROR(CheckIndex(index));
   if (exact()) {
@@ -272,32 +254,22 @@ absl::StatusOr<TensorView> FlatParam::grad(int index) {
         "group \"", name_, "\" holds exact gradients: add into exact_grad(", index,
         ") or AddExactGrad, not the fp32 grad()"));
   }
-  if (grad_work_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("group \"", name_, "\": grad() while a gradient reduction is in flight"));
-  }
+  GRADSUM_RETURN_IF_ERROR(CheckNoGradReduce("grad()"));
   const FlatParamEntry& e = entries_[index];
-  return TensorView::Create(e.numel > 0 ? full_grad_.data() + e.offset : nullptr, DType::kF32,
-                            e.shape);
-}
-
-absl::Span<float> FlatParam::full_grad() {
-  if (exact()) return {};
-  return absl::MakeSpan(full_grad_.data(), numel_);
+  return TensorView::Create(e.numel > 0 ? grad_->local_f32().data() + e.offset : nullptr,
+                            DType::kF32, e.shape);
 }
 
 absl::StatusOr<absl::Span<int64_t>> FlatParam::exact_grad(int index) {
   if (!exact()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("group \"", name_, "\": exact_grad() outside exact mode (exact_grads=false)"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group \"", name_, "\": exact_grad() outside exact precision (precision=",
+        GradPrecisionName(options_.precision), ")"));
   }
   GRADSUM_RETURN_IF_ERROR(CheckIndex(index));
-  if (grad_work_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "group \"", name_, "\": exact_grad() while a gradient reduction is in flight"));
-  }
+  GRADSUM_RETURN_IF_ERROR(CheckNoGradReduce("exact_grad()"));
   const FlatParamEntry& e = entries_[index];
-  return absl::MakeSpan(exact_full_.data() + e.offset * exact::kLimbs, e.numel * exact::kLimbs);
+  return grad_->local_limbs().subspan(e.offset * exact::kLimbs, e.numel * exact::kLimbs);
 }
 
 absl::Status FlatParam::AddExactGrad(int index, int64_t offset, absl::Span<const float> values) {
@@ -309,201 +281,29 @@ absl::Status FlatParam::AddExactGrad(int index, int64_t offset, absl::Span<const
         "group \"", name_, "\": AddExactGrad of ", n, " values at offset ", offset,
         " leaves parameter \"", entries_[index].name, "\" (", numel, " elements)"));
   }
-  return exact::AddFloats(values, limbs.subspan(offset * exact::kLimbs, n * exact::kLimbs),
-                          &exact_rejected_);
-}
-
-absl::Span<int64_t> FlatParam::exact_full_grad() {
-  if (!exact()) return {};
-  return absl::MakeSpan(exact_full_.data(), numel_ * exact::kLimbs);
+  int64_t rejected = 0;
+  GRADSUM_RETURN_IF_ERROR(exact::AddFloats(
+      values, limbs.subspan(offset * exact::kLimbs, n * exact::kLimbs), &rejected));
+  grad_->CountRejected(rejected);
+  return absl::OkStatus();
 }
 
 absl::Status FlatParam::StartGradReduce(bool last_micro_batch) {
-  if (grad_work_) {
+  if (grad_->reduce_in_flight()) {
     return absl::FailedPreconditionError(
         absl::StrCat("group \"", name_, "\": a gradient reduction is already in flight"));
   }
-  if (exact()) return StartExactGradReduce(last_micro_batch);
-  // Padding must stay zero whatever backward did, so it never enters a sum.
-  std::fill(full_grad_.begin() + numel_, full_grad_.end(), 0.0f);
-  // Replicated mode (or sharded without reduce_every_micro_batch), not the last
-  // micro-batch: DDP's no_sync, gradients accumulate here.
-  if ((!sharded() || !options_.reduce_every_micro_batch) && !last_micro_batch) {
-    return absl::OkStatus();
-  }
-  const bool bf16 = options_.reduce_dtype == DType::kBF16;
-  if (bf16) {
-    reduce_send_bf16_.resize(padded_numel_);
-    for (int64_t i = 0; i < padded_numel_; ++i) {
-      reduce_send_bf16_[i] = BF16::FromFloat(full_grad_[i]);
-    }
-  }
-  absl::StatusOr<std::unique_ptr<Work>> work;
-  if (sharded()) {
-    // SEMANTICS.md §7: every micro-batch's full gradient is reduce-scattered with SUM.
-    if (bf16) {
-      reduce_recv_bf16_.resize(shard_numel_);
-      work = group_->ReduceScatterAsync(reduce_send_bf16_.data(), reduce_recv_bf16_.data(),
-                                        shard_numel_, DType::kBF16, ReduceOp::kSum);
-    } else {
-      reduce_recv_f32_.resize(shard_numel_);
-      work = group_->ReduceScatterAsync(full_grad_.data(), reduce_recv_f32_.data(), shard_numel_,
-                                        DType::kF32, ReduceOp::kSum);
-    }
-    grad_work_is_allreduce_ = false;
-  } else {
-    // SEMANTICS.md §7: replicated mode all-reduces SUM once per step.
-    if (bf16) {
-      work = group_->AllReduceAsync(reduce_send_bf16_.data(), reduce_send_bf16_.data(),
-                                    padded_numel_, DType::kBF16, ReduceOp::kSum);
-    } else {
-      work = group_->AllReduceAsync(full_grad_.data(), full_grad_.data(), padded_numel_,
-                                    DType::kF32, ReduceOp::kSum);
-    }
-    grad_work_is_allreduce_ = true;
-  }
-  if (!work.ok()) {
-    return Annotate(work.status(), absl::StrCat("gradient reduction of group \"", name_, "\""));
-  }
-  grad_work_ = std::move(*work);
-  return absl::OkStatus();
-}
-
-absl::Status FlatParam::StartExactGradReduce(bool last_micro_batch) {
-  // Padding stays zero; the limbs are canonical before they are summed (every
-  // micro-batch, so the per-micro-batch contribution limit holds over a whole step).
-  std::fill(exact_full_.begin() + numel_ * exact::kLimbs, exact_full_.end(), 0);
-  GRADSUM_RETURN_IF_ERROR(exact::Normalize(absl::MakeSpan(exact_full_)));
-  if ((!sharded() || !options_.reduce_every_micro_batch) && !last_micro_batch) {
-    return absl::OkStatus();
-  }
-  const std::string what = absl::StrCat("exact gradient reduction of group \"", name_, "\"");
-  absl::StatusOr<std::unique_ptr<Work>> work;
-  if (sharded()) {
-    exact_recv_.resize(shard_numel_ * exact::kLimbs);
-    work = group_->ReduceScatterAsync(exact_full_.data(), exact_recv_.data(),
-                                      shard_numel_ * exact::kLimbs, DType::kI64, ReduceOp::kSum);
-  } else {
-    work = group_->AllReduceAsync(exact_full_.data(), exact_full_.data(),
-                                  padded_numel_ * exact::kLimbs, DType::kI64, ReduceOp::kSum);
-  }
-  if (!work.ok()) return Annotate(work.status(), what);
-  grad_work_ = std::move(*work);
-  grad_work_is_allreduce_ = !sharded();
-  grad_work_last_ = last_micro_batch;
-  if (last_micro_batch) {
-    // Issued right behind the limbs, in the same order on every rank.
-    work = group_->AllReduceAsync(&exact_rejected_, &exact_rejected_total_, 1, DType::kI64,
-                                  ReduceOp::kSum);
-    if (!work.ok()) return Annotate(work.status(), what);
-    rejected_work_ = std::move(*work);
-  }
-  return absl::OkStatus();
-}
-
-absl::Status FlatParam::FinishExactGradReduce() {
-  const std::string what = absl::StrCat("exact gradient reduction of group \"", name_, "\"");
-  bool in_flight;
-  absl::Status s = AwaitWork(grad_work_, &in_flight);
-  if (in_flight) return Annotate(s, what);
-  if (rejected_work_) {
-    const absl::Status r = AwaitWork(rejected_work_, &in_flight);
-    if (in_flight) return Annotate(r, what);
-    if (s.ok()) s = r;
-  }
-  if (!s.ok()) return Annotate(s, what);
-  if (grad_work_is_allreduce_) {
-    // Replicated: the step's summed limbs, converted once into master_grad().
-    return exact::ToFloats(absl::MakeConstSpan(exact_full_.data(), numel_ * exact::kLimbs),
-                           exact_rejected_total_, absl::MakeSpan(full_grad_.data(), numel_));
-  }
-  // Sharded: add this micro-batch's summed shard into the limb accumulator (canonical +
-  // a sum of group_size canonical buffers: within the normalisation budget).
-  GRADSUM_RETURN_IF_ERROR(exact::AddLimbs(exact_recv_, absl::MakeSpan(exact_accum_)));
-  GRADSUM_RETURN_IF_ERROR(exact::Normalize(absl::MakeSpan(exact_accum_)));
-  std::fill(exact_full_.begin(), exact_full_.end(), 0);
-  if (!grad_work_last_) return absl::OkStatus();
-  grad_accum_empty_ = false;
-  return exact::ToFloats(absl::MakeConstSpan(exact_accum_.data(), local_numel_ * exact::kLimbs),
-                         exact_rejected_total_, absl::MakeSpan(grad_accum_.data(), local_numel_));
+  return grad_->StartReduce(last_micro_batch);
 }
 
 absl::Status FlatParam::FinishGradReduce() {
-  if (!grad_work_) return absl::OkStatus();
-  if (exact()) return FinishExactGradReduce();
-  bool in_flight;
-  const absl::Status s = AwaitWork(grad_work_, &in_flight);
-  if (!s.ok()) return Annotate(s, absl::StrCat("gradient reduction of group \"", name_, "\""));
-  const bool bf16 = options_.reduce_dtype == DType::kBF16;
-  if (grad_work_is_allreduce_) {
-    if (bf16) {
-      for (int64_t i = 0; i < padded_numel_; ++i) full_grad_[i] = reduce_send_bf16_[i].ToFloat();
-    }
-    return absl::OkStatus();
-  }
-  // Sharded: fold this micro-batch's summed shard into the fp32 accumulator.
-  if (bf16) {
-    float* acc = grad_accum_.data();
-    const BF16* in = reduce_recv_bf16_.data();
-    if (grad_accum_empty_) {
-      for (int64_t i = 0; i < shard_numel_; ++i) acc[i] = in[i].ToFloat();
-    } else {
-      for (int64_t i = 0; i < shard_numel_; ++i) acc[i] += in[i].ToFloat();
-    }
-    grad_accum_empty_ = false;
-    std::fill(full_grad_.begin(), full_grad_.end(), 0.0f);
-  } else {
-    AccumulateShard(reduce_recv_f32_.data());
-  }
-  return absl::OkStatus();
-}
-
-void FlatParam::AccumulateShard(const float* in) {
-  float* acc = grad_accum_.data();
-  if (grad_accum_empty_) {
-    std::copy(in, in + shard_numel_, acc);
-  } else {
-    for (int64_t i = 0; i < shard_numel_; ++i) acc[i] += in[i];
-  }
-  grad_accum_empty_ = false;
-  std::fill(full_grad_.begin(), full_grad_.end(), 0.0f);
+  if (!grad_->reduce_in_flight()) return absl::OkStatus();
+  return grad_->FinishReduce();
 }
 
 absl::Status FlatParam::FoldReducedGrad(absl::Span<const float> reduced, bool last_micro_batch) {
-  if (exact()) {
-    return absl::UnimplementedError(absl::StrCat(
-        "group \"", name_, "\": exact gradients are reduced as int64 limbs by FlatParam or "
-        "BucketedGradReducer; an fp32 gradient reduced elsewhere (the GPU path) cannot be "
-        "folded in"));
-  }
-  if (grad_work_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "group \"", name_, "\": FoldReducedGrad while a gradient reduction is in flight"));
-  }
-  if (!sharded()) {
-    if (!last_micro_batch) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "group \"", name_,
-          "\": replicated mode folds the step's all-reduced gradient once, on the last "
-          "micro-batch (last_micro_batch=false)"));
-    }
-    if (static_cast<int64_t>(reduced.size()) != padded_numel_) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("group \"", name_, "\": reduced gradient has ", reduced.size(),
-                       " elements, expected padded_numel ", padded_numel_));
-    }
-    std::copy(reduced.begin(), reduced.begin() + numel_, full_grad_.begin());
-    std::fill(full_grad_.begin() + numel_, full_grad_.end(), 0.0f);  // padding never leaks
-    return absl::OkStatus();
-  }
-  if (static_cast<int64_t>(reduced.size()) != shard_numel_) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("group \"", name_, "\": reduced shard has ", reduced.size(),
-                     " elements, expected shard_numel ", shard_numel_));
-  }
-  AccumulateShard(reduced.data());
-  std::fill(grad_accum_.begin() + local_numel_, grad_accum_.end(), 0.0f);  // padding
-  return absl::OkStatus();
+  GRADSUM_RETURN_IF_ERROR(CheckNoGradReduce("FoldReducedGrad"));
+  return grad_->FoldReduced(reduced, last_micro_batch);
 }
 
 absl::Status FlatParam::ReduceGrad(bool last_micro_batch) {
@@ -512,17 +312,8 @@ absl::Status FlatParam::ReduceGrad(bool last_micro_batch) {
 }
 
 absl::Status FlatParam::ZeroGrad() {
-  if (grad_work_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("group \"", name_, "\": ZeroGrad while a gradient reduction is in flight"));
-  }
-  std::fill(full_grad_.begin(), full_grad_.end(), 0.0f);
-  std::fill(grad_accum_.begin(), grad_accum_.end(), 0.0f);
-  grad_accum_empty_ = true;
-  std::fill(exact_full_.begin(), exact_full_.end(), 0);
-  std::fill(exact_accum_.begin(), exact_accum_.end(), 0);
-  exact_rejected_ = 0;
-  exact_rejected_total_ = 0;
+  GRADSUM_RETURN_IF_ERROR(CheckNoGradReduce("ZeroGrad"));
+  grad_->Zero();
   return absl::OkStatus();
 }
 

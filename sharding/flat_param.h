@@ -2,19 +2,21 @@
 #define GRADSUM_SHARDING_FLAT_PARAM_H_
 
 // FlatParam: a group of parameters flattened into one buffer and sharded over a group of
-// ranks, with its gradient reduction (SEMANTICS.md §7).
+// ranks (layout, master storage, unshard), with its gradient side (SEMANTICS.md §7) held by
+// a UnitGrad of the group's GradPrecision (sharding/unit_grad.h), to which it delegates.
 //
 // Layout. The parameters are laid end to end (in the given order) into a flat buffer of
 // numel() elements, padded with zeros to padded_numel(), a multiple of the group size S.
 // Group rank q owns the slice [q * shard_numel(), q * shard_numel() + local_numel()): its
-// shard without the padding. Dense groups are sharded over the world; expert groups over
-// their EDP group (the `group` communicator is whichever applies; it is not owned).
+// shard without the padding (ComputeShardLayout, sharding/shard_layout.h). Dense groups are
+// sharded over the world; expert groups over their EDP group (the `group` communicator is
+// whichever applies; it is not owned).
 //
 // Modes (FlatParamOptions::mode):
 // - kSharded (FSDP / ZeRO-3): each rank keeps only its fp32 master shard. Unshard()
 //   all-gathers the full parameters into a compute buffer (fp32 or bf16), Reshard() frees
-//   it. Each micro-batch's full gradient is reduce-scattered with SUM (in the reduce dtype)
-//   and added into an fp32 sharded accumulator.
+//   it. Each micro-batch's full gradient is reduce-scattered with SUM (in the precision's
+//   wire dtype) and added into a sharded accumulator.
 // - kReplicated (DDP): each rank keeps the full fp32 master. Gradients accumulate locally
 //   over the micro-batches; the last one all-reduces them with SUM over the group.
 // Both modes present the optimizer with master() and master_grad(); their owned slices
@@ -35,7 +37,10 @@
 //   ... GlobalGradNorm / ClipGradNorm, ShardedAdamW::Step (sharding/adamw.h) ...
 //   fp->ZeroGrad();
 //
-// Exact mode (FlatParamOptions::exact_grads, SEMANTICS.md §11): the gradient is held as
+// Gradient precision (FlatParamOptions::precision, core/grad_precision.h): kF32 and
+// kBF16Wire hold an fp32 gradient and reduce it in f32 or bf16; kExact is below.
+//
+// Exact precision (GradPrecision::kExact, SEMANTICS.md §11): the gradient is held as
 // exact fixed-point limbs (core/exact_sum.h) instead of fp32, so every sum over
 // sequences, micro-batches and ranks is associative and the reduced gradient is the same
 // bits at every mesh, sharding mode and G. Backward adds each contribution through
@@ -50,9 +55,10 @@
 // micro-batch on a rank, and group sizes below exact::kMaxAddsBetweenNormalize.
 // Memory: the full limb buffer is 16 bytes per element (4x the fp32 gradient it replaces);
 // sharded mode adds a 16-byte-per-element shard accumulator and receive buffer. Parallel
-// adds (the compute pool) may use exact::AddFloats on disjoint ranges of exact_grad() with
-// their own rejected counts, handed to CountRejectedExactGrad by the rank's thread;
-// AddExactGrad and CountRejectedExactGrad themselves are for the rank's thread only.
+// adds (the compute pool) go through grad_target()'s sink, or use exact::AddFloats on
+// disjoint ranges of exact_grad() with their own rejected counts, handed to
+// CountRejectedExactGrad by the rank's thread; AddExactGrad and CountRejectedExactGrad
+// themselves are for the rank's thread only.
 //
 // Padding never leaks: padding elements of the master and of every gradient buffer are
 // zero, and master(), master_grad(), norms and checkpoints exclude them.
@@ -72,31 +78,28 @@
 #include "core/default_init_allocator.h"
 #include "core/dtype.h"
 #include "core/exact_sum.h"
+#include "core/grad_precision.h"
+#include "core/grad_sink.h"
 #include "core/half.h"
 #include "core/tensor.h"
+#include "sharding/shard_layout.h"
+#include "sharding/unit_grad.h"
 
 namespace gradsum {
-
-enum class ShardingMode { kSharded = 0, kReplicated = 1 };
-
-// "sharded" or "replicated".
-const char* ShardingModeName(ShardingMode mode);
 
 struct FlatParamOptions {
   ShardingMode mode = ShardingMode::kSharded;
   // Dtype of the unsharded parameters that forward reads: kF32 or kBF16.
   DType compute_dtype = DType::kF32;
-  // Dtype the gradients travel and are summed in: kF32 or kBF16. A bf16 reduction is a
-  // real SUM of bf16-rounded gradients (accumulated in fp32 by the CPU backends, rounded
-  // once), added into fp32 accumulators.
-  DType reduce_dtype = DType::kF32;
+  // How the gradient is held and summed (core/grad_precision.h): kF32; kBF16Wire, a real
+  // SUM of bf16-rounded gradients (accumulated in fp32 by the CPU backends, rounded once)
+  // added into fp32 accumulators; kExact, the limbs described above.
+  GradPrecision precision = GradPrecision::kF32;
   // Sharded mode: reduce-scatter every micro-batch's gradient (true), or let the full
   // gradient accumulate locally over the step and reduce-scatter it once, on the last
   // micro-batch (false: FSDP2's requires_gradient_sync off for the others; more memory,
   // fewer collectives). Replicated mode always reduces once, on the last micro-batch.
   bool reduce_every_micro_batch = true;
-  // Exact gradients (see above); reduce_dtype must be kF32 (it is not used).
-  bool exact_grads = false;
 };
 
 // A parameter to place in a group.
@@ -106,24 +109,6 @@ struct ParamSpec {
 };
 
 // Where a parameter sits in the flat (unpadded) buffer.
-// Where group rank `group_rank` of `group_size` stands in a flat buffer of `numel`
-// elements (the layout above): the one rule FlatParam, the checkpoint reader and the
-// resharding loader all use.
-struct ShardLayout {
-  int64_t padded_numel;  // numel rounded up to a multiple of group_size
-  int64_t shard_numel;   // padded_numel / group_size
-  int64_t shard_offset;  // group_rank * shard_numel
-  int64_t local_numel;   // the shard's elements before the padding
-};
-inline ShardLayout ComputeShardLayout(int64_t numel, int64_t group_size, int64_t group_rank) {
-  ShardLayout l;
-  l.padded_numel = (numel + group_size - 1) / group_size * group_size;
-  l.shard_numel = l.padded_numel / group_size;
-  l.shard_offset = group_rank * l.shard_numel;
-  l.local_numel = std::clamp<int64_t>(numel - l.shard_offset, 0, l.shard_numel);
-  return l;
-}
-
 struct FlatParamEntry {
   std::string name;
   std::vector<int64_t> shape;
@@ -139,7 +124,8 @@ class FlatParam {
   // Parameter names must be unique within the group (and across the world for the
   // consolidated export). `group` must outlive the FlatParam.
   // InvalidArgument: null group, empty or duplicate names, negative dimensions, element
-  // count overflow, compute or reduce dtype other than f32/bf16.
+  // count overflow, compute dtype other than f32/bf16, a precision outside the enum, exact
+  // precision over a group of exact::kMaxAddsBetweenNormalize ranks or more.
   static absl::StatusOr<std::unique_ptr<FlatParam>> Create(std::string name,
                                                            std::vector<ParamSpec> params,
                                                            Communicator* group,
@@ -152,6 +138,7 @@ class FlatParam {
   const std::string& name() const { return name_; }
   Communicator* group() const { return group_; }
   const FlatParamOptions& options() const { return options_; }
+  GradPrecision precision() const { return options_.precision; }
   const std::vector<FlatParamEntry>& entries() const { return entries_; }
   int num_params() const { return static_cast<int>(entries_.size()); }
   // Index of a parameter by name; NotFound naming it and the group.
@@ -226,16 +213,20 @@ class FlatParam {
 
   // ---- Backward: gradients. ----
 
+  // Where backward puts the gradient of parameters [first, first + count) (consecutive in
+  // the flat buffer): ADDED into the fp32 gradient, or, in exact precision, into an
+  // ExactGradSink over their limbs (see UnitGrad::Target). The target lives for one kernel
+  // call, before the reduction starts. InvalidArgument on a bad range; FailedPrecondition
+  // while a reduction is in flight.
+  absl::StatusOr<GradTarget> grad_target(int first, int count = 1);
   // fp32 view of parameter `index`'s gradient in the full (padded_numel) gradient buffer.
   // Backward ADDS into it. Sharded mode: it holds one micro-batch and is zeroed by
   // FinishGradReduce(); replicated mode: it accumulates the step's micro-batches.
-  // InvalidArgument on a bad index; FailedPrecondition while a reduction is in flight.
+  // InvalidArgument on a bad index; FailedPrecondition in exact precision or while a
+  // reduction is in flight.
   absl::StatusOr<TensorView> grad(int index);
-  // The whole full gradient buffer (numel() elements, padding excluded). Empty in exact
-  // mode (see exact_full_grad()).
-  absl::Span<float> full_grad();
 
-  // ---- Exact mode (options().exact_grads). ----
+  // ---- Exact precision (GradPrecision::kExact). ----
 
   // Element-major limbs (exact::kLimbs int64 per element) of parameter `index`'s full
   // gradient: e.numel * kLimbs words. Backward adds contributions with exact::AddFloats
@@ -250,15 +241,11 @@ class FlatParam {
   absl::Status AddExactGrad(int index, int64_t offset, absl::Span<const float> values);
   // Counts contributions that exact::AddFloats rejected (they turn the group's reduced
   // gradient into NaN on every rank). n >= 0.
-  void CountRejectedExactGrad(int64_t n) { exact_rejected_ += n; }
-  // The whole full exact gradient (numel() * kLimbs words) and the local rejected count,
-  // for a reduction outside this FlatParam (BucketedGradReducer). Empty outside exact mode.
-  absl::Span<int64_t> exact_full_grad();
-  int64_t exact_rejected() const { return exact_rejected_; }
+  void CountRejectedExactGrad(int64_t n) { grad_->CountRejected(n); }
 
-  // Starts this micro-batch's reduction. Sharded: reduce-scatter (SUM, reduce dtype) of
+  // Starts this micro-batch's reduction. Sharded: reduce-scatter (SUM, wire dtype) of
   // the full gradient, every micro-batch (or only when `last_micro_batch` if
-  // !reduce_every_micro_batch). Replicated: all-reduce (SUM, reduce dtype) when
+  // !reduce_every_micro_batch). Replicated: all-reduce (SUM, wire dtype) when
   // `last_micro_batch`, nothing otherwise. FailedPrecondition if one is already in
   // flight; the collective's error otherwise.
   absl::Status StartGradReduce(bool last_micro_batch);
@@ -266,16 +253,17 @@ class FlatParam {
   absl::Status FinishGradReduce();
   // StartGradReduce() + FinishGradReduce().
   absl::Status ReduceGrad(bool last_micro_batch);
-  bool grad_reduce_in_flight() const { return grad_work_ != nullptr; }
+  bool grad_reduce_in_flight() const { return grad_->reduce_in_flight(); }
 
-  // Folds a gradient reduced outside this FlatParam (on a GPU, by NCCL: train/cuda) into
+  // Folds a gradient reduced outside this FlatParam (on a GPU, by NCCL: parallel/cuda) into
   // master_grad(), as FinishGradReduce folds its own collective's fp32 result. Sharded:
   // `reduced` is this rank's SUM-reduce-scattered shard of one micro-batch (shard_numel()
   // elements), added into the fp32 accumulator; call it every micro-batch instead of
   // ReduceGrad. Replicated: `reduced` is the step's SUM-all-reduced full gradient
   // (padded_numel() elements), given once with last_micro_batch. The local full gradient
   // buffer is not read. InvalidArgument for a wrong size or (replicated) a call that is
-  // not the last micro-batch's; FailedPrecondition while a reduction is in flight.
+  // not the last micro-batch's; FailedPrecondition while a reduction is in flight;
+  // Unimplemented in exact precision.
   absl::Status FoldReducedGrad(absl::Span<const float> reduced, bool last_micro_batch);
 
   // Zeroes master_grad() and the full gradient buffer: call after the optimizer step.
@@ -285,26 +273,24 @@ class FlatParam {
   // Sum of squares of owned_grad(), in fp64 (SEMANTICS.md §7: summed over the world it
   // counts every element exactly once).
   double OwnedGradSquaredNorm() const;
-  // The same sum, exact (core/exact_sum.h), added into `sum`: what the exact mode's
+  // The same sum, exact (core/exact_sum.h), added into `sum`: what the exact precision's
   // global norm uses, so the norm does not depend on how the elements are split.
   void AddOwnedGradSquares(exact::ExactScalar& sum) const;
+
+  // The gradient side itself, for a reduction outside this FlatParam (BucketedGradReducer:
+  // UnitGrad::ToWire / FromWire). The FlatParam keeps the protocol: hand it over only
+  // while no reduction of its own is in flight.
+  UnitGrad& unit_grad() { return *grad_; }
 
  private:
   enum class UnshardState { kNone, kInFlight, kReady };
 
   FlatParam() = default;
   bool sharded() const { return options_.mode == ShardingMode::kSharded; }
-  bool exact() const { return options_.exact_grads; }
-  absl::Status StartExactGradReduce(bool last_micro_batch);
-  absl::Status FinishExactGradReduce();
-  // Waits for `work` (Communicator::OperationWaitLimit). If it is still in flight
-  // then: DeadlineExceeded, *in_flight = true, and `work` is kept (its buffers stay in use;
-  // a later wait can finish it). Otherwise *in_flight = false, `work` is released and its
-  // status returned.
-  absl::Status AwaitWork(std::unique_ptr<Work>& work, bool* in_flight) const;
+  bool exact() const { return IsExact(options_.precision); }
   absl::Status CheckIndex(int index) const;
-  // Adds one micro-batch's reduced shard (shard_numel() fp32) into the accumulator.
-  void AccumulateShard(const float* in);
+  // FailedPrecondition naming `what` while a gradient reduction is in flight.
+  absl::Status CheckNoGradReduce(absl::string_view what) const;
 
   std::string name_;
   Communicator* group_ = nullptr;
@@ -321,12 +307,6 @@ class FlatParam {
   // Sharded: shard_numel() elements (padding zero). Replicated: padded_numel() elements.
   std::vector<float> master_;
   uint64_t master_version_ = 0;
-  // Sharded: the fp32 accumulator, shard_numel() elements. Replicated: unused
-  // (master_grad() is the full gradient buffer after the all-reduce).
-  std::vector<float> grad_accum_;
-  bool grad_accum_empty_ = true;  // first micro-batch copies instead of adding (keeps -0)
-  // Full gradient buffer, padded_numel() elements, fp32.
-  std::vector<float> full_grad_;
 
   // Compute buffer (padded_numel elements of the compute dtype) and the unshard transfer.
   // Not zeroed when it grows: the all-gather (or the replicated copy) writes every element.
@@ -336,24 +316,8 @@ class FlatParam {
   UnshardState unshard_state_ = UnshardState::kNone;
   std::unique_ptr<Work> unshard_work_;
 
-  // Gradient reduction in flight and its buffers.
-  std::unique_ptr<Work> grad_work_;
-  bool grad_work_is_allreduce_ = false;
-  std::vector<float> reduce_recv_f32_;
-  std::vector<BF16> reduce_send_bf16_;
-  std::vector<BF16> reduce_recv_bf16_;
-
-  // Exact mode. Full gradient limbs (padded_numel() * kLimbs, the role of full_grad_);
-  // sharded: the limb accumulator and the reduce-scatter's output (shard_numel() *
-  // kLimbs each). The local rejected count, and the step's global one (an all-reduce on
-  // the last micro-batch, in flight beside grad_work_).
-  std::vector<int64_t> exact_full_;
-  std::vector<int64_t> exact_accum_;
-  std::vector<int64_t> exact_recv_;
-  int64_t exact_rejected_ = 0;
-  int64_t exact_rejected_total_ = 0;
-  std::unique_ptr<Work> rejected_work_;
-  bool grad_work_last_ = false;
+  // The gradient side: local gradient, reduction, master_grad() (sharding/unit_grad.h).
+  std::unique_ptr<UnitGrad> grad_;
 };
 
 }  // namespace gradsum

@@ -80,9 +80,9 @@ TEST(FlatParamTest, CreateRejectsBadArguments) {
   auto bad_dtype = FlatParam::Create("g", DenseSpecs(), c, f16);
   EXPECT_EQ(bad_dtype.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(bad_dtype.status().message().find("f16"), std::string::npos);
-  FlatParamOptions i32;
-  i32.reduce_dtype = DType::kI32;
-  EXPECT_EQ(FlatParam::Create("g", DenseSpecs(), c, i32).status().code(),
+  FlatParamOptions bad_precision;
+  bad_precision.precision = static_cast<GradPrecision>(7);
+  EXPECT_EQ(FlatParam::Create("g", DenseSpecs(), c, bad_precision).status().code(),
             absl::StatusCode::kInvalidArgument);
 
   auto fp = FlatParam::Create("g", DenseSpecs(), c);
@@ -181,7 +181,7 @@ float DyadicGrad(const std::string& name, int64_t i, int rank, int micro) {
 
 struct ReduceCase {
   ShardingMode mode;
-  DType reduce_dtype;
+  GradPrecision precision;
   int micro_batches;
   bool dyadic;
 };
@@ -195,7 +195,7 @@ absl::Status ReduceOnRanks(int world, const ReduceCase& c, std::vector<std::vect
   return RunRanks(world, [&](Communicator& comm) -> absl::Status {
     FlatParamOptions opts;
     opts.mode = c.mode;
-    opts.reduce_dtype = c.reduce_dtype;
+    opts.precision = c.precision;
     GRADSUM_ASSIGN_OR_RETURN(auto fp, FlatParam::Create("dense", DenseSpecs(), &comm, opts));
     for (int m = 0; m < c.micro_batches; ++m) {
       for (int p = 0; p < fp->num_params(); ++p) {
@@ -257,7 +257,7 @@ TEST(FlatParamTest, SumReductionMatchesReferenceInBothModes) {
     for (ShardingMode mode : {ShardingMode::kSharded, ShardingMode::kReplicated}) {
       std::vector<std::vector<float>> owned;
       std::vector<double> norms;
-      absl::Status s = ReduceOnRanks(world, {mode, DType::kF32, 3, false}, &owned, &norms);
+      absl::Status s = ReduceOnRanks(world, {mode, GradPrecision::kF32, 3, false}, &owned, &norms);
       ASSERT_TRUE(s.ok()) << s;
       const std::vector<float> got = Concat(owned);
       ASSERT_EQ(got.size(), ref.size());
@@ -281,9 +281,9 @@ TEST(FlatParamTest, ShardedAndReplicatedAreBitIdentical) {
     for (const auto& [micro, dyadic] : {std::pair<int, bool>{1, false}, {4, true}}) {
       std::vector<std::vector<float>> sharded, replicated;
       std::vector<double> n1, n2;
-      ASSERT_TRUE(ReduceOnRanks(world, {ShardingMode::kSharded, DType::kF32, micro, dyadic},
+      ASSERT_TRUE(ReduceOnRanks(world, {ShardingMode::kSharded, GradPrecision::kF32, micro, dyadic},
                                 &sharded, &n1).ok());
-      ASSERT_TRUE(ReduceOnRanks(world, {ShardingMode::kReplicated, DType::kF32, micro, dyadic},
+      ASSERT_TRUE(ReduceOnRanks(world, {ShardingMode::kReplicated, GradPrecision::kF32, micro, dyadic},
                                 &replicated, &n2).ok());
       const std::vector<float> a = Concat(sharded), b = Concat(replicated);
       ASSERT_EQ(a.size(), b.size());
@@ -302,8 +302,8 @@ TEST(FlatParamTest, Bf16ReduceIsARealSumWithinBf16Rounding) {
     for (ShardingMode mode : {ShardingMode::kSharded, ShardingMode::kReplicated}) {
       std::vector<std::vector<float>> owned32, owned16;
       std::vector<double> n;
-      ASSERT_TRUE(ReduceOnRanks(world, {mode, DType::kF32, 1, false}, &owned32, &n).ok());
-      ASSERT_TRUE(ReduceOnRanks(world, {mode, DType::kBF16, 1, false}, &owned16, &n).ok());
+      ASSERT_TRUE(ReduceOnRanks(world, {mode, GradPrecision::kF32, 1, false}, &owned32, &n).ok());
+      ASSERT_TRUE(ReduceOnRanks(world, {mode, GradPrecision::kBF16Wire, 1, false}, &owned16, &n).ok());
       const std::vector<float> f32 = Concat(owned32), bf16 = Concat(owned16);
       size_t i = 0;
       for (const ParamSpec& p : DenseSpecs()) {
@@ -334,7 +334,7 @@ TEST(FlatParamTest, Bf16ReduceIsARealSumWithinBf16Rounding) {
   for (float v : {1.0f, 3e-38f}) {
     absl::Status s = RunRanks(8, [&](Communicator& comm) -> absl::Status {
       FlatParamOptions opts;
-      opts.reduce_dtype = DType::kBF16;
+      opts.precision = GradPrecision::kBF16Wire;
       GRADSUM_ASSIGN_OR_RETURN(auto fp, FlatParam::Create("g", {{"w", {8}}}, &comm, opts));
       GRADSUM_ASSIGN_OR_RETURN(TensorView g, fp->grad(0));
       for (int i = 0; i < 8; ++i) g.data<float>()[i] = v;

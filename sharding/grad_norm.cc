@@ -4,43 +4,54 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "core/exact_sum.h"
+#include "core/grad_precision.h"
 #include "core/status.h"
 
 namespace gradsum {
+namespace {
+
+// fp64: each group's owned squares summed in fp64, then one f64 SUM all-reduce.
+absl::StatusOr<double> F64GlobalNorm(absl::Span<FlatParam* const> groups, Communicator& world) {
+  double local_sq = 0.0;
+  for (const FlatParam* g : groups) local_sq += g->OwnedGradSquaredNorm();
+  double global_sq = 0.0;
+  GRADSUM_RETURN_IF_ERROR(world.AllReduce(&local_sq, &global_sq, 1, DType::kF64, ReduceOp::kSum));
+  return std::sqrt(global_sq);
+}
+
+// Exact (SEMANTICS.md §11): the exact sum of the squares, reduced as int64 words, is the
+// same bits however the elements are split over ranks.
+absl::StatusOr<double> ExactGlobalNorm(absl::Span<FlatParam* const> groups, Communicator& world) {
+  exact::ExactScalar local_sq;
+  for (const FlatParam* g : groups) g->AddOwnedGradSquares(local_sq);
+  local_sq.Normalize();
+  exact::ExactScalar global_sq;
+  GRADSUM_RETURN_IF_ERROR(world.AllReduce(local_sq.words().data(), global_sq.words().data(),
+                                          exact::ExactScalar::kWords, DType::kI64,
+                                          ReduceOp::kSum));
+  return std::sqrt(global_sq.ToDouble());
+}
+
+}  // namespace
 
 absl::StatusOr<double> GlobalGradNorm(absl::Span<FlatParam* const> groups, Communicator& world) {
-  double local_sq = 0.0;
-  exact::ExactScalar exact_sq;
   for (const FlatParam* g : groups) {
     if (g == nullptr) return absl::InvalidArgumentError("GlobalGradNorm: null group");
     if (g->grad_reduce_in_flight()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "GlobalGradNorm: gradient reduction of group \"", g->name(), "\" is still in flight"));
     }
-    if (g->options().exact_grads != groups[0]->options().exact_grads) {
+    if (IsExact(g->precision()) != IsExact(groups[0]->precision())) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "GlobalGradNorm: group \"", g->name(), "\" has exact_grads=", g->options().exact_grads,
-          " but \"", groups[0]->name(), "\" has ", groups[0]->options().exact_grads));
-    }
-    if (g->options().exact_grads) {
-      g->AddOwnedGradSquares(exact_sq);
-    } else {
-      local_sq += g->OwnedGradSquaredNorm();
+          "GlobalGradNorm: group \"", g->name(), "\" has precision ",
+          GradPrecisionName(g->precision()), " but \"", groups[0]->name(), "\" has ",
+          GradPrecisionName(groups[0]->precision())));
     }
   }
-  if (!groups.empty() && groups[0]->options().exact_grads) {
-    // SEMANTICS.md §11: the exact sum of the squares, reduced as int64 words, is the
-    // same bits however the elements are split over ranks.
-    exact_sq.Normalize();
-    exact::ExactScalar global;
-    GRADSUM_RETURN_IF_ERROR(world.AllReduce(exact_sq.words().data(), global.words().data(),
-                                            exact::ExactScalar::kWords, DType::kI64,
-                                            ReduceOp::kSum));
-    return std::sqrt(global.ToDouble());
-  }
-  double global_sq = 0.0;
-  GRADSUM_RETURN_IF_ERROR(world.AllReduce(&local_sq, &global_sq, 1, DType::kF64, ReduceOp::kSum));
-  return std::sqrt(global_sq);
+  // The groups' precision decides how the squares are summed (core/grad_precision.h).
+  const bool exact = !groups.empty() && IsExact(groups[0]->precision());
+  return exact ? ExactGlobalNorm(groups, world) : F64GlobalNorm(groups, world);
 }
 
 absl::StatusOr<double> ClipGradNorm(absl::Span<FlatParam* const> groups, Communicator& world,

@@ -12,10 +12,10 @@
 // a dense group sharded (or replicated) over the world owns one slice per rank; an expert
 // group over an EDP group of F ranks owns one slice per EDP rank, and the P EP slots hold
 // different experts. Padding is never counted. Both sharding modes give the same value
-// (bit for bit when their gradients are). In exact mode (FlatParamOptions::exact_grads,
-// every group or none: InvalidArgument otherwise) each square is summed exactly
-// (core/exact_sum.h) and the words travel as one int64 SUM all-reduce, so the norm is the
-// same bits at every mesh.
+// (bit for bit when their gradients are). The groups' precision decides the sum: fp64
+// for f32 and bf16 wire; exact for GradPrecision::kExact (every group or none:
+// InvalidArgument otherwise), each square summed exactly (core/exact_sum.h) and the words
+// reduced as one int64 SUM all-reduce, so the norm is the same bits at every mesh.
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"

@@ -30,9 +30,12 @@ absl::StatusOr<std::unique_ptr<MoeLm>> BuildModel(const TrainConfig& config,
   parallel::ParallelOptions& p = options.parallel;
   p.sharding = ToShardingMode(parallelism.sharding());
   p.compute_dtype = ToDType(config.precision().compute_dtype());
-  p.reduce_dtype = ToDType(config.precision().reduce_dtype());
-  p.precision = config.precision().reproducible() ? parallel::GradPrecision::kExact
-                                                  : parallel::GradPrecision::kF32;
+  // The gradient precision, chosen once (core/grad_precision.h); the config's validation
+  // refused reproducible with a bf16 reduce dtype.
+  const PrecisionConfig& precision = config.precision();
+  p.precision = precision.reproducible()                        ? GradPrecision::kExact
+                : precision.reduce_dtype() == TrainConfig::bf16 ? GradPrecision::kBF16Wire
+                                                                : GradPrecision::kF32;
   p.layers_per_unit = parallelism.layers_per_unit();
   p.reshard_after_forward = parallelism.reshard_after_forward();
   p.reduce_every_micro_batch = parallelism.reduce_every_micro_batch();

@@ -89,7 +89,7 @@ class DeviceUnitStore : public UnitStore {
         stream_(ctx_->stream.get()),
         fence_(ctx_->fence),
         bf16_compute_(options.compute_dtype == DType::kBF16),
-        bf16_reduce_(options.reduce_dtype == DType::kBF16),
+        bf16_reduce_(GradWireDType(options.precision) == DType::kBF16),
         every_micro_batch_(options.reduce_every_micro_batch),
         bucket_memory_(stream_) {}
 
@@ -397,7 +397,7 @@ class DeviceUnitStore : public UnitStore {
 absl::StatusOr<std::unique_ptr<UnitStore>> CudaUnitDevice::MakeStore(
     std::vector<FlatParam*> units, std::vector<bool> expert_unit,
     const ParallelOptions& options) {
-  if (options.precision == GradPrecision::kExact) {
+  if (IsExact(options.precision)) {
     return absl::UnimplementedError(
         "exact gradients (reproducible mode) are not implemented on the GPU: use a CPU backend");
   }
