@@ -46,8 +46,8 @@ absl::StatusOr<double> StepDisplayValues::Value(absl::string_view name) const {
   return absl::NotFoundError(absl::StrCat("display: no term named '", name, "'"));
 }
 
-StepDisplay::StepDisplay(int num_moe_layers, int num_experts, bool exact)
-    : exact_(exact),
+StepDisplay::StepDisplay(int num_moe_layers, int num_experts, GradPrecision precision)
+    : exact_(IsExact(precision)),
       num_experts_(std::max(num_experts, 0)),
       histogram_(static_cast<size_t>(std::max(num_moe_layers, 0)),
                  std::vector<int64_t>(static_cast<size_t>(std::max(num_experts, 0)), 0)) {}

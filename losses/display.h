@@ -26,7 +26,9 @@
 //   GRADSUM_ASSIGN_OR_RETURN(StepDisplayValues v, display.Reduce(world));  // collective
 //   // v.total_loss, v.Value("ce"), v.tokens_per_expert[l], v.maxvio[l]
 //
-// Exact mode (reproducible training, SEMANTICS.md §11): every added value is converted to
+// Exact mode (GradPrecision::kExact, reproducible training, SEMANTICS.md §11; the display
+// follows the run's gradient precision so that the logs agree bit for bit whenever the
+// gradients do): every added value is converted to
 // exact fixed point (core/exact_sum.h, ExactScalar: LSB 2^-100, |value| < 2^59) and the
 // step-end reduction is one int64 SUM all-reduce of the words, so a term's global value
 // (and total_loss, summed exactly too) is the same bits whatever the mesh, as long as the
@@ -46,6 +48,7 @@
 #include "absl/types/span.h"
 #include "collectives/communicator.h"
 #include "core/exact_sum.h"
+#include "core/grad_precision.h"
 
 namespace gradsum::losses {
 
@@ -77,8 +80,10 @@ struct StepDisplayValues {
 class StepDisplay {
  public:
   // num_moe_layers >= 0 and num_experts >= 0 size the histograms (0 and 0: no MoE).
-  // `exact`: exact mode (above); every rank must choose the same (checked at Reduce).
-  explicit StepDisplay(int num_moe_layers = 0, int num_experts = 0, bool exact = false);
+  // `precision`: the run's gradient precision; kExact sums exactly (above), the others in
+  // f64. Every rank must choose the same (checked at Reduce).
+  explicit StepDisplay(int num_moe_layers = 0, int num_experts = 0,
+                       GradPrecision precision = GradPrecision::kF32);
   bool exact() const { return exact_; }
 
   // Registers a term. Every rank must register the same terms in the same order (checked

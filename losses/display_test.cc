@@ -203,7 +203,7 @@ TEST(StepDisplayTest, ExactModeIsTheSameBitsAtEveryMesh) {
       std::mutex mu;
       std::vector<StepDisplayValues> got(world);
       absl::Status s = RunRanks(world, [&](Communicator& comm) -> absl::Status {
-        StepDisplay d(0, 0, /*exact=*/true);
+        StepDisplay d(0, 0, GradPrecision::kExact);
         if (!d.exact()) return absl::InternalError("not exact");
         GRADSUM_RETURN_IF_ERROR(d.RegisterTerm("ce"));
         GRADSUM_RETURN_IF_ERROR(d.RegisterTerm("z"));
@@ -235,7 +235,7 @@ TEST(StepDisplayTest, ExactModeIsTheSameBitsAtEveryMesh) {
 }
 
 TEST(StepDisplayTest, ExactModeRejectsOutOfRangeValues) {
-  StepDisplay d(0, 0, /*exact=*/true);
+  StepDisplay d(0, 0, GradPrecision::kExact);
   ASSERT_TRUE(d.RegisterTerm("ce").ok());
   absl::Status s = d.AddBackwardTerm("ce", std::ldexp(1.0, 60));
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
@@ -245,7 +245,7 @@ TEST(StepDisplayTest, ExactModeRejectsOutOfRangeValues) {
 
 TEST(StepDisplayTest, MixedExactAndF64RanksFail) {
   auto statuses = ::gradsum::testing::RunRanksPerRank(2, [&](Communicator& comm) -> absl::Status {
-    StepDisplay d(0, 0, /*exact=*/comm.rank() == 0);
+    StepDisplay d(0, 0, comm.rank() == 0 ? GradPrecision::kExact : GradPrecision::kF32);
     GRADSUM_RETURN_IF_ERROR(d.RegisterTerm("ce"));
     GRADSUM_RETURN_IF_ERROR(d.AddBackwardTerm("ce", 1.0));
     return d.Reduce(comm).status();

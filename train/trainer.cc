@@ -69,8 +69,10 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   adam.weight_decay = config.optim().weight_decay();
   GRADSUM_ASSIGN_OR_RETURN(trainer->optimizer_,
                            ShardedAdamW::Create(trainer->model_->groups(), adam));
+  // The display sums exactly when the gradients are exact: the precision the model was
+  // built with (BuildModel chose it once from the config).
   trainer->display_ = losses::StepDisplay(config.model().layers(), config.model().experts(),
-                                          /*exact=*/config.precision().reproducible());
+                                          trainer->model_->options().parallel.precision);
   GRADSUM_RETURN_IF_ERROR(MoeLm::RegisterDisplayTerms(&trainer->display_));
   // Rank-local start-up work (the data loader, the checkpoint directory): every rank learns
   // at once if any rank failed, with that rank's message.
