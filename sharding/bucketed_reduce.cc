@@ -41,7 +41,7 @@ absl::StatusOr<std::unique_ptr<BucketedGradReducer>> BucketedGradReducer::Create
   options.mode = GradBucketerOptions::Mode::kAllReduce;
   options.bucket_cap_bytes = bucket_cap_bytes;
   options.first_bucket_cap_bytes = first_bucket_cap_bytes;
-  if (device != nullptr && groups[0]->unit_grad().carries_rejected_count()) {
+  if (device != nullptr && IsExact(groups[0]->precision())) {
     return absl::UnimplementedError(absl::StrCat(
         "BucketedGradReducer: exact gradients (group \"", groups[0]->name(),
         "\") are reduced in host buckets only"));
@@ -63,7 +63,7 @@ absl::StatusOr<std::unique_ptr<BucketedGradReducer>> BucketedGradReducer::Create
   std::unique_ptr<BucketedGradReducer> r(new BucketedGradReducer(comm, options));
   r->device_ = device != nullptr;
   for (size_t gi = 0; gi < groups.size(); ++gi) {
-    FlatParam* g = groups[gi];
+    const FlatParam* g = groups[gi];
     const UnitGrad& grad = g->unit_grad();
     std::vector<int> ids;
     for (int k = 0; k < g->num_params(); ++k) {
@@ -117,7 +117,9 @@ absl::Status BucketedGradReducer::GroupReady(int index) {
     const FlatParamEntry& e = g.entries()[k];
     const int id = param_ids_[index][k];
     // Device buckets: the gradient is already in the bucket view.
-    if (!device_) GRADSUM_RETURN_IF_ERROR(grad.ToWire(e.offset, e.numel, bucketer_.grad(id).raw()));
+    if (!device_) {
+      GRADSUM_RETURN_IF_ERROR(grad.ToWire(e.offset, e.numel, bucketer_.grad(id).raw()));
+    }
     GRADSUM_RETURN_IF_ERROR(bucketer_.MarkReady(id));
   }
   return absl::OkStatus();
@@ -138,7 +140,8 @@ absl::Status BucketedGradReducer::Finish() {
   // group's master_grad() (replicated: the full gradient, numel elements).
   std::vector<int64_t> rejected(groups_.size(), 0);
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
-    if (rejected_ids_[gi] >= 0) rejected[gi] = *bucketer_.grad(rejected_ids_[gi]).data<int64_t>();
+    const int id = rejected_ids_[gi];
+    if (id >= 0) rejected[gi] = *bucketer_.grad(id).data<int64_t>();
   }
   std::vector<uint64_t> staging;
   for (int b = 0; b < bucketer_.num_buckets(); ++b) {

@@ -281,6 +281,7 @@ class FlatParam {
   // UnitGrad::ToWire / FromWire). The FlatParam keeps the protocol: hand it over only
   // while no reduction of its own is in flight.
   UnitGrad& unit_grad() { return *grad_; }
+  const UnitGrad& unit_grad() const { return *grad_; }
 
  private:
   enum class UnshardState { kNone, kInFlight, kReady };

@@ -281,9 +281,10 @@ TEST(FlatParamTest, ShardedAndReplicatedAreBitIdentical) {
     for (const auto& [micro, dyadic] : {std::pair<int, bool>{1, false}, {4, true}}) {
       std::vector<std::vector<float>> sharded, replicated;
       std::vector<double> n1, n2;
-      ASSERT_TRUE(ReduceOnRanks(world, {ShardingMode::kSharded, GradPrecision::kF32, micro, dyadic},
-                                &sharded, &n1).ok());
-      ASSERT_TRUE(ReduceOnRanks(world, {ShardingMode::kReplicated, GradPrecision::kF32, micro, dyadic},
+      const GradPrecision f32 = GradPrecision::kF32;
+      ASSERT_TRUE(
+          ReduceOnRanks(world, {ShardingMode::kSharded, f32, micro, dyadic}, &sharded, &n1).ok());
+      ASSERT_TRUE(ReduceOnRanks(world, {ShardingMode::kReplicated, f32, micro, dyadic},
                                 &replicated, &n2).ok());
       const std::vector<float> a = Concat(sharded), b = Concat(replicated);
       ASSERT_EQ(a.size(), b.size());
@@ -303,7 +304,8 @@ TEST(FlatParamTest, Bf16ReduceIsARealSumWithinBf16Rounding) {
       std::vector<std::vector<float>> owned32, owned16;
       std::vector<double> n;
       ASSERT_TRUE(ReduceOnRanks(world, {mode, GradPrecision::kF32, 1, false}, &owned32, &n).ok());
-      ASSERT_TRUE(ReduceOnRanks(world, {mode, GradPrecision::kBF16Wire, 1, false}, &owned16, &n).ok());
+      ASSERT_TRUE(
+          ReduceOnRanks(world, {mode, GradPrecision::kBF16Wire, 1, false}, &owned16, &n).ok());
       const std::vector<float> f32 = Concat(owned32), bf16 = Concat(owned16);
       size_t i = 0;
       for (const ParamSpec& p : DenseSpecs()) {
