@@ -117,7 +117,7 @@ absl::Status WriteDump(const TrainConfig& config, int rank, const NamedParams& w
   j.set_valid_tokens(record.valid_tokens());
   j.set_routed_tokens(record.routed_tokens());
   j.set_config(ConfigToShortText(config));
-  GRADSUM_ASSIGN_OR_RETURN(std::string text, ProtoToJson(j));
+  GRADSUM_ASSIGN_OR_RETURN(std::string text, ProtoToJson(j, {.int64_as_numbers = true}));
   return WriteFileAtomically(absl::StrCat(dir, "/losses.json"), text + "\n");
 }
 

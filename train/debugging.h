@@ -10,7 +10,8 @@
 //                                    sample_ids [batch, seq_len] and sequence_ids [batch]
 //   weights.safetensors              the step's parameters (rank 0), MoeLmParamShapes
 //   grads.safetensors                the SUM-reduced gradients, before clipping (rank 0)
-//   losses.json                      DumpedLosses (train/metrics.proto), with the config
+//   losses.json                      DumpedLosses (train/metrics.proto), with the config;
+//                                    64-bit integers as JSON numbers, like --metrics
 
 #include <cstdint>
 #include <string>
