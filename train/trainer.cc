@@ -9,6 +9,7 @@
 #include "absl/time/clock.h"
 #include "collectives/status_agreement.h"
 #include "core/status.h"
+#include "io/path_checks.h"
 #include "sharding/grad_norm.h"
 #include "train/checkpointing.h"
 #include "train/config.h"
@@ -39,7 +40,12 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   // Ranks launched separately must agree on every setting and on the data before anything
   // else is collective.
   // The data file is read once: its loaded bytes give the fingerprint the ranks compare.
-  absl::StatusOr<std::shared_ptr<const DocumentSource>> corpus = MakeCorpus(config.data());
+  // Its path is checked first, since opening a FIFO would block.
+  const absl::Status data_path = config.data().path().empty()
+                                     ? absl::OkStatus()
+                                     : CheckInputFile("--data", config.data().path());
+  absl::StatusOr<std::shared_ptr<const DocumentSource>> corpus =
+      data_path.ok() ? MakeCorpus(config.data()) : data_path;
   GRADSUM_RETURN_IF_ERROR(CheckRanksAgree(config, corpus, world));
   auto trainer = std::unique_ptr<Trainer>(new Trainer());
   trainer->corpus_ = *std::move(corpus);

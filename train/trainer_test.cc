@@ -5,6 +5,7 @@
 #include <functional>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
@@ -20,6 +21,7 @@
 #include "testing/run_ranks.h"
 #include "train/checkpointing.h"
 #include "train/config.h"
+#include "train/debugging.h"
 #include "train/metrics.pb.h"
 #include "train/moe_lm.h"
 #include "train/rank_main.h"
@@ -437,6 +439,32 @@ TEST(TrainerTest, InitFromRefusesAFileOfAnotherModel) {
   EXPECT_THAT((*out)[0].status.message(),
               HasSubstr("checkpoint.init_from=" + dir +
                         "/missing.safetensors: cannot be combined with checkpoint.resume"));
+}
+
+// NaN or infinite values are refused when the file is loaded, on every rank, naming the
+// file, the tensor and the first such element, before any step (they used to surface at
+// step 1 as a router logit "not finite").
+TEST(TrainerTest, InitFromRefusesNonFiniteValuesWhenLoaded) {
+  const std::string dir = ::testing::TempDir() + "/init_nan";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  TrainConfig config = TinyConfig(2, 2, 1, TrainConfig::fsdp);
+  NamedParams init = MoeLm::InitialParameters(config.model(), 7);
+  std::vector<float>& router = init.at("layers.0.router");  // [D=8, E=4]
+  router[6] = std::numeric_limits<float>::quiet_NaN();       // [1, 2]
+  router[10] = std::numeric_limits<float>::infinity();
+  const std::string path = dir + "/nan.safetensors";
+  ASSERT_TRUE(WriteParamsFile(path, config.model(), init, 3).ok());
+  config.mutable_checkpoint()->set_init_from(path);
+  auto out = RunInProcess(config);
+  ASSERT_TRUE(out.ok());
+  for (const RankOutcome& r : *out) {
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kDataLoss) << r.status;
+    EXPECT_THAT(r.status.message(),
+                HasSubstr("--init_from=" + path + ": tensor \"layers.0.router\" holds 2 "
+                          "non-finite values of 32, the first nan at [1,2]"));
+    EXPECT_TRUE(r.history.empty());
+  }
 }
 
 // A commit marker without the config that wrote it proves nothing about the data stream
