@@ -12,6 +12,7 @@
 #include "absl/time/clock.h"
 #include "collectives/status_agreement.h"
 #include "core/status.h"
+#include "io/atomic_file.h"
 #include "sharding/checkpoint.h"
 #include "train/config.h"
 
@@ -93,6 +94,67 @@ std::string MeshText(const TrainConfig& c) {
 }
 
 }  // namespace
+
+absl::StatusOr<OwnedCheckpointDir> TakeCheckpointDir(const CheckpointConfig& config) {
+  const std::string& dir = config.dir();
+  const std::string name = absl::StrCat("--checkpoint_dir=", dir);
+  OwnedCheckpointDir owned;
+  absl::StatusOr<DirLock> lock = DirLock::Acquire(dir, kCheckpointLockFile);
+  if (lock.status().code() == absl::StatusCode::kFailedPrecondition) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(name, " is in use by another run: ", lock.status().message(),
+                     "; wait for that run to end, or choose another --checkpoint_dir"));
+  }
+  if (!lock.ok()) return Annotate(lock.status(), name);
+  owned.lock = *std::move(lock);
+  if (config.resume()) return owned;  // it continues the run whose checkpoints are there
+
+  std::vector<int64_t> complete, incomplete;
+  for (const auto& [step, done] : CheckpointSteps(dir)) {
+    (done ? complete : incomplete).push_back(step);
+  }
+  std::sort(complete.begin(), complete.end());
+  if (complete.empty() && (incomplete.empty() || !config.overwrite())) return owned;
+  std::string run, steps;
+  if (!complete.empty()) {
+    const int64_t newest = complete.back();
+    absl::StatusOr<CheckpointInfo> info = ReadCheckpointInfo(CheckpointPath(dir, newest));
+    if (!info.ok()) {
+      run = absl::StrCat("a run whose newest commit marker does not read (",
+                         info.status().message(), ")");
+    } else {
+      auto id = info->extra.find(kRunId);
+      run = id == info->extra.end() || id->second.empty() ? "a run without a run id"
+                                                           : absl::StrCat("run ", id->second);
+    }
+    steps = complete.size() == 1 ? absl::StrCat("step ", newest)
+                                 : absl::StrCat(complete.size(), " checkpoints, steps ",
+                                                complete.front(), " to ", newest);
+  }
+  if (!config.overwrite()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        name, " holds the checkpoints of ", run, " (", steps,
+        "); --resume continues that run, --overwrite_checkpoints replaces it (removing its "
+        "checkpoints first), or choose another --checkpoint_dir"));
+  }
+  std::vector<int64_t> all = complete;
+  all.insert(all.end(), incomplete.begin(), incomplete.end());
+  for (int64_t step : all) {
+    std::error_code ec;
+    fs::remove_all(CheckpointPath(dir, step), ec);
+    if (ec) {
+      return ErrnoStatus(ec.value(), absl::StrCat(name, ": --overwrite_checkpoints: cannot remove ",
+                                                  CheckpointPath(dir, step)));
+    }
+  }
+  owned.note = absl::StrCat("--overwrite_checkpoints: removed from ", dir, " ");
+  if (!complete.empty()) absl::StrAppend(&owned.note, "the checkpoints of ", run, " (", steps, ")");
+  if (!incomplete.empty()) {
+    absl::StrAppend(&owned.note, complete.empty() ? "" : " and ", incomplete.size(),
+                    " incomplete save(s)");
+  }
+  return owned;
+}
 
 std::string CheckpointPath(const std::string& checkpoint_dir, int64_t step) {
   return absl::StrFormat("%s/step-%08d", checkpoint_dir, step);

@@ -6,6 +6,13 @@
 // (sharding/checkpoint.h), and resuming.
 //
 //   checkpoint.dir/step-NNNNNNNN/   one save; complete once it has its commit marker
+//   checkpoint.dir/moe_lm.lock      the lock of the run that owns the directory
+//
+// A run owns its checkpoint directory (TakeCheckpointDir): rank 0 holds the lock file's
+// flock for the run's life (io/dir_lock.h; the kernel drops it when the process ends), so a
+// second run on the directory is refused at start-up naming the holder's pid and host; and
+// a fresh run into a directory with another run's checkpoints is refused naming that run,
+// unless checkpoint.overwrite removes them first (a resume continues the run instead).
 //
 // The marker's `extra` holds the run's record: "config" (ConfigToShortText of the config
 // that wrote it), "run_id" (drawn by a fresh run, kept by every resume), and the data
@@ -29,11 +36,31 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "collectives/communicator.h"
+#include "io/dir_lock.h"
 #include "sharding/adamw.h"
 #include "train/config.pb.h"
 #include "train/data.h"
 
 namespace gradsum::train {
+
+// The lock file in checkpoint.dir that makes a run its owner.
+inline constexpr char kCheckpointLockFile[] = "moe_lm.lock";
+
+// A checkpoint directory taken by this run: its lock, and what was done to take it.
+struct OwnedCheckpointDir {
+  DirLock lock;      // held until this goes
+  std::string note;  // "--overwrite_checkpoints: removed ..." when it removed something
+};
+
+// Rank 0's start-up work on `config.dir` (which must exist), before anything reads or
+// writes in it: takes its lock, FailedPrecondition "--checkpoint_dir=D is in use by another
+// run: held by pid P on host H since T ..." if another process holds it; then, unless
+// `config.resume()`, looks for complete checkpoints: FailedPrecondition naming the run id
+// of the newest and the steps there, or with `config.overwrite()` removes every
+// step-NNNNNNNN directory (complete or not) and says so in the note. A read-only file
+// system, a missing permission or a file system without locks: the errno status naming the
+// lock file. Rank-local; the caller agrees on the outcome.
+absl::StatusOr<OwnedCheckpointDir> TakeCheckpointDir(const CheckpointConfig& config);
 
 // The directory of the checkpoint after `step` inside `checkpoint_dir`.
 std::string CheckpointPath(const std::string& checkpoint_dir, int64_t step);

@@ -482,6 +482,14 @@ absl::Status ValidateConfig(const TrainConfig& c) {
     return Bad("checkpoint.init_from", k.init_from(),
                "cannot be combined with checkpoint.resume (the checkpoint holds the parameters)");
   }
+  if (k.overwrite() && k.resume()) {
+    return Bad("checkpoint.overwrite", "true",
+               "cannot be combined with checkpoint.resume (resume continues the run in "
+               "checkpoint.dir, overwrite replaces it)");
+  }
+  if (k.overwrite() && k.dir().empty()) {
+    return Bad("checkpoint.overwrite", "true", "needs checkpoint.dir");
+  }
   if (k.every() > 0 && k.dir().empty()) {
     return Bad("checkpoint.every", StrCat(k.every()), "needs checkpoint.dir");
   }

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <filesystem>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -59,6 +58,10 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
                                                                           : 1);
   trainer->comms_ = comms;
   if (trainer->comms_.timer == nullptr) trainer->comms_.timer = std::make_shared<CommTimer>();
+  trainer->fresh_start_ = !config.checkpoint().resume();
+  // Every destination before anything is built: a run whose results could not be written
+  // stops here, not after its steps.
+  GRADSUM_RETURN_IF_ERROR(trainer->PrepareOutputs());
 
   GRADSUM_ASSIGN_OR_RETURN(trainer->model_, BuildModel(trainer->config_, trainer->comms_));
   const std::string& init_from = config.checkpoint().init_from();
@@ -78,17 +81,16 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   trainer->display_ = losses::StepDisplay(config.model().layers(), config.model().experts(),
                                           /*exact=*/config.precision().reproducible());
   GRADSUM_RETURN_IF_ERROR(MoeLm::RegisterDisplayTerms(&trainer->display_));
-  // Rank-local start-up work (the data loader, the checkpoint directory): every rank learns
-  // at once if any rank failed, with that rank's message.
+  // Rank-local start-up work (the data loader): every rank learns at once if any rank
+  // failed, with that rank's message.
   GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world, trainer->PrepareLocal(), "start-up"));
   if (config.checkpoint().resume()) {
     GRADSUM_ASSIGN_OR_RETURN(
         ResumedRun resumed,
         ResumeRun(trainer->config_, world, *trainer->optimizer_, *trainer->loader_));
     trainer->step_ = resumed.step;
-    trainer->fresh_start_ = false;
     trainer->run_id_ = std::move(resumed.run_id);
-    trainer->resume_note_ = std::move(resumed.note);
+    trainer->start_notes_.push_back(std::move(resumed.note));
   } else {
     GRADSUM_ASSIGN_OR_RETURN(trainer->run_id_, NewRunId(world));
   }
@@ -102,14 +104,44 @@ absl::Status Trainer::PrepareLocal() {
       RankDataLoader::Create(corpus_, config_.data(), world().rank(), world().size(),
                              config_.parallelism().sp()));
   loader_ = std::make_unique<RankDataLoader>(std::move(loader));
-  const std::string& dir = config_.checkpoint().dir();
-  if (!dir.empty()) {
-    std::error_code ec;
-    std::filesystem::create_directories(dir, ec);
-    if (ec) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("checkpoint_dir=", dir, ": cannot create: ", ec.message()));
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::PrepareOutputs() {
+  const CheckpointConfig& checkpoint = config_.checkpoint();
+  // The checkpoint directory first: while another run owns it, nothing else of this run
+  // may touch a file (not even truncate a --metrics file the other run may share).
+  if (!checkpoint.dir().empty()) {
+    absl::Status local = PrepareOutputDir("--checkpoint_dir", checkpoint.dir());
+    if (local.ok() && is_rank0()) {
+      absl::StatusOr<OwnedCheckpointDir> owned = TakeCheckpointDir(checkpoint);
+      if (owned.ok()) {
+        checkpoint_lock_ = std::move(owned->lock);
+        if (!owned->note.empty()) start_notes_.push_back(std::move(owned->note));
+      }
+      local = owned.status();
     }
+    GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world(), local, "--checkpoint_dir"));
+  }
+  if (!config_.log().metrics().empty()) {
+    absl::Status local = absl::OkStatus();
+    if (is_rank0()) {
+      absl::StatusOr<MetricsFile> opened =
+          MetricsFile::Open(config_.log().metrics(), /*append=*/!fresh_start_);
+      if (opened.ok()) metrics_ = std::move(*opened);
+      local = opened.status();
+    }
+    GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world(), local, "--metrics"));
+  }
+  if (!checkpoint.export_path().empty()) {
+    GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(
+        world(),
+        is_rank0() ? CheckOutputFile("--export", checkpoint.export_path()) : absl::OkStatus(),
+        "--export"));
+  }
+  if (fresh_start_ && !config_.debug().dump_dir().empty()) {  // written after step 1
+    GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(
+        world(), PrepareOutputDir("--dump_dir", config_.debug().dump_dir()), "--dump_dir"));
   }
   return absl::OkStatus();
 }
@@ -281,16 +313,12 @@ absl::Status Trainer::RunFirstStepChecks(const NamedParams& weights,
 absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
   const int64_t first_step = step_ + 1;
   const int64_t steps = config_.optim().steps();
-  if (log != nullptr && !resume_note_.empty()) *log << resume_note_ << std::endl;
+  if (log != nullptr) {
+    for (const std::string& note : start_notes_) *log << note << std::endl;
+  }
   // Rank-local failures (the metrics file, the fault hook) are agreed on at each step
   // boundary: every rank stops together with the failing rank's message.
-  MetricsFile metrics;
   absl::Status local = absl::OkStatus();
-  if (is_rank0() && !config_.log().metrics().empty()) {
-    absl::StatusOr<MetricsFile> opened = MetricsFile::Open(config_.log().metrics(), !fresh_start_);
-    if (opened.ok()) metrics = std::move(*opened);
-    local = opened.status();
-  }
   while (true) {
     if (local.ok() && step_ < steps) local = MaybeInjectFault(world().rank(), step_ + 1);
     GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(
@@ -298,9 +326,9 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
     if (step_ >= steps) break;
     GRADSUM_ASSIGN_OR_RETURN(const StepMetrics r, Step());
     if (log != nullptr) *log << StepLogLine(r, steps) << std::endl;
-    if (metrics.is_open()) {
+    if (metrics_.is_open()) {
       absl::StatusOr<std::string> line = StepJsonLine(r);
-      local = line.ok() ? metrics.WriteLine(*line) : line.status();
+      local = line.ok() ? metrics_.WriteLine(*line) : line.status();
     }
     // After the step's log lines, so a run killed right after a checkpoint has logged
     // every step the checkpoint covers.
@@ -319,7 +347,7 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
       }
     }
   }
-  GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world(), metrics.Close(), "--metrics"));
+  GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world(), metrics_.Close(), "--metrics"));
   const std::string& export_path = config_.checkpoint().export_path();
   if (!export_path.empty()) {
     GRADSUM_ASSIGN_OR_RETURN(NamedParams params, model_->GatherFull(/*grads=*/false));

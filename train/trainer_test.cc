@@ -1,5 +1,7 @@
 #include "train/trainer.h"
 
+#include <unistd.h>
+
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -7,12 +9,14 @@
 #include <fstream>
 #include <limits>
 #include <sstream>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "io/atomic_file.h"
+#include "io/dir_lock.h"
 #include "io/fingerprint.h"
 #include "io/proto_json.h"
 #include "io/safetensors.h"
@@ -231,6 +235,66 @@ TEST(TrainerTest, ResumeRefusesAnotherDataStreamButAllowsNewOptimizerSettings) {
   ASSERT_TRUE((*d)[0].status.ok()) << (*d)[0].status;
   ASSERT_EQ((*d)[0].history.size(), 1u);
   EXPECT_EQ((*d)[0].history[0].step(), 3);
+}
+
+// A run owns its checkpoint directory. A fresh run into a directory with another run's
+// checkpoints is refused on every rank, naming that run, and changes nothing there;
+// --overwrite_checkpoints removes them first; while a process holds the directory's lock,
+// any run on it is refused at start-up naming the holder's pid.
+TEST(TrainerTest, ARunOwnsItsCheckpointDirectory) {
+  const std::string dir = ::testing::TempDir() + "/ckpt_owner";
+  std::filesystem::remove_all(dir);
+  TrainConfig first = TinyConfig(2, 2, 1, TrainConfig::fsdp);
+  first.mutable_optim()->set_steps(4);
+  first.mutable_checkpoint()->set_dir(dir);
+  first.mutable_checkpoint()->set_every(2);
+  auto a = RunInProcess(first);
+  ASSERT_TRUE(a.ok() && (*a)[0].status.ok()) << (*a)[0].status;
+  absl::StatusOr<CheckpointInfo> marker = ReadCheckpointInfo(CheckpointPath(dir, 4));
+  ASSERT_TRUE(marker.ok()) << marker.status();
+  const std::string run_id = marker->extra.at("run_id");
+  absl::StatusOr<std::string> marker_text = ReadFileToString(CheckpointPath(dir, 4) + "/checkpoint.json");
+  ASSERT_TRUE(marker_text.ok());
+
+  TrainConfig fresh = first;
+  fresh.mutable_optim()->set_steps(2);
+  auto b = RunInProcess(fresh);
+  ASSERT_TRUE(b.ok());
+  for (const RankOutcome& r : *b) {
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kFailedPrecondition) << r.status;
+    EXPECT_THAT(r.status.message(),
+                HasSubstr("--checkpoint_dir=" + dir + " holds the checkpoints of run " + run_id +
+                          " (2 checkpoints, steps 2 to 4); --resume continues that run, "
+                          "--overwrite_checkpoints replaces it"));
+    EXPECT_TRUE(r.history.empty());
+  }
+  EXPECT_EQ(*ReadFileToString(CheckpointPath(dir, 4) + "/checkpoint.json"), *marker_text);
+
+  // Another holder of the lock (this process, through its own open of the file).
+  {
+    absl::StatusOr<DirLock> other = DirLock::Acquire(dir, kCheckpointLockFile);
+    ASSERT_TRUE(other.ok()) << other.status();
+    TrainConfig resume = first;
+    resume.mutable_checkpoint()->set_resume(true);
+    resume.mutable_optim()->set_steps(6);
+    auto c = RunInProcess(resume);
+    ASSERT_TRUE(c.ok());
+    for (const RankOutcome& r : *c) {
+      EXPECT_EQ(r.status.code(), absl::StatusCode::kFailedPrecondition) << r.status;
+      EXPECT_THAT(r.status.message(),
+                  HasSubstr("--checkpoint_dir=" + dir + " is in use by another run: held by pid " +
+                            std::to_string(::getpid()) + " on host "));
+    }
+  }
+
+  TrainConfig overwrite = fresh;
+  overwrite.mutable_checkpoint()->set_overwrite(true);
+  auto d = RunInProcess(overwrite);
+  ASSERT_TRUE(d.ok() && (*d)[0].status.ok()) << (*d)[0].status;
+  EXPECT_FALSE(std::filesystem::exists(CheckpointPath(dir, 4)));
+  absl::StatusOr<CheckpointInfo> replaced = ReadCheckpointInfo(CheckpointPath(dir, 2));
+  ASSERT_TRUE(replaced.ok()) << replaced.status();
+  EXPECT_NE(replaced->extra.at("run_id"), run_id);
 }
 
 // Rank 0's step records of `config` run in process (every rank must succeed).
