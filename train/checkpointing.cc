@@ -6,9 +6,11 @@
 #include <random>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "collectives/status_agreement.h"
 #include "core/status.h"
@@ -83,6 +85,48 @@ absl::Status RestoreDataPosition(const CheckpointInfo& info, const std::string& 
         step, " steps of ", GlobalBatch(config), " sequences"));
   }
   return loader.Seek(position);
+}
+
+// The fields of `saved` that the checkpoint fixes (kCheckpointFixedFields) set in `config`;
+// returns "model.seed=1 (this run gave 9)" for each that differed, joined, or "".
+std::string TakeFixedFields(const TrainConfig& saved, TrainConfig* config) {
+  std::vector<FieldOverride> taken;
+  std::vector<std::string> differed;
+  const std::vector<FieldOverride> mine = ConfigFields(*config);
+  for (const FieldOverride& f : ConfigFields(saved)) {
+    if (std::find(std::begin(kCheckpointFixedFields), std::end(kCheckpointFixedFields),
+                  f.path) == std::end(kCheckpointFixedFields)) {
+      continue;
+    }
+    auto it = std::find_if(mine.begin(), mine.end(),
+                           [&](const FieldOverride& m) { return m.path == f.path; });
+    if (it == mine.end() || it->value == f.value) continue;
+    differed.push_back(absl::StrCat(f.path, "=", f.value, " (this run gave ", it->value, ")"));
+    taken.push_back(f);
+  }
+  // Values printed from a config of the same type parse back.
+  if (!ApplyOverrides(taken, config).ok()) return "";
+  return absl::StrJoin(differed, ", ");
+}
+
+// "optim.lr 0.01 -> 0.003, ..." for the settings of the optimizer, the loss and the
+// precision (what shapes the training from here on) that differ from the checkpoint's, but
+// the step count, which a resume is for.
+std::string ChangedSettings(const TrainConfig& saved, const TrainConfig& config) {
+  const std::vector<FieldOverride> now = ConfigFields(config);
+  std::vector<std::string> changed;
+  for (const FieldOverride& f : ConfigFields(saved)) {
+    const bool shapes_training = absl::StartsWith(f.path, "optim.") ||
+                                 absl::StartsWith(f.path, "loss.") ||
+                                 absl::StartsWith(f.path, "precision.");
+    if (!shapes_training || f.path == "optim.steps") continue;
+    auto it = std::find_if(now.begin(), now.end(),
+                           [&](const FieldOverride& n) { return n.path == f.path; });
+    if (it != now.end() && it->value != f.value) {
+      changed.push_back(absl::StrCat(f.path, " ", f.value, " -> ", it->value));
+    }
+  }
+  return absl::StrJoin(changed, ", ");
 }
 
 // The mesh a resume line names: "world=2 ep=2 grad_acc=2 sharding=fsdp layers_per_unit=1".
@@ -283,6 +327,8 @@ absl::StatusOr<ResumedRun> ResumeRun(const TrainConfig& config, Communicator& wo
   run.step = info.step;
   run.run_id = run_id->second;
   run.note = absl::StrCat("resumed from step ", info.step, " of run ", run.run_id, " in ", dir);
+  run.config = config;
+  const std::string taken = TakeFixedFields(*saved, &run.config);
   if (world.rank() == 0) {
     const std::vector<int64_t> skipped = IncompleteCheckpointsAfter(checkpoint_dir, step);
     int removed = 0;
@@ -298,6 +344,13 @@ absl::StatusOr<ResumedRun> ResumeRun(const TrainConfig& config, Communicator& wo
       MarkAgreed(RestoreDataPosition(info, dir, config, run.step, loader)));
   if (MeshText(*saved) != MeshText(config)) {
     absl::StrAppend(&run.note, "; resharded from ", MeshText(*saved), " to ", MeshText(config));
+  }
+  if (!taken.empty()) {
+    absl::StrAppend(&run.note, "; taken from the checkpoint, which holds the parameters they "
+                    "initialised: ", taken);
+  }
+  if (const std::string changed = ChangedSettings(*saved, config); !changed.empty()) {
+    absl::StrAppend(&run.note, "; changed since the checkpoint: ", changed);
   }
   return run;
 }

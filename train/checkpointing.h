@@ -92,13 +92,24 @@ absl::Status SaveRunCheckpoint(const TrainConfig& config, Communicator& world,
 struct ResumedRun {
   int64_t step = 0;    // steps done
   std::string run_id;  // the run's id, kept
-  // "resumed from step S of run R in DIR", with the incomplete newer saves it skipped and
-  // the mesh it was resharded from, if any: the line Trainer::Run logs.
+  // "resumed from step S of run R in DIR", with the incomplete newer saves it skipped, the
+  // mesh it was resharded from, the fields taken from the checkpoint and the settings that
+  // changed since, if any: the line Trainer::Run logs.
   std::string note;
+  // The run's config from now on: the one given, with the fields the checkpoint fixes
+  // (kCheckpointFixedFields) taken from the saved config.
+  TrainConfig config;
 };
 
+// The fields that only decide the initial parameters, which a resume takes from the
+// checkpoint along with the parameters: a resumed run uses the saved values (its log says
+// so when the command line gave others), and records them in its own checkpoints. The
+// model's shape and the data stream are fixed too, but must match (CheckResumeCompatible).
+inline constexpr const char* kCheckpointFixedFields[] = {"model.seed", "model.init_std"};
+
 // Resumes from the latest complete checkpoint in config.checkpoint().dir(): rank 0 picks
-// it, every rank checks the saved config (CheckResumeCompatible), loads the parameters and
+// it, every rank checks the saved config (CheckResumeCompatible), takes the fields the
+// checkpoint fixes from it (kCheckpointFixedFields), loads the parameters and
 // both AdamW moments into `optimizer` on this mesh (resharding), and seeks `loader` to the
 // recorded data position (DataLoss if it is not the end of `step` steps of the global
 // batch; a checkpoint without a position replays the stream). Rank 0 removes the

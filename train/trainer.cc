@@ -91,6 +91,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
     trainer->step_ = resumed.step;
     trainer->run_id_ = std::move(resumed.run_id);
     trainer->start_notes_.push_back(std::move(resumed.note));
+    trainer->config_ = std::move(resumed.config);
   } else {
     GRADSUM_ASSIGN_OR_RETURN(trainer->run_id_, NewRunId(world));
   }

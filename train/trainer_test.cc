@@ -297,6 +297,29 @@ TEST(TrainerTest, ARunOwnsItsCheckpointDirectory) {
   EXPECT_NE(replaced->extra.at("run_id"), run_id);
 }
 
+// A resume takes the fields that only decide the initial parameters (the seed, init_std)
+// from the checkpoint, which holds those parameters, and records them in its own saves.
+TEST(TrainerTest, ResumeTakesTheSeedFromTheCheckpoint) {
+  const std::string dir = ::testing::TempDir() + "/ckpt_seed";
+  std::filesystem::remove_all(dir);
+  TrainConfig first = TinyConfig(2, 2, 1, TrainConfig::fsdp);
+  first.mutable_optim()->set_steps(2);
+  first.mutable_checkpoint()->set_dir(dir);
+  auto a = RunInProcess(first);
+  ASSERT_TRUE(a.ok() && (*a)[0].status.ok()) << (*a)[0].status;
+  TrainConfig resume = first;
+  resume.mutable_checkpoint()->set_resume(true);
+  resume.mutable_optim()->set_steps(3);
+  resume.mutable_model()->set_seed(first.model().seed() + 8);
+  auto b = RunInProcess(resume);
+  ASSERT_TRUE(b.ok() && (*b)[0].status.ok()) << (*b)[0].status;
+  absl::StatusOr<CheckpointInfo> after = ReadCheckpointInfo(CheckpointPath(dir, 3));
+  ASSERT_TRUE(after.ok()) << after.status();
+  absl::StatusOr<TrainConfig> saved = ParseConfigText(after->extra.at("config"));
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  EXPECT_EQ(saved->model().seed(), first.model().seed());
+}
+
 // Rank 0's step records of `config` run in process (every rank must succeed).
 std::vector<StepMetrics> TrainOrDie(const TrainConfig& config) {
   auto out = RunInProcess(config);
