@@ -10,19 +10,13 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "io/path_checks.h"
 
 namespace gradsum {
 namespace {
 
 absl::Status ErrnoError(int err, absl::string_view what, absl::string_view path) {
   return ErrnoStatus(err, absl::StrCat(what, " '", path, "'"));
-}
-
-std::string DirName(const std::string& path) {
-  const size_t slash = path.rfind('/');
-  if (slash == std::string::npos) return ".";
-  if (slash == 0) return "/";
-  return path.substr(0, slash);
 }
 
 absl::Status WriteAll(int fd, absl::string_view bytes, const std::string& path) {
@@ -49,6 +43,13 @@ absl::Status FsyncDir(const std::string& dir) {
 }
 
 }  // namespace
+
+std::string DirectoryOf(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
 
 absl::Status ErrnoStatus(int err, absl::string_view message) {
   char buf[256];
@@ -82,7 +83,7 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view byte
     ::unlink(tmp.c_str());
     return s;
   }
-  return FsyncDir(DirName(path));
+  return FsyncDir(DirectoryOf(path));
 }
 
 ReadOnlyFile& ReadOnlyFile::operator=(ReadOnlyFile&& other) noexcept {
@@ -101,12 +102,20 @@ ReadOnlyFile::~ReadOnlyFile() {
 
 absl::StatusOr<ReadOnlyFile> OpenRegularFile(const std::string& path) {
   ReadOnlyFile file;
-  file.fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: an open of a FIFO would otherwise wait for a writer, maybe forever. A
+  // regular file ignores the flag, and anything else is refused below.
+  file.fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
   if (file.fd_ < 0) return ErrnoError(errno, "open", path);
   struct stat st;
   if (::fstat(file.fd_, &st) != 0) return ErrnoError(errno, "stat", path);
   if (!S_ISREG(st.st_mode)) {
-    return absl::FailedPreconditionError(absl::StrCat("not a regular file: '", path, "'"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("not a regular file: '", path, "' is ",
+                     FileKindName(FileKindOfMode(st.st_mode))));
+  }
+  const int flags = ::fcntl(file.fd_, F_GETFL);
+  if (flags < 0 || ::fcntl(file.fd_, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    return ErrnoError(errno, "fcntl", path);
   }
   file.size_ = static_cast<uint64_t>(st.st_size);
   return file;

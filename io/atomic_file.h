@@ -32,10 +32,11 @@ absl::Status ErrnoStatus(int err, absl::string_view message);
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view bytes);
 
 // A file opened read-only, closed when the object goes. OpenRegularFile opens `path`
-// (O_RDONLY | O_CLOEXEC) and checks that it is a regular file: errors carry the errno code
-// and name the path; a directory, device, FIFO or socket is FailedPrecondition. The one
-// open/stat/check preamble of every reader in io/ (ReadFileToString, FingerprintFile, the
-// safetensors readers).
+// (O_RDONLY | O_CLOEXEC | O_NONBLOCK, so that a FIFO cannot block the open) and checks that
+// it is a regular file: errors carry the errno code and name the path; a directory, device,
+// FIFO or socket is FailedPrecondition "not a regular file: '<path>' is a FIFO (named
+// pipe)". The one open/stat/check preamble of every reader in io/ (ReadFileToString,
+// FingerprintFile, the safetensors readers).
 class ReadOnlyFile {
  public:
   ReadOnlyFile() = default;
@@ -56,6 +57,9 @@ class ReadOnlyFile {
   uint64_t size_ = 0;
 };
 absl::StatusOr<ReadOnlyFile> OpenRegularFile(const std::string& path);
+
+// The directory part of `path` ("." when it has none, "/" for a file at the root).
+std::string DirectoryOf(const std::string& path);
 
 // Reads the whole file. A file larger than `max_bytes` is OutOfRange naming its size
 // (guards against reading a wrong, huge path into memory). Errors name the path.

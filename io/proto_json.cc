@@ -8,6 +8,9 @@
 #include <google/protobuf/util/type_resolver.h>
 #include <google/protobuf/util/type_resolver_util.h>
 
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
 namespace gradsum {
@@ -25,9 +28,57 @@ pb::util::TypeResolver* GeneratedTypes() {
   return resolver;
 }
 
+using Json = nlohmann::ordered_json;  // keeps the members in protobuf's order
+
+void Int64ToNumbers(const pb::Descriptor* type, Json& object);
+
+// One value of field `f` (an element, for a repeated field): a 64-bit integer written as a
+// string becomes a number, a double a JSON float; a message is walked.
+void ValueToNumber(const pb::FieldDescriptor* f, Json& value) {
+  switch (f->cpp_type()) {
+    case pb::FieldDescriptor::CPPTYPE_INT64: {
+      int64_t v;
+      if (value.is_string() && absl::SimpleAtoi(value.get<std::string>(), &v)) value = v;
+      return;
+    }
+    case pb::FieldDescriptor::CPPTYPE_UINT64: {
+      uint64_t v;
+      if (value.is_string() && absl::SimpleAtoi(value.get<std::string>(), &v)) value = v;
+      return;
+    }
+    case pb::FieldDescriptor::CPPTYPE_DOUBLE:
+    case pb::FieldDescriptor::CPPTYPE_FLOAT:
+      // The mapping writes 2.0 as 2, which a reader would take for an integer.
+      if (value.is_number()) value = value.get<double>();
+      return;
+    case pb::FieldDescriptor::CPPTYPE_MESSAGE:
+      if (value.is_object()) Int64ToNumbers(f->message_type(), value);
+      return;
+    default:
+      return;
+  }
+}
+
+// The members of `object`, a message of `type` as the mapping wrote it (proto field names).
+void Int64ToNumbers(const pb::Descriptor* type, Json& object) {
+  for (auto& [name, value] : object.items()) {
+    const pb::FieldDescriptor* f = type->FindFieldByName(name);
+    if (f == nullptr) continue;
+    if (f->is_map()) {
+      const pb::FieldDescriptor* map_value = f->message_type()->map_value();
+      for (auto& [key, element] : value.items()) ValueToNumber(map_value, element);
+    } else if (f->is_repeated()) {
+      for (Json& element : value) ValueToNumber(f, element);
+    } else {
+      ValueToNumber(f, value);
+    }
+  }
+}
+
 }  // namespace
 
-absl::StatusOr<std::string> ProtoToJson(const pb::Message& message) {
+absl::StatusOr<std::string> ProtoToJson(const pb::Message& message,
+                                        const JsonWriteOptions& write_options) {
   // MessageToJsonString would print map entries in hash order; the binary form with
   // deterministic serialization sorts them, and the converter keeps that order.
   std::string binary;
@@ -50,7 +101,17 @@ absl::StatusOr<std::string> ProtoToJson(const pb::Message& message) {
     return absl::InternalError(absl::StrCat("cannot write a ", message.GetDescriptor()->full_name(),
                                             " as JSON: ", s.message().as_string()));
   }
-  return json;
+  if (!write_options.int64_as_numbers) return json;
+  // The mapping has no option for numbers: protobuf's text, re-read and rewritten. Parsing
+  // protobuf's own output cannot fail; dump() could only throw on invalid UTF-8, which
+  // protobuf has refused above.
+  Json tree = Json::parse(json, /*cb=*/nullptr, /*allow_exceptions=*/false);
+  if (tree.is_discarded()) {
+    return absl::InternalError(absl::StrCat("cannot re-read the JSON of a ",
+                                            message.GetDescriptor()->full_name()));
+  }
+  Int64ToNumbers(message.GetDescriptor(), tree);
+  return tree.dump();
 }
 
 absl::Status ProtoFromJson(absl::string_view text, pb::Message* message,

@@ -13,7 +13,8 @@
 // What the mapping means for readers of these files: members carry the proto field names;
 // int64 and uint64 values are JSON strings ("step": "1000"; the parser takes numbers
 // too), int32 and double values are numbers; a non-finite double is the string "NaN",
-// "Infinity" or "-Infinity".
+// "Infinity" or "-Infinity". Files that tools read as data (the --metrics JSONL) take
+// JsonWriteOptions::int64_as_numbers instead: 64-bit integers as JSON numbers.
 
 #include <string>
 
@@ -27,11 +28,21 @@ class Message;
 
 namespace gradsum {
 
+struct JsonWriteOptions {
+  // Write int64 and uint64 values as JSON numbers ("valid_tokens":4096), not the mapping's
+  // strings: for data that pandas, jq or a plotting script reads as numbers. ProtoFromJson
+  // reads either. Doubles are then written by nlohmann-json, always with a decimal point or
+  // an exponent ("2.0", "1e-05"), so a reader sees floats where the message has doubles
+  // (the mapping would write 2.0 as 2); the values are the same doubles.
+  bool int64_as_numbers = false;
+};
+
 // Compact JSON of `message` on one line: members in field-number order, map keys sorted
 // (protobuf's deterministic serialization), so equal messages give equal bytes; fields
 // with presence are written when set, also at their default value. Internal if protobuf
 // cannot print it (a string field that is not UTF-8, say).
-absl::StatusOr<std::string> ProtoToJson(const google::protobuf::Message& message);
+absl::StatusOr<std::string> ProtoToJson(const google::protobuf::Message& message,
+                                        const JsonWriteOptions& options = {});
 
 // Parses `text` into `message` (cleared first). Malformed JSON, a member of the wrong type
 // or out of range, a repeated member, or a member the message does not define (unless

@@ -1,5 +1,7 @@
 #include "io/proto_json.h"
 
+#include <cmath>
+#include <limits>
 #include <string>
 
 #include "gmock/gmock.h"
@@ -106,6 +108,42 @@ TEST(ProtoJsonTest, FirstMissingFieldNamesThePath) {
   EXPECT_EQ(FirstMissingField(m), "groups[1].params[0].offset");
   m.mutable_groups(1)->mutable_params(0)->set_offset(0);
   EXPECT_EQ(FirstMissingField(m), "");  // an empty repeated field is not missing
+}
+
+// For tools: 64-bit integers as JSON numbers wherever they are (nested, repeated, map
+// values), everything else as the mapping has it; doubles always look like floats; and
+// protobuf reads the result back to the same message.
+TEST(ProtoJsonTest, Int64AsNumbersForTools) {
+  pt::Record r;
+  r.set_step(3);
+  r.set_ce(2.0);
+  r.set_tokens(int64_t{1} << 40);
+  r.set_bytes(uint64_t{18446744073709551615u});
+  r.add_counts(-5);
+  r.add_counts(7);
+  r.add_maxvio(0.25);
+  r.set_lr(std::numeric_limits<double>::quiet_NaN());
+  r.mutable_param()->set_name("p");
+  r.mutable_param()->add_shape(3);
+  r.mutable_param()->set_offset(12);
+  (*r.mutable_totals())["b"] = 2;
+  (*r.mutable_totals())["a"] = 1;
+  absl::StatusOr<std::string> strings = ProtoToJson(r);
+  ASSERT_TRUE(strings.ok());
+  EXPECT_THAT(*strings, HasSubstr("\"tokens\":\"1099511627776\""));
+  absl::StatusOr<std::string> json = ProtoToJson(r, {.int64_as_numbers = true});
+  ASSERT_TRUE(json.ok()) << json.status();
+  EXPECT_EQ(*json,
+            "{\"step\":3,\"ce\":2.0,\"tokens\":1099511627776,\"bytes\":18446744073709551615,"
+            "\"counts\":[-5,7],\"maxvio\":[0.25],\"param\":{\"name\":\"p\",\"shape\":[3],"
+            "\"offset\":12},\"totals\":{\"a\":1,\"b\":2},\"lr\":\"NaN\"}");
+  pt::Record back;
+  ASSERT_TRUE(ProtoFromJson(*json, &back).ok());
+  EXPECT_EQ(back.tokens(), r.tokens());
+  EXPECT_EQ(back.bytes(), r.bytes());
+  EXPECT_EQ(back.param().shape(0), 3);
+  EXPECT_EQ(back.totals().at("b"), 2);
+  EXPECT_TRUE(std::isnan(back.lr()));
 }
 
 }  // namespace

@@ -6,12 +6,15 @@
 #include <random>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "collectives/status_agreement.h"
 #include "core/status.h"
+#include "io/atomic_file.h"
 #include "sharding/checkpoint.h"
 #include "train/config.h"
 
@@ -84,6 +87,48 @@ absl::Status RestoreDataPosition(const CheckpointInfo& info, const std::string& 
   return loader.Seek(position);
 }
 
+// The fields of `saved` that the checkpoint fixes (kCheckpointFixedFields) set in `config`;
+// returns "model.seed=1 (this run gave 9)" for each that differed, joined, or "".
+std::string TakeFixedFields(const TrainConfig& saved, TrainConfig* config) {
+  std::vector<FieldOverride> taken;
+  std::vector<std::string> differed;
+  const std::vector<FieldOverride> mine = ConfigFields(*config);
+  for (const FieldOverride& f : ConfigFields(saved)) {
+    if (std::find(std::begin(kCheckpointFixedFields), std::end(kCheckpointFixedFields),
+                  f.path) == std::end(kCheckpointFixedFields)) {
+      continue;
+    }
+    auto it = std::find_if(mine.begin(), mine.end(),
+                           [&](const FieldOverride& m) { return m.path == f.path; });
+    if (it == mine.end() || it->value == f.value) continue;
+    differed.push_back(absl::StrCat(f.path, "=", f.value, " (this run gave ", it->value, ")"));
+    taken.push_back(f);
+  }
+  // Values printed from a config of the same type parse back.
+  if (!ApplyOverrides(taken, config).ok()) return "";
+  return absl::StrJoin(differed, ", ");
+}
+
+// "optim.lr 0.01 -> 0.003, ..." for the settings of the optimizer, the loss and the
+// precision (what shapes the training from here on) that differ from the checkpoint's, but
+// the step count, which a resume is for.
+std::string ChangedSettings(const TrainConfig& saved, const TrainConfig& config) {
+  const std::vector<FieldOverride> now = ConfigFields(config);
+  std::vector<std::string> changed;
+  for (const FieldOverride& f : ConfigFields(saved)) {
+    const bool shapes_training = absl::StartsWith(f.path, "optim.") ||
+                                 absl::StartsWith(f.path, "loss.") ||
+                                 absl::StartsWith(f.path, "precision.");
+    if (!shapes_training || f.path == "optim.steps") continue;
+    auto it = std::find_if(now.begin(), now.end(),
+                           [&](const FieldOverride& n) { return n.path == f.path; });
+    if (it != now.end() && it->value != f.value) {
+      changed.push_back(absl::StrCat(f.path, " ", f.value, " -> ", it->value));
+    }
+  }
+  return absl::StrJoin(changed, ", ");
+}
+
 // The mesh a resume line names: "world=2 ep=2 grad_acc=2 sharding=fsdp layers_per_unit=1".
 std::string MeshText(const TrainConfig& c) {
   const ParallelismConfig& p = c.parallelism();
@@ -93,6 +138,67 @@ std::string MeshText(const TrainConfig& c) {
 }
 
 }  // namespace
+
+absl::StatusOr<OwnedCheckpointDir> TakeCheckpointDir(const CheckpointConfig& config) {
+  const std::string& dir = config.dir();
+  const std::string name = absl::StrCat("--checkpoint_dir=", dir);
+  OwnedCheckpointDir owned;
+  absl::StatusOr<DirLock> lock = DirLock::Acquire(dir, kCheckpointLockFile);
+  if (lock.status().code() == absl::StatusCode::kFailedPrecondition) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(name, " is in use by another run: ", lock.status().message(),
+                     "; wait for that run to end, or choose another --checkpoint_dir"));
+  }
+  if (!lock.ok()) return Annotate(lock.status(), name);
+  owned.lock = *std::move(lock);
+  if (config.resume()) return owned;  // it continues the run whose checkpoints are there
+
+  std::vector<int64_t> complete, incomplete;
+  for (const auto& [step, done] : CheckpointSteps(dir)) {
+    (done ? complete : incomplete).push_back(step);
+  }
+  std::sort(complete.begin(), complete.end());
+  if (complete.empty() && (incomplete.empty() || !config.overwrite())) return owned;
+  std::string run, steps;
+  if (!complete.empty()) {
+    const int64_t newest = complete.back();
+    absl::StatusOr<CheckpointInfo> info = ReadCheckpointInfo(CheckpointPath(dir, newest));
+    if (!info.ok()) {
+      run = absl::StrCat("a run whose newest commit marker does not read (",
+                         info.status().message(), ")");
+    } else {
+      auto id = info->extra.find(kRunId);
+      run = id == info->extra.end() || id->second.empty() ? "a run without a run id"
+                                                           : absl::StrCat("run ", id->second);
+    }
+    steps = complete.size() == 1 ? absl::StrCat("step ", newest)
+                                 : absl::StrCat(complete.size(), " checkpoints, steps ",
+                                                complete.front(), " to ", newest);
+  }
+  if (!config.overwrite()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        name, " holds the checkpoints of ", run, " (", steps,
+        "); --resume continues that run, --overwrite_checkpoints replaces it (removing its "
+        "checkpoints first), or choose another --checkpoint_dir"));
+  }
+  std::vector<int64_t> all = complete;
+  all.insert(all.end(), incomplete.begin(), incomplete.end());
+  for (int64_t step : all) {
+    std::error_code ec;
+    fs::remove_all(CheckpointPath(dir, step), ec);
+    if (ec) {
+      return ErrnoStatus(ec.value(), absl::StrCat(name, ": --overwrite_checkpoints: cannot remove ",
+                                                  CheckpointPath(dir, step)));
+    }
+  }
+  owned.note = absl::StrCat("--overwrite_checkpoints: removed from ", dir, " ");
+  if (!complete.empty()) absl::StrAppend(&owned.note, "the checkpoints of ", run, " (", steps, ")");
+  if (!incomplete.empty()) {
+    absl::StrAppend(&owned.note, complete.empty() ? "" : " and ", incomplete.size(),
+                    " incomplete save(s)");
+  }
+  return owned;
+}
 
 std::string CheckpointPath(const std::string& checkpoint_dir, int64_t step) {
   return absl::StrFormat("%s/step-%08d", checkpoint_dir, step);
@@ -221,6 +327,8 @@ absl::StatusOr<ResumedRun> ResumeRun(const TrainConfig& config, Communicator& wo
   run.step = info.step;
   run.run_id = run_id->second;
   run.note = absl::StrCat("resumed from step ", info.step, " of run ", run.run_id, " in ", dir);
+  run.config = config;
+  const std::string taken = TakeFixedFields(*saved, &run.config);
   if (world.rank() == 0) {
     const std::vector<int64_t> skipped = IncompleteCheckpointsAfter(checkpoint_dir, step);
     int removed = 0;
@@ -236,6 +344,13 @@ absl::StatusOr<ResumedRun> ResumeRun(const TrainConfig& config, Communicator& wo
       MarkAgreed(RestoreDataPosition(info, dir, config, run.step, loader)));
   if (MeshText(*saved) != MeshText(config)) {
     absl::StrAppend(&run.note, "; resharded from ", MeshText(*saved), " to ", MeshText(config));
+  }
+  if (!taken.empty()) {
+    absl::StrAppend(&run.note, "; taken from the checkpoint, which holds the parameters they "
+                    "initialised: ", taken);
+  }
+  if (const std::string changed = ChangedSettings(*saved, config); !changed.empty()) {
+    absl::StrAppend(&run.note, "; changed since the checkpoint: ", changed);
   }
   return run;
 }

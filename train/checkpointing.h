@@ -6,6 +6,13 @@
 // (sharding/checkpoint.h), and resuming.
 //
 //   checkpoint.dir/step-NNNNNNNN/   one save; complete once it has its commit marker
+//   checkpoint.dir/moe_lm.lock      the lock of the run that owns the directory
+//
+// A run owns its checkpoint directory (TakeCheckpointDir): rank 0 holds the lock file's
+// flock for the run's life (io/dir_lock.h; the kernel drops it when the process ends), so a
+// second run on the directory is refused at start-up naming the holder's pid and host; and
+// a fresh run into a directory with another run's checkpoints is refused naming that run,
+// unless checkpoint.overwrite removes them first (a resume continues the run instead).
 //
 // The marker's `extra` holds the run's record: "config" (ConfigToShortText of the config
 // that wrote it), "run_id" (drawn by a fresh run, kept by every resume), and the data
@@ -29,11 +36,31 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "collectives/communicator.h"
+#include "io/dir_lock.h"
 #include "sharding/adamw.h"
 #include "train/config.pb.h"
 #include "train/data.h"
 
 namespace gradsum::train {
+
+// The lock file in checkpoint.dir that makes a run its owner.
+inline constexpr char kCheckpointLockFile[] = "moe_lm.lock";
+
+// A checkpoint directory taken by this run: its lock, and what was done to take it.
+struct OwnedCheckpointDir {
+  DirLock lock;      // held until this goes
+  std::string note;  // "--overwrite_checkpoints: removed ..." when it removed something
+};
+
+// Rank 0's start-up work on `config.dir` (which must exist), before anything reads or
+// writes in it: takes its lock, FailedPrecondition "--checkpoint_dir=D is in use by another
+// run: held by pid P on host H since T ..." if another process holds it; then, unless
+// `config.resume()`, looks for complete checkpoints: FailedPrecondition naming the run id
+// of the newest and the steps there, or with `config.overwrite()` removes every
+// step-NNNNNNNN directory (complete or not) and says so in the note. A read-only file
+// system, a missing permission or a file system without locks: the errno status naming the
+// lock file. Rank-local; the caller agrees on the outcome.
+absl::StatusOr<OwnedCheckpointDir> TakeCheckpointDir(const CheckpointConfig& config);
 
 // The directory of the checkpoint after `step` inside `checkpoint_dir`.
 std::string CheckpointPath(const std::string& checkpoint_dir, int64_t step);
@@ -65,13 +92,24 @@ absl::Status SaveRunCheckpoint(const TrainConfig& config, Communicator& world,
 struct ResumedRun {
   int64_t step = 0;    // steps done
   std::string run_id;  // the run's id, kept
-  // "resumed from step S of run R in DIR", with the incomplete newer saves it skipped and
-  // the mesh it was resharded from, if any: the line Trainer::Run logs.
+  // "resumed from step S of run R in DIR", with the incomplete newer saves it skipped, the
+  // mesh it was resharded from, the fields taken from the checkpoint and the settings that
+  // changed since, if any: the line Trainer::Run logs.
   std::string note;
+  // The run's config from now on: the one given, with the fields the checkpoint fixes
+  // (kCheckpointFixedFields) taken from the saved config.
+  TrainConfig config;
 };
 
+// The fields that only decide the initial parameters, which a resume takes from the
+// checkpoint along with the parameters: a resumed run uses the saved values (its log says
+// so when the command line gave others), and records them in its own checkpoints. The
+// model's shape and the data stream are fixed too, but must match (CheckResumeCompatible).
+inline constexpr const char* kCheckpointFixedFields[] = {"model.seed", "model.init_std"};
+
 // Resumes from the latest complete checkpoint in config.checkpoint().dir(): rank 0 picks
-// it, every rank checks the saved config (CheckResumeCompatible), loads the parameters and
+// it, every rank checks the saved config (CheckResumeCompatible), takes the fields the
+// checkpoint fixes from it (kCheckpointFixedFields), loads the parameters and
 // both AdamW moments into `optimizer` on this mesh (resharding), and seeks `loader` to the
 // recorded data position (DataLoss if it is not the end of `step` steps of the global
 // batch; a checkpoint without a position replays the stream). Rank 0 removes the

@@ -18,6 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "core/status.h"
 #include "io/atomic_file.h"
+#include "io/path_checks.h"
 
 namespace gradsum::train {
 namespace {
@@ -312,6 +313,9 @@ absl::StatusOr<TrainConfig> ParseConfigText(absl::string_view text) {
 }
 
 absl::StatusOr<TrainConfig> LoadConfigFile(const std::string& path) {
+  // Checked before the open, which a FIFO would block (ReadFileToString opens
+  // non-blockingly too, should the path change in between).
+  GRADSUM_RETURN_IF_ERROR(CheckInputFile("--config", path));
   absl::StatusOr<std::string> text = ReadFileToString(path, uint64_t{1} << 20);
   if (!text.ok()) return Annotate(text.status(), absl::StrCat("--config=", path));
   absl::StatusOr<TrainConfig> config = ParseConfigText(*text);
@@ -477,6 +481,14 @@ absl::Status ValidateConfig(const TrainConfig& c) {
   if (k.resume() && !k.init_from().empty()) {
     return Bad("checkpoint.init_from", k.init_from(),
                "cannot be combined with checkpoint.resume (the checkpoint holds the parameters)");
+  }
+  if (k.overwrite() && k.resume()) {
+    return Bad("checkpoint.overwrite", "true",
+               "cannot be combined with checkpoint.resume (resume continues the run in "
+               "checkpoint.dir, overwrite replaces it)");
+  }
+  if (k.overwrite() && k.dir().empty()) {
+    return Bad("checkpoint.overwrite", "true", "needs checkpoint.dir");
   }
   if (k.every() > 0 && k.dir().empty()) {
     return Bad("checkpoint.every", StrCat(k.every()), "needs checkpoint.dir");

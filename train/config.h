@@ -37,8 +37,9 @@ namespace gradsum::train {
 absl::StatusOr<TrainConfig> ParseConfigText(absl::string_view text);
 
 // Reads and parses `path`, which must be a regular file of at most 1 MiB. A missing or
-// unreadable file (NotFound, PermissionDenied, ...), a directory or device
-// (FailedPrecondition) or a bigger file (OutOfRange) is an error naming the path.
+// unreadable file (NotFound, PermissionDenied, ...), a directory, FIFO, socket or device
+// (InvalidArgument, found by stat(2) before any open, so a FIFO never blocks) or a bigger
+// file (OutOfRange) is an error naming "--config=" and the path.
 absl::StatusOr<TrainConfig> LoadConfigFile(const std::string& path);
 
 // One override: a dotted field path of TrainConfig ("parallelism.world", "model.dim",

@@ -11,8 +11,8 @@
 
 // Value flags are optional: unset (std::nullopt) unless given, so the defaults live only
 // in config.proto and a flag never overrides a config file's value by its own default.
-// --resume, --parity_check, --nccl_skip_agreement and --reproducible are switches: given, they set the field
-// to true.
+// --resume, --overwrite_checkpoints, --parity_check, --nccl_skip_agreement and --reproducible are
+// switches: given, they set the field to true.
 ABSL_FLAG(std::string, config, "", "textproto TrainConfig file (train/config.proto)");
 ABSL_FLAG(std::optional<int32_t>, world, std::nullopt, "ranks (threads for --backend=thread)");
 ABSL_FLAG(std::optional<int32_t>, ep, std::nullopt, "expert-parallel group size P");
@@ -46,6 +46,9 @@ ABSL_FLAG(std::optional<int32_t>, checkpoint_every, std::nullopt,
 ABSL_FLAG(bool, resume, false,
           "continue from the latest checkpoint in --checkpoint_dir (written on any mesh with "
           "the same model and global batch world x grad_acc x micro_batch)");
+ABSL_FLAG(bool, overwrite_checkpoints, false,
+          "a fresh run into a --checkpoint_dir that holds another run's checkpoints removes "
+          "them at start-up (without it the run is refused; --resume continues that run)");
 ABSL_FLAG(std::optional<std::string>, export, std::nullopt,
           "at the end of training, write the full fp32 parameters to this safetensors file");
 ABSL_FLAG(std::optional<std::string>, init_from, std::nullopt,
@@ -122,6 +125,7 @@ const std::vector<FlagField>& OverridableFlags() {
       {"checkpoint_dir", "checkpoint.dir"},
       {"checkpoint_every", "checkpoint.every"},
       {"resume", "checkpoint.resume"},
+      {"overwrite_checkpoints", "checkpoint.overwrite"},
       {"export", "checkpoint.export_path"},
       {"init_from", "checkpoint.init_from"},
       {"parity_check", "debug.parity_check"},

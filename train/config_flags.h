@@ -4,8 +4,8 @@
 // The command-line face of train/config.h: `--config=FILE` plus one absl flag per
 // overridable field. A flag overrides its field only when given on the command line
 // (value flags are std::optional, unset by default), so a config file's value survives.
-// --resume, --parity_check and --reproducible are switches (given: true); --norm_topk_prob takes a value
-// (--norm_topk_prob=false).
+// --resume, --overwrite_checkpoints, --parity_check and --reproducible are switches (given: true);
+// --norm_topk_prob takes a value (--norm_topk_prob=false).
 //
 //   int main(int argc, char** argv) {
 //     absl::ParseCommandLine(argc, argv);
@@ -13,7 +13,7 @@
 //
 // Flags: --config --world --ep --grad_acc --steps --backend --sharding --reduce_dtype
 // --compute_dtype --seed --data --seq_len --max_doc_len --micro_batch --dump_dir --metrics
-// --checkpoint_dir --checkpoint_every --resume --export --init_from --parity_check --reproducible --alpha_b
+// --checkpoint_dir --checkpoint_every --resume --overwrite_checkpoints --export --init_from --parity_check --reproducible --alpha_b
 // --alpha_z --lr --warmup_steps --weight_decay --grad_clip and the model sizes --vocab (V) --dim (D)
 // --layers (L) --experts (E) --top_k (K) --expert_dim (H) --norm_topk_prob --router_scale
 // --timeout_s.

@@ -1,5 +1,8 @@
 #include "train/config.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -301,6 +304,9 @@ TEST(ConfigTest, ValidationNamesFieldAndValue) {
       {{{"checkpoint.resume", "true"}}, "checkpoint.resume=true: needs checkpoint.dir"},
       {{{"checkpoint.resume", "true"}, {"checkpoint.dir", "/c"}, {"checkpoint.init_from", "x"}},
        "checkpoint.init_from=x: cannot be combined with checkpoint.resume"},
+      {{{"checkpoint.resume", "true"}, {"checkpoint.dir", "/c"}, {"checkpoint.overwrite", "true"}},
+       "checkpoint.overwrite=true: cannot be combined with checkpoint.resume"},
+      {{{"checkpoint.overwrite", "true"}}, "checkpoint.overwrite=true: needs checkpoint.dir"},
       {{{"debug.parity_tolerance", "0"}}, "debug.parity_tolerance=0"},
       {{{"comm.timeout_s", "0"}}, "comm.timeout_s=0"},
       {{{"parallelism.layers_per_unit", "0"}}, "parallelism.layers_per_unit=0"},
@@ -353,12 +359,24 @@ TEST(ConfigTest, ShortTextListsDefaultsAndRoundTrips) {
 }
 
 
+// Checked by stat(2) before any open: a FIFO is refused, not opened (which would wait for a
+// writer; if it ever did, Bazel's timeout ends this test).
 TEST(ConfigTest, ConfigMustBeARegularFile) {
-  for (const std::string& path : {::testing::TempDir(), std::string("/dev/zero")}) {
+  const std::string fifo = ::testing::TempDir() + "/config_fifo";
+  ::unlink(fifo.c_str());
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+  for (const auto& [path, kind] :
+       {std::pair<std::string, std::string>{::testing::TempDir(), "a directory"},
+        {"/dev/zero", "a character device"},
+        {fifo, "a FIFO (named pipe)"}}) {
     absl::StatusOr<TrainConfig> c = LoadConfigFile(path);
-    EXPECT_EQ(c.status().code(), absl::StatusCode::kFailedPrecondition) << path;
-    EXPECT_THAT(c.status().message(), HasSubstr("--config=" + path + ": not a regular file"));
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << path;
+    EXPECT_THAT(c.status().message(),
+                HasSubstr("--config=" + path + ": is " + kind + "; --config takes a regular file"));
   }
+  absl::StatusOr<TrainConfig> missing = LoadConfigFile("/nonexistent.textproto");
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(missing.status().message(), HasSubstr("--config=/nonexistent.textproto"));
 }
 
 TEST(ConfigTest, FieldsListEveryValueAndResolvedConfigSetsThem) {

@@ -1,6 +1,7 @@
 #include "train/debugging.h"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <tuple>
 #include <set>
@@ -12,11 +13,41 @@
 #include "core/status.h"
 #include "core/tensor.h"
 #include "io/atomic_file.h"
+#include "io/path_checks.h"
 #include "io/proto_json.h"
 #include "io/safetensors.h"
 #include "train/config.h"
 
 namespace gradsum::train {
+
+namespace {
+
+// DataLoss naming the file, the tensor and the first element that is NaN or infinite, with
+// the count of such elements: a parameter file must hold finite values (training from one
+// that does not fails at step 1 as "not finite", far from the cause).
+absl::Status CheckFinite(const std::string& what, const std::string& name,
+                         const std::vector<int64_t>& shape, const float* values, int64_t n) {
+  int64_t bad = 0, first = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(values[i])) {
+      if (bad++ == 0) first = i;
+    }
+  }
+  if (bad == 0) return absl::OkStatus();
+  // The first bad element's index in the tensor's shape, row-major.
+  std::vector<int64_t> index(shape.size());
+  int64_t rest = first;
+  for (size_t d = shape.size(); d-- > 0;) {
+    index[d] = shape[d] > 0 ? rest % shape[d] : 0;
+    rest = shape[d] > 0 ? rest / shape[d] : 0;
+  }
+  return absl::DataLossError(absl::StrCat(
+      what, ": tensor \"", name, "\" holds ", bad, " non-finite value", bad == 1 ? "" : "s",
+      " of ", n, ", the first ", values[first], " at [", absl::StrJoin(index, ","),
+      "]; a parameter file must hold finite values"));
+}
+
+}  // namespace
 
 absl::Status WriteParamsFile(const std::string& path, const ModelConfig& model,
                              const NamedParams& params, int64_t step) {
@@ -33,6 +64,7 @@ absl::Status WriteParamsFile(const std::string& path, const ModelConfig& model,
 
 absl::StatusOr<NamedParams> ReadParamsFile(const std::string& path, const ModelConfig& model) {
   const std::string what = absl::StrCat("--init_from=", path);
+  GRADSUM_RETURN_IF_ERROR(CheckInputFile("--init_from", path));
   absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Read(path);
   if (!file.ok()) return Annotate(file.status(), what);
   const auto shapes = MoeLmParamShapes(model);
@@ -51,7 +83,9 @@ absl::StatusOr<NamedParams> ReadParamsFile(const std::string& path, const ModelC
           what, ": tensor \"", name, "\" is ", t->DebugString(), ", this model needs f32[",
           absl::StrJoin(shape, ","), "]"));
     }
-    params[name].assign(t->data<float>(), t->data<float>() + t->numel());
+    const float* values = t->data<float>();
+    GRADSUM_RETURN_IF_ERROR(CheckFinite(what, name, shape, values, t->numel()));
+    params[name].assign(values, values + t->numel());
   }
   for (const std::string& name : file->names()) {
     if (expected.count(name) == 0) {
@@ -117,7 +151,7 @@ absl::Status WriteDump(const TrainConfig& config, int rank, const NamedParams& w
   j.set_valid_tokens(record.valid_tokens());
   j.set_routed_tokens(record.routed_tokens());
   j.set_config(ConfigToShortText(config));
-  GRADSUM_ASSIGN_OR_RETURN(std::string text, ProtoToJson(j));
+  GRADSUM_ASSIGN_OR_RETURN(std::string text, ProtoToJson(j, {.int64_as_numbers = true}));
   return WriteFileAtomically(absl::StrCat(dir, "/losses.json"), text + "\n");
 }
 

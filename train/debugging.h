@@ -10,7 +10,8 @@
 //                                    sample_ids [batch, seq_len] and sequence_ids [batch]
 //   weights.safetensors              the step's parameters (rank 0), MoeLmParamShapes
 //   grads.safetensors                the SUM-reduced gradients, before clipping (rank 0)
-//   losses.json                      DumpedLosses (train/metrics.proto), with the config
+//   losses.json                      DumpedLosses (train/metrics.proto), with the config;
+//                                    64-bit integers as JSON numbers, like --metrics
 
 #include <cstdint>
 #include <string>
@@ -32,8 +33,11 @@ namespace gradsum::train {
 absl::Status WriteParamsFile(const std::string& path, const ModelConfig& model,
                              const NamedParams& params, int64_t step);
 
-// Reads such a file (--init_from): exactly the parameters of `model`, f32, their shapes. A
-// missing, extra or misshapen tensor is InvalidArgument naming it; read errors name `path`.
+// Reads such a file (--init_from): exactly the parameters of `model`, f32, their shapes,
+// finite. A missing, extra or misshapen tensor is InvalidArgument naming it; a tensor
+// holding NaN or an infinity is DataLoss naming the file, the tensor, the count and the
+// first such element; a path that is not a regular file is InvalidArgument (checked
+// before any open); read errors name `path`.
 absl::StatusOr<NamedParams> ReadParamsFile(const std::string& path, const ModelConfig& model);
 
 // Writes step 1's dump into config.debug().dump_dir() (created if missing): this rank's

@@ -16,14 +16,23 @@
 // aborts the whole MPI job (AbortMpiJob): nothing waits in MPI_Finalize for a peer that
 // cannot come. An escaped exception becomes an error status the same way (CatchExceptions).
 
+#include <condition_variable>
+#include <cstdlib>
 #include <functional>
 #include <iostream>
 #include <memory>
+#include <mutex>
+#include <optional>
+#include <system_error>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "collectives/mpi_backend.h"
 #include "collectives/status_agreement.h"
 #include "collectives/thread_backend.h"
@@ -73,38 +82,164 @@ int RunOnMpiWorld(const TrainConfig& config, absl::Duration timeout,
   return 1;
 }
 
+// The rank threads of one process. They start behind a gate, so that if the system refuses
+// one, none has begun (a started rank would wait for the missing one until the timeout),
+// and they are waited for with a bound once one has failed on its own: its peers learn of
+// it within the collective timeout, so a rank still running `grace` later is stuck outside
+// any collective (a blocked file operation) and would keep the process alive forever.
+class RankThreads {
+ public:
+  explicit RankThreads(std::function<absl::Status(int)> run) : run_(std::move(run)) {}
+
+  // Starts `world` threads, thread r running run(r). ResourceExhausted naming the limits if
+  // the system refuses one; none has run then, and none is left.
+  absl::Status Start(int world) {
+    status_.assign(world, absl::OkStatus());
+    finished_.assign(world, false);
+    for (int r = 0; r < world; ++r) {
+      try {
+        threads_.emplace_back([this, r] { RunRank(r); });
+      } catch (const std::system_error& e) {
+        Release(/*go=*/false);
+        for (std::thread& t : threads_) t.join();
+        threads_.clear();
+        return absl::ResourceExhaustedError(
+            absl::StrCat("could not start ", world, " rank threads: the system refused rank thread ",
+                         r + 1, " (", e.what(), "); ", ThreadLimits(world - r)));
+      }
+    }
+    Release(/*go=*/true);
+    return absl::OkStatus();
+  }
+
+  // Waits for every rank (true), or, once a rank has failed with an error its peers need not
+  // know (not agreed), for at most `grace` more (false: the ranks still running are stuck;
+  // the caller ends the process without destroying this).
+  bool Wait(absl::Duration grace) {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (done_ < static_cast<int>(threads_.size())) {
+      if (!first_local_failure_.has_value()) {
+        cv_.wait(lock);
+        continue;
+      }
+      const absl::Time deadline = *first_local_failure_ + grace;
+      if (absl::Now() >= deadline) return false;
+      cv_.wait_for(lock, absl::ToChronoNanoseconds(deadline - absl::Now()));
+    }
+    lock.unlock();
+    for (std::thread& t : threads_) t.join();
+    return true;
+  }
+
+  // After Wait: each rank's outcome, and whether it ended.
+  absl::Status status(int r) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return status_[r];
+  }
+  bool finished(int r) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return finished_[r];
+  }
+
+ private:
+  void Release(bool go) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      (go ? go_ : abandon_) = true;
+    }
+    cv_.notify_all();
+  }
+
+  void RunRank(int r) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return go_ || abandon_; });
+      if (abandon_) return;
+    }
+    const absl::Status s = CatchExceptions([&] { return run_(r); });
+    std::lock_guard<std::mutex> lock(mu_);
+    status_[r] = s;
+    finished_[r] = true;
+    ++done_;
+    if (!s.ok() && !IsAgreedFailure(s) && !first_local_failure_.has_value()) {
+      first_local_failure_ = absl::Now();
+    }
+    cv_.notify_all();
+  }
+
+  const std::function<absl::Status(int)> run_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool go_ = false, abandon_ = false;
+  int done_ = 0;
+  std::optional<absl::Time> first_local_failure_;
+  std::vector<absl::Status> status_;
+  std::vector<bool> finished_;
+  std::vector<std::thread> threads_;
+};
+
 // Thread ranks, parallelism.world of them in this process, each running `run` with its
 // communicator (rank 0 gets the log): every failing rank's message, once for an error they
-// all agreed on. Returns the exit status.
+// all agreed on. Before anything starts, the process checks that the system lets it have
+// every thread the run needs (CheckThreadsCanStart). Returns the exit status.
 int RunOnThreads(const TrainConfig& config, absl::Duration timeout,
                  const std::function<absl::Status(Communicator*, std::ostream*)>& run) {
   PrintBanner(config, std::cout);
+  const int world = config.parallelism().world();
+  const int64_t threads = ThreadBackendThreads(config);
+  auto report_threads = [&](const absl::Status& s) {
+    Report(absl::Status(s.code(), absl::StrCat(s.message(),
+                                               ". Run fewer ranks (--world), raise the limit, or "
+                                               "run one process per rank (--backend=mpi)")));
+    return 1;
+  };
+  absl::Status s = CheckThreadsCanStart(
+      threads, absl::StrCat(world, " rank threads (", threads,
+                            " threads with the worker threads of their communicators)"));
+  if (!s.ok()) return report_threads(s);
   ThreadBackendOptions options;
   options.timeout = timeout;
   absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> comms =
-      CreateThreadCommunicators(config.parallelism().world(), options);
-  if (!comms.ok()) {
-    Report(comms.status());
+      absl::UnknownError("not created");
+  s = CatchExceptions([&] {
+    comms = CreateThreadCommunicators(world, options);
+    return comms.status();
+  });
+  if (!s.ok()) {
+    if (s.code() == absl::StatusCode::kResourceExhausted) return report_threads(s);
+    Report(s);
     return 1;
   }
-  std::vector<absl::Status> status(config.parallelism().world());
-  std::vector<std::thread> threads;
-  for (int r = 0; r < config.parallelism().world(); ++r) {
-    threads.emplace_back([&, r] {
-      status[r] =
-          CatchExceptions([&] { return run((*comms)[r].get(), r == 0 ? &std::cout : nullptr); });
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  RankThreads ranks([&](int r) { return run((*comms)[r].get(), r == 0 ? &std::cout : nullptr); });
+  s = ranks.Start(world);
+  if (!s.ok()) return report_threads(s);
+  // A rank's peers learn of its failure within the collective timeout; 5 s more for them to
+  // end.
+  const bool all_ended = ranks.Wait(timeout + absl::Seconds(5));
   int rc = 0;
-  for (int r = 0; r < config.parallelism().world(); ++r) {
-    if (status[r].ok()) continue;
-    if (IsAgreedFailure(status[r])) {
-      Report(status[r]);  // identical on every rank, and it names every failing rank
-      return 1;
+  for (int r = 0; r < world; ++r) {
+    if (!ranks.finished(r)) continue;
+    const absl::Status status = ranks.status(r);
+    if (status.ok()) continue;
+    if (IsAgreedFailure(status)) {
+      Report(status);  // identical on every rank, and it names every failing rank
+      rc = 1;
+      break;
     }
-    Report(Annotate(status[r], absl::StrCat("rank ", r)));
+    Report(Annotate(status, absl::StrCat("rank ", r)));
     rc = 1;
+  }
+  if (!all_ended) {
+    std::vector<int> stuck;
+    for (int r = 0; r < world; ++r) {
+      if (!ranks.finished(r)) stuck.push_back(r);
+    }
+    Report(absl::DeadlineExceededError(absl::StrCat(
+        "rank(s) ", absl::StrJoin(stuck, ", "), " did not end within --timeout_s=",
+        absl::ToDoubleSeconds(timeout), " s + 5 s after a rank failed: stuck outside any "
+        "collective (a blocked file operation?); ending the process")));
+    std::cout.flush();
+    std::_Exit(1);  // a stuck thread cannot be joined
   }
   return rc;
 }

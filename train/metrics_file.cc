@@ -9,7 +9,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "core/status.h"
 #include "io/atomic_file.h"
+#include "io/path_checks.h"
 
 namespace gradsum::train {
 
@@ -31,12 +33,35 @@ MetricsFile::~MetricsFile() {
 
 absl::StatusOr<MetricsFile> MetricsFile::Open(const std::string& path, bool append) {
   const std::string name = absl::StrCat("--metrics=", path);
-  const int fd = ::open(path.c_str(),
-                        O_WRONLY | O_CREAT | O_CLOEXEC | (append ? O_APPEND : O_TRUNC), 0644);
-  if (fd < 0) return ErrnoStatus(errno, absl::StrCat(name, ": cannot open"));
+  const bool null_device = IsNullDevice(path);
+  if (!null_device) {
+    absl::StatusOr<FileKind> kind = StatFileKind(path);
+    if (!kind.ok()) return Annotate(kind.status(), name);
+    if (*kind != FileKind::kMissing && *kind != FileKind::kRegular) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, ": is ", FileKindName(*kind), "; --metrics takes a regular file or /dev/null"));
+    }
+  }
+  // O_NONBLOCK: if the path became a FIFO since the check, the open fails (ENXIO) instead of
+  // waiting for a reader; the descriptor is checked below and made blocking again.
   MetricsFile f;
-  f.fd_ = fd;
+  f.fd_ = ::open(path.c_str(),
+                 O_WRONLY | O_CREAT | O_CLOEXEC | O_NONBLOCK | O_NOCTTY |
+                     (append ? O_APPEND : O_TRUNC),
+                 0644);
+  if (f.fd_ < 0) return ErrnoStatus(errno, absl::StrCat(name, ": cannot open"));
   f.path_ = path;
+  struct stat st;
+  if (::fstat(f.fd_, &st) != 0) return ErrnoStatus(errno, absl::StrCat(name, ": cannot stat"));
+  if (!S_ISREG(st.st_mode) && !(null_device && S_ISCHR(st.st_mode))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": is ", FileKindName(FileKindOfMode(st.st_mode)),
+                     "; --metrics takes a regular file or /dev/null"));
+  }
+  const int flags = ::fcntl(f.fd_, F_GETFL);
+  if (flags < 0 || ::fcntl(f.fd_, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    return ErrnoStatus(errno, absl::StrCat(name, ": fcntl"));
+  }
   return f;
 }
 

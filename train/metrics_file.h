@@ -3,7 +3,10 @@
 
 // The --metrics JSONL file, every write checked: each line goes out in one write(2) (no
 // buffer that could fail later, unseen), and a failed open, write or close is an error
-// naming the path and the cause (a full disk, /dev/full, a directory, no permission).
+// naming the path and the cause (a full disk, no permission, a read-only file system).
+// The path must be a regular file (created if missing) or /dev/null (the lines are
+// discarded); a FIFO, socket, directory or any other device is refused before anything
+// opens it, so the open cannot block (a FIFO without a reader would, forever).
 //
 //   GRADSUM_ASSIGN_OR_RETURN(MetricsFile f, MetricsFile::Open(path, /*append=*/false));
 //   GRADSUM_ASSIGN_OR_RETURN(std::string line, record.ToJson());
@@ -24,7 +27,9 @@ class MetricsFile {
   MetricsFile& operator=(MetricsFile&& other) noexcept;
   ~MetricsFile();
 
-  // Creates or truncates `path` (appends when `append`). A directory is FailedPrecondition.
+  // Creates or truncates `path` (appends when `append`). A directory, FIFO, socket or
+  // device other than /dev/null is InvalidArgument naming the path and what it is (checked
+  // by stat(2), and again on the descriptor of a non-blocking open).
   static absl::StatusOr<MetricsFile> Open(const std::string& path, bool append);
   bool is_open() const { return fd_ >= 0; }
   // Writes `line` and a newline.

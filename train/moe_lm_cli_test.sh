@@ -77,8 +77,9 @@ printf 'world: 2\nparallelism { world: 4 }\n' > "$tmp/both.textproto"
 expect_error "world=2 and parallelism.world=4" --config="$tmp/both.textproto"
 
 # Bad inputs found at start-up or during the run: status 1 and a message naming the value.
-expect_error "--config=$tmp: not a regular file" --config="$tmp"  # a directory
-expect_error "--data=/dev/zero: not a regular file" --data=/dev/zero "${tiny[@]}" --steps=1
+expect_error "--config=$tmp: is a directory; --config takes a regular file" --config="$tmp"
+expect_error "--data=/dev/zero: is a character device; --data takes a regular file" \
+  --data=/dev/zero "${tiny[@]}" --steps=1
 # Sizes checked before anything is allocated, against overflow and the machine's memory.
 expect_error "RESOURCE_EXHAUSTED: the run needs an estimated" --dim=1000000000 --steps=1
 expect_error "model.dim=1000000000" --dim=1000000000 --steps=1
@@ -86,10 +87,13 @@ expect_error "model.experts=2000000000" --experts=2000000000 --ep=1 --world=1 --
 expect_error "model.layers=2000000000" --layers=2000000000 --steps=1
 expect_error "data.micro_batch=2000000000 x data.seq_len=128" --micro_batch=2000000000 --steps=1
 expect_error "grad_acc=2000000000" --grad_acc=2000000000 --steps=1
-# Metrics to a full device: the write error names the path; nothing passes silently.
-expect_error "--metrics=/dev/full: write failed: No space left on device" \
+# Metrics to a device or a directory: refused at start-up, naming what it is (/dev/null,
+# which discards the lines, is the one device --metrics takes).
+expect_error "--metrics=/dev/full: is a character device; --metrics takes a regular file or /dev/null" \
   "${tiny[@]}" --steps=2 --metrics=/dev/full
-expect_error "--metrics=$tmp: cannot open" "${tiny[@]}" --steps=1 --metrics="$tmp"
+expect_error "--metrics=$tmp: is a directory" "${tiny[@]}" --steps=1 --metrics="$tmp"
+"$bin" "${tiny[@]}" --steps=1 --metrics=/dev/null > "$tmp/null.txt" 2>&1 \
+  || fail "--metrics=/dev/null failed: $(cat "$tmp/null.txt")"
 # Data that cannot train: no document with a token to predict. (A corpus with fewer documents
 # than ranks trains: the sequence stream is global, train/data.h.)
 printf '\n\n\n\n' > "$tmp/no_pairs.txt"

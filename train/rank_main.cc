@@ -1,12 +1,26 @@
 #include "train/rank_main.h"
 
+#include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <condition_variable>
 #include <exception>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
 #include <new>
+#include <system_error>
+#include <thread>
+#include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "core/status.h"
 #include "train/config.h"
 #include "train/data.h"
@@ -102,11 +116,154 @@ absl::Status CatchExceptions(const std::function<absl::Status()>& f) {
   } catch (const std::bad_alloc& e) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "out of memory (", e.what(), "): the run needs more memory than it could allocate"));
+  } catch (const std::system_error& e) {
+    if (e.code() == std::errc::resource_unavailable_try_again) {
+      return absl::ResourceExhaustedError(absl::StrCat("could not start a thread (", e.what(),
+                                                       "); ", ThreadLimits(0)));
+    }
+    return absl::InternalError(absl::StrCat("uncaught exception: ", e.what()));
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat("uncaught exception: ", e.what()));
   } catch (...) {
     return absl::InternalError("uncaught exception of unknown type");
   }
+}
+
+int64_t ThreadBackendThreads(const TrainConfig& config) {
+  const int communicators = 3 + (config.parallelism().sp() > 1 ? 1 : 0);
+  return int64_t{config.parallelism().world()} * (1 + communicators);
+}
+
+absl::Status CheckThreadsCanStart(int64_t count, absl::string_view what) {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool release = false;
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<size_t>(std::max<int64_t>(count, 0)));
+  absl::Status status = absl::OkStatus();
+  for (int64_t i = 0; i < count; ++i) {
+    try {
+      threads.emplace_back([&] {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return release; });
+      });
+    } catch (const std::system_error& e) {
+      status = absl::ResourceExhaustedError(absl::StrCat(
+          "could not start ", what, ": the system refused thread ", i + 1, " of ", count, " (",
+          e.what(), "); ", ThreadLimits(count - i)));
+      break;
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    release = true;
+  }
+  cv.notify_all();
+  for (std::thread& t : threads) t.join();
+  return status;
+}
+
+namespace {
+
+// The first line of `path` as an integer, or -1 ("max", missing, unreadable).
+int64_t ReadCount(const std::string& path) {
+  std::ifstream in(path);
+  std::string text;
+  int64_t v;
+  if (!std::getline(in, text) || !absl::SimpleAtoi(text, &v)) return -1;
+  return v;
+}
+
+// Threads of the processes whose real uid is `uid` (/proc/PID/status), what RLIMIT_NPROC
+// counts.
+int64_t ThreadsOfUser(uid_t uid) {
+  int64_t threads = 0;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator("/proc", ec)) {
+    int64_t pid;  // processes only: not "self" or "thread-self", which repeat one
+    if (!absl::SimpleAtoi(e.path().filename().string(), &pid)) continue;
+    std::ifstream in(e.path() / "status");
+    std::string line;
+    bool mine = false;
+    while (std::getline(in, line)) {
+      int64_t v;
+      if (absl::StartsWith(line, "Uid:")) {
+        std::vector<std::string> f = absl::StrSplit(line.substr(4), '\t', absl::SkipWhitespace());
+        mine = !f.empty() && absl::SimpleAtoi(f[0], &v) && v == uid;
+      } else if (mine && absl::StartsWith(line, "Threads:") &&
+                 absl::SimpleAtoi(absl::StripAsciiWhitespace(line.substr(8)), &v)) {
+        threads += v;
+      }
+    }
+  }
+  return threads;
+}
+
+// The pids cgroup of this process: its directory under /sys/fs/cgroup, or "".
+std::string PidsCgroupDir() {
+  std::ifstream in("/proc/self/cgroup");
+  std::string line;
+  std::string v2;
+  while (std::getline(in, line)) {
+    const std::vector<std::string> f = absl::StrSplit(line, absl::MaxSplits(':', 2));
+    if (f.size() != 3) continue;
+    if (f[1] == "pids") return absl::StrCat("/sys/fs/cgroup/pids", f[2]);  // v1
+    if (f[0] == "0" && f[1].empty()) v2 = absl::StrCat("/sys/fs/cgroup", f[2]);
+  }
+  return v2;
+}
+
+}  // namespace
+
+std::string ThreadLimits(int64_t more) {
+  struct Limit {
+    std::string text;
+    bool reached;
+  };
+  std::vector<Limit> limits;
+  auto add = [&](const std::string& name, int64_t limit, int64_t used, const std::string& what) {
+    if (limit < 0) return;
+    const bool reached = used >= 0 && used + more >= limit;
+    limits.push_back({absl::StrCat(name, " is ", limit,
+                                   used >= 0 ? absl::StrCat(" (", used, " ", what, ")") : "",
+                                   reached ? ", reached" : ""),
+                      reached});
+  };
+  struct rlimit nproc;
+  if (::getrlimit(RLIMIT_NPROC, &nproc) == 0 && nproc.rlim_cur != RLIM_INFINITY &&
+      ::getuid() != 0) {  // root is not bound by it
+    add("RLIMIT_NPROC (ulimit -u)", static_cast<int64_t>(nproc.rlim_cur),
+        ThreadsOfUser(::getuid()), absl::StrCat("processes and threads of uid ", ::getuid()));
+  }
+  int64_t system_threads = -1;
+  {
+    std::ifstream in("/proc/loadavg");  // "0.5 0.4 0.3 2/345 6789": 345 threads now
+    std::string a, b, c, running;
+    if (in >> a >> b >> c >> running) {
+      const size_t slash = running.find('/');
+      if (slash == std::string::npos ||
+          !absl::SimpleAtoi(running.substr(slash + 1), &system_threads)) {
+        system_threads = -1;
+      }
+    }
+  }
+  add("kernel.threads-max", ReadCount("/proc/sys/kernel/threads-max"), system_threads,
+      "threads on the system");
+  add("kernel.pid_max", ReadCount("/proc/sys/kernel/pid_max"), system_threads,
+      "threads on the system");
+  const std::string cgroup = PidsCgroupDir();
+  if (!cgroup.empty()) {
+    add(absl::StrCat("pids.max of cgroup ", cgroup), ReadCount(cgroup + "/pids.max"),
+        ReadCount(cgroup + "/pids.current"), "in use");
+  }
+  std::stable_partition(limits.begin(), limits.end(), [](const Limit& l) { return l.reached; });
+  std::vector<std::string> texts;
+  for (const Limit& l : limits) texts.push_back(l.text);
+  const bool any_reached = !limits.empty() && limits.front().reached;
+  return absl::StrCat(
+      "limits on threads: ", texts.empty() ? "none found" : absl::StrJoin(texts, "; "),
+      any_reached ? "" : " (none reached by this count; thread stacks' memory or "
+                         "vm.max_map_count may be what refused)");
 }
 
 absl::StatusOr<ResourceEstimate> EstimateResources(const TrainConfig& config) {

@@ -14,6 +14,7 @@
 #include <ostream>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "collectives/communicator.h"
 #include "collectives/mesh.h"
 #include "collectives/timed_communicator.h"
@@ -50,9 +51,30 @@ absl::Status RunRank(const TrainConfig& config, Communicator* world, std::ostrea
 // The start-up lines rank 0 prints: config, sizes, the corpus's entropy floor.
 void PrintBanner(const TrainConfig& config, std::ostream& out);
 
-// Runs `f`; an exception that escapes it becomes a status (std::bad_alloc ResourceExhausted,
-// anything else Internal, with what() in the message) instead of std::terminate's abort.
+// Runs `f`; an exception that escapes it becomes a status instead of std::terminate's
+// abort: std::bad_alloc ResourceExhausted; a std::system_error for a thread the system
+// would not start (EAGAIN) ResourceExhausted naming the limits on threads (ThreadLimits);
+// anything else Internal, with what() in the message.
 absl::Status CatchExceptions(const std::function<absl::Status()>& f);
+
+// The threads a thread-backend run of `config` starts: per rank, its own thread and the
+// worker thread of each of its communicators (the world, the EP group, the EDP group, and
+// the SP group when parallelism.sp > 1).
+int64_t ThreadBackendThreads(const TrainConfig& config);
+
+// Starts `count` threads that only wait, then ends them, so that a run finds out before any
+// rank starts whether the system lets it have its threads (a rank that cannot start leaves
+// its peers waiting). ResourceExhausted when the system refuses one: "could not start
+// <what>: the system refused thread k of count (Resource temporarily unavailable)" and the
+// limits (ThreadLimits). A few milliseconds per thousand threads.
+absl::Status CheckThreadsCanStart(int64_t count, absl::string_view what);
+
+// The limits on this process's threads, for messages, each with what it counts now:
+// RLIMIT_NPROC (ulimit -u; it binds a user other than root, and counts every process and
+// thread of that user), kernel.threads-max and kernel.pid_max (the system's threads), and
+// the pids cgroup's pids.max. Those that `more` further threads would exceed come first,
+// marked "reached"; when none is, the text says which other limits may have refused.
+std::string ThreadLimits(int64_t more);
 
 // What one rank holds, estimated from the config before anything is allocated (bytes):
 // parameters (the rank's dense parameters and its E/P experts' share: an initial copy, the

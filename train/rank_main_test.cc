@@ -3,6 +3,7 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -84,6 +85,32 @@ TEST(CatchExceptionsTest, ExceptionsBecomeStatuses) {
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
   s = CatchExceptions([]() -> absl::Status { throw 42; });
   EXPECT_EQ(s.code(), absl::StatusCode::kInternal);
+  // What std::thread throws when the system refuses a thread: the limits, not "uncaught".
+  s = CatchExceptions([]() -> absl::Status {
+    throw std::system_error(std::make_error_code(std::errc::resource_unavailable_try_again));
+  });
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(s.message(), HasSubstr("could not start a thread"));
+  EXPECT_THAT(s.message(), HasSubstr("kernel.threads-max is"));
+}
+
+// Per rank: its thread and the workers of its world, EP and EDP communicators (and SP's).
+// The process's own count at world 16 (4 x 16 + 2, measured with /proc) agrees.
+TEST(ThreadsTest, ThreadBackendThreadsCountsRanksAndCommunicatorWorkers) {
+  TrainConfig c = TinyConfig(4, 2, 1, TrainConfig::fsdp);
+  EXPECT_EQ(ThreadBackendThreads(c), 16);
+  c.mutable_parallelism()->set_sp(2);
+  EXPECT_EQ(ThreadBackendThreads(c), 20);
+}
+
+TEST(ThreadsTest, StartingThreadsThatFitSucceedsAndTheLimitsAreNamed) {
+  EXPECT_TRUE(CheckThreadsCanStart(64, "64 test threads").ok());
+  EXPECT_TRUE(CheckThreadsCanStart(0, "no threads").ok());
+  // More threads than any limit allows: every limit that applies is reached, and named.
+  const std::string limits = ThreadLimits(int64_t{1} << 40);
+  EXPECT_THAT(limits, HasSubstr("kernel.threads-max is "));
+  EXPECT_THAT(limits, HasSubstr(", reached"));
+  EXPECT_THAT(ThreadLimits(0), HasSubstr("none reached by this count"));
 }
 
 }  // namespace

@@ -68,7 +68,7 @@ absl::StatusOr<std::string> StepJsonLine(const StepMetrics& record) {
     return absl::InternalError(absl::StrCat("step ", record.step(), "'s metrics record has no ",
                                             missing, " (every field is written)"));
   }
-  return ProtoToJson(record);
+  return ProtoToJson(record, {.int64_as_numbers = true});
 }
 
 TrainSummary Summarize(const std::vector<StepMetrics>& history, int64_t first_step,

@@ -33,8 +33,9 @@ double CommExposedSeconds(const StepMetrics& record, CommKind kind);
 std::string StepLogLine(const StepMetrics& record, int64_t total_steps);
 
 // The --metrics JSONL line: the proto3 JSON of `record` (io/proto_json.h), every field
-// written. Internal if a field of the record was never set (a zero must be written, not
-// omitted) or protobuf cannot print it.
+// written, with 64-bit integers as JSON numbers (a line is data for tools: pandas, jq,
+// plots) and doubles as JSON floats. Internal if a field of the record was never set (a
+// zero must be written, not omitted) or protobuf cannot print it.
 absl::StatusOr<std::string> StepJsonLine(const StepMetrics& record);
 
 // The end-of-run summary over the steps a Run did.

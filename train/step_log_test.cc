@@ -46,7 +46,9 @@ StepMetrics FullRecord() {
   return r;
 }
 
-TEST(StepLogTest, JsonIsTheProto3MappingInFieldOrder) {
+// The proto3 JSON mapping's members in field order, but with numbers as tools read them:
+// 64-bit integers as JSON numbers (the mapping writes strings), doubles as JSON floats.
+TEST(StepLogTest, JsonIsTheProtoMappingInFieldOrderWithNumbersForTools) {
   const StepMetrics r = FullRecord();
   const double by_kind[kNumCommKinds] = {0.03125, 0.015625, 0.0078125, 0, 0.00390625, 0.00390625};
   for (int k = 0; k < kNumCommKinds; ++k) {
@@ -55,14 +57,14 @@ TEST(StepLogTest, JsonIsTheProto3MappingInFieldOrder) {
   absl::StatusOr<std::string> json = StepJsonLine(r);
   ASSERT_TRUE(json.ok()) << json.status();
   EXPECT_EQ(*json,
-            "{\"step\":7,\"ce\":2.5,\"z\":0,\"bal\":0.125,\"loss\":2.625,"
-            "\"valid_tokens\":\"4096\",\"routed_tokens\":\"8589934592\",\"grad_norm\":0.1,"
-            "\"lr\":0.0001,\"maxvio\":[0.5,0],\"step_s\":1.5,\"comm_s\":0.25,"
-            "\"comm_exposed_s\":0.0625,\"peak_unsharded_param_bytes\":\"1024\","
-            "\"full_param_bytes\":\"2048\",\"wait_s\":0,\"model_s\":1,\"update_s\":0.5,"
-            "\"tokens_per_s\":30000000000,\"exposed_all_gather_s\":0.03125,"
+            "{\"step\":7,\"ce\":2.5,\"z\":0.0,\"bal\":0.125,\"loss\":2.625,"
+            "\"valid_tokens\":4096,\"routed_tokens\":8589934592,\"grad_norm\":0.1,"
+            "\"lr\":0.0001,\"maxvio\":[0.5,0.0],\"step_s\":1.5,\"comm_s\":0.25,"
+            "\"comm_exposed_s\":0.0625,\"peak_unsharded_param_bytes\":1024,"
+            "\"full_param_bytes\":2048,\"wait_s\":0.0,\"model_s\":1.0,\"update_s\":0.5,"
+            "\"tokens_per_s\":30000000000.0,\"exposed_all_gather_s\":0.03125,"
             "\"exposed_reduce_scatter_s\":0.015625,\"exposed_all_reduce_s\":0.0078125,"
-            "\"exposed_all_to_all_s\":0,\"exposed_other_s\":0.00390625,"
+            "\"exposed_all_to_all_s\":0.0,\"exposed_other_s\":0.00390625,"
             "\"exposed_sp_all_to_all_s\":0.00390625}");
 }
 

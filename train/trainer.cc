@@ -2,13 +2,13 @@
 
 #include <algorithm>
 #include <cmath>
-#include <filesystem>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "collectives/status_agreement.h"
 #include "core/status.h"
+#include "io/path_checks.h"
 #include "sharding/grad_norm.h"
 #include "train/checkpointing.h"
 #include "train/config.h"
@@ -39,7 +39,12 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   // Ranks launched separately must agree on every setting and on the data before anything
   // else is collective.
   // The data file is read once: its loaded bytes give the fingerprint the ranks compare.
-  absl::StatusOr<std::shared_ptr<const DocumentSource>> corpus = MakeCorpus(config.data());
+  // Its path is checked first, since opening a FIFO would block.
+  const absl::Status data_path = config.data().path().empty()
+                                     ? absl::OkStatus()
+                                     : CheckInputFile("--data", config.data().path());
+  absl::StatusOr<std::shared_ptr<const DocumentSource>> corpus =
+      data_path.ok() ? MakeCorpus(config.data()) : data_path;
   GRADSUM_RETURN_IF_ERROR(CheckRanksAgree(config, corpus, world));
   auto trainer = std::unique_ptr<Trainer>(new Trainer());
   trainer->corpus_ = *std::move(corpus);
@@ -53,6 +58,10 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
                                                                           : 1);
   trainer->comms_ = comms;
   if (trainer->comms_.timer == nullptr) trainer->comms_.timer = std::make_shared<CommTimer>();
+  trainer->fresh_start_ = !config.checkpoint().resume();
+  // Every destination before anything is built: a run whose results could not be written
+  // stops here, not after its steps.
+  GRADSUM_RETURN_IF_ERROR(trainer->PrepareOutputs());
 
   GRADSUM_ASSIGN_OR_RETURN(trainer->model_, BuildModel(trainer->config_, trainer->comms_));
   const std::string& init_from = config.checkpoint().init_from();
@@ -74,17 +83,17 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   trainer->display_ = losses::StepDisplay(config.model().layers(), config.model().experts(),
                                           trainer->model_->options().parallel.precision);
   GRADSUM_RETURN_IF_ERROR(MoeLm::RegisterDisplayTerms(&trainer->display_));
-  // Rank-local start-up work (the data loader, the checkpoint directory): every rank learns
-  // at once if any rank failed, with that rank's message.
+  // Rank-local start-up work (the data loader): every rank learns at once if any rank
+  // failed, with that rank's message.
   GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world, trainer->PrepareLocal(), "start-up"));
   if (config.checkpoint().resume()) {
     GRADSUM_ASSIGN_OR_RETURN(
         ResumedRun resumed,
         ResumeRun(trainer->config_, world, *trainer->optimizer_, *trainer->loader_));
     trainer->step_ = resumed.step;
-    trainer->fresh_start_ = false;
     trainer->run_id_ = std::move(resumed.run_id);
-    trainer->resume_note_ = std::move(resumed.note);
+    trainer->start_notes_.push_back(std::move(resumed.note));
+    trainer->config_ = std::move(resumed.config);
   } else {
     GRADSUM_ASSIGN_OR_RETURN(trainer->run_id_, NewRunId(world));
   }
@@ -98,14 +107,44 @@ absl::Status Trainer::PrepareLocal() {
       RankDataLoader::Create(corpus_, config_.data(), world().rank(), world().size(),
                              config_.parallelism().sp()));
   loader_ = std::make_unique<RankDataLoader>(std::move(loader));
-  const std::string& dir = config_.checkpoint().dir();
-  if (!dir.empty()) {
-    std::error_code ec;
-    std::filesystem::create_directories(dir, ec);
-    if (ec) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("checkpoint_dir=", dir, ": cannot create: ", ec.message()));
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::PrepareOutputs() {
+  const CheckpointConfig& checkpoint = config_.checkpoint();
+  // The checkpoint directory first: while another run owns it, nothing else of this run
+  // may touch a file (not even truncate a --metrics file the other run may share).
+  if (!checkpoint.dir().empty()) {
+    absl::Status local = PrepareOutputDir("--checkpoint_dir", checkpoint.dir());
+    if (local.ok() && is_rank0()) {
+      absl::StatusOr<OwnedCheckpointDir> owned = TakeCheckpointDir(checkpoint);
+      if (owned.ok()) {
+        checkpoint_lock_ = std::move(owned->lock);
+        if (!owned->note.empty()) start_notes_.push_back(std::move(owned->note));
+      }
+      local = owned.status();
     }
+    GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world(), local, "--checkpoint_dir"));
+  }
+  if (!config_.log().metrics().empty()) {
+    absl::Status local = absl::OkStatus();
+    if (is_rank0()) {
+      absl::StatusOr<MetricsFile> opened =
+          MetricsFile::Open(config_.log().metrics(), /*append=*/!fresh_start_);
+      if (opened.ok()) metrics_ = std::move(*opened);
+      local = opened.status();
+    }
+    GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world(), local, "--metrics"));
+  }
+  if (!checkpoint.export_path().empty()) {
+    GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(
+        world(),
+        is_rank0() ? CheckOutputFile("--export", checkpoint.export_path()) : absl::OkStatus(),
+        "--export"));
+  }
+  if (fresh_start_ && !config_.debug().dump_dir().empty()) {  // written after step 1
+    GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(
+        world(), PrepareOutputDir("--dump_dir", config_.debug().dump_dir()), "--dump_dir"));
   }
   return absl::OkStatus();
 }
@@ -277,16 +316,12 @@ absl::Status Trainer::RunFirstStepChecks(const NamedParams& weights,
 absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
   const int64_t first_step = step_ + 1;
   const int64_t steps = config_.optim().steps();
-  if (log != nullptr && !resume_note_.empty()) *log << resume_note_ << std::endl;
+  if (log != nullptr) {
+    for (const std::string& note : start_notes_) *log << note << std::endl;
+  }
   // Rank-local failures (the metrics file, the fault hook) are agreed on at each step
   // boundary: every rank stops together with the failing rank's message.
-  MetricsFile metrics;
   absl::Status local = absl::OkStatus();
-  if (is_rank0() && !config_.log().metrics().empty()) {
-    absl::StatusOr<MetricsFile> opened = MetricsFile::Open(config_.log().metrics(), !fresh_start_);
-    if (opened.ok()) metrics = std::move(*opened);
-    local = opened.status();
-  }
   while (true) {
     if (local.ok() && step_ < steps) local = MaybeInjectFault(world().rank(), step_ + 1);
     GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(
@@ -294,9 +329,9 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
     if (step_ >= steps) break;
     GRADSUM_ASSIGN_OR_RETURN(const StepMetrics r, Step());
     if (log != nullptr) *log << StepLogLine(r, steps) << std::endl;
-    if (metrics.is_open()) {
+    if (metrics_.is_open()) {
       absl::StatusOr<std::string> line = StepJsonLine(r);
-      local = line.ok() ? metrics.WriteLine(*line) : line.status();
+      local = line.ok() ? metrics_.WriteLine(*line) : line.status();
     }
     // After the step's log lines, so a run killed right after a checkpoint has logged
     // every step the checkpoint covers.
@@ -315,7 +350,7 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
       }
     }
   }
-  GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world(), metrics.Close(), "--metrics"));
+  GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world(), metrics_.Close(), "--metrics"));
   const std::string& export_path = config_.checkpoint().export_path();
   if (!export_path.empty()) {
     GRADSUM_ASSIGN_OR_RETURN(NamedParams params, model_->GatherFull(/*grads=*/false));

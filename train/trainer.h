@@ -32,6 +32,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "collectives/timed_communicator.h"
+#include "io/dir_lock.h"
 #include "losses/display.h"
 #include "losses/step_stats.h"
 #include "sharding/adamw.h"
@@ -39,6 +40,7 @@
 #include "train/config.pb.h"
 #include "train/data.h"
 #include "train/metrics.pb.h"
+#include "train/metrics_file.h"
 #include "train/moe_lm.h"
 #include "train/parity.h"
 #include "train/step_log.h"
@@ -48,7 +50,9 @@ namespace gradsum::train {
 class Trainer {
  public:
   // Validates `config` (ValidateConfig), checks that every rank has the same config and data
-  // (train/config_agreement.h), builds the model (BuildModel) with the initial parameters
+  // (train/config_agreement.h; --data must be a regular file), checks every output and takes
+  // the checkpoint directory (PrepareOutputs: a run refused there writes nothing), builds
+  // the model (BuildModel) with the initial parameters
   // (--init_from's file if given), or with checkpoint.resume loads the latest checkpoint,
   // written on any mesh with the same model and global batch (train/checkpointing.h). The
   // group sizes are comms.mesh's (MakeRankMesh builds it from config.parallelism()).
@@ -79,8 +83,14 @@ class Trainer {
   Trainer() = default;
   Communicator& world() { return comms_.mesh->world(); }
   bool is_rank0() const { return comms_.mesh->world().rank() == 0; }
-  // The rank-local part of Create: the data loader, the checkpoint directory.
+  // The rank-local part of Create: the data loader.
   absl::Status PrepareLocal();
+  // Every output checked before step 1, each agreed on by every rank under its flag's name:
+  // the checkpoint directory (created and probed on every rank; rank 0 takes it,
+  // TakeCheckpointDir), the --metrics file (opened by rank 0), the --export destination
+  // (probed by rank 0) and, for a fresh run, the --dump_dir (created and probed on every
+  // rank). Collective.
+  absl::Status PrepareOutputs();
 
   // When the step's parts began and how long they took (StepMetrics' timings).
   struct StepTimes {
@@ -117,8 +127,12 @@ class Trainer {
   losses::StepDisplay display_;
   int64_t step_ = 0;
   bool fresh_start_ = true;
-  std::string run_id_;       // kept in every checkpoint and across --resume
-  std::string resume_note_;  // "resumed from step ..." (Run logs it)
+  std::string run_id_;  // kept in every checkpoint and across --resume
+  // What start-up did that the log should say ("resumed from step ...",
+  // "--overwrite_checkpoints: removed ..."); Run logs them.
+  std::vector<std::string> start_notes_;
+  DirLock checkpoint_lock_;  // rank 0: held while the run owns checkpoint.dir
+  MetricsFile metrics_;      // rank 0, --metrics: opened at start-up
   std::optional<ParityReport> parity_;
   std::optional<NamedParams> first_step_grads_;
   std::vector<StepMetrics> history_;

@@ -1,17 +1,22 @@
 #include "train/trainer.h"
 
+#include <unistd.h>
+
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "io/atomic_file.h"
+#include "io/dir_lock.h"
 #include "io/fingerprint.h"
 #include "io/proto_json.h"
 #include "io/safetensors.h"
@@ -20,6 +25,7 @@
 #include "testing/run_ranks.h"
 #include "train/checkpointing.h"
 #include "train/config.h"
+#include "train/debugging.h"
 #include "train/metrics.pb.h"
 #include "train/moe_lm.h"
 #include "train/rank_main.h"
@@ -144,7 +150,8 @@ TEST(TrainerTest, DumpWritesTheNamedFiles) {
   EXPECT_EQ(losses.z(), s1.z());
   EXPECT_EQ(losses.bal(), s1.bal());
   EXPECT_EQ(losses.valid_tokens(), s1.valid_tokens());
-  EXPECT_THAT(ss.str(), HasSubstr(absl::StrCat("\"valid_tokens\":\"", s1.valid_tokens(), "\"")));
+  // 64-bit integers are JSON numbers, as in the --metrics lines.
+  EXPECT_THAT(ss.str(), HasSubstr(absl::StrCat("\"valid_tokens\":", s1.valid_tokens(), ",")));
   EXPECT_THAT(losses.config(), HasSubstr("world: 4"));
 }
 
@@ -228,6 +235,89 @@ TEST(TrainerTest, ResumeRefusesAnotherDataStreamButAllowsNewOptimizerSettings) {
   ASSERT_TRUE((*d)[0].status.ok()) << (*d)[0].status;
   ASSERT_EQ((*d)[0].history.size(), 1u);
   EXPECT_EQ((*d)[0].history[0].step(), 3);
+}
+
+// A run owns its checkpoint directory. A fresh run into a directory with another run's
+// checkpoints is refused on every rank, naming that run, and changes nothing there;
+// --overwrite_checkpoints removes them first; while a process holds the directory's lock,
+// any run on it is refused at start-up naming the holder's pid.
+TEST(TrainerTest, ARunOwnsItsCheckpointDirectory) {
+  const std::string dir = ::testing::TempDir() + "/ckpt_owner";
+  std::filesystem::remove_all(dir);
+  TrainConfig first = TinyConfig(2, 2, 1, TrainConfig::fsdp);
+  first.mutable_optim()->set_steps(4);
+  first.mutable_checkpoint()->set_dir(dir);
+  first.mutable_checkpoint()->set_every(2);
+  auto a = RunInProcess(first);
+  ASSERT_TRUE(a.ok() && (*a)[0].status.ok()) << (*a)[0].status;
+  absl::StatusOr<CheckpointInfo> marker = ReadCheckpointInfo(CheckpointPath(dir, 4));
+  ASSERT_TRUE(marker.ok()) << marker.status();
+  const std::string run_id = marker->extra.at("run_id");
+  absl::StatusOr<std::string> marker_text = ReadFileToString(CheckpointPath(dir, 4) + "/checkpoint.json");
+  ASSERT_TRUE(marker_text.ok());
+
+  TrainConfig fresh = first;
+  fresh.mutable_optim()->set_steps(2);
+  auto b = RunInProcess(fresh);
+  ASSERT_TRUE(b.ok());
+  for (const RankOutcome& r : *b) {
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kFailedPrecondition) << r.status;
+    EXPECT_THAT(r.status.message(),
+                HasSubstr("--checkpoint_dir=" + dir + " holds the checkpoints of run " + run_id +
+                          " (2 checkpoints, steps 2 to 4); --resume continues that run, "
+                          "--overwrite_checkpoints replaces it"));
+    EXPECT_TRUE(r.history.empty());
+  }
+  EXPECT_EQ(*ReadFileToString(CheckpointPath(dir, 4) + "/checkpoint.json"), *marker_text);
+
+  // Another holder of the lock (this process, through its own open of the file).
+  {
+    absl::StatusOr<DirLock> other = DirLock::Acquire(dir, kCheckpointLockFile);
+    ASSERT_TRUE(other.ok()) << other.status();
+    TrainConfig resume = first;
+    resume.mutable_checkpoint()->set_resume(true);
+    resume.mutable_optim()->set_steps(6);
+    auto c = RunInProcess(resume);
+    ASSERT_TRUE(c.ok());
+    for (const RankOutcome& r : *c) {
+      EXPECT_EQ(r.status.code(), absl::StatusCode::kFailedPrecondition) << r.status;
+      EXPECT_THAT(r.status.message(),
+                  HasSubstr("--checkpoint_dir=" + dir + " is in use by another run: held by pid " +
+                            std::to_string(::getpid()) + " on host "));
+    }
+  }
+
+  TrainConfig overwrite = fresh;
+  overwrite.mutable_checkpoint()->set_overwrite(true);
+  auto d = RunInProcess(overwrite);
+  ASSERT_TRUE(d.ok() && (*d)[0].status.ok()) << (*d)[0].status;
+  EXPECT_FALSE(std::filesystem::exists(CheckpointPath(dir, 4)));
+  absl::StatusOr<CheckpointInfo> replaced = ReadCheckpointInfo(CheckpointPath(dir, 2));
+  ASSERT_TRUE(replaced.ok()) << replaced.status();
+  EXPECT_NE(replaced->extra.at("run_id"), run_id);
+}
+
+// A resume takes the fields that only decide the initial parameters (the seed, init_std)
+// from the checkpoint, which holds those parameters, and records them in its own saves.
+TEST(TrainerTest, ResumeTakesTheSeedFromTheCheckpoint) {
+  const std::string dir = ::testing::TempDir() + "/ckpt_seed";
+  std::filesystem::remove_all(dir);
+  TrainConfig first = TinyConfig(2, 2, 1, TrainConfig::fsdp);
+  first.mutable_optim()->set_steps(2);
+  first.mutable_checkpoint()->set_dir(dir);
+  auto a = RunInProcess(first);
+  ASSERT_TRUE(a.ok() && (*a)[0].status.ok()) << (*a)[0].status;
+  TrainConfig resume = first;
+  resume.mutable_checkpoint()->set_resume(true);
+  resume.mutable_optim()->set_steps(3);
+  resume.mutable_model()->set_seed(first.model().seed() + 8);
+  auto b = RunInProcess(resume);
+  ASSERT_TRUE(b.ok() && (*b)[0].status.ok()) << (*b)[0].status;
+  absl::StatusOr<CheckpointInfo> after = ReadCheckpointInfo(CheckpointPath(dir, 3));
+  ASSERT_TRUE(after.ok()) << after.status();
+  absl::StatusOr<TrainConfig> saved = ParseConfigText(after->extra.at("config"));
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  EXPECT_EQ(saved->model().seed(), first.model().seed());
 }
 
 // Rank 0's step records of `config` run in process (every rank must succeed).
@@ -436,6 +526,32 @@ TEST(TrainerTest, InitFromRefusesAFileOfAnotherModel) {
   EXPECT_THAT((*out)[0].status.message(),
               HasSubstr("checkpoint.init_from=" + dir +
                         "/missing.safetensors: cannot be combined with checkpoint.resume"));
+}
+
+// NaN or infinite values are refused when the file is loaded, on every rank, naming the
+// file, the tensor and the first such element, before any step (they used to surface at
+// step 1 as a router logit "not finite").
+TEST(TrainerTest, InitFromRefusesNonFiniteValuesWhenLoaded) {
+  const std::string dir = ::testing::TempDir() + "/init_nan";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  TrainConfig config = TinyConfig(2, 2, 1, TrainConfig::fsdp);
+  NamedParams init = MoeLm::InitialParameters(config.model(), 7);
+  std::vector<float>& router = init.at("layers.0.router");  // [D=8, E=4]
+  router[6] = std::numeric_limits<float>::quiet_NaN();       // [1, 2]
+  router[10] = std::numeric_limits<float>::infinity();
+  const std::string path = dir + "/nan.safetensors";
+  ASSERT_TRUE(WriteParamsFile(path, config.model(), init, 3).ok());
+  config.mutable_checkpoint()->set_init_from(path);
+  auto out = RunInProcess(config);
+  ASSERT_TRUE(out.ok());
+  for (const RankOutcome& r : *out) {
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kDataLoss) << r.status;
+    EXPECT_THAT(r.status.message(),
+                HasSubstr("--init_from=" + path + ": tensor \"layers.0.router\" holds 2 "
+                          "non-finite values of 32, the first nan at [1,2]"));
+    EXPECT_TRUE(r.history.empty());
+  }
 }
 
 // A commit marker without the config that wrote it proves nothing about the data stream
