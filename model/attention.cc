@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "core/cpu_isa.h"
+#include "core/default_init_allocator.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
 #include "model/attention_kernels.h"
@@ -180,6 +181,9 @@ int64_t PaddedDim(int64_t d) {
   return (d + kAttentionColPad - 1) / kAttentionColPad * kAttentionColPad;
 }
 
+// A task's scratch: every float is written before it is read, so it is not zeroed.
+using Scratch = std::vector<float, DefaultInitAllocator<float>>;
+
 float Scale(int64_t d) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))); }
 
 }  // namespace
@@ -199,7 +203,7 @@ absl::Status AttentionForwardWith(const AttentionKernels& kernels, const Attenti
   // One task per (sequence, query head): its rows depend on nothing else.
   ParallelFor(ComputeThreads(), dims.num_seqs * hq, [&](int64_t task) {
     const int64_t s = task / hq, h = task % hq, g = shape.kv_of_q[h];
-    std::vector<float> scratch(kernels.forward_scratch_floats(dp));
+    Scratch scratch(kernels.forward_scratch_floats(len, dp));
     AttentionForwardTask t;
     t.blocks = blocks[s].data();
     t.num_blocks = static_cast<int64_t>(blocks[s].size());
@@ -250,7 +254,7 @@ absl::Status AttentionBackwardWith(const AttentionKernels& kernels, const Attent
     const int64_t s = task / hkv, g = task % hkv;
     const std::vector<int>& heads = heads_of_kv[g];
     const int num_heads = static_cast<int>(heads.size());
-    std::vector<float> scratch(kernels.backward_scratch_floats(len, num_heads, dp));
+    Scratch scratch(kernels.backward_scratch_floats(len, dp));
     AttentionBackwardTask t;
     t.blocks = blocks[s].data();
     t.num_blocks = static_cast<int64_t>(blocks[s].size());

@@ -62,7 +62,7 @@ struct AttentionForwardTask {
   float* out = nullptr;
   float* lse = nullptr;
   int64_t lse_stride = 0;
-  float* scratch = nullptr;  // forward_scratch_floats(padded_dim) floats
+  float* scratch = nullptr;  // forward_scratch_floats(seq_len, padded_dim) floats
 };
 
 // One (sequence, kv head) of the backward, with the query heads that use the kv head.
@@ -91,15 +91,15 @@ struct AttentionBackwardTask {
   float* dk = nullptr;
   float* dv = nullptr;
   int64_t kv_stride = 0;
-  float* scratch = nullptr;  // backward_scratch_floats(seq_len, num_heads, padded_dim)
+  float* scratch = nullptr;  // backward_scratch_floats(seq_len, padded_dim) floats
 };
 
 struct AttentionKernels {
   void (*forward)(const AttentionForwardTask& task) = nullptr;
   void (*backward)(const AttentionBackwardTask& task) = nullptr;
-  int64_t (*forward_scratch_floats)(int64_t padded_dim) = nullptr;
-  int64_t (*backward_scratch_floats)(int64_t seq_len, int num_heads,
-                                     int64_t padded_dim) = nullptr;
+  // Scratch of one task (linear in seq_len; need not be initialised).
+  int64_t (*forward_scratch_floats)(int64_t seq_len, int64_t padded_dim) = nullptr;
+  int64_t (*backward_scratch_floats)(int64_t seq_len, int64_t padded_dim) = nullptr;
   // The micro-kernel alone, for the benchmark's comparison with the BLAS:
   // c[m, n] = a[m, k] b[k, n], row-major with row strides lda, ldb, ldc; n % 16 == 0.
   void (*product)(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
