@@ -60,20 +60,21 @@ const AttentionKernels& SelectedAttentionKernels() {
 
 namespace {
 
-// What the checks derive from AttentionDims.
-struct Shape {
-  int64_t tokens = 0;     // T
-  int64_t q_floats = 0;   // T * q_heads * head_dim
-  int64_t kv_floats = 0;  // T * kv_heads * head_dim
-  int64_t lse_floats = 0;  // T * q_heads
-  std::vector<int> kv_of_q;  // resolved: q_heads entries
-};
-
 bool MulOverflows(int64_t a, int64_t b, int64_t* out) {
   return __builtin_mul_overflow(a, b, out);
 }
 
-absl::StatusOr<Shape> CheckDims(const AttentionDims& dims) {
+absl::Status CheckSize(const char* name, size_t size, int64_t want, const char* layout) {
+  if (static_cast<int64_t>(size) != want) {
+    return absl::InvalidArgumentError(absl::StrCat("attention: ", name, " holds ", size,
+                                                   " values; ", layout, " needs ", want));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<AttentionShape> CheckAttentionDims(const AttentionDims& dims) {
   if (dims.num_seqs < 0 || dims.seq_len < 0) {
     return absl::InvalidArgumentError(absl::StrCat("attention: num_seqs = ", dims.num_seqs,
                                                    " and seq_len = ", dims.seq_len,
@@ -84,7 +85,7 @@ absl::StatusOr<Shape> CheckDims(const AttentionDims& dims) {
         "attention: q_heads = ", dims.q_heads, ", kv_heads = ", dims.kv_heads,
         " and head_dim = ", dims.head_dim, " must be >= 1"));
   }
-  Shape shape;
+  AttentionShape shape;
   if (dims.kv_of_q.empty()) {
     if (dims.q_heads % dims.kv_heads != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -123,41 +124,41 @@ absl::StatusOr<Shape> CheckDims(const AttentionDims& dims) {
   return shape;
 }
 
-absl::Status CheckSize(const char* name, size_t size, int64_t want, const char* layout) {
-  if (static_cast<int64_t>(size) != want) {
-    return absl::InvalidArgumentError(absl::StrCat("attention: ", name, " holds ", size,
-                                                   " values; ", layout, " needs ", want));
+absl::Status CheckDocStartToken(const AttentionDims& dims, int64_t index, int32_t value,
+                                int32_t previous) {
+  const int64_t s = dims.seq_len > 0 ? index / dims.seq_len : 0;
+  const int64_t t = index - s * dims.seq_len;
+  const int64_t v = value;
+  if (v == -1) return absl::OkStatus();
+  if (v < 0 || v > t) {
+    return absl::InvalidArgumentError(absl::StrCat("attention: doc_start[", index, "] = ", v,
+                                                   " (sequence ", s, ", token ", t,
+                                                   ") must be -1 or in [0, ", t, "]"));
+  }
+  if (v != t && previous != v) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "attention: doc_start[", index, "] = ", v, " (sequence ", s, ", token ", t,
+        ") continues a document that token ", t - 1, " (doc_start ", previous,
+        ") is not in: documents must be contiguous"));
   }
   return absl::OkStatus();
 }
 
-// doc_start: -1, or t (a document starts), or doc_start[t - 1] (it continues).
+namespace {
+
+// The first bad doc_start, in token order.
 absl::Status CheckDocStart(const AttentionDims& dims, absl::Span<const int32_t> doc_start) {
-  for (int64_t s = 0; s < dims.num_seqs; ++s) {
-    const int32_t* ds = doc_start.data() + s * dims.seq_len;
-    for (int64_t t = 0; t < dims.seq_len; ++t) {
-      const int64_t v = ds[t];
-      if (v == -1) continue;
-      if (v < 0 || v > t) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "attention: doc_start[", s * dims.seq_len + t, "] = ", v, " (sequence ", s,
-            ", token ", t, ") must be -1 or in [0, ", t, "]"));
-      }
-      if (v != t && ds[t - 1] != v) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "attention: doc_start[", s * dims.seq_len + t, "] = ", v, " (sequence ", s,
-            ", token ", t, ") continues a document that token ", t - 1,
-            " (doc_start ", ds[t - 1], ") is not in: documents must be contiguous"));
-      }
-    }
+  for (int64_t i = 0; i < static_cast<int64_t>(doc_start.size()); ++i) {
+    const int32_t previous = i % dims.seq_len == 0 ? -1 : doc_start[i - 1];
+    GRADSUM_RETURN_IF_ERROR(CheckDocStartToken(dims, i, doc_start[i], previous));
   }
   return absl::OkStatus();
 }
 
 // Checks everything the two directions share; returns the shape.
-absl::StatusOr<Shape> CheckCommon(const AttentionDims& dims, size_t q, size_t k, size_t v,
-                                  size_t doc_start, size_t out, size_t lse) {
-  GRADSUM_ASSIGN_OR_RETURN(Shape shape, CheckDims(dims));
+absl::StatusOr<AttentionShape> CheckCommon(const AttentionDims& dims, size_t q, size_t k,
+                                           size_t v, size_t doc_start, size_t out, size_t lse) {
+  GRADSUM_ASSIGN_OR_RETURN(AttentionShape shape, CheckAttentionDims(dims));
   GRADSUM_RETURN_IF_ERROR(CheckSize("q", q, shape.q_floats, "[T, q_heads, head_dim]"));
   GRADSUM_RETURN_IF_ERROR(CheckSize("k", k, shape.kv_floats, "[T, kv_heads, head_dim]"));
   GRADSUM_RETURN_IF_ERROR(CheckSize("v", v, shape.kv_floats, "[T, kv_heads, head_dim]"));
@@ -193,7 +194,7 @@ absl::Status AttentionForwardWith(const AttentionKernels& kernels, const Attenti
                                   absl::Span<const float> v,
                                   absl::Span<const int32_t> doc_start, absl::Span<float> out,
                                   absl::Span<float> lse) {
-  GRADSUM_ASSIGN_OR_RETURN(Shape shape, CheckCommon(dims, q.size(), k.size(), v.size(),
+  GRADSUM_ASSIGN_OR_RETURN(AttentionShape shape, CheckCommon(dims, q.size(), k.size(), v.size(),
                                                     doc_start.size(), out.size(), lse.size()));
   GRADSUM_RETURN_IF_ERROR(CheckDocStart(dims, doc_start));
   if (shape.tokens == 0) return absl::OkStatus();
@@ -232,7 +233,7 @@ absl::Status AttentionBackwardWith(const AttentionKernels& kernels, const Attent
                                    absl::Span<const float> out, absl::Span<const float> lse,
                                    absl::Span<const float> d_out, absl::Span<float> dq,
                                    absl::Span<float> dk, absl::Span<float> dv) {
-  GRADSUM_ASSIGN_OR_RETURN(Shape shape, CheckCommon(dims, q.size(), k.size(), v.size(),
+  GRADSUM_ASSIGN_OR_RETURN(AttentionShape shape, CheckCommon(dims, q.size(), k.size(), v.size(),
                                                     doc_start.size(), out.size(), lse.size()));
   GRADSUM_RETURN_IF_ERROR(
       CheckSize("d_out", d_out.size(), shape.q_floats, "[T, q_heads, head_dim]"));

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "core/cpu_isa.h"
 #include "model/attention.h"
@@ -38,6 +39,25 @@ struct AttentionBlock {
   int64_t first = 0;
   int64_t last = 0;
 };
+
+// What AttentionDims implies, once checked.
+struct AttentionShape {
+  int64_t tokens = 0;        // T = num_seqs * seq_len
+  int64_t q_floats = 0;      // T * q_heads * head_dim
+  int64_t kv_floats = 0;     // T * kv_heads * head_dim
+  int64_t lse_floats = 0;    // T * q_heads
+  std::vector<int> kv_of_q;  // q_heads entries (the GQA grouping where dims.kv_of_q is empty)
+};
+
+// The checks of model/attention.h on dims alone (sizes, head counts, kv_of_q), shared by
+// the CPU and CUDA kernels; InvalidArgument naming the value.
+absl::StatusOr<AttentionShape> CheckAttentionDims(const AttentionDims& dims);
+
+// The doc_start check of one token: `index` in [0, T) with `value` = doc_start[index] and
+// `previous` = doc_start[index - 1] (-1 for a sequence's first token). OK, or the
+// InvalidArgument (naming the value, its sequence and token) the attention returns.
+absl::Status CheckDocStartToken(const AttentionDims& dims, int64_t index, int32_t value,
+                                int32_t previous);
 
 // The blocks of one sequence, given its doc_start (already validated: contiguous
 // documents, model/attention.h), in token order.

@@ -2,9 +2,9 @@
 // document-causal mask, written straightforwardly in double: forward and backward on shapes
 // with and without GQA, kv_of_q subsets, one document, many short ones, padding, documents
 // across block boundaries, seq_len not a multiple of the block, head_dim 16 / 24 / 64.
-// Then: central differences of a loss for a few gradient elements; the same bits at 1, 2
-// and 4 threads, for a subset of heads or one sequence as in the full call, and in every
-// instruction-set build; the blocks; the argument errors.
+// Then: padding rows are never read; central differences of a loss for a few gradient
+// elements; the same bits at 1, 2 and 4 threads, for a subset of heads or one sequence as
+// in the full call, and in every instruction-set build; the blocks; the argument errors.
 #include "model/attention.h"
 
 #include <cmath>
@@ -64,7 +64,9 @@ Grads Reference(const AttentionDims& dims, const std::vector<float>& q,
         double mx = -INFINITY;
         for (size_t x = 0; x < keys.size(); ++x) {
           double dot = 0;
-          for (int64_t c = 0; c < d; ++c) dot += double{q[qi(t, h) + c]} * k[ki(keys[x], j) + c];
+          for (int64_t c = 0; c < d; ++c) {
+            dot += double{q[qi(t, h) + c]} * k[ki(keys[x], j) + c];
+          }
           z[x] = dot * scale;
           mx = std::max(mx, z[x]);
         }
@@ -81,7 +83,9 @@ Grads Reference(const AttentionDims& dims, const std::vector<float>& q,
         double row = 0;
         for (size_t x = 0; x < keys.size(); ++x) {
           double dot = 0;
-          for (int64_t c = 0; c < d; ++c) dot += double{d_out[qi(t, h) + c]} * v[ki(keys[x], j) + c];
+          for (int64_t c = 0; c < d; ++c) {
+            dot += double{d_out[qi(t, h) + c]} * v[ki(keys[x], j) + c];
+          }
           dp[x] = dot;
           row += p[x] * dot;
         }
@@ -238,6 +242,24 @@ TEST(Attention, PaddingGivesExactZeros) {
       EXPECT_EQ(o.dk[t * c.dims.kv_heads * d + x], 0.0f) << t;
       EXPECT_EQ(o.dv[t * c.dims.kv_heads * d + x], 0.0f) << t;
     }
+  }
+}
+
+// Padding tokens' rows are never read: NaN there changes no bit of the results.
+TEST(Attention, PaddingValuesAreNeverRead) {
+  for (const Case& c : Cases()) {
+    SCOPED_TRACE(c.name);
+    const Inputs in = MakeInputs(c.dims, 19);
+    Inputs poisoned = in;
+    const int64_t qrow = c.dims.q_heads * c.dims.head_dim,
+                  kvrow = c.dims.kv_heads * c.dims.head_dim;
+    for (int64_t t = 0; t < c.dims.num_seqs * c.dims.seq_len; ++t) {
+      if (c.doc_start[t] >= 0) continue;
+      for (int64_t x = t * qrow; x < (t + 1) * qrow; ++x) poisoned.q[x] = poisoned.d_out[x] = NAN;
+      for (int64_t x = t * kvrow; x < (t + 1) * kvrow; ++x) poisoned.k[x] = poisoned.v[x] = NAN;
+    }
+    ExpectSameBits(RunBoth(c.dims, poisoned, c.doc_start), RunBoth(c.dims, in, c.doc_start),
+                   "NaN padding");
   }
 }
 
@@ -412,8 +434,8 @@ TEST(Attention, EveryInstructionSetBuildGivesTheSameBits) {
     for (const Case& c : Cases()) {
       SCOPED_TRACE(c.name);
       const Inputs in = MakeInputs(c.dims, 17);
-      ExpectSameBits(RunBoth(c.dims, in, c.doc_start, wide), RunBoth(c.dims, in, c.doc_start, generic),
-                     wide->isa);
+      ExpectSameBits(RunBoth(c.dims, in, c.doc_start, wide),
+                     RunBoth(c.dims, in, c.doc_start, generic), wide->isa);
     }
   }
 }
