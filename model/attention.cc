@@ -46,6 +46,10 @@ std::vector<AttentionBlock> AttentionBlocks(absl::Span<const int32_t> doc_start)
   return blocks;
 }
 
+float AttentionScale(int64_t head_dim) {
+  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+}
+
 const AttentionKernels* AttentionKernelsFor(const char* isa) {
   static const IsaBuilds<AttentionKernels> builds(
       GRADSUM_ISA_BUILDS(internal::attention, Kernels));
@@ -185,7 +189,17 @@ int64_t PaddedDim(int64_t d) {
 // A task's scratch: every float is written before it is read, so it is not zeroed.
 using Scratch = std::vector<float, DefaultInitAllocator<float>>;
 
-float Scale(int64_t d) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))); }
+// The fields both task kinds share: the sequence's blocks and the head sizes.
+template <typename Task>
+void SetSequence(const std::vector<AttentionBlock>& blocks, const AttentionDims& dims,
+                 Task* t) {
+  t->blocks = blocks.data();
+  t->num_blocks = static_cast<int64_t>(blocks.size());
+  t->seq_len = dims.seq_len;
+  t->head_dim = dims.head_dim;
+  t->padded_dim = PaddedDim(dims.head_dim);
+  t->scale = AttentionScale(dims.head_dim);
+}
 
 }  // namespace
 
@@ -194,8 +208,9 @@ absl::Status AttentionForwardWith(const AttentionKernels& kernels, const Attenti
                                   absl::Span<const float> v,
                                   absl::Span<const int32_t> doc_start, absl::Span<float> out,
                                   absl::Span<float> lse) {
-  GRADSUM_ASSIGN_OR_RETURN(AttentionShape shape, CheckCommon(dims, q.size(), k.size(), v.size(),
-                                                    doc_start.size(), out.size(), lse.size()));
+  GRADSUM_ASSIGN_OR_RETURN(AttentionShape shape,
+                           CheckCommon(dims, q.size(), k.size(), v.size(), doc_start.size(),
+                                       out.size(), lse.size()));
   GRADSUM_RETURN_IF_ERROR(CheckDocStart(dims, doc_start));
   if (shape.tokens == 0) return absl::OkStatus();
   const std::vector<std::vector<AttentionBlock>> blocks = SequenceBlocks(dims, doc_start);
@@ -206,12 +221,7 @@ absl::Status AttentionForwardWith(const AttentionKernels& kernels, const Attenti
     const int64_t s = task / hq, h = task % hq, g = shape.kv_of_q[h];
     Scratch scratch(kernels.forward_scratch_floats(len, dp));
     AttentionForwardTask t;
-    t.blocks = blocks[s].data();
-    t.num_blocks = static_cast<int64_t>(blocks[s].size());
-    t.seq_len = len;
-    t.head_dim = d;
-    t.padded_dim = dp;
-    t.scale = Scale(d);
+    SetSequence(blocks[s], dims, &t);
     t.q = q.data() + (s * len * hq + h) * d;
     t.q_stride = hq * d;
     t.k = k.data() + (s * len * hkv + g) * d;
@@ -233,8 +243,9 @@ absl::Status AttentionBackwardWith(const AttentionKernels& kernels, const Attent
                                    absl::Span<const float> out, absl::Span<const float> lse,
                                    absl::Span<const float> d_out, absl::Span<float> dq,
                                    absl::Span<float> dk, absl::Span<float> dv) {
-  GRADSUM_ASSIGN_OR_RETURN(AttentionShape shape, CheckCommon(dims, q.size(), k.size(), v.size(),
-                                                    doc_start.size(), out.size(), lse.size()));
+  GRADSUM_ASSIGN_OR_RETURN(AttentionShape shape,
+                           CheckCommon(dims, q.size(), k.size(), v.size(), doc_start.size(),
+                                       out.size(), lse.size()));
   GRADSUM_RETURN_IF_ERROR(
       CheckSize("d_out", d_out.size(), shape.q_floats, "[T, q_heads, head_dim]"));
   GRADSUM_RETURN_IF_ERROR(CheckSize("dq", dq.size(), shape.q_floats, "[T, q_heads, head_dim]"));
@@ -257,12 +268,7 @@ absl::Status AttentionBackwardWith(const AttentionKernels& kernels, const Attent
     const int num_heads = static_cast<int>(heads.size());
     Scratch scratch(kernels.backward_scratch_floats(len, dp));
     AttentionBackwardTask t;
-    t.blocks = blocks[s].data();
-    t.num_blocks = static_cast<int64_t>(blocks[s].size());
-    t.seq_len = len;
-    t.head_dim = d;
-    t.padded_dim = dp;
-    t.scale = Scale(d);
+    SetSequence(blocks[s], dims, &t);
     t.heads = heads.data();
     t.num_heads = num_heads;
     t.q = q.data() + s * len * hq * d;

@@ -59,6 +59,9 @@ absl::StatusOr<AttentionShape> CheckAttentionDims(const AttentionDims& dims);
 absl::Status CheckDocStartToken(const AttentionDims& dims, int64_t index, int32_t value,
                                 int32_t previous);
 
+// 1 / sqrt(head_dim) rounded once to fp32: the scale of every device's kernel.
+float AttentionScale(int64_t head_dim);
+
 // The blocks of one sequence, given its doc_start (already validated: contiguous
 // documents, model/attention.h), in token order.
 std::vector<AttentionBlock> AttentionBlocks(absl::Span<const int32_t> doc_start);

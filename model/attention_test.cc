@@ -1,7 +1,8 @@
 // The CPU attention (model/attention.h) against a plain softmax(q k^T / sqrt(d)) v with the
-// document-causal mask, written straightforwardly in double: forward and backward on shapes
-// with and without GQA, kv_of_q subsets, one document, many short ones, padding, documents
-// across block boundaries, seq_len not a multiple of the block, head_dim 16 / 24 / 64.
+// document-causal mask, written straightforwardly in double: forward and backward on the
+// shapes of model/attention_testing.h (with and without GQA, kv_of_q subsets, one document,
+// many short ones, padding, documents across block boundaries, seq_len not a multiple of
+// the block, head_dim 16 to 128).
 // Then: padding rows are never read; central differences of a loss for a few gradient
 // elements; the same bits at 1, 2 and 4 threads, for a subset of heads or one sequence as
 // in the full call, and in every instruction-set build; the blocks; the argument errors.
@@ -21,9 +22,11 @@
 namespace gradsum::model {
 namespace {
 
+using ::gradsum::model::testing::Dims;
 using ::gradsum::model::testing::DocStarts;
-using ::gradsum::model::testing::RandomPieces;
+using ::gradsum::model::testing::ExpectNear;
 using ::gradsum::model::testing::RandomTensor;
+using ::gradsum::model::testing::SameBits;
 
 // ---- the reference, in double ----------------------------------------------------------
 
@@ -105,42 +108,12 @@ Grads Reference(const AttentionDims& dims, const std::vector<float>& q,
 
 // ---- cases -----------------------------------------------------------------------------
 
-struct Case {
-  std::string name;
-  AttentionDims dims;
-  std::vector<int32_t> doc_start;
-};
+using Case = ::gradsum::model::testing::AttentionCase;
 
-AttentionDims Dims(int64_t num_seqs, int64_t seq_len, int q_heads, int kv_heads,
-                   int64_t head_dim, std::vector<int> kv_of_q = {}) {
-  AttentionDims dims;
-  dims.num_seqs = num_seqs;
-  dims.seq_len = seq_len;
-  dims.q_heads = q_heads;
-  dims.kv_heads = kv_heads;
-  dims.head_dim = head_dim;
-  dims.kv_of_q = std::move(kv_of_q);
-  return dims;
-}
+std::vector<Case> Cases() { return ::gradsum::model::testing::AttentionCases(); }
 
-std::vector<Case> Cases() {
-  std::vector<Case> cases;
-  cases.push_back({"one_document", Dims(1, 100, 2, 2, 16), DocStarts({{100}})});
-  cases.push_back({"one_document_three_blocks_d64", Dims(1, 150, 2, 1, 64),
-                   DocStarts({{150}})});
-  cases.push_back({"gqa_documents_across_blocks_padding_tail", Dims(2, 150, 4, 2, 64),
-                   DocStarts({{70, 61, -19}, {5, 128, 7, -10}})});
-  cases.push_back({"many_short_documents", Dims(1, 97, 2, 1, 16),
-                   DocStarts({RandomPieces(97, 5, 3, 11)})});
-  cases.push_back({"kv_of_q_head_dim_24", Dims(2, 80, 3, 2, 24, {1, 0, 1}),
-                   DocStarts({{64, 16}, {-3, 77}})});
-  cases.push_back({"unused_kv_head_and_padding_inside", Dims(1, 130, 2, 3, 16, {2, 0}),
-                   DocStarts({{65, -5, 60}})});
-  cases.push_back({"random_documents_d64_mqa", Dims(3, 200, 4, 1, 64),
-                   DocStarts({RandomPieces(200, 90, 0, 1), RandomPieces(200, 40, 13, 2),
-                              RandomPieces(200, 200, 0, 3)})});
-  cases.push_back({"all_padding_sequence", Dims(2, 20, 2, 2, 16), DocStarts({{-20}, {20}})});
-  return cases;
+Case CaseNamed(const std::string& name) {
+  return ::gradsum::model::testing::AttentionCaseNamed(name);
 }
 
 struct Inputs {
@@ -183,22 +156,6 @@ Outputs RunBoth(const AttentionDims& dims, const Inputs& in, const std::vector<i
   return o;
 }
 
-// |got - want| <= tol * (1 + max |want|) everywhere; reports the first miss.
-void ExpectNear(const std::vector<float>& got, const std::vector<double>& want, double tol,
-                const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  double scale = 1;
-  for (double w : want) scale = std::max(scale, std::abs(w));
-  for (size_t i = 0; i < got.size(); ++i) {
-    ASSERT_LE(std::abs(got[i] - want[i]), tol * scale)
-        << what << "[" << i << "]: got " << got[i] << ", want " << want[i];
-  }
-}
-
-bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
 void ExpectSameBits(const Outputs& a, const Outputs& b, const std::string& what) {
   EXPECT_TRUE(SameBits(a.out, b.out)) << what << ": out";
   EXPECT_TRUE(SameBits(a.lse, b.lse)) << what << ": lse";
@@ -225,7 +182,7 @@ TEST(Attention, ForwardAndBackwardMatchTheDoubleReference) {
 }
 
 TEST(Attention, PaddingGivesExactZeros) {
-  const Case c = Cases()[2];  // padding tails in both sequences
+  const Case c = CaseNamed("gqa_documents_across_blocks_padding_tail");
   const Inputs in = MakeInputs(c.dims, 3);
   const Outputs o = RunBoth(c.dims, in, c.doc_start);
   const int64_t d = c.dims.head_dim;
@@ -266,7 +223,7 @@ TEST(Attention, PaddingValuesAreNeverRead) {
 // L = sum(out * w): dL/dx from backward (d_out = w) against central differences of the
 // fp32 forward (summed in double).
 TEST(Attention, GradientsMatchCentralDifferences) {
-  const Case c = Cases()[2];
+  const Case c = CaseNamed("gqa_documents_across_blocks_padding_tail");
   Inputs in = MakeInputs(c.dims, 21);
   const std::vector<float>& w = in.d_out;
   const Outputs o = RunBoth(c.dims, in, c.doc_start);
@@ -398,7 +355,7 @@ TEST(Attention, HeadSubsetsGiveTheFullCallsBits) {
 }
 
 TEST(Attention, OneSequenceGivesTheFullCallsBits) {
-  const Case c = Cases()[6];  // three sequences
+  const Case c = CaseNamed("random_documents_d64_mqa");  // three sequences
   const Inputs in = MakeInputs(c.dims, 13);
   const Outputs all = RunBoth(c.dims, in, c.doc_start);
   const int64_t len = c.dims.seq_len, qrow = c.dims.q_heads * c.dims.head_dim,

@@ -4,7 +4,7 @@
 #include "model/cuda/attention_cuda.h"
 
 #include <climits>
-#include <cmath>
+#include <initializer_list>
 #include <optional>
 
 #include "absl/status/statusor.h"
@@ -49,7 +49,7 @@ absl::StatusOr<AttentionCudaParams> LaunchParams(const AttentionDims& dims, int6
   p.q_heads = dims.q_heads;
   p.kv_heads = dims.kv_heads;
   p.head_dim = static_cast<int>(dims.head_dim);
-  p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dims.head_dim)));
+  p.scale = internal::AttentionScale(dims.head_dim);
   for (int h = 0; h < dims.q_heads; ++h) p.kv_of_q[h] = shape.kv_of_q[h];
   // The query heads of each kv head, ascending (the order dk / dv sum them in).
   int next = 0;
@@ -99,6 +99,29 @@ absl::Status CheckDocStart(const AttentionDims& dims, const int32_t* doc_start,
   return s;
 }
 
+struct NamedPointer {
+  const void* ptr;
+  const char* name;
+};
+
+// Everything before a launch: the dims (launch parameters without pointers), a usable
+// device, and, when there is work (*tokens > 0), every pointer and doc_start.
+absl::StatusOr<AttentionCudaParams> Prepare(const AttentionDims& dims,
+                                            std::initializer_list<NamedPointer> pointers,
+                                            const int32_t* doc_start, cudaStream_t stream,
+                                            cuda::DeviceIndexFlag* error, int64_t* tokens) {
+  GRADSUM_ASSIGN_OR_RETURN(AttentionCudaParams p, LaunchParams(dims, tokens));
+  GRADSUM_RETURN_IF_ERROR(cuda::RequireCudaDevice());
+  if (*tokens == 0) return p;
+  for (const NamedPointer& x : pointers) {
+    GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(x.ptr, x.name));
+  }
+  GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(doc_start, "doc_start"));
+  GRADSUM_RETURN_IF_ERROR(CheckDocStart(dims, doc_start, stream, error));
+  p.doc_start = doc_start;
+  return p;
+}
+
 }  // namespace
 
 absl::Status AttentionForwardCuda(const AttentionDims& dims, const float* q, const float* k,
@@ -106,20 +129,14 @@ absl::Status AttentionForwardCuda(const AttentionDims& dims, const float* q, con
                                   float* lse, cudaStream_t stream,
                                   cuda::DeviceIndexFlag* error) {
   int64_t tokens = 0;
-  GRADSUM_ASSIGN_OR_RETURN(AttentionCudaParams p, LaunchParams(dims, &tokens));
-  GRADSUM_RETURN_IF_ERROR(cuda::RequireCudaDevice());
+  GRADSUM_ASSIGN_OR_RETURN(
+      AttentionCudaParams p,
+      Prepare(dims, {{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {lse, "lse"}}, doc_start,
+              stream, error, &tokens));
   if (tokens == 0) return absl::OkStatus();
-  GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(q, "q"));
-  GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(k, "k"));
-  GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(v, "v"));
-  GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(doc_start, "doc_start"));
-  GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(out, "out"));
-  GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(lse, "lse"));
-  GRADSUM_RETURN_IF_ERROR(CheckDocStart(dims, doc_start, stream, error));
   p.q = q;
   p.k = k;
   p.v = v;
-  p.doc_start = doc_start;
   p.out = out;
   p.lse = lse;
   GRADSUM_CUDA_RETURN_IF_ERROR(cuda_internal::LaunchAttentionForward(p, stream),
@@ -133,24 +150,22 @@ absl::Status AttentionBackwardCuda(const AttentionDims& dims, const float* q, co
                                    float* dv, cudaStream_t stream,
                                    cuda::DeviceIndexFlag* error) {
   int64_t tokens = 0;
-  GRADSUM_ASSIGN_OR_RETURN(AttentionCudaParams p, LaunchParams(dims, &tokens));
-  GRADSUM_RETURN_IF_ERROR(cuda::RequireCudaDevice());
+  GRADSUM_ASSIGN_OR_RETURN(AttentionCudaParams p,
+                           Prepare(dims,
+                                   {{q, "q"},
+                                    {k, "k"},
+                                    {v, "v"},
+                                    {out, "out"},
+                                    {lse, "lse"},
+                                    {d_out, "d_out"},
+                                    {dq, "dq"},
+                                    {dk, "dk"},
+                                    {dv, "dv"}},
+                                   doc_start, stream, error, &tokens));
   if (tokens == 0) return absl::OkStatus();
-  GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(q, "q"));
-  GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(k, "k"));
-  GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(v, "v"));
-  GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(doc_start, "doc_start"));
-  GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(out, "out"));
-  GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(lse, "lse"));
-  GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(d_out, "d_out"));
-  GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(dq, "dq"));
-  GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(dk, "dk"));
-  GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(dv, "dv"));
-  GRADSUM_RETURN_IF_ERROR(CheckDocStart(dims, doc_start, stream, error));
   p.q = q;
   p.k = k;
   p.v = v;
-  p.doc_start = doc_start;
   p.fwd_out = out;
   p.fwd_lse = lse;
   p.d_out = d_out;

@@ -91,28 +91,119 @@ __device__ __forceinline__ void PairDots(const float* x, const float* y, int d, 
   }
 }
 
-// The block's query tile: which sequence, first query, how many rows.
-struct QueryTile {
-  long long s = 0;   // sequence
-  long long q0 = 0;  // first query (within the sequence)
-  int rows = 0;      // queries of the tile inside the sequence
+// acc[i][jj] += sum over c < kTile, in order, of coef(ty + 16 i, c) rows[c][tx + 16 jj]:
+// coef(a, c) = coef[a * kPStride + c], or coef[c * kPStride + a] when kTransposed (coef
+// holds [kTile, kPStride] probabilities or scores; rows a [kTile, kD + 1] tile).
+template <int kD, bool kTransposed>
+__device__ __forceinline__ void AccumulateTile(const float* coef, const float* rows, int tx,
+                                               int ty, float (&acc)[4][kD / 16]) {
+  for (int c = 0; c < kTile; ++c) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float a = kTransposed ? coef[c * kPStride + ty + 16 * i]
+                                  : coef[(ty + 16 * i) * kPStride + c];
+#pragma unroll
+      for (int jj = 0; jj < kD / 16; ++jj) {
+        acc[i][jj] = fmaf(a, rows[c * (kD + 1) + tx + 16 * jj], acc[i][jj]);
+      }
+    }
+  }
+}
+
+// Writes the thread's rows ty + 16 i (< rows) of a tile starting at token `first` (within
+// sequence s) of head `head` of a [T, heads, d] tensor: acc / divisor[i], or 0 where
+// doc[row] < 0 (padding).
+template <int kD>
+__device__ __forceinline__ void StoreTile(float* dst, long long s, long long len,
+                                          long long first, int rows, int heads, int head, int d,
+                                          const long long* doc, const float (&acc)[4][kD / 16],
+                                          const float (&divisor)[4], int tx, int ty) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int r = ty + 16 * i;
+    if (r >= rows) continue;
+    const long long row = (s * len + first + r) * heads + head;  // [T, heads] index
+#pragma unroll
+    for (int jj = 0; jj < kD / 16; ++jj) {
+      const int col = tx + 16 * jj;
+      if (col < d) dst[row * d + col] = doc[r] >= 0 ? acc[i][jj] / divisor[i] : 0.0f;
+    }
+  }
+}
+
+// What a block works on, from its index: a tile of 64 tokens (queries, or keys for the
+// dk / dv kernel) of one sequence and one head, and the thread's place in the 16 x 16 grid.
+struct BlockTile {
+  int tx = 0, ty = 0;
+  long long len = 0;        // seq_len
+  long long s = 0;          // sequence
+  long long first = 0;      // first token of the tile (within the sequence)
+  int rows = 0;             // tokens of the tile inside the sequence
+  int head = 0;             // blockIdx.y: query head, or kv head for dk / dv
+  int d = 0;                // head_dim
+  long long q_stride = 0;   // floats between tokens of q, out, d_out, dq
+  long long kv_stride = 0;  // of k, v, dk, dv
+  const int32_t* ds = nullptr;  // the sequence's doc_start
 };
 
-__device__ __forceinline__ QueryTile TileOfBlock(long long len) {
-  const long long tiles = (len + kTile - 1) / kTile;
-  QueryTile t;
-  t.s = blockIdx.x / tiles;
-  t.q0 = (blockIdx.x % tiles) * kTile;
-  t.rows = static_cast<int>(min(static_cast<long long>(kTile), len - t.q0));
-  return t;
+__device__ __forceinline__ BlockTile TileOfBlock(const AttentionCudaParams& p) {
+  BlockTile b;
+  b.tx = threadIdx.x % 16;
+  b.ty = threadIdx.x / 16;
+  b.len = p.seq_len;
+  const long long tiles = (b.len + kTile - 1) / kTile;
+  b.s = blockIdx.x / tiles;
+  b.first = (blockIdx.x % tiles) * kTile;
+  b.rows = static_cast<int>(min(static_cast<long long>(kTile), b.len - b.first));
+  b.head = blockIdx.y;
+  b.d = p.head_dim;
+  b.q_stride = static_cast<long long>(p.q_heads) * b.d;
+  b.kv_stride = static_cast<long long>(p.kv_heads) * b.d;
+  b.ds = p.doc_start + b.s * b.len;
+  return b;
 }
+
+// Token 0 of sequence s, head h, in a [T, heads, d] tensor with `stride` floats per token.
+template <typename T>
+__device__ __forceinline__ T* HeadRows(T* base, const BlockTile& b, long long stride, int h) {
+  return base + b.s * b.len * stride + static_cast<long long>(h) * b.d;
+}
+
+// A kernel's shared memory (dynamic, `Bytes()` of it): kHeadTiles [kTile, kD + 1] tiles of
+// head_dim rows, kProbTiles [kTile, kPStride] tiles of probabilities / scores, the per-row
+// lse and dsum, the documents of the query and key tiles, and two words of range.
+template <int kD, int kHeadTiles, int kProbTiles>
+struct Shared {
+  static constexpr size_t Bytes() {
+    return (kHeadTiles * kTile * (kD + 1) + kProbTiles * kTile * kPStride + 2 * kTile) *
+               sizeof(float) +
+           (2 * kTile + 2) * sizeof(long long);
+  }
+  __device__ explicit Shared(float* base) {
+    for (int t = 0; t < kHeadTiles; ++t) head[t] = base + t * kTile * (kD + 1);
+    float* next = base + kHeadTiles * kTile * (kD + 1);
+    for (int t = 0; t < kProbTiles; ++t) prob[t] = next + t * kTile * kPStride;
+    lse = next + kProbTiles * kTile * kPStride;
+    dsum = lse + kTile;
+    q_doc = reinterpret_cast<long long*>(dsum + kTile);  // a multiple of 64 floats in: aligned
+    k_doc = q_doc + kTile;
+    range = k_doc + kTile;
+  }
+  float* head[kHeadTiles];
+  float* prob[kProbTiles];
+  float* lse;
+  float* dsum;
+  long long* q_doc;
+  long long* k_doc;
+  long long* range;
+};
 
 // Fills q_doc for the query tile and, in range, the keys its queries may see: [earliest
 // document start of a visible query, last visible query + 1), or [LLONG_MAX, -1) when the
 // tile is all padding. Ends with a barrier.
-__device__ __forceinline__ void QueryRange(const int32_t* ds, long long len, long long q0,
-                                           long long* q_doc, long long* range) {
-  if (threadIdx.x < kTile) q_doc[threadIdx.x] = DocOf(ds, q0 + threadIdx.x, len);
+__device__ __forceinline__ void QueryRange(const BlockTile& b, long long* q_doc,
+                                           long long* range) {
+  if (threadIdx.x < kTile) q_doc[threadIdx.x] = DocOf(b.ds, b.first + threadIdx.x, b.len);
   if (threadIdx.x == 0) {
     range[0] = LLONG_MAX;
     range[1] = -1;
@@ -120,89 +211,98 @@ __device__ __forceinline__ void QueryRange(const int32_t* ds, long long len, lon
   __syncthreads();
   if (threadIdx.x < kTile && q_doc[threadIdx.x] >= 0) {
     atomicMin(&range[0], q_doc[threadIdx.x]);
-    atomicMax(&range[1], q0 + threadIdx.x + 1);
+    atomicMax(&range[1], b.first + threadIdx.x + 1);
   }
   __syncthreads();
 }
 
-// Loads k_doc for the key tile at k0 and says (to every thread; a barrier) whether any of
-// the tile's (query, key) pairs is visible.
-__device__ __forceinline__ bool KeyTileVisible(const int32_t* ds, long long len, long long q0,
-                                               long long k0, const long long* q_doc,
-                                               long long* k_doc, int tx, int ty) {
-  if (threadIdx.x < kTile) k_doc[threadIdx.x] = DocOf(ds, k0 + threadIdx.x, len);
-  __syncthreads();
+// Whether any of the thread's pairs of the (query tile at q0, key tile at k0) is visible.
+__device__ __forceinline__ bool AnyVisible(const BlockTile& b, long long q0, long long k0,
+                                           const long long* q_doc, const long long* k_doc) {
   bool any = false;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      any |= Visible(q_doc[ty + 16 * i], k_doc[tx + 16 * j], q0 + ty + 16 * i, k0 + tx + 16 * j);
+      any |= Visible(q_doc[b.ty + 16 * i], k_doc[b.tx + 16 * j], q0 + b.ty + 16 * i,
+                     k0 + b.tx + 16 * j);
     }
   }
-  return __syncthreads_or(any) != 0;
+  return any;
+}
+
+// Loads k_doc for the key tile at k0 and says (to every thread; a barrier) whether any of
+// the query tile's pairs with it is visible.
+__device__ __forceinline__ bool KeyTileVisible(const BlockTile& b, long long k0,
+                                               const long long* q_doc, long long* k_doc) {
+  if (threadIdx.x < kTile) k_doc[threadIdx.x] = DocOf(b.ds, k0 + threadIdx.x, b.len);
+  __syncthreads();
+  return __syncthreads_or(AnyVisible(b, b.first, k0, q_doc, k_doc)) != 0;
+}
+
+// The k and v rows of kv head g for the key tile at k0 (k_doc published) into ks, vs.
+template <int kD>
+__device__ __forceinline__ void LoadKvTile(const AttentionCudaParams& p, const BlockTile& b,
+                                           int g, long long k0, const long long* k_doc,
+                                           float* ks, float* vs) {
+  const long long off = k0 * b.kv_stride;
+  LoadTile<kD>(ks, HeadRows(p.k, b, b.kv_stride, g) + off, b.kv_stride, k_doc, b.d);
+  LoadTile<kD>(vs, HeadRows(p.v, b, b.kv_stride, g) + off, b.kv_stride, k_doc, b.d);
+}
+
+// The next key tile of a query-tile kernel: false (every thread) when the mask hides all
+// its pairs with the query tile; else its k, v rows of kv head g are in ks, vs, synced.
+template <int kD>
+__device__ __forceinline__ bool NextKeyTile(const AttentionCudaParams& p, const BlockTile& b,
+                                            int g, long long k0, const long long* q_doc,
+                                            long long* k_doc, float* ks, float* vs) {
+  if (!KeyTileVisible(b, k0, q_doc, k_doc)) return false;
+  LoadKvTile<kD>(p, b, g, k0, k_doc, ks, vs);
+  __syncthreads();
+  return true;
 }
 
 // ---- forward --------------------------------------------------------------------------
 
 template <int kD>
-constexpr size_t ForwardSmem() {
-  return (3 * kTile * (kD + 1) + kTile * kPStride) * sizeof(float) +
-         (2 * kTile + 2) * sizeof(long long);
-}
+using ForwardShared = Shared<kD, 3, 1>;  // q, k, v; p
 
 template <int kD>
 __global__ void __launch_bounds__(kThreads) ForwardKernel(const AttentionCudaParams p) {
-  constexpr int kRow = kD + 1, kCols = kD / 16;
   extern __shared__ float smem[];
-  float* qs = smem;
-  float* ks = qs + kTile * kRow;
-  float* vs = ks + kTile * kRow;
-  float* ps = vs + kTile * kRow;
-  long long* q_doc = reinterpret_cast<long long*>(ps + kTile * kPStride);  // 256-byte aligned
-  long long* k_doc = q_doc + kTile;
-  long long* range = k_doc + kTile;
+  const ForwardShared<kD> sh(smem);
+  float *qs = sh.head[0], *ks = sh.head[1], *vs = sh.head[2], *ps = sh.prob[0];
+  const BlockTile b = TileOfBlock(p);
+  const int h = b.head, g = p.kv_of_q[h];
 
-  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-  const long long len = p.seq_len;
-  const QueryTile qt = TileOfBlock(len);
-  const int h = blockIdx.y, g = p.kv_of_q[h], d = p.head_dim;
-  const long long q_stride = static_cast<long long>(p.q_heads) * d;
-  const long long kv_stride = static_cast<long long>(p.kv_heads) * d;
-  const int32_t* ds = p.doc_start + qt.s * len;
-  const float* q_seq = p.q + qt.s * len * q_stride + static_cast<long long>(h) * d;
-  const float* k_seq = p.k + qt.s * len * kv_stride + static_cast<long long>(g) * d;
-  const float* v_seq = p.v + qt.s * len * kv_stride + static_cast<long long>(g) * d;
+  QueryRange(b, sh.q_doc, sh.range);
+  // Read after a barrier (KeyTileVisible).
+  LoadTile<kD>(qs, HeadRows(p.q, b, b.q_stride, h) + b.first * b.q_stride, b.q_stride,
+               sh.q_doc, b.d);
+  const long long key_begin = sh.range[0], key_end = sh.range[1];
 
-  QueryRange(ds, len, qt.q0, q_doc, range);
-  LoadTile<kD>(qs, q_seq + qt.q0 * q_stride, q_stride, q_doc, d);  // read after a barrier
-  const long long key_begin = range[0], key_end = range[1];
-
-  float m[4], l[4], acc[4][kCols];
+  float m[4], l[4], acc[4][kD / 16];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     m[i] = -INFINITY;
     l[i] = 0.0f;
 #pragma unroll
-    for (int jj = 0; jj < kCols; ++jj) acc[i][jj] = 0.0f;
+    for (int jj = 0; jj < kD / 16; ++jj) acc[i][jj] = 0.0f;
   }
   if (key_end > 0) {
     for (long long k0 = key_begin / kTile * kTile; k0 < key_end; k0 += kTile) {
-      if (!KeyTileVisible(ds, len, qt.q0, k0, q_doc, k_doc, tx, ty)) continue;
-      LoadTile<kD>(ks, k_seq + k0 * kv_stride, kv_stride, k_doc, d);
-      LoadTile<kD>(vs, v_seq + k0 * kv_stride, kv_stride, k_doc, d);
-      __syncthreads();
+      if (!NextKeyTile<kD>(p, b, g, k0, sh.q_doc, sh.k_doc, ks, vs)) continue;
       float sc[4][4];
-      PairDots<kD>(qs, ks, d, tx, ty, sc);
+      PairDots<kD>(qs, ks, b.d, b.tx, b.ty, sc);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const int r = ty + 16 * i;
+        const int r = b.ty + 16 * i;
         float tile_max = -INFINITY;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const int c = tx + 16 * j;
-          sc[i][j] = Visible(q_doc[r], k_doc[c], qt.q0 + r, k0 + c) ? sc[i][j] * p.scale
-                                                                     : -INFINITY;
+          const int c = b.tx + 16 * j;
+          sc[i][j] = Visible(sh.q_doc[r], sh.k_doc[c], b.first + r, k0 + c) ? sc[i][j] * p.scale
+                                                                             : -INFINITY;
           tile_max = fmaxf(tile_max, sc[i][j]);
         }
         const float m_new = fmaxf(m[i], HalfWarpMax(tile_max));
@@ -213,40 +313,27 @@ __global__ void __launch_bounds__(kThreads) ForwardKernel(const AttentionCudaPar
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const float pv = expf(sc[i][j] - m_use);  // 0 where hidden
-          ps[r * kPStride + tx + 16 * j] = pv;
+          ps[r * kPStride + b.tx + 16 * j] = pv;
           row_sum += pv;
         }
         l[i] = l[i] * alpha + HalfWarpSum(row_sum);
         m[i] = m_new;
 #pragma unroll
-        for (int jj = 0; jj < kCols; ++jj) acc[i][jj] *= alpha;
+        for (int jj = 0; jj < kD / 16; ++jj) acc[i][jj] *= alpha;
       }
       __syncthreads();
-      for (int c = 0; c < kTile; ++c) {  // acc += p v, keys in order
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float pv = ps[(ty + 16 * i) * kPStride + c];
-#pragma unroll
-          for (int jj = 0; jj < kCols; ++jj) {
-            acc[i][jj] = fmaf(pv, vs[c * kRow + tx + 16 * jj], acc[i][jj]);
-          }
-        }
-      }
+      AccumulateTile<kD, false>(ps, vs, b.tx, b.ty, acc);  // acc += p v, keys in order
       __syncthreads();
     }
   }
+  StoreTile<kD>(p.out, b.s, b.len, b.first, b.rows, p.q_heads, h, b.d, sh.q_doc, acc, l, b.tx,
+                b.ty);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const int r = ty + 16 * i;
-    if (r >= qt.rows) continue;
-    const long long row = (qt.s * len + qt.q0 + r) * p.q_heads + h;  // [T, q_heads] index
-    const bool valid = q_doc[r] >= 0;
-#pragma unroll
-    for (int jj = 0; jj < kCols; ++jj) {
-      const int col = tx + 16 * jj;
-      if (col < d) p.out[row * d + col] = valid ? acc[i][jj] / l[i] : 0.0f;
-    }
-    if (tx == 0) p.lse[row] = valid ? m[i] + logf(l[i]) : 0.0f;
+    const int r = b.ty + 16 * i;
+    if (r >= b.rows || b.tx != 0) continue;
+    const long long row = (b.s * b.len + b.first + r) * p.q_heads + h;  // [T, q_heads] index
+    p.lse[row] = sh.q_doc[r] >= 0 ? m[i] + logf(l[i]) : 0.0f;
   }
 }
 
@@ -270,37 +357,42 @@ __global__ void DsumKernel(const AttentionCudaParams p) {
   }
 }
 
-// Per row of a query tile of head h: lse and dsum into shared memory (0 for padding rows).
-__device__ __forceinline__ void LoadRowTerms(const AttentionCudaParams& p, long long s,
-                                             long long q0, int rows, int h,
-                                             const long long* q_doc, float* lse_s,
-                                             float* dsum_s) {
+// The query tile at q0 of head h: q and d_out rows into qs, dos, and per row lse and dsum
+// (0 for padding rows). q_doc must be published; the caller syncs before reading.
+template <int kD>
+__device__ __forceinline__ void LoadQueryTile(const AttentionCudaParams& p, const BlockTile& b,
+                                              long long q0, int h, const long long* q_doc,
+                                              float* qs, float* dos, float* lse_s,
+                                              float* dsum_s) {
+  const long long off = q0 * b.q_stride;
+  LoadTile<kD>(qs, HeadRows(p.q, b, b.q_stride, h) + off, b.q_stride, q_doc, b.d);
+  LoadTile<kD>(dos, HeadRows(p.d_out, b, b.q_stride, h) + off, b.q_stride, q_doc, b.d);
   if (threadIdx.x < kTile) {
     const int r = threadIdx.x;
-    const bool valid = r < rows && q_doc[r] >= 0;
-    const long long row = (s * p.seq_len + q0 + r) * p.q_heads + h;
+    const bool valid = q_doc[r] >= 0;  // padding, or past the sequence's end
+    const long long row = (b.s * b.len + q0 + r) * p.q_heads + h;
     lse_s[r] = valid ? p.fwd_lse[row] : 0.0f;
     dsum_s[r] = valid ? p.dsum[row] : 0.0f;
   }
 }
 
-// For the thread's pairs of a (query tile, key tile): p = exp(s - lse) and
+// For the thread's pairs of a (query tile at q0, key tile at k0): p = exp(s - lse) and
 // ds = p (dp - dsum) scale, 0 where hidden. qs, dos: the query tile's q and d_out; ks, vs:
 // the key tile's k and v.
 template <int kD>
 __device__ __forceinline__ void ProbabilitiesAndScores(
-    const float* qs, const float* dos, const float* ks, const float* vs, const long long* q_doc,
-    const long long* k_doc, const float* lse_s, const float* dsum_s, long long q0, long long k0,
-    int d, float scale, int tx, int ty, float (&pv)[4][4], float (&dsv)[4][4]) {
+    const BlockTile& b, const float* qs, const float* dos, const float* ks, const float* vs,
+    const long long* q_doc, const long long* k_doc, const float* lse_s, const float* dsum_s,
+    long long q0, long long k0, float scale, float (&pv)[4][4], float (&dsv)[4][4]) {
   float dp[4][4];
-  PairDots<kD>(qs, ks, d, tx, ty, pv);
-  PairDots<kD>(dos, vs, d, tx, ty, dp);
+  PairDots<kD>(qs, ks, b.d, b.tx, b.ty, pv);
+  PairDots<kD>(dos, vs, b.d, b.tx, b.ty, dp);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const int r = ty + 16 * i;
+    const int r = b.ty + 16 * i;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int c = tx + 16 * j;
+      const int c = b.tx + 16 * j;
       const bool vis = Visible(q_doc[r], k_doc[c], q0 + r, k0 + c);
       pv[i][j] = vis ? expf(pv[i][j] * scale - lse_s[r]) : 0.0f;
       dsv[i][j] = vis ? pv[i][j] * (dp[i][j] - dsum_s[r]) * scale : 0.0f;
@@ -309,218 +401,126 @@ __device__ __forceinline__ void ProbabilitiesAndScores(
 }
 
 template <int kD>
-constexpr size_t DqSmem() {
-  return (4 * kTile * (kD + 1) + kTile * kPStride + 2 * kTile) * sizeof(float) +
-         (2 * kTile + 2) * sizeof(long long);
-}
+using DqShared = Shared<kD, 4, 1>;  // q, d_out, k, v; ds
 
 // dq of one query tile of one query head: the key tiles in order.
 template <int kD>
 __global__ void __launch_bounds__(kThreads) DqKernel(const AttentionCudaParams p) {
-  constexpr int kRow = kD + 1, kCols = kD / 16;
   extern __shared__ float smem[];
-  float* qs = smem;
-  float* dos = qs + kTile * kRow;
-  float* ks = dos + kTile * kRow;
-  float* vs = ks + kTile * kRow;
-  float* dss = vs + kTile * kRow;
-  float* lse_s = dss + kTile * kPStride;
-  float* dsum_s = lse_s + kTile;
-  long long* q_doc = reinterpret_cast<long long*>(dsum_s + kTile);  // 256-byte aligned
-  long long* k_doc = q_doc + kTile;
-  long long* range = k_doc + kTile;
+  const DqShared<kD> sh(smem);
+  float *qs = sh.head[0], *dos = sh.head[1], *ks = sh.head[2], *vs = sh.head[3];
+  float* dss = sh.prob[0];
+  const BlockTile b = TileOfBlock(p);
+  const int h = b.head, g = p.kv_of_q[h];
 
-  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-  const long long len = p.seq_len;
-  const QueryTile qt = TileOfBlock(len);
-  const int h = blockIdx.y, g = p.kv_of_q[h], d = p.head_dim;
-  const long long q_stride = static_cast<long long>(p.q_heads) * d;
-  const long long kv_stride = static_cast<long long>(p.kv_heads) * d;
-  const int32_t* ds = p.doc_start + qt.s * len;
-  const long long q_off = qt.s * len * q_stride + static_cast<long long>(h) * d;
-  const float* k_seq = p.k + qt.s * len * kv_stride + static_cast<long long>(g) * d;
-  const float* v_seq = p.v + qt.s * len * kv_stride + static_cast<long long>(g) * d;
-
-  QueryRange(ds, len, qt.q0, q_doc, range);
+  QueryRange(b, sh.q_doc, sh.range);
   // Read after the barriers of KeyTileVisible.
-  LoadTile<kD>(qs, p.q + q_off + qt.q0 * q_stride, q_stride, q_doc, d);
-  LoadTile<kD>(dos, p.d_out + q_off + qt.q0 * q_stride, q_stride, q_doc, d);
-  LoadRowTerms(p, qt.s, qt.q0, qt.rows, h, q_doc, lse_s, dsum_s);
-  const long long key_begin = range[0], key_end = range[1];
+  LoadQueryTile<kD>(p, b, b.first, h, sh.q_doc, qs, dos, sh.lse, sh.dsum);
+  const long long key_begin = sh.range[0], key_end = sh.range[1];
 
-  float acc[4][kCols];
+  float acc[4][kD / 16];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
 #pragma unroll
-    for (int jj = 0; jj < kCols; ++jj) acc[i][jj] = 0.0f;
+    for (int jj = 0; jj < kD / 16; ++jj) acc[i][jj] = 0.0f;
   }
   if (key_end > 0) {
     for (long long k0 = key_begin / kTile * kTile; k0 < key_end; k0 += kTile) {
-      if (!KeyTileVisible(ds, len, qt.q0, k0, q_doc, k_doc, tx, ty)) continue;
-      LoadTile<kD>(ks, k_seq + k0 * kv_stride, kv_stride, k_doc, d);
-      LoadTile<kD>(vs, v_seq + k0 * kv_stride, kv_stride, k_doc, d);
-      __syncthreads();
+      if (!NextKeyTile<kD>(p, b, g, k0, sh.q_doc, sh.k_doc, ks, vs)) continue;
       float pv[4][4], dsv[4][4];
-      ProbabilitiesAndScores<kD>(qs, dos, ks, vs, q_doc, k_doc, lse_s, dsum_s, qt.q0, k0, d,
-                                 p.scale, tx, ty, pv, dsv);
+      ProbabilitiesAndScores<kD>(b, qs, dos, ks, vs, sh.q_doc, sh.k_doc, sh.lse, sh.dsum,
+                                 b.first, k0, p.scale, pv, dsv);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) dss[(ty + 16 * i) * kPStride + tx + 16 * j] = dsv[i][j];
+        for (int j = 0; j < 4; ++j) dss[(b.ty + 16 * i) * kPStride + b.tx + 16 * j] = dsv[i][j];
       }
       __syncthreads();
-      for (int c = 0; c < kTile; ++c) {  // dq += ds k, keys in order
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float dv = dss[(ty + 16 * i) * kPStride + c];
-#pragma unroll
-          for (int jj = 0; jj < kCols; ++jj) {
-            acc[i][jj] = fmaf(dv, ks[c * kRow + tx + 16 * jj], acc[i][jj]);
-          }
-        }
-      }
+      AccumulateTile<kD, false>(dss, ks, b.tx, b.ty, acc);  // dq += ds k, keys in order
       __syncthreads();
     }
   }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int r = ty + 16 * i;
-    if (r >= qt.rows) continue;
-    const long long row = (qt.s * len + qt.q0 + r) * p.q_heads + h;
-#pragma unroll
-    for (int jj = 0; jj < kCols; ++jj) {
-      const int col = tx + 16 * jj;
-      if (col < d) p.dq[row * d + col] = q_doc[r] >= 0 ? acc[i][jj] : 0.0f;
-    }
-  }
+  const float one[4] = {1.0f, 1.0f, 1.0f, 1.0f};
+  StoreTile<kD>(p.dq, b.s, b.len, b.first, b.rows, p.q_heads, h, b.d, sh.q_doc, acc, one, b.tx,
+                b.ty);
 }
 
 template <int kD>
-constexpr size_t DkDvSmem() {
-  return (4 * kTile * (kD + 1) + 2 * kTile * kPStride + 2 * kTile) * sizeof(float) +
-         (2 * kTile + 2) * sizeof(long long);
-}
+using DkDvShared = Shared<kD, 4, 2>;  // k, v, q, d_out; p, ds
 
 // dk, dv of one key tile of one kv head: its query heads in ascending order, for each the
 // query tiles from the one holding the tile's first visible key, in order, until a tile
 // reaches past the key tile's last document.
 template <int kD>
 __global__ void __launch_bounds__(kThreads) DkDvKernel(const AttentionCudaParams p) {
-  constexpr int kRow = kD + 1, kCols = kD / 16;
   extern __shared__ float smem[];
-  float* ks = smem;
-  float* vs = ks + kTile * kRow;
-  float* qs = vs + kTile * kRow;
-  float* dos = qs + kTile * kRow;
-  float* ps = dos + kTile * kRow;
-  float* dss = ps + kTile * kPStride;
-  float* lse_s = dss + kTile * kPStride;
-  float* dsum_s = lse_s + kTile;
-  long long* q_doc = reinterpret_cast<long long*>(dsum_s + kTile);  // 256-byte aligned
-  long long* k_doc = q_doc + kTile;
-  long long* key_info = k_doc + kTile;  // first visible key, last key document
+  const DkDvShared<kD> sh(smem);
+  float *ks = sh.head[0], *vs = sh.head[1], *qs = sh.head[2], *dos = sh.head[3];
+  float *ps = sh.prob[0], *dss = sh.prob[1];
+  const BlockTile b = TileOfBlock(p);  // the key tile
+  const long long k0 = b.first;
+  const int g = b.head;
 
-  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-  const long long len = p.seq_len;
-  const QueryTile kt = TileOfBlock(len);  // here: the key tile
-  const long long k0 = kt.q0;
-  const int g = blockIdx.y, d = p.head_dim;
-  const long long q_stride = static_cast<long long>(p.q_heads) * d;
-  const long long kv_stride = static_cast<long long>(p.kv_heads) * d;
-  const int32_t* ds = p.doc_start + kt.s * len;
-  const long long kv_off = kt.s * len * kv_stride + static_cast<long long>(g) * d;
-
-  if (threadIdx.x < kTile) k_doc[threadIdx.x] = DocOf(ds, k0 + threadIdx.x, len);
+  if (threadIdx.x < kTile) sh.k_doc[threadIdx.x] = DocOf(b.ds, k0 + threadIdx.x, b.len);
   if (threadIdx.x == 0) {
-    key_info[0] = LLONG_MAX;
-    key_info[1] = -1;
+    sh.range[0] = LLONG_MAX;  // the first visible key
+    sh.range[1] = -1;         // the last key document
   }
   __syncthreads();
-  if (threadIdx.x < kTile && k_doc[threadIdx.x] >= 0) {
-    atomicMin(&key_info[0], k0 + threadIdx.x);
-    atomicMax(&key_info[1], k_doc[threadIdx.x]);
+  if (threadIdx.x < kTile && sh.k_doc[threadIdx.x] >= 0) {
+    atomicMin(&sh.range[0], k0 + threadIdx.x);
+    atomicMax(&sh.range[1], sh.k_doc[threadIdx.x]);
   }
   __syncthreads();
-  const long long first_key = key_info[0], last_doc = key_info[1];
-  // Read after the first query tile's barriers.
-  LoadTile<kD>(ks, p.k + kv_off + k0 * kv_stride, kv_stride, k_doc, d);
-  LoadTile<kD>(vs, p.v + kv_off + k0 * kv_stride, kv_stride, k_doc, d);
+  const long long first_key = sh.range[0], last_doc = sh.range[1];
+  LoadKvTile<kD>(p, b, g, k0, sh.k_doc, ks, vs);  // read after the first query tile's barriers
 
-  float acc_k[4][kCols], acc_v[4][kCols];  // keys ty + 16 i, columns tx + 16 jj
+  float acc_k[4][kD / 16], acc_v[4][kD / 16];  // keys ty + 16 i, columns tx + 16 jj
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
 #pragma unroll
-    for (int jj = 0; jj < kCols; ++jj) acc_k[i][jj] = acc_v[i][jj] = 0.0f;
+    for (int jj = 0; jj < kD / 16; ++jj) acc_k[i][jj] = acc_v[i][jj] = 0.0f;
   }
   if (last_doc >= 0) {
     for (int hh = p.heads_begin[g]; hh < p.heads_begin[g + 1]; ++hh) {
       const int h = p.heads[hh];
-      const long long q_off = kt.s * len * q_stride + static_cast<long long>(h) * d;
-      for (long long q0 = first_key / kTile * kTile; q0 < len; q0 += kTile) {
+      for (long long q0 = first_key / kTile * kTile; q0 < b.len; q0 += kTile) {
         // Queries of later documents than the key tile's last one see none of its keys,
         // and (documents being contiguous and in order) neither do later tiles.
-        const long long my_doc = threadIdx.x < kTile ? DocOf(ds, q0 + threadIdx.x, len) : -1;
-        if (threadIdx.x < kTile) q_doc[threadIdx.x] = my_doc;
+        const long long my_doc =
+            threadIdx.x < kTile ? DocOf(b.ds, q0 + threadIdx.x, b.len) : -1;
+        if (threadIdx.x < kTile) sh.q_doc[threadIdx.x] = my_doc;
         const bool past = __syncthreads_or(my_doc > last_doc) != 0;  // publishes q_doc
-        bool any = false;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            any |= Visible(q_doc[ty + 16 * i], k_doc[tx + 16 * j], q0 + ty + 16 * i,
-                           k0 + tx + 16 * j);
-          }
-        }
-        if (__syncthreads_or(any)) {
-          const int q_rows = static_cast<int>(min(static_cast<long long>(kTile), len - q0));
-          LoadTile<kD>(qs, p.q + q_off + q0 * q_stride, q_stride, q_doc, d);
-          LoadTile<kD>(dos, p.d_out + q_off + q0 * q_stride, q_stride, q_doc, d);
-          LoadRowTerms(p, kt.s, q0, q_rows, h, q_doc, lse_s, dsum_s);
+        if (__syncthreads_or(AnyVisible(b, q0, k0, sh.q_doc, sh.k_doc))) {
+          LoadQueryTile<kD>(p, b, q0, h, sh.q_doc, qs, dos, sh.lse, sh.dsum);
           __syncthreads();
           float pv[4][4], dsv[4][4];
-          ProbabilitiesAndScores<kD>(qs, dos, ks, vs, q_doc, k_doc, lse_s, dsum_s, q0, k0, d,
-                                     p.scale, tx, ty, pv, dsv);
+          ProbabilitiesAndScores<kD>(b, qs, dos, ks, vs, sh.q_doc, sh.k_doc, sh.lse, sh.dsum,
+                                     q0, k0, p.scale, pv, dsv);
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-              ps[(ty + 16 * i) * kPStride + tx + 16 * j] = pv[i][j];
-              dss[(ty + 16 * i) * kPStride + tx + 16 * j] = dsv[i][j];
+              ps[(b.ty + 16 * i) * kPStride + b.tx + 16 * j] = pv[i][j];
+              dss[(b.ty + 16 * i) * kPStride + b.tx + 16 * j] = dsv[i][j];
             }
           }
           __syncthreads();
-          for (int r = 0; r < kTile; ++r) {  // dv += p^T d_out, dk += ds^T q, queries in order
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const float pr = ps[r * kPStride + ty + 16 * i];
-              const float dr = dss[r * kPStride + ty + 16 * i];
-#pragma unroll
-              for (int jj = 0; jj < kCols; ++jj) {
-                acc_v[i][jj] = fmaf(pr, dos[r * kRow + tx + 16 * jj], acc_v[i][jj]);
-                acc_k[i][jj] = fmaf(dr, qs[r * kRow + tx + 16 * jj], acc_k[i][jj]);
-              }
-            }
-          }
+          // dv += p^T d_out, dk += ds^T q, queries in order.
+          AccumulateTile<kD, true>(ps, dos, b.tx, b.ty, acc_v);
+          AccumulateTile<kD, true>(dss, qs, b.tx, b.ty, acc_k);
           __syncthreads();
         }
         if (past) break;
       }
     }
   }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int c = ty + 16 * i;
-    if (c >= kt.rows) continue;
-    const long long row = (kt.s * len + k0 + c) * p.kv_heads + g;  // [T, kv_heads] index
-#pragma unroll
-    for (int jj = 0; jj < kCols; ++jj) {
-      const int col = tx + 16 * jj;
-      if (col < d) {
-        p.dk[row * d + col] = acc_k[i][jj];
-        p.dv[row * d + col] = acc_v[i][jj];
-      }
-    }
-  }
+  // Padding keys: zeros (their sums stayed 0 anyway).
+  const float one[4] = {1.0f, 1.0f, 1.0f, 1.0f};
+  StoreTile<kD>(p.dk, b.s, b.len, k0, b.rows, p.kv_heads, g, b.d, sh.k_doc, acc_k, one, b.tx,
+                b.ty);
+  StoreTile<kD>(p.dv, b.s, b.len, k0, b.rows, p.kv_heads, g, b.d, sh.k_doc, acc_v, one, b.tx,
+                b.ty);
 }
 
 __global__ void CheckDocStartKernel(const int32_t* doc_start, long long num_seqs, long long len,
@@ -552,7 +552,8 @@ cudaError_t LaunchWithSmem(Kernel kernel, dim3 grid, size_t smem, const Attentio
 
 template <int kD>
 cudaError_t Forward(const AttentionCudaParams& p, cudaStream_t stream) {
-  return LaunchWithSmem(ForwardKernel<kD>, Grid(p, p.q_heads), ForwardSmem<kD>(), p, stream);
+  return LaunchWithSmem(ForwardKernel<kD>, Grid(p, p.q_heads), ForwardShared<kD>::Bytes(), p,
+                        stream);
 }
 
 template <int kD>
@@ -562,9 +563,10 @@ cudaError_t Backward(const AttentionCudaParams& p, cudaStream_t stream) {
   DsumKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  err = LaunchWithSmem(DqKernel<kD>, Grid(p, p.q_heads), DqSmem<kD>(), p, stream);
+  err = LaunchWithSmem(DqKernel<kD>, Grid(p, p.q_heads), DqShared<kD>::Bytes(), p, stream);
   if (err != cudaSuccess) return err;
-  return LaunchWithSmem(DkDvKernel<kD>, Grid(p, p.kv_heads), DkDvSmem<kD>(), p, stream);
+  return LaunchWithSmem(DkDvKernel<kD>, Grid(p, p.kv_heads), DkDvShared<kD>::Bytes(), p,
+                        stream);
 }
 
 }  // namespace

@@ -1,11 +1,11 @@
 // The GPU attention (model/cuda/attention_cuda.h) against the CPU kernel (model/attention.h,
 // itself checked against a double reference in model/attention_test): forward and backward
-// on shapes with and without GQA, kv_of_q subsets, head_dim 16 / 24 / 64 / 128, one
-// document, many short ones, padding (holding NaN, which must never be read), sequences
-// that are not a multiple of the 64-token tile. Then: the same bits on a second run; the
-// doc_start check (waited for, and through a flag); the argument errors. Cases that need a
-// device skip without one; the argument checks that come before any CUDA call run anyway,
-// and without a device a valid call is FailedPrecondition.
+// on the shapes of model/attention_testing.h (with and without GQA, kv_of_q subsets,
+// head_dim 16 to 128, one document, many short ones, padding, which holds NaN here and must
+// never be read, sequences that are not a multiple of the 64-token tile). Then: the same
+// bits on a second run; the doc_start check (waited for, and through a flag); the argument
+// errors. Cases that need a device skip without one; the argument checks that come before
+// any CUDA call run anyway, and without a device a valid call is FailedPrecondition.
 #include "model/cuda/attention_cuda.h"
 
 #include <cmath>
@@ -27,49 +27,15 @@
 namespace gradsum::model {
 namespace {
 
-using ::gradsum::model::testing::DocStarts;
-using ::gradsum::model::testing::RandomPieces;
+using ::gradsum::model::testing::Dims;
+using ::gradsum::model::testing::ExpectNear;
 using ::gradsum::model::testing::RandomTensor;
+using ::gradsum::model::testing::SameBits;
 using ::gradsum::testing::Dev;
 using ::gradsum::testing::DevZeros;
 using ::gradsum::testing::Host;
 
-AttentionDims Dims(int64_t num_seqs, int64_t seq_len, int q_heads, int kv_heads,
-                   int64_t head_dim, std::vector<int> kv_of_q = {}) {
-  AttentionDims dims;
-  dims.num_seqs = num_seqs;
-  dims.seq_len = seq_len;
-  dims.q_heads = q_heads;
-  dims.kv_heads = kv_heads;
-  dims.head_dim = head_dim;
-  dims.kv_of_q = std::move(kv_of_q);
-  return dims;
-}
-
-struct Case {
-  std::string name;
-  AttentionDims dims;
-  std::vector<int32_t> doc_start;
-};
-
-std::vector<Case> Cases() {
-  std::vector<Case> cases;
-  cases.push_back({"one_document_d16", Dims(1, 100, 2, 2, 16), DocStarts({{100}})});
-  cases.push_back({"gqa_documents_across_tiles_padding_d64", Dims(2, 150, 4, 2, 64),
-                   DocStarts({{70, 61, -19}, {5, 128, 7, -10}})});
-  cases.push_back({"many_short_documents_d16", Dims(1, 97, 2, 1, 16),
-                   DocStarts({RandomPieces(97, 5, 3, 11)})});
-  cases.push_back({"kv_of_q_d24", Dims(2, 80, 3, 2, 24, {1, 0, 1}),
-                   DocStarts({{64, 16}, {-3, 77}})});
-  cases.push_back({"unused_kv_head_padding_inside", Dims(1, 130, 2, 3, 16, {2, 0}),
-                   DocStarts({{65, -5, 60}})});
-  cases.push_back({"long_documents_d128_mqa", Dims(2, 300, 4, 1, 128),
-                   DocStarts({RandomPieces(300, 250, 0, 1), RandomPieces(300, 40, 13, 2)})});
-  cases.push_back({"bench_like_d64", Dims(1, 1024, 8, 2, 64),
-                   DocStarts({{355, 269, 146, 254}})});
-  cases.push_back({"single_token_sequences", Dims(3, 1, 2, 1, 32), DocStarts({{1}, {-1}, {1}})});
-  return cases;
-}
+using Case = ::gradsum::model::testing::AttentionCase;
 
 struct Tensors {
   std::vector<float> q, k, v, d_out;
@@ -154,25 +120,13 @@ Outputs RunGpu(const Case& c, const Tensors& in) {
   return o;
 }
 
-// |got - want| <= tol * (1 + max |want|) everywhere (NaN fails); reports the first miss.
-void ExpectNear(const std::vector<float>& got, const std::vector<float>& want, double tol,
-                const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  double scale = 1;
-  for (float w : want) scale = std::max(scale, std::abs(static_cast<double>(w)));
-  for (size_t i = 0; i < got.size(); ++i) {
-    ASSERT_LE(std::abs(static_cast<double>(got[i]) - want[i]), tol * scale)
-        << what << "[" << i << "]: got " << got[i] << ", want " << want[i];
-  }
-}
-
 // Another summation order than the CPU's: fp32 rounding, well inside the CPU kernel's own
 // 1e-5 against double.
 constexpr double kTol = 2e-5;
 
 TEST(AttentionCuda, MatchesTheCpuKernel) {
   GRADSUM_SKIP_WITHOUT_GPU();
-  for (const Case& c : Cases()) {
+  for (const Case& c : ::gradsum::model::testing::AttentionCases()) {
     SCOPED_TRACE(c.name);
     const Tensors in = MakeInputs(c, 7);
     const Outputs want = RunCpu(c, in), got = RunGpu(c, in);
@@ -197,17 +151,15 @@ TEST(AttentionCuda, MatchesTheCpuKernel) {
 
 TEST(AttentionCuda, SameBitsOnEveryRun) {
   GRADSUM_SKIP_WITHOUT_GPU();
-  const Case c = Cases()[1];
+  const Case c =
+      ::gradsum::model::testing::AttentionCaseNamed("gqa_documents_across_blocks_padding_tail");
   const Tensors in = MakeInputs(c, 3);
   const Outputs a = RunGpu(c, in), b = RunGpu(c, in);
-  auto same = [](const std::vector<float>& x, const std::vector<float>& y) {
-    return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * 4) == 0;
-  };
-  EXPECT_TRUE(same(a.out, b.out));
-  EXPECT_TRUE(same(a.lse, b.lse));
-  EXPECT_TRUE(same(a.dq, b.dq));
-  EXPECT_TRUE(same(a.dk, b.dk));
-  EXPECT_TRUE(same(a.dv, b.dv));
+  EXPECT_TRUE(SameBits(a.out, b.out));
+  EXPECT_TRUE(SameBits(a.lse, b.lse));
+  EXPECT_TRUE(SameBits(a.dq, b.dq));
+  EXPECT_TRUE(SameBits(a.dk, b.dk));
+  EXPECT_TRUE(SameBits(a.dv, b.dv));
 }
 
 TEST(AttentionCuda, BadDocStartIsTheCpuKernelsError) {
