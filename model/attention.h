@@ -19,15 +19,17 @@
 //   blocks 0..i; only the diagonal block needs the causal mask, blocks of other documents
 //   and padding are never computed.
 // - Forward: per (sequence, query head), the query blocks in order, each over its key
-//   blocks in order with an online softmax. Backward: per (sequence, kv head), the key
-//   blocks in order; for each, that kv head's query heads in ascending order, and for each
-//   head the query blocks that attend the key block, in order (dq accumulates over the key
-//   blocks in order, dk / dv over the query blocks, then over the heads).
+//   blocks in order with an online softmax. Backward: per (sequence, kv head), document by
+//   document, that kv head's query heads in ascending order, for each the query blocks in
+//   order and each over its key blocks in order, recomputing the probabilities from lse
+//   (dq of a query block sums its key blocks in order; dk / dv of a key block sum the
+//   query blocks in order for each head, then the heads in order).
 // - The block products are a register-blocked micro-kernel (the BLAS call costs more than
 //   the work at these 64-row blocks; docs/BENCHMARKS.md "Attention"), built for baseline,
 //   AVX2 + FMA and AVX-512 and picked at run time (core/cpu_isa.h). Every multiply-add is
 //   a fused one and every sum has a fixed order, so all builds give the same bits.
-// - The tasks run on the shared pool, ParallelForStatus(ComputeThreads(), ...).
+// - The tasks run on the shared pool, ParallelFor(ComputeThreads(), ...) (they cannot fail:
+//   every check comes before them).
 //
 // Reproducibility (SEMANTICS.md §11, §12): each output element is computed by one task in
 // a fixed order, so its bits do not depend on the thread count, on the CPU's instruction

@@ -7,8 +7,9 @@
 // AVX-512. Every build gives the same bits: the products are chains of fused multiply-adds
 // in a fixed order (an exact emulation of the fused operation where the baseline x86-64
 // target has none, which makes that build several times slower), the exp is
-// core/fast_exp.inc's, every row sum runs in 16 fixed lanes added in a fixed tree, and
-// nothing is contracted or reassociated. GRADSUM_ATTENTION_ISA=generic|avx2|avx512 forces
+// core/fast_exp.inc's, the softmax sums run over the keys in order (elementwise across the
+// queries), the backward's d_out . out row sums in 16 fixed lanes added in a fixed tree,
+// and nothing is contracted or reassociated. GRADSUM_ATTENTION_ISA=generic|avx2|avx512 forces
 // a build (for comparison).
 //
 // Blocks: each document is cut into blocks of at most kAttentionBlock tokens from its first
