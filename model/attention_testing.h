@@ -1,0 +1,144 @@
+#ifndef GRADSUM_MODEL_ATTENTION_TESTING_H_
+#define GRADSUM_MODEL_ATTENTION_TESTING_H_
+
+// Test helpers for the attention kernels (model/attention.h, model/cuda/attention_cuda.h):
+// dims, document layouts of packed sequences, seeded random tensors, comparisons.
+//
+//   // 2 sequences of 100: a 70-token document, 10 padding, a 20-token document
+//   std::vector<int32_t> ds = DocStarts({{70, -10, 20}, {100}});
+//   std::vector<float> q = RandomTensor(T * q_heads * head_dim, /*seed=*/1);
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "model/attention.h"
+
+namespace gradsum::model::testing {
+
+inline AttentionDims Dims(int64_t num_seqs, int64_t seq_len, int q_heads, int kv_heads,
+                          int64_t head_dim, std::vector<int> kv_of_q = {}) {
+  AttentionDims dims;
+  dims.num_seqs = num_seqs;
+  dims.seq_len = seq_len;
+  dims.q_heads = q_heads;
+  dims.kv_heads = kv_heads;
+  dims.head_dim = head_dim;
+  dims.kv_of_q = std::move(kv_of_q);
+  return dims;
+}
+
+// doc_start of one sequence from its pieces in order: n > 0 a document of n tokens, n < 0
+// -n padding tokens.
+inline std::vector<int32_t> SequenceDocStarts(const std::vector<int64_t>& pieces) {
+  std::vector<int32_t> ds;
+  for (int64_t n : pieces) {
+    const int32_t start = static_cast<int32_t>(ds.size());
+    for (int64_t i = 0; i < (n > 0 ? n : -n); ++i) ds.push_back(n > 0 ? start : -1);
+  }
+  return ds;
+}
+
+// The sequences' doc_starts concatenated (each sequence's pieces must sum to seq_len).
+inline std::vector<int32_t> DocStarts(const std::vector<std::vector<int64_t>>& sequences) {
+  std::vector<int32_t> ds;
+  for (const std::vector<int64_t>& pieces : sequences) {
+    const std::vector<int32_t> one = SequenceDocStarts(pieces);
+    ds.insert(ds.end(), one.begin(), one.end());
+  }
+  return ds;
+}
+
+// A sequence of `len` tokens cut into documents of random lengths in [1, max_doc]
+// (the last one cut to fit), then `padding` tokens of padding at the end.
+inline std::vector<int64_t> RandomPieces(int64_t len, int64_t max_doc, int64_t padding,
+                                         uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::uniform_int_distribution<int64_t> doc_len(1, max_doc);
+  std::vector<int64_t> pieces;
+  int64_t left = len - padding;
+  while (left > 0) {
+    const int64_t drawn = doc_len(gen);
+    const int64_t n = drawn < left ? drawn : left;
+    pieces.push_back(n);
+    left -= n;
+  }
+  if (padding > 0) pieces.push_back(-padding);
+  return pieces;
+}
+
+// n normal(0, scale) floats from a fixed seed.
+inline std::vector<float> RandomTensor(size_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(gen);
+  return v;
+}
+
+struct AttentionCase {
+  std::string name;
+  AttentionDims dims;
+  std::vector<int32_t> doc_start;
+};
+
+// The shapes both devices' tests run: with and without GQA, kv_of_q subsets and an unused
+// kv head, head_dim 16 / 24 / 32 / 64 / 128, one document, many short ones, padding (at
+// the end, inside, a whole sequence), documents across 64-token blocks, seq_len not a
+// multiple of 64, single-token sequences, and the benchmark's T = 1024 layout.
+inline std::vector<AttentionCase> AttentionCases() {
+  return {
+      {"one_document", Dims(1, 100, 2, 2, 16), DocStarts({{100}})},
+      {"one_document_three_blocks_d64", Dims(1, 150, 2, 1, 64), DocStarts({{150}})},
+      {"gqa_documents_across_blocks_padding_tail", Dims(2, 150, 4, 2, 64),
+       DocStarts({{70, 61, -19}, {5, 128, 7, -10}})},
+      {"many_short_documents", Dims(1, 97, 2, 1, 16), DocStarts({RandomPieces(97, 5, 3, 11)})},
+      {"kv_of_q_head_dim_24", Dims(2, 80, 3, 2, 24, {1, 0, 1}), DocStarts({{64, 16}, {-3, 77}})},
+      {"unused_kv_head_and_padding_inside", Dims(1, 130, 2, 3, 16, {2, 0}),
+       DocStarts({{65, -5, 60}})},
+      {"random_documents_d64_mqa", Dims(3, 200, 4, 1, 64),
+       DocStarts({RandomPieces(200, 90, 0, 1), RandomPieces(200, 40, 13, 2),
+                  RandomPieces(200, 200, 0, 3)})},
+      {"all_padding_sequence", Dims(2, 20, 2, 2, 16), DocStarts({{-20}, {20}})},
+      {"long_documents_d128", Dims(2, 300, 4, 1, 128),
+       DocStarts({RandomPieces(300, 250, 0, 4), RandomPieces(300, 40, 13, 5)})},
+      {"bench_layout_t1024", Dims(1, 1024, 8, 2, 64), DocStarts({{355, 269, 146, 254}})},
+      {"single_token_sequences_d32", Dims(3, 1, 2, 1, 32), DocStarts({{1}, {-1}, {1}})},
+  };
+}
+
+// The case of that name (a test failure and an empty case if there is none).
+inline AttentionCase AttentionCaseNamed(const std::string& name) {
+  for (AttentionCase& c : AttentionCases()) {
+    if (c.name == name) return c;
+  }
+  ADD_FAILURE() << "no attention case " << name;
+  return {};
+}
+
+// |got - want| <= tol * (1 + max |want|) everywhere (NaN fails); reports the first miss.
+template <typename Want>
+void ExpectNear(const std::vector<float>& got, const std::vector<Want>& want, double tol,
+                const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  double scale = 1;
+  for (Want w : want) scale = std::max(scale, std::abs(static_cast<double>(w)));
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_LE(std::abs(static_cast<double>(got[i]) - static_cast<double>(want[i])), tol * scale)
+        << what << "[" << i << "]: got " << got[i] << ", want " << want[i];
+  }
+}
+
+inline bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+}  // namespace gradsum::model::testing
+
+#endif  // GRADSUM_MODEL_ATTENTION_TESTING_H_
