@@ -2,16 +2,21 @@
 
 #include <cuda_runtime.h>
 
+#include <optional>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "collectives/device_stream.h"
 #include "core/cuda/cuda_status.h"
+#include "core/cuda/device_flag.h"
 #include "core/cuda/device_buffer.h"
 #include "core/cuda/gemm.h"
 #include "core/status.h"
 #include "losses/cuda/cross_entropy_cuda.h"
+#include "model/attention.h"
+#include "model/attention_kernels.h"
+#include "model/cuda/attention_cuda.h"
 #include "model/cuda/model_kernels.h"
 #include "model/layers.h"
 #include "moe/cuda/layers_cuda.h"
@@ -104,6 +109,23 @@ class CudaOps : public ModelOps {
         return absl::InvalidArgumentError(absl::StrCat(
             "attention: ", T, " tokens are not ", in.sequences, " sequences of ", in.seq_len,
             " / sp=", sp_size_, " tokens with positions"));
+      }
+      // The document starts on the host, as the CPU kernel checks them, so that the device
+      // check (into attention_error_, read in End) costs no sync per layer.
+      in_ = in;
+      const AttentionDims dims = HeadDims();
+      if (static_cast<int64_t>(in.doc_start.size()) != in.sequences * in.seq_len) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("attention: ", in.doc_start.size(), " document starts for ",
+                         in.sequences, " sequences of ", in.seq_len, " tokens"));
+      }
+      for (int64_t i = 0; i < static_cast<int64_t>(in.doc_start.size()); ++i) {
+        const int32_t previous = i % in.seq_len == 0 ? -1 : in.doc_start[i - 1];
+        GRADSUM_RETURN_IF_ERROR(
+            internal::CheckDocStartToken(dims, i, in.doc_start[i], previous));
+      }
+      if (attention_error_.device_word() == nullptr) {
+        GRADSUM_ASSIGN_OR_RETURN(attention_error_, cuda::DeviceIndexFlag::Create());
       }
       RopeTable(in.positions, head_dim_, config_.rope_theta, &cos_host_, &sin_host_);
       GRADSUM_RETURN_IF_ERROR(Reserve(&rope_cos_, cos_host_.size() * sizeof(float)));
@@ -330,15 +352,17 @@ class CudaOps : public ModelOps {
     return SumGroupsCuda(x, out, in_.rows, config_.n_kv_heads, group_, head_dim_, exec_.stream);
   }
 
-  absl::Status Attention(const float*, const float*, const float*, float*, float*) override {
-    return absl::UnimplementedError(
-        "attention on the GPU: the CUDA attention kernel is not wired into the ops yet");
+  absl::Status Attention(const float* q, const float* k, const float* v, float* out,
+                         float* lse) override {
+    return AttentionForwardCuda(HeadDims(), q, k, v, doc_start_.as<int32_t>(), out, lse,
+                                exec_.stream, &attention_error_);
   }
 
-  absl::Status AttentionBackward(const float*, const float*, const float*, const float*,
-                                 const float*, const float*, float*, float*, float*) override {
-    return absl::UnimplementedError(
-        "attention on the GPU: the CUDA attention kernel is not wired into the ops yet");
+  absl::Status AttentionBackward(const float* q, const float* k, const float* v,
+                                 const float* out, const float* lse, const float* d_out,
+                                 float* dq, float* dk, float* dv) override {
+    return AttentionBackwardCuda(HeadDims(), q, k, v, doc_start_.as<int32_t>(), out, lse,
+                                 d_out, dq, dk, dv, exec_.stream, &attention_error_);
   }
 
   absl::StatusOr<MicroBatchLossTerms> End() override {
@@ -357,6 +381,14 @@ class CudaOps : public ModelOps {
           "download expert counts");
     }
     GRADSUM_RETURN_IF_ERROR(ctx_->stream.Synchronize());
+    if (attention_error_.device_word() != nullptr) {
+      GRADSUM_ASSIGN_OR_RETURN(std::optional<int64_t> bad, attention_error_.ReadAndReset(s));
+      if (bad.has_value()) {
+        return absl::InternalError(absl::StrCat(
+            "attention (CUDA): the device flagged doc_start[", *bad,
+            "], which the host checked in Begin"));
+      }
+    }
     terms.ce = losses_host[0];
     terms.z = losses_host[1];
     terms.bal = losses_host[2];
@@ -369,6 +401,18 @@ class CudaOps : public ModelOps {
   void Abandon() override { (void)ctx_->stream.Synchronize(); }
 
  private:
+  // The head split's attention (as the CPU ops): whole sequences, this rank's query heads,
+  // each with its own key/value head.
+  AttentionDims HeadDims() const {
+    AttentionDims d;
+    d.num_seqs = in_.sequences;
+    d.seq_len = in_.seq_len;
+    d.q_heads = static_cast<int>(heads_local_);
+    d.kv_heads = static_cast<int>(heads_local_);
+    d.head_dim = head_dim_;
+    return d;
+  }
+
   // send_ [S][block] -> recv_ [S][block] over the NCCL SP group, ordered after the compute
   // stream (a device copy without sequence parallelism).
   absl::Status Exchange(int64_t block) {
@@ -425,6 +469,7 @@ class CudaOps : public ModelOps {
   int group_ = 1;
   std::vector<float> cos_host_, sin_host_;
   DeviceBuffer rope_cos_, rope_sin_, doc_start_;
+  cuda::DeviceIndexFlag attention_error_;  // the attention kernels' doc_start check
   DeviceBuffer send_, recv_;
 };
 

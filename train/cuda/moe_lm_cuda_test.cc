@@ -58,16 +58,23 @@ absl::StatusOr<GpuRun> RunOnGpu(const TrainConfig& config) {
   return out;
 }
 
-// (G, sharding, compute dtype, reduce dtype, CE weighting, small buckets)
+// (G, sharding, compute dtype, reduce dtype, CE weighting, small buckets, attention)
 using Case = std::tuple<int, TrainConfig::Sharding, TrainConfig::FloatDType, TrainConfig::FloatDType,
-                        TrainConfig::CeMode, bool>;
+                        TrainConfig::CeMode, bool, bool>;
 
 class MoeLmCudaTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(MoeLmCudaTest, MatchesReferenceAndCpuTrainer) {
   GRADSUM_SKIP_WITHOUT_GPU();
-  const auto [G, sharding, compute, reduce, ce_mode, small_buckets] = GetParam();
+  const auto [G, sharding, compute, reduce, ce_mode, small_buckets, attention] = GetParam();
   TrainConfig config = TinyConfig(1, 1, G, sharding);
+  if (attention) {
+    // The document-causal GQA attention block (model/cuda/attention_cuda.h) in every layer:
+    // two query heads of 4 sharing one key/value head.
+    config.mutable_model()->set_attention(ModelConfig::causal);
+    config.mutable_model()->set_heads(2);
+    config.mutable_model()->set_kv_heads(1);
+  }
   config.mutable_loss()->set_ce_mode(ce_mode);
   config.mutable_precision()->set_compute_dtype(compute);
   config.mutable_precision()->set_reduce_dtype(reduce);
@@ -139,7 +146,10 @@ TEST_P(MoeLmCudaTest, MatchesReferenceAndCpuTrainer) {
   //    layers' norm + router and experts, and the head; fsdp holds at most two layers' units
   //    or a layer's with the head or the embedding at once (the shared schedule frees units
   //    after use), replicated keeps every unit.
-  const int64_t full = 4 * (256 * 8 + 2 * (8 + 8 * 4 + 4 * 3 * 8 * 8) + 8 + 8 * 256);
+  //    The attention block adds its norm, Wq, Wo (8 x 8) and Wk, Wv (8 x 4) to each layer.
+  const int64_t attention_floats = attention ? 8 + 2 * 8 * 8 + 2 * 8 * 4 : 0;
+  const int64_t full =
+      4 * (256 * 8 + 2 * (attention_floats + 8 + 8 * 4 + 4 * 3 * 8 * 8) + 8 + 8 * 256);
   for (const StepMetrics& r : gpu->history) {
     EXPECT_EQ(r.full_param_bytes(), full);
     if (sharding == TrainConfig::fsdp) {
@@ -151,28 +161,31 @@ TEST_P(MoeLmCudaTest, MatchesReferenceAndCpuTrainer) {
 }
 
 std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
-  const auto [G, sharding, compute, reduce, ce_mode, small_buckets] = info.param;
+  const auto [G, sharding, compute, reduce, ce_mode, small_buckets, attention] = info.param;
   return absl::StrCat("G", G, "_", TrainConfig::Sharding_Name(sharding), "_compute_",
                       TrainConfig::FloatDType_Name(compute), "_reduce_",
                       TrainConfig::FloatDType_Name(reduce), "_ce_",
                       TrainConfig::CeMode_Name(ce_mode),
-                      small_buckets ? "_small_buckets" : "");
+                      small_buckets ? "_small_buckets" : "", attention ? "_attention" : "");
 }
 
 using C = TrainConfig;
 INSTANTIATE_TEST_SUITE_P(
     Configs, MoeLmCudaTest,
-    ::testing::Values(Case{1, C::fsdp, C::f32, C::f32, C::token, false},
-                      Case{3, C::fsdp, C::f32, C::f32, C::token, false},
-                      Case{1, C::replicated, C::f32, C::f32, C::token, false},
-                      Case{3, C::replicated, C::f32, C::f32, C::token, false},
-                      Case{1, C::replicated, C::f32, C::f32, C::token, true},
-                      Case{3, C::replicated, C::f32, C::f32, C::token, true},
-                      Case{2, C::replicated, C::f32, C::bf16, C::token, true},
-                      Case{2, C::fsdp, C::bf16, C::f32, C::token, false},
-                      Case{2, C::fsdp, C::f32, C::bf16, C::token, false},
-                      Case{2, C::fsdp, C::f32, C::f32, C::sample, false},
-                      Case{2, C::replicated, C::f32, C::f32, C::square, false}),
+    ::testing::Values(Case{1, C::fsdp, C::f32, C::f32, C::token, false, false},
+                      Case{3, C::fsdp, C::f32, C::f32, C::token, false, false},
+                      Case{1, C::replicated, C::f32, C::f32, C::token, false, false},
+                      Case{3, C::replicated, C::f32, C::f32, C::token, false, false},
+                      Case{1, C::replicated, C::f32, C::f32, C::token, true, false},
+                      Case{3, C::replicated, C::f32, C::f32, C::token, true, false},
+                      Case{2, C::replicated, C::f32, C::bf16, C::token, true, false},
+                      Case{2, C::fsdp, C::bf16, C::f32, C::token, false, false},
+                      Case{2, C::fsdp, C::f32, C::bf16, C::token, false, false},
+                      Case{2, C::fsdp, C::f32, C::f32, C::sample, false, false},
+                      Case{2, C::replicated, C::f32, C::f32, C::square, false, false},
+                      Case{1, C::fsdp, C::f32, C::f32, C::token, false, true},
+                      Case{2, C::replicated, C::f32, C::f32, C::token, true, true},
+                      Case{2, C::fsdp, C::bf16, C::f32, C::token, false, true}),
     CaseName);
 
 TEST(MoeLmCudaTest, CreateRejectsMissingOrMismatchedDeviceGroups) {
