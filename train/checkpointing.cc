@@ -60,6 +60,11 @@ absl::StatusOr<TrainConfig> SavedConfig(const CheckpointInfo& info, int64_t step
                                             ": its saved config does not parse: ",
                                             parsed.status().message()));
   }
+  // Every save writes each field (ConfigToShortText resolves the defaults), so a field
+  // missing from a marker predates it: the run had what the field now names explicitly,
+  // not today's default (the per-token model on the first-order corpus).
+  if (!parsed->model().has_attention()) parsed->mutable_model()->set_attention(ModelConfig::none);
+  if (!parsed->data().has_corpus()) parsed->mutable_data()->set_corpus(DataConfig::markov1);
   return parsed;
 }
 
@@ -264,6 +269,7 @@ absl::Status CheckResumeCompatible(const TrainConfig& saved, const TrainConfig& 
       {"data.min_doc_len", {StrCat(a.min_doc_len()), StrCat(b.min_doc_len())}},
       {"data.max_doc_len", {StrCat(a.max_doc_len()), StrCat(b.max_doc_len())}},
       {"data.corpus_documents", {StrCat(a.corpus_documents()), StrCat(b.corpus_documents())}},
+      {"data.corpus", {DataConfig::Corpus_Name(a.corpus()), DataConfig::Corpus_Name(b.corpus())}},
       {"model.vocab", {StrCat(ma.vocab()), StrCat(mb.vocab())}},
       {"model.dim", {StrCat(ma.dim()), StrCat(mb.dim())}},
       {"model.layers", {StrCat(ma.layers()), StrCat(mb.layers())}},
@@ -272,6 +278,11 @@ absl::Status CheckResumeCompatible(const TrainConfig& saved, const TrainConfig& 
       {"model.expert_dim", {StrCat(ma.expert_dim()), StrCat(mb.expert_dim())}},
       {"model.norm_topk_prob", {StrCat(ma.norm_topk_prob()), StrCat(mb.norm_topk_prob())}},
       {"model.router_scale", {StrCat(ma.router_scale()), StrCat(mb.router_scale())}},
+      {"model.attention",
+       {ModelConfig::Attention_Name(ma.attention()), ModelConfig::Attention_Name(mb.attention())}},
+      {"model.heads", {StrCat(ma.heads()), StrCat(mb.heads())}},
+      {"model.kv_heads", {StrCat(ma.kv_heads()), StrCat(mb.kv_heads())}},
+      {"model.rope_theta", {StrCat(ma.rope_theta()), StrCat(mb.rope_theta())}},
   };
   for (const auto& [name, values] : fields) {
     if (values.first != values.second) {

@@ -597,6 +597,11 @@ std::vector<FieldOverride> ConfigFields(const TrainConfig& config) {
 
 TrainConfig ResolvedConfig(const TrainConfig& in) {
   TrainConfig config = in;
+  // A text file names no embedded corpus: unless one is given (an error, MakeCorpus), it
+  // resolves to markov1, the value file runs recorded before markov2 became the default.
+  if (!config.data().path().empty() && !config.data().has_corpus()) {
+    config.mutable_data()->set_corpus(DataConfig::markov1);
+  }
   SetDefaultsExplicitly(&config);
   return config;
 }

@@ -31,8 +31,8 @@ ABSL_FLAG(std::optional<std::string>, data, std::nullopt,
           "byte-level text file, one document per line "
           "(default: the embedded Markov corpus)");
 ABSL_FLAG(std::optional<std::string>, corpus, std::nullopt,
-          "embedded corpus without --data: markov1 (first-order chain) | markov2 (second "
-          "order: the previous token matters)");
+          "embedded corpus without --data: markov2 (default; second order: the previous "
+          "token matters) | markov1 (first-order chain, the corpus before attention)");
 ABSL_FLAG(std::optional<int32_t>, seq_len, std::nullopt, "tokens per packed sequence");
 ABSL_FLAG(std::optional<int32_t>, max_doc_len, std::nullopt,
           "longest document of the embedded corpus (<= --seq_len)");
@@ -78,7 +78,7 @@ ABSL_FLAG(std::optional<bool>, norm_topk_prob, std::nullopt,
           "renormalise the top-k router weights");
 ABSL_FLAG(std::optional<double>, router_scale, std::nullopt, "router weight scale");
 ABSL_FLAG(std::optional<std::string>, attention, std::nullopt,
-          "causal | none: each layer's document-causal attention block (SEMANTICS.md §10), or "
+          "causal (default) | none: each layer's document-causal attention block (SEMANTICS.md §10), or "
           "the per-token model");
 ABSL_FLAG(std::optional<int32_t>, heads, std::nullopt, "attention query heads");
 ABSL_FLAG(std::optional<int32_t>, kv_heads, std::nullopt, "attention key/value heads (GQA)");

@@ -365,7 +365,9 @@ absl::StatusOr<std::shared_ptr<const DocumentSource>> MakeCorpus(const DataConfi
     return absl::InvalidArgumentError(
         absl::StrCat("data.corpus=", static_cast<int>(config.corpus()), ": unknown corpus"));
   }
-  if (config.corpus() != DataConfig::markov1) {
+  // A resolved config with a file carries markov1 (ResolvedConfig); any other corpus set
+  // beside a file is a contradiction.
+  if (config.has_corpus() && config.corpus() != DataConfig::markov1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "data.corpus=", DataConfig::Corpus_Name(config.corpus()), " names an embedded corpus, "
         "but data.path=", config.path(), " trains on a file: give one or the other"));

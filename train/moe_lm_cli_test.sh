@@ -51,6 +51,9 @@ for i in $(seq 1 200); do echo "the quick brown fox $i jumps over the lazy dog";
 "$bin" "${tiny[@]}" --steps=2 --data="$tmp/corpus.txt" > "$tmp/data.txt" 2>&1 \
   || fail "--data run failed: $(cat "$tmp/data.txt")"
 grep -q "^step 2/2" "$tmp/data.txt" || fail "--data run logged no step 2"
+# A file names no embedded corpus: an explicit --corpus beside it is refused.
+expect_error "data.corpus=markov2 names an embedded corpus, but data.path=$tmp/corpus.txt trains on a file" \
+  "${tiny[@]}" --steps=1 --data="$tmp/corpus.txt" --corpus=markov2
 
 # Config files: the sections, and the top-level fields of the layout before sections (with
 # an enum quoted, as older files have it) give the same run; flags still override a file.
@@ -81,7 +84,7 @@ expect_error "--config=$tmp: is a directory; --config takes a regular file" --co
 expect_error "--data=/dev/zero: is a character device; --data takes a regular file" \
   --data=/dev/zero "${tiny[@]}" --steps=1
 # Sizes checked before anything is allocated, against overflow and the machine's memory.
-expect_error "RESOURCE_EXHAUSTED: the run needs an estimated" --dim=1000000000 --steps=1
+expect_error "RESOURCE_EXHAUSTED: the run needs an estimated" --dim=100000000 --steps=1
 expect_error "model.dim=1000000000" --dim=1000000000 --steps=1
 expect_error "model.experts=2000000000" --experts=2000000000 --ep=1 --world=1 --steps=1
 expect_error "model.layers=2000000000" --layers=2000000000 --steps=1

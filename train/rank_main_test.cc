@@ -19,9 +19,20 @@ using ::testing::HasSubstr;
 // The estimate counts the parameters without building MoeLmParamShapes' list: compare with
 // the list for a few small models.
 TEST(ResourcesTest, ParameterCountMatchesTheModelsShapes) {
-  for (const auto& [dim, layers, experts, expert_dim] :
-       std::vector<std::tuple<int, int, int, int>>{{8, 2, 4, 8}, {16, 3, 8, 5}, {1, 1, 1, 1}}) {
+  // The last three with the attention block (GQA: 4 query heads over 2 kv heads).
+  for (const auto& [dim, layers, experts, expert_dim, attention] :
+       std::vector<std::tuple<int, int, int, int, bool>>{{8, 2, 4, 8, false},
+                                                         {16, 3, 8, 5, false},
+                                                         {1, 1, 1, 1, false},
+                                                         {8, 2, 4, 8, true},
+                                                         {16, 3, 8, 5, true},
+                                                         {32, 1, 2, 3, true}}) {
     TrainConfig c = TinyConfig(2, 2, 1, TrainConfig::fsdp);
+    if (attention) {
+      c.mutable_model()->set_attention(ModelConfig::causal);
+      c.mutable_model()->set_heads(4);
+      c.mutable_model()->set_kv_heads(2);
+    }
     c.mutable_model()->set_dim(dim);
     c.mutable_model()->set_layers(layers);
     c.mutable_model()->set_experts(experts);
@@ -35,7 +46,9 @@ TEST(ResourcesTest, ParameterCountMatchesTheModelsShapes) {
     }
     absl::StatusOr<ResourceEstimate> r = EstimateResources(c);
     ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ(static_cast<int64_t>(r->params), want) << dim << " " << layers << " " << experts;
+    ASSERT_GT(want, 0);
+    EXPECT_EQ(static_cast<int64_t>(r->params), want)
+        << dim << " " << layers << " " << experts << " attention " << attention;
   }
 }
 
