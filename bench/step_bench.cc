@@ -76,6 +76,11 @@ double SingleCoreGemmGflops() {
 void BM_TrainStep(benchmark::State& state) {
   const int world = static_cast<int>(state.range(0));
   train::TrainConfig config;  // the binary's defaults
+  if (state.range(3) == 0) {  // the per-token model on the first-order corpus (before issue 29)
+    config.mutable_model()->set_attention(train::ModelConfig::none);
+    config.mutable_data()->set_corpus(train::DataConfig::markov1);
+  }
+  config.mutable_parallelism()->set_sp(static_cast<int>(state.range(4)));
   config.mutable_parallelism()->set_world(world);
   config.mutable_parallelism()->set_ep(static_cast<int>(state.range(1)));
   config.mutable_parallelism()->set_sharding(state.range(2) == 0 ? train::TrainConfig::fsdp
@@ -154,12 +159,14 @@ void BM_TrainStep(benchmark::State& state) {
   state.counters["wait_pct"] = 100 * wait_s / step_s;
 }
 BENCHMARK(BM_TrainStep)
-    ->ArgNames({"world", "ep", "replicated"})
-    ->Args({1, 1, 0})
-    ->Args({2, 1, 0})
-    ->Args({2, 2, 0})
-    ->Args({2, 1, 1})
-    ->Args({2, 2, 1})
+    ->ArgNames({"world", "ep", "replicated", "attention", "sp"})
+    ->Args({1, 1, 0, 0, 1})
+    ->Args({2, 1, 0, 0, 1})
+    ->Args({2, 2, 0, 0, 1})
+    ->Args({2, 1, 1, 0, 1})
+    ->Args({2, 2, 1, 0, 1})
+    ->Args({2, 2, 0, 1, 1})  // the binary's default model
+    ->Args({2, 2, 0, 1, 2})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 

@@ -13,7 +13,8 @@
 # last.
 #
 # ATTENTION=1 compares the models with SEMANTICS.md §10's attention block: --attention to the
-# torch peer, --attention=causal to moe_lm; HEADS and KV_HEADS, when set, go to both (unset:
+# torch peer, --attention=causal to moe_lm (unset: --attention=none --corpus=markov1, the
+# per-token model); HEADS and KV_HEADS, when set, go to both (unset:
 # each side's default, train/config.proto's). SP (a list, e.g. "1 2") runs moe_lm at each
 # --sp; unset, moe_lm gets no --sp. The torch peer is data-parallel only.
 set -euo pipefail
@@ -41,8 +42,15 @@ for sp in ${SP:-none}; do
   for ep in 1 2; do
     for sharding in fsdp replicated; do
       for bin in "$@"; do  # interleaved, so binaries see the same load
+        # Without ATTENTION, the per-token model on the first-order corpus, as the torch
+        # peer trains it: moe_lm's defaults since issue 29 are attention on markov2, and
+        # binaries from before have neither flag.
+        bin_args=("${moe_lm_args[@]}")
+        if [[ -z "${ATTENTION:-}" ]] && "${bin}" --helpfull 2>&1 | grep -q -- '--attention'; then
+          bin_args+=(--attention=none --corpus=markov1)
+        fi
         line=$("${bin}" --world=2 --ep="${ep}" --sharding="${sharding}" --steps="${STEPS}" \
-          "${moe_lm_args[@]}" "${sp_args[@]}" 2>&1 | grep "summary: steps")
+          "${bin_args[@]}" "${sp_args[@]}" 2>&1 | grep "summary: steps")
         echo "${bin}${moe_lm_args[*]:+ ${moe_lm_args[*]}}${sp_args[*]:+ ${sp_args[*]}} ep=${ep}" \
           "${sharding}: ${line}"
       done
