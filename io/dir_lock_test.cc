@@ -108,5 +108,24 @@ TEST(DirLockTest, AnythingButARegularFileIsRefusedAndNothingBlocks) {
   EXPECT_THAT(missing.status().message(), HasSubstr(dir + "/none/run.lock"));
 }
 
+// A directory where the lock file cannot be created is an error naming the file, not a
+// wait and not a run without its lock. A read-only bind mount needs privileges a test does
+// not have, so two file systems that refuse the create stand in for it: /proc (no regular
+// files can be created there, even as root) and, unless run as root, a directory without
+// write permission.
+TEST(DirLockTest, ADirectoryThatRefusesTheLockFileIsAnErrorNamingIt) {
+  absl::StatusOr<DirLock> proc = DirLock::Acquire("/proc", "run.lock");
+  ASSERT_FALSE(proc.ok());
+  EXPECT_THAT(proc.status().message(), HasSubstr("/proc/run.lock"));
+  if (::geteuid() != 0) {
+    const std::string dir = FreshDir("lock_readonly");
+    ASSERT_EQ(::chmod(dir.c_str(), 0555), 0);
+    absl::StatusOr<DirLock> ro = DirLock::Acquire(dir, "run.lock");
+    ::chmod(dir.c_str(), 0755);
+    EXPECT_EQ(ro.status().code(), absl::StatusCode::kPermissionDenied) << ro.status();
+    EXPECT_THAT(ro.status().message(), HasSubstr(dir + "/run.lock"));
+  }
+}
+
 }  // namespace
 }  // namespace gradsum

@@ -44,6 +44,16 @@ for key in '"step":3' '"ce":' '"z":' '"bal":' '"valid_tokens":' '"grad_norm":' '
     '"peak_unsharded_param_bytes":' '"full_param_bytes":'; do
   tail -1 "$tmp/m.jsonl" | grep -qF "$key" || fail "no $key in the metrics"
 done
+# Tools read the JSONL: every count is a JSON number (an int), every measure a float.
+/usr/bin/python3 - "$tmp/m.jsonl" <<'EOF2' || fail "the metrics JSONL has the wrong types"
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    for k in ("step", "valid_tokens", "routed_tokens", "peak_unsharded_param_bytes", "full_param_bytes"):
+        assert type(r[k]) is int, (k, r[k])
+    for k in ("ce", "z", "bal", "grad_norm", "comm_s", "step_s"):
+        assert type(r[k]) is float, (k, r[k])
+EOF2
 
 # A --data text file (byte-level tokens) trains too.
 for i in $(seq 1 200); do echo "the quick brown fox $i jumps over the lazy dog"; done \
