@@ -18,6 +18,8 @@
 #include "core/tensor.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "losses/cross_entropy.h"
+#include "losses/cross_entropy_kernel.h"
 #include "losses/display.h"
 #include "losses/test_util.h"
 #include "testing/run_ranks.h"
@@ -674,6 +676,55 @@ TEST(PolicyLossTest, BadInputsAreErrorsNamingTheValue) {
                                    true, true);
   ASSERT_TRUE(ok.ok()) << ok.status();
   for (int64_t j = 0; j < q.v; ++j) EXPECT_EQ(ok->grad[j], 0.0f);
+}
+
+// The hook path is the CE row code: with a hook that returns CE's own scale 1 / D, the
+// scaled rows give CrossEntropyForwardBackward's gradient and row losses bit for bit (f32
+// and bf16, two row blocks over two threads). So the policy loss's softmax is CE's.
+float ConstantScale(void* ctx, int64_t /*row*/, double /*ce*/) {
+  return *static_cast<const float*>(ctx);
+}
+
+TEST(PolicyLossTest, ScaledRowsWithTheCeScaleAreCeBitForBit) {
+  const int64_t n = 160, v = 3000;  // rows_per_block = 87: two blocks
+  std::vector<float> z = RandomNormal(static_cast<size_t>(n * v), 29, 2.0f);
+  std::vector<int64_t> y(n);
+  for (int64_t r = 0; r < n; ++r) y[r] = (r * 37) % v;
+  y[5] = -100;
+  const double d = 1000.0;
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    std::vector<float> zf = z;
+    std::vector<BF16> zb(z.size());
+    for (size_t i = 0; i < z.size(); ++i) zb[i] = BF16::FromFloat(z[i]);
+    const bool f32 = dtype == DType::kF32;
+    void* logits = f32 ? static_cast<void*>(zf.data()) : static_cast<void*>(zb.data());
+    std::vector<float> ce_f(z.size()), hook_f(z.size());
+    std::vector<BF16> ce_b(z.size()), hook_b(z.size());
+    void* ce_grad = f32 ? static_cast<void*>(ce_f.data()) : static_cast<void*>(ce_b.data());
+    void* hook_grad = f32 ? static_cast<void*>(hook_f.data()) : static_cast<void*>(hook_b.data());
+    absl::StatusOr<CrossEntropyResult> ce = CrossEntropyForwardBackward(
+        *TensorView::Create(logits, dtype, {n, v}), y, {}, d,
+        *TensorView::Create(ce_grad, dtype, {n, v}));
+    ASSERT_TRUE(ce.ok()) << ce.status();
+    std::vector<float> weight(n, 1.0f);
+    weight[5] = 0.0f;
+    std::vector<double> row_loss(n, 0.0);
+    float scale = static_cast<float>(1.0 / d);
+    const internal::GlobalRowScaleHook hook{&ConstantScale, &scale};
+    absl::Status s = internal::ScaledRowsKernel(logits, hook_grad, dtype, n, v, y, weight, hook,
+                                                /*num_threads=*/2, "test",
+                                                absl::MakeSpan(row_loss));
+    ASSERT_TRUE(s.ok()) << s;
+    double sum = 0.0;
+    for (double l : row_loss) sum += l;
+    EXPECT_EQ(sum, ce->local_weighted_ce_sum);
+    if (f32) {
+      EXPECT_EQ(hook_f, ce_f);
+      EXPECT_NE(ce_f[0], 0.0f);
+    } else {
+      for (size_t i = 0; i < z.size(); ++i) ASSERT_EQ(hook_b[i].bits, ce_b[i].bits) << i;
+    }
+  }
 }
 
 }  // namespace
