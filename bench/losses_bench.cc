@@ -4,6 +4,11 @@
 // BM_CrossEntropyFused<T>/N/V    the fused CE forward+backward (losses/cross_entropy.h)
 // BM_CrossEntropyNaive<T>/N/V    log-softmax materialised in fp32, then NLL backward: max,
 //                                 sum(exp), write logp, read logp to write the gradient (libm exp)
+// BM_PolicyLossFused<T>/N/V      the fused RL policy loss forward+backward (losses/policy_loss.h,
+//                                 SEMANTICS §13: clip, dual clip, IS weights, k3 KL), the same
+//                                 logits and counters as BM_CrossEntropyFused; target (issue 33)
+//                                 within 1.3x of CE's time. Side by side:
+//   --benchmark_filter='BM_(CrossEntropy|PolicyLoss)Fused<float>/(1024|4096)/32768'
 // BM_Memcpy/<bytes>              the bandwidth limit, same bytes as one [N, V] logits buffer
 // Counters: `bytes_per_second` counts the 3-pass byte count 3 * N * V * sizeof(T) (read for
 // max+sum, read again and write the gradient); `frac_of_memcpy_limit` = (time the 3-pass
@@ -34,6 +39,7 @@
 #include "losses/cross_entropy.h"
 #include "losses/linear_cross_entropy.h"
 #include "losses/parallel.h"
+#include "losses/policy_loss.h"
 
 // ---- Heap accounting: glibc's allocator behind a counting interposer. ----
 extern "C" {
@@ -265,6 +271,69 @@ void BM_CrossEntropyNaive(benchmark::State& state) {
   ReportCeCounters(state, n, v, sizeof(T), spent);
 }
 
+// The policy loss on the CE benchmark's logits and labels. The per-token inputs are set so
+// the branches mix as in training: old_logprob = logp + noise (ratios around 1, some clipped),
+// advantages of both signs, importance weights around 1, ref_logprob = logp + noise for k3.
+template <typename T>
+void BM_PolicyLossFused(benchmark::State& state) {
+  const int64_t n = state.range(0), v = state.range(1);
+  std::vector<T> z = RandomLogits<T>(n, v);
+  std::vector<T> grad(z.size());
+  const std::vector<int64_t> y = RandomLabels(n, v);
+  std::vector<float> logp(static_cast<size_t>(n));
+  losses::ParallelFor(2, n, [&](int64_t t) {
+    const T* x = z.data() + t * v;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < v; ++j) mx = std::max(mx, AsFloat(x[j]));
+    double s = 0.0;
+    for (int64_t j = 0; j < v; ++j) s += std::exp(static_cast<double>(AsFloat(x[j]) - mx));
+    logp[t] = static_cast<float>(AsFloat(x[y[t]]) - mx - std::log(s));
+  });
+  std::mt19937 rng(4);
+  std::normal_distribution<float> noise(0.0f, 0.3f);
+  std::vector<float> old(n), adv(n), iw(n), ref(n);
+  for (int64_t t = 0; t < n; ++t) {
+    old[t] = logp[t] + noise(rng);
+    adv[t] = noise(rng) * 3.0f;
+    iw[t] = std::exp(noise(rng));
+    ref[t] = logp[t] + noise(rng);
+  }
+  losses::PolicyLossInputs in;
+  in.labels = y;
+  in.old_logprob = old;
+  in.advantages = adv;
+  in.is_weights = iw;
+  in.ref_logprob = ref;
+  losses::PolicyLossNormalizer norm;
+  norm.global_valid_tokens = static_cast<double>(n);
+  losses::PolicyLossOptions opt;
+  opt.kl_coef = 0.001;
+  opt.kl_estimator = losses::KlEstimator::kK3;
+  const TensorView zv = *TensorView::Create(z.data(), DTypeOf<T>(), {n, v});
+  const TensorView gv = *TensorView::Create(grad.data(), DTypeOf<T>(), {n, v});
+  Clock spent;
+  int64_t clipped = 0;
+  for (auto _ : state) {
+    const Clock t0 = Clock::Now();
+    auto r = losses::PolicyLossForwardBackward(zv, in, norm, gv, opt);
+    spent += Clock::Now() - t0;
+    if (!r.ok()) {
+      state.SkipWithError(std::string(r.status().message()).c_str());
+      break;
+    }
+    clipped = r->clip_count + r->dual_clip_count;
+    benchmark::DoNotOptimize(r->local_loss);
+    benchmark::ClobberMemory();
+  }
+  ReportCeCounters(state, n, v, sizeof(T), spent);
+  state.counters["clipped_frac"] = static_cast<double>(clipped) / static_cast<double>(n);
+}
+
+void PolicySizes(benchmark::internal::Benchmark* b) {
+  b->Args({1024, 32768})->Args({4096, 32768})->MeasureProcessCPUTime()->Unit(
+      benchmark::kMillisecond);
+}
+
 void CeSizes(benchmark::internal::Benchmark* b) {
   b->Args({512, 8192})
       ->Args({1024, 32768})
@@ -277,6 +346,8 @@ BENCHMARK_TEMPLATE(BM_CrossEntropyFused, float)->Apply(CeSizes);
 BENCHMARK_TEMPLATE(BM_CrossEntropyNaive, float)->Apply(CeSizes);
 BENCHMARK_TEMPLATE(BM_CrossEntropyFused, BF16)->Apply(CeSizes);
 BENCHMARK_TEMPLATE(BM_CrossEntropyNaive, BF16)->Apply(CeSizes);
+BENCHMARK_TEMPLATE(BM_PolicyLossFused, float)->Apply(PolicySizes);
+BENCHMARK_TEMPLATE(BM_PolicyLossFused, BF16)->Apply(PolicySizes);
 // Same bytes as one logits buffer of the sizes above (f32: 16 MiB, 128 MiB, 512 MiB).
 BENCHMARK(BM_Memcpy)
     ->Arg(512 * 8192 * 4)

@@ -41,22 +41,95 @@ struct RowScratch {
   std::vector<float> tile_ref;
 };
 
-// The selected build's block function for T.
+// The selected build's block functions for T: CE's, and the scaled form (RowScaleHook).
 template <typename T>
 struct RowsFn;
 template <>
 struct RowsFn<float> {
   static internal::CeRowsF32Fn Get() { return internal::SelectedCeRowKernels().f32; }
+  static internal::CeRowsScaledF32Fn GetScaled() {
+    return internal::SelectedCeRowKernels().f32_scaled;
+  }
 };
 template <>
 struct RowsFn<uint16_t> {
   static internal::CeRowsBf16Fn Get() { return internal::SelectedCeRowKernels().bf16; }
+  static internal::CeRowsScaledBf16Fn GetScaled() {
+    return internal::SelectedCeRowKernels().bf16_scaled;
+  }
 };
 
 inline float RowWeight(absl::Span<const int64_t> labels, absl::Span<const float> weights,
                        int64_t row, int64_t ignore_index) {
   if (labels[row] == ignore_index) return 0.0f;
   return weights.empty() ? 1.0f : weights[row];
+}
+
+// A GlobalRowScaleHook seen from one block: the row kernels number rows from the block's
+// start, the hook from the call's.
+struct BlockHook {
+  const internal::GlobalRowScaleHook* hook;
+  int64_t begin;
+};
+
+float BlockHookFn(void* ctx, int64_t row, double ce) {
+  const BlockHook* b = static_cast<const BlockHook*>(ctx);
+  return b->hook->fn(b->hook->ctx, b->begin + row, ce);
+}
+
+// The row blocks over the threads, shared by CE (hook == nullptr: the scale is w / d) and
+// the scaled callers (the policy loss). Writes row_loss / row_code for every row.
+template <typename T>
+void RunRowBlocks(const T* logits, T* grad, int64_t rows, int64_t vocab, const int64_t* labels,
+                  const float* row_weight, double d, int num_threads,
+                  const internal::GlobalRowScaleHook* hook, double* row_loss,
+                  uint8_t* row_code) {
+  const auto ce_rows = RowsFn<T>::Get();
+  const auto scaled_rows = RowsFn<T>::GetScaled();
+  // ~256K elements per task: enough tasks to balance two threads, long enough that the
+  // gradient of all but a block's last row is written under the next row's forward.
+  const int64_t rows_per_block = std::clamp<int64_t>((int64_t{1} << 18) / vocab, 1, 1024);
+  const int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
+  const int threads = rows * vocab >= (int64_t{1} << 16) ? num_threads : 1;
+  ParallelFor(threads, blocks, [&](int64_t block) {
+    thread_local RowScratch scratch;
+    const int64_t tiles = (vocab + kCeTile - 1) / kCeTile;
+    if (grad != nullptr && static_cast<int64_t>(scratch.exps.size()) < 2 * vocab) {
+      scratch.exps.resize(static_cast<size_t>(2 * vocab));
+    }
+    if (grad != nullptr && static_cast<int64_t>(scratch.tile_ref.size()) < 2 * tiles) {
+      scratch.tile_ref.resize(static_cast<size_t>(2 * tiles));
+    }
+    const RowScratchView view{scratch.exps.data(), scratch.tile_ref.data()};
+    const int64_t begin = block * rows_per_block;
+    const int64_t end = std::min(rows, begin + rows_per_block);
+    T* block_grad = grad == nullptr ? nullptr : grad + begin * vocab;
+    if (hook == nullptr) {
+      ce_rows(logits + begin * vocab, block_grad, end - begin, vocab, labels + begin,
+              row_weight + begin, d, &view, row_loss + begin, row_code + begin);
+    } else {
+      BlockHook block_hook{hook, begin};
+      const internal::RowScaleHook row_hook{&BlockHookFn, &block_hook};
+      scaled_rows(logits + begin * vocab, block_grad, end - begin, vocab, labels + begin,
+                  row_weight + begin, d, &view, row_loss + begin, row_code + begin, &row_hook);
+    }
+  });
+}
+
+// InvalidArgument naming the first row whose code is not kRowOk, or OK.
+absl::Status FirstBadRow(absl::string_view what, absl::Span<const uint8_t> row_code,
+                         absl::Span<const int64_t> labels, int64_t row_offset) {
+  const int64_t rows = static_cast<int64_t>(row_code.size());
+  for (int64_t r = 0; r < rows; ++r) {
+    if (row_code[r] != kRowOk) {
+      int64_t bad_rows = 0;
+      for (int64_t q = r; q < rows; ++q) bad_rows += row_code[q] != kRowOk ? 1 : 0;
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": logits row ", row_offset + r, " (label ", labels[r], ") ",
+                       RowCodeText(row_code[r]), "; ", bad_rows, " such row(s) in total"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 template <typename T>
@@ -71,38 +144,13 @@ absl::StatusOr<CrossEntropyResult> RunKernel(const T* logits, T* grad, int64_t r
   for (int64_t r = 0; r < rows; ++r) {
     row_weight[r] = RowWeight(labels, weights, r, options.ignore_index);
   }
-  const auto ce_rows = RowsFn<T>::Get();
-  // ~256K elements per task: enough tasks to balance two threads, long enough that the
-  // gradient of all but a block's last row is written under the next row's forward.
-  const int64_t rows_per_block = std::clamp<int64_t>((int64_t{1} << 18) / vocab, 1, 1024);
-  const int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
-  const int threads = rows * vocab >= (int64_t{1} << 16) ? options.num_threads : 1;
-  ParallelFor(threads, blocks, [&](int64_t block) {
-    thread_local RowScratch scratch;
-    const int64_t tiles = (vocab + kCeTile - 1) / kCeTile;
-    if (grad != nullptr && static_cast<int64_t>(scratch.exps.size()) < 2 * vocab) {
-      scratch.exps.resize(static_cast<size_t>(2 * vocab));
-    }
-    if (grad != nullptr && static_cast<int64_t>(scratch.tile_ref.size()) < 2 * tiles) {
-      scratch.tile_ref.resize(static_cast<size_t>(2 * tiles));
-    }
-    const RowScratchView view{scratch.exps.data(), scratch.tile_ref.data()};
-    const int64_t begin = block * rows_per_block;
-    const int64_t end = std::min(rows, begin + rows_per_block);
-    ce_rows(logits + begin * vocab, grad == nullptr ? nullptr : grad + begin * vocab, end - begin,
-            vocab, labels.data() + begin, row_weight.data() + begin, d, &view,
-            row_loss.data() + begin, row_code.data() + begin);
-  });
+  RunRowBlocks<T>(logits, grad, rows, vocab, labels.data(), row_weight.data(), d,
+                  options.num_threads, /*hook=*/nullptr, row_loss.data(), row_code.data());
+  absl::Status bad = FirstBadRow("cross-entropy", row_code, labels, row_offset);
+  if (!bad.ok()) return bad;
 
   CrossEntropyResult result;
   for (int64_t r = 0; r < rows; ++r) {
-    if (row_code[r] != kRowOk) {
-      int64_t bad_rows = 0;
-      for (int64_t q = r; q < rows; ++q) bad_rows += row_code[q] != kRowOk ? 1 : 0;
-      return absl::InvalidArgumentError(
-          absl::StrCat("cross-entropy: logits row ", row_offset + r, " (label ", labels[r], ") ",
-                       RowCodeText(row_code[r]), "; ", bad_rows, " such row(s) in total"));
-    }
     result.local_weighted_ce_sum += row_loss[r];
     result.local_weight_sum += static_cast<double>(row_weight[r]);
     if (labels[r] != options.ignore_index) ++result.local_valid_tokens;
@@ -111,7 +159,7 @@ absl::StatusOr<CrossEntropyResult> RunKernel(const T* logits, T* grad, int64_t r
   return result;
 }
 
-absl::Status CheckLogitsView(const TensorView& logits, absl::string_view what) {
+absl::Status CheckLogitsViewImpl(const TensorView& logits, absl::string_view what) {
   if (logits.rank() != 2) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, " must be 2-D [N, V], got ", logits.DebugString()));
@@ -127,16 +175,28 @@ absl::Status CheckLogitsView(const TensorView& logits, absl::string_view what) {
   return absl::OkStatus();
 }
 
+}  // namespace
+
+namespace internal {
+
+absl::Status CheckLogitsView(const TensorView& logits, absl::string_view what) {
+  return CheckLogitsViewImpl(logits, what);
+}
+
+}  // namespace internal
+
+namespace {
+
 absl::StatusOr<CrossEntropyResult> ForwardBackward(const TensorView& logits,
                                                    absl::Span<const int64_t> labels,
                                                    absl::Span<const float> token_weights,
                                                    double global_weight_sum,
                                                    const TensorView* grad_logits,
                                                    const CrossEntropyOptions& options) {
-  absl::Status s = CheckLogitsView(logits, "logits");
+  absl::Status s = internal::CheckLogitsView(logits, "logits");
   if (!s.ok()) return s;
   if (grad_logits != nullptr) {
-    s = CheckLogitsView(*grad_logits, "grad_logits");
+    s = internal::CheckLogitsView(*grad_logits, "grad_logits");
     if (!s.ok()) return s;
     if (grad_logits->dtype() != logits.dtype() || grad_logits->shape() != logits.shape()) {
       return absl::InvalidArgumentError(absl::StrCat("grad_logits ", grad_logits->DebugString(),
@@ -237,6 +297,30 @@ absl::StatusOr<CrossEntropyResult> CrossEntropyKernel(
       return absl::InvalidArgumentError(
           absl::StrCat("cross-entropy: logits dtype ", DTypeName(dtype), " is not f32 or bf16"));
   }
+}
+
+absl::Status ScaledRowsKernel(const void* logits, void* grad, DType dtype, int64_t rows,
+                              int64_t vocab, absl::Span<const int64_t> labels,
+                              absl::Span<const float> row_weight, const GlobalRowScaleHook& hook,
+                              int num_threads, absl::string_view what,
+                              absl::Span<double> row_loss) {
+  std::vector<uint8_t> row_code(static_cast<size_t>(rows), kRowOk);
+  switch (dtype) {
+    case DType::kF32:
+      RunRowBlocks<float>(static_cast<const float*>(logits), static_cast<float*>(grad), rows,
+                          vocab, labels.data(), row_weight.data(), 1.0, num_threads, &hook,
+                          row_loss.data(), row_code.data());
+      break;
+    case DType::kBF16:
+      RunRowBlocks<uint16_t>(static_cast<const uint16_t*>(logits), static_cast<uint16_t*>(grad),
+                             rows, vocab, labels.data(), row_weight.data(), 1.0, num_threads,
+                             &hook, row_loss.data(), row_code.data());
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": logits dtype ", DTypeName(dtype), " is not f32 or bf16"));
+  }
+  return FirstBadRow(what, row_code, labels, /*row_offset=*/0);
 }
 
 }  // namespace internal

@@ -9,8 +9,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "core/dtype.h"
+#include "core/tensor.h"
 #include "losses/cross_entropy.h"
 
 namespace gradsum::losses::internal {
@@ -29,6 +31,29 @@ absl::StatusOr<CrossEntropyResult> CrossEntropyKernel(
     const void* logits, void* grad, DType dtype, int64_t rows, int64_t vocab,
     absl::Span<const int64_t> labels, absl::Span<const float> token_weights,
     double global_weight_sum, const CrossEntropyOptions& options, int64_t row_offset = 0);
+
+// A 2-D f32 or bf16 CPU view (the logits, or their gradient); InvalidArgument naming `what`.
+absl::Status CheckLogitsView(const TensorView& logits, absl::string_view what);
+
+// The per-row gradient scale of ScaledRowsKernel (RowScaleHook of cross_entropy_rows.h with
+// the call's row numbers): fn(ctx, row, ce) for row in [0, rows), ce = logsumexp - z[label].
+// Called concurrently for different rows from the kernel's threads.
+struct GlobalRowScaleHook {
+  float (*fn)(void* ctx, int64_t row, double ce) = nullptr;
+  void* ctx = nullptr;
+};
+
+// The fused CE rows (same threads, blocks and row code as CrossEntropyKernel) with each
+// row's gradient scale from `hook` instead of w / D: grad row r = s_r * (softmax - onehot),
+// s_r = hook.fn(.., r, CE_r). Rows of row_weight 0 are not read and get a zero gradient (the
+// hook is not called for them); the others need a label in [0, vocab) (checked by the
+// caller). row_loss[r] = row_weight[r] * CE_r (0 for skipped rows). `grad` may alias
+// `logits` or be null. InvalidArgument, prefixed by `what`, naming the first non-finite row.
+absl::Status ScaledRowsKernel(const void* logits, void* grad, DType dtype, int64_t rows,
+                              int64_t vocab, absl::Span<const int64_t> labels,
+                              absl::Span<const float> row_weight, const GlobalRowScaleHook& hook,
+                              int num_threads, absl::string_view what,
+                              absl::Span<double> row_loss);
 
 }  // namespace gradsum::losses::internal
 

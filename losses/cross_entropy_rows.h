@@ -46,6 +46,28 @@ using CeRowsBf16Fn = void (*)(const uint16_t* logits, uint16_t* grad, int64_t ro
                               int64_t vocab, const int64_t* labels, const float* weights,
                               double d, const RowScratchView* scratch, double* loss,
                               uint8_t* codes);
+
+// The per-row gradient scale of the scaled row kernels (the policy loss's hook into the CE
+// rows, losses/policy_loss.h, so that it needs no second softmax): `fn` is called once per
+// row of non-zero weight whose forward succeeded (kRowOk), before that row's gradient is
+// written, with the row's index in the block and its CE value logsumexp(row) - row[label]
+// in fp64 (= -log p_label); it returns the scale s of that gradient row,
+// s * (softmax(row) - onehot(label)), and may record per-row values through `ctx` (each
+// block has its own ctx, so no locking). The row's loss[r] stays w * CE as without a hook.
+struct RowScaleHook {
+  float (*fn)(void* ctx, int64_t row, double ce) = nullptr;
+  void* ctx = nullptr;
+};
+// As CeRowsF32Fn / CeRowsBf16Fn, with the gradient scale taken from `hook` (non-null)
+// instead of w / d; `d` is not used.
+using CeRowsScaledF32Fn = void (*)(const float* logits, float* grad, int64_t rows, int64_t vocab,
+                                   const int64_t* labels, const float* weights, double d,
+                                   const RowScratchView* scratch, double* loss, uint8_t* codes,
+                                   const RowScaleHook* hook);
+using CeRowsScaledBf16Fn = void (*)(const uint16_t* logits, uint16_t* grad, int64_t rows,
+                                    int64_t vocab, const int64_t* labels, const float* weights,
+                                    double d, const RowScratchView* scratch, double* loss,
+                                    uint8_t* codes, const RowScaleHook* hook);
 // The rows' bf16 <-> fp32 conversions, n elements: widening is exact; narrowing rounds to
 // nearest even and keeps NaN a quiet NaN, bit for bit as BF16::FromFloat (core/half.h).
 using Bf16ToF32Fn = void (*)(const uint16_t* in, float* out, int64_t n);
@@ -57,6 +79,8 @@ struct CeRowKernels {
   Bf16ToF32Fn bf16_to_f32 = nullptr;
   F32ToBf16Fn f32_to_bf16 = nullptr;
   const char* isa = "";  // "generic", "avx2+fma", "avx512" or "avx512+bf16"
+  CeRowsScaledF32Fn f32_scaled = nullptr;
+  CeRowsScaledBf16Fn bf16_scaled = nullptr;
 };
 
 namespace rows_generic {

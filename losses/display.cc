@@ -37,6 +37,15 @@ bool AllRanksAgree(double sum, double sum_sq, int world) {
   return static_cast<double>(world) * sum_sq == sum * sum;
 }
 
+bool IsMetric(DisplayTermKind kind) { return kind != DisplayTermKind::kLoss; }
+bool IsExtreme(DisplayTermKind kind) {
+  return kind == DisplayTermKind::kMetricMax || kind == DisplayTermKind::kMetricMin;
+}
+// The identity of a MAX (MIN) accumulator: a rank with no value never wins.
+double ExtremeIdentity(DisplayTermKind kind) {
+  return kind == DisplayTermKind::kMetricMax ? -INFINITY : INFINITY;
+}
+
 }  // namespace
 
 absl::StatusOr<double> StepDisplayValues::Value(absl::string_view name) const {
@@ -59,7 +68,7 @@ absl::Status StepDisplay::RegisterTerm(absl::string_view name, DisplayTermKind k
         absl::StrCat("display: term '", name, "' is already registered"));
   }
   index_.emplace(std::string(name), entries_.size());
-  entries_.push_back(Entry{std::string(name), kind, 0.0, {}, 0});
+  entries_.push_back(Entry{std::string(name), kind, 0.0, {}, ExtremeIdentity(kind), 0});
   return absl::OkStatus();
 }
 
@@ -73,7 +82,8 @@ absl::Status StepDisplay::Add(absl::string_view name, double value, DisplayTermK
         "that drives backward is logged (SEMANTICS.md §8)"));
   }
   Entry& e = entries_[it->second];
-  if (e.kind != kind) {
+  // AddMetric passes kMetric for every metric kind; the entry's own kind says how it reduces.
+  if (IsMetric(e.kind) != IsMetric(kind)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "display: '", name, "' is registered as a ",
         e.kind == DisplayTermKind::kLoss ? "loss term" : "metric", ", not as a ", what));
@@ -82,7 +92,10 @@ absl::Status StepDisplay::Add(absl::string_view name, double value, DisplayTermK
     return absl::InvalidArgumentError(
         absl::StrCat("display: non-finite value ", value, " for '", name, "'"));
   }
-  if (exact_) {
+  if (IsExtreme(e.kind)) {
+    e.extreme = e.kind == DisplayTermKind::kMetricMax ? std::max(e.extreme, value)
+                                                      : std::min(e.extreme, value);
+  } else if (exact_) {
     if (!(std::fabs(value) < exact::ExactScalar::kMaxAbs)) {
       return absl::InvalidArgumentError(absl::StrCat("display: value ", value, " for '", name,
                                                      "' is outside the exact range (2^59)"));
@@ -202,6 +215,35 @@ absl::StatusOr<StepDisplay::GlobalSums> StepDisplay::AllReduceExact(Communicator
   return g;
 }
 
+absl::Status StepDisplay::AllReduceExtremes(Communicator& world,
+                                            absl::Span<const double> extremes,
+                                            std::vector<double>* value) {
+  std::vector<double> packed;
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    const DisplayTermKind kind = entries_[i].kind;
+    if (IsExtreme(kind)) {
+      packed.push_back(kind == DisplayTermKind::kMetricMax ? extremes[i] : -extremes[i]);
+    }
+  }
+  if (packed.empty()) return absl::OkStatus();
+  // MIN(x) = -MAX(-x): one MAX all-reduce serves both kinds.
+  absl::Status s =
+      world.AllReduce(packed.data(), packed.data(), packed.size(), DType::kF64, ReduceOp::kMax);
+  if (!s.ok()) return Annotate(s, "display all-reduce (max/min)");
+  size_t k = 0;
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    if (!IsExtreme(entries_[i].kind)) continue;
+    const double m = packed[k++];
+    // -inf: no rank added a value; shown as 0 (documented at DisplayTermKind).
+    if (m == -INFINITY) {
+      (*value)[i] = 0.0;
+    } else {
+      (*value)[i] = entries_[i].kind == DisplayTermKind::kMetricMax ? m : -m;
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<StepDisplayValues> StepDisplay::Reduce(Communicator& world) {
   const size_t t = entries_.size();
   Fingerprint registry;
@@ -219,10 +261,14 @@ absl::StatusOr<StepDisplayValues> StepDisplay::Reduce(Communicator& world) {
 
   StepDisplayValues out;
   out.tokens_per_expert = histogram_;
-  // The accumulators start afresh whatever the outcome below.
+  // The accumulators start afresh whatever the outcome below (the extremes are copied
+  // first: the MAX all-reduce below reads them).
+  std::vector<double> extremes;
   for (Entry& e : entries_) {
+    extremes.push_back(e.extreme);
     e.local_sum = 0.0;
     e.exact_sum = exact::ExactScalar();
+    e.extreme = ExtremeIdentity(e.kind);
     e.additions = 0;
   }
   for (std::vector<int64_t>& layer : histogram_) std::fill(layer.begin(), layer.end(), 0);
@@ -247,8 +293,13 @@ absl::StatusOr<StepDisplayValues> StepDisplay::Reduce(Communicator& world) {
         "display: ranks hold different tokens-per-expert histograms; pass the GLOBAL counts "
         "c[l, m, :] (after ExpertCountReduction), not local ones");
   }
+  // The registries agree (checked above, the same outcome on every rank), so every rank
+  // has the same MAX / MIN entries and joins the same second all-reduce.
+  std::vector<double> value = g.value;
+  absl::Status s = AllReduceExtremes(world, extremes, &value);
+  if (!s.ok()) return s;
   for (size_t i = 0; i < t; ++i) {
-    out.terms.push_back(DisplayTerm{entries_[i].name, entries_[i].kind, g.value[i]});
+    out.terms.push_back(DisplayTerm{entries_[i].name, entries_[i].kind, value[i]});
   }
   out.total_loss = g.total_loss;
   for (const std::vector<int64_t>& layer : out.tokens_per_expert) {

@@ -55,6 +55,13 @@ namespace gradsum::losses {
 enum class DisplayTermKind {
   kLoss = 0,    // drives backward; part of total_loss; must get a value every step
   kMetric = 1,  // displayed only (token counts, accuracies...); summed over ranks the same way
+  // Displayed only, reduced with MAX / MIN over the micro-batches and the ranks instead of
+  // SUM (the policy loss's ratio max and min, SEMANTICS.md §13). A rank (or micro-batch)
+  // with nothing to report simply adds no value; if no rank adds one, the value is 0.
+  // These take one extra MAX all-reduce at step end (MIN values travel negated), run only
+  // when such a metric is registered; it is exact in every mode (a max is order-free).
+  kMetricMax = 2,
+  kMetricMin = 3,
 };
 
 struct DisplayTerm {
@@ -95,15 +102,17 @@ class StepDisplay {
   // metric; InvalidArgument for a non-finite value.
   absl::Status AddBackwardTerm(absl::string_view name, double local_component);
 
-  // Adds a local value of a display-only metric. FailedPrecondition if `name` is not
-  // registered as kMetric; InvalidArgument for a non-finite value.
+  // Adds a local value of a display-only metric: summed for kMetric, kept as the running
+  // max (min) for kMetricMax (kMetricMin). FailedPrecondition if `name` is not registered as
+  // one of the metric kinds; InvalidArgument for a non-finite value.
   absl::Status AddMetric(absl::string_view name, double local_value);
 
   // Adds the global expert counts c[l, m, :] (from ExpertCountReduction) of one layer and
   // micro-batch. InvalidArgument for a layer outside [0, L), E mismatch, negative counts.
   absl::Status AddGlobalExpertCounts(int layer, absl::Span<const int64_t> global_counts);
 
-  // Step end: one SUM all-reduce of the packed f64 accumulators over `world`; returns the
+  // Step end: one SUM all-reduce of the packed f64 accumulators over `world` (plus one MAX
+  // all-reduce when kMetricMax / kMetricMin terms are registered); returns the
   // global values and clears the accumulators for the next step (registrations stay).
   // Collective. Errors, on every rank together: FailedPrecondition naming a registered
   // kLoss term that received no value this step (on any rank), or if the ranks' registries
@@ -117,6 +126,7 @@ class StepDisplay {
     DisplayTermKind kind;
     double local_sum = 0.0;
     exact::ExactScalar exact_sum;  // exact mode
+    double extreme = 0.0;  // kMetricMax: running max; kMetricMin: running min (both modes)
     int64_t additions = 0;
   };
   // The step's global sums, whichever mode produced them.
@@ -129,6 +139,9 @@ class StepDisplay {
   absl::Status Add(absl::string_view name, double value, DisplayTermKind kind);
   absl::StatusOr<GlobalSums> AllReduceF64(Communicator& world, double registry, double hist);
   absl::StatusOr<GlobalSums> AllReduceExact(Communicator& world, double registry, double hist);
+  // The MAX all-reduce of the kMetricMax / kMetricMin entries; writes their global values.
+  absl::Status AllReduceExtremes(Communicator& world, absl::Span<const double> extremes,
+                                 std::vector<double>* value);
 
   bool exact_ = false;
   std::vector<Entry> entries_;

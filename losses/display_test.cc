@@ -254,5 +254,67 @@ TEST(StepDisplayTest, MixedExactAndF64RanksFail) {
   for (const absl::Status& s : *statuses) EXPECT_FALSE(s.ok());
 }
 
+// kMetricMax / kMetricMin (SEMANTICS.md §8, §13): reduced over micro-batches and ranks with
+// MAX / MIN, not summed; a rank that adds nothing does not count; SUM stays the default
+// kind; the accumulators reset between steps; exact mode reduces them the same way.
+TEST(StepDisplayTest, MaxAndMinMetricsReduceWithMaxAndMin) {
+  const int world = 3, g = 2;
+  // value(r, m): rank 2 adds nothing to the extremes (as a rank with no valid tokens).
+  auto value = [](int step, int r, int m) { return 0.5 * r - 1.25 * m + 10.0 * step; };
+  for (GradPrecision precision : {GradPrecision::kF32, GradPrecision::kExact}) {
+    std::mutex mu;
+    std::vector<std::vector<StepDisplayValues>> got(2, std::vector<StepDisplayValues>(world));
+    absl::Status s = RunRanks(world, [&](Communicator& comm) -> absl::Status {
+      StepDisplay d(0, 0, precision);
+      GRADSUM_RETURN_IF_ERROR(d.RegisterTerm("loss"));
+      GRADSUM_RETURN_IF_ERROR(d.RegisterTerm("ratio_sum", DisplayTermKind::kMetric));
+      GRADSUM_RETURN_IF_ERROR(d.RegisterTerm("ratio_max", DisplayTermKind::kMetricMax));
+      GRADSUM_RETURN_IF_ERROR(d.RegisterTerm("ratio_min", DisplayTermKind::kMetricMin));
+      GRADSUM_RETURN_IF_ERROR(d.RegisterTerm("never", DisplayTermKind::kMetricMax));
+      // A max metric is a metric, not a loss term.
+      if (d.AddBackwardTerm("ratio_max", 1.0).code() != absl::StatusCode::kFailedPrecondition) {
+        return absl::InternalError("a max metric accepted a backward value");
+      }
+      if (d.AddMetric("ratio_min", INFINITY).code() != absl::StatusCode::kInvalidArgument) {
+        return absl::InternalError("a min metric accepted +inf");
+      }
+      for (int step = 0; step < 2; ++step) {
+        for (int m = 0; m < g; ++m) {
+          const double v = value(step, comm.rank(), m);
+          GRADSUM_RETURN_IF_ERROR(d.AddBackwardTerm("loss", v));
+          GRADSUM_RETURN_IF_ERROR(d.AddMetric("ratio_sum", v));
+          if (comm.rank() == 2) continue;
+          GRADSUM_RETURN_IF_ERROR(d.AddMetric("ratio_max", v));
+          GRADSUM_RETURN_IF_ERROR(d.AddMetric("ratio_min", v));
+        }
+        GRADSUM_ASSIGN_OR_RETURN(StepDisplayValues v, d.Reduce(comm));
+        std::lock_guard<std::mutex> lock(mu);
+        got[step][comm.rank()] = v;
+      }
+      return absl::OkStatus();
+    });
+    ASSERT_TRUE(s.ok()) << s;
+    for (int step = 0; step < 2; ++step) {
+      double sum = 0.0;
+      for (int r = 0; r < world; ++r)
+        for (int m = 0; m < g; ++m) sum += value(step, r, m);
+      // Ranks 0 and 1 only: max at r = 1, m = 0; min at r = 0, m = 1.
+      const double want_max = value(step, 1, 0), want_min = value(step, 0, 1);
+      for (int r = 0; r < world; ++r) {
+        const StepDisplayValues& v = got[step][r];
+        EXPECT_EQ(*v.Value("ratio_max"), want_max) << step << " " << r;
+        EXPECT_EQ(*v.Value("ratio_min"), want_min) << step << " " << r;
+        EXPECT_EQ(*v.Value("never"), 0.0);  // no rank added a value
+        EXPECT_DOUBLE_EQ(*v.Value("ratio_sum"), sum);
+        // Only the loss term is in the total, not the metrics of any kind.
+        EXPECT_DOUBLE_EQ(v.total_loss, sum);
+        ASSERT_EQ(v.terms.size(), 5u);
+        EXPECT_EQ(v.terms[2].kind, DisplayTermKind::kMetricMax);
+        EXPECT_EQ(v.terms[3].kind, DisplayTermKind::kMetricMin);
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace gradsum::losses
