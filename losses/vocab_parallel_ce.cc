@@ -6,7 +6,6 @@
 #include <cstring>
 #include <limits>
 #include <memory>
-#include <string>
 #include <utility>
 #include <vector>
 

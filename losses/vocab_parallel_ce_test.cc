@@ -367,6 +367,15 @@ TEST(VocabParallelCeTest, ZeroDGivesZeroLossAndGradient) {
   for (float g : got->grad) ASSERT_EQ(g, 0.0f);
 }
 
+TEST(VocabParallelCeTest, NoRowsStillExchangesOnce) {
+  Problem p;
+  p.v = 64;
+  absl::StatusOr<Sharded> got = RunSharded(p, 2, {0, 20, 64}, {});
+  GRADSUM_ASSERT_OK(got.status());
+  EXPECT_EQ(got->results[1].local_loss, 0.0);
+  EXPECT_EQ(got->results[1].collectives, 2);  // so a rank with rows never waits alone
+}
+
 // ---- Errors: every rank returns one, nobody waits for the timeout. ----
 
 // Runs `fn(comm, problem shard views...)` per rank and returns every rank's status.
@@ -566,6 +575,32 @@ TEST(VocabParallelCeErrors, DifferentRowCountsFailInTheExchange) {
                 },
                 GoodCase()),
             absl::StatusCode::kInvalidArgument, "the MAX all-reduce of the row maxes");
+}
+
+TEST(VocabParallelCeErrors, LinearBadHeadShapeOnOneRank) {
+  const int64_t n = 6, h = 4, v = 40;
+  const std::vector<int64_t> bounds = {0, 15, 40};
+  Problem p = MakeProblem(n, v, /*seed=*/2, /*weighted=*/false);
+  absl::StatusOr<std::vector<absl::Status>> out = RunRanksPerRank(
+      2,
+      [&](Communicator& comm) -> absl::Status {
+        const int r = comm.rank();
+        const int64_t vr = bounds[r + 1] - bounds[r];
+        const int64_t head_cols = r == 1 ? h + 1 : h;  // rank 1's head slice is [25, 5]
+        std::vector<float> hidden(n * h, 0.5f), head(vr * head_cols, 0.1f);
+        std::vector<float> gh(n * h), gw(vr * head_cols, 0.0f);
+        return VocabParallelLinearCrossEntropy(
+                   comm, F32Matrix(hidden.data(), n, h), F32Matrix(head.data(), vr, head_cols),
+                   p.labels, bounds[r], v, {}, p.d, F32Matrix(gh.data(), n, h),
+                   F32Matrix(gw.data(), vr, head_cols))
+            .status();
+      },
+      Quick());
+  ASSERT_TRUE(out.ok()) << out.status();
+  for (const absl::Status& s : *out) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("head_shard is")) << s;
+  }
 }
 
 }  // namespace
