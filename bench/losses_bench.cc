@@ -19,6 +19,18 @@
 //                                 gradient GEMMs (same Eigen GEMMs, same threads)
 // Counter `peak_extra_bytes`: the peak heap growth during one call, measured by the
 // malloc/free interposer below (every allocation of the process, Eigen's included).
+//
+// BM_VocabParallelVsUnsharded/T/R  (issue 34) per-rank time of the vocab-parallel CE
+//                                 (losses/vocab_parallel_ce.h) forward+backward at group
+//                                 size 2 (two thread-backend ranks, each with a [T, V/2] f32
+//                                 shard, V = 131072) against the unsharded fused CE on the
+//                                 full [T, V], alternating in every iteration so both see the
+//                                 same machine load. ONE thread per rank and one thread for
+//                                 the unsharded kernel (fair per-rank comparison: each rank
+//                                 of a TP group gets its own core). R = rows per exchange
+//                                 (0 = automatic, T = all rows in one MAX + SUM).
+//                                 Counters: medians of the unsharded call, of the slower
+//                                 rank's call, and their ratio (target <= 0.6).
 #include <malloc.h>
 #include <time.h>
 
@@ -29,17 +41,21 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "Eigen/Core"
 #include "bench/memcpy_bench.h"
 #include "benchmark/benchmark.h"
+#include "collectives/communicator.h"
+#include "collectives/thread_backend.h"
 #include "core/half.h"
 #include "core/tensor.h"
 #include "losses/cross_entropy.h"
 #include "losses/linear_cross_entropy.h"
 #include "losses/parallel.h"
 #include "losses/policy_loss.h"
+#include "losses/vocab_parallel_ce.h"
 
 // ---- Heap accounting: glibc's allocator behind a counting interposer. ----
 extern "C" {
@@ -453,6 +469,135 @@ void LinearSizes(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(BM_FusedLinearCE)->Apply(LinearSizes);
 BENCHMARK(BM_MatmulThenFusedCE)->Apply(LinearSizes);
+
+// ---- Vocab-parallel CE at group size 2 vs the unsharded CE (issue 34). ----
+
+double Median(std::vector<double> x) {
+  std::sort(x.begin(), x.end());
+  return x.empty() ? 0.0 : x[x.size() / 2];
+}
+
+double WallSeconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+void BM_VocabParallelVsUnsharded(benchmark::State& state) {
+  const int64_t n = state.range(0), rows_per_exchange = state.range(1);
+  const int64_t v = 131072, half = v / 2;
+  std::vector<float> z = RandomLogits<float>(n, v);
+  std::vector<float> grad(z.size(), 0.0f);
+  const std::vector<int64_t> y = RandomLabels(n, v);
+  const double d = static_cast<double>(n);
+  // Each rank's [n, V/2] shard and gradient, in its own buffers (as on separate devices).
+  std::vector<float> shard[2], shard_grad[2];
+  for (int r = 0; r < 2; ++r) {
+    shard[r].resize(static_cast<size_t>(n * half));
+    shard_grad[r].assign(shard[r].size(), 0.0f);
+    for (int64_t t = 0; t < n; ++t) {
+      std::memcpy(shard[r].data() + t * half, z.data() + t * v + r * half, half * sizeof(float));
+    }
+  }
+  auto comms = CreateThreadCommunicators(2);
+  if (!comms.ok()) {
+    state.SkipWithError(std::string(comms.status().message()).c_str());
+    return;
+  }
+  losses::CrossEntropyOptions full_options;
+  full_options.num_threads = 1;
+  losses::VocabParallelCrossEntropyOptions vp_options;
+  vp_options.num_threads = 1;
+  vp_options.rows_per_exchange = rows_per_exchange;
+  const TensorView zv = *TensorView::Create(z.data(), DType::kF32, {n, v});
+  const TensorView gv = *TensorView::Create(grad.data(), DType::kF32, {n, v});
+  // The same per-rank work with no second rank running: a group of one over a [T, V/2]
+  // problem (isolates what the two ranks' sharing of the machine costs).
+  auto solo = CreateThreadCommunicators(1);
+  if (!solo.ok()) {
+    state.SkipWithError(std::string(solo.status().message()).c_str());
+    return;
+  }
+  // The memory system alone: one thread copying a gradient-sized [T, V] buffer, and two
+  // threads at once each copying half of it (what the two ranks' streams look like).
+  std::vector<float> copy_dst(z.size()), half_dst[2];
+  for (int r = 0; r < 2; ++r) half_dst[r].resize(shard[r].size());
+  std::vector<double> full_s, vp_s, ratio, solo_s, copy1_s, copy2_s;
+  int collectives = 0;
+  std::string error;
+  for (auto _ : state) {
+    double t0 = WallSeconds();
+    auto full = losses::CrossEntropyForwardBackward(zv, y, {}, d, gv, full_options);
+    full_s.push_back(WallSeconds() - t0);
+    if (!full.ok()) error = std::string(full.status().message());
+    double rank_s[2] = {0.0, 0.0};
+    std::string rank_error[2];  // one per rank thread: no shared writes
+    auto run_rank = [&](int r) {
+      Communicator& comm = *(*comms)[r];
+      const TensorView sv = *TensorView::Create(shard[r].data(), DType::kF32, {n, half});
+      const TensorView sg = *TensorView::Create(shard_grad[r].data(), DType::kF32, {n, half});
+      const double start = WallSeconds();
+      auto res = losses::VocabParallelCrossEntropy(comm, sv, y, r * half, v, {}, d, sg,
+                                                   vp_options);
+      rank_s[r] = WallSeconds() - start;
+      if (!res.ok()) {
+        rank_error[r] = std::string(res.status().message());
+      } else if (r == 0) {
+        collectives = res->collectives;
+      }
+    };
+    std::thread other(run_rank, 1);
+    run_rank(0);
+    other.join();
+    for (const std::string& e : rank_error) {
+      if (!e.empty()) error = e;
+    }
+    vp_s.push_back(std::max(rank_s[0], rank_s[1]));
+    ratio.push_back(vp_s.back() / full_s.back());
+    {
+      const TensorView sv = *TensorView::Create(shard[0].data(), DType::kF32, {n, half});
+      const TensorView sg = *TensorView::Create(shard_grad[0].data(), DType::kF32, {n, half});
+      std::vector<int64_t> y_half(y);
+      for (int64_t& e : y_half) e %= half;
+      t0 = WallSeconds();
+      auto res = losses::VocabParallelCrossEntropy(*(*solo)[0], sv, y_half, 0, half, {}, d, sg,
+                                                   vp_options);
+      solo_s.push_back(WallSeconds() - t0);
+      if (!res.ok()) error = std::string(res.status().message());
+    }
+    t0 = WallSeconds();
+    std::memcpy(copy_dst.data(), z.data(), z.size() * sizeof(float));
+    copy1_s.push_back(WallSeconds() - t0);
+    double copy_s[2] = {0.0, 0.0};
+    auto copy_half = [&](int r) {
+      const double start = WallSeconds();
+      std::memcpy(half_dst[r].data(), shard[r].data(), shard[r].size() * sizeof(float));
+      copy_s[r] = WallSeconds() - start;
+    };
+    std::thread copier(copy_half, 1);
+    copy_half(0);
+    copier.join();
+    copy2_s.push_back(std::max(copy_s[0], copy_s[1]));
+    benchmark::ClobberMemory();
+  }
+  if (!error.empty()) state.SkipWithError(error.c_str());
+  state.counters["unsharded_ms"] = 1e3 * Median(full_s);
+  state.counters["vp_rank_ms"] = 1e3 * Median(vp_s);
+  state.counters["ratio_of_medians"] = Median(vp_s) / Median(full_s);
+  state.counters["median_ratio"] = Median(ratio);
+  state.counters["collectives"] = collectives;
+  state.counters["vp_alone_ms"] = 1e3 * Median(solo_s);
+  state.counters["alone_ratio"] = Median(solo_s) / Median(full_s);
+  state.counters["copy_half_x2_over_full"] = Median(copy2_s) / Median(copy1_s);
+}
+
+BENCHMARK(BM_VocabParallelVsUnsharded)
+    ->Args({256, 0})
+    ->Args({256, 256})
+    ->Args({512, 0})
+    ->Args({512, 512})
+    ->Iterations(9)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 
 }  // namespace
 }  // namespace gradsum::bench

@@ -281,6 +281,34 @@ absl::Status CheckCrossEntropyArgs(int64_t rows, int64_t vocab, absl::Span<const
   return absl::OkStatus();
 }
 
+absl::Status CheckF32Matrix(const TensorView& t, absl::string_view who, absl::string_view what,
+                            int64_t rows, int64_t cols) {
+  if (t.rank() != 2 || t.dtype() != DType::kF32 || t.device().type != Device::kCpu) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, ": ", what, " must be a 2-D f32 CPU tensor, got ", t.DebugString()));
+  }
+  if ((rows >= 0 && t.dim(0) != rows) || (cols >= 0 && t.dim(1) != cols)) {
+    return absl::InvalidArgumentError(absl::StrCat(who, ": ", what, " is ", t.DebugString(),
+                                                   ", expected [", rows, ",", cols, "]"));
+  }
+  return absl::OkStatus();
+}
+
+bool Overlap(const TensorView& a, const TensorView& b) {
+  const char* a0 = static_cast<const char*>(a.raw());
+  const char* b0 = static_cast<const char*>(b.raw());
+  return a.nbytes() > 0 && b.nbytes() > 0 && a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+}
+
+int64_t AutoChunkRows(int64_t rows, int64_t vocab) {
+  constexpr int64_t kAutoChunkBytes = int64_t{4} << 20;
+  constexpr int64_t kMinAutoChunkRows = 32;
+  const int64_t chunk =
+      std::max(kMinAutoChunkRows, std::min(kAutoChunkBytes / (std::max<int64_t>(vocab, 1) * 4),
+                                           rows / 8));
+  return std::max<int64_t>(1, std::min(chunk, rows));
+}
+
 absl::StatusOr<CrossEntropyResult> CrossEntropyKernel(
     const void* logits, void* grad, DType dtype, int64_t rows, int64_t vocab,
     absl::Span<const int64_t> labels, absl::Span<const float> token_weights,

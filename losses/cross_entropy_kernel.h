@@ -55,6 +55,20 @@ absl::Status ScaledRowsKernel(const void* logits, void* grad, DType dtype, int64
                               int num_threads, absl::string_view what,
                               absl::Span<double> row_loss);
 
+// Shape helpers shared by the fused linear CE and the vocab-parallel CE (one copy of each).
+//
+// OK if `t` is a 2-D f32 CPU tensor of [rows, cols] (a negative bound: any size); else
+// InvalidArgument "<who>: <what> must be ..." naming the tensor.
+absl::Status CheckF32Matrix(const TensorView& t, absl::string_view who, absl::string_view what,
+                            int64_t rows, int64_t cols);
+// Whether two views' bytes overlap (empty views overlap nothing).
+bool Overlap(const TensorView& a, const TensorView& b);
+// The fused linear CE's automatic chunk: large enough for efficient GEMMs, small enough
+// that a [chunk, vocab] fp32 logits chunk stays a small fraction (<= 1/8) of the [N, vocab]
+// logits it replaces: min(rows whose logits fit 4 MiB, N / 8), at least 32, at most N
+// (and >= 1).
+int64_t AutoChunkRows(int64_t rows, int64_t vocab);
+
 }  // namespace gradsum::losses::internal
 
 #endif  // GRADSUM_LOSSES_CROSS_ENTROPY_KERNEL_H_

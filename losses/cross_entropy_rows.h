@@ -73,6 +73,38 @@ using CeRowsScaledBf16Fn = void (*)(const uint16_t* logits, uint16_t* grad, int6
 using Bf16ToF32Fn = void (*)(const uint16_t* in, float* out, int64_t n);
 using F32ToBf16Fn = void (*)(const float* in, uint16_t* out, int64_t n);
 
+// Vocab-parallel CE (losses/vocab_parallel_ce.cc, SEMANTICS.md §3.1), f32 shards only.
+//
+// The local pass over a block of `rows` shard rows of `vocab` (>= 0) columns, before the
+// exchange: for each row with weights[r] != 0, row_max[r] = the shard's max (-inf if the
+// shard holds no finite value, or no column), row_sum[r] = sum of exp(x - row_max) over
+// the shard (fp32 tiles, fp64 across them, online as the CE rows), target[r] =
+// x[local_labels[r]] if local_labels[r] >= 0 (the label is in this shard) else 0, and, if
+// row_zsum is non-null, row_zsum[r] = the sum of the row's values. codes[r]: kRowOk,
+// kRowNaN or kRowPosInf. With `exps` non-null (it may alias logits), each row's exp values
+// are kept there (row r at exps + r * vocab) relative to per-tile maxes kept in tile_ref
+// (row r at tile_ref + r * ceil(vocab / kCeTile)), for VpGradRowsF32Fn. Rows of weight 0
+// are not read (outputs 0, max -inf).
+using VpLocalRowsF32Fn = void (*)(const float* logits, float* exps, float* tile_ref,
+                                  int64_t rows, int64_t vocab, const float* weights,
+                                  const int64_t* local_labels, float* row_max, double* row_sum,
+                                  double* row_zsum, float* target, uint8_t* codes);
+// One row's gradient after the exchange: grad_j = scale * exp(x_j - lse) + offset, with
+// lse = global_max + log_sum, and grad[local_label] = target_grad if local_label >= 0.
+// scale == 0 and offset == 0: the row is zeroed but for the target (weight 0 rows have
+// local_label -1).
+struct VpGradRow {
+  double scale = 0.0;
+  float global_max = 0.0f;
+  double log_sum = 0.0;
+  float offset = 0.0f;
+  int64_t local_label = -1;
+  float target_grad = 0.0f;
+};
+// Writes the gradient of a block of rows in place over the exps VpLocalRowsF32Fn kept.
+using VpGradRowsF32Fn = void (*)(float* grad, const float* tile_ref, int64_t rows,
+                                 int64_t vocab, const VpGradRow* params);
+
 struct CeRowKernels {
   CeRowsF32Fn f32 = nullptr;
   CeRowsBf16Fn bf16 = nullptr;
@@ -81,6 +113,8 @@ struct CeRowKernels {
   const char* isa = "";  // "generic", "avx2+fma", "avx512" or "avx512+bf16"
   CeRowsScaledF32Fn f32_scaled = nullptr;
   CeRowsScaledBf16Fn bf16_scaled = nullptr;
+  VpLocalRowsF32Fn vp_local_f32 = nullptr;
+  VpGradRowsF32Fn vp_grad_f32 = nullptr;
 };
 
 namespace rows_generic {

@@ -267,5 +267,68 @@ TEST(CrossEntropyRowsTest, EveryBuildReportsBadRowsAlike) {
   }
 }
 
+// The vocab-parallel row passes (VpLocalRowsF32Fn, VpGradRowsF32Fn) give the generic
+// build's bits in every build too: max, exp sum, z sum, target and every gradient element,
+// kept exps in place over the logits, with a row of weight 0 and a shard row of -inf only.
+TEST(CrossEntropyRowsTest, VocabParallelPassesGiveTheGenericBuildsBits) {
+  for (const Block& b : Blocks()) {
+    const int64_t rows = b.rows() + 2, v = b.vocab, tiles = (v + kCeTile - 1) / kCeTile;
+    std::vector<float> logits = b.logits;
+    logits.insert(logits.end(), b.logits.begin(), b.logits.begin() + v);  // weight 0 below
+    logits.insert(logits.end(), v, -std::numeric_limits<float>::infinity());
+    std::vector<float> weights = b.weights;
+    weights.push_back(0.0f);
+    weights.push_back(1.0f);
+    std::vector<int64_t> local_labels = b.labels;
+    local_labels.push_back(-1);
+    local_labels.push_back(-1);
+    local_labels[0] = -1;  // row 0's label lies in another shard
+    struct Out {
+      std::vector<float> grad, tile_ref, max, target;
+      std::vector<double> sum, zsum;
+      std::vector<uint8_t> codes;
+    };
+    auto run = [&](const CeRowKernels& k) {
+      Out o;
+      o.grad = logits;  // in place: the exps overwrite the logits
+      o.tile_ref.assign(rows * tiles, 0.0f);
+      o.max.assign(rows, 0.0f);
+      o.target.assign(rows, 0.0f);
+      o.sum.assign(rows, 0.0);
+      o.zsum.assign(rows, 0.0);
+      o.codes.assign(rows, 9);
+      k.vp_local_f32(o.grad.data(), o.grad.data(), o.tile_ref.data(), rows, v, weights.data(),
+                     local_labels.data(), o.max.data(), o.sum.data(), o.zsum.data(),
+                     o.target.data(), o.codes.data());
+      std::vector<VpGradRow> params(rows);
+      for (int64_t r = 0; r < rows; ++r) {
+        if (weights[r] == 0.0f || o.max[r] == -std::numeric_limits<float>::infinity()) continue;
+        params[r].scale = 0.01 * weights[r];
+        params[r].global_max = o.max[r] + 0.5f;  // as if another shard held a larger max
+        params[r].log_sum = std::log(o.sum[r] + 2.0);
+        params[r].offset = -1e-5f;
+        params[r].local_label = local_labels[r];
+        params[r].target_grad = -0.25f;
+      }
+      k.vp_grad_f32(o.grad.data(), o.tile_ref.data(), rows, v, params.data());
+      return o;
+    };
+    const Out ref = run(*CeRowKernelsFor("generic"));
+    for (int64_t r = 0; r < rows; ++r) ASSERT_EQ(ref.codes[r], kRowOk) << "vocab " << v;
+    EXPECT_EQ(ref.max[rows - 1], -std::numeric_limits<float>::infinity());
+    EXPECT_EQ(ref.sum[rows - 1], 0.0);
+    for (const CeRowKernels* k : WideBuilds()) {
+      const Out got = run(*k);
+      SCOPED_TRACE(std::string(k->isa) + " vocab " + std::to_string(v));
+      EXPECT_EQ(got.codes, ref.codes);
+      EXPECT_EQ(0, std::memcmp(got.max.data(), ref.max.data(), rows * sizeof(float)));
+      EXPECT_EQ(0, std::memcmp(got.target.data(), ref.target.data(), rows * sizeof(float)));
+      EXPECT_EQ(0, std::memcmp(got.sum.data(), ref.sum.data(), rows * sizeof(double)));
+      EXPECT_EQ(0, std::memcmp(got.zsum.data(), ref.zsum.data(), rows * sizeof(double)));
+      EXPECT_EQ(0, std::memcmp(got.grad.data(), ref.grad.data(), got.grad.size() * 4));
+    }
+  }
+}
+
 }  // namespace
 }  // namespace gradsum::losses::internal

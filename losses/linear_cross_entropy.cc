@@ -14,27 +14,13 @@
 namespace gradsum::losses {
 namespace {
 
-constexpr int64_t kAutoChunkBytes = int64_t{4} << 20;
-constexpr int64_t kMinAutoChunkRows = 32;
+constexpr char kWho[] = "linear cross-entropy";
 
 absl::Status CheckF32Matrix(const TensorView& t, const char* what, int64_t rows, int64_t cols) {
-  if (t.rank() != 2 || t.dtype() != DType::kF32 || t.device().type != Device::kCpu) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "linear cross-entropy: ", what, " must be a 2-D f32 CPU tensor, got ", t.DebugString()));
-  }
-  if ((rows >= 0 && t.dim(0) != rows) || (cols >= 0 && t.dim(1) != cols)) {
-    return absl::InvalidArgumentError(absl::StrCat("linear cross-entropy: ", what, " is ",
-                                                   t.DebugString(), ", expected [", rows, ",", cols,
-                                                   "]"));
-  }
-  return absl::OkStatus();
+  return internal::CheckF32Matrix(t, kWho, what, rows, cols);
 }
 
-bool Overlap(const TensorView& a, const TensorView& b) {
-  const char* a0 = static_cast<const char*>(a.raw());
-  const char* b0 = static_cast<const char*>(b.raw());
-  return a.nbytes() > 0 && b.nbytes() > 0 && a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
-}
+using internal::Overlap;
 
 }  // namespace
 
@@ -70,12 +56,8 @@ absl::StatusOr<LinearCrossEntropyResult> LinearCrossEntropyForwardBackward(
                                       options.ignore_index);
   if (!s.ok()) return s;
 
-  int64_t chunk = options.chunk_rows;
-  if (chunk == 0) {
-    // Large enough for efficient GEMMs, small enough that the logits chunk stays a small
-    // fraction (<= 1/8) of the [N, V] logits it replaces.
-    chunk = std::max(kMinAutoChunkRows, std::min(kAutoChunkBytes / (v * 4), n / 8));
-  }
+  int64_t chunk =
+      options.chunk_rows == 0 ? internal::AutoChunkRows(n, v) : options.chunk_rows;
   chunk = std::max<int64_t>(1, std::min(chunk, n));
 
   LinearCrossEntropyResult result;
