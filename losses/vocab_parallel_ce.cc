@@ -55,6 +55,28 @@ struct Call {
   absl::Span<const float> weights;
 };
 
+// The call's description from the arguments every variant shares; `requested_rows` is the
+// variant's exchange option (rows_per_exchange, or the linear variant's chunk_rows).
+template <typename Options>
+Call MakeCall(Kind kind, absl::Span<const int64_t> labels, int64_t vocab_start,
+              int64_t global_vocab, absl::Span<const float> token_weights,
+              double global_weight_sum, const Options& options, int64_t requested_rows) {
+  Call c;
+  c.kind = kind;
+  c.n = static_cast<int64_t>(labels.size());
+  c.vocab = global_vocab;
+  c.v0 = vocab_start;
+  c.d = global_weight_sum;
+  c.ignore_index = options.ignore_index;
+  c.eps = options.label_smoothing;
+  c.alpha = options.alpha_lse;
+  c.requested_rows = requested_rows;
+  c.num_threads = std::max(1, options.num_threads);
+  c.labels = labels;
+  c.weights = token_weights;
+  return c;
+}
+
 float RowWeight(const Call& c, int64_t t) {
   if (c.d == 0.0 || c.labels[t] == c.ignore_index) return 0.0f;
   return c.weights.empty() ? 1.0f : c.weights[t];
@@ -128,6 +150,19 @@ int64_t RowsPerBlock(int64_t vr) {
   return std::clamp<int64_t>((int64_t{1} << 18) / std::max<int64_t>(vr, 1), 1, 1024);
 }
 
+// fn(i0, k) for the blocks [i0, i0 + k) of `rows` rows of `vr` columns, on `num_threads`
+// threads when the rows are large enough to be worth it.
+template <typename Fn>
+void ForEachRowBlock(int64_t rows, int64_t vr, int num_threads, Fn fn) {
+  const int64_t per_block = RowsPerBlock(vr);
+  const int64_t blocks = (rows + per_block - 1) / per_block;
+  const int threads = rows * vr >= (int64_t{1} << 16) ? num_threads : 1;
+  ParallelFor(threads, blocks, [&](int64_t b) {
+    const int64_t i0 = b * per_block;
+    fn(i0, std::min(rows, i0 + per_block) - i0);
+  });
+}
+
 // One exchange: rows [r0, r0 + rows) of the call. `logits` / `grad` point at the exchange's
 // first row (grad null: forward only; they may alias); they are only touched while *local
 // is OK. Returns an error that every rank of the group returns too.
@@ -156,12 +191,7 @@ absl::Status Exchange(Communicator& group, const Call& c, absl::Status* local,
           s->weight[i] != 0.0f && y >= c.v0 && y < c.v0 + vr ? y - c.v0 : int64_t{-1};
     }
     const auto local_rows = internal::SelectedCeRowKernels().vp_local_f32;
-    const int64_t per_block = RowsPerBlock(vr);
-    const int64_t blocks = (rows + per_block - 1) / per_block;
-    const int threads = rows * vr >= (int64_t{1} << 16) ? c.num_threads : 1;
-    ParallelFor(threads, blocks, [&](int64_t b) {
-      const int64_t i0 = b * per_block;
-      const int64_t k = std::min(rows, i0 + per_block) - i0;
+    ForEachRowBlock(rows, vr, c.num_threads, [&](int64_t i0, int64_t k) {
       local_rows(logits + i0 * vr, grad == nullptr ? nullptr : grad + i0 * vr,
                  grad == nullptr ? nullptr : s->tile_ref.data() + i0 * tiles, k, vr,
                  s->weight.data() + i0, s->local_label.data() + i0, s->row_max.data() + i0,
@@ -308,12 +338,7 @@ absl::Status Exchange(Communicator& group, const Call& c, absl::Status* local,
   // 5. The gradient, in place over the kept exps: no collective.
   if (grad != nullptr) {
     const auto grad_rows = internal::SelectedCeRowKernels().vp_grad_f32;
-    const int64_t per_block = RowsPerBlock(vr);
-    const int64_t blocks = (rows + per_block - 1) / per_block;
-    const int threads = rows * vr >= (int64_t{1} << 16) ? c.num_threads : 1;
-    ParallelFor(threads, blocks, [&](int64_t b) {
-      const int64_t i0 = b * per_block;
-      const int64_t k = std::min(rows, i0 + per_block) - i0;
+    ForEachRowBlock(rows, vr, c.num_threads, [&](int64_t i0, int64_t k) {
       grad_rows(grad + i0 * vr, s->tile_ref.data() + i0 * tiles, k, vr,
                 s->grad_rows.data() + i0);
     });
@@ -389,19 +414,9 @@ absl::StatusOr<VocabParallelCrossEntropyResult> Plain(
     int64_t vocab_start, int64_t global_vocab, absl::Span<const float> token_weights,
     double global_weight_sum, const TensorView* grad,
     const VocabParallelCrossEntropyOptions& options) {
-  Call c;
-  c.kind = grad == nullptr ? Kind::kForward : Kind::kForwardBackward;
-  c.n = static_cast<int64_t>(labels.size());
-  c.vocab = global_vocab;
-  c.v0 = vocab_start;
-  c.d = global_weight_sum;
-  c.ignore_index = options.ignore_index;
-  c.eps = options.label_smoothing;
-  c.alpha = options.alpha_lse;
-  c.requested_rows = options.rows_per_exchange;
-  c.num_threads = std::max(1, options.num_threads);
-  c.labels = labels;
-  c.weights = token_weights;
+  Call c = MakeCall(grad == nullptr ? Kind::kForward : Kind::kForwardBackward, labels,
+                    vocab_start, global_vocab, token_weights, global_weight_sum, options,
+                    options.rows_per_exchange);
 
   absl::Status local = internal::CheckF32Matrix(logits, kWho, "logits_shard", c.n, -1);
   if (local.ok()) {
@@ -461,19 +476,8 @@ absl::StatusOr<VocabParallelLinearCrossEntropyResult> VocabParallelLinearCrossEn
     absl::Span<const float> token_weights, double global_weight_sum,
     const TensorView& grad_hidden_partial, const TensorView& grad_head_shard,
     const VocabParallelLinearCrossEntropyOptions& options) {
-  Call c;
-  c.kind = Kind::kLinear;
-  c.n = static_cast<int64_t>(labels.size());
-  c.vocab = global_vocab;
-  c.v0 = vocab_start;
-  c.d = global_weight_sum;
-  c.ignore_index = options.ignore_index;
-  c.eps = options.label_smoothing;
-  c.alpha = options.alpha_lse;
-  c.requested_rows = options.chunk_rows;
-  c.num_threads = std::max(1, options.num_threads);
-  c.labels = labels;
-  c.weights = token_weights;
+  Call c = MakeCall(Kind::kLinear, labels, vocab_start, global_vocab, token_weights,
+                    global_weight_sum, options, options.chunk_rows);
 
   absl::Status local = internal::CheckF32Matrix(hidden, kWho, "hidden", c.n, -1);
   if (local.ok()) {

@@ -40,21 +40,34 @@ using ::testing::HasSubstr;
 // 300 steps of the per-token model on the first-order Markov corpus (the defaults before
 // attention) bring the CE within 10% of the chain's entropy floor. A small model keeps it
 // fast.
-TEST(TrainerTest, ThreeHundredStepsReachTheEntropyFloor) {
-  TrainConfig config;  // world 2, ep 2, G 2, fsdp
-  config.mutable_model()->set_attention(ModelConfig::none);
-  config.mutable_data()->set_corpus(DataConfig::markov1);
-  config.mutable_optim()->set_steps(300);
+// The binary's defaults (world 2, ep 2, G 2, fsdp) at a small width and micro-batch, as
+// the convergence tests train them.
+TrainConfig SmallDefaultConfig(int steps) {
+  TrainConfig config;
+  config.mutable_optim()->set_steps(steps);
   config.mutable_model()->set_dim(32);
   config.mutable_model()->set_expert_dim(32);
   config.mutable_data()->set_micro_batch(2);
+  return config;
+}
+
+// The mean CE of the last 20 steps.
+double TailCe(const std::vector<StepMetrics>& h) {
+  double tail = 0;
+  for (size_t i = h.size() - 20; i < h.size(); ++i) tail += h[i].ce() / 20;
+  return tail;
+}
+
+TEST(TrainerTest, ThreeHundredStepsReachTheEntropyFloor) {
+  TrainConfig config = SmallDefaultConfig(300);
+  config.mutable_model()->set_attention(ModelConfig::none);
+  config.mutable_data()->set_corpus(DataConfig::markov1);
   auto out = RunInProcess(config);
   ASSERT_TRUE(out.ok()) << out.status();
   ASSERT_TRUE((*out)[0].status.ok()) << (*out)[0].status;
   const std::vector<StepMetrics>& h = (*out)[0].history;
   ASSERT_EQ(h.size(), 300u);
-  double tail = 0;
-  for (size_t i = h.size() - 20; i < h.size(); ++i) tail += h[i].ce() / 20;
+  const double tail = TailCe(h);
   const double floor = MarkovCorpus(config.data()).EntropyFloorNats();
   EXPECT_GT(h.front().ce(), 2 * floor);  // it did have something to learn
   EXPECT_LT(tail, 1.10 * floor) << "floor " << floor;
@@ -73,18 +86,13 @@ TEST(TrainerTest, ThreeHundredStepsReachTheEntropyFloor) {
 // within 12% of the context floor (the README's job, at its width, ends within 10%), but
 // not below it, where the labels would leak through attention.
 TEST(TrainerTest, AttentionOnTheDefaultCorpusApproachesTheContextFloor) {
-  TrainConfig config;  // world 2, ep 2, G 2, fsdp, attention causal, corpus markov2
-  config.mutable_optim()->set_steps(500);
-  config.mutable_model()->set_dim(32);
-  config.mutable_model()->set_expert_dim(32);
-  config.mutable_data()->set_micro_batch(2);
+  const TrainConfig config = SmallDefaultConfig(500);  // attention causal, corpus markov2
   auto out = RunInProcess(config);
   ASSERT_TRUE(out.ok()) << out.status();
   ASSERT_TRUE((*out)[0].status.ok()) << (*out)[0].status;
   const std::vector<StepMetrics>& h = (*out)[0].history;
   ASSERT_EQ(h.size(), 500u);
-  double tail = 0;
-  for (size_t i = h.size() - 20; i < h.size(); ++i) tail += h[i].ce() / 20;
+  const double tail = TailCe(h);
   const SecondOrderMarkovCorpus corpus(config.data());
   const double per_token = corpus.EntropyFloorNats(), context = corpus.ContextFloorNats();
   EXPECT_LT(tail, 0.6 * per_token) << "per-token floor " << per_token;
