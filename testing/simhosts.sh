@@ -39,9 +39,12 @@
 # Bounds: every ip/tc command runs under `timeout` (GSH_CMD_TIMEOUT_S, default 10 s); mpirun
 # and the daemons the agent starts under GSH_LIMIT_S (default 600 s, then SIGKILL). The
 # trap (EXIT, INT, TERM) SIGKILLs every process left in the namespaces, deletes the
-# namespaces (which removes their veths and the bridge) and GSH_DIR. A run that was itself
-# SIGKILLed leaves gsh-<pid>-*; `simhosts.sh sweep` (also run by simhosts_up) removes those
-# whose pid is gone.
+# namespaces (which removes their veths and the bridge) and GSH_DIR. Bash runs a trap only
+# once the foreground command has returned, so a script that sources this file should run
+# long commands in the background and `wait` (as the command form does) if a TERM must act
+# at once; the foreground ones here are all bounded anyway. A run that was itself SIGKILLed
+# leaves gsh-<pid>-*; `simhosts.sh sweep` (also run by simhosts_up) removes those whose pid
+# is gone.
 #
 # Skipping: where `ip netns add` fails (not root, no CAP_SYS_ADMIN, no /run/netns),
 # simhosts_require_netns prints "SKIPPED: cannot create network namespaces: <ip's message>"
@@ -184,7 +187,7 @@ trap ':' TERM INT HUP
 c=$!
 echo "$c $(hostname)" > "$d/rank$r.pid"
 while :; do wait "$c"; rc=$?; kill -0 "$c" 2>/dev/null || break; done
-echo "$rc $(date +%s.%N)" > "$d/rank$r.exit"
+echo "$rc $EPOCHREALTIME" > "$d/rank$r.exit"  # a builtin: no child for a signal to kill
 exit "$rc"
 EOF
   chmod +x "$GSH_RANK"
@@ -251,6 +254,9 @@ if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
   export OMPI_MCA_btl_tcp_if_include="$GSH_IF" OMPI_MCA_oob_tcp_if_include="$GSH_IF"
   export OMPI_MCA_orte_default_hostfile="$GSH_HOSTFILE" OMPI_MCA_rmaps_base_oversubscribe=1
   export OMPI_MCA_orte_leave_session_attached=1
-  timeout --signal=KILL "$GSH_LIMIT_S" ip netns exec "$GSH_NS_LAUNCH" "$@"
+  # In the background, so that a TERM or INT runs the trap at once (bash runs traps only
+  # between foreground commands; `wait` is interrupted by them).
+  timeout --signal=KILL "$GSH_LIMIT_S" ip netns exec "$GSH_NS_LAUNCH" "$@" &
+  wait $!
   exit $?
 fi

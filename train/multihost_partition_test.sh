@@ -96,7 +96,10 @@ watch() {
   for r in 0 1 2 3 m; do
     [[ -n "${seen[$r]:-}" ]] || continue
     t="${seen[$r]}"
-    [[ "$r" != m && -s "$dir/rank$r.exit" ]] && t=$(awk '{print $2}' "$dir/rank$r.exit")
+    if [[ "$r" != m && -s "$dir/rank$r.exit" ]]; then
+      local recorded; recorded=$(awk '{print $2}' "$dir/rank$r.exit")
+      [[ -n "$recorded" ]] && t="$recorded"
+    fi
     ended[$r]=$(since "$t" "$t0")
   done
   for r in 0 1 2 3; do
