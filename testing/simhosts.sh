@@ -34,7 +34,14 @@
 # btl_tcp_if_include / oob_tcp_if_include = gsh0, so everything between hosts crosses the
 # veth links (and their tbf limits). The rsh agent ($GSH_AGENT) starts each orted "on" a host
 # with `ip netns exec <ns> unshare --uts`, setting the hostname to the simulated host's name,
-# so each host has its own Open MPI session directory.
+# so each host has its own Open MPI session directory. mpi_yield_when_idle=1: every simulated
+# host believes its slots are its own cores, so Open MPI would busy-poll; all hosts share this
+# machine's cores, and 4 spinning ranks on 2 cores made a tiny step take 1-2.5 s instead of
+# about 0.03 s.
+#
+# GSH_TCP_RETRIES2, if set, is net.ipv4.tcp_retries2 inside every namespace made (default:
+# the kernel's 15, about 15 minutes before TCP gives up on a peer that stopped answering;
+# after a partition mpirun waits that long for the lost host's daemon, docs/MULTIHOST.md).
 #
 # Bounds: every ip/tc command runs under `timeout` (GSH_CMD_TIMEOUT_S, default 10 s); mpirun
 # and the daemons the agent starts under GSH_LIMIT_S (default 600 s, then SIGKILL). The
@@ -126,6 +133,10 @@ _gsh_attach() {
   local ns="$1" port="$2" addr="$3" rate="$4" burst="$5"
   _gsh_t ip netns add "$ns" || return 1
   _gsh_t ip -n "$ns" link set lo up || return 1
+  if [[ -n "${GSH_TCP_RETRIES2:-}" ]]; then
+    # Per-namespace: how many retransmissions before TCP gives up on an unanswered peer.
+    _gsh_t ip netns exec "$ns" sysctl -q -w net.ipv4.tcp_retries2="$GSH_TCP_RETRIES2" || return 1
+  fi
   _gsh_t ip -n "$GSH_NS_SW" link add "$port" type veth peer name "$GSH_IF" netns "$ns" || return 1
   _gsh_t ip -n "$GSH_NS_SW" link set "$port" master br0 || return 1
   _gsh_t ip -n "$GSH_NS_SW" link set "$port" up || return 1
@@ -202,7 +213,7 @@ simhosts_mpirun() {
       --mca plm_rsh_agent "$GSH_AGENT" --mca plm_rsh_no_tree_spawn 1 \
       --mca btl "${GSH_BTL:-tcp,vader,self}" --mca btl_vader_single_copy_mechanism none \
       --mca btl_tcp_if_include "$GSH_IF" --mca oob_tcp_if_include "$GSH_IF" \
-      --mca orte_leave_session_attached 1 \
+      --mca orte_leave_session_attached 1 --mca mpi_yield_when_idle 1 \
       --oversubscribe --bind-to none "$@"
 }
 
@@ -253,7 +264,7 @@ if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
   export OMPI_MCA_btl=tcp,vader,self OMPI_MCA_btl_vader_single_copy_mechanism=none
   export OMPI_MCA_btl_tcp_if_include="$GSH_IF" OMPI_MCA_oob_tcp_if_include="$GSH_IF"
   export OMPI_MCA_orte_default_hostfile="$GSH_HOSTFILE" OMPI_MCA_rmaps_base_oversubscribe=1
-  export OMPI_MCA_orte_leave_session_attached=1
+  export OMPI_MCA_orte_leave_session_attached=1 OMPI_MCA_mpi_yield_when_idle=1
   # In the background, so that a TERM or INT runs the trap at once (bash runs traps only
   # between foreground commands; `wait` is interrupted by them).
   timeout --signal=KILL "$GSH_LIMIT_S" ip netns exec "$GSH_NS_LAUNCH" "$@" &

@@ -3,6 +3,7 @@
 #   multihost_partition_test.sh MOE_LM_BINARY SIMHOSTS_SH
 # Needs network namespaces (root); elsewhere it prints "SKIPPED: <why>" and passes.
 # moe_lm --backend=mpi, world 4 = 2 hosts x 2 ranks, --reproducible, a checkpoint every step.
+# Every run has N = 60 steps, so that each failure lands mid-run (checked).
 # 1. Partition: when step K appears in the metrics file, host 2's link goes down (at the
 #    switch). Every rank on both sides must end, non-zero, within --timeout_s + 5 s of the
 #    link going down; each rank that ended on its own names the timed-out operation. The
@@ -28,6 +29,9 @@ simhosts_up 2 || fail "could not bring up the simulated hosts"
 T="${PARTITION_TIMEOUT_S:-10}"   # --timeout_s of the partitioned run
 K="${PARTITION_STEP:-3}"         # the step after which the link goes down
 FLAP_S="${FLAP_S:-3}"            # how long the link stays down in case 2
+# Steps of every run. A tiny step takes a few ms, and about 0.03 s with a checkpoint after
+# it (every run here saves one every step), so the failure lands well before the end.
+N=60
 tiny=(--dim=8 --expert_dim=8 --experts=4 --layers=2 --seq_len=32 --max_doc_len=24
       --alpha_z=0.01 --alpha_b=0.01 --grad_acc=2 --reproducible)
 two_hosts=(-np 4 --map-by ppr:2:node)
@@ -36,9 +40,9 @@ now() { echo "$EPOCHREALTIME"; }  # no process per call: the watch loop polls ev
 since() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", a - b }'; }
 within() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a <= b) }'; }
 
-# The uninterrupted run (thread backend, world 4, 8 steps): the bits every case must end with.
+# The uninterrupted run (thread backend, world 4, N steps): the bits every case must end with.
 timeout --signal=KILL 120 "$bin" "${tiny[@]}" --backend=thread --world=4 --ep=2 --micro_batch=1 \
-  --steps=8 --timeout_s=60 --export="$tmp/ref.safetensors" > "$tmp/ref.log" 2>&1 \
+  --steps="$N" --timeout_s=60 --export="$tmp/ref.safetensors" > "$tmp/ref.log" 2>&1 \
   || { tail -20 "$tmp/ref.log"; fail "reference run"; }
 
 # start NAME STEPS TIMEOUT_S [extra flags]: launches the two-host run in the background;
@@ -129,10 +133,13 @@ reap() {
 
 # ---- 1. Partition.
 echo "== partition: host 2's link down after step $K, --timeout_s=$T"
-start partition 40 "$T" --checkpoint_dir="$tmp/ck" --checkpoint_every=1
+start partition "$N" "$T" --checkpoint_dir="$tmp/ck" --checkpoint_every=1
 wait_step "$K"
 simhosts_link 2 down || fail "could not bring the link down"
 t0=$(now)
+at_down=$(grep -c '"step"' "$dir/metrics.jsonl")
+echo "  the link went down after step $at_down of $N"
+[[ "$at_down" -lt "$N" ]] || fail "partition: the run ended before the link went down"
 echo "  link down at $(date -u +%T.%N | cut -c1-12); $(uptime | sed 's/.*load/load/')"
 watch "$t0" $((T + 25))
 lingering=$(for n in 1 2; do _gsh_t ip netns pids "$(gsh_host_ns "$n")"; done | xargs -r ps -o comm= -p | sort | uniq -c | tr '\n' ' ')
@@ -156,10 +163,10 @@ reap
 last=$(grep -o '"step":[0-9]*' "$dir/metrics.jsonl" | tail -1)
 echo "  last logged step: ${last#*:}"
 
-# The last committed checkpoint resumes on host 1 alone (world 2) to step 8.
+# The last committed checkpoint resumes on host 1 alone (world 2) to step N.
 d1="$tmp/resume1"; mkdir -p "$d1"
 simhosts_mpirun -np 2 --host "$(gsh_host_name 1):2" "$bin" "${tiny[@]}" --backend=mpi --world=2 \
-  --ep=2 --micro_batch=2 --steps=8 --timeout_s=60 --checkpoint_dir="$tmp/ck" --resume \
+  --ep=2 --micro_batch=2 --steps="$N" --timeout_s=60 --checkpoint_dir="$tmp/ck" --resume \
   --export="$tmp/resumed.safetensors" > "$d1/mpirun.log" 2>&1 \
   || { tail -20 "$d1/mpirun.log"; fail "resuming after the partition failed"; }
 grep -m1 "^resumed from step" "$d1/mpirun.log" | sed 's/^/  /'
@@ -169,13 +176,20 @@ echo "  identical: resumed on one host after the partition vs uninterrupted"
 
 # ---- 2. A link that comes back within the timeout.
 echo "== link flap: host 2's link down after step $K for ${FLAP_S} s, --timeout_s=30"
-start flap 8 30 --export="$tmp/flap.safetensors"
+start flap "$N" 30 --export="$tmp/flap.safetensors" --checkpoint_dir="$tmp/ck_flap" --checkpoint_every=1
 wait_step "$K"
 simhosts_link 2 down || fail "could not bring the link down"
 t0=$(now)
+at_down=$(grep -c '"step"' "$dir/metrics.jsonl")
 sleep "$FLAP_S"
 simhosts_link 2 up || fail "could not bring the link up"
+echo "  the link went down after step $at_down of $N, up ${FLAP_S} s later"
 watch "$t0" 90
+# The outage must have hit the run: no rank finished before the link came back.
+for r in 0 1 2 3; do
+  [[ -z "${ended[$r]:-}" ]] || within "$FLAP_S" "${ended[$r]}" \
+    || { reap; fail "link flap: rank $r ended ${ended[$r]} s after the link went down, before it came back: the outage missed the run"; }
+done
 wait "$mp"; rc=$?
 if [[ $rc -ne 0 ]]; then
   for r in 0 1 2 3; do tail -3 "$dir/rank$r.log"; done
@@ -188,11 +202,14 @@ echo "  the run continued and finished with the uninterrupted run's bits"
 
 # ---- 3. Every rank of host 2 SIGKILLed.
 echo "== host 2's ranks SIGKILLed after step $K, --timeout_s=120"
-start kill 40 120
+start kill "$N" 120 --checkpoint_dir="$tmp/ck_kill" --checkpoint_every=1
 wait_step "$K"
 victims="$(awk '{print $1}' "$dir/rank2.pid") $(awk '{print $1}' "$dir/rank3.pid")"
 kill -KILL $victims
 t0=$(now)
+at_down=$(grep -c '"step"' "$dir/metrics.jsonl")
+echo "  SIGKILLed host 2's ranks after step $at_down of $N"
+[[ "$at_down" -lt "$N" ]] || fail "kill: the run ended before the ranks were killed"
 echo "  killed $victims; $(uptime | sed 's/.*load/load/')"
 watch "$t0" 30
 for r in 0 1; do
