@@ -61,7 +61,8 @@ PY
 }
 
 # The reference: thread backend, world 4, the same flags.
-run ref -- --backend=thread --world=4 --ep=2 --micro_batch=1 --export="$tmp/ref.safetensors"
+run ref -- --backend=thread --world=4 --ep=2 --micro_batch=1 --parity_check \
+  --export="$tmp/ref.safetensors"
 
 # 1. Parity and bit-identity across the two hosts.
 before=$(simhosts_link_bytes 2)
