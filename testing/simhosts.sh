@@ -24,10 +24,12 @@
 #   simhosts_link 2 down; simhosts_link 2 up
 #   simhosts_exec 1 COMMAND...      # a command "on" host 1 (bounded by timeout)
 #   simhosts_kill_host 2 [SIGNAL]   # signal every process in host 2's namespace
+#   simhosts_link_bytes 2           # "RX TX" byte counters of host 2's interface
 #   simhosts_cleanup                # also run by the EXIT/INT/TERM trap
 # Variables after simhosts_up: GSH_PREFIX, GSH_DIR (hostfile, agent), GSH_HOSTS (count),
 # GSH_HOSTFILE, GSH_AGENT, GSH_RANK (the rank wrapper, see simhosts_up), GSH_NS_SW,
-# GSH_NS_LAUNCH, and gsh_host_ns I / gsh_host_name I.
+# GSH_NS_LAUNCH, and gsh_host_ns I / gsh_host_name I. GSH_SLOTS (default 2) is each host's
+# slot count in the hostfile. At most 253 hosts (198.18.0.1-253).
 #
 # Open MPI is restricted to `btl tcp,vader,self` (shared memory only between ranks of one
 # host: vader never connects processes that different daemons launched) with
@@ -37,7 +39,8 @@
 # so each host has its own Open MPI session directory. mpi_yield_when_idle=1: every simulated
 # host believes its slots are its own cores, so Open MPI would busy-poll; all hosts share this
 # machine's cores, and 4 spinning ranks on 2 cores made a tiny step take 1-2.5 s instead of
-# about 0.03 s.
+# about 0.03 s. orte_leave_session_attached=1 keeps each daemon a child of the agent (not
+# daemonized), so the agent's timeout bounds it.
 #
 # GSH_TCP_RETRIES2, if set, is net.ipv4.tcp_retries2 inside every namespace made (default:
 # the kernel's 15, about 15 minutes before TCP gives up on a peer that stopped answering;
@@ -54,8 +57,8 @@
 # is gone.
 #
 # Skipping: where `ip netns add` fails (not root, no CAP_SYS_ADMIN, no /run/netns),
-# simhosts_require_netns prints "SKIPPED: cannot create network namespaces: <ip's message>"
-# and exits 0, which Bazel counts as a pass (Bazel 4 has no skipped status); the line is in
+# simhosts_require_netns prints "SKIPPED: cannot create network namespaces (ip netns add:
+# <ip's message>; needs root or CAP_SYS_ADMIN)" and exits 0, which Bazel counts as a pass (Bazel 4 has no skipped status); the line is in
 # the test log.
 
 # Bazel runs tests with PATH=/bin:/usr/bin:/usr/local/bin; ip and tc live in /usr/sbin.
