@@ -150,7 +150,9 @@ for r in 0 1 2 3; do
   st=$(rank_status "$r")
   [[ "$st" -ne 0 ]] || { reap; fail "partition: rank $r exited 0"; }
   if [[ "$st" -eq 1 ]]; then
-    grep -qE "mpi [a-z_0-9]+ #[0-9]+ \(rank $r of 4\): not every rank arrived within the timeout" "$dir/rank$r.log" \
+    # (rank R of W) is the rank in the communicator that timed out: the world, or a
+    # sub-group such as an EP or data-parallel group.
+    grep -qE "mpi [a-z_0-9]+ #[0-9]+ \(rank [0-9]+ of [0-9]+\): not every rank arrived within the timeout" "$dir/rank$r.log" \
       || { reap; fail "partition: rank $r exited 1 without naming the timed-out operation: $(tail -3 "$dir/rank$r.log")"; }
   fi
 done
