@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# moe_lm over Open MPI between two simulated hosts (testing/simhosts.sh, docs/MULTIHOST.md):
+#   multihost_test.sh MOE_LM_BINARY SIMHOSTS_SH
+# Needs network namespaces (root); elsewhere it prints "SKIPPED: <why>" and passes.
+# 2 hosts x 2 ranks, TCP between the hosts (vader only inside a host). Global batch
+# B = world x grad_acc x micro_batch = 8 in every run, G = 2, --reproducible throughout:
+# 1. world 4 over two hosts passes --parity_check, and its --export after 6 steps is
+#    byte-identical to the thread backend's world 4 run with the same flags (the reference);
+#    the metrics (ce, z, bal, loss, grad_norm) are identical too, and bytes crossed the link;
+# 2. 3 steps on one host (world 2, both ranks in host 1's namespace) checkpointed, resumed
+#    on two hosts (world 4) to step 6: the export is the reference's bytes;
+# 3. the reverse: 3 steps on two hosts, resumed on one host (host 2): the reference's bytes.
+set -uo pipefail
+bin="$(realpath "$1")"
+source "$2"
+tmp="${TEST_TMPDIR:-$(mktemp -d)}/multihost"
+rm -rf "$tmp"; mkdir -p "$tmp"
+fail() { echo "FAIL: $*"; exit 1; }
+simhosts_require_netns
+GSH_LIMIT_S="${GSH_LIMIT_S:-240}"
+simhosts_up 2 || fail "could not bring up the simulated hosts"
+echo "hosts: $(cat "$GSH_HOSTFILE" | tr '\n' ' ')"
+
+tiny=(--dim=8 --expert_dim=8 --experts=4 --layers=2 --seq_len=32 --max_doc_len=24
+      --alpha_z=0.01 --alpha_b=0.01 --grad_acc=2 --timeout_s=60 --reproducible --steps=6)
+two_hosts=(-np 4 --map-by ppr:2:node)
+host1=(-np 2 --host "$(gsh_host_name 1):2")
+host2=(-np 2 --host "$(gsh_host_name 2):2")
+
+# run NAME LAUNCH... -- FLAGS...: one run writing NAME.log/.jsonl (and whatever FLAGS ask).
+run() {
+  local name="$1"; shift
+  local launch=()
+  while [[ "$1" != "--" ]]; do launch+=("$1"); shift; done
+  shift
+  local start=$SECONDS
+  if ((${#launch[@]})); then
+    simhosts_mpirun "${launch[@]}" "$bin" "${tiny[@]}" --backend=mpi "$@" \
+      --metrics="$tmp/$name.jsonl" > "$tmp/$name.log" 2>&1
+  else
+    timeout --signal=KILL "$GSH_LIMIT_S" "$bin" "${tiny[@]}" "$@" \
+      --metrics="$tmp/$name.jsonl" > "$tmp/$name.log" 2>&1
+  fi
+  local rc=$?
+  echo "$name: exit $rc after $((SECONDS - start)) s"
+  [[ $rc -eq 0 ]] || { tail -30 "$tmp/$name.log"; fail "run $name"; }
+}
+
+same_metrics() {  # same_metrics REF OTHER FIRST_STEP
+  python3 - "$tmp/$1.jsonl" "$tmp/$2.jsonl" "$3" <<'PY'
+import json, sys
+ref = {r["step"]: r for r in map(json.loads, filter(str.strip, open(sys.argv[1])))}
+got = [json.loads(l) for l in open(sys.argv[2]) if l.strip()]
+first = int(sys.argv[3])
+assert [r["step"] for r in got] == list(range(first, 7)), [r["step"] for r in got]
+for r in got:
+    for k in ("ce", "z", "bal", "loss", "grad_norm", "valid_tokens"):
+        if r[k] != ref[r["step"]][k]:
+            sys.exit(f"step {r['step']}: {k} {r[k]!r} != {ref[r['step']][k]!r}")
+PY
+}
+
+# The reference: thread backend, world 4, the same flags.
+run ref -- --backend=thread --world=4 --ep=2 --micro_batch=1 --parity_check \
+  --export="$tmp/ref.safetensors"
+
+# 1. Parity and bit-identity across the two hosts.
+before=$(simhosts_link_bytes 2)
+run hosts2 "${two_hosts[@]}" -- --world=4 --ep=2 --micro_batch=1 --parity_check \
+  --export="$tmp/hosts2.safetensors"
+after=$(simhosts_link_bytes 2)
+grep -q "parity PASSED" "$tmp/hosts2.log" || fail "no 'parity PASSED' line: $(tail -5 "$tmp/hosts2.log")"
+read -r rx0 tx0 <<< "$before"; read -r rx1 tx1 <<< "$after"
+echo "host 2's link: received $((rx1 - rx0)) bytes, sent $((tx1 - tx0)) bytes during the run"
+(( rx1 - rx0 > 100000 && tx1 - tx0 > 100000 )) || fail "too little traffic crossed host 2's link"
+cmp -s "$tmp/ref.safetensors" "$tmp/hosts2.safetensors" \
+  || fail "the two-host export differs from the thread backend's"
+same_metrics ref hosts2 1 || fail "the two-host run logged other values than the thread run"
+echo "identical: thread world 4 vs Open MPI on 2 hosts x 2 ranks (parity passed)"
+
+# 2. One host -> two hosts.
+run a1 "${host1[@]}" -- --world=2 --ep=2 --micro_batch=2 --steps=3 --checkpoint_dir="$tmp/ck_a"
+run a2 "${two_hosts[@]}" -- --world=4 --ep=2 --micro_batch=1 --checkpoint_dir="$tmp/ck_a" \
+  --resume --export="$tmp/a2.safetensors"
+grep -q "^resumed from step 3" "$tmp/a2.log" || fail "the two-host segment did not resume"
+cmp -s "$tmp/ref.safetensors" "$tmp/a2.safetensors" \
+  || fail "one host -> two hosts: the export differs from the uninterrupted run's"
+same_metrics ref a2 4 || fail "one host -> two hosts: other logged values"
+echo "identical: 3 steps on one host (world 2) + 3 on two hosts (world 4) vs uninterrupted"
+
+# 3. Two hosts -> one host.
+run b1 "${two_hosts[@]}" -- --world=4 --ep=2 --micro_batch=1 --steps=3 --checkpoint_dir="$tmp/ck_b"
+run b2 "${host2[@]}" -- --world=2 --ep=2 --micro_batch=2 --checkpoint_dir="$tmp/ck_b" \
+  --resume --export="$tmp/b2.safetensors"
+grep -q "^resumed from step 3" "$tmp/b2.log" || fail "the one-host segment did not resume"
+cmp -s "$tmp/ref.safetensors" "$tmp/b2.safetensors" \
+  || fail "two hosts -> one host: the export differs from the uninterrupted run's"
+same_metrics ref b2 4 || fail "two hosts -> one host: other logged values"
+echo "identical: 3 steps on two hosts (world 4) + 3 on one host (world 2) vs uninterrupted"
+
+echo "PASS: 2 simulated hosts x 2 ranks: parity, thread-identical bits, resume both ways"
