@@ -90,7 +90,16 @@ simhosts_require_netns() {
     echo "SKIPPED: cannot create network namespaces (ip netns add: ${why:-timed out}; needs root or CAP_SYS_ADMIN)"
     exit 0
   fi
-  _gsh_t ip netns del "${GSH_PREFIX}-probe" 2>/dev/null || true
+  # What simhosts_up builds inside them: a bridge and a veth pair (kernels or containers
+  # without the bridge or veth drivers, or without CAP_NET_ADMIN there, refuse these).
+  local probe="${GSH_PREFIX}-probe"
+  if ! why=$({ _gsh_t ip -n "$probe" link add gshbr type bridge &&
+               _gsh_t ip -n "$probe" link add gsha type veth peer name gshb; } 2>&1); then
+    _gsh_t ip netns del "$probe" 2>/dev/null || true
+    echo "SKIPPED: network namespaces work but cannot hold a bridge and a veth pair (${why:-timed out})"
+    exit 0
+  fi
+  _gsh_t ip netns del "$probe" 2>/dev/null || true
 }
 
 # Removes namespaces of earlier runs (gsh-<pid>-*) whose pid is not alive.
