@@ -5,8 +5,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <string>
 #include <limits>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -29,6 +30,8 @@ const char* RowCodeText(uint8_t code) {
     case internal::kRowPosInf: return "contains +inf (the loss would be NaN)";
     case internal::kRowAllNegInf: return "is all -inf (the loss would be NaN)";
     case internal::kRowTargetNegInf: return "has a -inf target logit (the loss would be infinite)";
+    case internal::kRowSmoothNegInf:
+      return "has a -inf logit (with label smoothing the loss would be infinite)";
     default: return "is fine";
   }
 }
@@ -159,6 +162,139 @@ absl::StatusOr<CrossEntropyResult> RunKernel(const T* logits, T* grad, int64_t r
   return result;
 }
 
+// The options path (SEMANTICS.md §3.2): label smoothing, logit softcap and the output
+// z-loss. It is a separate path so that the plain kernel above keeps its bits when every
+// option is off. Each row is widened (bf16) and capped into an fp32 row buffer, which the
+// vocab-parallel CE's row code (cross_entropy_rows.inc, §3.1) reads once: it already
+// computes the max, the exp sum, the target logit and the row sum of z that smoothing
+// needs, keeps the exps in the buffer, and writes §3.1's gradient over them; this is
+// that code with a group of one. The cap's chain factor is then applied and the row stored.
+struct OptionsScratch {
+  std::vector<float> z, factor, tile_ref;
+};
+
+template <typename T>
+absl::StatusOr<CrossEntropyResult> RunOptionsKernel(const T* logits, T* grad, int64_t rows,
+                                                    int64_t vocab,
+                                                    absl::Span<const int64_t> labels,
+                                                    absl::Span<const float> weights, double d,
+                                                    const CrossEntropyOptions& options,
+                                                    int64_t row_offset) {
+  const internal::CeRowKernels& k = internal::SelectedCeRowKernels();
+  const double eps = options.label_smoothing;
+  const double cap = options.logit_softcap;
+  const double alpha = options.alpha_lse;
+  const double inv_v = 1.0 / static_cast<double>(vocab);
+  std::vector<double> row_ce(static_cast<size_t>(rows), 0.0);
+  std::vector<double> row_lse_sq(static_cast<size_t>(rows), 0.0);
+  std::vector<uint8_t> row_code(static_cast<size_t>(rows), kRowOk);
+  std::vector<float> row_weight(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) {
+    row_weight[r] = RowWeight(labels, weights, r, options.ignore_index);
+  }
+  const int64_t rows_per_block = std::clamp<int64_t>((int64_t{1} << 18) / vocab, 1, 1024);
+  const int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
+  const int threads = rows * vocab >= (int64_t{1} << 16) ? options.num_threads : 1;
+  const int64_t tiles = (vocab + kCeTile - 1) / kCeTile;
+  ParallelFor(threads, blocks, [&](int64_t block) {
+    thread_local OptionsScratch sc;
+    if (static_cast<int64_t>(sc.z.size()) < vocab) sc.z.resize(static_cast<size_t>(vocab));
+    if (cap > 0.0 && static_cast<int64_t>(sc.factor.size()) < vocab) {
+      sc.factor.resize(static_cast<size_t>(vocab));
+    }
+    if (static_cast<int64_t>(sc.tile_ref.size()) < tiles) {
+      sc.tile_ref.resize(static_cast<size_t>(tiles));
+    }
+    float* z = sc.z.data();
+    float* factor = sc.factor.data();
+    const int64_t end = std::min(rows, (block + 1) * rows_per_block);
+    for (int64_t r = block * rows_per_block; r < end; ++r) {
+      T* out = grad == nullptr ? nullptr : grad + r * vocab;
+      float w = row_weight[r];
+      if (w == 0.0f) {
+        if (out != nullptr) std::memset(out, 0, static_cast<size_t>(vocab) * sizeof(T));
+        continue;
+      }
+      // Widen (bf16) and cap into z. The row is read here, before `out` (which may alias it)
+      // is written.
+      const T* x = logits + r * vocab;
+      if constexpr (std::is_same_v<T, float>) {
+        std::memcpy(z, x, static_cast<size_t>(vocab) * sizeof(float));
+      } else {
+        k.bf16_to_f32(x, z, vocab);
+      }
+      if (cap > 0.0) {
+        const float c = static_cast<float>(cap);
+        for (int64_t j = 0; j < vocab; ++j) {
+          const float t = std::tanh(z[j] / c);
+          z[j] = c * t;
+          factor[j] = 1.0f - t * t;  // dz/dx of the cap
+        }
+      }
+      const int64_t label = labels[r];
+      float m = 0.0f, z_y = 0.0f;
+      double sum = 0.0, zsum = 0.0;
+      uint8_t code = kRowOk;
+      k.vp_local_f32(z, out == nullptr ? nullptr : z, sc.tile_ref.data(), 1, vocab, &w, &label,
+                     &m, &sum, eps > 0.0 ? &zsum : nullptr, &z_y, &code);
+      if (code == kRowOk && m == -std::numeric_limits<float>::infinity()) {
+        code = internal::kRowAllNegInf;
+      }
+      if (code == kRowOk && z_y == -std::numeric_limits<float>::infinity()) {
+        code = internal::kRowTargetNegInf;
+      }
+      if (code == kRowOk && eps > 0.0 && !std::isfinite(zsum)) code = internal::kRowSmoothNegInf;
+      if (code != kRowOk) {
+        row_code[r] = code;
+        continue;
+      }
+      const double log_sum = std::log(sum);
+      const double lse = static_cast<double>(m) + log_sum;
+      // (max - z_y) + log_sum: the difference first, so large logits lose nothing (§3.1).
+      double ce = (static_cast<double>(m) - z_y) + log_sum;
+      // lse - (1 - eps) z_y - eps U / V = (lse - z_y) + eps (z_y - U / V).
+      if (eps > 0.0) ce += eps * (static_cast<double>(z_y) - zsum * inv_v);
+      row_ce[r] = w * ce;
+      row_lse_sq[r] = w * lse * lse;
+      if (out == nullptr) continue;
+      // dL/dz_j = (w / D) ((1 + 2 alpha lse) p_j - (1 - eps) [j == y] - eps / V), §3.2.
+      const double wd = w / d;
+      internal::VpGradRow g;
+      g.scale = wd * (1.0 + 2.0 * alpha * lse);
+      g.global_max = m;
+      g.log_sum = log_sum;
+      g.offset = static_cast<float>(-wd * eps * inv_v);
+      g.local_label = label;
+      const double p_y = std::exp(static_cast<double>(z_y) - lse);
+      g.target_grad =
+          static_cast<float>(g.scale * p_y - wd * (1.0 - eps) - wd * eps * inv_v);
+      k.vp_grad_f32(z, sc.tile_ref.data(), 1, vocab, &g);
+      if (cap > 0.0) {
+        for (int64_t j = 0; j < vocab; ++j) z[j] *= factor[j];
+      }
+      if constexpr (std::is_same_v<T, float>) {
+        std::memcpy(out, z, static_cast<size_t>(vocab) * sizeof(float));
+      } else {
+        k.f32_to_bf16(z, out, vocab);
+      }
+    }
+  });
+  absl::Status bad = FirstBadRow("cross-entropy", row_code, labels, row_offset);
+  if (!bad.ok()) return bad;
+
+  CrossEntropyResult result;
+  for (int64_t r = 0; r < rows; ++r) {
+    result.local_weighted_ce_sum += row_ce[r];
+    result.local_weighted_lse_sq_sum += row_lse_sq[r];
+    result.local_weight_sum += static_cast<double>(row_weight[r]);
+    if (labels[r] != options.ignore_index) ++result.local_valid_tokens;
+  }
+  result.local_loss =
+      d > 0.0 ? (result.local_weighted_ce_sum + alpha * result.local_weighted_lse_sq_sum) / d
+              : 0.0;
+  return result;
+}
+
 absl::Status CheckLogitsViewImpl(const TensorView& logits, absl::string_view what) {
   if (logits.rank() != 2) {
     return absl::InvalidArgumentError(
@@ -208,6 +344,8 @@ absl::StatusOr<CrossEntropyResult> ForwardBackward(const TensorView& logits,
   const int64_t vocab = logits.dim(1);
   s = internal::CheckCrossEntropyArgs(rows, vocab, labels, token_weights, global_weight_sum,
                                       options.ignore_index);
+  if (!s.ok()) return s;
+  s = internal::CheckCrossEntropyOptions(options, "cross-entropy");
   if (!s.ok()) return s;
   return internal::CrossEntropyKernel(
       logits.raw(), grad_logits == nullptr ? nullptr : grad_logits->raw(), logits.dtype(), rows,
@@ -281,6 +419,28 @@ absl::Status CheckCrossEntropyArgs(int64_t rows, int64_t vocab, absl::Span<const
   return absl::OkStatus();
 }
 
+absl::Status CheckCrossEntropyOptions(const CrossEntropyOptions& options, absl::string_view who) {
+  // Written so that NaN fails every check.
+  if (!(options.label_smoothing >= 0.0 && options.label_smoothing < 1.0)) {
+    return absl::InvalidArgumentError(absl::StrCat(who, ": label_smoothing ",
+                                                   options.label_smoothing, " must be in [0, 1)"));
+  }
+  if (!(options.logit_softcap >= 0.0 && std::isfinite(options.logit_softcap))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, ": logit_softcap ", options.logit_softcap, " must be finite and >= 0 (0 = off)"));
+  }
+  if (!(options.alpha_lse >= 0.0 && std::isfinite(options.alpha_lse))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, ": alpha_lse ", options.alpha_lse, " must be finite and >= 0 (0 = off)"));
+  }
+  return absl::OkStatus();
+}
+
+bool CrossEntropyOptionsOn(const CrossEntropyOptions& options) {
+  return options.label_smoothing != 0.0 || options.logit_softcap != 0.0 ||
+         options.alpha_lse != 0.0;
+}
+
 absl::Status CheckF32Matrix(const TensorView& t, absl::string_view who, absl::string_view what,
                             int64_t rows, int64_t cols) {
   if (t.rank() != 2 || t.dtype() != DType::kF32 || t.device().type != Device::kCpu) {
@@ -313,6 +473,20 @@ absl::StatusOr<CrossEntropyResult> CrossEntropyKernel(
     const void* logits, void* grad, DType dtype, int64_t rows, int64_t vocab,
     absl::Span<const int64_t> labels, absl::Span<const float> token_weights,
     double global_weight_sum, const CrossEntropyOptions& options, int64_t row_offset) {
+  if (CrossEntropyOptionsOn(options)) {
+    switch (dtype) {
+      case DType::kF32:
+        return RunOptionsKernel<float>(static_cast<const float*>(logits),
+                                       static_cast<float*>(grad), rows, vocab, labels,
+                                       token_weights, global_weight_sum, options, row_offset);
+      case DType::kBF16:
+        return RunOptionsKernel<uint16_t>(static_cast<const uint16_t*>(logits),
+                                          static_cast<uint16_t*>(grad), rows, vocab, labels,
+                                          token_weights, global_weight_sum, options, row_offset);
+      default:
+        break;  // the error below
+    }
+  }
   switch (dtype) {
     case DType::kF32:
       return RunKernel<float>(static_cast<const float*>(logits), static_cast<float*>(grad), rows,

@@ -44,13 +44,29 @@ struct CrossEntropyOptions {
   int64_t ignore_index = -100;
   // Threads used for the row blocks (the caller's thread included). <= 1: single-threaded.
   int num_threads = 2;
+  // The CE options of SEMANTICS.md §3.2, each global in scope and 0 = off. With all three 0
+  // the kernel runs exactly as without them (same code, same bits).
+  //
+  // eps in [0, 1): the target is (1 - eps) onehot + eps / V over the whole vocabulary.
+  double label_smoothing = 0.0;
+  // c >= 0 (finite): the loss sees c * tanh(z / c) in place of the logits z (Gemma 2); the
+  // gradient is taken through it (factor 1 - tanh^2(z / c)).
+  double logit_softcap = 0.0;
+  // >= 0 (finite): adds alpha_lse * logsumexp(z_t)^2 per token (PaLM's output z-loss), with
+  // the CE's weights and D.
+  double alpha_lse = 0.0;
 };
 
 struct CrossEntropyResult {
-  // sum_t w_t * CE_t / D over this call's rows: the local component L_ce[r, m] (§3).
+  // sum_t w_t * (CE_t + alpha_lse * lse_t^2) / D over this call's rows: the local component
+  // L_ce[r, m] (§3, §3.2; without options sum_t w_t * CE_t / D).
   double local_loss = 0.0;
-  // sum_t w_t * CE_t over this call's rows, undivided (for display or debugging).
+  // sum_t w_t * CE_t over this call's rows, undivided (for display or debugging). CE_t is the
+  // smoothed CE of the capped logits when those options are on (§3.2).
   double local_weighted_ce_sum = 0.0;
+  // sum_t w_t * lse_t^2, undivided: the output z-loss's display term is alpha_lse times it
+  // over D. Computed only when an option of §3.2 is on (0 otherwise).
+  double local_weighted_lse_sq_sum = 0.0;
   // sum_t w_t over the rows with a valid label: this call's share of D.
   double local_weight_sum = 0.0;
   // Rows whose label is not ignore_index.
@@ -73,12 +89,15 @@ struct CrossEntropyResult {
 // Errors (nothing is written for the first four, which are checked before any work):
 // - InvalidArgument: bad shapes or dtypes; a label outside [0, V) that is not
 //   ignore_index (the message names the row and label); a negative or non-finite weight
-//   or D.
+//   or D; a bad option of §3.2 (label_smoothing outside [0, 1) or NaN, logit_softcap or
+//   alpha_lse negative or non-finite), the message naming the option and its value.
 // - FailedPrecondition: D smaller than this call's own weight sum (D must be the global
 //   sum over ranks and micro-batches, not a local one).
 // - InvalidArgument naming the first offending row: a row of non-zero weight that contains
 //   NaN or +inf, is all -inf, or whose target logit is -inf (the loss would be NaN or
-//   infinite). `grad_logits` is then partly written and must not be used.
+//   infinite). `grad_logits` is then partly written and must not be used. With
+//   label_smoothing > 0 a -inf anywhere in such a row is an error too; with logit_softcap
+//   > 0 only NaN is (the cap maps +-inf to +-c).
 absl::StatusOr<CrossEntropyResult> CrossEntropyForwardBackward(
     const TensorView& logits, absl::Span<const int64_t> labels,
     absl::Span<const float> token_weights, double global_weight_sum, const TensorView& grad_logits,

@@ -24,7 +24,15 @@ absl::Status CheckCrossEntropyArgs(int64_t rows, int64_t vocab, absl::Span<const
                                    absl::Span<const float> token_weights, double global_weight_sum,
                                    int64_t ignore_index, int64_t row_offset = 0);
 
-// Runs the kernel on checked arguments. `logits` is [rows, vocab] of `dtype` (f32/bf16);
+// The checks of the options of SEMANTICS.md §3.2 (label_smoothing in [0, 1), logit_softcap
+// and alpha_lse finite and >= 0): InvalidArgument naming the option and its value, prefixed
+// by `who`.
+absl::Status CheckCrossEntropyOptions(const CrossEntropyOptions& options, absl::string_view who);
+
+// Whether any option of §3.2 is on (the kernel then takes its options path).
+bool CrossEntropyOptionsOn(const CrossEntropyOptions& options);
+
+// Runs the kernel on checked arguments (options included). `logits` is [rows, vocab] of `dtype` (f32/bf16);
 // `grad` (same dtype and shape) may alias it or be null (forward only). Non-finite rows are
 // reported as InvalidArgument naming row `row_offset + i`.
 absl::StatusOr<CrossEntropyResult> CrossEntropyKernel(

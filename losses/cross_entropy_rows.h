@@ -20,7 +20,15 @@
 namespace gradsum::losses::internal {
 
 // Per-row outcome, kept per row so the first bad row is reported whatever the threading.
-enum RowCode : uint8_t { kRowOk = 0, kRowNaN, kRowPosInf, kRowAllNegInf, kRowTargetNegInf };
+// kRowSmoothNegInf: a -inf logit with label smoothing (the CE options path, §3.2, only).
+enum RowCode : uint8_t {
+  kRowOk = 0,
+  kRowNaN,
+  kRowPosInf,
+  kRowAllNegInf,
+  kRowTargetNegInf,
+  kRowSmoothNegInf
+};
 
 inline constexpr int64_t kCeTile = 1024;  // floats per tile: 4 KiB, stays in L1
 

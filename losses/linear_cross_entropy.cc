@@ -55,6 +55,13 @@ absl::StatusOr<LinearCrossEntropyResult> LinearCrossEntropyForwardBackward(
   s = internal::CheckCrossEntropyArgs(n, v, labels, token_weights, global_weight_sum,
                                       options.ignore_index);
   if (!s.ok()) return s;
+  CrossEntropyOptions ce_options;
+  ce_options.ignore_index = options.ignore_index;
+  ce_options.label_smoothing = options.label_smoothing;
+  ce_options.logit_softcap = options.logit_softcap;
+  ce_options.alpha_lse = options.alpha_lse;
+  s = internal::CheckCrossEntropyOptions(ce_options, kWho);
+  if (!s.ok()) return s;
 
   int64_t chunk =
       options.chunk_rows == 0 ? internal::AutoChunkRows(n, v) : options.chunk_rows;
@@ -69,8 +76,6 @@ absl::StatusOr<LinearCrossEntropyResult> LinearCrossEntropyForwardBackward(
 
   std::unique_ptr<float[]> logits_buf;  // allocated on the first chunk that needs it
   const int threads = std::max(1, options.num_threads);
-  CrossEntropyOptions ce_options;
-  ce_options.ignore_index = options.ignore_index;
   ce_options.num_threads = threads;
 
   for (int64_t r0 = 0; r0 < n; r0 += chunk) {
@@ -113,6 +118,7 @@ absl::StatusOr<LinearCrossEntropyResult> LinearCrossEntropyForwardBackward(
         global_weight_sum, ce_options, /*row_offset=*/r0);
     if (!ce.ok()) return ce.status();
     result.ce.local_weighted_ce_sum += ce->local_weighted_ce_sum;
+    result.ce.local_weighted_lse_sq_sum += ce->local_weighted_lse_sq_sum;
     result.ce.local_weight_sum += ce->local_weight_sum;
     result.ce.local_valid_tokens += ce->local_valid_tokens;
 
@@ -130,8 +136,12 @@ absl::StatusOr<LinearCrossEntropyResult> LinearCrossEntropyForwardBackward(
                    gh.subspan(r0 * dm, rows * dm), dm, threads);
     if (!s.ok()) return s;
   }
-  result.ce.local_loss =
-      global_weight_sum > 0.0 ? result.ce.local_weighted_ce_sum / global_weight_sum : 0.0;
+  // The z-loss term only when it is on, so that the plain result keeps its bits.
+  const double objective =
+      options.alpha_lse > 0.0
+          ? result.ce.local_weighted_ce_sum + options.alpha_lse * result.ce.local_weighted_lse_sq_sum
+          : result.ce.local_weighted_ce_sum;
+  result.ce.local_loss = global_weight_sum > 0.0 ? objective / global_weight_sum : 0.0;
   return result;
 }
 

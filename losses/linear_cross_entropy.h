@@ -41,6 +41,11 @@ struct LinearCrossEntropyOptions {
   // torch.nn.Linear(Dm, V) weight, so a caller holding that layout passes it without a
   // transposed copy (the GEMMs read it transposed; same math, another summation order).
   bool head_transposed = false;
+  // The CE options of SEMANTICS.md §3.2 (as CrossEntropyOptions; 0 = off, the defaults,
+  // which leave the results bit-identical to the plain CE).
+  double label_smoothing = 0.0;
+  double logit_softcap = 0.0;
+  double alpha_lse = 0.0;
 };
 
 struct LinearCrossEntropyResult {
@@ -64,7 +69,7 @@ struct LinearCrossEntropyResult {
 //                Must not overlap hidden, head or grad_hidden.
 //
 // Errors: InvalidArgument for dtypes other than f32, non-CPU views, mismatched shapes,
-// chunk_rows < 0, and every CE error (bad labels, weights or D, FailedPrecondition for a
+// chunk_rows < 0, a bad CE option (named with its value), and every CE error (bad labels, weights or D, FailedPrecondition for a
 // local D, non-finite logits rows named by their row in [0, N)). Label, weight and D checks
 // run before anything is written; after a non-finite-row error the outputs are partly
 // written and must not be used.

@@ -277,6 +277,11 @@ class CpuOps : public ModelOps {
     // the blocks run in parallel.
     ce_options.num_threads = in_.row_block > 0 ? 1 : num_threads_;
     if (in_.row_block > 0) ce_options.chunk_rows = in_.row_block;
+    // §3.2: the loss term is the CE with these options plus the output z-loss; local_loss
+    // holds both, so the `ce` term below is the LM head's whole objective.
+    ce_options.label_smoothing = config_.label_smoothing;
+    ce_options.logit_softcap = config_.logit_softcap;
+    ce_options.alpha_lse = config_.alpha_lse;
     const int64_t blocks = in_.row_block > 0 ? T / in_.row_block : 1;
     std::vector<double> block_ce(blocks, 0.0);
     GRADSUM_RETURN_IF_ERROR(AccumulateRowBlocks(

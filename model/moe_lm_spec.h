@@ -46,6 +46,11 @@ struct MoeLmConfig {
   // The loss weights of the router z-loss (§4) and the balancing loss (§5); 0 disables.
   double alpha_z = 0.001;
   double alpha_b = 0.001;
+  // The LM head's CE options (§3.2, losses/cross_entropy.h); 0 = off, the defaults, which
+  // leave the CE bit-identical to the plain one.
+  double label_smoothing = 0.0;
+  double logit_softcap = 0.0;
+  double alpha_lse = 0.0;
 };
 
 // How a parameter starts (InitialParameters).

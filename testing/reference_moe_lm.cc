@@ -97,6 +97,34 @@ struct SequenceCache {
   std::vector<AttentionCache> attn;  // per layer (attention only)
 };
 
+// One token's LM-head loss of §3.2 from its raw logits x (the CE with label smoothing over
+// the whole vocabulary, of the softcapped logits, plus alpha_lse lse^2), straight from the
+// definitions; with `dx` non-null also its gradient with respect to x (before w / D).
+double LmHeadTokenLoss(const ReferenceConfig& c, const std::vector<double>& x, int label,
+                       std::vector<double>* dx) {
+  const int V = static_cast<int>(x.size());
+  const double cap = c.logit_softcap, eps = c.label_smoothing;
+  std::vector<double> z(x);
+  if (cap > 0) {
+    for (double& e : z) e = cap * std::tanh(e / cap);
+  }
+  const double lse = LogSumExp(z);
+  double mean_logp = 0.0;
+  for (double e : z) mean_logp += (e - lse) / V;
+  const double loss =
+      -(1.0 - eps) * (z[label] - lse) - eps * mean_logp + c.alpha_lse * lse * lse;
+  if (dx != nullptr) {
+    dx->assign(V, 0.0);
+    for (int v = 0; v < V; ++v) {
+      const double p = std::exp(z[v] - lse);
+      double g = (1.0 + 2.0 * c.alpha_lse * lse) * p - eps / V - (v == label ? 1.0 - eps : 0.0);
+      if (cap > 0) g *= 1.0 - (z[v] / cap) * (z[v] / cap);
+      (*dx)[v] = g;
+    }
+  }
+  return loss;
+}
+
 }  // namespace
 
 std::vector<std::pair<std::string, std::vector<int64_t>>> ReferenceParamShapes(
@@ -405,7 +433,7 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
   // ---- Loss values (§3-5). ----
   for (const TokenCache& tc : cache) {
     if (tc.valid && Dce > 0) {
-      result.ce += tc.weight * (LogSumExp(tc.logits) - tc.logits[tc.label]) / Dce;
+      result.ce += tc.weight * LmHeadTokenLoss(c, tc.logits, tc.label, nullptr) / Dce;
     }
     if (!tc.routed) continue;
     for (int l = 0; l < L; ++l) {
@@ -575,10 +603,9 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
     for (int t = 0; t < sc.len; ++t) {
       const TokenCache& tc = cache[sc.first_cache + t];
       if (!tc.valid || Dce <= 0) continue;
-      const double lse = LogSumExp(tc.logits);
-      std::vector<double> dlogits(V);
-      for (int v = 0; v < V; ++v) dlogits[v] = tc.weight * std::exp(tc.logits[v] - lse) / Dce;
-      dlogits[tc.label] -= tc.weight / Dce;
+      std::vector<double> dlogits;
+      LmHeadTokenLoss(c, tc.logits, tc.label, &dlogits);
+      for (int v = 0; v < V; ++v) dlogits[v] = tc.weight * dlogits[v] / Dce;
       const double* wo = P("out");
       double* dwo = Gr("out");
       std::vector<double> df(Dm, 0.0);

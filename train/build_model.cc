@@ -27,6 +27,9 @@ absl::StatusOr<std::unique_ptr<MoeLm>> BuildModel(const TrainConfig& config,
   options.model = config.model();
   options.alpha_b = config.loss().alpha_b();
   options.alpha_z = config.loss().alpha_z();
+  options.label_smoothing = config.loss().label_smoothing();
+  options.logit_softcap = config.loss().logit_softcap();
+  options.alpha_lse = config.loss().alpha_lse();
   parallel::ParallelOptions& p = options.parallel;
   p.sharding = ToShardingMode(parallelism.sharding());
   p.compute_dtype = ToDType(config.precision().compute_dtype());

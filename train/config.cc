@@ -473,6 +473,15 @@ absl::Status ValidateConfig(const TrainConfig& c) {
   if (!(std::isfinite(l.alpha_z()) && l.alpha_z() >= 0)) {
     return Bad("loss.alpha_z", StrCat(l.alpha_z()), "must be >= 0");
   }
+  if (!(l.label_smoothing() >= 0 && l.label_smoothing() < 1)) {
+    return Bad("loss.label_smoothing", StrCat(l.label_smoothing()), "must be in [0, 1)");
+  }
+  if (!(std::isfinite(l.logit_softcap()) && l.logit_softcap() >= 0)) {
+    return Bad("loss.logit_softcap", StrCat(l.logit_softcap()), "must be >= 0 (0 disables)");
+  }
+  if (!(std::isfinite(l.alpha_lse()) && l.alpha_lse() >= 0)) {
+    return Bad("loss.alpha_lse", StrCat(l.alpha_lse()), "must be >= 0 (0 disables)");
+  }
   const CheckpointConfig& k = c.checkpoint();
   if (k.every() < 0) return Bad("checkpoint.every", StrCat(k.every()), "must be >= 0");
   if (k.resume() && k.dir().empty()) {

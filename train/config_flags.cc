@@ -64,6 +64,13 @@ ABSL_FLAG(bool, reproducible, false,
 ABSL_FLAG(std::optional<double>, alpha_b, std::nullopt,
           "load-balancing loss weight (SEMANTICS.md §5)");
 ABSL_FLAG(std::optional<double>, alpha_z, std::nullopt, "router z-loss weight (SEMANTICS.md §4)");
+ABSL_FLAG(std::optional<double>, label_smoothing, std::nullopt,
+          "CE label smoothing eps in [0, 1) over the whole vocabulary (SEMANTICS.md §3.2; 0 = off)");
+ABSL_FLAG(std::optional<double>, logit_softcap, std::nullopt,
+          "CE logit softcap c: the loss sees c tanh(z / c) (SEMANTICS.md §3.2; 0 = off)");
+ABSL_FLAG(std::optional<double>, alpha_lse, std::nullopt,
+          "output z-loss weight: alpha_lse * logsumexp(logits)^2 per token (SEMANTICS.md §3.2; "
+          "0 = off)");
 ABSL_FLAG(std::optional<double>, lr, std::nullopt, "AdamW learning rate");
 ABSL_FLAG(std::optional<int32_t>, warmup_steps, std::nullopt, "linear learning-rate warmup steps");
 ABSL_FLAG(std::optional<double>, weight_decay, std::nullopt, "AdamW decoupled weight decay");
@@ -133,6 +140,9 @@ const std::vector<FlagField>& OverridableFlags() {
       {"reproducible", "precision.reproducible"},
       {"alpha_b", "loss.alpha_b"},
       {"alpha_z", "loss.alpha_z"},
+      {"label_smoothing", "loss.label_smoothing"},
+      {"logit_softcap", "loss.logit_softcap"},
+      {"alpha_lse", "loss.alpha_lse"},
       {"lr", "optim.lr"},
       {"warmup_steps", "optim.warmup_steps"},
       {"weight_decay", "optim.weight_decay"},

@@ -45,9 +45,11 @@ NamedParams MoeLm::InitialParameters(const ModelConfig& m, uint64_t seed) {
 absl::StatusOr<std::unique_ptr<MoeLm>> MoeLm::Create(const MoeLmOptions& options,
                                                      const MoeLmGroups& groups,
                                                      ComputeDevice device) {
-  GRADSUM_ASSIGN_OR_RETURN(
-      model::MoeLmSpec spec,
-      model::MoeLmSpec::Create(ToMoeLmConfig(options.model, options.alpha_b, options.alpha_z)));
+  model::MoeLmConfig config = ToMoeLmConfig(options.model, options.alpha_b, options.alpha_z);
+  config.label_smoothing = options.label_smoothing;
+  config.logit_softcap = options.logit_softcap;
+  config.alpha_lse = options.alpha_lse;
+  GRADSUM_ASSIGN_OR_RETURN(model::MoeLmSpec spec, model::MoeLmSpec::Create(config));
   if (device.units == nullptr) device.units = std::make_shared<parallel::HostUnitDevice>();
   if (!device.ops) {
     const model::CpuOpsComms comms{groups.world, groups.ep_group, groups.sp_group};

@@ -58,6 +58,10 @@ struct MoeLmOptions {
   ModelConfig model;
   double alpha_b = 0.001;  // §5
   double alpha_z = 0.001;  // §4
+  // The LM head's CE options (§3.2); 0 = off.
+  double label_smoothing = 0.0;
+  double logit_softcap = 0.0;
+  double alpha_lse = 0.0;
   // How the parameters are distributed (sharding mode, dtypes, wrap policy, schedule,
   // gradient precision: parallel/parallel_options.h).
   parallel::ParallelOptions parallel;

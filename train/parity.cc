@@ -58,6 +58,9 @@ absl::StatusOr<ParityReport> CheckParity(const TrainConfig& config, const NamedP
   rc.router_scale = m.router_scale();
   rc.alpha_b = config.loss().alpha_b();
   rc.alpha_z = config.loss().alpha_z();
+  rc.label_smoothing = config.loss().label_smoothing();
+  rc.logit_softcap = config.loss().logit_softcap();
+  rc.alpha_lse = config.loss().alpha_lse();
   rc.attention = m.attention() != ModelConfig::none;
   rc.n_heads = m.heads();
   rc.n_kv_heads = m.kv_heads();

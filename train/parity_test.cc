@@ -150,6 +150,39 @@ TEST(ParityCeModesTest, SampleAndSquareWeightingMatchTheReference) {
   }
 }
 
+// The CE options (SEMANTICS.md §3.2), each on alone and all together, at world 2, ep 2,
+// G 2: the fp64 reference (testing/reference_moe_lm) computes them from their definitions,
+// so step 1's gradients and losses must agree within 1e-5, and each option must matter.
+TEST(ParityCeOptionsTest, SmoothingSoftcapAndOutputZLossMatchTheReference) {
+  TrainConfig plain = TinyConfig(2, 2, 2, TrainConfig::fsdp);
+  plain.mutable_debug()->set_parity_check(true);
+  auto p = RunInProcess(plain);
+  ASSERT_TRUE(p.ok() && (*p)[0].status.ok());
+  struct Options {
+    const char* name;
+    double eps, cap, alpha;
+  };
+  for (const Options& o : {Options{"label_smoothing", 0.1, 0, 0},
+                           Options{"logit_softcap", 0, 0.5, 0},
+                           Options{"alpha_lse", 0, 0, 0.01},
+                           Options{"all three", 0.2, 0.3, 0.02}}) {
+    TrainConfig config = plain;
+    config.mutable_loss()->set_label_smoothing(o.eps);
+    config.mutable_loss()->set_logit_softcap(o.cap);
+    config.mutable_loss()->set_alpha_lse(o.alpha);
+    absl::StatusOr<std::vector<RankOutcome>> out = RunInProcess(config);
+    ASSERT_TRUE(out.ok()) << out.status();
+    for (const RankOutcome& r : *out) ASSERT_TRUE(r.status.ok()) << o.name << ": " << r.status;
+    const RankOutcome& r0 = (*out)[0];
+    ASSERT_TRUE(r0.parity.has_value());
+    EXPECT_TRUE(r0.parity->ok) << o.name << "\n" << r0.parity->ToString();
+    EXPECT_LE(r0.parity->worst, 1e-5) << o.name;
+    EXPECT_NE(r0.history[0].ce(), (*p)[0].history[0].ce()) << o.name << " had no effect";
+    ASSERT_TRUE(r0.first_step_grads.has_value() && (*p)[0].first_step_grads.has_value());
+    EXPECT_NE(*r0.first_step_grads, *(*p)[0].first_step_grads) << o.name << " had no effect";
+  }
+}
+
 // The bar can fail: a tolerance below fp32 rounding must fail the check on every rank.
 TEST(ParityCheckTest, FailsWhenTheToleranceIsBelowRoundingError) {
   TrainConfig config = TinyConfig(2, 2, 2, TrainConfig::fsdp);

@@ -75,6 +75,13 @@ void PrintBanner(const TrainConfig& config, std::ostream& out) {
       TrainConfig::FloatDType_Name(config.precision().reduce_dtype()),
       TrainConfig::CeMode_Name(config.loss().ce_mode()), config.loss().alpha_b(),
       config.loss().alpha_z(), m.seed());
+  const LossConfig& loss = config.loss();
+  if (loss.label_smoothing() != 0 || loss.logit_softcap() != 0 || loss.alpha_lse() != 0) {
+    // Only when on, so that the default banner is unchanged.
+    out << absl::StrFormat("CE options (SEMANTICS.md §3.2): label_smoothing %g, logit_softcap %g, "
+                           "alpha_lse %g\n",
+                           loss.label_smoothing(), loss.logit_softcap(), loss.alpha_lse());
+  }
   const std::string attention =
       m.attention() == ModelConfig::none
           ? std::string()

@@ -478,6 +478,20 @@ class CudaOps : public ModelOps {
 absl::StatusOr<std::unique_ptr<ModelOps>> MakeCudaOps(
     const MoeLmSpec& spec, std::shared_ptr<cuda::ComputeContext> context,
     const CudaOpsComms& comms) {
+  // The CUDA CE kernels do not implement the CE options of SEMANTICS.md §3.2: refuse them
+  // rather than train a different objective than the flags ask for. Checked first: it
+  // depends on the config only, not on the device.
+  const MoeLmConfig& m = spec.config();
+  const std::pair<const char*, double> ce_options[] = {{"label_smoothing", m.label_smoothing},
+                                                       {"logit_softcap", m.logit_softcap},
+                                                       {"alpha_lse", m.alpha_lse}};
+  for (const auto& [flag, value] : ce_options) {
+    if (value != 0.0) {
+      return absl::UnimplementedError(absl::StrCat(
+          "--", flag, "=", value, " (SEMANTICS.md §3.2) is not implemented by the CUDA ops; "
+          "use a CPU backend or leave it 0"));
+    }
+  }
   if (context == nullptr || comms.world == nullptr || comms.ep_group == nullptr ||
       comms.host_ep_group == nullptr || comms.world->device_stream() == nullptr ||
       comms.ep_group->device_stream() == nullptr ||

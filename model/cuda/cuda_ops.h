@@ -34,7 +34,8 @@ struct CudaOpsComms {
 };
 
 // InvalidArgument for missing communicators, NCCL ones without a device stream, or experts
-// the EP group does not divide.
+// the EP group does not divide. Unimplemented, naming the flag, for a non-zero CE option of
+// SEMANTICS.md §3.2 (label_smoothing, logit_softcap, alpha_lse): the CUDA CE has none yet.
 absl::StatusOr<std::unique_ptr<ModelOps>> MakeCudaOps(
     const MoeLmSpec& spec, std::shared_ptr<cuda::ComputeContext> context,
     const CudaOpsComms& comms);

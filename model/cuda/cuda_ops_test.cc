@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "collectives/nccl_backend.h"
 #include "collectives/thread_backend.h"
 #include "core/cuda/compute_context.h"
@@ -222,6 +223,31 @@ TEST(CudaOpsTest, RowBlocksAndExactTargetsAreRefused) {
   absl::Status s = (*gpu)->Begin(in);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("label 9 at position 1"), absl::string_view::npos) << s;
+}
+
+// The CE options of SEMANTICS.md §3.2 are CPU-only: each is refused by name, never ignored.
+// Needs no GPU (the config is checked before the device).
+TEST(CudaOpsTest, CeOptionsAreRefusedNamingTheFlag) {
+  for (const char* flag : {"label_smoothing", "logit_softcap", "alpha_lse"}) {
+    MoeLmConfig c;
+    c.vocab = 8;
+    c.dim = 4;
+    c.layers = 1;
+    c.experts = 2;
+    c.top_k = 1;
+    c.expert_dim = 4;
+    const std::string name = flag;
+    if (name == "label_smoothing") c.label_smoothing = 0.25;
+    if (name == "logit_softcap") c.logit_softcap = 0.25;
+    if (name == "alpha_lse") c.alpha_lse = 0.25;
+    absl::StatusOr<MoeLmSpec> spec = MoeLmSpec::Create(c);
+    ASSERT_TRUE(spec.ok());
+    auto gpu = MakeCudaOps(*spec, nullptr, {});
+    EXPECT_EQ(gpu.status().code(), absl::StatusCode::kUnimplemented) << flag;
+    EXPECT_NE(gpu.status().message().find(absl::StrCat("--", flag, "=0.25")),
+              absl::string_view::npos)
+        << gpu.status();
+  }
 }
 
 }  // namespace
