@@ -78,24 +78,25 @@ cmp -s "$tmp/ref.safetensors" "$tmp/hosts2.safetensors" \
 same_metrics ref hosts2 1 || fail "the two-host run logged other values than the thread run"
 echo "identical: thread world 4 vs Open MPI on 2 hosts x 2 ranks (parity passed)"
 
-# 2. One host -> two hosts.
-run a1 "${host1[@]}" -- --world=2 --ep=2 --micro_batch=2 --steps=3 --checkpoint_dir="$tmp/ck_a"
-run a2 "${two_hosts[@]}" -- --world=4 --ep=2 --micro_batch=1 --checkpoint_dir="$tmp/ck_a" \
-  --resume --export="$tmp/a2.safetensors"
-grep -q "^resumed from step 3" "$tmp/a2.log" || fail "the two-host segment did not resume"
-cmp -s "$tmp/ref.safetensors" "$tmp/a2.safetensors" \
-  || fail "one host -> two hosts: the export differs from the uninterrupted run's"
-same_metrics ref a2 4 || fail "one host -> two hosts: other logged values"
-echo "identical: 3 steps on one host (world 2) + 3 on two hosts (world 4) vs uninterrupted"
-
-# 3. Two hosts -> one host.
-run b1 "${two_hosts[@]}" -- --world=4 --ep=2 --micro_batch=1 --steps=3 --checkpoint_dir="$tmp/ck_b"
-run b2 "${host2[@]}" -- --world=2 --ep=2 --micro_batch=2 --checkpoint_dir="$tmp/ck_b" \
-  --resume --export="$tmp/b2.safetensors"
-grep -q "^resumed from step 3" "$tmp/b2.log" || fail "the one-host segment did not resume"
-cmp -s "$tmp/ref.safetensors" "$tmp/b2.safetensors" \
-  || fail "two hosts -> one host: the export differs from the uninterrupted run's"
-same_metrics ref b2 4 || fail "two hosts -> one host: other logged values"
-echo "identical: 3 steps on two hosts (world 4) + 3 on one host (world 2) vs uninterrupted"
+# 2 and 3: 3 steps on one mesh, checkpointed, resumed on the other to step 6.
+# resume_case NAME WHAT FIRST_LAUNCH FIRST_MESH SECOND_LAUNCH SECOND_MESH (each a quoted list)
+resume_case() {
+  local name="$1" what="$2"; local -a l1 m1 l2 m2
+  read -ra l1 <<< "$3"; read -ra m1 <<< "$4"; read -ra l2 <<< "$5"; read -ra m2 <<< "$6"
+  run "${name}1" "${l1[@]}" -- "${m1[@]}" --steps=3 --checkpoint_dir="$tmp/ck_$name"
+  run "${name}2" "${l2[@]}" -- "${m2[@]}" --checkpoint_dir="$tmp/ck_$name" \
+    --resume --export="$tmp/${name}2.safetensors"
+  grep -q "^resumed from step 3" "$tmp/${name}2.log" || fail "$what: the second segment did not resume"
+  cmp -s "$tmp/ref.safetensors" "$tmp/${name}2.safetensors" \
+    || fail "$what: the export differs from the uninterrupted run's"
+  same_metrics ref "${name}2" 4 || fail "$what: other logged values"
+  echo "identical: $what, 3 + 3 steps vs uninterrupted"
+}
+one_host_mesh="--world=2 --ep=2 --micro_batch=2"
+two_host_mesh="--world=4 --ep=2 --micro_batch=1"
+resume_case a "one host (world 2) -> two hosts (world 4)" \
+  "${host1[*]}" "$one_host_mesh" "${two_hosts[*]}" "$two_host_mesh"
+resume_case b "two hosts (world 4) -> one host (world 2)" \
+  "${two_hosts[*]}" "$two_host_mesh" "${host2[*]}" "$one_host_mesh"
 
 echo "PASS: 2 simulated hosts x 2 ranks: parity, thread-identical bits, resume both ways"
