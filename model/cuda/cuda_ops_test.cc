@@ -189,8 +189,8 @@ TEST(CudaOpsTest, EveryOpMatchesTheHostOps) {
   EXPECT_GT(ct->ce, 0.0);
 }
 
-TEST(CudaOpsTest, RowBlocksAndExactTargetsAreRefused) {
-  GRADSUM_SKIP_WITHOUT_GPU();
+// A one-layer model small enough for the refusal tests.
+MoeLmConfig OneLayerConfig() {
   MoeLmConfig c;
   c.vocab = 8;
   c.dim = 4;
@@ -198,7 +198,12 @@ TEST(CudaOpsTest, RowBlocksAndExactTargetsAreRefused) {
   c.experts = 2;
   c.top_k = 1;
   c.expert_dim = 4;
-  absl::StatusOr<MoeLmSpec> spec = MoeLmSpec::Create(c);
+  return c;
+}
+
+TEST(CudaOpsTest, RowBlocksAndExactTargetsAreRefused) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  absl::StatusOr<MoeLmSpec> spec = MoeLmSpec::Create(OneLayerConfig());
   ASSERT_TRUE(spec.ok());
   auto host = CreateThreadCommunicators(1);
   ASSERT_TRUE(host.ok());
@@ -229,13 +234,7 @@ TEST(CudaOpsTest, RowBlocksAndExactTargetsAreRefused) {
 // Needs no GPU (the config is checked before the device).
 TEST(CudaOpsTest, CeOptionsAreRefusedNamingTheFlag) {
   for (const char* flag : {"label_smoothing", "logit_softcap", "alpha_lse"}) {
-    MoeLmConfig c;
-    c.vocab = 8;
-    c.dim = 4;
-    c.layers = 1;
-    c.experts = 2;
-    c.top_k = 1;
-    c.expert_dim = 4;
+    MoeLmConfig c = OneLayerConfig();
     const std::string name = flag;
     if (name == "label_smoothing") c.label_smoothing = 0.25;
     if (name == "logit_softcap") c.logit_softcap = 0.25;
