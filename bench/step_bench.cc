@@ -88,6 +88,7 @@ void BM_TrainStep(benchmark::State& state) {
   config.mutable_optim()->set_steps(1 << 30);
   double step_s = 0, comm_s = 0, exposed_s = 0, wait_s = 0, tokens = 0;
   double exposed_by_kind_s[kNumCommKinds] = {};
+  int64_t peak_activation_bytes = 0;
   for (auto _ : state) {
     auto comms = CreateThreadCommunicators(world);
     if (!comms.ok()) {
@@ -137,6 +138,7 @@ void BM_TrainStep(benchmark::State& state) {
       }
       wait_s += rec.wait_s();
       tokens += rec.routed_tokens();
+      peak_activation_bytes = std::max<int64_t>(peak_activation_bytes, rec.peak_activation_bytes());
     }
   }
   const double flops = MoeLmFlopsPerToken(config.model());
@@ -157,6 +159,9 @@ void BM_TrainStep(benchmark::State& state) {
                                 "_pct")] = 100 * exposed_by_kind_s[k] / step_s;
   }
   state.counters["wait_pct"] = 100 * wait_s / step_s;
+  // Rank 0's most activation bytes held at once over the timed steps (counted buffers,
+  // train/metrics.proto).
+  state.counters["peak_activation_bytes"] = static_cast<double>(peak_activation_bytes);
 }
 BENCHMARK(BM_TrainStep)
     ->ArgNames({"world", "ep", "replicated", "attention", "sp"})

@@ -527,6 +527,24 @@ class CpuOps : public ModelOps {
     return out;
   }
 
+  int64_t HeldActivationBytes() const override {
+    int64_t bytes = 0;
+    auto add = [&bytes](const auto& v) {
+      bytes += static_cast<int64_t>(v.capacity() * sizeof(v[0]));
+    };
+    for (const moe::MoeLayerState& s : layer_state_) {
+      const moe::RouterOutput& r = s.route;
+      add(r.logits), add(r.probs), add(r.expert_index), add(r.combine_weight), add(r.routed);
+      const moe::DispatchState& d = s.dispatch;
+      add(d.send_copy), add(d.copy_pos), add(d.combine_weight), add(d.output_row);
+      add(d.copy_output), add(d.expert_input), add(d.expert_output);
+      for (const moe::ExpertsSaved& e : d.experts_saved) add(e.gate_pre), add(e.up_pre);
+      add(d.scratch_send), add(d.scratch_expert_a), add(d.scratch_expert_b);
+    }
+    add(du_), add(rope_cos_), add(rope_sin_), add(send_), add(recv_);
+    return bytes;
+  }
+
   MoeLmConfig config_;
   CpuOpsComms comms_;
   int num_threads_ = 1;

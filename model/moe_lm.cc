@@ -1,5 +1,6 @@
 #include "model/moe_lm.h"
 
+#include <algorithm>
 #include <tuple>
 #include <utility>
 
@@ -70,7 +71,28 @@ absl::Status MoeLmModel::EnsureActivations(int64_t T) {
     GRADSUM_ASSIGN_OR_RETURN(a, ops_->Allocate(n));
     return absl::OkStatus();
   };
+  // The bytes of every array the model holds, counted from the arrays themselves.
+  auto count = [&]() {
+    int64_t floats = 0;
+    auto add = [&floats](const Array& a) {
+      if (a != nullptr) floats += a->size();
+    };
+    for (const std::vector<Array>* v : {&h_, &a_, &inv_rms_}) {
+      for (const Array& a : *v) add(a);
+    }
+    for (const AttentionActs& x : attn_) {
+      for (const Array* a : {&x.b, &x.inv_rms, &x.qh, &x.kh, &x.vh, &x.oh, &x.lse, &x.o, &x.m}) {
+        add(*a);
+      }
+    }
+    for (const Array* a : {&y_, &dh_, &da_, &f_, &inv_rms_f_, &grad_f_, &q_, &k_, &v_, &doh_,
+                           &dqh_, &dkh_, &dvh_, &dkq_, &dvq_}) {
+      add(*a);
+    }
+    array_bytes_ = floats * static_cast<int64_t>(sizeof(float));
+  };
   rows_ = -1;
+  array_bytes_ = 0;
   h_.resize(L + 1);
   a_.resize(L);
   inv_rms_.resize(L);
@@ -98,8 +120,20 @@ absl::Status MoeLmModel::EnsureActivations(int64_t T) {
     GRADSUM_RETURN_IF_ERROR(alloc(k_, T * kv_dim));
     GRADSUM_RETURN_IF_ERROR(alloc(v_, T * kv_dim));
   }
+  count();
   rows_ = T;
   return absl::OkStatus();
+}
+
+void MoeLmModel::NoteActivationBytes() {
+  peak_activation_bytes_ =
+      std::max(peak_activation_bytes_, array_bytes_ + ops_->HeldActivationBytes());
+}
+
+int64_t MoeLmModel::TakePeakActivationBytes() {
+  const int64_t p = peak_activation_bytes_;
+  peak_activation_bytes_ = 0;
+  return p;
 }
 
 MoeWeights MoeLmModel::LayerWeights(int l) {
@@ -290,8 +324,16 @@ absl::StatusOr<MicroBatchLosses> MoeLmModel::ForwardBackward(const TokenBatch& b
   absl::StatusOr<MicroBatchLossTerms> terms = [&]() -> absl::StatusOr<MicroBatchLossTerms> {
     GRADSUM_RETURN_IF_ERROR(ops_->Begin(in));
     StageFns stages;
-    stages.forward = [this](int s) { return Forward(s); };
-    stages.backward = [this](int s) { return Backward(s); };
+    stages.forward = [this](int s) {
+      absl::Status status = Forward(s);
+      NoteActivationBytes();
+      return status;
+    };
+    stages.backward = [this](int s) {
+      absl::Status status = Backward(s);
+      NoteActivationBytes();
+      return status;
+    };
     GRADSUM_RETURN_IF_ERROR(
         params_->RunMicroBatch(stages, micro_index == stats.num_micro_batches - 1));
     return ops_->End();

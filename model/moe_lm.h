@@ -98,10 +98,18 @@ class MoeLmModel {
 
   const MoeLmSpec& spec() const { return spec_; }
 
+  // The most activation bytes held at once since the last call, and resets it: the
+  // DeviceArrays this model keeps between micro-batches (their sizes) plus what the ops
+  // hold (ModelOps::HeldActivationBytes), sampled after every stage's forward and
+  // backward of every micro-batch.
+  int64_t TakePeakActivationBytes();
+
  private:
   MoeLmModel() = default;
   // Sizes the activations for `tokens` tokens (kept from one micro-batch to the next).
   absl::Status EnsureActivations(int64_t tokens);
+  // Samples the activation bytes held now into peak_activation_bytes_.
+  void NoteActivationBytes();
   absl::Status Forward(int stage);
   absl::Status Backward(int stage);
   absl::Status LayerForward(int layer);
@@ -118,6 +126,8 @@ class MoeLmModel {
   // Activations in the device's memory, kept across micro-batches.
   using Array = std::unique_ptr<DeviceArray>;
   int64_t rows_ = -1;          // the T they are sized for
+  int64_t array_bytes_ = 0;    // the bytes of the arrays below (their sizes)
+  int64_t peak_activation_bytes_ = 0;
   std::vector<Array> h_;       // [L + 1] x [T, D]: h_[l] enters layer l, h_[L] the head
   std::vector<Array> a_;       // [L] x [T, D]: the normed input of each layer's MoE
   std::vector<Array> inv_rms_; // [L] x [T]

@@ -178,6 +178,13 @@ class ModelOps {
   virtual absl::StatusOr<MicroBatchLossTerms> End() = 0;
   // After a failed micro-batch: drops what is in flight (the step is lost).
   virtual void Abandon() {}
+
+  // The bytes of the activation buffers these ops hold now between calls (what forward
+  // keeps for backward, per layer, and the per-token workspaces they reuse): the buffers'
+  // capacities, counted, not estimated. Temporaries that live only inside one call are
+  // not held, and per-expert bookkeeping ([E]-sized) is not an activation. 0 for a device
+  // that does not count its own (the model counts the DeviceArrays it allocates itself).
+  virtual int64_t HeldActivationBytes() const { return 0; }
 };
 
 }  // namespace gradsum::model

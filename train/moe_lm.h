@@ -110,6 +110,9 @@ class MoeLm {
 
   int64_t TakePeakUnshardedBytes() { return params_->TakePeakUnshardedBytes(); }
   int64_t FullParamBytes() const { return params_->FullParamBytes(); }
+  // The most activation bytes the model held at once since the last call, and resets it
+  // (model/moe_lm.h MoeLmModel::TakePeakActivationBytes).
+  int64_t TakePeakActivationBytes() { return model_->TakePeakActivationBytes(); }
 
   // The parameter units this rank holds, in forward order.
   std::vector<FlatParam*> groups() { return params_->units(); }

@@ -41,7 +41,8 @@ grep -q "parity PASSED" "$tmp/run.txt" || fail "parity did not pass"
 grep -q "^summary: " "$tmp/run.txt" || fail "no summary"
 [ "$(wc -l < "$tmp/m.jsonl")" -eq 3 ] || fail "expected 3 JSONL records"
 for key in '"step":3' '"ce":' '"z":' '"bal":' '"valid_tokens":' '"grad_norm":' '"comm_s":' '"comm_exposed_s":' \
-    '"peak_unsharded_param_bytes":' '"full_param_bytes":'; do
+    '"peak_unsharded_param_bytes":' '"full_param_bytes":' \
+    '"peak_activation_bytes":'; do
   tail -1 "$tmp/m.jsonl" | grep -qF "$key" || fail "no $key in the metrics"
 done
 # Tools read the JSONL: every count is a JSON number (an int), every measure a float.
@@ -49,7 +50,8 @@ done
 import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
-    for k in ("step", "valid_tokens", "routed_tokens", "peak_unsharded_param_bytes", "full_param_bytes"):
+    for k in ("step", "valid_tokens", "routed_tokens", "peak_unsharded_param_bytes", "full_param_bytes",
+              "peak_activation_bytes"):
         assert type(r[k]) is int, (k, r[k])
     for k in ("ce", "z", "bal", "grad_norm", "comm_s", "step_s"):
         assert type(r[k]) is float, (k, r[k])

@@ -77,7 +77,7 @@ TrainSummary Summarize(const std::vector<StepMetrics>& history, int64_t first_st
   s.first_step = first_step;
   s.entropy_floor = entropy_floor;
   s.context_floor = context_floor;
-  std::vector<double> ces, exposed, peak;
+  std::vector<double> ces, exposed, peak, activation;
   int64_t tokens = 0;
   for (const StepMetrics& r : history) {
     if (r.step() < first_step) continue;
@@ -94,6 +94,7 @@ TrainSummary Summarize(const std::vector<StepMetrics>& history, int64_t first_st
     ces.push_back(r.ce());
     tokens += r.routed_tokens();
     if (r.comm_s() > 0) exposed.push_back(r.comm_exposed_s() / r.comm_s());
+    activation.push_back(static_cast<double>(r.peak_activation_bytes()));
     if (r.full_param_bytes() > 0) {
       peak.push_back(static_cast<double>(r.peak_unsharded_param_bytes()) / r.full_param_bytes());
     }
@@ -105,6 +106,7 @@ TrainSummary Summarize(const std::vector<StepMetrics>& history, int64_t first_st
   s.tokens_per_second = s.seconds > 0 ? tokens / s.seconds : 0;
   s.median_exposed_fraction = Median(exposed);
   s.median_peak_param_fraction = Median(peak);
+  s.median_peak_activation_bytes = Median(activation);
   return s;
 }
 
@@ -128,8 +130,9 @@ std::string TrainSummary::ToString() const {
   }
   absl::StrAppendFormat(&out,
                         "summary: median exposed / comm %.3f; median peak unsharded / full "
-                        "parameter bytes %.3f\n",
-                        median_exposed_fraction, median_peak_param_fraction);
+                        "parameter bytes %.3f; median peak activation bytes %.1f MiB\n",
+                        median_exposed_fraction, median_peak_param_fraction,
+                        median_peak_activation_bytes / (1 << 20));
   absl::StrAppendFormat(&out, "summary: ce %.4f -> %.4f (mean of the last steps %.4f)\n", first_ce,
                         last_ce, tail_mean_ce);
   if (entropy_floor > 0 && !(context_floor > 0 && context_floor < entropy_floor)) {

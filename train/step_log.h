@@ -52,6 +52,8 @@ struct TrainSummary {
   // Medians over the steps of comm_exposed_s / comm_s and peak_unsharded_param_bytes /
   // full_param_bytes (-1 when no step ran).
   double median_exposed_fraction = -1, median_peak_param_fraction = -1;
+  // The median over the steps of peak_activation_bytes (-1 when no step ran).
+  double median_peak_activation_bytes = -1;
   double tokens_per_second = 0;
   std::optional<ParityReport> parity;
   // The summary lines moe_lm prints at the end.

@@ -43,6 +43,7 @@ StepMetrics FullRecord() {
   r.set_model_s(1);
   r.set_update_s(0.5);
   r.set_tokens_per_s(3e10);
+  r.set_peak_activation_bytes(int64_t{3} << 21);  // 6 MiB
   return r;
 }
 
@@ -65,7 +66,7 @@ TEST(StepLogTest, JsonIsTheProtoMappingInFieldOrderWithNumbersForTools) {
             "\"tokens_per_s\":30000000000.0,\"exposed_all_gather_s\":0.03125,"
             "\"exposed_reduce_scatter_s\":0.015625,\"exposed_all_reduce_s\":0.0078125,"
             "\"exposed_all_to_all_s\":0.0,\"exposed_other_s\":0.00390625,"
-            "\"exposed_sp_all_to_all_s\":0.00390625}");
+            "\"exposed_sp_all_to_all_s\":0.00390625,\"peak_activation_bytes\":6291456}");
 }
 
 TEST(StepLogTest, NonFiniteValuesAreTheMappingsStrings) {
@@ -103,13 +104,14 @@ TEST(StepLogTest, LogLineAndSummary) {
   EXPECT_EQ(s.seconds, 1.5);  // step 7 was before this run
   EXPECT_EQ(s.comm_exposed_by_kind_seconds[static_cast<int>(CommKind::kAllGather)], 0.03125);
   EXPECT_EQ(s.median_peak_param_fraction, 0.5);
+  EXPECT_EQ(s.median_peak_activation_bytes, 6 << 20);
   EXPECT_EQ(s.ToString(),
             "summary: steps 8-8 in 1.5 s, 5726.62M tok/s, comm 17% (exposed 4%), wait 0% of step "
             "time\n"
             "summary: exposed by collective (% of step time): all_gather 2.1%, reduce_scatter "
             "1.0%, all_reduce 0.5%, all_to_all 0.0%, sp_all_to_all 0.3%, other 0.3%\n"
             "summary: median exposed / comm 0.250; median peak unsharded / full parameter bytes "
-            "0.500\n"
+            "0.500; median peak activation bytes 6.0 MiB\n"
             "summary: ce 1.5000 -> 1.5000 (mean of the last steps 1.5000)\n"
             "summary: entropy floor 1.2500 nats/token; ce / floor = 1.200 (NOT within 1.10)\n");
   EXPECT_EQ(Summarize({r}, 8, -1).ToString(), "summary: no steps run\n");

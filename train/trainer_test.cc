@@ -406,6 +406,81 @@ void ExpectContinues(const std::vector<StepMetrics>& resumed,
   }
 }
 
+// One rank, one micro-batch of `micro_batch` x `seq_len` tokens per step, `layers` layers.
+TrainConfig ActivationConfig(int layers, int micro_batch, int seq_len, bool attention) {
+  TrainConfig config;
+  config.mutable_optim()->set_steps(1);
+  config.mutable_parallelism()->set_world(1);
+  config.mutable_parallelism()->set_ep(1);
+  config.mutable_parallelism()->set_grad_acc(1);
+  ModelConfig& m = *config.mutable_model();
+  m.set_dim(16);
+  m.set_expert_dim(8);
+  m.set_layers(layers);
+  m.set_experts(4);
+  m.set_top_k(2);
+  m.set_attention(attention ? ModelConfig::causal : ModelConfig::none);
+  m.set_heads(4);
+  m.set_kv_heads(2);
+  config.mutable_data()->set_micro_batch(micro_batch);
+  config.mutable_data()->set_seq_len(seq_len);
+  config.mutable_data()->set_max_doc_len(seq_len);
+  return config;
+}
+
+// The step's peak_activation_bytes against the buffers listed from the shapes: T tokens,
+// at ep = 1 every routed copy (routed_tokens x K rows) stays on the rank. After the last
+// backward stage everything below is held at once (the ops keep their buffers).
+TEST(TrainerTest, PeakActivationBytesCountsTheHeldBuffersExactly) {
+  for (bool attention : {false, true}) {
+    const int L = 2, B = 2, S = 32;
+    const TrainConfig config = ActivationConfig(L, B, S, attention);
+    const std::vector<StepMetrics> h = TrainOrDie(config);
+    ASSERT_EQ(h.size(), 1u);
+    const int64_t T = B * S, D = 16, H = 8, E = 4, K = 2, Hq = 4, hd = D / Hq, kv = 2 * hd;
+    const int64_t R = h[0].routed_tokens() * K;  // rows the experts ran
+    const int64_t f = 4, i32 = 4, i64 = 8;
+    // The model's arrays: h_0..h_L, a_l, 1/rms_l, y, dh, da, f, grad_f, 1/rms_f.
+    int64_t want = f * ((L + 1) * T * D + L * (T * D + T) + 5 * T * D + T);
+    // Per MoE layer (the ops): router logits and probs [T, E], expert index and weight
+    // [T, K], routed flags [T]; dispatch send order and its inverse (int64), its combine
+    // weights, the output rows; expert input and output [R, D], the SwiGLU pre-activations
+    // [R, H] twice, and backward's two expert scratch buffers [R, D].
+    want += L * (2 * T * E * f + T * K * (i32 + f) + T + R * i64 + T * K * i64 + T * K * f +
+                 R * i64 + 2 * R * D * f + 2 * R * H * f + 2 * R * D * f);
+    want += T * E * f;  // the router losses' gradient du [T, E]
+    if (attention) {
+      // Per layer: b, q, k, v, o in the head split, o in the token split, m [T, D]; 1/rms
+      // [T]; the softmax statistics [T, heads]. Shared: q and six gradients [T, D], k and
+      // v [T, kv]; the ops' RoPE tables [T, hd / 2] twice and the exchange buffers [T, D].
+      want += f * (L * (7 * T * D + T + T * Hq) + 7 * T * D + 2 * T * kv);
+      want += f * (2 * T * hd / 2 + 2 * T * D);
+    }
+    EXPECT_EQ(h[0].peak_activation_bytes(), want) << "attention " << attention;
+  }
+}
+
+// Linear in the tokens (micro_batch, seq_len) and in the layers: without attention every
+// held buffer is per token or per routed copy, and documents of exactly seq_len tokens
+// leave no padding (every token routed).
+TEST(TrainerTest, PeakActivationBytesGrowsLinearlyWithTokensAndLayers) {
+  auto bytes = [](int layers, int micro_batch, int seq_len) {
+    TrainConfig config = ActivationConfig(layers, micro_batch, seq_len, /*attention=*/false);
+    config.mutable_data()->set_min_doc_len(seq_len);
+    const std::vector<StepMetrics> h = TrainOrDie(config);
+    EXPECT_EQ(h.size(), 1u);
+    EXPECT_EQ(h.empty() ? 0 : h[0].routed_tokens(), int64_t{micro_batch} * seq_len);
+    return h.empty() ? int64_t{0} : h[0].peak_activation_bytes();
+  };
+  const int64_t base = bytes(2, 2, 32);
+  EXPECT_GT(base, 0);
+  EXPECT_EQ(bytes(2, 4, 32), 2 * base);
+  EXPECT_EQ(bytes(2, 2, 64), 2 * base);
+  const int64_t l1 = bytes(1, 2, 32), l3 = bytes(3, 2, 32);
+  EXPECT_GT(base, l1);
+  EXPECT_EQ(l3 - base, base - l1);  // the same bytes per layer
+}
+
 // Elastic resume: a run checkpointed on one mesh continues on others with the same global
 // batch B = world x G x micro_batch = 8, through (world, ep, G) = (4, 2, 1) fsdp ->
 // (2, 1, 2) replicated -> (1, 1, 4) fsdp. The reference is the uninterrupted run on the
