@@ -85,6 +85,7 @@ class CpuOps : public ModelOps {
     layer_config_.router_scale = m.router_scale;
     local_experts_ = m.experts / comms.ep_group->size();
     layer_state_.resize(m.layers);
+    held_.assign(m.layers, false);
     sp_size_ = comms.sp_group != nullptr ? comms.sp_group->size() : 1;
     sp_rank_ = comms.sp_group != nullptr ? comms.sp_group->rank() : 0;
     if (m.attention) {
@@ -114,6 +115,17 @@ class CpuOps : public ModelOps {
     global_counts_.assign(config_.layers, {});
     terms_ = MicroBatchLossTerms();
     return absl::OkStatus();
+  }
+
+  // Gives layer l a dispatch state from the spare pool when it holds none (the pool is
+  // empty unless layers released theirs: then the layer's own, empty one grows).
+  void BorrowDispatch(int l) {
+    if (held_[l]) return;
+    if (!spare_dispatch_.empty()) {
+      layer_state_[l].dispatch = std::move(spare_dispatch_.back());
+      spare_dispatch_.pop_back();
+    }
+    held_[l] = true;
   }
 
   absl::Status Add(const float* a, const float* b, float* out, int64_t n) override {
@@ -190,6 +202,7 @@ class CpuOps : public ModelOps {
 
   absl::Status MoeForward(int l, const float* a, const MoeWeights& w, float* y) override {
     const int64_t D = config_.dim, T = in_.rows;
+    BorrowDispatch(l);
     GRADSUM_RETURN_IF_ERROR(moe::MoeLayerForward(
         *comms_.ep_group, layer_config_, LayerWeights(w), absl::MakeConstSpan(a, T * D), mask_,
         absl::MakeSpan(y, T * D), &layer_state_[l]));
@@ -206,12 +219,41 @@ class CpuOps : public ModelOps {
     return absl::OkStatus();
   }
 
+  bool CanRecomputeMoe() const override { return true; }
+
+  absl::Status MoeRecomputeForward(int l, const float* a, const MoeWeights& w,
+                                   float* y) override {
+    const int64_t D = config_.dim, T = in_.rows;
+    if (l >= static_cast<int>(counts_.size())) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("MoE layer ", l, " has no forward to re-run"));
+    }
+    BorrowDispatch(l);
+    return moe::MoeLayerRecomputeForward(*comms_.ep_group, layer_config_, LayerWeights(w),
+                                         absl::MakeConstSpan(a, T * D), absl::MakeSpan(y, T * D),
+                                         &layer_state_[l]);
+  }
+
+  // The layer's dispatch state (its buffers, with their capacity) goes to the spare pool,
+  // where the next layer to run takes it: under full recomputation one set of dispatch and
+  // expert buffers serves every layer.
+  void ReleaseMoeActivations(int l) override {
+    if (l < 0 || l >= static_cast<int>(layer_state_.size()) || !held_[l]) return;
+    spare_dispatch_.push_back(std::move(layer_state_[l].dispatch));
+    layer_state_[l].dispatch = moe::DispatchState();
+    held_[l] = false;
+  }
+
   absl::Status MoeBackward(int l, const float* a, const MoeWeights& w, const float* dy,
                            float* da, MoeGrads g) override {
     const int64_t D = config_.dim, E = config_.experts, T = in_.rows;
     const int K = config_.top_k;
     if (l >= static_cast<int>(counts_.size())) {
       return absl::FailedPreconditionError(absl::StrCat("MoE layer ", l, " has no forward"));
+    }
+    if (!held_[l]) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "MoE layer ", l, " released its activations; re-run its forward before backward"));
     }
     moe::RouterOutput& route = layer_state_[l].route;
     du_.assign(T * E, 0.0f);
@@ -532,15 +574,18 @@ class CpuOps : public ModelOps {
     auto add = [&bytes](const auto& v) {
       bytes += static_cast<int64_t>(v.capacity() * sizeof(v[0]));
     };
-    for (const moe::MoeLayerState& s : layer_state_) {
-      const moe::RouterOutput& r = s.route;
-      add(r.logits), add(r.probs), add(r.expert_index), add(r.combine_weight), add(r.routed);
-      const moe::DispatchState& d = s.dispatch;
+    auto add_dispatch = [&add](const moe::DispatchState& d) {
       add(d.send_copy), add(d.copy_pos), add(d.combine_weight), add(d.output_row);
       add(d.copy_output), add(d.expert_input), add(d.expert_output);
       for (const moe::ExpertsSaved& e : d.experts_saved) add(e.gate_pre), add(e.up_pre);
       add(d.scratch_send), add(d.scratch_expert_a), add(d.scratch_expert_b);
+    };
+    for (const moe::MoeLayerState& s : layer_state_) {
+      const moe::RouterOutput& r = s.route;
+      add(r.logits), add(r.probs), add(r.expert_index), add(r.combine_weight), add(r.routed);
+      add_dispatch(s.dispatch);
     }
+    for (const moe::DispatchState& d : spare_dispatch_) add_dispatch(d);
     add(du_), add(rope_cos_), add(rope_sin_), add(send_), add(recv_);
     return bytes;
   }
@@ -551,6 +596,11 @@ class CpuOps : public ModelOps {
   int local_experts_ = 1;
   moe::MoeLayerConfig layer_config_;
   std::vector<moe::MoeLayerState> layer_state_;
+  // Full recomputation: the dispatch states released by ReleaseMoeActivations, and which
+  // layers hold one (a layer that holds none takes one from the pool before it runs, so
+  // one set of buffers circulates through the layers).
+  std::vector<moe::DispatchState> spare_dispatch_;
+  std::vector<bool> held_;
   // The micro-batch.
   MicroBatchInputs in_;
   std::vector<uint8_t> mask_;

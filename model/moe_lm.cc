@@ -38,9 +38,22 @@ absl::StatusOr<absl::Span<const float>> MicroBatchTokenWeights(const losses::Ste
   return absl::MakeConstSpan(stats.token_weights[micro_index]);
 }
 
+const char* RecomputeName(Recompute r) {
+  switch (r) {
+    case Recompute::kNone:
+      return "none";
+    case Recompute::kSelective:
+      return "selective";
+    case Recompute::kFull:
+      return "full";
+  }
+  return "unknown";
+}
+
 absl::StatusOr<std::unique_ptr<MoeLmModel>> MoeLmModel::Create(const MoeLmSpec& spec,
                                                                ModelParams* params,
-                                                               std::unique_ptr<ModelOps> ops) {
+                                                               std::unique_ptr<ModelOps> ops,
+                                                               Recompute recompute) {
   if (params == nullptr || ops == nullptr) {
     return absl::InvalidArgumentError("MoeLmModel needs its parameters and a device's ops");
   }
@@ -50,10 +63,16 @@ absl::StatusOr<std::unique_ptr<MoeLmModel>> MoeLmModel::Create(const MoeLmSpec& 
                                                    " local experts do not divide model.experts=",
                                                    spec.config().experts));
   }
+  if (recompute == Recompute::kFull && !ops->CanRecomputeMoe()) {
+    return absl::UnimplementedError(
+        "recompute=full: this device's ops cannot re-run a MoE layer's forward from its kept "
+        "routing (the CUDA ops cannot yet); use recompute=selective or none");
+  }
   auto model = std::unique_ptr<MoeLmModel>(new MoeLmModel());
   model->spec_ = spec;
   model->params_ = params;
   model->ops_ = std::move(ops);
+  model->recompute_ = recompute;
   return model;
 }
 
@@ -81,10 +100,9 @@ absl::Status MoeLmModel::EnsureActivations(int64_t T) {
       for (const Array& a : *v) add(a);
     }
     for (const AttentionActs& x : attn_) {
-      for (const Array* a : {&x.b, &x.inv_rms, &x.qh, &x.kh, &x.vh, &x.oh, &x.lse, &x.o, &x.m}) {
-        add(*a);
-      }
+      for (const Array* a : {&x.qh, &x.kh, &x.vh, &x.oh, &x.lse, &x.o, &x.m}) add(*a);
     }
+    for (const NormActs& x : attn_norm_) add(x.b), add(x.inv_rms);
     for (const Array* a : {&y_, &dh_, &da_, &f_, &inv_rms_f_, &grad_f_, &q_, &k_, &v_, &doh_,
                            &dqh_, &dkh_, &dvh_, &dkq_, &dvq_}) {
       add(*a);
@@ -93,26 +111,33 @@ absl::Status MoeLmModel::EnsureActivations(int64_t T) {
   };
   rows_ = -1;
   array_bytes_ = 0;
+  // The layers' own arrays, or one working set (KeptSlot, NormSlot).
+  const int kept = KeptSlot(L - 1) + 1, normed = NormSlot(L - 1) + 1;
   h_.resize(L + 1);
-  a_.resize(L);
-  inv_rms_.resize(L);
+  a_.resize(normed);
+  inv_rms_.resize(normed);
   for (int l = 0; l <= L; ++l) GRADSUM_RETURN_IF_ERROR(alloc(h_[l], T * D));
-  for (int l = 0; l < L; ++l) {
+  for (int l = 0; l < normed; ++l) {
     GRADSUM_RETURN_IF_ERROR(alloc(a_[l], T * D));
     GRADSUM_RETURN_IF_ERROR(alloc(inv_rms_[l], T));
   }
   for (Array* a : {&y_, &dh_, &da_, &f_, &grad_f_}) GRADSUM_RETURN_IF_ERROR(alloc(*a, T * D));
   GRADSUM_RETURN_IF_ERROR(alloc(inv_rms_f_, T));
   attn_.clear();
+  attn_norm_.clear();
   if (m.attention) {
     const int64_t Hq = m.n_heads, kv_dim = m.n_kv_heads * spec_.head_dim();
-    attn_.resize(L);
+    attn_.resize(kept);
     for (AttentionActs& x : attn_) {
-      for (Array* a : {&x.b, &x.qh, &x.kh, &x.vh, &x.oh, &x.o, &x.m}) {
+      for (Array* a : {&x.qh, &x.kh, &x.vh, &x.oh, &x.o, &x.m}) {
         GRADSUM_RETURN_IF_ERROR(alloc(*a, T * D));
       }
-      GRADSUM_RETURN_IF_ERROR(alloc(x.inv_rms, T));
       GRADSUM_RETURN_IF_ERROR(alloc(x.lse, T * Hq));
+    }
+    attn_norm_.resize(normed);
+    for (NormActs& x : attn_norm_) {
+      GRADSUM_RETURN_IF_ERROR(alloc(x.b, T * D));
+      GRADSUM_RETURN_IF_ERROR(alloc(x.inv_rms, T));
     }
     for (Array* a : {&q_, &doh_, &dqh_, &dkh_, &dvh_, &dkq_, &dvq_}) {
       GRADSUM_RETURN_IF_ERROR(alloc(*a, T * D));
@@ -149,7 +174,9 @@ absl::Status MoeLmModel::Forward(int stage) {
     case StageKind::kEmbedding:
       return ops_->EmbeddingForward(params_->Values(spec_.emb()), h_[0]->data());
     case StageKind::kLayer:
-      return LayerForward(s.layer);
+      GRADSUM_RETURN_IF_ERROR(LayerForward(s.layer));
+      if (recompute_ == Recompute::kFull) ops_->ReleaseMoeActivations(s.layer);
+      return absl::OkStatus();
     case StageKind::kHead:
       return HeadForwardBackward();
   }
@@ -164,7 +191,10 @@ absl::Status MoeLmModel::Backward(int stage) {
       return ops_->EmbeddingBackward(dh_->data(), std::move(demb));
     }
     case StageKind::kLayer:
-      return LayerBackward(s.layer);
+      if (recompute_ == Recompute::kFull) GRADSUM_RETURN_IF_ERROR(LayerRecompute(s.layer));
+      GRADSUM_RETURN_IF_ERROR(LayerBackward(s.layer));
+      if (recompute_ == Recompute::kFull) ops_->ReleaseMoeActivations(s.layer);
+      return absl::OkStatus();
     case StageKind::kHead:
       break;
   }
@@ -176,24 +206,42 @@ absl::Status MoeLmModel::Backward(int stage) {
 absl::Status MoeLmModel::LayerForward(int l) {
   const int64_t n = rows_ * spec_.config().dim;
   if (spec_.config().attention) GRADSUM_RETURN_IF_ERROR(AttentionForward(l));
-  float* m = spec_.config().attention ? attn_[l].m->data() : h_[l]->data();
-  GRADSUM_RETURN_IF_ERROR(ops_->RmsNormForward(m, params_->Values(spec_.norm(l)), a_[l]->data(),
-                                               inv_rms_[l]->data()));
-  GRADSUM_RETURN_IF_ERROR(ops_->MoeForward(l, a_[l]->data(), LayerWeights(l), y_->data()));
+  float* m = spec_.config().attention ? attn_[KeptSlot(l)].m->data() : h_[l]->data();
+  float* a = a_[NormSlot(l)]->data();
+  GRADSUM_RETURN_IF_ERROR(ops_->RmsNormForward(m, params_->Values(spec_.norm(l)), a,
+                                               inv_rms_[NormSlot(l)]->data()));
+  GRADSUM_RETURN_IF_ERROR(ops_->MoeForward(l, a, LayerWeights(l), y_->data()));
   return ops_->Add(m, y_->data(), h_[l + 1]->data(), n);
+}
+
+// LayerForward's computations again, into the working set, from the kept h_l, with the MoE
+// layer re-run from its kept routing (no count is reduced or added again, SEMANTICS.md
+// §13); h_{l+1} is not rewritten (its backward is done).
+absl::Status MoeLmModel::LayerRecompute(int l) {
+  if (spec_.config().attention) GRADSUM_RETURN_IF_ERROR(AttentionForward(l));
+  float* m = spec_.config().attention ? attn_[KeptSlot(l)].m->data() : h_[l]->data();
+  float* a = a_[NormSlot(l)]->data();
+  GRADSUM_RETURN_IF_ERROR(ops_->RmsNormForward(m, params_->Values(spec_.norm(l)), a,
+                                               inv_rms_[NormSlot(l)]->data()));
+  return ops_->MoeRecomputeForward(l, a, LayerWeights(l), y_->data());
 }
 
 // dh holds dL/dh_{l+1} (= dL/dy through the residual); afterwards dL/dh_l.
 absl::Status MoeLmModel::LayerBackward(int l) {
+  const float* m = spec_.config().attention ? attn_[KeptSlot(l)].m->data() : h_[l]->data();
+  float* a = a_[NormSlot(l)]->data();
+  float* inv_rms = inv_rms_[NormSlot(l)]->data();
+  if (recompute_ == Recompute::kSelective) {
+    GRADSUM_RETURN_IF_ERROR(ops_->RmsNormForward(m, params_->Values(spec_.norm(l)), a, inv_rms));
+  }
   MoeGrads grads;
   GRADSUM_ASSIGN_OR_RETURN(grads.router, params_->Grad(spec_.router(l)));
   GRADSUM_ASSIGN_OR_RETURN(grads.local_experts, params_->LocalExpertsGrad(l));
-  GRADSUM_RETURN_IF_ERROR(ops_->MoeBackward(l, a_[l]->data(), LayerWeights(l), dh_->data(),
-                                            da_->data(), std::move(grads)));
+  GRADSUM_RETURN_IF_ERROR(ops_->MoeBackward(l, a, LayerWeights(l), dh_->data(), da_->data(),
+                                            std::move(grads)));
   GRADSUM_ASSIGN_OR_RETURN(GradTarget dgain, params_->Grad(spec_.norm(l)));
-  const float* m = spec_.config().attention ? attn_[l].m->data() : h_[l]->data();
-  GRADSUM_RETURN_IF_ERROR(ops_->RmsNormBackward(m, params_->Values(spec_.norm(l)),
-                                                inv_rms_[l]->data(), da_->data(), dh_->data(),
+  GRADSUM_RETURN_IF_ERROR(ops_->RmsNormBackward(m, params_->Values(spec_.norm(l)), inv_rms,
+                                                da_->data(), dh_->data(),
                                                 /*accumulate_dx=*/true, std::move(dgain)));
   // dh now holds dL/dm_l.
   return spec_.config().attention ? AttentionBackward(l) : absl::OkStatus();
@@ -204,14 +252,14 @@ absl::Status MoeLmModel::LayerBackward(int l) {
 absl::Status MoeLmModel::AttentionForward(int l) {
   const MoeLmConfig& c = spec_.config();
   const int64_t D = c.dim, kv_dim = c.n_kv_heads * spec_.head_dim();
-  AttentionActs& x = attn_[l];
+  AttentionActs& x = attn_[KeptSlot(l)];
+  NormActs& norm = attn_norm_[NormSlot(l)];
   GRADSUM_RETURN_IF_ERROR(ops_->RmsNormForward(h_[l]->data(), params_->Values(spec_.attn_norm(l)),
-                                               x.b->data(), x.inv_rms->data()));
-  GRADSUM_RETURN_IF_ERROR(ops_->MatMul(x.b->data(), params_->Values(spec_.wq(l)), D, D, q_->data()));
-  GRADSUM_RETURN_IF_ERROR(
-      ops_->MatMul(x.b->data(), params_->Values(spec_.wk(l)), D, kv_dim, k_->data()));
-  GRADSUM_RETURN_IF_ERROR(
-      ops_->MatMul(x.b->data(), params_->Values(spec_.wv(l)), D, kv_dim, v_->data()));
+                                               norm.b->data(), norm.inv_rms->data()));
+  const float* b = norm.b->data();
+  GRADSUM_RETURN_IF_ERROR(ops_->MatMul(b, params_->Values(spec_.wq(l)), D, D, q_->data()));
+  GRADSUM_RETURN_IF_ERROR(ops_->MatMul(b, params_->Values(spec_.wk(l)), D, kv_dim, k_->data()));
+  GRADSUM_RETURN_IF_ERROR(ops_->MatMul(b, params_->Values(spec_.wv(l)), D, kv_dim, v_->data()));
   GRADSUM_RETURN_IF_ERROR(ops_->Rope(q_->data(), c.n_heads, /*inverse=*/false));
   GRADSUM_RETURN_IF_ERROR(ops_->Rope(k_->data(), c.n_kv_heads, /*inverse=*/false));
   GRADSUM_RETURN_IF_ERROR(ops_->TokensToHeads(q_->data(), /*kv=*/false, x.qh->data()));
@@ -228,7 +276,13 @@ absl::Status MoeLmModel::AttentionForward(int l) {
 absl::Status MoeLmModel::AttentionBackward(int l) {
   const MoeLmConfig& c = spec_.config();
   const int64_t D = c.dim, kv_dim = c.n_kv_heads * spec_.head_dim();
-  AttentionActs& x = attn_[l];
+  AttentionActs& x = attn_[KeptSlot(l)];
+  NormActs& norm = attn_norm_[NormSlot(l)];
+  if (recompute_ == Recompute::kSelective) {
+    GRADSUM_RETURN_IF_ERROR(ops_->RmsNormForward(h_[l]->data(),
+                                                 params_->Values(spec_.attn_norm(l)),
+                                                 norm.b->data(), norm.inv_rms->data()));
+  }
   float* d_o = da_->data();  // dL/do, token split (da is free until the norm below)
   GRADSUM_ASSIGN_OR_RETURN(GradTarget dwo, params_->Grad(spec_.wo(l)));
   GRADSUM_RETURN_IF_ERROR(ops_->MatMulBackward(x.o->data(), params_->Values(spec_.wo(l)), D, D,
@@ -252,13 +306,14 @@ absl::Status MoeLmModel::AttentionBackward(int l) {
                                    {spec_.wk(l), k_->data(), kv_dim},
                                    {spec_.wv(l), v_->data(), kv_dim}}) {
     GRADSUM_ASSIGN_OR_RETURN(GradTarget dw, params_->Grad(w));
-    GRADSUM_RETURN_IF_ERROR(ops_->MatMulBackward(x.b->data(), params_->Values(w), D, out, dy, db,
+    GRADSUM_RETURN_IF_ERROR(ops_->MatMulBackward(norm.b->data(), params_->Values(w), D, out, dy,
+                                                 db,
                                                  /*accumulate_dx=*/w != spec_.wq(l),
                                                  std::move(dw)));
   }
   GRADSUM_ASSIGN_OR_RETURN(GradTarget dgain, params_->Grad(spec_.attn_norm(l)));
   return ops_->RmsNormBackward(h_[l]->data(), params_->Values(spec_.attn_norm(l)),
-                               x.inv_rms->data(), db, dh_->data(), /*accumulate_dx=*/true,
+                               norm.inv_rms->data(), db, dh_->data(), /*accumulate_dx=*/true,
                                std::move(dgain));
 }
 

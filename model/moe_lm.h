@@ -72,13 +72,27 @@ absl::Status CheckTokenBatch(const TokenBatch& batch, int64_t vocab);
 absl::StatusOr<absl::Span<const float>> MicroBatchTokenWeights(const losses::StepStats& stats,
                                                                int micro_index, int64_t tokens);
 
+// Activation recomputation (docs/SEMANTICS.md §13): what each layer keeps from its forward
+// for its backward. Results are bit-identical in every mode; only memory and time differ.
+enum class Recompute {
+  kNone,       // every activation of every layer kept
+  kSelective,  // the matmul, attention and expert outputs kept; the two RMSNorms' outputs
+               // re-run in backward (SwiGLU is re-run by the expert kernels in every mode)
+  kFull,       // only each layer's input h_l kept; its whole forward re-run in backward,
+               // with the routing decisions and counts of the first forward
+};
+
+// "none", "selective", "full".
+const char* RecomputeName(Recompute r);
+
 class MoeLmModel {
  public:
   // `params` is not owned and must outlive the model. InvalidArgument for a null argument
-  // or params whose experts do not divide the spec's.
-  static absl::StatusOr<std::unique_ptr<MoeLmModel>> Create(const MoeLmSpec& spec,
-                                                            ModelParams* params,
-                                                            std::unique_ptr<ModelOps> ops);
+  // or params whose experts do not divide the spec's; Unimplemented for Recompute::kFull
+  // on ops that cannot re-run a MoE layer (ModelOps::CanRecomputeMoe).
+  static absl::StatusOr<std::unique_ptr<MoeLmModel>> Create(
+      const MoeLmSpec& spec, ModelParams* params, std::unique_ptr<ModelOps> ops,
+      Recompute recompute = Recompute::kNone);
 
   // Forward and backward of one micro-batch of this rank. `stats` are the step's global
   // statistics (D, N, and in sample / square mode the CE weights of every micro-batch);
@@ -114,14 +128,21 @@ class MoeLmModel {
   absl::Status Backward(int stage);
   absl::Status LayerForward(int layer);
   absl::Status LayerBackward(int layer);
+  // Layer l's forward without the residual's output (full recomputation, in backward).
+  absl::Status LayerRecompute(int layer);
   absl::Status AttentionForward(int layer);
   absl::Status AttentionBackward(int layer);
+  // Which arrays hold layer l's activations: its own (kept), or the one working set that
+  // every layer shares (re-run in backward). Norm outputs are re-run unless kNone.
+  int KeptSlot(int l) const { return recompute_ == Recompute::kFull ? 0 : l; }
+  int NormSlot(int l) const { return recompute_ == Recompute::kNone ? l : 0; }
   absl::Status HeadForwardBackward();
   MoeWeights LayerWeights(int layer);
 
   MoeLmSpec spec_;
   ModelParams* params_ = nullptr;
   std::unique_ptr<ModelOps> ops_;
+  Recompute recompute_ = Recompute::kNone;
 
   // Activations in the device's memory, kept across micro-batches.
   using Array = std::unique_ptr<DeviceArray>;
@@ -129,17 +150,22 @@ class MoeLmModel {
   int64_t array_bytes_ = 0;    // the bytes of the arrays below (their sizes)
   int64_t peak_activation_bytes_ = 0;
   std::vector<Array> h_;       // [L + 1] x [T, D]: h_[l] enters layer l, h_[L] the head
-  std::vector<Array> a_;       // [L] x [T, D]: the normed input of each layer's MoE
-  std::vector<Array> inv_rms_; // [L] x [T]
+  std::vector<Array> a_;       // [L or 1] x [T, D]: the normed input of the MoE (NormSlot)
+  std::vector<Array> inv_rms_; // [L or 1] x [T]
   Array y_, dh_, da_;          // [T, D]: a block's output; dL/dh; dL/da
   Array f_, inv_rms_f_, grad_f_;  // the head: [T, D], [T], [T, D]
-  // The attention block, per layer (kept for backward): the normed input b, its 1/rms,
-  // q, k, v and the output per query head in the head split (T * D floats each at any S),
-  // the softmax statistics, the output in the token split, and m = h + attention.
+  // The attention block, per layer (kept for backward, KeptSlot): q, k, v and the output
+  // per query head in the head split (T * D floats each at any S), the softmax statistics,
+  // the output in the token split, and m = h + attention; and per NormSlot the normed
+  // input b and its 1/rms.
   struct AttentionActs {
-    Array b, inv_rms, qh, kh, vh, oh, lse, o, m;
+    Array qh, kh, vh, oh, lse, o, m;
+  };
+  struct NormActs {
+    Array b, inv_rms;
   };
   std::vector<AttentionActs> attn_;
+  std::vector<NormActs> attn_norm_;
   // Attention scratch: q [T, D], k and v [T, kv_dim] in the token split; the head-split
   // output gradient and the per-query-head gradients of q, k, v.
   Array q_, k_, v_, doh_, dqh_, dkh_, dvh_, dkq_, dvq_;

@@ -132,6 +132,23 @@ class ModelOps {
   virtual absl::Status MoeBackward(int layer, const float* a, const MoeWeights& w,
                                    const float* dy, float* da, MoeGrads grads) = 0;
 
+  // ---- Full activation recomputation (model/moe_lm.h, Recompute::kFull). ----
+  // Whether MoeRecomputeForward and ReleaseMoeActivations are implemented.
+  virtual bool CanRecomputeMoe() const { return false; }
+  // Re-runs layer `layer`'s dispatch, experts and combine on the same `a` and weights as
+  // its MoeForward of this micro-batch, with the routing decisions that forward kept: no
+  // router pass, and no count reduction (the §5 counts were started once, by MoeForward);
+  // the dispatch exchange is re-done, deterministically, so what backward reads and y are
+  // bit-identical to the first forward's. Collective over the EP group.
+  virtual absl::Status MoeRecomputeForward(int layer, const float* a, const MoeWeights& w,
+                                           float* y) {
+    return absl::UnimplementedError("these ops cannot re-run a MoE layer's forward");
+  }
+  // Layer `layer`'s kept dispatch and expert activations are not needed before its next
+  // MoeRecomputeForward (or forward): the ops may lend their memory to another layer. The
+  // routing decisions and counts stay.
+  virtual void ReleaseMoeActivations(int layer) {}
+
   // The head's fused LM-head matmul and CE (§3), forward and backward at once:
   // logits = f @ w_out (f [T, D], w_out [D, V]); grad_f = dL_ce/df (written), dL_ce/dw_out
   // into grad_out. Never holds all T x V logits at once where the device need not.

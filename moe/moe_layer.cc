@@ -73,6 +73,24 @@ absl::Status MoeLayerForward(Communicator& ep_group, const MoeLayerConfig& confi
                                 &state->dispatch);
 }
 
+absl::Status MoeLayerRecomputeForward(Communicator& ep_group, const MoeLayerConfig& config,
+                                      const MoeLayerWeights& weights, absl::Span<const float> a,
+                                      absl::Span<float> y, MoeLayerState* state) {
+  if (state == nullptr) return absl::InvalidArgumentError("MoE layer state must not be null");
+  const int64_t T = config.d_model > 0 ? static_cast<int64_t>(a.size()) / config.d_model : -1;
+  if (state->route.num_tokens != T ||
+      (config.row_block > 0 && state->expert_row_blocks.empty())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "MoE layer recompute: the kept routing is of ", state->route.num_tokens,
+        " tokens, the input has ", T, "; re-run only a layer whose forward ran on this input"));
+  }
+  DispatchConfig dispatch = config.dispatch();
+  if (config.row_block > 0) dispatch.expert_row_blocks = &state->expert_row_blocks;
+  return DispatchCombineForward(ep_group, dispatch, weights.local_experts, a,
+                                state->route.expert_index, state->route.combine_weight, y,
+                                &state->dispatch);
+}
+
 absl::Status MoeLayerBackward(Communicator& ep_group, const MoeLayerConfig& config,
                               const MoeLayerWeights& weights, absl::Span<const float> a,
                               const MoeLayerState& state, absl::Span<const float> dy,

@@ -97,6 +97,17 @@ absl::Status MoeLayerForward(Communicator& ep_group, const MoeLayerConfig& confi
                              absl::Span<const uint8_t> mask, absl::Span<float> y,
                              MoeLayerState* state);
 
+// Activation recomputation (model/moe_lm.h Recompute::kFull): re-runs the dispatch, the
+// experts and the combine of the MoeLayerForward that filled `state`, on the same `a` and
+// weights, with that forward's routing decisions (state->route) and row blocks: no router
+// pass and no extra all-gather; the dispatch exchange is re-done, the same rows in the same
+// order, so state->dispatch and y come out bit-identical to the first forward's.
+// Collective over `ep_group`. Errors: FailedPrecondition when `state` holds no routing of
+// a.size() / D tokens; those of DispatchCombineForward.
+absl::Status MoeLayerRecomputeForward(Communicator& ep_group, const MoeLayerConfig& config,
+                                      const MoeLayerWeights& weights, absl::Span<const float> a,
+                                      absl::Span<float> y, MoeLayerState* state);
+
 // dy: [T, D]. d_a: [T, D] accumulated (+=) through the experts and the router.
 // Collective over `ep_group`. Errors: those of DispatchCombineBackward and RouterBackward.
 absl::Status MoeLayerBackward(Communicator& ep_group, const MoeLayerConfig& config,

@@ -39,6 +39,11 @@ absl::StatusOr<std::unique_ptr<MoeLm>> BuildModel(const TrainConfig& config,
   p.precision = precision.reproducible()                        ? GradPrecision::kExact
                 : precision.reduce_dtype() == TrainConfig::bf16 ? GradPrecision::kBF16Wire
                                                                 : GradPrecision::kF32;
+  options.recompute = parallelism.recompute() == ParallelismConfig::full
+                          ? model::Recompute::kFull
+                      : parallelism.recompute() == ParallelismConfig::selective
+                          ? model::Recompute::kSelective
+                          : model::Recompute::kNone;
   p.layers_per_unit = parallelism.layers_per_unit();
   p.reshard_after_forward = parallelism.reshard_after_forward();
   p.reduce_every_micro_batch = parallelism.reduce_every_micro_batch();

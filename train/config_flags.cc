@@ -102,6 +102,10 @@ ABSL_FLAG(std::optional<int32_t>, layers_per_unit, std::nullopt,
           "wrap policy: layers per FlatParam unit");
 ABSL_FLAG(std::optional<bool>, reshard_after_forward, std::nullopt,
           "fsdp: free each unit after its forward, re-gather it for backward");
+ABSL_FLAG(std::optional<std::string>, recompute, std::nullopt,
+          "none (default) | selective | full: activation recomputation per layer (full keeps "
+          "only each layer's input and re-runs its forward in backward; selective re-runs the "
+          "norms); the same bits, less activation memory");
 ABSL_FLAG(std::optional<bool>, reduce_every_micro_batch, std::nullopt,
           "fsdp: reduce-scatter every micro-batch (false: only the last one)");
 ABSL_FLAG(std::optional<double>, bucket_cap_mb, std::nullopt, "replicated: gradient bucket cap");
@@ -165,6 +169,7 @@ const std::vector<FlagField>& OverridableFlags() {
       {"layers_per_unit", "parallelism.layers_per_unit"},
       {"reshard_after_forward", "parallelism.reshard_after_forward"},
       {"reduce_every_micro_batch", "parallelism.reduce_every_micro_batch"},
+      {"recompute", "parallelism.recompute"},
       {"bucket_cap_mb", "comm.bucket_cap_mb"},
       {"first_bucket_mb", "comm.first_bucket_mb"},
   };

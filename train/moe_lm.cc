@@ -65,7 +65,8 @@ absl::StatusOr<std::unique_ptr<MoeLm>> MoeLm::Create(const MoeLmOptions& options
                            parallel::Parallelize(spec, groups, options.parallel, *device.units));
   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<model::ModelOps> ops, device.ops(spec));
   GRADSUM_ASSIGN_OR_RETURN(lm->model_,
-                           model::MoeLmModel::Create(spec, lm->params_.get(), std::move(ops)));
+                           model::MoeLmModel::Create(spec, lm->params_.get(), std::move(ops),
+                                                     options.recompute));
   return lm;
 }
 

@@ -65,6 +65,8 @@ struct MoeLmOptions {
   // How the parameters are distributed (sharding mode, dtypes, wrap policy, schedule,
   // gradient precision: parallel/parallel_options.h).
   parallel::ParallelOptions parallel;
+  // What each layer keeps for backward (model/moe_lm.h).
+  model::Recompute recompute = model::Recompute::kNone;
   int num_threads = 1;  // threads for the rank's loss kernels and GEMMs (host compute)
 };
 

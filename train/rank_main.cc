@@ -87,12 +87,16 @@ void PrintBanner(const TrainConfig& config, std::ostream& out) {
           ? std::string()
           : absl::StrFormat(", attention %d heads (%d kv)", m.heads(), m.kv_heads());
   const std::string sp = p.sp() > 1 ? absl::StrFormat(", SP=%d", p.sp()) : std::string();
+  const std::string recompute =
+      p.recompute() == ParallelismConfig::none
+          ? std::string()
+          : absl::StrCat(", recompute ", ParallelismConfig::Recompute_Name(p.recompute()));
   out << absl::StrFormat(
-      "model: V=%d D=%d L=%d E=%d K=%d H=%d%s, %d parameters; mesh F=%d x P=%d%s, G=%d, %s, "
+      "model: V=%d D=%d L=%d E=%d K=%d H=%d%s, %d parameters; mesh F=%d x P=%d%s, G=%d, %s%s, "
       "backend %s\n",
       m.vocab(), m.dim(), m.layers(), m.experts(), m.top_k(), m.expert_dim(), attention, params,
       p.world() / p.ep(), p.ep(), sp, p.grad_acc(), TrainConfig::Sharding_Name(p.sharding()),
-      TrainConfig::Backend_Name(config.comm().backend()));
+      recompute, TrainConfig::Backend_Name(config.comm().backend()));
   out << absl::StrFormat(
       "data: %d x %d tokens per rank and micro-batch, global batch B=%d sequences per "
       "step, %s\n",
