@@ -136,6 +136,7 @@ class TimedCommunicator::TimedStream final : public DeviceStream {
   absl::StatusOr<std::unique_ptr<Work>> AllReduceCoalescedAsync(absl::Span<const Buffer> buffers,
                                                                 DType dtype,
                                                                 ReduceOp op) override {
+    timer_->CountCall(CommKind::kAllReduce);
     return Timed(CommKind::kAllReduce,
                  [&] { return inner_->AllReduceCoalescedAsync(buffers, dtype, op); });
   }
@@ -209,6 +210,7 @@ CommTimer::Exposed CommTimer::TakeByKind() {
   for (int k = 0; k < kNumCommKinds; ++k) {
     const int64_t n = nanos_[k].exchange(0);
     e.by_kind[k] = absl::Nanoseconds(n);
+    e.calls[k] = calls_[k].exchange(0);
     sum += n;
   }
   e.total = absl::Nanoseconds(sum);
@@ -276,6 +278,7 @@ DeviceStream* TimedCommunicator::device_stream() { return stream_.get(); }
 
 template <typename F>
 absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::Timed(CommKind kind, F&& issue) {
+  timer_->CountCall(kind);
   if (stream_ != nullptr) return stream_->Timed(kind, issue);
   const absl::Time start = absl::Now();
   return Wrap(kind, start, issue());
@@ -339,6 +342,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> TimedCommunicator::Split(int color
 
 absl::StatusOr<std::unique_ptr<Communicator>> TimedCommunicator::SplitAs(
     int color, int key, CommKind all_to_all_kind) {
+  timer_->CountCall(CommKind::kOther);
   const absl::Time start = absl::Now();
   absl::StatusOr<std::unique_ptr<Communicator>> sub = inner().Split(color, key);
   timer_->Add(absl::Now() - start, CommKind::kOther);
@@ -350,6 +354,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> TimedCommunicator::SplitAs(
 
 template <typename F>
 absl::Status TimedCommunicator::TimeSync(CommKind kind, F&& call) {
+  timer_->CountCall(kind);
   const absl::Time start = absl::Now();
   absl::Status s = call();
   const absl::Duration took = absl::Now() - start;

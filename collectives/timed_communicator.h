@@ -85,12 +85,17 @@ class CommTimer {
   void Add(absl::Duration d, CommKind kind) {
     nanos_[static_cast<int>(kind)].fetch_add(absl::ToInt64Nanoseconds(d));
   }
+  // One collective of `kind` issued.
+  void CountCall(CommKind kind) { calls_[static_cast<int>(kind)].fetch_add(1); }
   absl::Duration Total() const;
   // The exposed time since the last take, in total and by kind (indexed by CommKind; the
   // kinds sum to the total exactly), and resets it to zero.
   struct Exposed {
     absl::Duration total;
     absl::Duration by_kind[kNumCommKinds];
+    // Collectives issued since the last take, by kind (a Split counts as kOther; the
+    // operations of a coalesced group count one each).
+    int64_t calls[kNumCommKinds] = {};
   };
   Exposed TakeByKind();
   // TakeByKind().total.
@@ -126,6 +131,7 @@ class CommTimer {
   void CompleteLocked(InFlight& op, absl::Time now);
 
   std::atomic<int64_t> nanos_[kNumCommKinds] = {};  // exposed, by CommKind
+  std::atomic<int64_t> calls_[kNumCommKinds] = {};  // issued, by CommKind
   std::atomic<int64_t> busy_nanos_{0};
   std::mutex mu_;
   std::vector<std::shared_ptr<InFlight>> in_flight_;  // guarded by mu_

@@ -37,6 +37,13 @@ void SetCommExposed(const CommTimer::Exposed& exposed, StepMetrics* record) {
   record->set_exposed_all_to_all_s(seconds(CommKind::kAllToAll));
   record->set_exposed_sp_all_to_all_s(seconds(CommKind::kSpAllToAll));
   record->set_exposed_other_s(seconds(CommKind::kOther));
+  auto calls = [&](CommKind kind) { return exposed.calls[static_cast<int>(kind)]; };
+  record->set_all_gather_calls(calls(CommKind::kAllGather));
+  record->set_reduce_scatter_calls(calls(CommKind::kReduceScatter));
+  record->set_all_reduce_calls(calls(CommKind::kAllReduce));
+  record->set_all_to_all_calls(calls(CommKind::kAllToAll));
+  record->set_sp_all_to_all_calls(calls(CommKind::kSpAllToAll));
+  record->set_other_calls(calls(CommKind::kOther));
 }
 
 double CommExposedSeconds(const StepMetrics& record, CommKind kind) {

@@ -23,7 +23,8 @@
 namespace gradsum::train {
 
 // The step's exposed communication time (comm_exposed_s and its parts by CommKind,
-// exposed_all_gather_s ... exposed_other_s) from what the CommTimer took.
+// exposed_all_gather_s ... exposed_other_s) and the collectives issued by kind
+// (all_gather_calls ... other_calls) from what the CommTimer took.
 void SetCommExposed(const CommTimer::Exposed& exposed, StepMetrics* record);
 
 // The part of comm_exposed_s that collectives of `kind` blocked.
