@@ -271,10 +271,24 @@ absl::Status DispatchCombineForwardWith(Communicator& ep_group, const DispatchCo
   }
 
   // 2. Exchange the per-expert counts: all_counts[q * E + e] = rows rank q sends to expert e.
-  std::vector<int64_t> all_counts(static_cast<size_t>(P) * E);
-  GRADSUM_RETURN_IF_ERROR(
-      Annotate(ep_group.AllGather(counts.data(), all_counts.data(), E, DType::kI64),
-               "exchanging expert counts"));
+  // A re-run of the same routing (config.all_counts) knows them already.
+  std::vector<int64_t>& all_counts = s.all_counts;
+  if (config.all_counts != nullptr) {
+    const std::vector<int64_t>& known = *config.all_counts;
+    if (known.size() != static_cast<size_t>(P) * E ||
+        !std::equal(counts.begin(), counts.end(), known.begin() + static_cast<size_t>(me) * E)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "dispatch: the kept expert counts (", known.size(), " entries) are not those of this "
+          "routing on EP rank ", me, " of ", P, " with ", E, " experts; re-run a dispatch only "
+          "with the routing that produced them"));
+    }
+    all_counts.assign(known.begin(), known.end());
+  } else {
+    all_counts.resize(static_cast<size_t>(P) * E);
+    GRADSUM_RETURN_IF_ERROR(
+        Annotate(ep_group.AllGather(counts.data(), all_counts.data(), E, DType::kI64),
+                 "exchanging expert counts"));
+  }
 
   // The experts want their rows grouped by local expert j, and within j by source rank q.
   s.local_group_sizes.assign(E_local, 0);

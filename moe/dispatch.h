@@ -69,6 +69,10 @@ struct DispatchConfig {
   // Reproducible mode: the local experts' row blocks in the owner layout, passed on as
   // ExpertsConfig::row_blocks (moe/experts.h; moe/moe_layer.h computes them). Not owned.
   const std::vector<std::vector<int64_t>>* expert_row_blocks = nullptr;
+  // Activation recomputation: the per-expert row counts of every EP rank ([P, E]) that an
+  // earlier dispatch of the same routing exchanged (DispatchState::all_counts), used instead
+  // of all-gathering them again. Not owned.
+  const std::vector<int64_t>* all_counts = nullptr;
 };
 
 // What forward keeps for backward (one per layer and micro-batch). Opaque to callers except
@@ -98,6 +102,7 @@ struct DispatchState {
   // Owner side: rows from source q for local expert j are the expert-major rows
   // [owner_first[q * El + j], + owner_count[q * El + j]).
   std::vector<int64_t> owner_first, owner_count;  // [P * El]
+  std::vector<int64_t> all_counts;  // [P, E] rows EP rank q sends to expert e
   std::vector<int64_t> local_group_sizes;         // [E / P] rows per local expert
   int64_t num_received = 0;                       // R
   std::vector<float> expert_input;                // [R, D] rows grouped by local expert

@@ -68,9 +68,13 @@ absl::Status MoeLayerForward(Communicator& ep_group, const MoeLayerConfig& confi
     GRADSUM_RETURN_IF_ERROR(ExpertRowBlocks(ep_group, config, state->route, state));
     dispatch.expert_row_blocks = &state->expert_row_blocks;
   }
-  return DispatchCombineForward(ep_group, dispatch, weights.local_experts, a,
-                                state->route.expert_index, state->route.combine_weight, y,
-                                &state->dispatch);
+  GRADSUM_RETURN_IF_ERROR(DispatchCombineForward(ep_group, dispatch, weights.local_experts, a,
+                                                 state->route.expert_index,
+                                                 state->route.combine_weight, y,
+                                                 &state->dispatch));
+  state->dispatch_counts.assign(state->dispatch.all_counts.begin(),
+                                state->dispatch.all_counts.end());
+  return absl::OkStatus();
 }
 
 absl::Status MoeLayerRecomputeForward(Communicator& ep_group, const MoeLayerConfig& config,
@@ -86,6 +90,7 @@ absl::Status MoeLayerRecomputeForward(Communicator& ep_group, const MoeLayerConf
   }
   DispatchConfig dispatch = config.dispatch();
   if (config.row_block > 0) dispatch.expert_row_blocks = &state->expert_row_blocks;
+  dispatch.all_counts = &state->dispatch_counts;
   return DispatchCombineForward(ep_group, dispatch, weights.local_experts, a,
                                 state->route.expert_index, state->route.combine_weight, y,
                                 &state->dispatch);

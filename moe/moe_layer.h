@@ -88,6 +88,9 @@ struct MoeLayerState {
   DispatchState dispatch;
   // Reproducible mode: the row blocks of each local expert's rows (ExpertsConfig::row_blocks).
   std::vector<std::vector<int64_t>> expert_row_blocks;
+  // The dispatch's per-expert row counts of every EP rank (DispatchState::all_counts), kept
+  // for MoeLayerRecomputeForward when the dispatch state is released.
+  std::vector<int64_t> dispatch_counts;
 };
 
 // a: [T, D]; mask: [T] (1 routed, 0 padding) or empty; y: [T, D] overwritten.
@@ -100,8 +103,9 @@ absl::Status MoeLayerForward(Communicator& ep_group, const MoeLayerConfig& confi
 // Activation recomputation (model/moe_lm.h Recompute::kFull): re-runs the dispatch, the
 // experts and the combine of the MoeLayerForward that filled `state`, on the same `a` and
 // weights, with that forward's routing decisions (state->route) and row blocks: no router
-// pass and no extra all-gather; the dispatch exchange is re-done, the same rows in the same
-// order, so state->dispatch and y come out bit-identical to the first forward's.
+// pass and no all-gather (the dispatch's exchanged counts are kept too); the row exchange is
+// re-done, the same rows in the same order, so state->dispatch and y come out bit-identical
+// to the first forward's.
 // Collective over `ep_group`. Errors: FailedPrecondition when `state` holds no routing of
 // a.size() / D tokens; those of DispatchCombineForward.
 absl::Status MoeLayerRecomputeForward(Communicator& ep_group, const MoeLayerConfig& config,

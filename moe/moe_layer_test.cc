@@ -99,6 +99,14 @@ TEST_P(MoeLayerParityTest, OutputsAndReducedGradientsMatchReference) {
     MoeLayerState state;
     GRADSUM_RETURN_IF_ERROR(
         MoeLayerForward(*ep, config, weights, af, mask[r], absl::MakeSpan(out.y), &state));
+    // Activation recomputation: the dispatch state dropped and re-run from the kept routing
+    // gives the same output bits, and the backward below (checked against finite
+    // differences) runs on the re-run state.
+    std::vector<float> rerun(af.size(), -1.0f);
+    state.dispatch = DispatchState();
+    GRADSUM_RETURN_IF_ERROR(
+        MoeLayerRecomputeForward(*ep, config, weights, af, absl::MakeSpan(rerun), &state));
+    if (rerun != out.y) return absl::InternalError("the re-run forward's output differs");
     out.d_a.assign(af.size(), 0.0f);
     out.dwr.assign(wrf.size(), 0.0f);
     out.dwg.assign(per, 0.0f);
@@ -163,6 +171,37 @@ INSTANTIATE_TEST_SUITE_P(
                           std::get<2>(info.param), "_K", std::get<3>(info.param),
                           std::get<4>(info.param) ? "_norm" : "");
     });
+
+// A re-run needs the routing of a forward on the same tokens, and the dispatch counts it
+// exchanged: without them it fails by name, before any collective.
+TEST(MoeLayerRecomputeTest, WithoutAForwardOnTheSameTokensIsFailedPrecondition) {
+  const int D = 3, H = 2, E = 2;
+  const MoeLayerConfig config{.d_model = D, .hidden = H, .num_experts = E, .top_k = 1};
+  absl::Status status = testing::RunRanks(1, [&](Communicator& comm) -> absl::Status {
+    std::vector<float> wr(D * E, 0.5f), w(E * D * H, 0.25f), a(4 * D, 1.0f), y(4 * D);
+    const MoeLayerWeights weights{.router = wr, .local_experts = {w, w, w}};
+    MoeLayerState state;
+    absl::Status s = MoeLayerRecomputeForward(comm, config, weights, a, absl::MakeSpan(y), &state);
+    if (s.code() != absl::StatusCode::kFailedPrecondition) {
+      return absl::InternalError(absl::StrCat("no forward: got ", s.ToString()));
+    }
+    GRADSUM_RETURN_IF_ERROR(MoeLayerForward(comm, config, weights, a, {}, absl::MakeSpan(y),
+                                            &state));
+    std::vector<float> fewer(2 * D, 1.0f), y2(2 * D);
+    s = MoeLayerRecomputeForward(comm, config, weights, fewer, absl::MakeSpan(y2), &state);
+    if (s.code() != absl::StatusCode::kFailedPrecondition ||
+        s.message().find("4 tokens, the input has 2") == absl::string_view::npos) {
+      return absl::InternalError(absl::StrCat("other tokens: got ", s.ToString()));
+    }
+    state.dispatch_counts.push_back(7);  // not this routing's counts
+    s = MoeLayerRecomputeForward(comm, config, weights, a, absl::MakeSpan(y), &state);
+    if (s.code() != absl::StatusCode::kFailedPrecondition) {
+      return absl::InternalError(absl::StrCat("other counts: got ", s.ToString()));
+    }
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
 
 }  // namespace
 }  // namespace gradsum::moe
