@@ -85,6 +85,9 @@ void BM_TrainStep(benchmark::State& state) {
   config.mutable_parallelism()->set_ep(static_cast<int>(state.range(1)));
   config.mutable_parallelism()->set_sharding(state.range(2) == 0 ? train::TrainConfig::fsdp
                                           : train::TrainConfig::replicated);
+  if (state.range(5) > 0) config.mutable_model()->set_layers(static_cast<int>(state.range(5)));
+  config.mutable_parallelism()->set_recompute(
+      static_cast<train::ParallelismConfig::Recompute>(state.range(6)));
   config.mutable_optim()->set_steps(1 << 30);
   double step_s = 0, comm_s = 0, exposed_s = 0, wait_s = 0, tokens = 0;
   double exposed_by_kind_s[kNumCommKinds] = {};
@@ -164,14 +167,19 @@ void BM_TrainStep(benchmark::State& state) {
   state.counters["peak_activation_bytes"] = static_cast<double>(peak_activation_bytes);
 }
 BENCHMARK(BM_TrainStep)
-    ->ArgNames({"world", "ep", "replicated", "attention", "sp"})
-    ->Args({1, 1, 0, 0, 1})
-    ->Args({2, 1, 0, 0, 1})
-    ->Args({2, 2, 0, 0, 1})
-    ->Args({2, 1, 1, 0, 1})
-    ->Args({2, 2, 1, 0, 1})
-    ->Args({2, 2, 0, 1, 1})  // the binary's default model
-    ->Args({2, 2, 0, 1, 2})
+    ->ArgNames({"world", "ep", "replicated", "attention", "sp", "layers", "recompute"})
+    ->Args({1, 1, 0, 0, 1, 0, 0})
+    ->Args({2, 1, 0, 0, 1, 0, 0})
+    ->Args({2, 2, 0, 0, 1, 0, 0})
+    ->Args({2, 1, 1, 0, 1, 0, 0})
+    ->Args({2, 2, 1, 0, 1, 0, 0})
+    ->Args({2, 2, 0, 1, 1, 0, 0})  // the binary's default model
+    ->Args({2, 2, 0, 1, 2, 0, 0})
+    // Activation recomputation (--recompute, train/config.proto: none 0, full 1,
+    // selective 2) at 8 layers: peak_activation_bytes against the step time.
+    ->Args({2, 2, 0, 1, 1, 8, 0})
+    ->Args({2, 2, 0, 1, 1, 8, 2})
+    ->Args({2, 2, 0, 1, 1, 8, 1})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 

@@ -23,6 +23,7 @@ expect_error "parallelism.ep=3: must divide model.experts=8" --world=3 --ep=3
 expect_error "model.dim=0" --dim=0
 expect_error "sharding=zero" --sharding=zero
 expect_error "ce_mode=mean" --ce_mode=mean
+expect_error "parallelism.recompute=bogus: must be none, full or selective" --recompute=bogus
 expect_error "backend=nccl" --backend=nccl --steps=1 --dim=8 --expert_dim=8
 expect_error "precision.reproducible=true: is implemented for the CPU backends (thread, mpi) only, not comm.backend=nccl" \
   --reproducible --backend=nccl --steps=1
@@ -39,6 +40,10 @@ grep -q "entropy floor: " "$tmp/run.txt" || fail "no entropy floor line"
 [ "$(grep -c '^step [ 0-9]*/3 | ce ' "$tmp/run.txt")" -eq 3 ] || fail "expected 3 step lines"
 grep -q "parity PASSED" "$tmp/run.txt" || fail "parity did not pass"
 grep -q "^summary: " "$tmp/run.txt" || fail "no summary"
+# Full recomputation re-runs each layer's forward in backward: the parity check still passes.
+"$bin" "${tiny[@]}" --steps=1 --parity_check --recompute=full > "$tmp/full.txt" 2>&1 \
+  || fail "--recompute=full run failed: $(cat "$tmp/full.txt")"
+grep -q "parity PASSED" "$tmp/full.txt" || fail "parity did not pass with --recompute=full"
 [ "$(wc -l < "$tmp/m.jsonl")" -eq 3 ] || fail "expected 3 JSONL records"
 for key in '"step":3' '"ce":' '"z":' '"bal":' '"valid_tokens":' '"grad_norm":' '"comm_s":' '"comm_exposed_s":' \
     '"peak_unsharded_param_bytes":' '"full_param_bytes":' \
@@ -51,7 +56,7 @@ import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
     for k in ("step", "valid_tokens", "routed_tokens", "peak_unsharded_param_bytes", "full_param_bytes",
-              "peak_activation_bytes"):
+              "peak_activation_bytes", "all_reduce_calls", "all_to_all_calls"):
         assert type(r[k]) is int, (k, r[k])
     for k in ("ce", "z", "bal", "grad_norm", "comm_s", "step_s"):
         assert type(r[k]) is float, (k, r[k])

@@ -200,6 +200,28 @@ TEST(MoeLmCudaTest, CreateRejectsMissingOrMismatchedDeviceGroups) {
   EXPECT_NE(none.status().message().find("NCCL"), absl::string_view::npos);
 }
 
+// Full activation recomputation needs ops that can re-run a MoE layer from its kept
+// routing (model/ops.h CanRecomputeMoe); the CUDA ops cannot yet, so it is refused by name
+// at construction, and selective (norms only, shared model code) is built.
+TEST(MoeLmCudaTest, FullRecomputationIsRefusedByNameAndSelectiveIsBuilt) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  auto host = CreateThreadCommunicators(1);
+  ASSERT_TRUE(host.ok()) << host.status();
+  NcclBackendOptions nccl_options;
+  nccl_options.device = 0;
+  auto nccl = MakeNcclMesh(*(*host)[0], nccl_options, 1, std::make_shared<CommTimer>());
+  ASSERT_TRUE(nccl.ok()) << nccl.status();
+  MoeLmOptions options;
+  options.model = TinyConfig(1, 1, 1, TrainConfig::fsdp).model();
+  const MoeLmGroups groups{(*host)[0].get(), (*host)[0].get(), (*host)[0].get()};
+  options.recompute = model::Recompute::kFull;
+  auto full = CreateCudaMoeLm(options, groups, nccl->groups());
+  EXPECT_EQ(full.status().code(), absl::StatusCode::kUnimplemented) << full.status();
+  EXPECT_NE(full.status().message().find("recompute=full"), absl::string_view::npos);
+  options.recompute = model::Recompute::kSelective;
+  EXPECT_TRUE(CreateCudaMoeLm(options, groups, nccl->groups()).ok());
+}
+
 TEST(MoeLmCudaTest, ProtocolAndInputErrorsAreStatuses) {
   GRADSUM_SKIP_WITHOUT_GPU();
   auto host = CreateThreadCommunicators(1);
