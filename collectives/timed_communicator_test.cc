@@ -141,7 +141,15 @@ TEST(TimedCommunicatorTest, ExposedTimeIsSplitByTheKindThatBlocked) {
   absl::Duration sum;
   for (absl::Duration d : e.by_kind) sum += d;
   EXPECT_EQ(sum, e.total);
+  // One sync all-gather and one async all-reduce issued, nothing else.
+  auto calls = [&](CommKind k) { return e.calls[static_cast<int>(k)]; };
+  EXPECT_EQ(calls(CommKind::kAllGather), 1);
+  EXPECT_EQ(calls(CommKind::kAllReduce), 1);
+  EXPECT_EQ(calls(CommKind::kReduceScatter) + calls(CommKind::kAllToAll) +
+                calls(CommKind::kSpAllToAll) + calls(CommKind::kOther),
+            0);
   EXPECT_EQ(timer->Take(), absl::ZeroDuration()) << "taken and reset";
+  EXPECT_EQ(timer->TakeByKind().calls[static_cast<int>(CommKind::kAllGather)], 0);
   EXPECT_STREQ(CommKindName(CommKind::kAllToAll), "all_to_all");
 }
 

@@ -72,7 +72,7 @@ absl::Status CheckTokenBatch(const TokenBatch& batch, int64_t vocab);
 absl::StatusOr<absl::Span<const float>> MicroBatchTokenWeights(const losses::StepStats& stats,
                                                                int micro_index, int64_t tokens);
 
-// Activation recomputation (docs/SEMANTICS.md §13): what each layer keeps from its forward
+// Activation recomputation (docs/SEMANTICS.md §14): what each layer keeps from its forward
 // for its backward. Results are bit-identical in every mode; only memory and time differ.
 enum class Recompute {
   kNone,       // every activation of every layer kept
