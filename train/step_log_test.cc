@@ -35,7 +35,10 @@ StepMetrics FullRecord() {
   // all_gather, reduce_scatter, all_reduce, all_to_all, sp_all_to_all, other (CommKind
   // order).
   const double by_kind[kNumCommKinds] = {0.03125, 0.015625, 0.0078125, 0, 0.00390625, 0.00390625};
-  for (int k = 0; k < kNumCommKinds; ++k) exposed.by_kind[k] = absl::Seconds(by_kind[k]);
+  for (int k = 0; k < kNumCommKinds; ++k) {
+    exposed.by_kind[k] = absl::Seconds(by_kind[k]);
+    exposed.calls[k] = 10 + k;
+  }
   SetCommExposed(exposed, &r);
   r.set_peak_unsharded_param_bytes(1024);
   r.set_full_param_bytes(2048);
@@ -66,7 +69,9 @@ TEST(StepLogTest, JsonIsTheProtoMappingInFieldOrderWithNumbersForTools) {
             "\"tokens_per_s\":30000000000.0,\"exposed_all_gather_s\":0.03125,"
             "\"exposed_reduce_scatter_s\":0.015625,\"exposed_all_reduce_s\":0.0078125,"
             "\"exposed_all_to_all_s\":0.0,\"exposed_other_s\":0.00390625,"
-            "\"exposed_sp_all_to_all_s\":0.00390625,\"peak_activation_bytes\":6291456}");
+            "\"exposed_sp_all_to_all_s\":0.00390625,\"peak_activation_bytes\":6291456,"
+            "\"all_gather_calls\":10,\"reduce_scatter_calls\":11,\"all_reduce_calls\":12,"
+            "\"all_to_all_calls\":13,\"sp_all_to_all_calls\":14,\"other_calls\":15}");
 }
 
 TEST(StepLogTest, NonFiniteValuesAreTheMappingsStrings) {
