@@ -85,6 +85,7 @@ class CpuOps : public ModelOps {
     layer_config_.router_scale = m.router_scale;
     local_experts_ = m.experts / comms.ep_group->size();
     layer_state_.resize(m.layers);
+    for (moe::MoeLayerState& s : layer_state_) s.scratch = &dispatch_scratch_;
     held_.assign(m.layers, false);
     sp_size_ = comms.sp_group != nullptr ? comms.sp_group->size() : 1;
     sp_rank_ = comms.sp_group != nullptr ? comms.sp_group->rank() : 0;
@@ -586,6 +587,7 @@ class CpuOps : public ModelOps {
       add_dispatch(s.dispatch);
     }
     for (const moe::DispatchState& d : spare_dispatch_) add_dispatch(d);
+    add(dispatch_scratch_.send), add(dispatch_scratch_.expert_a), add(dispatch_scratch_.expert_b);
     add(du_), add(rope_cos_), add(rope_sin_), add(send_), add(recv_);
     return bytes;
   }
@@ -596,6 +598,8 @@ class CpuOps : public ModelOps {
   int local_experts_ = 1;
   moe::MoeLayerConfig layer_config_;
   std::vector<moe::MoeLayerState> layer_state_;
+  // The dispatch's scratch, one set for every layer (the layers run one at a time).
+  moe::DispatchScratch dispatch_scratch_;
   // Full recomputation: the dispatch states released by ReleaseMoeActivations, and which
   // layers hold one (a layer that holds none takes one from the pool before it runs, so
   // one set of buffers circulates through the layers).

@@ -328,7 +328,8 @@ absl::Status DispatchCombineForwardWith(Communicator& ep_group, const DispatchCo
 
   // 3. Pack the rows straight into the send buffer (own experts' rows straight into the
   // experts' input).
-  float* send = Scratch(s.scratch_send, num_exchanged * D);
+  float* send =
+      Scratch(config.scratch != nullptr ? config.scratch->send : s.scratch_send, num_exchanged * D);
   s.expert_input.resize(num_received * D);
   s.expert_output.resize(num_received * D);
   s.copy_output.resize(num_exchanged * D);
@@ -417,9 +418,13 @@ absl::Status DispatchCombineBackwardWith(Communicator& ep_group, const DispatchC
   // d w_tk = <dy_t, out_tk>; the copy's output gradient w_tk dy_t goes straight into the
   // send buffer (own experts' rows straight into the experts' output gradient).
   std::fill(d_combine_weight.begin(), d_combine_weight.end(), 0.0f);  // unrouted copies
-  float* send = Scratch(state.scratch_send, state.exchanged_rows() * D);
-  float* expert_dy = Scratch(state.scratch_expert_a, num_received * D);
-  float* expert_dx = Scratch(state.scratch_expert_b, num_received * D);
+  DispatchScratch* shared = config.scratch;
+  float* send = Scratch(shared != nullptr ? shared->send : state.scratch_send,
+                        state.exchanged_rows() * D);
+  float* expert_dy =
+      Scratch(shared != nullptr ? shared->expert_a : state.scratch_expert_a, num_received * D);
+  float* expert_dx =
+      Scratch(shared != nullptr ? shared->expert_b : state.scratch_expert_b, num_received * D);
   // Token by token (each dy row is read from memory once for its K copies), the dot
   // products kDotRowsMax copies at a time (each one sequential fp64 sum; the rows run side
   // by side, moe/dispatch_rows.h).

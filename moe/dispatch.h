@@ -61,6 +61,12 @@
 
 namespace gradsum::moe {
 
+// Scratch buffers that several dispatch states may share (one per rank, reused by every
+// layer): they hold no meaning between calls, so calls that never overlap can share them.
+struct DispatchScratch {
+  std::vector<float> send, expert_a, expert_b;
+};
+
 struct DispatchConfig {
   int64_t d_model = 0;  // D
   int64_t hidden = 0;   // H, expert width
@@ -73,6 +79,9 @@ struct DispatchConfig {
   // earlier dispatch of the same routing exchanged (DispatchState::all_counts), used instead
   // of all-gathering them again. Not owned.
   const std::vector<int64_t>* all_counts = nullptr;
+  // Shared scratch (not owned) used instead of the state's own, for callers whose calls
+  // never overlap (one rank's layers run one at a time); null: the state's own.
+  DispatchScratch* scratch = nullptr;
 };
 
 // What forward keeps for backward (one per layer and micro-batch). Opaque to callers except

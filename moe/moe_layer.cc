@@ -64,6 +64,7 @@ absl::Status MoeLayerForward(Communicator& ep_group, const MoeLayerConfig& confi
   GRADSUM_RETURN_IF_ERROR(ValidateDispatchConfig(config.dispatch(), ep_group.size()));
   GRADSUM_ASSIGN_OR_RETURN(state->route, RouterForward(config.router(), a, weights.router, mask));
   DispatchConfig dispatch = config.dispatch();
+  dispatch.scratch = state->scratch;
   if (config.row_block > 0) {
     GRADSUM_RETURN_IF_ERROR(ExpertRowBlocks(ep_group, config, state->route, state));
     dispatch.expert_row_blocks = &state->expert_row_blocks;
@@ -89,6 +90,7 @@ absl::Status MoeLayerRecomputeForward(Communicator& ep_group, const MoeLayerConf
         " tokens, the input has ", T, "; re-run only a layer whose forward ran on this input"));
   }
   DispatchConfig dispatch = config.dispatch();
+  dispatch.scratch = state->scratch;
   if (config.row_block > 0) dispatch.expert_row_blocks = &state->expert_row_blocks;
   dispatch.all_counts = &state->dispatch_counts;
   return DispatchCombineForward(ep_group, dispatch, weights.local_experts, a,
@@ -103,6 +105,7 @@ absl::Status MoeLayerBackward(Communicator& ep_group, const MoeLayerConfig& conf
                               const MoeLayerGrads& grads) {
   std::vector<float> d_combine_weight(state.route.combine_weight.size());
   DispatchConfig dispatch = config.dispatch();
+  dispatch.scratch = state.scratch;
   if (config.row_block > 0) dispatch.expert_row_blocks = &state.expert_row_blocks;
   GRADSUM_RETURN_IF_ERROR(
       DispatchCombineBackward(ep_group, dispatch, weights.local_experts, state.dispatch, dy, d_a,

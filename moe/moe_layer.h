@@ -91,6 +91,9 @@ struct MoeLayerState {
   // The dispatch's per-expert row counts of every EP rank (DispatchState::all_counts), kept
   // for MoeLayerRecomputeForward when the dispatch state is released.
   std::vector<int64_t> dispatch_counts;
+  // Scratch shared with the rank's other layers (DispatchConfig::scratch; not owned), or
+  // null for the dispatch state's own.
+  DispatchScratch* scratch = nullptr;
 };
 
 // a: [T, D]; mask: [T] (1 routed, 0 padding) or empty; y: [T, D] overwritten.

@@ -445,9 +445,10 @@ TEST(TrainerTest, PeakActivationBytesCountsTheHeldBuffersExactly) {
     // Per MoE layer (the ops): router logits and probs [T, E], expert index and weight
     // [T, K], routed flags [T]; dispatch send order and its inverse (int64), its combine
     // weights, the output rows; expert input and output [R, D], the SwiGLU pre-activations
-    // [R, H] twice, and backward's two expert scratch buffers [R, D].
+    // [R, H] twice. Once for all layers: backward's two expert scratch buffers [R, D].
     want += L * (2 * T * E * f + T * K * (i32 + f) + T + R * i64 + T * K * i64 + T * K * f +
-                 R * i64 + 2 * R * D * f + 2 * R * H * f + 2 * R * D * f);
+                 R * i64 + 2 * R * D * f + 2 * R * H * f);
+    want += 2 * R * D * f;
     want += T * E * f;  // the router losses' gradient du [T, E]
     if (attention) {
       // Per layer: b, q, k, v, o in the head split, o in the token split, m [T, D]; 1/rms
