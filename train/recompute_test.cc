@@ -6,7 +6,8 @@
 //  - The re-run forward issues no all-reduce, all-gather or reduce-scatter (the §5 counts
 //    are not reduced again, parameters are not gathered again): counted by the timing
 //    decorator. Only the exchanges of the re-run layer (EP dispatch, SP head split) repeat.
-//  - --reproducible with full recomputation gives the same bits at world 1 and world 4.
+//  - --reproducible with full recomputation gives the same bits at world 1 and world 4,
+//    with and without SP.
 //  - The activations held: full < selective < none, and under full each extra layer adds
 //    only its input and its routing decisions.
 #include <cstdint>
@@ -138,28 +139,34 @@ TEST(RecomputeTest, EveryModeGivesTheSameBitsAndReducesNothingAgain) {
 }
 
 // SEMANTICS.md §11: under --reproducible the same bits at every mesh; full recomputation
-// keeps that: world 4 (EP 2, 2 sequences per rank) with full recomputation against world 1
-// (8 sequences) without, the global batch and G the same.
+// keeps that: world 4 (EP 2, 2 sequences per rank) and world 4 with SP 2 (EP 2, two SP
+// groups of 4 sequences) with full recomputation, against world 1 (8 sequences) without;
+// the global batch, G and the contribution blocks (8 tokens) the same.
 TEST(RecomputeTest, ReproducibleFullRecomputationGivesTheSameBitsAtEveryMesh) {
-  auto config = [](int world, int ep, ParallelismConfig::Recompute mode) {
-    TrainConfig c = MeshConfig({world, ep, 1, 1, true}, 3);
+  auto config = [](int world, int ep, int sp, ParallelismConfig::Recompute mode) {
+    TrainConfig c = MeshConfig({world, ep, sp, 1, true}, 3);
     c.mutable_debug()->set_parity_check(false);
-    c.mutable_data()->set_micro_batch(8 / world);
+    c.mutable_data()->set_micro_batch(8 * sp / world);
     c.mutable_precision()->set_reproducible(true);
+    c.mutable_precision()->set_repro_block(8);
     c.mutable_parallelism()->set_recompute(mode);
     return c;
   };
-  const Ranks one = RunOrDie(config(1, 1, ParallelismConfig::none));
-  const Ranks four = RunOrDie(config(4, 2, ParallelismConfig::full));
-  const Ranks four_none = RunOrDie(config(4, 2, ParallelismConfig::none));
+  const Ranks one = RunOrDie(config(1, 1, 1, ParallelismConfig::none));
+  const Ranks four = RunOrDie(config(4, 2, 1, ParallelismConfig::full));
+  const Ranks four_none = RunOrDie(config(4, 2, 1, ParallelismConfig::none));
+  const Ranks four_sp = RunOrDie(config(4, 2, 2, ParallelismConfig::full));
   ASSERT_FALSE(one.ranks.empty());
   ASSERT_FALSE(four.ranks.empty());
   ASSERT_FALSE(four_none.ranks.empty());
+  ASSERT_FALSE(four_sp.ranks.empty());
   for (int s = 0; s < 3; ++s) {
     ExpectSameDisplay(four.ranks[0].history[s], one.ranks[0].history[s],
                       absl::StrCat("world 4 full vs world 1 none, step ", s + 1));
     ExpectSameDisplay(four.ranks[0].history[s], four_none.ranks[0].history[s],
                       absl::StrCat("world 4 full vs none, step ", s + 1));
+    ExpectSameDisplay(four_sp.ranks[0].history[s], one.ranks[0].history[s],
+                      absl::StrCat("world 4 sp 2 full vs world 1 none, step ", s + 1));
   }
 }
 
