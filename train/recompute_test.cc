@@ -8,9 +8,11 @@
 //    decorator. Only the exchanges of the re-run layer (EP dispatch, SP head split) repeat.
 //  - --reproducible with full recomputation gives the same bits at world 1 and world 4,
 //    with and without SP.
+//  - A checkpoint resumes under another mode onto the same bits.
 //  - The activations held: full < selective < none, and under full each extra layer adds
 //    only its input and its routing decisions.
 #include <cstdint>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -167,6 +169,36 @@ TEST(RecomputeTest, ReproducibleFullRecomputationGivesTheSameBitsAtEveryMesh) {
                       absl::StrCat("world 4 full vs none, step ", s + 1));
     ExpectSameDisplay(four_sp.ranks[0].history[s], one.ranks[0].history[s],
                       absl::StrCat("world 4 sp 2 full vs world 1 none, step ", s + 1));
+  }
+}
+
+// What a layer keeps is not part of the training state: a run checkpointed without
+// recomputation resumes with full recomputation (and back) onto the uninterrupted run's bits.
+TEST(RecomputeTest, ResumeWithAnotherModeContinuesTheSameBits) {
+  const std::string dir = ::testing::TempDir() + "/recompute_resume";
+  std::filesystem::remove_all(dir);
+  auto config = [&](int steps, ParallelismConfig::Recompute mode, bool resume) {
+    TrainConfig c = MeshConfig({2, 2, 1, 1, true}, steps);
+    c.mutable_debug()->set_parity_check(false);
+    c.mutable_parallelism()->set_recompute(mode);
+    c.mutable_checkpoint()->set_dir(dir);
+    c.mutable_checkpoint()->set_resume(resume);
+    return c;
+  };
+  TrainConfig uninterrupted = config(6, ParallelismConfig::none, false);
+  uninterrupted.mutable_checkpoint()->clear_dir();
+  const Ranks want = RunOrDie(uninterrupted);
+  RunOrDie(config(2, ParallelismConfig::none, false));
+  const Ranks second = RunOrDie(config(4, ParallelismConfig::full, true));
+  const Ranks third = RunOrDie(config(6, ParallelismConfig::selective, true));
+  ASSERT_FALSE(want.ranks.empty() || second.ranks.empty() || third.ranks.empty());
+  ASSERT_EQ(want.ranks[0].history.size(), 6u);
+  std::vector<StepMetrics> resumed = second.ranks[0].history;
+  resumed.insert(resumed.end(), third.ranks[0].history.begin(), third.ranks[0].history.end());
+  ASSERT_EQ(resumed.size(), 4u);
+  for (const StepMetrics& got : resumed) {
+    ExpectSameDisplay(got, want.ranks[0].history[got.step() - 1],
+                      absl::StrCat("resumed step ", got.step()));
   }
 }
 
