@@ -3,6 +3,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -14,6 +15,8 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <numeric>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -22,6 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "collectives/checked_communicator.h"
@@ -263,6 +267,21 @@ class MpiCommunicator final : public Communicator {
     CallMpi([&] { return MPI_Comm_rank(comm_, &rank_); });
     CallMpi([&] { return MPI_Comm_size(comm_, &size_); });
     CallMpi([&] { return MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN); });
+    // Each rank's MPI_COMM_WORLD rank, to name peers in messages.
+    world_rank_.resize(size_);
+    std::iota(world_rank_.begin(), world_rank_.end(), 0);
+    MPI_Group group, world;
+    if (CallMpi([&] { return MPI_Comm_group(comm_, &group); }) == MPI_SUCCESS) {
+      if (CallMpi([&] { return MPI_Comm_group(MPI_COMM_WORLD, &world); }) == MPI_SUCCESS) {
+        std::vector<int> mine(size_);
+        std::iota(mine.begin(), mine.end(), 0);
+        CallMpi([&] {
+          return MPI_Group_translate_ranks(group, size_, mine.data(), world, world_rank_.data());
+        });
+        CallMpi([&] { return MPI_Group_free(&world); });
+      }
+      CallMpi([&] { return MPI_Group_free(&group); });
+    }
     worker_ = std::thread([this] { WorkerLoop(); });
   }
 
@@ -278,6 +297,12 @@ class MpiCommunicator final : public Communicator {
     // A broken communicator may have requests in flight; freeing it could block or let
     // MPI touch freed state, so it is left to MPI_Finalize.
     if (!finalized && !broken_) CallMpi([&] { return MPI_Comm_free(&comm_); });
+    // Asks and answers may still be in flight towards a peer that is gone: their buffers
+    // outlive the communicator (moving a deque keeps its elements where they are).
+    if (!asks_.empty() || !answers_.empty()) {
+      new std::pair<std::deque<int64_t>, std::deque<std::array<int64_t, 3>>>(
+          std::move(asks_), std::move(answers_));
+    }
   }
 
   int rank() const override { return rank_; }
@@ -548,6 +573,134 @@ class MpiCommunicator final : public Communicator {
   // AVG is reduced as SUM and divided afterwards.
   static MPI_Op MpiOp(ReduceOp op) { return op == ReduceOp::kMax ? MPI_MAX : MPI_SUM; }
 
+  // ---- Where every rank is, for a timeout's message. ----
+  // A rank whose operation times out asks every other rank of the communicator where it is
+  // (point-to-point on this communicator, under tags no collective uses); each rank answers
+  // from its progress thread (when idle, and while it polls an operation) with the
+  // operation it is in or last ran. A rank that is stopped, dead or cut off does not answer.
+  static constexpr int kAskTag = 0x6773;
+  static constexpr int kAnswerTag = 0x6774;
+
+  // Answers the asks that have arrived. Never blocks on another thread answering.
+  void AnswerAsks() {
+    std::unique_lock<std::mutex> lock(board_mu_, std::try_to_lock);
+    if (lock.owns_lock()) AnswerAsksLocked();
+  }
+
+  // The caller holds board_mu_.
+  void AnswerAsksLocked() {
+    if (size_ <= 1) return;
+    for (int n = 0; n < size_; ++n) {  // at most one ask per peer per call
+      int flag = 0;
+      MPI_Status status;
+      if (CallMpi([&] { return MPI_Iprobe(MPI_ANY_SOURCE, kAskTag, comm_, &flag, &status); }) !=
+              MPI_SUCCESS ||
+          !flag) {
+        return;
+      }
+      const int from = status.MPI_SOURCE;
+      int64_t asked = 0;
+      if (CallMpi([&] {
+            return MPI_Recv(&asked, 1, MPI_INT64_T, from, kAskTag, comm_, MPI_STATUS_IGNORE);
+          }) != MPI_SUCCESS) {
+        return;
+      }
+      // Send buffers stay put (a deque never moves its elements) until the process ends;
+      // asks come only after a timeout, so there are few.
+      answers_.push_back({position_seq_.load(std::memory_order_relaxed),
+                          position_kind_.load(std::memory_order_relaxed),
+                          in_operation_.load(std::memory_order_acquire) ? 1 : 0});
+      MPI_Request req;
+      if (CallMpi([&] {
+            return MPI_Isend(answers_.back().data(), 3, MPI_INT64_T, from, kAnswerTag, comm_,
+                             &req);
+          }) == MPI_SUCCESS) {
+        CallMpi([&] { return MPI_Request_free(&req); });
+      }
+    }
+  }
+
+  // "; waited for rank 2 (...)": asks the other ranks where they are and waits up to a
+  // second for their answers. Empty for a communicator of one rank.
+  std::string WhereArePeers(int64_t seq) {
+    if (size_ <= 1) return "";
+    std::lock_guard<std::mutex> lock(board_mu_);
+    asks_.push_back(seq);
+    for (int q = 0; q < size_; ++q) {
+      if (q == rank_) continue;
+      MPI_Request req;
+      if (CallMpi([&] {
+            return MPI_Isend(&asks_.back(), 1, MPI_INT64_T, q, kAskTag, comm_, &req);
+          }) == MPI_SUCCESS) {
+        CallMpi([&] { return MPI_Request_free(&req); });
+      }
+    }
+    const absl::Duration grace =
+        std::clamp(options_.timeout / 4, absl::Milliseconds(200), absl::Seconds(1));
+    std::vector<std::optional<std::array<int64_t, 3>>> answer(size_);
+    int missing = size_ - 1;
+    for (const absl::Time end = absl::Now() + grace; missing > 0 && absl::Now() < end;) {
+      AnswerAsksLocked();  // a peer that timed out too asks us
+      int flag = 0;
+      MPI_Status status;
+      if (CallMpi([&] {
+            return MPI_Iprobe(MPI_ANY_SOURCE, kAnswerTag, comm_, &flag, &status);
+          }) != MPI_SUCCESS) {
+        break;
+      }
+      if (!flag) {
+        absl::SleepFor(absl::Milliseconds(1));
+        continue;
+      }
+      std::array<int64_t, 3> got;
+      const int from = status.MPI_SOURCE;
+      if (CallMpi([&] {
+            return MPI_Recv(got.data(), 3, MPI_INT64_T, from, kAnswerTag, comm_,
+                            MPI_STATUS_IGNORE);
+          }) != MPI_SUCCESS) {
+        break;
+      }
+      if (from >= 0 && from < size_ && !answer[from].has_value()) {
+        answer[from] = got;
+        --missing;
+      }
+    }
+    std::vector<std::string> waited, arrived;
+    for (int q = 0; q < size_; ++q) {
+      if (q == rank_) continue;
+      const std::string name = PeerName(q);
+      if (!answer[q].has_value()) {
+        waited.push_back(absl::StrCat(name, " (no answer within ", absl::FormatDuration(grace),
+                                      ": stopped, dead or unreachable)"));
+        continue;
+      }
+      const auto [peer_seq, peer_kind, busy] = *answer[q];
+      const std::string op = absl::StrFormat(
+          "mpi %s #%d", KindName(static_cast<Kind>(peer_kind)), peer_seq);
+      if (busy && peer_seq == seq) {
+        arrived.push_back(name);
+      } else if (busy) {
+        waited.push_back(absl::StrCat(name, " (in ", op, ")"));
+      } else if (peer_seq < 0) {
+        waited.push_back(absl::StrCat(name, " (in no operation of this communicator yet)"));
+      } else {
+        waited.push_back(absl::StrCat(name, " (in no operation; its last was ", op, ")"));
+      }
+    }
+    std::string text;
+    if (!waited.empty()) absl::StrAppend(&text, "; waited for ", absl::StrJoin(waited, ", "));
+    if (!arrived.empty()) {
+      absl::StrAppend(&text, "; in it too: ", absl::StrJoin(arrived, ", "));
+    }
+    return text;
+  }
+
+  // "rank 2", with its MPI_COMM_WORLD rank where that differs.
+  std::string PeerName(int q) const {
+    const int w = world_rank_[q];
+    return w == q ? absl::StrCat("rank ", q) : absl::StrCat("rank ", q, " (world rank ", w, ")");
+  }
+
   std::string Label(const OpContext& ctx) const {
     return absl::StrFormat("mpi %s #%d (rank %d of %d)", KindName(ctx.kind), ctx.seq, rank_,
                            size_);
@@ -626,7 +779,11 @@ class MpiCommunicator final : public Communicator {
     ctx.scratch = scratch_.get();
     ctx.blocking = blocking;
     if (blocking) Arm(seq, kind);
+    position_seq_.store(seq, std::memory_order_relaxed);
+    position_kind_.store(static_cast<int64_t>(kind), std::memory_order_relaxed);
+    in_operation_.store(true, std::memory_order_release);
     absl::Status status = fn(ctx);
+    in_operation_.store(false, std::memory_order_release);
     if (blocking) watch_deadline_ns_.store(0, std::memory_order_release);
     if (ctx.leak_scratch) {
       LeakForever(std::move(scratch_));
@@ -652,6 +809,7 @@ class MpiCommunicator final : public Communicator {
         while (!(stopping_ || (!queue_.empty() && !executing_))) {
           if (queue_cv_.wait_for(lock, watch_period_) == std::cv_status::timeout) {
             lock.unlock();
+            AnswerAsks();
             CheckWatchedCall();
             lock.lock();
           }
@@ -729,7 +887,7 @@ class MpiCommunicator final : public Communicator {
     const std::string message = absl::StrCat(
         "gradsum mpi backend: DEADLINE_EXCEEDED: ", Label(ctx),
         ": not every rank arrived within the timeout of ", absl::FormatDuration(options_.timeout),
-        " in a blocking call, which cannot be abandoned; ending the MPI job");
+        WhereArePeers(seq), " in a blocking call, which cannot be abandoned; ending the MPI job");
     std::fprintf(stderr, "%s\n", message.c_str());
     std::fflush(stderr);
     AbortMpiJob(kWatchdogExitCode);
@@ -764,12 +922,14 @@ class MpiCommunicator final : public Communicator {
       if (polls < 64) continue;  // the common case: no clock reads at all
       const absl::Time now = absl::Now();
       if (polls == 64) start = now;
+      if (polls % 256 == 0) AnswerAsks();
       if (now >= ctx.deadline) {
         ctx.breaks_comm = true;
         ctx.leak_scratch = true;  // the request stays in flight; MPI cannot cancel it
         return absl::DeadlineExceededError(absl::StrCat(
             Label(ctx), ": not every rank arrived within the timeout of ",
-            absl::FormatDuration(options_.timeout), "; the communicator is now unusable"));
+            absl::FormatDuration(options_.timeout), WhereArePeers(ctx.seq),
+            "; the communicator is now unusable"));
       }
       if (now - start > absl::Milliseconds(500)) {
         absl::SleepFor(absl::Microseconds(200));
@@ -817,6 +977,16 @@ class MpiCommunicator final : public Communicator {
   std::string broken_reason_;  // guarded by mu_
   // Used only by whoever holds executing_.
   std::unique_ptr<Scratch> scratch_;
+  // Where this rank is (the operation running or last run), for other ranks' asks.
+  std::atomic<int64_t> position_seq_{-1};
+  std::atomic<int64_t> position_kind_{0};
+  std::atomic<bool> in_operation_{false};
+  std::vector<int> world_rank_;  // this communicator's rank q -> MPI_COMM_WORLD rank
+  // One asker or answerer at a time; the send buffers of asks and answers (never freed: a
+  // send may be pending towards a peer that is gone).
+  std::mutex board_mu_;
+  std::deque<int64_t> asks_;                     // guarded by board_mu_
+  std::deque<std::array<int64_t, 3>> answers_;  // guarded by board_mu_
   std::thread worker_;
 };
 

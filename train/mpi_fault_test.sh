@@ -4,6 +4,9 @@
 # Faults come from the test-only hook GRADSUM_TEST_FAULT=MODE:RANK:STEP (train/fault_injection.h).
 # - stop: rank 1 is SIGSTOPped at step 2; rank 0 times out in its next collective (--timeout_s=3),
 #   reports DeadlineExceeded and aborts the job, which takes the stopped rank down too.
+#   The report names the peer it waited for: rank 1, which does not answer.
+# - stall: rank 1 sleeps at step 2 outside any collective; rank 0 times out and names rank 1
+#   with the last operation it ran (its progress thread answers).
 # - kill: rank 1 dies (SIGKILL) at step 2; the launcher ends the others.
 # - fail: rank 1 fails outside any collective at step 2; with a long collective timeout
 #   (--timeout_s=120) every rank still learns at once, at the step boundary, and rank 0
@@ -45,6 +48,15 @@ run_case() {  # run_case NAME FAULT TIMEOUT_S [extra args...]
 run_case stop stop:1:2 3
 grep -q "DEADLINE_EXCEEDED" "$tmp/stop.txt" || fail "stop: no DeadlineExceeded report: $(cat "$tmp/stop.txt")"
 grep -q "rank 0" "$tmp/stop.txt" || fail "stop: the report does not name rank 0: $(cat "$tmp/stop.txt")"
+# ... and the peer it waited for: stopped, it cannot answer where it is.
+grep -q "waited for rank 1 (no answer within" "$tmp/stop.txt" \
+  || fail "stop: the report does not name rank 1 as unanswering: $(cat "$tmp/stop.txt")"
+
+# stall: rank 1 sleeps outside any collective; its progress thread still answers, so rank 0
+# names it and the last operation it ran.
+run_case stall stall:1:2 3
+grep -qE "waited for rank 1 \(in no operation; its last was mpi [a-z_]+ #[0-9]+\)" "$tmp/stall.txt" \
+  || fail "stall: the report does not say where rank 1 is: $(cat "$tmp/stall.txt")"
 
 run_case kill kill:1:2 3
 
