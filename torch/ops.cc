@@ -549,7 +549,8 @@ PolicyLossOutput PolicyLoss(const at::Tensor& logits, const at::Tensor& labels,
       if (lab[t] == opt.ignore_index || (m != nullptr && m[t] == 0) || ns[t] < 1) continue;
       share += 1.0 / static_cast<double>(ns[t]);
     }
-    if (std::isfinite(s) && s < share * (1.0 - 1e-9)) {
+    // (A negative or non-finite S is left to the library, which names it as such.)
+    if (std::isfinite(s) && s >= 0.0 && s < share * (1.0 - 1e-9)) {
       throw StatusError(absl::FailedPreconditionError(absl::StrCat(
           "policy loss: global sequence count S = ", s, " is smaller than this call's share of "
           "sequences ", share, " (the sum of 1 / n_s over its valid tokens); S must count the "

@@ -337,6 +337,8 @@ class PolicyLossErrorsTest(unittest.TestCase):
         self.raises("not global_valid_tokens", n=3, global_sequences=2, **seq)
         self.raises("FAILED_PRECONDITION", "S = 1.5", "share of sequences 2", n=None,
                     global_sequences=1.5, **seq)
+        self.raises("INVALID_ARGUMENT", "S = -1 must be finite and >= 0", n=None,
+                    global_sequences=-1, **seq)
         self.raises("n_s = 0 at row 1", n=None, global_sequences=2,
                     aggregation="seq_mean_token_mean", sequence_valid_tokens=torch.tensor(
                         [2, 0, 1, 1]))
