@@ -97,6 +97,11 @@ class PolicyLossTest(unittest.TestCase):
         adv = torch.randn(t, generator=g)
         return logits, labels, old, adv, logp
 
+    def near(self, logp, spread):
+        """A float32 log-prob near `logp` (a ref_logprob)."""
+        noise = torch.randn(logp.shape, generator=self.gen, dtype=torch.float64) * spread
+        return (logp + noise).float()
+
     def check(self, logits, labels, old, adv, dtype=torch.float32, grad_tol=None, **kw):
         """Runs the op and the reference with the same arguments; returns the metrics."""
         op_kw = {k: v for k, v in kw.items() if k not in ("n", "s", "n_s", "ref")}
@@ -170,7 +175,7 @@ class PolicyLossTest(unittest.TestCase):
 
     def test_kl_estimators(self):
         logits, labels, old, adv, logp = self.batch()
-        ref = (logp + torch.randn(logp.shape, generator=self.gen, dtype=torch.float64) * 0.3).float()
+        ref = self.near(logp, 0.3)
         ref[0] = float(logp[0]) + 4.0  # k3 = e^4 - 5 > 10: clamped, no gradient
         labels[0] = labels[0].clamp(min=0)
         n = int((labels != IGNORE).sum())
@@ -190,7 +195,7 @@ class PolicyLossTest(unittest.TestCase):
         logits, labels, old, adv, logp = self.batch()
         mask = (torch.rand(labels.shape, generator=self.gen) > 0.2).to(torch.uint8)
         iw = torch.rand(labels.shape, generator=self.gen) * 2.5
-        ref = (logp + torch.randn(logp.shape, generator=self.gen, dtype=torch.float64) * 0.2).float()
+        ref = self.near(logp, 0.2)
         n = int(((labels != IGNORE) & (mask != 0)).sum()) + 7
         m = self.check(logits, labels, old, adv, n=n, mask=mask, is_weights=iw, ref=ref,
                        kl_coef=0.1, kl_estimator="k3", dual_clip_c=2.0, eps_high=0.28)
@@ -221,7 +226,7 @@ class PolicyLossTest(unittest.TestCase):
         mask = torch.ones(60, dtype=torch.uint8)
         mask[7:14] = 0  # a sequence with no valid token: not counted in S
         n_s, sequences = sequence_counts(labels, seq_ids, mask)
-        ref = (logp + torch.randn(logp.shape, generator=self.gen, dtype=torch.float64) * 0.2).float()
+        ref = self.near(logp, 0.2)
         for s in (float(sequences), sequences + 5.0):
             with self.subTest(s=s):
                 self.check(logits, labels, old, adv, aggregation="seq_mean_token_mean", s=s,
@@ -258,8 +263,8 @@ class PolicyLossTest(unittest.TestCase):
                         sequence_valid_tokens=torch.zeros(12, dtype=torch.int64))):
             with self.subTest(**{k: str(v) for k, v in kw.items()}):
                 x = logits.clone().requires_grad_()
-                loss, m = gt.policy_loss(x, labels, old, adv, mask=torch.zeros(12, dtype=torch.bool),
-                                         **kw)
+                none = torch.zeros(12, dtype=torch.bool)
+                loss, m = gt.policy_loss(x, labels, old, adv, mask=none, **kw)
                 loss.backward()
                 self.assertEqual(loss.item(), 0.0)
                 self.assertTrue(bool((x.grad == 0).all()))
