@@ -26,6 +26,12 @@
    forward + autograd.grad for reference. The best of the rounds (after a warm-up): a
    per-call cost that other processes' interference can only add to.
 
+4. The policy loss of §13 (gradsum_torch.policy_loss: PPO clip, dual clip, importance
+   weights and the k3 KL all on) against gradsum_torch.cross_entropy on the same leaf logits,
+   forward + autograd.grad, at a moderate PN x V = 1024 x 32768, f32 and bf16, rounds
+   alternating as in 1 (default allocator). Both ops are the same CE row kernel, the policy
+   one with a per-row gradient scale, so the ratio should be about 1.
+
 Prints the load average before and after. Threads: --threads for both torch
 (torch.set_num_threads) and gradsum (which uses torch's setting); 1 for part 3.
 """
@@ -45,6 +51,7 @@ import torch.nn.functional as F
 import gradsum_torch as gt
 
 N, V, DM = 4096, 32768, 512
+PN = 1024  # rows of part 4
 REUSE_ENV = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1000000000000"
 ALLOCATORS = (("default allocator", None),
               ("glibc keeps freed memory", {"GLIBC_TUNABLES": REUSE_ENV}))
@@ -100,6 +107,43 @@ def child_ce(args):
                      "gradsum_rounds_ms": [r * 1e3 for r in rounds["gradsum"]],
                      "loss_diff": abs(lt.item() - lg.item()), "grad_max_diff": diff}
         del x, lt, lg
+        gc.collect()
+    print(json.dumps(out))
+
+
+def child_policy(args):
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(3)
+    out = {}
+    for name, dtype in (("f32", torch.float32), ("bf16", torch.bfloat16)):
+        x = (torch.randn(PN, V, generator=gen) * 2).to(dtype).requires_grad_()
+        y = torch.randint(0, V, (PN,), generator=gen)
+        y[torch.rand(PN, generator=gen) < 0.1] = -100
+        n = float((y != -100).sum())
+        with torch.no_grad():  # ratios and KL around their usual values
+            logp = torch.log_softmax(x.float(), -1).gather(-1, y.clamp(min=0)[:, None])[:, 0]
+        old = logp + torch.randn(PN, generator=gen) * 0.3
+        ref = logp + torch.randn(PN, generator=gen) * 0.3
+        adv = torch.randn(PN, generator=gen)
+        iw = torch.rand(PN, generator=gen) * 2
+        del logp
+
+        def policy():
+            return gt.policy_loss(x, y, old, adv, n, is_weights=iw, ref_logprob=ref,
+                                  kl_coef=0.001)[0]
+
+        paths = {"ce": lambda: gt.cross_entropy(x, y, n), "policy": policy}
+        clip = gt.policy_loss(x.detach(), y, old, adv, n, is_weights=iw, ref_logprob=ref,
+                              kl_coef=0.001)[1]["clip_count"] / n
+        rounds = {k: [] for k in paths}
+        for _ in range(args.rounds):
+            for k, fn in paths.items():
+                rounds[k].append(statistics.median(fwd_bwd(fn, x) for _ in range(args.iters)))
+        out[name] = {"ce_ms": median_ms(rounds["ce"]), "policy_ms": median_ms(rounds["policy"]),
+                     "ce_rounds_ms": [r * 1e3 for r in rounds["ce"]],
+                     "policy_rounds_ms": [r * 1e3 for r in rounds["policy"]],
+                     "clip_fraction": clip}
+        del x
         gc.collect()
     print(json.dumps(out))
 
@@ -202,7 +246,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--skip", default="", help="comma list of ce,memory,overhead")
+    parser.add_argument("--skip", default="", help="comma list of ce,memory,overhead,policy")
     args = parser.parse_args()
     if args.child == "ce":
         return child_ce(args)
@@ -210,6 +254,8 @@ def main():
         return child_memory(args)
     if args.child == "overhead":
         return child_overhead(args)
+    if args.child == "policy":
+        return child_policy(args)
     skip = set(args.skip.split(","))
     print(f"load average at start: {load()}  (torch {torch.__version__}, threads "
           f"{args.threads}, rounds {args.rounds} x iters {args.iters})", flush=True)
@@ -242,6 +288,15 @@ def main():
                       f"{op:7.1f}  C++ kernel alone {kernel:7.1f}  overhead {extra:6.1f}  (op "
                       f"forward only, no_grad {fwd:6.1f}; torch F.cross_entropy fwd + grad "
                       f"{torch_us:7.1f})", flush=True)
+    if "policy" not in skip:
+        print(f"\n4. Policy loss against CE, forward + backward, {PN} x {V}, {args.threads} "
+              "threads, default allocator (median ms; ratio = policy / CE)")
+        for dtype, r in run_child("policy", args).items():
+            print(f"  {dtype:4s}: CE op {r['ce_ms']:7.1f}  policy op {r['policy_ms']:7.1f}  ratio "
+                  f"{r['policy_ms'] / r['ce_ms']:5.2f}x  (rounds CE "
+                  f"{[round(t, 1) for t in r['ce_rounds_ms']]}, policy "
+                  f"{[round(t, 1) for t in r['policy_rounds_ms']]}; clip fraction "
+                  f"{r['clip_fraction']:.2f}, load {load()})", flush=True)
     print(f"\nload average at end: {load()}")
 
 

@@ -10,6 +10,7 @@
 
 #include <exception>
 #include <string>
+#include <tuple>
 
 #include "absl/status/status.h"
 #include "torch/ops.h"
@@ -81,6 +82,45 @@ all ranks (gradsum_torch.dist.expert_counts), detached; top_k: K; num_micro_batc
 A micro-step with N == 0 contributes 0. Returns 0-dim float32.
 )doc";
 
+constexpr const char* kPolicyLossDoc = R"doc(
+The token-level policy loss of SEMANTICS.md §13 (gradsum_torch.policy_loss wraps this and
+returns the metrics as a dict): (loss, kl, kl_sum, valid_tokens, clip_count,
+dual_clip_count, ratio_sum, ratio_max, ratio_min).
+)doc";
+
+// gradsum_torch.policy_loss's kernel call: the loss and the metrics as a flat tuple.
+using PolicyLossTuple =
+    std::tuple<at::Tensor, double, double, int64_t, int64_t, int64_t, double, double, double>;
+
+PolicyLossTuple PolicyLossBinding(
+    const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& old_logprob,
+    const at::Tensor& advantages, c10::optional<double> global_valid_tokens,
+    const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& is_weights,
+    const c10::optional<at::Tensor>& ref_logprob, double eps_low, double eps_high,
+    double dual_clip_c, double kl_coef, const std::string& kl_estimator, double is_cap,
+    const std::string& aggregation, c10::optional<double> global_sequences,
+    const c10::optional<at::Tensor>& sequence_valid_tokens, int64_t ignore_index) {
+  PolicyLossArgs a;
+  a.mask = mask;
+  a.is_weights = is_weights;
+  a.ref_logprob = ref_logprob;
+  a.eps_low = eps_low;
+  a.eps_high = eps_high;
+  a.dual_clip_c = dual_clip_c;
+  a.kl_coef = kl_coef;
+  a.kl_estimator = kl_estimator;
+  a.is_cap = is_cap;
+  a.aggregation = aggregation;
+  a.global_valid_tokens = global_valid_tokens;
+  a.global_sequences = global_sequences;
+  a.sequence_valid_tokens = sequence_valid_tokens;
+  a.ignore_index = ignore_index;
+  const PolicyLossOutput out = PolicyLoss(logits, labels, old_logprob, advantages, a);
+  const losses::PolicyLossResult& r = out.metrics;
+  return {out.loss, r.local_kl_loss, r.local_kl_sum, r.local_valid_tokens,
+          r.clip_count, r.dual_clip_count, r.ratio_sum, r.ratio_max, r.ratio_min};
+}
+
 }  // namespace
 }  // namespace gradsum::torch_ops
 
@@ -140,6 +180,13 @@ PYBIND11_MODULE(_C, m) {
       py::arg("num_micro_batches") = 1, py::arg("alpha") = 0.001, py::kw_only(),
       py::arg("input_mask") = py::none(), py::arg("probs") = false, release,
       ops::kBalancingLossDoc);
+  m.def("_policy_loss", &ops::PolicyLossBinding, py::arg("logits"), py::arg("labels"),
+        py::arg("old_logprob"), py::arg("advantages"), py::arg("global_valid_tokens"),
+        py::arg("mask"), py::arg("is_weights"), py::arg("ref_logprob"), py::arg("eps_low"),
+        py::arg("eps_high"), py::arg("dual_clip_c"), py::arg("kl_coef"),
+        py::arg("kl_estimator"), py::arg("is_cap"), py::arg("aggregation"),
+        py::arg("global_sequences"), py::arg("sequence_valid_tokens"), py::arg("ignore_index"),
+        release, ops::kPolicyLossDoc);
   m.def("token_weights", &ops::TokenWeights, py::arg("labels"), py::arg("sample_ids") = py::none(),
         py::arg("mode") = "token", py::arg("ignore_index") = -100, release,
         "The per-token CE weights w_t of SEMANTICS.md §3 (float32, shaped like labels), "

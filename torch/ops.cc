@@ -16,6 +16,7 @@
 #include "core/tensor.h"
 #include "losses/cross_entropy.h"
 #include "losses/linear_cross_entropy.h"
+#include "losses/policy_loss.h"
 #include "losses/router_losses.h"
 #include "losses/step_stats.h"
 #include "losses/token_weights.h"
@@ -325,6 +326,76 @@ class LoadBalancingLossFunction : public torch::autograd::Function<LoadBalancing
   }
 };
 
+// ---- Token-level policy loss (§13). ----
+
+class PolicyLossFunction : public torch::autograd::Function<PolicyLossFunction> {
+ public:
+  // logits: contiguous [N, V]; labels: int64 [N]; old_logprob, advantages: f32 [N];
+  // mask (uint8), is_weights, ref_logprob (f32), seq_valid (int64 n_s): [N] or absent.
+  // `metrics` receives the call's result besides the loss.
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const OptTensor& labels,
+                            const OptTensor& old_logprob, const OptTensor& advantages,
+                            const OptTensor& mask, const OptTensor& is_weights,
+                            const OptTensor& ref_logprob, const OptTensor& seq_valid,
+                            const losses::PolicyLossOptions* opt, double n, double s,
+                            losses::PolicyLossResult* metrics) {
+    losses::PolicyLossInputs in;
+    in.labels = Span<int64_t>(labels);
+    in.old_logprob = Span<float>(old_logprob);
+    in.advantages = Span<float>(advantages);
+    in.mask = MaskSpan(mask);
+    in.is_weights = Span<float>(is_weights);
+    in.ref_logprob = Span<float>(ref_logprob);
+    losses::PolicyLossNormalizer norm;
+    norm.global_valid_tokens = n;
+    norm.global_sequences = s;
+    norm.sequence_valid_tokens = Span<int64_t>(seq_valid);
+    at::Tensor grad = EmptyOutput(logits);  // fully overwritten: invalid rows get zeros
+    *metrics = ValueOrThrow(losses::PolicyLossForwardBackward(View(logits), in, norm, View(grad),
+                                                              *opt));
+    ctx->save_for_backward({grad});
+    return Scalar(metrics->local_loss);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_output) {
+    return Grads({Scale(ctx->get_saved_variables()[0], grad_output[0])}, 12);
+  }
+};
+
+// A detached per-token float input shaped like the labels, as a contiguous f32 [N] tensor.
+at::Tensor FloatInput(const at::Tensor& t, at::IntArrayRef shape, absl::string_view op,
+                      absl::string_view what) {
+  CheckCpu(t, op, what);
+  if (!at::isFloatingType(t.scalar_type())) {
+    Fail(op, absl::StrCat(what, " must be floating, got ", Describe(t)));
+  }
+  if (t.sizes() != shape) {
+    Fail(op, absl::StrCat(what, " has shape ", c10::str(t.sizes()), ", expected ", c10::str(shape),
+                          " (the labels' shape)"));
+  }
+  return t.detach().to(at::kFloat).contiguous().view({-1});
+}
+
+OptTensor OptionalFloatInput(const OptTensor& t, at::IntArrayRef shape, absl::string_view op,
+                             absl::string_view what) {
+  if (!t.has_value()) return c10::nullopt;
+  return FloatInput(*t, shape, op, what);
+}
+
+losses::KlEstimator ParseKlEstimator(const std::string& name, absl::string_view op) {
+  if (name == "k1") return losses::KlEstimator::kK1;
+  if (name == "k2") return losses::KlEstimator::kK2;
+  if (name == "k3") return losses::KlEstimator::kK3;
+  Fail(op, absl::StrCat("unknown kl_estimator '", name, "' (k1, k2 or k3)"));
+}
+
+losses::PolicyLossAggregation ParseAggregation(const std::string& name, absl::string_view op) {
+  if (name == "token_mean") return losses::PolicyLossAggregation::kTokenMean;
+  if (name == "seq_mean_token_mean") return losses::PolicyLossAggregation::kSeqMeanTokenMean;
+  Fail(op, absl::StrCat("unknown aggregation '", name,
+                        "' (token_mean or seq_mean_token_mean)"));
+}
+
 // [T, E] router input as a contiguous f32 tensor (differentiable conversion).
 at::Tensor RouterInput(const at::Tensor& t, absl::string_view op, absl::string_view what) {
   CheckFloat(t, op, what);
@@ -405,6 +476,93 @@ at::Tensor LoadBalancingLoss(const at::Tensor& router_logits,
   return LoadBalancingLossFunction::apply(
       u, mask, OptTensor(counts), NarrowInt(top_k, kOp, "top_k"),
       NarrowInt(num_micro_batches, kOp, "num_micro_batches"), alpha, inputs_are_probs);
+}
+
+PolicyLossOutput PolicyLoss(const at::Tensor& logits, const at::Tensor& labels,
+                            const at::Tensor& old_logprob, const at::Tensor& advantages,
+                            const PolicyLossArgs& args) {
+  constexpr absl::string_view kOp = "policy_loss";
+  CheckFloat(logits, kOp, "logits");
+  if (logits.dim() < 1 || logits.size(-1) < 1) {
+    Fail(kOp, absl::StrCat("logits must be [..., V] with V >= 1, got ", Describe(logits)));
+  }
+  const at::IntArrayRef shape = logits.sizes().slice(0, logits.dim() - 1);
+  const at::Tensor y = IntegerInput(labels, shape, at::kLong, kOp, "labels",
+                                    "the logits' shape without its last dimension");
+  const at::Tensor old = FloatInput(old_logprob, shape, kOp, "old_logprob");
+  const at::Tensor adv = FloatInput(advantages, shape, kOp, "advantages");
+  const OptTensor iw = OptionalFloatInput(args.is_weights, shape, kOp, "is_weights");
+  const OptTensor ref = OptionalFloatInput(args.ref_logprob, shape, kOp, "ref_logprob");
+  OptTensor mask;
+  if (args.mask.has_value()) {
+    // Any non-zero value is valid, as in the library (a cast to uint8 could wrap 256 to 0).
+    mask = IntegerInput(*args.mask, shape, at::kLong, kOp, "mask", "the labels' shape")
+               .ne(0)
+               .to(at::kByte);
+  }
+
+  losses::PolicyLossOptions opt;
+  opt.eps_low = args.eps_low;
+  opt.eps_high = args.eps_high;
+  opt.dual_clip_c = args.dual_clip_c;
+  opt.kl_coef = args.kl_coef;
+  opt.kl_estimator = ParseKlEstimator(args.kl_estimator, kOp);
+  opt.is_cap = args.is_cap;
+  opt.aggregation = ParseAggregation(args.aggregation, kOp);
+  opt.ignore_index = args.ignore_index;
+  opt.num_threads = at::get_num_threads();
+
+  // The normalisers of the chosen aggregation, and only those: a value given for the other
+  // mode would be silently unused.
+  double n = 0.0;
+  double s = 0.0;
+  OptTensor seq_valid;
+  if (opt.aggregation == losses::PolicyLossAggregation::kTokenMean) {
+    if (!args.global_valid_tokens.has_value()) {
+      Fail(kOp, "aggregation token_mean needs global_valid_tokens (N, summed over all ranks and "
+                "micro-batches of the step)");
+    }
+    if (args.global_sequences.has_value() || args.sequence_valid_tokens.has_value()) {
+      Fail(kOp, "aggregation token_mean takes global_valid_tokens only, not global_sequences or "
+                "sequence_valid_tokens (those are for seq_mean_token_mean)");
+    }
+    n = *args.global_valid_tokens;
+  } else {
+    if (!args.global_sequences.has_value() || !args.sequence_valid_tokens.has_value()) {
+      Fail(kOp, "aggregation seq_mean_token_mean needs global_sequences (S) and "
+                "sequence_valid_tokens (n_s per token)");
+    }
+    if (args.global_valid_tokens.has_value()) {
+      Fail(kOp, "aggregation seq_mean_token_mean takes global_sequences and "
+                "sequence_valid_tokens, not global_valid_tokens (that is for token_mean)");
+    }
+    s = *args.global_sequences;
+    seq_valid = IntegerInput(*args.sequence_valid_tokens, shape, at::kLong, kOp,
+                             "sequence_valid_tokens", "the labels' shape");
+    // This call's share of S: its whole sequences count 1 each, a part of one less. An S
+    // below it is a local count where the global one belongs (the library checks S >= 1).
+    const int64_t* ns = seq_valid->data_ptr<int64_t>();
+    const int64_t* lab = y.data_ptr<int64_t>();
+    const uint8_t* m = mask.has_value() ? mask->data_ptr<uint8_t>() : nullptr;
+    double share = 0.0;
+    for (int64_t t = 0; t < y.numel(); ++t) {
+      if (lab[t] == opt.ignore_index || (m != nullptr && m[t] == 0) || ns[t] < 1) continue;
+      share += 1.0 / static_cast<double>(ns[t]);
+    }
+    // (A negative or non-finite S is left to the library, which names it as such.)
+    if (std::isfinite(s) && s >= 0.0 && s < share * (1.0 - 1e-9)) {
+      throw StatusError(absl::FailedPreconditionError(absl::StrCat(
+          "policy loss: global sequence count S = ", s, " is smaller than this call's share of "
+          "sequences ", share, " (the sum of 1 / n_s over its valid tokens); S must count the "
+          "sequences of all ranks and micro-batches of the step (SEMANTICS.md §13)")));
+    }
+  }
+
+  const at::Tensor z = logits.reshape({-1, logits.size(-1)}).contiguous();
+  PolicyLossOutput out;
+  out.loss = PolicyLossFunction::apply(z, OptTensor(y), OptTensor(old), OptTensor(adv), mask, iw,
+                                       ref, seq_valid, &opt, n, s, &out.metrics);
+  return out;
 }
 
 at::Tensor TokenWeights(const at::Tensor& labels, const c10::optional<at::Tensor>& sample_ids,

@@ -1,7 +1,8 @@
 #ifndef GRADSUM_TORCH_OPS_H_
 #define GRADSUM_TORCH_OPS_H_
 
-// gradsum's loss kernels as PyTorch autograd operations on CPU tensors (SEMANTICS.md §3-5).
+// gradsum's loss kernels as PyTorch autograd operations on CPU tensors (SEMANTICS.md §3-5,
+// §13).
 // The Python module `gradsum_torch` (module.cc) binds these; C++ code that uses libtorch can
 // call them directly.
 //
@@ -40,6 +41,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "losses/policy_loss.h"
 
 namespace gradsum::torch_ops {
 
@@ -99,6 +101,41 @@ at::Tensor LoadBalancingLoss(const at::Tensor& router_logits,
                              const at::Tensor& global_expert_counts, int64_t top_k,
                              int64_t num_micro_batches, double alpha,
                              const c10::optional<at::Tensor>& input_mask, bool inputs_are_probs);
+
+// The token-level policy loss of §13 (losses/policy_loss.h): everything but the logits is
+// detached. Optional per-token tensors are shaped like the labels.
+struct PolicyLossArgs {
+  c10::optional<at::Tensor> mask;         // 0 = not a valid token (bool or integer)
+  c10::optional<at::Tensor> is_weights;   // rollout importance weights iw_t (floating)
+  c10::optional<at::Tensor> ref_logprob;  // for the KL term (floating)
+  double eps_low = 0.2;
+  double eps_high = 0.2;
+  double dual_clip_c = 3.0;  // 0 disables the dual clip
+  double kl_coef = 0.0;
+  std::string kl_estimator = "k3";           // "k1", "k2" or "k3"
+  double is_cap = 2.0;                       // +inf: no truncation
+  std::string aggregation = "token_mean";    // or "seq_mean_token_mean"
+  // The detached global normalisers: N for token-mean; S and n_s per token (integer,
+  // shaped like the labels) for seq-mean-token-mean. The other mode's must be absent.
+  c10::optional<double> global_valid_tokens;
+  c10::optional<double> global_sequences;
+  c10::optional<at::Tensor> sequence_valid_tokens;
+  int64_t ignore_index = -100;
+};
+
+struct PolicyLossOutput {
+  at::Tensor loss;                   // 0-dim f32: L_pg[r, m], the KL part included
+  losses::PolicyLossResult metrics;  // this call's detached metrics (§13)
+};
+
+// L_pg[r, m] of §13 for logits [..., V] (f32 or bf16), integer labels [...] and float
+// old_logprob, advantages [...] (converted to f32). The fused kernel always computes the
+// gradient (there is no forward-only policy kernel); backward only scales it. Besides the
+// library's own checks, seq-mean-token-mean refuses an S smaller than this call's share of
+// sequences, sum over valid t of 1 / n_s (FailedPrecondition, as a local N is).
+PolicyLossOutput PolicyLoss(const at::Tensor& logits, const at::Tensor& labels,
+                            const at::Tensor& old_logprob, const at::Tensor& advantages,
+                            const PolicyLossArgs& args);
 
 // The w_t of §3 for one micro-batch (losses/token_weights.h): f32, shaped like `labels`.
 at::Tensor TokenWeights(const at::Tensor& labels, const c10::optional<at::Tensor>& sample_ids,

@@ -1,6 +1,6 @@
 """gradsum's losses for PyTorch: every loss term is a sum of rank-local components.
 
-Each op returns this rank's component of one micro-batch (SEMANTICS.md §3-5); the global
+Each op returns this rank's component of one micro-batch (SEMANTICS.md §3-5, §13); the global
 normalisers are detached numbers from one all_reduce before the step (gradsum_torch.dist),
 gradients are reduced by SUM (gradsum_torch.dist.sum_hook), and nothing divides by the
 world size. The reduced gradient then equals the single-process full-batch gradient.
@@ -17,6 +17,9 @@ op communicates):
   balancing_loss(router_logits, global_expert_counts, top_k, num_micro_batches=1,
                  alpha=0.001, *, input_mask, probs=False)
   token_weights(labels, sample_ids=None, mode="token"), count_expert_assignments(...)
+  policy_loss(logits, labels, old_logprob, advantages, global_valid_tokens, *, mask, ...)
+      -> (loss, metrics): the RL policy loss of §13 (PPO clip, dual clip, importance
+      weights, KL), its normalisers from dist.policy_stats
 Errors in the arguments raise ValueError with the library's message.
 
 Threads: torch.get_num_threads(), as torch's own CPU ops. Gradient buffers of 32 MiB and
@@ -35,6 +38,7 @@ from gradsum_torch._C import (  # noqa: F401
     token_weights,
     z_loss,
 )
+from gradsum_torch.policy import policy_loss  # noqa: F401
 from gradsum_torch import dist  # noqa: F401
 
 __all__ = [
@@ -44,6 +48,7 @@ __all__ = [
     "dist",
     "empty_cache",
     "linear_cross_entropy",
+    "policy_loss",
     "token_weights",
     "z_loss",
 ]

@@ -12,6 +12,9 @@ The PyTorch side of SEMANTICS.md §2-5, §7 and §8, over any process group (glo
   sum_gradients() does the same for parameters outside DDP.
 - global_sums(): the §8 display pipeline: one float64 SUM all_reduce of each term's
   detached local components gives the global value, the same on every rank.
+- policy_stats(): for the policy loss of §13, ONE float64 SUM all_reduce gives N (valid
+  tokens) and S (sequences with a valid token) of the step, and this rank's n_s per token;
+  policy_metrics() reduces the loss's metrics (SUM, and MAX / MIN for the ratio extremes).
 
     stats = dist.step_stats([(labels_m, sample_ids_m, mask_m) for m in range(G)], mode="sample")
     ddp.register_comm_hook(None, dist.sum_hook)
@@ -36,6 +39,7 @@ gradsum_torch never do.
 """
 
 import dataclasses
+import math
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -233,3 +237,143 @@ def global_sums(local_values: Dict[str, float],
     packed = torch.tensor([float(local_values[k]) for k in keys], dtype=torch.float64)
     dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
     return dict(zip(keys, packed.tolist()))
+
+
+# ---- The policy loss of SEMANTICS.md §13. ----
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyStats:
+    """The detached normalisers of the policy loss for one optimizer step (§13)."""
+
+    # G, the same on every rank (checked).
+    num_micro_batches: int
+    # N: valid tokens (label != ignore_index and mask != 0), all ranks and micro-batches.
+    global_valid_tokens: int
+    # S: sequences with at least one valid token, all ranks and micro-batches (0 when no
+    # sequence ids were given).
+    global_sequences: int
+    # This rank's shares.
+    local_valid_tokens: int
+    local_sequences: int
+    # Per micro-batch n_s (int64, shaped like its labels: the valid-token count of each
+    # token's sequence), or None without sequence ids: policy_loss's sequence_valid_tokens.
+    sequence_valid_tokens: List[Optional[torch.Tensor]]
+
+
+def _unpack_policy(micro_batch):
+    """(labels, sequence_ids, mask) from a labels tensor, a tuple or a dict."""
+    if isinstance(micro_batch, torch.Tensor):
+        return micro_batch, None, None
+    if isinstance(micro_batch, dict):
+        return (micro_batch["labels"], micro_batch.get("sequence_ids"),
+                micro_batch.get("mask"))
+    items = tuple(micro_batch) + (None, None)
+    return items[0], items[1], items[2]
+
+
+def _policy_local(micro_batches, ignore_index):
+    n_s, valid_total, seqs = [], 0, 0
+    with_ids = [_unpack_policy(mb)[1] is not None for mb in micro_batches]
+    if any(with_ids) and not all(with_ids):
+        raise ValueError("policy_stats: give sequence ids for every micro-batch or for none")
+    for m, mb in enumerate(micro_batches):
+        labels, seq_ids, mask = _unpack_policy(mb)
+        valid = labels != ignore_index
+        if mask is not None:
+            if mask.shape != labels.shape:
+                raise ValueError(f"policy_stats: micro-batch {m}: mask has shape "
+                                 f"{tuple(mask.shape)}, labels {tuple(labels.shape)}")
+            valid = valid & (mask != 0)
+        valid_total += int(valid.sum())
+        if seq_ids is None:
+            n_s.append(None)
+            continue
+        if seq_ids.shape != labels.shape or seq_ids.is_floating_point():
+            raise ValueError(f"policy_stats: micro-batch {m}: sequence_ids must be integer and "
+                             f"shaped like the labels {tuple(labels.shape)}, got "
+                             f"{seq_ids.dtype}{tuple(seq_ids.shape)}")
+        ids, inverse = torch.unique(seq_ids.reshape(-1), return_inverse=True)
+        counts = torch.zeros(ids.numel(), dtype=torch.int64).index_add_(
+            0, inverse, valid.reshape(-1).to(torch.int64))
+        n_s.append(counts[inverse].reshape(labels.shape))
+        seqs += int((counts > 0).sum())
+    return n_s, valid_total, seqs, any(with_ids)
+
+
+def policy_stats(micro_batches: Sequence, group: Optional[dist.ProcessGroup] = None,
+                 ignore_index: int = -100) -> PolicyStats:
+    """N, S and n_s of the step for gradsum_torch.policy_loss: ONE float64 SUM all_reduce.
+
+    micro_batches: this rank's G micro-batches, each a labels tensor, a tuple
+    (labels, sequence_ids, mask) or a dict with those keys. A token is valid when its label
+    is not ignore_index and its mask (None = all 1) is not 0, as in policy_loss.
+    sequence_ids (integer, shaped like the labels; None: token-mean only) name the
+    sequences within one micro-batch: equal id = same sequence. A sequence must lie whole in
+    one micro-batch of one rank (no sequence parallelism in the binding); n_s counts its
+    valid tokens. Collective: every rank of the group calls it with the same G, and with
+    sequence ids on every rank or on none.
+    """
+    error = None
+    try:
+        if len(micro_batches) == 0:
+            raise ValueError("policy_stats: no micro-batches")
+        n_s, valid, seqs, has_ids = _policy_local(micro_batches, ignore_index)
+    except (ValueError, TypeError, KeyError) as e:
+        error, n_s, valid, seqs, has_ids = e, [], 0, 0, False
+    g = len(micro_batches)
+    # [N, S, G, G^2, ranks, ranks with ids, failed ranks]: equal G everywhere iff
+    # (sum G)^2 == ranks * sum G^2.
+    packed = torch.tensor([valid, seqs, g, g * g, 1, 1 if has_ids else 0,
+                           0 if error is None else 1], dtype=torch.float64)
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    n_valid, n_seqs, sum_g, sum_g2, ranks, ranks_ids, failed = packed.tolist()
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError(f"policy_stats: {int(failed)} other rank(s) passed invalid micro-batches")
+    if sum_g * sum_g != ranks * sum_g2:
+        raise ValueError(f"policy_stats: ranks disagree on the number of micro-batches (this "
+                         f"rank has {g}, the mean is {sum_g / ranks})")
+    if ranks_ids not in (0, ranks):
+        raise ValueError(f"policy_stats: {int(ranks_ids)} of {int(ranks)} ranks gave sequence "
+                         "ids; give them on every rank or on none")
+    if n_valid >= _EXACT_LIMIT:
+        raise OverflowError("policy_stats: the global valid-token count reached 2^53")
+    return PolicyStats(num_micro_batches=g, global_valid_tokens=int(n_valid),
+                       global_sequences=int(n_seqs), local_valid_tokens=valid,
+                       local_sequences=seqs, sequence_valid_tokens=n_s)
+
+
+_POLICY_SUMS = ("kl", "kl_sum", "valid_tokens", "clip_count", "dual_clip_count", "ratio_sum")
+
+
+def policy_metrics(metrics: Sequence[Dict[str, float]],
+                   group: Optional[dist.ProcessGroup] = None) -> Dict[str, float]:
+    """The global policy-loss metrics of the step from this rank's per-micro-batch dicts
+    (policy_loss's second result): one float64 SUM all_reduce and one MAX all_reduce (the
+    minimum sent negated), as the display pipeline of §8 reduces them.
+
+    Returns the summed "kl", "kl_sum", "valid_tokens", "clip_count", "dual_clip_count",
+    "ratio_sum"; "ratio_max" and "ratio_min" over the valid tokens; "clip_fraction",
+    "dual_clip_fraction" and "mean_ratio" per valid token. All 0 with no valid token.
+    Collective: every rank calls it (with an empty list if it has no micro-batch).
+    """
+    sums = torch.tensor([sum(float(m[k]) for m in metrics) for k in _POLICY_SUMS],
+                        dtype=torch.float64)
+    # A micro-batch without valid tokens has no ratio: it must not pull the max down.
+    with_tokens = [m for m in metrics if m["valid_tokens"] > 0]
+    extremes = torch.tensor([max((m["ratio_max"] for m in with_tokens), default=-math.inf),
+                             max((-m["ratio_min"] for m in with_tokens), default=-math.inf)],
+                            dtype=torch.float64)
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    out = dict(zip(_POLICY_SUMS, sums.tolist()))
+    n = out["valid_tokens"]
+    hi, neg_lo = extremes.tolist()
+    out["ratio_max"] = hi if n > 0 else 0.0
+    out["ratio_min"] = -neg_lo if n > 0 else 0.0
+    for name, key in (("clip_fraction", "clip_count"), ("dual_clip_fraction", "dual_clip_count"),
+                      ("mean_ratio", "ratio_sum")):
+        out[name] = out[key] / n if n > 0 else 0.0
+    return out
