@@ -83,6 +83,8 @@ class CpuOps : public ModelOps {
     layer_config_.top_k = m.top_k;
     layer_config_.norm_topk_prob = m.norm_topk_prob;
     layer_config_.router_scale = m.router_scale;
+    layer_config_.score =
+        m.router_sigmoid ? moe::RouterScore::kSigmoid : moe::RouterScore::kSoftmax;
     local_experts_ = m.experts / comms.ep_group->size();
     layer_state_.resize(m.layers);
     for (moe::MoeLayerState& s : layer_state_) s.scratch = &dispatch_scratch_;
@@ -564,6 +566,7 @@ class CpuOps : public ModelOps {
     const int64_t block = local_experts_ * D * config_.expert_dim;
     moe::MoeLayerWeights out;
     out.router = absl::MakeConstSpan(w.router, D * E);
+    if (w.expert_bias != nullptr) out.expert_bias = absl::MakeConstSpan(w.expert_bias, E);
     out.local_experts.gate = absl::MakeConstSpan(w.local_experts, block);
     out.local_experts.up = absl::MakeConstSpan(w.local_experts + block, block);
     out.local_experts.down = absl::MakeConstSpan(w.local_experts + 2 * block, block);

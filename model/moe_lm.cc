@@ -1,6 +1,7 @@
 #include "model/moe_lm.h"
 
 #include <algorithm>
+#include <cmath>
 #include <tuple>
 #include <utility>
 
@@ -73,7 +74,61 @@ absl::StatusOr<std::unique_ptr<MoeLmModel>> MoeLmModel::Create(const MoeLmSpec& 
   model->params_ = params;
   model->ops_ = std::move(ops);
   model->recompute_ = recompute;
+  if (spec.config().expert_bias_speed > 0) {
+    model->expert_bias_.assign(spec.config().layers,
+                               std::vector<float>(spec.config().experts, 0.0f));
+  }
   return model;
+}
+
+absl::Status MoeLmModel::SetExpertBias(ExpertBias bias) {
+  const MoeLmConfig& m = spec_.config();
+  if (bias.empty()) {
+    expert_bias_.clear();
+    if (m.expert_bias_speed > 0) {
+      expert_bias_.assign(m.layers, std::vector<float>(m.experts, 0.0f));
+    }
+    return absl::OkStatus();
+  }
+  if (static_cast<int>(bias.size()) != m.layers) {
+    return absl::InvalidArgumentError(absl::StrCat("expert bias of ", bias.size(),
+                                                   " layers for a model of ", m.layers));
+  }
+  for (int l = 0; l < m.layers; ++l) {
+    if (static_cast<int>(bias[l].size()) != m.experts) {
+      return absl::InvalidArgumentError(absl::StrCat("expert bias of layer ", l, " has ",
+                                                     bias[l].size(), " values, the model ",
+                                                     m.experts, " experts"));
+    }
+    for (int e = 0; e < m.experts; ++e) {
+      if (!std::isfinite(bias[l][e])) {
+        return absl::InvalidArgumentError(absl::StrCat("expert bias of layer ", l, ", expert ",
+                                                       e, " is not finite (", bias[l][e], ")"));
+      }
+    }
+  }
+  expert_bias_ = std::move(bias);
+  return absl::OkStatus();
+}
+
+void MoeLmModel::UpdateExpertBias() {
+  const MoeLmConfig& m = spec_.config();
+  if (m.expert_bias_speed > 0 && !step_expert_counts_.empty()) {
+    // u rounded to fp32 once; the sign decided in integers (sum_e c - E c_e has the sign of
+    // mean_e c - c_e), so the update is exact and mesh-independent.
+    const float u = static_cast<float>(m.expert_bias_speed);
+    for (int l = 0; l < m.layers; ++l) {
+      const std::vector<int64_t>& c = step_expert_counts_[l];
+      int64_t total = 0;
+      for (int64_t v : c) total += v;
+      for (int e = 0; e < m.experts; ++e) {
+        const int64_t diff = total - int64_t{m.experts} * c[e];
+        if (diff > 0) expert_bias_[l][e] += u;
+        if (diff < 0) expert_bias_[l][e] -= u;
+      }
+    }
+  }
+  step_expert_counts_.clear();
 }
 
 absl::Status MoeLmModel::RegisterDisplayTerms(losses::StepDisplay* display) {
@@ -165,6 +220,7 @@ MoeWeights MoeLmModel::LayerWeights(int l) {
   MoeWeights w;
   w.router = params_->Values(spec_.router(l));
   w.local_experts = params_->LocalExperts(l);
+  if (!expert_bias_.empty()) w.expert_bias = expert_bias_[l].data();
   return w;
 }
 
@@ -396,6 +452,21 @@ absl::StatusOr<MicroBatchLosses> MoeLmModel::ForwardBackward(const TokenBatch& b
   if (!terms.ok()) {
     ops_->Abandon();
     return terms.status();
+  }
+  if (m.expert_bias_speed > 0) {
+    // §5.1: this training forward's global counts join the step's (once per micro-batch;
+    // a recomputation in backward reduced and added none).
+    if (step_expert_counts_.empty()) {
+      step_expert_counts_.assign(m.layers, std::vector<int64_t>(m.experts, 0));
+    }
+    for (int l = 0; l < m.layers; ++l) {
+      const std::vector<int64_t>& c = terms->global_expert_counts[l];
+      if (static_cast<int>(c.size()) != m.experts) {
+        return absl::InternalError(absl::StrCat("layer ", l, " returned ", c.size(),
+                                                " expert counts for ", m.experts, " experts"));
+      }
+      for (int e = 0; e < m.experts; ++e) step_expert_counts_[l][e] += c[e];
+    }
   }
   if (display != nullptr) {
     for (int l = 0; l < m.layers; ++l) {

@@ -85,6 +85,9 @@ enum class Recompute {
 // "none", "selective", "full".
 const char* RecomputeName(Recompute r);
 
+// The per-layer expert bias of SEMANTICS.md §5.1, [L][E] fp32.
+using ExpertBias = std::vector<std::vector<float>>;
+
 class MoeLmModel {
  public:
   // `params` is not owned and must outlive the model. InvalidArgument for a null argument
@@ -111,6 +114,19 @@ class MoeLmModel {
   static absl::Status RegisterDisplayTerms(losses::StepDisplay* display);
 
   const MoeLmSpec& spec() const { return spec_; }
+
+  // ---- The expert bias (SEMANTICS.md §5.1): model state, not a parameter. ----
+  // [L][E], or empty when the model holds none (expert_bias_speed = 0 and none was set):
+  // routing is then §10's. With expert_bias_speed > 0 it starts at 0.
+  const ExpertBias& expert_bias() const { return expert_bias_; }
+  // Sets it (a checkpoint's, or an --init_from file's): [L][E] finite values, or empty for
+  // none (zeros when expert_bias_speed > 0). InvalidArgument naming the shape or the value.
+  absl::Status SetExpertBias(ExpertBias bias);
+  // The step's end, once per optimizer step after its last ForwardBackward: b[l][e] +=
+  // u * sign(mean_e c[l, e] - c[l, e]) with c the global counts of the step's training
+  // forwards (each ForwardBackward's, summed; a recomputation adds none), then the counts
+  // restart. Nothing collective: every rank has the same counts. A no-op when u = 0.
+  void UpdateExpertBias();
 
   // The most activation bytes held at once since the last call, and resets it: the
   // DeviceArrays this model keeps between micro-batches (their sizes) plus what the ops
@@ -143,6 +159,9 @@ class MoeLmModel {
   ModelParams* params_ = nullptr;
   std::unique_ptr<ModelOps> ops_;
   Recompute recompute_ = Recompute::kNone;
+  // §5.1: the bias [L][E] (empty: none), and the step's global counts so far [L][E].
+  ExpertBias expert_bias_;
+  std::vector<std::vector<int64_t>> step_expert_counts_;
 
   // Activations in the device's memory, kept across micro-batches.
   using Array = std::unique_ptr<DeviceArray>;

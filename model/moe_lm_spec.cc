@@ -1,5 +1,6 @@
 #include "model/moe_lm_spec.h"
 
+#include <cmath>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -35,6 +36,16 @@ absl::StatusOr<MoeLmSpec> MoeLmSpec::Create(const MoeLmConfig& m) {
   if (m.top_k > m.experts) {
     return absl::InvalidArgumentError(
         absl::StrCat("model.top_k=", m.top_k, ": exceeds model.experts=", m.experts));
+  }
+  if (!(std::isfinite(m.expert_bias_speed) && m.expert_bias_speed >= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "expert_bias_speed=", m.expert_bias_speed, ": must be >= 0 and finite (0 = off)"));
+  }
+  if (m.router_sigmoid && m.alpha_b != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "router_score=sigmoid with alpha_b=", m.alpha_b,
+        ": the balancing loss (SEMANTICS.md §5) is defined on softmax probabilities; set "
+        "alpha_b=0 (balance with expert_bias_speed, §5.1)"));
   }
   if (m.attention) {
     if (m.n_heads < 1 || m.n_kv_heads < 1) {

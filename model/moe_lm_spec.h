@@ -51,6 +51,11 @@ struct MoeLmConfig {
   double label_smoothing = 0.0;
   double logit_softcap = 0.0;
   double alpha_lse = 0.0;
+  // Aux-loss-free balancing (§5.1): sigmoid router scores instead of softmax (needs
+  // alpha_b = 0), and the expert bias's update speed u per step (0 = off, the default: no
+  // bias is held unless one is set, and routing is §10's bit for bit).
+  bool router_sigmoid = false;
+  double expert_bias_speed = 0.0;
 };
 
 // How a parameter starts (InitialParameters).

@@ -62,7 +62,8 @@ absl::Status MoeLayerForward(Communicator& ep_group, const MoeLayerConfig& confi
                              MoeLayerState* state) {
   if (state == nullptr) return absl::InvalidArgumentError("MoE layer state must not be null");
   GRADSUM_RETURN_IF_ERROR(ValidateDispatchConfig(config.dispatch(), ep_group.size()));
-  GRADSUM_ASSIGN_OR_RETURN(state->route, RouterForward(config.router(), a, weights.router, mask));
+  GRADSUM_ASSIGN_OR_RETURN(state->route, RouterForward(config.router(), a, weights.router, mask,
+                                                         weights.expert_bias));
   DispatchConfig dispatch = config.dispatch();
   dispatch.scratch = state->scratch;
   if (config.row_block > 0) {

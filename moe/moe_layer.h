@@ -41,6 +41,7 @@ struct MoeLayerConfig {
   int top_k = 0;        // K
   bool norm_topk_prob = false;
   float router_scale = 1.0f;
+  RouterScore score = RouterScore::kSoftmax;  // softmax or sigmoid scores (§10, §5.1)
   // Reproducible mode (docs/REPRODUCIBILITY.md): when > 0, the tokens are consecutive
   // blocks of row_block rows (moe_lm: packed sequences), the same number on every EP rank.
   // The router computes per block (RouterConfig::row_block), and every expert computes
@@ -54,6 +55,7 @@ struct MoeLayerConfig {
                         .top_k = top_k,
                         .norm_topk_prob = norm_topk_prob,
                         .router_scale = router_scale,
+                        .score = score,
                         .row_block = row_block};
   }
   DispatchConfig dispatch() const {
@@ -65,6 +67,9 @@ struct MoeLayerConfig {
 struct MoeLayerWeights {
   absl::Span<const float> router;  // Wr [D, E], identical on every rank
   ExpertWeights local_experts;     // this EP rank's E / P experts, stacked
+  // The layer's expert bias [E] (SEMANTICS.md §5.1: selection only; state, not a
+  // parameter, identical on every rank), or empty for none.
+  absl::Span<const float> expert_bias;
 };
 
 // Accumulated (+=).

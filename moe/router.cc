@@ -48,6 +48,16 @@ int GemmThreads(const RouterConfig& config) {
 
 }  // namespace
 
+const char* RouterScoreName(RouterScore score) {
+  switch (score) {
+    case RouterScore::kSoftmax:
+      return "softmax";
+    case RouterScore::kSigmoid:
+      return "sigmoid";
+  }
+  return "unknown";
+}
+
 absl::Status ValidateRouterConfig(const RouterConfig& config) {
   if (config.d_model < 1) {
     return absl::InvalidArgumentError(
@@ -74,11 +84,22 @@ absl::Status ValidateRouterConfig(const RouterConfig& config) {
 
 absl::StatusOr<RouterOutput> RouterForward(const RouterConfig& config, absl::Span<const float> a,
                                            absl::Span<const float> router_weight,
-                                           absl::Span<const uint8_t> mask) {
+                                           absl::Span<const uint8_t> mask,
+                                           absl::Span<const float> expert_bias) {
   GRADSUM_ASSIGN_OR_RETURN(const int64_t T, CheckInputs(config, a, router_weight));
   const int64_t D = config.d_model;
   const int E = config.num_experts;
   const int K = config.top_k;
+  const bool sigmoid = config.score == RouterScore::kSigmoid;
+  if (!expert_bias.empty()) {
+    GRADSUM_RETURN_IF_ERROR(internal::CheckSize("expert bias", expert_bias.size(), E, "[E]"));
+    for (int e = 0; e < E; ++e) {
+      if (!std::isfinite(expert_bias[e])) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("expert bias[", e, "] is not finite (", expert_bias[e], ")"));
+      }
+    }
+  }
   if (!mask.empty()) {
     GRADSUM_RETURN_IF_ERROR(internal::CheckSize("router mask", mask.size(), T, "[T]"));
     for (int64_t t = 0; t < T; ++t) {
@@ -113,6 +134,7 @@ absl::StatusOr<RouterOutput> RouterForward(const RouterConfig& config, absl::Spa
   // Pass 1, in token order (the first bad logit is the one reported): check the logits,
   // zero the padding rows' logits, and write u - max(u) into p (-inf for padding, so its
   // probabilities come out 0). Pass 2: one vectorised exp over all of p (core/vec_math.h).
+  // Sigmoid scores: pass 1 checks, pass 2 is one vectorised sigmoid of the routed rows.
   for (int64_t t = 0; t < T; ++t) {
     float* u = &out.logits[t * E];
     float* p = &out.probs[t * E];
@@ -129,31 +151,52 @@ absl::StatusOr<RouterOutput> RouterForward(const RouterConfig& config, absl::Spa
       }
       max_u = std::max(max_u, u[e]);
     }
-    for (int e = 0; e < E; ++e) p[e] = u[e] - max_u;
+    if (!sigmoid) {
+      for (int e = 0; e < E; ++e) p[e] = u[e] - max_u;
+    }
   }
-  vec::Exp(out.probs.data(), out.probs.data(), T * E);
+  if (sigmoid) {
+    for (int64_t t = 0; t < T; ++t) {
+      if (out.routed[t]) {
+        vec::Sigmoid(&out.logits[t * E], &out.probs[t * E], E);
+      } else {
+        std::fill(&out.probs[t * E], &out.probs[t * E] + E, 0.0f);
+      }
+    }
+  } else {
+    vec::Exp(out.probs.data(), out.probs.data(), T * E);
+  }
 
   std::vector<int> order(E);
+  std::vector<float> biased(expert_bias.empty() ? 0 : E);
   for (int64_t t = 0; t < T; ++t) {
     if (!out.routed[t]) continue;
     ++out.local_routed_tokens;
     float* p = &out.probs[t * E];
-    double z = 0.0;
-    for (int e = 0; e < E; ++e) z += p[e];
-    const float inv_z = static_cast<float>(1.0 / z);
-    for (int e = 0; e < E; ++e) {
-      p[e] *= inv_z;
-      out.local_gating_sums[e] += p[e];
+    if (!sigmoid) {
+      double z = 0.0;
+      for (int e = 0; e < E; ++e) z += p[e];
+      const float inv_z = static_cast<float>(1.0 / z);
+      for (int e = 0; e < E; ++e) p[e] *= inv_z;
     }
+    for (int e = 0; e < E; ++e) out.local_gating_sums[e] += p[e];
 
-    // Top-K by p, descending; equal p: lower expert index first (SEMANTICS.md §10).
+    // Top-K by p (+ the bias, §5.1), descending; equal: lower expert index first (§10).
+    const float* key = p;
+    if (!expert_bias.empty()) {
+      for (int e = 0; e < E; ++e) biased[e] = p[e] + expert_bias[e];
+      key = biased.data();
+    }
     std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + K, order.end(),
-                      [p](int x, int y) { return p[x] > p[y] || (p[x] == p[y] && x < y); });
+    std::partial_sort(order.begin(), order.begin() + K, order.end(), [key](int x, int y) {
+      return key[x] > key[y] || (key[x] == key[y] && x < y);
+    });
     double topk_sum = 0.0;
     for (int k = 0; k < K; ++k) topk_sum += p[order[k]];
-    // topk_sum >= max_e p >= 1/E > 0, so the division is safe.
-    const double norm = config.norm_topk_prob ? 1.0 / topk_sum : 1.0;
+    // Unbiased softmax selection: topk_sum >= max_e p >= 1/E > 0. A bias or sigmoid scores
+    // may pick scores that all round to 0: then the weights are 0, not NaN.
+    const double norm =
+        !config.norm_topk_prob ? 1.0 : (topk_sum > 0.0 ? 1.0 / topk_sum : 0.0);
     for (int k = 0; k < K; ++k) {
       const int e = order[k];
       out.expert_index[t * K + k] = e;
@@ -224,17 +267,21 @@ absl::Status RouterBackward(const RouterConfig& config, absl::Span<const float> 
           z += p[idx[k]];
           dw_dot_q += static_cast<double>(dw[k]) * p[idx[k]];
         }
-        for (int k = 0; k < K; ++k) dp[idx[k]] += scale / z * (dw[k] - dw_dot_q / z);
+        // Z = 0 (forward's weights were 0, see RouterForward): no gradient.
+        for (int k = 0; k < K && z > 0.0; ++k) dp[idx[k]] += scale / z * (dw[k] - dw_dot_q / z);
       } else {
         for (int k = 0; k < K; ++k) dp[idx[k]] += scale * dw[k];
       }
     }
-    // Softmax Jacobian: du_e = p_e (dp_e - sum_j p_j dp_j).
+    // Softmax Jacobian: du_e = p_e (dp_e - sum_j p_j dp_j); sigmoid: du_e = p_e (1 - p_e) dp_e.
+    const bool sigmoid = config.score == RouterScore::kSigmoid;
     double p_dot_dp = 0.0;
-    for (int e = 0; e < E; ++e) p_dot_dp += p[e] * dp[e];
+    if (!sigmoid) {
+      for (int e = 0; e < E; ++e) p_dot_dp += p[e] * dp[e];
+    }
     float* du_t = &du[t * E];
     for (int e = 0; e < E; ++e) {
-      double g = p[e] * (dp[e] - p_dot_dp);
+      double g = sigmoid ? p[e] * (1.0 - p[e]) * dp[e] : p[e] * (dp[e] - p_dot_dp);
       if (!grads.d_logits.empty()) g += grads.d_logits[t * E + e];
       du_t[e] = static_cast<float>(g);
     }

@@ -1,13 +1,18 @@
 #ifndef GRADSUM_MOE_ROUTER_H_
 #define GRADSUM_MOE_ROUTER_H_
 
-// The MoE router of SEMANTICS.md §10: fp32 logits, full softmax, top-K, optional
-// renormalisation of the top-K weights, router_scale; forward and backward.
+// The MoE router of SEMANTICS.md §10: fp32 logits, full softmax (or sigmoid) scores, top-K,
+// optional renormalisation of the top-K weights, router_scale; forward and backward.
 //
 //   u_t = a_t @ Wr                         (a: [T, D], Wr: [D, E], fp32)
-//   p_t = softmax(u_t)                     (all E experts, before top-K)
-//   i_1..i_K = the K largest p_t[e]        (descending; equal p: lower expert index first)
+//   p_t = softmax(u_t)                     (all E experts, before top-K; RouterScore::kSigmoid:
+//                                           p_t[e] = sigmoid(u_t[e]))
+//   i_1..i_K = the K largest p_t[e] + b[e] (descending; equal: lower expert index first;
+//                                           b = the expert bias of §5.1, 0 when none is given)
 //   w_k = p_t[i_k]; if norm_topk_prob: w_k /= sum_k p_t[i_k]; w_k *= router_scale
+//
+// The bias moves the selection only: the weights w_k are of the unbiased scores, and no
+// gradient reaches b (it is state updated from the counts, SEMANTICS.md §5.1).
 //
 // Padding tokens (mask 0) are not routed: expert index -1, combine weight 0, and their rows
 // of `logits` and `probs` are zero. They contribute nothing to the routing statistics
@@ -33,12 +38,22 @@
 
 namespace gradsum::moe {
 
+// How the router scores experts (SEMANTICS.md §10, §5.1).
+enum class RouterScore {
+  kSoftmax,  // p = softmax(u) over the E experts (the default)
+  kSigmoid,  // p[e] = sigmoid(u[e]) (DeepSeek-V3); the balancing loss of §5 is undefined
+};
+
+// "softmax", "sigmoid".
+const char* RouterScoreName(RouterScore score);
+
 struct RouterConfig {
   int64_t d_model = 0;          // D, width of the router input a
   int num_experts = 0;          // E
   int top_k = 0;                // K, 1 <= K <= E
   bool norm_topk_prob = false;  // divide the top-K weights by their sum
   float router_scale = 1.0f;    // multiplies the (renormalised) top-K weights; finite
+  RouterScore score = RouterScore::kSoftmax;
   // Reproducible mode (docs/REPRODUCIBILITY.md): when > 0, the token rows are taken in
   // consecutive blocks of row_block rows (the last may be shorter; moe_lm: one packed
   // sequence each) and every GEMM runs per block, single-threaded (blocks spread over the
@@ -58,7 +73,8 @@ struct RouterOutput {
   int num_experts = 0;                // E
   int top_k = 0;                      // K
   std::vector<float> logits;          // [T, E] u (fp32; for the z-loss, §4); 0 on padding rows
-  std::vector<float> probs;           // [T, E] p = softmax(u) (for §5); 0 on padding rows
+  std::vector<float> probs;           // [T, E] p = softmax(u) (for §5), or sigmoid(u); 0 on
+                                      // padding rows
   std::vector<int32_t> expert_index;  // [T, K] chosen experts, descending p; -1 on padding
   std::vector<float> combine_weight;  // [T, K] w_k; 0 on padding
   std::vector<uint8_t> routed;        // [T] 1 for a routed token, 0 for padding
@@ -71,13 +87,15 @@ struct RouterOutput {
 
 // Routes T = a.size() / D tokens.
 // `a`: [T, D]; `router_weight` (Wr): [D, E]; `mask`: [T] with 1 = routed, 0 = padding,
-// or empty for "all tokens routed".
+// or empty for "all tokens routed"; `expert_bias`: [E], added to the scores for the top-K
+// selection only (SEMANTICS.md §5.1), or empty for none (the selection of §10, bit for bit).
 // Errors: InvalidArgument for a bad config, a.size() not a multiple of D, Wr not D*E,
-// a mask of the wrong length or with a value other than 0/1, or a non-finite logit
-// (the message names the token).
+// a mask of the wrong length or with a value other than 0/1, a bias of another length
+// than E or with a non-finite value, or a non-finite logit (the message names the token).
 absl::StatusOr<RouterOutput> RouterForward(const RouterConfig& config, absl::Span<const float> a,
                                            absl::Span<const float> router_weight,
-                                           absl::Span<const uint8_t> mask = {});
+                                           absl::Span<const uint8_t> mask = {},
+                                           absl::Span<const float> expert_bias = {});
 
 // Upstream gradients of the router's outputs. An empty span means "zero". Entries on
 // padding rows are ignored.
@@ -89,7 +107,8 @@ struct RouterOutputGrads {
   absl::Span<const float> d_logits;          // [T, E] dL/du_t[e] (z-loss), added after softmax
 };
 
-// Back-propagates through the combine weights, the softmax and the logits GEMM:
+// Back-propagates through the combine weights, the softmax (or the sigmoid) and the logits
+// GEMM:
 //   d_router_weight += a^T du      ([D, E])
 //   d_a             += du Wr^T     ([T, D])
 // Both are accumulated (+=) so micro-batches and the expert path can add into them.

@@ -1,5 +1,6 @@
 #include "moe/router.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -380,4 +381,153 @@ TEST(RouterTest, BadShapesAndValuesAreInvalidArgument) {
 }
 
 }  // namespace
+
+// ---- The expert bias and sigmoid scores (SEMANTICS.md §5.1). ----
+
+// An independent double-precision router: scores (softmax or sigmoid) of u = a Wr, the
+// top-K of score + bias (stable: lower index first on equal keys), weights of the UNBIASED
+// scores.
+struct BiasedRoute {
+  std::vector<int> experts;      // [T, K]
+  std::vector<double> weights;   // [T, K]
+  std::vector<double> scores;    // [T, E]
+};
+BiasedRoute ReferenceBiasedRoute(int T, int D, int E, int K, bool sigmoid, bool norm,
+                                 double scale, const std::vector<double>& a,
+                                 const std::vector<double>& wr, const std::vector<double>& bias) {
+  BiasedRoute r;
+  for (int t = 0; t < T; ++t) {
+    std::vector<double> u(E, 0.0), s(E), key(E);
+    for (int d = 0; d < D; ++d) {
+      for (int e = 0; e < E; ++e) u[e] += a[t * D + d] * wr[d * E + e];
+    }
+    double mx = u[0], z = 0.0;
+    for (double v : u) mx = std::max(mx, v);
+    for (int e = 0; e < E; ++e) z += std::exp(u[e] - mx);
+    for (int e = 0; e < E; ++e) {
+      s[e] = sigmoid ? 1.0 / (1.0 + std::exp(-u[e])) : std::exp(u[e] - mx) / z;
+      key[e] = s[e] + (bias.empty() ? 0.0 : bias[e]);
+      r.scores.push_back(s[e]);
+    }
+    std::vector<int> order(E);
+    for (int e = 0; e < E; ++e) order[e] = e;
+    std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return key[x] > key[y]; });
+    double sum = 0.0;
+    for (int k = 0; k < K; ++k) sum += s[order[k]];
+    for (int k = 0; k < K; ++k) {
+      r.experts.push_back(order[k]);
+      r.weights.push_back(s[order[k]] / (norm ? sum : 1.0) * scale);
+    }
+  }
+  return r;
+}
+
+// (sigmoid scores, norm_topk_prob)
+class RouterBiasTest : public ::testing::TestWithParam<std::tuple<bool, bool>> {};
+
+TEST_P(RouterBiasTest, BiasMovesTheSelectionAndTheWeightsStayUnbiased) {
+  const auto [sigmoid, norm] = GetParam();
+  const int T = 40, D = 8, E = 6, K = 2;
+  RouterConfig config{.d_model = D, .num_experts = E, .top_k = K, .norm_topk_prob = norm,
+                      .router_scale = 1.5f,
+                      .score = sigmoid ? RouterScore::kSigmoid : RouterScore::kSoftmax};
+  const std::vector<double> a = test::RandomFp32Values(T * D, 1.0, 31);
+  const std::vector<double> wr = test::RandomFp32Values(D * E, 1.0, 32);
+  // Expert 5 pushed up hard, expert 0 pushed down hard, the rest small nudges.
+  const std::vector<double> bias = {-4.0, 0.015625, -0.03125, 0.0, 0.0625, 4.0};
+  absl::StatusOr<RouterOutput> out = RouterForward(config, test::ToFloat(a), test::ToFloat(wr),
+                                                   {}, test::ToFloat(bias));
+  ASSERT_TRUE(out.ok()) << out.status();
+  const BiasedRoute ref = ReferenceBiasedRoute(T, D, E, K, sigmoid, norm, 1.5, a, wr, bias);
+  const BiasedRoute unbiased = ReferenceBiasedRoute(T, D, E, K, sigmoid, norm, 1.5, a, wr, {});
+  std::vector<int64_t> counts(E, 0);
+  int moved = 0;
+  for (int t = 0; t < T; ++t) {
+    EXPECT_EQ(out->expert_index[t * K], 5) << "token " << t;  // the +4 bias wins every token
+    for (int k = 0; k < K; ++k) {
+      EXPECT_EQ(out->expert_index[t * K + k], ref.experts[t * K + k]) << "token " << t;
+      EXPECT_NE(out->expert_index[t * K + k], 0) << "token " << t;
+      EXPECT_NEAR(out->combine_weight[t * K + k], ref.weights[t * K + k], 1e-6) << "token " << t;
+      ++counts[ref.experts[t * K + k]];
+      moved += ref.experts[t * K + k] != unbiased.experts[t * K + k];
+    }
+    for (int e = 0; e < E; ++e) {
+      EXPECT_NEAR(out->probs[t * E + e], ref.scores[t * E + e], 1e-6);  // unbiased scores
+    }
+  }
+  EXPECT_GT(moved, 0) << "the bias changed no selection; the test proves nothing";
+  for (int e = 0; e < E; ++e) EXPECT_EQ(out->local_expert_counts[e], counts[e]) << e;
+}
+
+INSTANTIATE_TEST_SUITE_P(Scores, RouterBiasTest,
+                         ::testing::Combine(::testing::Bool(), ::testing::Bool()));
+
+// No bias and a bias of zeros route the same bits (u = 0 leaves today's results).
+TEST(RouterTest, ZeroBiasIsBitIdenticalToNoBias) {
+  RouterConfig config{.d_model = 8, .num_experts = 6, .top_k = 2, .norm_topk_prob = true};
+  const std::vector<float> a = test::ToFloat(test::RandomFp32Values(13 * 8, 1.0, 41));
+  const std::vector<float> wr = test::ToFloat(test::RandomFp32Values(8 * 6, 1.0, 42));
+  absl::StatusOr<RouterOutput> plain = RouterForward(config, a, wr);
+  absl::StatusOr<RouterOutput> zero = RouterForward(config, a, wr, {}, std::vector<float>(6, 0.f));
+  ASSERT_TRUE(plain.ok() && zero.ok());
+  EXPECT_EQ(plain->expert_index, zero->expert_index);
+  EXPECT_EQ(plain->combine_weight, zero->combine_weight);
+  EXPECT_EQ(plain->probs, zero->probs);
+  EXPECT_EQ(plain->local_expert_counts, zero->local_expert_counts);
+}
+
+// Sigmoid scores: backward against central differences of the fp32 forward (combine weights
+// with renormalisation, and the scores themselves), with a bias that moves the selection.
+TEST(RouterTest, SigmoidBackwardMatchesFiniteDifferencesOfFp32Forward) {
+  RouterConfig config{.d_model = 5, .num_experts = 4, .top_k = 2, .norm_topk_prob = true,
+                      .router_scale = 1.5f, .score = RouterScore::kSigmoid};
+  const int T = 6, D = 5, E = 4, K = 2;
+  std::vector<float> a = test::ToFloat(test::RandomFp32Values(T * D, 1.0, 51));
+  std::vector<float> wr = test::ToFloat(test::RandomFp32Values(D * E, 1.0, 52));
+  const std::vector<float> bias = {0.0f, 0.5f, -0.5f, 0.0f};
+  const std::vector<double> cw = test::RandomFp32Values(T * K, 1.0, 53);
+  const std::vector<double> cp = test::RandomFp32Values(T * E, 1.0, 54);
+  auto loss = [&]() {
+    absl::StatusOr<RouterOutput> o = RouterForward(config, a, wr, {}, bias);
+    double l = 0.0;
+    for (int i = 0; i < T * K; ++i) l += cw[i] * o->combine_weight[i];
+    for (int i = 0; i < T * E; ++i) l += cp[i] * o->probs[i];
+    return l;
+  };
+  absl::StatusOr<RouterOutput> out = RouterForward(config, a, wr, {}, bias);
+  ASSERT_TRUE(out.ok());
+  const std::vector<float> cwf = test::ToFloat(cw), cpf = test::ToFloat(cp);
+  RouterOutputGrads grads;
+  grads.d_combine_weight = cwf;
+  grads.d_probs = cpf;
+  std::vector<float> dwr(D * E, 0.0f), da(T * D, 0.0f);
+  ASSERT_TRUE(
+      RouterBackward(config, a, wr, *out, grads, absl::MakeSpan(dwr), absl::MakeSpan(da)).ok());
+  const float h = 1e-2f;
+  auto fd = [&](float* x) {
+    const float saved = *x;
+    *x = saved + h;
+    const double plus = loss();
+    *x = saved - h;
+    const double minus = loss();
+    *x = saved;
+    return (plus - minus) / (2.0 * h);
+  };
+  for (int i = 0; i < D * E; ++i) EXPECT_NEAR(dwr[i], fd(&wr[i]), 3e-3) << "dWr[" << i << "]";
+  for (int i = 0; i < T * D; ++i) EXPECT_NEAR(da[i], fd(&a[i]), 3e-3) << "da[" << i << "]";
+}
+
+TEST(RouterTest, BadBiasIsInvalidArgument) {
+  RouterConfig config{.d_model = 2, .num_experts = 4, .top_k = 2};
+  std::vector<float> a(6, 1.0f), wr(8, 0.1f);
+  absl::Status short_bias = RouterForward(config, a, wr, {}, std::vector<float>(3, 0.f)).status();
+  EXPECT_EQ(short_bias.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(short_bias.message(), HasSubstr("expert bias has 3"));
+  std::vector<float> nan_bias(4, 0.0f);
+  nan_bias[2] = std::numeric_limits<float>::quiet_NaN();
+  absl::Status nan_status = RouterForward(config, a, wr, {}, nan_bias).status();
+  EXPECT_EQ(nan_status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(nan_status.message(), HasSubstr("expert bias[2]"));
+}
+
 }  // namespace gradsum::moe

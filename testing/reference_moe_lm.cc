@@ -174,6 +174,17 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
                                              c.n_kv_heads, " dim=", c.dim,
                                              " do not divide into even heads"));
   }
+  if (c.sigmoid_scores && c.alpha_b != 0) {
+    return absl::InvalidArgumentError(StrCat("sigmoid scores with alpha_b=", c.alpha_b,
+                                             ": the balancing loss is of softmax probabilities"));
+  }
+  if (!c.expert_bias.empty()) {
+    bool fits = static_cast<int>(c.expert_bias.size()) == c.layers;
+    for (const std::vector<double>& b : c.expert_bias) {
+      fits = fits && static_cast<int>(b.size()) == c.experts;
+    }
+    if (!fits) return absl::InvalidArgumentError("expert_bias is not [layers][experts]");
+  }
   ReferenceResult result;
   for (const auto& [name, shape] : ReferenceParamShapes(c)) {
     int64_t n = 1;
@@ -274,10 +285,17 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
     }
     const double lse = LogSumExp(lc.u);
     lc.p.resize(E);
-    for (int e = 0; e < E; ++e) lc.p[e] = std::exp(lc.u[e] - lse);
+    for (int e = 0; e < E; ++e) {
+      lc.p[e] = c.sigmoid_scores ? 1.0 / (1.0 + std::exp(-lc.u[e])) : std::exp(lc.u[e] - lse);
+    }
+    // Selection by score + bias (§5.1); the weights below are of the unbiased scores.
+    std::vector<double> key = lc.p;
+    if (!c.expert_bias.empty()) {
+      for (int e = 0; e < E; ++e) key[e] += c.expert_bias[l][e];
+    }
     std::vector<int> order(E);
     std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return lc.p[x] > lc.p[y]; });
+    std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return key[x] > key[y]; });
     lc.experts.assign(order.begin(), order.begin() + K);
     double sel = 0;
     for (int e : lc.experts) sel += lc.p[e];
@@ -503,13 +521,16 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
     for (int e = 0; e < E; ++e) {
       dp[e] += c.alpha_b / G * E * result.expert_counts[l][tc.micro][e] / (n_lm * K) / n_lm;
     }
-    // Softmax backward, plus the z-loss (§4) on the logits directly.
+    // Softmax (or sigmoid) backward, plus the z-loss (§4) on the logits directly; its
+    // d lse / du is the softmax of u whatever the scores.
     double pdp = 0;
     for (int e = 0; e < E; ++e) pdp += lc.p[e] * dp[e];
     const double lse = LogSumExp(lc.u);
     std::vector<double> du(E);
     for (int e = 0; e < E; ++e) {
-      du[e] = lc.p[e] * (dp[e] - pdp) + c.alpha_z * 2.0 * lse * lc.p[e] / Ntok;
+      const double softmax = std::exp(lc.u[e] - lse);
+      du[e] = (c.sigmoid_scores ? lc.p[e] * (1.0 - lc.p[e]) * dp[e] : lc.p[e] * (dp[e] - pdp)) +
+              c.alpha_z * 2.0 * lse * softmax / Ntok;
     }
     const double* wr = P(LayerName(l, "router"));
     double* dwr = Gr(LayerName(l, "router"));

@@ -58,6 +58,10 @@ struct ReferenceConfig {
   double rope_theta = 10000.0;
   int ignore_index = -100;
   std::string ce_mode = "token";  // token | sample | square (§3)
+  // §5.1: sigmoid router scores instead of softmax (alpha_b must then be 0), and the
+  // expert bias b[l][e] added to the scores for the top-K selection only (empty: none).
+  bool sigmoid_scores = false;
+  std::vector<std::vector<double>> expert_bias;
 };
 
 // Row-major tensors by parameter name.

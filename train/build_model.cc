@@ -30,6 +30,7 @@ absl::StatusOr<std::unique_ptr<MoeLm>> BuildModel(const TrainConfig& config,
   options.label_smoothing = config.loss().label_smoothing();
   options.logit_softcap = config.loss().logit_softcap();
   options.alpha_lse = config.loss().alpha_lse();
+  options.expert_bias_speed = config.loss().expert_bias_speed();
   parallel::ParallelOptions& p = options.parallel;
   p.sharding = ToShardingMode(parallelism.sharding());
   p.compute_dtype = ToDType(config.precision().compute_dtype());

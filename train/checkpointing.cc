@@ -1,8 +1,10 @@
 #include "train/checkpointing.h"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <iterator>
+#include <map>
 #include <random>
 #include <utility>
 
@@ -11,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "collectives/status_agreement.h"
 #include "core/status.h"
@@ -28,6 +31,7 @@ constexpr char kConfig[] = "config";
 constexpr char kRunId[] = "run_id";
 constexpr char kDataNextDocument[] = "data_next_document";
 constexpr char kDataSequences[] = "data_sequences";
+constexpr char kExpertBias[] = "expert_bias";
 
 // The step-NNNNNNNN directories of checkpoint_dir: (step, whether its save completed, i.e.
 // it has its commit marker).
@@ -283,6 +287,9 @@ absl::Status CheckResumeCompatible(const TrainConfig& saved, const TrainConfig& 
       {"model.heads", {StrCat(ma.heads()), StrCat(mb.heads())}},
       {"model.kv_heads", {StrCat(ma.kv_heads()), StrCat(mb.kv_heads())}},
       {"model.rope_theta", {StrCat(ma.rope_theta()), StrCat(mb.rope_theta())}},
+      {"model.router_score",
+       {ModelConfig::RouterScore_Name(ma.router_score()),
+        ModelConfig::RouterScore_Name(mb.router_score())}},
   };
   for (const auto& [name, values] : fields) {
     if (values.first != values.second) {
@@ -296,14 +303,49 @@ absl::Status CheckResumeCompatible(const TrainConfig& saved, const TrainConfig& 
   return absl::OkStatus();
 }
 
+std::string ExpertBiasText(const std::vector<std::vector<float>>& bias) {
+  std::vector<std::string> layers;
+  for (const std::vector<float>& layer : bias) {
+    layers.push_back(absl::StrJoin(layer, ",", [](std::string* out, float v) {
+      absl::StrAppendFormat(out, "%.9g", v);  // 9 digits: every float reads back exactly
+    }));
+  }
+  return absl::StrJoin(layers, ";");
+}
+
+absl::StatusOr<std::vector<std::vector<float>>> ParseExpertBias(const std::string& text) {
+  std::vector<std::vector<float>> bias;
+  if (text.empty()) return bias;
+  for (absl::string_view layer : absl::StrSplit(text, ';')) {
+    std::vector<float>& values = bias.emplace_back();
+    for (absl::string_view word : absl::StrSplit(layer, ',')) {
+      float v;
+      if (!absl::SimpleAtof(word, &v) || !std::isfinite(v)) {
+        return absl::DataLossError(absl::StrCat("expert bias of layer ", bias.size() - 1,
+                                                ": \"", word, "\" is not a finite number"));
+      }
+      values.push_back(v);
+    }
+    if (values.size() != bias.front().size()) {
+      return absl::DataLossError(absl::StrCat("expert bias of layer ", bias.size() - 1, " has ",
+                                              values.size(), " values, layer 0 has ",
+                                              bias.front().size()));
+    }
+  }
+  return bias;
+}
+
 absl::Status SaveRunCheckpoint(const TrainConfig& config, Communicator& world,
                                const ShardedAdamW& optimizer, int64_t step,
-                               const std::string& run_id, const DataPosition& position) {
-  return SaveCheckpoint(CheckpointPath(config.checkpoint().dir(), step), world, optimizer,
-                        {{kConfig, ConfigToShortText(config)},
-                         {kRunId, run_id},
-                         {kDataNextDocument, absl::StrCat(position.next_document)},
-                         {kDataSequences, absl::StrCat(position.sequences)}});
+                               const std::string& run_id, const DataPosition& position,
+                               const std::vector<std::vector<float>>& expert_bias) {
+  std::map<std::string, std::string> extra = {
+      {kConfig, ConfigToShortText(config)},
+      {kRunId, run_id},
+      {kDataNextDocument, absl::StrCat(position.next_document)},
+      {kDataSequences, absl::StrCat(position.sequences)}};
+  if (!expert_bias.empty()) extra[kExpertBias] = ExpertBiasText(expert_bias);
+  return SaveCheckpoint(CheckpointPath(config.checkpoint().dir(), step), world, optimizer, extra);
 }
 
 absl::StatusOr<ResumedRun> ResumeRun(const TrainConfig& config, Communicator& world,
@@ -353,6 +395,24 @@ absl::StatusOr<ResumedRun> ResumeRun(const TrainConfig& config, Communicator& wo
   }
   GRADSUM_RETURN_IF_ERROR(
       MarkAgreed(RestoreDataPosition(info, dir, config, run.step, loader)));
+  // §5.1's bias: replicated, so every rank reads the same text whole, whatever the mesh.
+  if (auto bias = info.extra.find(kExpertBias); bias != info.extra.end()) {
+    absl::StatusOr<std::vector<std::vector<float>>> parsed = ParseExpertBias(bias->second);
+    const ModelConfig& m = config.model();
+    if (parsed.ok() && !parsed->empty() &&
+        (static_cast<int>(parsed->size()) != m.layers() ||
+         static_cast<int>(parsed->front().size()) != m.experts())) {
+      parsed = absl::DataLossError(absl::StrCat("it holds ", parsed->size(), " layers of ",
+                                                parsed->front().size(), " experts, the model ",
+                                                m.layers(), " of ", m.experts()));
+    }
+    if (!parsed.ok()) {
+      return MarkAgreed(absl::DataLossError(absl::StrCat(
+          "--resume: the expert bias in the commit marker of ", dir, ": ",
+          parsed.status().message())));
+    }
+    run.expert_bias = *std::move(parsed);
+  }
   if (MeshText(*saved) != MeshText(config)) {
     absl::StrAppend(&run.note, "; resharded from ", MeshText(*saved), " to ", MeshText(config));
   }

@@ -16,7 +16,12 @@
 //
 // The marker's `extra` holds the run's record: "config" (ConfigToShortText of the config
 // that wrote it), "run_id" (drawn by a fresh run, kept by every resume), and the data
-// stream's position ("data_next_document", "data_sequences"; train/data.h DataPosition).
+// stream's position ("data_next_document", "data_sequences"; train/data.h DataPosition),
+// and, when the model holds one, the expert bias of SEMANTICS.md §5.1 ("expert_bias": the
+// layers' values joined by ';', each layer's E values by ',', printed with 9 significant
+// digits so that every fp32 value reads back exactly). The bias is the same on every rank,
+// so any mesh reads it whole; a marker without it (older, or a run without the bias)
+// restores none.
 // A resume reads the saved config first and refuses, naming both values, another model,
 // another data stream or another global batch; everything else (the mesh, sharding, unit
 // grouping, backend, dtypes, optimizer settings) may change. A marker written before the
@@ -82,11 +87,19 @@ absl::StatusOr<std::string> NewRunId(Communicator& world);
 absl::Status CheckResumeCompatible(const TrainConfig& saved, const TrainConfig& config,
                                    int64_t step);
 
+// The expert bias [L][E] as the commit marker holds it, and back. ParseExpertBias:
+// DataLoss naming the text's problem (a value that does not parse or is not finite, or
+// layers of different sizes).
+std::string ExpertBiasText(const std::vector<std::vector<float>>& bias);
+absl::StatusOr<std::vector<std::vector<float>>> ParseExpertBias(const std::string& text);
+
 // Saves the optimizer's state after `step` into CheckpointPath(config.checkpoint().dir(),
-// step) with the run's record (the config, `run_id`, the data `position`). Collective.
+// step) with the run's record (the config, `run_id`, the data `position`, and the model's
+// `expert_bias` unless empty). Collective.
 absl::Status SaveRunCheckpoint(const TrainConfig& config, Communicator& world,
                                const ShardedAdamW& optimizer, int64_t step,
-                               const std::string& run_id, const DataPosition& position);
+                               const std::string& run_id, const DataPosition& position,
+                               const std::vector<std::vector<float>>& expert_bias = {});
 
 // What a resume continues.
 struct ResumedRun {
@@ -99,6 +112,9 @@ struct ResumedRun {
   // The run's config from now on: the one given, with the fields the checkpoint fixes
   // (kCheckpointFixedFields) taken from the saved config.
   TrainConfig config;
+  // The model's expert bias after `step` (SEMANTICS.md §5.1), [L][E]; empty when the
+  // checkpoint holds none.
+  std::vector<std::vector<float>> expert_bias;
 };
 
 // The fields that only decide the initial parameters, which a resume takes from the
@@ -112,9 +128,10 @@ inline constexpr const char* kCheckpointFixedFields[] = {"model.seed", "model.in
 // checkpoint fixes from it (kCheckpointFixedFields), loads the parameters and
 // both AdamW moments into `optimizer` on this mesh (resharding), and seeks `loader` to the
 // recorded data position (DataLoss if it is not the end of `step` steps of the global
-// batch; a checkpoint without a position replays the stream). Rank 0 removes the
-// temporary files of newer saves that never committed. Collective; every rank returns the
-// same error.
+// batch; a checkpoint without a position replays the stream), and reads the expert bias
+// (DataLoss if it does not parse or does not fit the model's layers and experts). Rank 0
+// removes the temporary files of newer saves that never committed. Collective; every rank
+// returns the same error.
 absl::StatusOr<ResumedRun> ResumeRun(const TrainConfig& config, Communicator& world,
                                      ShardedAdamW& optimizer, RankDataLoader& loader);
 

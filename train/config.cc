@@ -482,6 +482,16 @@ absl::Status ValidateConfig(const TrainConfig& c) {
   if (!(std::isfinite(l.alpha_lse()) && l.alpha_lse() >= 0)) {
     return Bad("loss.alpha_lse", StrCat(l.alpha_lse()), "must be >= 0 (0 disables)");
   }
+  if (!(std::isfinite(l.expert_bias_speed()) && l.expert_bias_speed() >= 0)) {
+    return Bad("loss.expert_bias_speed", StrCat(l.expert_bias_speed()),
+               "must be >= 0 and finite (0 = off; SEMANTICS.md §5.1)");
+  }
+  if (c.model().router_score() == ModelConfig::sigmoid && l.alpha_b() != 0) {
+    return Bad("model.router_score", "sigmoid",
+               StrCat("needs loss.alpha_b=0 (got ", l.alpha_b(),
+                      "): the balancing loss of SEMANTICS.md §5 is defined on softmax "
+                      "probabilities; balance sigmoid routing with loss.expert_bias_speed"));
+  }
   const CheckpointConfig& k = c.checkpoint();
   if (k.every() < 0) return Bad("checkpoint.every", StrCat(k.every()), "must be >= 0");
   if (k.resume() && k.dir().empty()) {

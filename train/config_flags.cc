@@ -71,6 +71,13 @@ ABSL_FLAG(std::optional<double>, logit_softcap, std::nullopt,
 ABSL_FLAG(std::optional<double>, alpha_lse, std::nullopt,
           "output z-loss weight: alpha_lse * logsumexp(logits)^2 per token (SEMANTICS.md §3.2; "
           "0 = off)");
+ABSL_FLAG(std::optional<double>, expert_bias_speed, std::nullopt,
+          "aux-loss-free balancing (SEMANTICS.md §5.1): each step, every layer's expert bias "
+          "moves by this much towards balance (b_e += u sign(mean c - c_e)); the bias moves "
+          "the top-K selection only; 0 = off, the default");
+ABSL_FLAG(std::optional<std::string>, router_score, std::nullopt,
+          "softmax (default) | sigmoid: the router's scores (SEMANTICS.md §5.1; sigmoid needs "
+          "--alpha_b=0)");
 ABSL_FLAG(std::optional<double>, lr, std::nullopt, "AdamW learning rate");
 ABSL_FLAG(std::optional<int32_t>, warmup_steps, std::nullopt, "linear learning-rate warmup steps");
 ABSL_FLAG(std::optional<double>, weight_decay, std::nullopt, "AdamW decoupled weight decay");
@@ -147,6 +154,8 @@ const std::vector<FlagField>& OverridableFlags() {
       {"label_smoothing", "loss.label_smoothing"},
       {"logit_softcap", "loss.logit_softcap"},
       {"alpha_lse", "loss.alpha_lse"},
+      {"expert_bias_speed", "loss.expert_bias_speed"},
+      {"router_score", "model.router_score"},
       {"lr", "optim.lr"},
       {"warmup_steps", "optim.warmup_steps"},
       {"weight_decay", "optim.weight_decay"},

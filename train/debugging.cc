@@ -49,8 +49,13 @@ absl::Status CheckFinite(const std::string& what, const std::string& name,
 
 }  // namespace
 
+std::string ExpertBiasTensorName(int layer) {
+  return absl::StrCat("layers.", layer, ".expert_bias");
+}
+
 absl::Status WriteParamsFile(const std::string& path, const ModelConfig& model,
-                             const NamedParams& params, int64_t step) {
+                             const NamedParams& params, int64_t step,
+                             const model::ExpertBias& expert_bias) {
   SafetensorsWriter w;
   for (const auto& [name, shape] : MoeLmParamShapes(model)) {
     GRADSUM_ASSIGN_OR_RETURN(
@@ -58,11 +63,23 @@ absl::Status WriteParamsFile(const std::string& path, const ModelConfig& model,
         TensorView::Create(const_cast<float*>(params.at(name).data()), DType::kF32, shape));
     GRADSUM_RETURN_IF_ERROR(w.Add(name, view));
   }
+  if (!expert_bias.empty() && static_cast<int>(expert_bias.size()) != model.layers()) {
+    return absl::InvalidArgumentError(absl::StrCat("expert bias of ", expert_bias.size(),
+                                                   " layers for a model of ", model.layers()));
+  }
+  for (size_t l = 0; l < expert_bias.size(); ++l) {
+    GRADSUM_ASSIGN_OR_RETURN(
+        TensorView view,
+        TensorView::Create(const_cast<float*>(expert_bias[l].data()), DType::kF32,
+                           {static_cast<int64_t>(expert_bias[l].size())}));
+    GRADSUM_RETURN_IF_ERROR(w.Add(ExpertBiasTensorName(static_cast<int>(l)), view));
+  }
   GRADSUM_RETURN_IF_ERROR(w.AddMetadata("step", absl::StrCat(step)));
   return w.WriteFile(path);
 }
 
-absl::StatusOr<NamedParams> ReadParamsFile(const std::string& path, const ModelConfig& model) {
+absl::StatusOr<NamedParams> ReadParamsFile(const std::string& path, const ModelConfig& model,
+                                           model::ExpertBias* expert_bias) {
   const std::string what = absl::StrCat("--init_from=", path);
   GRADSUM_RETURN_IF_ERROR(CheckInputFile("--init_from", path));
   absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Read(path);
@@ -87,6 +104,31 @@ absl::StatusOr<NamedParams> ReadParamsFile(const std::string& path, const ModelC
     GRADSUM_RETURN_IF_ERROR(CheckFinite(what, name, shape, values, t->numel()));
     params[name].assign(values, values + t->numel());
   }
+  // §5.1's bias: every layer's or none.
+  if (expert_bias != nullptr) {
+    expert_bias->clear();
+    int found = 0;
+    for (int l = 0; l < model.layers(); ++l) found += file->Get(ExpertBiasTensorName(l)).ok();
+    if (found > 0 && found < model.layers()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": the expert bias of ", found, " of the ", model.layers(),
+          " layers; a file holds every layer's \"layers.{l}.expert_bias\" or none"));
+    }
+    for (int l = 0; l < found; ++l) {
+      const std::string name = ExpertBiasTensorName(l);
+      expected.insert(name);
+      const std::vector<int64_t> shape = {model.experts()};
+      GRADSUM_ASSIGN_OR_RETURN(TensorView t, file->Get(name));
+      if (t.dtype() != DType::kF32 || t.shape() != shape) {
+        return absl::InvalidArgumentError(absl::StrCat(what, ": tensor \"", name, "\" is ",
+                                                       t.DebugString(), ", this model needs f32[",
+                                                       model.experts(), "]"));
+      }
+      const float* values = t.data<float>();
+      GRADSUM_RETURN_IF_ERROR(CheckFinite(what, name, shape, values, t.numel()));
+      expert_bias->emplace_back(values, values + t.numel());
+    }
+  }
   for (const std::string& name : file->names()) {
     if (expected.count(name) == 0) {
       return absl::InvalidArgumentError(
@@ -98,7 +140,7 @@ absl::StatusOr<NamedParams> ReadParamsFile(const std::string& path, const ModelC
 
 absl::Status WriteDump(const TrainConfig& config, int rank, const NamedParams& weights,
                        const NamedParams& grads, const std::vector<MicroBatch>& batches,
-                       const StepMetrics& record) {
+                       const StepMetrics& record, const model::ExpertBias& expert_bias) {
   const std::string& dir = config.debug().dump_dir();
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
@@ -136,12 +178,10 @@ absl::Status WriteDump(const TrainConfig& config, int rank, const NamedParams& w
         w.WriteFile(absl::StrCat(dir, "/batch.r", rank, ".m", m, ".safetensors")));
   }
   if (rank != 0) return absl::OkStatus();
-  for (const auto& [file, tensors] :
-       {std::pair<const char*, const NamedParams*>{"weights.safetensors", &weights},
-        {"grads.safetensors", &grads}}) {
-    GRADSUM_RETURN_IF_ERROR(
-        WriteParamsFile(absl::StrCat(dir, "/", file), config.model(), *tensors, 1));
-  }
+  GRADSUM_RETURN_IF_ERROR(WriteParamsFile(absl::StrCat(dir, "/weights.safetensors"),
+                                          config.model(), weights, 1, expert_bias));
+  GRADSUM_RETURN_IF_ERROR(
+      WriteParamsFile(absl::StrCat(dir, "/grads.safetensors"), config.model(), grads, 1));
   DumpedLosses j;
   j.set_step(1);
   j.set_ce(record.ce());
@@ -157,7 +197,8 @@ absl::Status WriteDump(const TrainConfig& config, int rank, const NamedParams& w
 
 absl::StatusOr<ParityReport> RunParityCheck(const TrainConfig& config, Communicator& world,
                                             const NamedParams& weights, const NamedParams& grads,
-                                            const StepMetrics& record) {
+                                            const StepMetrics& record,
+                                            const model::ExpertBias& expert_bias) {
   // Rank 0 runs the reference; every rank learns the verdict, so all fail together.
   ParityReport report;
   int64_t ok = 0;
@@ -171,7 +212,8 @@ absl::StatusOr<ParityReport> RunParityCheck(const TrainConfig& config, Communica
     const double tol = f32 ? tolerance : std::max(tolerance, 3e-2);
     GRADSUM_ASSIGN_OR_RETURN(auto global_batch, GlobalBatchForStep(config, 0));
     GRADSUM_ASSIGN_OR_RETURN(report, CheckParity(config, weights, global_batch, grads,
-                                                 {record.ce(), record.z(), record.bal()}, tol));
+                                                 {record.ce(), record.z(), record.bal()}, tol,
+                                                 expert_bias));
     ok = report.ok ? 1 : 0;
     return absl::OkStatus();
   }();

@@ -29,32 +29,46 @@
 namespace gradsum::train {
 
 // Writes every parameter of `model` (MoeLmParamShapes names and shapes) from `params` as one
-// fp32 safetensors file with metadata "step" (the dumps' weights, --export).
+// fp32 safetensors file with metadata "step" (the dumps' weights, --export), and, unless
+// `expert_bias` is empty, the model's expert bias (SEMANTICS.md §5.1: state, not a
+// parameter) as tensors "layers.{l}.expert_bias" f32[E] after them. Without a bias the
+// file is the same bytes as before the bias existed.
 absl::Status WriteParamsFile(const std::string& path, const ModelConfig& model,
-                             const NamedParams& params, int64_t step);
+                             const NamedParams& params, int64_t step,
+                             const model::ExpertBias& expert_bias = {});
+
+// The name of layer l's expert bias tensor in such a file.
+std::string ExpertBiasTensorName(int layer);
 
 // Reads such a file (--init_from): exactly the parameters of `model`, f32, their shapes,
 // finite. A missing, extra or misshapen tensor is InvalidArgument naming it; a tensor
 // holding NaN or an infinity is DataLoss naming the file, the tensor, the count and the
 // first such element; a path that is not a regular file is InvalidArgument (checked
-// before any open); read errors name `path`.
-absl::StatusOr<NamedParams> ReadParamsFile(const std::string& path, const ModelConfig& model);
+// before any open); read errors name `path`. The expert bias tensors, when the file has
+// them (every layer's, f32[E], finite; some layers only is InvalidArgument), go to
+// `expert_bias` ([L][E]; left empty for a file without them); with `expert_bias` null
+// they are refused as tensors that are not parameters.
+absl::StatusOr<NamedParams> ReadParamsFile(const std::string& path, const ModelConfig& model,
+                                           model::ExpertBias* expert_bias = nullptr);
 
 // Writes step 1's dump into config.debug().dump_dir() (created if missing): this rank's
-// `batches`; on rank 0 also `weights`, `grads` and `record`'s losses. Rank-local: the
-// caller agrees on the outcome. Errors name the path.
+// `batches`; on rank 0 also `weights` (with the `expert_bias` step 1 routed with, unless
+// empty), `grads` and `record`'s losses. Rank-local: the caller agrees on the outcome.
+// Errors name the path.
 absl::Status WriteDump(const TrainConfig& config, int rank, const NamedParams& weights,
                        const NamedParams& grads, const std::vector<MicroBatch>& batches,
-                       const StepMetrics& record);
+                       const StepMetrics& record, const model::ExpertBias& expert_bias = {});
 
 // The parity check of step 1 (train/parity.h): rank 0 runs the reference on step 1's
 // global batch with `weights` and compares `grads` and `record`'s losses, within
 // debug.parity_tolerance (at least 3e-2 when a dtype is bf16, which rounds to 8 bits of
-// mantissa). Every rank returns the verdict (rank 0 the whole report; the others `ok`
-// only), or the same error. Collective over `world`.
+// mantissa), the reference routing with `expert_bias` (step 1's, §5.1). Every rank
+// returns the verdict (rank 0 the whole report; the others `ok` only), or the same error.
+// Collective over `world`.
 absl::StatusOr<ParityReport> RunParityCheck(const TrainConfig& config, Communicator& world,
                                             const NamedParams& weights, const NamedParams& grads,
-                                            const StepMetrics& record);
+                                            const StepMetrics& record,
+                                            const model::ExpertBias& expert_bias = {});
 
 }  // namespace gradsum::train
 

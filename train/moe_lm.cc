@@ -23,6 +23,7 @@ model::MoeLmConfig ToMoeLmConfig(const ModelConfig& m, double alpha_b, double al
   c.n_heads = m.heads();
   c.n_kv_heads = m.kv_heads();
   c.rope_theta = m.rope_theta();
+  c.router_sigmoid = m.router_score() == ModelConfig::sigmoid;
   c.alpha_b = alpha_b;
   c.alpha_z = alpha_z;
   return c;
@@ -49,6 +50,7 @@ absl::StatusOr<std::unique_ptr<MoeLm>> MoeLm::Create(const MoeLmOptions& options
   config.label_smoothing = options.label_smoothing;
   config.logit_softcap = options.logit_softcap;
   config.alpha_lse = options.alpha_lse;
+  config.expert_bias_speed = options.expert_bias_speed;
   GRADSUM_ASSIGN_OR_RETURN(model::MoeLmSpec spec, model::MoeLmSpec::Create(config));
   if (device.units == nullptr) device.units = std::make_shared<parallel::HostUnitDevice>();
   if (!device.ops) {

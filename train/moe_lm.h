@@ -62,6 +62,8 @@ struct MoeLmOptions {
   double label_smoothing = 0.0;
   double logit_softcap = 0.0;
   double alpha_lse = 0.0;
+  // The expert bias's update speed u (§5.1); 0 = off.
+  double expert_bias_speed = 0.0;
   // How the parameters are distributed (sharding mode, dtypes, wrap policy, schedule,
   // gradient precision: parallel/parallel_options.h).
   parallel::ParallelOptions parallel;
@@ -126,6 +128,15 @@ class MoeLm {
   static absl::Status RegisterDisplayTerms(losses::StepDisplay* display) {
     return model::MoeLmModel::RegisterDisplayTerms(display);
   }
+
+  // The expert bias of §5.1 (model state, the same on every rank; model/moe_lm.h): [L][E],
+  // or empty when the model holds none.
+  const model::ExpertBias& expert_bias() const { return model_->expert_bias(); }
+  absl::Status SetExpertBias(model::ExpertBias bias) {
+    return model_->SetExpertBias(std::move(bias));
+  }
+  // Once per optimizer step, after its last ForwardBackward (MoeLmModel::UpdateExpertBias).
+  void UpdateExpertBias() { model_->UpdateExpertBias(); }
 
   const MoeLmOptions& options() const { return options_; }
 

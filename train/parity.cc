@@ -45,7 +45,7 @@ absl::StatusOr<std::vector<std::vector<MicroBatch>>> GlobalBatchForStep(const Tr
 absl::StatusOr<ParityReport> CheckParity(const TrainConfig& config, const NamedParams& weights,
                                          const std::vector<std::vector<MicroBatch>>& global_batch,
                                          const NamedParams& grads, const StepLosses& losses,
-                                         double tolerance) {
+                                         double tolerance, const model::ExpertBias& expert_bias) {
   const ModelConfig& m = config.model();
   testing::ReferenceConfig rc;
   rc.vocab = m.vocab();
@@ -65,6 +65,10 @@ absl::StatusOr<ParityReport> CheckParity(const TrainConfig& config, const NamedP
   rc.n_heads = m.heads();
   rc.n_kv_heads = m.kv_heads();
   rc.rope_theta = m.rope_theta();
+  rc.sigmoid_scores = m.router_score() == ModelConfig::sigmoid;
+  for (const std::vector<float>& layer : expert_bias) {
+    rc.expert_bias.emplace_back(layer.begin(), layer.end());
+  }
   rc.ignore_index = kIgnoreIndex;
   rc.ce_mode = TrainConfig::CeMode_Name(config.loss().ce_mode());
   testing::NamedTensors params;

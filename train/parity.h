@@ -59,11 +59,13 @@ struct StepLosses {
 };
 
 // Runs the reference on `global_batch` with `weights` (the step's parameters, full) and
-// compares. InvalidArgument if a gradient is missing or mis-sized; the reference's errors.
+// the `expert_bias` the step routed with (SEMANTICS.md §5.1; empty: none), and compares.
+// InvalidArgument if a gradient is missing or mis-sized; the reference's errors.
 absl::StatusOr<ParityReport> CheckParity(const TrainConfig& config, const NamedParams& weights,
                                          const std::vector<std::vector<MicroBatch>>& global_batch,
                                          const NamedParams& grads, const StepLosses& losses,
-                                         double tolerance);
+                                         double tolerance,
+                                         const model::ExpertBias& expert_bias = {});
 
 }  // namespace gradsum::train
 

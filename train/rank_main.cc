@@ -82,6 +82,12 @@ void PrintBanner(const TrainConfig& config, std::ostream& out) {
                            "alpha_lse %g\n",
                            loss.label_smoothing(), loss.logit_softcap(), loss.alpha_lse());
   }
+  if (loss.expert_bias_speed() != 0 || m.router_score() != ModelConfig::softmax) {
+    // Only when on, so that the default banner is unchanged.
+    out << absl::StrFormat("routing (SEMANTICS.md §5.1): %s scores, expert bias speed %g\n",
+                           ModelConfig::RouterScore_Name(m.router_score()),
+                           loss.expert_bias_speed());
+  }
   const std::string attention =
       m.attention() == ModelConfig::none
           ? std::string()

@@ -13,6 +13,8 @@
 # 4. A run checkpointed after 3 steps on one mesh and resumed on another (Open MPI) ends
 #    with the bits of the uninterrupted run.
 # 5. With attention: SP sizes 1, 2, 4 (thread and Open MPI), and a resume from SP 2 onto 4.
+# 6. --expert_bias_speed (SEMANTICS.md §5.1): world 1 vs Open MPI world 4 and vs full
+#    recomputation on world 2; sigmoid scores on world 1 vs 4.
 # Every run also passes --parity_check on step 1 (gradients within 1e-5 of the double
 # reference; 3e-2 with bf16 compute), and the normal mode must NOT give identical bits across two of the meshes
 # (else this test could not tell the modes apart).
@@ -47,7 +49,8 @@ def rows(p):
 a, b = rows(sys.argv[1]), rows(sys.argv[2])
 assert len(a) == len(b) == 8, (len(a), len(b))
 for x, y in zip(a, b):
-    for k in ("ce", "z", "bal", "loss", "grad_norm", "valid_tokens", "maxvio"):
+    for k in ("ce", "z", "bal", "loss", "grad_norm", "valid_tokens", "maxvio",
+              "tokens_per_expert"):
         if x[k] != y[k]:
             sys.exit(f"step {x['step']}: {k} {x[k]!r} != {y[k]!r}")
 PY
@@ -143,6 +146,23 @@ run sp_resumed -- "${attn[@]}" --world=4 --ep=2 --sp=4 --micro_batch=4 \
 cmp -s "$tmp/sp1_w1.safetensors" "$tmp/sp_resumed.safetensors" \
   || fail "the run resumed from SP 2 onto SP 4 differs from the uninterrupted run"
 echo "identical: sp1_w1 vs the run resumed from SP 2 onto SP 4"
+
+# The expert bias (SEMANTICS.md §5.1): the counts it moves by are exact integers, so the
+# bias and the parameters are the same bits on every mesh, with full recomputation too
+# (which must not count again), and with sigmoid scores; the export then holds the bias.
+eb=("${ab[@]}" --expert_bias_speed=0.01)
+run eb_w1 -- "${eb[@]}" --reproducible --world=1 --ep=1 --micro_batch=4
+run eb_mpi4 "${mpi4[@]}" -- "${eb[@]}" --reproducible --backend=mpi --world=4 --ep=2 \
+  --micro_batch=1
+run eb_w2_full -- "${eb[@]}" --reproducible --world=2 --ep=2 --micro_batch=2 --recompute=full
+check_same eb_w1 eb_mpi4
+check_same eb_w1 eb_w2_full
+grep -q "layers.1.expert_bias" "$tmp/eb_w1.safetensors" || fail "the export holds no expert bias"
+cmp -s "$tmp/g2_w1.safetensors" "$tmp/eb_w1.safetensors" && fail "the expert bias changed nothing"
+sig=(--alpha_b=0 --grad_acc=2 --router_score=sigmoid --expert_bias_speed=0.001)
+run sig_w1 -- "${sig[@]}" --reproducible --world=1 --ep=1 --micro_batch=4
+run sig_w4 -- "${sig[@]}" --reproducible --world=4 --ep=4 --micro_batch=1 --sharding=replicated
+check_same sig_w1 sig_w4
 
 # The normal mode is not bit-identical across meshes (so the checks above can fail).
 run normal_w1 -- "${ab[@]}" --world=1 --ep=1 --micro_batch=4

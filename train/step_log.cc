@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "io/proto_json.h"
 
@@ -85,6 +86,7 @@ TrainSummary Summarize(const std::vector<StepMetrics>& history, int64_t first_st
   s.entropy_floor = entropy_floor;
   s.context_floor = context_floor;
   std::vector<double> ces, exposed, peak, activation;
+  std::vector<std::vector<double>> maxvio;  // per step, per layer
   int64_t tokens = 0;
   for (const StepMetrics& r : history) {
     if (r.step() < first_step) continue;
@@ -99,6 +101,7 @@ TrainSummary Summarize(const std::vector<StepMetrics>& history, int64_t first_st
     }
     s.wait_seconds += r.wait_s();
     ces.push_back(r.ce());
+    maxvio.emplace_back(r.maxvio().begin(), r.maxvio().end());
     tokens += r.routed_tokens();
     if (r.comm_s() > 0) exposed.push_back(r.comm_exposed_s() / r.comm_s());
     activation.push_back(static_cast<double>(r.peak_activation_bytes()));
@@ -110,6 +113,15 @@ TrainSummary Summarize(const std::vector<StepMetrics>& history, int64_t first_st
   double ce_tail_sum = 0;
   for (size_t i = ces.size() - tail; i < ces.size(); ++i) ce_tail_sum += ces[i];
   s.tail_mean_ce = tail > 0 ? ce_tail_sum / tail : 0;
+  const size_t layers = maxvio.empty() ? 0 : maxvio.back().size();
+  s.mean_maxvio.assign(layers, 0.0);
+  s.tail_mean_maxvio.assign(layers, 0.0);
+  for (size_t i = 0; i < maxvio.size(); ++i) {
+    for (size_t l = 0; l < layers && l < maxvio[i].size(); ++l) {
+      s.mean_maxvio[l] += maxvio[i][l] / maxvio.size();
+      if (i >= maxvio.size() - tail) s.tail_mean_maxvio[l] += maxvio[i][l] / tail;
+    }
+  }
   s.tokens_per_second = s.seconds > 0 ? tokens / s.seconds : 0;
   s.median_exposed_fraction = Median(exposed);
   s.median_peak_param_fraction = Median(peak);
@@ -142,6 +154,16 @@ std::string TrainSummary::ToString() const {
                         median_peak_activation_bytes / (1 << 20));
   absl::StrAppendFormat(&out, "summary: ce %.4f -> %.4f (mean of the last steps %.4f)\n", first_ce,
                         last_ce, tail_mean_ce);
+  if (!mean_maxvio.empty()) {
+    auto join = [](const std::vector<double>& v) {
+      return absl::StrJoin(v, " ", [](std::string* o, double x) {
+        absl::StrAppendFormat(o, "%.4f", x);
+      });
+    };
+    absl::StrAppendFormat(&out,
+                          "summary: maxvio per layer: mean %s; mean of the last steps %s\n",
+                          join(mean_maxvio), join(tail_mean_maxvio));
+  }
   if (entropy_floor > 0 && !(context_floor > 0 && context_floor < entropy_floor)) {
     // One floor (a first-order source: context cannot help).
     absl::StrAppendFormat(&out,

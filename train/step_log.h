@@ -55,6 +55,10 @@ struct TrainSummary {
   double median_exposed_fraction = -1, median_peak_param_fraction = -1;
   // The median over the steps of peak_activation_bytes (-1 when no step ran).
   double median_peak_activation_bytes = -1;
+  // Per MoE layer, maxvio of SEMANTICS.md §8 (from each step's global counts): the mean
+  // over all the steps, and over the last min(10, steps) steps (the expert bias of §5.1
+  // should bring the latter down).
+  std::vector<double> mean_maxvio, tail_mean_maxvio;
   double tokens_per_second = 0;
   std::optional<ParityReport> parity;
   // The summary lines moe_lm prints at the end.

@@ -28,6 +28,7 @@ StepMetrics FullRecord() {
   r.set_lr(1e-4);
   r.add_maxvio(0.5);
   r.add_maxvio(0);
+  for (int64_t c : {6, 2, 4, 4}) r.add_tokens_per_expert(c);  // 2 layers x 2 experts
   r.set_step_s(1.5);
   r.set_comm_s(0.25);
   CommTimer::Exposed exposed;
@@ -71,7 +72,8 @@ TEST(StepLogTest, JsonIsTheProtoMappingInFieldOrderWithNumbersForTools) {
             "\"exposed_all_to_all_s\":0.0,\"exposed_other_s\":0.00390625,"
             "\"exposed_sp_all_to_all_s\":0.00390625,\"peak_activation_bytes\":6291456,"
             "\"all_gather_calls\":10,\"reduce_scatter_calls\":11,\"all_reduce_calls\":12,"
-            "\"all_to_all_calls\":13,\"sp_all_to_all_calls\":14,\"other_calls\":15}");
+            "\"all_to_all_calls\":13,\"sp_all_to_all_calls\":14,\"other_calls\":15,"
+            "\"tokens_per_expert\":[6,2,4,4]}");
 }
 
 TEST(StepLogTest, NonFiniteValuesAreTheMappingsStrings) {
@@ -118,6 +120,8 @@ TEST(StepLogTest, LogLineAndSummary) {
             "summary: median exposed / comm 0.250; median peak unsharded / full parameter bytes "
             "0.500; median peak activation bytes 6.0 MiB\n"
             "summary: ce 1.5000 -> 1.5000 (mean of the last steps 1.5000)\n"
+            "summary: maxvio per layer: mean 0.5000 0.0000; mean of the last steps 0.5000 "
+            "0.0000\n"
             "summary: entropy floor 1.2500 nats/token; ce / floor = 1.200 (NOT within 1.10)\n");
   EXPECT_EQ(Summarize({r}, 8, -1).ToString(), "summary: no steps run\n");
 }

@@ -65,11 +65,13 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
 
   GRADSUM_ASSIGN_OR_RETURN(trainer->model_, BuildModel(trainer->config_, trainer->comms_));
   const std::string& init_from = config.checkpoint().init_from();
+  model::ExpertBias initial_bias;  // an --init_from file's (§5.1), if it has one
   absl::StatusOr<NamedParams> initial =
       init_from.empty() ? MoeLm::InitialParameters(config.model(), config.model().seed())
-                        : ReadParamsFile(init_from, config.model());
+                        : ReadParamsFile(init_from, config.model(), &initial_bias);
   GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world, initial.status(), "--init_from"));
   GRADSUM_RETURN_IF_ERROR(trainer->model_->SetFullParameters(*initial));
+  GRADSUM_RETURN_IF_ERROR(trainer->model_->SetExpertBias(std::move(initial_bias)));
   AdamWOptions adam;
   adam.lr = config.optim().lr();
   adam.beta1 = config.optim().beta1();
@@ -94,6 +96,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
     trainer->run_id_ = std::move(resumed.run_id);
     trainer->start_notes_.push_back(std::move(resumed.note));
     trainer->config_ = std::move(resumed.config);
+    GRADSUM_RETURN_IF_ERROR(
+        MarkAgreed(trainer->model_->SetExpertBias(std::move(resumed.expert_bias))));
   } else {
     GRADSUM_ASSIGN_OR_RETURN(trainer->run_id_, NewRunId(world));
   }
@@ -163,8 +167,10 @@ absl::StatusOr<StepMetrics> Trainer::Step() {
   std::vector<MicroBatch> batches = loader_->NextStep(config_.parallelism().grad_acc());
   GRADSUM_ASSIGN_OR_RETURN(const losses::StepStats stats, ComputeStatistics(batches));
   NamedParams weights;  // step 1's full parameters, for the dump and the parity check
+  model::ExpertBias bias;  // and the expert bias step 1 routes with (§5.1)
   if (gather_full) {
     GRADSUM_ASSIGN_OR_RETURN(weights, model_->GatherFull(/*grads=*/false));
+    bias = model_->expert_bias();
   }
 
   const absl::Time model_start = absl::Now();
@@ -179,6 +185,7 @@ absl::StatusOr<StepMetrics> Trainer::Step() {
   const absl::Time update_start = absl::Now();
   GRADSUM_ASSIGN_OR_RETURN(const double grad_norm, ClipGradients());
   GRADSUM_ASSIGN_OR_RETURN(const double lr, ApplyAdamW());
+  UpdateExpertBias();
   times.update = absl::Now() - update_start;
   GRADSUM_ASSIGN_OR_RETURN(const losses::StepDisplayValues display, ReduceDisplay());
   GRADSUM_RETURN_IF_ERROR(WaitForSlowestRank(&times));
@@ -186,7 +193,7 @@ absl::StatusOr<StepMetrics> Trainer::Step() {
   ++step_;
   GRADSUM_ASSIGN_OR_RETURN(const StepMetrics record,
                            MakeRecord(stats, display, grad_norm, lr, times));
-  if (first) GRADSUM_RETURN_IF_ERROR(RunFirstStepChecks(weights, batches, record));
+  if (first) GRADSUM_RETURN_IF_ERROR(RunFirstStepChecks(weights, bias, batches, record));
   history_.push_back(record);
   return record;
 }
@@ -251,6 +258,10 @@ absl::StatusOr<double> Trainer::ApplyAdamW() {
   return lr;
 }
 
+// Phase 5b: the expert bias's sign update from the step's global counts (§5.1); nothing
+// collective, the counts are already the world's. A no-op without --expert_bias_speed.
+void Trainer::UpdateExpertBias() { model_->UpdateExpertBias(); }
+
 // Phase 6: the step's global display losses (§8).
 absl::StatusOr<losses::StepDisplayValues> Trainer::ReduceDisplay() {
   return display_.Reduce(world());
@@ -287,6 +298,9 @@ absl::StatusOr<StepMetrics> Trainer::MakeRecord(const losses::StepStats& stats,
   r.set_grad_norm(grad_norm);
   r.set_lr(lr);
   for (double v : display.maxvio) r.add_maxvio(v);
+  for (const std::vector<int64_t>& layer : display.tokens_per_expert) {
+    for (int64_t c : layer) r.add_tokens_per_expert(c);
+  }
   r.set_step_s(absl::ToDoubleSeconds(absl::Now() - times.start));
   r.set_comm_s(absl::ToDoubleSeconds(times.comm));
   SetCommExposed(times.exposed, &r);
@@ -301,16 +315,18 @@ absl::StatusOr<StepMetrics> Trainer::MakeRecord(const losses::StepStats& stats,
 }
 
 absl::Status Trainer::RunFirstStepChecks(const NamedParams& weights,
+                                         const model::ExpertBias& bias,
                                          const std::vector<MicroBatch>& batches,
                                          const StepMetrics& record) {
   if (!config_.debug().dump_dir().empty()) {
-    GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(
-        world(), WriteDump(config_, world().rank(), weights, *first_step_grads_, batches, record),
-        "--dump_dir"));
+    GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world(),
+                                          WriteDump(config_, world().rank(), weights,
+                                                    *first_step_grads_, batches, record, bias),
+                                          "--dump_dir"));
   }
   if (config_.debug().parity_check()) {
-    GRADSUM_ASSIGN_OR_RETURN(parity_,
-                             RunParityCheck(config_, world(), weights, *first_step_grads_, record));
+    GRADSUM_ASSIGN_OR_RETURN(parity_, RunParityCheck(config_, world(), weights,
+                                                     *first_step_grads_, record, bias));
   }
   return absl::OkStatus();
 }
@@ -341,7 +357,7 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
     if (!config_.checkpoint().dir().empty() &&
         ((every > 0 && step_ % every == 0) || step_ == steps)) {
       GRADSUM_RETURN_IF_ERROR(SaveRunCheckpoint(config_, world(), *optimizer_, step_, run_id_,
-                                                loader_->position()));
+                                                loader_->position(), model_->expert_bias()));
     }
     if (parity_.has_value() && r.step() == 1) {
       if (log != nullptr && !parity_->params.empty()) *log << parity_->ToString() << std::flush;
@@ -358,7 +374,8 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
     GRADSUM_ASSIGN_OR_RETURN(NamedParams params, model_->GatherFull(/*grads=*/false));
     GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(
         world(),
-        is_rank0() ? WriteParamsFile(export_path, config_.model(), params, step_)
+        is_rank0() ? WriteParamsFile(export_path, config_.model(), params, step_,
+                                     model_->expert_bias())
                    : absl::OkStatus(),
         "--export"));
     if (log != nullptr) {

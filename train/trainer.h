@@ -16,7 +16,8 @@
 //                     unit's SUM reduction issued as its gradient completes (§7)
 //   3. reductions     MoeLm::FinishGradReduce waits for them
 //   4. clip           the global grad norm, clipped to optim.grad_clip (§7)
-//   5. AdamW          on this rank's shards, at the warmup schedule's lr
+//   5. AdamW          on this rank's shards, at the warmup schedule's lr; then the expert
+//                     bias's sign update from the step's global counts (§5.1; no collective)
 //   6. display        StepDisplay::Reduce, the step's global losses (§8)
 // and the record (StepMetrics, train/metrics.proto). Around the steps, Run logs
 // (train/step_log.h), saves checkpoints (train/checkpointing.h) and, after step 1 of a
@@ -106,6 +107,7 @@ class Trainer {
   absl::Status FinishReductions();
   absl::StatusOr<double> ClipGradients();  // the global grad norm before clipping
   absl::StatusOr<double> ApplyAdamW();     // the step's lr
+  void UpdateExpertBias();
   absl::StatusOr<losses::StepDisplayValues> ReduceDisplay();
   // The step's end: the communication time taken, the wait for the slowest rank.
   absl::Status WaitForSlowestRank(StepTimes* times);
@@ -114,7 +116,7 @@ class Trainer {
                                          const losses::StepDisplayValues& display,
                                          double grad_norm, double lr, const StepTimes& times);
   // Step 1 of a fresh run: the dump and the parity check, each agreed on by every rank.
-  absl::Status RunFirstStepChecks(const NamedParams& weights,
+  absl::Status RunFirstStepChecks(const NamedParams& weights, const model::ExpertBias& bias,
                                   const std::vector<MicroBatch>& batches,
                                   const StepMetrics& record);
 

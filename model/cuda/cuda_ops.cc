@@ -216,6 +216,12 @@ class CudaOps : public ModelOps {
   }
 
   absl::Status MoeForward(int l, const float* a, const MoeWeights& w, float* y) override {
+    if (w.expert_bias != nullptr) {
+      // An --init_from file or a checkpoint may carry a bias even with the speed at 0.
+      return absl::UnimplementedError(
+          "the expert bias (SEMANTICS.md §5.1, --expert_bias_speed or a bias carried by "
+          "--init_from / a checkpoint) is not implemented by the CUDA router; use a CPU backend");
+    }
     return layers_[l].Forward(exec_, moe_comms_, layer_config_, &scratch_, in_.rows, a,
                               {w.router, w.local_experts}, mask_.as<uint8_t>(), y);
   }
@@ -491,6 +497,19 @@ absl::StatusOr<std::unique_ptr<ModelOps>> MakeCudaOps(
           "--", flag, "=", value, " (SEMANTICS.md §3.2) is not implemented by the CUDA ops; "
           "use a CPU backend or leave it 0"));
     }
+  }
+  // Nor does the CUDA router do the aux-loss-free balancing of §5.1 (a biased selection,
+  // sigmoid scores).
+  if (m.expert_bias_speed != 0.0) {
+    return absl::UnimplementedError(absl::StrCat(
+        "--expert_bias_speed=", m.expert_bias_speed,
+        " (SEMANTICS.md §5.1) is not implemented by the CUDA ops; use a CPU backend or leave "
+        "it 0"));
+  }
+  if (m.router_sigmoid) {
+    return absl::UnimplementedError(
+        "--router_score=sigmoid (SEMANTICS.md §5.1) is not implemented by the CUDA ops; use a "
+        "CPU backend or --router_score=softmax");
   }
   if (context == nullptr || comms.world == nullptr || comms.ep_group == nullptr ||
       comms.host_ep_group == nullptr || comms.world->device_stream() == nullptr ||

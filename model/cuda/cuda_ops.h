@@ -35,7 +35,9 @@ struct CudaOpsComms {
 
 // InvalidArgument for missing communicators, NCCL ones without a device stream, or experts
 // the EP group does not divide. Unimplemented, naming the flag, for a non-zero CE option of
-// SEMANTICS.md §3.2 (label_smoothing, logit_softcap, alpha_lse): the CUDA CE has none yet.
+// SEMANTICS.md §3.2 (label_smoothing, logit_softcap, alpha_lse): the CUDA CE has none yet;
+// and for expert_bias_speed > 0 or sigmoid router scores (§5.1), which the CUDA router
+// lacks (MoeForward also refuses a MoeWeights::expert_bias).
 absl::StatusOr<std::unique_ptr<ModelOps>> MakeCudaOps(
     const MoeLmSpec& spec, std::shared_ptr<cuda::ComputeContext> context,
     const CudaOpsComms& comms);

@@ -249,5 +249,27 @@ TEST(CudaOpsTest, CeOptionsAreRefusedNamingTheFlag) {
   }
 }
 
+// The aux-loss-free balancing of SEMANTICS.md §5.1 is CPU-only too: the bias speed and
+// sigmoid scores are refused by name. Needs no GPU.
+TEST(CudaOpsTest, ExpertBiasAndSigmoidScoresAreRefusedNamingTheFlag) {
+  MoeLmConfig c = OneLayerConfig();
+  c.expert_bias_speed = 0.25;
+  absl::StatusOr<MoeLmSpec> spec = MoeLmSpec::Create(c);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  auto gpu = MakeCudaOps(*spec, nullptr, {});
+  EXPECT_EQ(gpu.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(gpu.status().message().find("--expert_bias_speed=0.25"), absl::string_view::npos)
+      << gpu.status();
+  c = OneLayerConfig();
+  c.router_sigmoid = true;
+  c.alpha_b = 0;
+  spec = MoeLmSpec::Create(c);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  gpu = MakeCudaOps(*spec, nullptr, {});
+  EXPECT_EQ(gpu.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(gpu.status().message().find("--router_score=sigmoid"), absl::string_view::npos)
+      << gpu.status();
+}
+
 }  // namespace
 }  // namespace gradsum::model
