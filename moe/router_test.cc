@@ -164,24 +164,25 @@ INSTANTIATE_TEST_SUITE_P(Configs, RouterParamTest,
                          ::testing::Combine(::testing::Bool(), ::testing::Values(1.0f, 2.5f),
                                             ::testing::Values(1, 2, 6)));
 
-// Central differences of the fp32 code itself (loss evaluated from RouterForward's outputs),
-// checked against its own RouterBackward; only the combine-weight path, with renormalisation.
-TEST(RouterTest, BackwardMatchesFiniteDifferencesOfFp32Forward) {
-  RouterConfig config{
-      .d_model = 5, .num_experts = 4, .top_k = 2, .norm_topk_prob = true, .router_scale = 1.5f};
+// Central differences of the fp32 code itself (the loss evaluated from RouterForward's
+// combine weights and probabilities, with `bias` for the selection) against its own
+// RouterBackward: T = 6 tokens, D = 5, E = 4, K = 2.
+void ExpectBackwardMatchesFiniteDifferencesOfFp32Forward(const RouterConfig& config,
+                                                          absl::Span<const float> bias,
+                                                          uint32_t seed) {
   const int T = 6, D = 5, E = 4, K = 2;
-  std::vector<float> a = test::ToFloat(test::RandomFp32Values(T * D, 1.0, 21));
-  std::vector<float> wr = test::ToFloat(test::RandomFp32Values(D * E, 1.0, 22));
-  const std::vector<double> cw = test::RandomFp32Values(T * K, 1.0, 23);
-  const std::vector<double> cp = test::RandomFp32Values(T * E, 1.0, 24);
+  std::vector<float> a = test::ToFloat(test::RandomFp32Values(T * D, 1.0, seed));
+  std::vector<float> wr = test::ToFloat(test::RandomFp32Values(D * E, 1.0, seed + 1));
+  const std::vector<double> cw = test::RandomFp32Values(T * K, 1.0, seed + 2);
+  const std::vector<double> cp = test::RandomFp32Values(T * E, 1.0, seed + 3);
   auto loss = [&]() {
-    absl::StatusOr<RouterOutput> o = RouterForward(config, a, wr);
+    absl::StatusOr<RouterOutput> o = RouterForward(config, a, wr, {}, bias);
     double l = 0.0;
     for (int i = 0; i < T * K; ++i) l += cw[i] * o->combine_weight[i];
     for (int i = 0; i < T * E; ++i) l += cp[i] * o->probs[i];
     return l;
   };
-  absl::StatusOr<RouterOutput> out = RouterForward(config, a, wr);
+  absl::StatusOr<RouterOutput> out = RouterForward(config, a, wr, {}, bias);
   ASSERT_TRUE(out.ok());
   const std::vector<float> cwf = test::ToFloat(cw), cpf = test::ToFloat(cp);
   RouterOutputGrads grads;
@@ -202,6 +203,13 @@ TEST(RouterTest, BackwardMatchesFiniteDifferencesOfFp32Forward) {
   };
   for (int i = 0; i < D * E; ++i) EXPECT_NEAR(dwr[i], fd(&wr[i]), 3e-3) << "dWr[" << i << "]";
   for (int i = 0; i < T * D; ++i) EXPECT_NEAR(da[i], fd(&a[i]), 3e-3) << "da[" << i << "]";
+}
+
+// Softmax scores: only the combine-weight and probability paths, with renormalisation.
+TEST(RouterTest, BackwardMatchesFiniteDifferencesOfFp32Forward) {
+  ExpectBackwardMatchesFiniteDifferencesOfFp32Forward(
+      {.d_model = 5, .num_experts = 4, .top_k = 2, .norm_topk_prob = true, .router_scale = 1.5f},
+      {}, 21);
 }
 
 // Reproducible mode (RouterConfig::row_block): the logits, the input gradient and each
@@ -479,42 +487,11 @@ TEST(RouterTest, ZeroBiasIsBitIdenticalToNoBias) {
 // Sigmoid scores: backward against central differences of the fp32 forward (combine weights
 // with renormalisation, and the scores themselves), with a bias that moves the selection.
 TEST(RouterTest, SigmoidBackwardMatchesFiniteDifferencesOfFp32Forward) {
-  RouterConfig config{.d_model = 5, .num_experts = 4, .top_k = 2, .norm_topk_prob = true,
-                      .router_scale = 1.5f, .score = RouterScore::kSigmoid};
-  const int T = 6, D = 5, E = 4, K = 2;
-  std::vector<float> a = test::ToFloat(test::RandomFp32Values(T * D, 1.0, 51));
-  std::vector<float> wr = test::ToFloat(test::RandomFp32Values(D * E, 1.0, 52));
   const std::vector<float> bias = {0.0f, 0.5f, -0.5f, 0.0f};
-  const std::vector<double> cw = test::RandomFp32Values(T * K, 1.0, 53);
-  const std::vector<double> cp = test::RandomFp32Values(T * E, 1.0, 54);
-  auto loss = [&]() {
-    absl::StatusOr<RouterOutput> o = RouterForward(config, a, wr, {}, bias);
-    double l = 0.0;
-    for (int i = 0; i < T * K; ++i) l += cw[i] * o->combine_weight[i];
-    for (int i = 0; i < T * E; ++i) l += cp[i] * o->probs[i];
-    return l;
-  };
-  absl::StatusOr<RouterOutput> out = RouterForward(config, a, wr, {}, bias);
-  ASSERT_TRUE(out.ok());
-  const std::vector<float> cwf = test::ToFloat(cw), cpf = test::ToFloat(cp);
-  RouterOutputGrads grads;
-  grads.d_combine_weight = cwf;
-  grads.d_probs = cpf;
-  std::vector<float> dwr(D * E, 0.0f), da(T * D, 0.0f);
-  ASSERT_TRUE(
-      RouterBackward(config, a, wr, *out, grads, absl::MakeSpan(dwr), absl::MakeSpan(da)).ok());
-  const float h = 1e-2f;
-  auto fd = [&](float* x) {
-    const float saved = *x;
-    *x = saved + h;
-    const double plus = loss();
-    *x = saved - h;
-    const double minus = loss();
-    *x = saved;
-    return (plus - minus) / (2.0 * h);
-  };
-  for (int i = 0; i < D * E; ++i) EXPECT_NEAR(dwr[i], fd(&wr[i]), 3e-3) << "dWr[" << i << "]";
-  for (int i = 0; i < T * D; ++i) EXPECT_NEAR(da[i], fd(&a[i]), 3e-3) << "da[" << i << "]";
+  ExpectBackwardMatchesFiniteDifferencesOfFp32Forward(
+      {.d_model = 5, .num_experts = 4, .top_k = 2, .norm_topk_prob = true, .router_scale = 1.5f,
+       .score = RouterScore::kSigmoid},
+      bias, 51);
 }
 
 TEST(RouterTest, BadBiasIsInvalidArgument) {

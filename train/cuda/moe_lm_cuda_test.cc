@@ -200,20 +200,35 @@ TEST(MoeLmCudaTest, CreateRejectsMissingOrMismatchedDeviceGroups) {
   EXPECT_NE(none.status().message().find("NCCL"), absl::string_view::npos);
 }
 
+// One GPU for the construction tests: a host world of one thread rank and the NCCL mesh
+// over it (the mesh keeps a pointer to the host communicator, which stays put).
+struct OneGpu {
+  std::vector<std::unique_ptr<Communicator>> host;
+  NcclMesh nccl;
+  MoeLmGroups groups() const { return {host[0].get(), host[0].get(), host[0].get()}; }
+};
+
+absl::StatusOr<OneGpu> MakeOneGpu() {
+  GRADSUM_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Communicator>> host,
+                           CreateThreadCommunicators(1));
+  NcclBackendOptions options;
+  options.device = 0;
+  GRADSUM_ASSIGN_OR_RETURN(NcclMesh nccl,
+                           MakeNcclMesh(*host[0], options, 1, std::make_shared<CommTimer>()));
+  return OneGpu{std::move(host), std::move(nccl)};
+}
+
 // Full activation recomputation needs ops that can re-run a MoE layer from its kept
 // routing (model/ops.h CanRecomputeMoe); the CUDA ops cannot yet, so it is refused by name
 // at construction, and selective (norms only, shared model code) is built.
 TEST(MoeLmCudaTest, FullRecomputationIsRefusedByNameAndSelectiveIsBuilt) {
   GRADSUM_SKIP_WITHOUT_GPU();
-  auto host = CreateThreadCommunicators(1);
-  ASSERT_TRUE(host.ok()) << host.status();
-  NcclBackendOptions nccl_options;
-  nccl_options.device = 0;
-  auto nccl = MakeNcclMesh(*(*host)[0], nccl_options, 1, std::make_shared<CommTimer>());
-  ASSERT_TRUE(nccl.ok()) << nccl.status();
+  absl::StatusOr<OneGpu> gpu = MakeOneGpu();
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
   MoeLmOptions options;
   options.model = TinyConfig(1, 1, 1, TrainConfig::fsdp).model();
-  const MoeLmGroups groups{(*host)[0].get(), (*host)[0].get(), (*host)[0].get()};
+  const MoeLmGroups groups = gpu->groups();
+  NcclMesh* const nccl = &gpu->nccl;
   options.recompute = model::Recompute::kFull;
   auto full = CreateCudaMoeLm(options, groups, nccl->groups());
   EXPECT_EQ(full.status().code(), absl::StatusCode::kUnimplemented) << full.status();
@@ -224,15 +239,12 @@ TEST(MoeLmCudaTest, FullRecomputationIsRefusedByNameAndSelectiveIsBuilt) {
 
 TEST(MoeLmCudaTest, ProtocolAndInputErrorsAreStatuses) {
   GRADSUM_SKIP_WITHOUT_GPU();
-  auto host = CreateThreadCommunicators(1);
-  ASSERT_TRUE(host.ok()) << host.status();
-  NcclBackendOptions nccl_options;
-  nccl_options.device = 0;
-  auto nccl = MakeNcclMesh(*(*host)[0], nccl_options, 1, std::make_shared<CommTimer>());
-  ASSERT_TRUE(nccl.ok()) << nccl.status();
+  absl::StatusOr<OneGpu> gpu = MakeOneGpu();
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
   MoeLmOptions options;
   options.model = TinyConfig(1, 1, 1, TrainConfig::fsdp).model();
-  const MoeLmGroups groups{(*host)[0].get(), (*host)[0].get(), (*host)[0].get()};
+  const MoeLmGroups groups = gpu->groups();
+  NcclMesh* const nccl = &gpu->nccl;
   const MoeLmDeviceGroups dev = nccl->groups();
   auto model = CreateCudaMoeLm(options, groups, dev);
   ASSERT_TRUE(model.ok()) << model.status();
