@@ -200,11 +200,13 @@ TEST(MoeLmCudaTest, CreateRejectsMissingOrMismatchedDeviceGroups) {
   EXPECT_NE(none.status().message().find("NCCL"), absl::string_view::npos);
 }
 
-// One GPU for the construction tests: a host world of one thread rank and the NCCL mesh
-// over it (the mesh keeps a pointer to the host communicator, which stays put).
+// One GPU for the construction tests: a host world of one thread rank, the NCCL mesh over
+// it (the mesh keeps a pointer to the host communicator, which stays put) and the tiny
+// model's options.
 struct OneGpu {
   std::vector<std::unique_ptr<Communicator>> host;
   NcclMesh nccl;
+  MoeLmOptions options;
   MoeLmGroups groups() const { return {host[0].get(), host[0].get(), host[0].get()}; }
 };
 
@@ -215,7 +217,9 @@ absl::StatusOr<OneGpu> MakeOneGpu() {
   options.device = 0;
   GRADSUM_ASSIGN_OR_RETURN(NcclMesh nccl,
                            MakeNcclMesh(*host[0], options, 1, std::make_shared<CommTimer>()));
-  return OneGpu{std::move(host), std::move(nccl)};
+  MoeLmOptions model_options;
+  model_options.model = TinyConfig(1, 1, 1, TrainConfig::fsdp).model();
+  return OneGpu{std::move(host), std::move(nccl), model_options};
 }
 
 // Full activation recomputation needs ops that can re-run a MoE layer from its kept
@@ -225,8 +229,7 @@ TEST(MoeLmCudaTest, FullRecomputationIsRefusedByNameAndSelectiveIsBuilt) {
   GRADSUM_SKIP_WITHOUT_GPU();
   absl::StatusOr<OneGpu> gpu = MakeOneGpu();
   ASSERT_TRUE(gpu.ok()) << gpu.status();
-  MoeLmOptions options;
-  options.model = TinyConfig(1, 1, 1, TrainConfig::fsdp).model();
+  MoeLmOptions options = gpu->options;
   const MoeLmGroups groups = gpu->groups();
   NcclMesh* const nccl = &gpu->nccl;
   options.recompute = model::Recompute::kFull;
@@ -241,8 +244,7 @@ TEST(MoeLmCudaTest, ProtocolAndInputErrorsAreStatuses) {
   GRADSUM_SKIP_WITHOUT_GPU();
   absl::StatusOr<OneGpu> gpu = MakeOneGpu();
   ASSERT_TRUE(gpu.ok()) << gpu.status();
-  MoeLmOptions options;
-  options.model = TinyConfig(1, 1, 1, TrainConfig::fsdp).model();
+  MoeLmOptions options = gpu->options;
   const MoeLmGroups groups = gpu->groups();
   NcclMesh* const nccl = &gpu->nccl;
   const MoeLmDeviceGroups dev = nccl->groups();
