@@ -414,19 +414,34 @@ int32_t NarrowInt(int64_t v, absl::string_view op, absl::string_view what) {
 
 }  // namespace
 
+namespace {
+
+// Float logits [..., V] with V >= 1 (else the op's error naming them); the shape of their rows
+// (without the last dimension), which every per-row input has.
+at::IntArrayRef LogitsRowShape(const at::Tensor& logits, absl::string_view op) {
+  CheckFloat(logits, op, "logits");
+  if (logits.dim() < 1 || logits.size(-1) < 1) {
+    Fail(op, absl::StrCat("logits must be [..., V] with V >= 1, got ", Describe(logits)));
+  }
+  return logits.sizes().slice(0, logits.dim() - 1);
+}
+
+// One int64 label per logits row.
+at::Tensor RowLabels(const at::Tensor& labels, at::IntArrayRef row_shape, absl::string_view op) {
+  return IntegerInput(labels, row_shape, at::kLong, op, "labels",
+                      "the logits' shape without its last dimension");
+}
+
+}  // namespace
+
 StatusError::StatusError(absl::Status status)
     : std::runtime_error(status.ToString()), status_(std::move(status)) {}
 
 at::Tensor CrossEntropy(const at::Tensor& logits, const at::Tensor& labels,
                         double global_weight_sum, const CeWeights& weights) {
   constexpr absl::string_view kOp = "cross_entropy";
-  CheckFloat(logits, kOp, "logits");
-  if (logits.dim() < 1 || logits.size(-1) < 1) {
-    Fail(kOp, absl::StrCat("logits must be [..., V] with V >= 1, got ", Describe(logits)));
-  }
-  const at::IntArrayRef label_shape = logits.sizes().slice(0, logits.dim() - 1);
-  const at::Tensor y = IntegerInput(labels, label_shape, at::kLong, kOp, "labels",
-                                    "the logits' shape without its last dimension");
+  const at::IntArrayRef label_shape = LogitsRowShape(logits, kOp);
+  const at::Tensor y = RowLabels(labels, label_shape, kOp);
   const OptTensor w = ResolveWeights(weights, y, label_shape, kOp);
   const at::Tensor z = logits.reshape({-1, logits.size(-1)}).contiguous();
   return CrossEntropyFunction::apply(z, OptTensor(y), w, global_weight_sum, weights.ignore_index,
@@ -482,13 +497,8 @@ PolicyLossOutput PolicyLoss(const at::Tensor& logits, const at::Tensor& labels,
                             const at::Tensor& old_logprob, const at::Tensor& advantages,
                             const PolicyLossArgs& args) {
   constexpr absl::string_view kOp = "policy_loss";
-  CheckFloat(logits, kOp, "logits");
-  if (logits.dim() < 1 || logits.size(-1) < 1) {
-    Fail(kOp, absl::StrCat("logits must be [..., V] with V >= 1, got ", Describe(logits)));
-  }
-  const at::IntArrayRef shape = logits.sizes().slice(0, logits.dim() - 1);
-  const at::Tensor y = IntegerInput(labels, shape, at::kLong, kOp, "labels",
-                                    "the logits' shape without its last dimension");
+  const at::IntArrayRef shape = LogitsRowShape(logits, kOp);
+  const at::Tensor y = RowLabels(labels, shape, kOp);
   const at::Tensor old = FloatInput(old_logprob, shape, kOp, "old_logprob");
   const at::Tensor adv = FloatInput(advantages, shape, kOp, "advantages");
   const OptTensor iw = OptionalFloatInput(args.is_weights, shape, kOp, "is_weights");
