@@ -230,14 +230,12 @@ TEST(MoeLmCudaTest, FullRecomputationIsRefusedByNameAndSelectiveIsBuilt) {
   absl::StatusOr<OneGpu> gpu = MakeOneGpu();
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   MoeLmOptions options = gpu->options;
-  const MoeLmGroups groups = gpu->groups();
-  NcclMesh* const nccl = &gpu->nccl;
   options.recompute = model::Recompute::kFull;
-  auto full = CreateCudaMoeLm(options, groups, nccl->groups());
+  auto full = CreateCudaMoeLm(options, gpu->groups(), gpu->nccl.groups());
   EXPECT_EQ(full.status().code(), absl::StatusCode::kUnimplemented) << full.status();
   EXPECT_NE(full.status().message().find("recompute=full"), absl::string_view::npos);
   options.recompute = model::Recompute::kSelective;
-  EXPECT_TRUE(CreateCudaMoeLm(options, groups, nccl->groups()).ok());
+  EXPECT_TRUE(CreateCudaMoeLm(options, gpu->groups(), gpu->nccl.groups()).ok());
 }
 
 TEST(MoeLmCudaTest, ProtocolAndInputErrorsAreStatuses) {
