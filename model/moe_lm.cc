@@ -259,32 +259,33 @@ absl::Status MoeLmModel::Backward(int stage) {
 
 // With attention: m_l = h_l + attention(RMSNorm(h_l; g^attn_l)); without, m_l = h_l.
 // Then a_l = RMSNorm(m_l; g_l); h_{l+1} = m_l + MoE_l(a_l).
+// The layer's forward up to the MoE block's input: the attention block (if any) into m_l,
+// then the MoE block's RMSNorm into a (NormSlot).
+absl::Status MoeLmModel::LayerForwardToMoeInput(int l) {
+  if (spec_.config().attention) GRADSUM_RETURN_IF_ERROR(AttentionForward(l));
+  return ops_->RmsNormForward(MoeBlockInput(l), params_->Values(spec_.norm(l)),
+                              a_[NormSlot(l)]->data(), inv_rms_[NormSlot(l)]->data());
+}
+
 absl::Status MoeLmModel::LayerForward(int l) {
   const int64_t n = rows_ * spec_.config().dim;
-  if (spec_.config().attention) GRADSUM_RETURN_IF_ERROR(AttentionForward(l));
-  float* m = spec_.config().attention ? attn_[KeptSlot(l)].m->data() : h_[l]->data();
-  float* a = a_[NormSlot(l)]->data();
-  GRADSUM_RETURN_IF_ERROR(ops_->RmsNormForward(m, params_->Values(spec_.norm(l)), a,
-                                               inv_rms_[NormSlot(l)]->data()));
-  GRADSUM_RETURN_IF_ERROR(ops_->MoeForward(l, a, LayerWeights(l), y_->data()));
-  return ops_->Add(m, y_->data(), h_[l + 1]->data(), n);
+  GRADSUM_RETURN_IF_ERROR(LayerForwardToMoeInput(l));
+  GRADSUM_RETURN_IF_ERROR(ops_->MoeForward(l, a_[NormSlot(l)]->data(), LayerWeights(l),
+                                           y_->data()));
+  return ops_->Add(MoeBlockInput(l), y_->data(), h_[l + 1]->data(), n);
 }
 
 // LayerForward's computations again, into the working set, from the kept h_l, with the MoE
 // layer re-run from its kept routing (no count is reduced or added again, SEMANTICS.md
-// §13); h_{l+1} is not rewritten (its backward is done).
+// §14); h_{l+1} is not rewritten (its backward is done).
 absl::Status MoeLmModel::LayerRecompute(int l) {
-  if (spec_.config().attention) GRADSUM_RETURN_IF_ERROR(AttentionForward(l));
-  float* m = spec_.config().attention ? attn_[KeptSlot(l)].m->data() : h_[l]->data();
-  float* a = a_[NormSlot(l)]->data();
-  GRADSUM_RETURN_IF_ERROR(ops_->RmsNormForward(m, params_->Values(spec_.norm(l)), a,
-                                               inv_rms_[NormSlot(l)]->data()));
-  return ops_->MoeRecomputeForward(l, a, LayerWeights(l), y_->data());
+  GRADSUM_RETURN_IF_ERROR(LayerForwardToMoeInput(l));
+  return ops_->MoeRecomputeForward(l, a_[NormSlot(l)]->data(), LayerWeights(l), y_->data());
 }
 
 // dh holds dL/dh_{l+1} (= dL/dy through the residual); afterwards dL/dh_l.
 absl::Status MoeLmModel::LayerBackward(int l) {
-  const float* m = spec_.config().attention ? attn_[KeptSlot(l)].m->data() : h_[l]->data();
+  const float* m = MoeBlockInput(l);
   float* a = a_[NormSlot(l)]->data();
   float* inv_rms = inv_rms_[NormSlot(l)]->data();
   if (recompute_ == Recompute::kSelective) {

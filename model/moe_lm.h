@@ -144,8 +144,15 @@ class MoeLmModel {
   absl::Status Backward(int stage);
   absl::Status LayerForward(int layer);
   absl::Status LayerBackward(int layer);
+  // Layer l's forward up to the MoE block's input (LayerForward and LayerRecompute).
+  absl::Status LayerForwardToMoeInput(int layer);
   // Layer l's forward without the residual's output (full recomputation, in backward).
   absl::Status LayerRecompute(int layer);
+  // What enters layer l's MoE block (its RMSNorm and residual): m_l = h_l + attention, or
+  // h_l without attention.
+  float* MoeBlockInput(int l) {
+    return spec_.config().attention ? attn_[KeptSlot(l)].m->data() : h_[l]->data();
+  }
   absl::Status AttentionForward(int layer);
   absl::Status AttentionBackward(int layer);
   // Which arrays hold layer l's activations: its own (kept), or the one working set that
