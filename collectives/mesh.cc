@@ -15,13 +15,19 @@ Mesh::Mesh(Communicator* world, int ep_size, std::unique_ptr<Communicator> ep_gr
       ep_group_(std::move(ep_group)),
       edp_group_(std::move(edp_group)) {}
 
-absl::StatusOr<std::unique_ptr<Mesh>> Mesh::Create(Communicator* world, int ep_size) {
+absl::StatusOr<std::unique_ptr<Mesh>> Mesh::Create(Communicator* world, int ep_size,
+                                                    int shard_size) {
   if (world == nullptr) return absl::InvalidArgumentError("Mesh::Create: world is null");
   const int w = world->size();
   if (ep_size < 1 || w % ep_size != 0) {
     return absl::InvalidArgumentError(absl::StrCat("Mesh::Create: ep_size ", ep_size,
                                                    " must be >= 1 and divide the world size ",
                                                    w));
+  }
+  if (shard_size < 0 || (shard_size > 0 && (w % shard_size != 0 || shard_size % ep_size != 0))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Mesh::Create: shard_size ", shard_size, " must be 0, or divide the world size ", w,
+        " and be a multiple of ep_size ", ep_size));
   }
   const int f = world->rank() / ep_size;
   const int p = world->rank() % ep_size;
@@ -34,8 +40,25 @@ absl::StatusOr<std::unique_ptr<Mesh>> Mesh::Create(Communicator* world, int ep_s
                                             " Split returned an inconsistent group on rank ",
                                             world->rank()));
   }
-  return std::unique_ptr<Mesh>(
-      new Mesh(world, ep_size, std::move(ep_group), std::move(edp_group)));
+  std::unique_ptr<Mesh> mesh(new Mesh(world, ep_size, std::move(ep_group), std::move(edp_group)));
+  if (shard_size > 0) {
+    // SEMANTICS.md §7 (HSDP): rank w = r * N + q; the EDP group's k = N / P ranks in shard
+    // group r are f = r * k .. r * k + k - 1.
+    const int N = shard_size, r = world->rank() / N, q = world->rank() % N, k = N / ep_size;
+    mesh->shard_size_ = N;
+    GRADSUM_ASSIGN_OR_RETURN(mesh->dense_shard_, world->Split(r, q));
+    GRADSUM_ASSIGN_OR_RETURN(mesh->dense_replica_, world->Split(q, r));
+    GRADSUM_ASSIGN_OR_RETURN(mesh->expert_shard_, world->Split(r * ep_size + p, f % k));
+    GRADSUM_ASSIGN_OR_RETURN(mesh->expert_replica_, world->Split(p * k + f % k, r));
+    if (mesh->dense_shard_->size() != N || mesh->dense_replica_->size() != w / N ||
+        mesh->expert_shard_->size() != k || mesh->expert_replica_->size() != w / N ||
+        mesh->expert_shard_->rank() != f % k || mesh->dense_replica_->rank() != r) {
+      return absl::InternalError(absl::StrCat("Mesh::Create: ", world->backend(),
+                                              " Split returned an inconsistent HSDP group on "
+                                              "rank ", world->rank()));
+    }
+  }
+  return mesh;
 }
 
 absl::Status HierarchicalReduceScatter(Mesh& mesh, const void* send, void* shard,

@@ -27,7 +27,13 @@ class Mesh {
   // P < 1, or a world size not divisible by P, is InvalidArgument naming both; a null
   // world is InvalidArgument. Collective over `world` (two Splits): every rank calls it
   // with the same ep_size.
-  static absl::StatusOr<std::unique_ptr<Mesh>> Create(Communicator* world, int ep_size);
+  //
+  // shard_size > 0 also builds HSDP's groups (SEMANTICS.md §7): shard groups of shard_size
+  // consecutive ranks, replicated across world / shard_size groups. shard_size must divide
+  // the world and be a multiple of ep_size (each EP group inside one shard group), else
+  // InvalidArgument naming it. 0: none (the accessors below return null).
+  static absl::StatusOr<std::unique_ptr<Mesh>> Create(Communicator* world, int ep_size,
+                                                      int shard_size = 0);
 
   int world_size() const { return world_->size(); }
   int ep_size() const { return ep_size_; }    // P
@@ -39,6 +45,20 @@ class Mesh {
   Communicator& ep_group() { return *ep_group_; }
   Communicator& edp_group() { return *edp_group_; }
 
+  // HSDP (Create's shard_size > 0), else 0 and null. With N = shard_size, R = W / N and
+  // rank w = r * N + q:
+  // - dense_shard_group(): the N ranks of shard group r (ordered by q): dense units' shards;
+  // - dense_replica_group(): the R ranks with shard rank q (ordered by r);
+  // - expert_shard_group(): the N / P ranks of this rank's EDP group inside its shard group
+  //   (ordered by f): expert units' shards;
+  // - expert_replica_group(): the R ranks of the EDP group at the same place in the other
+  //   shard groups (ordered by r).
+  int shard_size() const { return shard_size_; }
+  Communicator* dense_shard_group() { return dense_shard_.get(); }
+  Communicator* dense_replica_group() { return dense_replica_.get(); }
+  Communicator* expert_shard_group() { return expert_shard_.get(); }
+  Communicator* expert_replica_group() { return expert_replica_.get(); }
+
  private:
   Mesh(Communicator* world, int ep_size, std::unique_ptr<Communicator> ep_group,
        std::unique_ptr<Communicator> edp_group);
@@ -48,6 +68,8 @@ class Mesh {
   int edp_size_;
   std::unique_ptr<Communicator> ep_group_;
   std::unique_ptr<Communicator> edp_group_;
+  int shard_size_ = 0;
+  std::unique_ptr<Communicator> dense_shard_, dense_replica_, expert_shard_, expert_replica_;
 };
 
 // Two-level (HSDP-style) SUM reduce-scatter over the mesh: the shard group is ep_group()

@@ -87,7 +87,16 @@ class HostUnitStore : public UnitStore {
     return reducers_ == nullptr ? units_[u]->FinishGradReduce() : absl::OkStatus();
   }
 
+  absl::Status AdvanceReduce(int u) override {
+    return reducers_ == nullptr ? units_[u]->AdvanceGradReduce() : absl::OkStatus();
+  }
+
   absl::Status FinishReductions() override {
+    // HSDP: every unit's cross-replica stage in flight before any is waited for, in the
+    // order backward issued their first stages (the last unit first).
+    for (auto it = units_.rbegin(); it != units_.rend(); ++it) {
+      GRADSUM_RETURN_IF_ERROR((*it)->AdvanceGradReduce());
+    }
     for (FlatParam* g : units_) GRADSUM_RETURN_IF_ERROR(g->FinishGradReduce());
     return reducers_ != nullptr ? reducers_->Finish() : absl::OkStatus();
   }

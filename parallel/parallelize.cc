@@ -42,6 +42,28 @@ absl::StatusOr<std::unique_ptr<ParallelParams>> Parallelize(const model::MoeLmSp
                                                    " does not divide world size ",
                                                    mesh.world->size()));
   }
+  const int hsdp_groups = (mesh.dense_shard != nullptr) + (mesh.dense_replica != nullptr) +
+                          (mesh.expert_shard != nullptr) + (mesh.expert_replica != nullptr);
+  if (hsdp_groups != 0 && hsdp_groups != 4) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "mesh: HSDP needs its four groups (dense and expert, shard and replica), got ",
+        hsdp_groups));
+  }
+  if (mesh.hsdp()) {
+    if (options.sharding != ShardingMode::kSharded) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "mesh: HSDP groups with sharding ", ShardingModeName(options.sharding),
+          " (HSDP shards inside a group: sharded only)"));
+    }
+    const int N = mesh.dense_shard->size(), R = mesh.dense_replica->size();
+    if (N * R != mesh.world->size() || mesh.expert_shard->size() * R * P != mesh.world->size() ||
+        mesh.expert_replica->size() != R) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "mesh: HSDP shard group ", N, " x replicas ", R, ", expert shard group ",
+          mesh.expert_shard->size(), " x replicas ", mesh.expert_replica->size(),
+          " do not cover world ", mesh.world->size(), " with ep ", P));
+    }
+  }
   if (options.repro_block < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("repro_block=", options.repro_block, ": must be >= 0"));
@@ -69,10 +91,15 @@ absl::StatusOr<std::unique_ptr<ParallelParams>> Parallelize(const model::MoeLmSp
                       bool expert) -> absl::Status {
     std::vector<ParamSpec> specs;
     for (int p : members) specs.push_back({defs[p].name, defs[p].shape});
+    Communicator* group = expert ? mesh.edp_group : mesh.world;
+    FlatParamOptions unit_options = fp_options;
+    if (mesh.hsdp()) {
+      group = expert ? mesh.expert_shard : mesh.dense_shard;
+      unit_options.replica_group = expert ? mesh.expert_replica : mesh.dense_replica;
+    }
     GRADSUM_ASSIGN_OR_RETURN(
         std::unique_ptr<FlatParam> unit,
-        FlatParam::Create(std::move(name), std::move(specs), expert ? mesh.edp_group : mesh.world,
-                          fp_options));
+        FlatParam::Create(std::move(name), std::move(specs), group, unit_options));
     const int u = static_cast<int>(pp.units_.size());
     for (size_t i = 0; i < members.size(); ++i) {
       if (!expert) pp.dense_[members[i]] = {u, static_cast<int>(i), 1};
@@ -211,7 +238,11 @@ absl::StatusOr<NamedParams> ParallelParams::GatherFull(bool grads) {
   const int P = groups_.ep_group->size();
   for (size_t u = 0; u < units_.size(); ++u) {
     FlatParam* g = units_[u].get();
+    // What the rank holds of its group's split: the shard (sharded, HSDP), or the slice it
+    // owns (replicated); gathered over the group, either gives the whole unit.
+    const bool sharded = g->options().mode == ShardingMode::kSharded;
     absl::Span<const float> owned = grads ? g->owned_grad() : g->owned_master();
+    if (sharded) owned = grads ? g->master_grad() : g->master();
     std::vector<float> send(g->shard_numel(), 0.0f);
     std::copy(owned.begin(), owned.end(), send.begin());
     std::vector<float> full(g->shard_numel() * g->group_size());

@@ -24,6 +24,9 @@
 //                                       slot p (of every layer of the unit), stacked per
 //                                       layer as all wg, then all wu, then all wd
 //   "head"                              over the world: final_norm, out
+// With HSDP groups in the mesh, "over the world" reads "over the dense shard group,
+// replicated across the others" and "over this rank's EDP group" reads "over the expert
+// shard group, replicated" (SEMANTICS.md §7).
 
 #include <cstdint>
 #include <memory>
@@ -49,6 +52,15 @@ struct MeshGroups {
   // The SP group (SEMANTICS.md §12: the S consecutive ranks that share sequences); null
   // means none. Parameters are not split over it: the compute uses it for attention.
   Communicator* sp_group = nullptr;
+  // HSDP (SEMANTICS.md §7; collectives/mesh.h's HSDP groups): dense units sharded over
+  // dense_shard and replicated over dense_replica, expert units sharded over expert_shard
+  // (the EDP ranks inside the shard group) and replicated over expert_replica. All four or
+  // none; only with ShardingMode::kSharded.
+  Communicator* dense_shard = nullptr;
+  Communicator* dense_replica = nullptr;
+  Communicator* expert_shard = nullptr;
+  Communicator* expert_replica = nullptr;
+  bool hsdp() const { return dense_shard != nullptr; }
 };
 
 // Where a rank's parameter units live while the compute reads them: makes their store

@@ -66,6 +66,13 @@ absl::Status UnitSchedule::Complete(UnitStore& store, int stage, bool last_micro
     if (options_.sharded) GRADSUM_RETURN_IF_ERROR(store.Release(*it));
     GRADSUM_RETURN_IF_ERROR(store.StartReduce(*it, last_micro_batch));
   }
+  // The reductions issued one stage earlier have had that stage's backward to complete:
+  // their second stage, if any, starts now (HSDP's cross-replica all-reduce).
+  if (last_micro_batch && stage + 1 < num_stages()) {
+    for (int u : stage_units_[stage + 1]) {
+      if (first_stage_[u] == stage + 1) GRADSUM_RETURN_IF_ERROR(store.AdvanceReduce(u));
+    }
+  }
   return absl::OkStatus();
 }
 

@@ -74,6 +74,13 @@ class UnitStore {
   // Waits for u's reduction in flight and folds it into the sharded accumulator (OK if
   // none is). Afterwards u's gradient buffer may be written again.
   virtual absl::Status WaitReduce(int u) = 0;
+  // The last micro-batch, one stage after u's reduction was issued: a reduction with a
+  // second stage (HSDP's cross-replica all-reduce, SEMANTICS.md §7) may start it now, so
+  // that it overlaps the next stage's backward. The default has no second stage.
+  virtual absl::Status AdvanceReduce(int u) {
+    (void)u;
+    return absl::OkStatus();
+  }
   // After the last micro-batch: every reduction done, master_grad() complete.
   // FailedPrecondition after MicroBatchFailed() in this step.
   virtual absl::Status FinishReductions() = 0;

@@ -124,12 +124,14 @@ cp::GroupRecord GroupToProto(const FlatParam& g) {
   cp::GroupRecord o;
   o.set_name(g.name());
   o.set_mode(ShardingModeName(g.options().mode));
-  o.set_group_size(g.group_size());
-  o.set_group_rank(g.group_rank());
+  // The owned slice's layout: the group's split, or for HSDP the split over shard group x
+  // replicas, so every mode's files read as a sharded run's (SEMANTICS.md §7).
+  o.set_group_size(g.owned_group_size());
+  o.set_group_rank(g.owned_group_rank());
   o.set_numel(g.numel());
   o.set_padded_numel(g.padded_numel());
-  o.set_shard_offset(g.shard_offset());
-  o.set_local_numel(g.local_numel());
+  o.set_shard_offset(g.owned_offset());
+  o.set_local_numel(g.owned_numel());
   for (const FlatParamEntry& e : g.entries()) {
     cp::ParamRecord* p = o.add_params();
     p->set_name(e.name);
@@ -441,9 +443,8 @@ class SavedLayout {
 
 // The owned slice of a vector stored beside master() (m or v).
 absl::Span<const float> OwnedPart(const FlatParam& g, absl::Span<const float> beside_master) {
-  return g.options().mode == ShardingMode::kSharded
-             ? beside_master
-             : beside_master.subspan(g.shard_offset(), g.local_numel());
+  return absl::MakeConstSpan(beside_master.data() + (g.owned_offset() - g.master_offset()),
+                             g.owned_numel());
 }
 
 // Writes the rank's files; `fingerprints` gets (manifest, tensors) file fingerprints.
@@ -580,7 +581,7 @@ absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& dir, Communicat
     std::set<std::string> live;
     for (size_t gi = 0; gi < optimizer.groups().size(); ++gi) {
       const FlatParam& g = *optimizer.groups()[gi];
-      const int64_t begin = g.shard_offset(), end = begin + g.local_numel();
+      const int64_t begin = g.owned_offset(), end = begin + g.owned_numel();
       Staged& st = staged[gi];
       for (std::vector<float>* v : {&st.master, &st.exp_avg, &st.exp_avg_sq}) {
         v->resize(end - begin);
@@ -631,7 +632,8 @@ absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& dir, Communicat
     }
   }
 
-  // Phase 2: install. Replicated groups rebuild their full copies from every rank's slice.
+  // Phase 2: install. Replicated groups rebuild their full copies from every rank's slice,
+  // HSDP groups their shard from its replicas' slices.
   absl::Status local = absl::OkStatus();
   for (size_t gi = 0; gi < optimizer.groups().size() && local.ok(); ++gi) {
     FlatParam& g = *optimizer.groups()[gi];
@@ -641,16 +643,19 @@ absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& dir, Communicat
         {&staged[gi].exp_avg_sq, optimizer.exp_avg_sq(gi)},
     };
     for (const auto& [slice, dest] : parts) {
-      if (g.options().mode == ShardingMode::kSharded) {
+      const bool sharded = g.options().mode == ShardingMode::kSharded;
+      Communicator* over = sharded ? g.replica_group() : g.group();
+      if (over == nullptr || over->size() == 1) {
         std::copy(slice->begin(), slice->end(), dest.begin());
         continue;
       }
-      std::vector<float> send(g.shard_numel(), 0.0f);
+      const int64_t piece = g.padded_numel() / g.owned_group_size();
+      std::vector<float> send(piece, 0.0f);
       std::copy(slice->begin(), slice->end(), send.begin());
-      std::vector<float> full(g.padded_numel());
-      local = g.group()->AllGather(send.data(), full.data(), g.shard_numel(), DType::kF32);
+      std::vector<float> gathered(piece * over->size());
+      local = over->AllGather(send.data(), gathered.data(), piece, DType::kF32);
       if (!local.ok()) break;
-      std::copy(full.begin(), full.begin() + g.numel(), dest.begin());
+      std::copy(gathered.begin(), gathered.begin() + dest.size(), dest.begin());
     }
     if (local.ok()) local = g.MasterUpdated();
     if (local.ok()) local = g.ZeroGrad();

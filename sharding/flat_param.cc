@@ -28,6 +28,12 @@ absl::StatusOr<std::unique_ptr<FlatParam>> FlatParam::Create(std::string name,
     return absl::InvalidArgumentError(absl::StrCat("flat param group \"", name, "\": bad mode ",
                                                    static_cast<int>(options.mode)));
   }
+  Communicator* replicas = options.replica_group;
+  if (replicas != nullptr && options.mode != ShardingMode::kSharded) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "flat param group \"", name, "\": a replica group (HSDP) needs mode sharded, not ",
+        ShardingModeName(options.mode)));
+  }
   std::unique_ptr<FlatParam> fp(new FlatParam());
   fp->name_ = std::move(name);
   fp->group_ = group;
@@ -55,7 +61,23 @@ absl::StatusOr<std::unique_ptr<FlatParam>> FlatParam::Create(std::string name,
     offset += *n;
   }
   fp->numel_ = offset;
-  const ShardLayout layout = ComputeShardLayout(offset, fp->group_size_, fp->group_rank_);
+  ShardLayout layout = ComputeShardLayout(offset, fp->group_size_, fp->group_rank_);
+  ShardLayout owned = layout;
+  fp->owned_group_size_ = fp->group_size_;
+  fp->owned_group_rank_ = fp->group_rank_;
+  if (replicas != nullptr && replicas->size() > 1) {
+    // HSDP: padded to a multiple of S * R, so the shard splits into the R owned slices.
+    const int R = replicas->size();
+    fp->owned_group_size_ = fp->group_size_ * R;
+    fp->owned_group_rank_ = fp->group_rank_ * R + replicas->rank();
+    owned = ComputeShardLayout(offset, fp->owned_group_size_, fp->owned_group_rank_);
+    layout.padded_numel = owned.padded_numel;
+    layout.shard_numel = owned.padded_numel / fp->group_size_;
+    layout.shard_offset = fp->group_rank_ * layout.shard_numel;
+    layout.local_numel = std::clamp<int64_t>(offset - layout.shard_offset, 0, layout.shard_numel);
+  }
+  fp->owned_offset_ = owned.shard_offset;
+  fp->owned_numel_ = owned.local_numel;
   fp->padded_numel_ = layout.padded_numel;
   fp->shard_numel_ = layout.shard_numel;
   fp->shard_offset_ = layout.shard_offset;
@@ -64,6 +86,7 @@ absl::StatusOr<std::unique_ptr<FlatParam>> FlatParam::Create(std::string name,
   UnitGradOptions grad;
   grad.name = fp->name_;
   grad.group = group;
+  grad.replica_group = replicas;
   grad.mode = options.mode;
   grad.reduce_every_micro_batch = options.reduce_every_micro_batch;
   grad.numel = offset;
@@ -116,9 +139,13 @@ absl::Span<const float> FlatParam::master_grad() const {
 }
 
 absl::Span<const float> FlatParam::owned_master() const {
-  return sharded() ? master() : absl::MakeConstSpan(master_.data() + shard_offset_, local_numel_);
+  return absl::MakeConstSpan(master_.data() + (owned_offset_ - master_offset()), owned_numel_);
 }
-absl::Span<const float> FlatParam::owned_grad() const { return grad_->owned_grad(); }
+absl::Span<const float> FlatParam::owned_grad() const {
+  // Sharded: inside the accumulator (shard_numel elements); replicated: the full gradient.
+  return absl::MakeConstSpan(master_grad().data() + (owned_offset_ - master_offset()),
+                             owned_numel_);
+}
 
 absl::Status FlatParam::SetFullValue(int index, absl::Span<const float> full_values) {
   GRADSUM_RETURN_IF_ERROR(CheckIndex(index));
@@ -299,6 +326,11 @@ absl::Status FlatParam::StartGradReduce(bool last_micro_batch) {
 absl::Status FlatParam::FinishGradReduce() {
   if (!grad_->reduce_in_flight()) return absl::OkStatus();
   return grad_->FinishReduce();
+}
+
+absl::Status FlatParam::AdvanceGradReduce() {
+  if (!grad_->reduce_in_flight()) return absl::OkStatus();
+  return grad_->Advance();
 }
 
 absl::Status FlatParam::FoldReducedGrad(absl::Span<const float> reduced, bool last_micro_batch) {

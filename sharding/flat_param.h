@@ -100,6 +100,14 @@ struct FlatParamOptions {
   // micro-batch (false: FSDP2's requires_gradient_sync off for the others; more memory,
   // fewer collectives). Replicated mode always reduces once, on the last micro-batch.
   bool reduce_every_micro_batch = true;
+  // kSharded only: HSDP (SEMANTICS.md §7). The unit is sharded over `group` (the shard
+  // group) and replicated over this one (the ranks with the same group rank in the other
+  // shard groups; not owned, must outlive the FlatParam): the flat buffer is padded to a
+  // multiple of both sizes' product, the last micro-batch's accumulated shard is
+  // all-reduced with SUM across the replicas, and the rank owns (for norms and
+  // checkpoints) slice group_rank * R + replica rank of the product-way split, inside its
+  // shard. Null, or a group of one rank, means none.
+  Communicator* replica_group = nullptr;
 };
 
 // A parameter to place in a group.
@@ -150,8 +158,20 @@ class FlatParam {
   int64_t padded_numel() const { return padded_numel_; }  // multiple of group_size()
   int64_t shard_numel() const { return shard_numel_; }    // padded_numel() / group_size()
   int64_t shard_offset() const { return shard_offset_; }  // group_rank() * shard_numel()
-  // Valid (non-padding) elements of this rank's shard: the owned slice's length.
+  // Valid (non-padding) elements of this rank's shard.
   int64_t local_numel() const { return local_numel_; }
+
+  // What the rank owns (norms, checkpoints): slice owned_group_rank() of the
+  // ComputeShardLayout split into owned_group_size() slices. Without a replica group that
+  // is the group's split (the shard, or in replicated mode the slice the rank would
+  // shard); with one (HSDP) it is the R-way split of the shard: owned_group_size() =
+  // group_size() * R, owned_group_rank() = group_rank() * R + replica rank.
+  int owned_group_size() const { return owned_group_size_; }
+  int owned_group_rank() const { return owned_group_rank_; }
+  int64_t owned_offset() const { return owned_offset_; }
+  int64_t owned_numel() const { return owned_numel_; }
+  // HSDP's replica group, or null.
+  Communicator* replica_group() const { return options_.replica_group; }
 
   // ---- Master parameters (fp32), what the optimizer updates. ----
 
@@ -165,8 +185,8 @@ class FlatParam {
   absl::Span<float> master_grad();
   absl::Span<const float> master_grad() const;
 
-  // The owned slice [shard_offset(), + local_numel()) of master() and master_grad(), in
-  // both modes: what norms count and checkpoints store.
+  // The owned slice [owned_offset(), + owned_numel()) of master() and master_grad(), in
+  // every mode: what norms count and checkpoints store.
   absl::Span<const float> owned_master() const;
   absl::Span<const float> owned_grad() const;
 
@@ -250,7 +270,12 @@ class FlatParam {
   // flight; the collective's error otherwise.
   absl::Status StartGradReduce(bool last_micro_batch);
   // Waits for it and folds the result into master_grad(). OK if nothing was started.
+  // HSDP: both stages (the in-group reduce-scatter, then the cross-replica all-reduce).
   absl::Status FinishGradReduce();
+  // HSDP: moves the last micro-batch's reduction to its second stage when its first is in
+  // flight (waits for the in-group reduce-scatter, starts the cross-replica all-reduce), so
+  // that the all-reduce overlaps what the caller does next. OK and nothing otherwise.
+  absl::Status AdvanceGradReduce();
   // StartGradReduce() + FinishGradReduce().
   absl::Status ReduceGrad(bool last_micro_batch);
   bool grad_reduce_in_flight() const { return grad_->reduce_in_flight(); }
@@ -304,6 +329,10 @@ class FlatParam {
   int64_t shard_numel_ = 0;
   int64_t shard_offset_ = 0;
   int64_t local_numel_ = 0;
+  int owned_group_size_ = 1;
+  int owned_group_rank_ = 0;
+  int64_t owned_offset_ = 0;
+  int64_t owned_numel_ = 0;
 
   // Sharded: shard_numel() elements (padding zero). Replicated: padded_numel() elements.
   std::vector<float> master_;

@@ -457,5 +457,140 @@ TEST(FlatParamTest, FoldReducedGradAccumulatesExternalReductions) {
   }
 }
 
+// ---- HSDP (SEMANTICS.md §7): sharded over shard groups of N consecutive ranks, replicated
+// across the world / N groups. ----
+
+struct HsdpResult {
+  std::vector<float> flat;         // the owned slices at their offsets (the flat gradient)
+  std::vector<int> owners;         // per flat element: how many ranks own it
+  std::vector<double> norms_sq;    // per rank: OwnedGradSquaredNorm
+  std::vector<std::vector<float>> shards;  // per rank: master_grad() (its whole shard)
+};
+
+// G micro-batches of reduction on `world` ranks in shard groups of `n` (n == world: no
+// replicas, plain sharded mode). `advance`: the last micro-batch goes through
+// AdvanceGradReduce before FinishGradReduce, as the unit schedule does.
+absl::Status HsdpReduceOnRanks(int world, int n, GradPrecision precision, int micro_batches,
+                               bool advance, HsdpResult* out) {
+  const int64_t numel = DenseNumel();
+  std::vector<std::vector<float>> owned(world);
+  std::vector<int64_t> offsets(world);
+  out->norms_sq.assign(world, 0.0);
+  out->shards.assign(world, {});
+  GRADSUM_RETURN_IF_ERROR(RunRanks(world, [&](Communicator& comm) -> absl::Status {
+    const int r = comm.rank() / n, q = comm.rank() % n;
+    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> shard, comm.Split(r, q));
+    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> replica, comm.Split(q, r));
+    FlatParamOptions opts;
+    opts.precision = precision;
+    opts.replica_group = replica.get();
+    GRADSUM_ASSIGN_OR_RETURN(auto fp, FlatParam::Create("dense", DenseSpecs(), shard.get(), opts));
+    const int R = world / n;
+    if (fp->padded_numel() % world != 0 || fp->owned_group_size() != world ||
+        fp->owned_group_rank() != q * R + r || fp->shard_numel() * n != fp->padded_numel()) {
+      return absl::InternalError(absl::StrCat("layout: padded ", fp->padded_numel(), " owned ",
+                                              fp->owned_group_rank(), "/",
+                                              fp->owned_group_size()));
+    }
+    for (int m = 0; m < micro_batches; ++m) {
+      for (int p = 0; p < fp->num_params(); ++p) {
+        const FlatParamEntry& e = fp->entries()[p];
+        std::vector<float> g(e.numel);
+        for (int64_t i = 0; i < e.numel; ++i) g[i] = Grad(e.name, i, comm.rank(), m);
+        if (IsExact(precision)) {
+          GRADSUM_RETURN_IF_ERROR(fp->AddExactGrad(p, 0, g));
+        } else {
+          GRADSUM_ASSIGN_OR_RETURN(TensorView t, fp->grad(p));
+          for (int64_t i = 0; i < e.numel; ++i) t.data<float>()[i] += g[i];
+        }
+      }
+      const bool last = m == micro_batches - 1;
+      GRADSUM_RETURN_IF_ERROR(fp->StartGradReduce(last));
+      if (last && advance) {
+        GRADSUM_RETURN_IF_ERROR(fp->AdvanceGradReduce());
+        if (R > 1 && !fp->grad_reduce_in_flight()) {
+          return absl::InternalError("the cross-replica stage is not in flight after Advance");
+        }
+      }
+      GRADSUM_RETURN_IF_ERROR(fp->FinishGradReduce());
+    }
+    absl::Span<const float> og = fp->owned_grad();
+    owned[comm.rank()].assign(og.begin(), og.end());
+    offsets[comm.rank()] = fp->owned_offset();
+    out->norms_sq[comm.rank()] = fp->OwnedGradSquaredNorm();
+    absl::Span<const float> mg = fp->master_grad();
+    out->shards[comm.rank()].assign(mg.begin(), mg.end());
+    return absl::OkStatus();
+  }));
+  out->flat.assign(numel, 0.0f);
+  out->owners.assign(numel, 0);
+  for (int w = 0; w < world; ++w) {
+    for (size_t i = 0; i < owned[w].size(); ++i) {
+      out->flat[offsets[w] + i] = owned[w][i];
+      ++out->owners[offsets[w] + i];
+    }
+  }
+  return absl::OkStatus();
+}
+
+TEST(FlatParamTest, HsdpSumsOverTheWorldAndOwnsEachElementOnce) {
+  for (const auto& [world, n] : {std::pair<int, int>{2, 1}, {4, 2}, {6, 3}, {6, 2}, {8, 2},
+                                 {8, 4}}) {
+    for (int G : {1, 3}) {
+      const std::vector<double> ref = ReferenceGrad(world, G, false);
+      HsdpResult h;
+      ASSERT_TRUE(HsdpReduceOnRanks(world, n, GradPrecision::kF32, G, /*advance=*/G == 3, &h).ok());
+      double norm_sq = 0, ref_sq = 0;
+      for (size_t i = 0; i < ref.size(); ++i) {
+        EXPECT_EQ(h.owners[i], 1) << "world " << world << " n " << n << " element " << i;
+        EXPECT_NEAR(h.flat[i], ref[i], 3 * world * G * 6e-8) << "world " << world << " n " << n;
+        ref_sq += static_cast<double>(h.flat[i]) * h.flat[i];
+      }
+      for (double x : h.norms_sq) norm_sq += x;
+      EXPECT_NEAR(norm_sq, ref_sq, ref_sq * 1e-14) << "world " << world << " n " << n;
+      // Every replica of a shard holds the same reduced shard, bit for bit.
+      for (int w = n; w < world; ++w) {
+        EXPECT_EQ(h.shards[w], h.shards[w % n]) << "world " << world << " rank " << w;
+      }
+    }
+  }
+}
+
+TEST(FlatParamTest, HsdpExactIsBitIdenticalToSharded) {
+  for (const auto& [world, n] : {std::pair<int, int>{2, 1}, {4, 2}, {6, 3}, {8, 2}}) {
+    for (int G : {1, 2}) {
+      HsdpResult flat_sharded, hsdp, hsdp_advanced;
+      ASSERT_TRUE(
+          HsdpReduceOnRanks(world, world, GradPrecision::kExact, G, false, &flat_sharded).ok());
+      ASSERT_TRUE(HsdpReduceOnRanks(world, n, GradPrecision::kExact, G, false, &hsdp).ok());
+      ASSERT_TRUE(HsdpReduceOnRanks(world, n, GradPrecision::kExact, G, true, &hsdp_advanced).ok());
+      const std::vector<double> ref = ReferenceGrad(world, G, false);
+      for (size_t i = 0; i < ref.size(); ++i) {
+        EXPECT_NEAR(hsdp.flat[i], ref[i], std::abs(ref[i]) * 1.2e-7 + 1e-30) << i;
+      }
+      EXPECT_EQ(std::memcmp(hsdp.flat.data(), flat_sharded.flat.data(), hsdp.flat.size() * 4), 0)
+          << "world " << world << " n " << n << " G " << G;
+      EXPECT_EQ(hsdp.flat, hsdp_advanced.flat);
+      EXPECT_EQ(hsdp.owners, std::vector<int>(ref.size(), 1));
+    }
+  }
+}
+
+TEST(FlatParamTest, HsdpNeedsShardedMode) {
+  absl::Status s = RunRanks(2, [&](Communicator& comm) -> absl::Status {
+    FlatParamOptions opts;
+    opts.mode = ShardingMode::kReplicated;
+    opts.replica_group = &comm;
+    absl::StatusOr<std::unique_ptr<FlatParam>> fp =
+        FlatParam::Create("g", DenseSpecs(), &comm, opts);
+    if (fp.status().code() != absl::StatusCode::kInvalidArgument ||
+        fp.status().message().find("replicated") == std::string::npos) {
+      return absl::InternalError(absl::StrCat("replicated + replica group: ", fp.status().ToString()));
+    }
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(s.ok()) << s;
+}
+
 }  // namespace
 }  // namespace gradsum

@@ -105,10 +105,49 @@ class FloatUnitGrad final : public UnitGrad {
     if (!work.ok()) return Annotate(work.status(), What());
     work_ = std::move(*work);
     work_is_allreduce_ = !sharded();
+    work_is_replica_ = false;
+    work_last_ = last_micro_batch;
     return absl::OkStatus();
   }
 
   absl::Status FinishReduce() override {
+    if (work_is_replica_) return FinishReplica();
+    const bool replica_next = across_replicas() && work_last_;
+    GRADSUM_RETURN_IF_ERROR(FinishGroup());
+    if (!replica_next) return absl::OkStatus();
+    GRADSUM_RETURN_IF_ERROR(StartReplica());
+    return FinishReplica();
+  }
+
+  absl::Status Advance() override {
+    if (work_ == nullptr || work_is_replica_ || !(across_replicas() && work_last_)) {
+      return absl::OkStatus();
+    }
+    GRADSUM_RETURN_IF_ERROR(FinishGroup());
+    return StartReplica();
+  }
+
+ private:
+  // HSDP's second stage (SEMANTICS.md §7): the step's accumulated fp32 shard, SUM over the
+  // replicas, in place.
+  absl::Status StartReplica() {
+    absl::StatusOr<std::unique_ptr<Work>> work = o_.replica_group->AllReduceAsync(
+        accum_.data(), accum_.data(), o_.layout.shard_numel, DType::kF32, ReduceOp::kSum);
+    if (!work.ok()) return Annotate(work.status(), absl::StrCat(What(), " across replicas"));
+    work_ = std::move(*work);
+    work_is_replica_ = true;
+    return absl::OkStatus();
+  }
+  absl::Status FinishReplica() {
+    bool in_flight;
+    const absl::Status s = AwaitWork(*o_.replica_group, work_, &in_flight);
+    if (!in_flight) work_is_replica_ = false;
+    if (!s.ok()) return Annotate(s, absl::StrCat(What(), " across replicas"));
+    return absl::OkStatus();
+  }
+
+  // Waits for the in-group collective and folds its result.
+  absl::Status FinishGroup() {
     bool in_flight;
     const absl::Status s = AwaitWork(*o_.group, work_, &in_flight);
     if (!s.ok()) return Annotate(s, What());
@@ -136,6 +175,7 @@ class FloatUnitGrad final : public UnitGrad {
     return absl::OkStatus();
   }
 
+ public:
   absl::Status FoldReduced(absl::Span<const float> reduced, bool last_micro_batch) override {
     const int64_t size = static_cast<int64_t>(reduced.size());
     if (!sharded()) {
@@ -296,6 +336,7 @@ class ExactUnitGrad final : public UnitGrad {
     if (!work.ok()) return Annotate(work.status(), what);
     work_ = std::move(*work);
     work_is_allreduce_ = !sharded();
+    work_is_replica_ = false;
     work_last_ = last_micro_batch;
     if (last_micro_batch) {
       // Issued right behind the limbs, in the same order on every rank.
@@ -307,6 +348,58 @@ class ExactUnitGrad final : public UnitGrad {
   }
 
   absl::Status FinishReduce() override {
+    if (work_is_replica_) return FinishReplica();
+    const bool replica_next = across_replicas() && work_last_;
+    GRADSUM_RETURN_IF_ERROR(FinishGroup());
+    if (!replica_next) return absl::OkStatus();
+    GRADSUM_RETURN_IF_ERROR(StartReplica());
+    return FinishReplica();
+  }
+
+  absl::Status Advance() override {
+    if (work_ == nullptr || work_is_replica_ || !(across_replicas() && work_last_)) {
+      return absl::OkStatus();
+    }
+    GRADSUM_RETURN_IF_ERROR(FinishGroup());
+    return StartReplica();
+  }
+
+ private:
+  // HSDP's second stage (SEMANTICS.md §7): the step's accumulated shard limbs and the
+  // group's rejected count, one int64 SUM across the replicas (R canonical buffers: within
+  // the normalisation budget, checked at creation).
+  absl::Status StartReplica() {
+    const int64_t words = o_.layout.shard_numel * exact::kLimbs;
+    replica_limbs_.resize(words + 1);
+    std::copy(accum_limbs_.begin(), accum_limbs_.end(), replica_limbs_.begin());
+    replica_limbs_[words] = rejected_total_;
+    absl::StatusOr<std::unique_ptr<Work>> work = o_.replica_group->AllReduceAsync(
+        replica_limbs_.data(), replica_limbs_.data(), words + 1, DType::kI64, ReduceOp::kSum);
+    if (!work.ok()) {
+      return Annotate(work.status(), absl::StrCat("exact ", What(), " across replicas"));
+    }
+    work_ = std::move(*work);
+    work_is_replica_ = true;
+    return absl::OkStatus();
+  }
+  absl::Status FinishReplica() {
+    bool in_flight;
+    const absl::Status s = AwaitWork(*o_.replica_group, work_, &in_flight);
+    if (!in_flight) work_is_replica_ = false;
+    if (!s.ok()) return Annotate(s, absl::StrCat("exact ", What(), " across replicas"));
+    const int64_t words = o_.layout.shard_numel * exact::kLimbs;
+    std::copy_n(replica_limbs_.begin(), words, accum_limbs_.begin());
+    rejected_total_ = replica_limbs_[words];
+    GRADSUM_RETURN_IF_ERROR(exact::Normalize(absl::MakeSpan(accum_limbs_)));
+    const int64_t local = o_.layout.local_numel;
+    accum_empty_ = false;
+    return exact::ToFloats(absl::MakeConstSpan(accum_limbs_.data(), local * exact::kLimbs),
+                           rejected_total_, absl::MakeSpan(accum_.data(), local));
+  }
+
+  // Waits for the in-group collectives and folds their result (without a replica stage,
+  // the last micro-batch's shard becomes master_grad() here).
+  absl::Status FinishGroup() {
     const std::string what = absl::StrCat("exact ", What());
     bool in_flight;
     absl::Status s = AwaitWork(*o_.group, work_, &in_flight);
@@ -328,12 +421,13 @@ class ExactUnitGrad final : public UnitGrad {
     GRADSUM_RETURN_IF_ERROR(exact::AddLimbs(recv_limbs_, absl::MakeSpan(accum_limbs_)));
     GRADSUM_RETURN_IF_ERROR(exact::Normalize(absl::MakeSpan(accum_limbs_)));
     std::fill(limbs_.begin(), limbs_.end(), 0);
-    if (!work_last_) return absl::OkStatus();
+    if (!work_last_ || across_replicas()) return absl::OkStatus();
     accum_empty_ = false;
     return exact::ToFloats(absl::MakeConstSpan(accum_limbs_.data(), local * exact::kLimbs),
                            rejected_total_, absl::MakeSpan(accum_.data(), local));
   }
 
+ public:
   absl::Status FoldReduced(absl::Span<const float>, bool) override {
     return absl::UnimplementedError(absl::StrCat(
         "group \"", o_.name, "\": exact gradients are reduced as int64 limbs by FlatParam or "
@@ -373,7 +467,8 @@ class ExactUnitGrad final : public UnitGrad {
   int64_t rejected_ = 0;
   int64_t rejected_total_ = 0;
   std::unique_ptr<Work> rejected_work_;
-  bool work_last_ = false;
+  // HSDP: the accumulated shard limbs and the rejected count on their way across replicas.
+  std::vector<int64_t> replica_limbs_;
 };
 
 }  // namespace
@@ -389,6 +484,13 @@ absl::StatusOr<std::unique_ptr<UnitGrad>> UnitGrad::Create(GradPrecision precisi
     case GradPrecision::kBF16Wire:
       return std::unique_ptr<UnitGrad>(new FloatUnitGrad(precision, std::move(options)));
     case GradPrecision::kExact:
+      if (options.replica_group != nullptr &&
+          options.replica_group->size() >= exact::kMaxAddsBetweenNormalize) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "flat param group \"", options.name, "\": exact gradients sum at most ",
+            exact::kMaxAddsBetweenNormalize - 1, " replicas, the replica group has ",
+            options.replica_group->size()));
+      }
       if (options.group->size() >= exact::kMaxAddsBetweenNormalize) {
         return absl::InvalidArgumentError(absl::StrCat(
             "flat param group \"", options.name, "\": exact gradients sum at most ",

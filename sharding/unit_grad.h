@@ -46,6 +46,10 @@ namespace gradsum {
 struct UnitGradOptions {
   std::string name;               // the unit's, for messages
   Communicator* group = nullptr;  // the group its gradient is summed over; not owned
+  // Sharded only: HSDP's replica group (SEMANTICS.md §7), the ranks holding the same shard
+  // in the other shard groups; the accumulated shard is all-reduced with SUM over it on the
+  // last micro-batch. Null (or a group of one) means none. Not owned.
+  Communicator* replica_group = nullptr;
   ShardingMode mode = ShardingMode::kSharded;
   // Sharded: reduce-scatter every micro-batch (true) or the accumulated gradient on the
   // last one only (false). Replicated units reduce on the last micro-batch.
@@ -94,7 +98,14 @@ class UnitGrad {
   virtual absl::Status StartReduce(bool last_micro_batch) = 0;
   // Waits for it (Communicator::OperationWaitLimit) and folds the result into
   // master_grad(). Precondition: one in flight. A wait that times out keeps it in flight.
+  // With a replica group (HSDP), the last micro-batch's reduction has two stages: the
+  // in-group reduce-scatter, then the all-reduce of the accumulated shard across the
+  // replicas; FinishReduce completes both.
   virtual absl::Status FinishReduce() = 0;
+  // HSDP: if the last micro-batch's in-group reduce-scatter is in flight, waits for it,
+  // folds it and starts the cross-replica all-reduce (still in flight afterwards, so the
+  // next stage's compute overlaps it). Otherwise nothing. The collective's error.
+  virtual absl::Status Advance() { return absl::OkStatus(); }
   bool reduce_in_flight() const { return work_ != nullptr; }
   // Folds an fp32 gradient SUM-reduced elsewhere (FlatParam::FoldReducedGrad has the
   // contract). Precondition: none in flight. InvalidArgument for a wrong size or a
@@ -134,6 +145,10 @@ class UnitGrad {
   UnitGrad(GradPrecision precision, UnitGradOptions options)
       : precision_(precision), o_(std::move(options)) {}
   bool sharded() const { return o_.mode == ShardingMode::kSharded; }
+  // HSDP: the last micro-batch's shard is also summed across replicas.
+  bool across_replicas() const {
+    return sharded() && o_.replica_group != nullptr && o_.replica_group->size() > 1;
+  }
   // Reduces on this micro-batch (else the gradient keeps accumulating locally).
   bool ReducesNow(bool last_micro_batch) const {
     return last_micro_batch || (sharded() && o_.reduce_every_micro_batch);
@@ -153,6 +168,10 @@ class UnitGrad {
   bool accum_empty_ = true;  // the first fold copies instead of adding (keeps -0)
   std::unique_ptr<Work> work_;
   bool work_is_allreduce_ = false;
+  // HSDP: work_ is the cross-replica all-reduce of the accumulated shard (over
+  // o_.replica_group), not the in-group reduce-scatter.
+  bool work_is_replica_ = false;
+  bool work_last_ = false;  // the reduction in flight is the last micro-batch's
 };
 
 // Waits for `work` on `group` (Communicator::OperationWaitLimit). If it is still in flight

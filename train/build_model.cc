@@ -15,7 +15,8 @@ DType ToDType(TrainConfig::FloatDType d) {
   return d == TrainConfig::bf16 ? DType::kBF16 : DType::kF32;
 }
 ShardingMode ToShardingMode(TrainConfig::Sharding s) {
-  return s == TrainConfig::fsdp ? ShardingMode::kSharded : ShardingMode::kReplicated;
+  // hsdp is sharded mode with replica groups (SEMANTICS.md §7: the mesh's HSDP groups).
+  return s == TrainConfig::replicated ? ShardingMode::kReplicated : ShardingMode::kSharded;
 }
 
 }  // namespace
@@ -55,8 +56,19 @@ absl::StatusOr<std::unique_ptr<MoeLm>> BuildModel(const TrainConfig& config,
                             ? std::max(1, AvailableCores() / comms.mesh->world_size())
                             : 1;
   p.repro_block = config.precision().repro_block();
-  const MoeLmGroups groups{&comms.mesh->world(), &comms.mesh->ep_group(),
-                           &comms.mesh->edp_group(), comms.sp_group};
+  MoeLmGroups groups{&comms.mesh->world(), &comms.mesh->ep_group(), &comms.mesh->edp_group(),
+                     comms.sp_group};
+  if (parallelism.sharding() == TrainConfig::hsdp) {
+    if (comms.mesh->shard_size() == 0) {
+      return absl::InvalidArgumentError(
+          "parallelism.sharding=hsdp: the rank's mesh has no HSDP groups (MakeRankMesh builds "
+          "them)");
+    }
+    groups.dense_shard = comms.mesh->dense_shard_group();
+    groups.dense_replica = comms.mesh->dense_replica_group();
+    groups.expert_shard = comms.mesh->expert_shard_group();
+    groups.expert_replica = comms.mesh->expert_replica_group();
+  }
   return comms.make_model ? comms.make_model(options, groups) : MoeLm::Create(options, groups);
 }
 

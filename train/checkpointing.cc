@@ -143,6 +143,9 @@ std::string MeshText(const TrainConfig& c) {
   const ParallelismConfig& p = c.parallelism();
   return absl::StrCat("world=", p.world(), " ep=", p.ep(), " grad_acc=", p.grad_acc(),
                       " sharding=", TrainConfig::Sharding_Name(p.sharding()),
+                      p.sharding() == TrainConfig::hsdp
+                          ? absl::StrCat(" shard_group=", p.shard_group())
+                          : std::string(),
                       " layers_per_unit=", p.layers_per_unit());
 }
 

@@ -393,6 +393,26 @@ absl::Status ValidateConfig(const TrainConfig& c) {
   if (p.world() % p.sp() != 0) {
     return Bad("parallelism.sp", StrCat(p.sp()), StrCat("must divide parallelism.world=", p.world()));
   }
+  // HSDP (§7): shard groups of N consecutive ranks, each holding whole EP groups. SP needs
+  // nothing of it: parameters are not split over the SP group.
+  if (p.sharding() != TrainConfig::hsdp && p.shard_group() != 0) {
+    return Bad("parallelism.shard_group", StrCat(p.shard_group()),
+               StrCat("is for sharding=hsdp only (sharding=",
+                      TrainConfig::Sharding_Name(p.sharding()), ")"));
+  }
+  if (p.shard_group() < 0) {
+    return Bad("parallelism.shard_group", StrCat(p.shard_group()),
+               "must be >= 0 (0: the ranks of one host)");
+  }
+  if (p.shard_group() > 0 && p.world() % p.shard_group() != 0) {
+    return Bad("parallelism.shard_group", StrCat(p.shard_group()),
+               StrCat("must divide parallelism.world=", p.world()));
+  }
+  if (p.shard_group() > 0 && p.shard_group() % p.ep() != 0) {
+    return Bad("parallelism.shard_group", StrCat(p.shard_group()),
+               StrCat("must be a multiple of parallelism.ep=", p.ep(),
+                      " (each EP group inside one shard group; SEMANTICS.md §7)"));
+  }
   if (c.data().seq_len() % p.sp() != 0) {
     return Bad("parallelism.sp", StrCat(p.sp()),
                StrCat("must divide data.seq_len=", c.data().seq_len(),
@@ -518,6 +538,10 @@ absl::Status ValidateConfig(const TrainConfig& c) {
   const CommConfig& comm = c.comm();
   if (!(std::isfinite(comm.timeout_s()) && comm.timeout_s() > 0)) {
     return Bad("comm.timeout_s", StrCat(comm.timeout_s()), "must be > 0");
+  }
+  if (p.sharding() == TrainConfig::hsdp && comm.backend() == TrainConfig::nccl) {
+    return Bad("parallelism.sharding", "hsdp",
+               "is implemented for the CPU backends (thread, mpi) only, not comm.backend=nccl");
   }
   const PrecisionConfig& precision = c.precision();
   if (precision.reproducible() && comm.backend() == TrainConfig::nccl) {

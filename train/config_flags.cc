@@ -19,7 +19,10 @@ ABSL_FLAG(std::optional<int32_t>, ep, std::nullopt, "expert-parallel group size 
 ABSL_FLAG(std::optional<int32_t>, grad_acc, std::nullopt, "micro-batches per step G");
 ABSL_FLAG(std::optional<int32_t>, steps, std::nullopt, "optimizer steps");
 ABSL_FLAG(std::optional<std::string>, backend, std::nullopt, "thread | mpi | nccl");
-ABSL_FLAG(std::optional<std::string>, sharding, std::nullopt, "fsdp | replicated");
+ABSL_FLAG(std::optional<std::string>, sharding, std::nullopt, "fsdp | replicated | hsdp");
+ABSL_FLAG(std::optional<int32_t>, shard_group, std::nullopt,
+          "hsdp: ranks per shard group (consecutive; a multiple of --ep dividing --world); "
+          "0: the ranks of one host");
 ABSL_FLAG(std::optional<std::string>, ce_mode, std::nullopt,
           "cross-entropy token weights (SEMANTICS.md §3): token | sample | square");
 ABSL_FLAG(std::optional<std::string>, reduce_dtype, std::nullopt,
@@ -129,6 +132,7 @@ const std::vector<FlagField>& OverridableFlags() {
       {"steps", "optim.steps"},
       {"backend", "comm.backend"},
       {"sharding", "parallelism.sharding"},
+      {"shard_group", "parallelism.shard_group"},
       {"ce_mode", "loss.ce_mode"},
       {"reduce_dtype", "precision.reduce_dtype"},
       {"compute_dtype", "precision.compute_dtype"},

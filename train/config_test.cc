@@ -6,7 +6,10 @@
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <tuple>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -66,7 +69,7 @@ TEST(ConfigTest, UnknownEnumWordNamesTheAllowedWords) {
     ASSERT_FALSE(c.ok()) << text;
     EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(c.status().message(),
-                HasSubstr("line 2:13: sharding=zero: must be fsdp or replicated"));
+                HasSubstr("line 2:13: sharding=zero: must be fsdp, replicated or hsdp"));
   }
   absl::StatusOr<TrainConfig> c = ParseConfigText("sharding: \"fsdp\"\n\tworld: x\n");
   ASSERT_FALSE(c.ok());
@@ -247,9 +250,9 @@ TEST(ConfigTest, BadOverridesNameThePathAndValue) {
         // An enum field names the allowed words; the words are exact (lowercase).
         Case{{"comm.backend", "gloo"}, "comm.backend=gloo: must be thread, mpi or nccl"},
         Case{{"parallelism.sharding", "zero1"},
-             "parallelism.sharding=zero1: must be fsdp or replicated"},
+             "parallelism.sharding=zero1: must be fsdp, replicated or hsdp"},
         Case{{"parallelism.sharding", "FSDP"},
-             "parallelism.sharding=FSDP: must be fsdp or replicated"},
+             "parallelism.sharding=FSDP: must be fsdp, replicated or hsdp"},
         Case{{"loss.ce_mode", "mean"}, "loss.ce_mode=mean: must be token, sample or square"},
         Case{{"precision.reduce_dtype", "f16"}, "precision.reduce_dtype=f16: must be f32 or bf16"},
         Case{{"precision.compute_dtype", "1"}, "precision.compute_dtype=1: must be f32 or bf16"}}) {
@@ -340,6 +343,22 @@ TEST(ConfigTest, ValidationNamesFieldAndValue) {
       {{{"model.attention", "causal"}, {"model.rope_theta", "1"}}, "model.rope_theta=1"},
       {{{"precision.repro_block", "-1"}}, "precision.repro_block=-1"},
       {{{"precision.repro_block", "48"}}, "precision.repro_block=48: must be 0 or divide the 128"},
+      // HSDP (SEMANTICS.md §7): shard groups dividing the world, each holding whole EP
+      // groups; the size only with sharding=hsdp; CPU backends only.
+      {{{"parallelism.sharding", "hsdp"}, {"parallelism.world", "6"}, {"parallelism.ep", "1"},
+        {"parallelism.shard_group", "4"}},
+       "parallelism.shard_group=4: must divide parallelism.world=6"},
+      {{{"parallelism.sharding", "hsdp"}, {"parallelism.world", "8"}, {"parallelism.ep", "4"},
+        {"parallelism.shard_group", "2"}},
+       "parallelism.shard_group=2: must be a multiple of parallelism.ep=4"},
+      {{{"parallelism.sharding", "hsdp"}, {"parallelism.shard_group", "-2"}},
+       "parallelism.shard_group=-2: must be >= 0"},
+      {{{"parallelism.shard_group", "2"}},
+       "parallelism.shard_group=2: is for sharding=hsdp only (sharding=fsdp)"},
+      {{{"parallelism.sharding", "replicated"}, {"parallelism.shard_group", "1"}},
+       "parallelism.shard_group=1: is for sharding=hsdp only (sharding=replicated)"},
+      {{{"parallelism.sharding", "hsdp"}, {"comm.backend", "nccl"}},
+       "parallelism.sharding=hsdp: is implemented for the CPU backends (thread, mpi) only"},
   };
   for (const Case& k : cases) {
     TrainConfig c;
@@ -347,6 +366,23 @@ TEST(ConfigTest, ValidationNamesFieldAndValue) {
     absl::Status s = ValidateConfig(c);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << k.expect << ": " << s;
     EXPECT_THAT(s.message(), HasSubstr(k.expect));
+  }
+}
+
+// HSDP configs that are valid: a shard group of whole EP groups dividing the world, and 0
+// (the ranks of one host, resolved when the mesh is built).
+TEST(ConfigTest, HsdpShardGroupsThatFitAreValid) {
+  for (const auto& [world, ep, n] : std::vector<std::tuple<int, int, int>>{
+           {4, 2, 2}, {4, 1, 2}, {8, 2, 4}, {4, 2, 4}, {6, 1, 3}, {4, 2, 0}}) {
+    TrainConfig c;
+    ASSERT_TRUE(ApplyOverrides({{"parallelism.sharding", "hsdp"},
+                                {"parallelism.world", absl::StrCat(world)},
+                                {"parallelism.ep", absl::StrCat(ep)},
+                                {"parallelism.shard_group", absl::StrCat(n)}},
+                               &c)
+                    .ok());
+    EXPECT_TRUE(ValidateConfig(c).ok()) << world << " " << ep << " " << n << ": "
+                                        << ValidateConfig(c);
   }
 }
 

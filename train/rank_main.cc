@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <condition_variable>
 #include <exception>
 #include <filesystem>
@@ -28,6 +29,33 @@
 
 namespace gradsum::train {
 
+absl::StatusOr<int> ResolveShardGroup(Communicator& world, const ParallelismConfig& parallelism) {
+  int n = parallelism.shard_group();
+  if (n == 0) {
+    // The ranks of this rank's host: Open MPI says how many; the thread backend is one host.
+    n = world.size();
+    const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    int v = 0;
+    if (world.backend() == "mpi" && local != nullptr && absl::SimpleAtoi(local, &v) && v > 0) {
+      n = v;
+    }
+    int64_t mine[2] = {n, -int64_t{n}}, all[2] = {0, 0};
+    GRADSUM_RETURN_IF_ERROR(world.AllReduce(mine, all, 2, DType::kI64, ReduceOp::kMax));
+    if (all[0] != -all[1]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "parallelism.shard_group=0 (the ranks of one host): hosts run between ", -all[1],
+          " and ", all[0], " ranks; give parallelism.shard_group (--shard_group) explicitly"));
+    }
+  }
+  if (n < 1 || world.size() % n != 0 || n % parallelism.ep() != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "parallelism.shard_group=", parallelism.shard_group(), " gives shard groups of ", n,
+        " ranks: must divide the world's ", world.size(), " ranks and be a multiple of "
+        "parallelism.ep=", parallelism.ep()));
+  }
+  return n;
+}
+
 absl::StatusOr<RankMesh> MakeRankMesh(Communicator* world, const ParallelismConfig& parallelism) {
   if (world == nullptr) return absl::InvalidArgumentError("null world communicator");
   if (world->size() != parallelism.world()) {
@@ -37,7 +65,12 @@ absl::StatusOr<RankMesh> MakeRankMesh(Communicator* world, const ParallelismConf
   RankMesh mesh;
   mesh.timer = std::make_shared<CommTimer>();
   mesh.world = std::make_unique<TimedCommunicator>(world, mesh.timer);
-  GRADSUM_ASSIGN_OR_RETURN(mesh.mesh, Mesh::Create(mesh.world.get(), parallelism.ep()));
+  int shard_group = 0;
+  if (parallelism.sharding() == TrainConfig::hsdp) {
+    GRADSUM_ASSIGN_OR_RETURN(shard_group, ResolveShardGroup(*world, parallelism));
+  }
+  GRADSUM_ASSIGN_OR_RETURN(mesh.mesh,
+                           Mesh::Create(mesh.world.get(), parallelism.ep(), shard_group));
   const int sp = parallelism.sp();
   if (sp > 1) {
     if (world->size() % sp != 0) {
@@ -147,7 +180,8 @@ absl::Status CatchExceptions(const std::function<absl::Status()>& f) {
 }
 
 int64_t ThreadBackendThreads(const TrainConfig& config) {
-  const int communicators = 3 + (config.parallelism().sp() > 1 ? 1 : 0);
+  const int communicators = 3 + (config.parallelism().sp() > 1 ? 1 : 0) +
+                            (config.parallelism().sharding() == TrainConfig::hsdp ? 4 : 0);
   return int64_t{config.parallelism().world()} * (1 + communicators);
 }
 
@@ -314,7 +348,14 @@ absl::StatusOr<ResourceEstimate> EstimateResources(const TrainConfig& config) {
   }
   const LD rank_params = dense + experts / P;
   const ParallelismConfig& p = config.parallelism();
-  const LD shard_ways = p.sharding() == TrainConfig::fsdp ? p.world() : 1;
+  // hsdp shards over its groups (shard_group 0, the ranks of a host: counted as 1 here, an
+  // upper estimate, except on the thread backend's one host).
+  const LD shard_ways = p.sharding() == TrainConfig::fsdp ? p.world()
+                        : p.sharding() == TrainConfig::hsdp
+                            ? (p.shard_group() > 0 ? p.shard_group()
+                               : config.comm().backend() == TrainConfig::thread ? p.world()
+                                                                                : 1)
+                            : 1;
   // initial copy + compute copy + gradients, and master, exp_avg, exp_avg_sq slices (f32).
   r.parameter_bytes = 4 * rank_params * (3 + 3 / shard_ways);
   // Per token and layer: residual, norm, router logits and probabilities, each routed copy's

@@ -45,6 +45,13 @@ struct RankMesh {
 // too). Collective.
 absl::StatusOr<RankMesh> MakeRankMesh(Communicator* world, const ParallelismConfig& parallelism);
 
+// sharding=hsdp: the shard group size N of `parallelism` (SEMANTICS.md §7): shard_group, or
+// for 0 the ranks of one host (OMPI_COMM_WORLD_LOCAL_SIZE on the mpi backend, which every
+// rank must see the same; the world on the thread backend). InvalidArgument naming the
+// value when N does not divide the world or is not a multiple of parallelism.ep, or when
+// hosts run different numbers of ranks. Collective (one all-reduce).
+absl::StatusOr<int> ResolveShardGroup(Communicator& world, const ParallelismConfig& parallelism);
+
 // Builds the mesh and the Trainer and runs optim.steps steps. Collective over `world`.
 absl::Status RunRank(const TrainConfig& config, Communicator* world, std::ostream* log);
 

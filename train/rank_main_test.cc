@@ -6,8 +6,12 @@
 #include <system_error>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "core/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "testing/run_ranks.h"
 #include "train/moe_lm.h"
 #include "train/test_util.h"
 
@@ -124,6 +128,59 @@ TEST(ThreadsTest, StartingThreadsThatFitSucceedsAndTheLimitsAreNamed) {
   EXPECT_THAT(limits, HasSubstr("kernel.threads-max is "));
   EXPECT_THAT(limits, HasSubstr(", reached"));
   EXPECT_THAT(ThreadLimits(0), HasSubstr("none reached by this count"));
+}
+
+// HSDP's groups (SEMANTICS.md §7) as MakeRankMesh builds them: world 8, EP 2, shard
+// groups of 4 consecutive ranks replicated twice; shard_group 0 on the thread backend is
+// the whole world (one host).
+TEST(RankMeshTest, HsdpGroupsFromTheConfig) {
+  ParallelismConfig p;
+  p.set_world(8);
+  p.set_ep(2);
+  p.set_sharding(TrainConfig::hsdp);
+  p.set_shard_group(4);
+  absl::Status s = testing::RunRanks(8, [&](Communicator& world) -> absl::Status {
+    GRADSUM_ASSIGN_OR_RETURN(RankMesh m, MakeRankMesh(&world, p));
+    const int w = world.rank(), f = w / 2;
+    Mesh& mesh = *m.mesh;
+    const std::vector<int> got = {mesh.shard_size(),
+                                  mesh.dense_shard_group()->size(),
+                                  mesh.dense_shard_group()->rank(),
+                                  mesh.dense_replica_group()->size(),
+                                  mesh.dense_replica_group()->rank(),
+                                  mesh.expert_shard_group()->size(),
+                                  mesh.expert_shard_group()->rank(),
+                                  mesh.expert_replica_group()->size(),
+                                  mesh.expert_replica_group()->rank()};
+    const std::vector<int> want = {4, 4, w % 4, 2, w / 4, 2, f % 2, 2, w / 4};
+    if (got != want) return absl::InternalError(absl::StrCat("rank ", w, ": groups differ"));
+    // The shard group's ranks are consecutive: an all-gather of world ranks shows them.
+    int64_t mine = w, all[4];
+    GRADSUM_RETURN_IF_ERROR(mesh.dense_shard_group()->AllGather(&mine, all, 1, DType::kI64));
+    for (int i = 0; i < 4; ++i) {
+      if (all[i] != w / 4 * 4 + i) return absl::InternalError("shard group not consecutive");
+    }
+    // The expert shard group: the same EP slot p, f in this shard group.
+    GRADSUM_RETURN_IF_ERROR(mesh.expert_shard_group()->AllGather(&mine, all, 1, DType::kI64));
+    for (int i = 0; i < 2; ++i) {
+      if (all[i] != (w / 4 * 2 + i) * 2 + w % 2) {
+        return absl::InternalError("expert shard group is not the EDP ranks of the group");
+      }
+    }
+    ParallelismConfig host = p;
+    host.set_shard_group(0);
+    GRADSUM_ASSIGN_OR_RETURN(int n, ResolveShardGroup(world, host));
+    if (n != 8) return absl::InternalError(absl::StrCat("shard_group 0 gave ", n));
+    ParallelismConfig bad = p;
+    bad.set_shard_group(3);
+    absl::StatusOr<int> b = ResolveShardGroup(world, bad);
+    if (b.status().code() != absl::StatusCode::kInvalidArgument ||
+        !absl::StrContains(b.status().message(), "parallelism.shard_group=3")) {
+      return absl::InternalError(absl::StrCat("shard_group 3: ", b.status().ToString()));
+    }
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(s.ok()) << s;
 }
 
 }  // namespace
