@@ -515,6 +515,49 @@ TEST(TrainerTest, ResumeOntoAnotherMeshContinuesTheUninterruptedRun) {
   ExpectContinues(last, want, "(2,1,2) replicated -> (1,1,4) fsdp");
 }
 
+// HSDP checkpoints (SEMANTICS.md §7: the owned slices partition the world as fsdp's do)
+// load onto fsdp and replicated meshes and back: (world, ep, G) = (4, 2, 1) hsdp with
+// shard groups of 2 -> (2, 1, 2) fsdp -> (4, 2, 1) replicated -> (4, 1, 1) hsdp with shard
+// groups of 1 (fully replicated units, summed across 4 replicas) -> (4, 2, 1) hsdp with
+// one group of 4, each segment continuing the uninterrupted fsdp run (B = 8, alpha_b = 0 as
+// above).
+TEST(TrainerTest, ResumeFromHsdpOntoFsdpAndReplicatedAndBack) {
+  const std::string dir = ::testing::TempDir() + "/ckpt_hsdp";
+  std::filesystem::remove_all(dir);
+  auto mesh = [&](int world, int ep, int g, TrainConfig::Sharding sharding, int shard_group,
+                  int steps) {
+    TrainConfig c = TinyConfig(world, ep, g, sharding);
+    c.mutable_parallelism()->set_shard_group(shard_group);
+    c.mutable_loss()->set_alpha_b(0);
+    c.mutable_optim()->set_steps(steps);
+    c.mutable_checkpoint()->set_dir(dir);
+    c.mutable_checkpoint()->set_resume(true);
+    return c;
+  };
+  TrainConfig reference = mesh(4, 2, 1, TrainConfig::fsdp, 0, 10);
+  reference.mutable_checkpoint()->clear_dir();
+  reference.mutable_checkpoint()->set_resume(false);
+  const std::vector<StepMetrics> want = TrainOrDie(reference);
+  ASSERT_EQ(want.size(), 10u);
+
+  TrainConfig first = mesh(4, 2, 1, TrainConfig::hsdp, 2, 2);
+  first.mutable_checkpoint()->set_resume(false);
+  ExpectContinues(TrainOrDie(first), want, "(4,2,1) hsdp N=2 from the start");
+  // Each segment resumed (two steps each), so each continued from the checkpoint.
+  const std::vector<StepMetrics> second = TrainOrDie(mesh(2, 1, 2, TrainConfig::fsdp, 0, 4));
+  ASSERT_EQ(second.size(), 2u);
+  ExpectContinues(second, want, "(4,2,1) hsdp N=2 -> (2,1,2) fsdp");
+  const std::vector<StepMetrics> third = TrainOrDie(mesh(4, 2, 1, TrainConfig::replicated, 0, 6));
+  ASSERT_EQ(third.size(), 2u);
+  ExpectContinues(third, want, "(2,1,2) fsdp -> (4,2,1) replicated");
+  const std::vector<StepMetrics> fourth = TrainOrDie(mesh(4, 1, 1, TrainConfig::hsdp, 1, 8));
+  ASSERT_EQ(fourth.size(), 2u);
+  ExpectContinues(fourth, want, "(4,2,1) replicated -> (4,1,1) hsdp N=1");
+  const std::vector<StepMetrics> last = TrainOrDie(mesh(4, 2, 1, TrainConfig::hsdp, 4, 10));
+  ASSERT_EQ(last.size(), 2u);
+  ExpectContinues(last, want, "(4,1,1) hsdp N=1 -> (4,2,1) hsdp N=4");
+}
+
 // The same with the balancing loss on and G fixed: (world, ep, micro_batch) = (4, 2, 2)
 // fsdp -> (2, 2, 4) replicated with two layers per unit (B = 16 both), against the
 // uninterrupted run on the target mesh.
