@@ -11,7 +11,8 @@
 #    4 and 2 (world 1, 2, 4, thread and MPI) give identical bits too.
 # 3. The sample and square CE weightings and bf16 compute: two meshes each.
 # 4. A run checkpointed after 3 steps on one mesh and resumed on another (Open MPI) ends
-#    with the bits of the uninterrupted run.
+#    with the bits of the uninterrupted run; and hsdp -> fsdp -> replicated -> hsdp the same.
+#    (Part 1 includes four hsdp meshes: shard groups of 2 and 1, thread and Open MPI.)
 # 5. With attention: SP sizes 1, 2, 4 (thread and Open MPI), and a resume from SP 2 onto 4.
 # 6. --expert_bias_speed (SEMANTICS.md §5.1): world 1 vs Open MPI world 4 and vs full
 #    recomputation on world 2; sigmoid scores on world 1 vs 4.
@@ -78,7 +79,18 @@ run g2_mpi2_fsdp "${mpi2[@]}" -- "${ab[@]}" --reproducible --backend=mpi --world
   --micro_batch=2
 run g2_mpi4_fsdp "${mpi4[@]}" -- "${ab[@]}" --reproducible --backend=mpi --world=4 --ep=1 \
   --micro_batch=1 --layers_per_unit=2
-for other in g2_w2_fsdp g2_w2_repl g2_w4_fsdp_once g2_mpi4_repl g2_mpi2_fsdp g2_mpi4_fsdp; do
+# HSDP (SEMANTICS.md §7): shard groups of 2 replicated twice (thread, EP 2; thread, EP 1,
+# reducing once; Open MPI, EP 2), and groups of 1 (every unit whole, summed across 4).
+run g2_w4_hsdp -- "${ab[@]}" --reproducible --world=4 --ep=2 --micro_batch=1 --sharding=hsdp \
+  --shard_group=2
+run g2_w4_hsdp_once -- "${ab[@]}" --reproducible --world=4 --ep=1 --micro_batch=1 \
+  --sharding=hsdp --shard_group=2 --reduce_every_micro_batch=false
+run g2_w4_hsdp_n1 -- "${ab[@]}" --reproducible --world=4 --ep=1 --micro_batch=1 \
+  --sharding=hsdp --shard_group=1
+run g2_mpi4_hsdp "${mpi4[@]}" -- "${ab[@]}" --reproducible --backend=mpi --world=4 --ep=2 \
+  --micro_batch=1 --sharding=hsdp --shard_group=2
+for other in g2_w2_fsdp g2_w2_repl g2_w4_fsdp_once g2_mpi4_repl g2_mpi2_fsdp g2_mpi4_fsdp \
+    g2_w4_hsdp g2_w4_hsdp_once g2_w4_hsdp_n1 g2_mpi4_hsdp; do
   check_same g2_w1 "$other"
 done
 
@@ -128,6 +140,31 @@ for r in got:
             sys.exit(f"step {r['step']}: {k} {r[k]!r} != {ref[r['step']][k]!r}")
 PY
 echo "identical: g2_w1 vs the run resumed on another mesh"
+
+# HSDP checkpoints read as fsdp's (SEMANTICS.md §7): hsdp (world 4, groups of 2) for 2
+# steps -> fsdp (world 2) to step 4 -> replicated (Open MPI, world 4) to step 6 -> hsdp
+# (Open MPI, world 4, groups of 2) to step 8, bit-identical to the uninterrupted run.
+hsdp_seg() {  # hsdp_seg NAME STEPS LAUNCH... -- FLAGS...
+  local name="$1" steps="$2"; shift 2
+  local launch=()
+  while [[ "$1" != "--" ]]; do launch+=("$1"); shift; done
+  shift
+  "${launch[@]}" "$bin" "${tiny[@]}" "${ab[@]}" --reproducible --steps="$steps" \
+    --checkpoint_dir="$tmp/ckpt_hsdp" "$@" > "$tmp/$name.log" 2>&1 \
+    || { tail -20 "$tmp/$name.log"; fail "HSDP resume segment $name"; }
+}
+hsdp_seg hsdp_a 2 -- --world=4 --ep=2 --micro_batch=1 --sharding=hsdp --shard_group=2
+hsdp_seg hsdp_b 4 -- --world=2 --ep=2 --micro_batch=2 --resume
+grep -q "^resumed from step 2" "$tmp/hsdp_b.log" || fail "fsdp did not resume the hsdp checkpoint"
+hsdp_seg hsdp_c 6 "${mpi4[@]}" -- --backend=mpi --world=4 --ep=4 --micro_batch=1 \
+  --sharding=replicated --resume
+grep -q "^resumed from step 4" "$tmp/hsdp_c.log" || fail "replicated did not resume"
+run hsdp_resumed "${mpi4[@]}" -- "${ab[@]}" --reproducible --backend=mpi --world=4 --ep=2 \
+  --micro_batch=1 --sharding=hsdp --shard_group=2 --checkpoint_dir="$tmp/ckpt_hsdp" --resume
+grep -q "^resumed from step 6" "$tmp/hsdp_resumed.log" || fail "hsdp did not resume"
+cmp -s "$tmp/g2_w1.safetensors" "$tmp/hsdp_resumed.safetensors" \
+  || fail "hsdp -> fsdp -> replicated -> hsdp differs from the uninterrupted run"
+echo "identical: g2_w1 vs hsdp -> fsdp -> replicated -> hsdp resumes"
 
 # Attention and sequence parallelism (SEMANTICS.md §12): the same bits at SP sizes 1, 2 and 4
 # (row blocks of 8 tokens, which every rank's slice of a 32-token sequence holds whole),
