@@ -10,6 +10,8 @@
 # 2. 3 steps on one host (world 2, both ranks in host 1's namespace) checkpointed, resumed
 #    on two hosts (world 4) to step 6: the export is the reference's bytes;
 # 3. the reverse: 3 steps on two hosts, resumed on one host (host 2): the reference's bytes.
+# And (1b) hsdp with the default shard group, resolved to a host's 2 ranks: parity and the
+# reference's bits.
 set -uo pipefail
 bin="$(realpath "$1")"
 source "$2"
@@ -77,6 +79,18 @@ cmp -s "$tmp/ref.safetensors" "$tmp/hosts2.safetensors" \
   || fail "the two-host export differs from the thread backend's"
 same_metrics ref hosts2 1 || fail "the two-host run logged other values than the thread run"
 echo "identical: thread world 4 vs Open MPI on 2 hosts x 2 ranks (parity passed)"
+
+# 1b. HSDP with the default shard group (the ranks of one host, from Open MPI): groups of 2
+# inside each host, replicated across the link; parity, and the reference's bits.
+run hsdp2 "${two_hosts[@]}" -- --world=4 --ep=2 --micro_batch=1 --parity_check \
+  --sharding=hsdp --export="$tmp/hsdp2.safetensors"
+grep -q "parity PASSED" "$tmp/hsdp2.log" || fail "hsdp: no 'parity PASSED' line"
+grep -q "^hsdp: shard groups of 2 consecutive ranks, replicated 2 times" "$tmp/hsdp2.log" \
+  || fail "hsdp: shard_group 0 did not resolve to the 2 ranks of a host: $(grep hsdp "$tmp/hsdp2.log")"
+cmp -s "$tmp/ref.safetensors" "$tmp/hsdp2.safetensors" \
+  || fail "the two-host hsdp export differs from the thread backend's fsdp"
+same_metrics ref hsdp2 1 || fail "the two-host hsdp run logged other values than the thread run"
+echo "identical: thread world 4 fsdp vs hsdp on 2 hosts x 2 ranks (a host per shard group)"
 
 # 2 and 3: 3 steps on one mesh, checkpointed, resumed on the other to step 6.
 # resume_case NAME WHAT FIRST_LAUNCH FIRST_MESH SECOND_LAUNCH SECOND_MESH (each a quoted list)

@@ -87,6 +87,12 @@ absl::StatusOr<RankMesh> MakeRankMesh(Communicator* world, const ParallelismConf
 
 absl::Status RunRank(const TrainConfig& config, Communicator* world, std::ostream* log) {
   GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(world, config.parallelism()));
+  if (log != nullptr && mesh.mesh->shard_size() > 0) {
+    // shard_group 0 is resolved from the hosts: say what it became.
+    const int n = mesh.mesh->shard_size();
+    *log << absl::StrFormat("hsdp: shard groups of %d consecutive ranks, replicated %d times\n",
+                            n, mesh.mesh->world_size() / n);
+  }
   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(config, mesh.comms()));
   return trainer->Run(log).status();
 }
