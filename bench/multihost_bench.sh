@@ -6,7 +6,8 @@
 #   bench/multihost_bench.sh [OUT_DIR]
 # For each link rate (tc tbf on both directions of every link, RATES / BURSTS) and each
 # sharding (SHARDINGS), 2 hosts x 2 ranks run
-#   moe_lm --backend=mpi --world=4 --ep=2 --layers=8 --sharding=S (other flags default)
+#   moe_lm --backend=mpi --world=4 --ep=2 --layers=8 --sharding=S (other flags default;
+#   hsdp with --shard_group=2: a host's ranks shard, the two hosts replicate)
 # twice: STEPS_SHORT and STEPS_LONG steps. Reported per (rate, sharding):
 # - from the long run's --metrics (rank 0, on host 1), the mean over the steps after the
 #   first DROP: step_s, tokens_per_s, comm_s, comm_exposed_s, exposed_*_s, *_calls;
@@ -15,10 +16,9 @@
 #   steps and the end cancel), and the long run's delta / STEPS_LONG beside it;
 # - the bytes the design predicts per step, from the model shape in the binary's banner,
 #   under two assumptions about Open MPI's algorithms (see predict() below).
-# hsdp is not in the trainer yet (issue 36 item 4), so it is not measured.
 # Every mpirun is bounded by GSH_LIMIT_S; simhosts removes the namespaces on exit or signal.
 # Variables: RATES ("10gbit 1gbit"; "none" = no tbf), BURSTS (one per rate; default 2560kb
-# for 10gbit, 256kb otherwise: about 2 ms at the rate), SHARDINGS ("fsdp replicated"),
+# for 10gbit, 256kb otherwise: about 2 ms at the rate), SHARDINGS ("fsdp replicated hsdp"),
 # STEPS_SHORT (4), STEPS_LONG (12), DROP (2), EXTRA_FLAGS (appended to every run),
 # MOE_LM (bazel-bin/train/moe_lm), GSH_LIMIT_S (180 s per mpirun).
 set -uo pipefail
@@ -32,7 +32,7 @@ simhosts_require_netns
 GSH_LIMIT_S="${GSH_LIMIT_S:-180}"
 read -ra rates <<< "${RATES:-10gbit 1gbit}"
 read -ra bursts <<< "${BURSTS:-}"
-read -ra shardings <<< "${SHARDINGS:-fsdp replicated}"
+read -ra shardings <<< "${SHARDINGS:-fsdp replicated hsdp}"
 short="${STEPS_SHORT:-4}" long="${STEPS_LONG:-12}" drop="${DROP:-2}"
 read -ra extra <<< "${EXTRA_FLAGS:-}"
 ((long > short && long > drop)) || { echo "need STEPS_LONG > STEPS_SHORT and > DROP" >&2; exit 2; }
@@ -44,10 +44,12 @@ echo "binary: $bin; git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 # to $out/runs.tsv.
 one() {
   local tag="$1" sh="$2" steps="$3" name="$1.$2.$3" rx0 tx0 rx1 tx1 rc t0
+  local group=()
+  [[ "$sh" == hsdp ]] && group=(--shard_group=2)
   read -r rx0 tx0 <<< "$(simhosts_link_bytes 2)"
   t0=$EPOCHREALTIME
   simhosts_mpirun -np 4 --map-by ppr:2:node "$bin" --backend=mpi --world=4 --ep=2 \
-    --layers=8 --sharding="$sh" --steps="$steps" --timeout_s=120 \
+    --layers=8 --sharding="$sh" "${group[@]}" --steps="$steps" --timeout_s=120 \
     --metrics="$out/$name.jsonl" "${extra[@]}" > "$out/$name.log" 2>&1 &
   wait $!
   rc=$?
@@ -126,6 +128,16 @@ def predict(b, sharding):
         nbc_tx = G * ((W_d + W_l) + 2 * W_x + W_d + 2 * W_x)
         lower = G * (0.5 * (W_d + W_l) + 2 * W_x + 0.5 * W_d + W_x)
         return dict(ring=(ring, ring), nbc=(nbc_rx, nbc_tx), lower=(lower, lower))
+    if sharding == "hsdp":
+        # shard group = a host (--shard_group=2 = P): dense units shard over {0,1} and {2,3},
+        # all-gathers and reduce-scatters never cross the link; the experts' shard group is
+        # one rank (N / P = 1), so they are held whole and reduced locally. Once per step
+        # (the last micro-batch) each rank all-reduces its accumulated shard with its
+        # replica on the other host: the dense pairs {0,2} {1,3} W_d / 2 each, the expert
+        # pairs W_x each. A two-rank all-reduce (libnbc's binomial reduce + broadcast, or a
+        # ring) moves the buffer once each way; that is also the lower bound.
+        one = W_d + 2 * W_x
+        return dict(ring=(one, one), nbc=(one, one), lower=(one, one))
     # replicated: ring all-reduce 2 (n-1)/n per link. libnbc's in-place all-reduce is its
     # "binomial" one: a binomial reduce to rank 0 (1->0, 3->2, then 2->0: host 2 sends the
     # buffer once) and a binomial broadcast from 0 (0->1, 0->2, then 1->3: host 2 receives it
@@ -184,5 +196,13 @@ for r in results:
           f"{r['tx'] / MB:.2f} ({r['naive_tx'] / MB:.2f}) | {p['nbc'][0] / MB:.2f} / "
           f"{p['nbc'][1] / MB:.2f} | {p['ring'][0] / MB:.2f} | {p['lower'][0] / MB:.2f} | "
           f"{r['rx'] / p['nbc'][0]:.3f}, {r['tx'] / p['nbc'][1]:.3f} |")
-print("\nhsdp: not measured (no --sharding=hsdp in the trainer yet, issue 36 item 4)")
+fsdp = {r["rate"]: r for r in results if r["sharding"] == "fsdp" and "rx" in r}
+for r in results:
+    if r["sharding"] != "hsdp" or "rx" not in r or r["rate"] not in fsdp: continue
+    f = fsdp[r["rate"]]
+    m = r["metrics"]
+    share = m["comm_exposed_s"] / m["comm_s"] if m.get("comm_s") else float("nan")
+    print(f"hsdp / fsdp cross-host bytes at {r['rate']}: in {r['rx'] / f['rx']:.3f}, "
+          f"out {r['tx'] / f['tx']:.3f} (target <= 0.5); hsdp exposed / comm {share:.2f} "
+          f"(target <= 0.3 at 10gbit)")
 PY
