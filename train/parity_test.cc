@@ -101,6 +101,23 @@ TEST(HsdpParityTest, StepOneMatchesReferenceOnEveryRank) {
   }
 }
 
+// bf16 on the wire: the in-group stage rounds its partial sums to bf16 once, the
+// cross-group stage carries the fp32 accumulator (SEMANTICS.md §7); with bf16 compute it
+// stays within the parity check's bf16 bar, and is not exact.
+TEST(HsdpParityTest, Bf16ComputeAndReduceStayNearTheReference) {
+  TrainConfig config = TinyConfig(4, 2, 2, TrainConfig::hsdp);
+  config.mutable_parallelism()->set_shard_group(2);
+  config.mutable_precision()->set_compute_dtype(TrainConfig::bf16);
+  config.mutable_precision()->set_reduce_dtype(TrainConfig::bf16);
+  config.mutable_debug()->set_parity_check(true);  // bf16 uses a 3e-2 bar
+  auto out = RunInProcess(config);
+  ASSERT_TRUE(out.ok());
+  for (const RankOutcome& r : *out) ASSERT_TRUE(r.status.ok()) << r.status;
+  ASSERT_TRUE((*out)[0].parity.has_value());
+  EXPECT_TRUE((*out)[0].parity->ok) << (*out)[0].parity->ToString();
+  EXPECT_GT((*out)[0].parity->worst, 1e-6) << "bf16 should not be exact";
+}
+
 // In exact precision (SEMANTICS.md §11) HSDP's two integer stages give fsdp's bits: the
 // reduced gradients, and with them the step's grad norm.
 TEST(HsdpParityTest, ReproducibleGradientsAreFsdpsBits) {
