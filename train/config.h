@@ -52,12 +52,14 @@ struct FieldOverride {
 // Sets each field in order. An unknown path, a path that names a message, or a value
 // that does not parse as the field's type (or overflows it) is InvalidArgument naming
 // the path and the value; for an enum field ("sharding") also the allowed words
-// ("parallelism.sharding=zero: must be fsdp or replicated").
+// ("parallelism.sharding=zero: must be fsdp, replicated or hsdp").
 absl::Status ApplyOverrides(const std::vector<FieldOverride>& overrides, TrainConfig* config);
 
 // Checks everything that can be checked before any rank starts: positive sizes,
 // world % ep == 0 and experts % ep == 0 (SEMANTICS.md §7; the EP size is checked here once,
-// and the mesh built from it is the source of the group sizes after), top_k <= experts,
+// and the mesh built from it is the source of the group sizes after), an hsdp shard group
+// (shard_group, only with sharding=hsdp) that divides world and is a multiple of ep (0, the
+// ranks of one host, is resolved and checked by MakeRankMesh), top_k <= experts,
 // vocab == 256 (all data is byte-level), document lengths that fit a sequence, optimiser
 // ranges, resume needing a checkpoint directory. Returns the first violation as
 // InvalidArgument "field=value: reason", the field as its dotted path
