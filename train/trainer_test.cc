@@ -580,6 +580,40 @@ TEST(TrainerTest, ResumeOntoAnotherWorldAndUnitGroupingKeepsTheBalancingLoss) {
   ExpectContinues(resumed, want, "(4,2,2) mb 2 fsdp -> (2,2,2) mb 4 replicated");
 }
 
+// An hsdp checkpoint consolidates offline (sharding/checkpoint.h reads its manifests as a
+// sharded run's: SEMANTICS.md §7) into exactly the parameters the run's --export gathered
+// from its shards, with shard groups of 2 (EP 2: the experts held whole) and of 1.
+TEST(TrainerTest, HsdpCheckpointConsolidatesToTheExport) {
+  for (const auto& [ep, n] : {std::pair<int, int>{2, 2}, {1, 1}}) {
+    const std::string dir = absl::StrCat(::testing::TempDir(), "/export_hsdp_", n);
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+    TrainConfig config = TinyConfig(4, ep, 2, TrainConfig::hsdp);
+    config.mutable_parallelism()->set_shard_group(n);
+    config.mutable_optim()->set_steps(2);
+    config.mutable_checkpoint()->set_dir(dir + "/ckpt");
+    config.mutable_checkpoint()->set_export_path(dir + "/final.safetensors");
+    TrainOrDie(config);
+    ASSERT_TRUE(
+        ExportConsolidated(dir + "/ckpt/step-00000002", dir + "/offline.safetensors").ok());
+    auto exported = SafetensorsFile::Read(dir + "/final.safetensors");
+    auto offline = SafetensorsFile::Read(dir + "/offline.safetensors");
+    ASSERT_TRUE(exported.ok() && offline.ok());
+    const auto shapes = MoeLmParamShapes(config.model());
+    ASSERT_EQ(offline->num_tensors(), static_cast<int>(shapes.size()));
+    const NamedParams init = MoeLm::InitialParameters(config.model(), config.model().seed());
+    for (const auto& [name, shape] : shapes) {
+      auto a = exported->Get(name);
+      auto b = offline->Get(name);
+      ASSERT_TRUE(a.ok() && b.ok()) << name;
+      EXPECT_EQ(b->shape(), shape) << name;
+      EXPECT_EQ(0, std::memcmp(a->raw(), b->raw(), a->nbytes())) << "shard group " << n << " "
+                                                                  << name;
+      EXPECT_NE(0, std::memcmp(a->raw(), init.at(name).data(), a->nbytes())) << name;
+    }
+  }
+}
+
 // --export writes the final parameters as the dumps name and shape them; they equal the
 // offline consolidation of the run's last checkpoint (sharding/checkpoint.h, assembled from
 // the shards). --init_from starts a run from such a file: its step-1 dump holds exactly the
