@@ -79,6 +79,68 @@ TEST(MeshTest, InvalidShapesNameBothNumbers) {
   EXPECT_EQ(Mesh::Create(nullptr, 1).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// HSDP's groups (SEMANTICS.md §7), straight from the definition: rank w = r N + q; dense
+// shard group = the N consecutive ranks of group r, dense replica group = the ranks with
+// shard rank q; expert shard group = this rank's EDP ranks (same p) inside group r, ordered
+// by f; expert replica group = the EDP rank at the same place in every group.
+absl::Status CheckHsdpMesh(Communicator& world, int ep_size, int n) {
+  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Mesh> mesh, Mesh::Create(&world, ep_size, n));
+  const int w = world.size(), rank = world.rank(), R = w / n, k = n / ep_size;
+  const int r = rank / n, q = rank % n, f = rank / ep_size, p = rank % ep_size;
+  std::vector<int32_t> want_shard, want_replica, want_xshard, want_xreplica;
+  for (int i = 0; i < n; ++i) want_shard.push_back(r * n + i);
+  for (int g = 0; g < R; ++g) want_replica.push_back(g * n + q);
+  for (int i = 0; i < k; ++i) want_xshard.push_back((r * k + i) * ep_size + p);
+  for (int g = 0; g < R; ++g) want_xreplica.push_back((g * k + f % k) * ep_size + p);
+  const std::string what = absl::StrCat("W=", w, " P=", ep_size, " N=", n, " rank ", rank);
+  if (mesh->shard_size() != n) return absl::InternalError(absl::StrCat(what, ": shard_size"));
+  const std::pair<Communicator*, const std::vector<int32_t>*> groups[] = {
+      {mesh->dense_shard_group(), &want_shard},
+      {mesh->dense_replica_group(), &want_replica},
+      {mesh->expert_shard_group(), &want_xshard},
+      {mesh->expert_replica_group(), &want_xreplica}};
+  for (const auto& [group, want] : groups) {
+    if (group == nullptr) return absl::InternalError(absl::StrCat(what, ": a null group"));
+    GRADSUM_ASSIGN_OR_RETURN(std::vector<int32_t> got, Members(*group, rank));
+    if (got != *want) {
+      return absl::InternalError(absl::StrCat(what, ": group {", absl::StrJoin(got, ","),
+                                              "}, want {", absl::StrJoin(*want, ","), "}"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+TEST(MeshTest, HsdpGroupsOfEveryShapeOfWorldSizesOneToEight) {
+  for (int w = 1; w <= 8; ++w) {
+    for (int ep = 1; ep <= w; ++ep) {
+      for (int n = ep; n <= w; n += ep) {
+        if (w % ep != 0 || w % n != 0) continue;
+        absl::Status s =
+            RunRanks(w, [ep, n](Communicator& world) { return CheckHsdpMesh(world, ep, n); });
+        EXPECT_TRUE(s.ok()) << s;
+      }
+    }
+  }
+}
+
+TEST(MeshTest, HsdpShardSizesThatDoNotFitAreNamed) {
+  absl::Status s = RunRanks(8, [](Communicator& world) -> absl::Status {
+    for (int n : {-1, 3, 6, 2}) {  // 2: not a multiple of ep_size 4
+      absl::StatusOr<std::unique_ptr<Mesh>> m = Mesh::Create(&world, 4, n);
+      if (m.status().code() != absl::StatusCode::kInvalidArgument ||
+          !absl::StrContains(m.status().message(), absl::StrCat("shard_size ", n))) {
+        return absl::InternalError(absl::StrCat("shard_size ", n, ": ", m.status().ToString()));
+      }
+    }
+    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Mesh> none, Mesh::Create(&world, 4));
+    if (none->shard_size() != 0 || none->dense_shard_group() != nullptr) {
+      return absl::InternalError("a mesh without shard_size has HSDP groups");
+    }
+    return CheckHsdpMesh(world, 4, 8);
+  });
+  EXPECT_TRUE(s.ok()) << s;
+}
+
 // The two-level SUM equals the flat SUM over the world: against a single-process
 // reference and against the world all-reduce, for every mesh shape of 4, 6 and 8 ranks,
 // with i64 (exact, wrapping) and f32 small integers (exact in any order).
