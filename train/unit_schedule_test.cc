@@ -198,6 +198,45 @@ TEST(UnitScheduleTest, CollectivesAreIssuedInFsdpOrder) {
   }
 }
 
+// HSDP (SEMANTICS.md §7), world 4 in shard groups of 2 (ep 1): the fsdp order inside the
+// group (shards of two, as above), and on the last micro-batch each unit's cross-replica
+// all-reduce of its accumulated shard (fp32, a shard's elements), started one stage after
+// its reduce-scatter (UnitStore::AdvanceReduce: the head's during layer 0's backward, a
+// layer's during the next stage's) and the embedding's, the last, when the step finishes.
+TEST(UnitScheduleTest, HsdpAllReducesEachShardAcrossReplicasOneStageLater) {
+  TrainConfig config = TinyConfig(4, 1, 2, TrainConfig::hsdp);
+  config.mutable_parallelism()->set_shard_group(2);
+  auto runs = Record(config, 1);
+  ASSERT_TRUE(runs.ok()) << runs.status();
+  std::vector<std::string> want;
+  // Micro-batch 1 of 2: fsdp's order; micro-batch 2 adds the all-reduces.
+  want.insert(want.end(), kMicroBatch.begin(), kMicroBatch.end());
+  const std::vector<std::string> last = {
+      "AG emb", "AG L", "AG X", "AG L", "AG X", "AG head", "AG L", "AG X",
+      "RS head",
+      "AG L",   "AG X",
+      "RS X",   "RS L", "AR head",  // layer 1; the head's all-reduce
+      "RS X",   "RS L", "AR L", "AR X",  // layer 0; layer 1's all-reduces
+      "RS emb", "AR L", "AR X",           // the embedding; layer 0's
+      "AR emb",                            // the step's end
+  };
+  want.insert(want.end(), last.begin(), last.end());
+  for (const RankRun& run : *runs) {
+    std::vector<std::string> traffic;
+    for (const Op& op : run.log) {
+      if (op.dtype != DType::kF32 || (op.op != "AG" && op.op != "RS" && op.op != "AR")) continue;
+      const size_t n = op.count * 2;
+      const char* unit = n == kEmb       ? "emb"
+                         : n == kLayer   ? "L"
+                         : n == kExperts ? "X"
+                         : n == kHead    ? "head"
+                                         : nullptr;
+      if (unit != nullptr) traffic.push_back(absl::StrCat(op.op, " ", unit));
+    }
+    EXPECT_THAT(traffic, ElementsAreArray(want));
+  }
+}
+
 TEST(UnitScheduleTest, EveryMicroBatchOrOnlyTheLastReduceScatters) {
   TrainConfig config = TinyConfig(2, 1, 2, TrainConfig::fsdp);
   std::vector<std::string> twice = kMicroBatch;
