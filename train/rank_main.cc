@@ -354,13 +354,15 @@ absl::StatusOr<ResourceEstimate> EstimateResources(const TrainConfig& config) {
   }
   const LD rank_params = dense + experts / P;
   const ParallelismConfig& p = config.parallelism();
-  // hsdp shards over its groups (shard_group 0, the ranks of a host: counted as 1 here, an
-  // upper estimate, except on the thread backend's one host).
+  // hsdp shards dense units N ways and experts N / P ways: counted as N / P, an upper
+  // estimate (shard_group 0, the ranks of a host: the world on the thread backend's one
+  // host, else unknown here and counted as 1).
+  const int hsdp_n = p.shard_group() > 0                              ? p.shard_group()
+                     : config.comm().backend() == TrainConfig::thread ? p.world()
+                                                                      : 1;
   const LD shard_ways = p.sharding() == TrainConfig::fsdp ? p.world()
                         : p.sharding() == TrainConfig::hsdp
-                            ? (p.shard_group() > 0 ? p.shard_group()
-                               : config.comm().backend() == TrainConfig::thread ? p.world()
-                                                                                : 1)
+                            ? std::max(1, hsdp_n / std::max(1, p.ep()))
                             : 1;
   // initial copy + compute copy + gradients, and master, exp_avg, exp_avg_sq slices (f32).
   r.parameter_bytes = 4 * rank_params * (3 + 3 / shard_ways);

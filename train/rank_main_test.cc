@@ -56,6 +56,23 @@ TEST(ResourcesTest, ParameterCountMatchesTheModelsShapes) {
   }
 }
 
+// hsdp holds its shard group's share: N / P ways counted (the experts' split, the smaller),
+// so a shard group of one EP group holds what replicated holds, and one group of the whole
+// world at ep 1 what fsdp holds.
+TEST(ResourcesTest, HsdpParameterBytesFollowTheShardGroup) {
+  auto bytes = [](TrainConfig::Sharding sharding, int ep, int shard_group) {
+    TrainConfig c = TinyConfig(4, ep, 1, sharding);
+    c.mutable_parallelism()->set_shard_group(shard_group);
+    absl::StatusOr<ResourceEstimate> r = EstimateResources(c);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->parameter_bytes : 0;
+  };
+  EXPECT_EQ(bytes(TrainConfig::hsdp, 2, 2), bytes(TrainConfig::replicated, 2, 0));
+  EXPECT_EQ(bytes(TrainConfig::hsdp, 1, 4), bytes(TrainConfig::fsdp, 1, 0));
+  EXPECT_LT(bytes(TrainConfig::hsdp, 1, 2), bytes(TrainConfig::replicated, 1, 0));
+  EXPECT_GT(bytes(TrainConfig::hsdp, 1, 2), bytes(TrainConfig::fsdp, 1, 0));
+}
+
 TEST(ResourcesTest, TooBigForTheMachineIsResourceExhaustedNamingTheSizes) {
   TrainConfig c = TinyConfig(2, 2, 1, TrainConfig::fsdp);
   EXPECT_TRUE(CheckResourceBounds(c, uint64_t{1} << 40).ok());
