@@ -11,6 +11,7 @@
 # - fail: rank 1 fails outside any collective at step 2; with a long collective timeout
 #   (--timeout_s=120) every rank still learns at once, at the step boundary, and rank 0
 #   reports rank 1's own message.
+# - stop under --sharding=hsdp (shard groups of 1): as stop.
 # - different --seed on the two ranks: refused at start naming the field and the ranks.
 # For each: the job's status is non-zero, no process of the job is left, and it ended well
 # before the bound (a hang check, not a speed test; the hard kill comes 30 s after it).
@@ -60,6 +61,12 @@ grep -qE "waited for rank 1 \(in no operation; its last was mpi [a-z_]+ #[0-9]+\
 
 run_case kill kill:1:2 3
 
+# The same stop under hsdp (SEMANTICS.md §7; shard groups of 1, replicated twice: every
+# gradient crosses the replica group): rank 0 times out and ends the job the same way.
+run_case stop_hsdp stop:1:2 3 --sharding=hsdp --ep=1 --shard_group=1
+grep -q "DEADLINE_EXCEEDED" "$tmp/stop_hsdp.txt" \
+  || fail "stop_hsdp: no DeadlineExceeded report: $(cat "$tmp/stop_hsdp.txt")"
+
 run_case fail fail:1:2 120
 grep -q "step 2 failed on rank 1 of 2: INTERNAL: injected fault on rank 1 at step 2" "$tmp/fail.txt" \
   || fail "fail: rank 1's message was not reported: $(cat "$tmp/fail.txt")"
@@ -72,5 +79,5 @@ rc=$?
 [ "$rc" -ne 0 ] || fail "different seeds: exit 0: $(cat "$tmp/seed.txt")"
 grep -q "seed (1 on rank 0) differs: ranks {0} vs {1}" "$tmp/seed.txt" \
   || fail "different seeds: the field and ranks were not named: $(cat "$tmp/seed.txt")"
-for name in stop kill fail; do echo "--- $name"; tail -4 "$tmp/$name.txt"; done
+for name in stop stop_hsdp kill fail; do echo "--- $name"; tail -4 "$tmp/$name.txt"; done
 echo "PASS"
