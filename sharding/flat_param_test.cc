@@ -585,7 +585,8 @@ TEST(FlatParamTest, HsdpNeedsShardedMode) {
         FlatParam::Create("g", DenseSpecs(), &comm, opts);
     if (fp.status().code() != absl::StatusCode::kInvalidArgument ||
         fp.status().message().find("replicated") == std::string::npos) {
-      return absl::InternalError(absl::StrCat("replicated + replica group: ", fp.status().ToString()));
+      return absl::InternalError(
+          absl::StrCat("replicated + replica group: ", fp.status().ToString()));
     }
     return absl::OkStatus();
   });
