@@ -49,6 +49,9 @@ struct MeshGroups {
   // The SP group (SEMANTICS.md §12: the S consecutive ranks that share sequences); null
   // means none. Parameters are not split over it: the compute uses it for attention.
   Communicator* sp_group = nullptr;
+  // The CP group (§16: the ranks holding the other chunks of this rank's sequences); null
+  // means none. Like the SP group, the compute's (attention), not the parameters'.
+  Communicator* cp_group = nullptr;
 };
 
 // Where a rank's parameter units live while the compute reads them: makes their store

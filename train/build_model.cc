@@ -56,7 +56,7 @@ absl::StatusOr<std::unique_ptr<MoeLm>> BuildModel(const TrainConfig& config,
                             : 1;
   p.repro_block = config.precision().repro_block();
   const MoeLmGroups groups{&comms.mesh->world(), &comms.mesh->ep_group(),
-                           &comms.mesh->edp_group(), comms.sp_group};
+                           &comms.mesh->edp_group(), comms.sp_group, comms.cp_group};
   return comms.make_model ? comms.make_model(options, groups) : MoeLm::Create(options, groups);
 }
 
