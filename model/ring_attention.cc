@@ -31,6 +31,18 @@ double Since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
+// Notes a call's working buffers: `floats` floats at once.
+void NoteBuffers(RingAttentionTimes* times, int64_t floats) {
+  if (times == nullptr) return;
+  times->peak_buffer_bytes =
+      std::max(times->peak_buffer_bytes, floats * static_cast<int64_t>(sizeof(float)));
+}
+
+// Floats of the tasks' scratch that can be live at once (one per compute thread).
+int64_t ScratchFloats(int64_t per_task, int64_t tasks) {
+  return per_task * std::min<int64_t>(tasks, std::max(1, ComputeThreads()));
+}
+
 // What the dims imply for this rank.
 struct Layout {
   int cp = 1, rank = 0;
@@ -224,6 +236,11 @@ absl::Status RingAttentionForward(Communicator& cp_group, const RingAttentionDim
     GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, row, k, &kw, times));
     GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, row, v, &vw, times));
     std::vector<float> ow(qw.size()), lw(S * L * H);
+    // The whole sequences' q, k, v, out, lse, one gather's receive buffer, the kernel's
+    // scratch.
+    const internal::AttentionKernels& whole = internal::SelectedAttentionKernels();
+    NoteBuffers(times, 4 * int64_t{qw.size()} + S * L * H + int64_t{l.cp} * l.rows * row +
+                           ScratchFloats(whole.forward_scratch_floats(L, dp), S * H));
     const Clock::time_point start = Clock::now();
     GRADSUM_RETURN_IF_ERROR(AttentionForward(WholeDims(dims), qw, kw, vw, doc_start,
                                              absl::MakeSpan(ow), absl::MakeSpan(lw)));
@@ -242,6 +259,8 @@ absl::Status RingAttentionForward(Communicator& cp_group, const RingAttentionDim
   std::copy(k.begin(), k.end(), kv_cur.begin());
   std::copy(v.begin(), v.end(), kv_cur.begin() + l.floats);
   const float scale = internal::AttentionScale(d);
+  NoteBuffers(times, 2 * state + state * dp + 4 * l.floats +
+                         ScratchFloats(kernels.pair_forward_scratch_floats(dp), S * H));
 
   for (int step = 0; step < l.cp; ++step) {
     const int owner = (l.rank - step + l.cp) % l.cp;
@@ -337,6 +356,9 @@ absl::Status RingAttentionBackward(Communicator& cp_group, const RingAttentionDi
     GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, H, lse, &lw, times));
     GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, row, d_out, &gw, times));
     std::vector<float> dqw(qw.size()), dkw(qw.size()), dvw(qw.size());
+    const internal::AttentionKernels& whole = internal::SelectedAttentionKernels();
+    NoteBuffers(times, 8 * int64_t{qw.size()} + S * L * H + int64_t{l.cp} * l.rows * row +
+                           ScratchFloats(whole.backward_scratch_floats(L, dp), S * H));
     const Clock::time_point start = Clock::now();
     GRADSUM_RETURN_IF_ERROR(AttentionBackward(WholeDims(dims), qw, kw, vw, doc_start, ow, lw,
                                               gw, absl::MakeSpan(dqw), absl::MakeSpan(dkw),
@@ -373,6 +395,8 @@ absl::Status RingAttentionBackward(Communicator& cp_group, const RingAttentionDi
   // The travelling dK, dV accumulators of the key/value block held: [S, H, 2c, dp] each.
   std::vector<float> dkv_cur(2 * state * dp, 0.0f), dkv_next(2 * state * dp);
   const float scale = internal::AttentionScale(d);
+  NoteBuffers(times, 2 * state + state * dp + 4 * l.floats + 4 * state * dp +
+                         ScratchFloats(kernels.pair_backward_scratch_floats(dp), S * H));
 
   for (int step = 0; step < l.cp; ++step) {
     const int owner = (l.rank - step + l.cp) % l.cp;

@@ -56,6 +56,11 @@ struct RingAttentionTimes {
   double compute_s = 0;  // the pair kernels (and, gathered, the whole-sequence kernel)
   double wait_s = 0;     // waiting for the group's exchanges: the exposed communication
   int64_t bytes_sent = 0;
+  // The most bytes of working buffers one call held at once (their sizes, counted, not
+  // estimated: the ring's softmax state, accumulators and the blocks in flight, or the
+  // gathered whole sequences; the kernels' per-task scratch included), the largest over
+  // the calls that shared this struct. The caller's inputs and outputs are not counted.
+  int64_t peak_buffer_bytes = 0;
 };
 
 // The index within its sequence of local token u of rank `rank` of a group of `cp`, with
