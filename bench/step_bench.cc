@@ -88,6 +88,13 @@ void BM_TrainStep(benchmark::State& state) {
   if (state.range(5) > 0) config.mutable_model()->set_layers(static_cast<int>(state.range(5)));
   config.mutable_parallelism()->set_recompute(
       static_cast<train::ParallelismConfig::Recompute>(state.range(6)));
+  config.mutable_parallelism()->set_cp(static_cast<int>(state.range(7)));
+  if (state.range(8) > 0) {  // one long sequence per micro-batch, documents up to its length
+    const int seq_len = static_cast<int>(state.range(8));
+    config.mutable_data()->set_seq_len(seq_len);
+    config.mutable_data()->set_max_doc_len(seq_len);
+    config.mutable_data()->set_micro_batch(1);
+  }
   config.mutable_optim()->set_steps(1 << 30);
   double step_s = 0, comm_s = 0, exposed_s = 0, wait_s = 0, tokens = 0;
   double exposed_by_kind_s[kNumCommKinds] = {};
@@ -167,19 +174,25 @@ void BM_TrainStep(benchmark::State& state) {
   state.counters["peak_activation_bytes"] = static_cast<double>(peak_activation_bytes);
 }
 BENCHMARK(BM_TrainStep)
-    ->ArgNames({"world", "ep", "replicated", "attention", "sp", "layers", "recompute"})
-    ->Args({1, 1, 0, 0, 1, 0, 0})
-    ->Args({2, 1, 0, 0, 1, 0, 0})
-    ->Args({2, 2, 0, 0, 1, 0, 0})
-    ->Args({2, 1, 1, 0, 1, 0, 0})
-    ->Args({2, 2, 1, 0, 1, 0, 0})
-    ->Args({2, 2, 0, 1, 1, 0, 0})  // the binary's default model
-    ->Args({2, 2, 0, 1, 2, 0, 0})
+    ->ArgNames({"world", "ep", "replicated", "attention", "sp", "layers", "recompute", "cp",
+                "seq_len"})
+    ->Args({1, 1, 0, 0, 1, 0, 0, 1, 0})
+    ->Args({2, 1, 0, 0, 1, 0, 0, 1, 0})
+    ->Args({2, 2, 0, 0, 1, 0, 0, 1, 0})
+    ->Args({2, 1, 1, 0, 1, 0, 0, 1, 0})
+    ->Args({2, 2, 1, 0, 1, 0, 0, 1, 0})
+    ->Args({2, 2, 0, 1, 1, 0, 0, 1, 0})  // the binary's default model
+    ->Args({2, 2, 0, 1, 2, 0, 0, 1, 0})
     // Activation recomputation (--recompute, train/config.proto: none 0, full 1,
     // selective 2) at 8 layers: peak_activation_bytes against the step time.
-    ->Args({2, 2, 0, 1, 1, 8, 0})
-    ->Args({2, 2, 0, 1, 1, 8, 2})
-    ->Args({2, 2, 0, 1, 1, 8, 1})
+    ->Args({2, 2, 0, 1, 1, 8, 0, 1, 0})
+    ->Args({2, 2, 0, 1, 1, 8, 2, 1, 0})
+    ->Args({2, 2, 0, 1, 1, 8, 1, 1, 0})
+    // Long sequences over two ranks: Ulysses SP 2 against ring CP 2 at the same shape
+    // (one 4096-token sequence per micro-batch with documents up to 4096 tokens, world 2:
+    // one data-parallel group either way, the same tokens).
+    ->Args({2, 2, 0, 1, 2, 0, 0, 1, 4096})
+    ->Args({2, 2, 0, 1, 1, 0, 0, 2, 4096})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 

@@ -192,6 +192,8 @@ const char* CommKindName(CommKind kind) {
       return "all_to_all";
     case CommKind::kSpAllToAll:
       return "sp_all_to_all";
+    case CommKind::kCpRing:
+      return "cp_ring";
     case CommKind::kOther:
       return "other";
   }

@@ -65,7 +65,8 @@ namespace gradsum {
 
 // The kinds of collective a rank's exposed time is attributed to. kSpAllToAll: the
 // all-to-alls of a sequence-parallel group (SEMANTICS.md §12; a communicator split with
-// SplitAs counts its all-to-alls so). kOther: broadcasts, barriers, Split, and an nccl
+// SplitAs counts its all-to-alls so); kCpRing: the key/value exchanges of a
+// context-parallel group's ring (§16; the same way). kOther: broadcasts, barriers, Split, and an nccl
 // coalesced group as a whole.
 enum class CommKind : int {
   kAllGather = 0,
@@ -73,10 +74,12 @@ enum class CommKind : int {
   kAllReduce,
   kAllToAll,
   kSpAllToAll,
+  kCpRing,
   kOther
 };
-inline constexpr int kNumCommKinds = 6;
-// "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "sp_all_to_all", "other".
+inline constexpr int kNumCommKinds = 7;
+// "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "sp_all_to_all", "cp_ring",
+// "other".
 const char* CommKindName(CommKind kind);
 
 class CommTimer {

@@ -66,12 +66,14 @@ class IsaBuilds {
  public:
   using Make = Kernels (*)();
   // `avx2` and `avx512` are null where those builds do not exist (GRADSUM_ISA_BUILDS).
+  // A wider build's table is made only on a CPU that runs it: its maker is compiled for
+  // that target too, and may itself use the wider instructions (filling a larger table).
   IsaBuilds(Make generic, Make avx2, Make avx512)
-      : generic_(generic()),
-        avx2_(avx2 != nullptr ? avx2() : Kernels{}),
-        avx512_(avx512 != nullptr ? avx512() : Kernels{}),
-        has_avx2_(avx2 != nullptr && CpuHasAvx2Fma()),
-        has_avx512_(avx512 != nullptr && CpuHasAvx512()) {}
+      : has_avx2_(avx2 != nullptr && CpuHasAvx2Fma()),
+        has_avx512_(avx512 != nullptr && CpuHasAvx512()),
+        generic_(generic()),
+        avx2_(has_avx2_ ? avx2() : Kernels{}),
+        avx512_(has_avx512_ ? avx512() : Kernels{}) {}
   // The build named "generic", "avx2" or "avx512"; null for another name or a build this
   // CPU cannot run.
   const Kernels* For(const char* isa) const {
@@ -82,8 +84,8 @@ class IsaBuilds {
   }
 
  private:
+  bool has_avx2_, has_avx512_;  // first: the tables below are made only where true
   Kernels generic_, avx2_, avx512_;
-  bool has_avx2_, has_avx512_;
 };
 
 // The build a process uses: the one `env_var` names ("generic", "avx2", "avx512") if set

@@ -118,8 +118,75 @@ struct AttentionBackwardTask {
   float* scratch = nullptr;  // backward_scratch_floats(seq_len, padded_dim) floats
 };
 
+// One (query segment, key segment) pair of one query head, for ring attention
+// (model/ring_attention.h): rows of two arbitrary pieces of one sequence. Query row r < m
+// is at q + r * q_stride, with its index within the sequence q_index[r] and its document
+// q_doc[r] (the document's first token, -1 for padding); key / value row c < n at k, v + c
+// * kv_stride with k_index[c], k_doc[c]. Key c is attended by query r iff k_doc[c] ==
+// q_doc[r] != -1 and k_index[c] <= q_index[r]; indices ascend within each segment. Blocks
+// of kAttentionBlock rows on each side that the mask leaves empty are skipped.
+//
+// The forward carries an online softmax across calls: run_max[r], run_sum[r] (start at
+// -inf and 0) and acc[r * acc_stride + 0..padded_dim) (starts at 0), the unnormalised
+// output, are updated with this pair's keys in order (a row none of them attends keeps its
+// state). The attention of the keys of several calls is acc / run_sum, lse = run_max +
+// log(run_sum).
+struct AttentionPairForwardTask {
+  int64_t m = 0, n = 0;
+  int64_t head_dim = 0;
+  int64_t padded_dim = 0;
+  float scale = 0;
+  const float* q = nullptr;
+  int64_t q_stride = 0;
+  const int32_t* q_index = nullptr;
+  const int32_t* q_doc = nullptr;
+  const float* k = nullptr;
+  const float* v = nullptr;
+  int64_t kv_stride = 0;
+  const int32_t* k_index = nullptr;
+  const int32_t* k_doc = nullptr;
+  float* run_max = nullptr;  // [m], stride 1
+  float* run_sum = nullptr;  // [m]
+  float* acc = nullptr;      // [m, padded_dim] rows acc_stride apart
+  int64_t acc_stride = 0;
+  float* scratch = nullptr;  // pair_forward_scratch_floats(padded_dim) floats
+};
+
+// The backward of one pair, given each query row's final lse[r] (over every key of the
+// sequence) and dsum[r] = d_out[r] . out[r]: ADDS the pair's contributions into dq[r *
+// grad_q_stride + 0..padded_dim), dk and dv[c * grad_kv_stride + 0..padded_dim) (padded
+// columns get zeros added). Query row r's d_out row is at d_out + r * q_stride.
+struct AttentionPairBackwardTask {
+  int64_t m = 0, n = 0;
+  int64_t head_dim = 0;
+  int64_t padded_dim = 0;
+  float scale = 0;
+  const float* q = nullptr;
+  const float* d_out = nullptr;
+  int64_t q_stride = 0;
+  const int32_t* q_index = nullptr;
+  const int32_t* q_doc = nullptr;
+  const float* lse = nullptr;   // [m], stride 1
+  const float* dsum = nullptr;  // [m]
+  const float* k = nullptr;
+  const float* v = nullptr;
+  int64_t kv_stride = 0;
+  const int32_t* k_index = nullptr;
+  const int32_t* k_doc = nullptr;
+  float* dq = nullptr;
+  int64_t grad_q_stride = 0;
+  float* dk = nullptr;
+  float* dv = nullptr;
+  int64_t grad_kv_stride = 0;
+  float* scratch = nullptr;  // pair_backward_scratch_floats(padded_dim) floats
+};
+
 struct AttentionKernels {
   void (*forward)(const AttentionForwardTask& task) = nullptr;
+  void (*pair_forward)(const AttentionPairForwardTask& task) = nullptr;
+  void (*pair_backward)(const AttentionPairBackwardTask& task) = nullptr;
+  int64_t (*pair_forward_scratch_floats)(int64_t padded_dim) = nullptr;
+  int64_t (*pair_backward_scratch_floats)(int64_t padded_dim) = nullptr;
   void (*backward)(const AttentionBackwardTask& task) = nullptr;
   // Scratch of one task (linear in seq_len; need not be initialised).
   int64_t (*forward_scratch_floats)(int64_t seq_len, int64_t padded_dim) = nullptr;

@@ -122,6 +122,86 @@ inline AttentionCase AttentionCaseNamed(const std::string& name) {
   return {};
 }
 
+// ---- the reference, in double ----------------------------------------------------------
+// Written straightforwardly: for every query, the list of keys it sees, then the textbook
+// softmax and its backward in double (the CPU, CUDA and ring attention tests compare to it).
+
+struct Grads {
+  std::vector<double> out, lse, dq, dk, dv;
+};
+
+inline int KvOf(const AttentionDims& dims, int h) {
+  return dims.kv_of_q.empty() ? h / (dims.q_heads / dims.kv_heads) : dims.kv_of_q[h];
+}
+
+// softmax(q k^T / sqrt(d)) v over each query's visible keys, and its backward for d_out.
+inline Grads Reference(const AttentionDims& dims, const std::vector<float>& q,
+                const std::vector<float>& k, const std::vector<float>& v,
+                const std::vector<int32_t>& ds, const std::vector<float>& d_out) {
+  const int64_t len = dims.seq_len, d = dims.head_dim, hq = dims.q_heads, hkv = dims.kv_heads;
+  const int64_t tokens = dims.num_seqs * len;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  Grads g;
+  g.out.assign(tokens * hq * d, 0.0);
+  g.lse.assign(tokens * hq, 0.0);
+  g.dq.assign(tokens * hq * d, 0.0);
+  g.dk.assign(tokens * hkv * d, 0.0);
+  g.dv.assign(tokens * hkv * d, 0.0);
+  auto qi = [&](int64_t t, int64_t h) { return (t * hq + h) * d; };
+  auto ki = [&](int64_t t, int64_t j) { return (t * hkv + j) * d; };
+  for (int64_t s = 0; s < dims.num_seqs; ++s) {
+    for (int h = 0; h < hq; ++h) {
+      const int j = KvOf(dims, h);
+      for (int64_t a = 0; a < len; ++a) {
+        const int64_t t = s * len + a;
+        if (ds[t] < 0) continue;
+        std::vector<int64_t> keys;
+        for (int64_t b = 0; b <= a; ++b) {
+          if (ds[s * len + b] == ds[t]) keys.push_back(s * len + b);
+        }
+        std::vector<double> z(keys.size());
+        double mx = -INFINITY;
+        for (size_t x = 0; x < keys.size(); ++x) {
+          double dot = 0;
+          for (int64_t c = 0; c < d; ++c) {
+            dot += double{q[qi(t, h) + c]} * k[ki(keys[x], j) + c];
+          }
+          z[x] = dot * scale;
+          mx = std::max(mx, z[x]);
+        }
+        double sum = 0;
+        for (double zx : z) sum += std::exp(zx - mx);
+        g.lse[t * hq + h] = mx + std::log(sum);
+        std::vector<double> p(keys.size());
+        for (size_t x = 0; x < keys.size(); ++x) p[x] = std::exp(z[x] - mx) / sum;
+        for (size_t x = 0; x < keys.size(); ++x) {
+          for (int64_t c = 0; c < d; ++c) g.out[qi(t, h) + c] += p[x] * v[ki(keys[x], j) + c];
+        }
+        // Backward: dp_x = d_out . v_x; ds_x = p_x (dp_x - sum_y p_y dp_y).
+        std::vector<double> dp(keys.size());
+        double row = 0;
+        for (size_t x = 0; x < keys.size(); ++x) {
+          double dot = 0;
+          for (int64_t c = 0; c < d; ++c) {
+            dot += double{d_out[qi(t, h) + c]} * v[ki(keys[x], j) + c];
+          }
+          dp[x] = dot;
+          row += p[x] * dot;
+        }
+        for (size_t x = 0; x < keys.size(); ++x) {
+          const double dsx = p[x] * (dp[x] - row) * scale;
+          for (int64_t c = 0; c < d; ++c) {
+            g.dv[ki(keys[x], j) + c] += p[x] * d_out[qi(t, h) + c];
+            g.dq[qi(t, h) + c] += dsx * k[ki(keys[x], j) + c];
+            g.dk[ki(keys[x], j) + c] += dsx * q[qi(t, h) + c];
+          }
+        }
+      }
+    }
+  }
+  return g;
+}
+
 // |got - want| <= tol * (1 + max |want|) everywhere (NaN fails); reports the first miss.
 template <typename Want>
 void ExpectNear(const std::vector<float>& got, const std::vector<Want>& want, double tol,

@@ -91,6 +91,7 @@ class CpuOps : public ModelOps {
     held_.assign(m.layers, false);
     sp_size_ = comms.sp_group != nullptr ? comms.sp_group->size() : 1;
     sp_rank_ = comms.sp_group != nullptr ? comms.sp_group->rank() : 0;
+    cp_size_ = comms.cp_group != nullptr ? comms.cp_group->size() : 1;
     if (m.attention) {
       head_dim_ = m.dim / m.n_heads;
       heads_local_ = m.n_heads / sp_size_;
@@ -424,12 +425,12 @@ class CpuOps : public ModelOps {
       }
     }
     GRADSUM_RETURN_IF_ERROR(Exchange(block));
-    // From source i: its slice [i L, (i + 1) L) of every sequence.
-    const int64_t L = in_.seq_len / sp_size_, row = Hl * hd;
+    // From source i: its slice [i L, (i + 1) L) of every (CP-local) sequence.
+    const int64_t local = LocalSeqLen(), L = local / sp_size_, row = Hl * hd;
     for (int i = 0; i < sp_size_; ++i) {
       for (int64_t n = 0; n < in_.sequences; ++n) {
         const float* src = recv_.data() + i * block + n * L * row;
-        std::copy(src, src + L * row, out + (n * in_.seq_len + i * L) * row);
+        std::copy(src, src + L * row, out + (n * local + i * L) * row);
       }
     }
     return absl::OkStatus();
@@ -437,12 +438,12 @@ class CpuOps : public ModelOps {
 
   absl::Status HeadsToTokens(const float* x, float* out) override {
     const int64_t hd = head_dim_, Hl = heads_local_, T = in_.rows, H = config_.n_heads;
-    const int64_t L = in_.seq_len / sp_size_, row = Hl * hd, block = T * row;
+    const int64_t local = LocalSeqLen(), L = local / sp_size_, row = Hl * hd, block = T * row;
     send_.resize(sp_size_ * block);
-    // To destination j: its slice of every sequence, this rank's heads.
+    // To destination j: its slice of every (CP-local) sequence, this rank's heads.
     for (int j = 0; j < sp_size_; ++j) {
       for (int64_t n = 0; n < in_.sequences; ++n) {
-        const float* src = x + (n * in_.seq_len + j * L) * row;
+        const float* src = x + (n * local + j * L) * row;
         std::copy(src, src + L * row, send_.data() + j * block + n * L * row);
       }
     }
@@ -476,6 +477,13 @@ class CpuOps : public ModelOps {
                          float* lse) override {
     const AttentionDims dims = HeadDims();
     const int64_t n = HeadSplitRows() * heads_local_ * head_dim_;
+    if (cp_size_ > 1) {
+      return RingAttentionForward(*comms_.cp_group, RingDims(), comms_.cp_schedule,
+                                  absl::MakeConstSpan(q, n), absl::MakeConstSpan(k, n),
+                                  absl::MakeConstSpan(v, n), in_.doc_start,
+                                  absl::MakeSpan(out, n),
+                                  absl::MakeSpan(lse, HeadSplitRows() * heads_local_));
+    }
     return AttentionForward(dims, absl::MakeConstSpan(q, n), absl::MakeConstSpan(k, n),
                             absl::MakeConstSpan(v, n), in_.doc_start, absl::MakeSpan(out, n),
                             absl::MakeSpan(lse, HeadSplitRows() * heads_local_));
@@ -486,6 +494,14 @@ class CpuOps : public ModelOps {
                                  float* dq, float* dk, float* dv) override {
     const AttentionDims dims = HeadDims();
     const int64_t n = HeadSplitRows() * heads_local_ * head_dim_;
+    if (cp_size_ > 1) {
+      return RingAttentionBackward(
+          *comms_.cp_group, RingDims(), comms_.cp_schedule, absl::MakeConstSpan(q, n),
+          absl::MakeConstSpan(k, n), absl::MakeConstSpan(v, n), in_.doc_start,
+          absl::MakeConstSpan(out, n), absl::MakeConstSpan(lse, HeadSplitRows() * heads_local_),
+          absl::MakeConstSpan(d_out, n), absl::MakeSpan(dq, n), absl::MakeSpan(dk, n),
+          absl::MakeSpan(dv, n));
+    }
     return model::AttentionBackward(
         dims, absl::MakeConstSpan(q, n), absl::MakeConstSpan(k, n), absl::MakeConstSpan(v, n),
         in_.doc_start, absl::MakeConstSpan(out, n),
@@ -510,10 +526,11 @@ class CpuOps : public ModelOps {
   // Attention: the layout checks and the RoPE tables of the micro-batch.
   absl::Status BeginAttention() {
     const int64_t T = in_.rows;
-    if (in_.seq_len % sp_size_ != 0 || in_.sequences * (in_.seq_len / sp_size_) != T) {
+    if ((cp_size_ > 1 && in_.seq_len % (2 * cp_size_) != 0) || LocalSeqLen() % sp_size_ != 0 ||
+        in_.sequences * (LocalSeqLen() / sp_size_) != T) {
       return absl::InvalidArgumentError(absl::StrCat(
           "attention: ", T, " tokens are not ", in_.sequences, " sequences of ", in_.seq_len,
-          " / sp=", sp_size_, " tokens"));
+          " / (sp=", sp_size_, " cp=", cp_size_, ") tokens"));
     }
     if (static_cast<int64_t>(in_.positions.size()) != T ||
         static_cast<int64_t>(in_.doc_start.size()) != in_.sequences * in_.seq_len) {
@@ -523,8 +540,21 @@ class CpuOps : public ModelOps {
     return absl::OkStatus();
   }
 
-  // Rows of the head split: the whole sequences of the micro-batch.
-  int64_t HeadSplitRows() const { return in_.sequences * in_.seq_len; }
+  // Tokens of a sequence this rank's SP group holds: all of it, or with context
+  // parallelism its two zigzag chunks (model/ring_attention.h), seq_len / cp.
+  int64_t LocalSeqLen() const { return in_.seq_len / cp_size_; }
+
+  // Rows of the head split: the (CP-local) sequences of the micro-batch.
+  int64_t HeadSplitRows() const { return in_.sequences * LocalSeqLen(); }
+
+  RingAttentionDims RingDims() const {
+    RingAttentionDims d;
+    d.num_seqs = in_.sequences;
+    d.seq_len = in_.seq_len;
+    d.heads = static_cast<int>(heads_local_);
+    d.head_dim = head_dim_;
+    return d;
+  }
 
   // The head split's attention: this rank's query heads, each with its own key/value head.
   AttentionDims HeadDims() const {
@@ -619,6 +649,7 @@ class CpuOps : public ModelOps {
   // Attention: the SP group's size and this rank's place in it, the head layout, the
   // micro-batch's RoPE tables [T, head_dim / 2], and the exchanges' buffers.
   int sp_size_ = 1, sp_rank_ = 0;
+  int cp_size_ = 1;  // the CP group's (§16)
   int64_t head_dim_ = 0, heads_local_ = 0;
   int group_ = 1;  // query heads per kv head
   std::vector<float> rope_cos_, rope_sin_;

@@ -22,6 +22,7 @@
 #include "collectives/communicator.h"
 #include "model/moe_lm_spec.h"
 #include "model/ops.h"
+#include "model/ring_attention.h"
 
 namespace gradsum::model {
 
@@ -32,6 +33,11 @@ struct CpuOpsComms {
   // The SP group (§12: the ranks sharing this rank's sequences); null means no sequence
   // parallelism (a group of one).
   Communicator* sp_group = nullptr;
+  // The CP group (§16: the ranks holding the other zigzag chunks of this rank's
+  // sequences); null means none. Attention runs over it by `cp_schedule`
+  // (model/ring_attention.h: the ring, or gathered in reproducible mode).
+  Communicator* cp_group = nullptr;
+  RingSchedule cp_schedule = RingSchedule::kRing;
 };
 
 // `num_threads`: threads for the head's fused CE (the rank's compute budget).

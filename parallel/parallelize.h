@@ -52,6 +52,9 @@ struct MeshGroups {
   // The SP group (SEMANTICS.md §12: the S consecutive ranks that share sequences); null
   // means none. Parameters are not split over it: the compute uses it for attention.
   Communicator* sp_group = nullptr;
+  // The CP group (§16: the ranks holding the other chunks of this rank's sequences); null
+  // means none. Like the SP group, the compute's (attention), not the parameters'.
+  Communicator* cp_group = nullptr;
   // HSDP (SEMANTICS.md §7; collectives/mesh.h's HSDP groups): dense units sharded over
   // dense_shard and replicated over dense_replica, expert units sharded over expert_shard
   // (the EDP ranks inside the shard group) and replicated over expert_replica. All four or

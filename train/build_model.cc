@@ -57,7 +57,7 @@ absl::StatusOr<std::unique_ptr<MoeLm>> BuildModel(const TrainConfig& config,
                             : 1;
   p.repro_block = config.precision().repro_block();
   MoeLmGroups groups{&comms.mesh->world(), &comms.mesh->ep_group(), &comms.mesh->edp_group(),
-                     comms.sp_group};
+                     comms.sp_group, comms.cp_group};
   if (parallelism.sharding() == TrainConfig::hsdp) {
     if (comms.mesh->shard_size() == 0) {
       return absl::InvalidArgumentError(

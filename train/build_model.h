@@ -36,6 +36,9 @@ struct RankComms {
   // The CommTimer the mesh's communicators add their time to (may be null).
   std::shared_ptr<CommTimer> timer;
   MoeLmFactory make_model;  // empty: MoeLm::Create
+  // The CP group (SEMANTICS.md §16: the ranks holding the other chunks of this rank's
+  // sequences), or null without context parallelism.
+  Communicator* cp_group = nullptr;
 };
 
 // The model of `config` over `comms.mesh`, with no parameters set yet. Errors are the

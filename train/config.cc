@@ -418,6 +418,20 @@ absl::Status ValidateConfig(const TrainConfig& c) {
                StrCat("must divide data.seq_len=", c.data().seq_len(),
                       " (each rank holds seq_len / sp tokens of every sequence)"));
   }
+  // Context parallelism (§16): C groups of S share each sequence, in 2C zigzag chunks.
+  GRADSUM_RETURN_IF_ERROR(positive("parallelism.cp", p.cp()));
+  if (p.world() % (int64_t{p.sp()} * p.cp()) != 0) {
+    return Bad("parallelism.cp", StrCat(p.cp()),
+               StrCat("times parallelism.sp=", p.sp(), " must divide parallelism.world=",
+                      p.world()));
+  }
+  if (c.data().seq_len() % (2 * int64_t{p.cp()}) != 0 ||
+      (c.data().seq_len() / p.cp()) % p.sp() != 0) {
+    return Bad("parallelism.cp", StrCat(p.cp()),
+               StrCat("needs data.seq_len=", c.data().seq_len(),
+                      " to be a multiple of 2 cp (each of cp ranks holds two of 2 cp chunks) "
+                      "and seq_len / cp a multiple of parallelism.sp=", p.sp()));
+  }
   if (m.attention() != ModelConfig::none) {
     GRADSUM_RETURN_IF_ERROR(positive("model.heads", m.heads()));
     GRADSUM_RETURN_IF_ERROR(positive("model.kv_heads", m.kv_heads()));
@@ -439,12 +453,13 @@ absl::Status ValidateConfig(const TrainConfig& c) {
       return Bad("model.rope_theta", StrCat(m.rope_theta()), "must be finite and > 1");
     }
   }
+  const int64_t held = c.data().seq_len() / (int64_t{p.sp()} * p.cp());
   if (c.precision().repro_block() < 0 ||
-      (c.precision().repro_block() > 0 &&
-       (c.data().seq_len() / p.sp()) % c.precision().repro_block() != 0)) {
+      (c.precision().repro_block() > 0 && held % c.precision().repro_block() != 0)) {
     return Bad("precision.repro_block", StrCat(c.precision().repro_block()),
-               StrCat("must be 0 or divide the ", c.data().seq_len() / p.sp(),
-                      " tokens a rank holds of each sequence (data.seq_len / parallelism.sp)"));
+               StrCat("must be 0 or divide the ", held,
+                      " tokens a rank holds of each sequence (data.seq_len / (parallelism.sp "
+                      "parallelism.cp))"));
   }
   if (!(std::isfinite(m.router_scale()) && m.router_scale() > 0)) {
     return Bad("model.router_scale", StrCat(m.router_scale()), "must be finite and positive");
@@ -544,6 +559,11 @@ absl::Status ValidateConfig(const TrainConfig& c) {
                "is implemented for the CPU backends (thread, mpi) only, not comm.backend=nccl");
   }
   const PrecisionConfig& precision = c.precision();
+  if (c.parallelism().cp() > 1 && comm.backend() == TrainConfig::nccl) {
+    return Bad("parallelism.cp", StrCat(c.parallelism().cp()),
+               "is implemented for the CPU backends (thread, mpi) only, not comm.backend=nccl "
+               "(the GPU has no ring attention kernel yet)");
+  }
   if (precision.reproducible() && comm.backend() == TrainConfig::nccl) {
     return Bad("precision.reproducible", "true",
                "is implemented for the CPU backends (thread, mpi) only, not comm.backend=nccl");
@@ -650,7 +670,8 @@ TrainConfig ResolvedConfig(const TrainConfig& in) {
 }
 
 int64_t GlobalBatch(const TrainConfig& config) {
-  return int64_t{config.parallelism().world() / std::max(1, config.parallelism().sp())} *
+  return int64_t{config.parallelism().world() / std::max(1, config.parallelism().sp()) /
+                 std::max(1, config.parallelism().cp())} *
          config.parallelism().grad_acc() *
          config.data().micro_batch();
 }

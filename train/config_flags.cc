@@ -102,6 +102,8 @@ ABSL_FLAG(std::optional<int32_t>, kv_heads, std::nullopt, "attention key/value h
 ABSL_FLAG(std::optional<double>, rope_theta, std::nullopt, "RoPE base");
 ABSL_FLAG(std::optional<int32_t>, sp, std::nullopt,
           "sequence-parallel group size S (Ulysses, SEMANTICS.md §12)");
+ABSL_FLAG(std::optional<int32_t>, cp, std::nullopt,
+          "context-parallel group size C (ring attention over zigzag chunks, SEMANTICS.md §16)");
 ABSL_FLAG(std::optional<int32_t>, repro_block, std::nullopt,
           "--reproducible: tokens per contribution block (0: a rank's share of a sequence); "
           "the same bits at every --sp whose seq_len / sp it divides");
@@ -177,6 +179,7 @@ const std::vector<FlagField>& OverridableFlags() {
       {"kv_heads", "model.kv_heads"},
       {"rope_theta", "model.rope_theta"},
       {"sp", "parallelism.sp"},
+      {"cp", "parallelism.cp"},
       {"repro_block", "precision.repro_block"},
       {"timeout_s", "comm.timeout_s"},
       {"layers_per_unit", "parallelism.layers_per_unit"},

@@ -332,6 +332,18 @@ TEST(ConfigTest, ValidationNamesFieldAndValue) {
       {{{"parallelism.sp", "4"}}, "parallelism.sp=4: must divide parallelism.world=2"},
       {{{"parallelism.sp", "2"}, {"data.seq_len", "127"}, {"data.max_doc_len", "96"}},
        "parallelism.sp=2: must divide data.seq_len=127"},
+      // Context parallelism (§16).
+      {{{"parallelism.cp", "0"}}, "parallelism.cp=0"},
+      {{{"parallelism.cp", "2"}, {"parallelism.sp", "2"}},
+       "parallelism.cp=2: times parallelism.sp=2 must divide parallelism.world=2"},
+      {{{"parallelism.cp", "2"}, {"data.seq_len", "126"}, {"data.max_doc_len", "96"}},
+       "parallelism.cp=2: needs data.seq_len=126 to be a multiple of 2 cp"},
+      {{{"parallelism.world", "8"}, {"parallelism.cp", "2"}, {"parallelism.sp", "4"},
+        {"data.seq_len", "100"}, {"data.max_doc_len", "96"}},
+       "parallelism.cp=2: needs data.seq_len=100 to be a multiple of 2 cp (each of cp ranks "
+       "holds two of 2 cp chunks) and seq_len / cp a multiple of parallelism.sp=4"},
+      {{{"parallelism.cp", "2"}, {"comm.backend", "nccl"}},
+       "parallelism.cp=2: is implemented for the CPU backends (thread, mpi) only"},
       {{{"model.attention", "causal"}, {"model.heads", "0"}}, "model.heads=0"},
       {{{"model.attention", "causal"}, {"model.kv_heads", "3"}},
        "model.kv_heads=3: must divide model.heads=4"},

@@ -392,7 +392,7 @@ int64_t GlobalSequenceIndex(int64_t step, int m, int rank, int j, int world, int
 
 absl::StatusOr<RankDataLoader> RankDataLoader::Create(std::shared_ptr<const DocumentSource> corpus,
                                                       const DataConfig& config, int rank,
-                                                      int world, int sp) {
+                                                      int world, int sp, int cp) {
   if (world < 1 || rank < 0 || rank >= world) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank=", rank, ": must be in [0, world=", world, ")"));
@@ -400,6 +400,12 @@ absl::StatusOr<RankDataLoader> RankDataLoader::Create(std::shared_ptr<const Docu
   if (sp < 1 || world % sp != 0 || config.seq_len() % sp != 0) {
     return absl::InvalidArgumentError(absl::StrCat("sp=", sp, ": must divide world=", world,
                                                    " and data.seq_len=", config.seq_len()));
+  }
+  if (cp < 1 || world % (sp * cp) != 0 ||
+      (cp > 1 && (config.seq_len() % (2 * cp) != 0 || (config.seq_len() / cp) % sp != 0))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cp=", cp, ": sp x cp must divide world=", world, ", 2 cp data.seq_len=",
+        config.seq_len(), " and sp=", sp, " data.seq_len / cp"));
   }
   if (config.seq_len() < 2 || config.micro_batch() < 1) {
     return absl::InvalidArgumentError(absl::StrCat("data.seq_len=", config.seq_len(),
@@ -428,10 +434,12 @@ absl::StatusOr<RankDataLoader> RankDataLoader::Create(std::shared_ptr<const Docu
   }
   RankDataLoader loader;
   loader.corpus_ = std::move(corpus);
-  loader.rank_ = rank / sp;
-  loader.world_ = world / sp;
+  loader.rank_ = rank / (sp * cp);
+  loader.world_ = world / (sp * cp);
   loader.sp_ = sp;
   loader.sp_rank_ = rank % sp;
+  loader.cp_ = cp;
+  loader.cp_rank_ = (rank % (sp * cp)) / sp;
   loader.seq_len_ = config.seq_len();
   loader.micro_batch_ = config.micro_batch();
   return loader;
@@ -466,7 +474,7 @@ std::vector<int64_t> RankDataLoader::NextSequenceDocs() {
 }
 
 std::vector<MicroBatch> RankDataLoader::NextStep(int grad_acc) {
-  const int local = seq_len_ / sp_;
+  const int local = seq_len_ / (sp_ * cp_);
   std::vector<MicroBatch> step(grad_acc);
   for (MicroBatch& mb : step) {
     mb.batch = micro_batch_;
@@ -485,10 +493,21 @@ std::vector<MicroBatch> RankDataLoader::NextStep(int grad_acc) {
   }
   // The step's global sequences k = (m world + r) micro_batch + j, in order: this rank's
   // rows come in (m, j) order, so sample ids count its documents in packing order. A
-  // sequence is laid out whole; the rank keeps its slice [sp_rank local, + local).
+  // sequence is laid out whole; the rank keeps its slice [sp_rank local, + local) of the
+  // CP group's tokens (the whole sequence without CP; with it, chunks cp_rank and
+  // 2 cp - 1 - cp_rank of 2 cp put together).
   int64_t sample = -1;  // index of the current document among those packed into the step
   const int per_micro = world_ * micro_batch_;
   const int64_t first = int64_t{sp_rank_} * local, last = first + local;
+  const int64_t chunk = seq_len_ / (2 * cp_);
+  // Position pos of the whole sequence in the CP group's tokens, or -1 if another has it.
+  auto cp_index = [&](int64_t pos) -> int64_t {
+    if (cp_ == 1) return pos;
+    const int64_t c = pos / chunk;
+    if (c == cp_rank_) return pos - c * chunk;
+    if (c == 2 * cp_ - 1 - cp_rank_) return chunk + pos - c * chunk;
+    return -1;
+  };
   for (int64_t k = 0; k < int64_t{grad_acc} * per_micro; ++k) {
     const int64_t index = sequences_;
     std::vector<int64_t> docs = NextSequenceDocs();
@@ -505,8 +524,9 @@ std::vector<MicroBatch> RankDataLoader::NextStep(int grad_acc) {
       const int64_t start = pos;
       for (size_t t = 0; t < doc.size(); ++t, ++pos) {
         mb.doc_start[static_cast<size_t>(j) * seq_len_ + pos] = static_cast<int32_t>(start);
-        if (pos < first || pos >= last) continue;
-        const size_t at = static_cast<size_t>(j) * local + (pos - first);
+        const int64_t held = cp_index(pos);
+        if (held < first || held >= last) continue;  // -1 too
+        const size_t at = static_cast<size_t>(j) * local + (held - first);
         mb.tokens[at] = doc[t];
         mb.mask[at] = 1;
         mb.sample_ids[at] = sample;

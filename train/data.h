@@ -257,9 +257,10 @@ absl::StatusOr<std::shared_ptr<const DocumentSource>> MakeCorpus(const DataConfi
 struct MicroBatch {
   int batch = 0;
   int seq_len = 0;        // tokens of a whole sequence
-  // Tokens of each sequence this rank holds: seq_len / sp (the rank's contiguous slice,
-  // SEMANTICS.md §12), seq_len without sequence parallelism. The per-token vectors below
-  // hold batch * local_seq_len entries, sequence after sequence.
+  // Tokens of each sequence this rank holds: seq_len / (sp cp) (SEMANTICS.md §12, §16),
+  // seq_len without sequence or context parallelism. The per-token vectors below hold
+  // batch * local_seq_len entries, sequence after sequence, in the order RankDataLoader
+  // gives (its slice of the sequence, or of its two zigzag chunks put together).
   int local_seq_len = 0;
   std::vector<int32_t> tokens;  // [batch * local_seq_len]; padding 0
   std::vector<int32_t> labels;  // next token or kIgnoreIndex
@@ -302,13 +303,17 @@ class RankDataLoader {
   // `rank` of `world`; with sequence parallelism (SEMANTICS.md §12) the world is
   // world / sp groups of `sp` consecutive ranks: group r = rank / sp reads the rows of data
   // rank r of world / sp, and rank i = rank % sp of it holds tokens [i seq_len / sp,
-  // (i + 1) seq_len / sp) of each. InvalidArgument if rank is outside [0, world), sp does
-  // not divide world or seq_len, the corpus has no document, no document has a trainable
+  // (i + 1) seq_len / sp) of each. With context parallelism (§16) groups of sp cp
+  // consecutive ranks share sequences: rank j = (rank % (sp cp)) / sp of the CP group holds
+  // chunks j and 2 cp - 1 - j of the 2 cp chunks of each sequence, put together in that
+  // order, and its SP group splits those seq_len / cp tokens as above. InvalidArgument if
+  // rank is outside [0, world), sp cp does not divide world, 2 cp does not divide seq_len
+  // or sp does not divide seq_len / cp, the corpus has no document, no document has a trainable
   // token (all shorter than 2 tokens) or a document is longer than data.seq_len; the
   // message names the corpus (Describe).
   static absl::StatusOr<RankDataLoader> Create(std::shared_ptr<const DocumentSource> corpus,
                                                const DataConfig& config, int rank, int world,
-                                               int sp = 1);
+                                               int sp = 1, int cp = 1);
 
   // The next `grad_acc` micro-batches of this rank (one optimizer step).
   std::vector<MicroBatch> NextStep(int grad_acc);
@@ -328,8 +333,9 @@ class RankDataLoader {
   std::vector<int64_t> NextSequenceDocs();
 
   std::shared_ptr<const DocumentSource> corpus_;
-  int rank_ = 0, world_ = 1;  // the data rank (SP group) and the number of them
+  int rank_ = 0, world_ = 1;  // the data rank (SP x CP group) and the number of them
   int sp_ = 1, sp_rank_ = 0;
+  int cp_ = 1, cp_rank_ = 0;
   int seq_len_ = 0, micro_batch_ = 0;
   int64_t cursor_ = 0, sequences_ = 0;
 };

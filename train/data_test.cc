@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "train/config.h"
@@ -563,6 +564,55 @@ TEST(RankDataLoaderTest, SecondOrderPackedLabelsSitAtTheContextFloor) {
   }
   ASSERT_GT(n, 100000);
   EXPECT_NEAR(total / n, corpus->ContextFloorNats(), 0.015);
+}
+
+// Context parallelism (SEMANTICS.md §16), crossed with SP: in world 16 with sp 2 and cp
+// 4 (two data ranks), rank r holds, of each sequence cut into 8 chunks of 4 tokens, chunks
+// i = (r % 8) / 2 and 7 - i put together, and of those 8 tokens the half r % 2. Every
+// per-token value equals the unsplit loader's (world 2: the same two data ranks) at that
+// position, the whole document starts are the same, and the 8 ranks of a group cover each
+// position of each sequence exactly once.
+TEST(RankDataLoaderTest, ContextParallelRanksHoldTheirZigzagChunks) {
+  const DataConfig config = SmallConfig();  // seq_len 32
+  auto corpus = MakeCorpus(config);
+  ASSERT_TRUE(corpus.ok());
+  const int sp = 2, cp = 4, world = 16, L = 32, chunk = L / (2 * cp), local = L / (sp * cp);
+  for (int data_rank = 0; data_rank < 2; ++data_rank) {
+    auto whole = RankDataLoader::Create(*corpus, config, data_rank, 2);
+    ASSERT_TRUE(whole.ok());
+    const std::vector<MicroBatch> want = whole->NextStep(2);
+    std::vector<int> covered(2 * config.micro_batch() * L, 0);
+    for (int k = 0; k < sp * cp; ++k) {
+      const int r = data_rank * sp * cp + k, i = k / sp, half = k % sp;
+      auto loader = RankDataLoader::Create(*corpus, config, r, world, sp, cp);
+      ASSERT_TRUE(loader.ok()) << loader.status();
+      const std::vector<MicroBatch> got = loader->NextStep(2);
+      for (int m = 0; m < 2; ++m) {
+        ASSERT_EQ(got[m].local_seq_len, local);
+        EXPECT_EQ(got[m].doc_start, want[m].doc_start);
+        EXPECT_EQ(got[m].sequence_ids, want[m].sequence_ids);
+        for (int j = 0; j < config.micro_batch(); ++j) {
+          for (int u = 0; u < local; ++u) {
+            const int v = half * local + u;  // in the two chunks put together
+            const int pos = v < chunk ? i * chunk + v : (2 * cp - 1 - i) * chunk + v - chunk;
+            const size_t at = static_cast<size_t>(j) * local + u;
+            const size_t ref = static_cast<size_t>(j) * L + pos;
+            SCOPED_TRACE(absl::StrCat("rank ", r, " micro-batch ", m, " row ", j, " pos ", pos));
+            EXPECT_EQ(got[m].tokens[at], want[m].tokens[ref]);
+            EXPECT_EQ(got[m].labels[at], want[m].labels[ref]);
+            EXPECT_EQ(got[m].mask[at], want[m].mask[ref]);
+            EXPECT_EQ(got[m].positions[at], want[m].positions[ref]);
+            EXPECT_EQ(got[m].sample_valid[at], want[m].sample_valid[ref]);
+            ++covered[(m * config.micro_batch() + j) * L + pos];
+          }
+        }
+      }
+    }
+    for (size_t p = 0; p < covered.size(); ++p) EXPECT_EQ(covered[p], 1) << p;
+  }
+  auto bad = RankDataLoader::Create(*corpus, config, 0, 16, 2, 3);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("cp=3"));
 }
 
 TEST(RankDataLoaderTest, BadArgumentsAreInvalidArgument) {

@@ -54,7 +54,12 @@ absl::StatusOr<std::unique_ptr<MoeLm>> MoeLm::Create(const MoeLmOptions& options
   GRADSUM_ASSIGN_OR_RETURN(model::MoeLmSpec spec, model::MoeLmSpec::Create(config));
   if (device.units == nullptr) device.units = std::make_shared<parallel::HostUnitDevice>();
   if (!device.ops) {
-    const model::CpuOpsComms comms{groups.world, groups.ep_group, groups.sp_group};
+    model::CpuOpsComms comms{groups.world, groups.ep_group, groups.sp_group, groups.cp_group};
+    // Reproducible mode's bits do not depend on the CP size: attention gathers the group's
+    // chunks and runs the whole-sequence kernel (model/ring_attention.h).
+    if (options.parallel.precision == GradPrecision::kExact) {
+      comms.cp_schedule = model::RingSchedule::kGathered;
+    }
     const int threads = options.num_threads;
     device.ops = [comms, threads](const model::MoeLmSpec& s) {
       return model::MakeCpuOps(s, comms, threads);

@@ -30,7 +30,8 @@ absl::StatusOr<std::vector<std::vector<MicroBatch>>> GlobalBatchForStep(const Tr
   GRADSUM_ASSIGN_OR_RETURN(std::shared_ptr<const DocumentSource> corpus, MakeCorpus(config.data()));
   // The whole sequences of the world / sp data ranks (each SP group's rows; §12).
   const int G = config.parallelism().grad_acc(),
-            W = config.parallelism().world() / std::max(1, config.parallelism().sp());
+            W = config.parallelism().world() / std::max(1, config.parallelism().sp()) /
+                std::max(1, config.parallelism().cp());
   std::vector<std::vector<MicroBatch>> batch(G, std::vector<MicroBatch>(W));
   for (int r = 0; r < W; ++r) {
     GRADSUM_ASSIGN_OR_RETURN(RankDataLoader loader,

@@ -335,6 +335,57 @@ std::vector<AttentionCase> AttentionCases() {
 INSTANTIATE_TEST_SUITE_P(Meshes, AttentionParityTest, ::testing::ValuesIn(AttentionCases()),
                          AttentionCaseName);
 
+// With context parallelism (§16): the ring's gradients equal the single-process
+// gradients of the global batch at C = 2 and 4, alone and crossed with S = 2, EP 1 / 2,
+// G 1 / 2, both sharding modes and the three CE weightings. The 16-token sequences are cut
+// into 2C chunks of 4 or 2 tokens, so the documents (2 to 12 tokens) cross chunk
+// boundaries and a rank's two chunks belong to different documents. (C, S, P, G,
+// sharding, CE mode); the world is 2 C S: two data-parallel groups.
+using CpCase = std::tuple<int, int, int, int, TrainConfig::Sharding, TrainConfig::CeMode>;
+
+class CpParityTest : public ::testing::TestWithParam<CpCase> {};
+
+TEST_P(CpParityTest, StepOneMatchesReference) {
+  const auto [C, S, P, G, sharding, ce_mode] = GetParam();
+  TrainConfig config = AttentionConfig(2 * C * S, P, S, G, sharding, ce_mode);
+  config.mutable_parallelism()->set_cp(C);
+  absl::StatusOr<std::vector<RankOutcome>> out = RunInProcess(config);
+  ASSERT_TRUE(out.ok()) << out.status();
+  for (const RankOutcome& r : *out) ASSERT_TRUE(r.status.ok()) << r.status;
+  const RankOutcome& r0 = (*out)[0];
+  ASSERT_TRUE(r0.parity.has_value());
+  EXPECT_TRUE(r0.parity->ok) << r0.parity->ToString();
+  EXPECT_LE(r0.parity->worst, 1e-5);
+  EXPECT_EQ(r0.parity->params.size(), 1 + 2 * (5 + 2 + 4 * 3) + 2u);
+  for (const RankOutcome& r : *out) {
+    ASSERT_TRUE(r.first_step_grads.has_value());
+    EXPECT_EQ(*r.first_step_grads, *r0.first_step_grads);
+    EXPECT_EQ(r.history[0].ce(), r0.history[0].ce());
+  }
+}
+
+std::string CpCaseName(const ::testing::TestParamInfo<CpCase>& info) {
+  const auto [C, S, P, G, sharding, ce_mode] = info.param;
+  return absl::StrCat("C", C, "S", S, "P", P, "G", G, "_", TrainConfig::Sharding_Name(sharding),
+                      "_", TrainConfig::CeMode_Name(ce_mode));
+}
+
+std::vector<CpCase> CpCases() {
+  std::vector<CpCase> cases;
+  for (int C : {2, 4}) {
+    for (int P : {1, 2}) {
+      for (int G : {1, 2}) cases.push_back({C, 1, P, G, TrainConfig::fsdp, TrainConfig::token});
+    }
+    cases.push_back({C, 1, 2, 2, TrainConfig::replicated, TrainConfig::sample});
+    cases.push_back({C, 1, 1, 1, TrainConfig::fsdp, TrainConfig::square});
+    cases.push_back({C, 2, 2, 2, TrainConfig::fsdp, TrainConfig::sample});
+  }
+  cases.push_back({2, 2, 1, 1, TrainConfig::replicated, TrainConfig::token});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Meshes, CpParityTest, ::testing::ValuesIn(CpCases()), CpCaseName);
+
 // A rank of an SP group whose tokens are all padding (§12) contributes exactly zero: here
 // documents of at most 8 tokens in 32-token sequences over S = 4 often leave a rank only
 // padding, and the parity still holds.

@@ -82,6 +82,21 @@ absl::StatusOr<RankMesh> MakeRankMesh(Communicator* world, const ParallelismConf
     GRADSUM_ASSIGN_OR_RETURN(mesh.sp_group,
                              mesh.world->SplitAs(rank / sp, rank % sp, CommKind::kSpAllToAll));
   }
+  const int cp = parallelism.cp();
+  if (cp > 1) {
+    // sp cp consecutive ranks share sequences: the SP groups inside them, and a CP group
+    // of the ranks at the same place in each SP group (§16).
+    const int shared = sp * cp;
+    if (world->size() % shared != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("parallelism.cp=", cp, " x parallelism.sp=",
+                                                     sp, ": must divide the world's ",
+                                                     world->size(), " ranks"));
+    }
+    const int rank = world->rank();
+    GRADSUM_ASSIGN_OR_RETURN(
+        mesh.cp_group, mesh.world->SplitAs((rank / shared) * sp + rank % sp,
+                                           (rank % shared) / sp, CommKind::kCpRing));
+  }
   return mesh;
 }
 
@@ -131,7 +146,8 @@ void PrintBanner(const TrainConfig& config, std::ostream& out) {
       m.attention() == ModelConfig::none
           ? std::string()
           : absl::StrFormat(", attention %d heads (%d kv)", m.heads(), m.kv_heads());
-  const std::string sp = p.sp() > 1 ? absl::StrFormat(", SP=%d", p.sp()) : std::string();
+  const std::string sp = absl::StrCat(p.sp() > 1 ? absl::StrFormat(", SP=%d", p.sp()) : "",
+                                      p.cp() > 1 ? absl::StrFormat(", CP=%d", p.cp()) : "");
   const std::string recompute =
       p.recompute() == ParallelismConfig::none
           ? std::string()
@@ -187,6 +203,7 @@ absl::Status CatchExceptions(const std::function<absl::Status()>& f) {
 
 int64_t ThreadBackendThreads(const TrainConfig& config) {
   const int communicators = 3 + (config.parallelism().sp() > 1 ? 1 : 0) +
+                            (config.parallelism().cp() > 1 ? 1 : 0) +
                             (config.parallelism().sharding() == TrainConfig::hsdp ? 4 : 0);
   return int64_t{config.parallelism().world()} * (1 + communicators);
 }
@@ -330,7 +347,7 @@ absl::StatusOr<ResourceEstimate> EstimateResources(const TrainConfig& config) {
            H = m.expert_dim(), P = config.parallelism().ep();
   // Tokens a rank holds per micro-batch: its share of each sequence under SP (§12).
   const LD T = LD{1} * config.data().micro_batch() * config.data().seq_len() /
-               std::max(1, config.parallelism().sp());
+               std::max(1, config.parallelism().sp()) / std::max(1, config.parallelism().cp());
   const LD G = config.parallelism().grad_acc();
   if (T > 2147483647.0L) {
     return absl::InvalidArgumentError(absl::StrFormat(

@@ -31,9 +31,14 @@ struct RankMesh {
   // parallelism.sp > 1: the S consecutive ranks sharing this rank's sequences (§12), timed
   // with its all-to-alls as CommKind::kSpAllToAll; else null.
   std::unique_ptr<Communicator> sp_group;
+  // parallelism.cp > 1: the C ranks whose sequences' chunks this rank's attention rings
+  // over (§16), timed with its exchanges as CommKind::kCpRing; else null.
+  std::unique_ptr<Communicator> cp_group;
   std::shared_ptr<CommTimer> timer;
   // The host model (make_model empty); callers set make_model for another.
-  RankComms comms() const { return {mesh.get(), sp_group.get(), timer, /*make_model=*/{}}; }
+  RankComms comms() const {
+    return {mesh.get(), sp_group.get(), timer, /*make_model=*/{}, cp_group.get()};
+  }
 };
 
 // Wraps `world` (not owned; must outlive the result) in a timer and builds the mesh of
@@ -66,7 +71,7 @@ absl::Status CatchExceptions(const std::function<absl::Status()>& f);
 
 // The threads a thread-backend run of `config` starts: per rank, its own thread and the
 // worker thread of each of its communicators (the world, the EP group, the EDP group, and
-// the SP group when parallelism.sp > 1).
+// the SP group when parallelism.sp > 1, the CP group when parallelism.cp > 1).
 int64_t ThreadBackendThreads(const TrainConfig& config);
 
 // Starts `count` threads that only wait, then ends them, so that a run finds out before any

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # --reproducible (docs/REPRODUCIBILITY.md): the same bits at every mesh.
 #   reproducible_test.sh MOE_LM_BINARY MPIRUN_TEST_SH
-# Global batch B = world / sp x grad_acc x micro_batch = 8 sequences in every run.
+# Global batch B = world / (sp cp) x grad_acc x micro_batch = 8 sequences in every run.
 # 1. Fixed G = 2 (default-style alpha_b > 0): eight steps on seven meshes (world 1, 2, 4;
 #    ep 1, 2, 4; fsdp and replicated; reduce every micro-batch or once; layers_per_unit 1
 #    and 2; thread and Open MPI backends; baseline and AVX builds of the kernels). The
@@ -13,7 +13,8 @@
 # 4. A run checkpointed after 3 steps on one mesh and resumed on another (Open MPI) ends
 #    with the bits of the uninterrupted run; and hsdp -> fsdp -> replicated -> hsdp the same.
 #    (Part 1 includes four hsdp meshes: shard groups of 2 and 1, thread and Open MPI.)
-# 5. With attention: SP sizes 1, 2, 4 (thread and Open MPI), and a resume from SP 2 onto 4.
+# 5. With attention: SP sizes 1, 2, 4 (thread and Open MPI), and a resume from SP 2 onto 4;
+#    CP sizes 1, 2, 4, CP 4 x SP 2 (thread and Open MPI), and a resume from CP 2 onto 4 x 2.
 # 6. --expert_bias_speed (SEMANTICS.md §5.1): world 1 vs Open MPI world 4 and vs full
 #    recomputation on world 2; sigmoid scores on world 1 vs 4.
 # Every run also passes --parity_check on step 1 (gradients within 1e-5 of the double
@@ -183,6 +184,29 @@ run sp_resumed -- "${attn[@]}" --world=4 --ep=2 --sp=4 --micro_batch=4 \
 cmp -s "$tmp/sp1_w1.safetensors" "$tmp/sp_resumed.safetensors" \
   || fail "the run resumed from SP 2 onto SP 4 differs from the uninterrupted run"
 echo "identical: sp1_w1 vs the run resumed from SP 2 onto SP 4"
+
+# Context parallelism (SEMANTICS.md §16): reproducible mode's gathered attention gives the
+# same bits at CP sizes 1, 2 and 4, crossed with SP 2, EP sizes, both modes and both
+# backends, and across a resume from CP 2 onto CP 4 x SP 2. Row blocks of 4 tokens: they
+# must divide the chunks (32 / 2C tokens; a block holding two chunks would put a token at
+# another place in its block than at C = 1).
+cpa=(--attention=causal --heads=4 --kv_heads=2 --repro_block=4 "${ab[@]}" --reproducible)
+run cp1_w1 -- "${cpa[@]}" --world=1 --ep=1 --micro_batch=4
+run cp2_w2 -- "${cpa[@]}" --world=2 --ep=2 --cp=2 --micro_batch=4
+run cp4_w4_repl -- "${cpa[@]}" --world=4 --ep=2 --cp=4 --micro_batch=4 --sharding=replicated
+run cp4_sp2_w8 -- "${cpa[@]}" --world=8 --ep=4 --cp=4 --sp=2 --micro_batch=4
+run cp2_mpi4 "${mpi4[@]}" -- "${cpa[@]}" --backend=mpi --world=4 --ep=4 --cp=2 --micro_batch=2
+for other in cp2_w2 cp4_w4_repl cp4_sp2_w8 cp2_mpi4; do check_same cp1_w1 "$other"; done
+"$bin" "${tiny[@]}" "${cpa[@]}" --world=2 --ep=1 --cp=2 --micro_batch=4 --steps=3 \
+  --checkpoint_dir="$tmp/ckpt_cp" > "$tmp/resume_cp_a.log" 2>&1 \
+  || { tail -20 "$tmp/resume_cp_a.log"; fail "first CP resume segment"; }
+run cp_resumed -- "${cpa[@]}" --world=8 --ep=2 --cp=4 --sp=2 --micro_batch=4 \
+  --checkpoint_dir="$tmp/ckpt_cp" --resume
+cmp -s "$tmp/cp1_w1.safetensors" "$tmp/cp_resumed.safetensors" \
+  || fail "the run resumed from CP 2 onto CP 4 x SP 2 differs from the uninterrupted run"
+echo "identical: cp1_w1 vs the run resumed from CP 2 onto CP 4 x SP 2"
+cmp -s "$tmp/sp1_w1.safetensors" "$tmp/cp1_w1.safetensors" \
+  && fail "row blocks of 4 and 8 gave the same bits: the CP lines would not see a change"
 
 # The expert bias (SEMANTICS.md §5.1): the counts it moves by are exact integers, so the
 # bias and the parameters are the same bits on every mesh, with full recomputation too

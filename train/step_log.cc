@@ -37,6 +37,7 @@ void SetCommExposed(const CommTimer::Exposed& exposed, StepMetrics* record) {
   record->set_exposed_all_reduce_s(seconds(CommKind::kAllReduce));
   record->set_exposed_all_to_all_s(seconds(CommKind::kAllToAll));
   record->set_exposed_sp_all_to_all_s(seconds(CommKind::kSpAllToAll));
+  record->set_exposed_cp_ring_s(seconds(CommKind::kCpRing));
   record->set_exposed_other_s(seconds(CommKind::kOther));
   auto calls = [&](CommKind kind) { return exposed.calls[static_cast<int>(kind)]; };
   record->set_all_gather_calls(calls(CommKind::kAllGather));
@@ -44,6 +45,7 @@ void SetCommExposed(const CommTimer::Exposed& exposed, StepMetrics* record) {
   record->set_all_reduce_calls(calls(CommKind::kAllReduce));
   record->set_all_to_all_calls(calls(CommKind::kAllToAll));
   record->set_sp_all_to_all_calls(calls(CommKind::kSpAllToAll));
+  record->set_cp_ring_calls(calls(CommKind::kCpRing));
   record->set_other_calls(calls(CommKind::kOther));
 }
 
@@ -54,6 +56,7 @@ double CommExposedSeconds(const StepMetrics& record, CommKind kind) {
     case CommKind::kAllReduce: return record.exposed_all_reduce_s();
     case CommKind::kAllToAll: return record.exposed_all_to_all_s();
     case CommKind::kSpAllToAll: return record.exposed_sp_all_to_all_s();
+    case CommKind::kCpRing: return record.exposed_cp_ring_s();
     case CommKind::kOther: break;
   }
   return record.exposed_other_s();

@@ -33,9 +33,10 @@ StepMetrics FullRecord() {
   r.set_comm_s(0.25);
   CommTimer::Exposed exposed;
   exposed.total = absl::Seconds(0.0625);
-  // all_gather, reduce_scatter, all_reduce, all_to_all, sp_all_to_all, other (CommKind
-  // order).
-  const double by_kind[kNumCommKinds] = {0.03125, 0.015625, 0.0078125, 0, 0.00390625, 0.00390625};
+  // all_gather, reduce_scatter, all_reduce, all_to_all, sp_all_to_all, cp_ring, other
+  // (CommKind order).
+  const double by_kind[kNumCommKinds] = {0.03125,    0.015625,    0.0078125, 0,
+                                         0.00390625, 0.001953125, 0.00390625};
   for (int k = 0; k < kNumCommKinds; ++k) {
     exposed.by_kind[k] = absl::Seconds(by_kind[k]);
     exposed.calls[k] = 10 + k;
@@ -55,7 +56,8 @@ StepMetrics FullRecord() {
 // 64-bit integers as JSON numbers (the mapping writes strings), doubles as JSON floats.
 TEST(StepLogTest, JsonIsTheProtoMappingInFieldOrderWithNumbersForTools) {
   const StepMetrics r = FullRecord();
-  const double by_kind[kNumCommKinds] = {0.03125, 0.015625, 0.0078125, 0, 0.00390625, 0.00390625};
+  const double by_kind[kNumCommKinds] = {0.03125,    0.015625,    0.0078125, 0,
+                                         0.00390625, 0.001953125, 0.00390625};
   for (int k = 0; k < kNumCommKinds; ++k) {
     EXPECT_EQ(CommExposedSeconds(r, static_cast<CommKind>(k)), by_kind[k]) << k;
   }
@@ -72,8 +74,9 @@ TEST(StepLogTest, JsonIsTheProtoMappingInFieldOrderWithNumbersForTools) {
             "\"exposed_all_to_all_s\":0.0,\"exposed_other_s\":0.00390625,"
             "\"exposed_sp_all_to_all_s\":0.00390625,\"peak_activation_bytes\":6291456,"
             "\"all_gather_calls\":10,\"reduce_scatter_calls\":11,\"all_reduce_calls\":12,"
-            "\"all_to_all_calls\":13,\"sp_all_to_all_calls\":14,\"other_calls\":15,"
-            "\"tokens_per_expert\":[6,2,4,4]}");
+            "\"all_to_all_calls\":13,\"sp_all_to_all_calls\":14,\"other_calls\":16,"
+            "\"tokens_per_expert\":[6,2,4,4],\"exposed_cp_ring_s\":0.001953125,"
+            "\"cp_ring_calls\":15}");
 }
 
 TEST(StepLogTest, NonFiniteValuesAreTheMappingsStrings) {
@@ -116,7 +119,8 @@ TEST(StepLogTest, LogLineAndSummary) {
             "summary: steps 8-8 in 1.5 s, 5726.62M tok/s, comm 17% (exposed 4%), wait 0% of step "
             "time\n"
             "summary: exposed by collective (% of step time): all_gather 2.1%, reduce_scatter "
-            "1.0%, all_reduce 0.5%, all_to_all 0.0%, sp_all_to_all 0.3%, other 0.3%\n"
+            "1.0%, all_reduce 0.5%, all_to_all 0.0%, sp_all_to_all 0.3%, cp_ring 0.1%, other "
+            "0.3%\n"
             "summary: median exposed / comm 0.250; median peak unsharded / full parameter bytes "
             "0.500; median peak activation bytes 6.0 MiB\n"
             "summary: ce 1.5000 -> 1.5000 (mean of the last steps 1.5000)\n"

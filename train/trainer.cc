@@ -56,6 +56,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   trainer->config_.mutable_parallelism()->set_ep(comms.mesh->ep_size());
   trainer->config_.mutable_parallelism()->set_sp(comms.sp_group != nullptr ? comms.sp_group->size()
                                                                           : 1);
+  trainer->config_.mutable_parallelism()->set_cp(comms.cp_group != nullptr ? comms.cp_group->size()
+                                                                          : 1);
   trainer->comms_ = comms;
   if (trainer->comms_.timer == nullptr) trainer->comms_.timer = std::make_shared<CommTimer>();
   trainer->fresh_start_ = !config.checkpoint().resume();
@@ -109,7 +111,7 @@ absl::Status Trainer::PrepareLocal() {
   GRADSUM_ASSIGN_OR_RETURN(
       RankDataLoader loader,
       RankDataLoader::Create(corpus_, config_.data(), world().rank(), world().size(),
-                             config_.parallelism().sp()));
+                             config_.parallelism().sp(), config_.parallelism().cp()));
   loader_ = std::make_unique<RankDataLoader>(std::move(loader));
   return absl::OkStatus();
 }

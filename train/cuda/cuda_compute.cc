@@ -46,6 +46,11 @@ absl::StatusOr<ComputeDevice> MakeCudaCompute(const MoeLmGroups& host,
                            cuda::ComputeContext::Create(gpu));
   ComputeDevice out;
   out.units = std::make_shared<parallel::CudaUnitDevice>(ctx, device.world, device.edp_group);
+  if (host.cp_group != nullptr && host.cp_group->size() > 1) {
+    return absl::UnimplementedError(absl::StrCat(
+        "GPU model: context parallelism (cp=", host.cp_group->size(),
+        ", SEMANTICS.md §16) has no CUDA ring attention kernel yet; use a CPU backend"));
+  }
   if ((host.sp_group == nullptr) != (device.sp_group == nullptr) ||
       (host.sp_group != nullptr && (host.sp_group->size() != device.sp_group->size() ||
                                     host.sp_group->rank() != device.sp_group->rank()))) {

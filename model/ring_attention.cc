@@ -1,0 +1,474 @@
+// Ring attention over a CP group (model/ring_attention.h): the schedule and the exchanges;
+// the pair math is model/attention_kernels.inc, the whole-sequence one model/attention.cc.
+#include "model/ring_attention.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "core/default_init_allocator.h"
+#include "core/status.h"
+#include "core/thread_pool.h"
+#include "model/attention.h"
+#include "model/attention_kernels.h"
+
+namespace gradsum::model {
+namespace {
+
+using internal::AttentionKernels;
+using internal::AttentionPairBackwardTask;
+using internal::AttentionPairForwardTask;
+using Clock = std::chrono::steady_clock;
+using Scratch = std::vector<float, DefaultInitAllocator<float>>;
+
+double Since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Notes a call's working buffers: `floats` floats at once.
+void NoteBuffers(RingAttentionTimes* times, int64_t floats) {
+  if (times == nullptr) return;
+  times->peak_buffer_bytes =
+      std::max(times->peak_buffer_bytes, floats * static_cast<int64_t>(sizeof(float)));
+}
+
+// Floats of the tasks' scratch that can be live at once (one per compute thread).
+int64_t ScratchFloats(int64_t per_task, int64_t tasks) {
+  return per_task * std::min<int64_t>(tasks, std::max(1, ComputeThreads()));
+}
+
+// What the dims imply for this rank.
+struct Layout {
+  int cp = 1, rank = 0;
+  int64_t chunk = 0;   // c
+  int64_t local = 0;   // 2c: a sequence's tokens on one rank
+  int64_t rows = 0;    // num_seqs * 2c
+  int64_t heads = 0, d = 0, dp = 0;
+  int64_t floats = 0;  // rows * heads * d
+  int64_t padded = 0;  // rows * heads * dp
+};
+
+absl::Status CheckSize(const char* name, size_t size, int64_t want, const char* layout) {
+  if (static_cast<int64_t>(size) != want) {
+    return absl::InvalidArgumentError(absl::StrCat("ring attention: ", name, " holds ", size,
+                                                   " values; ", layout, " needs ", want));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Layout> CheckLayout(const Communicator& group, const RingAttentionDims& dims,
+                                   size_t q, size_t k, size_t v, size_t doc_start, size_t out,
+                                   size_t lse) {
+  Layout l;
+  l.cp = group.size();
+  l.rank = group.rank();
+  if (dims.num_seqs < 0 || dims.seq_len < 0 || dims.heads < 1 || dims.head_dim < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ring attention: num_seqs = ", dims.num_seqs, ", seq_len = ", dims.seq_len,
+        ", heads = ", dims.heads, ", head_dim = ", dims.head_dim, " out of range"));
+  }
+  if (dims.seq_len % (2 * int64_t{l.cp}) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ring attention: seq_len = ", dims.seq_len, " is not a multiple of 2 * cp = ",
+        2 * l.cp, " (each rank holds two chunks of every sequence)"));
+  }
+  l.chunk = dims.seq_len / (2 * l.cp);
+  l.local = 2 * l.chunk;
+  l.rows = dims.num_seqs * l.local;
+  l.heads = dims.heads;
+  l.d = dims.head_dim;
+  l.dp = (l.d + internal::kAttentionColPad - 1) / internal::kAttentionColPad *
+         internal::kAttentionColPad;
+  l.floats = l.rows * l.heads * l.d;
+  l.padded = l.rows * l.heads * l.dp;
+  const char* layout = "[num_seqs * seq_len / cp, heads, head_dim]";
+  GRADSUM_RETURN_IF_ERROR(CheckSize("q", q, l.floats, layout));
+  GRADSUM_RETURN_IF_ERROR(CheckSize("k", k, l.floats, layout));
+  GRADSUM_RETURN_IF_ERROR(CheckSize("v", v, l.floats, layout));
+  GRADSUM_RETURN_IF_ERROR(CheckSize("out", out, l.floats, layout));
+  GRADSUM_RETURN_IF_ERROR(
+      CheckSize("lse", lse, l.rows * l.heads, "[num_seqs * seq_len / cp, heads]"));
+  GRADSUM_RETURN_IF_ERROR(CheckSize("doc_start", doc_start, dims.num_seqs * dims.seq_len,
+                                    "the whole sequences [num_seqs * seq_len]"));
+  return l;
+}
+
+// The whole sequences' call of model/attention.h that a group of one makes.
+AttentionDims WholeDims(const RingAttentionDims& dims) {
+  AttentionDims w;
+  w.num_seqs = dims.num_seqs;
+  w.seq_len = dims.seq_len;
+  w.q_heads = dims.heads;
+  w.kv_heads = dims.heads;
+  w.head_dim = dims.head_dim;
+  return w;
+}
+
+absl::Status CheckDocStart(const RingAttentionDims& dims, absl::Span<const int32_t> doc_start) {
+  const AttentionDims w = WholeDims(dims);
+  for (int64_t i = 0; i < static_cast<int64_t>(doc_start.size()); ++i) {
+    const int32_t previous = i % dims.seq_len == 0 ? -1 : doc_start[i - 1];
+    GRADSUM_RETURN_IF_ERROR(internal::CheckDocStartToken(w, i, doc_start[i], previous));
+  }
+  return absl::OkStatus();
+}
+
+// Rank r's token indices [2c] and documents [num_seqs * 2c].
+struct RankTokens {
+  std::vector<int32_t> index, doc;
+};
+
+RankTokens TokensOf(const Layout& l, int r, int64_t num_seqs, int64_t seq_len,
+                    absl::Span<const int32_t> doc_start) {
+  RankTokens t;
+  t.index.resize(l.local);
+  for (int64_t u = 0; u < l.local; ++u) {
+    t.index[u] = static_cast<int32_t>(ZigzagIndex(l.cp, r, l.chunk, u));
+  }
+  t.doc.resize(num_seqs * l.local);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int64_t u = 0; u < l.local; ++u) {
+      t.doc[s * l.local + u] = doc_start[s * seq_len + t.index[u]];
+    }
+  }
+  return t;
+}
+
+// The chunk index (0..2C-1) of rank r's local chunk a (0 or 1).
+int64_t ChunkOf(const Layout& l, int r, int a) {
+  return a == 0 ? r : 2 * int64_t{l.cp} - 1 - r;
+}
+
+// One step of the ring: `count` floats to the next rank, the previous rank's into recv.
+class Shift {
+ public:
+  absl::Status Start(Communicator& group, const float* send, float* recv, int64_t count,
+                     RingAttentionTimes* times) {
+    const int C = group.size(), r = group.rank();
+    counts_send_.assign(C, 0);
+    counts_recv_.assign(C, 0);
+    offsets_.assign(C, 0);
+    counts_send_[(r + 1) % C] = static_cast<size_t>(count);
+    counts_recv_[(r + C - 1) % C] = static_cast<size_t>(count);
+    GRADSUM_ASSIGN_OR_RETURN(work_, group.AllToAllVAsync(send, counts_send_, offsets_, recv,
+                                                         counts_recv_, offsets_, DType::kF32));
+    if (times != nullptr) times->bytes_sent += count * static_cast<int64_t>(sizeof(float));
+    return absl::OkStatus();
+  }
+  absl::Status Wait(RingAttentionTimes* times) {
+    if (work_ == nullptr) return absl::OkStatus();
+    const Clock::time_point start = Clock::now();
+    absl::Status status = work_->Wait();
+    if (times != nullptr) times->wait_s += Since(start);
+    work_.reset();
+    return status;
+  }
+
+ private:
+  std::vector<size_t> counts_send_, counts_recv_, offsets_;
+  std::unique_ptr<Work> work_;
+};
+
+// ---- kGathered: the whole sequences on every rank --------------------------------------
+
+// Every rank's [rows, width] block of `local` gathered and put in sequence order:
+// whole [num_seqs * seq_len, width].
+absl::Status GatherWhole(Communicator& group, const Layout& l, int64_t num_seqs,
+                         int64_t seq_len, int64_t width, absl::Span<const float> local,
+                         std::vector<float>* whole, RingAttentionTimes* times) {
+  std::vector<float> all(static_cast<size_t>(l.cp) * l.rows * width);
+  const Clock::time_point start = Clock::now();
+  GRADSUM_RETURN_IF_ERROR(
+      group.AllGather(local.data(), all.data(), static_cast<size_t>(l.rows * width),
+                      DType::kF32));
+  if (times != nullptr) {
+    times->wait_s += Since(start);
+    times->bytes_sent += l.rows * width * static_cast<int64_t>(sizeof(float));
+  }
+  whole->resize(num_seqs * seq_len * width);
+  for (int r = 0; r < l.cp; ++r) {
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      for (int64_t u = 0; u < l.local; ++u) {
+        const float* src = all.data() + ((int64_t{r} * num_seqs + s) * l.local + u) * width;
+        std::copy(src, src + width,
+                  whole->data() + (s * seq_len + ZigzagIndex(l.cp, r, l.chunk, u)) * width);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// This rank's rows of whole [num_seqs * seq_len, width] into local [rows, width].
+void TakeOwn(const Layout& l, int64_t num_seqs, int64_t seq_len, int64_t width,
+             const std::vector<float>& whole, absl::Span<float> local) {
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int64_t u = 0; u < l.local; ++u) {
+      const float* src =
+          whole.data() + (s * seq_len + ZigzagIndex(l.cp, l.rank, l.chunk, u)) * width;
+      std::copy(src, src + width, local.data() + (s * l.local + u) * width);
+    }
+  }
+}
+
+}  // namespace
+
+absl::Status RingAttentionForward(Communicator& cp_group, const RingAttentionDims& dims,
+                                  RingSchedule schedule, absl::Span<const float> q,
+                                  absl::Span<const float> k, absl::Span<const float> v,
+                                  absl::Span<const int32_t> doc_start, absl::Span<float> out,
+                                  absl::Span<float> lse, RingAttentionTimes* times) {
+  GRADSUM_ASSIGN_OR_RETURN(const Layout l,
+                           CheckLayout(cp_group, dims, q.size(), k.size(), v.size(),
+                                       doc_start.size(), out.size(), lse.size()));
+  GRADSUM_RETURN_IF_ERROR(CheckDocStart(dims, doc_start));
+  const int64_t S = dims.num_seqs, L = dims.seq_len, H = l.heads, d = l.d, dp = l.dp;
+  const int64_t row = H * d;
+
+  if (schedule == RingSchedule::kGathered) {
+    std::vector<float> qw, kw, vw;
+    GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, row, q, &qw, times));
+    GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, row, k, &kw, times));
+    GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, row, v, &vw, times));
+    std::vector<float> ow(qw.size()), lw(S * L * H);
+    // The whole sequences' q, k, v, out, lse, one gather's receive buffer, the kernel's
+    // scratch.
+    const internal::AttentionKernels& whole = internal::SelectedAttentionKernels();
+    NoteBuffers(times, 4 * int64_t{qw.size()} + S * L * H + int64_t{l.cp} * l.rows * row +
+                           ScratchFloats(whole.forward_scratch_floats(L, dp), S * H));
+    const Clock::time_point start = Clock::now();
+    GRADSUM_RETURN_IF_ERROR(AttentionForward(WholeDims(dims), qw, kw, vw, doc_start,
+                                             absl::MakeSpan(ow), absl::MakeSpan(lw)));
+    if (times != nullptr) times->compute_s += Since(start);
+    TakeOwn(l, S, L, row, ow, out);
+    TakeOwn(l, S, L, H, lw, lse);
+    return absl::OkStatus();
+  }
+
+  const AttentionKernels& kernels = internal::SelectedAttentionKernels();
+  const RankTokens mine = TokensOf(l, l.rank, S, L, doc_start);
+  const int64_t state = S * H * l.local;  // per (sequence, head, local token)
+  std::vector<float> run_max(state, -INFINITY), run_sum(state, 0.0f);
+  std::vector<float> acc(state * dp, 0.0f);
+  std::vector<float> kv_cur(2 * l.floats), kv_next(2 * l.floats);
+  std::copy(k.begin(), k.end(), kv_cur.begin());
+  std::copy(v.begin(), v.end(), kv_cur.begin() + l.floats);
+  const float scale = internal::AttentionScale(d);
+  NoteBuffers(times, 2 * state + state * dp + 4 * l.floats +
+                         ScratchFloats(kernels.pair_forward_scratch_floats(dp), S * H));
+
+  for (int step = 0; step < l.cp; ++step) {
+    const int owner = (l.rank - step + l.cp) % l.cp;
+    Shift shift;
+    if (step + 1 < l.cp) {
+      GRADSUM_RETURN_IF_ERROR(
+          shift.Start(cp_group, kv_cur.data(), kv_next.data(), 2 * l.floats, times));
+    }
+    const RankTokens theirs = TokensOf(l, owner, S, L, doc_start);
+    const Clock::time_point start = Clock::now();
+    ParallelFor(ComputeThreads(), S * H, [&](int64_t task) {
+      const int64_t s = task / H, h = task % H;
+      Scratch scratch(kernels.pair_forward_scratch_floats(dp));
+      for (int a = 0; a < 2; ++a) {
+        for (int b = 0; b < 2; ++b) {
+          if (ChunkOf(l, owner, b) > ChunkOf(l, l.rank, a)) continue;  // after every query
+          const int64_t q_row = s * l.local + a * l.chunk, k_row = s * l.local + b * l.chunk;
+          const int64_t st = (s * H + h) * l.local + a * l.chunk;
+          AttentionPairForwardTask t;
+          t.m = t.n = l.chunk;
+          t.head_dim = d;
+          t.padded_dim = dp;
+          t.scale = scale;
+          t.q = q.data() + (q_row * H + h) * d;
+          t.q_stride = row;
+          t.q_index = mine.index.data() + a * l.chunk;
+          t.q_doc = mine.doc.data() + q_row;
+          t.k = kv_cur.data() + (k_row * H + h) * d;
+          t.v = kv_cur.data() + l.floats + (k_row * H + h) * d;
+          t.kv_stride = row;
+          t.k_index = theirs.index.data() + b * l.chunk;
+          t.k_doc = theirs.doc.data() + k_row;
+          t.run_max = run_max.data() + st;
+          t.run_sum = run_sum.data() + st;
+          t.acc = acc.data() + st * dp;
+          t.acc_stride = dp;
+          t.scratch = scratch.data();
+          kernels.pair_forward(t);
+        }
+      }
+    });
+    if (times != nullptr) times->compute_s += Since(start);
+    GRADSUM_RETURN_IF_ERROR(shift.Wait(times));
+    if (step + 1 < l.cp) std::swap(kv_cur, kv_next);
+  }
+
+  // out = acc / l, lse = max + log l; a padding row attended nothing: 0 and 0.
+  for (int64_t s = 0; s < S; ++s) {
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t u = 0; u < l.local; ++u) {
+        const int64_t st = (s * H + h) * l.local + u, r = s * l.local + u;
+        float* o = out.data() + (r * H + h) * d;
+        const float sum = run_sum[st];
+        if (sum == 0.0f) {
+          std::fill(o, o + d, 0.0f);
+          lse[r * H + h] = 0.0f;
+          continue;
+        }
+        for (int64_t c = 0; c < d; ++c) o[c] = acc[st * dp + c] / sum;
+        lse[r * H + h] = run_max[st] + std::log(sum);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RingAttentionBackward(Communicator& cp_group, const RingAttentionDims& dims,
+                                   RingSchedule schedule, absl::Span<const float> q,
+                                   absl::Span<const float> k, absl::Span<const float> v,
+                                   absl::Span<const int32_t> doc_start,
+                                   absl::Span<const float> out, absl::Span<const float> lse,
+                                   absl::Span<const float> d_out, absl::Span<float> dq,
+                                   absl::Span<float> dk, absl::Span<float> dv,
+                                   RingAttentionTimes* times) {
+  GRADSUM_ASSIGN_OR_RETURN(const Layout l,
+                           CheckLayout(cp_group, dims, q.size(), k.size(), v.size(),
+                                       doc_start.size(), out.size(), lse.size()));
+  const char* layout = "[num_seqs * seq_len / cp, heads, head_dim]";
+  GRADSUM_RETURN_IF_ERROR(CheckSize("d_out", d_out.size(), l.floats, layout));
+  GRADSUM_RETURN_IF_ERROR(CheckSize("dq", dq.size(), l.floats, layout));
+  GRADSUM_RETURN_IF_ERROR(CheckSize("dk", dk.size(), l.floats, layout));
+  GRADSUM_RETURN_IF_ERROR(CheckSize("dv", dv.size(), l.floats, layout));
+  GRADSUM_RETURN_IF_ERROR(CheckDocStart(dims, doc_start));
+  const int64_t S = dims.num_seqs, L = dims.seq_len, H = l.heads, d = l.d, dp = l.dp;
+  const int64_t row = H * d;
+
+  if (schedule == RingSchedule::kGathered) {
+    std::vector<float> qw, kw, vw, ow, lw, gw;
+    GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, row, q, &qw, times));
+    GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, row, k, &kw, times));
+    GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, row, v, &vw, times));
+    GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, row, out, &ow, times));
+    GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, H, lse, &lw, times));
+    GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, row, d_out, &gw, times));
+    std::vector<float> dqw(qw.size()), dkw(qw.size()), dvw(qw.size());
+    const internal::AttentionKernels& whole = internal::SelectedAttentionKernels();
+    NoteBuffers(times, 8 * int64_t{qw.size()} + S * L * H + int64_t{l.cp} * l.rows * row +
+                           ScratchFloats(whole.backward_scratch_floats(L, dp), S * H));
+    const Clock::time_point start = Clock::now();
+    GRADSUM_RETURN_IF_ERROR(AttentionBackward(WholeDims(dims), qw, kw, vw, doc_start, ow, lw,
+                                              gw, absl::MakeSpan(dqw), absl::MakeSpan(dkw),
+                                              absl::MakeSpan(dvw)));
+    if (times != nullptr) times->compute_s += Since(start);
+    TakeOwn(l, S, L, row, dqw, dq);
+    TakeOwn(l, S, L, row, dkw, dk);
+    TakeOwn(l, S, L, row, dvw, dv);
+    return absl::OkStatus();
+  }
+
+  const AttentionKernels& kernels = internal::SelectedAttentionKernels();
+  const RankTokens mine = TokensOf(l, l.rank, S, L, doc_start);
+  const int64_t state = S * H * l.local;
+  // Per (sequence, head, local token): lse and d_out . out, contiguous for the kernel.
+  std::vector<float> lse_t(state), dsum(state);
+  for (int64_t s = 0; s < S; ++s) {
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t u = 0; u < l.local; ++u) {
+        const int64_t r = s * l.local + u, st = (s * H + h) * l.local + u;
+        lse_t[st] = lse[r * H + h];
+        const float* go = d_out.data() + (r * H + h) * d;
+        const float* o = out.data() + (r * H + h) * d;
+        float sum = 0.0f;
+        for (int64_t c = 0; c < d; ++c) sum += go[c] * o[c];
+        dsum[st] = sum;
+      }
+    }
+  }
+  std::vector<float> dq_acc(state * dp, 0.0f);
+  std::vector<float> kv_cur(2 * l.floats), kv_next(2 * l.floats);
+  std::copy(k.begin(), k.end(), kv_cur.begin());
+  std::copy(v.begin(), v.end(), kv_cur.begin() + l.floats);
+  // The travelling dK, dV accumulators of the key/value block held: [S, H, 2c, dp] each.
+  std::vector<float> dkv_cur(2 * state * dp, 0.0f), dkv_next(2 * state * dp);
+  const float scale = internal::AttentionScale(d);
+  NoteBuffers(times, 2 * state + state * dp + 4 * l.floats + 4 * state * dp +
+                         ScratchFloats(kernels.pair_backward_scratch_floats(dp), S * H));
+
+  for (int step = 0; step < l.cp; ++step) {
+    const int owner = (l.rank - step + l.cp) % l.cp;
+    Shift kv_shift;
+    if (step + 1 < l.cp) {
+      GRADSUM_RETURN_IF_ERROR(
+          kv_shift.Start(cp_group, kv_cur.data(), kv_next.data(), 2 * l.floats, times));
+    }
+    const RankTokens theirs = TokensOf(l, owner, S, L, doc_start);
+    const Clock::time_point start = Clock::now();
+    ParallelFor(ComputeThreads(), S * H, [&](int64_t task) {
+      const int64_t s = task / H, h = task % H;
+      Scratch scratch(kernels.pair_backward_scratch_floats(dp));
+      for (int a = 0; a < 2; ++a) {
+        for (int b = 0; b < 2; ++b) {
+          if (ChunkOf(l, owner, b) > ChunkOf(l, l.rank, a)) continue;
+          const int64_t q_row = s * l.local + a * l.chunk, k_row = s * l.local + b * l.chunk;
+          const int64_t qs = (s * H + h) * l.local + a * l.chunk;
+          const int64_t ks = (s * H + h) * l.local + b * l.chunk;
+          AttentionPairBackwardTask t;
+          t.m = t.n = l.chunk;
+          t.head_dim = d;
+          t.padded_dim = dp;
+          t.scale = scale;
+          t.q = q.data() + (q_row * H + h) * d;
+          t.d_out = d_out.data() + (q_row * H + h) * d;
+          t.q_stride = row;
+          t.q_index = mine.index.data() + a * l.chunk;
+          t.q_doc = mine.doc.data() + q_row;
+          t.lse = lse_t.data() + qs;
+          t.dsum = dsum.data() + qs;
+          t.k = kv_cur.data() + (k_row * H + h) * d;
+          t.v = kv_cur.data() + l.floats + (k_row * H + h) * d;
+          t.kv_stride = row;
+          t.k_index = theirs.index.data() + b * l.chunk;
+          t.k_doc = theirs.doc.data() + k_row;
+          t.dq = dq_acc.data() + qs * dp;
+          t.grad_q_stride = dp;
+          t.dk = dkv_cur.data() + ks * dp;
+          t.dv = dkv_cur.data() + state * dp + ks * dp;
+          t.grad_kv_stride = dp;
+          t.scratch = scratch.data();
+          kernels.pair_backward(t);
+        }
+      }
+    });
+    if (times != nullptr) times->compute_s += Since(start);
+    if (l.cp > 1) {  // the accumulators move on with their block; after the last step, home
+      Shift dkv_shift;
+      GRADSUM_RETURN_IF_ERROR(
+          dkv_shift.Start(cp_group, dkv_cur.data(), dkv_next.data(), 2 * state * dp, times));
+      GRADSUM_RETURN_IF_ERROR(dkv_shift.Wait(times));
+      std::swap(dkv_cur, dkv_next);
+    }
+    GRADSUM_RETURN_IF_ERROR(kv_shift.Wait(times));
+    if (step + 1 < l.cp) std::swap(kv_cur, kv_next);
+  }
+
+  for (int64_t s = 0; s < S; ++s) {
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t u = 0; u < l.local; ++u) {
+        const int64_t st = (s * H + h) * l.local + u, r = s * l.local + u;
+        const int64_t o = (r * H + h) * d;
+        for (int64_t c = 0; c < d; ++c) {
+          dq[o + c] = dq_acc[st * dp + c];
+          dk[o + c] = dkv_cur[st * dp + c];
+          dv[o + c] = dkv_cur[state * dp + st * dp + c];
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace gradsum::model
