@@ -403,5 +403,28 @@ TEST(AttentionParityTest, PaddedSlicesContributeNothing) {
   EXPECT_TRUE((*out)[0].parity->ok) << (*out)[0].parity->ToString();
 }
 
+// HSDP with sequence and context parallelism: parameters are not split over the SP or CP
+// groups (SEMANTICS.md §12, §16), so the shard groups need nothing of them; the gradients
+// still match the reference. (world, P, S, C, shard group)
+TEST(HsdpParityTest, WithSequenceAndContextParallelismMatchesReference) {
+  for (const auto& [W, P, S, C, N] : std::vector<std::tuple<int, int, int, int, int>>{
+           {4, 2, 2, 1, 2}, {4, 1, 1, 2, 2}, {8, 2, 2, 2, 4}, {8, 1, 1, 2, 2}}) {
+    TrainConfig config = AttentionConfig(W, P, S, 1, TrainConfig::hsdp, TrainConfig::token);
+    config.mutable_parallelism()->set_cp(C);
+    config.mutable_parallelism()->set_shard_group(N);
+    const std::string what = absl::StrCat("world ", W, " P ", P, " S ", S, " C ", C, " N ", N);
+    absl::StatusOr<std::vector<RankOutcome>> out = RunInProcess(config);
+    ASSERT_TRUE(out.ok()) << what << ": " << out.status();
+    for (const RankOutcome& r : *out) ASSERT_TRUE(r.status.ok()) << what << ": " << r.status;
+    const RankOutcome& r0 = (*out)[0];
+    ASSERT_TRUE(r0.parity.has_value());
+    EXPECT_TRUE(r0.parity->ok) << what << "\n" << r0.parity->ToString();
+    EXPECT_LE(r0.parity->worst, 1e-5) << what;
+    for (const RankOutcome& r : *out) {
+      EXPECT_EQ(*r.first_step_grads, *r0.first_step_grads) << what;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace gradsum::train
