@@ -3,6 +3,8 @@
 // and the display losses equal the reference's, at every (F, P) mesh, micro-batch count
 // and sharding mode, on the thread backend.
 #include <cstring>
+#include <memory>
+#include <set>
 #include <tuple>
 #include <vector>
 
@@ -416,18 +418,38 @@ std::vector<MtpCase> MtpCases() {
 
 INSTANTIATE_TEST_SUITE_P(Meshes, MtpParityTest, ::testing::ValuesIn(MtpCases()), MtpCaseName);
 
-// A rank whose tokens are all padding (and ranks with only a few valid labels at depth 2,
-// or none) contributes exactly zero: documents of at most 8 tokens in 32-token sequences
-// over S = 4 often leave a rank only padding, and the MTP parity still holds.
+// A rank whose tokens are all padding contributes exactly zero, and ranks with uneven
+// numbers of valid depth-k labels are counted right: one document of 17 to 20 tokens per
+// 32-token sequence over S = 4 leaves the last rank of each SP group only padding (checked
+// below), and the MTP parity still holds.
 TEST(MtpParityTest, PaddedSlicesContributeNothing) {
   for (int k : {1, 2}) {
     TrainConfig config = AttentionConfig(4, 1, 4, 1, TrainConfig::fsdp, TrainConfig::sample);
     config.mutable_data()->set_seq_len(32);
-    config.mutable_data()->set_max_doc_len(8);
-    config.mutable_data()->set_min_doc_len(2);
+    config.mutable_data()->set_max_doc_len(20);
+    config.mutable_data()->set_min_doc_len(17);
     config.mutable_data()->set_micro_batch(1);
     config.mutable_data()->set_corpus_documents(3);
     config.mutable_model()->set_mtp_depth(k);
+    // The case this test is for is there: step 1 leaves a rank only padding, and the
+    // others hold different numbers of valid depth-k labels.
+    absl::StatusOr<std::shared_ptr<const DocumentSource>> corpus = MakeCorpus(config.data());
+    ASSERT_TRUE(corpus.ok()) << corpus.status();
+    int padded = 0;
+    std::set<int64_t> valid_counts;
+    for (int r = 0; r < 4; ++r) {
+      absl::StatusOr<RankDataLoader> loader =
+          RankDataLoader::Create(*corpus, config.data(), r, 4, /*sp=*/4);
+      ASSERT_TRUE(loader.ok()) << loader.status();
+      ASSERT_TRUE(loader->SetMtpDepth(k).ok());
+      const MicroBatch mb = loader->NextStep(1)[0];
+      padded += mb.routed_tokens() == 0;
+      int64_t valid = 0;
+      for (int32_t y : mb.mtp_labels[k - 1]) valid += y != kIgnoreIndex;
+      valid_counts.insert(valid);
+    }
+    EXPECT_GE(padded, 1) << "depth " << k;
+    EXPECT_GE(valid_counts.size(), 2u) << "depth " << k;
     absl::StatusOr<std::vector<RankOutcome>> out = RunInProcess(config);
     ASSERT_TRUE(out.ok()) << out.status();
     for (const RankOutcome& r : *out) ASSERT_TRUE(r.status.ok()) << r.status;
