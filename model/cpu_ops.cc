@@ -86,9 +86,10 @@ class CpuOps : public ModelOps {
     layer_config_.score =
         m.router_sigmoid ? moe::RouterScore::kSigmoid : moe::RouterScore::kSoftmax;
     local_experts_ = m.experts / comms.ep_group->size();
-    layer_state_.resize(m.layers);
+    moe_layers_ = m.layers + m.mtp_depth;
+    layer_state_.resize(moe_layers_);
     for (moe::MoeLayerState& s : layer_state_) s.scratch = &dispatch_scratch_;
-    held_.assign(m.layers, false);
+    held_.assign(moe_layers_, false);
     sp_size_ = comms.sp_group != nullptr ? comms.sp_group->size() : 1;
     sp_rank_ = comms.sp_group != nullptr ? comms.sp_group->rank() : 0;
     cp_size_ = comms.cp_group != nullptr ? comms.cp_group->size() : 1;
@@ -114,10 +115,29 @@ class CpuOps : public ModelOps {
     mask_.assign(in.mask.begin(), in.mask.end());
     labels_.assign(in.labels.begin(), in.labels.end());
     layer_config_.row_block = in.row_block;
+    const int k = config_.mtp_depth;
+    if (static_cast<int>(in.mtp_tokens.size()) != k ||
+        static_cast<int>(in.mtp_labels.size()) != k ||
+        static_cast<int>(in.mtp_ce_normaliser.size()) != k ||
+        (!in.mtp_ce_weights.empty() && static_cast<int>(in.mtp_ce_weights.size()) != k)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "micro-batch: MTP inputs for ", in.mtp_tokens.size(), " depths, the model has ", k));
+    }
+    for (int j = 0; j < k; ++j) {
+      if (static_cast<int64_t>(in.mtp_tokens[j].size()) != in.rows ||
+          static_cast<int64_t>(in.mtp_labels[j].size()) != in.rows ||
+          (!in.mtp_ce_weights.empty() && !in.mtp_ce_weights[j].empty() &&
+           static_cast<int64_t>(in.mtp_ce_weights[j].size()) != in.rows)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "micro-batch: MTP depth ", j + 1, "'s tokens, labels or weights are not ", in.rows));
+      }
+    }
     counts_.clear();
-    counts_.reserve(config_.layers);
-    global_counts_.assign(config_.layers, {});
+    counts_.reserve(moe_layers_);
+    global_counts_.assign(moe_layers_, {});
     terms_ = MicroBatchLossTerms();
+    terms_.mtp.assign(k, 0.0);
+    terms_.mtp_terms.assign(k, {});
     return absl::OkStatus();
   }
 
@@ -138,16 +158,55 @@ class CpuOps : public ModelOps {
   }
 
   absl::Status EmbeddingForward(const float* emb, float* h) override {
+    return Embed(in_.tokens, emb, h);
+  }
+
+  absl::Status EmbeddingBackward(const float* dh, GradTarget demb) override {
+    return EmbedBackward(in_.tokens, dh, std::move(demb));
+  }
+
+  bool CanMtp() const override { return true; }
+
+  absl::Status MtpEmbeddingForward(int depth, const float* emb, float* h) override {
+    GRADSUM_RETURN_IF_ERROR(CheckDepth(depth));
+    return Embed(in_.mtp_tokens[depth - 1], emb, h);
+  }
+
+  absl::Status MtpEmbeddingBackward(int depth, const float* dh, GradTarget demb) override {
+    GRADSUM_RETURN_IF_ERROR(CheckDepth(depth));
+    return EmbedBackward(in_.mtp_tokens[depth - 1], dh, std::move(demb));
+  }
+
+  absl::Status MtpLmHeadCrossEntropy(int depth, const float* f, const float* w_out,
+                                     float* grad_f, GradTarget grad_out) override {
+    GRADSUM_RETURN_IF_ERROR(CheckDepth(depth));
+    const absl::Span<const float> weights =
+        in_.mtp_ce_weights.empty() ? absl::Span<const float>() : in_.mtp_ce_weights[depth - 1];
+    return HeadCrossEntropy(f, w_out, grad_f, std::move(grad_out), in_.mtp_labels[depth - 1],
+                            weights, in_.mtp_ce_normaliser[depth - 1], &terms_.mtp[depth - 1],
+                            &terms_.mtp_terms[depth - 1]);
+  }
+
+  absl::Status CheckDepth(int depth) const {
+    if (depth < 1 || depth > static_cast<int>(in_.mtp_tokens.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("MTP depth ", depth, " is not in [1, ",
+                                                     in_.mtp_tokens.size(), "]"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Embed(absl::Span<const int32_t> tokens, const float* emb, float* h) {
     const int64_t D = config_.dim;
-    model::EmbeddingForward(absl::MakeConstSpan(emb, config_.vocab * D), in_.tokens, D,
+    model::EmbeddingForward(absl::MakeConstSpan(emb, config_.vocab * D), tokens, D,
                             absl::MakeSpan(h, in_.rows * D));
     return absl::OkStatus();
   }
 
-  absl::Status EmbeddingBackward(const float* dh, GradTarget demb) override {
+  absl::Status EmbedBackward(absl::Span<const int32_t> tokens, const float* dh,
+                             GradTarget demb) {
     const int64_t D = config_.dim, V = config_.vocab, T = in_.rows;
     if (demb.exact() == nullptr && in_.row_block <= 0) {
-      model::EmbeddingBackward(in_.tokens, absl::MakeConstSpan(dh, T * D), D,
+      model::EmbeddingBackward(tokens, absl::MakeConstSpan(dh, T * D), D,
                                absl::MakeSpan(demb.accumulate(), V * D));
       return absl::OkStatus();
     }
@@ -159,7 +218,7 @@ class CpuOps : public ModelOps {
     for (int64_t q = 0; q * S < T; ++q) {
       std::fill(seen.begin(), seen.end(), 0);
       for (int64_t t = q * S; t < (q + 1) * S; ++t) {
-        const int32_t v = in_.tokens[t];
+        const int32_t v = tokens[t];
         float* row = rows.data() + static_cast<int64_t>(v) * D;
         if (!seen[v]) std::fill(row, row + D, 0.0f);
         seen[v] = 1;
@@ -313,6 +372,17 @@ class CpuOps : public ModelOps {
 
   absl::Status LmHeadCrossEntropy(const float* f, const float* w_out, float* grad_f,
                                   GradTarget grad_out) override {
+    return HeadCrossEntropy(f, w_out, grad_f, std::move(grad_out), labels_, in_.ce_weights,
+                            in_.global_ce_weight_sum, &terms_.ce, &terms_.ce_terms);
+  }
+
+  // The fused LM head + CE of `labels` with weights `ce_weights` (empty: token mode) over the
+  // normaliser `d`: the local component added into *value, and with row blocks each
+  // block's value into *block_values.
+  absl::Status HeadCrossEntropy(const float* f, const float* w_out, float* grad_f,
+                                GradTarget grad_out, absl::Span<const int64_t> labels,
+                                absl::Span<const float> ce_weights, double d, double* value,
+                                std::vector<double>* block_values) {
     const int64_t D = config_.dim, V = config_.vocab, T = in_.rows;
     GRADSUM_ASSIGN_OR_RETURN(
         TensorView head_view,
@@ -341,17 +411,17 @@ class CpuOps : public ModelOps {
           GRADSUM_ASSIGN_OR_RETURN(TensorView grad_head_view,
                                    TensorView::Create(out, DType::kF32, {D, V}));
           const absl::Span<const float> weights =
-              in_.ce_weights.empty() ? in_.ce_weights : in_.ce_weights.subspan(r0, rows);
+              ce_weights.empty() ? ce_weights : ce_weights.subspan(r0, rows);
           GRADSUM_ASSIGN_OR_RETURN(
               losses::LinearCrossEntropyResult ce,
-              losses::LinearCrossEntropyForwardBackward(
-                  f_view, head_view, absl::MakeConstSpan(labels_).subspan(r0, rows), weights,
-                  in_.global_ce_weight_sum, grad_f_view, grad_head_view, ce_options));
+              losses::LinearCrossEntropyForwardBackward(f_view, head_view,
+                                                        labels.subspan(r0, rows), weights, d,
+                                                        grad_f_view, grad_head_view, ce_options));
           block_ce[q] = ce.ce.local_loss;
           return absl::OkStatus();
         }));
-    for (double v : block_ce) terms_.ce += v;
-    if (in_.row_block > 0) terms_.ce_terms = std::move(block_ce);
+    for (double v : block_ce) *value += v;
+    if (in_.row_block > 0) *block_values = std::move(block_ce);
     return absl::OkStatus();
   }
 
@@ -514,6 +584,7 @@ class CpuOps : public ModelOps {
       terms_.ce_terms = {terms_.ce};
       terms_.z_terms = {terms_.z};
       terms_.bal_terms = {terms_.bal};
+      for (size_t j = 0; j < terms_.mtp.size(); ++j) terms_.mtp_terms[j] = {terms_.mtp[j]};
     }
     terms_.global_expert_counts = std::move(global_counts_);
     counts_.clear();
@@ -629,6 +700,7 @@ class CpuOps : public ModelOps {
   CpuOpsComms comms_;
   int num_threads_ = 1;
   int local_experts_ = 1;
+  int moe_layers_ = 0;  // L + mtp_depth
   moe::MoeLayerConfig layer_config_;
   std::vector<moe::MoeLayerState> layer_state_;
   // The dispatch's scratch, one set for every layer (the layers run one at a time).

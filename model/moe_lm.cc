@@ -69,6 +69,11 @@ absl::StatusOr<std::unique_ptr<MoeLmModel>> MoeLmModel::Create(const MoeLmSpec& 
         "recompute=full: this device's ops cannot re-run a MoE layer's forward from its kept "
         "routing (the CUDA ops cannot yet); use recompute=selective or none");
   }
+  if (spec.config().mtp_depth > 0 && !ops->CanMtp()) {
+    return absl::UnimplementedError(absl::StrCat(
+        "mtp_depth=", spec.config().mtp_depth,
+        ": this device's ops cannot run multi-token prediction (the CUDA ops cannot yet)"));
+  }
   auto model = std::unique_ptr<MoeLmModel>(new MoeLmModel());
   model->spec_ = spec;
   model->params_ = params;
@@ -131,8 +136,11 @@ void MoeLmModel::UpdateExpertBias() {
   step_expert_counts_.clear();
 }
 
-absl::Status MoeLmModel::RegisterDisplayTerms(losses::StepDisplay* display) {
+absl::Status MoeLmModel::RegisterDisplayTerms(losses::StepDisplay* display, int mtp_depth) {
   for (const char* term : {"ce", "z", "bal"}) GRADSUM_RETURN_IF_ERROR(display->RegisterTerm(term));
+  for (int j = 1; j <= mtp_depth; ++j) {
+    GRADSUM_RETURN_IF_ERROR(display->RegisterTerm(absl::StrCat("mtp_", j)));
+  }
   return absl::OkStatus();
 }
 
@@ -158,6 +166,11 @@ absl::Status MoeLmModel::EnsureActivations(int64_t T) {
       for (const Array* a : {&x.qh, &x.kh, &x.vh, &x.oh, &x.lse, &x.o, &x.m}) add(*a);
     }
     for (const NormActs& x : attn_norm_) add(x.b), add(x.inv_rms);
+    for (const MtpActs& x : mtp_) {
+      for (const Array* a : {&x.e, &x.nh, &x.rh, &x.ne, &x.re, &x.in, &x.out, &x.dout, &x.de}) {
+        add(*a);
+      }
+    }
     for (const Array* a : {&y_, &dh_, &da_, &f_, &inv_rms_f_, &grad_f_, &q_, &k_, &v_, &doh_,
                            &dqh_, &dkh_, &dvh_, &dkq_, &dvq_}) {
       add(*a);
@@ -167,7 +180,8 @@ absl::Status MoeLmModel::EnsureActivations(int64_t T) {
   rows_ = -1;
   array_bytes_ = 0;
   // The layers' own arrays, or one working set (KeptSlot, NormSlot).
-  const int kept = KeptSlot(L - 1) + 1, normed = NormSlot(L - 1) + 1;
+  const int M = spec_.moe_layers();
+  const int kept = KeptSlot(M - 1) + 1, normed = NormSlot(M - 1) + 1;
   h_.resize(L + 1);
   a_.resize(normed);
   inv_rms_.resize(normed);
@@ -178,6 +192,15 @@ absl::Status MoeLmModel::EnsureActivations(int64_t T) {
   }
   for (Array* a : {&y_, &dh_, &da_, &f_, &grad_f_}) GRADSUM_RETURN_IF_ERROR(alloc(*a, T * D));
   GRADSUM_RETURN_IF_ERROR(alloc(inv_rms_f_, T));
+  mtp_.clear();
+  mtp_.resize(m.mtp_depth);
+  for (MtpActs& x : mtp_) {
+    for (Array* a : {&x.e, &x.nh, &x.ne, &x.in, &x.out, &x.dout, &x.de}) {
+      GRADSUM_RETURN_IF_ERROR(alloc(*a, T * D));
+    }
+    GRADSUM_RETURN_IF_ERROR(alloc(x.rh, T));
+    GRADSUM_RETURN_IF_ERROR(alloc(x.re, T));
+  }
   attn_.clear();
   attn_norm_.clear();
   if (m.attention) {
@@ -220,19 +243,92 @@ MoeWeights MoeLmModel::LayerWeights(int l) {
   MoeWeights w;
   w.router = params_->Values(spec_.router(l));
   w.local_experts = params_->LocalExperts(l);
-  if (!expert_bias_.empty()) w.expert_bias = expert_bias_[l].data();
+  if (!expert_bias_.empty() && l < spec_.config().layers) w.expert_bias = expert_bias_[l].data();
   return w;
+}
+
+float* MoeLmModel::LayerInput(int l) {
+  const int L = spec_.config().layers;
+  return l < L ? h_[l]->data() : mtp_[l - L].in->data();
+}
+
+float* MoeLmModel::LayerOutput(int l) {
+  const int L = spec_.config().layers;
+  return l < L ? h_[l + 1]->data() : mtp_[l - L].out->data();
+}
+
+float* MoeLmModel::LayerGrad(int l) {
+  const int L = spec_.config().layers;
+  return l < L ? dh_->data() : mtp_[l - L].dout->data();
+}
+
+// h'_j = RMSNorm(h^{j-1}; g^h_j) M^h_j + RMSNorm(e_j; g^e_j) M^e_j, then its layer.
+absl::Status MoeLmModel::MtpForward(int j) {
+  const int64_t D = spec_.config().dim;
+  MtpActs& x = mtp_[j - 1];
+  const float* prev = j == 1 ? h_[spec_.config().layers]->data() : mtp_[j - 2].out->data();
+  GRADSUM_RETURN_IF_ERROR(ops_->RmsNormForward(prev, params_->Values(spec_.mtp_hnorm(j)),
+                                               x.nh->data(), x.rh->data()));
+  GRADSUM_RETURN_IF_ERROR(ops_->RmsNormForward(x.e->data(), params_->Values(spec_.mtp_enorm(j)),
+                                               x.ne->data(), x.re->data()));
+  GRADSUM_RETURN_IF_ERROR(
+      ops_->MatMul(x.nh->data(), params_->Values(spec_.mtp_proj_h(j)), D, D, x.in->data()));
+  GRADSUM_RETURN_IF_ERROR(
+      ops_->MatMul(x.ne->data(), params_->Values(spec_.mtp_proj_e(j)), D, D, y_->data()));
+  GRADSUM_RETURN_IF_ERROR(ops_->Add(x.in->data(), y_->data(), x.in->data(), rows_ * D));
+  const int l = spec_.mtp_layer(j);
+  GRADSUM_RETURN_IF_ERROR(LayerForward(l));
+  if (recompute_ == Recompute::kFull) ops_->ReleaseMoeActivations(l);
+  return absl::OkStatus();
+}
+
+// dout holds dL/dh^j (its CE and depth j + 1's block); afterwards dL/dh^{j-1} has been
+// added into depth j - 1's dout (or dh_ for h_L), and de holds dL/de_j.
+absl::Status MoeLmModel::MtpBackward(int j) {
+  const int64_t D = spec_.config().dim;
+  MtpActs& x = mtp_[j - 1];
+  const int l = spec_.mtp_layer(j);
+  if (recompute_ == Recompute::kFull) GRADSUM_RETURN_IF_ERROR(LayerRecompute(l));
+  GRADSUM_RETURN_IF_ERROR(LayerBackward(l));
+  if (recompute_ == Recompute::kFull) ops_->ReleaseMoeActivations(l);
+  // dout now holds dL/dh'_j. The embedding half: dL/dne into da, then its norm into de.
+  GRADSUM_ASSIGN_OR_RETURN(GradTarget dwe, params_->Grad(spec_.mtp_proj_e(j)));
+  GRADSUM_RETURN_IF_ERROR(ops_->MatMulBackward(x.ne->data(), params_->Values(spec_.mtp_proj_e(j)),
+                                               D, D, x.dout->data(), da_->data(),
+                                               /*accumulate_dx=*/false, std::move(dwe)));
+  GRADSUM_ASSIGN_OR_RETURN(GradTarget dge, params_->Grad(spec_.mtp_enorm(j)));
+  GRADSUM_RETURN_IF_ERROR(ops_->RmsNormBackward(x.e->data(), params_->Values(spec_.mtp_enorm(j)),
+                                                x.re->data(), da_->data(), x.de->data(),
+                                                /*accumulate_dx=*/false, std::move(dge)));
+  // The hidden half: dL/dnh into da, then its norm added into dL/dh^{j-1}.
+  GRADSUM_ASSIGN_OR_RETURN(GradTarget dwh, params_->Grad(spec_.mtp_proj_h(j)));
+  GRADSUM_RETURN_IF_ERROR(ops_->MatMulBackward(x.nh->data(), params_->Values(spec_.mtp_proj_h(j)),
+                                               D, D, x.dout->data(), da_->data(),
+                                               /*accumulate_dx=*/false, std::move(dwh)));
+  const bool first = j == 1;
+  const float* prev = first ? h_[spec_.config().layers]->data() : mtp_[j - 2].out->data();
+  float* dprev = first ? dh_->data() : mtp_[j - 2].dout->data();
+  GRADSUM_ASSIGN_OR_RETURN(GradTarget dgh, params_->Grad(spec_.mtp_hnorm(j)));
+  return ops_->RmsNormBackward(prev, params_->Values(spec_.mtp_hnorm(j)), x.rh->data(),
+                               da_->data(), dprev, /*accumulate_dx=*/true, std::move(dgh));
 }
 
 absl::Status MoeLmModel::Forward(int stage) {
   const StageDef& s = spec_.stages()[stage];
   switch (s.kind) {
     case StageKind::kEmbedding:
-      return ops_->EmbeddingForward(params_->Values(spec_.emb()), h_[0]->data());
+      GRADSUM_RETURN_IF_ERROR(ops_->EmbeddingForward(params_->Values(spec_.emb()), h_[0]->data()));
+      for (int j = 1; j <= spec_.config().mtp_depth; ++j) {
+        GRADSUM_RETURN_IF_ERROR(
+            ops_->MtpEmbeddingForward(j, params_->Values(spec_.emb()), mtp_[j - 1].e->data()));
+      }
+      return absl::OkStatus();
     case StageKind::kLayer:
       GRADSUM_RETURN_IF_ERROR(LayerForward(s.layer));
       if (recompute_ == Recompute::kFull) ops_->ReleaseMoeActivations(s.layer);
       return absl::OkStatus();
+    case StageKind::kMtp:
+      return MtpForward(s.layer - spec_.config().layers + 1);
     case StageKind::kHead:
       return HeadForwardBackward();
   }
@@ -244,8 +340,16 @@ absl::Status MoeLmModel::Backward(int stage) {
   switch (s.kind) {
     case StageKind::kEmbedding: {
       GRADSUM_ASSIGN_OR_RETURN(GradTarget demb, params_->Grad(spec_.emb()));
-      return ops_->EmbeddingBackward(dh_->data(), std::move(demb));
+      GRADSUM_RETURN_IF_ERROR(ops_->EmbeddingBackward(dh_->data(), std::move(demb)));
+      for (int j = 1; j <= spec_.config().mtp_depth; ++j) {
+        GRADSUM_ASSIGN_OR_RETURN(GradTarget demb_j, params_->Grad(spec_.emb()));
+        GRADSUM_RETURN_IF_ERROR(
+            ops_->MtpEmbeddingBackward(j, mtp_[j - 1].de->data(), std::move(demb_j)));
+      }
+      return absl::OkStatus();
     }
+    case StageKind::kMtp:
+      return MtpBackward(s.layer - spec_.config().layers + 1);
     case StageKind::kLayer:
       if (recompute_ == Recompute::kFull) GRADSUM_RETURN_IF_ERROR(LayerRecompute(s.layer));
       GRADSUM_RETURN_IF_ERROR(LayerBackward(s.layer));
@@ -272,7 +376,7 @@ absl::Status MoeLmModel::LayerForward(int l) {
   GRADSUM_RETURN_IF_ERROR(LayerForwardToMoeInput(l));
   GRADSUM_RETURN_IF_ERROR(ops_->MoeForward(l, a_[NormSlot(l)]->data(), LayerWeights(l),
                                            y_->data()));
-  return ops_->Add(MoeBlockInput(l), y_->data(), h_[l + 1]->data(), n);
+  return ops_->Add(MoeBlockInput(l), y_->data(), LayerOutput(l), n);
 }
 
 // LayerForward's computations again, into the working set, from the kept h_l, with the MoE
@@ -294,11 +398,12 @@ absl::Status MoeLmModel::LayerBackward(int l) {
   MoeGrads grads;
   GRADSUM_ASSIGN_OR_RETURN(grads.router, params_->Grad(spec_.router(l)));
   GRADSUM_ASSIGN_OR_RETURN(grads.local_experts, params_->LocalExpertsGrad(l));
-  GRADSUM_RETURN_IF_ERROR(ops_->MoeBackward(l, a, LayerWeights(l), dh_->data(), da_->data(),
+  float* dh = LayerGrad(l);
+  GRADSUM_RETURN_IF_ERROR(ops_->MoeBackward(l, a, LayerWeights(l), dh, da_->data(),
                                             std::move(grads)));
   GRADSUM_ASSIGN_OR_RETURN(GradTarget dgain, params_->Grad(spec_.norm(l)));
   GRADSUM_RETURN_IF_ERROR(ops_->RmsNormBackward(m, params_->Values(spec_.norm(l)), inv_rms,
-                                                da_->data(), dh_->data(),
+                                                da_->data(), dh,
                                                 /*accumulate_dx=*/true, std::move(dgain)));
   // dh now holds dL/dm_l.
   return spec_.config().attention ? AttentionBackward(l) : absl::OkStatus();
@@ -311,7 +416,7 @@ absl::Status MoeLmModel::AttentionForward(int l) {
   const int64_t D = c.dim, kv_dim = c.n_kv_heads * spec_.head_dim();
   AttentionActs& x = attn_[KeptSlot(l)];
   NormActs& norm = attn_norm_[NormSlot(l)];
-  GRADSUM_RETURN_IF_ERROR(ops_->RmsNormForward(h_[l]->data(), params_->Values(spec_.attn_norm(l)),
+  GRADSUM_RETURN_IF_ERROR(ops_->RmsNormForward(LayerInput(l), params_->Values(spec_.attn_norm(l)),
                                                norm.b->data(), norm.inv_rms->data()));
   const float* b = norm.b->data();
   GRADSUM_RETURN_IF_ERROR(ops_->MatMul(b, params_->Values(spec_.wq(l)), D, D, q_->data()));
@@ -326,7 +431,7 @@ absl::Status MoeLmModel::AttentionForward(int l) {
                                           x.oh->data(), x.lse->data()));
   GRADSUM_RETURN_IF_ERROR(ops_->HeadsToTokens(x.oh->data(), x.o->data()));
   GRADSUM_RETURN_IF_ERROR(ops_->MatMul(x.o->data(), params_->Values(spec_.wo(l)), D, D, y_->data()));
-  return ops_->Add(h_[l]->data(), y_->data(), x.m->data(), rows_ * D);
+  return ops_->Add(LayerInput(l), y_->data(), x.m->data(), rows_ * D);
 }
 
 // dh holds dL/dm_l (which is also dL/d(o Wo)); afterwards dL/dh_l.
@@ -336,14 +441,15 @@ absl::Status MoeLmModel::AttentionBackward(int l) {
   AttentionActs& x = attn_[KeptSlot(l)];
   NormActs& norm = attn_norm_[NormSlot(l)];
   if (recompute_ == Recompute::kSelective) {
-    GRADSUM_RETURN_IF_ERROR(ops_->RmsNormForward(h_[l]->data(),
+    GRADSUM_RETURN_IF_ERROR(ops_->RmsNormForward(LayerInput(l),
                                                  params_->Values(spec_.attn_norm(l)),
                                                  norm.b->data(), norm.inv_rms->data()));
   }
+  float* dh = LayerGrad(l);
   float* d_o = da_->data();  // dL/do, token split (da is free until the norm below)
   GRADSUM_ASSIGN_OR_RETURN(GradTarget dwo, params_->Grad(spec_.wo(l)));
   GRADSUM_RETURN_IF_ERROR(ops_->MatMulBackward(x.o->data(), params_->Values(spec_.wo(l)), D, D,
-                                               dh_->data(), d_o, /*accumulate_dx=*/false,
+                                               dh, d_o, /*accumulate_dx=*/false,
                                                std::move(dwo)));
   GRADSUM_RETURN_IF_ERROR(ops_->TokensToHeads(d_o, /*kv=*/false, doh_->data()));
   GRADSUM_RETURN_IF_ERROR(ops_->AttentionBackward(x.qh->data(), x.kh->data(), x.vh->data(),
@@ -369,8 +475,8 @@ absl::Status MoeLmModel::AttentionBackward(int l) {
                                                  std::move(dw)));
   }
   GRADSUM_ASSIGN_OR_RETURN(GradTarget dgain, params_->Grad(spec_.attn_norm(l)));
-  return ops_->RmsNormBackward(h_[l]->data(), params_->Values(spec_.attn_norm(l)),
-                               norm.inv_rms->data(), db, dh_->data(), /*accumulate_dx=*/true,
+  return ops_->RmsNormBackward(LayerInput(l), params_->Values(spec_.attn_norm(l)),
+                               norm.inv_rms->data(), db, dh, /*accumulate_dx=*/true,
                                std::move(dgain));
 }
 
@@ -385,14 +491,32 @@ absl::Status MoeLmModel::HeadForwardBackward() {
   GRADSUM_RETURN_IF_ERROR(ops_->LmHeadCrossEntropy(f_->data(), params_->Values(spec_.out()),
                                                    grad_f_->data(), std::move(grad_out)));
   GRADSUM_ASSIGN_OR_RETURN(GradTarget dgain, params_->Grad(spec_.final_norm()));
-  return ops_->RmsNormBackward(h_[L]->data(), gain, inv_rms_f_->data(), grad_f_->data(),
-                               dh_->data(), /*accumulate_dx=*/false, std::move(dgain));
+  GRADSUM_RETURN_IF_ERROR(ops_->RmsNormBackward(h_[L]->data(), gain, inv_rms_f_->data(),
+                                                grad_f_->data(), dh_->data(),
+                                                /*accumulate_dx=*/false, std::move(dgain)));
+  // MTP (§15.1): each h^j through the same final norm and head, with depth j's labels and
+  // normaliser; dL/dh^j starts depth j's dout.
+  for (int j = 1; j <= spec_.config().mtp_depth; ++j) {
+    MtpActs& x = mtp_[j - 1];
+    GRADSUM_RETURN_IF_ERROR(
+        ops_->RmsNormForward(x.out->data(), gain, f_->data(), inv_rms_f_->data()));
+    GRADSUM_ASSIGN_OR_RETURN(GradTarget grad_out_j, params_->Grad(spec_.out()));
+    GRADSUM_RETURN_IF_ERROR(ops_->MtpLmHeadCrossEntropy(j, f_->data(),
+                                                        params_->Values(spec_.out()),
+                                                        grad_f_->data(), std::move(grad_out_j)));
+    GRADSUM_ASSIGN_OR_RETURN(GradTarget dgain_j, params_->Grad(spec_.final_norm()));
+    GRADSUM_RETURN_IF_ERROR(ops_->RmsNormBackward(x.out->data(), gain, inv_rms_f_->data(),
+                                                  grad_f_->data(), x.dout->data(),
+                                                  /*accumulate_dx=*/false, std::move(dgain_j)));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<MicroBatchLosses> MoeLmModel::ForwardBackward(const TokenBatch& batch,
                                                              const losses::StepStats& stats,
                                                              int micro_index,
-                                                             losses::StepDisplay* display) {
+                                                             losses::StepDisplay* display,
+                                                             const losses::MtpStats* mtp) {
   const MoeLmConfig& m = spec_.config();
   const int64_t T = static_cast<int64_t>(batch.tokens.size());
   GRADSUM_RETURN_IF_ERROR(CheckTokenBatch(batch, m.vocab));
@@ -431,6 +555,49 @@ absl::StatusOr<MicroBatchLosses> MoeLmModel::ForwardBackward(const TokenBatch& b
   in.global_ce_weight_sum = stats.global_ce_weight_sum;
   in.global_routed_tokens = stats.global_routed_tokens;
   in.num_micro_batches = stats.num_micro_batches;
+  const int k = m.mtp_depth;
+  if (k > 0) {
+    // §15.1: depth j's shifted tokens, labels, weights and normaliser D_j * k / mtp_scale.
+    if (mtp == nullptr || mtp->depth != k ||
+        static_cast<int>(mtp->global_weight_sum.size()) != k ||
+        static_cast<int>(mtp->labels.size()) != k ||
+        static_cast<int>(batch.mtp_tokens.size()) != k) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "mtp_depth=", k, ": the micro-batch needs every depth's shifted tokens (",
+          batch.mtp_tokens.size(), ") and the step's MTP statistics (",
+          mtp == nullptr ? 0 : mtp->depth, " depths)"));
+    }
+    for (int j = 0; j < k; ++j) {
+      const auto& labels = mtp->labels[j];
+      if (micro_index >= static_cast<int>(labels.size()) ||
+          static_cast<int64_t>(labels[micro_index].size()) != T ||
+          static_cast<int64_t>(batch.mtp_tokens[j].size()) != T) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "MTP depth ", j + 1, ": no labels or shifted tokens for the ", T,
+            " tokens of micro-batch ", micro_index));
+      }
+      for (int64_t t = 0; t < T; ++t) {
+        if (batch.mtp_tokens[j][t] < 0 || batch.mtp_tokens[j][t] >= m.vocab) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "MTP depth ", j + 1, ": token ", batch.mtp_tokens[j][t], " at position ", t,
+              " outside [0, ", m.vocab, ")"));
+        }
+      }
+      in.mtp_tokens.push_back(batch.mtp_tokens[j]);
+      in.mtp_labels.push_back(labels[micro_index]);
+      in.mtp_ce_normaliser.push_back(mtp->global_weight_sum[j] * k / m.mtp_scale);
+      if (stats.mode != losses::CeWeightMode::kToken) {
+        if (static_cast<int>(mtp->token_weights.size()) != k ||
+            micro_index >= static_cast<int>(mtp->token_weights[j].size()) ||
+            static_cast<int64_t>(mtp->token_weights[j][micro_index].size()) != T) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "MTP depth ", j + 1, ": no CE weights for micro-batch ", micro_index, " (",
+              losses::CeWeightModeName(stats.mode), " mode)"));
+        }
+        in.mtp_ce_weights.push_back(mtp->token_weights[j][micro_index]);
+      }
+    }
+  }
   GRADSUM_RETURN_IF_ERROR(EnsureActivations(T));
 
   absl::StatusOr<MicroBatchLossTerms> terms = [&]() -> absl::StatusOr<MicroBatchLossTerms> {
@@ -470,7 +637,7 @@ absl::StatusOr<MicroBatchLosses> MoeLmModel::ForwardBackward(const TokenBatch& b
     }
   }
   if (display != nullptr) {
-    for (int l = 0; l < m.layers; ++l) {
+    for (int l = 0; l < spec_.moe_layers(); ++l) {
       GRADSUM_RETURN_IF_ERROR(display->AddGlobalExpertCounts(l, terms->global_expert_counts[l]));
     }
     for (const auto& [name, values] : {std::pair<const char*, const std::vector<double>*>{
@@ -479,11 +646,17 @@ absl::StatusOr<MicroBatchLosses> MoeLmModel::ForwardBackward(const TokenBatch& b
                                        {"bal", &terms->bal_terms}}) {
       for (double v : *values) GRADSUM_RETURN_IF_ERROR(display->AddBackwardTerm(name, v));
     }
+    for (int j = 1; j <= k; ++j) {
+      for (double v : terms->mtp_terms[j - 1]) {
+        GRADSUM_RETURN_IF_ERROR(display->AddBackwardTerm(absl::StrCat("mtp_", j), v));
+      }
+    }
   }
   MicroBatchLosses result;
   result.ce = terms->ce;
   result.z = terms->z;
   result.bal = terms->bal;
+  result.mtp = terms->mtp;
   return result;
 }
 

@@ -11,7 +11,11 @@
 //                 RoPE; (sequence parallelism: tokens -> heads); document-causal attention;
 //                 (heads -> tokens); m_l = h_l + o Wo   (m_l = h_l without attention)
 //                 MoE block: a_l = RMSNorm(m_l; g_l); h_{l+1} = m_l + MoE_l(a_l)
-//   stage L + 1   f = RMSNorm(h_L; g_f); CE(f @ Wo) forward and backward; RMSNorm backward
+//   (stage 0 also embeds each MTP depth's shifted tokens e_j = Emb[x_j], §15.1)
+//   stage L + j   MTP depth j (mtp_depth = k >= 1): h'_j = RMSNorm(h^{j-1}; g^h_j) M^h_j +
+//                 RMSNorm(e_j; g^e_j) M^e_j, h^j = layer L + j - 1 on h'_j (h^0 = h_L)
+//   stage L+k+1   f = RMSNorm(h_L; g_f); CE(f @ Wo) forward and backward; RMSNorm backward;
+//                 the same for each h^j with depth j's labels and normaliser
 //   backward of stage 1 + l: the router losses (§4, §5), MoE backward, RMSNorm backward
 //   backward of stage 0: the embedding's scatter-add
 //
@@ -34,6 +38,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "losses/display.h"
+#include "losses/mtp.h"
 #include "losses/step_stats.h"
 #include "model/model_params.h"
 #include "model/moe_lm_spec.h"
@@ -55,11 +60,15 @@ struct TokenBatch {
   // and the document start of every token of the whole sequences (-1: padding).
   absl::Span<const int32_t> positions;  // [T]
   absl::Span<const int32_t> doc_start;  // [sequences * seq_len]
+  // MTP (SEMANTICS.md §15.1), one per depth when mtp_depth > 0: each local token's input
+  // token x_j [T] (rolled on the whole sequence by the loader).
+  std::vector<absl::Span<const int32_t>> mtp_tokens;
 };
 
 // One micro-batch's local loss components (detached, §8).
 struct MicroBatchLosses {
   double ce = 0, z = 0, bal = 0;
+  std::vector<double> mtp;  // per depth: mtp_scale / k * its local CE component
 };
 
 // InvalidArgument unless tokens, labels and mask have one length and every token is in
@@ -97,7 +106,10 @@ class MoeLmModel {
       const MoeLmSpec& spec, ModelParams* params, std::unique_ptr<ModelOps> ops,
       Recompute recompute = Recompute::kNone);
 
-  // Forward and backward of one micro-batch of this rank. `stats` are the step's global
+  // Forward and backward of one micro-batch of this rank. With mtp_depth > 0, `mtp` holds
+  // the step's MTP statistics (losses/mtp.h: per depth D_j, and per micro-batch the labels
+  // and CE weights of this rank's tokens, weights empty in token mode; InvalidArgument when
+  // missing or of another depth), and display terms "mtp_1" .. "mtp_k" are added too. `stats` are the step's global
   // statistics (D, N, and in sample / square mode the CE weights of every micro-batch);
   // `micro_index` in [0, G) picks this micro-batch's weights, and G - 1 marks the last.
   // Adds the local gradients through ModelParams (which reduces them as they complete) and
@@ -108,10 +120,12 @@ class MoeLmModel {
   absl::StatusOr<MicroBatchLosses> ForwardBackward(const TokenBatch& batch,
                                                    const losses::StepStats& stats,
                                                    int micro_index,
-                                                   losses::StepDisplay* display);
+                                                   losses::StepDisplay* display,
+                                                   const losses::MtpStats* mtp = nullptr);
 
-  // Registers the display terms this model adds ("ce", "z", "bal").
-  static absl::Status RegisterDisplayTerms(losses::StepDisplay* display);
+  // Registers the display terms this model adds ("ce", "z", "bal", and "mtp_1" ..
+  // "mtp_<mtp_depth>").
+  static absl::Status RegisterDisplayTerms(losses::StepDisplay* display, int mtp_depth = 0);
 
   const MoeLmSpec& spec() const { return spec_; }
 
@@ -151,7 +165,7 @@ class MoeLmModel {
   // What enters layer l's MoE block (its RMSNorm and residual): m_l = h_l + attention, or
   // h_l without attention.
   float* MoeBlockInput(int l) {
-    return spec_.config().attention ? attn_[KeptSlot(l)].m->data() : h_[l]->data();
+    return spec_.config().attention ? attn_[KeptSlot(l)].m->data() : LayerInput(l);
   }
   absl::Status AttentionForward(int layer);
   absl::Status AttentionBackward(int layer);
@@ -161,6 +175,16 @@ class MoeLmModel {
   int NormSlot(int l) const { return recompute_ == Recompute::kNone ? l : 0; }
   absl::Status HeadForwardBackward();
   MoeWeights LayerWeights(int layer);
+  // MTP depth j's projection block, forward and backward (stage L + j; its layer is run
+  // by LayerForward / LayerBackward as MoE layer L + j - 1).
+  absl::Status MtpForward(int j);
+  absl::Status MtpBackward(int j);
+  // A layer's input and output arrays: h_l and h_{l+1} for a main layer, h'_j and h^j for
+  // MTP depth j's (l = L + j - 1); and the array its backward reads dL/d(output) from and
+  // leaves dL/d(input) in (dh_, or depth j's).
+  float* LayerInput(int l);
+  float* LayerOutput(int l);
+  float* LayerGrad(int l);
 
   MoeLmSpec spec_;
   ModelParams* params_ = nullptr;
@@ -192,6 +216,13 @@ class MoeLmModel {
   };
   std::vector<AttentionActs> attn_;
   std::vector<NormActs> attn_norm_;
+  // MTP depth j's arrays (index j - 1), all kept from forward to backward: e = Emb[x_j];
+  // its normed inputs nh, ne and their 1/rms; in = h'_j; out = h^j; dout = dL/dh^j (then
+  // dL/dh'_j); de = dL/de_j, kept for the embedding stage's backward.
+  struct MtpActs {
+    Array e, nh, rh, ne, re, in, out, dout, de;
+  };
+  std::vector<MtpActs> mtp_;
   // Attention scratch: q [T, D], k and v [T, kv_dim] in the token split; the head-split
   // output gradient and the per-query-head gradients of q, k, v.
   Array q_, k_, v_, doh_, dqh_, dkh_, dvh_, dkq_, dvq_;

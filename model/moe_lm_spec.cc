@@ -14,11 +14,18 @@ int64_t ParamDef::numel() const {
   return n;
 }
 
-std::string MoeLmSpec::LayerParamName(int layer, const char* what) {
+std::string MoeLmSpec::LayerParamName(int layer, const char* what, int main_layers) {
+  if (main_layers >= 0 && layer >= main_layers) {
+    return absl::StrCat("mtp.", layer - main_layers + 1, ".", what);
+  }
   return absl::StrCat("layers.", layer, ".", what);
 }
 
-std::string MoeLmSpec::ExpertParamName(int layer, int expert, const char* what) {
+std::string MoeLmSpec::ExpertParamName(int layer, int expert, const char* what,
+                                       int main_layers) {
+  if (main_layers >= 0 && layer >= main_layers) {
+    return absl::StrCat("mtp.", layer - main_layers + 1, ".experts.", expert, ".", what);
+  }
   return absl::StrCat("layers.", layer, ".experts.", expert, ".", what);
 }
 
@@ -46,6 +53,20 @@ absl::StatusOr<MoeLmSpec> MoeLmSpec::Create(const MoeLmConfig& m) {
         "router_score=sigmoid with alpha_b=", m.alpha_b,
         ": the balancing loss (SEMANTICS.md §5) is defined on softmax probabilities; set "
         "alpha_b=0 (balance with expert_bias_speed, §5.1)"));
+  }
+  if (m.mtp_depth < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("mtp_depth=", m.mtp_depth, ": must be >= 0 (0 = off)"));
+  }
+  if (m.mtp_depth > 0 && !(m.mtp_scale > 0 && m.mtp_scale <= m.mtp_depth)) {
+    return absl::InvalidArgumentError(absl::StrCat("mtp_scale=", m.mtp_scale,
+                                                   ": must be in (0, mtp_depth=", m.mtp_depth,
+                                                   "] (SEMANTICS.md §15)"));
+  }
+  if (m.mtp_depth > 0 && m.expert_bias_speed > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "mtp_depth=", m.mtp_depth, " with expert_bias_speed=", m.expert_bias_speed,
+        ": the expert bias is not defined for MTP layers (SEMANTICS.md §15.1)"));
   }
   if (m.attention) {
     if (m.n_heads < 1 || m.n_kv_heads < 1) {
@@ -84,27 +105,50 @@ absl::StatusOr<MoeLmSpec> MoeLmSpec::Create(const MoeLmConfig& m) {
   add("emb", {V, D}, ParamInit::kNormal);
   spec.stages_.push_back({StageKind::kEmbedding, -1, /*backward_reads_params=*/false});
   const int64_t kv_dim = m.attention ? m.n_kv_heads * (D / m.n_heads) : 0;
-  for (int l = 0; l < m.layers; ++l) {
-    spec.layer_first_.push_back(static_cast<int>(spec.params_.size()));
+  const int L = m.layers;
+  // Layer l's parameters (a main layer, or MTP depth l - L + 1's).
+  auto add_layer = [&](int l) {
+    spec.layer_first_[l] = static_cast<int>(spec.params_.size());
     if (m.attention) {
-      add(LayerParamName(l, "attn_norm"), {D}, ParamInit::kOnes, l);
-      add(LayerParamName(l, "wq"), {D, D}, ParamInit::kScaledNormal, l);
-      add(LayerParamName(l, "wk"), {D, kv_dim}, ParamInit::kScaledNormal, l);
-      add(LayerParamName(l, "wv"), {D, kv_dim}, ParamInit::kScaledNormal, l);
-      add(LayerParamName(l, "wo"), {D, D}, ParamInit::kScaledNormal, l);
+      add(LayerParamName(l, "attn_norm", L), {D}, ParamInit::kOnes, l);
+      add(LayerParamName(l, "wq", L), {D, D}, ParamInit::kScaledNormal, l);
+      add(LayerParamName(l, "wk", L), {D, kv_dim}, ParamInit::kScaledNormal, l);
+      add(LayerParamName(l, "wv", L), {D, kv_dim}, ParamInit::kScaledNormal, l);
+      add(LayerParamName(l, "wo", L), {D, D}, ParamInit::kScaledNormal, l);
     }
-    spec.moe_first_.push_back(static_cast<int>(spec.params_.size()));
-    add(LayerParamName(l, "norm"), {D}, ParamInit::kOnes, l);
-    add(LayerParamName(l, "router"), {D, m.experts}, ParamInit::kScaledNormal, l);
+    spec.moe_first_[l] = static_cast<int>(spec.params_.size());
+    add(LayerParamName(l, "norm", L), {D}, ParamInit::kOnes, l);
+    add(LayerParamName(l, "router", L), {D, m.experts}, ParamInit::kScaledNormal, l);
     for (int e = 0; e < m.experts; ++e) {
-      add(ExpertParamName(l, e, "wg"), {D, H}, ParamInit::kScaledNormal, l, e, ExpertMatrix::kGate);
-      add(ExpertParamName(l, e, "wu"), {D, H}, ParamInit::kScaledNormal, l, e, ExpertMatrix::kUp);
-      add(ExpertParamName(l, e, "wd"), {H, D}, ParamInit::kScaledNormal, l, e, ExpertMatrix::kDown);
+      add(ExpertParamName(l, e, "wg", L), {D, H}, ParamInit::kScaledNormal, l, e,
+          ExpertMatrix::kGate);
+      add(ExpertParamName(l, e, "wu", L), {D, H}, ParamInit::kScaledNormal, l, e,
+          ExpertMatrix::kUp);
+      add(ExpertParamName(l, e, "wd", L), {H, D}, ParamInit::kScaledNormal, l, e,
+          ExpertMatrix::kDown);
     }
+  };
+  spec.layer_first_.assign(L + m.mtp_depth, -1);
+  spec.moe_first_.assign(L + m.mtp_depth, -1);
+  for (int l = 0; l < L; ++l) {
+    add_layer(l);
     spec.stages_.push_back({StageKind::kLayer, l, true});
   }
+  spec.final_norm_ = static_cast<int>(spec.params_.size());
   add("final_norm", {D}, ParamInit::kOnes);
   add("out", {D, V}, ParamInit::kScaledNormal);
+  // MTP depths after the head in params() (the main model's draws come first, unchanged);
+  // their stages between the layers and the head.
+  for (int j = 1; j <= m.mtp_depth; ++j) {
+    const int l = L + j - 1;
+    spec.mtp_first_.push_back(static_cast<int>(spec.params_.size()));
+    add(LayerParamName(l, "hnorm", L), {D}, ParamInit::kOnes, l);
+    add(LayerParamName(l, "enorm", L), {D}, ParamInit::kOnes, l);
+    add(LayerParamName(l, "proj_h", L), {D, D}, ParamInit::kScaledNormal, l);
+    add(LayerParamName(l, "proj_e", L), {D, D}, ParamInit::kScaledNormal, l);
+    add_layer(l);
+    spec.stages_.push_back({StageKind::kMtp, l, true});
+  }
   spec.stages_.push_back({StageKind::kHead, -1, true});
   return spec;
 }

@@ -56,6 +56,11 @@ struct MoeLmConfig {
   // bias is held unless one is set, and routing is §10's bit for bit).
   bool router_sigmoid = false;
   double expert_bias_speed = 0.0;
+  // Multi-token prediction (SEMANTICS.md §15.1): k depths, each a block on
+  // [RMSNorm(h); RMSNorm(Emb(x shifted))] and one layer of the model's kind, sharing the
+  // embedding, final norm and head; its loss weighs mtp_scale / k per depth. 0 = off.
+  int mtp_depth = 0;
+  double mtp_scale = 0.1;
 };
 
 // How a parameter starts (InitialParameters).
@@ -70,10 +75,10 @@ enum class ExpertMatrix { kGate = 0, kUp = 1, kDown = 2 };
 inline constexpr int kNumExpertMatrices = 3;
 
 struct ParamDef {
-  std::string name;  // "emb", "layers.{l}.norm", "layers.{l}.experts.{e}.wg", ...
+  std::string name;  // "emb", "layers.{l}.norm", "layers.{l}.experts.{e}.wg", "mtp.{j}.proj_h", ...
   std::vector<int64_t> shape;
   ParamInit init = ParamInit::kScaledNormal;
-  int layer = -1;   // its MoE layer, -1 for emb, final_norm and out
+  int layer = -1;   // its MoE layer (L + j - 1 for MTP depth j's), -1 for emb, final_norm, out
   int expert = -1;  // its expert, -1 for dense parameters (the same on every rank)
   ExpertMatrix matrix = ExpertMatrix::kGate;  // for expert parameters
   int64_t numel() const;
@@ -81,11 +86,13 @@ struct ParamDef {
 
 // The stages of one micro-batch, in forward order: the shared schedule gathers and frees
 // parameter units around them (parallel/unit_schedule.h). The last stage is the turn
-// stage: its forward also runs its backward (the head's fused CE).
-enum class StageKind { kEmbedding, kLayer, kHead };
+// stage: its forward also runs its backward (the head's fused CE). The embedding stage also
+// looks up the MTP depths' shifted tokens; MTP depth j's stage (kMtp) is its projection block
+// and its layer, MoE layer L + j - 1; the head also runs the MTP depths' CE.
+enum class StageKind { kEmbedding, kLayer, kHead, kMtp };
 struct StageDef {
   StageKind kind = StageKind::kEmbedding;
-  int layer = -1;                     // kLayer only
+  int layer = -1;                     // kLayer and kMtp (its MoE layer, L + j - 1)
   bool backward_reads_params = true;  // the embedding's backward is a scatter-add
 };
 
@@ -93,15 +100,18 @@ class MoeLmSpec {
  public:
   // InvalidArgument naming the field: a size <= 0, top_k > experts; with attention, heads
   // that do not divide (n_heads % n_kv_heads, dim % n_heads), an odd head_dim, or
-  // rope_theta <= 1.
+  // rope_theta <= 1; mtp_depth < 0, mtp_scale outside (0, mtp_depth] or MTP with the
+  // expert bias.
   static absl::StatusOr<MoeLmSpec> Create(const MoeLmConfig& config);
   MoeLmSpec() = default;
 
   const MoeLmConfig& config() const { return config_; }
-  // Every parameter in forward order (emb; per layer: attn_norm, wq, wk, wv, wo when
-  // attention is on, then norm, router, each expert's wg, wu, wd; final_norm; out): the order of the dumps and of InitialParameters' draws.
+  // Every parameter (emb; per layer: attn_norm, wq, wk, wv, wo when attention is on, then
+  // norm, router, each expert's wg, wu, wd; final_norm; out; then per MTP depth j: hnorm,
+  // enorm, proj_h, proj_e and its layer's as a layer's): the order of the dumps and of
+  // InitialParameters' draws (so MTP leaves the main model's initial values unchanged).
   const std::vector<ParamDef>& params() const { return params_; }
-  // Stage 0 the embedding, 1 + l layer l, L + 1 the head.
+  // Stage 0 the embedding, 1 + l layer l, 1 + L + j - 1 MTP depth j, L + k + 1 the head.
   const std::vector<StageDef>& stages() const { return stages_; }
   // The stage whose forward reads parameter `p` (an index into params()).
   int StageOf(int p) const;
@@ -122,15 +132,26 @@ class MoeLmSpec {
   int expert_param(int layer, int expert, ExpertMatrix m) const {
     return moe_first_[layer] + 2 + expert * kNumExpertMatrices + static_cast<int>(m);
   }
-  int final_norm() const { return static_cast<int>(params_.size()) - 2; }
-  int out() const { return static_cast<int>(params_.size()) - 1; }
+  int final_norm() const { return final_norm_; }
+  int out() const { return final_norm_ + 1; }
+  // MTP depth j (1-based): its norms of h^{j-1} and of the shifted embedding, and the two
+  // [D, D] halves of its [2D, D] projection; its layer is MoE layer mtp_layer(j).
+  int mtp_hnorm(int j) const { return mtp_first_[j - 1]; }
+  int mtp_enorm(int j) const { return mtp_first_[j - 1] + 1; }
+  int mtp_proj_h(int j) const { return mtp_first_[j - 1] + 2; }
+  int mtp_proj_e(int j) const { return mtp_first_[j - 1] + 3; }
+  int mtp_layer(int j) const { return config_.layers + j - 1; }
+  // MoE layers including the MTP depths': L + k.
+  int moe_layers() const { return config_.layers + config_.mtp_depth; }
 
   // The initial parameters, the same on every rank for a seed: norm gains 1, emb ~ N(0,1),
   // every matrix ~ N(0, init_std^2), drawn in params() order from one SplitMix64 stream.
   NamedParams InitialParameters(uint64_t seed) const;
 
-  static std::string LayerParamName(int layer, const char* what);
-  static std::string ExpertParamName(int layer, int expert, const char* what);
+  // "layers.{l}.what", or "mtp.{j}.what" for MTP depth j's layer (l = L + j - 1, given L).
+  static std::string LayerParamName(int layer, const char* what, int main_layers = -1);
+  static std::string ExpertParamName(int layer, int expert, const char* what,
+                                     int main_layers = -1);
 
  private:
   MoeLmConfig config_;
@@ -138,6 +159,8 @@ class MoeLmSpec {
   std::vector<StageDef> stages_;
   std::vector<int> layer_first_;  // per layer: index of its first parameter
   std::vector<int> moe_first_;    // per layer: index of its MoE norm
+  std::vector<int> mtp_first_;    // per MTP depth: index of its hnorm
+  int final_norm_ = -1;
 };
 
 }  // namespace gradsum::model

@@ -111,5 +111,71 @@ TEST(MoeLmSpecTest, BadSizesNameTheField) {
   EXPECT_THAT(spec.status().message(), HasSubstr("model.dim=0"));
 }
 
+
+// MTP (SEMANTICS.md §15.1): per depth, the block's four parameters and a layer's after `out`
+// (the main model's initial values unchanged), a kMtp stage per depth before the head, its
+// layer indexed after the main layers; and the config's MTP errors named.
+TEST(MoeLmSpecTest, MtpDepthsAfterTheMainModel) {
+  MoeLmConfig c = Small();
+  c.mtp_depth = 2;
+  absl::StatusOr<MoeLmSpec> spec = MoeLmSpec::Create(c);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  const std::vector<ParamDef>& p = spec->params();
+  const size_t main = 1 + 2 * (2 + 3 * 3) + 2, depth = 4 + 2 + 3 * 3;
+  ASSERT_EQ(p.size(), main + 2 * depth);
+  EXPECT_EQ(p[main - 1].name, "out");
+  EXPECT_EQ(p[main].name, "mtp.1.hnorm");
+  EXPECT_EQ(p[main + 1].name, "mtp.1.enorm");
+  EXPECT_EQ(p[main + 2].name, "mtp.1.proj_h");
+  EXPECT_EQ(p[main + 3].name, "mtp.1.proj_e");
+  EXPECT_EQ(p[main + 4].name, "mtp.1.norm");
+  EXPECT_EQ(p[main + 5].name, "mtp.1.router");
+  EXPECT_EQ(p[main + 6].name, "mtp.1.experts.0.wg");
+  EXPECT_EQ(p.back().name, "mtp.2.experts.2.wd");
+  EXPECT_THAT(p[main + 2].shape, ElementsAre(4, 4));
+  EXPECT_EQ(p[spec->mtp_proj_e(2)].name, "mtp.2.proj_e");
+  EXPECT_EQ(spec->mtp_layer(2), 3);
+  EXPECT_EQ(spec->moe_layers(), 4);
+  EXPECT_EQ(p[spec->router(3)].name, "mtp.2.router");
+  EXPECT_EQ(p[spec->expert_param(3, 1, ExpertMatrix::kUp)].layer, 3);
+  EXPECT_EQ(p[spec->final_norm()].name, "final_norm");
+  EXPECT_EQ(p[spec->out()].name, "out");
+  const std::vector<StageDef>& s = spec->stages();
+  ASSERT_EQ(s.size(), 1 + 2 + 2 + 1u);
+  EXPECT_EQ(s[3].kind, StageKind::kMtp);
+  EXPECT_EQ(s[3].layer, 2);
+  EXPECT_EQ(s[4].layer, 3);
+  EXPECT_EQ(s[5].kind, StageKind::kHead);
+  EXPECT_EQ(spec->StageOf(spec->mtp_hnorm(1)), 3);
+  EXPECT_EQ(spec->StageOf(spec->out()), 5);
+  EXPECT_EQ(spec->StageOf(spec->emb()), 0);
+  // The main model's initial values do not move.
+  absl::StatusOr<MoeLmSpec> off = MoeLmSpec::Create(Small());
+  ASSERT_TRUE(off.ok());
+  const NamedParams a = off->InitialParameters(7), b = spec->InitialParameters(7);
+  for (const auto& [name, values] : a) EXPECT_EQ(b.at(name), values) << name;
+  for (const auto& [field, bad] : {std::pair<const char*, MoeLmConfig>{"mtp_depth=-1", [] {
+         MoeLmConfig x = Small();
+         x.mtp_depth = -1;
+         return x;
+       }()},
+       {"mtp_scale=3", [] {
+          MoeLmConfig x = Small();
+          x.mtp_depth = 2;
+          x.mtp_scale = 3;
+          return x;
+        }()},
+       {"expert_bias_speed", [] {
+          MoeLmConfig x = Small();
+          x.mtp_depth = 1;
+          x.expert_bias_speed = 0.01;
+          return x;
+        }()}}) {
+    absl::StatusOr<MoeLmSpec> r = MoeLmSpec::Create(bad);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << field;
+    EXPECT_THAT(r.status().message(), HasSubstr(field));
+  }
+}
+
 }  // namespace
 }  // namespace gradsum::model

@@ -67,6 +67,14 @@ struct MicroBatchInputs {
   double global_ce_weight_sum = 0;       // D (§3)
   int64_t global_routed_tokens = 0;      // N (§4)
   int num_micro_batches = 1;             // G (§5)
+  // Multi-token prediction (SEMANTICS.md §15.1): one entry per depth j = 1 .. k (empty when
+  // off): its input tokens x_j [T] (rolled on the whole sequences), its labels y_j [T], its
+  // CE weights [T] (empty in token mode), and the normaliser its CE divides by,
+  // D_j * k / mtp_scale.
+  std::vector<absl::Span<const int32_t>> mtp_tokens;
+  std::vector<absl::Span<const int64_t>> mtp_labels;
+  std::vector<absl::Span<const float>> mtp_ce_weights;
+  std::vector<double> mtp_ce_normaliser;
 };
 
 // A MoE layer's weights as the compute reads them: the router [D, E] (the same on every
@@ -94,7 +102,10 @@ struct MicroBatchLossTerms {
   // one per (layer, block) or block with row blocks, so that exact display sums see
   // per-sequence values (losses/display.h).
   std::vector<double> ce_terms, z_terms, bal_terms;
-  // Per layer: c[l, m, :] of §5, global (every rank's SUM).
+  // MTP (§15.1): per depth, its local component and its display values as above.
+  std::vector<double> mtp;
+  std::vector<std::vector<double>> mtp_terms;
+  // Per MoE layer (the L main ones, then the MTP depths'): c[l, m, :] of §5, global (every rank's SUM).
   std::vector<std::vector<int64_t>> global_expert_counts;
 };
 
@@ -125,6 +136,24 @@ class ModelOps {
   virtual absl::Status RmsNormBackward(const float* x, const float* gain, const float* inv_rms,
                                        const float* dy, float* dx, bool accumulate_dx,
                                        GradTarget dgain) = 0;
+
+  // ---- Multi-token prediction (SEMANTICS.md §15.1); depth j is 1-based. ----
+  // Whether the three calls below are implemented (a device that cannot refuses MTP).
+  virtual bool CanMtp() const { return false; }
+  // h[t] = emb[x_j[t]] for depth j's shifted tokens (MicroBatchInputs::mtp_tokens).
+  virtual absl::Status MtpEmbeddingForward(int depth, const float* emb, float* h) {
+    return absl::UnimplementedError("these ops cannot run multi-token prediction");
+  }
+  // demb[x_j[t]] += dh[t].
+  virtual absl::Status MtpEmbeddingBackward(int depth, const float* dh, GradTarget demb) {
+    return absl::UnimplementedError("these ops cannot run multi-token prediction");
+  }
+  // LmHeadCrossEntropy with depth j's labels, weights and normaliser (its value goes to
+  // MicroBatchLossTerms::mtp[j - 1]).
+  virtual absl::Status MtpLmHeadCrossEntropy(int depth, const float* f, const float* w_out,
+                                             float* grad_f, GradTarget grad_out) {
+    return absl::UnimplementedError("these ops cannot run multi-token prediction");
+  }
 
   // MoE layer `layer` (router, dropless dispatch over the EP group, SwiGLU experts,
   // combine; SEMANTICS.md §10): y[t] = sum_k w_tk Expert_{i_tk}(a[t]), 0 for padding. Keeps

@@ -84,7 +84,7 @@ absl::StatusOr<std::unique_ptr<ParallelParams>> Parallelize(const model::MoeLmSp
   const FlatParamOptions fp_options = options.flat_param_options();
   const std::vector<model::ParamDef>& defs = spec.params();
   pp.dense_.assign(defs.size(), {});
-  pp.experts_.assign(m.layers, {});
+  pp.experts_.assign(spec.moe_layers(), {});
 
   // Units from the spec's parameters: `params` (indices into defs) in this order.
   auto add_unit = [&](std::string name, const std::vector<int>& members,
@@ -109,6 +109,25 @@ absl::StatusOr<std::unique_ptr<ParallelParams>> Parallelize(const model::MoeLmSp
     return absl::OkStatus();
   };
   const int L = m.layers, k = options.layers_per_unit;
+  // Layer l's dense parameters into `dense`, this EP slot's experts stacked per matrix into
+  // `experts` (recording where they start in `expert_unit`).
+  auto add_layer_params = [&](int l, int expert_unit, std::vector<int>& dense,
+                              std::vector<int>& experts) {
+    if (m.attention) {
+      for (int p : {spec.attn_norm(l), spec.wq(l), spec.wk(l), spec.wv(l), spec.wo(l)}) {
+        dense.push_back(p);
+      }
+    }
+    dense.push_back(spec.norm(l));
+    dense.push_back(spec.router(l));
+    pp.experts_[l] = {expert_unit, static_cast<int>(experts.size()),
+                      model::kNumExpertMatrices * local};
+    for (int mat = 0; mat < model::kNumExpertMatrices; ++mat) {
+      for (int j = 0; j < local; ++j) {
+        experts.push_back(spec.expert_param(l, first + j, static_cast<model::ExpertMatrix>(mat)));
+      }
+    }
+  };
   std::vector<std::vector<int>> stage_units;
   // The embedding.
   stage_units.push_back({0});
@@ -123,23 +142,24 @@ absl::StatusOr<std::unique_ptr<ParallelParams>> Parallelize(const model::MoeLmSp
     const int expert_unit = dense_unit + 1;
     std::vector<int> dense, experts;
     for (int l = a; l <= b; ++l) {
-      if (m.attention) {
-        for (int p : {spec.attn_norm(l), spec.wq(l), spec.wk(l), spec.wv(l), spec.wo(l)}) {
-          dense.push_back(p);
-        }
-      }
-      dense.push_back(spec.norm(l));
-      dense.push_back(spec.router(l));
-      pp.experts_[l] = {expert_unit, static_cast<int>(experts.size()),
-                        model::kNumExpertMatrices * local};
-      for (int mat = 0; mat < model::kNumExpertMatrices; ++mat) {
-        for (int j = 0; j < local; ++j) {
-          experts.push_back(
-              spec.expert_param(l, first + j, static_cast<model::ExpertMatrix>(mat)));
-        }
-      }
+      add_layer_params(l, expert_unit, dense, experts);
       stage_units.push_back({dense_unit, expert_unit});
     }
+    GRADSUM_RETURN_IF_ERROR(add_unit(name, dense, false));
+    GRADSUM_RETURN_IF_ERROR(
+        add_unit(absl::StrCat(name, ".experts.ep", ep_rank), experts, true));
+  }
+  // The MTP depths (SEMANTICS.md §15.1): one dense unit (the block's norms and projection
+  // halves, then its layer's) and one expert unit each, whatever layers_per_unit is.
+  for (int j = 1; j <= m.mtp_depth; ++j) {
+    const std::string name = absl::StrCat("mtp.", j);
+    const int dense_unit = static_cast<int>(pp.units_.size());
+    const int expert_unit = dense_unit + 1;
+    std::vector<int> dense = {spec.mtp_hnorm(j), spec.mtp_enorm(j), spec.mtp_proj_h(j),
+                              spec.mtp_proj_e(j)};
+    std::vector<int> experts;
+    add_layer_params(spec.mtp_layer(j), expert_unit, dense, experts);
+    stage_units.push_back({dense_unit, expert_unit});
     GRADSUM_RETURN_IF_ERROR(add_unit(name, dense, false));
     GRADSUM_RETURN_IF_ERROR(
         add_unit(absl::StrCat(name, ".experts.ep", ep_rank), experts, true));

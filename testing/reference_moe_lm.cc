@@ -13,8 +13,14 @@ namespace {
 
 constexpr double kRmsEps = 1e-6;  // SEMANTICS.md §10
 
-std::string LayerName(int l, const char* what) { return absl::StrCat("layers.", l, ".", what); }
-std::string ExpertName(int l, int e, const char* what) {
+// Layer l's parameter names: "layers.{l}." for the L main layers, "mtp.{j}." for MTP depth
+// j's layer, l = L + j - 1 (SEMANTICS.md §15.1).
+std::string LayerName(int l, int L, const char* what) {
+  if (l >= L) return absl::StrCat("mtp.", l - L + 1, ".", what);
+  return absl::StrCat("layers.", l, ".", what);
+}
+std::string ExpertName(int l, int L, int e, const char* what) {
+  if (l >= L) return absl::StrCat("mtp.", l - L + 1, ".experts.", e, ".", what);
   return absl::StrCat("layers.", l, ".experts.", e, ".", what);
 }
 
@@ -78,6 +84,15 @@ struct TokenCache {
   std::vector<LayerCache> layers;
   std::vector<double> h_final, f, logits;
   double r_final = 0;
+  // Per MTP depth (§15.1): its input token and label, and what its block keeps.
+  struct Mtp {
+    int token = 0, label = 0;
+    bool valid = false;
+    double weight = 0;
+    std::vector<double> h_prev, hn, e, en, h_out, f, logits;
+    double rh = 0, re = 0, r_final = 0;
+  };
+  std::vector<Mtp> mtp;
 };
 
 // The attention block of one layer over one sequence, per token (empty for padding).
@@ -132,24 +147,34 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> ReferenceParamShapes(
   std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
   shapes.push_back({"emb", {c.vocab, c.dim}});
   const int64_t kv_dim = c.attention ? c.n_kv_heads * (c.dim / c.n_heads) : 0;
-  for (int l = 0; l < c.layers; ++l) {
+  auto add_layer = [&](int l) {
     if (c.attention) {
-      shapes.push_back({LayerName(l, "attn_norm"), {c.dim}});
-      shapes.push_back({LayerName(l, "wq"), {c.dim, c.dim}});
-      shapes.push_back({LayerName(l, "wk"), {c.dim, kv_dim}});
-      shapes.push_back({LayerName(l, "wv"), {c.dim, kv_dim}});
-      shapes.push_back({LayerName(l, "wo"), {c.dim, c.dim}});
+      shapes.push_back({LayerName(l, c.layers, "attn_norm"), {c.dim}});
+      shapes.push_back({LayerName(l, c.layers, "wq"), {c.dim, c.dim}});
+      shapes.push_back({LayerName(l, c.layers, "wk"), {c.dim, kv_dim}});
+      shapes.push_back({LayerName(l, c.layers, "wv"), {c.dim, kv_dim}});
+      shapes.push_back({LayerName(l, c.layers, "wo"), {c.dim, c.dim}});
     }
-    shapes.push_back({LayerName(l, "norm"), {c.dim}});
-    shapes.push_back({LayerName(l, "router"), {c.dim, c.experts}});
+    shapes.push_back({LayerName(l, c.layers, "norm"), {c.dim}});
+    shapes.push_back({LayerName(l, c.layers, "router"), {c.dim, c.experts}});
     for (int e = 0; e < c.experts; ++e) {
-      shapes.push_back({ExpertName(l, e, "wg"), {c.dim, c.expert_dim}});
-      shapes.push_back({ExpertName(l, e, "wu"), {c.dim, c.expert_dim}});
-      shapes.push_back({ExpertName(l, e, "wd"), {c.expert_dim, c.dim}});
+      shapes.push_back({ExpertName(l, c.layers, e, "wg"), {c.dim, c.expert_dim}});
+      shapes.push_back({ExpertName(l, c.layers, e, "wu"), {c.dim, c.expert_dim}});
+      shapes.push_back({ExpertName(l, c.layers, e, "wd"), {c.expert_dim, c.dim}});
     }
-  }
+  };
+  for (int l = 0; l < c.layers; ++l) add_layer(l);
   shapes.push_back({"final_norm", {c.dim}});
   shapes.push_back({"out", {c.dim, c.vocab}});
+  // MTP depth j (§15.1): its two norms, the [2D, D] projection's two halves, its layer.
+  for (int j = 1; j <= c.mtp_depth; ++j) {
+    const std::string mtp = absl::StrCat("mtp.", j, ".");
+    shapes.push_back({mtp + "hnorm", {c.dim}});
+    shapes.push_back({mtp + "enorm", {c.dim}});
+    shapes.push_back({mtp + "proj_h", {c.dim, c.dim}});
+    shapes.push_back({mtp + "proj_e", {c.dim, c.dim}});
+    add_layer(c.layers + j - 1);
+  }
   return shapes;
 }
 
@@ -177,6 +202,13 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
   if (c.sigmoid_scores && c.alpha_b != 0) {
     return absl::InvalidArgumentError(StrCat("sigmoid scores with alpha_b=", c.alpha_b,
                                              ": the balancing loss is of softmax probabilities"));
+  }
+  if (c.mtp_depth < 0 || (c.mtp_depth > 0 && !(c.mtp_scale > 0 && c.mtp_scale <= c.mtp_depth))) {
+    return absl::InvalidArgumentError(StrCat("mtp_depth=", c.mtp_depth, " with mtp_scale=",
+                                             c.mtp_scale, ": need k >= 0, 0 < scale <= k"));
+  }
+  if (c.mtp_depth > 0 && !c.expert_bias.empty()) {
+    return absl::InvalidArgumentError("MTP with an expert bias is not defined");
   }
   if (!c.expert_bias.empty()) {
     bool fits = static_cast<int>(c.expert_bias.size()) == c.layers;
@@ -268,8 +300,63 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
   }
   const double Dce = result.ce_weight_sum, Ntok = result.routed_tokens;
 
+  // ---- MTP (§15.1): each depth's input tokens and labels, rolled here on the whole
+  // sequences; its weights and D_j. ----
+  const int KM = c.mtp_depth;
+  // [m][r][j - 1][t]
+  std::vector<std::vector<std::vector<std::vector<int>>>> mtp_tok(G), mtp_lab(G);
+  std::map<std::tuple<int, int, size_t, int64_t>, double> mtp_sample_size;  // (j, m, r, id)
+  for (int m = 0; m < G && KM > 0; ++m) {
+    mtp_tok[m].resize(global_batch[m].size());
+    mtp_lab[m].resize(global_batch[m].size());
+    for (size_t r = 0; r < global_batch[m].size(); ++r) {
+      const ReferenceMicroBatch& mb = global_batch[m][r];
+      const int64_t T = static_cast<int64_t>(mb.tokens.size());
+      if (mb.seq_len < 1 || T % mb.seq_len != 0 || static_cast<int64_t>(mb.doc_start.size()) != T) {
+        return absl::InvalidArgumentError(StrCat("micro-batch [", m, "][", r, "]: MTP needs "
+                                                 "whole sequences with document starts"));
+      }
+      for (int j = 1; j <= KM; ++j) {
+        std::vector<int> tok(T, 0), lab(T, c.ignore_index);
+        for (int64_t t = 0; t < T; ++t) {
+          const int64_t u = t + j;
+          if (mb.mask[t] == 0 || u >= T || u / mb.seq_len != t / mb.seq_len || mb.mask[u] == 0 ||
+              mb.doc_start[u] != mb.doc_start[t]) {
+            continue;
+          }
+          tok[t] = mb.tokens[u];
+          lab[t] = mb.labels[u];
+          if (lab[t] != c.ignore_index && by_sample) {
+            mtp_sample_size[{j, m, r, mb.sample_ids[t]}] += 1;
+          }
+        }
+        mtp_tok[m][r].push_back(std::move(tok));
+        mtp_lab[m][r].push_back(std::move(lab));
+      }
+    }
+  }
+  auto mtp_weight_of = [&](int j, int m, size_t r, size_t t) {
+    if (!by_sample) return 1.0;
+    const double n = mtp_sample_size.at({j, m, r, global_batch[m][r].sample_ids[t]});
+    return c.ce_mode == "sample" ? 1.0 / n : 1.0 / std::sqrt(n);
+  };
+  result.mtp.assign(KM, 0.0);
+  result.mtp_weight_sum.assign(KM, 0.0);
+  for (int j = 1; j <= KM; ++j) {
+    for (int m = 0; m < G; ++m) {
+      for (size_t r = 0; r < global_batch[m].size(); ++r) {
+        for (size_t t = 0; t < mtp_lab[m][r][j - 1].size(); ++t) {
+          if (mtp_lab[m][r][j - 1][t] != c.ignore_index) {
+            result.mtp_weight_sum[j - 1] += mtp_weight_of(j, m, r, t);
+          }
+        }
+      }
+    }
+  }
+  auto MtpName = [](int j, const char* what) { return StrCat("mtp.", j, ".", what); };
+
   // ---- Forward, sequence by sequence (tokens meet only in attention). ----
-  result.expert_counts.assign(L, std::vector<std::vector<int64_t>>(G, std::vector<int64_t>(E, 0)));
+  result.expert_counts.assign(L + KM, std::vector<std::vector<int64_t>>(G, std::vector<int64_t>(E, 0)));
   std::vector<TokenCache> cache;
   std::vector<SequenceCache> sequences;
   const int Hq = c.attention ? c.n_heads : 0, Hk = c.attention ? c.n_kv_heads : 0;
@@ -277,8 +364,8 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
   // The MoE block of layer l on one token (SEMANTICS.md §10): h += sum_k w_k Expert(a).
   auto moe_forward = [&](int l, int m, std::vector<double>& h, LayerCache& lc) {
     lc.h_in = h;
-    lc.r = RmsNorm(h, P(LayerName(l, "norm")), &lc.a);
-    const double* wr = P(LayerName(l, "router"));
+    lc.r = RmsNorm(h, P(LayerName(l, L, "norm")), &lc.a);
+    const double* wr = P(LayerName(l, L, "router"));
     lc.u.assign(E, 0.0);
     for (int i = 0; i < Dm; ++i) {
       for (int e = 0; e < E; ++e) lc.u[e] += lc.a[i] * wr[i * E + e];
@@ -290,7 +377,7 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
     }
     // Selection by score + bias (§5.1); the weights below are of the unbiased scores.
     std::vector<double> key = lc.p;
-    if (!c.expert_bias.empty()) {
+    if (!c.expert_bias.empty() && l < L) {
       for (int e = 0; e < E; ++e) key[e] += c.expert_bias[l][e];
     }
     std::vector<int> order(E);
@@ -309,9 +396,9 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
     lc.y.assign(K, std::vector<double>(Dm, 0.0));
     for (int k = 0; k < K; ++k) {
       const int e = lc.experts[k];
-      const double* wg = P(ExpertName(l, e, "wg"));
-      const double* wu = P(ExpertName(l, e, "wu"));
-      const double* wd = P(ExpertName(l, e, "wd"));
+      const double* wg = P(ExpertName(l, L, e, "wg"));
+      const double* wu = P(ExpertName(l, L, e, "wu"));
+      const double* wd = P(ExpertName(l, L, e, "wd"));
       for (int i = 0; i < Dm; ++i) {
         for (int j = 0; j < H; ++j) {
           lc.g[k][j] += lc.a[i] * wg[i * H + j];
@@ -349,13 +436,13 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
     ac.v.assign(S, std::vector<double>(Hk * hd, 0.0));
     ac.o.assign(S, std::vector<double>(Dm, 0.0));
     ac.p.assign(S, std::vector<std::vector<double>>(Hq));
-    const double* wq = P(LayerName(l, "wq"));
-    const double* wk = P(LayerName(l, "wk"));
-    const double* wv = P(LayerName(l, "wv"));
-    const double* wo = P(LayerName(l, "wo"));
+    const double* wq = P(LayerName(l, L, "wq"));
+    const double* wk = P(LayerName(l, L, "wk"));
+    const double* wv = P(LayerName(l, L, "wv"));
+    const double* wo = P(LayerName(l, L, "wo"));
     for (int t = 0; t < S; ++t) {
       if (sc.doc_start[t] < 0) continue;
-      ac.r[t] = RmsNorm(h[t], P(LayerName(l, "attn_norm")), &ac.b[t]);
+      ac.r[t] = RmsNorm(h[t], P(LayerName(l, L, "attn_norm")), &ac.b[t]);
       for (int i = 0; i < Dm; ++i) {
         for (int j = 0; j < Hq * hd; ++j) ac.q[t][j] += ac.b[t][i] * wq[i * Hq * hd + j];
         for (int j = 0; j < Hk * hd; ++j) {
@@ -419,11 +506,19 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
                                                      " has document start ", mb.doc_start[t]));
           }
           h[t - first].assign(P("emb") + tc.token * Dm, P("emb") + (tc.token + 1) * Dm);
-          if (tc.routed) tc.layers.resize(L);
+          if (tc.routed) tc.layers.resize(L + KM);
           tc.position = static_cast<int>(t - first);
+          tc.mtp.resize(KM);
+          for (int j = 1; j <= KM; ++j) {
+            TokenCache::Mtp& mc = tc.mtp[j - 1];
+            mc.token = mtp_tok[m][r][j - 1][t];
+            mc.label = mtp_lab[m][r][j - 1][t];
+            mc.valid = mc.label != c.ignore_index;
+            mc.weight = mc.valid ? mtp_weight_of(j, m, r, t) : 0.0;
+          }
           cache.push_back(std::move(tc));  // padding too; it contributes nothing anywhere
         }
-        sc.attn.resize(c.attention ? L : 0);
+        sc.attn.resize(c.attention ? L + KM : 0);
         for (int l = 0; l < L; ++l) {
           if (c.attention) attention_forward(l, sc, h);
           for (int t = 0; t < sc.len; ++t) {
@@ -443,6 +538,46 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
             }
           }
         }
+        // MTP depths (§15.1): h^0 = h_L; h'_j = RMSNorm(h^{j-1}) M^h + RMSNorm(Emb[x_j]) M^e;
+        // h^j = layer L + j - 1 of h'_j; its logits through the shared final norm and head.
+        std::vector<std::vector<double>> hprev = h;
+        for (int j = 1; j <= KM; ++j) {
+          const int l = L + j - 1;
+          const double* ph = P(MtpName(j, "proj_h"));
+          const double* pe = P(MtpName(j, "proj_e"));
+          std::vector<std::vector<double>> hj(sc.len, std::vector<double>(Dm, 0.0));
+          for (int t = 0; t < sc.len; ++t) {
+            TokenCache& tc = cache[sc.first_cache + t];
+            if (!tc.routed) continue;
+            TokenCache::Mtp& mc = tc.mtp[j - 1];
+            mc.h_prev = hprev[t];
+            mc.rh = RmsNorm(hprev[t], P(MtpName(j, "hnorm")), &mc.hn);
+            mc.e.assign(P("emb") + mc.token * Dm, P("emb") + (mc.token + 1) * Dm);
+            mc.re = RmsNorm(mc.e, P(MtpName(j, "enorm")), &mc.en);
+            for (int i = 0; i < Dm; ++i) {
+              for (int o = 0; o < Dm; ++o) {
+                hj[t][o] += mc.hn[i] * ph[i * Dm + o] + mc.en[i] * pe[i * Dm + o];
+              }
+            }
+          }
+          if (c.attention) attention_forward(l, sc, hj);
+          for (int t = 0; t < sc.len; ++t) {
+            TokenCache& tc = cache[sc.first_cache + t];
+            if (!tc.routed) continue;
+            moe_forward(l, m, hj[t], tc.layers[l]);
+            TokenCache::Mtp& mc = tc.mtp[j - 1];
+            mc.h_out = hj[t];
+            if (mc.valid) {
+              mc.r_final = RmsNorm(hj[t], P("final_norm"), &mc.f);
+              const double* wo = P("out");
+              mc.logits.assign(V, 0.0);
+              for (int i = 0; i < Dm; ++i) {
+                for (int v = 0; v < V; ++v) mc.logits[v] += mc.f[i] * wo[i * V + v];
+              }
+            }
+          }
+          hprev = std::move(hj);
+        }
         sequences.push_back(std::move(sc));
       }
     }
@@ -453,8 +588,16 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
     if (tc.valid && Dce > 0) {
       result.ce += tc.weight * LmHeadTokenLoss(c, tc.logits, tc.label, nullptr) / Dce;
     }
+    for (int j = 1; j <= KM; ++j) {
+      const TokenCache::Mtp& mc = tc.mtp[j - 1];
+      const double Dj = result.mtp_weight_sum[j - 1];
+      if (mc.valid && Dj > 0) {
+        result.mtp[j - 1] +=
+            c.mtp_scale / KM * mc.weight * LmHeadTokenLoss(c, mc.logits, mc.label, nullptr) / Dj;
+      }
+    }
     if (!tc.routed) continue;
-    for (int l = 0; l < L; ++l) {
+    for (int l = 0; l < L + KM; ++l) {
       const LayerCache& lc = tc.layers[l];
       const double lse = LogSumExp(lc.u);
       result.z += c.alpha_z * lse * lse / Ntok;
@@ -475,12 +618,12 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
     std::vector<double> dw(K, 0.0);
     for (int k = 0; k < K; ++k) {
       const int e = lc.experts[k];
-      const double* wg = P(ExpertName(l, e, "wg"));
-      const double* wu = P(ExpertName(l, e, "wu"));
-      const double* wd = P(ExpertName(l, e, "wd"));
-      double* dwg = Gr(ExpertName(l, e, "wg"));
-      double* dwu = Gr(ExpertName(l, e, "wu"));
-      double* dwd = Gr(ExpertName(l, e, "wd"));
+      const double* wg = P(ExpertName(l, L, e, "wg"));
+      const double* wu = P(ExpertName(l, L, e, "wu"));
+      const double* wd = P(ExpertName(l, L, e, "wd"));
+      double* dwg = Gr(ExpertName(l, L, e, "wg"));
+      double* dwu = Gr(ExpertName(l, L, e, "wu"));
+      double* dwd = Gr(ExpertName(l, L, e, "wd"));
       std::vector<double> dy(Dm);
       for (int i = 0; i < Dm; ++i) {
         dw[k] += dh[i] * lc.y[k][i];
@@ -532,8 +675,8 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
       du[e] = (c.sigmoid_scores ? lc.p[e] * (1.0 - lc.p[e]) * dp[e] : lc.p[e] * (dp[e] - pdp)) +
               c.alpha_z * 2.0 * lse * softmax / Ntok;
     }
-    const double* wr = P(LayerName(l, "router"));
-    double* dwr = Gr(LayerName(l, "router"));
+    const double* wr = P(LayerName(l, L, "router"));
+    double* dwr = Gr(LayerName(l, L, "router"));
     for (int i = 0; i < Dm; ++i) {
       for (int e = 0; e < E; ++e) {
         dwr[i * E + e] += lc.a[i] * du[e];
@@ -541,7 +684,7 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
       }
     }
     const std::vector<double> dh_norm =
-        RmsNormBackward(lc.h_in, P(LayerName(l, "norm")), lc.r, da, Gr(LayerName(l, "norm")));
+        RmsNormBackward(lc.h_in, P(LayerName(l, L, "norm")), lc.r, da, Gr(LayerName(l, L, "norm")));
     for (int i = 0; i < Dm; ++i) dh[i] += dh_norm[i];  // residual + norm branch
   };
   // The attention block of layer l: dh (dL/dh after the block, for every token of the
@@ -550,14 +693,14 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
                                 std::vector<std::vector<double>>& dh) {
     const AttentionCache& ac = sc.attn[l];
     const int S = sc.len;
-    const double* wq = P(LayerName(l, "wq"));
-    const double* wk = P(LayerName(l, "wk"));
-    const double* wv = P(LayerName(l, "wv"));
-    const double* wo = P(LayerName(l, "wo"));
-    double* dwq = Gr(LayerName(l, "wq"));
-    double* dwk = Gr(LayerName(l, "wk"));
-    double* dwv = Gr(LayerName(l, "wv"));
-    double* dwo = Gr(LayerName(l, "wo"));
+    const double* wq = P(LayerName(l, L, "wq"));
+    const double* wk = P(LayerName(l, L, "wk"));
+    const double* wv = P(LayerName(l, L, "wv"));
+    const double* wo = P(LayerName(l, L, "wo"));
+    double* dwq = Gr(LayerName(l, L, "wq"));
+    double* dwk = Gr(LayerName(l, L, "wk"));
+    double* dwv = Gr(LayerName(l, L, "wv"));
+    double* dwo = Gr(LayerName(l, L, "wo"));
     std::vector<std::vector<double>> d_o(S, std::vector<double>(Dm, 0.0));
     std::vector<std::vector<double>> dq(S, std::vector<double>(Hq * hd, 0.0));
     std::vector<std::vector<double>> dk(S, std::vector<double>(Hk * hd, 0.0));
@@ -615,7 +758,7 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
         }
       }
       const std::vector<double> dh_norm = RmsNormBackward(
-          ac.h_in[t], P(LayerName(l, "attn_norm")), ac.r[t], db, Gr(LayerName(l, "attn_norm")));
+          ac.h_in[t], P(LayerName(l, L, "attn_norm")), ac.r[t], db, Gr(LayerName(l, L, "attn_norm")));
       for (int i = 0; i < Dm; ++i) dh[t][i] += dh_norm[i];
     }
   };
@@ -637,6 +780,66 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
         }
       }
       dh[t] = RmsNormBackward(tc.h_final, P("final_norm"), tc.r_final, df, Gr("final_norm"));
+    }
+    // MTP depths, deepest first: dj = dL/dh^j (its CE and depth j + 1's block), through its
+    // layer and block; dL/dh^{j-1} goes to depth j - 1 (or into dh = dL/dh_L).
+    std::vector<std::vector<double>> carry(sc.len, std::vector<double>(Dm, 0.0));
+    for (int j = KM; j >= 1; --j) {
+      const int l = L + j - 1;
+      const double Dj = result.mtp_weight_sum[j - 1];
+      std::vector<std::vector<double>> dj = carry;
+      for (int t = 0; t < sc.len; ++t) {
+        const TokenCache& tc = cache[sc.first_cache + t];
+        const TokenCache::Mtp& mc = tc.mtp[j - 1];
+        if (!mc.valid || Dj <= 0) continue;
+        std::vector<double> dlogits;
+        LmHeadTokenLoss(c, mc.logits, mc.label, &dlogits);
+        for (int v = 0; v < V; ++v) dlogits[v] = c.mtp_scale / KM * mc.weight * dlogits[v] / Dj;
+        const double* wo = P("out");
+        double* dwo = Gr("out");
+        std::vector<double> df(Dm, 0.0);
+        for (int i = 0; i < Dm; ++i) {
+          for (int v = 0; v < V; ++v) {
+            dwo[i * V + v] += mc.f[i] * dlogits[v];
+            df[i] += wo[i * V + v] * dlogits[v];
+          }
+        }
+        const std::vector<double> dx =
+            RmsNormBackward(mc.h_out, P("final_norm"), mc.r_final, df, Gr("final_norm"));
+        for (int i = 0; i < Dm; ++i) dj[t][i] += dx[i];
+      }
+      for (int t = 0; t < sc.len; ++t) {
+        const TokenCache& tc = cache[sc.first_cache + t];
+        if (tc.routed) moe_backward(l, tc, dj[t]);
+      }
+      if (c.attention) attention_backward(l, sc, dj);
+      // dj is dL/dh'_j: through the projection halves and the two norms.
+      const double* ph = P(MtpName(j, "proj_h"));
+      const double* pe = P(MtpName(j, "proj_e"));
+      double* dph = Gr(MtpName(j, "proj_h"));
+      double* dpe = Gr(MtpName(j, "proj_e"));
+      carry.assign(sc.len, std::vector<double>(Dm, 0.0));
+      for (int t = 0; t < sc.len; ++t) {
+        const TokenCache& tc = cache[sc.first_cache + t];
+        if (!tc.routed) continue;
+        const TokenCache::Mtp& mc = tc.mtp[j - 1];
+        std::vector<double> dhn(Dm, 0.0), den(Dm, 0.0);
+        for (int i = 0; i < Dm; ++i) {
+          for (int o = 0; o < Dm; ++o) {
+            dph[i * Dm + o] += mc.hn[i] * dj[t][o];
+            dpe[i * Dm + o] += mc.en[i] * dj[t][o];
+            dhn[i] += ph[i * Dm + o] * dj[t][o];
+            den[i] += pe[i * Dm + o] * dj[t][o];
+          }
+        }
+        const std::vector<double> de =
+            RmsNormBackward(mc.e, P(MtpName(j, "enorm")), mc.re, den, Gr(MtpName(j, "enorm")));
+        double* demb = Gr("emb") + mc.token * Dm;
+        for (int i = 0; i < Dm; ++i) demb[i] += de[i];
+        const std::vector<double> dp = RmsNormBackward(mc.h_prev, P(MtpName(j, "hnorm")), mc.rh,
+                                                       dhn, Gr(MtpName(j, "hnorm")));
+        for (int i = 0; i < Dm; ++i) (j == 1 ? dh[t][i] : carry[t][i]) += dp[i];
+      }
     }
     for (int l = L - 1; l >= 0; --l) {
       for (int t = 0; t < sc.len; ++t) {

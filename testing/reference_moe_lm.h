@@ -62,6 +62,14 @@ struct ReferenceConfig {
   // expert bias b[l][e] added to the scores for the top-K selection only (empty: none).
   bool sigmoid_scores = false;
   std::vector<std::vector<double>> expert_bias;
+  // Multi-token prediction (SEMANTICS.md §15.1): k depths (0 = off) and the loss weight.
+  // Depth j's input token and label at t are token[t + j] and label[t + j] when t + j is a
+  // routed token of t's sequence and document (equal doc_start), else 0 and ignore_index;
+  // its block, layer L + j - 1 and the shared final norm and head give its CE, weighted by
+  // mtp_scale / k over its own D_j. Needs every micro-batch's seq_len and doc_start (also
+  // without attention), and no expert bias.
+  int mtp_depth = 0;
+  double mtp_scale = 0.1;
 };
 
 // Row-major tensors by parameter name.
@@ -88,11 +96,17 @@ struct ReferenceMicroBatch {
 struct ReferenceResult {
   // Global values of each term (§3, §4, §5) and their sum (§6).
   double ce = 0, z = 0, bal = 0;
-  double total() const { return ce + z + bal; }
+  std::vector<double> mtp;  // per MTP depth: mtp_scale / k * L_j (§15.1)
+  double total() const {
+    double t = ce + z + bal;
+    for (double v : mtp) t += v;
+    return t;
+  }
+  std::vector<double> mtp_weight_sum;  // per MTP depth: D_j
   double valid_tokens = 0;   // tokens with a label (D of §3 in token mode)
   double ce_weight_sum = 0;  // D of §3: the sum of w_t
   double routed_tokens = 0;  // N of §4
-  // c[l][m][e] of §5: (token, slot) assignments to expert e at micro-step m, all ranks.
+  // c[l][m][e] of §5 (l < L + mtp_depth: the MTP depths' layers after the main ones): (token, slot) assignments to expert e at micro-step m, all ranks.
   std::vector<std::vector<std::vector<int64_t>>> expert_counts;
   // dL/dtheta for every parameter of ReferenceParamShapes.
   NamedTensors grads;

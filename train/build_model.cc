@@ -31,6 +31,7 @@ absl::StatusOr<std::unique_ptr<MoeLm>> BuildModel(const TrainConfig& config,
   options.label_smoothing = config.loss().label_smoothing();
   options.logit_softcap = config.loss().logit_softcap();
   options.alpha_lse = config.loss().alpha_lse();
+  options.mtp_scale = config.loss().mtp_scale();
   options.expert_bias_speed = config.loss().expert_bias_speed();
   parallel::ParallelOptions& p = options.parallel;
   p.sharding = ToShardingMode(parallelism.sharding());

@@ -293,6 +293,7 @@ absl::Status CheckResumeCompatible(const TrainConfig& saved, const TrainConfig& 
       {"model.router_score",
        {ModelConfig::RouterScore_Name(ma.router_score()),
         ModelConfig::RouterScore_Name(mb.router_score())}},
+      {"model.mtp_depth", {StrCat(ma.mtp_depth()), StrCat(mb.mtp_depth())}},
   };
   for (const auto& [name, values] : fields) {
     if (values.first != values.second) {

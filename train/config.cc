@@ -521,6 +521,18 @@ absl::Status ValidateConfig(const TrainConfig& c) {
     return Bad("loss.expert_bias_speed", StrCat(l.expert_bias_speed()),
                "must be >= 0 and finite (0 = off; SEMANTICS.md §5.1)");
   }
+  if (m.mtp_depth() < 0) {
+    return Bad("model.mtp_depth", StrCat(m.mtp_depth()), "must be >= 0 (0 = off)");
+  }
+  if (m.mtp_depth() > 0 && !(l.mtp_scale() > 0 && l.mtp_scale() <= m.mtp_depth())) {
+    return Bad("loss.mtp_scale", StrCat(l.mtp_scale()),
+               StrCat("must be in (0, model.mtp_depth=", m.mtp_depth(), "] (SEMANTICS.md §15)"));
+  }
+  if (m.mtp_depth() > 0 && l.expert_bias_speed() != 0) {
+    return Bad("model.mtp_depth", StrCat(m.mtp_depth()),
+               StrCat("cannot be combined with loss.expert_bias_speed=", l.expert_bias_speed(),
+                      ": the expert bias is not defined for MTP layers (SEMANTICS.md §15.1)"));
+  }
   if (c.model().router_score() == ModelConfig::sigmoid && l.alpha_b() != 0) {
     return Bad("model.router_score", "sigmoid",
                StrCat("needs loss.alpha_b=0 (got ", l.alpha_b(),

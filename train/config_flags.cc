@@ -78,6 +78,13 @@ ABSL_FLAG(std::optional<double>, expert_bias_speed, std::nullopt,
           "aux-loss-free balancing (SEMANTICS.md §5.1): each step, every layer's expert bias "
           "moves by this much towards balance (b_e += u sign(mean c - c_e)); the bias moves "
           "the top-K selection only; 0 = off, the default");
+ABSL_FLAG(std::optional<int>, mtp_depth, std::nullopt,
+          "multi-token prediction depths k (SEMANTICS.md §15.1, DeepSeek-V3): depth j predicts "
+          "the token j + 1 ahead through its own block and the shared head; 0 = off, the "
+          "default; CPU ops only");
+ABSL_FLAG(std::optional<double>, mtp_scale, std::nullopt,
+          "MTP loss weight: L_mtp = mtp_scale / k * sum_j L_j, in (0, k] (SEMANTICS.md §15; "
+          "default 0.1)");
 ABSL_FLAG(std::optional<std::string>, router_score, std::nullopt,
           "softmax (default) | sigmoid: the router's scores (SEMANTICS.md §5.1; sigmoid needs "
           "--alpha_b=0)");
@@ -162,6 +169,8 @@ const std::vector<FlagField>& OverridableFlags() {
       {"alpha_lse", "loss.alpha_lse"},
       {"expert_bias_speed", "loss.expert_bias_speed"},
       {"router_score", "model.router_score"},
+      {"mtp_depth", "model.mtp_depth"},
+      {"mtp_scale", "loss.mtp_scale"},
       {"lr", "optim.lr"},
       {"warmup_steps", "optim.warmup_steps"},
       {"weight_decay", "optim.weight_decay"},

@@ -354,6 +354,15 @@ TEST(ConfigTest, ValidationNamesFieldAndValue) {
        "parallelism.sp=4: must divide model.heads=2"},
       {{{"model.attention", "causal"}, {"model.rope_theta", "1"}}, "model.rope_theta=1"},
       {{{"precision.repro_block", "-1"}}, "precision.repro_block=-1"},
+      // Multi-token prediction (§15.1).
+      {{{"model.mtp_depth", "-1"}}, "model.mtp_depth=-1: must be >= 0"},
+      {{{"model.mtp_depth", "2"}, {"loss.mtp_scale", "0"}},
+       "loss.mtp_scale=0: must be in (0, model.mtp_depth=2]"},
+      {{{"model.mtp_depth", "1"}, {"loss.mtp_scale", "1.5"}},
+       "loss.mtp_scale=1.5: must be in (0, model.mtp_depth=1]"},
+      {{{"model.mtp_depth", "1"}, {"loss.mtp_scale", "nan"}}, "loss.mtp_scale=nan"},
+      {{{"model.mtp_depth", "1"}, {"loss.expert_bias_speed", "0.01"}},
+       "model.mtp_depth=1: cannot be combined with loss.expert_bias_speed=0.01"},
       {{{"precision.repro_block", "48"}}, "precision.repro_block=48: must be 0 or divide the 128"},
       // HSDP (SEMANTICS.md §7): shard groups dividing the world, each holding whole EP
       // groups; the size only with sharding=hsdp; CPU backends only.

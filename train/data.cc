@@ -458,6 +458,12 @@ absl::Status RankDataLoader::Seek(const DataPosition& position) {
   return absl::OkStatus();
 }
 
+absl::Status RankDataLoader::SetMtpDepth(int k) {
+  if (k < 0) return absl::InvalidArgumentError(absl::StrCat("MTP depth ", k, ": must be >= 0"));
+  mtp_depth_ = k;
+  return absl::OkStatus();
+}
+
 std::vector<int64_t> RankDataLoader::NextSequenceDocs() {
   std::vector<int64_t> docs;
   int64_t used = 0;
@@ -490,6 +496,9 @@ std::vector<MicroBatch> RankDataLoader::NextStep(int grad_acc) {
     mb.doc_start.assign(static_cast<size_t>(micro_batch_) * seq_len_, -1);
     mb.sequence_ids.assign(micro_batch_, -1);
     mb.doc_ids.assign(micro_batch_, {});
+    mb.mtp_tokens.assign(mtp_depth_, std::vector<int32_t>(n, 0));
+    mb.mtp_labels.assign(mtp_depth_, std::vector<int32_t>(n, kIgnoreIndex));
+    mb.mtp_sample_valid.assign(mtp_depth_, std::vector<int64_t>(n, 0));
   }
   // The step's global sequences k = (m world + r) micro_batch + j, in order: this rank's
   // rows come in (m, j) order, so sample ids count its documents in packing order. A
@@ -534,6 +543,14 @@ std::vector<MicroBatch> RankDataLoader::NextStep(int grad_acc) {
         mb.positions[at] = static_cast<int32_t>(t);
         // The last token of a document has no next token in it: ignored.
         mb.labels[at] = t + 1 < doc.size() ? doc[t + 1] : kIgnoreIndex;
+        // MTP depth d: token and label d further on, inside the document (§15.1).
+        for (int d = 1; d <= mtp_depth_; ++d) {
+          const size_t u = t + static_cast<size_t>(d);
+          if (u < doc.size()) mb.mtp_tokens[d - 1][at] = doc[u];
+          if (u + 1 < doc.size()) mb.mtp_labels[d - 1][at] = doc[u + 1];
+          mb.mtp_sample_valid[d - 1][at] =
+              std::max<int64_t>(0, static_cast<int64_t>(doc.size()) - 1 - d);
+        }
       }
     }
     mb.doc_ids[j] = std::move(docs);

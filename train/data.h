@@ -280,6 +280,15 @@ struct MicroBatch {
   std::vector<int64_t> sequence_ids;
   // The documents packed into each sequence, in order (for tests and dumps).
   std::vector<std::vector<int64_t>> doc_ids;
+  // Multi-token prediction (SEMANTICS.md §15.1), per depth j = 1 .. k (index j - 1) when the
+  // loader has k > 0 (SetMtpDepth), for each local token t, rolled on the WHOLE sequence so
+  // that no rank of an SP or CP group needs another's tokens: the input token x_j[t] =
+  // token[t + j] when t + j is in t's document, else 0; the label y_j[t] = label[t + j]
+  // under the same condition, else kIgnoreIndex; and n_s of depth j (the valid depth-j
+  // labels of t's whole document, doc length - 1 - j, at least 0; 0 for padding).
+  std::vector<std::vector<int32_t>> mtp_tokens;
+  std::vector<std::vector<int32_t>> mtp_labels;
+  std::vector<std::vector<int64_t>> mtp_sample_valid;
 
   int64_t valid_tokens() const;   // labels != kIgnoreIndex
   int64_t routed_tokens() const;  // mask == 1
@@ -327,6 +336,10 @@ class RankDataLoader {
   DataPosition position() const { return {cursor_, sequences_}; }
   absl::Status Seek(const DataPosition& position);
 
+  // Multi-token prediction: NextStep also gives each micro-batch k depths' rolled inputs and
+  // labels (MicroBatch::mtp_*). 0 (the default): none. InvalidArgument for k < 0.
+  absl::Status SetMtpDepth(int k);
+
  private:
   RankDataLoader() = default;
   // Documents of the next global sequence; advances the cursor.
@@ -337,6 +350,7 @@ class RankDataLoader {
   int sp_ = 1, sp_rank_ = 0;
   int cp_ = 1, cp_rank_ = 0;
   int seq_len_ = 0, micro_batch_ = 0;
+  int mtp_depth_ = 0;
   int64_t cursor_ = 0, sequences_ = 0;
 };
 

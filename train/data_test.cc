@@ -566,6 +566,73 @@ TEST(RankDataLoaderTest, SecondOrderPackedLabelsSitAtTheContextFloor) {
   EXPECT_NEAR(total / n, corpus->ContextFloorNats(), 0.015);
 }
 
+// Multi-token prediction (SEMANTICS.md §15.1): each depth's input tokens and labels are
+// the main ones j further on inside the same document of the same sequence (else 0 and
+// ignored), and n_s is the document's depth-j valid count; under CP 4 x SP 2 every rank
+// holds exactly the unsplit loader's values at its positions (no rank needs another's).
+TEST(RankDataLoaderTest, MtpDepthsAreRolledOnWholeSequences) {
+  const DataConfig config = SmallConfig();  // seq_len 32
+  auto corpus = MakeCorpus(config);
+  ASSERT_TRUE(corpus.ok());
+  const int K = 3, sp = 2, cp = 4, world = 16, L = 32, chunk = L / (2 * cp), local = L / (sp * cp);
+  for (int data_rank = 0; data_rank < 2; ++data_rank) {
+    auto whole = RankDataLoader::Create(*corpus, config, data_rank, 2);
+    ASSERT_TRUE(whole.ok());
+    ASSERT_TRUE(whole->SetMtpDepth(K).ok());
+    const std::vector<MicroBatch> want = whole->NextStep(2);
+    int64_t cut = 0;  // labels a roll left ignored inside a document's last positions
+    for (const MicroBatch& mb : want) {
+      ASSERT_EQ(mb.mtp_tokens.size(), static_cast<size_t>(K));
+      const int64_t n = static_cast<int64_t>(mb.tokens.size());
+      for (int d = 1; d <= K; ++d) {
+        std::map<int64_t, int64_t> doc_valid;  // by sample id
+        for (int64_t t = 0; t < n; ++t) {
+          const int64_t u = t + d;
+          const bool inside = mb.mask[t] == 1 && u < n && u / L == t / L &&
+                              mb.sample_ids[u] == mb.sample_ids[t];
+          EXPECT_EQ(mb.mtp_tokens[d - 1][t], inside ? mb.tokens[u] : 0) << d << " " << t;
+          EXPECT_EQ(mb.mtp_labels[d - 1][t], inside ? mb.labels[u] : kIgnoreIndex) << d << " " << t;
+          if (mb.mtp_labels[d - 1][t] != kIgnoreIndex) ++doc_valid[mb.sample_ids[t]];
+          cut += mb.labels[t] != kIgnoreIndex && mb.mtp_labels[d - 1][t] == kIgnoreIndex;
+        }
+        for (int64_t t = 0; t < n; ++t) {
+          if (mb.mask[t] == 0) continue;
+          EXPECT_EQ(mb.mtp_sample_valid[d - 1][t], doc_valid[mb.sample_ids[t]]) << d << " " << t;
+        }
+      }
+    }
+    EXPECT_GT(cut, 0);
+    for (int k = 0; k < sp * cp; ++k) {
+      const int r = data_rank * sp * cp + k, i = k / sp, half = k % sp;
+      auto loader = RankDataLoader::Create(*corpus, config, r, world, sp, cp);
+      ASSERT_TRUE(loader.ok()) << loader.status();
+      ASSERT_TRUE(loader->SetMtpDepth(K).ok());
+      const std::vector<MicroBatch> got = loader->NextStep(2);
+      for (int m = 0; m < 2; ++m) {
+        for (int j = 0; j < config.micro_batch(); ++j) {
+          for (int u = 0; u < local; ++u) {
+            const int v = half * local + u;
+            const int pos = v < chunk ? i * chunk + v : (2 * cp - 1 - i) * chunk + v - chunk;
+            const size_t at = static_cast<size_t>(j) * local + u;
+            const size_t ref = static_cast<size_t>(j) * L + pos;
+            for (int d = 0; d < K; ++d) {
+              SCOPED_TRACE(absl::StrCat("rank ", r, " m ", m, " row ", j, " pos ", pos, " d ", d));
+              EXPECT_EQ(got[m].mtp_tokens[d][at], want[m].mtp_tokens[d][ref]);
+              EXPECT_EQ(got[m].mtp_labels[d][at], want[m].mtp_labels[d][ref]);
+              EXPECT_EQ(got[m].mtp_sample_valid[d][at], want[m].mtp_sample_valid[d][ref]);
+            }
+          }
+        }
+      }
+    }
+  }
+  // Depth 0 (the default) adds nothing; a negative depth is named.
+  auto plain = RankDataLoader::Create(*corpus, config, 0, 2);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_TRUE(plain->NextStep(1)[0].mtp_tokens.empty());
+  EXPECT_EQ(plain->SetMtpDepth(-1).code(), absl::StatusCode::kInvalidArgument);
+}
+
 // Context parallelism (SEMANTICS.md §16), crossed with SP: in world 16 with sp 2 and cp
 // 4 (two data ranks), rank r holds, of each sequence cut into 8 chunks of 4 tokens, chunks
 // i = (r % 8) / 2 and 7 - i put together, and of those 8 tokens the half r % 2. Every

@@ -212,7 +212,9 @@ absl::StatusOr<ParityReport> RunParityCheck(const TrainConfig& config, Communica
     const double tol = f32 ? tolerance : std::max(tolerance, 3e-2);
     GRADSUM_ASSIGN_OR_RETURN(auto global_batch, GlobalBatchForStep(config, 0));
     GRADSUM_ASSIGN_OR_RETURN(report, CheckParity(config, weights, global_batch, grads,
-                                                 {record.ce(), record.z(), record.bal()}, tol,
+                                                 {record.ce(), record.z(), record.bal(),
+                                                  {record.mtp().begin(), record.mtp().end()}},
+                                                 tol,
                                                  expert_bias));
     ok = report.ok ? 1 : 0;
     return absl::OkStatus();

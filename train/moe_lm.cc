@@ -24,6 +24,7 @@ model::MoeLmConfig ToMoeLmConfig(const ModelConfig& m, double alpha_b, double al
   c.n_kv_heads = m.kv_heads();
   c.rope_theta = m.rope_theta();
   c.router_sigmoid = m.router_score() == ModelConfig::sigmoid;
+  c.mtp_depth = m.mtp_depth();
   c.alpha_b = alpha_b;
   c.alpha_z = alpha_z;
   return c;
@@ -50,6 +51,7 @@ absl::StatusOr<std::unique_ptr<MoeLm>> MoeLm::Create(const MoeLmOptions& options
   config.label_smoothing = options.label_smoothing;
   config.logit_softcap = options.logit_softcap;
   config.alpha_lse = options.alpha_lse;
+  config.mtp_scale = options.mtp_scale;
   config.expert_bias_speed = options.expert_bias_speed;
   GRADSUM_ASSIGN_OR_RETURN(model::MoeLmSpec spec, model::MoeLmSpec::Create(config));
   if (device.units == nullptr) device.units = std::make_shared<parallel::HostUnitDevice>();
@@ -86,7 +88,8 @@ absl::Status MoeLm::Unshard() { return params_->PrepareStep(); }
 absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
                                                         const losses::StepStats& stats,
                                                         int micro_index,
-                                                        losses::StepDisplay* display) {
+                                                        losses::StepDisplay* display,
+                                                        const losses::MtpStats* mtp) {
   // The host kernels (router, experts, CE) use this rank's thread budget.
   ScopedComputeThreads compute_threads(options_.num_threads);
   GRADSUM_RETURN_IF_ERROR(params_->CheckMicroBatch());
@@ -99,7 +102,8 @@ absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
   tokens.mask = batch.mask;
   tokens.positions = batch.positions;
   tokens.doc_start = batch.doc_start;
-  return model_->ForwardBackward(tokens, stats, micro_index, display);
+  for (const std::vector<int32_t>& x : batch.mtp_tokens) tokens.mtp_tokens.push_back(x);
+  return model_->ForwardBackward(tokens, stats, micro_index, display, mtp);
 }
 
 }  // namespace gradsum::train

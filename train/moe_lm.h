@@ -64,6 +64,8 @@ struct MoeLmOptions {
   double alpha_lse = 0.0;
   // The expert bias's update speed u (§5.1); 0 = off.
   double expert_bias_speed = 0.0;
+  // The MTP loss weight (§15; used with model.mtp_depth > 0).
+  double mtp_scale = 0.1;
   // How the parameters are distributed (sharding mode, dtypes, wrap policy, schedule,
   // gradient precision: parallel/parallel_options.h).
   parallel::ParallelOptions parallel;
@@ -106,7 +108,8 @@ class MoeLm {
   absl::StatusOr<MicroBatchLosses> ForwardBackward(const MicroBatch& batch,
                                                    const losses::StepStats& stats,
                                                    int micro_index,
-                                                   losses::StepDisplay* display);
+                                                   losses::StepDisplay* display,
+                                                   const losses::MtpStats* mtp = nullptr);
 
   // After the step's last ForwardBackward: every unit's reduction done, master_grad()
   // holds the SUM-reduced gradient (§7). Collective (the waits).
@@ -125,8 +128,8 @@ class MoeLm {
   absl::StatusOr<NamedParams> GatherFull(bool grads) { return params_->GatherFull(grads); }
 
   // Registers the display terms this model adds ("ce", "z", "bal").
-  static absl::Status RegisterDisplayTerms(losses::StepDisplay* display) {
-    return model::MoeLmModel::RegisterDisplayTerms(display);
+  static absl::Status RegisterDisplayTerms(losses::StepDisplay* display, int mtp_depth = 0) {
+    return model::MoeLmModel::RegisterDisplayTerms(display, mtp_depth);
   }
 
   // The expert bias of §5.1 (model state, the same on every rank; model/moe_lm.h): [L][E],

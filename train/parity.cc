@@ -67,6 +67,8 @@ absl::StatusOr<ParityReport> CheckParity(const TrainConfig& config, const NamedP
   rc.n_kv_heads = m.kv_heads();
   rc.rope_theta = m.rope_theta();
   rc.sigmoid_scores = m.router_score() == ModelConfig::sigmoid;
+  rc.mtp_depth = m.mtp_depth();
+  rc.mtp_scale = config.loss().mtp_scale();
   for (const std::vector<float>& layer : expert_bias) {
     rc.expert_bias.emplace_back(layer.begin(), layer.end());
   }
@@ -108,10 +110,17 @@ absl::StatusOr<ParityReport> CheckParity(const TrainConfig& config, const NamedP
     report.worst = std::max({report.worst, std::abs(p.norm_ratio - 1), p.max_rel_err});
     report.params.push_back(p);
   }
-  for (const auto& [name, value, reference] :
-       {std::tuple<const char*, double, double>{"ce", losses.ce, ref.ce},
-        {"z", losses.z, ref.z},
-        {"bal", losses.bal, ref.bal}}) {
+  if (losses.mtp.size() != ref.mtp.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("the step logged ", losses.mtp.size(),
+                                                   " MTP terms, the reference has ",
+                                                   ref.mtp.size()));
+  }
+  std::vector<std::tuple<std::string, double, double>> terms = {
+      {"ce", losses.ce, ref.ce}, {"z", losses.z, ref.z}, {"bal", losses.bal, ref.bal}};
+  for (size_t j = 0; j < ref.mtp.size(); ++j) {
+    terms.push_back({absl::StrCat("mtp_", j + 1), losses.mtp[j], ref.mtp[j]});
+  }
+  for (const auto& [name, value, reference] : terms) {
     LossParity l{name, value, reference, 0};
     const double diff = std::abs(value - reference);
     l.rel_err = reference != 0 ? diff / std::abs(reference) : (diff > 0 ? INFINITY : 0.0);

@@ -56,6 +56,7 @@ absl::StatusOr<std::vector<std::vector<MicroBatch>>> GlobalBatchForStep(const Tr
 // The display values to compare: the global ce, z and bal of the step.
 struct StepLosses {
   double ce = 0, z = 0, bal = 0;
+  std::vector<double> mtp;  // per MTP depth: mtp_<j> (§15.1)
 };
 
 // Runs the reference on `global_batch` with `weights` (the step's parameters, full) and

@@ -3,6 +3,8 @@
 // and the display losses equal the reference's, at every (F, P) mesh, micro-batch count
 // and sharding mode, on the thread backend.
 #include <cstring>
+#include <memory>
+#include <set>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -423,6 +425,170 @@ TEST(HsdpParityTest, WithSequenceAndContextParallelismMatchesReference) {
     for (const RankOutcome& r : *out) {
       EXPECT_EQ(*r.first_step_grads, *r0.first_step_grads) << what;
     }
+  }
+}
+
+// Multi-token prediction (SEMANTICS.md §15.1): the MTP blocks' gradients and each depth's
+// loss term equal the fp64 reference's (which rolls the depths' inputs and labels itself
+// from the whole sequences) at world 1 / 2 / 4, EP 1 / 2, G 1 / 2, SP 2, CP 2 and SP 2 x CP 2,
+// with and without attention, in the three CE weightings. The documents (2 to 12 tokens in
+// 16-token sequences) give every rank a different number of valid labels at each depth.
+// (mtp_depth, attention, world, P, S, C, G, sharding, CE mode)
+using MtpCase = std::tuple<int, bool, int, int, int, int, int, TrainConfig::Sharding,
+                           TrainConfig::CeMode>;
+
+class MtpParityTest : public ::testing::TestWithParam<MtpCase> {};
+
+TrainConfig MtpConfig(const MtpCase& c) {
+  const auto [k, attention, world, P, S, C, G, sharding, ce_mode] = c;
+  TrainConfig config = attention ? AttentionConfig(world, P, S, G, sharding, ce_mode)
+                                 : TinyConfig(world, P, G, sharding);
+  config.mutable_loss()->set_ce_mode(ce_mode);
+  config.mutable_parallelism()->set_cp(C);
+  config.mutable_model()->set_mtp_depth(k);
+  config.mutable_loss()->set_mtp_scale(0.3);
+  config.mutable_debug()->set_parity_check(true);
+  return config;
+}
+
+TEST_P(MtpParityTest, StepOneMatchesReference) {
+  const auto [k, attention, world, P, S, C, G, sharding, ce_mode] = GetParam();
+  const TrainConfig config = MtpConfig(GetParam());
+  absl::StatusOr<std::vector<RankOutcome>> out = RunInProcess(config);
+  ASSERT_TRUE(out.ok()) << out.status();
+  for (const RankOutcome& r : *out) ASSERT_TRUE(r.status.ok()) << r.status;
+  const RankOutcome& r0 = (*out)[0];
+  ASSERT_TRUE(r0.parity.has_value());
+  EXPECT_TRUE(r0.parity->ok) << r0.parity->ToString();
+  EXPECT_LE(r0.parity->worst, 1e-5);
+  // emb; L = 2 layers; final_norm, out; per depth hnorm, enorm, proj_h, proj_e and a layer.
+  const size_t layer = (attention ? 5 : 0) + 2 + 4 * 3;
+  EXPECT_EQ(r0.parity->params.size(), 1 + 2 * layer + 2 + k * (4 + layer));
+  EXPECT_EQ(r0.parity->losses.size(), 3u + k);
+  ASSERT_EQ(r0.history[0].mtp_size(), k);
+  double total = r0.history[0].ce() + r0.history[0].z() + r0.history[0].bal();
+  for (int j = 0; j < k; ++j) {
+    EXPECT_GT(r0.history[0].mtp(j), 0.0) << "depth " << j + 1;
+    total += r0.history[0].mtp(j);
+  }
+  EXPECT_NEAR(r0.history[0].loss(), total, 1e-12 * total);
+  // maxvio per MoE layer: the L main ones and the k MTP layers.
+  EXPECT_EQ(r0.history[0].maxvio_size(), 2 + k);
+  for (const RankOutcome& r : *out) {
+    ASSERT_TRUE(r.first_step_grads.has_value());
+    EXPECT_EQ(*r.first_step_grads, *r0.first_step_grads);
+    EXPECT_EQ(r.history[0].ce(), r0.history[0].ce());
+    EXPECT_EQ(r.history[0].mtp_size(), k);
+  }
+}
+
+std::string MtpCaseName(const ::testing::TestParamInfo<MtpCase>& info) {
+  const auto [k, attention, world, P, S, C, G, sharding, ce_mode] = info.param;
+  return absl::StrCat("K", k, attention ? "_attn" : "_tok", "_W", world, "P", P, "S", S, "C", C,
+                      "G", G, "_", TrainConfig::Sharding_Name(sharding), "_",
+                      TrainConfig::CeMode_Name(ce_mode));
+}
+
+std::vector<MtpCase> MtpCases() {
+  using T = TrainConfig;
+  std::vector<MtpCase> cases;
+  for (int k : {1, 2}) {
+    // The per-token model: world 1 / 2 / 4, EP 1 / 2, G 1 / 2.
+    for (const auto& [W, P] : std::vector<std::pair<int, int>>{{1, 1}, {2, 1}, {2, 2}, {4, 2}}) {
+      for (int G : {1, 2}) cases.push_back({k, false, W, P, 1, 1, G, T::fsdp, T::token});
+    }
+    cases.push_back({k, false, 2, 2, 1, 1, 2, T::replicated, T::sample});
+    cases.push_back({k, false, 4, 1, 1, 1, 1, T::fsdp, T::square});
+    // Attention: alone, SP 2, CP 2, SP 2 x CP 2, with EP and G.
+    cases.push_back({k, true, 1, 1, 1, 1, 1, T::fsdp, T::token});
+    cases.push_back({k, true, 2, 2, 1, 1, 2, T::fsdp, T::token});
+    cases.push_back({k, true, 4, 1, 2, 1, 1, T::fsdp, T::token});
+    cases.push_back({k, true, 4, 2, 2, 1, 2, T::replicated, T::sample});
+    cases.push_back({k, true, 4, 1, 1, 2, 2, T::fsdp, T::token});
+    cases.push_back({k, true, 4, 2, 1, 2, 1, T::fsdp, T::square});
+    cases.push_back({k, true, 8, 2, 2, 2, 2, T::fsdp, T::sample});
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Meshes, MtpParityTest, ::testing::ValuesIn(MtpCases()), MtpCaseName);
+
+// A rank whose tokens are all padding contributes exactly zero, and ranks with uneven
+// numbers of valid depth-k labels are counted right: one document of 17 to 20 tokens per
+// 32-token sequence over S = 4 leaves the last rank of each SP group only padding (checked
+// below), and the MTP parity still holds.
+TEST(MtpParityTest, PaddedSlicesContributeNothing) {
+  for (int k : {1, 2}) {
+    TrainConfig config = AttentionConfig(4, 1, 4, 1, TrainConfig::fsdp, TrainConfig::sample);
+    config.mutable_data()->set_seq_len(32);
+    config.mutable_data()->set_max_doc_len(20);
+    config.mutable_data()->set_min_doc_len(17);
+    config.mutable_data()->set_micro_batch(1);
+    config.mutable_data()->set_corpus_documents(3);
+    config.mutable_model()->set_mtp_depth(k);
+    // The case this test is for is there: step 1 leaves a rank only padding, and the
+    // others hold different numbers of valid depth-k labels.
+    absl::StatusOr<std::shared_ptr<const DocumentSource>> corpus = MakeCorpus(config.data());
+    ASSERT_TRUE(corpus.ok()) << corpus.status();
+    int padded = 0;
+    std::set<int64_t> valid_counts;
+    for (int r = 0; r < 4; ++r) {
+      absl::StatusOr<RankDataLoader> loader =
+          RankDataLoader::Create(*corpus, config.data(), r, 4, /*sp=*/4);
+      ASSERT_TRUE(loader.ok()) << loader.status();
+      ASSERT_TRUE(loader->SetMtpDepth(k).ok());
+      const MicroBatch mb = loader->NextStep(1)[0];
+      padded += mb.routed_tokens() == 0;
+      int64_t valid = 0;
+      for (int32_t y : mb.mtp_labels[k - 1]) valid += y != kIgnoreIndex;
+      valid_counts.insert(valid);
+    }
+    EXPECT_GE(padded, 1) << "depth " << k;
+    EXPECT_GE(valid_counts.size(), 2u) << "depth " << k;
+    absl::StatusOr<std::vector<RankOutcome>> out = RunInProcess(config);
+    ASSERT_TRUE(out.ok()) << out.status();
+    for (const RankOutcome& r : *out) ASSERT_TRUE(r.status.ok()) << r.status;
+    ASSERT_TRUE((*out)[0].parity.has_value());
+    EXPECT_TRUE((*out)[0].parity->ok) << (*out)[0].parity->ToString();
+  }
+}
+
+// MTP changes the gradients of the shared parameters (it is not a no-op), and mtp_scale
+// weighs its terms: the mtp_<j> values scale linearly with it, the main ce does not move.
+TEST(MtpParityTest, MtpMattersAndItsScaleWeighsItsTerms) {
+  TrainConfig off = TinyConfig(2, 2, 1, TrainConfig::fsdp);
+  TrainConfig on = off;
+  on.mutable_model()->set_mtp_depth(2);
+  TrainConfig doubled = on;
+  doubled.mutable_loss()->set_mtp_scale(0.2);
+  auto a = RunInProcess(off);
+  auto b = RunInProcess(on);
+  auto c = RunInProcess(doubled);
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  ASSERT_TRUE((*a)[0].status.ok() && (*b)[0].status.ok() && (*c)[0].status.ok());
+  EXPECT_EQ((*a)[0].history[0].ce(), (*b)[0].history[0].ce());
+  EXPECT_NE((*a)[0].history[0].loss(), (*b)[0].history[0].loss());
+  EXPECT_NE((*a)[0].history[0].grad_norm(), (*b)[0].history[0].grad_norm());
+  for (int j = 0; j < 2; ++j) {
+    EXPECT_NEAR((*c)[0].history[0].mtp(j), 2 * (*b)[0].history[0].mtp(j),
+                1e-6 * (*b)[0].history[0].mtp(j));
+  }
+}
+
+// Activation recomputation (§14) keeps its bits with MTP: the MTP layers are re-run like
+// the main ones.
+TEST(MtpParityTest, RecomputationKeepsTheBits) {
+  TrainConfig none = MtpConfig({2, true, 2, 2, 2, 1, 2, TrainConfig::fsdp, TrainConfig::token});
+  auto base = RunInProcess(none);
+  ASSERT_TRUE(base.ok() && (*base)[0].status.ok());
+  for (auto mode : {ParallelismConfig::selective, ParallelismConfig::full}) {
+    TrainConfig config = none;
+    config.mutable_parallelism()->set_recompute(mode);
+    auto out = RunInProcess(config);
+    ASSERT_TRUE(out.ok()) << out.status();
+    ASSERT_TRUE((*out)[0].status.ok()) << (*out)[0].status;
+    EXPECT_EQ(*(*out)[0].first_step_grads, *(*base)[0].first_step_grads);
+    EXPECT_EQ((*out)[0].history[0].mtp(1), (*base)[0].history[0].mtp(1));
   }
 }
 

@@ -17,6 +17,8 @@
 #    CP sizes 1, 2, 4, CP 4 x SP 2 (thread and Open MPI), and a resume from CP 2 onto 4 x 2.
 # 6. --expert_bias_speed (SEMANTICS.md §5.1): world 1 vs Open MPI world 4 and vs full
 #    recomputation on world 2; sigmoid scores on world 1 vs 4.
+# 7. --mtp_depth=2 (SEMANTICS.md §15.1): world 1 vs Open MPI world 4 and full recomputation
+#    on world 2; with attention, SP 2, CP 2 and CP 2 x SP 2 (thread and Open MPI).
 # Every run also passes --parity_check on step 1 (gradients within 1e-5 of the double
 # reference; 3e-2 with bf16 compute), and the normal mode must NOT give identical bits across two of the meshes
 # (else this test could not tell the modes apart).
@@ -52,8 +54,8 @@ a, b = rows(sys.argv[1]), rows(sys.argv[2])
 assert len(a) == len(b) == 8, (len(a), len(b))
 for x, y in zip(a, b):
     for k in ("ce", "z", "bal", "loss", "grad_norm", "valid_tokens", "maxvio",
-              "tokens_per_expert"):
-        if x[k] != y[k]:
+              "tokens_per_expert", "mtp"):
+        if x.get(k) != y.get(k):
             sys.exit(f"step {x['step']}: {k} {x[k]!r} != {y[k]!r}")
 PY
 }
@@ -224,6 +226,24 @@ sig=(--alpha_b=0 --grad_acc=2 --router_score=sigmoid --expert_bias_speed=0.001)
 run sig_w1 -- "${sig[@]}" --reproducible --world=1 --ep=1 --micro_batch=4
 run sig_w4 -- "${sig[@]}" --reproducible --world=4 --ep=4 --micro_batch=1 --sharding=replicated
 check_same sig_w1 sig_w4
+
+# Multi-token prediction (SEMANTICS.md §15.1): every depth's tokens and labels are rolled
+# by the loader on whole sequences and D_j is an exact count, so its blocks keep the bits on
+# every mesh, with full recomputation, and under SP and CP (row blocks of 4 tokens).
+mtp=("${ab[@]}" --mtp_depth=2 --mtp_scale=0.3 --reproducible)
+run mtp_w1 -- "${mtp[@]}" --world=1 --ep=1 --micro_batch=4
+run mtp_mpi4 "${mpi4[@]}" -- "${mtp[@]}" --backend=mpi --world=4 --ep=2 --micro_batch=1
+run mtp_w2_full -- "${mtp[@]}" --world=2 --ep=2 --micro_batch=2 --recompute=full
+check_same mtp_w1 mtp_mpi4
+check_same mtp_w1 mtp_w2_full
+cmp -s "$tmp/g2_w1.safetensors" "$tmp/mtp_w1.safetensors" && fail "--mtp_depth changed nothing"
+mtpa=(--attention=causal --heads=4 --kv_heads=2 --repro_block=4 "${mtp[@]}")
+run mtpa_w1 -- "${mtpa[@]}" --world=1 --ep=1 --micro_batch=4
+run mtpa_sp2 -- "${mtpa[@]}" --world=2 --ep=2 --sp=2 --micro_batch=4
+run mtpa_cp2 -- "${mtpa[@]}" --world=2 --ep=1 --cp=2 --micro_batch=4 --sharding=replicated
+run mtpa_cp2_sp2_mpi4 "${mpi4[@]}" -- "${mtpa[@]}" --backend=mpi --world=4 --ep=2 --cp=2 \
+  --sp=2 --micro_batch=4
+for other in mtpa_sp2 mtpa_cp2 mtpa_cp2_sp2_mpi4; do check_same mtpa_w1 "$other"; done
 
 # The normal mode is not bit-identical across meshes (so the checks above can fail).
 run normal_w1 -- "${ab[@]}" --world=1 --ep=1 --micro_batch=4

@@ -64,11 +64,16 @@ double CommExposedSeconds(const StepMetrics& record, CommKind kind) {
 
 std::string StepLogLine(const StepMetrics& r, int64_t total_steps) {
   const double exposed_pct = r.step_s() > 0 ? 100.0 * r.comm_exposed_s() / r.step_s() : 0.0;
+  // MTP's terms (SEMANTICS.md §15.1), one per depth; nothing without --mtp_depth.
+  std::string mtp;
+  for (int j = 0; j < r.mtp_size(); ++j) {
+    absl::StrAppendFormat(&mtp, "%s%.4f", j == 0 ? " | mtp " : " ", r.mtp(j));
+  }
   return absl::StrFormat(
-      "step %*d/%d | ce %.4f | bal %.6f | z %.6f | valid %d | gnorm %.4f | lr %.2e | "
+      "step %*d/%d | ce %.4f | bal %.6f | z %.6f%s | valid %d | gnorm %.4f | lr %.2e | "
       "%s tok/s | comm %.1f ms, exposed %.1f ms (%.0f%%) | wait %.1f ms | params %.0f%%",
       static_cast<int>(absl::StrCat(total_steps).size()), r.step(), total_steps, r.ce(), r.bal(),
-      r.z(), r.valid_tokens(), r.grad_norm(), r.lr(), HumanRate(r.tokens_per_s()),
+      r.z(), mtp, r.valid_tokens(), r.grad_norm(), r.lr(), HumanRate(r.tokens_per_s()),
       r.comm_s() * 1e3, r.comm_exposed_s() * 1e3, exposed_pct, r.wait_s() * 1e3,
       r.full_param_bytes() > 0 ? 100.0 * r.peak_unsharded_param_bytes() / r.full_param_bytes()
                                : 0.0);

@@ -104,6 +104,14 @@ TEST(StepLogTest, LogLineAndSummary) {
             "step   7/500 | ce 2.5000 | bal 0.125000 | z 0.000000 | valid 4096 | gnorm 0.1000 | "
             "lr 1.00e-04 | 30000.00M tok/s | comm 250.0 ms, exposed 62.5 ms (4%) | wait 0.0 ms | "
             "params 50%");
+  // MTP's terms (§15.1) after z, one per depth, only with --mtp_depth.
+  StepMetrics with_mtp = r;
+  with_mtp.add_mtp(0.25);
+  with_mtp.add_mtp(0.125);
+  EXPECT_EQ(StepLogLine(with_mtp, 500),
+            "step   7/500 | ce 2.5000 | bal 0.125000 | z 0.000000 | mtp 0.2500 0.1250 | "
+            "valid 4096 | gnorm 0.1000 | lr 1.00e-04 | 30000.00M tok/s | comm 250.0 ms, "
+            "exposed 62.5 ms (4%) | wait 0.0 ms | params 50%");
   StepMetrics r2 = r;
   r2.set_step(8);
   r2.set_ce(1.5);

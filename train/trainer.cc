@@ -84,9 +84,12 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
                            ShardedAdamW::Create(trainer->model_->groups(), adam));
   // The display sums exactly when the gradients are exact: the precision the model was
   // built with (BuildModel chose it once from the config).
-  trainer->display_ = losses::StepDisplay(config.model().layers(), config.model().experts(),
-                                          trainer->model_->options().parallel.precision);
-  GRADSUM_RETURN_IF_ERROR(MoeLm::RegisterDisplayTerms(&trainer->display_));
+  // The MTP depths' MoE layers are display layers L .. L + k - 1 (§15.1).
+  trainer->display_ = losses::StepDisplay(
+      config.model().layers() + config.model().mtp_depth(), config.model().experts(),
+      trainer->model_->options().parallel.precision);
+  GRADSUM_RETURN_IF_ERROR(
+      MoeLm::RegisterDisplayTerms(&trainer->display_, config.model().mtp_depth()));
   // Rank-local start-up work (the data loader): every rank learns at once if any rank
   // failed, with that rank's message.
   GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world, trainer->PrepareLocal(), "start-up"));
@@ -112,6 +115,7 @@ absl::Status Trainer::PrepareLocal() {
       RankDataLoader loader,
       RankDataLoader::Create(corpus_, config_.data(), world().rank(), world().size(),
                              config_.parallelism().sp(), config_.parallelism().cp()));
+  GRADSUM_RETURN_IF_ERROR(loader.SetMtpDepth(config_.model().mtp_depth()));
   loader_ = std::make_unique<RankDataLoader>(std::move(loader));
   return absl::OkStatus();
 }
@@ -168,6 +172,7 @@ absl::StatusOr<StepMetrics> Trainer::Step() {
 
   std::vector<MicroBatch> batches = loader_->NextStep(config_.parallelism().grad_acc());
   GRADSUM_ASSIGN_OR_RETURN(const losses::StepStats stats, ComputeStatistics(batches));
+  GRADSUM_ASSIGN_OR_RETURN(const losses::MtpStats mtp, ComputeMtpStatistics(batches));
   NamedParams weights;  // step 1's full parameters, for the dump and the parity check
   model::ExpertBias bias;  // and the expert bias step 1 routes with (§5.1)
   if (gather_full) {
@@ -176,7 +181,7 @@ absl::StatusOr<StepMetrics> Trainer::Step() {
   }
 
   const absl::Time model_start = absl::Now();
-  GRADSUM_RETURN_IF_ERROR(RunMicroBatches(batches, stats));
+  GRADSUM_RETURN_IF_ERROR(RunMicroBatches(batches, stats, mtp));
   GRADSUM_RETURN_IF_ERROR(FinishReductions());
   times.model = absl::Now() - model_start;
   if (gather_full) {
@@ -220,13 +225,66 @@ absl::StatusOr<losses::StepStats> Trainer::ComputeStatistics(
   return losses::ComputeStepStats(world(), tokens, options);
 }
 
+// Phase 1b: MTP's normalisers D_j (§15.1), one SUM all-reduce of k values (and a failure
+// flag, so that a rank with bad input still joins it and every rank returns).
+absl::StatusOr<losses::MtpStats> Trainer::ComputeMtpStatistics(
+    const std::vector<MicroBatch>& batches) {
+  losses::MtpStats mtp;
+  const int k = config_.model().mtp_depth();
+  if (k <= 0) return mtp;
+  const size_t G = batches.size();
+  const losses::CeWeightMode mode = ToCeWeightMode(config_.loss().ce_mode());
+  mtp.depth = k;
+  mtp.global_weight_sum.assign(k, 0.0);
+  mtp.local_weight_sum.assign(k, 0.0);
+  mtp.labels.assign(k, std::vector<std::vector<int64_t>>(G));
+  mtp.token_weights.assign(k, std::vector<std::vector<float>>(G));
+  std::vector<double> packed(k + 1, 0.0);
+  absl::Status local;
+  for (int j = 0; j < k && local.ok(); ++j) {
+    for (size_t m = 0; m < G && local.ok(); ++m) {
+      const MicroBatch& mb = batches[m];
+      if (static_cast<int>(mb.mtp_labels.size()) != k) {
+        local = absl::InternalError(absl::StrCat("micro-batch ", m, " holds ",
+                                                 mb.mtp_labels.size(), " MTP depths, not ", k));
+        break;
+      }
+      std::vector<int64_t>& y = mtp.labels[j][m];
+      y.assign(mb.mtp_labels[j].begin(), mb.mtp_labels[j].end());
+      absl::StatusOr<std::vector<float>> w = losses::ComputeTokenWeights(
+          y, mb.sample_ids, mode, kIgnoreIndex, mb.mtp_sample_valid[j]);
+      if (!w.ok()) {
+        local = w.status();
+        break;
+      }
+      for (float v : *w) packed[j] += static_cast<double>(v);
+      mtp.token_weights[j][m] = *std::move(w);
+    }
+  }
+  if (!local.ok()) {
+    std::fill(packed.begin(), packed.end(), 0.0);
+    packed[k] = 1.0;
+  }
+  for (int j = 0; j < k; ++j) mtp.local_weight_sum[j] = packed[j];
+  GRADSUM_RETURN_IF_ERROR(
+      world().AllReduce(packed.data(), packed.data(), packed.size(), DType::kF64, ReduceOp::kSum));
+  GRADSUM_RETURN_IF_ERROR(local);
+  if (packed[k] > 0) {
+    return absl::FailedPreconditionError("MTP statistics: another rank's micro-batches failed");
+  }
+  for (int j = 0; j < k; ++j) mtp.global_weight_sum[j] = packed[j];
+  return mtp;
+}
+
 // Phase 2: every micro-batch's forward and backward through the unit schedule, which
 // issues each unit's SUM reduction as backward completes its gradient.
 absl::Status Trainer::RunMicroBatches(const std::vector<MicroBatch>& batches,
-                                      const losses::StepStats& stats) {
+                                      const losses::StepStats& stats,
+                                      const losses::MtpStats& mtp) {
   for (size_t m = 0; m < batches.size(); ++m) {
-    GRADSUM_RETURN_IF_ERROR(
-        model_->ForwardBackward(batches[m], stats, static_cast<int>(m), &display_).status());
+    GRADSUM_RETURN_IF_ERROR(model_->ForwardBackward(batches[m], stats, static_cast<int>(m),
+                                                    &display_, mtp.depth > 0 ? &mtp : nullptr)
+                                .status());
   }
   return absl::OkStatus();
 }
@@ -295,6 +353,10 @@ absl::StatusOr<StepMetrics> Trainer::MakeRecord(const losses::StepStats& stats,
   r.set_z(z);
   r.set_bal(bal);
   r.set_loss(display.total_loss);
+  for (int j = 1; j <= config_.model().mtp_depth(); ++j) {
+    GRADSUM_ASSIGN_OR_RETURN(const double v, display.Value(absl::StrCat("mtp_", j)));
+    r.add_mtp(v);
+  }
   r.set_valid_tokens(stats.global_valid_tokens);
   r.set_routed_tokens(stats.global_routed_tokens);
   r.set_grad_norm(grad_norm);

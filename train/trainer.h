@@ -35,7 +35,9 @@
 #include "collectives/timed_communicator.h"
 #include "io/dir_lock.h"
 #include "losses/display.h"
+#include "losses/mtp.h"
 #include "losses/step_stats.h"
+#include "losses/token_weights.h"
 #include "sharding/adamw.h"
 #include "train/build_model.h"
 #include "train/config.pb.h"
@@ -102,8 +104,11 @@ class Trainer {
 
   // The phases of Step, in order.
   absl::StatusOr<losses::StepStats> ComputeStatistics(const std::vector<MicroBatch>& batches);
+  // MTP's (SEMANTICS.md §15.1): each depth's labels and CE weights from the loader's rolled
+  // labels, and the k normalisers D_j in one SUM all-reduce. Empty (depth 0) when off.
+  absl::StatusOr<losses::MtpStats> ComputeMtpStatistics(const std::vector<MicroBatch>& batches);
   absl::Status RunMicroBatches(const std::vector<MicroBatch>& batches,
-                               const losses::StepStats& stats);
+                               const losses::StepStats& stats, const losses::MtpStats& mtp);
   absl::Status FinishReductions();
   absl::StatusOr<double> ClipGradients();  // the global grad norm before clipping
   absl::StatusOr<double> ApplyAdamW();     // the step's lr

@@ -238,6 +238,22 @@ TEST(MoeLmCudaTest, FullRecomputationIsRefusedByNameAndSelectiveIsBuilt) {
   EXPECT_TRUE(CreateCudaMoeLm(options, gpu->groups(), gpu->nccl.groups()).ok());
 }
 
+// Multi-token prediction (SEMANTICS.md §15.1) needs the ops' shifted embedding and
+// per-depth head CE (model/ops.h CanMtp); the CUDA ops have neither yet, so mtp_depth > 0 is
+// refused by name at construction (Unimplemented), and mtp_depth = 0 is built.
+TEST(MoeLmCudaTest, MtpIsRefusedByName) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  absl::StatusOr<OneGpu> gpu = MakeOneGpu();
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  MoeLmOptions options = gpu->options;
+  options.model.set_mtp_depth(1);
+  auto mtp = CreateCudaMoeLm(options, gpu->groups(), gpu->nccl.groups());
+  EXPECT_EQ(mtp.status().code(), absl::StatusCode::kUnimplemented) << mtp.status();
+  EXPECT_NE(mtp.status().message().find("mtp_depth=1"), absl::string_view::npos);
+  options.model.set_mtp_depth(0);
+  EXPECT_TRUE(CreateCudaMoeLm(options, gpu->groups(), gpu->nccl.groups()).ok());
+}
+
 TEST(MoeLmCudaTest, ProtocolAndInputErrorsAreStatuses) {
   GRADSUM_SKIP_WITHOUT_GPU();
   absl::StatusOr<OneGpu> gpu = MakeOneGpu();
