@@ -175,6 +175,44 @@ class Shift {
   std::unique_ptr<Work> work_;
 };
 
+// The ring's schedule, written once for both directions. `kv` holds this rank's k then v
+// ([2, rows, heads, d]); at step s = 0..C-1 it holds rank (rank - s) mod C's (the next
+// step's exchange starts before the step's work and is waited for after it). pair(s, h, a,
+// b, theirs, kv, scratch) runs for every (query chunk a, key chunk b) pair that causality
+// leaves non-empty, one task per (sequence, head) with its pairs in order; after_step()
+// runs after each step's pairs (backward passes its accumulators on there).
+template <typename Pair, typename AfterStep>
+absl::Status RunRing(Communicator& group, const Layout& l, int64_t num_seqs, int64_t seq_len,
+                     absl::Span<const int32_t> doc_start, std::vector<float> kv,
+                     int64_t scratch_floats, RingAttentionTimes* times, Pair pair,
+                     AfterStep after_step) {
+  std::vector<float> kv_next(kv.size());
+  for (int step = 0; step < l.cp; ++step) {
+    const int owner = (l.rank - step + l.cp) % l.cp;
+    Shift shift;
+    if (step + 1 < l.cp) {
+      GRADSUM_RETURN_IF_ERROR(shift.Start(group, kv.data(), kv_next.data(),
+                                          static_cast<int64_t>(kv.size()), times));
+    }
+    const RankTokens theirs = TokensOf(l, owner, num_seqs, seq_len, doc_start);
+    const Clock::time_point start = Clock::now();
+    ParallelFor(ComputeThreads(), num_seqs * l.heads, [&](int64_t task) {
+      Scratch scratch(scratch_floats);
+      for (int a = 0; a < 2; ++a) {
+        for (int b = 0; b < 2; ++b) {
+          if (ChunkOf(l, owner, b) > ChunkOf(l, l.rank, a)) continue;  // after every query
+          pair(task / l.heads, task % l.heads, a, b, theirs, kv.data(), scratch.data());
+        }
+      }
+    });
+    if (times != nullptr) times->compute_s += Since(start);
+    GRADSUM_RETURN_IF_ERROR(after_step());
+    GRADSUM_RETURN_IF_ERROR(shift.Wait(times));
+    if (step + 1 < l.cp) std::swap(kv, kv_next);
+  }
+  return absl::OkStatus();
+}
+
 // ---- kGathered: the whole sequences on every rank --------------------------------------
 
 // Every rank's [rows, width] block of `local` gathered and put in sequence order:
@@ -255,57 +293,41 @@ absl::Status RingAttentionForward(Communicator& cp_group, const RingAttentionDim
   const int64_t state = S * H * l.local;  // per (sequence, head, local token)
   std::vector<float> run_max(state, -INFINITY), run_sum(state, 0.0f);
   std::vector<float> acc(state * dp, 0.0f);
-  std::vector<float> kv_cur(2 * l.floats), kv_next(2 * l.floats);
-  std::copy(k.begin(), k.end(), kv_cur.begin());
-  std::copy(v.begin(), v.end(), kv_cur.begin() + l.floats);
+  std::vector<float> kv(2 * l.floats);
+  std::copy(k.begin(), k.end(), kv.begin());
+  std::copy(v.begin(), v.end(), kv.begin() + l.floats);
   const float scale = internal::AttentionScale(d);
   NoteBuffers(times, 2 * state + state * dp + 4 * l.floats +
                          ScratchFloats(kernels.pair_forward_scratch_floats(dp), S * H));
-
-  for (int step = 0; step < l.cp; ++step) {
-    const int owner = (l.rank - step + l.cp) % l.cp;
-    Shift shift;
-    if (step + 1 < l.cp) {
-      GRADSUM_RETURN_IF_ERROR(
-          shift.Start(cp_group, kv_cur.data(), kv_next.data(), 2 * l.floats, times));
-    }
-    const RankTokens theirs = TokensOf(l, owner, S, L, doc_start);
-    const Clock::time_point start = Clock::now();
-    ParallelFor(ComputeThreads(), S * H, [&](int64_t task) {
-      const int64_t s = task / H, h = task % H;
-      Scratch scratch(kernels.pair_forward_scratch_floats(dp));
-      for (int a = 0; a < 2; ++a) {
-        for (int b = 0; b < 2; ++b) {
-          if (ChunkOf(l, owner, b) > ChunkOf(l, l.rank, a)) continue;  // after every query
-          const int64_t q_row = s * l.local + a * l.chunk, k_row = s * l.local + b * l.chunk;
-          const int64_t st = (s * H + h) * l.local + a * l.chunk;
-          AttentionPairForwardTask t;
-          t.m = t.n = l.chunk;
-          t.head_dim = d;
-          t.padded_dim = dp;
-          t.scale = scale;
-          t.q = q.data() + (q_row * H + h) * d;
-          t.q_stride = row;
-          t.q_index = mine.index.data() + a * l.chunk;
-          t.q_doc = mine.doc.data() + q_row;
-          t.k = kv_cur.data() + (k_row * H + h) * d;
-          t.v = kv_cur.data() + l.floats + (k_row * H + h) * d;
-          t.kv_stride = row;
-          t.k_index = theirs.index.data() + b * l.chunk;
-          t.k_doc = theirs.doc.data() + k_row;
-          t.run_max = run_max.data() + st;
-          t.run_sum = run_sum.data() + st;
-          t.acc = acc.data() + st * dp;
-          t.acc_stride = dp;
-          t.scratch = scratch.data();
-          kernels.pair_forward(t);
-        }
-      }
-    });
-    if (times != nullptr) times->compute_s += Since(start);
-    GRADSUM_RETURN_IF_ERROR(shift.Wait(times));
-    if (step + 1 < l.cp) std::swap(kv_cur, kv_next);
-  }
+  GRADSUM_RETURN_IF_ERROR(RunRing(
+      cp_group, l, S, L, doc_start, std::move(kv), kernels.pair_forward_scratch_floats(dp),
+      times,
+      [&](int64_t s, int64_t h, int a, int b, const RankTokens& theirs, const float* kv_held,
+          float* scratch) {
+        const int64_t q_row = s * l.local + a * l.chunk, k_row = s * l.local + b * l.chunk;
+        const int64_t st = (s * H + h) * l.local + a * l.chunk;
+        AttentionPairForwardTask t;
+        t.m = t.n = l.chunk;
+        t.head_dim = d;
+        t.padded_dim = dp;
+        t.scale = scale;
+        t.q = q.data() + (q_row * H + h) * d;
+        t.q_stride = row;
+        t.q_index = mine.index.data() + a * l.chunk;
+        t.q_doc = mine.doc.data() + q_row;
+        t.k = kv_held + (k_row * H + h) * d;
+        t.v = kv_held + l.floats + (k_row * H + h) * d;
+        t.kv_stride = row;
+        t.k_index = theirs.index.data() + b * l.chunk;
+        t.k_doc = theirs.doc.data() + k_row;
+        t.run_max = run_max.data() + st;
+        t.run_sum = run_sum.data() + st;
+        t.acc = acc.data() + st * dp;
+        t.acc_stride = dp;
+        t.scratch = scratch;
+        kernels.pair_forward(t);
+      },
+      [] { return absl::OkStatus(); }));
 
   // out = acc / l, lse = max + log l; a padding row attended nothing: 0 and 0.
   for (int64_t s = 0; s < S; ++s) {
@@ -389,71 +411,57 @@ absl::Status RingAttentionBackward(Communicator& cp_group, const RingAttentionDi
     }
   }
   std::vector<float> dq_acc(state * dp, 0.0f);
-  std::vector<float> kv_cur(2 * l.floats), kv_next(2 * l.floats);
-  std::copy(k.begin(), k.end(), kv_cur.begin());
-  std::copy(v.begin(), v.end(), kv_cur.begin() + l.floats);
+  std::vector<float> kv(2 * l.floats);
+  std::copy(k.begin(), k.end(), kv.begin());
+  std::copy(v.begin(), v.end(), kv.begin() + l.floats);
   // The travelling dK, dV accumulators of the key/value block held: [S, H, 2c, dp] each.
   std::vector<float> dkv_cur(2 * state * dp, 0.0f), dkv_next(2 * state * dp);
   const float scale = internal::AttentionScale(d);
   NoteBuffers(times, 2 * state + state * dp + 4 * l.floats + 4 * state * dp +
                          ScratchFloats(kernels.pair_backward_scratch_floats(dp), S * H));
-
-  for (int step = 0; step < l.cp; ++step) {
-    const int owner = (l.rank - step + l.cp) % l.cp;
-    Shift kv_shift;
-    if (step + 1 < l.cp) {
-      GRADSUM_RETURN_IF_ERROR(
-          kv_shift.Start(cp_group, kv_cur.data(), kv_next.data(), 2 * l.floats, times));
-    }
-    const RankTokens theirs = TokensOf(l, owner, S, L, doc_start);
-    const Clock::time_point start = Clock::now();
-    ParallelFor(ComputeThreads(), S * H, [&](int64_t task) {
-      const int64_t s = task / H, h = task % H;
-      Scratch scratch(kernels.pair_backward_scratch_floats(dp));
-      for (int a = 0; a < 2; ++a) {
-        for (int b = 0; b < 2; ++b) {
-          if (ChunkOf(l, owner, b) > ChunkOf(l, l.rank, a)) continue;
-          const int64_t q_row = s * l.local + a * l.chunk, k_row = s * l.local + b * l.chunk;
-          const int64_t qs = (s * H + h) * l.local + a * l.chunk;
-          const int64_t ks = (s * H + h) * l.local + b * l.chunk;
-          AttentionPairBackwardTask t;
-          t.m = t.n = l.chunk;
-          t.head_dim = d;
-          t.padded_dim = dp;
-          t.scale = scale;
-          t.q = q.data() + (q_row * H + h) * d;
-          t.d_out = d_out.data() + (q_row * H + h) * d;
-          t.q_stride = row;
-          t.q_index = mine.index.data() + a * l.chunk;
-          t.q_doc = mine.doc.data() + q_row;
-          t.lse = lse_t.data() + qs;
-          t.dsum = dsum.data() + qs;
-          t.k = kv_cur.data() + (k_row * H + h) * d;
-          t.v = kv_cur.data() + l.floats + (k_row * H + h) * d;
-          t.kv_stride = row;
-          t.k_index = theirs.index.data() + b * l.chunk;
-          t.k_doc = theirs.doc.data() + k_row;
-          t.dq = dq_acc.data() + qs * dp;
-          t.grad_q_stride = dp;
-          t.dk = dkv_cur.data() + ks * dp;
-          t.dv = dkv_cur.data() + state * dp + ks * dp;
-          t.grad_kv_stride = dp;
-          t.scratch = scratch.data();
-          kernels.pair_backward(t);
-        }
-      }
-    });
-    if (times != nullptr) times->compute_s += Since(start);
-    if (l.cp > 1) {  // the accumulators move on with their block; after the last step, home
-      Shift dkv_shift;
-      GRADSUM_RETURN_IF_ERROR(
-          dkv_shift.Start(cp_group, dkv_cur.data(), dkv_next.data(), 2 * state * dp, times));
-      GRADSUM_RETURN_IF_ERROR(dkv_shift.Wait(times));
-      std::swap(dkv_cur, dkv_next);
-    }
-    GRADSUM_RETURN_IF_ERROR(kv_shift.Wait(times));
-    if (step + 1 < l.cp) std::swap(kv_cur, kv_next);
-  }
+  GRADSUM_RETURN_IF_ERROR(RunRing(
+      cp_group, l, S, L, doc_start, std::move(kv), kernels.pair_backward_scratch_floats(dp),
+      times,
+      [&](int64_t s, int64_t h, int a, int b, const RankTokens& theirs, const float* kv_held,
+          float* scratch) {
+        const int64_t q_row = s * l.local + a * l.chunk, k_row = s * l.local + b * l.chunk;
+        const int64_t qs = (s * H + h) * l.local + a * l.chunk;
+        const int64_t ks = (s * H + h) * l.local + b * l.chunk;
+        AttentionPairBackwardTask t;
+        t.m = t.n = l.chunk;
+        t.head_dim = d;
+        t.padded_dim = dp;
+        t.scale = scale;
+        t.q = q.data() + (q_row * H + h) * d;
+        t.d_out = d_out.data() + (q_row * H + h) * d;
+        t.q_stride = row;
+        t.q_index = mine.index.data() + a * l.chunk;
+        t.q_doc = mine.doc.data() + q_row;
+        t.lse = lse_t.data() + qs;
+        t.dsum = dsum.data() + qs;
+        t.k = kv_held + (k_row * H + h) * d;
+        t.v = kv_held + l.floats + (k_row * H + h) * d;
+        t.kv_stride = row;
+        t.k_index = theirs.index.data() + b * l.chunk;
+        t.k_doc = theirs.doc.data() + k_row;
+        t.dq = dq_acc.data() + qs * dp;
+        t.grad_q_stride = dp;
+        t.dk = dkv_cur.data() + ks * dp;
+        t.dv = dkv_cur.data() + state * dp + ks * dp;
+        t.grad_kv_stride = dp;
+        t.scratch = scratch;
+        kernels.pair_backward(t);
+      },
+      [&]() -> absl::Status {
+        // The accumulators move on with their block; after the last step they are home.
+        if (l.cp == 1) return absl::OkStatus();
+        Shift dkv_shift;
+        GRADSUM_RETURN_IF_ERROR(dkv_shift.Start(cp_group, dkv_cur.data(), dkv_next.data(),
+                                                2 * state * dp, times));
+        GRADSUM_RETURN_IF_ERROR(dkv_shift.Wait(times));
+        std::swap(dkv_cur, dkv_next);
+        return absl::OkStatus();
+      }));
 
   for (int64_t s = 0; s < S; ++s) {
     for (int64_t h = 0; h < H; ++h) {
