@@ -323,12 +323,15 @@ class CpuOps : public ModelOps {
     ce_options.num_threads = in_.row_block > 0 ? 1 : num_threads_;
     if (in_.row_block > 0) ce_options.chunk_rows = in_.row_block;
     // §3.2: the loss term is the CE with these options plus the output z-loss; local_loss
-    // holds both, so the `ce` term below is the LM head's whole objective.
+    // holds both. The display shows them apart: `ce` the CE (local_weighted_ce_sum / D),
+    // `z_out` the z-loss (alpha_lse local_weighted_lse_sq_sum / D). With alpha_lse = 0
+    // `ce` is local_loss itself, as before the options.
     ce_options.label_smoothing = config_.label_smoothing;
     ce_options.logit_softcap = config_.logit_softcap;
     ce_options.alpha_lse = config_.alpha_lse;
     const int64_t blocks = in_.row_block > 0 ? T / in_.row_block : 1;
-    std::vector<double> block_ce(blocks, 0.0);
+    const double alpha_lse = config_.alpha_lse, d = in_.global_ce_weight_sum;
+    std::vector<double> block_ce(blocks, 0.0), block_z_out(alpha_lse > 0.0 ? blocks : 0, 0.0);
     GRADSUM_RETURN_IF_ERROR(AccumulateRowBlocks(
         grad_out, T, in_.row_block, D * V,
         [&](int64_t q, int64_t r0, int64_t rows, float* out) -> absl::Status {
@@ -346,11 +349,20 @@ class CpuOps : public ModelOps {
               losses::LinearCrossEntropyForwardBackward(
                   f_view, head_view, absl::MakeConstSpan(labels_).subspan(r0, rows), weights,
                   in_.global_ce_weight_sum, grad_f_view, grad_head_view, ce_options));
-          block_ce[q] = ce.ce.local_loss;
+          if (alpha_lse > 0.0) {
+            block_ce[q] = d > 0.0 ? ce.ce.local_weighted_ce_sum / d : 0.0;
+            block_z_out[q] = d > 0.0 ? alpha_lse * ce.ce.local_weighted_lse_sq_sum / d : 0.0;
+          } else {
+            block_ce[q] = ce.ce.local_loss;
+          }
           return absl::OkStatus();
         }));
     for (double v : block_ce) terms_.ce += v;
-    if (in_.row_block > 0) terms_.ce_terms = std::move(block_ce);
+    for (double v : block_z_out) terms_.z_out += v;
+    if (in_.row_block > 0) {
+      terms_.ce_terms = std::move(block_ce);
+      terms_.z_out_terms = std::move(block_z_out);
+    }
     return absl::OkStatus();
   }
 
@@ -498,6 +510,7 @@ class CpuOps : public ModelOps {
       terms_.ce_terms = {terms_.ce};
       terms_.z_terms = {terms_.z};
       terms_.bal_terms = {terms_.bal};
+      if (config_.alpha_lse > 0.0) terms_.z_out_terms = {terms_.z_out};
     }
     terms_.global_expert_counts = std::move(global_counts_);
     counts_.clear();

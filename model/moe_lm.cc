@@ -131,8 +131,10 @@ void MoeLmModel::UpdateExpertBias() {
   step_expert_counts_.clear();
 }
 
-absl::Status MoeLmModel::RegisterDisplayTerms(losses::StepDisplay* display) {
+absl::Status MoeLmModel::RegisterDisplayTerms(const MoeLmConfig& config,
+                                              losses::StepDisplay* display) {
   for (const char* term : {"ce", "z", "bal"}) GRADSUM_RETURN_IF_ERROR(display->RegisterTerm(term));
+  if (config.alpha_lse > 0.0) GRADSUM_RETURN_IF_ERROR(display->RegisterTerm("z_out"));
   return absl::OkStatus();
 }
 
@@ -479,11 +481,21 @@ absl::StatusOr<MicroBatchLosses> MoeLmModel::ForwardBackward(const TokenBatch& b
                                        {"bal", &terms->bal_terms}}) {
       for (double v : *values) GRADSUM_RETURN_IF_ERROR(display->AddBackwardTerm(name, v));
     }
+    // §3.2's output z-loss, its own term (registered only when alpha_lse > 0).
+    if (m.alpha_lse > 0.0) {
+      if (terms->z_out_terms.empty()) {
+        return absl::InternalError("the ops returned no output z-loss term with alpha_lse > 0");
+      }
+      for (double v : terms->z_out_terms) {
+        GRADSUM_RETURN_IF_ERROR(display->AddBackwardTerm("z_out", v));
+      }
+    }
   }
   MicroBatchLosses result;
   result.ce = terms->ce;
   result.z = terms->z;
   result.bal = terms->bal;
+  result.z_out = terms->z_out;
   return result;
 }
 

@@ -57,9 +57,10 @@ struct TokenBatch {
   absl::Span<const int32_t> doc_start;  // [sequences * seq_len]
 };
 
-// One micro-batch's local loss components (detached, §8).
+// One micro-batch's local loss components (detached, §8). z_out: the output z-loss of
+// §3.2 (alpha_lse > 0; 0 otherwise), which `ce` then excludes.
 struct MicroBatchLosses {
-  double ce = 0, z = 0, bal = 0;
+  double ce = 0, z = 0, bal = 0, z_out = 0;
 };
 
 // InvalidArgument unless tokens, labels and mask have one length and every token is in
@@ -102,7 +103,7 @@ class MoeLmModel {
   // `micro_index` in [0, G) picks this micro-batch's weights, and G - 1 marks the last.
   // Adds the local gradients through ModelParams (which reduces them as they complete) and
   // the loss components and expert counts into `display` (may be null; terms "ce", "z",
-  // "bal"). Collective over the EP group and the world.
+  // "bal", and "z_out" when alpha_lse > 0). Collective over the EP group and the world.
   // Errors: a bad batch as InvalidArgument (CheckTokenBatch); the ops' and the
   // parameters' errors as they are.
   absl::StatusOr<MicroBatchLosses> ForwardBackward(const TokenBatch& batch,
@@ -110,8 +111,11 @@ class MoeLmModel {
                                                    int micro_index,
                                                    losses::StepDisplay* display);
 
-  // Registers the display terms this model adds ("ce", "z", "bal").
-  static absl::Status RegisterDisplayTerms(losses::StepDisplay* display);
+  // Registers the display terms a model of `config` adds: "ce", "z", "bal", and with
+  // alpha_lse > 0 "z_out", the output z-loss of SEMANTICS.md §3.2 (then not in "ce"). With
+  // alpha_lse = 0 the registry, and so every display value, is as before the option.
+  static absl::Status RegisterDisplayTerms(const MoeLmConfig& config,
+                                           losses::StepDisplay* display);
 
   const MoeLmSpec& spec() const { return spec_; }
 

@@ -90,10 +90,14 @@ struct MoeGrads {
 struct MicroBatchLossTerms {
   // This rank's loss components (detached): L_ce[r, m], L_z[r, m], L_bal[r, m].
   double ce = 0, z = 0, bal = 0;
+  // The output z-loss of SEMANTICS.md §3.2, alpha_lse * sum_t w_t lse_t^2 / D, when
+  // alpha_lse > 0 (0 and z_out_terms empty otherwise). `ce` then excludes it: the LM
+  // head's objective is ce + z_out.
+  double z_out = 0;
   // The same values as the display adds them: one value per term for a single row block,
   // one per (layer, block) or block with row blocks, so that exact display sums see
   // per-sequence values (losses/display.h).
-  std::vector<double> ce_terms, z_terms, bal_terms;
+  std::vector<double> ce_terms, z_terms, bal_terms, z_out_terms;
   // Per layer: c[l, m, :] of §5, global (every rank's SUM).
   std::vector<std::vector<int64_t>> global_expert_counts;
 };

@@ -87,8 +87,11 @@ struct ReferenceMicroBatch {
 
 struct ReferenceResult {
   // Global values of each term (§3, §4, §5) and their sum (§6).
-  double ce = 0, z = 0, bal = 0;
-  double total() const { return ce + z + bal; }
+  // ce is §3.2's CE (smoothed, of the capped logits) WITHOUT the output z-loss, which is
+  // z_out = alpha_lse * sum_t w_t lse_t^2 / D (0 unless alpha_lse > 0): the two display
+  // terms of moe_lm.
+  double ce = 0, z = 0, bal = 0, z_out = 0;
+  double total() const { return ce + z + bal + z_out; }
   double valid_tokens = 0;   // tokens with a label (D of §3 in token mode)
   double ce_weight_sum = 0;  // D of §3: the sum of w_t
   double routed_tokens = 0;  // N of §4

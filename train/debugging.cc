@@ -187,6 +187,7 @@ absl::Status WriteDump(const TrainConfig& config, int rank, const NamedParams& w
   j.set_ce(record.ce());
   j.set_z(record.z());
   j.set_bal(record.bal());
+  if (record.has_z_out()) j.set_z_out(record.z_out());
   j.set_loss(record.loss());
   j.set_valid_tokens(record.valid_tokens());
   j.set_routed_tokens(record.routed_tokens());
@@ -212,7 +213,9 @@ absl::StatusOr<ParityReport> RunParityCheck(const TrainConfig& config, Communica
     const double tol = f32 ? tolerance : std::max(tolerance, 3e-2);
     GRADSUM_ASSIGN_OR_RETURN(auto global_batch, GlobalBatchForStep(config, 0));
     GRADSUM_ASSIGN_OR_RETURN(report, CheckParity(config, weights, global_batch, grads,
-                                                 {record.ce(), record.z(), record.bal()}, tol,
+                                                 {record.ce(), record.z(), record.bal(),
+                                                  record.z_out()},
+                                                 tol,
                                                  expert_bias));
     ok = report.ok ? 1 : 0;
     return absl::OkStatus();

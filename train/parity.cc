@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -107,10 +109,11 @@ absl::StatusOr<ParityReport> CheckParity(const TrainConfig& config, const NamedP
     report.worst = std::max({report.worst, std::abs(p.norm_ratio - 1), p.max_rel_err});
     report.params.push_back(p);
   }
-  for (const auto& [name, value, reference] :
-       {std::tuple<const char*, double, double>{"ce", losses.ce, ref.ce},
-        {"z", losses.z, ref.z},
-        {"bal", losses.bal, ref.bal}}) {
+  std::vector<std::tuple<const char*, double, double>> compared = {
+      {"ce", losses.ce, ref.ce}, {"z", losses.z, ref.z}, {"bal", losses.bal, ref.bal}};
+  // §3.2's output z-loss is its own display term only when it is on.
+  if (rc.alpha_lse > 0) compared.emplace_back("z_out", losses.z_out, ref.z_out);
+  for (const auto& [name, value, reference] : compared) {
     LossParity l{name, value, reference, 0};
     const double diff = std::abs(value - reference);
     l.rel_err = reference != 0 ? diff / std::abs(reference) : (diff > 0 ? INFINITY : 0.0);

@@ -84,7 +84,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   // built with (BuildModel chose it once from the config).
   trainer->display_ = losses::StepDisplay(config.model().layers(), config.model().experts(),
                                           trainer->model_->options().parallel.precision);
-  GRADSUM_RETURN_IF_ERROR(MoeLm::RegisterDisplayTerms(&trainer->display_));
+  GRADSUM_RETURN_IF_ERROR(trainer->model_->RegisterDisplayTerms(&trainer->display_));
   // Rank-local start-up work (the data loader): every rank learns at once if any rank
   // failed, with that rank's message.
   GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world, trainer->PrepareLocal(), "start-up"));
@@ -292,6 +292,9 @@ absl::StatusOr<StepMetrics> Trainer::MakeRecord(const losses::StepStats& stats,
   r.set_ce(ce);
   r.set_z(z);
   r.set_bal(bal);
+  // §3.2's output z-loss, apart from ce, where the model registered it (alpha_lse > 0);
+  // absent otherwise, so that the records of runs without it are unchanged.
+  if (absl::StatusOr<double> z_out = display.Value("z_out"); z_out.ok()) r.set_z_out(*z_out);
   r.set_loss(display.total_loss);
   r.set_valid_tokens(stats.global_valid_tokens);
   r.set_routed_tokens(stats.global_routed_tokens);
