@@ -150,15 +150,16 @@ class CudaOps : public ModelOps {
       GRADSUM_RETURN_IF_ERROR(Reserve(&labels_, T * sizeof(int64_t)));
       GRADSUM_RETURN_IF_ERROR(Reserve(&mask_, T));
       GRADSUM_RETURN_IF_ERROR(Reserve(&weights_, T * sizeof(float)));
-      GRADSUM_RETURN_IF_ERROR(Reserve(&scalars_, 5 * sizeof(double)));
+      GRADSUM_RETURN_IF_ERROR(Reserve(&scalars_, kScalars * sizeof(double)));
       GRADSUM_RETURN_IF_ERROR(Reserve(&logits_, static_cast<size_t>(T) * V * sizeof(float)));
       (void)D;
       rows_ = T;
     }
     labels_host_.assign(in.labels.begin(), in.labels.end());
     mask_host_.assign(in.mask.begin(), in.mask.end());
-    const double scalars[5] = {in.global_ce_weight_sum,
-                               static_cast<double>(in.global_routed_tokens), 0, 0, 0};
+    const double scalars[kScalars] = {in.global_ce_weight_sum,
+                                      static_cast<double>(in.global_routed_tokens), 0, 0, 0,
+                                      0, 0};
     GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(tokens_.get(), in.tokens.data(),
                                                  T * sizeof(int32_t), cudaMemcpyHostToDevice, s),
                                  "upload tokens");
@@ -262,8 +263,21 @@ class CudaOps : public ModelOps {
     ce.token_weights = in_.ce_weights.empty() ? nullptr : weights_.as<float>();  // null: token
     ce.global_weight_sum = d;
     ce.grad_logits = logits_.get();
-    ce.loss = d + 2;
     ce.ignore_index = kIgnoreIndex;
+    // §3.2's options, as the CPU ops pass them. The display shows the CE and the output
+    // z-loss apart (ce, z_out): with alpha_lse > 0 the CE term is ce_loss and the
+    // objective (their sum, not displayed) goes to its own scalar; without it the CE term
+    // is the loss, as before the options.
+    ce.label_smoothing = config_.label_smoothing;
+    ce.logit_softcap = config_.logit_softcap;
+    ce.alpha_lse = config_.alpha_lse;
+    if (config_.alpha_lse > 0.0) {
+      ce.loss = d + 6;
+      ce.ce_loss = d + 2;
+      ce.z_out_loss = d + 5;
+    } else {
+      ce.loss = d + 2;
+    }
     GRADSUM_RETURN_IF_ERROR(losses::CrossEntropyCuda(ce, s));  // checks labels (a host sync)
     GRADSUM_RETURN_IF_ERROR(GemmRowMajor(ctx_->blas, s, false, true, T, D, V, logits_.get(), V,
                                          w_out, V, DType::kF32, grad_f, D, DType::kF32));
@@ -374,7 +388,7 @@ class CudaOps : public ModelOps {
   absl::StatusOr<MicroBatchLossTerms> End() override {
     cudaStream_t s = exec_.stream;
     const int L = config_.layers, E = config_.experts;
-    double losses_host[3] = {0, 0, 0};
+    double losses_host[4] = {0, 0, 0, 0};  // ce, z, bal, z_out (scalars 2..5)
     GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(losses_host, scalars_.as<double>() + 2,
                                                  sizeof(losses_host), cudaMemcpyDeviceToHost, s),
                                  "download loss values");
@@ -401,6 +415,10 @@ class CudaOps : public ModelOps {
     terms.ce_terms = {terms.ce};
     terms.z_terms = {terms.z};
     terms.bal_terms = {terms.bal};
+    if (config_.alpha_lse > 0.0) {
+      terms.z_out = losses_host[3];
+      terms.z_out_terms = {terms.z_out};
+    }
     return terms;
   }
 
@@ -466,7 +484,10 @@ class CudaOps : public ModelOps {
   std::vector<int64_t> labels_host_;
   std::vector<uint8_t> mask_host_;
   DeviceBuffer tokens_, labels_, mask_, weights_;
-  DeviceBuffer scalars_;  // D, N, ce, z, bal (f64)
+  // D, N, ce, z, bal, z_out, and the LM head's objective ce + z_out with alpha_lse > 0
+  // (f64; z_out and the objective are written only then).
+  static constexpr int kScalars = 7;
+  DeviceBuffer scalars_;
   DeviceBuffer logits_;   // [T, V], its CE gradient in place
   // Attention: the SP group's size, the head layout, the RoPE tables and document starts
   // of the micro-batch, and the exchanges' buffers.
@@ -484,22 +505,11 @@ class CudaOps : public ModelOps {
 absl::StatusOr<std::unique_ptr<ModelOps>> MakeCudaOps(
     const MoeLmSpec& spec, std::shared_ptr<cuda::ComputeContext> context,
     const CudaOpsComms& comms) {
-  // The CUDA CE kernels do not implement the CE options of SEMANTICS.md §3.2: refuse them
-  // rather than train a different objective than the flags ask for. Checked first: it
-  // depends on the config only, not on the device.
+  // The CE options of SEMANTICS.md §3.2 run in the CUDA CE kernel (losses/cuda). The CUDA
+  // router does not do the aux-loss-free balancing of §5.1: refuse it rather than train a
+  // different objective than the flags ask for. Checked first: it depends on the config
+  // only, not on the device.
   const MoeLmConfig& m = spec.config();
-  const std::pair<const char*, double> ce_options[] = {{"label_smoothing", m.label_smoothing},
-                                                       {"logit_softcap", m.logit_softcap},
-                                                       {"alpha_lse", m.alpha_lse}};
-  for (const auto& [flag, value] : ce_options) {
-    if (value != 0.0) {
-      return absl::UnimplementedError(absl::StrCat(
-          "--", flag, "=", value, " (SEMANTICS.md §3.2) is not implemented by the CUDA ops; "
-          "use a CPU backend or leave it 0"));
-    }
-  }
-  // Nor does the CUDA router do the aux-loss-free balancing of §5.1 (a biased selection,
-  // sigmoid scores).
   if (m.expert_bias_speed != 0.0) {
     return absl::UnimplementedError(absl::StrCat(
         "--expert_bias_speed=", m.expert_bias_speed,

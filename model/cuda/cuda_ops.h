@@ -34,10 +34,11 @@ struct CudaOpsComms {
 };
 
 // InvalidArgument for missing communicators, NCCL ones without a device stream, or experts
-// the EP group does not divide. Unimplemented, naming the flag, for a non-zero CE option of
-// SEMANTICS.md §3.2 (label_smoothing, logit_softcap, alpha_lse): the CUDA CE has none yet;
-// and for expert_bias_speed > 0 or sigmoid router scores (§5.1), which the CUDA router
-// lacks (MoeForward also refuses a MoeWeights::expert_bias).
+// the EP group does not divide. Unimplemented, naming the flag, for expert_bias_speed > 0
+// or sigmoid router scores (§5.1), which the CUDA router lacks (MoeForward also refuses a
+// MoeWeights::expert_bias). The CE options of SEMANTICS.md §3.2 (label_smoothing,
+// logit_softcap, alpha_lse) run in the CUDA CE kernel, with the output z-loss reported as
+// its own term (MicroBatchLossTerms::z_out) as the CPU ops do.
 absl::StatusOr<std::unique_ptr<ModelOps>> MakeCudaOps(
     const MoeLmSpec& spec, std::shared_ptr<cuda::ComputeContext> context,
     const CudaOpsComms& comms);
