@@ -77,7 +77,8 @@ struct MoeWeights {
   const float* local_experts = nullptr;
   // The layer's expert bias [E] (SEMANTICS.md §5.1), HOST memory: added to the router
   // scores for the top-K selection only. Null: none (§10's routing). A device that cannot
-  // route with a bias refuses it in MoeForward (Unimplemented).
+  // route with a bias refuses it in MoeForward (Unimplemented); the CPU and CUDA ops both
+  // route with it.
   const float* expert_bias = nullptr;
 };
 

@@ -62,7 +62,9 @@ class CudaOps : public ModelOps {
     layer_config_.top_k = m.top_k;
     layer_config_.norm_topk_prob = m.norm_topk_prob;
     layer_config_.router_scale = m.router_scale;
+    layer_config_.sigmoid_scores = m.router_sigmoid;
     layers_.resize(m.layers);
+    bias_.resize(m.layers);
     exec_.blas = &ctx_->blas;
     exec_.stream = ctx_->stream.get();
     exec_.fence = ctx_->fence;
@@ -217,14 +219,21 @@ class CudaOps : public ModelOps {
   }
 
   absl::Status MoeForward(int l, const float* a, const MoeWeights& w, float* y) override {
+    // §5.1: the layer's expert bias (host memory, the model's state; also one carried by
+    // --init_from or a checkpoint with the speed at 0) goes to the device for the router's
+    // top-K selection. E floats per layer and forward; the copy is staged before it returns.
+    const float* bias = nullptr;
     if (w.expert_bias != nullptr) {
-      // An --init_from file or a checkpoint may carry a bias even with the speed at 0.
-      return absl::UnimplementedError(
-          "the expert bias (SEMANTICS.md §5.1, --expert_bias_speed or a bias carried by "
-          "--init_from / a checkpoint) is not implemented by the CUDA router; use a CPU backend");
+      const int64_t E = config_.experts;
+      GRADSUM_RETURN_IF_ERROR(Reserve(&bias_[l], E * sizeof(float)));
+      GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(bias_[l].get(), w.expert_bias,
+                                                   E * sizeof(float), cudaMemcpyHostToDevice,
+                                                   exec_.stream),
+                                   "upload the expert bias");
+      bias = bias_[l].as<float>();
     }
     return layers_[l].Forward(exec_, moe_comms_, layer_config_, &scratch_, in_.rows, a,
-                              {w.router, w.local_experts}, mask_.as<uint8_t>(), y);
+                              {w.router, w.local_experts, bias}, mask_.as<uint8_t>(), y);
   }
 
   absl::Status MoeBackward(int l, const float* a, const MoeWeights& w, const float* dy,
@@ -477,6 +486,7 @@ class CudaOps : public ModelOps {
   moe::MoeLayerCudaComms moe_comms_;
   moe::MoeLayerCudaConfig layer_config_;
   std::vector<moe::MoeLayerCuda> layers_;
+  std::vector<DeviceBuffer> bias_;  // [L] x [E]: each layer's expert bias on the device (§5.1)
   moe::MoeLayerCudaScratch scratch_;
   // The micro-batch's inputs on the device, sized for rows_ tokens.
   MicroBatchInputs in_;
@@ -505,22 +515,9 @@ class CudaOps : public ModelOps {
 absl::StatusOr<std::unique_ptr<ModelOps>> MakeCudaOps(
     const MoeLmSpec& spec, std::shared_ptr<cuda::ComputeContext> context,
     const CudaOpsComms& comms) {
-  // The CE options of SEMANTICS.md §3.2 run in the CUDA CE kernel (losses/cuda). The CUDA
-  // router does not do the aux-loss-free balancing of §5.1: refuse it rather than train a
-  // different objective than the flags ask for. Checked first: it depends on the config
-  // only, not on the device.
-  const MoeLmConfig& m = spec.config();
-  if (m.expert_bias_speed != 0.0) {
-    return absl::UnimplementedError(absl::StrCat(
-        "--expert_bias_speed=", m.expert_bias_speed,
-        " (SEMANTICS.md §5.1) is not implemented by the CUDA ops; use a CPU backend or leave "
-        "it 0"));
-  }
-  if (m.router_sigmoid) {
-    return absl::UnimplementedError(
-        "--router_score=sigmoid (SEMANTICS.md §5.1) is not implemented by the CUDA ops; use a "
-        "CPU backend or --router_score=softmax");
-  }
+  // The CE options of SEMANTICS.md §3.2 run in the CUDA CE kernel (losses/cuda), and the
+  // aux-loss-free balancing of §5.1 (the expert bias, sigmoid scores) in the CUDA router
+  // (moe/cuda/router_cuda.h): nothing of the config is refused here.
   if (context == nullptr || comms.world == nullptr || comms.ep_group == nullptr ||
       comms.host_ep_group == nullptr || comms.world->device_stream() == nullptr ||
       comms.ep_group->device_stream() == nullptr ||

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -57,8 +58,11 @@ MoeLmConfig EveryOpConfig() {
 }
 
 // Every op of the two devices on the same inputs, for the model `c`; with `sample_weights`
-// the CE gets per-token weights (w_t = 1 / (1 + t % 3), D their sum) instead of token mode.
-void ExpectEveryOpMatchesTheHostOps(const MoeLmConfig& c, bool sample_weights) {
+// the CE gets per-token weights (w_t = 1 / (1 + t % 3), D their sum) instead of token mode;
+// a non-empty `expert_bias` [E] is the layer's bias of SEMANTICS.md §5.1 (host memory, as
+// the model passes it to both devices).
+void ExpectEveryOpMatchesTheHostOps(const MoeLmConfig& c, bool sample_weights,
+                                    const std::vector<float>& expert_bias = {}) {
   absl::StatusOr<MoeLmSpec> spec = MoeLmSpec::Create(c);
   ASSERT_TRUE(spec.ok()) << spec.status();
   const int64_t T = 40, D = c.dim, V = c.vocab, E = c.experts, H = c.expert_dim;
@@ -139,9 +143,11 @@ void ExpectEveryOpMatchesTheHostOps(const MoeLmConfig& c, bool sample_weights) {
   // The MoE layer forward (the layer takes the normed input as the model does).
   std::vector<float> y = zeros(T * D);
   DeviceBuffer y_d = dz(T * D);
-  ASSERT_TRUE((*cpu)->MoeForward(0, a.data(), {router.data(), experts.data()}, y.data()).ok());
-  absl::Status s = (*gpu)->MoeForward(0, a_d.as<float>(), {router_d.as<float>(), experts_d.as<float>()},
-                                      y_d.as<float>());
+  const float* bias = expert_bias.empty() ? nullptr : expert_bias.data();
+  ASSERT_TRUE(
+      (*cpu)->MoeForward(0, a.data(), {router.data(), experts.data(), bias}, y.data()).ok());
+  absl::Status s = (*gpu)->MoeForward(
+      0, a_d.as<float>(), {router_d.as<float>(), experts_d.as<float>(), bias}, y_d.as<float>());
   ASSERT_TRUE(s.ok()) << s;
   ExpectClose(Host<float>(y_d), y, "moe y");
 
@@ -235,6 +241,24 @@ TEST(CudaOpsTest, EveryOpMatchesTheHostOpsWithTheCeOptions) {
   }
 }
 
+// The aux-loss-free balancing of SEMANTICS.md §5.1 on the GPU (the CUDA router's sigmoid
+// scores and expert bias) against the host's: sigmoid scores (alpha_b 0), an expert bias
+// that moves some selections, and both; the whole MoE layer forward and backward, and the
+// counts the bias update reads.
+TEST(CudaOpsTest, EveryOpMatchesTheHostOpsWithSigmoidScoresAndExpertBias) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  const std::vector<float> bias = {0.2f, -0.15f, 0.05f, -0.3f};  // E = 4
+  for (const auto& [sigmoid, with_bias] :
+       {std::pair<bool, bool>{true, false}, {false, true}, {true, true}}) {
+    SCOPED_TRACE(absl::StrCat(sigmoid ? "sigmoid" : "softmax", with_bias ? " + bias" : ""));
+    MoeLmConfig c = EveryOpConfig();
+    c.router_sigmoid = sigmoid;
+    if (sigmoid) c.alpha_b = 0;  // the balancing loss is of the softmax (§5.1)
+    ExpectEveryOpMatchesTheHostOps(c, /*sample_weights=*/false,
+                                   with_bias ? bias : std::vector<float>());
+  }
+}
+
 // A one-layer model small enough for the refusal tests.
 MoeLmConfig OneLayerConfig() {
   MoeLmConfig c;
@@ -294,16 +318,16 @@ TEST(CudaOpsTest, CeOptionsAreNotRefused) {
   }
 }
 
-// The aux-loss-free balancing of SEMANTICS.md §5.1 is CPU-only too: the bias speed and
-// sigmoid scores are refused by name. Needs no GPU.
-TEST(CudaOpsTest, ExpertBiasAndSigmoidScoresAreRefusedNamingTheFlag) {
+// Nor are the bias speed and sigmoid scores of §5.1: without a context the ops fail on the
+// missing context, not on the option. Needs no GPU.
+TEST(CudaOpsTest, ExpertBiasAndSigmoidScoresAreNotRefused) {
   MoeLmConfig c = OneLayerConfig();
   c.expert_bias_speed = 0.25;
   absl::StatusOr<MoeLmSpec> spec = MoeLmSpec::Create(c);
   ASSERT_TRUE(spec.ok()) << spec.status();
   auto gpu = MakeCudaOps(*spec, nullptr, {});
-  EXPECT_EQ(gpu.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_NE(gpu.status().message().find("--expert_bias_speed=0.25"), absl::string_view::npos)
+  EXPECT_EQ(gpu.status().code(), absl::StatusCode::kInvalidArgument) << gpu.status();
+  EXPECT_EQ(gpu.status().message().find("expert_bias_speed"), absl::string_view::npos)
       << gpu.status();
   c = OneLayerConfig();
   c.router_sigmoid = true;
@@ -311,9 +335,8 @@ TEST(CudaOpsTest, ExpertBiasAndSigmoidScoresAreRefusedNamingTheFlag) {
   spec = MoeLmSpec::Create(c);
   ASSERT_TRUE(spec.ok()) << spec.status();
   gpu = MakeCudaOps(*spec, nullptr, {});
-  EXPECT_EQ(gpu.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_NE(gpu.status().message().find("--router_score=sigmoid"), absl::string_view::npos)
-      << gpu.status();
+  EXPECT_EQ(gpu.status().code(), absl::StatusCode::kInvalidArgument) << gpu.status();
+  EXPECT_EQ(gpu.status().message().find("sigmoid"), absl::string_view::npos) << gpu.status();
 }
 
 }  // namespace

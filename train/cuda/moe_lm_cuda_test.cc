@@ -9,6 +9,7 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -231,7 +232,10 @@ void ExpectGpuMatchesReferenceAndCpu(TrainConfig config) {
     EXPECT_EQ(c.has_z_out(), config.loss().alpha_lse() > 0) << s;
     EXPECT_NEAR(g.z_out(), c.z_out(), 1e-4 * std::abs(c.z_out())) << s;
     EXPECT_NEAR(g.grad_norm(), c.grad_norm(), 1e-4 * c.grad_norm()) << s;
-    EXPECT_EQ(g.tokens_per_expert().size(), c.tokens_per_expert().size()) << s;
+    // The global counts (what the expert bias of §5.1 moves by): the same choices.
+    EXPECT_EQ(std::vector<int64_t>(g.tokens_per_expert().begin(), g.tokens_per_expert().end()),
+              std::vector<int64_t>(c.tokens_per_expert().begin(), c.tokens_per_expert().end()))
+        << s;
   }
 }
 
@@ -250,6 +254,24 @@ TEST(MoeLmCudaOptionsTest, CeOptionsMatchReferenceAndCpuTrainer) {
     config.mutable_loss()->set_label_smoothing(o.eps);
     config.mutable_loss()->set_logit_softcap(o.cap);
     config.mutable_loss()->set_alpha_lse(o.alpha);
+    ExpectGpuMatchesReferenceAndCpu(config);
+  }
+}
+
+// The aux-loss-free balancing of SEMANTICS.md §5.1 on the GPU model: the expert bias
+// (moved by the step's global counts after every step, so steps 2 and 3 route with a bias)
+// with softmax scores, sigmoid scores without a bias, and both; alpha_b 0 with sigmoid.
+TEST(MoeLmCudaOptionsTest, ExpertBiasAndSigmoidScoresMatchReferenceAndCpuTrainer) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  for (const auto& [sigmoid, speed] :
+       {std::pair<bool, double>{false, 0.01}, {true, 0.0}, {true, 0.01}}) {
+    SCOPED_TRACE(absl::StrCat(sigmoid ? "sigmoid" : "softmax", " speed ", speed));
+    TrainConfig config = TinyConfig(1, 1, 2, TrainConfig::fsdp);
+    if (sigmoid) {
+      config.mutable_model()->set_router_score(ModelConfig::sigmoid);
+      config.mutable_loss()->set_alpha_b(0);
+    }
+    config.mutable_loss()->set_expert_bias_speed(speed);
     ExpectGpuMatchesReferenceAndCpu(config);
   }
 }
