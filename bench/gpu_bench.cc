@@ -7,6 +7,9 @@
 //   Bytes = 3 passes over the logits (read for the logsumexp, read again and write the
 //   gradient). Counters: ce_GBps, copy_GBps (a D2D copy of the logits' size, timed inside
 //   the same benchmark) and frac_of_copy = ce_GBps / copy_GBps (target >= 0.70).
+//   options:1 runs the CE options of SEMANTICS.md §3.2 (label smoothing 0.1, softcap 30,
+//   output z-loss 1e-4; the options row kernel, same three passes plus a tanh per element
+//   and pass), for its cost against the plain kernel on the same shape.
 // - BM_NcclAllReduceLibraryVsRaw: the library's NCCL all-reduce against raw ncclAllReduce
 //   on the same buffers, measured alternately in one benchmark (lib_overhead_pct, target
 //   < 3%).
@@ -112,8 +115,10 @@ void BM_CrossEntropyCuda(benchmark::State& state) {
   const DType dtype = state.range(0) == 1 ? DType::kBF16 : DType::kF32;
   const int64_t rows = state.range(1), vocab = state.range(2);
   const bool in_place = state.range(3) == 1;
+  const bool options = state.range(4) == 1;
   const size_t bytes = static_cast<size_t>(rows * vocab) * DTypeSize(dtype);
-  state.SetLabel(absl::StrCat(DTypeName(dtype), in_place ? " in-place" : " separate-grad"));
+  state.SetLabel(absl::StrCat(DTypeName(dtype), in_place ? " in-place" : " separate-grad",
+                              options ? " with CE options" : ""));
 
   absl::StatusOr<Timing> t = MakeTiming();
   absl::StatusOr<DeviceBuffer> logits = DeviceBuffer::Create(bytes);
@@ -145,6 +150,11 @@ void BM_CrossEntropyCuda(benchmark::State& state) {
   a.grad_logits = in_place ? logits->get() : grad->get();
   a.loss = loss->as<double>();
   a.error_record = &*record;
+  if (options) {
+    a.label_smoothing = 0.1;
+    a.logit_softcap = 30.0;
+    a.alpha_lse = 1e-4;
+  }
   const cudaStream_t stream = t->stream.get();
 
   // The copy limit for the same byte count, measured now, on this device.
@@ -190,12 +200,13 @@ void BM_CrossEntropyCuda(benchmark::State& state) {
   state.counters["frac_of_copy"] = ce_gbps / copy_gbps;
 }
 BENCHMARK(BM_CrossEntropyCuda)
-    ->ArgNames({"bf16", "rows", "vocab", "inplace"})
-    ->Args({1, 8192, 32768, 1})
-    ->Args({1, 4096, 131072, 1})
-    ->Args({1, 4096, 131072, 0})
-    ->Args({0, 2048, 131072, 1})
-    ->Args({1, 16384, 50257, 1})  // odd vocab: scalar loads
+    ->ArgNames({"bf16", "rows", "vocab", "inplace", "options"})
+    ->Args({1, 8192, 32768, 1, 0})
+    ->Args({1, 4096, 131072, 1, 0})
+    ->Args({1, 4096, 131072, 1, 1})  // the same shape with the CE options of §3.2
+    ->Args({1, 4096, 131072, 0, 0})
+    ->Args({0, 2048, 131072, 1, 0})
+    ->Args({1, 16384, 50257, 1, 0})  // odd vocab: scalar loads
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 

@@ -182,9 +182,11 @@ class CpuOps : public ModelOps {
     GRADSUM_RETURN_IF_ERROR(CheckDepth(depth));
     const absl::Span<const float> weights =
         in_.mtp_ce_weights.empty() ? absl::Span<const float>() : in_.mtp_ce_weights[depth - 1];
+    // The depth's output z-loss stays in its mtp_<j> term (§15.1: the depth's head objective).
     return HeadCrossEntropy(f, w_out, grad_f, std::move(grad_out), in_.mtp_labels[depth - 1],
                             weights, in_.mtp_ce_normaliser[depth - 1], &terms_.mtp[depth - 1],
-                            &terms_.mtp_terms[depth - 1]);
+                            &terms_.mtp_terms[depth - 1], /*z_out=*/nullptr,
+                            /*z_out_blocks=*/nullptr);
   }
 
   absl::Status CheckDepth(int depth) const {
@@ -373,16 +375,20 @@ class CpuOps : public ModelOps {
   absl::Status LmHeadCrossEntropy(const float* f, const float* w_out, float* grad_f,
                                   GradTarget grad_out) override {
     return HeadCrossEntropy(f, w_out, grad_f, std::move(grad_out), labels_, in_.ce_weights,
-                            in_.global_ce_weight_sum, &terms_.ce, &terms_.ce_terms);
+                            in_.global_ce_weight_sum, &terms_.ce, &terms_.ce_terms,
+                            &terms_.z_out, &terms_.z_out_terms);
   }
 
   // The fused LM head + CE of `labels` with weights `ce_weights` (empty: token mode) over the
   // normaliser `d`: the local component added into *value, and with row blocks each
-  // block's value into *block_values.
+  // block's value into *block_values. With alpha_lse > 0 and `z_out` non-null the output
+  // z-loss goes apart into *z_out (and *z_out_blocks), *value keeping only the CE; with
+  // `z_out` null *value holds both.
   absl::Status HeadCrossEntropy(const float* f, const float* w_out, float* grad_f,
                                 GradTarget grad_out, absl::Span<const int64_t> labels,
                                 absl::Span<const float> ce_weights, double d, double* value,
-                                std::vector<double>* block_values) {
+                                std::vector<double>* block_values, double* z_out,
+                                std::vector<double>* z_out_blocks) {
     const int64_t D = config_.dim, V = config_.vocab, T = in_.rows;
     GRADSUM_ASSIGN_OR_RETURN(
         TensorView head_view,
@@ -394,12 +400,16 @@ class CpuOps : public ModelOps {
     ce_options.num_threads = in_.row_block > 0 ? 1 : num_threads_;
     if (in_.row_block > 0) ce_options.chunk_rows = in_.row_block;
     // §3.2: the loss term is the CE with these options plus the output z-loss; local_loss
-    // holds both, so the `ce` term below is the LM head's whole objective.
+    // holds both. The display shows them apart: `ce` the CE (local_weighted_ce_sum / D),
+    // `z_out` the z-loss (alpha_lse local_weighted_lse_sq_sum / D). With alpha_lse = 0
+    // `ce` is local_loss itself, as before the options.
     ce_options.label_smoothing = config_.label_smoothing;
     ce_options.logit_softcap = config_.logit_softcap;
     ce_options.alpha_lse = config_.alpha_lse;
     const int64_t blocks = in_.row_block > 0 ? T / in_.row_block : 1;
-    std::vector<double> block_ce(blocks, 0.0);
+    const double alpha_lse = config_.alpha_lse;
+    const bool split_z_out = alpha_lse > 0.0 && z_out != nullptr;
+    std::vector<double> block_ce(blocks, 0.0), block_z_out(split_z_out ? blocks : 0, 0.0);
     GRADSUM_RETURN_IF_ERROR(AccumulateRowBlocks(
         grad_out, T, in_.row_block, D * V,
         [&](int64_t q, int64_t r0, int64_t rows, float* out) -> absl::Status {
@@ -417,11 +427,20 @@ class CpuOps : public ModelOps {
               losses::LinearCrossEntropyForwardBackward(f_view, head_view,
                                                         labels.subspan(r0, rows), weights, d,
                                                         grad_f_view, grad_head_view, ce_options));
-          block_ce[q] = ce.ce.local_loss;
+          if (split_z_out) {
+            block_ce[q] = d > 0.0 ? ce.ce.local_weighted_ce_sum / d : 0.0;
+            block_z_out[q] = d > 0.0 ? alpha_lse * ce.ce.local_weighted_lse_sq_sum / d : 0.0;
+          } else {
+            block_ce[q] = ce.ce.local_loss;
+          }
           return absl::OkStatus();
         }));
     for (double v : block_ce) *value += v;
-    if (in_.row_block > 0) *block_values = std::move(block_ce);
+    for (double v : block_z_out) *z_out += v;
+    if (in_.row_block > 0) {
+      *block_values = std::move(block_ce);
+      if (split_z_out) *z_out_blocks = std::move(block_z_out);
+    }
     return absl::OkStatus();
   }
 
@@ -585,6 +604,7 @@ class CpuOps : public ModelOps {
       terms_.z_terms = {terms_.z};
       terms_.bal_terms = {terms_.bal};
       for (size_t j = 0; j < terms_.mtp.size(); ++j) terms_.mtp_terms[j] = {terms_.mtp[j]};
+      if (config_.alpha_lse > 0.0) terms_.z_out_terms = {terms_.z_out};
     }
     terms_.global_expert_counts = std::move(global_counts_);
     counts_.clear();

@@ -136,9 +136,11 @@ void MoeLmModel::UpdateExpertBias() {
   step_expert_counts_.clear();
 }
 
-absl::Status MoeLmModel::RegisterDisplayTerms(losses::StepDisplay* display, int mtp_depth) {
+absl::Status MoeLmModel::RegisterDisplayTerms(const MoeLmConfig& config,
+                                              losses::StepDisplay* display) {
   for (const char* term : {"ce", "z", "bal"}) GRADSUM_RETURN_IF_ERROR(display->RegisterTerm(term));
-  for (int j = 1; j <= mtp_depth; ++j) {
+  if (config.alpha_lse > 0.0) GRADSUM_RETURN_IF_ERROR(display->RegisterTerm("z_out"));
+  for (int j = 1; j <= config.mtp_depth; ++j) {
     GRADSUM_RETURN_IF_ERROR(display->RegisterTerm(absl::StrCat("mtp_", j)));
   }
   return absl::OkStatus();
@@ -646,6 +648,15 @@ absl::StatusOr<MicroBatchLosses> MoeLmModel::ForwardBackward(const TokenBatch& b
                                        {"bal", &terms->bal_terms}}) {
       for (double v : *values) GRADSUM_RETURN_IF_ERROR(display->AddBackwardTerm(name, v));
     }
+    // §3.2's output z-loss, its own term (registered only when alpha_lse > 0).
+    if (m.alpha_lse > 0.0) {
+      if (terms->z_out_terms.empty()) {
+        return absl::InternalError("the ops returned no output z-loss term with alpha_lse > 0");
+      }
+      for (double v : terms->z_out_terms) {
+        GRADSUM_RETURN_IF_ERROR(display->AddBackwardTerm("z_out", v));
+      }
+    }
     for (int j = 1; j <= k; ++j) {
       for (double v : terms->mtp_terms[j - 1]) {
         GRADSUM_RETURN_IF_ERROR(display->AddBackwardTerm(absl::StrCat("mtp_", j), v));
@@ -657,6 +668,7 @@ absl::StatusOr<MicroBatchLosses> MoeLmModel::ForwardBackward(const TokenBatch& b
   result.z = terms->z;
   result.bal = terms->bal;
   result.mtp = terms->mtp;
+  result.z_out = terms->z_out;
   return result;
 }
 

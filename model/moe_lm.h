@@ -65,9 +65,10 @@ struct TokenBatch {
   std::vector<absl::Span<const int32_t>> mtp_tokens;
 };
 
-// One micro-batch's local loss components (detached, §8).
+// One micro-batch's local loss components (detached, §8). z_out: the output z-loss of
+// §3.2 (alpha_lse > 0; 0 otherwise), which `ce` then excludes.
 struct MicroBatchLosses {
-  double ce = 0, z = 0, bal = 0;
+  double ce = 0, z = 0, bal = 0, z_out = 0;
   std::vector<double> mtp;  // per depth: mtp_scale / k * its local CE component
 };
 
@@ -114,7 +115,7 @@ class MoeLmModel {
   // `micro_index` in [0, G) picks this micro-batch's weights, and G - 1 marks the last.
   // Adds the local gradients through ModelParams (which reduces them as they complete) and
   // the loss components and expert counts into `display` (may be null; terms "ce", "z",
-  // "bal"). Collective over the EP group and the world.
+  // "bal", and "z_out" when alpha_lse > 0). Collective over the EP group and the world.
   // Errors: a bad batch as InvalidArgument (CheckTokenBatch); the ops' and the
   // parameters' errors as they are.
   absl::StatusOr<MicroBatchLosses> ForwardBackward(const TokenBatch& batch,
@@ -123,9 +124,12 @@ class MoeLmModel {
                                                    losses::StepDisplay* display,
                                                    const losses::MtpStats* mtp = nullptr);
 
-  // Registers the display terms this model adds ("ce", "z", "bal", and "mtp_1" ..
-  // "mtp_<mtp_depth>").
-  static absl::Status RegisterDisplayTerms(losses::StepDisplay* display, int mtp_depth = 0);
+  // Registers the display terms a model of `config` adds: "ce", "z", "bal", with
+  // alpha_lse > 0 "z_out", the output z-loss of SEMANTICS.md §3.2 (then not in "ce"), and
+  // "mtp_1" .. "mtp_<mtp_depth>" (§15.1). With alpha_lse = 0 and no MTP the registry, and
+  // so every display value, is as before the options.
+  static absl::Status RegisterDisplayTerms(const MoeLmConfig& config,
+                                           losses::StepDisplay* display);
 
   const MoeLmSpec& spec() const { return spec_; }
 

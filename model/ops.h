@@ -85,7 +85,8 @@ struct MoeWeights {
   const float* local_experts = nullptr;
   // The layer's expert bias [E] (SEMANTICS.md §5.1), HOST memory: added to the router
   // scores for the top-K selection only. Null: none (§10's routing). A device that cannot
-  // route with a bias refuses it in MoeForward (Unimplemented).
+  // route with a bias refuses it in MoeForward (Unimplemented); the CPU and CUDA ops both
+  // route with it.
   const float* expert_bias = nullptr;
 };
 
@@ -98,11 +99,16 @@ struct MoeGrads {
 struct MicroBatchLossTerms {
   // This rank's loss components (detached): L_ce[r, m], L_z[r, m], L_bal[r, m].
   double ce = 0, z = 0, bal = 0;
+  // The output z-loss of SEMANTICS.md §3.2, alpha_lse * sum_t w_t lse_t^2 / D, when
+  // alpha_lse > 0 (0 and z_out_terms empty otherwise). `ce` then excludes it: the LM
+  // head's objective is ce + z_out.
+  double z_out = 0;
   // The same values as the display adds them: one value per term for a single row block,
   // one per (layer, block) or block with row blocks, so that exact display sums see
   // per-sequence values (losses/display.h).
-  std::vector<double> ce_terms, z_terms, bal_terms;
-  // MTP (§15.1): per depth, its local component and its display values as above.
+  std::vector<double> ce_terms, z_terms, bal_terms, z_out_terms;
+  // MTP (§15.1): per depth, its local component and its display values as above (a depth's
+  // output z-loss stays in its own term).
   std::vector<double> mtp;
   std::vector<std::vector<double>> mtp_terms;
   // Per MoE layer (the L main ones, then the MTP depths'): c[l, m, :] of §5, global (every rank's SUM).

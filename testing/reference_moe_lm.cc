@@ -114,9 +114,11 @@ struct SequenceCache {
 
 // One token's LM-head loss of §3.2 from its raw logits x (the CE with label smoothing over
 // the whole vocabulary, of the softcapped logits, plus alpha_lse lse^2), straight from the
-// definitions; with `dx` non-null also its gradient with respect to x (before w / D).
+// definitions; with `dx` non-null also its gradient with respect to x (before w / D). With
+// `z_out` non-null the CE part is returned and the output z-loss alpha_lse lse^2 written
+// there (the two display terms); otherwise their sum is returned.
 double LmHeadTokenLoss(const ReferenceConfig& c, const std::vector<double>& x, int label,
-                       std::vector<double>* dx) {
+                       std::vector<double>* dx, double* z_out = nullptr) {
   const int V = static_cast<int>(x.size());
   const double cap = c.logit_softcap, eps = c.label_smoothing;
   std::vector<double> z(x);
@@ -126,8 +128,10 @@ double LmHeadTokenLoss(const ReferenceConfig& c, const std::vector<double>& x, i
   const double lse = LogSumExp(z);
   double mean_logp = 0.0;
   for (double e : z) mean_logp += (e - lse) / V;
-  const double loss =
-      -(1.0 - eps) * (z[label] - lse) - eps * mean_logp + c.alpha_lse * lse * lse;
+  const double ce = -(1.0 - eps) * (z[label] - lse) - eps * mean_logp;
+  const double out_z = c.alpha_lse * lse * lse;
+  const double loss = z_out != nullptr ? ce : ce + out_z;
+  if (z_out != nullptr) *z_out = out_z;
   if (dx != nullptr) {
     dx->assign(V, 0.0);
     for (int v = 0; v < V; ++v) {
@@ -586,7 +590,9 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
   // ---- Loss values (§3-5). ----
   for (const TokenCache& tc : cache) {
     if (tc.valid && Dce > 0) {
-      result.ce += tc.weight * LmHeadTokenLoss(c, tc.logits, tc.label, nullptr) / Dce;
+      double z_out = 0.0;
+      result.ce += tc.weight * LmHeadTokenLoss(c, tc.logits, tc.label, nullptr, &z_out) / Dce;
+      result.z_out += tc.weight * z_out / Dce;
     }
     for (int j = 1; j <= KM; ++j) {
       const TokenCache::Mtp& mc = tc.mtp[j - 1];

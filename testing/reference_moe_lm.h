@@ -95,10 +95,13 @@ struct ReferenceMicroBatch {
 
 struct ReferenceResult {
   // Global values of each term (§3, §4, §5) and their sum (§6).
-  double ce = 0, z = 0, bal = 0;
+  // ce is §3.2's CE (smoothed, of the capped logits) WITHOUT the output z-loss, which is
+  // z_out = alpha_lse * sum_t w_t lse_t^2 / D (0 unless alpha_lse > 0): the two display
+  // terms of moe_lm. An MTP depth's term holds its own head's output z-loss.
+  double ce = 0, z = 0, bal = 0, z_out = 0;
   std::vector<double> mtp;  // per MTP depth: mtp_scale / k * L_j (§15.1)
   double total() const {
-    double t = ce + z + bal;
+    double t = ce + z + bal + z_out;
     for (double v : mtp) t += v;
     return t;
   }

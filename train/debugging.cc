@@ -187,6 +187,8 @@ absl::Status WriteDump(const TrainConfig& config, int rank, const NamedParams& w
   j.set_ce(record.ce());
   j.set_z(record.z());
   j.set_bal(record.bal());
+  if (record.has_z_out()) j.set_z_out(record.z_out());
+  for (double v : record.mtp()) j.add_mtp(v);
   j.set_loss(record.loss());
   j.set_valid_tokens(record.valid_tokens());
   j.set_routed_tokens(record.routed_tokens());
@@ -213,6 +215,7 @@ absl::StatusOr<ParityReport> RunParityCheck(const TrainConfig& config, Communica
     GRADSUM_ASSIGN_OR_RETURN(auto global_batch, GlobalBatchForStep(config, 0));
     GRADSUM_ASSIGN_OR_RETURN(report, CheckParity(config, weights, global_batch, grads,
                                                  {record.ce(), record.z(), record.bal(),
+                                                  record.z_out(),
                                                   {record.mtp().begin(), record.mtp().end()}},
                                                  tol,
                                                  expert_bias));

@@ -127,9 +127,10 @@ class MoeLm {
   // Full values of every parameter (or gradient) on every rank. Collective over the world.
   absl::StatusOr<NamedParams> GatherFull(bool grads) { return params_->GatherFull(grads); }
 
-  // Registers the display terms this model adds ("ce", "z", "bal").
-  static absl::Status RegisterDisplayTerms(losses::StepDisplay* display, int mtp_depth = 0) {
-    return model::MoeLmModel::RegisterDisplayTerms(display, mtp_depth);
+  // Registers the display terms this model adds ("ce", "z", "bal", "z_out" with
+  // alpha_lse > 0, "mtp_<j>" per MTP depth; model/moe_lm.h).
+  absl::Status RegisterDisplayTerms(losses::StepDisplay* display) const {
+    return model::MoeLmModel::RegisterDisplayTerms(model_->spec().config(), display);
   }
 
   // The expert bias of §5.1 (model state, the same on every rank; model/moe_lm.h): [L][E],

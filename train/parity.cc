@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -117,6 +119,8 @@ absl::StatusOr<ParityReport> CheckParity(const TrainConfig& config, const NamedP
   }
   std::vector<std::tuple<std::string, double, double>> terms = {
       {"ce", losses.ce, ref.ce}, {"z", losses.z, ref.z}, {"bal", losses.bal, ref.bal}};
+  // §3.2's output z-loss is its own display term only when it is on.
+  if (rc.alpha_lse > 0) terms.emplace_back("z_out", losses.z_out, ref.z_out);
   for (size_t j = 0; j < ref.mtp.size(); ++j) {
     terms.push_back({absl::StrCat("mtp_", j + 1), losses.mtp[j], ref.mtp[j]});
   }

@@ -7,7 +7,7 @@
 //
 //   GRADSUM_ASSIGN_OR_RETURN(auto batch, GlobalBatchForStep(config, /*step_index=*/0));
 //   GRADSUM_ASSIGN_OR_RETURN(ParityReport r,
-//       CheckParity(config, weights, batch, grads, {ce, z, bal}, 1e-5));
+//       CheckParity(config, weights, batch, grads, {ce, z, bal, z_out}, 1e-5));
 //   std::cout << r.ToString();  if (!r.ok) ...
 //
 // Errors are measured per parameter, scale-free:
@@ -53,9 +53,10 @@ struct ParityReport {
 absl::StatusOr<std::vector<std::vector<MicroBatch>>> GlobalBatchForStep(const TrainConfig& config,
                                                                         int64_t step_index);
 
-// The display values to compare: the global ce, z and bal of the step.
+// The display values to compare: the global ce, z and bal of the step, and the output
+// z-loss z_out of SEMANTICS.md §3.2 (compared only when loss.alpha_lse > 0).
 struct StepLosses {
-  double ce = 0, z = 0, bal = 0;
+  double ce = 0, z = 0, bal = 0, z_out = 0;
   std::vector<double> mtp;  // per MTP depth: mtp_<j> (§15.1)
 };
 

@@ -252,10 +252,84 @@ TEST(ParityCeOptionsTest, SmoothingSoftcapAndOutputZLossMatchTheReference) {
     ASSERT_TRUE(r0.parity.has_value());
     EXPECT_TRUE(r0.parity->ok) << o.name << "\n" << r0.parity->ToString();
     EXPECT_LE(r0.parity->worst, 1e-5) << o.name;
-    EXPECT_NE(r0.history[0].ce(), (*p)[0].history[0].ce()) << o.name << " had no effect";
+    EXPECT_NE(r0.history[0].loss(), (*p)[0].history[0].loss()) << o.name << " had no effect";
+    // ce changes with the options that change the CE; the output z-loss is a term of its
+    // own (z_out, checked against the reference by the parity report's extra row).
+    if (o.eps > 0 || o.cap > 0) {
+      EXPECT_NE(r0.history[0].ce(), (*p)[0].history[0].ce()) << o.name;
+    }
+    EXPECT_EQ(r0.history[0].has_z_out(), o.alpha > 0) << o.name;
+    EXPECT_EQ(r0.parity->losses.size(), o.alpha > 0 ? 4u : 3u) << o.name;
     ASSERT_TRUE(r0.first_step_grads.has_value() && (*p)[0].first_step_grads.has_value());
     EXPECT_NE(*r0.first_step_grads, *(*p)[0].first_step_grads) << o.name << " had no effect";
   }
+}
+
+// The output z-loss (§3.2) is its own display term z_out (§8): it equals an fp64
+// computation of alpha_lse * sum_t w_t lse_t^2 / D (the reference's, from its own logits),
+// with sample-mode weights so that w_t and D are not token counts; ce then excludes it
+// (bit for bit the ce of the same run without it: the CE rows do not depend on alpha);
+// the loss is the sum of the four terms; every rank displays the same values. Then
+// reproducible mode, whose display adds one z_out value per row block, gives the same
+// bits of z_out at world 1 and world 4.
+TEST(ParityCeOptionsTest, OutputZLossIsItsOwnDisplayTerm) {
+  TrainConfig smooth = TinyConfig(4, 2, 2, TrainConfig::fsdp);
+  smooth.mutable_debug()->set_parity_check(true);
+  smooth.mutable_loss()->set_ce_mode(TrainConfig::sample);
+  smooth.mutable_loss()->set_label_smoothing(0.1);
+  TrainConfig config = smooth;
+  const double alpha = 0.05;
+  config.mutable_loss()->set_alpha_lse(alpha);
+  auto without = RunInProcess(smooth);
+  auto with = RunInProcess(config);
+  ASSERT_TRUE(without.ok() && with.ok());
+  for (const auto* out : {&*without, &*with}) {
+    for (const RankOutcome& r : *out) ASSERT_TRUE(r.status.ok()) << r.status;
+  }
+  const RankOutcome& r0 = (*with)[0];
+  ASSERT_TRUE(r0.parity.has_value());
+  EXPECT_TRUE(r0.parity->ok) << r0.parity->ToString();
+  const StepMetrics& s1 = r0.history[0];
+  ASSERT_TRUE(s1.has_z_out());
+  EXPECT_GT(s1.z_out(), 0.0);
+  bool compared = false;
+  for (const LossParity& l : r0.parity->losses) {
+    if (l.name != "z_out") continue;
+    compared = true;
+    EXPECT_EQ(l.value, s1.z_out());
+    EXPECT_GT(l.reference, 0.0);
+    EXPECT_LE(l.rel_err, 1e-6) << r0.parity->ToString();
+  }
+  EXPECT_TRUE(compared) << r0.parity->ToString();
+  const StepMetrics& plain = (*without)[0].history[0];
+  EXPECT_FALSE(plain.has_z_out());
+  EXPECT_EQ(s1.ce(), plain.ce()) << "ce must exclude the output z-loss";
+  EXPECT_EQ(s1.z(), plain.z());
+  EXPECT_EQ(s1.bal(), plain.bal());
+  EXPECT_NEAR(s1.loss(), s1.ce() + s1.z() + s1.bal() + s1.z_out(), 1e-12);
+  EXPECT_NEAR(s1.loss() - plain.loss(), s1.z_out(), 1e-12);
+  for (const RankOutcome& r : *with) EXPECT_EQ(r.history[0].z_out(), s1.z_out());
+
+  // Reproducible: the same bits at world 1 and world 4 (one micro-batch of 8 vs 4 x 2).
+  auto repro = [&](int world, int ep, int micro_batch) {
+    TrainConfig c = config;
+    c.mutable_parallelism()->set_world(world);
+    c.mutable_parallelism()->set_ep(ep);
+    c.mutable_parallelism()->set_grad_acc(1);
+    c.mutable_data()->set_micro_batch(micro_batch);
+    c.mutable_precision()->set_reproducible(true);
+    c.mutable_debug()->set_parity_check(false);
+    return RunInProcess(c);
+  };
+  auto w1 = repro(1, 1, 8);
+  auto w4 = repro(4, 2, 2);
+  ASSERT_TRUE(w1.ok() && w4.ok());
+  ASSERT_TRUE((*w1)[0].status.ok()) << (*w1)[0].status;
+  for (const RankOutcome& r : *w4) ASSERT_TRUE(r.status.ok()) << r.status;
+  ASSERT_TRUE((*w1)[0].history[0].has_z_out());
+  EXPECT_GT((*w1)[0].history[0].z_out(), 0.0);
+  EXPECT_EQ((*w1)[0].history[0].z_out(), (*w4)[0].history[0].z_out());
+  EXPECT_EQ((*w1)[0].history[0].ce(), (*w4)[0].history[0].ce());
 }
 
 // The bar can fail: a tolerance below fp32 rounding must fail the check on every rank.
@@ -565,6 +639,54 @@ TEST(MtpParityTest, MtpMattersAndItsScaleWeighsItsTerms) {
   for (int j = 0; j < 2; ++j) {
     EXPECT_NEAR((*c)[0].history[0].mtp(j), 2 * (*b)[0].history[0].mtp(j),
                 1e-6 * (*b)[0].history[0].mtp(j));
+  }
+}
+
+// The CE options (§3.2) with MTP (§15.1): each depth's head takes the same options, and a
+// depth's output z-loss stays in its own mtp_<j> term (the fp64 reference computes both from
+// their definitions), so z_out is the main head's alone: bit for bit the z_out of the same
+// step without MTP (step 1's main-model weights do not depend on mtp_depth). Under EP, SP,
+// CP and G.
+TEST(MtpParityTest, CeOptionsMatchTheReference) {
+  for (const MtpCase& c :
+       {MtpCase{2, true, 4, 2, 2, 1, 2, TrainConfig::fsdp, TrainConfig::token},
+        MtpCase{1, true, 4, 1, 1, 2, 2, TrainConfig::fsdp, TrainConfig::sample},
+        MtpCase{2, false, 2, 2, 1, 1, 2, TrainConfig::replicated, TrainConfig::square}}) {
+    const int k = std::get<0>(c);
+    TrainConfig config = MtpConfig(c);
+    config.mutable_loss()->set_label_smoothing(0.1);
+    config.mutable_loss()->set_logit_softcap(0.5);
+    config.mutable_loss()->set_alpha_lse(0.02);
+    TrainConfig no_mtp = config;
+    no_mtp.mutable_model()->set_mtp_depth(0);
+    TrainConfig no_z_out = config;
+    no_z_out.mutable_loss()->set_alpha_lse(0);
+    absl::StatusOr<std::vector<RankOutcome>> out = RunInProcess(config);
+    absl::StatusOr<std::vector<RankOutcome>> base = RunInProcess(no_mtp);
+    absl::StatusOr<std::vector<RankOutcome>> plain = RunInProcess(no_z_out);
+    ASSERT_TRUE(out.ok() && base.ok() && plain.ok());
+    for (const auto* o : {&*out, &*base, &*plain}) {
+      for (const RankOutcome& r : *o) ASSERT_TRUE(r.status.ok()) << r.status;
+    }
+    const std::string name = MtpCaseName({c, 0});
+    const RankOutcome& r0 = (*out)[0];
+    ASSERT_TRUE(r0.parity.has_value());
+    EXPECT_TRUE(r0.parity->ok) << name << "\n" << r0.parity->ToString();
+    EXPECT_LE(r0.parity->worst, 1e-5) << name;
+    // ce, z, bal, z_out and one row per depth.
+    EXPECT_EQ(r0.parity->losses.size(), 4u + k) << name;
+    const StepMetrics& s1 = r0.history[0];
+    ASSERT_TRUE(s1.has_z_out()) << name;
+    ASSERT_EQ(s1.mtp_size(), k) << name;
+    EXPECT_EQ(s1.z_out(), (*base)[0].history[0].z_out()) << name;
+    EXPECT_EQ(s1.ce(), (*base)[0].history[0].ce()) << name;
+    double total = s1.ce() + s1.z() + s1.bal() + s1.z_out();
+    for (int j = 0; j < k; ++j) {
+      total += s1.mtp(j);
+      // The depth's own output z-loss is in its term: it grows with alpha_lse.
+      EXPECT_GT(s1.mtp(j), (*plain)[0].history[0].mtp(j)) << name << " depth " << j + 1;
+    }
+    EXPECT_NEAR(s1.loss(), total, 1e-12 * total) << name;
   }
 }
 

@@ -64,23 +64,32 @@ double CommExposedSeconds(const StepMetrics& record, CommKind kind) {
 
 std::string StepLogLine(const StepMetrics& r, int64_t total_steps) {
   const double exposed_pct = r.step_s() > 0 ? 100.0 * r.comm_exposed_s() / r.step_s() : 0.0;
-  // MTP's terms (SEMANTICS.md §15.1), one per depth; nothing without --mtp_depth.
-  std::string mtp;
+  // The output z-loss (§3.2) only in runs that have it, after the router's z; then MTP's
+  // terms (SEMANTICS.md §15.1), one per depth, nothing without --mtp_depth.
+  std::string extra = r.has_z_out() ? absl::StrFormat(" | z_out %.6f", r.z_out()) : "";
   for (int j = 0; j < r.mtp_size(); ++j) {
-    absl::StrAppendFormat(&mtp, "%s%.4f", j == 0 ? " | mtp " : " ", r.mtp(j));
+    absl::StrAppendFormat(&extra, "%s%.4f", j == 0 ? " | mtp " : " ", r.mtp(j));
   }
   return absl::StrFormat(
       "step %*d/%d | ce %.4f | bal %.6f | z %.6f%s | valid %d | gnorm %.4f | lr %.2e | "
       "%s tok/s | comm %.1f ms, exposed %.1f ms (%.0f%%) | wait %.1f ms | params %.0f%%",
       static_cast<int>(absl::StrCat(total_steps).size()), r.step(), total_steps, r.ce(), r.bal(),
-      r.z(), mtp, r.valid_tokens(), r.grad_norm(), r.lr(), HumanRate(r.tokens_per_s()),
+      r.z(), extra, r.valid_tokens(), r.grad_norm(), r.lr(), HumanRate(r.tokens_per_s()),
       r.comm_s() * 1e3, r.comm_exposed_s() * 1e3, exposed_pct, r.wait_s() * 1e3,
       r.full_param_bytes() > 0 ? 100.0 * r.peak_unsharded_param_bytes() / r.full_param_bytes()
                                : 0.0);
 }
 
 absl::StatusOr<std::string> StepJsonLine(const StepMetrics& record) {
-  if (const std::string missing = FirstMissingField(record); !missing.empty()) {
+  // z_out is the one field set only when its option is on (--alpha_lse; metrics.proto).
+  StepMetrics complete;
+  const StepMetrics* checked = &record;
+  if (!record.has_z_out()) {
+    complete = record;
+    complete.set_z_out(0);
+    checked = &complete;
+  }
+  if (const std::string missing = FirstMissingField(*checked); !missing.empty()) {
     return absl::InternalError(absl::StrCat("step ", record.step(), "'s metrics record has no ",
                                             missing, " (every field is written)"));
   }
@@ -93,7 +102,7 @@ TrainSummary Summarize(const std::vector<StepMetrics>& history, int64_t first_st
   s.first_step = first_step;
   s.entropy_floor = entropy_floor;
   s.context_floor = context_floor;
-  std::vector<double> ces, exposed, peak, activation;
+  std::vector<double> ces, z_outs, exposed, peak, activation;
   std::vector<std::vector<double>> maxvio;  // per step, per layer
   int64_t tokens = 0;
   for (const StepMetrics& r : history) {
@@ -101,6 +110,11 @@ TrainSummary Summarize(const std::vector<StepMetrics>& history, int64_t first_st
     if (r.step() == first_step) s.first_ce = r.ce();
     s.last_step = r.step();
     s.last_ce = r.ce();
+    if (r.has_z_out()) {
+      if (r.step() == first_step) s.first_z_out = r.z_out();
+      s.last_z_out = r.z_out();
+      z_outs.push_back(r.z_out());
+    }
     s.seconds += r.step_s();  // steps only: no parity, dump or checkpoint time
     s.comm_seconds += r.comm_s();
     s.comm_exposed_seconds += r.comm_exposed_s();
@@ -121,6 +135,12 @@ TrainSummary Summarize(const std::vector<StepMetrics>& history, int64_t first_st
   double ce_tail_sum = 0;
   for (size_t i = ces.size() - tail; i < ces.size(); ++i) ce_tail_sum += ces[i];
   s.tail_mean_ce = tail > 0 ? ce_tail_sum / tail : 0;
+  if (!z_outs.empty()) {
+    const size_t z_tail = std::min<size_t>(10, z_outs.size());
+    double z_tail_sum = 0;
+    for (size_t i = z_outs.size() - z_tail; i < z_outs.size(); ++i) z_tail_sum += z_outs[i];
+    s.tail_mean_z_out = z_tail_sum / z_tail;
+  }
   const size_t layers = maxvio.empty() ? 0 : maxvio.back().size();
   s.mean_maxvio.assign(layers, 0.0);
   s.tail_mean_maxvio.assign(layers, 0.0);
@@ -162,6 +182,12 @@ std::string TrainSummary::ToString() const {
                         median_peak_activation_bytes / (1 << 20));
   absl::StrAppendFormat(&out, "summary: ce %.4f -> %.4f (mean of the last steps %.4f)\n", first_ce,
                         last_ce, tail_mean_ce);
+  if (tail_mean_z_out >= 0) {
+    absl::StrAppendFormat(&out,
+                          "summary: output z-loss z_out %.6f -> %.6f (mean of the last steps "
+                          "%.6f), not in ce\n",
+                          first_z_out, last_z_out, tail_mean_z_out);
+  }
   if (!mean_maxvio.empty()) {
     auto join = [](const std::vector<double>& v) {
       return absl::StrJoin(v, " ", [](std::string* o, double x) {

@@ -30,7 +30,8 @@ void SetCommExposed(const CommTimer::Exposed& exposed, StepMetrics* record);
 // The part of comm_exposed_s that collectives of `kind` blocked.
 double CommExposedSeconds(const StepMetrics& record, CommKind kind);
 
-// "step  12/500 | ce 1.3123 | bal ... | params 86%": the line moe_lm prints per step.
+// "step  12/500 | ce 1.3123 | bal ... | params 86%": the line moe_lm prints per step
+// (with "| z_out ..." after z when the record has the output z-loss of §3.2).
 std::string StepLogLine(const StepMetrics& record, int64_t total_steps);
 
 // The --metrics JSONL line: the proto3 JSON of `record` (io/proto_json.h), every field
@@ -44,6 +45,9 @@ struct TrainSummary {
   int64_t first_step = 0, last_step = 0;  // 1-based, inclusive; first > last if none ran
   double first_ce = 0, last_ce = 0;
   double tail_mean_ce = 0;    // mean CE of the last min(10, steps) steps
+  // The output z-loss of SEMANTICS.md §3.2 (StepMetrics.z_out), as ce; all three < 0 when
+  // the records have none (--alpha_lse = 0: the summary then prints no line for it).
+  double first_z_out = -1, last_z_out = -1, tail_mean_z_out = -1;
   // nats/token, < 0 when unknown (a --data file): the best expected CE of a model that sees
   // only the current token, and of one that sees the whole document so far (train/data.h).
   double entropy_floor = -1;

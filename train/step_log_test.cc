@@ -138,6 +138,50 @@ TEST(StepLogTest, LogLineAndSummary) {
   EXPECT_EQ(Summarize({r}, 8, -1).ToString(), "summary: no steps run\n");
 }
 
+// The output z-loss of SEMANTICS.md §3.2 is its own field, set only by runs with
+// --alpha_lse > 0: then the JSON line ends with it (field 34, also when it is 0), the log
+// line shows it after z and the summary has a line for it; without it nothing changes
+// (the tests above are those records).
+TEST(StepLogTest, OutputZLossIsItsOwnFieldOnlyWhenSet) {
+  StepMetrics r = FullRecord();
+  absl::StatusOr<std::string> plain = StepJsonLine(r);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ(plain->find("z_out"), std::string::npos) << *plain;
+  r.set_z_out(0.03125);
+  absl::StatusOr<std::string> json = StepJsonLine(r);
+  ASSERT_TRUE(json.ok()) << json.status();
+  EXPECT_EQ(*json, plain->substr(0, plain->size() - 1) + ",\"z_out\":0.03125}");
+  r.set_z_out(0);
+  json = StepJsonLine(r);
+  ASSERT_TRUE(json.ok()) << json.status();
+  EXPECT_EQ(*json, plain->substr(0, plain->size() - 1) + ",\"z_out\":0.0}");
+  // The exemption is z_out's alone: another unset field is still refused.
+  r.clear_wait_s();
+  EXPECT_EQ(StepJsonLine(r).status().code(), absl::StatusCode::kInternal);
+
+  r = FullRecord();
+  r.set_z_out(0.03125);
+  EXPECT_EQ(StepLogLine(r, 500),
+            "step   7/500 | ce 2.5000 | bal 0.125000 | z 0.000000 | z_out 0.031250 | valid 4096 | "
+            "gnorm 0.1000 | lr 1.00e-04 | 30000.00M tok/s | comm 250.0 ms, exposed 62.5 ms (4%) | "
+            "wait 0.0 ms | params 50%");
+  StepMetrics r2 = r;
+  r2.set_step(8);
+  r2.set_z_out(0.015625);
+  const TrainSummary s = Summarize({r, r2}, /*first_step=*/7, /*entropy_floor=*/-1);
+  EXPECT_EQ(s.first_z_out, 0.03125);
+  EXPECT_EQ(s.last_z_out, 0.015625);
+  EXPECT_EQ(s.tail_mean_z_out, 0.0234375);
+  EXPECT_NE(s.ToString().find("summary: ce 2.5000 -> 2.5000 (mean of the last steps 2.5000)\n"
+                              "summary: output z-loss z_out 0.031250 -> 0.015625 (mean of the "
+                              "last steps 0.023438), not in ce\n"),
+            std::string::npos)
+      << s.ToString();
+  const TrainSummary without = Summarize({FullRecord()}, 7, -1);
+  EXPECT_EQ(without.tail_mean_z_out, -1);
+  EXPECT_EQ(without.ToString().find("z_out"), std::string::npos) << without.ToString();
+}
+
 // A source where context helps: both floors, the per-token one to beat and the context
 // one to approach.
 TEST(StepLogTest, SummaryWithTwoFloors) {

@@ -88,8 +88,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   trainer->display_ = losses::StepDisplay(
       config.model().layers() + config.model().mtp_depth(), config.model().experts(),
       trainer->model_->options().parallel.precision);
-  GRADSUM_RETURN_IF_ERROR(
-      MoeLm::RegisterDisplayTerms(&trainer->display_, config.model().mtp_depth()));
+  GRADSUM_RETURN_IF_ERROR(trainer->model_->RegisterDisplayTerms(&trainer->display_));
   // Rank-local start-up work (the data loader): every rank learns at once if any rank
   // failed, with that rank's message.
   GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world, trainer->PrepareLocal(), "start-up"));
@@ -352,6 +351,9 @@ absl::StatusOr<StepMetrics> Trainer::MakeRecord(const losses::StepStats& stats,
   r.set_ce(ce);
   r.set_z(z);
   r.set_bal(bal);
+  // §3.2's output z-loss, apart from ce, where the model registered it (alpha_lse > 0);
+  // absent otherwise, so that the records of runs without it are unchanged.
+  if (absl::StatusOr<double> z_out = display.Value("z_out"); z_out.ok()) r.set_z_out(*z_out);
   r.set_loss(display.total_loss);
   for (int j = 1; j <= config_.model().mtp_depth(); ++j) {
     GRADSUM_ASSIGN_OR_RETURN(const double v, display.Value(absl::StrCat("mtp_", j)));

@@ -179,6 +179,10 @@ TEST(TrainerTest, DumpWritesTheNamedFiles) {
   ss << in.rdbuf();
   DumpedLosses losses;
   ASSERT_TRUE(ProtoFromJson(ss.str(), &losses).ok()) << ss.str();
+  // Every field but z_out, which only a run with --alpha_lse writes (SEMANTICS.md §3.2).
+  EXPECT_FALSE(losses.has_z_out());
+  EXPECT_EQ(losses.mtp_size(), 0);
+  losses.set_z_out(0);
   EXPECT_EQ(FirstMissingField(losses), "");
   const StepMetrics& s1 = (*out)[0].history[0];
   EXPECT_EQ(losses.step(), 1);
@@ -189,6 +193,38 @@ TEST(TrainerTest, DumpWritesTheNamedFiles) {
   // 64-bit integers are JSON numbers, as in the --metrics lines.
   EXPECT_THAT(ss.str(), HasSubstr(absl::StrCat("\"valid_tokens\":", s1.valid_tokens(), ",")));
   EXPECT_THAT(losses.config(), HasSubstr("world: 4"));
+}
+
+// With the output z-loss and MTP on, losses.json carries their display terms too: z_out and
+// one mtp value per depth, each the step record's value, and loss their sum with ce, z, bal.
+TEST(TrainerTest, DumpCarriesTheOptionalTerms) {
+  const std::string dir = ::testing::TempDir() + "/dump_terms";
+  std::filesystem::remove_all(dir);
+  TrainConfig config = TinyConfig(2, 2, 1, TrainConfig::fsdp);
+  config.mutable_debug()->set_dump_dir(dir);
+  config.mutable_optim()->set_steps(1);
+  config.mutable_model()->set_mtp_depth(2);
+  config.mutable_loss()->set_alpha_lse(0.01);
+  auto out = RunInProcess(config);
+  ASSERT_TRUE(out.ok());
+  ASSERT_TRUE((*out)[0].status.ok()) << (*out)[0].status;
+  std::ifstream in(dir + "/losses.json");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  DumpedLosses losses;
+  ASSERT_TRUE(ProtoFromJson(ss.str(), &losses).ok()) << ss.str();
+  const StepMetrics& s1 = (*out)[0].history[0];
+  ASSERT_TRUE(losses.has_z_out());
+  EXPECT_GT(losses.z_out(), 0.0);
+  EXPECT_EQ(losses.z_out(), s1.z_out());
+  ASSERT_EQ(losses.mtp_size(), 2);
+  double total = losses.ce() + losses.z() + losses.bal() + losses.z_out();
+  for (int j = 0; j < 2; ++j) {
+    EXPECT_GT(losses.mtp(j), 0.0);
+    EXPECT_EQ(losses.mtp(j), s1.mtp(j));
+    total += losses.mtp(j);
+  }
+  EXPECT_NEAR(losses.loss(), total, 1e-12 * total);
 }
 
 // Resuming from a checkpoint continues bit-exactly: the same losses and grad norms as an

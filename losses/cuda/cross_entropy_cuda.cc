@@ -1,6 +1,7 @@
 #include "losses/cuda/cross_entropy_cuda.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <utility>
 
@@ -70,7 +71,8 @@ absl::Status CrossEntropyErrorRecord::CheckAndReset(cudaStream_t stream) {
   if (h.nonfinite_row != kNoRow) {
     return absl::InvalidArgumentError(absl::StrCat(
         "cross-entropy: row ", h.nonfinite_row,
-        " has a NaN or infinite loss (NaN/+inf logits, all -inf, or a -inf target logit; ",
+        " has a NaN or infinite loss (NaN/+inf logits, all -inf, a -inf target logit, or "
+        "with label_smoothing a -inf logit; ",
         h.nonfinite_count, " such rows in all)"));
   }
   return absl::FailedPreconditionError(absl::StrCat(
@@ -97,6 +99,22 @@ absl::Status CheckArgs(const CrossEntropyCudaArgs& a) {
   GRADSUM_RETURN_IF_ERROR(cuda::CheckDevicePointer(a.global_weight_sum, "global_weight_sum"));
   GRADSUM_RETURN_IF_ERROR(cuda::CheckDevicePointer(a.loss, "loss"));
   GRADSUM_RETURN_IF_ERROR(cuda::CheckOptionalDevicePointer(a.local_weight_sum, "local_weight_sum"));
+  GRADSUM_RETURN_IF_ERROR(cuda::CheckOptionalDevicePointer(a.ce_loss, "ce_loss"));
+  GRADSUM_RETURN_IF_ERROR(cuda::CheckOptionalDevicePointer(a.z_out_loss, "z_out_loss"));
+  // The options of SEMANTICS.md §3.2, as losses/cross_entropy.h checks them (written so
+  // that NaN fails every check).
+  if (!(a.label_smoothing >= 0.0 && a.label_smoothing < 1.0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cross-entropy: label_smoothing ", a.label_smoothing, " must be in [0, 1)"));
+  }
+  if (!(a.logit_softcap >= 0.0 && std::isfinite(a.logit_softcap))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cross-entropy: logit_softcap ", a.logit_softcap, " must be finite and >= 0 (0 = off)"));
+  }
+  if (!(a.alpha_lse >= 0.0 && std::isfinite(a.alpha_lse))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cross-entropy: alpha_lse ", a.alpha_lse, " must be finite and >= 0 (0 = off)"));
+  }
   if (a.rows == 0) return absl::OkStatus();
   GRADSUM_RETURN_IF_ERROR(cuda::CheckDevicePointer(a.logits, "logits"));
   GRADSUM_RETURN_IF_ERROR(cuda::CheckDevicePointer(a.labels, "labels"));
@@ -133,6 +151,11 @@ absl::Status Enqueue(const CrossEntropyCudaArgs& a, CeErrorRecord* record, cudaS
   l.local_weight_sum = a.local_weight_sum;
   l.accumulate = a.accumulate_loss;
   l.token_loss = a.token_loss;
+  l.label_smoothing = a.label_smoothing;
+  l.logit_softcap = a.logit_softcap;
+  l.alpha_lse = a.alpha_lse;
+  l.ce_loss = a.ce_loss;
+  l.z_out_loss = a.z_out_loss;
   l.error = record;
   l.stream = stream;
   // Wide rows get 512 threads (4 blocks of 2048 threads per SM); narrow rows fewer, so
@@ -145,7 +168,9 @@ absl::Status Enqueue(const CrossEntropyCudaArgs& a, CeErrorRecord* record, cudaS
                          cuda_internal::kCeMaxBlocks}));
   GRADSUM_CUDA_RETURN_IF_ERROR(
       cudaMallocAsync(reinterpret_cast<void**>(&l.partials),
-                      sizeof(double) * 2 * std::max(l.num_blocks, 1), stream),
+                      sizeof(double) * cuda_internal::kCePartialsPerBlock *
+                          std::max(l.num_blocks, 1),
+                      stream),
       "cudaMallocAsync(CE partials)");
   const cudaError_t launch_err = cuda_internal::LaunchCrossEntropy(l);
   const cudaError_t free_err = cudaFreeAsync(l.partials, stream);

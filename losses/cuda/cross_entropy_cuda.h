@@ -62,7 +62,8 @@ class CrossEntropyErrorRecord {
   // - InvalidArgument for a negative or non-finite token weight (lowest row named);
   // - InvalidArgument for a negative or non-finite D;
   // - InvalidArgument naming the lowest weighted row whose loss is NaN or infinite
-  //   (NaN/+inf logits, all -inf, or a -inf target logit);
+  //   (NaN/+inf logits, all -inf, or a -inf target logit; with label_smoothing, a -inf
+  //   anywhere in the row; with logit_softcap, only NaN, as the cap maps +-inf to +-c);
   // - FailedPrecondition when D is smaller than a call's own weight sum (D must be the
   //   global sum over ranks and micro-batches);
   // OK otherwise. CUDA failures map as core/cuda/cuda_status.h.
@@ -90,12 +91,29 @@ struct CrossEntropyCudaArgs {
   bool accumulate_loss = false;          // += into loss / local_weight_sum (else =)
   double* local_weight_sum = nullptr;    // optional device scalar: sum of this call's w_t
   float* token_loss = nullptr;           // optional [rows] device: w_t * CE_t / D per row
+                                         // (w_t (CE_t + alpha_lse lse_t^2) / D with options)
   int64_t ignore_index = -100;
+  // The CE options of SEMANTICS.md §3.2, as losses/cross_entropy.h CrossEntropyOptions:
+  // each 0 = off (the defaults), and with all three 0 the plain kernel runs, its code and
+  // results unchanged. With any on, a kernel of the same shape computes, per row, from the
+  // capped logits z_j = c tanh(x_j / c) (when c > 0) over the WHOLE row,
+  //   CE_t = lse_t - (1 - eps) z_y - (eps / V) sum_j z_j,  loss += w_t (CE_t + alpha lse_t^2) / D
+  //   dL/dx_j = grad_scale (w_t / D) ((1 + 2 alpha lse_t) p_j - (1 - eps) [j == y] - eps / V)
+  //             * (1 - (z_j / c)^2 with the cap)
+  double label_smoothing = 0.0;          // eps in [0, 1)
+  double logit_softcap = 0.0;            // c >= 0, finite
+  double alpha_lse = 0.0;                // >= 0, finite
+  // Optional device scalars, written (or added, with accumulate_loss) like `loss`: the
+  // loss's two display terms (§3.2), the CE alone sum_t w_t CE_t / D and the output z-loss
+  // alpha_lse sum_t w_t lse_t^2 / D. Without options they are `loss` and 0.
+  double* ce_loss = nullptr;
+  double* z_out_loss = nullptr;
   CrossEntropyErrorRecord* error_record = nullptr;  // null: check synchronously
 };
 
 // Enqueues CE on `stream`. Errors returned immediately (nothing enqueued): InvalidArgument
-// for rows < 0, vocab < 1, rows * vocab overflowing int64, a dtype other than f32/bf16, a
+// for a bad option of §3.2 (named with its value, as the CPU kernel words it),
+// rows < 0, vocab < 1, rows * vocab overflowing int64, a dtype other than f32/bf16, a
 // required pointer that is null or not device memory (named), an optional one that is
 // host memory, or grad_logits overlapping logits other than exactly; FailedPrecondition
 // without a usable GPU. With error_record == nullptr, also the input errors listed at

@@ -7,7 +7,10 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
+
+#include "absl/strings/str_cat.h"
 
 #include "core/cuda/device_buffer.h"
 #include "core/half.h"
@@ -91,17 +94,23 @@ struct Bufs {
   DeviceBuffer logits, grad, labels, weights, d, loss, wsum, token_loss;
 };
 
+// The CE options of SEMANTICS.md §3.2 (0 = off).
+struct CeOptions {
+  double eps = 0, cap = 0, alpha = 0;
+};
+
 // Runs CE on device copies of the inputs (f32 or bf16) and returns the gradient as double.
 struct CeRun {
   absl::Status status;
   double loss = 0, weight_sum = 0;
+  double ce_loss = 0, z_out_loss = 0;  // the two display terms of §3.2
   std::vector<double> grad;
   std::vector<float> token_loss;
 };
 
 CeRun RunCe(DType dtype, const std::vector<float>& z_rounded, int64_t rows, int64_t vocab,
           const std::vector<int64_t>& labels, const std::vector<float>& weights, double D,
-          bool in_place, float grad_scale = 1.0f) {
+          bool in_place, float grad_scale = 1.0f, const CeOptions& options = {}) {
   CeRun out;
   Bufs b;
   b.logits = UploadAs(z_rounded, dtype);
@@ -129,9 +138,17 @@ CeRun RunCe(DType dtype, const std::vector<float>& z_rounded, int64_t rows, int6
   a.loss = b.loss.as<double>();
   a.local_weight_sum = b.wsum.as<double>();
   a.token_loss = b.token_loss.as<float>();
+  a.label_smoothing = options.eps;
+  a.logit_softcap = options.cap;
+  a.alpha_lse = options.alpha;
+  DeviceBuffer ce_loss = Dev(std::vector<double>{777.0}), z_out_loss = Dev(std::vector<double>{777.0});
+  a.ce_loss = ce_loss.as<double>();
+  a.z_out_loss = z_out_loss.as<double>();
   out.status = CrossEntropyCuda(a, nullptr);
   if (!out.status.ok()) return out;
   out.loss = Host<double>(b.loss)[0];
+  out.ce_loss = Host<double>(ce_loss)[0];
+  out.z_out_loss = Host<double>(z_out_loss)[0];
   out.weight_sum = Host<double>(b.wsum)[0];
   out.token_loss = Host<float>(b.token_loss);
   out.grad = DownloadAsDouble(in_place ? b.logits : b.grad, dtype);
@@ -230,6 +247,290 @@ TEST(CrossEntropyCuda, MatchesCpuImplementationF32AndBf16) {
     }
     // Both round an fp32 gradient once; bf16 results may differ by one bf16 ulp.
     ExpectGradNear(run.grad, cpu_grad, 1e-10, dtype == DType::kBF16 ? 1.0 / 128 : 1e-4);
+  }
+}
+
+// ---- The CE options of SEMANTICS.md §3.2: label smoothing, logit softcap, output z-loss. ----
+
+// The fp64 reference, from the definitions (not the kernels' rearranged forms): the capped
+// logits z = c tanh(x / c), CE = -(1 - eps) log p_y - (eps / V) sum_j log p_j, the output
+// z-loss alpha lse^2, each weighted w / D; the gradient with respect to the raw logits x.
+struct OptionsReference {
+  double loss = 0, ce = 0, z_out = 0, weight_sum = 0;
+  std::vector<double> grad, token_loss;
+};
+
+// One row's CE and lse from raw logits x.
+void RowCeAndLse(const double* x, int64_t vocab, int64_t y, const CeOptions& o, double* ce,
+                 double* lse) {
+  std::vector<double> z(x, x + vocab);
+  if (o.cap > 0) {
+    for (double& v : z) v = o.cap * std::tanh(v / o.cap);
+  }
+  double mx = -INFINITY;
+  for (double v : z) mx = std::max(mx, v);
+  double s = 0;
+  for (double v : z) s += std::exp(v - mx);
+  *lse = mx + std::log(s);
+  double mean_logp = 0;
+  for (double v : z) mean_logp += (v - *lse) / static_cast<double>(vocab);
+  *ce = -(1.0 - o.eps) * (z[y] - *lse) - o.eps * mean_logp;
+}
+
+OptionsReference ReferenceCeOptions(const std::vector<float>& x, int64_t rows, int64_t vocab,
+                                    const std::vector<int64_t>& labels,
+                                    const std::vector<float>& weights, double D,
+                                    double grad_scale, const CeOptions& o) {
+  OptionsReference r;
+  r.grad.assign(rows * vocab, 0.0);
+  r.token_loss.assign(rows, 0.0);
+  for (int64_t t = 0; t < rows; ++t) {
+    if (labels[t] == -100) continue;
+    const double w = weights.empty() ? 1.0 : weights[t];
+    r.weight_sum += w;
+    if (D == 0 || w == 0) continue;
+    std::vector<double> xd(x.begin() + t * vocab, x.begin() + (t + 1) * vocab);
+    double ce = 0, lse = 0;
+    RowCeAndLse(xd.data(), vocab, labels[t], o, &ce, &lse);
+    r.ce += w * ce / D;
+    r.z_out += w * o.alpha * lse * lse / D;
+    r.token_loss[t] = w * (ce + o.alpha * lse * lse) / D;
+    for (int64_t j = 0; j < vocab; ++j) {
+      const double z = o.cap > 0 ? o.cap * std::tanh(xd[j] / o.cap) : xd[j];
+      const double p = std::exp(z - lse);
+      double g = (1.0 + 2.0 * o.alpha * lse) * p - o.eps / static_cast<double>(vocab) -
+                 (j == labels[t] ? 1.0 - o.eps : 0.0);
+      if (o.cap > 0) g *= 1.0 - (z / o.cap) * (z / o.cap);
+      r.grad[t * vocab + j] = grad_scale * w / D * g;
+    }
+  }
+  r.loss = r.ce + r.z_out;
+  return r;
+}
+
+// The reference's gradient is the derivative of its own loss: central differences of
+// CE + alpha lse^2 at every element of a small row with all three options on. Runs
+// without a GPU: it checks the reference the GPU tests below rely on.
+TEST(CrossEntropyCudaReference, OptionsGradientIsTheFiniteDifferenceOfTheLoss) {
+  const int64_t vocab = 7;
+  const CeOptions o{0.2, 1.5, 0.05};
+  std::vector<float> x = {0.3f, -1.2f, 2.5f, 0.0f, -0.7f, 1.1f, 3.0f};
+  const int64_t y = 2;
+  OptionsReference ref = ReferenceCeOptions(x, 1, vocab, {y}, {}, 1.0, 1.0, o);
+  std::vector<double> xd(x.begin(), x.end());
+  for (int64_t j = 0; j < vocab; ++j) {
+    const double h = 1e-5;
+    auto loss_at = [&](double v) {
+      std::vector<double> xs = xd;
+      xs[j] = v;
+      double ce = 0, lse = 0;
+      RowCeAndLse(xs.data(), vocab, y, o, &ce, &lse);
+      return ce + o.alpha * lse * lse;
+    };
+    const double fd = (loss_at(xd[j] + h) - loss_at(xd[j] - h)) / (2 * h);
+    EXPECT_NEAR(ref.grad[j], fd, 1e-8) << "element " << j;
+  }
+  // And each option moves the loss (so the tests below can tell them apart).
+  const OptionsReference plain = ReferenceCeOptions(x, 1, vocab, {y}, {}, 1.0, 1.0, {});
+  for (const CeOptions& one : {CeOptions{0.2, 0, 0}, CeOptions{0, 1.5, 0}, CeOptions{0, 0, 0.05}}) {
+    EXPECT_GT(std::abs(ReferenceCeOptions(x, 1, vocab, {y}, {}, 1.0, 1.0, one).loss - plain.loss),
+              1e-3);
+  }
+}
+
+// The option sets every test below runs: each alone, and all three together.
+std::vector<CeOptions> OptionSets() {
+  return {{0.1, 0, 0}, {0, 4.0, 0}, {0, 0, 0.01}, {0.2, 3.0, 0.02}};
+}
+
+std::string OptionsName(const CeOptions& o) {
+  return "eps " + std::to_string(o.eps) + " cap " + std::to_string(o.cap) + " alpha " +
+         std::to_string(o.alpha);
+}
+
+// Every option set against the fp64 reference: f32 and bf16, the 16-byte vector path
+// (V = 1000) and the scalar one (V = 1001), in place and not, sample weights, ignored
+// labels and an upstream grad_scale. The loss, its two display terms, the per-row losses
+// and the gradient.
+TEST(CrossEntropyCuda, OptionsMatchTheFp64Reference) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  const int64_t rows = 23;
+  for (int64_t vocab : {int64_t{1000}, int64_t{1001}}) {
+    std::vector<float> x = RandomLogits(rows * vocab, 31, 4.0f);
+    std::vector<int64_t> y = RandomLabels(rows, vocab, 32, 0.2);
+    std::vector<float> w(rows);
+    for (int64_t t = 0; t < rows; ++t) w[t] = 1.0f / static_cast<float>(1 + t % 4);
+    const double D = 30;
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      std::vector<float> xr = x;
+      if (dtype == DType::kBF16) ToBf16Bits(xr);
+      int call = 0;
+      for (const CeOptions& o : OptionSets()) {
+        const std::string what = absl::StrCat(DTypeName(dtype), " V ", vocab, " ", OptionsName(o));
+        const OptionsReference ref = ReferenceCeOptions(xr, rows, vocab, y, w, D, 0.5, o);
+        CeRun run = RunCe(dtype, xr, rows, vocab, y, w, D, /*in_place=*/call++ % 2 == 0, 0.5f, o);
+        ASSERT_TRUE(run.status.ok()) << what << ": " << run.status;
+        EXPECT_NEAR(run.loss, ref.loss, 1e-5 * std::abs(ref.loss)) << what;
+        EXPECT_NEAR(run.ce_loss, ref.ce, 1e-5 * std::abs(ref.ce)) << what;
+        EXPECT_NEAR(run.z_out_loss, ref.z_out, 1e-5 * std::abs(ref.z_out)) << what;
+        if (o.alpha == 0) {
+          EXPECT_EQ(run.z_out_loss, 0.0) << what;
+        }
+        EXPECT_NEAR(run.weight_sum, ref.weight_sum, 1e-12) << what;
+        ExpectAllNear(run.token_loss, ref.token_loss, 1e-9, 1e-5, what + " token_loss");
+        ExpectGradNear(run.grad, ref.grad, 1e-9, dtype == DType::kBF16 ? 1.0 / 256 : 1e-4);
+      }
+    }
+  }
+}
+
+// The CPU kernel with the same options (losses/cross_entropy.h) and the CUDA one agree:
+// local_loss, the display terms local_weighted_ce_sum / D and alpha local_weighted_lse_sq_sum
+// / D, and the gradient.
+TEST(CrossEntropyCuda, OptionsMatchTheCpuImplementation) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  const int64_t rows = 29, vocab = 4096;
+  std::vector<float> x = RandomLogits(rows * vocab, 33, 5.0f);
+  std::vector<int64_t> y = RandomLabels(rows, vocab, 34, 0.3);
+  std::vector<float> w(rows);
+  for (int64_t t = 0; t < rows; ++t) w[t] = 1.0f / std::sqrt(static_cast<float>(1 + t % 7));
+  const double D = 50;
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    std::vector<float> xr = x;
+    std::vector<uint16_t> xb;
+    if (dtype == DType::kBF16) xb = ToBf16Bits(xr);
+    for (const CeOptions& o : OptionSets()) {
+      const std::string what = absl::StrCat(DTypeName(dtype), " ", OptionsName(o));
+      std::vector<float> cpu_grad_f(rows * vocab);
+      std::vector<uint16_t> cpu_grad_b(rows * vocab);
+      void* cpu_in = dtype == DType::kBF16 ? static_cast<void*>(xb.data()) : static_cast<void*>(xr.data());
+      void* cpu_out = dtype == DType::kBF16 ? static_cast<void*>(cpu_grad_b.data())
+                                            : static_cast<void*>(cpu_grad_f.data());
+      TensorView xv = *TensorView::Create(cpu_in, dtype, {rows, vocab});
+      TensorView gv = *TensorView::Create(cpu_out, dtype, {rows, vocab});
+      CrossEntropyOptions co;
+      co.label_smoothing = o.eps;
+      co.logit_softcap = o.cap;
+      co.alpha_lse = o.alpha;
+      absl::StatusOr<CrossEntropyResult> cpu = CrossEntropyForwardBackward(xv, y, w, D, gv, co);
+      ASSERT_TRUE(cpu.ok()) << what << ": " << cpu.status();
+      CeRun run = RunCe(dtype, xr, rows, vocab, y, w, D, /*in_place=*/false, 1.0f, o);
+      ASSERT_TRUE(run.status.ok()) << what << ": " << run.status;
+      EXPECT_NEAR(run.loss, cpu->local_loss, 1e-5 * std::abs(cpu->local_loss)) << what;
+      const double cpu_ce = cpu->local_weighted_ce_sum / D;
+      const double cpu_z_out = o.alpha * cpu->local_weighted_lse_sq_sum / D;
+      EXPECT_NEAR(run.ce_loss, cpu_ce, 1e-5 * std::abs(cpu_ce)) << what;
+      EXPECT_NEAR(run.z_out_loss, cpu_z_out, 1e-5 * std::abs(cpu_z_out)) << what;
+      EXPECT_NEAR(run.weight_sum, cpu->local_weight_sum, 1e-9) << what;
+      std::vector<double> cpu_grad(rows * vocab);
+      for (int64_t i = 0; i < rows * vocab; ++i) {
+        cpu_grad[i] = dtype == DType::kBF16 ? BF16::FromBits(cpu_grad_b[i]).ToFloat() : cpu_grad_f[i];
+      }
+      ExpectGradNear(run.grad, cpu_grad, 1e-10, dtype == DType::kBF16 ? 1.0 / 128 : 1e-4);
+    }
+  }
+}
+
+// Without options the display outputs are the loss itself and 0 (the plain kernel).
+TEST(CrossEntropyCuda, PlainCallReportsItsLossAsTheCeTermAndNoZLoss) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  const int64_t rows = 9, vocab = 300;
+  std::vector<float> x = RandomLogits(rows * vocab, 35);
+  std::vector<int64_t> y = RandomLabels(rows, vocab, 36, 0.2);
+  CeRun run = RunCe(DType::kF32, x, rows, vocab, y, {}, 20.0, /*in_place=*/false);
+  ASSERT_TRUE(run.status.ok()) << run.status;
+  EXPECT_EQ(run.ce_loss, run.loss);
+  EXPECT_EQ(run.z_out_loss, 0.0);
+}
+
+// The options' edges, as the CPU kernel has them: the cap makes +-inf logits finite (loss
+// as the reference's, gradient exactly 0 there); with smoothing a -inf logit is an error
+// naming the row; D == 0 gives zeros; accumulation adds every output; forward only (no
+// gradient) gives the same loss; bad options are refused by name before any launch.
+TEST(CrossEntropyCuda, OptionsEdgeCases) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  const int64_t rows = 5, vocab = 64;
+  std::vector<float> x = RandomLogits(rows * vocab, 37);
+  std::vector<int64_t> y = {3, 10, 20, 30, 40};
+  const float inf = std::numeric_limits<float>::infinity();
+  x[1 * vocab + 7] = inf;
+  x[3 * vocab + 9] = -inf;
+  const CeOptions capped{0.1, 2.0, 0.01};
+  const OptionsReference ref = ReferenceCeOptions(x, rows, vocab, y, {}, 5.0, 1.0, capped);
+  CeRun run = RunCe(DType::kF32, x, rows, vocab, y, {}, 5.0, /*in_place=*/false, 1.0f, capped);
+  ASSERT_TRUE(run.status.ok()) << run.status;
+  EXPECT_TRUE(std::isfinite(ref.loss));
+  EXPECT_NEAR(run.loss, ref.loss, 1e-5 * std::abs(ref.loss));
+  EXPECT_EQ(run.grad[1 * vocab + 7], 0.0);
+  EXPECT_EQ(run.grad[3 * vocab + 9], 0.0);
+  ExpectGradNear(run.grad, ref.grad, 1e-9, 1e-4);
+
+  // Smoothing without the cap: the -inf of row 3 makes its smoothed term infinite.
+  std::vector<float> x2 = RandomLogits(rows * vocab, 38);
+  x2[3 * vocab + 9] = -inf;
+  run = RunCe(DType::kF32, x2, rows, vocab, y, {}, 5.0, false, 1.0f, CeOptions{0.1, 0, 0});
+  EXPECT_EQ(run.status.code(), absl::StatusCode::kInvalidArgument) << run.status;
+  EXPECT_THAT(std::string(run.status.message()), HasSubstr("row 3"));
+  // The same row is fine with the z-loss alone (a -inf logit is p = 0, as in plain CE).
+  run = RunCe(DType::kF32, x2, rows, vocab, y, {}, 5.0, false, 1.0f, CeOptions{0, 0, 0.01});
+  EXPECT_TRUE(run.status.ok()) << run.status;
+
+  // D == 0: every label ignored.
+  std::vector<int64_t> ignored(rows, -100);
+  run = RunCe(DType::kF32, x2, rows, vocab, ignored, {}, 0.0, false, 1.0f, capped);
+  ASSERT_TRUE(run.status.ok()) << run.status;
+  EXPECT_EQ(run.loss, 0.0);
+  EXPECT_EQ(run.ce_loss, 0.0);
+  EXPECT_EQ(run.z_out_loss, 0.0);
+  for (double g : run.grad) ASSERT_EQ(g, 0.0);
+
+  // Accumulation into every output, and the forward-only call.
+  std::vector<float> x3 = RandomLogits(rows * vocab, 39);
+  const OptionsReference ref3 = ReferenceCeOptions(x3, rows, vocab, y, {}, 10.0, 1.0, capped);
+  auto logits = Dev(x3);
+  auto grad = *DeviceBuffer::Create(logits.size());
+  auto labels = Dev(y);
+  auto d = Dev(std::vector<double>{10.0});
+  auto loss = Dev(std::vector<double>{0.0}), ce = Dev(std::vector<double>{0.0});
+  auto z_out = Dev(std::vector<double>{0.0});
+  CrossEntropyCudaArgs a;
+  a.logits = logits.get();
+  a.rows = rows;
+  a.vocab = vocab;
+  a.labels = labels.as<int64_t>();
+  a.global_weight_sum = d.as<double>();
+  a.grad_logits = grad.get();
+  a.loss = loss.as<double>();
+  a.ce_loss = ce.as<double>();
+  a.z_out_loss = z_out.as<double>();
+  a.accumulate_loss = true;
+  a.label_smoothing = capped.eps;
+  a.logit_softcap = capped.cap;
+  a.alpha_lse = capped.alpha;
+  ASSERT_TRUE(CrossEntropyCuda(a, nullptr).ok());
+  CrossEntropyCudaArgs forward = a;
+  forward.grad_logits = nullptr;
+  ASSERT_TRUE(CrossEntropyCuda(forward, nullptr).ok());
+  EXPECT_NEAR(Host<double>(loss)[0], 2 * ref3.loss, 1e-5 * std::abs(ref3.loss));
+  EXPECT_NEAR(Host<double>(ce)[0], 2 * ref3.ce, 1e-5 * std::abs(ref3.ce));
+  EXPECT_NEAR(Host<double>(z_out)[0], 2 * ref3.z_out, 1e-5 * std::abs(ref3.z_out));
+
+  // Bad options: InvalidArgument naming the option, nothing enqueued.
+  struct Bad {
+    CeOptions o;
+    const char* name;
+  };
+  for (const Bad& b : {Bad{{1.0, 0, 0}, "label_smoothing 1"}, Bad{{-0.1, 0, 0}, "label_smoothing"},
+                       Bad{{std::nan(""), 0, 0}, "label_smoothing nan"},
+                       Bad{{0, -1.0, 0}, "logit_softcap -1"}, Bad{{0, inf, 0}, "logit_softcap inf"},
+                       Bad{{0, 0, -0.5}, "alpha_lse -0.5"}, Bad{{0, 0, std::nan("")}, "alpha_lse nan"}}) {
+    CrossEntropyCudaArgs bad = a;
+    bad.label_smoothing = b.o.eps;
+    bad.logit_softcap = b.o.cap;
+    bad.alpha_lse = b.o.alpha;
+    absl::Status s = CrossEntropyCuda(bad, nullptr);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << b.name;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(b.name));
   }
 }
 

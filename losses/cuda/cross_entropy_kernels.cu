@@ -9,6 +9,10 @@
 // block partials are added by one block in a fixed order, so the loss is deterministic.
 //
 // D is read from device memory (no host sync): D == 0 gives loss 0 and zero gradients.
+//
+// The CE options of SEMANTICS.md §3.2 (label smoothing, logit softcap, output z-loss) run in
+// a second row kernel of the same shape, CrossEntropyOptionsRowKernel, so that the plain
+// kernel's code and results do not change when they are off.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -143,21 +147,210 @@ __global__ void CrossEntropyRowKernel(CeLaunch p) {
     __syncthreads();  // row_info is rewritten for the next row
   }
   if (threadIdx.x == 0) {
-    p.partials[2 * blockIdx.x] = block_loss;
-    p.partials[2 * blockIdx.x + 1] = block_weight;
+    p.partials[kCePartialsPerBlock * blockIdx.x] = block_loss;
+    p.partials[kCePartialsPerBlock * blockIdx.x + 1] = block_weight;
+  }
+}
+
+// The logit softcap of SEMANTICS.md §3.2 on one fp32 logit, as the CPU kernel computes it
+// (losses/cross_entropy.cc RunOptionsKernel): t = tanh(x / c), z = c t, dz/dx = 1 - t^2.
+__device__ __forceinline__ float SoftCap(float x, float c, float* factor) {
+  const float t = tanhf(x / c);
+  if (factor != nullptr) *factor = 1.0f - t * t;
+  return c * t;
+}
+
+// The options path (SEMANTICS.md §3.2: label smoothing eps, logit softcap c, output z-loss
+// alpha), a kernel of its own so that the plain one above keeps its code and bits. The
+// same shape: one block per row, pass 1 an online logsumexp of the capped logits z (and,
+// with eps > 0, their row sum U), pass 2 the gradient. Per row, in fp64 from the fp32 block
+// sums, as the CPU kernel:
+//   lse = m + log S,  CE = (m - z_y) + log S + eps (z_y - U / V)
+//   = lse - (1 - eps) z_y - (eps / V) U,  the loss term w (CE + alpha lse^2) / D,
+// and per element dL/dx_j = (w / D) grad_scale ((1 + 2 alpha lse) p_j - (1 - eps) [j == y]
+// - eps / V), times 1 - tanh^2(x_j / c) with the cap. A row whose CE or lse is not finite
+// (NaN or +inf logits without the cap, all -inf, a -inf target, or with eps > 0 a -inf
+// anywhere) is reported as non-finite. Block partials: sum w CE, sum w lse^2, sum w.
+template <typename T, int kN>
+__global__ void CrossEntropyOptionsRowKernel(CeLaunch p) {
+  __shared__ MaxSum ms_scratch[32];
+  __shared__ double zsum_scratch[32];
+  // scale of p_j, lse, offset added to every element, subtracted at the target, weight
+  __shared__ float row_info[5];
+
+  const T* logits = static_cast<const T*>(p.logits);
+  T* grad = static_cast<T*>(p.grad_logits);
+  const int64_t vocab = p.vocab;
+  const int64_t chunks = vocab / kN;  // kN divides vocab (checked by the launcher)
+  const bool capped = p.logit_softcap > 0.0;
+  const float cap = static_cast<float>(p.logit_softcap);
+  const double eps = p.label_smoothing;
+  const double alpha = p.alpha_lse;
+
+  const double D = *p.global_weight_sum;
+  const bool d_ok = D >= 0.0 && D <= 1.7976931348623157e308;  // false for NaN, inf, < 0
+  if (!d_ok && blockIdx.x == 0 && threadIdx.x == 0) atomicExch(&p.error->bad_normaliser, 1);
+
+  double block_ce = 0.0;      // thread 0 only
+  double block_lse_sq = 0.0;  // thread 0 only
+  double block_weight = 0.0;  // thread 0 only
+
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const T* x = logits + row * vocab;
+    if (threadIdx.x == 0) {
+      const int64_t y = p.labels[row];
+      float w = 0.0f;
+      if (y != p.ignore_index) {
+        if (y < 0 || y >= vocab) {
+          atomicMin(&p.error->bad_label_row, static_cast<unsigned long long>(row));
+          atomicAdd(&p.error->bad_label_count, 1ull);
+        } else {
+          w = p.token_weights ? p.token_weights[row] : 1.0f;
+          if (!(w >= 0.0f && w <= 3.4028234663852886e38f)) {
+            atomicMin(&p.error->bad_weight_row, static_cast<unsigned long long>(row));
+            atomicAdd(&p.error->bad_weight_count, 1ull);
+            w = 0.0f;
+          }
+        }
+      }
+      block_weight += w;
+      // D == 0 means every label of the step is ignored: loss 0, gradient exactly 0.
+      row_info[4] = (d_ok && D > 0.0) ? w : 0.0f;
+    }
+    __syncthreads();
+    const float w = row_info[4];
+
+    if (w == 0.0f) {
+      if (grad != nullptr) {
+        T* g = grad + row * vocab;
+        float zeros[kN];
+#pragma unroll
+        for (int i = 0; i < kN; ++i) zeros[i] = 0.0f;
+        for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) StoreFromFloat<T, kN>(g + c * kN, zeros);
+      }
+      if (threadIdx.x == 0 && p.token_loss) p.token_loss[row] = 0.0f;
+      __syncthreads();  // row_info is rewritten for the next row
+      continue;
+    }
+
+    // Pass 1: online logsumexp of the capped logits, and their sum for smoothing.
+    MaxSum acc{-INFINITY, 0.0f};
+    double zs = 0.0;
+    for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+      float v[kN];
+      LoadAsFloat<T, kN>(x + c * kN, v);
+      if (capped) {
+#pragma unroll
+        for (int i = 0; i < kN; ++i) v[i] = SoftCap(v[i], cap, nullptr);
+      }
+      float cm = v[0];
+#pragma unroll
+      for (int i = 1; i < kN; ++i) cm = fmaxf(cm, v[i]);
+      float cs = 0.0f;
+      if (cm != -INFINITY) {
+#pragma unroll
+        for (int i = 0; i < kN; ++i) cs += __expf(v[i] - cm);
+      }
+      // As the plain kernel: a NaN poisons the sum, so the row is reported.
+#pragma unroll
+      for (int i = 0; i < kN; ++i) {
+        if (isnan(v[i])) cs = NAN;
+      }
+      acc = MergeMaxSum(acc, MaxSum{cm, cs});
+      if (eps > 0.0) {
+#pragma unroll
+        for (int i = 0; i < kN; ++i) zs += static_cast<double>(v[i]);
+      }
+    }
+    const MaxSum total = BlockMaxSum(acc, ms_scratch);
+    // eps is the same for the whole grid, so every thread of the block takes this branch.
+    const double zsum = eps > 0.0 ? BlockSum(zs, zsum_scratch) : 0.0;
+    if (threadIdx.x == 0) {
+      const int64_t y = p.labels[row];
+      float zy = ToFloat(x[y]);
+      if (capped) zy = SoftCap(zy, cap, nullptr);
+      const double log_sum = log(static_cast<double>(total.s));
+      const double lse = static_cast<double>(total.m) + log_sum;
+      // (max - z_y) + log S: the difference first, as the CPU kernel.
+      double ce = (static_cast<double>(total.m) - static_cast<double>(zy)) + log_sum;
+      if (eps > 0.0) ce += eps * (static_cast<double>(zy) - zsum / static_cast<double>(vocab));
+      const double wd = static_cast<double>(w);
+      if (!isfinite(ce) || !isfinite(lse)) {
+        atomicMin(&p.error->nonfinite_row, static_cast<unsigned long long>(row));
+        atomicAdd(&p.error->nonfinite_count, 1ull);
+      } else {
+        block_ce += wd * ce;
+        block_lse_sq += wd * lse * lse;
+      }
+      if (p.token_loss) p.token_loss[row] = static_cast<float>(wd * (ce + alpha * lse * lse) / D);
+      const double g = wd * p.grad_scale / D;
+      row_info[0] = static_cast<float>(g * (1.0 + 2.0 * alpha * lse));
+      row_info[1] = static_cast<float>(lse);
+      row_info[2] = static_cast<float>(-g * eps / static_cast<double>(vocab));
+      row_info[3] = static_cast<float>(g * (1.0 - eps));
+    }
+    __syncthreads();  // z_y is read before any thread overwrites the row (in place)
+
+    if (grad != nullptr) {
+      const float scale = row_info[0];
+      const float lse = row_info[1];
+      const float offset = row_info[2];
+      const float target = row_info[3];
+      const int64_t y = p.labels[row];
+      T* g = grad + row * vocab;
+      for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+        float v[kN];
+        LoadAsFloat<T, kN>(x + c * kN, v);
+#pragma unroll
+        for (int i = 0; i < kN; ++i) {
+          float factor = 1.0f;
+          const float z = capped ? SoftCap(v[i], cap, &factor) : v[i];
+          float d = scale * __expf(z - lse) + offset;
+          if (c * kN + i == y) d -= target;
+          v[i] = capped ? d * factor : d;
+        }
+        StoreFromFloat<T, kN>(g + c * kN, v);
+      }
+    }
+    __syncthreads();  // row_info is rewritten for the next row
+  }
+  if (threadIdx.x == 0) {
+    p.partials[kCePartialsPerBlock * blockIdx.x] = block_ce;
+    p.partials[kCePartialsPerBlock * blockIdx.x + 1] = block_lse_sq;
+    p.partials[kCePartialsPerBlock * blockIdx.x + 2] = block_weight;
+  }
+}
+
+// Writes (or adds, with p.accumulate) `value` into an optional device scalar.
+__device__ __forceinline__ void Output(double* out, double value, bool accumulate) {
+  if (out == nullptr) return;
+  if (accumulate) {
+    *out += value;
+  } else {
+    *out = value;
   }
 }
 
 // One block: adds the per-block partials in a fixed order, checks D against this call's
-// weight sum, fills the label of the first bad row.
+// weight sum, fills the label of the first bad row. kOptions: the options kernel's
+// partials (CE sum, lse^2 sum, weight), divided by D here; else the plain kernel's (loss
+// already divided per row, weight).
+template <bool kOptions>
 __global__ void CrossEntropyFinaliseKernel(CeLaunch p) {
   __shared__ double scratch[32];
-  double loss = 0.0, weight = 0.0;
+  double loss = 0.0, lse_sq = 0.0, weight = 0.0;
   for (int b = threadIdx.x; b < p.num_blocks; b += blockDim.x) {
-    loss += p.partials[2 * b];
-    weight += p.partials[2 * b + 1];
+    if constexpr (kOptions) {
+      loss += p.partials[kCePartialsPerBlock * b];
+      lse_sq += p.partials[kCePartialsPerBlock * b + 1];
+      weight += p.partials[kCePartialsPerBlock * b + 2];
+    } else {
+      loss += p.partials[kCePartialsPerBlock * b];
+      weight += p.partials[kCePartialsPerBlock * b + 1];
+    }
   }
   loss = BlockSum(loss, scratch);
+  if constexpr (kOptions) lse_sq = BlockSum(lse_sq, scratch);
   weight = BlockSum(weight, scratch);
   if (threadIdx.x == 0) {
     const double D = *p.global_weight_sum;
@@ -170,13 +363,21 @@ __global__ void CrossEntropyFinaliseKernel(CeLaunch p) {
     if (p.error->bad_label_row != kNoRow) {
       p.error->bad_label_value = p.labels[p.error->bad_label_row];
     }
-    if (p.accumulate) {
-      *p.loss += loss;
-      if (p.local_weight_sum) *p.local_weight_sum += weight;
+    if constexpr (kOptions) {
+      // As the CPU's local_loss: (sum w CE + alpha sum w lse^2) / D, 0 unless D > 0 (the
+      // rows were all skipped then, so the sums are 0 too).
+      const bool divide = D > 0.0 && D <= 1.7976931348623157e308;
+      const double ce = divide ? loss / D : 0.0;
+      const double z_out = divide ? p.alpha_lse * lse_sq / D : 0.0;
+      Output(p.loss, divide ? (loss + p.alpha_lse * lse_sq) / D : 0.0, p.accumulate);
+      Output(p.ce_loss, ce, p.accumulate);
+      Output(p.z_out_loss, z_out, p.accumulate);
     } else {
-      *p.loss = loss;
-      if (p.local_weight_sum) *p.local_weight_sum = weight;
+      Output(p.loss, loss, p.accumulate);
+      Output(p.ce_loss, loss, p.accumulate);
+      Output(p.z_out_loss, 0.0, p.accumulate);
     }
+    Output(p.local_weight_sum, weight, p.accumulate);
   }
 }
 
@@ -197,7 +398,7 @@ __global__ void ResetRecordKernel(CeErrorRecord* r) {
 // Grid-stride over rows with a grid larger than what is resident would run a partial
 // second wave (a register-limited 512-thread block fits 3 times per SM, not 4): size the
 // grid to the resident blocks instead.
-template <typename Kernel>
+template <bool kOptions, typename Kernel>
 cudaError_t LaunchOneWave(Kernel kernel, CeLaunch p) {
   p.num_blocks = cuda_device::ResidentGrid(kernel, p.threads, p.num_blocks);
   if (p.rows > 0) {
@@ -205,7 +406,7 @@ cudaError_t LaunchOneWave(Kernel kernel, CeLaunch p) {
     const cudaError_t launch = cudaGetLastError();
     if (launch != cudaSuccess) return launch;
   }
-  CrossEntropyFinaliseKernel<<<1, 256, 0, p.stream>>>(p);
+  CrossEntropyFinaliseKernel<kOptions><<<1, 256, 0, p.stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -216,8 +417,12 @@ cudaError_t LaunchTyped(const CeLaunch& p) {
     return ptr == nullptr || reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
   };
   const bool vec_ok = p.vocab % kVec == 0 && aligned(p.logits) && aligned(p.grad_logits);
-  return vec_ok ? LaunchOneWave(CrossEntropyRowKernel<T, kVec>, p)
-                : LaunchOneWave(CrossEntropyRowKernel<T, 1>, p);
+  if (OptionsOn(p)) {
+    return vec_ok ? LaunchOneWave<true>(CrossEntropyOptionsRowKernel<T, kVec>, p)
+                  : LaunchOneWave<true>(CrossEntropyOptionsRowKernel<T, 1>, p);
+  }
+  return vec_ok ? LaunchOneWave<false>(CrossEntropyRowKernel<T, kVec>, p)
+                : LaunchOneWave<false>(CrossEntropyRowKernel<T, 1>, p);
 }
 
 }  // namespace

@@ -45,8 +45,15 @@ struct CeLaunch {
   double* local_weight_sum = nullptr;  // one double or null
   bool accumulate = false;             // += into loss / local_weight_sum instead of =
   float* token_loss = nullptr;         // [rows] or null
+  // The CE options of SEMANTICS.md §3.2. All three 0: the plain row kernel, unchanged;
+  // any of them on: the options row kernel (OptionsOn).
+  double label_smoothing = 0.0;        // eps in [0, 1)
+  double logit_softcap = 0.0;          // c >= 0 (applied in fp32, as the CPU kernel does)
+  double alpha_lse = 0.0;              // >= 0
+  double* ce_loss = nullptr;           // one double or null: sum w CE / D (the CE alone)
+  double* z_out_loss = nullptr;        // one double or null: alpha_lse sum w lse^2 / D
   CeErrorRecord* error = nullptr;
-  double* partials = nullptr;          // [2 * num_blocks] scratch
+  double* partials = nullptr;          // [3 * num_blocks] scratch
   int num_blocks = 0;                  // upper bound of the grid (<= kCeMaxBlocks); the
                                        // launcher lowers it to the blocks that are resident
                                        // at once, so rows spread evenly over one wave
@@ -54,6 +61,12 @@ struct CeLaunch {
   cudaStream_t stream = nullptr;
 };
 constexpr int kCeMaxBlocks = 8192;
+// Per-block partials: loss and weight (plain), CE sum, lse^2 sum and weight (options).
+constexpr int kCePartialsPerBlock = 3;
+
+inline bool OptionsOn(const CeLaunch& l) {
+  return l.label_smoothing != 0.0 || l.logit_softcap != 0.0 || l.alpha_lse != 0.0;
+}
 
 // Launches the row kernel and the single-block finalise kernel on `stream`.
 cudaError_t LaunchCrossEntropy(const CeLaunch& launch);

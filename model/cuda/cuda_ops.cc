@@ -62,7 +62,9 @@ class CudaOps : public ModelOps {
     layer_config_.top_k = m.top_k;
     layer_config_.norm_topk_prob = m.norm_topk_prob;
     layer_config_.router_scale = m.router_scale;
+    layer_config_.sigmoid_scores = m.router_sigmoid;
     layers_.resize(m.layers);
+    bias_.resize(m.layers);
     exec_.blas = &ctx_->blas;
     exec_.stream = ctx_->stream.get();
     exec_.fence = ctx_->fence;
@@ -150,15 +152,16 @@ class CudaOps : public ModelOps {
       GRADSUM_RETURN_IF_ERROR(Reserve(&labels_, T * sizeof(int64_t)));
       GRADSUM_RETURN_IF_ERROR(Reserve(&mask_, T));
       GRADSUM_RETURN_IF_ERROR(Reserve(&weights_, T * sizeof(float)));
-      GRADSUM_RETURN_IF_ERROR(Reserve(&scalars_, 5 * sizeof(double)));
+      GRADSUM_RETURN_IF_ERROR(Reserve(&scalars_, kScalars * sizeof(double)));
       GRADSUM_RETURN_IF_ERROR(Reserve(&logits_, static_cast<size_t>(T) * V * sizeof(float)));
       (void)D;
       rows_ = T;
     }
     labels_host_.assign(in.labels.begin(), in.labels.end());
     mask_host_.assign(in.mask.begin(), in.mask.end());
-    const double scalars[5] = {in.global_ce_weight_sum,
-                               static_cast<double>(in.global_routed_tokens), 0, 0, 0};
+    const double scalars[kScalars] = {in.global_ce_weight_sum,
+                                      static_cast<double>(in.global_routed_tokens), 0, 0, 0,
+                                      0, 0};
     GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(tokens_.get(), in.tokens.data(),
                                                  T * sizeof(int32_t), cudaMemcpyHostToDevice, s),
                                  "upload tokens");
@@ -216,14 +219,21 @@ class CudaOps : public ModelOps {
   }
 
   absl::Status MoeForward(int l, const float* a, const MoeWeights& w, float* y) override {
+    // §5.1: the layer's expert bias (host memory, the model's state; also one carried by
+    // --init_from or a checkpoint with the speed at 0) goes to the device for the router's
+    // top-K selection. E floats per layer and forward; the copy is staged before it returns.
+    const float* bias = nullptr;
     if (w.expert_bias != nullptr) {
-      // An --init_from file or a checkpoint may carry a bias even with the speed at 0.
-      return absl::UnimplementedError(
-          "the expert bias (SEMANTICS.md §5.1, --expert_bias_speed or a bias carried by "
-          "--init_from / a checkpoint) is not implemented by the CUDA router; use a CPU backend");
+      const int64_t E = config_.experts;
+      GRADSUM_RETURN_IF_ERROR(Reserve(&bias_[l], E * sizeof(float)));
+      GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(bias_[l].get(), w.expert_bias,
+                                                   E * sizeof(float), cudaMemcpyHostToDevice,
+                                                   exec_.stream),
+                                   "upload the expert bias");
+      bias = bias_[l].as<float>();
     }
     return layers_[l].Forward(exec_, moe_comms_, layer_config_, &scratch_, in_.rows, a,
-                              {w.router, w.local_experts}, mask_.as<uint8_t>(), y);
+                              {w.router, w.local_experts, bias}, mask_.as<uint8_t>(), y);
   }
 
   absl::Status MoeBackward(int l, const float* a, const MoeWeights& w, const float* dy,
@@ -262,8 +272,21 @@ class CudaOps : public ModelOps {
     ce.token_weights = in_.ce_weights.empty() ? nullptr : weights_.as<float>();  // null: token
     ce.global_weight_sum = d;
     ce.grad_logits = logits_.get();
-    ce.loss = d + 2;
     ce.ignore_index = kIgnoreIndex;
+    // §3.2's options, as the CPU ops pass them. The display shows the CE and the output
+    // z-loss apart (ce, z_out): with alpha_lse > 0 the CE term is ce_loss and the
+    // objective (their sum, not displayed) goes to its own scalar; without it the CE term
+    // is the loss, as before the options.
+    ce.label_smoothing = config_.label_smoothing;
+    ce.logit_softcap = config_.logit_softcap;
+    ce.alpha_lse = config_.alpha_lse;
+    if (config_.alpha_lse > 0.0) {
+      ce.loss = d + 6;
+      ce.ce_loss = d + 2;
+      ce.z_out_loss = d + 5;
+    } else {
+      ce.loss = d + 2;
+    }
     GRADSUM_RETURN_IF_ERROR(losses::CrossEntropyCuda(ce, s));  // checks labels (a host sync)
     GRADSUM_RETURN_IF_ERROR(GemmRowMajor(ctx_->blas, s, false, true, T, D, V, logits_.get(), V,
                                          w_out, V, DType::kF32, grad_f, D, DType::kF32));
@@ -374,7 +397,7 @@ class CudaOps : public ModelOps {
   absl::StatusOr<MicroBatchLossTerms> End() override {
     cudaStream_t s = exec_.stream;
     const int L = config_.layers, E = config_.experts;
-    double losses_host[3] = {0, 0, 0};
+    double losses_host[4] = {0, 0, 0, 0};  // ce, z, bal, z_out (scalars 2..5)
     GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(losses_host, scalars_.as<double>() + 2,
                                                  sizeof(losses_host), cudaMemcpyDeviceToHost, s),
                                  "download loss values");
@@ -401,6 +424,10 @@ class CudaOps : public ModelOps {
     terms.ce_terms = {terms.ce};
     terms.z_terms = {terms.z};
     terms.bal_terms = {terms.bal};
+    if (config_.alpha_lse > 0.0) {
+      terms.z_out = losses_host[3];
+      terms.z_out_terms = {terms.z_out};
+    }
     return terms;
   }
 
@@ -459,6 +486,7 @@ class CudaOps : public ModelOps {
   moe::MoeLayerCudaComms moe_comms_;
   moe::MoeLayerCudaConfig layer_config_;
   std::vector<moe::MoeLayerCuda> layers_;
+  std::vector<DeviceBuffer> bias_;  // [L] x [E]: each layer's expert bias on the device (§5.1)
   moe::MoeLayerCudaScratch scratch_;
   // The micro-batch's inputs on the device, sized for rows_ tokens.
   MicroBatchInputs in_;
@@ -466,7 +494,10 @@ class CudaOps : public ModelOps {
   std::vector<int64_t> labels_host_;
   std::vector<uint8_t> mask_host_;
   DeviceBuffer tokens_, labels_, mask_, weights_;
-  DeviceBuffer scalars_;  // D, N, ce, z, bal (f64)
+  // D, N, ce, z, bal, z_out, and the LM head's objective ce + z_out with alpha_lse > 0
+  // (f64; z_out and the objective are written only then).
+  static constexpr int kScalars = 7;
+  DeviceBuffer scalars_;
   DeviceBuffer logits_;   // [T, V], its CE gradient in place
   // Attention: the SP group's size, the head layout, the RoPE tables and document starts
   // of the micro-batch, and the exchanges' buffers.
@@ -484,33 +515,9 @@ class CudaOps : public ModelOps {
 absl::StatusOr<std::unique_ptr<ModelOps>> MakeCudaOps(
     const MoeLmSpec& spec, std::shared_ptr<cuda::ComputeContext> context,
     const CudaOpsComms& comms) {
-  // The CUDA CE kernels do not implement the CE options of SEMANTICS.md §3.2: refuse them
-  // rather than train a different objective than the flags ask for. Checked first: it
-  // depends on the config only, not on the device.
-  const MoeLmConfig& m = spec.config();
-  const std::pair<const char*, double> ce_options[] = {{"label_smoothing", m.label_smoothing},
-                                                       {"logit_softcap", m.logit_softcap},
-                                                       {"alpha_lse", m.alpha_lse}};
-  for (const auto& [flag, value] : ce_options) {
-    if (value != 0.0) {
-      return absl::UnimplementedError(absl::StrCat(
-          "--", flag, "=", value, " (SEMANTICS.md §3.2) is not implemented by the CUDA ops; "
-          "use a CPU backend or leave it 0"));
-    }
-  }
-  // Nor does the CUDA router do the aux-loss-free balancing of §5.1 (a biased selection,
-  // sigmoid scores).
-  if (m.expert_bias_speed != 0.0) {
-    return absl::UnimplementedError(absl::StrCat(
-        "--expert_bias_speed=", m.expert_bias_speed,
-        " (SEMANTICS.md §5.1) is not implemented by the CUDA ops; use a CPU backend or leave "
-        "it 0"));
-  }
-  if (m.router_sigmoid) {
-    return absl::UnimplementedError(
-        "--router_score=sigmoid (SEMANTICS.md §5.1) is not implemented by the CUDA ops; use a "
-        "CPU backend or --router_score=softmax");
-  }
+  // The CE options of SEMANTICS.md §3.2 run in the CUDA CE kernel (losses/cuda), and the
+  // aux-loss-free balancing of §5.1 (the expert bias, sigmoid scores) in the CUDA router
+  // (moe/cuda/router_cuda.h): nothing of the config is refused here.
   if (context == nullptr || comms.world == nullptr || comms.ep_group == nullptr ||
       comms.host_ep_group == nullptr || comms.world->device_stream() == nullptr ||
       comms.ep_group->device_stream() == nullptr ||

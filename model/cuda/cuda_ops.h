@@ -34,10 +34,11 @@ struct CudaOpsComms {
 };
 
 // InvalidArgument for missing communicators, NCCL ones without a device stream, or experts
-// the EP group does not divide. Unimplemented, naming the flag, for a non-zero CE option of
-// SEMANTICS.md §3.2 (label_smoothing, logit_softcap, alpha_lse): the CUDA CE has none yet;
-// and for expert_bias_speed > 0 or sigmoid router scores (§5.1), which the CUDA router
-// lacks (MoeForward also refuses a MoeWeights::expert_bias).
+// the EP group does not divide. Every option of the model runs on the GPU as on the CPU: the
+// CE options of SEMANTICS.md §3.2 (label_smoothing, logit_softcap, alpha_lse) in the CUDA CE
+// kernel, with the output z-loss reported as its own term (MicroBatchLossTerms::z_out), and
+// the aux-loss-free balancing of §5.1 (sigmoid router scores; the expert bias of
+// MoeWeights::expert_bias, uploaded per forward) in the CUDA router.
 absl::StatusOr<std::unique_ptr<ModelOps>> MakeCudaOps(
     const MoeLmSpec& spec, std::shared_ptr<cuda::ComputeContext> context,
     const CudaOpsComms& comms);

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -44,8 +45,8 @@ void ExpectClose(const std::vector<float>& gpu, const std::vector<float>& cpu,
   ExpectAllNear(gpu, cpu, 1e-5 * std::max(1.0, MaxAbs(cpu)), 1e-4, what);
 }
 
-TEST(CudaOpsTest, EveryOpMatchesTheHostOps) {
-  GRADSUM_SKIP_WITHOUT_GPU();
+// The model of the every-op comparison.
+MoeLmConfig EveryOpConfig() {
   MoeLmConfig c;
   c.vocab = 50;
   c.dim = 16;
@@ -53,6 +54,15 @@ TEST(CudaOpsTest, EveryOpMatchesTheHostOps) {
   c.experts = 4;
   c.top_k = 2;
   c.expert_dim = 24;
+  return c;
+}
+
+// Every op of the two devices on the same inputs, for the model `c`; with `sample_weights`
+// the CE gets per-token weights (w_t = 1 / (1 + t % 3), D their sum) instead of token mode;
+// a non-empty `expert_bias` [E] is the layer's bias of SEMANTICS.md §5.1 (host memory, as
+// the model passes it to both devices).
+void ExpectEveryOpMatchesTheHostOps(const MoeLmConfig& c, bool sample_weights,
+                                    const std::vector<float>& expert_bias = {}) {
   absl::StatusOr<MoeLmSpec> spec = MoeLmSpec::Create(c);
   ASSERT_TRUE(spec.ok()) << spec.status();
   const int64_t T = 40, D = c.dim, V = c.vocab, E = c.experts, H = c.expert_dim;
@@ -83,11 +93,20 @@ TEST(CudaOpsTest, EveryOpMatchesTheHostOps) {
     valid += labels[t] != kIgnoreIndex;
     routed += mask[t];
   }
+  std::vector<float> ce_weights;
+  if (sample_weights) {
+    valid = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      ce_weights.push_back(labels[t] == kIgnoreIndex ? 0.0f : 1.0f / static_cast<float>(1 + t % 3));
+      valid += ce_weights.back();
+    }
+  }
   MicroBatchInputs in;
   in.rows = T;
   in.tokens = tokens;
   in.labels = labels;
   in.mask = mask;
+  in.ce_weights = ce_weights;
   in.global_ce_weight_sum = valid;
   in.global_routed_tokens = routed;
   in.num_micro_batches = 1;
@@ -124,9 +143,11 @@ TEST(CudaOpsTest, EveryOpMatchesTheHostOps) {
   // The MoE layer forward (the layer takes the normed input as the model does).
   std::vector<float> y = zeros(T * D);
   DeviceBuffer y_d = dz(T * D);
-  ASSERT_TRUE((*cpu)->MoeForward(0, a.data(), {router.data(), experts.data()}, y.data()).ok());
-  absl::Status s = (*gpu)->MoeForward(0, a_d.as<float>(), {router_d.as<float>(), experts_d.as<float>()},
-                                      y_d.as<float>());
+  const float* bias = expert_bias.empty() ? nullptr : expert_bias.data();
+  ASSERT_TRUE(
+      (*cpu)->MoeForward(0, a.data(), {router.data(), experts.data(), bias}, y.data()).ok());
+  absl::Status s = (*gpu)->MoeForward(
+      0, a_d.as<float>(), {router_d.as<float>(), experts_d.as<float>(), bias}, y_d.as<float>());
   ASSERT_TRUE(s.ok()) << s;
   ExpectClose(Host<float>(y_d), y, "moe y");
 
@@ -185,8 +206,57 @@ TEST(CudaOpsTest, EveryOpMatchesTheHostOps) {
   EXPECT_NEAR(gt->ce, ct->ce, 1e-5 * std::abs(ct->ce));
   EXPECT_NEAR(gt->z, ct->z, 1e-5 * std::abs(ct->z) + 1e-12);
   EXPECT_NEAR(gt->bal, ct->bal, 1e-5 * std::abs(ct->bal) + 1e-12);
+  // §3.2's output z-loss, its own term on both devices (none without alpha_lse).
+  EXPECT_NEAR(gt->z_out, ct->z_out, 1e-5 * std::abs(ct->z_out));
+  EXPECT_EQ(gt->z_out_terms.size(), ct->z_out_terms.size());
+  EXPECT_EQ(ct->z_out_terms.size(), c.alpha_lse > 0 ? 1u : 0u);
+  if (c.alpha_lse > 0) {
+    EXPECT_GT(ct->z_out, 0.0);
+  }
   EXPECT_EQ(gt->global_expert_counts, ct->global_expert_counts);
   EXPECT_GT(ct->ce, 0.0);
+}
+
+TEST(CudaOpsTest, EveryOpMatchesTheHostOps) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  ExpectEveryOpMatchesTheHostOps(EveryOpConfig(), /*sample_weights=*/false);
+}
+
+// The CE options of SEMANTICS.md §3.2 on the GPU (the CUDA CE kernel's options path) against
+// the host's: each alone and all three, with sample weights; the LM head's gradients, its
+// CE term and the output z-loss term apart.
+TEST(CudaOpsTest, EveryOpMatchesTheHostOpsWithTheCeOptions) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  struct Options {
+    double eps, cap, alpha;
+  };
+  for (const Options& o : {Options{0.1, 0, 0}, Options{0, 2.0, 0}, Options{0, 0, 0.02},
+                           Options{0.2, 1.5, 0.05}}) {
+    SCOPED_TRACE(absl::StrCat("eps ", o.eps, " cap ", o.cap, " alpha ", o.alpha));
+    MoeLmConfig c = EveryOpConfig();
+    c.label_smoothing = o.eps;
+    c.logit_softcap = o.cap;
+    c.alpha_lse = o.alpha;
+    ExpectEveryOpMatchesTheHostOps(c, /*sample_weights=*/true);
+  }
+}
+
+// The aux-loss-free balancing of SEMANTICS.md §5.1 on the GPU (the CUDA router's sigmoid
+// scores and expert bias) against the host's: sigmoid scores (alpha_b 0), an expert bias
+// that moves some selections, and both; the whole MoE layer forward and backward, and the
+// counts the bias update reads.
+TEST(CudaOpsTest, EveryOpMatchesTheHostOpsWithSigmoidScoresAndExpertBias) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  const std::vector<float> bias = {0.2f, -0.15f, 0.05f, -0.3f};  // E = 4
+  for (const auto& [sigmoid, with_bias] :
+       {std::pair<bool, bool>{true, false}, {false, true}, {true, true}}) {
+    SCOPED_TRACE(absl::StrCat(sigmoid ? "sigmoid" : "softmax", with_bias ? " + bias" : ""));
+    MoeLmConfig c = EveryOpConfig();
+    c.router_sigmoid = sigmoid;
+    if (sigmoid) c.alpha_b = 0;  // the balancing loss is of the softmax (§5.1)
+    ExpectEveryOpMatchesTheHostOps(c, /*sample_weights=*/false,
+                                   with_bias ? bias : std::vector<float>());
+  }
 }
 
 // A one-layer model small enough for the refusal tests.
@@ -230,9 +300,10 @@ TEST(CudaOpsTest, RowBlocksAndExactTargetsAreRefused) {
   EXPECT_NE(s.message().find("label 9 at position 1"), absl::string_view::npos) << s;
 }
 
-// The CE options of SEMANTICS.md §3.2 are CPU-only: each is refused by name, never ignored.
-// Needs no GPU (the config is checked before the device).
-TEST(CudaOpsTest, CeOptionsAreRefusedNamingTheFlag) {
+// The CE options of SEMANTICS.md §3.2 are no longer refused: without a context the ops fail
+// on the missing context (InvalidArgument), not on the option. Needs no GPU (the config is
+// checked before the device).
+TEST(CudaOpsTest, CeOptionsAreNotRefused) {
   for (const char* flag : {"label_smoothing", "logit_softcap", "alpha_lse"}) {
     MoeLmConfig c = OneLayerConfig();
     const std::string name = flag;
@@ -242,23 +313,21 @@ TEST(CudaOpsTest, CeOptionsAreRefusedNamingTheFlag) {
     absl::StatusOr<MoeLmSpec> spec = MoeLmSpec::Create(c);
     ASSERT_TRUE(spec.ok());
     auto gpu = MakeCudaOps(*spec, nullptr, {});
-    EXPECT_EQ(gpu.status().code(), absl::StatusCode::kUnimplemented) << flag;
-    EXPECT_NE(gpu.status().message().find(absl::StrCat("--", flag, "=0.25")),
-              absl::string_view::npos)
-        << gpu.status();
+    EXPECT_EQ(gpu.status().code(), absl::StatusCode::kInvalidArgument) << flag << gpu.status();
+    EXPECT_EQ(gpu.status().message().find(flag), absl::string_view::npos) << gpu.status();
   }
 }
 
-// The aux-loss-free balancing of SEMANTICS.md §5.1 is CPU-only too: the bias speed and
-// sigmoid scores are refused by name. Needs no GPU.
-TEST(CudaOpsTest, ExpertBiasAndSigmoidScoresAreRefusedNamingTheFlag) {
+// Nor are the bias speed and sigmoid scores of §5.1: without a context the ops fail on the
+// missing context, not on the option. Needs no GPU.
+TEST(CudaOpsTest, ExpertBiasAndSigmoidScoresAreNotRefused) {
   MoeLmConfig c = OneLayerConfig();
   c.expert_bias_speed = 0.25;
   absl::StatusOr<MoeLmSpec> spec = MoeLmSpec::Create(c);
   ASSERT_TRUE(spec.ok()) << spec.status();
   auto gpu = MakeCudaOps(*spec, nullptr, {});
-  EXPECT_EQ(gpu.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_NE(gpu.status().message().find("--expert_bias_speed=0.25"), absl::string_view::npos)
+  EXPECT_EQ(gpu.status().code(), absl::StatusCode::kInvalidArgument) << gpu.status();
+  EXPECT_EQ(gpu.status().message().find("expert_bias_speed"), absl::string_view::npos)
       << gpu.status();
   c = OneLayerConfig();
   c.router_sigmoid = true;
@@ -266,9 +335,8 @@ TEST(CudaOpsTest, ExpertBiasAndSigmoidScoresAreRefusedNamingTheFlag) {
   spec = MoeLmSpec::Create(c);
   ASSERT_TRUE(spec.ok()) << spec.status();
   gpu = MakeCudaOps(*spec, nullptr, {});
-  EXPECT_EQ(gpu.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_NE(gpu.status().message().find("--router_score=sigmoid"), absl::string_view::npos)
-      << gpu.status();
+  EXPECT_EQ(gpu.status().code(), absl::StatusCode::kInvalidArgument) << gpu.status();
+  EXPECT_EQ(gpu.status().message().find("sigmoid"), absl::string_view::npos) << gpu.status();
 }
 
 }  // namespace

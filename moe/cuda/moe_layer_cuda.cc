@@ -91,6 +91,8 @@ absl::Status MoeLayerCuda::Forward(const CudaExec& exec, const MoeLayerCudaComms
   r.top_k = K;
   r.norm_topk_prob = c.norm_topk_prob;
   r.router_scale = c.router_scale;
+  r.sigmoid_scores = c.sigmoid_scores;
+  r.expert_bias = w.expert_bias;
   r.probs = probs_.as<float>();
   r.expert_index = index_.as<int32_t>();
   r.combine_weight = weight_.as<float>();
@@ -181,6 +183,7 @@ absl::Status MoeLayerCuda::Backward(const CudaExec& exec, const MoeLayerCudaComm
   aux.top_k = K;
   aux.alpha_z = losses.alpha_z;
   aux.alpha_b = losses.alpha_b;
+  aux.sigmoid_scores = c.sigmoid_scores;
   aux.num_micro_batches = losses.num_micro_batches;
   aux.global_routed_tokens = losses.global_routed_tokens;
   aux.global_expert_counts = global_counts_.as<int64_t>();
@@ -203,6 +206,7 @@ absl::Status MoeLayerCuda::Backward(const CudaExec& exec, const MoeLayerCudaComm
   aux.d_combine_weight = scratch->dw.as<float>();
   aux.norm_topk_prob = c.norm_topk_prob;
   aux.router_scale = c.router_scale;
+  aux.logits = logits_.as<float>();  // the z-loss's softmax with sigmoid scores
   aux.d_logits = scratch->du.as<float>();
   aux.accumulate_grad = false;
   GRADSUM_RETURN_IF_ERROR(RouterBackwardCuda(aux, s));

@@ -40,6 +40,7 @@ struct MoeLayerCudaConfig {
   int top_k = 0;        // K
   bool norm_topk_prob = false;
   float router_scale = 1.0f;
+  bool sigmoid_scores = false;  // §5.1: router scores sigmoid(u) (alpha_b must be 0)
 };
 
 // Where the layer runs (not owned): the compute stream, its cuBLAS handle, an event for
@@ -69,6 +70,9 @@ struct MoeLayerCudaScratch {
 struct MoeLayerCudaWeights {
   const float* router = nullptr;
   const float* local_experts = nullptr;
+  // The layer's expert bias [E] (SEMANTICS.md §5.1), device, or null: added to the router
+  // scores for the top-K selection only (moe/cuda/router_cuda.h).
+  const float* expert_bias = nullptr;
 };
 
 // Accumulated (+=) weight gradients, device, in the layouts above.

@@ -53,6 +53,7 @@ absl::Status RouterForwardCuda(const RouterForwardCudaArgs& a, cudaStream_t stre
     GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(a.expert_index, "expert_index"));
     GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(a.combine_weight, "combine_weight"));
     GRADSUM_RETURN_IF_ERROR(CheckOptionalDevicePointer(a.logsumexp, "logsumexp"));
+    GRADSUM_RETURN_IF_ERROR(CheckOptionalDevicePointer(a.expert_bias, "expert_bias"));
   }
   std::optional<cuda::DeviceIndexFlag> own_flag;
   cuda::DeviceIndexFlag* flag = a.error;
@@ -70,6 +71,8 @@ absl::Status RouterForwardCuda(const RouterForwardCudaArgs& a, cudaStream_t stre
   l.top_k = a.top_k;
   l.norm_topk_prob = a.norm_topk_prob;
   l.router_scale = a.router_scale;
+  l.sigmoid = a.sigmoid_scores;
+  l.expert_bias = a.expert_bias;
   l.probs = a.probs;
   l.expert_index = a.expert_index;
   l.combine_weight = a.combine_weight;
@@ -126,6 +129,11 @@ absl::StatusOr<cuda_internal::RouterAuxLaunch> AuxCommon(const RouterAuxCudaArgs
     return absl::InvalidArgumentError(
         absl::StrCat(what, ": num_micro_batches = ", a.num_micro_batches, " < 1"));
   }
+  if (a.sigmoid_scores && a.alpha_b != 0.0f) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": alpha_b = ", a.alpha_b,
+        " with sigmoid scores; the balancing loss is of the softmax (SEMANTICS.md §5.1)"));
+  }
   if (a.alpha_z != 0.0f) {
     GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(a.global_routed_tokens, "global_routed_tokens"));
     if (a.tokens > 0) GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(a.logsumexp, "logsumexp"));
@@ -147,6 +155,8 @@ absl::StatusOr<cuda_internal::RouterAuxLaunch> AuxCommon(const RouterAuxCudaArgs
   l.top_k = a.top_k;
   l.norm_topk_prob = a.norm_topk_prob;
   l.router_scale = a.router_scale;
+  l.sigmoid = a.sigmoid_scores;
+  l.logits = a.logits;
   l.alpha_z = a.alpha_z;
   l.alpha_b = a.alpha_b;
   l.num_micro_batches = a.num_micro_batches;
@@ -196,6 +206,9 @@ absl::Status RouterBackwardCuda(const RouterAuxCudaArgs& a, cudaStream_t stream)
     GRADSUM_RETURN_IF_ERROR(CheckOptionalDevicePointer(a.d_combine_weight, "d_combine_weight"));
     if (a.d_combine_weight != nullptr) {
       GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(a.expert_index, "expert_index"));
+    }
+    if (a.sigmoid_scores && a.alpha_z != 0.0f) {
+      GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(a.logits, "logits"));
     }
   }
   if (!std::isfinite(a.router_scale)) {

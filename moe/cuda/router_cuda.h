@@ -44,9 +44,16 @@ struct RouterForwardCudaArgs {
   int top_k = 0;                    // K
   bool norm_topk_prob = false;
   float router_scale = 1.0f;        // finite
+  // §5.1 (as moe/router.h): sigmoid scores p = sigmoid(u) instead of softmax(u), and an
+  // expert bias b [E] (device, finite; the model checks it, model/moe_lm.h SetExpertBias)
+  // added to the scores for the top-K selection only: the K largest p + b (the sum in fp32,
+  // equal sums -> lower index) are chosen, and the weights are of the unbiased p
+  // (renormalised over the chosen p, 0 if they all round to 0). Null: no bias.
+  bool sigmoid_scores = false;
+  const float* expert_bias = nullptr;
   // Outputs (device; overwritten).
-  float* probs = nullptr;           // [T, E] softmax(u); 0 on padding rows
-  int32_t* expert_index = nullptr;  // [T, K] descending p, equal p -> lower index; -1 on padding
+  float* probs = nullptr;           // [T, E] softmax(u) (or sigmoid(u)); 0 on padding rows
+  int32_t* expert_index = nullptr;  // [T, K] descending p (+ b), equal -> lower index; -1 on padding
   float* combine_weight = nullptr;  // [T, K] w_k (renormalised if asked, times router_scale)
   float* logsumexp = nullptr;       // [T] logsumexp(u) for the z-loss (0 on padding); optional
   int64_t* local_expert_counts = nullptr;  // [E] (token, slot) assignments per expert (§5)
@@ -89,19 +96,25 @@ struct RouterAuxCudaArgs {
   const float* d_combine_weight = nullptr;    // [T, K] dL/dw_k, or null (no combine gradient)
   bool norm_topk_prob = false;                // as in forward
   float router_scale = 1.0f;                  // as in forward
+  // As in forward: `probs` are sigmoid(u) (§5.1). Then alpha_b must be 0 (the balancing loss
+  // is of the softmax), and the backward needs the logits for the z-loss's softmax.
+  bool sigmoid_scores = false;
+  const float* logits = nullptr;              // [T, E] u (backward with sigmoid and alpha_z)
   float* d_logits = nullptr;                  // [T, E] dL/du: written (0 on padding rows)
   bool accumulate_grad = false;               // d_logits += instead of =
 };
 
 // Local components of the z-loss and the balancing loss into z_loss / balance_loss.
-// Errors: InvalidArgument for bad sizes, G < 1, non-finite alphas, null / non-device
-// pointers (named); FailedPrecondition without a usable GPU.
+// Errors: InvalidArgument for bad sizes, G < 1, non-finite alphas, alpha_b != 0 with
+// sigmoid scores, null / non-device pointers (named); FailedPrecondition without a usable
+// GPU.
 absl::Status RouterAuxLossCuda(const RouterAuxCudaArgs& args, cudaStream_t stream);
 
 // dL/du for L = (combine path through w_k) + L_z + L_bal, through the full softmax Jacobian:
 //   dp[e] = alpha_b / G * E * c_e / (N^2 K)  (+ the w_k terms for chosen experts)
 //   du    = p * (dp - <p, dp>) + 2 alpha_z lse p / N_z
-// Same errors as RouterAuxLossCuda.
+// With sigmoid scores: du = p (1 - p) dp + 2 alpha_z lse softmax(u) / N_z.
+// Same errors as RouterAuxLossCuda (and a null `logits` with sigmoid scores and alpha_z).
 absl::Status RouterBackwardCuda(const RouterAuxCudaArgs& args, cudaStream_t stream);
 
 }  // namespace gradsum::moe

@@ -8,6 +8,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/cuda/device_buffer.h"
@@ -45,7 +46,8 @@ struct GpuRoute {
 };
 
 absl::Status RunForward(const DeviceBuffer& logits, const DeviceBuffer* mask, int64_t T, int E, int K,
-                        bool norm, float scale, GpuRoute* r) {
+                        bool norm, float scale, GpuRoute* r, bool sigmoid = false,
+                        const DeviceBuffer* bias = nullptr) {
   r->probs = DevZeros(sizeof(float) * T * E);
   r->index = DevZeros(sizeof(int32_t) * T * K);
   r->weight = DevZeros(sizeof(float) * T * K);
@@ -68,6 +70,8 @@ absl::Status RunForward(const DeviceBuffer& logits, const DeviceBuffer* mask, in
   f.local_expert_counts = r->counts.as<int64_t>();
   f.local_routed_tokens = r->routed.as<int64_t>();
   f.local_gating_sums = r->gsum.as<double>();
+  f.sigmoid_scores = sigmoid;
+  f.expert_bias = bias ? bias->as<float>() : nullptr;
   return RouterForwardCuda(f, nullptr);
 }
 
@@ -239,6 +243,178 @@ TEST_P(RouterCudaVsCpu, CombineWeightGradientMatchesCpuRouterBackward) {
   ExpectAllNear(Host<float>(da_dev), da_cpu, 1e-5 * max_da, 1e-4, "d_a");
 }
 
+// ---- SEMANTICS.md §5.1: sigmoid scores and the expert bias, against the CPU router. ----
+
+// An expert bias of the size of the scores' differences, so that it changes some
+// selections: b_e = 0.3 * N(0, 1).
+std::vector<float> RandomBias(int E, uint32_t seed) { return RandomNormal(E, seed, 0.3f); }
+
+// Forward with sigmoid scores, an expert bias, or both, on the CPU router's logits: the
+// scores, the choice (by p + b), the weights (of the unbiased p), counts and gating sums.
+TEST_P(RouterCudaVsCpu, SigmoidScoresAndExpertBiasMatchCpuRouter) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  const Case c = GetParam();
+  for (const auto& [sigmoid, with_bias] :
+       {std::pair<bool, bool>{true, false}, {false, true}, {true, true}}) {
+    SCOPED_TRACE(std::string(sigmoid ? "sigmoid" : "softmax") + (with_bias ? " + bias" : ""));
+    RouterConfig config{c.D, c.E, c.K, c.norm, c.scale};
+    if (sigmoid) config.score = RouterScore::kSigmoid;
+    std::vector<float> a = RandomNormal(c.T * c.D, 11), wr = RandomNormal(c.D * c.E, 12, 0.3f);
+    std::vector<uint8_t> mask = MaskWithPadding(c.T);
+    const std::vector<float> bias = with_bias ? RandomBias(c.E, 13) : std::vector<float>();
+    absl::StatusOr<RouterOutput> cpu = RouterForward(config, a, wr, mask, bias);
+    ASSERT_TRUE(cpu.ok()) << cpu.status();
+    DeviceBuffer logits = Dev(cpu->logits), mask_dev = Dev(mask);
+    DeviceBuffer bias_dev;
+    if (with_bias) bias_dev = Dev(bias);
+    GpuRoute r;
+    absl::Status s = RunForward(logits, &mask_dev, c.T, c.E, c.K, c.norm, c.scale, &r, sigmoid,
+                                with_bias ? &bias_dev : nullptr);
+    ASSERT_TRUE(s.ok()) << s;
+    ExpectAllNear(Host<float>(r.probs), cpu->probs, 1e-7, 1e-5, "probs");
+    EXPECT_EQ(Host<int32_t>(r.index), cpu->expert_index);
+    ExpectAllNear(Host<float>(r.weight), cpu->combine_weight, 1e-7, 1e-5, "combine_weight");
+    EXPECT_EQ(Host<int64_t>(r.counts), cpu->local_expert_counts);
+    ExpectAllNear(Host<double>(r.gsum), cpu->local_gating_sums, 1e-9, 1e-5, "gating sums");
+    // lse stays the logits' (the z-loss's), whatever the scores.
+    std::vector<float> lse = Host<float>(r.lse);
+    for (int64_t t = 0; t < c.T; ++t) {
+      if (!mask[t]) continue;
+      double mx = -INFINITY, sum = 0;
+      for (int e = 0; e < c.E; ++e) mx = std::max<double>(mx, cpu->logits[t * c.E + e]);
+      for (int e = 0; e < c.E; ++e) sum += std::exp(cpu->logits[t * c.E + e] - mx);
+      ASSERT_NEAR(lse[t], mx + std::log(sum), 1e-5 * (1 + std::abs(mx + std::log(sum)))) << t;
+    }
+  }
+}
+
+// Backward through the combine weights with sigmoid scores and a bias (the bias takes no
+// gradient; the weights are of the unbiased scores), to d_Wr and d_a, against
+// moe::RouterBackward.
+TEST_P(RouterCudaVsCpu, SigmoidAndBiasCombineGradientMatchesCpuRouterBackward) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  const Case c = GetParam();
+  for (const auto& [sigmoid, with_bias] :
+       {std::pair<bool, bool>{true, false}, {false, true}, {true, true}}) {
+    SCOPED_TRACE(std::string(sigmoid ? "sigmoid" : "softmax") + (with_bias ? " + bias" : ""));
+    RouterConfig config{c.D, c.E, c.K, c.norm, c.scale};
+    if (sigmoid) config.score = RouterScore::kSigmoid;
+    std::vector<float> a = RandomNormal(c.T * c.D, 14), wr = RandomNormal(c.D * c.E, 15, 0.3f);
+    std::vector<uint8_t> mask = MaskWithPadding(c.T);
+    const std::vector<float> bias = with_bias ? RandomBias(c.E, 16) : std::vector<float>();
+    absl::StatusOr<RouterOutput> cpu = RouterForward(config, a, wr, mask, bias);
+    ASSERT_TRUE(cpu.ok()) << cpu.status();
+    std::vector<float> dw = RandomNormal(c.T * c.K, 17);
+    std::vector<float> dwr_cpu(c.D * c.E, 0.0f), da_cpu(c.T * c.D, 0.0f);
+    RouterOutputGrads grads;
+    grads.d_combine_weight = dw;
+    ASSERT_TRUE(RouterBackward(config, a, wr, *cpu, grads, absl::MakeSpan(dwr_cpu),
+                               absl::MakeSpan(da_cpu)).ok());
+
+    DeviceBuffer logits = Dev(cpu->logits), mask_dev = Dev(mask);
+    DeviceBuffer bias_dev;
+    if (with_bias) bias_dev = Dev(bias);
+    GpuRoute r;
+    ASSERT_TRUE(RunForward(logits, &mask_dev, c.T, c.E, c.K, c.norm, c.scale, &r, sigmoid,
+                           with_bias ? &bias_dev : nullptr).ok());
+    ASSERT_EQ(Host<int32_t>(r.index), cpu->expert_index);  // the same choices to differentiate
+    DeviceBuffer dw_dev = Dev(dw), du_dev = DevZeros(sizeof(float) * c.T * c.E);
+    RouterAuxCudaArgs x;
+    x.probs = r.probs.as<float>();
+    x.mask = mask_dev.as<uint8_t>();
+    x.tokens = c.T;
+    x.experts = c.E;
+    x.top_k = c.K;
+    x.expert_index = r.index.as<int32_t>();
+    x.d_combine_weight = dw_dev.as<float>();
+    x.norm_topk_prob = c.norm;
+    x.router_scale = c.scale;
+    x.sigmoid_scores = sigmoid;
+    x.logits = logits.as<float>();
+    x.d_logits = du_dev.as<float>();
+    ASSERT_TRUE(RouterBackwardCuda(x, nullptr).ok());
+
+    absl::StatusOr<CublasHandle> blas = CublasHandle::Create();
+    ASSERT_TRUE(blas.ok());
+    DeviceBuffer a_dev = Dev(a), wr_dev = Dev(wr);
+    DeviceBuffer dwr_dev = DevZeros(sizeof(float) * c.D * c.E);
+    DeviceBuffer da_dev = DevZeros(sizeof(float) * c.T * c.D);
+    ASSERT_TRUE(GemmRowMajor(*blas, nullptr, true, false, c.D, c.E, c.T, a_dev.get(), c.D,
+                             du_dev.get(), c.E, DType::kF32, dwr_dev.get(), c.E, DType::kF32)
+                    .ok());
+    ASSERT_TRUE(GemmRowMajor(*blas, nullptr, false, true, c.T, c.D, c.E, du_dev.get(), c.E,
+                             wr_dev.get(), c.E, DType::kF32, da_dev.get(), c.D, DType::kF32)
+                    .ok());
+    double max_dwr = 0, max_da = 0;
+    for (float v : dwr_cpu) max_dwr = std::max(max_dwr, static_cast<double>(std::abs(v)));
+    for (float v : da_cpu) max_da = std::max(max_da, static_cast<double>(std::abs(v)));
+    ExpectAllNear(Host<float>(dwr_dev), dwr_cpu, 1e-5 * max_dwr, 1e-4, "d_router_weight");
+    ExpectAllNear(Host<float>(da_dev), da_cpu, 1e-5 * max_da, 1e-4, "d_a");
+  }
+}
+
+// With sigmoid scores the z-loss is still of the logits (§4): its value and its logit
+// gradient 2 alpha_z lse softmax(u) / N against losses/router_losses.h, computed from the
+// logits alone; the balancing loss must be off (alpha_b != 0 is refused, naming it).
+TEST_P(RouterCudaVsCpu, SigmoidScoresKeepTheZLossOfTheLogits) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  const Case c = GetParam();
+  std::vector<float> u = RandomNormal(c.T * c.E, 18, 2.0f);
+  std::vector<uint8_t> mask = MaskWithPadding(c.T);
+  DeviceBuffer u_dev = Dev(u), mask_dev = Dev(mask);
+  GpuRoute r;
+  ASSERT_TRUE(RunForward(u_dev, &mask_dev, c.T, c.E, c.K, c.norm, c.scale, &r, /*sigmoid=*/true)
+                  .ok());
+  const int64_t global_routed_step = 2 * Host<int64_t>(r.routed)[0] + 5;
+  const double alpha_z = 0.05;
+  std::vector<float> du_cpu(c.T * c.E, 0.0f);
+  TensorView uv = *TensorView::Create(u.data(), DType::kF32, {c.T, c.E});
+  TensorView gv = *TensorView::Create(du_cpu.data(), DType::kF32, {c.T, c.E});
+  absl::StatusOr<double> z_cpu =
+      losses::RouterZLossForwardBackward(uv, mask, global_routed_step, alpha_z, gv);
+  ASSERT_TRUE(z_cpu.ok()) << z_cpu.status();
+
+  DeviceBuffer n_dev = Dev(std::vector<double>{static_cast<double>(global_routed_step)});
+  DeviceBuffer z_dev = Dev(std::vector<double>{0.0}), b_dev = Dev(std::vector<double>{0.0});
+  DeviceBuffer du_dev = Dev(std::vector<float>(c.T * c.E, std::nanf("")));  // overwritten
+  RouterAuxCudaArgs x;
+  x.probs = r.probs.as<float>();
+  x.logsumexp = r.lse.as<float>();
+  x.mask = mask_dev.as<uint8_t>();
+  x.tokens = c.T;
+  x.experts = c.E;
+  x.top_k = c.K;
+  x.alpha_z = static_cast<float>(alpha_z);
+  x.alpha_b = 0.0f;
+  x.global_routed_tokens = n_dev.as<double>();
+  x.z_loss = z_dev.as<double>();
+  x.balance_loss = b_dev.as<double>();
+  x.sigmoid_scores = true;
+  x.logits = u_dev.as<float>();
+  x.d_logits = du_dev.as<float>();
+  ASSERT_TRUE(RouterAuxLossCuda(x, nullptr).ok());
+  ASSERT_TRUE(RouterBackwardCuda(x, nullptr).ok());
+  EXPECT_NEAR(Host<double>(z_dev)[0], *z_cpu, 1e-5 * std::abs(*z_cpu));
+  EXPECT_EQ(Host<double>(b_dev)[0], 0.0);
+  double max_grad = 0;
+  for (float v : du_cpu) max_grad = std::max(max_grad, static_cast<double>(std::abs(v)));
+  ExpectAllNear(Host<float>(du_dev), du_cpu, 1e-5 * max_grad, 1e-4, "d_logits (z, sigmoid)");
+
+  RouterAuxCudaArgs bal = x;
+  bal.alpha_b = 0.01f;
+  DeviceBuffer counts = Dev(std::vector<int64_t>(c.E, 1));
+  bal.global_expert_counts = counts.as<int64_t>();
+  bal.local_gating_sums = r.gsum.as<double>();
+  absl::Status s = RouterAuxLossCuda(bal, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("alpha_b"));
+  EXPECT_EQ(RouterBackwardCuda(bal, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  // The backward with sigmoid scores and the z-loss needs the logits.
+  RouterAuxCudaArgs no_logits = x;
+  no_logits.logits = nullptr;
+  EXPECT_EQ(RouterBackwardCuda(no_logits, nullptr).code(), absl::StatusCode::kInvalidArgument);
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, RouterCudaVsCpu,
                          ::testing::Values(Case{37, 16, 8, 2, false, 1.0f},   // 1 expert per lane
                                            Case{300, 32, 64, 6, true, 1.5f},  // 2 per lane
@@ -257,6 +433,55 @@ TEST(RouterCuda, EqualProbabilitiesGoToTheLowerExpertIndex) {
   EXPECT_EQ(Host<int32_t>(r.index), (std::vector<int32_t>{0, 1, 2, 5, 33, 37}));
   const std::vector<int64_t> counts = Host<int64_t>(r.counts);
   EXPECT_EQ(counts[0] + counts[1] + counts[2] + counts[5] + counts[33] + counts[37], 6);
+}
+
+// The bias moves the selection only, worked by hand: with u = (3, 2, 1, 0, ...) the top 2
+// by p are experts 0 and 1; a bias of +1 on expert 7 makes it the first choice, and the
+// weights are the UNBIASED p of the chosen experts, renormalised. A bias below -1 on every
+// expert (keys all negative) chooses as no bias does.
+TEST(RouterCuda, ExpertBiasMovesTheSelectionAndNotTheWeights) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  const int E = 8, K = 2;
+  std::vector<float> u(E, 0.0f);
+  u[0] = 3.0f;
+  u[1] = 2.0f;
+  u[2] = 1.0f;
+  double z = 0;
+  for (float v : u) z += std::exp(static_cast<double>(v));
+  auto p = [&](int e) { return std::exp(static_cast<double>(u[e])) / z; };
+  DeviceBuffer u_dev = Dev(u);
+  std::vector<float> plus(E, 0.0f);
+  plus[7] = 1.0f;
+  DeviceBuffer plus_dev = Dev(plus);
+  GpuRoute r;
+  ASSERT_TRUE(RunForward(u_dev, nullptr, 1, E, K, /*norm=*/true, 1.0f, &r, false, &plus_dev).ok());
+  EXPECT_EQ(Host<int32_t>(r.index), (std::vector<int32_t>{7, 0}));
+  std::vector<float> w = Host<float>(r.weight);
+  EXPECT_NEAR(w[0], p(7) / (p(7) + p(0)), 1e-6);
+  EXPECT_NEAR(w[1], p(0) / (p(7) + p(0)), 1e-6);
+  const std::vector<int64_t> counts = Host<int64_t>(r.counts);
+  EXPECT_EQ(counts[7], 1);
+  EXPECT_EQ(counts[0], 1);
+  EXPECT_EQ(counts[1], 0);
+
+  DeviceBuffer minus_dev = Dev(std::vector<float>(E, -5.0f));
+  ASSERT_TRUE(RunForward(u_dev, nullptr, 1, E, K, /*norm=*/false, 2.0f, &r, false, &minus_dev).ok());
+  EXPECT_EQ(Host<int32_t>(r.index), (std::vector<int32_t>{0, 1}));
+  w = Host<float>(r.weight);
+  EXPECT_NEAR(w[0], 2.0 * p(0), 1e-6);
+  EXPECT_NEAR(w[1], 2.0 * p(1), 1e-6);
+
+  // Sigmoid scores, worked by hand: keys sigmoid(0) + 1 = 1.5 (expert 7), sigmoid(3) =
+  // 0.953 (expert 0), sigmoid(2) = 0.881 (expert 1); the weights are sigmoid(u) of the
+  // chosen, renormalised.
+  ASSERT_TRUE(RunForward(u_dev, nullptr, 1, E, K, /*norm=*/true, 1.0f, &r, true, &plus_dev).ok());
+  EXPECT_EQ(Host<int32_t>(r.index), (std::vector<int32_t>{7, 0}));
+  auto sig = [&](int e) { return 1.0 / (1.0 + std::exp(-static_cast<double>(u[e]))); };
+  const std::vector<float> probs = Host<float>(r.probs);
+  for (int e = 0; e < E; ++e) EXPECT_NEAR(probs[e], sig(e), 1e-6) << e;
+  w = Host<float>(r.weight);
+  EXPECT_NEAR(w[0], sig(7) / (sig(7) + sig(0)), 1e-6);
+  EXPECT_NEAR(w[1], sig(0) / (sig(7) + sig(0)), 1e-6);
 }
 
 TEST(RouterCuda, NonFiniteLogitAndBadMaskAreInvalidArgumentNamingTheToken) {

@@ -2,6 +2,8 @@
 // the lower expert index, renormalisation and router_scale, routing statistics; the z-loss
 // and load-balancing loss values and the full gradient with respect to the router logits.
 // One warp per token; each lane holds experts lane, lane + 32, ... (PL per lane).
+// §5.1: sigmoid scores p = sigmoid(u) in place of the softmax, and an expert bias b added
+// to the scores for the top-K selection only (the weights w_k are of the unbiased p).
 
 #include <cuda_runtime.h>
 
@@ -19,6 +21,13 @@ using cuda_device::WarpMax;
 using cuda_device::WarpSum;
 
 constexpr int kWarpsPerBlock = 8;
+
+// sigmoid(x) = 1 / (1 + exp(-x)) from exp(-|x|) <= 1, so nothing overflows (as
+// core/vec_math.h computes it on the CPU).
+__device__ __forceinline__ float Sigmoid(float x) {
+  const float e = expf(-fabsf(x));
+  return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+}
 
 template <int PL>
 __global__ void RouterForwardKernel(RouterForwardLaunch p) {
@@ -76,38 +85,52 @@ __global__ void RouterForwardKernel(RouterForwardLaunch p) {
 #pragma unroll
     for (int i = 0; i < PL; ++i) {
       const int e = lane + 32 * i;
-      pr[i] = expf(u[i] - mx) * inv_s;
+      // Sigmoid scores (§5.1) are per expert; the softmax statistics above still give the
+      // z-loss's lse, which is of the logits whatever the scores.
+      pr[i] = p.sigmoid ? (e < E ? Sigmoid(u[i]) : 0.0f) : expf(u[i] - mx) * inv_s;
       if (e < E) prow[e] = pr[i];
     }
     if (lane == 0 && p.logsumexp) p.logsumexp[t] = mx + logf(s);
 
-    // Top-K by p: K rounds of a warp argmax; equal p -> lower expert index.
+    // The selection key: p, or p + b with the expert bias (§5.1, the sum in fp32).
+    float key[PL];
+#pragma unroll
+    for (int i = 0; i < PL; ++i) {
+      const int e = lane + 32 * i;
+      key[i] = (p.expert_bias != nullptr && e < E) ? pr[i] + p.expert_bias[e] : pr[i];
+    }
+
+    // Top-K by the key: K rounds of a warp argmax; equal keys -> lower expert index. The
+    // winner's unbiased p travels with it (bp): the weights are of p, never of the key.
     bool taken[PL];
 #pragma unroll
     for (int i = 0; i < PL; ++i) taken[i] = false;
     int my_e = -1;
     float my_p = 0.0f, picked_sum = 0.0f;
     for (int k = 0; k < K; ++k) {
-      float bv = -1.0f;
+      float bv = -INFINITY, bp = 0.0f;  // every finite key beats it
       int be = INT_MAX;
 #pragma unroll
       for (int i = 0; i < PL; ++i) {
         const int e = lane + 32 * i;
-        if (e < E && !taken[i] && (pr[i] > bv || (pr[i] == bv && e < be))) {
-          bv = pr[i];
+        if (e < E && !taken[i] && (key[i] > bv || (key[i] == bv && e < be))) {
+          bv = key[i];
+          bp = pr[i];
           be = e;
         }
       }
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) {
         const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const float op = __shfl_xor_sync(0xffffffffu, bp, o);
         const int oe = __shfl_xor_sync(0xffffffffu, be, o);
         if (ov > bv || (ov == bv && oe < be)) {
           bv = ov;
+          bp = op;
           be = oe;
         }
       }
-      if (be >= E) be = 0;  // unreachable with finite probabilities; never index out of range
+      if (be >= E) be = 0;  // unreachable with finite keys; never index out of range
       if ((be & 31) == lane) {
 #pragma unroll
         for (int i = 0; i < PL; ++i) {
@@ -116,13 +139,15 @@ __global__ void RouterForwardKernel(RouterForwardLaunch p) {
       }
       if (lane == k) {
         my_e = be;
-        my_p = bv;
+        my_p = bp;
       }
-      picked_sum += bv;
+      picked_sum += bp;
     }
     if (lane < K) {
       float w = my_p;
-      if (p.norm_topk_prob) w /= picked_sum;
+      // Sigmoid scores or a bias may pick scores that all round to 0: weights 0, not NaN
+      // (as the CPU router). The unbiased softmax always has picked_sum >= 1 / E > 0.
+      if (p.norm_topk_prob) w = picked_sum > 0.0f ? w / picked_sum : 0.0f;
       w *= p.router_scale;
       p.expert_index[t * K + lane] = my_e;
       p.combine_weight[t * K + lane] = w;
@@ -266,9 +291,12 @@ __global__ void RouterBackwardKernel(RouterAuxLaunch p) {
     }
     const float picked = WarpSum(my_p);
     const float dw_p = WarpSum(my_dw * my_p);
-    // dL/dp[i_k]: s * dw_k (plain) or s * (dw_k / S - sum_j dw_j p_j / S^2) (renormalised).
-    const float my_dp = p.norm_topk_prob ? p.router_scale * (my_dw / picked - dw_p / (picked * picked))
-                                         : p.router_scale * my_dw;
+    // dL/dp[i_k]: s * dw_k (plain) or s * (dw_k / S - sum_j dw_j p_j / S^2) (renormalised;
+    // S = 0, whose forward weights were 0, has no gradient, as on the CPU).
+    const float my_dp =
+        p.norm_topk_prob
+            ? (picked > 0.0f ? p.router_scale * (my_dw / picked - dw_p / (picked * picked)) : 0.0f)
+            : p.router_scale * my_dw;
     float pr[PL], dp[PL];
     float dot = 0.0f;
 #pragma unroll
@@ -287,10 +315,25 @@ __global__ void RouterBackwardKernel(RouterAuxLaunch p) {
         }
       }
     }
+    const float lse = p.logsumexp ? p.logsumexp[t] : 0.0f;
+    if (p.sigmoid) {
+      // Sigmoid scores (§5.1): du_e = p_e (1 - p_e) dp_e, no coupling between experts. The
+      // z-loss is of the logits: d(alpha_z lse^2 / N)/du_e = 2 alpha_z lse softmax(u)_e / N,
+      // the softmax from the kept logits and lse.
+      const float* urow = p.logits + t * E;
+#pragma unroll
+      for (int i = 0; i < PL; ++i) {
+        const int e = lane + 32 * i;
+        if (e >= E) continue;
+        float g = pr[i] * (1.0f - pr[i]) * dp[i];
+        if (z_coef != 0.0f) g += z_coef * lse * expf(urow[e] - lse);
+        drow[e] = p.accumulate ? drow[e] + g : g;
+      }
+      continue;
+    }
 #pragma unroll
     for (int i = 0; i < PL; ++i) dot += pr[i] * dp[i];
     dot = WarpSum(dot);
-    const float lse = p.logsumexp ? p.logsumexp[t] : 0.0f;
 #pragma unroll
     for (int i = 0; i < PL; ++i) {
       const int e = lane + 32 * i;

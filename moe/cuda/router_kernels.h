@@ -21,6 +21,8 @@ struct RouterForwardLaunch {
   int top_k = 0;
   bool norm_topk_prob = false;
   float router_scale = 1.0f;
+  bool sigmoid = false;                   // scores sigmoid(u) instead of softmax(u) (§5.1)
+  const float* expert_bias = nullptr;     // [E] or null: added to the scores for top-K only
   float* probs = nullptr;                 // [T, E]
   int32_t* expert_index = nullptr;        // [T, K]
   float* combine_weight = nullptr;        // [T, K]
@@ -48,6 +50,8 @@ struct RouterAuxLaunch {
   int top_k = 0;
   bool norm_topk_prob = false;
   float router_scale = 1.0f;
+  bool sigmoid = false;                   // probs are sigmoid(u) (§5.1)
+  const float* logits = nullptr;          // [T, E] u: with sigmoid, the z-loss's softmax
   float alpha_z = 0.0f;
   float alpha_b = 0.0f;
   int num_micro_batches = 1;                     // G

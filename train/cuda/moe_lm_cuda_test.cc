@@ -9,6 +9,7 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -187,6 +188,93 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{2, C::replicated, C::f32, C::f32, C::token, true, true},
                       Case{2, C::fsdp, C::bf16, C::f32, C::token, false, true}),
     CaseName);
+
+// The options the GPU gained after the cases above (SEMANTICS.md §3.2's CE options; §5.1's
+// routing): the GPU run of `config` (f32) against the reference (step 1's parity, 1e-5,
+// with the output z-loss's own row when alpha_lse > 0) and against the CPU trainer (step
+// 1's reduced gradients, every step's display terms, z_out included, and grad norm).
+void ExpectGpuMatchesReferenceAndCpu(TrainConfig config) {
+  config.mutable_optim()->set_steps(3);
+  config.mutable_debug()->set_parity_check(true);
+  absl::StatusOr<GpuRun> gpu = RunOnGpu(config);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  absl::StatusOr<std::vector<RankOutcome>> cpu = RunInProcess(config);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  ASSERT_TRUE((*cpu)[0].status.ok()) << (*cpu)[0].status;
+  ASSERT_TRUE(gpu->parity.has_value());
+  EXPECT_TRUE(gpu->parity->ok) << gpu->parity->ToString();
+  EXPECT_LE(gpu->parity->worst, 1e-5) << gpu->parity->ToString();
+  EXPECT_EQ(gpu->parity->losses.size(), config.loss().alpha_lse() > 0 ? 4u : 3u);
+
+  ASSERT_TRUE(gpu->first_step_grads.has_value());
+  const NamedParams& want = *(*cpu)[0].first_step_grads;
+  const NamedParams& got = *gpu->first_step_grads;
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [name, w] : want) {
+    auto it = got.find(name);
+    ASSERT_NE(it, got.end()) << name;
+    ASSERT_EQ(it->second.size(), w.size()) << name;
+    double scale = 0;
+    for (float v : w) scale = std::max(scale, static_cast<double>(std::abs(v)));
+    for (size_t i = 0; i < w.size(); ++i) {
+      EXPECT_NEAR(it->second[i], w[i], 1e-5 * scale + 1e-9) << name << "[" << i << "]";
+    }
+  }
+  const std::vector<StepMetrics>& cpu_hist = (*cpu)[0].history;
+  ASSERT_EQ(gpu->history.size(), cpu_hist.size());
+  for (size_t s = 0; s < cpu_hist.size(); ++s) {
+    const StepMetrics& g = gpu->history[s];
+    const StepMetrics& c = cpu_hist[s];
+    EXPECT_NEAR(g.ce(), c.ce(), 1e-4 * std::abs(c.ce())) << s;
+    EXPECT_NEAR(g.z(), c.z(), 1e-4 * std::abs(c.z()) + 1e-9) << s;
+    EXPECT_NEAR(g.bal(), c.bal(), 1e-4 * std::abs(c.bal()) + 1e-9) << s;
+    ASSERT_EQ(g.has_z_out(), c.has_z_out()) << s;
+    EXPECT_EQ(c.has_z_out(), config.loss().alpha_lse() > 0) << s;
+    EXPECT_NEAR(g.z_out(), c.z_out(), 1e-4 * std::abs(c.z_out())) << s;
+    EXPECT_NEAR(g.grad_norm(), c.grad_norm(), 1e-4 * c.grad_norm()) << s;
+    // The global counts (what the expert bias of §5.1 moves by): the same choices.
+    EXPECT_EQ(std::vector<int64_t>(g.tokens_per_expert().begin(), g.tokens_per_expert().end()),
+              std::vector<int64_t>(c.tokens_per_expert().begin(), c.tokens_per_expert().end()))
+        << s;
+  }
+}
+
+// The CE options of SEMANTICS.md §3.2 on the GPU model, each alone and all three, in sample
+// mode (weights that are not token counts), fsdp, two micro-batches.
+TEST(MoeLmCudaOptionsTest, CeOptionsMatchReferenceAndCpuTrainer) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  struct Options {
+    double eps, cap, alpha;
+  };
+  for (const Options& o : {Options{0.1, 0, 0}, Options{0, 0.5, 0}, Options{0, 0, 0.01},
+                           Options{0.2, 0.3, 0.02}}) {
+    SCOPED_TRACE(absl::StrCat("eps ", o.eps, " cap ", o.cap, " alpha ", o.alpha));
+    TrainConfig config = TinyConfig(1, 1, 2, TrainConfig::fsdp);
+    config.mutable_loss()->set_ce_mode(TrainConfig::sample);
+    config.mutable_loss()->set_label_smoothing(o.eps);
+    config.mutable_loss()->set_logit_softcap(o.cap);
+    config.mutable_loss()->set_alpha_lse(o.alpha);
+    ExpectGpuMatchesReferenceAndCpu(config);
+  }
+}
+
+// The aux-loss-free balancing of SEMANTICS.md §5.1 on the GPU model: the expert bias
+// (moved by the step's global counts after every step, so steps 2 and 3 route with a bias)
+// with softmax scores, sigmoid scores without a bias, and both; alpha_b 0 with sigmoid.
+TEST(MoeLmCudaOptionsTest, ExpertBiasAndSigmoidScoresMatchReferenceAndCpuTrainer) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  for (const auto& [sigmoid, speed] :
+       {std::pair<bool, double>{false, 0.01}, {true, 0.0}, {true, 0.01}}) {
+    SCOPED_TRACE(absl::StrCat(sigmoid ? "sigmoid" : "softmax", " speed ", speed));
+    TrainConfig config = TinyConfig(1, 1, 2, TrainConfig::fsdp);
+    if (sigmoid) {
+      config.mutable_model()->set_router_score(ModelConfig::sigmoid);
+      config.mutable_loss()->set_alpha_b(0);
+    }
+    config.mutable_loss()->set_expert_bias_speed(speed);
+    ExpectGpuMatchesReferenceAndCpu(config);
+  }
+}
 
 TEST(MoeLmCudaTest, CreateRejectsMissingOrMismatchedDeviceGroups) {
   GRADSUM_SKIP_WITHOUT_GPU();
