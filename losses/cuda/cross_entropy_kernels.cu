@@ -33,6 +33,39 @@ using cuda_device::MergeMaxSum;
 using cuda_device::StoreFromFloat;
 using cuda_device::ToFloat;
 
+// Both row kernels' per-row prologue. RowWeight (thread 0): the row's CE weight w_t, 0 for
+// an ignored label; a label outside [0, vocab) or a weight that is negative, NaN or inf is
+// recorded in p.error and weighs 0.
+__device__ __forceinline__ float RowWeight(const CeLaunch& p, int64_t row) {
+  const int64_t y = p.labels[row];
+  if (y == p.ignore_index) return 0.0f;
+  if (y < 0 || y >= p.vocab) {
+    atomicMin(&p.error->bad_label_row, static_cast<unsigned long long>(row));
+    atomicAdd(&p.error->bad_label_count, 1ull);
+    return 0.0f;
+  }
+  const float w = p.token_weights ? p.token_weights[row] : 1.0f;
+  if (!(w >= 0.0f && w <= 3.4028234663852886e38f)) {
+    atomicMin(&p.error->bad_weight_row, static_cast<unsigned long long>(row));
+    atomicAdd(&p.error->bad_weight_count, 1ull);
+    return 0.0f;
+  }
+  return w;
+}
+
+// A row of weight 0 (the whole block): gradient exactly 0, token loss 0.
+template <typename T, int kN>
+__device__ __forceinline__ void SkipRow(const CeLaunch& p, int64_t row, int64_t chunks) {
+  if (p.grad_logits != nullptr) {
+    T* g = static_cast<T*>(p.grad_logits) + row * p.vocab;
+    float zeros[kN];
+#pragma unroll
+    for (int i = 0; i < kN; ++i) zeros[i] = 0.0f;
+    for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) StoreFromFloat<T, kN>(g + c * kN, zeros);
+  }
+  if (threadIdx.x == 0 && p.token_loss) p.token_loss[row] = 0.0f;
+}
+
 template <typename T, int kN>
 __global__ void CrossEntropyRowKernel(CeLaunch p) {
   __shared__ MaxSum ms_scratch[32];
@@ -53,21 +86,7 @@ __global__ void CrossEntropyRowKernel(CeLaunch p) {
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const T* x = logits + row * vocab;
     if (threadIdx.x == 0) {
-      const int64_t y = p.labels[row];
-      float w = 0.0f;
-      if (y != p.ignore_index) {
-        if (y < 0 || y >= vocab) {
-          atomicMin(&p.error->bad_label_row, static_cast<unsigned long long>(row));
-          atomicAdd(&p.error->bad_label_count, 1ull);
-        } else {
-          w = p.token_weights ? p.token_weights[row] : 1.0f;
-          if (!(w >= 0.0f && w <= 3.4028234663852886e38f)) {
-            atomicMin(&p.error->bad_weight_row, static_cast<unsigned long long>(row));
-            atomicAdd(&p.error->bad_weight_count, 1ull);
-            w = 0.0f;
-          }
-        }
-      }
+      const float w = RowWeight(p, row);
       block_weight += w;
       // D == 0 means every label of the step is ignored: loss 0, gradient exactly 0.
       row_info[2] = (d_ok && D > 0.0) ? w : 0.0f;
@@ -76,14 +95,7 @@ __global__ void CrossEntropyRowKernel(CeLaunch p) {
     const float w = row_info[2];
 
     if (w == 0.0f) {
-      if (grad != nullptr) {
-        T* g = grad + row * vocab;
-        float zeros[kN];
-#pragma unroll
-        for (int i = 0; i < kN; ++i) zeros[i] = 0.0f;
-        for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) StoreFromFloat<T, kN>(g + c * kN, zeros);
-      }
-      if (threadIdx.x == 0 && p.token_loss) p.token_loss[row] = 0.0f;
+      SkipRow<T, kN>(p, row, chunks);
       __syncthreads();  // row_info is rewritten for the next row
       continue;
     }
@@ -198,21 +210,7 @@ __global__ void CrossEntropyOptionsRowKernel(CeLaunch p) {
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const T* x = logits + row * vocab;
     if (threadIdx.x == 0) {
-      const int64_t y = p.labels[row];
-      float w = 0.0f;
-      if (y != p.ignore_index) {
-        if (y < 0 || y >= vocab) {
-          atomicMin(&p.error->bad_label_row, static_cast<unsigned long long>(row));
-          atomicAdd(&p.error->bad_label_count, 1ull);
-        } else {
-          w = p.token_weights ? p.token_weights[row] : 1.0f;
-          if (!(w >= 0.0f && w <= 3.4028234663852886e38f)) {
-            atomicMin(&p.error->bad_weight_row, static_cast<unsigned long long>(row));
-            atomicAdd(&p.error->bad_weight_count, 1ull);
-            w = 0.0f;
-          }
-        }
-      }
+      const float w = RowWeight(p, row);
       block_weight += w;
       // D == 0 means every label of the step is ignored: loss 0, gradient exactly 0.
       row_info[4] = (d_ok && D > 0.0) ? w : 0.0f;
@@ -221,14 +219,7 @@ __global__ void CrossEntropyOptionsRowKernel(CeLaunch p) {
     const float w = row_info[4];
 
     if (w == 0.0f) {
-      if (grad != nullptr) {
-        T* g = grad + row * vocab;
-        float zeros[kN];
-#pragma unroll
-        for (int i = 0; i < kN; ++i) zeros[i] = 0.0f;
-        for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) StoreFromFloat<T, kN>(g + c * kN, zeros);
-      }
-      if (threadIdx.x == 0 && p.token_loss) p.token_loss[row] = 0.0f;
+      SkipRow<T, kN>(p, row, chunks);
       __syncthreads();  // row_info is rewritten for the next row
       continue;
     }
