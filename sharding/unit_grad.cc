@@ -23,6 +23,31 @@ void UnitGrad::WaitInFlight(std::unique_ptr<Work>& work) const {
   if (work) work->Wait(o_.group->timeout()).IgnoreError();
 }
 
+absl::Status UnitGrad::FinishReduce() {
+  if (work_is_replica_) return FinishReplica();
+  const bool replica_next = across_replicas() && work_last_;
+  GRADSUM_RETURN_IF_ERROR(FinishGroup());
+  if (!replica_next) return absl::OkStatus();
+  GRADSUM_RETURN_IF_ERROR(StartReplica());
+  return FinishReplica();
+}
+
+absl::Status UnitGrad::Advance() {
+  if (work_ == nullptr || work_is_replica_ || !(across_replicas() && work_last_)) {
+    return absl::OkStatus();
+  }
+  GRADSUM_RETURN_IF_ERROR(FinishGroup());
+  return StartReplica();
+}
+
+absl::Status UnitGrad::AwaitReplica(absl::string_view what) {
+  bool in_flight;
+  const absl::Status s = AwaitWork(*o_.replica_group, work_, &in_flight);
+  if (!in_flight) work_is_replica_ = false;
+  if (!s.ok()) return Annotate(s, what);
+  return absl::OkStatus();
+}
+
 std::string UnitGrad::What() const {
   return absl::StrCat("gradient reduction of group \"", o_.name, "\"");
 }
@@ -110,27 +135,10 @@ class FloatUnitGrad final : public UnitGrad {
     return absl::OkStatus();
   }
 
-  absl::Status FinishReduce() override {
-    if (work_is_replica_) return FinishReplica();
-    const bool replica_next = across_replicas() && work_last_;
-    GRADSUM_RETURN_IF_ERROR(FinishGroup());
-    if (!replica_next) return absl::OkStatus();
-    GRADSUM_RETURN_IF_ERROR(StartReplica());
-    return FinishReplica();
-  }
-
-  absl::Status Advance() override {
-    if (work_ == nullptr || work_is_replica_ || !(across_replicas() && work_last_)) {
-      return absl::OkStatus();
-    }
-    GRADSUM_RETURN_IF_ERROR(FinishGroup());
-    return StartReplica();
-  }
-
  private:
   // HSDP's second stage (SEMANTICS.md §7): the step's accumulated fp32 shard, SUM over the
   // replicas, in place.
-  absl::Status StartReplica() {
+  absl::Status StartReplica() override {
     absl::StatusOr<std::unique_ptr<Work>> work = o_.replica_group->AllReduceAsync(
         accum_.data(), accum_.data(), o_.layout.shard_numel, DType::kF32, ReduceOp::kSum);
     if (!work.ok()) return Annotate(work.status(), absl::StrCat(What(), " across replicas"));
@@ -138,16 +146,12 @@ class FloatUnitGrad final : public UnitGrad {
     work_is_replica_ = true;
     return absl::OkStatus();
   }
-  absl::Status FinishReplica() {
-    bool in_flight;
-    const absl::Status s = AwaitWork(*o_.replica_group, work_, &in_flight);
-    if (!in_flight) work_is_replica_ = false;
-    if (!s.ok()) return Annotate(s, absl::StrCat(What(), " across replicas"));
-    return absl::OkStatus();
+  absl::Status FinishReplica() override {
+    return AwaitReplica(absl::StrCat(What(), " across replicas"));
   }
 
   // Waits for the in-group collective and folds its result.
-  absl::Status FinishGroup() {
+  absl::Status FinishGroup() override {
     bool in_flight;
     const absl::Status s = AwaitWork(*o_.group, work_, &in_flight);
     if (!s.ok()) return Annotate(s, What());
@@ -347,28 +351,11 @@ class ExactUnitGrad final : public UnitGrad {
     return absl::OkStatus();
   }
 
-  absl::Status FinishReduce() override {
-    if (work_is_replica_) return FinishReplica();
-    const bool replica_next = across_replicas() && work_last_;
-    GRADSUM_RETURN_IF_ERROR(FinishGroup());
-    if (!replica_next) return absl::OkStatus();
-    GRADSUM_RETURN_IF_ERROR(StartReplica());
-    return FinishReplica();
-  }
-
-  absl::Status Advance() override {
-    if (work_ == nullptr || work_is_replica_ || !(across_replicas() && work_last_)) {
-      return absl::OkStatus();
-    }
-    GRADSUM_RETURN_IF_ERROR(FinishGroup());
-    return StartReplica();
-  }
-
  private:
   // HSDP's second stage (SEMANTICS.md §7): the step's accumulated shard limbs and the
   // group's rejected count, one int64 SUM across the replicas (R canonical buffers: within
   // the normalisation budget, checked at creation).
-  absl::Status StartReplica() {
+  absl::Status StartReplica() override {
     const int64_t words = o_.layout.shard_numel * exact::kLimbs;
     replica_limbs_.resize(words + 1);
     std::copy(accum_limbs_.begin(), accum_limbs_.end(), replica_limbs_.begin());
@@ -382,11 +369,8 @@ class ExactUnitGrad final : public UnitGrad {
     work_is_replica_ = true;
     return absl::OkStatus();
   }
-  absl::Status FinishReplica() {
-    bool in_flight;
-    const absl::Status s = AwaitWork(*o_.replica_group, work_, &in_flight);
-    if (!in_flight) work_is_replica_ = false;
-    if (!s.ok()) return Annotate(s, absl::StrCat("exact ", What(), " across replicas"));
+  absl::Status FinishReplica() override {
+    GRADSUM_RETURN_IF_ERROR(AwaitReplica(absl::StrCat("exact ", What(), " across replicas")));
     const int64_t words = o_.layout.shard_numel * exact::kLimbs;
     std::copy_n(replica_limbs_.begin(), words, accum_limbs_.begin());
     rejected_total_ = replica_limbs_[words];
@@ -399,7 +383,7 @@ class ExactUnitGrad final : public UnitGrad {
 
   // Waits for the in-group collectives and folds their result (without a replica stage,
   // the last micro-batch's shard becomes master_grad() here).
-  absl::Status FinishGroup() {
+  absl::Status FinishGroup() override {
     const std::string what = absl::StrCat("exact ", What());
     bool in_flight;
     absl::Status s = AwaitWork(*o_.group, work_, &in_flight);

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "collectives/communicator.h"
 #include "core/grad_precision.h"
@@ -101,11 +102,11 @@ class UnitGrad {
   // With a replica group (HSDP), the last micro-batch's reduction has two stages: the
   // in-group reduce-scatter, then the all-reduce of the accumulated shard across the
   // replicas; FinishReduce completes both.
-  virtual absl::Status FinishReduce() = 0;
+  absl::Status FinishReduce();
   // HSDP: if the last micro-batch's in-group reduce-scatter is in flight, waits for it,
   // folds it and starts the cross-replica all-reduce (still in flight afterwards, so the
   // next stage's compute overlaps it). Otherwise nothing. The collective's error.
-  virtual absl::Status Advance() { return absl::OkStatus(); }
+  absl::Status Advance();
   bool reduce_in_flight() const { return work_ != nullptr; }
   // Folds an fp32 gradient SUM-reduced elsewhere (FlatParam::FoldReducedGrad has the
   // contract). Precondition: none in flight. InvalidArgument for a wrong size or a
@@ -157,6 +158,18 @@ class UnitGrad {
   // Waits for a reduction in flight (ignoring its status): the implementations' destructors
   // call it before their buffers go, since the collective may still read or write them.
   void WaitInFlight(std::unique_ptr<Work>& work) const;
+
+  // The stages FinishReduce and Advance sequence (one order for every precision; the
+  // implementations give what their buffers need). FinishGroup: waits for the in-group
+  // collective(s) in work_ and folds the result. StartReplica (HSDP): starts the
+  // accumulated shard's SUM across the replicas into work_ (work_is_replica_).
+  // FinishReplica: waits for it (AwaitReplica) and makes the result master_grad().
+  virtual absl::Status FinishGroup() = 0;
+  virtual absl::Status StartReplica() = 0;
+  virtual absl::Status FinishReplica() = 0;
+  // FinishReplica's wait: the cross-replica work_, annotated with `what`; a wait that times
+  // out keeps it in flight.
+  absl::Status AwaitReplica(absl::string_view what);
 
   const GradPrecision precision_;
   const UnitGradOptions o_;
