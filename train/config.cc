@@ -524,6 +524,13 @@ absl::Status ValidateConfig(const TrainConfig& c) {
   if (m.mtp_depth() < 0) {
     return Bad("model.mtp_depth", StrCat(m.mtp_depth()), "must be >= 0 (0 = off)");
   }
+  if (m.mtp_depth() >= c.data().seq_len() && c.data().seq_len() > 0) {
+    // Depth j's label of position t is the token j + 1 ahead in the same sequence (§15):
+    // from depth seq_len on no position has one, so the depth would train nothing.
+    return Bad("model.mtp_depth", StrCat(m.mtp_depth()),
+               StrCat("must be < data.seq_len=", c.data().seq_len(),
+                      ": a deeper MTP depth has no label in any sequence (SEMANTICS.md §15)"));
+  }
   if (m.mtp_depth() > 0 && !(l.mtp_scale() > 0 && l.mtp_scale() <= m.mtp_depth())) {
     return Bad("loss.mtp_scale", StrCat(l.mtp_scale()),
                StrCat("must be in (0, model.mtp_depth=", m.mtp_depth(), "] (SEMANTICS.md §15)"));

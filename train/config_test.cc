@@ -356,6 +356,9 @@ TEST(ConfigTest, ValidationNamesFieldAndValue) {
       {{{"precision.repro_block", "-1"}}, "precision.repro_block=-1"},
       // Multi-token prediction (§15.1).
       {{{"model.mtp_depth", "-1"}}, "model.mtp_depth=-1: must be >= 0"},
+      {{{"model.mtp_depth", "16"}, {"loss.mtp_scale", "1"}, {"data.seq_len", "16"},
+        {"data.max_doc_len", "16"}, {"data.min_doc_len", "2"}},
+       "model.mtp_depth=16: must be < data.seq_len=16"},
       {{{"model.mtp_depth", "2"}, {"loss.mtp_scale", "0"}},
        "loss.mtp_scale=0: must be in (0, model.mtp_depth=2]"},
       {{{"model.mtp_depth", "1"}, {"loss.mtp_scale", "1.5"}},
