@@ -116,22 +116,7 @@ class CpuOps : public ModelOps {
     labels_.assign(in.labels.begin(), in.labels.end());
     layer_config_.row_block = in.row_block;
     const int k = config_.mtp_depth;
-    if (static_cast<int>(in.mtp_tokens.size()) != k ||
-        static_cast<int>(in.mtp_labels.size()) != k ||
-        static_cast<int>(in.mtp_ce_normaliser.size()) != k ||
-        (!in.mtp_ce_weights.empty() && static_cast<int>(in.mtp_ce_weights.size()) != k)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "micro-batch: MTP inputs for ", in.mtp_tokens.size(), " depths, the model has ", k));
-    }
-    for (int j = 0; j < k; ++j) {
-      if (static_cast<int64_t>(in.mtp_tokens[j].size()) != in.rows ||
-          static_cast<int64_t>(in.mtp_labels[j].size()) != in.rows ||
-          (!in.mtp_ce_weights.empty() && !in.mtp_ce_weights[j].empty() &&
-           static_cast<int64_t>(in.mtp_ce_weights[j].size()) != in.rows)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "micro-batch: MTP depth ", j + 1, "'s tokens, labels or weights are not ", in.rows));
-      }
-    }
+    GRADSUM_RETURN_IF_ERROR(CheckMtpInputs(in, k));
     counts_.clear();
     counts_.reserve(moe_layers_);
     global_counts_.assign(moe_layers_, {});

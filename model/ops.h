@@ -77,6 +77,11 @@ struct MicroBatchInputs {
   std::vector<double> mtp_ce_normaliser;
 };
 
+// Every device's check of a micro-batch's MTP inputs against the model's depth k: one
+// entry per depth (CE weights: none, or one per depth), each [rows] long. InvalidArgument
+// naming the depth otherwise.
+absl::Status CheckMtpInputs(const MicroBatchInputs& in, int depth);
+
 // A MoE layer's weights as the compute reads them: the router [D, E] (the same on every
 // rank) and this rank's E_local = E / ep experts, stacked per matrix: all Wg [E_local, D, H],
 // then all Wu, then all Wd [E_local, H, D] (moe/experts.h).

@@ -2,6 +2,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -63,8 +64,9 @@ class CudaOps : public ModelOps {
     layer_config_.norm_topk_prob = m.norm_topk_prob;
     layer_config_.router_scale = m.router_scale;
     layer_config_.sigmoid_scores = m.router_sigmoid;
-    layers_.resize(m.layers);
-    bias_.resize(m.layers);
+    // The L main MoE layers, then one per MTP depth (SEMANTICS.md §15.1).
+    layers_.resize(m.layers + m.mtp_depth);
+    bias_.resize(m.layers + m.mtp_depth);
     exec_.blas = &ctx_->blas;
     exec_.stream = ctx_->stream.get();
     exec_.fence = ctx_->fence;
@@ -101,6 +103,18 @@ class CudaOps : public ModelOps {
         return absl::InvalidArgumentError(absl::StrCat("label ", y, " at position ", t,
                                                        " outside [0, ", V,
                                                        ") and not ignore_index ", kIgnoreIndex));
+      }
+    }
+    const int k = config_.mtp_depth;
+    GRADSUM_RETURN_IF_ERROR(CheckMtpInputs(in, k));
+    for (int j = 0; j < k; ++j) {
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t y = in.mtp_labels[j][t];
+        if (y != kIgnoreIndex && (y < 0 || y >= V)) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "MTP depth ", j + 1, ": label ", y, " at position ", t, " outside [0, ", V,
+              ") and not ignore_index ", kIgnoreIndex));
+        }
       }
     }
     in_ = in;
@@ -152,16 +166,54 @@ class CudaOps : public ModelOps {
       GRADSUM_RETURN_IF_ERROR(Reserve(&labels_, T * sizeof(int64_t)));
       GRADSUM_RETURN_IF_ERROR(Reserve(&mask_, T));
       GRADSUM_RETURN_IF_ERROR(Reserve(&weights_, T * sizeof(float)));
-      GRADSUM_RETURN_IF_ERROR(Reserve(&scalars_, kScalars * sizeof(double)));
+      GRADSUM_RETURN_IF_ERROR(Reserve(&scalars_, (kScalars + 2 * k) * sizeof(double)));
+      if (k > 0) {
+        GRADSUM_RETURN_IF_ERROR(Reserve(&mtp_tokens_, k * T * sizeof(int32_t)));
+        GRADSUM_RETURN_IF_ERROR(Reserve(&mtp_labels_, k * T * sizeof(int64_t)));
+        GRADSUM_RETURN_IF_ERROR(Reserve(&mtp_weights_, k * T * sizeof(float)));
+      }
       GRADSUM_RETURN_IF_ERROR(Reserve(&logits_, static_cast<size_t>(T) * V * sizeof(float)));
       (void)D;
       rows_ = T;
     }
     labels_host_.assign(in.labels.begin(), in.labels.end());
     mask_host_.assign(in.mask.begin(), in.mask.end());
-    const double scalars[kScalars] = {in.global_ce_weight_sum,
-                                      static_cast<double>(in.global_routed_tokens), 0, 0, 0,
-                                      0, 0};
+    // D, N, the loss slots, then per MTP depth its normaliser D_j k / mtp_scale and its
+    // loss slot.
+    std::vector<double> scalars(kScalars + 2 * k, 0.0);
+    scalars[0] = in.global_ce_weight_sum;
+    scalars[1] = static_cast<double>(in.global_routed_tokens);
+    for (int j = 0; j < k; ++j) scalars[kScalars + 2 * j] = in.mtp_ce_normaliser[j];
+    if (k > 0) {
+      // Depth j's rows at j * T, staged contiguously on the host (pageable copies).
+      mtp_tokens_host_.resize(k * T);
+      mtp_labels_host_.resize(k * T);
+      mtp_weights_host_.assign(in.mtp_ce_weights.empty() ? 0 : k * T, 0.0f);
+      for (int j = 0; j < k; ++j) {
+        std::copy(in.mtp_tokens[j].begin(), in.mtp_tokens[j].end(),
+                  mtp_tokens_host_.begin() + j * T);
+        std::copy(in.mtp_labels[j].begin(), in.mtp_labels[j].end(),
+                  mtp_labels_host_.begin() + j * T);
+        if (!in.mtp_ce_weights.empty()) {
+          std::copy(in.mtp_ce_weights[j].begin(), in.mtp_ce_weights[j].end(),
+                    mtp_weights_host_.begin() + j * T);
+        }
+      }
+      GRADSUM_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(mtp_tokens_.get(), mtp_tokens_host_.data(), k * T * sizeof(int32_t),
+                          cudaMemcpyHostToDevice, s),
+          "upload MTP tokens");
+      GRADSUM_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(mtp_labels_.get(), mtp_labels_host_.data(), k * T * sizeof(int64_t),
+                          cudaMemcpyHostToDevice, s),
+          "upload MTP labels");
+      if (!mtp_weights_host_.empty()) {
+        GRADSUM_CUDA_RETURN_IF_ERROR(
+            cudaMemcpyAsync(mtp_weights_.get(), mtp_weights_host_.data(),
+                            k * T * sizeof(float), cudaMemcpyHostToDevice, s),
+            "upload MTP CE weights");
+      }
+    }
     GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(tokens_.get(), in.tokens.data(),
                                                  T * sizeof(int32_t), cudaMemcpyHostToDevice, s),
                                  "upload tokens");
@@ -176,7 +228,8 @@ class CudaOps : public ModelOps {
                                                    T * sizeof(float), cudaMemcpyHostToDevice, s),
                                    "upload CE weights");
     }
-    GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(scalars_.get(), scalars, sizeof(scalars),
+    GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(scalars_.get(), scalars.data(),
+                                                 scalars.size() * sizeof(double),
                                                  cudaMemcpyHostToDevice, s),
                                  "upload step statistics");
     // The host copies above are pageable: the calls return once they are staged.
@@ -196,6 +249,40 @@ class CudaOps : public ModelOps {
     GRADSUM_ASSIGN_OR_RETURN(float* grad, DeviceGrad(demb, "emb"));
     return EmbeddingBackwardCuda(tokens_.as<int32_t>(), dh, in_.rows, config_.dim, grad,
                                  exec_.stream);
+  }
+
+  // ---- Multi-token prediction (SEMANTICS.md §15.1): the main path's kernels on depth j's
+  // shifted tokens, labels, weights and normaliser. ----
+  bool CanMtp() const override { return true; }
+
+  absl::Status MtpEmbeddingForward(int depth, const float* emb, float* h) override {
+    GRADSUM_RETURN_IF_ERROR(CheckDepth(depth));
+    return EmbeddingForwardCuda(emb, mtp_tokens_.as<int32_t>() + (depth - 1) * in_.rows,
+                                in_.rows, config_.dim, h, exec_.stream);
+  }
+
+  absl::Status MtpEmbeddingBackward(int depth, const float* dh, GradTarget demb) override {
+    GRADSUM_RETURN_IF_ERROR(CheckDepth(depth));
+    GRADSUM_ASSIGN_OR_RETURN(float* grad, DeviceGrad(demb, "emb"));
+    return EmbeddingBackwardCuda(mtp_tokens_.as<int32_t>() + (depth - 1) * in_.rows, dh,
+                                 in_.rows, config_.dim, grad, exec_.stream);
+  }
+
+  // The depth's output z-loss stays in its mtp_<j> term (§15.1), so its CE writes one value.
+  absl::Status MtpLmHeadCrossEntropy(int depth, const float* f, const float* w_out,
+                                     float* grad_f, GradTarget grad_out) override {
+    GRADSUM_RETURN_IF_ERROR(CheckDepth(depth));
+    const int64_t T = in_.rows;
+    double* slots = scalars_.as<double>() + kScalars + 2 * (depth - 1);
+    HeadLabels labels;
+    labels.labels = mtp_labels_.as<int64_t>() + (depth - 1) * T;
+    // As the CPU ops: a depth without CE weights is in token mode.
+    const bool weighted =
+        !in_.mtp_ce_weights.empty() && !in_.mtp_ce_weights[depth - 1].empty();
+    labels.weights = weighted ? mtp_weights_.as<float>() + (depth - 1) * T : nullptr;
+    labels.global_weight_sum = slots;
+    labels.loss = slots + 1;
+    return HeadCrossEntropy(f, w_out, grad_f, std::move(grad_out), labels);
   }
 
   absl::Status RmsNormForward(const float* x, const float* gain, float* y,
@@ -253,45 +340,24 @@ class CudaOps : public ModelOps {
                                {d_router, d_experts});
   }
 
-  // logits = f @ W_out, the fused CE in place, grad_f = dlogits @ W_out^T,
-  // dW_out += f^T @ dlogits (§3).
   absl::Status LmHeadCrossEntropy(const float* f, const float* w_out, float* grad_f,
                                   GradTarget grad_out) override {
-    GRADSUM_ASSIGN_OR_RETURN(float* d_out, DeviceGrad(grad_out, "out"));
-    const int64_t T = in_.rows, D = config_.dim, V = config_.vocab;
-    cudaStream_t s = exec_.stream;
     double* d = scalars_.as<double>();
-    GRADSUM_RETURN_IF_ERROR(GemmRowMajor(ctx_->blas, s, false, false, T, V, D, f, D, w_out, V,
-                                         DType::kF32, logits_.get(), V, DType::kF32));
-    losses::CrossEntropyCudaArgs ce;
-    ce.logits = logits_.get();
-    ce.dtype = DType::kF32;
-    ce.rows = T;
-    ce.vocab = V;
-    ce.labels = labels_.as<int64_t>();
-    ce.token_weights = in_.ce_weights.empty() ? nullptr : weights_.as<float>();  // null: token
-    ce.global_weight_sum = d;
-    ce.grad_logits = logits_.get();
-    ce.ignore_index = kIgnoreIndex;
-    // §3.2's options, as the CPU ops pass them. The display shows the CE and the output
-    // z-loss apart (ce, z_out): with alpha_lse > 0 the CE term is ce_loss and the
-    // objective (their sum, not displayed) goes to its own scalar; without it the CE term
-    // is the loss, as before the options.
-    ce.label_smoothing = config_.label_smoothing;
-    ce.logit_softcap = config_.logit_softcap;
-    ce.alpha_lse = config_.alpha_lse;
+    HeadLabels labels;
+    labels.labels = labels_.as<int64_t>();
+    labels.weights = in_.ce_weights.empty() ? nullptr : weights_.as<float>();  // null: token
+    labels.global_weight_sum = d;
+    // The display shows the CE and the output z-loss apart (ce, z_out): with alpha_lse > 0
+    // the CE term is ce_loss and the objective (their sum, not displayed) goes to its own
+    // scalar; without it the CE term is the loss, as before the options.
     if (config_.alpha_lse > 0.0) {
-      ce.loss = d + 6;
-      ce.ce_loss = d + 2;
-      ce.z_out_loss = d + 5;
+      labels.loss = d + 6;
+      labels.ce_loss = d + 2;
+      labels.z_out_loss = d + 5;
     } else {
-      ce.loss = d + 2;
+      labels.loss = d + 2;
     }
-    GRADSUM_RETURN_IF_ERROR(losses::CrossEntropyCuda(ce, s));  // checks labels (a host sync)
-    GRADSUM_RETURN_IF_ERROR(GemmRowMajor(ctx_->blas, s, false, true, T, D, V, logits_.get(), V,
-                                         w_out, V, DType::kF32, grad_f, D, DType::kF32));
-    return GemmRowMajor(ctx_->blas, s, true, false, D, V, T, f, D, logits_.get(), V, DType::kF32,
-                        d_out, V, DType::kF32, 1.0f);
+    return HeadCrossEntropy(f, w_out, grad_f, std::move(grad_out), labels);
   }
 
   // ---- The attention block. ----
@@ -396,11 +462,14 @@ class CudaOps : public ModelOps {
 
   absl::StatusOr<MicroBatchLossTerms> End() override {
     cudaStream_t s = exec_.stream;
-    const int L = config_.layers, E = config_.experts;
-    double losses_host[4] = {0, 0, 0, 0};  // ce, z, bal, z_out (scalars 2..5)
-    GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(losses_host, scalars_.as<double>() + 2,
-                                                 sizeof(losses_host), cudaMemcpyDeviceToHost, s),
-                                 "download loss values");
+    const int k = config_.mtp_depth;
+    const int L = config_.layers + k, E = config_.experts;  // every MoE layer, MTP's too
+    // ce, z, bal, z_out (scalars 2..5), the objective (6), then per depth (D_j', loss_j).
+    std::vector<double> losses_host(kScalars - 2 + 2 * k, 0.0);
+    GRADSUM_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(losses_host.data(), scalars_.as<double>() + 2,
+                        losses_host.size() * sizeof(double), cudaMemcpyDeviceToHost, s),
+        "download loss values");
     MicroBatchLossTerms terms;
     terms.global_expert_counts.assign(L, std::vector<int64_t>(E));
     for (int l = 0; l < L; ++l) {
@@ -428,12 +497,70 @@ class CudaOps : public ModelOps {
       terms.z_out = losses_host[3];
       terms.z_out_terms = {terms.z_out};
     }
+    terms.mtp.resize(k);
+    terms.mtp_terms.resize(k);
+    for (int j = 0; j < k; ++j) {
+      terms.mtp[j] = losses_host[kScalars - 2 + 2 * j + 1];
+      terms.mtp_terms[j] = {terms.mtp[j]};
+    }
     return terms;
   }
 
   void Abandon() override { (void)ctx_->stream.Synchronize(); }
 
  private:
+  // What one LM head's CE reads and writes (device pointers): its labels, CE weights (null:
+  // token mode), normaliser, and the loss slots (ce_loss / z_out_loss null: not split).
+  struct HeadLabels {
+    const int64_t* labels = nullptr;
+    const float* weights = nullptr;
+    const double* global_weight_sum = nullptr;
+    double* loss = nullptr;
+    double* ce_loss = nullptr;
+    double* z_out_loss = nullptr;
+  };
+
+  // logits = f @ W_out, the fused CE in place with §3.2's options (as the CPU ops pass
+  // them), grad_f = dlogits @ W_out^T, dW_out += f^T @ dlogits (§3). The main head and
+  // every MTP depth's.
+  absl::Status HeadCrossEntropy(const float* f, const float* w_out, float* grad_f,
+                                GradTarget grad_out, const HeadLabels& labels) {
+    GRADSUM_ASSIGN_OR_RETURN(float* d_out, DeviceGrad(grad_out, "out"));
+    const int64_t T = in_.rows, D = config_.dim, V = config_.vocab;
+    cudaStream_t s = exec_.stream;
+    GRADSUM_RETURN_IF_ERROR(GemmRowMajor(ctx_->blas, s, false, false, T, V, D, f, D, w_out, V,
+                                         DType::kF32, logits_.get(), V, DType::kF32));
+    losses::CrossEntropyCudaArgs ce;
+    ce.logits = logits_.get();
+    ce.dtype = DType::kF32;
+    ce.rows = T;
+    ce.vocab = V;
+    ce.labels = labels.labels;
+    ce.token_weights = labels.weights;
+    ce.global_weight_sum = labels.global_weight_sum;
+    ce.grad_logits = logits_.get();
+    ce.ignore_index = kIgnoreIndex;
+    ce.label_smoothing = config_.label_smoothing;
+    ce.logit_softcap = config_.logit_softcap;
+    ce.alpha_lse = config_.alpha_lse;
+    ce.loss = labels.loss;
+    ce.ce_loss = labels.ce_loss;
+    ce.z_out_loss = labels.z_out_loss;
+    GRADSUM_RETURN_IF_ERROR(losses::CrossEntropyCuda(ce, s));  // checks labels (a host sync)
+    GRADSUM_RETURN_IF_ERROR(GemmRowMajor(ctx_->blas, s, false, true, T, D, V, logits_.get(), V,
+                                         w_out, V, DType::kF32, grad_f, D, DType::kF32));
+    return GemmRowMajor(ctx_->blas, s, true, false, D, V, T, f, D, logits_.get(), V, DType::kF32,
+                        d_out, V, DType::kF32, 1.0f);
+  }
+
+  absl::Status CheckDepth(int depth) const {
+    if (depth < 1 || depth > config_.mtp_depth) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("MTP depth ", depth, " outside [1, ", config_.mtp_depth, "]"));
+    }
+    return absl::OkStatus();
+  }
+
   // The head split's attention (as the CPU ops): whole sequences, this rank's query heads,
   // each with its own key/value head.
   AttentionDims HeadDims() const {
@@ -494,8 +621,14 @@ class CudaOps : public ModelOps {
   std::vector<int64_t> labels_host_;
   std::vector<uint8_t> mask_host_;
   DeviceBuffer tokens_, labels_, mask_, weights_;
+  // MTP (k > 0): depth j's tokens, labels and CE weights at rows [j T, (j + 1) T).
+  DeviceBuffer mtp_tokens_, mtp_labels_, mtp_weights_;
+  std::vector<int32_t> mtp_tokens_host_;
+  std::vector<int64_t> mtp_labels_host_;
+  std::vector<float> mtp_weights_host_;
   // D, N, ce, z, bal, z_out, and the LM head's objective ce + z_out with alpha_lse > 0
-  // (f64; z_out and the objective are written only then).
+  // (f64; z_out and the objective are written only then); then, per MTP depth j, its
+  // normaliser D_j k / mtp_scale at kScalars + 2 (j - 1) and its loss term after it.
   static constexpr int kScalars = 7;
   DeviceBuffer scalars_;
   DeviceBuffer logits_;   // [T, V], its CE gradient in place

@@ -204,7 +204,8 @@ void ExpectGpuMatchesReferenceAndCpu(TrainConfig config) {
   ASSERT_TRUE(gpu->parity.has_value());
   EXPECT_TRUE(gpu->parity->ok) << gpu->parity->ToString();
   EXPECT_LE(gpu->parity->worst, 1e-5) << gpu->parity->ToString();
-  EXPECT_EQ(gpu->parity->losses.size(), config.loss().alpha_lse() > 0 ? 4u : 3u);
+  const int k = config.model().mtp_depth();
+  EXPECT_EQ(gpu->parity->losses.size(), (config.loss().alpha_lse() > 0 ? 4u : 3u) + k);
 
   ASSERT_TRUE(gpu->first_step_grads.has_value());
   const NamedParams& want = *(*cpu)[0].first_step_grads;
@@ -231,6 +232,11 @@ void ExpectGpuMatchesReferenceAndCpu(TrainConfig config) {
     ASSERT_EQ(g.has_z_out(), c.has_z_out()) << s;
     EXPECT_EQ(c.has_z_out(), config.loss().alpha_lse() > 0) << s;
     EXPECT_NEAR(g.z_out(), c.z_out(), 1e-4 * std::abs(c.z_out())) << s;
+    ASSERT_EQ(g.mtp_size(), k) << s;
+    ASSERT_EQ(c.mtp_size(), k) << s;
+    for (int j = 0; j < k; ++j) {
+      EXPECT_NEAR(g.mtp(j), c.mtp(j), 1e-4 * std::abs(c.mtp(j))) << s << " depth " << j + 1;
+    }
     EXPECT_NEAR(g.grad_norm(), c.grad_norm(), 1e-4 * c.grad_norm()) << s;
     // The global counts (what the expert bias of §5.1 moves by): the same choices.
     EXPECT_EQ(std::vector<int64_t>(g.tokens_per_expert().begin(), g.tokens_per_expert().end()),
@@ -326,20 +332,36 @@ TEST(MoeLmCudaTest, FullRecomputationIsRefusedByNameAndSelectiveIsBuilt) {
   EXPECT_TRUE(CreateCudaMoeLm(options, gpu->groups(), gpu->nccl.groups()).ok());
 }
 
-// Multi-token prediction (SEMANTICS.md §15.1) needs the ops' shifted embedding and
-// per-depth head CE (model/ops.h CanMtp); the CUDA ops have neither yet, so mtp_depth > 0 is
-// refused by name at construction (Unimplemented), and mtp_depth = 0 is built.
-TEST(MoeLmCudaTest, MtpIsRefusedByName) {
+// Multi-token prediction (SEMANTICS.md §15.1) on the GPU model: the ops' shifted embedding
+// and per-depth head CE (model/ops.h CanMtp) under the model's one composition. Depths 1
+// and 2, without and with the attention block, token and sample weighting, and with the CE
+// options (a depth's output z-loss stays in its mtp_<j> term): against the fp64 reference
+// (every mtp_<j> row of the parity report) and the CPU trainer (step 1's gradients of the
+// mtp.{j}.* parameters and the shared ones, every step's mtp values).
+TEST(MoeLmCudaOptionsTest, MtpMatchesReferenceAndCpuTrainer) {
   GRADSUM_SKIP_WITHOUT_GPU();
-  absl::StatusOr<OneGpu> gpu = MakeOneGpu();
-  ASSERT_TRUE(gpu.ok()) << gpu.status();
-  MoeLmOptions options = gpu->options;
-  options.model.set_mtp_depth(1);
-  auto mtp = CreateCudaMoeLm(options, gpu->groups(), gpu->nccl.groups());
-  EXPECT_EQ(mtp.status().code(), absl::StatusCode::kUnimplemented) << mtp.status();
-  EXPECT_NE(mtp.status().message().find("mtp_depth=1"), absl::string_view::npos);
-  options.model.set_mtp_depth(0);
-  EXPECT_TRUE(CreateCudaMoeLm(options, gpu->groups(), gpu->nccl.groups()).ok());
+  for (const auto& [k, attention, sample, options] :
+       {std::tuple<int, bool, bool, bool>{1, false, false, false}, {2, false, true, false},
+        {2, true, false, false}, {1, true, true, true}}) {
+    SCOPED_TRACE(absl::StrCat("k ", k, attention ? " attention" : "", sample ? " sample" : "",
+                              options ? " CE options" : ""));
+    TrainConfig config = TinyConfig(1, 1, 2, TrainConfig::fsdp);
+    if (attention) {
+      ModelConfig* m = config.mutable_model();
+      m->set_attention(ModelConfig::causal);
+      m->set_heads(2);
+      m->set_kv_heads(1);
+    }
+    if (sample) config.mutable_loss()->set_ce_mode(TrainConfig::sample);
+    if (options) {
+      config.mutable_loss()->set_label_smoothing(0.1);
+      config.mutable_loss()->set_logit_softcap(0.5);
+      config.mutable_loss()->set_alpha_lse(0.02);
+    }
+    config.mutable_model()->set_mtp_depth(k);
+    config.mutable_loss()->set_mtp_scale(0.3);
+    ExpectGpuMatchesReferenceAndCpu(config);
+  }
 }
 
 TEST(MoeLmCudaTest, ProtocolAndInputErrorsAreStatuses) {
