@@ -319,8 +319,29 @@ class CudaOps : public ModelOps {
                                    "upload the expert bias");
       bias = bias_[l].as<float>();
     }
+    BorrowActivations(l);
     return layers_[l].Forward(exec_, moe_comms_, layer_config_, &scratch_, in_.rows, a,
                               {w.router, w.local_experts, bias}, mask_.as<uint8_t>(), y);
+  }
+
+  // ---- Full activation recomputation (model/ops.h): as the CPU ops, one set of dispatch
+  // and expert buffers circulates through the layers. ----
+  bool CanRecomputeMoe() const override { return true; }
+
+  absl::Status MoeRecomputeForward(int l, const float* a, const MoeWeights& w,
+                                   float* y) override {
+    BorrowActivations(l);
+    return layers_[l].RecomputeForward(exec_, moe_comms_, layer_config_, &scratch_, a,
+                                       {w.router, w.local_experts, nullptr}, y);
+  }
+
+  void ReleaseMoeActivations(int l) override {
+    if (l < 0 || l >= static_cast<int>(layers_.size()) || !layers_[l].holds_activations()) {
+      return;
+    }
+    // One stream: the next layer's kernels that reuse these buffers run after this
+    // layer's, whatever the host does.
+    spare_activations_.push_back(layers_[l].TakeActivations());
   }
 
   absl::Status MoeBackward(int l, const float* a, const MoeWeights& w, const float* dy,
@@ -508,6 +529,22 @@ class CudaOps : public ModelOps {
 
   void Abandon() override { (void)ctx_->stream.Synchronize(); }
 
+  // The device buffers these ops hold between calls, as capacities (model/ops.h): every
+  // MoE layer's routing and activations, the released sets of full recomputation, the
+  // layers' shared scratch, the [T, V] logits, the micro-batch's inputs and the head split's
+  // exchange buffers.
+  int64_t HeldActivationBytes() const override {
+    int64_t bytes = scratch_.bytes();
+    for (const moe::MoeLayerCuda& l : layers_) bytes += l.HeldBytes();
+    for (const moe::MoeLayerCudaActivations& a : spare_activations_) bytes += a.bytes();
+    for (const DeviceBuffer* b :
+         {&tokens_, &labels_, &mask_, &weights_, &logits_, &mtp_tokens_, &mtp_labels_,
+          &mtp_weights_, &rope_cos_, &rope_sin_, &doc_start_, &send_, &recv_}) {
+      bytes += static_cast<int64_t>(b->size());
+    }
+    return bytes;
+  }
+
  private:
   // What one LM head's CE reads and writes (device pointers): its labels, CE weights (null:
   // token mode), normaliser, and the loss slots (ce_loss / z_out_loss null: not split).
@@ -551,6 +588,14 @@ class CudaOps : public ModelOps {
                                          w_out, V, DType::kF32, grad_f, D, DType::kF32));
     return GemmRowMajor(ctx_->blas, s, true, false, D, V, T, f, D, logits_.get(), V, DType::kF32,
                         d_out, V, DType::kF32, 1.0f);
+  }
+
+  // A layer about to run its dispatch takes a released set of buffers, if there is one
+  // (else its own grow).
+  void BorrowActivations(int l) {
+    if (layers_[l].holds_activations() || spare_activations_.empty()) return;
+    layers_[l].GiveActivations(std::move(spare_activations_.back()));
+    spare_activations_.pop_back();
   }
 
   absl::Status CheckDepth(int depth) const {
@@ -613,7 +658,9 @@ class CudaOps : public ModelOps {
   moe::MoeLayerCudaComms moe_comms_;
   moe::MoeLayerCudaConfig layer_config_;
   std::vector<moe::MoeLayerCuda> layers_;
-  std::vector<DeviceBuffer> bias_;  // [L] x [E]: each layer's expert bias on the device (§5.1)
+  std::vector<DeviceBuffer> bias_;
+  // Full recomputation: dispatch and expert buffers released by ReleaseMoeActivations.
+  std::vector<moe::MoeLayerCudaActivations> spare_activations_;  // [L] x [E]: each layer's expert bias on the device (§5.1)
   moe::MoeLayerCudaScratch scratch_;
   // The micro-batch's inputs on the device, sized for rows_ tokens.
   MicroBatchInputs in_;

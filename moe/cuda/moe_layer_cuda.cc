@@ -60,7 +60,6 @@ absl::Status MoeLayerCuda::Reserve(int64_t T, const MoeLayerCudaConfig& c,
   GRADSUM_RETURN_IF_ERROR(cuda::Reserve(&offsets_, (E + 1) * sizeof(int64_t)));
   GRADSUM_RETURN_IF_ERROR(cuda::Reserve(&permuted_copy_, TK * sizeof(int64_t)));
   GRADSUM_RETURN_IF_ERROR(cuda::Reserve(&copy_position_, TK * sizeof(int64_t)));
-  GRADSUM_RETURN_IF_ERROR(cuda::Reserve(&back_, F32(TK * D)));
   // The shared scratch grows to the largest layer's needs (Reserve keeps larger buffers).
   GRADSUM_RETURN_IF_ERROR(cuda::Reserve(&scratch->du, F32(T * E)));
   GRADSUM_RETURN_IF_ERROR(cuda::Reserve(&scratch->dw, F32(TK)));
@@ -75,10 +74,9 @@ absl::Status MoeLayerCuda::Forward(const CudaExec& exec, const MoeLayerCudaComms
                                    const MoeLayerCudaConfig& c, MoeLayerCudaScratch* scratch,
                                    int64_t T, const float* a, const MoeLayerCudaWeights& w,
                                    const uint8_t* mask, float* y) {
-  const int64_t D = c.d_model, H = c.hidden;
+  const int64_t D = c.d_model;
   const int E = c.num_experts, K = c.top_k;
   const int P = comms.ep_group->size();
-  const int El = E / P;
   cudaStream_t s = exec.stream;
   GRADSUM_RETURN_IF_ERROR(Reserve(T, c, scratch));
   GRADSUM_RETURN_IF_ERROR(GemmRowMajor(*exec.blas, s, false, false, T, E, D, a, D, w.router, E,
@@ -126,40 +124,108 @@ absl::Status MoeLayerCuda::Forward(const CudaExec& exec, const MoeLayerCudaComms
   GRADSUM_ASSIGN_OR_RETURN(std::vector<int64_t> their_counts,
                            ExchangeExpertCounts(*comms.host_ep_group, offsets));
   GRADSUM_ASSIGN_OR_RETURN(exchange_, PlanEpExchange(offsets, their_counts, P, D));
+  return DispatchExpertsCombine(exec, comms, c, scratch, w, y);
+}
+
+absl::Status MoeLayerCuda::RecomputeForward(const CudaExec& exec, const MoeLayerCudaComms& comms,
+                                            const MoeLayerCudaConfig& c,
+                                            MoeLayerCudaScratch* scratch, const float* a,
+                                            const MoeLayerCudaWeights& w, float* y) {
+  if (rows_ < 0) {
+    return absl::FailedPreconditionError("MoE layer recompute before its forward");
+  }
+  // The plan's permutation (plan_) and the exchange's sizes (exchange_) are the routing's,
+  // kept: the rows are permuted again from `a` and travel as before.
+  GRADSUM_RETURN_IF_ERROR(
+      PermuteRowsCuda({a, DType::kF32, c.d_model, scratch->send.get()}, plan_, exec.stream));
+  return DispatchExpertsCombine(exec, comms, c, scratch, w, y);
+}
+
+int64_t MoeLayerCudaActivations::bytes() const {
+  int64_t n = 0;
+  for (const cuda::DeviceBuffer* b : {&recv, &gate, &up, &hidden, &back}) n += b->size();
+  return n;
+}
+
+int64_t MoeLayerCudaScratch::bytes() const {
+  int64_t n = 0;
+  for (const cuda::DeviceBuffer* b :
+       {&send, &expert_out, &d_back, &d_recv, &dx_recv, &d_send, &du, &dw}) {
+    n += b->size();
+  }
+  return n;
+}
+
+int64_t MoeLayerCuda::HeldBytes() const {
+  int64_t n = acts_.bytes();
+  for (const cuda::DeviceBuffer* b :
+       {&logits_, &probs_, &index_, &weight_, &lse_, &permuted_copy_, &copy_position_}) {
+    n += b->size();
+  }
+  return n;
+}
+
+MoeLayerCudaActivations MoeLayerCuda::TakeActivations() {
+  activations_valid_ = false;
+  MoeLayerCudaActivations out = std::move(acts_);
+  acts_ = MoeLayerCudaActivations();
+  return out;
+}
+
+void MoeLayerCuda::GiveActivations(MoeLayerCudaActivations activations) {
+  acts_ = std::move(activations);
+  activations_valid_ = false;
+}
+
+absl::Status MoeLayerCuda::DispatchExpertsCombine(const CudaExec& exec,
+                                                  const MoeLayerCudaComms& comms,
+                                                  const MoeLayerCudaConfig& c,
+                                                  MoeLayerCudaScratch* scratch,
+                                                  const MoeLayerCudaWeights& w, float* y) {
+  const int64_t T = rows_, D = c.d_model, H = c.hidden;
+  const int E = c.num_experts, K = c.top_k;
+  const int P = comms.ep_group->size();
+  const int El = E / P;
+  cudaStream_t s = exec.stream;
   const EpExchangePlan& x = exchange_;
   const int64_t R = x.recv_rows;
-  GRADSUM_RETURN_IF_ERROR(cuda::Reserve(&recv_, F32(R * D)));
-  for (cuda::DeviceBuffer* b : {&gate_, &up_, &hidden_}) {
+  activations_valid_ = false;
+  GRADSUM_RETURN_IF_ERROR(cuda::Reserve(&acts_.back, F32(T * K * D)));
+  GRADSUM_RETURN_IF_ERROR(cuda::Reserve(&acts_.recv, F32(R * D)));
+  for (cuda::DeviceBuffer* b : {&acts_.gate, &acts_.up, &acts_.hidden}) {
     GRADSUM_RETURN_IF_ERROR(cuda::Reserve(b, F32(R * H)));
   }
   for (cuda::DeviceBuffer* b : {&scratch->expert_out, &scratch->d_recv, &scratch->dx_recv}) {
     GRADSUM_RETURN_IF_ERROR(cuda::Reserve(b, F32(R * D)));
   }
   GRADSUM_RETURN_IF_ERROR(AllToAll(exec, *comms.ep_group, scratch->send.as<float>(),
-                                   x.send_counts, x.send_offsets, recv_.as<float>(),
+                                   x.send_counts, x.send_offsets, acts_.recv.as<float>(),
                                    x.recv_counts, x.recv_offsets));
   const ExpertsCudaConfig ecfg = ExpertsConfig(c, El);
   const ExpertsCudaWeights ew = ExpertWeights(w, El * D * H);
   for (int p = 0; p < P; ++p) {
     const int64_t first = x.source_first_row[p];
     if (x.source_offsets[p][El] == 0) continue;
-    const ExpertsCudaSaved saved{gate_.as<float>() + first * H, up_.as<float>() + first * H,
-                                 hidden_.as<float>() + first * H};
+    const ExpertsCudaSaved saved{acts_.gate.as<float>() + first * H,
+                                 acts_.up.as<float>() + first * H,
+                                 acts_.hidden.as<float>() + first * H};
     GRADSUM_RETURN_IF_ERROR(ExpertsForwardCuda(
-        *exec.blas, s, ecfg, ew, recv_.as<float>() + first * D, x.source_offsets[p],
+        *exec.blas, s, ecfg, ew, acts_.recv.as<float>() + first * D, x.source_offsets[p],
         scratch->expert_out.as<float>() + first * D, saved));
   }
   // The outputs go back to where their rows came from (the reverse exchange).
   GRADSUM_RETURN_IF_ERROR(AllToAll(exec, *comms.ep_group, scratch->expert_out.as<float>(),
-                                   x.recv_counts, x.recv_offsets, back_.as<float>(),
+                                   x.recv_counts, x.recv_offsets, acts_.back.as<float>(),
                                    x.send_counts, x.send_offsets));
   CombineCudaArgs comb;
   comb.dtype = DType::kF32;
   comb.width = D;
-  comb.rows = back_.get();
+  comb.rows = acts_.back.get();
   comb.weights = weight_.as<float>();
   comb.out = y;
-  return CombineCuda(comb, plan_, s);
+  GRADSUM_RETURN_IF_ERROR(CombineCuda(comb, plan_, s));
+  activations_valid_ = true;
+  return absl::OkStatus();
 }
 
 absl::Status MoeLayerCuda::Backward(const CudaExec& exec, const MoeLayerCudaComms& comms,
@@ -173,6 +239,10 @@ absl::Status MoeLayerCuda::Backward(const CudaExec& exec, const MoeLayerCudaComm
   const int El = E / P;
   cudaStream_t s = exec.stream;
   if (T < 0) return absl::FailedPreconditionError("MoE layer backward before its forward");
+  if (!activations_valid_) {
+    return absl::FailedPreconditionError(
+        "MoE layer backward: its activations were handed over; re-run its forward first");
+  }
   const EpExchangePlan& x = exchange_;
   RouterAuxCudaArgs aux;
   aux.probs = probs_.as<float>();
@@ -196,7 +266,7 @@ absl::Status MoeLayerCuda::Backward(const CudaExec& exec, const MoeLayerCudaComm
   CombineCudaArgs comb;
   comb.dtype = DType::kF32;
   comb.width = D;
-  comb.rows = back_.get();
+  comb.rows = acts_.back.get();
   comb.weights = weight_.as<float>();
   comb.d_out = dy;
   comb.d_rows = scratch->d_back.get();
@@ -222,10 +292,11 @@ absl::Status MoeLayerCuda::Backward(const CudaExec& exec, const MoeLayerCudaComm
   for (int p = 0; p < P; ++p) {
     const int64_t first = x.source_first_row[p];
     if (x.source_offsets[p][El] == 0) continue;
-    const ExpertsCudaSaved saved{gate_.as<float>() + first * H, up_.as<float>() + first * H,
-                                 hidden_.as<float>() + first * H};
+    const ExpertsCudaSaved saved{acts_.gate.as<float>() + first * H,
+                                 acts_.up.as<float>() + first * H,
+                                 acts_.hidden.as<float>() + first * H};
     GRADSUM_RETURN_IF_ERROR(ExpertsBackwardCuda(
-        *exec.blas, s, ecfg, ew, recv_.as<float>() + first * D, x.source_offsets[p], saved,
+        *exec.blas, s, ecfg, ew, acts_.recv.as<float>() + first * D, x.source_offsets[p], saved,
         scratch->d_recv.as<float>() + first * D, scratch->dx_recv.as<float>() + first * D, eg));
   }
   GRADSUM_RETURN_IF_ERROR(AllToAll(exec, *comms.ep_group, scratch->dx_recv.as<float>(),

@@ -18,6 +18,12 @@
 //
 // Host syncs: one per forward for the routed counts that size the all-to-all-v (NCCL needs
 // them on the host), and the collectives' own waits.
+//
+// Full activation recomputation (model/ops.h MoeRecomputeForward): TakeActivations hands
+// the layer's dispatch and expert buffers to another layer (its routing, counts and plans
+// stay); RecomputeForward re-runs the dispatch, experts and combine from the kept routing
+// into buffers given back with GiveActivations (or fresh ones), with the same kernels on
+// the same inputs as Forward, so what Backward reads and y are the first forward's.
 
 #include <cstdint>
 #include <vector>
@@ -63,6 +69,15 @@ struct MoeLayerCudaComms {
 struct MoeLayerCudaScratch {
   cuda::DeviceBuffer send, expert_out, d_back, d_recv, dx_recv, d_send;  // rows x D
   cuda::DeviceBuffer du, dw;                                            // [T, E], [T, K]
+  int64_t bytes() const;  // the buffers' capacities
+};
+
+// A layer's dispatch and expert activations (device): what full recomputation drops and
+// re-creates. recv [R, D]; gate, up, hidden [R, H]; back [T K, D] (the expert outputs, in
+// send order). Movable between layers; buffers keep their capacity.
+struct MoeLayerCudaActivations {
+  cuda::DeviceBuffer recv, gate, up, hidden, back;
+  int64_t bytes() const;  // the buffers' capacities
 };
 
 // Weights as the compute reads them (device): the router [D, E] and this EP rank's
@@ -108,18 +123,41 @@ class MoeLayerCuda {
                         const MoeRouterLossCudaArgs& losses, const float* dy, float* da,
                         const MoeLayerCudaGrads& grads);
 
+  // Re-runs the dispatch, experts and combine of this micro-batch's Forward on the same
+  // `a` and weights, from the routing that Forward kept: no router pass, no count SUM.
+  // FailedPrecondition before a Forward. Collective over comms.ep_group.
+  absl::Status RecomputeForward(const CudaExec& exec, const MoeLayerCudaComms& comms,
+                                const MoeLayerCudaConfig& config, MoeLayerCudaScratch* scratch,
+                                const float* a, const MoeLayerCudaWeights& w, float* y);
+  // Hands over the dispatch and expert buffers (the layer holds none until GiveActivations
+  // or its next forward; Backward needs them re-run first). Give: buffers to use.
+  MoeLayerCudaActivations TakeActivations();
+  void GiveActivations(MoeLayerCudaActivations activations);
+  bool holds_activations() const { return activations_valid_; }
+  // The device bytes this layer holds between calls: its routing ([T, E], [T, K] and the
+  // permutation plan's [T K]) and its dispatch and expert activations, as capacities. The
+  // [E]-sized bookkeeping is not counted (model/ops.h HeldActivationBytes).
+  int64_t HeldBytes() const;
+
   // c[l, m, :] of §5 after Forward: the world's SUM of the expert counts (device, [E]).
   const int64_t* global_counts() const { return global_counts_.as<int64_t>(); }
 
  private:
   absl::Status Reserve(int64_t T, const MoeLayerCudaConfig& config, MoeLayerCudaScratch* scratch);
+  // Forward's part after the routing, the plans and the permutation into scratch->send:
+  // the all-to-all, experts, the reverse all-to-all and the combine into y, in acts_.
+  // Forward and RecomputeForward.
+  absl::Status DispatchExpertsCombine(const CudaExec& exec, const MoeLayerCudaComms& comms,
+                                      const MoeLayerCudaConfig& config,
+                                      MoeLayerCudaScratch* scratch,
+                                      const MoeLayerCudaWeights& w, float* y);
 
   int64_t rows_ = -1;
   cuda::DeviceBuffer logits_, probs_, index_, weight_, lse_;      // [T, E], [T, E], [T, K] x 2, [T]
   cuda::DeviceBuffer local_counts_, global_counts_, gating_;      // [E] i64, [E] i64, [E] f64
   cuda::DeviceBuffer offsets_, permuted_copy_, copy_position_;    // [E + 1], [T K], [T K] i64
-  cuda::DeviceBuffer recv_, gate_, up_, hidden_;                  // [R, D], [R, H] x 3
-  cuda::DeviceBuffer back_;  // [T K, D] expert outputs, send order
+  MoeLayerCudaActivations acts_;
+  bool activations_valid_ = false;  // acts_ hold this micro-batch's dispatch
   EpExchangePlan exchange_;  // send side by expert, receive side by source then expert
   PermutePlanCudaArgs plan_;
 };

@@ -316,20 +316,44 @@ absl::StatusOr<OneGpu> MakeOneGpu() {
   return OneGpu{std::move(host), std::move(nccl), model_options};
 }
 
-// Full activation recomputation needs ops that can re-run a MoE layer from its kept
-// routing (model/ops.h CanRecomputeMoe); the CUDA ops cannot yet, so it is refused by name
-// at construction, and selective (norms only, shared model code) is built.
-TEST(MoeLmCudaTest, FullRecomputationIsRefusedByNameAndSelectiveIsBuilt) {
+// Activation recomputation (SEMANTICS.md §14) on the GPU model: selective (the norms,
+// shared model code) and full (the MoE layers re-run from their kept routing,
+// CudaOps::MoeRecomputeForward, one set of dispatch buffers circulating through the layers),
+// with attention and MTP, two micro-batches. Each against the fp64 reference and the CPU
+// trainer, and step 1's reduced gradients and every step's losses bit for bit the GPU run
+// without recomputation (nothing observable happens twice).
+TEST(MoeLmCudaOptionsTest, RecomputationKeepsTheBits) {
   GRADSUM_SKIP_WITHOUT_GPU();
-  absl::StatusOr<OneGpu> gpu = MakeOneGpu();
-  ASSERT_TRUE(gpu.ok()) << gpu.status();
-  MoeLmOptions options = gpu->options;
-  options.recompute = model::Recompute::kFull;
-  auto full = CreateCudaMoeLm(options, gpu->groups(), gpu->nccl.groups());
-  EXPECT_EQ(full.status().code(), absl::StatusCode::kUnimplemented) << full.status();
-  EXPECT_NE(full.status().message().find("recompute=full"), absl::string_view::npos);
-  options.recompute = model::Recompute::kSelective;
-  EXPECT_TRUE(CreateCudaMoeLm(options, gpu->groups(), gpu->nccl.groups()).ok());
+  TrainConfig none = TinyConfig(1, 1, 2, TrainConfig::fsdp);
+  none.mutable_model()->set_attention(ModelConfig::causal);
+  none.mutable_model()->set_heads(2);
+  none.mutable_model()->set_kv_heads(1);
+  none.mutable_model()->set_mtp_depth(1);
+  none.mutable_optim()->set_steps(3);
+  none.mutable_debug()->set_parity_check(true);  // keeps step 1's reduced gradients
+  absl::StatusOr<GpuRun> base = RunOnGpu(none);
+  ASSERT_TRUE(base.ok()) << base.status();
+  ASSERT_TRUE(base->first_step_grads.has_value());
+  for (auto mode : {ParallelismConfig::selective, ParallelismConfig::full}) {
+    SCOPED_TRACE(ParallelismConfig::Recompute_Name(mode));
+    TrainConfig config = none;
+    config.mutable_parallelism()->set_recompute(mode);
+    ExpectGpuMatchesReferenceAndCpu(config);
+    absl::StatusOr<GpuRun> run = RunOnGpu(config);
+    ASSERT_TRUE(run.ok()) << run.status();
+    ASSERT_TRUE(run->first_step_grads.has_value());
+    EXPECT_EQ(*run->first_step_grads, *base->first_step_grads);
+    ASSERT_EQ(run->history.size(), base->history.size());
+    // What it is for: fewer held bytes (the model's arrays and, under full, the ops'
+    // dispatch and expert buffers, CudaOps::HeldActivationBytes).
+    EXPECT_LT(run->history.back().peak_activation_bytes(),
+              base->history.back().peak_activation_bytes());
+    for (size_t i = 0; i < run->history.size(); ++i) {
+      EXPECT_EQ(run->history[i].ce(), base->history[i].ce()) << i;
+      EXPECT_EQ(run->history[i].mtp(0), base->history[i].mtp(0)) << i;
+      EXPECT_EQ(run->history[i].grad_norm(), base->history[i].grad_norm()) << i;
+    }
+  }
 }
 
 // Multi-token prediction (SEMANTICS.md §15.1) on the GPU model: the ops' shifted embedding
