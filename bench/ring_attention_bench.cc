@@ -3,7 +3,9 @@
 //
 //   ./bazelw run -c opt //bench:ring_attention_bench
 //
-// BM_RingAttention/T/cp/schedule/docs: one sequence of T tokens, 2 heads of 64, forward then
+// BM_RingAttention/T/cp/schedule/docs/kv_heads: one sequence of T tokens, 2 query heads of
+//   64 and kv_heads key/value heads (2: one per query head; 1: GQA, the ring carries the
+//   shared head once), forward then
 //   backward over a CP group of `cp` thread-backend ranks (each with cores / cp compute
 //   threads, at least 1), schedule 0 the ring, 1 gathered (at cp = 1 that is exactly the
 //   whole-sequence kernel of model/attention.h, the baseline). docs 1: one document (every
@@ -12,7 +14,7 @@
 //   attention_s: compute + wait of rank 0; compute_s: its kernels; exposed_s: its waits for
 //   the group's exchanges, and exposed_pct_of_attention = exposed_s / attention_s.
 //   kept_bytes: what the rank keeps between forward and backward for this attention (its
-//   q, k, v, out [T / cp, 2, 64] and lse [T / cp, 2], fp32); peak_buffer_bytes: the calls'
+//   q, out [T / cp, 2, 64], k, v [T / cp, kv_heads, 64] and lse [T / cp, 2], fp32); peak_buffer_bytes: the calls'
 //   working buffers at their peak (RingAttentionTimes, counted sizes); activation_bytes =
 //   their sum, per rank. sent_bytes: what rank 0 sent.
 //   memcpy_GBps: this machine's memcpy bandwidth, measured in the same run (the thread
@@ -62,8 +64,9 @@ void BM_RingAttention(benchmark::State& state) {
   dims.num_seqs = 1;
   dims.seq_len = T;
   dims.heads = kHeads;
+  dims.kv_heads = static_cast<int>(state.range(4));
   dims.head_dim = kHeadDim;
-  const int64_t rows = T / cp, n = rows * kHeads * kHeadDim;
+  const int64_t rows = T / cp, n = rows * kHeads * kHeadDim, nkv = rows * dims.kv_heads * kHeadDim;
   const int threads = std::max(1, AvailableCores() / cp);
   model::RingAttentionTimes times0;
   for (auto _ : state) {
@@ -80,11 +83,11 @@ void BM_RingAttention(benchmark::State& state) {
         ScopedComputeThreads budget(threads);
         Communicator& comm = *(*comms)[r];
         SplitMix64 rng(100 + r);
-        std::vector<float> q(n), k(n), v(n), d_out(n);
+        std::vector<float> q(n), k(nkv), v(nkv), d_out(n);
         for (std::vector<float>* x : {&q, &k, &v, &d_out}) {
           for (float& f : *x) f = static_cast<float>(rng.Normal());
         }
-        std::vector<float> out(n), lse(rows * kHeads), dq(n), dk(n), dv(n);
+        std::vector<float> out(n), lse(rows * kHeads), dq(n), dk(nkv), dv(nkv);
         model::RingAttentionTimes times;
         if (absl::Status s = comm.Barrier(); !s.ok()) {
           status[r] = s;
@@ -117,7 +120,7 @@ void BM_RingAttention(benchmark::State& state) {
     state.SetIterationTime(elapsed);
   }
   const double attention_s = times0.compute_s + times0.wait_s;
-  const int64_t kept = (4 * n + rows * kHeads) * static_cast<int64_t>(sizeof(float));
+  const int64_t kept = (2 * n + 2 * nkv + rows * kHeads) * static_cast<int64_t>(sizeof(float));
   state.counters["attention_s"] = attention_s;
   state.counters["compute_s"] = times0.compute_s;
   state.counters["exposed_s"] = times0.wait_s;
@@ -131,14 +134,16 @@ void BM_RingAttention(benchmark::State& state) {
   state.SetLabel(schedule == model::RingSchedule::kRing ? "ring" : "gathered");
 }
 BENCHMARK(BM_RingAttention)
-    ->ArgNames({"T", "cp", "schedule", "one_doc"})
-    ->Args({16384, 1, 1, 1})  // the whole-sequence kernel: the baseline
-    ->Args({16384, 1, 0, 1})
-    ->Args({16384, 2, 0, 1})
-    ->Args({16384, 4, 0, 1})
-    ->Args({16384, 2, 1, 1})
-    ->Args({16384, 1, 1, 0})
-    ->Args({16384, 2, 0, 0})
+    ->ArgNames({"T", "cp", "schedule", "one_doc", "kv_heads"})
+    ->Args({16384, 1, 1, 1, 2})  // the whole-sequence kernel: the baseline
+    ->Args({16384, 1, 0, 1, 2})
+    ->Args({16384, 2, 0, 1, 2})
+    ->Args({16384, 4, 0, 1, 2})
+    ->Args({16384, 2, 1, 1, 2})
+    ->Args({16384, 1, 1, 0, 2})
+    ->Args({16384, 2, 0, 0, 2})
+    ->Args({16384, 2, 0, 1, 1})  // GQA: the shared kv head travels once
+    ->Args({16384, 4, 0, 1, 1})
     ->Iterations(1)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -552,9 +553,11 @@ class CpuOps : public ModelOps {
     const AttentionDims dims = HeadDims();
     const int64_t n = HeadSplitRows() * heads_local_ * head_dim_;
     if (cp_size_ > 1) {
-      return RingAttentionForward(*comms_.cp_group, RingDims(), comms_.cp_schedule,
-                                  absl::MakeConstSpan(q, n), absl::MakeConstSpan(k, n),
-                                  absl::MakeConstSpan(v, n), in_.doc_start,
+      const RingAttentionDims rd = RingDims();
+      std::vector<float> kc, vc;
+      const auto [kr, vr] = RingKv(rd, k, v, n, &kc, &vc);
+      return RingAttentionForward(*comms_.cp_group, rd, comms_.cp_schedule,
+                                  absl::MakeConstSpan(q, n), kr, vr, in_.doc_start,
                                   absl::MakeSpan(out, n),
                                   absl::MakeSpan(lse, HeadSplitRows() * heads_local_));
     }
@@ -569,12 +572,37 @@ class CpuOps : public ModelOps {
     const AttentionDims dims = HeadDims();
     const int64_t n = HeadSplitRows() * heads_local_ * head_dim_;
     if (cp_size_ > 1) {
-      return RingAttentionBackward(
-          *comms_.cp_group, RingDims(), comms_.cp_schedule, absl::MakeConstSpan(q, n),
-          absl::MakeConstSpan(k, n), absl::MakeConstSpan(v, n), in_.doc_start,
-          absl::MakeConstSpan(out, n), absl::MakeConstSpan(lse, HeadSplitRows() * heads_local_),
-          absl::MakeConstSpan(d_out, n), absl::MakeSpan(dq, n), absl::MakeSpan(dk, n),
-          absl::MakeSpan(dv, n));
+      const RingAttentionDims rd = RingDims();
+      std::vector<float> kc, vc;
+      const auto [kr, vr] = RingKv(rd, k, v, n, &kc, &vc);
+      if (rd.kv_heads == rd.heads) {
+        return RingAttentionBackward(
+            *comms_.cp_group, rd, comms_.cp_schedule, absl::MakeConstSpan(q, n), kr, vr,
+            in_.doc_start, absl::MakeConstSpan(out, n),
+            absl::MakeConstSpan(lse, HeadSplitRows() * heads_local_),
+            absl::MakeConstSpan(d_out, n), absl::MakeSpan(dq, n), absl::MakeSpan(dk, n),
+            absl::MakeSpan(dv, n));
+      }
+      // The shared kv heads' gradients, each written to the first query head of its
+      // group and 0 to the others: SumKvGroups, which the model runs next, adds them.
+      std::vector<float> dkc(kc.size()), dvc(vc.size());
+      GRADSUM_RETURN_IF_ERROR(RingAttentionBackward(
+          *comms_.cp_group, rd, comms_.cp_schedule, absl::MakeConstSpan(q, n), kr, vr,
+          in_.doc_start, absl::MakeConstSpan(out, n),
+          absl::MakeConstSpan(lse, HeadSplitRows() * heads_local_),
+          absl::MakeConstSpan(d_out, n), absl::MakeSpan(dq, n), absl::MakeSpan(dkc),
+          absl::MakeSpan(dvc)));
+      const int64_t g = rd.heads / rd.kv_heads, hd = head_dim_;
+      std::fill(dk, dk + n, 0.0f);
+      std::fill(dv, dv + n, 0.0f);
+      for (int64_t r = 0; r < HeadSplitRows(); ++r) {
+        for (int64_t j = 0; j < rd.kv_heads; ++j) {
+          const int64_t from = (r * rd.kv_heads + j) * hd, to = (r * rd.heads + j * g) * hd;
+          std::copy_n(dkc.data() + from, hd, dk + to);
+          std::copy_n(dvc.data() + from, hd, dv + to);
+        }
+      }
+      return absl::OkStatus();
     }
     return model::AttentionBackward(
         dims, absl::MakeConstSpan(q, n), absl::MakeConstSpan(k, n), absl::MakeConstSpan(v, n),
@@ -623,13 +651,42 @@ class CpuOps : public ModelOps {
   // Rows of the head split: the (CP-local) sequences of the micro-batch.
   int64_t HeadSplitRows() const { return in_.sequences * LocalSeqLen(); }
 
+  // The ring's dims. Its k, v hold each query head's copy of its kv head (TokensToHeads
+  // repeats them); the ring schedule carries each distinct kv head once: heads_local_
+  // query heads in consecutive groups of gcd(group_, heads_local_), each group's copies the
+  // same kv head (whatever the SP split), so kv_heads = heads_local_ / that. The gathered
+  // schedule (reproducible mode) keeps one per query head: its bits are the whole-sequence
+  // call's, which the model makes with the copies.
   RingAttentionDims RingDims() const {
     RingAttentionDims d;
     d.num_seqs = in_.sequences;
     d.seq_len = in_.seq_len;
     d.heads = static_cast<int>(heads_local_);
+    d.kv_heads = d.heads;
+    if (comms_.cp_schedule == RingSchedule::kRing) {
+      d.kv_heads = static_cast<int>(heads_local_ / std::gcd<int64_t>(group_, heads_local_));
+    }
     d.head_dim = head_dim_;
     return d;
+  }
+
+  // k and v as the ring takes them: the inputs themselves with one kv head per query head,
+  // else the first query head's copy of each group, into *kc, *vc.
+  std::pair<absl::Span<const float>, absl::Span<const float>> RingKv(
+      const RingAttentionDims& rd, const float* k, const float* v, int64_t n,
+      std::vector<float>* kc, std::vector<float>* vc) const {
+    if (rd.kv_heads == rd.heads) return {absl::MakeConstSpan(k, n), absl::MakeConstSpan(v, n)};
+    const int64_t rows = HeadSplitRows(), g = rd.heads / rd.kv_heads, hd = head_dim_;
+    kc->resize(rows * rd.kv_heads * hd);
+    vc->resize(kc->size());
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < rd.kv_heads; ++j) {
+        const int64_t from = (r * rd.heads + j * g) * hd, to = (r * rd.kv_heads + j) * hd;
+        std::copy_n(k + from, hd, kc->data() + to);
+        std::copy_n(v + from, hd, vc->data() + to);
+      }
+    }
+    return {absl::MakeConstSpan(*kc), absl::MakeConstSpan(*vc)};
   }
 
   // The head split's attention: this rank's query heads, each with its own key/value head.

@@ -50,8 +50,10 @@ struct Layout {
   int64_t local = 0;   // 2c: a sequence's tokens on one rank
   int64_t rows = 0;    // num_seqs * 2c
   int64_t heads = 0, d = 0, dp = 0;
-  int64_t floats = 0;  // rows * heads * d
-  int64_t padded = 0;  // rows * heads * dp
+  int64_t kv_heads = 0, group = 1;  // query heads per kv head
+  int64_t floats = 0;     // rows * heads * d
+  int64_t kv_floats = 0;  // rows * kv_heads * d
+  int64_t padded = 0;     // rows * heads * dp
 };
 
 absl::Status CheckSize(const char* name, size_t size, int64_t want, const char* layout) {
@@ -73,6 +75,11 @@ absl::StatusOr<Layout> CheckLayout(const Communicator& group, const RingAttentio
         "ring attention: num_seqs = ", dims.num_seqs, ", seq_len = ", dims.seq_len,
         ", heads = ", dims.heads, ", head_dim = ", dims.head_dim, " out of range"));
   }
+  const int kv_heads = dims.kv_heads == 0 ? dims.heads : dims.kv_heads;
+  if (kv_heads < 1 || dims.heads % kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("ring attention: kv_heads = ", dims.kv_heads,
+                                                   " does not divide heads = ", dims.heads));
+  }
   if (dims.seq_len % (2 * int64_t{l.cp}) != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "ring attention: seq_len = ", dims.seq_len, " is not a multiple of 2 * cp = ",
@@ -82,15 +89,20 @@ absl::StatusOr<Layout> CheckLayout(const Communicator& group, const RingAttentio
   l.local = 2 * l.chunk;
   l.rows = dims.num_seqs * l.local;
   l.heads = dims.heads;
+  l.kv_heads = kv_heads;
+  l.group = dims.heads / kv_heads;
   l.d = dims.head_dim;
   l.dp = (l.d + internal::kAttentionColPad - 1) / internal::kAttentionColPad *
          internal::kAttentionColPad;
   l.floats = l.rows * l.heads * l.d;
+  l.kv_floats = l.rows * l.kv_heads * l.d;
   l.padded = l.rows * l.heads * l.dp;
   const char* layout = "[num_seqs * seq_len / cp, heads, head_dim]";
   GRADSUM_RETURN_IF_ERROR(CheckSize("q", q, l.floats, layout));
-  GRADSUM_RETURN_IF_ERROR(CheckSize("k", k, l.floats, layout));
-  GRADSUM_RETURN_IF_ERROR(CheckSize("v", v, l.floats, layout));
+  GRADSUM_RETURN_IF_ERROR(
+      CheckSize("k", k, l.kv_floats, "[num_seqs * seq_len / cp, kv_heads, head_dim]"));
+  GRADSUM_RETURN_IF_ERROR(
+      CheckSize("v", v, l.kv_floats, "[num_seqs * seq_len / cp, kv_heads, head_dim]"));
   GRADSUM_RETURN_IF_ERROR(CheckSize("out", out, l.floats, layout));
   GRADSUM_RETURN_IF_ERROR(
       CheckSize("lse", lse, l.rows * l.heads, "[num_seqs * seq_len / cp, heads]"));
@@ -105,7 +117,7 @@ AttentionDims WholeDims(const RingAttentionDims& dims) {
   w.num_seqs = dims.num_seqs;
   w.seq_len = dims.seq_len;
   w.q_heads = dims.heads;
-  w.kv_heads = dims.heads;
+  w.kv_heads = dims.kv_heads == 0 ? dims.heads : dims.kv_heads;
   w.head_dim = dims.head_dim;
   return w;
 }
@@ -176,11 +188,13 @@ class Shift {
 };
 
 // The ring's schedule, written once for both directions. `kv` holds this rank's k then v
-// ([2, rows, heads, d]); at step s = 0..C-1 it holds rank (rank - s) mod C's (the next
-// step's exchange starts before the step's work and is waited for after it). pair(s, h, a,
-// b, theirs, kv, scratch) runs for every (query chunk a, key chunk b) pair that causality
-// leaves non-empty, one task per (sequence, head) with its pairs in order; after_step()
-// runs after each step's pairs (backward passes its accumulators on there).
+// ([2, rows, kv_heads, d]); at step s = 0..C-1 it holds rank (rank - s) mod C's (the next
+// step's exchange starts before the step's work and is waited for after it). pair(s, h, j,
+// a, b, theirs, kv, scratch) runs for every (query chunk a, key chunk b) pair that
+// causality leaves non-empty and every query head h of kv head j, one task per (sequence,
+// kv head) with its pairs, then its query heads, in order (so a kv head's dK/dV sum has one
+// writer and one order); after_step() runs after each step's pairs (backward passes its
+// accumulators on there).
 template <typename Pair, typename AfterStep>
 absl::Status RunRing(Communicator& group, const Layout& l, int64_t num_seqs, int64_t seq_len,
                      absl::Span<const int32_t> doc_start, std::vector<float> kv,
@@ -196,12 +210,15 @@ absl::Status RunRing(Communicator& group, const Layout& l, int64_t num_seqs, int
     }
     const RankTokens theirs = TokensOf(l, owner, num_seqs, seq_len, doc_start);
     const Clock::time_point start = Clock::now();
-    ParallelFor(ComputeThreads(), num_seqs * l.heads, [&](int64_t task) {
+    ParallelFor(ComputeThreads(), num_seqs * l.kv_heads, [&](int64_t task) {
       Scratch scratch(scratch_floats);
+      const int64_t s = task / l.kv_heads, j = task % l.kv_heads;
       for (int a = 0; a < 2; ++a) {
         for (int b = 0; b < 2; ++b) {
           if (ChunkOf(l, owner, b) > ChunkOf(l, l.rank, a)) continue;  // after every query
-          pair(task / l.heads, task % l.heads, a, b, theirs, kv.data(), scratch.data());
+          for (int64_t h = j * l.group; h < (j + 1) * l.group; ++h) {
+            pair(s, h, j, a, b, theirs, kv.data(), scratch.data());
+          }
         }
       }
     });
@@ -266,18 +283,19 @@ absl::Status RingAttentionForward(Communicator& cp_group, const RingAttentionDim
                                        doc_start.size(), out.size(), lse.size()));
   GRADSUM_RETURN_IF_ERROR(CheckDocStart(dims, doc_start));
   const int64_t S = dims.num_seqs, L = dims.seq_len, H = l.heads, d = l.d, dp = l.dp;
-  const int64_t row = H * d;
+  const int64_t Hk = l.kv_heads, row = H * d, kv_row = Hk * d;
 
   if (schedule == RingSchedule::kGathered) {
     std::vector<float> qw, kw, vw;
     GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, row, q, &qw, times));
-    GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, row, k, &kw, times));
-    GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, row, v, &vw, times));
+    GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, kv_row, k, &kw, times));
+    GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, kv_row, v, &vw, times));
     std::vector<float> ow(qw.size()), lw(S * L * H);
     // The whole sequences' q, k, v, out, lse, one gather's receive buffer, the kernel's
     // scratch.
     const internal::AttentionKernels& whole = internal::SelectedAttentionKernels();
-    NoteBuffers(times, 4 * int64_t{qw.size()} + S * L * H + int64_t{l.cp} * l.rows * row +
+    NoteBuffers(times, 2 * int64_t{qw.size()} + 2 * int64_t{kw.size()} + S * L * H +
+                           int64_t{l.cp} * l.rows * row +
                            ScratchFloats(whole.forward_scratch_floats(L, dp), S * H));
     const Clock::time_point start = Clock::now();
     GRADSUM_RETURN_IF_ERROR(AttentionForward(WholeDims(dims), qw, kw, vw, doc_start,
@@ -293,17 +311,17 @@ absl::Status RingAttentionForward(Communicator& cp_group, const RingAttentionDim
   const int64_t state = S * H * l.local;  // per (sequence, head, local token)
   std::vector<float> run_max(state, -INFINITY), run_sum(state, 0.0f);
   std::vector<float> acc(state * dp, 0.0f);
-  std::vector<float> kv(2 * l.floats);
+  std::vector<float> kv(2 * l.kv_floats);
   std::copy(k.begin(), k.end(), kv.begin());
-  std::copy(v.begin(), v.end(), kv.begin() + l.floats);
+  std::copy(v.begin(), v.end(), kv.begin() + l.kv_floats);
   const float scale = internal::AttentionScale(d);
-  NoteBuffers(times, 2 * state + state * dp + 4 * l.floats +
-                         ScratchFloats(kernels.pair_forward_scratch_floats(dp), S * H));
+  NoteBuffers(times, 2 * state + state * dp + 4 * l.kv_floats +
+                         ScratchFloats(kernels.pair_forward_scratch_floats(dp), S * Hk));
   GRADSUM_RETURN_IF_ERROR(RunRing(
       cp_group, l, S, L, doc_start, std::move(kv), kernels.pair_forward_scratch_floats(dp),
       times,
-      [&](int64_t s, int64_t h, int a, int b, const RankTokens& theirs, const float* kv_held,
-          float* scratch) {
+      [&](int64_t s, int64_t h, int64_t j, int a, int b, const RankTokens& theirs,
+          const float* kv_held, float* scratch) {
         const int64_t q_row = s * l.local + a * l.chunk, k_row = s * l.local + b * l.chunk;
         const int64_t st = (s * H + h) * l.local + a * l.chunk;
         AttentionPairForwardTask t;
@@ -315,9 +333,9 @@ absl::Status RingAttentionForward(Communicator& cp_group, const RingAttentionDim
         t.q_stride = row;
         t.q_index = mine.index.data() + a * l.chunk;
         t.q_doc = mine.doc.data() + q_row;
-        t.k = kv_held + (k_row * H + h) * d;
-        t.v = kv_held + l.floats + (k_row * H + h) * d;
-        t.kv_stride = row;
+        t.k = kv_held + (k_row * Hk + j) * d;
+        t.v = kv_held + l.kv_floats + (k_row * Hk + j) * d;
+        t.kv_stride = kv_row;
         t.k_index = theirs.index.data() + b * l.chunk;
         t.k_doc = theirs.doc.data() + k_row;
         t.run_max = run_max.data() + st;
@@ -363,23 +381,25 @@ absl::Status RingAttentionBackward(Communicator& cp_group, const RingAttentionDi
   const char* layout = "[num_seqs * seq_len / cp, heads, head_dim]";
   GRADSUM_RETURN_IF_ERROR(CheckSize("d_out", d_out.size(), l.floats, layout));
   GRADSUM_RETURN_IF_ERROR(CheckSize("dq", dq.size(), l.floats, layout));
-  GRADSUM_RETURN_IF_ERROR(CheckSize("dk", dk.size(), l.floats, layout));
-  GRADSUM_RETURN_IF_ERROR(CheckSize("dv", dv.size(), l.floats, layout));
+  const char* kv_layout = "[num_seqs * seq_len / cp, kv_heads, head_dim]";
+  GRADSUM_RETURN_IF_ERROR(CheckSize("dk", dk.size(), l.kv_floats, kv_layout));
+  GRADSUM_RETURN_IF_ERROR(CheckSize("dv", dv.size(), l.kv_floats, kv_layout));
   GRADSUM_RETURN_IF_ERROR(CheckDocStart(dims, doc_start));
   const int64_t S = dims.num_seqs, L = dims.seq_len, H = l.heads, d = l.d, dp = l.dp;
-  const int64_t row = H * d;
+  const int64_t Hk = l.kv_heads, row = H * d, kv_row = Hk * d;
 
   if (schedule == RingSchedule::kGathered) {
     std::vector<float> qw, kw, vw, ow, lw, gw;
     GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, row, q, &qw, times));
-    GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, row, k, &kw, times));
-    GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, row, v, &vw, times));
+    GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, kv_row, k, &kw, times));
+    GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, kv_row, v, &vw, times));
     GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, row, out, &ow, times));
     GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, H, lse, &lw, times));
     GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, row, d_out, &gw, times));
-    std::vector<float> dqw(qw.size()), dkw(qw.size()), dvw(qw.size());
+    std::vector<float> dqw(qw.size()), dkw(kw.size()), dvw(kw.size());
     const internal::AttentionKernels& whole = internal::SelectedAttentionKernels();
-    NoteBuffers(times, 8 * int64_t{qw.size()} + S * L * H + int64_t{l.cp} * l.rows * row +
+    NoteBuffers(times, 4 * int64_t{qw.size()} + 4 * int64_t{kw.size()} + S * L * H +
+                           int64_t{l.cp} * l.rows * row +
                            ScratchFloats(whole.backward_scratch_floats(L, dp), S * H));
     const Clock::time_point start = Clock::now();
     GRADSUM_RETURN_IF_ERROR(AttentionBackward(WholeDims(dims), qw, kw, vw, doc_start, ow, lw,
@@ -387,8 +407,8 @@ absl::Status RingAttentionBackward(Communicator& cp_group, const RingAttentionDi
                                               absl::MakeSpan(dvw)));
     if (times != nullptr) times->compute_s += Since(start);
     TakeOwn(l, S, L, row, dqw, dq);
-    TakeOwn(l, S, L, row, dkw, dk);
-    TakeOwn(l, S, L, row, dvw, dv);
+    TakeOwn(l, S, L, kv_row, dkw, dk);
+    TakeOwn(l, S, L, kv_row, dvw, dv);
     return absl::OkStatus();
   }
 
@@ -411,22 +431,23 @@ absl::Status RingAttentionBackward(Communicator& cp_group, const RingAttentionDi
     }
   }
   std::vector<float> dq_acc(state * dp, 0.0f);
-  std::vector<float> kv(2 * l.floats);
+  std::vector<float> kv(2 * l.kv_floats);
   std::copy(k.begin(), k.end(), kv.begin());
-  std::copy(v.begin(), v.end(), kv.begin() + l.floats);
-  // The travelling dK, dV accumulators of the key/value block held: [S, H, 2c, dp] each.
-  std::vector<float> dkv_cur(2 * state * dp, 0.0f), dkv_next(2 * state * dp);
+  std::copy(v.begin(), v.end(), kv.begin() + l.kv_floats);
+  // The travelling dK, dV accumulators of the key/value block held: [S, Hk, 2c, dp] each.
+  const int64_t kv_state = S * Hk * l.local;
+  std::vector<float> dkv_cur(2 * kv_state * dp, 0.0f), dkv_next(2 * kv_state * dp);
   const float scale = internal::AttentionScale(d);
-  NoteBuffers(times, 2 * state + state * dp + 4 * l.floats + 4 * state * dp +
-                         ScratchFloats(kernels.pair_backward_scratch_floats(dp), S * H));
+  NoteBuffers(times, 2 * state + state * dp + 4 * l.kv_floats + 4 * kv_state * dp +
+                         ScratchFloats(kernels.pair_backward_scratch_floats(dp), S * Hk));
   GRADSUM_RETURN_IF_ERROR(RunRing(
       cp_group, l, S, L, doc_start, std::move(kv), kernels.pair_backward_scratch_floats(dp),
       times,
-      [&](int64_t s, int64_t h, int a, int b, const RankTokens& theirs, const float* kv_held,
-          float* scratch) {
+      [&](int64_t s, int64_t h, int64_t j, int a, int b, const RankTokens& theirs,
+          const float* kv_held, float* scratch) {
         const int64_t q_row = s * l.local + a * l.chunk, k_row = s * l.local + b * l.chunk;
         const int64_t qs = (s * H + h) * l.local + a * l.chunk;
-        const int64_t ks = (s * H + h) * l.local + b * l.chunk;
+        const int64_t ks = (s * Hk + j) * l.local + b * l.chunk;
         AttentionPairBackwardTask t;
         t.m = t.n = l.chunk;
         t.head_dim = d;
@@ -439,15 +460,15 @@ absl::Status RingAttentionBackward(Communicator& cp_group, const RingAttentionDi
         t.q_doc = mine.doc.data() + q_row;
         t.lse = lse_t.data() + qs;
         t.dsum = dsum.data() + qs;
-        t.k = kv_held + (k_row * H + h) * d;
-        t.v = kv_held + l.floats + (k_row * H + h) * d;
-        t.kv_stride = row;
+        t.k = kv_held + (k_row * Hk + j) * d;
+        t.v = kv_held + l.kv_floats + (k_row * Hk + j) * d;
+        t.kv_stride = kv_row;
         t.k_index = theirs.index.data() + b * l.chunk;
         t.k_doc = theirs.doc.data() + k_row;
         t.dq = dq_acc.data() + qs * dp;
         t.grad_q_stride = dp;
         t.dk = dkv_cur.data() + ks * dp;
-        t.dv = dkv_cur.data() + state * dp + ks * dp;
+        t.dv = dkv_cur.data() + kv_state * dp + ks * dp;
         t.grad_kv_stride = dp;
         t.scratch = scratch;
         kernels.pair_backward(t);
@@ -457,22 +478,23 @@ absl::Status RingAttentionBackward(Communicator& cp_group, const RingAttentionDi
         if (l.cp == 1) return absl::OkStatus();
         Shift dkv_shift;
         GRADSUM_RETURN_IF_ERROR(dkv_shift.Start(cp_group, dkv_cur.data(), dkv_next.data(),
-                                                2 * state * dp, times));
+                                                2 * kv_state * dp, times));
         GRADSUM_RETURN_IF_ERROR(dkv_shift.Wait(times));
         std::swap(dkv_cur, dkv_next);
         return absl::OkStatus();
       }));
 
   for (int64_t s = 0; s < S; ++s) {
-    for (int64_t h = 0; h < H; ++h) {
-      for (int64_t u = 0; u < l.local; ++u) {
-        const int64_t st = (s * H + h) * l.local + u, r = s * l.local + u;
-        const int64_t o = (r * H + h) * d;
-        for (int64_t c = 0; c < d; ++c) {
-          dq[o + c] = dq_acc[st * dp + c];
-          dk[o + c] = dkv_cur[st * dp + c];
-          dv[o + c] = dkv_cur[state * dp + st * dp + c];
-        }
+    for (int64_t u = 0; u < l.local; ++u) {
+      const int64_t r = s * l.local + u;
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t st = (s * H + h) * l.local + u;
+        std::copy_n(dq_acc.data() + st * dp, d, dq.data() + (r * H + h) * d);
+      }
+      for (int64_t j = 0; j < Hk; ++j) {
+        const int64_t st = (s * Hk + j) * l.local + u, o = (r * Hk + j) * d;
+        std::copy_n(dkv_cur.data() + st * dp, d, dk.data() + o);
+        std::copy_n(dkv_cur.data() + kv_state * dp + st * dp, d, dv.data() + o);
       }
     }
   }

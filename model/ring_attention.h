@@ -9,8 +9,10 @@
 // every rank has the same causal work. q, k, v, out, d_out, dq, dk, dv are
 // [num_seqs * 2c, heads, head_dim] in that local order; lse [num_seqs * 2c, heads].
 // doc_start is the WHOLE sequences' (num_seqs * seq_len entries, model/attention.h), which
-// every rank of the group has. k and v hold each query head's own key/value head (heads
-// of them; the caller repeats a kv head for its query heads and sums their gradients).
+// every rank of the group has. k, v, dk, dv are [num_seqs * 2c, kv_heads, head_dim]: with
+// kv_heads = heads each query head has its own key/value head; with fewer (GQA), query head
+// h reads kv head h / (heads / kv_heads), the ring carries only the kv_heads distinct heads
+// (heads / kv_heads times fewer bytes), and dk, dv sum over each kv head's query heads.
 //
 // Two schedules, one result to rounding:
 // - kRing (the default). Key/value blocks rotate around the group: at step s = 0..C-1
@@ -45,7 +47,8 @@ namespace gradsum::model {
 struct RingAttentionDims {
   int64_t num_seqs = 0;  // sequences
   int64_t seq_len = 0;   // tokens of a whole sequence; 2C must divide it
-  int heads = 0;         // query heads held (k, v: one per query head)
+  int heads = 0;         // query heads held
+  int kv_heads = 0;      // key/value heads held, dividing heads; 0 means heads
   int64_t head_dim = 0;
 };
 
