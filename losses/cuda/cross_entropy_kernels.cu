@@ -66,6 +66,34 @@ __device__ __forceinline__ void SkipRow(const CeLaunch& p, int64_t row, int64_t 
   if (threadIdx.x == 0 && p.token_loss) p.token_loss[row] = 0.0f;
 }
 
+// Both kernels: whether D is usable (false for NaN, inf, < 0, which block 0 records).
+__device__ __forceinline__ bool NormaliserOk(const CeLaunch& p, double D) {
+  const bool ok = D >= 0.0 && D <= 1.7976931348623157e308;
+  if (!ok && blockIdx.x == 0 && threadIdx.x == 0) atomicExch(&p.error->bad_normaliser, 1);
+  return ok;
+}
+
+// Both kernels' start of a row, called by every thread of the block: thread 0 reads the
+// row's weight (RowWeight), adds it to *block_weight and shares it through *slot (0 when
+// `use_rows` is false); a row of weight 0 is written off (SkipRow) and 0 returned, with the
+// block past its last read of *slot.
+template <typename T, int kN>
+__device__ __forceinline__ float StartRow(const CeLaunch& p, int64_t row, int64_t chunks,
+                                          bool use_rows, float* slot, double* block_weight) {
+  if (threadIdx.x == 0) {
+    const float w = RowWeight(p, row);
+    *block_weight += w;
+    *slot = use_rows ? w : 0.0f;
+  }
+  __syncthreads();
+  const float w = *slot;
+  if (w == 0.0f) {
+    SkipRow<T, kN>(p, row, chunks);
+    __syncthreads();  // *slot is rewritten for the next row
+  }
+  return w;
+}
+
 template <typename T, int kN>
 __global__ void CrossEntropyRowKernel(CeLaunch p) {
   __shared__ MaxSum ms_scratch[32];
@@ -77,28 +105,17 @@ __global__ void CrossEntropyRowKernel(CeLaunch p) {
   const int64_t chunks = vocab / kN;  // kN divides vocab (checked by the launcher)
 
   const double D = *p.global_weight_sum;
-  const bool d_ok = D >= 0.0 && D <= 1.7976931348623157e308;  // false for NaN, inf, < 0
-  if (!d_ok && blockIdx.x == 0 && threadIdx.x == 0) atomicExch(&p.error->bad_normaliser, 1);
+  const bool d_ok = NormaliserOk(p, D);
 
   double block_loss = 0.0;    // thread 0 only
   double block_weight = 0.0;  // thread 0 only
 
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const T* x = logits + row * vocab;
-    if (threadIdx.x == 0) {
-      const float w = RowWeight(p, row);
-      block_weight += w;
-      // D == 0 means every label of the step is ignored: loss 0, gradient exactly 0.
-      row_info[2] = (d_ok && D > 0.0) ? w : 0.0f;
-    }
-    __syncthreads();
-    const float w = row_info[2];
-
-    if (w == 0.0f) {
-      SkipRow<T, kN>(p, row, chunks);
-      __syncthreads();  // row_info is rewritten for the next row
-      continue;
-    }
+    // D == 0 means every label of the step is ignored: loss 0, gradient exactly 0.
+    const float w =
+        StartRow<T, kN>(p, row, chunks, d_ok && D > 0.0, &row_info[2], &block_weight);
+    if (w == 0.0f) continue;
 
     // Pass 1: online logsumexp. A chunk's max first, then one rescale per chunk.
     MaxSum acc{-INFINITY, 0.0f};
@@ -200,8 +217,7 @@ __global__ void CrossEntropyOptionsRowKernel(CeLaunch p) {
   const double alpha = p.alpha_lse;
 
   const double D = *p.global_weight_sum;
-  const bool d_ok = D >= 0.0 && D <= 1.7976931348623157e308;  // false for NaN, inf, < 0
-  if (!d_ok && blockIdx.x == 0 && threadIdx.x == 0) atomicExch(&p.error->bad_normaliser, 1);
+  const bool d_ok = NormaliserOk(p, D);
 
   double block_ce = 0.0;      // thread 0 only
   double block_lse_sq = 0.0;  // thread 0 only
@@ -209,20 +225,10 @@ __global__ void CrossEntropyOptionsRowKernel(CeLaunch p) {
 
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const T* x = logits + row * vocab;
-    if (threadIdx.x == 0) {
-      const float w = RowWeight(p, row);
-      block_weight += w;
-      // D == 0 means every label of the step is ignored: loss 0, gradient exactly 0.
-      row_info[4] = (d_ok && D > 0.0) ? w : 0.0f;
-    }
-    __syncthreads();
-    const float w = row_info[4];
-
-    if (w == 0.0f) {
-      SkipRow<T, kN>(p, row, chunks);
-      __syncthreads();  // row_info is rewritten for the next row
-      continue;
-    }
+    // D == 0 means every label of the step is ignored: loss 0, gradient exactly 0.
+    const float w =
+        StartRow<T, kN>(p, row, chunks, d_ok && D > 0.0, &row_info[4], &block_weight);
+    if (w == 0.0f) continue;
 
     // Pass 1: online logsumexp of the capped logits, and their sum for smoothing.
     MaxSum acc{-INFINITY, 0.0f};
