@@ -335,7 +335,9 @@ absl::Status FlatParam::AdvanceGradReduce() {
 
 absl::Status FlatParam::FoldReducedGrad(absl::Span<const float> reduced, bool last_micro_batch) {
   GRADSUM_RETURN_IF_ERROR(CheckNoGradReduce("FoldReducedGrad"));
-  return grad_->FoldReduced(reduced, last_micro_batch);
+  GRADSUM_RETURN_IF_ERROR(grad_->FoldReduced(reduced, last_micro_batch));
+  if (!last_micro_batch) return absl::OkStatus();
+  return grad_->ReduceFoldedAcrossReplicas();
 }
 
 absl::Status FlatParam::ReduceGrad(bool last_micro_batch) {

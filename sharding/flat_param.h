@@ -284,9 +284,12 @@ class FlatParam {
   // master_grad(), as FinishGradReduce folds its own collective's fp32 result. Sharded:
   // `reduced` is this rank's SUM-reduce-scattered shard of one micro-batch (shard_numel()
   // elements), added into the fp32 accumulator; call it every micro-batch instead of
-  // ReduceGrad. Replicated: `reduced` is the step's SUM-all-reduced full gradient
-  // (padded_numel() elements), given once with last_micro_batch. The local full gradient
-  // buffer is not read. InvalidArgument for a wrong size or (replicated) a call that is
+  // ReduceGrad; with a replica group (HSDP, SEMANTICS.md §7) `reduced` is the shard group's
+  // reduce-scatter, and the last micro-batch's call then sums the accumulated shard across
+  // the replicas over the host replica group (blocking: the second stage FinishGradReduce
+  // runs for the FlatParam's own collectives). Replicated: `reduced` is the step's
+  // SUM-all-reduced full gradient (padded_numel() elements), given once with
+  // last_micro_batch. The local full gradient buffer is not read. InvalidArgument for a wrong size or (replicated) a call that is
   // not the last micro-batch's; FailedPrecondition while a reduction is in flight;
   // Unimplemented in exact precision.
   absl::Status FoldReducedGrad(absl::Span<const float> reduced, bool last_micro_batch);

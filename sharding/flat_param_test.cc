@@ -469,9 +469,12 @@ struct HsdpResult {
 
 // G micro-batches of reduction on `world` ranks in shard groups of `n` (n == world: no
 // replicas, plain sharded mode). `advance`: the last micro-batch goes through
-// AdvanceGradReduce before FinishGradReduce, as the unit schedule does.
+// AdvanceGradReduce before FinishGradReduce, as the unit schedule does. `external`: the
+// in-group reduce-scatter happens outside, as a GPU's NCCL does (here the shard group's sum
+// computed directly), and FoldReducedGrad folds it, its last call also summing across the
+// replicas.
 absl::Status HsdpReduceOnRanks(int world, int n, GradPrecision precision, int micro_batches,
-                               bool advance, HsdpResult* out) {
+                               bool advance, HsdpResult* out, bool external = false) {
   const int64_t numel = DenseNumel();
   std::vector<std::vector<float>> owned(world);
   std::vector<int64_t> offsets(world);
@@ -492,7 +495,21 @@ absl::Status HsdpReduceOnRanks(int world, int n, GradPrecision precision, int mi
                                               fp->owned_group_rank(), "/",
                                               fp->owned_group_size()));
     }
-    for (int m = 0; m < micro_batches; ++m) {
+    for (int m = 0; m < micro_batches && external; ++m) {
+      // The shard group's SUM of micro-batch m's flat gradient, this rank's shard of it.
+      std::vector<float> full(fp->padded_numel(), 0.0f);
+      for (const FlatParamEntry& e : fp->entries()) {
+        for (int64_t i = 0; i < e.numel; ++i) {
+          float sum = 0.0f;
+          for (int member = 0; member < n; ++member) sum += Grad(e.name, i, r * n + member, m);
+          full[e.offset + i] = sum;
+        }
+      }
+      GRADSUM_RETURN_IF_ERROR(fp->FoldReducedGrad(
+          absl::MakeConstSpan(full).subspan(fp->shard_offset(), fp->shard_numel()),
+          m == micro_batches - 1));
+    }
+    for (int m = 0; m < micro_batches && !external; ++m) {
       for (int p = 0; p < fp->num_params(); ++p) {
         const FlatParamEntry& e = fp->entries()[p];
         std::vector<float> g(e.numel);
@@ -549,6 +566,29 @@ TEST(FlatParamTest, HsdpSumsOverTheWorldAndOwnsEachElementOnce) {
       for (double x : h.norms_sq) norm_sq += x;
       EXPECT_NEAR(norm_sq, ref_sq, ref_sq * 1e-14) << "world " << world << " n " << n;
       // Every replica of a shard holds the same reduced shard, bit for bit.
+      for (int w = n; w < world; ++w) {
+        EXPECT_EQ(h.shards[w], h.shards[w % n]) << "world " << world << " rank " << w;
+      }
+    }
+  }
+}
+
+// The GPU path's HSDP (parallel/cuda): the shard group's reduce-scatter is NCCL's, folded
+// with FoldReducedGrad, and the last fold sums the accumulated shard across the replicas
+// over the host replica group. The result is the world's SUM, each element owned once, and
+// every replica of a shard holds the same bits.
+TEST(FlatParamTest, HsdpFoldedFromOutsideSumsAcrossTheReplicas) {
+  for (const auto& [world, n] : {std::pair<int, int>{2, 1}, {4, 2}, {6, 3}, {8, 4}}) {
+    for (int G : {1, 3}) {
+      const std::vector<double> ref = ReferenceGrad(world, G, false);
+      HsdpResult h;
+      const absl::Status s =
+          HsdpReduceOnRanks(world, n, GradPrecision::kF32, G, false, &h, /*external=*/true);
+      ASSERT_TRUE(s.ok()) << s;
+      for (size_t i = 0; i < ref.size(); ++i) {
+        EXPECT_EQ(h.owners[i], 1) << "world " << world << " n " << n << " element " << i;
+        EXPECT_NEAR(h.flat[i], ref[i], 3 * world * G * 6e-8) << "world " << world << " n " << n;
+      }
       for (int w = n; w < world; ++w) {
         EXPECT_EQ(h.shards[w], h.shards[w % n]) << "world " << world << " rank " << w;
       }

@@ -32,6 +32,16 @@ absl::Status UnitGrad::FinishReduce() {
   return FinishReplica();
 }
 
+absl::Status UnitGrad::ReduceFoldedAcrossReplicas() {
+  if (!across_replicas()) return absl::OkStatus();
+  if (work_ != nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(What(), ": a reduction is in flight; the replica stage runs after it"));
+  }
+  GRADSUM_RETURN_IF_ERROR(StartReplica());
+  return FinishReplica();
+}
+
 absl::Status UnitGrad::Advance() {
   if (work_ == nullptr || work_is_replica_ || !(across_replicas() && work_last_)) {
     return absl::OkStatus();

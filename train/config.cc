@@ -573,10 +573,6 @@ absl::Status ValidateConfig(const TrainConfig& c) {
   if (!(std::isfinite(comm.timeout_s()) && comm.timeout_s() > 0)) {
     return Bad("comm.timeout_s", StrCat(comm.timeout_s()), "must be > 0");
   }
-  if (p.sharding() == TrainConfig::hsdp && comm.backend() == TrainConfig::nccl) {
-    return Bad("parallelism.sharding", "hsdp",
-               "is implemented for the CPU backends (thread, mpi) only, not comm.backend=nccl");
-  }
   const PrecisionConfig& precision = c.precision();
   if (c.parallelism().cp() > 1 && comm.backend() == TrainConfig::nccl) {
     return Bad("parallelism.cp", StrCat(c.parallelism().cp()),

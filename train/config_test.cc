@@ -25,6 +25,21 @@ TEST(ConfigTest, DefaultsAreValid) {
   EXPECT_TRUE(ValidateConfig(c).ok()) << ValidateConfig(c);
 }
 
+// The GPU backend runs what the CPU ones do of HSDP, MTP and full recomputation (the NCCL
+// shard groups, CudaOps); context parallelism it still refuses (no CUDA ring kernel).
+TEST(ConfigTest, TheNcclBackendTakesHsdpMtpAndFullRecomputation) {
+  TrainConfig c;
+  ASSERT_TRUE(ApplyOverrides({{"comm.backend", "nccl"},
+                              {"parallelism.world", "4"},
+                              {"parallelism.sharding", "hsdp"},
+                              {"parallelism.shard_group", "2"},
+                              {"parallelism.recompute", "full"},
+                              {"model.mtp_depth", "1"}},
+                             &c)
+                  .ok());
+  EXPECT_TRUE(ValidateConfig(c).ok()) << ValidateConfig(c);
+}
+
 TEST(ConfigTest, ParsesTextproto) {
   absl::StatusOr<TrainConfig> c = ParseConfigText(R"pb(
     model { dim: 32 experts: 4 top_k: 1 norm_topk_prob: false }
@@ -368,7 +383,7 @@ TEST(ConfigTest, ValidationNamesFieldAndValue) {
        "model.mtp_depth=1: cannot be combined with loss.expert_bias_speed=0.01"},
       {{{"precision.repro_block", "48"}}, "precision.repro_block=48: must be 0 or divide the 128"},
       // HSDP (SEMANTICS.md §7): shard groups dividing the world, each holding whole EP
-      // groups; the size only with sharding=hsdp; CPU backends only.
+      // groups; the size only with sharding=hsdp.
       {{{"parallelism.sharding", "hsdp"}, {"parallelism.world", "6"}, {"parallelism.ep", "1"},
         {"parallelism.shard_group", "4"}},
        "parallelism.shard_group=4: must divide parallelism.world=6"},
@@ -381,8 +396,6 @@ TEST(ConfigTest, ValidationNamesFieldAndValue) {
        "parallelism.shard_group=2: is for sharding=hsdp only (sharding=fsdp)"},
       {{{"parallelism.sharding", "replicated"}, {"parallelism.shard_group", "1"}},
        "parallelism.shard_group=1: is for sharding=hsdp only (sharding=replicated)"},
-      {{{"parallelism.sharding", "hsdp"}, {"comm.backend", "nccl"}},
-       "parallelism.sharding=hsdp: is implemented for the CPU backends (thread, mpi) only"},
   };
   for (const Case& k : cases) {
     TrainConfig c;

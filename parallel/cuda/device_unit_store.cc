@@ -409,11 +409,29 @@ absl::StatusOr<std::unique_ptr<UnitStore>> CudaUnitDevice::MakeStore(
       world_->device_stream() == nullptr || edp_group_->device_stream() == nullptr) {
     return absl::InvalidArgumentError("device units need a compute context and NCCL groups");
   }
+  const bool hsdp = dense_shard_ != nullptr || expert_shard_ != nullptr;
+  if (hsdp && (dense_shard_ == nullptr || expert_shard_ == nullptr ||
+               dense_shard_->device_stream() == nullptr ||
+               expert_shard_->device_stream() == nullptr)) {
+    return absl::InvalidArgumentError("device units: HSDP needs both NCCL shard groups");
+  }
   std::vector<DeviceGroup> groups;
   for (size_t u = 0; u < units.size(); ++u) {
     DeviceGroup g;
     g.host = units[u];
-    g.comm = expert_unit[u] ? edp_group_ : world_;
+    if (hsdp) {
+      g.comm = expert_unit[u] ? expert_shard_ : dense_shard_;
+    } else {
+      g.comm = expert_unit[u] ? edp_group_ : world_;
+    }
+    // The device collectives must split the unit as its host layout does.
+    if (g.host->options().mode == ShardingMode::kSharded &&
+        g.host->padded_numel() != g.host->shard_numel() * g.comm->size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "device units: unit \"", g.host->name(), "\" is sharded ",
+          g.host->padded_numel() / std::max<int64_t>(g.host->shard_numel(), 1),
+          " ways on the host but its NCCL group has ", g.comm->size(), " ranks"));
+    }
     groups.push_back(std::move(g));
   }
   auto store = std::make_unique<DeviceUnitStore>(context_, std::move(groups), options);

@@ -1,5 +1,6 @@
 #include "train/cuda/cuda_compute.h"
 
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -45,7 +46,27 @@ absl::StatusOr<ComputeDevice> MakeCudaCompute(const MoeLmGroups& host,
   GRADSUM_ASSIGN_OR_RETURN(std::shared_ptr<cuda::ComputeContext> ctx,
                            cuda::ComputeContext::Create(gpu));
   ComputeDevice out;
-  out.units = std::make_shared<parallel::CudaUnitDevice>(ctx, device.world, device.edp_group);
+  // HSDP: the NCCL shard groups beside the host ones (same ranks, same order).
+  if ((host.dense_shard == nullptr) != (device.dense_shard == nullptr) ||
+      (host.expert_shard == nullptr) != (device.expert_shard == nullptr)) {
+    return absl::InvalidArgumentError(
+        "GPU model: the NCCL HSDP shard groups do not match the host's (sharding=hsdp)");
+  }
+  for (const auto& [name, h, d] :
+       {std::tuple<const char*, Communicator*, Communicator*>{"dense_shard", host.dense_shard,
+                                                              device.dense_shard},
+        {"expert_shard", host.expert_shard, device.expert_shard}}) {
+    if (h == nullptr) continue;
+    if (d->device_stream() == nullptr || d->device_stream()->device() != gpu ||
+        h->rank() != d->rank() || h->size() != d->size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "GPU model: the NCCL ", name, " group (rank ", d->rank(), " of ", d->size(),
+          ") is not the host's (rank ", h->rank(), " of ", h->size(), ") on this GPU"));
+    }
+  }
+  out.units = std::make_shared<parallel::CudaUnitDevice>(ctx, device.world, device.edp_group,
+                                                          device.dense_shard,
+                                                          device.expert_shard);
   if (host.cp_group != nullptr && host.cp_group->size() > 1) {
     return absl::UnimplementedError(absl::StrCat(
         "GPU model: context parallelism (cp=", host.cp_group->size(),

@@ -39,6 +39,11 @@ struct MoeLmDeviceGroups {
   Communicator* edp_group = nullptr;
   // The SP group (SEMANTICS.md §12) when the host groups have one; else null.
   Communicator* sp_group = nullptr;
+  // HSDP (SEMANTICS.md §7) when the host groups have it, else null: the NCCL shard groups
+  // the units' shards are gathered and reduce-scattered over (the cross-replica SUM of the
+  // step's shard runs on the host replica groups, FlatParam::FoldReducedGrad).
+  Communicator* dense_shard = nullptr;
+  Communicator* expert_shard = nullptr;
 };
 
 // The GPU as a ComputeDevice for MoeLm::Create. InvalidArgument for missing device groups

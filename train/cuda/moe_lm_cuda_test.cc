@@ -44,7 +44,9 @@ absl::StatusOr<GpuRun> RunOnGpu(const TrainConfig& config) {
   options.timeout = absl::Seconds(60);
   GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(host[0].get(), config.parallelism()));
   // As RunNcclRank: NCCL's collectives are timed into the host mesh's CommTimer.
-  GRADSUM_ASSIGN_OR_RETURN(NcclMesh nccl, MakeNcclMesh(*host[0], options, 1, mesh.timer));
+  GRADSUM_ASSIGN_OR_RETURN(NcclMesh nccl,
+                           MakeNcclMesh(*host[0], options, 1, mesh.timer, /*sp=*/1,
+                                        mesh.mesh->shard_size()));
   RankComms comms = mesh.comms();
   const MoeLmDeviceGroups dev = nccl.groups();
   comms.make_model = [dev](const MoeLmOptions& o, const MoeLmGroups& g) {
@@ -314,6 +316,17 @@ absl::StatusOr<OneGpu> MakeOneGpu() {
   MoeLmOptions model_options;
   model_options.model = TinyConfig(1, 1, 1, TrainConfig::fsdp).model();
   return OneGpu{std::move(host), std::move(nccl), model_options};
+}
+
+// HSDP (SEMANTICS.md §7) on one GPU: a shard group of one, no replica, so the result is
+// fsdp's; what it checks is the plumbing (the NCCL shard groups beside the host's, the
+// device store reducing over them, the host fold's replica stage). The mesh with replicas
+// is //train/cuda:moe_lm_nccl_mpi_np4_hsdp_test (4 GPUs).
+TEST(MoeLmCudaOptionsTest, HsdpOnOneGpuMatchesReferenceAndCpuTrainer) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  TrainConfig config = TinyConfig(1, 1, 2, TrainConfig::hsdp);
+  config.mutable_parallelism()->set_shard_group(1);
+  ExpectGpuMatchesReferenceAndCpu(config);
 }
 
 // Activation recomputation (SEMANTICS.md §14) on the GPU model: selective (the norms,

@@ -68,16 +68,18 @@ absl::Status CheckOneRankPerGpu(Communicator& host_world, int device) {
 }
 
 MoeLmDeviceGroups NcclMesh::groups() const {
-  return {world.get(), &mesh->ep_group(), &mesh->edp_group(), sp_group.get()};
+  return {world.get(), &mesh->ep_group(), &mesh->edp_group(), sp_group.get(),
+          mesh->dense_shard_group(), mesh->expert_shard_group()};
 }
 
 absl::StatusOr<NcclMesh> MakeNcclMesh(Communicator& host_world, const NcclBackendOptions& options,
-                                      int ep, std::shared_ptr<CommTimer> timer, int sp) {
+                                      int ep, std::shared_ptr<CommTimer> timer, int sp,
+                                      int shard_size) {
   NcclMesh out;
   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> world,
                            CreateNcclCommunicator(host_world, options));
   out.world = std::make_unique<TimedCommunicator>(std::move(world), std::move(timer));
-  GRADSUM_ASSIGN_OR_RETURN(out.mesh, Mesh::Create(out.world.get(), ep));
+  GRADSUM_ASSIGN_OR_RETURN(out.mesh, Mesh::Create(out.world.get(), ep, shard_size));
   if (sp > 1) {
     const int rank = out.world->rank();
     GRADSUM_ASSIGN_OR_RETURN(out.sp_group,
@@ -97,7 +99,7 @@ absl::Status RunNcclRank(const TrainConfig& config, Communicator* host_world, st
   GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(host_world, config.parallelism()));
   GRADSUM_ASSIGN_OR_RETURN(
       NcclMesh nccl, MakeNcclMesh(*host_world, options, config.parallelism().ep(), mesh.timer,
-                                  config.parallelism().sp()));
+                                  config.parallelism().sp(), mesh.mesh->shard_size()));
   RankComms comms = mesh.comms();
   const MoeLmDeviceGroups dev = nccl.groups();
   comms.make_model = [dev](const MoeLmOptions& o, const MoeLmGroups& g) {

@@ -48,9 +48,11 @@ struct NcclMesh {
   std::unique_ptr<Communicator> sp_group;
   MoeLmDeviceGroups groups() const;
 };
+// shard_size > 0: HSDP's groups too (Mesh::Create; the host mesh's resolved shard size).
 // Collective over `host_world`. Errors of CreateNcclCommunicator and Mesh::Create.
 absl::StatusOr<NcclMesh> MakeNcclMesh(Communicator& host_world, const NcclBackendOptions& options,
-                                      int ep, std::shared_ptr<CommTimer> timer, int sp = 1);
+                                      int ep, std::shared_ptr<CommTimer> timer, int sp = 1,
+                                      int shard_size = 0);
 
 // Runs optim.steps steps on this rank. Collective over `host_world`, whose size must be
 // parallelism.world. Errors: those of the NCCL bootstrap, Trainer::Create and Trainer::Run.
