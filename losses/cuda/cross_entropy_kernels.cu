@@ -66,6 +66,26 @@ __device__ __forceinline__ void SkipRow(const CeLaunch& p, int64_t row, int64_t 
   if (threadIdx.x == 0 && p.token_loss) p.token_loss[row] = 0.0f;
 }
 
+// One chunk's max, then its sum of exp(v - max): one rescale per chunk when merged. fmaxf
+// drops NaN from the max, so a NaN poisons the sum instead (the row is then reported as
+// non-finite rather than silently skipped).
+template <int kN>
+__device__ __forceinline__ MaxSum ChunkMaxSum(const float (&v)[kN]) {
+  float cm = v[0];
+#pragma unroll
+  for (int i = 1; i < kN; ++i) cm = fmaxf(cm, v[i]);
+  float cs = 0.0f;
+  if (cm != -INFINITY) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) cs += __expf(v[i] - cm);
+  }
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    if (isnan(v[i])) cs = NAN;
+  }
+  return MaxSum{cm, cs};
+}
+
 // Both kernels: whether D is usable (false for NaN, inf, < 0, which block 0 records).
 __device__ __forceinline__ bool NormaliserOk(const CeLaunch& p, double D) {
   const bool ok = D >= 0.0 && D <= 1.7976931348623157e308;
@@ -122,21 +142,7 @@ __global__ void CrossEntropyRowKernel(CeLaunch p) {
     for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
       float v[kN];
       LoadAsFloat<T, kN>(x + c * kN, v);
-      float cm = v[0];
-#pragma unroll
-      for (int i = 1; i < kN; ++i) cm = fmaxf(cm, v[i]);
-      float cs = 0.0f;
-      if (cm != -INFINITY) {
-#pragma unroll
-        for (int i = 0; i < kN; ++i) cs += __expf(v[i] - cm);
-      }
-      // fmaxf drops NaN from the max; make sure a NaN still poisons the sum (then the
-      // row is reported as non-finite rather than silently skipped).
-#pragma unroll
-      for (int i = 0; i < kN; ++i) {
-        if (isnan(v[i])) cs = NAN;
-      }
-      acc = MergeMaxSum(acc, MaxSum{cm, cs});
+      acc = MergeMaxSum(acc, ChunkMaxSum<kN>(v));
     }
     const MaxSum total = BlockMaxSum(acc, ms_scratch);
     if (threadIdx.x == 0) {
@@ -240,20 +246,7 @@ __global__ void CrossEntropyOptionsRowKernel(CeLaunch p) {
 #pragma unroll
         for (int i = 0; i < kN; ++i) v[i] = SoftCap(v[i], cap, nullptr);
       }
-      float cm = v[0];
-#pragma unroll
-      for (int i = 1; i < kN; ++i) cm = fmaxf(cm, v[i]);
-      float cs = 0.0f;
-      if (cm != -INFINITY) {
-#pragma unroll
-        for (int i = 0; i < kN; ++i) cs += __expf(v[i] - cm);
-      }
-      // As the plain kernel: a NaN poisons the sum, so the row is reported.
-#pragma unroll
-      for (int i = 0; i < kN; ++i) {
-        if (isnan(v[i])) cs = NAN;
-      }
-      acc = MergeMaxSum(acc, MaxSum{cm, cs});
+      acc = MergeMaxSum(acc, ChunkMaxSum<kN>(v));
       if (eps > 0.0) {
 #pragma unroll
         for (int i = 0; i < kN; ++i) zs += static_cast<double>(v[i]);
