@@ -19,6 +19,7 @@
 #include "core/status.h"
 #include "io/atomic_file.h"
 #include "io/path_checks.h"
+#include "train/lr_schedule.h"
 
 namespace gradsum::train {
 namespace {
@@ -501,6 +502,7 @@ absl::Status ValidateConfig(const TrainConfig& c) {
   if (o.warmup_steps() < 0) {
     return Bad("optim.warmup_steps", StrCat(o.warmup_steps()), "must be >= 0");
   }
+  GRADSUM_RETURN_IF_ERROR(CheckLrSchedule(o));
   const LossConfig& l = c.loss();
   if (!(std::isfinite(l.alpha_b()) && l.alpha_b() >= 0)) {
     return Bad("loss.alpha_b", StrCat(l.alpha_b()), "must be >= 0");

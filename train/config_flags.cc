@@ -90,6 +90,13 @@ ABSL_FLAG(std::optional<std::string>, router_score, std::nullopt,
           "--alpha_b=0)");
 ABSL_FLAG(std::optional<double>, lr, std::nullopt, "AdamW learning rate");
 ABSL_FLAG(std::optional<int32_t>, warmup_steps, std::nullopt, "linear learning-rate warmup steps");
+ABSL_FLAG(std::optional<std::string>, lr_decay, std::nullopt,
+          "constant (default) | cosine | linear: the learning rate after the warmup, decayed "
+          "to --min_lr at step --decay_steps (train/lr_schedule.h)");
+ABSL_FLAG(std::optional<double>, min_lr, std::nullopt,
+          "the learning rate the decay ends at, in [0, --lr] (default 0)");
+ABSL_FLAG(std::optional<int32_t>, decay_steps, std::nullopt,
+          "the step the decay reaches --min_lr (0, the default: --steps)");
 ABSL_FLAG(std::optional<double>, weight_decay, std::nullopt, "AdamW decoupled weight decay");
 ABSL_FLAG(std::optional<double>, grad_clip, std::nullopt, "max global gradient norm (0 disables)");
 ABSL_FLAG(std::optional<int32_t>, vocab, std::nullopt, "V");
@@ -173,6 +180,9 @@ const std::vector<FlagField>& OverridableFlags() {
       {"mtp_scale", "loss.mtp_scale"},
       {"lr", "optim.lr"},
       {"warmup_steps", "optim.warmup_steps"},
+      {"lr_decay", "optim.lr_decay"},
+      {"min_lr", "optim.min_lr"},
+      {"decay_steps", "optim.decay_steps"},
       {"weight_decay", "optim.weight_decay"},
       {"grad_clip", "optim.grad_clip"},
       {"vocab", "model.vocab"},

@@ -129,6 +129,12 @@ void PrintBanner(const TrainConfig& config, std::ostream& out) {
       TrainConfig::FloatDType_Name(config.precision().reduce_dtype()),
       TrainConfig::CeMode_Name(config.loss().ce_mode()), config.loss().alpha_b(),
       config.loss().alpha_z(), m.seed());
+  const OptimConfig& optim = config.optim();
+  if (optim.lr_decay() != OptimConfig::constant) {
+    out << absl::StrFormat("moe_lm: learning rate %s decay to %g at step %d\n",
+                           OptimConfig::LrDecay_Name(optim.lr_decay()), optim.min_lr(),
+                           optim.decay_steps() > 0 ? optim.decay_steps() : optim.steps());
+  }
   const LossConfig& loss = config.loss();
   if (loss.label_smoothing() != 0 || loss.logit_softcap() != 0 || loss.alpha_lse() != 0) {
     // Only when on, so that the default banner is unchanged.

@@ -15,6 +15,7 @@
 #include "train/config_agreement.h"
 #include "train/debugging.h"
 #include "train/fault_injection.h"
+#include "train/lr_schedule.h"
 #include "train/metrics_file.h"
 
 namespace gradsum::train {
@@ -304,12 +305,10 @@ absl::StatusOr<double> Trainer::ClipGradients() {
   return grad_norm;
 }
 
-// Phase 5: AdamW on the shards at the warmup schedule's learning rate; then the gradients
-// are zeroed and the model prepared for the next step's forward.
+// Phase 5: AdamW on the shards at the schedule's learning rate (train/lr_schedule.h); then
+// the gradients are zeroed and the model prepared for the next step's forward.
 absl::StatusOr<double> Trainer::ApplyAdamW() {
-  const int warmup = config_.optim().warmup_steps();
-  const double lr =
-      config_.optim().lr() * (warmup > 0 ? std::min(1.0, (step_ + 1.0) / warmup) : 1.0);
+  const double lr = LearningRate(config_.optim(), step_);
   GRADSUM_RETURN_IF_ERROR(optimizer_->set_lr(lr));
   GRADSUM_RETURN_IF_ERROR(optimizer_->Step());
   for (FlatParam* g : model_->groups()) GRADSUM_RETURN_IF_ERROR(g->ZeroGrad());

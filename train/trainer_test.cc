@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -262,6 +263,53 @@ TEST(TrainerTest, ResumeContinuesBitExactly) {
       EXPECT_EQ(resumed[i].z(), want.z());
       EXPECT_EQ(resumed[i].grad_norm(), want.grad_norm());
     }
+  }
+}
+
+// The learning-rate schedule (train/lr_schedule.h) in the run: every step's lr is the
+// cosine formula written here (warmup 2, decay to min_lr at decay_steps 6, held after), and a
+// run stopped at step 3 and resumed continues it: the same lr and the same values, bit for
+// bit, as the uninterrupted run (the schedule depends on the step alone).
+TEST(TrainerTest, TheLrScheduleRunsAndResumes) {
+  const std::string dir = ::testing::TempDir() + "/ckpt_cosine";
+  std::filesystem::remove_all(dir);
+  TrainConfig full = TinyConfig(2, 2, 2, TrainConfig::fsdp);
+  OptimConfig* o = full.mutable_optim();
+  o->set_steps(8);
+  o->set_lr(0.02);
+  o->set_warmup_steps(2);
+  o->set_lr_decay(OptimConfig::cosine);
+  o->set_min_lr(0.002);
+  o->set_decay_steps(6);
+  auto reference = RunInProcess(full);
+  ASSERT_TRUE(reference.ok() && (*reference)[0].status.ok()) << (*reference)[0].status;
+  const std::vector<StepMetrics>& h = (*reference)[0].history;
+  ASSERT_EQ(h.size(), 8u);
+  for (int s = 0; s < 8; ++s) {
+    const double done = s + 1.0;
+    const double t = std::min(1.0, std::max(0.0, (done - 2) / (6 - 2)));
+    const double want = done <= 2 ? 0.02 * done / 2
+                                  : 0.002 + 0.018 * (1 + std::cos(3.14159265358979323846 * t)) / 2;
+    EXPECT_NEAR(h[s].lr(), want, 1e-15) << "step " << s + 1;
+  }
+  EXPECT_EQ(h[5].lr(), h[7].lr());  // held at min_lr after decay_steps
+
+  TrainConfig first = full;
+  first.mutable_optim()->set_steps(3);
+  first.mutable_checkpoint()->set_dir(dir);
+  auto a = RunInProcess(first);
+  ASSERT_TRUE(a.ok() && (*a)[0].status.ok()) << (*a)[0].status;
+  TrainConfig second = full;
+  second.mutable_checkpoint()->set_dir(dir);
+  second.mutable_checkpoint()->set_resume(true);
+  auto b = RunInProcess(second);
+  ASSERT_TRUE(b.ok() && (*b)[0].status.ok()) << (*b)[0].status;
+  const std::vector<StepMetrics>& resumed = (*b)[0].history;
+  ASSERT_EQ(resumed.size(), 5u);
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_EQ(resumed[i].lr(), h[3 + i].lr()) << "step " << 4 + i;
+    EXPECT_EQ(resumed[i].ce(), h[3 + i].ce()) << "step " << 4 + i;
+    EXPECT_EQ(resumed[i].grad_norm(), h[3 + i].grad_norm()) << "step " << 4 + i;
   }
 }
 
