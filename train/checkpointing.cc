@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <iterator>
 #include <map>
 #include <random>
@@ -350,6 +351,29 @@ absl::Status SaveRunCheckpoint(const TrainConfig& config, Communicator& world,
       {kDataSequences, absl::StrCat(position.sequences)}};
   if (!expert_bias.empty()) extra[kExpertBias] = ExpertBiasText(expert_bias);
   return SaveCheckpoint(CheckpointPath(config.checkpoint().dir(), step), world, optimizer, extra);
+}
+
+absl::Status PruneCheckpoints(const CheckpointConfig& config, Communicator& world) {
+  if (config.keep() <= 0 || config.dir().empty()) return absl::OkStatus();
+  absl::Status local = absl::OkStatus();
+  if (world.rank() == 0) {
+    std::vector<int64_t> complete;
+    for (const auto& [step, done] : CheckpointSteps(config.dir())) {
+      if (done) complete.push_back(step);
+    }
+    std::sort(complete.begin(), complete.end(), std::greater<int64_t>());
+    for (size_t i = config.keep(); i < complete.size() && local.ok(); ++i) {
+      const std::string dir = CheckpointPath(config.dir(), complete[i]);
+      std::error_code ec;
+      fs::remove(fs::path(dir) / "checkpoint.json", ec);
+      if (!ec) fs::remove_all(dir, ec);
+      if (ec) {
+        local = ErrnoStatus(ec.value(), absl::StrCat("checkpoint.keep=", config.keep(),
+                                                     ": cannot remove the old checkpoint ", dir));
+      }
+    }
+  }
+  return AgreeOnStatus(world, local, "checkpoint.keep");
 }
 
 absl::StatusOr<ResumedRun> ResumeRun(const TrainConfig& config, Communicator& world,

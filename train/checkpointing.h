@@ -101,6 +101,12 @@ absl::Status SaveRunCheckpoint(const TrainConfig& config, Communicator& world,
                                const std::string& run_id, const DataPosition& position,
                                const std::vector<std::vector<float>>& expert_bias = {});
 
+// checkpoint.keep > 0: removes the complete checkpoints of checkpoint.dir older than the
+// newest `keep` (rank 0; each one's commit marker first, so a removal cut short leaves an
+// incomplete save, which resume skips, never a marker over missing files). Call it after a
+// save committed. Collective: every rank gets rank 0's outcome (an error names the path).
+absl::Status PruneCheckpoints(const CheckpointConfig& config, Communicator& world);
+
 // What a resume continues.
 struct ResumedRun {
   int64_t step = 0;    // steps done

@@ -550,6 +550,7 @@ absl::Status ValidateConfig(const TrainConfig& c) {
   }
   const CheckpointConfig& k = c.checkpoint();
   if (k.every() < 0) return Bad("checkpoint.every", StrCat(k.every()), "must be >= 0");
+  if (k.keep() < 0) return Bad("checkpoint.keep", StrCat(k.keep()), "must be >= 0 (0: all)");
   if (k.resume() && k.dir().empty()) {
     return Bad("checkpoint.resume", "true", "needs checkpoint.dir");
   }
@@ -564,6 +565,9 @@ absl::Status ValidateConfig(const TrainConfig& c) {
   }
   if (k.overwrite() && k.dir().empty()) {
     return Bad("checkpoint.overwrite", "true", "needs checkpoint.dir");
+  }
+  if (k.keep() > 0 && k.dir().empty()) {
+    return Bad("checkpoint.keep", StrCat(k.keep()), "needs checkpoint.dir");
   }
   if (k.every() > 0 && k.dir().empty()) {
     return Bad("checkpoint.every", StrCat(k.every()), "needs checkpoint.dir");

@@ -46,6 +46,8 @@ ABSL_FLAG(std::optional<std::string>, metrics, std::nullopt, "JSONL file, one li
 ABSL_FLAG(std::optional<std::string>, checkpoint_dir, std::nullopt, "sharded checkpoints");
 ABSL_FLAG(std::optional<int32_t>, checkpoint_every, std::nullopt,
           "steps between checkpoints (0: at the end only)");
+ABSL_FLAG(std::optional<int32_t>, keep_checkpoints, std::nullopt,
+          "keep only the newest N complete checkpoints in --checkpoint_dir (0, the default: all)");
 ABSL_FLAG(bool, resume, false,
           "continue from the latest checkpoint in --checkpoint_dir (written on any mesh with "
           "the same model and global batch world x grad_acc x micro_batch)");
@@ -162,6 +164,7 @@ const std::vector<FlagField>& OverridableFlags() {
       {"metrics", "log.metrics"},
       {"checkpoint_dir", "checkpoint.dir"},
       {"checkpoint_every", "checkpoint.every"},
+      {"keep_checkpoints", "checkpoint.keep"},
       {"resume", "checkpoint.resume"},
       {"overwrite_checkpoints", "checkpoint.overwrite"},
       {"export", "checkpoint.export_path"},

@@ -423,6 +423,7 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
         ((every > 0 && step_ % every == 0) || step_ == steps)) {
       GRADSUM_RETURN_IF_ERROR(SaveRunCheckpoint(config_, world(), *optimizer_, step_, run_id_,
                                                 loader_->position(), model_->expert_bias()));
+      GRADSUM_RETURN_IF_ERROR(PruneCheckpoints(config_.checkpoint(), world()));
     }
     if (parity_.has_value() && r.step() == 1) {
       if (log != nullptr && !parity_->params.empty()) *log << parity_->ToString() << std::flush;

@@ -313,6 +313,47 @@ TEST(TrainerTest, TheLrScheduleRunsAndResumes) {
   }
 }
 
+// checkpoint.keep: after every save only the newest N complete checkpoints stay, and a run
+// resumed from what is left continues (and keeps pruning).
+TEST(TrainerTest, KeepPrunesOldCheckpointsAndResumeStillWorks) {
+  const std::string dir = ::testing::TempDir() + "/ckpt_keep";
+  std::filesystem::remove_all(dir);
+  auto steps_in = [&] {
+    std::vector<std::string> names;
+    for (const auto& e : std::filesystem::directory_iterator(dir)) {
+      const std::string name = e.path().filename().string();
+      if (name.rfind("step-", 0) == 0) names.push_back(name);
+    }
+    std::sort(names.begin(), names.end());
+    return names;
+  };
+  TrainConfig config = TinyConfig(2, 2, 1, TrainConfig::fsdp);
+  config.mutable_optim()->set_steps(5);
+  config.mutable_checkpoint()->set_dir(dir);
+  config.mutable_checkpoint()->set_every(1);
+  config.mutable_checkpoint()->set_keep(2);
+  auto a = RunInProcess(config);
+  ASSERT_TRUE(a.ok() && (*a)[0].status.ok()) << (*a)[0].status;
+  EXPECT_EQ(steps_in(), (std::vector<std::string>{"step-00000004", "step-00000005"}));
+
+  TrainConfig more = config;
+  more.mutable_optim()->set_steps(7);
+  more.mutable_checkpoint()->set_resume(true);
+  auto b = RunInProcess(more);
+  ASSERT_TRUE(b.ok() && (*b)[0].status.ok()) << (*b)[0].status;
+  ASSERT_EQ((*b)[0].history.size(), 2u);
+  EXPECT_EQ((*b)[0].history[0].step(), 6);
+  EXPECT_EQ(steps_in(), (std::vector<std::string>{"step-00000006", "step-00000007"}));
+
+  // keep 0 (the default) keeps every one.
+  std::filesystem::remove_all(dir);
+  config.mutable_checkpoint()->set_keep(0);
+  config.mutable_optim()->set_steps(3);
+  auto c = RunInProcess(config);
+  ASSERT_TRUE(c.ok() && (*c)[0].status.ok()) << (*c)[0].status;
+  EXPECT_EQ(steps_in().size(), 3u);
+}
+
 // A checkpoint resumes only under the settings that decide its data stream and model:
 // another global batch B = world x G x micro_batch would continue another stream, so it is
 // refused naming both values, while a new learning rate or step count is fine.
