@@ -566,6 +566,9 @@ absl::Status ValidateConfig(const TrainConfig& c) {
   if (k.overwrite() && k.dir().empty()) {
     return Bad("checkpoint.overwrite", "true", "needs checkpoint.dir");
   }
+  if (k.save_on_signal() && k.dir().empty()) {
+    return Bad("checkpoint.save_on_signal", "true", "needs checkpoint.dir");
+  }
   if (k.keep() > 0 && k.dir().empty()) {
     return Bad("checkpoint.keep", StrCat(k.keep()), "needs checkpoint.dir");
   }

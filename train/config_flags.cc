@@ -46,6 +46,9 @@ ABSL_FLAG(std::optional<std::string>, metrics, std::nullopt, "JSONL file, one li
 ABSL_FLAG(std::optional<std::string>, checkpoint_dir, std::nullopt, "sharded checkpoints");
 ABSL_FLAG(std::optional<int32_t>, checkpoint_every, std::nullopt,
           "steps between checkpoints (0: at the end only)");
+ABSL_FLAG(bool, save_on_signal, false,
+          "on SIGTERM or SIGUSR1 finish the step, save a checkpoint in --checkpoint_dir and "
+          "exit (every rank; a preemption notice)");
 ABSL_FLAG(std::optional<int32_t>, keep_checkpoints, std::nullopt,
           "keep only the newest N complete checkpoints in --checkpoint_dir (0, the default: all)");
 ABSL_FLAG(bool, resume, false,
@@ -165,6 +168,7 @@ const std::vector<FlagField>& OverridableFlags() {
       {"checkpoint_dir", "checkpoint.dir"},
       {"checkpoint_every", "checkpoint.every"},
       {"keep_checkpoints", "checkpoint.keep"},
+      {"save_on_signal", "checkpoint.save_on_signal"},
       {"resume", "checkpoint.resume"},
       {"overwrite_checkpoints", "checkpoint.overwrite"},
       {"export", "checkpoint.export_path"},

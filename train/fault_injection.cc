@@ -23,11 +23,11 @@ absl::Status MaybeInjectFault(int rank, int64_t step) {
   int64_t fault_step = -1;
   const bool known = parts.size() == 3 &&
                      (parts[0] == "fail" || parts[0] == "throw" || parts[0] == "stall" ||
-                      parts[0] == "stop" || parts[0] == "kill");
+                      parts[0] == "stop" || parts[0] == "kill" || parts[0] == "term");
   if (!known || !absl::SimpleAtoi(parts[1], &fault_rank) ||
       !absl::SimpleAtoi(parts[2], &fault_step)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "GRADSUM_TEST_FAULT=", spec, ": expected MODE:RANK:STEP, MODE fail|throw|stall|stop|kill"));
+        "GRADSUM_TEST_FAULT=", spec, ": expected MODE:RANK:STEP, MODE fail|throw|stall|stop|kill|term"));
   }
   if (rank != fault_rank || step != fault_step) return absl::OkStatus();
   const std::string where = absl::StrCat("injected fault on rank ", rank, " at step ", step);
@@ -35,6 +35,10 @@ absl::Status MaybeInjectFault(int rank, int64_t step) {
   if (parts[0] == "throw") throw std::runtime_error(where);
   if (parts[0] == "stop") ::raise(SIGSTOP);
   if (parts[0] == "kill") ::raise(SIGKILL);
+  if (parts[0] == "term") {
+    ::raise(SIGTERM);
+    return absl::OkStatus();
+  }
   while (true) ::pause();  // stall (or continued after stop): never returns
 }
 

@@ -10,6 +10,8 @@
 //   stall  sleep until killed (a rank that stops making progress)
 //   stop   raise(SIGSTOP) (a stopped process: it holds its MPI connections, sends nothing)
 //   kill   raise(SIGKILL) (a rank that dies)
+//   term   raise(SIGTERM) and go on (a scheduler's stop notice to one rank; with
+//          --save_on_signal the run saves and stops, else the process ends)
 //
 // A malformed value is InvalidArgument naming it, on every rank at the first step.
 

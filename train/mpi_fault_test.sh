@@ -12,6 +12,9 @@
 #   (--timeout_s=120) every rank still learns at once, at the step boundary, and rank 0
 #   reports rank 1's own message.
 # - stop under --sharding=hsdp (shard groups of 1): as stop.
+# - term with --save_on_signal: rank 1 gets SIGTERM at the start of step 3 (a preemption
+#   notice to one process); every rank stops at that step boundary after saving steps 1-2,
+#   the job ends non-zero naming the signal and the checkpoint, and --resume continues.
 # - different --seed on the two ranks: refused at start naming the field and the ranks.
 # For each: the job's status is non-zero, no process of the job is left, and it ended well
 # before the bound (a hang check, not a speed test; the hard kill comes 30 s after it).
@@ -72,6 +75,17 @@ grep -q "step 2 failed on rank 1 of 2: INTERNAL: injected fault on rank 1 at ste
   || fail "fail: rank 1's message was not reported: $(cat "$tmp/fail.txt")"
 [ "$(grep -c '^step ' "$tmp/fail.txt")" -eq 1 ] || fail "fail: expected exactly step 1 to run"
 
+run_case term term:1:3 120 --checkpoint_dir="$tmp/term_ckpt" --save_on_signal
+grep -q "stopped by signal 15 (Terminated) after step 2; checkpoint $tmp/term_ckpt/step-00000002" \
+  "$tmp/term.txt" || fail "term: no stop report naming the checkpoint: $(cat "$tmp/term.txt")"
+[ "$(grep -c '^step ' "$tmp/term.txt")" -eq 2 ] || fail "term: expected exactly steps 1-2 to run"
+[ -f "$tmp/term_ckpt/step-00000002/checkpoint.json" ] || fail "term: step 2's checkpoint is not committed"
+GRADSUM_MPI_TIMEOUT_S=$((bound + 30)) "$mpirun_sh" 2 "$bin" "${tiny[@]}" --steps=4 --timeout_s=120 \
+  --checkpoint_dir="$tmp/term_ckpt" --resume > "$tmp/term_resume.txt" 2>&1 \
+  || fail "term: the resume failed: $(cat "$tmp/term_resume.txt")"
+grep -q "resumed from step 2" "$tmp/term_resume.txt" \
+  || fail "term: the resume did not start from step 2: $(cat "$tmp/term_resume.txt")"
+
 # Ranks launched with different seeds (MPMD: one process per app context).
 GRADSUM_MPI_TIMEOUT_S=$((bound + 30)) "$mpirun_sh" 1 "$bin" "${tiny[@]}" --timeout_s=120 --seed=1 \
   : -np 1 "$bin" "${tiny[@]}" --timeout_s=120 --seed=2 > "$tmp/seed.txt" 2>&1
@@ -79,5 +93,5 @@ rc=$?
 [ "$rc" -ne 0 ] || fail "different seeds: exit 0: $(cat "$tmp/seed.txt")"
 grep -q "seed (1 on rank 0) differs: ranks {0} vs {1}" "$tmp/seed.txt" \
   || fail "different seeds: the field and ranks were not named: $(cat "$tmp/seed.txt")"
-for name in stop stop_hsdp kill fail; do echo "--- $name"; tail -4 "$tmp/$name.txt"; done
+for name in stop stop_hsdp kill fail term; do echo "--- $name"; tail -4 "$tmp/$name.txt"; done
 echo "PASS"

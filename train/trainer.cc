@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -17,6 +18,7 @@
 #include "train/fault_injection.h"
 #include "train/lr_schedule.h"
 #include "train/metrics_file.h"
+#include "train/stop_signal.h"
 
 namespace gradsum::train {
 namespace {
@@ -98,6 +100,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
         ResumedRun resumed,
         ResumeRun(trainer->config_, world, *trainer->optimizer_, *trainer->loader_));
     trainer->step_ = resumed.step;
+    trainer->saved_step_ = resumed.step;
     trainer->run_id_ = std::move(resumed.run_id);
     trainer->start_notes_.push_back(std::move(resumed.note));
     trainer->config_ = std::move(resumed.config);
@@ -105,6 +108,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
         MarkAgreed(trainer->model_->SetExpertBias(std::move(resumed.expert_bias))));
   } else {
     GRADSUM_ASSIGN_OR_RETURN(trainer->run_id_, NewRunId(world));
+  }
+  if (config.checkpoint().save_on_signal()) {
+    GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world, InstallStopSignalHandlers(), "--save_on_signal"));
   }
   GRADSUM_RETURN_IF_ERROR(trainer->model_->Unshard());
   return trainer;
@@ -396,6 +402,36 @@ absl::Status Trainer::RunFirstStepChecks(const NamedParams& weights,
   return absl::OkStatus();
 }
 
+absl::Status Trainer::SaveCheckpointNow() {
+  GRADSUM_RETURN_IF_ERROR(SaveRunCheckpoint(config_, world(), *optimizer_, step_, run_id_,
+                                            loader_->position(), model_->expert_bias()));
+  saved_step_ = step_;
+  return PruneCheckpoints(config_.checkpoint(), world());
+}
+
+absl::StatusOr<int> Trainer::AgreeOnStopSignal() {
+  const int64_t mine = StopSignal();
+  int64_t any = 0;
+  GRADSUM_RETURN_IF_ERROR(world().AllReduce(&mine, &any, 1, DType::kI64, ReduceOp::kMax));
+  return static_cast<int>(any);
+}
+
+absl::Status Trainer::StopOnSignal(int signal, std::ostream* log) {
+  const std::string name = absl::StrCat("signal ", signal, " (", ::strsignal(signal), ")");
+  std::string saved;
+  if (step_ == 0) {
+    saved = "no step was done, nothing saved";
+  } else {
+    if (saved_step_ != step_) GRADSUM_RETURN_IF_ERROR(SaveCheckpointNow());
+    saved = absl::StrCat("checkpoint ", CheckpointPath(config_.checkpoint().dir(), step_),
+                         " holds them: --resume continues");
+  }
+  absl::Status stopped = absl::CancelledError(absl::StrCat(
+      "--save_on_signal: stopped by ", name, " after step ", step_, "; ", saved));
+  if (log != nullptr) *log << "moe_lm: " << stopped.message() << std::endl;
+  return MarkAgreed(std::move(stopped));
+}
+
 absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
   const int64_t first_step = step_ + 1;
   const int64_t steps = config_.optim().steps();
@@ -409,6 +445,10 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
     if (local.ok() && step_ < steps) local = MaybeInjectFault(world().rank(), step_ + 1);
     GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(
         world(), local, step_ < steps ? absl::StrCat("step ", step_ + 1) : "end of training"));
+    if (step_ < steps && config_.checkpoint().save_on_signal()) {
+      GRADSUM_ASSIGN_OR_RETURN(const int signal, AgreeOnStopSignal());
+      if (signal != 0) return StopOnSignal(signal, log);
+    }
     if (step_ >= steps) break;
     GRADSUM_ASSIGN_OR_RETURN(const StepMetrics r, Step());
     if (log != nullptr) *log << StepLogLine(r, steps) << std::endl;
@@ -421,9 +461,7 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
     const int every = config_.checkpoint().every();
     if (!config_.checkpoint().dir().empty() &&
         ((every > 0 && step_ % every == 0) || step_ == steps)) {
-      GRADSUM_RETURN_IF_ERROR(SaveRunCheckpoint(config_, world(), *optimizer_, step_, run_id_,
-                                                loader_->position(), model_->expert_bias()));
-      GRADSUM_RETURN_IF_ERROR(PruneCheckpoints(config_.checkpoint(), world()));
+      GRADSUM_RETURN_IF_ERROR(SaveCheckpointNow());
     }
     if (parity_.has_value() && r.step() == 1) {
       if (log != nullptr && !parity_->params.empty()) *log << parity_->ToString() << std::flush;

@@ -83,6 +83,14 @@ class Trainer {
   const std::vector<StepMetrics>& history() const { return history_; }
 
  private:
+  // checkpoint.save_on_signal, at a step boundary: the largest stop signal any rank has
+  // received (0: none; one MAX all-reduce). Collective.
+  absl::StatusOr<int> AgreeOnStopSignal();
+  // Saves the steps done (unless saved already), then returns the run's Cancelled status,
+  // naming the signal and the checkpoint; the same on every rank. Collective.
+  absl::Status StopOnSignal(int signal, std::ostream* log);
+  // SaveRunCheckpoint of the steps done, then PruneCheckpoints. Collective.
+  absl::Status SaveCheckpointNow();
   Trainer() = default;
   Communicator& world() { return comms_.mesh->world(); }
   bool is_rank0() const { return comms_.mesh->world().rank() == 0; }
@@ -133,6 +141,7 @@ class Trainer {
   std::shared_ptr<const DocumentSource> corpus_;
   losses::StepDisplay display_;
   int64_t step_ = 0;
+  int64_t saved_step_ = -1;  // the step of this run's newest checkpoint (or the resumed one)
   bool fresh_start_ = true;
   std::string run_id_;  // kept in every checkpoint and across --resume
   // What start-up did that the log should say ("resumed from step ...",

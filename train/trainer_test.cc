@@ -31,6 +31,7 @@
 #include "train/metrics.pb.h"
 #include "train/moe_lm.h"
 #include "train/rank_main.h"
+#include "train/stop_signal.h"
 #include "train/test_util.h"
 
 namespace gradsum::train {
@@ -352,6 +353,50 @@ TEST(TrainerTest, KeepPrunesOldCheckpointsAndResumeStillWorks) {
   auto c = RunInProcess(config);
   ASSERT_TRUE(c.ok() && (*c)[0].status.ok()) << (*c)[0].status;
   EXPECT_EQ(steps_in().size(), 3u);
+}
+
+// --save_on_signal: a SIGTERM on one rank (the fault hook raises it at the start of step 3)
+// stops every rank at that step boundary, after saving the two steps done; the run ends
+// Cancelled naming the signal and the checkpoint, and resuming from it gives the
+// uninterrupted run's values bit for bit.
+TEST(TrainerTest, SaveOnSignalCheckpointsAndStopsEveryRank) {
+  const std::string dir = ::testing::TempDir() + "/ckpt_signal";
+  std::filesystem::remove_all(dir);
+  TrainConfig full = TinyConfig(2, 2, 2, TrainConfig::fsdp);
+  full.mutable_optim()->set_steps(5);
+  auto reference = RunInProcess(full);
+  ASSERT_TRUE(reference.ok() && (*reference)[0].status.ok());
+
+  TrainConfig config = full;
+  config.mutable_checkpoint()->set_dir(dir);
+  config.mutable_checkpoint()->set_save_on_signal(true);
+  ResetStopSignal();
+  ::setenv("GRADSUM_TEST_FAULT", "term:1:3", 1);
+  auto stopped = RunInProcess(config);
+  ::unsetenv("GRADSUM_TEST_FAULT");
+  ResetStopSignal();
+  ASSERT_TRUE(stopped.ok()) << stopped.status();
+  for (const RankOutcome& r : *stopped) {
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kCancelled) << r.status;
+    EXPECT_THAT(std::string(r.status.message()),
+                HasSubstr("stopped by signal 15 (Terminated) after step 2; checkpoint"));
+    EXPECT_EQ(r.history.size(), 2u);
+  }
+  absl::StatusOr<int64_t> latest = LatestCheckpointStep(dir);
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  EXPECT_EQ(*latest, 2);
+
+  TrainConfig resume = config;
+  resume.mutable_checkpoint()->set_resume(true);
+  auto b = RunInProcess(resume);
+  ASSERT_TRUE(b.ok() && (*b)[0].status.ok()) << (*b)[0].status;
+  ASSERT_EQ((*b)[0].history.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    const StepMetrics& want = (*reference)[0].history[2 + i];
+    EXPECT_EQ((*b)[0].history[i].step(), want.step());
+    EXPECT_EQ((*b)[0].history[i].ce(), want.ce());
+    EXPECT_EQ((*b)[0].history[i].grad_norm(), want.grad_norm());
+  }
 }
 
 // A checkpoint resumes only under the settings that decide its data stream and model:
