@@ -319,6 +319,8 @@ TEST(ConfigTest, ValidationNamesFieldAndValue) {
        "optim.min_lr=0.5: must be in [0, optim.lr=0.01]"},
       {{{"checkpoint.keep", "-1"}}, "checkpoint.keep=-1: must be >= 0"},
       {{{"checkpoint.keep", "2"}}, "checkpoint.keep=2: needs checkpoint.dir"},
+      {{{"checkpoint.save_on_signal", "true"}},
+       "checkpoint.save_on_signal=true: needs checkpoint.dir"},
       {{{"loss.alpha_b", "-0.5"}}, "loss.alpha_b=-0.5"},
       {{{"loss.alpha_z", "inf"}}, "loss.alpha_z=inf"},
       {{{"loss.label_smoothing", "-0.1"}}, "loss.label_smoothing=-0.1"},
