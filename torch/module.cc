@@ -49,6 +49,13 @@ returns the fused kernel's gradient (computed in fp32 and stored in the logits' 
 D == 0 gives 0 and a zero gradient. Raises ValueError with the library's message for a
 label outside [0, V), mismatched shapes, non-finite logits in a weighted row, or a D
 smaller than this call's own weight sum.
+
+The CE options of SEMANTICS.md §3.2, keyword-only, 0 = off (the defaults, the same results
+as without them): label_smoothing eps in [0, 1) (F.cross_entropy's label_smoothing: the
+target (1 - eps) onehot + eps / V over the whole vocabulary); logit_softcap c >= 0 (the
+loss sees c * tanh(z / c), Gemma 2's cap, with its gradient); alpha_lse >= 0 (PaLM's output
+z-loss: alpha_lse * logsumexp(z_t)^2 per token, with the CE's weights and D). Out-of-range
+values raise ValueError naming them.
 )doc";
 
 constexpr const char* kLinearCrossEntropyDoc = R"doc(
@@ -57,7 +64,8 @@ The cross-entropy of logits = hidden @ weight.T without ever holding the [N, V] 
 [V, Dm], the layout of torch.nn.Linear(Dm, V, bias=False).weight; labels: [...]; other
 arguments as cross_entropy. float32 (bfloat16 inputs are widened to float32 copies).
 chunk_rows: rows per chunk, 0 = automatic (4 MiB of logits, at least 32 rows). Forward
-computes both gradients; backward only scales them.
+computes both gradients; backward only scales them. label_smoothing, logit_softcap and
+alpha_lse: as cross_entropy.
 )doc";
 
 constexpr const char* kZLossDoc = R"doc(
@@ -144,27 +152,35 @@ PYBIND11_MODULE(_C, m) {
       "cross_entropy",
       [](const at::Tensor& logits, const at::Tensor& labels, double global_weight_sum,
          const std::string& mode, const c10::optional<at::Tensor>& sample_ids,
-         const c10::optional<at::Tensor>& token_weights, int64_t ignore_index) {
+         const c10::optional<at::Tensor>& token_weights, int64_t ignore_index,
+         double label_smoothing, double logit_softcap, double alpha_lse) {
         return ops::CrossEntropy(logits, labels, global_weight_sum,
-                                 ops::MakeCeWeights(mode, sample_ids, token_weights, ignore_index));
+                                 ops::MakeCeWeights(mode, sample_ids, token_weights, ignore_index),
+                                 {label_smoothing, logit_softcap, alpha_lse});
       },
       py::arg("logits"), py::arg("labels"), py::arg("global_weight_sum"), py::arg("mode") = "token",
       py::kw_only(), py::arg("sample_ids") = py::none(), py::arg("token_weights") = py::none(),
-      py::arg("ignore_index") = -100, release, ops::kCrossEntropyDoc);
+      py::arg("ignore_index") = -100, py::arg("label_smoothing") = 0.0,
+      py::arg("logit_softcap") = 0.0, py::arg("alpha_lse") = 0.0, release,
+      ops::kCrossEntropyDoc);
   m.def(
       "linear_cross_entropy",
       [](const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
          double global_weight_sum, const std::string& mode,
          const c10::optional<at::Tensor>& sample_ids,
-         const c10::optional<at::Tensor>& token_weights, int64_t ignore_index, int64_t chunk_rows) {
+         const c10::optional<at::Tensor>& token_weights, int64_t ignore_index, int64_t chunk_rows,
+         double label_smoothing, double logit_softcap, double alpha_lse) {
         return ops::LinearCrossEntropy(
             hidden, weight, labels, global_weight_sum,
-            ops::MakeCeWeights(mode, sample_ids, token_weights, ignore_index), chunk_rows);
+            ops::MakeCeWeights(mode, sample_ids, token_weights, ignore_index), chunk_rows,
+            {label_smoothing, logit_softcap, alpha_lse});
       },
       py::arg("hidden"), py::arg("weight"), py::arg("labels"), py::arg("global_weight_sum"),
       py::arg("mode") = "token", py::kw_only(), py::arg("sample_ids") = py::none(),
       py::arg("token_weights") = py::none(), py::arg("ignore_index") = -100,
-      py::arg("chunk_rows") = 0, release, ops::kLinearCrossEntropyDoc);
+      py::arg("chunk_rows") = 0, py::arg("label_smoothing") = 0.0,
+      py::arg("logit_softcap") = 0.0, py::arg("alpha_lse") = 0.0, release,
+      ops::kLinearCrossEntropyDoc);
   m.def("z_loss", &ops::RouterZLoss, py::arg("router_logits"), py::arg("global_routed_tokens"),
         py::arg("alpha") = 0.001, py::kw_only(), py::arg("input_mask") = py::none(), release,
         ops::kZLossDoc);

@@ -217,10 +217,14 @@ class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFuncti
   // need a defined tensor for every tensor argument.)
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const OptTensor& labels,
                             const OptTensor& weights, double d, int64_t ignore_index,
-                            bool need_grad) {
+                            bool need_grad, double label_smoothing, double logit_softcap,
+                            double alpha_lse) {
     losses::CrossEntropyOptions opt;
     opt.ignore_index = ignore_index;
     opt.num_threads = at::get_num_threads();
+    opt.label_smoothing = label_smoothing;
+    opt.logit_softcap = logit_softcap;
+    opt.alpha_lse = alpha_lse;
     if (!need_grad) {
       return Scalar(ValueOrThrow(losses::CrossEntropyForward(View(logits), Span<int64_t>(*labels),
                                                              Span<float>(weights), d, opt))
@@ -234,7 +238,7 @@ class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFuncti
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_output) {
-    return Grads({Scale(ctx->get_saved_variables()[0], grad_output[0])}, 6);
+    return Grads({Scale(ctx->get_saved_variables()[0], grad_output[0])}, 9);
   }
 };
 
@@ -261,9 +265,13 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden,
                             const at::Tensor& weight, const OptTensor& labels,
                             const OptTensor& weights, double d, int64_t ignore_index,
-                            int64_t chunk_rows) {
+                            int64_t chunk_rows, double label_smoothing, double logit_softcap,
+                            double alpha_lse) {
     losses::LinearCrossEntropyOptions opt;
     opt.ignore_index = ignore_index;
+    opt.label_smoothing = label_smoothing;
+    opt.logit_softcap = logit_softcap;
+    opt.alpha_lse = alpha_lse;
     opt.num_threads = at::get_num_threads();
     opt.chunk_rows = chunk_rows;
     opt.head_transposed = true;  // nn.Linear's [V, Dm]
@@ -281,7 +289,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_output) {
     const variable_list saved = ctx->get_saved_variables();
-    return Grads({Scale(saved[0], grad_output[0]), Scale(saved[1], grad_output[0])}, 7);
+    return Grads({Scale(saved[0], grad_output[0]), Scale(saved[1], grad_output[0])}, 10);
   }
 };
 
@@ -438,19 +446,22 @@ StatusError::StatusError(absl::Status status)
     : std::runtime_error(status.ToString()), status_(std::move(status)) {}
 
 at::Tensor CrossEntropy(const at::Tensor& logits, const at::Tensor& labels,
-                        double global_weight_sum, const CeWeights& weights) {
+                        double global_weight_sum, const CeWeights& weights,
+                        const CeOptions& options) {
   constexpr absl::string_view kOp = "cross_entropy";
   const at::IntArrayRef label_shape = LogitsRowShape(logits, kOp);
   const at::Tensor y = RowLabels(labels, label_shape, kOp);
   const OptTensor w = ResolveWeights(weights, y, label_shape, kOp);
   const at::Tensor z = logits.reshape({-1, logits.size(-1)}).contiguous();
   return CrossEntropyFunction::apply(z, OptTensor(y), w, global_weight_sum, weights.ignore_index,
-                                     NeedsGrad({&logits}));
+                                     NeedsGrad({&logits}), options.label_smoothing,
+                                     options.logit_softcap, options.alpha_lse);
 }
 
 at::Tensor LinearCrossEntropy(const at::Tensor& hidden, const at::Tensor& weight,
                               const at::Tensor& labels, double global_weight_sum,
-                              const CeWeights& weights, int64_t chunk_rows) {
+                              const CeWeights& weights, int64_t chunk_rows,
+                              const CeOptions& options) {
   constexpr absl::string_view kOp = "linear_cross_entropy";
   CheckFloat(hidden, kOp, "hidden");
   CheckFloat(weight, kOp, "weight");
@@ -467,7 +478,9 @@ at::Tensor LinearCrossEntropy(const at::Tensor& hidden, const at::Tensor& weight
   const at::Tensor h = hidden.reshape({-1, hidden.size(-1)}).to(at::kFloat).contiguous();
   const at::Tensor head = weight.to(at::kFloat).contiguous();
   return LinearCrossEntropyFunction::apply(h, head, OptTensor(y), w, global_weight_sum,
-                                           weights.ignore_index, chunk_rows);
+                                           weights.ignore_index, chunk_rows,
+                                           options.label_smoothing, options.logit_softcap,
+                                           options.alpha_lse);
 }
 
 at::Tensor RouterZLoss(const at::Tensor& router_logits, int64_t global_routed_tokens, double alpha,

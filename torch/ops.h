@@ -69,11 +69,23 @@ struct CeWeights {
   int64_t ignore_index = -100;
 };
 
+// The CE options of SEMANTICS.md §3.2 (losses/cross_entropy.h CrossEntropyOptions), each
+// global in scope and 0 = off: label smoothing eps in [0, 1) over the whole vocabulary, the
+// logit softcap c * tanh(z / c), and the output z-loss alpha_lse * lse^2 per token (with the
+// CE's weights and D). Bad values are the kernel's InvalidArgument, naming them.
+struct CeOptions {
+  double label_smoothing = 0.0;
+  double logit_softcap = 0.0;
+  double alpha_lse = 0.0;
+};
+
 // L_ce[r, m] of §3 for logits [..., V] (f32 or bf16) and integer labels [...]:
-// sum_t w_t * CE_t / D. global_weight_sum is D, the sum of w_t over all ranks and
-// micro-batches of the step. D == 0 gives 0 and a zero gradient.
+// sum_t w_t * CE_t / D (with `options`, §3.2's CE_t plus alpha_lse lse_t^2).
+// global_weight_sum is D, the sum of w_t over all ranks and micro-batches of the step.
+// D == 0 gives 0 and a zero gradient.
 at::Tensor CrossEntropy(const at::Tensor& logits, const at::Tensor& labels,
-                        double global_weight_sum, const CeWeights& weights);
+                        double global_weight_sum, const CeWeights& weights,
+                        const CeOptions& options = {});
 
 // The same loss for logits = hidden @ weight^T, computed chunk by chunk without the full
 // logits (losses/linear_cross_entropy.h). hidden: [..., Dm]; weight: [V, Dm], the layout of
@@ -82,7 +94,8 @@ at::Tensor CrossEntropy(const at::Tensor& logits, const at::Tensor& labels,
 // The kernel always computes both gradients, also when neither is needed.
 at::Tensor LinearCrossEntropy(const at::Tensor& hidden, const at::Tensor& weight,
                               const at::Tensor& labels, double global_weight_sum,
-                              const CeWeights& weights, int64_t chunk_rows);
+                              const CeWeights& weights, int64_t chunk_rows,
+                              const CeOptions& options = {});
 
 // L_z[r, m] of §4 for one MoE layer: alpha * sum over routed t of logsumexp(u_t)^2 / N.
 // router_logits: [T, E] (f32, or bf16 widened to f32); global_routed_tokens: N, routed

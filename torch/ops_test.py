@@ -184,6 +184,107 @@ class CrossEntropyTest(unittest.TestCase):
             loss2.backward()
 
 
+def reference_ce_options(logits, labels, weights, d, eps, cap, alpha):
+    """SEMANTICS.md §3.2 written with torch ops in float64: the capped logits
+    cap * tanh(z / cap), the smoothed CE (1 - eps) * NLL + eps * mean_v(-log p_v) (PyTorch's
+    own label_smoothing), plus alpha * logsumexp^2, weighted and over D."""
+    z = logits.reshape(-1, logits.shape[-1]).double()
+    if cap > 0:
+        z = cap * torch.tanh(z / cap)
+    y = labels.reshape(-1)
+    valid = y != IGNORE
+    ce = F.cross_entropy(z, y, ignore_index=IGNORE, reduction="none", label_smoothing=eps)
+    lse = torch.logsumexp(z, dim=-1)
+    per_token = torch.where(valid, ce + alpha * lse * lse, torch.zeros_like(ce))
+    total = (weights.reshape(-1) * per_token).sum()
+    return total / d if d > 0 else total * 0.0
+
+
+class CeOptionsTest(unittest.TestCase):
+    """label_smoothing, logit_softcap and alpha_lse (§3.2) in both ops, against the float64
+    reference above (whose smoothing is F.cross_entropy's), each alone and together."""
+
+    def setUp(self):
+        self.gen = torch.Generator().manual_seed(5)
+
+    OPTIONS = [(0.1, 0.0, 0.0), (0.0, 2.5, 0.0), (0.0, 0.0, 1e-3), (0.2, 3.0, 2e-3)]
+
+    def test_cross_entropy_matches_reference(self):
+        n, v = 53, 211
+        for eps, cap, alpha in self.OPTIONS:
+            for dtype in (torch.float32, torch.bfloat16):
+                with self.subTest(eps=eps, cap=cap, alpha=alpha, dtype=dtype):
+                    logits = torch.randn(n, v, generator=self.gen).mul(3).to(dtype)
+                    labels = make_labels(n, v, 0.2, self.gen)
+                    sample_ids = torch.randint(0, 5, (n,), generator=self.gen)
+                    w = reference_weights(labels, sample_ids, "sample")
+                    d = float(w.sum()) * 1.5
+                    x = logits.clone().requires_grad_()
+                    loss = gt.cross_entropy(x, labels, d, "sample", sample_ids=sample_ids,
+                                            label_smoothing=eps, logit_softcap=cap,
+                                            alpha_lse=alpha)
+                    loss.backward()
+                    ref_loss, (ref_grad,) = grad_of(
+                        lambda z: reference_ce_options(z, labels, w, d, eps, cap, alpha), logits)
+                    self.assertAlmostEqual(loss.item(), ref_loss.item(),
+                                           delta=1e-5 * abs(ref_loss.item()))
+                    tol = (dict(rtol=1e-4, atol=1e-7) if dtype == torch.float32
+                           else dict(rtol=2**-7, atol=1e-6))
+                    torch.testing.assert_close(x.grad.double(), ref_grad, **tol)
+                    # Forward only (no_grad) gives the same loss.
+                    with torch.no_grad():
+                        again = gt.cross_entropy(logits, labels, d, "sample",
+                                                 sample_ids=sample_ids, label_smoothing=eps,
+                                                 logit_softcap=cap, alpha_lse=alpha)
+                    self.assertAlmostEqual(again.item(), loss.item(),
+                                           delta=1e-6 * abs(loss.item()))
+
+    def test_linear_cross_entropy_matches_reference(self):
+        n, dm, v = 40, 12, 97
+        for eps, cap, alpha in self.OPTIONS:
+            with self.subTest(eps=eps, cap=cap, alpha=alpha):
+                hidden = torch.randn(n, dm, generator=self.gen)
+                weight = torch.randn(v, dm, generator=self.gen) * 0.5
+                labels = make_labels(n, v, 0.2, self.gen)
+                w = reference_weights(labels, None, "token")
+                d = float(w.sum()) * 1.25
+                h = hidden.clone().requires_grad_()
+                wt = weight.clone().requires_grad_()
+                loss = gt.linear_cross_entropy(h, wt, labels, d, chunk_rows=7,
+                                               label_smoothing=eps, logit_softcap=cap,
+                                               alpha_lse=alpha)
+                loss.backward()
+                ref_loss, (ref_h, ref_w) = grad_of(
+                    lambda a, b: reference_ce_options(a @ b.t(), labels, w, d, eps, cap, alpha),
+                    hidden, weight)
+                self.assertAlmostEqual(loss.item(), ref_loss.item(),
+                                       delta=1e-5 * abs(ref_loss.item()))
+                torch.testing.assert_close(h.grad.double(), ref_h, rtol=1e-4, atol=1e-6)
+                torch.testing.assert_close(wt.grad.double(), ref_w, rtol=1e-4, atol=1e-6)
+
+    def test_each_option_matters_and_zero_is_the_plain_op(self):
+        logits = torch.randn(20, 31, generator=self.gen)
+        labels = make_labels(20, 31, 0.0, self.gen)
+        plain = gt.cross_entropy(logits, labels, 20.0)
+        self.assertEqual(gt.cross_entropy(logits, labels, 20.0, label_smoothing=0.0,
+                                          logit_softcap=0.0, alpha_lse=0.0).item(),
+                         plain.item())
+        for kw in (dict(label_smoothing=0.1), dict(logit_softcap=1.0), dict(alpha_lse=0.01)):
+            self.assertNotEqual(gt.cross_entropy(logits, labels, 20.0, **kw).item(),
+                                plain.item(), kw)
+
+    def test_bad_options_raise_value_errors_naming_them(self):
+        logits = torch.randn(4, 7)
+        labels = torch.tensor([0, 1, 2, 3])
+        for kw, name in ((dict(label_smoothing=1.0), "label_smoothing"),
+                         (dict(logit_softcap=-1.0), "logit_softcap"),
+                         (dict(alpha_lse=float("nan")), "alpha_lse")):
+            with self.subTest(kw=kw):
+                with self.assertRaises(ValueError) as e:
+                    gt.cross_entropy(logits, labels, 4.0, **kw)
+                self.assertIn(name, str(e.exception))
+
+
 class ErrorsTest(unittest.TestCase):
     def assert_value_error(self, fn, *fragments):
         with self.assertRaises(ValueError) as cm:

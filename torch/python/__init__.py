@@ -11,7 +11,8 @@ world size. The reduced gradient then equals the single-process full-batch gradi
 
 Ops (CPU tensors, float32 or bfloat16; autograd through the library's fused kernels; no
 op communicates):
-  cross_entropy(logits, labels, global_weight_sum, mode="token", *, sample_ids, token_weights)
+  cross_entropy(logits, labels, global_weight_sum, mode="token", *, sample_ids, token_weights,
+                label_smoothing=0.0, logit_softcap=0.0, alpha_lse=0.0)
   linear_cross_entropy(hidden, weight, labels, global_weight_sum, mode="token", ...)
   z_loss(router_logits, global_routed_tokens, alpha=0.001, *, input_mask)
   balancing_loss(router_logits, global_expert_counts, top_k, num_micro_batches=1,
