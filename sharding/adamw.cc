@@ -1,5 +1,6 @@
 #include "sharding/adamw.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/status/status.h"
@@ -105,11 +106,38 @@ absl::Status ShardedAdamW::Step() {
   const float eps = static_cast<float>(o.eps);
   const AdamWScalars c{decay, beta1, beta2, one_minus_beta1, one_minus_beta2, step_size,
                        inv_sqrt_bc2, eps};
+  AdamWScalars no_decay = c;
+  no_decay.decay = 1.0f;
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     FlatParam* g = groups_[gi];
     absl::Span<float> p = g->master();
     absl::Span<const float> grad = g->master_grad();
-    AdamWKernel(p.data(), grad.data(), exp_avg_[gi].data(), exp_avg_sq_[gi].data(), p.size(), c);
+    float* m = exp_avg_[gi].data();
+    float* v = exp_avg_sq_[gi].data();
+    if (o.decay_vectors || o.weight_decay == 0.0) {
+      AdamWKernel(p.data(), grad.data(), m, v, p.size(), c);
+    } else {
+      // master() holds flat elements [first, first + size): each parameter's part of it
+      // with its own factor (padding, after the last parameter, decays with nothing to do).
+      const int64_t first = g->master_offset(), end = first + static_cast<int64_t>(p.size());
+      int64_t done = first;
+      for (const FlatParamEntry& e : g->entries()) {
+        const int64_t lo = std::max(e.offset, first), hi = std::min(e.offset + e.numel, end);
+        if (lo >= hi) continue;
+        if (lo > done) {  // not part of a parameter (none today; kept exact if it appears)
+          AdamWKernel(p.data() + (done - first), grad.data() + (done - first), m + (done - first),
+                      v + (done - first), lo - done, c);
+        }
+        const AdamWScalars& k = e.shape.size() >= 2 ? c : no_decay;
+        AdamWKernel(p.data() + (lo - first), grad.data() + (lo - first), m + (lo - first),
+                    v + (lo - first), hi - lo, k);
+        done = hi;
+      }
+      if (done < end) {
+        AdamWKernel(p.data() + (done - first), grad.data() + (done - first), m + (done - first),
+                    v + (done - first), end - done, c);
+      }
+    }
     GRADSUM_RETURN_IF_ERROR(g->MasterUpdated());
   }
   step_ = t;

@@ -11,7 +11,7 @@
 //   GRADSUM_RETURN_IF_ERROR(opt->Step());        // then ZeroGrad() each group
 //
 // Update per element (t = step() after increment; decoupled weight decay, as torch.optim.AdamW):
-//   p <- p * (1 - lr * weight_decay)
+//   p <- p * (1 - lr * weight_decay)      (skipped for 1-D parameters without decay_vectors)
 //   m <- beta1 * m + (1 - beta1) * g
 //   v <- beta2 * v + (1 - beta2) * g^2
 //   p <- p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
@@ -33,6 +33,11 @@ struct AdamWOptions {
   double beta2 = 0.999;
   double eps = 1e-8;
   double weight_decay = 0.0;
+  // Whether weight decay also applies to 1-D parameters (norm gains, biases): true as
+  // torch.optim.AdamW over every parameter; false exempts them, as GPT-style recipes
+  // (Megatron, Hugging Face's Trainer) do. Parameters of two or more dimensions (matrices,
+  // embeddings) decay either way.
+  bool decay_vectors = true;
 };
 
 class ShardedAdamW {

@@ -1,5 +1,6 @@
 #include "sharding/adamw.h"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <memory>
@@ -68,6 +69,60 @@ TEST(AdamWTest, SingleRankMatchesScalarReference) {
       EXPECT_NEAR((*fp)->master()[i], ref_p[i], 1e-6 + 1e-6 * std::fabs(ref_p[i])) << step << " " << i;
       EXPECT_NEAR((*opt)->exp_avg(0)[i], ref[i].m, 1e-6 * ref[i].m_abs);
       EXPECT_NEAR((*opt)->exp_avg_sq(0)[i], ref[i].v, 1e-6 * ref[i].v + 1e-18);
+    }
+  }
+}
+
+// decay_vectors = false: 1-D parameters (norm gains, biases) get no weight decay, matrices
+// and embeddings do, also where a shard boundary cuts a parameter (3 ranks over a group of
+// 1-D and 2-D parameters); decay_vectors = true decays every element, as before.
+TEST(AdamWTest, DecayVectorsFalseExemptsOneDimensionalParameters) {
+  const std::vector<ParamSpec> specs = {
+      {"norm", {7}}, {"w", {5, 4}}, {"bias", {9}}, {"emb", {3, 6}}};
+  for (bool decay_vectors : {false, true}) {
+    for (ShardingMode mode : {ShardingMode::kSharded, ShardingMode::kReplicated}) {
+      absl::Status s = RunRanks(3, [&](Communicator& comm) -> absl::Status {
+        FlatParamOptions fo;
+        fo.mode = mode;
+        GRADSUM_ASSIGN_OR_RETURN(auto fp, FlatParam::Create("g", specs, &comm, fo));
+        GRADSUM_RETURN_IF_ERROR(InitGroup(*fp));
+        AdamWOptions o{.lr = 0.05, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-8,
+                       .weight_decay = 0.3, .decay_vectors = decay_vectors};
+        GRADSUM_ASSIGN_OR_RETURN(auto opt, ShardedAdamW::Create({fp.get()}, o));
+        const int64_t first = fp->master_offset();
+        const int64_t n = static_cast<int64_t>(fp->master().size());
+        // Each element's parameter (by flat index) and the reference state.
+        std::vector<bool> decays(n, true);
+        for (const FlatParamEntry& e : fp->entries()) {
+          for (int64_t i = std::max(e.offset, first); i < std::min(e.offset + e.numel, first + n);
+               ++i) {
+            decays[i - first] = decay_vectors || e.shape.size() >= 2;
+          }
+        }
+        std::vector<double> ref_p(fp->master().begin(), fp->master().end());
+        std::vector<ScalarAdamW> ref(n);
+        for (int64_t i = 0; i < n; ++i) {
+          ref[i].o = o;
+          if (!decays[i]) ref[i].o.weight_decay = 0.0;
+        }
+        for (int step = 0; step < 5; ++step) {
+          absl::Span<float> g = fp->master_grad();
+          for (int64_t i = 0; i < n; ++i) {
+            g[i] = static_cast<float>(std::sin(0.7 * (first + i) + step));
+            ref[i].Step(ref_p[i], g[i]);
+          }
+          GRADSUM_RETURN_IF_ERROR(opt->Step());
+        }
+        for (int64_t i = 0; i < fp->numel() - first && i < n; ++i) {
+          if (std::fabs(fp->master()[i] - ref_p[i]) > 1e-6 + 1e-6 * std::fabs(ref_p[i])) {
+            return absl::InternalError(absl::StrCat("element ", first + i, ": ",
+                                                    fp->master()[i], " vs ", ref_p[i]));
+          }
+        }
+        return absl::OkStatus();
+      });
+      EXPECT_TRUE(s.ok()) << "decay_vectors " << decay_vectors << " "
+                          << ShardingModeName(mode) << ": " << s;
     }
   }
 }

@@ -102,7 +102,10 @@ ABSL_FLAG(std::optional<double>, min_lr, std::nullopt,
           "the learning rate the decay ends at, in [0, --lr] (default 0)");
 ABSL_FLAG(std::optional<int32_t>, decay_steps, std::nullopt,
           "the step the decay reaches --min_lr (0, the default: --steps)");
-ABSL_FLAG(std::optional<double>, weight_decay, std::nullopt, "AdamW decoupled weight decay");
+ABSL_FLAG(std::optional<double>, weight_decay, std::nullopt,
+          "AdamW decoupled weight decay (matrices and the embedding; see --decay_norms)");
+ABSL_FLAG(std::optional<bool>, decay_norms, std::nullopt,
+          "apply --weight_decay to the RMSNorm gains too (default false: they are exempt)");
 ABSL_FLAG(std::optional<double>, grad_clip, std::nullopt, "max global gradient norm (0 disables)");
 ABSL_FLAG(std::optional<int32_t>, vocab, std::nullopt, "V");
 ABSL_FLAG(std::optional<int32_t>, dim, std::nullopt, "D");
@@ -191,6 +194,7 @@ const std::vector<FlagField>& OverridableFlags() {
       {"min_lr", "optim.min_lr"},
       {"decay_steps", "optim.decay_steps"},
       {"weight_decay", "optim.weight_decay"},
+      {"decay_norms", "optim.decay_norms"},
       {"grad_clip", "optim.grad_clip"},
       {"vocab", "model.vocab"},
       {"dim", "model.dim"},

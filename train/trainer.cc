@@ -83,6 +83,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   adam.beta2 = config.optim().beta2();
   adam.eps = config.optim().eps();
   adam.weight_decay = config.optim().weight_decay();
+  adam.decay_vectors = config.optim().decay_norms();
   GRADSUM_ASSIGN_OR_RETURN(trainer->optimizer_,
                            ShardedAdamW::Create(trainer->model_->groups(), adam));
   // The display sums exactly when the gradients are exact: the precision the model was

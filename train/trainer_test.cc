@@ -784,6 +784,50 @@ TEST(TrainerTest, HsdpCheckpointConsolidatesToTheExport) {
   }
 }
 
+// optim.decay_norms: after one step (same initial values, data and so gradients) with
+// weight decay 0.5, the RMSNorm gains are bit for bit those of the run without decay when
+// they are exempt (the default), and differ when they are not; the matrices and the
+// embedding decay in both.
+TEST(TrainerTest, WeightDecayExemptsTheNormGainsUnlessAskedTo) {
+  const std::string dir = ::testing::TempDir() + "/decay_norms";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  auto run = [&](const std::string& name, double wd, bool decay_norms) {
+    TrainConfig config = TinyConfig(2, 2, 1, TrainConfig::fsdp);
+    config.mutable_model()->set_attention(ModelConfig::causal);
+    config.mutable_optim()->set_steps(1);
+    config.mutable_optim()->set_warmup_steps(0);
+    config.mutable_optim()->set_weight_decay(wd);
+    config.mutable_optim()->set_decay_norms(decay_norms);
+    config.mutable_checkpoint()->set_export_path(dir + "/" + name + ".safetensors");
+    TrainOrDie(config);
+    return SafetensorsFile::Read(dir + "/" + name + ".safetensors");
+  };
+  auto none = run("none", 0.0, false);
+  auto exempt = run("exempt", 0.5, false);
+  auto all = run("all", 0.5, true);
+  ASSERT_TRUE(none.ok() && exempt.ok() && all.ok());
+  auto same = [](const absl::StatusOr<SafetensorsFile>& a, const absl::StatusOr<SafetensorsFile>& b,
+                 const std::string& name) {
+    auto x = a->Get(name);
+    auto y = b->Get(name);
+    return x.ok() && y.ok() && x->nbytes() == y->nbytes() &&
+           std::memcmp(x->raw(), y->raw(), x->nbytes()) == 0;
+  };
+  int norms = 0;
+  for (const std::string name : {"layers.0.attn_norm", "layers.0.norm", "layers.1.norm",
+                                 "final_norm"}) {
+    ++norms;
+    EXPECT_TRUE(same(none, exempt, name)) << name;
+    EXPECT_FALSE(same(none, all, name)) << name;
+  }
+  EXPECT_EQ(norms, 4);
+  for (const std::string name : {"emb", "layers.0.wq", "layers.0.router", "out"}) {
+    EXPECT_FALSE(same(none, exempt, name)) << name;
+    EXPECT_TRUE(same(exempt, all, name)) << name;
+  }
+}
+
 // --export writes the final parameters as the dumps name and shape them; they equal the
 // offline consolidation of the run's last checkpoint (sharding/checkpoint.h, assembled from
 // the shards). --init_from starts a run from such a file: its step-1 dump holds exactly the
