@@ -550,6 +550,7 @@ absl::Status ValidateConfig(const TrainConfig& c) {
   }
   const CheckpointConfig& k = c.checkpoint();
   if (k.every() < 0) return Bad("checkpoint.every", StrCat(k.every()), "must be >= 0");
+  if (c.log().every() < 1) return Bad("log.every", StrCat(c.log().every()), "must be >= 1");
   if (k.keep() < 0) return Bad("checkpoint.keep", StrCat(k.keep()), "must be >= 0 (0: all)");
   if (k.resume() && k.dir().empty()) {
     return Bad("checkpoint.resume", "true", "needs checkpoint.dir");

@@ -43,6 +43,8 @@ ABSL_FLAG(std::optional<int32_t>, micro_batch, std::nullopt, "sequences per rank
 ABSL_FLAG(std::optional<std::string>, dump_dir, std::nullopt,
           "write step-1 weights, batches, grads, losses here");
 ABSL_FLAG(std::optional<std::string>, metrics, std::nullopt, "JSONL file, one line per step");
+ABSL_FLAG(std::optional<int32_t>, log_every, std::nullopt,
+          "print the log line of step 1, every N-th step and the last (default 1: every step)");
 ABSL_FLAG(std::optional<std::string>, checkpoint_dir, std::nullopt, "sharded checkpoints");
 ABSL_FLAG(std::optional<int32_t>, checkpoint_every, std::nullopt,
           "steps between checkpoints (0: at the end only)");
@@ -168,6 +170,7 @@ const std::vector<FlagField>& OverridableFlags() {
       {"max_doc_len", "data.max_doc_len"},
       {"dump_dir", "debug.dump_dir"},
       {"metrics", "log.metrics"},
+      {"log_every", "log.every"},
       {"checkpoint_dir", "checkpoint.dir"},
       {"checkpoint_every", "checkpoint.every"},
       {"keep_checkpoints", "checkpoint.keep"},

@@ -318,6 +318,7 @@ TEST(ConfigTest, ValidationNamesFieldAndValue) {
       {{{"optim.lr_decay", "cosine"}, {"optim.min_lr", "0.5"}},
        "optim.min_lr=0.5: must be in [0, optim.lr=0.01]"},
       {{{"checkpoint.keep", "-1"}}, "checkpoint.keep=-1: must be >= 0"},
+      {{{"log.every", "0"}}, "log.every=0: must be >= 1"},
       {{{"checkpoint.keep", "2"}}, "checkpoint.keep=2: needs checkpoint.dir"},
       {{{"checkpoint.save_on_signal", "true"}},
        "checkpoint.save_on_signal=true: needs checkpoint.dir"},

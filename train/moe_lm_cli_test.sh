@@ -38,6 +38,13 @@ tiny=(--world=2 --ep=2 --grad_acc=2 --dim=8 --expert_dim=8 --experts=4 --seq_len
   || fail "tiny run failed: $(cat "$tmp/run.txt")"
 grep -q "entropy floor: " "$tmp/run.txt" || fail "no entropy floor line"
 [ "$(grep -c '^step [ 0-9]*/3 | ce ' "$tmp/run.txt")" -eq 3 ] || fail "expected 3 step lines"
+# --log_every=3 over 7 steps: the lines of steps 1, 3, 6 and 7; the JSONL keeps all 7.
+"$bin" "${tiny[@]}" --steps=7 --log_every=3 --metrics="$tmp/every.jsonl" > "$tmp/every.txt" 2>&1 \
+  || fail "--log_every run failed: $(cat "$tmp/every.txt")"
+[ "$(grep -o '^step [ 0-9]*/7' "$tmp/every.txt" | tr -s ' ' | tr '\n' ',')" = "step 1/7,step 3/7,step 6/7,step 7/7," ] \
+  || fail "--log_every=3: $(grep '^step ' "$tmp/every.txt")"
+[ "$(wc -l < "$tmp/every.jsonl")" -eq 7 ] || fail "--log_every: the JSONL must keep every step"
+expect_error "log.every=0: must be >= 1" --log_every=0
 grep -q "parity PASSED" "$tmp/run.txt" || fail "parity did not pass"
 grep -q "^summary: " "$tmp/run.txt" || fail "no summary"
 # Full recomputation re-runs each layer's forward in backward: the parity check still passes.

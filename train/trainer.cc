@@ -452,7 +452,9 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
     }
     if (step_ >= steps) break;
     GRADSUM_ASSIGN_OR_RETURN(const StepMetrics r, Step());
-    if (log != nullptr) *log << StepLogLine(r, steps) << std::endl;
+    if (log != nullptr && (step_ == 1 || step_ == steps || step_ % config_.log().every() == 0)) {
+      *log << StepLogLine(r, steps) << std::endl;
+    }
     if (metrics_.is_open()) {
       absl::StatusOr<std::string> line = StepJsonLine(r);
       local = line.ok() ? metrics_.WriteLine(*line) : line.status();
