@@ -1,6 +1,7 @@
 #include "train/step_log.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -62,7 +63,14 @@ double CommExposedSeconds(const StepMetrics& record, CommKind kind) {
   return record.exposed_other_s();
 }
 
-std::string StepLogLine(const StepMetrics& r, int64_t total_steps) {
+std::string HumanDuration(double seconds) {
+  const int64_t s = static_cast<int64_t>(std::llround(std::max(0.0, seconds)));
+  if (s < 60) return absl::StrFormat("%ds", s);
+  if (s < 3600) return absl::StrFormat("%dm%02ds", s / 60, s % 60);
+  return absl::StrFormat("%dh%02dm", s / 3600, (s % 3600) / 60);
+}
+
+std::string StepLogLine(const StepMetrics& r, int64_t total_steps, double eta_s) {
   const double exposed_pct = r.step_s() > 0 ? 100.0 * r.comm_exposed_s() / r.step_s() : 0.0;
   // The output z-loss (§3.2) only in runs that have it, after the router's z; then MTP's
   // terms (SEMANTICS.md §15.1), one per depth, nothing without --mtp_depth.
@@ -72,12 +80,13 @@ std::string StepLogLine(const StepMetrics& r, int64_t total_steps) {
   }
   return absl::StrFormat(
       "step %*d/%d | ce %.4f | bal %.6f | z %.6f%s | valid %d | gnorm %.4f | lr %.2e | "
-      "%s tok/s | comm %.1f ms, exposed %.1f ms (%.0f%%) | wait %.1f ms | params %.0f%%",
+      "%s tok/s | comm %.1f ms, exposed %.1f ms (%.0f%%) | wait %.1f ms | params %.0f%%%s",
       static_cast<int>(absl::StrCat(total_steps).size()), r.step(), total_steps, r.ce(), r.bal(),
       r.z(), extra, r.valid_tokens(), r.grad_norm(), r.lr(), HumanRate(r.tokens_per_s()),
       r.comm_s() * 1e3, r.comm_exposed_s() * 1e3, exposed_pct, r.wait_s() * 1e3,
       r.full_param_bytes() > 0 ? 100.0 * r.peak_unsharded_param_bytes() / r.full_param_bytes()
-                               : 0.0);
+                               : 0.0,
+      eta_s >= 0 ? absl::StrCat(" | eta ", HumanDuration(eta_s)) : "");
 }
 
 absl::StatusOr<std::string> StepJsonLine(const StepMetrics& record) {

@@ -31,8 +31,12 @@ void SetCommExposed(const CommTimer::Exposed& exposed, StepMetrics* record);
 double CommExposedSeconds(const StepMetrics& record, CommKind kind);
 
 // "step  12/500 | ce 1.3123 | bal ... | params 86%": the line moe_lm prints per step
-// (with "| z_out ..." after z when the record has the output z-loss of §3.2).
-std::string StepLogLine(const StepMetrics& record, int64_t total_steps);
+// (with "| z_out ..." after z when the record has the output z-loss of §3.2), and with
+// eta_s >= 0 "| eta 3m05s" at the end: the estimated time to the last step.
+std::string StepLogLine(const StepMetrics& record, int64_t total_steps, double eta_s = -1);
+
+// "42s", "3m05s", "2h07m": a duration for a log line (seconds >= 0, rounded).
+std::string HumanDuration(double seconds);
 
 // The --metrics JSONL line: the proto3 JSON of `record` (io/proto_json.h), every field
 // written, with 64-bit integers as JSON numbers (a line is data for tools: pandas, jq,

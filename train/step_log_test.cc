@@ -104,6 +104,16 @@ TEST(StepLogTest, LogLineAndSummary) {
             "step   7/500 | ce 2.5000 | bal 0.125000 | z 0.000000 | valid 4096 | gnorm 0.1000 | "
             "lr 1.00e-04 | 30000.00M tok/s | comm 250.0 ms, exposed 62.5 ms (4%) | wait 0.0 ms | "
             "params 50%");
+  // The time left, when the trainer gives it, at the end.
+  EXPECT_EQ(StepLogLine(r, 500, 185.4),
+            "step   7/500 | ce 2.5000 | bal 0.125000 | z 0.000000 | valid 4096 | gnorm 0.1000 | "
+            "lr 1.00e-04 | 30000.00M tok/s | comm 250.0 ms, exposed 62.5 ms (4%) | wait 0.0 ms | "
+            "params 50% | eta 3m05s");
+  EXPECT_EQ(HumanDuration(0), "0s");
+  EXPECT_EQ(HumanDuration(59.4), "59s");
+  EXPECT_EQ(HumanDuration(60), "1m00s");
+  EXPECT_EQ(HumanDuration(7625), "2h07m");
+  EXPECT_EQ(HumanDuration(-3), "0s");
   // MTP's terms (§15.1) after z, one per depth, only with --mtp_depth.
   StepMetrics with_mtp = r;
   with_mtp.add_mtp(0.25);

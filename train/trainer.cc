@@ -436,6 +436,7 @@ absl::Status Trainer::StopOnSignal(int signal, std::ostream* log) {
 absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
   const int64_t first_step = step_ + 1;
   const int64_t steps = config_.optim().steps();
+  const absl::Time run_start = absl::Now();
   if (log != nullptr) {
     for (const std::string& note : start_notes_) *log << note << std::endl;
   }
@@ -453,7 +454,12 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
     if (step_ >= steps) break;
     GRADSUM_ASSIGN_OR_RETURN(const StepMetrics r, Step());
     if (log != nullptr && (step_ == 1 || step_ == steps || step_ % config_.log().every() == 0)) {
-      *log << StepLogLine(r, steps) << std::endl;
+      // The time left at this run's mean step time so far (not before the run's first
+      // step is done; none after the last).
+      const double per_step =
+          absl::ToDoubleSeconds(absl::Now() - run_start) / static_cast<double>(step_ - first_step + 1);
+      *log << StepLogLine(r, steps, step_ < steps ? per_step * (steps - step_) : -1)
+           << std::endl;
     }
     if (metrics_.is_open()) {
       absl::StatusOr<std::string> line = StepJsonLine(r);
