@@ -337,7 +337,7 @@ absl::Status FlatParam::FoldReducedGrad(absl::Span<const float> reduced, bool la
   GRADSUM_RETURN_IF_ERROR(CheckNoGradReduce("FoldReducedGrad"));
   GRADSUM_RETURN_IF_ERROR(grad_->FoldReduced(reduced, last_micro_batch));
   if (!last_micro_batch) return absl::OkStatus();
-  return grad_->ReduceFoldedAcrossReplicas();
+  return grad_->StartFoldedReplicaReduce();
 }
 
 absl::Status FlatParam::ReduceGrad(bool last_micro_batch) {

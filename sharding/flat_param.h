@@ -285,9 +285,10 @@ class FlatParam {
   // `reduced` is this rank's SUM-reduce-scattered shard of one micro-batch (shard_numel()
   // elements), added into the fp32 accumulator; call it every micro-batch instead of
   // ReduceGrad; with a replica group (HSDP, SEMANTICS.md §7) `reduced` is the shard group's
-  // reduce-scatter, and the last micro-batch's call then sums the accumulated shard across
-  // the replicas over the host replica group (blocking: the second stage FinishGradReduce
-  // runs for the FlatParam's own collectives). Replicated: `reduced` is the step's
+  // reduce-scatter, and the last micro-batch's call then starts the accumulated shard's SUM
+  // across the replicas over the host replica group: in flight afterwards, so what the
+  // caller does next overlaps it, and complete after FinishGradReduce (the second stage of
+  // the FlatParam's own collectives, here started from outside). Replicated: `reduced` is the step's
   // SUM-all-reduced full gradient (padded_numel() elements), given once with
   // last_micro_batch. The local full gradient buffer is not read. InvalidArgument for a wrong size or (replicated) a call that is
   // not the last micro-batch's; FailedPrecondition while a reduction is in flight;

@@ -471,8 +471,8 @@ struct HsdpResult {
 // replicas, plain sharded mode). `advance`: the last micro-batch goes through
 // AdvanceGradReduce before FinishGradReduce, as the unit schedule does. `external`: the
 // in-group reduce-scatter happens outside, as a GPU's NCCL does (here the shard group's sum
-// computed directly), and FoldReducedGrad folds it, its last call also summing across the
-// replicas.
+// computed directly), and FoldReducedGrad folds it, its last call starting the sum across
+// the replicas, which FinishGradReduce completes.
 absl::Status HsdpReduceOnRanks(int world, int n, GradPrecision precision, int micro_batches,
                                bool advance, HsdpResult* out, bool external = false) {
   const int64_t numel = DenseNumel();
@@ -505,10 +505,16 @@ absl::Status HsdpReduceOnRanks(int world, int n, GradPrecision precision, int mi
           full[e.offset + i] = sum;
         }
       }
+      const bool last = m == micro_batches - 1;
       GRADSUM_RETURN_IF_ERROR(fp->FoldReducedGrad(
-          absl::MakeConstSpan(full).subspan(fp->shard_offset(), fp->shard_numel()),
-          m == micro_batches - 1));
+          absl::MakeConstSpan(full).subspan(fp->shard_offset(), fp->shard_numel()), last));
+      // The last fold leaves the replica stage in flight (with replicas), until
+      // FinishGradReduce.
+      if (last && fp->grad_reduce_in_flight() != (world / n > 1)) {
+        return absl::InternalError("the replica stage is not in flight after the last fold");
+      }
     }
+    if (external) GRADSUM_RETURN_IF_ERROR(fp->FinishGradReduce());
     for (int m = 0; m < micro_batches && !external; ++m) {
       for (int p = 0; p < fp->num_params(); ++p) {
         const FlatParamEntry& e = fp->entries()[p];

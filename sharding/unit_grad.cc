@@ -32,14 +32,13 @@ absl::Status UnitGrad::FinishReduce() {
   return FinishReplica();
 }
 
-absl::Status UnitGrad::ReduceFoldedAcrossReplicas() {
+absl::Status UnitGrad::StartFoldedReplicaReduce() {
   if (!across_replicas()) return absl::OkStatus();
   if (work_ != nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat(What(), ": a reduction is in flight; the replica stage runs after it"));
   }
-  GRADSUM_RETURN_IF_ERROR(StartReplica());
-  return FinishReplica();
+  return StartReplica();
 }
 
 absl::Status UnitGrad::Advance() {

@@ -103,11 +103,11 @@ class UnitGrad {
   // in-group reduce-scatter, then the all-reduce of the accumulated shard across the
   // replicas; FinishReduce completes both.
   absl::Status FinishReduce();
-  // HSDP, for a gradient reduced outside (FoldReduced): the accumulated shard's SUM across
-  // the replicas, started and waited for here (blocking). Call it after the last
-  // micro-batch's FoldReduced; without a replica group nothing. Precondition: none in
+  // HSDP, for a gradient reduced outside (FoldReduced): starts the accumulated shard's SUM
+  // across the replicas (in flight afterwards; FinishReduce completes it). Call it after the
+  // last micro-batch's FoldReduced; without a replica group nothing. Precondition: none in
   // flight. The collective's error.
-  absl::Status ReduceFoldedAcrossReplicas();
+  absl::Status StartFoldedReplicaReduce();
   // HSDP: if the last micro-batch's in-group reduce-scatter is in flight, waits for it,
   // folds it and starts the cross-replica all-reduce (still in flight afterwards, so the
   // next stage's compute overlaps it). Otherwise nothing. The collective's error.

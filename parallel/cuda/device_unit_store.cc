@@ -336,6 +336,9 @@ class DeviceUnitStore : public UnitStore {
     for (size_t u = 0; u < groups_.size(); ++u) {
       GRADSUM_RETURN_IF_ERROR(WaitReduce(static_cast<int>(u)));
     }
+    // HSDP: the replica stages the last folds started (host collectives, overlapping the
+    // rest of backward) are complete here.
+    for (DeviceGroup& g : groups_) GRADSUM_RETURN_IF_ERROR(g.host->FinishGradReduce());
     if (reducers_ == nullptr) return absl::OkStatus();
     GRADSUM_RETURN_IF_ERROR(reducers_->Finish());
     return ZeroGradBuffers();
@@ -358,6 +361,7 @@ class DeviceUnitStore : public UnitStore {
     for (DeviceGroup& g : groups_) {
       if (g.gather_work) g.gather_work->Wait(g.comm->timeout()).IgnoreError();
       if (g.reduce_work) g.reduce_work->Wait(g.comm->timeout()).IgnoreError();
+      g.host->FinishGradReduce().IgnoreError();  // an HSDP replica stage a fold started
       g.gather_work.reset();
       g.reduce_work.reset();
       g.gathering = false;
