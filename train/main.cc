@@ -29,6 +29,9 @@
 #include <vector>
 
 #include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -291,6 +294,21 @@ int Main() {
 }  // namespace gradsum::train
 
 int main(int argc, char** argv) {
+  // --help lists the training flags (train/config_flags.cc), not absl's own.
+  absl::SetProgramUsageMessage(
+      "trains SEMANTICS.md §10's MoE language model with SUM-reduced gradients.\n"
+      "  moe_lm [--config=FILE] [--flag=value ...]   (flags override single config fields)\n"
+      "  mpirun -np N moe_lm --backend=mpi --world=N ...\n"
+      "A flag left out keeps the config's value (\"default: ;\" below): the defaults are "
+      "train/config.proto's.\n"
+      "Exit status 0 on success, 1 on a bad config or a failed run (the message names the "
+      "field, the value or the failing rank).");
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::StrContains(file, "train/config_flags");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
   // The last line: an exception that escaped everything else still ends in a message and
   // status 1 (and, under MPI, ends the job), never in std::terminate's abort.

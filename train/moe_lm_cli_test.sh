@@ -32,6 +32,12 @@ expect_error "precision.reproducible=true: reduces gradients exactly in integers
 expect_error "--config=/nonexistent.textproto" --config=/nonexistent.textproto
 expect_error "--data=/nonexistent.txt" --data=/nonexistent.txt --steps=1
 
+# --help lists the training flags with their descriptions.
+"$bin" --help > "$tmp/help.txt" 2>&1
+grep -q "Flags from train/config_flags.cc" "$tmp/help.txt" || fail "--help: no training flags: $(head -5 "$tmp/help.txt")"
+grep -q -- "--lr_decay (constant (default) | cosine | linear" "$tmp/help.txt" || fail "--help: no --lr_decay"
+grep -q -- "--save_on_signal" "$tmp/help.txt" || fail "--help: no --save_on_signal"
+
 tiny=(--world=2 --ep=2 --grad_acc=2 --dim=8 --expert_dim=8 --experts=4 --seq_len=32
       --max_doc_len=24 --micro_batch=2)
 "$bin" "${tiny[@]}" --steps=3 --parity_check --metrics="$tmp/m.jsonl" > "$tmp/run.txt" 2>&1 \
