@@ -453,11 +453,13 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
     }
     if (step_ >= steps) break;
     GRADSUM_ASSIGN_OR_RETURN(const StepMetrics r, Step());
-    if (log != nullptr && (step_ == 1 || step_ == steps || step_ % config_.log().every() == 0)) {
+    if (log != nullptr &&
+        (step_ == first_step || step_ == steps || step_ % config_.log().every() == 0)) {
       // The time left at this run's mean step time so far (not before the run's first
       // step is done; none after the last).
       const double per_step =
-          absl::ToDoubleSeconds(absl::Now() - run_start) / static_cast<double>(step_ - first_step + 1);
+          absl::ToDoubleSeconds(absl::Now() - run_start) /
+          static_cast<double>(step_ - first_step + 1);
       *log << StepLogLine(r, steps, step_ < steps ? per_step * (steps - step_) : -1)
            << std::endl;
     }
