@@ -658,9 +658,9 @@ class CudaOps : public ModelOps {
   moe::MoeLayerCudaComms moe_comms_;
   moe::MoeLayerCudaConfig layer_config_;
   std::vector<moe::MoeLayerCuda> layers_;
-  std::vector<DeviceBuffer> bias_;
+  std::vector<DeviceBuffer> bias_;  // [L] x [E]: each layer's expert bias on the device (§5.1)
   // Full recomputation: dispatch and expert buffers released by ReleaseMoeActivations.
-  std::vector<moe::MoeLayerCudaActivations> spare_activations_;  // [L] x [E]: each layer's expert bias on the device (§5.1)
+  std::vector<moe::MoeLayerCudaActivations> spare_activations_;
   moe::MoeLayerCudaScratch scratch_;
   // The micro-batch's inputs on the device, sized for rows_ tokens.
   MicroBatchInputs in_;
