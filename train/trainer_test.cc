@@ -229,6 +229,29 @@ TEST(TrainerTest, DumpCarriesTheOptionalTerms) {
   EXPECT_NEAR(losses.loss(), total, 1e-12 * total);
 }
 
+// Runs `full` for its first `first_steps` steps with checkpoints in `dir` (its last one at
+// first_steps), then resumes it to full's steps: rank 0's history of the resumed part.
+// Fails the test (empty result) on an error.
+std::vector<StepMetrics> StopAndResume(const TrainConfig& full, const std::string& dir,
+                                       int first_steps) {
+  TrainConfig first = full;
+  first.mutable_optim()->set_steps(first_steps);
+  first.mutable_checkpoint()->set_dir(dir);
+  auto a = RunInProcess(first);
+  EXPECT_TRUE(a.ok() && (*a)[0].status.ok()) << (a.ok() ? (*a)[0].status : a.status());
+  absl::StatusOr<int64_t> latest = LatestCheckpointStep(dir);
+  EXPECT_TRUE(latest.ok() && *latest == first_steps) << latest.status();
+  TrainConfig second = full;
+  second.mutable_checkpoint()->set_dir(dir);
+  second.mutable_checkpoint()->set_resume(true);
+  auto b = RunInProcess(second);
+  if (!b.ok() || !(*b)[0].status.ok()) {
+    ADD_FAILURE() << (b.ok() ? (*b)[0].status : b.status());
+    return {};
+  }
+  return (*b)[0].history;
+}
+
 // Resuming from a checkpoint continues bit-exactly: the same losses and grad norms as an
 // uninterrupted run (the kill -9 variant is resume_kill_test.sh).
 TEST(TrainerTest, ResumeContinuesBitExactly) {
@@ -239,22 +262,7 @@ TEST(TrainerTest, ResumeContinuesBitExactly) {
     full.mutable_optim()->set_steps(6);
     auto reference = RunInProcess(full);
     ASSERT_TRUE(reference.ok() && (*reference)[0].status.ok());
-
-    TrainConfig first = full;
-    first.mutable_optim()->set_steps(3);
-    first.mutable_checkpoint()->set_dir(dir);
-    auto a = RunInProcess(first);
-    ASSERT_TRUE(a.ok() && (*a)[0].status.ok()) << (*a)[0].status;
-    absl::StatusOr<int64_t> latest = LatestCheckpointStep(dir);
-    ASSERT_TRUE(latest.ok()) << latest.status();
-    EXPECT_EQ(*latest, 3);
-
-    TrainConfig second = full;
-    second.mutable_checkpoint()->set_dir(dir);
-    second.mutable_checkpoint()->set_resume(true);
-    auto b = RunInProcess(second);
-    ASSERT_TRUE(b.ok() && (*b)[0].status.ok()) << (*b)[0].status;
-    const std::vector<StepMetrics>& resumed = (*b)[0].history;
+    const std::vector<StepMetrics> resumed = StopAndResume(full, dir, 3);
     ASSERT_EQ(resumed.size(), 3u);
     for (int i = 0; i < 3; ++i) {
       const StepMetrics& want = (*reference)[0].history[3 + i];
@@ -295,17 +303,7 @@ TEST(TrainerTest, TheLrScheduleRunsAndResumes) {
   }
   EXPECT_EQ(h[5].lr(), h[7].lr());  // held at min_lr after decay_steps
 
-  TrainConfig first = full;
-  first.mutable_optim()->set_steps(3);
-  first.mutable_checkpoint()->set_dir(dir);
-  auto a = RunInProcess(first);
-  ASSERT_TRUE(a.ok() && (*a)[0].status.ok()) << (*a)[0].status;
-  TrainConfig second = full;
-  second.mutable_checkpoint()->set_dir(dir);
-  second.mutable_checkpoint()->set_resume(true);
-  auto b = RunInProcess(second);
-  ASSERT_TRUE(b.ok() && (*b)[0].status.ok()) << (*b)[0].status;
-  const std::vector<StepMetrics>& resumed = (*b)[0].history;
+  const std::vector<StepMetrics> resumed = StopAndResume(full, dir, 3);
   ASSERT_EQ(resumed.size(), 5u);
   for (int i = 0; i < 5; ++i) {
     EXPECT_EQ(resumed[i].lr(), h[3 + i].lr()) << "step " << 4 + i;
