@@ -271,6 +271,37 @@ void TakeOwn(const Layout& l, int64_t num_seqs, int64_t seq_len, int64_t width,
   }
 }
 
+// Heads [h0, h0 + n) of x [rows, heads, width] into a contiguous [rows, n, width].
+std::vector<float> TakeHeads(absl::Span<const float> x, int64_t heads, int64_t width, int64_t h0,
+                             int64_t n) {
+  const int64_t rows = static_cast<int64_t>(x.size()) / (heads * width);
+  std::vector<float> part(rows * n * width);
+  for (int64_t r = 0; r < rows; ++r) {
+    std::copy_n(x.data() + (r * heads + h0) * width, n * width, part.data() + r * n * width);
+  }
+  return part;
+}
+
+// Their inverse: part [rows, n, width] into heads [h0, h0 + n) of x [rows, heads, width].
+void PutHeads(const std::vector<float>& part, int64_t heads, int64_t width, int64_t h0,
+              int64_t n, absl::Span<float> x) {
+  const int64_t rows = static_cast<int64_t>(x.size()) / (heads * width);
+  for (int64_t r = 0; r < rows; ++r) {
+    std::copy_n(part.data() + r * n * width, n * width, x.data() + (r * heads + h0) * width);
+  }
+}
+
+// The gathered schedule works one kv head at a time, with its `group` query heads: the
+// whole-sequence kernel's results are per (sequence, kv head) and its query heads, so a
+// call over one such group gives that group's bits of the call over every head, and the
+// whole sequences held at once are one group's (1 / kv_heads of the rank's heads).
+AttentionDims GroupDims(const RingAttentionDims& dims, int64_t group) {
+  AttentionDims w = WholeDims(dims);
+  w.q_heads = static_cast<int>(group);
+  w.kv_heads = 1;
+  return w;
+}
+
 }  // namespace
 
 absl::Status RingAttentionForward(Communicator& cp_group, const RingAttentionDims& dims,
@@ -286,23 +317,32 @@ absl::Status RingAttentionForward(Communicator& cp_group, const RingAttentionDim
   const int64_t Hk = l.kv_heads, row = H * d, kv_row = Hk * d;
 
   if (schedule == RingSchedule::kGathered) {
-    std::vector<float> qw, kw, vw;
-    GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, row, q, &qw, times));
-    GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, kv_row, k, &kw, times));
-    GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, kv_row, v, &vw, times));
-    std::vector<float> ow(qw.size()), lw(S * L * H);
-    // The whole sequences' q, k, v, out, lse, one gather's receive buffer, the kernel's
-    // scratch.
+    const int64_t g = l.group, gw = g * d;  // one kv head's query heads, their row width
     const internal::AttentionKernels& whole = internal::SelectedAttentionKernels();
-    NoteBuffers(times, 2 * int64_t{qw.size()} + 2 * int64_t{kw.size()} + S * L * H +
-                           int64_t{l.cp} * l.rows * row +
-                           ScratchFloats(whole.forward_scratch_floats(L, dp), S * H));
-    const Clock::time_point start = Clock::now();
-    GRADSUM_RETURN_IF_ERROR(AttentionForward(WholeDims(dims), qw, kw, vw, doc_start,
-                                             absl::MakeSpan(ow), absl::MakeSpan(lw)));
-    if (times != nullptr) times->compute_s += Since(start);
-    TakeOwn(l, S, L, row, ow, out);
-    TakeOwn(l, S, L, H, lw, lse);
+    // One group's: its local q, k, v; the whole sequences' q, k, v, out, lse; one gather's
+    // receive buffer; its own out and lse rows; the kernel's scratch.
+    NoteBuffers(times, l.rows * (gw + 2 * d) + S * L * (2 * gw + 2 * d + g) +
+                           int64_t{l.cp} * l.rows * gw + l.rows * (gw + g) +
+                           ScratchFloats(whole.forward_scratch_floats(L, dp), S * g));
+    for (int64_t j = 0; j < Hk; ++j) {
+      std::vector<float> qw, kw, vw;
+      GRADSUM_RETURN_IF_ERROR(
+          GatherWhole(cp_group, l, S, L, gw, TakeHeads(q, H, d, j * g, g), &qw, times));
+      GRADSUM_RETURN_IF_ERROR(
+          GatherWhole(cp_group, l, S, L, d, TakeHeads(k, Hk, d, j, 1), &kw, times));
+      GRADSUM_RETURN_IF_ERROR(
+          GatherWhole(cp_group, l, S, L, d, TakeHeads(v, Hk, d, j, 1), &vw, times));
+      std::vector<float> ow(qw.size()), lw(S * L * g);
+      const Clock::time_point start = Clock::now();
+      GRADSUM_RETURN_IF_ERROR(AttentionForward(GroupDims(dims, g), qw, kw, vw, doc_start,
+                                               absl::MakeSpan(ow), absl::MakeSpan(lw)));
+      if (times != nullptr) times->compute_s += Since(start);
+      std::vector<float> own_out(l.rows * gw), own_lse(l.rows * g);
+      TakeOwn(l, S, L, gw, ow, absl::MakeSpan(own_out));
+      TakeOwn(l, S, L, g, lw, absl::MakeSpan(own_lse));
+      PutHeads(own_out, H, d, j * g, g, out);
+      PutHeads(own_lse, H, 1, j * g, g, lse);
+    }
     return absl::OkStatus();
   }
 
@@ -389,26 +429,41 @@ absl::Status RingAttentionBackward(Communicator& cp_group, const RingAttentionDi
   const int64_t Hk = l.kv_heads, row = H * d, kv_row = Hk * d;
 
   if (schedule == RingSchedule::kGathered) {
-    std::vector<float> qw, kw, vw, ow, lw, gw;
-    GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, row, q, &qw, times));
-    GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, kv_row, k, &kw, times));
-    GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, kv_row, v, &vw, times));
-    GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, row, out, &ow, times));
-    GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, H, lse, &lw, times));
-    GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, row, d_out, &gw, times));
-    std::vector<float> dqw(qw.size()), dkw(kw.size()), dvw(kw.size());
+    const int64_t g = l.group, gw = g * d;  // as forward: one kv head and its query heads
     const internal::AttentionKernels& whole = internal::SelectedAttentionKernels();
-    NoteBuffers(times, 4 * int64_t{qw.size()} + 4 * int64_t{kw.size()} + S * L * H +
-                           int64_t{l.cp} * l.rows * row +
-                           ScratchFloats(whole.backward_scratch_floats(L, dp), S * H));
-    const Clock::time_point start = Clock::now();
-    GRADSUM_RETURN_IF_ERROR(AttentionBackward(WholeDims(dims), qw, kw, vw, doc_start, ow, lw,
-                                              gw, absl::MakeSpan(dqw), absl::MakeSpan(dkw),
-                                              absl::MakeSpan(dvw)));
-    if (times != nullptr) times->compute_s += Since(start);
-    TakeOwn(l, S, L, row, dqw, dq);
-    TakeOwn(l, S, L, kv_row, dkw, dk);
-    TakeOwn(l, S, L, kv_row, dvw, dv);
+    // One group's: its local inputs; the whole sequences' q, k, v, out, lse, d_out and dq,
+    // dk, dv; one gather's receive buffer; its own dq, dk, dv rows; the kernel's scratch.
+    NoteBuffers(times, l.rows * (3 * gw + 2 * d + g) + S * L * (4 * gw + 4 * d + g) +
+                           int64_t{l.cp} * l.rows * gw + l.rows * (gw + 2 * d) +
+                           ScratchFloats(whole.backward_scratch_floats(L, dp), S * g));
+    for (int64_t j = 0; j < Hk; ++j) {
+      std::vector<float> qw, kw, vw, ow, lw, gw_out;
+      GRADSUM_RETURN_IF_ERROR(
+          GatherWhole(cp_group, l, S, L, gw, TakeHeads(q, H, d, j * g, g), &qw, times));
+      GRADSUM_RETURN_IF_ERROR(
+          GatherWhole(cp_group, l, S, L, d, TakeHeads(k, Hk, d, j, 1), &kw, times));
+      GRADSUM_RETURN_IF_ERROR(
+          GatherWhole(cp_group, l, S, L, d, TakeHeads(v, Hk, d, j, 1), &vw, times));
+      GRADSUM_RETURN_IF_ERROR(
+          GatherWhole(cp_group, l, S, L, gw, TakeHeads(out, H, d, j * g, g), &ow, times));
+      GRADSUM_RETURN_IF_ERROR(
+          GatherWhole(cp_group, l, S, L, g, TakeHeads(lse, H, 1, j * g, g), &lw, times));
+      GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, gw,
+                                          TakeHeads(d_out, H, d, j * g, g), &gw_out, times));
+      std::vector<float> dqw(qw.size()), dkw(kw.size()), dvw(kw.size());
+      const Clock::time_point start = Clock::now();
+      GRADSUM_RETURN_IF_ERROR(AttentionBackward(GroupDims(dims, g), qw, kw, vw, doc_start, ow,
+                                                lw, gw_out, absl::MakeSpan(dqw),
+                                                absl::MakeSpan(dkw), absl::MakeSpan(dvw)));
+      if (times != nullptr) times->compute_s += Since(start);
+      std::vector<float> own_dq(l.rows * gw), own_dk(l.rows * d), own_dv(l.rows * d);
+      TakeOwn(l, S, L, gw, dqw, absl::MakeSpan(own_dq));
+      TakeOwn(l, S, L, d, dkw, absl::MakeSpan(own_dk));
+      TakeOwn(l, S, L, d, dvw, absl::MakeSpan(own_dv));
+      PutHeads(own_dq, H, d, j * g, g, dq);
+      PutHeads(own_dk, Hk, d, j, 1, dk);
+      PutHeads(own_dv, Hk, d, j, 1, dv);
+    }
     return absl::OkStatus();
   }
 

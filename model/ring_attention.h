@@ -25,10 +25,12 @@
 //   contributions to the accumulator it holds and passes it on, and after C passes the
 //   accumulator is home, every contribution added exactly once. Memory per rank: 1/C of the
 //   whole sequences' attention activations, plus two key/value blocks in flight.
-// - kGathered (reproducible mode, §11). Each rank all-gathers the group's q, k, v (forward;
-//   backward also out, lse, d_out), runs AttentionForward / AttentionBackward on the whole
-//   sequences (exactly the call a group of one makes) and keeps its own rows. Its bits are
-//   those of C = 1 at every C; its memory and attention work are not divided by C.
+// - kGathered (reproducible mode, §11). One kv head (and its query heads) at a time, each rank
+//   all-gathers the group's q, k, v (forward; backward also out, lse, d_out), runs
+//   AttentionForward / AttentionBackward on the whole sequences (the whole-sequence kernel's
+//   results are per sequence and kv head, so these calls give the bits of the one call a
+//   group of one makes) and keeps its own rows. Its bits are those of C = 1 at every C; its
+//   attention work is not divided by C, and it holds one kv head's whole sequences at once.
 //
 // Errors: InvalidArgument naming the value for a seq_len that 2C does not divide, sizes
 // that do not match the layout, or a bad doc_start (as model/attention.h); the group's
