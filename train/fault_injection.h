@@ -12,6 +12,8 @@
 //   kill   raise(SIGKILL) (a rank that dies)
 //   term   raise(SIGTERM) and go on (a scheduler's stop notice to one rank; with
 //          --save_on_signal the run saves and stops, else the process ends)
+//   nan    go on, but MaybeInjectNanGradient makes the first element this rank owns of its
+//          first parameter unit's reduced gradient NaN (a diverging step, from one rank)
 //
 // A malformed value is InvalidArgument naming it, on every rank at the first step.
 
@@ -22,6 +24,9 @@
 namespace gradsum::train {
 
 absl::Status MaybeInjectFault(int rank, int64_t step);
+
+// Whether the hook asks for a NaN gradient on `rank` at `step` (mode nan; never otherwise).
+bool MaybeInjectNanGradient(int rank, int64_t step);
 
 }  // namespace gradsum::train
 

@@ -296,18 +296,48 @@ absl::Status Trainer::RunMicroBatches(const std::vector<MicroBatch>& batches,
   return absl::OkStatus();
 }
 
+// The first element of this rank's owned reduced gradients that is NaN or infinite, as an
+// Internal error naming its parameter, index and value (OK when there is none).
+absl::Status Trainer::FirstNonFiniteGradient() {
+  for (FlatParam* g : model_->groups()) {
+    const absl::Span<const float> owned = g->owned_grad();
+    for (size_t i = 0; i < owned.size(); ++i) {
+      if (std::isfinite(owned[i])) continue;
+      const int64_t flat = g->owned_offset() + static_cast<int64_t>(i);
+      for (const FlatParamEntry& e : g->entries()) {
+        if (flat < e.offset || flat >= e.offset + e.numel) continue;
+        return absl::InternalError(absl::StrCat("the reduced gradient of ", e.name, "[",
+                                                flat - e.offset, "] is ", owned[i], " (unit \"",
+                                                g->name(), "\")"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 // Phase 3: wait for the reductions; every unit's master_grad() is then complete.
 absl::Status Trainer::FinishReductions() { return model_->FinishGradReduce(); }
 
 // Phase 4: the global gradient norm, and clipping to optim.grad_clip (§7; 0: no clipping).
 absl::StatusOr<double> Trainer::ClipGradients() {
+  if (MaybeInjectNanGradient(world().rank(), step_ + 1) && !model_->groups().empty()) {
+    FlatParam* g = model_->groups().front();
+    const int64_t at = g->owned_offset() - g->master_offset();
+    if (g->owned_numel() > 0) g->master_grad()[at] = std::nanf("");
+  }
   const double clip = config_.optim().grad_clip();
   GRADSUM_ASSIGN_OR_RETURN(const double grad_norm,
                            clip > 0 ? ClipGradNorm(model_->groups(), world(), clip)
                                     : GlobalGradNorm(model_->groups(), world()));
   if (!std::isfinite(grad_norm)) {
-    return absl::InternalError(absl::StrCat("step ", step_ + 1, ": gradient norm is ", grad_norm,
-                                            " (training diverged; lower --lr)"));
+    // Every rank got the same norm: each names the first non-finite element it owns, and
+    // the agreement reports every such rank's (rank 0 prints them).
+    const std::string what =
+        absl::StrCat("step ", step_ + 1, ": gradient norm is ", grad_norm, " (training diverged; "
+                     "lower --lr)");
+    GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world(), FirstNonFiniteGradient(), what));
+    return MarkAgreed(absl::InternalError(absl::StrCat(
+        what, "; every reduced gradient element is finite: the sum of their squares overflowed")));
   }
   return grad_norm;
 }

@@ -91,6 +91,8 @@ class Trainer {
   absl::Status StopOnSignal(int signal, std::ostream* log);
   // SaveRunCheckpoint of the steps done, then PruneCheckpoints. Collective.
   absl::Status SaveCheckpointNow();
+  // After a non-finite gradient norm: the first NaN or infinite element this rank owns.
+  absl::Status FirstNonFiniteGradient();
   Trainer() = default;
   Communicator& world() { return comms_.mesh->world(); }
   bool is_rank0() const { return comms_.mesh->world().rank() == 0; }

@@ -353,6 +353,27 @@ TEST(TrainerTest, KeepPrunesOldCheckpointsAndResumeStillWorks) {
   EXPECT_EQ(steps_in().size(), 3u);
 }
 
+// A diverged step names what diverged: a NaN in one rank's reduced gradient (the fault hook
+// puts it in the first element rank 1 owns of the embedding at step 2) ends every rank at
+// step 2 with the non-finite norm and rank 1's parameter, index and value.
+TEST(TrainerTest, ANonFiniteGradientIsNamedByParameterAndRank) {
+  TrainConfig config = TinyConfig(2, 2, 1, TrainConfig::fsdp);
+  config.mutable_optim()->set_steps(3);
+  ::setenv("GRADSUM_TEST_FAULT", "nan:1:2", 1);
+  auto out = RunInProcess(config);
+  ::unsetenv("GRADSUM_TEST_FAULT");
+  ASSERT_TRUE(out.ok()) << out.status();
+  for (const RankOutcome& r : *out) {
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kInternal) << r.status;
+    const std::string m(r.status.message());
+    EXPECT_THAT(m, HasSubstr("step 2: gradient norm is nan (training diverged; lower --lr)"));
+    EXPECT_THAT(m, HasSubstr("on rank 1 of 2"));
+    EXPECT_THAT(m, HasSubstr("the reduced gradient of emb["));
+    EXPECT_THAT(m, HasSubstr("] is nan (unit \"emb\")"));
+    EXPECT_EQ(r.history.size(), 1u);
+  }
+}
+
 // --save_on_signal: a SIGTERM on one rank (the fault hook raises it at the start of step 3)
 // stops every rank at that step boundary, after saving the two steps done; the run ends
 // Cancelled naming the signal and the checkpoint, and resuming from it gives the
