@@ -116,7 +116,7 @@ class CpuOps : public ModelOps {
     mask_.assign(in.mask.begin(), in.mask.end());
     labels_.assign(in.labels.begin(), in.labels.end());
     layer_config_.row_block = in.row_block;
-    const int k = config_.mtp_depth;
+    const int k = in.forward_only ? 0 : config_.mtp_depth;
     GRADSUM_RETURN_IF_ERROR(CheckMtpInputs(in, k));
     counts_.clear();
     counts_.reserve(moe_layers_);
@@ -363,6 +363,48 @@ class CpuOps : public ModelOps {
     return HeadCrossEntropy(f, w_out, grad_f, std::move(grad_out), labels_, in_.ce_weights,
                             in_.global_ce_weight_sum, &terms_.ce, &terms_.ce_terms,
                             &terms_.z_out, &terms_.z_out_terms);
+  }
+
+  // Forward only: logits = f @ w_out a block of rows at a time (a row block with row blocks,
+  // single-threaded as HeadCrossEntropy's; else 256 rows, the rank's threads), the CE with
+  // §3.2's options, `ce` and (alpha_lse > 0) `z_out` into the terms as HeadCrossEntropy adds
+  // them.
+  absl::Status LmHeadLoss(const float* f, const float* w_out) override {
+    const int64_t D = config_.dim, V = config_.vocab, T = in_.rows;
+    const int64_t block = in_.row_block > 0 ? in_.row_block : std::min<int64_t>(T, 256);
+    const int threads = in_.row_block > 0 ? 1 : num_threads_;
+    losses::CrossEntropyOptions options;
+    options.num_threads = threads;
+    options.label_smoothing = config_.label_smoothing;
+    options.logit_softcap = config_.logit_softcap;
+    options.alpha_lse = config_.alpha_lse;
+    const double d = in_.global_ce_weight_sum, alpha_lse = config_.alpha_lse;
+    std::vector<float> logits(block * V);
+    for (int64_t r0 = 0; r0 < T; r0 += block) {
+      const int64_t rows = std::min(block, T - r0);
+      GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kNo, rows, V, D, 1.0f,
+                                    absl::MakeConstSpan(f + r0 * D, rows * D), D,
+                                    absl::MakeConstSpan(w_out, D * V), V, 0.0f,
+                                    absl::MakeSpan(logits.data(), rows * V), V, threads));
+      GRADSUM_ASSIGN_OR_RETURN(TensorView view,
+                               TensorView::Create(logits.data(), DType::kF32, {rows, V}));
+      const absl::Span<const float> weights =
+          in_.ce_weights.empty() ? in_.ce_weights : in_.ce_weights.subspan(r0, rows);
+      GRADSUM_ASSIGN_OR_RETURN(
+          losses::CrossEntropyResult ce,
+          losses::CrossEntropyForward(view, absl::MakeConstSpan(labels_).subspan(r0, rows),
+                                      weights, d, options));
+      double ce_value = ce.local_loss, z_out = 0.0;
+      if (alpha_lse > 0.0) {
+        ce_value = d > 0.0 ? ce.local_weighted_ce_sum / d : 0.0;
+        z_out = d > 0.0 ? alpha_lse * ce.local_weighted_lse_sq_sum / d : 0.0;
+        terms_.z_out += z_out;
+        if (in_.row_block > 0) terms_.z_out_terms.push_back(z_out);
+      }
+      terms_.ce += ce_value;
+      if (in_.row_block > 0) terms_.ce_terms.push_back(ce_value);
+    }
+    return absl::OkStatus();
   }
 
   // The fused LM head + CE of `labels` with weights `ce_weights` (empty: token mode) over the

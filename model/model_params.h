@@ -48,6 +48,9 @@ class ModelParams {
   // the stages that read a unit, frees after, and each unit's gradient reduction issued as
   // soon as backward completes it). `last_micro_batch`: the step's last.
   virtual absl::Status RunMicroBatch(const StageFns& stages, bool last_micro_batch) = 0;
+  // One micro-batch's stages.forward only (an evaluation), with the gathers and frees
+  // around them; nothing is reduced.
+  virtual absl::Status RunForward(const StageFns& stages) = 0;
 };
 
 }  // namespace gradsum::model

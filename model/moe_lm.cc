@@ -514,11 +514,11 @@ absl::Status MoeLmModel::HeadForwardBackward() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<MicroBatchLosses> MoeLmModel::ForwardBackward(const TokenBatch& batch,
-                                                             const losses::StepStats& stats,
-                                                             int micro_index,
-                                                             losses::StepDisplay* display,
-                                                             const losses::MtpStats* mtp) {
+absl::StatusOr<MicroBatchInputs> MoeLmModel::Inputs(const TokenBatch& batch,
+                                                    const losses::StepStats& stats,
+                                                    int micro_index,
+                                                    const losses::MtpStats* mtp,
+                                                    bool forward_only) {
   const MoeLmConfig& m = spec_.config();
   const int64_t T = static_cast<int64_t>(batch.tokens.size());
   GRADSUM_RETURN_IF_ERROR(CheckTokenBatch(batch, m.vocab));
@@ -557,8 +557,9 @@ absl::StatusOr<MicroBatchLosses> MoeLmModel::ForwardBackward(const TokenBatch& b
   in.global_ce_weight_sum = stats.global_ce_weight_sum;
   in.global_routed_tokens = stats.global_routed_tokens;
   in.num_micro_batches = stats.num_micro_batches;
+  in.forward_only = forward_only;
   const int k = m.mtp_depth;
-  if (k > 0) {
+  if (k > 0 && !forward_only) {
     // §15.1: depth j's shifted tokens, labels, weights and normaliser D_j * k / mtp_scale.
     if (mtp == nullptr || mtp->depth != k ||
         static_cast<int>(mtp->global_weight_sum.size()) != k ||
@@ -600,6 +601,19 @@ absl::StatusOr<MicroBatchLosses> MoeLmModel::ForwardBackward(const TokenBatch& b
       }
     }
   }
+  return in;
+}
+
+absl::StatusOr<MicroBatchLosses> MoeLmModel::ForwardBackward(const TokenBatch& batch,
+                                                             const losses::StepStats& stats,
+                                                             int micro_index,
+                                                             losses::StepDisplay* display,
+                                                             const losses::MtpStats* mtp) {
+  const MoeLmConfig& m = spec_.config();
+  const int k = m.mtp_depth;
+  GRADSUM_ASSIGN_OR_RETURN(const MicroBatchInputs in,
+                           Inputs(batch, stats, micro_index, mtp, /*forward_only=*/false));
+  const int64_t T = in.rows;
   GRADSUM_RETURN_IF_ERROR(EnsureActivations(T));
 
   absl::StatusOr<MicroBatchLossTerms> terms = [&]() -> absl::StatusOr<MicroBatchLossTerms> {
@@ -670,6 +684,66 @@ absl::StatusOr<MicroBatchLosses> MoeLmModel::ForwardBackward(const TokenBatch& b
   result.mtp = terms->mtp;
   result.z_out = terms->z_out;
   return result;
+}
+
+absl::StatusOr<MicroBatchLosses> MoeLmModel::Evaluate(const TokenBatch& batch,
+                                                      const losses::StepStats& stats,
+                                                      int micro_index,
+                                                      losses::StepDisplay* display) {
+  const MoeLmConfig& m = spec_.config();
+  GRADSUM_ASSIGN_OR_RETURN(const MicroBatchInputs in,
+                           Inputs(batch, stats, micro_index, nullptr, /*forward_only=*/true));
+  GRADSUM_RETURN_IF_ERROR(EnsureActivations(in.rows));
+  absl::StatusOr<MicroBatchLossTerms> terms = [&]() -> absl::StatusOr<MicroBatchLossTerms> {
+    GRADSUM_RETURN_IF_ERROR(ops_->Begin(in));
+    StageFns stages;
+    stages.forward = [this](int s) {
+      absl::Status status = EvalForward(s);
+      NoteActivationBytes();
+      return status;
+    };
+    GRADSUM_RETURN_IF_ERROR(params_->RunForward(stages));
+    return ops_->End();
+  }();
+  if (!terms.ok()) {
+    ops_->Abandon();
+    return terms.status();
+  }
+  // The counts of an evaluation move nothing (§5.1: only training forwards' do).
+  if (display != nullptr) {
+    for (double v : terms->ce_terms) GRADSUM_RETURN_IF_ERROR(display->AddBackwardTerm("ce", v));
+    if (m.alpha_lse > 0.0) {
+      for (double v : terms->z_out_terms) {
+        GRADSUM_RETURN_IF_ERROR(display->AddBackwardTerm("z_out", v));
+      }
+    }
+  }
+  MicroBatchLosses result;
+  result.ce = terms->ce;
+  result.z_out = terms->z_out;
+  return result;
+}
+
+absl::Status MoeLmModel::EvalForward(int stage) {
+  const StageDef& s = spec_.stages()[stage];
+  switch (s.kind) {
+    case StageKind::kEmbedding:
+      return ops_->EmbeddingForward(params_->Values(spec_.emb()), h_[0]->data());
+    case StageKind::kLayer:
+      GRADSUM_RETURN_IF_ERROR(LayerForward(s.layer));
+      if (recompute_ == Recompute::kFull) ops_->ReleaseMoeActivations(s.layer);
+      return absl::OkStatus();
+    case StageKind::kMtp:
+      return absl::OkStatus();  // the evaluation is the main head's CE
+    case StageKind::kHead: {
+      const int L = spec_.config().layers;
+      GRADSUM_RETURN_IF_ERROR(ops_->RmsNormForward(h_[L]->data(),
+                                                   params_->Values(spec_.final_norm()),
+                                                   f_->data(), inv_rms_f_->data()));
+      return ops_->LmHeadLoss(f_->data(), params_->Values(spec_.out()));
+    }
+  }
+  return absl::InternalError("unknown stage");
 }
 
 }  // namespace gradsum::model

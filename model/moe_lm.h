@@ -124,6 +124,15 @@ class MoeLmModel {
                                                    losses::StepDisplay* display,
                                                    const losses::MtpStats* mtp = nullptr);
 
+  // An evaluation of one micro-batch (held-out data): the forward (without the MTP
+  // depths) and the main head's CE with §3.2's options, no backward, no gradient, nothing
+  // reduced; its counts move no expert bias. `stats` are the evaluation's own (its D).
+  // Adds "ce" (and "z_out" with alpha_lse > 0) into `display` (may be null; registered by
+  // the caller). Collective over the EP group and the world, as ForwardBackward.
+  absl::StatusOr<MicroBatchLosses> Evaluate(const TokenBatch& batch,
+                                            const losses::StepStats& stats, int micro_index,
+                                            losses::StepDisplay* display);
+
   // Registers the display terms a model of `config` adds: "ce", "z", "bal", with
   // alpha_lse > 0 "z_out", the output z-loss of SEMANTICS.md §3.2 (then not in "ce"), and
   // "mtp_1" .. "mtp_<mtp_depth>" (§15.1). With alpha_lse = 0 and no MTP the registry, and
@@ -159,6 +168,12 @@ class MoeLmModel {
   // Samples the activation bytes held now into peak_activation_bytes_.
   void NoteActivationBytes();
   absl::Status Forward(int stage);
+  // An evaluation's stage: the forward without MTP, the head's loss without backward.
+  absl::Status EvalForward(int stage);
+  // What ops.Begin gets for `batch` (checked); forward_only: an evaluation's (no MTP).
+  absl::StatusOr<MicroBatchInputs> Inputs(const TokenBatch& batch, const losses::StepStats& stats,
+                                          int micro_index, const losses::MtpStats* mtp,
+                                          bool forward_only);
   absl::Status Backward(int stage);
   absl::Status LayerForward(int layer);
   absl::Status LayerBackward(int layer);

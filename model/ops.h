@@ -52,6 +52,9 @@ class DeviceArray {
 struct MicroBatchInputs {
   int64_t rows = 0;                      // T tokens
   int64_t row_block = 0;                 // see above; > 0 divides rows
+  // An evaluation (forward stages and LmHeadLoss only): no MTP inputs are expected, and
+  // nothing of backward runs.
+  bool forward_only = false;
   absl::Span<const int32_t> tokens;      // [T] in [0, V)
   absl::Span<const int32_t> labels;      // [T] in [0, V) or the ignore index
   absl::Span<const int32_t> mask;        // [T] 1 routed, 0 padding
@@ -198,6 +201,9 @@ class ModelOps {
   // into grad_out. Never holds all T x V logits at once where the device need not.
   virtual absl::Status LmHeadCrossEntropy(const float* f, const float* w_out, float* grad_f,
                                           GradTarget grad_out) = 0;
+  // The same loss, forward only (an evaluation, MicroBatchInputs::forward_only): its value
+  // (and z_out) into the terms as LmHeadCrossEntropy adds them, nothing else written.
+  virtual absl::Status LmHeadLoss(const float* f, const float* w_out) = 0;
 
   // ---- The attention block (SEMANTICS.md §10). ----
   // y = x @ w: x [T, in], w [in, out], y [T, out] written.

@@ -219,6 +219,11 @@ absl::Status ParallelParams::RunMicroBatch(const model::StageFns& stages, bool l
   return status;
 }
 
+absl::Status ParallelParams::RunForward(const model::StageFns& stages) {
+  GRADSUM_RETURN_IF_ERROR(store_->CheckMicroBatch());
+  return schedule_.RunForward(*store_, stages.forward);
+}
+
 std::vector<FlatParam*> ParallelParams::units() const {
   std::vector<FlatParam*> g;
   for (const auto& u : units_) g.push_back(u.get());

@@ -102,6 +102,7 @@ class ParallelParams : public model::ModelParams {
   int first_local_expert() const override { return first_local_expert_; }
   int64_t RowBlock(int64_t local_seq_len) const override;
   absl::Status RunMicroBatch(const model::StageFns& stages, bool last_micro_batch) override;
+  absl::Status RunForward(const model::StageFns& stages) override;
 
   // ---- The host side: optimizer, checkpoints, dumps. ----
   // The units this rank holds, in forward order (the optimizer's and checkpoints' groups).

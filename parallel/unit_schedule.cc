@@ -116,6 +116,22 @@ absl::Status UnitSchedule::RunMicroBatch(UnitStore& store, const Stages& stages,
   return absl::OkStatus();
 }
 
+absl::Status UnitSchedule::RunForward(UnitStore& store,
+                                      const std::function<absl::Status(int stage)>& forward) {
+  const int S = num_stages();
+  for (int s = 0; s < S; ++s) {
+    GRADSUM_RETURN_IF_ERROR(Gather(store, s, /*wait=*/true));
+    if (s + 1 < S) GRADSUM_RETURN_IF_ERROR(Gather(store, s + 1, /*wait=*/false));  // prefetch
+    GRADSUM_RETURN_IF_ERROR(forward(s));
+    if (options_.sharded) {
+      for (int u : stage_units_[s]) {
+        if (last_stage_[u] == s) GRADSUM_RETURN_IF_ERROR(store.Release(u));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status UnitSchedule::FinishStep(UnitStore& store) { return store.FinishReductions(); }
 
 int64_t UnitSchedule::TakePeakUnshardedBytes() {

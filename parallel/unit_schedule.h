@@ -116,6 +116,10 @@ class UnitSchedule {
   // One micro-batch's forward and backward with the unit traffic described above.
   // After an error the units may be left gathered; the next micro-batch re-uses them.
   absl::Status RunMicroBatch(UnitStore& store, const Stages& stages, bool last_micro_batch);
+  // One micro-batch's forward only (an evaluation): forward(s) for every stage, the turn
+  // stage's included, each stage's units gathered first (the next stage's prefetched), and
+  // in sharded mode each unit freed after its last stage. No gradient, no reduction.
+  absl::Status RunForward(UnitStore& store, const std::function<absl::Status(int stage)>& forward);
   // Waits for every reduction (before the grad norm and the optimizer).
   absl::Status FinishStep(UnitStore& store);
 

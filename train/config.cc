@@ -551,6 +551,17 @@ absl::Status ValidateConfig(const TrainConfig& c) {
   const CheckpointConfig& k = c.checkpoint();
   if (k.every() < 0) return Bad("checkpoint.every", StrCat(k.every()), "must be >= 0");
   if (c.log().every() < 1) return Bad("log.every", StrCat(c.log().every()), "must be >= 1");
+  if (c.log().eval_every() < 0) {
+    return Bad("log.eval_every", StrCat(c.log().eval_every()), "must be >= 0 (0: none)");
+  }
+  if (c.log().eval_micro_batches() < 1) {
+    return Bad("log.eval_micro_batches", StrCat(c.log().eval_micro_batches()), "must be >= 1");
+  }
+  if (c.log().eval_every() > 0 && !c.data().path().empty() && c.data().eval_path().empty()) {
+    return Bad("log.eval_every", StrCat(c.log().eval_every()),
+               StrCat("with data.path=", c.data().path(),
+                      " needs data.eval_path (--eval_data): a file of held-out documents"));
+  }
   if (k.keep() < 0) return Bad("checkpoint.keep", StrCat(k.keep()), "must be >= 0 (0: all)");
   if (k.resume() && k.dir().empty()) {
     return Bad("checkpoint.resume", "true", "needs checkpoint.dir");

@@ -43,6 +43,13 @@ ABSL_FLAG(std::optional<int32_t>, micro_batch, std::nullopt, "sequences per rank
 ABSL_FLAG(std::optional<std::string>, dump_dir, std::nullopt,
           "write step-1 weights, batches, grads, losses here");
 ABSL_FLAG(std::optional<std::string>, metrics, std::nullopt, "JSONL file, one line per step");
+ABSL_FLAG(std::optional<int32_t>, eval_every, std::nullopt,
+          "every N steps and after the last, the held-out CE (forward only; 0, the default: "
+          "none)");
+ABSL_FLAG(std::optional<int32_t>, eval_micro_batches, std::nullopt,
+          "held-out micro-batches per data rank and evaluation (default 1)");
+ABSL_FLAG(std::optional<std::string>, eval_data, std::nullopt,
+          "held-out documents (a text file) for --eval_every with --data");
 ABSL_FLAG(std::optional<int32_t>, log_every, std::nullopt,
           "print the log line of step 1, every N-th step and the last (default 1: every step)");
 ABSL_FLAG(std::optional<std::string>, checkpoint_dir, std::nullopt, "sharded checkpoints");
@@ -171,6 +178,9 @@ const std::vector<FlagField>& OverridableFlags() {
       {"dump_dir", "debug.dump_dir"},
       {"metrics", "log.metrics"},
       {"log_every", "log.every"},
+      {"eval_every", "log.eval_every"},
+      {"eval_micro_batches", "log.eval_micro_batches"},
+      {"eval_data", "data.eval_path"},
       {"checkpoint_dir", "checkpoint.dir"},
       {"checkpoint_every", "checkpoint.every"},
       {"keep_checkpoints", "checkpoint.keep"},

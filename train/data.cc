@@ -354,6 +354,49 @@ std::vector<int32_t> TextFileCorpus::Document(int64_t i) const {
   return doc;
 }
 
+namespace {
+
+// Documents offset .. offset + n - 1 of `source` as documents 0 .. n - 1.
+class OffsetDocuments : public DocumentSource {
+ public:
+  OffsetDocuments(std::shared_ptr<const DocumentSource> source, int64_t offset)
+      : source_(std::move(source)), offset_(offset) {}
+  int64_t num_documents() const override { return source_->num_documents(); }
+  int64_t DocumentLength(int64_t i) const override { return source_->DocumentLength(offset_ + i); }
+  std::vector<int32_t> Document(int64_t i) const override { return source_->Document(offset_ + i); }
+  double EntropyFloorNats() const override { return source_->EntropyFloorNats(); }
+  double ContextFloorNats() const override { return source_->ContextFloorNats(); }
+  int64_t MinDocumentLength() const override { return source_->MinDocumentLength(); }
+  int64_t MaxDocumentLength() const override { return source_->MaxDocumentLength(); }
+  std::string Describe() const override {
+    return absl::StrCat(source_->Describe(), "'s held-out documents");
+  }
+
+ private:
+  std::shared_ptr<const DocumentSource> source_;
+  int64_t offset_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<const DocumentSource>> MakeHeldOutCorpus(const DataConfig& config) {
+  if (config.path().empty()) {
+    absl::StatusOr<std::shared_ptr<const DocumentSource>> corpus = MakeCorpus(config);
+    if (!corpus.ok()) return corpus.status();
+    const int64_t n = (*corpus)->num_documents();
+    return std::shared_ptr<const DocumentSource>(
+        std::make_shared<const OffsetDocuments>(std::move(*corpus), n));
+  }
+  if (config.eval_path().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "log.eval_every > 0 with data.path=", config.path(),
+        " needs data.eval_path (--eval_data): a file of held-out documents"));
+  }
+  DataConfig held_out = config;
+  held_out.set_path(config.eval_path());
+  return MakeCorpus(held_out);
+}
+
 absl::StatusOr<std::shared_ptr<const DocumentSource>> MakeCorpus(const DataConfig& config) {
   if (config.path().empty()) {
     switch (config.corpus()) {

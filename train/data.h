@@ -253,6 +253,12 @@ class TextFileCorpus : public DocumentSource {
 // default; the file's errors as in TextFileCorpus::Load.
 absl::StatusOr<std::shared_ptr<const DocumentSource>> MakeCorpus(const DataConfig& config);
 
+// Documents no training step reads, for the held-out evaluation: for the embedded corpora,
+// the same chain's documents corpus_documents .. 2 corpus_documents - 1 (document i of the
+// result is the corpus's document corpus_documents + i, generated as every other from its
+// index); for a `path` run, the file `eval_path` (InvalidArgument naming it when empty).
+absl::StatusOr<std::shared_ptr<const DocumentSource>> MakeHeldOutCorpus(const DataConfig& config);
+
 // One micro-batch of one rank: `batch` packed sequences of `seq_len` tokens, row-major.
 struct MicroBatch {
   int batch = 0;

@@ -93,6 +93,18 @@ absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
   // The host kernels (router, experts, CE) use this rank's thread budget.
   ScopedComputeThreads compute_threads(options_.num_threads);
   GRADSUM_RETURN_IF_ERROR(params_->CheckMicroBatch());
+  return model_->ForwardBackward(Tokens(batch), stats, micro_index, display, mtp);
+}
+
+absl::StatusOr<MicroBatchLosses> MoeLm::Evaluate(const MicroBatch& batch,
+                                                 const losses::StepStats& stats, int micro_index,
+                                                 losses::StepDisplay* display) {
+  ScopedComputeThreads compute_threads(options_.num_threads);
+  GRADSUM_RETURN_IF_ERROR(params_->CheckMicroBatch());
+  return model_->Evaluate(Tokens(batch), stats, micro_index, display);
+}
+
+model::TokenBatch MoeLm::Tokens(const MicroBatch& batch) {
   model::TokenBatch tokens;
   tokens.sequences = batch.batch;
   tokens.seq_len = batch.seq_len;
@@ -103,7 +115,7 @@ absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
   tokens.positions = batch.positions;
   tokens.doc_start = batch.doc_start;
   for (const std::vector<int32_t>& x : batch.mtp_tokens) tokens.mtp_tokens.push_back(x);
-  return model_->ForwardBackward(tokens, stats, micro_index, display, mtp);
+  return tokens;
 }
 
 }  // namespace gradsum::train

@@ -111,6 +111,12 @@ class MoeLm {
                                                    losses::StepDisplay* display,
                                                    const losses::MtpStats* mtp = nullptr);
 
+  // A held-out evaluation of one micro-batch (model/moe_lm.h MoeLmModel::Evaluate): forward
+  // only, nothing reduced, no expert bias moved. Collective.
+  absl::StatusOr<MicroBatchLosses> Evaluate(const MicroBatch& batch,
+                                            const losses::StepStats& stats, int micro_index,
+                                            losses::StepDisplay* display);
+
   // After the step's last ForwardBackward: every unit's reduction done, master_grad()
   // holds the SUM-reduced gradient (§7). Collective (the waits).
   absl::Status FinishGradReduce() { return params_->FinishGradReduce(); }
@@ -145,6 +151,8 @@ class MoeLm {
   const MoeLmOptions& options() const { return options_; }
 
  private:
+  // The model's view of a loader's micro-batch (spans into `batch`).
+  static model::TokenBatch Tokens(const MicroBatch& batch);
   MoeLm() = default;
 
   MoeLmOptions options_;

@@ -27,9 +27,11 @@ std::string ParityReport::ToString() const {
   return out;
 }
 
-absl::StatusOr<std::vector<std::vector<MicroBatch>>> GlobalBatchForStep(const TrainConfig& config,
-                                                                        int64_t step_index) {
-  GRADSUM_ASSIGN_OR_RETURN(std::shared_ptr<const DocumentSource> corpus, MakeCorpus(config.data()));
+absl::StatusOr<std::vector<std::vector<MicroBatch>>> GlobalBatchForStep(
+    const TrainConfig& config, int64_t step_index, std::shared_ptr<const DocumentSource> corpus) {
+  if (corpus == nullptr) {
+    GRADSUM_ASSIGN_OR_RETURN(corpus, MakeCorpus(config.data()));
+  }
   // The whole sequences of the world / sp data ranks (each SP group's rows; §12).
   const int G = config.parallelism().grad_acc(),
             W = config.parallelism().world() / std::max(1, config.parallelism().sp()) /
@@ -45,10 +47,8 @@ absl::StatusOr<std::vector<std::vector<MicroBatch>>> GlobalBatchForStep(const Tr
   return batch;
 }
 
-absl::StatusOr<ParityReport> CheckParity(const TrainConfig& config, const NamedParams& weights,
-                                         const std::vector<std::vector<MicroBatch>>& global_batch,
-                                         const NamedParams& grads, const StepLosses& losses,
-                                         double tolerance, const model::ExpertBias& expert_bias) {
+testing::ReferenceConfig ReferenceConfigFor(const TrainConfig& config,
+                                            const model::ExpertBias& expert_bias) {
   const ModelConfig& m = config.model();
   testing::ReferenceConfig rc;
   rc.vocab = m.vocab();
@@ -76,6 +76,14 @@ absl::StatusOr<ParityReport> CheckParity(const TrainConfig& config, const NamedP
   }
   rc.ignore_index = kIgnoreIndex;
   rc.ce_mode = TrainConfig::CeMode_Name(config.loss().ce_mode());
+  return rc;
+}
+
+absl::StatusOr<ParityReport> CheckParity(const TrainConfig& config, const NamedParams& weights,
+                                         const std::vector<std::vector<MicroBatch>>& global_batch,
+                                         const NamedParams& grads, const StepLosses& losses,
+                                         double tolerance, const model::ExpertBias& expert_bias) {
+  const testing::ReferenceConfig rc = ReferenceConfigFor(config, expert_bias);
   testing::NamedTensors params;
   for (const auto& [name, values] : weights) params[name].assign(values.begin(), values.end());
   std::vector<std::vector<testing::ReferenceMicroBatch>> batch(global_batch.size());

@@ -16,10 +16,12 @@
 // and per loss term |v - v_ref| / |v_ref|. `ok` when every |norm_ratio - 1|, every
 // max_rel_err and every loss error is <= tolerance.
 
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "testing/reference_moe_lm.h"
 #include "train/config.pb.h"
 #include "train/data.h"
 #include "train/moe_lm.h"
@@ -50,8 +52,16 @@ struct ParityReport {
 // The global batch of step `step_index` (0-based): batch[m][r] for every data rank r (the
 // world's ranks, or its world / sp sequence-parallel groups, each with whole sequences):
 // rows of the global sequence stream (train/data.h), rebuilt from the data config.
-absl::StatusOr<std::vector<std::vector<MicroBatch>>> GlobalBatchForStep(const TrainConfig& config,
-                                                                        int64_t step_index);
+// `corpus` null: the config's (MakeCorpus); else that one (MakeHeldOutCorpus's: the held-out
+// evaluation's batch, with parallelism.grad_acc set to log.eval_micro_batches).
+absl::StatusOr<std::vector<std::vector<MicroBatch>>> GlobalBatchForStep(
+    const TrainConfig& config, int64_t step_index,
+    std::shared_ptr<const DocumentSource> corpus = nullptr);
+
+// The fp64 reference model's config for `config` (testing/reference_moe_lm.h), routing
+// with `expert_bias`.
+testing::ReferenceConfig ReferenceConfigFor(const TrainConfig& config,
+                                            const model::ExpertBias& expert_bias = {});
 
 // The display values to compare: the global ce, z and bal of the step, and the output
 // z-loss z_out of SEMANTICS.md §3.2 (compared only when loss.alpha_lse > 0).

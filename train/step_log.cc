@@ -75,6 +75,7 @@ std::string StepLogLine(const StepMetrics& r, int64_t total_steps, double eta_s)
   // The output z-loss (§3.2) only in runs that have it, after the router's z; then MTP's
   // terms (SEMANTICS.md §15.1), one per depth, nothing without --mtp_depth.
   std::string extra = r.has_z_out() ? absl::StrFormat(" | z_out %.6f", r.z_out()) : "";
+  if (r.has_eval_ce()) absl::StrAppendFormat(&extra, " | eval ce %.4f", r.eval_ce());
   for (int j = 0; j < r.mtp_size(); ++j) {
     absl::StrAppendFormat(&extra, "%s%.4f", j == 0 ? " | mtp " : " ", r.mtp(j));
   }
@@ -90,12 +91,14 @@ std::string StepLogLine(const StepMetrics& r, int64_t total_steps, double eta_s)
 }
 
 absl::StatusOr<std::string> StepJsonLine(const StepMetrics& record) {
-  // z_out is the one field set only when its option is on (--alpha_lse; metrics.proto).
+  // z_out and eval_ce are the fields set only when their option is on (--alpha_lse,
+  // --eval_every on an evaluated step; metrics.proto).
   StepMetrics complete;
   const StepMetrics* checked = &record;
-  if (!record.has_z_out()) {
+  if (!record.has_z_out() || !record.has_eval_ce()) {
     complete = record;
-    complete.set_z_out(0);
+    if (!record.has_z_out()) complete.set_z_out(0);
+    if (!record.has_eval_ce()) complete.set_eval_ce(0);
     checked = &complete;
   }
   if (const std::string missing = FirstMissingField(*checked); !missing.empty()) {
@@ -119,6 +122,14 @@ TrainSummary Summarize(const std::vector<StepMetrics>& history, int64_t first_st
     if (r.step() == first_step) s.first_ce = r.ce();
     s.last_step = r.step();
     s.last_ce = r.ce();
+    if (r.has_eval_ce()) {
+      if (s.first_eval_step < 0) {
+        s.first_eval_step = r.step();
+        s.first_eval_ce = r.eval_ce();
+      }
+      s.last_eval_step = r.step();
+      s.last_eval_ce = r.eval_ce();
+    }
     if (r.has_z_out()) {
       if (r.step() == first_step) s.first_z_out = r.z_out();
       s.last_z_out = r.z_out();
@@ -191,6 +202,10 @@ std::string TrainSummary::ToString() const {
                         median_peak_activation_bytes / (1 << 20));
   absl::StrAppendFormat(&out, "summary: ce %.4f -> %.4f (mean of the last steps %.4f)\n", first_ce,
                         last_ce, tail_mean_ce);
+  if (first_eval_step >= 0) {
+    absl::StrAppendFormat(&out, "summary: held-out ce %.4f (step %d) -> %.4f (step %d)\n",
+                          first_eval_ce, first_eval_step, last_eval_ce, last_eval_step);
+  }
   if (tail_mean_z_out >= 0) {
     absl::StrAppendFormat(&out,
                           "summary: output z-loss z_out %.6f -> %.6f (mean of the last steps "

@@ -52,6 +52,10 @@ struct TrainSummary {
   // The output z-loss of SEMANTICS.md §3.2 (StepMetrics.z_out), as ce; all three < 0 when
   // the records have none (--alpha_lse = 0: the summary then prints no line for it).
   double first_z_out = -1, last_z_out = -1, tail_mean_z_out = -1;
+  // The held-out CE (StepMetrics.eval_ce) at the first and last evaluated steps; steps < 0
+  // when none was.
+  int64_t first_eval_step = -1, last_eval_step = -1;
+  double first_eval_ce = 0, last_eval_ce = 0;
   // nats/token, < 0 when unknown (a --data file): the best expected CE of a model that sees
   // only the current token, and of one that sees the whole document so far (train/data.h).
   double entropy_floor = -1;

@@ -104,6 +104,19 @@ TEST(StepLogTest, LogLineAndSummary) {
             "step   7/500 | ce 2.5000 | bal 0.125000 | z 0.000000 | valid 4096 | gnorm 0.1000 | "
             "lr 1.00e-04 | 30000.00M tok/s | comm 250.0 ms, exposed 62.5 ms (4%) | wait 0.0 ms | "
             "params 50%");
+  // The held-out CE, on the steps evaluated, after z.
+  StepMetrics evaluated = r;
+  evaluated.set_eval_ce(1.75);
+  EXPECT_EQ(StepLogLine(evaluated, 500),
+            "step   7/500 | ce 2.5000 | bal 0.125000 | z 0.000000 | eval ce 1.7500 | valid 4096 | "
+            "gnorm 0.1000 | lr 1.00e-04 | 30000.00M tok/s | comm 250.0 ms, exposed 62.5 ms (4%) | "
+            "wait 0.0 ms | params 50%");
+  absl::StatusOr<std::string> evaluated_json = StepJsonLine(evaluated);
+  ASSERT_TRUE(evaluated_json.ok()) << evaluated_json.status();
+  EXPECT_NE(evaluated_json->find("\"eval_ce\":1.75"), std::string::npos) << *evaluated_json;
+  absl::StatusOr<std::string> plain_json = StepJsonLine(r);
+  ASSERT_TRUE(plain_json.ok());
+  EXPECT_EQ(plain_json->find("eval_ce"), std::string::npos);
   // The time left, when the trainer gives it, at the end.
   EXPECT_EQ(StepLogLine(r, 500, 185.4),
             "step   7/500 | ce 2.5000 | bal 0.125000 | z 0.000000 | valid 4096 | gnorm 0.1000 | "
@@ -146,6 +159,16 @@ TEST(StepLogTest, LogLineAndSummary) {
             "0.0000\n"
             "summary: entropy floor 1.2500 nats/token; ce / floor = 1.200 (NOT within 1.10)\n");
   EXPECT_EQ(Summarize({r}, 8, -1).ToString(), "summary: no steps run\n");
+  // The held-out CE's first and last evaluated steps.
+  StepMetrics e1 = r, e2 = r;
+  e1.set_step(8);
+  e1.set_eval_ce(2.25);
+  e2.set_step(9);
+  e2.set_eval_ce(1.125);
+  const std::string with_eval = Summarize({e1, e2}, 8, -1).ToString();
+  EXPECT_NE(with_eval.find("summary: held-out ce 2.2500 (step 8) -> 1.1250 (step 9)\n"),
+            std::string::npos)
+      << with_eval;
 }
 
 // The output z-loss of SEMANTICS.md §3.2 is its own field, set only by runs with

@@ -124,7 +124,39 @@ absl::Status Trainer::PrepareLocal() {
                              config_.parallelism().sp(), config_.parallelism().cp()));
   GRADSUM_RETURN_IF_ERROR(loader.SetMtpDepth(config_.model().mtp_depth()));
   loader_ = std::make_unique<RankDataLoader>(std::move(loader));
+  if (config_.log().eval_every() > 0) {
+    // The held-out batch, the same at every evaluation (so the values compare).
+    GRADSUM_ASSIGN_OR_RETURN(std::shared_ptr<const DocumentSource> held_out,
+                             MakeHeldOutCorpus(config_.data()));
+    GRADSUM_ASSIGN_OR_RETURN(
+        RankDataLoader eval_loader,
+        RankDataLoader::Create(held_out, config_.data(), world().rank(), world().size(),
+                               config_.parallelism().sp(), config_.parallelism().cp()));
+    eval_batches_ = eval_loader.NextStep(config_.log().eval_micro_batches());
+  }
   return absl::OkStatus();
+}
+
+// The held-out CE (log.eval_every): every evaluation micro-batch forward only, its CE
+// summed as the display sums training's (exact in reproducible mode), over the
+// evaluation's own global statistics (computed once: the batch never changes).
+absl::StatusOr<double> Trainer::Evaluate() {
+  if (eval_batches_.empty()) {
+    return absl::FailedPreconditionError("Evaluate: no held-out batch (log.eval_every is 0)");
+  }
+  if (!eval_stats_.has_value()) {
+    GRADSUM_ASSIGN_OR_RETURN(eval_stats_, ComputeStatistics(eval_batches_));
+  }
+  losses::StepDisplay display(0, 0, model_->options().parallel.precision);
+  GRADSUM_RETURN_IF_ERROR(display.RegisterTerm("ce"));
+  if (config_.loss().alpha_lse() > 0) GRADSUM_RETURN_IF_ERROR(display.RegisterTerm("z_out"));
+  for (size_t m = 0; m < eval_batches_.size(); ++m) {
+    GRADSUM_RETURN_IF_ERROR(
+        model_->Evaluate(eval_batches_[m], *eval_stats_, static_cast<int>(m), &display)
+            .status());
+  }
+  GRADSUM_ASSIGN_OR_RETURN(const losses::StepDisplayValues values, display.Reduce(world()));
+  return values.Value("ce");
 }
 
 absl::Status Trainer::PrepareOutputs() {
@@ -482,7 +514,13 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
       if (signal != 0) return StopOnSignal(signal, log);
     }
     if (step_ >= steps) break;
-    GRADSUM_ASSIGN_OR_RETURN(const StepMetrics r, Step());
+    GRADSUM_ASSIGN_OR_RETURN(StepMetrics r, Step());
+    const int eval_every = config_.log().eval_every();
+    if (eval_every > 0 && (step_ % eval_every == 0 || step_ == steps)) {
+      GRADSUM_ASSIGN_OR_RETURN(const double eval_ce, Evaluate());
+      r.set_eval_ce(eval_ce);
+      history_.back().set_eval_ce(eval_ce);
+    }
     if (log != nullptr &&
         (step_ == first_step || step_ == steps || step_ % config_.log().every() == 0)) {
       // The time left at this run's mean step time so far (not before the run's first

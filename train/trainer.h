@@ -82,6 +82,12 @@ class Trainer {
   const std::optional<NamedParams>& first_step_grads() const { return first_step_grads_; }
   const std::vector<StepMetrics>& history() const { return history_; }
 
+  // The held-out CE of the evaluation batch (log.eval_every > 0: Run calls it every
+  // eval_every steps and after the last; the same batch each time): forward only, nothing
+  // reduced, no parameter or statistic of training moved. FailedPrecondition without
+  // log.eval_every. Collective.
+  absl::StatusOr<double> Evaluate();
+
  private:
   // checkpoint.save_on_signal, at a step boundary: the largest stop signal any rank has
   // received (0: none; one MAX all-reduce). Collective.
@@ -154,6 +160,9 @@ class Trainer {
   std::optional<ParityReport> parity_;
   std::optional<NamedParams> first_step_grads_;
   std::vector<StepMetrics> history_;
+  // log.eval_every: this rank's held-out micro-batches and their global statistics.
+  std::vector<MicroBatch> eval_batches_;
+  std::optional<losses::StepStats> eval_stats_;
 };
 
 }  // namespace gradsum::train

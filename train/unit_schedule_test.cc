@@ -189,6 +189,33 @@ const std::vector<std::string> kMicroBatch = {
     "RS emb",                   // the embedding
 };
 
+// An evaluation (Trainer::Evaluate, UnitSchedule::RunForward) after a step: each stage's
+// units gathered with the next stage's prefetched, the head's included, and not one
+// gradient reduce-scatter.
+TEST(UnitScheduleTest, AnEvaluationOnlyGathers) {
+  TrainConfig config = TinyConfig(2, 1, 1, TrainConfig::fsdp);
+  config.mutable_log()->set_eval_every(1);
+  std::vector<std::vector<Op>> logs(2);
+  ASSERT_TRUE(ValidateConfig(config).ok());
+  absl::Status s = testing::RunRanks(2, [&](Communicator& world) -> absl::Status {
+    auto log = std::make_shared<std::vector<Op>>();
+    RecordingCommunicator recording(&world, log, absl::ZeroDuration());
+    GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(&recording, config.parallelism()));
+    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
+                             Trainer::Create(config, mesh.comms()));
+    GRADSUM_RETURN_IF_ERROR(trainer->Step().status());
+    log->clear();
+    GRADSUM_RETURN_IF_ERROR(trainer->Evaluate().status());
+    logs[world.rank()] = *log;
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(s.ok()) << s;
+  for (const std::vector<Op>& log : logs) {
+    EXPECT_THAT(UnitTraffic(log), ElementsAreArray(std::vector<std::string>{
+                                      "AG emb", "AG L", "AG X", "AG L", "AG X", "AG head"}));
+  }
+}
+
 TEST(UnitScheduleTest, CollectivesAreIssuedInFsdpOrder) {
   TrainConfig config = TinyConfig(2, 1, 1, TrainConfig::fsdp);
   auto runs = Record(config, 1);

@@ -105,7 +105,7 @@ class CudaOps : public ModelOps {
                                                        ") and not ignore_index ", kIgnoreIndex));
       }
     }
-    const int k = config_.mtp_depth;
+    const int k = in.forward_only ? 0 : config_.mtp_depth;
     GRADSUM_RETURN_IF_ERROR(CheckMtpInputs(in, k));
     for (int j = 0; j < k; ++j) {
       for (int64_t t = 0; t < T; ++t) {
@@ -166,7 +166,8 @@ class CudaOps : public ModelOps {
       GRADSUM_RETURN_IF_ERROR(Reserve(&labels_, T * sizeof(int64_t)));
       GRADSUM_RETURN_IF_ERROR(Reserve(&mask_, T));
       GRADSUM_RETURN_IF_ERROR(Reserve(&weights_, T * sizeof(float)));
-      GRADSUM_RETURN_IF_ERROR(Reserve(&scalars_, (kScalars + 2 * k) * sizeof(double)));
+      GRADSUM_RETURN_IF_ERROR(
+          Reserve(&scalars_, (kScalars + 2 * config_.mtp_depth) * sizeof(double)));
       if (k > 0) {
         GRADSUM_RETURN_IF_ERROR(Reserve(&mtp_tokens_, k * T * sizeof(int32_t)));
         GRADSUM_RETURN_IF_ERROR(Reserve(&mtp_labels_, k * T * sizeof(int64_t)));
@@ -180,7 +181,7 @@ class CudaOps : public ModelOps {
     mask_host_.assign(in.mask.begin(), in.mask.end());
     // D, N, the loss slots, then per MTP depth its normaliser D_j k / mtp_scale and its
     // loss slot.
-    std::vector<double> scalars(kScalars + 2 * k, 0.0);
+    std::vector<double> scalars(kScalars + 2 * config_.mtp_depth, 0.0);  // MTP slots 0 if unused
     scalars[0] = in.global_ce_weight_sum;
     scalars[1] = static_cast<double>(in.global_routed_tokens);
     for (int j = 0; j < k; ++j) scalars[kScalars + 2 * j] = in.mtp_ce_normaliser[j];
@@ -282,7 +283,7 @@ class CudaOps : public ModelOps {
     labels.weights = weighted ? mtp_weights_.as<float>() + (depth - 1) * T : nullptr;
     labels.global_weight_sum = slots;
     labels.loss = slots + 1;
-    return HeadCrossEntropy(f, w_out, grad_f, std::move(grad_out), labels);
+    return HeadCrossEntropy(f, w_out, grad_f, &grad_out, labels);
   }
 
   absl::Status RmsNormForward(const float* x, const float* gain, float* y,
@@ -363,22 +364,13 @@ class CudaOps : public ModelOps {
 
   absl::Status LmHeadCrossEntropy(const float* f, const float* w_out, float* grad_f,
                                   GradTarget grad_out) override {
-    double* d = scalars_.as<double>();
-    HeadLabels labels;
-    labels.labels = labels_.as<int64_t>();
-    labels.weights = in_.ce_weights.empty() ? nullptr : weights_.as<float>();  // null: token
-    labels.global_weight_sum = d;
-    // The display shows the CE and the output z-loss apart (ce, z_out): with alpha_lse > 0
-    // the CE term is ce_loss and the objective (their sum, not displayed) goes to its own
-    // scalar; without it the CE term is the loss, as before the options.
-    if (config_.alpha_lse > 0.0) {
-      labels.loss = d + 6;
-      labels.ce_loss = d + 2;
-      labels.z_out_loss = d + 5;
-    } else {
-      labels.loss = d + 2;
-    }
-    return HeadCrossEntropy(f, w_out, grad_f, std::move(grad_out), labels);
+    return HeadCrossEntropy(f, w_out, grad_f, &grad_out, MainHeadLabels());
+  }
+
+  // Forward only: the same GEMM and CE kernel, with no gradient (the kernel's forward-only
+  // mode) and no backward GEMMs.
+  absl::Status LmHeadLoss(const float* f, const float* w_out) override {
+    return HeadCrossEntropy(f, w_out, nullptr, nullptr, MainHeadLabels());
   }
 
   // ---- The attention block. ----
@@ -557,12 +549,35 @@ class CudaOps : public ModelOps {
     double* z_out_loss = nullptr;
   };
 
+  // The main head's labels, weights, D and loss slots.
+  HeadLabels MainHeadLabels() {
+    double* d = scalars_.as<double>();
+    HeadLabels labels;
+    labels.labels = labels_.as<int64_t>();
+    labels.weights = in_.ce_weights.empty() ? nullptr : weights_.as<float>();  // null: token
+    labels.global_weight_sum = d;
+    // The display shows the CE and the output z-loss apart (ce, z_out): with alpha_lse > 0
+    // the CE term is ce_loss and the objective (their sum, not displayed) goes to its own
+    // scalar; without it the CE term is the loss, as before the options.
+    if (config_.alpha_lse > 0.0) {
+      labels.loss = d + 6;
+      labels.ce_loss = d + 2;
+      labels.z_out_loss = d + 5;
+    } else {
+      labels.loss = d + 2;
+    }
+    return labels;
+  }
+
   // logits = f @ W_out, the fused CE in place with §3.2's options (as the CPU ops pass
   // them), grad_f = dlogits @ W_out^T, dW_out += f^T @ dlogits (§3). The main head and
-  // every MTP depth's.
+  // every MTP depth's. grad_out null: forward only (the loss; nothing else written).
   absl::Status HeadCrossEntropy(const float* f, const float* w_out, float* grad_f,
-                                GradTarget grad_out, const HeadLabels& labels) {
-    GRADSUM_ASSIGN_OR_RETURN(float* d_out, DeviceGrad(grad_out, "out"));
+                                GradTarget* grad_out, const HeadLabels& labels) {
+    float* d_out = nullptr;
+    if (grad_out != nullptr) {
+      GRADSUM_ASSIGN_OR_RETURN(d_out, DeviceGrad(*grad_out, "out"));
+    }
     const int64_t T = in_.rows, D = config_.dim, V = config_.vocab;
     cudaStream_t s = exec_.stream;
     GRADSUM_RETURN_IF_ERROR(GemmRowMajor(ctx_->blas, s, false, false, T, V, D, f, D, w_out, V,
@@ -575,7 +590,7 @@ class CudaOps : public ModelOps {
     ce.labels = labels.labels;
     ce.token_weights = labels.weights;
     ce.global_weight_sum = labels.global_weight_sum;
-    ce.grad_logits = logits_.get();
+    ce.grad_logits = grad_out != nullptr ? logits_.get() : nullptr;
     ce.ignore_index = kIgnoreIndex;
     ce.label_smoothing = config_.label_smoothing;
     ce.logit_softcap = config_.logit_softcap;
@@ -584,6 +599,7 @@ class CudaOps : public ModelOps {
     ce.ce_loss = labels.ce_loss;
     ce.z_out_loss = labels.z_out_loss;
     GRADSUM_RETURN_IF_ERROR(losses::CrossEntropyCuda(ce, s));  // checks labels (a host sync)
+    if (grad_out == nullptr) return absl::OkStatus();
     GRADSUM_RETURN_IF_ERROR(GemmRowMajor(ctx_->blas, s, false, true, T, D, V, logits_.get(), V,
                                          w_out, V, DType::kF32, grad_f, D, DType::kF32));
     return GemmRowMajor(ctx_->blas, s, true, false, D, V, T, f, D, logits_.get(), V, DType::kF32,

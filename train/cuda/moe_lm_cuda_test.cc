@@ -240,6 +240,8 @@ void ExpectGpuMatchesReferenceAndCpu(TrainConfig config) {
       EXPECT_NEAR(g.mtp(j), c.mtp(j), 1e-4 * std::abs(c.mtp(j))) << s << " depth " << j + 1;
     }
     EXPECT_NEAR(g.grad_norm(), c.grad_norm(), 1e-4 * c.grad_norm()) << s;
+    ASSERT_EQ(g.has_eval_ce(), c.has_eval_ce()) << s;
+    EXPECT_NEAR(g.eval_ce(), c.eval_ce(), 1e-4 * std::abs(c.eval_ce())) << s;
     // The global counts (what the expert bias of §5.1 moves by): the same choices.
     EXPECT_EQ(std::vector<int64_t>(g.tokens_per_expert().begin(), g.tokens_per_expert().end()),
               std::vector<int64_t>(c.tokens_per_expert().begin(), c.tokens_per_expert().end()))
@@ -316,6 +318,22 @@ absl::StatusOr<OneGpu> MakeOneGpu() {
   MoeLmOptions model_options;
   model_options.model = TinyConfig(1, 1, 1, TrainConfig::fsdp).model();
   return OneGpu{std::move(host), std::move(nccl), model_options};
+}
+
+// The held-out evaluation on the GPU (CudaOps::LmHeadLoss: the CE kernel's forward-only
+// mode; the model's forward without backward): every step's eval_ce against the CPU
+// trainer's, with attention, sample weighting and the CE options.
+TEST(MoeLmCudaOptionsTest, HeldOutEvaluationMatchesCpuTrainer) {
+  GRADSUM_SKIP_WITHOUT_GPU();
+  TrainConfig config = TinyConfig(1, 1, 2, TrainConfig::fsdp);
+  config.mutable_model()->set_attention(ModelConfig::causal);
+  config.mutable_model()->set_heads(2);
+  config.mutable_model()->set_kv_heads(1);
+  config.mutable_loss()->set_ce_mode(TrainConfig::sample);
+  config.mutable_loss()->set_alpha_lse(0.01);
+  config.mutable_log()->set_eval_every(1);
+  config.mutable_log()->set_eval_micro_batches(2);
+  ExpectGpuMatchesReferenceAndCpu(config);
 }
 
 // HSDP (SEMANTICS.md §7) on one GPU: a shard group of one, no replica, so the result is
