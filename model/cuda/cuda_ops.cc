@@ -476,7 +476,8 @@ class CudaOps : public ModelOps {
   absl::StatusOr<MicroBatchLossTerms> End() override {
     cudaStream_t s = exec_.stream;
     const int k = config_.mtp_depth;
-    const int L = config_.layers + k, E = config_.experts;  // every MoE layer, MTP's too
+    // Every MoE layer that ran: MTP's too, except in an evaluation (which skips them).
+    const int L = config_.layers + (in_.forward_only ? 0 : k), E = config_.experts;
     // ce, z, bal, z_out (scalars 2..5), the objective (6), then per depth (D_j', loss_j).
     std::vector<double> losses_host(kScalars - 2 + 2 * k, 0.0);
     GRADSUM_CUDA_RETURN_IF_ERROR(
