@@ -135,6 +135,20 @@ void PrintBanner(const TrainConfig& config, std::ostream& out) {
                            OptimConfig::LrDecay_Name(optim.lr_decay()), optim.min_lr(),
                            optim.decay_steps() > 0 ? optim.decay_steps() : optim.steps());
   }
+  if (optim.weight_decay() > 0) {
+    out << absl::StrFormat("moe_lm: weight decay %g on %s\n", optim.weight_decay(),
+                           optim.decay_norms() ? "every parameter"
+                                               : "the matrices and the embedding (not the norm "
+                                                 "gains)");
+  }
+  if (config.log().eval_every() > 0) {
+    out << absl::StrFormat(
+        "moe_lm: held-out CE every %d steps and after the last: %d micro-batch(es) per data "
+        "rank of %s\n",
+        config.log().eval_every(), config.log().eval_micro_batches(),
+        config.data().path().empty() ? std::string("the embedded corpus's held-out documents")
+                                     : absl::StrCat("--eval_data=", config.data().eval_path()));
+  }
   const LossConfig& loss = config.loss();
   if (loss.label_smoothing() != 0 || loss.logit_softcap() != 0 || loss.alpha_lse() != 0) {
     // Only when on, so that the default banner is unchanged.
