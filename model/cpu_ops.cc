@@ -12,6 +12,7 @@
 #include "core/status.h"
 #include "core/tensor.h"
 #include "core/thread_pool.h"
+#include "losses/cross_entropy.h"
 #include "losses/linear_cross_entropy.h"
 #include "losses/router_losses.h"
 #include "losses/step_stats.h"
@@ -32,6 +33,19 @@ class HostArray : public DeviceArray {
  private:
   std::vector<float> storage_;
 };
+
+// One CE call's display values over D (SEMANTICS.md §3.2): with `split` the CE alone
+// (local_weighted_ce_sum / D) and the output z-loss (alpha_lse local_weighted_lse_sq_sum / D),
+// both 0 when D is 0; without, the call's whole local loss and 0.
+struct CeDisplay {
+  double ce = 0, z_out = 0;
+};
+CeDisplay SplitCeDisplay(const losses::CrossEntropyResult& r, double d, double alpha_lse,
+                         bool split) {
+  if (!split) return {r.local_loss, 0.0};
+  if (!(d > 0.0)) return {0.0, 0.0};
+  return {r.local_weighted_ce_sum / d, alpha_lse * r.local_weighted_lse_sq_sum / d};
+}
 
 // Adds blocks [b * n, (b + 1) * n) of `blocks` (each one row block's contribution) to the
 // sink's elements [0, n), in block order, split into element ranges over the threads
@@ -394,15 +408,13 @@ class CpuOps : public ModelOps {
           losses::CrossEntropyResult ce,
           losses::CrossEntropyForward(view, absl::MakeConstSpan(labels_).subspan(r0, rows),
                                       weights, d, options));
-      double ce_value = ce.local_loss, z_out = 0.0;
+      const CeDisplay shown = SplitCeDisplay(ce, d, alpha_lse, alpha_lse > 0.0);
       if (alpha_lse > 0.0) {
-        ce_value = d > 0.0 ? ce.local_weighted_ce_sum / d : 0.0;
-        z_out = d > 0.0 ? alpha_lse * ce.local_weighted_lse_sq_sum / d : 0.0;
-        terms_.z_out += z_out;
-        if (in_.row_block > 0) terms_.z_out_terms.push_back(z_out);
+        terms_.z_out += shown.z_out;
+        if (in_.row_block > 0) terms_.z_out_terms.push_back(shown.z_out);
       }
-      terms_.ce += ce_value;
-      if (in_.row_block > 0) terms_.ce_terms.push_back(ce_value);
+      terms_.ce += shown.ce;
+      if (in_.row_block > 0) terms_.ce_terms.push_back(shown.ce);
     }
     return absl::OkStatus();
   }
@@ -455,12 +467,9 @@ class CpuOps : public ModelOps {
               losses::LinearCrossEntropyForwardBackward(f_view, head_view,
                                                         labels.subspan(r0, rows), weights, d,
                                                         grad_f_view, grad_head_view, ce_options));
-          if (split_z_out) {
-            block_ce[q] = d > 0.0 ? ce.ce.local_weighted_ce_sum / d : 0.0;
-            block_z_out[q] = d > 0.0 ? alpha_lse * ce.ce.local_weighted_lse_sq_sum / d : 0.0;
-          } else {
-            block_ce[q] = ce.ce.local_loss;
-          }
+          const CeDisplay shown = SplitCeDisplay(ce.ce, d, alpha_lse, split_z_out);
+          block_ce[q] = shown.ce;
+          if (split_z_out) block_z_out[q] = shown.z_out;
           return absl::OkStatus();
         }));
     for (double v : block_ce) *value += v;
