@@ -187,6 +187,14 @@ class Shift {
   std::unique_ptr<Work> work_;
 };
 
+// The block the ring passes on: this rank's k, then its v ([2, rows, kv_heads, d]).
+std::vector<float> KvBlock(const Layout& l, absl::Span<const float> k, absl::Span<const float> v) {
+  std::vector<float> kv(2 * l.kv_floats);
+  std::copy(k.begin(), k.end(), kv.begin());
+  std::copy(v.begin(), v.end(), kv.begin() + l.kv_floats);
+  return kv;
+}
+
 // The ring's schedule, written once for both directions. `kv` holds this rank's k then v
 // ([2, rows, kv_heads, d]); at step s = 0..C-1 it holds rank (rank - s) mod C's (the next
 // step's exchange starts before the step's work and is waited for after it). pair(s, h, j,
@@ -351,9 +359,7 @@ absl::Status RingAttentionForward(Communicator& cp_group, const RingAttentionDim
   const int64_t state = S * H * l.local;  // per (sequence, head, local token)
   std::vector<float> run_max(state, -INFINITY), run_sum(state, 0.0f);
   std::vector<float> acc(state * dp, 0.0f);
-  std::vector<float> kv(2 * l.kv_floats);
-  std::copy(k.begin(), k.end(), kv.begin());
-  std::copy(v.begin(), v.end(), kv.begin() + l.kv_floats);
+  std::vector<float> kv = KvBlock(l, k, v);
   const float scale = internal::AttentionScale(d);
   NoteBuffers(times, 2 * state + state * dp + 4 * l.kv_floats +
                          ScratchFloats(kernels.pair_forward_scratch_floats(dp), S * Hk));
@@ -486,9 +492,7 @@ absl::Status RingAttentionBackward(Communicator& cp_group, const RingAttentionDi
     }
   }
   std::vector<float> dq_acc(state * dp, 0.0f);
-  std::vector<float> kv(2 * l.kv_floats);
-  std::copy(k.begin(), k.end(), kv.begin());
-  std::copy(v.begin(), v.end(), kv.begin() + l.kv_floats);
+  std::vector<float> kv = KvBlock(l, k, v);
   // The travelling dK, dV accumulators of the key/value block held: [S, Hk, 2c, dp] each.
   const int64_t kv_state = S * Hk * l.local;
   std::vector<float> dkv_cur(2 * kv_state * dp, 0.0f), dkv_next(2 * kv_state * dp);
