@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -96,26 +97,25 @@ class CudaOps : public ModelOps {
           " rows (per-sequence blocks are the exact gradient precision's: CPU backends only)"));
     }
     const int64_t V = config_.vocab, T = in.rows;
-    // Labels on the host, before any device work: the kernels trust them.
-    for (int64_t t = 0; t < T; ++t) {
-      const int32_t y = in.labels[t];
-      if (y != kIgnoreIndex && (y < 0 || y >= V)) {
-        return absl::InvalidArgumentError(absl::StrCat("label ", y, " at position ", t,
-                                                       " outside [0, ", V,
-                                                       ") and not ignore_index ", kIgnoreIndex));
+    // Labels on the host, before any device work: the kernels trust them. `where` prefixes
+    // the message ("" for the main labels, "MTP depth j: ").
+    auto check_labels = [&](auto labels, const std::string& where) -> absl::Status {
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t y = labels[t];
+        if (y != kIgnoreIndex && (y < 0 || y >= V)) {
+          return absl::InvalidArgumentError(absl::StrCat(where, "label ", y, " at position ", t,
+                                                         " outside [0, ", V,
+                                                         ") and not ignore_index ", kIgnoreIndex));
+        }
       }
-    }
+      return absl::OkStatus();
+    };
+    GRADSUM_RETURN_IF_ERROR(check_labels(in.labels, ""));
     const int k = in.forward_only ? 0 : config_.mtp_depth;
     GRADSUM_RETURN_IF_ERROR(CheckMtpInputs(in, k));
     for (int j = 0; j < k; ++j) {
-      for (int64_t t = 0; t < T; ++t) {
-        const int64_t y = in.mtp_labels[j][t];
-        if (y != kIgnoreIndex && (y < 0 || y >= V)) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "MTP depth ", j + 1, ": label ", y, " at position ", t, " outside [0, ", V,
-              ") and not ignore_index ", kIgnoreIndex));
-        }
-      }
+      GRADSUM_RETURN_IF_ERROR(
+          check_labels(in.mtp_labels[j], absl::StrCat("MTP depth ", j + 1, ": ")));
     }
     in_ = in;
     cudaStream_t s = exec_.stream;
