@@ -727,12 +727,10 @@ absl::StatusOr<MicroBatchLosses> MoeLmModel::Evaluate(const TokenBatch& batch,
 absl::Status MoeLmModel::EvalForward(int stage) {
   const StageDef& s = spec_.stages()[stage];
   switch (s.kind) {
-    case StageKind::kEmbedding:
+    case StageKind::kEmbedding:  // the main tokens' only (no MTP inputs)
       return ops_->EmbeddingForward(params_->Values(spec_.emb()), h_[0]->data());
     case StageKind::kLayer:
-      GRADSUM_RETURN_IF_ERROR(LayerForward(s.layer));
-      if (recompute_ == Recompute::kFull) ops_->ReleaseMoeActivations(s.layer);
-      return absl::OkStatus();
+      return Forward(stage);  // training's, as it is
     case StageKind::kMtp:
       return absl::OkStatus();  // the evaluation is the main head's CE
     case StageKind::kHead: {
