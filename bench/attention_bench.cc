@@ -139,8 +139,8 @@ void BM_Attention(benchmark::State& state) {
   for (auto _ : state) {
     const double cpu0 = ProcessCpuSeconds();
     const absl::Time t0 = absl::Now();
-    absl::Status s = model::AttentionForward(dims, q, k, v, ds, absl::MakeSpan(out),
-                                             absl::MakeSpan(lse));
+    absl::Status s =
+        model::AttentionForward(dims, q, k, v, ds, absl::MakeSpan(out), absl::MakeSpan(lse));
     const absl::Time t1 = absl::Now();
     if (s.ok()) {
       s = model::AttentionBackward(dims, q, k, v, ds, out, lse, d_out, absl::MakeSpan(dq),
@@ -185,8 +185,7 @@ void BM_BlockProduct(benchmark::State& state) {
   const int64_t n = model::internal::kAttentionBlock;
   const std::vector<float> a = RandomFloats(n * n, 5), b = RandomFloats(n * n, 6);
   std::vector<float> c(n * n);
-  const model::internal::AttentionKernels& kernels =
-      model::internal::SelectedAttentionKernels();
+  const model::internal::AttentionKernels& kernels = model::internal::SelectedAttentionKernels();
   for (auto _ : state) {
     absl::Status s;
     switch (variant) {
@@ -194,12 +193,10 @@ void BM_BlockProduct(benchmark::State& state) {
         s = Sgemm(Trans::kNo, Trans::kNo, n, n, n, 1.0f, a, n, b, n, 0.0f, absl::MakeSpan(c), n);
         break;
       case 1:
-        s = Sgemm(Trans::kNo, Trans::kYes, n, n, n, 1.0f, a, n, b, n, 0.0f, absl::MakeSpan(c),
-                  n);
+        s = Sgemm(Trans::kNo, Trans::kYes, n, n, n, 1.0f, a, n, b, n, 0.0f, absl::MakeSpan(c), n);
         break;
       case 2:
-        s = Sgemm(Trans::kYes, Trans::kNo, n, n, n, 1.0f, a, n, b, n, 0.0f, absl::MakeSpan(c),
-                  n);
+        s = Sgemm(Trans::kYes, Trans::kNo, n, n, n, 1.0f, a, n, b, n, 0.0f, absl::MakeSpan(c), n);
         break;
       default:
         kernels.product(n, n, n, a.data(), n, b.data(), n, c.data(), n);
@@ -212,8 +209,7 @@ void BM_BlockProduct(benchmark::State& state) {
     benchmark::ClobberMemory();
   }
   state.counters["GFLOP_per_s"] = benchmark::Counter(
-      2.0 * n * n * n * static_cast<double>(state.iterations()) / 1e9,
-      benchmark::Counter::kIsRate);
+      2.0 * n * n * n * static_cast<double>(state.iterations()) / 1e9, benchmark::Counter::kIsRate);
   const char* names[] = {"BLAS a b", "BLAS a b^T", "BLAS a^T b", ""};
   state.SetLabel(variant < 3 ? std::string(names[variant])
                              : absl::StrCat("micro-kernel ", kernels.isa));

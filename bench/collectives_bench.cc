@@ -91,8 +91,7 @@ void SetBandwidth(benchmark::State& state, int64_t bytes_per_iter) {
 
 // Runs `make_op(rank)()` once per iteration on rank 0 (timed) and continuously on rank 1.
 void RunLockStep(benchmark::State& state, std::vector<std::unique_ptr<Communicator>>& comms,
-                 const std::function<std::function<void()>(int)>& make_op,
-                 int64_t bytes_per_iter) {
+                 const std::function<std::function<void()>(int)>& make_op, int64_t bytes_per_iter) {
   std::function<void()> op0 = make_op(0);
   PeerLoop peer(make_op(1));
   int64_t done = 0;
@@ -161,8 +160,8 @@ void BM_AllReduceBucketed(benchmark::State& state) {
   for (int r = 0; r < kWorld; ++r) {
     bucketers.push_back(std::make_unique<GradBucketer>(comms[r].get()));
     for (size_t i = 0; i < sizes.size(); ++i) {
-      Check(bucketers[r]->Register(absl::StrCat("g", i), DType::kF32,
-                                   static_cast<int64_t>(sizes[i]))
+      Check(bucketers[r]
+                ->Register(absl::StrCat("g", i), DType::kF32, static_cast<int64_t>(sizes[i]))
                 .status(),
             "register");
     }
@@ -202,8 +201,7 @@ void PerTensor(benchmark::State& state, bool async) {
           for (size_t i = sizes.size(); i-- > 0;) {
             float* g = grads[r][i].data();
             if (!async) {
-              Check(comms[r]->AllReduce(g, g, sizes[i], DType::kF32, ReduceOp::kSum),
-                    "all_reduce");
+              Check(comms[r]->AllReduce(g, g, sizes[i], DType::kF32, ReduceOp::kSum), "all_reduce");
               continue;
             }
             auto w = comms[r]->AllReduceAsync(g, g, sizes[i], DType::kF32, ReduceOp::kSum);

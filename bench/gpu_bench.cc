@@ -19,19 +19,19 @@
 //
 // Without a usable GPU the binary prints why and exits with status 77 (skipped).
 
+#include <cuda_runtime.h>
+#include <nccl.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <memory>
-#include <thread>
 #include <cstdio>
+#include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
-
-#include <cuda_runtime.h>
-#include <nccl.h>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -56,7 +56,8 @@ constexpr int kRepsPerIteration = 10;  // launches timed together, so event over
 
 // Seconds per call of `enqueue` (kRepsPerIteration calls between two events).
 template <typename Fn>
-absl::StatusOr<double> TimeCalls(cudaStream_t stream, CudaEvent& start, CudaEvent& stop, Fn enqueue) {
+absl::StatusOr<double> TimeCalls(cudaStream_t stream, CudaEvent& start, CudaEvent& stop,
+                                 Fn enqueue) {
   absl::Status s = start.Record(stream);
   for (int r = 0; r < kRepsPerIteration && s.ok(); ++r) s = enqueue();
   if (s.ok()) s = stop.Record(stream);
@@ -84,7 +85,8 @@ absl::StatusOr<Timing> MakeTiming() {
   return t;
 }
 
-absl::Status CopyOnce(const DeviceBuffer& src, DeviceBuffer& dst, size_t bytes, cudaStream_t stream) {
+absl::Status CopyOnce(const DeviceBuffer& src, DeviceBuffer& dst, size_t bytes,
+                      cudaStream_t stream) {
   return cuda::CudaErrorToStatus(
       cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice, stream), "D2D copy");
 }
@@ -98,15 +100,17 @@ void BM_DeviceCopy(benchmark::State& state) {
     return;
   }
   for (auto _ : state) {
-    absl::StatusOr<double> sec = TimeCalls(t->stream.get(), t->start, t->stop,
-                                           [&] { return CopyOnce(*src, *dst, bytes, t->stream.get()); });
+    absl::StatusOr<double> sec = TimeCalls(t->stream.get(), t->start, t->stop, [&] {
+      return CopyOnce(*src, *dst, bytes, t->stream.get());
+    });
     if (!sec.ok()) {
       state.SkipWithError(std::string(sec.status().message()).c_str());
       return;
     }
     state.SetIterationTime(*sec);
   }
-  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * 2 * static_cast<int64_t>(bytes));
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * 2 *
+                          static_cast<int64_t>(bytes));
 }
 BENCHMARK(BM_DeviceCopy)->Arg(int64_t{1} << 30)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
@@ -127,10 +131,13 @@ void BM_CrossEntropyCuda(benchmark::State& state) {
   std::mt19937 gen(1);
   for (int64_t& y : labels) y = std::uniform_int_distribution<int64_t>(0, vocab - 1)(gen);
   absl::StatusOr<DeviceBuffer> labels_dev = DeviceBuffer::FromHost(labels);
-  absl::StatusOr<DeviceBuffer> d = DeviceBuffer::FromHost(std::vector<double>{static_cast<double>(rows)});
+  absl::StatusOr<DeviceBuffer> d =
+      DeviceBuffer::FromHost(std::vector<double>{static_cast<double>(rows)});
   absl::StatusOr<DeviceBuffer> loss = DeviceBuffer::Create(sizeof(double));
-  absl::StatusOr<losses::CrossEntropyErrorRecord> record = losses::CrossEntropyErrorRecord::Create();
-  if (!t.ok() || !logits.ok() || !grad.ok() || !labels_dev.ok() || !d.ok() || !loss.ok() || !record.ok()) {
+  absl::StatusOr<losses::CrossEntropyErrorRecord> record =
+      losses::CrossEntropyErrorRecord::Create();
+  if (!t.ok() || !logits.ok() || !grad.ok() || !labels_dev.ok() || !d.ok() || !loss.ok() ||
+      !record.ok()) {
     state.SkipWithError("device setup failed");
     return;
   }
@@ -165,8 +172,8 @@ void BM_CrossEntropyCuda(benchmark::State& state) {
   }
   double copy_sec = 0;
   for (int i = 0; i < 3; ++i) {  // best of 3 (the first also warms up)
-    absl::StatusOr<double> sec =
-        TimeCalls(stream, t->start, t->stop, [&] { return CopyOnce(*logits, *copy_dst, bytes, stream); });
+    absl::StatusOr<double> sec = TimeCalls(
+        stream, t->start, t->stop, [&] { return CopyOnce(*logits, *copy_dst, bytes, stream); });
     if (!sec.ok()) {
       state.SkipWithError(std::string(sec.status().message()).c_str());
       return;
@@ -273,7 +280,9 @@ void BM_NcclAllReduceLibraryVsRaw(benchmark::State& state) {
   auto raw_phase = [&](int r) {
     cudaSetDevice(r);
     for (int i = 0; i < kRepsPerIteration; ++i) {
-      if (ncclAllReduce(bufs[r], bufs[r], count, ncclFloat, ncclSum, raw[r], streams[r]) != ncclSuccess) ok = false;
+      if (ncclAllReduce(bufs[r], bufs[r], count, ncclFloat, ncclSum, raw[r], streams[r]) !=
+          ncclSuccess)
+        ok = false;
     }
     if (cudaStreamSynchronize(streams[r]) != cudaSuccess) ok = false;
   };

@@ -4,7 +4,8 @@
 // The main() of the GPU benchmark binaries: without a usable GPU it prints why and returns
 // 77 (skipped, nothing measured) instead of reporting numbers for nothing.
 //
-//   int main(int argc, char** argv) { return gradsum::bench::GpuBenchmarkMain("gpu_bench", argc, argv); }
+//   int main(int argc, char** argv) { return gradsum::bench::GpuBenchmarkMain("gpu_bench", argc,
+//   argv); }
 
 #include <cstdio>
 #include <string>

@@ -20,8 +20,8 @@
 #include <vector>
 
 #include "absl/time/clock.h"
-#include "bench/moe_lm_flops.h"
 #include "bench/gpu_bench_main.h"
+#include "bench/moe_lm_flops.h"
 #include "benchmark/benchmark.h"
 #include "collectives/nccl_backend.h"
 #include "collectives/thread_backend.h"
@@ -78,7 +78,8 @@ void BM_MoeLmStep(benchmark::State& state) {
     auto trainer = train::Trainer::Create(config, comms);
     if (!trainer.ok()) return state.SkipWithError(trainer.status().ToString().c_str());
     for (int i = 0; i < kWarmupSteps; ++i) {
-      if (auto s = (*trainer)->Step(); !s.ok()) return state.SkipWithError(s.status().ToString().c_str());
+      if (auto s = (*trainer)->Step(); !s.ok())
+        return state.SkipWithError(s.status().ToString().c_str());
     }
     const absl::Time start = absl::Now();
     for (int i = 0; i < kTimedSteps; ++i) {

@@ -346,8 +346,10 @@ void BM_PolicyLossFused(benchmark::State& state) {
 }
 
 void PolicySizes(benchmark::internal::Benchmark* b) {
-  b->Args({1024, 32768})->Args({4096, 32768})->MeasureProcessCPUTime()->Unit(
-      benchmark::kMillisecond);
+  b->Args({1024, 32768})
+      ->Args({4096, 32768})
+      ->MeasureProcessCPUTime()
+      ->Unit(benchmark::kMillisecond);
 }
 
 void CeSizes(benchmark::internal::Benchmark* b) {
@@ -478,8 +480,7 @@ double Median(std::vector<double> x) {
 }
 
 double WallSeconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 void BM_VocabParallelVsUnsharded(benchmark::State& state) {
@@ -536,8 +537,7 @@ void BM_VocabParallelVsUnsharded(benchmark::State& state) {
       const TensorView sv = *TensorView::Create(shard[r].data(), DType::kF32, {n, half});
       const TensorView sg = *TensorView::Create(shard_grad[r].data(), DType::kF32, {n, half});
       const double start = WallSeconds();
-      auto res = losses::VocabParallelCrossEntropy(comm, sv, y, r * half, v, {}, d, sg,
-                                                   vp_options);
+      auto res = losses::VocabParallelCrossEntropy(comm, sv, y, r * half, v, {}, d, sg, vp_options);
       rank_s[r] = WallSeconds() - start;
       if (!res.ok()) {
         rank_error[r] = std::string(res.status().message());

@@ -58,8 +58,9 @@ absl::Status DispatchStep(Communicator& comm, const DispatchConfig& config, Disp
   if (move_only) {
     absl::Status s = internal::DispatchCombineForwardWith(
         comm, config,
-        [](absl::Span<const float>, absl::Span<const int64_t>, absl::Span<float>,
-           ExpertsSaved*) { return absl::OkStatus(); },
+        [](absl::Span<const float>, absl::Span<const int64_t>, absl::Span<float>, ExpertsSaved*) {
+          return absl::OkStatus();
+        },
         r.a, r.idx, r.cw, absl::MakeSpan(r.y), &r.state);
     if (!s.ok()) return s;
     return internal::DispatchCombineBackwardWith(
@@ -91,8 +92,8 @@ double MemcpySeconds(int64_t bytes, int repeats) {
       benchmark::ClobberMemory();
       done += static_cast<int64_t>(n);
     }
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
-                              .count());
+    best = std::min(
+        best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   return best;
 }

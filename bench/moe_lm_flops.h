@@ -17,8 +17,7 @@ inline double MoeLmFlopsPerToken(const train::ModelConfig& m) {
   const double kv_width = d / m.heads() * m.kv_heads();
   const double attention =
       m.attention() == train::ModelConfig::none ? 0 : 2 * (2 * d * d + 2 * d * kv_width);
-  const double forward =
-      m.layers() * (m.top_k() * 6 * d * h + 2 * d * e + attention) + 2 * d * v;
+  const double forward = m.layers() * (m.top_k() * 6 * d * h + 2 * d * e + attention) + 2 * d * v;
   return 3 * forward;
 }
 

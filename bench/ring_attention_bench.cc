@@ -14,11 +14,11 @@
 //   attention_s: compute + wait of rank 0; compute_s: its kernels; exposed_s: its waits for
 //   the group's exchanges, and exposed_pct_of_attention = exposed_s / attention_s.
 //   kept_bytes: what the rank keeps between forward and backward for this attention (its
-//   q, out [T / cp, 2, 64], k, v [T / cp, kv_heads, 64] and lse [T / cp, 2], fp32); peak_buffer_bytes: the calls'
-//   working buffers at their peak (RingAttentionTimes, counted sizes); activation_bytes =
-//   their sum, per rank. sent_bytes: what rank 0 sent.
-//   memcpy_GBps: this machine's memcpy bandwidth, measured in the same run (the thread
-//   backend's exchanges are copies).
+//   q, out [T / cp, 2, 64], k, v [T / cp, kv_heads, 64] and lse [T / cp, 2], fp32);
+//   peak_buffer_bytes: the calls' working buffers at their peak (RingAttentionTimes, counted
+//   sizes); activation_bytes = their sum, per rank. sent_bytes: what rank 0 sent. memcpy_GBps: this
+//   machine's memcpy bandwidth, measured in the same run (the thread backend's exchanges are
+//   copies).
 #include <algorithm>
 #include <cstdint>
 #include <thread>
@@ -94,9 +94,9 @@ void BM_RingAttention(benchmark::State& state) {
           return;
         }
         const absl::Time start = absl::Now();
-        absl::Status s = model::RingAttentionForward(comm, dims, schedule, q, k, v, doc_start,
-                                                     absl::MakeSpan(out), absl::MakeSpan(lse),
-                                                     &times);
+        absl::Status s =
+            model::RingAttentionForward(comm, dims, schedule, q, k, v, doc_start,
+                                        absl::MakeSpan(out), absl::MakeSpan(lse), &times);
         if (s.ok()) {
           s = model::RingAttentionBackward(comm, dims, schedule, q, k, v, doc_start, out, lse,
                                            d_out, absl::MakeSpan(dq), absl::MakeSpan(dk),

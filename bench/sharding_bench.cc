@@ -10,9 +10,9 @@
 
 #include <map>
 #include <memory>
+#include <mutex>
 #include <vector>
 
-#include <mutex>
 #include "bench/memcpy_bench.h"
 #include "benchmark/benchmark.h"
 #include "collectives/thread_backend.h"

@@ -25,9 +25,9 @@
 #include "Eigen/Core"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "benchmark/benchmark.h"
 #include "bench/memcpy_bench.h"
 #include "bench/moe_lm_flops.h"
+#include "benchmark/benchmark.h"
 #include "collectives/thread_backend.h"
 #include "collectives/timed_communicator.h"
 #include "core/gemm.h"
@@ -57,8 +57,7 @@ double GemmGflops(int rows, double seconds) {
   absl::Duration elapsed;
   do {
     for (int i = 0; i < 10; ++i) {
-      (void)Sgemm(Trans::kNo, Trans::kNo, rows, h, d, 1.0f, a, d, b, h, 0.0f,
-                  absl::MakeSpan(c), h);
+      (void)Sgemm(Trans::kNo, Trans::kNo, rows, h, d, 1.0f, a, d, b, h, 0.0f, absl::MakeSpan(c), h);
     }
     reps += 10;
     elapsed = absl::Now() - start;
@@ -84,7 +83,7 @@ void BM_TrainStep(benchmark::State& state) {
   config.mutable_parallelism()->set_world(world);
   config.mutable_parallelism()->set_ep(static_cast<int>(state.range(1)));
   config.mutable_parallelism()->set_sharding(state.range(2) == 0 ? train::TrainConfig::fsdp
-                                          : train::TrainConfig::replicated);
+                                                                 : train::TrainConfig::replicated);
   if (state.range(5) > 0) config.mutable_model()->set_layers(static_cast<int>(state.range(5)));
   config.mutable_parallelism()->set_recompute(
       static_cast<train::ParallelismConfig::Recompute>(state.range(6)));
@@ -112,8 +111,8 @@ void BM_TrainStep(benchmark::State& state) {
     for (int r = 0; r < world; ++r) {
       threads.emplace_back([&, r] {
         auto fail = [&](absl::Status s) { status[r] = s; };
-        absl::StatusOr<train::RankMesh> mesh = train::MakeRankMesh((*comms)[r].get(),
-                                                                         config.parallelism());
+        absl::StatusOr<train::RankMesh> mesh =
+            train::MakeRankMesh((*comms)[r].get(), config.parallelism());
         if (!mesh.ok()) return fail(mesh.status());
         auto trainer = train::Trainer::Create(config, mesh->comms());
         if (!trainer.ok()) return fail(trainer.status());
@@ -165,8 +164,8 @@ void BM_TrainStep(benchmark::State& state) {
   state.counters["exposed_pct"] = 100 * exposed_s / step_s;
   // exposed_pct split by the kind of collective that blocked (it sums to exposed_pct).
   for (int k = 0; k < kNumCommKinds; ++k) {
-    state.counters[absl::StrCat("exposed_", CommKindName(static_cast<CommKind>(k)),
-                                "_pct")] = 100 * exposed_by_kind_s[k] / step_s;
+    state.counters[absl::StrCat("exposed_", CommKindName(static_cast<CommKind>(k)), "_pct")] =
+        100 * exposed_by_kind_s[k] / step_s;
   }
   state.counters["wait_pct"] = 100 * wait_s / step_s;
   // Rank 0's most activation bytes held at once over the timed steps (counted buffers,

@@ -58,9 +58,8 @@ absl::StatusOr<int> GradBucketer::Register(absl::string_view name, DType dtype, 
         absl::StrCat("GradBucketer::Register('", name, "') after Finalize()"));
   }
   if (!IsValidDType(static_cast<int>(dtype))) {
-    return absl::InvalidArgumentError(absl::StrCat("GradBucketer::Register('", name,
-                                                   "'): invalid dtype value ",
-                                                   static_cast<int>(dtype)));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "GradBucketer::Register('", name, "'): invalid dtype value ", static_cast<int>(dtype)));
   }
   if (numel < 0) {
     return absl::InvalidArgumentError(
@@ -111,9 +110,10 @@ absl::Status GradBucketer::Finalize() {
   }
   // Bucket order = the order in which backward completes them: by the position (in
   // reverse order) of each bucket's last parameter, i.e. by descending smallest id.
-  std::stable_sort(infos.begin(), infos.end(), [](const GradBucketInfo& a, const GradBucketInfo& b) {
-    return a.param_ids.back() > b.param_ids.back();
-  });
+  std::stable_sort(infos.begin(), infos.end(),
+                   [](const GradBucketInfo& a, const GradBucketInfo& b) {
+                     return a.param_ids.back() > b.param_ids.back();
+                   });
   const int64_t group = comm_->size();
   buckets_.resize(infos.size());
   for (size_t b = 0; b < infos.size(); ++b) {
@@ -154,8 +154,8 @@ TensorView GradBucketer::shard(int b) const {
   const GradBucketInfo& info = buckets_[b].info;
   const int64_t block = info.padded_numel / comm_->size();
   char* base = static_cast<char*>(buckets_[b].storage);
-  absl::StatusOr<TensorView> v = TensorView::Create(
-      base + comm_->rank() * block * DTypeSize(info.dtype), info.dtype, {block});
+  absl::StatusOr<TensorView> v =
+      TensorView::Create(base + comm_->rank() * block * DTypeSize(info.dtype), info.dtype, {block});
   return v.ok() ? *v : TensorView();
 }
 
@@ -170,14 +170,14 @@ absl::Status GradBucketer::MarkReady(int id) {
         absl::StrCat("GradBucketer::MarkReady(", id, ") before Finalize()"));
   }
   if (id < 0 || id >= num_params()) {
-    return absl::InvalidArgumentError(absl::StrCat("GradBucketer::MarkReady: id ", id,
-                                                   " is outside [0, ", num_params(), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("GradBucketer::MarkReady: id ", id, " is outside [0, ", num_params(), ")"));
   }
   Param& p = params_[id];
   if (p.ready) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "GradBucketer::MarkReady: gradient '", p.name, "' (id ", id,
-        ") was already marked ready in this step"));
+    return absl::FailedPreconditionError(absl::StrCat("GradBucketer::MarkReady: gradient '", p.name,
+                                                      "' (id ", id,
+                                                      ") was already marked ready in this step"));
   }
   p.ready = true;
   ++marked_;
@@ -199,9 +199,8 @@ absl::Status GradBucketer::IssueReadyBuckets() {
       work = comm_->AllReduceAsync(data, data, n, b.info.dtype, ReduceOp::kSum);
     }
     if (!work.ok()) {
-      absl::Status s(work.status().code(), absl::StrCat("GradBucketer bucket ",
-                                                        next_to_issue_ - 1, ": ",
-                                                        work.status().message()));
+      absl::Status s(work.status().code(), absl::StrCat("GradBucketer bucket ", next_to_issue_ - 1,
+                                                        ": ", work.status().message()));
       if (issue_error_.ok()) issue_error_ = s;
       return s;
     }
@@ -230,8 +229,7 @@ absl::Status GradBucketer::Finish() {
       if (!params_[id].ready) {
         return absl::FailedPreconditionError(absl::StrCat(
             "GradBucketer::Finish: gradient '", params_[id].name, "' (id ", id,
-            ") was not marked ready (", num_params() - marked_, " of ", num_params(),
-            " missing)"));
+            ") was not marked ready (", num_params() - marked_, " of ", num_params(), " missing)"));
       }
     }
   }
@@ -260,7 +258,8 @@ absl::Status GradBucketer::AbandonStep() {
 }
 
 absl::Status GradBucketer::ZeroGrads() {
-  if (!finalized_) return absl::FailedPreconditionError("GradBucketer::ZeroGrads() before Finalize()");
+  if (!finalized_)
+    return absl::FailedPreconditionError("GradBucketer::ZeroGrads() before Finalize()");
   if (marked_ > 0) {
     return absl::FailedPreconditionError(absl::StrCat(
         "GradBucketer::ZeroGrads: a step is open (", marked_, " gradients marked); call Finish()"));

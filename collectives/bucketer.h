@@ -89,11 +89,11 @@ struct GradBucketerOptions {
 // What Finalize() decided for one bucket (for tests, logging and the sharding layer).
 struct GradBucketInfo {
   DType dtype = DType::kF32;
-  int64_t numel = 0;         // gradient elements
-  int64_t padded_numel = 0;  // storage elements (numel rounded up to the group size in
-                             // reduce-scatter mode, else numel)
-  std::vector<int> param_ids;       // storage order = reverse registration order
-  std::vector<int64_t> offsets;     // element offset of each param_ids[i] in the storage
+  int64_t numel = 0;             // gradient elements
+  int64_t padded_numel = 0;      // storage elements (numel rounded up to the group size in
+                                 // reduce-scatter mode, else numel)
+  std::vector<int> param_ids;    // storage order = reverse registration order
+  std::vector<int64_t> offsets;  // element offset of each param_ids[i] in the storage
 };
 
 class GradBucketer {
@@ -175,7 +175,7 @@ class GradBucketer {
   struct Bucket {
     GradBucketInfo info;
     void* storage = nullptr;  // from memory_, padded_numel elements
-    int pending = 0;                      // gradients not yet marked this step
+    int pending = 0;          // gradients not yet marked this step
     std::unique_ptr<Work> work;
   };
 
@@ -190,8 +190,8 @@ class GradBucketer {
   std::vector<Param> params_;
   std::vector<Bucket> buckets_;
   int next_to_issue_ = 0;
-  int marked_ = 0;             // gradients marked in the current step
-  absl::Status issue_error_;   // first error from issuing, reported by Finish()
+  int marked_ = 0;            // gradients marked in the current step
+  absl::Status issue_error_;  // first error from issuing, reported by Finish()
 };
 
 }  // namespace gradsum

@@ -46,8 +46,10 @@ float ExpectedSum(DType t, int world, int id, int64_t i, int step) {
 void WriteGrad(const TensorView& g, int rank, int id, int step) {
   for (int64_t i = 0; i < g.numel(); ++i) {
     const float v = GradValue(rank, id, i, step);
-    if (g.dtype() == DType::kBF16) g.data<BF16>()[i] = BF16::FromFloat(v);
-    else g.data<float>()[i] = v;
+    if (g.dtype() == DType::kBF16)
+      g.data<BF16>()[i] = BF16::FromFloat(v);
+    else
+      g.data<float>()[i] = v;
   }
 }
 
@@ -245,7 +247,8 @@ TEST(GradBucketerTest, BucketsIssueWhenCompleteAndInBucketOrder) {
     };
     const auto expect_issued = [&](int n, const char* when) -> absl::Status {
       if (b.issued_buckets() != n) {
-        return absl::InternalError(absl::StrCat(when, ": issued ", b.issued_buckets(), ", expected ", n));
+        return absl::InternalError(
+            absl::StrCat(when, ": issued ", b.issued_buckets(), ", expected ", n));
       }
       return absl::OkStatus();
     };
@@ -276,7 +279,8 @@ TEST(GradBucketerTest, FinishWithMissingGradientThenRecover) {
     o.bucket_cap_bytes = 8;
     GradBucketer b(&comm, o);
     for (int i = 0; i < 4; ++i) {
-      if (!b.Register(absl::StrCat("layer", i), DType::kF32, 1).ok()) return absl::InternalError("reg");
+      if (!b.Register(absl::StrCat("layer", i), DType::kF32, 1).ok())
+        return absl::InternalError("reg");
     }
     GRADSUM_RETURN_IF_ERROR(b.Finalize());
     for (int id = 3; id >= 1; --id) {
@@ -369,7 +373,8 @@ TEST(GradBucketerTest, MisuseIsReported) {
   ASSERT_TRUE(b.Register("empty", DType::kF32, 0).ok());
   GRADSUM_EXPECT_OK(b.Finalize());
   EXPECT_EQ(b.Finalize().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(b.Register("late", DType::kF32, 1).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(b.Register("late", DType::kF32, 1).status().code(),
+            absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(b.MarkReady(2).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(b.MarkReady(-1).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(b.shard(0).numel(), 0);  // all-reduce mode has no shards

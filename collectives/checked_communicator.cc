@@ -44,11 +44,9 @@ class CheckedCommunicator final : public ForwardingCommunicator {
     for (size_t p = 0; p < w_; ++p) offsets_[p] = p;
   }
 
-  absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv,
-                                                       size_t count, DType dtype,
-                                                       ReduceOp op) override {
-    GRADSUM_RETURN_IF_ERROR(
-        AgreeAsync(MakeCall(OpKind::kAllReduce, send, recv, count, dtype, op)));
+  absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv, size_t count,
+                                                       DType dtype, ReduceOp op) override {
+    GRADSUM_RETURN_IF_ERROR(AgreeAsync(MakeCall(OpKind::kAllReduce, send, recv, count, dtype, op)));
     return inner().AllReduceAsync(send, recv, count, dtype, op);
   }
   absl::Status AllReduce(const void* send, void* recv, size_t count, DType dtype,
@@ -83,20 +81,20 @@ class CheckedCommunicator final : public ForwardingCommunicator {
   }
 
   absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(
-      const void* send, absl::Span<const size_t> send_counts,
-      absl::Span<const size_t> send_offsets, void* recv, absl::Span<const size_t> recv_counts,
-      absl::Span<const size_t> recv_offsets, DType dtype) override {
-    GRADSUM_RETURN_IF_ERROR(
-        AgreeAsync(MakeAllToAllVCall(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dtype)));
-    return inner().AllToAllVAsync(send, send_counts, send_offsets, recv, recv_counts,
-                                  recv_offsets, dtype);
+      const void* send, absl::Span<const size_t> send_counts, absl::Span<const size_t> send_offsets,
+      void* recv, absl::Span<const size_t> recv_counts, absl::Span<const size_t> recv_offsets,
+      DType dtype) override {
+    GRADSUM_RETURN_IF_ERROR(AgreeAsync(MakeAllToAllVCall(send, send_counts, send_offsets, recv,
+                                                         recv_counts, recv_offsets, dtype)));
+    return inner().AllToAllVAsync(send, send_counts, send_offsets, recv, recv_counts, recv_offsets,
+                                  dtype);
   }
   absl::Status AllToAllV(const void* send, absl::Span<const size_t> send_counts,
                          absl::Span<const size_t> send_offsets, void* recv,
                          absl::Span<const size_t> recv_counts,
                          absl::Span<const size_t> recv_offsets, DType dtype) override {
-    GRADSUM_RETURN_IF_ERROR(
-        Agree(MakeAllToAllVCall(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dtype)));
+    GRADSUM_RETURN_IF_ERROR(Agree(MakeAllToAllVCall(send, send_counts, send_offsets, recv,
+                                                    recv_counts, recv_offsets, dtype)));
     return inner().AllToAllV(send, send_counts, send_offsets, recv, recv_counts, recv_offsets,
                              dtype);
   }
@@ -138,9 +136,10 @@ class CheckedCommunicator final : public ForwardingCommunicator {
     GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> sub, inner().Split(color, key));
     if (sub == nullptr) return sub;
     if (sub_exchange == nullptr) {
-      return absl::InternalError(absl::StrCat(
-          Label(OpKind::kSplit, seq_ - 1), ": the exchange communicator's split has no group "
-          "for color ", color));
+      return absl::InternalError(absl::StrCat(Label(OpKind::kSplit, seq_ - 1),
+                                              ": the exchange communicator's split has no group "
+                                              "for color ",
+                                              color));
     }
     return std::unique_ptr<Communicator>(
         new CheckedCommunicator(std::move(sub), std::move(sub_exchange)));
@@ -179,8 +178,8 @@ class CheckedCommunicator final : public ForwardingCommunicator {
     if (!local.ok()) d.invalid_rank = rank();
     int64_t buf[collectives_internal::kDescriptorWords];
     collectives_internal::EncodeDescriptor(d, buf);
-    GRADSUM_RETURN_IF_ERROR(exchange_->AllReduce(
-        buf, buf, collectives_internal::kDescriptorWords, DType::kI64, ReduceOp::kMax));
+    GRADSUM_RETURN_IF_ERROR(exchange_->AllReduce(buf, buf, collectives_internal::kDescriptorWords,
+                                                 DType::kI64, ReduceOp::kMax));
     if (!collectives_internal::DescriptorAgreed(buf)) {
       const int64_t bad = collectives_internal::HighestInvalidRank(buf);
       std::string message;
@@ -235,7 +234,7 @@ class CheckedCommunicator final : public ForwardingCommunicator {
   std::unique_ptr<Communicator> own_exchange_;  // null: the exchange is inner()
   Communicator* const exchange_;
   DeviceStream* const stream_;  // inner()'s, or null for a host backend
-  const size_t w_;  // size()
+  const size_t w_;              // size()
   // AgreeOnCounts: one element to and from each peer (constant), and per-call scratch.
   std::vector<size_t> ones_, offsets_;
   std::vector<int64_t> incoming_, outgoing_, expected_, reports_;

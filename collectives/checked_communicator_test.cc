@@ -18,8 +18,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "collectives/communicator.h"
-#include "collectives/op_descriptor.h"
 #include "collectives/forwarding_communicator.h"
+#include "collectives/op_descriptor.h"
 #include "core/status.h"
 #include "gtest/gtest.h"
 #include "testing/run_ranks.h"
@@ -49,9 +49,8 @@ class LimitedCommunicator final : public ForwardingCommunicator {
   std::string backend() const override { return "limited"; }
   size_t max_count() const override { return kLimit; }
 
-  absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv,
-                                                       size_t count, DType dtype,
-                                                       ReduceOp op) override {
+  absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv, size_t count,
+                                                       DType dtype, ReduceOp op) override {
     GRADSUM_RETURN_IF_ERROR(Check(MakeCall(OpKind::kAllReduce, send, recv, count, dtype, op)));
     return inner().AllReduceAsync(send, recv, count, dtype, op);
   }
@@ -68,13 +67,13 @@ class LimitedCommunicator final : public ForwardingCommunicator {
     return inner().AllGatherAsync(send, recv, send_count, dtype);
   }
   absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(
-      const void* send, absl::Span<const size_t> send_counts,
-      absl::Span<const size_t> send_offsets, void* recv, absl::Span<const size_t> recv_counts,
-      absl::Span<const size_t> recv_offsets, DType dtype) override {
+      const void* send, absl::Span<const size_t> send_counts, absl::Span<const size_t> send_offsets,
+      void* recv, absl::Span<const size_t> recv_counts, absl::Span<const size_t> recv_offsets,
+      DType dtype) override {
     GRADSUM_RETURN_IF_ERROR(Check(MakeAllToAllVCall(send, send_counts, send_offsets, recv,
                                                     recv_counts, recv_offsets, dtype)));
-    return inner().AllToAllVAsync(send, send_counts, send_offsets, recv, recv_counts,
-                                  recv_offsets, dtype);
+    return inner().AllToAllVAsync(send, send_counts, send_offsets, recv, recv_counts, recv_offsets,
+                                  dtype);
   }
   absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(void* buf, size_t count, DType dtype,
                                                        int root) override {
@@ -96,8 +95,10 @@ class LimitedCommunicator final : public ForwardingCommunicator {
 // Every rank sends one float to every peer: rank r's element for peer p is 1000 r + p.
 struct OneEach {
   explicit OneEach(int rank, int w)
-      : send(static_cast<size_t>(w)), recv(static_cast<size_t>(w), -1.0f),
-        counts(static_cast<size_t>(w), 1), offsets(static_cast<size_t>(w)) {
+      : send(static_cast<size_t>(w)),
+        recv(static_cast<size_t>(w), -1.0f),
+        counts(static_cast<size_t>(w), 1),
+        offsets(static_cast<size_t>(w)) {
     for (int p = 0; p < w; ++p) {
       send[p] = static_cast<float>(1000 * rank + p);
       offsets[p] = static_cast<size_t>(p);
@@ -157,18 +158,18 @@ TEST_P(CheckedLimitTest, OneRankOverTheBackendLimitFailsEveryRank) {
           for (int p = 0; p < world; ++p) send_offsets[p] = p;
           if (bad == Bad::kRecvOffsetAsync) {
             absl::StatusOr<std::unique_ptr<Work>> w =
-                comm->AllToAllVAsync(send, send_counts, send_offsets, a.recv.data(),
-                                     recv_counts, a.offsets, DType::kF32);
+                comm->AllToAllVAsync(send, send_counts, send_offsets, a.recv.data(), recv_counts,
+                                     a.offsets, DType::kF32);
             s = w.ok() ? (*w)->Wait() : w.status();
           } else {
             s = comm->AllToAllV(send, send_counts, send_offsets, a.recv.data(), recv_counts,
                                 a.offsets, DType::kF32);
           }
           if (me) {
-            ExpectInvalid(s, {"all_to_all_v",
-                              bad == Bad::kSendCount ? "send block for peer 0"
-                                                     : "recv block for peer 0",
-                              "101", "limit of 100"});
+            ExpectInvalid(
+                s, {"all_to_all_v",
+                    bad == Bad::kSendCount ? "send block for peer 0" : "recv block for peer 0",
+                    "101", "limit of 100"});
           } else {
             // With the bad rank's own message.
             ExpectInvalid(s, {"all_to_all_v", absl::StrCat("rank ", bad_rank, " passed invalid"),
@@ -187,7 +188,8 @@ TEST_P(CheckedLimitTest, OneRankOverTheBackendLimitFailsEveryRank) {
       // A peer left waiting for the bad rank would fail with DeadlineExceeded after this.
       {.timeout = absl::Seconds(20)});
   ASSERT_TRUE(results.ok()) << results.status();
-  for (int r = 0; r < world; ++r) EXPECT_TRUE((*results)[r].ok()) << "rank " << r << ": " << (*results)[r];
+  for (int r = 0; r < world; ++r)
+    EXPECT_TRUE((*results)[r].ok()) << "rank " << r << ": " << (*results)[r];
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, CheckedLimitTest,
@@ -199,9 +201,9 @@ INSTANTIATE_TEST_SUITE_P(Worlds, CheckedLimitTest,
 TEST(CheckedCommunicatorTest, ReportsTheInnerLimit) {
   absl::StatusOr<std::vector<absl::Status>> results =
       testing::RunRanksPerRank(2, [](Communicator& thread_comm) -> absl::Status {
-        EXPECT_EQ(WithAgreementCheck(std::make_unique<LimitedCommunicator>(&thread_comm))
-                      ->max_count(),
-                  kLimit);
+        EXPECT_EQ(
+            WithAgreementCheck(std::make_unique<LimitedCommunicator>(&thread_comm))->max_count(),
+            kLimit);
         // The thread backend has no limit of its own.
         EXPECT_EQ(thread_comm.max_count(), std::numeric_limits<size_t>::max());
         return absl::OkStatus();

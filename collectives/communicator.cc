@@ -6,9 +6,12 @@ namespace gradsum {
 
 const char* ReduceOpName(ReduceOp op) {
   switch (op) {
-    case ReduceOp::kSum: return "sum";
-    case ReduceOp::kAvg: return "avg";
-    case ReduceOp::kMax: return "max";
+    case ReduceOp::kSum:
+      return "sum";
+    case ReduceOp::kAvg:
+      return "avg";
+    case ReduceOp::kMax:
+      return "max";
   }
   return "invalid";
 }
@@ -28,8 +31,7 @@ absl::Status Communicator::ReduceScatter(const void* send, void* recv, size_t re
   return WaitIssued(ReduceScatterAsync(send, recv, recv_count, dtype, op));
 }
 
-absl::Status Communicator::AllGather(const void* send, void* recv, size_t send_count,
-                                     DType dtype) {
+absl::Status Communicator::AllGather(const void* send, void* recv, size_t send_count, DType dtype) {
   return WaitIssued(AllGatherAsync(send, recv, send_count, dtype));
 }
 

@@ -194,12 +194,12 @@ class Communicator {
   // offsets are in elements; each span has size() entries. send_counts[p] on rank r
   // must equal recv_counts[r] on rank p (checked). Zero counts are allowed.
   virtual absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(
-      const void* send, absl::Span<const size_t> send_counts,
-      absl::Span<const size_t> send_offsets, void* recv, absl::Span<const size_t> recv_counts,
-      absl::Span<const size_t> recv_offsets, DType dtype) = 0;
+      const void* send, absl::Span<const size_t> send_counts, absl::Span<const size_t> send_offsets,
+      void* recv, absl::Span<const size_t> recv_counts, absl::Span<const size_t> recv_offsets,
+      DType dtype) = 0;
   // Copies root's buf to every rank's buf.
-  virtual absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(void* buf, size_t count,
-                                                               DType dtype, int root) = 0;
+  virtual absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(void* buf, size_t count, DType dtype,
+                                                               int root) = 0;
   virtual absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() = 0;
 
   // Ranks with the same `color` form a new communicator, ordered by (key, old rank).
@@ -213,8 +213,8 @@ class Communicator {
 
   virtual absl::Status AllReduce(const void* send, void* recv, size_t count, DType dtype,
                                  ReduceOp op = ReduceOp::kSum);
-  virtual absl::Status ReduceScatter(const void* send, void* recv, size_t recv_count,
-                                     DType dtype, ReduceOp op = ReduceOp::kSum);
+  virtual absl::Status ReduceScatter(const void* send, void* recv, size_t recv_count, DType dtype,
+                                     ReduceOp op = ReduceOp::kSum);
   virtual absl::Status AllGather(const void* send, void* recv, size_t send_count, DType dtype);
   virtual absl::Status AllToAllV(const void* send, absl::Span<const size_t> send_counts,
                                  absl::Span<const size_t> send_offsets, void* recv,

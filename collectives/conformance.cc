@@ -35,18 +35,46 @@ uint64_t Hash(uint64_t seed, uint64_t tag, int rank, uint64_t i) {
 // Element access in double / int64 (exact for every dtype's values that we generate).
 double LoadF(DType t, const uint8_t* base, size_t i) {
   switch (t) {
-    case DType::kF32: { float v; std::memcpy(&v, base + 4 * i, 4); return v; }
-    case DType::kF64: { double v; std::memcpy(&v, base + 8 * i, 8); return v; }
-    case DType::kBF16: { BF16 v; std::memcpy(&v, base + 2 * i, 2); return v.ToFloat(); }
-    case DType::kF16: { F16 v; std::memcpy(&v, base + 2 * i, 2); return v.ToFloat(); }
-    case DType::kI32: { int32_t v; std::memcpy(&v, base + 4 * i, 4); return v; }
-    case DType::kI64: { int64_t v; std::memcpy(&v, base + 8 * i, 8); return static_cast<double>(v); }
+    case DType::kF32: {
+      float v;
+      std::memcpy(&v, base + 4 * i, 4);
+      return v;
+    }
+    case DType::kF64: {
+      double v;
+      std::memcpy(&v, base + 8 * i, 8);
+      return v;
+    }
+    case DType::kBF16: {
+      BF16 v;
+      std::memcpy(&v, base + 2 * i, 2);
+      return v.ToFloat();
+    }
+    case DType::kF16: {
+      F16 v;
+      std::memcpy(&v, base + 2 * i, 2);
+      return v.ToFloat();
+    }
+    case DType::kI32: {
+      int32_t v;
+      std::memcpy(&v, base + 4 * i, 4);
+      return v;
+    }
+    case DType::kI64: {
+      int64_t v;
+      std::memcpy(&v, base + 8 * i, 8);
+      return static_cast<double>(v);
+    }
   }
   return 0;
 }
 
 int64_t LoadI(DType t, const uint8_t* base, size_t i) {
-  if (t == DType::kI32) { int32_t v; std::memcpy(&v, base + 4 * i, 4); return v; }
+  if (t == DType::kI32) {
+    int32_t v;
+    std::memcpy(&v, base + 4 * i, 4);
+    return v;
+  }
   int64_t v;
   std::memcpy(&v, base + 8 * i, 8);
   return v;
@@ -55,8 +83,14 @@ int64_t LoadI(DType t, const uint8_t* base, size_t i) {
 // Stores a float-typed value rounded into a 32-bit-or-narrower floating dtype.
 void StoreFloat(DType t, uint8_t* base, size_t i, float v) {
   if (t == DType::kF32) std::memcpy(base + 4 * i, &v, 4);
-  if (t == DType::kBF16) { BF16 b = BF16::FromFloat(v); std::memcpy(base + 2 * i, &b, 2); }
-  if (t == DType::kF16) { F16 h = F16::FromFloat(v); std::memcpy(base + 2 * i, &h, 2); }
+  if (t == DType::kBF16) {
+    BF16 b = BF16::FromFloat(v);
+    std::memcpy(base + 2 * i, &b, 2);
+  }
+  if (t == DType::kF16) {
+    F16 h = F16::FromFloat(v);
+    std::memcpy(base + 2 * i, &h, 2);
+  }
 }
 
 void StoreDouble(uint8_t* base, size_t i, double v) { std::memcpy(base + 8 * i, &v, 8); }
@@ -78,8 +112,10 @@ Bytes MakeInput(DType t, const CheckOptions& o, int rank, uint64_t tag, size_t n
     if (!o.rank_ordered_sums) {
       const int64_t small = static_cast<int64_t>(h % 17) - 8;  // exact everywhere
       if (IsFloating(t)) {
-        if (t == DType::kF64) StoreDouble(b.data(), i, static_cast<double>(small));
-        else StoreFloat(t, b.data(), i, static_cast<float>(small));
+        if (t == DType::kF64)
+          StoreDouble(b.data(), i, static_cast<double>(small));
+        else
+          StoreFloat(t, b.data(), i, static_cast<float>(small));
       } else {
         StoreInt(t, b.data(), i, small);
       }
@@ -87,8 +123,10 @@ Bytes MakeInput(DType t, const CheckOptions& o, int rank, uint64_t tag, size_t n
       // Full-mantissa values over a few binades, so rounding order is visible.
       const double u = static_cast<double>(h >> 11) * 0x1p-53 * 2.0 - 1.0;
       const double v = std::ldexp(u, static_cast<int>(h & 7) - 3);
-      if (t == DType::kF64) StoreDouble(b.data(), i, v);
-      else StoreFloat(t, b.data(), i, static_cast<float>(v));
+      if (t == DType::kF64)
+        StoreDouble(b.data(), i, v);
+      else
+        StoreFloat(t, b.data(), i, static_cast<float>(v));
     } else {
       StoreInt(t, b.data(), i, static_cast<int64_t>(h));  // full range: SUM wraps
     }
@@ -99,8 +137,8 @@ Bytes MakeInput(DType t, const CheckOptions& o, int rank, uint64_t tag, size_t n
 // The reference reduction of element i over `ins` (ascending rank order), written to
 // out[out_i]: SEMANTICS.md §7 (fp32 accumulation for bf16/f16/f32, fp64 for f64,
 // rounded once; integers wrap; AVG = SUM / size; MAX propagates NaN).
-void RefReduce(DType t, ReduceOp op, const std::vector<const uint8_t*>& ins, size_t i,
-               uint8_t* out, size_t out_i) {
+void RefReduce(DType t, ReduceOp op, const std::vector<const uint8_t*>& ins, size_t i, uint8_t* out,
+               size_t out_i) {
   const int w = static_cast<int>(ins.size());
   if (t == DType::kI32 || t == DType::kI64) {
     uint64_t sum = 0;
@@ -117,8 +155,10 @@ void RefReduce(DType t, ReduceOp op, const std::vector<const uint8_t*>& ins, siz
     double acc = LoadF(t, ins[0], i);
     for (int p = 1; p < w; ++p) {
       const double v = LoadF(t, ins[p], i);
-      if (op == ReduceOp::kMax) acc = (std::isnan(v) || v > acc) ? v : acc;
-      else acc = acc + v;
+      if (op == ReduceOp::kMax)
+        acc = (std::isnan(v) || v > acc) ? v : acc;
+      else
+        acc = acc + v;
     }
     if (op == ReduceOp::kAvg) acc = acc / w;
     StoreDouble(out, out_i, acc);
@@ -127,8 +167,10 @@ void RefReduce(DType t, ReduceOp op, const std::vector<const uint8_t*>& ins, siz
   float acc = static_cast<float>(LoadF(t, ins[0], i));
   for (int p = 1; p < w; ++p) {
     const float v = static_cast<float>(LoadF(t, ins[p], i));
-    if (op == ReduceOp::kMax) acc = (std::isnan(v) || v > acc) ? v : acc;
-    else acc = acc + v;
+    if (op == ReduceOp::kMax)
+      acc = (std::isnan(v) || v > acc) ? v : acc;
+    else
+      acc = acc + v;
   }
   if (op == ReduceOp::kAvg) acc = acc / static_cast<float>(w);
   StoreFloat(t, out, out_i, acc);
@@ -142,7 +184,8 @@ std::string Bits(DType t, const uint8_t* base, size_t i) {
 }
 
 std::string Show(DType t, const uint8_t* base, size_t i) {
-  if (IsFloating(t)) return absl::StrCat(absl::StrFormat("%.9g", LoadF(t, base, i)), " (", Bits(t, base, i), ")");
+  if (IsFloating(t))
+    return absl::StrCat(absl::StrFormat("%.9g", LoadF(t, base, i)), " (", Bits(t, base, i), ")");
   return absl::StrCat(LoadI(t, base, i));
 }
 
@@ -224,8 +267,8 @@ class ReduceScatterCase : public Case {
   ReduceScatterCase(Communicator& comm, DType t, ReduceOp op, size_t n, bool in_place,
                     const CheckOptions& o)
       : t_(t), op_(op), n_(n), in_place_(in_place), rank_(comm.rank()) {
-    name_ = absl::StrCat("reduce_scatter ", DTypeName(t), " ", ReduceOpName(op), " recv_count ",
-                         n, in_place ? " in place" : "", " on rank ", rank_, " of ", comm.size());
+    name_ = absl::StrCat("reduce_scatter ", DTypeName(t), " ", ReduceOpName(op), " recv_count ", n,
+                         in_place ? " in place" : "", " on rank ", rank_, " of ", comm.size());
     const int w = comm.size();
     const uint64_t tag = Tag(2, t, static_cast<int>(op), n);
     std::vector<Bytes> inputs;
@@ -240,9 +283,7 @@ class ReduceScatterCase : public Case {
   absl::StatusOr<std::unique_ptr<Work>> Issue(Communicator& comm) override {
     return comm.ReduceScatterAsync(send_.data(), RecvPtr(), n_, t_, op_);
   }
-  absl::Status Verify() override {
-    return Compare(name_, t_, RecvPtr(), 0, want_.data(), 0, n_);
-  }
+  absl::Status Verify() override { return Compare(name_, t_, RecvPtr(), 0, want_.data(), 0, n_); }
 
  private:
   uint8_t* RecvPtr() {
@@ -406,8 +447,8 @@ absl::Status RunSync(Communicator& comm, Case& c) {
 // Expects InvalidArgument whose message contains `word`.
 absl::Status ExpectInvalid(absl::Status s, const std::string& what, const std::string& word) {
   if (s.code() != absl::StatusCode::kInvalidArgument) {
-    return absl::InternalError(
-        absl::StrCat(what, ": expected InvalidArgument mentioning '", word, "', got ", s.ToString()));
+    return absl::InternalError(absl::StrCat(what, ": expected InvalidArgument mentioning '", word,
+                                            "', got ", s.ToString()));
   }
   if (s.message().find(word) == absl::string_view::npos) {
     return absl::InternalError(
@@ -450,12 +491,16 @@ absl::Status CheckBroadcast(Communicator& comm, DType dtype, size_t count, int r
 
 absl::Status CheckAsyncInIssueOrder(Communicator& comm, const CheckOptions& options) {
   std::vector<std::unique_ptr<Case>> cases;
-  cases.push_back(std::make_unique<AllReduceCase>(comm, DType::kF32, ReduceOp::kSum, 1000, true, options));
+  cases.push_back(
+      std::make_unique<AllReduceCase>(comm, DType::kF32, ReduceOp::kSum, 1000, true, options));
   cases.push_back(std::make_unique<AllGatherCase>(comm, DType::kI32, 37, false, options));
-  cases.push_back(std::make_unique<BroadcastCase>(comm, DType::kBF16, 513, comm.size() - 1, options));
-  cases.push_back(std::make_unique<AllReduceCase>(comm, DType::kF64, ReduceOp::kMax, 77, false, options));
+  cases.push_back(
+      std::make_unique<BroadcastCase>(comm, DType::kBF16, 513, comm.size() - 1, options));
+  cases.push_back(
+      std::make_unique<AllReduceCase>(comm, DType::kF64, ReduceOp::kMax, 77, false, options));
   cases.push_back(std::make_unique<AllToAllVCase>(comm, DType::kF16, 9, options));
-  cases.push_back(std::make_unique<ReduceScatterCase>(comm, DType::kI64, ReduceOp::kSum, 5, true, options));
+  cases.push_back(
+      std::make_unique<ReduceScatterCase>(comm, DType::kI64, ReduceOp::kSum, 5, true, options));
   std::vector<std::unique_ptr<Work>> works;
   for (auto& c : cases) {
     absl::StatusOr<std::unique_ptr<Work>> w = c->Issue(comm);
@@ -463,10 +508,10 @@ absl::Status CheckAsyncInIssueOrder(Communicator& comm, const CheckOptions& opti
     works.push_back(std::move(*w));
   }
   for (size_t i = works.size(); i-- > 0;) {
-    GRADSUM_RETURN_IF_ERROR(
-        Annotate(works[i]->Wait(comm.OperationWaitLimit()), cases[i]->name()));
+    GRADSUM_RETURN_IF_ERROR(Annotate(works[i]->Wait(comm.OperationWaitLimit()), cases[i]->name()));
     if (!works[i]->IsCompleted()) {
-      return absl::InternalError(absl::StrCat(cases[i]->name(), ": Wait returned OK but IsCompleted is false"));
+      return absl::InternalError(
+          absl::StrCat(cases[i]->name(), ": Wait returned OK but IsCompleted is false"));
     }
     GRADSUM_RETURN_IF_ERROR(cases[i]->Verify());
   }
@@ -486,7 +531,8 @@ absl::Status CheckSplit(Communicator& comm, const CheckOptions& options) {
   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> sub, comm.Split(r % 2, -r));
   const std::string what = absl::StrCat("split(color ", r % 2, ", key ", -r, ") on rank ", r);
   if (sub == nullptr) return absl::InternalError(what + ": returned nullptr");
-  const int want_rank = static_cast<int>(std::find(members.begin(), members.end(), r) - members.begin());
+  const int want_rank =
+      static_cast<int>(std::find(members.begin(), members.end(), r) - members.begin());
   if (sub->size() != static_cast<int>(members.size()) || sub->rank() != want_rank) {
     return absl::InternalError(absl::StrCat(what, ": got rank ", sub->rank(), " of ", sub->size(),
                                             ", expected rank ", want_rank, " of ", members.size()));
@@ -513,9 +559,10 @@ absl::Status CheckSplit(Communicator& comm, const CheckOptions& options) {
   GRADSUM_RETURN_IF_ERROR(
       Annotate(subsub->AllReduce(&sum, &sum, 1, DType::kI64, ReduceOp::kSum), what + " sub-split"));
   if (subsub->size() != want_size || subsub->rank() != sub->rank() % 2 || sum != want_sum) {
-    return absl::InternalError(absl::StrCat(
-        what, ": sub-split gave rank ", subsub->rank(), " of ", subsub->size(), " with sum of old ranks ",
-        sum, "; expected rank ", sub->rank() % 2, " of ", want_size, " with sum ", want_sum));
+    return absl::InternalError(absl::StrCat(what, ": sub-split gave rank ", subsub->rank(), " of ",
+                                            subsub->size(), " with sum of old ranks ", sum,
+                                            "; expected rank ", sub->rank() % 2, " of ", want_size,
+                                            " with sum ", want_sum));
   }
   // The children work independently of the parent: a full-size op on the parent still works.
   GRADSUM_RETURN_IF_ERROR(CheckAllReduce(comm, DType::kF32, ReduceOp::kSum, 33, true, options));
@@ -527,8 +574,9 @@ absl::Status CheckSplit(Communicator& comm, const CheckOptions& options) {
     return absl::OkStatus();
   }
   if (rest == nullptr || rest->size() != w - 1 || rest->rank() != r) {
-    return absl::InternalError(absl::StrCat(what, ": split leaving out the last rank gave ",
-                                            rest == nullptr ? "nullptr" : absl::StrCat("rank ", rest->rank(), " of ", rest->size())));
+    return absl::InternalError(absl::StrCat(
+        what, ": split leaving out the last rank gave ",
+        rest == nullptr ? "nullptr" : absl::StrCat("rank ", rest->rank(), " of ", rest->size())));
   }
   return CheckAllReduce(*rest, DType::kBF16, ReduceOp::kSum, 100, false, options);
 }
@@ -552,10 +600,10 @@ absl::Status CheckMismatchesFail(Communicator& comm) {
       "all_reduce with a different reduce op" + where, "op"));
   GRADSUM_RETURN_IF_ERROR(ExpectInvalid(comm.Broadcast(buf.data(), 8, DType::kF32, odd ? 0 : 1),
                                         "broadcast with a different root" + where, "root"));
-  GRADSUM_RETURN_IF_ERROR(ExpectInvalid(
-      odd ? comm.AllGather(buf.data(), out.data(), 4, DType::kF32)
-          : comm.AllReduce(buf.data(), out.data(), 4, DType::kF32, ReduceOp::kSum),
-      "all_gather on one rank, all_reduce on the others" + where, "all_"));
+  GRADSUM_RETURN_IF_ERROR(
+      ExpectInvalid(odd ? comm.AllGather(buf.data(), out.data(), 4, DType::kF32)
+                        : comm.AllReduce(buf.data(), out.data(), 4, DType::kF32, ReduceOp::kSum),
+                    "all_gather on one rank, all_reduce on the others" + where, "all_"));
   std::vector<size_t> ones(w, 1), offsets(w);
   for (int p = 0; p < w; ++p) offsets[p] = 2 * static_cast<size_t>(p);
   std::vector<size_t> recv_counts = ones;
@@ -580,7 +628,8 @@ absl::Status CheckAll(Communicator& comm, const CheckOptions& options) {
         }
         GRADSUM_RETURN_IF_ERROR(CheckAllGather(comm, t, n / 4, in_place, options));
       }
-      GRADSUM_RETURN_IF_ERROR(CheckBroadcast(comm, t, n, static_cast<int>(n % comm.size()), options));
+      GRADSUM_RETURN_IF_ERROR(
+          CheckBroadcast(comm, t, n, static_cast<int>(n % comm.size()), options));
     }
     GRADSUM_RETURN_IF_ERROR(CheckAllToAllV(comm, t, 0, options));
     GRADSUM_RETURN_IF_ERROR(CheckAllToAllV(comm, t, 300, options));

@@ -87,8 +87,7 @@ class FakeDeviceComm final : public ForwardingCommunicator, public DeviceStream 
   }
   bool coalescing() const override { return group_; }
   absl::StatusOr<std::unique_ptr<Work>> AllReduceCoalescedAsync(absl::Span<const Buffer> buffers,
-                                                                DType dtype,
-                                                                ReduceOp op) override {
+                                                                DType dtype, ReduceOp op) override {
     GRADSUM_RETURN_IF_ERROR(BeginCoalescing());
     for (const Buffer& b : buffers) {
       GRADSUM_RETURN_IF_ERROR(AllReduceAsync(b.send, b.recv, b.count, dtype, op).status());
@@ -176,8 +175,8 @@ absl::StatusOr<Stack> MakeStack(Communicator& world) {
   s.device = device.get();
   GRADSUM_ASSIGN_OR_RETURN(
       std::unique_ptr<Communicator> checked,
-      WithAgreementCheckOver(std::move(device), std::make_unique<CountingCommunicator>(
-                                                    std::move(host), s.exchanges)));
+      WithAgreementCheckOver(std::move(device),
+                             std::make_unique<CountingCommunicator>(std::move(host), s.exchanges)));
   s.comm = std::make_unique<TimedCommunicator>(std::move(checked), s.timer);
   return s;
 }
@@ -229,8 +228,10 @@ TEST(DeviceStreamDecoratorsTest, AgreementRunsOverTheHostExchange) {
     const int exchanged = *s.exchanges;
     GRADSUM_RETURN_IF_ERROR(ds->BeginCoalescing());
     float a = 1.0f, b = 2.0f;
-    GRADSUM_RETURN_IF_ERROR(s.comm->AllReduceAsync(&a, &a, 1, DType::kF32, ReduceOp::kSum).status());
-    GRADSUM_RETURN_IF_ERROR(s.comm->AllReduceAsync(&b, &b, 1, DType::kF32, ReduceOp::kSum).status());
+    GRADSUM_RETURN_IF_ERROR(
+        s.comm->AllReduceAsync(&a, &a, 1, DType::kF32, ReduceOp::kSum).status());
+    GRADSUM_RETURN_IF_ERROR(
+        s.comm->AllReduceAsync(&b, &b, 1, DType::kF32, ReduceOp::kSum).status());
     GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Work> group, ds->EndCoalescing());
     GRADSUM_RETURN_IF_ERROR(group->Wait());
     EXPECT_EQ(a, 3.0f);
@@ -308,8 +309,10 @@ TEST(DeviceStreamDecoratorsTest, TimerCountsTheDeviceTimeBetweenMarkers) {
     DeviceStream* ds = s.comm->device_stream();
     maybe_wait();
     GRADSUM_RETURN_IF_ERROR(ds->BeginCoalescing());
-    GRADSUM_RETURN_IF_ERROR(s.comm->AllReduceAsync(&x, &x, 1, DType::kF32, ReduceOp::kSum).status());
-    GRADSUM_RETURN_IF_ERROR(s.comm->AllReduceAsync(&x, &x, 1, DType::kF32, ReduceOp::kSum).status());
+    GRADSUM_RETURN_IF_ERROR(
+        s.comm->AllReduceAsync(&x, &x, 1, DType::kF32, ReduceOp::kSum).status());
+    GRADSUM_RETURN_IF_ERROR(
+        s.comm->AllReduceAsync(&x, &x, 1, DType::kF32, ReduceOp::kSum).status());
     GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Work> group, ds->EndCoalescing());
     GRADSUM_RETURN_IF_ERROR(group->Wait());
     EXPECT_EQ(x, 8.0f);

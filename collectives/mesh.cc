@@ -16,18 +16,17 @@ Mesh::Mesh(Communicator* world, int ep_size, std::unique_ptr<Communicator> ep_gr
       edp_group_(std::move(edp_group)) {}
 
 absl::StatusOr<std::unique_ptr<Mesh>> Mesh::Create(Communicator* world, int ep_size,
-                                                    int shard_size) {
+                                                   int shard_size) {
   if (world == nullptr) return absl::InvalidArgumentError("Mesh::Create: world is null");
   const int w = world->size();
   if (ep_size < 1 || w % ep_size != 0) {
     return absl::InvalidArgumentError(absl::StrCat("Mesh::Create: ep_size ", ep_size,
-                                                   " must be >= 1 and divide the world size ",
-                                                   w));
+                                                   " must be >= 1 and divide the world size ", w));
   }
   if (shard_size < 0 || (shard_size > 0 && (w % shard_size != 0 || shard_size % ep_size != 0))) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "Mesh::Create: shard_size ", shard_size, " must be 0, or divide the world size ", w,
-        " and be a multiple of ep_size ", ep_size));
+    return absl::InvalidArgumentError(absl::StrCat("Mesh::Create: shard_size ", shard_size,
+                                                   " must be 0, or divide the world size ", w,
+                                                   " and be a multiple of ep_size ", ep_size));
   }
   const int f = world->rank() / ep_size;
   const int p = world->rank() % ep_size;
@@ -55,7 +54,8 @@ absl::StatusOr<std::unique_ptr<Mesh>> Mesh::Create(Communicator* world, int ep_s
         mesh->expert_shard_->rank() != f % k || mesh->dense_replica_->rank() != r) {
       return absl::InternalError(absl::StrCat("Mesh::Create: ", world->backend(),
                                               " Split returned an inconsistent HSDP group on "
-                                              "rank ", world->rank()));
+                                              "rank ",
+                                              world->rank()));
     }
   }
   return mesh;
@@ -63,12 +63,11 @@ absl::StatusOr<std::unique_ptr<Mesh>> Mesh::Create(Communicator* world, int ep_s
 
 absl::Status HierarchicalReduceScatter(Mesh& mesh, const void* send, void* shard,
                                        size_t shard_count, DType dtype) {
-  GRADSUM_RETURN_IF_ERROR(Annotate(
-      mesh.ep_group().ReduceScatter(send, shard, shard_count, dtype, ReduceOp::kSum),
-      "hierarchical reduce-scatter, within the shard group"));
-  return Annotate(
-      mesh.edp_group().AllReduce(shard, shard, shard_count, dtype, ReduceOp::kSum),
-      "hierarchical reduce-scatter, across the replica groups");
+  GRADSUM_RETURN_IF_ERROR(
+      Annotate(mesh.ep_group().ReduceScatter(send, shard, shard_count, dtype, ReduceOp::kSum),
+               "hierarchical reduce-scatter, within the shard group"));
+  return Annotate(mesh.edp_group().AllReduce(shard, shard, shard_count, dtype, ReduceOp::kSum),
+                  "hierarchical reduce-scatter, across the replica groups");
 }
 
 }  // namespace gradsum

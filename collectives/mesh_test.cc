@@ -7,8 +7,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "gtest/gtest.h"
 #include "core/status.h"
+#include "gtest/gtest.h"
 #include "testing/run_ranks.h"
 
 namespace gradsum {
@@ -35,9 +35,9 @@ absl::Status CheckMesh(Communicator& world, int ep_size) {
   for (int q = 0; q < ep_size; ++q) want_ep.push_back(f * ep_size + q);
   for (int g = 0; g < f_size; ++g) want_edp.push_back(g * ep_size + p);
   const std::string what = absl::StrCat("W=", w, " P=", ep_size, " rank ", r);
-  if (m.world_size() != w || m.ep_size() != ep_size || m.edp_size() != f_size ||
-      m.f_index() != f || m.p_index() != p || &m.world() != &world ||
-      m.ep_group().rank() != p || m.edp_group().rank() != f) {
+  if (m.world_size() != w || m.ep_size() != ep_size || m.edp_size() != f_size || m.f_index() != f ||
+      m.p_index() != p || &m.world() != &world || m.ep_group().rank() != p ||
+      m.edp_group().rank() != f) {
     return absl::InternalError(absl::StrCat(what, ": wrong shape or indices: f ", m.f_index(),
                                             " p ", m.p_index(), " F ", m.edp_size()));
   }
@@ -160,8 +160,8 @@ absl::Status CheckHierarchical(Communicator& world, int ep_size, DType dtype) {
   if (dtype == DType::kI64) {
     std::vector<int64_t> send(n), shard(shard_count, -99), flat(n);
     for (size_t i = 0; i < n; ++i) send[i] = flat[i] = value(r, i);
-    GRADSUM_RETURN_IF_ERROR(HierarchicalReduceScatter(*mesh, send.data(), shard.data(),
-                                                      shard_count, DType::kI64));
+    GRADSUM_RETURN_IF_ERROR(
+        HierarchicalReduceScatter(*mesh, send.data(), shard.data(), shard_count, DType::kI64));
     GRADSUM_RETURN_IF_ERROR(world.AllReduce(flat.data(), flat.data(), n, DType::kI64));
     for (size_t k = 0; k < shard_count; ++k) {
       if (shard[k] != want[k] || shard[k] != flat[mesh->p_index() * shard_count + k]) {
@@ -182,16 +182,16 @@ absl::Status CheckHierarchical(Communicator& world, int ep_size, DType dtype) {
   for (size_t k = 0; k < shard_count; ++k) {
     if (shard[k] != static_cast<float>(want[k]) ||
         shard[k] != flat[mesh->p_index() * shard_count + k]) {
-      return absl::InternalError(absl::StrCat("f32 element ", k, ": got ", shard[k],
-                                              ", reference ", want[k]));
+      return absl::InternalError(
+          absl::StrCat("f32 element ", k, ": got ", shard[k], ", reference ", want[k]));
     }
   }
   return absl::OkStatus();
 }
 
 TEST(HierarchicalReduceScatterTest, EqualsFlatSumOnEveryMeshShape) {
-  for (const auto& [world, ep] : std::vector<std::pair<int, int>>{
-           {4, 1}, {4, 2}, {4, 4}, {6, 2}, {6, 3}, {8, 2}, {8, 4}}) {
+  for (const auto& [world, ep] :
+       std::vector<std::pair<int, int>>{{4, 1}, {4, 2}, {4, 4}, {6, 2}, {6, 3}, {8, 2}, {8, 4}}) {
     for (DType t : {DType::kI64, DType::kF32}) {
       SCOPED_TRACE(absl::StrCat("world ", world, " ep ", ep, " ", DTypeName(t)));
       absl::Status s = RunRanks(world, [&, ep = ep, t = t](Communicator& comm) {

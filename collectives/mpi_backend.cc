@@ -6,8 +6,8 @@
 #include <array>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <climits>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -85,10 +85,14 @@ namespace {
 
 const char* ThreadLevelName(int level) {
   switch (level) {
-    case MPI_THREAD_SINGLE: return "MPI_THREAD_SINGLE";
-    case MPI_THREAD_FUNNELED: return "MPI_THREAD_FUNNELED";
-    case MPI_THREAD_SERIALIZED: return "MPI_THREAD_SERIALIZED";
-    case MPI_THREAD_MULTIPLE: return "MPI_THREAD_MULTIPLE";
+    case MPI_THREAD_SINGLE:
+      return "MPI_THREAD_SINGLE";
+    case MPI_THREAD_FUNNELED:
+      return "MPI_THREAD_FUNNELED";
+    case MPI_THREAD_SERIALIZED:
+      return "MPI_THREAD_SERIALIZED";
+    case MPI_THREAD_MULTIPLE:
+      return "MPI_THREAD_MULTIPLE";
   }
   return "unknown";
 }
@@ -126,12 +130,18 @@ absl::Status EnsureMpiReady() {
 
 MPI_Datatype MoveType(DType t) {
   switch (t) {
-    case DType::kF32: return MPI_FLOAT;
-    case DType::kF64: return MPI_DOUBLE;
-    case DType::kBF16: return MPI_UINT16_T;  // moved as bits; reduced via fp32 (below)
-    case DType::kF16: return MPI_UINT16_T;
-    case DType::kI32: return MPI_INT32_T;
-    case DType::kI64: return MPI_INT64_T;
+    case DType::kF32:
+      return MPI_FLOAT;
+    case DType::kF64:
+      return MPI_DOUBLE;
+    case DType::kBF16:
+      return MPI_UINT16_T;  // moved as bits; reduced via fp32 (below)
+    case DType::kF16:
+      return MPI_UINT16_T;
+    case DType::kI32:
+      return MPI_INT32_T;
+    case DType::kI64:
+      return MPI_INT64_T;
   }
   return MPI_DATATYPE_NULL;
 }
@@ -209,8 +219,8 @@ struct Op {
   OpFn run;
   std::mutex mu;
   std::condition_variable cv;
-  bool done = false;     // guarded by mu
-  absl::Status status;   // written before done is set
+  bool done = false;                                // guarded by mu
+  absl::Status status;                              // written before done is set
   absl::Time finished_at = absl::InfiniteFuture();  // guarded by mu
 
   void Finish(absl::Status s) {
@@ -231,9 +241,9 @@ class MpiWork final : public Work {
     if (timeout == absl::InfiniteDuration()) {
       op_->cv.wait(lock, finished);
     } else if (!op_->cv.wait_for(lock, absl::ToChronoNanoseconds(timeout), finished)) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "mpi ", KindName(op_->kind), " still in flight after waiting ",
-          absl::FormatDuration(timeout), "; its buffers must stay alive"));
+      return absl::DeadlineExceededError(
+          absl::StrCat("mpi ", KindName(op_->kind), " still in flight after waiting ",
+                       absl::FormatDuration(timeout), "; its buffers must stay alive"));
     }
     // A fresh copy, not a shared reference: the progress thread may free the Op's status
     // while the caller holds this one, and abseil's refcount is invisible to TSan.
@@ -300,8 +310,8 @@ class MpiCommunicator final : public Communicator {
     // Asks and answers may still be in flight towards a peer that is gone: their buffers
     // outlive the communicator (moving a deque keeps its elements where they are).
     if (!asks_.empty() || !answers_.empty()) {
-      new std::pair<std::deque<int64_t>, std::deque<std::array<int64_t, 3>>>(
-          std::move(asks_), std::move(answers_));
+      new std::pair<std::deque<int64_t>, std::deque<std::array<int64_t, 3>>>(std::move(asks_),
+                                                                             std::move(answers_));
     }
   }
 
@@ -316,9 +326,8 @@ class MpiCommunicator final : public Communicator {
   // thread. Sync forms: the same operation, run on the caller's thread when nothing of
   // this communicator's is queued or running (no hand-off, no allocation), else queued.
 
-  absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv,
-                                                       size_t count, DType dtype,
-                                                       ReduceOp op) override {
+  absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv, size_t count,
+                                                       DType dtype, ReduceOp op) override {
     return Async(MakeCall(Kind::kAllReduce, send, recv, count, dtype, op));
   }
   absl::Status AllReduce(const void* send, void* recv, size_t count, DType dtype,
@@ -345,9 +354,9 @@ class MpiCommunicator final : public Communicator {
   }
 
   absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(
-      const void* send, absl::Span<const size_t> send_counts,
-      absl::Span<const size_t> send_offsets, void* recv, absl::Span<const size_t> recv_counts,
-      absl::Span<const size_t> recv_offsets, DType dtype) override {
+      const void* send, absl::Span<const size_t> send_counts, absl::Span<const size_t> send_offsets,
+      void* recv, absl::Span<const size_t> recv_counts, absl::Span<const size_t> recv_offsets,
+      DType dtype) override {
     return Async(collectives_internal::MakeAllToAllVCall(send, send_counts, send_offsets, recv,
                                                          recv_counts, recv_offsets, dtype));
   }
@@ -355,7 +364,8 @@ class MpiCommunicator final : public Communicator {
                          absl::Span<const size_t> send_offsets, void* recv,
                          absl::Span<const size_t> recv_counts,
                          absl::Span<const size_t> recv_offsets, DType dtype) override {
-    return Sync(collectives_internal::MakeAllToAllVCall(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dtype));
+    return Sync(collectives_internal::MakeAllToAllVCall(send, send_counts, send_offsets, recv,
+                                                        recv_counts, recv_offsets, dtype));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(void* buf, size_t count, DType dtype,
@@ -494,8 +504,8 @@ class MpiCommunicator final : public Communicator {
     });
   }
 
-  absl::Status RunAllReduce(OpContext& ctx, const void* send, void* recv, size_t count,
-                            DType dtype, ReduceOp op) {
+  absl::Status RunAllReduce(OpContext& ctx, const void* send, void* recv, size_t count, DType dtype,
+                            ReduceOp op) {
     // Large buffers go in chunks, one MPI all-reduce each, so that the fp32 staging of
     // bf16/f16 stays small and in cache between widening, reducing and narrowing.
     const size_t esize = DTypeSize(dtype);
@@ -612,8 +622,7 @@ class MpiCommunicator final : public Communicator {
                           in_operation_.load(std::memory_order_acquire) ? 1 : 0});
       MPI_Request req;
       if (CallMpi([&] {
-            return MPI_Isend(answers_.back().data(), 3, MPI_INT64_T, from, kAnswerTag, comm_,
-                             &req);
+            return MPI_Isend(answers_.back().data(), 3, MPI_INT64_T, from, kAnswerTag, comm_, &req);
           }) == MPI_SUCCESS) {
         CallMpi([&] { return MPI_Request_free(&req); });
       }
@@ -643,9 +652,8 @@ class MpiCommunicator final : public Communicator {
       AnswerAsksLocked();  // a peer that timed out too asks us
       int flag = 0;
       MPI_Status status;
-      if (CallMpi([&] {
-            return MPI_Iprobe(MPI_ANY_SOURCE, kAnswerTag, comm_, &flag, &status);
-          }) != MPI_SUCCESS) {
+      if (CallMpi([&] { return MPI_Iprobe(MPI_ANY_SOURCE, kAnswerTag, comm_, &flag, &status); }) !=
+          MPI_SUCCESS) {
         break;
       }
       if (!flag) {
@@ -655,8 +663,7 @@ class MpiCommunicator final : public Communicator {
       std::array<int64_t, 3> got;
       const int from = status.MPI_SOURCE;
       if (CallMpi([&] {
-            return MPI_Recv(got.data(), 3, MPI_INT64_T, from, kAnswerTag, comm_,
-                            MPI_STATUS_IGNORE);
+            return MPI_Recv(got.data(), 3, MPI_INT64_T, from, kAnswerTag, comm_, MPI_STATUS_IGNORE);
           }) != MPI_SUCCESS) {
         break;
       }
@@ -675,8 +682,8 @@ class MpiCommunicator final : public Communicator {
         continue;
       }
       const auto [peer_seq, peer_kind, busy] = *answer[q];
-      const std::string op = absl::StrFormat(
-          "mpi %s #%d", KindName(static_cast<Kind>(peer_kind)), peer_seq);
+      const std::string op =
+          absl::StrFormat("mpi %s #%d", KindName(static_cast<Kind>(peer_kind)), peer_seq);
       if (busy && peer_seq == seq) {
         arrived.push_back(name);
       } else if (busy) {
@@ -702,13 +709,11 @@ class MpiCommunicator final : public Communicator {
   }
 
   std::string Label(const OpContext& ctx) const {
-    return absl::StrFormat("mpi %s #%d (rank %d of %d)", KindName(ctx.kind), ctx.seq, rank_,
-                           size_);
+    return absl::StrFormat("mpi %s #%d (rank %d of %d)", KindName(ctx.kind), ctx.seq, rank_, size_);
   }
 
   std::string BrokenMessage() const {
-    return absl::StrCat("mpi communicator is unusable after an earlier failure: ",
-                        broken_reason_);
+    return absl::StrCat("mpi communicator is unusable after an earlier failure: ", broken_reason_);
   }
 
   absl::StatusOr<std::unique_ptr<Work>> Enqueue(int64_t seq, Kind kind, OpFn fn) {
@@ -820,8 +825,8 @@ class MpiCommunicator final : public Communicator {
         broken = broken_;
         executing_ = true;
       }
-      absl::Status status =
-          broken ? absl::FailedPreconditionError(BrokenMessage()) : Execute(op->seq, op->kind, op->run);
+      absl::Status status = broken ? absl::FailedPreconditionError(BrokenMessage())
+                                   : Execute(op->seq, op->kind, op->run);
       bool drained;
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -926,10 +931,10 @@ class MpiCommunicator final : public Communicator {
       if (now >= ctx.deadline) {
         ctx.breaks_comm = true;
         ctx.leak_scratch = true;  // the request stays in flight; MPI cannot cancel it
-        return absl::DeadlineExceededError(absl::StrCat(
-            Label(ctx), ": not every rank arrived within the timeout of ",
-            absl::FormatDuration(options_.timeout), WhereArePeers(ctx.seq),
-            "; the communicator is now unusable"));
+        return absl::DeadlineExceededError(
+            absl::StrCat(Label(ctx), ": not every rank arrived within the timeout of ",
+                         absl::FormatDuration(options_.timeout), WhereArePeers(ctx.seq),
+                         "; the communicator is now unusable"));
       }
       if (now - start > absl::Milliseconds(500)) {
         absl::SleepFor(absl::Microseconds(200));
@@ -985,7 +990,7 @@ class MpiCommunicator final : public Communicator {
   // One asker or answerer at a time; the send buffers of asks and answers (never freed: a
   // send may be pending towards a peer that is gone).
   std::mutex board_mu_;
-  std::deque<int64_t> asks_;                     // guarded by board_mu_
+  std::deque<int64_t> asks_;                    // guarded by board_mu_
   std::deque<std::array<int64_t, 3>> answers_;  // guarded by board_mu_
   std::thread worker_;
 };
@@ -995,8 +1000,8 @@ class MpiCommunicator final : public Communicator {
 absl::StatusOr<std::unique_ptr<Communicator>> CreateMpiWorldCommunicator(
     MpiBackendOptions options) {
   if (options.timeout <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "mpi backend timeout must be positive, got ", absl::FormatDuration(options.timeout)));
+    return absl::InvalidArgumentError(absl::StrCat("mpi backend timeout must be positive, got ",
+                                                   absl::FormatDuration(options.timeout)));
   }
   GRADSUM_RETURN_IF_ERROR(EnsureMpiReady());
   MPI_Comm dup = MPI_COMM_NULL;
@@ -1008,9 +1013,9 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateMpiWorldCommunicator(
     rc = CallMpi([&] { return MPI_Test(&req, &done, MPI_STATUS_IGNORE); });
     if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Comm_idup(MPI_COMM_WORLD)");
     if (!done && absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "CreateMpiWorldCommunicator: not every process arrived within ",
-          absl::FormatDuration(options.timeout)));
+      return absl::DeadlineExceededError(
+          absl::StrCat("CreateMpiWorldCommunicator: not every process arrived within ",
+                       absl::FormatDuration(options.timeout)));
     }
     if (!done) std::this_thread::yield();
   }

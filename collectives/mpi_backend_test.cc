@@ -5,6 +5,8 @@
 // precision, without any communication. Inputs are chosen so that sums are exact in fp32:
 // the expected value of a reduction is then exactly "sum, round once to the dtype".
 
+#include "collectives/mpi_backend.h"
+
 #include <mpi.h>
 
 #include <algorithm>
@@ -22,7 +24,6 @@
 #include "absl/time/time.h"
 #include "collectives/communicator.h"
 #include "collectives/conformance.h"
-#include "collectives/mpi_backend.h"
 #include "core/dtype.h"
 #include "core/half.h"
 #include "gtest/gtest.h"
@@ -35,8 +36,14 @@ namespace {
 void SetElement(unsigned char* buf, DType t, size_t i, double v) {
   unsigned char* p = buf + i * DTypeSize(t);
   switch (t) {
-    case DType::kF32: { float x = static_cast<float>(v); std::memcpy(p, &x, 4); break; }
-    case DType::kF64: std::memcpy(p, &v, 8); break;
+    case DType::kF32: {
+      float x = static_cast<float>(v);
+      std::memcpy(p, &x, 4);
+      break;
+    }
+    case DType::kF64:
+      std::memcpy(p, &v, 8);
+      break;
     case DType::kBF16: {
       uint16_t b = BF16::FromFloat(static_cast<float>(v)).bits;
       std::memcpy(p, &b, 2);
@@ -47,20 +54,52 @@ void SetElement(unsigned char* buf, DType t, size_t i, double v) {
       std::memcpy(p, &b, 2);
       break;
     }
-    case DType::kI32: { int32_t x = static_cast<int32_t>(v); std::memcpy(p, &x, 4); break; }
-    case DType::kI64: { int64_t x = static_cast<int64_t>(v); std::memcpy(p, &x, 8); break; }
+    case DType::kI32: {
+      int32_t x = static_cast<int32_t>(v);
+      std::memcpy(p, &x, 4);
+      break;
+    }
+    case DType::kI64: {
+      int64_t x = static_cast<int64_t>(v);
+      std::memcpy(p, &x, 8);
+      break;
+    }
   }
 }
 
 double GetElement(const unsigned char* buf, DType t, size_t i) {
   const unsigned char* p = buf + i * DTypeSize(t);
   switch (t) {
-    case DType::kF32: { float x; std::memcpy(&x, p, 4); return x; }
-    case DType::kF64: { double x; std::memcpy(&x, p, 8); return x; }
-    case DType::kBF16: { uint16_t b; std::memcpy(&b, p, 2); return BF16::FromBits(b).ToFloat(); }
-    case DType::kF16: { uint16_t b; std::memcpy(&b, p, 2); return F16::FromBits(b).ToFloat(); }
-    case DType::kI32: { int32_t x; std::memcpy(&x, p, 4); return x; }
-    case DType::kI64: { int64_t x; std::memcpy(&x, p, 8); return static_cast<double>(x); }
+    case DType::kF32: {
+      float x;
+      std::memcpy(&x, p, 4);
+      return x;
+    }
+    case DType::kF64: {
+      double x;
+      std::memcpy(&x, p, 8);
+      return x;
+    }
+    case DType::kBF16: {
+      uint16_t b;
+      std::memcpy(&b, p, 2);
+      return BF16::FromBits(b).ToFloat();
+    }
+    case DType::kF16: {
+      uint16_t b;
+      std::memcpy(&b, p, 2);
+      return F16::FromBits(b).ToFloat();
+    }
+    case DType::kI32: {
+      int32_t x;
+      std::memcpy(&x, p, 4);
+      return x;
+    }
+    case DType::kI64: {
+      int64_t x;
+      std::memcpy(&x, p, 8);
+      return static_cast<double>(x);
+    }
   }
   return 0;
 }
@@ -85,12 +124,18 @@ double RoundTo(DType t, double v) {
 // rounded after every addition would differ from "sum in fp32, round once".
 double Big(DType t) {
   switch (t) {
-    case DType::kBF16: return 256;
-    case DType::kF16: return 2048;
-    case DType::kF32: return 1 << 20;
-    case DType::kF64: return std::ldexp(1.0, 40);
-    case DType::kI32: return 1 << 20;
-    case DType::kI64: return std::ldexp(1.0, 40);  // needs 64-bit integers
+    case DType::kBF16:
+      return 256;
+    case DType::kF16:
+      return 2048;
+    case DType::kF32:
+      return 1 << 20;
+    case DType::kF64:
+      return std::ldexp(1.0, 40);
+    case DType::kI32:
+      return 1 << 20;
+    case DType::kI64:
+      return std::ldexp(1.0, 40);  // needs 64-bit integers
   }
   return 0;
 }
@@ -126,9 +171,12 @@ double ReferenceReduce(DType t, ReduceOp op, int world, size_t i) {
     max = std::max(max, x);
   }
   switch (op) {
-    case ReduceOp::kSum: return sum;
-    case ReduceOp::kMax: return max;
-    case ReduceOp::kAvg: return sum / world;  // floating dtypes only
+    case ReduceOp::kSum:
+      return sum;
+    case ReduceOp::kMax:
+      return max;
+    case ReduceOp::kAvg:
+      return sum / world;  // floating dtypes only
   }
   return 0;
 }
@@ -335,8 +383,9 @@ TEST_F(MpiBackendTest, AllToAllVUnevenCountsWithZeros) {
       recv_total += recv_counts[p];
     }
     std::vector<unsigned char> recv(recv_total * DTypeSize(t), 0x5A);
-    ASSERT_TRUE(comm_->AllToAllV(send.data(), send_counts, send_offsets, recv.data(),
-                                 recv_counts, recv_offsets, t)
+    ASSERT_TRUE(comm_
+                    ->AllToAllV(send.data(), send_counts, send_offsets, recv.data(), recv_counts,
+                                recv_offsets, t)
                     .ok());
     std::vector<unsigned char> expected(recv.size());
     for (int p = 0; p < world; ++p) {
@@ -390,8 +439,8 @@ TEST_F(MpiBackendTest, SyncCallAfterPendingAsyncRunsSecond) {
   ASSERT_NE(comm_, nullptr);
   const int world = comm_->size();
   std::vector<int64_t> buf(300, comm_->rank() + 1);
-  auto first = comm_->AllReduceAsync(buf.data(), buf.data(), buf.size(), DType::kI64,
-                                     ReduceOp::kSum);
+  auto first =
+      comm_->AllReduceAsync(buf.data(), buf.data(), buf.size(), DType::kI64, ReduceOp::kSum);
   ASSERT_TRUE(first.ok()) << first.status();
   ASSERT_TRUE(comm_->AllReduce(buf.data(), buf.data(), buf.size(), DType::kI64).ok());
   ASSERT_TRUE((*first)->Wait().ok());
@@ -479,8 +528,7 @@ TEST_F(MpiBackendTest, SplitByParityWithReversedKeys) {
     if (r % 2 == rank % 2) members.push_back(r);
   }
   EXPECT_EQ((*child)->size(), static_cast<int>(members.size()));
-  EXPECT_EQ((*child)->rank(),
-            std::find(members.begin(), members.end(), rank) - members.begin());
+  EXPECT_EQ((*child)->rank(), std::find(members.begin(), members.end(), rank) - members.begin());
   EXPECT_EQ((*child)->timeout(), comm_->timeout());
   int64_t mine = 1000 + rank, sum = 0;
   ASSERT_TRUE((*child)->AllReduce(&mine, &sum, 1, DType::kI64, ReduceOp::kSum).ok());
@@ -552,8 +600,8 @@ TEST_F(MpiBackendTest, AllToAllVCountDisagreementFailsEveryRank) {
   std::vector<size_t> recv_counts = counts;
   if (rank == 0) recv_counts[1] = 3;
   std::vector<float> send(3 * world, 1.0f), recv(3 * world, 0.0f);
-  absl::Status s = comm_->AllToAllV(send.data(), counts, offsets, recv.data(), recv_counts,
-                                    offsets, DType::kF32);
+  absl::Status s = comm_->AllToAllV(send.data(), counts, offsets, recv.data(), recv_counts, offsets,
+                                    DType::kF32);
   ExpectInvalid(s, {"rank 1 sends 2 elements to rank 0", "expects 3"});
   EXPECT_EQ(recv, std::vector<float>(3 * world, 0.0f));
   ASSERT_TRUE(comm_->Barrier().ok());
@@ -582,8 +630,8 @@ TEST_F(MpiBackendTest, BadLocalArgumentsAreInvalidArgument) {
   ExpectInvalid(comm_->AllGather(not_my_block, buf.data(), 2, DType::kF32),
                 {"send == recv + rank * send_count"});
   std::vector<size_t> ones(world, 1), zeros(world, 0), same_offset(world, 0);
-  ExpectInvalid(comm_->AllToAllV(buf.data(), zeros, zeros, buf.data() + world, ones,
-                                 same_offset, DType::kF32),
+  ExpectInvalid(comm_->AllToAllV(buf.data(), zeros, zeros, buf.data() + world, ones, same_offset,
+                                 DType::kF32),
                 {"recv blocks overlap"});
   std::vector<size_t> short_counts(world + 1, 0);
   std::vector<size_t> counts(world, 0);
@@ -646,8 +694,7 @@ TEST_F(MpiBackendTest, OffsetBeyondIntMaxOnOneRankFailsEveryRank) {
 TEST_F(MpiBackendTest, SkippedOperationIsAnOperationMismatch) {
   ASSERT_NE(comm_, nullptr);
   float x = 1;
-  absl::Status s =
-      comm_->rank() == 0 ? comm_->Barrier() : comm_->AllReduce(&x, &x, 1, DType::kF32);
+  absl::Status s = comm_->rank() == 0 ? comm_->Barrier() : comm_->AllReduce(&x, &x, 1, DType::kF32);
   ExpectInvalid(s, {"operation", "all_reduce vs barrier"});
   EXPECT_EQ(x, 1.0f);
   EXPECT_TRUE(comm_->Barrier().ok());
@@ -672,8 +719,8 @@ TEST_F(MpiBackendTest, SyncAgainstAsyncIsADisagreement) {
       o.timeout = absl::Seconds(20);
       s = comm_->AllReduce(o);
     } else {
-      absl::StatusOr<std::unique_ptr<Work>> w = comm_->AllReduceAsync(&x, &x, 1, DType::kF32,
-                                                                      ReduceOp::kSum);
+      absl::StatusOr<std::unique_ptr<Work>> w =
+          comm_->AllReduceAsync(&x, &x, 1, DType::kF32, ReduceOp::kSum);
       s = w.ok() ? (*w)->Wait(absl::Seconds(20)) : w.status();
     }
     ExpectInvalid(s, {"sync versus async", "sync vs async"});

@@ -2,16 +2,15 @@
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
-
 #include <unistd.h>
 
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
+#include <memory>
 #include <string>
 #include <thread>
 #include <type_traits>
-#include <memory>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -39,31 +38,40 @@ absl::Status CudaError(cudaError_t e, absl::string_view what) {
       absl::StrCat(what, ": CUDA error ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")"));
 }
 
-#define GRADSUM_CUDA_RETURN(expr, what)                      \
-  do {                                                       \
-    cudaError_t gradsum_cuda_err_ = (expr);                  \
-    if (gradsum_cuda_err_ != cudaSuccess) {                  \
-      return CudaError(gradsum_cuda_err_, what);             \
-    }                                                        \
+#define GRADSUM_CUDA_RETURN(expr, what)          \
+  do {                                           \
+    cudaError_t gradsum_cuda_err_ = (expr);      \
+    if (gradsum_cuda_err_ != cudaSuccess) {      \
+      return CudaError(gradsum_cuda_err_, what); \
+    }                                            \
   } while (0)
 
 ncclDataType_t NcclType(DType t) {
   switch (t) {
-    case DType::kF32: return ncclFloat32;
-    case DType::kF64: return ncclFloat64;
-    case DType::kBF16: return ncclBfloat16;
-    case DType::kF16: return ncclFloat16;
-    case DType::kI32: return ncclInt32;
-    case DType::kI64: return ncclInt64;
+    case DType::kF32:
+      return ncclFloat32;
+    case DType::kF64:
+      return ncclFloat64;
+    case DType::kBF16:
+      return ncclBfloat16;
+    case DType::kF16:
+      return ncclFloat16;
+    case DType::kI32:
+      return ncclInt32;
+    case DType::kI64:
+      return ncclInt64;
   }
   return ncclFloat32;
 }
 
 ncclRedOp_t NcclOp(ReduceOp op) {
   switch (op) {
-    case ReduceOp::kSum: return ncclSum;
-    case ReduceOp::kAvg: return ncclAvg;
-    case ReduceOp::kMax: return ncclMax;
+    case ReduceOp::kSum:
+      return ncclSum;
+    case ReduceOp::kAvg:
+      return ncclAvg;
+    case ReduceOp::kMax:
+      return ncclMax;
   }
   return ncclSum;
 }
@@ -147,7 +155,7 @@ class NcclCommunicatorImpl final : public Communicator, public DeviceStream {
  public:
   // Takes ownership of `comm`; creates the stream and the barrier's scratch word.
   static absl::StatusOr<std::unique_ptr<NcclCommunicatorImpl>> Wrap(ncclComm_t comm, int device,
-                                                                     NcclBackendOptions options) {
+                                                                    NcclBackendOptions options) {
     std::unique_ptr<NcclCommunicatorImpl> c(new NcclCommunicatorImpl(comm, device, options));
     GRADSUM_CUDA_RETURN(cudaSetDevice(device), "cudaSetDevice");
     GRADSUM_CUDA_RETURN(cudaStreamCreateWithFlags(&c->stream_, cudaStreamNonBlocking),
@@ -157,8 +165,8 @@ class NcclCommunicatorImpl final : public Communicator, public DeviceStream {
     GRADSUM_RETURN_IF_ERROR(c->CheckNccl(ncclCommCount(comm, &size), "ncclCommCount"));
     c->rank_ = rank;
     c->size_ = size;
-    GRADSUM_CUDA_RETURN(
-        cudaMalloc(reinterpret_cast<void**>(&c->device_scratch_), sizeof(int64_t)), "cudaMalloc");
+    GRADSUM_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(&c->device_scratch_), sizeof(int64_t)),
+                        "cudaMalloc");
     return c;
   }
 
@@ -222,9 +230,8 @@ class NcclCommunicatorImpl final : public Communicator, public DeviceStream {
 
   // ---- Communicator. ----
 
-  absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv,
-                                                       size_t count, DType dtype,
-                                                       ReduceOp op) override {
+  absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv, size_t count,
+                                                       DType dtype, ReduceOp op) override {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
     GRADSUM_RETURN_IF_ERROR(Validate(MakeCall(OpKind::kAllReduce, send, recv, count, dtype, op)));
@@ -242,8 +249,7 @@ class NcclCommunicatorImpl final : public Communicator, public DeviceStream {
         Validate(MakeCall(OpKind::kReduceScatter, send, recv, recv_count, dtype, op)));
     // In place (recv == send + rank * recv_count) is NCCL's own convention.
     return Issue(seq, OpKind::kReduceScatter, [&] {
-      return ncclReduceScatter(send, recv, recv_count, NcclType(dtype), NcclOp(op), comm_,
-                               stream_);
+      return ncclReduceScatter(send, recv, recv_count, NcclType(dtype), NcclOp(op), comm_, stream_);
     });
   }
 
@@ -259,9 +265,9 @@ class NcclCommunicatorImpl final : public Communicator, public DeviceStream {
 
   // Grouped ncclSend/ncclRecv, one pair per peer with a non-zero count.
   absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(
-      const void* send, absl::Span<const size_t> send_counts,
-      absl::Span<const size_t> send_offsets, void* recv, absl::Span<const size_t> recv_counts,
-      absl::Span<const size_t> recv_offsets, DType dtype) override {
+      const void* send, absl::Span<const size_t> send_counts, absl::Span<const size_t> send_offsets,
+      void* recv, absl::Span<const size_t> recv_counts, absl::Span<const size_t> recv_offsets,
+      DType dtype) override {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
     GRADSUM_RETURN_IF_ERROR(Validate(collectives_internal::MakeAllToAllVCall(
@@ -302,9 +308,8 @@ class NcclCommunicatorImpl final : public Communicator, public DeviceStream {
     const int64_t seq = next_seq_++;
     GRADSUM_RETURN_IF_ERROR(CheckUsable());
     int64_t* word = device_scratch_;
-    return Issue(seq, OpKind::kBarrier, [&] {
-      return ncclAllReduce(word, word, 1, ncclInt64, ncclSum, comm_, stream_);
-    });
+    return Issue(seq, OpKind::kBarrier,
+                 [&] { return ncclAllReduce(word, word, 1, ncclInt64, ncclSum, comm_, stream_); });
   }
 
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
@@ -353,8 +358,7 @@ class NcclCommunicatorImpl final : public Communicator, public DeviceStream {
   }
 
   absl::StatusOr<std::unique_ptr<Work>> AllReduceCoalescedAsync(absl::Span<const Buffer> buffers,
-                                                                DType dtype,
-                                                                ReduceOp op) override {
+                                                                DType dtype, ReduceOp op) override {
     GRADSUM_RETURN_IF_ERROR(BeginCoalescing());
     for (const Buffer& b : buffers) {
       absl::StatusOr<std::unique_ptr<Work>> w = AllReduceAsync(b.send, b.recv, b.count, dtype, op);
@@ -386,21 +390,21 @@ class NcclCommunicatorImpl final : public Communicator, public DeviceStream {
       ncclResult_t state = ncclSuccess;
       ncclCommGetAsyncError(comm_, &state);
       if (state != ncclSuccess && state != ncclInProgress) {
-        return Fail(absl::InternalError(absl::StrCat(
-            "nccl asynchronous error: ", ncclGetErrorString(state), ": ",
-            ncclGetLastError(comm_))));
+        return Fail(
+            absl::InternalError(absl::StrCat("nccl asynchronous error: ", ncclGetErrorString(state),
+                                             ": ", ncclGetLastError(comm_))));
       }
       const absl::Time now = absl::Now();
       if (now >= comm_deadline) {
-        return Fail(absl::DeadlineExceededError(absl::StrCat(
-            "nccl operation on rank ", rank_, " of ", size_, " did not finish within ",
-            absl::FormatDuration(options_.timeout),
-            " (a rank never arrived?); the communicator was aborted")));
+        return Fail(absl::DeadlineExceededError(
+            absl::StrCat("nccl operation on rank ", rank_, " of ", size_, " did not finish within ",
+                         absl::FormatDuration(options_.timeout),
+                         " (a rank never arrived?); the communicator was aborted")));
       }
       if (now >= wait_deadline) {
-        return absl::DeadlineExceededError(absl::StrCat(
-            "nccl operation still in flight after waiting ", absl::FormatDuration(timeout),
-            "; its buffers must stay alive"));
+        return absl::DeadlineExceededError(
+            absl::StrCat("nccl operation still in flight after waiting ",
+                         absl::FormatDuration(timeout), "; its buffers must stay alive"));
       }
       if (polls > 64) std::this_thread::yield();
     }
@@ -419,8 +423,7 @@ class NcclCommunicatorImpl final : public Communicator, public DeviceStream {
   }
 
   std::string BrokenMessage() const {
-    return absl::StrCat("nccl communicator is unusable after an earlier failure: ",
-                        broken_reason_);
+    return absl::StrCat("nccl communicator is unusable after an earlier failure: ", broken_reason_);
   }
 
   absl::Status CheckUsable() const {
@@ -443,8 +446,8 @@ class NcclCommunicatorImpl final : public Communicator, public DeviceStream {
   // before its exchange, so that one rank's host buffer fails every rank).
   absl::Status Validate(const OpCall& c) const {
     GRADSUM_RETURN_IF_ERROR(collectives_internal::ValidateCall(c, rank_, size_));
-    return collectives_internal::CheckEachBuffer(
-        c, size_, [this](const void* p) { return CheckBuffer(p); });
+    return collectives_internal::CheckEachBuffer(c, size_,
+                                                 [this](const void* p) { return CheckBuffer(p); });
   }
 
   // NCCL results in non-blocking mode: ncclInProgress means "poll until it settles".
@@ -466,8 +469,8 @@ class NcclCommunicatorImpl final : public Communicator, public DeviceStream {
       }
     }
     if (r != ncclSuccess) {
-      return Fail(absl::InternalError(absl::StrCat(what, ": ", ncclGetErrorString(r), ": ",
-                                                   ncclGetLastError(comm))));
+      return Fail(absl::InternalError(
+          absl::StrCat(what, ": ", ncclGetErrorString(r), ": ", ncclGetLastError(comm))));
     }
     return absl::OkStatus();
   }
@@ -520,8 +523,8 @@ class NcclCommunicatorImpl final : public Communicator, public DeviceStream {
 absl::Status NcclWork::Wait(absl::Duration timeout) { return comm_->WaitCompletion(*c_, timeout); }
 bool NcclWork::IsCompleted() { return comm_->IsCompleted(*c_); }
 
-absl::StatusOr<std::unique_ptr<Communicator>> InitRank(const ncclUniqueId& id, int rank,
-                                                       int world, int device,
+absl::StatusOr<std::unique_ptr<Communicator>> InitRank(const ncclUniqueId& id, int rank, int world,
+                                                       int device,
                                                        const NcclBackendOptions& options) {
   GRADSUM_CUDA_RETURN(cudaSetDevice(device), "cudaSetDevice");
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -552,8 +555,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> InitRank(const ncclUniqueId& id, i
 
 absl::Status CheckOptions(const NcclBackendOptions& options) {
   if (options.timeout <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "nccl backend timeout must be positive, got ", absl::FormatDuration(options.timeout)));
+    return absl::InvalidArgumentError(absl::StrCat("nccl backend timeout must be positive, got ",
+                                                   absl::FormatDuration(options.timeout)));
   }
   return absl::OkStatus();
 }
@@ -568,8 +571,8 @@ absl::Status MakeUniqueId(ncclUniqueId* id) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(
-    Communicator& bootstrap, NcclBackendOptions options) {
+absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(Communicator& bootstrap,
+                                                                     NcclBackendOptions options) {
   GRADSUM_RETURN_IF_ERROR(CheckOptions(options));
   int device = options.device;
   // Every rank still joins the broadcast below, so that one rank's missing GPU does not
@@ -647,9 +650,9 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicatorFromFile(
       std::ifstream in(id_path, std::ios::binary);
       if (in.read(id.internal, sizeof(id.internal)) && in.gcount() == sizeof(id.internal)) break;
       if (absl::Now() >= deadline) {
-        return absl::DeadlineExceededError(absl::StrCat(
-            "rank ", rank, ": no NCCL id appeared at ", id_path, " within ",
-            absl::FormatDuration(options.timeout)));
+        return absl::DeadlineExceededError(absl::StrCat("rank ", rank, ": no NCCL id appeared at ",
+                                                        id_path, " within ",
+                                                        absl::FormatDuration(options.timeout)));
       }
       absl::SleepFor(absl::Milliseconds(10));
     }

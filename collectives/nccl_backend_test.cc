@@ -37,12 +37,36 @@ Bytes MakeInput(DType t, size_t n, int salt) {
     const int v = static_cast<int>((i * 7 + salt * 13) % 23) - 11;
     unsigned char* p = b.data() + i * DTypeSize(t);
     switch (t) {
-      case DType::kF32: { float x = v; std::memcpy(p, &x, 4); break; }
-      case DType::kF64: { double x = v; std::memcpy(p, &x, 8); break; }
-      case DType::kBF16: { uint16_t x = BF16::FromFloat(v).bits; std::memcpy(p, &x, 2); break; }
-      case DType::kF16: { uint16_t x = F16::FromFloat(v).bits; std::memcpy(p, &x, 2); break; }
-      case DType::kI32: { int32_t x = v; std::memcpy(p, &x, 4); break; }
-      case DType::kI64: { int64_t x = v; std::memcpy(p, &x, 8); break; }
+      case DType::kF32: {
+        float x = v;
+        std::memcpy(p, &x, 4);
+        break;
+      }
+      case DType::kF64: {
+        double x = v;
+        std::memcpy(p, &x, 8);
+        break;
+      }
+      case DType::kBF16: {
+        uint16_t x = BF16::FromFloat(v).bits;
+        std::memcpy(p, &x, 2);
+        break;
+      }
+      case DType::kF16: {
+        uint16_t x = F16::FromFloat(v).bits;
+        std::memcpy(p, &x, 2);
+        break;
+      }
+      case DType::kI32: {
+        int32_t x = v;
+        std::memcpy(p, &x, 4);
+        break;
+      }
+      case DType::kI64: {
+        int64_t x = v;
+        std::memcpy(p, &x, 8);
+        break;
+      }
     }
   }
   return b;
@@ -143,13 +167,14 @@ TEST_F(NcclWorldOneTest, ReduceScatterAllGatherBroadcastAllToAllVMatchThreadBack
     // A self-exchange of the middle 300 elements into the start of the output.
     const std::vector<size_t> counts = {300}, send_offsets = {20}, recv_offsets = {0};
     Bytes host_out(in.size(), 0);
-    ASSERT_TRUE(thread_->AllToAllV(in.data(), counts, send_offsets, host_out.data(), counts,
-                                   recv_offsets, t)
-                    .ok());
+    ASSERT_TRUE(
+        thread_
+            ->AllToAllV(in.data(), counts, send_offsets, host_out.data(), counts, recv_offsets, t)
+            .ok());
     DeviceBuffer d_a2a(host_out);
-    ASSERT_TRUE(nccl_->AllToAllV(d_in.get(), counts, send_offsets, d_a2a.get(), counts,
-                                 recv_offsets, t)
-                    .ok());
+    ASSERT_TRUE(
+        nccl_->AllToAllV(d_in.get(), counts, send_offsets, d_a2a.get(), counts, recv_offsets, t)
+            .ok());
     EXPECT_EQ(d_a2a.ToHost(), host_out);
   }
   EXPECT_TRUE(nccl_->Barrier().ok());
@@ -293,8 +318,7 @@ TEST(NcclNoDeviceTest, FactoriesReportMissingDevice) {
   if (::gradsum::testing::CudaDeviceAvailable(&why)) {
     GTEST_SKIP() << "a CUDA device is present; the no-device path is not reachable";
   }
-  absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> threads =
-      CreateThreadCommunicators(1);
+  absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> threads = CreateThreadCommunicators(1);
   ASSERT_TRUE(threads.ok());
   absl::StatusOr<std::unique_ptr<Communicator>> nccl = CreateNcclCommunicator(*(*threads)[0]);
   EXPECT_EQ(nccl.status().code(), absl::StatusCode::kFailedPrecondition) << nccl.status();

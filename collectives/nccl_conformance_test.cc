@@ -62,8 +62,8 @@ class Staged {
   // The device address of host + off (host must lie inside this staging's host range).
   void* Map(const void* host) const {
     if (host == nullptr || dev_ == nullptr) return nullptr;
-    return static_cast<char*>(dev_) + (static_cast<const char*>(host) -
-                                       static_cast<const char*>(host_));
+    return static_cast<char*>(dev_) +
+           (static_cast<const char*>(host) - static_cast<const char*>(host_));
   }
 
  private:
@@ -94,9 +94,8 @@ class HostStagingCommunicator final : public Communicator {
   std::string backend() const override { return nccl_->backend(); }
   absl::Duration timeout() const override { return nccl_->timeout(); }
 
-  absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv,
-                                                       size_t count, DType dtype,
-                                                       ReduceOp op) override {
+  absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const void* send, void* recv, size_t count,
+                                                       DType dtype, ReduceOp op) override {
     const size_t bytes = IsValidDType(static_cast<int>(dtype)) ? count * DTypeSize(dtype) : 0;
     return Done(TwoBuffers(send, bytes, recv, bytes, [&](const void* s, void* r) {
       return nccl_->AllReduce(s, r, count, dtype, op);
@@ -106,23 +105,21 @@ class HostStagingCommunicator final : public Communicator {
                                                            size_t recv_count, DType dtype,
                                                            ReduceOp op) override {
     const size_t el = IsValidDType(static_cast<int>(dtype)) ? DTypeSize(dtype) : 0;
-    return Done(TwoBuffers(send, recv_count * size() * el, recv, recv_count * el,
-                           [&](const void* s, void* r) {
-                             return nccl_->ReduceScatter(s, r, recv_count, dtype, op);
-                           }));
+    return Done(TwoBuffers(
+        send, recv_count * size() * el, recv, recv_count * el,
+        [&](const void* s, void* r) { return nccl_->ReduceScatter(s, r, recv_count, dtype, op); }));
   }
   absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const void* send, void* recv,
                                                        size_t send_count, DType dtype) override {
     const size_t el = IsValidDType(static_cast<int>(dtype)) ? DTypeSize(dtype) : 0;
-    return Done(TwoBuffers(send, send_count * el, recv, send_count * size() * el,
-                           [&](const void* s, void* r) {
-                             return nccl_->AllGather(s, r, send_count, dtype);
-                           }));
+    return Done(TwoBuffers(
+        send, send_count * el, recv, send_count * size() * el,
+        [&](const void* s, void* r) { return nccl_->AllGather(s, r, send_count, dtype); }));
   }
   absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(
-      const void* send, absl::Span<const size_t> send_counts,
-      absl::Span<const size_t> send_offsets, void* recv, absl::Span<const size_t> recv_counts,
-      absl::Span<const size_t> recv_offsets, DType dtype) override {
+      const void* send, absl::Span<const size_t> send_counts, absl::Span<const size_t> send_offsets,
+      void* recv, absl::Span<const size_t> recv_counts, absl::Span<const size_t> recv_offsets,
+      DType dtype) override {
     const size_t el = IsValidDType(static_cast<int>(dtype)) ? DTypeSize(dtype) : 0;
     size_t send_end = 0, recv_end = 0;
     for (size_t p = 0; p < send_counts.size() && p < send_offsets.size(); ++p) {
@@ -135,8 +132,8 @@ class HostStagingCommunicator final : public Communicator {
     absl::Status st = s.Init(send, send_end * el);
     if (st.ok()) st = r.Init(recv, recv_end * el);
     if (st.ok()) {
-      st = nccl_->AllToAllV(s.dev(), send_counts, send_offsets, r.dev(), recv_counts,
-                            recv_offsets, dtype);
+      st = nccl_->AllToAllV(s.dev(), send_counts, send_offsets, r.dev(), recv_counts, recv_offsets,
+                            dtype);
     }
     if (st.ok()) st = r.CopyBack(recv);
     return Done(st);
@@ -193,8 +190,7 @@ class HostStagingCommunicator final : public Communicator {
 
 TEST(NcclConformanceTest, WholeSuiteAtWorldOne) {
   GRADSUM_SKIP_WITHOUT_GPU();
-  absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> threads =
-      CreateThreadCommunicators(1);
+  absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> threads = CreateThreadCommunicators(1);
   ASSERT_TRUE(threads.ok()) << threads.status();
   absl::StatusOr<std::unique_ptr<Communicator>> nccl =
       CreateNcclCommunicator(*(*threads)[0], {.device = 0, .timeout = absl::Seconds(30)});

@@ -15,13 +15,20 @@ enum Field { kInvalidRank = 0, kKind, kDType, kOp, kCount, kRoot, kAsync };
 
 const char* FieldName(int f) {
   switch (f) {
-    case kInvalidRank: return "argument validity";
-    case kKind: return "the operation";
-    case kDType: return "the dtype";
-    case kOp: return "the reduce op";
-    case kCount: return "the element count";
-    case kRoot: return "the root";
-    case kAsync: return "sync versus async";
+    case kInvalidRank:
+      return "argument validity";
+    case kKind:
+      return "the operation";
+    case kDType:
+      return "the dtype";
+    case kOp:
+      return "the reduce op";
+    case kCount:
+      return "the element count";
+    case kRoot:
+      return "the root";
+    case kAsync:
+      return "sync versus async";
   }
   return "?";
 }
@@ -35,9 +42,12 @@ std::string FieldValue(int f, int64_t v) {
     case kDType:
       return IsValidDType(static_cast<int>(v)) ? std::string(DTypeName(static_cast<DType>(v)))
                                                : absl::StrCat(v);
-    case kOp: return ReduceOpName(static_cast<ReduceOp>(v));
-    case kAsync: return v != 0 ? "async" : "sync";
-    default: return absl::StrCat(v);
+    case kOp:
+      return ReduceOpName(static_cast<ReduceOp>(v));
+    case kAsync:
+      return v != 0 ? "async" : "sync";
+    default:
+      return absl::StrCat(v);
   }
 }
 
@@ -76,11 +86,11 @@ absl::Status ValidateAllToAllV(const OpCall& a, int w, size_t max_count, size_t 
   const size_t n = static_cast<size_t>(w);
   if (a.send_counts.size() != n || a.send_offsets.size() != n || a.recv_counts.size() != n ||
       a.recv_offsets.size() != n) {
-    return Invalid(a.kind, absl::StrCat("needs size() = ", n, " entries per span; got send_counts ",
-                                        a.send_counts.size(), ", send_offsets ",
-                                        a.send_offsets.size(), ", recv_counts ",
-                                        a.recv_counts.size(), ", recv_offsets ",
-                                        a.recv_offsets.size()));
+    return Invalid(a.kind,
+                   absl::StrCat("needs size() = ", n, " entries per span; got send_counts ",
+                                a.send_counts.size(), ", send_offsets ", a.send_offsets.size(),
+                                ", recv_counts ", a.recv_counts.size(), ", recv_offsets ",
+                                a.recv_offsets.size()));
   }
   size_t send_total = 0, recv_total = 0;
   for (size_t p = 0; p < n; ++p) {
@@ -88,10 +98,10 @@ absl::Status ValidateAllToAllV(const OpCall& a, int w, size_t max_count, size_t 
       const size_t off = is_send ? a.send_offsets[p] : a.recv_offsets[p];
       const size_t cnt = is_send ? a.send_counts[p] : a.recv_counts[p];
       if (cnt > max_count || off > max_count) {
-        return Invalid(a.kind, absl::StrCat(is_send ? "send" : "recv", " block for peer ", p,
-                                            " (offset ", off, ", count ", cnt,
-                                            ") exceeds the backend's limit of ", max_count,
-                                            " elements"));
+        return Invalid(
+            a.kind, absl::StrCat(is_send ? "send" : "recv", " block for peer ", p, " (offset ", off,
+                                 ", count ", cnt, ") exceeds the backend's limit of ", max_count,
+                                 " elements"));
       }
     }
     send_total += a.send_counts[p];
@@ -112,10 +122,10 @@ absl::Status ValidateAllToAllV(const OpCall& a, int w, size_t max_count, size_t 
     std::sort(recv_ranges.begin(), recv_ranges.end());
     for (size_t i = 1; i < recv_ranges.size(); ++i) {
       if (recv_ranges[i].first < recv_ranges[i - 1].second) {
-        return Invalid(a.kind, absl::StrCat("recv blocks overlap: [", recv_ranges[i - 1].first,
-                                            ", ", recv_ranges[i - 1].second, ") and [",
-                                            recv_ranges[i].first, ", ", recv_ranges[i].second,
-                                            ")"));
+        return Invalid(
+            a.kind, absl::StrCat("recv blocks overlap: [", recv_ranges[i - 1].first, ", ",
+                                 recv_ranges[i - 1].second, ") and [", recv_ranges[i].first, ", ",
+                                 recv_ranges[i].second, ")"));
       }
     }
   }
@@ -123,9 +133,9 @@ absl::Status ValidateAllToAllV(const OpCall& a, int w, size_t max_count, size_t 
     for (size_t q = 0; q < n; ++q) {
       if (Overlaps(At(a.send, a.send_offsets[p] * elem), a.send_counts[p] * elem,
                    At(a.recv, a.recv_offsets[q] * elem), a.recv_counts[q] * elem)) {
-        return Invalid(a.kind, absl::StrCat("send block for peer ", p,
-                                            " overlaps recv block from peer ", q,
-                                            " (in place is not supported)"));
+        return Invalid(a.kind,
+                       absl::StrCat("send block for peer ", p, " overlaps recv block from peer ", q,
+                                    " (in place is not supported)"));
       }
     }
   }
@@ -170,7 +180,8 @@ absl::Status ValidateCall(const OpCall& a, int rank, int size, size_t max_count)
       GRADSUM_RETURN_IF_ERROR(NeedBuffer(a.kind, a.recv, "recv", a.count));
       const size_t bytes = a.count * elem;
       if (a.send != a.recv && Overlaps(a.send, bytes, a.recv, bytes)) {
-        return Invalid(a.kind, "send and recv overlap without being equal (in place is send == recv)");
+        return Invalid(a.kind,
+                       "send and recv overlap without being equal (in place is send == recv)");
       }
       break;
     }
@@ -183,10 +194,10 @@ absl::Status ValidateCall(const OpCall& a, int rank, int size, size_t max_count)
       const void* full_buf = rs ? a.send : a.recv;
       const void* block = rs ? a.recv : a.send;
       if (!IsInPlace(a, rank) && Overlaps(full_buf, full * elem, block, a.count * elem)) {
-        return Invalid(a.kind, absl::StrCat(
-            "buffers overlap; in place needs ",
-            rs ? "recv == send + rank * recv_count" : "send == recv + rank * send_count",
-            " (rank ", rank, ")"));
+        return Invalid(a.kind, absl::StrCat("buffers overlap; in place needs ",
+                                            rs ? "recv == send + rank * recv_count"
+                                               : "send == recv + rank * send_count",
+                                            " (rank ", rank, ")"));
       }
       break;
     }
@@ -251,8 +262,7 @@ absl::Status CheckEachBuffer(const OpCall& c, int size,
   return absl::OkStatus();
 }
 
-OpCall MakeCall(OpKind kind, const void* send, void* recv, size_t count, DType dtype,
-                ReduceOp op) {
+OpCall MakeCall(OpKind kind, const void* send, void* recv, size_t count, DType dtype, ReduceOp op) {
   OpCall c;
   c.kind = kind;
   c.send = send;
@@ -306,13 +316,20 @@ OpDescriptor Describe(const OpCall& c) {
 
 const char* OpKindName(OpKind k) {
   switch (k) {
-    case OpKind::kAllReduce: return "all_reduce";
-    case OpKind::kReduceScatter: return "reduce_scatter";
-    case OpKind::kAllGather: return "all_gather";
-    case OpKind::kAllToAllV: return "all_to_all_v";
-    case OpKind::kBroadcast: return "broadcast";
-    case OpKind::kBarrier: return "barrier";
-    case OpKind::kSplit: return "split";
+    case OpKind::kAllReduce:
+      return "all_reduce";
+    case OpKind::kReduceScatter:
+      return "reduce_scatter";
+    case OpKind::kAllGather:
+      return "all_gather";
+    case OpKind::kAllToAllV:
+      return "all_to_all_v";
+    case OpKind::kBroadcast:
+      return "broadcast";
+    case OpKind::kBarrier:
+      return "barrier";
+    case OpKind::kSplit:
+      return "split";
   }
   return "invalid";
 }
@@ -345,16 +362,15 @@ absl::Status CheckDescriptorAgreed(const OpDescriptor& d, const int64_t* reduced
   const int64_t highest_invalid = HighestInvalidRank(reduced);
   if (highest_invalid >= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        label, ": rank ", highest_invalid, " passed invalid arguments to its ",
-        OpKindName(d.kind),
+        label, ": rank ", highest_invalid, " passed invalid arguments to its ", OpKindName(d.kind),
         invalid_message.empty() ? " (see that rank's error)" : ": ", invalid_message));
   }
   for (int f = 0; f < kDescriptorFields; ++f) {
     const int64_t lo = -reduced[f], hi = reduced[kDescriptorFields + f];
     if (lo == hi) continue;
-    return absl::InvalidArgumentError(absl::StrCat(
-        label, ": ranks disagree on ", FieldName(f), ": ", FieldValue(f, lo), " vs ",
-        FieldValue(f, hi), " (this rank: ", FieldValue(f, mine[f]), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(label, ": ranks disagree on ", FieldName(f), ": ", FieldValue(f, lo), " vs ",
+                     FieldValue(f, hi), " (this rank: ", FieldValue(f, mine[f]), ")"));
   }
   return absl::OkStatus();
 }
@@ -378,9 +394,9 @@ absl::Status CheckCountReports(absl::Span<const int64_t> reports, absl::string_v
   for (size_t r = 0; r + 2 < reports.size(); r += 3) {
     if (reports[r] < 0) continue;
     const size_t rank = r / 3;
-    return absl::InvalidArgumentError(absl::StrCat(
-        label, ": counts disagree: rank ", reports[r], " sends ", reports[r + 1],
-        " elements to rank ", rank, ", but rank ", rank, " expects ", reports[r + 2]));
+    return absl::InvalidArgumentError(
+        absl::StrCat(label, ": counts disagree: rank ", reports[r], " sends ", reports[r + 1],
+                     " elements to rank ", rank, ", but rank ", rank, " expects ", reports[r + 2]));
   }
   return absl::OkStatus();
 }

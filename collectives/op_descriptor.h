@@ -137,8 +137,7 @@ int64_t HighestInvalidRank(const int64_t* reduced);
 // error, if the caller fetched it, else "(see that rank's error)"), else "<label>: ranks
 // disagree on <field>: <min> vs <max> (this rank: <mine>)" for the first field that differs.
 absl::Status CheckDescriptorAgreed(const OpDescriptor& d, const int64_t* reduced,
-                                   absl::string_view label,
-                                   absl::string_view invalid_message = {});
+                                   absl::string_view label, absl::string_view invalid_message = {});
 
 // All-to-all-v: rank r's send_counts[p] must equal rank p's recv_counts[r]. Each rank
 // reports (first sender p whose count differs, or -1; what p sends; what this rank

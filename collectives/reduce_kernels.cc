@@ -65,9 +65,8 @@ constexpr size_t kTile = 64;
 // tiles (m == kTile, a constant) the loops have a known trip count: gcc vectorizes loops at
 // -O2 only then. The tail (m < kTile) runs the same loops, so both give the same bits.
 template <typename T, ReduceOp kOp>
-__attribute__((always_inline)) inline void ReduceTile(absl::Span<const void* const> srcs,
-                                                      size_t b, size_t m,
-                                                      absl::Span<void* const> dsts) {
+__attribute__((always_inline)) inline void ReduceTile(absl::Span<const void* const> srcs, size_t b,
+                                                      size_t m, absl::Span<void* const> dsts) {
   using E = Elem<T>;
   using Acc = typename E::Acc;
   Acc acc[kTile];
@@ -101,9 +100,12 @@ template <typename T>
 void ReduceOpT(ReduceOp op, absl::Span<const void* const> srcs, size_t n,
                absl::Span<void* const> dsts) {
   switch (op) {
-    case ReduceOp::kSum: return ReduceT<T, ReduceOp::kSum>(srcs, n, dsts);
-    case ReduceOp::kAvg: return ReduceT<T, ReduceOp::kAvg>(srcs, n, dsts);
-    case ReduceOp::kMax: return ReduceT<T, ReduceOp::kMax>(srcs, n, dsts);
+    case ReduceOp::kSum:
+      return ReduceT<T, ReduceOp::kSum>(srcs, n, dsts);
+    case ReduceOp::kAvg:
+      return ReduceT<T, ReduceOp::kAvg>(srcs, n, dsts);
+    case ReduceOp::kMax:
+      return ReduceT<T, ReduceOp::kMax>(srcs, n, dsts);
   }
 }
 
@@ -113,12 +115,18 @@ void ReduceInto(DType dtype, ReduceOp op, absl::Span<const void* const> srcs, si
                 absl::Span<void* const> dsts) {
   if (n == 0 || srcs.empty() || dsts.empty()) return;
   switch (dtype) {
-    case DType::kF32: return ReduceOpT<float>(op, srcs, n, dsts);
-    case DType::kF64: return ReduceOpT<double>(op, srcs, n, dsts);
-    case DType::kBF16: return ReduceOpT<BF16>(op, srcs, n, dsts);
-    case DType::kF16: return ReduceOpT<F16>(op, srcs, n, dsts);
-    case DType::kI32: return ReduceOpT<int32_t>(op, srcs, n, dsts);
-    case DType::kI64: return ReduceOpT<int64_t>(op, srcs, n, dsts);
+    case DType::kF32:
+      return ReduceOpT<float>(op, srcs, n, dsts);
+    case DType::kF64:
+      return ReduceOpT<double>(op, srcs, n, dsts);
+    case DType::kBF16:
+      return ReduceOpT<BF16>(op, srcs, n, dsts);
+    case DType::kF16:
+      return ReduceOpT<F16>(op, srcs, n, dsts);
+    case DType::kI32:
+      return ReduceOpT<int32_t>(op, srcs, n, dsts);
+    case DType::kI64:
+      return ReduceOpT<int64_t>(op, srcs, n, dsts);
   }
 }
 

@@ -55,9 +55,9 @@ absl::Status AgreeOnStatus(Communicator& world, const absl::Status& local, absl:
   s = world.AllGather(mine.data(), all.data(), kRecordWords, DType::kI32);
   if (!s.ok()) {
     if (!local.ok()) return local;
-    return absl::FailedPreconditionError(absl::StrCat(
-        what, " failed on ", total, " other rank(s) (their messages could not be collected: ",
-        s.message(), ")"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, " failed on ", total,
+                     " other rank(s) (their messages could not be collected: ", s.message(), ")"));
   }
   // Group identical (code, message) pairs so that an error every rank hit reads once.
   std::vector<std::pair<std::pair<int, std::string>, std::vector<int>>> groups;
@@ -69,8 +69,8 @@ absl::Status AgreeOnStatus(Communicator& world, const absl::Status& local, absl:
     std::pair<int, std::string> key{rec[0],
                                     std::string(reinterpret_cast<const char*>(&rec[2]), len)};
     failing.push_back(r);
-    auto it = std::find_if(groups.begin(), groups.end(),
-                           [&](const auto& g) { return g.first == key; });
+    auto it =
+        std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == key; });
     if (it == groups.end()) {
       groups.push_back({std::move(key), {r}});
     } else {
@@ -84,12 +84,15 @@ absl::Status AgreeOnStatus(Communicator& world, const absl::Status& local, absl:
                                      absl::StrJoin(failing, ", "), " of ", world.size());
   for (const auto& [key, ranks] : groups) {
     if (groups.size() > 1 || failing.size() > 1) {
-      absl::StrAppend(&message, "; rank", ranks.size() > 1 ? "s " : " ", absl::StrJoin(ranks, ", "));
+      absl::StrAppend(&message, "; rank", ranks.size() > 1 ? "s " : " ",
+                      absl::StrJoin(ranks, ", "));
     }
-    absl::StrAppend(&message, ": ", absl::StatusCodeToString(static_cast<absl::StatusCode>(key.first)),
-                    ": ", key.second);
+    absl::StrAppend(&message, ": ",
+                    absl::StatusCodeToString(static_cast<absl::StatusCode>(key.first)), ": ",
+                    key.second);
   }
-  return MarkAgreed(absl::Status(static_cast<absl::StatusCode>(groups.front().first.first), message));
+  return MarkAgreed(
+      absl::Status(static_cast<absl::StatusCode>(groups.front().first.first), message));
 }
 
 }  // namespace gradsum

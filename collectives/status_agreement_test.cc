@@ -14,7 +14,8 @@ namespace {
 using ::gradsum::testing::RunRanksPerRank;
 
 TEST(StatusAgreementTest, AllOkIsOk) {
-  auto st = RunRanksPerRank(3, [](Communicator& c) { return AgreeOnStatus(c, absl::OkStatus(), "x"); });
+  auto st =
+      RunRanksPerRank(3, [](Communicator& c) { return AgreeOnStatus(c, absl::OkStatus(), "x"); });
   ASSERT_TRUE(st.ok()) << st.status();
   for (const absl::Status& s : *st) EXPECT_TRUE(s.ok()) << s;
 }
@@ -40,7 +41,8 @@ TEST(StatusAgreementTest, EveryRankGetsEveryFailingRanksOwnMessage) {
 
 TEST(StatusAgreementTest, OneFailureReadsOnceAndIdenticalErrorsAreGrouped) {
   auto one = RunRanksPerRank(2, [](Communicator& c) -> absl::Status {
-    return AgreeOnStatus(c, c.rank() == 1 ? absl::InternalError("boom") : absl::OkStatus(), "step 2");
+    return AgreeOnStatus(c, c.rank() == 1 ? absl::InternalError("boom") : absl::OkStatus(),
+                         "step 2");
   });
   ASSERT_TRUE(one.ok());
   EXPECT_EQ((*one)[0].message(), "step 2 failed on rank 1 of 2: INTERNAL: boom");
@@ -49,7 +51,8 @@ TEST(StatusAgreementTest, OneFailureReadsOnceAndIdenticalErrorsAreGrouped) {
     return AgreeOnStatus(c, absl::InvalidArgumentError("bad"), "start-up");
   });
   ASSERT_TRUE(same.ok());
-  EXPECT_EQ((*same)[2].message(), "start-up failed on ranks 0, 1, 2 of 3; ranks 0, 1, 2: INVALID_ARGUMENT: bad");
+  EXPECT_EQ((*same)[2].message(),
+            "start-up failed on ranks 0, 1, 2 of 3; ranks 0, 1, 2: INVALID_ARGUMENT: bad");
 }
 
 TEST(StatusAgreementTest, AnAgreedFailureIsNotExchangedAgainAndLongMessagesAreCut) {

@@ -97,8 +97,8 @@ class Event {
   void Notify() {
     epoch_.fetch_add(1, std::memory_order_seq_cst);
     if (sleepers_.load(std::memory_order_seq_cst) > 0) {
-      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&epoch_), FUTEX_WAKE_PRIVATE, INT_MAX,
-              nullptr, nullptr, 0);
+      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&epoch_), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr,
+              nullptr, 0);
     }
   }
 
@@ -141,8 +141,8 @@ class Event {
       }
       sleepers_.fetch_add(1, std::memory_order_seq_cst);
       if (!done()) {
-        syscall(SYS_futex, reinterpret_cast<uint32_t*>(&epoch_), FUTEX_WAIT_PRIVATE, seen,
-                timeout, nullptr, 0);
+        syscall(SYS_futex, reinterpret_cast<uint32_t*>(&epoch_), FUTEX_WAIT_PRIVATE, seen, timeout,
+                nullptr, 0);
       }
       sleepers_.fetch_sub(1, std::memory_order_seq_cst);
     }
@@ -200,11 +200,11 @@ struct Group {
 
   std::mutex mu;
   absl::StatusCode failure_code = absl::StatusCode::kOk;  // guarded by mu
-  std::string failure;  // guarded by mu; set once, when broken
+  std::string failure;                                    // guarded by mu; set once, when broken
   // Split only: the new groups by color, made by the first member to need them; the last
   // member to take its group clears the map.
   std::map<int, std::shared_ptr<Group>> split_groups;  // guarded by mu
-  int split_taken = 0;                                  // guarded by mu
+  int split_taken = 0;                                 // guarded by mu
 
   void Break(absl::StatusCode code, absl::string_view why) {
     {
@@ -374,7 +374,8 @@ class ThreadCommunicator : public Communicator {
     // If an operation of ours is still waiting for peers, break the group so that it (and
     // the peers, who can no longer complete with us) return instead of hanging.
     if (abandoning) {
-      group_->Break(absl::StatusCode::kFailedPrecondition, absl::StrCat("rank ", rank_, "'s thread communicator was destroyed with an ",
+      group_->Break(absl::StatusCode::kFailedPrecondition,
+                    absl::StrCat("rank ", rank_, "'s thread communicator was destroyed with an ",
                                  "operation in flight"));
     }
     worker_.join();
@@ -410,9 +411,9 @@ class ThreadCommunicator : public Communicator {
   }
 
   absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(
-      const void* send, absl::Span<const size_t> send_counts,
-      absl::Span<const size_t> send_offsets, void* recv, absl::Span<const size_t> recv_counts,
-      absl::Span<const size_t> recv_offsets, DType dtype) override {
+      const void* send, absl::Span<const size_t> send_counts, absl::Span<const size_t> send_offsets,
+      void* recv, absl::Span<const size_t> recv_counts, absl::Span<const size_t> recv_offsets,
+      DType dtype) override {
     return Issue(ToArgs(MakeAllToAllVCall(send, send_counts, send_offsets, recv, recv_counts,
                                           recv_offsets, dtype)));
   }
@@ -613,10 +614,9 @@ class ThreadCommunicator : public Communicator {
     if (g.arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == target) {
       g.event.Notify();
     } else {
-      const Clock::time_point deadline =
-          g.timeout == absl::InfiniteDuration()
-              ? Clock::time_point::max()
-              : Clock::now() + absl::ToChronoNanoseconds(g.timeout);
+      const Clock::time_point deadline = g.timeout == absl::InfiniteDuration()
+                                             ? Clock::time_point::max()
+                                             : Clock::now() + absl::ToChronoNanoseconds(g.timeout);
       Clock::duration slept;
       g.event.Wait(
           [&] {
@@ -661,9 +661,8 @@ class ThreadCommunicator : public Communicator {
       // No deadline: each peer's data phase is local work that always finishes, and no
       // rank may return while a peer may still read or write its buffers.
       Clock::duration slept;
-      g.event.Wait(
-          [&] { return g.finished.load(std::memory_order_acquire) == target; },
-          Clock::time_point::max(), spin_, &slept);
+      g.event.Wait([&] { return g.finished.load(std::memory_order_acquire) == target; },
+                   Clock::time_point::max(), spin_, &slept);
       AdaptSpin(slept);
     }
     ++op_index_;
@@ -696,23 +695,23 @@ class ThreadCommunicator : public Communicator {
     const int w = size();
     for (int p = 0; p < w; ++p) {
       if (Args(p).local_error != nullptr) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            OpKindName(Args(rank_).call.kind), " #", u, ": rank ", p,
-            " passed invalid arguments: ", *Args(p).local_error));
+        return absl::InvalidArgumentError(
+            absl::StrCat(OpKindName(Args(rank_).call.kind), " #", u, ": rank ", p,
+                         " passed invalid arguments: ", *Args(p).local_error));
       }
     }
     const OpCall& a0 = Args(0).call;
     for (int p = 1; p < w; ++p) {
       const OpCall& a = Args(p).call;
       const auto mismatch = [&](absl::string_view field, const auto& mine, const auto& theirs) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            OpKindName(a0.kind), " #", u, ": ranks disagree on ", field, ": rank ", p,
-            " passed ", field, " ", mine, ", rank 0 passed ", theirs));
+        return absl::InvalidArgumentError(
+            absl::StrCat(OpKindName(a0.kind), " #", u, ": ranks disagree on ", field, ": rank ", p,
+                         " passed ", field, " ", mine, ", rank 0 passed ", theirs));
       };
       if (a.kind != a0.kind) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "operation #", u, ": ranks disagree on the operation: rank ", p, " called ",
-            OpKindName(a.kind), ", rank 0 called ", OpKindName(a0.kind)));
+        return absl::InvalidArgumentError(
+            absl::StrCat("operation #", u, ": ranks disagree on the operation: rank ", p,
+                         " called ", OpKindName(a.kind), ", rank 0 called ", OpKindName(a0.kind)));
       }
       if (HasDType(a.kind) && a.dtype != a0.dtype) {
         return mismatch("dtype", DTypeName(a.dtype), DTypeName(a0.dtype));
@@ -733,8 +732,8 @@ class ThreadCommunicator : public Communicator {
           if (Args(p).call.send_counts[q] != Args(q).call.recv_counts[p]) {
             return absl::InvalidArgumentError(absl::StrCat(
                 OpKindName(a0.kind), " #", u, ": count matrix mismatch: rank ", p, " sends ",
-                Args(p).call.send_counts[q], " elements to rank ", q, ", but rank ", q,
-                " expects ", Args(q).call.recv_counts[p], " from rank ", p));
+                Args(p).call.send_counts[q], " elements to rank ", q, ", but rank ", q, " expects ",
+                Args(q).call.recv_counts[p], " from rank ", p));
           }
         }
       }
@@ -872,8 +871,7 @@ absl::Status ThreadWork::Wait(absl::Duration timeout) {
       ThreadCommunicator* owner;
       {
         std::lock_guard<std::mutex> lock(exec_->mu);
-        if (exec_->executing || exec_->stopping || exec_->owner == nullptr ||
-            !op_->queued) {
+        if (exec_->executing || exec_->stopping || exec_->owner == nullptr || !op_->queued) {
           break;
         }
         front = std::move(exec_->queue.front());
@@ -892,9 +890,8 @@ absl::Status ThreadWork::Wait(absl::Duration timeout) {
           : Clock::now() + absl::ToChronoNanoseconds(std::max(timeout, absl::ZeroDuration()));
   // No spinning here: the operation is being run by the worker thread (or waits for it),
   // which needs the core more than this waiter does.
-  const bool done = op_->event.Wait(
-      [&] { return op_->done.load(std::memory_order_acquire); }, deadline,
-      Clock::duration::zero());
+  const bool done = op_->event.Wait([&] { return op_->done.load(std::memory_order_acquire); },
+                                    deadline, Clock::duration::zero());
   if (!done) {
     return absl::DeadlineExceededError(absl::StrCat(OpKindName(op_->args.call.kind),
                                                     " still in flight after waiting ",
@@ -912,8 +909,8 @@ absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> CreateThreadCommunica
         absl::StrCat("thread world size must be in [1, 1024], got ", world));
   }
   if (options.timeout <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "thread backend timeout must be positive, got ", absl::FormatDuration(options.timeout)));
+    return absl::InvalidArgumentError(absl::StrCat("thread backend timeout must be positive, got ",
+                                                   absl::FormatDuration(options.timeout)));
   }
   auto group = std::make_shared<Group>(world, options.timeout);
   std::vector<std::unique_ptr<Communicator>> comms;

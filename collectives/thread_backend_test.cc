@@ -104,7 +104,8 @@ TEST_P(ThreadConformanceTest, IntegerValuedInputsAsAnyBackendWouldSee) {
   o.seed = 99;
   GRADSUM_EXPECT_OK(RunRanks(GetParam(), [&](Communicator& comm) -> absl::Status {
     absl::Status s = conformance::CheckAllReduce(comm, DType::kBF16, ReduceOp::kAvg, 1000, true, o);
-    if (s.ok()) s = conformance::CheckReduceScatter(comm, DType::kF16, ReduceOp::kSum, 100, false, o);
+    if (s.ok())
+      s = conformance::CheckReduceScatter(comm, DType::kF16, ReduceOp::kSum, 100, false, o);
     if (s.ok()) s = conformance::CheckAllToAllV(comm, DType::kI32, 50, o);
     return s;
   }));
@@ -120,9 +121,12 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, ThreadConformanceTest, ::testing::Range(1, 
 TEST(ThreadBackendTest, LargeBuffersSpanManyChunks) {
   GRADSUM_EXPECT_OK(RunRanks(3, [](Communicator& comm) -> absl::Status {
     for (bool in_place : {false, true}) {
-      absl::Status s = conformance::CheckAllReduce(comm, DType::kF32, ReduceOp::kSum, 200003, in_place);
-      if (s.ok()) s = conformance::CheckAllReduce(comm, DType::kBF16, ReduceOp::kAvg, 300001, in_place);
-      if (s.ok()) s = conformance::CheckReduceScatter(comm, DType::kF64, ReduceOp::kSum, 70001, in_place);
+      absl::Status s =
+          conformance::CheckAllReduce(comm, DType::kF32, ReduceOp::kSum, 200003, in_place);
+      if (s.ok())
+        s = conformance::CheckAllReduce(comm, DType::kBF16, ReduceOp::kAvg, 300001, in_place);
+      if (s.ok())
+        s = conformance::CheckReduceScatter(comm, DType::kF64, ReduceOp::kSum, 70001, in_place);
       if (!s.ok()) return s;
     }
     return absl::OkStatus();
@@ -223,7 +227,8 @@ TEST(ThreadBackendTest, InPlaceConventionsForScatterAndGather) {
     // recv == send (base) on rank 1 overlaps another rank's block: rejected.
     absl::Status s = comm.ReduceScatter(full.data(), full.data(), 4, DType::kF32);
     if (comm.rank() == 1 && s.code() != absl::StatusCode::kInvalidArgument) {
-      return absl::InternalError(absl::StrCat("overlapping reduce_scatter accepted: ", s.ToString()));
+      return absl::InternalError(
+          absl::StrCat("overlapping reduce_scatter accepted: ", s.ToString()));
     }
     if (comm.rank() == 0 && s.code() != absl::StatusCode::kInvalidArgument) {
       return absl::InternalError("rank 0 did not learn of rank 1's bad arguments");
@@ -304,7 +309,8 @@ TEST(ThreadBackendTest, ManyAsyncOperationsCompleteInIssueOrder) {
     for (int i = 0; i < kOps; ++i) {
       absl::Status s = works[i]->Wait();
       if (!s.ok()) return s;
-      if (bufs[i] != i * 800 + 28) return absl::InternalError(absl::StrCat("op ", i, " = ", bufs[i]));
+      if (bufs[i] != i * 800 + 28)
+        return absl::InternalError(absl::StrCat("op ", i, " = ", bufs[i]));
     }
     return absl::OkStatus();
   }));
@@ -326,16 +332,14 @@ TEST(ThreadBackendTest, OperationIssuedWhilePeersWaitGivesTheSameResults) {
     absl::Status s0;
     std::thread peer([&] { s0 = c0.AllReduce(b0.data(), b0.data(), 3, DType::kF32); });
     std::this_thread::sleep_for(std::chrono::milliseconds(50));  // let rank 0 arrive
-    auto w = c1.AllReduceAsync(b1.data(), b1.data(), mismatch ? 2 : 3, DType::kF32,
-                               ReduceOp::kSum);
+    auto w = c1.AllReduceAsync(b1.data(), b1.data(), mismatch ? 2 : 3, DType::kF32, ReduceOp::kSum);
     ASSERT_TRUE(w.ok()) << w.status();
     const absl::Status s1 = (*w)->Wait();
     peer.join();
     EXPECT_TRUE((*w)->IsCompleted());
     if (mismatch) {
       EXPECT_EQ(s1.code(), absl::StatusCode::kInvalidArgument) << s1;
-      EXPECT_TRUE(absl::StrContains(s1.message(), "rank 1 passed count 2, rank 0 passed 3"))
-          << s1;
+      EXPECT_TRUE(absl::StrContains(s1.message(), "rank 1 passed count 2, rank 0 passed 3")) << s1;
       EXPECT_EQ(s0.code(), absl::StatusCode::kInvalidArgument) << s0;
       EXPECT_EQ(b1, (std::vector<float>{10, 20, 30}));  // untouched
     } else {
@@ -428,10 +432,14 @@ TEST(CommunicatorOptionsTest, OptionsFormsGiveThePositionalResults) {
     if (b != 7.5) return absl::InternalError("broadcast");
     std::vector<size_t> ones(w, 1), offsets = {0, 1, 2};
     std::vector<int32_t> send = {100 * r, 100 * r + 1, 100 * r + 2}, recv(3, -1);
-    auto a2a = comm.AllToAllVAsync({.send = send.data(), .send_counts = ones,
-                                    .send_offsets = offsets, .recv = recv.data(),
-                                    .recv_counts = ones, .recv_offsets = offsets,
-                                    .dtype = DType::kI32, .timeout = absl::Seconds(30)});
+    auto a2a = comm.AllToAllVAsync({.send = send.data(),
+                                    .send_counts = ones,
+                                    .send_offsets = offsets,
+                                    .recv = recv.data(),
+                                    .recv_counts = ones,
+                                    .recv_offsets = offsets,
+                                    .dtype = DType::kI32,
+                                    .timeout = absl::Seconds(30)});
     if (!a2a.ok()) return a2a.status();
     GRADSUM_RETURN_IF_ERROR((*a2a)->Wait());
     for (int p = 0; p < w; ++p) {
@@ -449,9 +457,11 @@ TEST(CommunicatorOptionsTest, PerCallTimeoutBoundsTheWait) {
   ASSERT_TRUE(comms.ok());
   float x = 1;  // must outlive the in-flight operation: the communicators go first
   const absl::Time start = absl::Now();
-  const absl::Status s = (*comms)[0]->AllReduce(
-      {.send = &x, .recv = &x, .count = 1, .dtype = DType::kF32,
-       .timeout = absl::Milliseconds(100)});
+  const absl::Status s = (*comms)[0]->AllReduce({.send = &x,
+                                                 .recv = &x,
+                                                 .count = 1,
+                                                 .dtype = DType::kF32,
+                                                 .timeout = absl::Milliseconds(100)});
   EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
   auto w = (*comms)[0]->BarrierAsync(BarrierOptions{.timeout = absl::Milliseconds(100)});
   ASSERT_TRUE(w.ok());

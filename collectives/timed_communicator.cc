@@ -134,8 +134,7 @@ class TimedCommunicator::TimedStream final : public DeviceStream {
     return Finish(CommKind::kOther, group_start_, std::move(start), inner_->EndCoalescing());
   }
   absl::StatusOr<std::unique_ptr<Work>> AllReduceCoalescedAsync(absl::Span<const Buffer> buffers,
-                                                                DType dtype,
-                                                                ReduceOp op) override {
+                                                                DType dtype, ReduceOp op) override {
     timer_->CountCall(CommKind::kAllReduce);
     return Timed(CommKind::kAllReduce,
                  [&] { return inner_->AllReduceCoalescedAsync(buffers, dtype, op); });
@@ -324,8 +323,8 @@ absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::AllToAllVAsync(
     void* recv, absl::Span<const size_t> recv_counts, absl::Span<const size_t> recv_offsets,
     DType dtype) {
   return Timed(all_to_all_kind_, [&] {
-    return inner().AllToAllVAsync(send, send_counts, send_offsets, recv, recv_counts,
-                                  recv_offsets, dtype);
+    return inner().AllToAllVAsync(send, send_counts, send_offsets, recv, recv_counts, recv_offsets,
+                                  dtype);
   });
 }
 
@@ -342,8 +341,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> TimedCommunicator::Split(int color
   return SplitAs(color, key, all_to_all_kind_);
 }
 
-absl::StatusOr<std::unique_ptr<Communicator>> TimedCommunicator::SplitAs(
-    int color, int key, CommKind all_to_all_kind) {
+absl::StatusOr<std::unique_ptr<Communicator>> TimedCommunicator::SplitAs(int color, int key,
+                                                                         CommKind all_to_all_kind) {
   timer_->CountCall(CommKind::kOther);
   const absl::Time start = absl::Now();
   absl::StatusOr<std::unique_ptr<Communicator>> sub = inner().Split(color, key);
@@ -395,8 +394,8 @@ absl::Status TimedCommunicator::AllToAllV(const void* send, absl::Span<const siz
                                           absl::Span<const size_t> recv_counts,
                                           absl::Span<const size_t> recv_offsets, DType dtype) {
   if (stream_ != nullptr) {
-    return Communicator::AllToAllV(send, send_counts, send_offsets, recv, recv_counts,
-                                   recv_offsets, dtype);
+    return Communicator::AllToAllV(send, send_counts, send_offsets, recv, recv_counts, recv_offsets,
+                                   dtype);
   }
   return TimeSync(all_to_all_kind_, [&] {
     return inner().AllToAllV(send, send_counts, send_offsets, recv, recv_counts, recv_offsets,

@@ -66,8 +66,8 @@ namespace gradsum {
 // The kinds of collective a rank's exposed time is attributed to. kSpAllToAll: the
 // all-to-alls of a sequence-parallel group (SEMANTICS.md §12; a communicator split with
 // SplitAs counts its all-to-alls so); kCpRing: the key/value exchanges of a
-// context-parallel group's ring (§16; the same way). kOther: broadcasts, barriers, Split, and an nccl
-// coalesced group as a whole.
+// context-parallel group's ring (§16; the same way). kOther: broadcasts, barriers, Split, and an
+// nccl coalesced group as a whole.
 enum class CommKind : int {
   kAllGather = 0,
   kReduceScatter,

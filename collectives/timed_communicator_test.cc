@@ -19,8 +19,8 @@ namespace {
 TEST(TimedCommunicatorTest, SyncCallsAreForwardedAndCountedAsExposedAndBusy) {
   auto comms = CreateThreadCommunicators(2);
   ASSERT_TRUE(comms.ok());
-  std::vector<std::shared_ptr<CommTimer>> timers = {
-      std::make_shared<CommTimer>(), std::make_shared<CommTimer>()};
+  std::vector<std::shared_ptr<CommTimer>> timers = {std::make_shared<CommTimer>(),
+                                                    std::make_shared<CommTimer>()};
   std::vector<std::unique_ptr<TimedCommunicator>> timed;
   for (int r = 0; r < 2; ++r) {
     timed.push_back(std::make_unique<TimedCommunicator>((*comms)[r].get(), timers[r]));

@@ -8,8 +8,7 @@ const AddKernels* AddKernelsFor(const char* isa) {
 }
 
 const AddKernels& SelectedAddKernels() {
-  static const AddKernels& kernels =
-      PickIsaBuild<AddKernels>("GRADSUM_EXACT_ISA", &AddKernelsFor);
+  static const AddKernels& kernels = PickIsaBuild<AddKernels>("GRADSUM_EXACT_ISA", &AddKernelsFor);
   return kernels;
 }
 

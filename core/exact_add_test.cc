@@ -26,9 +26,9 @@ std::vector<T> Values() {
                       T(-1),
                       std::numeric_limits<T>::denorm_min(),
                       -std::numeric_limits<T>::min(),
-                      T(std::ldexp(1.0, kLsbExponent - 1)),        // a tie: rounds to 0
-                      T(std::ldexp(3.0, kLsbExponent - 1)),        // a tie: rounds to 2
-                      T(-std::ldexp(5.0, kLsbExponent - 1)),       // a tie: rounds to -2
+                      T(std::ldexp(1.0, kLsbExponent - 1)),          // a tie: rounds to 0
+                      T(std::ldexp(3.0, kLsbExponent - 1)),          // a tie: rounds to 2
+                      T(-std::ldexp(5.0, kLsbExponent - 1)),         // a tie: rounds to -2
                       T(std::ldexp(1.0, kLimbBits + kLsbExponent)),  // exactly one limb-1 unit
                       std::nextafter(T(std::ldexp(1.0, kMaxExponent)), T(0)),
                       -std::nextafter(T(std::ldexp(1.0, kMaxExponent)), T(0))};
@@ -42,8 +42,8 @@ std::vector<T> Values() {
 }
 
 template <class T>
-void CheckBuild(const AddKernels& k, int64_t (*add)(const AddKernels&, const T*, size_t,
-                                                    int64_t*)) {
+void CheckBuild(const AddKernels& k,
+                int64_t (*add)(const AddKernels&, const T*, size_t, int64_t*)) {
   std::vector<T> v = Values<T>();
   const size_t good = v.size();
   // Rejected: NaN, +-Inf, |x| >= 2^kMaxExponent.
@@ -57,8 +57,8 @@ void CheckBuild(const AddKernels& k, int64_t (*add)(const AddKernels&, const T*,
   EXPECT_EQ(add(k, v.data() + 3, v.size() - 3, limbs.data() + 6), 4) << k.isa;
   for (size_t i = 0; i < v.size(); ++i) {
     const int passes = i >= 3 ? 2 : 1;
-    const ref::i128 want = i < good ? passes * ref::Units(static_cast<double>(v[i]), kLsbExponent)
-                                    : 0;
+    const ref::i128 want =
+        i < good ? passes * ref::Units(static_cast<double>(v[i]), kLsbExponent) : 0;
     const ref::i128 got =
         limbs[2 * i] + static_cast<ref::i128>(limbs[2 * i + 1]) * (ref::i128{1} << kLimbBits);
     ASSERT_TRUE(got == want) << k.isa << " element " << i << " = " << v[i];

@@ -4,7 +4,6 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
-#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "core/exact_add.h"
@@ -152,13 +151,12 @@ T ElementTo(const int64_t* limbs) {
 }
 
 template <class T>
-absl::Status AddValues(absl::Span<const T> values, absl::Span<int64_t> limbs,
-                       int64_t* rejected) {
+absl::Status AddValues(absl::Span<const T> values, absl::Span<int64_t> limbs, int64_t* rejected) {
   if (rejected == nullptr) return absl::InvalidArgumentError("exact::Add: null rejected count");
   if (limbs.size() != values.size() * kLimbs) {
-    return absl::InvalidArgumentError(absl::StrCat("exact::Add: ", values.size(),
-                                                   " values need ", values.size() * kLimbs,
-                                                   " limbs, got ", limbs.size()));
+    return absl::InvalidArgumentError(absl::StrCat("exact::Add: ", values.size(), " values need ",
+                                                   values.size() * kLimbs, " limbs, got ",
+                                                   limbs.size()));
   }
   // Split<GradFormat> for every element, as core/exact_add.inc's per-ISA builds (baseline,
   // AVX2, AVX-512, picked at run time): the same integers, wider vectors than the pair
@@ -204,8 +202,8 @@ absl::Status Normalize(absl::Span<int64_t> limbs) {
 
 absl::Status ToFloats(absl::Span<const int64_t> limbs, int64_t rejected, absl::Span<float> out) {
   if (limbs.size() != out.size() * kLimbs) {
-    return absl::InvalidArgumentError(absl::StrCat("exact::ToFloats: ", limbs.size(),
-                                                   " limbs for ", out.size(), " floats"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("exact::ToFloats: ", limbs.size(), " limbs for ", out.size(), " floats"));
   }
   if (rejected != 0) {
     for (float& f : out) f = std::numeric_limits<float>::quiet_NaN();

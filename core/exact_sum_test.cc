@@ -64,15 +64,22 @@ TEST(ExactSumTest, FormatConstants) {
 
 TEST(ExactSumTest, SingleValuesRoundTripAndRoundToTheLsb) {
   const std::vector<double> cases = {
-      0.0, 1.0, -1.0, 3.5, 1e-3, -7.25e5, std::ldexp(1.0, -62), std::ldexp(3.0, -62),
-      std::ldexp(1.0, -63),                      // half an LSB: ties to even -> 0
-      std::ldexp(3.0, -63),                      // 1.5 LSB -> 2 LSB
-      std::ldexp(5.0, -63),                      // 2.5 LSB -> 2 LSB
-      -std::ldexp(3.0, -63),                     // -1.5 LSB -> -2 LSB
-      std::ldexp(1.0, -70),                      // below the LSB -> 0
-      1e-40,                                     // a float denormal -> 0
-      std::ldexp(1.0, 29) - std::ldexp(1.0, 5),  // just inside the range
-      -(std::ldexp(1.0, 29) - 64.0),  // a float too
+      0.0,
+      1.0,
+      -1.0,
+      3.5,
+      1e-3,
+      -7.25e5,
+      std::ldexp(1.0, -62),
+      std::ldexp(3.0, -62),
+      std::ldexp(1.0, -63),                        // half an LSB: ties to even -> 0
+      std::ldexp(3.0, -63),                        // 1.5 LSB -> 2 LSB
+      std::ldexp(5.0, -63),                        // 2.5 LSB -> 2 LSB
+      -std::ldexp(3.0, -63),                       // -1.5 LSB -> -2 LSB
+      std::ldexp(1.0, -70),                        // below the LSB -> 0
+      1e-40,                                       // a float denormal -> 0
+      std::ldexp(1.0, 29) - std::ldexp(1.0, 5),    // just inside the range
+      -(std::ldexp(1.0, 29) - 64.0),               // a float too
       std::ldexp(1.0, 17) + std::ldexp(1.0, -40),  // crosses the limb boundary (2^-16)
   };
   for (double x : cases) {
@@ -107,7 +114,9 @@ TEST(ExactSumTest, RejectsNonFiniteAndOutOfRange) {
   const std::vector<float> bad = {std::numeric_limits<float>::quiet_NaN(),
                                   std::numeric_limits<float>::infinity(),
                                   -std::numeric_limits<float>::infinity(),
-                                  std::ldexp(1.0f, 29), -std::ldexp(1.0f, 29), 1e30f};
+                                  std::ldexp(1.0f, 29),
+                                  -std::ldexp(1.0f, 29),
+                                  1e30f};
   for (float b : bad) {
     for (int pos = 0; pos < 5; ++pos) {  // in either lane of a pair, and in the odd tail
       std::vector<float> v = {1.0f, 2.0f, 3.0f, 4.0f, 5.0f};
@@ -225,8 +234,8 @@ TEST(ExactSumTest, PermutationsAndGroupingsGiveIdenticalBits) {
 
 TEST(ExactSumTest, MaxAddsBetweenNormalizeStaysExact) {
   // kMaxAddsBetweenNormalize contributions whose low limb is 2^46 - 1 and top limb is big.
-  const double x = std::ldexp(static_cast<double>((int64_t{1} << 46) - 1), -62) +
-                   std::ldexp(1.0, 12);
+  const double x =
+      std::ldexp(static_cast<double>((int64_t{1} << 46) - 1), -62) + std::ldexp(1.0, 12);
   std::vector<int64_t> acc(kLimbs, 0);
   int64_t rejected = 0;
   for (int64_t i = 0; i < kMaxAddsBetweenNormalize; ++i) {
@@ -240,9 +249,9 @@ TEST(ExactSumTest, ConversionIsCorrectlyRoundedFromLimbs) {
   std::mt19937_64 rng(11);
   for (int i = 0; i < 20000; ++i) {
     int64_t l[kLimbs];
-    l[0] = static_cast<int64_t>(rng() >> 17);                  // [0, 2^47): non-canonical
+    l[0] = static_cast<int64_t>(rng() >> 17);                       // [0, 2^47): non-canonical
     l[1] = static_cast<int64_t>(rng() >> 20) - (int64_t{1} << 43);  // |top| < 2^44
-    if (i % 3 == 0) l[0] = (int64_t{1} << 45) * (i % 2);        // exact ties for double
+    if (i % 3 == 0) l[0] = (int64_t{1} << 45) * (i % 2);            // exact ties for double
     const i128 v = static_cast<i128>(l[1]) * (static_cast<i128>(1) << 46) + l[0];
     ASSERT_EQ(ToDouble({l, kLimbs}), RefDouble(v, -62)) << i;
     float f;
@@ -268,8 +277,8 @@ TEST(ExactSumTest, SimulatedRanksSplitAndMerge) {
     std::vector<std::vector<int64_t>> bufs(ranks, std::vector<int64_t>(n * kLimbs, 0));
     int64_t rejected = 0;
     for (size_t r = 0; r < rows; ++r) {
-      ASSERT_TRUE(AddFloats(contrib[r], absl::MakeSpan(bufs[(r * 7 + ranks) % ranks]),
-                            &rejected).ok());
+      ASSERT_TRUE(
+          AddFloats(contrib[r], absl::MakeSpan(bufs[(r * 7 + ranks) % ranks]), &rejected).ok());
     }
     std::vector<int64_t> sum(n * kLimbs, 0);
     for (auto& b : bufs) {
@@ -281,7 +290,8 @@ TEST(ExactSumTest, SimulatedRanksSplitAndMerge) {
       const size_t begin = std::min(n, q * shard), end = std::min(n, begin + shard);
       std::vector<float> out(end - begin);
       ASSERT_TRUE(ToFloats(absl::MakeConstSpan(sum).subspan(begin * kLimbs, out.size() * kLimbs),
-                           rejected, absl::MakeSpan(out)).ok());
+                           rejected, absl::MakeSpan(out))
+                      .ok());
       for (size_t i = begin; i < end; ++i) ASSERT_EQ(Bits(out[i - begin]), Bits(ref[i]));
     }
   }

@@ -86,10 +86,11 @@ TEST(FastExpFmaTest, RoundsOnceLikeLibmFmaf) {
 constexpr int64_t kNonPositiveProbes = (0x80000000LL + 4098) / 4099 + 14;
 std::vector<uint32_t> NonPositiveProbeBits() {
   std::vector<uint32_t> bits;
-  for (uint64_t b = 0x80000000u; b <= 0xFFFFFFFFu; b += 4099) bits.push_back(static_cast<uint32_t>(b));
-  for (uint32_t b : {0x00000000u, 0x80000000u, 0xFF800000u, 0xFF800001u, 0xFFC00000u,
-                     0xFFFFFFFFu, 0x7FC00000u, 0x7F800001u, 0x7FFFFFFFu, 0xC2AC0000u /* -86 */,
-                     0xC2ABFFFFu, 0xC2AC0001u, 0x80000001u /* -subnormal */, 0xBF317218u}) {
+  for (uint64_t b = 0x80000000u; b <= 0xFFFFFFFFu; b += 4099)
+    bits.push_back(static_cast<uint32_t>(b));
+  for (uint32_t b : {0x00000000u, 0x80000000u, 0xFF800000u, 0xFF800001u, 0xFFC00000u, 0xFFFFFFFFu,
+                     0x7FC00000u, 0x7F800001u, 0x7FFFFFFFu, 0xC2AC0000u /* -86 */, 0xC2ABFFFFu,
+                     0xC2AC0001u, 0x80000001u /* -subnormal */, 0xBF317218u}) {
     bits.push_back(b);
   }
   return bits;

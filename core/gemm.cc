@@ -24,9 +24,9 @@ absl::Status CheckOperand(const char* name, size_t size, int64_t rows, int64_t c
   }
   const int64_t need = Extent(rows, cols, ld);
   if (static_cast<int64_t>(size) < need) {
-    return absl::InvalidArgumentError(absl::StrCat("gemm: ", name, " holds ", size,
-                                                   " floats; [", rows, ", ", cols, "] with ld ",
-                                                   ld, " needs ", need));
+    return absl::InvalidArgumentError(absl::StrCat("gemm: ", name, " holds ", size, " floats; [",
+                                                   rows, ", ", cols, "] with ld ", ld, " needs ",
+                                                   need));
   }
   return absl::OkStatus();
 }
@@ -68,11 +68,11 @@ void RankOneUpdate(int64_t m, int64_t n, const float* a, int64_t a_step, const f
 }  // namespace
 
 absl::Status Sgemm(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-                   absl::Span<const float> a, int64_t lda, absl::Span<const float> b,
-                   int64_t ldb, float beta, absl::Span<float> c, int64_t ldc, int num_threads) {
+                   absl::Span<const float> a, int64_t lda, absl::Span<const float> b, int64_t ldb,
+                   float beta, absl::Span<float> c, int64_t ldc, int num_threads) {
   if (m < 0 || n < 0 || k < 0 || m > INT_MAX || n > INT_MAX || k > INT_MAX) {
-    return absl::InvalidArgumentError(absl::StrCat("gemm: sizes m=", m, ", n=", n, ", k=", k,
-                                                   " must be in [0, ", INT_MAX, "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("gemm: sizes m=", m, ", n=", n, ", k=", k, " must be in [0, ", INT_MAX, "]"));
   }
   const bool ta = trans_a == Trans::kYes, tb = trans_b == Trans::kYes;
   absl::Status s = CheckOperand(ta ? "A^T" : "A", a.size(), ta ? k : m, ta ? m : k, lda);
@@ -92,8 +92,8 @@ absl::Status Sgemm(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k
   constexpr int64_t kMinBand = 32;
   const bool by_rows = m >= n;
   const int64_t extent = by_rows ? m : n;
-  const int64_t parts = std::max<int64_t>(
-      1, std::min<int64_t>(std::max(num_threads, 1), extent / kMinBand));
+  const int64_t parts =
+      std::max<int64_t>(1, std::min<int64_t>(std::max(num_threads, 1), extent / kMinBand));
   const bool rank_one = k == 1 && alpha == 1.0f && (beta == 0.0f || beta == 1.0f);
   auto band = [&](int64_t p) {
     const int64_t begin = extent * p / parts;

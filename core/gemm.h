@@ -38,8 +38,8 @@ enum class Trans { kNo, kYes };
 // dimension smaller than the stored row, a span shorter than the strided extent, sizes
 // beyond the BLAS's 32-bit integers, or C overlapping A or B.
 absl::Status Sgemm(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-                   absl::Span<const float> a, int64_t lda, absl::Span<const float> b,
-                   int64_t ldb, float beta, absl::Span<float> c, int64_t ldc, int num_threads = 1);
+                   absl::Span<const float> a, int64_t lda, absl::Span<const float> b, int64_t ldb,
+                   float beta, absl::Span<float> c, int64_t ldc, int num_threads = 1);
 
 // The name of the kernel the BLAS chose for this CPU (e.g. "Haswell"), for benchmark logs.
 const char* BlasCoreName();

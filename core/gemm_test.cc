@@ -22,9 +22,8 @@ std::vector<float> Random(int64_t n, uint32_t seed) {
 
 // Straightforward double-precision C = alpha op(A) op(B) + beta C.
 std::vector<double> Reference(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha,
-                              const std::vector<float>& a, int64_t lda,
-                              const std::vector<float>& b, int64_t ldb, double beta,
-                              const std::vector<float>& c, int64_t ldc) {
+                              const std::vector<float>& a, int64_t lda, const std::vector<float>& b,
+                              int64_t ldb, double beta, const std::vector<float>& c, int64_t ldc) {
   std::vector<double> out(c.begin(), c.end());
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t j = 0; j < n; ++j) {
@@ -49,8 +48,8 @@ struct Case {
 
 TEST(GemmTest, MatchesDoubleReference) {
   const std::vector<Case> cases = {
-      {false, false, 7, 5, 3, 0, 1},    {true, false, 33, 17, 9, 2, 1},
-      {false, true, 64, 65, 31, 1, 2},  {true, true, 5, 130, 70, 3, 3},
+      {false, false, 7, 5, 3, 0, 1},      {true, false, 33, 17, 9, 2, 1},
+      {false, true, 64, 65, 31, 1, 2},    {true, true, 5, 130, 70, 3, 3},
       {false, false, 257, 96, 128, 0, 4}, {true, false, 128, 128, 300, 0, 2},
   };
   uint32_t seed = 1;
@@ -63,9 +62,9 @@ TEST(GemmTest, MatchesDoubleReference) {
     std::vector<float> c = Random(t.m * ldc, seed++);
     const std::vector<double> want =
         Reference(t.ta, t.tb, t.m, t.n, t.k, 0.5, a, lda, b, ldb, -2.0, c, ldc);
-    absl::Status s = Sgemm(t.ta ? Trans::kYes : Trans::kNo, t.tb ? Trans::kYes : Trans::kNo,
-                           t.m, t.n, t.k, 0.5f, a, lda, b, ldb, -2.0f, absl::MakeSpan(c), ldc,
-                           t.threads);
+    absl::Status s =
+        Sgemm(t.ta ? Trans::kYes : Trans::kNo, t.tb ? Trans::kYes : Trans::kNo, t.m, t.n, t.k, 0.5f,
+              a, lda, b, ldb, -2.0f, absl::MakeSpan(c), ldc, t.threads);
     ASSERT_TRUE(s.ok()) << s;
     for (int64_t i = 0; i < t.m; ++i) {
       for (int64_t j = 0; j < ldc; ++j) {
@@ -80,16 +79,16 @@ TEST(GemmTest, MatchesDoubleReference) {
 TEST(GemmTest, BetaZeroOverwritesNaN) {
   const std::vector<float> a = {1, 2}, b = {3, 4};
   std::vector<float> c = {NAN, NAN, NAN, NAN};
-  ASSERT_TRUE(Sgemm(Trans::kNo, Trans::kNo, 2, 2, 1, 1.0f, a, 1, b, 2, 0.0f, absl::MakeSpan(c), 2)
-                  .ok());
+  ASSERT_TRUE(
+      Sgemm(Trans::kNo, Trans::kNo, 2, 2, 1, 1.0f, a, 1, b, 2, 0.0f, absl::MakeSpan(c), 2).ok());
   EXPECT_EQ(c, (std::vector<float>{3, 4, 6, 8}));
 }
 
 TEST(GemmTest, EmptyShapes) {
   std::vector<float> c = {5, 6};
   // k = 0: C = beta C.
-  ASSERT_TRUE(Sgemm(Trans::kNo, Trans::kNo, 1, 2, 0, 1.0f, {}, 1, {}, 2, 2.0f, absl::MakeSpan(c), 2)
-                  .ok());
+  ASSERT_TRUE(
+      Sgemm(Trans::kNo, Trans::kNo, 1, 2, 0, 1.0f, {}, 1, {}, 2, 2.0f, absl::MakeSpan(c), 2).ok());
   EXPECT_EQ(c, (std::vector<float>{10, 12}));
   EXPECT_TRUE(Sgemm(Trans::kNo, Trans::kNo, 0, 0, 5, 1.0f, {}, 5, {}, 1, 0.0f, {}, 1).ok());
 }
@@ -100,15 +99,15 @@ TEST(GemmTest, ThreadSplitAgrees) {
   const int64_t m = 300, n = 200, k = 64;
   const std::vector<float> a = Random(m * k, 7), b = Random(k * n, 8);
   std::vector<float> one(m * n);
-  ASSERT_TRUE(Sgemm(Trans::kNo, Trans::kNo, m, n, k, 1.0f, a, k, b, n, 0.0f,
-                    absl::MakeSpan(one), n, 1)
-                  .ok());
-  const std::vector<double> want = Reference(false, false, m, n, k, 1.0, a, k, b, n, 0.0,
-                                             std::vector<float>(m * n, 0.0f), n);
+  ASSERT_TRUE(
+      Sgemm(Trans::kNo, Trans::kNo, m, n, k, 1.0f, a, k, b, n, 0.0f, absl::MakeSpan(one), n, 1)
+          .ok());
+  const std::vector<double> want =
+      Reference(false, false, m, n, k, 1.0, a, k, b, n, 0.0, std::vector<float>(m * n, 0.0f), n);
   for (int threads : {2, 3, 4}) {
     std::vector<float> c(m * n, 1.0f);
-    ASSERT_TRUE(Sgemm(Trans::kNo, Trans::kNo, m, n, k, 1.0f, a, k, b, n, 0.0f,
-                      absl::MakeSpan(c), n, threads)
+    ASSERT_TRUE(Sgemm(Trans::kNo, Trans::kNo, m, n, k, 1.0f, a, k, b, n, 0.0f, absl::MakeSpan(c), n,
+                      threads)
                     .ok());
     for (int64_t i = 0; i < m * n; ++i) ASSERT_NEAR(c[i], want[i], 1e-4) << i;
   }
@@ -164,14 +163,13 @@ TEST(GemmTest, RankOneUpdatesMatchTheBlasBitForBit) {
             for (float& x : c) x = beta == 0.0f ? NAN : value();
             std::vector<float> want = c;
             cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans,
-                        tb ? CblasTrans : CblasNoTrans, static_cast<int>(m),
-                        static_cast<int>(n), 1, 1.0f, a.data(), static_cast<int>(lda), b.data(),
-                        static_cast<int>(ldb), beta, want.data(), static_cast<int>(ldc));
+                        tb ? CblasTrans : CblasNoTrans, static_cast<int>(m), static_cast<int>(n), 1,
+                        1.0f, a.data(), static_cast<int>(lda), b.data(), static_cast<int>(ldb),
+                        beta, want.data(), static_cast<int>(ldc));
             for (int threads : {1, 3}) {
               std::vector<float> got = c;
-              ASSERT_TRUE(Sgemm(ta ? Trans::kYes : Trans::kNo, tb ? Trans::kYes : Trans::kNo, m,
-                                n, 1, 1.0f, a, lda, b, ldb, beta, absl::MakeSpan(got), ldc,
-                                threads)
+              ASSERT_TRUE(Sgemm(ta ? Trans::kYes : Trans::kNo, tb ? Trans::kYes : Trans::kNo, m, n,
+                                1, 1.0f, a, lda, b, ldb, beta, absl::MakeSpan(got), ldc, threads)
                               .ok());
               for (int64_t i = 0; i < m; ++i) {
                 for (int64_t j = 0; j < n; ++j) {

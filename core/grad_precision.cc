@@ -4,9 +4,12 @@ namespace gradsum {
 
 const char* GradPrecisionName(GradPrecision p) {
   switch (p) {
-    case GradPrecision::kF32: return "f32";
-    case GradPrecision::kBF16Wire: return "bf16_wire";
-    case GradPrecision::kExact: return "exact";
+    case GradPrecision::kF32:
+      return "f32";
+    case GradPrecision::kBF16Wire:
+      return "bf16_wire";
+    case GradPrecision::kExact:
+      return "exact";
   }
   return "invalid";
 }
@@ -23,9 +26,12 @@ bool IsValidGradPrecision(GradPrecision p) {
 
 DType GradWireDType(GradPrecision p) {
   switch (p) {
-    case GradPrecision::kF32: return DType::kF32;
-    case GradPrecision::kBF16Wire: return DType::kBF16;
-    case GradPrecision::kExact: return DType::kI64;
+    case GradPrecision::kF32:
+      return DType::kF32;
+    case GradPrecision::kBF16Wire:
+      return DType::kBF16;
+    case GradPrecision::kExact:
+      return DType::kI64;
   }
   return DType::kF32;
 }

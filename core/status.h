@@ -34,10 +34,10 @@ absl::Status AsStatus(const absl::StatusOr<T>& s) {
 #define GRADSUM_STATUS_CONCAT_INNER(a, b) a##b
 #define GRADSUM_STATUS_CONCAT(a, b) GRADSUM_STATUS_CONCAT_INNER(a, b)
 
-#define GRADSUM_RETURN_IF_ERROR(expr)                                              \
-  do {                                                                             \
-    absl::Status gradsum_status_ = ::gradsum::status_internal::AsStatus(expr);     \
-    if (!gradsum_status_.ok()) return gradsum_status_;                             \
+#define GRADSUM_RETURN_IF_ERROR(expr)                                          \
+  do {                                                                         \
+    absl::Status gradsum_status_ = ::gradsum::status_internal::AsStatus(expr); \
+    if (!gradsum_status_.ok()) return gradsum_status_;                         \
   } while (0)
 
 #define GRADSUM_ASSIGN_OR_RETURN_IMPL(tmp, lhs, expr) \

@@ -15,9 +15,8 @@ absl::StatusOr<int64_t> NumElements(absl::Span<const int64_t> shape) {
   for (size_t i = 0; i < shape.size(); ++i) {
     const int64_t d = shape[i];
     if (d < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("dimension ", i, " is negative (", d, ") in shape [",
-                       absl::StrJoin(shape, ","), "]"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "dimension ", i, " is negative (", d, ") in shape [", absl::StrJoin(shape, ","), "]"));
     }
     if (d != 0 && n > std::numeric_limits<int64_t>::max() / d) {
       return absl::InvalidArgumentError(

@@ -11,9 +11,9 @@ namespace gradsum {
 struct ThreadPool::Job {
   absl::FunctionRef<void(int64_t)> fn;
   int64_t num_tasks;
-  int max_helpers;                // workers that may join (the caller is not counted)
-  std::atomic<int64_t> next{0};   // next unclaimed task
-  int helpers = 0;                // workers inside Drain(); guarded by mu_
+  int max_helpers;               // workers that may join (the caller is not counted)
+  std::atomic<int64_t> next{0};  // next unclaimed task
+  int helpers = 0;               // workers inside Drain(); guarded by mu_
 };
 
 namespace {
@@ -53,8 +53,7 @@ void ThreadPool::WorkerLoop() {
     work_cv_.wait(lock, [&] {
       if (stop_) return true;
       for (Job* j : jobs_) {
-        if (j->helpers < j->max_helpers &&
-            j->next.load(std::memory_order_relaxed) < j->num_tasks) {
+        if (j->helpers < j->max_helpers && j->next.load(std::memory_order_relaxed) < j->num_tasks) {
           job = j;
           return true;
         }

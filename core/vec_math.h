@@ -2,11 +2,11 @@
 #define GRADSUM_CORE_VEC_MATH_H_
 
 // Vectorised elementwise fp32 math for the CPU compute path: exp, sigmoid, the SwiGLU
-// activation (forward and backward) and RMSNorm rows (forward and backward), built for three instruction sets and picked once per
-// process at run time (core/cpu_isa.h): baseline (SSE2 on x86-64, 4 wide), AVX2 + FMA
-// (8 wide) and AVX-512 (16 wide). All builds give the same bits (no FP contraction, no
-// reassociation; core/vec_math_test compares them), so every rank computes the same values
-// whichever build its CPU picks. GRADSUM_VEC_ISA=generic|avx2|avx512 forces one.
+// activation (forward and backward) and RMSNorm rows (forward and backward), built for three
+// instruction sets and picked once per process at run time (core/cpu_isa.h): baseline (SSE2 on
+// x86-64, 4 wide), AVX2 + FMA (8 wide) and AVX-512 (16 wide). All builds give the same bits (no FP
+// contraction, no reassociation; core/vec_math_test compares them), so every rank computes the same
+// values whichever build its CPU picks. GRADSUM_VEC_ISA=generic|avx2|avx512 forces one.
 //
 //   vec::Exp(x, y, n);                         // y[i] = exp(x[i])
 //   vec::SwiGlu(g, u, a, n);                   // a[i] = SiLU(g[i]) * u[i]
@@ -60,9 +60,7 @@ const VecKernels* VecKernelsFor(const char* isa);
 const VecKernels& SelectedVecKernels();
 
 inline void Exp(const float* x, float* y, int64_t n) { SelectedVecKernels().exp(x, y, n); }
-inline void Sigmoid(const float* x, float* y, int64_t n) {
-  SelectedVecKernels().sigmoid(x, y, n);
-}
+inline void Sigmoid(const float* x, float* y, int64_t n) { SelectedVecKernels().sigmoid(x, y, n); }
 inline void SwiGlu(const float* g, const float* u, float* a, int64_t n) {
   SelectedVecKernels().swiglu(g, u, a, n);
 }

@@ -5,8 +5,8 @@
 #include "core/vec_math.h"
 
 #include <cmath>
-#include <cstdio>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -80,8 +80,7 @@ TEST(VecMathTest, ExpWithinTwoUlpOfDoubleExp) {
   const std::vector<float> xs = Sweep(-86.0f, 88.7228f);
   ASSERT_GT(xs.size(), 30'000'000u);
   for (const VecKernels* k : Builds()) {
-    EXPECT_LE(WorstUlp(*k, k->exp, "exp", xs, [](double x) { return std::exp(x); }), 2.0)
-        << k->isa;
+    EXPECT_LE(WorstUlp(*k, k->exp, "exp", xs, [](double x) { return std::exp(x); }), 2.0) << k->isa;
   }
 }
 
@@ -103,8 +102,8 @@ TEST(VecMathTest, ExpSweepGivesTheGenericBitsInEveryBuild) {
 
 TEST(VecMathTest, ExpSpecialValues) {
   const float nan_payload = FromBits(0x7fc12345u), neg_nan = FromBits(0xffd00001u);
-  const std::vector<float> x = {-kInf, -1e30f, -86.5f, -86.0f, 0.0f,  -0.0f,       1.0f,
-                                88.0f, 88.7228f, 88.73f, 1e30f, kInf, nan_payload, neg_nan};
+  const std::vector<float> x = {-kInf, -1e30f,   -86.5f, -86.0f, 0.0f, -0.0f,       1.0f,
+                                88.0f, 88.7228f, 88.73f, 1e30f,  kInf, nan_payload, neg_nan};
   for (const VecKernels* k : Builds()) {
     std::vector<float> y(x.size());
     k->exp(x.data(), y.data(), static_cast<int64_t>(x.size()));
@@ -136,8 +135,8 @@ TEST(VecMathTest, SigmoidWithinFourUlpOfDouble) {
 }
 
 TEST(VecMathTest, SigmoidSpecialValues) {
-  const std::vector<float> x = {-kInf, -200.0f, -87.0f, 0.0f, -0.0f, 200.0f, kInf,
-                                std::numeric_limits<float>::quiet_NaN()};
+  const std::vector<float> x = {-kInf, -200.0f, -87.0f, 0.0f,
+                                -0.0f, 200.0f,  kInf,   std::numeric_limits<float>::quiet_NaN()};
   for (const VecKernels* k : Builds()) {
     std::vector<float> y(x.size());
     k->sigmoid(x.data(), y.data(), static_cast<int64_t>(x.size()));
@@ -165,7 +164,8 @@ TEST(VecMathTest, SwiGluMatchesDouble) {
   const int64_t n = 100'003;
   std::vector<float> g(n), u(n), d(n);
   for (int64_t i = 0; i < n; ++i) {
-    g[i] = i % 3 == 0 ? wide(gen) : (i % 3 == 1 ? 4.0f * normal(gen) : -1.2785f + 0.01f * normal(gen));
+    g[i] =
+        i % 3 == 0 ? wide(gen) : (i % 3 == 1 ? 4.0f * normal(gen) : -1.2785f + 0.01f * normal(gen));
     u[i] = normal(gen);
     d[i] = normal(gen);
   }
@@ -185,7 +185,8 @@ TEST(VecMathTest, SwiGluMatchesDouble) {
           << k->isa << " d_up at g=" << g[i];
       const double dg_ref = di * ui * s * (1.0 + gi * (1.0 - s));
       // 1 - s loses s's absolute error (a few ulp of s) when s is near 1, and g scales it.
-      const double size = std::fabs(di * ui * s) * (1.0 + std::fabs(gi * (1.0 - s)) + std::fabs(gi) * s);
+      const double size =
+          std::fabs(di * ui * s) * (1.0 + std::fabs(gi * (1.0 - s)) + std::fabs(gi) * s);
       ASSERT_LE(std::fabs(dg[i] - dg_ref), 16 * eps * size + 1e-37)
           << k->isa << " d_gate at g=" << g[i];
     }
@@ -238,8 +239,8 @@ TEST(VecMathTest, EveryBuildGivesTheGenericBits) {
   for (int64_t n : {1, 3, 4, 7, 8, 15, 16, 17, 33, 1000, 4099}) {
     std::vector<float> x(n), u(n), d(n);
     for (int64_t i = 0; i < n; ++i) x[i] = normal(gen), u[i] = normal(gen), d[i] = normal(gen);
-    const float specials[] = {-kInf, kInf, 0.0f, -0.0f, 1e-40f, -90.0f, 89.0f,
-                              std::numeric_limits<float>::quiet_NaN()};
+    const float specials[] = {-kInf,  kInf,   0.0f,  -0.0f,
+                              1e-40f, -90.0f, 89.0f, std::numeric_limits<float>::quiet_NaN()};
     for (int64_t i = 0; i < n && i < 8; ++i) x[(i * 5) % n] = specials[i];
     struct Out {
       std::vector<float> exp, sig, a, a2, dg, du, norm, dx;
@@ -247,8 +248,15 @@ TEST(VecMathTest, EveryBuildGivesTheGenericBits) {
       float r = 0.0f;
     };
     auto run = [&](const VecKernels& k) {
-      Out o{x, std::vector<float>(n), std::vector<float>(n), std::vector<float>(n), d,
-            std::vector<float>(n), std::vector<float>(n), d, std::vector<double>(n, 0.5)};
+      Out o{x,
+            std::vector<float>(n),
+            std::vector<float>(n),
+            std::vector<float>(n),
+            d,
+            std::vector<float>(n),
+            std::vector<float>(n),
+            d,
+            std::vector<double>(n, 0.5)};
       k.exp(o.exp.data(), o.exp.data(), n);  // in place
       k.sigmoid(x.data(), o.sig.data(), n);
       k.swiglu(x.data(), u.data(), o.a.data(), n);

@@ -109,9 +109,8 @@ absl::StatusOr<ReadOnlyFile> OpenRegularFile(const std::string& path) {
   struct stat st;
   if (::fstat(file.fd_, &st) != 0) return ErrnoError(errno, "stat", path);
   if (!S_ISREG(st.st_mode)) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("not a regular file: '", path, "' is ",
-                     FileKindName(FileKindOfMode(st.st_mode))));
+    return absl::FailedPreconditionError(absl::StrCat("not a regular file: '", path, "' is ",
+                                                      FileKindName(FileKindOfMode(st.st_mode))));
   }
   const int flags = ::fcntl(file.fd_, F_GETFL);
   if (flags < 0 || ::fcntl(file.fd_, F_SETFL, flags & ~O_NONBLOCK) != 0) {

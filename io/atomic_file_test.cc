@@ -56,9 +56,9 @@ TEST(AtomicFileTest, ReadingAFifoNeitherBlocksNorSucceeds) {
   ASSERT_GE(child, 0);
   if (child == 0) {
     absl::StatusOr<std::string> s = ReadFileToString(fifo);
-    const bool refused = s.status().code() == absl::StatusCode::kFailedPrecondition &&
-                         s.status().message().find("'" + fifo + "' is a FIFO (named pipe)") !=
-                             std::string::npos;
+    const bool refused =
+        s.status().code() == absl::StatusCode::kFailedPrecondition &&
+        s.status().message().find("'" + fifo + "' is a FIFO (named pipe)") != std::string::npos;
     ::_exit(refused ? 0 : 1);
   }
   int status = 0;

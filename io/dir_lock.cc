@@ -72,9 +72,8 @@ DirLock::~DirLock() {
 std::string DirLock::HolderRecord() {
   char host[256] = {};
   if (::gethostname(host, sizeof(host) - 1) != 0) host[0] = '\0';
-  return absl::StrCat("pid=", ::getpid(), " host=", host[0] != '\0' ? host : "unknown",
-                      " since=", absl::FormatTime(absl::RFC3339_sec, absl::Now(),
-                                                  absl::UTCTimeZone()));
+  return absl::StrCat("pid=", ::getpid(), " host=", host[0] != '\0' ? host : "unknown", " since=",
+                      absl::FormatTime(absl::RFC3339_sec, absl::Now(), absl::UTCTimeZone()));
 }
 
 absl::StatusOr<DirLock> DirLock::Acquire(const std::string& dir, absl::string_view file_name) {
@@ -85,19 +84,19 @@ absl::StatusOr<DirLock> DirLock::Acquire(const std::string& dir, absl::string_vi
   if (!kind.ok()) return kind.status();
   if (*kind != FileKind::kMissing && *kind != FileKind::kRegular) {
     return absl::InvalidArgumentError(absl::StrCat("the lock file '", path, "' is ",
-                                                   FileKindName(*kind),
-                                                   ", not a regular file"));
+                                                   FileKindName(*kind), ", not a regular file"));
   }
   // O_NOFOLLOW: a symlink planted at the name is refused (ELOOP), not followed;
   // O_NONBLOCK: whatever is there, the open cannot wait.
   lock.fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0644);
-  if (lock.fd_ < 0) return ErrnoStatus(errno, absl::StrCat("cannot open the lock file '", path, "'"));
+  if (lock.fd_ < 0)
+    return ErrnoStatus(errno, absl::StrCat("cannot open the lock file '", path, "'"));
   struct stat st;
   if (::fstat(lock.fd_, &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat '", path, "'"));
   if (!S_ISREG(st.st_mode)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the lock file '", path, "' is ", FileKindName(FileKindOfMode(st.st_mode)),
-        ", not a regular file"));
+    return absl::InvalidArgumentError(absl::StrCat("the lock file '", path, "' is ",
+                                                   FileKindName(FileKindOfMode(st.st_mode)),
+                                                   ", not a regular file"));
   }
   int rc;
   do {

@@ -49,9 +49,8 @@ TEST(DirLockTest, OneHolderAtATimeAndTheRefusalNamesIt) {
   EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
   char host[256] = {};
   ::gethostname(host, sizeof(host) - 1);
-  EXPECT_THAT(second.status().message(),
-              HasSubstr("held by pid " + std::to_string(::getpid()) + " on host " + host +
-                        " since "));
+  EXPECT_THAT(second.status().message(), HasSubstr("held by pid " + std::to_string(::getpid()) +
+                                                   " on host " + host + " since "));
   EXPECT_THAT(second.status().message(), HasSubstr("(lock file " + dir + "/run.lock)"));
   // Released with the object: the next one gets it.
   *first = DirLock();

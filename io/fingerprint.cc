@@ -2,7 +2,6 @@
 
 #include <errno.h>
 #include <unistd.h>
-
 #include <xxhash.h>
 
 #include "absl/status/status.h"

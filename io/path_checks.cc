@@ -27,14 +27,22 @@ absl::Status WrongKind(absl::string_view flag, const std::string& path, FileKind
 
 absl::string_view FileKindName(FileKind kind) {
   switch (kind) {
-    case FileKind::kMissing: return "missing";
-    case FileKind::kRegular: return "a regular file";
-    case FileKind::kDirectory: return "a directory";
-    case FileKind::kFifo: return "a FIFO (named pipe)";
-    case FileKind::kSocket: return "a socket";
-    case FileKind::kCharDevice: return "a character device";
-    case FileKind::kBlockDevice: return "a block device";
-    case FileKind::kOther: break;
+    case FileKind::kMissing:
+      return "missing";
+    case FileKind::kRegular:
+      return "a regular file";
+    case FileKind::kDirectory:
+      return "a directory";
+    case FileKind::kFifo:
+      return "a FIFO (named pipe)";
+    case FileKind::kSocket:
+      return "a socket";
+    case FileKind::kCharDevice:
+      return "a character device";
+    case FileKind::kBlockDevice:
+      return "a block device";
+    case FileKind::kOther:
+      break;
   }
   return "not a regular file";
 }
@@ -91,12 +99,11 @@ absl::Status CheckOutputFile(absl::string_view flag, const std::string& path,
   absl::StatusOr<FileKind> dir_kind = StatFileKind(dir);
   if (!dir_kind.ok()) return Annotate(dir_kind.status(), name);
   if (*dir_kind == FileKind::kMissing) {
-    return absl::NotFoundError(
-        absl::StrCat(name, ": its directory '", dir, "' does not exist"));
+    return absl::NotFoundError(absl::StrCat(name, ": its directory '", dir, "' does not exist"));
   }
   if (*dir_kind != FileKind::kDirectory) {
-    return absl::InvalidArgumentError(absl::StrCat(name, ": '", dir, "' is ",
-                                                   FileKindName(*dir_kind), ", not a directory"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": '", dir, "' is ", FileKindName(*dir_kind), ", not a directory"));
   }
   return Annotate(ProbeWritableDir(dir), name);
 }
@@ -121,8 +128,8 @@ absl::Status ProbeWritableDir(const std::string& dir) {
   for (int attempt = 0;; ++attempt) {
     // pid + counter keeps concurrent probes (threads, processes) apart; a process of the
     // same pid on another host sharing the directory only costs a retry.
-    const std::string probe = absl::StrCat(
-        dir, "/.write-probe.", ::getpid(), ".", counter.fetch_add(1, std::memory_order_relaxed));
+    const std::string probe = absl::StrCat(dir, "/.write-probe.", ::getpid(), ".",
+                                           counter.fetch_add(1, std::memory_order_relaxed));
     const int fd = ::open(probe.c_str(),
                           O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0600);
     if (fd < 0) {

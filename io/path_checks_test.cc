@@ -86,8 +86,8 @@ TEST(PathChecksTest, OutputFilesAreProbedWithoutBeingTouched) {
   int entries = 0;
   for (const auto& e : std::filesystem::directory_iterator(f.dir)) entries += e.exists() ? 1 : 0;
   EXPECT_EQ(entries, 3);
-  for (const std::string& path : {f.fifo, f.socket, f.dir, std::string("/dev/full"),
-                                  std::string("/dev/null")}) {
+  for (const std::string& path :
+       {f.fifo, f.socket, f.dir, std::string("/dev/full"), std::string("/dev/null")}) {
     absl::Status s = CheckOutputFile("--export", path);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << path << ": " << s;
     EXPECT_THAT(s.message(), HasSubstr("--export=" + path + ": is "));

@@ -107,8 +107,8 @@ absl::StatusOr<std::string> ProtoToJson(const pb::Message& message,
   // protobuf has refused above.
   Json tree = Json::parse(json, /*cb=*/nullptr, /*allow_exceptions=*/false);
   if (tree.is_discarded()) {
-    return absl::InternalError(absl::StrCat("cannot re-read the JSON of a ",
-                                            message.GetDescriptor()->full_name()));
+    return absl::InternalError(
+        absl::StrCat("cannot re-read the JSON of a ", message.GetDescriptor()->full_name()));
   }
   Int64ToNumbers(message.GetDescriptor(), tree);
   return tree.dump();
@@ -119,8 +119,8 @@ absl::Status ProtoFromJson(absl::string_view text, pb::Message* message,
   message->Clear();
   pb::util::JsonParseOptions options;
   options.ignore_unknown_fields = ignore_unknown_fields;
-  const pb::util::Status s = pb::util::JsonStringToMessage(
-      pb::StringPiece(text.data(), text.size()), message, options);
+  const pb::util::Status s =
+      pb::util::JsonStringToMessage(pb::StringPiece(text.data(), text.size()), message, options);
   if (s.ok()) return absl::OkStatus();
   message->Clear();
   return absl::InvalidArgumentError(absl::StrCat("not a valid ", message->GetDescriptor()->name(),

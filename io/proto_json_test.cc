@@ -50,7 +50,8 @@ TEST(ProtoJsonTest, ReadsWhatItWritesAndInt64AsNumberOrString) {
   ASSERT_TRUE(ProtoFromJson(*json, &got).ok());
   // Field by field (a map's wire order is unspecified, so byte strings may differ).
   EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(got, want))
-      << got.DebugString() << "\nwant\n" << want.DebugString();
+      << got.DebugString() << "\nwant\n"
+      << want.DebugString();
   EXPECT_TRUE(got.has_version());  // presence survives a zero
   for (const char* text : {R"({"step": 1099511627776})", R"( {"step":"1099511627776"} )"}) {
     ASSERT_TRUE(ProtoFromJson(text, &got).ok()) << text;

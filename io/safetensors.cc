@@ -5,11 +5,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <string>
 #include <vector>
@@ -39,13 +38,13 @@ struct DTypeNameEntry {
   absl::string_view name;
 };
 constexpr DTypeNameEntry kDTypeNames[] = {
-    {DType::kF32, "F32"},  {DType::kF64, "F64"}, {DType::kBF16, "BF16"},
-    {DType::kF16, "F16"},  {DType::kI32, "I32"}, {DType::kI64, "I64"},
+    {DType::kF32, "F32"}, {DType::kF64, "F64"}, {DType::kBF16, "BF16"},
+    {DType::kF16, "F16"}, {DType::kI32, "I32"}, {DType::kI64, "I64"},
 };
 // Valid in the safetensors format but not gradsum dtypes.
-constexpr absl::string_view kForeignDTypes[] = {"BOOL", "U8",      "I8",       "U16",
-                                                "I16",  "U32",     "U64",      "F8_E4M3",
-                                                "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2"};
+constexpr absl::string_view kForeignDTypes[] = {"BOOL", "U8",      "I8",      "U16",     "I16",
+                                                "U32",  "U64",     "F8_E4M3", "F8_E5M2", "F8_E8M0",
+                                                "F4",   "F6_E2M3", "F6_E3M2"};
 
 // DataLoss "safetensors file '<source>': <parts>", the message of every malformed file.
 template <typename... Parts>
@@ -78,8 +77,8 @@ absl::Status SafetensorsWriter::Add(absl::string_view name, const TensorView& te
     return absl::InvalidArgumentError("safetensors tensor name \"__metadata__\" is reserved");
   }
   if (tensor.device().type != Device::kCpu) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("safetensors tensor \"", name, "\" is not on the CPU: ", tensor.DebugString()));
+    return absl::InvalidArgumentError(absl::StrCat("safetensors tensor \"", name,
+                                                   "\" is not on the CPU: ", tensor.DebugString()));
   }
   if (absl::Status s = CheckUtf8("tensor name", name); !s.ok()) return s;
   if (!tensors_.emplace(std::string(name), tensor).second) {
@@ -89,12 +88,14 @@ absl::Status SafetensorsWriter::Add(absl::string_view name, const TensorView& te
 }
 
 absl::Status SafetensorsWriter::AddMetadata(absl::string_view key, absl::string_view value) {
-  if (absl::Status s = CheckUtf8(absl::StrCat("metadata key \"", key, "\""), key); !s.ok()) return s;
+  if (absl::Status s = CheckUtf8(absl::StrCat("metadata key \"", key, "\""), key); !s.ok())
+    return s;
   if (absl::Status s = CheckUtf8(absl::StrCat("metadata value of \"", key, "\""), value); !s.ok()) {
     return s;
   }
   if (!metadata_.emplace(std::string(key), std::string(value)).second) {
-    return absl::InvalidArgumentError(absl::StrCat("duplicate safetensors metadata key \"", key, "\""));
+    return absl::InvalidArgumentError(
+        absl::StrCat("duplicate safetensors metadata key \"", key, "\""));
   }
   return absl::OkStatus();
 }
@@ -147,7 +148,8 @@ namespace {
 
 // Parses and validates a header (the JSON text) for a data buffer of `data_size` bytes:
 // every rule of the format, and that the tensors tile the buffer.
-absl::Status ParseHeader(absl::string_view header_text, uint64_t data_size, absl::string_view source,
+absl::Status ParseHeader(absl::string_view header_text, uint64_t data_size,
+                         absl::string_view source,
                          std::map<std::string, SafetensorsTensorRange, std::less<>>* tensors,
                          std::map<std::string, std::string>* metadata) {
   auto loss = [&](auto&&... parts) { return DataLoss(source, parts...); };
@@ -160,30 +162,30 @@ absl::Status ParseHeader(absl::string_view header_text, uint64_t data_size, absl
   std::vector<std::set<std::string>> open_objects;
   std::string duplicate;
   bool too_deep = false;
-  const nlohmann::json::parser_callback_t on_event =
-      [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
-        if (depth > kMaxDepth) {
-          too_deep = true;
-          return false;
+  const nlohmann::json::parser_callback_t on_event = [&](int depth,
+                                                         nlohmann::json::parse_event_t event,
+                                                         nlohmann::json& parsed) {
+    if (depth > kMaxDepth) {
+      too_deep = true;
+      return false;
+    }
+    switch (event) {
+      case nlohmann::json::parse_event_t::object_start:
+        open_objects.emplace_back();
+        break;
+      case nlohmann::json::parse_event_t::key:
+        if (!open_objects.back().insert(parsed.get<std::string>()).second && duplicate.empty()) {
+          duplicate = parsed.get<std::string>();
         }
-        switch (event) {
-          case nlohmann::json::parse_event_t::object_start:
-            open_objects.emplace_back();
-            break;
-          case nlohmann::json::parse_event_t::key:
-            if (!open_objects.back().insert(parsed.get<std::string>()).second &&
-                duplicate.empty()) {
-              duplicate = parsed.get<std::string>();
-            }
-            break;
-          case nlohmann::json::parse_event_t::object_end:
-            open_objects.pop_back();
-            break;
-          default:
-            break;
-        }
-        return true;
-      };
+        break;
+      case nlohmann::json::parse_event_t::object_end:
+        open_objects.pop_back();
+        break;
+      default:
+        break;
+    }
+    return true;
+  };
   nlohmann::json header;
   try {
     header = nlohmann::json::parse(header_text.begin(), header_text.end(), on_event);
@@ -246,9 +248,9 @@ absl::Status ParseHeader(absl::string_view header_text, uint64_t data_size, absl
     if (!known) {
       for (absl::string_view foreign : kForeignDTypes) {
         if (foreign == dtype_name) {
-          return absl::UnimplementedError(
-              absl::StrCat("safetensors file '", source, "': tensor \"", name, "\" has dtype ",
-                           foreign, ", which gradsum does not support"));
+          return absl::UnimplementedError(absl::StrCat("safetensors file '", source, "': tensor \"",
+                                                       name, "\" has dtype ", foreign,
+                                                       ", which gradsum does not support"));
         }
       }
       return loss("tensor \"", name, "\" has unknown dtype \"", dtype_name, "\"");
@@ -294,7 +296,8 @@ absl::Status ParseHeader(absl::string_view header_text, uint64_t data_size, absl
     if (s.begin < cursor) {
       return loss("tensors \"", *previous, "\" and \"", *s.name, "\" overlap at byte ", s.begin);
     }
-    if (s.begin > cursor) return loss("data bytes [", cursor, ", ", s.begin, ") belong to no tensor");
+    if (s.begin > cursor)
+      return loss("data bytes [", cursor, ", ", s.begin, ") belong to no tensor");
     cursor = s.end;
     previous = s.name;
   }
@@ -307,7 +310,8 @@ absl::Status ParseHeader(absl::string_view header_text, uint64_t data_size, absl
 // The 8-byte little-endian header length at `bytes`.
 uint64_t HeaderLength(const char* bytes) {
   uint64_t n = 0;
-  for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
+  for (int i = 0; i < 8; ++i)
+    n |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
   return n;
 }
 
@@ -398,7 +402,8 @@ absl::Status SafetensorsHeader::ReadAt(uint64_t offset, uint64_t n, void* out) c
   return absl::OkStatus();
 }
 
-absl::StatusOr<const SafetensorsTensorRange*> SafetensorsHeader::Find(absl::string_view name) const {
+absl::StatusOr<const SafetensorsTensorRange*> SafetensorsHeader::Find(
+    absl::string_view name) const {
   auto it = tensors_.find(name);
   if (it == tensors_.end()) {
     return absl::NotFoundError(

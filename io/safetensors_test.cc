@@ -87,8 +87,8 @@ TEST(SafetensorsTest, RoundTripsEveryDType) {
 
   absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Read(path);
   ASSERT_TRUE(file.ok()) << file.status();
-  EXPECT_EQ(file->names(), (std::vector<std::string>{"a.f32", "b.f64", "c.bf16", "d.f16",
-                                                      "e.i32", "f.i64", "g.empty"}));
+  EXPECT_EQ(file->names(), (std::vector<std::string>{"a.f32", "b.f64", "c.bf16", "d.f16", "e.i32",
+                                                     "f.i64", "g.empty"}));
   auto check = [&](const char* name, DType dt, std::vector<int64_t> shape, const void* want,
                    size_t bytes) {
     absl::StatusOr<TensorView> t = file->Get(name);
@@ -240,12 +240,13 @@ TEST(SafetensorsTest, CorruptHeadersAreDataLoss) {
   ExpectDataLoss(RawFile(R"({"w":5})", ""), "not an object");
   ExpectDataLoss(RawFile("{\"w\":" + std::string(100000, '[') + std::string(100000, ']') + "}", ""),
                  "nesting deeper than");
-  ExpectDataLoss(RawFile(R"({"w":{"dtype":"F32","dtype":"F16","shape":[2],"data_offsets":[0,8]}})", d8),
-                 "duplicate key \"dtype\"");
+  ExpectDataLoss(
+      RawFile(R"({"w":{"dtype":"F32","dtype":"F16","shape":[2],"data_offsets":[0,8]}})", d8),
+      "duplicate key \"dtype\"");
   ExpectDataLoss(RawFile("{\"\xff\":1}", ""), "bad header");  // not UTF-8
 
-  absl::StatusOr<SafetensorsFile> u8 =
-      SafetensorsFile::Parse(RawFile(R"({"w":{"dtype":"U8","shape":[8],"data_offsets":[0,8]}})", d8));
+  absl::StatusOr<SafetensorsFile> u8 = SafetensorsFile::Parse(
+      RawFile(R"({"w":{"dtype":"U8","shape":[8],"data_offsets":[0,8]}})", d8));
   EXPECT_EQ(u8.status().code(), absl::StatusCode::kUnimplemented);
 }
 
@@ -313,8 +314,7 @@ TEST(SafetensorsHeaderTest, ReadsRangesOfOneTensorWithoutTheRest) {
       WriteFileAtomically(dir + "/t.safetensors", RawFile(header, data.substr(0, 16))).ok());
   absl::StatusOr<SafetensorsHeader> t = SafetensorsHeader::Read(dir + "/t.safetensors");
   EXPECT_EQ(t.status().code(), absl::StatusCode::kDataLoss);
-  EXPECT_EQ(SafetensorsFile::Read(dir + "/t.safetensors").status().message(),
-            t.status().message());
+  EXPECT_EQ(SafetensorsFile::Read(dir + "/t.safetensors").status().message(), t.status().message());
   EXPECT_EQ(SafetensorsHeader::Read(dir + "/none").status().code(), absl::StatusCode::kNotFound);
 }
 

@@ -26,13 +26,18 @@ using internal::RowScratchView;
 
 const char* RowCodeText(uint8_t code) {
   switch (code) {
-    case internal::kRowNaN: return "contains NaN (the loss would be NaN)";
-    case internal::kRowPosInf: return "contains +inf (the loss would be NaN)";
-    case internal::kRowAllNegInf: return "is all -inf (the loss would be NaN)";
-    case internal::kRowTargetNegInf: return "has a -inf target logit (the loss would be infinite)";
+    case internal::kRowNaN:
+      return "contains NaN (the loss would be NaN)";
+    case internal::kRowPosInf:
+      return "contains +inf (the loss would be NaN)";
+    case internal::kRowAllNegInf:
+      return "is all -inf (the loss would be NaN)";
+    case internal::kRowTargetNegInf:
+      return "has a -inf target logit (the loss would be infinite)";
     case internal::kRowSmoothNegInf:
       return "has a -inf logit (with label smoothing the loss would be infinite)";
-    default: return "is fine";
+    default:
+      return "is fine";
   }
 }
 
@@ -85,8 +90,7 @@ float BlockHookFn(void* ctx, int64_t row, double ce) {
 template <typename T>
 void RunRowBlocks(const T* logits, T* grad, int64_t rows, int64_t vocab, const int64_t* labels,
                   const float* row_weight, double d, int num_threads,
-                  const internal::GlobalRowScaleHook* hook, double* row_loss,
-                  uint8_t* row_code) {
+                  const internal::GlobalRowScaleHook* hook, double* row_loss, uint8_t* row_code) {
   const auto ce_rows = RowsFn<T>::Get();
   const auto scaled_rows = RowsFn<T>::GetScaled();
   // ~256K elements per task: enough tasks to balance two threads, long enough that the
@@ -175,8 +179,7 @@ struct OptionsScratch {
 
 template <typename T>
 absl::StatusOr<CrossEntropyResult> RunOptionsKernel(const T* logits, T* grad, int64_t rows,
-                                                    int64_t vocab,
-                                                    absl::Span<const int64_t> labels,
+                                                    int64_t vocab, absl::Span<const int64_t> labels,
                                                     absl::Span<const float> weights, double d,
                                                     const CrossEntropyOptions& options,
                                                     int64_t row_offset) {
@@ -235,8 +238,8 @@ absl::StatusOr<CrossEntropyResult> RunOptionsKernel(const T* logits, T* grad, in
       float m = 0.0f, z_y = 0.0f;
       double sum = 0.0, zsum = 0.0;
       uint8_t code = kRowOk;
-      k.vp_local_f32(z, out == nullptr ? nullptr : z, sc.tile_ref.data(), 1, vocab, &w, &label,
-                     &m, &sum, eps > 0.0 ? &zsum : nullptr, &z_y, &code);
+      k.vp_local_f32(z, out == nullptr ? nullptr : z, sc.tile_ref.data(), 1, vocab, &w, &label, &m,
+                     &sum, eps > 0.0 ? &zsum : nullptr, &z_y, &code);
       if (code == kRowOk && m == -std::numeric_limits<float>::infinity()) {
         code = internal::kRowAllNegInf;
       }
@@ -266,8 +269,7 @@ absl::StatusOr<CrossEntropyResult> RunOptionsKernel(const T* logits, T* grad, in
       g.offset = static_cast<float>(-wd * eps * inv_v);
       g.local_label = label;
       const double p_y = std::exp(static_cast<double>(z_y) - lse);
-      g.target_grad =
-          static_cast<float>(g.scale * p_y - wd * (1.0 - eps) - wd * eps * inv_v);
+      g.target_grad = static_cast<float>(g.scale * p_y - wd * (1.0 - eps) - wd * eps * inv_v);
       k.vp_grad_f32(z, sc.tile_ref.data(), 1, vocab, &g);
       if (cap > 0.0) {
         for (int64_t j = 0; j < vocab; ++j) z[j] *= factor[j];
@@ -290,8 +292,7 @@ absl::StatusOr<CrossEntropyResult> RunOptionsKernel(const T* logits, T* grad, in
     if (labels[r] != options.ignore_index) ++result.local_valid_tokens;
   }
   result.local_loss =
-      d > 0.0 ? (result.local_weighted_ce_sum + alpha * result.local_weighted_lse_sq_sum) / d
-              : 0.0;
+      d > 0.0 ? (result.local_weighted_ce_sum + alpha * result.local_weighted_lse_sq_sum) / d : 0.0;
   return result;
 }
 
@@ -422,23 +423,22 @@ absl::Status CheckCrossEntropyArgs(int64_t rows, int64_t vocab, absl::Span<const
 absl::Status CheckCrossEntropyOptions(const CrossEntropyOptions& options, absl::string_view who) {
   // Written so that NaN fails every check.
   if (!(options.label_smoothing >= 0.0 && options.label_smoothing < 1.0)) {
-    return absl::InvalidArgumentError(absl::StrCat(who, ": label_smoothing ",
-                                                   options.label_smoothing, " must be in [0, 1)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, ": label_smoothing ", options.label_smoothing, " must be in [0, 1)"));
   }
   if (!(options.logit_softcap >= 0.0 && std::isfinite(options.logit_softcap))) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        who, ": logit_softcap ", options.logit_softcap, " must be finite and >= 0 (0 = off)"));
+    return absl::InvalidArgumentError(absl::StrCat(who, ": logit_softcap ", options.logit_softcap,
+                                                   " must be finite and >= 0 (0 = off)"));
   }
   if (!(options.alpha_lse >= 0.0 && std::isfinite(options.alpha_lse))) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        who, ": alpha_lse ", options.alpha_lse, " must be finite and >= 0 (0 = off)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, ": alpha_lse ", options.alpha_lse, " must be finite and >= 0 (0 = off)"));
   }
   return absl::OkStatus();
 }
 
 bool CrossEntropyOptionsOn(const CrossEntropyOptions& options) {
-  return options.label_smoothing != 0.0 || options.logit_softcap != 0.0 ||
-         options.alpha_lse != 0.0;
+  return options.label_smoothing != 0.0 || options.logit_softcap != 0.0 || options.alpha_lse != 0.0;
 }
 
 absl::Status CheckF32Matrix(const TensorView& t, absl::string_view who, absl::string_view what,
@@ -463,9 +463,8 @@ bool Overlap(const TensorView& a, const TensorView& b) {
 int64_t AutoChunkRows(int64_t rows, int64_t vocab) {
   constexpr int64_t kAutoChunkBytes = int64_t{4} << 20;
   constexpr int64_t kMinAutoChunkRows = 32;
-  const int64_t chunk =
-      std::max(kMinAutoChunkRows, std::min(kAutoChunkBytes / (std::max<int64_t>(vocab, 1) * 4),
-                                           rows / 8));
+  const int64_t chunk = std::max(
+      kMinAutoChunkRows, std::min(kAutoChunkBytes / (std::max<int64_t>(vocab, 1) * 4), rows / 8));
   return std::max<int64_t>(1, std::min(chunk, rows));
 }
 
@@ -476,9 +475,9 @@ absl::StatusOr<CrossEntropyResult> CrossEntropyKernel(
   if (CrossEntropyOptionsOn(options)) {
     switch (dtype) {
       case DType::kF32:
-        return RunOptionsKernel<float>(static_cast<const float*>(logits),
-                                       static_cast<float*>(grad), rows, vocab, labels,
-                                       token_weights, global_weight_sum, options, row_offset);
+        return RunOptionsKernel<float>(static_cast<const float*>(logits), static_cast<float*>(grad),
+                                       rows, vocab, labels, token_weights, global_weight_sum,
+                                       options, row_offset);
       case DType::kBF16:
         return RunOptionsKernel<uint16_t>(static_cast<const uint16_t*>(logits),
                                           static_cast<uint16_t*>(grad), rows, vocab, labels,
@@ -509,14 +508,14 @@ absl::Status ScaledRowsKernel(const void* logits, void* grad, DType dtype, int64
   std::vector<uint8_t> row_code(static_cast<size_t>(rows), kRowOk);
   switch (dtype) {
     case DType::kF32:
-      RunRowBlocks<float>(static_cast<const float*>(logits), static_cast<float*>(grad), rows,
-                          vocab, labels.data(), row_weight.data(), 1.0, num_threads, &hook,
+      RunRowBlocks<float>(static_cast<const float*>(logits), static_cast<float*>(grad), rows, vocab,
+                          labels.data(), row_weight.data(), 1.0, num_threads, &hook,
                           row_loss.data(), row_code.data());
       break;
     case DType::kBF16:
       RunRowBlocks<uint16_t>(static_cast<const uint16_t*>(logits), static_cast<uint16_t*>(grad),
-                             rows, vocab, labels.data(), row_weight.data(), 1.0, num_threads,
-                             &hook, row_loss.data(), row_code.data());
+                             rows, vocab, labels.data(), row_weight.data(), 1.0, num_threads, &hook,
+                             row_loss.data(), row_code.data());
       break;
     default:
       return absl::InvalidArgumentError(

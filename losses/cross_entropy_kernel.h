@@ -32,9 +32,9 @@ absl::Status CheckCrossEntropyOptions(const CrossEntropyOptions& options, absl::
 // Whether any option of §3.2 is on (the kernel then takes its options path).
 bool CrossEntropyOptionsOn(const CrossEntropyOptions& options);
 
-// Runs the kernel on checked arguments (options included). `logits` is [rows, vocab] of `dtype` (f32/bf16);
-// `grad` (same dtype and shape) may alias it or be null (forward only). Non-finite rows are
-// reported as InvalidArgument naming row `row_offset + i`.
+// Runs the kernel on checked arguments (options included). `logits` is [rows, vocab] of `dtype`
+// (f32/bf16); `grad` (same dtype and shape) may alias it or be null (forward only). Non-finite rows
+// are reported as InvalidArgument naming row `row_offset + i`.
 absl::StatusOr<CrossEntropyResult> CrossEntropyKernel(
     const void* logits, void* grad, DType dtype, int64_t rows, int64_t vocab,
     absl::Span<const int64_t> labels, absl::Span<const float> token_weights,
@@ -60,8 +60,7 @@ struct GlobalRowScaleHook {
 absl::Status ScaledRowsKernel(const void* logits, void* grad, DType dtype, int64_t rows,
                               int64_t vocab, absl::Span<const int64_t> labels,
                               absl::Span<const float> row_weight, const GlobalRowScaleHook& hook,
-                              int num_threads, absl::string_view what,
-                              absl::Span<double> row_loss);
+                              int num_threads, absl::string_view what, absl::Span<double> row_loss);
 
 // Shape helpers shared by the fused linear CE and the vocab-parallel CE (one copy of each).
 //

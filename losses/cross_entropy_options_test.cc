@@ -133,12 +133,12 @@ TEST(CrossEntropyOptions, F32MatchesFp64Reference) {
         const std::vector<double> xd(p.x.begin(), p.x.end());
         const Ref ref = Reference(xd, p.n, v, p.y, p.w, p.d, o);
         std::vector<float> grad(p.n * v, 7.0f);
-        absl::StatusOr<CrossEntropyResult> r = CrossEntropyForwardBackward(
-            F32Matrix(p.x.data(), p.n, v), p.y, p.w, p.d, F32Matrix(grad.data(), p.n, v),
-            CeOptions(o));
+        absl::StatusOr<CrossEntropyResult> r =
+            CrossEntropyForwardBackward(F32Matrix(p.x.data(), p.n, v), p.y, p.w, p.d,
+                                        F32Matrix(grad.data(), p.n, v), CeOptions(o));
         ASSERT_TRUE(r.ok()) << r.status();
         SCOPED_TRACE(::testing::Message() << "eps " << o.eps << " cap " << o.cap << " alpha "
-                                        << o.alpha << " V " << v << " weighted " << weighted);
+                                          << o.alpha << " V " << v << " weighted " << weighted);
         EXPECT_NEAR(r->local_loss, ref.loss, 1e-5 * std::abs(ref.loss));
         EXPECT_NEAR(r->local_loss,
                     (r->local_weighted_ce_sum + o.alpha * r->local_weighted_lse_sq_sum) / p.d,
@@ -150,8 +150,8 @@ TEST(CrossEntropyOptions, F32MatchesFp64Reference) {
         }
         EXPECT_LE(max_err, 2e-6 * max_ref + 1e-9);
         // Forward only: the same loss, bit for bit.
-        absl::StatusOr<CrossEntropyResult> f = CrossEntropyForward(
-            F32Matrix(p.x.data(), p.n, v), p.y, p.w, p.d, CeOptions(o));
+        absl::StatusOr<CrossEntropyResult> f =
+            CrossEntropyForward(F32Matrix(p.x.data(), p.n, v), p.y, p.w, p.d, CeOptions(o));
         ASSERT_TRUE(f.ok()) << f.status();
         EXPECT_EQ(f->local_loss, r->local_loss);
         // In place: the same gradient, bit for bit.
@@ -241,18 +241,15 @@ TEST(CrossEntropyOptions, BadValuesAreInvalidArgumentNamingTheValue) {
     Opts o;
     const char* text;
   };
-  const Bad bad[] = {{{-0.1, 0, 0}, "label_smoothing -0.1"},
-                     {{1.0, 0, 0}, "label_smoothing 1"},
-                     {{kNaN, 0, 0}, "label_smoothing nan"},
-                     {{0, -2.0, 0}, "logit_softcap -2"},
-                     {{0, kNaN, 0}, "logit_softcap nan"},
-                     {{0, INFINITY, 0}, "logit_softcap inf"},
-                     {{0, 0, -1e-3}, "alpha_lse -0.001"},
-                     {{0, 0, kNaN}, "alpha_lse nan"}};
+  const Bad bad[] = {
+      {{-0.1, 0, 0}, "label_smoothing -0.1"}, {{1.0, 0, 0}, "label_smoothing 1"},
+      {{kNaN, 0, 0}, "label_smoothing nan"},  {{0, -2.0, 0}, "logit_softcap -2"},
+      {{0, kNaN, 0}, "logit_softcap nan"},    {{0, INFINITY, 0}, "logit_softcap inf"},
+      {{0, 0, -1e-3}, "alpha_lse -0.001"},    {{0, 0, kNaN}, "alpha_lse nan"}};
   for (const Bad& b : bad) {
-    absl::StatusOr<CrossEntropyResult> r = CrossEntropyForwardBackward(
-        F32Matrix(p.x.data(), p.n, p.v), p.y, {}, p.d, F32Matrix(grad.data(), p.n, p.v),
-        CeOptions(b.o));
+    absl::StatusOr<CrossEntropyResult> r =
+        CrossEntropyForwardBackward(F32Matrix(p.x.data(), p.n, p.v), p.y, {}, p.d,
+                                    F32Matrix(grad.data(), p.n, p.v), CeOptions(b.o));
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << b.text;
     EXPECT_THAT(r.status().message(), HasSubstr(b.text));
     std::vector<float> h = RandomNormal(p.n * 3, 2, 1.0f), w = RandomNormal(3 * p.v, 3, 1.0f);
@@ -276,8 +273,9 @@ TEST(CrossEntropyOptions, NonFiniteRows) {
   // +inf and -inf under the cap are finite (+-c) and fine; the factor there is 0.
   x[3] = kInf;
   x[v + 4] = -kInf;
-  absl::StatusOr<CrossEntropyResult> r = CrossEntropyForwardBackward(
-      F32Matrix(x.data(), 2, v), y, {}, 2.0, F32Matrix(grad.data(), 2, v), CeOptions({0.1, 3.0, 0.01}));
+  absl::StatusOr<CrossEntropyResult> r =
+      CrossEntropyForwardBackward(F32Matrix(x.data(), 2, v), y, {}, 2.0,
+                                  F32Matrix(grad.data(), 2, v), CeOptions({0.1, 3.0, 0.01}));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_TRUE(std::isfinite(r->local_loss));
   EXPECT_EQ(grad[3], 0.0f);
@@ -318,7 +316,8 @@ TEST(LinearCrossEntropyOptions, MatchesFp64Reference) {
   std::vector<double> z(n * v, 0.0);
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t j = 0; j < v; ++j) {
-      for (int64_t k = 0; k < dm; ++k) z[t * v + j] += static_cast<double>(h[t * dm + k]) * w[k * v + j];
+      for (int64_t k = 0; k < dm; ++k)
+        z[t * v + j] += static_cast<double>(h[t * dm + k]) * w[k * v + j];
     }
   }
   for (const Opts& o : kCases) {
@@ -343,7 +342,8 @@ TEST(LinearCrossEntropyOptions, MatchesFp64Reference) {
         F32Matrix(hc.data(), n, dm), F32Matrix(wc.data(), dm, v), p.y, p.w, p.d,
         F32Matrix(gh.data(), n, dm), F32Matrix(gw.data(), dm, v), lo);
     ASSERT_TRUE(r.ok()) << r.status();
-    SCOPED_TRACE(::testing::Message() << "eps " << o.eps << " cap " << o.cap << " alpha " << o.alpha);
+    SCOPED_TRACE(::testing::Message()
+                 << "eps " << o.eps << " cap " << o.cap << " alpha " << o.alpha);
     EXPECT_NEAR(r->ce.local_loss, ref.loss, 1e-5 * std::abs(ref.loss));
     for (int64_t i = 0; i < n * dm; ++i) ASSERT_NEAR(gh[i], ref_gh[i], 1e-5) << i;
     for (int64_t i = 0; i < dm * v; ++i) ASSERT_NEAR(gw[i], ref_gw[i], 1e-5) << i;

@@ -50,10 +50,9 @@ struct RowScratchView {
 using CeRowsF32Fn = void (*)(const float* logits, float* grad, int64_t rows, int64_t vocab,
                              const int64_t* labels, const float* weights, double d,
                              const RowScratchView* scratch, double* loss, uint8_t* codes);
-using CeRowsBf16Fn = void (*)(const uint16_t* logits, uint16_t* grad, int64_t rows,
-                              int64_t vocab, const int64_t* labels, const float* weights,
-                              double d, const RowScratchView* scratch, double* loss,
-                              uint8_t* codes);
+using CeRowsBf16Fn = void (*)(const uint16_t* logits, uint16_t* grad, int64_t rows, int64_t vocab,
+                              const int64_t* labels, const float* weights, double d,
+                              const RowScratchView* scratch, double* loss, uint8_t* codes);
 
 // The per-row gradient scale of the scaled row kernels (the policy loss's hook into the CE
 // rows, losses/policy_loss.h, so that it needs no second softmax): `fn` is called once per
@@ -93,10 +92,10 @@ using F32ToBf16Fn = void (*)(const float* in, uint16_t* out, int64_t n);
 // are kept there (row r at exps + r * vocab) relative to per-tile maxes kept in tile_ref
 // (row r at tile_ref + r * ceil(vocab / kCeTile)), for VpGradRowsF32Fn. Rows of weight 0
 // are not read (outputs 0, max -inf).
-using VpLocalRowsF32Fn = void (*)(const float* logits, float* exps, float* tile_ref,
-                                  int64_t rows, int64_t vocab, const float* weights,
-                                  const int64_t* local_labels, float* row_max, double* row_sum,
-                                  double* row_zsum, float* target, uint8_t* codes);
+using VpLocalRowsF32Fn = void (*)(const float* logits, float* exps, float* tile_ref, int64_t rows,
+                                  int64_t vocab, const float* weights, const int64_t* local_labels,
+                                  float* row_max, double* row_sum, double* row_zsum, float* target,
+                                  uint8_t* codes);
 // One row's gradient after the exchange: grad_j = scale * exp(x_j - lse) + offset, with
 // lse = global_max + log_sum, and grad[local_label] = target_grad if local_label >= 0.
 // scale == 0 and offset == 0: the row is zeroed but for the target (weight 0 rows have
@@ -110,8 +109,8 @@ struct VpGradRow {
   float target_grad = 0.0f;
 };
 // Writes the gradient of a block of rows in place over the exps VpLocalRowsF32Fn kept.
-using VpGradRowsF32Fn = void (*)(float* grad, const float* tile_ref, int64_t rows,
-                                 int64_t vocab, const VpGradRow* params);
+using VpGradRowsF32Fn = void (*)(float* grad, const float* tile_ref, int64_t rows, int64_t vocab,
+                                 const VpGradRow* params);
 
 struct CeRowKernels {
   CeRowsF32Fn f32 = nullptr;

@@ -10,9 +10,9 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <string>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "core/half.h"
@@ -88,8 +88,8 @@ void RunBlock(Fn fn, const std::vector<T>& logits, const Block& block, std::vect
   grad->assign(logits.size(), fill);
   loss->assign(block.rows(), -1.0);
   codes->assign(block.rows(), 255);
-  fn(logits.data(), grad->data(), block.rows(), v, block.labels.data(), block.weights.data(),
-     123.0, &view, loss->data(), codes->data());
+  fn(logits.data(), grad->data(), block.rows(), v, block.labels.data(), block.weights.data(), 123.0,
+     &view, loss->data(), codes->data());
 }
 
 std::vector<uint16_t> ToBf16(const std::vector<float>& x) {
@@ -106,9 +106,9 @@ TEST(CrossEntropyRowsTest, SelectionFollowsTheCpuAndTheEnvironment) {
   const char* forced = std::getenv("GRADSUM_CE_ISA");
   const CeRowKernels* want = forced != nullptr ? CeRowKernelsFor(forced) : nullptr;
   if (want == nullptr) {
-    want = CpuHasAvx512() ? CeRowKernelsFor("avx512")
+    want = CpuHasAvx512()    ? CeRowKernelsFor("avx512")
            : CpuHasAvx2Fma() ? CeRowKernelsFor("avx2")
-                            : CeRowKernelsFor("generic");
+                             : CeRowKernelsFor("generic");
   }
   EXPECT_STREQ(SelectedCeRowKernels().isa, want->isa);
 }
@@ -215,9 +215,11 @@ TEST(CrossEntropyRowsTest, Bf16NarrowingMatchesHalfHOnAStrideOfFloatsAndEveryTie
   // A stride through all 2^32 patterns (every exponent, both signs, NaN payloads, Inf,
   // subnormals), plus, for every bf16 value, the exact tie halfway to the next one and its
   // two neighbours (round to even decides the ties).
-  for (uint64_t u = 0; u < (uint64_t{1} << 32); u += 65521) bits.push_back(static_cast<uint32_t>(u));
+  for (uint64_t u = 0; u < (uint64_t{1} << 32); u += 65521)
+    bits.push_back(static_cast<uint32_t>(u));
   for (uint32_t b = 0; b < 65536; ++b) {
-    for (uint32_t low : {0x7fffu, 0x8000u, 0x8001u, 0x0000u, 0xffffu}) bits.push_back((b << 16) | low);
+    for (uint32_t low : {0x7fffu, 0x8000u, 0x8001u, 0x0000u, 0xffffu})
+      bits.push_back((b << 16) | low);
   }
   for (uint32_t u : {0x7f800000u, 0xff800000u, 0x7f7fffffu, 0x7f7f8000u, 0x7fc00000u, 0x7f800001u,
                      0xffffffffu, 0x00000001u, 0x80008000u}) {

@@ -137,8 +137,7 @@ absl::Status StepDisplay::AddGlobalExpertCounts(int layer,
 }
 
 absl::StatusOr<StepDisplay::GlobalSums> StepDisplay::AllReduceF64(Communicator& world,
-                                                                   double registry,
-                                                                   double hist) {
+                                                                  double registry, double hist) {
   // Packed layout: [term sums (T)] [ranks that added each term (T)]
   //                [registry fingerprint, its square] [histogram fingerprint, its square].
   const size_t t = entries_.size();
@@ -169,8 +168,7 @@ absl::StatusOr<StepDisplay::GlobalSums> StepDisplay::AllReduceF64(Communicator& 
 }
 
 absl::StatusOr<StepDisplay::GlobalSums> StepDisplay::AllReduceExact(Communicator& world,
-                                                                     double registry,
-                                                                     double hist) {
+                                                                    double registry, double hist) {
   // The same layout in int64 words (SEMANTICS.md §11): [T * kWords exact sums] [adders (T)]
   // [registry fingerprint, its square, histogram fingerprint, its square, exact-mode ranks].
   // Everything is an integer, so the one SUM all-reduce is exact and order-free.
@@ -195,8 +193,8 @@ absl::StatusOr<StepDisplay::GlobalSums> StepDisplay::AllReduceExact(Communicator
   if (tail[4] != world.size()) {
     // Ranks that are not in exact mode sent a shorter f64 vector: the all-reduce itself
     // fails there, or this count tells.
-    return absl::FailedPreconditionError(absl::StrCat(
-        "display: only ", tail[4], " of ", world.size(), " ranks reduce in exact mode"));
+    return absl::FailedPreconditionError(absl::StrCat("display: only ", tail[4], " of ",
+                                                      world.size(), " ranks reduce in exact mode"));
   }
   GlobalSums g;
   exact::ExactScalar total;
@@ -215,8 +213,7 @@ absl::StatusOr<StepDisplay::GlobalSums> StepDisplay::AllReduceExact(Communicator
   return g;
 }
 
-absl::Status StepDisplay::AllReduceExtremes(Communicator& world,
-                                            absl::Span<const double> extremes,
+absl::Status StepDisplay::AllReduceExtremes(Communicator& world, absl::Span<const double> extremes,
                                             std::vector<double>* value) {
   std::vector<double> packed;
   for (size_t i = 0; i < entries_.size(); ++i) {

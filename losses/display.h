@@ -126,7 +126,7 @@ class StepDisplay {
     DisplayTermKind kind;
     double local_sum = 0.0;
     exact::ExactScalar exact_sum;  // exact mode
-    double extreme = 0.0;  // kMetricMax: running max; kMetricMin: running min (both modes)
+    double extreme = 0.0;          // kMetricMax: running max; kMetricMin: running min (both modes)
     int64_t additions = 0;
   };
   // The step's global sums, whichever mode produced them.

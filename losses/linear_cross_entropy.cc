@@ -63,8 +63,7 @@ absl::StatusOr<LinearCrossEntropyResult> LinearCrossEntropyForwardBackward(
   s = internal::CheckCrossEntropyOptions(ce_options, kWho);
   if (!s.ok()) return s;
 
-  int64_t chunk =
-      options.chunk_rows == 0 ? internal::AutoChunkRows(n, v) : options.chunk_rows;
+  int64_t chunk = options.chunk_rows == 0 ? internal::AutoChunkRows(n, v) : options.chunk_rows;
   chunk = std::max<int64_t>(1, std::min(chunk, n));
 
   LinearCrossEntropyResult result;
@@ -137,10 +136,10 @@ absl::StatusOr<LinearCrossEntropyResult> LinearCrossEntropyForwardBackward(
     if (!s.ok()) return s;
   }
   // The z-loss term only when it is on, so that the plain result keeps its bits.
-  const double objective =
-      options.alpha_lse > 0.0
-          ? result.ce.local_weighted_ce_sum + options.alpha_lse * result.ce.local_weighted_lse_sq_sum
-          : result.ce.local_weighted_ce_sum;
+  const double objective = options.alpha_lse > 0.0
+                               ? result.ce.local_weighted_ce_sum +
+                                     options.alpha_lse * result.ce.local_weighted_lse_sq_sum
+                               : result.ce.local_weighted_ce_sum;
   result.ce.local_loss = global_weight_sum > 0.0 ? objective / global_weight_sum : 0.0;
   return result;
 }

@@ -69,10 +69,10 @@ struct LinearCrossEntropyResult {
 //                Must not overlap hidden, head or grad_hidden.
 //
 // Errors: InvalidArgument for dtypes other than f32, non-CPU views, mismatched shapes,
-// chunk_rows < 0, a bad CE option (named with its value), and every CE error (bad labels, weights or D, FailedPrecondition for a
-// local D, non-finite logits rows named by their row in [0, N)). Label, weight and D checks
-// run before anything is written; after a non-finite-row error the outputs are partly
-// written and must not be used.
+// chunk_rows < 0, a bad CE option (named with its value), and every CE error (bad labels, weights
+// or D, FailedPrecondition for a local D, non-finite logits rows named by their row in [0, N)).
+// Label, weight and D checks run before anything is written; after a non-finite-row error the
+// outputs are partly written and must not be used.
 absl::StatusOr<LinearCrossEntropyResult> LinearCrossEntropyForwardBackward(
     const TensorView& hidden, const TensorView& head, absl::Span<const int64_t> labels,
     absl::Span<const float> token_weights, double global_weight_sum, const TensorView& grad_hidden,

@@ -135,9 +135,8 @@ TEST(LinearCrossEntropyTest, TransposedHeadMatchesDoubleReference) {
   LinearCrossEntropyOptions opt;
   opt.head_transposed = true;
   absl::Status s = LinearCrossEntropyForwardBackward(
-                       F32Matrix(p.h.data(), p.n, p.dm), F32Matrix(p.w.data(), p.dm, p.v), p.y,
-                       {}, d, F32Matrix(gh.data(), p.n, p.dm), F32Matrix(gw.data(), p.dm, p.v),
-                       opt)
+                       F32Matrix(p.h.data(), p.n, p.dm), F32Matrix(p.w.data(), p.dm, p.v), p.y, {},
+                       d, F32Matrix(gh.data(), p.n, p.dm), F32Matrix(gw.data(), p.dm, p.v), opt)
                        .status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(s.message()), HasSubstr("transposed"));

@@ -10,20 +10,19 @@
 namespace gradsum::losses {
 
 absl::StatusOr<std::vector<int64_t>> MtpLabels(absl::Span<const int64_t> labels,
-                                               absl::Span<const int64_t> doc_ids,
-                                               int64_t seq_len, int depth,
-                                               int64_t ignore_index) {
+                                               absl::Span<const int64_t> doc_ids, int64_t seq_len,
+                                               int depth, int64_t ignore_index) {
   const int64_t n = static_cast<int64_t>(labels.size());
   if (depth < 1) {
     return absl::InvalidArgumentError(absl::StrCat("MTP depth must be >= 1, got ", depth));
   }
   if (seq_len < 1 || n % seq_len != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("MTP labels: seq_len ", seq_len,
-                                                   " does not divide the ", n, " labels"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("MTP labels: seq_len ", seq_len, " does not divide the ", n, " labels"));
   }
   if (static_cast<int64_t>(doc_ids.size()) != n) {
-    return absl::InvalidArgumentError(absl::StrCat("MTP labels: ", doc_ids.size(),
-                                                   " doc ids for ", n, " labels"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("MTP labels: ", doc_ids.size(), " doc ids for ", n, " labels"));
   }
   std::vector<int64_t> out(n, ignore_index);
   for (int64_t t = 0; t < n; ++t) {
@@ -38,11 +37,10 @@ absl::StatusOr<MtpStats> ComputeMtpStats(Communicator& world,
                                          CeWeightMode mode, int64_t ignore_index) {
   MtpStats stats;
   stats.depth = depth;
-  absl::Status local = depth < 1 ? absl::InvalidArgumentError(
-                                       absl::StrCat("MTP depth must be >= 1, got ", depth))
-                       : micro_batches.empty()
-                           ? absl::InvalidArgumentError("MTP stats: no micro-batches (G >= 1)")
-                           : absl::OkStatus();
+  absl::Status local =
+      depth < 1 ? absl::InvalidArgumentError(absl::StrCat("MTP depth must be >= 1, got ", depth))
+      : micro_batches.empty() ? absl::InvalidArgumentError("MTP stats: no micro-batches (G >= 1)")
+                              : absl::OkStatus();
   const int k = std::max(depth, 0);
   stats.global_weight_sum.assign(k, 0.0);
   stats.local_weight_sum.assign(k, 0.0);
@@ -80,8 +78,8 @@ absl::StatusOr<MtpStats> ComputeMtpStats(Communicator& world,
   if (!reduce.ok()) return Annotate(reduce, "MTP stats all-reduce");
   if (!local.ok()) return local;
   if (packed[2 * k] > 0.0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "MTP stats: ", packed[2 * k], " other rank(s) rejected their micro-batches"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("MTP stats: ", packed[2 * k], " other rank(s) rejected their micro-batches"));
   }
   constexpr double kTwoTo53 = 9007199254740992.0;
   for (int j = 0; j < k; ++j) {
@@ -104,8 +102,8 @@ absl::StatusOr<CrossEntropyResult> MtpCrossEntropyForwardBackward(
   }
   const auto& labels = stats.labels[depth_index - 1];
   if (micro_index < 0 || micro_index >= static_cast<int>(labels.size())) {
-    return absl::InvalidArgumentError(absl::StrCat("MTP micro-batch index ", micro_index,
-                                                   " is not in [0, ", labels.size(), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("MTP micro-batch index ", micro_index, " is not in [0, ", labels.size(), ")"));
   }
   if (!(mtp_scale > 0.0 && mtp_scale <= k)) {
     return absl::InvalidArgumentError(

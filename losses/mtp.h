@@ -36,9 +36,8 @@ namespace gradsum::losses {
 // InvalidArgument: depth < 1, seq_len < 1 or not dividing the length, doc_ids of another
 // length.
 absl::StatusOr<std::vector<int64_t>> MtpLabels(absl::Span<const int64_t> labels,
-                                               absl::Span<const int64_t> doc_ids,
-                                               int64_t seq_len, int depth,
-                                               int64_t ignore_index = -100);
+                                               absl::Span<const int64_t> doc_ids, int64_t seq_len,
+                                               int depth, int64_t ignore_index = -100);
 
 // One micro-batch of this rank: whole sequences (before any SP split).
 struct MtpMicroBatch {
@@ -48,7 +47,7 @@ struct MtpMicroBatch {
 };
 
 struct MtpStats {
-  int depth = 0;                    // k
+  int depth = 0;                          // k
   std::vector<double> global_weight_sum;  // [k]: D_j (index j - 1), world SUMs, detached
   std::vector<double> local_weight_sum;   // [k]: this rank's shares
   // [k][m]: depth j's labels and CE weights of micro-batch m.

@@ -27,8 +27,8 @@ constexpr int64_t kIgnore = -100;
 // token whose label the caller ignored.
 TEST(MtpLabelsTest, RollInsideDocumentsAndSequencesByHand) {
   const std::vector<int64_t> docs = {0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 3, 3};
-  const std::vector<int64_t> y = {11, 12, kIgnore, 14, 15, kIgnore,
-                                  17, kIgnore, 19, kIgnore, 21, kIgnore};
+  const std::vector<int64_t> y = {11, 12,      kIgnore, 14,      15, kIgnore,
+                                  17, kIgnore, 19,      kIgnore, 21, kIgnore};
   absl::StatusOr<std::vector<int64_t>> d1 = MtpLabels(y, docs, 6, 1);
   ASSERT_TRUE(d1.ok()) << d1.status();
   EXPECT_EQ(*d1, (std::vector<int64_t>{12, kIgnore, kIgnore, 15, kIgnore, kIgnore, kIgnore, 19,
@@ -66,7 +66,10 @@ Batch MakeBatch(int ranks, int k, int empty_rank) {
   b.ranks = ranks;
   const int64_t n = int64_t{ranks} * b.g * Batch::kB * Batch::kS;
   uint32_t state = 12345;
-  auto next = [&state](uint32_t mod) { state = state * 1664525u + 1013904223u; return (state >> 8) % mod; };
+  auto next = [&state](uint32_t mod) {
+    state = state * 1664525u + 1013904223u;
+    return (state >> 8) % mod;
+  };
   int64_t doc = 0;
   for (int64_t s = 0; s < n / Batch::kS; ++s) {
     int64_t left = 0;
@@ -110,7 +113,8 @@ Reference Compute(const Batch& b, int k, double scale) {
     std::vector<int64_t> y(n, kIgnore);
     double d = 0;
     for (int64_t t = 0; t + j < n; ++t) {
-      if ((t + j) / Batch::kS == t / Batch::kS && b.docs[t + j] == b.docs[t]) y[t] = b.labels[t + j];
+      if ((t + j) / Batch::kS == t / Batch::kS && b.docs[t + j] == b.docs[t])
+        y[t] = b.labels[t + j];
       if (y[t] != kIgnore) d += 1;
     }
     ref.d.push_back(d);
@@ -154,12 +158,14 @@ TEST(MtpLossTest, EveryWorldSizeGivesTheSingleProcessLossAndGradients) {
       }
       GRADSUM_ASSIGN_OR_RETURN(MtpStats stats, ComputeMtpStats(comm, mbs, k));
       StepDisplay disp;
-      for (int j = 1; j <= k; ++j) GRADSUM_RETURN_IF_ERROR(disp.RegisterTerm(absl::StrCat("mtp_", j)));
+      for (int j = 1; j <= k; ++j)
+        GRADSUM_RETURN_IF_ERROR(disp.RegisterTerm(absl::StrCat("mtp_", j)));
       double local = 0;
       for (int m = 0; m < b.g; ++m) {
         const int64_t f = b.First(r, m);
         for (int j = 1; j <= k; ++j) {
-          std::vector<float> z(b.logits[j - 1].begin() + f * V, b.logits[j - 1].begin() + (f + rows) * V);
+          std::vector<float> z(b.logits[j - 1].begin() + f * V,
+                               b.logits[j - 1].begin() + (f + rows) * V);
           std::vector<float> dz(rows * V);
           GRADSUM_ASSIGN_OR_RETURN(
               CrossEntropyResult res,
@@ -190,8 +196,8 @@ TEST(MtpLossTest, EveryWorldSizeGivesTheSingleProcessLossAndGradients) {
     EXPECT_NEAR(sum, want.loss, 1e-6) << "world " << world;
     for (int j = 0; j < k; ++j) {
       for (int64_t i = 0; i < b.Rows() * V; ++i) {
-        ASSERT_NEAR(grads[j][i], want.grad[j][i], 1e-6) << "world " << world << " depth " << j + 1
-                                                        << " element " << i;
+        ASSERT_NEAR(grads[j][i], want.grad[j][i], 1e-6)
+            << "world " << world << " depth " << j + 1 << " element " << i;
       }
     }
     if (world > 1) {  // the rank whose labels are all ignored: exactly zero

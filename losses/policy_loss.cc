@@ -111,18 +111,21 @@ absl::Status CheckOptions(const PolicyLossOptions& o, bool has_ref) {
     return absl::InvalidArgumentError(
         absl::StrCat(kWhat, ": option ", name, " = ", v, " must be ", want));
   };
-  if (!std::isfinite(o.eps_low) || o.eps_low < 0.0) return bad("eps_low", o.eps_low, "finite, >= 0");
+  if (!std::isfinite(o.eps_low) || o.eps_low < 0.0)
+    return bad("eps_low", o.eps_low, "finite, >= 0");
   if (!std::isfinite(o.eps_high) || o.eps_high < 0.0) {
     return bad("eps_high", o.eps_high, "finite, >= 0");
   }
   if (!std::isfinite(o.dual_clip_c) || !(o.dual_clip_c == 0.0 || o.dual_clip_c > 1.0)) {
     return bad("dual_clip_c", o.dual_clip_c, "0 (off) or finite and > 1");
   }
-  if (!std::isfinite(o.kl_coef) || o.kl_coef < 0.0) return bad("kl_coef", o.kl_coef, "finite, >= 0");
-  if (std::isnan(o.is_cap) || !(o.is_cap > 0.0)) return bad("is_cap", o.is_cap, "> 0 (+inf: no cap)");
+  if (!std::isfinite(o.kl_coef) || o.kl_coef < 0.0)
+    return bad("kl_coef", o.kl_coef, "finite, >= 0");
+  if (std::isnan(o.is_cap) || !(o.is_cap > 0.0))
+    return bad("is_cap", o.is_cap, "> 0 (+inf: no cap)");
   if (o.kl_coef > 0.0 && !has_ref) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        kWhat, ": kl_coef = ", o.kl_coef, " > 0 needs ref_logprob (none was given)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(kWhat, ": kl_coef = ", o.kl_coef, " > 0 needs ref_logprob (none was given)"));
   }
   switch (o.kl_estimator) {
     case KlEstimator::kK1:
@@ -178,10 +181,9 @@ absl::StatusOr<PolicyLossResult> PolicyLossForwardBackward(const TensorView& log
   s = internal::CheckLogitsView(grad_logits, "policy loss: grad_logits");
   if (!s.ok()) return s;
   if (grad_logits.dtype() != logits.dtype() || grad_logits.shape() != logits.shape()) {
-    return absl::InvalidArgumentError(absl::StrCat(kWhat, ": grad_logits ",
-                                                   grad_logits.DebugString(),
-                                                   " must have the dtype and shape of logits ",
-                                                   logits.DebugString()));
+    return absl::InvalidArgumentError(
+        absl::StrCat(kWhat, ": grad_logits ", grad_logits.DebugString(),
+                     " must have the dtype and shape of logits ", logits.DebugString()));
   }
   const int64_t rows = logits.dim(0);
   const int64_t vocab = logits.dim(1);
@@ -198,8 +200,7 @@ absl::StatusOr<PolicyLossResult> PolicyLossForwardBackward(const TensorView& log
   if (!(s = CheckLength("importance weights", in.is_weights, rows, true)).ok()) return s;
   if (!(s = CheckLength("ref_logprob values", in.ref_logprob, rows, true)).ok()) return s;
   if (seq_mean) {
-    if (!(s = CheckLength("sequence valid-token counts", norm.sequence_valid_tokens, rows,
-                          false))
+    if (!(s = CheckLength("sequence valid-token counts", norm.sequence_valid_tokens, rows, false))
              .ok()) {
       return s;
     }
@@ -232,31 +233,32 @@ absl::StatusOr<PolicyLossResult> PolicyLossForwardBackward(const TensorView& log
                                                      " must be finite and >= 0"));
     }
     if (seq_mean && norm.sequence_valid_tokens[r] < 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          kWhat, ": sequence valid-token count n_s = ", norm.sequence_valid_tokens[r],
-          " at row ", r, " must be >= 1 for a valid token"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(kWhat, ": sequence valid-token count n_s = ", norm.sequence_valid_tokens[r],
+                       " at row ", r, " must be >= 1 for a valid token"));
     }
     row_weight[r] = 1.0f;
     ++valid;
   }
   // A global count cannot be below this call's share; if it is, a local one was passed.
   if (!seq_mean && static_cast<double>(valid) > norm.global_valid_tokens) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        kWhat, ": global valid-token count N = ", norm.global_valid_tokens,
-        " is smaller than this call's ", valid,
-        " valid tokens; N must be summed over all ranks and micro-batches of the step "
-        "(SEMANTICS.md §13)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(kWhat, ": global valid-token count N = ", norm.global_valid_tokens,
+                     " is smaller than this call's ", valid,
+                     " valid tokens; N must be summed over all ranks and micro-batches of the step "
+                     "(SEMANTICS.md §13)"));
   }
   if (seq_mean && valid > 0 && !(norm.global_sequences >= 1.0)) {
     return absl::FailedPreconditionError(absl::StrCat(
-        kWhat, ": global sequence count S = ", norm.global_sequences, " but this call has ",
-        valid, " valid tokens; S must count the sequences of all ranks and micro-batches"));
+        kWhat, ": global sequence count S = ", norm.global_sequences, " but this call has ", valid,
+        " valid tokens; S must count the sequences of all ranks and micro-batches"));
   }
   for (int64_t r = 0; r < rows; ++r) {
     if (row_weight[r] == 0.0f) continue;
-    coef[r] = seq_mean ? 1.0 / (static_cast<double>(norm.sequence_valid_tokens[r]) *
-                                norm.global_sequences)
-                       : 1.0 / norm.global_valid_tokens;
+    coef[r] =
+        seq_mean
+            ? 1.0 / (static_cast<double>(norm.sequence_valid_tokens[r]) * norm.global_sequences)
+            : 1.0 / norm.global_valid_tokens;
   }
 
   // ---- The fused rows: logp from the CE kernel, the gradient scaled by the hook. ----
@@ -265,8 +267,7 @@ absl::StatusOr<PolicyLossResult> PolicyLossForwardBackward(const TensorView& log
   std::vector<double> kl(static_cast<size_t>(rows), 0.0);
   std::vector<double> ratio(static_cast<size_t>(rows), 0.0);
   std::vector<uint8_t> flags(static_cast<size_t>(rows), 0);
-  PolicyRowCtx ctx{&in, &options, coef.data(), term.data(), kl.data(), ratio.data(),
-                   flags.data()};
+  PolicyRowCtx ctx{&in, &options, coef.data(), term.data(), kl.data(), ratio.data(), flags.data()};
   const internal::GlobalRowScaleHook hook{&PolicyRowHook, &ctx};
   s = internal::ScaledRowsKernel(logits.raw(), grad_logits.raw(), logits.dtype(), rows, vocab,
                                  in.labels, row_weight, hook, options.num_threads, kWhat,
@@ -305,8 +306,8 @@ std::string Name(absl::string_view prefix, absl::string_view metric) {
 
 absl::Status RegisterPolicyLossDisplay(StepDisplay& display, absl::string_view prefix) {
   absl::Status s = display.RegisterTerm(prefix, DisplayTermKind::kLoss);
-  for (const char* m : {"kl", "kl_sum", "valid_tokens", "clip_count", "dual_clip_count",
-                        "ratio_sum"}) {
+  for (const char* m :
+       {"kl", "kl_sum", "valid_tokens", "clip_count", "dual_clip_count", "ratio_sum"}) {
     if (s.ok()) s = display.RegisterTerm(Name(prefix, m), DisplayTermKind::kMetric);
   }
   if (s.ok()) s = display.RegisterTerm(Name(prefix, "ratio_max"), DisplayTermKind::kMetricMax);

@@ -48,8 +48,8 @@ enum class KlEstimator {
 };
 
 enum class PolicyLossAggregation {
-  kTokenMean = 0,          // c_t = 1 / N
-  kSeqMeanTokenMean = 1,   // c_t = 1 / (n_s S)
+  kTokenMean = 0,         // c_t = 1 / N
+  kSeqMeanTokenMean = 1,  // c_t = 1 / (n_s S)
 };
 
 struct PolicyLossOptions {
@@ -73,12 +73,12 @@ struct PolicyLossOptions {
 
 // Per-token inputs of one call (N tokens = rows of the logits). All are detached.
 struct PolicyLossInputs {
-  absl::Span<const int64_t> labels;       // N: the sampled token, or ignore_index
-  absl::Span<const float> old_logprob;    // N: log-prob under the sampling policy
-  absl::Span<const float> advantages;     // N
-  absl::Span<const uint8_t> mask;         // N, or empty (all 1): 0 = not a valid token
-  absl::Span<const float> is_weights;     // N, or empty (all 1): rollout importance weights
-  absl::Span<const float> ref_logprob;    // N, or empty (no KL term)
+  absl::Span<const int64_t> labels;     // N: the sampled token, or ignore_index
+  absl::Span<const float> old_logprob;  // N: log-prob under the sampling policy
+  absl::Span<const float> advantages;   // N
+  absl::Span<const uint8_t> mask;       // N, or empty (all 1): 0 = not a valid token
+  absl::Span<const float> is_weights;   // N, or empty (all 1): rollout importance weights
+  absl::Span<const float> ref_logprob;  // N, or empty (no KL term)
 };
 
 // The detached global normalisers of the optimizer step (SEMANTICS.md §13).

@@ -38,10 +38,10 @@ struct Problem {
   std::vector<int64_t> labels;
   std::vector<float> old_logprob, advantages, is_weights, ref_logprob;
   std::vector<uint8_t> mask;
-  std::vector<int64_t> seq_of_row;   // sequence id of each row
-  std::vector<int64_t> seq_valid;    // n_s per row (the whole sequence's valid count)
-  double valid_tokens = 0;           // N
-  double sequences = 0;              // S
+  std::vector<int64_t> seq_of_row;  // sequence id of each row
+  std::vector<int64_t> seq_valid;   // n_s per row (the whole sequence's valid count)
+  double valid_tokens = 0;          // N
+  double sequences = 0;             // S
 
   bool Valid(int64_t r) const { return labels[r] != -100 && (mask.empty() || mask[r] != 0); }
 };
@@ -221,7 +221,7 @@ PolicyLossNormalizer NormFor(const Problem& p, int64_t begin, int64_t end) {
 }
 
 absl::StatusOr<Outcome> RunRows(const Problem& p, int64_t begin, int64_t end,
-                            const PolicyLossOptions& o, bool use_iw, bool use_ref) {
+                                const PolicyLossOptions& o, bool use_iw, bool use_ref) {
   Outcome run;
   std::vector<float> z(p.logits.begin() + begin * p.v, p.logits.begin() + end * p.v);
   run.grad.assign(z.size(), std::nanf(""));  // every element must be overwritten
@@ -285,8 +285,8 @@ TEST(PolicyLossTest, MatchesTheFp64ReferenceInEveryModeAndBranch) {
     }
   }
   // The data exercises what it claims to: both clips and masked tokens occur.
-  const RefResult r = Reference(p, FullOptions(KlEstimator::kK3, PolicyLossAggregation::kTokenMean),
-                                true, true);
+  const RefResult r =
+      Reference(p, FullOptions(KlEstimator::kK3, PolicyLossAggregation::kTokenMean), true, true);
   EXPECT_GT(r.clip, 0);
   EXPECT_GT(r.dual, 0);
   EXPECT_LT(r.valid, p.n);
@@ -349,13 +349,14 @@ TEST(PolicyLossTest, MeshIndependentAtWorld124AndMicroBatches12) {
     std::vector<double> want_w(kD * kV, 0.0);
     for (int64_t t = 0; t < p.n; ++t)
       for (int64_t d = 0; d < kD; ++d)
-        for (int64_t j = 0; j < kV; ++j) want_w[d * kV + j] += hidden[t * kD + d] * want.grad[t * kV + j];
+        for (int64_t j = 0; j < kV; ++j)
+          want_w[d * kV + j] += hidden[t * kD + d] * want.grad[t * kV + j];
     const double gmax = MaxAbs(want.grad), wmax = MaxAbs(want_w);
     ASSERT_GT(gmax, 0.0);
     for (int world : {1, 2, 4}) {
       for (int micro : {1, 2}) {
-        SCOPED_TRACE(::testing::Message() << "agg " << static_cast<int>(agg) << " W " << world
-                                          << " G " << micro);
+        SCOPED_TRACE(::testing::Message()
+                     << "agg " << static_cast<int>(agg) << " W " << world << " G " << micro);
         // §11: row j of micro-batch m on rank r is sequence (m W + r) * per + j.
         const int64_t per = kSeqs / (world * micro);
         double loss = 0.0;
@@ -404,8 +405,8 @@ TEST(PolicyLossTest, AllMaskedRankGivesExactZerosAndLeavesOthersUnchanged) {
   Problem without = p;
   without.n = masked_begin;
   without.logits.resize(masked_begin * kV);
-  for (auto* v : {&without.old_logprob, &without.advantages, &without.is_weights,
-                  &without.ref_logprob}) {
+  for (auto* v :
+       {&without.old_logprob, &without.advantages, &without.is_weights, &without.ref_logprob}) {
     v->resize(masked_begin);
   }
   without.labels.resize(masked_begin);
@@ -447,13 +448,14 @@ TEST(PolicyLossTest, AllMaskedRankGivesExactZerosAndLeavesOthersUnchanged) {
 
 TEST(PolicyLossTest, NoValidTokenGivesZeroLossAndExactlyZeroGradients) {
   Problem p = MakeProblem(2, 5, 64, 13);
-  for (int64_t r = 0; r < p.n; ++r) p.mask[r] = r % 2;                  // half masked...
-  for (int64_t r = 1; r < p.n; r += 2) p.labels[r] = -100;              // ...the rest ignored
+  for (int64_t r = 0; r < p.n; ++r) p.mask[r] = r % 2;      // half masked...
+  for (int64_t r = 1; r < p.n; r += 2) p.labels[r] = -100;  // ...the rest ignored
   Recount(&p);
   ASSERT_EQ(p.valid_tokens, 0.0);
   for (PolicyLossAggregation agg :
        {PolicyLossAggregation::kTokenMean, PolicyLossAggregation::kSeqMeanTokenMean}) {
-    absl::StatusOr<Outcome> got = RunRows(p, 0, p.n, FullOptions(KlEstimator::kK3, agg), true, true);
+    absl::StatusOr<Outcome> got =
+        RunRows(p, 0, p.n, FullOptions(KlEstimator::kK3, agg), true, true);
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_EQ(got->result.local_loss, 0.0);
     EXPECT_EQ(got->result.local_kl_loss, 0.0);
@@ -480,8 +482,8 @@ TEST(PolicyLossTest, InPlaceThreadsAndBf16) {
   // In place: the logits overwritten by their gradient.
   std::vector<float> z = p.logits;
   const TensorView zv = F32Matrix(z.data(), p.n, p.v);
-  absl::StatusOr<PolicyLossResult> in_place = PolicyLossForwardBackward(
-      zv, InputsFor(p, 0, p.n, true, true), NormFor(p, 0, p.n), zv, o);
+  absl::StatusOr<PolicyLossResult> in_place =
+      PolicyLossForwardBackward(zv, InputsFor(p, 0, p.n, true, true), NormFor(p, 0, p.n), zv, o);
   ASSERT_TRUE(in_place.ok()) << in_place.status();
   EXPECT_EQ(z, two->grad);
   EXPECT_EQ(in_place->local_loss, two->result.local_loss);
@@ -502,8 +504,7 @@ TEST(PolicyLossTest, InPlaceThreadsAndBf16) {
   const double gmax = MaxAbs(want.grad);
   for (size_t i = 0; i < gb.size(); ++i) {
     // bf16 keeps 8 bits: 2^-8 of the element, plus the fp32 arithmetic's share.
-    ASSERT_NEAR(gb[i].ToFloat(), want.grad[i], std::fabs(want.grad[i]) / 128.0 + 1e-6 * gmax)
-        << i;
+    ASSERT_NEAR(gb[i].ToFloat(), want.grad[i], std::fabs(want.grad[i]) / 128.0 + 1e-6 * gmax) << i;
   }
 }
 
@@ -569,71 +570,105 @@ TEST(PolicyLossTest, BadInputsAreErrorsNamingTheValue) {
   };
   const double nan = std::nan("");
   const std::vector<Case> cases = {
-      {"label", [](Problem& q, PolicyLossOptions&, PolicyLossNormalizer&, int64_t&) {
-         q.labels[2] = 16; q.mask[2] = 1;
-       }, absl::StatusCode::kInvalidArgument, "label 16 at row 2 is outside [0, 16)"},
-      {"negative label", [](Problem& q, PolicyLossOptions&, PolicyLossNormalizer&, int64_t&) {
-         q.labels[1] = -5; q.mask[1] = 1;
-       }, absl::StatusCode::kInvalidArgument, "label -5 at row 1"},
-      {"advantage", [](Problem& q, PolicyLossOptions&, PolicyLossNormalizer&, int64_t&) {
+      {"label",
+       [](Problem& q, PolicyLossOptions&, PolicyLossNormalizer&, int64_t&) {
+         q.labels[2] = 16;
+         q.mask[2] = 1;
+       },
+       absl::StatusCode::kInvalidArgument, "label 16 at row 2 is outside [0, 16)"},
+      {"negative label",
+       [](Problem& q, PolicyLossOptions&, PolicyLossNormalizer&, int64_t&) {
+         q.labels[1] = -5;
+         q.mask[1] = 1;
+       },
+       absl::StatusCode::kInvalidArgument, "label -5 at row 1"},
+      {"advantage",
+       [](Problem& q, PolicyLossOptions&, PolicyLossNormalizer&, int64_t&) {
          q.advantages[0] = INFINITY;
-       }, absl::StatusCode::kInvalidArgument, "advantage inf at row 0 must be finite"},
-      {"old_logprob", [](Problem& q, PolicyLossOptions&, PolicyLossNormalizer&, int64_t&) {
+       },
+       absl::StatusCode::kInvalidArgument, "advantage inf at row 0 must be finite"},
+      {"old_logprob",
+       [](Problem& q, PolicyLossOptions&, PolicyLossNormalizer&, int64_t&) {
          q.old_logprob[4] = std::nanf("");
-       }, absl::StatusCode::kInvalidArgument, "old_logprob nan at row 4 must be finite"},
-      {"ref_logprob", [](Problem& q, PolicyLossOptions&, PolicyLossNormalizer&, int64_t&) {
+       },
+       absl::StatusCode::kInvalidArgument, "old_logprob nan at row 4 must be finite"},
+      {"ref_logprob",
+       [](Problem& q, PolicyLossOptions&, PolicyLossNormalizer&, int64_t&) {
          q.ref_logprob[5] = -INFINITY;
-       }, absl::StatusCode::kInvalidArgument, "ref_logprob -inf at row 5"},
-      {"is weight", [](Problem& q, PolicyLossOptions&, PolicyLossNormalizer&, int64_t&) {
+       },
+       absl::StatusCode::kInvalidArgument, "ref_logprob -inf at row 5"},
+      {"is weight",
+       [](Problem& q, PolicyLossOptions&, PolicyLossNormalizer&, int64_t&) {
          q.is_weights[6] = -1.0f;
-       }, absl::StatusCode::kInvalidArgument, "importance weight -1 at row 6"},
-      {"eps_low", [](Problem&, PolicyLossOptions& o, PolicyLossNormalizer&, int64_t&) {
-         o.eps_low = -0.1;
-       }, absl::StatusCode::kInvalidArgument, "eps_low = -0.1"},
-      {"eps_high nan", [nan](Problem&, PolicyLossOptions& o, PolicyLossNormalizer&, int64_t&) {
-         o.eps_high = nan;
-       }, absl::StatusCode::kInvalidArgument, "eps_high = nan"},
-      {"dual clip", [](Problem&, PolicyLossOptions& o, PolicyLossNormalizer&, int64_t&) {
-         o.dual_clip_c = 0.5;
-       }, absl::StatusCode::kInvalidArgument, "dual_clip_c = 0.5"},
-      {"kl_coef nan", [nan](Problem&, PolicyLossOptions& o, PolicyLossNormalizer&, int64_t&) {
-         o.kl_coef = nan;
-       }, absl::StatusCode::kInvalidArgument, "kl_coef = nan"},
-      {"is_cap", [](Problem&, PolicyLossOptions& o, PolicyLossNormalizer&, int64_t&) {
-         o.is_cap = 0.0;
-       }, absl::StatusCode::kInvalidArgument, "is_cap = 0"},
-      {"kl without ref", [](Problem& q, PolicyLossOptions&, PolicyLossNormalizer&, int64_t&) {
+       },
+       absl::StatusCode::kInvalidArgument, "importance weight -1 at row 6"},
+      {"eps_low",
+       [](Problem&, PolicyLossOptions& o, PolicyLossNormalizer&, int64_t&) { o.eps_low = -0.1; },
+       absl::StatusCode::kInvalidArgument, "eps_low = -0.1"},
+      {"eps_high nan",
+       [nan](Problem&, PolicyLossOptions& o, PolicyLossNormalizer&, int64_t&) { o.eps_high = nan; },
+       absl::StatusCode::kInvalidArgument, "eps_high = nan"},
+      {"dual clip",
+       [](Problem&, PolicyLossOptions& o, PolicyLossNormalizer&, int64_t&) { o.dual_clip_c = 0.5; },
+       absl::StatusCode::kInvalidArgument, "dual_clip_c = 0.5"},
+      {"kl_coef nan",
+       [nan](Problem&, PolicyLossOptions& o, PolicyLossNormalizer&, int64_t&) { o.kl_coef = nan; },
+       absl::StatusCode::kInvalidArgument, "kl_coef = nan"},
+      {"is_cap",
+       [](Problem&, PolicyLossOptions& o, PolicyLossNormalizer&, int64_t&) { o.is_cap = 0.0; },
+       absl::StatusCode::kInvalidArgument, "is_cap = 0"},
+      {"kl without ref",
+       [](Problem& q, PolicyLossOptions&, PolicyLossNormalizer&, int64_t&) {
          q.ref_logprob.clear();
-       }, absl::StatusCode::kInvalidArgument, "needs ref_logprob"},
-      {"N < 0", [](Problem&, PolicyLossOptions&, PolicyLossNormalizer& n, int64_t&) {
+       },
+       absl::StatusCode::kInvalidArgument, "needs ref_logprob"},
+      {"N < 0",
+       [](Problem&, PolicyLossOptions&, PolicyLossNormalizer& n, int64_t&) {
          n.global_valid_tokens = -1.0;
-       }, absl::StatusCode::kInvalidArgument, "global valid-token count N = -1"},
-      {"N nan", [nan](Problem&, PolicyLossOptions&, PolicyLossNormalizer& n, int64_t&) {
+       },
+       absl::StatusCode::kInvalidArgument, "global valid-token count N = -1"},
+      {"N nan",
+       [nan](Problem&, PolicyLossOptions&, PolicyLossNormalizer& n, int64_t&) {
          n.global_valid_tokens = nan;
-       }, absl::StatusCode::kInvalidArgument, "N = nan"},
-      {"local N", [](Problem&, PolicyLossOptions&, PolicyLossNormalizer& n, int64_t&) {
+       },
+       absl::StatusCode::kInvalidArgument, "N = nan"},
+      {"local N",
+       [](Problem&, PolicyLossOptions&, PolicyLossNormalizer& n, int64_t&) {
          n.global_valid_tokens = 2.0;
-       }, absl::StatusCode::kFailedPrecondition, "N = 2 is smaller than this call's"},
-      {"S < 0", [](Problem&, PolicyLossOptions& o, PolicyLossNormalizer& n, int64_t&) {
+       },
+       absl::StatusCode::kFailedPrecondition, "N = 2 is smaller than this call's"},
+      {"S < 0",
+       [](Problem&, PolicyLossOptions& o, PolicyLossNormalizer& n, int64_t&) {
          o.aggregation = PolicyLossAggregation::kSeqMeanTokenMean;
          n.global_sequences = -2.0;
-       }, absl::StatusCode::kInvalidArgument, "global sequence count S = -2"},
-      {"n_s", [](Problem& q, PolicyLossOptions& o, PolicyLossNormalizer&, int64_t&) {
+       },
+       absl::StatusCode::kInvalidArgument, "global sequence count S = -2"},
+      {"n_s",
+       [](Problem& q, PolicyLossOptions& o, PolicyLossNormalizer&, int64_t&) {
          o.aggregation = PolicyLossAggregation::kSeqMeanTokenMean;
-         q.seq_valid[0] = 0; q.mask[0] = 1; q.labels[0] = 3;
-       }, absl::StatusCode::kInvalidArgument, "n_s = 0 at row 0"},
-      {"advantages length", [](Problem& q, PolicyLossOptions&, PolicyLossNormalizer&, int64_t&) {
+         q.seq_valid[0] = 0;
+         q.mask[0] = 1;
+         q.labels[0] = 3;
+       },
+       absl::StatusCode::kInvalidArgument, "n_s = 0 at row 0"},
+      {"advantages length",
+       [](Problem& q, PolicyLossOptions&, PolicyLossNormalizer&, int64_t&) {
          q.advantages.pop_back();
-       }, absl::StatusCode::kInvalidArgument, "7 advantages for 8 rows"},
-      {"mask length", [](Problem& q, PolicyLossOptions&, PolicyLossNormalizer&, int64_t&) {
-         q.mask.push_back(1);
-       }, absl::StatusCode::kInvalidArgument, "9 mask values for 8 rows"},
-      {"grad shape", [](Problem&, PolicyLossOptions&, PolicyLossNormalizer&, int64_t& rows) {
-         rows = 7;
-       }, absl::StatusCode::kInvalidArgument, "must have the dtype and shape of logits"},
-      {"nan logits", [](Problem& q, PolicyLossOptions&, PolicyLossNormalizer&, int64_t&) {
-         q.logits[3 * 16 + 5] = std::nanf(""); q.mask[3] = 1; q.labels[3] = 2;
-       }, absl::StatusCode::kInvalidArgument, "logits row 3 (label 2) contains NaN"},
+       },
+       absl::StatusCode::kInvalidArgument, "7 advantages for 8 rows"},
+      {"mask length",
+       [](Problem& q, PolicyLossOptions&, PolicyLossNormalizer&, int64_t&) { q.mask.push_back(1); },
+       absl::StatusCode::kInvalidArgument, "9 mask values for 8 rows"},
+      {"grad shape",
+       [](Problem&, PolicyLossOptions&, PolicyLossNormalizer&, int64_t& rows) { rows = 7; },
+       absl::StatusCode::kInvalidArgument, "must have the dtype and shape of logits"},
+      {"nan logits",
+       [](Problem& q, PolicyLossOptions&, PolicyLossNormalizer&, int64_t&) {
+         q.logits[3 * 16 + 5] = std::nanf("");
+         q.mask[3] = 1;
+         q.labels[3] = 2;
+       },
+       absl::StatusCode::kInvalidArgument, "logits row 3 (label 2) contains NaN"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
@@ -671,9 +706,8 @@ TEST(PolicyLossTest, BadInputsAreErrorsNamingTheValue) {
   q.old_logprob[0] = INFINITY;
   q.labels[0] = 12345;
   Recount(&q);
-  absl::StatusOr<Outcome> ok = RunRows(q, 0, q.n, FullOptions(KlEstimator::kK1,
-                                                          PolicyLossAggregation::kTokenMean),
-                                   true, true);
+  absl::StatusOr<Outcome> ok = RunRows(
+      q, 0, q.n, FullOptions(KlEstimator::kK1, PolicyLossAggregation::kTokenMean), true, true);
   ASSERT_TRUE(ok.ok()) << ok.status();
   for (int64_t j = 0; j < q.v; ++j) EXPECT_EQ(ok->grad[j], 0.0f);
 }
@@ -702,18 +736,18 @@ TEST(PolicyLossTest, ScaledRowsWithTheCeScaleAreCeBitForBit) {
     std::vector<BF16> ce_b(z.size()), hook_b(z.size());
     void* ce_grad = f32 ? static_cast<void*>(ce_f.data()) : static_cast<void*>(ce_b.data());
     void* hook_grad = f32 ? static_cast<void*>(hook_f.data()) : static_cast<void*>(hook_b.data());
-    absl::StatusOr<CrossEntropyResult> ce = CrossEntropyForwardBackward(
-        *TensorView::Create(logits, dtype, {n, v}), y, {}, d,
-        *TensorView::Create(ce_grad, dtype, {n, v}));
+    absl::StatusOr<CrossEntropyResult> ce =
+        CrossEntropyForwardBackward(*TensorView::Create(logits, dtype, {n, v}), y, {}, d,
+                                    *TensorView::Create(ce_grad, dtype, {n, v}));
     ASSERT_TRUE(ce.ok()) << ce.status();
     std::vector<float> weight(n, 1.0f);
     weight[5] = 0.0f;
     std::vector<double> row_loss(n, 0.0);
     float scale = static_cast<float>(1.0 / d);
     const internal::GlobalRowScaleHook hook{&ConstantScale, &scale};
-    absl::Status s = internal::ScaledRowsKernel(logits, hook_grad, dtype, n, v, y, weight, hook,
-                                                /*num_threads=*/2, "test",
-                                                absl::MakeSpan(row_loss));
+    absl::Status s =
+        internal::ScaledRowsKernel(logits, hook_grad, dtype, n, v, y, weight, hook,
+                                   /*num_threads=*/2, "test", absl::MakeSpan(row_loss));
     ASSERT_TRUE(s.ok()) << s;
     double sum = 0.0;
     for (double l : row_loss) sum += l;

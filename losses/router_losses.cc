@@ -188,9 +188,9 @@ absl::StatusOr<double> LoadBalancingLossForwardBackward(
     double alpha_b, const TensorView& grad_router_logits) {
   constexpr const char* kLoss = "load-balancing loss";
   std::vector<double> g;  // g_e = dL/dp_t[e], the same for every routed token (§5)
-  absl::Status s = BalancingCoefficients(router_logits, "router logits", input_mask,
-                                         global_expert_counts, top_k, num_micro_batches, alpha_b,
-                                         grad_router_logits, kLoss, &g);
+  absl::Status s =
+      BalancingCoefficients(router_logits, "router logits", input_mask, global_expert_counts, top_k,
+                            num_micro_batches, alpha_b, grad_router_logits, kLoss, &g);
   if (!s.ok()) return s;
   if (g.empty()) return 0.0;
   const int64_t rows = router_logits.dim(0);
@@ -218,9 +218,9 @@ absl::StatusOr<double> LoadBalancingLossFromProbsForwardBackward(
     double alpha_b, const TensorView& grad_router_probs) {
   constexpr const char* kLoss = "load-balancing loss";
   std::vector<double> g;
-  absl::Status s = BalancingCoefficients(router_probs, "router probabilities", input_mask,
-                                         global_expert_counts, top_k, num_micro_batches, alpha_b,
-                                         grad_router_probs, kLoss, &g);
+  absl::Status s =
+      BalancingCoefficients(router_probs, "router probabilities", input_mask, global_expert_counts,
+                            top_k, num_micro_batches, alpha_b, grad_router_probs, kLoss, &g);
   if (!s.ok()) return s;
   if (g.empty()) return 0.0;
   const int64_t rows = router_probs.dim(0);

@@ -145,8 +145,8 @@ TEST(LoadBalancingLossTest, FromProbabilitiesMatchesTheLogitsForm) {
     for (int64_t j = 0; j < e; ++j) p[i * e + j] = static_cast<float>(row[j]);
   }
   p[2 * e + 1] = std::numeric_limits<float>::quiet_NaN();  // a padding row is never read
-  auto from_p = LoadBalancingLossFromProbsForwardBackward(F32Matrix(p.data(), t, e), mask, c, k,
-                                                          g, alpha, F32Matrix(dp.data(), t, e));
+  auto from_p = LoadBalancingLossFromProbsForwardBackward(F32Matrix(p.data(), t, e), mask, c, k, g,
+                                                          alpha, F32Matrix(dp.data(), t, e));
   ASSERT_TRUE(from_p.ok()) << from_p.status();
   auto from_u = LoadBalancingLossForwardBackward(F32Matrix(u.data(), t, e), mask, c, k, g, alpha,
                                                  F32Matrix(du.data(), t, e));
@@ -166,15 +166,14 @@ TEST(LoadBalancingLossTest, FromProbabilitiesMatchesTheLogitsForm) {
     }
   }
   p[3 * e] = std::numeric_limits<float>::infinity();
-  absl::Status bad = LoadBalancingLossFromProbsForwardBackward(
-                         F32Matrix(p.data(), t, e), mask, c, k, g, alpha,
-                         F32Matrix(dp.data(), t, e))
-                         .status();
+  absl::Status bad =
+      LoadBalancingLossFromProbsForwardBackward(F32Matrix(p.data(), t, e), mask, c, k, g, alpha,
+                                                F32Matrix(dp.data(), t, e))
+          .status();
   EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(bad.message()), HasSubstr("router probabilities row 3"));
-  EXPECT_EQ(LoadBalancingLossFromProbsForwardBackward(F32Matrix(p.data(), t, e), mask,
-                                                      {1, 1, 0, 0}, k, g, alpha,
-                                                      F32Matrix(dp.data(), t, e))
+  EXPECT_EQ(LoadBalancingLossFromProbsForwardBackward(F32Matrix(p.data(), t, e), mask, {1, 1, 0, 0},
+                                                      k, g, alpha, F32Matrix(dp.data(), t, e))
                 .status()
                 .code(),
             absl::StatusCode::kFailedPrecondition);

@@ -65,9 +65,8 @@ absl::StatusOr<StepStats> ComputeStepStats(Communicator& world,
     const MicroBatchTokens& mb = micro_batches[m];
     local_status = CheckMicroBatch(mb, m, options);
     if (!local_status.ok()) break;
-    absl::StatusOr<std::vector<float>> w =
-        ComputeTokenWeights(mb.labels, mb.sample_ids, options.mode, options.ignore_index,
-                            mb.sample_sizes);
+    absl::StatusOr<std::vector<float>> w = ComputeTokenWeights(
+        mb.labels, mb.sample_ids, options.mode, options.ignore_index, mb.sample_sizes);
     if (!w.ok()) {
       local_status = Annotate(w.status(), absl::StrCat("step stats: micro-batch ", m));
       break;

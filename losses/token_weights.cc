@@ -10,9 +10,12 @@ namespace gradsum::losses {
 
 const char* CeWeightModeName(CeWeightMode mode) {
   switch (mode) {
-    case CeWeightMode::kToken: return "token";
-    case CeWeightMode::kSample: return "sample";
-    case CeWeightMode::kSquare: return "square";
+    case CeWeightMode::kToken:
+      return "token";
+    case CeWeightMode::kSample:
+      return "sample";
+    case CeWeightMode::kSquare:
+      return "square";
   }
   return "invalid";
 }
@@ -32,9 +35,9 @@ absl::StatusOr<std::vector<float>> ComputeTokenWeights(absl::Span<const int64_t>
   }
   if (!sample_sizes.empty()) {
     if (sample_sizes.size() != labels.size()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(CeWeightModeName(mode), " mode: got ", sample_sizes.size(),
-                       " sample sizes for ", labels.size(), " labels"));
+      return absl::InvalidArgumentError(absl::StrCat(CeWeightModeName(mode), " mode: got ",
+                                                     sample_sizes.size(), " sample sizes for ",
+                                                     labels.size(), " labels"));
     }
     for (size_t t = 0; t < labels.size(); ++t) {
       if (labels[t] == ignore_index) continue;

@@ -47,7 +47,7 @@ struct Call {
   double d = 0.0;
   int64_t ignore_index = -100;
   double eps = 0.0, alpha = 0.0;
-  int64_t exchange_rows = 1;  // resolved from agreed values only
+  int64_t exchange_rows = 1;   // resolved from agreed values only
   int64_t requested_rows = 0;  // the option as given (agreed)
   int64_t hidden_dim = 0;      // the linear variant's H, else 0
   int num_threads = 1;
@@ -59,8 +59,8 @@ struct Call {
 // variant's exchange option (rows_per_exchange, or the linear variant's chunk_rows).
 template <typename Options>
 Call MakeCall(Kind kind, absl::Span<const int64_t> labels, int64_t vocab_start,
-              int64_t global_vocab, absl::Span<const float> token_weights,
-              double global_weight_sum, const Options& options, int64_t requested_rows) {
+              int64_t global_vocab, absl::Span<const float> token_weights, double global_weight_sum,
+              const Options& options, int64_t requested_rows) {
   Call c;
   c.kind = kind;
   c.n = static_cast<int64_t>(labels.size());
@@ -94,9 +94,7 @@ double TokenFingerprint(const Call& c) {
   };
   uint64_t h = mix(0x9e3779b97f4a7c15ull ^ static_cast<uint64_t>(c.n));
   for (int64_t t = 0; t < c.n; ++t) {
-    const float w = c.labels[t] == c.ignore_index ? 0.0f
-                    : c.weights.empty()          ? 1.0f
-                                                 : c.weights[t];
+    const float w = c.labels[t] == c.ignore_index ? 0.0f : c.weights.empty() ? 1.0f : c.weights[t];
     uint32_t wb;
     std::memcpy(&wb, &w, sizeof(wb));
     h = mix(h ^ static_cast<uint64_t>(c.labels[t]));
@@ -166,9 +164,9 @@ void ForEachRowBlock(int64_t rows, int64_t vr, int num_threads, Fn fn) {
 // One exchange: rows [r0, r0 + rows) of the call. `logits` / `grad` point at the exchange's
 // first row (grad null: forward only; they may alias); they are only touched while *local
 // is OK. Returns an error that every rank of the group returns too.
-absl::Status Exchange(Communicator& group, const Call& c, absl::Status* local,
-                      const float* logits, float* grad, int64_t r0, int64_t rows,
-                      double fingerprint, Scratch* s, Totals* totals) {
+absl::Status Exchange(Communicator& group, const Call& c, absl::Status* local, const float* logits,
+                      float* grad, int64_t r0, int64_t rows, double fingerprint, Scratch* s,
+                      Totals* totals) {
   const int64_t vr = c.vr;
   const int64_t tiles = (vr + kCeTile - 1) / kCeTile;
   const bool eps_on = c.eps > 0.0;
@@ -200,10 +198,10 @@ absl::Status Exchange(Communicator& group, const Call& c, absl::Status* local,
     });
     for (int64_t i = 0; i < rows; ++i) {
       if (s->code[i] == kRowOk) continue;
-      *local = absl::InvalidArgumentError(absl::StrCat(
-          kWho, ": logits row ", r0 + i, " (label ", c.labels[r0 + i], ") ",
-          LocalCodeText(s->code[i]), " in the shard [", c.v0, ", ", c.v0 + vr, ") of rank ",
-          group.rank(), " (the loss would be NaN)"));
+      *local = absl::InvalidArgumentError(
+          absl::StrCat(kWho, ": logits row ", r0 + i, " (label ", c.labels[r0 + i], ") ",
+                       LocalCodeText(s->code[i]), " in the shard [", c.v0, ", ", c.v0 + vr,
+                       ") of rank ", group.rank(), " (the loss would be NaN)"));
       break;
     }
   }
@@ -239,9 +237,9 @@ absl::Status Exchange(Communicator& group, const Call& c, absl::Status* local,
   for (size_t k = 0; k < agreed.size(); ++k) {
     const double hi = mb[1 + 2 * k], lo = -mb[2 + 2 * k];
     if (hi != lo) {
-      return MarkAgreed(absl::InvalidArgumentError(absl::StrCat(
-          kWho, ": the ranks of the group disagree on ", agreed[k].name, " (min ", lo,
-          ", max ", hi, "); every rank must pass the same value")));
+      return MarkAgreed(absl::InvalidArgumentError(
+          absl::StrCat(kWho, ": the ranks of the group disagree on ", agreed[k].name, " (min ", lo,
+                       ", max ", hi, "); every rank must pass the same value")));
     }
   }
   std::vector<std::pair<int64_t, int>> order;  // (start, rank)
@@ -252,8 +250,8 @@ absl::Status Exchange(Communicator& group, const Call& c, absl::Status* local,
     const int64_t size = static_cast<int64_t>(mb[starts + p + q]);
     if (start != end) {
       return MarkAgreed(absl::InvalidArgumentError(absl::StrCat(
-          kWho, ": the shards do not partition [0, ", c.vocab, "): rank ", q, " starts at ",
-          start, " where ", end == 0 ? "the first shard must start (0)" : "the shard before ends (",
+          kWho, ": the shards do not partition [0, ", c.vocab, "): rank ", q, " starts at ", start,
+          " where ", end == 0 ? "the first shard must start (0)" : "the shard before ends (",
           end == 0 ? "" : absl::StrCat(end, ")"))));
     }
     end = start + size;
@@ -339,8 +337,7 @@ absl::Status Exchange(Communicator& group, const Call& c, absl::Status* local,
   if (grad != nullptr) {
     const auto grad_rows = internal::SelectedCeRowKernels().vp_grad_f32;
     ForEachRowBlock(rows, vr, c.num_threads, [&](int64_t i0, int64_t k) {
-      grad_rows(grad + i0 * vr, s->tile_ref.data() + i0 * tiles, k, vr,
-                s->grad_rows.data() + i0);
+      grad_rows(grad + i0 * vr, s->tile_ref.data() + i0 * tiles, k, vr, s->grad_rows.data() + i0);
     });
   }
   return absl::OkStatus();
@@ -357,22 +354,20 @@ absl::Status CheckCommon(const Call& c) {
         absl::StrCat(kWho, ": alpha_lse ", c.alpha, " must be finite and >= 0"));
   }
   if (c.requested_rows < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        kWho, ": rows per exchange (rows_per_exchange / chunk_rows) ", c.requested_rows,
-        " must be >= 0"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(kWho, ": rows per exchange (rows_per_exchange / chunk_rows) ",
+                     c.requested_rows, " must be >= 0"));
   }
   if (c.vocab < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat(kWho, ": global_vocab ", c.vocab, " must be >= 1"));
   }
   if (c.v0 < 0 || c.v0 + c.vr > c.vocab) {
-    return absl::InvalidArgumentError(absl::StrCat(kWho, ": the shard [", c.v0, ", ",
-                                                   c.v0 + c.vr, ") (vocab_start ", c.v0,
-                                                   ", ", c.vr, " columns) is outside [0, ",
-                                                   c.vocab, ")"));
+    return absl::InvalidArgumentError(absl::StrCat(kWho, ": the shard [", c.v0, ", ", c.v0 + c.vr,
+                                                   ") (vocab_start ", c.v0, ", ", c.vr,
+                                                   " columns) is outside [0, ", c.vocab, ")"));
   }
-  return internal::CheckCrossEntropyArgs(c.n, c.vocab, c.labels, c.weights, c.d,
-                                         c.ignore_index);
+  return internal::CheckCrossEntropyArgs(c.n, c.vocab, c.labels, c.weights, c.d, c.ignore_index);
 }
 
 // The exchange size, from values every rank must agree on (checked in the first exchange;
@@ -384,11 +379,15 @@ int64_t ExchangeRows(const Call& c, int group_size) {
   int64_t rows = c.requested_rows;
   if (rows <= 0) {
     switch (c.kind) {
-      case Kind::kForward: rows = n; break;
+      case Kind::kForward:
+        rows = n;
+        break;
       case Kind::kForwardBackward:
         rows = std::max<int64_t>(1, kAutoExchangeBytes / (even_shard * 4));
         break;
-      case Kind::kLinear: rows = internal::AutoChunkRows(n, even_shard); break;
+      case Kind::kLinear:
+        rows = internal::AutoChunkRows(n, even_shard);
+        break;
     }
   }
   return std::clamp<int64_t>(rows, 1, n);
@@ -414,9 +413,9 @@ absl::StatusOr<VocabParallelCrossEntropyResult> Plain(
     int64_t vocab_start, int64_t global_vocab, absl::Span<const float> token_weights,
     double global_weight_sum, const TensorView* grad,
     const VocabParallelCrossEntropyOptions& options) {
-  Call c = MakeCall(grad == nullptr ? Kind::kForward : Kind::kForwardBackward, labels,
-                    vocab_start, global_vocab, token_weights, global_weight_sum, options,
-                    options.rows_per_exchange);
+  Call c =
+      MakeCall(grad == nullptr ? Kind::kForward : Kind::kForwardBackward, labels, vocab_start,
+               global_vocab, token_weights, global_weight_sum, options, options.rows_per_exchange);
 
   absl::Status local = internal::CheckF32Matrix(logits, kWho, "logits_shard", c.n, -1);
   if (local.ok()) {
@@ -490,8 +489,7 @@ absl::StatusOr<VocabParallelLinearCrossEntropyResult> VocabParallelLinearCrossEn
                                      c.hidden_dim);
   }
   if (local.ok()) {
-    local = internal::CheckF32Matrix(grad_head_shard, kWho, "grad_head_shard", c.vr,
-                                     c.hidden_dim);
+    local = internal::CheckF32Matrix(grad_head_shard, kWho, "grad_head_shard", c.vr, c.hidden_dim);
   }
   if (local.ok()) {
     using internal::Overlap;
@@ -500,8 +498,9 @@ absl::StatusOr<VocabParallelLinearCrossEntropyResult> VocabParallelLinearCrossEn
     if (Overlap(gw, hidden) || Overlap(gw, head_shard) || Overlap(gw, gh) ||
         Overlap(gh, head_shard) || (Overlap(gh, hidden) && gh.raw() != hidden.raw())) {
       local = absl::InvalidArgumentError(absl::StrCat(
-          kWho, ": grad_head_shard must not overlap any other buffer, and grad_hidden_partial "
-                "may only overlap hidden exactly (in place)"));
+          kWho,
+          ": grad_head_shard must not overlap any other buffer, and grad_hidden_partial "
+          "may only overlap hidden exactly (in place)"));
     }
   }
   if (local.ok()) local = CheckCommon(c);
@@ -521,9 +520,9 @@ absl::StatusOr<VocabParallelLinearCrossEntropyResult> VocabParallelLinearCrossEn
   if (local.ok() && vr > 0) {
     logits_buf.reset(new float[static_cast<size_t>(chunk * vr)]);
     // The logits chunk, ~40 bytes of per-row scratch, and one float per 1024-column tile.
-    result.peak_scratch_bytes = chunk * vr * static_cast<int64_t>(sizeof(float)) + chunk * 40 +
-                                chunk * ((vr + kCeTile - 1) / kCeTile) *
-                                    static_cast<int64_t>(sizeof(float));
+    result.peak_scratch_bytes =
+        chunk * vr * static_cast<int64_t>(sizeof(float)) + chunk * 40 +
+        chunk * ((vr + kCeTile - 1) / kCeTile) * static_cast<int64_t>(sizeof(float));
   }
   Scratch scratch;
   Totals totals;
@@ -544,15 +543,15 @@ absl::StatusOr<VocabParallelLinearCrossEntropyResult> VocabParallelLinearCrossEn
       if (any_weight) {
         // logits_c = hidden_c @ Wo_r^T (core/gemm.h splits it over the threads).
         const absl::Span<const float> h_c(hidden.data<float>() + r0 * h, rows * h);
-        local = Sgemm(Trans::kNo, Trans::kYes, rows, vr, h, 1.0f, h_c, h, w, h, 0.0f, lz, vr,
-                      threads);
+        local =
+            Sgemm(Trans::kNo, Trans::kYes, rows, vr, h, 1.0f, h_c, h, w, h, 0.0f, lz, vr, threads);
       } else {
         std::fill(lz.begin(), lz.end(), 0.0f);  // no row is read: weight 0 everywhere
       }
     }
-    absl::Status s = Exchange(group, c, &local, local.ok() ? logits : nullptr,
-                              local.ok() ? logits : nullptr, r0, rows, fingerprint, &scratch,
-                              &totals);
+    absl::Status s =
+        Exchange(group, c, &local, local.ok() ? logits : nullptr, local.ok() ? logits : nullptr, r0,
+                 rows, fingerprint, &scratch, &totals);
     if (!s.ok()) return s;
     float* gh = grad_hidden_partial.data<float>() + r0 * h;
     if (!any_weight || vr == 0) {
@@ -563,12 +562,11 @@ absl::StatusOr<VocabParallelLinearCrossEntropyResult> VocabParallelLinearCrossEn
       // grad_head += dlogits_c^T @ hidden_c, before grad_hidden_c is written (it may alias
       // hidden).
       GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kYes, Trans::kNo, vr, h, rows, 1.0f, dz, vr, h_c, h,
-                                    1.0f,
-                                    absl::Span<float>(grad_head_shard.data<float>(), vr * h), h,
-                                    threads));
+                                    1.0f, absl::Span<float>(grad_head_shard.data<float>(), vr * h),
+                                    h, threads));
       // grad_hidden_c (this rank's part) = dlogits_c @ Wo_r.
-      GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kNo, rows, h, vr, 1.0f, dz, vr, w, h,
-                                    0.0f, absl::Span<float>(gh, rows * h), h, threads));
+      GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kNo, rows, h, vr, 1.0f, dz, vr, w, h, 0.0f,
+                                    absl::Span<float>(gh, rows * h), h, threads));
     }
     r0 += rows;
   } while (r0 < c.n);

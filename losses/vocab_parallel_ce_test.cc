@@ -43,9 +43,12 @@ ThreadBackendOptions Quick() { return {.timeout = absl::Seconds(10)}; }
 // Uneven shard boundaries of [0, v) for a group of p: p + 1 increasing cut points.
 std::vector<int64_t> Bounds(int p, int64_t v) {
   switch (p) {
-    case 1: return {0, v};
-    case 2: return {0, v * 383 / 1000, v};
-    case 3: return {0, v * 150 / 1000, v * 601 / 1000, v};
+    case 1:
+      return {0, v};
+    case 2:
+      return {0, v * 383 / 1000, v};
+    case 3:
+      return {0, v * 150 / 1000, v * 601 / 1000, v};
     default: {
       std::vector<int64_t> b = {0, v * 97 / 1000, v / 2, v / 2 + 12, v};
       return b;
@@ -96,8 +99,7 @@ struct Sharded {
 };
 
 // Runs the plain variant on `p` over a group of `world` ranks with shards `bounds`.
-absl::StatusOr<Sharded> RunSharded(const Problem& p, int world,
-                                   const std::vector<int64_t>& bounds,
+absl::StatusOr<Sharded> RunSharded(const Problem& p, int world, const std::vector<int64_t>& bounds,
                                    const VocabParallelCrossEntropyOptions& options,
                                    bool in_place = false, bool forward_only = false) {
   Sharded out;
@@ -114,10 +116,10 @@ absl::StatusOr<Sharded> RunSharded(const Problem& p, int world,
         TensorView z = F32Matrix(shard.data(), p.n, vr);
         TensorView g = in_place ? z : F32Matrix(grad.data(), p.n, vr);
         absl::StatusOr<VocabParallelCrossEntropyResult> res =
-            forward_only ? VocabParallelCrossEntropyForward(comm, z, p.labels, c0, p.v,
-                                                            p.weights, p.d, options)
-                         : VocabParallelCrossEntropy(comm, z, p.labels, c0, p.v, p.weights,
-                                                     p.d, g, options);
+            forward_only
+                ? VocabParallelCrossEntropyForward(comm, z, p.labels, c0, p.v, p.weights, p.d,
+                                                   options)
+                : VocabParallelCrossEntropy(comm, z, p.labels, c0, p.v, p.weights, p.d, g, options);
         if (!res.ok()) return res.status();
         std::lock_guard<std::mutex> lock(mu);
         out.results[r] = *res;
@@ -300,10 +302,9 @@ TEST(VocabParallelCeTest, LinearMatchesUnshardedLinearCe) {
           VocabParallelLinearCrossEntropyOptions o;
           o.chunk_rows = 8;
           absl::StatusOr<VocabParallelLinearCrossEntropyResult> res =
-              VocabParallelLinearCrossEntropy(comm, F32Matrix(hid.data(), n, h),
-                                              F32Matrix(wr.data(), vr, h), p.labels, c0, v,
-                                              p.weights, p.d, F32Matrix(gh.data(), n, h),
-                                              F32Matrix(gwr.data(), vr, h), o);
+              VocabParallelLinearCrossEntropy(
+                  comm, F32Matrix(hid.data(), n, h), F32Matrix(wr.data(), vr, h), p.labels, c0, v,
+                  p.weights, p.d, F32Matrix(gh.data(), n, h), F32Matrix(gwr.data(), vr, h), o);
           if (!res.ok()) return res.status();
           std::lock_guard<std::mutex> lock(mu);
           results[r] = *res;
@@ -328,7 +329,7 @@ TEST(VocabParallelCeTest, LinearMatchesUnshardedLinearCe) {
 TEST(VocabParallelCeTest, ExchangesInPlaceAndEmptyShards) {
   Problem p = MakeProblem(/*n=*/10, /*v=*/300, /*seed=*/9, /*weighted=*/false);
   for (int64_t j = 0; j < 120; ++j) p.z[2 * p.v + j] = kNegInf;  // row 2: none in shard 0
-  const std::vector<int64_t> bounds = {0, 120, 120, 300};      // rank 1's shard is empty
+  const std::vector<int64_t> bounds = {0, 120, 120, 300};        // rank 1's shard is empty
   p.labels[2] = 200;
   VocabParallelCrossEntropyOptions one_exchange;
   one_exchange.rows_per_exchange = 10;
@@ -349,9 +350,8 @@ TEST(VocabParallelCeTest, ExchangesInPlaceAndEmptyShards) {
   }
   std::vector<float> ref_grad(p.z.size());
   std::vector<float> z = p.z;
-  absl::StatusOr<CrossEntropyResult> ref =
-      CrossEntropyForwardBackward(F32Matrix(z.data(), p.n, p.v), p.labels, {}, p.d,
-                                  F32Matrix(ref_grad.data(), p.n, p.v));
+  absl::StatusOr<CrossEntropyResult> ref = CrossEntropyForwardBackward(
+      F32Matrix(z.data(), p.n, p.v), p.labels, {}, p.d, F32Matrix(ref_grad.data(), p.n, p.v));
   GRADSUM_ASSERT_OK(ref.status());
   EXPECT_NEAR(base->results[0].local_loss, ref->local_loss, 1e-6 * ref->local_loss);
   EXPECT_LE(MaxAbsDiff(base->grad, ref_grad), 1e-6);
@@ -399,8 +399,8 @@ std::vector<absl::Status> RunPerRank(
         std::vector<float> shard = Columns(e.p.z, e.p.n, e.p.v, c0, e.bounds[r + 1]);
         std::vector<float> grad(shard.size());
         const int64_t rows = static_cast<int64_t>(e.p.labels.size());
-        return VocabParallelCrossEntropy(comm, F32Matrix(shard.data(), rows, vr), e.p.labels,
-                                         c0, e.p.v, e.p.weights, e.p.d,
+        return VocabParallelCrossEntropy(comm, F32Matrix(shard.data(), rows, vr), e.p.labels, c0,
+                                         e.p.v, e.p.weights, e.p.d,
                                          F32Matrix(grad.data(), rows, vr), e.options)
             .status();
       },
@@ -426,8 +426,8 @@ void ExpectAll(const std::vector<absl::Status>& statuses, absl::StatusCode code,
 }
 
 TEST(VocabParallelCeErrors, GoodCaseRuns) {
-  for (const absl::Status& s :
-       RunPerRank(3, [](Communicator&, ErrorCase&) { return absl::OkStatus(); }, GoodCase())) {
+  for (const absl::Status& s : RunPerRank(
+           3, [](Communicator&, ErrorCase&) { return absl::OkStatus(); }, GoodCase())) {
     GRADSUM_EXPECT_OK(s);
   }
 }
@@ -474,14 +474,14 @@ TEST(VocabParallelCeErrors, NaNInOneShard) {
                   return absl::OkStatus();
                 },
                 GoodCase()),
-            absl::StatusCode::kInvalidArgument,
-            "contains NaN in the shard [30, 50) of rank 1");
+            absl::StatusCode::kInvalidArgument, "contains NaN in the shard [30, 50) of rank 1");
 }
 
 TEST(VocabParallelCeErrors, LocalDIsFailedPreconditionEverywhere) {
   ErrorCase e = GoodCase();
   e.p.d = 0.5;
-  ExpectAll(RunPerRank(3, [](Communicator&, ErrorCase&) { return absl::OkStatus(); }, e),
+  ExpectAll(RunPerRank(
+                3, [](Communicator&, ErrorCase&) { return absl::OkStatus(); }, e),
             absl::StatusCode::kFailedPrecondition, "D must be summed over all ranks");
 }
 
@@ -530,8 +530,8 @@ TEST(VocabParallelCeErrors, ShardsDoNotPartition) {
         std::vector<float> shard(e.p.n * vr, 0.0f), grad(shard.size());
         e.p.labels.assign(e.p.n, 0);
         e.p.d = 100.0;
-        return VocabParallelCrossEntropy(comm, F32Matrix(shard.data(), e.p.n, vr), e.p.labels,
-                                         c0, e.p.v, e.p.weights, e.p.d,
+        return VocabParallelCrossEntropy(comm, F32Matrix(shard.data(), e.p.n, vr), e.p.labels, c0,
+                                         e.p.v, e.p.weights, e.p.d,
                                          F32Matrix(grad.data(), e.p.n, vr))
             .status();
       },
@@ -589,10 +589,10 @@ TEST(VocabParallelCeErrors, LinearBadHeadShapeOnOneRank) {
         const int64_t head_cols = r == 1 ? h + 1 : h;  // rank 1's head slice is [25, 5]
         std::vector<float> hidden(n * h, 0.5f), head(vr * head_cols, 0.1f);
         std::vector<float> gh(n * h), gw(vr * head_cols, 0.0f);
-        return VocabParallelLinearCrossEntropy(
-                   comm, F32Matrix(hidden.data(), n, h), F32Matrix(head.data(), vr, head_cols),
-                   p.labels, bounds[r], v, {}, p.d, F32Matrix(gh.data(), n, h),
-                   F32Matrix(gw.data(), vr, head_cols))
+        return VocabParallelLinearCrossEntropy(comm, F32Matrix(hidden.data(), n, h),
+                                               F32Matrix(head.data(), vr, head_cols), p.labels,
+                                               bounds[r], v, {}, p.d, F32Matrix(gh.data(), n, h),
+                                               F32Matrix(gw.data(), vr, head_cols))
             .status();
       },
       Quick());

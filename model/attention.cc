@@ -51,8 +51,7 @@ float AttentionScale(int64_t head_dim) {
 }
 
 const AttentionKernels* AttentionKernelsFor(const char* isa) {
-  static const IsaBuilds<AttentionKernels> builds(
-      GRADSUM_ISA_BUILDS(internal::attention, Kernels));
+  static const IsaBuilds<AttentionKernels> builds(GRADSUM_ISA_BUILDS(internal::attention, Kernels));
   return builds.For(isa);
 }
 
@@ -64,14 +63,12 @@ const AttentionKernels& SelectedAttentionKernels() {
 
 namespace {
 
-bool MulOverflows(int64_t a, int64_t b, int64_t* out) {
-  return __builtin_mul_overflow(a, b, out);
-}
+bool MulOverflows(int64_t a, int64_t b, int64_t* out) { return __builtin_mul_overflow(a, b, out); }
 
 absl::Status CheckSize(const char* name, size_t size, int64_t want, const char* layout) {
   if (static_cast<int64_t>(size) != want) {
-    return absl::InvalidArgumentError(absl::StrCat("attention: ", name, " holds ", size,
-                                                   " values; ", layout, " needs ", want));
+    return absl::InvalidArgumentError(
+        absl::StrCat("attention: ", name, " holds ", size, " values; ", layout, " needs ", want));
   }
   return absl::OkStatus();
 }
@@ -80,34 +77,32 @@ absl::Status CheckSize(const char* name, size_t size, int64_t want, const char* 
 
 absl::StatusOr<AttentionShape> CheckAttentionDims(const AttentionDims& dims) {
   if (dims.num_seqs < 0 || dims.seq_len < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("attention: num_seqs = ", dims.num_seqs,
-                                                   " and seq_len = ", dims.seq_len,
-                                                   " must be >= 0"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "attention: num_seqs = ", dims.num_seqs, " and seq_len = ", dims.seq_len, " must be >= 0"));
   }
   if (dims.q_heads < 1 || dims.kv_heads < 1 || dims.head_dim < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "attention: q_heads = ", dims.q_heads, ", kv_heads = ", dims.kv_heads,
-        " and head_dim = ", dims.head_dim, " must be >= 1"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("attention: q_heads = ", dims.q_heads, ", kv_heads = ", dims.kv_heads,
+                     " and head_dim = ", dims.head_dim, " must be >= 1"));
   }
   AttentionShape shape;
   if (dims.kv_of_q.empty()) {
     if (dims.q_heads % dims.kv_heads != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "attention: q_heads = ", dims.q_heads, " is not a multiple of kv_heads = ",
-          dims.kv_heads, " (kv_of_q is empty, so query heads are grouped)"));
+          "attention: q_heads = ", dims.q_heads, " is not a multiple of kv_heads = ", dims.kv_heads,
+          " (kv_of_q is empty, so query heads are grouped)"));
     }
     const int group = dims.q_heads / dims.kv_heads;
     for (int h = 0; h < dims.q_heads; ++h) shape.kv_of_q.push_back(h / group);
   } else {
     if (static_cast<int64_t>(dims.kv_of_q.size()) != dims.q_heads) {
-      return absl::InvalidArgumentError(absl::StrCat("attention: kv_of_q has ",
-                                                     dims.kv_of_q.size(),
+      return absl::InvalidArgumentError(absl::StrCat("attention: kv_of_q has ", dims.kv_of_q.size(),
                                                      " entries; q_heads = ", dims.q_heads));
     }
     for (int h = 0; h < dims.q_heads; ++h) {
       if (dims.kv_of_q[h] < 0 || dims.kv_of_q[h] >= dims.kv_heads) {
-        return absl::InvalidArgumentError(absl::StrCat("attention: kv_of_q[", h, "] = ",
-                                                       dims.kv_of_q[h], " is outside [0, ",
+        return absl::InvalidArgumentError(absl::StrCat("attention: kv_of_q[", h,
+                                                       "] = ", dims.kv_of_q[h], " is outside [0, ",
                                                        dims.kv_heads, ")"));
       }
     }
@@ -119,10 +114,10 @@ absl::StatusOr<AttentionShape> CheckAttentionDims(const AttentionDims& dims) {
       MulOverflows(q_rows, dims.head_dim, &shape.q_floats) ||
       MulOverflows(shape.tokens, dims.kv_heads, &kv_rows) ||
       MulOverflows(kv_rows, dims.head_dim, &shape.kv_floats)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "attention: num_seqs = ", dims.num_seqs, ", seq_len = ", dims.seq_len, ", q_heads = ",
-        dims.q_heads, ", kv_heads = ", dims.kv_heads, ", head_dim = ", dims.head_dim,
-        " overflow the tensor sizes"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("attention: num_seqs = ", dims.num_seqs, ", seq_len = ", dims.seq_len,
+                     ", q_heads = ", dims.q_heads, ", kv_heads = ", dims.kv_heads,
+                     ", head_dim = ", dims.head_dim, " overflow the tensor sizes"));
   }
   shape.lse_floats = q_rows;
   return shape;
@@ -140,10 +135,10 @@ absl::Status CheckDocStartToken(const AttentionDims& dims, int64_t index, int32_
                                                    ") must be -1 or in [0, ", t, "]"));
   }
   if (v != t && previous != v) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "attention: doc_start[", index, "] = ", v, " (sequence ", s, ", token ", t,
-        ") continues a document that token ", t - 1, " (doc_start ", previous,
-        ") is not in: documents must be contiguous"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("attention: doc_start[", index, "] = ", v, " (sequence ", s, ", token ", t,
+                     ") continues a document that token ", t - 1, " (doc_start ", previous,
+                     ") is not in: documents must be contiguous"));
   }
   return absl::OkStatus();
 }
@@ -160,8 +155,8 @@ absl::Status CheckDocStart(const AttentionDims& dims, absl::Span<const int32_t> 
 }
 
 // Checks everything the two directions share; returns the shape.
-absl::StatusOr<AttentionShape> CheckCommon(const AttentionDims& dims, size_t q, size_t k,
-                                           size_t v, size_t doc_start, size_t out, size_t lse) {
+absl::StatusOr<AttentionShape> CheckCommon(const AttentionDims& dims, size_t q, size_t k, size_t v,
+                                           size_t doc_start, size_t out, size_t lse) {
   GRADSUM_ASSIGN_OR_RETURN(AttentionShape shape, CheckAttentionDims(dims));
   GRADSUM_RETURN_IF_ERROR(CheckSize("q", q, shape.q_floats, "[T, q_heads, head_dim]"));
   GRADSUM_RETURN_IF_ERROR(CheckSize("k", k, shape.kv_floats, "[T, kv_heads, head_dim]"));
@@ -191,8 +186,7 @@ using Scratch = std::vector<float, DefaultInitAllocator<float>>;
 
 // The fields both task kinds share: the sequence's blocks and the head sizes.
 template <typename Task>
-void SetSequence(const std::vector<AttentionBlock>& blocks, const AttentionDims& dims,
-                 Task* t) {
+void SetSequence(const std::vector<AttentionBlock>& blocks, const AttentionDims& dims, Task* t) {
   t->blocks = blocks.data();
   t->num_blocks = static_cast<int64_t>(blocks.size());
   t->seq_len = dims.seq_len;
@@ -205,12 +199,11 @@ void SetSequence(const std::vector<AttentionBlock>& blocks, const AttentionDims&
 
 absl::Status AttentionForwardWith(const AttentionKernels& kernels, const AttentionDims& dims,
                                   absl::Span<const float> q, absl::Span<const float> k,
-                                  absl::Span<const float> v,
-                                  absl::Span<const int32_t> doc_start, absl::Span<float> out,
-                                  absl::Span<float> lse) {
-  GRADSUM_ASSIGN_OR_RETURN(AttentionShape shape,
-                           CheckCommon(dims, q.size(), k.size(), v.size(), doc_start.size(),
-                                       out.size(), lse.size()));
+                                  absl::Span<const float> v, absl::Span<const int32_t> doc_start,
+                                  absl::Span<float> out, absl::Span<float> lse) {
+  GRADSUM_ASSIGN_OR_RETURN(
+      AttentionShape shape,
+      CheckCommon(dims, q.size(), k.size(), v.size(), doc_start.size(), out.size(), lse.size()));
   GRADSUM_RETURN_IF_ERROR(CheckDocStart(dims, doc_start));
   if (shape.tokens == 0) return absl::OkStatus();
   const std::vector<std::vector<AttentionBlock>> blocks = SequenceBlocks(dims, doc_start);
@@ -238,21 +231,18 @@ absl::Status AttentionForwardWith(const AttentionKernels& kernels, const Attenti
 
 absl::Status AttentionBackwardWith(const AttentionKernels& kernels, const AttentionDims& dims,
                                    absl::Span<const float> q, absl::Span<const float> k,
-                                   absl::Span<const float> v,
-                                   absl::Span<const int32_t> doc_start,
+                                   absl::Span<const float> v, absl::Span<const int32_t> doc_start,
                                    absl::Span<const float> out, absl::Span<const float> lse,
                                    absl::Span<const float> d_out, absl::Span<float> dq,
                                    absl::Span<float> dk, absl::Span<float> dv) {
-  GRADSUM_ASSIGN_OR_RETURN(AttentionShape shape,
-                           CheckCommon(dims, q.size(), k.size(), v.size(), doc_start.size(),
-                                       out.size(), lse.size()));
+  GRADSUM_ASSIGN_OR_RETURN(
+      AttentionShape shape,
+      CheckCommon(dims, q.size(), k.size(), v.size(), doc_start.size(), out.size(), lse.size()));
   GRADSUM_RETURN_IF_ERROR(
       CheckSize("d_out", d_out.size(), shape.q_floats, "[T, q_heads, head_dim]"));
   GRADSUM_RETURN_IF_ERROR(CheckSize("dq", dq.size(), shape.q_floats, "[T, q_heads, head_dim]"));
-  GRADSUM_RETURN_IF_ERROR(
-      CheckSize("dk", dk.size(), shape.kv_floats, "[T, kv_heads, head_dim]"));
-  GRADSUM_RETURN_IF_ERROR(
-      CheckSize("dv", dv.size(), shape.kv_floats, "[T, kv_heads, head_dim]"));
+  GRADSUM_RETURN_IF_ERROR(CheckSize("dk", dk.size(), shape.kv_floats, "[T, kv_heads, head_dim]"));
+  GRADSUM_RETURN_IF_ERROR(CheckSize("dv", dv.size(), shape.kv_floats, "[T, kv_heads, head_dim]"));
   GRADSUM_RETURN_IF_ERROR(CheckDocStart(dims, doc_start));
   if (shape.tokens == 0) return absl::OkStatus();
   const std::vector<std::vector<AttentionBlock>> blocks = SequenceBlocks(dims, doc_start);
@@ -301,10 +291,9 @@ absl::Status AttentionForward(const AttentionDims& dims, absl::Span<const float>
 
 absl::Status AttentionBackward(const AttentionDims& dims, absl::Span<const float> q,
                                absl::Span<const float> k, absl::Span<const float> v,
-                               absl::Span<const int32_t> doc_start,
-                               absl::Span<const float> out, absl::Span<const float> lse,
-                               absl::Span<const float> d_out, absl::Span<float> dq,
-                               absl::Span<float> dk, absl::Span<float> dv) {
+                               absl::Span<const int32_t> doc_start, absl::Span<const float> out,
+                               absl::Span<const float> lse, absl::Span<const float> d_out,
+                               absl::Span<float> dq, absl::Span<float> dk, absl::Span<float> dv) {
   return internal::AttentionBackwardWith(internal::SelectedAttentionKernels(), dims, q, k, v,
                                          doc_start, out, lse, d_out, dq, dk, dv);
 }

@@ -84,10 +84,9 @@ absl::Status AttentionForward(const AttentionDims& dims, absl::Span<const float>
 // from lse). The same errors as AttentionForward.
 absl::Status AttentionBackward(const AttentionDims& dims, absl::Span<const float> q,
                                absl::Span<const float> k, absl::Span<const float> v,
-                               absl::Span<const int32_t> doc_start,
-                               absl::Span<const float> out, absl::Span<const float> lse,
-                               absl::Span<const float> d_out, absl::Span<float> dq,
-                               absl::Span<float> dk, absl::Span<float> dv);
+                               absl::Span<const int32_t> doc_start, absl::Span<const float> out,
+                               absl::Span<const float> lse, absl::Span<const float> d_out,
+                               absl::Span<float> dq, absl::Span<float> dk, absl::Span<float> dv);
 
 }  // namespace gradsum::model
 

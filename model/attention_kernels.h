@@ -219,13 +219,11 @@ const AttentionKernels& SelectedAttentionKernels();
 // AttentionForward / AttentionBackward (model/attention.h) with the given build.
 absl::Status AttentionForwardWith(const AttentionKernels& kernels, const AttentionDims& dims,
                                   absl::Span<const float> q, absl::Span<const float> k,
-                                  absl::Span<const float> v,
-                                  absl::Span<const int32_t> doc_start, absl::Span<float> out,
-                                  absl::Span<float> lse);
+                                  absl::Span<const float> v, absl::Span<const int32_t> doc_start,
+                                  absl::Span<float> out, absl::Span<float> lse);
 absl::Status AttentionBackwardWith(const AttentionKernels& kernels, const AttentionDims& dims,
                                    absl::Span<const float> q, absl::Span<const float> k,
-                                   absl::Span<const float> v,
-                                   absl::Span<const int32_t> doc_start,
+                                   absl::Span<const float> v, absl::Span<const int32_t> doc_start,
                                    absl::Span<const float> out, absl::Span<const float> lse,
                                    absl::Span<const float> d_out, absl::Span<float> dq,
                                    absl::Span<float> dk, absl::Span<float> dv);

@@ -61,7 +61,7 @@ struct Outputs {
 
 // Forward then backward (the NaN fill checks that every element is written).
 Outputs RunBoth(const AttentionDims& dims, const Inputs& in, const std::vector<int32_t>& ds,
-            const internal::AttentionKernels* kernels = nullptr) {
+                const internal::AttentionKernels* kernels = nullptr) {
   const int64_t tokens = dims.num_seqs * dims.seq_len;
   Outputs o;
   o.out.assign(tokens * dims.q_heads * dims.head_dim, NAN);
@@ -256,8 +256,8 @@ TEST(Attention, HeadSubsetsGiveTheFullCallsBits) {
   {
     SCOPED_TRACE("every query head with its own kv copy: dk, dv are the per-head terms");
     const std::vector<int> qh = {0, 1, 2, 3, 4, 5, 6, 7};
-    const Outputs o = RunBoth(Dims(2, 150, 8, 8, 64, qh), sub_inputs(qh, {0, 0, 0, 0, 1, 1, 1, 1}),
-                          ds);
+    const Outputs o =
+        RunBoth(Dims(2, 150, 8, 8, 64, qh), sub_inputs(qh, {0, 0, 0, 0, 1, 1, 1, 1}), ds);
     expect_q_side(o, qh);
     // dk of kv head j = ((c_0 + c_1) + c_2) + c_3 over its query heads, in fp32.
     std::vector<float> dk(all.dk.size()), dv(all.dv.size());
@@ -327,8 +327,7 @@ TEST(Attention, BlocksFollowTheDocuments) {
   const std::vector<int32_t> ds = DocStarts({{-10, 150, 3, -7}});
   const std::vector<internal::AttentionBlock> blocks = internal::AttentionBlocks(ds);
   ASSERT_EQ(blocks.size(), 4u);
-  const int64_t want[4][4] = {{10, 74, 0, 2}, {74, 138, 0, 2}, {138, 160, 0, 2},
-                              {160, 163, 3, 3}};
+  const int64_t want[4][4] = {{10, 74, 0, 2}, {74, 138, 0, 2}, {138, 160, 0, 2}, {160, 163, 3, 3}};
   for (int i = 0; i < 4; ++i) {
     EXPECT_EQ(blocks[i].begin, want[i][0]) << i;
     EXPECT_EQ(blocks[i].end, want[i][1]) << i;
@@ -375,13 +374,13 @@ TEST(Attention, BadArgumentsAreInvalidArgument) {
       {good, {0, 0, 0, 0, 0, -1, -1}, in.q, "doc_start holds 7 values"},
       {good, {0, 0, 0, 4, 0, -1, -1, -1}, in.q, "doc_start[3] = 4"},
       {good, {0, 0, 0, 0, 0, -1, -2, -1}, in.q, "doc_start[6] = -2"},
-      {good, {0, 0, 0, 0, 0, -1, 0, -1}, in.q, "doc_start[6] = 0"},  // across padding
+      {good, {0, 0, 0, 0, 0, -1, 0, -1}, in.q, "doc_start[6] = 0"},   // across padding
       {good, {0, 0, 2, 2, 0, -1, -1, -1}, in.q, "doc_start[4] = 0"},  // back to an old doc
   };
   for (const Bad& b : bad) {
     SCOPED_TRACE(b.message);
-    absl::Status s = AttentionForward(b.dims, b.q, in.k, in.v, b.doc_start,
-                                      absl::MakeSpan(out), absl::MakeSpan(lse));
+    absl::Status s = AttentionForward(b.dims, b.q, in.k, in.v, b.doc_start, absl::MakeSpan(out),
+                                      absl::MakeSpan(lse));
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_NE(s.message().find(b.message), std::string::npos) << s;
     s = AttentionBackward(b.dims, b.q, in.k, in.v, b.doc_start, out, lse, in.d_out,
@@ -391,8 +390,8 @@ TEST(Attention, BadArgumentsAreInvalidArgument) {
   }
   // Output and gradient sizes.
   std::vector<float> short_out(out.size() - 1);
-  absl::Status s = AttentionForward(good, in.q, in.k, in.v, ds, absl::MakeSpan(short_out),
-                                    absl::MakeSpan(lse));
+  absl::Status s =
+      AttentionForward(good, in.q, in.k, in.v, ds, absl::MakeSpan(short_out), absl::MakeSpan(lse));
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_NE(s.message().find("out holds 511"), std::string::npos) << s;
   std::vector<float> short_dv(dv.size() + 1);

@@ -136,8 +136,8 @@ inline int KvOf(const AttentionDims& dims, int h) {
 
 // softmax(q k^T / sqrt(d)) v over each query's visible keys, and its backward for d_out.
 inline Grads Reference(const AttentionDims& dims, const std::vector<float>& q,
-                const std::vector<float>& k, const std::vector<float>& v,
-                const std::vector<int32_t>& ds, const std::vector<float>& d_out) {
+                       const std::vector<float>& k, const std::vector<float>& v,
+                       const std::vector<int32_t>& ds, const std::vector<float>& d_out) {
   const int64_t len = dims.seq_len, d = dims.head_dim, hq = dims.q_heads, hkv = dims.kv_heads;
   const int64_t tokens = dims.num_seqs * len;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));

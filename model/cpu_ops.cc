@@ -68,8 +68,8 @@ absl::Status AddBlocksExact(ExactGradSink& sink, absl::Span<const float> blocks,
 // fp32 target: straight into the target. Otherwise each block into its own zeroed scratch
 // (blocks run in parallel), then added to the target: exactly, or in block order.
 template <typename Fn>
-absl::Status AccumulateRowBlocks(const GradTarget& target, int64_t T, int64_t row_block,
-                                 int64_t n, Fn compute) {
+absl::Status AccumulateRowBlocks(const GradTarget& target, int64_t T, int64_t row_block, int64_t n,
+                                 Fn compute) {
   if (row_block <= 0 && target.accumulate() != nullptr) {
     return compute(0, 0, T, target.accumulate());
   }
@@ -177,8 +177,8 @@ class CpuOps : public ModelOps {
     return EmbedBackward(in_.mtp_tokens[depth - 1], dh, std::move(demb));
   }
 
-  absl::Status MtpLmHeadCrossEntropy(int depth, const float* f, const float* w_out,
-                                     float* grad_f, GradTarget grad_out) override {
+  absl::Status MtpLmHeadCrossEntropy(int depth, const float* f, const float* w_out, float* grad_f,
+                                     GradTarget grad_out) override {
     GRADSUM_RETURN_IF_ERROR(CheckDepth(depth));
     const absl::Span<const float> weights =
         in_.mtp_ce_weights.empty() ? absl::Span<const float>() : in_.mtp_ce_weights[depth - 1];
@@ -191,8 +191,8 @@ class CpuOps : public ModelOps {
 
   absl::Status CheckDepth(int depth) const {
     if (depth < 1 || depth > static_cast<int>(in_.mtp_tokens.size())) {
-      return absl::InvalidArgumentError(absl::StrCat("MTP depth ", depth, " is not in [1, ",
-                                                     in_.mtp_tokens.size(), "]"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("MTP depth ", depth, " is not in [1, ", in_.mtp_tokens.size(), "]"));
     }
     return absl::OkStatus();
   }
@@ -204,8 +204,7 @@ class CpuOps : public ModelOps {
     return absl::OkStatus();
   }
 
-  absl::Status EmbedBackward(absl::Span<const int32_t> tokens, const float* dh,
-                             GradTarget demb) {
+  absl::Status EmbedBackward(absl::Span<const int32_t> tokens, const float* dh, GradTarget demb) {
     const int64_t D = config_.dim, V = config_.vocab, T = in_.rows;
     if (demb.exact() == nullptr && in_.row_block <= 0) {
       model::EmbeddingBackward(tokens, absl::MakeConstSpan(dh, T * D), D,
@@ -256,11 +255,10 @@ class CpuOps : public ModelOps {
     return AccumulateRowBlocks(
         dgain, T, in_.row_block, D,
         [&](int64_t, int64_t r0, int64_t rows, float* out) -> absl::Status {
-          model::RmsNormBackward(absl::MakeConstSpan(x + r0 * D, rows * D),
-                                 absl::MakeConstSpan(gain, D),
-                                 absl::MakeConstSpan(inv_rms + r0, rows),
-                                 absl::MakeConstSpan(dy + r0 * D, rows * D), rows, D,
-                                 absl::MakeSpan(dx + r0 * D, rows * D), absl::MakeSpan(out, D));
+          model::RmsNormBackward(
+              absl::MakeConstSpan(x + r0 * D, rows * D), absl::MakeConstSpan(gain, D),
+              absl::MakeConstSpan(inv_rms + r0, rows), absl::MakeConstSpan(dy + r0 * D, rows * D),
+              rows, D, absl::MakeSpan(dx + r0 * D, rows * D), absl::MakeSpan(out, D));
           return absl::OkStatus();
         });
   }
@@ -268,9 +266,9 @@ class CpuOps : public ModelOps {
   absl::Status MoeForward(int l, const float* a, const MoeWeights& w, float* y) override {
     const int64_t D = config_.dim, T = in_.rows;
     BorrowDispatch(l);
-    GRADSUM_RETURN_IF_ERROR(moe::MoeLayerForward(
-        *comms_.ep_group, layer_config_, LayerWeights(w), absl::MakeConstSpan(a, T * D), mask_,
-        absl::MakeSpan(y, T * D), &layer_state_[l]));
+    GRADSUM_RETURN_IF_ERROR(moe::MoeLayerForward(*comms_.ep_group, layer_config_, LayerWeights(w),
+                                                 absl::MakeConstSpan(a, T * D), mask_,
+                                                 absl::MakeSpan(y, T * D), &layer_state_[l]));
     // c[l, m, :] of §5 travels while the next layers compute.
     GRADSUM_ASSIGN_OR_RETURN(
         losses::ExpertCountReduction c,
@@ -286,8 +284,7 @@ class CpuOps : public ModelOps {
 
   bool CanRecomputeMoe() const override { return true; }
 
-  absl::Status MoeRecomputeForward(int l, const float* a, const MoeWeights& w,
-                                   float* y) override {
+  absl::Status MoeRecomputeForward(int l, const float* a, const MoeWeights& w, float* y) override {
     const int64_t D = config_.dim, T = in_.rows;
     if (l >= static_cast<int>(counts_.size())) {
       return absl::FailedPreconditionError(
@@ -309,8 +306,8 @@ class CpuOps : public ModelOps {
     held_[l] = false;
   }
 
-  absl::Status MoeBackward(int l, const float* a, const MoeWeights& w, const float* dy,
-                           float* da, MoeGrads g) override {
+  absl::Status MoeBackward(int l, const float* a, const MoeWeights& w, const float* dy, float* da,
+                           MoeGrads g) override {
     const int64_t D = config_.dim, E = config_.experts, T = in_.rows;
     const int K = config_.top_k;
     if (l >= static_cast<int>(counts_.size())) {
@@ -332,12 +329,12 @@ class CpuOps : public ModelOps {
       GRADSUM_ASSIGN_OR_RETURN(TensorView du_view,
                                TensorView::Create(du_.data() + r0 * E, DType::kF32, {S, E}));
       const auto m_rows = absl::MakeConstSpan(mask_).subspan(r0, S);
-      GRADSUM_ASSIGN_OR_RETURN(double z, losses::RouterZLossForwardBackward(
-                                             u, m_rows, in_.global_routed_tokens,
-                                             config_.alpha_z, du_view));
+      GRADSUM_ASSIGN_OR_RETURN(
+          double z, losses::RouterZLossForwardBackward(u, m_rows, in_.global_routed_tokens,
+                                                       config_.alpha_z, du_view));
       GRADSUM_ASSIGN_OR_RETURN(double bal, losses::LoadBalancingLossForwardBackward(
-                                               u, m_rows, global_counts, K,
-                                               in_.num_micro_batches, config_.alpha_b, du_view));
+                                               u, m_rows, global_counts, K, in_.num_micro_batches,
+                                               config_.alpha_b, du_view));
       terms_.z += z;
       terms_.bal += bal;
       if (in_.row_block > 0) {
@@ -375,8 +372,8 @@ class CpuOps : public ModelOps {
   absl::Status LmHeadCrossEntropy(const float* f, const float* w_out, float* grad_f,
                                   GradTarget grad_out) override {
     return HeadCrossEntropy(f, w_out, grad_f, std::move(grad_out), labels_, in_.ce_weights,
-                            in_.global_ce_weight_sum, &terms_.ce, &terms_.ce_terms,
-                            &terms_.z_out, &terms_.z_out_terms);
+                            in_.global_ce_weight_sum, &terms_.ce, &terms_.ce_terms, &terms_.z_out,
+                            &terms_.z_out_terms);
   }
 
   // Forward only: logits = f @ w_out a block of rows at a time (a row block with row blocks,
@@ -406,8 +403,8 @@ class CpuOps : public ModelOps {
           in_.ce_weights.empty() ? in_.ce_weights : in_.ce_weights.subspan(r0, rows);
       GRADSUM_ASSIGN_OR_RETURN(
           losses::CrossEntropyResult ce,
-          losses::CrossEntropyForward(view, absl::MakeConstSpan(labels_).subspan(r0, rows),
-                                      weights, d, options));
+          losses::CrossEntropyForward(view, absl::MakeConstSpan(labels_).subspan(r0, rows), weights,
+                                      d, options));
       const CeDisplay shown = SplitCeDisplay(ce, d, alpha_lse, alpha_lse > 0.0);
       if (alpha_lse > 0.0) {
         terms_.z_out += shown.z_out;
@@ -430,9 +427,8 @@ class CpuOps : public ModelOps {
                                 std::vector<double>* block_values, double* z_out,
                                 std::vector<double>* z_out_blocks) {
     const int64_t D = config_.dim, V = config_.vocab, T = in_.rows;
-    GRADSUM_ASSIGN_OR_RETURN(
-        TensorView head_view,
-        TensorView::Create(const_cast<float*>(w_out), DType::kF32, {D, V}));
+    GRADSUM_ASSIGN_OR_RETURN(TensorView head_view,
+                             TensorView::Create(const_cast<float*>(w_out), DType::kF32, {D, V}));
     losses::LinearCrossEntropyOptions ce_options;
     // One block: the rank's threads over its chunks. Row blocks: one block per call,
     // single-threaded and in one chunk, so a block's GEMMs are the same at every mesh;
@@ -462,11 +458,10 @@ class CpuOps : public ModelOps {
                                    TensorView::Create(out, DType::kF32, {D, V}));
           const absl::Span<const float> weights =
               ce_weights.empty() ? ce_weights : ce_weights.subspan(r0, rows);
-          GRADSUM_ASSIGN_OR_RETURN(
-              losses::LinearCrossEntropyResult ce,
-              losses::LinearCrossEntropyForwardBackward(f_view, head_view,
-                                                        labels.subspan(r0, rows), weights, d,
-                                                        grad_f_view, grad_head_view, ce_options));
+          GRADSUM_ASSIGN_OR_RETURN(losses::LinearCrossEntropyResult ce,
+                                   losses::LinearCrossEntropyForwardBackward(
+                                       f_view, head_view, labels.subspan(r0, rows), weights, d,
+                                       grad_f_view, grad_head_view, ce_options));
           const CeDisplay shown = SplitCeDisplay(ce.ce, d, alpha_lse, split_z_out);
           block_ce[q] = shown.ce;
           if (split_z_out) block_z_out[q] = shown.z_out;
@@ -483,35 +478,38 @@ class CpuOps : public ModelOps {
 
   // ---- The attention block. ----
 
-  absl::Status MatMul(const float* x, const float* w, int64_t in, int64_t out,
-                      float* y) override {
+  absl::Status MatMul(const float* x, const float* w, int64_t in, int64_t out, float* y) override {
     const int64_t T = in_.rows;
-    return ForEachRowBlock([&](int64_t r0, int64_t rows, int threads) {
-      return Sgemm(Trans::kNo, Trans::kNo, rows, out, in, 1.0f,
-                   absl::MakeConstSpan(x + r0 * in, rows * in), in, absl::MakeConstSpan(w, in * out),
-                   out, 0.0f, absl::MakeSpan(y + r0 * out, rows * out), out, threads);
-    }, T);
+    return ForEachRowBlock(
+        [&](int64_t r0, int64_t rows, int threads) {
+          return Sgemm(Trans::kNo, Trans::kNo, rows, out, in, 1.0f,
+                       absl::MakeConstSpan(x + r0 * in, rows * in), in,
+                       absl::MakeConstSpan(w, in * out), out, 0.0f,
+                       absl::MakeSpan(y + r0 * out, rows * out), out, threads);
+        },
+        T);
   }
 
   absl::Status MatMulBackward(const float* x, const float* w, int64_t in, int64_t out,
                               const float* dy, float* dx, bool accumulate_dx,
                               GradTarget dw) override {
     const int64_t T = in_.rows;
-    GRADSUM_RETURN_IF_ERROR(ForEachRowBlock([&](int64_t r0, int64_t rows, int threads) {
-      return Sgemm(Trans::kNo, Trans::kYes, rows, in, out, 1.0f,
-                   absl::MakeConstSpan(dy + r0 * out, rows * out), out,
-                   absl::MakeConstSpan(w, in * out), out, accumulate_dx ? 1.0f : 0.0f,
-                   absl::MakeSpan(dx + r0 * in, rows * in), in, threads);
-    }, T));
+    GRADSUM_RETURN_IF_ERROR(ForEachRowBlock(
+        [&](int64_t r0, int64_t rows, int threads) {
+          return Sgemm(Trans::kNo, Trans::kYes, rows, in, out, 1.0f,
+                       absl::MakeConstSpan(dy + r0 * out, rows * out), out,
+                       absl::MakeConstSpan(w, in * out), out, accumulate_dx ? 1.0f : 0.0f,
+                       absl::MakeSpan(dx + r0 * in, rows * in), in, threads);
+        },
+        T));
     const int threads = in_.row_block > 0 ? 1 : ComputeThreads();
-    return AccumulateRowBlocks(
-        dw, T, in_.row_block, in * out,
-        [&](int64_t, int64_t r0, int64_t rows, float* acc) -> absl::Status {
-          return Sgemm(Trans::kYes, Trans::kNo, in, out, rows, 1.0f,
-                       absl::MakeConstSpan(x + r0 * in, rows * in), in,
-                       absl::MakeConstSpan(dy + r0 * out, rows * out), out, 1.0f,
-                       absl::MakeSpan(acc, in * out), out, threads);
-        });
+    return AccumulateRowBlocks(dw, T, in_.row_block, in * out,
+                               [&](int64_t, int64_t r0, int64_t rows, float* acc) -> absl::Status {
+                                 return Sgemm(Trans::kYes, Trans::kNo, in, out, rows, 1.0f,
+                                              absl::MakeConstSpan(x + r0 * in, rows * in), in,
+                                              absl::MakeConstSpan(dy + r0 * out, rows * out), out,
+                                              1.0f, absl::MakeSpan(acc, in * out), out, threads);
+                               });
   }
 
   absl::Status Rope(float* x, int heads, bool inverse) override {
@@ -617,9 +615,9 @@ class CpuOps : public ModelOps {
                             absl::MakeSpan(lse, HeadSplitRows() * heads_local_));
   }
 
-  absl::Status AttentionBackward(const float* q, const float* k, const float* v,
-                                 const float* out, const float* lse, const float* d_out,
-                                 float* dq, float* dk, float* dv) override {
+  absl::Status AttentionBackward(const float* q, const float* k, const float* v, const float* out,
+                                 const float* lse, const float* d_out, float* dq, float* dk,
+                                 float* dv) override {
     const AttentionDims dims = HeadDims();
     const int64_t n = HeadSplitRows() * heads_local_ * head_dim_;
     if (cp_size_ > 1) {
@@ -630,9 +628,8 @@ class CpuOps : public ModelOps {
         return RingAttentionBackward(
             *comms_.cp_group, rd, comms_.cp_schedule, absl::MakeConstSpan(q, n), kr, vr,
             in_.doc_start, absl::MakeConstSpan(out, n),
-            absl::MakeConstSpan(lse, HeadSplitRows() * heads_local_),
-            absl::MakeConstSpan(d_out, n), absl::MakeSpan(dq, n), absl::MakeSpan(dk, n),
-            absl::MakeSpan(dv, n));
+            absl::MakeConstSpan(lse, HeadSplitRows() * heads_local_), absl::MakeConstSpan(d_out, n),
+            absl::MakeSpan(dq, n), absl::MakeSpan(dk, n), absl::MakeSpan(dv, n));
       }
       // The shared kv heads' gradients, each written to the first query head of its
       // group and 0 to the others: SumKvGroups, which the model runs next, adds them.
@@ -640,9 +637,8 @@ class CpuOps : public ModelOps {
       GRADSUM_RETURN_IF_ERROR(RingAttentionBackward(
           *comms_.cp_group, rd, comms_.cp_schedule, absl::MakeConstSpan(q, n), kr, vr,
           in_.doc_start, absl::MakeConstSpan(out, n),
-          absl::MakeConstSpan(lse, HeadSplitRows() * heads_local_),
-          absl::MakeConstSpan(d_out, n), absl::MakeSpan(dq, n), absl::MakeSpan(dkc),
-          absl::MakeSpan(dvc)));
+          absl::MakeConstSpan(lse, HeadSplitRows() * heads_local_), absl::MakeConstSpan(d_out, n),
+          absl::MakeSpan(dq, n), absl::MakeSpan(dkc), absl::MakeSpan(dvc)));
       const int64_t g = rd.heads / rd.kv_heads, hd = head_dim_;
       std::fill(dk, dk + n, 0.0f);
       std::fill(dv, dv + n, 0.0f);
@@ -683,9 +679,9 @@ class CpuOps : public ModelOps {
     const int64_t T = in_.rows;
     if ((cp_size_ > 1 && in_.seq_len % (2 * cp_size_) != 0) || LocalSeqLen() % sp_size_ != 0 ||
         in_.sequences * (LocalSeqLen() / sp_size_) != T) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "attention: ", T, " tokens are not ", in_.sequences, " sequences of ", in_.seq_len,
-          " / (sp=", sp_size_, " cp=", cp_size_, ") tokens"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("attention: ", T, " tokens are not ", in_.sequences, " sequences of ",
+                       in_.seq_len, " / (sp=", sp_size_, " cp=", cp_size_, ") tokens"));
     }
     if (static_cast<int64_t>(in_.positions.size()) != T ||
         static_cast<int64_t>(in_.doc_start.size()) != in_.sequences * in_.seq_len) {
@@ -723,9 +719,11 @@ class CpuOps : public ModelOps {
 
   // k and v as the ring takes them: the inputs themselves with one kv head per query head,
   // else the first query head's copy of each group, into *kc, *vc.
-  std::pair<absl::Span<const float>, absl::Span<const float>> RingKv(
-      const RingAttentionDims& rd, const float* k, const float* v, int64_t n,
-      std::vector<float>* kc, std::vector<float>* vc) const {
+  std::pair<absl::Span<const float>, absl::Span<const float>> RingKv(const RingAttentionDims& rd,
+                                                                     const float* k, const float* v,
+                                                                     int64_t n,
+                                                                     std::vector<float>* kc,
+                                                                     std::vector<float>* vc) const {
     if (rd.kv_heads == rd.heads) return {absl::MakeConstSpan(k, n), absl::MakeConstSpan(v, n)};
     const int64_t rows = HeadSplitRows(), g = rd.heads / rd.kv_heads, hd = head_dim_;
     kc->resize(rows * rd.kv_heads * hd);
@@ -760,8 +758,8 @@ class CpuOps : public ModelOps {
     }
     std::vector<size_t> counts(sp_size_, static_cast<size_t>(block)), offsets(sp_size_);
     for (int i = 0; i < sp_size_; ++i) offsets[i] = static_cast<size_t>(i * block);
-    return comms_.sp_group->AllToAllV(send_.data(), counts, offsets, recv_.data(), counts,
-                                      offsets, DType::kF32);
+    return comms_.sp_group->AllToAllV(send_.data(), counts, offsets, recv_.data(), counts, offsets,
+                                      DType::kF32);
   }
 
   // Runs fn(first_row, rows, gemm_threads) over the row blocks (one block of all T rows
@@ -770,9 +768,8 @@ class CpuOps : public ModelOps {
   template <typename Fn>
   absl::Status ForEachRowBlock(Fn fn, int64_t T) {
     if (in_.row_block <= 0) return fn(0, T, ComputeThreads());
-    return ParallelForStatus(ComputeThreads(), T / in_.row_block, [&](int64_t b) {
-      return fn(b * in_.row_block, in_.row_block, 1);
-    });
+    return ParallelForStatus(ComputeThreads(), T / in_.row_block,
+                             [&](int64_t b) { return fn(b * in_.row_block, in_.row_block, 1); });
   }
 
   moe::MoeLayerWeights LayerWeights(const MoeWeights& w) const {

@@ -16,8 +16,8 @@ absl::Status CheckTokenBatch(const TokenBatch& batch, int64_t vocab) {
   }
   for (size_t t = 0; t < batch.tokens.size(); ++t) {
     if (batch.tokens[t] < 0 || batch.tokens[t] >= vocab) {
-      return absl::InvalidArgumentError(absl::StrCat("token ", batch.tokens[t], " at position ",
-                                                     t, " outside [0, ", vocab, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("token ", batch.tokens[t], " at position ", t, " outside [0, ", vocab, ")"));
     }
   }
   return absl::OkStatus();
@@ -26,8 +26,8 @@ absl::Status CheckTokenBatch(const TokenBatch& batch, int64_t vocab) {
 absl::StatusOr<absl::Span<const float>> MicroBatchTokenWeights(const losses::StepStats& stats,
                                                                int micro_index, int64_t tokens) {
   if (micro_index < 0 || micro_index >= stats.num_micro_batches) {
-    return absl::InvalidArgumentError(absl::StrCat("micro_index ", micro_index, " outside [0, ",
-                                                   stats.num_micro_batches, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("micro_index ", micro_index, " outside [0, ", stats.num_micro_batches, ")"));
   }
   if (stats.mode == losses::CeWeightMode::kToken) return absl::Span<const float>();
   if (micro_index >= static_cast<int>(stats.token_weights.size()) ||
@@ -60,9 +60,9 @@ absl::StatusOr<std::unique_ptr<MoeLmModel>> MoeLmModel::Create(const MoeLmSpec& 
   }
   const int local = params->num_local_experts();
   if (local < 1 || spec.config().experts % local != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("MoeLmModel: ", local,
-                                                   " local experts do not divide model.experts=",
-                                                   spec.config().experts));
+    return absl::InvalidArgumentError(
+        absl::StrCat("MoeLmModel: ", local,
+                     " local experts do not divide model.experts=", spec.config().experts));
   }
   if (recompute == Recompute::kFull && !ops->CanRecomputeMoe()) {
     return absl::UnimplementedError(
@@ -96,8 +96,8 @@ absl::Status MoeLmModel::SetExpertBias(ExpertBias bias) {
     return absl::OkStatus();
   }
   if (static_cast<int>(bias.size()) != m.layers) {
-    return absl::InvalidArgumentError(absl::StrCat("expert bias of ", bias.size(),
-                                                   " layers for a model of ", m.layers));
+    return absl::InvalidArgumentError(
+        absl::StrCat("expert bias of ", bias.size(), " layers for a model of ", m.layers));
   }
   for (int l = 0; l < m.layers; ++l) {
     if (static_cast<int>(bias[l].size()) != m.experts) {
@@ -107,8 +107,8 @@ absl::Status MoeLmModel::SetExpertBias(ExpertBias bias) {
     }
     for (int e = 0; e < m.experts; ++e) {
       if (!std::isfinite(bias[l][e])) {
-        return absl::InvalidArgumentError(absl::StrCat("expert bias of layer ", l, ", expert ",
-                                                       e, " is not finite (", bias[l][e], ")"));
+        return absl::InvalidArgumentError(absl::StrCat("expert bias of layer ", l, ", expert ", e,
+                                                       " is not finite (", bias[l][e], ")"));
       }
     }
   }
@@ -173,8 +173,8 @@ absl::Status MoeLmModel::EnsureActivations(int64_t T) {
         add(*a);
       }
     }
-    for (const Array* a : {&y_, &dh_, &da_, &f_, &inv_rms_f_, &grad_f_, &q_, &k_, &v_, &doh_,
-                           &dqh_, &dkh_, &dvh_, &dkq_, &dvq_}) {
+    for (const Array* a : {&y_, &dh_, &da_, &f_, &inv_rms_f_, &grad_f_, &q_, &k_, &v_, &doh_, &dqh_,
+                           &dkh_, &dvh_, &dkq_, &dvq_}) {
       add(*a);
     }
     array_bytes_ = floats * static_cast<int64_t>(sizeof(float));
@@ -269,8 +269,8 @@ absl::Status MoeLmModel::MtpForward(int j) {
   const int64_t D = spec_.config().dim;
   MtpActs& x = mtp_[j - 1];
   const float* prev = j == 1 ? h_[spec_.config().layers]->data() : mtp_[j - 2].out->data();
-  GRADSUM_RETURN_IF_ERROR(ops_->RmsNormForward(prev, params_->Values(spec_.mtp_hnorm(j)),
-                                               x.nh->data(), x.rh->data()));
+  GRADSUM_RETURN_IF_ERROR(
+      ops_->RmsNormForward(prev, params_->Values(spec_.mtp_hnorm(j)), x.nh->data(), x.rh->data()));
   GRADSUM_RETURN_IF_ERROR(ops_->RmsNormForward(x.e->data(), params_->Values(spec_.mtp_enorm(j)),
                                                x.ne->data(), x.re->data()));
   GRADSUM_RETURN_IF_ERROR(
@@ -311,8 +311,8 @@ absl::Status MoeLmModel::MtpBackward(int j) {
   const float* prev = first ? h_[spec_.config().layers]->data() : mtp_[j - 2].out->data();
   float* dprev = first ? dh_->data() : mtp_[j - 2].dout->data();
   GRADSUM_ASSIGN_OR_RETURN(GradTarget dgh, params_->Grad(spec_.mtp_hnorm(j)));
-  return ops_->RmsNormBackward(prev, params_->Values(spec_.mtp_hnorm(j)), x.rh->data(),
-                               da_->data(), dprev, /*accumulate_dx=*/true, std::move(dgh));
+  return ops_->RmsNormBackward(prev, params_->Values(spec_.mtp_hnorm(j)), x.rh->data(), da_->data(),
+                               dprev, /*accumulate_dx=*/true, std::move(dgh));
 }
 
 absl::Status MoeLmModel::Forward(int stage) {
@@ -376,8 +376,8 @@ absl::Status MoeLmModel::LayerForwardToMoeInput(int l) {
 absl::Status MoeLmModel::LayerForward(int l) {
   const int64_t n = rows_ * spec_.config().dim;
   GRADSUM_RETURN_IF_ERROR(LayerForwardToMoeInput(l));
-  GRADSUM_RETURN_IF_ERROR(ops_->MoeForward(l, a_[NormSlot(l)]->data(), LayerWeights(l),
-                                           y_->data()));
+  GRADSUM_RETURN_IF_ERROR(
+      ops_->MoeForward(l, a_[NormSlot(l)]->data(), LayerWeights(l), y_->data()));
   return ops_->Add(MoeBlockInput(l), y_->data(), LayerOutput(l), n);
 }
 
@@ -401,8 +401,8 @@ absl::Status MoeLmModel::LayerBackward(int l) {
   GRADSUM_ASSIGN_OR_RETURN(grads.router, params_->Grad(spec_.router(l)));
   GRADSUM_ASSIGN_OR_RETURN(grads.local_experts, params_->LocalExpertsGrad(l));
   float* dh = LayerGrad(l);
-  GRADSUM_RETURN_IF_ERROR(ops_->MoeBackward(l, a, LayerWeights(l), dh, da_->data(),
-                                            std::move(grads)));
+  GRADSUM_RETURN_IF_ERROR(
+      ops_->MoeBackward(l, a, LayerWeights(l), dh, da_->data(), std::move(grads)));
   GRADSUM_ASSIGN_OR_RETURN(GradTarget dgain, params_->Grad(spec_.norm(l)));
   GRADSUM_RETURN_IF_ERROR(ops_->RmsNormBackward(m, params_->Values(spec_.norm(l)), inv_rms,
                                                 da_->data(), dh,
@@ -429,10 +429,11 @@ absl::Status MoeLmModel::AttentionForward(int l) {
   GRADSUM_RETURN_IF_ERROR(ops_->TokensToHeads(q_->data(), /*kv=*/false, x.qh->data()));
   GRADSUM_RETURN_IF_ERROR(ops_->TokensToHeads(k_->data(), /*kv=*/true, x.kh->data()));
   GRADSUM_RETURN_IF_ERROR(ops_->TokensToHeads(v_->data(), /*kv=*/true, x.vh->data()));
-  GRADSUM_RETURN_IF_ERROR(ops_->Attention(x.qh->data(), x.kh->data(), x.vh->data(),
-                                          x.oh->data(), x.lse->data()));
+  GRADSUM_RETURN_IF_ERROR(
+      ops_->Attention(x.qh->data(), x.kh->data(), x.vh->data(), x.oh->data(), x.lse->data()));
   GRADSUM_RETURN_IF_ERROR(ops_->HeadsToTokens(x.oh->data(), x.o->data()));
-  GRADSUM_RETURN_IF_ERROR(ops_->MatMul(x.o->data(), params_->Values(spec_.wo(l)), D, D, y_->data()));
+  GRADSUM_RETURN_IF_ERROR(
+      ops_->MatMul(x.o->data(), params_->Values(spec_.wo(l)), D, D, y_->data()));
   return ops_->Add(LayerInput(l), y_->data(), x.m->data(), rows_ * D);
 }
 
@@ -443,16 +444,14 @@ absl::Status MoeLmModel::AttentionBackward(int l) {
   AttentionActs& x = attn_[KeptSlot(l)];
   NormActs& norm = attn_norm_[NormSlot(l)];
   if (recompute_ == Recompute::kSelective) {
-    GRADSUM_RETURN_IF_ERROR(ops_->RmsNormForward(LayerInput(l),
-                                                 params_->Values(spec_.attn_norm(l)),
+    GRADSUM_RETURN_IF_ERROR(ops_->RmsNormForward(LayerInput(l), params_->Values(spec_.attn_norm(l)),
                                                  norm.b->data(), norm.inv_rms->data()));
   }
   float* dh = LayerGrad(l);
   float* d_o = da_->data();  // dL/do, token split (da is free until the norm below)
   GRADSUM_ASSIGN_OR_RETURN(GradTarget dwo, params_->Grad(spec_.wo(l)));
-  GRADSUM_RETURN_IF_ERROR(ops_->MatMulBackward(x.o->data(), params_->Values(spec_.wo(l)), D, D,
-                                               dh, d_o, /*accumulate_dx=*/false,
-                                               std::move(dwo)));
+  GRADSUM_RETURN_IF_ERROR(ops_->MatMulBackward(x.o->data(), params_->Values(spec_.wo(l)), D, D, dh,
+                                               d_o, /*accumulate_dx=*/false, std::move(dwo)));
   GRADSUM_RETURN_IF_ERROR(ops_->TokensToHeads(d_o, /*kv=*/false, doh_->data()));
   GRADSUM_RETURN_IF_ERROR(ops_->AttentionBackward(x.qh->data(), x.kh->data(), x.vh->data(),
                                                   x.oh->data(), x.lse->data(), doh_->data(),
@@ -471,8 +470,7 @@ absl::Status MoeLmModel::AttentionBackward(int l) {
                                    {spec_.wk(l), k_->data(), kv_dim},
                                    {spec_.wv(l), v_->data(), kv_dim}}) {
     GRADSUM_ASSIGN_OR_RETURN(GradTarget dw, params_->Grad(w));
-    GRADSUM_RETURN_IF_ERROR(ops_->MatMulBackward(norm.b->data(), params_->Values(w), D, out, dy,
-                                                 db,
+    GRADSUM_RETURN_IF_ERROR(ops_->MatMulBackward(norm.b->data(), params_->Values(w), D, out, dy, db,
                                                  /*accumulate_dx=*/w != spec_.wq(l),
                                                  std::move(dw)));
   }
@@ -503,8 +501,7 @@ absl::Status MoeLmModel::HeadForwardBackward() {
     GRADSUM_RETURN_IF_ERROR(
         ops_->RmsNormForward(x.out->data(), gain, f_->data(), inv_rms_f_->data()));
     GRADSUM_ASSIGN_OR_RETURN(GradTarget grad_out_j, params_->Grad(spec_.out()));
-    GRADSUM_RETURN_IF_ERROR(ops_->MtpLmHeadCrossEntropy(j, f_->data(),
-                                                        params_->Values(spec_.out()),
+    GRADSUM_RETURN_IF_ERROR(ops_->MtpLmHeadCrossEntropy(j, f_->data(), params_->Values(spec_.out()),
                                                         grad_f_->data(), std::move(grad_out_j)));
     GRADSUM_ASSIGN_OR_RETURN(GradTarget dgain_j, params_->Grad(spec_.final_norm()));
     GRADSUM_RETURN_IF_ERROR(ops_->RmsNormBackward(x.out->data(), gain, inv_rms_f_->data(),
@@ -515,8 +512,7 @@ absl::Status MoeLmModel::HeadForwardBackward() {
 }
 
 absl::StatusOr<MicroBatchInputs> MoeLmModel::Inputs(const TokenBatch& batch,
-                                                    const losses::StepStats& stats,
-                                                    int micro_index,
+                                                    const losses::StepStats& stats, int micro_index,
                                                     const losses::MtpStats* mtp,
                                                     bool forward_only) {
   const MoeLmConfig& m = spec_.config();
@@ -529,14 +525,14 @@ absl::StatusOr<MicroBatchInputs> MoeLmModel::Inputs(const TokenBatch& batch,
   in.row_block = params_->RowBlock(local);
   if ((in.row_block > 0 || m.attention) &&
       (local < 1 || batch.seq_len % local != 0 || int64_t{batch.sequences} * local != T)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "micro-batch of ", T, " tokens is not ", batch.sequences, " sequences of ", local,
-        " tokens (of ", batch.seq_len, ")"));
+    return absl::InvalidArgumentError(absl::StrCat("micro-batch of ", T, " tokens is not ",
+                                                   batch.sequences, " sequences of ", local,
+                                                   " tokens (of ", batch.seq_len, ")"));
   }
   if (in.row_block > 0 && local % in.row_block != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "reproducible row block of ", in.row_block, " tokens does not divide the ", local,
-        " tokens this rank holds of each sequence"));
+    return absl::InvalidArgumentError(absl::StrCat("reproducible row block of ", in.row_block,
+                                                   " tokens does not divide the ", local,
+                                                   " tokens this rank holds of each sequence"));
   }
   in.tokens = batch.tokens;
   in.labels = batch.labels;
@@ -546,10 +542,10 @@ absl::StatusOr<MicroBatchInputs> MoeLmModel::Inputs(const TokenBatch& batch,
   if (m.attention) {
     if (static_cast<int64_t>(batch.positions.size()) != T ||
         static_cast<int64_t>(batch.doc_start.size()) != int64_t{batch.sequences} * batch.seq_len) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "attention needs every token's position (", batch.positions.size(), " for ", T,
-          ") and the whole sequences' document starts (", batch.doc_start.size(), " for ",
-          int64_t{batch.sequences} * batch.seq_len, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("attention needs every token's position (", batch.positions.size(), " for ",
+                       T, ") and the whole sequences' document starts (", batch.doc_start.size(),
+                       " for ", int64_t{batch.sequences} * batch.seq_len, ")"));
     }
     in.positions = batch.positions;
     in.doc_start = batch.doc_start;
@@ -561,29 +557,28 @@ absl::StatusOr<MicroBatchInputs> MoeLmModel::Inputs(const TokenBatch& batch,
   const int k = m.mtp_depth;
   if (k > 0 && !forward_only) {
     // §15.1: depth j's shifted tokens, labels, weights and normaliser D_j * k / mtp_scale.
-    if (mtp == nullptr || mtp->depth != k ||
-        static_cast<int>(mtp->global_weight_sum.size()) != k ||
+    if (mtp == nullptr || mtp->depth != k || static_cast<int>(mtp->global_weight_sum.size()) != k ||
         static_cast<int>(mtp->labels.size()) != k ||
         static_cast<int>(batch.mtp_tokens.size()) != k) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "mtp_depth=", k, ": the micro-batch needs every depth's shifted tokens (",
-          batch.mtp_tokens.size(), ") and the step's MTP statistics (",
-          mtp == nullptr ? 0 : mtp->depth, " depths)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("mtp_depth=", k, ": the micro-batch needs every depth's shifted tokens (",
+                       batch.mtp_tokens.size(), ") and the step's MTP statistics (",
+                       mtp == nullptr ? 0 : mtp->depth, " depths)"));
     }
     for (int j = 0; j < k; ++j) {
       const auto& labels = mtp->labels[j];
       if (micro_index >= static_cast<int>(labels.size()) ||
           static_cast<int64_t>(labels[micro_index].size()) != T ||
           static_cast<int64_t>(batch.mtp_tokens[j].size()) != T) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "MTP depth ", j + 1, ": no labels or shifted tokens for the ", T,
-            " tokens of micro-batch ", micro_index));
+        return absl::InvalidArgumentError(absl::StrCat("MTP depth ", j + 1,
+                                                       ": no labels or shifted tokens for the ", T,
+                                                       " tokens of micro-batch ", micro_index));
       }
       for (int64_t t = 0; t < T; ++t) {
         if (batch.mtp_tokens[j][t] < 0 || batch.mtp_tokens[j][t] >= m.vocab) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "MTP depth ", j + 1, ": token ", batch.mtp_tokens[j][t], " at position ", t,
-              " outside [0, ", m.vocab, ")"));
+          return absl::InvalidArgumentError(absl::StrCat("MTP depth ", j + 1, ": token ",
+                                                         batch.mtp_tokens[j][t], " at position ", t,
+                                                         " outside [0, ", m.vocab, ")"));
         }
       }
       in.mtp_tokens.push_back(batch.mtp_tokens[j]);
@@ -593,9 +588,9 @@ absl::StatusOr<MicroBatchInputs> MoeLmModel::Inputs(const TokenBatch& batch,
         if (static_cast<int>(mtp->token_weights.size()) != k ||
             micro_index >= static_cast<int>(mtp->token_weights[j].size()) ||
             static_cast<int64_t>(mtp->token_weights[j][micro_index].size()) != T) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "MTP depth ", j + 1, ": no CE weights for micro-batch ", micro_index, " (",
-              losses::CeWeightModeName(stats.mode), " mode)"));
+          return absl::InvalidArgumentError(
+              absl::StrCat("MTP depth ", j + 1, ": no CE weights for micro-batch ", micro_index,
+                           " (", losses::CeWeightModeName(stats.mode), " mode)"));
         }
         in.mtp_ce_weights.push_back(mtp->token_weights[j][micro_index]);
       }
@@ -656,10 +651,10 @@ absl::StatusOr<MicroBatchLosses> MoeLmModel::ForwardBackward(const TokenBatch& b
     for (int l = 0; l < spec_.moe_layers(); ++l) {
       GRADSUM_RETURN_IF_ERROR(display->AddGlobalExpertCounts(l, terms->global_expert_counts[l]));
     }
-    for (const auto& [name, values] : {std::pair<const char*, const std::vector<double>*>{
-                                           "ce", &terms->ce_terms},
-                                       {"z", &terms->z_terms},
-                                       {"bal", &terms->bal_terms}}) {
+    for (const auto& [name, values] :
+         {std::pair<const char*, const std::vector<double>*>{"ce", &terms->ce_terms},
+          {"z", &terms->z_terms},
+          {"bal", &terms->bal_terms}}) {
       for (double v : *values) GRADSUM_RETURN_IF_ERROR(display->AddBackwardTerm(name, v));
     }
     // §3.2's output z-loss, its own term (registered only when alpha_lse > 0).
@@ -735,9 +730,8 @@ absl::Status MoeLmModel::EvalForward(int stage) {
       return absl::OkStatus();  // the evaluation is the main head's CE
     case StageKind::kHead: {
       const int L = spec_.config().layers;
-      GRADSUM_RETURN_IF_ERROR(ops_->RmsNormForward(h_[L]->data(),
-                                                   params_->Values(spec_.final_norm()),
-                                                   f_->data(), inv_rms_f_->data()));
+      GRADSUM_RETURN_IF_ERROR(ops_->RmsNormForward(
+          h_[L]->data(), params_->Values(spec_.final_norm()), f_->data(), inv_rms_f_->data()));
       return ops_->LmHeadLoss(f_->data(), params_->Values(spec_.out()));
     }
   }

@@ -53,9 +53,9 @@ struct TokenBatch {
   int sequences = 0;
   int seq_len = 0;
   int local_seq_len = 0;
-  absl::Span<const int32_t> tokens;     // [T] in [0, V); padding 0
-  absl::Span<const int32_t> labels;     // [T] next token or ignore_index
-  absl::Span<const int32_t> mask;       // [T] 1 routed, 0 padding
+  absl::Span<const int32_t> tokens;  // [T] in [0, V); padding 0
+  absl::Span<const int32_t> labels;  // [T] next token or ignore_index
+  absl::Span<const int32_t> mask;    // [T] 1 routed, 0 padding
   // Attention only (model/ops.h MicroBatchInputs): the RoPE position of each local token,
   // and the document start of every token of the whole sequences (-1: padding).
   absl::Span<const int32_t> positions;  // [T]
@@ -103,24 +103,24 @@ class MoeLmModel {
   // `params` is not owned and must outlive the model. InvalidArgument for a null argument
   // or params whose experts do not divide the spec's; Unimplemented for Recompute::kFull
   // on ops that cannot re-run a MoE layer (ModelOps::CanRecomputeMoe).
-  static absl::StatusOr<std::unique_ptr<MoeLmModel>> Create(
-      const MoeLmSpec& spec, ModelParams* params, std::unique_ptr<ModelOps> ops,
-      Recompute recompute = Recompute::kNone);
+  static absl::StatusOr<std::unique_ptr<MoeLmModel>> Create(const MoeLmSpec& spec,
+                                                            ModelParams* params,
+                                                            std::unique_ptr<ModelOps> ops,
+                                                            Recompute recompute = Recompute::kNone);
 
   // Forward and backward of one micro-batch of this rank. With mtp_depth > 0, `mtp` holds
   // the step's MTP statistics (losses/mtp.h: per depth D_j, and per micro-batch the labels
   // and CE weights of this rank's tokens, weights empty in token mode; InvalidArgument when
-  // missing or of another depth), and display terms "mtp_1" .. "mtp_k" are added too. `stats` are the step's global
-  // statistics (D, N, and in sample / square mode the CE weights of every micro-batch);
-  // `micro_index` in [0, G) picks this micro-batch's weights, and G - 1 marks the last.
-  // Adds the local gradients through ModelParams (which reduces them as they complete) and
+  // missing or of another depth), and display terms "mtp_1" .. "mtp_k" are added too. `stats` are
+  // the step's global statistics (D, N, and in sample / square mode the CE weights of every
+  // micro-batch); `micro_index` in [0, G) picks this micro-batch's weights, and G - 1 marks the
+  // last. Adds the local gradients through ModelParams (which reduces them as they complete) and
   // the loss components and expert counts into `display` (may be null; terms "ce", "z",
   // "bal", and "z_out" when alpha_lse > 0). Collective over the EP group and the world.
   // Errors: a bad batch as InvalidArgument (CheckTokenBatch); the ops' and the
   // parameters' errors as they are.
   absl::StatusOr<MicroBatchLosses> ForwardBackward(const TokenBatch& batch,
-                                                   const losses::StepStats& stats,
-                                                   int micro_index,
+                                                   const losses::StepStats& stats, int micro_index,
                                                    losses::StepDisplay* display,
                                                    const losses::MtpStats* mtp = nullptr);
 
@@ -129,16 +129,14 @@ class MoeLmModel {
   // reduced; its counts move no expert bias. `stats` are the evaluation's own (its D).
   // Adds "ce" (and "z_out" with alpha_lse > 0) into `display` (may be null; registered by
   // the caller). Collective over the EP group and the world, as ForwardBackward.
-  absl::StatusOr<MicroBatchLosses> Evaluate(const TokenBatch& batch,
-                                            const losses::StepStats& stats, int micro_index,
-                                            losses::StepDisplay* display);
+  absl::StatusOr<MicroBatchLosses> Evaluate(const TokenBatch& batch, const losses::StepStats& stats,
+                                            int micro_index, losses::StepDisplay* display);
 
   // Registers the display terms a model of `config` adds: "ce", "z", "bal", with
   // alpha_lse > 0 "z_out", the output z-loss of SEMANTICS.md §3.2 (then not in "ce"), and
   // "mtp_1" .. "mtp_<mtp_depth>" (§15.1). With alpha_lse = 0 and no MTP the registry, and
   // so every display value, is as before the options.
-  static absl::Status RegisterDisplayTerms(const MoeLmConfig& config,
-                                           losses::StepDisplay* display);
+  static absl::Status RegisterDisplayTerms(const MoeLmConfig& config, losses::StepDisplay* display);
 
   const MoeLmSpec& spec() const { return spec_; }
 
@@ -215,13 +213,13 @@ class MoeLmModel {
 
   // Activations in the device's memory, kept across micro-batches.
   using Array = std::unique_ptr<DeviceArray>;
-  int64_t rows_ = -1;          // the T they are sized for
-  int64_t array_bytes_ = 0;    // the bytes of the arrays below (their sizes)
+  int64_t rows_ = -1;        // the T they are sized for
+  int64_t array_bytes_ = 0;  // the bytes of the arrays below (their sizes)
   int64_t peak_activation_bytes_ = 0;
-  std::vector<Array> h_;       // [L + 1] x [T, D]: h_[l] enters layer l, h_[L] the head
-  std::vector<Array> a_;       // [L or 1] x [T, D]: the normed input of the MoE (NormSlot)
-  std::vector<Array> inv_rms_; // [L or 1] x [T]
-  Array y_, dh_, da_;          // [T, D]: a block's output; dL/dh; dL/da
+  std::vector<Array> h_;          // [L + 1] x [T, D]: h_[l] enters layer l, h_[L] the head
+  std::vector<Array> a_;          // [L or 1] x [T, D]: the normed input of the MoE (NormSlot)
+  std::vector<Array> inv_rms_;    // [L or 1] x [T]
+  Array y_, dh_, da_;             // [T, D]: a block's output; dL/dh; dL/da
   Array f_, inv_rms_f_, grad_f_;  // the head: [T, D], [T], [T, D]
   // The attention block, per layer (kept for backward, KeptSlot): q, k, v and the output
   // per query head in the head split (T * D floats each at any S), the softmax statistics,

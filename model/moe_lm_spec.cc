@@ -21,8 +21,7 @@ std::string MoeLmSpec::LayerParamName(int layer, const char* what, int main_laye
   return absl::StrCat("layers.", layer, ".", what);
 }
 
-std::string MoeLmSpec::ExpertParamName(int layer, int expert, const char* what,
-                                       int main_layers) {
+std::string MoeLmSpec::ExpertParamName(int layer, int expert, const char* what, int main_layers) {
   if (main_layers >= 0 && layer >= main_layers) {
     return absl::StrCat("mtp.", layer - main_layers + 1, ".experts.", expert, ".", what);
   }
@@ -45,8 +44,8 @@ absl::StatusOr<MoeLmSpec> MoeLmSpec::Create(const MoeLmConfig& m) {
         absl::StrCat("model.top_k=", m.top_k, ": exceeds model.experts=", m.experts));
   }
   if (!(std::isfinite(m.expert_bias_speed) && m.expert_bias_speed >= 0)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "expert_bias_speed=", m.expert_bias_speed, ": must be >= 0 and finite (0 = off)"));
+    return absl::InvalidArgumentError(absl::StrCat("expert_bias_speed=", m.expert_bias_speed,
+                                                   ": must be >= 0 and finite (0 = off)"));
   }
   if (m.router_sigmoid && m.alpha_b != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -64,24 +63,24 @@ absl::StatusOr<MoeLmSpec> MoeLmSpec::Create(const MoeLmConfig& m) {
                                                    "] (SEMANTICS.md §15)"));
   }
   if (m.mtp_depth > 0 && m.expert_bias_speed > 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "mtp_depth=", m.mtp_depth, " with expert_bias_speed=", m.expert_bias_speed,
-        ": the expert bias is not defined for MTP layers (SEMANTICS.md §15.1)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("mtp_depth=", m.mtp_depth, " with expert_bias_speed=", m.expert_bias_speed,
+                     ": the expert bias is not defined for MTP layers (SEMANTICS.md §15.1)"));
   }
   if (m.attention) {
     if (m.n_heads < 1 || m.n_kv_heads < 1) {
-      return absl::InvalidArgumentError(absl::StrCat("model.heads=", m.n_heads, ", model.kv_heads=",
-                                                     m.n_kv_heads, ": both must be >= 1"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "model.heads=", m.n_heads, ", model.kv_heads=", m.n_kv_heads, ": both must be >= 1"));
     }
     if (m.n_heads % m.n_kv_heads != 0) {
-      return absl::InvalidArgumentError(absl::StrCat("model.heads=", m.n_heads,
-                                                     " is not divisible by model.kv_heads=",
-                                                     m.n_kv_heads, " (GQA)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("model.heads=", m.n_heads,
+                       " is not divisible by model.kv_heads=", m.n_kv_heads, " (GQA)"));
     }
     if (m.dim % m.n_heads != 0 || (m.dim / m.n_heads) % 2 != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "model.dim=", m.dim, " / model.heads=", m.n_heads,
-          ": head_dim must be a whole, even number (RoPE rotates pairs)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("model.dim=", m.dim, " / model.heads=", m.n_heads,
+                       ": head_dim must be a whole, even number (RoPE rotates pairs)"));
     }
     if (!(m.rope_theta > 1.0)) {
       return absl::InvalidArgumentError(

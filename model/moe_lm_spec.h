@@ -29,20 +29,20 @@ using NamedParams = std::map<std::string, std::vector<float>>;
 
 // SEMANTICS.md §10's sizes (names of the spec in brackets).
 struct MoeLmConfig {
-  int64_t vocab = 256;      // [V]
-  int64_t dim = 128;        // [D] residual width
-  int layers = 2;           // [L] MoE layers
-  int experts = 8;          // [E] experts per layer
-  int top_k = 2;            // [K] experts per routed token
-  int64_t expert_dim = 128; // [H] SwiGLU hidden width
+  int64_t vocab = 256;       // [V]
+  int64_t dim = 128;         // [D] residual width
+  int layers = 2;            // [L] MoE layers
+  int experts = 8;           // [E] experts per layer
+  int top_k = 2;             // [K] experts per routed token
+  int64_t expert_dim = 128;  // [H] SwiGLU hidden width
   bool norm_topk_prob = true;
   float router_scale = 1.0f;
-  float init_std = 0.1f;    // matrices ~ N(0, init_std^2)
+  float init_std = 0.1f;  // matrices ~ N(0, init_std^2)
   // The attention block of each layer (§10); false: the per-token model (no attention).
   bool attention = false;
-  int n_heads = 4;             // query heads; head_dim = dim / n_heads (even)
-  int n_kv_heads = 4;          // key/value heads (GQA), divides n_heads
-  double rope_theta = 10000.0; // RoPE base
+  int n_heads = 4;              // query heads; head_dim = dim / n_heads (even)
+  int n_kv_heads = 4;           // key/value heads (GQA), divides n_heads
+  double rope_theta = 10000.0;  // RoPE base
   // The loss weights of the router z-loss (§4) and the balancing loss (§5); 0 disables.
   double alpha_z = 0.001;
   double alpha_b = 0.001;
@@ -150,8 +150,7 @@ class MoeLmSpec {
 
   // "layers.{l}.what", or "mtp.{j}.what" for MTP depth j's layer (l = L + j - 1, given L).
   static std::string LayerParamName(int layer, const char* what, int main_layers = -1);
-  static std::string ExpertParamName(int layer, int expert, const char* what,
-                                     int main_layers = -1);
+  static std::string ExpertParamName(int layer, int expert, const char* what, int main_layers = -1);
 
  private:
   MoeLmConfig config_;

@@ -111,7 +111,6 @@ TEST(MoeLmSpecTest, BadSizesNameTheField) {
   EXPECT_THAT(spec.status().message(), HasSubstr("model.dim=0"));
 }
 
-
 // MTP (SEMANTICS.md §15.1): per depth, the block's four parameters and a layer's after `out`
 // (the main model's initial values unchanged), a kMtp stage per depth before the head, its
 // layer indexed after the main layers; and the config's MTP errors named.
@@ -154,23 +153,25 @@ TEST(MoeLmSpecTest, MtpDepthsAfterTheMainModel) {
   ASSERT_TRUE(off.ok());
   const NamedParams a = off->InitialParameters(7), b = spec->InitialParameters(7);
   for (const auto& [name, values] : a) EXPECT_EQ(b.at(name), values) << name;
-  for (const auto& [field, bad] : {std::pair<const char*, MoeLmConfig>{"mtp_depth=-1", [] {
-         MoeLmConfig x = Small();
-         x.mtp_depth = -1;
-         return x;
-       }()},
-       {"mtp_scale=3", [] {
-          MoeLmConfig x = Small();
-          x.mtp_depth = 2;
-          x.mtp_scale = 3;
-          return x;
-        }()},
-       {"expert_bias_speed", [] {
-          MoeLmConfig x = Small();
-          x.mtp_depth = 1;
-          x.expert_bias_speed = 0.01;
-          return x;
-        }()}}) {
+  for (const auto& [field, bad] : {std::pair<const char*, MoeLmConfig>{"mtp_depth=-1",
+                                                                       [] {
+                                                                         MoeLmConfig x = Small();
+                                                                         x.mtp_depth = -1;
+                                                                         return x;
+                                                                       }()},
+                                   {"mtp_scale=3",
+                                    [] {
+                                      MoeLmConfig x = Small();
+                                      x.mtp_depth = 2;
+                                      x.mtp_scale = 3;
+                                      return x;
+                                    }()},
+                                   {"expert_bias_speed", [] {
+                                      MoeLmConfig x = Small();
+                                      x.mtp_depth = 1;
+                                      x.expert_bias_speed = 0.01;
+                                      return x;
+                                    }()}}) {
     absl::StatusOr<MoeLmSpec> r = MoeLmSpec::Create(bad);
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << field;
     EXPECT_THAT(r.status().message(), HasSubstr(field));

@@ -6,8 +6,7 @@ namespace gradsum::model {
 
 absl::Status CheckMtpInputs(const MicroBatchInputs& in, int depth) {
   const int k = depth;
-  if (static_cast<int>(in.mtp_tokens.size()) != k ||
-      static_cast<int>(in.mtp_labels.size()) != k ||
+  if (static_cast<int>(in.mtp_tokens.size()) != k || static_cast<int>(in.mtp_labels.size()) != k ||
       static_cast<int>(in.mtp_ce_normaliser.size()) != k ||
       (!in.mtp_ce_weights.empty() && static_cast<int>(in.mtp_ce_weights.size()) != k)) {
     return absl::InvalidArgumentError(absl::StrCat(

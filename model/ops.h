@@ -50,26 +50,26 @@ class DeviceArray {
 // (SEMANTICS.md §12) the rank holds `local_seq_len = seq_len / S` consecutive tokens of each
 // of its `sequences`; T = sequences * local_seq_len.
 struct MicroBatchInputs {
-  int64_t rows = 0;                      // T tokens
-  int64_t row_block = 0;                 // see above; > 0 divides rows
+  int64_t rows = 0;       // T tokens
+  int64_t row_block = 0;  // see above; > 0 divides rows
   // An evaluation (forward stages and LmHeadLoss only): no MTP inputs are expected, and
   // nothing of backward runs.
   bool forward_only = false;
-  absl::Span<const int32_t> tokens;      // [T] in [0, V)
-  absl::Span<const int32_t> labels;      // [T] in [0, V) or the ignore index
-  absl::Span<const int32_t> mask;        // [T] 1 routed, 0 padding
+  absl::Span<const int32_t> tokens;  // [T] in [0, V)
+  absl::Span<const int32_t> labels;  // [T] in [0, V) or the ignore index
+  absl::Span<const int32_t> mask;    // [T] 1 routed, 0 padding
   // The sequences' layout, for attention. positions[t]: the RoPE position of local token t
   // (from its document's first token). doc_start: for every token of the WHOLE sequences
   // (sequences * seq_len, in sequence order), the index within its sequence of its
   // document's first token, -1 for padding. Empty without attention.
   int64_t sequences = 0;
-  int64_t seq_len = 0;                   // tokens of a whole sequence
-  absl::Span<const int32_t> positions;   // [T]
-  absl::Span<const int32_t> doc_start;   // [sequences * seq_len]
-  absl::Span<const float> ce_weights;    // [T] w_t (SEMANTICS.md §3), empty in token mode
-  double global_ce_weight_sum = 0;       // D (§3)
-  int64_t global_routed_tokens = 0;      // N (§4)
-  int num_micro_batches = 1;             // G (§5)
+  int64_t seq_len = 0;                  // tokens of a whole sequence
+  absl::Span<const int32_t> positions;  // [T]
+  absl::Span<const int32_t> doc_start;  // [sequences * seq_len]
+  absl::Span<const float> ce_weights;   // [T] w_t (SEMANTICS.md §3), empty in token mode
+  double global_ce_weight_sum = 0;      // D (§3)
+  int64_t global_routed_tokens = 0;     // N (§4)
+  int num_micro_batches = 1;            // G (§5)
   // Multi-token prediction (SEMANTICS.md §15.1): one entry per depth j = 1 .. k (empty when
   // off): its input tokens x_j [T] (rolled on the whole sequences), its labels y_j [T], its
   // CE weights [T] (empty in token mode), and the normaliser its CE divides by,
@@ -119,7 +119,8 @@ struct MicroBatchLossTerms {
   // output z-loss stays in its own term).
   std::vector<double> mtp;
   std::vector<std::vector<double>> mtp_terms;
-  // Per MoE layer (the L main ones, then the MTP depths'): c[l, m, :] of §5, global (every rank's SUM).
+  // Per MoE layer (the L main ones, then the MTP depths'): c[l, m, :] of §5, global (every rank's
+  // SUM).
   std::vector<std::vector<int64_t>> global_expert_counts;
 };
 
@@ -176,8 +177,8 @@ class ModelOps {
   virtual absl::Status MoeForward(int layer, const float* a, const MoeWeights& w, float* y) = 0;
   // Its backward with the layer's router z-loss (§4) and balancing loss (§5): da = dL/da
   // (written), the weight gradients into `grads`. Collective over the EP group.
-  virtual absl::Status MoeBackward(int layer, const float* a, const MoeWeights& w,
-                                   const float* dy, float* da, MoeGrads grads) = 0;
+  virtual absl::Status MoeBackward(int layer, const float* a, const MoeWeights& w, const float* dy,
+                                   float* da, MoeGrads grads) = 0;
 
   // ---- Full activation recomputation (model/moe_lm.h, Recompute::kFull). ----
   // Whether MoeRecomputeForward and ReleaseMoeActivations are implemented.

@@ -46,14 +46,14 @@ int64_t ScratchFloats(int64_t per_task, int64_t tasks) {
 // What the dims imply for this rank.
 struct Layout {
   int cp = 1, rank = 0;
-  int64_t chunk = 0;   // c
-  int64_t local = 0;   // 2c: a sequence's tokens on one rank
-  int64_t rows = 0;    // num_seqs * 2c
+  int64_t chunk = 0;  // c
+  int64_t local = 0;  // 2c: a sequence's tokens on one rank
+  int64_t rows = 0;   // num_seqs * 2c
   int64_t heads = 0, d = 0, dp = 0;
   int64_t kv_heads = 0, group = 1;  // query heads per kv head
-  int64_t floats = 0;     // rows * heads * d
-  int64_t kv_floats = 0;  // rows * kv_heads * d
-  int64_t padded = 0;     // rows * heads * dp
+  int64_t floats = 0;               // rows * heads * d
+  int64_t kv_floats = 0;            // rows * kv_heads * d
+  int64_t padded = 0;               // rows * heads * dp
 };
 
 absl::Status CheckSize(const char* name, size_t size, int64_t want, const char* layout) {
@@ -71,9 +71,9 @@ absl::StatusOr<Layout> CheckLayout(const Communicator& group, const RingAttentio
   l.cp = group.size();
   l.rank = group.rank();
   if (dims.num_seqs < 0 || dims.seq_len < 0 || dims.heads < 1 || dims.head_dim < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "ring attention: num_seqs = ", dims.num_seqs, ", seq_len = ", dims.seq_len,
-        ", heads = ", dims.heads, ", head_dim = ", dims.head_dim, " out of range"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("ring attention: num_seqs = ", dims.num_seqs, ", seq_len = ", dims.seq_len,
+                     ", heads = ", dims.heads, ", head_dim = ", dims.head_dim, " out of range"));
   }
   const int kv_heads = dims.kv_heads == 0 ? dims.heads : dims.kv_heads;
   if (kv_heads < 1 || dims.heads % kv_heads != 0) {
@@ -82,8 +82,8 @@ absl::StatusOr<Layout> CheckLayout(const Communicator& group, const RingAttentio
   }
   if (dims.seq_len % (2 * int64_t{l.cp}) != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "ring attention: seq_len = ", dims.seq_len, " is not a multiple of 2 * cp = ",
-        2 * l.cp, " (each rank holds two chunks of every sequence)"));
+        "ring attention: seq_len = ", dims.seq_len, " is not a multiple of 2 * cp = ", 2 * l.cp,
+        " (each rank holds two chunks of every sequence)"));
   }
   l.chunk = dims.seq_len / (2 * l.cp);
   l.local = 2 * l.chunk;
@@ -153,9 +153,7 @@ RankTokens TokensOf(const Layout& l, int r, int64_t num_seqs, int64_t seq_len,
 }
 
 // The chunk index (0..2C-1) of rank r's local chunk a (0 or 1).
-int64_t ChunkOf(const Layout& l, int r, int a) {
-  return a == 0 ? r : 2 * int64_t{l.cp} - 1 - r;
-}
+int64_t ChunkOf(const Layout& l, int r, int a) { return a == 0 ? r : 2 * int64_t{l.cp} - 1 - r; }
 
 // One step of the ring: `count` floats to the next rank, the previous rank's into recv.
 class Shift {
@@ -213,8 +211,8 @@ absl::Status RunRing(Communicator& group, const Layout& l, int64_t num_seqs, int
     const int owner = (l.rank - step + l.cp) % l.cp;
     Shift shift;
     if (step + 1 < l.cp) {
-      GRADSUM_RETURN_IF_ERROR(shift.Start(group, kv.data(), kv_next.data(),
-                                          static_cast<int64_t>(kv.size()), times));
+      GRADSUM_RETURN_IF_ERROR(
+          shift.Start(group, kv.data(), kv_next.data(), static_cast<int64_t>(kv.size()), times));
     }
     const RankTokens theirs = TokensOf(l, owner, num_seqs, seq_len, doc_start);
     const Clock::time_point start = Clock::now();
@@ -242,14 +240,13 @@ absl::Status RunRing(Communicator& group, const Layout& l, int64_t num_seqs, int
 
 // Every rank's [rows, width] block of `local` gathered and put in sequence order:
 // whole [num_seqs * seq_len, width].
-absl::Status GatherWhole(Communicator& group, const Layout& l, int64_t num_seqs,
-                         int64_t seq_len, int64_t width, absl::Span<const float> local,
-                         std::vector<float>* whole, RingAttentionTimes* times) {
+absl::Status GatherWhole(Communicator& group, const Layout& l, int64_t num_seqs, int64_t seq_len,
+                         int64_t width, absl::Span<const float> local, std::vector<float>* whole,
+                         RingAttentionTimes* times) {
   std::vector<float> all(static_cast<size_t>(l.cp) * l.rows * width);
   const Clock::time_point start = Clock::now();
   GRADSUM_RETURN_IF_ERROR(
-      group.AllGather(local.data(), all.data(), static_cast<size_t>(l.rows * width),
-                      DType::kF32));
+      group.AllGather(local.data(), all.data(), static_cast<size_t>(l.rows * width), DType::kF32));
   if (times != nullptr) {
     times->wait_s += Since(start);
     times->bytes_sent += l.rows * width * static_cast<int64_t>(sizeof(float));
@@ -291,8 +288,8 @@ std::vector<float> TakeHeads(absl::Span<const float> x, int64_t heads, int64_t w
 }
 
 // Their inverse: part [rows, n, width] into heads [h0, h0 + n) of x [rows, heads, width].
-void PutHeads(const std::vector<float>& part, int64_t heads, int64_t width, int64_t h0,
-              int64_t n, absl::Span<float> x) {
+void PutHeads(const std::vector<float>& part, int64_t heads, int64_t width, int64_t h0, int64_t n,
+              absl::Span<float> x) {
   const int64_t rows = static_cast<int64_t>(x.size()) / (heads * width);
   for (int64_t r = 0; r < rows; ++r) {
     std::copy_n(part.data() + r * n * width, n * width, x.data() + (r * heads + h0) * width);
@@ -317,9 +314,8 @@ absl::Status RingAttentionForward(Communicator& cp_group, const RingAttentionDim
                                   absl::Span<const float> k, absl::Span<const float> v,
                                   absl::Span<const int32_t> doc_start, absl::Span<float> out,
                                   absl::Span<float> lse, RingAttentionTimes* times) {
-  GRADSUM_ASSIGN_OR_RETURN(const Layout l,
-                           CheckLayout(cp_group, dims, q.size(), k.size(), v.size(),
-                                       doc_start.size(), out.size(), lse.size()));
+  GRADSUM_ASSIGN_OR_RETURN(const Layout l, CheckLayout(cp_group, dims, q.size(), k.size(), v.size(),
+                                                       doc_start.size(), out.size(), lse.size()));
   GRADSUM_RETURN_IF_ERROR(CheckDocStart(dims, doc_start));
   const int64_t S = dims.num_seqs, L = dims.seq_len, H = l.heads, d = l.d, dp = l.dp;
   const int64_t Hk = l.kv_heads, row = H * d, kv_row = Hk * d;
@@ -364,8 +360,7 @@ absl::Status RingAttentionForward(Communicator& cp_group, const RingAttentionDim
   NoteBuffers(times, 2 * state + state * dp + 4 * l.kv_floats +
                          ScratchFloats(kernels.pair_forward_scratch_floats(dp), S * Hk));
   GRADSUM_RETURN_IF_ERROR(RunRing(
-      cp_group, l, S, L, doc_start, std::move(kv), kernels.pair_forward_scratch_floats(dp),
-      times,
+      cp_group, l, S, L, doc_start, std::move(kv), kernels.pair_forward_scratch_floats(dp), times,
       [&](int64_t s, int64_t h, int64_t j, int a, int b, const RankTokens& theirs,
           const float* kv_held, float* scratch) {
         const int64_t q_row = s * l.local + a * l.chunk, k_row = s * l.local + b * l.chunk;
@@ -416,14 +411,12 @@ absl::Status RingAttentionForward(Communicator& cp_group, const RingAttentionDim
 absl::Status RingAttentionBackward(Communicator& cp_group, const RingAttentionDims& dims,
                                    RingSchedule schedule, absl::Span<const float> q,
                                    absl::Span<const float> k, absl::Span<const float> v,
-                                   absl::Span<const int32_t> doc_start,
-                                   absl::Span<const float> out, absl::Span<const float> lse,
-                                   absl::Span<const float> d_out, absl::Span<float> dq,
-                                   absl::Span<float> dk, absl::Span<float> dv,
+                                   absl::Span<const int32_t> doc_start, absl::Span<const float> out,
+                                   absl::Span<const float> lse, absl::Span<const float> d_out,
+                                   absl::Span<float> dq, absl::Span<float> dk, absl::Span<float> dv,
                                    RingAttentionTimes* times) {
-  GRADSUM_ASSIGN_OR_RETURN(const Layout l,
-                           CheckLayout(cp_group, dims, q.size(), k.size(), v.size(),
-                                       doc_start.size(), out.size(), lse.size()));
+  GRADSUM_ASSIGN_OR_RETURN(const Layout l, CheckLayout(cp_group, dims, q.size(), k.size(), v.size(),
+                                                       doc_start.size(), out.size(), lse.size()));
   const char* layout = "[num_seqs * seq_len / cp, heads, head_dim]";
   GRADSUM_RETURN_IF_ERROR(CheckSize("d_out", d_out.size(), l.floats, layout));
   GRADSUM_RETURN_IF_ERROR(CheckSize("dq", dq.size(), l.floats, layout));
@@ -454,13 +447,13 @@ absl::Status RingAttentionBackward(Communicator& cp_group, const RingAttentionDi
           GatherWhole(cp_group, l, S, L, gw, TakeHeads(out, H, d, j * g, g), &ow, times));
       GRADSUM_RETURN_IF_ERROR(
           GatherWhole(cp_group, l, S, L, g, TakeHeads(lse, H, 1, j * g, g), &lw, times));
-      GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, gw,
-                                          TakeHeads(d_out, H, d, j * g, g), &gw_out, times));
+      GRADSUM_RETURN_IF_ERROR(
+          GatherWhole(cp_group, l, S, L, gw, TakeHeads(d_out, H, d, j * g, g), &gw_out, times));
       std::vector<float> dqw(qw.size()), dkw(kw.size()), dvw(kw.size());
       const Clock::time_point start = Clock::now();
-      GRADSUM_RETURN_IF_ERROR(AttentionBackward(GroupDims(dims, g), qw, kw, vw, doc_start, ow,
-                                                lw, gw_out, absl::MakeSpan(dqw),
-                                                absl::MakeSpan(dkw), absl::MakeSpan(dvw)));
+      GRADSUM_RETURN_IF_ERROR(AttentionBackward(GroupDims(dims, g), qw, kw, vw, doc_start, ow, lw,
+                                                gw_out, absl::MakeSpan(dqw), absl::MakeSpan(dkw),
+                                                absl::MakeSpan(dvw)));
       if (times != nullptr) times->compute_s += Since(start);
       std::vector<float> own_dq(l.rows * gw), own_dk(l.rows * d), own_dv(l.rows * d);
       TakeOwn(l, S, L, gw, dqw, absl::MakeSpan(own_dq));
@@ -500,8 +493,7 @@ absl::Status RingAttentionBackward(Communicator& cp_group, const RingAttentionDi
   NoteBuffers(times, 2 * state + state * dp + 4 * l.kv_floats + 4 * kv_state * dp +
                          ScratchFloats(kernels.pair_backward_scratch_floats(dp), S * Hk));
   GRADSUM_RETURN_IF_ERROR(RunRing(
-      cp_group, l, S, L, doc_start, std::move(kv), kernels.pair_backward_scratch_floats(dp),
-      times,
+      cp_group, l, S, L, doc_start, std::move(kv), kernels.pair_backward_scratch_floats(dp), times,
       [&](int64_t s, int64_t h, int64_t j, int a, int b, const RankTokens& theirs,
           const float* kv_held, float* scratch) {
         const int64_t q_row = s * l.local + a * l.chunk, k_row = s * l.local + b * l.chunk;
@@ -536,8 +528,8 @@ absl::Status RingAttentionBackward(Communicator& cp_group, const RingAttentionDi
         // The accumulators move on with their block; after the last step they are home.
         if (l.cp == 1) return absl::OkStatus();
         Shift dkv_shift;
-        GRADSUM_RETURN_IF_ERROR(dkv_shift.Start(cp_group, dkv_cur.data(), dkv_next.data(),
-                                                2 * kv_state * dp, times));
+        GRADSUM_RETURN_IF_ERROR(
+            dkv_shift.Start(cp_group, dkv_cur.data(), dkv_next.data(), 2 * kv_state * dp, times));
         GRADSUM_RETURN_IF_ERROR(dkv_shift.Wait(times));
         std::swap(dkv_cur, dkv_next);
         return absl::OkStatus();

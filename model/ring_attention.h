@@ -85,10 +85,9 @@ absl::Status RingAttentionForward(Communicator& cp_group, const RingAttentionDim
 absl::Status RingAttentionBackward(Communicator& cp_group, const RingAttentionDims& dims,
                                    RingSchedule schedule, absl::Span<const float> q,
                                    absl::Span<const float> k, absl::Span<const float> v,
-                                   absl::Span<const int32_t> doc_start,
-                                   absl::Span<const float> out, absl::Span<const float> lse,
-                                   absl::Span<const float> d_out, absl::Span<float> dq,
-                                   absl::Span<float> dk, absl::Span<float> dv,
+                                   absl::Span<const int32_t> doc_start, absl::Span<const float> out,
+                                   absl::Span<const float> lse, absl::Span<const float> d_out,
+                                   absl::Span<float> dq, absl::Span<float> dk, absl::Span<float> dv,
                                    RingAttentionTimes* times = nullptr);
 
 }  // namespace gradsum::model

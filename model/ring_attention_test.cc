@@ -73,8 +73,8 @@ struct Result {
 };
 
 // Runs forward and backward on `cp` ranks; every rank's rows go back to sequence order.
-absl::StatusOr<Result> RunRing(const RingCase& c, int cp, RingSchedule schedule,
-                               const Whole& in, RingAttentionTimes* times0 = nullptr) {
+absl::StatusOr<Result> RunRing(const RingCase& c, int cp, RingSchedule schedule, const Whole& in,
+                               RingAttentionTimes* times0 = nullptr) {
   const int64_t S = c.dims.num_seqs, L = c.dims.seq_len, H = c.dims.heads, d = c.dims.head_dim;
   const int64_t row = H * d, kv_row = KvHeads(c.dims) * d, local = L / cp, chunk = L / (2 * cp);
   Result r;
@@ -105,18 +105,16 @@ absl::StatusOr<Result> RunRing(const RingCase& c, int cp, RingSchedule schedule,
         }
       }
     };
-    const std::vector<float> q = take(in.q, row), k = take(in.k, kv_row),
-                             v = take(in.v, kv_row);
+    const std::vector<float> q = take(in.q, row), k = take(in.k, kv_row), v = take(in.v, kv_row);
     const std::vector<float> d_out = take(in.d_out, row);
     std::vector<float> out(q.size(), NAN), lse(S * local * H, NAN);
     std::vector<float> dq(q.size(), NAN), dk(k.size(), NAN), dv(k.size(), NAN);
     RingAttentionTimes times;
     GRADSUM_RETURN_IF_ERROR(RingAttentionForward(comm, c.dims, schedule, q, k, v, c.doc_start,
-                                                 absl::MakeSpan(out), absl::MakeSpan(lse),
-                                                 &times));
-    GRADSUM_RETURN_IF_ERROR(RingAttentionBackward(
-        comm, c.dims, schedule, q, k, v, c.doc_start, out, lse, d_out, absl::MakeSpan(dq),
-        absl::MakeSpan(dk), absl::MakeSpan(dv), &times));
+                                                 absl::MakeSpan(out), absl::MakeSpan(lse), &times));
+    GRADSUM_RETURN_IF_ERROR(RingAttentionBackward(comm, c.dims, schedule, q, k, v, c.doc_start, out,
+                                                  lse, d_out, absl::MakeSpan(dq),
+                                                  absl::MakeSpan(dk), absl::MakeSpan(dv), &times));
     if (i == 0 && times0 != nullptr) *times0 = times;
     // Ranks write disjoint rows of the shared results.
     put(out, row, &r.out);
@@ -139,8 +137,7 @@ Whole MakeInputs(const RingCase& c, uint32_t seed) {
 }
 
 AttentionDims WholeDims(const RingAttentionDims& d) {
-  return ::gradsum::model::testing::Dims(d.num_seqs, d.seq_len, d.heads, KvHeads(d),
-                                         d.head_dim);
+  return ::gradsum::model::testing::Dims(d.num_seqs, d.seq_len, d.heads, KvHeads(d), d.head_dim);
 }
 
 constexpr double kTol = 1e-5;
@@ -178,9 +175,9 @@ TEST_P(RingTest, GatheredGivesTheWholeSequenceKernelsBits) {
     const AttentionDims w = WholeDims(c.dims);
     std::vector<float> out(in.q.size()), lse(c.dims.num_seqs * c.dims.seq_len * c.dims.heads);
     std::vector<float> dq(in.q.size()), dk(in.k.size()), dv(in.k.size());
-    ASSERT_TRUE(AttentionForward(w, in.q, in.k, in.v, c.doc_start, absl::MakeSpan(out),
-                                 absl::MakeSpan(lse))
-                    .ok());
+    ASSERT_TRUE(
+        AttentionForward(w, in.q, in.k, in.v, c.doc_start, absl::MakeSpan(out), absl::MakeSpan(lse))
+            .ok());
     ASSERT_TRUE(AttentionBackward(w, in.q, in.k, in.v, c.doc_start, out, lse, in.d_out,
                                   absl::MakeSpan(dq), absl::MakeSpan(dk), absl::MakeSpan(dv))
                     .ok());
@@ -223,8 +220,7 @@ TEST(RingAttention, GqaSendsEachKvHeadOnce) {
     const int64_t kv_block = 2 * rows * kv_heads * d;  // k and v
     const int64_t accumulators = 2 * S * kv_heads * (L / cp) * dp;
     EXPECT_EQ(times.bytes_sent,
-              static_cast<int64_t>(sizeof(float)) *
-                  (2 * (cp - 1) * kv_block + cp * accumulators));
+              static_cast<int64_t>(sizeof(float)) * (2 * (cp - 1) * kv_block + cp * accumulators));
     const testing::Grads want =
         testing::Reference(WholeDims(gqa.dims), in.q, in.k, in.v, gqa.doc_start, in.d_out);
     ExpectNear(got->out, want.out, kTol, "out");
@@ -282,15 +278,14 @@ TEST(RingAttention, WrongSizesAndDocumentStartsAreNamed) {
   absl::Status s = gradsum::testing::RunRanks(2, [&](Communicator& comm) -> absl::Status {
     std::vector<float> x(4 * 16), small(3 * 16), lse(4);
     absl::Status bad_q = RingAttentionForward(comm, c.dims, RingSchedule::kRing, small, x, x,
-                                              c.doc_start, absl::MakeSpan(x),
-                                              absl::MakeSpan(lse));
+                                              c.doc_start, absl::MakeSpan(x), absl::MakeSpan(lse));
     EXPECT_EQ(bad_q.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(bad_q.message().find("q holds 48 values"), std::string::npos) << bad_q;
     std::vector<int32_t> broken = c.doc_start;
     broken[5] = 3;  // continues no document
-    absl::Status bad_doc = RingAttentionBackward(
-        comm, c.dims, RingSchedule::kRing, x, x, x, broken, x, lse, x, absl::MakeSpan(x),
-        absl::MakeSpan(x), absl::MakeSpan(x));
+    absl::Status bad_doc =
+        RingAttentionBackward(comm, c.dims, RingSchedule::kRing, x, x, x, broken, x, lse, x,
+                              absl::MakeSpan(x), absl::MakeSpan(x), absl::MakeSpan(x));
     EXPECT_EQ(bad_doc.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(bad_doc.message().find("doc_start[5] = 3"), std::string::npos) << bad_doc;
     return absl::OkStatus();

@@ -30,8 +30,13 @@ class SlotExchanges {
  public:
   SlotExchanges(Communicator& comm, const DispatchState& state, int num_experts, bool to_owners,
                 const float* src, float* dst, int64_t d_model, const char* what)
-      : comm_(comm), state_(state), to_owners_(to_owners), src_(src), dst_(dst),
-        d_model_(static_cast<size_t>(d_model)), what_(what),
+      : comm_(comm),
+        state_(state),
+        to_owners_(to_owners),
+        src_(src),
+        dst_(dst),
+        d_model_(static_cast<size_t>(d_model)),
+        what_(what),
         num_slots_(comm.size() > 1 ? num_experts / comm.size() : 0),
         plans_(static_cast<size_t>(num_slots_)),
         works_(static_cast<size_t>(num_slots_)) {}
@@ -53,8 +58,7 @@ class SlotExchanges {
     for (int p = 0; p < P; ++p) {
       const int e = p * El + j;
       // The home buffers skip this rank's own rows (DispatchState::HomeRow).
-      plan.home_offsets[p] =
-          static_cast<size_t>(state_.HomeRow(state_.expert_first[e])) * d_model_;
+      plan.home_offsets[p] = static_cast<size_t>(state_.HomeRow(state_.expert_first[e])) * d_model_;
       plan.owner_offsets[p] = static_cast<size_t>(state_.owner_first[p * El + j]) * d_model_;
       if (p == me) continue;
       plan.home_counts[p] =
@@ -216,11 +220,10 @@ absl::Status ValidateDispatchConfig(const DispatchConfig& config, int ep_size) {
 namespace internal {
 
 absl::Status DispatchCombineForwardWith(Communicator& ep_group, const DispatchConfig& config,
-                                        const ExpertsForwardFn& experts,
-                                        absl::Span<const float> a,
+                                        const ExpertsForwardFn& experts, absl::Span<const float> a,
                                         absl::Span<const int32_t> expert_index,
-                                        absl::Span<const float> combine_weight,
-                                        absl::Span<float> y, DispatchState* state) {
+                                        absl::Span<const float> combine_weight, absl::Span<float> y,
+                                        DispatchState* state) {
   const int P = ep_group.size();
   const int me = ep_group.rank();
   GRADSUM_RETURN_IF_ERROR(ValidateDispatchConfig(config, P));
@@ -277,10 +280,13 @@ absl::Status DispatchCombineForwardWith(Communicator& ep_group, const DispatchCo
     const std::vector<int64_t>& known = *config.all_counts;
     if (known.size() != static_cast<size_t>(P) * E ||
         !std::equal(counts.begin(), counts.end(), known.begin() + static_cast<size_t>(me) * E)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "dispatch: the kept expert counts (", known.size(), " entries) are not those of this "
-          "routing on EP rank ", me, " of ", P, " with ", E, " experts; re-run a dispatch only "
-          "with the routing that produced them"));
+      return absl::FailedPreconditionError(absl::StrCat("dispatch: the kept expert counts (",
+                                                        known.size(),
+                                                        " entries) are not those of this "
+                                                        "routing on EP rank ",
+                                                        me, " of ", P, " with ", E,
+                                                        " experts; re-run a dispatch only "
+                                                        "with the routing that produced them"));
     }
     all_counts.assign(known.begin(), known.end());
   } else {
@@ -347,9 +353,8 @@ absl::Status DispatchCombineForwardWith(Communicator& ep_group, const DispatchCo
   s.chunk_first = ChunkFirsts(P, E_local);
   s.experts_saved.resize(s.chunk_first.size() - 1);
   GRADSUM_RETURN_IF_ERROR(RunPipeline(
-      ep_group, s, E, D, send, s.expert_input.data(), s.expert_output.data(),
-      s.copy_output.data(), "dispatching token rows", "returning expert outputs",
-      [&](int c, const ChunkRows& rows) {
+      ep_group, s, E, D, send, s.expert_input.data(), s.expert_output.data(), s.copy_output.data(),
+      "dispatching token rows", "returning expert outputs", [&](int c, const ChunkRows& rows) {
         return experts(
             absl::MakeConstSpan(s.expert_input).subspan(rows.first_row * D, rows.num_rows * D),
             rows.group_sizes,
@@ -399,8 +404,8 @@ absl::Status DispatchCombineBackwardWith(Communicator& ep_group, const DispatchC
       state.owner_count.size() != static_cast<size_t>(P) * E_local ||
       state.combine_weight.size() != static_cast<size_t>(T * K) ||
       state.copy_pos.size() != static_cast<size_t>(T * K) ||
-      state.output_row.size() != static_cast<size_t>(num_sent) ||
-      state.own_first < 0 || state.own_rows < 0 || state.own_first + state.own_rows > num_sent ||
+      state.output_row.size() != static_cast<size_t>(num_sent) || state.own_first < 0 ||
+      state.own_rows < 0 || state.own_first + state.own_rows > num_sent ||
       state.copy_output.size() != static_cast<size_t>(state.exchanged_rows() * D) ||
       state.expert_input.size() != static_cast<size_t>(num_received * D) ||
       state.expert_output.size() != static_cast<size_t>(num_received * D) ||
@@ -419,8 +424,8 @@ absl::Status DispatchCombineBackwardWith(Communicator& ep_group, const DispatchC
   // send buffer (own experts' rows straight into the experts' output gradient).
   std::fill(d_combine_weight.begin(), d_combine_weight.end(), 0.0f);  // unrouted copies
   DispatchScratch* shared = config.scratch;
-  float* send = Scratch(shared != nullptr ? shared->send : state.scratch_send,
-                        state.exchanged_rows() * D);
+  float* send =
+      Scratch(shared != nullptr ? shared->send : state.scratch_send, state.exchanged_rows() * D);
   float* expert_dy =
       Scratch(shared != nullptr ? shared->expert_a : state.scratch_expert_a, num_received * D);
   float* expert_dx =
@@ -461,9 +466,8 @@ absl::Status DispatchCombineBackwardWith(Communicator& ep_group, const DispatchC
       "dispatching output gradients", "returning input gradients",
       [&](int c, const ChunkRows& rows) {
         const int64_t first = rows.first_row * D, n = rows.num_rows * D;
-        return experts(absl::MakeConstSpan(state.expert_input).subspan(first, n),
-                       rows.group_sizes, state.experts_saved[c],
-                       absl::MakeConstSpan(expert_dy + first, n),
+        return experts(absl::MakeConstSpan(state.expert_input).subspan(first, n), rows.group_sizes,
+                       state.experts_saved[c], absl::MakeConstSpan(expert_dy + first, n),
                        absl::MakeSpan(expert_dx + first, n));
       }));
   // Sum the K copies of each token into d_a straight from where they are, token by token
@@ -496,8 +500,8 @@ absl::Status DispatchCombineForward(Communicator& ep_group, const DispatchConfig
   GRADSUM_RETURN_IF_ERROR(CheckExpertWeights(experts_config, local_weights));
   return internal::DispatchCombineForwardWith(
       ep_group, config,
-      [&](absl::Span<const float> x, absl::Span<const int64_t> group_sizes,
-          absl::Span<float> out, ExpertsSaved* saved) {
+      [&](absl::Span<const float> x, absl::Span<const int64_t> group_sizes, absl::Span<float> out,
+          ExpertsSaved* saved) {
         return ExpertsForward(experts_config, local_weights, x, group_sizes, out, saved);
       },
       a, expert_index, combine_weight, y, state);

@@ -106,12 +106,12 @@ struct DispatchState {
   int64_t own_first = 0, own_rows = 0;
   // Where sent row `pos`'s expert output is: copy_output row output_row[pos] when >= 0,
   // else (own experts) expert_output row -1 - output_row[pos].
-  std::vector<int64_t> output_row;    // [S]
-  std::vector<float> copy_output;     // [X, D] expert outputs back home, in send order
+  std::vector<int64_t> output_row;  // [S]
+  std::vector<float> copy_output;   // [X, D] expert outputs back home, in send order
   // Owner side: rows from source q for local expert j are the expert-major rows
   // [owner_first[q * El + j], + owner_count[q * El + j]).
   std::vector<int64_t> owner_first, owner_count;  // [P * El]
-  std::vector<int64_t> all_counts;  // [P, E] rows EP rank q sends to expert e
+  std::vector<int64_t> all_counts;                // [P, E] rows EP rank q sends to expert e
   std::vector<int64_t> local_group_sizes;         // [E / P] rows per local expert
   int64_t num_received = 0;                       // R
   std::vector<float> expert_input;                // [R, D] rows grouped by local expert
@@ -184,16 +184,14 @@ using ExpertsBackwardFn = std::function<absl::Status(
     absl::Span<const float> x, absl::Span<const int64_t> group_sizes, const ExpertsSaved& saved,
     absl::Span<const float> dy, absl::Span<float> dx)>;
 absl::Status DispatchCombineForwardWith(Communicator& ep_group, const DispatchConfig& config,
-                                        const ExpertsForwardFn& experts,
-                                        absl::Span<const float> a,
+                                        const ExpertsForwardFn& experts, absl::Span<const float> a,
                                         absl::Span<const int32_t> expert_index,
-                                        absl::Span<const float> combine_weight,
-                                        absl::Span<float> y, DispatchState* state);
+                                        absl::Span<const float> combine_weight, absl::Span<float> y,
+                                        DispatchState* state);
 absl::Status DispatchCombineBackwardWith(Communicator& ep_group, const DispatchConfig& config,
                                          const ExpertsBackwardFn& experts,
                                          const DispatchState& state, absl::Span<const float> dy,
-                                         absl::Span<float> d_a,
-                                         absl::Span<float> d_combine_weight);
+                                         absl::Span<float> d_a, absl::Span<float> d_combine_weight);
 
 }  // namespace internal
 

@@ -32,10 +32,17 @@ std::vector<float> Values(size_t n, uint32_t seed) {
   std::vector<float> v(n);
   for (float& x : v) {
     switch (special(gen)) {
-      case 0: x = 0.0f; break;
-      case 1: x = -0.0f; break;
-      case 2: x = std::numeric_limits<float>::denorm_min() * 3; break;
-      default: x = static_cast<float>(std::copysign(std::exp2(exponent(gen)), sign(gen)));
+      case 0:
+        x = 0.0f;
+        break;
+      case 1:
+        x = -0.0f;
+        break;
+      case 2:
+        x = std::numeric_limits<float>::denorm_min() * 3;
+        break;
+      default:
+        x = static_cast<float>(std::copysign(std::exp2(exponent(gen)), sign(gen)));
     }
   }
   return v;
@@ -76,9 +83,8 @@ TEST(DispatchRowsTest, DotRowsAddInIncreasingOrderInEveryBuild) {
         for (int i = 0; i < rows; ++i) {
           double want = 0.0;
           for (int64_t d = 0; d < n; ++d) want += static_cast<double>(a[i][d]) * b[i][d];
-          EXPECT_EQ(Bits(dot[i]), Bits(want))
-              << k->isa << " n=" << n << " rows=" << rows << " row " << i << ": " << dot[i]
-              << " vs " << want;
+          EXPECT_EQ(Bits(dot[i]), Bits(want)) << k->isa << " n=" << n << " rows=" << rows << " row "
+                                              << i << ": " << dot[i] << " vs " << want;
         }
         for (int i = rows; i < kDotRowsMax; ++i) EXPECT_EQ(dot[i], -1.0) << "wrote past rows";
       }

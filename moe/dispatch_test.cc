@@ -12,8 +12,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "collectives/forwarding_communicator.h"
 #include "collectives/communicator.h"
+#include "collectives/forwarding_communicator.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
 #include "gmock/gmock.h"
@@ -152,8 +152,8 @@ TEST(DispatchTest, ExchangesArePipelinedWithTheExperts) {
       for (int j = 0; j < 4; ++j) want.push_back(absl::StrCat("w", base + 4 + j));
     }
     for (int r = 0; r < p.world; ++r) {
-      EXPECT_THAT(events[r], ElementsAreArray(want)) << "rank " << r << ", " << threads
-                                                     << " compute threads";
+      EXPECT_THAT(events[r], ElementsAreArray(want))
+          << "rank " << r << ", " << threads << " compute threads";
       test::ExpectRankMatchesReference(p, r, results[r]);
     }
   }

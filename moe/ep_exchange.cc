@@ -11,13 +11,13 @@ namespace {
 absl::StatusOr<int> CheckOffsets(absl::Span<const int64_t> expert_offsets, int P) {
   if (P < 1) return absl::InvalidArgumentError(absl::StrCat("ep_size = ", P, " < 1"));
   if (expert_offsets.size() < 2) {
-    return absl::InvalidArgumentError(absl::StrCat("expert_offsets has ", expert_offsets.size(),
-                                                   " entries; need E + 1 >= 2"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("expert_offsets has ", expert_offsets.size(), " entries; need E + 1 >= 2"));
   }
   const int E = static_cast<int>(expert_offsets.size()) - 1;
   if (E % P != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("E = ", E, " experts (expert_offsets.size() - 1) not divisible by ep_size ", P));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "E = ", E, " experts (expert_offsets.size() - 1) not divisible by ep_size ", P));
   }
   const int El = E / P;
   if (expert_offsets[0] != 0) {
@@ -45,9 +45,9 @@ absl::StatusOr<EpExchangePlan> PlanEpExchange(absl::Span<const int64_t> expert_o
   if (!El_or.ok()) return El_or.status();
   const int El = *El_or;
   if (static_cast<int64_t>(peer_counts.size()) != int64_t{P} * El) {
-    return absl::InvalidArgumentError(absl::StrCat("peer_counts has ", peer_counts.size(),
-                                                   " entries, expected ep_size * E / ep_size = ",
-                                                   int64_t{P} * El));
+    return absl::InvalidArgumentError(
+        absl::StrCat("peer_counts has ", peer_counts.size(),
+                     " entries, expected ep_size * E / ep_size = ", int64_t{P} * El));
   }
   for (size_t i = 0; i < peer_counts.size(); ++i) {
     if (peer_counts[i] < 0) {
@@ -73,8 +73,8 @@ absl::StatusOr<EpExchangePlan> PlanEpExchange(absl::Span<const int64_t> expert_o
   return x;
 }
 
-absl::StatusOr<std::vector<int64_t>> ExchangeExpertCounts(Communicator& ep_group,
-                                                          absl::Span<const int64_t> expert_offsets) {
+absl::StatusOr<std::vector<int64_t>> ExchangeExpertCounts(
+    Communicator& ep_group, absl::Span<const int64_t> expert_offsets) {
   const int P = ep_group.size();
   absl::StatusOr<int> El_or = CheckOffsets(expert_offsets, P);
   if (!El_or.ok()) return El_or.status();

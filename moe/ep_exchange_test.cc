@@ -15,9 +15,9 @@ namespace {
 
 // One simulated EP rank: its copies sorted by expert (stable), as ids (rank, copy).
 struct SimRank {
-  std::vector<int> expert_of_row;                // destination expert of each sent row
-  std::vector<std::pair<int, int>> row_id;       // (origin rank, copy index) per sent row
-  std::vector<int64_t> offsets;                  // E + 1
+  std::vector<int> expert_of_row;           // destination expert of each sent row
+  std::vector<std::pair<int, int>> row_id;  // (origin rank, copy index) per sent row
+  std::vector<int64_t> offsets;             // E + 1
 };
 
 SimRank Route(int rank, int tokens, int K, int E, std::mt19937& gen) {

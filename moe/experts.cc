@@ -88,9 +88,8 @@ absl::Span<float> Scratch(int slot, int64_t n) {
 absl::Status ForEachExpert(absl::Span<const int64_t> group_sizes,
                            const std::function<absl::Status(int)>& fn) {
   return ParallelForStatus(
-      ComputeThreads(), static_cast<int64_t>(group_sizes.size()), [&](int64_t j) {
-        return group_sizes[j] > 0 ? fn(static_cast<int>(j)) : absl::OkStatus();
-      });
+      ComputeThreads(), static_cast<int64_t>(group_sizes.size()),
+      [&](int64_t j) { return group_sizes[j] > 0 ? fn(static_cast<int>(j)) : absl::OkStatus(); });
 }
 
 }  // namespace
@@ -141,23 +140,23 @@ absl::Status ExpertsForward(const ExpertsConfig& config, const ExpertWeights& we
   const absl::Span<float> act = Scratch(0, N * H);  // SiLU(g) * u
   const std::vector<int64_t> offsets = GroupOffsets(group_sizes);
   return ForEachExpert(group_sizes, [&](int j) -> absl::Status {
-    return ForEachBlock(config, j, offsets[j], group_sizes[j],
-                        [&](int64_t row, int64_t n) -> absl::Status {
-      const auto xj = x.subspan(row * D, n * D);
-      float* g = s.gate_pre.data() + row * H;
-      float* u = s.up_pre.data() + row * H;
-      float* a = act.data() + row * H;
-      GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kNo, n, H, D, 1.0f, xj, D,
-                                    weights.gate.subspan(j * D * H, D * H), H, 0.0f,
-                                    absl::MakeSpan(g, n * H), H));
-      GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kNo, n, H, D, 1.0f, xj, D,
-                                    weights.up.subspan(j * D * H, D * H), H, 0.0f,
-                                    absl::MakeSpan(u, n * H), H));
-      vec::SwiGlu(g, u, a, n * H);  // vectorised, the same bits on every CPU
-      return Sgemm(Trans::kNo, Trans::kNo, n, D, H, 1.0f, absl::MakeConstSpan(a, n * H), H,
-                   weights.down.subspan(j * H * D, H * D), D, 0.0f, y.subspan(row * D, n * D),
-                   D);
-    });
+    return ForEachBlock(
+        config, j, offsets[j], group_sizes[j], [&](int64_t row, int64_t n) -> absl::Status {
+          const auto xj = x.subspan(row * D, n * D);
+          float* g = s.gate_pre.data() + row * H;
+          float* u = s.up_pre.data() + row * H;
+          float* a = act.data() + row * H;
+          GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kNo, n, H, D, 1.0f, xj, D,
+                                        weights.gate.subspan(j * D * H, D * H), H, 0.0f,
+                                        absl::MakeSpan(g, n * H), H));
+          GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kNo, n, H, D, 1.0f, xj, D,
+                                        weights.up.subspan(j * D * H, D * H), H, 0.0f,
+                                        absl::MakeSpan(u, n * H), H));
+          vec::SwiGlu(g, u, a, n * H);  // vectorised, the same bits on every CPU
+          return Sgemm(Trans::kNo, Trans::kNo, n, D, H, 1.0f, absl::MakeConstSpan(a, n * H), H,
+                       weights.down.subspan(j * H * D, H * D), D, 0.0f, y.subspan(row * D, n * D),
+                       D);
+        });
   });
 }
 
@@ -201,42 +200,42 @@ absl::Status ExpertsBackward(const ExpertsConfig& config, const ExpertWeights& w
     };
     // Row products per block: d(act) = dy Wd^T, the SwiGLU backward (in place: d(act) ->
     // dL/dg; also dL/du and the forward's act, core/vec_math.h), dx = dg Wg^T + du Wu^T.
-    GRADSUM_RETURN_IF_ERROR(ForEachBlock(config, j, offsets[j], group_sizes[j],
-                                         [&](int64_t row, int64_t n) -> absl::Status {
-      const auto dyj = dy.subspan(row * D, n * D);
-      const float* g = saved.gate_pre.data() + row * H;
-      const float* u = saved.up_pre.data() + row * H;
-      float* dg = d_gate.data() + row * H;
-      float* du = d_up.data() + row * H;
-      GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kYes, n, H, D, 1.0f, dyj, D, wd, D, 0.0f,
-                                    absl::MakeSpan(dg, n * H), H));
-      vec::SwiGluBackward(g, u, dg, du, act.data() + row * H, n * H);
-      // Without exact gradients, the weight gradients follow here, straight into the
-      // gradient spans (as one block).
-      if (grads.exact == nullptr) {
-        for (int which : kWeightOrder) {
-          const absl::Span<float> out = which == 2   ? grads.down.subspan(j * H * D, H * D)
-                                        : which == 0 ? grads.gate.subspan(j * D * H, D * H)
-                                                     : grads.up.subspan(j * D * H, D * H);
-          GRADSUM_RETURN_IF_ERROR(weight_grad(which, row, n, 1.0f, out));
-        }
-      }
-      const auto dxj = dx.subspan(row * D, n * D);
-      GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kYes, n, D, H, 1.0f,
-                                    absl::MakeConstSpan(dg, n * H), H, wg, H, 0.0f, dxj, D));
-      return Sgemm(Trans::kNo, Trans::kYes, n, D, H, 1.0f, absl::MakeConstSpan(du, n * H), H, wu,
-                   H, 1.0f, dxj, D);
-    }));
+    GRADSUM_RETURN_IF_ERROR(ForEachBlock(
+        config, j, offsets[j], group_sizes[j], [&](int64_t row, int64_t n) -> absl::Status {
+          const auto dyj = dy.subspan(row * D, n * D);
+          const float* g = saved.gate_pre.data() + row * H;
+          const float* u = saved.up_pre.data() + row * H;
+          float* dg = d_gate.data() + row * H;
+          float* du = d_up.data() + row * H;
+          GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kYes, n, H, D, 1.0f, dyj, D, wd, D, 0.0f,
+                                        absl::MakeSpan(dg, n * H), H));
+          vec::SwiGluBackward(g, u, dg, du, act.data() + row * H, n * H);
+          // Without exact gradients, the weight gradients follow here, straight into the
+          // gradient spans (as one block).
+          if (grads.exact == nullptr) {
+            for (int which : kWeightOrder) {
+              const absl::Span<float> out = which == 2   ? grads.down.subspan(j * H * D, H * D)
+                                            : which == 0 ? grads.gate.subspan(j * D * H, D * H)
+                                                         : grads.up.subspan(j * D * H, D * H);
+              GRADSUM_RETURN_IF_ERROR(weight_grad(which, row, n, 1.0f, out));
+            }
+          }
+          const auto dxj = dx.subspan(row * D, n * D);
+          GRADSUM_RETURN_IF_ERROR(Sgemm(Trans::kNo, Trans::kYes, n, D, H, 1.0f,
+                                        absl::MakeConstSpan(dg, n * H), H, wg, H, 0.0f, dxj, D));
+          return Sgemm(Trans::kNo, Trans::kYes, n, D, H, 1.0f, absl::MakeConstSpan(du, n * H), H,
+                       wu, H, 1.0f, dxj, D);
+        }));
     if (grads.exact == nullptr) return absl::OkStatus();
     // Exact: one matrix at a time over every block (its limbs stay in cache), each block's
     // contribution into scratch and then added exactly at its stacked offset.
     const absl::Span<float> c = Scratch(3, D * H);
     for (int which : kWeightOrder) {
-      GRADSUM_RETURN_IF_ERROR(ForEachBlock(config, j, offsets[j], group_sizes[j],
-                                           [&](int64_t row, int64_t n) -> absl::Status {
-        GRADSUM_RETURN_IF_ERROR(weight_grad(which, row, n, 0.0f, c));
-        return grads.exact->Add((which * El + j) * D * H, c);
-      }));
+      GRADSUM_RETURN_IF_ERROR(ForEachBlock(
+          config, j, offsets[j], group_sizes[j], [&](int64_t row, int64_t n) -> absl::Status {
+            GRADSUM_RETURN_IF_ERROR(weight_grad(which, row, n, 0.0f, c));
+            return grads.exact->Add((which * El + j) * D * H, c);
+          }));
     }
     return absl::OkStatus();
   });

@@ -5,8 +5,8 @@
 #include <utility>
 #include <vector>
 
-#include "gmock/gmock.h"
 #include "core/thread_pool.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "moe/reference.h"
 #include "moe/test_util.h"
@@ -122,17 +122,15 @@ TEST(ExpertsTest, ComputeThreadsDoNotChangeTheBits) {
   };
   auto run = [&](int threads) {
     ScopedComputeThreads budget(threads);
-    Out o{std::vector<float>(x.size()), std::vector<float>(x.size()),
-          std::vector<float>(wg.size()), std::vector<float>(wu.size()),
-          std::vector<float>(wd.size())};
+    Out o{std::vector<float>(x.size()), std::vector<float>(x.size()), std::vector<float>(wg.size()),
+          std::vector<float>(wu.size()), std::vector<float>(wd.size())};
     ExpertsSaved saved;
     EXPECT_TRUE(
         ExpertsForward(p.config(), {wg, wu, wd}, x, p.groups, absl::MakeSpan(o.y), &saved).ok());
-    EXPECT_TRUE(ExpertsBackward(p.config(), {wg, wu, wd}, x, p.groups, saved, dy,
-                                absl::MakeSpan(o.dx),
-                                {absl::MakeSpan(o.dwg), absl::MakeSpan(o.dwu),
-                                 absl::MakeSpan(o.dwd)})
-                    .ok());
+    EXPECT_TRUE(
+        ExpertsBackward(p.config(), {wg, wu, wd}, x, p.groups, saved, dy, absl::MakeSpan(o.dx),
+                        {absl::MakeSpan(o.dwg), absl::MakeSpan(o.dwu), absl::MakeSpan(o.dwd)})
+            .ok());
     return o;
   };
   const Out one = run(1);
@@ -255,8 +253,8 @@ TEST(ExpertsTest, RowBlocksComputeEachBlockAsIfAlone) {
       const auto dyb = absl::MakeConstSpan(dy).subspan(row * D, b * D);
       std::vector<float> yb(b * D), dxb(b * D);
       ExpertsSaved sb;
-      ASSERT_TRUE(ExpertsForward(p.config(), {wg, wu, wd}, xb, groups, absl::MakeSpan(yb), &sb)
-                      .ok());
+      ASSERT_TRUE(
+          ExpertsForward(p.config(), {wg, wu, wd}, xb, groups, absl::MakeSpan(yb), &sb).ok());
       RecordingSink alone;
       ExpertWeightGrads g;
       g.exact = &alone;
@@ -306,8 +304,7 @@ TEST(ExpertsTest, RowBlocksThatDoNotSumToTheGroupAreInvalidArgument) {
   const std::vector<float> w(8, 0.1f), x(4 * 2, 1.0f);
   const std::vector<int64_t> groups = {2, 2};
   std::vector<float> y4(4 * 2);
-  absl::Status s =
-      ExpertsForward(config, {w, w, w}, x, groups, absl::MakeSpan(y4), nullptr);
+  absl::Status s = ExpertsForward(config, {w, w, w}, x, groups, absl::MakeSpan(y4), nullptr);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("row_blocks[1] sum to 3 rows, group_sizes[1] is 2"));
 }

@@ -22,8 +22,8 @@ absl::Status ExpertRowBlocks(Communicator& ep_group, const MoeLayerConfig& confi
   int64_t blocks = (T + config.row_block - 1) / config.row_block;
   // The same block count on every EP rank, or every rank fails with the same message.
   std::vector<int64_t> all_blocks(P);
-  GRADSUM_RETURN_IF_ERROR(Annotate(
-      ep_group.AllGather(&blocks, all_blocks.data(), 1, DType::kI64), "exchanging block counts"));
+  GRADSUM_RETURN_IF_ERROR(Annotate(ep_group.AllGather(&blocks, all_blocks.data(), 1, DType::kI64),
+                                   "exchanging block counts"));
   for (int q = 0; q < P; ++q) {
     if (all_blocks[q] != all_blocks[0]) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -62,8 +62,8 @@ absl::Status MoeLayerForward(Communicator& ep_group, const MoeLayerConfig& confi
                              MoeLayerState* state) {
   if (state == nullptr) return absl::InvalidArgumentError("MoE layer state must not be null");
   GRADSUM_RETURN_IF_ERROR(ValidateDispatchConfig(config.dispatch(), ep_group.size()));
-  GRADSUM_ASSIGN_OR_RETURN(state->route, RouterForward(config.router(), a, weights.router, mask,
-                                                         weights.expert_bias));
+  GRADSUM_ASSIGN_OR_RETURN(
+      state->route, RouterForward(config.router(), a, weights.router, mask, weights.expert_bias));
   DispatchConfig dispatch = config.dispatch();
   dispatch.scratch = state->scratch;
   if (config.row_block > 0) {
@@ -72,8 +72,7 @@ absl::Status MoeLayerForward(Communicator& ep_group, const MoeLayerConfig& confi
   }
   GRADSUM_RETURN_IF_ERROR(DispatchCombineForward(ep_group, dispatch, weights.local_experts, a,
                                                  state->route.expert_index,
-                                                 state->route.combine_weight, y,
-                                                 &state->dispatch));
+                                                 state->route.combine_weight, y, &state->dispatch));
   state->dispatch_counts.assign(state->dispatch.all_counts.begin(),
                                 state->dispatch.all_counts.end());
   return absl::OkStatus();
@@ -84,8 +83,7 @@ absl::Status MoeLayerRecomputeForward(Communicator& ep_group, const MoeLayerConf
                                       absl::Span<float> y, MoeLayerState* state) {
   if (state == nullptr) return absl::InvalidArgumentError("MoE layer state must not be null");
   const int64_t T = config.d_model > 0 ? static_cast<int64_t>(a.size()) / config.d_model : -1;
-  if (state->route.num_tokens != T ||
-      (config.row_block > 0 && state->expert_row_blocks.empty())) {
+  if (state->route.num_tokens != T || (config.row_block > 0 && state->expert_row_blocks.empty())) {
     return absl::FailedPreconditionError(absl::StrCat(
         "MoE layer recompute: the kept routing is of ", state->route.num_tokens,
         " tokens, the input has ", T, "; re-run only a layer whose forward ran on this input"));

@@ -185,8 +185,8 @@ TEST(MoeLayerRecomputeTest, WithoutAForwardOnTheSameTokensIsFailedPrecondition) 
     if (s.code() != absl::StatusCode::kFailedPrecondition) {
       return absl::InternalError(absl::StrCat("no forward: got ", s.ToString()));
     }
-    GRADSUM_RETURN_IF_ERROR(MoeLayerForward(comm, config, weights, a, {}, absl::MakeSpan(y),
-                                            &state));
+    GRADSUM_RETURN_IF_ERROR(
+        MoeLayerForward(comm, config, weights, a, {}, absl::MakeSpan(y), &state));
     std::vector<float> fewer(2 * D, 1.0f), y2(2 * D);
     s = MoeLayerRecomputeForward(comm, config, weights, fewer, absl::MakeSpan(y2), &state);
     if (s.code() != absl::StatusCode::kFailedPrecondition ||

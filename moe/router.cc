@@ -42,9 +42,7 @@ absl::Status ForEachRowBlock(const RouterConfig& config, int64_t T,
 
 // Threads for one GEMM of ForEachRowBlock's fn: the budget when there is one block of all
 // rows, else 1 (the blocks are the parallelism).
-int GemmThreads(const RouterConfig& config) {
-  return config.row_block > 0 ? 1 : ComputeThreads();
-}
+int GemmThreads(const RouterConfig& config) { return config.row_block > 0 ? 1 : ComputeThreads(); }
 
 }  // namespace
 
@@ -126,8 +124,8 @@ absl::StatusOr<RouterOutput> RouterForward(const RouterConfig& config, absl::Spa
 
   // u = a @ Wr in fp32 (SEMANTICS.md §10).
   GRADSUM_RETURN_IF_ERROR(ForEachRowBlock(config, T, [&](int64_t r0, int64_t n) {
-    return Sgemm(Trans::kNo, Trans::kNo, n, E, D, 1.0f, a.subspan(r0 * D, n * D), D,
-                 router_weight, E, 0.0f, absl::MakeSpan(out.logits).subspan(r0 * E, n * E), E,
+    return Sgemm(Trans::kNo, Trans::kNo, n, E, D, 1.0f, a.subspan(r0 * D, n * D), D, router_weight,
+                 E, 0.0f, absl::MakeSpan(out.logits).subspan(r0 * E, n * E), E,
                  GemmThreads(config));
   }));
 
@@ -195,8 +193,7 @@ absl::StatusOr<RouterOutput> RouterForward(const RouterConfig& config, absl::Spa
     for (int k = 0; k < K; ++k) topk_sum += p[order[k]];
     // Unbiased softmax selection: topk_sum >= max_e p >= 1/E > 0. A bias or sigmoid scores
     // may pick scores that all round to 0: then the weights are 0, not NaN.
-    const double norm =
-        !config.norm_topk_prob ? 1.0 : (topk_sum > 0.0 ? 1.0 / topk_sum : 0.0);
+    const double norm = !config.norm_topk_prob ? 1.0 : (topk_sum > 0.0 ? 1.0 / topk_sum : 0.0);
     for (int k = 0; k < K; ++k) {
       const int e = order[k];
       out.expert_index[t * K + k] = e;

@@ -119,8 +119,7 @@ struct RouterOutputGrads {
 absl::Status RouterBackward(const RouterConfig& config, absl::Span<const float> a,
                             absl::Span<const float> router_weight, const RouterOutput& forward,
                             const RouterOutputGrads& grads, absl::Span<float> d_router_weight,
-                            absl::Span<float> d_a,
-                            ExactGradSink* d_router_weight_exact = nullptr);
+                            absl::Span<float> d_a, ExactGradSink* d_router_weight_exact = nullptr);
 
 }  // namespace gradsum::moe
 

@@ -7,11 +7,11 @@
 #include <tuple>
 #include <vector>
 
+#include "core/thread_pool.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "moe/reference.h"
 #include "moe/test_util.h"
-#include "core/thread_pool.h"
 
 namespace gradsum::moe {
 namespace {
@@ -168,8 +168,8 @@ INSTANTIATE_TEST_SUITE_P(Configs, RouterParamTest,
 // combine weights and probabilities, with `bias` for the selection) against its own
 // RouterBackward: T = 6 tokens, D = 5, E = 4, K = 2.
 void ExpectBackwardMatchesFiniteDifferencesOfFp32Forward(const RouterConfig& config,
-                                                          absl::Span<const float> bias,
-                                                          uint32_t seed) {
+                                                         absl::Span<const float> bias,
+                                                         uint32_t seed) {
   const int T = 6, D = 5, E = 4, K = 2;
   std::vector<float> a = test::ToFloat(test::RandomFp32Values(T * D, 1.0, seed));
   std::vector<float> wr = test::ToFloat(test::RandomFp32Values(D * E, 1.0, seed + 1));
@@ -247,9 +247,8 @@ TEST(RouterTest, RowBlocksComputeEachBlockAsIfAlone) {
     RouterOutputGrads g;
     g.d_combine_weight = absl::MakeConstSpan(cw).subspan(r0 * K, rows * K);
     da->assign(rows * D, 0.0f);
-    ASSERT_TRUE(RouterBackward(c, ab, wr, *out, g, absl::MakeSpan(*dwr), absl::MakeSpan(*da),
-                               sink)
-                    .ok());
+    ASSERT_TRUE(
+        RouterBackward(c, ab, wr, *out, g, absl::MakeSpan(*dwr), absl::MakeSpan(*da), sink).ok());
   };
   std::vector<float> logits, da, unused;
   Recording sink;
@@ -396,13 +395,13 @@ TEST(RouterTest, BadShapesAndValuesAreInvalidArgument) {
 // top-K of score + bias (stable: lower index first on equal keys), weights of the UNBIASED
 // scores.
 struct BiasedRoute {
-  std::vector<int> experts;      // [T, K]
-  std::vector<double> weights;   // [T, K]
-  std::vector<double> scores;    // [T, E]
+  std::vector<int> experts;     // [T, K]
+  std::vector<double> weights;  // [T, K]
+  std::vector<double> scores;   // [T, E]
 };
-BiasedRoute ReferenceBiasedRoute(int T, int D, int E, int K, bool sigmoid, bool norm,
-                                 double scale, const std::vector<double>& a,
-                                 const std::vector<double>& wr, const std::vector<double>& bias) {
+BiasedRoute ReferenceBiasedRoute(int T, int D, int E, int K, bool sigmoid, bool norm, double scale,
+                                 const std::vector<double>& a, const std::vector<double>& wr,
+                                 const std::vector<double>& bias) {
   BiasedRoute r;
   for (int t = 0; t < T; ++t) {
     std::vector<double> u(E, 0.0), s(E), key(E);
@@ -436,15 +435,18 @@ class RouterBiasTest : public ::testing::TestWithParam<std::tuple<bool, bool>> {
 TEST_P(RouterBiasTest, BiasMovesTheSelectionAndTheWeightsStayUnbiased) {
   const auto [sigmoid, norm] = GetParam();
   const int T = 40, D = 8, E = 6, K = 2;
-  RouterConfig config{.d_model = D, .num_experts = E, .top_k = K, .norm_topk_prob = norm,
+  RouterConfig config{.d_model = D,
+                      .num_experts = E,
+                      .top_k = K,
+                      .norm_topk_prob = norm,
                       .router_scale = 1.5f,
                       .score = sigmoid ? RouterScore::kSigmoid : RouterScore::kSoftmax};
   const std::vector<double> a = test::RandomFp32Values(T * D, 1.0, 31);
   const std::vector<double> wr = test::RandomFp32Values(D * E, 1.0, 32);
   // Expert 5 pushed up hard, expert 0 pushed down hard, the rest small nudges.
   const std::vector<double> bias = {-4.0, 0.015625, -0.03125, 0.0, 0.0625, 4.0};
-  absl::StatusOr<RouterOutput> out = RouterForward(config, test::ToFloat(a), test::ToFloat(wr),
-                                                   {}, test::ToFloat(bias));
+  absl::StatusOr<RouterOutput> out =
+      RouterForward(config, test::ToFloat(a), test::ToFloat(wr), {}, test::ToFloat(bias));
   ASSERT_TRUE(out.ok()) << out.status();
   const BiasedRoute ref = ReferenceBiasedRoute(T, D, E, K, sigmoid, norm, 1.5, a, wr, bias);
   const BiasedRoute unbiased = ReferenceBiasedRoute(T, D, E, K, sigmoid, norm, 1.5, a, wr, {});
@@ -488,10 +490,13 @@ TEST(RouterTest, ZeroBiasIsBitIdenticalToNoBias) {
 // with renormalisation, and the scores themselves), with a bias that moves the selection.
 TEST(RouterTest, SigmoidBackwardMatchesFiniteDifferencesOfFp32Forward) {
   const std::vector<float> bias = {0.0f, 0.5f, -0.5f, 0.0f};
-  ExpectBackwardMatchesFiniteDifferencesOfFp32Forward(
-      {.d_model = 5, .num_experts = 4, .top_k = 2, .norm_topk_prob = true, .router_scale = 1.5f,
-       .score = RouterScore::kSigmoid},
-      bias, 51);
+  ExpectBackwardMatchesFiniteDifferencesOfFp32Forward({.d_model = 5,
+                                                       .num_experts = 4,
+                                                       .top_k = 2,
+                                                       .norm_topk_prob = true,
+                                                       .router_scale = 1.5f,
+                                                       .score = RouterScore::kSigmoid},
+                                                      bias, 51);
 }
 
 TEST(RouterTest, BadBiasIsInvalidArgument) {

@@ -45,23 +45,23 @@ absl::StatusOr<std::unique_ptr<ParallelParams>> Parallelize(const model::MoeLmSp
   const int hsdp_groups = (mesh.dense_shard != nullptr) + (mesh.dense_replica != nullptr) +
                           (mesh.expert_shard != nullptr) + (mesh.expert_replica != nullptr);
   if (hsdp_groups != 0 && hsdp_groups != 4) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "mesh: HSDP needs its four groups (dense and expert, shard and replica), got ",
-        hsdp_groups));
+    return absl::InvalidArgumentError(
+        absl::StrCat("mesh: HSDP needs its four groups (dense and expert, shard and replica), got ",
+                     hsdp_groups));
   }
   if (mesh.hsdp()) {
     if (options.sharding != ShardingMode::kSharded) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "mesh: HSDP groups with sharding ", ShardingModeName(options.sharding),
-          " (HSDP shards inside a group: sharded only)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("mesh: HSDP groups with sharding ", ShardingModeName(options.sharding),
+                       " (HSDP shards inside a group: sharded only)"));
     }
     const int N = mesh.dense_shard->size(), R = mesh.dense_replica->size();
     if (N * R != mesh.world->size() || mesh.expert_shard->size() * R * P != mesh.world->size() ||
         mesh.expert_replica->size() != R) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "mesh: HSDP shard group ", N, " x replicas ", R, ", expert shard group ",
-          mesh.expert_shard->size(), " x replicas ", mesh.expert_replica->size(),
-          " do not cover world ", mesh.world->size(), " with ep ", P));
+      return absl::InvalidArgumentError(
+          absl::StrCat("mesh: HSDP shard group ", N, " x replicas ", R, ", expert shard group ",
+                       mesh.expert_shard->size(), " x replicas ", mesh.expert_replica->size(),
+                       " do not cover world ", mesh.world->size(), " with ep ", P));
     }
   }
   if (options.repro_block < 0) {
@@ -146,8 +146,7 @@ absl::StatusOr<std::unique_ptr<ParallelParams>> Parallelize(const model::MoeLmSp
       stage_units.push_back({dense_unit, expert_unit});
     }
     GRADSUM_RETURN_IF_ERROR(add_unit(name, dense, false));
-    GRADSUM_RETURN_IF_ERROR(
-        add_unit(absl::StrCat(name, ".experts.ep", ep_rank), experts, true));
+    GRADSUM_RETURN_IF_ERROR(add_unit(absl::StrCat(name, ".experts.ep", ep_rank), experts, true));
   }
   // The MTP depths (SEMANTICS.md §15.1): one dense unit (the block's norms and projection
   // halves, then its layer's) and one expert unit each, whatever layers_per_unit is.
@@ -161,8 +160,7 @@ absl::StatusOr<std::unique_ptr<ParallelParams>> Parallelize(const model::MoeLmSp
     add_layer_params(spec.mtp_layer(j), expert_unit, dense, experts);
     stage_units.push_back({dense_unit, expert_unit});
     GRADSUM_RETURN_IF_ERROR(add_unit(name, dense, false));
-    GRADSUM_RETURN_IF_ERROR(
-        add_unit(absl::StrCat(name, ".experts.ep", ep_rank), experts, true));
+    GRADSUM_RETURN_IF_ERROR(add_unit(absl::StrCat(name, ".experts.ep", ep_rank), experts, true));
   }
   // The head.
   const int head_unit = static_cast<int>(pp.units_.size());
@@ -175,9 +173,8 @@ absl::StatusOr<std::unique_ptr<ParallelParams>> Parallelize(const model::MoeLmSp
   schedule_options.sharded = options.sharding == ShardingMode::kSharded;
   schedule_options.reshard_after_forward = options.reshard_after_forward;
   GRADSUM_ASSIGN_OR_RETURN(
-      pp.schedule_, UnitSchedule::Create(static_cast<int>(pp.units_.size()),
-                                         std::move(stage_units), std::move(backward_reads),
-                                         schedule_options));
+      pp.schedule_, UnitSchedule::Create(static_cast<int>(pp.units_.size()), std::move(stage_units),
+                                         std::move(backward_reads), schedule_options));
   GRADSUM_ASSIGN_OR_RETURN(pp.store_, device.MakeStore(pp.units(), pp.expert_unit_, options));
   return params;
 }
@@ -286,7 +283,8 @@ absl::StatusOr<NamedParams> ParallelParams::GatherFull(bool grads) {
       groups_.world->AllReduce(all.data(), all.data(), all.size(), DType::kF32, ReduceOp::kSum));
   NamedParams out;
   for (const model::ParamDef& d : defs) {
-    out[d.name].assign(all.begin() + offset.at(d.name), all.begin() + offset.at(d.name) + d.numel());
+    out[d.name].assign(all.begin() + offset.at(d.name),
+                       all.begin() + offset.at(d.name) + d.numel());
   }
   return out;
 }

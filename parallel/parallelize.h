@@ -73,9 +73,9 @@ class UnitDevice {
   virtual ~UnitDevice() = default;
   // `units` (not owned) in forward order; expert_unit[u]: unit u is reduced over the EDP
   // group rather than the world.
-  virtual absl::StatusOr<std::unique_ptr<UnitStore>> MakeStore(
-      std::vector<FlatParam*> units, std::vector<bool> expert_unit,
-      const ParallelOptions& options) = 0;
+  virtual absl::StatusOr<std::unique_ptr<UnitStore>> MakeStore(std::vector<FlatParam*> units,
+                                                               std::vector<bool> expert_unit,
+                                                               const ParallelOptions& options) = 0;
 };
 
 // The host: FlatParam buffers (parallel/host_unit_store.h).
@@ -133,9 +133,10 @@ class ParallelParams : public model::ModelParams {
   const MeshGroups& groups() const { return groups_; }
 
  private:
-  friend absl::StatusOr<std::unique_ptr<ParallelParams>> Parallelize(
-      const model::MoeLmSpec& spec, const MeshGroups& mesh, const ParallelOptions& options,
-      UnitDevice& device);
+  friend absl::StatusOr<std::unique_ptr<ParallelParams>> Parallelize(const model::MoeLmSpec& spec,
+                                                                     const MeshGroups& mesh,
+                                                                     const ParallelOptions& options,
+                                                                     UnitDevice& device);
   ParallelParams() = default;
 
   // Where a parameter lives: its unit and entry (count > 1: a run of entries).
@@ -151,8 +152,8 @@ class ParallelParams : public model::ModelParams {
   int local_experts_ = 1, first_local_expert_ = 0;
   std::vector<std::unique_ptr<FlatParam>> units_;
   std::vector<bool> expert_unit_;
-  std::vector<Ref> dense_;        // per spec parameter (unit -1 for expert parameters)
-  std::vector<Ref> experts_;      // per layer: this rank's stacked experts
+  std::vector<Ref> dense_;    // per spec parameter (unit -1 for expert parameters)
+  std::vector<Ref> experts_;  // per layer: this rank's stacked experts
   UnitSchedule schedule_;
   std::unique_ptr<UnitStore> store_;
 };

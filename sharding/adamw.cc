@@ -75,7 +75,8 @@ absl::Status ShardedAdamW::set_lr(double lr) {
 }
 
 absl::Status ShardedAdamW::set_step(int64_t step) {
-  if (step < 0) return absl::InvalidArgumentError(absl::StrCat("AdamW step must be >= 0, got ", step));
+  if (step < 0)
+    return absl::InvalidArgumentError(absl::StrCat("AdamW step must be >= 0, got ", step));
   step_ = step;
   return absl::OkStatus();
 }
@@ -104,8 +105,8 @@ absl::Status ShardedAdamW::Step() {
   const float inv_sqrt_bc2 =
       static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(o.beta2, static_cast<double>(t))));
   const float eps = static_cast<float>(o.eps);
-  const AdamWScalars c{decay, beta1, beta2, one_minus_beta1, one_minus_beta2, step_size,
-                       inv_sqrt_bc2, eps};
+  const AdamWScalars c{decay,           beta1,     beta2,        one_minus_beta1,
+                       one_minus_beta2, step_size, inv_sqrt_bc2, eps};
   AdamWScalars no_decay = c;
   no_decay.decay = 1.0f;
   for (size_t gi = 0; gi < groups_.size(); ++gi) {

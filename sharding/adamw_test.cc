@@ -4,11 +4,11 @@
 #include <cmath>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include <mutex>
 #include "collectives/thread_backend.h"
 #include "core/status.h"
 #include "gtest/gtest.h"
@@ -60,13 +60,15 @@ TEST(AdamWTest, SingleRankMatchesScalarReference) {
     absl::Span<float> g = (*fp)->master_grad();
     for (int i = 0; i < 40; ++i) {
       // Gradients of all magnitudes, including exact zeros.
-      g[i] = i % 10 == 0 ? 0.0f : static_cast<float>(Noise("g", i, step) * std::pow(10.0, i % 7 - 3));
+      g[i] =
+          i % 10 == 0 ? 0.0f : static_cast<float>(Noise("g", i, step) * std::pow(10.0, i % 7 - 3));
       ref[i].Step(ref_p[i], g[i]);
     }
     ASSERT_TRUE((*opt)->Step().ok());
     EXPECT_EQ((*opt)->step(), step + 1);
     for (int i = 0; i < 40; ++i) {
-      EXPECT_NEAR((*fp)->master()[i], ref_p[i], 1e-6 + 1e-6 * std::fabs(ref_p[i])) << step << " " << i;
+      EXPECT_NEAR((*fp)->master()[i], ref_p[i], 1e-6 + 1e-6 * std::fabs(ref_p[i]))
+          << step << " " << i;
       EXPECT_NEAR((*opt)->exp_avg(0)[i], ref[i].m, 1e-6 * ref[i].m_abs);
       EXPECT_NEAR((*opt)->exp_avg_sq(0)[i], ref[i].v, 1e-6 * ref[i].v + 1e-18);
     }
@@ -86,8 +88,12 @@ TEST(AdamWTest, DecayVectorsFalseExemptsOneDimensionalParameters) {
         fo.mode = mode;
         GRADSUM_ASSIGN_OR_RETURN(auto fp, FlatParam::Create("g", specs, &comm, fo));
         GRADSUM_RETURN_IF_ERROR(InitGroup(*fp));
-        AdamWOptions o{.lr = 0.05, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-8,
-                       .weight_decay = 0.3, .decay_vectors = decay_vectors};
+        AdamWOptions o{.lr = 0.05,
+                       .beta1 = 0.9,
+                       .beta2 = 0.99,
+                       .eps = 1e-8,
+                       .weight_decay = 0.3,
+                       .decay_vectors = decay_vectors};
         GRADSUM_ASSIGN_OR_RETURN(auto opt, ShardedAdamW::Create({fp.get()}, o));
         const int64_t first = fp->master_offset();
         const int64_t n = static_cast<int64_t>(fp->master().size());
@@ -115,26 +121,27 @@ TEST(AdamWTest, DecayVectorsFalseExemptsOneDimensionalParameters) {
         }
         for (int64_t i = 0; i < fp->numel() - first && i < n; ++i) {
           if (std::fabs(fp->master()[i] - ref_p[i]) > 1e-6 + 1e-6 * std::fabs(ref_p[i])) {
-            return absl::InternalError(absl::StrCat("element ", first + i, ": ",
-                                                    fp->master()[i], " vs ", ref_p[i]));
+            return absl::InternalError(
+                absl::StrCat("element ", first + i, ": ", fp->master()[i], " vs ", ref_p[i]));
           }
         }
         return absl::OkStatus();
       });
-      EXPECT_TRUE(s.ok()) << "decay_vectors " << decay_vectors << " "
-                          << ShardingModeName(mode) << ": " << s;
+      EXPECT_TRUE(s.ok()) << "decay_vectors " << decay_vectors << " " << ShardingModeName(mode)
+                          << ": " << s;
     }
   }
 }
 
 TEST(AdamWTest, OptionsAreValidated) {
-  for (AdamWOptions bad : {AdamWOptions{.lr = -1}, AdamWOptions{.beta1 = 1.0},
-                           AdamWOptions{.beta2 = -0.1}, AdamWOptions{.eps = 0},
-                           AdamWOptions{.weight_decay = -0.5}, AdamWOptions{.lr = NAN}}) {
+  for (AdamWOptions bad :
+       {AdamWOptions{.lr = -1}, AdamWOptions{.beta1 = 1.0}, AdamWOptions{.beta2 = -0.1},
+        AdamWOptions{.eps = 0}, AdamWOptions{.weight_decay = -0.5}, AdamWOptions{.lr = NAN}}) {
     auto opt = ShardedAdamW::Create({}, bad);
     EXPECT_EQ(opt.status().code(), absl::StatusCode::kInvalidArgument) << opt.status();
   }
-  EXPECT_EQ(ShardedAdamW::Create({nullptr}, {}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ShardedAdamW::Create({nullptr}, {}).status().code(),
+            absl::StatusCode::kInvalidArgument);
   auto opt = ShardedAdamW::Create({}, {});
   ASSERT_TRUE(opt.ok());
   EXPECT_EQ((*opt)->set_lr(-2).code(), absl::StatusCode::kInvalidArgument);
@@ -151,7 +158,9 @@ struct ToySetup {
   ShardingMode mode;
 };
 
-AdamWOptions ToyAdamW() { return {.lr = 0.05, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-8, .weight_decay = 0.01}; }
+AdamWOptions ToyAdamW() {
+  return {.lr = 0.05, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-8, .weight_decay = 0.01};
+}
 
 // Full parameter values after training, by name.
 using Params = std::map<std::string, std::vector<double>>;
@@ -169,7 +178,9 @@ Params ReferenceTraining(const ToySetup& s) {
       int64_t n = 1;
       for (int64_t d : sp.shape) n *= d;
       const std::vector<float> init = InitValue(sp.name, n);
-      params.push_back({sp.name, slot, {init.begin(), init.end()},
+      params.push_back({sp.name,
+                        slot,
+                        {init.begin(), init.end()},
                         std::vector<ScalarAdamW>(n, ScalarAdamW{ToyAdamW()})});
     }
   };
@@ -213,15 +224,17 @@ absl::StatusOr<Params> DistributedTraining(const ToySetup& s) {
   std::mutex mu;
   absl::Status status = RunRanks(s.world, [&](Communicator& comm) -> absl::Status {
     const int slot = comm.rank() % s.ep;
-    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> edp, comm.Split(slot, comm.rank() / s.ep));
+    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> edp,
+                             comm.Split(slot, comm.rank() / s.ep));
     FlatParamOptions opts;
     opts.mode = s.mode;
     std::vector<std::unique_ptr<FlatParam>> owned;
     GRADSUM_ASSIGN_OR_RETURN(auto dense, FlatParam::Create("dense", DenseSpecs(), &comm, opts));
     owned.push_back(std::move(dense));
     if (s.ep > 1) {
-      GRADSUM_ASSIGN_OR_RETURN(auto experts, FlatParam::Create(absl::StrCat("experts.ep", slot),
-                                                               ExpertSpecs(slot, 2), edp.get(), opts));
+      GRADSUM_ASSIGN_OR_RETURN(
+          auto experts, FlatParam::Create(absl::StrCat("experts.ep", slot), ExpertSpecs(slot, 2),
+                                          edp.get(), opts));
       owned.push_back(std::move(experts));
     }
     std::vector<FlatParam*> groups;
@@ -250,10 +263,10 @@ absl::StatusOr<Params> DistributedTraining(const ToySetup& s) {
 
 TEST(AdamWTest, ToyTrainingOnMeshMatchesDoubleReference) {
   const ToySetup setups[] = {
-      {1, 1, 2, 3, 0.0, ShardingMode::kSharded},   {2, 1, 3, 3, 1.0, ShardingMode::kSharded},
+      {1, 1, 2, 3, 0.0, ShardingMode::kSharded},    {2, 1, 3, 3, 1.0, ShardingMode::kSharded},
       {3, 1, 2, 3, 1.0, ShardingMode::kReplicated}, {4, 2, 2, 3, 1.0, ShardingMode::kSharded},
-      {5, 1, 1, 3, 0.5, ShardingMode::kSharded},   {6, 3, 2, 3, 1.0, ShardingMode::kReplicated},
-      {7, 1, 2, 3, 0.0, ShardingMode::kSharded},   {8, 4, 2, 3, 1.0, ShardingMode::kSharded},
+      {5, 1, 1, 3, 0.5, ShardingMode::kSharded},    {6, 3, 2, 3, 1.0, ShardingMode::kReplicated},
+      {7, 1, 2, 3, 0.0, ShardingMode::kSharded},    {8, 4, 2, 3, 1.0, ShardingMode::kSharded},
       {8, 2, 1, 3, 1.0, ShardingMode::kReplicated},
   };
   for (const ToySetup& s : setups) {
@@ -265,8 +278,8 @@ TEST(AdamWTest, ToyTrainingOnMeshMatchesDoubleReference) {
       const std::vector<double>& have = got->at(name);
       ASSERT_EQ(have.size(), want.size()) << name;
       for (size_t i = 0; i < want.size(); ++i) {
-        EXPECT_NEAR(have[i], want[i], 2e-5) << "world " << s.world << " ep " << s.ep << " " << name
-                                            << "[" << i << "]";
+        EXPECT_NEAR(have[i], want[i], 2e-5)
+            << "world " << s.world << " ep " << s.ep << " " << name << "[" << i << "]";
       }
     }
   }

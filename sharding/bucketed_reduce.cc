@@ -22,10 +22,10 @@ absl::StatusOr<std::unique_ptr<BucketedGradReducer>> BucketedGradReducer::Create
     // The norm and the trainer take exact and fp32 groups as different runs: one reducer
     // holds one kind (f32 and bf16 wire may mix, in buckets of their own dtype).
     if (IsExact(g->precision()) != IsExact(groups[0]->precision())) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "BucketedGradReducer: group \"", g->name(), "\" has precision ",
-          GradPrecisionName(g->precision()), " but \"", groups[0]->name(), "\" has ",
-          GradPrecisionName(groups[0]->precision())));
+      return absl::InvalidArgumentError(
+          absl::StrCat("BucketedGradReducer: group \"", g->name(), "\" has precision ",
+                       GradPrecisionName(g->precision()), " but \"", groups[0]->name(), "\" has ",
+                       GradPrecisionName(groups[0]->precision())));
     }
     if (g->group() != groups[0]->group()) {
       return absl::InvalidArgumentError(absl::StrCat("BucketedGradReducer: group \"", g->name(),
@@ -42,9 +42,9 @@ absl::StatusOr<std::unique_ptr<BucketedGradReducer>> BucketedGradReducer::Create
   options.bucket_cap_bytes = bucket_cap_bytes;
   options.first_bucket_cap_bytes = first_bucket_cap_bytes;
   if (device != nullptr && IsExact(groups[0]->precision())) {
-    return absl::UnimplementedError(absl::StrCat(
-        "BucketedGradReducer: exact gradients (group \"", groups[0]->name(),
-        "\") are reduced in host buckets only"));
+    return absl::UnimplementedError(absl::StrCat("BucketedGradReducer: exact gradients (group \"",
+                                                 groups[0]->name(),
+                                                 "\") are reduced in host buckets only"));
   }
   if (device != nullptr) {
     if (device->comm == nullptr || device->memory == nullptr) {
@@ -52,10 +52,10 @@ absl::StatusOr<std::unique_ptr<BucketedGradReducer>> BucketedGradReducer::Create
           "BucketedGradReducer: device buckets need a communicator and a memory");
     }
     if (device->comm->rank() != comm->rank() || device->comm->size() != comm->size()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "BucketedGradReducer: the device communicator is rank ", device->comm->rank(), " of ",
-          device->comm->size(), " but group \"", groups[0]->name(), "\"'s is rank ",
-          comm->rank(), " of ", comm->size()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("BucketedGradReducer: the device communicator is rank ",
+                       device->comm->rank(), " of ", device->comm->size(), " but group \"",
+                       groups[0]->name(), "\"'s is rank ", comm->rank(), " of ", comm->size()));
     }
     comm = device->comm;
     options.memory = device->memory;
@@ -70,10 +70,10 @@ absl::StatusOr<std::unique_ptr<BucketedGradReducer>> BucketedGradReducer::Create
       const FlatParamEntry& e = g->entries()[k];
       // Each element as the precision puts it on the wire (exact: its int64 limbs,
       // SEMANTICS.md §11).
-      GRADSUM_ASSIGN_OR_RETURN(
-          int id, r->bucketer_.Register(absl::StrCat(g->name(), "/", e.name),
-                                        GradWireDType(grad.precision()),
-                                        e.numel * grad.wire_words_per_element()));
+      GRADSUM_ASSIGN_OR_RETURN(int id,
+                               r->bucketer_.Register(absl::StrCat(g->name(), "/", e.name),
+                                                     GradWireDType(grad.precision()),
+                                                     e.numel * grad.wire_words_per_element()));
       ids.push_back(id);
       r->owner_.push_back({static_cast<int>(gi), k});
     }
@@ -102,8 +102,8 @@ absl::Status BucketedGradReducer::GroupReady(int index) {
   FlatParam& g = *groups_[index];
   // Checked before touching the bucket storage: an all-reduce may be reading it now.
   if (handed_[index]) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "BucketedGradReducer: group \"", g.name(), "\" was already handed over this step"));
+    return absl::FailedPreconditionError(absl::StrCat("BucketedGradReducer: group \"", g.name(),
+                                                      "\" was already handed over this step"));
   }
   handed_[index] = true;
   UnitGrad& grad = g.unit_grad();
@@ -156,9 +156,9 @@ absl::Status BucketedGradReducer::Finish() {
       const auto [gi, k] = owner_[id];
       if (k < 0) continue;  // a rejected count, read above
       const FlatParamEntry& e = groups_[gi]->entries()[k];
-      const void* src = device_ ? reinterpret_cast<const char*>(staging.data()) +
-                                      info.offsets[i] * esize
-                                : bucketer_.grad(id).raw();
+      const void* src =
+          device_ ? reinterpret_cast<const char*>(staging.data()) + info.offsets[i] * esize
+                  : bucketer_.grad(id).raw();
       GRADSUM_RETURN_IF_ERROR(
           groups_[gi]->unit_grad().FromWire(e.offset, e.numel, src, rejected[gi]));
     }
@@ -174,9 +174,8 @@ absl::Status BucketedGradReducer::Abandon() {
 }
 
 absl::StatusOr<BucketedUnitReducers> BucketedUnitReducers::Create(
-    const std::vector<FlatParam*>& units, size_t bucket_cap_bytes,
-    size_t first_bucket_cap_bytes, const std::vector<Communicator*>* device_comms,
-    BucketMemory* memory) {
+    const std::vector<FlatParam*>& units, size_t bucket_cap_bytes, size_t first_bucket_cap_bytes,
+    const std::vector<Communicator*>* device_comms, BucketMemory* memory) {
   if (device_comms != nullptr && device_comms->size() != units.size()) {
     return absl::InvalidArgumentError(absl::StrCat("BucketedUnitReducers: ", units.size(),
                                                    " units but ", device_comms->size(),
@@ -214,8 +213,8 @@ absl::StatusOr<BucketedUnitReducers> BucketedUnitReducers::Create(
 
 absl::Status BucketedUnitReducers::Ready(int u) {
   if (u < 0 || u >= static_cast<int>(reducer_of_.size())) {
-    return absl::InvalidArgumentError(absl::StrCat("BucketedUnitReducers: unit ", u,
-                                                   " outside [0, ", reducer_of_.size(), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("BucketedUnitReducers: unit ", u, " outside [0, ", reducer_of_.size(), ")"));
   }
   const auto [r, index] = reducer_of_[u];
   handed_[r] = true;

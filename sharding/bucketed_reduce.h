@@ -53,7 +53,7 @@ namespace gradsum {
 
 // Where device buckets live and what reduces them (see above). Not owned.
 struct BucketedGradDevice {
-  Communicator* comm = nullptr;   // same rank and size as the groups' host communicator
+  Communicator* comm = nullptr;  // same rank and size as the groups' host communicator
   BucketMemory* memory = nullptr;
 };
 
@@ -86,9 +86,7 @@ class BucketedGradReducer {
 
   // Group `index`'s parameter k's bucket view (device buckets: where its gradient goes).
   // Precondition: both in range.
-  TensorView grad_view(int index, int k) const {
-    return bucketer_.grad(param_ids_[index][k]);
-  }
+  TensorView grad_view(int index, int k) const { return bucketer_.grad(param_ids_[index][k]); }
 
   const GradBucketer& bucketer() const { return bucketer_; }
 
@@ -100,7 +98,7 @@ class BucketedGradReducer {
   // Bucketer ids of each group's parameters, and of its rejected count (-1: none).
   std::vector<std::vector<int>> param_ids_;
   std::vector<int> rejected_ids_;
-  std::vector<bool> handed_;                 // GroupReady called in the current step
+  std::vector<bool> handed_;                // GroupReady called in the current step
   std::vector<std::pair<int, int>> owner_;  // bucketer id -> (group, parameter or -1)
   GradBucketer bucketer_;
 };
@@ -114,9 +112,8 @@ class BucketedUnitReducers {
   // entry per unit) / `memory`: as BucketedGradDevice, per unit; both null for host
   // buckets. Errors of BucketedGradReducer::Create.
   static absl::StatusOr<BucketedUnitReducers> Create(
-      const std::vector<FlatParam*>& units, size_t bucket_cap_bytes,
-      size_t first_bucket_cap_bytes, const std::vector<Communicator*>* device_comms = nullptr,
-      BucketMemory* memory = nullptr);
+      const std::vector<FlatParam*>& units, size_t bucket_cap_bytes, size_t first_bucket_cap_bytes,
+      const std::vector<Communicator*>* device_comms = nullptr, BucketMemory* memory = nullptr);
   BucketedUnitReducers() = default;
 
   // Unit u's gradient is complete (last micro-batch): BucketedGradReducer::GroupReady.

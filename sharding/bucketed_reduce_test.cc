@@ -72,7 +72,8 @@ absl::StatusOr<std::vector<std::vector<std::vector<float>>>> Reduce(int world, P
     std::unique_ptr<BucketedGradReducer> reducer;
     const bool bucketed = path == Path::kBucketed || path == Path::kDeviceBuckets;
     // Device buckets: f32 gradients accumulate in the bucket views themselves; bf16 ones
-    // in the group's fp32 buffer, rounded into the views when handed over (as the GPU store, parallel/cuda).
+    // in the group's fp32 buffer, rounded into the views when handed over (as the GPU store,
+    // parallel/cuda).
     const bool in_views = path == Path::kDeviceBuckets && precision == GradPrecision::kF32;
     CountingMemory memory;
     const BucketedGradDevice device{&comm, &memory};
@@ -110,9 +111,9 @@ absl::StatusOr<std::vector<std::vector<std::vector<float>>>> Reduce(int world, P
       // One copy to the host per bucket, then the views zeroed for the next step.
       const int buckets = reducer->bucketer().num_buckets();
       if (memory.live != buckets || memory.copies != buckets || memory.zeroes < buckets) {
-        return absl::InternalError(absl::StrCat(memory.live, " buckets allocated, ",
-                                                memory.copies, " copies, ", memory.zeroes,
-                                                " zeroes for ", buckets, " buckets"));
+        return absl::InternalError(absl::StrCat(memory.live, " buckets allocated, ", memory.copies,
+                                                " copies, ", memory.zeroes, " zeroes for ", buckets,
+                                                " buckets"));
       }
       for (int gi = 0; gi < static_cast<int>(groups.size()); ++gi) {
         for (int k = 0; k < groups[gi]->num_params(); ++k) {
@@ -170,7 +171,8 @@ TEST(BucketedGradReducerTest, BitIdenticalToPerGroupAllReduceAndToSharded) {
   // Not vacuous: the reduced value is the rank sum of the inputs (world 2, G 1, fp32).
   auto r = Reduce(2, Path::kBucketed, 1, GradPrecision::kF32);
   ASSERT_TRUE(r.ok());
-  const float want = static_cast<float>(Noise("norm0.g", 0, 0, 0)) + static_cast<float>(Noise("norm0.g", 0, 1, 0));
+  const float want =
+      static_cast<float>(Noise("norm0.g", 0, 0, 0)) + static_cast<float>(Noise("norm0.g", 0, 1, 0));
   const std::vector<float>& norm0_rank0 = (*r)[1][0];  // group "norm0", owned slice of rank 0
   ASSERT_FALSE(norm0_rank0.empty());
   EXPECT_EQ(norm0_rank0[0], want);
@@ -206,10 +208,9 @@ TEST(BucketedGradReducerTest, MisuseIsRefused) {
   EXPECT_EQ(BucketedGradReducer::Create({a->get()}, 40, 0, &no_memory).status().code(),
             absl::StatusCode::kInvalidArgument);
   const std::vector<Communicator*> one_comm = {(*comms)[0].get()};
-  EXPECT_EQ(BucketedUnitReducers::Create({a->get(), a->get()}, 40, 0, &one_comm, &memory)
-                .status()
-                .code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      BucketedUnitReducers::Create({a->get(), a->get()}, 40, 0, &one_comm, &memory).status().code(),
+      absl::StatusCode::kInvalidArgument);
 
   absl::Status s = RunRanks(2, [&](Communicator& comm) -> absl::Status {
     GRADSUM_ASSIGN_OR_RETURN(auto x, FlatParam::Create("x", {{"w", {4}}}, &comm, rep));

@@ -163,12 +163,13 @@ absl::StatusOr<GroupRecord> GroupFromProto(const cp::GroupRecord& o, const std::
   g.shard_offset = o.shard_offset();
   g.local_numel = o.local_numel();
   const std::string where = absl::StrCat("group \"", g.name, "\": ");
-  GRADSUM_RETURN_IF_ERROR(CheckNotNegative(file, where, {{"group_size", g.group_size},
-                                                         {"group_rank", g.group_rank},
-                                                         {"numel", g.numel},
-                                                         {"padded_numel", g.padded_numel},
-                                                         {"shard_offset", g.shard_offset},
-                                                         {"local_numel", g.local_numel}}));
+  GRADSUM_RETURN_IF_ERROR(CheckNotNegative(file, where,
+                                           {{"group_size", g.group_size},
+                                            {"group_rank", g.group_rank},
+                                            {"numel", g.numel},
+                                            {"padded_numel", g.padded_numel},
+                                            {"shard_offset", g.shard_offset},
+                                            {"local_numel", g.local_numel}}));
   // The layout must be the one FlatParam computes; anything else is corruption.
   if (g.group_size < 1 || g.group_rank >= g.group_size || g.numel > (int64_t{1} << 60)) {
     return Loss(file, absl::StrCat(where, "group_rank ", g.group_rank, " / group_size ",
@@ -177,10 +178,10 @@ absl::StatusOr<GroupRecord> GroupFromProto(const cp::GroupRecord& o, const std::
   const ShardLayout layout = ComputeShardLayout(g.numel, g.group_size, g.group_rank);
   if (g.padded_numel != layout.padded_numel || g.shard_offset != layout.shard_offset ||
       g.local_numel != layout.local_numel) {
-    return Loss(file, absl::StrCat(where, "padded_numel ", g.padded_numel, ", shard_offset ",
-                                   g.shard_offset, ", local_numel ", g.local_numel,
-                                   " do not match numel ", g.numel, " over ", g.group_size,
-                                   " ranks"));
+    return Loss(
+        file, absl::StrCat(where, "padded_numel ", g.padded_numel, ", shard_offset ",
+                           g.shard_offset, ", local_numel ", g.local_numel, " do not match numel ",
+                           g.numel, " over ", g.group_size, " ranks"));
   }
   if (g.mode != ShardingModeName(ShardingMode::kSharded) &&
       g.mode != ShardingModeName(ShardingMode::kReplicated)) {
@@ -192,7 +193,8 @@ absl::StatusOr<GroupRecord> GroupFromProto(const cp::GroupRecord& o, const std::
     e.name = p.name();
     e.offset = p.offset();
     for (int64_t d : p.shape()) {
-      if (d < 0) return Loss(file, absl::StrCat(where, "parameter \"", e.name, "\" has a bad shape"));
+      if (d < 0)
+        return Loss(file, absl::StrCat(where, "parameter \"", e.name, "\" has a bad shape"));
       e.shape.push_back(d);
     }
     absl::StatusOr<int64_t> n = NumElements(e.shape);
@@ -221,15 +223,17 @@ absl::StatusOr<Manifest> ReadManifest(const std::string& dir, int64_t rank) {
   m.step = v.step();
   m.tensors_file = v.tensors_file();
   m.tensors_bytes = v.tensors_bytes();
-  GRADSUM_RETURN_IF_ERROR(CheckNotNegative(path, "", {{"rank", m.rank},
-                                                      {"world", m.world},
-                                                      {"step", m.step},
-                                                      {"tensors_bytes", m.tensors_bytes}}));
+  GRADSUM_RETURN_IF_ERROR(CheckNotNegative(path, "",
+                                           {{"rank", m.rank},
+                                            {"world", m.world},
+                                            {"step", m.step},
+                                            {"tensors_bytes", m.tensors_bytes}}));
   GRADSUM_ASSIGN_OR_RETURN(m.tensors_fingerprint,
                            FromHex(path, "tensors_fingerprint", v.tensors_fingerprint()));
   if (m.rank != rank) return Loss(path, absl::StrCat("records rank ", m.rank, ", expected ", rank));
   if (m.tensors_file != TensorsName(rank)) {
-    return Loss(path, absl::StrCat("tensors_file \"", m.tensors_file, "\" is not ", TensorsName(rank)));
+    return Loss(path,
+                absl::StrCat("tensors_file \"", m.tensors_file, "\" is not ", TensorsName(rank)));
   }
   std::set<std::string> names;
   for (const cp::GroupRecord& gp : v.groups()) {
@@ -262,8 +266,8 @@ absl::StatusOr<MarkerRecord> ReadMarker(const std::string& dir) {
     if (::access(dir.c_str(), F_OK) != 0) {
       return absl::NotFoundError(absl::StrCat("no checkpoint directory '", dir, "'"));
     }
-    return absl::NotFoundError(absl::StrCat("'", dir, "' has no ", kMarkerName,
-                                            ": no checkpoint, or an incomplete one"));
+    return absl::NotFoundError(
+        absl::StrCat("'", dir, "' has no ", kMarkerName, ": no checkpoint, or an incomplete one"));
   }
   cp::CommitMarker v;
   GRADSUM_RETURN_IF_ERROR(ReadJsonFile(path, &v));
@@ -278,8 +282,8 @@ absl::StatusOr<MarkerRecord> ReadMarker(const std::string& dir) {
   if (m.world < 1) return Loss(path, absl::StrCat("world is ", m.world));
   GRADSUM_RETURN_IF_ERROR(CheckNotNegative(path, "", {{"step", m.step}}));
   if (v.ranks_size() != m.world) {
-    return Loss(path, absl::StrCat("records the files of ", v.ranks_size(), " ranks, world is ",
-                                   m.world));
+    return Loss(
+        path, absl::StrCat("records the files of ", v.ranks_size(), " ranks, world is ", m.world));
   }
   for (const cp::RankFiles& files : v.ranks()) {
     GRADSUM_ASSIGN_OR_RETURN(uint64_t manifest, FromHex(path, "manifest", files.manifest()));
@@ -295,11 +299,10 @@ absl::StatusOr<MarkerRecord> ReadMarker(const std::string& dir) {
 absl::Status CheckAgainstMarker(const std::string& dir, const MarkerRecord& marker,
                                 const Manifest& m) {
   if (m.world != marker.world || m.step != marker.step) {
-    return absl::DataLossError(absl::StrCat("checkpoint '", dir, "': rank ", m.rank, "'s ",
-                                            ManifestName(m.rank), " records world ", m.world,
-                                            " step ", m.step, ", the commit marker world ",
-                                            marker.world, " step ", marker.step,
-                                            " (files from different saves)"));
+    return absl::DataLossError(
+        absl::StrCat("checkpoint '", dir, "': rank ", m.rank, "'s ", ManifestName(m.rank),
+                     " records world ", m.world, " step ", m.step, ", the commit marker world ",
+                     marker.world, " step ", marker.step, " (files from different saves)"));
   }
   const auto& [manifest_fp, tensors_fp] = marker.rank_files[m.rank];
   if (m.file_fingerprint != manifest_fp || m.tensors_fingerprint != tensors_fp) {
@@ -309,8 +312,7 @@ absl::Status CheckAgainstMarker(const std::string& dir, const MarkerRecord& mark
         manifest ? ManifestName(m.rank) : TensorsName(m.rank),
         " is not the file this save's commit marker recorded (fingerprint ",
         Hex(manifest ? m.file_fingerprint : m.tensors_fingerprint), ", recorded ",
-        Hex(manifest ? manifest_fp : tensors_fp),
-        "): it comes from another run or another save"));
+        Hex(manifest ? manifest_fp : tensors_fp), "): it comes from another run or another save"));
   }
   return absl::OkStatus();
 }
@@ -361,10 +363,9 @@ class SavedLayout {
                             p.unit->group_size != g.group_size || p.entry->offset != e.offset ||
                             p.entry->shape != e.shape)) {
             return absl::DataLossError(absl::StrCat(
-                "checkpoint '", dir, "': parameter \"", e.name, "\" is at offset ",
-                p.entry->offset, " of unit \"", p.unit->name, "\" on one rank and at offset ",
-                e.offset, " of unit \"", g.name, "\" on rank ", m.rank,
-                " (inconsistent manifests)"));
+                "checkpoint '", dir, "': parameter \"", e.name, "\" is at offset ", p.entry->offset,
+                " of unit \"", p.unit->name, "\" on one rank and at offset ", e.offset,
+                " of unit \"", g.name, "\" on rank ", m.rank, " (inconsistent manifests)"));
           }
         }
       }
@@ -626,9 +627,9 @@ absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& dir, Communicat
   }
   for (size_t i = 0; i < used_anywhere.size(); ++i) {
     if (used_anywhere[i] == 0) {
-      return MarkAgreed(absl::FailedPreconditionError(absl::StrCat(
-          "checkpoint '", dir, "' has parameter \"", used_names[i],
-          "\", which this model does not have")));
+      return MarkAgreed(absl::FailedPreconditionError(
+          absl::StrCat("checkpoint '", dir, "' has parameter \"", used_names[i],
+                       "\", which this model does not have")));
     }
   }
 
@@ -692,9 +693,9 @@ absl::Status ExportConsolidated(const std::string& dir, const std::string& out_p
                              TensorView::Create(e.numel > 0 ? base : nullptr, dtype, e.shape));
     absl::Status s = writer.Add(e.name, view);
     if (!s.ok()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "checkpoint '", dir, "': parameter \"", e.name, "\" of group \"", p.unit->name,
-          "\" cannot be exported: ", s.message()));
+      return absl::FailedPreconditionError(absl::StrCat("checkpoint '", dir, "': parameter \"",
+                                                        e.name, "\" of group \"", p.unit->name,
+                                                        "\" cannot be exported: ", s.message()));
     }
   }
   GRADSUM_RETURN_IF_ERROR(writer.AddMetadata("format", "pt"));

@@ -59,8 +59,8 @@
 namespace gradsum {
 
 struct CheckpointInfo {
-  int64_t step = 0;                           // the optimizer's step() when saved
-  int64_t world = 0;                          // the world size that saved it
+  int64_t step = 0;                          // the optimizer's step() when saved
+  int64_t world = 0;                         // the world size that saved it
   std::map<std::string, std::string> extra;  // SaveCheckpoint's `extra`, verbatim
 };
 

@@ -8,13 +8,13 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
-#include <mutex>
 #include "core/half.h"
 #include "core/status.h"
 #include "gtest/gtest.h"
@@ -88,14 +88,16 @@ absl::StatusOr<Model> BuildModel(Communicator& comm, const RunSetup& s) {
   m.owned.push_back(std::move(d));
   if (s.ep > 1) {
     const std::string name = s.same_expert_names ? "experts" : absl::StrCat("experts.ep", slot);
-    GRADSUM_ASSIGN_OR_RETURN(auto e, FlatParam::Create(name, ExpertSpecs(slot, 2), m.edp.get(), opts));
+    GRADSUM_ASSIGN_OR_RETURN(auto e,
+                             FlatParam::Create(name, ExpertSpecs(slot, 2), m.edp.get(), opts));
     m.owned.push_back(std::move(e));
   }
   for (auto& g : m.owned) {
     GRADSUM_RETURN_IF_ERROR(InitGroup(*g));
     m.groups.push_back(g.get());
   }
-  GRADSUM_ASSIGN_OR_RETURN(m.opt, ShardedAdamW::Create(m.groups, {.lr = 0.05, .weight_decay = 0.01}));
+  GRADSUM_ASSIGN_OR_RETURN(m.opt,
+                           ShardedAdamW::Create(m.groups, {.lr = 0.05, .weight_decay = 0.01}));
   return m;
 }
 
@@ -120,7 +122,7 @@ absl::Status Collect(Model& m, std::mutex& mu, Params* out) {
 // Trains `steps` steps from scratch, or (load_dir set) from a checkpoint; then saves to
 // save_dir if set. Returns the full parameters at the end.
 absl::StatusOr<Params> Train(const RunSetup& s, int steps, const std::string& load_dir,
-                           const std::string& save_dir) {
+                             const std::string& save_dir) {
   Params out;
   std::mutex mu;
   absl::Status status = RunRanks(s.world, [&](Communicator& comm) -> absl::Status {
@@ -135,8 +137,8 @@ absl::StatusOr<Params> Train(const RunSetup& s, int steps, const std::string& lo
       GRADSUM_RETURN_IF_ERROR(ToyTrainStep(m.groups, *m.opt, comm, s.micro_batches, 1.0));
     }
     if (!save_dir.empty()) {
-      GRADSUM_RETURN_IF_ERROR(SaveCheckpoint(save_dir, comm, *m.opt,
-                                             {{"data_position", absl::StrCat(m.opt->step() * 10)}}));
+      GRADSUM_RETURN_IF_ERROR(SaveCheckpoint(
+          save_dir, comm, *m.opt, {{"data_position", absl::StrCat(m.opt->step() * 10)}}));
     }
     return Collect(m, mu, &out);
   });
@@ -149,7 +151,8 @@ void ExpectBitEqual(const Params& a, const Params& b, absl::string_view what) {
   for (const auto& [name, va] : a) {
     const std::vector<float>& vb = b.at(name);
     ASSERT_EQ(va.size(), vb.size()) << what << " " << name;
-    EXPECT_TRUE(va.empty() || std::memcmp(va.data(), vb.data(), va.size() * 4) == 0) << what << " " << name;
+    EXPECT_TRUE(va.empty() || std::memcmp(va.data(), vb.data(), va.size() * 4) == 0)
+        << what << " " << name;
   }
 }
 
@@ -218,7 +221,8 @@ TEST(CheckpointTest, FilesHoldOnlyUnpaddedSlicesAndExportHasFullParameters) {
     absl::StatusOr<TensorView> t = f->Get(name);
     ASSERT_TRUE(t.ok()) << t.status();
     ASSERT_EQ(t->numel(), static_cast<int64_t>(values.size()));
-    EXPECT_TRUE(values.empty() || std::memcmp(t->raw(), values.data(), values.size() * 4) == 0) << name;
+    EXPECT_TRUE(values.empty() || std::memcmp(t->raw(), values.data(), values.size() * 4) == 0)
+        << name;
   }
   EXPECT_EQ(f->Get("head")->shape(), (std::vector<int64_t>{3, 5}));
   EXPECT_EQ(f->Get("expert7.w1")->shape(), (std::vector<int64_t>{3, 2}));
@@ -292,7 +296,8 @@ TEST(CheckpointTest, CorruptOrMismatchedCheckpointsAreErrorsOnEveryRank) {
   };
   const std::string t1 = "/rank-00001.safetensors", m1 = "/rank-00001.manifest.json";
   const std::vector<Case> cases = {
-      {"truncated tensors", [&](const std::string& d) { Write(d + t1, Read(d + t1).substr(0, 50)); },
+      {"truncated tensors",
+       [&](const std::string& d) { Write(d + t1, Read(d + t1).substr(0, 50)); },
        absl::StatusCode::kDataLoss, "manifest says"},
       {"flipped data byte",
        [&](const std::string& d) {
@@ -323,7 +328,8 @@ TEST(CheckpointTest, CorruptOrMismatchedCheckpointsAreErrorsOnEveryRank) {
        absl::StatusCode::kDataLoss, "(step): invalid value true"},
       {"manifest field missing",
        [&](const std::string& d) {
-         Write(d + m1, absl::StrReplaceAll(Read(d + m1), {{"\"offset\":\"0\"", "\"offset\":null"}}));
+         Write(d + m1,
+               absl::StrReplaceAll(Read(d + m1), {{"\"offset\":\"0\"", "\"offset\":null"}}));
        },
        absl::StatusCode::kDataLoss, "missing field \"groups[0].params[0].offset\""},
       {"manifest of another version",
@@ -335,7 +341,8 @@ TEST(CheckpointTest, CorruptOrMismatchedCheckpointsAreErrorsOnEveryRank) {
        "checkpoint was written by an older build)"},
       {"manifest garbage", [&](const std::string& d) { Write(d + m1, "\x01\x02{{{"); },
        absl::StatusCode::kDataLoss, "rank-00001.manifest.json': not a valid FormatHeader in JSON"},
-      {"no commit marker", [&](const std::string& d) { ::unlink((d + "/checkpoint.json").c_str()); },
+      {"no commit marker",
+       [&](const std::string& d) { ::unlink((d + "/checkpoint.json").c_str()); },
        absl::StatusCode::kNotFound, "incomplete"},
       {"rank 1 files of another run",
        [&](const std::string& d) {
@@ -351,12 +358,14 @@ TEST(CheckpointTest, CorruptOrMismatchedCheckpointsAreErrorsOnEveryRank) {
          Write(d + "/checkpoint.json", absl::StrReplaceAll(m, {{"\"step\":\"1\"", "\"step\":2"}}));
        },
        absl::StatusCode::kDataLoss, "does not match its own fingerprint"},
-      {"marker garbage", [&](const std::string& d) { Write(d + "/checkpoint.json", "{\"format\""); },
+      {"marker garbage",
+       [&](const std::string& d) { Write(d + "/checkpoint.json", "{\"format\""); },
        absl::StatusCode::kDataLoss, "checkpoint.json"},
       {"marker of another version",
        [&](const std::string& d) {
          const std::string m = Read(d + "/checkpoint.json");
-         Write(d + "/checkpoint.json", absl::StrReplaceAll(m, {{"\"version\":3", "\"version\":4"}}));
+         Write(d + "/checkpoint.json",
+               absl::StrReplaceAll(m, {{"\"version\":3", "\"version\":4"}}));
        },
        absl::StatusCode::kFailedPrecondition,
        "checkpoint.json' has format version 4; this build reads only version 3"},
@@ -381,7 +390,8 @@ TEST(CheckpointTest, CorruptOrMismatchedCheckpointsAreErrorsOnEveryRank) {
   for (const absl::Status& x : st) {
     EXPECT_EQ(x.code(), absl::StatusCode::kFailedPrecondition) << x;
     EXPECT_NE(x.message().find("\"head\": shape is [3,5] in the checkpoint but [4,5] now"),
-              std::string::npos) << x;
+              std::string::npos)
+        << x;
   }
   RunSetup with_experts{.world = 2, .ep = 2};
   st = LoadStatuses(with_experts, good);
@@ -395,7 +405,8 @@ TEST(CheckpointTest, CorruptOrMismatchedCheckpointsAreErrorsOnEveryRank) {
   for (const absl::Status& x : st) {
     EXPECT_EQ(x.code(), absl::StatusCode::kFailedPrecondition) << x;
     EXPECT_NE(x.message().find("has parameter \"expert0.w1\", which this model does not have"),
-              std::string::npos) << x;
+              std::string::npos)
+        << x;
   }
   EXPECT_EQ(LoadStatuses(s, TestDir("does_not_exist"))[0].code(), absl::StatusCode::kNotFound);
 }
@@ -436,7 +447,8 @@ TEST(CheckpointTest, LoadsOntoAnyWorldSizeAndModeExactly) {
   for (const absl::Status& x : st) {
     EXPECT_EQ(x.code(), absl::StatusCode::kDataLoss) << x;
     EXPECT_NE(x.message().find("rank-00003.safetensors' does not match its manifest fingerprint"),
-              std::string::npos) << x;
+              std::string::npos)
+        << x;
   }
 }
 
@@ -449,18 +461,18 @@ TEST(CheckpointTest, FilesAreTheDocumentedJson) {
   auto hex = [](uint64_t v) { return absl::StrFormat("%016x", v); };
   const std::string t1 = Read(dir + "/rank-00001.safetensors");
   // DenseSpecs: emb [7], proj [13], scale [1], empty [0], head [3, 5]: 36 elements, 18 a rank.
-  EXPECT_EQ(Read(dir + "/rank-00001.manifest.json"),
-            absl::StrCat(
-                R"({"format":"gradsum.sharded_checkpoint","version":3,"rank":1,"world":2,)",
-                R"("step":"1","tensors_file":"rank-00001.safetensors","tensors_bytes":")",
-                t1.size(), R"(","tensors_fingerprint":")", hex(Fingerprint64(t1)), R"(",)",
-                R"("groups":[{"name":"dense","mode":"sharded","group_size":2,"group_rank":1,)",
-                R"("numel":"36","padded_numel":"36","shard_offset":"18","local_numel":"18",)",
-                R"("params":[{"name":"emb","shape":["7"],"offset":"0"},)",
-                R"({"name":"proj","shape":["13"],"offset":"7"},)",
-                R"({"name":"scale","shape":["1"],"offset":"20"},)",
-                R"({"name":"empty","shape":["0"],"offset":"21"},)",
-                R"({"name":"head","shape":["3","5"],"offset":"21"}]}]})", "\n"));
+  EXPECT_EQ(
+      Read(dir + "/rank-00001.manifest.json"),
+      absl::StrCat(R"({"format":"gradsum.sharded_checkpoint","version":3,"rank":1,"world":2,)",
+                   R"("step":"1","tensors_file":"rank-00001.safetensors","tensors_bytes":")",
+                   t1.size(), R"(","tensors_fingerprint":")", hex(Fingerprint64(t1)), R"(",)",
+                   R"("groups":[{"name":"dense","mode":"sharded","group_size":2,"group_rank":1,)",
+                   R"("numel":"36","padded_numel":"36","shard_offset":"18","local_numel":"18",)",
+                   R"("params":[{"name":"emb","shape":["7"],"offset":"0"},)",
+                   R"({"name":"proj","shape":["13"],"offset":"7"},)",
+                   R"({"name":"scale","shape":["1"],"offset":"20"},)",
+                   R"({"name":"empty","shape":["0"],"offset":"21"},)",
+                   R"({"name":"head","shape":["3","5"],"offset":"21"}]}]})", "\n"));
   std::string body = R"({"format":"gradsum.sharded_checkpoint","version":3,"world":2,"step":"1",)"
                      R"("ranks":[)";
   for (int r = 0; r < 2; ++r) {

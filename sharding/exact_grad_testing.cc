@@ -87,7 +87,8 @@ absl::Status RankStep(Communicator& comm, const Config& cfg, int shift, int nan_
   std::vector<std::unique_ptr<FlatParam>> groups;
   std::vector<FlatParam*> ptrs;
   for (size_t g = 0; g < specs.size(); ++g) {
-    GRADSUM_ASSIGN_OR_RETURN(auto fp, FlatParam::Create(absl::StrCat("g", g), specs[g], &comm, opts));
+    GRADSUM_ASSIGN_OR_RETURN(auto fp,
+                             FlatParam::Create(absl::StrCat("g", g), specs[g], &comm, opts));
     ptrs.push_back(fp.get());
     groups.push_back(std::move(fp));
   }
@@ -117,8 +118,7 @@ absl::Status RankStep(Communicator& comm, const Config& cfg, int shift, int nan_
             GRADSUM_ASSIGN_OR_RETURN(absl::Span<int64_t> limbs, fp.exact_grad(p));
             int64_t rejected = 0;
             GRADSUM_RETURN_IF_ERROR(exact::AddFloats(
-                c.values,
-                limbs.subspan(c.offset * exact::kLimbs, c.values.size() * exact::kLimbs),
+                c.values, limbs.subspan(c.offset * exact::kLimbs, c.values.size() * exact::kLimbs),
                 &rejected));
             fp.CountRejectedExactGrad(rejected);
           }
@@ -140,8 +140,8 @@ absl::Status RankStep(Communicator& comm, const Config& cfg, int shift, int nan_
     }
     for (auto& fp : groups) GRADSUM_RETURN_IF_ERROR(fp->FinishGradReduce());
   }
-  GRADSUM_ASSIGN_OR_RETURN(*norm, max_norm > 0 ? ClipGradNorm(ptrs, comm, max_norm)
-                                              : GlobalGradNorm(ptrs, comm));
+  GRADSUM_ASSIGN_OR_RETURN(
+      *norm, max_norm > 0 ? ClipGradNorm(ptrs, comm, max_norm) : GlobalGradNorm(ptrs, comm));
   for (size_t g = 0; g < groups.size(); ++g) {
     absl::Span<const float> owned = groups[g]->owned_grad();
     std::copy(owned.begin(), owned.end(), (*grads)[g].begin() + groups[g]->shard_offset());

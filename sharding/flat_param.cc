@@ -16,17 +16,18 @@ absl::StatusOr<std::unique_ptr<FlatParam>> FlatParam::Create(std::string name,
                                                              Communicator* group,
                                                              FlatParamOptions options) {
   if (group == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("flat param group \"", name, "\": null communicator"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("flat param group \"", name, "\": null communicator"));
   }
   if (name.empty()) return absl::InvalidArgumentError("flat param group name is empty");
   if (options.compute_dtype != DType::kF32 && options.compute_dtype != DType::kBF16) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("flat param group \"", name, "\": dtype ",
-                     DTypeName(options.compute_dtype), " is not f32 or bf16"));
+    return absl::InvalidArgumentError(absl::StrCat("flat param group \"", name, "\": dtype ",
+                                                   DTypeName(options.compute_dtype),
+                                                   " is not f32 or bf16"));
   }
   if (options.mode != ShardingMode::kSharded && options.mode != ShardingMode::kReplicated) {
-    return absl::InvalidArgumentError(absl::StrCat("flat param group \"", name, "\": bad mode ",
-                                                   static_cast<int>(options.mode)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("flat param group \"", name, "\": bad mode ", static_cast<int>(options.mode)));
   }
   Communicator* replicas = options.replica_group;
   if (replicas != nullptr && options.mode != ShardingMode::kSharded) {
@@ -54,8 +55,8 @@ absl::StatusOr<std::unique_ptr<FlatParam>> FlatParam::Create(std::string name,
     absl::StatusOr<int64_t> n = NumElements(p.shape);
     if (!n.ok()) return Annotate(n.status(), absl::StrCat("parameter \"", p.name, "\""));
     if (*n > std::numeric_limits<int64_t>::max() / 2 - offset) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("flat param group \"", fp->name_, "\": element count overflows at \"", p.name, "\""));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "flat param group \"", fp->name_, "\": element count overflows at \"", p.name, "\""));
     }
     fp->entries_.push_back({std::move(p.name), std::move(p.shape), offset, *n});
     offset += *n;
@@ -119,8 +120,8 @@ absl::Status FlatParam::CheckIndex(int index) const {
 
 absl::Status FlatParam::CheckNoGradReduce(absl::string_view what) const {
   if (grad_->reduce_in_flight()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "group \"", name_, "\": ", what, " while a gradient reduction is in flight"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("group \"", name_, "\": ", what, " while a gradient reduction is in flight"));
   }
   return absl::OkStatus();
 }
@@ -277,9 +278,9 @@ absl::StatusOr<GradTarget> FlatParam::grad_target(int first, int count) {
 absl::StatusOr<TensorView> FlatParam::grad(int index) {
   GRADSUM_RETURN_IF_ERROR(CheckIndex(index));
   if (exact()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "group \"", name_, "\" holds exact gradients: add into exact_grad(", index,
-        ") or AddExactGrad, not the fp32 grad()"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("group \"", name_, "\" holds exact gradients: add into exact_grad(", index,
+                     ") or AddExactGrad, not the fp32 grad()"));
   }
   GRADSUM_RETURN_IF_ERROR(CheckNoGradReduce("grad()"));
   const FlatParamEntry& e = entries_[index];
@@ -289,9 +290,9 @@ absl::StatusOr<TensorView> FlatParam::grad(int index) {
 
 absl::StatusOr<absl::Span<int64_t>> FlatParam::exact_grad(int index) {
   if (!exact()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "group \"", name_, "\": exact_grad() outside exact precision (precision=",
-        GradPrecisionName(options_.precision), ")"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("group \"", name_, "\": exact_grad() outside exact precision (precision=",
+                     GradPrecisionName(options_.precision), ")"));
   }
   GRADSUM_RETURN_IF_ERROR(CheckIndex(index));
   GRADSUM_RETURN_IF_ERROR(CheckNoGradReduce("exact_grad()"));
@@ -304,9 +305,9 @@ absl::Status FlatParam::AddExactGrad(int index, int64_t offset, absl::Span<const
   const int64_t numel = entries_[index].numel;
   const int64_t n = static_cast<int64_t>(values.size());
   if (offset < 0 || offset > numel || n > numel - offset) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "group \"", name_, "\": AddExactGrad of ", n, " values at offset ", offset,
-        " leaves parameter \"", entries_[index].name, "\" (", numel, " elements)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("group \"", name_, "\": AddExactGrad of ", n, " values at offset ", offset,
+                     " leaves parameter \"", entries_[index].name, "\" (", numel, " elements)"));
   }
   int64_t rejected = 0;
   GRADSUM_RETURN_IF_ERROR(exact::AddFloats(
@@ -357,8 +358,6 @@ double FlatParam::OwnedGradSquaredNorm() const {
   return sum;
 }
 
-void FlatParam::AddOwnedGradSquares(exact::ExactScalar& sum) const {
-  sum.AddSquares(owned_grad());
-}
+void FlatParam::AddOwnedGradSquares(exact::ExactScalar& sum) const { sum.AddSquares(owned_grad()); }
 
 }  // namespace gradsum

@@ -288,11 +288,11 @@ class FlatParam {
   // reduce-scatter, and the last micro-batch's call then starts the accumulated shard's SUM
   // across the replicas over the host replica group: in flight afterwards, so what the
   // caller does next overlaps it, and complete after FinishGradReduce (the second stage of
-  // the FlatParam's own collectives, here started from outside). Replicated: `reduced` is the step's
-  // SUM-all-reduced full gradient (padded_numel() elements), given once with
-  // last_micro_batch. The local full gradient buffer is not read. InvalidArgument for a wrong size or (replicated) a call that is
-  // not the last micro-batch's; FailedPrecondition while a reduction is in flight;
-  // Unimplemented in exact precision.
+  // the FlatParam's own collectives, here started from outside). Replicated: `reduced` is the
+  // step's SUM-all-reduced full gradient (padded_numel() elements), given once with
+  // last_micro_batch. The local full gradient buffer is not read. InvalidArgument for a wrong size
+  // or (replicated) a call that is not the last micro-batch's; FailedPrecondition while a reduction
+  // is in flight; Unimplemented in exact precision.
   absl::Status FoldReducedGrad(absl::Span<const float> reduced, bool last_micro_batch);
 
   // Zeroes master_grad() and the full gradient buffer: call after the optimizer step.

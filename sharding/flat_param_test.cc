@@ -87,8 +87,10 @@ TEST(FlatParamTest, CreateRejectsBadArguments) {
 
   auto fp = FlatParam::Create("g", DenseSpecs(), c);
   ASSERT_TRUE(fp.ok());
-  EXPECT_EQ((*fp)->SetFullValue(0, std::vector<float>(6)).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ((*fp)->SetFullValue(9, std::vector<float>(7)).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*fp)->SetFullValue(0, std::vector<float>(6)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*fp)->SetFullValue(9, std::vector<float>(7)).code(),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_EQ((*fp)->grad(-1).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ((*fp)->param(0).status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ((*fp)->WaitUnshard().code(), absl::StatusCode::kFailedPrecondition);
@@ -123,7 +125,8 @@ TEST(FlatParamTest, UnshardReturnsFullValuesForWorldSizes1To8) {
                 const float expect =
                     compute == DType::kBF16 ? BF16::FromFloat(want[i]).ToFloat() : want[i];
                 if (got != expect) {
-                  return absl::InternalError(absl::StrCat(e.name, "[", i, "] = ", got, ", want ", expect));
+                  return absl::InternalError(
+                      absl::StrCat(e.name, "[", i, "] = ", got, ", want ", expect));
                 }
               }
             }
@@ -202,8 +205,8 @@ absl::Status ReduceOnRanks(int world, const ReduceCase& c, std::vector<std::vect
         const FlatParamEntry& e = fp->entries()[p];
         GRADSUM_ASSIGN_OR_RETURN(TensorView g, fp->grad(p));
         for (int64_t i = 0; i < e.numel; ++i) {
-          g.data<float>()[i] += c.dyadic ? DyadicGrad(e.name, i, comm.rank(), m)
-                                         : Grad(e.name, i, comm.rank(), m);
+          g.data<float>()[i] +=
+              c.dyadic ? DyadicGrad(e.name, i, comm.rank(), m) : Grad(e.name, i, comm.rank(), m);
         }
       }
       GRADSUM_RETURN_IF_ERROR(fp->ReduceGrad(m == c.micro_batches - 1));
@@ -284,8 +287,9 @@ TEST(FlatParamTest, ShardedAndReplicatedAreBitIdentical) {
       const GradPrecision f32 = GradPrecision::kF32;
       ASSERT_TRUE(
           ReduceOnRanks(world, {ShardingMode::kSharded, f32, micro, dyadic}, &sharded, &n1).ok());
-      ASSERT_TRUE(ReduceOnRanks(world, {ShardingMode::kReplicated, f32, micro, dyadic},
-                                &replicated, &n2).ok());
+      ASSERT_TRUE(
+          ReduceOnRanks(world, {ShardingMode::kReplicated, f32, micro, dyadic}, &replicated, &n2)
+              .ok());
       const std::vector<float> a = Concat(sharded), b = Concat(replicated);
       ASSERT_EQ(a.size(), b.size());
       EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * 4), 0) << "world " << world;
@@ -326,7 +330,8 @@ TEST(FlatParamTest, Bf16ReduceIsARealSumWithinBf16Rounding) {
               << "world " << world << " " << p.name << "[" << k << "]";
           // And against the fp32 reduction: input and output rounding of bf16 only.
           // bf16 keeps 8 significant bits: unit roundoff 2^-8 per input and once for the output.
-          EXPECT_LE(std::fabs(bf16[i] - f32[i]), abs_sum * 0x1p-8 * (1 + 0x1p-8) + std::fabs(f32[i]) * 0x1p-8);
+          EXPECT_LE(std::fabs(bf16[i] - f32[i]),
+                    abs_sum * 0x1p-8 * (1 + 0x1p-8) + std::fabs(f32[i]) * 0x1p-8);
         }
       }
     }
@@ -461,9 +466,9 @@ TEST(FlatParamTest, FoldReducedGradAccumulatesExternalReductions) {
 // across the world / N groups. ----
 
 struct HsdpResult {
-  std::vector<float> flat;         // the owned slices at their offsets (the flat gradient)
-  std::vector<int> owners;         // per flat element: how many ranks own it
-  std::vector<double> norms_sq;    // per rank: OwnedGradSquaredNorm
+  std::vector<float> flat;                 // the owned slices at their offsets (the flat gradient)
+  std::vector<int> owners;                 // per flat element: how many ranks own it
+  std::vector<double> norms_sq;            // per rank: OwnedGradSquaredNorm
   std::vector<std::vector<float>> shards;  // per rank: master_grad() (its whole shard)
 };
 
@@ -492,8 +497,7 @@ absl::Status HsdpReduceOnRanks(int world, int n, GradPrecision precision, int mi
     if (fp->padded_numel() % world != 0 || fp->owned_group_size() != world ||
         fp->owned_group_rank() != q * R + r || fp->shard_numel() * n != fp->padded_numel()) {
       return absl::InternalError(absl::StrCat("layout: padded ", fp->padded_numel(), " owned ",
-                                              fp->owned_group_rank(), "/",
-                                              fp->owned_group_size()));
+                                              fp->owned_group_rank(), "/", fp->owned_group_size()));
     }
     for (int m = 0; m < micro_batches && external; ++m) {
       // The shard group's SUM of micro-batch m's flat gradient, this rank's shard of it.
@@ -557,8 +561,8 @@ absl::Status HsdpReduceOnRanks(int world, int n, GradPrecision precision, int mi
 }
 
 TEST(FlatParamTest, HsdpSumsOverTheWorldAndOwnsEachElementOnce) {
-  for (const auto& [world, n] : {std::pair<int, int>{2, 1}, {4, 2}, {6, 3}, {6, 2}, {8, 2},
-                                 {8, 4}}) {
+  for (const auto& [world, n] :
+       {std::pair<int, int>{2, 1}, {4, 2}, {6, 3}, {6, 2}, {8, 2}, {8, 4}}) {
     for (int G : {1, 3}) {
       const std::vector<double> ref = ReferenceGrad(world, G, false);
       HsdpResult h;

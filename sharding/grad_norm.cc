@@ -28,8 +28,7 @@ absl::StatusOr<double> ExactGlobalNorm(absl::Span<FlatParam* const> groups, Comm
   local_sq.Normalize();
   exact::ExactScalar global_sq;
   GRADSUM_RETURN_IF_ERROR(world.AllReduce(local_sq.words().data(), global_sq.words().data(),
-                                          exact::ExactScalar::kWords, DType::kI64,
-                                          ReduceOp::kSum));
+                                          exact::ExactScalar::kWords, DType::kI64, ReduceOp::kSum));
   return std::sqrt(global_sq.ToDouble());
 }
 
@@ -43,10 +42,10 @@ absl::StatusOr<double> GlobalGradNorm(absl::Span<FlatParam* const> groups, Commu
           "GlobalGradNorm: gradient reduction of group \"", g->name(), "\" is still in flight"));
     }
     if (IsExact(g->precision()) != IsExact(groups[0]->precision())) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "GlobalGradNorm: group \"", g->name(), "\" has precision ",
-          GradPrecisionName(g->precision()), " but \"", groups[0]->name(), "\" has ",
-          GradPrecisionName(groups[0]->precision())));
+      return absl::InvalidArgumentError(
+          absl::StrCat("GlobalGradNorm: group \"", g->name(), "\" has precision ",
+                       GradPrecisionName(g->precision()), " but \"", groups[0]->name(), "\" has ",
+                       GradPrecisionName(groups[0]->precision())));
     }
   }
   // The groups' precision decides how the squares are summed (core/grad_precision.h).

@@ -35,13 +35,14 @@ absl::Status MeshNorms(int world, int ep, ShardingMode mode, double max_norm,
     FlatParamOptions opts;
     opts.mode = mode;
     GRADSUM_ASSIGN_OR_RETURN(auto dense, FlatParam::Create("dense", DenseSpecs(), &comm, opts));
-    GRADSUM_ASSIGN_OR_RETURN(
-        auto experts, FlatParam::Create(absl::StrCat("experts.ep", p), ExpertSpecs(p, 2), edp.get(), opts));
+    GRADSUM_ASSIGN_OR_RETURN(auto experts, FlatParam::Create(absl::StrCat("experts.ep", p),
+                                                             ExpertSpecs(p, 2), edp.get(), opts));
     std::vector<FlatParam*> groups = {dense.get(), experts.get()};
     for (FlatParam* g : groups) {
       for (int k = 0; k < g->num_params(); ++k) {
         GRADSUM_ASSIGN_OR_RETURN(TensorView t, g->grad(k));
-        for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = G(g->entries()[k].name, i, comm.rank());
+        for (int64_t i = 0; i < t.numel(); ++i)
+          t.data<float>()[i] = G(g->entries()[k].name, i, comm.rank());
       }
       GRADSUM_RETURN_IF_ERROR(g->ReduceGrad(true));
     }
@@ -85,7 +86,7 @@ TEST(GradNormTest, CountsEveryElementOnceAcrossDenseAndExpertGroups) {
     ASSERT_TRUE(MeshNorms(world, ep, ShardingMode::kReplicated, 0, &replicated, &unused).ok());
     for (int r = 0; r < world; ++r) {
       EXPECT_NEAR(sharded[r], ref, ref * 1e-6) << "world " << world << " ep " << ep;
-      EXPECT_EQ(sharded[r], sharded[0]);  // identical on every rank
+      EXPECT_EQ(sharded[r], sharded[0]);     // identical on every rank
       EXPECT_EQ(replicated[r], sharded[r]);  // bit-identical across modes (G == 1)
     }
   }

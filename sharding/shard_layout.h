@@ -18,8 +18,10 @@ enum class ShardingMode { kSharded = 0, kReplicated = 1 };
 // "sharded" or "replicated".
 inline const char* ShardingModeName(ShardingMode mode) {
   switch (mode) {
-    case ShardingMode::kSharded: return "sharded";
-    case ShardingMode::kReplicated: return "replicated";
+    case ShardingMode::kSharded:
+      return "sharded";
+    case ShardingMode::kReplicated:
+      return "replicated";
   }
   return "invalid";
 }

@@ -61,9 +61,7 @@ std::string UnitGrad::What() const {
   return absl::StrCat("gradient reduction of group \"", o_.name, "\"");
 }
 
-int64_t UnitGrad::wire_words_per_element() const {
-  return IsExact(precision_) ? exact::kLimbs : 1;
-}
+int64_t UnitGrad::wire_words_per_element() const { return IsExact(precision_) ? exact::kLimbs : 1; }
 
 absl::Span<float> UnitGrad::master_grad() {
   return sharded() ? absl::MakeSpan(accum_.data(), o_.layout.local_numel)
@@ -74,9 +72,9 @@ absl::Span<const float> UnitGrad::master_grad() const {
                    : absl::MakeConstSpan(full_.data(), o_.numel);
 }
 absl::Span<const float> UnitGrad::owned_grad() const {
-  return sharded() ? master_grad()
-                   : absl::MakeConstSpan(full_.data() + o_.layout.shard_offset,
-                                         o_.layout.local_numel);
+  return sharded()
+             ? master_grad()
+             : absl::MakeConstSpan(full_.data() + o_.layout.shard_offset, o_.layout.local_numel);
 }
 
 void UnitGrad::Zero() {
@@ -119,8 +117,8 @@ class FloatUnitGrad final : public UnitGrad {
       // SEMANTICS.md §7: every micro-batch's full gradient is reduce-scattered with SUM.
       if (bf16_) {
         recv_bf16_.resize(shard);
-        work = group->ReduceScatterAsync(send_bf16_.data(), recv_bf16_.data(), shard,
-                                         DType::kBF16, ReduceOp::kSum);
+        work = group->ReduceScatterAsync(send_bf16_.data(), recv_bf16_.data(), shard, DType::kBF16,
+                                         ReduceOp::kSum);
       } else {
         recv_f32_.resize(shard);
         work = group->ReduceScatterAsync(full_.data(), recv_f32_.data(), shard, DType::kF32,
@@ -132,8 +130,8 @@ class FloatUnitGrad final : public UnitGrad {
         work = group->AllReduceAsync(send_bf16_.data(), send_bf16_.data(), padded, DType::kBF16,
                                      ReduceOp::kSum);
       } else {
-        work = group->AllReduceAsync(full_.data(), full_.data(), padded, DType::kF32,
-                                     ReduceOp::kSum);
+        work =
+            group->AllReduceAsync(full_.data(), full_.data(), padded, DType::kF32, ReduceOp::kSum);
       }
     }
     if (!work.ok()) return Annotate(work.status(), What());
@@ -208,9 +206,9 @@ class FloatUnitGrad final : public UnitGrad {
       return absl::OkStatus();
     }
     if (size != o_.layout.shard_numel) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("group \"", o_.name, "\": reduced shard has ", size,
-                       " elements, expected shard_numel ", o_.layout.shard_numel));
+      return absl::InvalidArgumentError(absl::StrCat("group \"", o_.name, "\": reduced shard has ",
+                                                     size, " elements, expected shard_numel ",
+                                                     o_.layout.shard_numel));
     }
     AccumulateShard(reduced.data());
     std::fill(accum_.begin() + o_.layout.local_numel, accum_.end(), 0.0f);  // padding
@@ -280,13 +278,13 @@ class LimbRangeSink final : public ExactGradSink {
     const int64_t numel = static_cast<int64_t>(limbs_.size()) / exact::kLimbs;
     const int64_t n = static_cast<int64_t>(c.size());
     if (offset < 0 || offset > numel || n > numel - offset) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "exact gradient of unit ", unit_name_, ": a contribution of ", n, " values at offset ",
-          offset, " runs past its ", numel, " elements"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("exact gradient of unit ", unit_name_, ": a contribution of ", n,
+                       " values at offset ", offset, " runs past its ", numel, " elements"));
     }
     int64_t rejected = 0;
-    GRADSUM_RETURN_IF_ERROR(exact::AddFloats(
-        c, limbs_.subspan(offset * exact::kLimbs, n * exact::kLimbs), &rejected));
+    GRADSUM_RETURN_IF_ERROR(
+        exact::AddFloats(c, limbs_.subspan(offset * exact::kLimbs, n * exact::kLimbs), &rejected));
     if (rejected > 0) rejected_.fetch_add(rejected);
     return absl::OkStatus();
   }
@@ -423,7 +421,8 @@ class ExactUnitGrad final : public UnitGrad {
  public:
   absl::Status FoldReduced(absl::Span<const float>, bool) override {
     return absl::UnimplementedError(absl::StrCat(
-        "group \"", o_.name, "\": exact gradients are reduced as int64 limbs by FlatParam or "
+        "group \"", o_.name,
+        "\": exact gradients are reduced as int64 limbs by FlatParam or "
         "BucketedGradReducer; an fp32 gradient reduced elsewhere (the GPU path) cannot be "
         "folded in"));
   }
@@ -479,10 +478,10 @@ absl::StatusOr<std::unique_ptr<UnitGrad>> UnitGrad::Create(GradPrecision precisi
     case GradPrecision::kExact:
       if (options.replica_group != nullptr &&
           options.replica_group->size() >= exact::kMaxAddsBetweenNormalize) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "flat param group \"", options.name, "\": exact gradients sum at most ",
-            exact::kMaxAddsBetweenNormalize - 1, " replicas, the replica group has ",
-            options.replica_group->size()));
+        return absl::InvalidArgumentError(
+            absl::StrCat("flat param group \"", options.name, "\": exact gradients sum at most ",
+                         exact::kMaxAddsBetweenNormalize - 1, " replicas, the replica group has ",
+                         options.replica_group->size()));
       }
       if (options.group->size() >= exact::kMaxAddsBetweenNormalize) {
         return absl::InvalidArgumentError(absl::StrCat(

@@ -126,8 +126,8 @@ TEST(UnitGradTest, WireRoundTrip) {
     ASSERT_TRUE(grad.ToWire(0, n, wire.data()).ok());
     ASSERT_TRUE(grad.FromWire(0, n, wire.data(), /*global_rejected=*/0).ok());
     for (int64_t i = 0; i < n; ++i) {
-      const float want = p == GradPrecision::kBF16Wire ? BF16::FromFloat(values[i]).ToFloat()
-                                                       : values[i];
+      const float want =
+          p == GradPrecision::kBF16Wire ? BF16::FromFloat(values[i]).ToFloat() : values[i];
       EXPECT_EQ(grad.master_grad()[i], want) << GradPrecisionName(p) << " " << i;
     }
     if (IsExact(p)) {

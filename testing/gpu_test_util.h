@@ -18,12 +18,12 @@ bool CudaDeviceAvailable(std::string* why);
 
 }  // namespace gradsum::testing
 
-#define GRADSUM_SKIP_WITHOUT_GPU()                                        \
-  do {                                                                    \
-    std::string gradsum_gpu_why;                                          \
-    if (!::gradsum::testing::CudaDeviceAvailable(&gradsum_gpu_why)) {     \
-      GTEST_SKIP() << "no usable CUDA device: " << gradsum_gpu_why;       \
-    }                                                                     \
+#define GRADSUM_SKIP_WITHOUT_GPU()                                    \
+  do {                                                                \
+    std::string gradsum_gpu_why;                                      \
+    if (!::gradsum::testing::CudaDeviceAvailable(&gradsum_gpu_why)) { \
+      GTEST_SKIP() << "no usable CUDA device: " << gradsum_gpu_why;   \
+    }                                                                 \
   } while (0)
 
 #endif  // GRADSUM_TESTING_GPU_TEST_UTIL_H_

@@ -97,18 +97,18 @@ struct TokenCache {
 
 // The attention block of one layer over one sequence, per token (empty for padding).
 struct AttentionCache {
-  std::vector<std::vector<double>> h_in, b;  // [S][D] the block's input, its norm
-  std::vector<double> r;                     // [S]
-  std::vector<std::vector<double>> q, k, v;  // [S][heads * head_dim], after RoPE (q, k)
+  std::vector<std::vector<double>> h_in, b;         // [S][D] the block's input, its norm
+  std::vector<double> r;                            // [S]
+  std::vector<std::vector<double>> q, k, v;         // [S][heads * head_dim], after RoPE (q, k)
   std::vector<std::vector<std::vector<double>>> p;  // [S][Hq][keys of the document up to t]
-  std::vector<std::vector<double>> o;        // [S][D] the heads' outputs, concatenated
+  std::vector<std::vector<double>> o;               // [S][D] the heads' outputs, concatenated
 };
 
 // One sequence: its tokens are cache[first_cache .. first_cache + len).
 struct SequenceCache {
   size_t first_cache = 0;
   int len = 0;
-  std::vector<int> doc_start;  // [len], -1 for padding
+  std::vector<int> doc_start;        // [len], -1 for padding
   std::vector<AttentionCache> attn;  // per layer (attention only)
 };
 
@@ -199,8 +199,8 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
   }
   if (c.attention && (c.n_heads < 1 || c.n_kv_heads < 1 || c.n_heads % c.n_kv_heads != 0 ||
                       c.dim % c.n_heads != 0 || (c.dim / c.n_heads) % 2 != 0)) {
-    return absl::InvalidArgumentError(StrCat("attention: heads=", c.n_heads, " kv_heads=",
-                                             c.n_kv_heads, " dim=", c.dim,
+    return absl::InvalidArgumentError(StrCat("attention: heads=", c.n_heads,
+                                             " kv_heads=", c.n_kv_heads, " dim=", c.dim,
                                              " do not divide into even heads"));
   }
   if (c.sigmoid_scores && c.alpha_b != 0) {
@@ -241,7 +241,8 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
 
   // ---- Validate inputs; global statistics D and N (§3, §4). ----
   if (c.ce_mode != "token" && c.ce_mode != "sample" && c.ce_mode != "square") {
-    return absl::InvalidArgumentError(StrCat("ce_mode \"", c.ce_mode, "\" is not token, sample or square"));
+    return absl::InvalidArgumentError(
+        StrCat("ce_mode \"", c.ce_mode, "\" is not token, sample or square"));
   }
   const bool by_sample = c.ce_mode != "token";
   // n_s: valid tokens per sample, a sample being (m, r, sample id).
@@ -256,16 +257,14 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
       }
       if (c.attention && (mb.seq_len < 1 || mb.tokens.size() % mb.seq_len != 0 ||
                           mb.doc_start.size() != mb.tokens.size())) {
-        return absl::InvalidArgumentError(StrCat("micro-batch [", m, "][", r, "]: ",
-                                                 mb.tokens.size(), " tokens are not sequences of ",
-                                                 mb.seq_len, " with ", mb.doc_start.size(),
-                                                 " document starts"));
+        return absl::InvalidArgumentError(StrCat(
+            "micro-batch [", m, "][", r, "]: ", mb.tokens.size(), " tokens are not sequences of ",
+            mb.seq_len, " with ", mb.doc_start.size(), " document starts"));
       }
       if (by_sample && mb.sample_ids.size() != mb.tokens.size()) {
-        return absl::InvalidArgumentError(StrCat("micro-batch [", m, "][", r, "]: ",
-                                                 mb.sample_ids.size(), " sample ids for ",
-                                                 mb.tokens.size(), " tokens (", c.ce_mode,
-                                                 " mode)"));
+        return absl::InvalidArgumentError(
+            StrCat("micro-batch [", m, "][", r, "]: ", mb.sample_ids.size(), " sample ids for ",
+                   mb.tokens.size(), " tokens (", c.ce_mode, " mode)"));
       }
       for (size_t t = 0; t < mb.tokens.size(); ++t) {
         if (mb.tokens[t] < 0 || mb.tokens[t] >= V) {
@@ -317,7 +316,8 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
       const ReferenceMicroBatch& mb = global_batch[m][r];
       const int64_t T = static_cast<int64_t>(mb.tokens.size());
       if (mb.seq_len < 1 || T % mb.seq_len != 0 || static_cast<int64_t>(mb.doc_start.size()) != T) {
-        return absl::InvalidArgumentError(StrCat("micro-batch [", m, "][", r, "]: MTP needs "
+        return absl::InvalidArgumentError(StrCat("micro-batch [", m, "][", r,
+                                                 "]: MTP needs "
                                                  "whole sequences with document starts"));
       }
       for (int j = 1; j <= KM; ++j) {
@@ -360,7 +360,8 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
   auto MtpName = [](int j, const char* what) { return StrCat("mtp.", j, ".", what); };
 
   // ---- Forward, sequence by sequence (tokens meet only in attention). ----
-  result.expert_counts.assign(L + KM, std::vector<std::vector<int64_t>>(G, std::vector<int64_t>(E, 0)));
+  result.expert_counts.assign(L + KM,
+                              std::vector<std::vector<int64_t>>(G, std::vector<int64_t>(E, 0)));
   std::vector<TokenCache> cache;
   std::vector<SequenceCache> sequences;
   const int Hq = c.attention ? c.n_heads : 0, Hk = c.attention ? c.n_kv_heads : 0;
@@ -763,8 +764,9 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
           db[i] += wk[i * Hk * hd + j] * dk[t][j] + wv[i * Hk * hd + j] * dv[t][j];
         }
       }
-      const std::vector<double> dh_norm = RmsNormBackward(
-          ac.h_in[t], P(LayerName(l, L, "attn_norm")), ac.r[t], db, Gr(LayerName(l, L, "attn_norm")));
+      const std::vector<double> dh_norm =
+          RmsNormBackward(ac.h_in[t], P(LayerName(l, L, "attn_norm")), ac.r[t], db,
+                          Gr(LayerName(l, L, "attn_norm")));
       for (int i = 0; i < Dm; ++i) dh[t][i] += dh_norm[i];
     }
   };
@@ -842,8 +844,8 @@ absl::StatusOr<ReferenceResult> ReferenceLossAndGrads(
             RmsNormBackward(mc.e, P(MtpName(j, "enorm")), mc.re, den, Gr(MtpName(j, "enorm")));
         double* demb = Gr("emb") + mc.token * Dm;
         for (int i = 0; i < Dm; ++i) demb[i] += de[i];
-        const std::vector<double> dp = RmsNormBackward(mc.h_prev, P(MtpName(j, "hnorm")), mc.rh,
-                                                       dhn, Gr(MtpName(j, "hnorm")));
+        const std::vector<double> dp =
+            RmsNormBackward(mc.h_prev, P(MtpName(j, "hnorm")), mc.rh, dhn, Gr(MtpName(j, "hnorm")));
         for (int i = 0; i < Dm; ++i) (j == 1 ? dh[t][i] : carry[t][i]) += dp[i];
       }
     }

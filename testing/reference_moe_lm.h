@@ -82,9 +82,9 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> ReferenceParamShapes(
 // The tokens of one rank's micro-batch, flattened (sequence boundaries do not matter
 // for a per-token model; samples are named by sample_ids). Equal lengths.
 struct ReferenceMicroBatch {
-  std::vector<int32_t> tokens;  // in [0, V)
-  std::vector<int32_t> labels;  // in [0, V) or ignore_index
-  std::vector<int32_t> mask;    // 1 routed, 0 padding (whose label must be ignore_index)
+  std::vector<int32_t> tokens;      // in [0, V)
+  std::vector<int32_t> labels;      // in [0, V) or ignore_index
+  std::vector<int32_t> mask;        // 1 routed, 0 padding (whose label must be ignore_index)
   std::vector<int64_t> sample_ids;  // sample / square mode: one per token; else may be empty
   // Attention only: tokens per sequence (the micro-batch is tokens.size() / seq_len of
   // them), and per token the index within its sequence of its document's first token, -1
@@ -106,10 +106,11 @@ struct ReferenceResult {
     return t;
   }
   std::vector<double> mtp_weight_sum;  // per MTP depth: D_j
-  double valid_tokens = 0;   // tokens with a label (D of §3 in token mode)
-  double ce_weight_sum = 0;  // D of §3: the sum of w_t
-  double routed_tokens = 0;  // N of §4
-  // c[l][m][e] of §5 (l < L + mtp_depth: the MTP depths' layers after the main ones): (token, slot) assignments to expert e at micro-step m, all ranks.
+  double valid_tokens = 0;             // tokens with a label (D of §3 in token mode)
+  double ce_weight_sum = 0;            // D of §3: the sum of w_t
+  double routed_tokens = 0;            // N of §4
+  // c[l][m][e] of §5 (l < L + mtp_depth: the MTP depths' layers after the main ones): (token, slot)
+  // assignments to expert e at micro-step m, all ranks.
   std::vector<std::vector<std::vector<int64_t>>> expert_counts;
   // dL/dtheta for every parameter of ReferenceParamShapes.
   NamedTensors grads;

@@ -2,11 +2,11 @@
 
 #include <cmath>
 #include <map>
+#include <random>
 #include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
-#include <random>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -56,8 +56,8 @@ std::vector<std::vector<ReferenceMicroBatch>> RandomBatch(const ReferenceConfig&
 // with documents of 1 to 3 tokens (sample ids = documents) and 0 or 1 padding tokens at
 // its end; some labels ignored.
 std::vector<std::vector<ReferenceMicroBatch>> RandomSequences(const ReferenceConfig& c, int G,
-                                                              int ranks, int sequences,
-                                                              int seq_len, uint32_t seed) {
+                                                              int ranks, int sequences, int seq_len,
+                                                              uint32_t seed) {
   std::mt19937 rng(seed);
   std::vector<std::vector<ReferenceMicroBatch>> batch(G, std::vector<ReferenceMicroBatch>(ranks));
   int64_t sample = 0;

@@ -9,15 +9,15 @@
 #include "absl/status/status.h"
 #include "gtest/gtest.h"
 
-#define GRADSUM_EXPECT_OK(expr)                                 \
-  do {                                                          \
-    const ::absl::Status gradsum_expect_status_ = (expr);       \
+#define GRADSUM_EXPECT_OK(expr)                                         \
+  do {                                                                  \
+    const ::absl::Status gradsum_expect_status_ = (expr);               \
     EXPECT_TRUE(gradsum_expect_status_.ok()) << gradsum_expect_status_; \
   } while (0)
 
-#define GRADSUM_ASSERT_OK(expr)                                 \
-  do {                                                          \
-    const ::absl::Status gradsum_assert_status_ = (expr);       \
+#define GRADSUM_ASSERT_OK(expr)                                         \
+  do {                                                                  \
+    const ::absl::Status gradsum_assert_status_ = (expr);               \
     ASSERT_TRUE(gradsum_assert_status_.ok()) << gradsum_assert_status_; \
   } while (0)
 

@@ -125,8 +125,8 @@ PolicyLossTuple PolicyLossBinding(
   a.ignore_index = ignore_index;
   const PolicyLossOutput out = PolicyLoss(logits, labels, old_logprob, advantages, a);
   const losses::PolicyLossResult& r = out.metrics;
-  return {out.loss, r.local_kl_loss, r.local_kl_sum, r.local_valid_tokens,
-          r.clip_count, r.dual_clip_count, r.ratio_sum, r.ratio_max, r.ratio_min};
+  return {out.loss,          r.local_kl_loss, r.local_kl_sum, r.local_valid_tokens, r.clip_count,
+          r.dual_clip_count, r.ratio_sum,     r.ratio_max,    r.ratio_min};
 }
 
 }  // namespace
@@ -161,8 +161,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("logits"), py::arg("labels"), py::arg("global_weight_sum"), py::arg("mode") = "token",
       py::kw_only(), py::arg("sample_ids") = py::none(), py::arg("token_weights") = py::none(),
       py::arg("ignore_index") = -100, py::arg("label_smoothing") = 0.0,
-      py::arg("logit_softcap") = 0.0, py::arg("alpha_lse") = 0.0, release,
-      ops::kCrossEntropyDoc);
+      py::arg("logit_softcap") = 0.0, py::arg("alpha_lse") = 0.0, release, ops::kCrossEntropyDoc);
   m.def(
       "linear_cross_entropy",
       [](const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
@@ -178,9 +177,8 @@ PYBIND11_MODULE(_C, m) {
       py::arg("hidden"), py::arg("weight"), py::arg("labels"), py::arg("global_weight_sum"),
       py::arg("mode") = "token", py::kw_only(), py::arg("sample_ids") = py::none(),
       py::arg("token_weights") = py::none(), py::arg("ignore_index") = -100,
-      py::arg("chunk_rows") = 0, py::arg("label_smoothing") = 0.0,
-      py::arg("logit_softcap") = 0.0, py::arg("alpha_lse") = 0.0, release,
-      ops::kLinearCrossEntropyDoc);
+      py::arg("chunk_rows") = 0, py::arg("label_smoothing") = 0.0, py::arg("logit_softcap") = 0.0,
+      py::arg("alpha_lse") = 0.0, release, ops::kLinearCrossEntropyDoc);
   m.def("z_loss", &ops::RouterZLoss, py::arg("router_logits"), py::arg("global_routed_tokens"),
         py::arg("alpha") = 0.001, py::kw_only(), py::arg("input_mask") = py::none(), release,
         ops::kZLossDoc);
@@ -199,10 +197,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("_policy_loss", &ops::PolicyLossBinding, py::arg("logits"), py::arg("labels"),
         py::arg("old_logprob"), py::arg("advantages"), py::arg("global_valid_tokens"),
         py::arg("mask"), py::arg("is_weights"), py::arg("ref_logprob"), py::arg("eps_low"),
-        py::arg("eps_high"), py::arg("dual_clip_c"), py::arg("kl_coef"),
-        py::arg("kl_estimator"), py::arg("is_cap"), py::arg("aggregation"),
-        py::arg("global_sequences"), py::arg("sequence_valid_tokens"), py::arg("ignore_index"),
-        release, ops::kPolicyLossDoc);
+        py::arg("eps_high"), py::arg("dual_clip_c"), py::arg("kl_coef"), py::arg("kl_estimator"),
+        py::arg("is_cap"), py::arg("aggregation"), py::arg("global_sequences"),
+        py::arg("sequence_valid_tokens"), py::arg("ignore_index"), release, ops::kPolicyLossDoc);
   m.def("token_weights", &ops::TokenWeights, py::arg("labels"), py::arg("sample_ids") = py::none(),
         py::arg("mode") = "token", py::arg("ignore_index") = -100, release,
         "The per-token CE weights w_t of SEMANTICS.md §3 (float32, shaped like labels), "

@@ -359,8 +359,8 @@ class PolicyLossFunction : public torch::autograd::Function<PolicyLossFunction> 
     norm.global_sequences = s;
     norm.sequence_valid_tokens = Span<int64_t>(seq_valid);
     at::Tensor grad = EmptyOutput(logits);  // fully overwritten: invalid rows get zeros
-    *metrics = ValueOrThrow(losses::PolicyLossForwardBackward(View(logits), in, norm, View(grad),
-                                                              *opt));
+    *metrics =
+        ValueOrThrow(losses::PolicyLossForwardBackward(View(logits), in, norm, View(grad), *opt));
     ctx->save_for_backward({grad});
     return Scalar(metrics->local_loss);
   }
@@ -400,8 +400,7 @@ losses::KlEstimator ParseKlEstimator(const std::string& name, absl::string_view 
 losses::PolicyLossAggregation ParseAggregation(const std::string& name, absl::string_view op) {
   if (name == "token_mean") return losses::PolicyLossAggregation::kTokenMean;
   if (name == "seq_mean_token_mean") return losses::PolicyLossAggregation::kSeqMeanTokenMean;
-  Fail(op, absl::StrCat("unknown aggregation '", name,
-                        "' (token_mean or seq_mean_token_mean)"));
+  Fail(op, absl::StrCat("unknown aggregation '", name, "' (token_mean or seq_mean_token_mean)"));
 }
 
 // [T, E] router input as a contiguous f32 tensor (differentiable conversion).
@@ -477,10 +476,9 @@ at::Tensor LinearCrossEntropy(const at::Tensor& hidden, const at::Tensor& weight
   const OptTensor w = ResolveWeights(weights, y, label_shape, kOp);
   const at::Tensor h = hidden.reshape({-1, hidden.size(-1)}).to(at::kFloat).contiguous();
   const at::Tensor head = weight.to(at::kFloat).contiguous();
-  return LinearCrossEntropyFunction::apply(h, head, OptTensor(y), w, global_weight_sum,
-                                           weights.ignore_index, chunk_rows,
-                                           options.label_smoothing, options.logit_softcap,
-                                           options.alpha_lse);
+  return LinearCrossEntropyFunction::apply(
+      h, head, OptTensor(y), w, global_weight_sum, weights.ignore_index, chunk_rows,
+      options.label_smoothing, options.logit_softcap, options.alpha_lse);
 }
 
 at::Tensor RouterZLoss(const at::Tensor& router_logits, int64_t global_routed_tokens, double alpha,
@@ -542,22 +540,26 @@ PolicyLossOutput PolicyLoss(const at::Tensor& logits, const at::Tensor& labels,
   OptTensor seq_valid;
   if (opt.aggregation == losses::PolicyLossAggregation::kTokenMean) {
     if (!args.global_valid_tokens.has_value()) {
-      Fail(kOp, "aggregation token_mean needs global_valid_tokens (N, summed over all ranks and "
-                "micro-batches of the step)");
+      Fail(kOp,
+           "aggregation token_mean needs global_valid_tokens (N, summed over all ranks and "
+           "micro-batches of the step)");
     }
     if (args.global_sequences.has_value() || args.sequence_valid_tokens.has_value()) {
-      Fail(kOp, "aggregation token_mean takes global_valid_tokens only, not global_sequences or "
-                "sequence_valid_tokens (those are for seq_mean_token_mean)");
+      Fail(kOp,
+           "aggregation token_mean takes global_valid_tokens only, not global_sequences or "
+           "sequence_valid_tokens (those are for seq_mean_token_mean)");
     }
     n = *args.global_valid_tokens;
   } else {
     if (!args.global_sequences.has_value() || !args.sequence_valid_tokens.has_value()) {
-      Fail(kOp, "aggregation seq_mean_token_mean needs global_sequences (S) and "
-                "sequence_valid_tokens (n_s per token)");
+      Fail(kOp,
+           "aggregation seq_mean_token_mean needs global_sequences (S) and "
+           "sequence_valid_tokens (n_s per token)");
     }
     if (args.global_valid_tokens.has_value()) {
-      Fail(kOp, "aggregation seq_mean_token_mean takes global_sequences and "
-                "sequence_valid_tokens, not global_valid_tokens (that is for token_mean)");
+      Fail(kOp,
+           "aggregation seq_mean_token_mean takes global_sequences and "
+           "sequence_valid_tokens, not global_valid_tokens (that is for token_mean)");
     }
     s = *args.global_sequences;
     seq_valid = IntegerInput(*args.sequence_valid_tokens, shape, at::kLong, kOp,
@@ -574,10 +576,13 @@ PolicyLossOutput PolicyLoss(const at::Tensor& logits, const at::Tensor& labels,
     }
     // (A negative or non-finite S is left to the library, which names it as such.)
     if (std::isfinite(s) && s >= 0.0 && s < share * (1.0 - 1e-9)) {
-      throw StatusError(absl::FailedPreconditionError(absl::StrCat(
-          "policy loss: global sequence count S = ", s, " is smaller than this call's share of "
-          "sequences ", share, " (the sum of 1 / n_s over its valid tokens); S must count the "
-          "sequences of all ranks and micro-batches of the step (SEMANTICS.md §13)")));
+      throw StatusError(absl::FailedPreconditionError(
+          absl::StrCat("policy loss: global sequence count S = ", s,
+                       " is smaller than this call's share of "
+                       "sequences ",
+                       share,
+                       " (the sum of 1 / n_s over its valid tokens); S must count the "
+                       "sequences of all ranks and micro-batches of the step (SEMANTICS.md §13)")));
     }
   }
 

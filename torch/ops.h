@@ -125,9 +125,9 @@ struct PolicyLossArgs {
   double eps_high = 0.2;
   double dual_clip_c = 3.0;  // 0 disables the dual clip
   double kl_coef = 0.0;
-  std::string kl_estimator = "k3";           // "k1", "k2" or "k3"
-  double is_cap = 2.0;                       // +inf: no truncation
-  std::string aggregation = "token_mean";    // or "seq_mean_token_mean"
+  std::string kl_estimator = "k3";         // "k1", "k2" or "k3"
+  double is_cap = 2.0;                     // +inf: no truncation
+  std::string aggregation = "token_mean";  // or "seq_mean_token_mean"
   // The detached global normalisers: N for token-mean; S and n_s per token (integer,
   // shaped like the labels) for seq-mean-token-mean. The other mode's must be absent.
   c10::optional<double> global_valid_tokens;

@@ -42,8 +42,7 @@ absl::StatusOr<std::unique_ptr<MoeLm>> BuildModel(const TrainConfig& config,
   p.precision = precision.reproducible()                        ? GradPrecision::kExact
                 : precision.reduce_dtype() == TrainConfig::bf16 ? GradPrecision::kBF16Wire
                                                                 : GradPrecision::kF32;
-  options.recompute = parallelism.recompute() == ParallelismConfig::full
-                          ? model::Recompute::kFull
+  options.recompute = parallelism.recompute() == ParallelismConfig::full ? model::Recompute::kFull
                       : parallelism.recompute() == ParallelismConfig::selective
                           ? model::Recompute::kSelective
                           : model::Recompute::kNone;

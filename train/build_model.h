@@ -23,8 +23,8 @@ namespace gradsum::train {
 // Builds the rank's model from its options and groups; the default is MoeLm::Create (host
 // compute). The nccl backend passes train/cuda's CreateCudaMoeLm, which computes on the
 // rank's GPU.
-using MoeLmFactory = std::function<absl::StatusOr<std::unique_ptr<MoeLm>>(const MoeLmOptions&,
-                                                                          const MoeLmGroups&)>;
+using MoeLmFactory =
+    std::function<absl::StatusOr<std::unique_ptr<MoeLm>>(const MoeLmOptions&, const MoeLmGroups&)>;
 
 // What a rank trains over (not owned).
 struct RankComms {

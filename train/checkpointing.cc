@@ -61,9 +61,9 @@ absl::StatusOr<TrainConfig> SavedConfig(const CheckpointInfo& info, int64_t step
   }
   absl::StatusOr<TrainConfig> parsed = ParseConfigText(it->second);
   if (!parsed.ok()) {
-    return absl::DataLossError(absl::StrCat("--resume: the checkpoint of step ", step,
-                                            ": its saved config does not parse: ",
-                                            parsed.status().message()));
+    return absl::DataLossError(
+        absl::StrCat("--resume: the checkpoint of step ", step,
+                     ": its saved config does not parse: ", parsed.status().message()));
   }
   // Every save writes each field (ConfigToShortText resolves the defaults), so a field
   // missing from a marker predates it: the run had what the field now names explicitly,
@@ -76,8 +76,7 @@ absl::StatusOr<TrainConfig> SavedConfig(const CheckpointInfo& info, int64_t step
 // Seeks `loader` to the position the checkpoint recorded (DataLoss if it is not the end of
 // `step` steps of the global batch), or replays `step` steps if it has none.
 absl::Status RestoreDataPosition(const CheckpointInfo& info, const std::string& dir,
-                                 const TrainConfig& config, int64_t step,
-                                 RankDataLoader& loader) {
+                                 const TrainConfig& config, int64_t step, RankDataLoader& loader) {
   auto next = info.extra.find(kDataNextDocument);
   auto sequences = info.extra.find(kDataSequences);
   if (next == info.extra.end() || sequences == info.extra.end()) {
@@ -104,8 +103,8 @@ std::string TakeFixedFields(const TrainConfig& saved, TrainConfig* config) {
   std::vector<std::string> differed;
   const std::vector<FieldOverride> mine = ConfigFields(*config);
   for (const FieldOverride& f : ConfigFields(saved)) {
-    if (std::find(std::begin(kCheckpointFixedFields), std::end(kCheckpointFixedFields),
-                  f.path) == std::end(kCheckpointFixedFields)) {
+    if (std::find(std::begin(kCheckpointFixedFields), std::end(kCheckpointFixedFields), f.path) ==
+        std::end(kCheckpointFixedFields)) {
       continue;
     }
     auto it = std::find_if(mine.begin(), mine.end(),
@@ -182,7 +181,7 @@ absl::StatusOr<OwnedCheckpointDir> TakeCheckpointDir(const CheckpointConfig& con
     } else {
       auto id = info->extra.find(kRunId);
       run = id == info->extra.end() || id->second.empty() ? "a run without a run id"
-                                                           : absl::StrCat("run ", id->second);
+                                                          : absl::StrCat("run ", id->second);
     }
     steps = complete.size() == 1 ? absl::StrCat("step ", newest)
                                  : absl::StrCat(complete.size(), " checkpoints, steps ",
@@ -256,16 +255,16 @@ absl::Status CheckResumeCompatible(const TrainConfig& saved, const TrainConfig& 
   // LoadCheckpoint reshards); so may the optimizer settings, step count, logging, dtypes,
   // CE weighting and backend.
   auto batch_text = [](const TrainConfig& c) {
-    return absl::StrCat(GlobalBatch(c), " (world x grad_acc x micro_batch = ",
-                        c.parallelism().world(), " x ", c.parallelism().grad_acc(), " x ",
-                        c.data().micro_batch(), ")");
+    return absl::StrCat(GlobalBatch(c),
+                        " (world x grad_acc x micro_batch = ", c.parallelism().world(), " x ",
+                        c.parallelism().grad_acc(), " x ", c.data().micro_batch(), ")");
   };
   if (GlobalBatch(saved) != GlobalBatch(config)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "--resume: the checkpoint of step ", step, " was written with global batch B=",
-        batch_text(saved), " but this run has global batch B=", batch_text(config),
-        "; the data stream continues only with the same B (choose world, grad_acc and "
-        "micro_batch with that product, or start a new checkpoint_dir)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("--resume: the checkpoint of step ", step, " was written with global batch B=",
+                     batch_text(saved), " but this run has global batch B=", batch_text(config),
+                     "; the data stream continues only with the same B (choose world, grad_acc and "
+                     "micro_batch with that product, or start a new checkpoint_dir)"));
   }
   const DataConfig &a = saved.data(), &b = config.data();
   const ModelConfig &ma = saved.model(), &mb = config.model();
@@ -298,11 +297,11 @@ absl::Status CheckResumeCompatible(const TrainConfig& saved, const TrainConfig& 
   };
   for (const auto& [name, values] : fields) {
     if (values.first != values.second) {
-      return absl::FailedPreconditionError(StrCat(
-          "--resume: the checkpoint of step ", step, " was written with ", name, "=",
-          values.first, " but this run has ", name, "=", values.second,
-          "; resuming would continue a different data stream or model (start a new "
-          "checkpoint_dir, or resume with the saved value)"));
+      return absl::FailedPreconditionError(
+          StrCat("--resume: the checkpoint of step ", step, " was written with ", name, "=",
+                 values.first, " but this run has ", name, "=", values.second,
+                 "; resuming would continue a different data stream or model (start a new "
+                 "checkpoint_dir, or resume with the saved value)"));
     }
   }
   return absl::OkStatus();
@@ -326,8 +325,8 @@ absl::StatusOr<std::vector<std::vector<float>>> ParseExpertBias(const std::strin
     for (absl::string_view word : absl::StrSplit(layer, ',')) {
       float v;
       if (!absl::SimpleAtof(word, &v) || !std::isfinite(v)) {
-        return absl::DataLossError(absl::StrCat("expert bias of layer ", bias.size() - 1,
-                                                ": \"", word, "\" is not a finite number"));
+        return absl::DataLossError(absl::StrCat("expert bias of layer ", bias.size() - 1, ": \"",
+                                                word, "\" is not a finite number"));
       }
       values.push_back(v);
     }
@@ -421,8 +420,7 @@ absl::StatusOr<ResumedRun> ResumeRun(const TrainConfig& config, Communicator& wo
                       " temporary file(s))");
     }
   }
-  GRADSUM_RETURN_IF_ERROR(
-      MarkAgreed(RestoreDataPosition(info, dir, config, run.step, loader)));
+  GRADSUM_RETURN_IF_ERROR(MarkAgreed(RestoreDataPosition(info, dir, config, run.step, loader)));
   // §5.1's bias: replicated, so every rank reads the same text whole, whatever the mesh.
   if (auto bias = info.extra.find(kExpertBias); bias != info.extra.end()) {
     absl::StatusOr<std::vector<std::vector<float>>> parsed = ParseExpertBias(bias->second);
@@ -435,9 +433,9 @@ absl::StatusOr<ResumedRun> ResumeRun(const TrainConfig& config, Communicator& wo
                                                 m.layers(), " of ", m.experts()));
     }
     if (!parsed.ok()) {
-      return MarkAgreed(absl::DataLossError(absl::StrCat(
-          "--resume: the expert bias in the commit marker of ", dir, ": ",
-          parsed.status().message())));
+      return MarkAgreed(
+          absl::DataLossError(absl::StrCat("--resume: the expert bias in the commit marker of ",
+                                           dir, ": ", parsed.status().message())));
     }
     run.expert_bias = *std::move(parsed);
   }
@@ -445,8 +443,10 @@ absl::StatusOr<ResumedRun> ResumeRun(const TrainConfig& config, Communicator& wo
     absl::StrAppend(&run.note, "; resharded from ", MeshText(*saved), " to ", MeshText(config));
   }
   if (!taken.empty()) {
-    absl::StrAppend(&run.note, "; taken from the checkpoint, which holds the parameters they "
-                    "initialised: ", taken);
+    absl::StrAppend(&run.note,
+                    "; taken from the checkpoint, which holds the parameters they "
+                    "initialised: ",
+                    taken);
   }
   if (const std::string changed = ChangedSettings(*saved, config); !changed.empty()) {
     absl::StrAppend(&run.note, "; changed since the checkpoint: ", changed);

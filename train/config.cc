@@ -114,9 +114,8 @@ absl::StatusOr<std::string> UnquoteEnumWords(absl::string_view text) {
     }
     absl::StatusOr<const pb::EnumValueDescriptor*> v = EnumValue(f, f->name(), word);
     if (!v.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("config textproto: line ", value.line + 1,
-                                                     ":", value.column + 1, ": ",
-                                                     v.status().message()));
+      return absl::InvalidArgumentError(absl::StrCat("config textproto: line ", value.line + 1, ":",
+                                                     value.column + 1, ": ", v.status().message()));
     }
     value.text = word;
   }
@@ -270,9 +269,8 @@ absl::StatusOr<TrainConfig> FromConfigFile(const TrainConfigFile& file) {
         !file_refl->HasField(file, old_field)) {
       continue;
     }
-    const auto* entry = std::find_if(
-        std::begin(kLegacyFieldPaths), std::end(kLegacyFieldPaths),
-        [&](const auto& e) { return old_field->name() == e.first; });
+    const auto* entry = std::find_if(std::begin(kLegacyFieldPaths), std::end(kLegacyFieldPaths),
+                                     [&](const auto& e) { return old_field->name() == e.first; });
     if (entry == std::end(kLegacyFieldPaths)) {
       return absl::InternalError(
           absl::StrCat("config field ", old_field->name(), " has no place in the sections"));
@@ -392,7 +390,8 @@ absl::Status ValidateConfig(const TrainConfig& c) {
   // Sequence parallelism (§12): S consecutive ranks share each sequence.
   GRADSUM_RETURN_IF_ERROR(positive("parallelism.sp", p.sp()));
   if (p.world() % p.sp() != 0) {
-    return Bad("parallelism.sp", StrCat(p.sp()), StrCat("must divide parallelism.world=", p.world()));
+    return Bad("parallelism.sp", StrCat(p.sp()),
+               StrCat("must divide parallelism.world=", p.world()));
   }
   // HSDP (§7): shard groups of N consecutive ranks, each holding whole EP groups. SP needs
   // nothing of it: parameters are not split over the SP group.
@@ -422,16 +421,17 @@ absl::Status ValidateConfig(const TrainConfig& c) {
   // Context parallelism (§16): C groups of S share each sequence, in 2C zigzag chunks.
   GRADSUM_RETURN_IF_ERROR(positive("parallelism.cp", p.cp()));
   if (p.world() % (int64_t{p.sp()} * p.cp()) != 0) {
-    return Bad("parallelism.cp", StrCat(p.cp()),
-               StrCat("times parallelism.sp=", p.sp(), " must divide parallelism.world=",
-                      p.world()));
+    return Bad(
+        "parallelism.cp", StrCat(p.cp()),
+        StrCat("times parallelism.sp=", p.sp(), " must divide parallelism.world=", p.world()));
   }
   if (c.data().seq_len() % (2 * int64_t{p.cp()}) != 0 ||
       (c.data().seq_len() / p.cp()) % p.sp() != 0) {
     return Bad("parallelism.cp", StrCat(p.cp()),
                StrCat("needs data.seq_len=", c.data().seq_len(),
                       " to be a multiple of 2 cp (each of cp ranks holds two of 2 cp chunks) "
-                      "and seq_len / cp a multiple of parallelism.sp=", p.sp()));
+                      "and seq_len / cp a multiple of parallelism.sp=",
+                      p.sp()));
   }
   if (m.attention() != ModelConfig::none) {
     GRADSUM_RETURN_IF_ERROR(positive("model.heads", m.heads()));
@@ -441,9 +441,9 @@ absl::Status ValidateConfig(const TrainConfig& c) {
                  StrCat("must divide model.heads=", m.heads(), " (GQA)"));
     }
     if (m.dim() % m.heads() != 0 || (m.dim() / m.heads()) % 2 != 0) {
-      return Bad("model.heads", StrCat(m.heads()),
-                 StrCat("must divide model.dim=", m.dim(),
-                        " into an even head_dim (RoPE rotates pairs)"));
+      return Bad(
+          "model.heads", StrCat(m.heads()),
+          StrCat("must divide model.dim=", m.dim(), " into an even head_dim (RoPE rotates pairs)"));
     }
     if (m.heads() % p.sp() != 0) {
       return Bad("parallelism.sp", StrCat(p.sp()),
@@ -708,8 +708,7 @@ TrainConfig ResolvedConfig(const TrainConfig& in) {
 int64_t GlobalBatch(const TrainConfig& config) {
   return int64_t{config.parallelism().world() / std::max(1, config.parallelism().sp()) /
                  std::max(1, config.parallelism().cp())} *
-         config.parallelism().grad_acc() *
-         config.data().micro_batch();
+         config.parallelism().grad_acc() * config.data().micro_batch();
 }
 
 std::string ConfigToShortText(const TrainConfig& in) {

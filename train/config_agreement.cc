@@ -21,7 +21,8 @@ absl::Status CheckRanksAgree(const TrainConfig& config,
   const std::vector<FieldOverride> fields = ConfigFields(config);
   std::vector<int64_t> mine(fields.size() + 1, 0);
   for (size_t i = 0; i < fields.size(); ++i) {
-    mine[i] = static_cast<int64_t>(Fingerprint64(absl::StrCat(fields[i].path, "=", fields[i].value)));
+    mine[i] =
+        static_cast<int64_t>(Fingerprint64(absl::StrCat(fields[i].path, "=", fields[i].value)));
   }
   absl::Status local = corpus.status();
   if (local.ok() && *corpus == nullptr) local = absl::InvalidArgumentError("no corpus");
@@ -36,7 +37,8 @@ absl::Status CheckRanksAgree(const TrainConfig& config,
     std::vector<std::pair<int64_t, std::vector<int>>> groups;
     for (int r = 0; r < world.size(); ++r) {
       const int64_t v = all[r * n + i];
-      auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == v; });
+      auto it =
+          std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == v; });
       if (it == groups.end()) {
         groups.push_back({v, {r}});
       } else {
@@ -45,11 +47,12 @@ absl::Status CheckRanksAgree(const TrainConfig& config,
     }
     if (groups.size() == 1) continue;
     std::vector<std::string> sets;
-    for (const auto& [v, ranks] : groups) sets.push_back(absl::StrCat("{", absl::StrJoin(ranks, ","), "}"));
-    const std::string what = i < fields.size()
-                                 ? absl::StrCat(fields[i].path, " (", fields[i].value, " on rank ",
-                                                world.rank(), ")")
-                                 : absl::StrCat("the content of data.path=", config.data().path());
+    for (const auto& [v, ranks] : groups)
+      sets.push_back(absl::StrCat("{", absl::StrJoin(ranks, ","), "}"));
+    const std::string what =
+        i < fields.size()
+            ? absl::StrCat(fields[i].path, " (", fields[i].value, " on rank ", world.rank(), ")")
+            : absl::StrCat("the content of data.path=", config.data().path());
     differences.push_back(absl::StrCat(what, " differs: ranks ", absl::StrJoin(sets, " vs ")));
   }
   if (differences.empty()) return absl::OkStatus();

@@ -54,7 +54,8 @@ TEST(CheckRanksAgreeTest, ADataFileOneRankCannotReadFailsEveryRankWithItsMessage
   ASSERT_TRUE(st.ok());
   for (const absl::Status& s : *st) {
     EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
-    EXPECT_THAT(s.message(), HasSubstr("failed on rank 1 of 2: NOT_FOUND: --data=/nonexistent/corpus.txt"));
+    EXPECT_THAT(s.message(),
+                HasSubstr("failed on rank 1 of 2: NOT_FOUND: --data=/nonexistent/corpus.txt"));
   }
 }
 
@@ -63,7 +64,8 @@ TEST(CheckRanksAgreeTest, DataFilesWithOtherContentAreRefused) {
   const std::string dir = ::testing::TempDir();
   for (int r = 0; r < 2; ++r) {
     std::ofstream(absl::StrCat(dir, "/agree_corpus_", r, ".txt"))
-        << "the same first line\n" << (r == 0 ? "rank zero's line\n" : "rank one's line\n");
+        << "the same first line\n"
+        << (r == 0 ? "rank zero's line\n" : "rank one's line\n");
   }
   TrainConfig base = ResolvedConfig(TinyConfig(2, 1, 1, TrainConfig::fsdp));
   auto st = gradsum::testing::RunRanksPerRank(2, [&](Communicator& c) -> absl::Status {
@@ -77,7 +79,8 @@ TEST(CheckRanksAgreeTest, DataFilesWithOtherContentAreRefused) {
   ASSERT_TRUE(st.ok());
   for (const absl::Status& s : *st) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-    EXPECT_THAT(s.message(), HasSubstr("the content of data.path=corpus.txt differs: ranks {0} vs {1}"));
+    EXPECT_THAT(s.message(),
+                HasSubstr("the content of data.path=corpus.txt differs: ranks {0} vs {1}"));
   }
 }
 

@@ -81,8 +81,9 @@ ABSL_FLAG(bool, reproducible, false,
 ABSL_FLAG(std::optional<double>, alpha_b, std::nullopt,
           "load-balancing loss weight (SEMANTICS.md §5)");
 ABSL_FLAG(std::optional<double>, alpha_z, std::nullopt, "router z-loss weight (SEMANTICS.md §4)");
-ABSL_FLAG(std::optional<double>, label_smoothing, std::nullopt,
-          "CE label smoothing eps in [0, 1) over the whole vocabulary (SEMANTICS.md §3.2; 0 = off)");
+ABSL_FLAG(
+    std::optional<double>, label_smoothing, std::nullopt,
+    "CE label smoothing eps in [0, 1) over the whole vocabulary (SEMANTICS.md §3.2; 0 = off)");
 ABSL_FLAG(std::optional<double>, logit_softcap, std::nullopt,
           "CE logit softcap c: the loss sees c tanh(z / c) (SEMANTICS.md §3.2; 0 = off)");
 ABSL_FLAG(std::optional<double>, alpha_lse, std::nullopt,
@@ -125,9 +126,10 @@ ABSL_FLAG(std::optional<int32_t>, expert_dim, std::nullopt, "H");
 ABSL_FLAG(std::optional<bool>, norm_topk_prob, std::nullopt,
           "renormalise the top-k router weights");
 ABSL_FLAG(std::optional<double>, router_scale, std::nullopt, "router weight scale");
-ABSL_FLAG(std::optional<std::string>, attention, std::nullopt,
-          "causal (default) | none: each layer's document-causal attention block (SEMANTICS.md §10), or "
-          "the per-token model");
+ABSL_FLAG(
+    std::optional<std::string>, attention, std::nullopt,
+    "causal (default) | none: each layer's document-causal attention block (SEMANTICS.md §10), or "
+    "the per-token model");
 ABSL_FLAG(std::optional<int32_t>, heads, std::nullopt, "attention query heads");
 ABSL_FLAG(std::optional<int32_t>, kv_heads, std::nullopt, "attention key/value heads (GQA)");
 ABSL_FLAG(std::optional<double>, rope_theta, std::nullopt, "RoPE base");

@@ -13,7 +13,8 @@
 //
 // Flags: --config --world --ep --grad_acc --steps --backend --sharding --reduce_dtype
 // --compute_dtype --seed --data --seq_len --max_doc_len --micro_batch --dump_dir --metrics
-// --checkpoint_dir --checkpoint_every --resume --overwrite_checkpoints --export --init_from --parity_check --reproducible --alpha_b
+// --checkpoint_dir --checkpoint_every --resume --overwrite_checkpoints --export --init_from
+// --parity_check --reproducible --alpha_b
 // --alpha_z --lr --warmup_steps --lr_decay --min_lr --decay_steps --weight_decay --grad_clip
 // and the model sizes --vocab (V) --dim (D)
 // --layers (L) --experts (E) --top_k (K) --expert_dim (H) --norm_topk_prob --router_scale

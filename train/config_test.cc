@@ -97,13 +97,34 @@ TEST(ConfigTest, UnknownEnumWordNamesTheAllowedWords) {
 TEST(ConfigTest, TopLevelFieldsOfTheOldLayoutReadIntoTheirSections) {
   absl::StatusOr<TrainConfig> old = ParseConfigText(R"pb(
     model { dim: 32 }
-    world: 4 ep: 4 grad_acc: 3 steps: 9 backend: "mpi" sharding: replicated
-    reduce_dtype: "bf16" compute_dtype: bf16 seed: 7 alpha_b: 0.5 alpha_z: 0.25
-    dump_dir: "/d" metrics: "/m.jsonl" checkpoint_dir: "/c" checkpoint_every: 3
-    resume: true parity_check: true parity_tolerance: 0.001 timeout_s: 30
-    ce_mode: 'square' nccl_skip_agreement: true layers_per_unit: 2
-    reshard_after_forward: false reduce_every_micro_batch: false bucket_cap_mb: 4
-    first_bucket_mb: 0.5 export_path: "/e.safetensors" init_from: "/i.safetensors"
+    world: 4
+    ep: 4
+    grad_acc: 3
+    steps: 9
+    backend: "mpi"
+    sharding: replicated
+    reduce_dtype: "bf16"
+    compute_dtype: bf16
+    seed: 7
+    alpha_b: 0.5
+    alpha_z: 0.25
+    dump_dir: "/d"
+    metrics: "/m.jsonl"
+    checkpoint_dir: "/c"
+    checkpoint_every: 3
+    resume: true
+    parity_check: true
+    parity_tolerance: 0.001
+    timeout_s: 30
+    ce_mode: 'square'
+    nccl_skip_agreement: true
+    layers_per_unit: 2
+    reshard_after_forward: false
+    reduce_every_micro_batch: false
+    bucket_cap_mb: 4
+    first_bucket_mb: 0.5
+    export_path: "/e.safetensors"
+    init_from: "/i.safetensors"
     reproducible: true
   )pb");
   ASSERT_TRUE(old.ok()) << old.status();
@@ -113,15 +134,26 @@ TEST(ConfigTest, TopLevelFieldsOfTheOldLayoutReadIntoTheirSections) {
     loss { ce_mode: square alpha_b: 0.5 alpha_z: 0.25 }
     precision { compute_dtype: bf16 reduce_dtype: bf16 reproducible: true }
     parallelism {
-      world: 4 ep: 4 grad_acc: 3 sharding: replicated layers_per_unit: 2
-      reshard_after_forward: false reduce_every_micro_batch: false
+      world: 4
+      ep: 4
+      grad_acc: 3
+      sharding: replicated
+      layers_per_unit: 2
+      reshard_after_forward: false
+      reduce_every_micro_batch: false
     }
     comm {
-      backend: mpi timeout_s: 30 nccl_skip_agreement: true bucket_cap_mb: 4
+      backend: mpi
+      timeout_s: 30
+      nccl_skip_agreement: true
+      bucket_cap_mb: 4
       first_bucket_mb: 0.5
     }
     checkpoint {
-      dir: "/c" every: 3 resume: true export_path: "/e.safetensors"
+      dir: "/c"
+      every: 3
+      resume: true
+      export_path: "/e.safetensors"
       init_from: "/i.safetensors"
     }
     log { metrics: "/m.jsonl" }
@@ -183,8 +215,7 @@ TEST(ConfigTest, BothSpellingsOfAFieldMustAgree) {
   EXPECT_THAT(c.status().message(), HasSubstr("world=4 and parallelism.world=2"));
   c = ParseConfigText("sharding: \"replicated\" parallelism { sharding: fsdp }");
   ASSERT_FALSE(c.ok());
-  EXPECT_THAT(c.status().message(),
-              HasSubstr("sharding=replicated and parallelism.sharding=fsdp"));
+  EXPECT_THAT(c.status().message(), HasSubstr("sharding=replicated and parallelism.sharding=fsdp"));
   c = ParseConfigText("checkpoint_dir: \"/a\" checkpoint { dir: \"/b\" }");
   ASSERT_FALSE(c.ok());
   EXPECT_THAT(c.status().message(), HasSubstr("checkpoint_dir=\"/a\" and checkpoint.dir=\"/b\""));
@@ -364,8 +395,11 @@ TEST(ConfigTest, ValidationNamesFieldAndValue) {
        "parallelism.cp=2: times parallelism.sp=2 must divide parallelism.world=2"},
       {{{"parallelism.cp", "2"}, {"data.seq_len", "126"}, {"data.max_doc_len", "96"}},
        "parallelism.cp=2: needs data.seq_len=126 to be a multiple of 2 cp"},
-      {{{"parallelism.world", "8"}, {"parallelism.cp", "2"}, {"parallelism.sp", "4"},
-        {"data.seq_len", "100"}, {"data.max_doc_len", "96"}},
+      {{{"parallelism.world", "8"},
+        {"parallelism.cp", "2"},
+        {"parallelism.sp", "4"},
+        {"data.seq_len", "100"},
+        {"data.max_doc_len", "96"}},
        "parallelism.cp=2: needs data.seq_len=100 to be a multiple of 2 cp (each of cp ranks "
        "holds two of 2 cp chunks) and seq_len / cp a multiple of parallelism.sp=4"},
       {{{"parallelism.cp", "2"}, {"comm.backend", "nccl"}},
@@ -375,15 +409,21 @@ TEST(ConfigTest, ValidationNamesFieldAndValue) {
        "model.kv_heads=3: must divide model.heads=4"},
       {{{"model.attention", "causal"}, {"model.heads", "3"}, {"model.kv_heads", "1"}},
        "model.heads=3: must divide model.dim=128 into an even head_dim"},
-      {{{"model.attention", "causal"}, {"model.heads", "2"}, {"model.kv_heads", "2"},
-        {"parallelism.world", "4"}, {"parallelism.sp", "4"}},
+      {{{"model.attention", "causal"},
+        {"model.heads", "2"},
+        {"model.kv_heads", "2"},
+        {"parallelism.world", "4"},
+        {"parallelism.sp", "4"}},
        "parallelism.sp=4: must divide model.heads=2"},
       {{{"model.attention", "causal"}, {"model.rope_theta", "1"}}, "model.rope_theta=1"},
       {{{"precision.repro_block", "-1"}}, "precision.repro_block=-1"},
       // Multi-token prediction (§15.1).
       {{{"model.mtp_depth", "-1"}}, "model.mtp_depth=-1: must be >= 0"},
-      {{{"model.mtp_depth", "16"}, {"loss.mtp_scale", "1"}, {"data.seq_len", "16"},
-        {"data.max_doc_len", "16"}, {"data.min_doc_len", "2"}},
+      {{{"model.mtp_depth", "16"},
+        {"loss.mtp_scale", "1"},
+        {"data.seq_len", "16"},
+        {"data.max_doc_len", "16"},
+        {"data.min_doc_len", "2"}},
        "model.mtp_depth=16: must be < data.seq_len=16"},
       {{{"model.mtp_depth", "2"}, {"loss.mtp_scale", "0"}},
        "loss.mtp_scale=0: must be in (0, model.mtp_depth=2]"},
@@ -395,10 +435,14 @@ TEST(ConfigTest, ValidationNamesFieldAndValue) {
       {{{"precision.repro_block", "48"}}, "precision.repro_block=48: must be 0 or divide the 128"},
       // HSDP (SEMANTICS.md §7): shard groups dividing the world, each holding whole EP
       // groups; the size only with sharding=hsdp.
-      {{{"parallelism.sharding", "hsdp"}, {"parallelism.world", "6"}, {"parallelism.ep", "1"},
+      {{{"parallelism.sharding", "hsdp"},
+        {"parallelism.world", "6"},
+        {"parallelism.ep", "1"},
         {"parallelism.shard_group", "4"}},
        "parallelism.shard_group=4: must divide parallelism.world=6"},
-      {{{"parallelism.sharding", "hsdp"}, {"parallelism.world", "8"}, {"parallelism.ep", "4"},
+      {{{"parallelism.sharding", "hsdp"},
+        {"parallelism.world", "8"},
+        {"parallelism.ep", "4"},
         {"parallelism.shard_group", "2"}},
        "parallelism.shard_group=2: must be a multiple of parallelism.ep=4"},
       {{{"parallelism.sharding", "hsdp"}, {"parallelism.shard_group", "-2"}},
@@ -429,8 +473,8 @@ TEST(ConfigTest, HsdpShardGroupsThatFitAreValid) {
                                 {"parallelism.shard_group", absl::StrCat(n)}},
                                &c)
                     .ok());
-    EXPECT_TRUE(ValidateConfig(c).ok()) << world << " " << ep << " " << n << ": "
-                                        << ValidateConfig(c);
+    EXPECT_TRUE(ValidateConfig(c).ok())
+        << world << " " << ep << " " << n << ": " << ValidateConfig(c);
   }
 }
 
@@ -448,7 +492,6 @@ TEST(ConfigTest, ShortTextListsDefaultsAndRoundTrips) {
   EXPECT_EQ(back->parallelism().sharding(), TrainConfig::replicated);
   EXPECT_EQ(back->model().experts(), 8);
 }
-
 
 // Checked by stat(2) before any open: a FIFO is refused, not opened (which would wait for a
 // writer; if it ever did, Bazel's timeout ends this test).
@@ -481,7 +524,7 @@ TEST(ConfigTest, FieldsListEveryValueAndResolvedConfigSetsThem) {
     return std::string("<missing>");
   };
   EXPECT_EQ(value("optim.lr"), "0.5");
-  EXPECT_EQ(value("model.experts"), "8");       // a default
+  EXPECT_EQ(value("model.experts"), "8");      // a default
   EXPECT_EQ(value("comm.backend"), "thread");  // as textproto: the enum value's name
   EXPECT_EQ(value("data.path"), "\"\"");
   const TrainConfig resolved = ResolvedConfig(c);

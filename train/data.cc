@@ -388,9 +388,9 @@ absl::StatusOr<std::shared_ptr<const DocumentSource>> MakeHeldOutCorpus(const Da
         std::make_shared<const OffsetDocuments>(std::move(*corpus), n));
   }
   if (config.eval_path().empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "log.eval_every > 0 with data.path=", config.path(),
-        " needs data.eval_path (--eval_data): a file of held-out documents"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("log.eval_every > 0 with data.path=", config.path(),
+                     " needs data.eval_path (--eval_data): a file of held-out documents"));
   }
   DataConfig held_out = config;
   held_out.set_path(config.eval_path());
@@ -411,9 +411,11 @@ absl::StatusOr<std::shared_ptr<const DocumentSource>> MakeCorpus(const DataConfi
   // A resolved config with a file carries markov1 (ResolvedConfig); any other corpus set
   // beside a file is a contradiction.
   if (config.has_corpus() && config.corpus() != DataConfig::markov1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "data.corpus=", DataConfig::Corpus_Name(config.corpus()), " names an embedded corpus, "
-        "but data.path=", config.path(), " trains on a file: give one or the other"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("data.corpus=", DataConfig::Corpus_Name(config.corpus()),
+                     " names an embedded corpus, "
+                     "but data.path=",
+                     config.path(), " trains on a file: give one or the other"));
   }
   absl::StatusOr<std::unique_ptr<TextFileCorpus>> file =
       TextFileCorpus::Load(config.path(), config.seq_len());
@@ -434,8 +436,8 @@ int64_t GlobalSequenceIndex(int64_t step, int m, int rank, int j, int world, int
 }
 
 absl::StatusOr<RankDataLoader> RankDataLoader::Create(std::shared_ptr<const DocumentSource> corpus,
-                                                      const DataConfig& config, int rank,
-                                                      int world, int sp, int cp) {
+                                                      const DataConfig& config, int rank, int world,
+                                                      int sp, int cp) {
   if (world < 1 || rank < 0 || rank >= world) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank=", rank, ": must be in [0, world=", world, ")"));
@@ -446,9 +448,9 @@ absl::StatusOr<RankDataLoader> RankDataLoader::Create(std::shared_ptr<const Docu
   }
   if (cp < 1 || world % (sp * cp) != 0 ||
       (cp > 1 && (config.seq_len() % (2 * cp) != 0 || (config.seq_len() / cp) % sp != 0))) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cp=", cp, ": sp x cp must divide world=", world, ", 2 cp data.seq_len=",
-        config.seq_len(), " and sp=", sp, " data.seq_len / cp"));
+    return absl::InvalidArgumentError(absl::StrCat("cp=", cp, ": sp x cp must divide world=", world,
+                                                   ", 2 cp data.seq_len=", config.seq_len(),
+                                                   " and sp=", sp, " data.seq_len / cp"));
   }
   if (config.seq_len() < 2 || config.micro_batch() < 1) {
     return absl::InvalidArgumentError(absl::StrCat("data.seq_len=", config.seq_len(),
@@ -471,9 +473,10 @@ absl::StatusOr<RankDataLoader> RankDataLoader::Create(std::shared_ptr<const Docu
   bool trainable = corpus->MinDocumentLength() >= 2;
   for (int64_t i = 0; !trainable && i < n; ++i) trainable = corpus->DocumentLength(i) >= 2;
   if (!trainable) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, ": no trainable token in its ", n, " documents (every document, i.e. line, has "
-        "fewer than 2 bytes, so no token has a next token to predict)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": no trainable token in its ", n,
+                     " documents (every document, i.e. line, has "
+                     "fewer than 2 bytes, so no token has a next token to predict)"));
   }
   RankDataLoader loader;
   loader.corpus_ = std::move(corpus);
@@ -491,10 +494,10 @@ absl::StatusOr<RankDataLoader> RankDataLoader::Create(std::shared_ptr<const Docu
 absl::Status RankDataLoader::Seek(const DataPosition& position) {
   if (position.next_document < 0 || position.next_document >= corpus_->num_documents() ||
       position.sequences < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "data position: next_document=", position.next_document, ", sequences=",
-        position.sequences, " is not a position in ", corpus_->Describe(), " (",
-        corpus_->num_documents(), " documents)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("data position: next_document=", position.next_document,
+                     ", sequences=", position.sequences, " is not a position in ",
+                     corpus_->Describe(), " (", corpus_->num_documents(), " documents)"));
   }
   cursor_ = position.next_document;
   sequences_ = position.sequences;

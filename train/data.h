@@ -53,7 +53,6 @@ namespace gradsum::train {
 // Label of a token that CE ignores (SEMANTICS.md §1).
 inline constexpr int32_t kIgnoreIndex = -100;
 
-
 // A first-order Markov chain over the 256 byte values. Only a small alphabet of
 // printable bytes is reachable, each with a few successors of skewed probability, so
 // the conditional entropy is well below ln 256. The chain is irreducible on its
@@ -186,10 +185,10 @@ class SecondOrderMarkovChain {
 
  private:
   int Index(int byte) const { return byte >= 0 && byte < 256 ? index_[byte] : -1; }
-  int n_ = 0;                    // alphabet size
-  std::vector<int> alphabet_;    // bytes by index
-  std::vector<int> index_;       // [256] index of each byte, -1 outside the alphabet
-  std::vector<double> transition_;  // [n, n, n] by indices (prev, cur, next)
+  int n_ = 0;                            // alphabet size
+  std::vector<int> alphabet_;            // bytes by index
+  std::vector<int> index_;               // [256] index of each byte, -1 outside the alphabet
+  std::vector<double> transition_;       // [n, n, n] by indices (prev, cur, next)
   std::vector<double> pair_stationary_;  // [n, n]
 };
 
@@ -262,7 +261,7 @@ absl::StatusOr<std::shared_ptr<const DocumentSource>> MakeHeldOutCorpus(const Da
 // One micro-batch of one rank: `batch` packed sequences of `seq_len` tokens, row-major.
 struct MicroBatch {
   int batch = 0;
-  int seq_len = 0;        // tokens of a whole sequence
+  int seq_len = 0;  // tokens of a whole sequence
   // Tokens of each sequence this rank holds: seq_len / (sp cp) (SEMANTICS.md §12, §16),
   // seq_len without sequence or context parallelism. The per-token vectors below hold
   // batch * local_seq_len entries, sequence after sequence, in the order RankDataLoader

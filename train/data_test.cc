@@ -236,7 +236,8 @@ TEST(SecondOrderMarkovCorpusTest, DocumentsStartInTheStationaryPairLaw) {
   for (int k = 0; k < n; ++k) index[alphabet[k]] = k;
   std::vector<double> pi2(n * n);
   for (int a = 0; a < n; ++a) {
-    for (int b = 0; b < n; ++b) pi2[a * n + b] = corpus.chain().PairStationary(alphabet[a], alphabet[b]);
+    for (int b = 0; b < n; ++b)
+      pi2[a * n + b] = corpus.chain().PairStationary(alphabet[a], alphabet[b]);
   }
   const int64_t docs = 60000;
   std::vector<int64_t> first(n * n, 0), later(n * n, 0);
@@ -304,8 +305,8 @@ TEST(SecondOrderMarkovCorpusTest, FloorsMatchPlugInEstimatesFromDocuments) {
   // Sampling error and the plug-in's downward bias are about 0.1% here; 0.6% is well
   // below the 2.5% by which leaving out the first labels' H1 would lower the context floor.
   std::cout << "plug-in per-token " << plug_in(per_token) << " (floor " << per_token_floor
-            << "), context " << plug_in(per_context) << " (floor " << context_floor
-            << ", H2 " << corpus.chain().ConditionalEntropyNats() << ")\n";
+            << "), context " << plug_in(per_context) << " (floor " << context_floor << ", H2 "
+            << corpus.chain().ConditionalEntropyNats() << ")\n";
   EXPECT_NEAR(plug_in(per_token) / per_token_floor, 1.0, 0.006);
   EXPECT_NEAR(plug_in(per_context) / context_floor, 1.0, 0.006);
   // The floors are what the chain's entropies give: H1 everywhere for a per-token model,
@@ -320,8 +321,7 @@ TEST(SecondOrderMarkovCorpusTest, PerTokenFloorIsClearlyAboveTheContextFloor) {
   const SecondOrderMarkovCorpus corpus(SecondOrderConfig());
   const double per_token = corpus.EntropyFloorNats(), context = corpus.ContextFloorNats();
   std::cout << "order-2 corpus, default config: per-token floor " << per_token
-            << " nats, context floor " << context << " nats, ratio " << per_token / context
-            << "\n";
+            << " nats, context floor " << context << " nats, ratio " << per_token / context << "\n";
   EXPECT_GE(per_token / context, 1.15);
 }
 
@@ -416,8 +416,8 @@ TEST_P(GlobalStreamTest, EveryMeshWithTheSameBatchSeesTheSameSequences) {
           int64_t docs = 0;
           for (int j = 0; j < mb.batch; ++j) {
             const int64_t i = int64_t{s} * B + (int64_t{m} * mesh.world + r) * mesh.micro_batch + j;
-            EXPECT_EQ(i, GlobalSequenceIndex(s, m, r, j, mesh.world, mesh.grad_acc,
-                                             mesh.micro_batch));
+            EXPECT_EQ(i,
+                      GlobalSequenceIndex(s, m, r, j, mesh.world, mesh.grad_acc, mesh.micro_batch));
             ASSERT_EQ(mb.sequence_ids[j], i);
             EXPECT_EQ(mb.doc_ids[j], want[i]) << "sequence " << i << " world " << mesh.world;
             ++seen[i];
@@ -588,8 +588,8 @@ TEST(RankDataLoaderTest, MtpDepthsAreRolledOnWholeSequences) {
         std::map<int64_t, int64_t> doc_valid;  // by sample id
         for (int64_t t = 0; t < n; ++t) {
           const int64_t u = t + d;
-          const bool inside = mb.mask[t] == 1 && u < n && u / L == t / L &&
-                              mb.sample_ids[u] == mb.sample_ids[t];
+          const bool inside =
+              mb.mask[t] == 1 && u < n && u / L == t / L && mb.sample_ids[u] == mb.sample_ids[t];
           EXPECT_EQ(mb.mtp_tokens[d - 1][t], inside ? mb.tokens[u] : 0) << d << " " << t;
           EXPECT_EQ(mb.mtp_labels[d - 1][t], inside ? mb.labels[u] : kIgnoreIndex) << d << " " << t;
           if (mb.mtp_labels[d - 1][t] != kIgnoreIndex) ++doc_valid[mb.sample_ids[t]];
@@ -738,7 +738,6 @@ TEST(TextFileCorpusTest, PacksThroughTheLoader) {
   ASSERT_TRUE(loader.ok()) << loader.status();
   for (const MicroBatch& mb : loader->NextStep(2)) CheckPacking(mb, **corpus);
 }
-
 
 TEST(TextFileCorpusTest, OnlyRegularFilesAndCorporaWithSomethingToPredict) {
   auto dev = TextFileCorpus::Load("/dev/zero", 4);

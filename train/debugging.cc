@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
-#include <tuple>
 #include <set>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -41,10 +41,10 @@ absl::Status CheckFinite(const std::string& what, const std::string& name,
     index[d] = shape[d] > 0 ? rest % shape[d] : 0;
     rest = shape[d] > 0 ? rest / shape[d] : 0;
   }
-  return absl::DataLossError(absl::StrCat(
-      what, ": tensor \"", name, "\" holds ", bad, " non-finite value", bad == 1 ? "" : "s",
-      " of ", n, ", the first ", values[first], " at [", absl::StrJoin(index, ","),
-      "]; a parameter file must hold finite values"));
+  return absl::DataLossError(
+      absl::StrCat(what, ": tensor \"", name, "\" holds ", bad, " non-finite value",
+                   bad == 1 ? "" : "s", " of ", n, ", the first ", values[first], " at [",
+                   absl::StrJoin(index, ","), "]; a parameter file must hold finite values"));
 }
 
 }  // namespace
@@ -69,9 +69,8 @@ absl::Status WriteParamsFile(const std::string& path, const ModelConfig& model,
   }
   for (size_t l = 0; l < expert_bias.size(); ++l) {
     GRADSUM_ASSIGN_OR_RETURN(
-        TensorView view,
-        TensorView::Create(const_cast<float*>(expert_bias[l].data()), DType::kF32,
-                           {static_cast<int64_t>(expert_bias[l].size())}));
+        TensorView view, TensorView::Create(const_cast<float*>(expert_bias[l].data()), DType::kF32,
+                                            {static_cast<int64_t>(expert_bias[l].size())}));
     GRADSUM_RETURN_IF_ERROR(w.Add(ExpertBiasTensorName(static_cast<int>(l)), view));
   }
   GRADSUM_RETURN_IF_ERROR(w.AddMetadata("step", absl::StrCat(step)));
@@ -96,9 +95,9 @@ absl::StatusOr<NamedParams> ReadParamsFile(const std::string& path, const ModelC
                                                      absl::StrJoin(shape, ","), "]"));
     }
     if (t->dtype() != DType::kF32 || t->shape() != shape) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, ": tensor \"", name, "\" is ", t->DebugString(), ", this model needs f32[",
-          absl::StrJoin(shape, ","), "]"));
+      return absl::InvalidArgumentError(absl::StrCat(what, ": tensor \"", name, "\" is ",
+                                                     t->DebugString(), ", this model needs f32[",
+                                                     absl::StrJoin(shape, ","), "]"));
     }
     const float* values = t->data<float>();
     GRADSUM_RETURN_IF_ERROR(CheckFinite(what, name, shape, values, t->numel()));
@@ -110,9 +109,9 @@ absl::StatusOr<NamedParams> ReadParamsFile(const std::string& path, const ModelC
     int found = 0;
     for (int l = 0; l < model.layers(); ++l) found += file->Get(ExpertBiasTensorName(l)).ok();
     if (found > 0 && found < model.layers()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, ": the expert bias of ", found, " of the ", model.layers(),
-          " layers; a file holds every layer's \"layers.{l}.expert_bias\" or none"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": the expert bias of ", found, " of the ", model.layers(),
+                       " layers; a file holds every layer's \"layers.{l}.expert_bias\" or none"));
     }
     for (int l = 0; l < found; ++l) {
       const std::string name = ExpertBiasTensorName(l);
@@ -178,8 +177,8 @@ absl::Status WriteDump(const TrainConfig& config, int rank, const NamedParams& w
         w.WriteFile(absl::StrCat(dir, "/batch.r", rank, ".m", m, ".safetensors")));
   }
   if (rank != 0) return absl::OkStatus();
-  GRADSUM_RETURN_IF_ERROR(WriteParamsFile(absl::StrCat(dir, "/weights.safetensors"),
-                                          config.model(), weights, 1, expert_bias));
+  GRADSUM_RETURN_IF_ERROR(WriteParamsFile(absl::StrCat(dir, "/weights.safetensors"), config.model(),
+                                          weights, 1, expert_bias));
   GRADSUM_RETURN_IF_ERROR(
       WriteParamsFile(absl::StrCat(dir, "/grads.safetensors"), config.model(), grads, 1));
   DumpedLosses j;
@@ -205,23 +204,25 @@ absl::StatusOr<ParityReport> RunParityCheck(const TrainConfig& config, Communica
   ParityReport report;
   int64_t ok = 0;
   absl::Status local = absl::OkStatus();
-  if (world.rank() == 0) local = [&]() -> absl::Status {
-    const bool f32 = config.precision().compute_dtype() == TrainConfig::f32 &&
-                     config.precision().reduce_dtype() == TrainConfig::f32;
-    // bf16 rounds parameters or gradients to 8 bits of mantissa: a looser bar, the one
-    // moe/cuda's bf16 layer test uses (the tiny test models' expert gradients reach 2.1e-2).
-    const double tolerance = config.debug().parity_tolerance();
-    const double tol = f32 ? tolerance : std::max(tolerance, 3e-2);
-    GRADSUM_ASSIGN_OR_RETURN(auto global_batch, GlobalBatchForStep(config, 0));
-    GRADSUM_ASSIGN_OR_RETURN(report, CheckParity(config, weights, global_batch, grads,
-                                                 {record.ce(), record.z(), record.bal(),
-                                                  record.z_out(),
-                                                  {record.mtp().begin(), record.mtp().end()}},
-                                                 tol,
-                                                 expert_bias));
-    ok = report.ok ? 1 : 0;
-    return absl::OkStatus();
-  }();
+  if (world.rank() == 0)
+    local = [&]() -> absl::Status {
+      const bool f32 = config.precision().compute_dtype() == TrainConfig::f32 &&
+                       config.precision().reduce_dtype() == TrainConfig::f32;
+      // bf16 rounds parameters or gradients to 8 bits of mantissa: a looser bar, the one
+      // moe/cuda's bf16 layer test uses (the tiny test models' expert gradients reach 2.1e-2).
+      const double tolerance = config.debug().parity_tolerance();
+      const double tol = f32 ? tolerance : std::max(tolerance, 3e-2);
+      GRADSUM_ASSIGN_OR_RETURN(auto global_batch, GlobalBatchForStep(config, 0));
+      GRADSUM_ASSIGN_OR_RETURN(report, CheckParity(config, weights, global_batch, grads,
+                                                   {record.ce(),
+                                                    record.z(),
+                                                    record.bal(),
+                                                    record.z_out(),
+                                                    {record.mtp().begin(), record.mtp().end()}},
+                                                   tol, expert_bias));
+      ok = report.ok ? 1 : 0;
+      return absl::OkStatus();
+    }();
   GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world, local, "--parity_check"));
   GRADSUM_RETURN_IF_ERROR(world.Broadcast(&ok, 1, DType::kI64, 0));
   if (world.rank() != 0) report.ok = ok == 1;

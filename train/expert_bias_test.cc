@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
+#include "core/tensor.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "core/tensor.h"
 #include "io/safetensors.h"
 #include "sharding/checkpoint.h"
 #include "train/checkpointing.h"
@@ -78,8 +78,7 @@ TEST(ExpertBiasTest, SignUpdateMatchesARecomputationFromTheStepCounts) {
   config.mutable_debug()->set_parity_check(true);  // step 1 routes as the reference does
   const std::vector<StepMetrics> h = TrainOrDie(config);
   ASSERT_EQ(h.size(), 5u);
-  const int L = config.model().layers(), E = config.model().experts(),
-            K = config.model().top_k();
+  const int L = config.model().layers(), E = config.model().experts(), K = config.model().top_k();
   std::vector<std::vector<float>> want(L, std::vector<float>(E, 0.0f));
   const float u = static_cast<float>(kSpeed);
   int moved = 0;
@@ -93,8 +92,8 @@ TEST(ExpertBiasTest, SignUpdateMatchesARecomputationFromTheStepCounts) {
       const double mean = sum / E;
       for (int e = 0; e < E; ++e) {
         const double c = r.tokens_per_expert(l * E + e);
-        if (c < mean) want[l][e] += u;   // under-loaded: pushed up
-        if (c > mean) want[l][e] -= u;   // over-loaded: pushed down
+        if (c < mean) want[l][e] += u;  // under-loaded: pushed up
+        if (c > mean) want[l][e] -= u;  // over-loaded: pushed down
         moved += c != mean;
       }
     }
@@ -188,8 +187,8 @@ TEST(ExpertBiasTest, ReproducibleAcrossMeshesAndAResume) {
 }
 
 TEST(ExpertBiasTest, MarkerTextReadsBackEveryFloatExactly) {
-  const std::vector<std::vector<float>> bias = {
-      {0.0f, -0.0099999998f, 1e-30f, -3.4e38f}, {0.1f, 0.2f, 0.3f, 1.0f / 3.0f}};
+  const std::vector<std::vector<float>> bias = {{0.0f, -0.0099999998f, 1e-30f, -3.4e38f},
+                                                {0.1f, 0.2f, 0.3f, 1.0f / 3.0f}};
   absl::StatusOr<std::vector<std::vector<float>>> back = ParseExpertBias(ExpertBiasText(bias));
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(*back, bias);
@@ -258,10 +257,10 @@ TEST(ExpertBiasTest, SigmoidScoresTrainAndMatchTheReference) {
 }
 
 TEST(ExpertBiasTest, BadSettingsAreInvalidArgumentNamingTheValue) {
-  for (const auto& [value, shown] : std::vector<std::pair<std::string, std::string>>{
-           {"-0.001", "loss.expert_bias_speed=-0.001"},
-           {"nan", "loss.expert_bias_speed=nan"},
-           {"inf", "loss.expert_bias_speed=inf"}}) {
+  for (const auto& [value, shown] :
+       std::vector<std::pair<std::string, std::string>>{{"-0.001", "loss.expert_bias_speed=-0.001"},
+                                                        {"nan", "loss.expert_bias_speed=nan"},
+                                                        {"inf", "loss.expert_bias_speed=inf"}}) {
     TrainConfig c = TinyConfig(1, 1, 1, TrainConfig::fsdp);
     ASSERT_TRUE(ApplyOverrides({{"loss.expert_bias_speed", value}}, &c).ok()) << value;
     const absl::Status s = ValidateConfig(c);

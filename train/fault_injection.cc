@@ -32,14 +32,14 @@ absl::StatusOr<std::optional<Fault>> ParseFault() {
   const std::string spec = env;
   const std::vector<std::string> parts = absl::StrSplit(spec, ':');
   Fault f;
-  const bool known = parts.size() == 3 &&
-                     (parts[0] == "fail" || parts[0] == "throw" || parts[0] == "stall" ||
-                      parts[0] == "stop" || parts[0] == "kill" || parts[0] == "term" ||
-                      parts[0] == "nan");
+  const bool known =
+      parts.size() == 3 &&
+      (parts[0] == "fail" || parts[0] == "throw" || parts[0] == "stall" || parts[0] == "stop" ||
+       parts[0] == "kill" || parts[0] == "term" || parts[0] == "nan");
   if (!known || !absl::SimpleAtoi(parts[1], &f.rank) || !absl::SimpleAtoi(parts[2], &f.step)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "GRADSUM_TEST_FAULT=", spec,
-        ": expected MODE:RANK:STEP, MODE fail|throw|stall|stop|kill|term|nan"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("GRADSUM_TEST_FAULT=", spec,
+                     ": expected MODE:RANK:STEP, MODE fail|throw|stall|stop|kill|term|nan"));
   }
   f.mode = parts[0];
   return std::optional<Fault>(std::move(f));
@@ -63,7 +63,7 @@ absl::Status MaybeInjectFault(int rank, int64_t step) {
     return absl::OkStatus();
   }
   if (mode == "nan") return absl::OkStatus();  // MaybeInjectNanGradient acts later
-  while (true) ::pause();  // stall (or continued after stop): never returns
+  while (true) ::pause();                      // stall (or continued after stop): never returns
 }
 
 bool MaybeInjectNanGradient(int rank, int64_t step) {

@@ -8,9 +8,7 @@
 namespace gradsum::train {
 namespace {
 
-int64_t DecayEnd(const OptimConfig& o) {
-  return o.decay_steps() > 0 ? o.decay_steps() : o.steps();
-}
+int64_t DecayEnd(const OptimConfig& o) { return o.decay_steps() > 0 ? o.decay_steps() : o.steps(); }
 
 }  // namespace
 
@@ -31,8 +29,8 @@ double LearningRate(const OptimConfig& o, int64_t step_index) {
 
 absl::Status CheckLrSchedule(const OptimConfig& o) {
   if (!(std::isfinite(o.min_lr()) && o.min_lr() >= 0 && o.min_lr() <= o.lr())) {
-    return absl::InvalidArgumentError(absl::StrCat("optim.min_lr=", o.min_lr(),
-                                                   ": must be in [0, optim.lr=", o.lr(), "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("optim.min_lr=", o.min_lr(), ": must be in [0, optim.lr=", o.lr(), "]"));
   }
   if (o.decay_steps() < 0) {
     return absl::InvalidArgumentError(

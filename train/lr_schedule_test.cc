@@ -77,16 +77,16 @@ TEST(LrScheduleTest, BadSchedulesAreNamed) {
     OptimConfig o;
     std::string message;
   };
-  for (const Bad& b : {Bad{Optim(OptimConfig::cosine, 0.01, 0.02, 10, 100), "optim.min_lr=0.02"},
-                       Bad{Optim(OptimConfig::cosine, 0.01, -1, 10, 100), "optim.min_lr=-1"},
-                       Bad{Optim(OptimConfig::cosine, 0.01, NAN, 10, 100), "optim.min_lr=nan"},
-                       Bad{Optim(OptimConfig::linear, 0.01, 0, 10, 100, -3),
-                           "optim.decay_steps=-3"},
-                       Bad{Optim(OptimConfig::linear, 0.01, 0, 10, 10),
-                           "optim.lr_decay=linear: its end (optim.steps=10) must be after "
-                           "optim.warmup_steps=10"},
-                       Bad{Optim(OptimConfig::cosine, 0.01, 0, 10, 100, 5),
-                           "optim.lr_decay=cosine: its end (optim.decay_steps=5)"}}) {
+  for (const Bad& b :
+       {Bad{Optim(OptimConfig::cosine, 0.01, 0.02, 10, 100), "optim.min_lr=0.02"},
+        Bad{Optim(OptimConfig::cosine, 0.01, -1, 10, 100), "optim.min_lr=-1"},
+        Bad{Optim(OptimConfig::cosine, 0.01, NAN, 10, 100), "optim.min_lr=nan"},
+        Bad{Optim(OptimConfig::linear, 0.01, 0, 10, 100, -3), "optim.decay_steps=-3"},
+        Bad{Optim(OptimConfig::linear, 0.01, 0, 10, 10),
+            "optim.lr_decay=linear: its end (optim.steps=10) must be after "
+            "optim.warmup_steps=10"},
+        Bad{Optim(OptimConfig::cosine, 0.01, 0, 10, 100, 5),
+            "optim.lr_decay=cosine: its end (optim.decay_steps=5)"}}) {
     const absl::Status s = CheckLrSchedule(b.o);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << b.message;
     EXPECT_NE(s.message().find(b.message), std::string::npos) << s;

@@ -52,8 +52,7 @@ namespace {
 
 // The code and the message (not the status's internal payloads).
 void Report(const absl::Status& s) {
-  std::cerr << "moe_lm: " << absl::StatusCodeToString(s.code()) << ": " << s.message()
-            << std::endl;
+  std::cerr << "moe_lm: " << absl::StatusCodeToString(s.code()) << ": " << s.message() << std::endl;
 }
 
 // One process per rank under an MPI launcher: the MPI world, rank 0 prints the banner and
@@ -106,9 +105,9 @@ class RankThreads {
         Release(/*go=*/false);
         for (std::thread& t : threads_) t.join();
         threads_.clear();
-        return absl::ResourceExhaustedError(
-            absl::StrCat("could not start ", world, " rank threads: the system refused rank thread ",
-                         r + 1, " (", e.what(), "); ", ThreadLimits(world - r)));
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "could not start ", world, " rank threads: the system refused rank thread ", r + 1,
+            " (", e.what(), "); ", ThreadLimits(world - r)));
       }
     }
     Release(/*go=*/true);
@@ -237,10 +236,11 @@ int RunOnThreads(const TrainConfig& config, absl::Duration timeout,
     for (int r = 0; r < world; ++r) {
       if (!ranks.finished(r)) stuck.push_back(r);
     }
-    Report(absl::DeadlineExceededError(absl::StrCat(
-        "rank(s) ", absl::StrJoin(stuck, ", "), " did not end within --timeout_s=",
-        absl::ToDoubleSeconds(timeout), " s + 5 s after a rank failed: stuck outside any "
-        "collective (a blocked file operation?); ending the process")));
+    Report(absl::DeadlineExceededError(
+        absl::StrCat("rank(s) ", absl::StrJoin(stuck, ", "),
+                     " did not end within --timeout_s=", absl::ToDoubleSeconds(timeout),
+                     " s + 5 s after a rank failed: stuck outside any "
+                     "collective (a blocked file operation?); ending the process")));
     std::cout.flush();
     std::_Exit(1);  // a stuck thread cannot be joined
   }
@@ -285,8 +285,8 @@ int Main() {
       return 1;
 #endif
   }
-  Report(absl::InternalError(
-      absl::StrCat("comm.backend=", config->comm().backend(), ": unhandled")));
+  Report(
+      absl::InternalError(absl::StrCat("comm.backend=", config->comm().backend(), ": unhandled")));
   return 1;
 }
 

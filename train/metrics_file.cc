@@ -45,10 +45,9 @@ absl::StatusOr<MetricsFile> MetricsFile::Open(const std::string& path, bool appe
   // O_NONBLOCK: if the path became a FIFO since the check, the open fails (ENXIO) instead of
   // waiting for a reader; the descriptor is checked below and made blocking again.
   MetricsFile f;
-  f.fd_ = ::open(path.c_str(),
-                 O_WRONLY | O_CREAT | O_CLOEXEC | O_NONBLOCK | O_NOCTTY |
-                     (append ? O_APPEND : O_TRUNC),
-                 0644);
+  f.fd_ = ::open(
+      path.c_str(),
+      O_WRONLY | O_CREAT | O_CLOEXEC | O_NONBLOCK | O_NOCTTY | (append ? O_APPEND : O_TRUNC), 0644);
   if (f.fd_ < 0) return ErrnoStatus(errno, absl::StrCat(name, ": cannot open"));
   f.path_ = path;
   struct stat st;

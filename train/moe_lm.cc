@@ -30,8 +30,7 @@ model::MoeLmConfig ToMoeLmConfig(const ModelConfig& m, double alpha_b, double al
   return c;
 }
 
-std::vector<std::pair<std::string, std::vector<int64_t>>> MoeLmParamShapes(
-    const ModelConfig& m) {
+std::vector<std::pair<std::string, std::vector<int64_t>>> MoeLmParamShapes(const ModelConfig& m) {
   std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
   absl::StatusOr<model::MoeLmSpec> spec = model::MoeLmSpec::Create(ToMoeLmConfig(m, 0, 0));
   if (!spec.ok()) return shapes;
@@ -73,9 +72,9 @@ absl::StatusOr<std::unique_ptr<MoeLm>> MoeLm::Create(const MoeLmOptions& options
   GRADSUM_ASSIGN_OR_RETURN(lm->params_,
                            parallel::Parallelize(spec, groups, options.parallel, *device.units));
   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<model::ModelOps> ops, device.ops(spec));
-  GRADSUM_ASSIGN_OR_RETURN(lm->model_,
-                           model::MoeLmModel::Create(spec, lm->params_.get(), std::move(ops),
-                                                     options.recompute));
+  GRADSUM_ASSIGN_OR_RETURN(
+      lm->model_,
+      model::MoeLmModel::Create(spec, lm->params_.get(), std::move(ops), options.recompute));
   return lm;
 }
 

@@ -106,16 +106,14 @@ class MoeLm {
   // Forward and backward of one micro-batch of this rank (model/moe_lm.h), issuing each
   // unit's SUM reduction as its gradient completes. Collective.
   absl::StatusOr<MicroBatchLosses> ForwardBackward(const MicroBatch& batch,
-                                                   const losses::StepStats& stats,
-                                                   int micro_index,
+                                                   const losses::StepStats& stats, int micro_index,
                                                    losses::StepDisplay* display,
                                                    const losses::MtpStats* mtp = nullptr);
 
   // A held-out evaluation of one micro-batch (model/moe_lm.h MoeLmModel::Evaluate): forward
   // only, nothing reduced, no expert bias moved. Collective.
-  absl::StatusOr<MicroBatchLosses> Evaluate(const MicroBatch& batch,
-                                            const losses::StepStats& stats, int micro_index,
-                                            losses::StepDisplay* display);
+  absl::StatusOr<MicroBatchLosses> Evaluate(const MicroBatch& batch, const losses::StepStats& stats,
+                                            int micro_index, losses::StepDisplay* display);
 
   // After the step's last ForwardBackward: every unit's reduction done, master_grad()
   // holds the SUM-reduced gradient (§7). Collective (the waits).

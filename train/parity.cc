@@ -33,9 +33,9 @@ absl::StatusOr<std::vector<std::vector<MicroBatch>>> GlobalBatchForStep(
     GRADSUM_ASSIGN_OR_RETURN(corpus, MakeCorpus(config.data()));
   }
   // The whole sequences of the world / sp data ranks (each SP group's rows; §12).
-  const int G = config.parallelism().grad_acc(),
-            W = config.parallelism().world() / std::max(1, config.parallelism().sp()) /
-                std::max(1, config.parallelism().cp());
+  const int G = config.parallelism().grad_acc(), W = config.parallelism().world() /
+                                                     std::max(1, config.parallelism().sp()) /
+                                                     std::max(1, config.parallelism().cp());
   std::vector<std::vector<MicroBatch>> batch(G, std::vector<MicroBatch>(W));
   for (int r = 0; r < W; ++r) {
     GRADSUM_ASSIGN_OR_RETURN(RankDataLoader loader,
@@ -121,9 +121,8 @@ absl::StatusOr<ParityReport> CheckParity(const TrainConfig& config, const NamedP
     report.params.push_back(p);
   }
   if (losses.mtp.size() != ref.mtp.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("the step logged ", losses.mtp.size(),
-                                                   " MTP terms, the reference has ",
-                                                   ref.mtp.size()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the step logged ", losses.mtp.size(), " MTP terms, the reference has ", ref.mtp.size()));
   }
   std::vector<std::tuple<std::string, double, double>> terms = {
       {"ce", losses.ce, ref.ce}, {"z", losses.z, ref.z}, {"bal", losses.bal, ref.bal}};

@@ -78,9 +78,15 @@ INSTANTIATE_TEST_SUITE_P(Meshes, ParityTest, ::testing::ValuesIn(AllCases()), Ca
 // sharded mode with no replicas.
 TEST(HsdpParityTest, StepOneMatchesReferenceOnEveryRank) {
   // (world, P, N, G, reduce_every_micro_batch)
-  for (const auto& [W, P, N, G, every] : std::vector<std::tuple<int, int, int, int, bool>>{
-           {4, 2, 2, 1, true}, {4, 2, 2, 3, true}, {4, 1, 2, 2, true}, {4, 1, 1, 2, false},
-           {8, 2, 4, 2, true}, {8, 2, 2, 1, false}, {6, 1, 3, 2, true}, {4, 2, 4, 2, true}}) {
+  for (const auto& [W, P, N, G, every] :
+       std::vector<std::tuple<int, int, int, int, bool>>{{4, 2, 2, 1, true},
+                                                         {4, 2, 2, 3, true},
+                                                         {4, 1, 2, 2, true},
+                                                         {4, 1, 1, 2, false},
+                                                         {8, 2, 4, 2, true},
+                                                         {8, 2, 2, 1, false},
+                                                         {6, 1, 3, 2, true},
+                                                         {4, 2, 4, 2, true}}) {
     TrainConfig config = TinyConfig(W, P, G, TrainConfig::hsdp);
     config.mutable_parallelism()->set_shard_group(N);
     config.mutable_parallelism()->set_reduce_every_micro_batch(every);
@@ -166,9 +172,10 @@ TEST(ParityModesTest, FsdpAndReplicatedAreBitIdenticalAtOneMicroBatch) {
 // reference at every G; fsdp and replicated stay bit-identical at G = 1 with the coarser
 // units too.
 TEST(ParityScheduleTest, WrapPolicyReshardAndLastMicroBatchReductionMatchTheReference) {
-  for (const auto& [F, P, G, sharding] :
-       std::vector<Case>{{2, 2, 1, TrainConfig::fsdp}, {2, 2, 3, TrainConfig::fsdp},
-                         {4, 2, 2, TrainConfig::fsdp}, {2, 2, 3, TrainConfig::replicated}}) {
+  for (const auto& [F, P, G, sharding] : std::vector<Case>{{2, 2, 1, TrainConfig::fsdp},
+                                                           {2, 2, 3, TrainConfig::fsdp},
+                                                           {4, 2, 2, TrainConfig::fsdp},
+                                                           {2, 2, 3, TrainConfig::replicated}}) {
     TrainConfig config = TinyConfig(F * P, P, G, sharding);
     config.mutable_model()->set_layers(3);
     config.mutable_parallelism()->set_layers_per_unit(2);
@@ -181,7 +188,8 @@ TEST(ParityScheduleTest, WrapPolicyReshardAndLastMicroBatchReductionMatchTheRefe
     for (const RankOutcome& r : *out) ASSERT_TRUE(r.status.ok()) << r.status;
     ASSERT_TRUE((*out)[0].parity.has_value());
     EXPECT_TRUE((*out)[0].parity->ok) << (*out)[0].parity->ToString();
-    EXPECT_LE((*out)[0].parity->worst, 1e-5) << F << "x" << P << " G" << G << " " << TrainConfig::Sharding_Name(sharding);
+    EXPECT_LE((*out)[0].parity->worst, 1e-5)
+        << F << "x" << P << " G" << G << " " << TrainConfig::Sharding_Name(sharding);
   }
   TrainConfig fsdp = TinyConfig(4, 2, 1, TrainConfig::fsdp);
   fsdp.mutable_model()->set_layers(3);
@@ -203,9 +211,9 @@ TEST(ParityScheduleTest, WrapPolicyReshardAndLastMicroBatchReductionMatchTheRefe
 // global batch itself. Step 1 must agree within 1e-5 on every mesh shape tried, and the
 // weighting must matter (the CE differs from token mode's).
 TEST(ParityCeModesTest, SampleAndSquareWeightingMatchTheReference) {
-  for (const auto& [F, P, G, sharding] :
-       std::vector<Case>{{1, 1, 1, TrainConfig::fsdp}, {2, 2, 2, TrainConfig::fsdp},
-                         {1, 2, 3, TrainConfig::replicated}}) {
+  for (const auto& [F, P, G, sharding] : std::vector<Case>{{1, 1, 1, TrainConfig::fsdp},
+                                                           {2, 2, 2, TrainConfig::fsdp},
+                                                           {1, 2, 3, TrainConfig::replicated}}) {
     TrainConfig token = TinyConfig(F * P, P, G, sharding);
     token.mutable_debug()->set_parity_check(true);
     auto t = RunInProcess(token);
@@ -237,10 +245,9 @@ TEST(ParityCeOptionsTest, SmoothingSoftcapAndOutputZLossMatchTheReference) {
     const char* name;
     double eps, cap, alpha;
   };
-  for (const Options& o : {Options{"label_smoothing", 0.1, 0, 0},
-                           Options{"logit_softcap", 0, 0.5, 0},
-                           Options{"alpha_lse", 0, 0, 0.01},
-                           Options{"all three", 0.2, 0.3, 0.02}}) {
+  for (const Options& o :
+       {Options{"label_smoothing", 0.1, 0, 0}, Options{"logit_softcap", 0, 0.5, 0},
+        Options{"alpha_lse", 0, 0, 0.01}, Options{"all three", 0.2, 0.3, 0.02}}) {
     TrainConfig config = plain;
     config.mutable_loss()->set_label_smoothing(o.eps);
     config.mutable_loss()->set_logit_softcap(o.cap);
@@ -355,8 +362,8 @@ using AttentionCase = std::tuple<int, int, int, TrainConfig::Sharding, TrainConf
 
 class AttentionParityTest : public ::testing::TestWithParam<AttentionCase> {};
 
-TrainConfig AttentionConfig(int world, int ep, int sp, int grad_acc,
-                            TrainConfig::Sharding sharding, TrainConfig::CeMode ce_mode) {
+TrainConfig AttentionConfig(int world, int ep, int sp, int grad_acc, TrainConfig::Sharding sharding,
+                            TrainConfig::CeMode ce_mode) {
   TrainConfig config = TinyConfig(world, ep, grad_acc, sharding);
   config.mutable_parallelism()->set_sp(sp);
   config.mutable_loss()->set_ce_mode(ce_mode);
@@ -501,8 +508,8 @@ TEST(HsdpParityTest, WithSequenceAndContextParallelismMatchesReference) {
 // with and without attention, in the three CE weightings. The documents (2 to 12 tokens in
 // 16-token sequences) give every rank a different number of valid labels at each depth.
 // (mtp_depth, attention, world, P, S, C, G, sharding, CE mode)
-using MtpCase = std::tuple<int, bool, int, int, int, int, int, TrainConfig::Sharding,
-                           TrainConfig::CeMode>;
+using MtpCase =
+    std::tuple<int, bool, int, int, int, int, int, TrainConfig::Sharding, TrainConfig::CeMode>;
 
 class MtpParityTest : public ::testing::TestWithParam<MtpCase> {};
 

@@ -4,8 +4,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <condition_variable>
+#include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <fstream>
@@ -43,15 +43,17 @@ absl::StatusOr<int> ResolveShardGroup(Communicator& world, const ParallelismConf
     GRADSUM_RETURN_IF_ERROR(world.AllReduce(mine, all, 2, DType::kI64, ReduceOp::kMax));
     if (all[0] != -all[1]) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "parallelism.shard_group=0 (the ranks of one host): hosts run between ", -all[1],
-          " and ", all[0], " ranks; give parallelism.shard_group (--shard_group) explicitly"));
+          "parallelism.shard_group=0 (the ranks of one host): hosts run between ", -all[1], " and ",
+          all[0], " ranks; give parallelism.shard_group (--shard_group) explicitly"));
     }
   }
   if (n < 1 || world.size() % n != 0 || n % parallelism.ep() != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "parallelism.shard_group=", parallelism.shard_group(), " gives shard groups of ", n,
-        " ranks: must divide the world's ", world.size(), " ranks and be a multiple of "
-        "parallelism.ep=", parallelism.ep()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("parallelism.shard_group=", parallelism.shard_group(),
+                     " gives shard groups of ", n, " ranks: must divide the world's ", world.size(),
+                     " ranks and be a multiple of "
+                     "parallelism.ep=",
+                     parallelism.ep()));
   }
   return n;
 }
@@ -59,8 +61,8 @@ absl::StatusOr<int> ResolveShardGroup(Communicator& world, const ParallelismConf
 absl::StatusOr<RankMesh> MakeRankMesh(Communicator* world, const ParallelismConfig& parallelism) {
   if (world == nullptr) return absl::InvalidArgumentError("null world communicator");
   if (world->size() != parallelism.world()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "parallelism.world=", parallelism.world(), ": the backend has ", world->size(), " ranks"));
+    return absl::InvalidArgumentError(absl::StrCat("parallelism.world=", parallelism.world(),
+                                                   ": the backend has ", world->size(), " ranks"));
   }
   RankMesh mesh;
   mesh.timer = std::make_shared<CommTimer>();
@@ -74,9 +76,8 @@ absl::StatusOr<RankMesh> MakeRankMesh(Communicator* world, const ParallelismConf
   const int sp = parallelism.sp();
   if (sp > 1) {
     if (world->size() % sp != 0) {
-      return absl::InvalidArgumentError(absl::StrCat("parallelism.sp=", sp,
-                                                     ": must divide the world's ", world->size(),
-                                                     " ranks"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "parallelism.sp=", sp, ": must divide the world's ", world->size(), " ranks"));
     }
     const int rank = world->rank();
     GRADSUM_ASSIGN_OR_RETURN(mesh.sp_group,
@@ -88,14 +89,14 @@ absl::StatusOr<RankMesh> MakeRankMesh(Communicator* world, const ParallelismConf
     // of the ranks at the same place in each SP group (§16).
     const int shared = sp * cp;
     if (world->size() % shared != 0) {
-      return absl::InvalidArgumentError(absl::StrCat("parallelism.cp=", cp, " x parallelism.sp=",
-                                                     sp, ": must divide the world's ",
-                                                     world->size(), " ranks"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("parallelism.cp=", cp, " x parallelism.sp=", sp,
+                       ": must divide the world's ", world->size(), " ranks"));
     }
     const int rank = world->rank();
     GRADSUM_ASSIGN_OR_RETURN(
-        mesh.cp_group, mesh.world->SplitAs((rank / shared) * sp + rank % sp,
-                                           (rank % shared) / sp, CommKind::kCpRing));
+        mesh.cp_group, mesh.world->SplitAs((rank / shared) * sp + rank % sp, (rank % shared) / sp,
+                                           CommKind::kCpRing));
   }
   return mesh;
 }
@@ -105,8 +106,8 @@ absl::Status RunRank(const TrainConfig& config, Communicator* world, std::ostrea
   if (log != nullptr && mesh.mesh->shard_size() > 0) {
     // shard_group 0 is resolved from the hosts: say what it became.
     const int n = mesh.mesh->shard_size();
-    *log << absl::StrFormat("hsdp: shard groups of %d consecutive ranks, replicated %d times\n",
-                            n, mesh.mesh->world_size() / n);
+    *log << absl::StrFormat("hsdp: shard groups of %d consecutive ranks, replicated %d times\n", n,
+                            mesh.mesh->world_size() / n);
   }
   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(config, mesh.comms()));
   return trainer->Run(log).status();
@@ -152,9 +153,10 @@ void PrintBanner(const TrainConfig& config, std::ostream& out) {
   const LossConfig& loss = config.loss();
   if (loss.label_smoothing() != 0 || loss.logit_softcap() != 0 || loss.alpha_lse() != 0) {
     // Only when on, so that the default banner is unchanged.
-    out << absl::StrFormat("CE options (SEMANTICS.md §3.2): label_smoothing %g, logit_softcap %g, "
-                           "alpha_lse %g\n",
-                           loss.label_smoothing(), loss.logit_softcap(), loss.alpha_lse());
+    out << absl::StrFormat(
+        "CE options (SEMANTICS.md §3.2): label_smoothing %g, logit_softcap %g, "
+        "alpha_lse %g\n",
+        loss.label_smoothing(), loss.logit_softcap(), loss.alpha_lse());
   }
   if (loss.expert_bias_speed() != 0 || m.router_score() != ModelConfig::softmax) {
     // Only when on, so that the default banner is unchanged.
@@ -184,7 +186,7 @@ void PrintBanner(const TrainConfig& config, std::ostream& out) {
       config.data().micro_batch(), config.data().seq_len(), GlobalBatch(config),
       config.data().path().empty()
           ? (config.data().corpus() == DataConfig::markov1 ? "embedded Markov corpus"
-                                                            : "embedded order-2 Markov corpus")
+                                                           : "embedded order-2 Markov corpus")
           : config.data().path());
   if (config.data().path().empty() && config.data().corpus() == DataConfig::markov1) {
     MarkovCorpus corpus(config.data());
@@ -210,8 +212,8 @@ absl::Status CatchExceptions(const std::function<absl::Status()>& f) {
         "out of memory (", e.what(), "): the run needs more memory than it could allocate"));
   } catch (const std::system_error& e) {
     if (e.code() == std::errc::resource_unavailable_try_again) {
-      return absl::ResourceExhaustedError(absl::StrCat("could not start a thread (", e.what(),
-                                                       "); ", ThreadLimits(0)));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("could not start a thread (", e.what(), "); ", ThreadLimits(0)));
     }
     return absl::InternalError(absl::StrCat("uncaught exception: ", e.what()));
   } catch (const std::exception& e) {
@@ -242,9 +244,9 @@ absl::Status CheckThreadsCanStart(int64_t count, absl::string_view what) {
         cv.wait(lock, [&] { return release; });
       });
     } catch (const std::system_error& e) {
-      status = absl::ResourceExhaustedError(absl::StrCat(
-          "could not start ", what, ": the system refused thread ", i + 1, " of ", count, " (",
-          e.what(), "); ", ThreadLimits(count - i)));
+      status = absl::ResourceExhaustedError(
+          absl::StrCat("could not start ", what, ": the system refused thread ", i + 1, " of ",
+                       count, " (", e.what(), "); ", ThreadLimits(count - i)));
       break;
     }
   }
@@ -326,8 +328,8 @@ std::string ThreadLimits(int64_t more) {
   struct rlimit nproc;
   if (::getrlimit(RLIMIT_NPROC, &nproc) == 0 && nproc.rlim_cur != RLIM_INFINITY &&
       ::getuid() != 0) {  // root is not bound by it
-    add("RLIMIT_NPROC (ulimit -u)", static_cast<int64_t>(nproc.rlim_cur),
-        ThreadsOfUser(::getuid()), absl::StrCat("processes and threads of uid ", ::getuid()));
+    add("RLIMIT_NPROC (ulimit -u)", static_cast<int64_t>(nproc.rlim_cur), ThreadsOfUser(::getuid()),
+        absl::StrCat("processes and threads of uid ", ::getuid()));
   }
   int64_t system_threads = -1;
   {
@@ -356,8 +358,9 @@ std::string ThreadLimits(int64_t more) {
   const bool any_reached = !limits.empty() && limits.front().reached;
   return absl::StrCat(
       "limits on threads: ", texts.empty() ? "none found" : absl::StrJoin(texts, "; "),
-      any_reached ? "" : " (none reached by this count; thread stacks' memory or "
-                         "vm.max_map_count may be what refused)");
+      any_reached ? ""
+                  : " (none reached by this count; thread stacks' memory or "
+                    "vm.max_map_count may be what refused)");
 }
 
 absl::StatusOr<ResourceEstimate> EstimateResources(const TrainConfig& config) {
@@ -408,8 +411,7 @@ absl::StatusOr<ResourceEstimate> EstimateResources(const TrainConfig& config) {
   // With attention, per token and layer: its input, norm, q, k, v, output and the
   // residual after it, plus the softmax statistics per head (model/moe_lm.h).
   const LD attention_acts = attention ? 8 * D + m.heads() : 0;
-  r.activation_bytes =
-      4 * T * (L * (4 * D + 2 * E + K * (2 * D + 3 * H) + attention_acts) + 3 * V);
+  r.activation_bytes = 4 * T * (L * (4 * D + 2 * E + K * (2 * D + 3 * H) + attention_acts) + 3 * V);
   // tokens, labels, mask (i32) and sample ids (i64), twice (loader and model copies).
   r.batch_bytes = 2 * G * T * (3 * 4 + 8);
   const LD per_rank = r.parameter_bytes + r.activation_bytes + r.batch_bytes;
@@ -430,10 +432,10 @@ absl::Status CheckResourceBounds(const TrainConfig& config, uint64_t memory_byte
       "model.layers=%d, model.experts=%d, model.expert_dim=%d, parallelism.ep=%d), activations "
       "%.1Lf GiB (data.micro_batch=%d x data.seq_len=%d tokens, model.top_k=%d), batch %.1Lf "
       "GiB (parallelism.grad_acc=%d)%s",
-      r.process_bytes / kGiB, memory_bytes / kGiB, r.parameter_bytes / kGiB, r.params,
-      m.vocab(), m.dim(), m.layers(), m.experts(), m.expert_dim(), p.ep(),
-      r.activation_bytes / kGiB, config.data().micro_batch(), config.data().seq_len(), m.top_k(),
-      r.batch_bytes / kGiB, p.grad_acc(),
+      r.process_bytes / kGiB, memory_bytes / kGiB, r.parameter_bytes / kGiB, r.params, m.vocab(),
+      m.dim(), m.layers(), m.experts(), m.expert_dim(), p.ep(), r.activation_bytes / kGiB,
+      config.data().micro_batch(), config.data().seq_len(), m.top_k(), r.batch_bytes / kGiB,
+      p.grad_acc(),
       config.comm().backend() == TrainConfig::thread
           ? absl::StrCat(", per rank x parallelism.world=", p.world(), " thread ranks")
           : ""));

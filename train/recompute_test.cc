@@ -80,16 +80,12 @@ std::string MeshName(const Mesh& m) {
                       m.attention ? " attention" : " no attention");
 }
 
-int64_t Calls(const StepMetrics& r, int64_t (StepMetrics::*field)() const) {
-  return (r.*field)();
-}
+int64_t Calls(const StepMetrics& r, int64_t (StepMetrics::*field)() const) { return (r.*field)(); }
 
 TEST(RecomputeTest, EveryModeGivesTheSameBitsAndReducesNothingAgain) {
   const int kSteps = 3, L = 2;
-  for (const Mesh& m : std::vector<Mesh>{{2, 2, 1, 1, true},
-                                         {2, 2, 1, 2, false},
-                                         {4, 2, 2, 1, true},
-                                         {4, 1, 2, 2, true}}) {
+  for (const Mesh& m : std::vector<Mesh>{
+           {2, 2, 1, 1, true}, {2, 2, 1, 2, false}, {4, 2, 2, 1, true}, {4, 1, 2, 2, true}}) {
     const std::string mesh = MeshName(m);
     const TrainConfig base = MeshConfig(m, kSteps);
     const Ranks none = RunOrDie(WithRecompute(base, ParallelismConfig::none));
@@ -217,10 +213,12 @@ TEST(RecomputeTest, EachModeHoldsLessAndFullKeepsOnlyInputsAndRoutes) {
     const Ranks run = RunOrDie(c);
     return run.ranks.empty() ? 0 : run.ranks[0].history.at(0).peak_activation_bytes();
   };
-  const int64_t none2 = bytes(2, ParallelismConfig::none), none4 = bytes(4, ParallelismConfig::none);
+  const int64_t none2 = bytes(2, ParallelismConfig::none),
+                none4 = bytes(4, ParallelismConfig::none);
   const int64_t sel2 = bytes(2, ParallelismConfig::selective);
   const int64_t sel4 = bytes(4, ParallelismConfig::selective);
-  const int64_t full2 = bytes(2, ParallelismConfig::full), full4 = bytes(4, ParallelismConfig::full);
+  const int64_t full2 = bytes(2, ParallelismConfig::full),
+                full4 = bytes(4, ParallelismConfig::full);
   EXPECT_LT(sel4, none4);
   EXPECT_LT(full4, sel4);
   const int64_t per_none = (none4 - none2) / 2, per_sel = (sel4 - sel2) / 2;

@@ -52,13 +52,20 @@ void SetCommExposed(const CommTimer::Exposed& exposed, StepMetrics* record) {
 
 double CommExposedSeconds(const StepMetrics& record, CommKind kind) {
   switch (kind) {
-    case CommKind::kAllGather: return record.exposed_all_gather_s();
-    case CommKind::kReduceScatter: return record.exposed_reduce_scatter_s();
-    case CommKind::kAllReduce: return record.exposed_all_reduce_s();
-    case CommKind::kAllToAll: return record.exposed_all_to_all_s();
-    case CommKind::kSpAllToAll: return record.exposed_sp_all_to_all_s();
-    case CommKind::kCpRing: return record.exposed_cp_ring_s();
-    case CommKind::kOther: break;
+    case CommKind::kAllGather:
+      return record.exposed_all_gather_s();
+    case CommKind::kReduceScatter:
+      return record.exposed_reduce_scatter_s();
+    case CommKind::kAllReduce:
+      return record.exposed_all_reduce_s();
+    case CommKind::kAllToAll:
+      return record.exposed_all_to_all_s();
+    case CommKind::kSpAllToAll:
+      return record.exposed_sp_all_to_all_s();
+    case CommKind::kCpRing:
+      return record.exposed_cp_ring_s();
+    case CommKind::kOther:
+      break;
   }
   return record.exposed_other_s();
 }
@@ -214,12 +221,10 @@ std::string TrainSummary::ToString() const {
   }
   if (!mean_maxvio.empty()) {
     auto join = [](const std::vector<double>& v) {
-      return absl::StrJoin(v, " ", [](std::string* o, double x) {
-        absl::StrAppendFormat(o, "%.4f", x);
-      });
+      return absl::StrJoin(v, " ",
+                           [](std::string* o, double x) { absl::StrAppendFormat(o, "%.4f", x); });
     };
-    absl::StrAppendFormat(&out,
-                          "summary: maxvio per layer: mean %s; mean of the last steps %s\n",
+    absl::StrAppendFormat(&out, "summary: maxvio per layer: mean %s; mean of the last steps %s\n",
                           join(mean_maxvio), join(tail_mean_maxvio));
   }
   if (entropy_floor > 0 && !(context_floor > 0 && context_floor < entropy_floor)) {

@@ -48,7 +48,7 @@ absl::StatusOr<std::string> StepJsonLine(const StepMetrics& record);
 struct TrainSummary {
   int64_t first_step = 0, last_step = 0;  // 1-based, inclusive; first > last if none ran
   double first_ce = 0, last_ce = 0;
-  double tail_mean_ce = 0;    // mean CE of the last min(10, steps) steps
+  double tail_mean_ce = 0;  // mean CE of the last min(10, steps) steps
   // The output z-loss of SEMANTICS.md §3.2 (StepMetrics.z_out), as ce; all three < 0 when
   // the records have none (--alpha_lse = 0: the summary then prints no line for it).
   double first_z_out = -1, last_z_out = -1, tail_mean_z_out = -1;

@@ -1,6 +1,8 @@
 // The step record (train/metrics.proto StepMetrics) as moe_lm reports it: the --metrics
 // JSONL line against text written out by hand from the proto3 JSON mapping, the log line,
 // and the summary.
+#include "train/step_log.h"
+
 #include <cmath>
 #include <limits>
 #include <string>
@@ -9,7 +11,6 @@
 #include "collectives/timed_communicator.h"
 #include "gtest/gtest.h"
 #include "train/metrics.pb.h"
-#include "train/step_log.h"
 
 namespace gradsum::train {
 namespace {

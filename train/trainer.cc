@@ -25,9 +25,12 @@ namespace {
 
 losses::CeWeightMode ToCeWeightMode(TrainConfig::CeMode m) {
   switch (m) {
-    case TrainConfig::sample: return losses::CeWeightMode::kSample;
-    case TrainConfig::square: return losses::CeWeightMode::kSquare;
-    case TrainConfig::token: break;
+    case TrainConfig::sample:
+      return losses::CeWeightMode::kSample;
+    case TrainConfig::square:
+      return losses::CeWeightMode::kSquare;
+    case TrainConfig::token:
+      break;
   }
   return losses::CeWeightMode::kToken;
 }
@@ -58,9 +61,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   trainer->config_.mutable_parallelism()->set_world(comms.mesh->world_size());
   trainer->config_.mutable_parallelism()->set_ep(comms.mesh->ep_size());
   trainer->config_.mutable_parallelism()->set_sp(comms.sp_group != nullptr ? comms.sp_group->size()
-                                                                          : 1);
+                                                                           : 1);
   trainer->config_.mutable_parallelism()->set_cp(comms.cp_group != nullptr ? comms.cp_group->size()
-                                                                          : 1);
+                                                                           : 1);
   trainer->comms_ = comms;
   if (trainer->comms_.timer == nullptr) trainer->comms_.timer = std::make_shared<CommTimer>();
   trainer->fresh_start_ = !config.checkpoint().resume();
@@ -89,9 +92,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   // The display sums exactly when the gradients are exact: the precision the model was
   // built with (BuildModel chose it once from the config).
   // The MTP depths' MoE layers are display layers L .. L + k - 1 (§15.1).
-  trainer->display_ = losses::StepDisplay(
-      config.model().layers() + config.model().mtp_depth(), config.model().experts(),
-      trainer->model_->options().parallel.precision);
+  trainer->display_ =
+      losses::StepDisplay(config.model().layers() + config.model().mtp_depth(),
+                          config.model().experts(), trainer->model_->options().parallel.precision);
   GRADSUM_RETURN_IF_ERROR(trainer->model_->RegisterDisplayTerms(&trainer->display_));
   // Rank-local start-up work (the data loader): every rank learns at once if any rank
   // failed, with that rank's message.
@@ -152,8 +155,7 @@ absl::StatusOr<double> Trainer::Evaluate() {
   if (config_.loss().alpha_lse() > 0) GRADSUM_RETURN_IF_ERROR(display.RegisterTerm("z_out"));
   for (size_t m = 0; m < eval_batches_.size(); ++m) {
     GRADSUM_RETURN_IF_ERROR(
-        model_->Evaluate(eval_batches_[m], *eval_stats_, static_cast<int>(m), &display)
-            .status());
+        model_->Evaluate(eval_batches_[m], *eval_stats_, static_cast<int>(m), &display).status());
   }
   GRADSUM_ASSIGN_OR_RETURN(const losses::StepDisplayValues values, display.Reduce(world()));
   return values.Value("ce");
@@ -212,7 +214,7 @@ absl::StatusOr<StepMetrics> Trainer::Step() {
   std::vector<MicroBatch> batches = loader_->NextStep(config_.parallelism().grad_acc());
   GRADSUM_ASSIGN_OR_RETURN(const losses::StepStats stats, ComputeStatistics(batches));
   GRADSUM_ASSIGN_OR_RETURN(const losses::MtpStats mtp, ComputeMtpStatistics(batches));
-  NamedParams weights;  // step 1's full parameters, for the dump and the parity check
+  NamedParams weights;     // step 1's full parameters, for the dump and the parity check
   model::ExpertBias bias;  // and the expert bias step 1 routes with (§5.1)
   if (gather_full) {
     GRADSUM_ASSIGN_OR_RETURN(weights, model_->GatherFull(/*grads=*/false));
@@ -284,14 +286,14 @@ absl::StatusOr<losses::MtpStats> Trainer::ComputeMtpStatistics(
     for (size_t m = 0; m < G && local.ok(); ++m) {
       const MicroBatch& mb = batches[m];
       if (static_cast<int>(mb.mtp_labels.size()) != k) {
-        local = absl::InternalError(absl::StrCat("micro-batch ", m, " holds ",
-                                                 mb.mtp_labels.size(), " MTP depths, not ", k));
+        local = absl::InternalError(absl::StrCat("micro-batch ", m, " holds ", mb.mtp_labels.size(),
+                                                 " MTP depths, not ", k));
         break;
       }
       std::vector<int64_t>& y = mtp.labels[j][m];
       y.assign(mb.mtp_labels[j].begin(), mb.mtp_labels[j].end());
-      absl::StatusOr<std::vector<float>> w = losses::ComputeTokenWeights(
-          y, mb.sample_ids, mode, kIgnoreIndex, mb.mtp_sample_valid[j]);
+      absl::StatusOr<std::vector<float>> w =
+          losses::ComputeTokenWeights(y, mb.sample_ids, mode, kIgnoreIndex, mb.mtp_sample_valid[j]);
       if (!w.ok()) {
         local = w.status();
         break;
@@ -318,11 +320,11 @@ absl::StatusOr<losses::MtpStats> Trainer::ComputeMtpStatistics(
 // Phase 2: every micro-batch's forward and backward through the unit schedule, which
 // issues each unit's SUM reduction as backward completes its gradient.
 absl::Status Trainer::RunMicroBatches(const std::vector<MicroBatch>& batches,
-                                      const losses::StepStats& stats,
-                                      const losses::MtpStats& mtp) {
+                                      const losses::StepStats& stats, const losses::MtpStats& mtp) {
   for (size_t m = 0; m < batches.size(); ++m) {
-    GRADSUM_RETURN_IF_ERROR(model_->ForwardBackward(batches[m], stats, static_cast<int>(m),
-                                                    &display_, mtp.depth > 0 ? &mtp : nullptr)
+    GRADSUM_RETURN_IF_ERROR(model_
+                                ->ForwardBackward(batches[m], stats, static_cast<int>(m), &display_,
+                                                  mtp.depth > 0 ? &mtp : nullptr)
                                 .status());
   }
   return absl::OkStatus();
@@ -364,9 +366,9 @@ absl::StatusOr<double> Trainer::ClipGradients() {
   if (!std::isfinite(grad_norm)) {
     // Every rank got the same norm: each names the first non-finite element it owns, and
     // the agreement reports every such rank's (rank 0 prints them).
-    const std::string what =
-        absl::StrCat("step ", step_ + 1, ": gradient norm is ", grad_norm, " (training diverged; "
-                     "lower --lr)");
+    const std::string what = absl::StrCat("step ", step_ + 1, ": gradient norm is ", grad_norm,
+                                          " (training diverged; "
+                                          "lower --lr)");
     GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world(), FirstNonFiniteGradient(), what));
     return MarkAgreed(absl::InternalError(absl::StrCat(
         what, "; every reduced gradient element is finite: the sum of their squares overflowed")));
@@ -448,19 +450,18 @@ absl::StatusOr<StepMetrics> Trainer::MakeRecord(const losses::StepStats& stats,
   return r;
 }
 
-absl::Status Trainer::RunFirstStepChecks(const NamedParams& weights,
-                                         const model::ExpertBias& bias,
+absl::Status Trainer::RunFirstStepChecks(const NamedParams& weights, const model::ExpertBias& bias,
                                          const std::vector<MicroBatch>& batches,
                                          const StepMetrics& record) {
   if (!config_.debug().dump_dir().empty()) {
-    GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world(),
-                                          WriteDump(config_, world().rank(), weights,
-                                                    *first_step_grads_, batches, record, bias),
-                                          "--dump_dir"));
+    GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(
+        world(),
+        WriteDump(config_, world().rank(), weights, *first_step_grads_, batches, record, bias),
+        "--dump_dir"));
   }
   if (config_.debug().parity_check()) {
-    GRADSUM_ASSIGN_OR_RETURN(parity_, RunParityCheck(config_, world(), weights,
-                                                     *first_step_grads_, record, bias));
+    GRADSUM_ASSIGN_OR_RETURN(
+        parity_, RunParityCheck(config_, world(), weights, *first_step_grads_, record, bias));
   }
   return absl::OkStatus();
 }
@@ -489,8 +490,8 @@ absl::Status Trainer::StopOnSignal(int signal, std::ostream* log) {
     saved = absl::StrCat("checkpoint ", CheckpointPath(config_.checkpoint().dir(), step_),
                          " holds them: --resume continues");
   }
-  absl::Status stopped = absl::CancelledError(absl::StrCat(
-      "--save_on_signal: stopped by ", name, " after step ", step_, "; ", saved));
+  absl::Status stopped = absl::CancelledError(
+      absl::StrCat("--save_on_signal: stopped by ", name, " after step ", step_, "; ", saved));
   if (log != nullptr) *log << "moe_lm: " << stopped.message() << std::endl;
   return MarkAgreed(std::move(stopped));
 }
@@ -525,11 +526,9 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
         (step_ == first_step || step_ == steps || step_ % config_.log().every() == 0)) {
       // The time left at this run's mean step time so far (not before the run's first
       // step is done; none after the last).
-      const double per_step =
-          absl::ToDoubleSeconds(absl::Now() - run_start) /
-          static_cast<double>(step_ - first_step + 1);
-      *log << StepLogLine(r, steps, step_ < steps ? per_step * (steps - step_) : -1)
-           << std::endl;
+      const double per_step = absl::ToDoubleSeconds(absl::Now() - run_start) /
+                              static_cast<double>(step_ - first_step + 1);
+      *log << StepLogLine(r, steps, step_ < steps ? per_step * (steps - step_) : -1) << std::endl;
     }
     if (metrics_.is_open()) {
       absl::StatusOr<std::string> line = StepJsonLine(r);
@@ -557,16 +556,16 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
     GRADSUM_ASSIGN_OR_RETURN(NamedParams params, model_->GatherFull(/*grads=*/false));
     GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(
         world(),
-        is_rank0() ? WriteParamsFile(export_path, config_.model(), params, step_,
-                                     model_->expert_bias())
-                   : absl::OkStatus(),
+        is_rank0()
+            ? WriteParamsFile(export_path, config_.model(), params, step_, model_->expert_bias())
+            : absl::OkStatus(),
         "--export"));
     if (log != nullptr) {
       *log << "exported the parameters of step " << step_ << " to " << export_path << std::endl;
     }
   }
-  TrainSummary summary = Summarize(history_, first_step, corpus_->EntropyFloorNats(),
-                                   corpus_->ContextFloorNats());
+  TrainSummary summary =
+      Summarize(history_, first_step, corpus_->EntropyFloorNats(), corpus_->ContextFloorNats());
   summary.parity = parity_;
   if (log != nullptr) *log << summary.ToString() << std::flush;
   return summary;

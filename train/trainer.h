@@ -134,8 +134,8 @@ class Trainer {
   absl::Status WaitForSlowestRank(StepTimes* times);
   // The record of the step just done (step_ already counts it).
   absl::StatusOr<StepMetrics> MakeRecord(const losses::StepStats& stats,
-                                         const losses::StepDisplayValues& display,
-                                         double grad_norm, double lr, const StepTimes& times);
+                                         const losses::StepDisplayValues& display, double grad_norm,
+                                         double lr, const StepTimes& times);
   // Step 1 of a fresh run: the dump and the parity check, each agreed on by every rank.
   absl::Status RunFirstStepChecks(const NamedParams& weights, const model::ExpertBias& bias,
                                   const std::vector<MicroBatch>& batches,

@@ -5,13 +5,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <functional>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <sstream>
-#include <utility>
 #include <string>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -622,7 +622,8 @@ TEST(TrainerTest, ARunOwnsItsCheckpointDirectory) {
   absl::StatusOr<CheckpointInfo> marker = ReadCheckpointInfo(CheckpointPath(dir, 4));
   ASSERT_TRUE(marker.ok()) << marker.status();
   const std::string run_id = marker->extra.at("run_id");
-  absl::StatusOr<std::string> marker_text = ReadFileToString(CheckpointPath(dir, 4) + "/checkpoint.json");
+  absl::StatusOr<std::string> marker_text =
+      ReadFileToString(CheckpointPath(dir, 4) + "/checkpoint.json");
   ASSERT_TRUE(marker_text.ok());
 
   TrainConfig fresh = first;
@@ -710,8 +711,8 @@ void ExpectContinues(const std::vector<StepMetrics>& resumed,
     ASSERT_LE(got.step(), static_cast<int64_t>(reference.size())) << what;
     const StepMetrics& want = reference[got.step() - 1];
     const double tol = i == 0 ? 1e-5 : 1e-3;
-    EXPECT_LE(RelErr(got.loss(), want.loss()), tol) << what << " step " << got.step() << ": loss "
-                                                << got.loss() << " vs " << want.loss();
+    EXPECT_LE(RelErr(got.loss(), want.loss()), tol)
+        << what << " step " << got.step() << ": loss " << got.loss() << " vs " << want.loss();
     EXPECT_LE(RelErr(got.ce(), want.ce()), tol) << what << " step " << got.step();
     EXPECT_EQ(got.valid_tokens(), want.valid_tokens()) << what << " step " << got.step();
   }
@@ -905,8 +906,7 @@ TEST(TrainerTest, HsdpCheckpointConsolidatesToTheExport) {
     config.mutable_checkpoint()->set_dir(dir + "/ckpt");
     config.mutable_checkpoint()->set_export_path(dir + "/final.safetensors");
     TrainOrDie(config);
-    ASSERT_TRUE(
-        ExportConsolidated(dir + "/ckpt/step-00000002", dir + "/offline.safetensors").ok());
+    ASSERT_TRUE(ExportConsolidated(dir + "/ckpt/step-00000002", dir + "/offline.safetensors").ok());
     auto exported = SafetensorsFile::Read(dir + "/final.safetensors");
     auto offline = SafetensorsFile::Read(dir + "/offline.safetensors");
     ASSERT_TRUE(exported.ok() && offline.ok());
@@ -918,8 +918,8 @@ TEST(TrainerTest, HsdpCheckpointConsolidatesToTheExport) {
       auto b = offline->Get(name);
       ASSERT_TRUE(a.ok() && b.ok()) << name;
       EXPECT_EQ(b->shape(), shape) << name;
-      EXPECT_EQ(0, std::memcmp(a->raw(), b->raw(), a->nbytes())) << "shard group " << n << " "
-                                                                  << name;
+      EXPECT_EQ(0, std::memcmp(a->raw(), b->raw(), a->nbytes()))
+          << "shard group " << n << " " << name;
       EXPECT_NE(0, std::memcmp(a->raw(), init.at(name).data(), a->nbytes())) << name;
     }
   }
@@ -956,8 +956,8 @@ TEST(TrainerTest, WeightDecayExemptsTheNormGainsUnlessAskedTo) {
            std::memcmp(x->raw(), y->raw(), x->nbytes()) == 0;
   };
   int norms = 0;
-  for (const std::string name : {"layers.0.attn_norm", "layers.0.norm", "layers.1.norm",
-                                 "final_norm"}) {
+  for (const std::string name :
+       {"layers.0.attn_norm", "layers.0.norm", "layers.1.norm", "final_norm"}) {
     ++norms;
     EXPECT_TRUE(same(none, exempt, name)) << name;
     EXPECT_FALSE(same(none, all, name)) << name;
@@ -1025,8 +1025,7 @@ TEST(TrainerTest, InitFromRefusesAFileOfAnotherModel) {
   const auto shapes = MoeLmParamShapes(config.model());
   struct Case {
     const char* name;
-    std::function<void(SafetensorsWriter&, const std::string&, const std::vector<int64_t>&,
-                       float*)>
+    std::function<void(SafetensorsWriter&, const std::string&, const std::vector<int64_t>&, float*)>
         add;
     std::string needle;
   };
@@ -1104,7 +1103,7 @@ TEST(TrainerTest, InitFromRefusesNonFiniteValuesWhenLoaded) {
   TrainConfig config = TinyConfig(2, 2, 1, TrainConfig::fsdp);
   NamedParams init = MoeLm::InitialParameters(config.model(), 7);
   std::vector<float>& router = init.at("layers.0.router");  // [D=8, E=4]
-  router[6] = std::numeric_limits<float>::quiet_NaN();       // [1, 2]
+  router[6] = std::numeric_limits<float>::quiet_NaN();      // [1, 2]
   router[10] = std::numeric_limits<float>::infinity();
   const std::string path = dir + "/nan.safetensors";
   ASSERT_TRUE(WriteParamsFile(path, config.model(), init, 3).ok());
@@ -1113,9 +1112,9 @@ TEST(TrainerTest, InitFromRefusesNonFiniteValuesWhenLoaded) {
   ASSERT_TRUE(out.ok());
   for (const RankOutcome& r : *out) {
     EXPECT_EQ(r.status.code(), absl::StatusCode::kDataLoss) << r.status;
-    EXPECT_THAT(r.status.message(),
-                HasSubstr("--init_from=" + path + ": tensor \"layers.0.router\" holds 2 "
-                          "non-finite values of 32, the first nan at [1,2]"));
+    EXPECT_THAT(r.status.message(), HasSubstr("--init_from=" + path +
+                                              ": tensor \"layers.0.router\" holds 2 "
+                                              "non-finite values of 32, the first nan at [1,2]"));
     EXPECT_TRUE(r.history.empty());
   }
 }
@@ -1137,9 +1136,9 @@ TrainConfig TwoCheckpointedSteps(const std::string& dir) {
 // Rewrites the commit marker at `marker_path` with `edit` applied to its `extra`, and a
 // valid fingerprint (the documented one: XXH3-64 of the marker's JSON without
 // "fingerprint"), so that only the edit can be the reason for what a resume does.
-void RewriteMarkerExtra(const std::string& marker_path,
-                        const std::function<void(google::protobuf::Map<std::string, std::string>*)>&
-                            edit) {
+void RewriteMarkerExtra(
+    const std::string& marker_path,
+    const std::function<void(google::protobuf::Map<std::string, std::string>*)>& edit) {
   absl::StatusOr<std::string> text = ReadFileToString(marker_path);
   ASSERT_TRUE(text.ok()) << text.status();
   checkpoint::CommitMarker marker;

@@ -27,8 +27,8 @@
 namespace gradsum::train {
 namespace {
 
-using ::testing::ElementsAreArray;
 using parallel::UnitSchedule;
+using ::testing::ElementsAreArray;
 
 // One issued collective: operation, element count (recv count for reduce-scatter, send
 // count for all-gather), dtype.
@@ -119,7 +119,7 @@ class RecordingCommunicator : public ForwardingCommunicator {
 };
 
 struct RankRun {
-  std::vector<Op> log;            // the timed steps' collectives
+  std::vector<Op> log;             // the timed steps' collectives
   std::vector<StepMetrics> steps;  // their records
 };
 
@@ -239,13 +239,11 @@ TEST(UnitScheduleTest, HsdpAllReducesEachShardAcrossReplicasOneStageLater) {
   // Micro-batch 1 of 2: fsdp's order; micro-batch 2 adds the all-reduces.
   want.insert(want.end(), kMicroBatch.begin(), kMicroBatch.end());
   const std::vector<std::string> last = {
-      "AG emb", "AG L", "AG X", "AG L", "AG X", "AG head", "AG L", "AG X",
-      "RS head",
-      "AG L",   "AG X",
-      "RS X",   "RS L", "AR head",  // layer 1; the head's all-reduce
-      "RS X",   "RS L", "AR L", "AR X",  // layer 0; layer 1's all-reduces
-      "RS emb", "AR L", "AR X",           // the embedding; layer 0's
-      "AR emb",                            // the step's end
+      "AG emb",  "AG L", "AG X", "AG L", "AG X", "AG head", "AG L", "AG X",
+      "RS head", "AG L", "AG X", "RS X", "RS L", "AR head",  // layer 1; the head's all-reduce
+      "RS X",    "RS L", "AR L", "AR X",                     // layer 0; layer 1's all-reduces
+      "RS emb",  "AR L", "AR X",                             // the embedding; layer 0's
+      "AR emb",                                              // the step's end
   };
   want.insert(want.end(), last.begin(), last.end());
   for (const RankRun& run : *runs) {
@@ -332,9 +330,9 @@ TEST(UnitScheduleTest, PeakUnshardedBytesFollowTheSchedule) {
     ASSERT_TRUE(runs.ok()) << runs.status();
     for (const RankRun& run : *runs) {
       for (const StepMetrics& r : run.steps) {
-        const std::string what =
-            absl::StrCat(TrainConfig::Sharding_Name(c.sharding), " reshard ",
-                         c.reshard_after_forward, " ", TrainConfig::FloatDType_Name(c.compute_dtype));
+        const std::string what = absl::StrCat(TrainConfig::Sharding_Name(c.sharding), " reshard ",
+                                              c.reshard_after_forward, " ",
+                                              TrainConfig::FloatDType_Name(c.compute_dtype));
         EXPECT_EQ(r.full_param_bytes(), c.want_full) << what;
         EXPECT_EQ(r.peak_unsharded_param_bytes(), c.want_peak) << what;
       }

@@ -8,9 +8,9 @@
 //   GRADSUM_ASSIGN_OR_RETURN(std::shared_ptr<ComputeContext> ctx, ComputeContext::Create(0));
 //   ... launch on ctx->stream.get() ...
 
-#include <memory>
-
 #include <cuda_runtime.h>
+
+#include <memory>
 
 #include "absl/status/statusor.h"
 #include "core/cuda/device_buffer.h"

@@ -35,8 +35,8 @@ absl::Status CudaErrorToStatus(cudaError_t err, absl::string_view what) {
 
 absl::Status CublasStatusToStatus(cublasStatus_t status, absl::string_view what) {
   if (status == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
-  const std::string msg =
-      absl::StrCat(what, ": ", cublasGetStatusString(status), " (", cublasGetStatusName(status), ")");
+  const std::string msg = absl::StrCat(what, ": ", cublasGetStatusString(status), " (",
+                                       cublasGetStatusName(status), ")");
   switch (status) {
     case CUBLAS_STATUS_NOT_INITIALIZED:
     case CUBLAS_STATUS_ARCH_MISMATCH:
@@ -94,7 +94,8 @@ absl::Status CheckOptionalDevicePointer(const void* ptr, absl::string_view name)
 absl::StatusOr<int> CurrentDeviceSmCount() {
   int device = 0, sms = 0;
   cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) {
     cudaGetLastError();
     return CudaErrorToStatus(err, "SM count of the current device");

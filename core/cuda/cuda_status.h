@@ -49,12 +49,12 @@ absl::StatusOr<int> CurrentDeviceSmCount();
 }  // namespace gradsum::cuda
 
 // Evaluates a cudaError_t expression; returns its Status from the enclosing function on error.
-#define GRADSUM_CUDA_RETURN_IF_ERROR(expr, what)                                         \
-  do {                                                                                   \
-    const cudaError_t gradsum_cuda_err_ = (expr);                                        \
-    if (gradsum_cuda_err_ != cudaSuccess) {                                              \
-      return ::gradsum::cuda::CudaErrorToStatus(gradsum_cuda_err_, (what));              \
-    }                                                                                    \
+#define GRADSUM_CUDA_RETURN_IF_ERROR(expr, what)                            \
+  do {                                                                      \
+    const cudaError_t gradsum_cuda_err_ = (expr);                           \
+    if (gradsum_cuda_err_ != cudaSuccess) {                                 \
+      return ::gradsum::cuda::CudaErrorToStatus(gradsum_cuda_err_, (what)); \
+    }                                                                       \
   } while (0)
 
 #endif  // GRADSUM_CORE_CUDA_CUDA_STATUS_H_

@@ -12,10 +12,10 @@
 //
 // Destructors free without synchronising the device beyond what cudaFree itself does.
 
+#include <cuda_runtime.h>
+
 #include <cstddef>
 #include <vector>
-
-#include <cuda_runtime.h>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"

@@ -11,7 +11,8 @@ DeviceIndexFlag::~DeviceIndexFlag() {
   if (word_ != nullptr) cudaFree(word_);
 }
 
-DeviceIndexFlag::DeviceIndexFlag(DeviceIndexFlag&& o) noexcept : word_(std::exchange(o.word_, nullptr)) {}
+DeviceIndexFlag::DeviceIndexFlag(DeviceIndexFlag&& o) noexcept
+    : word_(std::exchange(o.word_, nullptr)) {}
 
 DeviceIndexFlag& DeviceIndexFlag::operator=(DeviceIndexFlag&& o) noexcept {
   if (this != &o) {
@@ -35,8 +36,8 @@ absl::StatusOr<DeviceIndexFlag> DeviceIndexFlag::Create() {
 absl::StatusOr<std::optional<int64_t>> DeviceIndexFlag::ReadAndReset(cudaStream_t stream) {
   if (word_ == nullptr) return absl::FailedPreconditionError("DeviceIndexFlag is empty");
   unsigned long long v = kNoIndex;
-  GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&v, word_, sizeof(v), cudaMemcpyDeviceToHost, stream),
-                               "read flag");
+  GRADSUM_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(&v, word_, sizeof(v), cudaMemcpyDeviceToHost, stream), "read flag");
   GRADSUM_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream), "kernels before flag read");
   if (v == kNoIndex) return std::optional<int64_t>();
   GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(word_, 0xff, sizeof(*word_), stream), "clear flag");

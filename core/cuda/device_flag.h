@@ -9,10 +9,10 @@
 //   GRADSUM_ASSIGN_OR_RETURN(std::optional<int64_t> bad, flag.ReadAndReset(stream));
 //   if (bad) return absl::InvalidArgumentError(absl::StrCat("token ", *bad, " ..."));
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
 #include <optional>
-
-#include <cuda_runtime.h>
 
 #include "absl/status/statusor.h"
 

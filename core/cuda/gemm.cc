@@ -14,7 +14,8 @@ CublasHandle::~CublasHandle() {
   if (handle_ != nullptr) cublasDestroy(handle_);
 }
 
-CublasHandle::CublasHandle(CublasHandle&& o) noexcept : handle_(std::exchange(o.handle_, nullptr)) {}
+CublasHandle::CublasHandle(CublasHandle&& o) noexcept
+    : handle_(std::exchange(o.handle_, nullptr)) {}
 
 CublasHandle& CublasHandle::operator=(CublasHandle&& o) noexcept {
   if (this != &o) {
@@ -60,12 +61,14 @@ absl::Status GemmRowMajor(const CublasHandle& handle, cudaStream_t stream, const
   GRADSUM_RETURN_IF_ERROR(CheckInt32(g.n, "n"));
   GRADSUM_RETURN_IF_ERROR(CheckInt32(g.k, "k"));
   if (g.a_dtype != g.b_dtype || (g.a_dtype != DType::kF32 && g.a_dtype != DType::kBF16)) {
-    return absl::InvalidArgumentError(absl::StrCat("GEMM: A and B must both be f32 or both bf16, got ",
-                                                   DTypeName(g.a_dtype), " and ", DTypeName(g.b_dtype)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("GEMM: A and B must both be f32 or both bf16, got ", DTypeName(g.a_dtype),
+                     " and ", DTypeName(g.b_dtype)));
   }
   if (g.c_dtype != DType::kF32 && !(g.c_dtype == DType::kBF16 && g.a_dtype == DType::kBF16)) {
     return absl::InvalidArgumentError(absl::StrCat("GEMM: C dtype ", DTypeName(g.c_dtype),
-                                                   " is not supported with A/B ", DTypeName(g.a_dtype)));
+                                                   " is not supported with A/B ",
+                                                   DTypeName(g.a_dtype)));
   }
   GRADSUM_RETURN_IF_ERROR(CheckLd(g.lda, g.trans_a ? g.m : g.k, "lda"));
   GRADSUM_RETURN_IF_ERROR(CheckLd(g.ldb, g.trans_b ? g.k : g.n, "ldb"));
@@ -76,7 +79,8 @@ absl::Status GemmRowMajor(const CublasHandle& handle, cudaStream_t stream, const
     GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(g.a, "GEMM A"));
     GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(g.b, "GEMM B"));
   }
-  GRADSUM_RETURN_IF_ERROR(CublasStatusToStatus(cublasSetStream(handle.get(), stream), "cublasSetStream"));
+  GRADSUM_RETURN_IF_ERROR(
+      CublasStatusToStatus(cublasSetStream(handle.get(), stream), "cublasSetStream"));
   // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands.
   const cublasComputeType_t compute = (g.a_dtype == DType::kF32 && g.allow_tf32)
                                           ? CUBLAS_COMPUTE_32F_FAST_TF32
@@ -91,9 +95,10 @@ absl::Status GemmRowMajor(const CublasHandle& handle, cudaStream_t stream, const
       absl::StrCat("cublasGemmEx m=", g.m, " n=", g.n, " k=", g.k));
 }
 
-absl::Status GemmRowMajor(const CublasHandle& handle, cudaStream_t stream, bool trans_a, bool trans_b,
-                          int64_t m, int64_t n, int64_t k, const void* a, int64_t lda, const void* b,
-                          int64_t ldb, DType in, void* c, int64_t ldc, DType out, float beta) {
+absl::Status GemmRowMajor(const CublasHandle& handle, cudaStream_t stream, bool trans_a,
+                          bool trans_b, int64_t m, int64_t n, int64_t k, const void* a, int64_t lda,
+                          const void* b, int64_t ldb, DType in, void* c, int64_t ldc, DType out,
+                          float beta) {
   GemmArgs g;
   g.trans_a = trans_a;
   g.trans_b = trans_b;

@@ -19,10 +19,10 @@
 // elements. Backward passes use the transposes: dA = dC @ B^T (trans_b), dB = A^T @ dC
 // (trans_a), with beta = 1 to accumulate.
 
-#include <cstdint>
-
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+
+#include <cstdint>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -53,7 +53,7 @@ struct GemmArgs {
   bool trans_b = false;  // B is stored [n, k]
   int64_t m = 0, n = 0, k = 0;
   float alpha = 1.0f;
-  float beta = 0.0f;     // 0: C is only written (its old contents may be garbage)
+  float beta = 0.0f;  // 0: C is only written (its old contents may be garbage)
   const void* a = nullptr;
   DType a_dtype = DType::kF32;  // kF32 or kBF16; must equal b_dtype
   int64_t lda = 0;              // >= stored columns of A
@@ -77,9 +77,10 @@ absl::Status GemmRowMajor(const CublasHandle& handle, cudaStream_t stream, const
 
 // Shorthand for the common case alpha = 1: C[m, n] = op(A) op(B) + beta * C with A and B
 // of dtype `in` and C of dtype `out`. Same checks and errors.
-absl::Status GemmRowMajor(const CublasHandle& handle, cudaStream_t stream, bool trans_a, bool trans_b,
-                          int64_t m, int64_t n, int64_t k, const void* a, int64_t lda, const void* b,
-                          int64_t ldb, DType in, void* c, int64_t ldc, DType out, float beta = 0.0f);
+absl::Status GemmRowMajor(const CublasHandle& handle, cudaStream_t stream, bool trans_a,
+                          bool trans_b, int64_t m, int64_t n, int64_t k, const void* a, int64_t lda,
+                          const void* b, int64_t ldb, DType in, void* c, int64_t ldc, DType out,
+                          float beta = 0.0f);
 
 }  // namespace gradsum::cuda
 

@@ -19,9 +19,9 @@ namespace {
 
 using ::gradsum::testing::DownloadAsDouble;
 using ::gradsum::testing::ExpectAllNear;
+using ::gradsum::testing::RandomNormal;
 using ::gradsum::testing::RoundTo;
 using ::gradsum::testing::UploadAs;
-using ::gradsum::testing::RandomNormal;
 using ::testing::HasSubstr;
 
 struct GemmCase {
@@ -83,15 +83,14 @@ TEST_P(GemmRowMajorTest, MatchesDoubleReference) {
   ExpectAllNear(got, want, 1e-3, c.out == DType::kBF16 ? 1.0 / 128 : 1e-5, "C");
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    All, GemmRowMajorTest,
-    ::testing::Values(GemmCase{false, false, DType::kF32, DType::kF32},
-                      GemmCase{true, false, DType::kF32, DType::kF32},
-                      GemmCase{false, true, DType::kF32, DType::kF32},
-                      GemmCase{true, true, DType::kF32, DType::kF32},
-                      GemmCase{false, false, DType::kBF16, DType::kF32},
-                      GemmCase{true, false, DType::kBF16, DType::kBF16},
-                      GemmCase{false, true, DType::kBF16, DType::kBF16}));
+INSTANTIATE_TEST_SUITE_P(All, GemmRowMajorTest,
+                         ::testing::Values(GemmCase{false, false, DType::kF32, DType::kF32},
+                                           GemmCase{true, false, DType::kF32, DType::kF32},
+                                           GemmCase{false, true, DType::kF32, DType::kF32},
+                                           GemmCase{true, true, DType::kF32, DType::kF32},
+                                           GemmCase{false, false, DType::kBF16, DType::kF32},
+                                           GemmCase{true, false, DType::kBF16, DType::kBF16},
+                                           GemmCase{false, true, DType::kBF16, DType::kBF16}));
 
 TEST(GemmRowMajor, BadArgumentsAreInvalidArgument) {
   GRADSUM_SKIP_WITHOUT_GPU();
@@ -133,8 +132,10 @@ TEST(CudaHelpersWithoutDevice, ReturnFailedPreconditionNotACrash) {
   EXPECT_EQ(RequireCudaDevice().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(DeviceBuffer::Create(1024).status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(CudaStream::Create().status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(CudaErrorToStatus(cudaErrorMemoryAllocation, "x").code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_EQ(CudaErrorToStatus(cudaErrorInvalidValue, "x").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CudaErrorToStatus(cudaErrorMemoryAllocation, "x").code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(CudaErrorToStatus(cudaErrorInvalidValue, "x").code(),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(CudaErrorToStatus(cudaErrorIllegalAddress, "x").code(), absl::StatusCode::kInternal);
   EXPECT_TRUE(CudaErrorToStatus(cudaSuccess, "x").ok());
 }

@@ -54,10 +54,10 @@ absl::Status CrossEntropyErrorRecord::CheckAndReset(cudaStream_t stream) {
   GRADSUM_CUDA_RETURN_IF_ERROR(cuda_internal::ResetCeErrorRecord(record_, stream),
                                "reset CE error record");
   if (h.bad_label_row != kNoRow) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cross-entropy: label ", h.bad_label_value, " at row ", h.bad_label_row,
-        " is outside [0, vocab) and is not ignore_index (", h.bad_label_count,
-        " such rows in all)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cross-entropy: label ", h.bad_label_value, " at row ", h.bad_label_row,
+                     " is outside [0, vocab) and is not ignore_index (", h.bad_label_count,
+                     " such rows in all)"));
   }
   if (h.bad_weight_row != kNoRow) {
     return absl::InvalidArgumentError(absl::StrCat("cross-entropy: token weight at row ",
@@ -75,10 +75,10 @@ absl::Status CrossEntropyErrorRecord::CheckAndReset(cudaStream_t stream) {
         "with label_smoothing a -inf logit; ",
         h.nonfinite_count, " such rows in all)"));
   }
-  return absl::FailedPreconditionError(absl::StrCat(
-      "cross-entropy: global weight sum D = ", h.normaliser,
-      " is smaller than this call's own weight sum ", h.local_weight_sum,
-      "; D must be summed over all ranks and micro-batches of the step"));
+  return absl::FailedPreconditionError(
+      absl::StrCat("cross-entropy: global weight sum D = ", h.normaliser,
+                   " is smaller than this call's own weight sum ", h.local_weight_sum,
+                   "; D must be summed over all ranks and micro-batches of the step"));
 }
 
 namespace {
@@ -88,7 +88,8 @@ absl::Status CheckArgs(const CrossEntropyCudaArgs& a) {
     return absl::InvalidArgumentError(
         absl::StrCat("cross-entropy: logits dtype must be f32 or bf16, got ", DTypeName(a.dtype)));
   }
-  if (a.rows < 0) return absl::InvalidArgumentError(absl::StrCat("cross-entropy: rows = ", a.rows, " < 0"));
+  if (a.rows < 0)
+    return absl::InvalidArgumentError(absl::StrCat("cross-entropy: rows = ", a.rows, " < 0"));
   if (a.vocab < 1) {
     return absl::InvalidArgumentError(absl::StrCat("cross-entropy: vocab = ", a.vocab, " < 1"));
   }
@@ -104,16 +105,16 @@ absl::Status CheckArgs(const CrossEntropyCudaArgs& a) {
   // The options of SEMANTICS.md §3.2, as losses/cross_entropy.h checks them (written so
   // that NaN fails every check).
   if (!(a.label_smoothing >= 0.0 && a.label_smoothing < 1.0)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cross-entropy: label_smoothing ", a.label_smoothing, " must be in [0, 1)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cross-entropy: label_smoothing ", a.label_smoothing, " must be in [0, 1)"));
   }
   if (!(a.logit_softcap >= 0.0 && std::isfinite(a.logit_softcap))) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cross-entropy: logit_softcap ", a.logit_softcap, " must be finite and >= 0 (0 = off)"));
+    return absl::InvalidArgumentError(absl::StrCat("cross-entropy: logit_softcap ", a.logit_softcap,
+                                                   " must be finite and >= 0 (0 = off)"));
   }
   if (!(a.alpha_lse >= 0.0 && std::isfinite(a.alpha_lse))) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cross-entropy: alpha_lse ", a.alpha_lse, " must be finite and >= 0 (0 = off)"));
+    return absl::InvalidArgumentError(absl::StrCat("cross-entropy: alpha_lse ", a.alpha_lse,
+                                                   " must be finite and >= 0 (0 = off)"));
   }
   if (a.rows == 0) return absl::OkStatus();
   GRADSUM_RETURN_IF_ERROR(cuda::CheckDevicePointer(a.logits, "logits"));
@@ -163,14 +164,12 @@ absl::Status Enqueue(const CrossEntropyCudaArgs& a, CeErrorRecord* record, cudaS
   const int64_t vec_chunks = a.vocab / (16 / DTypeSize(a.dtype));
   l.threads = vec_chunks >= 4096 ? 512 : (vec_chunks >= 1024 ? 256 : 128);
   const int64_t blocks_per_sm = 2048 / l.threads;
-  l.num_blocks = static_cast<int>(
-      std::min<int64_t>({a.rows, static_cast<int64_t>(sms) * blocks_per_sm,
-                         cuda_internal::kCeMaxBlocks}));
+  l.num_blocks = static_cast<int>(std::min<int64_t>(
+      {a.rows, static_cast<int64_t>(sms) * blocks_per_sm, cuda_internal::kCeMaxBlocks}));
   GRADSUM_CUDA_RETURN_IF_ERROR(
-      cudaMallocAsync(reinterpret_cast<void**>(&l.partials),
-                      sizeof(double) * cuda_internal::kCePartialsPerBlock *
-                          std::max(l.num_blocks, 1),
-                      stream),
+      cudaMallocAsync(
+          reinterpret_cast<void**>(&l.partials),
+          sizeof(double) * cuda_internal::kCePartialsPerBlock * std::max(l.num_blocks, 1), stream),
       "cudaMallocAsync(CE partials)");
   const cudaError_t launch_err = cuda_internal::LaunchCrossEntropy(l);
   const cudaError_t free_err = cudaFreeAsync(l.partials, stream);

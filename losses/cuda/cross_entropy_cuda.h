@@ -27,9 +27,9 @@
 // pointers allow; logits read twice, gradient written once. Loss sums are fp64 and
 // deterministic (fixed-order reduction). Scratch comes from cudaMallocAsync on `stream`.
 
-#include <cstdint>
-
 #include <cuda_runtime.h>
+
+#include <cstdint>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -83,15 +83,15 @@ struct CrossEntropyCudaArgs {
   const int64_t* labels = nullptr;       // [rows] device: a class in [0, vocab) or ignore_index
   const float* token_weights = nullptr;  // [rows] device w_t >= 0, or null: token mode (w_t = 1)
   const double* global_weight_sum = nullptr;  // device scalar D >= 0 (§3); 0 -> loss 0, grad 0
-  void* grad_logits = nullptr;           // [rows, vocab] device, or null (forward only); may
-                                         // equal `logits` (in place); fully overwritten,
-                                         // ignored / zero-weight rows get zeros
-  float grad_scale = 1.0f;               // upstream dLoss multiplier (1 for the plain loss)
-  double* loss = nullptr;                // device scalar: the local component (required)
-  bool accumulate_loss = false;          // += into loss / local_weight_sum (else =)
-  double* local_weight_sum = nullptr;    // optional device scalar: sum of this call's w_t
-  float* token_loss = nullptr;           // optional [rows] device: w_t * CE_t / D per row
-                                         // (w_t (CE_t + alpha_lse lse_t^2) / D with options)
+  void* grad_logits = nullptr;                // [rows, vocab] device, or null (forward only); may
+                                              // equal `logits` (in place); fully overwritten,
+                                              // ignored / zero-weight rows get zeros
+  float grad_scale = 1.0f;                    // upstream dLoss multiplier (1 for the plain loss)
+  double* loss = nullptr;                     // device scalar: the local component (required)
+  bool accumulate_loss = false;               // += into loss / local_weight_sum (else =)
+  double* local_weight_sum = nullptr;         // optional device scalar: sum of this call's w_t
+  float* token_loss = nullptr;                // optional [rows] device: w_t * CE_t / D per row
+                                              // (w_t (CE_t + alpha_lse lse_t^2) / D with options)
   int64_t ignore_index = -100;
   // The CE options of SEMANTICS.md §3.2, as losses/cross_entropy.h CrossEntropyOptions:
   // each 0 = off (the defaults), and with all three 0 the plain kernel runs, its code and
@@ -100,9 +100,9 @@ struct CrossEntropyCudaArgs {
   //   CE_t = lse_t - (1 - eps) z_y - (eps / V) sum_j z_j,  loss += w_t (CE_t + alpha lse_t^2) / D
   //   dL/dx_j = grad_scale (w_t / D) ((1 + 2 alpha lse_t) p_j - (1 - eps) [j == y] - eps / V)
   //             * (1 - (z_j / c)^2 with the cap)
-  double label_smoothing = 0.0;          // eps in [0, 1)
-  double logit_softcap = 0.0;            // c >= 0, finite
-  double alpha_lse = 0.0;                // >= 0, finite
+  double label_smoothing = 0.0;  // eps in [0, 1)
+  double logit_softcap = 0.0;    // c >= 0, finite
+  double alpha_lse = 0.0;        // >= 0, finite
   // Optional device scalars, written (or added, with accumulate_loss) like `loss`: the
   // loss's two display terms (§3.2), the CE alone sum_t w_t CE_t / D and the output z-loss
   // alpha_lse sum_t w_t lse_t^2 / D. Without options they are `loss` and 0.

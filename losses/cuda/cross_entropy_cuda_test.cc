@@ -11,14 +11,13 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-
 #include "core/cuda/device_buffer.h"
 #include "core/half.h"
 #include "core/tensor.h"
-#include "losses/cross_entropy.h"
-#include "testing/gpu_compare.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "losses/cross_entropy.h"
+#include "testing/gpu_compare.h"
 #include "testing/gpu_test_util.h"
 
 namespace gradsum::losses {
@@ -109,8 +108,8 @@ struct CeRun {
 };
 
 CeRun RunCe(DType dtype, const std::vector<float>& z_rounded, int64_t rows, int64_t vocab,
-          const std::vector<int64_t>& labels, const std::vector<float>& weights, double D,
-          bool in_place, float grad_scale = 1.0f, const CeOptions& options = {}) {
+            const std::vector<int64_t>& labels, const std::vector<float>& weights, double D,
+            bool in_place, float grad_scale = 1.0f, const CeOptions& options = {}) {
   CeRun out;
   Bufs b;
   b.logits = UploadAs(z_rounded, dtype);
@@ -141,7 +140,8 @@ CeRun RunCe(DType dtype, const std::vector<float>& z_rounded, int64_t rows, int6
   a.label_smoothing = options.eps;
   a.logit_softcap = options.cap;
   a.alpha_lse = options.alpha;
-  DeviceBuffer ce_loss = Dev(std::vector<double>{777.0}), z_out_loss = Dev(std::vector<double>{777.0});
+  DeviceBuffer ce_loss = Dev(std::vector<double>{777.0}),
+               z_out_loss = Dev(std::vector<double>{777.0});
   a.ce_loss = ce_loss.as<double>();
   a.z_out_loss = z_out_loss.as<double>();
   out.status = CrossEntropyCuda(a, nullptr);
@@ -230,7 +230,8 @@ TEST(CrossEntropyCuda, MatchesCpuImplementationF32AndBf16) {
     if (dtype == DType::kBF16) zb = ToBf16Bits(zr);
     std::vector<float> cpu_grad_f(rows * vocab);
     std::vector<uint16_t> cpu_grad_b(rows * vocab);
-    void* cpu_in = dtype == DType::kBF16 ? static_cast<void*>(zb.data()) : static_cast<void*>(zr.data());
+    void* cpu_in =
+        dtype == DType::kBF16 ? static_cast<void*>(zb.data()) : static_cast<void*>(zr.data());
     void* cpu_out = dtype == DType::kBF16 ? static_cast<void*>(cpu_grad_b.data())
                                           : static_cast<void*>(cpu_grad_f.data());
     TensorView zv = *TensorView::Create(cpu_in, dtype, {rows, vocab});
@@ -279,8 +280,8 @@ void RowCeAndLse(const double* x, int64_t vocab, int64_t y, const CeOptions& o, 
 
 OptionsReference ReferenceCeOptions(const std::vector<float>& x, int64_t rows, int64_t vocab,
                                     const std::vector<int64_t>& labels,
-                                    const std::vector<float>& weights, double D,
-                                    double grad_scale, const CeOptions& o) {
+                                    const std::vector<float>& weights, double D, double grad_scale,
+                                    const CeOptions& o) {
   OptionsReference r;
   r.grad.assign(rows * vocab, 0.0);
   r.token_loss.assign(rows, 0.0);
@@ -403,7 +404,8 @@ TEST(CrossEntropyCuda, OptionsMatchTheCpuImplementation) {
       const std::string what = absl::StrCat(DTypeName(dtype), " ", OptionsName(o));
       std::vector<float> cpu_grad_f(rows * vocab);
       std::vector<uint16_t> cpu_grad_b(rows * vocab);
-      void* cpu_in = dtype == DType::kBF16 ? static_cast<void*>(xb.data()) : static_cast<void*>(xr.data());
+      void* cpu_in =
+          dtype == DType::kBF16 ? static_cast<void*>(xb.data()) : static_cast<void*>(xr.data());
       void* cpu_out = dtype == DType::kBF16 ? static_cast<void*>(cpu_grad_b.data())
                                             : static_cast<void*>(cpu_grad_f.data());
       TensorView xv = *TensorView::Create(cpu_in, dtype, {rows, vocab});
@@ -424,7 +426,8 @@ TEST(CrossEntropyCuda, OptionsMatchTheCpuImplementation) {
       EXPECT_NEAR(run.weight_sum, cpu->local_weight_sum, 1e-9) << what;
       std::vector<double> cpu_grad(rows * vocab);
       for (int64_t i = 0; i < rows * vocab; ++i) {
-        cpu_grad[i] = dtype == DType::kBF16 ? BF16::FromBits(cpu_grad_b[i]).ToFloat() : cpu_grad_f[i];
+        cpu_grad[i] =
+            dtype == DType::kBF16 ? BF16::FromBits(cpu_grad_b[i]).ToFloat() : cpu_grad_f[i];
       }
       ExpectGradNear(run.grad, cpu_grad, 1e-10, dtype == DType::kBF16 ? 1.0 / 128 : 1e-4);
     }
@@ -520,10 +523,11 @@ TEST(CrossEntropyCuda, OptionsEdgeCases) {
     CeOptions o;
     const char* name;
   };
-  for (const Bad& b : {Bad{{1.0, 0, 0}, "label_smoothing 1"}, Bad{{-0.1, 0, 0}, "label_smoothing"},
-                       Bad{{std::nan(""), 0, 0}, "label_smoothing nan"},
-                       Bad{{0, -1.0, 0}, "logit_softcap -1"}, Bad{{0, inf, 0}, "logit_softcap inf"},
-                       Bad{{0, 0, -0.5}, "alpha_lse -0.5"}, Bad{{0, 0, std::nan("")}, "alpha_lse nan"}}) {
+  for (const Bad& b :
+       {Bad{{1.0, 0, 0}, "label_smoothing 1"}, Bad{{-0.1, 0, 0}, "label_smoothing"},
+        Bad{{std::nan(""), 0, 0}, "label_smoothing nan"}, Bad{{0, -1.0, 0}, "logit_softcap -1"},
+        Bad{{0, inf, 0}, "logit_softcap inf"}, Bad{{0, 0, -0.5}, "alpha_lse -0.5"},
+        Bad{{0, 0, std::nan("")}, "alpha_lse nan"}}) {
     CrossEntropyCudaArgs bad = a;
     bad.label_smoothing = b.o.eps;
     bad.logit_softcap = b.o.cap;

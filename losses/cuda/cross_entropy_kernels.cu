@@ -61,7 +61,8 @@ __device__ __forceinline__ void SkipRow(const CeLaunch& p, int64_t row, int64_t 
     float zeros[kN];
 #pragma unroll
     for (int i = 0; i < kN; ++i) zeros[i] = 0.0f;
-    for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) StoreFromFloat<T, kN>(g + c * kN, zeros);
+    for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x)
+      StoreFromFloat<T, kN>(g + c * kN, zeros);
   }
   if (threadIdx.x == 0 && p.token_loss) p.token_loss[row] = 0.0f;
 }
@@ -133,8 +134,7 @@ __global__ void CrossEntropyRowKernel(CeLaunch p) {
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const T* x = logits + row * vocab;
     // D == 0 means every label of the step is ignored: loss 0, gradient exactly 0.
-    const float w =
-        StartRow<T, kN>(p, row, chunks, d_ok && D > 0.0, &row_info[2], &block_weight);
+    const float w = StartRow<T, kN>(p, row, chunks, d_ok && D > 0.0, &row_info[2], &block_weight);
     if (w == 0.0f) continue;
 
     // Pass 1: online logsumexp. A chunk's max first, then one rescale per chunk.
@@ -232,8 +232,7 @@ __global__ void CrossEntropyOptionsRowKernel(CeLaunch p) {
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const T* x = logits + row * vocab;
     // D == 0 means every label of the step is ignored: loss 0, gradient exactly 0.
-    const float w =
-        StartRow<T, kN>(p, row, chunks, d_ok && D > 0.0, &row_info[4], &block_weight);
+    const float w = StartRow<T, kN>(p, row, chunks, d_ok && D > 0.0, &row_info[4], &block_weight);
     if (w == 0.0f) continue;
 
     // Pass 1: online logsumexp of the capped logits, and their sum for smoothing.

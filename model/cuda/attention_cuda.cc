@@ -28,20 +28,20 @@ static_assert(kAttentionCudaMaxHeadDim == cuda_internal::kAttentionMaxHeadDim);
 absl::StatusOr<AttentionCudaParams> LaunchParams(const AttentionDims& dims, int64_t* tokens) {
   GRADSUM_ASSIGN_OR_RETURN(internal::AttentionShape shape, internal::CheckAttentionDims(dims));
   if (dims.head_dim > kAttentionCudaMaxHeadDim) {
-    return absl::InvalidArgumentError(absl::StrCat("attention (CUDA): head_dim = ",
-                                                   dims.head_dim, " is above the limit of ",
+    return absl::InvalidArgumentError(absl::StrCat("attention (CUDA): head_dim = ", dims.head_dim,
+                                                   " is above the limit of ",
                                                    kAttentionCudaMaxHeadDim));
   }
   if (dims.q_heads > kAttentionCudaMaxHeads || dims.kv_heads > kAttentionCudaMaxHeads) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "attention (CUDA): q_heads = ", dims.q_heads, " and kv_heads = ", dims.kv_heads,
-        " must be at most ", kAttentionCudaMaxHeads));
+    return absl::InvalidArgumentError(absl::StrCat("attention (CUDA): q_heads = ", dims.q_heads,
+                                                   " and kv_heads = ", dims.kv_heads,
+                                                   " must be at most ", kAttentionCudaMaxHeads));
   }
   const int64_t tiles = (dims.seq_len + 63) / 64;
   if (dims.seq_len > INT32_MAX || (tiles > 0 && dims.num_seqs > INT32_MAX / tiles)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "attention (CUDA): num_seqs = ", dims.num_seqs, " sequences of seq_len = ",
-        dims.seq_len, " need more than 2^31 - 1 thread blocks of 64 tokens"));
+        "attention (CUDA): num_seqs = ", dims.num_seqs, " sequences of seq_len = ", dims.seq_len,
+        " need more than 2^31 - 1 thread blocks of 64 tokens"));
   }
   AttentionCudaParams p;
   p.num_seqs = dims.num_seqs;
@@ -66,8 +66,8 @@ absl::StatusOr<AttentionCudaParams> LaunchParams(const AttentionDims& dims, int6
 
 // doc_start checked on the device: into `error` (no wait), or, without one, waited for and
 // returned as the CPU kernel's InvalidArgument for the first bad token.
-absl::Status CheckDocStart(const AttentionDims& dims, const int32_t* doc_start,
-                           cudaStream_t stream, cuda::DeviceIndexFlag* error) {
+absl::Status CheckDocStart(const AttentionDims& dims, const int32_t* doc_start, cudaStream_t stream,
+                           cuda::DeviceIndexFlag* error) {
   if (error != nullptr) {
     GRADSUM_CUDA_RETURN_IF_ERROR(
         cuda_internal::LaunchAttentionCheckDocStart(doc_start, dims.num_seqs, dims.seq_len,
@@ -93,8 +93,8 @@ absl::Status CheckDocStart(const AttentionDims& dims, const int32_t* doc_start,
   }
   absl::Status s = internal::CheckDocStartToken(dims, *bad, value, previous);
   if (s.ok()) {
-    return absl::InternalError(absl::StrCat("attention (CUDA): the device flagged doc_start[",
-                                            *bad, "] = ", value, ", which the host accepts"));
+    return absl::InternalError(absl::StrCat("attention (CUDA): the device flagged doc_start[", *bad,
+                                            "] = ", value, ", which the host accepts"));
   }
   return s;
 }
@@ -125,14 +125,12 @@ absl::StatusOr<AttentionCudaParams> Prepare(const AttentionDims& dims,
 }  // namespace
 
 absl::Status AttentionForwardCuda(const AttentionDims& dims, const float* q, const float* k,
-                                  const float* v, const int32_t* doc_start, float* out,
-                                  float* lse, cudaStream_t stream,
-                                  cuda::DeviceIndexFlag* error) {
+                                  const float* v, const int32_t* doc_start, float* out, float* lse,
+                                  cudaStream_t stream, cuda::DeviceIndexFlag* error) {
   int64_t tokens = 0;
-  GRADSUM_ASSIGN_OR_RETURN(
-      AttentionCudaParams p,
-      Prepare(dims, {{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {lse, "lse"}}, doc_start,
-              stream, error, &tokens));
+  GRADSUM_ASSIGN_OR_RETURN(AttentionCudaParams p,
+                           Prepare(dims, {{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {lse, "lse"}},
+                                   doc_start, stream, error, &tokens));
   if (tokens == 0) return absl::OkStatus();
   p.q = q;
   p.k = k;
@@ -147,21 +145,19 @@ absl::Status AttentionForwardCuda(const AttentionDims& dims, const float* q, con
 absl::Status AttentionBackwardCuda(const AttentionDims& dims, const float* q, const float* k,
                                    const float* v, const int32_t* doc_start, const float* out,
                                    const float* lse, const float* d_out, float* dq, float* dk,
-                                   float* dv, cudaStream_t stream,
-                                   cuda::DeviceIndexFlag* error) {
+                                   float* dv, cudaStream_t stream, cuda::DeviceIndexFlag* error) {
   int64_t tokens = 0;
-  GRADSUM_ASSIGN_OR_RETURN(AttentionCudaParams p,
-                           Prepare(dims,
-                                   {{q, "q"},
-                                    {k, "k"},
-                                    {v, "v"},
-                                    {out, "out"},
-                                    {lse, "lse"},
-                                    {d_out, "d_out"},
-                                    {dq, "dq"},
-                                    {dk, "dk"},
-                                    {dv, "dv"}},
-                                   doc_start, stream, error, &tokens));
+  GRADSUM_ASSIGN_OR_RETURN(AttentionCudaParams p, Prepare(dims,
+                                                          {{q, "q"},
+                                                           {k, "k"},
+                                                           {v, "v"},
+                                                           {out, "out"},
+                                                           {lse, "lse"},
+                                                           {d_out, "d_out"},
+                                                           {dq, "dq"},
+                                                           {dk, "dk"},
+                                                           {dv, "dv"}},
+                                                          doc_start, stream, error, &tokens));
   if (tokens == 0) return absl::OkStatus();
   p.q = q;
   p.k = k;

@@ -95,13 +95,13 @@ __device__ __forceinline__ void PairDots(const float* x, const float* y, int d, 
 // coef(a, c) = coef[a * kPStride + c], or coef[c * kPStride + a] when kTransposed (coef
 // holds [kTile, kPStride] probabilities or scores; rows a [kTile, kD + 1] tile).
 template <int kD, bool kTransposed>
-__device__ __forceinline__ void AccumulateTile(const float* coef, const float* rows, int tx,
-                                               int ty, float (&acc)[4][kD / 16]) {
+__device__ __forceinline__ void AccumulateTile(const float* coef, const float* rows, int tx, int ty,
+                                               float (&acc)[4][kD / 16]) {
   for (int c = 0; c < kTile; ++c) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float a = kTransposed ? coef[c * kPStride + ty + 16 * i]
-                                  : coef[(ty + 16 * i) * kPStride + c];
+      const float a =
+          kTransposed ? coef[c * kPStride + ty + 16 * i] : coef[(ty + 16 * i) * kPStride + c];
 #pragma unroll
       for (int jj = 0; jj < kD / 16; ++jj) {
         acc[i][jj] = fmaf(a, rows[c * (kD + 1) + tx + 16 * jj], acc[i][jj]);
@@ -114,8 +114,8 @@ __device__ __forceinline__ void AccumulateTile(const float* coef, const float* r
 // sequence s) of head `head` of a [T, heads, d] tensor: acc / divisor[i], or 0 where
 // doc[row] < 0 (padding).
 template <int kD>
-__device__ __forceinline__ void StoreTile(float* dst, long long s, long long len,
-                                          long long first, int rows, int heads, int head, int d,
+__device__ __forceinline__ void StoreTile(float* dst, long long s, long long len, long long first,
+                                          int rows, int heads, int head, int d,
                                           const long long* doc, const float (&acc)[4][kD / 16],
                                           const float (&divisor)[4], int tx, int ty) {
 #pragma unroll
@@ -135,14 +135,14 @@ __device__ __forceinline__ void StoreTile(float* dst, long long s, long long len
 // dk / dv kernel) of one sequence and one head, and the thread's place in the 16 x 16 grid.
 struct BlockTile {
   int tx = 0, ty = 0;
-  long long len = 0;        // seq_len
-  long long s = 0;          // sequence
-  long long first = 0;      // first token of the tile (within the sequence)
-  int rows = 0;             // tokens of the tile inside the sequence
-  int head = 0;             // blockIdx.y: query head, or kv head for dk / dv
-  int d = 0;                // head_dim
-  long long q_stride = 0;   // floats between tokens of q, out, d_out, dq
-  long long kv_stride = 0;  // of k, v, dk, dv
+  long long len = 0;            // seq_len
+  long long s = 0;              // sequence
+  long long first = 0;          // first token of the tile (within the sequence)
+  int rows = 0;                 // tokens of the tile inside the sequence
+  int head = 0;                 // blockIdx.y: query head, or kv head for dk / dv
+  int d = 0;                    // head_dim
+  long long q_stride = 0;       // floats between tokens of q, out, d_out, dq
+  long long kv_stride = 0;      // of k, v, dk, dv
   const int32_t* ds = nullptr;  // the sequence's doc_start
 };
 
@@ -201,8 +201,7 @@ struct Shared {
 // Fills q_doc for the query tile and, in range, the keys its queries may see: [earliest
 // document start of a visible query, last visible query + 1), or [LLONG_MAX, -1) when the
 // tile is all padding. Ends with a barrier.
-__device__ __forceinline__ void QueryRange(const BlockTile& b, long long* q_doc,
-                                           long long* range) {
+__device__ __forceinline__ void QueryRange(const BlockTile& b, long long* q_doc, long long* range) {
   if (threadIdx.x < kTile) q_doc[threadIdx.x] = DocOf(b.ds, b.first + threadIdx.x, b.len);
   if (threadIdx.x == 0) {
     range[0] = LLONG_MAX;
@@ -242,9 +241,9 @@ __device__ __forceinline__ bool KeyTileVisible(const BlockTile& b, long long k0,
 
 // The k and v rows of kv head g for the key tile at k0 (k_doc published) into ks, vs.
 template <int kD>
-__device__ __forceinline__ void LoadKvTile(const AttentionCudaParams& p, const BlockTile& b,
-                                           int g, long long k0, const long long* k_doc,
-                                           float* ks, float* vs) {
+__device__ __forceinline__ void LoadKvTile(const AttentionCudaParams& p, const BlockTile& b, int g,
+                                           long long k0, const long long* k_doc, float* ks,
+                                           float* vs) {
   const long long off = k0 * b.kv_stride;
   LoadTile<kD>(ks, HeadRows(p.k, b, b.kv_stride, g) + off, b.kv_stride, k_doc, b.d);
   LoadTile<kD>(vs, HeadRows(p.v, b, b.kv_stride, g) + off, b.kv_stride, k_doc, b.d);
@@ -253,9 +252,9 @@ __device__ __forceinline__ void LoadKvTile(const AttentionCudaParams& p, const B
 // The next key tile of a query-tile kernel: false (every thread) when the mask hides all
 // its pairs with the query tile; else its k, v rows of kv head g are in ks, vs, synced.
 template <int kD>
-__device__ __forceinline__ bool NextKeyTile(const AttentionCudaParams& p, const BlockTile& b,
-                                            int g, long long k0, const long long* q_doc,
-                                            long long* k_doc, float* ks, float* vs) {
+__device__ __forceinline__ bool NextKeyTile(const AttentionCudaParams& p, const BlockTile& b, int g,
+                                            long long k0, const long long* q_doc, long long* k_doc,
+                                            float* ks, float* vs) {
   if (!KeyTileVisible(b, k0, q_doc, k_doc)) return false;
   LoadKvTile<kD>(p, b, g, k0, k_doc, ks, vs);
   __syncthreads();
@@ -277,8 +276,8 @@ __global__ void __launch_bounds__(kThreads) ForwardKernel(const AttentionCudaPar
 
   QueryRange(b, sh.q_doc, sh.range);
   // Read after a barrier (KeyTileVisible).
-  LoadTile<kD>(qs, HeadRows(p.q, b, b.q_stride, h) + b.first * b.q_stride, b.q_stride,
-               sh.q_doc, b.d);
+  LoadTile<kD>(qs, HeadRows(p.q, b, b.q_stride, h) + b.first * b.q_stride, b.q_stride, sh.q_doc,
+               b.d);
   const long long key_begin = sh.range[0], key_end = sh.range[1];
 
   float m[4], l[4], acc[4][kD / 16];
@@ -302,7 +301,7 @@ __global__ void __launch_bounds__(kThreads) ForwardKernel(const AttentionCudaPar
         for (int j = 0; j < 4; ++j) {
           const int c = b.tx + 16 * j;
           sc[i][j] = Visible(sh.q_doc[r], sh.k_doc[c], b.first + r, k0 + c) ? sc[i][j] * p.scale
-                                                                             : -INFINITY;
+                                                                            : -INFINITY;
           tile_max = fmaxf(tile_max, sc[i][j]);
         }
         const float m_new = fmaxf(m[i], HalfWarpMax(tile_max));
@@ -362,8 +361,7 @@ __global__ void DsumKernel(const AttentionCudaParams p) {
 template <int kD>
 __device__ __forceinline__ void LoadQueryTile(const AttentionCudaParams& p, const BlockTile& b,
                                               long long q0, int h, const long long* q_doc,
-                                              float* qs, float* dos, float* lse_s,
-                                              float* dsum_s) {
+                                              float* qs, float* dos, float* lse_s, float* dsum_s) {
   const long long off = q0 * b.q_stride;
   LoadTile<kD>(qs, HeadRows(p.q, b, b.q_stride, h) + off, b.q_stride, q_doc, b.d);
   LoadTile<kD>(dos, HeadRows(p.d_out, b, b.q_stride, h) + off, b.q_stride, q_doc, b.d);
@@ -428,8 +426,8 @@ __global__ void __launch_bounds__(kThreads) DqKernel(const AttentionCudaParams p
     for (long long k0 = key_begin / kTile * kTile; k0 < key_end; k0 += kTile) {
       if (!NextKeyTile<kD>(p, b, g, k0, sh.q_doc, sh.k_doc, ks, vs)) continue;
       float pv[4][4], dsv[4][4];
-      ProbabilitiesAndScores<kD>(b, qs, dos, ks, vs, sh.q_doc, sh.k_doc, sh.lse, sh.dsum,
-                                 b.first, k0, p.scale, pv, dsv);
+      ProbabilitiesAndScores<kD>(b, qs, dos, ks, vs, sh.q_doc, sh.k_doc, sh.lse, sh.dsum, b.first,
+                                 k0, p.scale, pv, dsv);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
 #pragma unroll
@@ -487,16 +485,15 @@ __global__ void __launch_bounds__(kThreads) DkDvKernel(const AttentionCudaParams
       for (long long q0 = first_key / kTile * kTile; q0 < b.len; q0 += kTile) {
         // Queries of later documents than the key tile's last one see none of its keys,
         // and (documents being contiguous and in order) neither do later tiles.
-        const long long my_doc =
-            threadIdx.x < kTile ? DocOf(b.ds, q0 + threadIdx.x, b.len) : -1;
+        const long long my_doc = threadIdx.x < kTile ? DocOf(b.ds, q0 + threadIdx.x, b.len) : -1;
         if (threadIdx.x < kTile) sh.q_doc[threadIdx.x] = my_doc;
         const bool past = __syncthreads_or(my_doc > last_doc) != 0;  // publishes q_doc
         if (__syncthreads_or(AnyVisible(b, q0, k0, sh.q_doc, sh.k_doc))) {
           LoadQueryTile<kD>(p, b, q0, h, sh.q_doc, qs, dos, sh.lse, sh.dsum);
           __syncthreads();
           float pv[4][4], dsv[4][4];
-          ProbabilitiesAndScores<kD>(b, qs, dos, ks, vs, sh.q_doc, sh.k_doc, sh.lse, sh.dsum,
-                                     q0, k0, p.scale, pv, dsv);
+          ProbabilitiesAndScores<kD>(b, qs, dos, ks, vs, sh.q_doc, sh.k_doc, sh.lse, sh.dsum, q0,
+                                     k0, p.scale, pv, dsv);
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
 #pragma unroll
@@ -517,10 +514,8 @@ __global__ void __launch_bounds__(kThreads) DkDvKernel(const AttentionCudaParams
   }
   // Padding keys: zeros (their sums stayed 0 anyway).
   const float one[4] = {1.0f, 1.0f, 1.0f, 1.0f};
-  StoreTile<kD>(p.dk, b.s, b.len, k0, b.rows, p.kv_heads, g, b.d, sh.k_doc, acc_k, one, b.tx,
-                b.ty);
-  StoreTile<kD>(p.dv, b.s, b.len, k0, b.rows, p.kv_heads, g, b.d, sh.k_doc, acc_v, one, b.tx,
-                b.ty);
+  StoreTile<kD>(p.dk, b.s, b.len, k0, b.rows, p.kv_heads, g, b.d, sh.k_doc, acc_k, one, b.tx, b.ty);
+  StoreTile<kD>(p.dv, b.s, b.len, k0, b.rows, p.kv_heads, g, b.d, sh.k_doc, acc_v, one, b.tx, b.ty);
 }
 
 __global__ void CheckDocStartKernel(const int32_t* doc_start, long long num_seqs, long long len,
@@ -543,8 +538,8 @@ dim3 Grid(const AttentionCudaParams& p, int heads) {
 template <typename Kernel>
 cudaError_t LaunchWithSmem(Kernel kernel, dim3 grid, size_t smem, const AttentionCudaParams& p,
                            cudaStream_t stream) {
-  const cudaError_t err = cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(smem));
   if (err != cudaSuccess) return err;
   kernel<<<grid, kThreads, smem, stream>>>(p);
   return cudaGetLastError();
@@ -565,8 +560,7 @@ cudaError_t Backward(const AttentionCudaParams& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   err = LaunchWithSmem(DqKernel<kD>, Grid(p, p.q_heads), DqShared<kD>::Bytes(), p, stream);
   if (err != cudaSuccess) return err;
-  return LaunchWithSmem(DkDvKernel<kD>, Grid(p, p.kv_heads), DkDvShared<kD>::Bytes(), p,
-                        stream);
+  return LaunchWithSmem(DkDvKernel<kD>, Grid(p, p.kv_heads), DkDvShared<kD>::Bytes(), p, stream);
 }
 
 }  // namespace
@@ -577,8 +571,8 @@ cudaError_t LaunchAttentionCheckDocStart(const int32_t* doc_start, int64_t num_s
   const long long n = num_seqs * seq_len;
   if (n == 0) return cudaSuccess;
   const long long blocks = std::min((n + kThreads - 1) / kThreads, 4096LL);
-  CheckDocStartKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      doc_start, num_seqs, seq_len, flag);
+  CheckDocStartKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(doc_start, num_seqs,
+                                                                              seq_len, flag);
   return cudaGetLastError();
 }
 

@@ -27,9 +27,9 @@
 // anyway (a bad value counts as padding; the outputs are then meaningless, but every access
 // stays in bounds), and the caller reads the flag later (DeviceIndexFlag::ReadAndReset).
 
-#include <cstdint>
-
 #include <cuda_runtime.h>
+
+#include <cstdint>
 
 #include "absl/status/status.h"
 #include "core/cuda/device_flag.h"
@@ -41,9 +41,8 @@ inline constexpr int64_t kAttentionCudaMaxHeadDim = 128;
 inline constexpr int kAttentionCudaMaxHeads = 256;
 
 absl::Status AttentionForwardCuda(const AttentionDims& dims, const float* q, const float* k,
-                                  const float* v, const int32_t* doc_start, float* out,
-                                  float* lse, cudaStream_t stream,
-                                  cuda::DeviceIndexFlag* error = nullptr);
+                                  const float* v, const int32_t* doc_start, float* out, float* lse,
+                                  cudaStream_t stream, cuda::DeviceIndexFlag* error = nullptr);
 
 // Writes (does not accumulate) dq, dk, dv; out and lse as AttentionForwardCuda returned them.
 absl::Status AttentionBackwardCuda(const AttentionDims& dims, const float* q, const float* k,

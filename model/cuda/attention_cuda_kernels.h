@@ -5,13 +5,13 @@
 // (attention_cuda.cu), without absl, so nvcc compiles it. The arguments are checked by
 // attention_cuda.cc before any launch.
 
-#include <cstdint>
-
 #include <cuda_runtime.h>
+
+#include <cstdint>
 
 namespace gradsum::model::cuda_internal {
 
-inline constexpr int kAttentionMaxHeads = 256;   // q_heads and kv_heads
+inline constexpr int kAttentionMaxHeads = 256;  // q_heads and kv_heads
 inline constexpr int kAttentionMaxHeadDim = 128;
 
 // Everything the kernels read, by value (about 3 KiB, under the 4 KiB parameter limit).

@@ -100,14 +100,14 @@ Outputs RunGpu(const Case& c, const Tensors& in) {
   auto d_dk = Dev(std::vector<float>(in.k.size(), nan));
   auto d_dv = Dev(std::vector<float>(in.k.size(), nan));
   cuda::CudaStream stream = *cuda::CudaStream::Create();
-  absl::Status s = AttentionForwardCuda(dims, d_q.as<float>(), d_k.as<float>(), d_v.as<float>(),
-                                        d_ds.as<int32_t>(), d_out.as<float>(), d_lse.as<float>(),
-                                        stream.get());
+  absl::Status s =
+      AttentionForwardCuda(dims, d_q.as<float>(), d_k.as<float>(), d_v.as<float>(),
+                           d_ds.as<int32_t>(), d_out.as<float>(), d_lse.as<float>(), stream.get());
   EXPECT_TRUE(s.ok()) << s;
   s = AttentionBackwardCuda(dims, d_q.as<float>(), d_k.as<float>(), d_v.as<float>(),
                             d_ds.as<int32_t>(), d_out.as<float>(), d_lse.as<float>(),
-                            d_go.as<float>(), d_dq.as<float>(), d_dk.as<float>(),
-                            d_dv.as<float>(), stream.get());
+                            d_go.as<float>(), d_dq.as<float>(), d_dk.as<float>(), d_dv.as<float>(),
+                            stream.get());
   EXPECT_TRUE(s.ok()) << s;
   s = stream.Synchronize();
   EXPECT_TRUE(s.ok()) << s;
@@ -169,16 +169,15 @@ TEST(AttentionCuda, BadDocStartIsTheCpuKernelsError) {
   // Sequence 1, token 4 continues a document that token 3 (padding) is not in.
   const std::vector<int32_t> bad = {0, 0, 0, 0, 0, -1, -1, -1, 0, 0, 0, -1, 0, 0, 0, 0};
   std::vector<float> out(q.size()), lse(32);
-  const absl::Status want = AttentionForward(dims, q, kv, kv, bad, absl::MakeSpan(out),
-                                             absl::MakeSpan(lse));
+  const absl::Status want =
+      AttentionForward(dims, q, kv, kv, bad, absl::MakeSpan(out), absl::MakeSpan(lse));
   ASSERT_EQ(want.code(), absl::StatusCode::kInvalidArgument);
   auto d_q = Dev(q), d_kv = Dev(kv), d_ds = Dev(bad);
   auto d_out = DevZeros(q.size() * 4), d_lse = DevZeros(32 * 4);
   cuda::CudaStream stream = *cuda::CudaStream::Create();
-  const absl::Status got = AttentionForwardCuda(dims, d_q.as<float>(), d_kv.as<float>(),
-                                                d_kv.as<float>(), d_ds.as<int32_t>(),
-                                                d_out.as<float>(), d_lse.as<float>(),
-                                                stream.get());
+  const absl::Status got =
+      AttentionForwardCuda(dims, d_q.as<float>(), d_kv.as<float>(), d_kv.as<float>(),
+                           d_ds.as<int32_t>(), d_out.as<float>(), d_lse.as<float>(), stream.get());
   EXPECT_EQ(got, want);
   // Through a flag: the call computes (in bounds) and the flag holds the token.
   absl::StatusOr<cuda::DeviceIndexFlag> flag = cuda::DeviceIndexFlag::Create();
@@ -213,8 +212,8 @@ TEST(AttentionCuda, BadArgumentsAreInvalidArgumentAndNoDeviceIsFailedPreconditio
     absl::Status s = AttentionForwardCuda(b.dims, none, none, none, nullptr, out, out, nullptr);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_NE(s.message().find(b.message), std::string::npos) << s;
-    s = AttentionBackwardCuda(b.dims, none, none, none, nullptr, none, none, none, out, out,
-                              out, nullptr);
+    s = AttentionBackwardCuda(b.dims, none, none, none, nullptr, none, none, none, out, out, out,
+                              nullptr);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_NE(s.message().find(b.message), std::string::npos) << s;
   }

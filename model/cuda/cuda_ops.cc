@@ -11,8 +11,8 @@
 #include "absl/strings/str_cat.h"
 #include "collectives/device_stream.h"
 #include "core/cuda/cuda_status.h"
-#include "core/cuda/device_flag.h"
 #include "core/cuda/device_buffer.h"
+#include "core/cuda/device_flag.h"
 #include "core/cuda/gemm.h"
 #include "core/status.h"
 #include "losses/cuda/cross_entropy_cuda.h"
@@ -45,9 +45,9 @@ class CudaArray : public DeviceArray {
 // The fp32 device buffer of a gradient target (this device keeps no exact sums).
 absl::StatusOr<float*> DeviceGrad(const GradTarget& t, const char* what) {
   if (t.accumulate() == nullptr) {
-    return absl::UnimplementedError(absl::StrCat(
-        "the CUDA ops add gradients into fp32 device buffers only; ", what,
-        " has an exact target (reproducible mode runs on the CPU backends)"));
+    return absl::UnimplementedError(
+        absl::StrCat("the CUDA ops add gradients into fp32 device buffers only; ", what,
+                     " has an exact target (reproducible mode runs on the CPU backends)"));
   }
   return t.accumulate();
 }
@@ -122,23 +122,22 @@ class CudaOps : public ModelOps {
     if (config_.attention) {
       if (in.seq_len % sp_size_ != 0 || in.sequences * (in.seq_len / sp_size_) != T ||
           static_cast<int64_t>(in.positions.size()) != T) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "attention: ", T, " tokens are not ", in.sequences, " sequences of ", in.seq_len,
-            " / sp=", sp_size_, " tokens with positions"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("attention: ", T, " tokens are not ", in.sequences, " sequences of ",
+                         in.seq_len, " / sp=", sp_size_, " tokens with positions"));
       }
       // The document starts on the host, as the CPU kernel checks them, so that the device
       // check (into attention_error_, read in End) costs no sync per layer.
       in_ = in;
       const AttentionDims dims = HeadDims();
       if (static_cast<int64_t>(in.doc_start.size()) != in.sequences * in.seq_len) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("attention: ", in.doc_start.size(), " document starts for ",
-                         in.sequences, " sequences of ", in.seq_len, " tokens"));
+        return absl::InvalidArgumentError(absl::StrCat("attention: ", in.doc_start.size(),
+                                                       " document starts for ", in.sequences,
+                                                       " sequences of ", in.seq_len, " tokens"));
       }
       for (int64_t i = 0; i < static_cast<int64_t>(in.doc_start.size()); ++i) {
         const int32_t previous = i % in.seq_len == 0 ? -1 : in.doc_start[i - 1];
-        GRADSUM_RETURN_IF_ERROR(
-            internal::CheckDocStartToken(dims, i, in.doc_start[i], previous));
+        GRADSUM_RETURN_IF_ERROR(internal::CheckDocStartToken(dims, i, in.doc_start[i], previous));
       }
       if (attention_error_.device_word() == nullptr) {
         GRADSUM_ASSIGN_OR_RETURN(attention_error_, cuda::DeviceIndexFlag::Create());
@@ -210,8 +209,8 @@ class CudaOps : public ModelOps {
           "upload MTP labels");
       if (!mtp_weights_host_.empty()) {
         GRADSUM_CUDA_RETURN_IF_ERROR(
-            cudaMemcpyAsync(mtp_weights_.get(), mtp_weights_host_.data(),
-                            k * T * sizeof(float), cudaMemcpyHostToDevice, s),
+            cudaMemcpyAsync(mtp_weights_.get(), mtp_weights_host_.data(), k * T * sizeof(float),
+                            cudaMemcpyHostToDevice, s),
             "upload MTP CE weights");
       }
     }
@@ -229,10 +228,10 @@ class CudaOps : public ModelOps {
                                                    T * sizeof(float), cudaMemcpyHostToDevice, s),
                                    "upload CE weights");
     }
-    GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(scalars_.get(), scalars.data(),
-                                                 scalars.size() * sizeof(double),
-                                                 cudaMemcpyHostToDevice, s),
-                                 "upload step statistics");
+    GRADSUM_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(scalars_.get(), scalars.data(), scalars.size() * sizeof(double),
+                        cudaMemcpyHostToDevice, s),
+        "upload step statistics");
     // The host copies above are pageable: the calls return once they are staged.
     return absl::OkStatus();
   }
@@ -242,8 +241,7 @@ class CudaOps : public ModelOps {
   }
 
   absl::Status EmbeddingForward(const float* emb, float* h) override {
-    return EmbeddingForwardCuda(emb, tokens_.as<int32_t>(), in_.rows, config_.dim, h,
-                                exec_.stream);
+    return EmbeddingForwardCuda(emb, tokens_.as<int32_t>(), in_.rows, config_.dim, h, exec_.stream);
   }
 
   absl::Status EmbeddingBackward(const float* dh, GradTarget demb) override {
@@ -258,28 +256,27 @@ class CudaOps : public ModelOps {
 
   absl::Status MtpEmbeddingForward(int depth, const float* emb, float* h) override {
     GRADSUM_RETURN_IF_ERROR(CheckDepth(depth));
-    return EmbeddingForwardCuda(emb, mtp_tokens_.as<int32_t>() + (depth - 1) * in_.rows,
-                                in_.rows, config_.dim, h, exec_.stream);
+    return EmbeddingForwardCuda(emb, mtp_tokens_.as<int32_t>() + (depth - 1) * in_.rows, in_.rows,
+                                config_.dim, h, exec_.stream);
   }
 
   absl::Status MtpEmbeddingBackward(int depth, const float* dh, GradTarget demb) override {
     GRADSUM_RETURN_IF_ERROR(CheckDepth(depth));
     GRADSUM_ASSIGN_OR_RETURN(float* grad, DeviceGrad(demb, "emb"));
-    return EmbeddingBackwardCuda(mtp_tokens_.as<int32_t>() + (depth - 1) * in_.rows, dh,
-                                 in_.rows, config_.dim, grad, exec_.stream);
+    return EmbeddingBackwardCuda(mtp_tokens_.as<int32_t>() + (depth - 1) * in_.rows, dh, in_.rows,
+                                 config_.dim, grad, exec_.stream);
   }
 
   // The depth's output z-loss stays in its mtp_<j> term (§15.1), so its CE writes one value.
-  absl::Status MtpLmHeadCrossEntropy(int depth, const float* f, const float* w_out,
-                                     float* grad_f, GradTarget grad_out) override {
+  absl::Status MtpLmHeadCrossEntropy(int depth, const float* f, const float* w_out, float* grad_f,
+                                     GradTarget grad_out) override {
     GRADSUM_RETURN_IF_ERROR(CheckDepth(depth));
     const int64_t T = in_.rows;
     double* slots = scalars_.as<double>() + kScalars + 2 * (depth - 1);
     HeadLabels labels;
     labels.labels = mtp_labels_.as<int64_t>() + (depth - 1) * T;
     // As the CPU ops: a depth without CE weights is in token mode.
-    const bool weighted =
-        !in_.mtp_ce_weights.empty() && !in_.mtp_ce_weights[depth - 1].empty();
+    const bool weighted = !in_.mtp_ce_weights.empty() && !in_.mtp_ce_weights[depth - 1].empty();
     labels.weights = weighted ? mtp_weights_.as<float>() + (depth - 1) * T : nullptr;
     labels.global_weight_sum = slots;
     labels.loss = slots + 1;
@@ -314,9 +311,8 @@ class CudaOps : public ModelOps {
     if (w.expert_bias != nullptr) {
       const int64_t E = config_.experts;
       GRADSUM_RETURN_IF_ERROR(Reserve(&bias_[l], E * sizeof(float)));
-      GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(bias_[l].get(), w.expert_bias,
-                                                   E * sizeof(float), cudaMemcpyHostToDevice,
-                                                   exec_.stream),
+      GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(bias_[l].get(), w.expert_bias, E * sizeof(float),
+                                                   cudaMemcpyHostToDevice, exec_.stream),
                                    "upload the expert bias");
       bias = bias_[l].as<float>();
     }
@@ -329,8 +325,7 @@ class CudaOps : public ModelOps {
   // and expert buffers circulates through the layers. ----
   bool CanRecomputeMoe() const override { return true; }
 
-  absl::Status MoeRecomputeForward(int l, const float* a, const MoeWeights& w,
-                                   float* y) override {
+  absl::Status MoeRecomputeForward(int l, const float* a, const MoeWeights& w, float* y) override {
     BorrowActivations(l);
     return layers_[l].RecomputeForward(exec_, moe_comms_, layer_config_, &scratch_, a,
                                        {w.router, w.local_experts, nullptr}, y);
@@ -345,8 +340,8 @@ class CudaOps : public ModelOps {
     spare_activations_.push_back(layers_[l].TakeActivations());
   }
 
-  absl::Status MoeBackward(int l, const float* a, const MoeWeights& w, const float* dy,
-                           float* da, MoeGrads g) override {
+  absl::Status MoeBackward(int l, const float* a, const MoeWeights& w, const float* dy, float* da,
+                           MoeGrads g) override {
     GRADSUM_ASSIGN_OR_RETURN(float* d_router, DeviceGrad(g.router, "a router"));
     GRADSUM_ASSIGN_OR_RETURN(float* d_experts, DeviceGrad(g.local_experts, "the experts"));
     double* d = scalars_.as<double>();
@@ -375,8 +370,7 @@ class CudaOps : public ModelOps {
 
   // ---- The attention block. ----
 
-  absl::Status MatMul(const float* x, const float* w, int64_t in, int64_t out,
-                      float* y) override {
+  absl::Status MatMul(const float* x, const float* w, int64_t in, int64_t out, float* y) override {
     return GemmRowMajor(ctx_->blas, exec_.stream, false, false, in_.rows, out, in, x, in, w, out,
                         DType::kF32, y, out, DType::kF32);
   }
@@ -386,8 +380,8 @@ class CudaOps : public ModelOps {
                               GradTarget dw) override {
     GRADSUM_ASSIGN_OR_RETURN(float* grad, DeviceGrad(dw, "a projection"));
     const int64_t T = in_.rows;
-    GRADSUM_RETURN_IF_ERROR(GemmRowMajor(ctx_->blas, exec_.stream, false, true, T, in, out, dy,
-                                         out, w, out, DType::kF32, dx, in, DType::kF32,
+    GRADSUM_RETURN_IF_ERROR(GemmRowMajor(ctx_->blas, exec_.stream, false, true, T, in, out, dy, out,
+                                         w, out, DType::kF32, dx, in, DType::kF32,
                                          accumulate_dx ? 1.0f : 0.0f));
     return GemmRowMajor(ctx_->blas, exec_.stream, true, false, in, out, T, x, in, dy, out,
                         DType::kF32, grad, out, DType::kF32, 1.0f);
@@ -424,9 +418,8 @@ class CudaOps : public ModelOps {
     const int64_t L = in_.seq_len / sp_size_, row = Hl * hd;
     for (int i = 0; i < sp_size_; ++i) {
       GRADSUM_CUDA_RETURN_IF_ERROR(
-          cudaMemcpy2DAsync(out + i * L * row, in_.seq_len * row * f,
-                            recv_.as<float>() + i * block, L * row * f, L * row * f,
-                            in_.sequences, cudaMemcpyDeviceToDevice, s),
+          cudaMemcpy2DAsync(out + i * L * row, in_.seq_len * row * f, recv_.as<float>() + i * block,
+                            L * row * f, L * row * f, in_.sequences, cudaMemcpyDeviceToDevice, s),
           "unpack the head split");
     }
     return absl::OkStatus();
@@ -449,8 +442,8 @@ class CudaOps : public ModelOps {
     GRADSUM_RETURN_IF_ERROR(Exchange(block));
     for (int i = 0; i < sp_size_; ++i) {
       GRADSUM_CUDA_RETURN_IF_ERROR(
-          cudaMemcpy2DAsync(out + i * Hl * hd, H * hd * f, recv_.as<float>() + i * block,
-                            row * f, row * f, T, cudaMemcpyDeviceToDevice, s),
+          cudaMemcpy2DAsync(out + i * Hl * hd, H * hd * f, recv_.as<float>() + i * block, row * f,
+                            row * f, T, cudaMemcpyDeviceToDevice, s),
           "unpack the token split");
     }
     return absl::OkStatus();
@@ -466,11 +459,11 @@ class CudaOps : public ModelOps {
                                 exec_.stream, &attention_error_);
   }
 
-  absl::Status AttentionBackward(const float* q, const float* k, const float* v,
-                                 const float* out, const float* lse, const float* d_out,
-                                 float* dq, float* dk, float* dv) override {
-    return AttentionBackwardCuda(HeadDims(), q, k, v, doc_start_.as<int32_t>(), out, lse,
-                                 d_out, dq, dk, dv, exec_.stream, &attention_error_);
+  absl::Status AttentionBackward(const float* q, const float* k, const float* v, const float* out,
+                                 const float* lse, const float* d_out, float* dq, float* dk,
+                                 float* dv) override {
+    return AttentionBackwardCuda(HeadDims(), q, k, v, doc_start_.as<int32_t>(), out, lse, d_out, dq,
+                                 dk, dv, exec_.stream, &attention_error_);
   }
 
   absl::StatusOr<MicroBatchLossTerms> End() override {
@@ -496,9 +489,8 @@ class CudaOps : public ModelOps {
     if (attention_error_.device_word() != nullptr) {
       GRADSUM_ASSIGN_OR_RETURN(std::optional<int64_t> bad, attention_error_.ReadAndReset(s));
       if (bad.has_value()) {
-        return absl::InternalError(absl::StrCat(
-            "attention (CUDA): the device flagged doc_start[", *bad,
-            "], which the host checked in Begin"));
+        return absl::InternalError(absl::StrCat("attention (CUDA): the device flagged doc_start[",
+                                                *bad, "], which the host checked in Begin"));
       }
     }
     terms.ce = losses_host[0];
@@ -640,9 +632,9 @@ class CudaOps : public ModelOps {
   absl::Status Exchange(int64_t block) {
     const size_t bytes = static_cast<size_t>(block) * sizeof(float);
     if (sp_size_ == 1) {
-      GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(recv_.get(), send_.get(), bytes,
-                                                   cudaMemcpyDeviceToDevice, exec_.stream),
-                                   "copy the head split");
+      GRADSUM_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(recv_.get(), send_.get(), bytes, cudaMemcpyDeviceToDevice, exec_.stream),
+          "copy the head split");
       return absl::OkStatus();
     }
     Communicator& sp = *comms_.sp_group;
@@ -650,8 +642,8 @@ class CudaOps : public ModelOps {
     GRADSUM_RETURN_IF_ERROR(cuda::Fence(exec_.stream, sp_stream, exec_.fence));
     std::vector<size_t> counts(sp_size_, static_cast<size_t>(block)), offsets(sp_size_);
     for (int i = 0; i < sp_size_; ++i) offsets[i] = static_cast<size_t>(i) * block;
-    GRADSUM_RETURN_IF_ERROR(sp.AllToAllV(send_.get(), counts, offsets, recv_.get(), counts,
-                                         offsets, DType::kF32));
+    GRADSUM_RETURN_IF_ERROR(
+        sp.AllToAllV(send_.get(), counts, offsets, recv_.get(), counts, offsets, DType::kF32));
     // The compute stream reads what the NCCL stream wrote.
     return cuda::Fence(sp_stream, exec_.stream, exec_.fence);
   }
@@ -695,7 +687,7 @@ class CudaOps : public ModelOps {
   // normaliser D_j k / mtp_scale at kScalars + 2 (j - 1) and its loss term after it.
   static constexpr int kScalars = 7;
   DeviceBuffer scalars_;
-  DeviceBuffer logits_;   // [T, V], its CE gradient in place
+  DeviceBuffer logits_;  // [T, V], its CE gradient in place
   // Attention: the SP group's size, the head layout, the RoPE tables and document starts
   // of the micro-batch, and the exchanges' buffers.
   int sp_size_ = 1;
@@ -709,9 +701,9 @@ class CudaOps : public ModelOps {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<ModelOps>> MakeCudaOps(
-    const MoeLmSpec& spec, std::shared_ptr<cuda::ComputeContext> context,
-    const CudaOpsComms& comms) {
+absl::StatusOr<std::unique_ptr<ModelOps>> MakeCudaOps(const MoeLmSpec& spec,
+                                                      std::shared_ptr<cuda::ComputeContext> context,
+                                                      const CudaOpsComms& comms) {
   // The CE options of SEMANTICS.md §3.2 run in the CUDA CE kernel (losses/cuda), and the
   // aux-loss-free balancing of §5.1 (the expert bias, sigmoid scores) in the CUDA router
   // (moe/cuda/router_cuda.h): nothing of the config is refused here.
@@ -723,9 +715,9 @@ absl::StatusOr<std::unique_ptr<ModelOps>> MakeCudaOps(
         "CUDA ops need a compute context, the NCCL world and EP group, and the host EP group");
   }
   if (spec.config().experts % comms.ep_group->size() != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("model.experts=", spec.config().experts,
-                                                   " is not divisible by ep=",
-                                                   comms.ep_group->size(), " (SEMANTICS.md §7)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("model.experts=", spec.config().experts,
+                     " is not divisible by ep=", comms.ep_group->size(), " (SEMANTICS.md §7)"));
   }
   return std::unique_ptr<ModelOps>(new CudaOps(spec, std::move(context), comms));
 }

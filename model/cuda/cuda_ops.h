@@ -27,10 +27,10 @@ namespace gradsum::model {
 // Not owned; they must outlive the ops. world, ep_group and sp_group are NCCL
 // (device_stream() non-null).
 struct CudaOpsComms {
-  Communicator* world = nullptr;     // the expert counts' SUM (§5)
-  Communicator* ep_group = nullptr;  // the MoE all-to-all-v
-  Communicator* host_ep_group = nullptr; // the row counts that size it
-  Communicator* sp_group = nullptr;  // the Ulysses all-to-alls (§12); null: no SP
+  Communicator* world = nullptr;          // the expert counts' SUM (§5)
+  Communicator* ep_group = nullptr;       // the MoE all-to-all-v
+  Communicator* host_ep_group = nullptr;  // the row counts that size it
+  Communicator* sp_group = nullptr;       // the Ulysses all-to-alls (§12); null: no SP
 };
 
 // InvalidArgument for missing communicators, NCCL ones without a device stream, or experts
@@ -39,9 +39,9 @@ struct CudaOpsComms {
 // kernel, with the output z-loss reported as its own term (MicroBatchLossTerms::z_out), and
 // the aux-loss-free balancing of §5.1 (sigmoid router scores; the expert bias of
 // MoeWeights::expert_bias, uploaded per forward) in the CUDA router.
-absl::StatusOr<std::unique_ptr<ModelOps>> MakeCudaOps(
-    const MoeLmSpec& spec, std::shared_ptr<cuda::ComputeContext> context,
-    const CudaOpsComms& comms);
+absl::StatusOr<std::unique_ptr<ModelOps>> MakeCudaOps(const MoeLmSpec& spec,
+                                                      std::shared_ptr<cuda::ComputeContext> context,
+                                                      const CudaOpsComms& comms);
 
 }  // namespace gradsum::model
 

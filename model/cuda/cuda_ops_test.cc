@@ -136,7 +136,9 @@ void ExpectEveryOpMatchesTheHostOps(const MoeLmConfig& c, bool sample_weights,
   DeviceBuffer a_d = dz(T * D), r_d = dz(T);
   ASSERT_TRUE((*cpu)->RmsNormForward(h.data(), gain.data(), a.data(), r.data()).ok());
   ASSERT_TRUE(
-      (*gpu)->RmsNormForward(h_d.as<float>(), gain_d.as<float>(), a_d.as<float>(), r_d.as<float>()).ok());
+      (*gpu)
+          ->RmsNormForward(h_d.as<float>(), gain_d.as<float>(), a_d.as<float>(), r_d.as<float>())
+          .ok());
   ExpectClose(Host<float>(a_d), a, "a");
   ExpectClose(Host<float>(r_d), r, "inv_rms");
 
@@ -154,8 +156,10 @@ void ExpectEveryOpMatchesTheHostOps(const MoeLmConfig& c, bool sample_weights,
   // The LM head on a (as the final norm's output would be).
   std::vector<float> grad_f = zeros(T * D), d_out = zeros(D * V);
   DeviceBuffer grad_f_d = dz(T * D), d_out_d = dz(D * V);
-  ASSERT_TRUE((*cpu)->LmHeadCrossEntropy(a.data(), w_out.data(), grad_f.data(),
-                                         GradTarget::Accumulate(d_out.data(), D * V)).ok());
+  ASSERT_TRUE((*cpu)
+                  ->LmHeadCrossEntropy(a.data(), w_out.data(), grad_f.data(),
+                                       GradTarget::Accumulate(d_out.data(), D * V))
+                  .ok());
   s = (*gpu)->LmHeadCrossEntropy(a_d.as<float>(), w_out_d.as<float>(), grad_f_d.as<float>(),
                                  GradTarget::Accumulate(d_out_d.as<float>(), D * V));
   ASSERT_TRUE(s.ok()) << s;
@@ -169,8 +173,10 @@ void ExpectEveryOpMatchesTheHostOps(const MoeLmConfig& c, bool sample_weights,
               GradTarget::Accumulate(d_experts.data(), 3 * E * D * H)};
   MoeGrads gg{GradTarget::Accumulate(d_router_d.as<float>(), D * E),
               GradTarget::Accumulate(d_experts_d.as<float>(), 3 * E * D * H)};
-  ASSERT_TRUE((*cpu)->MoeBackward(0, a.data(), {router.data(), experts.data()}, dy.data(),
-                                  da.data(), std::move(cg)).ok());
+  ASSERT_TRUE((*cpu)
+                  ->MoeBackward(0, a.data(), {router.data(), experts.data()}, dy.data(), da.data(),
+                                std::move(cg))
+                  .ok());
   s = (*gpu)->MoeBackward(0, a_d.as<float>(), {router_d.as<float>(), experts_d.as<float>()},
                           dy_d.as<float>(), da_d.as<float>(), std::move(gg));
   ASSERT_TRUE(s.ok()) << s;
@@ -182,11 +188,15 @@ void ExpectEveryOpMatchesTheHostOps(const MoeLmConfig& c, bool sample_weights,
   std::vector<float> dx = zeros(T * D), dgain = zeros(D);
   DeviceBuffer dx_d = dz(T * D), dgain_d = dz(D);
   for (bool accumulate : {false, true}) {
-    ASSERT_TRUE((*cpu)->RmsNormBackward(h.data(), gain.data(), r.data(), dy.data(), dx.data(),
-                                        accumulate, GradTarget::Accumulate(dgain.data(), D)).ok());
-    ASSERT_TRUE((*gpu)->RmsNormBackward(h_d.as<float>(), gain_d.as<float>(), r_d.as<float>(),
-                                        dy_d.as<float>(), dx_d.as<float>(), accumulate,
-                                        GradTarget::Accumulate(dgain_d.as<float>(), D)).ok());
+    ASSERT_TRUE((*cpu)
+                    ->RmsNormBackward(h.data(), gain.data(), r.data(), dy.data(), dx.data(),
+                                      accumulate, GradTarget::Accumulate(dgain.data(), D))
+                    .ok());
+    ASSERT_TRUE((*gpu)
+                    ->RmsNormBackward(h_d.as<float>(), gain_d.as<float>(), r_d.as<float>(),
+                                      dy_d.as<float>(), dx_d.as<float>(), accumulate,
+                                      GradTarget::Accumulate(dgain_d.as<float>(), D))
+                    .ok());
     ExpectClose(Host<float>(dx_d), dx, accumulate ? "dx (accumulated)" : "dx");
     ExpectClose(Host<float>(dgain_d), dgain, "dgain");
   }
@@ -194,9 +204,12 @@ void ExpectEveryOpMatchesTheHostOps(const MoeLmConfig& c, bool sample_weights,
   // Embedding backward (repeated tokens: fp32 atomics on the GPU, rounding-level order).
   std::vector<float> demb = zeros(V * D);
   DeviceBuffer demb_d = dz(V * D);
-  ASSERT_TRUE((*cpu)->EmbeddingBackward(dy.data(), GradTarget::Accumulate(demb.data(), V * D)).ok());
-  ASSERT_TRUE((*gpu)->EmbeddingBackward(dy_d.as<float>(),
-                                        GradTarget::Accumulate(demb_d.as<float>(), V * D)).ok());
+  ASSERT_TRUE(
+      (*cpu)->EmbeddingBackward(dy.data(), GradTarget::Accumulate(demb.data(), V * D)).ok());
+  ASSERT_TRUE(
+      (*gpu)
+          ->EmbeddingBackward(dy_d.as<float>(), GradTarget::Accumulate(demb_d.as<float>(), V * D))
+          .ok());
   ExpectClose(Host<float>(demb_d), demb, "demb");
 
   // The loss values and the counts.
@@ -230,8 +243,8 @@ TEST(CudaOpsTest, EveryOpMatchesTheHostOpsWithTheCeOptions) {
   struct Options {
     double eps, cap, alpha;
   };
-  for (const Options& o : {Options{0.1, 0, 0}, Options{0, 2.0, 0}, Options{0, 0, 0.02},
-                           Options{0.2, 1.5, 0.05}}) {
+  for (const Options& o :
+       {Options{0.1, 0, 0}, Options{0, 2.0, 0}, Options{0, 0, 0.02}, Options{0.2, 1.5, 0.05}}) {
     SCOPED_TRACE(absl::StrCat("eps ", o.eps, " cap ", o.cap, " alpha ", o.alpha));
     MoeLmConfig c = EveryOpConfig();
     c.label_smoothing = o.eps;

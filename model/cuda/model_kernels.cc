@@ -117,8 +117,7 @@ absl::Status SumGroupsCuda(const float* x, float* out, int64_t rows, int64_t gro
   GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(x, "x"));
   GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(out, "out"));
   GRADSUM_CUDA_RETURN_IF_ERROR(
-      cuda_internal::LaunchSumGroups(x, out, rows, groups, group, dim, stream),
-      "launch group sum");
+      cuda_internal::LaunchSumGroups(x, out, rows, groups, group, dim, stream), "launch group sum");
   return absl::OkStatus();
 }
 

@@ -1,8 +1,8 @@
 // Kernels of model/cuda/model_kernels.h (launch wrappers below return cudaError_t; the
 // absl::Status wrappers are in model_kernels.cc so that nvcc never sees absl).
-#include <cstdint>
-
 #include <cuda_runtime.h>
+
+#include <cstdint>
 
 namespace gradsum::model::cuda_internal {
 namespace {
@@ -82,8 +82,8 @@ __global__ void RopeKernel(float* __restrict__ x, const float* __restrict__ cos_
 }
 
 // out[t, j, :] = sum over g of x[t, j * group + g, :], in g order.
-__global__ void SumGroupsKernel(const float* __restrict__ x, float* __restrict__ out,
-                                int64_t rows, int64_t groups, int group, int64_t dim) {
+__global__ void SumGroupsKernel(const float* __restrict__ x, float* __restrict__ out, int64_t rows,
+                                int64_t groups, int group, int64_t dim) {
   const int64_t n = rows * groups * dim;
   for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < n;
        idx += int64_t{gridDim.x} * blockDim.x) {
@@ -102,7 +102,7 @@ cudaError_t LaunchRope(float* x, const float* cos_t, const float* sin_t, int64_t
   const int64_t n = rows * heads * half;
   if (n == 0) return cudaSuccess;
   RopeKernel<<<Blocks(n), kThreads, 0, stream>>>(x, cos_t, sin_t, rows, heads, half,
-                                                  inverse ? -1.0f : 1.0f);
+                                                 inverse ? -1.0f : 1.0f);
   return cudaGetLastError();
 }
 
@@ -125,7 +125,7 @@ cudaError_t LaunchEmbeddingBackward(const int32_t* tokens, const float* dh, int6
                                     int64_t dim, float* d_emb, cudaStream_t stream) {
   if (rows * dim == 0) return cudaSuccess;
   EmbeddingBackwardKernel<<<Blocks(rows * dim), kThreads, 0, stream>>>(tokens, dh, rows, dim,
-                                                                        d_emb);
+                                                                       d_emb);
   return cudaGetLastError();
 }
 

@@ -13,9 +13,9 @@
 // Tokens are checked on the host before upload (the model owns the batch there); the
 // kernels trust them.
 
-#include <cstdint>
-
 #include <cuda_runtime.h>
+
+#include <cstdint>
 
 #include "absl/status/status.h"
 

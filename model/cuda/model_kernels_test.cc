@@ -14,9 +14,9 @@
 #include "core/cuda/device_buffer.h"
 #include "core/half.h"
 #include "gtest/gtest.h"
+#include "model/layers.h"
 #include "testing/gpu_compare.h"
 #include "testing/gpu_test_util.h"
-#include "model/layers.h"
 
 namespace gradsum::model {
 namespace {
@@ -47,10 +47,12 @@ TEST(ModelKernelsCuda, EmbeddingGatherAndScatterAddMatchTheCpu) {
   auto d_h = DevZeros(T * D * 4);
   auto d_demb = Dev(std::vector<float>(V * D, 0.5f));  // accumulates onto existing values
   cuda::CudaStream stream = *cuda::CudaStream::Create();
-  ASSERT_TRUE(EmbeddingForwardCuda(d_emb.as<float>(), d_tokens.as<int32_t>(), T, D,
-                                   d_h.as<float>(), stream.get()).ok());
+  ASSERT_TRUE(EmbeddingForwardCuda(d_emb.as<float>(), d_tokens.as<int32_t>(), T, D, d_h.as<float>(),
+                                   stream.get())
+                  .ok());
   ASSERT_TRUE(EmbeddingBackwardCuda(d_tokens.as<int32_t>(), d_dh.as<float>(), T, D,
-                                    d_demb.as<float>(), stream.get()).ok());
+                                    d_demb.as<float>(), stream.get())
+                  .ok());
   ASSERT_TRUE(stream.Synchronize().ok());
   EXPECT_EQ(Host<float>(d_h), h_cpu);  // a gather is exact
   // Atomics add in another order than the CPU's token order: fp32 rounding of ~T/V terms.
@@ -86,8 +88,8 @@ TEST(ModelKernelsCuda, Bf16ConversionsMatchCoreHalfBitForBit) {
   std::vector<float> f;
   for (int e = -140; e <= 127; e += 3) {
     const float base = std::ldexp(1.0f, e);
-    f.push_back(base * (1.0f + 1.0f / 256.0f));          // exactly half an ulp above 1: tie
-    f.push_back(base * (1.0f + 3.0f / 256.0f));          // tie with an odd neighbour
+    f.push_back(base * (1.0f + 1.0f / 256.0f));           // exactly half an ulp above 1: tie
+    f.push_back(base * (1.0f + 3.0f / 256.0f));           // tie with an odd neighbour
     f.push_back(-base * (1.0f + 1.0f / 256.0f + 1e-6f));  // just above a tie
   }
   for (float x : {0.0f, -0.0f, std::numeric_limits<float>::infinity(),
@@ -99,7 +101,8 @@ TEST(ModelKernelsCuda, Bf16ConversionsMatchCoreHalfBitForBit) {
   auto d_f = Dev(f);
   auto d_narrow = DevZeros(f.size() * 2);
   ASSERT_TRUE(F32ToBf16Cuda(d_f.as<float>(), d_narrow.as<uint16_t>(),
-                            static_cast<int64_t>(f.size()), stream.get()).ok());
+                            static_cast<int64_t>(f.size()), stream.get())
+                  .ok());
   ASSERT_TRUE(stream.Synchronize().ok());
   const std::vector<float> wide = Host<float>(d_wide);
   for (uint32_t i = 0; i < 65536; ++i) {
@@ -124,9 +127,9 @@ TEST(ModelKernelsCuda, BadArgumentsAreInvalidArgument) {
   cuda::CudaStream stream = *cuda::CudaStream::Create();
   EXPECT_EQ(AddCuda(host.data(), d.as<float>(), d.as<float>(), 8, stream.get()).code(),
             absl::StatusCode::kInvalidArgument);  // host pointer
-  EXPECT_EQ(EmbeddingForwardCuda(nullptr, d.as<int32_t>(), 2, 4, d.as<float>(), stream.get())
-                .code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      EmbeddingForwardCuda(nullptr, d.as<int32_t>(), 2, 4, d.as<float>(), stream.get()).code(),
+      absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(F32ToBf16Cuda(d.as<float>(), d.as<uint16_t>(), -1, stream.get()).code(),
             absl::StatusCode::kInvalidArgument);
   // Zero sizes are no-ops, whatever the pointers.

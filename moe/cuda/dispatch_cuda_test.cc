@@ -75,7 +75,8 @@ TEST_P(DispatchCuda, ForwardAndBackwardMatchCpuDispatchOnOneRank) {
   const DType dt = c.dtype;
   for (auto* v : {&a, &wg, &wu, &wd, &dy}) RoundTo(dt, v);
   // fp32: fp32 rounding only; bf16: a few bf16 roundings of intermediates (2^-9 each).
-  const double rtol = dt == DType::kBF16 ? 3e-2 : 1e-4, atol_frac = dt == DType::kBF16 ? 2e-2 : 1e-5;
+  const double rtol = dt == DType::kBF16 ? 3e-2 : 1e-4,
+               atol_frac = dt == DType::kBF16 ? 2e-2 : 1e-5;
   for (int64_t t = 0; t < T; ++t) {
     if (t % 7 == 3) std::fill(cw.begin() + t * K, cw.begin() + (t + 1) * K, 0.0f);
   }
@@ -87,7 +88,8 @@ TEST_P(DispatchCuda, ForwardAndBackwardMatchCpuDispatchOnOneRank) {
   std::vector<float> dwg_cpu(E * D * H, 0.0f), dwu_cpu(E * D * H, 0.0f), dwd_cpu(E * H * D, 0.0f);
   DispatchState state;
   absl::Status cpu = ::gradsum::testing::RunRanks(1, [&](Communicator& ep) -> absl::Status {
-    absl::Status s = DispatchCombineForward(ep, config, cpu_w, a, idx, cw, absl::MakeSpan(y_cpu), &state);
+    absl::Status s =
+        DispatchCombineForward(ep, config, cpu_w, a, idx, cw, absl::MakeSpan(y_cpu), &state);
     if (!s.ok()) return s;
     ExpertWeightGrads g{absl::MakeSpan(dwg_cpu), absl::MakeSpan(dwu_cpu), absl::MakeSpan(dwd_cpu)};
     return DispatchCombineBackward(ep, config, cpu_w, state, dy, absl::MakeSpan(da_cpu),
@@ -124,7 +126,8 @@ TEST_P(DispatchCuda, ForwardAndBackwardMatchCpuDispatchOnOneRank) {
   DeviceBuffer gate_pre = DevZeros(es * copies * H), up_pre = DevZeros(es * copies * H);
   DeviceBuffer hidden = DevZeros(es * copies * H), expert_out = DevZeros(es * copies * D);
   ExpertsCudaSaved saved{gate_pre.get(), up_pre.get(), hidden.get()};
-  absl::Status s = ExpertsForwardCuda(*blas, nullptr, ec, ew, send.get(), host_offsets, expert_out.get(), saved);
+  absl::Status s =
+      ExpertsForwardCuda(*blas, nullptr, ec, ew, send.get(), host_offsets, expert_out.get(), saved);
   ASSERT_TRUE(s.ok()) << s;
   DeviceBuffer cw_dev = Dev(cw), y_dev = DevZeros(es * T * D);
   CombineCudaArgs cmb;
@@ -158,7 +161,8 @@ TEST_P(DispatchCuda, ForwardAndBackwardMatchCpuDispatchOnOneRank) {
   back.out = da_dev.get();
   ASSERT_TRUE(CombineCuda(back, plan, nullptr).ok());
 
-  ExpectAllNear(Host<float>(dcw_dev), dcw_cpu, atol_frac * MaxAbs(dcw_cpu), rtol, "d_combine_weight");
+  ExpectAllNear(Host<float>(dcw_dev), dcw_cpu, atol_frac * MaxAbs(dcw_cpu), rtol,
+                "d_combine_weight");
   ExpectAllNear(DownloadAsDouble(da_dev, dt), da_cpu, atol_frac * MaxAbs(da_cpu), rtol, "d_a");
   ExpectAllNear(Host<float>(dwg), dwg_cpu, atol_frac * MaxAbs(dwg_cpu), rtol, "d_gate");
   ExpectAllNear(Host<float>(dwu), dwu_cpu, atol_frac * MaxAbs(dwu_cpu), rtol, "d_up");
@@ -166,8 +170,9 @@ TEST_P(DispatchCuda, ForwardAndBackwardMatchCpuDispatchOnOneRank) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, DispatchCuda,
-                         ::testing::Values(LayerCase{40, 16, 24, 4, 2, DType::kF32},      // small
-                                           LayerCase{600, 64, 96, 16, 4, DType::kF32},    // many chunks
+                         ::testing::Values(LayerCase{40, 16, 24, 4, 2, DType::kF32},  // small
+                                           LayerCase{600, 64, 96, 16, 4,
+                                                     DType::kF32},  // many chunks
                                            LayerCase{600, 64, 96, 16, 4, DType::kBF16}));
 
 TEST(ExpertsCuda, BadOffsetsAreInvalidArgument) {
@@ -185,8 +190,9 @@ TEST(ExpertsCuda, BadOffsetsAreInvalidArgument) {
   }
   ExpertsCudaConfig f16 = ec;
   f16.dtype = DType::kF16;
-  EXPECT_EQ(ExpertsForwardCuda(*blas, nullptr, f16, ew, buf.get(), {0, 1, 2}, buf.get(), saved).code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      ExpertsForwardCuda(*blas, nullptr, f16, ew, buf.get(), {0, 1, 2}, buf.get(), saved).code(),
+      absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

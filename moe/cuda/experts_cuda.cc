@@ -21,13 +21,14 @@ absl::Status CheckConfig(const ExpertsCudaConfig& c, absl::Span<const int64_t> o
         absl::StrCat("experts: dtype must be f32 or bf16, got ", DTypeName(c.dtype)));
   }
   if (offsets.size() != static_cast<size_t>(c.num_local_experts) + 1 || offsets[0] != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("experts: offsets must have ", c.num_local_experts + 1,
+    return absl::InvalidArgumentError(absl::StrCat("experts: offsets must have ",
+                                                   c.num_local_experts + 1,
                                                    " entries starting at 0, got ", offsets.size()));
   }
   for (int j = 0; j < c.num_local_experts; ++j) {
     if (offsets[j + 1] < offsets[j]) {
-      return absl::InvalidArgumentError(absl::StrCat("experts: offsets decrease at expert ", j, " (",
-                                                     offsets[j], " > ", offsets[j + 1], ")"));
+      return absl::InvalidArgumentError(absl::StrCat("experts: offsets decrease at expert ", j,
+                                                     " (", offsets[j], " > ", offsets[j + 1], ")"));
     }
   }
   return absl::OkStatus();
@@ -51,9 +52,13 @@ absl::Status ExpertsForwardCuda(const cuda::CublasHandle& blas, cudaStream_t str
   GRADSUM_RETURN_IF_ERROR(CheckConfig(c, offsets));
   const int64_t D = c.d_model, H = c.hidden, N = offsets.back();
   if (N == 0) return absl::OkStatus();
-  for (const auto& [p, name] : {std::pair<const void*, const char*>{x, "x"}, {y, "y"},
-                                {w.gate, "gate weight"}, {w.up, "up weight"}, {w.down, "down weight"},
-                                {saved.gate_pre, "saved.gate_pre"}, {saved.up_pre, "saved.up_pre"},
+  for (const auto& [p, name] : {std::pair<const void*, const char*>{x, "x"},
+                                {y, "y"},
+                                {w.gate, "gate weight"},
+                                {w.up, "up weight"},
+                                {w.down, "down weight"},
+                                {saved.gate_pre, "saved.gate_pre"},
+                                {saved.up_pre, "saved.up_pre"},
                                 {saved.hidden, "saved.hidden"}}) {
     GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(p, name));
   }
@@ -62,10 +67,12 @@ absl::Status ExpertsForwardCuda(const cuda::CublasHandle& blas, cudaStream_t str
     const int64_t begin = offsets[j], rows = offsets[j + 1] - offsets[j];
     if (rows == 0) continue;
     const void* xj = At(x, begin, D, t);
-    GRADSUM_RETURN_IF_ERROR(cuda::GemmRowMajor(blas, stream, false, false, rows, H, D, xj, D, At(w.gate, j * D, H, t), H,
-                                 t, At(saved.gate_pre, begin, H, t), H, t, 0.0f));
-    GRADSUM_RETURN_IF_ERROR(cuda::GemmRowMajor(blas, stream, false, false, rows, H, D, xj, D, At(w.up, j * D, H, t), H,
-                                 t, At(saved.up_pre, begin, H, t), H, t, 0.0f));
+    GRADSUM_RETURN_IF_ERROR(cuda::GemmRowMajor(blas, stream, false, false, rows, H, D, xj, D,
+                                               At(w.gate, j * D, H, t), H, t,
+                                               At(saved.gate_pre, begin, H, t), H, t, 0.0f));
+    GRADSUM_RETURN_IF_ERROR(cuda::GemmRowMajor(blas, stream, false, false, rows, H, D, xj, D,
+                                               At(w.up, j * D, H, t), H, t,
+                                               At(saved.up_pre, begin, H, t), H, t, 0.0f));
   }
   SwiGluArgs s;
   s.dtype = t;
@@ -77,8 +84,9 @@ absl::Status ExpertsForwardCuda(const cuda::CublasHandle& blas, cudaStream_t str
   for (int j = 0; j < c.num_local_experts; ++j) {
     const int64_t begin = offsets[j], rows = offsets[j + 1] - offsets[j];
     if (rows == 0) continue;
-    GRADSUM_RETURN_IF_ERROR(cuda::GemmRowMajor(blas, stream, false, false, rows, D, H, At(saved.hidden, begin, H, t), H,
-                                 At(w.down, j * H, D, t), D, t, At(y, begin, D, t), D, t, 0.0f));
+    GRADSUM_RETURN_IF_ERROR(
+        cuda::GemmRowMajor(blas, stream, false, false, rows, D, H, At(saved.hidden, begin, H, t), H,
+                           At(w.down, j * H, D, t), D, t, At(y, begin, D, t), D, t, 0.0f));
   }
   return absl::OkStatus();
 }
@@ -92,10 +100,17 @@ absl::Status ExpertsBackwardCuda(const cuda::CublasHandle& blas, cudaStream_t st
   GRADSUM_RETURN_IF_ERROR(CheckConfig(c, offsets));
   const int64_t D = c.d_model, H = c.hidden, N = offsets.back();
   if (N == 0) return absl::OkStatus();
-  for (const auto& [p, name] : {std::pair<const void*, const char*>{x, "x"}, {dy, "dy"}, {dx, "dx"},
-                                {w.gate, "gate weight"}, {w.up, "up weight"}, {w.down, "down weight"},
-                                {g.gate, "gate grad"}, {g.up, "up grad"}, {g.down, "down grad"},
-                                {saved.gate_pre, "saved.gate_pre"}, {saved.up_pre, "saved.up_pre"},
+  for (const auto& [p, name] : {std::pair<const void*, const char*>{x, "x"},
+                                {dy, "dy"},
+                                {dx, "dx"},
+                                {w.gate, "gate weight"},
+                                {w.up, "up weight"},
+                                {w.down, "down weight"},
+                                {g.gate, "gate grad"},
+                                {g.up, "up grad"},
+                                {g.down, "down grad"},
+                                {saved.gate_pre, "saved.gate_pre"},
+                                {saved.up_pre, "saved.up_pre"},
                                 {saved.hidden, "saved.hidden"}}) {
     GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(p, name));
   }
@@ -108,10 +123,10 @@ absl::Status ExpertsBackwardCuda(const cuda::CublasHandle& blas, cudaStream_t st
     if (rows == 0) continue;
     void* hid = At(saved.hidden, begin, H, t);
     const void* dyj = At(dy, begin, D, t);
-    GRADSUM_RETURN_IF_ERROR(cuda::GemmRowMajor(blas, stream, true, false, H, D, rows, hid, H, dyj, D, t,
-                                 g.down + j * H * D, D, DType::kF32, 1.0f));
-    GRADSUM_RETURN_IF_ERROR(cuda::GemmRowMajor(blas, stream, false, true, rows, H, D, dyj, D, At(w.down, j * H, D, t), D,
-                                 t, hid, H, t, 0.0f));
+    GRADSUM_RETURN_IF_ERROR(cuda::GemmRowMajor(blas, stream, true, false, H, D, rows, hid, H, dyj,
+                                               D, t, g.down + j * H * D, D, DType::kF32, 1.0f));
+    GRADSUM_RETURN_IF_ERROR(cuda::GemmRowMajor(blas, stream, false, true, rows, H, D, dyj, D,
+                                               At(w.down, j * H, D, t), D, t, hid, H, t, 0.0f));
   }
   // SwiGLU backward in place: d_gate_pre into gate_pre, d_up_pre into up_pre.
   SwiGluArgs s;
@@ -129,15 +144,15 @@ absl::Status ExpertsBackwardCuda(const cuda::CublasHandle& blas, cudaStream_t st
     const void* xj = At(x, begin, D, t);
     const void* dg = At(saved.gate_pre, begin, H, t);
     const void* du = At(saved.up_pre, begin, H, t);
-    GRADSUM_RETURN_IF_ERROR(cuda::GemmRowMajor(blas, stream, true, false, D, H, rows, xj, D, dg, H, t,
-                                 g.gate + j * D * H, H, DType::kF32, 1.0f));
-    GRADSUM_RETURN_IF_ERROR(cuda::GemmRowMajor(blas, stream, true, false, D, H, rows, xj, D, du, H, t,
-                                 g.up + j * D * H, H, DType::kF32, 1.0f));
+    GRADSUM_RETURN_IF_ERROR(cuda::GemmRowMajor(blas, stream, true, false, D, H, rows, xj, D, dg, H,
+                                               t, g.gate + j * D * H, H, DType::kF32, 1.0f));
+    GRADSUM_RETURN_IF_ERROR(cuda::GemmRowMajor(blas, stream, true, false, D, H, rows, xj, D, du, H,
+                                               t, g.up + j * D * H, H, DType::kF32, 1.0f));
     void* dxj = At(dx, begin, D, t);
-    GRADSUM_RETURN_IF_ERROR(cuda::GemmRowMajor(blas, stream, false, true, rows, D, H, dg, H, At(w.gate, j * D, H, t), H,
-                                 t, dxj, D, t, 0.0f));
-    GRADSUM_RETURN_IF_ERROR(cuda::GemmRowMajor(blas, stream, false, true, rows, D, H, du, H, At(w.up, j * D, H, t), H,
-                                 t, dxj, D, t, 1.0f));
+    GRADSUM_RETURN_IF_ERROR(cuda::GemmRowMajor(blas, stream, false, true, rows, D, H, dg, H,
+                                               At(w.gate, j * D, H, t), H, t, dxj, D, t, 0.0f));
+    GRADSUM_RETURN_IF_ERROR(cuda::GemmRowMajor(blas, stream, false, true, rows, D, H, du, H,
+                                               At(w.up, j * D, H, t), H, t, dxj, D, t, 1.0f));
   }
   return absl::OkStatus();
 }

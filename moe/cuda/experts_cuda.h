@@ -17,9 +17,9 @@
 //   ...
 //   GRADSUM_RETURN_IF_ERROR(ExpertsBackwardCuda(blas, stream, c, w, x, offsets, saved, dy, dx, g));
 
-#include <cstdint>
-
 #include <cuda_runtime.h>
+
+#include <cstdint>
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
@@ -29,10 +29,10 @@
 namespace gradsum::moe {
 
 struct ExpertsCudaConfig {
-  int64_t d_model = 0;          // D >= 1
-  int64_t hidden = 0;           // H >= 1
-  int num_local_experts = 0;    // >= 1
-  DType dtype = DType::kF32;    // activations and weights: kF32 or kBF16
+  int64_t d_model = 0;        // D >= 1
+  int64_t hidden = 0;         // H >= 1
+  int num_local_experts = 0;  // >= 1
+  DType dtype = DType::kF32;  // activations and weights: kF32 or kBF16
 };
 
 // Stacked weights of the local experts, row-major, `dtype`, device.

@@ -4,9 +4,9 @@
 // Internal launch interface of the RMSNorm and SwiGLU CUDA kernels (nvcc side; no absl).
 // Use moe/cuda/rms_norm_cuda.h and moe/cuda/swiglu_cuda.h.
 
-#include <cstdint>
-
 #include <cuda_runtime.h>
+
+#include <cstdint>
 
 namespace gradsum::moe::cuda_internal {
 
@@ -19,13 +19,13 @@ struct RmsNormLaunch {
   float eps = 1e-6f;
   const void* x = nullptr;
   const float* gamma = nullptr;
-  void* y = nullptr;            // forward output
-  float* rstd = nullptr;        // [rows] forward output (optional) / backward input (optional)
-  const void* dy = nullptr;     // backward
-  void* dx = nullptr;           // backward output (may alias dy)
-  bool accumulate_dx = false;   // dx += instead of =
-  float* dgamma = nullptr;      // backward, accumulated (+=); optional
-  float* partials = nullptr;    // [num_blocks, width] scratch when dgamma
+  void* y = nullptr;           // forward output
+  float* rstd = nullptr;       // [rows] forward output (optional) / backward input (optional)
+  const void* dy = nullptr;    // backward
+  void* dx = nullptr;          // backward output (may alias dy)
+  bool accumulate_dx = false;  // dx += instead of =
+  float* dgamma = nullptr;     // backward, accumulated (+=); optional
+  float* partials = nullptr;   // [num_blocks, width] scratch when dgamma
   int num_blocks = 0;
   int threads = 0;
   cudaStream_t stream = nullptr;

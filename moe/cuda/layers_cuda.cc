@@ -26,12 +26,14 @@ absl::StatusOr<cuda_internal::RmsNormLaunch> RmsNormCommon(const RmsNormArgs& a,
   GRADSUM_RETURN_IF_ERROR(cuda::RequireCudaDevice());
   cuda_internal::RmsNormLaunch l;
   GRADSUM_ASSIGN_OR_RETURN(l.dtype, ElemTypeOf(a.dtype, what));
-  if (a.rows < 0) return absl::InvalidArgumentError(absl::StrCat(what, ": rows = ", a.rows, " < 0"));
+  if (a.rows < 0)
+    return absl::InvalidArgumentError(absl::StrCat(what, ": rows = ", a.rows, " < 0"));
   if (a.width < 1 || a.width > kMaxRmsWidth) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, ": width = ", a.width, " is outside [1, ", kMaxRmsWidth, "]"));
   }
-  if (!(a.eps > 0.0f)) return absl::InvalidArgumentError(absl::StrCat(what, ": eps = ", a.eps, " <= 0"));
+  if (!(a.eps > 0.0f))
+    return absl::InvalidArgumentError(absl::StrCat(what, ": eps = ", a.eps, " <= 0"));
   GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(a.gamma, "gamma"));
   if (a.rows > 0) GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(a.x, "x"));
   GRADSUM_RETURN_IF_ERROR(cuda::CheckOptionalDevicePointer(a.rstd, "rstd"));
@@ -43,7 +45,8 @@ absl::StatusOr<cuda_internal::RmsNormLaunch> RmsNormCommon(const RmsNormArgs& a,
   l.gamma = a.gamma;
   l.rstd = a.rstd;
   l.threads = a.width >= 2048 ? 256 : 128;
-  l.num_blocks = static_cast<int>(std::min<int64_t>(std::max<int64_t>(a.rows, 1), 4 * int64_t{sms}));
+  l.num_blocks =
+      static_cast<int>(std::min<int64_t>(std::max<int64_t>(a.rows, 1), 4 * int64_t{sms}));
   return l;
 }
 
@@ -71,10 +74,9 @@ absl::Status RmsNormBackwardCuda(const RmsNormArgs& a, cudaStream_t stream) {
   l.dgamma = a.dgamma;
   l.stream = stream;
   if (a.dgamma != nullptr && a.rows > 0) {
-    GRADSUM_CUDA_RETURN_IF_ERROR(
-        cudaMallocAsync(reinterpret_cast<void**>(&l.partials),
-                        sizeof(float) * l.num_blocks * a.width, stream),
-        "cudaMallocAsync(RMSNorm dgamma partials)");
+    GRADSUM_CUDA_RETURN_IF_ERROR(cudaMallocAsync(reinterpret_cast<void**>(&l.partials),
+                                                 sizeof(float) * l.num_blocks * a.width, stream),
+                                 "cudaMallocAsync(RMSNorm dgamma partials)");
   }
   const cudaError_t err = cuda_internal::LaunchRmsNormBackward(l);
   if (l.partials != nullptr) {

@@ -20,9 +20,9 @@
 //   s.gate = gate_pre; s.up = up_pre; s.out = hid;
 //   GRADSUM_RETURN_IF_ERROR(SwiGluForwardCuda(s, stream));
 
-#include <cstdint>
-
 #include <cuda_runtime.h>
+
+#include <cstdint>
 
 #include "absl/status/status.h"
 #include "core/dtype.h"
@@ -30,16 +30,16 @@
 namespace gradsum::moe {
 
 struct RmsNormArgs {
-  DType dtype = DType::kF32;   // of x, y, dy, dx: kF32 or kBF16
-  int64_t rows = 0;            // >= 0
-  int64_t width = 0;           // D, 1 <= D <= 24576 (the dgamma accumulator is in shared memory)
-  float eps = 1e-6f;           // > 0 (§10 uses 1e-6)
-  const void* x = nullptr;     // [rows, width]
+  DType dtype = DType::kF32;     // of x, y, dy, dx: kF32 or kBF16
+  int64_t rows = 0;              // >= 0
+  int64_t width = 0;             // D, 1 <= D <= 24576 (the dgamma accumulator is in shared memory)
+  float eps = 1e-6f;             // > 0 (§10 uses 1e-6)
+  const void* x = nullptr;       // [rows, width]
   const float* gamma = nullptr;  // [width] fp32 gain g
   // Forward.
-  void* y = nullptr;           // [rows, width]; may equal x
-  float* rstd = nullptr;       // [rows] 1/sqrt(mean(x^2)+eps); forward writes it when non-null,
-                               // backward reads it when non-null (else recomputes from x)
+  void* y = nullptr;      // [rows, width]; may equal x
+  float* rstd = nullptr;  // [rows] 1/sqrt(mean(x^2)+eps); forward writes it when non-null,
+                          // backward reads it when non-null (else recomputes from x)
   // Backward.
   const void* dy = nullptr;    // [rows, width]
   void* dx = nullptr;          // [rows, width]; may equal dy
@@ -56,14 +56,14 @@ absl::Status RmsNormForwardCuda(const RmsNormArgs& args, cudaStream_t stream);
 absl::Status RmsNormBackwardCuda(const RmsNormArgs& args, cudaStream_t stream);
 
 struct SwiGluArgs {
-  DType dtype = DType::kF32;     // kF32 or kBF16, all tensors
-  int64_t n = 0;                 // number of elements (rows * H), >= 0
-  const void* gate = nullptr;    // [n] x Wg (pre-activation)
-  const void* up = nullptr;      // [n] x Wu
-  void* out = nullptr;           // forward: [n] SiLU(gate) * up; may equal gate or up
-  const void* d_out = nullptr;   // backward: [n] dL/d out
-  void* d_gate = nullptr;        // backward: [n] dL/d gate, overwritten; may equal gate
-  void* d_up = nullptr;          // backward: [n] dL/d up, overwritten; may equal up
+  DType dtype = DType::kF32;    // kF32 or kBF16, all tensors
+  int64_t n = 0;                // number of elements (rows * H), >= 0
+  const void* gate = nullptr;   // [n] x Wg (pre-activation)
+  const void* up = nullptr;     // [n] x Wu
+  void* out = nullptr;          // forward: [n] SiLU(gate) * up; may equal gate or up
+  const void* d_out = nullptr;  // backward: [n] dL/d out
+  void* d_gate = nullptr;       // backward: [n] dL/d gate, overwritten; may equal gate
+  void* d_up = nullptr;         // backward: [n] dL/d up, overwritten; may equal up
 };
 
 // Errors: InvalidArgument for a bad dtype, n < 0, or a null / non-device pointer (named);

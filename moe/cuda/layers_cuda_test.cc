@@ -20,9 +20,9 @@ namespace {
 using cuda::DeviceBuffer;
 using ::gradsum::testing::DownloadAsDouble;
 using ::gradsum::testing::ExpectAllNear;
+using ::gradsum::testing::RandomNormal;
 using ::gradsum::testing::RoundTo;
 using ::gradsum::testing::UploadAs;
-using ::gradsum::testing::RandomNormal;
 
 // y = x / sqrt(mean(x^2) + eps) * g, one row, double.
 std::vector<double> RmsNormRow(const double* x, const std::vector<double>& g, double eps) {
@@ -58,7 +58,8 @@ TEST_P(RmsNormCuda, ForwardAndBackwardMatchDoubleReferenceAndFiniteDifferences) 
   GRADSUM_SKIP_WITHOUT_GPU();
   const RmsCase c = GetParam();
   const double eps = 1e-6;
-  std::vector<float> x = RandomNormal(c.rows * c.width, 1, 2.0f), dy = RandomNormal(c.rows * c.width, 2);
+  std::vector<float> x = RandomNormal(c.rows * c.width, 1, 2.0f),
+                     dy = RandomNormal(c.rows * c.width, 2);
   std::vector<float> gamma = RandomNormal(c.width, 3);
   std::vector<float> dx0 = RandomNormal(c.rows * c.width, 4);  // residual gradient to add onto
   RoundTo(c.dtype, &x);
@@ -66,8 +67,10 @@ TEST_P(RmsNormCuda, ForwardAndBackwardMatchDoubleReferenceAndFiniteDifferences) 
   RoundTo(c.dtype, &dx0);
   std::vector<float> dgamma0 = RandomNormal(c.width, 5);
 
-  DeviceBuffer x_dev = UploadAs(x, c.dtype), y_dev = UploadAs(std::vector<float>(x.size()), c.dtype);
-  DeviceBuffer g_dev = *DeviceBuffer::FromHost(gamma), rstd_dev = *DeviceBuffer::Create(sizeof(float) * c.rows);
+  DeviceBuffer x_dev = UploadAs(x, c.dtype),
+               y_dev = UploadAs(std::vector<float>(x.size()), c.dtype);
+  DeviceBuffer g_dev = *DeviceBuffer::FromHost(gamma),
+               rstd_dev = *DeviceBuffer::Create(sizeof(float) * c.rows);
   DeviceBuffer dy_dev = UploadAs(dy, c.dtype), dx_dev = UploadAs(dx0, c.dtype);
   DeviceBuffer dg_dev = *DeviceBuffer::FromHost(dgamma0);
   RmsNormArgs a;
@@ -118,10 +121,11 @@ TEST_P(RmsNormCuda, ForwardAndBackwardMatchDoubleReferenceAndFiniteDifferences) 
   ExpectAllNear(DownloadAsDouble(dx2, c.dtype), want_dx, 1e-4, rtol, "dx (recomputed rstd)");
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, RmsNormCuda,
-                         ::testing::Values(RmsCase{DType::kF32, 5, 64}, RmsCase{DType::kF32, 300, 1000},
-                                           RmsCase{DType::kBF16, 64, 4096},
-                                           RmsCase{DType::kBF16, 3, 20000}));  // > 48 KiB dgamma smem
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, RmsNormCuda,
+    ::testing::Values(RmsCase{DType::kF32, 5, 64}, RmsCase{DType::kF32, 300, 1000},
+                      RmsCase{DType::kBF16, 64, 4096},
+                      RmsCase{DType::kBF16, 3, 20000}));  // > 48 KiB dgamma smem
 
 TEST(RmsNormCuda, BadArgumentsAreInvalidArgument) {
   GRADSUM_SKIP_WITHOUT_GPU();
@@ -162,7 +166,8 @@ TEST_P(SwiGluCuda, ForwardAndInPlaceBackwardMatchReference) {
   RoundTo(dtype, &g);
   RoundTo(dtype, &u);
   RoundTo(dtype, &dh);
-  DeviceBuffer g_dev = UploadAs(g, dtype), u_dev = UploadAs(u, dtype), h_dev = UploadAs(std::vector<float>(n), dtype);
+  DeviceBuffer g_dev = UploadAs(g, dtype), u_dev = UploadAs(u, dtype),
+               h_dev = UploadAs(std::vector<float>(n), dtype);
   DeviceBuffer dh_dev = UploadAs(dh, dtype);
   SwiGluArgs s;
   s.dtype = dtype;

@@ -114,10 +114,10 @@ absl::Status MoeLayerCuda::Forward(const CudaExec& exec, const MoeLayerCudaComms
   GRADSUM_RETURN_IF_ERROR(PermutePlanCuda(plan_, s));
   GRADSUM_RETURN_IF_ERROR(PermuteRowsCuda({a, DType::kF32, D, scratch->send.get()}, plan_, s));
   std::vector<int64_t> offsets(E + 1);
-  GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(offsets.data(), offsets_.get(),
-                                               (E + 1) * sizeof(int64_t),
-                                               cudaMemcpyDeviceToHost, s),
-                               "download expert offsets");
+  GRADSUM_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(offsets.data(), offsets_.get(), (E + 1) * sizeof(int64_t),
+                      cudaMemcpyDeviceToHost, s),
+      "download expert offsets");
   GRADSUM_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s), "wait for the expert offsets");
   // The per-expert row counts travel over the host EP group: they size the NCCL
   // all-to-all-v, which needs them on the host anyway.
@@ -198,9 +198,9 @@ absl::Status MoeLayerCuda::DispatchExpertsCombine(const CudaExec& exec,
   for (cuda::DeviceBuffer* b : {&scratch->expert_out, &scratch->d_recv, &scratch->dx_recv}) {
     GRADSUM_RETURN_IF_ERROR(cuda::Reserve(b, F32(R * D)));
   }
-  GRADSUM_RETURN_IF_ERROR(AllToAll(exec, *comms.ep_group, scratch->send.as<float>(),
-                                   x.send_counts, x.send_offsets, acts_.recv.as<float>(),
-                                   x.recv_counts, x.recv_offsets));
+  GRADSUM_RETURN_IF_ERROR(AllToAll(exec, *comms.ep_group, scratch->send.as<float>(), x.send_counts,
+                                   x.send_offsets, acts_.recv.as<float>(), x.recv_counts,
+                                   x.recv_offsets));
   const ExpertsCudaConfig ecfg = ExpertsConfig(c, El);
   const ExpertsCudaWeights ew = ExpertWeights(w, El * D * H);
   for (int p = 0; p < P; ++p) {
@@ -312,9 +312,8 @@ absl::Status MoeLayerCuda::Backward(const CudaExec& exec, const MoeLayerCudaComm
   g.accumulate = false;
   GRADSUM_RETURN_IF_ERROR(CombineCuda(g, plan_, s));
   // Router GEMM backward: dWr += a^T du; da += du Wr^T.
-  GRADSUM_RETURN_IF_ERROR(GemmRowMajor(*exec.blas, s, true, false, D, E, T, a, D,
-                                       scratch->du.get(), E, DType::kF32, grads.router, E,
-                                       DType::kF32, 1.0f));
+  GRADSUM_RETURN_IF_ERROR(GemmRowMajor(*exec.blas, s, true, false, D, E, T, a, D, scratch->du.get(),
+                                       E, DType::kF32, grads.router, E, DType::kF32, 1.0f));
   return GemmRowMajor(*exec.blas, s, false, true, T, D, E, scratch->du.get(), E, w.router, E,
                       DType::kF32, da, D, DType::kF32, 1.0f);
 }

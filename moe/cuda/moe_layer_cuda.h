@@ -25,10 +25,10 @@
 // into buffers given back with GiveActivations (or fresh ones), with the same kernels on
 // the same inputs as Forward, so what Backward reads and y are the first forward's.
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
 #include <vector>
-
-#include <cuda_runtime.h>
 
 #include "absl/status/status.h"
 #include "collectives/communicator.h"
@@ -60,16 +60,16 @@ struct CudaExec {
 // The layer's communicators (not owned), over the same ranks as the host mesh; world and
 // ep_group are NCCL, their streams reached through device_stream().
 struct MoeLayerCudaComms {
-  Communicator* world = nullptr;     // SUM of the expert counts (§5)
-  Communicator* ep_group = nullptr;  // the all-to-all-v of the dispatch
-  Communicator* host_ep_group = nullptr; // the per-expert row counts that size it
+  Communicator* world = nullptr;          // SUM of the expert counts (§5)
+  Communicator* ep_group = nullptr;       // the all-to-all-v of the dispatch
+  Communicator* host_ep_group = nullptr;  // the per-expert row counts that size it
 };
 
 // Device buffers the layers of one rank share (one layer runs at a time).
 struct MoeLayerCudaScratch {
   cuda::DeviceBuffer send, expert_out, d_back, d_recv, dx_recv, d_send;  // rows x D
-  cuda::DeviceBuffer du, dw;                                            // [T, E], [T, K]
-  int64_t bytes() const;  // the buffers' capacities
+  cuda::DeviceBuffer du, dw;                                             // [T, E], [T, K]
+  int64_t bytes() const;                                                 // the buffers' capacities
 };
 
 // A layer's dispatch and expert activations (device): what full recomputation drops and
@@ -98,12 +98,12 @@ struct MoeLayerCudaGrads {
 
 // The router losses backward adds (device scalars).
 struct MoeRouterLossCudaArgs {
-  float alpha_z = 0.0f;  // §4
-  float alpha_b = 0.0f;  // §5
-  int num_micro_batches = 1;                    // G
-  const double* global_routed_tokens = nullptr; // N of §4
-  double* z_loss = nullptr;        // += this layer's L_z[r, m]
-  double* balance_loss = nullptr;  // += this layer's L_bal[r, m]
+  float alpha_z = 0.0f;                          // §4
+  float alpha_b = 0.0f;                          // §5
+  int num_micro_batches = 1;                     // G
+  const double* global_routed_tokens = nullptr;  // N of §4
+  double* z_loss = nullptr;                      // += this layer's L_z[r, m]
+  double* balance_loss = nullptr;                // += this layer's L_bal[r, m]
 };
 
 class MoeLayerCuda {
@@ -113,8 +113,7 @@ class MoeLayerCuda {
   // non-finite router logit, naming the token), the communicators'.
   absl::Status Forward(const CudaExec& exec, const MoeLayerCudaComms& comms,
                        const MoeLayerCudaConfig& config, MoeLayerCudaScratch* scratch, int64_t T,
-                       const float* a, const MoeLayerCudaWeights& w, const uint8_t* mask,
-                       float* y);
+                       const float* a, const MoeLayerCudaWeights& w, const uint8_t* mask, float* y);
   // dy = dL/dy [T, D]; da = dL/da [T, D] written; weight gradients added into `grads`; the
   // router losses' values added into `losses`. Collective over comms.ep_group.
   absl::Status Backward(const CudaExec& exec, const MoeLayerCudaComms& comms,
@@ -149,16 +148,16 @@ class MoeLayerCuda {
   // Forward and RecomputeForward.
   absl::Status DispatchExpertsCombine(const CudaExec& exec, const MoeLayerCudaComms& comms,
                                       const MoeLayerCudaConfig& config,
-                                      MoeLayerCudaScratch* scratch,
-                                      const MoeLayerCudaWeights& w, float* y);
+                                      MoeLayerCudaScratch* scratch, const MoeLayerCudaWeights& w,
+                                      float* y);
 
   int64_t rows_ = -1;
-  cuda::DeviceBuffer logits_, probs_, index_, weight_, lse_;      // [T, E], [T, E], [T, K] x 2, [T]
-  cuda::DeviceBuffer local_counts_, global_counts_, gating_;      // [E] i64, [E] i64, [E] f64
-  cuda::DeviceBuffer offsets_, permuted_copy_, copy_position_;    // [E + 1], [T K], [T K] i64
+  cuda::DeviceBuffer logits_, probs_, index_, weight_, lse_;    // [T, E], [T, E], [T, K] x 2, [T]
+  cuda::DeviceBuffer local_counts_, global_counts_, gating_;    // [E] i64, [E] i64, [E] f64
+  cuda::DeviceBuffer offsets_, permuted_copy_, copy_position_;  // [E + 1], [T K], [T K] i64
   MoeLayerCudaActivations acts_;
   bool activations_valid_ = false;  // acts_ hold this micro-batch's dispatch
-  EpExchangePlan exchange_;  // send side by expert, receive side by source then expert
+  EpExchangePlan exchange_;         // send side by expert, receive side by source then expert
   PermutePlanCudaArgs plan_;
 };
 

@@ -15,10 +15,13 @@ namespace {
 using cuda::CheckDevicePointer;
 
 absl::Status CheckPlanShape(const PermutePlanCudaArgs& p) {
-  if (p.tokens < 0) return absl::InvalidArgumentError(absl::StrCat("permute: tokens = ", p.tokens, " < 0"));
-  if (p.top_k < 1) return absl::InvalidArgumentError(absl::StrCat("permute: top_k = ", p.top_k, " < 1"));
+  if (p.tokens < 0)
+    return absl::InvalidArgumentError(absl::StrCat("permute: tokens = ", p.tokens, " < 0"));
+  if (p.top_k < 1)
+    return absl::InvalidArgumentError(absl::StrCat("permute: top_k = ", p.top_k, " < 1"));
   if (p.experts < 1 || p.experts > cuda_internal::kMaxPermuteExperts) {
-    return absl::InvalidArgumentError(absl::StrCat("permute: experts = ", p.experts, " is outside [1, ",
+    return absl::InvalidArgumentError(absl::StrCat("permute: experts = ", p.experts,
+                                                   " is outside [1, ",
                                                    cuda_internal::kMaxPermuteExperts, "]"));
   }
   if (p.tokens > std::numeric_limits<int32_t>::max() / p.top_k) {
@@ -57,7 +60,8 @@ absl::Status PermutePlanCuda(const PermutePlanCudaArgs& p, cudaStream_t stream) 
   l.copy_position = p.copy_position;
   l.bad_copy = flag->device_word();
   l.stream = stream;
-  const int64_t chunks = (l.copies + cuda_internal::kPermuteChunk - 1) / cuda_internal::kPermuteChunk;
+  const int64_t chunks =
+      (l.copies + cuda_internal::kPermuteChunk - 1) / cuda_internal::kPermuteChunk;
   GRADSUM_CUDA_RETURN_IF_ERROR(
       cudaMallocAsync(reinterpret_cast<void**>(&l.chunk_counts),
                       sizeof(int) * std::max<int64_t>(chunks, 1) * p.experts, stream),
@@ -68,9 +72,9 @@ absl::Status PermutePlanCuda(const PermutePlanCudaArgs& p, cudaStream_t stream) 
   if (own_flag.has_value()) {
     GRADSUM_ASSIGN_OR_RETURN(std::optional<int64_t> bad, own_flag->ReadAndReset(stream));
     if (bad.has_value()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "permute: expert index of token ", *bad / p.top_k, " slot ", *bad % p.top_k,
-          " is outside [-1, ", p.experts, ")"));
+      return absl::InvalidArgumentError(absl::StrCat("permute: expert index of token ",
+                                                     *bad / p.top_k, " slot ", *bad % p.top_k,
+                                                     " is outside [-1, ", p.experts, ")"));
     }
   }
   return absl::OkStatus();
@@ -80,7 +84,8 @@ absl::Status PermuteRowsCuda(const PermuteRowsCudaArgs& a, const PermutePlanCuda
                              cudaStream_t stream) {
   GRADSUM_RETURN_IF_ERROR(cuda::RequireCudaDevice());
   GRADSUM_RETURN_IF_ERROR(CheckPlanShape(plan));
-  if (a.width < 0) return absl::InvalidArgumentError(absl::StrCat("permute rows: width = ", a.width, " < 0"));
+  if (a.width < 0)
+    return absl::InvalidArgumentError(absl::StrCat("permute rows: width = ", a.width, " < 0"));
   if (plan.tokens > 0 && a.width > 0) {
     GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(a.src, "src"));
     GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(a.dst, "dst"));
@@ -113,7 +118,8 @@ absl::StatusOr<cuda_internal::CombineLaunch> CombineCommon(const CombineCudaArgs
     return absl::InvalidArgumentError(
         absl::StrCat(what, ": dtype must be f32 or bf16, got ", DTypeName(a.dtype)));
   }
-  if (a.width < 0) return absl::InvalidArgumentError(absl::StrCat(what, ": width = ", a.width, " < 0"));
+  if (a.width < 0)
+    return absl::InvalidArgumentError(absl::StrCat(what, ": width = ", a.width, " < 0"));
   if (plan.tokens > 0) {
     GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(a.rows, "rows"));
     GRADSUM_RETURN_IF_ERROR(cuda::CheckOptionalDevicePointer(a.weights, "weights"));
@@ -133,7 +139,8 @@ absl::StatusOr<cuda_internal::CombineLaunch> CombineCommon(const CombineCudaArgs
 
 }  // namespace
 
-absl::Status CombineCuda(const CombineCudaArgs& a, const PermutePlanCudaArgs& plan, cudaStream_t stream) {
+absl::Status CombineCuda(const CombineCudaArgs& a, const PermutePlanCudaArgs& plan,
+                         cudaStream_t stream) {
   GRADSUM_ASSIGN_OR_RETURN(cuda_internal::CombineLaunch l, CombineCommon(a, plan, "combine"));
   if (plan.tokens > 0) GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(a.out, "out"));
   l.out = a.out;
@@ -145,7 +152,8 @@ absl::Status CombineCuda(const CombineCudaArgs& a, const PermutePlanCudaArgs& pl
 
 absl::Status CombineBackwardCuda(const CombineCudaArgs& a, const PermutePlanCudaArgs& plan,
                                  cudaStream_t stream) {
-  GRADSUM_ASSIGN_OR_RETURN(cuda_internal::CombineLaunch l, CombineCommon(a, plan, "combine backward"));
+  GRADSUM_ASSIGN_OR_RETURN(cuda_internal::CombineLaunch l,
+                           CombineCommon(a, plan, "combine backward"));
   if (plan.tokens > 0) {
     GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(a.d_out, "d_out"));
     GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(a.d_rows, "d_rows"));

@@ -21,9 +21,9 @@
 // Backward: CombineBackwardCuda gives d_out rows (w * dy) and dL/dw; the gather's backward
 // is CombineCuda with weights == nullptr and accumulate = true (d_a += sum_k d_send[pos]).
 
-#include <cstdint>
-
 #include <cuda_runtime.h>
+
+#include <cstdint>
 
 #include "absl/status/status.h"
 #include "core/cuda/device_flag.h"
@@ -37,9 +37,9 @@ struct PermutePlanCudaArgs {
   int top_k = 0;                          // K >= 1
   int experts = 0;                        // 1 <= E <= 1024
   // Outputs (device).
-  int64_t* expert_offsets = nullptr;      // [E + 1] exclusive prefix sums; [E] = S
-  int64_t* permuted_copy = nullptr;       // [T * K] position -> copy c; -1 at positions >= S
-  int64_t* copy_position = nullptr;       // [T * K] copy -> position, -1 when not routed
+  int64_t* expert_offsets = nullptr;  // [E + 1] exclusive prefix sums; [E] = S
+  int64_t* permuted_copy = nullptr;   // [T * K] position -> copy c; -1 at positions >= S
+  int64_t* copy_position = nullptr;   // [T * K] copy -> position, -1 when not routed
   // Where an expert index outside [-1, E) is recorded (lowest copy). Null: the call waits
   // and returns InvalidArgument itself.
   cuda::DeviceIndexFlag* error = nullptr;
@@ -53,8 +53,8 @@ absl::Status PermutePlanCuda(const PermutePlanCudaArgs& args, cudaStream_t strea
 struct PermuteRowsCudaArgs {
   const void* src = nullptr;  // [T, width] token rows (any dtype; copied bit for bit)
   DType dtype = DType::kF32;
-  int64_t width = 0;          // elements per row >= 0
-  void* dst = nullptr;        // [T * K, width]; position p gets token permuted_copy[p] / K
+  int64_t width = 0;    // elements per row >= 0
+  void* dst = nullptr;  // [T * K, width]; position p gets token permuted_copy[p] / K
 };
 
 // Gathers rows into permuted order using a plan made by PermutePlanCuda (same T, K, E).
@@ -62,15 +62,15 @@ absl::Status PermuteRowsCuda(const PermuteRowsCudaArgs& args, const PermutePlanC
                              cudaStream_t stream);
 
 struct CombineCudaArgs {
-  DType dtype = DType::kF32;     // kF32 or kBF16, of rows / out / d_out / d_rows
-  int64_t width = 0;             // D
-  const void* rows = nullptr;    // [T * K, D] permuted rows (expert outputs)
+  DType dtype = DType::kF32;       // kF32 or kBF16, of rows / out / d_out / d_rows
+  int64_t width = 0;               // D
+  const void* rows = nullptr;      // [T * K, D] permuted rows (expert outputs)
   const float* weights = nullptr;  // [T, K] combine weights, or null (all 1)
-  void* out = nullptr;           // [T, D] forward output
-  bool accumulate = false;       // out += instead of =
-  const void* d_out = nullptr;   // backward: [T, D] dL/d out
-  void* d_rows = nullptr;        // backward: [T * K, D] dL/d rows (positions >= S untouched)
-  float* d_weights = nullptr;    // backward: [T, K] dL/dw (0 for unrouted copies), optional
+  void* out = nullptr;             // [T, D] forward output
+  bool accumulate = false;         // out += instead of =
+  const void* d_out = nullptr;     // backward: [T, D] dL/d out
+  void* d_rows = nullptr;          // backward: [T * K, D] dL/d rows (positions >= S untouched)
+  float* d_weights = nullptr;      // backward: [T, K] dL/dw (0 for unrouted copies), optional
 };
 
 // out[t] (+)= sum_k w[t, k] * rows[copy_position[t * K + k]], fp32 accumulation in slot order.

@@ -24,8 +24,8 @@ using ::gradsum::testing::Dev;
 using ::gradsum::testing::DownloadAsDouble;
 using ::gradsum::testing::ExpectAllNear;
 using ::gradsum::testing::Host;
-using ::gradsum::testing::UploadAs;
 using ::gradsum::testing::RandomNormal;
+using ::gradsum::testing::UploadAs;
 using ::testing::HasSubstr;
 
 // Random expert indices: distinct experts per token (like top-K), some tokens unrouted
@@ -88,7 +88,8 @@ TEST_P(PermuteCuda, PlanIsTheStableSortByExpert) {
   for (int64_t c = 0; c < s.T * s.K; ++c) {
     if (idx[c] >= 0) order.push_back(c);
   }
-  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return idx[x] < idx[y]; });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return idx[x] < idx[y]; });
   std::vector<int64_t> want_offsets(s.E + 1, 0);
   for (int64_t c : order) ++want_offsets[idx[c] + 1];
   for (int e = 0; e < s.E; ++e) want_offsets[e + 1] += want_offsets[e];
@@ -197,10 +198,10 @@ TEST_P(PermuteCuda, GatherCombineAndBackwardMatchReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, PermuteCuda,
-                         ::testing::Values(Shape{1, 1, 1, 8, false},      // minimal
-                                           Shape{50, 2, 8, 64, false},    // one chunk
-                                           Shape{700, 4, 60, 96, false},  // many chunks
-                                           Shape{513, 8, 16, 33, true},   // skewed, odd width
+                         ::testing::Values(Shape{1, 1, 1, 8, false},          // minimal
+                                           Shape{50, 2, 8, 64, false},        // one chunk
+                                           Shape{700, 4, 60, 96, false},      // many chunks
+                                           Shape{513, 8, 16, 33, true},       // skewed, odd width
                                            Shape{300, 2, 1024, 16, false}));  // E at the limit
 
 TEST(PermuteCuda, ExpertIndexOutOfRangeIsInvalidArgumentNamingTokenAndSlot) {

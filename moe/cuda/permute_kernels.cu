@@ -97,8 +97,8 @@ __global__ void ScatterKernel(PermutePlanLaunch p) {
   }
   int rank = rank_in_warp;
   for (int w = 0; w < warp; ++w) rank += warp_counts[w][e];
-  const int64_t pos = p.expert_offsets[e] +
-                      p.chunk_counts[static_cast<int64_t>(blockIdx.x) * p.experts + e] + rank;
+  const int64_t pos =
+      p.expert_offsets[e] + p.chunk_counts[static_cast<int64_t>(blockIdx.x) * p.experts + e] + rank;
   p.copy_position[c] = pos;
   p.permuted_copy[pos] = c;
 }
@@ -180,7 +180,9 @@ cudaError_t LaunchPermutePlan(const PermutePlanLaunch& l) {
 cudaError_t LaunchPermuteRows(const PermuteRowsLaunch& l) {
   if (l.copies == 0 || l.width == 0) return cudaSuccess;
   const int64_t row_bytes = l.width * l.elem_bytes;
-  const auto aligned = [](const void* ptr, int a) { return reinterpret_cast<uintptr_t>(ptr) % a == 0; };
+  const auto aligned = [](const void* ptr, int a) {
+    return reinterpret_cast<uintptr_t>(ptr) % a == 0;
+  };
   if (row_bytes % 16 == 0 && aligned(l.src, 16) && aligned(l.dst, 16)) {
     GatherKernel<uint4><<<l.num_blocks, 128, 0, l.stream>>>(l, row_bytes / 16);
   } else if (row_bytes % 4 == 0 && aligned(l.src, 4) && aligned(l.dst, 4)) {
@@ -193,15 +195,19 @@ cudaError_t LaunchPermuteRows(const PermuteRowsLaunch& l) {
 
 cudaError_t LaunchCombine(const CombineLaunch& l) {
   if (l.tokens == 0) return cudaSuccess;
-  if (l.bf16) CombineKernel<__nv_bfloat16><<<l.num_blocks, 128, 0, l.stream>>>(l);
-  else CombineKernel<float><<<l.num_blocks, 128, 0, l.stream>>>(l);
+  if (l.bf16)
+    CombineKernel<__nv_bfloat16><<<l.num_blocks, 128, 0, l.stream>>>(l);
+  else
+    CombineKernel<float><<<l.num_blocks, 128, 0, l.stream>>>(l);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchCombineBackward(const CombineLaunch& l) {
   if (l.tokens == 0) return cudaSuccess;
-  if (l.bf16) CombineBackwardKernel<__nv_bfloat16><<<l.num_blocks, 128, 0, l.stream>>>(l);
-  else CombineBackwardKernel<float><<<l.num_blocks, 128, 0, l.stream>>>(l);
+  if (l.bf16)
+    CombineBackwardKernel<__nv_bfloat16><<<l.num_blocks, 128, 0, l.stream>>>(l);
+  else
+    CombineBackwardKernel<float><<<l.num_blocks, 128, 0, l.stream>>>(l);
   return cudaGetLastError();
 }
 

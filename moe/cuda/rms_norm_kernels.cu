@@ -110,8 +110,9 @@ template <typename T>
 cudaError_t Backward(const RmsNormLaunch& l) {
   const size_t smem = l.dgamma != nullptr ? sizeof(float) * l.width : 0;
   if (smem > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(
-        RmsNormBackwardKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    const cudaError_t err =
+        cudaFuncSetAttribute(RmsNormBackwardKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(smem));
     if (err != cudaSuccess) return err;
   }
   if (l.rows > 0) {

@@ -18,7 +18,8 @@ using cuda_internal::kMaxCudaExperts;
 using cuda_internal::kMaxCudaTopK;
 
 absl::Status CheckShape(int64_t tokens, int experts, int top_k, const char* what) {
-  if (tokens < 0) return absl::InvalidArgumentError(absl::StrCat(what, ": tokens = ", tokens, " < 0"));
+  if (tokens < 0)
+    return absl::InvalidArgumentError(absl::StrCat(what, ": tokens = ", tokens, " < 0"));
   if (experts < 1 || experts > kMaxCudaExperts) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, ": experts = ", experts, " is outside [1, ", kMaxCudaExperts, "]"));
@@ -32,7 +33,8 @@ absl::Status CheckShape(int64_t tokens, int experts, int top_k, const char* what
 
 int WarpBlocks(int64_t tokens, int sms) {
   // 8 warps (tokens) per block, up to 8 blocks per SM.
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((tokens + 7) / 8, 8 * int64_t{sms})));
+  return static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>((tokens + 7) / 8, 8 * int64_t{sms})));
 }
 
 }  // namespace
@@ -41,7 +43,8 @@ absl::Status RouterForwardCuda(const RouterForwardCudaArgs& a, cudaStream_t stre
   GRADSUM_RETURN_IF_ERROR(cuda::RequireCudaDevice());
   GRADSUM_RETURN_IF_ERROR(CheckShape(a.tokens, a.experts, a.top_k, "router forward"));
   if (!std::isfinite(a.router_scale)) {
-    return absl::InvalidArgumentError(absl::StrCat("router forward: router_scale = ", a.router_scale));
+    return absl::InvalidArgumentError(
+        absl::StrCat("router forward: router_scale = ", a.router_scale));
   }
   GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(a.local_expert_counts, "local_expert_counts"));
   GRADSUM_RETURN_IF_ERROR(CheckOptionalDevicePointer(a.local_routed_tokens, "local_routed_tokens"));
@@ -85,7 +88,8 @@ absl::Status RouterForwardCuda(const RouterForwardCudaArgs& a, cudaStream_t stre
   unsigned long long* routed_scratch = nullptr;
   l.routed_tokens = reinterpret_cast<unsigned long long*>(a.local_routed_tokens);
   GRADSUM_CUDA_RETURN_IF_ERROR(
-      cudaMemsetAsync(a.local_expert_counts, 0, sizeof(int64_t) * a.experts, stream), "zero counts");
+      cudaMemsetAsync(a.local_expert_counts, 0, sizeof(int64_t) * a.experts, stream),
+      "zero counts");
   if (l.routed_tokens == nullptr) {
     GRADSUM_CUDA_RETURN_IF_ERROR(
         cudaMallocAsync(reinterpret_cast<void**>(&routed_scratch), sizeof(int64_t), stream),
@@ -96,7 +100,8 @@ absl::Status RouterForwardCuda(const RouterForwardCudaArgs& a, cudaStream_t stre
                                "zero routed count");
   if (a.local_gating_sums != nullptr) {
     l.gating_sums = a.local_gating_sums;
-    l.gating_chunks = static_cast<int>(std::clamp<int64_t>((a.tokens + 1023) / 1024, 1, 4 * int64_t{sms}));
+    l.gating_chunks =
+        static_cast<int>(std::clamp<int64_t>((a.tokens + 1023) / 1024, 1, 4 * int64_t{sms}));
     GRADSUM_CUDA_RETURN_IF_ERROR(
         cudaMallocAsync(reinterpret_cast<void**>(&l.gating_partials),
                         sizeof(double) * l.gating_chunks * a.experts, stream),
@@ -109,8 +114,9 @@ absl::Status RouterForwardCuda(const RouterForwardCudaArgs& a, cudaStream_t stre
   if (own_flag.has_value()) {
     GRADSUM_ASSIGN_OR_RETURN(std::optional<int64_t> bad, own_flag->ReadAndReset(stream));
     if (bad.has_value()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "router forward: token ", *bad, " has a non-finite logit or a mask value other than 0/1"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("router forward: token ", *bad,
+                       " has a non-finite logit or a mask value other than 0/1"));
     }
   }
   return absl::OkStatus();
@@ -118,12 +124,13 @@ absl::Status RouterForwardCuda(const RouterForwardCudaArgs& a, cudaStream_t stre
 
 namespace {
 
-absl::StatusOr<cuda_internal::RouterAuxLaunch> AuxCommon(const RouterAuxCudaArgs& a, const char* what) {
+absl::StatusOr<cuda_internal::RouterAuxLaunch> AuxCommon(const RouterAuxCudaArgs& a,
+                                                         const char* what) {
   GRADSUM_RETURN_IF_ERROR(cuda::RequireCudaDevice());
   GRADSUM_RETURN_IF_ERROR(CheckShape(a.tokens, a.experts, a.top_k, what));
   if (!std::isfinite(a.alpha_z) || !std::isfinite(a.alpha_b)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": alpha_z = ", a.alpha_z, ", alpha_b = ", a.alpha_b, " must be finite"));
+    return absl::InvalidArgumentError(absl::StrCat(what, ": alpha_z = ", a.alpha_z,
+                                                   ", alpha_b = ", a.alpha_b, " must be finite"));
   }
   if (a.num_micro_batches < 1) {
     return absl::InvalidArgumentError(
@@ -172,12 +179,13 @@ absl::Status RouterAuxLossCuda(const RouterAuxCudaArgs& a, cudaStream_t stream) 
   GRADSUM_ASSIGN_OR_RETURN(cuda_internal::RouterAuxLaunch l, AuxCommon(a, "router aux loss"));
   GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(a.z_loss, "z_loss"));
   GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(a.balance_loss, "balance_loss"));
-  if (a.alpha_b != 0.0f) GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(a.local_gating_sums, "local_gating_sums"));
+  if (a.alpha_b != 0.0f)
+    GRADSUM_RETURN_IF_ERROR(CheckDevicePointer(a.local_gating_sums, "local_gating_sums"));
   // The finalise kernel reads these unconditionally; disabled terms get zero stand-ins.
   double* zeros = nullptr;
   const size_t zero_bytes = sizeof(double) * (1 + a.experts) + sizeof(int64_t) * a.experts;
-  GRADSUM_CUDA_RETURN_IF_ERROR(cudaMallocAsync(reinterpret_cast<void**>(&zeros), zero_bytes, stream),
-                               "cudaMallocAsync");
+  GRADSUM_CUDA_RETURN_IF_ERROR(
+      cudaMallocAsync(reinterpret_cast<void**>(&zeros), zero_bytes, stream), "cudaMallocAsync");
   GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(zeros, 0, zero_bytes, stream), "cudaMemsetAsync");
   if (l.global_routed_tokens == nullptr) l.global_routed_tokens = zeros;
   l.local_gating_sums = a.alpha_b != 0.0f ? a.local_gating_sums : zeros + 1;
@@ -189,7 +197,8 @@ absl::Status RouterAuxLossCuda(const RouterAuxCudaArgs& a, cudaStream_t stream) 
   l.balance_loss = a.balance_loss;
   l.accumulate = a.accumulate_loss;
   l.stream = stream;
-  cudaError_t err = cudaMallocAsync(reinterpret_cast<void**>(&l.partials), sizeof(double) * l.num_blocks, stream);
+  cudaError_t err =
+      cudaMallocAsync(reinterpret_cast<void**>(&l.partials), sizeof(double) * l.num_blocks, stream);
   if (err == cudaSuccess) {
     err = cuda_internal::LaunchRouterAuxLoss(l);
     cudaFreeAsync(l.partials, stream);
@@ -212,7 +221,8 @@ absl::Status RouterBackwardCuda(const RouterAuxCudaArgs& a, cudaStream_t stream)
     }
   }
   if (!std::isfinite(a.router_scale)) {
-    return absl::InvalidArgumentError(absl::StrCat("router backward: router_scale = ", a.router_scale));
+    return absl::InvalidArgumentError(
+        absl::StrCat("router backward: router_scale = ", a.router_scale));
   }
   l.expert_index = a.expert_index;
   l.d_combine_weight = a.d_combine_weight;

@@ -27,9 +27,9 @@
 //
 // Limits: 1 <= E <= 1024, 1 <= K <= min(E, 32) (one warp per token).
 
-#include <cstdint>
-
 #include <cuda_runtime.h>
+
+#include <cstdint>
 
 #include "absl/status/status.h"
 #include "core/cuda/device_flag.h"
@@ -37,13 +37,13 @@
 namespace gradsum::moe {
 
 struct RouterForwardCudaArgs {
-  const float* logits = nullptr;    // [T, E] u, fp32 (§10)
-  const uint8_t* mask = nullptr;    // [T] 1 routed / 0 padding, or null: all routed
-  int64_t tokens = 0;               // T >= 0
-  int experts = 0;                  // E
-  int top_k = 0;                    // K
+  const float* logits = nullptr;  // [T, E] u, fp32 (§10)
+  const uint8_t* mask = nullptr;  // [T] 1 routed / 0 padding, or null: all routed
+  int64_t tokens = 0;             // T >= 0
+  int experts = 0;                // E
+  int top_k = 0;                  // K
   bool norm_topk_prob = false;
-  float router_scale = 1.0f;        // finite
+  float router_scale = 1.0f;  // finite
   // §5.1 (as moe/router.h): sigmoid scores p = sigmoid(u) instead of softmax(u), and an
   // expert bias b [E] (device, finite; the model checks it, model/moe_lm.h SetExpertBias)
   // added to the scores for the top-K selection only: the K largest p + b (the sum in fp32,
@@ -52,8 +52,9 @@ struct RouterForwardCudaArgs {
   bool sigmoid_scores = false;
   const float* expert_bias = nullptr;
   // Outputs (device; overwritten).
-  float* probs = nullptr;           // [T, E] softmax(u) (or sigmoid(u)); 0 on padding rows
-  int32_t* expert_index = nullptr;  // [T, K] descending p (+ b), equal -> lower index; -1 on padding
+  float* probs = nullptr;  // [T, E] softmax(u) (or sigmoid(u)); 0 on padding rows
+  int32_t* expert_index =
+      nullptr;  // [T, K] descending p (+ b), equal -> lower index; -1 on padding
   float* combine_weight = nullptr;  // [T, K] w_k (renormalised if asked, times router_scale)
   float* logsumexp = nullptr;       // [T] logsumexp(u) for the z-loss (0 on padding); optional
   int64_t* local_expert_counts = nullptr;  // [E] (token, slot) assignments per expert (§5)
@@ -78,9 +79,9 @@ struct RouterAuxCudaArgs {
   int64_t tokens = 0;
   int experts = 0;
   int top_k = 0;
-  float alpha_z = 0.0f;              // §4 (0 disables)
-  float alpha_b = 0.0f;              // §5 (0 disables)
-  int num_micro_batches = 1;         // G >= 1 (§5's 1/G)
+  float alpha_z = 0.0f;       // §4 (0 disables)
+  float alpha_b = 0.0f;       // §5 (0 disables)
+  int num_micro_batches = 1;  // G >= 1 (§5's 1/G)
   // N of §4: routed tokens over all ranks and micro-batches of the step (device fp64).
   const double* global_routed_tokens = nullptr;
   // c[l, m, e] of §5 after the SUM all-reduce over the world (device, [E]). N[l, m] is
@@ -92,16 +93,16 @@ struct RouterAuxCudaArgs {
   double* balance_loss = nullptr;             // device scalar: local component of §5
   bool accumulate_loss = false;               // += (display accumulation, §8) instead of =
   // Backward only.
-  const int32_t* expert_index = nullptr;      // [T, K] from RouterForwardCuda
-  const float* d_combine_weight = nullptr;    // [T, K] dL/dw_k, or null (no combine gradient)
-  bool norm_topk_prob = false;                // as in forward
-  float router_scale = 1.0f;                  // as in forward
+  const int32_t* expert_index = nullptr;    // [T, K] from RouterForwardCuda
+  const float* d_combine_weight = nullptr;  // [T, K] dL/dw_k, or null (no combine gradient)
+  bool norm_topk_prob = false;              // as in forward
+  float router_scale = 1.0f;                // as in forward
   // As in forward: `probs` are sigmoid(u) (§5.1). Then alpha_b must be 0 (the balancing loss
   // is of the softmax), and the backward needs the logits for the z-loss's softmax.
   bool sigmoid_scores = false;
-  const float* logits = nullptr;              // [T, E] u (backward with sigmoid and alpha_z)
-  float* d_logits = nullptr;                  // [T, E] dL/du: written (0 on padding rows)
-  bool accumulate_grad = false;               // d_logits += instead of =
+  const float* logits = nullptr;  // [T, E] u (backward with sigmoid and alpha_z)
+  float* d_logits = nullptr;      // [T, E] dL/du: written (0 on padding rows)
+  bool accumulate_grad = false;   // d_logits += instead of =
 };
 
 // Local components of the z-loss and the balancing loss into z_loss / balance_loss.

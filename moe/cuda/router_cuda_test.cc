@@ -28,9 +28,9 @@ using cuda::CublasHandle;
 using cuda::DeviceBuffer;
 using cuda::GemmRowMajor;
 using ::gradsum::testing::Dev;
+using ::gradsum::testing::DevZeros;
 using ::gradsum::testing::ExpectAllNear;
 using ::gradsum::testing::Host;
-using ::gradsum::testing::DevZeros;
 using ::gradsum::testing::RandomNormal;
 using ::testing::HasSubstr;
 
@@ -45,8 +45,8 @@ struct GpuRoute {
   DeviceBuffer probs, index, weight, lse, counts, routed, gsum;
 };
 
-absl::Status RunForward(const DeviceBuffer& logits, const DeviceBuffer* mask, int64_t T, int E, int K,
-                        bool norm, float scale, GpuRoute* r, bool sigmoid = false,
+absl::Status RunForward(const DeviceBuffer& logits, const DeviceBuffer* mask, int64_t T, int E,
+                        int K, bool norm, float scale, GpuRoute* r, bool sigmoid = false,
                         const DeviceBuffer* bias = nullptr) {
   r->probs = DevZeros(sizeof(float) * T * E);
   r->index = DevZeros(sizeof(int32_t) * T * K);
@@ -99,14 +99,15 @@ TEST_P(RouterCudaVsCpu, ForwardMatchesCpuRouterAndCublasLogitsMatchCpuLogits) {
   absl::StatusOr<CublasHandle> blas = CublasHandle::Create();
   ASSERT_TRUE(blas.ok()) << blas.status();
   DeviceBuffer a_dev = Dev(a), wr_dev = Dev(wr), u_dev = DevZeros(sizeof(float) * c.T * c.E);
-  ASSERT_TRUE(GemmRowMajor(*blas, nullptr, false, false, c.T, c.E, c.D, a_dev.get(), c.D, wr_dev.get(),
-                           c.E, DType::kF32, u_dev.get(), c.E, DType::kF32)
+  ASSERT_TRUE(GemmRowMajor(*blas, nullptr, false, false, c.T, c.E, c.D, a_dev.get(), c.D,
+                           wr_dev.get(), c.E, DType::kF32, u_dev.get(), c.E, DType::kF32)
                   .ok());
   std::vector<float> u_gpu = Host<float>(u_dev);
   for (int64_t t = 0; t < c.T; ++t) {
     if (!mask[t]) continue;  // the CPU router leaves padding rows at 0
     for (int e = 0; e < c.E; ++e) {
-      ASSERT_NEAR(u_gpu[t * c.E + e], cpu->logits[t * c.E + e], 1e-4) << "u[" << t << "," << e << "]";
+      ASSERT_NEAR(u_gpu[t * c.E + e], cpu->logits[t * c.E + e], 1e-4)
+          << "u[" << t << "," << e << "]";
     }
   }
 
@@ -155,7 +156,8 @@ TEST_P(RouterCudaVsCpu, AuxLossesAndGradientMatchCpuRouterLosses) {
   std::vector<float> du_cpu(c.T * c.E, 0.0f);
   TensorView uv = *TensorView::Create(u.data(), DType::kF32, {c.T, c.E});
   TensorView gv = *TensorView::Create(du_cpu.data(), DType::kF32, {c.T, c.E});
-  absl::StatusOr<double> z_cpu = losses::RouterZLossForwardBackward(uv, mask, global_routed_step, alpha_z, gv);
+  absl::StatusOr<double> z_cpu =
+      losses::RouterZLossForwardBackward(uv, mask, global_routed_step, alpha_z, gv);
   ASSERT_TRUE(z_cpu.ok()) << z_cpu.status();
   absl::StatusOr<double> b_cpu =
       losses::LoadBalancingLossForwardBackward(uv, mask, global_counts, c.K, G, alpha_b, gv);
@@ -206,7 +208,9 @@ TEST_P(RouterCudaVsCpu, CombineWeightGradientMatchesCpuRouterBackward) {
   std::vector<float> dwr_cpu(c.D * c.E, 0.0f), da_cpu(c.T * c.D, 0.0f);
   RouterOutputGrads grads;
   grads.d_combine_weight = dw;
-  ASSERT_TRUE(RouterBackward(config, a, wr, *cpu, grads, absl::MakeSpan(dwr_cpu), absl::MakeSpan(da_cpu)).ok());
+  ASSERT_TRUE(
+      RouterBackward(config, a, wr, *cpu, grads, absl::MakeSpan(dwr_cpu), absl::MakeSpan(da_cpu))
+          .ok());
 
   DeviceBuffer logits = Dev(cpu->logits), mask_dev = Dev(mask);
   GpuRoute r;
@@ -228,13 +232,14 @@ TEST_P(RouterCudaVsCpu, CombineWeightGradientMatchesCpuRouterBackward) {
   absl::StatusOr<CublasHandle> blas = CublasHandle::Create();
   ASSERT_TRUE(blas.ok());
   DeviceBuffer a_dev = Dev(a), wr_dev = Dev(wr);
-  DeviceBuffer dwr_dev = DevZeros(sizeof(float) * c.D * c.E), da_dev = DevZeros(sizeof(float) * c.T * c.D);
+  DeviceBuffer dwr_dev = DevZeros(sizeof(float) * c.D * c.E),
+               da_dev = DevZeros(sizeof(float) * c.T * c.D);
   // d_Wr[D, E] = a^T du ;  d_a[T, D] = du Wr^T
-  ASSERT_TRUE(GemmRowMajor(*blas, nullptr, true, false, c.D, c.E, c.T, a_dev.get(), c.D, du_dev.get(), c.E,
-                           DType::kF32, dwr_dev.get(), c.E, DType::kF32)
+  ASSERT_TRUE(GemmRowMajor(*blas, nullptr, true, false, c.D, c.E, c.T, a_dev.get(), c.D,
+                           du_dev.get(), c.E, DType::kF32, dwr_dev.get(), c.E, DType::kF32)
                   .ok());
-  ASSERT_TRUE(GemmRowMajor(*blas, nullptr, false, true, c.T, c.D, c.E, du_dev.get(), c.E, wr_dev.get(), c.E,
-                           DType::kF32, da_dev.get(), c.D, DType::kF32)
+  ASSERT_TRUE(GemmRowMajor(*blas, nullptr, false, true, c.T, c.D, c.E, du_dev.get(), c.E,
+                           wr_dev.get(), c.E, DType::kF32, da_dev.get(), c.D, DType::kF32)
                   .ok());
   double max_dwr = 0, max_da = 0;
   for (float v : dwr_cpu) max_dwr = std::max(max_dwr, static_cast<double>(std::abs(v)));
@@ -308,15 +313,17 @@ TEST_P(RouterCudaVsCpu, SigmoidAndBiasCombineGradientMatchesCpuRouterBackward) {
     std::vector<float> dwr_cpu(c.D * c.E, 0.0f), da_cpu(c.T * c.D, 0.0f);
     RouterOutputGrads grads;
     grads.d_combine_weight = dw;
-    ASSERT_TRUE(RouterBackward(config, a, wr, *cpu, grads, absl::MakeSpan(dwr_cpu),
-                               absl::MakeSpan(da_cpu)).ok());
+    ASSERT_TRUE(
+        RouterBackward(config, a, wr, *cpu, grads, absl::MakeSpan(dwr_cpu), absl::MakeSpan(da_cpu))
+            .ok());
 
     DeviceBuffer logits = Dev(cpu->logits), mask_dev = Dev(mask);
     DeviceBuffer bias_dev;
     if (with_bias) bias_dev = Dev(bias);
     GpuRoute r;
     ASSERT_TRUE(RunForward(logits, &mask_dev, c.T, c.E, c.K, c.norm, c.scale, &r, sigmoid,
-                           with_bias ? &bias_dev : nullptr).ok());
+                           with_bias ? &bias_dev : nullptr)
+                    .ok());
     ASSERT_EQ(Host<int32_t>(r.index), cpu->expert_index);  // the same choices to differentiate
     DeviceBuffer dw_dev = Dev(dw), du_dev = DevZeros(sizeof(float) * c.T * c.E);
     RouterAuxCudaArgs x;
@@ -363,8 +370,8 @@ TEST_P(RouterCudaVsCpu, SigmoidScoresKeepTheZLossOfTheLogits) {
   std::vector<uint8_t> mask = MaskWithPadding(c.T);
   DeviceBuffer u_dev = Dev(u), mask_dev = Dev(mask);
   GpuRoute r;
-  ASSERT_TRUE(RunForward(u_dev, &mask_dev, c.T, c.E, c.K, c.norm, c.scale, &r, /*sigmoid=*/true)
-                  .ok());
+  ASSERT_TRUE(
+      RunForward(u_dev, &mask_dev, c.T, c.E, c.K, c.norm, c.scale, &r, /*sigmoid=*/true).ok());
   const int64_t global_routed_step = 2 * Host<int64_t>(r.routed)[0] + 5;
   const double alpha_z = 0.05;
   std::vector<float> du_cpu(c.T * c.E, 0.0f);
@@ -416,8 +423,8 @@ TEST_P(RouterCudaVsCpu, SigmoidScoresKeepTheZLossOfTheLogits) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, RouterCudaVsCpu,
-                         ::testing::Values(Case{37, 16, 8, 2, false, 1.0f},   // 1 expert per lane
-                                           Case{300, 32, 64, 6, true, 1.5f},  // 2 per lane
+                         ::testing::Values(Case{37, 16, 8, 2, false, 1.0f},    // 1 expert per lane
+                                           Case{300, 32, 64, 6, true, 1.5f},   // 2 per lane
                                            Case{129, 24, 200, 8, true, 0.5f},  // 7 per lane
                                            Case{20, 8, 1024, 32, false, 1.0f}));  // limits
 
@@ -465,7 +472,8 @@ TEST(RouterCuda, ExpertBiasMovesTheSelectionAndNotTheWeights) {
   EXPECT_EQ(counts[1], 0);
 
   DeviceBuffer minus_dev = Dev(std::vector<float>(E, -5.0f));
-  ASSERT_TRUE(RunForward(u_dev, nullptr, 1, E, K, /*norm=*/false, 2.0f, &r, false, &minus_dev).ok());
+  ASSERT_TRUE(
+      RunForward(u_dev, nullptr, 1, E, K, /*norm=*/false, 2.0f, &r, false, &minus_dev).ok());
   EXPECT_EQ(Host<int32_t>(r.index), (std::vector<int32_t>{0, 1}));
   w = Host<float>(r.weight);
   EXPECT_NEAR(w[0], 2.0 * p(0), 1e-6);
@@ -524,9 +532,12 @@ TEST(RouterCuda, BadShapesAndHostPointersAreRejected) {
   GRADSUM_SKIP_WITHOUT_GPU();
   DeviceBuffer u = DevZeros(sizeof(float) * 4 * 8);
   GpuRoute r;
-  EXPECT_EQ(RunForward(u, nullptr, 4, 8, 9, false, 1.0f, &r).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(RunForward(u, nullptr, 4, 0, 1, false, 1.0f, &r).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(RunForward(u, nullptr, 4, 2000, 2, false, 1.0f, &r).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RunForward(u, nullptr, 4, 8, 9, false, 1.0f, &r).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RunForward(u, nullptr, 4, 0, 1, false, 1.0f, &r).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RunForward(u, nullptr, 4, 2000, 2, false, 1.0f, &r).code(),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(RunForward(u, nullptr, 4, 8, 2, false, std::nanf(""), &r).code(),
             absl::StatusCode::kInvalidArgument);
   std::vector<float> host(4 * 8);

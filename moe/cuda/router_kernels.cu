@@ -189,7 +189,8 @@ __global__ void GatingSumKernel(RouterForwardLaunch p) {
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= p.experts) return;
   double s = 0.0;
-  for (int c = 0; c < p.gating_chunks; ++c) s += p.gating_partials[static_cast<int64_t>(c) * p.experts + e];
+  for (int c = 0; c < p.gating_chunks; ++c)
+    s += p.gating_partials[static_cast<int64_t>(c) * p.experts + e];
   p.gating_sums[e] = s;
 }
 
@@ -216,13 +217,15 @@ __global__ void AuxLossFinaliseKernel(RouterAuxLaunch p) {
   for (int b = threadIdx.x; b < p.num_blocks; b += blockDim.x) z += p.partials[b];
   z = BlockSum(z, scratch);
   double csum = 0.0;
-  for (int e = threadIdx.x; e < p.experts; e += blockDim.x) csum += static_cast<double>(p.global_expert_counts[e]);
+  for (int e = threadIdx.x; e < p.experts; e += blockDim.x)
+    csum += static_cast<double>(p.global_expert_counts[e]);
   csum = BlockSum(csum, scratch);
   const double n_lm = csum / p.top_k;
   double bal = 0.0;
   if (n_lm > 0.0) {
     for (int e = threadIdx.x; e < p.experts; e += blockDim.x) {
-      bal += static_cast<double>(p.global_expert_counts[e]) / (n_lm * p.top_k) * p.local_gating_sums[e];
+      bal += static_cast<double>(p.global_expert_counts[e]) / (n_lm * p.top_k) *
+             p.local_gating_sums[e];
     }
   }
   bal = BlockSum(bal, scratch);
@@ -230,7 +233,8 @@ __global__ void AuxLossFinaliseKernel(RouterAuxLaunch p) {
     const double n_z = *p.global_routed_tokens;
     const double z_loss = n_z > 0.0 ? p.alpha_z * z / n_z : 0.0;
     const double bal_loss =
-        n_lm > 0.0 ? static_cast<double>(p.alpha_b) / p.num_micro_batches * p.experts * bal / n_lm : 0.0;
+        n_lm > 0.0 ? static_cast<double>(p.alpha_b) / p.num_micro_batches * p.experts * bal / n_lm
+                   : 0.0;
     if (p.accumulate) {
       *p.z_loss += z_loss;
       *p.balance_loss += bal_loss;
@@ -248,20 +252,22 @@ __global__ void RouterBackwardKernel(RouterAuxLaunch p) {
   const int E = p.experts, K = p.top_k;
   double csum = 0.0;
   if (p.global_expert_counts != nullptr) {
-    for (int e = threadIdx.x; e < E; e += blockDim.x) csum += static_cast<double>(p.global_expert_counts[e]);
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
+      csum += static_cast<double>(p.global_expert_counts[e]);
   }
   csum = BlockSum(csum, csum_scratch);
   const double n_lm = csum / K;
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    coef[e] = (n_lm > 0.0 && p.alpha_b != 0.0f)
-                  ? static_cast<float>(static_cast<double>(p.alpha_b) / p.num_micro_batches * E *
-                                       static_cast<double>(p.global_expert_counts[e]) /
-                                       (n_lm * n_lm * K))
-                  : 0.0f;
+    coef[e] =
+        (n_lm > 0.0 && p.alpha_b != 0.0f)
+            ? static_cast<float>(static_cast<double>(p.alpha_b) / p.num_micro_batches * E *
+                                 static_cast<double>(p.global_expert_counts[e]) / (n_lm * n_lm * K))
+            : 0.0f;
   }
   __syncthreads();
   const double n_z = p.global_routed_tokens ? *p.global_routed_tokens : 0.0;
-  const float z_coef = (n_z > 0.0 && p.alpha_z != 0.0f) ? static_cast<float>(2.0 * p.alpha_z / n_z) : 0.0f;
+  const float z_coef =
+      (n_z > 0.0 && p.alpha_z != 0.0f) ? static_cast<float>(2.0 * p.alpha_z / n_z) : 0.0f;
 
   const int lane = threadIdx.x & 31;
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
@@ -345,7 +351,6 @@ __global__ void RouterBackwardKernel(RouterAuxLaunch p) {
   }
 }
 
-
 int LanesFor(int experts) { return (experts + 31) / 32; }
 
 template <int PL>
@@ -367,18 +372,25 @@ void LaunchBackwardPL(const RouterAuxLaunch& l) {
 cudaError_t LaunchRouterForward(const RouterForwardLaunch& l) {
   if (l.tokens > 0) {
     const int pl = LanesFor(l.experts);
-    if (pl <= 1) LaunchForwardPL<1>(l);
-    else if (pl <= 2) LaunchForwardPL<2>(l);
-    else if (pl <= 4) LaunchForwardPL<4>(l);
-    else if (pl <= 8) LaunchForwardPL<8>(l);
-    else if (pl <= 16) LaunchForwardPL<16>(l);
-    else LaunchForwardPL<32>(l);
+    if (pl <= 1)
+      LaunchForwardPL<1>(l);
+    else if (pl <= 2)
+      LaunchForwardPL<2>(l);
+    else if (pl <= 4)
+      LaunchForwardPL<4>(l);
+    else if (pl <= 8)
+      LaunchForwardPL<8>(l);
+    else if (pl <= 16)
+      LaunchForwardPL<16>(l);
+    else
+      LaunchForwardPL<32>(l);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
   if (l.gating_sums != nullptr) {
     if (l.tokens > 0) {
-      GatingPartialsKernel<<<dim3((l.experts + 31) / 32, l.gating_chunks), dim3(32, 8), 0, l.stream>>>(l);
+      GatingPartialsKernel<<<dim3((l.experts + 31) / 32, l.gating_chunks), dim3(32, 8), 0,
+                             l.stream>>>(l);
       GatingSumKernel<<<(l.experts + 255) / 256, 256, 0, l.stream>>>(l);
     } else {
       cudaMemsetAsync(l.gating_sums, 0, sizeof(double) * l.experts, l.stream);
@@ -396,12 +408,18 @@ cudaError_t LaunchRouterAuxLoss(const RouterAuxLaunch& l) {
 cudaError_t LaunchRouterBackward(const RouterAuxLaunch& l) {
   if (l.tokens == 0) return cudaSuccess;
   const int pl = LanesFor(l.experts);
-  if (pl <= 1) LaunchBackwardPL<1>(l);
-  else if (pl <= 2) LaunchBackwardPL<2>(l);
-  else if (pl <= 4) LaunchBackwardPL<4>(l);
-  else if (pl <= 8) LaunchBackwardPL<8>(l);
-  else if (pl <= 16) LaunchBackwardPL<16>(l);
-  else LaunchBackwardPL<32>(l);
+  if (pl <= 1)
+    LaunchBackwardPL<1>(l);
+  else if (pl <= 2)
+    LaunchBackwardPL<2>(l);
+  else if (pl <= 4)
+    LaunchBackwardPL<4>(l);
+  else if (pl <= 8)
+    LaunchBackwardPL<8>(l);
+  else if (pl <= 16)
+    LaunchBackwardPL<16>(l);
+  else
+    LaunchBackwardPL<32>(l);
   return cudaGetLastError();
 }
 

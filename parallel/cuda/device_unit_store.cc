@@ -30,19 +30,17 @@ using cuda::Reserve;
 struct DeviceGroup {
   FlatParam* host = nullptr;
   Communicator* comm = nullptr;  // NCCL
-  DeviceBuffer param;          // f32 [padded] while gathered, else empty
-  DeviceBuffer gather_bf16;    // bf16 [padded] while a bf16 gather is in flight
-  DeviceBuffer grad;           // f32 [padded], this micro-batch (fsdp) or the step
-  DeviceBuffer reduce_bf16;    // bf16 [padded] send buffer of a bf16 reduce-scatter
-  DeviceBuffer shard;          // reduce-scatter output [shard], reduce dtype
+  DeviceBuffer param;            // f32 [padded] while gathered, else empty
+  DeviceBuffer gather_bf16;      // bf16 [padded] while a bf16 gather is in flight
+  DeviceBuffer grad;             // f32 [padded], this micro-batch (fsdp) or the step
+  DeviceBuffer reduce_bf16;      // bf16 [padded] send buffer of a bf16 reduce-scatter
+  DeviceBuffer shard;            // reduce-scatter output [shard], reduce dtype
   std::unique_ptr<Work> gather_work, reduce_work;
   bool gathering = false, gathered = false;
   bool reduce_last = false;       // the reduction in flight is the last micro-batch's
   uint64_t gathered_version = 0;  // host master_version() of the gathered values
 
-  float* param_ptr(int index) const {
-    return param.as<float>() + host->entries()[index].offset;
-  }
+  float* param_ptr(int index) const { return param.as<float>() + host->entries()[index].offset; }
   float* grad_ptr(int index) const { return grad.as<float>() + host->entries()[index].offset; }
 };
 
@@ -234,9 +232,8 @@ class DeviceUnitStore : public UnitStore {
     // The compute stream reads what the NCCL stream wrote (upload and gather).
     GRADSUM_RETURN_IF_ERROR(Fence(g.comm->device_stream()->stream(), stream_, fence_));
     if (bf16_compute_) {
-      GRADSUM_RETURN_IF_ERROR(model::Bf16ToF32Cuda(g.gather_bf16.as<uint16_t>(),
-                                                   g.param.as<float>(), g.host->padded_numel(),
-                                                   stream_));
+      GRADSUM_RETURN_IF_ERROR(model::Bf16ToF32Cuda(
+          g.gather_bf16.as<uint16_t>(), g.param.as<float>(), g.host->padded_numel(), stream_));
     }
     g.gathering = false;
     g.gathered = true;
@@ -269,10 +266,9 @@ class DeviceUnitStore : public UnitStore {
           GRADSUM_RETURN_IF_ERROR(
               model::F32ToBf16Cuda(g.grad_ptr(k), view.data<uint16_t>(), n, stream_));
         } else if (n > 0) {
-          GRADSUM_CUDA_RETURN_IF_ERROR(
-              cudaMemcpyAsync(view.raw(), g.grad_ptr(k), n * sizeof(float),
-                              cudaMemcpyDeviceToDevice, stream_),
-              "copy a gradient into its bucket");
+          GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(view.raw(), g.grad_ptr(k), n * sizeof(float),
+                                                       cudaMemcpyDeviceToDevice, stream_),
+                                       "copy a gradient into its bucket");
         }
       }
       // The buckets' all-reduces on the NCCL stream read what the compute stream wrote.
@@ -284,8 +280,8 @@ class DeviceUnitStore : public UnitStore {
     DType dtype = DType::kF32;
     if (bf16_reduce_) {
       GRADSUM_RETURN_IF_ERROR(Reserve(&g.reduce_bf16, padded * sizeof(BF16)));
-      GRADSUM_RETURN_IF_ERROR(model::F32ToBf16Cuda(g.grad.as<float>(),
-                                                   g.reduce_bf16.as<uint16_t>(), padded, stream_));
+      GRADSUM_RETURN_IF_ERROR(
+          model::F32ToBf16Cuda(g.grad.as<float>(), g.reduce_bf16.as<uint16_t>(), padded, stream_));
       send = g.reduce_bf16.get();
       dtype = DType::kBF16;
     }
@@ -399,8 +395,7 @@ class DeviceUnitStore : public UnitStore {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<UnitStore>> CudaUnitDevice::MakeStore(
-    std::vector<FlatParam*> units, std::vector<bool> expert_unit,
-    const ParallelOptions& options) {
+    std::vector<FlatParam*> units, std::vector<bool> expert_unit, const ParallelOptions& options) {
   if (IsExact(options.precision)) {
     return absl::UnimplementedError(
         "exact gradients (reproducible mode) are not implemented on the GPU: use a CPU backend");
@@ -414,9 +409,9 @@ absl::StatusOr<std::unique_ptr<UnitStore>> CudaUnitDevice::MakeStore(
     return absl::InvalidArgumentError("device units need a compute context and NCCL groups");
   }
   const bool hsdp = dense_shard_ != nullptr || expert_shard_ != nullptr;
-  if (hsdp && (dense_shard_ == nullptr || expert_shard_ == nullptr ||
-               dense_shard_->device_stream() == nullptr ||
-               expert_shard_->device_stream() == nullptr)) {
+  if (hsdp &&
+      (dense_shard_ == nullptr || expert_shard_ == nullptr ||
+       dense_shard_->device_stream() == nullptr || expert_shard_->device_stream() == nullptr)) {
     return absl::InvalidArgumentError("device units: HSDP needs both NCCL shard groups");
   }
   std::vector<DeviceGroup> groups;
@@ -431,10 +426,10 @@ absl::StatusOr<std::unique_ptr<UnitStore>> CudaUnitDevice::MakeStore(
     // The device collectives must split the unit as its host layout does.
     if (g.host->options().mode == ShardingMode::kSharded &&
         g.host->padded_numel() != g.host->shard_numel() * g.comm->size()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "device units: unit \"", g.host->name(), "\" is sharded ",
-          g.host->padded_numel() / std::max<int64_t>(g.host->shard_numel(), 1),
-          " ways on the host but its NCCL group has ", g.comm->size(), " ranks"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("device units: unit \"", g.host->name(), "\" is sharded ",
+                       g.host->padded_numel() / std::max<int64_t>(g.host->shard_numel(), 1),
+                       " ways on the host but its NCCL group has ", g.comm->size(), " ranks"));
     }
     groups.push_back(std::move(g));
   }

@@ -1,9 +1,10 @@
 // Runs a trivial kernel where a GPU exists; skips, saying why, where none does.
+#include "third_party/smoke/cuda_smoke.h"
+
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "testing/gpu_test_util.h"
-#include "third_party/smoke/cuda_smoke.h"
 
 TEST(CudaSmoke, AddOne) {
   GRADSUM_SKIP_WITHOUT_GPU();

@@ -18,9 +18,9 @@ absl::StatusOr<ComputeDevice> MakeCudaCompute(const MoeLmGroups& host,
     return absl::InvalidArgumentError(
         "the GPU model needs the NCCL world, EP and EDP communicators");
   }
-  const std::pair<Communicator*, Communicator*> pairs[] = {
-      {host.world, device.world}, {host.ep_group, device.ep_group},
-      {host.edp_group, device.edp_group}};
+  const std::pair<Communicator*, Communicator*> pairs[] = {{host.world, device.world},
+                                                           {host.ep_group, device.ep_group},
+                                                           {host.edp_group, device.edp_group}};
   const char* names[] = {"world", "ep_group", "edp_group"};
   for (int i = 0; i < 3; ++i) {
     auto [h, d] = pairs[i];
@@ -28,14 +28,14 @@ absl::StatusOr<ComputeDevice> MakeCudaCompute(const MoeLmGroups& host,
       return absl::InvalidArgumentError(absl::StrCat("the GPU model needs the host ", names[i]));
     }
     if (d->device_stream() == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "GPU model: the ", names[i], " device group is a ", d->backend(),
-          " communicator without a device stream; it must be NCCL"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("GPU model: the ", names[i], " device group is a ", d->backend(),
+                       " communicator without a device stream; it must be NCCL"));
     }
     if (h->rank() != d->rank() || h->size() != d->size()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "GPU model: NCCL ", names[i], " is rank ", d->rank(), " of ", d->size(),
-          " but the host ", names[i], " is rank ", h->rank(), " of ", h->size()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("GPU model: NCCL ", names[i], " is rank ", d->rank(), " of ", d->size(),
+                       " but the host ", names[i], " is rank ", h->rank(), " of ", h->size()));
     }
   }
   const int gpu = device.world->device_stream()->device();
@@ -52,10 +52,9 @@ absl::StatusOr<ComputeDevice> MakeCudaCompute(const MoeLmGroups& host,
     return absl::InvalidArgumentError(
         "GPU model: the NCCL HSDP shard groups do not match the host's (sharding=hsdp)");
   }
-  for (const auto& [name, h, d] :
-       {std::tuple<const char*, Communicator*, Communicator*>{"dense_shard", host.dense_shard,
-                                                              device.dense_shard},
-        {"expert_shard", host.expert_shard, device.expert_shard}}) {
+  for (const auto& [name, h, d] : {std::tuple<const char*, Communicator*, Communicator*>{
+                                       "dense_shard", host.dense_shard, device.dense_shard},
+                                   {"expert_shard", host.expert_shard, device.expert_shard}}) {
     if (h == nullptr) continue;
     if (d->device_stream() == nullptr || d->device_stream()->device() != gpu ||
         h->rank() != d->rank() || h->size() != d->size()) {
@@ -65,8 +64,7 @@ absl::StatusOr<ComputeDevice> MakeCudaCompute(const MoeLmGroups& host,
     }
   }
   out.units = std::make_shared<parallel::CudaUnitDevice>(ctx, device.world, device.edp_group,
-                                                          device.dense_shard,
-                                                          device.expert_shard);
+                                                         device.dense_shard, device.expert_shard);
   if (host.cp_group != nullptr && host.cp_group->size() > 1) {
     return absl::UnimplementedError(absl::StrCat(
         "GPU model: context parallelism (cp=", host.cp_group->size(),
@@ -78,8 +76,7 @@ absl::StatusOr<ComputeDevice> MakeCudaCompute(const MoeLmGroups& host,
     return absl::InvalidArgumentError(
         "GPU model: the NCCL SP group does not match the host's (sequence parallelism)");
   }
-  const model::CudaOpsComms comms{device.world, device.ep_group, host.ep_group,
-                                  device.sp_group};
+  const model::CudaOpsComms comms{device.world, device.ep_group, host.ep_group, device.sp_group};
   out.ops = [ctx, comms](const model::MoeLmSpec& spec) {
     return model::MakeCudaOps(spec, ctx, comms);
   };

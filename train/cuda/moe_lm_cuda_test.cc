@@ -44,9 +44,8 @@ absl::StatusOr<GpuRun> RunOnGpu(const TrainConfig& config) {
   options.timeout = absl::Seconds(60);
   GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(host[0].get(), config.parallelism()));
   // As RunNcclRank: NCCL's collectives are timed into the host mesh's CommTimer.
-  GRADSUM_ASSIGN_OR_RETURN(NcclMesh nccl,
-                           MakeNcclMesh(*host[0], options, 1, mesh.timer, /*sp=*/1,
-                                        mesh.mesh->shard_size()));
+  GRADSUM_ASSIGN_OR_RETURN(NcclMesh nccl, MakeNcclMesh(*host[0], options, 1, mesh.timer, /*sp=*/1,
+                                                       mesh.mesh->shard_size()));
   RankComms comms = mesh.comms();
   const MoeLmDeviceGroups dev = nccl.groups();
   comms.make_model = [dev](const MoeLmOptions& o, const MoeLmGroups& g) {
@@ -62,8 +61,8 @@ absl::StatusOr<GpuRun> RunOnGpu(const TrainConfig& config) {
 }
 
 // (G, sharding, compute dtype, reduce dtype, CE weighting, small buckets, attention)
-using Case = std::tuple<int, TrainConfig::Sharding, TrainConfig::FloatDType, TrainConfig::FloatDType,
-                        TrainConfig::CeMode, bool, bool>;
+using Case = std::tuple<int, TrainConfig::Sharding, TrainConfig::FloatDType,
+                        TrainConfig::FloatDType, TrainConfig::CeMode, bool, bool>;
 
 class MoeLmCudaTest : public ::testing::TestWithParam<Case> {};
 
@@ -131,8 +130,8 @@ TEST_P(MoeLmCudaTest, MatchesReferenceAndCpuTrainer) {
     EXPECT_NEAR(gpu->history[s].z(), cpu_hist[s].z(), tol * std::abs(cpu_hist[s].z()) + 1e-9) << s;
     EXPECT_NEAR(gpu->history[s].bal(), cpu_hist[s].bal(), tol * std::abs(cpu_hist[s].bal()) + 1e-9)
         << s;
-    EXPECT_NEAR(gpu->history[s].grad_norm(), cpu_hist[s].grad_norm(),
-                tol * cpu_hist[s].grad_norm()) << s;
+    EXPECT_NEAR(gpu->history[s].grad_norm(), cpu_hist[s].grad_norm(), tol * cpu_hist[s].grad_norm())
+        << s;
     EXPECT_EQ(gpu->history[s].valid_tokens(), cpu_hist[s].valid_tokens());
     EXPECT_EQ(gpu->history[s].routed_tokens(), cpu_hist[s].routed_tokens());
   }
@@ -168,8 +167,8 @@ std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
   return absl::StrCat("G", G, "_", TrainConfig::Sharding_Name(sharding), "_compute_",
                       TrainConfig::FloatDType_Name(compute), "_reduce_",
                       TrainConfig::FloatDType_Name(reduce), "_ce_",
-                      TrainConfig::CeMode_Name(ce_mode),
-                      small_buckets ? "_small_buckets" : "", attention ? "_attention" : "");
+                      TrainConfig::CeMode_Name(ce_mode), small_buckets ? "_small_buckets" : "",
+                      attention ? "_attention" : "");
 }
 
 using C = TrainConfig;
@@ -256,8 +255,8 @@ TEST(MoeLmCudaOptionsTest, CeOptionsMatchReferenceAndCpuTrainer) {
   struct Options {
     double eps, cap, alpha;
   };
-  for (const Options& o : {Options{0.1, 0, 0}, Options{0, 0.5, 0}, Options{0, 0, 0.01},
-                           Options{0.2, 0.3, 0.02}}) {
+  for (const Options& o :
+       {Options{0.1, 0, 0}, Options{0, 0.5, 0}, Options{0, 0, 0.01}, Options{0.2, 0.3, 0.02}}) {
     SCOPED_TRACE(absl::StrCat("eps ", o.eps, " cap ", o.cap, " alpha ", o.alpha));
     TrainConfig config = TinyConfig(1, 1, 2, TrainConfig::fsdp);
     config.mutable_loss()->set_ce_mode(TrainConfig::sample);
@@ -396,8 +395,10 @@ TEST(MoeLmCudaOptionsTest, RecomputationKeepsTheBits) {
 TEST(MoeLmCudaOptionsTest, MtpMatchesReferenceAndCpuTrainer) {
   GRADSUM_SKIP_WITHOUT_GPU();
   for (const auto& [k, attention, sample, options] :
-       {std::tuple<int, bool, bool, bool>{1, false, false, false}, {2, false, true, false},
-        {2, true, false, false}, {1, true, true, true}}) {
+       {std::tuple<int, bool, bool, bool>{1, false, false, false},
+        {2, false, true, false},
+        {2, true, false, false},
+        {1, true, true, true}}) {
     SCOPED_TRACE(absl::StrCat("k ", k, attention ? " attention" : "", sample ? " sample" : "",
                               options ? " CE options" : ""));
     TrainConfig config = TinyConfig(1, 1, 2, TrainConfig::fsdp);

@@ -1,14 +1,13 @@
 #include "train/cuda/nccl_rank.h"
 
 #include <cuda_runtime.h>
-
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <string>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -58,18 +57,18 @@ absl::Status CheckOneRankPerGpu(Communicator& host_world, int device) {
   for (int r = 0; r < host_world.size(); ++r) {
     if (r == me) continue;
     if (std::memcmp(all.data() + static_cast<size_t>(r) * kWords, mine.data(), kWords * 8) == 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "backend=nccl runs one rank per GPU, but ranks ", std::min(r, me), " and ",
-          std::max(r, me), " both use ", id, " (CUDA device ", device,
-          "): start at most one rank per visible GPU on each node"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("backend=nccl runs one rank per GPU, but ranks ", std::min(r, me), " and ",
+                       std::max(r, me), " both use ", id, " (CUDA device ", device,
+                       "): start at most one rank per visible GPU on each node"));
     }
   }
   return absl::OkStatus();
 }
 
 MoeLmDeviceGroups NcclMesh::groups() const {
-  return {world.get(), &mesh->ep_group(), &mesh->edp_group(), sp_group.get(),
-          mesh->dense_shard_group(), mesh->expert_shard_group()};
+  return {world.get(),    &mesh->ep_group(),         &mesh->edp_group(),
+          sp_group.get(), mesh->dense_shard_group(), mesh->expert_shard_group()};
 }
 
 absl::StatusOr<NcclMesh> MakeNcclMesh(Communicator& host_world, const NcclBackendOptions& options,
@@ -97,9 +96,9 @@ absl::Status RunNcclRank(const TrainConfig& config, Communicator* host_world, st
   options.timeout = absl::Seconds(config.comm().timeout_s());
   options.check_agreement = !config.comm().nccl_skip_agreement();
   GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(host_world, config.parallelism()));
-  GRADSUM_ASSIGN_OR_RETURN(
-      NcclMesh nccl, MakeNcclMesh(*host_world, options, config.parallelism().ep(), mesh.timer,
-                                  config.parallelism().sp(), mesh.mesh->shard_size()));
+  GRADSUM_ASSIGN_OR_RETURN(NcclMesh nccl,
+                           MakeNcclMesh(*host_world, options, config.parallelism().ep(), mesh.timer,
+                                        config.parallelism().sp(), mesh.mesh->shard_size()));
   RankComms comms = mesh.comms();
   const MoeLmDeviceGroups dev = nccl.groups();
   comms.make_model = [dev](const MoeLmOptions& o, const MoeLmGroups& g) {

@@ -12,9 +12,8 @@
 // SLURM_LOCALID; else the world rank) modulo the visible device count, so launchers that
 // give each rank its own CUDA_VISIBLE_DEVICES work too. Two ranks on one GPU are refused.
 
-#include <ostream>
-
 #include <memory>
+#include <ostream>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
