@@ -63,17 +63,14 @@ void BM_MoeLmStep(benchmark::State& state) {
         train::MakeRankMesh((*host)[0].get(), config.parallelism());
     if (!mesh.ok()) return state.SkipWithError(mesh.status().ToString().c_str());
     train::RankComms comms = mesh->comms();
-    train::NcclMesh nccl;  // timed into the host mesh's CommTimer, as moe_lm's
     if (gpu) {
+      // The NCCL view, timed into the host mesh's CommTimer, as moe_lm's.
       NcclBackendOptions options;
       options.device = 0;
-      auto n = train::MakeNcclMesh(*(*host)[0], options, 1, mesh->timer);
-      if (!n.ok()) return state.SkipWithError(n.status().ToString().c_str());
-      nccl = std::move(*n);
-      const train::MoeLmDeviceGroups dev = nccl.groups();
-      comms.make_model = [dev](const train::MoeLmOptions& o, const train::MoeLmGroups& g) {
-        return train::CreateCudaMoeLm(o, g, dev);
-      };
+      if (absl::Status s = train::AttachNcclView(*(*host)[0], options, *mesh); !s.ok()) {
+        return state.SkipWithError(s.ToString().c_str());
+      }
+      comms.make_model = train::CreateCudaMoeLm;
     }
     auto trainer = train::Trainer::Create(config, comms);
     if (!trainer.ok()) return state.SkipWithError(trainer.status().ToString().c_str());

@@ -3,62 +3,150 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "collectives/self_communicator.h"
 #include "core/status.h"
 
 namespace gradsum {
 
-Mesh::Mesh(Communicator* world, int ep_size, std::unique_ptr<Communicator> ep_group,
-           std::unique_ptr<Communicator> edp_group)
-    : world_(world),
-      ep_size_(ep_size),
-      edp_size_(world->size() / ep_size),
-      ep_group_(std::move(ep_group)),
-      edp_group_(std::move(edp_group)) {}
+const char* MeshAxisName(MeshAxis axis) {
+  switch (axis) {
+    case MeshAxis::kWorld:
+      return "world";
+    case MeshAxis::kEp:
+      return "ep";
+    case MeshAxis::kEdp:
+      return "edp";
+    case MeshAxis::kSp:
+      return "sp";
+    case MeshAxis::kCp:
+      return "cp";
+    case MeshAxis::kDpShard:
+      return "dp_shard";
+    case MeshAxis::kDpReplicate:
+      return "dp_replicate";
+    case MeshAxis::kEdpShard:
+      return "edp_shard";
+    case MeshAxis::kEdpReplicate:
+      return "edp_replicate";
+    case MeshAxis::kPp:
+      return "pp";
+  }
+  return "invalid";
+}
+
+namespace {
+
+// The shape's one check (every message names the sizes).
+absl::Status CheckShape(int w, const MeshShape& s) {
+  if (s.ep < 1 || w % s.ep != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("mesh: ep ", s.ep, " must be >= 1 and divide the world size ", w));
+  }
+  if (s.sp < 1 || s.cp < 1 || w % (s.sp * s.cp) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("mesh: sp ", s.sp, " x cp ", s.cp,
+                                                   " must be >= 1 and divide the world size ", w));
+  }
+  if (s.shard_group < 0 ||
+      (s.shard_group > 0 && (w % s.shard_group != 0 || s.shard_group % s.ep != 0))) {
+    return absl::InvalidArgumentError(absl::StrCat("mesh: shard_group ", s.shard_group,
+                                                   " must be 0, or divide the world size ", w,
+                                                   " and be a multiple of ep ", s.ep));
+  }
+  return absl::OkStatus();
+}
+
+// Where each axis's group puts this rank: its color (which group) and key (its place).
+struct Place {
+  MeshAxis axis;
+  int color, key, size;
+};
+
+}  // namespace
+
+absl::Status Mesh::SplitAxes(Communicator& world, const MeshShape& s, const MeshSplitFn& split,
+                             Groups& g) {
+  const int w = world.size(), me = world.rank(), P = s.ep;
+  const int f = me / P, p = me % P;
+  std::vector<Place> places = {{MeshAxis::kEp, f, p, P}, {MeshAxis::kEdp, p, f, w / P}};
+  if (s.shard_group > 0) {
+    // §7 (HSDP): w = r N + q; the EDP group's k = N / P ranks in shard group r are
+    // f = r k .. r k + k - 1.
+    const int N = s.shard_group, r = me / N, q = me % N, k = N / P;
+    places.push_back({MeshAxis::kDpShard, r, q, N});
+    places.push_back({MeshAxis::kDpReplicate, q, r, w / N});
+    places.push_back({MeshAxis::kEdpShard, r * P + p, f % k, k});
+    places.push_back({MeshAxis::kEdpReplicate, p * k + f % k, r, w / N});
+  }
+  if (s.sp > 1) places.push_back({MeshAxis::kSp, me / s.sp, me % s.sp, s.sp});
+  if (s.cp > 1) {
+    // §16: sp cp consecutive ranks share sequences; the CP group is the ranks at the same
+    // place in each SP group of the block.
+    const int shared = s.sp * s.cp;
+    places.push_back({MeshAxis::kCp, (me / shared) * s.sp + me % s.sp, (me % shared) / s.sp, s.cp});
+  }
+  g.at[static_cast<int>(MeshAxis::kWorld)] = &world;
+  for (const Place& pl : places) {
+    const int a = static_cast<int>(pl.axis);
+    GRADSUM_ASSIGN_OR_RETURN(g.owned[a], split ? split(world, pl.axis, pl.color, pl.key)
+                                               : world.Split(pl.color, pl.key));
+    if (g.owned[a] == nullptr || g.owned[a]->size() != pl.size || g.owned[a]->rank() != pl.key) {
+      return absl::InternalError(absl::StrCat("mesh: ", world.backend(),
+                                              " Split returned an inconsistent ",
+                                              MeshAxisName(pl.axis), " group on rank ", me));
+    }
+    g.at[a] = g.owned[a].get();
+  }
+  if (s.shard_group == 0) {
+    // Without HSDP a unit is reduced over the world (dense) or the EDP group (experts).
+    g.at[static_cast<int>(MeshAxis::kDpShard)] = &world;
+    g.at[static_cast<int>(MeshAxis::kEdpShard)] = g.at[static_cast<int>(MeshAxis::kEdp)];
+  }
+  for (int a = 0; a < kNumMeshAxes; ++a) {
+    if (g.at[a] == nullptr) {
+      g.owned[a] = std::make_unique<SelfCommunicator>();
+      g.at[a] = g.owned[a].get();
+    }
+  }
+  return absl::OkStatus();
+}
+
+Mesh::~Mesh() = default;
+
+absl::StatusOr<std::unique_ptr<Mesh>> Mesh::Create(Communicator* world, const MeshShape& shape,
+                                                   const MeshSplitFn& split) {
+  if (world == nullptr) return absl::InvalidArgumentError("mesh: the world communicator is null");
+  GRADSUM_RETURN_IF_ERROR(CheckShape(world->size(), shape));
+  std::unique_ptr<Mesh> mesh(new Mesh());
+  mesh->shape_ = shape;
+  GRADSUM_RETURN_IF_ERROR(SplitAxes(*world, shape, split, mesh->host_groups_));
+  mesh->host_ = mesh->host_groups_.at;
+  mesh->device_ = mesh->host_;
+  return mesh;
+}
 
 absl::StatusOr<std::unique_ptr<Mesh>> Mesh::Create(Communicator* world, int ep_size,
                                                    int shard_size) {
-  if (world == nullptr) return absl::InvalidArgumentError("Mesh::Create: world is null");
-  const int w = world->size();
-  if (ep_size < 1 || w % ep_size != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("Mesh::Create: ep_size ", ep_size,
-                                                   " must be >= 1 and divide the world size ", w));
+  return Create(world, MeshShape{.ep = ep_size, .shard_group = shard_size});
+}
+
+absl::Status Mesh::AttachDeviceView(std::unique_ptr<Communicator> device_world,
+                                    const MeshSplitFn& split) {
+  if (device_world == nullptr) {
+    return absl::InvalidArgumentError("mesh: the device world communicator is null");
   }
-  if (shard_size < 0 || (shard_size > 0 && (w % shard_size != 0 || shard_size % ep_size != 0))) {
-    return absl::InvalidArgumentError(absl::StrCat("Mesh::Create: shard_size ", shard_size,
-                                                   " must be 0, or divide the world size ", w,
-                                                   " and be a multiple of ep_size ", ep_size));
+  const Communicator& host_world = world();
+  if (device_world->rank() != host_world.rank() || device_world->size() != host_world.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("mesh: the ", device_world->backend(), " world is rank ", device_world->rank(),
+                     " of ", device_world->size(), " but the host world is rank ",
+                     host_world.rank(), " of ", host_world.size()));
   }
-  const int f = world->rank() / ep_size;
-  const int p = world->rank() % ep_size;
-  // SEMANTICS.md §1: EP group = same f (ordered by p), EDP group = same p (ordered by f).
-  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> ep_group, world->Split(f, p));
-  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> edp_group, world->Split(p, f));
-  if (ep_group == nullptr || edp_group == nullptr || ep_group->size() != ep_size ||
-      edp_group->size() != w / ep_size || ep_group->rank() != p || edp_group->rank() != f) {
-    return absl::InternalError(absl::StrCat("Mesh::Create: ", world->backend(),
-                                            " Split returned an inconsistent group on rank ",
-                                            world->rank()));
-  }
-  std::unique_ptr<Mesh> mesh(new Mesh(world, ep_size, std::move(ep_group), std::move(edp_group)));
-  if (shard_size > 0) {
-    // SEMANTICS.md §7 (HSDP): rank w = r * N + q; the EDP group's k = N / P ranks in shard
-    // group r are f = r * k .. r * k + k - 1.
-    const int N = shard_size, r = world->rank() / N, q = world->rank() % N, k = N / ep_size;
-    mesh->shard_size_ = N;
-    GRADSUM_ASSIGN_OR_RETURN(mesh->dense_shard_, world->Split(r, q));
-    GRADSUM_ASSIGN_OR_RETURN(mesh->dense_replica_, world->Split(q, r));
-    GRADSUM_ASSIGN_OR_RETURN(mesh->expert_shard_, world->Split(r * ep_size + p, f % k));
-    GRADSUM_ASSIGN_OR_RETURN(mesh->expert_replica_, world->Split(p * k + f % k, r));
-    if (mesh->dense_shard_->size() != N || mesh->dense_replica_->size() != w / N ||
-        mesh->expert_shard_->size() != k || mesh->expert_replica_->size() != w / N ||
-        mesh->expert_shard_->rank() != f % k || mesh->dense_replica_->rank() != r) {
-      return absl::InternalError(absl::StrCat("Mesh::Create: ", world->backend(),
-                                              " Split returned an inconsistent HSDP group on "
-                                              "rank ",
-                                              world->rank()));
-    }
-  }
-  return mesh;
+  Groups groups;
+  GRADSUM_RETURN_IF_ERROR(SplitAxes(*device_world, shape_, split, groups));
+  device_world_ = std::move(device_world);
+  device_groups_ = std::move(groups);
+  device_ = device_groups_.at;
+  return absl::OkStatus();
 }
 
 absl::Status HierarchicalReduceScatter(Mesh& mesh, const void* send, void* shard,

@@ -1,12 +1,14 @@
 #include "collectives/mesh.h"
 
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "collectives/self_communicator.h"
 #include "core/status.h"
 #include "gtest/gtest.h"
 #include "testing/run_ranks.h"
@@ -67,7 +69,7 @@ TEST(MeshTest, InvalidShapesNameBothNumbers) {
     for (int ep : {0, -2, 3, 8}) {
       absl::StatusOr<std::unique_ptr<Mesh>> m = Mesh::Create(&world, ep);
       if (m.status().code() != absl::StatusCode::kInvalidArgument ||
-          !absl::StrContains(m.status().message(), absl::StrCat("ep_size ", ep)) ||
+          !absl::StrContains(m.status().message(), absl::StrCat("ep ", ep, " must")) ||
           !absl::StrContains(m.status().message(), "world size 4")) {
         return absl::InternalError(absl::StrCat("ep_size ", ep, ": ", m.status().ToString()));
       }
@@ -95,12 +97,11 @@ absl::Status CheckHsdpMesh(Communicator& world, int ep_size, int n) {
   const std::string what = absl::StrCat("W=", w, " P=", ep_size, " N=", n, " rank ", rank);
   if (mesh->shard_size() != n) return absl::InternalError(absl::StrCat(what, ": shard_size"));
   const std::pair<Communicator*, const std::vector<int32_t>*> groups[] = {
-      {mesh->dense_shard_group(), &want_shard},
-      {mesh->dense_replica_group(), &want_replica},
-      {mesh->expert_shard_group(), &want_xshard},
-      {mesh->expert_replica_group(), &want_xreplica}};
+      {&mesh->group(MeshAxis::kDpShard), &want_shard},
+      {&mesh->group(MeshAxis::kDpReplicate), &want_replica},
+      {&mesh->group(MeshAxis::kEdpShard), &want_xshard},
+      {&mesh->group(MeshAxis::kEdpReplicate), &want_xreplica}};
   for (const auto& [group, want] : groups) {
-    if (group == nullptr) return absl::InternalError(absl::StrCat(what, ": a null group"));
     GRADSUM_ASSIGN_OR_RETURN(std::vector<int32_t> got, Members(*group, rank));
     if (got != *want) {
       return absl::InternalError(absl::StrCat(what, ": group {", absl::StrJoin(got, ","),
@@ -128,17 +129,170 @@ TEST(MeshTest, HsdpShardSizesThatDoNotFitAreNamed) {
     for (int n : {-1, 3, 6, 2}) {  // 2: not a multiple of ep_size 4
       absl::StatusOr<std::unique_ptr<Mesh>> m = Mesh::Create(&world, 4, n);
       if (m.status().code() != absl::StatusCode::kInvalidArgument ||
-          !absl::StrContains(m.status().message(), absl::StrCat("shard_size ", n))) {
+          !absl::StrContains(m.status().message(), absl::StrCat("shard_group ", n))) {
         return absl::InternalError(absl::StrCat("shard_size ", n, ": ", m.status().ToString()));
       }
     }
     GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Mesh> none, Mesh::Create(&world, 4));
-    if (none->shard_size() != 0 || none->dense_shard_group() != nullptr) {
+    // Without HSDP a dense unit is reduced over the world, an expert unit over its EDP
+    // group, and nothing is replicated.
+    if (none->shard_size() != 0 || none->hsdp() ||
+        &none->group(MeshAxis::kDpShard) != &none->world() ||
+        &none->group(MeshAxis::kEdpShard) != &none->edp_group() ||
+        none->size(MeshAxis::kDpReplicate) != 1 || none->size(MeshAxis::kEdpReplicate) != 1) {
       return absl::InternalError("a mesh without shard_size has HSDP groups");
     }
     return CheckHsdpMesh(world, 4, 8);
   });
   EXPECT_TRUE(s.ok()) << s;
+}
+
+// SP and CP groups (SEMANTICS.md §12, §16), straight from the definitions: SP = the S
+// consecutive ranks of my block of S; with C > 1, blocks of S C consecutive ranks, the CP
+// group being the rank at my place in each SP group of my block. Axes that are off are
+// groups of one, never null.
+absl::Status CheckSequenceAxes(Communicator& world, int sp, int cp) {
+  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Mesh> mesh,
+                           Mesh::Create(&world, MeshShape{.sp = sp, .cp = cp}));
+  const int rank = world.rank(), block = rank / (sp * cp) * (sp * cp);
+  std::vector<int32_t> want_sp, want_cp;
+  for (int i = 0; i < sp; ++i) want_sp.push_back(rank / sp * sp + i);
+  for (int j = 0; j < cp; ++j) want_cp.push_back(block + j * sp + rank % sp);
+  const std::string what = absl::StrCat("W=", world.size(), " S=", sp, " C=", cp, " rank ", rank);
+  GRADSUM_ASSIGN_OR_RETURN(std::vector<int32_t> got_sp, Members(mesh->group(MeshAxis::kSp), rank));
+  GRADSUM_ASSIGN_OR_RETURN(std::vector<int32_t> got_cp, Members(mesh->group(MeshAxis::kCp), rank));
+  if (got_sp != want_sp || got_cp != want_cp) {
+    return absl::InternalError(absl::StrCat(what, ": sp {", absl::StrJoin(got_sp, ","), "} cp {",
+                                            absl::StrJoin(got_cp, ","), "}"));
+  }
+  for (MeshAxis off : {MeshAxis::kPp, MeshAxis::kDpReplicate, MeshAxis::kEdpReplicate}) {
+    if (mesh->size(off) != 1 || mesh->rank(off) != 0) {
+      return absl::InternalError(absl::StrCat(what, ": axis ", MeshAxisName(off), " is not off"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+TEST(MeshTest, SequenceAndContextAxesOfEveryShapeOfWorldSizesOneToEight) {
+  for (int w = 1; w <= 8; ++w) {
+    for (int sp = 1; sp <= w; ++sp) {
+      for (int cp = 1; sp * cp <= w; ++cp) {
+        if (w % (sp * cp) != 0) continue;
+        absl::Status s =
+            RunRanks(w, [sp, cp](Communicator& world) { return CheckSequenceAxes(world, sp, cp); });
+        EXPECT_TRUE(s.ok()) << s;
+      }
+    }
+  }
+}
+
+TEST(MeshTest, SequenceShapesThatDoNotFitAreNamed) {
+  absl::Status s = RunRanks(4, [](Communicator& world) -> absl::Status {
+    for (MeshShape bad : {MeshShape{.sp = 3}, MeshShape{.sp = 2, .cp = 4}, MeshShape{.cp = 0}}) {
+      absl::StatusOr<std::unique_ptr<Mesh>> m = Mesh::Create(&world, bad);
+      if (m.status().code() != absl::StatusCode::kInvalidArgument ||
+          !absl::StrContains(m.status().message(),
+                             absl::StrCat("sp ", bad.sp, " x cp ", bad.cp, " must"))) {
+        return absl::InternalError(m.status().ToString());
+      }
+    }
+    return CheckSequenceAxes(world, 2, 2);
+  });
+  EXPECT_TRUE(s.ok()) << s;
+}
+
+// The split hook sees every axis that is on, once, and what it returns is the axis's group.
+TEST(MeshTest, SplitHookMakesEveryAxisThatIsOn) {
+  absl::Status s = RunRanks(8, [](Communicator& world) -> absl::Status {
+    std::vector<std::string> seen;
+    MeshSplitFn split = [&seen](Communicator& w, MeshAxis axis, int color, int key) {
+      seen.push_back(MeshAxisName(axis));
+      return w.Split(color, key);
+    };
+    GRADSUM_ASSIGN_OR_RETURN(
+        std::unique_ptr<Mesh> mesh,
+        Mesh::Create(&world, MeshShape{.ep = 2, .sp = 2, .cp = 2, .shard_group = 4}, split));
+    const std::string got = absl::StrJoin(seen, ",");
+    if (got != "ep,edp,dp_shard,dp_replicate,edp_shard,edp_replicate,sp,cp") {
+      return absl::InternalError(got);
+    }
+    return CheckHsdpMesh(world, 2, 4);
+  });
+  EXPECT_TRUE(s.ok()) << s;
+}
+
+// A device view: the same groups over a second world of the same ranks; without one the
+// device groups are the host's.
+TEST(MeshTest, DeviceViewHasTheHostGroupsShape) {
+  absl::Status s = RunRanks(4, [](Communicator& world) -> absl::Status {
+    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Mesh> mesh,
+                             Mesh::Create(&world, MeshShape{.ep = 2, .sp = 2}));
+    for (int a = 0; a < kNumMeshAxes; ++a) {
+      if (&mesh->device_group(static_cast<MeshAxis>(a)) != &mesh->group(static_cast<MeshAxis>(a))) {
+        return absl::InternalError("without a device view the device groups are not the host's");
+      }
+    }
+    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> second, world.Split(0, world.rank()));
+    GRADSUM_RETURN_IF_ERROR(mesh->AttachDeviceView(std::move(second)));
+    for (MeshAxis axis : {MeshAxis::kWorld, MeshAxis::kEp, MeshAxis::kEdp, MeshAxis::kSp}) {
+      Communicator& d = mesh->device_group(axis);
+      if (&d == &mesh->group(axis)) return absl::InternalError("the device group is the host's");
+      GRADSUM_ASSIGN_OR_RETURN(std::vector<int32_t> host, Members(mesh->group(axis), world.rank()));
+      GRADSUM_ASSIGN_OR_RETURN(std::vector<int32_t> dev, Members(d, world.rank()));
+      if (host != dev) return absl::InternalError(MeshAxisName(axis));
+    }
+    // A device world of other ranks is refused by name.
+    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> half,
+                             world.Split(world.rank() / 2, world.rank()));
+    absl::Status bad = mesh->AttachDeviceView(std::move(half));
+    if (bad.code() != absl::StatusCode::kInvalidArgument ||
+        !absl::StrContains(bad.message(), "but the host world is rank")) {
+      return absl::InternalError(bad.ToString());
+    }
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(s.ok()) << s;
+}
+
+TEST(SelfCommunicatorTest, EveryCollectiveOfOneRankIsTheIdentity) {
+  SelfCommunicator self;
+  EXPECT_EQ(self.size(), 1);
+  EXPECT_EQ(self.rank(), 0);
+  std::vector<float> a = {1, 2, 3}, b(3, 0);
+  ASSERT_TRUE(self.AllReduce(a.data(), b.data(), 3, DType::kF32).ok());
+  EXPECT_EQ(b, a);
+  ASSERT_TRUE(self.AllReduce(a.data(), a.data(), 3, DType::kF32, ReduceOp::kMax).ok());
+  EXPECT_EQ(a, (std::vector<float>{1, 2, 3}));
+  std::vector<float> c(2, 0);
+  ASSERT_TRUE(self.ReduceScatter(a.data(), c.data(), 2, DType::kF32).ok());
+  EXPECT_EQ(c, (std::vector<float>{1, 2}));
+  ASSERT_TRUE(self.AllGather(a.data() + 1, c.data(), 2, DType::kF32).ok());
+  EXPECT_EQ(c, (std::vector<float>{2, 3}));
+  const size_t send_counts[] = {2}, send_offsets[] = {1}, recv_counts[] = {2}, recv_offsets[] = {0};
+  std::vector<float> d(2, 0);
+  ASSERT_TRUE(self.AllToAllV(a.data(), send_counts, send_offsets, d.data(), recv_counts,
+                             recv_offsets, DType::kF32)
+                  .ok());
+  EXPECT_EQ(d, (std::vector<float>{2, 3}));
+  EXPECT_TRUE(self.Broadcast(a.data(), 3, DType::kF32, 0).ok());
+  EXPECT_TRUE(self.Barrier().ok());
+  absl::StatusOr<std::unique_ptr<Communicator>> split = self.Split(5, 0);
+  ASSERT_TRUE(split.ok());
+  EXPECT_EQ((*split)->size(), 1);
+  EXPECT_EQ(*self.Split(-1, 0), nullptr);
+}
+
+TEST(SelfCommunicatorTest, BadArgumentsAreRefusedAsOnEveryBackend) {
+  SelfCommunicator self;
+  std::vector<float> a(4, 1);
+  EXPECT_EQ(self.AllReduce(nullptr, a.data(), 4, DType::kF32).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(self.Broadcast(a.data(), 4, DType::kF32, 1).code(), absl::StatusCode::kInvalidArgument);
+  const size_t two[] = {2}, three[] = {3}, zero[] = {0};
+  std::vector<float> r(4, 0);
+  absl::Status s = self.AllToAllV(a.data(), two, zero, r.data(), three, zero, DType::kF32);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(s.message(), "sends 2 elements to itself but expects 3")) << s;
 }
 
 // The two-level SUM equals the flat SUM over the world: against a single-process

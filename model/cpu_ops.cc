@@ -89,8 +89,11 @@ absl::Status AccumulateRowBlocks(const GradTarget& target, int64_t T, int64_t ro
 
 class CpuOps : public ModelOps {
  public:
-  CpuOps(const MoeLmSpec& spec, const CpuOpsComms& comms, int num_threads)
-      : config_(spec.config()), comms_(comms), num_threads_(num_threads) {
+  CpuOps(const MoeLmSpec& spec, const Mesh& mesh, const CpuOpsOptions& options)
+      : config_(spec.config()),
+        mesh_(&mesh),
+        cp_schedule_(options.cp_schedule),
+        num_threads_(options.num_threads) {
     const MoeLmConfig& m = config_;
     layer_config_.d_model = m.dim;
     layer_config_.hidden = m.expert_dim;
@@ -100,14 +103,14 @@ class CpuOps : public ModelOps {
     layer_config_.router_scale = m.router_scale;
     layer_config_.score =
         m.router_sigmoid ? moe::RouterScore::kSigmoid : moe::RouterScore::kSoftmax;
-    local_experts_ = m.experts / comms.ep_group->size();
+    local_experts_ = m.experts / mesh.ep_size();
     moe_layers_ = m.layers + m.mtp_depth;
     layer_state_.resize(moe_layers_);
     for (moe::MoeLayerState& s : layer_state_) s.scratch = &dispatch_scratch_;
     held_.assign(moe_layers_, false);
-    sp_size_ = comms.sp_group != nullptr ? comms.sp_group->size() : 1;
-    sp_rank_ = comms.sp_group != nullptr ? comms.sp_group->rank() : 0;
-    cp_size_ = comms.cp_group != nullptr ? comms.cp_group->size() : 1;
+    sp_size_ = mesh.size(MeshAxis::kSp);
+    sp_rank_ = mesh.rank(MeshAxis::kSp);
+    cp_size_ = mesh.size(MeshAxis::kCp);
     if (m.attention) {
       head_dim_ = m.dim / m.n_heads;
       heads_local_ = m.n_heads / sp_size_;
@@ -266,14 +269,14 @@ class CpuOps : public ModelOps {
   absl::Status MoeForward(int l, const float* a, const MoeWeights& w, float* y) override {
     const int64_t D = config_.dim, T = in_.rows;
     BorrowDispatch(l);
-    GRADSUM_RETURN_IF_ERROR(moe::MoeLayerForward(*comms_.ep_group, layer_config_, LayerWeights(w),
+    GRADSUM_RETURN_IF_ERROR(moe::MoeLayerForward(mesh_->ep_group(), layer_config_, LayerWeights(w),
                                                  absl::MakeConstSpan(a, T * D), mask_,
                                                  absl::MakeSpan(y, T * D), &layer_state_[l]));
     // c[l, m, :] of §5 travels while the next layers compute.
     GRADSUM_ASSIGN_OR_RETURN(
         losses::ExpertCountReduction c,
         losses::ExpertCountReduction::Start(
-            *comms_.world, layer_state_[l].route.local_expert_counts, config_.top_k));
+            mesh_->world(), layer_state_[l].route.local_expert_counts, config_.top_k));
     if (static_cast<int>(counts_.size()) != l) {
       return absl::FailedPreconditionError(
           absl::StrCat("MoE layer ", l, " ran forward out of order"));
@@ -291,7 +294,7 @@ class CpuOps : public ModelOps {
           absl::StrCat("MoE layer ", l, " has no forward to re-run"));
     }
     BorrowDispatch(l);
-    return moe::MoeLayerRecomputeForward(*comms_.ep_group, layer_config_, LayerWeights(w),
+    return moe::MoeLayerRecomputeForward(mesh_->ep_group(), layer_config_, LayerWeights(w),
                                          absl::MakeConstSpan(a, T * D), absl::MakeSpan(y, T * D),
                                          &layer_state_[l]);
   }
@@ -363,7 +366,7 @@ class CpuOps : public ModelOps {
     }
     moe::RouterLossGrads loss_grads;
     loss_grads.d_logits = du_;
-    return moe::MoeLayerBackward(*comms_.ep_group, layer_config_, LayerWeights(w),
+    return moe::MoeLayerBackward(mesh_->ep_group(), layer_config_, LayerWeights(w),
                                  absl::MakeConstSpan(a, T * D), layer_state_[l],
                                  absl::MakeConstSpan(dy, T * D), loss_grads,
                                  absl::MakeSpan(da, T * D), grads);
@@ -605,7 +608,7 @@ class CpuOps : public ModelOps {
       const RingAttentionDims rd = RingDims();
       std::vector<float> kc, vc;
       const auto [kr, vr] = RingKv(rd, k, v, n, &kc, &vc);
-      return RingAttentionForward(*comms_.cp_group, rd, comms_.cp_schedule,
+      return RingAttentionForward(mesh_->group(MeshAxis::kCp), rd, cp_schedule_,
                                   absl::MakeConstSpan(q, n), kr, vr, in_.doc_start,
                                   absl::MakeSpan(out, n),
                                   absl::MakeSpan(lse, HeadSplitRows() * heads_local_));
@@ -626,7 +629,7 @@ class CpuOps : public ModelOps {
       const auto [kr, vr] = RingKv(rd, k, v, n, &kc, &vc);
       if (rd.kv_heads == rd.heads) {
         return RingAttentionBackward(
-            *comms_.cp_group, rd, comms_.cp_schedule, absl::MakeConstSpan(q, n), kr, vr,
+            mesh_->group(MeshAxis::kCp), rd, cp_schedule_, absl::MakeConstSpan(q, n), kr, vr,
             in_.doc_start, absl::MakeConstSpan(out, n),
             absl::MakeConstSpan(lse, HeadSplitRows() * heads_local_), absl::MakeConstSpan(d_out, n),
             absl::MakeSpan(dq, n), absl::MakeSpan(dk, n), absl::MakeSpan(dv, n));
@@ -635,7 +638,7 @@ class CpuOps : public ModelOps {
       // group and 0 to the others: SumKvGroups, which the model runs next, adds them.
       std::vector<float> dkc(kc.size()), dvc(vc.size());
       GRADSUM_RETURN_IF_ERROR(RingAttentionBackward(
-          *comms_.cp_group, rd, comms_.cp_schedule, absl::MakeConstSpan(q, n), kr, vr,
+          mesh_->group(MeshAxis::kCp), rd, cp_schedule_, absl::MakeConstSpan(q, n), kr, vr,
           in_.doc_start, absl::MakeConstSpan(out, n),
           absl::MakeConstSpan(lse, HeadSplitRows() * heads_local_), absl::MakeConstSpan(d_out, n),
           absl::MakeSpan(dq, n), absl::MakeSpan(dkc), absl::MakeSpan(dvc)));
@@ -710,7 +713,7 @@ class CpuOps : public ModelOps {
     d.seq_len = in_.seq_len;
     d.heads = static_cast<int>(heads_local_);
     d.kv_heads = d.heads;
-    if (comms_.cp_schedule == RingSchedule::kRing) {
+    if (cp_schedule_ == RingSchedule::kRing) {
       d.kv_heads = static_cast<int>(heads_local_ / std::gcd<int64_t>(group_, heads_local_));
     }
     d.head_dim = head_dim_;
@@ -758,8 +761,8 @@ class CpuOps : public ModelOps {
     }
     std::vector<size_t> counts(sp_size_, static_cast<size_t>(block)), offsets(sp_size_);
     for (int i = 0; i < sp_size_; ++i) offsets[i] = static_cast<size_t>(i * block);
-    return comms_.sp_group->AllToAllV(send_.data(), counts, offsets, recv_.data(), counts, offsets,
-                                      DType::kF32);
+    return mesh_->group(MeshAxis::kSp)
+        .AllToAllV(send_.data(), counts, offsets, recv_.data(), counts, offsets, DType::kF32);
   }
 
   // Runs fn(first_row, rows, gemm_threads) over the row blocks (one block of all T rows
@@ -807,7 +810,8 @@ class CpuOps : public ModelOps {
   }
 
   MoeLmConfig config_;
-  CpuOpsComms comms_;
+  const Mesh* mesh_;  // not owned
+  RingSchedule cp_schedule_;
   int num_threads_ = 1;
   int local_experts_ = 1;
   int moe_layers_ = 0;  // L + mtp_depth
@@ -840,13 +844,10 @@ class CpuOps : public ModelOps {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<ModelOps>> MakeCpuOps(const MoeLmSpec& spec,
-                                                     const CpuOpsComms& comms, int num_threads) {
-  if (comms.world == nullptr || comms.ep_group == nullptr) {
-    return absl::InvalidArgumentError("CPU ops need the world and EP communicators");
-  }
-  const int P = comms.ep_group->size();
-  const int S = comms.sp_group != nullptr ? comms.sp_group->size() : 1;
+absl::StatusOr<std::unique_ptr<ModelOps>> MakeCpuOps(const MoeLmSpec& spec, const Mesh& mesh,
+                                                     const CpuOpsOptions& options) {
+  const int P = mesh.ep_size();
+  const int S = mesh.size(MeshAxis::kSp);
   if (spec.config().attention && spec.config().n_heads % S != 0) {
     return absl::InvalidArgumentError(absl::StrCat("model.heads=", spec.config().n_heads,
                                                    " is not divisible by sp=", S,
@@ -857,7 +858,7 @@ absl::StatusOr<std::unique_ptr<ModelOps>> MakeCpuOps(const MoeLmSpec& spec,
                                                    " is not divisible by ep=", P,
                                                    " (SEMANTICS.md §7)"));
   }
-  return std::unique_ptr<ModelOps>(new CpuOps(spec, comms, num_threads));
+  return std::unique_ptr<ModelOps>(new CpuOps(spec, mesh, options));
 }
 
 }  // namespace gradsum::model

@@ -13,37 +13,31 @@
 // and each block's weight-gradient contribution is computed alone into scratch and handed
 // to the target: added exactly to an ExactGradSink, or, for an fp32 target, in block order.
 //
-//   CpuOpsComms comms{world, ep_group};
-//   GRADSUM_ASSIGN_OR_RETURN(auto ops, MakeCpuOps(spec, comms, /*num_threads=*/4));
+//   GRADSUM_ASSIGN_OR_RETURN(auto ops, MakeCpuOps(spec, mesh, {.num_threads = 4}));
 
 #include <memory>
 
 #include "absl/status/statusor.h"
-#include "collectives/communicator.h"
+#include "collectives/mesh.h"
 #include "model/moe_lm_spec.h"
 #include "model/ops.h"
 #include "model/ring_attention.h"
 
 namespace gradsum::model {
 
-// Not owned; they must outlive the ops.
-struct CpuOpsComms {
-  Communicator* world = nullptr;     // the expert-count SUM (§5)
-  Communicator* ep_group = nullptr;  // the MoE dispatch
-  // The SP group (§12: the ranks sharing this rank's sequences); null means no sequence
-  // parallelism (a group of one).
-  Communicator* sp_group = nullptr;
-  // The CP group (§16: the ranks holding the other zigzag chunks of this rank's
-  // sequences); null means none. Attention runs over it by `cp_schedule`
-  // (model/ring_attention.h: the ring, or gathered in reproducible mode).
-  Communicator* cp_group = nullptr;
+struct CpuOpsOptions {
+  // How attention runs over the mesh's CP axis (§16; model/ring_attention.h): the ring, or
+  // gathered whole sequences in reproducible mode. Unused when the axis is off.
   RingSchedule cp_schedule = RingSchedule::kRing;
+  int num_threads = 1;  // threads for the head's fused CE (the rank's compute budget)
 };
 
-// `num_threads`: threads for the head's fused CE (the rank's compute budget).
-// InvalidArgument for missing communicators or experts that the EP group does not divide.
-absl::StatusOr<std::unique_ptr<ModelOps>> MakeCpuOps(const MoeLmSpec& spec,
-                                                     const CpuOpsComms& comms, int num_threads);
+// The host's ops over the rank's mesh (not owned; it must outlive the ops): the expert
+// counts' SUM over the world (§5), the MoE dispatch over the EP axis, Ulysses' all-to-alls
+// over the SP axis (§12), ring attention over the CP axis (§16). InvalidArgument for
+// experts that the EP group does not divide or heads that the SP group does not.
+absl::StatusOr<std::unique_ptr<ModelOps>> MakeCpuOps(const MoeLmSpec& spec, const Mesh& mesh,
+                                                     const CpuOpsOptions& options);
 
 }  // namespace gradsum::model
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "collectives/mesh.h"
 #include "core/status.h"
 #include "gtest/gtest.h"
 #include "model/layers.h"
@@ -47,7 +48,10 @@ TEST_P(ExchangeTest, HeadSplitHoldsWholeSequencesOfTheRanksHeads) {
   const int64_t J = 3, seq_len = 8, L = seq_len / S, hd = 4, T = J * L, Hl = heads / S;
   const int group = heads / kv_heads;
   absl::Status s = testing::RunRanks(S, [&](Communicator& comm) -> absl::Status {
-    auto ops = MakeCpuOps(*spec, {&comm, &comm, &comm}, 1);
+    // One group of S ranks: the EP and SP axes both span it.
+    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Mesh> mesh,
+                             Mesh::Create(&comm, MeshShape{.ep = S, .sp = S}));
+    auto ops = MakeCpuOps(*spec, *mesh, {});
     if (!ops.ok()) return ops.status();
     const int i = comm.rank();
     std::vector<int32_t> tokens(T, 1), labels(T, 2), mask(T, 1), positions(T, 0);
@@ -114,7 +118,8 @@ TEST(CpuOpsAttentionTest, KvGroupSumAddsInHeadOrderAndRopeInverts) {
   absl::StatusOr<MoeLmSpec> spec = MoeLmSpec::Create(c);
   ASSERT_TRUE(spec.ok());
   absl::Status s = testing::RunRanks(1, [&](Communicator& comm) -> absl::Status {
-    auto ops = MakeCpuOps(*spec, {&comm, &comm, nullptr}, 1);
+    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Mesh> mesh, Mesh::Create(&comm, MeshShape{}));
+    auto ops = MakeCpuOps(*spec, *mesh, {});
     if (!ops.ok()) return ops.status();
     const int64_t T = 5, hd = 4;
     std::vector<int32_t> tokens(T, 1), labels(T, 2), mask(T, 1), positions = {0, 1, 2, 0, 7};

@@ -20,49 +20,19 @@ absl::StatusOr<std::unique_ptr<UnitStore>> HostUnitDevice::MakeStore(
 ParallelParams::~ParallelParams() = default;
 
 absl::StatusOr<std::unique_ptr<ParallelParams>> Parallelize(const model::MoeLmSpec& spec,
-                                                            const MeshGroups& mesh,
+                                                            const Mesh& mesh,
                                                             const ParallelOptions& options,
                                                             UnitDevice& device) {
-  if (mesh.world == nullptr || mesh.ep_group == nullptr || mesh.edp_group == nullptr) {
-    return absl::InvalidArgumentError("Parallelize needs the world, EP and EDP communicators");
-  }
-  const int P = mesh.ep_group->size();
-  if (P * mesh.edp_group->size() != mesh.world->size()) {
-    return absl::InvalidArgumentError(absl::StrCat("mesh: ep_group size ", P, " * edp_group size ",
-                                                   mesh.edp_group->size(), " != world size ",
-                                                   mesh.world->size()));
-  }
+  const int P = mesh.ep_size();
   const model::MoeLmConfig& m = spec.config();
   if (m.experts % P != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "model.experts=", m.experts, " is not divisible by ep=", P, " (SEMANTICS.md §7)"));
   }
-  if (mesh.sp_group != nullptr && mesh.world->size() % mesh.sp_group->size() != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("mesh: sp_group size ", mesh.sp_group->size(),
-                                                   " does not divide world size ",
-                                                   mesh.world->size()));
-  }
-  const int hsdp_groups = (mesh.dense_shard != nullptr) + (mesh.dense_replica != nullptr) +
-                          (mesh.expert_shard != nullptr) + (mesh.expert_replica != nullptr);
-  if (hsdp_groups != 0 && hsdp_groups != 4) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("mesh: HSDP needs its four groups (dense and expert, shard and replica), got ",
-                     hsdp_groups));
-  }
-  if (mesh.hsdp()) {
-    if (options.sharding != ShardingMode::kSharded) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("mesh: HSDP groups with sharding ", ShardingModeName(options.sharding),
-                       " (HSDP shards inside a group: sharded only)"));
-    }
-    const int N = mesh.dense_shard->size(), R = mesh.dense_replica->size();
-    if (N * R != mesh.world->size() || mesh.expert_shard->size() * R * P != mesh.world->size() ||
-        mesh.expert_replica->size() != R) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("mesh: HSDP shard group ", N, " x replicas ", R, ", expert shard group ",
-                       mesh.expert_shard->size(), " x replicas ", mesh.expert_replica->size(),
-                       " do not cover world ", mesh.world->size(), " with ep ", P));
-    }
+  if (mesh.hsdp() && options.sharding != ShardingMode::kSharded) {
+    return absl::InvalidArgumentError(absl::StrCat("mesh: HSDP groups with sharding ",
+                                                   ShardingModeName(options.sharding),
+                                                   " (HSDP shards inside a group: sharded only)"));
   }
   if (options.repro_block < 0) {
     return absl::InvalidArgumentError(
@@ -76,8 +46,8 @@ absl::StatusOr<std::unique_ptr<ParallelParams>> Parallelize(const model::MoeLmSp
   ParallelParams& pp = *params;
   pp.spec_ = spec;
   pp.options_ = options;
-  pp.groups_ = mesh;
-  const int ep_rank = mesh.ep_group->rank();
+  pp.mesh_ = &mesh;
+  const int ep_rank = mesh.p_index();
   const int local = m.experts / P, first = ep_rank * local;
   pp.local_experts_ = local;
   pp.first_local_expert_ = first;
@@ -91,11 +61,13 @@ absl::StatusOr<std::unique_ptr<ParallelParams>> Parallelize(const model::MoeLmSp
                       bool expert) -> absl::Status {
     std::vector<ParamSpec> specs;
     for (int p : members) specs.push_back({defs[p].name, defs[p].shape});
-    Communicator* group = expert ? mesh.edp_group : mesh.world;
+    // §7: reduced over the world (dense) or the EDP group (experts); with HSDP over the
+    // shard groups, then across their replicas.
+    Communicator* group = &mesh.group(expert ? MeshAxis::kEdpShard : MeshAxis::kDpShard);
     FlatParamOptions unit_options = fp_options;
     if (mesh.hsdp()) {
-      group = expert ? mesh.expert_shard : mesh.dense_shard;
-      unit_options.replica_group = expert ? mesh.expert_replica : mesh.dense_replica;
+      unit_options.replica_group =
+          &mesh.group(expert ? MeshAxis::kEdpReplicate : MeshAxis::kDpReplicate);
     }
     GRADSUM_ASSIGN_OR_RETURN(
         std::unique_ptr<FlatParam> unit,
@@ -256,8 +228,8 @@ absl::StatusOr<NamedParams> ParallelParams::GatherFull(bool grads) {
     total += d.numel();
   }
   std::vector<float> all(total, 0.0f);
-  const int world_rank = groups_.world->rank();
-  const int P = groups_.ep_group->size();
+  const int world_rank = mesh_->world().rank();
+  const int P = mesh_->ep_size();
   for (size_t u = 0; u < units_.size(); ++u) {
     FlatParam* g = units_[u].get();
     // What the rank holds of its group's split: the shard (sharded, HSDP), or the slice it
@@ -280,7 +252,7 @@ absl::StatusOr<NamedParams> ParallelParams::GatherFull(bool grads) {
     }
   }
   GRADSUM_RETURN_IF_ERROR(
-      groups_.world->AllReduce(all.data(), all.data(), all.size(), DType::kF32, ReduceOp::kSum));
+      mesh_->world().AllReduce(all.data(), all.data(), all.size(), DType::kF32, ReduceOp::kSum));
   NamedParams out;
   for (const model::ParamDef& d : defs) {
     out[d.name].assign(all.begin() + offset.at(d.name),

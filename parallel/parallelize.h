@@ -9,24 +9,26 @@
 // result is what the model's compute sees of its parameters (model/model_params.h) and what
 // the optimizer and checkpoints see (units()).
 //
-//   GRADSUM_ASSIGN_OR_RETURN(auto params,
-//                            Parallelize(spec, {world, ep_group, edp_group}, options, device));
+//   GRADSUM_ASSIGN_OR_RETURN(auto params, Parallelize(spec, mesh, options, device));
 //   GRADSUM_RETURN_IF_ERROR(params->SetFullParameters(spec.InitialParameters(seed)));
 //   ... model::MoeLmModel over params, ShardedAdamW over params->units() ...
 //
 // Units, in forward order, with layers_per_unit = k (docs/CHECKPOINTS.md has the layout):
-//   "emb"                               over the world: emb
+//   "emb"                               over the world (the mesh's dp_shard axis): emb
 //   "layers.{l}" ("layers.{a}-{b}")     over the world: the attention block's parameters
 //                                       (attn_norm, wq, wk, wv, wo) when the model has
 //                                       them, then the norm and router of layer l (of
 //                                       layers a..b when k > 1)
-//   "layers.{l}.experts.ep{p}"          over this rank's EDP group: the E/P experts of EP
+//   "layers.{l}.experts.ep{p}"          over this rank's EDP group (edp_shard): the E/P experts of
+//   EP
 //                                       slot p (of every layer of the unit), stacked per
 //                                       layer as all wg, then all wu, then all wd
 //   "head"                              over the world: final_norm, out
-// With HSDP groups in the mesh, "over the world" reads "over the dense shard group,
-// replicated across the others" and "over this rank's EDP group" reads "over the expert
-// shard group, replicated" (SEMANTICS.md §7).
+// With HSDP (the mesh's shard_group), "over the world" reads "over the dense shard group
+// (dp_shard), replicated across dp_replicate" and "over this rank's EDP group" reads "over
+// the expert shard group (edp_shard), replicated across edp_replicate" (SEMANTICS.md §7).
+// The mesh (collectives/mesh.h) checked its own shape when it was built; Parallelize checks
+// only what the model adds (the experts divide over the EP group) and the options.
 
 #include <cstdint>
 #include <memory>
@@ -34,6 +36,7 @@
 
 #include "absl/status/statusor.h"
 #include "collectives/communicator.h"
+#include "collectives/mesh.h"
 #include "model/model_params.h"
 #include "model/moe_lm_spec.h"
 #include "parallel/parallel_options.h"
@@ -41,30 +44,6 @@
 #include "sharding/flat_param.h"
 
 namespace gradsum::parallel {
-
-// The rank's communicators of the (F, P) mesh (collectives/mesh.h; not owned, they must
-// outlive the result): the world, the EP group (the P ranks with this rank's f), the EDP
-// group (the F ranks with this rank's p).
-struct MeshGroups {
-  Communicator* world = nullptr;
-  Communicator* ep_group = nullptr;
-  Communicator* edp_group = nullptr;
-  // The SP group (SEMANTICS.md §12: the S consecutive ranks that share sequences); null
-  // means none. Parameters are not split over it: the compute uses it for attention.
-  Communicator* sp_group = nullptr;
-  // The CP group (§16: the ranks holding the other chunks of this rank's sequences); null
-  // means none. Like the SP group, the compute's (attention), not the parameters'.
-  Communicator* cp_group = nullptr;
-  // HSDP (SEMANTICS.md §7; collectives/mesh.h's HSDP groups): dense units sharded over
-  // dense_shard and replicated over dense_replica, expert units sharded over expert_shard
-  // (the EDP ranks inside the shard group) and replicated over expert_replica. All four or
-  // none; only with ShardingMode::kSharded.
-  Communicator* dense_shard = nullptr;
-  Communicator* dense_replica = nullptr;
-  Communicator* expert_shard = nullptr;
-  Communicator* expert_replica = nullptr;
-  bool hsdp() const { return dense_shard != nullptr; }
-};
 
 // Where a rank's parameter units live while the compute reads them: makes their store
 // (the host's FlatParam buffers, or a GPU's device buffers: parallel/cuda/).
@@ -130,11 +109,11 @@ class ParallelParams : public model::ModelParams {
   int64_t FullParamBytes() const { return store_->FullBytes(); }
 
   const ParallelOptions& options() const { return options_; }
-  const MeshGroups& groups() const { return groups_; }
+  const Mesh& mesh() const { return *mesh_; }
 
  private:
   friend absl::StatusOr<std::unique_ptr<ParallelParams>> Parallelize(const model::MoeLmSpec& spec,
-                                                                     const MeshGroups& mesh,
+                                                                     const Mesh& mesh,
                                                                      const ParallelOptions& options,
                                                                      UnitDevice& device);
   ParallelParams() = default;
@@ -148,7 +127,7 @@ class ParallelParams : public model::ModelParams {
 
   model::MoeLmSpec spec_;
   ParallelOptions options_;
-  MeshGroups groups_;
+  const Mesh* mesh_ = nullptr;  // not owned
   int local_experts_ = 1, first_local_expert_ = 0;
   std::vector<std::unique_ptr<FlatParam>> units_;
   std::vector<bool> expert_unit_;
@@ -158,12 +137,12 @@ class ParallelParams : public model::ModelParams {
   std::unique_ptr<UnitStore> store_;
 };
 
-// Validates the mesh once (the EP group's size times the EDP group's equals the world's;
-// the experts divide evenly over the EP group, SEMANTICS.md §7) and the options, then
-// builds the units, the schedule and the store as described above. InvalidArgument naming
-// the field or size at fault.
+// Checks that the experts divide evenly over the mesh's EP group (SEMANTICS.md §7) and the
+// options, then builds the units, the schedule and the store as described above.
+// InvalidArgument naming the field or size at fault. `mesh` (not owned) must outlive the
+// result.
 absl::StatusOr<std::unique_ptr<ParallelParams>> Parallelize(const model::MoeLmSpec& spec,
-                                                            const MeshGroups& mesh,
+                                                            const Mesh& mesh,
                                                             const ParallelOptions& options,
                                                             UnitDevice& device);
 

@@ -56,20 +56,13 @@ absl::StatusOr<std::unique_ptr<MoeLm>> BuildModel(const TrainConfig& config,
                             ? std::max(1, AvailableCores() / comms.mesh->world_size())
                             : 1;
   p.repro_block = config.precision().repro_block();
-  MoeLmGroups groups{&comms.mesh->world(), &comms.mesh->ep_group(), &comms.mesh->edp_group(),
-                     comms.sp_group, comms.cp_group};
-  if (parallelism.sharding() == TrainConfig::hsdp) {
-    if (comms.mesh->shard_size() == 0) {
-      return absl::InvalidArgumentError(
-          "parallelism.sharding=hsdp: the rank's mesh has no HSDP groups (MakeRankMesh builds "
-          "them)");
-    }
-    groups.dense_shard = comms.mesh->dense_shard_group();
-    groups.dense_replica = comms.mesh->dense_replica_group();
-    groups.expert_shard = comms.mesh->expert_shard_group();
-    groups.expert_replica = comms.mesh->expert_replica_group();
+  if (parallelism.sharding() == TrainConfig::hsdp && !comms.mesh->hsdp()) {
+    return absl::InvalidArgumentError(
+        "parallelism.sharding=hsdp: the rank's mesh has no HSDP groups (MakeRankMesh builds "
+        "them)");
   }
-  return comms.make_model ? comms.make_model(options, groups) : MoeLm::Create(options, groups);
+  return comms.make_model ? comms.make_model(options, *comms.mesh)
+                          : MoeLm::Create(options, *comms.mesh);
 }
 
 }  // namespace gradsum::train

@@ -24,21 +24,15 @@ namespace gradsum::train {
 // compute). The nccl backend passes train/cuda's CreateCudaMoeLm, which computes on the
 // rank's GPU.
 using MoeLmFactory =
-    std::function<absl::StatusOr<std::unique_ptr<MoeLm>>(const MoeLmOptions&, const MoeLmGroups&)>;
+    std::function<absl::StatusOr<std::unique_ptr<MoeLm>>(const MoeLmOptions&, const Mesh&)>;
 
 // What a rank trains over (not owned).
 struct RankComms {
-  // The (F, P) mesh: the world, EP and EDP groups, and the one source of their sizes.
+  // The rank's mesh (collectives/mesh.h): every group, and the one source of their sizes.
   Mesh* mesh = nullptr;
-  // The SP group (SEMANTICS.md §12: the ranks sharing this rank's sequences), or null
-  // without sequence parallelism.
-  Communicator* sp_group = nullptr;
   // The CommTimer the mesh's communicators add their time to (may be null).
   std::shared_ptr<CommTimer> timer;
   MoeLmFactory make_model;  // empty: MoeLm::Create
-  // The CP group (SEMANTICS.md §16: the ranks holding the other chunks of this rank's
-  // sequences), or null without context parallelism.
-  Communicator* cp_group = nullptr;
 };
 
 // The model of `config` over `comms.mesh`, with no parameters set yet. Errors are the

@@ -43,8 +43,7 @@ NamedParams MoeLm::InitialParameters(const ModelConfig& m, uint64_t seed) {
   return spec.ok() ? spec->InitialParameters(seed) : NamedParams();
 }
 
-absl::StatusOr<std::unique_ptr<MoeLm>> MoeLm::Create(const MoeLmOptions& options,
-                                                     const MoeLmGroups& groups,
+absl::StatusOr<std::unique_ptr<MoeLm>> MoeLm::Create(const MoeLmOptions& options, const Mesh& mesh,
                                                      ComputeDevice device) {
   model::MoeLmConfig config = ToMoeLmConfig(options.model, options.alpha_b, options.alpha_z);
   config.label_smoothing = options.label_smoothing;
@@ -55,22 +54,22 @@ absl::StatusOr<std::unique_ptr<MoeLm>> MoeLm::Create(const MoeLmOptions& options
   GRADSUM_ASSIGN_OR_RETURN(model::MoeLmSpec spec, model::MoeLmSpec::Create(config));
   if (device.units == nullptr) device.units = std::make_shared<parallel::HostUnitDevice>();
   if (!device.ops) {
-    model::CpuOpsComms comms{groups.world, groups.ep_group, groups.sp_group, groups.cp_group};
+    model::CpuOpsOptions ops_options{.num_threads = options.num_threads};
     // Reproducible mode's bits do not depend on the CP size: attention gathers the group's
     // chunks and runs the whole-sequence kernel (model/ring_attention.h).
     if (options.parallel.precision == GradPrecision::kExact) {
-      comms.cp_schedule = model::RingSchedule::kGathered;
+      ops_options.cp_schedule = model::RingSchedule::kGathered;
     }
-    const int threads = options.num_threads;
-    device.ops = [comms, threads](const model::MoeLmSpec& s) {
-      return model::MakeCpuOps(s, comms, threads);
+    const Mesh* m = &mesh;
+    device.ops = [m, ops_options](const model::MoeLmSpec& s) {
+      return model::MakeCpuOps(s, *m, ops_options);
     };
   }
   auto lm = std::unique_ptr<MoeLm>(new MoeLm());
   lm->options_ = options;
   lm->device_ = device.units;
   GRADSUM_ASSIGN_OR_RETURN(lm->params_,
-                           parallel::Parallelize(spec, groups, options.parallel, *device.units));
+                           parallel::Parallelize(spec, mesh, options.parallel, *device.units));
   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<model::ModelOps> ops, device.ops(spec));
   GRADSUM_ASSIGN_OR_RETURN(
       lm->model_,

@@ -9,7 +9,7 @@
 // - Where it computes: a ComputeDevice: the host (model/cpu_ops.h, the host unit store),
 //   or a GPU (train/cuda/cuda_compute.h: model/cuda's ops, parallel/cuda's device store).
 //
-//   GRADSUM_ASSIGN_OR_RETURN(auto model, MoeLm::Create(options, groups));   // host
+//   GRADSUM_ASSIGN_OR_RETURN(auto model, MoeLm::Create(options, mesh));   // host
 //   GRADSUM_RETURN_IF_ERROR(model->SetFullParameters(MoeLm::InitialParameters(config, seed)));
 //   GRADSUM_RETURN_IF_ERROR(model->Unshard());
 //   for (int m = 0; m < G; ++m) {
@@ -74,9 +74,6 @@ struct MoeLmOptions {
   int num_threads = 1;  // threads for the rank's loss kernels and GEMMs (host compute)
 };
 
-// The rank's communicators (not owned; they must outlive the model).
-using MoeLmGroups = parallel::MeshGroups;
-
 // Where a rank computes: the store its parameter units live in, and its layers' ops.
 // Empty members mean the host (MoeLm::Create fills them).
 struct ComputeDevice {
@@ -87,9 +84,9 @@ struct ComputeDevice {
 class MoeLm {
  public:
   // Errors: the spec's (model sizes), Parallelize's (mesh, options), the device's.
+  // `mesh` (the rank's, collectives/mesh.h; not owned) must outlive the model.
   static absl::StatusOr<std::unique_ptr<MoeLm>> Create(const MoeLmOptions& options,
-                                                       const MoeLmGroups& groups,
-                                                       ComputeDevice device = {});
+                                                       const Mesh& mesh, ComputeDevice device = {});
 
   // The initial parameters, the same on every rank for a seed (MoeLmSpec::InitialParameters).
   // Empty for a config the spec rejects.

@@ -58,6 +58,24 @@ absl::StatusOr<int> ResolveShardGroup(Communicator& world, const ParallelismConf
   return n;
 }
 
+MeshShape MeshShapeOf(const ParallelismConfig& parallelism, int shard_group) {
+  return MeshShape{.ep = parallelism.ep(),
+                   .sp = parallelism.sp(),
+                   .cp = parallelism.cp(),
+                   .shard_group = shard_group};
+}
+
+MeshSplitFn TimedMeshSplit(TimedCommunicator* timed) {
+  return [timed](Communicator& world, MeshAxis axis, int color,
+                 int key) -> absl::StatusOr<std::unique_ptr<Communicator>> {
+    if (&world != timed || (axis != MeshAxis::kSp && axis != MeshAxis::kCp)) {
+      return world.Split(color, key);
+    }
+    return timed->SplitAs(color, key,
+                          axis == MeshAxis::kSp ? CommKind::kSpAllToAll : CommKind::kCpRing);
+  };
+}
+
 absl::StatusOr<RankMesh> MakeRankMesh(Communicator* world, const ParallelismConfig& parallelism) {
   if (world == nullptr) return absl::InvalidArgumentError("null world communicator");
   if (world->size() != parallelism.world()) {
@@ -72,32 +90,8 @@ absl::StatusOr<RankMesh> MakeRankMesh(Communicator* world, const ParallelismConf
     GRADSUM_ASSIGN_OR_RETURN(shard_group, ResolveShardGroup(*world, parallelism));
   }
   GRADSUM_ASSIGN_OR_RETURN(mesh.mesh,
-                           Mesh::Create(mesh.world.get(), parallelism.ep(), shard_group));
-  const int sp = parallelism.sp();
-  if (sp > 1) {
-    if (world->size() % sp != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "parallelism.sp=", sp, ": must divide the world's ", world->size(), " ranks"));
-    }
-    const int rank = world->rank();
-    GRADSUM_ASSIGN_OR_RETURN(mesh.sp_group,
-                             mesh.world->SplitAs(rank / sp, rank % sp, CommKind::kSpAllToAll));
-  }
-  const int cp = parallelism.cp();
-  if (cp > 1) {
-    // sp cp consecutive ranks share sequences: the SP groups inside them, and a CP group
-    // of the ranks at the same place in each SP group (§16).
-    const int shared = sp * cp;
-    if (world->size() % shared != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("parallelism.cp=", cp, " x parallelism.sp=", sp,
-                       ": must divide the world's ", world->size(), " ranks"));
-    }
-    const int rank = world->rank();
-    GRADSUM_ASSIGN_OR_RETURN(
-        mesh.cp_group, mesh.world->SplitAs((rank / shared) * sp + rank % sp, (rank % shared) / sp,
-                                           CommKind::kCpRing));
-  }
+                           Mesh::Create(mesh.world.get(), MeshShapeOf(parallelism, shard_group),
+                                        TimedMeshSplit(mesh.world.get())));
   return mesh;
 }
 

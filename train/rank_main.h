@@ -24,31 +24,32 @@
 
 namespace gradsum::train {
 
-// A rank's communicators: the timed world and its (F, P) mesh (collectives/mesh.h).
+// A rank's communicators: the timed world and the one mesh over it (collectives/mesh.h),
+// whose every group is timed too (SP's all-to-alls as CommKind::kSpAllToAll, CP's ring as
+// kCpRing).
 struct RankMesh {
-  std::unique_ptr<TimedCommunicator> world;
-  std::unique_ptr<Mesh> mesh;  // over `world`, so the EP and EDP groups are timed too
-  // parallelism.sp > 1: the S consecutive ranks sharing this rank's sequences (§12), timed
-  // with its all-to-alls as CommKind::kSpAllToAll; else null.
-  std::unique_ptr<Communicator> sp_group;
-  // parallelism.cp > 1: the C ranks whose sequences' chunks this rank's attention rings
-  // over (§16), timed with its exchanges as CommKind::kCpRing; else null.
-  std::unique_ptr<Communicator> cp_group;
   std::shared_ptr<CommTimer> timer;
+  std::unique_ptr<TimedCommunicator> world;
+  std::unique_ptr<Mesh> mesh;  // over `world`
   // The host model (make_model empty); callers set make_model for another.
-  RankComms comms() const {
-    return {mesh.get(), sp_group.get(), timer, /*make_model=*/{}, cp_group.get()};
-  }
+  RankComms comms() const { return {mesh.get(), timer, /*make_model=*/{}}; }
 };
 
 // Wraps `world` (not owned; must outlive the result) in a timer and builds the mesh of
-// `parallelism`: EP size parallelism.ep over the world, and the SP groups of
-// parallelism.sp consecutive ranks. The one place where the config's
-// group sizes meet the communicators: InvalidArgument naming both when the backend's world
-// size is not parallelism.world (an MPI job launched with another -np); an EP size that
-// does not divide the world is ValidateConfig's to refuse first (Mesh::Create refuses it
-// too). Collective.
+// `parallelism` over it: EP size parallelism.ep, SP parallelism.sp, CP parallelism.cp,
+// HSDP's shard groups (ResolveShardGroup). The one place where the config's group sizes
+// meet the communicators: InvalidArgument naming both when the backend's world size is
+// not parallelism.world (an MPI job launched with another -np); sizes that do not divide
+// the world are ValidateConfig's to refuse first (Mesh::Create refuses them too).
+// Collective.
 absl::StatusOr<RankMesh> MakeRankMesh(Communicator* world, const ParallelismConfig& parallelism);
+
+// The mesh shape of `parallelism` with HSDP's resolved shard group (0 without HSDP).
+MeshShape MeshShapeOf(const ParallelismConfig& parallelism, int shard_group);
+
+// How the timed world `timed` (not owned) splits into a mesh's groups: SP's and CP's with
+// their own CommKind (TimedCommunicator::SplitAs), the others plainly.
+MeshSplitFn TimedMeshSplit(TimedCommunicator* timed);
 
 // sharding=hsdp: the shard group size N of `parallelism` (SEMANTICS.md §7): shard_group, or
 // for 0 the ranks of one host (OMPI_COMM_WORLD_LOCAL_SIZE on the mpi backend, which every

@@ -161,24 +161,24 @@ TEST(RankMeshTest, HsdpGroupsFromTheConfig) {
     const int w = world.rank(), f = w / 2;
     Mesh& mesh = *m.mesh;
     const std::vector<int> got = {mesh.shard_size(),
-                                  mesh.dense_shard_group()->size(),
-                                  mesh.dense_shard_group()->rank(),
-                                  mesh.dense_replica_group()->size(),
-                                  mesh.dense_replica_group()->rank(),
-                                  mesh.expert_shard_group()->size(),
-                                  mesh.expert_shard_group()->rank(),
-                                  mesh.expert_replica_group()->size(),
-                                  mesh.expert_replica_group()->rank()};
+                                  mesh.group(MeshAxis::kDpShard).size(),
+                                  mesh.group(MeshAxis::kDpShard).rank(),
+                                  mesh.group(MeshAxis::kDpReplicate).size(),
+                                  mesh.group(MeshAxis::kDpReplicate).rank(),
+                                  mesh.group(MeshAxis::kEdpShard).size(),
+                                  mesh.group(MeshAxis::kEdpShard).rank(),
+                                  mesh.group(MeshAxis::kEdpReplicate).size(),
+                                  mesh.group(MeshAxis::kEdpReplicate).rank()};
     const std::vector<int> want = {4, 4, w % 4, 2, w / 4, 2, f % 2, 2, w / 4};
     if (got != want) return absl::InternalError(absl::StrCat("rank ", w, ": groups differ"));
     // The shard group's ranks are consecutive: an all-gather of world ranks shows them.
     int64_t mine = w, all[4];
-    GRADSUM_RETURN_IF_ERROR(mesh.dense_shard_group()->AllGather(&mine, all, 1, DType::kI64));
+    GRADSUM_RETURN_IF_ERROR(mesh.group(MeshAxis::kDpShard).AllGather(&mine, all, 1, DType::kI64));
     for (int i = 0; i < 4; ++i) {
       if (all[i] != w / 4 * 4 + i) return absl::InternalError("shard group not consecutive");
     }
     // The expert shard group: the same EP slot p, f in this shard group.
-    GRADSUM_RETURN_IF_ERROR(mesh.expert_shard_group()->AllGather(&mine, all, 1, DType::kI64));
+    GRADSUM_RETURN_IF_ERROR(mesh.group(MeshAxis::kEdpShard).AllGather(&mine, all, 1, DType::kI64));
     for (int i = 0; i < 2; ++i) {
       if (all[i] != (w / 4 * 2 + i) * 2 + w % 2) {
         return absl::InternalError("expert shard group is not the EDP ranks of the group");

@@ -60,10 +60,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   // the global batch) is the mesh's.
   trainer->config_.mutable_parallelism()->set_world(comms.mesh->world_size());
   trainer->config_.mutable_parallelism()->set_ep(comms.mesh->ep_size());
-  trainer->config_.mutable_parallelism()->set_sp(comms.sp_group != nullptr ? comms.sp_group->size()
-                                                                           : 1);
-  trainer->config_.mutable_parallelism()->set_cp(comms.cp_group != nullptr ? comms.cp_group->size()
-                                                                           : 1);
+  trainer->config_.mutable_parallelism()->set_sp(comms.mesh->size(MeshAxis::kSp));
+  trainer->config_.mutable_parallelism()->set_cp(comms.mesh->size(MeshAxis::kCp));
   trainer->comms_ = comms;
   if (trainer->comms_.timer == nullptr) trainer->comms_.timer = std::make_shared<CommTimer>();
   trainer->fresh_start_ = !config.checkpoint().resume();

@@ -54,9 +54,8 @@ absl::StatusOr<float*> DeviceGrad(const GradTarget& t, const char* what) {
 
 class CudaOps : public ModelOps {
  public:
-  CudaOps(const MoeLmSpec& spec, std::shared_ptr<cuda::ComputeContext> ctx,
-          const CudaOpsComms& comms)
-      : config_(spec.config()), ctx_(std::move(ctx)), comms_(comms) {
+  CudaOps(const MoeLmSpec& spec, std::shared_ptr<cuda::ComputeContext> ctx, const Mesh& mesh)
+      : config_(spec.config()), ctx_(std::move(ctx)), mesh_(&mesh) {
     const MoeLmConfig& m = config_;
     layer_config_.d_model = m.dim;
     layer_config_.hidden = m.expert_dim;
@@ -71,10 +70,7 @@ class CudaOps : public ModelOps {
     exec_.blas = &ctx_->blas;
     exec_.stream = ctx_->stream.get();
     exec_.fence = ctx_->fence;
-    moe_comms_.world = comms.world;
-    moe_comms_.ep_group = comms.ep_group;
-    moe_comms_.host_ep_group = comms.host_ep_group;
-    sp_size_ = comms.sp_group != nullptr ? comms.sp_group->size() : 1;
+    sp_size_ = mesh.size(MeshAxis::kSp);
     if (m.attention) {
       head_dim_ = m.dim / m.n_heads;
       heads_local_ = m.n_heads / sp_size_;
@@ -317,7 +313,7 @@ class CudaOps : public ModelOps {
       bias = bias_[l].as<float>();
     }
     BorrowActivations(l);
-    return layers_[l].Forward(exec_, moe_comms_, layer_config_, &scratch_, in_.rows, a,
+    return layers_[l].Forward(exec_, *mesh_, layer_config_, &scratch_, in_.rows, a,
                               {w.router, w.local_experts, bias}, mask_.as<uint8_t>(), y);
   }
 
@@ -327,7 +323,7 @@ class CudaOps : public ModelOps {
 
   absl::Status MoeRecomputeForward(int l, const float* a, const MoeWeights& w, float* y) override {
     BorrowActivations(l);
-    return layers_[l].RecomputeForward(exec_, moe_comms_, layer_config_, &scratch_, a,
+    return layers_[l].RecomputeForward(exec_, *mesh_, layer_config_, &scratch_, a,
                                        {w.router, w.local_experts, nullptr}, y);
   }
 
@@ -352,7 +348,7 @@ class CudaOps : public ModelOps {
     losses.global_routed_tokens = d + 1;
     losses.z_loss = d + 3;
     losses.balance_loss = d + 4;
-    return layers_[l].Backward(exec_, moe_comms_, layer_config_, &scratch_, a,
+    return layers_[l].Backward(exec_, *mesh_, layer_config_, &scratch_, a,
                                {w.router, w.local_experts}, mask_.as<uint8_t>(), losses, dy, da,
                                {d_router, d_experts});
   }
@@ -637,7 +633,7 @@ class CudaOps : public ModelOps {
           "copy the head split");
       return absl::OkStatus();
     }
-    Communicator& sp = *comms_.sp_group;
+    Communicator& sp = mesh_->device_group(MeshAxis::kSp);
     cudaStream_t sp_stream = sp.device_stream()->stream();
     GRADSUM_RETURN_IF_ERROR(cuda::Fence(exec_.stream, sp_stream, exec_.fence));
     std::vector<size_t> counts(sp_size_, static_cast<size_t>(block)), offsets(sp_size_);
@@ -662,9 +658,8 @@ class CudaOps : public ModelOps {
 
   MoeLmConfig config_;
   std::shared_ptr<cuda::ComputeContext> ctx_;
-  CudaOpsComms comms_;
+  const Mesh* mesh_;  // not owned: its device view's groups (NCCL) and host EP group
   moe::CudaExec exec_;
-  moe::MoeLayerCudaComms moe_comms_;
   moe::MoeLayerCudaConfig layer_config_;
   std::vector<moe::MoeLayerCuda> layers_;
   std::vector<DeviceBuffer> bias_;  // [L] x [E]: each layer's expert bias on the device (§5.1)
@@ -703,23 +698,22 @@ class CudaOps : public ModelOps {
 
 absl::StatusOr<std::unique_ptr<ModelOps>> MakeCudaOps(const MoeLmSpec& spec,
                                                       std::shared_ptr<cuda::ComputeContext> context,
-                                                      const CudaOpsComms& comms) {
+                                                      const Mesh& mesh) {
   // The CE options of SEMANTICS.md §3.2 run in the CUDA CE kernel (losses/cuda), and the
   // aux-loss-free balancing of §5.1 (the expert bias, sigmoid scores) in the CUDA router
   // (moe/cuda/router_cuda.h): nothing of the config is refused here.
-  if (context == nullptr || comms.world == nullptr || comms.ep_group == nullptr ||
-      comms.host_ep_group == nullptr || comms.world->device_stream() == nullptr ||
-      comms.ep_group->device_stream() == nullptr ||
-      (comms.sp_group != nullptr && comms.sp_group->device_stream() == nullptr)) {
+  if (context == nullptr || !mesh.has_device_view() ||
+      mesh.device_group(MeshAxis::kWorld).device_stream() == nullptr) {
     return absl::InvalidArgumentError(
-        "CUDA ops need a compute context, the NCCL world and EP group, and the host EP group");
+        "CUDA ops need a compute context and a mesh with an NCCL device view "
+        "(Mesh::AttachDeviceView)");
   }
-  if (spec.config().experts % comms.ep_group->size() != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("model.experts=", spec.config().experts,
-                     " is not divisible by ep=", comms.ep_group->size(), " (SEMANTICS.md §7)"));
+  if (spec.config().experts % mesh.ep_size() != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("model.experts=", spec.config().experts,
+                                                   " is not divisible by ep=", mesh.ep_size(),
+                                                   " (SEMANTICS.md §7)"));
   }
-  return std::unique_ptr<ModelOps>(new CudaOps(spec, std::move(context), comms));
+  return std::unique_ptr<ModelOps>(new CudaOps(spec, std::move(context), mesh));
 }
 
 }  // namespace gradsum::model

@@ -11,37 +11,31 @@
 // Limits: one row block per micro-batch (Begin refuses row_block > 0: the exact gradient
 // precision is host-only), fp32 gradient targets in device memory.
 //
-//   CudaOpsComms comms{nccl_world, nccl_ep, host_ep};
-//   GRADSUM_ASSIGN_OR_RETURN(auto ops, MakeCudaOps(spec, context, comms));
+//   GRADSUM_RETURN_IF_ERROR(mesh.AttachDeviceView(std::move(nccl_world)));
+//   GRADSUM_ASSIGN_OR_RETURN(auto ops, MakeCudaOps(spec, context, mesh));
 
 #include <memory>
 
 #include "absl/status/statusor.h"
-#include "collectives/communicator.h"
+#include "collectives/mesh.h"
 #include "core/cuda/compute_context.h"
 #include "model/moe_lm_spec.h"
 #include "model/ops.h"
 
 namespace gradsum::model {
 
-// Not owned; they must outlive the ops. world, ep_group and sp_group are NCCL
-// (device_stream() non-null).
-struct CudaOpsComms {
-  Communicator* world = nullptr;          // the expert counts' SUM (§5)
-  Communicator* ep_group = nullptr;       // the MoE all-to-all-v
-  Communicator* host_ep_group = nullptr;  // the row counts that size it
-  Communicator* sp_group = nullptr;       // the Ulysses all-to-alls (§12); null: no SP
-};
-
-// InvalidArgument for missing communicators, NCCL ones without a device stream, or experts
-// the EP group does not divide. Every option of the model runs on the GPU as on the CPU: the
-// CE options of SEMANTICS.md §3.2 (label_smoothing, logit_softcap, alpha_lse) in the CUDA CE
-// kernel, with the output z-loss reported as its own term (MicroBatchLossTerms::z_out), and
+// Over the rank's mesh (not owned; it must outlive the ops) with its NCCL device view
+// (Mesh::AttachDeviceView): the expert counts' SUM over device_group(kWorld), the MoE
+// all-to-all-v over device_group(kEp) sized by the host group(kEp), the Ulysses
+// all-to-alls over device_group(kSp). InvalidArgument for a mesh without an NCCL device
+// view, or experts the EP group does not divide. Every option of the model runs on the GPU as on
+// the CPU: the CE options of SEMANTICS.md §3.2 (label_smoothing, logit_softcap, alpha_lse) in the
+// CUDA CE kernel, with the output z-loss reported as its own term (MicroBatchLossTerms::z_out), and
 // the aux-loss-free balancing of §5.1 (sigmoid router scores; the expert bias of
 // MoeWeights::expert_bias, uploaded per forward) in the CUDA router.
 absl::StatusOr<std::unique_ptr<ModelOps>> MakeCudaOps(const MoeLmSpec& spec,
                                                       std::shared_ptr<cuda::ComputeContext> context,
-                                                      const CudaOpsComms& comms);
+                                                      const Mesh& mesh);
 
 }  // namespace gradsum::model
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "collectives/mesh.h"
 #include "collectives/nccl_backend.h"
 #include "collectives/thread_backend.h"
 #include "core/cuda/compute_context.h"
@@ -77,9 +78,13 @@ void ExpectEveryOpMatchesTheHostOps(const MoeLmConfig& c, bool sample_weights,
   ASSERT_TRUE(nccl.ok()) << nccl.status();
   absl::StatusOr<std::shared_ptr<cuda::ComputeContext>> ctx = cuda::ComputeContext::Create(0);
   ASSERT_TRUE(ctx.ok()) << ctx.status();
-  auto cpu = MakeCpuOps(*spec, {world, world}, 1);
+  // One mesh: the host groups for the CPU ops, its NCCL device view for the GPU ops.
+  absl::StatusOr<std::unique_ptr<Mesh>> mesh = Mesh::Create(world, MeshShape{});
+  ASSERT_TRUE(mesh.ok()) << mesh.status();
+  auto cpu = MakeCpuOps(*spec, **mesh, {});
   ASSERT_TRUE(cpu.ok()) << cpu.status();
-  auto gpu = MakeCudaOps(*spec, *ctx, {nccl->get(), nccl->get(), world});
+  ASSERT_TRUE((*mesh)->AttachDeviceView(*std::move(nccl)).ok());
+  auto gpu = MakeCudaOps(*spec, *ctx, **mesh);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
 
   // The micro-batch: every 9th token padding (label ignored), every 7th label ignored.
@@ -296,7 +301,10 @@ TEST(CudaOpsTest, RowBlocksAndExactTargetsAreRefused) {
   ASSERT_TRUE(nccl.ok()) << nccl.status();
   auto ctx = cuda::ComputeContext::Create(0);
   ASSERT_TRUE(ctx.ok());
-  auto gpu = MakeCudaOps(*spec, *ctx, {nccl->get(), nccl->get(), (*host)[0].get()});
+  absl::StatusOr<std::unique_ptr<Mesh>> mesh = Mesh::Create((*host)[0].get(), MeshShape{});
+  ASSERT_TRUE(mesh.ok()) << mesh.status();
+  ASSERT_TRUE((*mesh)->AttachDeviceView(*std::move(nccl)).ok());
+  auto gpu = MakeCudaOps(*spec, *ctx, **mesh);
   ASSERT_TRUE(gpu.ok());
   std::vector<int32_t> tokens = {1, 2, 3, 4}, labels = {2, 3, 4, kIgnoreIndex}, mask = {1, 1, 1, 1};
   MicroBatchInputs in;
@@ -316,7 +324,16 @@ TEST(CudaOpsTest, RowBlocksAndExactTargetsAreRefused) {
 // The CE options of SEMANTICS.md §3.2 are no longer refused: without a context the ops fail
 // on the missing context (InvalidArgument), not on the option. Needs no GPU (the config is
 // checked before the device).
+// A host mesh of one rank without a device view (the ops refuse it as they refuse the
+// missing context: InvalidArgument).
+std::unique_ptr<Mesh> HostMeshOfOne(std::vector<std::unique_ptr<Communicator>>& keep) {
+  keep = std::move(*CreateThreadCommunicators(1));
+  return *std::move(Mesh::Create(keep[0].get(), MeshShape{}));
+}
+
 TEST(CudaOpsTest, CeOptionsAreNotRefused) {
+  std::vector<std::unique_ptr<Communicator>> keep;
+  std::unique_ptr<Mesh> mesh = HostMeshOfOne(keep);
   for (const char* flag : {"label_smoothing", "logit_softcap", "alpha_lse"}) {
     MoeLmConfig c = OneLayerConfig();
     const std::string name = flag;
@@ -325,7 +342,7 @@ TEST(CudaOpsTest, CeOptionsAreNotRefused) {
     if (name == "alpha_lse") c.alpha_lse = 0.25;
     absl::StatusOr<MoeLmSpec> spec = MoeLmSpec::Create(c);
     ASSERT_TRUE(spec.ok());
-    auto gpu = MakeCudaOps(*spec, nullptr, {});
+    auto gpu = MakeCudaOps(*spec, nullptr, *mesh);
     EXPECT_EQ(gpu.status().code(), absl::StatusCode::kInvalidArgument) << flag << gpu.status();
     EXPECT_EQ(gpu.status().message().find(flag), absl::string_view::npos) << gpu.status();
   }
@@ -334,11 +351,13 @@ TEST(CudaOpsTest, CeOptionsAreNotRefused) {
 // Nor are the bias speed and sigmoid scores of §5.1: without a context the ops fail on the
 // missing context, not on the option. Needs no GPU.
 TEST(CudaOpsTest, ExpertBiasAndSigmoidScoresAreNotRefused) {
+  std::vector<std::unique_ptr<Communicator>> keep;
+  std::unique_ptr<Mesh> mesh = HostMeshOfOne(keep);
   MoeLmConfig c = OneLayerConfig();
   c.expert_bias_speed = 0.25;
   absl::StatusOr<MoeLmSpec> spec = MoeLmSpec::Create(c);
   ASSERT_TRUE(spec.ok()) << spec.status();
-  auto gpu = MakeCudaOps(*spec, nullptr, {});
+  auto gpu = MakeCudaOps(*spec, nullptr, *mesh);
   EXPECT_EQ(gpu.status().code(), absl::StatusCode::kInvalidArgument) << gpu.status();
   EXPECT_EQ(gpu.status().message().find("expert_bias_speed"), absl::string_view::npos)
       << gpu.status();
@@ -347,7 +366,7 @@ TEST(CudaOpsTest, ExpertBiasAndSigmoidScoresAreNotRefused) {
   c.alpha_b = 0;
   spec = MoeLmSpec::Create(c);
   ASSERT_TRUE(spec.ok()) << spec.status();
-  gpu = MakeCudaOps(*spec, nullptr, {});
+  gpu = MakeCudaOps(*spec, nullptr, *mesh);
   EXPECT_EQ(gpu.status().code(), absl::StatusCode::kInvalidArgument) << gpu.status();
   EXPECT_EQ(gpu.status().message().find("sigmoid"), absl::string_view::npos) << gpu.status();
 }

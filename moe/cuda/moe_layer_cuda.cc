@@ -70,13 +70,13 @@ absl::Status MoeLayerCuda::Reserve(int64_t T, const MoeLayerCudaConfig& c,
   return absl::OkStatus();
 }
 
-absl::Status MoeLayerCuda::Forward(const CudaExec& exec, const MoeLayerCudaComms& comms,
+absl::Status MoeLayerCuda::Forward(const CudaExec& exec, const Mesh& mesh,
                                    const MoeLayerCudaConfig& c, MoeLayerCudaScratch* scratch,
                                    int64_t T, const float* a, const MoeLayerCudaWeights& w,
                                    const uint8_t* mask, float* y) {
   const int64_t D = c.d_model;
   const int E = c.num_experts, K = c.top_k;
-  const int P = comms.ep_group->size();
+  const int P = mesh.ep_size();
   cudaStream_t s = exec.stream;
   GRADSUM_RETURN_IF_ERROR(Reserve(T, c, scratch));
   GRADSUM_RETURN_IF_ERROR(GemmRowMajor(*exec.blas, s, false, false, T, E, D, a, D, w.router, E,
@@ -99,9 +99,11 @@ absl::Status MoeLayerCuda::Forward(const CudaExec& exec, const MoeLayerCudaComms
   r.local_gating_sums = gating_.as<double>();
   GRADSUM_RETURN_IF_ERROR(RouterForwardCuda(r, s));  // checks inputs (a host sync)
   // c[l, m, :] of §5: SUM over the world.
-  GRADSUM_RETURN_IF_ERROR(Fence(s, comms.world->device_stream()->stream(), exec.fence));
-  GRADSUM_RETURN_IF_ERROR(comms.world->AllReduce(local_counts_.get(), global_counts_.get(), E,
-                                                 DType::kI64, ReduceOp::kSum));
+  GRADSUM_RETURN_IF_ERROR(
+      Fence(s, mesh.device_group(MeshAxis::kWorld).device_stream()->stream(), exec.fence));
+  GRADSUM_RETURN_IF_ERROR(
+      mesh.device_group(MeshAxis::kWorld)
+          .AllReduce(local_counts_.get(), global_counts_.get(), E, DType::kI64, ReduceOp::kSum));
   // Dispatch plan: copies ordered by expert, so EP rank p's rows are contiguous.
   plan_ = PermutePlanCudaArgs();
   plan_.expert_index = index_.as<int32_t>();
@@ -122,12 +124,12 @@ absl::Status MoeLayerCuda::Forward(const CudaExec& exec, const MoeLayerCudaComms
   // The per-expert row counts travel over the host EP group: they size the NCCL
   // all-to-all-v, which needs them on the host anyway.
   GRADSUM_ASSIGN_OR_RETURN(std::vector<int64_t> their_counts,
-                           ExchangeExpertCounts(*comms.host_ep_group, offsets));
+                           ExchangeExpertCounts(mesh.group(MeshAxis::kEp), offsets));
   GRADSUM_ASSIGN_OR_RETURN(exchange_, PlanEpExchange(offsets, their_counts, P, D));
-  return DispatchExpertsCombine(exec, comms, c, scratch, w, y);
+  return DispatchExpertsCombine(exec, mesh, c, scratch, w, y);
 }
 
-absl::Status MoeLayerCuda::RecomputeForward(const CudaExec& exec, const MoeLayerCudaComms& comms,
+absl::Status MoeLayerCuda::RecomputeForward(const CudaExec& exec, const Mesh& mesh,
                                             const MoeLayerCudaConfig& c,
                                             MoeLayerCudaScratch* scratch, const float* a,
                                             const MoeLayerCudaWeights& w, float* y) {
@@ -138,7 +140,7 @@ absl::Status MoeLayerCuda::RecomputeForward(const CudaExec& exec, const MoeLayer
   // kept: the rows are permuted again from `a` and travel as before.
   GRADSUM_RETURN_IF_ERROR(
       PermuteRowsCuda({a, DType::kF32, c.d_model, scratch->send.get()}, plan_, exec.stream));
-  return DispatchExpertsCombine(exec, comms, c, scratch, w, y);
+  return DispatchExpertsCombine(exec, mesh, c, scratch, w, y);
 }
 
 int64_t MoeLayerCudaActivations::bytes() const {
@@ -177,14 +179,13 @@ void MoeLayerCuda::GiveActivations(MoeLayerCudaActivations activations) {
   activations_valid_ = false;
 }
 
-absl::Status MoeLayerCuda::DispatchExpertsCombine(const CudaExec& exec,
-                                                  const MoeLayerCudaComms& comms,
+absl::Status MoeLayerCuda::DispatchExpertsCombine(const CudaExec& exec, const Mesh& mesh,
                                                   const MoeLayerCudaConfig& c,
                                                   MoeLayerCudaScratch* scratch,
                                                   const MoeLayerCudaWeights& w, float* y) {
   const int64_t T = rows_, D = c.d_model, H = c.hidden;
   const int E = c.num_experts, K = c.top_k;
-  const int P = comms.ep_group->size();
+  const int P = mesh.ep_size();
   const int El = E / P;
   cudaStream_t s = exec.stream;
   const EpExchangePlan& x = exchange_;
@@ -198,9 +199,9 @@ absl::Status MoeLayerCuda::DispatchExpertsCombine(const CudaExec& exec,
   for (cuda::DeviceBuffer* b : {&scratch->expert_out, &scratch->d_recv, &scratch->dx_recv}) {
     GRADSUM_RETURN_IF_ERROR(cuda::Reserve(b, F32(R * D)));
   }
-  GRADSUM_RETURN_IF_ERROR(AllToAll(exec, *comms.ep_group, scratch->send.as<float>(), x.send_counts,
-                                   x.send_offsets, acts_.recv.as<float>(), x.recv_counts,
-                                   x.recv_offsets));
+  GRADSUM_RETURN_IF_ERROR(AllToAll(exec, mesh.device_group(MeshAxis::kEp),
+                                   scratch->send.as<float>(), x.send_counts, x.send_offsets,
+                                   acts_.recv.as<float>(), x.recv_counts, x.recv_offsets));
   const ExpertsCudaConfig ecfg = ExpertsConfig(c, El);
   const ExpertsCudaWeights ew = ExpertWeights(w, El * D * H);
   for (int p = 0; p < P; ++p) {
@@ -214,9 +215,9 @@ absl::Status MoeLayerCuda::DispatchExpertsCombine(const CudaExec& exec,
         scratch->expert_out.as<float>() + first * D, saved));
   }
   // The outputs go back to where their rows came from (the reverse exchange).
-  GRADSUM_RETURN_IF_ERROR(AllToAll(exec, *comms.ep_group, scratch->expert_out.as<float>(),
-                                   x.recv_counts, x.recv_offsets, acts_.back.as<float>(),
-                                   x.send_counts, x.send_offsets));
+  GRADSUM_RETURN_IF_ERROR(AllToAll(exec, mesh.device_group(MeshAxis::kEp),
+                                   scratch->expert_out.as<float>(), x.recv_counts, x.recv_offsets,
+                                   acts_.back.as<float>(), x.send_counts, x.send_offsets));
   CombineCudaArgs comb;
   comb.dtype = DType::kF32;
   comb.width = D;
@@ -228,14 +229,14 @@ absl::Status MoeLayerCuda::DispatchExpertsCombine(const CudaExec& exec,
   return absl::OkStatus();
 }
 
-absl::Status MoeLayerCuda::Backward(const CudaExec& exec, const MoeLayerCudaComms& comms,
+absl::Status MoeLayerCuda::Backward(const CudaExec& exec, const Mesh& mesh,
                                     const MoeLayerCudaConfig& c, MoeLayerCudaScratch* scratch,
                                     const float* a, const MoeLayerCudaWeights& w,
                                     const uint8_t* mask, const MoeRouterLossCudaArgs& losses,
                                     const float* dy, float* da, const MoeLayerCudaGrads& grads) {
   const int64_t T = rows_, D = c.d_model, H = c.hidden;
   const int E = c.num_experts, K = c.top_k;
-  const int P = comms.ep_group->size();
+  const int P = mesh.ep_size();
   const int El = E / P;
   cudaStream_t s = exec.stream;
   if (T < 0) return absl::FailedPreconditionError("MoE layer backward before its forward");
@@ -281,9 +282,9 @@ absl::Status MoeLayerCuda::Backward(const CudaExec& exec, const MoeLayerCudaComm
   aux.accumulate_grad = false;
   GRADSUM_RETURN_IF_ERROR(RouterBackwardCuda(aux, s));
   // Expert backward where the rows were computed, then the input gradients come home.
-  GRADSUM_RETURN_IF_ERROR(AllToAll(exec, *comms.ep_group, scratch->d_back.as<float>(),
-                                   x.send_counts, x.send_offsets, scratch->d_recv.as<float>(),
-                                   x.recv_counts, x.recv_offsets));
+  GRADSUM_RETURN_IF_ERROR(AllToAll(exec, mesh.device_group(MeshAxis::kEp),
+                                   scratch->d_back.as<float>(), x.send_counts, x.send_offsets,
+                                   scratch->d_recv.as<float>(), x.recv_counts, x.recv_offsets));
   const int64_t block = El * D * H;
   const ExpertsCudaConfig ecfg = ExpertsConfig(c, El);
   const ExpertsCudaWeights ew = ExpertWeights(w, block);
@@ -299,9 +300,9 @@ absl::Status MoeLayerCuda::Backward(const CudaExec& exec, const MoeLayerCudaComm
         *exec.blas, s, ecfg, ew, acts_.recv.as<float>() + first * D, x.source_offsets[p], saved,
         scratch->d_recv.as<float>() + first * D, scratch->dx_recv.as<float>() + first * D, eg));
   }
-  GRADSUM_RETURN_IF_ERROR(AllToAll(exec, *comms.ep_group, scratch->dx_recv.as<float>(),
-                                   x.recv_counts, x.recv_offsets, scratch->d_send.as<float>(),
-                                   x.send_counts, x.send_offsets));
+  GRADSUM_RETURN_IF_ERROR(AllToAll(exec, mesh.device_group(MeshAxis::kEp),
+                                   scratch->dx_recv.as<float>(), x.recv_counts, x.recv_offsets,
+                                   scratch->d_send.as<float>(), x.send_counts, x.send_offsets));
   // The gather's backward: da[t] = sum_k d_send[pos(t, k)].
   CombineCudaArgs g;
   g.dtype = DType::kF32;

@@ -10,10 +10,10 @@
 // router z-loss (§4) and balancing loss (§5). fp32 activations, TF32 off.
 //
 //   MoeLayerCuda layer;                      // one per layer: keeps what backward reads
-//   GRADSUM_RETURN_IF_ERROR(layer.Forward(exec, comms, config, &scratch, T, a, weights,
+//   GRADSUM_RETURN_IF_ERROR(layer.Forward(exec, mesh, config, &scratch, T, a, weights,
 //                                         mask, y));
 //   ... layer.global_counts() (device [E]) ...
-//   GRADSUM_RETURN_IF_ERROR(layer.Backward(exec, comms, config, &scratch, a, weights, mask,
+//   GRADSUM_RETURN_IF_ERROR(layer.Backward(exec, mesh, config, &scratch, a, weights, mask,
 //                                          losses, dy, da, grads));
 //
 // Host syncs: one per forward for the routed counts that size the all-to-all-v (NCCL needs
@@ -32,6 +32,7 @@
 
 #include "absl/status/status.h"
 #include "collectives/communicator.h"
+#include "collectives/mesh.h"
 #include "core/cuda/device_buffer.h"
 #include "core/cuda/gemm.h"
 #include "moe/cuda/permute_cuda.h"
@@ -57,13 +58,10 @@ struct CudaExec {
   cudaEvent_t fence = nullptr;
 };
 
-// The layer's communicators (not owned), over the same ranks as the host mesh; world and
-// ep_group are NCCL, their streams reached through device_stream().
-struct MoeLayerCudaComms {
-  Communicator* world = nullptr;          // SUM of the expert counts (§5)
-  Communicator* ep_group = nullptr;       // the all-to-all-v of the dispatch
-  Communicator* host_ep_group = nullptr;  // the per-expert row counts that size it
-};
+// The layer's communicators come from the rank's mesh (collectives/mesh.h): the expert
+// counts' SUM over device_group(kWorld) (§5), the dispatch's all-to-all-v over
+// device_group(kEp) (NCCL, their streams reached through device_stream()), and the
+// per-expert row counts that size it over the host group(kEp).
 
 // Device buffers the layers of one rank share (one layer runs at a time).
 struct MoeLayerCudaScratch {
@@ -111,21 +109,20 @@ class MoeLayerCuda {
   // T tokens: a [T, D], mask [T] (1 routed, 0 padding), y [T, D] written; all device.
   // Collective over the communicators. Errors: the pieces' (InvalidArgument for a
   // non-finite router logit, naming the token), the communicators'.
-  absl::Status Forward(const CudaExec& exec, const MoeLayerCudaComms& comms,
-                       const MoeLayerCudaConfig& config, MoeLayerCudaScratch* scratch, int64_t T,
-                       const float* a, const MoeLayerCudaWeights& w, const uint8_t* mask, float* y);
+  absl::Status Forward(const CudaExec& exec, const Mesh& mesh, const MoeLayerCudaConfig& config,
+                       MoeLayerCudaScratch* scratch, int64_t T, const float* a,
+                       const MoeLayerCudaWeights& w, const uint8_t* mask, float* y);
   // dy = dL/dy [T, D]; da = dL/da [T, D] written; weight gradients added into `grads`; the
-  // router losses' values added into `losses`. Collective over comms.ep_group.
-  absl::Status Backward(const CudaExec& exec, const MoeLayerCudaComms& comms,
-                        const MoeLayerCudaConfig& config, MoeLayerCudaScratch* scratch,
-                        const float* a, const MoeLayerCudaWeights& w, const uint8_t* mask,
-                        const MoeRouterLossCudaArgs& losses, const float* dy, float* da,
-                        const MoeLayerCudaGrads& grads);
+  // router losses' values added into `losses`. Collective over the mesh's EP groups.
+  absl::Status Backward(const CudaExec& exec, const Mesh& mesh, const MoeLayerCudaConfig& config,
+                        MoeLayerCudaScratch* scratch, const float* a, const MoeLayerCudaWeights& w,
+                        const uint8_t* mask, const MoeRouterLossCudaArgs& losses, const float* dy,
+                        float* da, const MoeLayerCudaGrads& grads);
 
   // Re-runs the dispatch, experts and combine of this micro-batch's Forward on the same
   // `a` and weights, from the routing that Forward kept: no router pass, no count SUM.
-  // FailedPrecondition before a Forward. Collective over comms.ep_group.
-  absl::Status RecomputeForward(const CudaExec& exec, const MoeLayerCudaComms& comms,
+  // FailedPrecondition before a Forward. Collective over the mesh's EP groups.
+  absl::Status RecomputeForward(const CudaExec& exec, const Mesh& mesh,
                                 const MoeLayerCudaConfig& config, MoeLayerCudaScratch* scratch,
                                 const float* a, const MoeLayerCudaWeights& w, float* y);
   // Hands over the dispatch and expert buffers (the layer holds none until GiveActivations
@@ -146,7 +143,7 @@ class MoeLayerCuda {
   // Forward's part after the routing, the plans and the permutation into scratch->send:
   // the all-to-all, experts, the reverse all-to-all and the combine into y, in acts_.
   // Forward and RecomputeForward.
-  absl::Status DispatchExpertsCombine(const CudaExec& exec, const MoeLayerCudaComms& comms,
+  absl::Status DispatchExpertsCombine(const CudaExec& exec, const Mesh& mesh,
                                       const MoeLayerCudaConfig& config,
                                       MoeLayerCudaScratch* scratch, const MoeLayerCudaWeights& w,
                                       float* y);

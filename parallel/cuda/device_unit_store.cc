@@ -404,25 +404,18 @@ absl::StatusOr<std::unique_ptr<UnitStore>> CudaUnitDevice::MakeStore(
     return absl::InvalidArgumentError(
         absl::StrCat("compute_dtype=", DTypeName(options.compute_dtype), ": must be f32 or bf16"));
   }
-  if (context_ == nullptr || world_ == nullptr || edp_group_ == nullptr ||
-      world_->device_stream() == nullptr || edp_group_->device_stream() == nullptr) {
-    return absl::InvalidArgumentError("device units need a compute context and NCCL groups");
-  }
-  const bool hsdp = dense_shard_ != nullptr || expert_shard_ != nullptr;
-  if (hsdp &&
-      (dense_shard_ == nullptr || expert_shard_ == nullptr ||
-       dense_shard_->device_stream() == nullptr || expert_shard_->device_stream() == nullptr)) {
-    return absl::InvalidArgumentError("device units: HSDP needs both NCCL shard groups");
+  Communicator& dense = mesh_->device_group(MeshAxis::kDpShard);
+  Communicator& experts = mesh_->device_group(MeshAxis::kEdpShard);
+  if (context_ == nullptr || !mesh_->has_device_view() || dense.device_stream() == nullptr ||
+      experts.device_stream() == nullptr) {
+    return absl::InvalidArgumentError(
+        "device units need a compute context and a mesh with an NCCL device view");
   }
   std::vector<DeviceGroup> groups;
   for (size_t u = 0; u < units.size(); ++u) {
     DeviceGroup g;
     g.host = units[u];
-    if (hsdp) {
-      g.comm = expert_unit[u] ? expert_shard_ : dense_shard_;
-    } else {
-      g.comm = expert_unit[u] ? edp_group_ : world_;
-    }
+    g.comm = expert_unit[u] ? &experts : &dense;
     // The device collectives must split the unit as its host layout does.
     if (g.host->options().mode == ShardingMode::kSharded &&
         g.host->padded_numel() != g.host->shard_numel() * g.comm->size()) {

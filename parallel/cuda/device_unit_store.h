@@ -32,6 +32,7 @@
 
 #include "absl/status/statusor.h"
 #include "collectives/communicator.h"
+#include "collectives/mesh.h"
 #include "core/cuda/compute_context.h"
 #include "parallel/parallelize.h"
 
@@ -41,20 +42,16 @@ namespace gradsum::parallel {
 // streams are reached through device_stream()), the same mesh as the host groups.
 class CudaUnitDevice : public UnitDevice {
  public:
-  // dense_shard, expert_shard: HSDP's NCCL shard groups, or null without HSDP.
-  CudaUnitDevice(std::shared_ptr<cuda::ComputeContext> context, Communicator* world,
-                 Communicator* edp_group, Communicator* dense_shard = nullptr,
-                 Communicator* expert_shard = nullptr)
-      : context_(std::move(context)),
-        world_(world),
-        edp_group_(edp_group),
-        dense_shard_(dense_shard),
-        expert_shard_(expert_shard) {}
+  // `mesh` (not owned; it must outlive the device) with its NCCL device view
+  // (Mesh::AttachDeviceView).
+  CudaUnitDevice(std::shared_ptr<cuda::ComputeContext> context, const Mesh& mesh)
+      : context_(std::move(context)), mesh_(&mesh) {}
 
-  // Units reduced over the world get the NCCL world, expert units the NCCL EDP group; with
-  // HSDP the units' shard groups instead (each unit's host FlatParam sums its step's shard
-  // across the replicas when the last micro-batch is folded). InvalidArgument when a unit's
-  // shard group is not the size of its NCCL group.
+  // Dense units are reduced over the device view's dp_shard group (the NCCL world, or with
+  // HSDP the dense shard group), expert units over edp_shard (the NCCL EDP group, or the
+  // expert shard group); with HSDP each unit's host FlatParam sums its step's shard across
+  // the replicas when the last micro-batch is folded. InvalidArgument without an NCCL
+  // device view, or when a unit's shard group is not the size of its NCCL group.
   // Unimplemented for exact gradients; InvalidArgument for a compute dtype other than
   // f32 or bf16.
   absl::StatusOr<std::unique_ptr<UnitStore>> MakeStore(std::vector<FlatParam*> units,
@@ -63,10 +60,7 @@ class CudaUnitDevice : public UnitDevice {
 
  private:
   std::shared_ptr<cuda::ComputeContext> context_;
-  Communicator* world_;
-  Communicator* edp_group_;
-  Communicator* dense_shard_;
-  Communicator* expert_shard_;
+  const Mesh* mesh_;
 };
 
 }  // namespace gradsum::parallel

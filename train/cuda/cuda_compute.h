@@ -9,12 +9,12 @@
 // all-to-all-v over NCCL). The host communicators (MPI) keep the step statistics, the
 // display, the grad norm, checkpoints and the parity check, exactly as on the CPU path.
 //
-//   MoeLmDeviceGroups dev{nccl_world, nccl_ep, nccl_edp};     // same mesh as the host groups
-//   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<MoeLm> model, CreateCudaMoeLm(options, host, dev));
+//   GRADSUM_RETURN_IF_ERROR(mesh.AttachDeviceView(std::move(nccl_world)));  // same groups
+//   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<MoeLm> model, CreateCudaMoeLm(options, mesh));
 //   ... then exactly the MoeLm protocol (train/moe_lm.h), or through Trainer with
 //   RankComms::make_model (train/cuda/nccl_rank.h does this) ...
 //
-// The NCCL communicators should be timed (train/cuda/nccl_rank.h's MakeNcclMesh does) so
+// The NCCL communicators should be timed (train/cuda/nccl_rank.h's AttachNcclView does) so
 // that their collectives count in the step's comm metrics.
 //
 // Numerics: fp32 everywhere except what compute_dtype / reduce_dtype round to bf16. The
@@ -25,38 +25,23 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
-#include "collectives/communicator.h"
+#include "collectives/mesh.h"
 #include "train/moe_lm.h"
 
 namespace gradsum::train {
 
-// The rank's NCCL communicators (decorated or not: each reaches its NCCL stream through
-// device_stream(), collectives/device_stream.h), one GPU per rank, forming the same (F, P)
-// mesh as the host groups (collectives/mesh.h over the NCCL world). Not owned.
-struct MoeLmDeviceGroups {
-  Communicator* world = nullptr;
-  Communicator* ep_group = nullptr;
-  Communicator* edp_group = nullptr;
-  // The SP group (SEMANTICS.md §12) when the host groups have one; else null.
-  Communicator* sp_group = nullptr;
-  // HSDP (SEMANTICS.md §7) when the host groups have it, else null: the NCCL shard groups
-  // the units' shards are gathered and reduce-scattered over (the cross-replica SUM of the
-  // step's shard runs on the host replica groups, FlatParam::FoldReducedGrad).
-  Communicator* dense_shard = nullptr;
-  Communicator* expert_shard = nullptr;
-};
+// The GPU as a ComputeDevice for MoeLm::Create, over `mesh` (not owned; it must outlive the
+// model) with its NCCL device view (Mesh::AttachDeviceView over the rank's NCCL world: the
+// same groups as the host's, by construction). InvalidArgument for a mesh without an NCCL
+// device view or one whose groups sit on different GPUs; Unimplemented for context
+// parallelism (no CUDA ring kernel); FailedPrecondition without a usable GPU (the CUDA
+// runtime's reason).
+absl::StatusOr<ComputeDevice> MakeCudaCompute(const Mesh& mesh);
 
-// The GPU as a ComputeDevice for MoeLm::Create. InvalidArgument for missing device groups
-// or ones whose rank/size differ from the host groups' or that sit on different GPUs;
-// FailedPrecondition without a usable GPU (the CUDA runtime's reason).
-absl::StatusOr<ComputeDevice> MakeCudaCompute(const MoeLmGroups& host,
-                                              const MoeLmDeviceGroups& device);
-
-// MoeLm::Create(options, host, MakeCudaCompute(host, device)). Also Unimplemented for
-// reproducible mode (exact gradients are host-only).
+// MoeLm::Create(options, mesh, MakeCudaCompute(mesh)). Also Unimplemented for reproducible
+// mode (exact gradients are host-only).
 absl::StatusOr<std::unique_ptr<MoeLm>> CreateCudaMoeLm(const MoeLmOptions& options,
-                                                       const MoeLmGroups& host,
-                                                       const MoeLmDeviceGroups& device);
+                                                       const Mesh& mesh);
 
 }  // namespace gradsum::train
 

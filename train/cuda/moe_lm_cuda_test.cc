@@ -44,13 +44,9 @@ absl::StatusOr<GpuRun> RunOnGpu(const TrainConfig& config) {
   options.timeout = absl::Seconds(60);
   GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(host[0].get(), config.parallelism()));
   // As RunNcclRank: NCCL's collectives are timed into the host mesh's CommTimer.
-  GRADSUM_ASSIGN_OR_RETURN(NcclMesh nccl, MakeNcclMesh(*host[0], options, 1, mesh.timer, /*sp=*/1,
-                                                       mesh.mesh->shard_size()));
+  GRADSUM_RETURN_IF_ERROR(AttachNcclView(*host[0], options, mesh));
   RankComms comms = mesh.comms();
-  const MoeLmDeviceGroups dev = nccl.groups();
-  comms.make_model = [dev](const MoeLmOptions& o, const MoeLmGroups& g) {
-    return CreateCudaMoeLm(o, g, dev);
-  };
+  comms.make_model = CreateCudaMoeLm;
   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(config, comms));
   GRADSUM_RETURN_IF_ERROR(trainer->Run(nullptr).status());
   GpuRun out;
@@ -291,20 +287,21 @@ TEST(MoeLmCudaTest, CreateRejectsMissingOrMismatchedDeviceGroups) {
   ASSERT_TRUE(host.ok()) << host.status();
   MoeLmOptions options;
   options.model = TinyConfig(1, 1, 1, TrainConfig::fsdp).model();
-  const MoeLmGroups groups{(*host)[0].get(), (*host)[0].get(), (*host)[0].get()};
-  absl::StatusOr<std::unique_ptr<MoeLm>> none = CreateCudaMoeLm(options, groups, {});
+  // A host mesh without the NCCL device view.
+  absl::StatusOr<std::unique_ptr<Mesh>> mesh = Mesh::Create((*host)[0].get(), MeshShape{});
+  ASSERT_TRUE(mesh.ok()) << mesh.status();
+  absl::StatusOr<std::unique_ptr<MoeLm>> none = CreateCudaMoeLm(options, **mesh);
   EXPECT_EQ(none.status().code(), absl::StatusCode::kInvalidArgument) << none.status();
   EXPECT_NE(none.status().message().find("NCCL"), absl::string_view::npos);
 }
 
-// One GPU for the construction tests: a host world of one thread rank, the NCCL mesh over
-// it (the mesh keeps a pointer to the host communicator, which stays put) and the tiny
-// model's options.
+// One GPU for the construction tests: a host world of one thread rank, its mesh with the
+// NCCL device view (the mesh keeps a pointer to the host communicator, which stays put) and
+// the tiny model's options.
 struct OneGpu {
   std::vector<std::unique_ptr<Communicator>> host;
-  NcclMesh nccl;
+  RankMesh mesh;
   MoeLmOptions options;
-  MoeLmGroups groups() const { return {host[0].get(), host[0].get(), host[0].get()}; }
 };
 
 absl::StatusOr<OneGpu> MakeOneGpu() {
@@ -312,11 +309,12 @@ absl::StatusOr<OneGpu> MakeOneGpu() {
                            CreateThreadCommunicators(1));
   NcclBackendOptions options;
   options.device = 0;
-  GRADSUM_ASSIGN_OR_RETURN(NcclMesh nccl,
-                           MakeNcclMesh(*host[0], options, 1, std::make_shared<CommTimer>()));
+  const TrainConfig config = TinyConfig(1, 1, 1, TrainConfig::fsdp);
+  GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(host[0].get(), config.parallelism()));
+  GRADSUM_RETURN_IF_ERROR(AttachNcclView(*host[0], options, mesh));
   MoeLmOptions model_options;
-  model_options.model = TinyConfig(1, 1, 1, TrainConfig::fsdp).model();
-  return OneGpu{std::move(host), std::move(nccl), model_options};
+  model_options.model = config.model();
+  return OneGpu{std::move(host), std::move(mesh), model_options};
 }
 
 // The held-out evaluation on the GPU (CudaOps::LmHeadLoss: the CE kernel's forward-only
@@ -425,10 +423,7 @@ TEST(MoeLmCudaTest, ProtocolAndInputErrorsAreStatuses) {
   absl::StatusOr<OneGpu> gpu = MakeOneGpu();
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   MoeLmOptions options = gpu->options;
-  const MoeLmGroups groups = gpu->groups();
-  NcclMesh* const nccl = &gpu->nccl;
-  const MoeLmDeviceGroups dev = nccl->groups();
-  auto model = CreateCudaMoeLm(options, groups, dev);
+  auto model = CreateCudaMoeLm(options, *gpu->mesh.mesh);
   ASSERT_TRUE(model.ok()) << model.status();
   ASSERT_TRUE((*model)->SetFullParameters(MoeLm::InitialParameters(options.model, 1)).ok());
 

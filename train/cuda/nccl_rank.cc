@@ -12,7 +12,6 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "collectives/mesh.h"
 #include "collectives/nccl_backend.h"
 #include "core/cuda/cuda_status.h"
 #include "core/status.h"
@@ -66,25 +65,13 @@ absl::Status CheckOneRankPerGpu(Communicator& host_world, int device) {
   return absl::OkStatus();
 }
 
-MoeLmDeviceGroups NcclMesh::groups() const {
-  return {world.get(),    &mesh->ep_group(),         &mesh->edp_group(),
-          sp_group.get(), mesh->dense_shard_group(), mesh->expert_shard_group()};
-}
-
-absl::StatusOr<NcclMesh> MakeNcclMesh(Communicator& host_world, const NcclBackendOptions& options,
-                                      int ep, std::shared_ptr<CommTimer> timer, int sp,
-                                      int shard_size) {
-  NcclMesh out;
-  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> world,
+absl::Status AttachNcclView(Communicator& host_world, const NcclBackendOptions& options,
+                            RankMesh& mesh) {
+  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> nccl,
                            CreateNcclCommunicator(host_world, options));
-  out.world = std::make_unique<TimedCommunicator>(std::move(world), std::move(timer));
-  GRADSUM_ASSIGN_OR_RETURN(out.mesh, Mesh::Create(out.world.get(), ep, shard_size));
-  if (sp > 1) {
-    const int rank = out.world->rank();
-    GRADSUM_ASSIGN_OR_RETURN(out.sp_group,
-                             out.world->SplitAs(rank / sp, rank % sp, CommKind::kSpAllToAll));
-  }
-  return out;
+  auto timed = std::make_unique<TimedCommunicator>(std::move(nccl), mesh.timer);
+  const MeshSplitFn split = TimedMeshSplit(timed.get());
+  return mesh.mesh->AttachDeviceView(std::move(timed), split);
 }
 
 absl::Status RunNcclRank(const TrainConfig& config, Communicator* host_world, std::ostream* log) {
@@ -96,14 +83,9 @@ absl::Status RunNcclRank(const TrainConfig& config, Communicator* host_world, st
   options.timeout = absl::Seconds(config.comm().timeout_s());
   options.check_agreement = !config.comm().nccl_skip_agreement();
   GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(host_world, config.parallelism()));
-  GRADSUM_ASSIGN_OR_RETURN(NcclMesh nccl,
-                           MakeNcclMesh(*host_world, options, config.parallelism().ep(), mesh.timer,
-                                        config.parallelism().sp(), mesh.mesh->shard_size()));
+  GRADSUM_RETURN_IF_ERROR(AttachNcclView(*host_world, options, mesh));
   RankComms comms = mesh.comms();
-  const MoeLmDeviceGroups dev = nccl.groups();
-  comms.make_model = [dev](const MoeLmOptions& o, const MoeLmGroups& g) {
-    return CreateCudaMoeLm(o, g, dev);
-  };
+  comms.make_model = CreateCudaMoeLm;
   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(config, comms));
   return trainer->Run(log).status();
 }

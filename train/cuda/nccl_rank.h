@@ -18,11 +18,11 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "collectives/communicator.h"
-#include "collectives/mesh.h"
 #include "collectives/nccl_backend.h"
 #include "collectives/timed_communicator.h"
 #include "train/config.pb.h"
 #include "train/cuda/cuda_compute.h"
+#include "train/rank_main.h"
 
 namespace gradsum::train {
 
@@ -34,24 +34,16 @@ absl::StatusOr<int> LocalDeviceForRank(int world_rank);
 // (same host name and PCI bus id), which NCCL refuses with an opaque error. Collective.
 absl::Status CheckOneRankPerGpu(Communicator& host_world, int device);
 
-// The rank's NCCL world, bootstrapped over `host_world` (its agreement check runs over a
-// split of `host_world` unless options.check_agreement is false) and timed into `timer`
-// (the host mesh's CommTimer: TimedCommunicator over NCCL's device stream, so NCCL time
-// counts in comm_s and comm_exposed_s), and its (F, P) mesh with EP size `ep`: the GPU
-// model's device groups. Every group is decorated the same way and reaches its NCCL stream
-// through device_stream().
-struct NcclMesh {
-  std::unique_ptr<TimedCommunicator> world;
-  std::unique_ptr<Mesh> mesh;  // over `world`: its EP and EDP groups are checked and timed too
-  // sp > 1: the SP group of `sp` consecutive ranks, its all-to-alls timed as kSpAllToAll.
-  std::unique_ptr<Communicator> sp_group;
-  MoeLmDeviceGroups groups() const;
-};
-// shard_size > 0: HSDP's groups too (Mesh::Create; the host mesh's resolved shard size).
-// Collective over `host_world`. Errors of CreateNcclCommunicator and Mesh::Create.
-absl::StatusOr<NcclMesh> MakeNcclMesh(Communicator& host_world, const NcclBackendOptions& options,
-                                      int ep, std::shared_ptr<CommTimer> timer, int sp = 1,
-                                      int shard_size = 0);
+// The rank's NCCL world, bootstrapped over `host_world` (the backend's, under the host
+// mesh's timed world; its agreement check runs over a split of it unless
+// options.check_agreement is false), timed into the
+// host mesh's CommTimer (TimedCommunicator over NCCL's device stream, so NCCL time counts
+// in comm_s and comm_exposed_s), attached to the host mesh as its device view
+// (Mesh::AttachDeviceView: the same axes, SP's all-to-alls timed as kSpAllToAll): the GPU
+// model's groups. Collective over the host world. Errors of CreateNcclCommunicator and
+// AttachDeviceView.
+absl::Status AttachNcclView(Communicator& host_world, const NcclBackendOptions& options,
+                            RankMesh& mesh);
 
 // Runs optim.steps steps on this rank. Collective over `host_world`, whose size must be
 // parallelism.world. Errors: those of the NCCL bootstrap, Trainer::Create and Trainer::Run.
