@@ -17,6 +17,7 @@
 #include "collectives/timed_communicator.h"
 #include "train/config.pb.h"
 #include "train/moe_lm.h"
+#include "train/parity_report.h"
 
 namespace gradsum::train {
 
@@ -33,6 +34,9 @@ struct RankComms {
   // The CommTimer the mesh's communicators add their time to (may be null).
   std::shared_ptr<CommTimer> timer;
   MoeLmFactory make_model;  // empty: MoeLm::Create
+  // Step 1's parity check (train/parity.h RunParityCheck in moe_lm_parity and the tests);
+  // empty: a --parity_check run is refused at Trainer::Create (FailedPrecondition).
+  ParityCheckFn parity_check;
 };
 
 // The model of `config` over `comms.mesh`, with no parameters set yet. Errors are the

@@ -196,37 +196,4 @@ absl::Status WriteDump(const TrainConfig& config, int rank, const NamedParams& w
   return WriteFileAtomically(absl::StrCat(dir, "/losses.json"), text + "\n");
 }
 
-absl::StatusOr<ParityReport> RunParityCheck(const TrainConfig& config, Communicator& world,
-                                            const NamedParams& weights, const NamedParams& grads,
-                                            const StepMetrics& record,
-                                            const model::ExpertBias& expert_bias) {
-  // Rank 0 runs the reference; every rank learns the verdict, so all fail together.
-  ParityReport report;
-  int64_t ok = 0;
-  absl::Status local = absl::OkStatus();
-  if (world.rank() == 0)
-    local = [&]() -> absl::Status {
-      const bool f32 = config.precision().compute_dtype() == TrainConfig::f32 &&
-                       config.precision().reduce_dtype() == TrainConfig::f32;
-      // bf16 rounds parameters or gradients to 8 bits of mantissa: a looser bar, the one
-      // moe/cuda's bf16 layer test uses (the tiny test models' expert gradients reach 2.1e-2).
-      const double tolerance = config.debug().parity_tolerance();
-      const double tol = f32 ? tolerance : std::max(tolerance, 3e-2);
-      GRADSUM_ASSIGN_OR_RETURN(auto global_batch, GlobalBatchForStep(config, 0));
-      GRADSUM_ASSIGN_OR_RETURN(report, CheckParity(config, weights, global_batch, grads,
-                                                   {record.ce(),
-                                                    record.z(),
-                                                    record.bal(),
-                                                    record.z_out(),
-                                                    {record.mtp().begin(), record.mtp().end()}},
-                                                   tol, expert_bias));
-      ok = report.ok ? 1 : 0;
-      return absl::OkStatus();
-    }();
-  GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world, local, "--parity_check"));
-  GRADSUM_RETURN_IF_ERROR(world.Broadcast(&ok, 1, DType::kI64, 0));
-  if (world.rank() != 0) report.ok = ok == 1;
-  return report;
-}
-
 }  // namespace gradsum::train

@@ -1,9 +1,10 @@
 #ifndef GRADSUM_TRAIN_DEBUGGING_H_
 #define GRADSUM_TRAIN_DEBUGGING_H_
 
-// What a run writes and checks besides training: step 1's dump (debug.dump_dir), step 1's
-// parity check against the single-process reference (debug.parity_check), and the
-// consolidated parameter files (checkpoint.export_path, checkpoint.init_from).
+// What a run writes besides training: step 1's dump (debug.dump_dir) and the consolidated
+// parameter files (checkpoint.export_path, checkpoint.init_from). Step 1's parity check
+// against the single-process reference is train/parity.h's (linked only into moe_lm_parity
+// and the tests).
 //
 // A dump directory holds, after step 1 of a fresh run:
 //   batch.r{rank}.m{m}.safetensors   every rank's micro-batches: tokens, labels, mask,
@@ -24,7 +25,6 @@
 #include "train/data.h"
 #include "train/metrics.pb.h"
 #include "train/moe_lm.h"
-#include "train/parity.h"
 
 namespace gradsum::train {
 
@@ -58,17 +58,6 @@ absl::StatusOr<NamedParams> ReadParamsFile(const std::string& path, const ModelC
 absl::Status WriteDump(const TrainConfig& config, int rank, const NamedParams& weights,
                        const NamedParams& grads, const std::vector<MicroBatch>& batches,
                        const StepMetrics& record, const model::ExpertBias& expert_bias = {});
-
-// The parity check of step 1 (train/parity.h): rank 0 runs the reference on step 1's
-// global batch with `weights` and compares `grads` and `record`'s losses, within
-// debug.parity_tolerance (at least 3e-2 when a dtype is bf16, which rounds to 8 bits of
-// mantissa), the reference routing with `expert_bias` (step 1's, §5.1). Every rank
-// returns the verdict (rank 0 the whole report; the others `ok` only), or the same error.
-// Collective over `world`.
-absl::StatusOr<ParityReport> RunParityCheck(const TrainConfig& config, Communicator& world,
-                                            const NamedParams& weights, const NamedParams& grads,
-                                            const StepMetrics& record,
-                                            const model::ExpertBias& expert_bias = {});
 
 }  // namespace gradsum::train
 

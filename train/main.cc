@@ -2,6 +2,8 @@
 //
 //   ./bazelw run -c opt //train:moe_lm                       # defaults: 2 thread ranks
 //   ./bazelw run -c opt //train:moe_lm -- --world=4 --ep=2 --grad_acc=3 --parity_check
+//     (the parity check runs in moe_lm_parity, this file built with GRADSUM_PARITY_BINARY
+//     and the fp64 reference; moe_lm hands such a run to it, see ExecParityBinary)
 //   mpirun -np 4 bazel-bin/train/moe_lm --backend=mpi --world=4 --ep=2
 //   mpirun -np 8 bazel-bin/train/moe_lm --backend=nccl --world=8 --ep=4   # --config=cuda build
 //
@@ -16,8 +18,11 @@
 // aborts the whole MPI job (AbortMpiJob): nothing waits in MPI_Finalize for a peer that
 // cannot come. An escaped exception becomes an error status the same way (CatchExceptions).
 
+#include <unistd.h>
+
 #include <condition_variable>
 #include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <iostream>
 #include <memory>
@@ -45,6 +50,9 @@
 #include "train/rank_main.h"
 #ifdef GRADSUM_HAVE_CUDA
 #include "train/cuda/nccl_rank.h"
+#endif
+#ifdef GRADSUM_PARITY_BINARY
+#include "train/parity.h"
 #endif
 
 namespace gradsum::train {
@@ -247,9 +255,47 @@ int RunOnThreads(const TrainConfig& config, absl::Duration timeout,
   return rc;
 }
 
-int Main() {
+// Step 1's parity check, linked into moe_lm_parity (this file built with
+// GRADSUM_PARITY_BINARY) and not into moe_lm, which does not link the fp64 reference
+// (testing/); train/parity_report.h.
+ParityCheckFn LinkedParityCheck() {
+#ifdef GRADSUM_PARITY_BINARY
+  return RunParityCheck;
+#else
+  return {};
+#endif
+}
+
+// moe_lm with --parity_check: runs moe_lm_parity, built beside it (//train:moe_lm carries it
+// as data), with the same arguments, in this process (before any rank or MPI starts, so an
+// MPI launcher's process becomes the parity binary's). Returns only when it cannot.
+int ExecParityBinary(char** argv) {
+  std::vector<std::filesystem::path> tried;
+  for (const std::filesystem::path& dir :
+       {std::filesystem::path(argv[0]).parent_path(),
+        std::filesystem::read_symlink("/proc/self/exe").parent_path()}) {
+    const std::filesystem::path candidate = (dir.empty() ? "." : dir) / "moe_lm_parity";
+    tried.push_back(candidate);
+    if (access(candidate.c_str(), X_OK) == 0) {
+      std::cout.flush();
+      execv(candidate.c_str(), argv);
+    }
+  }
+  Report(absl::FailedPreconditionError(absl::StrCat(
+      "--parity_check runs in moe_lm_parity (the fp64 reference is not linked into moe_lm), "
+      "which is not beside this binary (tried ",
+      absl::StrJoin(
+          tried, ", ",
+          [](std::string* out, const std::filesystem::path& p) { out->append(p.string()); }),
+      "): build it with `./bazelw build //train:moe_lm_parity` and run it with the same flags")));
+  return 1;
+}
+
+int Main(char** argv) {
   absl::StatusOr<TrainConfig> config = ConfigFromFlags();
   absl::Status s = config.status();
+  const ParityCheckFn parity = LinkedParityCheck();
+  if (s.ok() && config->debug().parity_check() && !parity) return ExecParityBinary(argv);
   if (s.ok()) s = CheckResourceBounds(*config, MachineMemoryBytes());
   if (!s.ok()) {
     Report(s);
@@ -259,11 +305,11 @@ int Main() {
   switch (config->comm().backend()) {
     case TrainConfig::thread:
       return RunOnThreads(*config, timeout, [&](Communicator* world, std::ostream* log) {
-        return RunRank(*config, world, log);
+        return RunRank(*config, world, log, parity);
       });
     case TrainConfig::mpi:
       return RunOnMpiWorld(*config, timeout, [&](Communicator* world, std::ostream* log) {
-        return RunRank(*config, world, log);
+        return RunRank(*config, world, log, parity);
       });
     case TrainConfig::nccl:
 #ifdef GRADSUM_HAVE_CUDA
@@ -272,11 +318,11 @@ int Main() {
       // launcher: a one-rank thread communicator is the host world.
       if (config->parallelism().world() == 1) {
         return RunOnThreads(*config, timeout, [&](Communicator* world, std::ostream* log) {
-          return RunNcclRank(*config, world, log);
+          return RunNcclRank(*config, world, log, parity);
         });
       }
       return RunOnMpiWorld(*config, timeout, [&](Communicator* world, std::ostream* log) {
-        return RunNcclRank(*config, world, log);
+        return RunNcclRank(*config, world, log, parity);
       });
 #else
       Report(absl::FailedPreconditionError(
@@ -314,7 +360,7 @@ int main(int argc, char** argv) {
   // status 1 (and, under MPI, ends the job), never in std::terminate's abort.
   int rc = 1;
   const absl::Status s = gradsum::train::CatchExceptions([&] {
-    rc = gradsum::train::Main();
+    rc = gradsum::train::Main(argv);
     return absl::OkStatus();
   });
   if (!s.ok()) {

@@ -57,6 +57,15 @@ grep -q "^summary: " "$tmp/run.txt" || fail "no summary"
 "$bin" "${tiny[@]}" --steps=1 --parity_check --recompute=full > "$tmp/full.txt" 2>&1 \
   || fail "--recompute=full run failed: $(cat "$tmp/full.txt")"
 grep -q "parity PASSED" "$tmp/full.txt" || fail "parity did not pass with --recompute=full"
+# moe_lm does not link the fp64 reference: it hands --parity_check to moe_lm_parity beside
+# it (the runs above); a moe_lm alone says where the check lives and trains nothing.
+mkdir -p "$tmp/alone"
+cp "$(readlink -f "$bin")" "$tmp/alone/moe_lm"
+"$tmp/alone/moe_lm" "${tiny[@]}" --steps=1 --parity_check > "$tmp/alone.txt" 2>&1
+[ $? -eq 1 ] || fail "moe_lm without moe_lm_parity beside it must exit 1: $(cat "$tmp/alone.txt")"
+grep -q "FAILED_PRECONDITION: --parity_check runs in moe_lm_parity" "$tmp/alone.txt" \
+  || fail "moe_lm alone: $(cat "$tmp/alone.txt")"
+grep -q "^step " "$tmp/alone.txt" && fail "moe_lm alone trained: $(cat "$tmp/alone.txt")"
 [ "$(wc -l < "$tmp/m.jsonl")" -eq 3 ] || fail "expected 3 JSONL records"
 for key in '"step":3' '"ce":' '"z":' '"bal":' '"valid_tokens":' '"grad_norm":' '"comm_s":' '"comm_exposed_s":' \
     '"peak_unsharded_param_bytes":' '"full_param_bytes":' \

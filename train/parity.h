@@ -10,11 +10,9 @@
 //       CheckParity(config, weights, batch, grads, {ce, z, bal, z_out}, 1e-5));
 //   std::cout << r.ToString();  if (!r.ok) ...
 //
-// Errors are measured per parameter, scale-free:
-//   norm_ratio  = ||g|| / ||g_ref||            (1 when both are 0)
-//   max_rel_err = max_i |g_i - g_ref_i| / max_i |g_ref_i|
-// and per loss term |v - v_ref| / |v_ref|. `ok` when every |norm_ratio - 1|, every
-// max_rel_err and every loss error is <= tolerance.
+// The report and its errors are train/parity_report.h's. This is the only part of train/
+// that links the reference: the binary `moe_lm_parity` (and the tests) pass RunParityCheck
+// to the trainer; `moe_lm` hands a --parity_check run to `moe_lm_parity` (train/main.cc).
 
 #include <memory>
 #include <string>
@@ -25,29 +23,9 @@
 #include "train/config.pb.h"
 #include "train/data.h"
 #include "train/moe_lm.h"
+#include "train/parity_report.h"
 
 namespace gradsum::train {
-
-struct ParamParity {
-  std::string name;
-  double norm_ratio = 1;
-  double max_rel_err = 0;
-};
-
-struct LossParity {
-  std::string name;
-  double value = 0, reference = 0, rel_err = 0;
-};
-
-struct ParityReport {
-  std::vector<ParamParity> params;
-  std::vector<LossParity> losses;
-  double tolerance = 0;
-  double worst = 0;  // the largest error of any kind
-  bool ok = false;
-  // One line per parameter and loss term, then a verdict line.
-  std::string ToString() const;
-};
 
 // The global batch of step `step_index` (0-based): batch[m][r] for every data rank r (the
 // world's ranks, or its world / sp sequence-parallel groups, each with whole sequences):
@@ -78,6 +56,17 @@ absl::StatusOr<ParityReport> CheckParity(const TrainConfig& config, const NamedP
                                          const NamedParams& grads, const StepLosses& losses,
                                          double tolerance,
                                          const model::ExpertBias& expert_bias = {});
+
+// The parity check of step 1 (the trainer's ParityCheckFn): rank 0 runs the reference on
+// step 1's global batch with `weights` and compares `grads` and `record`'s losses, within
+// debug.parity_tolerance (at least 3e-2 when a dtype is bf16, which rounds to 8 bits of
+// mantissa), the reference routing with `expert_bias` (step 1's, §5.1). Every rank
+// returns the verdict (rank 0 the whole report; the others `ok` only), or the same error.
+// Collective over `world`.
+absl::StatusOr<ParityReport> RunParityCheck(const TrainConfig& config, Communicator& world,
+                                            const NamedParams& weights, const NamedParams& grads,
+                                            const StepMetrics& record,
+                                            const model::ExpertBias& expert_bias = {});
 
 }  // namespace gradsum::train
 

@@ -95,7 +95,8 @@ absl::StatusOr<RankMesh> MakeRankMesh(Communicator* world, const ParallelismConf
   return mesh;
 }
 
-absl::Status RunRank(const TrainConfig& config, Communicator* world, std::ostream* log) {
+absl::Status RunRank(const TrainConfig& config, Communicator* world, std::ostream* log,
+                     const ParityCheckFn& parity_check) {
   GRADSUM_ASSIGN_OR_RETURN(RankMesh mesh, MakeRankMesh(world, config.parallelism()));
   if (log != nullptr && mesh.mesh->shard_size() > 0) {
     // shard_group 0 is resolved from the hosts: say what it became.
@@ -103,7 +104,9 @@ absl::Status RunRank(const TrainConfig& config, Communicator* world, std::ostrea
     *log << absl::StrFormat("hsdp: shard groups of %d consecutive ranks, replicated %d times\n", n,
                             mesh.mesh->world_size() / n);
   }
-  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(config, mesh.comms()));
+  RankComms comms = mesh.comms();
+  comms.parity_check = parity_check;
+  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(config, comms));
   return trainer->Run(log).status();
 }
 

@@ -59,7 +59,10 @@ MeshSplitFn TimedMeshSplit(TimedCommunicator* timed);
 absl::StatusOr<int> ResolveShardGroup(Communicator& world, const ParallelismConfig& parallelism);
 
 // Builds the mesh and the Trainer and runs optim.steps steps. Collective over `world`.
-absl::Status RunRank(const TrainConfig& config, Communicator* world, std::ostream* log);
+// `parity_check`: step 1's check for a --parity_check run (train/parity.h RunParityCheck;
+// empty, such a run is refused).
+absl::Status RunRank(const TrainConfig& config, Communicator* world, std::ostream* log,
+                     const ParityCheckFn& parity_check = {});
 
 // The start-up lines rank 0 prints: config, sizes, the corpus's entropy floor.
 void PrintBanner(const TrainConfig& config, std::ostream& out);

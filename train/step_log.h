@@ -18,7 +18,7 @@
 #include "absl/status/statusor.h"
 #include "collectives/timed_communicator.h"
 #include "train/metrics.pb.h"
-#include "train/parity.h"
+#include "train/parity_report.h"
 
 namespace gradsum::train {
 

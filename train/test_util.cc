@@ -3,6 +3,7 @@
 #include "core/status.h"
 #include "testing/run_ranks.h"
 #include "train/config.h"
+#include "train/parity.h"
 #include "train/rank_main.h"
 
 namespace gradsum::train {
@@ -50,8 +51,10 @@ absl::StatusOr<std::vector<RankOutcome>> RunInProcess(const TrainConfig& unresol
                                  RankOutcome& out = outcomes[world.rank()];
                                  GRADSUM_ASSIGN_OR_RETURN(
                                      RankMesh mesh, MakeRankMesh(&world, config.parallelism()));
+                                 RankComms comms = mesh.comms();
+                                 comms.parity_check = RunParityCheck;  // as moe_lm_parity's
                                  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
-                                                          Trainer::Create(config, mesh.comms()));
+                                                          Trainer::Create(config, comms));
                                  absl::Status s = trainer->Run(nullptr).status();
                                  out.history = trainer->history();
                                  out.first_step_grads = trainer->first_step_grads();

@@ -41,6 +41,12 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
                                                          const RankComms& comms) {
   GRADSUM_RETURN_IF_ERROR(ValidateConfig(config));
   if (comms.mesh == nullptr) return absl::InvalidArgumentError("Trainer needs the rank's mesh");
+  if (config.debug().parity_check() && !comms.parity_check) {
+    // The fp64 reference is not linked into this binary (train/parity_report.h).
+    return absl::FailedPreconditionError(
+        "--parity_check (debug.parity_check): this binary has no parity check linked in; run "
+        "moe_lm_parity (//train:moe_lm_parity) with the same flags, or a moe_lm built beside it");
+  }
   Communicator& world = comms.mesh->world();
   // Ranks launched separately must agree on every setting and on the data before anything
   // else is collective.
@@ -459,7 +465,7 @@ absl::Status Trainer::RunFirstStepChecks(const NamedParams& weights, const model
   }
   if (config_.debug().parity_check()) {
     GRADSUM_ASSIGN_OR_RETURN(
-        parity_, RunParityCheck(config_, world(), weights, *first_step_grads_, record, bias));
+        parity_, comms_.parity_check(config_, world(), weights, *first_step_grads_, record, bias));
   }
   return absl::OkStatus();
 }

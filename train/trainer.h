@@ -21,7 +21,8 @@
 //   6. display        StepDisplay::Reduce, the step's global losses (§8)
 // and the record (StepMetrics, train/metrics.proto). Around the steps, Run logs
 // (train/step_log.h), saves checkpoints (train/checkpointing.h) and, after step 1 of a
-// fresh run, writes the dump and runs the parity check (train/debugging.h).
+// fresh run, writes the dump (train/debugging.h) and runs the parity check
+// (RankComms::parity_check; train/parity.h).
 
 #include <cstdint>
 #include <memory>
@@ -45,7 +46,7 @@
 #include "train/metrics.pb.h"
 #include "train/metrics_file.h"
 #include "train/moe_lm.h"
-#include "train/parity.h"
+#include "train/parity_report.h"
 #include "train/step_log.h"
 
 namespace gradsum::train {

@@ -22,6 +22,7 @@
 #include "train/cuda/cuda_compute.h"
 #include "train/cuda/nccl_rank.h"
 #include "train/data.h"
+#include "train/parity.h"
 #include "train/rank_main.h"
 #include "train/test_util.h"
 #include "train/trainer.h"
@@ -47,6 +48,7 @@ absl::StatusOr<GpuRun> RunOnGpu(const TrainConfig& config) {
   GRADSUM_RETURN_IF_ERROR(AttachNcclView(*host[0], options, mesh));
   RankComms comms = mesh.comms();
   comms.make_model = CreateCudaMoeLm;
+  comms.parity_check = RunParityCheck;
   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(config, comms));
   GRADSUM_RETURN_IF_ERROR(trainer->Run(nullptr).status());
   GpuRun out;

@@ -74,7 +74,8 @@ absl::Status AttachNcclView(Communicator& host_world, const NcclBackendOptions& 
   return mesh.mesh->AttachDeviceView(std::move(timed), split);
 }
 
-absl::Status RunNcclRank(const TrainConfig& config, Communicator* host_world, std::ostream* log) {
+absl::Status RunNcclRank(const TrainConfig& config, Communicator* host_world, std::ostream* log,
+                         const ParityCheckFn& parity_check) {
   if (host_world == nullptr) return absl::InvalidArgumentError("null host world communicator");
   GRADSUM_ASSIGN_OR_RETURN(const int device, LocalDeviceForRank(host_world->rank()));
   GRADSUM_RETURN_IF_ERROR(CheckOneRankPerGpu(*host_world, device));
@@ -86,6 +87,7 @@ absl::Status RunNcclRank(const TrainConfig& config, Communicator* host_world, st
   GRADSUM_RETURN_IF_ERROR(AttachNcclView(*host_world, options, mesh));
   RankComms comms = mesh.comms();
   comms.make_model = CreateCudaMoeLm;
+  comms.parity_check = parity_check;
   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(config, comms));
   return trainer->Run(log).status();
 }

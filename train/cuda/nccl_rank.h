@@ -47,7 +47,9 @@ absl::Status AttachNcclView(Communicator& host_world, const NcclBackendOptions& 
 
 // Runs optim.steps steps on this rank. Collective over `host_world`, whose size must be
 // parallelism.world. Errors: those of the NCCL bootstrap, Trainer::Create and Trainer::Run.
-absl::Status RunNcclRank(const TrainConfig& config, Communicator* host_world, std::ostream* log);
+// `parity_check` as RunRank's.
+absl::Status RunNcclRank(const TrainConfig& config, Communicator* host_world, std::ostream* log,
+                         const ParityCheckFn& parity_check = {});
 
 }  // namespace gradsum::train
 
