@@ -202,6 +202,151 @@ ExpertsConfig LocalExpertsConfig(const DispatchConfig& config, int ep_size) {
                        .row_blocks = config.expert_row_blocks};
 }
 
+// Forward step 1: order the copies by destination expert (a stable counting sort) into the
+// home side of `s` (send_copy, copy_pos, expert_first; the state is reset field by field,
+// keeping the vectors' capacity for reuse). Fills `counts` = rows per expert; fails
+// before touching `s` on an expert index outside [-1, E).
+absl::Status SortCopiesByExpert(int E, int K, int64_t T, absl::Span<const int32_t> expert_index,
+                                absl::Span<const float> combine_weight,
+                                std::vector<int64_t>& counts, DispatchState& s) {
+  counts.assign(E, 0);
+  for (int64_t c = 0; c < T * K; ++c) {
+    const int32_t e = expert_index[c];
+    if (e < -1 || e >= E) {
+      return absl::InvalidArgumentError(absl::StrCat("expert_index[token ", c / K, ", slot ", c % K,
+                                                     "] is ", e, ", outside [-1, E=", E, ")"));
+    }
+    if (e >= 0) ++counts[e];
+  }
+  s.num_tokens = T;
+  s.combine_weight.assign(combine_weight.begin(), combine_weight.end());
+  s.expert_first.assign(E + 1, 0);
+  for (int e = 0; e < E; ++e) s.expert_first[e + 1] = s.expert_first[e] + counts[e];
+  std::vector<int64_t> next(s.expert_first.begin(), s.expert_first.end() - 1);
+  const int64_t num_sent = s.expert_first[E];
+  s.send_copy.resize(num_sent);
+  s.copy_pos.assign(T * K, -1);
+  for (int64_t c = 0; c < T * K; ++c) {
+    if (expert_index[c] < 0) continue;
+    s.copy_pos[c] = next[expert_index[c]]++;
+    s.send_copy[s.copy_pos[c]] = c;
+  }
+  return absl::OkStatus();
+}
+
+// Forward step 2: s.all_counts[q * E + e] = rows rank q sends to expert e, by an all-gather
+// of `counts`; a re-run of the same routing (config.all_counts) knows them already.
+absl::Status ExchangeExpertCounts(Communicator& ep_group, const DispatchConfig& config,
+                                  const std::vector<int64_t>& counts, DispatchState& s) {
+  const int P = ep_group.size();
+  const int me = ep_group.rank();
+  const int E = config.num_experts;
+  std::vector<int64_t>& all_counts = s.all_counts;
+  if (config.all_counts != nullptr) {
+    const std::vector<int64_t>& known = *config.all_counts;
+    if (known.size() != static_cast<size_t>(P) * E ||
+        !std::equal(counts.begin(), counts.end(), known.begin() + static_cast<size_t>(me) * E)) {
+      return absl::FailedPreconditionError(absl::StrCat("dispatch: the kept expert counts (",
+                                                        known.size(),
+                                                        " entries) are not those of this "
+                                                        "routing on EP rank ",
+                                                        me, " of ", P, " with ", E,
+                                                        " experts; re-run a dispatch only "
+                                                        "with the routing that produced them"));
+    }
+    all_counts.assign(known.begin(), known.end());
+    return absl::OkStatus();
+  }
+  all_counts.resize(static_cast<size_t>(P) * E);
+  return Annotate(ep_group.AllGather(counts.data(), all_counts.data(), E, DType::kI64),
+                  "exchanging expert counts");
+}
+
+// Forward step 3, from s.all_counts: the owner layout (the experts want their rows grouped
+// by local expert j, and within j by source rank q), and where each sent row's output will
+// be: its row of copy_output (which skips the own range), or for this rank's own experts
+// (never exchanged) its row of expert_output.
+void PlanRowLayout(int P, int me, int E, DispatchState& s) {
+  const int E_local = E / P;
+  s.local_group_sizes.assign(E_local, 0);
+  s.owner_count.assign(static_cast<size_t>(P) * E_local, 0);
+  s.owner_first.assign(static_cast<size_t>(P) * E_local, 0);
+  for (int q = 0; q < P; ++q) {
+    for (int j = 0; j < E_local; ++j) {
+      const int64_t n = s.all_counts[q * E + me * E_local + j];
+      s.owner_count[q * E_local + j] = n;
+      s.local_group_sizes[j] += n;
+    }
+  }
+  int64_t row = 0;
+  for (int j = 0; j < E_local; ++j) {
+    for (int q = 0; q < P; ++q) {
+      s.owner_first[q * E_local + j] = row;
+      row += s.owner_count[q * E_local + j];
+    }
+  }
+  s.num_received = row;
+  s.own_first = s.expert_first[me * E_local];
+  s.own_rows = s.expert_first[(me + 1) * E_local] - s.own_first;
+  const int64_t num_sent = s.expert_first[E];
+  s.output_row.resize(num_sent);
+  for (int64_t pos = 0; pos < num_sent; ++pos) s.output_row[pos] = s.HomeRow(pos);
+  for (int j = 0; j < E_local; ++j) {
+    const int e = me * E_local + j;
+    const int64_t first = s.owner_first[me * E_local + j];
+    for (int64_t pos = s.expert_first[e]; pos < s.expert_first[e + 1]; ++pos) {
+      s.output_row[pos] = -1 - (first + pos - s.expert_first[e]);
+    }
+  }
+}
+
+// Forward step 4: sizes the exchange buffers of `s` and packs the rows of `a` straight
+// into the send buffer (own experts' rows straight into the experts' input); returns the
+// send buffer. Token by token, so that each row of `a` is read from memory once for its K
+// copies.
+float* PackSendRows(const DispatchConfig& config, absl::Span<const float> a, DispatchState& s) {
+  const int64_t D = config.d_model;
+  const int K = config.top_k;
+  const int64_t num_exchanged = s.exchanged_rows();
+  float* send =
+      Scratch(config.scratch != nullptr ? config.scratch->send : s.scratch_send, num_exchanged * D);
+  s.expert_input.resize(s.num_received * D);
+  s.expert_output.resize(s.num_received * D);
+  s.copy_output.resize(num_exchanged * D);
+  for (int64_t c = 0; c < s.num_tokens * K; ++c) {
+    const int64_t pos = s.copy_pos[c];
+    if (pos < 0) continue;
+    const int64_t r = s.output_row[pos];
+    float* dst = r >= 0 ? send + r * D : s.expert_input.data() + (-1 - r) * D;
+    std::memcpy(dst, &a[(c / K) * D], sizeof(float) * D);
+  }
+  return send;
+}
+
+// Forward step 6: combine straight from where the outputs are: y_t = 0 + sum_k w_tk out_tk,
+// slots in order, so the sum does not depend on P.
+void CombineOutputs(const DispatchState& s, int K, int64_t D,
+                    absl::Span<const float> combine_weight, absl::Span<float> y) {
+  const internal::RowKernels& rk = internal::SelectedRowKernels();
+  for (int64_t t = 0; t < s.num_tokens; ++t) {
+    float* yt = &y[t * D];
+    bool first = true;
+    for (int k = 0; k < K; ++k) {
+      const int64_t pos = s.copy_pos[t * K + k];
+      if (pos < 0) continue;
+      const float w = combine_weight[t * K + k];
+      const float* out = OutputRow(s, pos, D);
+      if (first) {
+        rk.set_scaled(yt, w, out, D);
+      } else {
+        rk.add_scaled(yt, w, out, D);
+      }
+      first = false;
+    }
+    if (first) std::fill(yt, yt + D, 0.0f);
+  }
+}
+
 }  // namespace
 
 absl::Status ValidateDispatchConfig(const DispatchConfig& config, int ep_size) {
@@ -225,14 +370,12 @@ absl::Status DispatchCombineForwardWith(Communicator& ep_group, const DispatchCo
                                         absl::Span<const float> combine_weight, absl::Span<float> y,
                                         DispatchState* state) {
   const int P = ep_group.size();
-  const int me = ep_group.rank();
   GRADSUM_RETURN_IF_ERROR(ValidateDispatchConfig(config, P));
   if (state == nullptr) return absl::InvalidArgumentError("dispatch state must not be null");
   if (!experts) return absl::InvalidArgumentError("dispatch forward: no experts function");
   const int64_t D = config.d_model;
   const int E = config.num_experts;
   const int K = config.top_k;
-  const int E_local = E / P;
   if (a.size() % static_cast<size_t>(D) != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("dispatch input a has ", a.size(), " elements, not a multiple of D=", D));
@@ -245,112 +388,16 @@ absl::Status DispatchCombineForwardWith(Communicator& ep_group, const DispatchCo
   GRADSUM_RETURN_IF_ERROR(internal::CheckSize("dispatch output y", y.size(), T * D, "[T, D]"));
   // Every local check before the first collective, so a bad argument fails fast here (the
   // experts' own checks ran in the caller).
-
-  // 1. Order the copies by destination expert (a stable counting sort).
-  std::vector<int64_t> counts(E, 0);
-  for (int64_t c = 0; c < T * K; ++c) {
-    const int32_t e = expert_index[c];
-    if (e < -1 || e >= E) {
-      return absl::InvalidArgumentError(absl::StrCat("expert_index[token ", c / K, ", slot ", c % K,
-                                                     "] is ", e, ", outside [-1, E=", E, ")"));
-    }
-    if (e >= 0) ++counts[e];
-  }
-  // Reset the state field by field, keeping the vectors' capacity for reuse.
   DispatchState& s = *state;
-  s.num_tokens = T;
-  s.combine_weight.assign(combine_weight.begin(), combine_weight.end());
-  s.expert_first.assign(E + 1, 0);
-  for (int e = 0; e < E; ++e) s.expert_first[e + 1] = s.expert_first[e] + counts[e];
-  std::vector<int64_t> next(s.expert_first.begin(), s.expert_first.end() - 1);
-  const int64_t num_sent = s.expert_first[E];
-  s.send_copy.resize(num_sent);
-  s.copy_pos.assign(T * K, -1);
-  const std::vector<int64_t>& copy_pos = s.copy_pos;
-  for (int64_t c = 0; c < T * K; ++c) {
-    if (expert_index[c] < 0) continue;
-    s.copy_pos[c] = next[expert_index[c]]++;
-    s.send_copy[copy_pos[c]] = c;
-  }
-
-  // 2. Exchange the per-expert counts: all_counts[q * E + e] = rows rank q sends to expert e.
-  // A re-run of the same routing (config.all_counts) knows them already.
-  std::vector<int64_t>& all_counts = s.all_counts;
-  if (config.all_counts != nullptr) {
-    const std::vector<int64_t>& known = *config.all_counts;
-    if (known.size() != static_cast<size_t>(P) * E ||
-        !std::equal(counts.begin(), counts.end(), known.begin() + static_cast<size_t>(me) * E)) {
-      return absl::FailedPreconditionError(absl::StrCat("dispatch: the kept expert counts (",
-                                                        known.size(),
-                                                        " entries) are not those of this "
-                                                        "routing on EP rank ",
-                                                        me, " of ", P, " with ", E,
-                                                        " experts; re-run a dispatch only "
-                                                        "with the routing that produced them"));
-    }
-    all_counts.assign(known.begin(), known.end());
-  } else {
-    all_counts.resize(static_cast<size_t>(P) * E);
-    GRADSUM_RETURN_IF_ERROR(
-        Annotate(ep_group.AllGather(counts.data(), all_counts.data(), E, DType::kI64),
-                 "exchanging expert counts"));
-  }
-
-  // The experts want their rows grouped by local expert j, and within j by source rank q.
-  s.local_group_sizes.assign(E_local, 0);
-  s.owner_count.assign(static_cast<size_t>(P) * E_local, 0);
-  s.owner_first.assign(static_cast<size_t>(P) * E_local, 0);
-  for (int q = 0; q < P; ++q) {
-    for (int j = 0; j < E_local; ++j) {
-      const int64_t n = all_counts[q * E + me * E_local + j];
-      s.owner_count[q * E_local + j] = n;
-      s.local_group_sizes[j] += n;
-    }
-  }
-  int64_t row = 0;
-  for (int j = 0; j < E_local; ++j) {
-    for (int q = 0; q < P; ++q) {
-      s.owner_first[q * E_local + j] = row;
-      row += s.owner_count[q * E_local + j];
-    }
-  }
-  const int64_t num_received = row;
-  s.num_received = num_received;
-
-  // Where each sent row's output will be: its row of copy_output (which skips the own
-  // range), or for this rank's own experts (never exchanged) its row of expert_output.
-  s.own_first = s.expert_first[me * E_local];
-  s.own_rows = s.expert_first[(me + 1) * E_local] - s.own_first;
-  const int64_t num_exchanged = s.exchanged_rows();
-  s.output_row.resize(num_sent);
-  for (int64_t pos = 0; pos < num_sent; ++pos) s.output_row[pos] = s.HomeRow(pos);
-  for (int j = 0; j < E_local; ++j) {
-    const int e = me * E_local + j;
-    const int64_t first = s.owner_first[me * E_local + j];
-    for (int64_t pos = s.expert_first[e]; pos < s.expert_first[e + 1]; ++pos) {
-      s.output_row[pos] = -1 - (first + pos - s.expert_first[e]);
-    }
-  }
-
-  // 3. Pack the rows straight into the send buffer (own experts' rows straight into the
-  // experts' input).
-  float* send =
-      Scratch(config.scratch != nullptr ? config.scratch->send : s.scratch_send, num_exchanged * D);
-  s.expert_input.resize(num_received * D);
-  s.expert_output.resize(num_received * D);
-  s.copy_output.resize(num_exchanged * D);
-  // Token by token, so that each row of `a` is read from memory once for its K copies.
-  for (int64_t c = 0; c < T * K; ++c) {
-    const int64_t pos = copy_pos[c];
-    if (pos < 0) continue;
-    const int64_t r = s.output_row[pos];
-    float* dst = r >= 0 ? send + r * D : s.expert_input.data() + (-1 - r) * D;
-    std::memcpy(dst, &a[(c / K) * D], sizeof(float) * D);
-  }
-  // 4. A pipeline over chunks of local experts: every slot's rows leave at once; a chunk's
+  std::vector<int64_t> counts;
+  GRADSUM_RETURN_IF_ERROR(SortCopiesByExpert(E, K, T, expert_index, combine_weight, counts, s));
+  GRADSUM_RETURN_IF_ERROR(ExchangeExpertCounts(ep_group, config, counts, s));
+  PlanRowLayout(P, ep_group.rank(), E, s);
+  float* send = PackSendRows(config, a, s);
+  // 5. A pipeline over chunks of local experts: every slot's rows leave at once; a chunk's
   // experts run as soon as its slots have arrived, and its outputs travel home while the
   // next chunk computes. Each expert sees the same rows as in one call (same bits).
-  s.chunk_first = ChunkFirsts(P, E_local);
+  s.chunk_first = ChunkFirsts(P, E / P);
   s.experts_saved.resize(s.chunk_first.size() - 1);
   GRADSUM_RETURN_IF_ERROR(RunPipeline(
       ep_group, s, E, D, send, s.expert_input.data(), s.expert_output.data(), s.copy_output.data(),
@@ -361,27 +408,7 @@ absl::Status DispatchCombineForwardWith(Communicator& ep_group, const DispatchCo
             absl::MakeSpan(s.expert_output).subspan(rows.first_row * D, rows.num_rows * D),
             &s.experts_saved[c]);
       }));
-
-  // 5. Combine straight from where the outputs are: y_t = 0 + sum_k w_tk out_tk, slots in
-  // order, so the sum does not depend on P.
-  const internal::RowKernels& rk = internal::SelectedRowKernels();
-  for (int64_t t = 0; t < T; ++t) {
-    float* yt = &y[t * D];
-    bool first = true;
-    for (int k = 0; k < K; ++k) {
-      const int64_t pos = copy_pos[t * K + k];
-      if (pos < 0) continue;
-      const float w = combine_weight[t * K + k];
-      const float* out = OutputRow(s, pos, D);
-      if (first) {
-        rk.set_scaled(yt, w, out, D);
-      } else {
-        rk.add_scaled(yt, w, out, D);
-      }
-      first = false;
-    }
-    if (first) std::fill(yt, yt + D, 0.0f);
-  }
+  CombineOutputs(s, K, D, combine_weight, y);
   return absl::OkStatus();
 }
 
