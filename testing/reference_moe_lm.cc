@@ -193,7 +193,8 @@ using Rows = std::vector<std::vector<double>>;  // [S][width], one row per token
 // One ReferenceLossAndGrads call: its inputs, the global statistics of §3-5, what the
 // forward keeps for the backward, and the result being filled in. Run() is the whole
 // computation, and each member function one named step of it. The sizes keep the short
-// names of SEMANTICS.md's symbols so that the formulas read as written there.
+// names of SEMANTICS.md's symbols so that the formulas read as written there. The config
+// must have passed CheckConfig (the constructor divides by its head count).
 class ReferenceModel {
  public:
   ReferenceModel(const ReferenceConfig& c, const NamedTensors& params,
