@@ -189,10 +189,18 @@ float* Scratch(std::vector<float>& buffer, int64_t n) {
   return buffer.data();
 }
 
-// Sent row `pos`'s expert output (see DispatchState::output_row).
-inline const float* OutputRow(const DispatchState& s, int64_t pos, int64_t d_model) {
+// Sent row `pos`'s row of d_model floats in a pair of buffers laid out as
+// DispatchState::output_row says: `home` (the exchanged rows, send order without the own
+// range) or, for this rank's own experts, `own` (expert-major).
+template <typename T>
+inline T* SentRow(const DispatchState& s, int64_t pos, T* home, T* own, int64_t d_model) {
   const int64_t r = s.output_row[pos];
-  return r >= 0 ? s.copy_output.data() + r * d_model : s.expert_output.data() + (-1 - r) * d_model;
+  return r >= 0 ? home + r * d_model : own + (-1 - r) * d_model;
+}
+
+// Sent row `pos`'s expert output.
+inline const float* OutputRow(const DispatchState& s, int64_t pos, int64_t d_model) {
+  return SentRow(s, pos, s.copy_output.data(), s.expert_output.data(), d_model);
 }
 
 ExpertsConfig LocalExpertsConfig(const DispatchConfig& config, int ep_size) {
@@ -316,9 +324,8 @@ float* PackSendRows(const DispatchConfig& config, absl::Span<const float> a, Dis
   for (int64_t c = 0; c < s.num_tokens * K; ++c) {
     const int64_t pos = s.copy_pos[c];
     if (pos < 0) continue;
-    const int64_t r = s.output_row[pos];
-    float* dst = r >= 0 ? send + r * D : s.expert_input.data() + (-1 - r) * D;
-    std::memcpy(dst, &a[(c / K) * D], sizeof(float) * D);
+    std::memcpy(SentRow(s, pos, send, s.expert_input.data(), D), &a[(c / K) * D],
+                sizeof(float) * D);
   }
   return send;
 }
@@ -344,6 +351,93 @@ void CombineOutputs(const DispatchState& s, int K, int64_t D,
       first = false;
     }
     if (first) std::fill(yt, yt + D, 0.0f);
+  }
+}
+
+// Backward's check that `state` comes from a forward with this config on P ranks: every
+// array of the sizes that forward gives it.
+absl::Status CheckStateFromForward(const DispatchConfig& config, int P,
+                                   const DispatchState& state) {
+  const int64_t D = config.d_model;
+  const int K = config.top_k;
+  const int64_t T = state.num_tokens;
+  const int64_t num_sent = state.sent_rows();
+  const int64_t num_received = state.received_rows();
+  const int E_local = config.num_experts / P;
+  if (state.expert_first.size() != static_cast<size_t>(config.num_experts) + 1 ||
+      state.owner_first.size() != static_cast<size_t>(P) * E_local ||
+      state.owner_count.size() != static_cast<size_t>(P) * E_local ||
+      state.combine_weight.size() != static_cast<size_t>(T * K) ||
+      state.copy_pos.size() != static_cast<size_t>(T * K) ||
+      state.output_row.size() != static_cast<size_t>(num_sent) || state.own_first < 0 ||
+      state.own_rows < 0 || state.own_first + state.own_rows > num_sent ||
+      state.copy_output.size() != static_cast<size_t>(state.exchanged_rows() * D) ||
+      state.expert_input.size() != static_cast<size_t>(num_received * D) ||
+      state.expert_output.size() != static_cast<size_t>(num_received * D) ||
+      !ValidChunks(state, E_local)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("dispatch state (T=", T, ", ", state.expert_first.size(),
+                     " expert offsets) does not come from a forward with D=", D, ", K=", K,
+                     ", E=", config.num_experts, ", P=", P));
+  }
+  return absl::OkStatus();
+}
+
+// Backward step 1: d w_tk = <dy_t, out_tk> into d_combine_weight (0 for unrouted copies);
+// the copy's output gradient w_tk dy_t goes straight into the send buffer (own experts'
+// rows straight into the experts' output gradient, expert_dy).
+void ScatterOutputGradients(const DispatchState& state, int K, int64_t D,
+                            absl::Span<const float> dy, float* send, float* expert_dy,
+                            absl::Span<float> d_combine_weight) {
+  const int64_t T = state.num_tokens;
+  std::fill(d_combine_weight.begin(), d_combine_weight.end(), 0.0f);  // unrouted copies
+  // Token by token (each dy row is read from memory once for its K copies), the dot
+  // products kDotRowsMax copies at a time (each one sequential fp64 sum; the rows run side
+  // by side, moe/dispatch_rows.h).
+  const std::vector<int64_t>& copy_pos = state.copy_pos;  // forward's inverse of send_copy
+  const internal::RowKernels& rk = internal::SelectedRowKernels();
+  constexpr int kRows = internal::kDotRowsMax;
+  for (int64_t c0 = 0; c0 < T * K;) {
+    int64_t copy[kRows];
+    int n = 0;
+    for (; c0 < T * K && n < kRows; ++c0) {
+      if (copy_pos[c0] >= 0) copy[n++] = c0;
+    }
+    const float* dyt[kRows];
+    const float* out[kRows];
+    for (int i = 0; i < n; ++i) {
+      dyt[i] = &dy[(copy[i] / K) * D];
+      out[i] = OutputRow(state, copy_pos[copy[i]], D);
+    }
+    double dot[kRows];
+    if (n > 0) rk.dot_rows(dyt, out, D, n, dot);
+    for (int i = 0; i < n; ++i) {
+      const int64_t c = copy[i], pos = copy_pos[c];
+      d_combine_weight[c] = static_cast<float>(dot[i]);
+      rk.scale(SentRow(state, pos, send, expert_dy, D), state.combine_weight[c], dyt[i], D);
+    }
+  }
+}
+
+// Backward step 3: d_a from the input gradients of the K copies of each token, where they
+// are (`send` for the exchanged rows, expert_dx for the own experts').
+void SumCopyGradients(const DispatchState& state, int K, int64_t D, const float* send,
+                      const float* expert_dx, absl::Span<float> d_a) {
+  const int64_t T = state.num_tokens;
+  const std::vector<int64_t>& copy_pos = state.copy_pos;
+  const internal::RowKernels& rk = internal::SelectedRowKernels();
+  // Sum the K copies of each token into d_a straight from where they are, token by token
+  // (one pass over d_a), each token's copies in send order as before.
+  std::vector<int64_t> token_pos(K);
+  for (int64_t t = 0; t < T; ++t) {
+    int n = 0;
+    for (int k = 0; k < K; ++k) {
+      if (copy_pos[t * K + k] >= 0) token_pos[n++] = copy_pos[t * K + k];
+    }
+    std::sort(token_pos.begin(), token_pos.begin() + n);
+    for (int i = 0; i < n; ++i) {
+      rk.add(&d_a[t * D], SentRow(state, token_pos[i], send, expert_dx, D), D);
+    }
   }
 }
 
@@ -423,33 +517,13 @@ absl::Status DispatchCombineBackwardWith(Communicator& ep_group, const DispatchC
   const int64_t D = config.d_model;
   const int K = config.top_k;
   const int64_t T = state.num_tokens;
-  const int64_t num_sent = state.sent_rows();
   const int64_t num_received = state.received_rows();
-  const int E_local = config.num_experts / P;
-  if (state.expert_first.size() != static_cast<size_t>(config.num_experts) + 1 ||
-      state.owner_first.size() != static_cast<size_t>(P) * E_local ||
-      state.owner_count.size() != static_cast<size_t>(P) * E_local ||
-      state.combine_weight.size() != static_cast<size_t>(T * K) ||
-      state.copy_pos.size() != static_cast<size_t>(T * K) ||
-      state.output_row.size() != static_cast<size_t>(num_sent) || state.own_first < 0 ||
-      state.own_rows < 0 || state.own_first + state.own_rows > num_sent ||
-      state.copy_output.size() != static_cast<size_t>(state.exchanged_rows() * D) ||
-      state.expert_input.size() != static_cast<size_t>(num_received * D) ||
-      state.expert_output.size() != static_cast<size_t>(num_received * D) ||
-      !ValidChunks(state, E_local)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("dispatch state (T=", T, ", ", state.expert_first.size(),
-                     " expert offsets) does not come from a forward with D=", D, ", K=", K,
-                     ", E=", config.num_experts, ", P=", P));
-  }
+  GRADSUM_RETURN_IF_ERROR(CheckStateFromForward(config, P, state));
   GRADSUM_RETURN_IF_ERROR(internal::CheckSize("dispatch dy", dy.size(), T * D, "[T, D]"));
   GRADSUM_RETURN_IF_ERROR(internal::CheckSize("dispatch d_a", d_a.size(), T * D, "[T, D]"));
   GRADSUM_RETURN_IF_ERROR(
       internal::CheckSize("dispatch d_combine_weight", d_combine_weight.size(), T * K, "[T, K]"));
 
-  // d w_tk = <dy_t, out_tk>; the copy's output gradient w_tk dy_t goes straight into the
-  // send buffer (own experts' rows straight into the experts' output gradient).
-  std::fill(d_combine_weight.begin(), d_combine_weight.end(), 0.0f);  // unrouted copies
   DispatchScratch* shared = config.scratch;
   float* send =
       Scratch(shared != nullptr ? shared->send : state.scratch_send, state.exchanged_rows() * D);
@@ -457,35 +531,8 @@ absl::Status DispatchCombineBackwardWith(Communicator& ep_group, const DispatchC
       Scratch(shared != nullptr ? shared->expert_a : state.scratch_expert_a, num_received * D);
   float* expert_dx =
       Scratch(shared != nullptr ? shared->expert_b : state.scratch_expert_b, num_received * D);
-  // Token by token (each dy row is read from memory once for its K copies), the dot
-  // products kDotRowsMax copies at a time (each one sequential fp64 sum; the rows run side
-  // by side, moe/dispatch_rows.h).
-  const std::vector<int64_t>& copy_pos = state.copy_pos;  // forward's inverse of send_copy
-  const internal::RowKernels& rk = internal::SelectedRowKernels();
-  constexpr int kRows = internal::kDotRowsMax;
-  for (int64_t c0 = 0; c0 < T * K;) {
-    int64_t copy[kRows];
-    int n = 0;
-    for (; c0 < T * K && n < kRows; ++c0) {
-      if (copy_pos[c0] >= 0) copy[n++] = c0;
-    }
-    const float* dyt[kRows];
-    const float* out[kRows];
-    for (int i = 0; i < n; ++i) {
-      dyt[i] = &dy[(copy[i] / K) * D];
-      out[i] = OutputRow(state, copy_pos[copy[i]], D);
-    }
-    double dot[kRows];
-    if (n > 0) rk.dot_rows(dyt, out, D, n, dot);
-    for (int i = 0; i < n; ++i) {
-      const int64_t c = copy[i], pos = copy_pos[c];
-      d_combine_weight[c] = static_cast<float>(dot[i]);
-      const int64_t r = state.output_row[pos];
-      float* g = r >= 0 ? send + r * D : expert_dy + (-1 - r) * D;
-      rk.scale(g, state.combine_weight[c], dyt[i], D);
-    }
-  }
-  // The same pipeline as forward, over forward's chunks. The input gradients come home
+  ScatterOutputGradients(state, K, D, dy, send, expert_dy, d_combine_weight);
+  // 2. The same pipeline as forward, over forward's chunks. The input gradients come home
   // into the send buffer: slot j's rows there were read by slot j's dispatch, which is
   // complete before slot j's return is issued.
   GRADSUM_RETURN_IF_ERROR(RunPipeline(
@@ -497,21 +544,7 @@ absl::Status DispatchCombineBackwardWith(Communicator& ep_group, const DispatchC
                        state.experts_saved[c], absl::MakeConstSpan(expert_dy + first, n),
                        absl::MakeSpan(expert_dx + first, n));
       }));
-  // Sum the K copies of each token into d_a straight from where they are, token by token
-  // (one pass over d_a), each token's copies in send order as before.
-  std::vector<int64_t> token_pos(K);
-  for (int64_t t = 0; t < T; ++t) {
-    int n = 0;
-    for (int k = 0; k < K; ++k) {
-      if (copy_pos[t * K + k] >= 0) token_pos[n++] = copy_pos[t * K + k];
-    }
-    std::sort(token_pos.begin(), token_pos.begin() + n);
-    for (int i = 0; i < n; ++i) {
-      const int64_t pos = token_pos[i];
-      const int64_t r = state.output_row[pos];
-      rk.add(&d_a[t * D], r >= 0 ? send + r * D : expert_dx + (-1 - r) * D, D);
-    }
-  }
+  SumCopyGradients(state, K, D, send, expert_dx, d_a);
   return absl::OkStatus();
 }
 
