@@ -307,6 +307,19 @@ AttentionDims GroupDims(const RingAttentionDims& dims, int64_t group) {
   return w;
 }
 
+// The whole sequences' q of kv head j's query heads, and its k and v (GatherWhole).
+absl::Status GatherGroupQkv(Communicator& cp_group, const Layout& l, int64_t S, int64_t L,
+                            int64_t j, absl::Span<const float> q, absl::Span<const float> k,
+                            absl::Span<const float> v, std::vector<float>* qw,
+                            std::vector<float>* kw, std::vector<float>* vw,
+                            RingAttentionTimes* times) {
+  const int64_t H = l.heads, Hk = l.kv_heads, d = l.d, g = l.group;
+  GRADSUM_RETURN_IF_ERROR(
+      GatherWhole(cp_group, l, S, L, g * d, TakeHeads(q, H, d, j * g, g), qw, times));
+  GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, d, TakeHeads(k, Hk, d, j, 1), kw, times));
+  return GatherWhole(cp_group, l, S, L, d, TakeHeads(v, Hk, d, j, 1), vw, times);
+}
+
 // RingAttentionForward's kGathered schedule: per kv head j, gather the whole sequences'
 // q, k, v of its query heads, run the whole-sequence kernel, keep this rank's rows.
 absl::Status GatheredForward(Communicator& cp_group, const RingAttentionDims& dims, const Layout& l,
@@ -325,12 +338,7 @@ absl::Status GatheredForward(Communicator& cp_group, const RingAttentionDims& di
                          ScratchFloats(whole.forward_scratch_floats(L, dp), S * g));
   for (int64_t j = 0; j < Hk; ++j) {
     std::vector<float> qw, kw, vw;
-    GRADSUM_RETURN_IF_ERROR(
-        GatherWhole(cp_group, l, S, L, gw, TakeHeads(q, H, d, j * g, g), &qw, times));
-    GRADSUM_RETURN_IF_ERROR(
-        GatherWhole(cp_group, l, S, L, d, TakeHeads(k, Hk, d, j, 1), &kw, times));
-    GRADSUM_RETURN_IF_ERROR(
-        GatherWhole(cp_group, l, S, L, d, TakeHeads(v, Hk, d, j, 1), &vw, times));
+    GRADSUM_RETURN_IF_ERROR(GatherGroupQkv(cp_group, l, S, L, j, q, k, v, &qw, &kw, &vw, times));
     std::vector<float> ow(qw.size()), lw(S * L * g);
     const Clock::time_point start = Clock::now();
     GRADSUM_RETURN_IF_ERROR(AttentionForward(GroupDims(dims, g), qw, kw, vw, doc_start,
@@ -365,12 +373,7 @@ absl::Status GatheredBackward(Communicator& cp_group, const RingAttentionDims& d
                          ScratchFloats(whole.backward_scratch_floats(L, dp), S * g));
   for (int64_t j = 0; j < Hk; ++j) {
     std::vector<float> qw, kw, vw, ow, lw, gw_out;
-    GRADSUM_RETURN_IF_ERROR(
-        GatherWhole(cp_group, l, S, L, gw, TakeHeads(q, H, d, j * g, g), &qw, times));
-    GRADSUM_RETURN_IF_ERROR(
-        GatherWhole(cp_group, l, S, L, d, TakeHeads(k, Hk, d, j, 1), &kw, times));
-    GRADSUM_RETURN_IF_ERROR(
-        GatherWhole(cp_group, l, S, L, d, TakeHeads(v, Hk, d, j, 1), &vw, times));
+    GRADSUM_RETURN_IF_ERROR(GatherGroupQkv(cp_group, l, S, L, j, q, k, v, &qw, &kw, &vw, times));
     GRADSUM_RETURN_IF_ERROR(
         GatherWhole(cp_group, l, S, L, gw, TakeHeads(out, H, d, j * g, g), &ow, times));
     GRADSUM_RETURN_IF_ERROR(
