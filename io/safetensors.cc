@@ -146,18 +146,14 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Read(const std::string& path) {
 
 namespace {
 
-// Parses and validates a header (the JSON text) for a data buffer of `data_size` bytes:
-// every rule of the format, and that the tensors tile the buffer.
-absl::Status ParseHeader(absl::string_view header_text, uint64_t data_size,
-                         absl::string_view source,
-                         std::map<std::string, SafetensorsTensorRange, std::less<>>* tensors,
-                         std::map<std::string, std::string>* metadata) {
+// The header text as a JSON object. nlohmann-json parses; the safetensors rules are checked
+// by the callers. JSON itself allows duplicate keys (nlohmann keeps the last); a tensor file
+// must not, so the parser's callback records them. Deeper values are dropped, not built (a
+// header is 3 levels deep; this bounds the memory and the destructor's recursion on a
+// hostile header).
+absl::StatusOr<nlohmann::json> ParseHeaderJson(absl::string_view header_text,
+                                               absl::string_view source) {
   auto loss = [&](auto&&... parts) { return DataLoss(source, parts...); };
-  // nlohmann-json parses; the safetensors rules are checked here. JSON itself allows
-  // duplicate keys (nlohmann keeps the last); a tensor file must not, so the parser's
-  // callback records them.
-  // Deeper values are dropped, not built (a header is 3 levels deep; this bounds the memory
-  // and the destructor's recursion on a hostile header).
   constexpr int kMaxDepth = 16;
   std::vector<std::set<std::string>> open_objects;
   std::string duplicate;
@@ -195,104 +191,120 @@ absl::Status ParseHeader(absl::string_view header_text, uint64_t data_size,
   if (too_deep) return loss("bad header: nesting deeper than ", kMaxDepth);
   if (!duplicate.empty()) return loss("bad header: duplicate key \"", duplicate, "\"");
   if (!header.is_object()) return loss("header is not a JSON object");
+  return header;
+}
 
-  // A JSON integer that fits int64_t and is >= 0.
-  auto non_negative = [](const nlohmann::json& v, int64_t* out) {
-    if (v.is_number_unsigned()) {
-      if (v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) return false;
-      *out = static_cast<int64_t>(v.get<uint64_t>());
-      return true;
-    }
-    if (!v.is_number_integer() || v.get<int64_t>() < 0) return false;
-    *out = v.get<int64_t>();
+// A JSON integer that fits int64_t and is >= 0.
+bool NonNegative(const nlohmann::json& v, int64_t* out) {
+  if (v.is_number_unsigned()) {
+    if (v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) return false;
+    *out = static_cast<int64_t>(v.get<uint64_t>());
     return true;
-  };
-
-  struct Span {
-    uint64_t begin, end;
-    const std::string* name;
-  };
-  std::vector<Span> spans;
-  for (const auto& [name, value] : header.items()) {
-    if (name == kMetadataKey) {
-      if (!value.is_object()) return loss("\"__metadata__\" is not an object");
-      for (const auto& [k, v] : value.items()) {
-        if (!v.is_string()) return loss("metadata value for \"", k, "\" is not a string");
-        (*metadata)[k] = v.get<std::string>();
-      }
-      continue;
-    }
-    if (name.empty()) return loss("a tensor has an empty name");
-    if (!value.is_object()) return loss("entry \"", name, "\" is not an object");
-    const auto dtype_v = value.find("dtype");
-    const auto shape_v = value.find("shape");
-    const auto offsets_v = value.find("data_offsets");
-    if (dtype_v == value.end() || !dtype_v->is_string()) {
-      return loss("tensor \"", name, "\" has no string \"dtype\"");
-    }
-    if (shape_v == value.end() || !shape_v->is_array()) {
-      return loss("tensor \"", name, "\" has no array \"shape\"");
-    }
-    if (offsets_v == value.end() || !offsets_v->is_array() || offsets_v->size() != 2) {
-      return loss("tensor \"", name, "\" has no two-element \"data_offsets\"");
-    }
-    const std::string dtype_name = dtype_v->get<std::string>();
-    SafetensorsTensorRange entry;
-    bool known = false;
-    for (const auto& e : kDTypeNames) {
-      if (e.name == dtype_name) {
-        entry.dtype = e.dtype;
-        known = true;
-      }
-    }
-    if (!known) {
-      for (absl::string_view foreign : kForeignDTypes) {
-        if (foreign == dtype_name) {
-          return absl::UnimplementedError(absl::StrCat("safetensors file '", source, "': tensor \"",
-                                                       name, "\" has dtype ", foreign,
-                                                       ", which gradsum does not support"));
-        }
-      }
-      return loss("tensor \"", name, "\" has unknown dtype \"", dtype_name, "\"");
-    }
-    for (const nlohmann::json& d : *shape_v) {
-      int64_t dim = 0;
-      if (!non_negative(d, &dim)) {
-        return loss("tensor \"", name, "\" has a shape entry that is not a non-negative integer");
-      }
-      entry.shape.push_back(dim);
-    }
-    absl::StatusOr<int64_t> numel = NumElements(entry.shape);
-    if (!numel.ok()) return loss("tensor \"", name, "\": ", numel.status().message());
-    int64_t b = 0, e = 0;
-    if (!non_negative((*offsets_v)[0], &b) || !non_negative((*offsets_v)[1], &e) || e < b) {
-      return loss("tensor \"", name, "\" has invalid data_offsets");
-    }
-    const uint64_t begin = static_cast<uint64_t>(b);
-    const uint64_t end = static_cast<uint64_t>(e);
-    if (end > data_size) {
-      return loss("tensor \"", name, "\" data_offsets [", begin, ", ", end,
-                  ") run past the data buffer of ", data_size, " bytes (truncated?)");
-    }
-    const uint64_t elem = DTypeSize(entry.dtype);
-    if (static_cast<uint64_t>(*numel) > data_size / elem ||
-        static_cast<uint64_t>(*numel) * elem != end - begin) {
-      return loss("tensor \"", name, "\" has ", end - begin, " bytes but shape [",
-                  absl::StrJoin(entry.shape, ","), "] of ", dtype_name, " needs ",
-                  static_cast<uint64_t>(*numel) * elem);
-    }
-    entry.begin = begin;
-    entry.end = end;
-    auto inserted = tensors->emplace(name, std::move(entry));
-    spans.push_back({begin, end, &inserted.first->first});
   }
-  // Tensors must tile the buffer exactly: no overlap (aliasing) and no hole (hidden bytes).
-  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
+  if (!v.is_number_integer() || v.get<int64_t>() < 0) return false;
+  *out = v.get<int64_t>();
+  return true;
+}
+
+// The "__metadata__" entry: an object of strings, into *metadata.
+absl::Status ParseMetadata(const nlohmann::json& value, absl::string_view source,
+                           std::map<std::string, std::string>* metadata) {
+  auto loss = [&](auto&&... parts) { return DataLoss(source, parts...); };
+  if (!value.is_object()) return loss("\"__metadata__\" is not an object");
+  for (const auto& [k, v] : value.items()) {
+    if (!v.is_string()) return loss("metadata value for \"", k, "\" is not a string");
+    (*metadata)[k] = v.get<std::string>();
+  }
+  return absl::OkStatus();
+}
+
+// Tensor `name`'s entry: a known dtype, a shape of non-negative integers, data_offsets
+// inside the data buffer of `data_size` bytes that hold exactly the shape's bytes.
+absl::StatusOr<SafetensorsTensorRange> ParseTensorEntry(const std::string& name,
+                                                        const nlohmann::json& value,
+                                                        uint64_t data_size,
+                                                        absl::string_view source) {
+  auto loss = [&](auto&&... parts) { return DataLoss(source, parts...); };
+  if (name.empty()) return loss("a tensor has an empty name");
+  if (!value.is_object()) return loss("entry \"", name, "\" is not an object");
+  const auto dtype_v = value.find("dtype");
+  const auto shape_v = value.find("shape");
+  const auto offsets_v = value.find("data_offsets");
+  if (dtype_v == value.end() || !dtype_v->is_string()) {
+    return loss("tensor \"", name, "\" has no string \"dtype\"");
+  }
+  if (shape_v == value.end() || !shape_v->is_array()) {
+    return loss("tensor \"", name, "\" has no array \"shape\"");
+  }
+  if (offsets_v == value.end() || !offsets_v->is_array() || offsets_v->size() != 2) {
+    return loss("tensor \"", name, "\" has no two-element \"data_offsets\"");
+  }
+  const std::string dtype_name = dtype_v->get<std::string>();
+  SafetensorsTensorRange entry;
+  bool known = false;
+  for (const auto& e : kDTypeNames) {
+    if (e.name == dtype_name) {
+      entry.dtype = e.dtype;
+      known = true;
+    }
+  }
+  if (!known) {
+    for (absl::string_view foreign : kForeignDTypes) {
+      if (foreign == dtype_name) {
+        return absl::UnimplementedError(absl::StrCat("safetensors file '", source, "': tensor \"",
+                                                     name, "\" has dtype ", foreign,
+                                                     ", which gradsum does not support"));
+      }
+    }
+    return loss("tensor \"", name, "\" has unknown dtype \"", dtype_name, "\"");
+  }
+  for (const nlohmann::json& d : *shape_v) {
+    int64_t dim = 0;
+    if (!NonNegative(d, &dim)) {
+      return loss("tensor \"", name, "\" has a shape entry that is not a non-negative integer");
+    }
+    entry.shape.push_back(dim);
+  }
+  absl::StatusOr<int64_t> numel = NumElements(entry.shape);
+  if (!numel.ok()) return loss("tensor \"", name, "\": ", numel.status().message());
+  int64_t b = 0, e = 0;
+  if (!NonNegative((*offsets_v)[0], &b) || !NonNegative((*offsets_v)[1], &e) || e < b) {
+    return loss("tensor \"", name, "\" has invalid data_offsets");
+  }
+  const uint64_t begin = static_cast<uint64_t>(b);
+  const uint64_t end = static_cast<uint64_t>(e);
+  if (end > data_size) {
+    return loss("tensor \"", name, "\" data_offsets [", begin, ", ", end,
+                ") run past the data buffer of ", data_size, " bytes (truncated?)");
+  }
+  const uint64_t elem = DTypeSize(entry.dtype);
+  if (static_cast<uint64_t>(*numel) > data_size / elem ||
+      static_cast<uint64_t>(*numel) * elem != end - begin) {
+    return loss("tensor \"", name, "\" has ", end - begin, " bytes but shape [",
+                absl::StrJoin(entry.shape, ","), "] of ", dtype_name, " needs ",
+                static_cast<uint64_t>(*numel) * elem);
+  }
+  entry.begin = begin;
+  entry.end = end;
+  return entry;
+}
+
+// One tensor's bytes [begin, end) of the data buffer.
+struct ByteSpan {
+  uint64_t begin, end;
+  const std::string* name;
+};
+
+// Tensors must tile the buffer exactly: no overlap (aliasing) and no hole (hidden bytes).
+absl::Status CheckSpansTileBuffer(std::vector<ByteSpan> spans, uint64_t data_size,
+                                  absl::string_view source) {
+  auto loss = [&](auto&&... parts) { return DataLoss(source, parts...); };
+  std::sort(spans.begin(), spans.end(), [](const ByteSpan& a, const ByteSpan& b) {
     return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
   });
   uint64_t cursor = 0;
   const std::string* previous = nullptr;
-  for (const Span& s : spans) {
+  for (const ByteSpan& s : spans) {
     if (s.begin < cursor) {
       return loss("tensors \"", *previous, "\" and \"", *s.name, "\" overlap at byte ", s.begin);
     }
@@ -305,6 +317,29 @@ absl::Status ParseHeader(absl::string_view header_text, uint64_t data_size,
     return loss("data buffer has ", data_size, " bytes but the tensors cover ", cursor);
   }
   return absl::OkStatus();
+}
+
+// Parses and validates a header (the JSON text) for a data buffer of `data_size` bytes:
+// every rule of the format, and that the tensors tile the buffer.
+absl::Status ParseHeader(absl::string_view header_text, uint64_t data_size,
+                         absl::string_view source,
+                         std::map<std::string, SafetensorsTensorRange, std::less<>>* tensors,
+                         std::map<std::string, std::string>* metadata) {
+  absl::StatusOr<nlohmann::json> header = ParseHeaderJson(header_text, source);
+  if (!header.ok()) return header.status();
+  std::vector<ByteSpan> spans;
+  for (const auto& [name, value] : header->items()) {
+    if (name == kMetadataKey) {
+      GRADSUM_RETURN_IF_ERROR(ParseMetadata(value, source, metadata));
+      continue;
+    }
+    absl::StatusOr<SafetensorsTensorRange> entry = ParseTensorEntry(name, value, data_size, source);
+    if (!entry.ok()) return entry.status();
+    const uint64_t begin = entry->begin, end = entry->end;
+    auto inserted = tensors->emplace(name, *std::move(entry));
+    spans.push_back({begin, end, &inserted.first->first});
+  }
+  return CheckSpansTileBuffer(std::move(spans), data_size, source);
 }
 
 // The 8-byte little-endian header length at `bytes`.

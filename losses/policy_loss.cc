@@ -168,14 +168,11 @@ absl::Status CheckNormalizer(absl::string_view name, double v) {
       absl::StrCat(kWhat, ": ", name, " = ", v, " must be finite and >= 0"));
 }
 
-}  // namespace
-
-absl::StatusOr<PolicyLossResult> PolicyLossForwardBackward(const TensorView& logits,
-                                                           const PolicyLossInputs& in,
-                                                           const PolicyLossNormalizer& norm,
-                                                           const TensorView& grad_logits,
-                                                           const PolicyLossOptions& options) {
-  // ---- Every check first: nothing is written on a bad argument. ----
+// Every check of the arguments that needs no row's values: the views, the options, the
+// spans' lengths and the normalizers.
+absl::Status CheckArguments(const TensorView& logits, const PolicyLossInputs& in,
+                            const PolicyLossNormalizer& norm, const TensorView& grad_logits,
+                            const PolicyLossOptions& options) {
   absl::Status s = internal::CheckLogitsView(logits, "policy loss: logits");
   if (!s.ok()) return s;
   s = internal::CheckLogitsView(grad_logits, "policy loss: grad_logits");
@@ -210,13 +207,18 @@ absl::StatusOr<PolicyLossResult> PolicyLossForwardBackward(const TensorView& log
       return s;
     }
   }
+  return absl::OkStatus();
+}
 
-  // Per-row validity and c_t. Values of invalid tokens are never read (they may hold
-  // anything, as padding often does).
-  std::vector<float> row_weight(static_cast<size_t>(rows), 0.0f);
-  std::vector<double> coef(static_cast<size_t>(rows), 0.0);
+// Per-row validity: row_weight[r] = 1 for a valid token (0 otherwise), whose values are
+// checked; returns the valid tokens. Values of invalid tokens are never read (they may hold
+// anything, as padding often does).
+absl::StatusOr<int64_t> MarkValidRows(const PolicyLossInputs& in, const PolicyLossNormalizer& norm,
+                                      const PolicyLossOptions& options, int64_t vocab,
+                                      bool seq_mean, std::vector<float>& row_weight) {
+  absl::Status s;
   int64_t valid = 0;
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < static_cast<int64_t>(row_weight.size()); ++r) {
     const int64_t y = in.labels[r];
     if (y == options.ignore_index || (!in.mask.empty() && in.mask[r] == 0)) continue;
     if (y < 0 || y >= vocab) {
@@ -253,6 +255,63 @@ absl::StatusOr<PolicyLossResult> PolicyLossForwardBackward(const TensorView& log
         kWhat, ": global sequence count S = ", norm.global_sequences, " but this call has ", valid,
         " valid tokens; S must count the sequences of all ranks and micro-batches"));
   }
+  return valid;
+}
+
+// The per-row outputs of the fused rows (PolicyRowCtx's arrays), as vectors.
+struct PolicyRows {
+  explicit PolicyRows(int64_t rows)
+      : row_ce(static_cast<size_t>(rows), 0.0),
+        term(static_cast<size_t>(rows), 0.0),
+        kl(static_cast<size_t>(rows), 0.0),
+        ratio(static_cast<size_t>(rows), 0.0),
+        flags(static_cast<size_t>(rows), 0) {}
+  std::vector<double> row_ce, term, kl, ratio;
+  std::vector<uint8_t> flags;
+};
+
+// The result's sums over the valid rows, in row order, so the result does not depend on
+// the threads.
+PolicyLossResult SumRows(const std::vector<float>& row_weight, const std::vector<double>& coef,
+                         const PolicyRows& p, double kl_coef, int64_t valid) {
+  PolicyLossResult out;
+  out.ratio_max = -std::numeric_limits<double>::infinity();
+  out.ratio_min = std::numeric_limits<double>::infinity();
+  for (size_t r = 0; r < row_weight.size(); ++r) {
+    if (row_weight[r] == 0.0f) continue;
+    out.local_loss += coef[r] * p.term[r];
+    out.local_kl_loss += coef[r] * kl_coef * p.kl[r];
+    out.local_kl_sum += p.kl[r];
+    out.clip_count += (p.flags[r] & kClipped) != 0 ? 1 : 0;
+    out.dual_clip_count += (p.flags[r] & kDualClipped) != 0 ? 1 : 0;
+    out.ratio_sum += p.ratio[r];
+    out.ratio_max = std::max(out.ratio_max, p.ratio[r]);
+    out.ratio_min = std::min(out.ratio_min, p.ratio[r]);
+  }
+  out.local_valid_tokens = valid;
+  if (valid == 0) out.ratio_max = out.ratio_min = 0.0;
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<PolicyLossResult> PolicyLossForwardBackward(const TensorView& logits,
+                                                           const PolicyLossInputs& in,
+                                                           const PolicyLossNormalizer& norm,
+                                                           const TensorView& grad_logits,
+                                                           const PolicyLossOptions& options) {
+  // ---- Every check first: nothing is written on a bad argument. ----
+  absl::Status s = CheckArguments(logits, in, norm, grad_logits, options);
+  if (!s.ok()) return s;
+  const int64_t rows = logits.dim(0);
+  const int64_t vocab = logits.dim(1);
+  const bool seq_mean = options.aggregation == PolicyLossAggregation::kSeqMeanTokenMean;
+  std::vector<float> row_weight(static_cast<size_t>(rows), 0.0f);
+  absl::StatusOr<int64_t> valid_or = MarkValidRows(in, norm, options, vocab, seq_mean, row_weight);
+  if (!valid_or.ok()) return valid_or.status();
+  const int64_t valid = *valid_or;
+  // c_t per valid row.
+  std::vector<double> coef(static_cast<size_t>(rows), 0.0);
   for (int64_t r = 0; r < rows; ++r) {
     if (row_weight[r] == 0.0f) continue;
     coef[r] =
@@ -262,36 +321,20 @@ absl::StatusOr<PolicyLossResult> PolicyLossForwardBackward(const TensorView& log
   }
 
   // ---- The fused rows: logp from the CE kernel, the gradient scaled by the hook. ----
-  std::vector<double> row_ce(static_cast<size_t>(rows), 0.0);
-  std::vector<double> term(static_cast<size_t>(rows), 0.0);
-  std::vector<double> kl(static_cast<size_t>(rows), 0.0);
-  std::vector<double> ratio(static_cast<size_t>(rows), 0.0);
-  std::vector<uint8_t> flags(static_cast<size_t>(rows), 0);
-  PolicyRowCtx ctx{&in, &options, coef.data(), term.data(), kl.data(), ratio.data(), flags.data()};
+  PolicyRows p(rows);
+  PolicyRowCtx ctx{.in = &in,
+                   .opt = &options,
+                   .coef = coef.data(),
+                   .term = p.term.data(),
+                   .kl = p.kl.data(),
+                   .ratio = p.ratio.data(),
+                   .flags = p.flags.data()};
   const internal::GlobalRowScaleHook hook{&PolicyRowHook, &ctx};
   s = internal::ScaledRowsKernel(logits.raw(), grad_logits.raw(), logits.dtype(), rows, vocab,
                                  in.labels, row_weight, hook, options.num_threads, kWhat,
-                                 absl::MakeSpan(row_ce));
+                                 absl::MakeSpan(p.row_ce));
   if (!s.ok()) return s;
-
-  // Sums in row order, so the result does not depend on the threads.
-  PolicyLossResult out;
-  out.ratio_max = -std::numeric_limits<double>::infinity();
-  out.ratio_min = std::numeric_limits<double>::infinity();
-  for (int64_t r = 0; r < rows; ++r) {
-    if (row_weight[r] == 0.0f) continue;
-    out.local_loss += coef[r] * term[r];
-    out.local_kl_loss += coef[r] * options.kl_coef * kl[r];
-    out.local_kl_sum += kl[r];
-    out.clip_count += (flags[r] & kClipped) != 0 ? 1 : 0;
-    out.dual_clip_count += (flags[r] & kDualClipped) != 0 ? 1 : 0;
-    out.ratio_sum += ratio[r];
-    out.ratio_max = std::max(out.ratio_max, ratio[r]);
-    out.ratio_min = std::min(out.ratio_min, ratio[r]);
-  }
-  out.local_valid_tokens = valid;
-  if (valid == 0) out.ratio_max = out.ratio_min = 0.0;
-  return out;
+  return SumRows(row_weight, coef, p, options.kl_coef, valid);
 }
 
 // ---- Display (SEMANTICS.md §8, §13). ----

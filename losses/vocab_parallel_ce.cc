@@ -161,12 +161,11 @@ void ForEachRowBlock(int64_t rows, int64_t vr, int num_threads, Fn fn) {
   });
 }
 
-// One exchange: rows [r0, r0 + rows) of the call. `logits` / `grad` point at the exchange's
-// first row (grad null: forward only; they may alias); they are only touched while *local
-// is OK. Returns an error that every rank of the group returns too.
-absl::Status Exchange(Communicator& group, const Call& c, absl::Status* local, const float* logits,
-                      float* grad, int64_t r0, int64_t rows, double fingerprint, Scratch* s,
-                      Totals* totals) {
+// Step 1 of an exchange, the local pass over rows [r0, r0 + rows) of this rank's shard: each
+// row's weight and local label, then max, exp sum (exps kept in the gradient), target and
+// sum of z. Only runs while *local is OK; a non-finite row sets *local.
+void LocalPass(int rank, const Call& c, absl::Status* local, const float* logits, float* grad,
+               int64_t r0, int64_t rows, Scratch* s) {
   const int64_t vr = c.vr;
   const int64_t tiles = (vr + kCeTile - 1) / kCeTile;
   const bool eps_on = c.eps > 0.0;
@@ -178,70 +177,35 @@ absl::Status Exchange(Communicator& group, const Call& c, absl::Status* local, c
   s->local_label.resize(rows);
   s->code.resize(rows);
   if (grad != nullptr) s->tile_ref.resize(static_cast<size_t>(rows * tiles));
+  if (!local->ok()) return;
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t t = r0 + i;
+    s->weight[i] = RowWeight(c, t);
+    const int64_t y = c.labels[t];
+    s->local_label[i] = s->weight[i] != 0.0f && y >= c.v0 && y < c.v0 + vr ? y - c.v0 : int64_t{-1};
+  }
+  const auto local_rows = internal::SelectedCeRowKernels().vp_local_f32;
+  ForEachRowBlock(rows, vr, c.num_threads, [&](int64_t i0, int64_t k) {
+    local_rows(logits + i0 * vr, grad == nullptr ? nullptr : grad + i0 * vr,
+               grad == nullptr ? nullptr : s->tile_ref.data() + i0 * tiles, k, vr,
+               s->weight.data() + i0, s->local_label.data() + i0, s->row_max.data() + i0,
+               s->row_sum.data() + i0, eps_on ? s->row_zsum.data() + i0 : nullptr,
+               s->target.data() + i0, s->code.data() + i0);
+  });
+  for (int64_t i = 0; i < rows; ++i) {
+    if (s->code[i] == kRowOk) continue;
+    *local = absl::InvalidArgumentError(
+        absl::StrCat(kWho, ": logits row ", r0 + i, " (label ", c.labels[r0 + i], ") ",
+                     LocalCodeText(s->code[i]), " in the shard [", c.v0, ", ", c.v0 + vr,
+                     ") of rank ", rank, " (the loss would be NaN)"));
+    break;
+  }
+}
 
-  // 1. The local pass: max, exp sum (exps kept in the gradient), target, sum of z.
-  if (local->ok()) {
-    for (int64_t i = 0; i < rows; ++i) {
-      const int64_t t = r0 + i;
-      s->weight[i] = RowWeight(c, t);
-      const int64_t y = c.labels[t];
-      s->local_label[i] =
-          s->weight[i] != 0.0f && y >= c.v0 && y < c.v0 + vr ? y - c.v0 : int64_t{-1};
-    }
-    const auto local_rows = internal::SelectedCeRowKernels().vp_local_f32;
-    ForEachRowBlock(rows, vr, c.num_threads, [&](int64_t i0, int64_t k) {
-      local_rows(logits + i0 * vr, grad == nullptr ? nullptr : grad + i0 * vr,
-                 grad == nullptr ? nullptr : s->tile_ref.data() + i0 * tiles, k, vr,
-                 s->weight.data() + i0, s->local_label.data() + i0, s->row_max.data() + i0,
-                 s->row_sum.data() + i0, eps_on ? s->row_zsum.data() + i0 : nullptr,
-                 s->target.data() + i0, s->code.data() + i0);
-    });
-    for (int64_t i = 0; i < rows; ++i) {
-      if (s->code[i] == kRowOk) continue;
-      *local = absl::InvalidArgumentError(
-          absl::StrCat(kWho, ": logits row ", r0 + i, " (label ", c.labels[r0 + i], ") ",
-                       LocalCodeText(s->code[i]), " in the shard [", c.v0, ", ", c.v0 + vr,
-                       ") of rank ", group.rank(), " (the loss would be NaN)"));
-      break;
-    }
-  }
-
-  // 2. MAX all-reduce: [error flag | agreed scalars as (x, -x) | shard starts | shard
-  //    sizes | row maxes]. The header costs a few dozen doubles next to the row maxes.
-  const std::vector<Agreed> agreed = AgreedValues(c, fingerprint);
-  const int p = group.size();
-  const int64_t header = 1 + 2 * static_cast<int64_t>(agreed.size()) + 2 * p;
-  std::vector<double>& mb = s->max_buf;
-  mb.assign(static_cast<size_t>(header + rows), -kInf);
-  mb[0] = local->ok() ? 0.0 : 1.0;
-  for (size_t k = 0; k < agreed.size(); ++k) {
-    mb[1 + 2 * k] = agreed[k].value;
-    mb[2 + 2 * k] = -agreed[k].value;
-  }
-  const int64_t starts = 1 + 2 * static_cast<int64_t>(agreed.size());
-  mb[starts + group.rank()] = static_cast<double>(c.v0);
-  mb[starts + p + group.rank()] = static_cast<double>(vr);
-  if (local->ok()) {
-    for (int64_t i = 0; i < rows; ++i) mb[header + i] = static_cast<double>(s->row_max[i]);
-  }
-  absl::Status st = group.AllReduce(mb.data(), mb.data(), mb.size(), DType::kF64, ReduceOp::kMax);
-  ++totals->collectives;
-  if (!st.ok()) return Annotate(st, absl::StrCat(kWho, ": the MAX all-reduce of the row maxes"));
-  if (mb[0] > 0.0) {
-    // Some rank's own arguments are bad: every rank learns every failing rank's message.
-    st = AgreeOnStatus(group, *local, kWho);
-    if (st.ok()) st = absl::InternalError(absl::StrCat(kWho, ": a rank flagged an error"));
-    return st;
-  }
-  // Every rank reads the same reduced values below, so every rank takes the same branch.
-  for (size_t k = 0; k < agreed.size(); ++k) {
-    const double hi = mb[1 + 2 * k], lo = -mb[2 + 2 * k];
-    if (hi != lo) {
-      return MarkAgreed(absl::InvalidArgumentError(
-          absl::StrCat(kWho, ": the ranks of the group disagree on ", agreed[k].name, " (min ", lo,
-                       ", max ", hi, "); every rank must pass the same value")));
-    }
-  }
+// The reduced shard starts (mb[starts + q]) and sizes (mb[starts + p + q]) of the p ranks
+// must tile [0, vocab) without gap or overlap.
+absl::Status CheckShardsPartition(const std::vector<double>& mb, int64_t starts, int p,
+                                  int64_t vocab) {
   std::vector<std::pair<int64_t, int>> order;  // (start, rank)
   for (int q = 0; q < p; ++q) order.push_back({static_cast<int64_t>(mb[starts + q]), q});
   std::sort(order.begin(), order.end());
@@ -250,19 +214,68 @@ absl::Status Exchange(Communicator& group, const Call& c, absl::Status* local, c
     const int64_t size = static_cast<int64_t>(mb[starts + p + q]);
     if (start != end) {
       return MarkAgreed(absl::InvalidArgumentError(absl::StrCat(
-          kWho, ": the shards do not partition [0, ", c.vocab, "): rank ", q, " starts at ", start,
+          kWho, ": the shards do not partition [0, ", vocab, "): rank ", q, " starts at ", start,
           " where ", end == 0 ? "the first shard must start (0)" : "the shard before ends (",
           end == 0 ? "" : absl::StrCat(end, ")"))));
     }
     end = start + size;
   }
-  if (end != c.vocab) {
+  if (end != vocab) {
     return MarkAgreed(absl::InvalidArgumentError(
-        absl::StrCat(kWho, ": the shards do not partition [0, ", c.vocab, "): they end at ", end)));
+        absl::StrCat(kWho, ": the shards do not partition [0, ", vocab, "): they end at ", end)));
   }
+  return absl::OkStatus();
+}
 
-  // 3. Rescale the local sums to the global max; SUM all-reduce of [sums | targets | zsums].
-  const double* gmax = mb.data() + header;
+// Step 2, the MAX all-reduce of s->max_buf: [error flag | agreed scalars as (x, -x) | shard
+// starts | shard sizes | row maxes]. The header costs a few dozen doubles next to the row
+// maxes. Then the checks every rank makes on the same reduced values (so every rank takes
+// the same branch): no rank flagged an error, the agreed values agree, the shards tile the
+// vocabulary. On success *header is where the global row maxes start in s->max_buf.
+absl::Status ReduceRowMaxes(Communicator& group, const Call& c, const absl::Status& local,
+                            int64_t rows, double fingerprint, Scratch* s, Totals* totals,
+                            int64_t* header) {
+  const std::vector<Agreed> agreed = AgreedValues(c, fingerprint);
+  const int p = group.size();
+  *header = 1 + 2 * static_cast<int64_t>(agreed.size()) + 2 * p;
+  std::vector<double>& mb = s->max_buf;
+  mb.assign(static_cast<size_t>(*header + rows), -kInf);
+  mb[0] = local.ok() ? 0.0 : 1.0;
+  for (size_t k = 0; k < agreed.size(); ++k) {
+    mb[1 + 2 * k] = agreed[k].value;
+    mb[2 + 2 * k] = -agreed[k].value;
+  }
+  const int64_t starts = 1 + 2 * static_cast<int64_t>(agreed.size());
+  mb[starts + group.rank()] = static_cast<double>(c.v0);
+  mb[starts + p + group.rank()] = static_cast<double>(c.vr);
+  if (local.ok()) {
+    for (int64_t i = 0; i < rows; ++i) mb[*header + i] = static_cast<double>(s->row_max[i]);
+  }
+  absl::Status st = group.AllReduce(mb.data(), mb.data(), mb.size(), DType::kF64, ReduceOp::kMax);
+  ++totals->collectives;
+  if (!st.ok()) return Annotate(st, absl::StrCat(kWho, ": the MAX all-reduce of the row maxes"));
+  if (mb[0] > 0.0) {
+    // Some rank's own arguments are bad: every rank learns every failing rank's message.
+    st = AgreeOnStatus(group, local, kWho);
+    if (st.ok()) st = absl::InternalError(absl::StrCat(kWho, ": a rank flagged an error"));
+    return st;
+  }
+  for (size_t k = 0; k < agreed.size(); ++k) {
+    const double hi = mb[1 + 2 * k], lo = -mb[2 + 2 * k];
+    if (hi != lo) {
+      return MarkAgreed(absl::InvalidArgumentError(
+          absl::StrCat(kWho, ": the ranks of the group disagree on ", agreed[k].name, " (min ", lo,
+                       ", max ", hi, "); every rank must pass the same value")));
+    }
+  }
+  return CheckShardsPartition(mb, starts, p, c.vocab);
+}
+
+// Step 3: rescale the local sums to the global maxes gmax; SUM all-reduce of s->sum_buf =
+// [sums | targets | zsums].
+absl::Status ReduceExpSums(Communicator& group, const Call& c, int64_t r0, int64_t rows,
+                           const double* gmax, Scratch* s, Totals* totals) {
+  const bool eps_on = c.eps > 0.0;
   for (int64_t i = 0; i < rows; ++i) {
     if (s->weight[i] != 0.0f && gmax[i] == -kInf) {
       return MarkAgreed(absl::InvalidArgumentError(
@@ -279,12 +292,18 @@ absl::Status Exchange(Communicator& group, const Call& c, absl::Status* local, c
     sb[rows + i] = s->target[i];
     if (eps_on) sb[2 * rows + i] = s->row_zsum[i];
   }
-  st = group.AllReduce(sb.data(), sb.data(), sb.size(), DType::kF64, ReduceOp::kSum);
+  absl::Status st = group.AllReduce(sb.data(), sb.data(), sb.size(), DType::kF64, ReduceOp::kSum);
   ++totals->collectives;
   if (!st.ok()) return Annotate(st, absl::StrCat(kWho, ": the SUM all-reduce of the exp sums"));
+  return absl::OkStatus();
+}
 
-  // 4. Each row's loss from the reduced values (the same on every rank), and its gradient
-  //    parameters.
+// Step 4: each row's loss from the reduced values (the same on every rank) into *totals,
+// and with a gradient its parameters into s->grad_rows.
+absl::Status RowLosses(const Call& c, bool with_grad, int64_t r0, int64_t rows, const double* gmax,
+                       Scratch* s, Totals* totals) {
+  const bool eps_on = c.eps > 0.0;
+  const std::vector<double>& sb = s->sum_buf;
   s->grad_rows.assign(static_cast<size_t>(rows), VpGradRow{});
   const double inv_v = 1.0 / static_cast<double>(c.vocab);
   for (int64_t i = 0; i < rows; ++i) {
@@ -316,7 +335,7 @@ absl::Status Exchange(Communicator& group, const Call& c, absl::Status* local, c
     totals->weighted_ce += w * ce;
     totals->weighted_lse_sq += w * lse * lse;
     totals->weight += w;
-    if (grad != nullptr) {
+    if (with_grad) {
       // dL/dz_j = (w / D) ((1 + 2 alpha lse) p_j - (1 - eps) [j == y] - eps / V).
       const double wd = w / c.d;
       const double scale = wd * (1.0 + 2.0 * c.alpha * lse);
@@ -332,9 +351,25 @@ absl::Status Exchange(Communicator& group, const Call& c, absl::Status* local, c
       }
     }
   }
+  return absl::OkStatus();
+}
 
+// One exchange: rows [r0, r0 + rows) of the call. `logits` / `grad` point at the exchange's
+// first row (grad null: forward only; they may alias); they are only touched while *local
+// is OK. Returns an error that every rank of the group returns too.
+absl::Status Exchange(Communicator& group, const Call& c, absl::Status* local, const float* logits,
+                      float* grad, int64_t r0, int64_t rows, double fingerprint, Scratch* s,
+                      Totals* totals) {
+  LocalPass(group.rank(), c, local, logits, grad, r0, rows, s);
+  int64_t header = 0;
+  GRADSUM_RETURN_IF_ERROR(ReduceRowMaxes(group, c, *local, rows, fingerprint, s, totals, &header));
+  const double* gmax = s->max_buf.data() + header;
+  GRADSUM_RETURN_IF_ERROR(ReduceExpSums(group, c, r0, rows, gmax, s, totals));
+  GRADSUM_RETURN_IF_ERROR(RowLosses(c, grad != nullptr, r0, rows, gmax, s, totals));
   // 5. The gradient, in place over the kept exps: no collective.
   if (grad != nullptr) {
+    const int64_t vr = c.vr;
+    const int64_t tiles = (vr + kCeTile - 1) / kCeTile;
     const auto grad_rows = internal::SelectedCeRowKernels().vp_grad_f32;
     ForEachRowBlock(rows, vr, c.num_threads, [&](int64_t i0, int64_t k) {
       grad_rows(grad + i0 * vr, s->tile_ref.data() + i0 * tiles, k, vr, s->grad_rows.data() + i0);

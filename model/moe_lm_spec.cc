@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/random.h"
+#include "core/status.h"
 
 namespace gradsum::model {
 
@@ -28,7 +29,11 @@ std::string MoeLmSpec::ExpertParamName(int layer, int expert, const char* what, 
   return absl::StrCat("layers.", layer, ".experts.", expert, ".", what);
 }
 
-absl::StatusOr<MoeLmSpec> MoeLmSpec::Create(const MoeLmConfig& m) {
+namespace {
+
+// The model config's sizes and options, each error naming the value; the attention ones
+// only with attention.
+absl::Status CheckModelConfig(const MoeLmConfig& m) {
   for (const auto& [name, v] : {std::pair<const char*, int64_t>{"vocab", m.vocab},
                                 {"dim", m.dim},
                                 {"layers", m.layers},
@@ -87,6 +92,13 @@ absl::StatusOr<MoeLmSpec> MoeLmSpec::Create(const MoeLmConfig& m) {
           absl::StrCat("model.rope_theta=", m.rope_theta, ": must be > 1"));
     }
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<MoeLmSpec> MoeLmSpec::Create(const MoeLmConfig& m) {
+  GRADSUM_RETURN_IF_ERROR(CheckModelConfig(m));
   MoeLmSpec spec;
   spec.config_ = m;
   const int64_t V = m.vocab, D = m.dim, H = m.expert_dim;

@@ -307,6 +307,142 @@ AttentionDims GroupDims(const RingAttentionDims& dims, int64_t group) {
   return w;
 }
 
+// The whole sequences' q of kv head j's query heads, and its k and v (GatherWhole).
+absl::Status GatherGroupQkv(Communicator& cp_group, const Layout& l, int64_t S, int64_t L,
+                            int64_t j, absl::Span<const float> q, absl::Span<const float> k,
+                            absl::Span<const float> v, std::vector<float>* qw,
+                            std::vector<float>* kw, std::vector<float>* vw,
+                            RingAttentionTimes* times) {
+  const int64_t H = l.heads, Hk = l.kv_heads, d = l.d, g = l.group;
+  GRADSUM_RETURN_IF_ERROR(
+      GatherWhole(cp_group, l, S, L, g * d, TakeHeads(q, H, d, j * g, g), qw, times));
+  GRADSUM_RETURN_IF_ERROR(GatherWhole(cp_group, l, S, L, d, TakeHeads(k, Hk, d, j, 1), kw, times));
+  return GatherWhole(cp_group, l, S, L, d, TakeHeads(v, Hk, d, j, 1), vw, times);
+}
+
+// RingAttentionForward's kGathered schedule: per kv head j, gather the whole sequences'
+// q, k, v of its query heads, run the whole-sequence kernel, keep this rank's rows.
+absl::Status GatheredForward(Communicator& cp_group, const RingAttentionDims& dims, const Layout& l,
+                             absl::Span<const float> q, absl::Span<const float> k,
+                             absl::Span<const float> v, absl::Span<const int32_t> doc_start,
+                             absl::Span<float> out, absl::Span<float> lse,
+                             RingAttentionTimes* times) {
+  const int64_t S = dims.num_seqs, L = dims.seq_len, H = l.heads, d = l.d, dp = l.dp;
+  const int64_t Hk = l.kv_heads;
+  const int64_t g = l.group, gw = g * d;  // one kv head's query heads, their row width
+  const internal::AttentionKernels& whole = internal::SelectedAttentionKernels();
+  // One group's: its local q, k, v; the whole sequences' q, k, v, out, lse; one gather's
+  // receive buffer; its own out and lse rows; the kernel's scratch.
+  NoteBuffers(times, l.rows * (gw + 2 * d) + S * L * (2 * gw + 2 * d + g) +
+                         int64_t{l.cp} * l.rows * gw + l.rows * (gw + g) +
+                         ScratchFloats(whole.forward_scratch_floats(L, dp), S * g));
+  for (int64_t j = 0; j < Hk; ++j) {
+    std::vector<float> qw, kw, vw;
+    GRADSUM_RETURN_IF_ERROR(GatherGroupQkv(cp_group, l, S, L, j, q, k, v, &qw, &kw, &vw, times));
+    std::vector<float> ow(qw.size()), lw(S * L * g);
+    const Clock::time_point start = Clock::now();
+    GRADSUM_RETURN_IF_ERROR(AttentionForward(GroupDims(dims, g), qw, kw, vw, doc_start,
+                                             absl::MakeSpan(ow), absl::MakeSpan(lw)));
+    if (times != nullptr) times->compute_s += Since(start);
+    std::vector<float> own_out(l.rows * gw), own_lse(l.rows * g);
+    TakeOwn(l, S, L, gw, ow, absl::MakeSpan(own_out));
+    TakeOwn(l, S, L, g, lw, absl::MakeSpan(own_lse));
+    PutHeads(own_out, H, d, j * g, g, out);
+    PutHeads(own_lse, H, 1, j * g, g, lse);
+  }
+  return absl::OkStatus();
+}
+
+// RingAttentionBackward's kGathered schedule: per kv head j, as GatheredForward with the
+// backward's inputs, and this rank's rows of dq, dk, dv.
+absl::Status GatheredBackward(Communicator& cp_group, const RingAttentionDims& dims,
+                              const Layout& l, absl::Span<const float> q, absl::Span<const float> k,
+                              absl::Span<const float> v, absl::Span<const int32_t> doc_start,
+                              absl::Span<const float> out, absl::Span<const float> lse,
+                              absl::Span<const float> d_out, absl::Span<float> dq,
+                              absl::Span<float> dk, absl::Span<float> dv,
+                              RingAttentionTimes* times) {
+  const int64_t S = dims.num_seqs, L = dims.seq_len, H = l.heads, d = l.d, dp = l.dp;
+  const int64_t Hk = l.kv_heads;
+  const int64_t g = l.group, gw = g * d;  // as forward: one kv head and its query heads
+  const internal::AttentionKernels& whole = internal::SelectedAttentionKernels();
+  // One group's: its local inputs; the whole sequences' q, k, v, out, lse, d_out and dq,
+  // dk, dv; one gather's receive buffer; its own dq, dk, dv rows; the kernel's scratch.
+  NoteBuffers(times, l.rows * (3 * gw + 2 * d + g) + S * L * (4 * gw + 4 * d + g) +
+                         int64_t{l.cp} * l.rows * gw + l.rows * (gw + 2 * d) +
+                         ScratchFloats(whole.backward_scratch_floats(L, dp), S * g));
+  for (int64_t j = 0; j < Hk; ++j) {
+    std::vector<float> qw, kw, vw, ow, lw, gw_out;
+    GRADSUM_RETURN_IF_ERROR(GatherGroupQkv(cp_group, l, S, L, j, q, k, v, &qw, &kw, &vw, times));
+    GRADSUM_RETURN_IF_ERROR(
+        GatherWhole(cp_group, l, S, L, gw, TakeHeads(out, H, d, j * g, g), &ow, times));
+    GRADSUM_RETURN_IF_ERROR(
+        GatherWhole(cp_group, l, S, L, g, TakeHeads(lse, H, 1, j * g, g), &lw, times));
+    GRADSUM_RETURN_IF_ERROR(
+        GatherWhole(cp_group, l, S, L, gw, TakeHeads(d_out, H, d, j * g, g), &gw_out, times));
+    std::vector<float> dqw(qw.size()), dkw(kw.size()), dvw(kw.size());
+    const Clock::time_point start = Clock::now();
+    GRADSUM_RETURN_IF_ERROR(AttentionBackward(GroupDims(dims, g), qw, kw, vw, doc_start, ow, lw,
+                                              gw_out, absl::MakeSpan(dqw), absl::MakeSpan(dkw),
+                                              absl::MakeSpan(dvw)));
+    if (times != nullptr) times->compute_s += Since(start);
+    std::vector<float> own_dq(l.rows * gw), own_dk(l.rows * d), own_dv(l.rows * d);
+    TakeOwn(l, S, L, gw, dqw, absl::MakeSpan(own_dq));
+    TakeOwn(l, S, L, d, dkw, absl::MakeSpan(own_dk));
+    TakeOwn(l, S, L, d, dvw, absl::MakeSpan(own_dv));
+    PutHeads(own_dq, H, d, j * g, g, dq);
+    PutHeads(own_dk, Hk, d, j, 1, dk);
+    PutHeads(own_dv, Hk, d, j, 1, dv);
+  }
+  return absl::OkStatus();
+}
+
+// The ring backward's per-row inputs, per (sequence, head, local token) and contiguous for
+// the kernel: lse, and dsum = d_out . out.
+void RowStatistics(const Layout& l, int64_t S, absl::Span<const float> out,
+                   absl::Span<const float> lse, absl::Span<const float> d_out,
+                   std::vector<float>* lse_t, std::vector<float>* dsum) {
+  const int64_t H = l.heads, d = l.d;
+  lse_t->resize(S * H * l.local);
+  dsum->resize(S * H * l.local);
+  for (int64_t s = 0; s < S; ++s) {
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t u = 0; u < l.local; ++u) {
+        const int64_t r = s * l.local + u, st = (s * H + h) * l.local + u;
+        (*lse_t)[st] = lse[r * H + h];
+        const float* go = d_out.data() + (r * H + h) * d;
+        const float* o = out.data() + (r * H + h) * d;
+        float sum = 0.0f;
+        for (int64_t c = 0; c < d; ++c) sum += go[c] * o[c];
+        (*dsum)[st] = sum;
+      }
+    }
+  }
+}
+
+// The ring backward's accumulators (dq_acc [S, H, local, dp]; dkv = dK then dV, each
+// [S, Hk, local, dp]), home after the ring, into dq, dk, dv rows of head_dim floats.
+void CopyRingGradients(const Layout& l, int64_t S, const std::vector<float>& dq_acc,
+                       const std::vector<float>& dkv, absl::Span<float> dq, absl::Span<float> dk,
+                       absl::Span<float> dv) {
+  const int64_t H = l.heads, Hk = l.kv_heads, d = l.d, dp = l.dp;
+  const int64_t kv_state = S * Hk * l.local;
+  for (int64_t s = 0; s < S; ++s) {
+    for (int64_t u = 0; u < l.local; ++u) {
+      const int64_t r = s * l.local + u;
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t st = (s * H + h) * l.local + u;
+        std::copy_n(dq_acc.data() + st * dp, d, dq.data() + (r * H + h) * d);
+      }
+      for (int64_t j = 0; j < Hk; ++j) {
+        const int64_t st = (s * Hk + j) * l.local + u, o = (r * Hk + j) * d;
+        std::copy_n(dkv.data() + st * dp, d, dk.data() + o);
+        std::copy_n(dkv.data() + kv_state * dp + st * dp, d, dv.data() + o);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 absl::Status RingAttentionForward(Communicator& cp_group, const RingAttentionDims& dims,
@@ -321,33 +457,7 @@ absl::Status RingAttentionForward(Communicator& cp_group, const RingAttentionDim
   const int64_t Hk = l.kv_heads, row = H * d, kv_row = Hk * d;
 
   if (schedule == RingSchedule::kGathered) {
-    const int64_t g = l.group, gw = g * d;  // one kv head's query heads, their row width
-    const internal::AttentionKernels& whole = internal::SelectedAttentionKernels();
-    // One group's: its local q, k, v; the whole sequences' q, k, v, out, lse; one gather's
-    // receive buffer; its own out and lse rows; the kernel's scratch.
-    NoteBuffers(times, l.rows * (gw + 2 * d) + S * L * (2 * gw + 2 * d + g) +
-                           int64_t{l.cp} * l.rows * gw + l.rows * (gw + g) +
-                           ScratchFloats(whole.forward_scratch_floats(L, dp), S * g));
-    for (int64_t j = 0; j < Hk; ++j) {
-      std::vector<float> qw, kw, vw;
-      GRADSUM_RETURN_IF_ERROR(
-          GatherWhole(cp_group, l, S, L, gw, TakeHeads(q, H, d, j * g, g), &qw, times));
-      GRADSUM_RETURN_IF_ERROR(
-          GatherWhole(cp_group, l, S, L, d, TakeHeads(k, Hk, d, j, 1), &kw, times));
-      GRADSUM_RETURN_IF_ERROR(
-          GatherWhole(cp_group, l, S, L, d, TakeHeads(v, Hk, d, j, 1), &vw, times));
-      std::vector<float> ow(qw.size()), lw(S * L * g);
-      const Clock::time_point start = Clock::now();
-      GRADSUM_RETURN_IF_ERROR(AttentionForward(GroupDims(dims, g), qw, kw, vw, doc_start,
-                                               absl::MakeSpan(ow), absl::MakeSpan(lw)));
-      if (times != nullptr) times->compute_s += Since(start);
-      std::vector<float> own_out(l.rows * gw), own_lse(l.rows * g);
-      TakeOwn(l, S, L, gw, ow, absl::MakeSpan(own_out));
-      TakeOwn(l, S, L, g, lw, absl::MakeSpan(own_lse));
-      PutHeads(own_out, H, d, j * g, g, out);
-      PutHeads(own_lse, H, 1, j * g, g, lse);
-    }
-    return absl::OkStatus();
+    return GatheredForward(cp_group, dims, l, q, k, v, doc_start, out, lse, times);
   }
 
   const AttentionKernels& kernels = internal::SelectedAttentionKernels();
@@ -428,62 +538,15 @@ absl::Status RingAttentionBackward(Communicator& cp_group, const RingAttentionDi
   const int64_t Hk = l.kv_heads, row = H * d, kv_row = Hk * d;
 
   if (schedule == RingSchedule::kGathered) {
-    const int64_t g = l.group, gw = g * d;  // as forward: one kv head and its query heads
-    const internal::AttentionKernels& whole = internal::SelectedAttentionKernels();
-    // One group's: its local inputs; the whole sequences' q, k, v, out, lse, d_out and dq,
-    // dk, dv; one gather's receive buffer; its own dq, dk, dv rows; the kernel's scratch.
-    NoteBuffers(times, l.rows * (3 * gw + 2 * d + g) + S * L * (4 * gw + 4 * d + g) +
-                           int64_t{l.cp} * l.rows * gw + l.rows * (gw + 2 * d) +
-                           ScratchFloats(whole.backward_scratch_floats(L, dp), S * g));
-    for (int64_t j = 0; j < Hk; ++j) {
-      std::vector<float> qw, kw, vw, ow, lw, gw_out;
-      GRADSUM_RETURN_IF_ERROR(
-          GatherWhole(cp_group, l, S, L, gw, TakeHeads(q, H, d, j * g, g), &qw, times));
-      GRADSUM_RETURN_IF_ERROR(
-          GatherWhole(cp_group, l, S, L, d, TakeHeads(k, Hk, d, j, 1), &kw, times));
-      GRADSUM_RETURN_IF_ERROR(
-          GatherWhole(cp_group, l, S, L, d, TakeHeads(v, Hk, d, j, 1), &vw, times));
-      GRADSUM_RETURN_IF_ERROR(
-          GatherWhole(cp_group, l, S, L, gw, TakeHeads(out, H, d, j * g, g), &ow, times));
-      GRADSUM_RETURN_IF_ERROR(
-          GatherWhole(cp_group, l, S, L, g, TakeHeads(lse, H, 1, j * g, g), &lw, times));
-      GRADSUM_RETURN_IF_ERROR(
-          GatherWhole(cp_group, l, S, L, gw, TakeHeads(d_out, H, d, j * g, g), &gw_out, times));
-      std::vector<float> dqw(qw.size()), dkw(kw.size()), dvw(kw.size());
-      const Clock::time_point start = Clock::now();
-      GRADSUM_RETURN_IF_ERROR(AttentionBackward(GroupDims(dims, g), qw, kw, vw, doc_start, ow, lw,
-                                                gw_out, absl::MakeSpan(dqw), absl::MakeSpan(dkw),
-                                                absl::MakeSpan(dvw)));
-      if (times != nullptr) times->compute_s += Since(start);
-      std::vector<float> own_dq(l.rows * gw), own_dk(l.rows * d), own_dv(l.rows * d);
-      TakeOwn(l, S, L, gw, dqw, absl::MakeSpan(own_dq));
-      TakeOwn(l, S, L, d, dkw, absl::MakeSpan(own_dk));
-      TakeOwn(l, S, L, d, dvw, absl::MakeSpan(own_dv));
-      PutHeads(own_dq, H, d, j * g, g, dq);
-      PutHeads(own_dk, Hk, d, j, 1, dk);
-      PutHeads(own_dv, Hk, d, j, 1, dv);
-    }
-    return absl::OkStatus();
+    return GatheredBackward(cp_group, dims, l, q, k, v, doc_start, out, lse, d_out, dq, dk, dv,
+                            times);
   }
 
   const AttentionKernels& kernels = internal::SelectedAttentionKernels();
   const RankTokens mine = TokensOf(l, l.rank, S, L, doc_start);
   const int64_t state = S * H * l.local;
-  // Per (sequence, head, local token): lse and d_out . out, contiguous for the kernel.
-  std::vector<float> lse_t(state), dsum(state);
-  for (int64_t s = 0; s < S; ++s) {
-    for (int64_t h = 0; h < H; ++h) {
-      for (int64_t u = 0; u < l.local; ++u) {
-        const int64_t r = s * l.local + u, st = (s * H + h) * l.local + u;
-        lse_t[st] = lse[r * H + h];
-        const float* go = d_out.data() + (r * H + h) * d;
-        const float* o = out.data() + (r * H + h) * d;
-        float sum = 0.0f;
-        for (int64_t c = 0; c < d; ++c) sum += go[c] * o[c];
-        dsum[st] = sum;
-      }
-    }
-  }
+  std::vector<float> lse_t, dsum;
+  RowStatistics(l, S, out, lse, d_out, &lse_t, &dsum);
   std::vector<float> dq_acc(state * dp, 0.0f);
   std::vector<float> kv = KvBlock(l, k, v);
   // The travelling dK, dV accumulators of the key/value block held: [S, Hk, 2c, dp] each.
@@ -535,20 +598,7 @@ absl::Status RingAttentionBackward(Communicator& cp_group, const RingAttentionDi
         return absl::OkStatus();
       }));
 
-  for (int64_t s = 0; s < S; ++s) {
-    for (int64_t u = 0; u < l.local; ++u) {
-      const int64_t r = s * l.local + u;
-      for (int64_t h = 0; h < H; ++h) {
-        const int64_t st = (s * H + h) * l.local + u;
-        std::copy_n(dq_acc.data() + st * dp, d, dq.data() + (r * H + h) * d);
-      }
-      for (int64_t j = 0; j < Hk; ++j) {
-        const int64_t st = (s * Hk + j) * l.local + u, o = (r * Hk + j) * d;
-        std::copy_n(dkv_cur.data() + st * dp, d, dk.data() + o);
-        std::copy_n(dkv_cur.data() + kv_state * dp + st * dp, d, dv.data() + o);
-      }
-    }
-  }
+  CopyRingGradients(l, S, dq_acc, dkv_cur, dq, dk, dv);
   return absl::OkStatus();
 }
 

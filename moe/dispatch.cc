@@ -189,10 +189,18 @@ float* Scratch(std::vector<float>& buffer, int64_t n) {
   return buffer.data();
 }
 
-// Sent row `pos`'s expert output (see DispatchState::output_row).
-inline const float* OutputRow(const DispatchState& s, int64_t pos, int64_t d_model) {
+// Sent row `pos`'s row of d_model floats in a pair of buffers laid out as
+// DispatchState::output_row says: `home` (the exchanged rows, send order without the own
+// range) or, for this rank's own experts, `own` (expert-major).
+template <typename T>
+inline T* SentRow(const DispatchState& s, int64_t pos, T* home, T* own, int64_t d_model) {
   const int64_t r = s.output_row[pos];
-  return r >= 0 ? s.copy_output.data() + r * d_model : s.expert_output.data() + (-1 - r) * d_model;
+  return r >= 0 ? home + r * d_model : own + (-1 - r) * d_model;
+}
+
+// Sent row `pos`'s expert output.
+inline const float* OutputRow(const DispatchState& s, int64_t pos, int64_t d_model) {
+  return SentRow(s, pos, s.copy_output.data(), s.expert_output.data(), d_model);
 }
 
 ExpertsConfig LocalExpertsConfig(const DispatchConfig& config, int ep_size) {
@@ -200,6 +208,237 @@ ExpertsConfig LocalExpertsConfig(const DispatchConfig& config, int ep_size) {
                        .hidden = config.hidden,
                        .num_local_experts = config.num_experts / ep_size,
                        .row_blocks = config.expert_row_blocks};
+}
+
+// Forward step 1: order the copies by destination expert (a stable counting sort) into the
+// home side of `s` (send_copy, copy_pos, expert_first; the state is reset field by field,
+// keeping the vectors' capacity for reuse). Fills `counts` = rows per expert; fails
+// before touching `s` on an expert index outside [-1, E).
+absl::Status SortCopiesByExpert(int E, int K, int64_t T, absl::Span<const int32_t> expert_index,
+                                absl::Span<const float> combine_weight,
+                                std::vector<int64_t>& counts, DispatchState& s) {
+  counts.assign(E, 0);
+  for (int64_t c = 0; c < T * K; ++c) {
+    const int32_t e = expert_index[c];
+    if (e < -1 || e >= E) {
+      return absl::InvalidArgumentError(absl::StrCat("expert_index[token ", c / K, ", slot ", c % K,
+                                                     "] is ", e, ", outside [-1, E=", E, ")"));
+    }
+    if (e >= 0) ++counts[e];
+  }
+  s.num_tokens = T;
+  s.combine_weight.assign(combine_weight.begin(), combine_weight.end());
+  s.expert_first.assign(E + 1, 0);
+  for (int e = 0; e < E; ++e) s.expert_first[e + 1] = s.expert_first[e] + counts[e];
+  std::vector<int64_t> next(s.expert_first.begin(), s.expert_first.end() - 1);
+  const int64_t num_sent = s.expert_first[E];
+  s.send_copy.resize(num_sent);
+  s.copy_pos.assign(T * K, -1);
+  for (int64_t c = 0; c < T * K; ++c) {
+    if (expert_index[c] < 0) continue;
+    s.copy_pos[c] = next[expert_index[c]]++;
+    s.send_copy[s.copy_pos[c]] = c;
+  }
+  return absl::OkStatus();
+}
+
+// Forward step 2: s.all_counts[q * E + e] = rows rank q sends to expert e, by an all-gather
+// of `counts`; a re-run of the same routing (config.all_counts) knows them already.
+absl::Status ExchangeExpertCounts(Communicator& ep_group, const DispatchConfig& config,
+                                  const std::vector<int64_t>& counts, DispatchState& s) {
+  const int P = ep_group.size();
+  const int me = ep_group.rank();
+  const int E = config.num_experts;
+  std::vector<int64_t>& all_counts = s.all_counts;
+  if (config.all_counts != nullptr) {
+    const std::vector<int64_t>& known = *config.all_counts;
+    if (known.size() != static_cast<size_t>(P) * E ||
+        !std::equal(counts.begin(), counts.end(), known.begin() + static_cast<size_t>(me) * E)) {
+      return absl::FailedPreconditionError(absl::StrCat("dispatch: the kept expert counts (",
+                                                        known.size(),
+                                                        " entries) are not those of this "
+                                                        "routing on EP rank ",
+                                                        me, " of ", P, " with ", E,
+                                                        " experts; re-run a dispatch only "
+                                                        "with the routing that produced them"));
+    }
+    all_counts.assign(known.begin(), known.end());
+    return absl::OkStatus();
+  }
+  all_counts.resize(static_cast<size_t>(P) * E);
+  return Annotate(ep_group.AllGather(counts.data(), all_counts.data(), E, DType::kI64),
+                  "exchanging expert counts");
+}
+
+// Forward step 3, from s.all_counts: the owner layout (the experts want their rows grouped
+// by local expert j, and within j by source rank q), and where each sent row's output will
+// be: its row of copy_output (which skips the own range), or for this rank's own experts
+// (never exchanged) its row of expert_output.
+void PlanRowLayout(int P, int me, int E, DispatchState& s) {
+  const int E_local = E / P;
+  s.local_group_sizes.assign(E_local, 0);
+  s.owner_count.assign(static_cast<size_t>(P) * E_local, 0);
+  s.owner_first.assign(static_cast<size_t>(P) * E_local, 0);
+  for (int q = 0; q < P; ++q) {
+    for (int j = 0; j < E_local; ++j) {
+      const int64_t n = s.all_counts[q * E + me * E_local + j];
+      s.owner_count[q * E_local + j] = n;
+      s.local_group_sizes[j] += n;
+    }
+  }
+  int64_t row = 0;
+  for (int j = 0; j < E_local; ++j) {
+    for (int q = 0; q < P; ++q) {
+      s.owner_first[q * E_local + j] = row;
+      row += s.owner_count[q * E_local + j];
+    }
+  }
+  s.num_received = row;
+  s.own_first = s.expert_first[me * E_local];
+  s.own_rows = s.expert_first[(me + 1) * E_local] - s.own_first;
+  const int64_t num_sent = s.expert_first[E];
+  s.output_row.resize(num_sent);
+  for (int64_t pos = 0; pos < num_sent; ++pos) s.output_row[pos] = s.HomeRow(pos);
+  for (int j = 0; j < E_local; ++j) {
+    const int e = me * E_local + j;
+    const int64_t first = s.owner_first[me * E_local + j];
+    for (int64_t pos = s.expert_first[e]; pos < s.expert_first[e + 1]; ++pos) {
+      s.output_row[pos] = -1 - (first + pos - s.expert_first[e]);
+    }
+  }
+}
+
+// Forward step 4: sizes the exchange buffers of `s` and packs the rows of `a` straight
+// into the send buffer (own experts' rows straight into the experts' input); returns the
+// send buffer. Token by token, so that each row of `a` is read from memory once for its K
+// copies.
+float* PackSendRows(const DispatchConfig& config, absl::Span<const float> a, DispatchState& s) {
+  const int64_t D = config.d_model;
+  const int K = config.top_k;
+  const int64_t num_exchanged = s.exchanged_rows();
+  float* send =
+      Scratch(config.scratch != nullptr ? config.scratch->send : s.scratch_send, num_exchanged * D);
+  s.expert_input.resize(s.num_received * D);
+  s.expert_output.resize(s.num_received * D);
+  s.copy_output.resize(num_exchanged * D);
+  for (int64_t c = 0; c < s.num_tokens * K; ++c) {
+    const int64_t pos = s.copy_pos[c];
+    if (pos < 0) continue;
+    std::memcpy(SentRow(s, pos, send, s.expert_input.data(), D), &a[(c / K) * D],
+                sizeof(float) * D);
+  }
+  return send;
+}
+
+// Forward step 6: combine straight from where the outputs are: y_t = 0 + sum_k w_tk out_tk,
+// slots in order, so the sum does not depend on P.
+void CombineOutputs(const DispatchState& s, int K, int64_t D,
+                    absl::Span<const float> combine_weight, absl::Span<float> y) {
+  const internal::RowKernels& rk = internal::SelectedRowKernels();
+  for (int64_t t = 0; t < s.num_tokens; ++t) {
+    float* yt = &y[t * D];
+    bool first = true;
+    for (int k = 0; k < K; ++k) {
+      const int64_t pos = s.copy_pos[t * K + k];
+      if (pos < 0) continue;
+      const float w = combine_weight[t * K + k];
+      const float* out = OutputRow(s, pos, D);
+      if (first) {
+        rk.set_scaled(yt, w, out, D);
+      } else {
+        rk.add_scaled(yt, w, out, D);
+      }
+      first = false;
+    }
+    if (first) std::fill(yt, yt + D, 0.0f);
+  }
+}
+
+// Backward's check that `state` comes from a forward with this config on P ranks: every
+// array of the sizes that forward gives it.
+absl::Status CheckStateFromForward(const DispatchConfig& config, int P,
+                                   const DispatchState& state) {
+  const int64_t D = config.d_model;
+  const int K = config.top_k;
+  const int64_t T = state.num_tokens;
+  const int64_t num_sent = state.sent_rows();
+  const int64_t num_received = state.received_rows();
+  const int E_local = config.num_experts / P;
+  if (state.expert_first.size() != static_cast<size_t>(config.num_experts) + 1 ||
+      state.owner_first.size() != static_cast<size_t>(P) * E_local ||
+      state.owner_count.size() != static_cast<size_t>(P) * E_local ||
+      state.combine_weight.size() != static_cast<size_t>(T * K) ||
+      state.copy_pos.size() != static_cast<size_t>(T * K) ||
+      state.output_row.size() != static_cast<size_t>(num_sent) || state.own_first < 0 ||
+      state.own_rows < 0 || state.own_first + state.own_rows > num_sent ||
+      state.copy_output.size() != static_cast<size_t>(state.exchanged_rows() * D) ||
+      state.expert_input.size() != static_cast<size_t>(num_received * D) ||
+      state.expert_output.size() != static_cast<size_t>(num_received * D) ||
+      !ValidChunks(state, E_local)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("dispatch state (T=", T, ", ", state.expert_first.size(),
+                     " expert offsets) does not come from a forward with D=", D, ", K=", K,
+                     ", E=", config.num_experts, ", P=", P));
+  }
+  return absl::OkStatus();
+}
+
+// Backward step 1: d w_tk = <dy_t, out_tk> into d_combine_weight (0 for unrouted copies);
+// the copy's output gradient w_tk dy_t goes straight into the send buffer (own experts'
+// rows straight into the experts' output gradient, expert_dy).
+void ScatterOutputGradients(const DispatchState& state, int K, int64_t D,
+                            absl::Span<const float> dy, float* send, float* expert_dy,
+                            absl::Span<float> d_combine_weight) {
+  const int64_t T = state.num_tokens;
+  std::fill(d_combine_weight.begin(), d_combine_weight.end(), 0.0f);  // unrouted copies
+  // Token by token (each dy row is read from memory once for its K copies), the dot
+  // products kDotRowsMax copies at a time (each one sequential fp64 sum; the rows run side
+  // by side, moe/dispatch_rows.h).
+  const std::vector<int64_t>& copy_pos = state.copy_pos;  // forward's inverse of send_copy
+  const internal::RowKernels& rk = internal::SelectedRowKernels();
+  constexpr int kRows = internal::kDotRowsMax;
+  for (int64_t c0 = 0; c0 < T * K;) {
+    int64_t copy[kRows];
+    int n = 0;
+    for (; c0 < T * K && n < kRows; ++c0) {
+      if (copy_pos[c0] >= 0) copy[n++] = c0;
+    }
+    const float* dyt[kRows];
+    const float* out[kRows];
+    for (int i = 0; i < n; ++i) {
+      dyt[i] = &dy[(copy[i] / K) * D];
+      out[i] = OutputRow(state, copy_pos[copy[i]], D);
+    }
+    double dot[kRows];
+    if (n > 0) rk.dot_rows(dyt, out, D, n, dot);
+    for (int i = 0; i < n; ++i) {
+      const int64_t c = copy[i], pos = copy_pos[c];
+      d_combine_weight[c] = static_cast<float>(dot[i]);
+      rk.scale(SentRow(state, pos, send, expert_dy, D), state.combine_weight[c], dyt[i], D);
+    }
+  }
+}
+
+// Backward step 3: d_a from the input gradients of the K copies of each token, where they
+// are (`send` for the exchanged rows, expert_dx for the own experts').
+void SumCopyGradients(const DispatchState& state, int K, int64_t D, const float* send,
+                      const float* expert_dx, absl::Span<float> d_a) {
+  const int64_t T = state.num_tokens;
+  const std::vector<int64_t>& copy_pos = state.copy_pos;
+  const internal::RowKernels& rk = internal::SelectedRowKernels();
+  // Sum the K copies of each token into d_a straight from where they are, token by token
+  // (one pass over d_a), each token's copies in send order as before.
+  std::vector<int64_t> token_pos(K);
+  for (int64_t t = 0; t < T; ++t) {
+    int n = 0;
+    for (int k = 0; k < K; ++k) {
+      if (copy_pos[t * K + k] >= 0) token_pos[n++] = copy_pos[t * K + k];
+    }
+    std::sort(token_pos.begin(), token_pos.begin() + n);
+    for (int i = 0; i < n; ++i) {
+      rk.add(&d_a[t * D], SentRow(state, token_pos[i], send, expert_dx, D), D);
+    }
+  }
 }
 
 }  // namespace
@@ -225,14 +464,12 @@ absl::Status DispatchCombineForwardWith(Communicator& ep_group, const DispatchCo
                                         absl::Span<const float> combine_weight, absl::Span<float> y,
                                         DispatchState* state) {
   const int P = ep_group.size();
-  const int me = ep_group.rank();
   GRADSUM_RETURN_IF_ERROR(ValidateDispatchConfig(config, P));
   if (state == nullptr) return absl::InvalidArgumentError("dispatch state must not be null");
   if (!experts) return absl::InvalidArgumentError("dispatch forward: no experts function");
   const int64_t D = config.d_model;
   const int E = config.num_experts;
   const int K = config.top_k;
-  const int E_local = E / P;
   if (a.size() % static_cast<size_t>(D) != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("dispatch input a has ", a.size(), " elements, not a multiple of D=", D));
@@ -245,112 +482,16 @@ absl::Status DispatchCombineForwardWith(Communicator& ep_group, const DispatchCo
   GRADSUM_RETURN_IF_ERROR(internal::CheckSize("dispatch output y", y.size(), T * D, "[T, D]"));
   // Every local check before the first collective, so a bad argument fails fast here (the
   // experts' own checks ran in the caller).
-
-  // 1. Order the copies by destination expert (a stable counting sort).
-  std::vector<int64_t> counts(E, 0);
-  for (int64_t c = 0; c < T * K; ++c) {
-    const int32_t e = expert_index[c];
-    if (e < -1 || e >= E) {
-      return absl::InvalidArgumentError(absl::StrCat("expert_index[token ", c / K, ", slot ", c % K,
-                                                     "] is ", e, ", outside [-1, E=", E, ")"));
-    }
-    if (e >= 0) ++counts[e];
-  }
-  // Reset the state field by field, keeping the vectors' capacity for reuse.
   DispatchState& s = *state;
-  s.num_tokens = T;
-  s.combine_weight.assign(combine_weight.begin(), combine_weight.end());
-  s.expert_first.assign(E + 1, 0);
-  for (int e = 0; e < E; ++e) s.expert_first[e + 1] = s.expert_first[e] + counts[e];
-  std::vector<int64_t> next(s.expert_first.begin(), s.expert_first.end() - 1);
-  const int64_t num_sent = s.expert_first[E];
-  s.send_copy.resize(num_sent);
-  s.copy_pos.assign(T * K, -1);
-  const std::vector<int64_t>& copy_pos = s.copy_pos;
-  for (int64_t c = 0; c < T * K; ++c) {
-    if (expert_index[c] < 0) continue;
-    s.copy_pos[c] = next[expert_index[c]]++;
-    s.send_copy[copy_pos[c]] = c;
-  }
-
-  // 2. Exchange the per-expert counts: all_counts[q * E + e] = rows rank q sends to expert e.
-  // A re-run of the same routing (config.all_counts) knows them already.
-  std::vector<int64_t>& all_counts = s.all_counts;
-  if (config.all_counts != nullptr) {
-    const std::vector<int64_t>& known = *config.all_counts;
-    if (known.size() != static_cast<size_t>(P) * E ||
-        !std::equal(counts.begin(), counts.end(), known.begin() + static_cast<size_t>(me) * E)) {
-      return absl::FailedPreconditionError(absl::StrCat("dispatch: the kept expert counts (",
-                                                        known.size(),
-                                                        " entries) are not those of this "
-                                                        "routing on EP rank ",
-                                                        me, " of ", P, " with ", E,
-                                                        " experts; re-run a dispatch only "
-                                                        "with the routing that produced them"));
-    }
-    all_counts.assign(known.begin(), known.end());
-  } else {
-    all_counts.resize(static_cast<size_t>(P) * E);
-    GRADSUM_RETURN_IF_ERROR(
-        Annotate(ep_group.AllGather(counts.data(), all_counts.data(), E, DType::kI64),
-                 "exchanging expert counts"));
-  }
-
-  // The experts want their rows grouped by local expert j, and within j by source rank q.
-  s.local_group_sizes.assign(E_local, 0);
-  s.owner_count.assign(static_cast<size_t>(P) * E_local, 0);
-  s.owner_first.assign(static_cast<size_t>(P) * E_local, 0);
-  for (int q = 0; q < P; ++q) {
-    for (int j = 0; j < E_local; ++j) {
-      const int64_t n = all_counts[q * E + me * E_local + j];
-      s.owner_count[q * E_local + j] = n;
-      s.local_group_sizes[j] += n;
-    }
-  }
-  int64_t row = 0;
-  for (int j = 0; j < E_local; ++j) {
-    for (int q = 0; q < P; ++q) {
-      s.owner_first[q * E_local + j] = row;
-      row += s.owner_count[q * E_local + j];
-    }
-  }
-  const int64_t num_received = row;
-  s.num_received = num_received;
-
-  // Where each sent row's output will be: its row of copy_output (which skips the own
-  // range), or for this rank's own experts (never exchanged) its row of expert_output.
-  s.own_first = s.expert_first[me * E_local];
-  s.own_rows = s.expert_first[(me + 1) * E_local] - s.own_first;
-  const int64_t num_exchanged = s.exchanged_rows();
-  s.output_row.resize(num_sent);
-  for (int64_t pos = 0; pos < num_sent; ++pos) s.output_row[pos] = s.HomeRow(pos);
-  for (int j = 0; j < E_local; ++j) {
-    const int e = me * E_local + j;
-    const int64_t first = s.owner_first[me * E_local + j];
-    for (int64_t pos = s.expert_first[e]; pos < s.expert_first[e + 1]; ++pos) {
-      s.output_row[pos] = -1 - (first + pos - s.expert_first[e]);
-    }
-  }
-
-  // 3. Pack the rows straight into the send buffer (own experts' rows straight into the
-  // experts' input).
-  float* send =
-      Scratch(config.scratch != nullptr ? config.scratch->send : s.scratch_send, num_exchanged * D);
-  s.expert_input.resize(num_received * D);
-  s.expert_output.resize(num_received * D);
-  s.copy_output.resize(num_exchanged * D);
-  // Token by token, so that each row of `a` is read from memory once for its K copies.
-  for (int64_t c = 0; c < T * K; ++c) {
-    const int64_t pos = copy_pos[c];
-    if (pos < 0) continue;
-    const int64_t r = s.output_row[pos];
-    float* dst = r >= 0 ? send + r * D : s.expert_input.data() + (-1 - r) * D;
-    std::memcpy(dst, &a[(c / K) * D], sizeof(float) * D);
-  }
-  // 4. A pipeline over chunks of local experts: every slot's rows leave at once; a chunk's
+  std::vector<int64_t> counts;
+  GRADSUM_RETURN_IF_ERROR(SortCopiesByExpert(E, K, T, expert_index, combine_weight, counts, s));
+  GRADSUM_RETURN_IF_ERROR(ExchangeExpertCounts(ep_group, config, counts, s));
+  PlanRowLayout(P, ep_group.rank(), E, s);
+  float* send = PackSendRows(config, a, s);
+  // 5. A pipeline over chunks of local experts: every slot's rows leave at once; a chunk's
   // experts run as soon as its slots have arrived, and its outputs travel home while the
   // next chunk computes. Each expert sees the same rows as in one call (same bits).
-  s.chunk_first = ChunkFirsts(P, E_local);
+  s.chunk_first = ChunkFirsts(P, E / P);
   s.experts_saved.resize(s.chunk_first.size() - 1);
   GRADSUM_RETURN_IF_ERROR(RunPipeline(
       ep_group, s, E, D, send, s.expert_input.data(), s.expert_output.data(), s.copy_output.data(),
@@ -361,27 +502,7 @@ absl::Status DispatchCombineForwardWith(Communicator& ep_group, const DispatchCo
             absl::MakeSpan(s.expert_output).subspan(rows.first_row * D, rows.num_rows * D),
             &s.experts_saved[c]);
       }));
-
-  // 5. Combine straight from where the outputs are: y_t = 0 + sum_k w_tk out_tk, slots in
-  // order, so the sum does not depend on P.
-  const internal::RowKernels& rk = internal::SelectedRowKernels();
-  for (int64_t t = 0; t < T; ++t) {
-    float* yt = &y[t * D];
-    bool first = true;
-    for (int k = 0; k < K; ++k) {
-      const int64_t pos = copy_pos[t * K + k];
-      if (pos < 0) continue;
-      const float w = combine_weight[t * K + k];
-      const float* out = OutputRow(s, pos, D);
-      if (first) {
-        rk.set_scaled(yt, w, out, D);
-      } else {
-        rk.add_scaled(yt, w, out, D);
-      }
-      first = false;
-    }
-    if (first) std::fill(yt, yt + D, 0.0f);
-  }
+  CombineOutputs(s, K, D, combine_weight, y);
   return absl::OkStatus();
 }
 
@@ -396,33 +517,13 @@ absl::Status DispatchCombineBackwardWith(Communicator& ep_group, const DispatchC
   const int64_t D = config.d_model;
   const int K = config.top_k;
   const int64_t T = state.num_tokens;
-  const int64_t num_sent = state.sent_rows();
   const int64_t num_received = state.received_rows();
-  const int E_local = config.num_experts / P;
-  if (state.expert_first.size() != static_cast<size_t>(config.num_experts) + 1 ||
-      state.owner_first.size() != static_cast<size_t>(P) * E_local ||
-      state.owner_count.size() != static_cast<size_t>(P) * E_local ||
-      state.combine_weight.size() != static_cast<size_t>(T * K) ||
-      state.copy_pos.size() != static_cast<size_t>(T * K) ||
-      state.output_row.size() != static_cast<size_t>(num_sent) || state.own_first < 0 ||
-      state.own_rows < 0 || state.own_first + state.own_rows > num_sent ||
-      state.copy_output.size() != static_cast<size_t>(state.exchanged_rows() * D) ||
-      state.expert_input.size() != static_cast<size_t>(num_received * D) ||
-      state.expert_output.size() != static_cast<size_t>(num_received * D) ||
-      !ValidChunks(state, E_local)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("dispatch state (T=", T, ", ", state.expert_first.size(),
-                     " expert offsets) does not come from a forward with D=", D, ", K=", K,
-                     ", E=", config.num_experts, ", P=", P));
-  }
+  GRADSUM_RETURN_IF_ERROR(CheckStateFromForward(config, P, state));
   GRADSUM_RETURN_IF_ERROR(internal::CheckSize("dispatch dy", dy.size(), T * D, "[T, D]"));
   GRADSUM_RETURN_IF_ERROR(internal::CheckSize("dispatch d_a", d_a.size(), T * D, "[T, D]"));
   GRADSUM_RETURN_IF_ERROR(
       internal::CheckSize("dispatch d_combine_weight", d_combine_weight.size(), T * K, "[T, K]"));
 
-  // d w_tk = <dy_t, out_tk>; the copy's output gradient w_tk dy_t goes straight into the
-  // send buffer (own experts' rows straight into the experts' output gradient).
-  std::fill(d_combine_weight.begin(), d_combine_weight.end(), 0.0f);  // unrouted copies
   DispatchScratch* shared = config.scratch;
   float* send =
       Scratch(shared != nullptr ? shared->send : state.scratch_send, state.exchanged_rows() * D);
@@ -430,35 +531,8 @@ absl::Status DispatchCombineBackwardWith(Communicator& ep_group, const DispatchC
       Scratch(shared != nullptr ? shared->expert_a : state.scratch_expert_a, num_received * D);
   float* expert_dx =
       Scratch(shared != nullptr ? shared->expert_b : state.scratch_expert_b, num_received * D);
-  // Token by token (each dy row is read from memory once for its K copies), the dot
-  // products kDotRowsMax copies at a time (each one sequential fp64 sum; the rows run side
-  // by side, moe/dispatch_rows.h).
-  const std::vector<int64_t>& copy_pos = state.copy_pos;  // forward's inverse of send_copy
-  const internal::RowKernels& rk = internal::SelectedRowKernels();
-  constexpr int kRows = internal::kDotRowsMax;
-  for (int64_t c0 = 0; c0 < T * K;) {
-    int64_t copy[kRows];
-    int n = 0;
-    for (; c0 < T * K && n < kRows; ++c0) {
-      if (copy_pos[c0] >= 0) copy[n++] = c0;
-    }
-    const float* dyt[kRows];
-    const float* out[kRows];
-    for (int i = 0; i < n; ++i) {
-      dyt[i] = &dy[(copy[i] / K) * D];
-      out[i] = OutputRow(state, copy_pos[copy[i]], D);
-    }
-    double dot[kRows];
-    if (n > 0) rk.dot_rows(dyt, out, D, n, dot);
-    for (int i = 0; i < n; ++i) {
-      const int64_t c = copy[i], pos = copy_pos[c];
-      d_combine_weight[c] = static_cast<float>(dot[i]);
-      const int64_t r = state.output_row[pos];
-      float* g = r >= 0 ? send + r * D : expert_dy + (-1 - r) * D;
-      rk.scale(g, state.combine_weight[c], dyt[i], D);
-    }
-  }
-  // The same pipeline as forward, over forward's chunks. The input gradients come home
+  ScatterOutputGradients(state, K, D, dy, send, expert_dy, d_combine_weight);
+  // 2. The same pipeline as forward, over forward's chunks. The input gradients come home
   // into the send buffer: slot j's rows there were read by slot j's dispatch, which is
   // complete before slot j's return is issued.
   GRADSUM_RETURN_IF_ERROR(RunPipeline(
@@ -470,21 +544,7 @@ absl::Status DispatchCombineBackwardWith(Communicator& ep_group, const DispatchC
                        state.experts_saved[c], absl::MakeConstSpan(expert_dy + first, n),
                        absl::MakeSpan(expert_dx + first, n));
       }));
-  // Sum the K copies of each token into d_a straight from where they are, token by token
-  // (one pass over d_a), each token's copies in send order as before.
-  std::vector<int64_t> token_pos(K);
-  for (int64_t t = 0; t < T; ++t) {
-    int n = 0;
-    for (int k = 0; k < K; ++k) {
-      if (copy_pos[t * K + k] >= 0) token_pos[n++] = copy_pos[t * K + k];
-    }
-    std::sort(token_pos.begin(), token_pos.begin() + n);
-    for (int i = 0; i < n; ++i) {
-      const int64_t pos = token_pos[i];
-      const int64_t r = state.output_row[pos];
-      rk.add(&d_a[t * D], r >= 0 ? send + r * D : expert_dx + (-1 - r) * D, D);
-    }
-  }
+  SumCopyGradients(state, K, D, send, expert_dx, d_a);
   return absl::OkStatus();
 }
 

@@ -44,6 +44,134 @@ absl::Status ForEachRowBlock(const RouterConfig& config, int64_t T,
 // rows, else 1 (the blocks are the parallelism).
 int GemmThreads(const RouterConfig& config) { return config.row_block > 0 ? 1 : ComputeThreads(); }
 
+// The optional expert bias ([E], finite) and mask ([T], 0 or 1) of RouterForward.
+absl::Status CheckBiasAndMask(int E, int64_t T, absl::Span<const uint8_t> mask,
+                              absl::Span<const float> expert_bias) {
+  if (!expert_bias.empty()) {
+    GRADSUM_RETURN_IF_ERROR(internal::CheckSize("expert bias", expert_bias.size(), E, "[E]"));
+    for (int e = 0; e < E; ++e) {
+      if (!std::isfinite(expert_bias[e])) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("expert bias[", e, "] is not finite (", expert_bias[e], ")"));
+      }
+    }
+  }
+  if (!mask.empty()) {
+    GRADSUM_RETURN_IF_ERROR(internal::CheckSize("router mask", mask.size(), T, "[T]"));
+    for (int64_t t = 0; t < T; ++t) {
+      if (mask[t] > 1) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "router mask[", t, "] is ", static_cast<int>(mask[t]), ", expected 0 or 1"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// A RouterOutput for T tokens, zeroed (expert_index -1), every token routed unless `mask`.
+RouterOutput EmptyRouterOutput(int64_t T, int E, int K, absl::Span<const uint8_t> mask) {
+  RouterOutput out;
+  out.num_tokens = T;
+  out.num_experts = E;
+  out.top_k = K;
+  out.logits.assign(T * E, 0.0f);
+  out.probs.assign(T * E, 0.0f);
+  out.expert_index.assign(T * K, -1);
+  out.combine_weight.assign(T * K, 0.0f);
+  out.routed.assign(T, 1);
+  if (!mask.empty()) std::copy(mask.begin(), mask.end(), out.routed.begin());
+  out.local_expert_counts.assign(E, 0);
+  out.local_gating_sums.assign(E, 0.0);
+  return out;
+}
+
+// out.probs from out.logits. Pass 1, in token order (the first bad logit is the one
+// reported): check the logits, zero the padding rows' logits, and write u - max(u) into p
+// (-inf for padding, so its probabilities come out 0). Pass 2: one vectorised exp over all
+// of p (core/vec_math.h). Sigmoid scores: pass 1 checks, pass 2 is one vectorised sigmoid
+// of the routed rows. Softmax rows are normalised later, by SelectTopK.
+absl::Status ScoresFromLogits(bool sigmoid, RouterOutput& out) {
+  const int64_t T = out.num_tokens;
+  const int E = out.num_experts;
+  for (int64_t t = 0; t < T; ++t) {
+    float* u = &out.logits[t * E];
+    float* p = &out.probs[t * E];
+    if (!out.routed[t]) {
+      std::fill(u, u + E, 0.0f);
+      std::fill(p, p + E, -std::numeric_limits<float>::infinity());
+      continue;
+    }
+    float max_u = u[0];
+    for (int e = 0; e < E; ++e) {
+      if (!std::isfinite(u[e])) {
+        return absl::InvalidArgumentError(absl::StrCat("router logit u[token ", t, ", expert ", e,
+                                                       "] is not finite (", u[e], ")"));
+      }
+      max_u = std::max(max_u, u[e]);
+    }
+    if (!sigmoid) {
+      for (int e = 0; e < E; ++e) p[e] = u[e] - max_u;
+    }
+  }
+  if (sigmoid) {
+    for (int64_t t = 0; t < T; ++t) {
+      if (out.routed[t]) {
+        vec::Sigmoid(&out.logits[t * E], &out.probs[t * E], E);
+      } else {
+        std::fill(&out.probs[t * E], &out.probs[t * E] + E, 0.0f);
+      }
+    }
+  } else {
+    vec::Exp(out.probs.data(), out.probs.data(), T * E);
+  }
+  return absl::OkStatus();
+}
+
+// Per routed token: the softmax normalisation (softmax scores), the gating sums, and the
+// top-K experts with their combine weights and counts.
+void SelectTopK(const RouterConfig& config, bool sigmoid, absl::Span<const float> expert_bias,
+                RouterOutput& out) {
+  const int E = out.num_experts;
+  const int K = out.top_k;
+  std::vector<int> order(E);
+  std::vector<float> biased(expert_bias.empty() ? 0 : E);
+  for (int64_t t = 0; t < out.num_tokens; ++t) {
+    if (!out.routed[t]) continue;
+    ++out.local_routed_tokens;
+    float* p = &out.probs[t * E];
+    if (!sigmoid) {
+      double z = 0.0;
+      for (int e = 0; e < E; ++e) z += p[e];
+      const float inv_z = static_cast<float>(1.0 / z);
+      for (int e = 0; e < E; ++e) p[e] *= inv_z;
+    }
+    for (int e = 0; e < E; ++e) out.local_gating_sums[e] += p[e];
+
+    // Top-K by p (+ the bias, §5.1), descending; equal: lower expert index first (§10).
+    const float* key = p;
+    if (!expert_bias.empty()) {
+      for (int e = 0; e < E; ++e) biased[e] = p[e] + expert_bias[e];
+      key = biased.data();
+    }
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + K, order.end(), [key](int x, int y) {
+      return key[x] > key[y] || (key[x] == key[y] && x < y);
+    });
+    double topk_sum = 0.0;
+    for (int k = 0; k < K; ++k) topk_sum += p[order[k]];
+    // Unbiased softmax selection: topk_sum >= max_e p >= 1/E > 0. A bias or sigmoid scores
+    // may pick scores that all round to 0: then the weights are 0, not NaN.
+    const double norm = !config.norm_topk_prob ? 1.0 : (topk_sum > 0.0 ? 1.0 / topk_sum : 0.0);
+    for (int k = 0; k < K; ++k) {
+      const int e = order[k];
+      out.expert_index[t * K + k] = e;
+      out.combine_weight[t * K + k] =
+          static_cast<float>(p[e] * norm * static_cast<double>(config.router_scale));
+      ++out.local_expert_counts[e];
+    }
+  }
+}
+
 }  // namespace
 
 const char* RouterScoreName(RouterScore score) {
@@ -89,37 +217,8 @@ absl::StatusOr<RouterOutput> RouterForward(const RouterConfig& config, absl::Spa
   const int E = config.num_experts;
   const int K = config.top_k;
   const bool sigmoid = config.score == RouterScore::kSigmoid;
-  if (!expert_bias.empty()) {
-    GRADSUM_RETURN_IF_ERROR(internal::CheckSize("expert bias", expert_bias.size(), E, "[E]"));
-    for (int e = 0; e < E; ++e) {
-      if (!std::isfinite(expert_bias[e])) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("expert bias[", e, "] is not finite (", expert_bias[e], ")"));
-      }
-    }
-  }
-  if (!mask.empty()) {
-    GRADSUM_RETURN_IF_ERROR(internal::CheckSize("router mask", mask.size(), T, "[T]"));
-    for (int64_t t = 0; t < T; ++t) {
-      if (mask[t] > 1) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "router mask[", t, "] is ", static_cast<int>(mask[t]), ", expected 0 or 1"));
-      }
-    }
-  }
-
-  RouterOutput out;
-  out.num_tokens = T;
-  out.num_experts = E;
-  out.top_k = K;
-  out.logits.assign(T * E, 0.0f);
-  out.probs.assign(T * E, 0.0f);
-  out.expert_index.assign(T * K, -1);
-  out.combine_weight.assign(T * K, 0.0f);
-  out.routed.assign(T, 1);
-  if (!mask.empty()) std::copy(mask.begin(), mask.end(), out.routed.begin());
-  out.local_expert_counts.assign(E, 0);
-  out.local_gating_sums.assign(E, 0.0);
+  GRADSUM_RETURN_IF_ERROR(CheckBiasAndMask(E, T, mask, expert_bias));
+  RouterOutput out = EmptyRouterOutput(T, E, K, mask);
   if (T == 0) return out;
 
   // u = a @ Wr in fp32 (SEMANTICS.md §10).
@@ -128,80 +227,8 @@ absl::StatusOr<RouterOutput> RouterForward(const RouterConfig& config, absl::Spa
                  E, 0.0f, absl::MakeSpan(out.logits).subspan(r0 * E, n * E), E,
                  GemmThreads(config));
   }));
-
-  // Pass 1, in token order (the first bad logit is the one reported): check the logits,
-  // zero the padding rows' logits, and write u - max(u) into p (-inf for padding, so its
-  // probabilities come out 0). Pass 2: one vectorised exp over all of p (core/vec_math.h).
-  // Sigmoid scores: pass 1 checks, pass 2 is one vectorised sigmoid of the routed rows.
-  for (int64_t t = 0; t < T; ++t) {
-    float* u = &out.logits[t * E];
-    float* p = &out.probs[t * E];
-    if (!out.routed[t]) {
-      std::fill(u, u + E, 0.0f);
-      std::fill(p, p + E, -std::numeric_limits<float>::infinity());
-      continue;
-    }
-    float max_u = u[0];
-    for (int e = 0; e < E; ++e) {
-      if (!std::isfinite(u[e])) {
-        return absl::InvalidArgumentError(absl::StrCat("router logit u[token ", t, ", expert ", e,
-                                                       "] is not finite (", u[e], ")"));
-      }
-      max_u = std::max(max_u, u[e]);
-    }
-    if (!sigmoid) {
-      for (int e = 0; e < E; ++e) p[e] = u[e] - max_u;
-    }
-  }
-  if (sigmoid) {
-    for (int64_t t = 0; t < T; ++t) {
-      if (out.routed[t]) {
-        vec::Sigmoid(&out.logits[t * E], &out.probs[t * E], E);
-      } else {
-        std::fill(&out.probs[t * E], &out.probs[t * E] + E, 0.0f);
-      }
-    }
-  } else {
-    vec::Exp(out.probs.data(), out.probs.data(), T * E);
-  }
-
-  std::vector<int> order(E);
-  std::vector<float> biased(expert_bias.empty() ? 0 : E);
-  for (int64_t t = 0; t < T; ++t) {
-    if (!out.routed[t]) continue;
-    ++out.local_routed_tokens;
-    float* p = &out.probs[t * E];
-    if (!sigmoid) {
-      double z = 0.0;
-      for (int e = 0; e < E; ++e) z += p[e];
-      const float inv_z = static_cast<float>(1.0 / z);
-      for (int e = 0; e < E; ++e) p[e] *= inv_z;
-    }
-    for (int e = 0; e < E; ++e) out.local_gating_sums[e] += p[e];
-
-    // Top-K by p (+ the bias, §5.1), descending; equal: lower expert index first (§10).
-    const float* key = p;
-    if (!expert_bias.empty()) {
-      for (int e = 0; e < E; ++e) biased[e] = p[e] + expert_bias[e];
-      key = biased.data();
-    }
-    std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + K, order.end(), [key](int x, int y) {
-      return key[x] > key[y] || (key[x] == key[y] && x < y);
-    });
-    double topk_sum = 0.0;
-    for (int k = 0; k < K; ++k) topk_sum += p[order[k]];
-    // Unbiased softmax selection: topk_sum >= max_e p >= 1/E > 0. A bias or sigmoid scores
-    // may pick scores that all round to 0: then the weights are 0, not NaN.
-    const double norm = !config.norm_topk_prob ? 1.0 : (topk_sum > 0.0 ? 1.0 / topk_sum : 0.0);
-    for (int k = 0; k < K; ++k) {
-      const int e = order[k];
-      out.expert_index[t * K + k] = e;
-      out.combine_weight[t * K + k] =
-          static_cast<float>(p[e] * norm * static_cast<double>(config.router_scale));
-      ++out.local_expert_counts[e];
-    }
-  }
+  GRADSUM_RETURN_IF_ERROR(ScoresFromLogits(sigmoid, out));
+  SelectTopK(config, sigmoid, expert_bias, out);
   return out;
 }
 

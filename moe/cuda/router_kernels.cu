@@ -29,6 +29,132 @@ __device__ __forceinline__ float Sigmoid(float x) {
   return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
 }
 
+// RouterForwardKernel's phases, for one token t on one warp (lane = this thread's lane;
+// each lane holds experts lane, lane + 32, ..., PL of them).
+
+// A padding token (mask != 1): not routed (§1); zeros and index -1, like the CPU router.
+template <int PL>
+__device__ __forceinline__ void WritePaddingToken(const RouterForwardLaunch& p, int64_t t, int lane,
+                                                  float* prow) {
+  const int E = p.experts, K = p.top_k;
+#pragma unroll
+  for (int i = 0; i < PL; ++i) {
+    const int e = lane + 32 * i;
+    if (e < E) prow[e] = 0.0f;
+  }
+  if (lane < K) {
+    p.expert_index[t * K + lane] = -1;
+    p.combine_weight[t * K + lane] = 0.0f;
+  }
+  if (lane == 0 && p.logsumexp) p.logsumexp[t] = 0.0f;
+}
+
+// Loads the token's logits into u (-inf past E) and returns the warp's max. A non-finite
+// logit is reported in bad_token and read as 0 (max 0), to keep the outputs finite; the
+// call then returns InvalidArgument.
+template <int PL>
+__device__ __forceinline__ float LoadLogits(const RouterForwardLaunch& p, int64_t t, int lane,
+                                            float (&u)[PL]) {
+  const int E = p.experts;
+  bool bad = false;
+  float mx = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < PL; ++i) {
+    const int e = lane + 32 * i;
+    u[i] = e < E ? p.logits[t * E + e] : -INFINITY;
+    if (e < E && !isfinite(u[i])) bad = true;
+    mx = fmaxf(mx, u[i]);
+  }
+  if (__any_sync(0xffffffffu, bad)) {
+    if (lane == 0) atomicMin(p.bad_token, static_cast<unsigned long long>(t));
+    mx = 0.0f;
+#pragma unroll
+    for (int i = 0; i < PL; ++i) {
+      if (!isfinite(u[i]) && lane + 32 * i < E) u[i] = 0.0f;
+    }
+  }
+  return WarpMax(mx);
+}
+
+// The scores pr (softmax of u, or sigmoid §5.1), written to prow, and the token's lse.
+template <int PL>
+__device__ __forceinline__ void ComputeScores(const RouterForwardLaunch& p, int64_t t, int lane,
+                                              const float (&u)[PL], float mx, float (&pr)[PL],
+                                              float* prow) {
+  const int E = p.experts;
+  float s = 0.0f;
+#pragma unroll
+  for (int i = 0; i < PL; ++i) s += expf(u[i] - mx);
+  s = WarpSum(s);
+  const float inv_s = 1.0f / s;
+#pragma unroll
+  for (int i = 0; i < PL; ++i) {
+    const int e = lane + 32 * i;
+    // Sigmoid scores (§5.1) are per expert; the softmax statistics above still give the
+    // z-loss's lse, which is of the logits whatever the scores.
+    pr[i] = p.sigmoid ? (e < E ? Sigmoid(u[i]) : 0.0f) : expf(u[i] - mx) * inv_s;
+    if (e < E) prow[e] = pr[i];
+  }
+  if (lane == 0 && p.logsumexp) p.logsumexp[t] = mx + logf(s);
+}
+
+// Top-K by the key (p, or p + b with the expert bias, §5.1, the sum in fp32): K rounds of
+// a warp argmax; equal keys -> lower expert index. The winner's unbiased p travels with it
+// (bp): the weights are of p, never of the key. Lane k < K gets slot k's expert and p in
+// my_e, my_p; returns the sum of the picked p (the same on every lane).
+template <int PL>
+__device__ __forceinline__ float SelectTopK(const RouterForwardLaunch& p, int lane,
+                                            const float (&pr)[PL], int* my_e, float* my_p) {
+  const int E = p.experts, K = p.top_k;
+  float key[PL];
+#pragma unroll
+  for (int i = 0; i < PL; ++i) {
+    const int e = lane + 32 * i;
+    key[i] = (p.expert_bias != nullptr && e < E) ? pr[i] + p.expert_bias[e] : pr[i];
+  }
+  bool taken[PL];
+#pragma unroll
+  for (int i = 0; i < PL; ++i) taken[i] = false;
+  float picked_sum = 0.0f;
+  for (int k = 0; k < K; ++k) {
+    float bv = -INFINITY, bp = 0.0f;  // every finite key beats it
+    int be = INT_MAX;
+#pragma unroll
+    for (int i = 0; i < PL; ++i) {
+      const int e = lane + 32 * i;
+      if (e < E && !taken[i] && (key[i] > bv || (key[i] == bv && e < be))) {
+        bv = key[i];
+        bp = pr[i];
+        be = e;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const float op = __shfl_xor_sync(0xffffffffu, bp, o);
+      const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+      if (ov > bv || (ov == bv && oe < be)) {
+        bv = ov;
+        bp = op;
+        be = oe;
+      }
+    }
+    if (be >= E) be = 0;  // unreachable with finite keys; never index out of range
+    if ((be & 31) == lane) {
+#pragma unroll
+      for (int i = 0; i < PL; ++i) {
+        if (i == (be >> 5)) taken[i] = true;
+      }
+    }
+    if (lane == k) {
+      *my_e = be;
+      *my_p = bp;
+    }
+    picked_sum += bp;
+  }
+  return picked_sum;
+}
+
 template <int PL>
 __global__ void RouterForwardKernel(RouterForwardLaunch p) {
   __shared__ int hist[kMaxCudaExperts];
@@ -44,105 +170,17 @@ __global__ void RouterForwardKernel(RouterForwardLaunch p) {
     const uint8_t m = p.mask ? p.mask[t] : 1;
     if (m > 1 && lane == 0) atomicMin(p.bad_token, static_cast<unsigned long long>(t));
     float* prow = p.probs + t * E;
-    if (m != 1) {  // padding: not routed (§1); zeros and index -1, like the CPU router
-#pragma unroll
-      for (int i = 0; i < PL; ++i) {
-        const int e = lane + 32 * i;
-        if (e < E) prow[e] = 0.0f;
-      }
-      if (lane < K) {
-        p.expert_index[t * K + lane] = -1;
-        p.combine_weight[t * K + lane] = 0.0f;
-      }
-      if (lane == 0 && p.logsumexp) p.logsumexp[t] = 0.0f;
+    if (m != 1) {
+      WritePaddingToken<PL>(p, t, lane, prow);
       continue;
     }
     float u[PL];
-    bool bad = false;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < PL; ++i) {
-      const int e = lane + 32 * i;
-      u[i] = e < E ? p.logits[t * E + e] : -INFINITY;
-      if (e < E && !isfinite(u[i])) bad = true;
-      mx = fmaxf(mx, u[i]);
-    }
-    if (__any_sync(0xffffffffu, bad)) {
-      if (lane == 0) atomicMin(p.bad_token, static_cast<unsigned long long>(t));
-      mx = 0.0f;  // keep the outputs finite; the call reports InvalidArgument
-#pragma unroll
-      for (int i = 0; i < PL; ++i) {
-        if (!isfinite(u[i]) && lane + 32 * i < E) u[i] = 0.0f;
-      }
-    }
-    mx = WarpMax(mx);
-    float s = 0.0f;
-#pragma unroll
-    for (int i = 0; i < PL; ++i) s += expf(u[i] - mx);
-    s = WarpSum(s);
-    const float inv_s = 1.0f / s;
+    const float mx = LoadLogits<PL>(p, t, lane, u);
     float pr[PL];
-#pragma unroll
-    for (int i = 0; i < PL; ++i) {
-      const int e = lane + 32 * i;
-      // Sigmoid scores (§5.1) are per expert; the softmax statistics above still give the
-      // z-loss's lse, which is of the logits whatever the scores.
-      pr[i] = p.sigmoid ? (e < E ? Sigmoid(u[i]) : 0.0f) : expf(u[i] - mx) * inv_s;
-      if (e < E) prow[e] = pr[i];
-    }
-    if (lane == 0 && p.logsumexp) p.logsumexp[t] = mx + logf(s);
-
-    // The selection key: p, or p + b with the expert bias (§5.1, the sum in fp32).
-    float key[PL];
-#pragma unroll
-    for (int i = 0; i < PL; ++i) {
-      const int e = lane + 32 * i;
-      key[i] = (p.expert_bias != nullptr && e < E) ? pr[i] + p.expert_bias[e] : pr[i];
-    }
-
-    // Top-K by the key: K rounds of a warp argmax; equal keys -> lower expert index. The
-    // winner's unbiased p travels with it (bp): the weights are of p, never of the key.
-    bool taken[PL];
-#pragma unroll
-    for (int i = 0; i < PL; ++i) taken[i] = false;
+    ComputeScores<PL>(p, t, lane, u, mx, pr, prow);
     int my_e = -1;
-    float my_p = 0.0f, picked_sum = 0.0f;
-    for (int k = 0; k < K; ++k) {
-      float bv = -INFINITY, bp = 0.0f;  // every finite key beats it
-      int be = INT_MAX;
-#pragma unroll
-      for (int i = 0; i < PL; ++i) {
-        const int e = lane + 32 * i;
-        if (e < E && !taken[i] && (key[i] > bv || (key[i] == bv && e < be))) {
-          bv = key[i];
-          bp = pr[i];
-          be = e;
-        }
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        const float op = __shfl_xor_sync(0xffffffffu, bp, o);
-        const int oe = __shfl_xor_sync(0xffffffffu, be, o);
-        if (ov > bv || (ov == bv && oe < be)) {
-          bv = ov;
-          bp = op;
-          be = oe;
-        }
-      }
-      if (be >= E) be = 0;  // unreachable with finite keys; never index out of range
-      if ((be & 31) == lane) {
-#pragma unroll
-        for (int i = 0; i < PL; ++i) {
-          if (i == (be >> 5)) taken[i] = true;
-        }
-      }
-      if (lane == k) {
-        my_e = be;
-        my_p = bp;
-      }
-      picked_sum += bp;
-    }
+    float my_p = 0.0f;
+    const float picked_sum = SelectTopK<PL>(p, lane, pr, &my_e, &my_p);
     if (lane < K) {
       float w = my_p;
       // Sigmoid scores or a bias may pick scores that all round to 0: weights 0, not NaN
