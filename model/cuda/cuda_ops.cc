@@ -87,14 +87,29 @@ class CudaOps : public ModelOps {
 
   absl::Status Begin(const MicroBatchInputs& in) override {
     GRADSUM_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_->device), "cudaSetDevice");
+    const int k = in.forward_only ? 0 : config_.mtp_depth;
+    GRADSUM_RETURN_IF_ERROR(CheckBatch(in, k));
+    in_ = in;
+    if (config_.attention) GRADSUM_RETURN_IF_ERROR(UploadAttentionLayout(in));
+    GRADSUM_RETURN_IF_ERROR(ReserveRows(in.rows, k));
+    labels_host_.assign(in.labels.begin(), in.labels.end());
+    mask_host_.assign(in.mask.begin(), in.mask.end());
+    if (k > 0) GRADSUM_RETURN_IF_ERROR(UploadMtpRows(in, k));
+    GRADSUM_RETURN_IF_ERROR(UploadBatch(in, k));
+    // The host copies are pageable: the calls return once they are staged.
+    return absl::OkStatus();
+  }
+
+  // What Begin checks on the host before any device work (the kernels trust it): one block
+  // per micro-batch, every label (main and each MTP depth's) in [0, V) or ignored.
+  absl::Status CheckBatch(const MicroBatchInputs& in, int k) const {
     if (in.row_block != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "the CUDA ops compute a micro-batch as one block, not in blocks of ", in.row_block,
           " rows (per-sequence blocks are the exact gradient precision's: CPU backends only)"));
     }
     const int64_t V = config_.vocab, T = in.rows;
-    // Labels on the host, before any device work: the kernels trust them. `where` prefixes
-    // the message ("" for the main labels, "MTP depth j: ").
+    // `where` prefixes the message ("" for the main labels, "MTP depth j: ").
     auto check_labels = [&](auto labels, const std::string& where) -> absl::Status {
       for (int64_t t = 0; t < T; ++t) {
         const int64_t y = labels[t];
@@ -107,109 +122,121 @@ class CudaOps : public ModelOps {
       return absl::OkStatus();
     };
     GRADSUM_RETURN_IF_ERROR(check_labels(in.labels, ""));
-    const int k = in.forward_only ? 0 : config_.mtp_depth;
     GRADSUM_RETURN_IF_ERROR(CheckMtpInputs(in, k));
     for (int j = 0; j < k; ++j) {
       GRADSUM_RETURN_IF_ERROR(
           check_labels(in.mtp_labels[j], absl::StrCat("MTP depth ", j + 1, ": ")));
     }
-    in_ = in;
+    return absl::OkStatus();
+  }
+
+  // Attention's layout of the micro-batch (in_ set): its shape checked, the document starts
+  // checked on the host, as the CPU kernel checks them, so that the device check (into
+  // attention_error_, read in End) costs no sync per layer; the RoPE tables and the
+  // document starts uploaded.
+  absl::Status UploadAttentionLayout(const MicroBatchInputs& in) {
+    const int64_t T = in.rows;
     cudaStream_t s = exec_.stream;
-    if (config_.attention) {
-      if (in.seq_len % sp_size_ != 0 || in.sequences * (in.seq_len / sp_size_) != T ||
-          static_cast<int64_t>(in.positions.size()) != T) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("attention: ", T, " tokens are not ", in.sequences, " sequences of ",
-                         in.seq_len, " / sp=", sp_size_, " tokens with positions"));
-      }
-      // The document starts on the host, as the CPU kernel checks them, so that the device
-      // check (into attention_error_, read in End) costs no sync per layer.
-      in_ = in;
-      const AttentionDims dims = HeadDims();
-      if (static_cast<int64_t>(in.doc_start.size()) != in.sequences * in.seq_len) {
-        return absl::InvalidArgumentError(absl::StrCat("attention: ", in.doc_start.size(),
-                                                       " document starts for ", in.sequences,
-                                                       " sequences of ", in.seq_len, " tokens"));
-      }
-      for (int64_t i = 0; i < static_cast<int64_t>(in.doc_start.size()); ++i) {
-        const int32_t previous = i % in.seq_len == 0 ? -1 : in.doc_start[i - 1];
-        GRADSUM_RETURN_IF_ERROR(internal::CheckDocStartToken(dims, i, in.doc_start[i], previous));
-      }
-      if (attention_error_.device_word() == nullptr) {
-        GRADSUM_ASSIGN_OR_RETURN(attention_error_, cuda::DeviceIndexFlag::Create());
-      }
-      RopeTable(in.positions, head_dim_, config_.rope_theta, &cos_host_, &sin_host_);
-      GRADSUM_RETURN_IF_ERROR(Reserve(&rope_cos_, cos_host_.size() * sizeof(float)));
-      GRADSUM_RETURN_IF_ERROR(Reserve(&rope_sin_, sin_host_.size() * sizeof(float)));
-      GRADSUM_RETURN_IF_ERROR(Reserve(&doc_start_, in.doc_start.size() * sizeof(int32_t)));
-      GRADSUM_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(rope_cos_.get(), cos_host_.data(), cos_host_.size() * sizeof(float),
-                          cudaMemcpyHostToDevice, s),
-          "upload RoPE cosines");
-      GRADSUM_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(rope_sin_.get(), sin_host_.data(), sin_host_.size() * sizeof(float),
-                          cudaMemcpyHostToDevice, s),
-          "upload RoPE sines");
-      GRADSUM_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(doc_start_.get(), in.doc_start.data(),
-                          in.doc_start.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s),
-          "upload document starts");
+    if (in.seq_len % sp_size_ != 0 || in.sequences * (in.seq_len / sp_size_) != T ||
+        static_cast<int64_t>(in.positions.size()) != T) {
+      return absl::InvalidArgumentError(absl::StrCat("attention: ", T, " tokens are not ",
+                                                     in.sequences, " sequences of ", in.seq_len,
+                                                     " / sp=", sp_size_, " tokens with positions"));
     }
-    if (rows_ != T) {
-      const int64_t D = config_.dim;
-      GRADSUM_RETURN_IF_ERROR(Reserve(&tokens_, T * sizeof(int32_t)));
-      GRADSUM_RETURN_IF_ERROR(Reserve(&labels_, T * sizeof(int64_t)));
-      GRADSUM_RETURN_IF_ERROR(Reserve(&mask_, T));
-      GRADSUM_RETURN_IF_ERROR(Reserve(&weights_, T * sizeof(float)));
-      GRADSUM_RETURN_IF_ERROR(
-          Reserve(&scalars_, (kScalars + 2 * config_.mtp_depth) * sizeof(double)));
-      if (k > 0) {
-        GRADSUM_RETURN_IF_ERROR(Reserve(&mtp_tokens_, k * T * sizeof(int32_t)));
-        GRADSUM_RETURN_IF_ERROR(Reserve(&mtp_labels_, k * T * sizeof(int64_t)));
-        GRADSUM_RETURN_IF_ERROR(Reserve(&mtp_weights_, k * T * sizeof(float)));
-      }
-      GRADSUM_RETURN_IF_ERROR(Reserve(&logits_, static_cast<size_t>(T) * V * sizeof(float)));
-      (void)D;
-      rows_ = T;
+    const AttentionDims dims = HeadDims();
+    if (static_cast<int64_t>(in.doc_start.size()) != in.sequences * in.seq_len) {
+      return absl::InvalidArgumentError(absl::StrCat("attention: ", in.doc_start.size(),
+                                                     " document starts for ", in.sequences,
+                                                     " sequences of ", in.seq_len, " tokens"));
     }
-    labels_host_.assign(in.labels.begin(), in.labels.end());
-    mask_host_.assign(in.mask.begin(), in.mask.end());
-    // D, N, the loss slots, then per MTP depth its normaliser D_j k / mtp_scale and its
-    // loss slot.
+    for (int64_t i = 0; i < static_cast<int64_t>(in.doc_start.size()); ++i) {
+      const int32_t previous = i % in.seq_len == 0 ? -1 : in.doc_start[i - 1];
+      GRADSUM_RETURN_IF_ERROR(internal::CheckDocStartToken(dims, i, in.doc_start[i], previous));
+    }
+    if (attention_error_.device_word() == nullptr) {
+      GRADSUM_ASSIGN_OR_RETURN(attention_error_, cuda::DeviceIndexFlag::Create());
+    }
+    RopeTable(in.positions, head_dim_, config_.rope_theta, &cos_host_, &sin_host_);
+    GRADSUM_RETURN_IF_ERROR(Reserve(&rope_cos_, cos_host_.size() * sizeof(float)));
+    GRADSUM_RETURN_IF_ERROR(Reserve(&rope_sin_, sin_host_.size() * sizeof(float)));
+    GRADSUM_RETURN_IF_ERROR(Reserve(&doc_start_, in.doc_start.size() * sizeof(int32_t)));
+    GRADSUM_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(rope_cos_.get(), cos_host_.data(), cos_host_.size() * sizeof(float),
+                        cudaMemcpyHostToDevice, s),
+        "upload RoPE cosines");
+    GRADSUM_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(rope_sin_.get(), sin_host_.data(), sin_host_.size() * sizeof(float),
+                        cudaMemcpyHostToDevice, s),
+        "upload RoPE sines");
+    GRADSUM_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(doc_start_.get(), in.doc_start.data(),
+                        in.doc_start.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s),
+        "upload document starts");
+    return absl::OkStatus();
+  }
+
+  // The device buffers of a micro-batch of T rows (and k MTP depths), grown when T changes.
+  absl::Status ReserveRows(int64_t T, int k) {
+    if (rows_ == T) return absl::OkStatus();
+    const int64_t V = config_.vocab;
+    GRADSUM_RETURN_IF_ERROR(Reserve(&tokens_, T * sizeof(int32_t)));
+    GRADSUM_RETURN_IF_ERROR(Reserve(&labels_, T * sizeof(int64_t)));
+    GRADSUM_RETURN_IF_ERROR(Reserve(&mask_, T));
+    GRADSUM_RETURN_IF_ERROR(Reserve(&weights_, T * sizeof(float)));
+    GRADSUM_RETURN_IF_ERROR(
+        Reserve(&scalars_, (kScalars + 2 * config_.mtp_depth) * sizeof(double)));
+    if (k > 0) {
+      GRADSUM_RETURN_IF_ERROR(Reserve(&mtp_tokens_, k * T * sizeof(int32_t)));
+      GRADSUM_RETURN_IF_ERROR(Reserve(&mtp_labels_, k * T * sizeof(int64_t)));
+      GRADSUM_RETURN_IF_ERROR(Reserve(&mtp_weights_, k * T * sizeof(float)));
+    }
+    GRADSUM_RETURN_IF_ERROR(Reserve(&logits_, static_cast<size_t>(T) * V * sizeof(float)));
+    rows_ = T;
+    return absl::OkStatus();
+  }
+
+  // The k MTP depths' tokens, labels and CE weights: depth j's rows at j * T, staged
+  // contiguously on the host (pageable copies).
+  absl::Status UploadMtpRows(const MicroBatchInputs& in, int k) {
+    const int64_t T = in.rows;
+    cudaStream_t s = exec_.stream;
+    mtp_tokens_host_.resize(k * T);
+    mtp_labels_host_.resize(k * T);
+    mtp_weights_host_.assign(in.mtp_ce_weights.empty() ? 0 : k * T, 0.0f);
+    for (int j = 0; j < k; ++j) {
+      std::copy(in.mtp_tokens[j].begin(), in.mtp_tokens[j].end(), mtp_tokens_host_.begin() + j * T);
+      std::copy(in.mtp_labels[j].begin(), in.mtp_labels[j].end(), mtp_labels_host_.begin() + j * T);
+      if (!in.mtp_ce_weights.empty()) {
+        std::copy(in.mtp_ce_weights[j].begin(), in.mtp_ce_weights[j].end(),
+                  mtp_weights_host_.begin() + j * T);
+      }
+    }
+    GRADSUM_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(mtp_tokens_.get(), mtp_tokens_host_.data(), k * T * sizeof(int32_t),
+                        cudaMemcpyHostToDevice, s),
+        "upload MTP tokens");
+    GRADSUM_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(mtp_labels_.get(), mtp_labels_host_.data(), k * T * sizeof(int64_t),
+                        cudaMemcpyHostToDevice, s),
+        "upload MTP labels");
+    if (!mtp_weights_host_.empty()) {
+      GRADSUM_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(mtp_weights_.get(), mtp_weights_host_.data(), k * T * sizeof(float),
+                          cudaMemcpyHostToDevice, s),
+          "upload MTP CE weights");
+    }
+    return absl::OkStatus();
+  }
+
+  // The tokens, labels, mask, CE weights and the step statistics: D, N, the loss slots,
+  // then per MTP depth its normaliser D_j k / mtp_scale and its loss slot.
+  absl::Status UploadBatch(const MicroBatchInputs& in, int k) {
+    const int64_t T = in.rows;
+    cudaStream_t s = exec_.stream;
     std::vector<double> scalars(kScalars + 2 * config_.mtp_depth, 0.0);  // MTP slots 0 if unused
     scalars[0] = in.global_ce_weight_sum;
     scalars[1] = static_cast<double>(in.global_routed_tokens);
     for (int j = 0; j < k; ++j) scalars[kScalars + 2 * j] = in.mtp_ce_normaliser[j];
-    if (k > 0) {
-      // Depth j's rows at j * T, staged contiguously on the host (pageable copies).
-      mtp_tokens_host_.resize(k * T);
-      mtp_labels_host_.resize(k * T);
-      mtp_weights_host_.assign(in.mtp_ce_weights.empty() ? 0 : k * T, 0.0f);
-      for (int j = 0; j < k; ++j) {
-        std::copy(in.mtp_tokens[j].begin(), in.mtp_tokens[j].end(),
-                  mtp_tokens_host_.begin() + j * T);
-        std::copy(in.mtp_labels[j].begin(), in.mtp_labels[j].end(),
-                  mtp_labels_host_.begin() + j * T);
-        if (!in.mtp_ce_weights.empty()) {
-          std::copy(in.mtp_ce_weights[j].begin(), in.mtp_ce_weights[j].end(),
-                    mtp_weights_host_.begin() + j * T);
-        }
-      }
-      GRADSUM_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(mtp_tokens_.get(), mtp_tokens_host_.data(), k * T * sizeof(int32_t),
-                          cudaMemcpyHostToDevice, s),
-          "upload MTP tokens");
-      GRADSUM_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(mtp_labels_.get(), mtp_labels_host_.data(), k * T * sizeof(int64_t),
-                          cudaMemcpyHostToDevice, s),
-          "upload MTP labels");
-      if (!mtp_weights_host_.empty()) {
-        GRADSUM_CUDA_RETURN_IF_ERROR(
-            cudaMemcpyAsync(mtp_weights_.get(), mtp_weights_host_.data(), k * T * sizeof(float),
-                            cudaMemcpyHostToDevice, s),
-            "upload MTP CE weights");
-      }
-    }
     GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(tokens_.get(), in.tokens.data(),
                                                  T * sizeof(int32_t), cudaMemcpyHostToDevice, s),
                                  "upload tokens");
@@ -228,7 +255,6 @@ class CudaOps : public ModelOps {
         cudaMemcpyAsync(scalars_.get(), scalars.data(), scalars.size() * sizeof(double),
                         cudaMemcpyHostToDevice, s),
         "upload step statistics");
-    // The host copies above are pageable: the calls return once they are staged.
     return absl::OkStatus();
   }
 
