@@ -50,9 +50,7 @@ model::MoeLmConfig ToMoeLmConfig(const ModelConfig& m, const LossConfig& loss) {
   c.mtp_depth = m.mtp_depth();
   c.alpha_b = loss.alpha_b();
   c.alpha_z = loss.alpha_z();
-  c.label_smoothing = loss.label_smoothing();
-  c.logit_softcap = loss.logit_softcap();
-  c.alpha_lse = loss.alpha_lse();
+  c.ce = {loss.label_smoothing(), loss.logit_softcap(), loss.alpha_lse()};
   c.expert_bias_speed = loss.expert_bias_speed();
   c.mtp_scale = loss.mtp_scale();
   return c;

@@ -63,9 +63,7 @@ testing::ReferenceConfig ReferenceConfigFor(const TrainConfig& config,
   rc.router_scale = m.router_scale;
   rc.alpha_b = m.alpha_b;
   rc.alpha_z = m.alpha_z;
-  rc.label_smoothing = m.label_smoothing;
-  rc.logit_softcap = m.logit_softcap;
-  rc.alpha_lse = m.alpha_lse;
+  rc.ce = m.ce;
   rc.attention = m.attention;
   rc.n_heads = m.n_heads;
   rc.n_kv_heads = m.n_kv_heads;
@@ -129,7 +127,7 @@ absl::StatusOr<ParityReport> CheckParity(const TrainConfig& config, const NamedP
   std::vector<std::tuple<std::string, double, double>> terms = {
       {"ce", losses.ce, ref.ce}, {"z", losses.z, ref.z}, {"bal", losses.bal, ref.bal}};
   // §3.2's output z-loss is its own display term only when it is on.
-  if (rc.alpha_lse > 0) terms.emplace_back("z_out", losses.z_out, ref.z_out);
+  if (rc.ce.alpha_lse > 0) terms.emplace_back("z_out", losses.z_out, ref.z_out);
   for (size_t j = 0; j < ref.mtp.size(); ++j) {
     terms.push_back({absl::StrCat("mtp_", j + 1), losses.mtp[j], ref.mtp[j]});
   }

@@ -411,9 +411,9 @@ TEST(CrossEntropyCuda, OptionsMatchTheCpuImplementation) {
       TensorView xv = *TensorView::Create(cpu_in, dtype, {rows, vocab});
       TensorView gv = *TensorView::Create(cpu_out, dtype, {rows, vocab});
       CrossEntropyOptions co;
-      co.label_smoothing = o.eps;
-      co.logit_softcap = o.cap;
-      co.alpha_lse = o.alpha;
+      co.ce.label_smoothing = o.eps;
+      co.ce.logit_softcap = o.cap;
+      co.ce.alpha_lse = o.alpha;
       absl::StatusOr<CrossEntropyResult> cpu = CrossEntropyForwardBackward(xv, y, w, D, gv, co);
       ASSERT_TRUE(cpu.ok()) << what << ": " << cpu.status();
       CeRun run = RunCe(dtype, xr, rows, vocab, y, w, D, /*in_place=*/false, 1.0f, o);
