@@ -608,7 +608,10 @@ absl::Status ValidateAcrossSections(const TrainConfig& c) {
                StrCat("must divide data.seq_len=", d.seq_len(),
                       " (each rank holds seq_len / sp tokens of every sequence)"));
   }
-  if (d.seq_len() % (2 * int64_t{p.cp()}) != 0 || (d.seq_len() / p.cp()) % p.sp() != 0) {
+  // Only with CP: without it a sequence is not cut into chunks, and any seq_len the SP
+  // group divides is fine (odd ones included).
+  if (p.cp() > 1 &&
+      (d.seq_len() % (2 * int64_t{p.cp()}) != 0 || (d.seq_len() / p.cp()) % p.sp() != 0)) {
     return Bad("parallelism.cp", StrCat(p.cp()),
                StrCat("needs data.seq_len=", d.seq_len(),
                       " to be a multiple of 2 cp (each of cp ranks holds two of 2 cp chunks) "
