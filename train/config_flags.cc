@@ -5,6 +5,7 @@
 #include <string>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/internal/parse.h"  // WasPresentOnCommandLine: absl has no public API
 #include "absl/flags/reflection.h"
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
@@ -34,9 +35,25 @@ const std::vector<FlagField>& OverridableFlags() {
   return *flags;
 }
 
+namespace {
+
+// A value flag given with an empty value (`--data=`, typically an unset shell variable)
+// parses as "not given", and the run would silently use the file's or the default value:
+// it is an error naming the flag instead (issue 50, item 5).
+absl::Status CheckNotGivenEmpty(absl::string_view flag, absl::string_view value) {
+  if (!value.empty() || !absl::flags_internal::WasPresentOnCommandLine(flag)) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", flag, "= was given an empty value; give it a value or leave it out"));
+}
+
+}  // namespace
+
 absl::StatusOr<TrainConfig> ConfigFromFlags() {
   TrainConfig config;
   const std::string path = absl::GetFlag(FLAGS_config);
+  GRADSUM_RETURN_IF_ERROR(CheckNotGivenEmpty("config", path));
   if (!path.empty()) {
     GRADSUM_ASSIGN_OR_RETURN(config, LoadConfigFile(path));
   }
@@ -49,6 +66,7 @@ absl::StatusOr<TrainConfig> ConfigFromFlags() {
     // An unset optional flag prints as ""; a switch that was not given prints "false".
     const std::string value = flag->CurrentValue();
     const bool is_switch = flag->IsOfType<bool>();
+    if (!is_switch) GRADSUM_RETURN_IF_ERROR(CheckNotGivenEmpty(ff.flag, value));
     if (is_switch ? value == "true" : !value.empty()) {
       overrides.push_back({ff.field_path, value});
     }
