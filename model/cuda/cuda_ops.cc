@@ -585,9 +585,7 @@ class CudaOps : public ModelOps {
     ce.global_weight_sum = labels.global_weight_sum;
     ce.grad_logits = grad_out != nullptr ? logits_.get() : nullptr;
     ce.ignore_index = kIgnoreIndex;
-    ce.label_smoothing = config_.ce.label_smoothing;
-    ce.logit_softcap = config_.ce.logit_softcap;
-    ce.alpha_lse = config_.ce.alpha_lse;
+    ce.ce = config_.ce;
     ce.loss = labels.loss;
     ce.ce_loss = labels.ce_loss;
     ce.z_out_loss = labels.z_out_loss;
