@@ -158,9 +158,9 @@ void BM_CrossEntropyCuda(benchmark::State& state) {
   a.loss = loss->as<double>();
   a.error_record = &*record;
   if (options) {
-    a.label_smoothing = 0.1;
-    a.logit_softcap = 30.0;
-    a.alpha_lse = 1e-4;
+    a.ce.label_smoothing = 0.1;
+    a.ce.logit_softcap = 30.0;
+    a.ce.alpha_lse = 1e-4;
   }
   const cudaStream_t stream = t->stream.get();
 

@@ -184,9 +184,9 @@ absl::StatusOr<CrossEntropyResult> RunOptionsKernel(const T* logits, T* grad, in
                                                     const CrossEntropyOptions& options,
                                                     int64_t row_offset) {
   const internal::CeRowKernels& k = internal::SelectedCeRowKernels();
-  const double eps = options.label_smoothing;
-  const double cap = options.logit_softcap;
-  const double alpha = options.alpha_lse;
+  const double eps = options.ce.label_smoothing;
+  const double cap = options.ce.logit_softcap;
+  const double alpha = options.ce.alpha_lse;
   const double inv_v = 1.0 / static_cast<double>(vocab);
   std::vector<double> row_ce(static_cast<size_t>(rows), 0.0);
   std::vector<double> row_lse_sq(static_cast<size_t>(rows), 0.0);
@@ -420,7 +420,9 @@ absl::Status CheckCrossEntropyArgs(int64_t rows, int64_t vocab, absl::Span<const
   return absl::OkStatus();
 }
 
-absl::Status CheckCrossEntropyOptions(const CrossEntropyOptions& options, absl::string_view who) {
+absl::Status CheckCrossEntropyOptions(const CrossEntropyOptions& cross_entropy_options,
+                                      absl::string_view who) {
+  const CeOptions& options = cross_entropy_options.ce;
   // Written so that NaN fails every check.
   if (!(options.label_smoothing >= 0.0 && options.label_smoothing < 1.0)) {
     return absl::InvalidArgumentError(
@@ -437,7 +439,8 @@ absl::Status CheckCrossEntropyOptions(const CrossEntropyOptions& options, absl::
   return absl::OkStatus();
 }
 
-bool CrossEntropyOptionsOn(const CrossEntropyOptions& options) {
+bool CrossEntropyOptionsOn(const CrossEntropyOptions& cross_entropy_options) {
+  const CeOptions& options = cross_entropy_options.ce;
   return options.label_smoothing != 0.0 || options.logit_softcap != 0.0 || options.alpha_lse != 0.0;
 }
 

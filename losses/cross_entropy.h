@@ -36,6 +36,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "core/tensor.h"
+#include "losses/ce_options.h"
 
 namespace gradsum::losses {
 
@@ -44,17 +45,9 @@ struct CrossEntropyOptions {
   int64_t ignore_index = -100;
   // Threads used for the row blocks (the caller's thread included). <= 1: single-threaded.
   int num_threads = 2;
-  // The CE options of SEMANTICS.md §3.2, each global in scope and 0 = off. With all three 0
-  // the kernel runs exactly as without them (same code, same bits).
-  //
-  // eps in [0, 1): the target is (1 - eps) onehot + eps / V over the whole vocabulary.
-  double label_smoothing = 0.0;
-  // c >= 0 (finite): the loss sees c * tanh(z / c) in place of the logits z (Gemma 2); the
-  // gradient is taken through it (factor 1 - tanh^2(z / c)).
-  double logit_softcap = 0.0;
-  // >= 0 (finite): adds alpha_lse * logsumexp(z_t)^2 per token (PaLM's output z-loss), with
-  // the CE's weights and D.
-  double alpha_lse = 0.0;
+  // The CE options of SEMANTICS.md §3.2 (losses/ce_options.h), each global in scope and
+  // 0 = off. With all three 0 the kernel runs exactly as without them (same code, same bits).
+  CeOptions ce;
 };
 
 struct CrossEntropyResult {

@@ -33,9 +33,9 @@ struct Opts {
 
 CrossEntropyOptions CeOptions(const Opts& o) {
   CrossEntropyOptions c;
-  c.label_smoothing = o.eps;
-  c.logit_softcap = o.cap;
-  c.alpha_lse = o.alpha;
+  c.ce.label_smoothing = o.eps;
+  c.ce.logit_softcap = o.cap;
+  c.ce.alpha_lse = o.alpha;
   return c;
 }
 
@@ -221,9 +221,9 @@ TEST(CrossEntropyOptions, OptionsOffAreThePlainKernelBitForBit) {
   Problem p = MakeProblem(9, 2100, 3, /*weighted=*/true);
   std::vector<float> g0(p.x.size()), g1(p.x.size());
   CrossEntropyOptions zeros;
-  zeros.label_smoothing = 0.0;
-  zeros.logit_softcap = 0.0;
-  zeros.alpha_lse = 0.0;
+  zeros.ce.label_smoothing = 0.0;
+  zeros.ce.logit_softcap = 0.0;
+  zeros.ce.alpha_lse = 0.0;
   absl::StatusOr<CrossEntropyResult> a = CrossEntropyForwardBackward(
       F32Matrix(p.x.data(), p.n, p.v), p.y, p.w, p.d, F32Matrix(g0.data(), p.n, p.v));
   absl::StatusOr<CrossEntropyResult> b = CrossEntropyForwardBackward(
@@ -255,9 +255,9 @@ TEST(CrossEntropyOptions, BadValuesAreInvalidArgumentNamingTheValue) {
     std::vector<float> h = RandomNormal(p.n * 3, 2, 1.0f), w = RandomNormal(3 * p.v, 3, 1.0f);
     std::vector<float> gh(h.size()), gw(w.size());
     LinearCrossEntropyOptions lo;
-    lo.label_smoothing = b.o.eps;
-    lo.logit_softcap = b.o.cap;
-    lo.alpha_lse = b.o.alpha;
+    lo.ce.label_smoothing = b.o.eps;
+    lo.ce.logit_softcap = b.o.cap;
+    lo.ce.alpha_lse = b.o.alpha;
     absl::StatusOr<LinearCrossEntropyResult> l = LinearCrossEntropyForwardBackward(
         F32Matrix(h.data(), p.n, 3), F32Matrix(w.data(), 3, p.v), p.y, {}, p.d,
         F32Matrix(gh.data(), p.n, 3), F32Matrix(gw.data(), 3, p.v), lo);
@@ -333,9 +333,9 @@ TEST(LinearCrossEntropyOptions, MatchesFp64Reference) {
     }
     std::vector<float> gh(n * dm), gw(dm * v, 0.0f);
     LinearCrossEntropyOptions lo;
-    lo.label_smoothing = o.eps;
-    lo.logit_softcap = o.cap;
-    lo.alpha_lse = o.alpha;
+    lo.ce.label_smoothing = o.eps;
+    lo.ce.logit_softcap = o.cap;
+    lo.ce.alpha_lse = o.alpha;
     lo.chunk_rows = 8;
     std::vector<float> hc = h, wc = w;
     absl::StatusOr<LinearCrossEntropyResult> r = LinearCrossEntropyForwardBackward(

@@ -57,9 +57,7 @@ absl::StatusOr<LinearCrossEntropyResult> LinearCrossEntropyForwardBackward(
   if (!s.ok()) return s;
   CrossEntropyOptions ce_options;
   ce_options.ignore_index = options.ignore_index;
-  ce_options.label_smoothing = options.label_smoothing;
-  ce_options.logit_softcap = options.logit_softcap;
-  ce_options.alpha_lse = options.alpha_lse;
+  ce_options.ce = options.ce;
   s = internal::CheckCrossEntropyOptions(ce_options, kWho);
   if (!s.ok()) return s;
 
@@ -136,9 +134,9 @@ absl::StatusOr<LinearCrossEntropyResult> LinearCrossEntropyForwardBackward(
     if (!s.ok()) return s;
   }
   // The z-loss term only when it is on, so that the plain result keeps its bits.
-  const double objective = options.alpha_lse > 0.0
+  const double objective = options.ce.alpha_lse > 0.0
                                ? result.ce.local_weighted_ce_sum +
-                                     options.alpha_lse * result.ce.local_weighted_lse_sq_sum
+                                     options.ce.alpha_lse * result.ce.local_weighted_lse_sq_sum
                                : result.ce.local_weighted_ce_sum;
   result.ce.local_loss = global_weight_sum > 0.0 ? objective / global_weight_sum : 0.0;
   return result;

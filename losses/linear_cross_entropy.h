@@ -25,6 +25,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "core/tensor.h"
+#include "losses/ce_options.h"
 #include "losses/cross_entropy.h"
 
 namespace gradsum::losses {
@@ -41,11 +42,9 @@ struct LinearCrossEntropyOptions {
   // torch.nn.Linear(Dm, V) weight, so a caller holding that layout passes it without a
   // transposed copy (the GEMMs read it transposed; same math, another summation order).
   bool head_transposed = false;
-  // The CE options of SEMANTICS.md §3.2 (as CrossEntropyOptions; 0 = off, the defaults,
-  // which leave the results bit-identical to the plain CE).
-  double label_smoothing = 0.0;
-  double logit_softcap = 0.0;
-  double alpha_lse = 0.0;
+  // The CE options of SEMANTICS.md §3.2 (losses/ce_options.h; 0 = off, the defaults, which
+  // leave the results bit-identical to the plain CE).
+  CeOptions ce;
 };
 
 struct LinearCrossEntropyResult {

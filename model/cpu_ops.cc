@@ -389,10 +389,8 @@ class CpuOps : public ModelOps {
     const int threads = in_.row_block > 0 ? 1 : num_threads_;
     losses::CrossEntropyOptions options;
     options.num_threads = threads;
-    options.label_smoothing = config_.label_smoothing;
-    options.logit_softcap = config_.logit_softcap;
-    options.alpha_lse = config_.alpha_lse;
-    const double d = in_.global_ce_weight_sum, alpha_lse = config_.alpha_lse;
+    options.ce = config_.ce;
+    const double d = in_.global_ce_weight_sum, alpha_lse = config_.ce.alpha_lse;
     std::vector<float> logits(block * V);
     for (int64_t r0 = 0; r0 < T; r0 += block) {
       const int64_t rows = std::min(block, T - r0);
@@ -442,11 +440,9 @@ class CpuOps : public ModelOps {
     // holds both. The display shows them apart: `ce` the CE (local_weighted_ce_sum / D),
     // `z_out` the z-loss (alpha_lse local_weighted_lse_sq_sum / D). With alpha_lse = 0
     // `ce` is local_loss itself, as before the options.
-    ce_options.label_smoothing = config_.label_smoothing;
-    ce_options.logit_softcap = config_.logit_softcap;
-    ce_options.alpha_lse = config_.alpha_lse;
+    ce_options.ce = config_.ce;
     const int64_t blocks = in_.row_block > 0 ? T / in_.row_block : 1;
-    const double alpha_lse = config_.alpha_lse;
+    const double alpha_lse = config_.ce.alpha_lse;
     const bool split_z_out = alpha_lse > 0.0 && z_out != nullptr;
     std::vector<double> block_ce(blocks, 0.0), block_z_out(split_z_out ? blocks : 0, 0.0);
     GRADSUM_RETURN_IF_ERROR(AccumulateRowBlocks(
@@ -667,7 +663,7 @@ class CpuOps : public ModelOps {
       terms_.z_terms = {terms_.z};
       terms_.bal_terms = {terms_.bal};
       for (size_t j = 0; j < terms_.mtp.size(); ++j) terms_.mtp_terms[j] = {terms_.mtp[j]};
-      if (config_.alpha_lse > 0.0) terms_.z_out_terms = {terms_.z_out};
+      if (config_.ce.alpha_lse > 0.0) terms_.z_out_terms = {terms_.z_out};
     }
     terms_.global_expert_counts = std::move(global_counts_);
     counts_.clear();

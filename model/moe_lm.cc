@@ -139,7 +139,7 @@ void MoeLmModel::UpdateExpertBias() {
 absl::Status MoeLmModel::RegisterDisplayTerms(const MoeLmConfig& config,
                                               losses::StepDisplay* display) {
   for (const char* term : {"ce", "z", "bal"}) GRADSUM_RETURN_IF_ERROR(display->RegisterTerm(term));
-  if (config.alpha_lse > 0.0) GRADSUM_RETURN_IF_ERROR(display->RegisterTerm("z_out"));
+  if (config.ce.alpha_lse > 0.0) GRADSUM_RETURN_IF_ERROR(display->RegisterTerm("z_out"));
   for (int j = 1; j <= config.mtp_depth; ++j) {
     GRADSUM_RETURN_IF_ERROR(display->RegisterTerm(absl::StrCat("mtp_", j)));
   }
@@ -658,7 +658,7 @@ absl::StatusOr<MicroBatchLosses> MoeLmModel::ForwardBackward(const TokenBatch& b
       for (double v : *values) GRADSUM_RETURN_IF_ERROR(display->AddBackwardTerm(name, v));
     }
     // §3.2's output z-loss, its own term (registered only when alpha_lse > 0).
-    if (m.alpha_lse > 0.0) {
+    if (m.ce.alpha_lse > 0.0) {
       if (terms->z_out_terms.empty()) {
         return absl::InternalError("the ops returned no output z-loss term with alpha_lse > 0");
       }
@@ -707,7 +707,7 @@ absl::StatusOr<MicroBatchLosses> MoeLmModel::Evaluate(const TokenBatch& batch,
   // The counts of an evaluation move nothing (§5.1: only training forwards' do).
   if (display != nullptr) {
     for (double v : terms->ce_terms) GRADSUM_RETURN_IF_ERROR(display->AddBackwardTerm("ce", v));
-    if (m.alpha_lse > 0.0) {
+    if (m.ce.alpha_lse > 0.0) {
       for (double v : terms->z_out_terms) {
         GRADSUM_RETURN_IF_ERROR(display->AddBackwardTerm("z_out", v));
       }

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "losses/ce_options.h"
 
 namespace gradsum::model {
 
@@ -46,11 +47,9 @@ struct MoeLmConfig {
   // The loss weights of the router z-loss (§4) and the balancing loss (§5); 0 disables.
   double alpha_z = 0.001;
   double alpha_b = 0.001;
-  // The LM head's CE options (§3.2, losses/cross_entropy.h); 0 = off, the defaults, which
+  // The LM head's CE options (§3.2, losses/ce_options.h); 0 = off, the defaults, which
   // leave the CE bit-identical to the plain one.
-  double label_smoothing = 0.0;
-  double logit_softcap = 0.0;
-  double alpha_lse = 0.0;
+  losses::CeOptions ce;
   // Aux-loss-free balancing (§5.1): sigmoid router scores instead of softmax (needs
   // alpha_b = 0), and the expert bias's update speed u per step (0 = off, the default: no
   // bias is held unless one is set, and routing is §10's bit for bit).

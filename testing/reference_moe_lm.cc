@@ -121,7 +121,7 @@ struct SequenceCache {
 double LmHeadTokenLoss(const ReferenceConfig& c, const std::vector<double>& x, int label,
                        std::vector<double>* dx, double* z_out = nullptr) {
   const int V = static_cast<int>(x.size());
-  const double cap = c.logit_softcap, eps = c.label_smoothing;
+  const double cap = c.ce.logit_softcap, eps = c.ce.label_smoothing;
   std::vector<double> z(x);
   if (cap > 0) {
     for (double& e : z) e = cap * std::tanh(e / cap);
@@ -130,14 +130,14 @@ double LmHeadTokenLoss(const ReferenceConfig& c, const std::vector<double>& x, i
   double mean_logp = 0.0;
   for (double e : z) mean_logp += (e - lse) / V;
   const double ce = -(1.0 - eps) * (z[label] - lse) - eps * mean_logp;
-  const double out_z = c.alpha_lse * lse * lse;
+  const double out_z = c.ce.alpha_lse * lse * lse;
   const double loss = z_out != nullptr ? ce : ce + out_z;
   if (z_out != nullptr) *z_out = out_z;
   if (dx != nullptr) {
     dx->assign(V, 0.0);
     for (int v = 0; v < V; ++v) {
       const double p = std::exp(z[v] - lse);
-      double g = (1.0 + 2.0 * c.alpha_lse * lse) * p - eps / V - (v == label ? 1.0 - eps : 0.0);
+      double g = (1.0 + 2.0 * c.ce.alpha_lse * lse) * p - eps / V - (v == label ? 1.0 - eps : 0.0);
       if (cap > 0) g *= 1.0 - (z[v] / cap) * (z[v] / cap);
       (*dx)[v] = g;
     }

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "losses/ce_options.h"
 
 namespace gradsum::testing {
 
@@ -47,10 +48,9 @@ struct ReferenceConfig {
   double router_scale = 1.0;
   double alpha_b = 0.001;
   double alpha_z = 0.001;
-  // The CE options of §3.2 (0 = off): label smoothing eps, logit softcap c, output z-loss.
-  double label_smoothing = 0.0;
-  double logit_softcap = 0.0;
-  double alpha_lse = 0.0;
+  // The CE options of §3.2 (losses/ce_options.h; 0 = off): label smoothing eps, logit
+  // softcap c, output z-loss.
+  losses::CeOptions ce;
   // §10's attention block.
   bool attention = false;
   int n_heads = 2;

@@ -222,9 +222,7 @@ class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFuncti
     losses::CrossEntropyOptions opt;
     opt.ignore_index = ignore_index;
     opt.num_threads = at::get_num_threads();
-    opt.label_smoothing = label_smoothing;
-    opt.logit_softcap = logit_softcap;
-    opt.alpha_lse = alpha_lse;
+    opt.ce = {label_smoothing, logit_softcap, alpha_lse};
     if (!need_grad) {
       return Scalar(ValueOrThrow(losses::CrossEntropyForward(View(logits), Span<int64_t>(*labels),
                                                              Span<float>(weights), d, opt))
@@ -269,9 +267,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
                             double alpha_lse) {
     losses::LinearCrossEntropyOptions opt;
     opt.ignore_index = ignore_index;
-    opt.label_smoothing = label_smoothing;
-    opt.logit_softcap = logit_softcap;
-    opt.alpha_lse = alpha_lse;
+    opt.ce = {label_smoothing, logit_softcap, alpha_lse};
     opt.num_threads = at::get_num_threads();
     opt.chunk_rows = chunk_rows;
     opt.head_transposed = true;  // nn.Linear's [V, Dm]

@@ -41,6 +41,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "losses/ce_options.h"
 #include "losses/policy_loss.h"
 
 namespace gradsum::torch_ops {
@@ -73,11 +74,7 @@ struct CeWeights {
 // global in scope and 0 = off: label smoothing eps in [0, 1) over the whole vocabulary, the
 // logit softcap c * tanh(z / c), and the output z-loss alpha_lse * lse^2 per token (with the
 // CE's weights and D). Bad values are the kernel's InvalidArgument, naming them.
-struct CeOptions {
-  double label_smoothing = 0.0;
-  double logit_softcap = 0.0;
-  double alpha_lse = 0.0;
-};
+using CeOptions = losses::CeOptions;
 
 // L_ce[r, m] of §3 for logits [..., V] (f32 or bf16) and integer labels [...]:
 // sum_t w_t * CE_t / D (with `options`, §3.2's CE_t plus alpha_lse lse_t^2).

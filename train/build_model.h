@@ -1,10 +1,10 @@
 #ifndef GRADSUM_TRAIN_BUILD_MODEL_H_
 #define GRADSUM_TRAIN_BUILD_MODEL_H_
 
-// The one place the trainer's model is built from the config: the model section, the
-// parallelism, precision and comm settings as MoeLmOptions, over the rank's mesh, by the
-// host model (MoeLm::Create) or the factory the rank driver passes (the nccl backend's GPU
-// model). Nothing else in train/ fills MoeLmOptions.
+// The one place the trainer's model is built from the config: its MoeLmOptions (the one
+// converter, ToMoeLmOptions in train/moe_lm.h, plus the rank's thread budget), over the
+// rank's mesh, by the host model (MoeLm::Create) or the factory the rank driver passes (the
+// nccl backend's GPU model).
 //
 //   RankComms comms = rank_mesh.comms();   // train/rank_main.h
 //   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<MoeLm> model, BuildModel(config, comms));

@@ -351,25 +351,26 @@ absl::Status ApplyOverrides(const std::vector<FieldOverride>& overrides, TrainCo
   return absl::OkStatus();
 }
 
-absl::Status ValidateConfig(const TrainConfig& c) {
-  using absl::StrCat;
-  auto positive = [](absl::string_view name, int64_t v) -> absl::Status {
-    if (v > 0) return absl::OkStatus();
-    return Bad(name, StrCat(v), "must be positive");
-  };
-  const ModelConfig& m = c.model();
-  const ParallelismConfig& p = c.parallelism();
-  GRADSUM_RETURN_IF_ERROR(positive("model.vocab", m.vocab()));
-  GRADSUM_RETURN_IF_ERROR(positive("model.dim", m.dim()));
-  GRADSUM_RETURN_IF_ERROR(positive("model.layers", m.layers()));
-  GRADSUM_RETURN_IF_ERROR(positive("model.experts", m.experts()));
-  GRADSUM_RETURN_IF_ERROR(positive("model.top_k", m.top_k()));
-  GRADSUM_RETURN_IF_ERROR(positive("model.expert_dim", m.expert_dim()));
-  GRADSUM_RETURN_IF_ERROR(positive("parallelism.world", p.world()));
-  GRADSUM_RETURN_IF_ERROR(positive("parallelism.ep", p.ep()));
-  GRADSUM_RETURN_IF_ERROR(positive("parallelism.grad_acc", p.grad_acc()));
-  GRADSUM_RETURN_IF_ERROR(positive("data.micro_batch", c.data().micro_batch()));
-  if (c.optim().steps() < 0) return Bad("optim.steps", StrCat(c.optim().steps()), "must be >= 0");
+namespace {
+
+using absl::StrCat;
+
+absl::Status Positive(absl::string_view name, int64_t v) {
+  if (v > 0) return absl::OkStatus();
+  return Bad(name, StrCat(v), "must be positive");
+}
+
+// Each section's checks of its own fields; the checks that relate fields of different
+// sections are ValidateAcrossSections'. Every division below is by a value checked positive
+// before it.
+
+absl::Status ValidateModel(const ModelConfig& m) {
+  GRADSUM_RETURN_IF_ERROR(Positive("model.vocab", m.vocab()));
+  GRADSUM_RETURN_IF_ERROR(Positive("model.dim", m.dim()));
+  GRADSUM_RETURN_IF_ERROR(Positive("model.layers", m.layers()));
+  GRADSUM_RETURN_IF_ERROR(Positive("model.experts", m.experts()));
+  GRADSUM_RETURN_IF_ERROR(Positive("model.top_k", m.top_k()));
+  GRADSUM_RETURN_IF_ERROR(Positive("model.expert_dim", m.expert_dim()));
   if (m.vocab() != 256) {
     return Bad("model.vocab", StrCat(m.vocab()), "the data is byte-level, so vocab must be 256");
   }
@@ -377,18 +378,120 @@ absl::Status ValidateConfig(const TrainConfig& c) {
     return Bad("model.top_k", StrCat(m.top_k()),
                StrCat("cannot exceed model.experts=", m.experts()));
   }
+  if (m.attention() != ModelConfig::none) {
+    GRADSUM_RETURN_IF_ERROR(Positive("model.heads", m.heads()));
+    GRADSUM_RETURN_IF_ERROR(Positive("model.kv_heads", m.kv_heads()));
+    if (m.heads() % m.kv_heads() != 0) {
+      return Bad("model.kv_heads", StrCat(m.kv_heads()),
+                 StrCat("must divide model.heads=", m.heads(), " (GQA)"));
+    }
+    if (m.dim() % m.heads() != 0 || (m.dim() / m.heads()) % 2 != 0) {
+      return Bad(
+          "model.heads", StrCat(m.heads()),
+          StrCat("must divide model.dim=", m.dim(), " into an even head_dim (RoPE rotates pairs)"));
+    }
+    if (!(std::isfinite(m.rope_theta()) && m.rope_theta() > 1)) {
+      return Bad("model.rope_theta", StrCat(m.rope_theta()), "must be finite and > 1");
+    }
+  }
+  if (!(std::isfinite(m.router_scale()) && m.router_scale() > 0)) {
+    return Bad("model.router_scale", StrCat(m.router_scale()), "must be finite and positive");
+  }
+  if (!(std::isfinite(m.init_std()) && m.init_std() > 0)) {
+    return Bad("model.init_std", StrCat(m.init_std()), "must be finite and positive");
+  }
+  if (m.mtp_depth() < 0) {
+    return Bad("model.mtp_depth", StrCat(m.mtp_depth()), "must be >= 0 (0 = off)");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateData(const DataConfig& d) {
+  GRADSUM_RETURN_IF_ERROR(Positive("data.micro_batch", d.micro_batch()));
+  if (d.seq_len() < 2) return Bad("data.seq_len", StrCat(d.seq_len()), "must be >= 2");
+  if (d.min_doc_len() < 2) {
+    return Bad("data.min_doc_len", StrCat(d.min_doc_len()), "must be >= 2");
+  }
+  if (d.max_doc_len() < d.min_doc_len()) {
+    return Bad("data.max_doc_len", StrCat(d.max_doc_len()),
+               StrCat("must be >= data.min_doc_len=", d.min_doc_len()));
+  }
+  if (d.max_doc_len() > d.seq_len()) {
+    return Bad("data.max_doc_len", StrCat(d.max_doc_len()),
+               StrCat("must fit a sequence (data.seq_len=", d.seq_len(), ")"));
+  }
+  return Positive("data.corpus_documents", d.corpus_documents());
+}
+
+absl::Status ValidateLoss(const LossConfig& l) {
+  if (!(std::isfinite(l.alpha_b()) && l.alpha_b() >= 0)) {
+    return Bad("loss.alpha_b", StrCat(l.alpha_b()), "must be >= 0");
+  }
+  if (!(std::isfinite(l.alpha_z()) && l.alpha_z() >= 0)) {
+    return Bad("loss.alpha_z", StrCat(l.alpha_z()), "must be >= 0");
+  }
+  if (!(l.label_smoothing() >= 0 && l.label_smoothing() < 1)) {
+    return Bad("loss.label_smoothing", StrCat(l.label_smoothing()), "must be in [0, 1)");
+  }
+  if (!(std::isfinite(l.logit_softcap()) && l.logit_softcap() >= 0)) {
+    return Bad("loss.logit_softcap", StrCat(l.logit_softcap()), "must be >= 0 (0 disables)");
+  }
+  if (!(std::isfinite(l.alpha_lse()) && l.alpha_lse() >= 0)) {
+    return Bad("loss.alpha_lse", StrCat(l.alpha_lse()), "must be >= 0 (0 disables)");
+  }
+  if (!(std::isfinite(l.expert_bias_speed()) && l.expert_bias_speed() >= 0)) {
+    return Bad("loss.expert_bias_speed", StrCat(l.expert_bias_speed()),
+               "must be >= 0 and finite (0 = off; SEMANTICS.md §5.1)");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateOptim(const OptimConfig& o) {
+  if (o.steps() < 0) return Bad("optim.steps", StrCat(o.steps()), "must be >= 0");
+  if (!(std::isfinite(o.lr()) && o.lr() > 0)) return Bad("optim.lr", StrCat(o.lr()), "must be > 0");
+  if (!(o.beta1() >= 0 && o.beta1() < 1)) {
+    return Bad("optim.beta1", StrCat(o.beta1()), "must be in [0, 1)");
+  }
+  if (!(o.beta2() >= 0 && o.beta2() < 1)) {
+    return Bad("optim.beta2", StrCat(o.beta2()), "must be in [0, 1)");
+  }
+  if (!(std::isfinite(o.eps()) && o.eps() > 0)) {
+    return Bad("optim.eps", StrCat(o.eps()), "must be > 0");
+  }
+  if (!(std::isfinite(o.weight_decay()) && o.weight_decay() >= 0)) {
+    return Bad("optim.weight_decay", StrCat(o.weight_decay()), "must be >= 0");
+  }
+  if (!(std::isfinite(o.grad_clip()) && o.grad_clip() >= 0)) {
+    return Bad("optim.grad_clip", StrCat(o.grad_clip()), "must be >= 0 (0 disables)");
+  }
+  if (o.warmup_steps() < 0) {
+    return Bad("optim.warmup_steps", StrCat(o.warmup_steps()), "must be >= 0");
+  }
+  return CheckLrSchedule(o);
+}
+
+// precision.repro_block depends on the sequence's split: ValidateAcrossSections.
+absl::Status ValidatePrecision(const PrecisionConfig& precision) {
+  if (precision.reproducible() && precision.reduce_dtype() != TrainConfig::f32) {
+    return Bad("precision.reproducible", "true",
+               "reduces gradients exactly in integers; it needs precision.reduce_dtype=f32 (got "
+               "bf16)");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateParallelism(const ParallelismConfig& p) {
+  GRADSUM_RETURN_IF_ERROR(Positive("parallelism.world", p.world()));
+  GRADSUM_RETURN_IF_ERROR(Positive("parallelism.ep", p.ep()));
+  GRADSUM_RETURN_IF_ERROR(Positive("parallelism.grad_acc", p.grad_acc()));
   // The EP size's one check before any rank starts; the mesh built from it
   // (train/rank_main.h MakeRankMesh) is then the source of every group size.
   if (p.world() % p.ep() != 0) {
     return Bad("parallelism.ep", StrCat(p.ep()),
                StrCat("must divide parallelism.world=", p.world()));
   }
-  if (m.experts() % p.ep() != 0) {
-    return Bad("parallelism.ep", StrCat(p.ep()),
-               StrCat("must divide model.experts=", m.experts(), " (SEMANTICS.md §7)"));
-  }
   // Sequence parallelism (§12): S consecutive ranks share each sequence.
-  GRADSUM_RETURN_IF_ERROR(positive("parallelism.sp", p.sp()));
+  GRADSUM_RETURN_IF_ERROR(Positive("parallelism.sp", p.sp()));
   if (p.world() % p.sp() != 0) {
     return Bad("parallelism.sp", StrCat(p.sp()),
                StrCat("must divide parallelism.world=", p.world()));
@@ -413,155 +516,35 @@ absl::Status ValidateConfig(const TrainConfig& c) {
                StrCat("must be a multiple of parallelism.ep=", p.ep(),
                       " (each EP group inside one shard group; SEMANTICS.md §7)"));
   }
-  if (c.data().seq_len() % p.sp() != 0) {
-    return Bad("parallelism.sp", StrCat(p.sp()),
-               StrCat("must divide data.seq_len=", c.data().seq_len(),
-                      " (each rank holds seq_len / sp tokens of every sequence)"));
-  }
   // Context parallelism (§16): C groups of S share each sequence, in 2C zigzag chunks.
-  GRADSUM_RETURN_IF_ERROR(positive("parallelism.cp", p.cp()));
+  GRADSUM_RETURN_IF_ERROR(Positive("parallelism.cp", p.cp()));
   if (p.world() % (int64_t{p.sp()} * p.cp()) != 0) {
     return Bad(
         "parallelism.cp", StrCat(p.cp()),
         StrCat("times parallelism.sp=", p.sp(), " must divide parallelism.world=", p.world()));
   }
-  if (c.data().seq_len() % (2 * int64_t{p.cp()}) != 0 ||
-      (c.data().seq_len() / p.cp()) % p.sp() != 0) {
-    return Bad("parallelism.cp", StrCat(p.cp()),
-               StrCat("needs data.seq_len=", c.data().seq_len(),
-                      " to be a multiple of 2 cp (each of cp ranks holds two of 2 cp chunks) "
-                      "and seq_len / cp a multiple of parallelism.sp=",
-                      p.sp()));
+  if (p.layers_per_unit() < 1) {
+    return Bad("parallelism.layers_per_unit", StrCat(p.layers_per_unit()), "must be >= 1");
   }
-  if (m.attention() != ModelConfig::none) {
-    GRADSUM_RETURN_IF_ERROR(positive("model.heads", m.heads()));
-    GRADSUM_RETURN_IF_ERROR(positive("model.kv_heads", m.kv_heads()));
-    if (m.heads() % m.kv_heads() != 0) {
-      return Bad("model.kv_heads", StrCat(m.kv_heads()),
-                 StrCat("must divide model.heads=", m.heads(), " (GQA)"));
-    }
-    if (m.dim() % m.heads() != 0 || (m.dim() / m.heads()) % 2 != 0) {
-      return Bad(
-          "model.heads", StrCat(m.heads()),
-          StrCat("must divide model.dim=", m.dim(), " into an even head_dim (RoPE rotates pairs)"));
-    }
-    if (m.heads() % p.sp() != 0) {
-      return Bad("parallelism.sp", StrCat(p.sp()),
-                 StrCat("must divide model.heads=", m.heads(),
-                        " (Ulysses gives each rank of the SP group whole heads)"));
-    }
-    if (!(std::isfinite(m.rope_theta()) && m.rope_theta() > 1)) {
-      return Bad("model.rope_theta", StrCat(m.rope_theta()), "must be finite and > 1");
+  return absl::OkStatus();
+}
+
+absl::Status ValidateComm(const CommConfig& comm) {
+  if (!(std::isfinite(comm.timeout_s()) && comm.timeout_s() > 0)) {
+    return Bad("comm.timeout_s", StrCat(comm.timeout_s()), "must be > 0");
+  }
+  for (const auto& [name, mb] :
+       {std::pair<const char*, double>{"comm.bucket_cap_mb", comm.bucket_cap_mb()},
+        {"comm.first_bucket_mb", comm.first_bucket_mb()}}) {
+    if (!(std::isfinite(mb) && mb > 0 && mb <= 1 << 20)) {
+      return Bad(name, StrCat(mb), "must be in (0, 1048576] MiB");
     }
   }
-  const int64_t held = c.data().seq_len() / (int64_t{p.sp()} * p.cp());
-  if (c.precision().repro_block() < 0 ||
-      (c.precision().repro_block() > 0 && held % c.precision().repro_block() != 0)) {
-    return Bad("precision.repro_block", StrCat(c.precision().repro_block()),
-               StrCat("must be 0 or divide the ", held,
-                      " tokens a rank holds of each sequence (data.seq_len / (parallelism.sp "
-                      "parallelism.cp))"));
-  }
-  if (!(std::isfinite(m.router_scale()) && m.router_scale() > 0)) {
-    return Bad("model.router_scale", StrCat(m.router_scale()), "must be finite and positive");
-  }
-  if (!(std::isfinite(m.init_std()) && m.init_std() > 0)) {
-    return Bad("model.init_std", StrCat(m.init_std()), "must be finite and positive");
-  }
-  const DataConfig& d = c.data();
-  if (d.seq_len() < 2) return Bad("data.seq_len", StrCat(d.seq_len()), "must be >= 2");
-  if (d.min_doc_len() < 2) {
-    return Bad("data.min_doc_len", StrCat(d.min_doc_len()), "must be >= 2");
-  }
-  if (d.max_doc_len() < d.min_doc_len()) {
-    return Bad("data.max_doc_len", StrCat(d.max_doc_len()),
-               StrCat("must be >= data.min_doc_len=", d.min_doc_len()));
-  }
-  if (d.max_doc_len() > d.seq_len()) {
-    return Bad("data.max_doc_len", StrCat(d.max_doc_len()),
-               StrCat("must fit a sequence (data.seq_len=", d.seq_len(), ")"));
-  }
-  GRADSUM_RETURN_IF_ERROR(positive("data.corpus_documents", d.corpus_documents()));
-  const OptimConfig& o = c.optim();
-  if (!(std::isfinite(o.lr()) && o.lr() > 0)) return Bad("optim.lr", StrCat(o.lr()), "must be > 0");
-  if (!(o.beta1() >= 0 && o.beta1() < 1)) {
-    return Bad("optim.beta1", StrCat(o.beta1()), "must be in [0, 1)");
-  }
-  if (!(o.beta2() >= 0 && o.beta2() < 1)) {
-    return Bad("optim.beta2", StrCat(o.beta2()), "must be in [0, 1)");
-  }
-  if (!(std::isfinite(o.eps()) && o.eps() > 0)) {
-    return Bad("optim.eps", StrCat(o.eps()), "must be > 0");
-  }
-  if (!(std::isfinite(o.weight_decay()) && o.weight_decay() >= 0)) {
-    return Bad("optim.weight_decay", StrCat(o.weight_decay()), "must be >= 0");
-  }
-  if (!(std::isfinite(o.grad_clip()) && o.grad_clip() >= 0)) {
-    return Bad("optim.grad_clip", StrCat(o.grad_clip()), "must be >= 0 (0 disables)");
-  }
-  if (o.warmup_steps() < 0) {
-    return Bad("optim.warmup_steps", StrCat(o.warmup_steps()), "must be >= 0");
-  }
-  GRADSUM_RETURN_IF_ERROR(CheckLrSchedule(o));
-  const LossConfig& l = c.loss();
-  if (!(std::isfinite(l.alpha_b()) && l.alpha_b() >= 0)) {
-    return Bad("loss.alpha_b", StrCat(l.alpha_b()), "must be >= 0");
-  }
-  if (!(std::isfinite(l.alpha_z()) && l.alpha_z() >= 0)) {
-    return Bad("loss.alpha_z", StrCat(l.alpha_z()), "must be >= 0");
-  }
-  if (!(l.label_smoothing() >= 0 && l.label_smoothing() < 1)) {
-    return Bad("loss.label_smoothing", StrCat(l.label_smoothing()), "must be in [0, 1)");
-  }
-  if (!(std::isfinite(l.logit_softcap()) && l.logit_softcap() >= 0)) {
-    return Bad("loss.logit_softcap", StrCat(l.logit_softcap()), "must be >= 0 (0 disables)");
-  }
-  if (!(std::isfinite(l.alpha_lse()) && l.alpha_lse() >= 0)) {
-    return Bad("loss.alpha_lse", StrCat(l.alpha_lse()), "must be >= 0 (0 disables)");
-  }
-  if (!(std::isfinite(l.expert_bias_speed()) && l.expert_bias_speed() >= 0)) {
-    return Bad("loss.expert_bias_speed", StrCat(l.expert_bias_speed()),
-               "must be >= 0 and finite (0 = off; SEMANTICS.md §5.1)");
-  }
-  if (m.mtp_depth() < 0) {
-    return Bad("model.mtp_depth", StrCat(m.mtp_depth()), "must be >= 0 (0 = off)");
-  }
-  if (m.mtp_depth() >= c.data().seq_len() && c.data().seq_len() > 0) {
-    // Depth j's label of position t is the token j + 1 ahead in the same sequence (§15):
-    // from depth seq_len on no position has one, so the depth would train nothing.
-    return Bad("model.mtp_depth", StrCat(m.mtp_depth()),
-               StrCat("must be < data.seq_len=", c.data().seq_len(),
-                      ": a deeper MTP depth has no label in any sequence (SEMANTICS.md §15)"));
-  }
-  if (m.mtp_depth() > 0 && !(l.mtp_scale() > 0 && l.mtp_scale() <= m.mtp_depth())) {
-    return Bad("loss.mtp_scale", StrCat(l.mtp_scale()),
-               StrCat("must be in (0, model.mtp_depth=", m.mtp_depth(), "] (SEMANTICS.md §15)"));
-  }
-  if (m.mtp_depth() > 0 && l.expert_bias_speed() != 0) {
-    return Bad("model.mtp_depth", StrCat(m.mtp_depth()),
-               StrCat("cannot be combined with loss.expert_bias_speed=", l.expert_bias_speed(),
-                      ": the expert bias is not defined for MTP layers (SEMANTICS.md §15.1)"));
-  }
-  if (c.model().router_score() == ModelConfig::sigmoid && l.alpha_b() != 0) {
-    return Bad("model.router_score", "sigmoid",
-               StrCat("needs loss.alpha_b=0 (got ", l.alpha_b(),
-                      "): the balancing loss of SEMANTICS.md §5 is defined on softmax "
-                      "probabilities; balance sigmoid routing with loss.expert_bias_speed"));
-  }
-  const CheckpointConfig& k = c.checkpoint();
+  return absl::OkStatus();
+}
+
+absl::Status ValidateCheckpoint(const CheckpointConfig& k) {
   if (k.every() < 0) return Bad("checkpoint.every", StrCat(k.every()), "must be >= 0");
-  if (c.log().every() < 1) return Bad("log.every", StrCat(c.log().every()), "must be >= 1");
-  if (c.log().eval_every() < 0) {
-    return Bad("log.eval_every", StrCat(c.log().eval_every()), "must be >= 0 (0: none)");
-  }
-  if (c.log().eval_micro_batches() < 1) {
-    return Bad("log.eval_micro_batches", StrCat(c.log().eval_micro_batches()), "must be >= 1");
-  }
-  if (c.log().eval_every() > 0 && !c.data().path().empty() && c.data().eval_path().empty()) {
-    return Bad("log.eval_every", StrCat(c.log().eval_every()),
-               StrCat("with data.path=", c.data().path(),
-                      " needs data.eval_path (--eval_data): a file of held-out documents"));
-  }
   if (k.keep() < 0) return Bad("checkpoint.keep", StrCat(k.keep()), "must be >= 0 (0: all)");
   if (k.resume() && k.dir().empty()) {
     return Bad("checkpoint.resume", "true", "needs checkpoint.dir");
@@ -587,39 +570,122 @@ absl::Status ValidateConfig(const TrainConfig& c) {
   if (k.every() > 0 && k.dir().empty()) {
     return Bad("checkpoint.every", StrCat(k.every()), "needs checkpoint.dir");
   }
-  if (!(std::isfinite(c.debug().parity_tolerance()) && c.debug().parity_tolerance() > 0)) {
-    return Bad("debug.parity_tolerance", StrCat(c.debug().parity_tolerance()), "must be > 0");
+  return absl::OkStatus();
+}
+
+absl::Status ValidateLog(const LogConfig& log) {
+  if (log.every() < 1) return Bad("log.every", StrCat(log.every()), "must be >= 1");
+  if (log.eval_every() < 0) {
+    return Bad("log.eval_every", StrCat(log.eval_every()), "must be >= 0 (0: none)");
   }
-  const CommConfig& comm = c.comm();
-  if (!(std::isfinite(comm.timeout_s()) && comm.timeout_s() > 0)) {
-    return Bad("comm.timeout_s", StrCat(comm.timeout_s()), "must be > 0");
+  if (log.eval_micro_batches() < 1) {
+    return Bad("log.eval_micro_batches", StrCat(log.eval_micro_batches()), "must be >= 1");
   }
-  const PrecisionConfig& precision = c.precision();
-  if (c.parallelism().cp() > 1 && comm.backend() == TrainConfig::nccl) {
-    return Bad("parallelism.cp", StrCat(c.parallelism().cp()),
+  return absl::OkStatus();
+}
+
+absl::Status ValidateDebug(const DebugConfig& debug) {
+  if (!(std::isfinite(debug.parity_tolerance()) && debug.parity_tolerance() > 0)) {
+    return Bad("debug.parity_tolerance", StrCat(debug.parity_tolerance()), "must be > 0");
+  }
+  return absl::OkStatus();
+}
+
+// The checks that relate fields of different sections, once every section is valid on its
+// own (so every size is positive here).
+absl::Status ValidateAcrossSections(const TrainConfig& c) {
+  const ModelConfig& m = c.model();
+  const DataConfig& d = c.data();
+  const LossConfig& l = c.loss();
+  const ParallelismConfig& p = c.parallelism();
+  if (m.experts() % p.ep() != 0) {
+    return Bad("parallelism.ep", StrCat(p.ep()),
+               StrCat("must divide model.experts=", m.experts(), " (SEMANTICS.md §7)"));
+  }
+  // How a sequence is split: seq_len / (sp cp) tokens per rank, in 2 cp zigzag chunks.
+  if (d.seq_len() % p.sp() != 0) {
+    return Bad("parallelism.sp", StrCat(p.sp()),
+               StrCat("must divide data.seq_len=", d.seq_len(),
+                      " (each rank holds seq_len / sp tokens of every sequence)"));
+  }
+  // Only with CP: without it a sequence is not cut into chunks, and any seq_len the SP
+  // group divides is fine (odd ones included).
+  if (p.cp() > 1 &&
+      (d.seq_len() % (2 * int64_t{p.cp()}) != 0 || (d.seq_len() / p.cp()) % p.sp() != 0)) {
+    return Bad("parallelism.cp", StrCat(p.cp()),
+               StrCat("needs data.seq_len=", d.seq_len(),
+                      " to be a multiple of 2 cp (each of cp ranks holds two of 2 cp chunks) "
+                      "and seq_len / cp a multiple of parallelism.sp=",
+                      p.sp()));
+  }
+  if (m.attention() != ModelConfig::none && m.heads() % p.sp() != 0) {
+    return Bad("parallelism.sp", StrCat(p.sp()),
+               StrCat("must divide model.heads=", m.heads(),
+                      " (Ulysses gives each rank of the SP group whole heads)"));
+  }
+  const int64_t held = d.seq_len() / (int64_t{p.sp()} * p.cp());
+  const int32_t repro_block = c.precision().repro_block();
+  if (repro_block < 0 || (repro_block > 0 && held % repro_block != 0)) {
+    return Bad("precision.repro_block", StrCat(repro_block),
+               StrCat("must be 0 or divide the ", held,
+                      " tokens a rank holds of each sequence (data.seq_len / (parallelism.sp "
+                      "parallelism.cp))"));
+  }
+  // Multi-token prediction (§15) and the router's scores (§5.1).
+  if (m.mtp_depth() >= d.seq_len() && d.seq_len() > 0) {
+    // Depth j's label of position t is the token j + 1 ahead in the same sequence (§15):
+    // from depth seq_len on no position has one, so the depth would train nothing.
+    return Bad("model.mtp_depth", StrCat(m.mtp_depth()),
+               StrCat("must be < data.seq_len=", d.seq_len(),
+                      ": a deeper MTP depth has no label in any sequence (SEMANTICS.md §15)"));
+  }
+  if (m.mtp_depth() > 0 && !(l.mtp_scale() > 0 && l.mtp_scale() <= m.mtp_depth())) {
+    return Bad("loss.mtp_scale", StrCat(l.mtp_scale()),
+               StrCat("must be in (0, model.mtp_depth=", m.mtp_depth(), "] (SEMANTICS.md §15)"));
+  }
+  if (m.mtp_depth() > 0 && l.expert_bias_speed() != 0) {
+    return Bad("model.mtp_depth", StrCat(m.mtp_depth()),
+               StrCat("cannot be combined with loss.expert_bias_speed=", l.expert_bias_speed(),
+                      ": the expert bias is not defined for MTP layers (SEMANTICS.md §15.1)"));
+  }
+  if (m.router_score() == ModelConfig::sigmoid && l.alpha_b() != 0) {
+    return Bad("model.router_score", "sigmoid",
+               StrCat("needs loss.alpha_b=0 (got ", l.alpha_b(),
+                      "): the balancing loss of SEMANTICS.md §5 is defined on softmax "
+                      "probabilities; balance sigmoid routing with loss.expert_bias_speed"));
+  }
+  if (c.log().eval_every() > 0 && !d.path().empty() && d.eval_path().empty()) {
+    return Bad("log.eval_every", StrCat(c.log().eval_every()),
+               StrCat("with data.path=", d.path(),
+                      " needs data.eval_path (--eval_data): a file of held-out documents"));
+  }
+  // What the CPU backends implement only.
+  if (p.cp() > 1 && c.comm().backend() == TrainConfig::nccl) {
+    return Bad("parallelism.cp", StrCat(p.cp()),
                "is implemented for the CPU backends (thread, mpi) only, not comm.backend=nccl "
                "(the GPU has no ring attention kernel yet)");
   }
-  if (precision.reproducible() && comm.backend() == TrainConfig::nccl) {
+  if (c.precision().reproducible() && c.comm().backend() == TrainConfig::nccl) {
     return Bad("precision.reproducible", "true",
                "is implemented for the CPU backends (thread, mpi) only, not comm.backend=nccl");
   }
-  if (precision.reproducible() && precision.reduce_dtype() != TrainConfig::f32) {
-    return Bad("precision.reproducible", "true",
-               "reduces gradients exactly in integers; it needs precision.reduce_dtype=f32 (got "
-               "bf16)");
-  }
-  if (p.layers_per_unit() < 1) {
-    return Bad("parallelism.layers_per_unit", StrCat(p.layers_per_unit()), "must be >= 1");
-  }
-  for (const auto& [name, mb] :
-       {std::pair<const char*, double>{"comm.bucket_cap_mb", comm.bucket_cap_mb()},
-        {"comm.first_bucket_mb", comm.first_bucket_mb()}}) {
-    if (!(std::isfinite(mb) && mb > 0 && mb <= 1 << 20)) {
-      return Bad(name, StrCat(mb), "must be in (0, 1048576] MiB");
-    }
-  }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateConfig(const TrainConfig& c) {
+  GRADSUM_RETURN_IF_ERROR(ValidateModel(c.model()));
+  GRADSUM_RETURN_IF_ERROR(ValidateData(c.data()));
+  GRADSUM_RETURN_IF_ERROR(ValidateLoss(c.loss()));
+  GRADSUM_RETURN_IF_ERROR(ValidateOptim(c.optim()));
+  GRADSUM_RETURN_IF_ERROR(ValidatePrecision(c.precision()));
+  GRADSUM_RETURN_IF_ERROR(ValidateParallelism(c.parallelism()));
+  GRADSUM_RETURN_IF_ERROR(ValidateComm(c.comm()));
+  GRADSUM_RETURN_IF_ERROR(ValidateCheckpoint(c.checkpoint()));
+  GRADSUM_RETURN_IF_ERROR(ValidateLog(c.log()));
+  GRADSUM_RETURN_IF_ERROR(ValidateDebug(c.debug()));
+  return ValidateAcrossSections(c);
 }
 
 namespace {

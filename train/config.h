@@ -63,7 +63,8 @@ absl::Status ApplyOverrides(const std::vector<FieldOverride>& overrides, TrainCo
 // vocab == 256 (all data is byte-level), document lengths that fit a sequence, optimiser
 // ranges, resume needing a checkpoint directory. Returns the first violation as
 // InvalidArgument "field=value: reason", the field as its dotted path
-// ("parallelism.ep=3: must divide parallelism.world=4").
+// ("parallelism.ep=3: must divide parallelism.world=4"). Each section is checked on its own
+// first (ValidateModel, ValidateData, ... in config.cc), then the checks that relate sections.
 absl::Status ValidateConfig(const TrainConfig& config);
 
 // Every scalar field of `config` as (dotted path, value as text), defaults included, in

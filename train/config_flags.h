@@ -2,23 +2,18 @@
 #define GRADSUM_TRAIN_CONFIG_FLAGS_H_
 
 // The command-line face of train/config.h: `--config=FILE` plus one absl flag per
-// overridable field. A flag overrides its field only when given on the command line
-// (value flags are std::optional, unset by default), so a config file's value survives.
-// --resume, --overwrite_checkpoints, --parity_check and --reproducible are switches (given: true);
-// --norm_topk_prob takes a value (--norm_topk_prob=false).
+// overridable field. Each flag is declared once, in train/config.proto, by its field's
+// `(flag)` and `(help)` options; train/config_flags_gen.cc generates the flag definitions
+// and the table below from them, and the README's flag table (see README.md, "Flags").
+//
+// A flag overrides its field only when given on the command line (value flags are
+// std::optional, unset by default), so a config file's value survives. Fields marked
+// `(switch_flag)` (--resume, --overwrite_checkpoints, --parity_check, --reproducible ...)
+// take no value (given: true); other bool flags take one (--norm_topk_prob=false).
 //
 //   int main(int argc, char** argv) {
 //     absl::ParseCommandLine(argc, argv);
 //     absl::StatusOr<TrainConfig> config = ConfigFromFlags();  // loads, overrides, validates
-//
-// Flags: --config --world --ep --grad_acc --steps --backend --sharding --reduce_dtype
-// --compute_dtype --seed --data --seq_len --max_doc_len --micro_batch --dump_dir --metrics
-// --checkpoint_dir --checkpoint_every --resume --overwrite_checkpoints --export --init_from
-// --parity_check --reproducible --alpha_b
-// --alpha_z --lr --warmup_steps --lr_decay --min_lr --decay_steps --weight_decay --grad_clip
-// and the model sizes --vocab (V) --dim (D)
-// --layers (L) --experts (E) --top_k (K) --expert_dim (H) --norm_topk_prob --router_scale
-// --timeout_s.
 
 #include <string>
 #include <vector>

@@ -40,6 +40,38 @@ TEST(ConfigFlagsTest, EveryFlagMapsToARealField) {
   }
 }
 
+// The flags are generated from config.proto's field options: each (flag) field has its
+// flag, with the (help) text, of the kind the field's type gives, and nothing else.
+TEST(ConfigFlagsTest, EveryFlagIsDeclaredByItsFieldOptions) {
+  int declared = 0;
+  const google::protobuf::Descriptor* root = TrainConfig::descriptor();
+  for (int s = 0; s < root->field_count(); ++s) {
+    const google::protobuf::Descriptor* section = root->field(s)->message_type();
+    ASSERT_NE(section, nullptr) << root->field(s)->name();
+    for (int i = 0; i < section->field_count(); ++i) {
+      const google::protobuf::FieldOptions& o = section->field(i)->options();
+      if (!o.HasExtension(flag)) continue;
+      ++declared;
+      const std::string path = root->field(s)->name() + "." + section->field(i)->name();
+      absl::CommandLineFlag* f = absl::FindCommandLineFlag(o.GetExtension(flag));
+      ASSERT_NE(f, nullptr) << path;
+      EXPECT_EQ(f->Help(), o.GetExtension(help)) << path;
+      EXPECT_EQ(f->IsOfType<bool>(), o.GetExtension(switch_flag)) << path;
+      EXPECT_THAT(f->Filename(), HasSubstr("train/config_flags.cc")) << path;
+      bool in_table = false;
+      for (const FlagField& ff : OverridableFlags()) {
+        if (ff.flag == o.GetExtension(flag)) {
+          EXPECT_EQ(ff.field_path, path);
+          in_table = true;
+        }
+      }
+      EXPECT_TRUE(in_table) << path;
+    }
+  }
+  EXPECT_EQ(declared, static_cast<int>(OverridableFlags().size()));
+  EXPECT_EQ(declared, 72);  // every flag of the hand-written table before the generator
+}
+
 // One process-wide parse: flags given on the command line override the file; flags
 // not given leave the file's values alone.
 TEST(ConfigFlagsTest, CommandLineOverridesFileOnlyWhereGiven) {

@@ -3,10 +3,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -459,6 +461,41 @@ TEST(ConfigTest, ValidationNamesFieldAndValue) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << k.expect << ": " << s;
     EXPECT_THAT(s.message(), HasSubstr(k.expect));
   }
+}
+
+// Without CP a sequence is not cut into 2 cp chunks: any seq_len the SP group divides is
+// valid, odd ones included (issue 50, item 6: every odd seq_len was refused, blamed on
+// parallelism.cp=1).
+TEST(ConfigTest, OddSeqLenIsValidWithoutCp) {
+  for (const auto& [seq_len, sp] : std::vector<std::pair<int, int>>{{33, 1}, {99, 1}, {3, 1}}) {
+    TrainConfig c;
+    ASSERT_TRUE(ApplyOverrides({{"data.seq_len", absl::StrCat(seq_len)},
+                                {"data.max_doc_len", absl::StrCat(std::min(seq_len, 24))},
+                                {"data.min_doc_len", "2"},
+                                {"parallelism.sp", absl::StrCat(sp)}},
+                               &c)
+                    .ok());
+    EXPECT_TRUE(ValidateConfig(c).ok()) << seq_len << ": " << ValidateConfig(c);
+  }
+  // With CP the chunks must still divide it, and that is CP's message.
+  TrainConfig cp;
+  ASSERT_TRUE(ApplyOverrides({{"data.seq_len", "33"},
+                              {"data.max_doc_len", "24"},
+                              {"parallelism.cp", "2"},
+                              {"parallelism.ep", "1"}},
+                             &cp)
+                  .ok());
+  EXPECT_THAT(ValidateConfig(cp).message(),
+              HasSubstr("parallelism.cp=2: needs data.seq_len=33 to be a multiple of 2 cp"));
+}
+
+// A sequence too short to train is the sequence length's fault, not CP's.
+TEST(ConfigTest, SeqLenOneIsBlamedOnSeqLen) {
+  TrainConfig c;
+  ASSERT_TRUE(ApplyOverrides({{"data.seq_len", "1"}}, &c).ok());
+  const absl::Status s = ValidateConfig(c);
+  EXPECT_THAT(s.message(), HasSubstr("data.seq_len=1: must be >= 2"));
+  EXPECT_THAT(s.message(), ::testing::Not(HasSubstr("parallelism.cp")));
 }
 
 // HSDP configs that are valid: a shard group of whole EP groups dividing the world, and 0

@@ -2,13 +2,36 @@
 
 #include <utility>
 
+#include "core/dtype.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
 #include "model/cpu_ops.h"
 
 namespace gradsum::train {
 
-model::MoeLmConfig ToMoeLmConfig(const ModelConfig& m, double alpha_b, double alpha_z) {
+namespace {
+
+// The config's choices as the types of the code that implements them.
+DType ToDType(TrainConfig::FloatDType d) {
+  return d == TrainConfig::bf16 ? DType::kBF16 : DType::kF32;
+}
+ShardingMode ToShardingMode(TrainConfig::Sharding s) {
+  // hsdp is sharded mode with replica groups (SEMANTICS.md §7: the mesh's HSDP groups).
+  return s == TrainConfig::replicated ? ShardingMode::kReplicated : ShardingMode::kSharded;
+}
+
+// The spec of the model section alone (its parameters): loss weights 0, as no loss term can
+// then make MoeLmSpec::Create refuse the sizes (sigmoid routing needs alpha_b = 0).
+model::MoeLmConfig SizesOnly(const ModelConfig& m) {
+  LossConfig loss;
+  loss.set_alpha_b(0);
+  loss.set_alpha_z(0);
+  return ToMoeLmConfig(m, loss);
+}
+
+}  // namespace
+
+model::MoeLmConfig ToMoeLmConfig(const ModelConfig& m, const LossConfig& loss) {
   model::MoeLmConfig c;
   c.vocab = m.vocab();
   c.dim = m.dim();
@@ -25,33 +48,58 @@ model::MoeLmConfig ToMoeLmConfig(const ModelConfig& m, double alpha_b, double al
   c.rope_theta = m.rope_theta();
   c.router_sigmoid = m.router_score() == ModelConfig::sigmoid;
   c.mtp_depth = m.mtp_depth();
-  c.alpha_b = alpha_b;
-  c.alpha_z = alpha_z;
+  c.alpha_b = loss.alpha_b();
+  c.alpha_z = loss.alpha_z();
+  c.ce = {loss.label_smoothing(), loss.logit_softcap(), loss.alpha_lse()};
+  c.expert_bias_speed = loss.expert_bias_speed();
+  c.mtp_scale = loss.mtp_scale();
   return c;
+}
+
+MoeLmOptions ToMoeLmOptions(const TrainConfig& config) {
+  const ParallelismConfig& parallelism = config.parallelism();
+  const PrecisionConfig& precision = config.precision();
+  MoeLmOptions options;
+  options.model = config.model();
+  options.loss = config.loss();
+  parallel::ParallelOptions& p = options.parallel;
+  p.sharding = ToShardingMode(parallelism.sharding());
+  p.compute_dtype = ToDType(precision.compute_dtype());
+  // The gradient precision, chosen once (core/grad_precision.h); the config's validation
+  // refused reproducible with a bf16 reduce dtype.
+  p.precision = precision.reproducible()                        ? GradPrecision::kExact
+                : precision.reduce_dtype() == TrainConfig::bf16 ? GradPrecision::kBF16Wire
+                                                                : GradPrecision::kF32;
+  options.recompute = parallelism.recompute() == ParallelismConfig::full ? model::Recompute::kFull
+                      : parallelism.recompute() == ParallelismConfig::selective
+                          ? model::Recompute::kSelective
+                          : model::Recompute::kNone;
+  p.layers_per_unit = parallelism.layers_per_unit();
+  p.reshard_after_forward = parallelism.reshard_after_forward();
+  p.reduce_every_micro_batch = parallelism.reduce_every_micro_batch();
+  p.bucket_cap_bytes = static_cast<size_t>(config.comm().bucket_cap_mb() * (1 << 20));
+  p.first_bucket_cap_bytes = static_cast<size_t>(config.comm().first_bucket_mb() * (1 << 20));
+  p.repro_block = precision.repro_block();
+  return options;
 }
 
 std::vector<std::pair<std::string, std::vector<int64_t>>> MoeLmParamShapes(const ModelConfig& m) {
   std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
-  absl::StatusOr<model::MoeLmSpec> spec = model::MoeLmSpec::Create(ToMoeLmConfig(m, 0, 0));
+  absl::StatusOr<model::MoeLmSpec> spec = model::MoeLmSpec::Create(SizesOnly(m));
   if (!spec.ok()) return shapes;
   for (const model::ParamDef& p : spec->params()) shapes.push_back({p.name, p.shape});
   return shapes;
 }
 
 NamedParams MoeLm::InitialParameters(const ModelConfig& m, uint64_t seed) {
-  absl::StatusOr<model::MoeLmSpec> spec = model::MoeLmSpec::Create(ToMoeLmConfig(m, 0, 0));
+  absl::StatusOr<model::MoeLmSpec> spec = model::MoeLmSpec::Create(SizesOnly(m));
   return spec.ok() ? spec->InitialParameters(seed) : NamedParams();
 }
 
 absl::StatusOr<std::unique_ptr<MoeLm>> MoeLm::Create(const MoeLmOptions& options, const Mesh& mesh,
                                                      ComputeDevice device) {
-  model::MoeLmConfig config = ToMoeLmConfig(options.model, options.alpha_b, options.alpha_z);
-  config.label_smoothing = options.label_smoothing;
-  config.logit_softcap = options.logit_softcap;
-  config.alpha_lse = options.alpha_lse;
-  config.mtp_scale = options.mtp_scale;
-  config.expert_bias_speed = options.expert_bias_speed;
-  GRADSUM_ASSIGN_OR_RETURN(model::MoeLmSpec spec, model::MoeLmSpec::Create(config));
+  GRADSUM_ASSIGN_OR_RETURN(model::MoeLmSpec spec,
+                           model::MoeLmSpec::Create(ToMoeLmConfig(options.model, options.loss)));
   if (device.units == nullptr) device.units = std::make_shared<parallel::HostUnitDevice>();
   if (!device.ops) {
     model::CpuOpsOptions ops_options{.num_threads = options.num_threads};

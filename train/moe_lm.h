@@ -46,8 +46,10 @@ namespace gradsum::train {
 using NamedParams = model::NamedParams;
 using MicroBatchLosses = model::MicroBatchLosses;
 
-// The spec's sizes and loss weights from the config.
-model::MoeLmConfig ToMoeLmConfig(const ModelConfig& model, double alpha_b, double alpha_z);
+// The one converter from the config to the model's spec: its sizes from the model section,
+// its loss weights, CE options, expert bias speed and MTP weight from the loss section.
+// MoeLm::Create, the parameter shapes and the parity reference (train/parity.h) use it.
+model::MoeLmConfig ToMoeLmConfig(const ModelConfig& model, const LossConfig& loss);
 
 // Every parameter's name and shape (SEMANTICS.md §10 names, as in the dumps), in forward
 // order. Empty for a config the spec rejects.
@@ -56,16 +58,9 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> MoeLmParamShapes(
 
 struct MoeLmOptions {
   ModelConfig model;
-  double alpha_b = 0.001;  // §5
-  double alpha_z = 0.001;  // §4
-  // The LM head's CE options (§3.2); 0 = off.
-  double label_smoothing = 0.0;
-  double logit_softcap = 0.0;
-  double alpha_lse = 0.0;
-  // The expert bias's update speed u (§5.1); 0 = off.
-  double expert_bias_speed = 0.0;
-  // The MTP loss weight (§15; used with model.mtp_depth > 0).
-  double mtp_scale = 0.1;
+  // The loss weights (§4, §5), the LM head's CE options (§3.2), the expert bias's update
+  // speed (§5.1) and the MTP weight (§15), as the config's loss section.
+  LossConfig loss;
   // How the parameters are distributed (sharding mode, dtypes, wrap policy, schedule,
   // gradient precision: parallel/parallel_options.h).
   parallel::ParallelOptions parallel;
@@ -73,6 +68,11 @@ struct MoeLmOptions {
   model::Recompute recompute = model::Recompute::kNone;
   int num_threads = 1;  // threads for the rank's loss kernels and GEMMs (host compute)
 };
+
+// The one converter from the config to a rank's MoeLmOptions: the model and loss sections,
+// and the parallelism, precision and comm settings as ParallelOptions and Recompute.
+// num_threads stays 1: it depends on the mesh (train/build_model.h sets it).
+MoeLmOptions ToMoeLmOptions(const TrainConfig& config);
 
 // Where a rank computes: the store its parameter units live in, and its layers' ops.
 // Empty members mean the host (MoeLm::Create fills them).

@@ -35,28 +35,28 @@ absl::StatusOr<std::vector<std::vector<MicroBatch>>> GlobalBatchForStep(
 
 testing::ReferenceConfig ReferenceConfigFor(const TrainConfig& config,
                                             const model::ExpertBias& expert_bias) {
-  const ModelConfig& m = config.model();
+  // The model the trainer builds (the one converter, train/moe_lm.h), in the reference's
+  // terms.
+  const model::MoeLmConfig m = ToMoeLmConfig(config.model(), config.loss());
   testing::ReferenceConfig rc;
-  rc.vocab = m.vocab();
-  rc.dim = m.dim();
-  rc.layers = m.layers();
-  rc.experts = m.experts();
-  rc.top_k = m.top_k();
-  rc.expert_dim = m.expert_dim();
-  rc.norm_topk_prob = m.norm_topk_prob();
-  rc.router_scale = m.router_scale();
-  rc.alpha_b = config.loss().alpha_b();
-  rc.alpha_z = config.loss().alpha_z();
-  rc.label_smoothing = config.loss().label_smoothing();
-  rc.logit_softcap = config.loss().logit_softcap();
-  rc.alpha_lse = config.loss().alpha_lse();
-  rc.attention = m.attention() != ModelConfig::none;
-  rc.n_heads = m.heads();
-  rc.n_kv_heads = m.kv_heads();
-  rc.rope_theta = m.rope_theta();
-  rc.sigmoid_scores = m.router_score() == ModelConfig::sigmoid;
-  rc.mtp_depth = m.mtp_depth();
-  rc.mtp_scale = config.loss().mtp_scale();
+  rc.vocab = static_cast<int>(m.vocab);
+  rc.dim = static_cast<int>(m.dim);
+  rc.layers = m.layers;
+  rc.experts = m.experts;
+  rc.top_k = m.top_k;
+  rc.expert_dim = static_cast<int>(m.expert_dim);
+  rc.norm_topk_prob = m.norm_topk_prob;
+  rc.router_scale = m.router_scale;
+  rc.alpha_b = m.alpha_b;
+  rc.alpha_z = m.alpha_z;
+  rc.ce = m.ce;
+  rc.attention = m.attention;
+  rc.n_heads = m.n_heads;
+  rc.n_kv_heads = m.n_kv_heads;
+  rc.rope_theta = m.rope_theta;
+  rc.sigmoid_scores = m.router_sigmoid;
+  rc.mtp_depth = m.mtp_depth;
+  rc.mtp_scale = m.mtp_scale;
   for (const std::vector<float>& layer : expert_bias) {
     rc.expert_bias.emplace_back(layer.begin(), layer.end());
   }
@@ -113,7 +113,7 @@ absl::StatusOr<ParityReport> CheckParity(const TrainConfig& config, const NamedP
   std::vector<std::tuple<std::string, double, double>> terms = {
       {"ce", losses.ce, ref.ce}, {"z", losses.z, ref.z}, {"bal", losses.bal, ref.bal}};
   // §3.2's output z-loss is its own display term only when it is on.
-  if (rc.alpha_lse > 0) terms.emplace_back("z_out", losses.z_out, ref.z_out);
+  if (rc.ce.alpha_lse > 0) terms.emplace_back("z_out", losses.z_out, ref.z_out);
   for (size_t j = 0; j < ref.mtp.size(); ++j) {
     terms.push_back({absl::StrCat("mtp_", j + 1), losses.mtp[j], ref.mtp[j]});
   }

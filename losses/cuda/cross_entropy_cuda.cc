@@ -104,16 +104,16 @@ absl::Status CheckArgs(const CrossEntropyCudaArgs& a) {
   GRADSUM_RETURN_IF_ERROR(cuda::CheckOptionalDevicePointer(a.z_out_loss, "z_out_loss"));
   // The options of SEMANTICS.md §3.2, as losses/cross_entropy.h checks them (written so
   // that NaN fails every check).
-  if (!(a.label_smoothing >= 0.0 && a.label_smoothing < 1.0)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cross-entropy: label_smoothing ", a.label_smoothing, " must be in [0, 1)"));
+  if (!(a.ce.label_smoothing >= 0.0 && a.ce.label_smoothing < 1.0)) {
+    return absl::InvalidArgumentError(absl::StrCat("cross-entropy: label_smoothing ",
+                                                   a.ce.label_smoothing, " must be in [0, 1)"));
   }
-  if (!(a.logit_softcap >= 0.0 && std::isfinite(a.logit_softcap))) {
-    return absl::InvalidArgumentError(absl::StrCat("cross-entropy: logit_softcap ", a.logit_softcap,
-                                                   " must be finite and >= 0 (0 = off)"));
+  if (!(a.ce.logit_softcap >= 0.0 && std::isfinite(a.ce.logit_softcap))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cross-entropy: logit_softcap ", a.ce.logit_softcap, " must be finite and >= 0 (0 = off)"));
   }
-  if (!(a.alpha_lse >= 0.0 && std::isfinite(a.alpha_lse))) {
-    return absl::InvalidArgumentError(absl::StrCat("cross-entropy: alpha_lse ", a.alpha_lse,
+  if (!(a.ce.alpha_lse >= 0.0 && std::isfinite(a.ce.alpha_lse))) {
+    return absl::InvalidArgumentError(absl::StrCat("cross-entropy: alpha_lse ", a.ce.alpha_lse,
                                                    " must be finite and >= 0 (0 = off)"));
   }
   if (a.rows == 0) return absl::OkStatus();
@@ -152,9 +152,9 @@ absl::Status Enqueue(const CrossEntropyCudaArgs& a, CeErrorRecord* record, cudaS
   l.local_weight_sum = a.local_weight_sum;
   l.accumulate = a.accumulate_loss;
   l.token_loss = a.token_loss;
-  l.label_smoothing = a.label_smoothing;
-  l.logit_softcap = a.logit_softcap;
-  l.alpha_lse = a.alpha_lse;
+  l.label_smoothing = a.ce.label_smoothing;
+  l.logit_softcap = a.ce.logit_softcap;
+  l.alpha_lse = a.ce.alpha_lse;
   l.ce_loss = a.ce_loss;
   l.z_out_loss = a.z_out_loss;
   l.error = record;

@@ -34,6 +34,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/dtype.h"
+#include "losses/ce_options.h"
 
 namespace gradsum::losses {
 
@@ -93,16 +94,15 @@ struct CrossEntropyCudaArgs {
   float* token_loss = nullptr;                // optional [rows] device: w_t * CE_t / D per row
                                               // (w_t (CE_t + alpha_lse lse_t^2) / D with options)
   int64_t ignore_index = -100;
-  // The CE options of SEMANTICS.md §3.2, as losses/cross_entropy.h CrossEntropyOptions:
-  // each 0 = off (the defaults), and with all three 0 the plain kernel runs, its code and
-  // results unchanged. With any on, a kernel of the same shape computes, per row, from the
-  // capped logits z_j = c tanh(x_j / c) (when c > 0) over the WHOLE row,
+  // The CE options of SEMANTICS.md §3.2 (losses/ce_options.h; label_smoothing eps in [0, 1),
+  // logit_softcap c >= 0 and finite, alpha_lse >= 0 and finite): each 0 = off (the defaults), and
+  // with all three 0 the plain kernel runs, its code and results unchanged. With any on, a kernel
+  // of the same shape computes, per row, from the capped logits z_j = c tanh(x_j / c) (when c > 0)
+  // over the WHOLE row,
   //   CE_t = lse_t - (1 - eps) z_y - (eps / V) sum_j z_j,  loss += w_t (CE_t + alpha lse_t^2) / D
   //   dL/dx_j = grad_scale (w_t / D) ((1 + 2 alpha lse_t) p_j - (1 - eps) [j == y] - eps / V)
   //             * (1 - (z_j / c)^2 with the cap)
-  double label_smoothing = 0.0;  // eps in [0, 1)
-  double logit_softcap = 0.0;    // c >= 0, finite
-  double alpha_lse = 0.0;        // >= 0, finite
+  CeOptions ce;
   // Optional device scalars, written (or added, with accumulate_loss) like `loss`: the
   // loss's two display terms (§3.2), the CE alone sum_t w_t CE_t / D and the output z-loss
   // alpha_lse sum_t w_t lse_t^2 / D. Without options they are `loss` and 0.

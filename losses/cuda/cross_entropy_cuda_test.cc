@@ -137,9 +137,9 @@ CeRun RunCe(DType dtype, const std::vector<float>& z_rounded, int64_t rows, int6
   a.loss = b.loss.as<double>();
   a.local_weight_sum = b.wsum.as<double>();
   a.token_loss = b.token_loss.as<float>();
-  a.label_smoothing = options.eps;
-  a.logit_softcap = options.cap;
-  a.alpha_lse = options.alpha;
+  a.ce.label_smoothing = options.eps;
+  a.ce.logit_softcap = options.cap;
+  a.ce.alpha_lse = options.alpha;
   DeviceBuffer ce_loss = Dev(std::vector<double>{777.0}),
                z_out_loss = Dev(std::vector<double>{777.0});
   a.ce_loss = ce_loss.as<double>();
@@ -411,9 +411,9 @@ TEST(CrossEntropyCuda, OptionsMatchTheCpuImplementation) {
       TensorView xv = *TensorView::Create(cpu_in, dtype, {rows, vocab});
       TensorView gv = *TensorView::Create(cpu_out, dtype, {rows, vocab});
       CrossEntropyOptions co;
-      co.label_smoothing = o.eps;
-      co.logit_softcap = o.cap;
-      co.alpha_lse = o.alpha;
+      co.ce.label_smoothing = o.eps;
+      co.ce.logit_softcap = o.cap;
+      co.ce.alpha_lse = o.alpha;
       absl::StatusOr<CrossEntropyResult> cpu = CrossEntropyForwardBackward(xv, y, w, D, gv, co);
       ASSERT_TRUE(cpu.ok()) << what << ": " << cpu.status();
       CeRun run = RunCe(dtype, xr, rows, vocab, y, w, D, /*in_place=*/false, 1.0f, o);
@@ -507,9 +507,9 @@ TEST(CrossEntropyCuda, OptionsEdgeCases) {
   a.ce_loss = ce.as<double>();
   a.z_out_loss = z_out.as<double>();
   a.accumulate_loss = true;
-  a.label_smoothing = capped.eps;
-  a.logit_softcap = capped.cap;
-  a.alpha_lse = capped.alpha;
+  a.ce.label_smoothing = capped.eps;
+  a.ce.logit_softcap = capped.cap;
+  a.ce.alpha_lse = capped.alpha;
   ASSERT_TRUE(CrossEntropyCuda(a, nullptr).ok());
   CrossEntropyCudaArgs forward = a;
   forward.grad_logits = nullptr;
@@ -529,9 +529,9 @@ TEST(CrossEntropyCuda, OptionsEdgeCases) {
         Bad{{0, inf, 0}, "logit_softcap inf"}, Bad{{0, 0, -0.5}, "alpha_lse -0.5"},
         Bad{{0, 0, std::nan("")}, "alpha_lse nan"}}) {
     CrossEntropyCudaArgs bad = a;
-    bad.label_smoothing = b.o.eps;
-    bad.logit_softcap = b.o.cap;
-    bad.alpha_lse = b.o.alpha;
+    bad.ce.label_smoothing = b.o.eps;
+    bad.ce.logit_softcap = b.o.cap;
+    bad.ce.alpha_lse = b.o.alpha;
     absl::Status s = CrossEntropyCuda(bad, nullptr);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << b.name;
     EXPECT_THAT(std::string(s.message()), HasSubstr(b.name));

@@ -521,7 +521,7 @@ class CudaOps : public ModelOps {
     terms.ce_terms = {terms.ce};
     terms.z_terms = {terms.z};
     terms.bal_terms = {terms.bal};
-    if (config_.alpha_lse > 0.0) {
+    if (config_.ce.alpha_lse > 0.0) {
       terms.z_out = losses_host[3];
       terms.z_out_terms = {terms.z_out};
     }
@@ -574,7 +574,7 @@ class CudaOps : public ModelOps {
     // The display shows the CE and the output z-loss apart (ce, z_out): with alpha_lse > 0
     // the CE term is ce_loss and the objective (their sum, not displayed) goes to its own
     // scalar; without it the CE term is the loss, as before the options.
-    if (config_.alpha_lse > 0.0) {
+    if (config_.ce.alpha_lse > 0.0) {
       labels.loss = d + 6;
       labels.ce_loss = d + 2;
       labels.z_out_loss = d + 5;
@@ -607,9 +607,7 @@ class CudaOps : public ModelOps {
     ce.global_weight_sum = labels.global_weight_sum;
     ce.grad_logits = grad_out != nullptr ? logits_.get() : nullptr;
     ce.ignore_index = kIgnoreIndex;
-    ce.label_smoothing = config_.label_smoothing;
-    ce.logit_softcap = config_.logit_softcap;
-    ce.alpha_lse = config_.alpha_lse;
+    ce.ce = config_.ce;
     ce.loss = labels.loss;
     ce.ce_loss = labels.ce_loss;
     ce.z_out_loss = labels.z_out_loss;

@@ -227,8 +227,8 @@ void ExpectEveryOpMatchesTheHostOps(const MoeLmConfig& c, bool sample_weights,
   // §3.2's output z-loss, its own term on both devices (none without alpha_lse).
   EXPECT_NEAR(gt->z_out, ct->z_out, 1e-5 * std::abs(ct->z_out));
   EXPECT_EQ(gt->z_out_terms.size(), ct->z_out_terms.size());
-  EXPECT_EQ(ct->z_out_terms.size(), c.alpha_lse > 0 ? 1u : 0u);
-  if (c.alpha_lse > 0) {
+  EXPECT_EQ(ct->z_out_terms.size(), c.ce.alpha_lse > 0 ? 1u : 0u);
+  if (c.ce.alpha_lse > 0) {
     EXPECT_GT(ct->z_out, 0.0);
   }
   EXPECT_EQ(gt->global_expert_counts, ct->global_expert_counts);
@@ -252,9 +252,9 @@ TEST(CudaOpsTest, EveryOpMatchesTheHostOpsWithTheCeOptions) {
        {Options{0.1, 0, 0}, Options{0, 2.0, 0}, Options{0, 0, 0.02}, Options{0.2, 1.5, 0.05}}) {
     SCOPED_TRACE(absl::StrCat("eps ", o.eps, " cap ", o.cap, " alpha ", o.alpha));
     MoeLmConfig c = EveryOpConfig();
-    c.label_smoothing = o.eps;
-    c.logit_softcap = o.cap;
-    c.alpha_lse = o.alpha;
+    c.ce.label_smoothing = o.eps;
+    c.ce.logit_softcap = o.cap;
+    c.ce.alpha_lse = o.alpha;
     ExpectEveryOpMatchesTheHostOps(c, /*sample_weights=*/true);
   }
 }
@@ -337,9 +337,9 @@ TEST(CudaOpsTest, CeOptionsAreNotRefused) {
   for (const char* flag : {"label_smoothing", "logit_softcap", "alpha_lse"}) {
     MoeLmConfig c = OneLayerConfig();
     const std::string name = flag;
-    if (name == "label_smoothing") c.label_smoothing = 0.25;
-    if (name == "logit_softcap") c.logit_softcap = 0.25;
-    if (name == "alpha_lse") c.alpha_lse = 0.25;
+    if (name == "label_smoothing") c.ce.label_smoothing = 0.25;
+    if (name == "logit_softcap") c.ce.logit_softcap = 0.25;
+    if (name == "alpha_lse") c.ce.alpha_lse = 0.25;
     absl::StatusOr<MoeLmSpec> spec = MoeLmSpec::Create(c);
     ASSERT_TRUE(spec.ok());
     auto gpu = MakeCudaOps(*spec, nullptr, *mesh);
