@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <iterator>
+#include <numeric>
 #include <string>
 #include <utility>
 #include <vector>
@@ -631,6 +632,31 @@ absl::Status ValidateAcrossSections(const TrainConfig& c) {
                       " tokens a rank holds of each sequence (data.seq_len / (parallelism.sp "
                       "parallelism.cp))"));
   }
+  if (c.precision().reproducible()) {
+    // Every contribution is computed per row block; the same blocks at every mesh need a
+    // block that tiles each contiguous piece a rank holds (ReproBlock).
+    const int64_t block = ReproBlock(c);
+    const int64_t piece = ContiguousPiece(d.seq_len(), p.sp(), p.cp());
+    if (piece % block != 0) {
+      int64_t fits = 1;
+      for (int64_t b = 1; b <= piece; ++b) {
+        if (piece % b == 0 && d.seq_len() % b == 0) fits = b;
+      }
+      return Bad("precision.repro_block", StrCat(block),
+                 StrCat(repro_block == 0 ? "(the default, the largest divisor of data.seq_len="
+                                         : "(data.seq_len=",
+                        d.seq_len(), repro_block == 0 ? " up to seq_len / 8) " : ") ",
+                        "must divide the ", piece,
+                        " tokens of each contiguous piece of a "
+                        "sequence a rank holds at parallelism.sp=",
+                        p.sp(), " parallelism.cp=", p.cp(),
+                        ", for --reproducible's blocks to be the same at every mesh: "
+                        "pass --repro_block=",
+                        fits,
+                        " (or a divisor of it) to every run to "
+                        "be compared"));
+    }
+  }
   // Multi-token prediction (§15) and the router's scores (§5.1).
   if (m.mtp_depth() >= d.seq_len() && d.seq_len() > 0) {
     // Depth j's label of position t is the token j + 1 ahead in the same sequence (§15):
@@ -775,6 +801,24 @@ int64_t GlobalBatch(const TrainConfig& config) {
   return int64_t{config.parallelism().world() / std::max(1, config.parallelism().sp()) /
                  std::max(1, config.parallelism().cp())} *
          config.parallelism().grad_acc() * config.data().micro_batch();
+}
+
+int64_t DefaultReproBlock(int64_t seq_len) {
+  int64_t block = 1;
+  for (int64_t b = 1; b * 8 <= seq_len; ++b) {
+    if (seq_len % b == 0) block = b;
+  }
+  return block;
+}
+
+int64_t ReproBlock(const TrainConfig& config) {
+  const int32_t explicit_block = config.precision().repro_block();
+  return explicit_block > 0 ? explicit_block : DefaultReproBlock(config.data().seq_len());
+}
+
+int64_t ContiguousPiece(int64_t seq_len, int sp, int cp) {
+  if (cp <= 1) return seq_len / sp;
+  return std::gcd(seq_len / (2 * int64_t{cp}), seq_len / (int64_t{cp} * sp));
 }
 
 std::string ConfigToShortText(const TrainConfig& in) {

@@ -78,6 +78,26 @@ TrainConfig ResolvedConfig(const TrainConfig& config);
 // The global batch B = world x grad_acc x micro_batch: sequences per step (train/data.h).
 int64_t GlobalBatch(const TrainConfig& config);
 
+// Reproducible mode's row block (SEMANTICS.md §11, §12, §16): precision.repro_block when
+// set, else DefaultReproBlock(data.seq_len). A function of the sequence length, not of the
+// mesh, so runs at different SP and CP sizes compute every contribution over the same
+// blocks and give the same bits (ValidateConfig refuses a mesh whose pieces it does not
+// tile).
+int64_t ReproBlock(const TrainConfig& config);
+
+// The default row block: the largest divisor of seq_len that is at most seq_len / 8 (at
+// least 1): seq_len / 8 whenever 8 divides it. It tiles the pieces of every mesh with
+// 2 cp sp <= 8 (sp up to 8 without CP, cp up to 4, cp 2 x sp 2), and stays large enough
+// that long sequences keep few blocks (the exact sums cost per block).
+int64_t DefaultReproBlock(int64_t seq_len);
+
+// The tokens of each contiguous piece of a sequence that a rank holds (SEMANTICS.md §12,
+// §16): seq_len / sp without CP; with CP, a rank's two zigzag chunks of seq_len / 2cp are
+// split into sp slices of seq_len / (cp sp), so a piece is gcd(seq_len / 2cp,
+// seq_len / (cp sp)). A row block must divide it to lie at the same global positions at
+// every mesh.
+int64_t ContiguousPiece(int64_t seq_len, int sp, int cp);
+
 // The config as one-line textproto with every field written out, defaults included
 // (for logs, losses.json and checkpoints); ParseConfigText reads it back.
 std::string ConfigToShortText(const TrainConfig& config);

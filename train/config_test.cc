@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <numeric>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -496,6 +497,102 @@ TEST(ConfigTest, SeqLenOneIsBlamedOnSeqLen) {
   const absl::Status s = ValidateConfig(c);
   EXPECT_THAT(s.message(), HasSubstr("data.seq_len=1: must be >= 2"));
   EXPECT_THAT(s.message(), ::testing::Not(HasSubstr("parallelism.cp")));
+}
+
+// Reproducible mode's default row block is fixed by the sequence length (issue 50, item 1):
+// the largest divisor of seq_len up to seq_len / 8, whatever the mesh.
+TEST(ReproBlockTest, TheDefaultIsFixedByTheSequenceLength) {
+  for (const auto& [seq_len, block] : std::vector<std::pair<int64_t, int64_t>>{
+           {128, 16}, {32, 4}, {4096, 512}, {33, 3}, {100, 10}, {7, 1}, {8, 1}, {16, 2}}) {
+    EXPECT_EQ(DefaultReproBlock(seq_len), block) << seq_len;
+  }
+  for (int sp : {1, 2, 4}) {
+    for (int cp : {1, 2}) {
+      TrainConfig c;
+      ASSERT_TRUE(ApplyOverrides({{"precision.reproducible", "true"},
+                                  {"parallelism.sp", absl::StrCat(sp)},
+                                  {"parallelism.cp", absl::StrCat(cp)}},
+                                 &c)
+                      .ok());
+      EXPECT_EQ(ReproBlock(c), 16) << "sp " << sp << " cp " << cp;
+    }
+  }
+  TrainConfig explicit_block;
+  ASSERT_TRUE(ApplyOverrides({{"precision.repro_block", "8"}}, &explicit_block).ok());
+  EXPECT_EQ(ReproBlock(explicit_block), 8);
+}
+
+// ContiguousPiece against an explicit enumeration: every rank's global positions in the
+// order it holds them (the zigzag chunks j and 2C - 1 - j, then its SP slice), cut into
+// runs of consecutive positions; a block tiles them at the same global places as at
+// sp = cp = 1 exactly when it divides every run's start and length.
+TEST(ReproBlockTest, ContiguousPieceIsTheGcdOfEveryRanksRuns) {
+  for (int64_t seq_len : {32, 96, 128, 48}) {
+    for (int sp = 1; sp <= 4; ++sp) {
+      for (int cp = 1; cp <= 4; ++cp) {
+        if ((cp > 1 && seq_len % (2 * cp) != 0) || (seq_len / cp) % sp != 0) continue;
+        if (cp == 1 && seq_len % sp != 0) continue;
+        int64_t g = 0;
+        for (int j = 0; j < cp; ++j) {
+          std::vector<int64_t> local;  // the CP rank's tokens, in its order
+          if (cp == 1) {
+            for (int64_t t = 0; t < seq_len; ++t) local.push_back(t);
+          } else {
+            const int64_t c = seq_len / (2 * cp);
+            for (int64_t chunk : {int64_t{j}, int64_t{2 * cp - 1 - j}}) {
+              for (int64_t t = 0; t < c; ++t) local.push_back(chunk * c + t);
+            }
+          }
+          const int64_t slice = static_cast<int64_t>(local.size()) / sp;
+          for (int i = 0; i < sp; ++i) {
+            int64_t start = local[i * slice], length = 1;
+            for (int64_t t = i * slice + 1; t <= (i + 1) * slice; ++t) {
+              if (t < (i + 1) * slice && local[t] == local[t - 1] + 1) {
+                ++length;
+                continue;
+              }
+              g = std::gcd(g, std::gcd(start, length));
+              if (t < (i + 1) * slice) start = local[t], length = 1;
+            }
+          }
+        }
+        EXPECT_EQ(ContiguousPiece(seq_len, sp, cp), g)
+            << "seq_len " << seq_len << " sp " << sp << " cp " << cp;
+      }
+    }
+  }
+}
+
+// A mesh whose pieces the block does not tile is refused, naming a block that does; an
+// explicit block that straddles the zigzag chunks too (it would put tokens elsewhere in
+// their block than at cp = 1).
+TEST(ReproBlockTest, AMeshTheBlockDoesNotTileIsRefusedNamingOneThatDoes) {
+  TrainConfig deep;
+  ASSERT_TRUE(ApplyOverrides({{"precision.reproducible", "true"},
+                              {"parallelism.world", "16"},
+                              {"parallelism.ep", "1"},
+                              {"parallelism.sp", "4"},
+                              {"parallelism.cp", "4"}},
+                             &deep)
+                  .ok());
+  EXPECT_THAT(ValidateConfig(deep).message(),
+              HasSubstr("precision.repro_block=16: (the default, the largest divisor of "
+                        "data.seq_len=128 up to seq_len / 8) must divide the 8 tokens of each "
+                        "contiguous piece of a sequence a rank holds at parallelism.sp=4 "
+                        "parallelism.cp=4"));
+  EXPECT_THAT(ValidateConfig(deep).message(), HasSubstr("pass --repro_block=8"));
+  TrainConfig straddle;
+  ASSERT_TRUE(ApplyOverrides({{"precision.reproducible", "true"},
+                              {"precision.repro_block", "64"},
+                              {"parallelism.ep", "1"},
+                              {"parallelism.cp", "2"}},
+                             &straddle)
+                  .ok());
+  EXPECT_THAT(ValidateConfig(straddle).message(),
+              HasSubstr("precision.repro_block=64: (data.seq_len=128) must divide the 32 tokens"));
+  // Without --reproducible the block is not used for bits, and the old rule stands.
+  straddle.mutable_precision()->set_reproducible(false);
+  EXPECT_TRUE(ValidateConfig(straddle).ok()) << ValidateConfig(straddle);
 }
 
 // HSDP configs that are valid: a shard group of whole EP groups dividing the world, and 0

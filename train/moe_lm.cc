@@ -6,6 +6,7 @@
 #include "core/status.h"
 #include "core/thread_pool.h"
 #include "model/cpu_ops.h"
+#include "train/config.h"
 
 namespace gradsum::train {
 
@@ -79,7 +80,9 @@ MoeLmOptions ToMoeLmOptions(const TrainConfig& config) {
   p.reduce_every_micro_batch = parallelism.reduce_every_micro_batch();
   p.bucket_cap_bytes = static_cast<size_t>(config.comm().bucket_cap_mb() * (1 << 20));
   p.first_bucket_cap_bytes = static_cast<size_t>(config.comm().first_bucket_mb() * (1 << 20));
-  p.repro_block = precision.repro_block();
+  // Reproducible mode's blocks are fixed by the sequence length (train/config.h ReproBlock),
+  // so they are the same at every SP and CP size.
+  p.repro_block = precision.reproducible() ? ReproBlock(config) : precision.repro_block();
   return options;
 }
 

@@ -19,6 +19,8 @@
 #    recomputation on world 2; sigmoid scores on world 1 vs 4.
 # 7. --mtp_depth=2 (SEMANTICS.md §15.1): world 1 vs Open MPI world 4 and full recomputation
 #    on world 2; with attention, SP 2, CP 2 and CP 2 x SP 2 (thread and Open MPI).
+# 8. The default row block (no --repro_block; issue 50, item 1) at the binary's default
+#    shape (seq_len 128, 4 heads, dim 128): SP 1, 2, 4 and CP 2 give one export.
 # Every run also passes --parity_check on step 1 (gradients within 1e-5 of the double
 # reference; 3e-2 with bf16 compute), and the normal mode must NOT give identical bits across two of the meshes
 # (else this test could not tell the modes apart).
@@ -244,6 +246,20 @@ run mtpa_cp2 -- "${mtpa[@]}" --world=2 --ep=1 --cp=2 --micro_batch=4 --sharding=
 run mtpa_cp2_sp2_mpi4 "${mpi4[@]}" -- "${mtpa[@]}" --backend=mpi --world=4 --ep=2 --cp=2 \
   --sp=2 --micro_batch=4
 for other in mtpa_sp2 mtpa_cp2 mtpa_cp2_sp2_mpi4; do check_same mtpa_w1 "$other"; done
+
+# 8. The binary's default shape, no --repro_block, two steps: the default block is fixed by
+#    the sequence length, so SP and CP sizes give the same bits with nothing to pass.
+for m in "sp1 --world=1" "sp2 --world=2 --sp=2" "sp4 --world=4 --sp=4" "cp2 --world=2 --cp=2"; do
+  name="default_${m%% *}"
+  # shellcheck disable=SC2086
+  "$bin" --reproducible --steps=2 --ep=1 --timeout_s=60 ${m#* } --export="$tmp/$name.safetensors" \
+    > "$tmp/$name.log" 2>&1 || { tail -20 "$tmp/$name.log"; fail "run $name"; }
+done
+for other in default_sp2 default_sp4 default_cp2; do
+  cmp -s "$tmp/default_sp1.safetensors" "$tmp/$other.safetensors" \
+    || fail "default shape: default_sp1 and $other differ (the default row block depends on the mesh)"
+done
+echo "identical: the default shape at SP 1, 2, 4 and CP 2, no --repro_block"
 
 # The normal mode is not bit-identical across meshes (so the checks above can fail).
 run normal_w1 -- "${ab[@]}" --world=1 --ep=1 --micro_batch=4
