@@ -9,6 +9,10 @@
 #include "absl/time/clock.h"
 #include "collectives/status_agreement.h"
 #include "core/status.h"
+#include "data/corpus.h"
+#include "data/document_source.h"
+#include "data/loader.h"
+#include "data/streams.h"
 #include "io/path_checks.h"
 #include "sharding/grad_norm.h"
 #include "train/checkpointing.h"
@@ -49,8 +53,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   const absl::Status data_path = config.data().path().empty()
                                      ? absl::OkStatus()
                                      : CheckInputFile("--data", config.data().path());
-  absl::StatusOr<std::shared_ptr<const DocumentSource>> corpus =
-      data_path.ok() ? MakeCorpus(config.data()) : data_path;
+  absl::StatusOr<std::shared_ptr<const data::DocumentSource>> corpus =
+      data_path.ok() ? data::MakeCorpus(config.data()) : data_path;
   GRADSUM_RETURN_IF_ERROR(CheckRanksAgree(config, corpus, world));
   auto trainer = std::unique_ptr<Trainer>(new Trainer());
   trainer->corpus_ = *std::move(corpus);
@@ -122,19 +126,19 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
 
 absl::Status Trainer::PrepareLocal() {
   GRADSUM_ASSIGN_OR_RETURN(
-      RankDataLoader loader,
-      RankDataLoader::Create(corpus_, config_.data(), world().rank(), world().size(),
-                             config_.parallelism().sp(), config_.parallelism().cp()));
+      data::RankDataLoader loader,
+      data::RankDataLoader::Create(corpus_, config_.data(), world().rank(), world().size(),
+                                   config_.parallelism().sp(), config_.parallelism().cp()));
   GRADSUM_RETURN_IF_ERROR(loader.SetMtpDepth(config_.model().mtp_depth()));
-  loader_ = std::make_unique<RankDataLoader>(std::move(loader));
+  loader_ = std::make_unique<data::RankDataLoader>(std::move(loader));
   if (config_.log().eval_every() > 0) {
     // The held-out batch, the same at every evaluation (so the values compare).
-    GRADSUM_ASSIGN_OR_RETURN(std::shared_ptr<const DocumentSource> held_out,
-                             MakeHeldOutCorpus(config_.data()));
+    GRADSUM_ASSIGN_OR_RETURN(std::shared_ptr<const data::DocumentSource> held_out,
+                             data::MakeHeldOutCorpus(config_.data()));
     GRADSUM_ASSIGN_OR_RETURN(
-        RankDataLoader eval_loader,
-        RankDataLoader::Create(held_out, config_.data(), world().rank(), world().size(),
-                               config_.parallelism().sp(), config_.parallelism().cp()));
+        data::RankDataLoader eval_loader,
+        data::RankDataLoader::Create(held_out, config_.data(), world().rank(), world().size(),
+                                     config_.parallelism().sp(), config_.parallelism().cp()));
     eval_batches_ = eval_loader.NextStep(config_.log().eval_micro_batches());
   }
   return absl::OkStatus();
@@ -211,7 +215,7 @@ absl::StatusOr<StepMetrics> Trainer::Step() {
   const bool gather_full =
       first && (config_.debug().parity_check() || !config_.debug().dump_dir().empty());
 
-  std::vector<MicroBatch> batches = loader_->NextStep(config_.parallelism().grad_acc());
+  std::vector<data::MicroBatch> batches = loader_->NextStep(config_.parallelism().grad_acc());
   GRADSUM_ASSIGN_OR_RETURN(const losses::StepStats stats, ComputeStatistics(batches));
   GRADSUM_ASSIGN_OR_RETURN(const losses::MtpStats mtp, ComputeMtpStatistics(batches));
   NamedParams weights;     // step 1's full parameters, for the dump and the parity check
@@ -248,7 +252,7 @@ absl::StatusOr<StepMetrics> Trainer::Step() {
 
 // Phase 1: the step's global statistics D and N, before the first forward (§3, §4).
 absl::StatusOr<losses::StepStats> Trainer::ComputeStatistics(
-    const std::vector<MicroBatch>& batches) {
+    const std::vector<data::MicroBatch>& batches) {
   const size_t G = batches.size();
   std::vector<std::vector<int64_t>> labels(G);
   std::vector<std::vector<uint8_t>> masks(G);
@@ -269,7 +273,7 @@ absl::StatusOr<losses::StepStats> Trainer::ComputeStatistics(
 // Phase 1b: MTP's normalisers D_j (§15.1), one SUM all-reduce of k values (and a failure
 // flag, so that a rank with bad input still joins it and every rank returns).
 absl::StatusOr<losses::MtpStats> Trainer::ComputeMtpStatistics(
-    const std::vector<MicroBatch>& batches) {
+    const std::vector<data::MicroBatch>& batches) {
   losses::MtpStats mtp;
   const int k = config_.model().mtp_depth();
   if (k <= 0) return mtp;
@@ -284,7 +288,7 @@ absl::StatusOr<losses::MtpStats> Trainer::ComputeMtpStatistics(
   absl::Status local;
   for (int j = 0; j < k && local.ok(); ++j) {
     for (size_t m = 0; m < G && local.ok(); ++m) {
-      const MicroBatch& mb = batches[m];
+      const data::MicroBatch& mb = batches[m];
       if (static_cast<int>(mb.mtp_labels.size()) != k) {
         local = absl::InternalError(absl::StrCat("micro-batch ", m, " holds ", mb.mtp_labels.size(),
                                                  " MTP depths, not ", k));
@@ -292,8 +296,8 @@ absl::StatusOr<losses::MtpStats> Trainer::ComputeMtpStatistics(
       }
       std::vector<int64_t>& y = mtp.labels[j][m];
       y.assign(mb.mtp_labels[j].begin(), mb.mtp_labels[j].end());
-      absl::StatusOr<std::vector<float>> w =
-          losses::ComputeTokenWeights(y, mb.sample_ids, mode, kIgnoreIndex, mb.mtp_sample_valid[j]);
+      absl::StatusOr<std::vector<float>> w = losses::ComputeTokenWeights(
+          y, mb.sample_ids, mode, data::kIgnoreIndex, mb.mtp_sample_valid[j]);
       if (!w.ok()) {
         local = w.status();
         break;
@@ -319,7 +323,7 @@ absl::StatusOr<losses::MtpStats> Trainer::ComputeMtpStatistics(
 
 // Phase 2: every micro-batch's forward and backward through the unit schedule, which
 // issues each unit's SUM reduction as backward completes its gradient.
-absl::Status Trainer::RunMicroBatches(const std::vector<MicroBatch>& batches,
+absl::Status Trainer::RunMicroBatches(const std::vector<data::MicroBatch>& batches,
                                       const losses::StepStats& stats, const losses::MtpStats& mtp) {
   for (size_t m = 0; m < batches.size(); ++m) {
     GRADSUM_RETURN_IF_ERROR(model_
@@ -451,7 +455,7 @@ absl::StatusOr<StepMetrics> Trainer::MakeRecord(const losses::StepStats& stats,
 }
 
 absl::Status Trainer::RunFirstStepChecks(const NamedParams& weights, const model::ExpertBias& bias,
-                                         const std::vector<MicroBatch>& batches,
+                                         const std::vector<data::MicroBatch>& batches,
                                          const StepMetrics& record) {
   if (!config_.debug().dump_dir().empty()) {
     GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(
