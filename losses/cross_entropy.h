@@ -36,12 +36,13 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "core/tensor.h"
+#include "data/streams.h"
 
 namespace gradsum::losses {
 
 struct CrossEntropyOptions {
   // Labels equal to this are not valid: weight 0, zero gradient, rows never read.
-  int64_t ignore_index = -100;
+  int64_t ignore_index = data::kIgnoreIndex;
   // Threads used for the row blocks (the caller's thread included). <= 1: single-threaded.
   int num_threads = 2;
   // The CE options of SEMANTICS.md §3.2, each global in scope and 0 = off. With all three 0

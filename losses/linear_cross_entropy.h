@@ -25,13 +25,14 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "core/tensor.h"
+#include "data/streams.h"
 #include "losses/cross_entropy.h"
 
 namespace gradsum::losses {
 
 struct LinearCrossEntropyOptions {
   // Labels equal to this are not valid (weight 0, zero gradient).
-  int64_t ignore_index = -100;
+  int64_t ignore_index = data::kIgnoreIndex;
   // Threads for the GEMMs and the CE rows (caller's thread included).
   int num_threads = 2;
   // Token rows per chunk. 0 = automatic: min(rows whose fp32 logits fit in 4 MiB, N / 8),

@@ -37,6 +37,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "collectives/communicator.h"
+#include "data/streams.h"
 #include "losses/token_weights.h"
 
 namespace gradsum::losses {
@@ -57,7 +58,7 @@ struct MicroBatchTokens {
 
 struct StepStatsOptions {
   CeWeightMode mode = CeWeightMode::kToken;
-  int64_t ignore_index = -100;
+  int64_t ignore_index = data::kIgnoreIndex;
 };
 
 struct StepStats {
