@@ -120,11 +120,14 @@ class Trainer {
   };
 
   // The phases of Step, in order.
-  absl::StatusOr<losses::StepStats> ComputeStatistics(const std::vector<data::MicroBatch>& batches);
-  // MTP's (SEMANTICS.md §15.1): each depth's labels and CE weights from the loader's rolled
-  // labels, and the k normalisers D_j in one SUM all-reduce. Empty (depth 0) when off.
-  absl::StatusOr<losses::MtpStats> ComputeMtpStatistics(
-      const std::vector<data::MicroBatch>& batches);
+  // D, N and, for `mtp_depth` > 0, each MTP depth's D_j (SEMANTICS.md §15.1) in the step's
+  // one statistics all-reduce.
+  absl::StatusOr<losses::StepStats> ComputeStatistics(const std::vector<data::MicroBatch>& batches,
+                                                      int mtp_depth);
+  // MTP's view for the model: each depth's labels (from the loader's rolled ones) with the
+  // weights and D_j of ComputeStatistics. Empty (depth 0) when off.
+  static losses::MtpStats MtpStatistics(const losses::StepStats& stats,
+                                        const std::vector<data::MicroBatch>& batches);
   absl::Status RunMicroBatches(const std::vector<data::MicroBatch>& batches,
                                const losses::StepStats& stats, const losses::MtpStats& mtp);
   absl::Status FinishReductions();
