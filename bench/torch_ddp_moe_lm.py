@@ -23,7 +23,7 @@ out (torch 1.13 has no scaled_dot_product_attention), as a user of that version 
 Parameters per layer: attn_norm, wq, wk, wv, wo, then the MoE block's.
 
 Batches: documents of U[8, 96] random bytes packed greedily into 128-token sequences, the
-tail padded (mask 0, label -100), as train/data.cc packs its corpus; so the padding share
+tail padded (mask 0, label -100), as data/packer.cc packs its corpus; so the padding share
 matches moe_lm's. They are built before timing. Prints routed (non-padding) tokens/s over
 the timed steps, summed over ranks, the number moe_lm's summary line prints, and the mean
 CE of the first and the last timed step on rank 0.

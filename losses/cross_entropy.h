@@ -36,13 +36,14 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "core/tensor.h"
+#include "data/streams.h"
 #include "losses/ce_options.h"
 
 namespace gradsum::losses {
 
 struct CrossEntropyOptions {
   // Labels equal to this are not valid: weight 0, zero gradient, rows never read.
-  int64_t ignore_index = -100;
+  int64_t ignore_index = data::kIgnoreIndex;
   // Threads used for the row blocks (the caller's thread included). <= 1: single-threaded.
   int num_threads = 2;
   // The CE options of SEMANTICS.md §3.2 (losses/ce_options.h), each global in scope and

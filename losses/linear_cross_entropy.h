@@ -25,6 +25,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "core/tensor.h"
+#include "data/streams.h"
 #include "losses/ce_options.h"
 #include "losses/cross_entropy.h"
 
@@ -32,7 +33,7 @@ namespace gradsum::losses {
 
 struct LinearCrossEntropyOptions {
   // Labels equal to this are not valid (weight 0, zero gradient).
-  int64_t ignore_index = -100;
+  int64_t ignore_index = data::kIgnoreIndex;
   // Threads for the GEMMs and the CE rows (caller's thread included).
   int num_threads = 2;
   // Token rows per chunk. 0 = automatic: min(rows whose fp32 logits fit in 4 MiB, N / 8),

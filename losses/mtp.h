@@ -15,7 +15,10 @@
 //
 // Under sequence parallelism (§12) the labels are rolled on whole sequences before the
 // split (MtpLabels), so a rank's slice needs no communication; pass each rank its slice
-// with the whole document's sample sizes as for CE.
+// with the whole document's sample sizes as for CE. A caller whose labels come already
+// rolled (the loader's label streams, data/streams.h) passes them to ComputeStepStats as
+// MicroBatchTokens::mtp_streams instead, so every D_j joins the step's one statistics
+// all-reduce (losses/step_stats.h), and fills an MtpStats from its result.
 
 #include <cstdint>
 #include <vector>
@@ -24,6 +27,7 @@
 #include "absl/types/span.h"
 #include "collectives/communicator.h"
 #include "core/tensor.h"
+#include "data/streams.h"
 #include "losses/cross_entropy.h"
 #include "losses/display.h"
 #include "losses/token_weights.h"
@@ -37,7 +41,8 @@ namespace gradsum::losses {
 // length.
 absl::StatusOr<std::vector<int64_t>> MtpLabels(absl::Span<const int64_t> labels,
                                                absl::Span<const int64_t> doc_ids, int64_t seq_len,
-                                               int depth, int64_t ignore_index = -100);
+                                               int depth,
+                                               int64_t ignore_index = data::kIgnoreIndex);
 
 // One micro-batch of this rank: whole sequences (before any SP split).
 struct MtpMicroBatch {
@@ -63,7 +68,7 @@ struct MtpStats {
 absl::StatusOr<MtpStats> ComputeMtpStats(Communicator& world,
                                          absl::Span<const MtpMicroBatch> micro_batches, int depth,
                                          CeWeightMode mode = CeWeightMode::kToken,
-                                         int64_t ignore_index = -100);
+                                         int64_t ignore_index = data::kIgnoreIndex);
 
 // Depth `depth_index`'s (1-based) local component of micro-batch `micro_index`:
 // mtp_scale / k * sum_t w_j[t] CE_t / D_j, and its gradient into `grad_logits` (the CE

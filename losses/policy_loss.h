@@ -37,6 +37,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "core/tensor.h"
+#include "data/streams.h"
 #include "losses/display.h"
 
 namespace gradsum::losses {
@@ -66,7 +67,7 @@ struct PolicyLossOptions {
   // Truncation cap of the importance weights: min(iw_t, is_cap). > 0; +inf: no truncation.
   double is_cap = 2.0;
   // Labels equal to this are not valid (as a mask of 0).
-  int64_t ignore_index = -100;
+  int64_t ignore_index = data::kIgnoreIndex;
   // Threads for the row blocks (the caller's thread included). <= 1: single-threaded.
   int num_threads = 2;
 };

@@ -21,6 +21,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "data/streams.h"
 
 namespace gradsum::losses {
 
@@ -43,7 +44,7 @@ const char* CeWeightModeName(CeWeightMode mode);
 absl::StatusOr<std::vector<float>> ComputeTokenWeights(absl::Span<const int64_t> labels,
                                                        absl::Span<const int64_t> sample_ids,
                                                        CeWeightMode mode,
-                                                       int64_t ignore_index = -100,
+                                                       int64_t ignore_index = data::kIgnoreIndex,
                                                        absl::Span<const int64_t> sample_sizes = {});
 
 }  // namespace gradsum::losses

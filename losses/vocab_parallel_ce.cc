@@ -16,6 +16,7 @@
 #include "core/dtype.h"
 #include "core/gemm.h"
 #include "core/status.h"
+#include "data/streams.h"
 #include "losses/cross_entropy_kernel.h"
 #include "losses/cross_entropy_rows.h"
 #include "losses/parallel.h"
@@ -45,7 +46,7 @@ struct Call {
   int64_t vocab = 0;
   int64_t v0 = 0, vr = 0;  // this rank's shard
   double d = 0.0;
-  int64_t ignore_index = -100;
+  int64_t ignore_index = data::kIgnoreIndex;
   double eps = 0.0, alpha = 0.0;
   int64_t exchange_rows = 1;   // resolved from agreed values only
   int64_t requested_rows = 0;  // the option as given (agreed)

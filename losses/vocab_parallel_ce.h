@@ -37,12 +37,13 @@
 #include "absl/types/span.h"
 #include "collectives/communicator.h"
 #include "core/tensor.h"
+#include "data/streams.h"
 
 namespace gradsum::losses {
 
 struct VocabParallelCrossEntropyOptions {
   // Labels equal to this are not valid: weight 0, zero gradient, rows never read.
-  int64_t ignore_index = -100;
+  int64_t ignore_index = data::kIgnoreIndex;
   // eps in [0, 1): the target is (1 - eps) onehot + eps / V over the WHOLE vocabulary.
   double label_smoothing = 0.0;
   // >= 0: adds alpha_lse * logsumexp(z_t)^2 per token, with the CE's weights and D.
@@ -113,7 +114,7 @@ absl::StatusOr<VocabParallelCrossEntropyResult> VocabParallelCrossEntropyForward
     double global_weight_sum, const VocabParallelCrossEntropyOptions& options = {});
 
 struct VocabParallelLinearCrossEntropyOptions {
-  int64_t ignore_index = -100;
+  int64_t ignore_index = data::kIgnoreIndex;
   double label_smoothing = 0.0;
   double alpha_lse = 0.0;
   // Threads for the GEMMs and the CE rows on this rank (the caller's included).

@@ -28,11 +28,9 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "core/grad_sink.h"
+#include "data/streams.h"
 
 namespace gradsum::model {
-
-// Label of a token that CE ignores (SEMANTICS.md §1).
-inline constexpr int32_t kIgnoreIndex = -100;
 
 // A float array in the device's memory, owned. Its contents are unspecified when allocated.
 class DeviceArray {
@@ -56,7 +54,7 @@ struct MicroBatchInputs {
   // nothing of backward runs.
   bool forward_only = false;
   absl::Span<const int32_t> tokens;  // [T] in [0, V)
-  absl::Span<const int32_t> labels;  // [T] in [0, V) or the ignore index
+  absl::Span<const int32_t> labels;  // [T] in [0, V) or data::kIgnoreIndex
   absl::Span<const int32_t> mask;    // [T] 1 routed, 0 padding
   // The sequences' layout, for attention. positions[t]: the RoPE position of local token t
   // (from its document's first token). doc_start: for every token of the WHOLE sequences

@@ -15,6 +15,7 @@
 #include "core/default_init_allocator.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
+#include "data/shard.h"
 #include "model/attention.h"
 #include "model/attention_kernels.h"
 
@@ -141,7 +142,7 @@ RankTokens TokensOf(const Layout& l, int r, int64_t num_seqs, int64_t seq_len,
   RankTokens t;
   t.index.resize(l.local);
   for (int64_t u = 0; u < l.local; ++u) {
-    t.index[u] = static_cast<int32_t>(ZigzagIndex(l.cp, r, l.chunk, u));
+    t.index[u] = static_cast<int32_t>(data::ZigzagIndex(l.cp, r, l.chunk, u));
   }
   t.doc.resize(num_seqs * l.local);
   for (int64_t s = 0; s < num_seqs; ++s) {
@@ -151,9 +152,6 @@ RankTokens TokensOf(const Layout& l, int r, int64_t num_seqs, int64_t seq_len,
   }
   return t;
 }
-
-// The chunk index (0..2C-1) of rank r's local chunk a (0 or 1).
-int64_t ChunkOf(const Layout& l, int r, int a) { return a == 0 ? r : 2 * int64_t{l.cp} - 1 - r; }
 
 // One step of the ring: `count` floats to the next rank, the previous rank's into recv.
 class Shift {
@@ -221,7 +219,8 @@ absl::Status RunRing(Communicator& group, const Layout& l, int64_t num_seqs, int
       const int64_t s = task / l.kv_heads, j = task % l.kv_heads;
       for (int a = 0; a < 2; ++a) {
         for (int b = 0; b < 2; ++b) {
-          if (ChunkOf(l, owner, b) > ChunkOf(l, l.rank, a)) continue;  // after every query
+          // A key chunk after the query chunk is after every query in it.
+          if (data::ZigzagChunk(l.cp, owner, b) > data::ZigzagChunk(l.cp, l.rank, a)) continue;
           for (int64_t h = j * l.group; h < (j + 1) * l.group; ++h) {
             pair(s, h, j, a, b, theirs, kv.data(), scratch.data());
           }
@@ -257,7 +256,7 @@ absl::Status GatherWhole(Communicator& group, const Layout& l, int64_t num_seqs,
       for (int64_t u = 0; u < l.local; ++u) {
         const float* src = all.data() + ((int64_t{r} * num_seqs + s) * l.local + u) * width;
         std::copy(src, src + width,
-                  whole->data() + (s * seq_len + ZigzagIndex(l.cp, r, l.chunk, u)) * width);
+                  whole->data() + (s * seq_len + data::ZigzagIndex(l.cp, r, l.chunk, u)) * width);
       }
     }
   }
@@ -270,7 +269,7 @@ void TakeOwn(const Layout& l, int64_t num_seqs, int64_t seq_len, int64_t width,
   for (int64_t s = 0; s < num_seqs; ++s) {
     for (int64_t u = 0; u < l.local; ++u) {
       const float* src =
-          whole.data() + (s * seq_len + ZigzagIndex(l.cp, l.rank, l.chunk, u)) * width;
+          whole.data() + (s * seq_len + data::ZigzagIndex(l.cp, l.rank, l.chunk, u)) * width;
       std::copy(src, src + width, local.data() + (s * l.local + u) * width);
     }
   }

@@ -5,14 +5,15 @@
 // over sequences split among the C ranks of a CP group, forward and backward.
 //
 // The zigzag layout. Each sequence of seq_len tokens is cut into 2C chunks of c = seq_len /
-// 2C tokens; rank i of the group holds chunks i and 2C-1-i, in that order (ZigzagIndex), so
-// every rank has the same causal work. q, k, v, out, d_out, dq, dk, dv are
-// [num_seqs * 2c, heads, head_dim] in that local order; lse [num_seqs * 2c, heads].
-// doc_start is the WHOLE sequences' (num_seqs * seq_len entries, model/attention.h), which
-// every rank of the group has. k, v, dk, dv are [num_seqs * 2c, kv_heads, head_dim]: with
-// kv_heads = heads each query head has its own key/value head; with fewer (GQA), query head
-// h reads kv head h / (heads / kv_heads), the ring carries only the kv_heads distinct heads
-// (heads / kv_heads times fewer bytes), and dk, dv sum over each kv head's query heads.
+// 2C tokens; rank i of the group holds chunks i and 2C-1-i, in that order, so every rank has
+// the same causal work (data/shard.h: ZigzagIndex, the layout the data loader fills).
+// q, k, v, out, d_out, dq, dk, dv are [num_seqs * 2c, heads, head_dim] in that local order;
+// lse [num_seqs * 2c, heads]. doc_start is the WHOLE sequences' (num_seqs * seq_len entries,
+// model/attention.h), which every rank of the group has. k, v, dk, dv are
+// [num_seqs * 2c, kv_heads, head_dim]: with kv_heads = heads each query head has its own
+// key/value head; with fewer (GQA), query head h reads kv head h / (heads / kv_heads), the
+// ring carries only the kv_heads distinct heads (heads / kv_heads times fewer bytes), and
+// dk, dv sum over each kv head's query heads.
 //
 // Two schedules, one result to rounding:
 // - kRing (the default). Key/value blocks rotate around the group: at step s = 0..C-1
@@ -67,12 +68,6 @@ struct RingAttentionTimes {
   // the calls that shared this struct. The caller's inputs and outputs are not counted.
   int64_t peak_buffer_bytes = 0;
 };
-
-// The index within its sequence of local token u of rank `rank` of a group of `cp`, with
-// `chunk` tokens per chunk: chunk rank for u < chunk, chunk 2cp-1-rank after.
-inline int64_t ZigzagIndex(int cp, int rank, int64_t chunk, int64_t u) {
-  return u < chunk ? rank * chunk + u : (2 * int64_t{cp} - 1 - rank) * chunk + (u - chunk);
-}
 
 absl::Status RingAttentionForward(Communicator& cp_group, const RingAttentionDims& dims,
                                   RingSchedule schedule, absl::Span<const float> q,

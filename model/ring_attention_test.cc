@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
+#include "data/shard.h"
 #include "gtest/gtest.h"
 #include "model/attention.h"
 #include "model/attention_testing.h"
@@ -89,7 +90,7 @@ absl::StatusOr<Result> RunRing(const RingCase& c, int cp, RingSchedule schedule,
       std::vector<float> mine(S * local * width);
       for (int64_t n = 0; n < S; ++n) {
         for (int64_t u = 0; u < local; ++u) {
-          const int64_t t = n * L + ZigzagIndex(cp, i, chunk, u);
+          const int64_t t = n * L + data::ZigzagIndex(cp, i, chunk, u);
           std::copy(whole.begin() + t * width, whole.begin() + (t + 1) * width,
                     mine.begin() + (n * local + u) * width);
         }
@@ -99,7 +100,7 @@ absl::StatusOr<Result> RunRing(const RingCase& c, int cp, RingSchedule schedule,
     auto put = [&](const std::vector<float>& mine, int64_t width, std::vector<float>* whole) {
       for (int64_t n = 0; n < S; ++n) {
         for (int64_t u = 0; u < local; ++u) {
-          const int64_t t = n * L + ZigzagIndex(cp, i, chunk, u);
+          const int64_t t = n * L + data::ZigzagIndex(cp, i, chunk, u);
           std::copy(mine.begin() + (n * local + u) * width,
                     mine.begin() + (n * local + u + 1) * width, whole->begin() + t * width);
         }

@@ -76,7 +76,8 @@ absl::StatusOr<TrainConfig> SavedConfig(const CheckpointInfo& info, int64_t step
 // Seeks `loader` to the position the checkpoint recorded (DataLoss if it is not the end of
 // `step` steps of the global batch), or replays `step` steps if it has none.
 absl::Status RestoreDataPosition(const CheckpointInfo& info, const std::string& dir,
-                                 const TrainConfig& config, int64_t step, RankDataLoader& loader) {
+                                 const TrainConfig& config, int64_t step,
+                                 data::RankDataLoader& loader) {
   auto next = info.extra.find(kDataNextDocument);
   auto sequences = info.extra.find(kDataSequences);
   if (next == info.extra.end() || sequences == info.extra.end()) {
@@ -84,7 +85,7 @@ absl::Status RestoreDataPosition(const CheckpointInfo& info, const std::string& 
     loader.SkipSteps(step, config.parallelism().grad_acc());
     return absl::OkStatus();
   }
-  DataPosition position;
+  data::DataPosition position;
   if (!absl::SimpleAtoi(next->second, &position.next_document) ||
       !absl::SimpleAtoi(sequences->second, &position.sequences) ||
       position.sequences != step * GlobalBatch(config)) {
@@ -341,7 +342,7 @@ absl::StatusOr<std::vector<std::vector<float>>> ParseExpertBias(const std::strin
 
 absl::Status SaveRunCheckpoint(const TrainConfig& config, Communicator& world,
                                const ShardedAdamW& optimizer, int64_t step,
-                               const std::string& run_id, const DataPosition& position,
+                               const std::string& run_id, const data::DataPosition& position,
                                const std::vector<std::vector<float>>& expert_bias) {
   std::map<std::string, std::string> extra = {
       {kConfig, ConfigToShortText(config)},
@@ -376,7 +377,7 @@ absl::Status PruneCheckpoints(const CheckpointConfig& config, Communicator& worl
 }
 
 absl::StatusOr<ResumedRun> ResumeRun(const TrainConfig& config, Communicator& world,
-                                     ShardedAdamW& optimizer, RankDataLoader& loader) {
+                                     ShardedAdamW& optimizer, data::RankDataLoader& loader) {
   const std::string& checkpoint_dir = config.checkpoint().dir();
   // Every rank must pick the same checkpoint: rank 0 decides, the others follow.
   int64_t step = -1;

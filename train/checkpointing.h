@@ -16,7 +16,7 @@
 //
 // The marker's `extra` holds the run's record: "config" (ConfigToShortText of the config
 // that wrote it), "run_id" (drawn by a fresh run, kept by every resume), and the data
-// stream's position ("data_next_document", "data_sequences"; train/data.h DataPosition),
+// stream's position ("data_next_document", "data_sequences"; data/packer.h DataPosition),
 // and, when the model holds one, the expert bias of SEMANTICS.md §5.1 ("expert_bias": the
 // layers' values joined by ';', each layer's E values by ',', printed with 9 significant
 // digits so that every fp32 value reads back exactly). The bias is the same on every rank,
@@ -41,10 +41,11 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "collectives/communicator.h"
+#include "data/loader.h"
+#include "data/packer.h"
 #include "io/dir_lock.h"
 #include "sharding/adamw.h"
 #include "train/config.pb.h"
-#include "train/data.h"
 
 namespace gradsum::train {
 
@@ -98,7 +99,7 @@ absl::StatusOr<std::vector<std::vector<float>>> ParseExpertBias(const std::strin
 // `expert_bias` unless empty). Collective.
 absl::Status SaveRunCheckpoint(const TrainConfig& config, Communicator& world,
                                const ShardedAdamW& optimizer, int64_t step,
-                               const std::string& run_id, const DataPosition& position,
+                               const std::string& run_id, const data::DataPosition& position,
                                const std::vector<std::vector<float>>& expert_bias = {});
 
 // checkpoint.keep > 0: removes the complete checkpoints of checkpoint.dir older than the
@@ -139,7 +140,7 @@ inline constexpr const char* kCheckpointFixedFields[] = {"model.seed", "model.in
 // removes the temporary files of newer saves that never committed. Collective; every rank
 // returns the same error.
 absl::StatusOr<ResumedRun> ResumeRun(const TrainConfig& config, Communicator& world,
-                                     ShardedAdamW& optimizer, RankDataLoader& loader);
+                                     ShardedAdamW& optimizer, data::RankDataLoader& loader);
 
 }  // namespace gradsum::train
 

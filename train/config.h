@@ -75,7 +75,7 @@ std::vector<FieldOverride> ConfigFields(const TrainConfig& config);
 // never touches protobuf's lazily built default values, so rank threads can share it.
 TrainConfig ResolvedConfig(const TrainConfig& config);
 
-// The global batch B = world x grad_acc x micro_batch: sequences per step (train/data.h).
+// The global batch B = world x grad_acc x micro_batch: sequences per step (data/loader.h).
 int64_t GlobalBatch(const TrainConfig& config);
 
 // Reproducible mode's row block (SEMANTICS.md §11, §12, §16): precision.repro_block when

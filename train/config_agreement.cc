@@ -11,13 +11,13 @@
 #include "core/status.h"
 #include "io/fingerprint.h"
 #include "train/config.h"
-#include "train/data.h"
 
 namespace gradsum::train {
 
-absl::Status CheckRanksAgree(const TrainConfig& config,
-                             const absl::StatusOr<std::shared_ptr<const DocumentSource>>& corpus,
-                             Communicator& world) {
+absl::Status CheckRanksAgree(
+    const TrainConfig& config,
+    const absl::StatusOr<std::shared_ptr<const data::DocumentSource>>& corpus,
+    Communicator& world) {
   const std::vector<FieldOverride> fields = ConfigFields(config);
   std::vector<int64_t> mine(fields.size() + 1, 0);
   for (size_t i = 0; i < fields.size(); ++i) {

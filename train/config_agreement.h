@@ -11,8 +11,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "collectives/communicator.h"
+#include "data/document_source.h"
 #include "train/config.pb.h"
-#include "train/data.h"
 
 namespace gradsum::train {
 
@@ -26,9 +26,9 @@ namespace gradsum::train {
 //
 //   absl::StatusOr<std::shared_ptr<const DocumentSource>> corpus = MakeCorpus(config.data());
 //   GRADSUM_RETURN_IF_ERROR(CheckRanksAgree(config, corpus, *world));
-absl::Status CheckRanksAgree(const TrainConfig& config,
-                             const absl::StatusOr<std::shared_ptr<const DocumentSource>>& corpus,
-                             Communicator& world);
+absl::Status CheckRanksAgree(
+    const TrainConfig& config,
+    const absl::StatusOr<std::shared_ptr<const data::DocumentSource>>& corpus, Communicator& world);
 
 }  // namespace gradsum::train
 

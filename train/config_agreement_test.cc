@@ -5,6 +5,8 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "data/corpus.h"
+#include "data/document_source.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "testing/run_ranks.h"
@@ -24,7 +26,7 @@ TEST(CheckRanksAgreeTest, DifferentFieldsAreNamedWithTheRanks) {
     if (c.rank() == 2) mine.mutable_model()->set_seed(7);
     if (c.rank() >= 1) mine.mutable_optim()->set_lr(0.5);
     if (c.rank() == 1) mine.mutable_parallelism()->set_grad_acc(2);
-    return CheckRanksAgree(mine, MakeCorpus(mine.data()), c);
+    return CheckRanksAgree(mine, data::MakeCorpus(mine.data()), c);
   });
   ASSERT_TRUE(st.ok());
   for (int r = 0; r < 3; ++r) {
@@ -39,7 +41,7 @@ TEST(CheckRanksAgreeTest, DifferentFieldsAreNamedWithTheRanks) {
   EXPECT_THAT((*st)[1].message(),
               HasSubstr("parallelism.grad_acc (2 on rank 1) differs: ranks {0,2} vs {1}"));
   auto same = gradsum::testing::RunRanksPerRank(
-      2, [&](Communicator& c) { return CheckRanksAgree(base, MakeCorpus(base.data()), c); });
+      2, [&](Communicator& c) { return CheckRanksAgree(base, data::MakeCorpus(base.data()), c); });
   ASSERT_TRUE(same.ok());
   EXPECT_TRUE((*same)[0].ok() && (*same)[1].ok()) << (*same)[0];
 }
@@ -49,7 +51,7 @@ TEST(CheckRanksAgreeTest, ADataFileOneRankCannotReadFailsEveryRankWithItsMessage
   auto st = gradsum::testing::RunRanksPerRank(2, [&](Communicator& c) -> absl::Status {
     TrainConfig mine = base;
     if (c.rank() == 1) mine.mutable_data()->set_path("/nonexistent/corpus.txt");
-    return CheckRanksAgree(mine, MakeCorpus(mine.data()), c);
+    return CheckRanksAgree(mine, data::MakeCorpus(mine.data()), c);
   });
   ASSERT_TRUE(st.ok());
   for (const absl::Status& s : *st) {
@@ -72,7 +74,8 @@ TEST(CheckRanksAgreeTest, DataFilesWithOtherContentAreRefused) {
     TrainConfig mine = base;
     mine.mutable_data()->set_path(absl::StrCat(dir, "/agree_corpus_", c.rank(), ".txt"));
     // Both ranks report the same path text, so only the content can differ.
-    absl::StatusOr<std::shared_ptr<const DocumentSource>> corpus = MakeCorpus(mine.data());
+    absl::StatusOr<std::shared_ptr<const data::DocumentSource>> corpus =
+        data::MakeCorpus(mine.data());
     mine.mutable_data()->set_path("corpus.txt");
     return CheckRanksAgree(mine, corpus, c);
   });

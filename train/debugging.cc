@@ -138,7 +138,7 @@ absl::StatusOr<NamedParams> ReadParamsFile(const std::string& path, const ModelC
 }
 
 absl::Status WriteDump(const TrainConfig& config, int rank, const NamedParams& weights,
-                       const NamedParams& grads, const std::vector<MicroBatch>& batches,
+                       const NamedParams& grads, const std::vector<data::MicroBatch>& batches,
                        const StepMetrics& record, const model::ExpertBias& expert_bias) {
   const std::string& dir = config.debug().dump_dir();
   std::error_code ec;
@@ -146,7 +146,7 @@ absl::Status WriteDump(const TrainConfig& config, int rank, const NamedParams& w
   if (ec) return absl::InternalError(absl::StrCat("--dump_dir=", dir, ": ", ec.message()));
   // Every rank writes its own micro-batches.
   for (size_t m = 0; m < batches.size(); ++m) {
-    const MicroBatch& mb = batches[m];
+    const data::MicroBatch& mb = batches[m];
     // The rank's tokens of each row (its slice under sequence parallelism), and the
     // document starts of the whole rows (SEMANTICS.md §10: where attention is cut).
     const int64_t local = mb.local_seq_len > 0 ? mb.local_seq_len : mb.seq_len;
@@ -168,7 +168,7 @@ absl::Status WriteDump(const TrainConfig& config, int rank, const NamedParams& w
                                TensorView::Create(v->data(), DType::kI64, {mb.batch, width}));
       GRADSUM_RETURN_IF_ERROR(w.Add(name, view));
     }
-    // The global index of each row in the data stream (train/data.h).
+    // The global index of each row in the data stream (data/packer.h).
     std::vector<int64_t> seq(mb.sequence_ids.begin(), mb.sequence_ids.end());
     GRADSUM_ASSIGN_OR_RETURN(TensorView seq_view,
                              TensorView::Create(seq.data(), DType::kI64, {mb.batch}));

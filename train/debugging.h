@@ -21,8 +21,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "collectives/communicator.h"
+#include "data/loader.h"
 #include "train/config.pb.h"
-#include "train/data.h"
 #include "train/metrics.pb.h"
 #include "train/moe_lm.h"
 
@@ -56,7 +56,7 @@ absl::StatusOr<NamedParams> ReadParamsFile(const std::string& path, const ModelC
 // empty), `grads` and `record`'s losses. Rank-local: the caller agrees on the outcome.
 // Errors name the path.
 absl::Status WriteDump(const TrainConfig& config, int rank, const NamedParams& weights,
-                       const NamedParams& grads, const std::vector<MicroBatch>& batches,
+                       const NamedParams& grads, const std::vector<data::MicroBatch>& batches,
                        const StepMetrics& record, const model::ExpertBias& expert_bias = {});
 
 }  // namespace gradsum::train

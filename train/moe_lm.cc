@@ -134,7 +134,7 @@ absl::Status MoeLm::SetFullParameters(const NamedParams& params) {
 
 absl::Status MoeLm::Unshard() { return params_->PrepareStep(); }
 
-absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
+absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const data::MicroBatch& batch,
                                                         const losses::StepStats& stats,
                                                         int micro_index,
                                                         losses::StepDisplay* display,
@@ -145,7 +145,7 @@ absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const MicroBatch& batch,
   return model_->ForwardBackward(Tokens(batch), stats, micro_index, display, mtp);
 }
 
-absl::StatusOr<MicroBatchLosses> MoeLm::Evaluate(const MicroBatch& batch,
+absl::StatusOr<MicroBatchLosses> MoeLm::Evaluate(const data::MicroBatch& batch,
                                                  const losses::StepStats& stats, int micro_index,
                                                  losses::StepDisplay* display) {
   ScopedComputeThreads compute_threads(options_.num_threads);
@@ -153,7 +153,7 @@ absl::StatusOr<MicroBatchLosses> MoeLm::Evaluate(const MicroBatch& batch,
   return model_->Evaluate(Tokens(batch), stats, micro_index, display);
 }
 
-model::TokenBatch MoeLm::Tokens(const MicroBatch& batch) {
+model::TokenBatch MoeLm::Tokens(const data::MicroBatch& batch) {
   model::TokenBatch tokens;
   tokens.sequences = batch.batch;
   tokens.seq_len = batch.seq_len;

@@ -30,6 +30,7 @@
 #include "absl/status/statusor.h"
 #include "collectives/communicator.h"
 #include "core/dtype.h"
+#include "data/loader.h"
 #include "losses/display.h"
 #include "losses/step_stats.h"
 #include "model/moe_lm.h"
@@ -38,7 +39,6 @@
 #include "parallel/parallelize.h"
 #include "sharding/flat_param.h"
 #include "train/config.pb.h"
-#include "train/data.h"
 
 namespace gradsum::train {
 
@@ -102,15 +102,16 @@ class MoeLm {
 
   // Forward and backward of one micro-batch of this rank (model/moe_lm.h), issuing each
   // unit's SUM reduction as its gradient completes. Collective.
-  absl::StatusOr<MicroBatchLosses> ForwardBackward(const MicroBatch& batch,
+  absl::StatusOr<MicroBatchLosses> ForwardBackward(const data::MicroBatch& batch,
                                                    const losses::StepStats& stats, int micro_index,
                                                    losses::StepDisplay* display,
                                                    const losses::MtpStats* mtp = nullptr);
 
   // A held-out evaluation of one micro-batch (model/moe_lm.h MoeLmModel::Evaluate): forward
   // only, nothing reduced, no expert bias moved. Collective.
-  absl::StatusOr<MicroBatchLosses> Evaluate(const MicroBatch& batch, const losses::StepStats& stats,
-                                            int micro_index, losses::StepDisplay* display);
+  absl::StatusOr<MicroBatchLosses> Evaluate(const data::MicroBatch& batch,
+                                            const losses::StepStats& stats, int micro_index,
+                                            losses::StepDisplay* display);
 
   // After the step's last ForwardBackward: every unit's reduction done, master_grad()
   // holds the SUM-reduced gradient (§7). Collective (the waits).
@@ -147,7 +148,7 @@ class MoeLm {
 
  private:
   // The model's view of a loader's micro-batch (spans into `batch`).
-  static model::TokenBatch Tokens(const MicroBatch& batch);
+  static model::TokenBatch Tokens(const data::MicroBatch& batch);
   MoeLm() = default;
 
   MoeLmOptions options_;

@@ -137,7 +137,7 @@ expect_error "--metrics=$tmp: is a directory" "${tiny[@]}" --steps=1 --metrics="
 "$bin" "${tiny[@]}" --steps=1 --metrics=/dev/null > "$tmp/null.txt" 2>&1 \
   || fail "--metrics=/dev/null failed: $(cat "$tmp/null.txt")"
 # Data that cannot train: no document with a token to predict. (A corpus with fewer documents
-# than ranks trains: the sequence stream is global, train/data.h.)
+# than ranks trains: the sequence stream is global, data/packer.h.)
 printf '\n\n\n\n' > "$tmp/no_pairs.txt"
 expect_error "--data=$tmp/no_pairs.txt: no trainable token in its 4 documents" \
   "${tiny[@]}" --steps=1 --data="$tmp/no_pairs.txt"

@@ -9,25 +9,29 @@
 #include "absl/strings/str_format.h"
 #include "collectives/status_agreement.h"
 #include "core/status.h"
+#include "data/corpus.h"
+#include "data/loader.h"
+#include "data/streams.h"
 #include "testing/reference_moe_lm.h"
 
 namespace gradsum::train {
 
-absl::StatusOr<std::vector<std::vector<MicroBatch>>> GlobalBatchForStep(
-    const TrainConfig& config, int64_t step_index, std::shared_ptr<const DocumentSource> corpus) {
+absl::StatusOr<std::vector<std::vector<data::MicroBatch>>> GlobalBatchForStep(
+    const TrainConfig& config, int64_t step_index,
+    std::shared_ptr<const data::DocumentSource> corpus) {
   if (corpus == nullptr) {
-    GRADSUM_ASSIGN_OR_RETURN(corpus, MakeCorpus(config.data()));
+    GRADSUM_ASSIGN_OR_RETURN(corpus, data::MakeCorpus(config.data()));
   }
   // The whole sequences of the world / sp data ranks (each SP group's rows; §12).
   const int G = config.parallelism().grad_acc(), W = config.parallelism().world() /
                                                      std::max(1, config.parallelism().sp()) /
                                                      std::max(1, config.parallelism().cp());
-  std::vector<std::vector<MicroBatch>> batch(G, std::vector<MicroBatch>(W));
+  std::vector<std::vector<data::MicroBatch>> batch(G, std::vector<data::MicroBatch>(W));
   for (int r = 0; r < W; ++r) {
-    GRADSUM_ASSIGN_OR_RETURN(RankDataLoader loader,
-                             RankDataLoader::Create(corpus, config.data(), r, W));
+    GRADSUM_ASSIGN_OR_RETURN(data::RankDataLoader loader,
+                             data::RankDataLoader::Create(corpus, config.data(), r, W));
     loader.SkipSteps(step_index, G);
-    std::vector<MicroBatch> step = loader.NextStep(G);
+    std::vector<data::MicroBatch> step = loader.NextStep(G);
     for (int m = 0; m < G; ++m) batch[m][r] = std::move(step[m]);
   }
   return batch;
@@ -60,21 +64,21 @@ testing::ReferenceConfig ReferenceConfigFor(const TrainConfig& config,
   for (const std::vector<float>& layer : expert_bias) {
     rc.expert_bias.emplace_back(layer.begin(), layer.end());
   }
-  rc.ignore_index = kIgnoreIndex;
+  rc.ignore_index = data::kIgnoreIndex;
   rc.ce_mode = TrainConfig::CeMode_Name(config.loss().ce_mode());
   return rc;
 }
 
-absl::StatusOr<ParityReport> CheckParity(const TrainConfig& config, const NamedParams& weights,
-                                         const std::vector<std::vector<MicroBatch>>& global_batch,
-                                         const NamedParams& grads, const StepLosses& losses,
-                                         double tolerance, const model::ExpertBias& expert_bias) {
+absl::StatusOr<ParityReport> CheckParity(
+    const TrainConfig& config, const NamedParams& weights,
+    const std::vector<std::vector<data::MicroBatch>>& global_batch, const NamedParams& grads,
+    const StepLosses& losses, double tolerance, const model::ExpertBias& expert_bias) {
   const testing::ReferenceConfig rc = ReferenceConfigFor(config, expert_bias);
   testing::NamedTensors params;
   for (const auto& [name, values] : weights) params[name].assign(values.begin(), values.end());
   std::vector<std::vector<testing::ReferenceMicroBatch>> batch(global_batch.size());
   for (size_t mi = 0; mi < global_batch.size(); ++mi) {
-    for (const MicroBatch& mb : global_batch[mi]) {
+    for (const data::MicroBatch& mb : global_batch[mi]) {
       testing::ReferenceMicroBatch r{mb.tokens, mb.labels, mb.mask, mb.sample_ids};
       r.seq_len = mb.seq_len;
       r.doc_start = mb.doc_start;

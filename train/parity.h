@@ -19,9 +19,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "data/document_source.h"
+#include "data/loader.h"
 #include "testing/reference_moe_lm.h"
 #include "train/config.pb.h"
-#include "train/data.h"
 #include "train/moe_lm.h"
 #include "train/parity_report.h"
 
@@ -29,12 +30,12 @@ namespace gradsum::train {
 
 // The global batch of step `step_index` (0-based): batch[m][r] for every data rank r (the
 // world's ranks, or its world / sp sequence-parallel groups, each with whole sequences):
-// rows of the global sequence stream (train/data.h), rebuilt from the data config.
+// rows of the global sequence stream (data/loader.h), rebuilt from the data config.
 // `corpus` null: the config's (MakeCorpus); else that one (MakeHeldOutCorpus's: the held-out
 // evaluation's batch, with parallelism.grad_acc set to log.eval_micro_batches).
-absl::StatusOr<std::vector<std::vector<MicroBatch>>> GlobalBatchForStep(
+absl::StatusOr<std::vector<std::vector<data::MicroBatch>>> GlobalBatchForStep(
     const TrainConfig& config, int64_t step_index,
-    std::shared_ptr<const DocumentSource> corpus = nullptr);
+    std::shared_ptr<const data::DocumentSource> corpus = nullptr);
 
 // The fp64 reference model's config for `config` (testing/reference_moe_lm.h), routing
 // with `expert_bias`.
@@ -51,11 +52,10 @@ struct StepLosses {
 // Runs the reference on `global_batch` with `weights` (the step's parameters, full) and
 // the `expert_bias` the step routed with (SEMANTICS.md §5.1; empty: none), and compares.
 // InvalidArgument if a gradient is missing or mis-sized; the reference's errors.
-absl::StatusOr<ParityReport> CheckParity(const TrainConfig& config, const NamedParams& weights,
-                                         const std::vector<std::vector<MicroBatch>>& global_batch,
-                                         const NamedParams& grads, const StepLosses& losses,
-                                         double tolerance,
-                                         const model::ExpertBias& expert_bias = {});
+absl::StatusOr<ParityReport> CheckParity(
+    const TrainConfig& config, const NamedParams& weights,
+    const std::vector<std::vector<data::MicroBatch>>& global_batch, const NamedParams& grads,
+    const StepLosses& losses, double tolerance, const model::ExpertBias& expert_bias = {});
 
 // The parity check of step 1 (the trainer's ParityCheckFn): rank 0 runs the reference on
 // step 1's global batch with `weights` and compares `grads` and `record`'s losses, within

@@ -10,6 +10,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "data/corpus.h"
+#include "data/document_source.h"
+#include "data/loader.h"
+#include "data/streams.h"
 #include "gtest/gtest.h"
 #include "train/test_util.h"
 
@@ -602,19 +606,20 @@ TEST(MtpParityTest, PaddedSlicesContributeNothing) {
     config.mutable_model()->set_mtp_depth(k);
     // The case this test is for is there: step 1 leaves a rank only padding, and the
     // others hold different numbers of valid depth-k labels.
-    absl::StatusOr<std::shared_ptr<const DocumentSource>> corpus = MakeCorpus(config.data());
+    absl::StatusOr<std::shared_ptr<const data::DocumentSource>> corpus =
+        data::MakeCorpus(config.data());
     ASSERT_TRUE(corpus.ok()) << corpus.status();
     int padded = 0;
     std::set<int64_t> valid_counts;
     for (int r = 0; r < 4; ++r) {
-      absl::StatusOr<RankDataLoader> loader =
-          RankDataLoader::Create(*corpus, config.data(), r, 4, /*sp=*/4);
+      absl::StatusOr<data::RankDataLoader> loader =
+          data::RankDataLoader::Create(*corpus, config.data(), r, 4, /*sp=*/4);
       ASSERT_TRUE(loader.ok()) << loader.status();
       ASSERT_TRUE(loader->SetMtpDepth(k).ok());
-      const MicroBatch mb = loader->NextStep(1)[0];
+      const data::MicroBatch mb = loader->NextStep(1)[0];
       padded += mb.routed_tokens() == 0;
       int64_t valid = 0;
-      for (int32_t y : mb.mtp_labels[k - 1]) valid += y != kIgnoreIndex;
+      for (int32_t y : mb.mtp_labels[k - 1]) valid += y != data::kIgnoreIndex;
       valid_counts.insert(valid);
     }
     EXPECT_GE(padded, 1) << "depth " << k;

@@ -23,8 +23,8 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "core/status.h"
+#include "data/markov.h"
 #include "train/config.h"
-#include "train/data.h"
 #include "train/moe_lm.h"
 
 namespace gradsum::train {
@@ -186,13 +186,13 @@ void PrintBanner(const TrainConfig& config, std::ostream& out) {
                                                            : "embedded order-2 Markov corpus")
           : config.data().path());
   if (config.data().path().empty() && config.data().corpus() == DataConfig::markov1) {
-    MarkovCorpus corpus(config.data());
+    data::MarkovCorpus corpus(config.data());
     out << absl::StrFormat(
         "entropy floor: %.4f nats/token (the Markov chain's conditional entropy; "
         "the best CE this per-token model can reach)\n",
         corpus.EntropyFloorNats());
   } else if (config.data().path().empty()) {
-    SecondOrderMarkovCorpus corpus(config.data());
+    data::SecondOrderMarkovCorpus corpus(config.data());
     out << absl::StrFormat(
         "entropy floor: %.4f nats/token (the best CE of a per-token model); context floor "
         "%.4f (the best of any model)\n",

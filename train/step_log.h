@@ -57,7 +57,7 @@ struct TrainSummary {
   int64_t first_eval_step = -1, last_eval_step = -1;
   double first_eval_ce = 0, last_eval_ce = 0;
   // nats/token, < 0 when unknown (a --data file): the best expected CE of a model that sees
-  // only the current token, and of one that sees the whole document so far (train/data.h).
+  // only the current token, and of one that sees the whole document so far (data/markov.h).
   double entropy_floor = -1;
   double context_floor = -1;
   double seconds = 0, comm_seconds = 0, comm_exposed_seconds = 0, wait_seconds = 0;

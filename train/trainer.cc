@@ -9,6 +9,9 @@
 #include "absl/time/clock.h"
 #include "collectives/status_agreement.h"
 #include "core/status.h"
+#include "data/corpus.h"
+#include "data/document_source.h"
+#include "data/loader.h"
 #include "io/path_checks.h"
 #include "sharding/grad_norm.h"
 #include "train/checkpointing.h"
@@ -55,8 +58,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   const absl::Status data_path = config.data().path().empty()
                                      ? absl::OkStatus()
                                      : CheckInputFile("--data", config.data().path());
-  absl::StatusOr<std::shared_ptr<const DocumentSource>> corpus =
-      data_path.ok() ? MakeCorpus(config.data()) : data_path;
+  absl::StatusOr<std::shared_ptr<const data::DocumentSource>> corpus =
+      data_path.ok() ? data::MakeCorpus(config.data()) : data_path;
   GRADSUM_RETURN_IF_ERROR(CheckRanksAgree(config, corpus, world));
   auto trainer = std::unique_ptr<Trainer>(new Trainer());
   trainer->corpus_ = *std::move(corpus);
@@ -126,19 +129,19 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
 
 absl::Status Trainer::PrepareLocal() {
   GRADSUM_ASSIGN_OR_RETURN(
-      RankDataLoader loader,
-      RankDataLoader::Create(corpus_, config_.data(), world().rank(), world().size(),
-                             config_.parallelism().sp(), config_.parallelism().cp()));
+      data::RankDataLoader loader,
+      data::RankDataLoader::Create(corpus_, config_.data(), world().rank(), world().size(),
+                                   config_.parallelism().sp(), config_.parallelism().cp()));
   GRADSUM_RETURN_IF_ERROR(loader.SetMtpDepth(config_.model().mtp_depth()));
-  loader_ = std::make_unique<RankDataLoader>(std::move(loader));
+  loader_ = std::make_unique<data::RankDataLoader>(std::move(loader));
   if (config_.log().eval_every() > 0) {
     // The held-out batch, the same at every evaluation (so the values compare).
-    GRADSUM_ASSIGN_OR_RETURN(std::shared_ptr<const DocumentSource> held_out,
-                             MakeHeldOutCorpus(config_.data()));
+    GRADSUM_ASSIGN_OR_RETURN(std::shared_ptr<const data::DocumentSource> held_out,
+                             data::MakeHeldOutCorpus(config_.data()));
     GRADSUM_ASSIGN_OR_RETURN(
-        RankDataLoader eval_loader,
-        RankDataLoader::Create(held_out, config_.data(), world().rank(), world().size(),
-                               config_.parallelism().sp(), config_.parallelism().cp()));
+        data::RankDataLoader eval_loader,
+        data::RankDataLoader::Create(held_out, config_.data(), world().rank(), world().size(),
+                                     config_.parallelism().sp(), config_.parallelism().cp()));
     eval_batches_ = eval_loader.NextStep(config_.log().eval_micro_batches());
   }
   return absl::OkStatus();
@@ -152,7 +155,7 @@ absl::StatusOr<double> Trainer::Evaluate() {
     return absl::FailedPreconditionError("Evaluate: no held-out batch (log.eval_every is 0)");
   }
   if (!eval_stats_.has_value()) {
-    GRADSUM_ASSIGN_OR_RETURN(eval_stats_, ComputeStatistics(eval_batches_));
+    GRADSUM_ASSIGN_OR_RETURN(eval_stats_, ComputeStatistics(eval_batches_, /*mtp_depth=*/0));
   }
   losses::StepDisplay display(0, 0, model_->options().parallel.precision);
   GRADSUM_RETURN_IF_ERROR(display.RegisterTerm("ce"));
@@ -215,9 +218,10 @@ absl::StatusOr<StepMetrics> Trainer::Step() {
   const bool gather_full =
       first && (config_.debug().parity_check() || !config_.debug().dump_dir().empty());
 
-  std::vector<MicroBatch> batches = loader_->NextStep(config_.parallelism().grad_acc());
-  GRADSUM_ASSIGN_OR_RETURN(const losses::StepStats stats, ComputeStatistics(batches));
-  GRADSUM_ASSIGN_OR_RETURN(const losses::MtpStats mtp, ComputeMtpStatistics(batches));
+  std::vector<data::MicroBatch> batches = loader_->NextStep(config_.parallelism().grad_acc());
+  GRADSUM_ASSIGN_OR_RETURN(const losses::StepStats stats,
+                           ComputeStatistics(batches, config_.model().mtp_depth()));
+  const losses::MtpStats mtp = MtpStatistics(stats, batches);
   NamedParams weights;     // step 1's full parameters, for the dump and the parity check
   model::ExpertBias bias;  // and the expert bias step 1 routes with (§5.1)
   if (gather_full) {
@@ -250,80 +254,55 @@ absl::StatusOr<StepMetrics> Trainer::Step() {
   return record;
 }
 
-// Phase 1: the step's global statistics D and N, before the first forward (§3, §4).
+// Phase 1: the step's global statistics before the first forward: D and N (§3, §4) and,
+// with MTP, every depth's D_j (§15.1), in one all-reduce.
 absl::StatusOr<losses::StepStats> Trainer::ComputeStatistics(
-    const std::vector<MicroBatch>& batches) {
+    const std::vector<data::MicroBatch>& batches, int mtp_depth) {
   const size_t G = batches.size();
   std::vector<std::vector<int64_t>> labels(G);
   std::vector<std::vector<uint8_t>> masks(G);
   std::vector<losses::MicroBatchTokens> tokens(G);
   for (size_t m = 0; m < G; ++m) {
-    labels[m].assign(batches[m].labels.begin(), batches[m].labels.end());
-    masks[m].assign(batches[m].mask.begin(), batches[m].mask.end());
+    const data::MicroBatch& mb = batches[m];
+    labels[m].assign(mb.labels.begin(), mb.labels.end());
+    masks[m].assign(mb.mask.begin(), mb.mask.end());
     tokens[m].labels = labels[m];
-    tokens[m].sample_ids = batches[m].sample_ids;
-    tokens[m].sample_sizes = batches[m].sample_valid;
+    tokens[m].sample_ids = mb.sample_ids;
+    tokens[m].sample_sizes = mb.sample_valid;
     tokens[m].input_mask = masks[m];
+    for (size_t j = 0; j < mb.mtp_labels.size(); ++j) {
+      tokens[m].mtp_streams.push_back({mb.mtp_labels[j], mb.mtp_sample_valid[j]});
+    }
   }
   losses::StepStatsOptions options;
   options.mode = ToCeWeightMode(config_.loss().ce_mode());
+  options.mtp_depth = mtp_depth;
   return losses::ComputeStepStats(world(), tokens, options);
 }
 
-// Phase 1b: MTP's normalisers D_j (§15.1), one SUM all-reduce of k values (and a failure
-// flag, so that a rank with bad input still joins it and every rank returns).
-absl::StatusOr<losses::MtpStats> Trainer::ComputeMtpStatistics(
-    const std::vector<MicroBatch>& batches) {
+// Phase 1b: the model's view of MTP (§15.1), no communication: each depth's labels widened to
+// int64 for the CE kernels, with the weights and D_j of phase 1. Empty (depth 0) when off.
+losses::MtpStats Trainer::MtpStatistics(const losses::StepStats& stats,
+                                        const std::vector<data::MicroBatch>& batches) {
   losses::MtpStats mtp;
-  const int k = config_.model().mtp_depth();
-  if (k <= 0) return mtp;
-  const size_t G = batches.size();
-  const losses::CeWeightMode mode = ToCeWeightMode(config_.loss().ce_mode());
+  const int k = static_cast<int>(stats.global_mtp_weight_sums.size());
+  if (k == 0) return mtp;
   mtp.depth = k;
-  mtp.global_weight_sum.assign(k, 0.0);
-  mtp.local_weight_sum.assign(k, 0.0);
-  mtp.labels.assign(k, std::vector<std::vector<int64_t>>(G));
-  mtp.token_weights.assign(k, std::vector<std::vector<float>>(G));
-  std::vector<double> packed(k + 1, 0.0);
-  absl::Status local;
-  for (int j = 0; j < k && local.ok(); ++j) {
-    for (size_t m = 0; m < G && local.ok(); ++m) {
-      const MicroBatch& mb = batches[m];
-      if (static_cast<int>(mb.mtp_labels.size()) != k) {
-        local = absl::InternalError(absl::StrCat("micro-batch ", m, " holds ", mb.mtp_labels.size(),
-                                                 " MTP depths, not ", k));
-        break;
-      }
-      std::vector<int64_t>& y = mtp.labels[j][m];
-      y.assign(mb.mtp_labels[j].begin(), mb.mtp_labels[j].end());
-      absl::StatusOr<std::vector<float>> w =
-          losses::ComputeTokenWeights(y, mb.sample_ids, mode, kIgnoreIndex, mb.mtp_sample_valid[j]);
-      if (!w.ok()) {
-        local = w.status();
-        break;
-      }
-      for (float v : *w) packed[j] += static_cast<double>(v);
-      mtp.token_weights[j][m] = *std::move(w);
+  mtp.global_weight_sum = stats.global_mtp_weight_sums;
+  mtp.local_weight_sum = stats.local_mtp_weight_sums;
+  mtp.token_weights = stats.mtp_token_weights;
+  mtp.labels.assign(k, std::vector<std::vector<int64_t>>(batches.size()));
+  for (int j = 0; j < k; ++j) {
+    for (size_t m = 0; m < batches.size(); ++m) {
+      mtp.labels[j][m].assign(batches[m].mtp_labels[j].begin(), batches[m].mtp_labels[j].end());
     }
   }
-  if (!local.ok()) {
-    std::fill(packed.begin(), packed.end(), 0.0);
-    packed[k] = 1.0;
-  }
-  for (int j = 0; j < k; ++j) mtp.local_weight_sum[j] = packed[j];
-  GRADSUM_RETURN_IF_ERROR(
-      world().AllReduce(packed.data(), packed.data(), packed.size(), DType::kF64, ReduceOp::kSum));
-  GRADSUM_RETURN_IF_ERROR(local);
-  if (packed[k] > 0) {
-    return absl::FailedPreconditionError("MTP statistics: another rank's micro-batches failed");
-  }
-  for (int j = 0; j < k; ++j) mtp.global_weight_sum[j] = packed[j];
   return mtp;
 }
 
 // Phase 2: every micro-batch's forward and backward through the unit schedule, which
 // issues each unit's SUM reduction as backward completes its gradient.
-absl::Status Trainer::RunMicroBatches(const std::vector<MicroBatch>& batches,
+absl::Status Trainer::RunMicroBatches(const std::vector<data::MicroBatch>& batches,
                                       const losses::StepStats& stats, const losses::MtpStats& mtp) {
   for (size_t m = 0; m < batches.size(); ++m) {
     GRADSUM_RETURN_IF_ERROR(model_
@@ -455,7 +434,7 @@ absl::StatusOr<StepMetrics> Trainer::MakeRecord(const losses::StepStats& stats,
 }
 
 absl::Status Trainer::RunFirstStepChecks(const NamedParams& weights, const model::ExpertBias& bias,
-                                         const std::vector<MicroBatch>& batches,
+                                         const std::vector<data::MicroBatch>& batches,
                                          const StepMetrics& record) {
   if (!config_.debug().dump_dir().empty()) {
     GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(

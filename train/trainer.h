@@ -9,7 +9,7 @@
 //   GRADSUM_ASSIGN_OR_RETURN(TrainSummary s, trainer->Run(rank == 0 ? &std::cout : nullptr));
 //
 // One step (Step, SEMANTICS.md), in named phases:
-//   1. statistics     this rank's rows of the step's global sequences (train/data.h) and
+//   1. statistics     this rank's rows of the step's global sequences (data/loader.h) and
 //                     ComputeStepStats: one all-reduce of D and N (§3-4)
 //   2. micro-batches  MoeLm::ForwardBackward for each of the G micro-batches, through the
 //                     unit schedule (train/unit_schedule.h): units gathered and freed, each
@@ -34,6 +34,8 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "collectives/timed_communicator.h"
+#include "data/document_source.h"
+#include "data/loader.h"
 #include "io/dir_lock.h"
 #include "losses/display.h"
 #include "losses/mtp.h"
@@ -42,7 +44,6 @@
 #include "sharding/adamw.h"
 #include "train/build_model.h"
 #include "train/config.pb.h"
-#include "train/data.h"
 #include "train/metrics.pb.h"
 #include "train/metrics_file.h"
 #include "train/moe_lm.h"
@@ -120,11 +121,15 @@ class Trainer {
   };
 
   // The phases of Step, in order.
-  absl::StatusOr<losses::StepStats> ComputeStatistics(const std::vector<MicroBatch>& batches);
-  // MTP's (SEMANTICS.md §15.1): each depth's labels and CE weights from the loader's rolled
-  // labels, and the k normalisers D_j in one SUM all-reduce. Empty (depth 0) when off.
-  absl::StatusOr<losses::MtpStats> ComputeMtpStatistics(const std::vector<MicroBatch>& batches);
-  absl::Status RunMicroBatches(const std::vector<MicroBatch>& batches,
+  // D, N and, for `mtp_depth` > 0, each MTP depth's D_j (SEMANTICS.md §15.1) in the step's
+  // one statistics all-reduce.
+  absl::StatusOr<losses::StepStats> ComputeStatistics(const std::vector<data::MicroBatch>& batches,
+                                                      int mtp_depth);
+  // MTP's view for the model: each depth's labels (from the loader's rolled ones) with the
+  // weights and D_j of ComputeStatistics. Empty (depth 0) when off.
+  static losses::MtpStats MtpStatistics(const losses::StepStats& stats,
+                                        const std::vector<data::MicroBatch>& batches);
+  absl::Status RunMicroBatches(const std::vector<data::MicroBatch>& batches,
                                const losses::StepStats& stats, const losses::MtpStats& mtp);
   absl::Status FinishReductions();
   absl::StatusOr<double> ClipGradients();  // the global grad norm before clipping
@@ -139,15 +144,15 @@ class Trainer {
                                          double lr, const StepTimes& times);
   // Step 1 of a fresh run: the dump and the parity check, each agreed on by every rank.
   absl::Status RunFirstStepChecks(const NamedParams& weights, const model::ExpertBias& bias,
-                                  const std::vector<MicroBatch>& batches,
+                                  const std::vector<data::MicroBatch>& batches,
                                   const StepMetrics& record);
 
   TrainConfig config_;
   RankComms comms_;
   std::unique_ptr<MoeLm> model_;
   std::unique_ptr<ShardedAdamW> optimizer_;
-  std::unique_ptr<RankDataLoader> loader_;
-  std::shared_ptr<const DocumentSource> corpus_;
+  std::unique_ptr<data::RankDataLoader> loader_;
+  std::shared_ptr<const data::DocumentSource> corpus_;
   losses::StepDisplay display_;
   int64_t step_ = 0;
   int64_t saved_step_ = -1;  // the step of this run's newest checkpoint (or the resumed one)
@@ -162,7 +167,7 @@ class Trainer {
   std::optional<NamedParams> first_step_grads_;
   std::vector<StepMetrics> history_;
   // log.eval_every: this rank's held-out micro-batches and their global statistics.
-  std::vector<MicroBatch> eval_batches_;
+  std::vector<data::MicroBatch> eval_batches_;
   std::optional<losses::StepStats> eval_stats_;
 };
 

@@ -15,6 +15,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "data/corpus.h"
+#include "data/loader.h"
+#include "data/markov.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "io/atomic_file.h"
@@ -71,7 +74,7 @@ TEST(TrainerTest, ThreeHundredStepsReachTheEntropyFloor) {
   const std::vector<StepMetrics>& h = (*out)[0].history;
   ASSERT_EQ(h.size(), 300u);
   const double tail = TailCe(h);
-  const double floor = MarkovCorpus(config.data()).EntropyFloorNats();
+  const double floor = data::MarkovCorpus(config.data()).EntropyFloorNats();
   EXPECT_GT(h.front().ce(), 2 * floor);  // it did have something to learn
   EXPECT_LT(tail, 1.10 * floor) << "floor " << floor;
   EXPECT_GT(tail, 0.9 * floor) << "below the floor: the labels would leak";
@@ -96,7 +99,7 @@ TEST(TrainerTest, AttentionOnTheDefaultCorpusApproachesTheContextFloor) {
   const std::vector<StepMetrics>& h = (*out)[0].history;
   ASSERT_EQ(h.size(), 500u);
   const double tail = TailCe(h);
-  const SecondOrderMarkovCorpus corpus(config.data());
+  const data::SecondOrderMarkovCorpus corpus(config.data());
   const double per_token = corpus.EntropyFloorNats(), context = corpus.ContextFloorNats();
   EXPECT_LT(tail, 0.6 * per_token) << "per-token floor " << per_token;
   EXPECT_LT(tail, 1.12 * context) << "context floor " << context;
@@ -149,7 +152,7 @@ TEST(TrainerTest, DumpWritesTheNamedFiles) {
       auto b = SafetensorsFile::Read(dir + "/batch.r" + std::to_string(r) + ".m" +
                                      std::to_string(m) + ".safetensors");
       ASSERT_TRUE(b.ok()) << b.status();
-      const MicroBatch& want = (*global)[m][r];
+      const data::MicroBatch& want = (*global)[m][r];
       for (const auto& [name, v] :
            {std::pair<const char*, const std::vector<int32_t>*>{"tokens", &want.tokens},
             {"labels", &want.labels},
@@ -387,7 +390,7 @@ TEST(TrainerTest, HeldOutEvaluationMatchesTheReference) {
     ASSERT_TRUE(s1.has_eval_ce());
     for (const RankOutcome& r : *out) EXPECT_EQ(r.history[0].eval_ce(), s1.eval_ce());
 
-    auto held_out = MakeHeldOutCorpus(config.data());
+    auto held_out = data::MakeHeldOutCorpus(config.data());
     ASSERT_TRUE(held_out.ok()) << held_out.status();
     TrainConfig eval_layout = config;
     eval_layout.mutable_parallelism()->set_grad_acc(config.log().eval_micro_batches());
@@ -407,7 +410,7 @@ TEST(TrainerTest, HeldOutEvaluationMatchesTheReference) {
     }
     std::vector<std::vector<testing::ReferenceMicroBatch>> ref_batch(batch->size());
     for (size_t m = 0; m < batch->size(); ++m) {
-      for (const MicroBatch& mb : (*batch)[m]) {
+      for (const data::MicroBatch& mb : (*batch)[m]) {
         testing::ReferenceMicroBatch r{mb.tokens, mb.labels, mb.mask, mb.sample_ids};
         r.seq_len = mb.seq_len;
         r.doc_start = mb.doc_start;

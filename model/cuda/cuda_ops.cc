@@ -15,6 +15,7 @@
 #include "core/cuda/device_flag.h"
 #include "core/cuda/gemm.h"
 #include "core/status.h"
+#include "data/streams.h"
 #include "losses/cuda/cross_entropy_cuda.h"
 #include "model/attention.h"
 #include "model/attention_kernels.h"
@@ -113,10 +114,10 @@ class CudaOps : public ModelOps {
     auto check_labels = [&](auto labels, const std::string& where) -> absl::Status {
       for (int64_t t = 0; t < T; ++t) {
         const int64_t y = labels[t];
-        if (y != kIgnoreIndex && (y < 0 || y >= V)) {
-          return absl::InvalidArgumentError(absl::StrCat(where, "label ", y, " at position ", t,
-                                                         " outside [0, ", V,
-                                                         ") and not ignore_index ", kIgnoreIndex));
+        if (y != data::kIgnoreIndex && (y < 0 || y >= V)) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, "label ", y, " at position ", t, " outside [0, ", V,
+                           ") and not ignore_index ", data::kIgnoreIndex));
         }
       }
       return absl::OkStatus();
@@ -606,7 +607,7 @@ class CudaOps : public ModelOps {
     ce.token_weights = labels.weights;
     ce.global_weight_sum = labels.global_weight_sum;
     ce.grad_logits = grad_out != nullptr ? logits_.get() : nullptr;
-    ce.ignore_index = kIgnoreIndex;
+    ce.ignore_index = data::kIgnoreIndex;
     ce.ce = config_.ce;
     ce.loss = labels.loss;
     ce.ce_loss = labels.ce_loss;

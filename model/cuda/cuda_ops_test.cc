@@ -18,6 +18,7 @@
 #include "collectives/thread_backend.h"
 #include "core/cuda/compute_context.h"
 #include "core/cuda/device_buffer.h"
+#include "data/streams.h"
 #include "gtest/gtest.h"
 #include "model/cpu_ops.h"
 #include "model/moe_lm_spec.h"
@@ -94,15 +95,17 @@ void ExpectEveryOpMatchesTheHostOps(const MoeLmConfig& c, bool sample_weights,
   for (int64_t t = 0; t < T; ++t) {
     tokens[t] = static_cast<int32_t>((t * 13 + 5) % V);
     mask[t] = t % 9 == 4 ? 0 : 1;
-    labels[t] = (mask[t] == 0 || t % 7 == 2) ? kIgnoreIndex : static_cast<int32_t>((t * 7 + 1) % V);
-    valid += labels[t] != kIgnoreIndex;
+    labels[t] =
+        (mask[t] == 0 || t % 7 == 2) ? data::kIgnoreIndex : static_cast<int32_t>((t * 7 + 1) % V);
+    valid += labels[t] != data::kIgnoreIndex;
     routed += mask[t];
   }
   std::vector<float> ce_weights;
   if (sample_weights) {
     valid = 0;
     for (int64_t t = 0; t < T; ++t) {
-      ce_weights.push_back(labels[t] == kIgnoreIndex ? 0.0f : 1.0f / static_cast<float>(1 + t % 3));
+      ce_weights.push_back(labels[t] == data::kIgnoreIndex ? 0.0f
+                                                           : 1.0f / static_cast<float>(1 + t % 3));
       valid += ce_weights.back();
     }
   }
@@ -306,7 +309,8 @@ TEST(CudaOpsTest, RowBlocksAndExactTargetsAreRefused) {
   ASSERT_TRUE((*mesh)->AttachDeviceView(*std::move(nccl)).ok());
   auto gpu = MakeCudaOps(*spec, *ctx, **mesh);
   ASSERT_TRUE(gpu.ok());
-  std::vector<int32_t> tokens = {1, 2, 3, 4}, labels = {2, 3, 4, kIgnoreIndex}, mask = {1, 1, 1, 1};
+  std::vector<int32_t> tokens = {1, 2, 3, 4}, labels = {2, 3, 4, data::kIgnoreIndex},
+                       mask = {1, 1, 1, 1};
   MicroBatchInputs in;
   in.rows = 4;
   in.tokens = tokens;

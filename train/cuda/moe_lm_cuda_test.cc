@@ -17,11 +17,12 @@
 #include "collectives/nccl_backend.h"
 #include "collectives/thread_backend.h"
 #include "core/status.h"
+#include "data/loader.h"
+#include "data/streams.h"
 #include "gtest/gtest.h"
 #include "testing/gpu_test_util.h"
 #include "train/cuda/cuda_compute.h"
 #include "train/cuda/nccl_rank.h"
-#include "train/data.h"
 #include "train/parity.h"
 #include "train/rank_main.h"
 #include "train/test_util.h"
@@ -429,11 +430,11 @@ TEST(MoeLmCudaTest, ProtocolAndInputErrorsAreStatuses) {
   ASSERT_TRUE(model.ok()) << model.status();
   ASSERT_TRUE((*model)->SetFullParameters(MoeLm::InitialParameters(options.model, 1)).ok());
 
-  MicroBatch batch;
+  data::MicroBatch batch;
   batch.batch = 1;
   batch.seq_len = 4;
   batch.tokens = {1, 2, 3, 4};
-  batch.labels = {2, 3, 4, kIgnoreIndex};
+  batch.labels = {2, 3, 4, data::kIgnoreIndex};
   batch.mask = {1, 1, 1, 1};
   losses::StepStats stats;
   stats.num_micro_batches = 1;
@@ -444,7 +445,7 @@ TEST(MoeLmCudaTest, ProtocolAndInputErrorsAreStatuses) {
             absl::StatusCode::kFailedPrecondition);
   ASSERT_TRUE((*model)->Unshard().ok());
   // A label outside [0, V) is named; a token too.
-  MicroBatch bad = batch;
+  data::MicroBatch bad = batch;
   bad.labels[1] = 1000;
   absl::Status s = (*model)->ForwardBackward(bad, stats, 0, nullptr).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;

@@ -1,0 +1,84 @@
+#include "data/corpus.h"
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "data/markov.h"
+#include "data/text_corpus.h"
+
+namespace gradsum::data {
+
+namespace {
+
+// Documents offset .. offset + n - 1 of `source` as documents 0 .. n - 1.
+class OffsetDocuments : public DocumentSource {
+ public:
+  OffsetDocuments(std::shared_ptr<const DocumentSource> source, int64_t offset)
+      : source_(std::move(source)), offset_(offset) {}
+  int64_t num_documents() const override { return source_->num_documents(); }
+  int64_t DocumentLength(int64_t i) const override { return source_->DocumentLength(offset_ + i); }
+  std::vector<int32_t> Document(int64_t i) const override { return source_->Document(offset_ + i); }
+  double EntropyFloorNats() const override { return source_->EntropyFloorNats(); }
+  double ContextFloorNats() const override { return source_->ContextFloorNats(); }
+  int64_t MinDocumentLength() const override { return source_->MinDocumentLength(); }
+  int64_t MaxDocumentLength() const override { return source_->MaxDocumentLength(); }
+  std::string Describe() const override {
+    return absl::StrCat(source_->Describe(), "'s held-out documents");
+  }
+
+ private:
+  std::shared_ptr<const DocumentSource> source_;
+  int64_t offset_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<const DocumentSource>> MakeHeldOutCorpus(
+    const train::DataConfig& config) {
+  if (config.path().empty()) {
+    absl::StatusOr<std::shared_ptr<const DocumentSource>> corpus = MakeCorpus(config);
+    if (!corpus.ok()) return corpus.status();
+    const int64_t n = (*corpus)->num_documents();
+    return std::shared_ptr<const DocumentSource>(
+        std::make_shared<const OffsetDocuments>(std::move(*corpus), n));
+  }
+  if (config.eval_path().empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("log.eval_every > 0 with data.path=", config.path(),
+                     " needs data.eval_path (--eval_data): a file of held-out documents"));
+  }
+  train::DataConfig held_out = config;
+  held_out.set_path(config.eval_path());
+  return MakeCorpus(held_out);
+}
+
+absl::StatusOr<std::shared_ptr<const DocumentSource>> MakeCorpus(const train::DataConfig& config) {
+  if (config.path().empty()) {
+    switch (config.corpus()) {
+      case train::DataConfig::markov1:
+        return std::make_shared<const MarkovCorpus>(config);
+      case train::DataConfig::markov2:
+        return std::make_shared<const SecondOrderMarkovCorpus>(config);
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat("data.corpus=", static_cast<int>(config.corpus()), ": unknown corpus"));
+  }
+  // A resolved config with a file carries markov1 (ResolvedConfig); any other corpus set
+  // beside a file is a contradiction.
+  if (config.has_corpus() && config.corpus() != train::DataConfig::markov1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("data.corpus=", train::DataConfig::Corpus_Name(config.corpus()),
+                     " names an embedded corpus, "
+                     "but data.path=",
+                     config.path(), " trains on a file: give one or the other"));
+  }
+  absl::StatusOr<std::unique_ptr<TextFileCorpus>> file =
+      TextFileCorpus::Load(config.path(), config.seq_len());
+  if (!file.ok()) return file.status();
+  return std::shared_ptr<const DocumentSource>(std::move(*file));
+}
+
+}  // namespace gradsum::data
