@@ -72,28 +72,10 @@ double SingleCoreGemmGflops() {
   return rate;
 }
 
-void BM_TrainStep(benchmark::State& state) {
-  const int world = static_cast<int>(state.range(0));
-  train::TrainConfig config;  // the binary's defaults
-  if (state.range(3) == 0) {  // the per-token model on the first-order corpus (before issue 29)
-    config.mutable_model()->set_attention(train::ModelConfig::none);
-    config.mutable_data()->set_corpus(train::DataConfig::markov1);
-  }
-  config.mutable_parallelism()->set_sp(static_cast<int>(state.range(4)));
-  config.mutable_parallelism()->set_world(world);
-  config.mutable_parallelism()->set_ep(static_cast<int>(state.range(1)));
-  config.mutable_parallelism()->set_sharding(state.range(2) == 0 ? train::TrainConfig::fsdp
-                                                                 : train::TrainConfig::replicated);
-  if (state.range(5) > 0) config.mutable_model()->set_layers(static_cast<int>(state.range(5)));
-  config.mutable_parallelism()->set_recompute(
-      static_cast<train::ParallelismConfig::Recompute>(state.range(6)));
-  config.mutable_parallelism()->set_cp(static_cast<int>(state.range(7)));
-  if (state.range(8) > 0) {  // one long sequence per micro-batch, documents up to its length
-    const int seq_len = static_cast<int>(state.range(8));
-    config.mutable_data()->set_seq_len(seq_len);
-    config.mutable_data()->set_max_doc_len(seq_len);
-    config.mutable_data()->set_micro_batch(1);
-  }
+// Times `config`'s step on the thread backend (see the file comment) and reports the
+// counters. `config.parallelism().world()` ranks.
+void RunTrainSteps(benchmark::State& state, train::TrainConfig config) {
+  const int world = config.parallelism().world();
   config.mutable_optim()->set_steps(1 << 30);
   double step_s = 0, comm_s = 0, exposed_s = 0, wait_s = 0, tokens = 0;
   double exposed_by_kind_s[kNumCommKinds] = {};
@@ -172,6 +154,31 @@ void BM_TrainStep(benchmark::State& state) {
   // train/metrics.proto).
   state.counters["peak_activation_bytes"] = static_cast<double>(peak_activation_bytes);
 }
+void BM_TrainStep(benchmark::State& state) {
+  const int world = static_cast<int>(state.range(0));
+  train::TrainConfig config;  // the binary's defaults
+  if (state.range(3) == 0) {  // the per-token model on the first-order corpus (before issue 29)
+    config.mutable_model()->set_attention(train::ModelConfig::none);
+    config.mutable_data()->set_corpus(train::DataConfig::markov1);
+  }
+  config.mutable_parallelism()->set_sp(static_cast<int>(state.range(4)));
+  config.mutable_parallelism()->set_world(world);
+  config.mutable_parallelism()->set_ep(static_cast<int>(state.range(1)));
+  config.mutable_parallelism()->set_sharding(state.range(2) == 0 ? train::TrainConfig::fsdp
+                                                                 : train::TrainConfig::replicated);
+  if (state.range(5) > 0) config.mutable_model()->set_layers(static_cast<int>(state.range(5)));
+  config.mutable_parallelism()->set_recompute(
+      static_cast<train::ParallelismConfig::Recompute>(state.range(6)));
+  config.mutable_parallelism()->set_cp(static_cast<int>(state.range(7)));
+  if (state.range(8) > 0) {  // one long sequence per micro-batch, documents up to its length
+    const int seq_len = static_cast<int>(state.range(8));
+    config.mutable_data()->set_seq_len(seq_len);
+    config.mutable_data()->set_max_doc_len(seq_len);
+    config.mutable_data()->set_micro_batch(1);
+  }
+  RunTrainSteps(state, config);
+}
+
 BENCHMARK(BM_TrainStep)
     ->ArgNames({"world", "ep", "replicated", "attention", "sp", "layers", "recompute", "cp",
                 "seq_len"})
@@ -192,6 +199,34 @@ BENCHMARK(BM_TrainStep)
     // one data-parallel group either way, the same tokens).
     ->Args({2, 2, 0, 1, 2, 0, 0, 1, 4096})
     ->Args({2, 2, 0, 1, 1, 0, 0, 2, 4096})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+
+// --reproducible at the binary's default model (world 2, EP 2): the row block of its
+// exact contributions, the old default (a rank's share of a sequence, seq_len / sp: passed
+// explicitly, repro_block = 128 / sp) against the new one (0: the largest divisor of seq_len
+// up to seq_len / 4, 32 here, the same at every SP and CP) and seq_len / 8 (16, what a
+// default that also covered CP 4 would cost), at SP 1 and 2; the normal mode beside them
+// (repro_block -1).
+void BM_ReproducibleStep(benchmark::State& state) {
+  train::TrainConfig config;  // the binary's defaults
+  config.mutable_parallelism()->set_sp(static_cast<int>(state.range(0)));
+  if (state.range(1) >= 0) {
+    config.mutable_precision()->set_reproducible(true);
+    config.mutable_precision()->set_repro_block(static_cast<int>(state.range(1)));
+  }
+  RunTrainSteps(state, config);
+}
+BENCHMARK(BM_ReproducibleStep)
+    ->ArgNames({"sp", "repro_block"})
+    ->Args({1, -1})
+    ->Args({1, 128})
+    ->Args({1, 0})
+    ->Args({1, 16})
+    ->Args({2, -1})
+    ->Args({2, 64})
+    ->Args({2, 0})
+    ->Args({2, 16})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 

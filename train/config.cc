@@ -645,7 +645,7 @@ absl::Status ValidateAcrossSections(const TrainConfig& c) {
       return Bad("precision.repro_block", StrCat(block),
                  StrCat(repro_block == 0 ? "(the default, the largest divisor of data.seq_len="
                                          : "(data.seq_len=",
-                        d.seq_len(), repro_block == 0 ? " up to seq_len / 8) " : ") ",
+                        d.seq_len(), repro_block == 0 ? " up to seq_len / 4) " : ") ",
                         "must divide the ", piece,
                         " tokens of each contiguous piece of a "
                         "sequence a rank holds at parallelism.sp=",
@@ -805,7 +805,7 @@ int64_t GlobalBatch(const TrainConfig& config) {
 
 int64_t DefaultReproBlock(int64_t seq_len) {
   int64_t block = 1;
-  for (int64_t b = 1; b * 8 <= seq_len; ++b) {
+  for (int64_t b = 1; b * 4 <= seq_len; ++b) {
     if (seq_len % b == 0) block = b;
   }
   return block;

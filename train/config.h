@@ -85,10 +85,12 @@ int64_t GlobalBatch(const TrainConfig& config);
 // tile).
 int64_t ReproBlock(const TrainConfig& config);
 
-// The default row block: the largest divisor of seq_len that is at most seq_len / 8 (at
-// least 1): seq_len / 8 whenever 8 divides it. It tiles the pieces of every mesh with
-// 2 cp sp <= 8 (sp up to 8 without CP, cp up to 4, cp 2 x sp 2), and stays large enough
-// that long sequences keep few blocks (the exact sums cost per block).
+// The default row block: the largest divisor of seq_len that is at most seq_len / 4 (at
+// least 1): seq_len / 4 whenever 4 divides it. It tiles the pieces of SP sizes up to 4
+// without CP (every SP the default 4 heads permit) and of CP 2 with SP up to 2; deeper
+// meshes are refused, naming a smaller block. Not smaller, because reproducible mode adds
+// every block's weight-gradient contribution exactly, so its cost grows with the number of
+// blocks (docs/BENCHMARKS.md: a step at seq_len / 8 took 1.1x-1.9x one at seq_len / 4).
 int64_t DefaultReproBlock(int64_t seq_len);
 
 // The tokens of each contiguous piece of a sequence that a rank holds (SEMANTICS.md §12,

@@ -500,10 +500,10 @@ TEST(ConfigTest, SeqLenOneIsBlamedOnSeqLen) {
 }
 
 // Reproducible mode's default row block is fixed by the sequence length (issue 50, item 1):
-// the largest divisor of seq_len up to seq_len / 8, whatever the mesh.
+// the largest divisor of seq_len up to seq_len / 4, whatever the mesh.
 TEST(ReproBlockTest, TheDefaultIsFixedByTheSequenceLength) {
   for (const auto& [seq_len, block] : std::vector<std::pair<int64_t, int64_t>>{
-           {128, 16}, {32, 4}, {4096, 512}, {33, 3}, {100, 10}, {7, 1}, {8, 1}, {16, 2}}) {
+           {128, 32}, {32, 8}, {4096, 1024}, {33, 3}, {100, 25}, {7, 1}, {8, 2}, {3, 1}}) {
     EXPECT_EQ(DefaultReproBlock(seq_len), block) << seq_len;
   }
   for (int sp : {1, 2, 4}) {
@@ -514,7 +514,7 @@ TEST(ReproBlockTest, TheDefaultIsFixedByTheSequenceLength) {
                                   {"parallelism.cp", absl::StrCat(cp)}},
                                  &c)
                       .ok());
-      EXPECT_EQ(ReproBlock(c), 16) << "sp " << sp << " cp " << cp;
+      EXPECT_EQ(ReproBlock(c), 32) << "sp " << sp << " cp " << cp;
     }
   }
   TrainConfig explicit_block;
@@ -576,8 +576,8 @@ TEST(ReproBlockTest, AMeshTheBlockDoesNotTileIsRefusedNamingOneThatDoes) {
                              &deep)
                   .ok());
   EXPECT_THAT(ValidateConfig(deep).message(),
-              HasSubstr("precision.repro_block=16: (the default, the largest divisor of "
-                        "data.seq_len=128 up to seq_len / 8) must divide the 8 tokens of each "
+              HasSubstr("precision.repro_block=32: (the default, the largest divisor of "
+                        "data.seq_len=128 up to seq_len / 4) must divide the 8 tokens of each "
                         "contiguous piece of a sequence a rank holds at parallelism.sp=4 "
                         "parallelism.cp=4"));
   EXPECT_THAT(ValidateConfig(deep).message(), HasSubstr("pass --repro_block=8"));
