@@ -16,8 +16,8 @@
 #include "bench/memcpy_bench.h"
 #include "benchmark/benchmark.h"
 #include "collectives/thread_backend.h"
-#include "sharding/adamw.h"
-#include "sharding/flat_param.h"
+#include "optim/adamw.h"
+#include "parallel/flat_param.h"
 
 namespace gradsum::bench {
 namespace {

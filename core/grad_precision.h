@@ -3,7 +3,7 @@
 
 // How a run's gradients are held, summed and reported: one choice, made once (the trainer
 // takes it from --reduce_dtype and --reproducible) and handed to everything that depends on
-// it: the units' gradient storage and reductions (sharding/unit_grad.h), the row blocks the
+// it: the units' gradient storage and reductions (parallel/unit_grad.h), the row blocks the
 // compute is asked for (model/model_params.h), the grad norm and the display.
 //
 //   GradPrecision p = reproducible ? GradPrecision::kExact

@@ -4,7 +4,7 @@
 // Where reproducible mode (docs/REPRODUCIBILITY.md) puts weight gradients. A kernel that
 // reduces over token rows (dW = X^T dY) computes each row block's contribution on its own,
 // in a fixed order, into fp32 scratch, and hands it to an ExactGradSink, which adds it
-// exactly (fixed point; the exact GradPrecision's UnitGrad, sharding/unit_grad.h, makes
+// exactly (fixed point; the exact GradPrecision's UnitGrad, parallel/unit_grad.h, makes
 // the sinks). The sum over blocks then has the same bits whatever the order, grouping or
 // rank of the additions.
 //

@@ -2,7 +2,7 @@
 #define GRADSUM_IO_PROTO_JSON_H_
 
 // The JSON files gradsum defines (checkpoint manifests and commit markers,
-// sharding/checkpoint.proto; the --metrics records, train/metrics.proto) are protobuf
+// checkpoint/checkpoint.proto; the --metrics records, train/metrics.proto) are protobuf
 // messages in the proto3 JSON mapping, written and read by protobuf's own JSON code
 // (google/protobuf/util/json_util.h).
 //

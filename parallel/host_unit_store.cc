@@ -5,7 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/half.h"
 #include "core/status.h"
-#include "sharding/bucketed_reduce.h"
+#include "parallel/bucketed_reduce.h"
 
 namespace gradsum::parallel {
 namespace {

@@ -2,7 +2,7 @@
 #define GRADSUM_PARALLEL_HOST_UNIT_STORE_H_
 
 // The host's UnitStore (parallel/unit_schedule.h): units are FlatParams gathered and
-// reduced over the host communicators (sharding/flat_param.h). The compute reads their
+// reduced over the host communicators (parallel/flat_param.h). The compute reads their
 // compute buffers (bf16 units widened once per gather to fp32, exactly) and adds into their
 // fp32 gradient buffers, or, with exact gradients, into their limbs through an
 // ExactGradSink. Replicated mode reduces through BucketedUnitReducers (one GradBucketer per
@@ -12,9 +12,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "parallel/flat_param.h"
 #include "parallel/parallel_options.h"
 #include "parallel/unit_schedule.h"
-#include "sharding/flat_param.h"
 
 namespace gradsum::parallel {
 

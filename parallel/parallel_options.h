@@ -9,7 +9,7 @@
 
 #include "core/dtype.h"
 #include "core/grad_precision.h"
-#include "sharding/flat_param.h"
+#include "parallel/flat_param.h"
 
 namespace gradsum::parallel {
 

@@ -39,9 +39,9 @@
 #include "collectives/mesh.h"
 #include "model/model_params.h"
 #include "model/moe_lm_spec.h"
+#include "parallel/flat_param.h"
 #include "parallel/parallel_options.h"
 #include "parallel/unit_schedule.h"
-#include "sharding/flat_param.h"
 
 namespace gradsum::parallel {
 

@@ -4,8 +4,8 @@
 
 #include "core/dtype.h"
 #include "core/thread_pool.h"
+#include "parallel/flat_param.h"
 #include "parallel/parallel_options.h"
-#include "sharding/flat_param.h"
 
 namespace gradsum::train {
 

@@ -16,10 +16,10 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "checkpoint/checkpoint.h"
 #include "collectives/status_agreement.h"
 #include "core/status.h"
 #include "io/atomic_file.h"
-#include "sharding/checkpoint.h"
 #include "train/config.h"
 
 namespace gradsum::train {

@@ -3,7 +3,7 @@
 
 // The checkpoints of a training run (docs/CHECKPOINTS.md): where they live in
 // checkpoint.dir, what a save records besides the parameters and the optimizer state
-// (sharding/checkpoint.h), and resuming.
+// (checkpoint/checkpoint.h), and resuming.
 //
 //   checkpoint.dir/step-NNNNNNNN/   one save; complete once it has its commit marker
 //   checkpoint.dir/moe_lm.lock      the lock of the run that owns the directory
@@ -44,7 +44,7 @@
 #include "data/loader.h"
 #include "data/packer.h"
 #include "io/dir_lock.h"
-#include "sharding/adamw.h"
+#include "optim/adamw.h"
 #include "train/config.pb.h"
 
 namespace gradsum::train {

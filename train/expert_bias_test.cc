@@ -10,11 +10,11 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
 #include "core/tensor.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "io/safetensors.h"
-#include "sharding/checkpoint.h"
 #include "train/checkpointing.h"
 #include "train/config.h"
 #include "train/debugging.h"

@@ -36,8 +36,8 @@
 #include "model/moe_lm.h"
 #include "model/moe_lm_spec.h"
 #include "model/ops.h"
+#include "parallel/flat_param.h"
 #include "parallel/parallelize.h"
-#include "sharding/flat_param.h"
 #include "train/config.pb.h"
 
 namespace gradsum::train {

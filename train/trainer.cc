@@ -13,7 +13,7 @@
 #include "data/document_source.h"
 #include "data/loader.h"
 #include "io/path_checks.h"
-#include "sharding/grad_norm.h"
+#include "optim/grad_norm.h"
 #include "train/checkpointing.h"
 #include "train/config.h"
 #include "train/config_agreement.h"

@@ -41,7 +41,7 @@
 #include "losses/mtp.h"
 #include "losses/step_stats.h"
 #include "losses/token_weights.h"
-#include "sharding/adamw.h"
+#include "optim/adamw.h"
 #include "train/build_model.h"
 #include "train/config.pb.h"
 #include "train/metrics.pb.h"

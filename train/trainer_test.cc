@@ -15,6 +15,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/checkpoint.pb.h"
 #include "data/corpus.h"
 #include "data/loader.h"
 #include "data/markov.h"
@@ -25,8 +27,6 @@
 #include "io/fingerprint.h"
 #include "io/proto_json.h"
 #include "io/safetensors.h"
-#include "sharding/checkpoint.h"
-#include "sharding/checkpoint.pb.h"
 #include "testing/reference_moe_lm.h"
 #include "testing/run_ranks.h"
 #include "train/checkpointing.h"
@@ -895,7 +895,7 @@ TEST(TrainerTest, ResumeOntoAnotherWorldAndUnitGroupingKeepsTheBalancingLoss) {
   ExpectContinues(resumed, want, "(4,2,2) mb 2 fsdp -> (2,2,2) mb 4 replicated");
 }
 
-// An hsdp checkpoint consolidates offline (sharding/checkpoint.h reads its manifests as a
+// An hsdp checkpoint consolidates offline (checkpoint/checkpoint.h reads its manifests as a
 // sharded run's: SEMANTICS.md §7) into exactly the parameters the run's --export gathered
 // from its shards, with shard groups of 2 (EP 2: the experts held whole) and of 1.
 TEST(TrainerTest, HsdpCheckpointConsolidatesToTheExport) {
@@ -973,7 +973,7 @@ TEST(TrainerTest, WeightDecayExemptsTheNormGainsUnlessAskedTo) {
 }
 
 // --export writes the final parameters as the dumps name and shape them; they equal the
-// offline consolidation of the run's last checkpoint (sharding/checkpoint.h, assembled from
+// offline consolidation of the run's last checkpoint (checkpoint/checkpoint.h, assembled from
 // the shards). --init_from starts a run from such a file: its step-1 dump holds exactly the
 // file's values.
 TEST(TrainerTest, ExportWritesTheFinalParametersAndInitFromStartsFromThem) {

@@ -15,7 +15,7 @@
 #include "core/half.h"
 #include "core/status.h"
 #include "model/cuda/model_kernels.h"
-#include "sharding/bucketed_reduce.h"
+#include "parallel/bucketed_reduce.h"
 
 namespace gradsum::parallel {
 namespace {

@@ -11,7 +11,7 @@
 //   reduce_dtype. fsdp: a reduce-scatter (every micro-batch or only the last), waited for,
 //   downloaded and folded into the host unit (FlatParam::FoldReducedGrad) before the unit's
 //   gradient is written again or in FinishReductions. Replicated (last micro-batch): the
-//   host store's BucketedUnitReducers (sharding/bucketed_reduce.h) with its GradBucketer
+//   host store's BucketedUnitReducers (parallel/bucketed_reduce.h) with its GradBucketer
 //   buckets in device memory (each unit's gradient copied or rounded into its bucket views
 //   when complete), all-reduced as each bucket completes and folded into the host masters.
 // Nothing divides by world, EP size or G.

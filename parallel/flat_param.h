@@ -1,14 +1,14 @@
-#ifndef GRADSUM_SHARDING_FLAT_PARAM_H_
-#define GRADSUM_SHARDING_FLAT_PARAM_H_
+#ifndef GRADSUM_PARALLEL_FLAT_PARAM_H_
+#define GRADSUM_PARALLEL_FLAT_PARAM_H_
 
 // FlatParam: a group of parameters flattened into one buffer and sharded over a group of
 // ranks (layout, master storage, unshard), with its gradient side (SEMANTICS.md §7) held by
-// a UnitGrad of the group's GradPrecision (sharding/unit_grad.h), to which it delegates.
+// a UnitGrad of the group's GradPrecision (parallel/unit_grad.h), to which it delegates.
 //
 // Layout. The parameters are laid end to end (in the given order) into a flat buffer of
 // numel() elements, padded with zeros to padded_numel(), a multiple of the group size S.
 // Group rank q owns the slice [q * shard_numel(), q * shard_numel() + local_numel()): its
-// shard without the padding (ComputeShardLayout, sharding/shard_layout.h). Dense groups are
+// shard without the padding (ComputeShardLayout, parallel/shard_layout.h). Dense groups are
 // sharded over the world; expert groups over their EDP group (the `group` communicator is
 // whichever applies; it is not owned).
 //
@@ -34,7 +34,7 @@
 //     fp->Reshard();
 //     GRADSUM_RETURN_IF_ERROR(fp->ReduceGrad(/*last_micro_batch=*/m == G - 1));
 //   }
-//   ... GlobalGradNorm / ClipGradNorm, ShardedAdamW::Step (sharding/adamw.h) ...
+//   ... GlobalGradNorm / ClipGradNorm, ShardedAdamW::Step (optim/adamw.h) ...
 //   fp->ZeroGrad();
 //
 // Gradient precision (FlatParamOptions::precision, core/grad_precision.h): kF32 and
@@ -82,8 +82,8 @@
 #include "core/grad_sink.h"
 #include "core/half.h"
 #include "core/tensor.h"
-#include "sharding/shard_layout.h"
-#include "sharding/unit_grad.h"
+#include "parallel/shard_layout.h"
+#include "parallel/unit_grad.h"
 
 namespace gradsum {
 
@@ -350,10 +350,10 @@ class FlatParam {
   UnshardState unshard_state_ = UnshardState::kNone;
   std::unique_ptr<Work> unshard_work_;
 
-  // The gradient side: local gradient, reduction, master_grad() (sharding/unit_grad.h).
+  // The gradient side: local gradient, reduction, master_grad() (parallel/unit_grad.h).
   std::unique_ptr<UnitGrad> grad_;
 };
 
 }  // namespace gradsum
 
-#endif  // GRADSUM_SHARDING_FLAT_PARAM_H_
+#endif  // GRADSUM_PARALLEL_FLAT_PARAM_H_

@@ -1,6 +1,6 @@
 // Exact-gradient mode on the MPI backend (one process per rank, run by mpirun_test.sh):
 // every rank's owned gradient slices and the global norm are the reference's bits, the
-// same bits the thread backend gives (sharding/exact_grad_test.cc), for each sharding
+// same bits the thread backend gives (parallel/exact_grad_test.cc), for each sharding
 // mode, micro-batch count and split of the sequences.
 #include <cstring>
 #include <memory>
@@ -8,7 +8,7 @@
 
 #include "collectives/mpi_backend.h"
 #include "gtest/gtest.h"
-#include "sharding/exact_grad_testing.h"
+#include "parallel/exact_grad_testing.h"
 
 namespace gradsum {
 namespace {

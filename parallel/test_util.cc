@@ -1,9 +1,9 @@
-#include "sharding/test_util.h"
+#include "parallel/test_util.h"
 
 #include "absl/strings/str_cat.h"
 #include "core/half.h"
 #include "core/status.h"
-#include "sharding/grad_norm.h"
+#include "optim/grad_norm.h"
 
 namespace gradsum::sharding_testing {
 namespace {

@@ -1,7 +1,7 @@
-#ifndef GRADSUM_SHARDING_UNIT_GRAD_H_
-#define GRADSUM_SHARDING_UNIT_GRAD_H_
+#ifndef GRADSUM_PARALLEL_UNIT_GRAD_H_
+#define GRADSUM_PARALLEL_UNIT_GRAD_H_
 
-// UnitGrad: the gradient side of one parameter unit (a FlatParam, sharding/flat_param.h):
+// UnitGrad: the gradient side of one parameter unit (a FlatParam, parallel/flat_param.h):
 // the local full gradient that backward adds into, its SUM reduction over the unit's
 // group (SEMANTICS.md §7), and the reduced fp32 gradient the optimizer reads. One
 // implementation per GradPrecision (core/grad_precision.h), chosen once when the unit is
@@ -13,7 +13,7 @@
 //   rounded once to fp32 on the step's last micro-batch.
 // FlatParam keeps the protocol (which call is allowed when, and errors naming the group);
 // UnitGrad does the work behind it and states the protocol as preconditions.
-// BucketedGradReducer (sharding/bucketed_reduce.h) moves replicated units' gradients
+// BucketedGradReducer (parallel/bucketed_reduce.h) moves replicated units' gradients
 // through shared buckets with ToWire / FromWire.
 //
 //   GRADSUM_ASSIGN_OR_RETURN(auto grad, UnitGrad::Create(GradPrecision::kExact, options));
@@ -39,7 +39,7 @@
 #include "collectives/communicator.h"
 #include "core/grad_precision.h"
 #include "core/grad_sink.h"
-#include "sharding/shard_layout.h"
+#include "parallel/shard_layout.h"
 
 namespace gradsum {
 
@@ -200,4 +200,4 @@ absl::Status AwaitWork(const Communicator& group, std::unique_ptr<Work>& work, b
 
 }  // namespace gradsum
 
-#endif  // GRADSUM_SHARDING_UNIT_GRAD_H_
+#endif  // GRADSUM_PARALLEL_UNIT_GRAD_H_

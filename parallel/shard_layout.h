@@ -1,9 +1,9 @@
-#ifndef GRADSUM_SHARDING_SHARD_LAYOUT_H_
-#define GRADSUM_SHARDING_SHARD_LAYOUT_H_
+#ifndef GRADSUM_PARALLEL_SHARD_LAYOUT_H_
+#define GRADSUM_PARALLEL_SHARD_LAYOUT_H_
 
 // How a flat buffer of parameters is spread over a group of ranks (SEMANTICS.md §7): the
 // sharding mode and the one rule for where each rank's shard lies. FlatParam
-// (sharding/flat_param.h), its gradient side (sharding/unit_grad.h), the checkpoint reader
+// (parallel/flat_param.h), its gradient side (parallel/unit_grad.h), the checkpoint reader
 // and the resharding loader all use it.
 
 #include <algorithm>
@@ -46,4 +46,4 @@ inline ShardLayout ComputeShardLayout(int64_t numel, int64_t group_size, int64_t
 
 }  // namespace gradsum
 
-#endif  // GRADSUM_SHARDING_SHARD_LAYOUT_H_
+#endif  // GRADSUM_PARALLEL_SHARD_LAYOUT_H_

@@ -1,4 +1,4 @@
-#include "sharding/flat_param.h"
+#include "parallel/flat_param.h"
 
 #include <algorithm>
 #include <limits>

@@ -1,4 +1,4 @@
-#include "sharding/adamw.h"
+#include "optim/adamw.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,5 +1,5 @@
-#ifndef GRADSUM_SHARDING_ADAMW_H_
-#define GRADSUM_SHARDING_ADAMW_H_
+#ifndef GRADSUM_OPTIM_ADAMW_H_
+#define GRADSUM_OPTIM_ADAMW_H_
 
 // AdamW on the fp32 master values of flat parameter groups: each rank updates what it
 // stores (its shard in sharded mode, the full copy in replicated mode). Purely local, no
@@ -23,7 +23,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "sharding/flat_param.h"
+#include "parallel/flat_param.h"
 
 namespace gradsum {
 
@@ -80,4 +80,4 @@ class ShardedAdamW {
 
 }  // namespace gradsum
 
-#endif  // GRADSUM_SHARDING_ADAMW_H_
+#endif  // GRADSUM_OPTIM_ADAMW_H_

@@ -1,5 +1,5 @@
-#ifndef GRADSUM_SHARDING_TEST_UTIL_H_
-#define GRADSUM_SHARDING_TEST_UTIL_H_
+#ifndef GRADSUM_PARALLEL_TEST_UTIL_H_
+#define GRADSUM_PARALLEL_TEST_UTIL_H_
 
 // Test helpers for sharding: deterministic values and a toy quadratic training loop whose
 // gradients are known in closed form, so multi-rank results can be compared with a
@@ -18,8 +18,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "collectives/communicator.h"
-#include "sharding/adamw.h"
-#include "sharding/flat_param.h"
+#include "optim/adamw.h"
+#include "parallel/flat_param.h"
 
 namespace gradsum::sharding_testing {
 
@@ -53,4 +53,4 @@ absl::Status ToyTrainStep(const std::vector<FlatParam*>& groups, ShardedAdamW& o
 
 }  // namespace gradsum::sharding_testing
 
-#endif  // GRADSUM_SHARDING_TEST_UTIL_H_
+#endif  // GRADSUM_PARALLEL_TEST_UTIL_H_

@@ -1,4 +1,4 @@
-#include "sharding/checkpoint.h"
+#include "checkpoint/checkpoint.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "checkpoint/checkpoint.pb.h"
 #include "collectives/status_agreement.h"
 #include "core/half.h"
 #include "core/status.h"
@@ -26,18 +27,17 @@
 #include "io/fingerprint.h"
 #include "io/proto_json.h"
 #include "io/safetensors.h"
-#include "sharding/checkpoint.pb.h"
-#include "sharding/flat_param.h"
+#include "parallel/flat_param.h"
 
 namespace gradsum {
 namespace {
 
-namespace cp = ::gradsum::checkpoint;  // sharding/checkpoint.proto
+namespace cp = ::gradsum::checkpoint;  // checkpoint/checkpoint.proto
 namespace pb = ::google::protobuf;
 
 constexpr absl::string_view kFormat = "gradsum.sharded_checkpoint";
 // 2: the marker records every rank's file fingerprints. 3: the files are the proto3 JSON of
-// sharding/checkpoint.proto (int64 values as strings).
+// checkpoint/checkpoint.proto (int64 values as strings).
 constexpr int32_t kVersion = 3;
 constexpr absl::string_view kMarkerName = "checkpoint.json";
 

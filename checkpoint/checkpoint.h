@@ -1,5 +1,5 @@
-#ifndef GRADSUM_SHARDING_CHECKPOINT_H_
-#define GRADSUM_SHARDING_CHECKPOINT_H_
+#ifndef GRADSUM_CHECKPOINT_CHECKPOINT_H_
+#define GRADSUM_CHECKPOINT_CHECKPOINT_H_
 
 // Sharded checkpoints of flat parameter groups and their AdamW state, and a consolidated
 // export of the full parameters.
@@ -27,7 +27,7 @@
 //                              fingerprints of its manifest and tensor files, extra
 //                              metadata (moe_lm puts its config and run id there), and the
 //                              marker's own fingerprint over all of that
-// Both JSON files are the proto3 JSON of sharding/checkpoint.proto (format version 3;
+// Both JSON files are the proto3 JSON of checkpoint/checkpoint.proto (format version 3;
 // docs/CHECKPOINTS.md has the details, such as int64 values being JSON strings).
 // Fingerprints are XXH3-64 (io/fingerprint.h), written as 16 hex digits.
 // A directory without checkpoint.json is an incomplete checkpoint. Saving removes an old
@@ -54,7 +54,7 @@
 #include "absl/status/statusor.h"
 #include "collectives/communicator.h"
 #include "core/dtype.h"
-#include "sharding/adamw.h"
+#include "optim/adamw.h"
 
 namespace gradsum {
 
@@ -108,4 +108,4 @@ absl::Status ExportConsolidated(const std::string& dir, const std::string& out_p
 
 }  // namespace gradsum
 
-#endif  // GRADSUM_SHARDING_CHECKPOINT_H_
+#endif  // GRADSUM_CHECKPOINT_CHECKPOINT_H_

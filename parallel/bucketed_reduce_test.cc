@@ -1,4 +1,4 @@
-#include "sharding/bucketed_reduce.h"
+#include "parallel/bucketed_reduce.h"
 
 #include <cstring>
 #include <memory>
@@ -10,7 +10,7 @@
 #include "core/half.h"
 #include "core/status.h"
 #include "gtest/gtest.h"
-#include "sharding/test_util.h"
+#include "parallel/test_util.h"
 #include "testing/run_ranks.h"
 
 namespace gradsum {

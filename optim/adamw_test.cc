@@ -1,4 +1,4 @@
-#include "sharding/adamw.h"
+#include "optim/adamw.h"
 
 #include <algorithm>
 #include <cmath>
@@ -12,7 +12,7 @@
 #include "collectives/thread_backend.h"
 #include "core/status.h"
 #include "gtest/gtest.h"
-#include "sharding/test_util.h"
+#include "parallel/test_util.h"
 #include "testing/run_ranks.h"
 
 namespace gradsum {

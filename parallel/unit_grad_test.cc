@@ -1,4 +1,4 @@
-#include "sharding/unit_grad.h"
+#include "parallel/unit_grad.h"
 
 #include <cmath>
 #include <cstdint>

@@ -1,5 +1,5 @@
-#ifndef GRADSUM_SHARDING_EXACT_GRAD_TESTING_H_
-#define GRADSUM_SHARDING_EXACT_GRAD_TESTING_H_
+#ifndef GRADSUM_PARALLEL_EXACT_GRAD_TESTING_H_
+#define GRADSUM_PARALLEL_EXACT_GRAD_TESTING_H_
 
 // Shared by the exact-gradient tests on the thread and MPI backends (SEMANTICS.md §11):
 // synthetic per-sequence contributions to two FlatParam groups, one rank's step in exact
@@ -12,7 +12,7 @@
 
 #include "absl/status/status.h"
 #include "collectives/communicator.h"
-#include "sharding/flat_param.h"
+#include "parallel/flat_param.h"
 
 namespace gradsum::exact_grad_testing {
 
@@ -56,4 +56,4 @@ absl::Status RankStep(Communicator& comm, const Config& cfg, int shift, int nan_
 
 }  // namespace gradsum::exact_grad_testing
 
-#endif  // GRADSUM_SHARDING_EXACT_GRAD_TESTING_H_
+#endif  // GRADSUM_PARALLEL_EXACT_GRAD_TESTING_H_

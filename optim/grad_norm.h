@@ -1,5 +1,5 @@
-#ifndef GRADSUM_SHARDING_GRAD_NORM_H_
-#define GRADSUM_SHARDING_GRAD_NORM_H_
+#ifndef GRADSUM_OPTIM_GRAD_NORM_H_
+#define GRADSUM_OPTIM_GRAD_NORM_H_
 
 // Global gradient norm and clipping over flat parameter groups (SEMANTICS.md §7).
 //
@@ -20,7 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "collectives/communicator.h"
-#include "sharding/flat_param.h"
+#include "parallel/flat_param.h"
 
 namespace gradsum {
 
@@ -38,4 +38,4 @@ absl::StatusOr<double> ClipGradNorm(absl::Span<FlatParam* const> groups, Communi
 
 }  // namespace gradsum
 
-#endif  // GRADSUM_SHARDING_GRAD_NORM_H_
+#endif  // GRADSUM_OPTIM_GRAD_NORM_H_

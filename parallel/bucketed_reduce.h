@@ -1,5 +1,5 @@
-#ifndef GRADSUM_SHARDING_BUCKETED_REDUCE_H_
-#define GRADSUM_SHARDING_BUCKETED_REDUCE_H_
+#ifndef GRADSUM_PARALLEL_BUCKETED_REDUCE_H_
+#define GRADSUM_PARALLEL_BUCKETED_REDUCE_H_
 
 // BucketedGradReducer: replicated-mode gradient reduction of several FlatParam groups that
 // share one communicator, through one GradBucketer (collectives/bucketer.h). Many small
@@ -22,7 +22,7 @@
 // (earlier micro-batches need no call: replicated gradients accumulate locally). The
 // result is bit-identical to FlatParam's own all-reduce: the same per-element SUM in the
 // group's wire dtype. What goes into and comes out of the buckets is the group's
-// UnitGrad's (ToWire / FromWire, sharding/unit_grad.h): a bucket of floats, bf16 or int64
+// UnitGrad's (ToWire / FromWire, parallel/unit_grad.h): a bucket of floats, bf16 or int64
 // limbs is the same bucket.
 //
 // Device buckets (a GPU model, train/cuda): with a BucketedGradDevice the buckets live in
@@ -47,7 +47,7 @@
 
 #include "absl/status/statusor.h"
 #include "collectives/bucketer.h"
-#include "sharding/flat_param.h"
+#include "parallel/flat_param.h"
 
 namespace gradsum {
 
@@ -133,4 +133,4 @@ class BucketedUnitReducers {
 
 }  // namespace gradsum
 
-#endif  // GRADSUM_SHARDING_BUCKETED_REDUCE_H_
+#endif  // GRADSUM_PARALLEL_BUCKETED_REDUCE_H_

@@ -1,4 +1,4 @@
-#include "sharding/flat_param.h"
+#include "parallel/flat_param.h"
 
 #include <cmath>
 #include <cstring>
@@ -12,7 +12,7 @@
 #include "core/half.h"
 #include "core/status.h"
 #include "gtest/gtest.h"
-#include "sharding/test_util.h"
+#include "parallel/test_util.h"
 #include "testing/run_ranks.h"
 
 namespace gradsum {

@@ -1,4 +1,4 @@
-#include "sharding/checkpoint.h"
+#include "checkpoint/checkpoint.h"
 
 #include <dirent.h>
 #include <sys/stat.h>
@@ -21,7 +21,7 @@
 #include "io/atomic_file.h"
 #include "io/fingerprint.h"
 #include "io/safetensors.h"
-#include "sharding/test_util.h"
+#include "parallel/test_util.h"
 #include "testing/run_ranks.h"
 
 namespace gradsum {

@@ -1,4 +1,4 @@
-#include "sharding/bucketed_reduce.h"
+#include "parallel/bucketed_reduce.h"
 
 #include <algorithm>
 

@@ -1,4 +1,4 @@
-#include "sharding/grad_norm.h"
+#include "optim/grad_norm.h"
 
 #include <cmath>
 #include <memory>
@@ -7,7 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
 #include "gtest/gtest.h"
-#include "sharding/test_util.h"
+#include "parallel/test_util.h"
 #include "testing/run_ranks.h"
 
 namespace gradsum {

@@ -1,4 +1,4 @@
-#include "sharding/grad_norm.h"
+#include "optim/grad_norm.h"
 
 #include <cmath>
 

@@ -1,4 +1,4 @@
-#include "sharding/exact_grad_testing.h"
+#include "parallel/exact_grad_testing.h"
 
 #include <cmath>
 #include <limits>
@@ -8,9 +8,9 @@
 #include "absl/strings/str_cat.h"
 #include "core/exact_sum.h"
 #include "core/status.h"
-#include "sharding/bucketed_reduce.h"
-#include "sharding/grad_norm.h"
-#include "sharding/test_util.h"
+#include "optim/grad_norm.h"
+#include "parallel/bucketed_reduce.h"
+#include "parallel/test_util.h"
 #include "testing/exact_sum_reference.h"
 
 namespace gradsum::exact_grad_testing {
