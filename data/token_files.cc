@@ -47,9 +47,7 @@ T Load(const unsigned char* bytes, int64_t offset) {
   return v;
 }
 
-bool EndsWith(const std::string& s, absl::string_view suffix) {
-  return absl::EndsWith(s, suffix);
-}
+bool EndsWith(const std::string& s, absl::string_view suffix) { return absl::EndsWith(s, suffix); }
 
 bool Exists(const std::string& path) { return access(path.c_str(), F_OK) == 0; }
 
@@ -232,8 +230,8 @@ absl::Status CheckOptions(const TokenFileOptions& o) {
         absl::StrCat("vocab=", o.vocab, ": must be in [0, ", kMaxTokenBound, "]"));
   }
   if (o.flat_dtype != TokenDType::kUint16 && o.flat_dtype != TokenDType::kUint32) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "flat_dtype=", TokenDTypeName(o.flat_dtype), ": a headerless file is uint16 or uint32"));
+    return absl::InvalidArgumentError(absl::StrCat("flat_dtype=", TokenDTypeName(o.flat_dtype),
+                                                   ": a headerless file is uint16 or uint32"));
   }
   return absl::OkStatus();
 }
@@ -270,10 +268,10 @@ absl::StatusOr<std::unique_ptr<TokenFileCorpus>> TokenFileCorpus::OpenMegatron(
                                    TokenDType::kInt32, TokenDType::kInt64, TokenDType::kInt64,
                                    TokenDType::kInt64, TokenDType::kUint16};
   if (code < 1 || code > 8 || code == 6 || code == 7) {
-    return Corrupt(idx_name, "dtype code", 17,
-                   absl::StrCat(code, code == 6 || code == 7
-                                          ? " (float64 / float32): tokens must be integers"
-                                          : ": not a Megatron dtype code (1 to 8)"));
+    return Corrupt(
+        idx_name, "dtype code", 17,
+        absl::StrCat(code, code == 6 || code == 7 ? " (float64 / float32): tokens must be integers"
+                                                  : ": not a Megatron dtype code (1 to 8)"));
   }
   corpus->dtype_ = kCodes[code - 1];
   const int itemsize = TokenDTypeBytes(corpus->dtype_);
@@ -282,8 +280,8 @@ absl::StatusOr<std::unique_ptr<TokenFileCorpus>> TokenFileCorpus::OpenMegatron(
   const uint64_t body = static_cast<uint64_t>(idx_size - kMegatronHeaderBytes);
   if (S > body / 12) {
     return Corrupt(idx_name, "sequence count", 18,
-                   absl::StrCat(S, " sequences need ", S, " x 12 index bytes, the file has ",
-                                body, " after the header (truncated?)"));
+                   absl::StrCat(S, " sequences need ", S, " x 12 index bytes, the file has ", body,
+                                " after the header (truncated?)"));
   }
   if (D > (body - 12 * S) / 8) {
     return Corrupt(idx_name, "document count", 26,
@@ -295,9 +293,9 @@ absl::StatusOr<std::unique_ptr<TokenFileCorpus>> TokenFileCorpus::OpenMegatron(
   const int64_t docs_at = pointers_at + 8 * static_cast<int64_t>(S);
   const int64_t end = docs_at + 8 * static_cast<int64_t>(D);
   if (end != idx_size) {
-    return Corrupt(idx_name, "end of the document indices", end,
-                   absl::StrCat(idx_size - end,
-                                " trailing bytes (a multimodal index, or a wrong count)"));
+    return Corrupt(
+        idx_name, "end of the document indices", end,
+        absl::StrCat(idx_size - end, " trailing bytes (a multimodal index, or a wrong count)"));
   }
   if (D < 2) {
     return Corrupt(idx_name, "document count", 26,
@@ -385,8 +383,8 @@ absl::StatusOr<std::unique_ptr<TokenFileCorpus>> TokenFileCorpus::OpenMegatron(
         corpus->max_token_ = kMaxTokenBound - 1;
     }
   }
-  corpus->fingerprint_ = Fingerprint64(absl::StrCat(corpus->idx_->Fingerprint(), ":",
-                                                    corpus->bin_->Fingerprint()));
+  corpus->fingerprint_ =
+      Fingerprint64(absl::StrCat(corpus->idx_->Fingerprint(), ":", corpus->bin_->Fingerprint()));
   return corpus;
 }
 
@@ -396,8 +394,7 @@ namespace {
 absl::Status CheckEod(const TokenFileOptions& o) {
   if (o.eod_token >= Bound(o)) {
     return absl::InvalidArgumentError(absl::StrCat("eod_token=", o.eod_token, ": must be below ",
-                                                   o.vocab > 0 ? "model.vocab=" : "",
-                                                   Bound(o)));
+                                                   o.vocab > 0 ? "model.vocab=" : "", Bound(o)));
   }
   return absl::OkStatus();
 }
@@ -422,9 +419,9 @@ absl::StatusOr<std::unique_ptr<TokenFileCorpus>> TokenFileCorpus::OpenLlmC(
   const int32_t magic = Load<int32_t>(bytes, 0), version = Load<int32_t>(bytes, 4);
   const int32_t count = Load<int32_t>(bytes, 8);
   if (magic != kLlmCMagic16 && magic != kLlmCMagic32) {
-    return Corrupt(path, "magic", 0,
-                   absl::StrCat(magic, ": not an llm.c shard (", kLlmCMagic16, " or ",
-                                kLlmCMagic32, ")"));
+    return Corrupt(
+        path, "magic", 0,
+        absl::StrCat(magic, ": not an llm.c shard (", kLlmCMagic16, " or ", kLlmCMagic32, ")"));
   }
   const int32_t expected = magic == kLlmCMagic16 ? kLlmCVersion16 : kLlmCVersion32;
   if (version != expected) {

@@ -100,10 +100,10 @@ class TokenFileCorpus : public DocumentSource {
   // One format, without recognition: `prefix` names PREFIX.idx and PREFIX.bin.
   static absl::StatusOr<std::unique_ptr<TokenFileCorpus>> OpenMegatron(
       const std::string& prefix, const TokenFileOptions& options);
-  static absl::StatusOr<std::unique_ptr<TokenFileCorpus>> OpenLlmC(
-      const std::string& path, const TokenFileOptions& options);
-  static absl::StatusOr<std::unique_ptr<TokenFileCorpus>> OpenFlat(
-      const std::string& path, const TokenFileOptions& options);
+  static absl::StatusOr<std::unique_ptr<TokenFileCorpus>> OpenLlmC(const std::string& path,
+                                                                   const TokenFileOptions& options);
+  static absl::StatusOr<std::unique_ptr<TokenFileCorpus>> OpenFlat(const std::string& path,
+                                                                   const TokenFileOptions& options);
 
   int64_t num_documents() const override { return static_cast<int64_t>(starts_.size()); }
   int64_t DocumentLength(int64_t i) const override { return lengths_[i]; }

@@ -108,8 +108,8 @@ TEST(MegatronTest, DocumentsAreTheIndexsSequencesAndLongOnesAreCut) {
 TEST(MegatronTest, EveryIntegerDType) {
   const std::vector<std::pair<int, int>> codes = {{1, 1}, {2, 1}, {3, 2}, {4, 4}, {5, 8}, {8, 2}};
   for (const auto& [code, size] : codes) {
-    const std::string prefix = WriteMegatron(
-        MakeMegatron({{{0, 100, 127}}, {{3}}}, code, size), "dtype" + std::to_string(code));
+    const std::string prefix = WriteMegatron(MakeMegatron({{{0, 100, 127}}, {{3}}}, code, size),
+                                             "dtype" + std::to_string(code));
     auto corpus = TokenFileCorpus::OpenMegatron(prefix, Options(8));
     ASSERT_TRUE(corpus.ok()) << code << ": " << corpus.status();
     EXPECT_EQ(AllDocuments(**corpus), (Docs{{0, 100, 127}, {3}})) << code;
@@ -141,34 +141,29 @@ void ExpectCorrupt(const std::string& name, void (*mutate)(Megatron&),
 }
 
 TEST(MegatronCorruptTest, BadMagic) {
-  ExpectCorrupt(
-      "magic", [](Megatron& m) { m.idx[0] = 'X'; }, {"magic.idx: magic at byte offset 0"});
+  ExpectCorrupt("magic", [](Megatron& m) { m.idx[0] = 'X'; },
+                {"magic.idx: magic at byte offset 0"});
 }
 
 TEST(MegatronCorruptTest, WrongVersion) {
-  ExpectCorrupt(
-      "version", [](Megatron& m) { m.idx[9] = 2; },
-      {"version.idx: version at byte offset 9", "2, expected 1"});
+  ExpectCorrupt("version", [](Megatron& m) { m.idx[9] = 2; },
+                {"version.idx: version at byte offset 9", "2, expected 1"});
 }
 
 TEST(MegatronCorruptTest, FloatDType) {
-  ExpectCorrupt(
-      "float", [](Megatron& m) { m.idx[17] = 7; }, {"dtype code at byte offset 17", "float"});
-  ExpectCorrupt(
-      "code9", [](Megatron& m) { m.idx[17] = 9; }, {"dtype code at byte offset 17", "9"});
+  ExpectCorrupt("float", [](Megatron& m) { m.idx[17] = 7; },
+                {"dtype code at byte offset 17", "float"});
+  ExpectCorrupt("code9", [](Megatron& m) { m.idx[17] = 9; }, {"dtype code at byte offset 17", "9"});
 }
 
 TEST(MegatronCorruptTest, TruncatedIdx) {
-  ExpectCorrupt(
-      "short_header", [](Megatron& m) { m.idx.resize(20); },
-      {"short_header.idx: header at byte offset 20", "truncated"});
+  ExpectCorrupt("short_header", [](Megatron& m) { m.idx.resize(20); },
+                {"short_header.idx: header at byte offset 20", "truncated"});
   // Cut inside the document indices: the counts ask for more than the file holds.
-  ExpectCorrupt(
-      "short_docs", [](Megatron& m) { m.idx.resize(m.idx.size() - 3); },
-      {"short_docs.idx: document count at byte offset 26", "truncated"});
-  ExpectCorrupt(
-      "short_lengths", [](Megatron& m) { m.idx.resize(kLengthsAt + 6); },
-      {"short_lengths.idx: sequence count at byte offset 18"});
+  ExpectCorrupt("short_docs", [](Megatron& m) { m.idx.resize(m.idx.size() - 3); },
+                {"short_docs.idx: document count at byte offset 26", "truncated"});
+  ExpectCorrupt("short_lengths", [](Megatron& m) { m.idx.resize(kLengthsAt + 6); },
+                {"short_lengths.idx: sequence count at byte offset 18"});
   ExpectCorrupt(
       "trailing", [](Megatron& m) { m.idx.append(4, '\0'); },
       {"trailing.idx: end of the document indices at byte offset 122", "4 trailing bytes"});
@@ -178,46 +173,38 @@ TEST(MegatronCorruptTest, PointerPastTheEndOfTheBin) {
   // Sequence 3 (tokens 7..11) moved 2 bytes on: its last token would be past the end.
   ExpectCorrupt(
       "pointer", [](Megatron& m) { m.idx[kPointersAt + 3 * 8] += 2; },
-      {"pointer.idx: pointer of sequence 3 at byte offset 74", "inside",
-       "pointer.bin (22 bytes)"});
+      {"pointer.idx: pointer of sequence 3 at byte offset 74", "inside", "pointer.bin (22 bytes)"});
   // A truncated .bin: the same field.
-  ExpectCorrupt(
-      "short_bin", [](Megatron& m) { m.bin.resize(m.bin.size() - 1); },
-      {"short_bin.idx: pointer of sequence 3 at byte offset 74"});
+  ExpectCorrupt("short_bin", [](Megatron& m) { m.bin.resize(m.bin.size() - 1); },
+                {"short_bin.idx: pointer of sequence 3 at byte offset 74"});
   // A pointer not on a token: odd for uint16.
-  ExpectCorrupt(
-      "odd_pointer", [](Megatron& m) { m.idx[kPointersAt + 2 * 8] += 1; },
-      {"pointer of sequence 2 at byte offset 66"});
+  ExpectCorrupt("odd_pointer", [](Megatron& m) { m.idx[kPointersAt + 2 * 8] += 1; },
+                {"pointer of sequence 2 at byte offset 66"});
 }
 
 TEST(MegatronCorruptTest, NegativeLength) {
-  ExpectCorrupt(
-      "negative", [](Megatron& m) { std::memset(&m.idx[kLengthsAt + 4], 0xff, 4); },
-      {"length of sequence 1 at byte offset 38", "-1 is negative"});
+  ExpectCorrupt("negative", [](Megatron& m) { std::memset(&m.idx[kLengthsAt + 4], 0xff, 4); },
+                {"length of sequence 1 at byte offset 38", "-1 is negative"});
 }
 
 TEST(MegatronCorruptTest, NonMonotoneDocumentIndices) {
   // Indices 0 2 3 3 4 -> 0 3 2 3 4.
-  ExpectCorrupt(
-      "monotone",
-      [](Megatron& m) {
-        m.idx[kDocsAt + 8] = 3;
-        m.idx[kDocsAt + 16] = 2;
-      },
-      {"monotone.idx: document index 2 at byte offset 98", "must not decrease"});
-  ExpectCorrupt(
-      "first", [](Megatron& m) { m.idx[kDocsAt] = 1; },
-      {"document index 0 at byte offset 82", "expected 0"});
-  ExpectCorrupt(
-      "last", [](Megatron& m) { m.idx[kDocsAt + 32] = 3; },
-      {"document index 4 at byte offset 114", "expected the sequence count 4"});
+  ExpectCorrupt("monotone",
+                [](Megatron& m) {
+                  m.idx[kDocsAt + 8] = 3;
+                  m.idx[kDocsAt + 16] = 2;
+                },
+                {"monotone.idx: document index 2 at byte offset 98", "must not decrease"});
+  ExpectCorrupt("first", [](Megatron& m) { m.idx[kDocsAt] = 1; },
+                {"document index 0 at byte offset 82", "expected 0"});
+  ExpectCorrupt("last", [](Megatron& m) { m.idx[kDocsAt + 32] = 3; },
+                {"document index 4 at byte offset 114", "expected the sequence count 4"});
 }
 
 TEST(MegatronCorruptTest, SequencesOfADocumentNotBackToBack) {
   // Document 0's second sequence pointed at the first's start.
-  ExpectCorrupt(
-      "gap", [](Megatron& m) { m.idx[kPointersAt + 8] = 0; },
-      {"gap.idx: pointer of sequence 1 at byte offset 58", "does not follow"});
+  ExpectCorrupt("gap", [](Megatron& m) { m.idx[kPointersAt + 8] = 0; },
+                {"gap.idx: pointer of sequence 1 at byte offset 58", "does not follow"});
 }
 
 TEST(MegatronCorruptTest, TokenAtOrAboveVocab) {
@@ -228,19 +215,18 @@ TEST(MegatronCorruptTest, TokenAtOrAboveVocab) {
   // int16 -1 is below 0.
   const std::string prefix = WriteMegatron(MakeMegatron({{{1, 0xffff}}}, 3, 2), "negative_token");
   auto corpus = TokenFileCorpus::Open(prefix, Options());
-  EXPECT_THAT(corpus.status().message(),
-              AllOf(HasSubstr("negative_token.bin: token 1 at byte offset 2"),
-                    HasSubstr("value -1")));
+  EXPECT_THAT(
+      corpus.status().message(),
+      AllOf(HasSubstr("negative_token.bin: token 1 at byte offset 2"), HasSubstr("value -1")));
 }
 
 TEST(MegatronCorruptTest, Empty) {
-  ExpectCorrupt(
-      "empty_file", [](Megatron& m) { m.idx.clear(); },
-      {"empty_file.idx: header at byte offset 0", "truncated"});
+  ExpectCorrupt("empty_file", [](Megatron& m) { m.idx.clear(); },
+                {"empty_file.idx: header at byte offset 0", "truncated"});
   const std::string none = WriteMegatron(MakeMegatron({}), "no_documents");
-  EXPECT_THAT(TokenFileCorpus::Open(none, Options()).status().message(),
-              AllOf(HasSubstr("no_documents.idx: document count at byte offset 26"),
-                    HasSubstr("empty")));
+  EXPECT_THAT(
+      TokenFileCorpus::Open(none, Options()).status().message(),
+      AllOf(HasSubstr("no_documents.idx: document count at byte offset 26"), HasSubstr("empty")));
   const std::string zero = WriteMegatron(MakeMegatron({{}, {{}}}), "zero_tokens");
   EXPECT_THAT(TokenFileCorpus::Open(zero, Options()).status().message(),
               AllOf(HasSubstr("zero_tokens.idx"), HasSubstr("empty")));
@@ -254,8 +240,7 @@ TEST(MegatronCorruptTest, MissingBin) {
   EXPECT_THAT(corpus.status().message(), HasSubstr("no_bin.bin"));
 }
 
-std::string LlmC(int32_t magic, int32_t version, const std::vector<int64_t>& tokens,
-                 int itemsize) {
+std::string LlmC(int32_t magic, int32_t version, const std::vector<int64_t>& tokens, int itemsize) {
   std::string out;
   Put(out, static_cast<uint32_t>(magic), 4);
   Put(out, static_cast<uint32_t>(version), 4);
