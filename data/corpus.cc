@@ -6,8 +6,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/status.h"
 #include "data/markov.h"
 #include "data/text_corpus.h"
+#include "data/token_files.h"
 
 namespace gradsum::data {
 
@@ -75,10 +77,33 @@ absl::StatusOr<std::shared_ptr<const DocumentSource>> MakeCorpus(const train::Da
                      "but data.path=",
                      config.path(), " trains on a file: give one or the other"));
   }
+  if (IsTokenFilePath(config.path())) {
+    TokenFileOptions options;
+    options.eod_token = config.eod_token();
+    options.max_len = config.seq_len();
+    options.flat_dtype = FlatDTypeOfPath(config.path());
+    absl::StatusOr<std::unique_ptr<TokenFileCorpus>> tokens =
+        TokenFileCorpus::Open(config.path(), options);
+    if (!tokens.ok()) return Annotate(tokens.status(), "--data");
+    return std::shared_ptr<const DocumentSource>(std::move(*tokens));
+  }
   absl::StatusOr<std::unique_ptr<TextFileCorpus>> file =
       TextFileCorpus::Load(config.path(), config.seq_len());
   if (!file.ok()) return file.status();
   return std::shared_ptr<const DocumentSource>(std::move(*file));
+}
+
+absl::Status CheckCorpusVocab(const DocumentSource& corpus, int64_t vocab) {
+  const auto* tokens = dynamic_cast<const TokenFileCorpus*>(&corpus);
+  if (tokens == nullptr) {
+    if (vocab == 256) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat("model.vocab=", vocab, ": ", corpus.Describe(),
+                                                   " is byte-level, so vocab must be 256"));
+  }
+  if (tokens->MaxToken() < vocab) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("model.vocab=", vocab, ": ", corpus.Describe(), " holds token id ",
+                   tokens->MaxToken(), ", so vocab must be at least ", tokens->MaxToken() + 1));
 }
 
 }  // namespace gradsum::data

@@ -19,7 +19,8 @@ class DocumentSource {
   virtual int64_t num_documents() const = 0;
   // Length of document i (cheap; used to replay packing when resuming).
   virtual int64_t DocumentLength(int64_t i) const = 0;
-  // The tokens of document i (values in [0, 256)).
+  // The tokens of document i (values in [0, 256) for the byte corpora; a token file's ids,
+  // data/token_files.h, below its MaxToken() + 1).
   virtual std::vector<int32_t> Document(int64_t i) const = 0;
   // The per-token floor: the lowest expected CE (nats per labelled token, over the
   // documents as generated) of any model that predicts each label from the current token

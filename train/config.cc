@@ -372,9 +372,6 @@ absl::Status ValidateModel(const ModelConfig& m) {
   GRADSUM_RETURN_IF_ERROR(Positive("model.experts", m.experts()));
   GRADSUM_RETURN_IF_ERROR(Positive("model.top_k", m.top_k()));
   GRADSUM_RETURN_IF_ERROR(Positive("model.expert_dim", m.expert_dim()));
-  if (m.vocab() != 256) {
-    return Bad("model.vocab", StrCat(m.vocab()), "the data is byte-level, so vocab must be 256");
-  }
   if (m.top_k() > m.experts()) {
     return Bad("model.top_k", StrCat(m.top_k()),
                StrCat("cannot exceed model.experts=", m.experts()));
@@ -420,6 +417,9 @@ absl::Status ValidateData(const DataConfig& d) {
   if (d.max_doc_len() > d.seq_len()) {
     return Bad("data.max_doc_len", StrCat(d.max_doc_len()),
                StrCat("must fit a sequence (data.seq_len=", d.seq_len(), ")"));
+  }
+  if (d.eod_token() < -1) {
+    return Bad("data.eod_token", StrCat(d.eod_token()), "must be a token id, or -1 for none");
   }
   return Positive("data.corpus_documents", d.corpus_documents());
 }
@@ -599,6 +599,14 @@ absl::Status ValidateAcrossSections(const TrainConfig& c) {
   const DataConfig& d = c.data();
   const LossConfig& l = c.loss();
   const ParallelismConfig& p = c.parallelism();
+  // The embedded corpora are byte-level; a data.path file is checked against the vocabulary
+  // when it is read (data/corpus.h CheckCorpusVocab: 256 for byte text, above the largest
+  // token id for a token file).
+  if (d.path().empty() && m.vocab() != 256) {
+    return Bad("model.vocab", StrCat(m.vocab()),
+               "the embedded corpora are byte-level, so vocab must be 256 (a token file given "
+               "to data.path may take another)");
+  }
   if (m.experts() % p.ep() != 0) {
     return Bad("parallelism.ep", StrCat(p.ep()),
                StrCat("must divide model.experts=", m.experts(), " (SEMANTICS.md §7)"));

@@ -60,8 +60,9 @@ absl::Status ApplyOverrides(const std::vector<FieldOverride>& overrides, TrainCo
 // and the mesh built from it is the source of the group sizes after), an hsdp shard group
 // (shard_group, only with sharding=hsdp) that divides world and is a multiple of ep (0, the
 // ranks of one host, is resolved and checked by MakeRankMesh), top_k <= experts,
-// vocab == 256 (all data is byte-level), document lengths that fit a sequence, optimiser
-// ranges, resume needing a checkpoint directory. Returns the first violation as
+// vocab == 256 without data.path (the embedded corpora are byte-level; a file's corpus is
+// checked against vocab when read, data/corpus.h CheckCorpusVocab), document lengths that fit a
+// sequence, optimiser ranges, resume needing a checkpoint directory. Returns the first violation as
 // InvalidArgument "field=value: reason", the field as its dotted path
 // ("parallelism.ep=3: must divide parallelism.world=4"). Each section is checked on its own
 // first (ValidateModel, ValidateData, ... in config.cc), then the checks that relate sections.

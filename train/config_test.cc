@@ -312,6 +312,16 @@ TEST(ConfigTest, BadOverridesNameThePathAndValue) {
   }
 }
 
+// model.vocab must be 256 for the embedded corpora only: a data.path file is held to the
+// vocabulary when it is read (data/corpus.h CheckCorpusVocab).
+TEST(ConfigTest, AnotherVocabNeedsAFile) {
+  TrainConfig c;
+  c.mutable_model()->set_vocab(50304);
+  EXPECT_THAT(ValidateConfig(c).message(), HasSubstr("model.vocab=50304"));
+  c.mutable_data()->set_path("tokens.bin");
+  EXPECT_TRUE(ValidateConfig(c).ok()) << ValidateConfig(c);
+}
+
 // Each bad config fails validation with InvalidArgument naming the field and value.
 TEST(ConfigTest, ValidationNamesFieldAndValue) {
   struct Case {
@@ -339,6 +349,7 @@ TEST(ConfigTest, ValidationNamesFieldAndValue) {
       {{{"data.min_doc_len", "1"}}, "data.min_doc_len=1"},
       {{{"data.min_doc_len", "50"}, {"data.max_doc_len", "40"}}, "data.max_doc_len=40"},
       {{{"data.corpus_documents", "0"}}, "data.corpus_documents=0"},
+      {{{"data.eod_token", "-2"}}, "data.eod_token=-2"},
       {{{"model.router_scale", "0"}}, "model.router_scale=0"},
       {{{"model.init_std", "-1"}}, "model.init_std=-1"},
       {{{"optim.lr", "0"}}, "optim.lr=0"},

@@ -94,6 +94,21 @@ grep -q "^step 2/2" "$tmp/data.txt" || fail "--data run logged no step 2"
 expect_error "data.corpus=markov2 names an embedded corpus, but data.path=$tmp/corpus.txt trains on a file" \
   "${tiny[@]}" --steps=1 --data="$tmp/corpus.txt" --corpus=markov2
 
+# A headerless uint16 token file (data/token_files.h) trains at a vocabulary above its largest
+# id, split into documents at --eod_token; a smaller vocabulary and a torn file are refused.
+python3 -c '
+import struct, sys
+ids = [(7 * i) % 999 + 1 if i % 23 else 0 for i in range(4000)]
+open(sys.argv[1], "wb").write(struct.pack("<%dH" % len(ids), *ids))' "$tmp/tokens.u16"
+"$bin" "${tiny[@]}" --steps=2 --data="$tmp/tokens.u16" --eod_token=0 --vocab=1000 \
+  > "$tmp/tokens.txt" 2>&1 || fail "token-file run failed: $(cat "$tmp/tokens.txt")"
+grep -q "^step 2/2" "$tmp/tokens.txt" || fail "token-file run logged no step 2"
+expect_error "model.vocab=999: --data=$tmp/tokens.u16 (headerless token file, uint16 tokens) holds token id 999" \
+  "${tiny[@]}" --steps=1 --data="$tmp/tokens.u16" --eod_token=0 --vocab=999
+printf 'x' >> "$tmp/tokens.u16"
+expect_error "$tmp/tokens.u16: end at byte offset 8001" \
+  "${tiny[@]}" --steps=1 --data="$tmp/tokens.u16" --eod_token=0 --vocab=1000
+
 # Config files: the sections, and the top-level fields of the layout before sections (with
 # an enum quoted, as older files have it) give the same run; flags still override a file.
 cat > "$tmp/sections.textproto" <<'EOF2'

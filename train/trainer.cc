@@ -12,6 +12,7 @@
 #include "data/corpus.h"
 #include "data/document_source.h"
 #include "data/loader.h"
+#include "data/token_files.h"
 #include "io/path_checks.h"
 #include "optim/grad_norm.h"
 #include "train/checkpointing.h"
@@ -54,12 +55,20 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   // Ranks launched separately must agree on every setting and on the data before anything
   // else is collective.
   // The data file is read once: its loaded bytes give the fingerprint the ranks compare.
-  // Its path is checked first, since opening a FIFO would block.
-  const absl::Status data_path = config.data().path().empty()
-                                     ? absl::OkStatus()
-                                     : CheckInputFile("--data", config.data().path());
+  // Its path is checked first, since opening a FIFO would block (a token file's reader opens
+  // its files non-blocking and refuses all but regular files itself; a Megatron PREFIX is
+  // no file).
+  const absl::Status data_path =
+      config.data().path().empty() || data::IsTokenFilePath(config.data().path())
+          ? absl::OkStatus()
+          : CheckInputFile("--data", config.data().path());
   absl::StatusOr<std::shared_ptr<const data::DocumentSource>> corpus =
       data_path.ok() ? data::MakeCorpus(config.data()) : data_path;
+  // A token file's ids must fit the model's vocabulary (byte corpora: 256).
+  if (corpus.ok()) {
+    const absl::Status fits = data::CheckCorpusVocab(**corpus, config.model().vocab());
+    if (!fits.ok()) corpus = fits;
+  }
   GRADSUM_RETURN_IF_ERROR(CheckRanksAgree(config, corpus, world));
   auto trainer = std::unique_ptr<Trainer>(new Trainer());
   trainer->corpus_ = *std::move(corpus);
@@ -138,6 +147,7 @@ absl::Status Trainer::PrepareLocal() {
     // The held-out batch, the same at every evaluation (so the values compare).
     GRADSUM_ASSIGN_OR_RETURN(std::shared_ptr<const data::DocumentSource> held_out,
                              data::MakeHeldOutCorpus(config_.data()));
+    GRADSUM_RETURN_IF_ERROR(data::CheckCorpusVocab(*held_out, config_.model().vocab()));
     GRADSUM_ASSIGN_OR_RETURN(
         data::RankDataLoader eval_loader,
         data::RankDataLoader::Create(held_out, config_.data(), world().rank(), world().size(),
