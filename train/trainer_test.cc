@@ -577,8 +577,7 @@ TEST(TrainerTest, ResumeRefusesAnotherDataStreamButAllowsNewOptimizerSettings) {
   const std::pair<std::function<void(TrainConfig*)>, std::string> refused[] = {
       {[](TrainConfig* t) { t->mutable_model()->set_attention(ModelConfig::causal); },
        "model.attention=none but this run has model.attention=causal"},
-      {[](TrainConfig* t) { t->mutable_model()->set_kv_heads(2); },
-       "model.kv_heads=4 but this run has model.kv_heads=2"},
+
       {[](TrainConfig* t) { t->mutable_data()->set_corpus(DataConfig::markov2); },
        "data.corpus=markov1 but this run has data.corpus=markov2"},
   };
@@ -592,6 +591,22 @@ TEST(TrainerTest, ResumeRefusesAnotherDataStreamButAllowsNewOptimizerSettings) {
     for (const RankOutcome& r : *e) {
       EXPECT_EQ(r.status.code(), absl::StatusCode::kFailedPrecondition) << r.status;
       EXPECT_THAT(r.status.message(), HasSubstr(message));
+    }
+  }
+
+  // Another head layout for the per-token model, which has none: refused before the
+  // checkpoint is read, as a value the model would ignore (issue 50).
+  {
+    TrainConfig other = first;
+    other.mutable_checkpoint()->set_resume(true);
+    other.mutable_optim()->set_steps(3);
+    other.mutable_model()->set_kv_heads(2);
+    auto e = RunInProcess(other);
+    ASSERT_TRUE(e.ok());
+    for (const RankOutcome& r : *e) {
+      EXPECT_EQ(r.status.code(), absl::StatusCode::kInvalidArgument) << r.status;
+      EXPECT_THAT(r.status.message(),
+                  HasSubstr("model.kv_heads=2: is not used with model.attention=none"));
     }
   }
 
@@ -732,8 +747,10 @@ TrainConfig ActivationConfig(int layers, int micro_batch, int seq_len, bool atte
   m.set_experts(4);
   m.set_top_k(2);
   m.set_attention(attention ? ModelConfig::causal : ModelConfig::none);
-  m.set_heads(4);
-  m.set_kv_heads(2);
+  if (attention) {  // the per-token model has no heads (and refuses a head layout)
+    m.set_heads(4);
+    m.set_kv_heads(2);
+  }
   config.mutable_data()->set_micro_batch(micro_batch);
   config.mutable_data()->set_seq_len(seq_len);
   config.mutable_data()->set_max_doc_len(seq_len);
