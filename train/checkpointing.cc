@@ -315,7 +315,17 @@ absl::Status CheckResumeCompatible(const TrainConfig& saved, const TrainConfig& 
         ModelConfig::RouterScore_Name(mb.router_score())}},
       {"model.mtp_depth", {StrCat(ma.mtp_depth()), StrCat(mb.mtp_depth())}},
   };
+  // Without attention (on both sides) the head layout and the RoPE base decide nothing: a
+  // checkpoint written when they could be set regardless still resumes with the defaults
+  // the config's validation now asks for.
+  const bool no_attention =
+      ma.attention() == ModelConfig::none && mb.attention() == ModelConfig::none;
   for (const auto& [name, values] : fields) {
+    if (no_attention &&
+        (absl::string_view(name) == "model.heads" || absl::string_view(name) == "model.kv_heads" ||
+         absl::string_view(name) == "model.rope_theta")) {
+      continue;
+    }
     if (values.first != values.second) {
       return absl::FailedPreconditionError(
           StrCat("--resume: the checkpoint of step ", step, " was written with ", name, "=",

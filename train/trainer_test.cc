@@ -1171,6 +1171,24 @@ void RewriteMarkerExtra(
   ASSERT_TRUE(WriteFileAtomically(marker_path, *rewritten + "\n").ok());
 }
 
+// A checkpoint of the per-token model written before a head layout without attention was
+// refused (issue 50) still resumes with the defaults validation now asks for; with
+// attention the layout still must match.
+TEST(TrainerTest, ResumeIgnoresTheHeadLayoutOfAModelWithoutAttention) {
+  TrainConfig saved = ResolvedConfig(TinyConfig(2, 2, 1, TrainConfig::fsdp));
+  saved.mutable_model()->set_heads(3);
+  saved.mutable_model()->set_kv_heads(1);
+  saved.mutable_model()->set_rope_theta(500);
+  const TrainConfig now = ResolvedConfig(TinyConfig(2, 2, 1, TrainConfig::fsdp));
+  ASSERT_TRUE(ValidateConfig(now).ok());
+  EXPECT_TRUE(CheckResumeCompatible(saved, now, 3).ok()) << CheckResumeCompatible(saved, now, 3);
+  TrainConfig saved_causal = saved, now_causal = now;
+  saved_causal.mutable_model()->set_attention(ModelConfig::causal);
+  now_causal.mutable_model()->set_attention(ModelConfig::causal);
+  EXPECT_THAT(CheckResumeCompatible(saved_causal, now_causal, 3).message(),
+              HasSubstr("model.heads=3 but this run has model.heads=4"));
+}
+
 TEST(TrainerTest, ResumeRefusesAMarkerWithoutItsConfig) {
   const std::string dir = ::testing::TempDir() + "/ckpt_no_config";
   const TrainConfig first = TwoCheckpointedSteps(dir);
