@@ -534,10 +534,14 @@ absl::Status ValidateOptim(const OptimConfig& o) {
   if (!(std::isfinite(o.weight_decay()) && o.weight_decay() >= 0)) {
     return Bad("optim.weight_decay", StrCat(o.weight_decay()), "must be >= 0");
   }
-  if (!(o.lr() * o.weight_decay() <= kFp32Max)) {
+  // Decoupled decay multiplies every decayed fp32 parameter by 1 - lr weight_decay each step
+  // (sharding/adamw.cc, at the scheduled lr, up to lr): above 2 that factor's magnitude
+  // exceeds 1, and the parameters grow geometrically until fp32 overflows.
+  if (!(o.lr() * o.weight_decay() <= 2)) {
     return Bad("optim.weight_decay", StrCat(o.weight_decay()),
-               StrCat("times optim.lr=", o.lr(), " must be at most ", kFp32Max,
-                      ", fp32's largest value: AdamW decays fp32 parameters by lr weight_decay"));
+               StrCat("times optim.lr=", o.lr(),
+                      " must be at most 2: AdamW multiplies the fp32 parameters by 1 - lr "
+                      "weight_decay every step, and beyond 2 they grow until they overflow"));
   }
   // grad_clip is compared with the global norm and divided into it in double (a clip
   // factor <= 1 is what reaches fp32): any finite value is held.

@@ -486,7 +486,9 @@ TEST(ConfigTest, FloatValuesBeyondTheirFp32UseAreRefusedByName) {
       {{{"optim.lr", "1e39"}}, "optim.lr=1e+39: must be at most 3.40282e+38"},
       {{{"optim.eps", "1e39"}}, "optim.eps=1e+39: must be at most 3.40282e+38"},
       {{{"optim.lr", "1e20"}, {"optim.weight_decay", "1e20"}},
-       "optim.weight_decay=1e+20: times optim.lr=1e+20 must be at most"},
+       "optim.weight_decay=1e+20: times optim.lr=1e+20 must be at most 2"},
+      {{{"optim.lr", "1"}, {"optim.weight_decay", "3"}},
+       "optim.weight_decay=3: times optim.lr=1 must be at most 2"},
   };
   for (const Case& k : cases) {
     TrainConfig c;
@@ -500,7 +502,8 @@ TEST(ConfigTest, FloatValuesBeyondTheirFp32UseAreRefusedByName) {
            {{"loss.expert_bias_speed", "1e38"}, {"optim.steps", "1"}},
            {{"loss.expert_bias_speed", "1e-30"}},
            {{"loss.alpha_b", "3e38"}, {"loss.alpha_lse", "3e38"}},
-           {{"optim.lr", "3e38"}}}) {
+           {{"optim.lr", "3e38"}},
+           {{"optim.lr", "1"}, {"optim.weight_decay", "2"}}}) {
     TrainConfig c;
     ASSERT_TRUE(ApplyOverrides(fine, &c).ok());
     EXPECT_TRUE(ValidateConfig(c).ok()) << fine[0].path << ": " << ValidateConfig(c);
