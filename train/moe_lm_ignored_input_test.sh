@@ -22,31 +22,31 @@ expect_error() {  # expect_error "substring" args...
 }
 
 # Item 4: values that passed validation and overflowed in fp32 later.
-expect_error "loss.logit_softcap=1e+300: must be at most 1e+30" --logit_softcap=1e300 --steps=2
-expect_error "loss.expert_bias_speed=1e+39: times optim.steps=2 must be at most" \
+expect_error "--logit_softcap: loss.logit_softcap=1e+300: must be at most 1e+30" --logit_softcap=1e300 --steps=2
+expect_error "--expert_bias_speed: loss.expert_bias_speed=1e+39: times optim.steps=2 must be at most" \
   --expert_bias_speed=1e39 --steps=2
-expect_error "loss.expert_bias_speed=3e+38: times optim.steps=2 must be at most" \
+expect_error "--expert_bias_speed: loss.expert_bias_speed=3e+38: times optim.steps=2 must be at most" \
   --expert_bias_speed=3e38 --steps=2
 
 # Item 5: the attention fields without attention.
-expect_error "model.heads=3: is not used with model.attention=none" \
+expect_error "--heads: model.heads=3: is not used with model.attention=none" \
   --attention=none --heads=3 --kv_heads=2 --rope_theta=nan --steps=1
-expect_error "model.rope_theta=nan: is not used with model.attention=none" \
+expect_error "--rope_theta: model.rope_theta=nan: is not used with model.attention=none" \
   --attention=none --rope_theta=nan --steps=1
 
 # --eval_data: only with --data and --eval_every; its own errors; MTP depths that train.
 printf 'a training document of some length\nand another training document here\n' > "$tmp/train.txt"
 : > "$tmp/empty.txt"
-expect_error "data.eval_path=$tmp/nonexistent.txt: is read only with data.path (--data)" \
+expect_error "--eval_data: data.eval_path=$tmp/nonexistent.txt: is read only with data.path (--data)" \
   --eval_data="$tmp/nonexistent.txt" --eval_every=1 --steps=1
-expect_error "data.eval_path=$tmp/train.txt: is read only with log.eval_every > 0" \
+expect_error "--eval_data: data.eval_path=$tmp/train.txt: is read only with log.eval_every > 0" \
   --data="$tmp/train.txt" --eval_data="$tmp/train.txt" --steps=1
 expect_error "--eval_data=$tmp/nonexistent.txt" \
   --data="$tmp/train.txt" --eval_data="$tmp/nonexistent.txt" --eval_every=1 --steps=1
 grep -qF -- "--data=$tmp/nonexistent.txt" "$tmp/out.txt" && fail "labelled --data: $(cat "$tmp/out.txt")"
 expect_error "--eval_data=$tmp/empty.txt: file is empty" \
   --data="$tmp/train.txt" --eval_data="$tmp/empty.txt" --eval_every=1 --steps=1
-expect_error "model.mtp_depth=23: must be at most data.max_doc_len - 2 = 22" --mtp_depth=23 --steps=1
+expect_error "--mtp_depth: model.mtp_depth=23: must be at most data.max_doc_len - 2 = 22" --mtp_depth=23 --steps=1
 # A line's document holds its newline: 7 tokens here.
 printf 'abcdef\nghijkl\n' > "$tmp/short.txt"
 expect_error "model.mtp_depth=6: must be at most 5, the longest document of --data=$tmp/short.txt (7 tokens)" \
