@@ -551,6 +551,15 @@ absl::Status ValidateOptim(const OptimConfig& o) {
   if (o.warmup_steps() < 0) {
     return Bad("optim.warmup_steps", StrCat(o.warmup_steps()), "must be >= 0");
   }
+  if (o.lr_decay() == OptimConfig::constant) {
+    // The constant schedule has no decay to end anywhere.
+    const OptimConfig& d = OptimConfig::default_instance();
+    constexpr absl::string_view kConstant = "with optim.lr_decay=constant (no decay)";
+    GRADSUM_RETURN_IF_ERROR(
+        Unused("optim.min_lr", StrCat(o.min_lr()), o.min_lr() == d.min_lr(), kConstant));
+    GRADSUM_RETURN_IF_ERROR(Unused("optim.decay_steps", StrCat(o.decay_steps()),
+                                   o.decay_steps() == d.decay_steps(), kConstant));
+  }
   return CheckLrSchedule(o);
 }
 
@@ -739,6 +748,10 @@ absl::Status ValidateAcrossSections(const TrainConfig& c) {
                       d.max_doc_len(),
                       " tokens the deeper depths would train nothing (SEMANTICS.md §15.1)"));
   }
+  GRADSUM_RETURN_IF_ERROR(
+      Unused("loss.mtp_scale", StrCat(l.mtp_scale()),
+             m.mtp_depth() > 0 || l.mtp_scale() == LossConfig::default_instance().mtp_scale(),
+             "with model.mtp_depth=0 (no MTP depth to weigh)"));
   if (m.mtp_depth() > 0 && !(l.mtp_scale() > 0 && l.mtp_scale() <= m.mtp_depth())) {
     return Bad("loss.mtp_scale", StrCat(l.mtp_scale()),
                StrCat("must be in (0, model.mtp_depth=", m.mtp_depth(), "] (SEMANTICS.md §15)"));
@@ -761,6 +774,11 @@ absl::Status ValidateAcrossSections(const TrainConfig& c) {
                       "): the balancing loss of SEMANTICS.md §5 is defined on softmax "
                       "probabilities; balance sigmoid routing with loss.expert_bias_speed"));
   }
+  GRADSUM_RETURN_IF_ERROR(
+      Unused("log.eval_micro_batches", StrCat(c.log().eval_micro_batches()),
+             c.log().eval_every() > 0 ||
+                 c.log().eval_micro_batches() == LogConfig::default_instance().eval_micro_batches(),
+             "with log.eval_every=0 (no evaluation)"));
   // data.eval_path is read only by the evaluation of a --data run: given otherwise it would
   // be ignored, and a missing file never noticed.
   if (!d.eval_path().empty() && d.path().empty()) {
