@@ -19,7 +19,7 @@ namespace gradsum::data {
 
 // The corpus `config` names: the file `path`, or when it is empty the embedded corpus
 // `corpus` (markov1: MarkovCorpus, markov2: SecondOrderMarkovCorpus). A path that
-// IsTokenFilePath accepts (a Megatron prefix or its .idx / .bin, any other .bin, .u16, .u32:
+// IsTokenFilePath accepts (a Megatron prefix or its .idx / .bin, an llm.c .bin, .u16, .u32:
 // data/token_files.h) is a TokenFileCorpus: documents split at `eod_token` where the format
 // has no index, cut at seq_len tokens, headerless .u32 files uint32 and other headerless
 // files uint16; any other path is a byte text file (TextFileCorpus), read exactly as before

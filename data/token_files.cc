@@ -1,6 +1,8 @@
 #include "data/token_files.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -485,8 +487,22 @@ absl::StatusOr<std::unique_ptr<TokenFileCorpus>> TokenFileCorpus::Open(
 }
 
 bool IsTokenFilePath(const std::string& path) {
-  return !MegatronPrefix(path).empty() || EndsWith(path, ".bin") || EndsWith(path, ".u16") ||
-         EndsWith(path, ".u32");
+  if (!MegatronPrefix(path).empty() || EndsWith(path, ".u16") || EndsWith(path, ".u32")) {
+    return true;
+  }
+  if (!EndsWith(path, ".bin")) return false;
+  // A .bin is an llm.c shard only if it says so: a byte text file named .bin stays text, as
+  // it was read before token files. Opened non-blocking and only if regular (a FIFO or a
+  // device is the text path's to refuse by name).
+  const int fd = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return false;
+  struct stat st;
+  int32_t magic = 0;
+  const bool shard = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
+                     pread(fd, &magic, sizeof(magic), 0) == sizeof(magic) &&
+                     (magic == kLlmCMagic16 || magic == kLlmCMagic32);
+  close(fd);
+  return shard;
 }
 
 TokenDType FlatDTypeOfPath(const std::string& path) {

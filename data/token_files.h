@@ -145,9 +145,10 @@ class TokenFileCorpus : public DocumentSource {
 };
 
 // Whether the trainer reads `path` (data.path) as a token file: PREFIX.idx beside it (or the
-// path is such a .idx / .bin), or it ends in .bin, .u16 or .u32. Any other path is a byte
-// text file (data/text_corpus.h). A .bin that is neither Megatron's nor llm.c's is a
-// headerless uint16 file (nanoGPT's train.bin), a .u32 a uint32 one.
+// path is such a .idx / .bin), a .bin whose first int32 is an llm.c magic, or a path ending
+// in .u16 (headerless uint16) or .u32 (headerless uint32). Any other path, a .bin that is
+// neither Megatron's nor llm.c's included, is a byte text file (data/text_corpus.h), as it
+// was before token files: give nanoGPT's headerless train.bin a .u16 name (a link will do).
 bool IsTokenFilePath(const std::string& path);
 
 // The headerless dtype a path's extension gives: kUint32 for .u32, else kUint16.

@@ -259,6 +259,7 @@ TEST(LlmCTest, DocumentsEndAtTheEodToken) {
   // The leading EOD is a document of its own; 3 4 5 6 7 9 is cut at 4.
   EXPECT_EQ(AllDocuments(**corpus), (Docs{{9}, {1, 2, 9}, {3, 4, 5, 6}, {7, 9}, {8}}));
   EXPECT_EQ((*corpus)->MaxToken(), 9);
+  EXPECT_TRUE(IsTokenFilePath(path));  // a .bin with llm.c's magic
 
   const std::string path32 = ::testing::TempDir() + "/shard32.bin";
   WriteFile(path32, LlmC(20240801, 7, {128000, 70000, 128001, 5}, 4));
@@ -302,7 +303,12 @@ TEST(FlatTest, Uint16AndUint32) {
   ASSERT_TRUE(corpus.ok()) << corpus.status();
   EXPECT_EQ((*corpus)->format(), TokenFileFormat::kFlat);
   EXPECT_EQ(AllDocuments(**corpus), (Docs{{5, 6, 0}, {7, 0}, {8, 9}}));
-  EXPECT_TRUE(IsTokenFilePath(u16));
+  // A headerless .bin is not recognised as tokens by the trainer's path rule (a byte text
+  // file named .bin stays text); .u16 is.
+  EXPECT_FALSE(IsTokenFilePath(u16));
+  const std::string named = ::testing::TempDir() + "/train.u16";
+  WriteFile(named, Flat({5, 6, 0, 7, 0, 8, 9}, 2));
+  EXPECT_TRUE(IsTokenFilePath(named));
 
   const std::string u32 = ::testing::TempDir() + "/train.u32";
   WriteFile(u32, Flat({100000, 1, 2, 3, 4}, 4));

@@ -53,6 +53,12 @@ void CheckCpu(const at::Tensor& t, absl::string_view op, absl::string_view what)
     Fail(op, absl::StrCat(what, " must be a CPU tensor, got ", Describe(t),
                           " (Debian's torch is built without CUDA; only CPU kernels are bound)"));
   }
+  // The kernels read a strided tensor's memory; a sparse or mkldnn tensor has none to read
+  // (torch then fails inside the op with its own RuntimeError, naming no argument).
+  if (t.layout() != at::kStrided) {
+    Fail(op, absl::StrCat(what, " must be a dense (strided) tensor, got a ", c10::str(t.layout()),
+                          " tensor ", Describe(t), " (convert it with .to_dense())"));
+  }
 }
 
 void CheckFloat(const at::Tensor& t, absl::string_view op, absl::string_view what) {
@@ -162,9 +168,20 @@ OptTensor ResolveWeights(const CeWeights& w, const at::Tensor& labels_flat,
   return LibraryTokenWeights(labels_flat, w.sample_ids, label_shape, mode, w.ignore_index, op);
 }
 
+// A router mask as uint8. The library takes 0 or 1 only and names any other value; checked
+// here on the caller's integers, since a cast to uint8 first would wrap 256 to 0 and
+// silently drop the row.
 OptTensor OptionalMask(const OptTensor& mask, int64_t rows, absl::string_view op) {
   if (!mask.has_value()) return c10::nullopt;
-  return IntegerInput(*mask, {rows}, at::kByte, op, "input_mask", "one entry per router row");
+  const at::Tensor m =
+      IntegerInput(*mask, {rows}, at::kLong, op, "input_mask", "one entry per router row");
+  const int64_t* v = m.data_ptr<int64_t>();
+  for (int64_t t = 0; t < m.numel(); ++t) {
+    if (v[t] != 0 && v[t] != 1) {
+      Fail(op, absl::StrCat("input_mask[", t, "] = ", v[t], " must be 0 or 1"));
+    }
+  }
+  return m.to(at::kByte);
 }
 
 // The gradient of a scalar loss times `grad_output`, the gradient flowing into that loss.
@@ -461,9 +478,9 @@ at::Tensor LinearCrossEntropy(const at::Tensor& hidden, const at::Tensor& weight
   CheckFloat(hidden, kOp, "hidden");
   CheckFloat(weight, kOp, "weight");
   if (hidden.dim() < 1 || weight.dim() != 2 || weight.size(1) != hidden.size(-1) ||
-      weight.size(0) < 1) {
+      weight.size(0) < 1 || hidden.size(-1) < 1) {
     Fail(kOp, absl::StrCat("hidden must be [..., Dm] and weight [V, Dm] (nn.Linear(Dm, V)'s "
-                           "layout) with V >= 1, got hidden ",
+                           "layout) with V >= 1 and Dm >= 1, got hidden ",
                            Describe(hidden), " and weight ", Describe(weight)));
   }
   const at::IntArrayRef label_shape = hidden.sizes().slice(0, hidden.dim() - 1);
@@ -492,6 +509,13 @@ at::Tensor LoadBalancingLoss(const at::Tensor& router_logits,
   constexpr absl::string_view kOp = "balancing_loss";
   const at::Tensor u =
       RouterInput(router_logits, kOp, inputs_are_probs ? "router probabilities" : "router_logits");
+  if (inputs_are_probs && u.numel() > 0 && !u.ge(0).logical_and(u.le(1)).all().item<bool>()) {
+    // §5's p_t is a probability: a value outside [0, 1] (or NaN) is no softmax's output, and
+    // the loss of such values means nothing.
+    Fail(kOp, absl::StrCat("router probabilities (probs=True) must lie in [0, 1], got values in [",
+                           u.min().item<double>(), ", ", u.max().item<double>(), "] in ",
+                           Describe(router_logits)));
+  }
   const OptTensor mask = OptionalMask(input_mask, u.size(0), kOp);
   const at::Tensor counts = IntegerInput(global_expert_counts, {u.size(1)}, at::kLong, kOp,
                                          "global_expert_counts", "one count per expert");
@@ -602,8 +626,9 @@ at::Tensor CountExpertAssignments(const at::Tensor& topk_indices, int64_t num_ex
                                   const c10::optional<at::Tensor>& input_mask) {
   constexpr absl::string_view kOp = "count_expert_assignments";
   CheckCpu(topk_indices, kOp, "topk_indices");
-  if (topk_indices.dim() != 2) {
-    Fail(kOp, absl::StrCat("topk_indices must be 2-D [T, K], got ", Describe(topk_indices)));
+  if (topk_indices.dim() != 2 || topk_indices.size(1) < 1) {
+    Fail(kOp,
+         absl::StrCat("topk_indices must be 2-D [T, K] with K >= 1, got ", Describe(topk_indices)));
   }
   const at::Tensor idx64 =
       IntegerInput(topk_indices, topk_indices.sizes(), at::kLong, kOp, "topk_indices", "");

@@ -346,6 +346,86 @@ class ErrorsTest(unittest.TestCase):
         nan_u[1, 2] = float("nan")
         self.assert_value_error(lambda: gt.z_loss(nan_u, 5), "row 1")
 
+    def test_mask_values_do_not_wrap_in_a_uint8_cast(self):
+        # Issue 50: 256 became 0 in a cast to uint8, silently dropping the row; like 2, it is
+        # a value the library's 0 / 1 mask does not take, named with its row.
+        u = torch.randn(5, 4)
+        counts = torch.tensor([2, 3, 3, 2])
+        for big in (256, 257, -1, 2**40):
+            mask = torch.tensor([1, big, 1, 1, 1])
+            self.assert_value_error(lambda: gt.z_loss(u, 5, input_mask=mask), "z_loss",
+                                    f"input_mask[1] = {big} must be 0 or 1")
+            self.assert_value_error(lambda: gt.balancing_loss(u, counts, 2, input_mask=mask),
+                                    "balancing_loss", f"input_mask[1] = {big} must be 0 or 1")
+            self.assert_value_error(
+                lambda: gt.count_expert_assignments(torch.zeros(5, 2, dtype=torch.long), 4,
+                                                    input_mask=mask),
+                f"input_mask[1] = {big}")
+        # 0 / 1 and bool masks are as before.
+        ones = torch.ones(5, dtype=torch.long)
+        self.assertEqual(gt.z_loss(u, 5, input_mask=ones).item(), gt.z_loss(u, 5).item())
+        self.assertEqual(gt.z_loss(u, 5, input_mask=ones.bool()).item(), gt.z_loss(u, 5).item())
+
+    def test_balancing_probabilities_outside_0_1_are_refused(self):
+        p = torch.tensor([[-0.5, 3.0, 0.5]] * 4)
+        counts = torch.tensor([2, 3, 3])
+        self.assert_value_error(lambda: gt.balancing_loss(p, counts, 2, probs=True),
+                                "balancing_loss", "router probabilities (probs=True) must lie "
+                                "in [0, 1], got values in [-0.5, 3]")
+        nan_p = torch.full((4, 3), 1 / 3)
+        nan_p[2, 1] = float("nan")
+        self.assert_value_error(lambda: gt.balancing_loss(nan_p, counts, 2, probs=True),
+                                "must lie in [0, 1]")
+        # Probabilities, and logits of any sign without probs=True, are accepted.
+        u = torch.randn(4, 3) * 5
+        self.assertTrue(math.isfinite(gt.balancing_loss(u.softmax(-1), counts, 2,
+                                                        probs=True).item()))
+        self.assertTrue(math.isfinite(gt.balancing_loss(u, counts, 2).item()))
+
+    def test_sparse_mkldnn_and_zero_width_tensors_name_the_argument(self):
+        z = torch.randn(4, 5)
+        y = torch.tensor([0, 1, 2, 4])
+        u = torch.randn(4, 3)
+        counts = torch.tensor([2, 3, 3])
+        for layout, convert in (("Sparse", lambda t: t.to_sparse()),
+                                ("Mkldnn", lambda t: t.to_mkldnn())):
+            self.assert_value_error(lambda: gt.cross_entropy(convert(z), y, 4.0),
+                                    f"cross_entropy: logits must be a dense (strided) tensor, "
+                                    f"got a {layout} tensor")
+            self.assert_value_error(lambda: gt.z_loss(convert(u), 4),
+                                    f"z_loss: router_logits must be a dense (strided) tensor, "
+                                    f"got a {layout} tensor")
+            self.assert_value_error(lambda: gt.balancing_loss(convert(u), counts, 2),
+                                    "balancing_loss: router_logits must be a dense")
+            self.assert_value_error(
+                lambda: gt.linear_cross_entropy(convert(z), torch.randn(6, 5), y, 4.0),
+                "linear_cross_entropy: hidden must be a dense")
+        sparse = lambda t: t.to_sparse()  # noqa: E731  (integer tensors: no mkldnn)
+        self.assert_value_error(lambda: gt.cross_entropy(z, sparse(y), 4.0),
+                                "cross_entropy: labels must be a dense")
+        self.assert_value_error(
+            lambda: gt.cross_entropy(z, y, 4.0, token_weights=sparse(torch.ones(4))),
+            "cross_entropy: token_weights must be a dense")
+        self.assert_value_error(lambda: gt.balancing_loss(u, sparse(counts), 2),
+                                "balancing_loss: global_expert_counts must be a dense")
+        self.assert_value_error(lambda: gt.z_loss(u, 4, input_mask=sparse(torch.ones(4))),
+                                "z_loss: input_mask must be a dense")
+        self.assert_value_error(lambda: gt.token_weights(sparse(y)), "token_weights: labels must")
+        self.assert_value_error(
+            lambda: gt.count_expert_assignments(sparse(torch.tensor([[0, 1]])), 3),
+            "count_expert_assignments: topk_indices must be a dense")
+        # Zero-width: no feature, expert or vocabulary entry to compute with.
+        self.assert_value_error(
+            lambda: gt.linear_cross_entropy(torch.randn(4, 0), torch.randn(5, 0), y, 4.0),
+            "linear_cross_entropy: hidden must be [..., Dm]", "Dm >= 1")
+        self.assert_value_error(lambda: gt.cross_entropy(torch.randn(4, 0), y, 4.0),
+                                "cross_entropy: logits must be [..., V] with V >= 1")
+        self.assert_value_error(lambda: gt.z_loss(torch.randn(4, 0), 4),
+                                "z_loss: router_logits must be 2-D [T, E] with E >= 1")
+        self.assert_value_error(
+            lambda: gt.count_expert_assignments(torch.zeros(2, 0, dtype=torch.long), 3),
+            "count_expert_assignments: topk_indices must be 2-D [T, K] with K >= 1")
+
 
 class LinearCrossEntropyTest(unittest.TestCase):
     def setUp(self):

@@ -350,6 +350,31 @@ class PolicyLossErrorsTest(unittest.TestCase):
         self.raises("sequence_valid_tokens has shape", n=None, global_sequences=2,
                     aggregation="seq_mean_token_mean", sequence_valid_tokens=n_s[:2])
 
+    def test_numbers_must_be_numbers(self):
+        # Issue 50: float('6') made the string a normaliser; every number argument is
+        # checked, naming it. Tensors of one element (dist's normalisers) are numbers.
+        self.raises("policy_loss: global_valid_tokens must be a number", "str '6'", n="6")
+        self.raises("global_valid_tokens must be a number", "bool True", n=True)
+        self.raises("global_valid_tokens must be a number or a one-element real tensor",
+                    n=torch.tensor([3.0, 3.0]))
+        self.raises("eps_low must be a number", "str '0.2'", eps_low="0.2")
+        n_s = torch.tensor([2, 2, 1, 1])
+        self.raises("global_sequences must be a number", "str '2'", n=None, global_sequences="2",
+                    aggregation="seq_mean_token_mean", sequence_valid_tokens=n_s)
+        want, _ = gt.policy_loss(self.z, self.y, self.old, self.adv, 3)
+        for n in (3.0, torch.tensor(3), torch.tensor([3.0])):
+            got, _ = gt.policy_loss(self.z, self.y, self.old, self.adv, n)
+            self.assertEqual(got.item(), want.item())
+
+    def test_sparse_and_mkldnn_inputs_name_the_argument(self):
+        self.raises("policy_loss: logits must be a dense (strided) tensor, got a Sparse tensor",
+                    z=self.z.detach().to_sparse())
+        self.raises("logits must be a dense (strided) tensor, got a Mkldnn tensor",
+                    z=self.z.detach().to_mkldnn())
+        self.raises("policy_loss: old_logprob must be a dense", old=self.old.to_sparse())
+        self.raises("policy_loss: mask must be a dense",
+                    mask=torch.ones(4, dtype=torch.long).to_sparse())
+
     def test_bad_values_of_valid_tokens(self):
         self.raises("label 5 at row 2", y=torch.tensor([0, 1, 5, 4]))
         adv = self.adv.clone()

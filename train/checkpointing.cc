@@ -21,6 +21,7 @@
 #include "core/status.h"
 #include "io/atomic_file.h"
 #include "train/config.h"
+#include "train/lr_schedule.h"
 
 namespace gradsum::train {
 namespace {
@@ -137,6 +138,25 @@ std::string ChangedSettings(const TrainConfig& saved, const TrainConfig& config)
     }
   }
   return absl::StrJoin(changed, ", ");
+}
+
+// A resume line's words for a learning-rate schedule that differs from the checkpoint's at
+// the step the run continues from (empty when it does not): under a decay that ends at
+// optim.steps (decay_steps 0) more steps move the rest of the curve, and the lr can jump
+// back up. ChangedSettings names lr, min_lr, ... but not optim.steps, which a resume
+// changes all the time without consequence under the constant schedule.
+std::string ScheduleChange(const OptimConfig& saved, const OptimConfig& now, int64_t step) {
+  const double before = LearningRate(saved, step), after = LearningRate(now, step);
+  if (before == after) return "";
+  std::string why;
+  if (saved.steps() != now.steps() && now.lr_decay() != OptimConfig::constant &&
+      now.decay_steps() == 0) {
+    why = absl::StrCat(" (optim.steps ", saved.steps(), " -> ", now.steps(),
+                       " under optim.lr_decay=", OptimConfig::LrDecay_Name(now.lr_decay()),
+                       ", which decays to optim.min_lr at optim.steps)");
+  }
+  return absl::StrCat("the learning-rate schedule changed", why, ": step ", step + 1, "'s lr is ",
+                      after, ", the checkpoint's schedule gave ", before);
 }
 
 // The mesh a resume line names: "world=2 ep=2 grad_acc=2 sharding=fsdp layers_per_unit=1".
@@ -296,7 +316,17 @@ absl::Status CheckResumeCompatible(const TrainConfig& saved, const TrainConfig& 
         ModelConfig::RouterScore_Name(mb.router_score())}},
       {"model.mtp_depth", {StrCat(ma.mtp_depth()), StrCat(mb.mtp_depth())}},
   };
+  // Without attention (on both sides) the head layout and the RoPE base decide nothing: a
+  // checkpoint written when they could be set regardless still resumes with the defaults
+  // the config's validation now asks for.
+  const bool no_attention =
+      ma.attention() == ModelConfig::none && mb.attention() == ModelConfig::none;
   for (const auto& [name, values] : fields) {
+    if (no_attention &&
+        (absl::string_view(name) == "model.heads" || absl::string_view(name) == "model.kv_heads" ||
+         absl::string_view(name) == "model.rope_theta")) {
+      continue;
+    }
     if (values.first != values.second) {
       return absl::FailedPreconditionError(
           StrCat("--resume: the checkpoint of step ", step, " was written with ", name, "=",
@@ -423,6 +453,7 @@ absl::StatusOr<ResumedRun> ResumeRun(const TrainConfig& config, Communicator& wo
   }
   GRADSUM_RETURN_IF_ERROR(MarkAgreed(RestoreDataPosition(info, dir, config, run.step, loader)));
   // §5.1's bias: replicated, so every rank reads the same text whole, whatever the mesh.
+  bool bias_dropped = false;
   if (auto bias = info.extra.find(kExpertBias); bias != info.extra.end()) {
     absl::StatusOr<std::vector<std::vector<float>>> parsed = ParseExpertBias(bias->second);
     const ModelConfig& m = config.model();
@@ -438,7 +469,13 @@ absl::StatusOr<ResumedRun> ResumeRun(const TrainConfig& config, Communicator& wo
           absl::DataLossError(absl::StrCat("--resume: the expert bias in the commit marker of ",
                                            dir, ": ", parsed.status().message())));
     }
-    run.expert_bias = *std::move(parsed);
+    if (config.loss().expert_bias_speed() == 0 && !parsed->empty()) {
+      // u = 0 is off (SEMANTICS.md §5.1): no bias is held and routing is §10's, so the
+      // checkpoint's bias is not used to choose experts (nor saved again).
+      bias_dropped = true;
+    } else {
+      run.expert_bias = *std::move(parsed);
+    }
   }
   if (MeshText(*saved) != MeshText(config)) {
     absl::StrAppend(&run.note, "; resharded from ", MeshText(*saved), " to ", MeshText(config));
@@ -451,6 +488,15 @@ absl::StatusOr<ResumedRun> ResumeRun(const TrainConfig& config, Communicator& wo
   }
   if (const std::string changed = ChangedSettings(*saved, config); !changed.empty()) {
     absl::StrAppend(&run.note, "; changed since the checkpoint: ", changed);
+  }
+  if (const std::string schedule = ScheduleChange(saved->optim(), config.optim(), run.step);
+      !schedule.empty()) {
+    absl::StrAppend(&run.note, "; ", schedule);
+  }
+  if (bias_dropped) {
+    absl::StrAppend(&run.note,
+                    "; the checkpoint's expert bias is dropped: loss.expert_bias_speed=0 routes "
+                    "without one (SEMANTICS.md §5.1)");
   }
   return run;
 }

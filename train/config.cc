@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <iterator>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <utility>
@@ -361,6 +362,30 @@ absl::Status Positive(absl::string_view name, int64_t v) {
   return Bad(name, StrCat(v), "must be positive");
 }
 
+// fp32's largest finite value. A double field that the model turns into fp32 (a cast, or a
+// factor of fp32 values) must not exceed it: above it the value becomes inf, and the run
+// fails steps later with a NaN or an infinite bias that names neither the flag nor the step.
+constexpr double kFp32Max = std::numeric_limits<float>::max();
+constexpr double kMaxLogitSoftcap = 1e30;  // loss.logit_softcap: see ValidateLoss
+
+// `v` (already known finite) within fp32's range, or InvalidArgument naming the field and
+// `use`, the fp32 computation that could not hold it.
+absl::Status WithinFp32(absl::string_view name, double v, absl::string_view use) {
+  if (std::abs(v) <= kFp32Max) return absl::OkStatus();
+  return Bad(name, StrCat(v),
+             StrCat("must be at most ", kFp32Max, ", fp32's largest value: ", use));
+}
+
+// A field that the chosen configuration never reads, given a value other than its default:
+// refused by name, since a value given for nothing is a mistake the run would otherwise hide
+// (issue 50). A default value is accepted: every resolved config (a checkpoint's, a logged
+// one) holds every field, used or not.
+absl::Status Unused(absl::string_view name, const std::string& value, bool is_default,
+                    absl::string_view why) {
+  if (is_default) return absl::OkStatus();
+  return Bad(name, value, StrCat("is not used ", why, "; leave it unset"));
+}
+
 // Each section's checks of its own fields; the checks that relate fields of different
 // sections are ValidateAcrossSections'. Every division below is by a value checked positive
 // before it.
@@ -388,10 +413,25 @@ absl::Status ValidateModel(const ModelConfig& m) {
           "model.heads", StrCat(m.heads()),
           StrCat("must divide model.dim=", m.dim(), " into an even head_dim (RoPE rotates pairs)"));
     }
+    // RoPE's frequencies theta^(-2i / head_dim) and angles are computed in double
+    // (model/layers.cc RopeTable) and only their cos / sin, in [-1, 1], stored as fp32: any
+    // finite theta > 1 is held.
     if (!(std::isfinite(m.rope_theta()) && m.rope_theta() > 1)) {
       return Bad("model.rope_theta", StrCat(m.rope_theta()), "must be finite and > 1");
     }
+  } else {
+    // No attention block: its shape and RoPE base would be ignored without a word.
+    const ModelConfig& d = ModelConfig::default_instance();
+    constexpr absl::string_view kNoAttention =
+        "with model.attention=none (the model has no attention block)";
+    GRADSUM_RETURN_IF_ERROR(
+        Unused("model.heads", StrCat(m.heads()), m.heads() == d.heads(), kNoAttention));
+    GRADSUM_RETURN_IF_ERROR(
+        Unused("model.kv_heads", StrCat(m.kv_heads()), m.kv_heads() == d.kv_heads(), kNoAttention));
+    GRADSUM_RETURN_IF_ERROR(Unused("model.rope_theta", StrCat(m.rope_theta()),
+                                   m.rope_theta() == d.rope_theta(), kNoAttention));
   }
+  // router_scale and init_std are fp32 fields: finite is all their fp32 use needs.
   if (!(std::isfinite(m.router_scale()) && m.router_scale() > 0)) {
     return Bad("model.router_scale", StrCat(m.router_scale()), "must be finite and positive");
   }
@@ -431,18 +471,44 @@ absl::Status ValidateLoss(const LossConfig& l) {
   if (!(std::isfinite(l.alpha_z()) && l.alpha_z() >= 0)) {
     return Bad("loss.alpha_z", StrCat(l.alpha_z()), "must be >= 0");
   }
+  // The router's loss gradients are fp32 values times these weights (the CUDA router
+  // casts them to fp32).
+  GRADSUM_RETURN_IF_ERROR(WithinFp32("loss.alpha_b", l.alpha_b(),
+                                     "the balancing loss's gradient is fp32 scaled by it"));
+  GRADSUM_RETURN_IF_ERROR(
+      WithinFp32("loss.alpha_z", l.alpha_z(), "the z-loss's gradient is fp32 scaled by it"));
   if (!(l.label_smoothing() >= 0 && l.label_smoothing() < 1)) {
     return Bad("loss.label_smoothing", StrCat(l.label_smoothing()), "must be in [0, 1)");
   }
   if (!(std::isfinite(l.logit_softcap()) && l.logit_softcap() >= 0)) {
     return Bad("loss.logit_softcap", StrCat(l.logit_softcap()), "must be >= 0 (0 disables)");
   }
+  // The cap is applied in fp32, z -> c tanh(z / c) (losses/cross_entropy.cc): above fp32's
+  // range c is inf and every capped logit inf * tanh(0) = NaN; and z / c must stay a normal
+  // fp32 (>= 1.2e-38) for logits as small as 1e-8, or the capped logits lose their precision
+  // in subnormals: c <= 1e30. A cap that large never binds (logits are far below it).
+  if (l.logit_softcap() > kMaxLogitSoftcap) {
+    return Bad("loss.logit_softcap", StrCat(l.logit_softcap()),
+               StrCat("must be at most ", kMaxLogitSoftcap,
+                      ": the cap is computed in fp32 as c tanh(z / c), and z / c must stay a "
+                      "normal fp32 (0 disables the cap)"));
+  }
   if (!(std::isfinite(l.alpha_lse()) && l.alpha_lse() >= 0)) {
     return Bad("loss.alpha_lse", StrCat(l.alpha_lse()), "must be >= 0 (0 disables)");
   }
+  GRADSUM_RETURN_IF_ERROR(WithinFp32("loss.alpha_lse", l.alpha_lse(),
+                                     "the output z-loss's gradient is fp32 scaled by it"));
   if (!(std::isfinite(l.expert_bias_speed()) && l.expert_bias_speed() >= 0)) {
     return Bad("loss.expert_bias_speed", StrCat(l.expert_bias_speed()),
                "must be >= 0 and finite (0 = off; SEMANTICS.md §5.1)");
+  }
+  // u is rounded to fp32 once (model/moe_lm.cc UpdateExpertBias): a positive u below fp32's
+  // smallest normal value would round to 0 or a subnormal, and the bias, though held, would
+  // never move as asked. (Its upper bound depends on optim.steps: ValidateAcrossSections.)
+  if (l.expert_bias_speed() > 0 && l.expert_bias_speed() < std::numeric_limits<float>::min()) {
+    return Bad("loss.expert_bias_speed", StrCat(l.expert_bias_speed()),
+               StrCat("must be 0 (off) or at least ", std::numeric_limits<float>::min(),
+                      ", fp32's smallest normal value: the bias is updated in fp32"));
   }
   return absl::OkStatus();
 }
@@ -450,6 +516,11 @@ absl::Status ValidateLoss(const LossConfig& l) {
 absl::Status ValidateOptim(const OptimConfig& o) {
   if (o.steps() < 0) return Bad("optim.steps", StrCat(o.steps()), "must be >= 0");
   if (!(std::isfinite(o.lr()) && o.lr() > 0)) return Bad("optim.lr", StrCat(o.lr()), "must be > 0");
+  // AdamW's update, lr times a step of magnitude about 1 (and lr weight_decay times the
+  // parameter), is added to fp32 parameters: beyond fp32's range they would be inf after
+  // step 1. (beta1, beta2 lie in [0, 1); eps is added to sqrt(v) of fp32 gradients.)
+  GRADSUM_RETURN_IF_ERROR(
+      WithinFp32("optim.lr", o.lr(), "AdamW adds lr-sized updates to fp32 parameters"));
   if (!(o.beta1() >= 0 && o.beta1() < 1)) {
     return Bad("optim.beta1", StrCat(o.beta1()), "must be in [0, 1)");
   }
@@ -459,14 +530,36 @@ absl::Status ValidateOptim(const OptimConfig& o) {
   if (!(std::isfinite(o.eps()) && o.eps() > 0)) {
     return Bad("optim.eps", StrCat(o.eps()), "must be > 0");
   }
+  GRADSUM_RETURN_IF_ERROR(
+      WithinFp32("optim.eps", o.eps(), "AdamW divides fp32 moments by sqrt(v) + eps"));
   if (!(std::isfinite(o.weight_decay()) && o.weight_decay() >= 0)) {
     return Bad("optim.weight_decay", StrCat(o.weight_decay()), "must be >= 0");
   }
+  // Decoupled decay multiplies every decayed fp32 parameter by 1 - lr weight_decay each step
+  // (sharding/adamw.cc, at the scheduled lr, up to lr): above 2 that factor's magnitude
+  // exceeds 1, and the parameters grow geometrically until fp32 overflows.
+  if (!(o.lr() * o.weight_decay() <= 2)) {
+    return Bad("optim.weight_decay", StrCat(o.weight_decay()),
+               StrCat("times optim.lr=", o.lr(),
+                      " must be at most 2: AdamW multiplies the fp32 parameters by 1 - lr "
+                      "weight_decay every step, and beyond 2 they grow until they overflow"));
+  }
+  // grad_clip is compared with the global norm and divided into it in double (a clip
+  // factor <= 1 is what reaches fp32): any finite value is held.
   if (!(std::isfinite(o.grad_clip()) && o.grad_clip() >= 0)) {
     return Bad("optim.grad_clip", StrCat(o.grad_clip()), "must be >= 0 (0 disables)");
   }
   if (o.warmup_steps() < 0) {
     return Bad("optim.warmup_steps", StrCat(o.warmup_steps()), "must be >= 0");
+  }
+  if (o.lr_decay() == OptimConfig::constant) {
+    // The constant schedule has no decay to end anywhere.
+    const OptimConfig& d = OptimConfig::default_instance();
+    constexpr absl::string_view kConstant = "with optim.lr_decay=constant (no decay)";
+    GRADSUM_RETURN_IF_ERROR(
+        Unused("optim.min_lr", StrCat(o.min_lr()), o.min_lr() == d.min_lr(), kConstant));
+    GRADSUM_RETURN_IF_ERROR(Unused("optim.decay_steps", StrCat(o.decay_steps()),
+                                   o.decay_steps() == d.decay_steps(), kConstant));
   }
   return CheckLrSchedule(o);
 }
@@ -530,6 +623,8 @@ absl::Status ValidateParallelism(const ParallelismConfig& p) {
   return absl::OkStatus();
 }
 
+// comm.timeout_s becomes an absl::Duration (infinite beyond its range, which is what so
+// long a timeout means); the bucket caps are checked against their own bound.
 absl::Status ValidateComm(const CommConfig& comm) {
   if (!(std::isfinite(comm.timeout_s()) && comm.timeout_s() > 0)) {
     return Bad("comm.timeout_s", StrCat(comm.timeout_s()), "must be > 0");
@@ -585,6 +680,7 @@ absl::Status ValidateLog(const LogConfig& log) {
   return absl::OkStatus();
 }
 
+// parity_tolerance is compared with fp64 differences: any finite positive value is held.
 absl::Status ValidateDebug(const DebugConfig& debug) {
   if (!(std::isfinite(debug.parity_tolerance()) && debug.parity_tolerance() > 0)) {
     return Bad("debug.parity_tolerance", StrCat(debug.parity_tolerance()), "must be > 0");
@@ -673,6 +769,23 @@ absl::Status ValidateAcrossSections(const TrainConfig& c) {
                StrCat("must be < data.seq_len=", d.seq_len(),
                       ": a deeper MTP depth has no label in any sequence (SEMANTICS.md §15)"));
   }
+  if (m.mtp_depth() > 0 && d.path().empty() && m.mtp_depth() > d.max_doc_len() - 2) {
+    // Depth j's label of position t is token t + j + 1 of the same document (§15.1,
+    // train/data.cc): a document of n tokens gives depth j a label only if j <= n - 2, so
+    // with the embedded corpus's documents of at most max_doc_len tokens the deeper depths
+    // would train nothing (loss 0). A --data file's longest document is known once it is
+    // read: Trainer::Create checks it.
+    return Bad("model.mtp_depth", StrCat(m.mtp_depth()),
+               StrCat("must be at most data.max_doc_len - 2 = ", d.max_doc_len() - 2,
+                      ": depth j's label is the token j + 1 ahead in the same document, so with "
+                      "documents of at most ",
+                      d.max_doc_len(),
+                      " tokens the deeper depths would train nothing (SEMANTICS.md §15.1)"));
+  }
+  GRADSUM_RETURN_IF_ERROR(
+      Unused("loss.mtp_scale", StrCat(l.mtp_scale()),
+             m.mtp_depth() > 0 || l.mtp_scale() == LossConfig::default_instance().mtp_scale(),
+             "with model.mtp_depth=0 (no MTP depth to weigh)"));
   if (m.mtp_depth() > 0 && !(l.mtp_scale() > 0 && l.mtp_scale() <= m.mtp_depth())) {
     return Bad("loss.mtp_scale", StrCat(l.mtp_scale()),
                StrCat("must be in (0, model.mtp_depth=", m.mtp_depth(), "] (SEMANTICS.md §15)"));
@@ -682,11 +795,35 @@ absl::Status ValidateAcrossSections(const TrainConfig& c) {
                StrCat("cannot be combined with loss.expert_bias_speed=", l.expert_bias_speed(),
                       ": the expert bias is not defined for MTP layers (SEMANTICS.md §15.1)"));
   }
+  // The bias moves by u each step (§5.1): after optim.steps steps |b| <= u steps, which must
+  // stay a finite fp32 with room for the score in [0, 1] added to it in the selection.
+  if (l.expert_bias_speed() * std::max(1, c.optim().steps()) > kFp32Max / 2) {
+    return Bad("loss.expert_bias_speed", StrCat(l.expert_bias_speed()),
+               StrCat("times optim.steps=", c.optim().steps(), " must be at most ", kFp32Max / 2,
+                      ": the fp32 expert bias moves by it every step (SEMANTICS.md §5.1)"));
+  }
   if (m.router_score() == ModelConfig::sigmoid && l.alpha_b() != 0) {
     return Bad("model.router_score", "sigmoid",
                StrCat("needs loss.alpha_b=0 (got ", l.alpha_b(),
                       "): the balancing loss of SEMANTICS.md §5 is defined on softmax "
                       "probabilities; balance sigmoid routing with loss.expert_bias_speed"));
+  }
+  GRADSUM_RETURN_IF_ERROR(
+      Unused("log.eval_micro_batches", StrCat(c.log().eval_micro_batches()),
+             c.log().eval_every() > 0 ||
+                 c.log().eval_micro_batches() == LogConfig::default_instance().eval_micro_batches(),
+             "with log.eval_every=0 (no evaluation)"));
+  // data.eval_path is read only by the evaluation of a --data run: given otherwise it would
+  // be ignored, and a missing file never noticed.
+  if (!d.eval_path().empty() && d.path().empty()) {
+    return Bad("data.eval_path", d.eval_path(),
+               "is read only with data.path (--data): the embedded corpus holds out its own "
+               "documents; leave --eval_data unset");
+  }
+  if (!d.eval_path().empty() && c.log().eval_every() == 0) {
+    return Bad("data.eval_path", d.eval_path(),
+               "is read only with log.eval_every > 0 (--eval_every): no evaluation runs; set "
+               "--eval_every or leave --eval_data unset");
   }
   if (c.log().eval_every() > 0 && !d.path().empty() && d.eval_path().empty()) {
     return Bad("log.eval_every", StrCat(c.log().eval_every()),

@@ -18,15 +18,30 @@ absl::Status CheckRanksAgree(
     const TrainConfig& config,
     const absl::StatusOr<std::shared_ptr<const data::DocumentSource>>& corpus,
     Communicator& world) {
+  return CheckRanksAgree(config, corpus, std::shared_ptr<const data::DocumentSource>(), world);
+}
+
+absl::Status CheckRanksAgree(
+    const TrainConfig& config,
+    const absl::StatusOr<std::shared_ptr<const data::DocumentSource>>& corpus,
+    const absl::StatusOr<std::shared_ptr<const data::DocumentSource>>& held_out,
+    Communicator& world) {
   const std::vector<FieldOverride> fields = ConfigFields(config);
-  std::vector<int64_t> mine(fields.size() + 1, 0);
+  // The config's fields, then the --data file's fingerprint, then the --eval_data file's (0
+  // without one: the embedded corpora's documents follow from the config).
+  std::vector<int64_t> mine(fields.size() + 2, 0);
+  const size_t data_index = fields.size(), eval_index = fields.size() + 1;
   for (size_t i = 0; i < fields.size(); ++i) {
     mine[i] =
         static_cast<int64_t>(Fingerprint64(absl::StrCat(fields[i].path, "=", fields[i].value)));
   }
   absl::Status local = corpus.status();
   if (local.ok() && *corpus == nullptr) local = absl::InvalidArgumentError("no corpus");
-  if (local.ok()) mine.back() = static_cast<int64_t>((*corpus)->ContentFingerprint());
+  if (local.ok()) mine[data_index] = static_cast<int64_t>((*corpus)->ContentFingerprint());
+  if (local.ok()) local = held_out.status();
+  if (local.ok() && *held_out != nullptr) {
+    mine[eval_index] = static_cast<int64_t>((*held_out)->ContentFingerprint());
+  }
   GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world, local, "start-up (reading the data file)"));
   const size_t n = mine.size();
   std::vector<int64_t> all(n * world.size());
@@ -50,9 +65,12 @@ absl::Status CheckRanksAgree(
     for (const auto& [v, ranks] : groups)
       sets.push_back(absl::StrCat("{", absl::StrJoin(ranks, ","), "}"));
     const std::string what =
-        i < fields.size()
+        i < data_index
             ? absl::StrCat(fields[i].path, " (", fields[i].value, " on rank ", world.rank(), ")")
-            : absl::StrCat("the content of data.path=", config.data().path());
+        : i == data_index
+            ? absl::StrCat("the content of data.path=", config.data().path())
+            : absl::StrCat("the content of data.eval_path=", config.data().eval_path(),
+                           " (--eval_data)");
     differences.push_back(absl::StrCat(what, " differs: ranks ", absl::StrJoin(sets, " vs ")));
   }
   if (differences.empty()) return absl::OkStatus();

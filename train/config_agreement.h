@@ -30,6 +30,16 @@ absl::Status CheckRanksAgree(
     const TrainConfig& config,
     const absl::StatusOr<std::shared_ptr<const data::DocumentSource>>& corpus, Communicator& world);
 
+// The same, with the held-out documents of --eval_data (data.eval_path) too: `held_out` is
+// this rank's loaded file (nullptr when the run has none), its error failing every rank with
+// this rank's message like the corpus's, and its ContentFingerprint compared like the
+// --data file's, so ranks evaluating on different files are refused by name.
+absl::Status CheckRanksAgree(
+    const TrainConfig& config,
+    const absl::StatusOr<std::shared_ptr<const data::DocumentSource>>& corpus,
+    const absl::StatusOr<std::shared_ptr<const data::DocumentSource>>& held_out,
+    Communicator& world);
+
 }  // namespace gradsum::train
 
 #endif  // GRADSUM_TRAIN_CONFIG_AGREEMENT_H_

@@ -87,5 +87,44 @@ TEST(CheckRanksAgreeTest, DataFilesWithOtherContentAreRefused) {
   }
 }
 
+// Issue 50 item 5: the --eval_data file's bytes are compared too (ranks evaluating on
+// different files logged a mixed held-out CE), and named as --eval_data's.
+TEST(CheckRanksAgreeTest, EvalDataFilesWithOtherContentAreRefused) {
+  const std::string dir = ::testing::TempDir();
+  std::ofstream(absl::StrCat(dir, "/agree_train.txt")) << "one training line\nanother one\n";
+  for (int r = 0; r < 2; ++r) {
+    std::ofstream(absl::StrCat(dir, "/agree_eval_", r, ".txt"))
+        << "the same first line\n"
+        << (r == 0 ? "rank zero's held-out line\n" : "rank one's held-out line\n");
+  }
+  TrainConfig base = ResolvedConfig(TinyConfig(2, 1, 1, TrainConfig::fsdp));
+  base.mutable_data()->set_path(absl::StrCat(dir, "/agree_train.txt"));
+  base.mutable_log()->set_eval_every(1);
+  auto st = gradsum::testing::RunRanksPerRank(2, [&](Communicator& c) -> absl::Status {
+    TrainConfig mine = base;
+    mine.mutable_data()->set_eval_path(absl::StrCat(dir, "/agree_eval_", c.rank(), ".txt"));
+    absl::StatusOr<std::shared_ptr<const data::DocumentSource>> held_out =
+        data::MakeHeldOutCorpus(mine.data());
+    // Both ranks report the same path text, so only the content can differ.
+    mine.mutable_data()->set_eval_path("held_out.txt");
+    return CheckRanksAgree(mine, data::MakeCorpus(mine.data()), held_out, c);
+  });
+  ASSERT_TRUE(st.ok());
+  for (const absl::Status& s : *st) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(s.message(), HasSubstr("the content of data.eval_path=held_out.txt (--eval_data) "
+                                       "differs: ranks {0} vs {1}"));
+  }
+  // The same file on every rank agrees.
+  auto same = gradsum::testing::RunRanksPerRank(2, [&](Communicator& c) -> absl::Status {
+    TrainConfig mine = base;
+    mine.mutable_data()->set_eval_path(absl::StrCat(dir, "/agree_eval_0.txt"));
+    return CheckRanksAgree(mine, data::MakeCorpus(mine.data()),
+                           data::MakeHeldOutCorpus(mine.data()), c);
+  });
+  ASSERT_TRUE(same.ok());
+  EXPECT_TRUE((*same)[0].ok() && (*same)[1].ok()) << (*same)[0];
+}
+
 }  // namespace
 }  // namespace gradsum::train

@@ -3,10 +3,12 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/internal/parse.h"  // WasPresentOnCommandLine: absl has no public API
 #include "absl/flags/reflection.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
 #include "train/config_flags_list.h"
@@ -58,6 +60,7 @@ absl::StatusOr<TrainConfig> ConfigFromFlags() {
     GRADSUM_ASSIGN_OR_RETURN(config, LoadConfigFile(path));
   }
   std::vector<FieldOverride> overrides;
+  std::vector<std::string> override_flags;  // the flag of each override, for the messages
   for (const FlagField& ff : OverridableFlags()) {
     absl::CommandLineFlag* flag = absl::FindCommandLineFlag(ff.flag);
     if (flag == nullptr) {
@@ -69,10 +72,21 @@ absl::StatusOr<TrainConfig> ConfigFromFlags() {
     if (!is_switch) GRADSUM_RETURN_IF_ERROR(CheckNotGivenEmpty(ff.flag, value));
     if (is_switch ? value == "true" : !value.empty()) {
       overrides.push_back({ff.field_path, value});
+      override_flags.push_back(ff.flag);
     }
   }
   GRADSUM_RETURN_IF_ERROR(ApplyOverrides(overrides, &config));
-  GRADSUM_RETURN_IF_ERROR(ValidateConfig(config));
+  if (absl::Status valid = ValidateConfig(config); !valid.ok()) {
+    // ValidateConfig names the field by its path ("loss.logit_softcap=1e+300: ..."); when the
+    // value came from a flag, the message starts with the flag the user typed.
+    for (size_t i = 0; i < overrides.size(); ++i) {
+      if (absl::StartsWith(valid.message(), absl::StrCat(overrides[i].path, "="))) {
+        return absl::Status(valid.code(),
+                            absl::StrCat("--", override_flags[i], ": ", valid.message()));
+      }
+    }
+    return valid;
+  }
   return ResolvedConfig(config);
 }
 

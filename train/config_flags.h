@@ -33,7 +33,8 @@ const std::vector<FlagField>& OverridableFlags();
 
 // Reads --config (or starts from defaults when it is empty), applies every flag that was
 // given on the command line, validates. Errors as in LoadConfigFile, ApplyOverrides and
-// ValidateConfig (the message names the field and the value).
+// ValidateConfig (the message names the field and the value); a validation error about a
+// value a flag gave starts with that flag ("--logit_softcap: loss.logit_softcap=1e+300: ...").
 absl::StatusOr<TrainConfig> ConfigFromFlags();
 
 }  // namespace gradsum::train

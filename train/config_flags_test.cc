@@ -103,6 +103,14 @@ TEST(ConfigFlagsTest, CommandLineOverridesFileOnlyWhereGiven) {
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(bad.status().message(),
               HasSubstr("parallelism.ep=2: must divide parallelism.world=3"));
+  // The value came from --ep: the message starts with the flag the user typed (issue 50).
+  EXPECT_THAT(std::string(bad.status().message()),
+              ::testing::StartsWith("--ep: parallelism.ep=2: "));
+  // A value from the file alone is named by its field only.
+  std::ofstream(path) << "parallelism { world: 4 } model { top_k: 9 }\n";
+  absl::StatusOr<TrainConfig> from_file = ConfigFromFlags();
+  ASSERT_FALSE(from_file.ok());
+  EXPECT_THAT(std::string(from_file.status().message()), ::testing::StartsWith("model.top_k=9: "));
 }
 
 }  // namespace

@@ -475,6 +475,107 @@ TEST(ConfigTest, ValidationNamesFieldAndValue) {
   }
 }
 
+// Issue 50 item 4: a float value that passes its sign check but not the fp32 computation that
+// uses it is refused at start-up naming the field, not steps later with a NaN or an infinite
+// expert bias. The largest values each computation holds are accepted.
+TEST(ConfigTest, FloatValuesBeyondTheirFp32UseAreRefusedByName) {
+  struct Case {
+    std::vector<FieldOverride> overrides;
+    const char* expect;
+  };
+  const Case cases[] = {
+      {{{"loss.logit_softcap", "1e300"}}, "loss.logit_softcap=1e+300: must be at most 1e+30"},
+      {{{"loss.logit_softcap", "3e38"}}, "loss.logit_softcap=3e+38: must be at most 1e+30"},
+      {{{"loss.expert_bias_speed", "1e39"}}, "loss.expert_bias_speed=1e+39: times optim.steps="},
+      {{{"loss.expert_bias_speed", "3e38"}}, "loss.expert_bias_speed=3e+38: times optim.steps="},
+      {{{"loss.expert_bias_speed", "1e36"}, {"optim.steps", "1000"}},
+       "loss.expert_bias_speed=1e+36: times optim.steps=1000 must be at most"},
+      {{{"loss.expert_bias_speed", "1e-50"}},
+       "loss.expert_bias_speed=1e-50: must be 0 (off) or at least"},
+      {{{"loss.alpha_b", "1e39"}}, "loss.alpha_b=1e+39: must be at most 3.40282e+38"},
+      {{{"loss.alpha_z", "1e300"}}, "loss.alpha_z=1e+300: must be at most 3.40282e+38"},
+      {{{"loss.alpha_lse", "1e39"}}, "loss.alpha_lse=1e+39: must be at most 3.40282e+38"},
+      {{{"optim.lr", "1e39"}}, "optim.lr=1e+39: must be at most 3.40282e+38"},
+      {{{"optim.eps", "1e39"}}, "optim.eps=1e+39: must be at most 3.40282e+38"},
+      {{{"optim.lr", "1e20"}, {"optim.weight_decay", "1e20"}},
+       "optim.weight_decay=1e+20: times optim.lr=1e+20 must be at most 2"},
+      {{{"optim.lr", "1"}, {"optim.weight_decay", "3"}},
+       "optim.weight_decay=3: times optim.lr=1 must be at most 2"},
+  };
+  for (const Case& k : cases) {
+    TrainConfig c;
+    ASSERT_TRUE(ApplyOverrides(k.overrides, &c).ok()) << k.expect;
+    absl::Status s = ValidateConfig(c);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << k.expect << ": " << s;
+    EXPECT_THAT(s.message(), HasSubstr(k.expect));
+  }
+  for (const std::vector<FieldOverride>& fine : std::vector<std::vector<FieldOverride>>{
+           {{"loss.logit_softcap", "1e30"}},
+           {{"loss.expert_bias_speed", "1e38"}, {"optim.steps", "1"}},
+           {{"loss.expert_bias_speed", "1e-30"}},
+           {{"loss.alpha_b", "3e38"}, {"loss.alpha_lse", "3e38"}},
+           {{"optim.lr", "3e38"}},
+           {{"optim.lr", "1"}, {"optim.weight_decay", "2"}}}) {
+    TrainConfig c;
+    ASSERT_TRUE(ApplyOverrides(fine, &c).ok());
+    EXPECT_TRUE(ValidateConfig(c).ok()) << fine[0].path << ": " << ValidateConfig(c);
+  }
+}
+
+// Issue 50 item 5: a value the chosen configuration would ignore is refused by name (a
+// default is not: resolved configs hold every field), and so is an MTP depth the documents
+// are too short to train.
+TEST(ConfigTest, ValuesTheConfigWouldIgnoreAreRefusedByName) {
+  struct Case {
+    std::vector<FieldOverride> overrides;
+    const char* expect;
+  };
+  const Case cases[] = {
+      {{{"model.attention", "none"}, {"model.heads", "3"}, {"model.kv_heads", "2"}},
+       "model.heads=3: is not used with model.attention=none"},
+      {{{"model.attention", "none"}, {"model.kv_heads", "2"}},
+       "model.kv_heads=2: is not used with model.attention=none"},
+      {{{"model.attention", "none"}, {"model.rope_theta", "nan"}},
+       "model.rope_theta=nan: is not used with model.attention=none"},
+      {{{"data.eval_path", "/tmp/held_out.txt"}, {"log.eval_every", "2"}},
+       "data.eval_path=/tmp/held_out.txt: is read only with data.path (--data)"},
+      {{{"data.eval_path", "/tmp/held_out.txt"}, {"data.path", "/tmp/train.txt"}},
+       "data.eval_path=/tmp/held_out.txt: is read only with log.eval_every > 0"},
+      {{{"loss.mtp_scale", "0.3"}}, "loss.mtp_scale=0.3: is not used with model.mtp_depth=0"},
+      {{{"log.eval_micro_batches", "4"}},
+       "log.eval_micro_batches=4: is not used with log.eval_every=0"},
+      {{{"optim.min_lr", "0.001"}}, "optim.min_lr=0.001: is not used with optim.lr_decay=constant"},
+      {{{"optim.decay_steps", "100"}},
+       "optim.decay_steps=100: is not used with optim.lr_decay=constant"},
+      {{{"model.mtp_depth", "23"}, {"data.max_doc_len", "24"}},
+       "model.mtp_depth=23: must be at most data.max_doc_len - 2 = 22"},
+      {{{"model.mtp_depth", "2"}, {"data.max_doc_len", "3"}, {"data.min_doc_len", "2"}},
+       "model.mtp_depth=2: must be at most data.max_doc_len - 2 = 1"},
+  };
+  for (const Case& k : cases) {
+    TrainConfig c;
+    ASSERT_TRUE(ApplyOverrides(k.overrides, &c).ok()) << k.expect;
+    absl::Status s = ValidateConfig(c);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << k.expect << ": " << s;
+    EXPECT_THAT(s.message(), HasSubstr(k.expect));
+  }
+  // The defaults of the unused fields, as a resolved config (a checkpoint's) holds them, and
+  // the deepest depth that has labels.
+  TrainConfig none;
+  ASSERT_TRUE(ApplyOverrides({{"model.attention", "none"}}, &none).ok());
+  EXPECT_TRUE(ValidateConfig(ResolvedConfig(none)).ok()) << ValidateConfig(ResolvedConfig(none));
+  TrainConfig deep;
+  ASSERT_TRUE(ApplyOverrides({{"model.mtp_depth", "22"}, {"data.max_doc_len", "24"}}, &deep).ok());
+  EXPECT_TRUE(ValidateConfig(deep).ok()) << ValidateConfig(deep);
+  TrainConfig eval;
+  ASSERT_TRUE(ApplyOverrides({{"data.path", "/tmp/train.txt"},
+                              {"data.eval_path", "/tmp/held_out.txt"},
+                              {"log.eval_every", "2"}},
+                             &eval)
+                  .ok());
+  EXPECT_TRUE(ValidateConfig(eval).ok()) << ValidateConfig(eval);
+}
+
 // Without CP a sequence is not cut into 2 cp chunks: any seq_len the SP group divides is
 // valid, odd ones included (issue 50, item 6: every odd seq_len was refused, blamed on
 // parallelism.cp=1).

@@ -671,6 +671,7 @@ TEST(MtpParityTest, CeOptionsMatchTheReference) {
     config.mutable_loss()->set_alpha_lse(0.02);
     TrainConfig no_mtp = config;
     no_mtp.mutable_model()->set_mtp_depth(0);
+    no_mtp.mutable_loss()->clear_mtp_scale();  // without MTP, a scale is refused as unused
     TrainConfig no_z_out = config;
     no_z_out.mutable_loss()->set_alpha_lse(0);
     absl::StatusOr<std::vector<RankOutcome>> out = RunInProcess(config);

@@ -39,6 +39,27 @@ losses::CeWeightMode ToCeWeightMode(TrainConfig::CeMode m) {
   return losses::CeWeightMode::kToken;
 }
 
+// The held-out documents of --eval_data (data.eval_path), or nullptr when the run has no
+// such file (ValidateConfig allows one only with --data and --eval_every). Its path is
+// checked first (a FIFO would block), and its errors name --eval_data.
+absl::StatusOr<std::shared_ptr<const data::DocumentSource>> LoadEvalData(const DataConfig& data) {
+  if (data.eval_path().empty()) return std::shared_ptr<const data::DocumentSource>();
+  if (!data::IsTokenFilePath(data.eval_path())) {
+    GRADSUM_RETURN_IF_ERROR(CheckInputFile("--eval_data", data.eval_path()));
+  }
+  absl::StatusOr<std::shared_ptr<const data::DocumentSource>> held_out =
+      data::MakeHeldOutCorpus(data);
+  if (held_out.ok()) return held_out;
+  // The text-file loader (data/text_corpus.cc) labels its errors with the --data flag
+  // whatever file it reads; this one is --eval_data's.
+  std::string message(held_out.status().message());
+  const std::string as_data = absl::StrCat("--data=", data.eval_path());
+  if (const size_t at = message.find(as_data); at != std::string::npos) {
+    message.replace(at, as_data.size(), absl::StrCat("--eval_data=", data.eval_path()));
+  }
+  return absl::Status(held_out.status().code(), message);
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& config,
@@ -69,9 +90,26 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
     const absl::Status fits = data::CheckCorpusVocab(**corpus, config.model().vocab());
     if (!fits.ok()) corpus = fits;
   }
-  GRADSUM_RETURN_IF_ERROR(CheckRanksAgree(config, corpus, world));
+  // --eval_data likewise: its content joins the agreement (ranks evaluating on different
+  // files would log a mixed held-out CE).
+  absl::StatusOr<std::shared_ptr<const data::DocumentSource>> eval_file =
+      corpus.ok() ? LoadEvalData(config.data()) : std::shared_ptr<const data::DocumentSource>();
+  GRADSUM_RETURN_IF_ERROR(CheckRanksAgree(config, corpus, eval_file, world));
+  // MTP depth j needs documents of at least j + 2 tokens (§15.1): the embedded corpus's
+  // bound is ValidateConfig's; a --data file's longest document is known only now. The
+  // ranks agreed on the file, so every rank fails here alike.
+  if (const int k = config.model().mtp_depth();
+      k > 0 && !config.data().path().empty() && k > (*corpus)->MaxDocumentLength() - 2) {
+    return MarkAgreed(absl::InvalidArgumentError(absl::StrCat(
+        "model.mtp_depth=", k, ": must be at most ", (*corpus)->MaxDocumentLength() - 2,
+        ", the longest document of --data=", config.data().path(), " (",
+        (*corpus)->MaxDocumentLength(),
+        " tokens) less 2: depth j's label is the token j + 1 ahead in the same document, so the "
+        "deeper depths would train nothing (SEMANTICS.md §15.1)")));
+  }
   auto trainer = std::unique_ptr<Trainer>(new Trainer());
   trainer->corpus_ = *std::move(corpus);
+  trainer->eval_file_ = *std::move(eval_file);
   trainer->config_ = config;
   // The mesh is the one source of the group sizes (MakeRankMesh built it from these two
   // fields and checked the world size); what the trainer records (the checkpoints' config,
@@ -145,8 +183,10 @@ absl::Status Trainer::PrepareLocal() {
   loader_ = std::make_unique<data::RankDataLoader>(std::move(loader));
   if (config_.log().eval_every() > 0) {
     // The held-out batch, the same at every evaluation (so the values compare).
-    GRADSUM_ASSIGN_OR_RETURN(std::shared_ptr<const data::DocumentSource> held_out,
-                             data::MakeHeldOutCorpus(config_.data()));
+    std::shared_ptr<const data::DocumentSource> held_out = eval_file_;
+    if (held_out == nullptr) {
+      GRADSUM_ASSIGN_OR_RETURN(held_out, data::MakeHeldOutCorpus(config_.data()));
+    }
     GRADSUM_RETURN_IF_ERROR(data::CheckCorpusVocab(*held_out, config_.model().vocab()));
     GRADSUM_ASSIGN_OR_RETURN(
         data::RankDataLoader eval_loader,

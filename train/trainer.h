@@ -153,6 +153,8 @@ class Trainer {
   std::unique_ptr<ShardedAdamW> optimizer_;
   std::unique_ptr<data::RankDataLoader> loader_;
   std::shared_ptr<const data::DocumentSource> corpus_;
+  // --eval_data's documents (read before the ranks' agreement); nullptr without the file.
+  std::shared_ptr<const data::DocumentSource> eval_file_;
   losses::StepDisplay display_;
   int64_t step_ = 0;
   int64_t saved_step_ = -1;  // the step of this run's newest checkpoint (or the resumed one)

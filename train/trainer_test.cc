@@ -580,8 +580,7 @@ TEST(TrainerTest, ResumeRefusesAnotherDataStreamButAllowsNewOptimizerSettings) {
   const std::pair<std::function<void(TrainConfig*)>, std::string> refused[] = {
       {[](TrainConfig* t) { t->mutable_model()->set_attention(ModelConfig::causal); },
        "model.attention=none but this run has model.attention=causal"},
-      {[](TrainConfig* t) { t->mutable_model()->set_kv_heads(2); },
-       "model.kv_heads=4 but this run has model.kv_heads=2"},
+
       {[](TrainConfig* t) { t->mutable_data()->set_corpus(DataConfig::markov2); },
        "data.corpus=markov1 but this run has data.corpus=markov2"},
   };
@@ -595,6 +594,22 @@ TEST(TrainerTest, ResumeRefusesAnotherDataStreamButAllowsNewOptimizerSettings) {
     for (const RankOutcome& r : *e) {
       EXPECT_EQ(r.status.code(), absl::StatusCode::kFailedPrecondition) << r.status;
       EXPECT_THAT(r.status.message(), HasSubstr(message));
+    }
+  }
+
+  // Another head layout for the per-token model, which has none: refused before the
+  // checkpoint is read, as a value the model would ignore (issue 50).
+  {
+    TrainConfig other = first;
+    other.mutable_checkpoint()->set_resume(true);
+    other.mutable_optim()->set_steps(3);
+    other.mutable_model()->set_kv_heads(2);
+    auto e = RunInProcess(other);
+    ASSERT_TRUE(e.ok());
+    for (const RankOutcome& r : *e) {
+      EXPECT_EQ(r.status.code(), absl::StatusCode::kInvalidArgument) << r.status;
+      EXPECT_THAT(r.status.message(),
+                  HasSubstr("model.kv_heads=2: is not used with model.attention=none"));
     }
   }
 
@@ -735,8 +750,10 @@ TrainConfig ActivationConfig(int layers, int micro_batch, int seq_len, bool atte
   m.set_experts(4);
   m.set_top_k(2);
   m.set_attention(attention ? ModelConfig::causal : ModelConfig::none);
-  m.set_heads(4);
-  m.set_kv_heads(2);
+  if (attention) {  // the per-token model has no heads (and refuses a head layout)
+    m.set_heads(4);
+    m.set_kv_heads(2);
+  }
   config.mutable_data()->set_micro_batch(micro_batch);
   config.mutable_data()->set_seq_len(seq_len);
   config.mutable_data()->set_max_doc_len(seq_len);
@@ -1155,6 +1172,24 @@ void RewriteMarkerExtra(
   absl::StatusOr<std::string> rewritten = ProtoToJson(marker);
   ASSERT_TRUE(rewritten.ok());
   ASSERT_TRUE(WriteFileAtomically(marker_path, *rewritten + "\n").ok());
+}
+
+// A checkpoint of the per-token model written before a head layout without attention was
+// refused (issue 50) still resumes with the defaults validation now asks for; with
+// attention the layout still must match.
+TEST(TrainerTest, ResumeIgnoresTheHeadLayoutOfAModelWithoutAttention) {
+  TrainConfig saved = ResolvedConfig(TinyConfig(2, 2, 1, TrainConfig::fsdp));
+  saved.mutable_model()->set_heads(3);
+  saved.mutable_model()->set_kv_heads(1);
+  saved.mutable_model()->set_rope_theta(500);
+  const TrainConfig now = ResolvedConfig(TinyConfig(2, 2, 1, TrainConfig::fsdp));
+  ASSERT_TRUE(ValidateConfig(now).ok());
+  EXPECT_TRUE(CheckResumeCompatible(saved, now, 3).ok()) << CheckResumeCompatible(saved, now, 3);
+  TrainConfig saved_causal = saved, now_causal = now;
+  saved_causal.mutable_model()->set_attention(ModelConfig::causal);
+  now_causal.mutable_model()->set_attention(ModelConfig::causal);
+  EXPECT_THAT(CheckResumeCompatible(saved_causal, now_causal, 3).message(),
+              HasSubstr("model.heads=3 but this run has model.heads=4"));
 }
 
 TEST(TrainerTest, ResumeRefusesAMarkerWithoutItsConfig) {

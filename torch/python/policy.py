@@ -9,6 +9,7 @@ The forward and the gradient are the library's fused kernel (losses/policy_loss.
 here computes the loss.
 """
 
+import numbers
 from typing import Dict, Optional, Tuple, Union
 
 import torch
@@ -19,8 +20,20 @@ _METRICS = ("kl", "kl_sum", "valid_tokens", "clip_count", "dual_clip_count", "ra
             "ratio_max", "ratio_min")
 
 
-def _number(x):
-    return None if x is None else float(x)
+def _number(name, x):
+    """x as a float: a real number or a one-element tensor (a normaliser from dist), else
+    ValueError naming the argument. float() alone would take the string '6'."""
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1 or x.is_complex():
+            raise ValueError(f"policy_loss: {name} must be a number or a one-element real "
+                             f"tensor, got a tensor of shape {list(x.shape)} ({x.dtype})")
+        return float(x.item())
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise ValueError(f"policy_loss: {name} must be a number (int or float), got "
+                         f"{type(x).__name__} {x!r}")
+    return float(x)
 
 
 def policy_loss(logits: torch.Tensor, labels: torch.Tensor, old_logprob: torch.Tensor,
@@ -70,9 +83,11 @@ def policy_loss(logits: torch.Tensor, labels: torch.Tensor, old_logprob: torch.T
     [0, V), non-finite inputs of a valid token, a normaliser smaller than this call's own
     count).
     """
-    out = _C._policy_loss(logits, labels, old_logprob, advantages, _number(global_valid_tokens),
-                          mask, is_weights, ref_logprob, float(eps_low), float(eps_high),
-                          float(dual_clip_c), float(kl_coef), kl_estimator, float(is_cap),
-                          aggregation, _number(global_sequences), sequence_valid_tokens,
+    out = _C._policy_loss(logits, labels, old_logprob, advantages,
+                          _number("global_valid_tokens", global_valid_tokens), mask, is_weights,
+                          ref_logprob, _number("eps_low", eps_low), _number("eps_high", eps_high),
+                          _number("dual_clip_c", dual_clip_c), _number("kl_coef", kl_coef),
+                          kl_estimator, _number("is_cap", is_cap), aggregation,
+                          _number("global_sequences", global_sequences), sequence_valid_tokens,
                           int(ignore_index))
     return out[0], dict(zip(_METRICS, out[1:]))
