@@ -536,7 +536,7 @@ absl::Status ValidateOptim(const OptimConfig& o) {
     return Bad("optim.weight_decay", StrCat(o.weight_decay()), "must be >= 0");
   }
   // Decoupled decay multiplies every decayed fp32 parameter by 1 - lr weight_decay each step
-  // (sharding/adamw.cc, at the scheduled lr, up to lr): above 2 that factor's magnitude
+  // (optim/adamw.cc, at the scheduled lr, up to lr): above 2 that factor's magnitude
   // exceeds 1, and the parameters grow geometrically until fp32 overflows.
   if (!(o.lr() * o.weight_decay() <= 2)) {
     return Bad("optim.weight_decay", StrCat(o.weight_decay()),
@@ -690,10 +690,11 @@ absl::Status ValidateDebug(const DebugConfig& debug) {
 
 // The checks that relate fields of different sections, once every section is valid on its
 // own (so every size is positive here).
-absl::Status ValidateAcrossSections(const TrainConfig& c) {
+// How the mesh splits the model and each sequence: the vocabulary the corpus needs, the
+// experts over EP, a sequence over SP and CP.
+absl::Status ValidateSequenceSplit(const TrainConfig& c) {
   const ModelConfig& m = c.model();
   const DataConfig& d = c.data();
-  const LossConfig& l = c.loss();
   const ParallelismConfig& p = c.parallelism();
   // The embedded corpora are byte-level; a data.path file is checked against the vocabulary
   // when it is read (data/corpus.h CheckCorpusVocab: 256 for byte text, above the largest
@@ -728,6 +729,14 @@ absl::Status ValidateAcrossSections(const TrainConfig& c) {
                StrCat("must divide model.heads=", m.heads(),
                       " (Ulysses gives each rank of the SP group whole heads)"));
   }
+  return absl::OkStatus();
+}
+
+// precision.repro_block: a divisor of a rank's share, and in reproducible mode a block that
+// tiles every contiguous piece a rank holds (ReproBlock, ContiguousPiece).
+absl::Status ValidateReproBlock(const TrainConfig& c) {
+  const DataConfig& d = c.data();
+  const ParallelismConfig& p = c.parallelism();
   const int64_t held = d.seq_len() / (int64_t{p.sp()} * p.cp());
   const int32_t repro_block = c.precision().repro_block();
   if (repro_block < 0 || (repro_block > 0 && held % repro_block != 0)) {
@@ -761,7 +770,14 @@ absl::Status ValidateAcrossSections(const TrainConfig& c) {
                         "be compared"));
     }
   }
-  // Multi-token prediction (§15) and the router's scores (§5.1).
+  return absl::OkStatus();
+}
+
+// Multi-token prediction (§15) and the router's scores and bias (§5.1).
+absl::Status ValidateMtpAndRouting(const TrainConfig& c) {
+  const ModelConfig& m = c.model();
+  const DataConfig& d = c.data();
+  const LossConfig& l = c.loss();
   if (m.mtp_depth() >= d.seq_len() && d.seq_len() > 0) {
     // Depth j's label of position t is the token j + 1 ahead in the same sequence (§15):
     // from depth seq_len on no position has one, so the depth would train nothing.
@@ -771,7 +787,7 @@ absl::Status ValidateAcrossSections(const TrainConfig& c) {
   }
   if (m.mtp_depth() > 0 && d.path().empty() && m.mtp_depth() > d.max_doc_len() - 2) {
     // Depth j's label of position t is token t + j + 1 of the same document (§15.1,
-    // train/data.cc): a document of n tokens gives depth j a label only if j <= n - 2, so
+    // data/streams.h): a document of n tokens gives depth j a label only if j <= n - 2, so
     // with the embedded corpus's documents of at most max_doc_len tokens the deeper depths
     // would train nothing (loss 0). A --data file's longest document is known once it is
     // read: Trainer::Create checks it.
@@ -808,6 +824,12 @@ absl::Status ValidateAcrossSections(const TrainConfig& c) {
                       "): the balancing loss of SEMANTICS.md §5 is defined on softmax "
                       "probabilities; balance sigmoid routing with loss.expert_bias_speed"));
   }
+  return absl::OkStatus();
+}
+
+// The held-out evaluation's fields: used only when an evaluation runs on what they name.
+absl::Status ValidateEvaluation(const TrainConfig& c) {
+  const DataConfig& d = c.data();
   GRADSUM_RETURN_IF_ERROR(
       Unused("log.eval_micro_batches", StrCat(c.log().eval_micro_batches()),
              c.log().eval_every() > 0 ||
@@ -830,7 +852,12 @@ absl::Status ValidateAcrossSections(const TrainConfig& c) {
                StrCat("with data.path=", d.path(),
                       " needs data.eval_path (--eval_data): a file of held-out documents"));
   }
-  // What the CPU backends implement only.
+  return absl::OkStatus();
+}
+
+// What the CPU backends implement only.
+absl::Status ValidateBackendLimits(const TrainConfig& c) {
+  const ParallelismConfig& p = c.parallelism();
   if (p.cp() > 1 && c.comm().backend() == TrainConfig::nccl) {
     return Bad("parallelism.cp", StrCat(p.cp()),
                "is implemented for the CPU backends (thread, mpi) only, not comm.backend=nccl "
@@ -841,6 +868,14 @@ absl::Status ValidateAcrossSections(const TrainConfig& c) {
                "is implemented for the CPU backends (thread, mpi) only, not comm.backend=nccl");
   }
   return absl::OkStatus();
+}
+
+absl::Status ValidateAcrossSections(const TrainConfig& c) {
+  GRADSUM_RETURN_IF_ERROR(ValidateSequenceSplit(c));
+  GRADSUM_RETURN_IF_ERROR(ValidateReproBlock(c));
+  GRADSUM_RETURN_IF_ERROR(ValidateMtpAndRouting(c));
+  GRADSUM_RETURN_IF_ERROR(ValidateEvaluation(c));
+  return ValidateBackendLimits(c);
 }
 
 }  // namespace
