@@ -95,12 +95,7 @@ class CpuOps : public ModelOps {
         cp_schedule_(options.cp_schedule),
         num_threads_(options.num_threads) {
     const MoeLmConfig& m = config_;
-    layer_config_.d_model = m.dim;
-    layer_config_.hidden = m.expert_dim;
-    layer_config_.num_experts = m.experts;
-    layer_config_.top_k = m.top_k;
-    layer_config_.norm_topk_prob = m.norm_topk_prob;
-    layer_config_.router_scale = m.router_scale;
+    SetMoeLayerShape(m, &layer_config_);
     layer_config_.score =
         m.router_sigmoid ? moe::RouterScore::kSigmoid : moe::RouterScore::kSoftmax;
     local_experts_ = m.experts / mesh.ep_size();
@@ -111,11 +106,10 @@ class CpuOps : public ModelOps {
     sp_size_ = mesh.size(MeshAxis::kSp);
     sp_rank_ = mesh.rank(MeshAxis::kSp);
     cp_size_ = mesh.size(MeshAxis::kCp);
-    if (m.attention) {
-      head_dim_ = m.dim / m.n_heads;
-      heads_local_ = m.n_heads / sp_size_;
-      group_ = m.n_heads / m.n_kv_heads;
-    }
+    const HeadLayout heads = HeadLayoutOf(m, sp_size_);
+    head_dim_ = heads.head_dim;
+    heads_local_ = heads.heads_local;
+    group_ = heads.group;
   }
 
   absl::StatusOr<std::unique_ptr<DeviceArray>> Allocate(int64_t numel) override {

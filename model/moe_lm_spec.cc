@@ -9,6 +9,15 @@
 
 namespace gradsum::model {
 
+HeadLayout HeadLayoutOf(const MoeLmConfig& m, int sp) {
+  HeadLayout h;
+  if (!m.attention) return h;
+  h.head_dim = m.dim / m.n_heads;
+  h.heads_local = m.n_heads / sp;
+  h.group = m.n_heads / m.n_kv_heads;
+  return h;
+}
+
 int64_t ParamDef::numel() const {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;

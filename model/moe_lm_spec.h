@@ -62,6 +62,28 @@ struct MoeLmConfig {
   double mtp_scale = 0.1;
 };
 
+// How attention's heads fall on each rank of an SP group of `sp` ranks (Ulysses, §12): each
+// head's width, the query heads a rank holds, and the query heads per kv head (GQA). Zeros
+// (group 1) for a model without attention. Every device's ops lay out heads by it.
+struct HeadLayout {
+  int64_t head_dim = 0, heads_local = 0;
+  int group = 1;
+};
+HeadLayout HeadLayoutOf(const MoeLmConfig& m, int sp);
+
+// The MoE layer's sizes and routing from the model's config, into either device's layer
+// config (moe/moe_layer.h MoeLayerConfig, moe/cuda MoeLayerCudaConfig: the fields they
+// share; each sets its own score field).
+template <typename LayerConfig>
+void SetMoeLayerShape(const MoeLmConfig& m, LayerConfig* c) {
+  c->d_model = m.dim;
+  c->hidden = m.expert_dim;
+  c->num_experts = m.experts;
+  c->top_k = m.top_k;
+  c->norm_topk_prob = m.norm_topk_prob;
+  c->router_scale = m.router_scale;
+}
+
 // How a parameter starts (InitialParameters).
 enum class ParamInit {
   kOnes,          // norm gains

@@ -58,12 +58,7 @@ class CudaOps : public ModelOps {
   CudaOps(const MoeLmSpec& spec, std::shared_ptr<cuda::ComputeContext> ctx, const Mesh& mesh)
       : config_(spec.config()), ctx_(std::move(ctx)), mesh_(&mesh) {
     const MoeLmConfig& m = config_;
-    layer_config_.d_model = m.dim;
-    layer_config_.hidden = m.expert_dim;
-    layer_config_.num_experts = m.experts;
-    layer_config_.top_k = m.top_k;
-    layer_config_.norm_topk_prob = m.norm_topk_prob;
-    layer_config_.router_scale = m.router_scale;
+    SetMoeLayerShape(m, &layer_config_);
     layer_config_.sigmoid_scores = m.router_sigmoid;
     // The L main MoE layers, then one per MTP depth (SEMANTICS.md §15.1).
     layers_.resize(m.layers + m.mtp_depth);
@@ -72,11 +67,10 @@ class CudaOps : public ModelOps {
     exec_.stream = ctx_->stream.get();
     exec_.fence = ctx_->fence;
     sp_size_ = mesh.size(MeshAxis::kSp);
-    if (m.attention) {
-      head_dim_ = m.dim / m.n_heads;
-      heads_local_ = m.n_heads / sp_size_;
-      group_ = m.n_heads / m.n_kv_heads;
-    }
+    const HeadLayout heads = HeadLayoutOf(m, sp_size_);
+    head_dim_ = heads.head_dim;
+    heads_local_ = heads.heads_local;
+    group_ = heads.group;
   }
 
   absl::StatusOr<std::unique_ptr<DeviceArray>> Allocate(int64_t numel) override {
