@@ -158,7 +158,7 @@ class CountingCommunicator final : public ForwardingCommunicator {
   std::shared_ptr<int> count_;
 };
 
-// One rank's stack, as MakeNcclMesh builds it: the timer over the agreement check over the
+// One rank's stack, as AttachNcclView builds it: the timer over the agreement check over the
 // fake device, with the exchange over a separate (counted) host communicator.
 struct Stack {
   FakeDeviceComm* device = nullptr;  // owned by `comm`

@@ -116,7 +116,7 @@ TEST(PathChecksTest, OutputDirsAreCreatedAndProbed) {
 }
 
 // Root ignores permission bits, so only a non-root run can see EACCES here; a read-only
-// file system is the case every user meets (train/checkpoint_owner_test.sh mounts one).
+// file system is the case every user meets.
 TEST(PathChecksTest, ADirectoryWithoutWritePermissionIsRefusedUnlessRoot) {
   Fixture f;
   const std::string ro = f.dir + "/ro";

@@ -12,7 +12,7 @@
 //   1. statistics     this rank's rows of the step's global sequences (data/loader.h) and
 //                     ComputeStepStats: one all-reduce of D and N (§3-4)
 //   2. micro-batches  MoeLm::ForwardBackward for each of the G micro-batches, through the
-//                     unit schedule (train/unit_schedule.h): units gathered and freed, each
+//                     unit schedule (parallel/unit_schedule.h): units gathered and freed, each
 //                     unit's SUM reduction issued as its gradient completes (§7)
 //   3. reductions     MoeLm::FinishGradReduce waits for them
 //   4. clip           the global grad norm, clipped to optim.grad_clip (§7)

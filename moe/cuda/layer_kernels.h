@@ -2,7 +2,7 @@
 #define GRADSUM_MOE_CUDA_LAYER_KERNELS_H_
 
 // Internal launch interface of the RMSNorm and SwiGLU CUDA kernels (nvcc side; no absl).
-// Use moe/cuda/rms_norm_cuda.h and moe/cuda/swiglu_cuda.h.
+// Use moe/cuda/layers_cuda.h, which wraps them.
 
 #include <cuda_runtime.h>
 
