@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <new>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -35,11 +36,11 @@ absl::StatusOr<std::optional<Fault>> ParseFault() {
   const bool known =
       parts.size() == 3 &&
       (parts[0] == "fail" || parts[0] == "throw" || parts[0] == "stall" || parts[0] == "stop" ||
-       parts[0] == "kill" || parts[0] == "term" || parts[0] == "nan");
+       parts[0] == "kill" || parts[0] == "term" || parts[0] == "nan" || parts[0] == "oom");
   if (!known || !absl::SimpleAtoi(parts[1], &f.rank) || !absl::SimpleAtoi(parts[2], &f.step)) {
     return absl::InvalidArgumentError(
         absl::StrCat("GRADSUM_TEST_FAULT=", spec,
-                     ": expected MODE:RANK:STEP, MODE fail|throw|stall|stop|kill|term|nan"));
+                     ": expected MODE:RANK:STEP, MODE fail|throw|stall|stop|kill|term|nan|oom"));
   }
   f.mode = parts[0];
   return std::optional<Fault>(std::move(f));
@@ -62,14 +63,22 @@ absl::Status MaybeInjectFault(int rank, int64_t step) {
     ::raise(SIGTERM);
     return absl::OkStatus();
   }
-  if (mode == "nan") return absl::OkStatus();  // MaybeInjectNanGradient acts later
-  while (true) ::pause();                      // stall (or continued after stop): never returns
+  if (mode == "nan" || mode == "oom") return absl::OkStatus();  // they act elsewhere
+  while (true) ::pause();  // stall (or continued after stop): never returns
 }
 
 bool MaybeInjectNanGradient(int rank, int64_t step) {
   const absl::StatusOr<std::optional<Fault>> fault = ParseFault();
   return fault.ok() && fault->has_value() && (*fault)->mode == "nan" && (*fault)->rank == rank &&
          (*fault)->step == step;
+}
+
+void MaybeInjectStartupAllocFailure(int rank) {
+  const absl::StatusOr<std::optional<Fault>> fault = ParseFault();
+  if (fault.ok() && fault->has_value() && (*fault)->mode == "oom" && (*fault)->rank == rank &&
+      (*fault)->step == 0) {
+    throw std::bad_alloc();
+  }
 }
 
 }  // namespace gradsum::train

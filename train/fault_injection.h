@@ -14,6 +14,8 @@
 //          --save_on_signal the run saves and stops, else the process ends)
 //   nan    go on, but MaybeInjectNanGradient makes the first element this rank owns of its
 //          first parameter unit's reduced gradient NaN (a diverging step, from one rank)
+//   oom    STEP 0 only: MaybeInjectStartupAllocFailure throws std::bad_alloc while the rank
+//          loads its data at start-up (a --data file too large for the machine's memory)
 //
 // A malformed value is InvalidArgument naming it, on every rank at the first step.
 
@@ -27,6 +29,11 @@ absl::Status MaybeInjectFault(int rank, int64_t step);
 
 // Whether the hook asks for a NaN gradient on `rank` at `step` (mode nan; never otherwise).
 bool MaybeInjectNanGradient(int rank, int64_t step);
+
+// Throws std::bad_alloc when the hook says oom:RANK:0 for this `rank` (Trainer::Create calls it
+// where the data is loaded); does nothing otherwise, a malformed value included (the first
+// step reports that).
+void MaybeInjectStartupAllocFailure(int rank);
 
 }  // namespace gradsum::train
 

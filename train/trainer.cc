@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <new>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -60,6 +61,22 @@ absl::StatusOr<std::shared_ptr<const data::DocumentSource>> LoadEvalData(const D
   return absl::Status(held_out.status().code(), message);
 }
 
+// Runs a start-up load (`what` names its flag) and turns running out of memory into a
+// status, so that it reaches the agreement after the loads and ends every rank promptly with
+// this rank's message, instead of escaping it while the peers wait in the agreement for
+// the collective timeout (issue 50, item 2).
+template <typename Load>
+auto CatchingOutOfMemory(absl::string_view what, Load load) -> decltype(load()) {
+  try {
+    return load();
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(what,
+                     ": out of memory while loading it at start-up (std::bad_alloc); "
+                     "use a smaller file or a machine with more memory"));
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& config,
@@ -84,7 +101,15 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
           ? absl::OkStatus()
           : CheckInputFile("--data", config.data().path());
   absl::StatusOr<std::shared_ptr<const data::DocumentSource>> corpus =
-      data_path.ok() ? data::MakeCorpus(config.data()) : data_path;
+      data_path.ok()
+          ? CatchingOutOfMemory(
+                config.data().path().empty() ? "the embedded corpus"
+                                             : absl::StrCat("--data=", config.data().path()),
+                [&]() -> absl::StatusOr<std::shared_ptr<const data::DocumentSource>> {
+                  MaybeInjectStartupAllocFailure(world.rank());
+                  return data::MakeCorpus(config.data());
+                })
+          : absl::StatusOr<std::shared_ptr<const data::DocumentSource>>(data_path);
   // A token file's ids must fit the model's vocabulary (byte corpora: 256).
   if (corpus.ok()) {
     const absl::Status fits = data::CheckCorpusVocab(**corpus, config.model().vocab());
@@ -93,7 +118,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   // --eval_data likewise: its content joins the agreement (ranks evaluating on different
   // files would log a mixed held-out CE).
   absl::StatusOr<std::shared_ptr<const data::DocumentSource>> eval_file =
-      corpus.ok() ? LoadEvalData(config.data()) : std::shared_ptr<const data::DocumentSource>();
+      corpus.ok() ? CatchingOutOfMemory("--eval_data", [&] { return LoadEvalData(config.data()); })
+                  : std::shared_ptr<const data::DocumentSource>();
   GRADSUM_RETURN_IF_ERROR(CheckRanksAgree(config, corpus, eval_file, world));
   // MTP depth j needs documents of at least j + 2 tokens (§15.1): the embedded corpus's
   // bound is ValidateConfig's; a --data file's longest document is known only now. The

@@ -15,6 +15,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/checkpoint.pb.h"
 #include "data/corpus.h"
@@ -496,6 +498,30 @@ TEST(TrainerTest, ANonFiniteGradientIsNamedByParameterAndRank) {
     EXPECT_THAT(m, HasSubstr("the reduced gradient of emb["));
     EXPECT_THAT(m, HasSubstr("] is nan (unit \"emb\")"));
     EXPECT_EQ(r.history.size(), 1u);
+  }
+}
+
+// A rank that runs out of memory loading its data at start-up (issue 50, item 2: a --data
+// file too large for the machine) reaches the start-up agreement with that failure: every
+// rank ends within seconds with rank 1's message, not after the collective timeout, and no
+// step runs. The hook throws std::bad_alloc where the data is loaded (fault mode oom).
+TEST(TrainerTest, OutOfMemoryWhileLoadingTheDataEndsEveryRankPromptly) {
+  TrainConfig config = TinyConfig(2, 2, 1, TrainConfig::fsdp);
+  config.mutable_optim()->set_steps(2);
+  config.mutable_comm()->set_timeout_s(60);
+  ::setenv("GRADSUM_TEST_FAULT", "oom:1:0", 1);
+  const absl::Time start = absl::Now();
+  auto out = RunInProcess(config);
+  const absl::Duration took = absl::Now() - start;
+  ::unsetenv("GRADSUM_TEST_FAULT");
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_LT(took, absl::Seconds(20)) << "the peers waited for the timeout";
+  for (const RankOutcome& r : *out) {
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kResourceExhausted) << r.status;
+    const std::string m(r.status.message());
+    EXPECT_THAT(m, HasSubstr("rank 1"));
+    EXPECT_THAT(m, HasSubstr("the embedded corpus: out of memory while loading it at start-up"));
+    EXPECT_TRUE(r.history.empty());
   }
 }
 
