@@ -1,6 +1,7 @@
 #include "collectives/mesh.h"
 
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "collectives/self_communicator.h"

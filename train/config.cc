@@ -751,10 +751,7 @@ absl::Status ValidateReproBlock(const TrainConfig& c) {
     const int64_t block = ReproBlock(c);
     const int64_t piece = ContiguousPiece(d.seq_len(), p.sp(), p.cp());
     if (piece % block != 0) {
-      int64_t fits = 1;
-      for (int64_t b = 1; b <= piece; ++b) {
-        if (piece % b == 0 && d.seq_len() % b == 0) fits = b;
-      }
+      // The piece itself tiles every piece of this mesh (it divides seq_len).
       return Bad("precision.repro_block", StrCat(block),
                  StrCat(repro_block == 0 ? "(the default, the largest divisor of data.seq_len="
                                          : "(data.seq_len=",
@@ -765,7 +762,7 @@ absl::Status ValidateReproBlock(const TrainConfig& c) {
                         p.sp(), " parallelism.cp=", p.cp(),
                         ", for --reproducible's blocks to be the same at every mesh: "
                         "pass --repro_block=",
-                        fits,
+                        piece,
                         " (or a divisor of it) to every run to "
                         "be compared"));
     }
