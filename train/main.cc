@@ -271,9 +271,10 @@ ParityCheckFn LinkedParityCheck() {
 // MPI launcher's process becomes the parity binary's). Returns only when it cannot.
 int ExecParityBinary(char** argv) {
   std::vector<std::filesystem::path> tried;
+  std::error_code no_proc;  // without /proc only argv[0]'s directory is tried
   for (const std::filesystem::path& dir :
        {std::filesystem::path(argv[0]).parent_path(),
-        std::filesystem::read_symlink("/proc/self/exe").parent_path()}) {
+        std::filesystem::read_symlink("/proc/self/exe", no_proc).parent_path()}) {
     const std::filesystem::path candidate = (dir.empty() ? "." : dir) / "moe_lm_parity";
     tried.push_back(candidate);
     if (access(candidate.c_str(), X_OK) == 0) {
