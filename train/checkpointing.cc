@@ -21,7 +21,6 @@
 #include "core/status.h"
 #include "io/atomic_file.h"
 #include "train/config.h"
-#include "train/lr_schedule.h"
 
 namespace gradsum::train {
 namespace {
@@ -146,7 +145,8 @@ std::string ChangedSettings(const TrainConfig& saved, const TrainConfig& config)
 // back up. ChangedSettings names lr, min_lr, ... but not optim.steps, which a resume
 // changes all the time without consequence under the constant schedule.
 std::string ScheduleChange(const OptimConfig& saved, const OptimConfig& now, int64_t step) {
-  const double before = LearningRate(saved, step), after = LearningRate(now, step);
+  const double before = optim::LearningRate(ToLrSchedule(saved), step);
+  const double after = optim::LearningRate(ToLrSchedule(now), step);
   if (before == after) return "";
   std::string why;
   if (saved.steps() != now.steps() && now.lr_decay() != OptimConfig::constant &&

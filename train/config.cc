@@ -21,7 +21,6 @@
 #include "core/status.h"
 #include "io/atomic_file.h"
 #include "io/path_checks.h"
-#include "train/lr_schedule.h"
 
 namespace gradsum::train {
 namespace {
@@ -561,7 +560,21 @@ absl::Status ValidateOptim(const OptimConfig& o) {
     GRADSUM_RETURN_IF_ERROR(Unused("optim.decay_steps", StrCat(o.decay_steps()),
                                    o.decay_steps() == d.decay_steps(), kConstant));
   }
-  return CheckLrSchedule(o);
+  // The schedule's ends (optim/lr_schedule.h): min_lr in [0, lr], and a decay that ends
+  // after the warmup.
+  if (!(std::isfinite(o.min_lr()) && o.min_lr() >= 0 && o.min_lr() <= o.lr())) {
+    return Bad("optim.min_lr", StrCat(o.min_lr()), StrCat("must be in [0, optim.lr=", o.lr(), "]"));
+  }
+  if (o.decay_steps() < 0) {
+    return Bad("optim.decay_steps", StrCat(o.decay_steps()), "must be >= 0 (0: optim.steps)");
+  }
+  const int64_t decay_end = ToLrSchedule(o).decay_end;
+  if (o.lr_decay() != OptimConfig::constant && decay_end <= o.warmup_steps()) {
+    return Bad("optim.lr_decay", OptimConfig::LrDecay_Name(o.lr_decay()),
+               StrCat("its end (optim.", o.decay_steps() > 0 ? "decay_steps=" : "steps=", decay_end,
+                      ") must be after optim.warmup_steps=", o.warmup_steps()));
+  }
+  return absl::OkStatus();
 }
 
 // precision.repro_block depends on the sequence's split: ValidateAcrossSections.
@@ -1006,6 +1019,25 @@ std::string ConfigToShortText(const TrainConfig& in) {
   printer.PrintToString(config, &out);
   while (!out.empty() && out.back() == ' ') out.pop_back();
   return out;
+}
+
+optim::LrSchedule ToLrSchedule(const OptimConfig& o) {
+  optim::LrSchedule s;
+  switch (o.lr_decay()) {
+    case OptimConfig::cosine:
+      s.decay = optim::LrDecay::kCosine;
+      break;
+    case OptimConfig::linear:
+      s.decay = optim::LrDecay::kLinear;
+      break;
+    default:
+      s.decay = optim::LrDecay::kConstant;
+  }
+  s.lr = o.lr();
+  s.min_lr = o.min_lr();
+  s.warmup_steps = o.warmup_steps();
+  s.decay_end = o.decay_steps() > 0 ? o.decay_steps() : o.steps();
+  return s;
 }
 
 }  // namespace gradsum::train

@@ -20,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "optim/lr_schedule.h"
 #include "train/config.pb.h"
 
 namespace gradsum::train {
@@ -100,6 +101,10 @@ int64_t DefaultReproBlock(int64_t seq_len);
 // seq_len / (cp sp)). A row block must divide it to lie at the same global positions at
 // every mesh.
 int64_t ContiguousPiece(int64_t seq_len, int sp, int cp);
+
+// The learning-rate schedule of the optim section (optim/lr_schedule.h): the decay ends at
+// decay_steps, or at steps when decay_steps is 0. ValidateConfig checks its ends by name.
+optim::LrSchedule ToLrSchedule(const OptimConfig& optim);
 
 // The config as one-line textproto with every field written out, defaults included
 // (for logs, losses.json and checkpoints); ParseConfigText reads it back.

@@ -446,6 +446,16 @@ TEST(ConfigTest, ValidationNamesFieldAndValue) {
       {{{"model.mtp_depth", "1"}, {"loss.mtp_scale", "nan"}}, "loss.mtp_scale=nan"},
       {{{"model.mtp_depth", "1"}, {"loss.expert_bias_speed", "0.01"}},
        "model.mtp_depth=1: cannot be combined with loss.expert_bias_speed=0.01"},
+      // The learning-rate schedule's ends (optim/lr_schedule.h).
+      {{{"optim.lr_decay", "cosine"}, {"optim.min_lr", "0.02"}, {"optim.lr", "0.01"}},
+       "optim.min_lr=0.02: must be in [0, optim.lr=0.01]"},
+      {{{"optim.lr_decay", "cosine"}, {"optim.min_lr", "-1"}}, "optim.min_lr=-1"},
+      {{{"optim.lr_decay", "cosine"}, {"optim.min_lr", "nan"}}, "optim.min_lr=nan"},
+      {{{"optim.lr_decay", "linear"}, {"optim.decay_steps", "-3"}}, "optim.decay_steps=-3"},
+      {{{"optim.lr_decay", "linear"}, {"optim.warmup_steps", "10"}, {"optim.steps", "10"}},
+       "optim.lr_decay=linear: its end (optim.steps=10) must be after optim.warmup_steps=10"},
+      {{{"optim.lr_decay", "cosine"}, {"optim.warmup_steps", "10"}, {"optim.decay_steps", "5"}},
+       "optim.lr_decay=cosine: its end (optim.decay_steps=5)"},
       {{{"precision.repro_block", "48"}}, "precision.repro_block=48: must be 0 or divide the 128"},
       // HSDP (SEMANTICS.md §7): shard groups dividing the world, each holding whole EP
       // groups; the size only with sharding=hsdp.
@@ -579,6 +589,34 @@ TEST(ConfigTest, ValuesTheConfigWouldIgnoreAreRefusedByName) {
 // Without CP a sequence is not cut into 2 cp chunks: any seq_len the SP group divides is
 // valid, odd ones included (issue 50, item 6: every odd seq_len was refused, blamed on
 // parallelism.cp=1).
+// The schedule's end: decay_steps when set, else the run's steps; the rest as the fields say.
+TEST(ConfigTest, TheLrScheduleEndsAtDecayStepsOrTheRunsSteps) {
+  OptimConfig o;
+  o.set_lr_decay(OptimConfig::cosine);
+  o.set_lr(0.5);
+  o.set_min_lr(0.25);
+  o.set_warmup_steps(3);
+  o.set_steps(100);
+  optim::LrSchedule s = ToLrSchedule(o);
+  EXPECT_EQ(s.decay, optim::LrDecay::kCosine);
+  EXPECT_EQ(s.lr, 0.5);
+  EXPECT_EQ(s.min_lr, 0.25);
+  EXPECT_EQ(s.warmup_steps, 3);
+  EXPECT_EQ(s.decay_end, 100);
+  o.set_decay_steps(40);
+  o.set_lr_decay(OptimConfig::linear);
+  s = ToLrSchedule(o);
+  EXPECT_EQ(s.decay, optim::LrDecay::kLinear);
+  EXPECT_EQ(s.decay_end, 40);
+  EXPECT_EQ(ToLrSchedule(OptimConfig()).decay, optim::LrDecay::kConstant);
+  TrainConfig fine;
+  fine.mutable_optim()->set_lr_decay(OptimConfig::cosine);
+  fine.mutable_optim()->set_min_lr(fine.optim().lr());
+  fine.mutable_optim()->set_warmup_steps(0);
+  fine.mutable_optim()->set_steps(1);
+  EXPECT_TRUE(ValidateConfig(fine).ok()) << ValidateConfig(fine);
+}
+
 TEST(ConfigTest, OddSeqLenIsValidWithoutCp) {
   for (const auto& [seq_len, sp] : std::vector<std::pair<int, int>>{{33, 1}, {99, 1}, {3, 1}}) {
     TrainConfig c;

@@ -21,7 +21,6 @@
 #include "train/config_agreement.h"
 #include "train/debugging.h"
 #include "train/fault_injection.h"
-#include "train/lr_schedule.h"
 #include "train/metrics_file.h"
 #include "train/stop_signal.h"
 
@@ -435,10 +434,10 @@ absl::StatusOr<double> Trainer::ClipGradients() {
   return grad_norm;
 }
 
-// Phase 5: AdamW on the shards at the schedule's learning rate (train/lr_schedule.h); then
+// Phase 5: AdamW on the shards at the schedule's learning rate (optim/lr_schedule.h); then
 // the gradients are zeroed and the model prepared for the next step's forward.
 absl::StatusOr<double> Trainer::ApplyAdamW() {
-  const double lr = LearningRate(config_.optim(), step_);
+  const double lr = optim::LearningRate(ToLrSchedule(config_.optim()), step_);
   GRADSUM_RETURN_IF_ERROR(optimizer_->set_lr(lr));
   GRADSUM_RETURN_IF_ERROR(optimizer_->Step());
   for (FlatParam* g : model_->groups()) GRADSUM_RETURN_IF_ERROR(g->ZeroGrad());

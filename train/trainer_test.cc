@@ -281,7 +281,7 @@ TEST(TrainerTest, ResumeContinuesBitExactly) {
   }
 }
 
-// The learning-rate schedule (train/lr_schedule.h) in the run: every step's lr is the
+// The learning-rate schedule (optim/lr_schedule.h) in the run: every step's lr is the
 // cosine formula written here (warmup 2, decay to min_lr at decay_steps 6, held after), and a
 // run stopped at step 3 and resumed continues it: the same lr and the same values, bit for
 // bit, as the uninterrupted run (the schedule depends on the step alone).
