@@ -17,6 +17,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "core/status.h"
 #include "io/atomic_file.h"
@@ -969,6 +970,49 @@ void CollectFields(const pb::Message& msg, const std::string& prefix,
   }
 }
 }  // namespace
+
+namespace {
+// Appends "--flag=value" for every field of `msg` with a (flag) option whose value differs
+// from the same field of `defaults` (the same message type, at its defaults).
+void CollectChangedFlags(const pb::Message& msg, const pb::Message& defaults,
+                         std::vector<std::string>* out) {
+  const pb::Descriptor* d = msg.GetDescriptor();
+  const pb::Reflection* r = msg.GetReflection();
+  for (int i = 0; i < d->field_count(); ++i) {
+    const pb::FieldDescriptor* f = d->field(i);
+    if (f->is_repeated()) continue;
+    if (f->cpp_type() == pb::FieldDescriptor::CPPTYPE_MESSAGE) {
+      CollectChangedFlags(r->GetMessage(msg, f), r->GetMessage(defaults, f), out);
+      continue;
+    }
+    const std::string& flag = f->options().GetExtension(train::flag);
+    if (flag.empty()) continue;
+    std::string value, default_value;
+    if (f->cpp_type() == pb::FieldDescriptor::CPPTYPE_STRING) {
+      value = r->GetString(msg, f);
+      default_value = r->GetString(defaults, f);
+      if (value.find_first_of(" \t'\"") != std::string::npos) {
+        value = absl::StrCat("'", value, "'");
+      }
+    } else {
+      pb::TextFormat::PrintFieldValueToString(msg, f, -1, &value);
+      pb::TextFormat::PrintFieldValueToString(defaults, f, -1, &default_value);
+    }
+    if (value == default_value) continue;
+    if (f->options().GetExtension(train::switch_flag) && value == "true") {
+      out->push_back(absl::StrCat("--", flag));
+    } else {
+      out->push_back(absl::StrCat("--", flag, "=", value));
+    }
+  }
+}
+}  // namespace
+
+std::string NonDefaultFlags(const TrainConfig& config) {
+  std::vector<std::string> flags;
+  CollectChangedFlags(config, TrainConfig::default_instance(), &flags);
+  return absl::StrJoin(flags, " ");
+}
 
 std::vector<FieldOverride> ConfigFields(const TrainConfig& config) {
   std::vector<FieldOverride> out;

@@ -102,6 +102,12 @@ int64_t DefaultReproBlock(int64_t seq_len);
 // every mesh.
 int64_t ContiguousPiece(int64_t seq_len, int sp, int cp);
 
+// Every setting of `config` that differs from its default, as the command-line flags that
+// give it ("--world=4 --sp=2 --resume"), in config.proto's order; empty for the defaults.
+// Generated from the fields' (flag) options, so a new option appears in the banner
+// (train/rank_main.h PrintBanner) without a line of its own.
+std::string NonDefaultFlags(const TrainConfig& config);
+
 // The learning-rate schedule of the optim section (optim/lr_schedule.h): the decay ends at
 // decay_steps, or at steps when decay_steps is 0. ValidateConfig checks its ends by name.
 optim::LrSchedule ToLrSchedule(const OptimConfig& optim);

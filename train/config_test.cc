@@ -617,6 +617,25 @@ TEST(ConfigTest, TheLrScheduleEndsAtDecayStepsOrTheRunsSteps) {
   EXPECT_TRUE(ValidateConfig(fine).ok()) << ValidateConfig(fine);
 }
 
+// The banner's settings line: exactly the fields away from their defaults, as their flags,
+// in config.proto's order; a switch flag bare, a string with a space quoted.
+TEST(ConfigTest, NonDefaultFlagsNameExactlyTheChangedSettings) {
+  TrainConfig c;
+  EXPECT_EQ(NonDefaultFlags(c), "");
+  EXPECT_EQ(NonDefaultFlags(ResolvedConfig(c)), "");  // defaults written out are no change
+  ASSERT_TRUE(ApplyOverrides({{"parallelism.world", "4"},
+                              {"parallelism.sp", "2"},
+                              {"parallelism.sharding", "hsdp"},
+                              {"model.dim", "64"},
+                              {"checkpoint.resume", "true"},
+                              {"data.path", "my corpus.txt"},
+                              {"optim.lr", "0.01"}},  // the default value, given explicitly
+                             &c)
+                  .ok());
+  EXPECT_EQ(NonDefaultFlags(c),
+            "--dim=64 --data='my corpus.txt' --world=4 --sharding=hsdp --sp=2 --resume");
+}
+
 TEST(ConfigTest, OddSeqLenIsValidWithoutCp) {
   for (const auto& [seq_len, sp] : std::vector<std::pair<int, int>>{{33, 1}, {99, 1}, {3, 1}}) {
     TrainConfig c;

@@ -198,6 +198,10 @@ void PrintBanner(const TrainConfig& config, std::ostream& out) {
         "%.4f (the best of any model)\n",
         corpus.EntropyFloorNats(), corpus.ContextFloorNats());
   }
+  // Generated from config.proto's (flag) options: every setting away from its default, as
+  // the flags that give it, so the banner names each option without a line of its own.
+  const std::string flags = NonDefaultFlags(config);
+  out << "settings: " << (flags.empty() ? "all defaults" : flags) << "\n";
   out << std::flush;
 }
 
