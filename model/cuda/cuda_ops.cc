@@ -60,12 +60,13 @@ class CudaOps : public MoeBlockOps {
       : config_(spec.config()),
         ctx_(std::move(ctx)),
         mesh_(&mesh),
-        moe_kernels_(&exec_, mesh, MoeLayerConfigOf(config_),
-                     {.alpha_z = config_.alpha_z, .alpha_b = config_.alpha_b},
-                     config_.layers + config_.mtp_depth) {
+        moe_kernels_(
+            moe::MakeMoeLayersCuda(&exec_, mesh, MoeLayerConfigOf(config_),
+                                   {.alpha_z = config_.alpha_z, .alpha_b = config_.alpha_b},
+                                   config_.layers + config_.mtp_depth)) {
     const MoeLmConfig& m = config_;
     // The L main MoE layers, then one per MTP depth (SEMANTICS.md §15.1).
-    InitMoeBlock(&moe_kernels_, m);
+    InitMoeBlock(moe_kernels_.get(), m);
     exec_.blas = &ctx_->blas;
     exec_.stream = ctx_->stream.get();
     exec_.fence = ctx_->fence;
@@ -95,12 +96,12 @@ class CudaOps : public MoeBlockOps {
     if (k > 0) GRADSUM_RETURN_IF_ERROR(UploadMtpRows(in, k));
     GRADSUM_RETURN_IF_ERROR(UploadBatch(in, k));
     double* d = scalars_.as<double>();  // D, N, ce, z, bal, ...
-    moe_kernels_.BeginMicroBatch({.rows = in.rows,
-                                  .mask = mask_.as<uint8_t>(),
-                                  .num_micro_batches = in.num_micro_batches,
-                                  .global_routed_tokens = d + 1,
-                                  .z_loss = d + 3,
-                                  .balance_loss = d + 4});
+    moe_kernels_->BeginMicroBatch({.rows = in.rows,
+                                   .mask = mask_.as<uint8_t>(),
+                                   .num_micro_batches = in.num_micro_batches,
+                                   .global_routed_tokens = d + 1,
+                                   .z_loss = d + 3,
+                                   .balance_loss = d + 4});
     moe_block().BeginMicroBatch();
     // The host copies are pageable: the calls return once they are staged.
     return absl::OkStatus();
@@ -455,7 +456,7 @@ class CudaOps : public MoeBlockOps {
     terms.global_expert_counts.assign(L, std::vector<int64_t>(E));
     for (int l = 0; l < L; ++l) {
       GRADSUM_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(terms.global_expert_counts[l].data(), moe_kernels_.global_counts(l),
+          cudaMemcpyAsync(terms.global_expert_counts[l].data(), moe_kernels_->global_counts(l),
                           E * sizeof(int64_t), cudaMemcpyDeviceToHost, s),
           "download expert counts");
     }
@@ -493,7 +494,7 @@ class CudaOps : public MoeBlockOps {
   // layers' shared scratch, the [T, V] logits, the micro-batch's inputs and the head split's
   // exchange buffers.
   int64_t HeldActivationBytes() const override {
-    int64_t bytes = moe_kernels_.HeldBytes();
+    int64_t bytes = moe_kernels_->HeldBytes();
     for (const DeviceBuffer* b :
          {&tokens_, &labels_, &mask_, &weights_, &logits_, &mtp_tokens_, &mtp_labels_,
           &mtp_weights_, &rope_cos_, &rope_sin_, &doc_start_, &send_, &recv_}) {
@@ -627,7 +628,7 @@ class CudaOps : public MoeBlockOps {
   const Mesh* mesh_;  // not owned: its device view's groups (NCCL) and host EP group
   moe::CudaExec exec_;
   // The MoE layers' compute (their order: MoeBlockOps).
-  moe::MoeLayersCuda moe_kernels_;
+  std::unique_ptr<moe::MoeLayersCuda> moe_kernels_;
   // The micro-batch's inputs on the device, sized for rows_ tokens.
   MicroBatchInputs in_;
   int64_t rows_ = -1;

@@ -9,12 +9,13 @@
 // weighted combine; and their backward with the router z-loss (§4) and balancing loss (§5).
 // fp32 activations, TF32 off. One block per micro-batch (no row blocks).
 //
-//   MoeLayersCuda kernels(&exec, mesh, config, {.alpha_z = az, .alpha_b = ab}, L);
-//   MoeBlock block(&kernels, L);
-//   kernels.BeginMicroBatch({.rows = T, .mask = mask, ...});  // device pointers
+//   std::unique_ptr<MoeLayersCuda> kernels =
+//       MakeMoeLayersCuda(&exec, mesh, config, {.alpha_z = az, .alpha_b = ab}, L);
+//   MoeBlock block(kernels.get(), L);
+//   kernels->BeginMicroBatch({.rows = T, .mask = mask, ...});  // device pointers
 //   block.BeginMicroBatch();
 //   ... block.Forward / Recompute / Release / Backward ...
-//   ... kernels.global_counts(l) (device [E]) ...
+//   ... kernels->global_counts(l) (device [E]) ...
 //
 // Host syncs: one per forward for the routed counts that size the all-to-all-v (NCCL needs
 // them on the host), and the collectives' own waits. The communicators come from the
@@ -25,15 +26,12 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <vector>
+#include <memory>
 
 #include "absl/status/status.h"
 #include "collectives/mesh.h"
 #include "core/cuda/device_buffer.h"
 #include "core/cuda/gemm.h"
-#include "moe/cuda/permute_cuda.h"
-#include "moe/cuda/router_cuda.h"
-#include "moe/ep_exchange.h"
 #include "moe/moe_block.h"
 
 namespace gradsum::moe {
@@ -71,65 +69,25 @@ struct MoeMicroBatchCuda {
   double* balance_loss = nullptr;                // += every layer's L_bal[r, m] (scalar)
 };
 
+// The GPU's MoeLayerKernels (their steps are defined in moe_layer_cuda.cc), with what the
+// ops read of them.
 class MoeLayersCuda : public MoeLayerKernels {
  public:
-  // `exec` and `mesh` (not owned; the mesh with its device view) outlive the kernels; `exec`
-  // may be filled in after construction. E % P == 0.
-  MoeLayersCuda(const CudaExec* exec, const Mesh& mesh, const MoeLayerConfig& config,
-                const MoeLossWeights& losses, int num_layers);
-
-  void BeginMicroBatch(const MoeMicroBatchCuda& batch) { batch_ = batch; }
-
+  virtual void BeginMicroBatch(const MoeMicroBatchCuda& batch) = 0;
   // c[l, m, :] of §5 after layer l's forward: the world's SUM of the expert counts (device,
   // [E]).
-  const int64_t* global_counts(int l) const { return layers_[l].global_counts.as<int64_t>(); }
+  virtual const int64_t* global_counts(int l) const = 0;
   // The device bytes held between calls, as capacities: every layer's routing ([T, E],
   // [T, K] and the permutation plan's [T K]) and activations, the spare sets, the shared
   // scratch. The [E]-sized bookkeeping is not counted (model/ops.h HeldActivationBytes).
-  int64_t HeldBytes() const;
-
-  absl::Status Route(int l, const float* a, const MoeBlockWeights& w) override;
-  absl::Status StartCountSum(int l) override;
-  absl::Status Dispatch(int l, const float* a, const MoeBlockWeights& w, float* y,
-                        bool rerun) override;
-  absl::Status CheckGrads(const MoeBlockGrads& g) const override;
-  absl::Status RouterLosses(int l) override;
-  absl::Status DispatchBackward(int l, const float* a, const MoeBlockWeights& w, const float* dy,
-                                float* da, const MoeBlockGrads& g) override;
-  absl::Status RouterBackward(int l, const float* a, const MoeBlockWeights& w, float* da,
-                              const MoeBlockGrads& g) override;
-  void LendActivations(int l) override;
-  void BorrowActivations(int l) override;
-
- private:
-  struct Layer {
-    int64_t rows = -1;
-    cuda::DeviceBuffer logits, probs, index, weight, lse;      // [T, E], [T, E], [T, K] x 2, [T]
-    cuda::DeviceBuffer local_counts, global_counts, gating;    // [E] i64, [E] i64, [E] f64
-    cuda::DeviceBuffer offsets, permuted_copy, copy_position;  // [E + 1], [T K], [T K] i64
-    cuda::DeviceBuffer bias;                                   // [E] (§5.1), when given
-    MoeLayerCudaActivations acts;
-    bool activations_valid = false;  // acts hold this micro-batch's dispatch
-    EpExchangePlan exchange;         // send side by expert, receive side by source then expert
-    PermutePlanCudaArgs plan;
-  };
-  absl::Status Reserve(Layer& layer);
-  // Dispatch's part after the permutation into scratch_.send: the all-to-all, experts, the
-  // reverse all-to-all and the combine into y, in layer.acts.
-  absl::Status ExchangeExpertsCombine(Layer& layer, const MoeBlockWeights& w, float* y);
-  // The router losses' arguments of the layer (their backward adds its own).
-  RouterAuxCudaArgs AuxArgs(const Layer& layer) const;
-
-  const CudaExec* exec_;
-  const Mesh* mesh_;
-  MoeLayerConfig config_;
-  MoeLossWeights losses_;
-  std::vector<Layer> layers_;
-  MoeLayerCudaScratch scratch_;
-  // Full recomputation: the activation sets lent by LendActivations.
-  std::vector<MoeLayerCudaActivations> spare_;
-  MoeMicroBatchCuda batch_;
+  virtual int64_t HeldBytes() const = 0;
 };
+
+// `exec` and `mesh` (not owned; the mesh with its device view) outlive the kernels; `exec`
+// may be filled in after this call. E % P == 0.
+std::unique_ptr<MoeLayersCuda> MakeMoeLayersCuda(const CudaExec* exec, const Mesh& mesh,
+                                                 const MoeLayerConfig& config,
+                                                 const MoeLossWeights& losses, int num_layers);
 
 }  // namespace gradsum::moe
 
