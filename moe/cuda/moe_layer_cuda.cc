@@ -243,18 +243,9 @@ class MoeLayersCudaImpl final : public MoeLayersCuda {
           x.source_offsets[p], SavedRows(layer.acts, first, H),
           scratch_.d_recv.as<float>() + first * D, scratch_.dx_recv.as<float>() + first * D, eg);
     }));
-    GRADSUM_RETURN_IF_ERROR(AllToAll(exec, ep, scratch_.dx_recv.as<float>(), x.recv_counts,
-                                     x.recv_offsets, scratch_.d_send.as<float>(), x.send_counts,
-                                     x.send_offsets));
     // The gather's backward: da[t] = sum_k d_send[pos(t, k)].
-    CombineCudaArgs gather;
-    gather.dtype = DType::kF32;
-    gather.width = D;
-    gather.rows = scratch_.d_send.get();
-    gather.weights = nullptr;
-    gather.out = da;
-    gather.accumulate = false;
-    return CombineCuda(gather, layer.plan, exec.stream);
+    return ReturnAndCombine(layer, scratch_.dx_recv.as<float>(), scratch_.d_send.as<float>(),
+                            /*weights=*/nullptr, da);
   }
 
   absl::Status RouterBackward(int l, const float* a, const MoeBlockWeights& w, float* da,
@@ -365,19 +356,28 @@ class MoeLayersCudaImpl final : public MoeLayersCuda {
           *exec.blas, exec.stream, ecfg, ew, acts.recv.as<float>() + first * D, x.source_offsets[p],
           scratch_.expert_out.as<float>() + first * D, SavedRows(acts, first, H));
     }));
-    // The outputs go back to where their rows came from (the reverse exchange).
-    GRADSUM_RETURN_IF_ERROR(AllToAll(exec, ep, scratch_.expert_out.as<float>(), x.recv_counts,
-                                     x.recv_offsets, acts.back.as<float>(), x.send_counts,
+    GRADSUM_RETURN_IF_ERROR(ReturnAndCombine(layer, scratch_.expert_out.as<float>(),
+                                             acts.back.as<float>(), layer.weight.as<float>(), y));
+    layer.activations_valid = true;
+    return absl::OkStatus();
+  }
+
+  // The rows computed here (`owner`, receive side) go back to where they came from
+  // (`home`, send order: the reverse exchange), and out[t] = sum_k w_tk home[pos(t, k)]
+  // (written; weights null: a plain sum).
+  absl::Status ReturnAndCombine(const Layer& layer, const float* owner, float* home,
+                                const float* weights, float* out) {
+    const EpExchangePlan& x = layer.exchange;
+    GRADSUM_RETURN_IF_ERROR(AllToAll(*exec_, mesh_->device_group(MeshAxis::kEp), owner,
+                                     x.recv_counts, x.recv_offsets, home, x.send_counts,
                                      x.send_offsets));
     CombineCudaArgs comb;
     comb.dtype = DType::kF32;
-    comb.width = D;
-    comb.rows = acts.back.get();
-    comb.weights = layer.weight.as<float>();
-    comb.out = y;
-    GRADSUM_RETURN_IF_ERROR(CombineCuda(comb, layer.plan, exec.stream));
-    layer.activations_valid = true;
-    return absl::OkStatus();
+    comb.width = config_.d_model;
+    comb.rows = home;
+    comb.weights = weights;
+    comb.out = out;
+    return CombineCuda(comb, layer.plan, exec_->stream);
   }
 
   // The router losses' arguments of the layer (their backward adds its own).
