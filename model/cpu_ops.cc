@@ -14,10 +14,9 @@
 #include "core/thread_pool.h"
 #include "losses/cross_entropy.h"
 #include "losses/linear_cross_entropy.h"
-#include "losses/router_losses.h"
-#include "losses/step_stats.h"
 #include "model/attention.h"
 #include "model/layers.h"
+#include "model/moe_block_ops.h"
 #include "moe/moe_layer.h"
 
 namespace gradsum::model {
@@ -87,22 +86,18 @@ absl::Status AccumulateRowBlocks(const GradTarget& target, int64_t T, int64_t ro
   return absl::OkStatus();
 }
 
-class CpuOps : public ModelOps {
+class CpuOps : public MoeBlockOps {
  public:
   CpuOps(const MoeLmSpec& spec, const Mesh& mesh, const CpuOpsOptions& options)
       : config_(spec.config()),
         mesh_(&mesh),
         cp_schedule_(options.cp_schedule),
-        num_threads_(options.num_threads) {
+        num_threads_(options.num_threads),
+        moe_kernels_(mesh.ep_group(), mesh.world(), MoeLayerConfigOf(config_),
+                     {.alpha_z = config_.alpha_z, .alpha_b = config_.alpha_b},
+                     config_.layers + config_.mtp_depth) {
     const MoeLmConfig& m = config_;
-    SetMoeLayerShape(m, &layer_config_);
-    layer_config_.score =
-        m.router_sigmoid ? moe::RouterScore::kSigmoid : moe::RouterScore::kSoftmax;
-    local_experts_ = m.experts / mesh.ep_size();
-    moe_layers_ = m.layers + m.mtp_depth;
-    layer_state_.resize(moe_layers_);
-    for (moe::MoeLayerState& s : layer_state_) s.scratch = &dispatch_scratch_;
-    held_.assign(moe_layers_, false);
+    InitMoeBlock(&moe_kernels_, m);
     sp_size_ = mesh.size(MeshAxis::kSp);
     sp_rank_ = mesh.rank(MeshAxis::kSp);
     cp_size_ = mesh.size(MeshAxis::kCp);
@@ -124,29 +119,19 @@ class CpuOps : public ModelOps {
     }
     in_ = in;
     if (config_.attention) GRADSUM_RETURN_IF_ERROR(BeginAttention());
-    mask_.assign(in.mask.begin(), in.mask.end());
     labels_.assign(in.labels.begin(), in.labels.end());
-    layer_config_.row_block = in.row_block;
     const int k = in.forward_only ? 0 : config_.mtp_depth;
     GRADSUM_RETURN_IF_ERROR(CheckMtpInputs(in, k));
-    counts_.clear();
-    counts_.reserve(moe_layers_);
-    global_counts_.assign(moe_layers_, {});
+    moe_kernels_.BeginMicroBatch({.rows = in.rows,
+                                  .row_block = in.row_block,
+                                  .mask = in.mask,
+                                  .global_routed_tokens = in.global_routed_tokens,
+                                  .num_micro_batches = in.num_micro_batches});
+    moe_block().BeginMicroBatch();
     terms_ = MicroBatchLossTerms();
     terms_.mtp.assign(k, 0.0);
     terms_.mtp_terms.assign(k, {});
     return absl::OkStatus();
-  }
-
-  // Gives layer l a dispatch state from the spare pool when it holds none (the pool is
-  // empty unless layers released theirs: then the layer's own, empty one grows).
-  void BorrowDispatch(int l) {
-    if (held_[l]) return;
-    if (!spare_dispatch_.empty()) {
-      layer_state_[l].dispatch = std::move(spare_dispatch_.back());
-      spare_dispatch_.pop_back();
-    }
-    held_[l] = true;
   }
 
   absl::Status Add(const float* a, const float* b, float* out, int64_t n) override {
@@ -258,112 +243,6 @@ class CpuOps : public ModelOps {
               rows, D, absl::MakeSpan(dx + r0 * D, rows * D), absl::MakeSpan(out, D));
           return absl::OkStatus();
         });
-  }
-
-  absl::Status MoeForward(int l, const float* a, const MoeWeights& w, float* y) override {
-    const int64_t D = config_.dim, T = in_.rows;
-    BorrowDispatch(l);
-    GRADSUM_RETURN_IF_ERROR(moe::MoeLayerForward(mesh_->ep_group(), layer_config_, LayerWeights(w),
-                                                 absl::MakeConstSpan(a, T * D), mask_,
-                                                 absl::MakeSpan(y, T * D), &layer_state_[l]));
-    // c[l, m, :] of §5 travels while the next layers compute.
-    GRADSUM_ASSIGN_OR_RETURN(
-        losses::ExpertCountReduction c,
-        losses::ExpertCountReduction::Start(
-            mesh_->world(), layer_state_[l].route.local_expert_counts, config_.top_k));
-    if (static_cast<int>(counts_.size()) != l) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("MoE layer ", l, " ran forward out of order"));
-    }
-    counts_.push_back(std::move(c));
-    return absl::OkStatus();
-  }
-
-  bool CanRecomputeMoe() const override { return true; }
-
-  absl::Status MoeRecomputeForward(int l, const float* a, const MoeWeights& w, float* y) override {
-    const int64_t D = config_.dim, T = in_.rows;
-    if (l >= static_cast<int>(counts_.size())) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("MoE layer ", l, " has no forward to re-run"));
-    }
-    BorrowDispatch(l);
-    return moe::MoeLayerRecomputeForward(mesh_->ep_group(), layer_config_, LayerWeights(w),
-                                         absl::MakeConstSpan(a, T * D), absl::MakeSpan(y, T * D),
-                                         &layer_state_[l]);
-  }
-
-  // The layer's dispatch state (its buffers, with their capacity) goes to the spare pool,
-  // where the next layer to run takes it: under full recomputation one set of dispatch and
-  // expert buffers serves every layer.
-  void ReleaseMoeActivations(int l) override {
-    if (l < 0 || l >= static_cast<int>(layer_state_.size()) || !held_[l]) return;
-    spare_dispatch_.push_back(std::move(layer_state_[l].dispatch));
-    layer_state_[l].dispatch = moe::DispatchState();
-    held_[l] = false;
-  }
-
-  absl::Status MoeBackward(int l, const float* a, const MoeWeights& w, const float* dy, float* da,
-                           MoeGrads g) override {
-    const int64_t D = config_.dim, E = config_.experts, T = in_.rows;
-    const int K = config_.top_k;
-    if (l >= static_cast<int>(counts_.size())) {
-      return absl::FailedPreconditionError(absl::StrCat("MoE layer ", l, " has no forward"));
-    }
-    if (!held_[l]) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "MoE layer ", l, " released its activations; re-run its forward before backward"));
-    }
-    moe::RouterOutput& route = layer_state_[l].route;
-    du_.assign(T * E, 0.0f);
-    GRADSUM_ASSIGN_OR_RETURN(absl::Span<const int64_t> global_counts, counts_[l].Wait());
-    // The z and balancing losses (row-wise gradients into du; the values are sums over
-    // the rows), per row block.
-    const int64_t S = in_.row_block > 0 ? in_.row_block : T;
-    for (int64_t r0 = 0; r0 < T; r0 += S) {
-      GRADSUM_ASSIGN_OR_RETURN(
-          TensorView u, TensorView::Create(route.logits.data() + r0 * E, DType::kF32, {S, E}));
-      GRADSUM_ASSIGN_OR_RETURN(TensorView du_view,
-                               TensorView::Create(du_.data() + r0 * E, DType::kF32, {S, E}));
-      const auto m_rows = absl::MakeConstSpan(mask_).subspan(r0, S);
-      GRADSUM_ASSIGN_OR_RETURN(
-          double z, losses::RouterZLossForwardBackward(u, m_rows, in_.global_routed_tokens,
-                                                       config_.alpha_z, du_view));
-      GRADSUM_ASSIGN_OR_RETURN(double bal, losses::LoadBalancingLossForwardBackward(
-                                               u, m_rows, global_counts, K, in_.num_micro_batches,
-                                               config_.alpha_b, du_view));
-      terms_.z += z;
-      terms_.bal += bal;
-      if (in_.row_block > 0) {
-        terms_.z_terms.push_back(z);
-        terms_.bal_terms.push_back(bal);
-      }
-    }
-    global_counts_[l].assign(global_counts.begin(), global_counts.end());
-
-    std::fill(da, da + T * D, 0.0f);
-    moe::MoeLayerGrads grads;
-    const int64_t expert_block = local_experts_ * D * config_.expert_dim;
-    if (g.router.exact() != nullptr || g.local_experts.exact() != nullptr) {
-      if (g.router.exact() == nullptr || g.local_experts.exact() == nullptr) {
-        return absl::InvalidArgumentError(
-            "MoE layer gradients: the router and the experts need the same kind of target");
-      }
-      grads.router_exact = g.router.exact();
-      grads.local_experts.exact = g.local_experts.exact();
-    } else {
-      float* experts = g.local_experts.accumulate();
-      grads.router = absl::MakeSpan(g.router.accumulate(), D * E);
-      grads.local_experts.gate = absl::MakeSpan(experts, expert_block);
-      grads.local_experts.up = absl::MakeSpan(experts + expert_block, expert_block);
-      grads.local_experts.down = absl::MakeSpan(experts + 2 * expert_block, expert_block);
-    }
-    moe::RouterLossGrads loss_grads;
-    loss_grads.d_logits = du_;
-    return moe::MoeLayerBackward(mesh_->ep_group(), layer_config_, LayerWeights(w),
-                                 absl::MakeConstSpan(a, T * D), layer_state_[l],
-                                 absl::MakeConstSpan(dy, T * D), loss_grads,
-                                 absl::MakeSpan(da, T * D), grads);
   }
 
   absl::Status LmHeadCrossEntropy(const float* f, const float* w_out, float* grad_f,
@@ -652,6 +531,12 @@ class CpuOps : public ModelOps {
   }
 
   absl::StatusOr<MicroBatchLossTerms> End() override {
+    moe::MoeLossTerms moe = moe_kernels_.TakeLossTerms();
+    terms_.z = moe.z;
+    terms_.bal = moe.bal;
+    terms_.z_terms = std::move(moe.z_terms);
+    terms_.bal_terms = std::move(moe.bal_terms);
+    terms_.global_expert_counts = std::move(moe.global_expert_counts);
     if (in_.row_block <= 0) {
       terms_.ce_terms = {terms_.ce};
       terms_.z_terms = {terms_.z};
@@ -659,12 +544,10 @@ class CpuOps : public ModelOps {
       for (size_t j = 0; j < terms_.mtp.size(); ++j) terms_.mtp_terms[j] = {terms_.mtp[j]};
       if (config_.ce.alpha_lse > 0.0) terms_.z_out_terms = {terms_.z_out};
     }
-    terms_.global_expert_counts = std::move(global_counts_);
-    counts_.clear();
     return std::move(terms_);
   }
 
-  void Abandon() override { counts_.clear(); }
+  void Abandon() override { moe_kernels_.Abandon(); }
 
  private:
   // Attention: the layout checks and the RoPE tables of the micro-batch.
@@ -765,37 +648,12 @@ class CpuOps : public ModelOps {
                              [&](int64_t b) { return fn(b * in_.row_block, in_.row_block, 1); });
   }
 
-  moe::MoeLayerWeights LayerWeights(const MoeWeights& w) const {
-    const int64_t D = config_.dim, E = config_.experts;
-    const int64_t block = local_experts_ * D * config_.expert_dim;
-    moe::MoeLayerWeights out;
-    out.router = absl::MakeConstSpan(w.router, D * E);
-    if (w.expert_bias != nullptr) out.expert_bias = absl::MakeConstSpan(w.expert_bias, E);
-    out.local_experts.gate = absl::MakeConstSpan(w.local_experts, block);
-    out.local_experts.up = absl::MakeConstSpan(w.local_experts + block, block);
-    out.local_experts.down = absl::MakeConstSpan(w.local_experts + 2 * block, block);
-    return out;
-  }
-
   int64_t HeldActivationBytes() const override {
-    int64_t bytes = 0;
+    int64_t bytes = moe_kernels_.HeldBytes();
     auto add = [&bytes](const auto& v) {
       bytes += static_cast<int64_t>(v.capacity() * sizeof(v[0]));
     };
-    auto add_dispatch = [&add](const moe::DispatchState& d) {
-      add(d.send_copy), add(d.copy_pos), add(d.combine_weight), add(d.output_row);
-      add(d.copy_output), add(d.expert_input), add(d.expert_output);
-      for (const moe::ExpertsSaved& e : d.experts_saved) add(e.gate_pre), add(e.up_pre);
-      add(d.scratch_send), add(d.scratch_expert_a), add(d.scratch_expert_b);
-    };
-    for (const moe::MoeLayerState& s : layer_state_) {
-      const moe::RouterOutput& r = s.route;
-      add(r.logits), add(r.probs), add(r.expert_index), add(r.combine_weight), add(r.routed);
-      add_dispatch(s.dispatch);
-    }
-    for (const moe::DispatchState& d : spare_dispatch_) add_dispatch(d);
-    add(dispatch_scratch_.send), add(dispatch_scratch_.expert_a), add(dispatch_scratch_.expert_b);
-    add(du_), add(rope_cos_), add(rope_sin_), add(send_), add(recv_);
+    add(rope_cos_), add(rope_sin_), add(send_), add(recv_);
     return bytes;
   }
 
@@ -803,24 +661,11 @@ class CpuOps : public ModelOps {
   const Mesh* mesh_;  // not owned
   RingSchedule cp_schedule_;
   int num_threads_ = 1;
-  int local_experts_ = 1;
-  int moe_layers_ = 0;  // L + mtp_depth
-  moe::MoeLayerConfig layer_config_;
-  std::vector<moe::MoeLayerState> layer_state_;
-  // The dispatch's scratch, one set for every layer (the layers run one at a time).
-  moe::DispatchScratch dispatch_scratch_;
-  // Full recomputation: the dispatch states released by ReleaseMoeActivations, and which
-  // layers hold one (a layer that holds none takes one from the pool before it runs, so
-  // one set of buffers circulates through the layers).
-  std::vector<moe::DispatchState> spare_dispatch_;
-  std::vector<bool> held_;
+  // The MoE layers' compute (their order: MoeBlockOps).
+  moe::MoeLayersCpu moe_kernels_;
   // The micro-batch.
   MicroBatchInputs in_;
-  std::vector<uint8_t> mask_;
   std::vector<int64_t> labels_;
-  std::vector<losses::ExpertCountReduction> counts_;  // per layer, in flight from forward
-  std::vector<std::vector<int64_t>> global_counts_;
-  std::vector<float> du_;  // [T, E]
   MicroBatchLossTerms terms_;
   // Attention: the SP group's size and this rank's place in it, the head layout, the
   // micro-batch's RoPE tables [T, head_dim / 2], and the exchanges' buffers.

@@ -2,8 +2,9 @@
 #define GRADSUM_MODEL_CPU_OPS_H_
 
 // The host's ops (model/ops.h): fp32 kernels on the CPU through the BLAS and the shared
-// compute pool. Embedding and RMSNorm are model/layers.h, the MoE layer moe/moe_layer.h
-// (router, dropless all-to-all dispatch over the EP group overlapped with the experts),
+// compute pool. Embedding and RMSNorm are model/layers.h, the MoE layer's steps
+// moe/moe_layer.h (router, dropless all-to-all dispatch over the EP group overlapped with
+// the experts), ordered by moe/moe_block.h as on every device (model/moe_block_ops.h),
 // the head losses/linear_cross_entropy.h, the router losses losses/router_losses.h,
 // attention model/attention.h, its sequence-parallel exchanges host all-to-alls over the SP
 // group.

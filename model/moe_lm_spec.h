@@ -71,9 +71,8 @@ struct HeadLayout {
 };
 HeadLayout HeadLayoutOf(const MoeLmConfig& m, int sp);
 
-// The MoE layer's sizes and routing from the model's config, into either device's layer
-// config (moe/moe_layer.h MoeLayerConfig, moe/cuda MoeLayerCudaConfig: the fields they
-// share; each sets its own score field).
+// The MoE layer's sizes and routing from the model's config, into a layer config
+// (moe/moe_block.h MoeLayerConfig; model/moe_block_ops.h MoeLayerConfigOf adds the score).
 template <typename LayerConfig>
 void SetMoeLayerShape(const MoeLmConfig& m, LayerConfig* c) {
   c->d_model = m.dim;

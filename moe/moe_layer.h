@@ -1,26 +1,21 @@
 #ifndef GRADSUM_MOE_MOE_LAYER_H_
 #define GRADSUM_MOE_MOE_LAYER_H_
 
-// One MoE block of SEMANTICS.md §10 without the residual and the norm: router + dropless
-// dispatch + grouped SwiGLU experts + combine, forward and backward.
+// The host's compute of the MoE layers' steps (moe/moe_block.h orders them): the router
+// (moe/router.h), the dropless dispatch with its pipelined EP exchange and the grouped
+// SwiGLU experts (moe/dispatch.h, moe/experts.h), the router z-loss and balancing loss
+// (losses/router_losses.h) and the world SUM of the expert counts (losses/step_stats.h).
+// Every pointer is host memory.
 //
-//   y_t = sum_k w_tk Expert_{i_tk}(a_t)      (0 for padding tokens)
+//   MoeLayersCpu kernels(ep_group, world, config, {.alpha_z = az, .alpha_b = ab}, L);
+//   MoeBlock block(&kernels, L);
+//   kernels.BeginMicroBatch({.rows = T, .mask = mask, .global_routed_tokens = N});
+//   block.BeginMicroBatch();
+//   ... block.Forward / Recompute / Release / Backward ...
+//   MoeLossTerms terms = kernels.TakeLossTerms();
 //
-// The caller adds y to the residual stream (h = h + y) and back-propagates dy = dL/dh into
-// MoeLayerBackward, together with the gradients the z-loss and balancing loss put on the
-// router's logits and probabilities (taken from state.route; see moe/router.h).
-//
-//   MoeLayerConfig config{.d_model = D, .hidden = H, .num_experts = E, .top_k = K};
-//   MoeLayerWeights w{.router = wr, .local_experts = {wg, wu, wd}};
-//   MoeLayerState state;
-//   GRADSUM_RETURN_IF_ERROR(MoeLayerForward(ep_group, config, w, a, mask, y, &state));
-//   // losses read state.route.logits / probs / local_expert_counts / local_gating_sums
-//   GRADSUM_RETURN_IF_ERROR(MoeLayerBackward(ep_group, config, w, a, state, dy,
-//                                            {.d_gating_sums = d_bal, .d_logits = d_z},
-//                                            d_a, grads));
-//
-// Gradient reduction afterwards (SEMANTICS.md §7): grads.router is summed over the world,
-// grads.local_experts over this rank's EDP group (moe/placement.h).
+// Gradient reduction afterwards (SEMANTICS.md §7): the router's over the world, the
+// experts' over this rank's EDP group (moe/placement.h).
 
 #include <cstdint>
 #include <vector>
@@ -28,105 +23,105 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "collectives/communicator.h"
+#include "losses/step_stats.h"
 #include "moe/dispatch.h"
 #include "moe/experts.h"
+#include "moe/moe_block.h"
 #include "moe/router.h"
 
 namespace gradsum::moe {
 
-struct MoeLayerConfig {
-  int64_t d_model = 0;  // D
-  int64_t hidden = 0;   // H
-  int num_experts = 0;  // E, E % P == 0
-  int top_k = 0;        // K
-  bool norm_topk_prob = false;
-  float router_scale = 1.0f;
-  RouterScore score = RouterScore::kSoftmax;  // softmax or sigmoid scores (§10, §5.1)
-  // Reproducible mode (docs/REPRODUCIBILITY.md): when > 0, the tokens are consecutive
-  // blocks of row_block rows (moe_lm: packed sequences), the same number on every EP rank.
-  // The router computes per block (RouterConfig::row_block), and every expert computes
-  // per (block, expert) row group, whichever rank the block came from: forward learns the
-  // groups from one extra all-gather of per-(expert, block) counts over the EP group.
-  int64_t row_block = 0;
-
-  RouterConfig router() const {
-    return RouterConfig{.d_model = d_model,
-                        .num_experts = num_experts,
-                        .top_k = top_k,
-                        .norm_topk_prob = norm_topk_prob,
-                        .router_scale = router_scale,
-                        .score = score,
-                        .row_block = row_block};
-  }
-  DispatchConfig dispatch() const {
-    return DispatchConfig{
-        .d_model = d_model, .hidden = hidden, .num_experts = num_experts, .top_k = top_k};
-  }
+// One micro-batch as the layers see it (host memory, valid until the next one).
+struct MoeMicroBatchCpu {
+  int64_t rows = 0;                  // T
+  int64_t row_block = 0;             // MoeLayerConfig::row_block; > 0 divides rows
+  absl::Span<const int32_t> mask;    // [T] 1 routed, 0 padding; empty: every token routed
+  int64_t global_routed_tokens = 0;  // N (§4)
+  int num_micro_batches = 1;         // G (§5)
 };
 
-struct MoeLayerWeights {
-  absl::Span<const float> router;  // Wr [D, E], identical on every rank
-  ExpertWeights local_experts;     // this EP rank's E / P experts, stacked
-  // The layer's expert bias [E] (SEMANTICS.md §5.1: selection only; state, not a
-  // parameter, identical on every rank), or empty for none.
-  absl::Span<const float> expert_bias;
+// What the micro-batch's RouterLosses steps computed, in the order they ran.
+struct MoeLossTerms {
+  double z = 0.0, bal = 0.0;  // L_z[r, m], L_bal[r, m]: sums over the layers
+  // With row blocks, one value per (layer, row block); empty otherwise.
+  std::vector<double> z_terms, bal_terms;
+  // Per layer, c[l, m, :] of §5 (every rank's SUM); empty for a layer without backward.
+  std::vector<std::vector<int64_t>> global_expert_counts;
 };
 
-// Accumulated (+=).
-struct MoeLayerGrads {
-  absl::Span<float> router;         // [D, E]
-  ExpertWeightGrads local_experts;  // shapes of MoeLayerWeights::local_experts
-  // Reproducible mode: when set, `router` is not used and each row block's router gradient
-  // is added exactly here (local_experts.exact does the same for the experts).
-  ExactGradSink* router_exact = nullptr;
+class MoeLayersCpu : public MoeLayerKernels {
+ public:
+  // The communicators (not owned) outlive the kernels. E % ep_group.size() == 0.
+  MoeLayersCpu(Communicator& ep_group, Communicator& world, const MoeLayerConfig& config,
+               const MoeLossWeights& losses, int num_layers);
+
+  // Starts a micro-batch (the mask is copied; counts still in flight are dropped).
+  void BeginMicroBatch(const MoeMicroBatchCpu& batch);
+  // The micro-batch's loss terms and counts; waits for the count SUMs still in flight.
+  MoeLossTerms TakeLossTerms();
+  // After a failed micro-batch: waits for and drops the count SUMs in flight.
+  void Abandon() { counts_.clear(); }
+
+  // The bytes of the host buffers held between calls (model/ops.h HeldActivationBytes):
+  // every layer's routing and dispatch state, the spare sets, the shared scratch and the
+  // router losses' logit gradient.
+  int64_t HeldBytes() const;
+
+  // Layer l's routing of the micro-batch (after its Route).
+  const RouterOutput& route(int l) const { return layers_[l].route; }
+
+  absl::Status Route(int l, const float* a, const MoeBlockWeights& w) override;
+  absl::Status StartCountSum(int l) override;
+  absl::Status Dispatch(int l, const float* a, const MoeBlockWeights& w, float* y,
+                        bool rerun) override;
+  absl::Status CheckGrads(const MoeBlockGrads& g) const override;
+  absl::Status RouterLosses(int l) override;
+  absl::Status DispatchBackward(int l, const float* a, const MoeBlockWeights& w, const float* dy,
+                                float* da, const MoeBlockGrads& g) override;
+  absl::Status RouterBackward(int l, const float* a, const MoeBlockWeights& w, float* da,
+                              const MoeBlockGrads& g) override;
+  void LendActivations(int l) override;
+  void BorrowActivations(int l) override;
+
+ protected:
+  // The gradients the router losses put on a layer's router outputs, read by RouterBackward
+  // (empty: zero): RouterLosses writes d_logits [T, E]; d_gating_sums [E] stays empty
+  // (a test's RouterLosses may fill both).
+  std::vector<float> loss_d_logits_;
+  std::vector<double> loss_d_gating_sums_;
+  const MoeMicroBatchCpu& batch() const { return batch_; }
+
+ private:
+  struct Layer {
+    RouterOutput route;  // routing decisions and statistics of this micro-batch
+    DispatchState dispatch;
+    // Reproducible mode: the row blocks of each local expert's rows
+    // (ExpertsConfig::row_blocks).
+    std::vector<std::vector<int64_t>> expert_row_blocks;
+    // The dispatch's per-expert row counts of every EP rank (DispatchState::all_counts),
+    // kept for a re-run when the dispatch state is lent.
+    std::vector<int64_t> dispatch_counts;
+  };
+  absl::Status ExpertRowBlocks(Layer& layer);
+  DispatchConfig DispatchConfigOf(const Layer& layer);
+  ExpertWeights LocalExperts(const MoeBlockWeights& w) const;
+
+  Communicator& ep_;
+  Communicator& world_;
+  MoeLayerConfig config_;
+  MoeLossWeights losses_;
+  std::vector<Layer> layers_;
+  // The dispatch's scratch, one set for every layer (the layers run one at a time).
+  DispatchScratch scratch_;
+  // Full recomputation: the dispatch states lent by LendActivations.
+  std::vector<DispatchState> spare_;
+  MoeMicroBatchCpu batch_;
+  std::vector<uint8_t> mask_;
+  std::vector<losses::ExpertCountReduction> counts_;  // per layer, in flight from forward
+  MoeLossTerms terms_;
+  // Between DispatchBackward and RouterBackward: d w_tk [T, K] (freed after).
+  std::vector<float> d_combine_weight_;
 };
-
-// Gradients the auxiliary losses put on the router outputs; empty spans mean zero.
-struct RouterLossGrads {
-  absl::Span<const float> d_probs;         // [T, E]
-  absl::Span<const double> d_gating_sums;  // [E]
-  absl::Span<const float> d_logits;        // [T, E]
-};
-
-struct MoeLayerState {
-  RouterOutput route;  // routing decisions and statistics of this micro-batch
-  DispatchState dispatch;
-  // Reproducible mode: the row blocks of each local expert's rows (ExpertsConfig::row_blocks).
-  std::vector<std::vector<int64_t>> expert_row_blocks;
-  // The dispatch's per-expert row counts of every EP rank (DispatchState::all_counts), kept
-  // for MoeLayerRecomputeForward when the dispatch state is released.
-  std::vector<int64_t> dispatch_counts;
-  // Scratch shared with the rank's other layers (DispatchConfig::scratch; not owned), or
-  // null for the dispatch state's own.
-  DispatchScratch* scratch = nullptr;
-};
-
-// a: [T, D]; mask: [T] (1 routed, 0 padding) or empty; y: [T, D] overwritten.
-// Collective over `ep_group`. Errors: those of RouterForward and DispatchCombineForward.
-absl::Status MoeLayerForward(Communicator& ep_group, const MoeLayerConfig& config,
-                             const MoeLayerWeights& weights, absl::Span<const float> a,
-                             absl::Span<const uint8_t> mask, absl::Span<float> y,
-                             MoeLayerState* state);
-
-// Activation recomputation (model/moe_lm.h Recompute::kFull): re-runs the dispatch, the
-// experts and the combine of the MoeLayerForward that filled `state`, on the same `a` and
-// weights, with that forward's routing decisions (state->route) and row blocks: no router
-// pass and no all-gather (the dispatch's exchanged counts are kept too); the row exchange is
-// re-done, the same rows in the same order, so state->dispatch and y come out bit-identical
-// to the first forward's.
-// Collective over `ep_group`. Errors: FailedPrecondition when `state` holds no routing of
-// a.size() / D tokens; those of DispatchCombineForward.
-absl::Status MoeLayerRecomputeForward(Communicator& ep_group, const MoeLayerConfig& config,
-                                      const MoeLayerWeights& weights, absl::Span<const float> a,
-                                      absl::Span<float> y, MoeLayerState* state);
-
-// dy: [T, D]. d_a: [T, D] accumulated (+=) through the experts and the router.
-// Collective over `ep_group`. Errors: those of DispatchCombineBackward and RouterBackward.
-absl::Status MoeLayerBackward(Communicator& ep_group, const MoeLayerConfig& config,
-                              const MoeLayerWeights& weights, absl::Span<const float> a,
-                              const MoeLayerState& state, absl::Span<const float> dy,
-                              const RouterLossGrads& loss_grads, absl::Span<float> d_a,
-                              const MoeLayerGrads& grads);
 
 }  // namespace gradsum::moe
 

@@ -1,6 +1,8 @@
-// The whole MoE block (router + dispatch + experts + combine) on EP = 1, 2, 4 against the
-// double-precision single-process reference, gradients SUM-reduced as SEMANTICS.md §7 says:
-// the router over the world, the experts over their EDP group (groups from collectives/mesh.h).
+// The whole MoE block (router + dispatch + experts + combine) on the host, as the shared
+// orchestration (moe/moe_block.h) runs it over the host's kernels, on EP = 1, 2, 4 against
+// the double-precision single-process reference, gradients SUM-reduced as SEMANTICS.md §7
+// says: the router over the world, the experts over their EDP group (groups from
+// collectives/mesh.h).
 #include "moe/moe_layer.h"
 
 #include <cmath>
@@ -19,6 +21,35 @@
 
 namespace gradsum::moe {
 namespace {
+
+// The host's kernels with the router losses' gradients given (the test's loss puts
+// arbitrary cotangents on the logits and the gating sums) instead of the z and balancing
+// losses'.
+class GivenLossGrads : public MoeLayersCpu {
+ public:
+  GivenLossGrads(Communicator& ep, Communicator& world, const MoeLayerConfig& config,
+                 std::vector<float> d_logits, std::vector<double> d_gating_sums)
+      : MoeLayersCpu(ep, world, config, {}, 1),
+        d_logits_(std::move(d_logits)),
+        d_gating_sums_(std::move(d_gating_sums)) {}
+  absl::Status RouterLosses(int l) override {
+    loss_d_logits_ = d_logits_;
+    loss_d_gating_sums_ = d_gating_sums_;
+    return absl::OkStatus();
+  }
+
+ private:
+  std::vector<float> d_logits_;
+  std::vector<double> d_gating_sums_;
+};
+
+std::vector<float> Concat(const std::vector<float>& a, const std::vector<float>& b,
+                          const std::vector<float>& c) {
+  std::vector<float> out(a);
+  out.insert(out.end(), b.begin(), b.end());
+  out.insert(out.end(), c.begin(), c.end());
+  return out;
+}
 
 // (world, ep_size, E, K, norm_topk_prob)
 class MoeLayerParityTest : public ::testing::TestWithParam<std::tuple<int, int, int, int, bool>> {};
@@ -95,29 +126,31 @@ TEST_P(MoeLayerParityTest, OutputsAndReducedGradientsMatchReference) {
                              cuf = test::ToFloat(cu[r]);
     Result& out = results[r];
     out.y.resize(af.size());
-    const MoeLayerWeights weights{.router = wrf, .local_experts = {wgf, wuf, wdf}};
-    MoeLayerState state;
-    GRADSUM_RETURN_IF_ERROR(
-        MoeLayerForward(*ep, config, weights, af, mask[r], absl::MakeSpan(out.y), &state));
-    // Activation recomputation: the dispatch state dropped and re-run from the kept routing
-    // gives the same output bits, and the backward below (checked against finite
+    const std::vector<float> experts = Concat(wgf, wuf, wdf);
+    const MoeBlockWeights weights{.router = wrf.data(), .local_experts = experts.data()};
+    GivenLossGrads kernels(*ep, mesh->world(), config, cuf, cg);
+    MoeBlock block(&kernels, 1);
+    const std::vector<int32_t> mask32(mask[r].begin(), mask[r].end());
+    kernels.BeginMicroBatch({.rows = static_cast<int64_t>(mask32.size()), .mask = mask32});
+    block.BeginMicroBatch();
+    GRADSUM_RETURN_IF_ERROR(block.Forward(0, af.data(), weights, out.y.data()));
+    // Activation recomputation: the dispatch state lent away and re-run from the kept
+    // routing gives the same output bits, and the backward below (checked against finite
     // differences) runs on the re-run state.
     std::vector<float> rerun(af.size(), -1.0f);
-    state.dispatch = DispatchState();
-    GRADSUM_RETURN_IF_ERROR(
-        MoeLayerRecomputeForward(*ep, config, weights, af, absl::MakeSpan(rerun), &state));
+    block.Release(0);
+    GRADSUM_RETURN_IF_ERROR(block.Recompute(0, af.data(), weights, rerun.data()));
     if (rerun != out.y) return absl::InternalError("the re-run forward's output differs");
-    out.d_a.assign(af.size(), 0.0f);
+    out.d_a.assign(af.size(), -1.0f);  // written
     out.dwr.assign(wrf.size(), 0.0f);
-    out.dwg.assign(per, 0.0f);
-    out.dwu.assign(per, 0.0f);
-    out.dwd.assign(per, 0.0f);
-    const MoeLayerGrads grads{.router = absl::MakeSpan(out.dwr),
-                              .local_experts = {absl::MakeSpan(out.dwg), absl::MakeSpan(out.dwu),
-                                                absl::MakeSpan(out.dwd)}};
-    GRADSUM_RETURN_IF_ERROR(MoeLayerBackward(*ep, config, weights, af, state, dyf,
-                                             {.d_gating_sums = cg, .d_logits = cuf},
-                                             absl::MakeSpan(out.d_a), grads));
+    std::vector<float> d_experts(3 * per, 0.0f);
+    const GradTarget d_router = GradTarget::Accumulate(out.dwr.data(), out.dwr.size());
+    const GradTarget d_local = GradTarget::Accumulate(d_experts.data(), d_experts.size());
+    GRADSUM_RETURN_IF_ERROR(
+        block.Backward(0, af.data(), weights, dyf.data(), out.d_a.data(), {&d_router, &d_local}));
+    out.dwg.assign(d_experts.begin(), d_experts.begin() + per);
+    out.dwu.assign(d_experts.begin() + per, d_experts.begin() + 2 * per);
+    out.dwd.assign(d_experts.begin() + 2 * per, d_experts.end());
     // SEMANTICS.md §7: router over the world, experts over the EDP group; plain SUM.
     GRADSUM_RETURN_IF_ERROR(comm.AllReduce(out.dwr.data(), out.dwr.data(), out.dwr.size(),
                                            DType::kF32, ReduceOp::kSum));
@@ -178,23 +211,31 @@ TEST(MoeLayerRecomputeTest, WithoutAForwardOnTheSameTokensIsFailedPrecondition) 
   const int D = 3, H = 2, E = 2;
   const MoeLayerConfig config{.d_model = D, .hidden = H, .num_experts = E, .top_k = 1};
   absl::Status status = testing::RunRanks(1, [&](Communicator& comm) -> absl::Status {
-    std::vector<float> wr(D * E, 0.5f), w(E * D * H, 0.25f), a(4 * D, 1.0f), y(4 * D);
-    const MoeLayerWeights weights{.router = wr, .local_experts = {w, w, w}};
-    MoeLayerState state;
-    absl::Status s = MoeLayerRecomputeForward(comm, config, weights, a, absl::MakeSpan(y), &state);
+    // Expert 0 scores sum(a), expert 1 -sum(a): all-ones tokens go to 0, all-minus-ones to 1.
+    std::vector<float> wr(D * E), w(3 * E * D * H, 0.25f), y(4 * D);
+    for (int d = 0; d < D; ++d) wr[d * E] = 1.0f, wr[d * E + 1] = -1.0f;
+    const std::vector<float> a(4 * D, 1.0f), negated(4 * D, -1.0f);
+    const MoeBlockWeights weights{.router = wr.data(), .local_experts = w.data()};
+    MoeLayersCpu kernels(comm, comm, config, {}, 1);
+    MoeBlock block(&kernels, 1);
+    kernels.BeginMicroBatch({.rows = 4});
+    block.BeginMicroBatch();
+    absl::Status s = block.Recompute(0, a.data(), weights, y.data());
     if (s.code() != absl::StatusCode::kFailedPrecondition) {
       return absl::InternalError(absl::StrCat("no forward: got ", s.ToString()));
     }
-    GRADSUM_RETURN_IF_ERROR(
-        MoeLayerForward(comm, config, weights, a, {}, absl::MakeSpan(y), &state));
+    GRADSUM_RETURN_IF_ERROR(block.Forward(0, a.data(), weights, y.data()));
     std::vector<float> fewer(2 * D, 1.0f), y2(2 * D);
-    s = MoeLayerRecomputeForward(comm, config, weights, fewer, absl::MakeSpan(y2), &state);
+    kernels.BeginMicroBatch({.rows = 2});
+    s = kernels.Dispatch(0, fewer.data(), weights, y2.data(), /*rerun=*/true);
     if (s.code() != absl::StatusCode::kFailedPrecondition ||
         s.message().find("4 tokens, the input has 2") == absl::string_view::npos) {
       return absl::InternalError(absl::StrCat("other tokens: got ", s.ToString()));
     }
-    state.dispatch_counts.push_back(7);  // not this routing's counts
-    s = MoeLayerRecomputeForward(comm, config, weights, a, absl::MakeSpan(y), &state);
+    // Routed again to other experts: the kept counts are not this routing's.
+    kernels.BeginMicroBatch({.rows = 4});
+    GRADSUM_RETURN_IF_ERROR(kernels.Route(0, negated.data(), weights));
+    s = kernels.Dispatch(0, negated.data(), weights, y.data(), /*rerun=*/true);
     if (s.code() != absl::StatusCode::kFailedPrecondition) {
       return absl::InternalError(absl::StrCat("other counts: got ", s.ToString()));
     }

@@ -22,6 +22,7 @@
 #include "model/cuda/attention_cuda.h"
 #include "model/cuda/model_kernels.h"
 #include "model/layers.h"
+#include "model/moe_block_ops.h"
 #include "moe/cuda/layers_cuda.h"
 #include "moe/cuda/moe_layer_cuda.h"
 
@@ -53,16 +54,19 @@ absl::StatusOr<float*> DeviceGrad(const GradTarget& t, const char* what) {
   return t.accumulate();
 }
 
-class CudaOps : public ModelOps {
+class CudaOps : public MoeBlockOps {
  public:
   CudaOps(const MoeLmSpec& spec, std::shared_ptr<cuda::ComputeContext> ctx, const Mesh& mesh)
-      : config_(spec.config()), ctx_(std::move(ctx)), mesh_(&mesh) {
+      : config_(spec.config()),
+        ctx_(std::move(ctx)),
+        mesh_(&mesh),
+        moe_kernels_(
+            moe::MakeMoeLayersCuda(&exec_, mesh, MoeLayerConfigOf(config_),
+                                   {.alpha_z = config_.alpha_z, .alpha_b = config_.alpha_b},
+                                   config_.layers + config_.mtp_depth)) {
     const MoeLmConfig& m = config_;
-    SetMoeLayerShape(m, &layer_config_);
-    layer_config_.sigmoid_scores = m.router_sigmoid;
     // The L main MoE layers, then one per MTP depth (SEMANTICS.md §15.1).
-    layers_.resize(m.layers + m.mtp_depth);
-    bias_.resize(m.layers + m.mtp_depth);
+    InitMoeBlock(moe_kernels_.get(), m);
     exec_.blas = &ctx_->blas;
     exec_.stream = ctx_->stream.get();
     exec_.fence = ctx_->fence;
@@ -91,6 +95,14 @@ class CudaOps : public ModelOps {
     mask_host_.assign(in.mask.begin(), in.mask.end());
     if (k > 0) GRADSUM_RETURN_IF_ERROR(UploadMtpRows(in, k));
     GRADSUM_RETURN_IF_ERROR(UploadBatch(in, k));
+    double* d = scalars_.as<double>();  // D, N, ce, z, bal, ...
+    moe_kernels_->BeginMicroBatch({.rows = in.rows,
+                                   .mask = mask_.as<uint8_t>(),
+                                   .num_micro_batches = in.num_micro_batches,
+                                   .global_routed_tokens = d + 1,
+                                   .z_loss = d + 3,
+                                   .balance_loss = d + 4});
+    moe_block().BeginMicroBatch();
     // The host copies are pageable: the calls return once they are staged.
     return absl::OkStatus();
   }
@@ -320,60 +332,6 @@ class CudaOps : public ModelOps {
     return moe::RmsNormBackwardCuda(n, exec_.stream);
   }
 
-  absl::Status MoeForward(int l, const float* a, const MoeWeights& w, float* y) override {
-    // §5.1: the layer's expert bias (host memory, the model's state; also one carried by
-    // --init_from or a checkpoint with the speed at 0) goes to the device for the router's
-    // top-K selection. E floats per layer and forward; the copy is staged before it returns.
-    const float* bias = nullptr;
-    if (w.expert_bias != nullptr) {
-      const int64_t E = config_.experts;
-      GRADSUM_RETURN_IF_ERROR(Reserve(&bias_[l], E * sizeof(float)));
-      GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(bias_[l].get(), w.expert_bias, E * sizeof(float),
-                                                   cudaMemcpyHostToDevice, exec_.stream),
-                                   "upload the expert bias");
-      bias = bias_[l].as<float>();
-    }
-    BorrowActivations(l);
-    return layers_[l].Forward(exec_, *mesh_, layer_config_, &scratch_, in_.rows, a,
-                              {w.router, w.local_experts, bias}, mask_.as<uint8_t>(), y);
-  }
-
-  // ---- Full activation recomputation (model/ops.h): as the CPU ops, one set of dispatch
-  // and expert buffers circulates through the layers. ----
-  bool CanRecomputeMoe() const override { return true; }
-
-  absl::Status MoeRecomputeForward(int l, const float* a, const MoeWeights& w, float* y) override {
-    BorrowActivations(l);
-    return layers_[l].RecomputeForward(exec_, *mesh_, layer_config_, &scratch_, a,
-                                       {w.router, w.local_experts, nullptr}, y);
-  }
-
-  void ReleaseMoeActivations(int l) override {
-    if (l < 0 || l >= static_cast<int>(layers_.size()) || !layers_[l].holds_activations()) {
-      return;
-    }
-    // One stream: the next layer's kernels that reuse these buffers run after this
-    // layer's, whatever the host does.
-    spare_activations_.push_back(layers_[l].TakeActivations());
-  }
-
-  absl::Status MoeBackward(int l, const float* a, const MoeWeights& w, const float* dy, float* da,
-                           MoeGrads g) override {
-    GRADSUM_ASSIGN_OR_RETURN(float* d_router, DeviceGrad(g.router, "a router"));
-    GRADSUM_ASSIGN_OR_RETURN(float* d_experts, DeviceGrad(g.local_experts, "the experts"));
-    double* d = scalars_.as<double>();
-    moe::MoeRouterLossCudaArgs losses;
-    losses.alpha_z = static_cast<float>(config_.alpha_z);
-    losses.alpha_b = static_cast<float>(config_.alpha_b);
-    losses.num_micro_batches = in_.num_micro_batches;
-    losses.global_routed_tokens = d + 1;
-    losses.z_loss = d + 3;
-    losses.balance_loss = d + 4;
-    return layers_[l].Backward(exec_, *mesh_, layer_config_, &scratch_, a,
-                               {w.router, w.local_experts}, mask_.as<uint8_t>(), losses, dy, da,
-                               {d_router, d_experts});
-  }
-
   absl::Status LmHeadCrossEntropy(const float* f, const float* w_out, float* grad_f,
                                   GradTarget grad_out) override {
     return HeadCrossEntropy(f, w_out, grad_f, &grad_out, MainHeadLabels());
@@ -498,7 +456,7 @@ class CudaOps : public ModelOps {
     terms.global_expert_counts.assign(L, std::vector<int64_t>(E));
     for (int l = 0; l < L; ++l) {
       GRADSUM_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(terms.global_expert_counts[l].data(), layers_[l].global_counts(),
+          cudaMemcpyAsync(terms.global_expert_counts[l].data(), moe_kernels_->global_counts(l),
                           E * sizeof(int64_t), cudaMemcpyDeviceToHost, s),
           "download expert counts");
     }
@@ -536,9 +494,7 @@ class CudaOps : public ModelOps {
   // layers' shared scratch, the [T, V] logits, the micro-batch's inputs and the head split's
   // exchange buffers.
   int64_t HeldActivationBytes() const override {
-    int64_t bytes = scratch_.bytes();
-    for (const moe::MoeLayerCuda& l : layers_) bytes += l.HeldBytes();
-    for (const moe::MoeLayerCudaActivations& a : spare_activations_) bytes += a.bytes();
+    int64_t bytes = moe_kernels_->HeldBytes();
     for (const DeviceBuffer* b :
          {&tokens_, &labels_, &mask_, &weights_, &logits_, &mtp_tokens_, &mtp_labels_,
           &mtp_weights_, &rope_cos_, &rope_sin_, &doc_start_, &send_, &recv_}) {
@@ -614,14 +570,6 @@ class CudaOps : public ModelOps {
                         d_out, V, DType::kF32, 1.0f);
   }
 
-  // A layer about to run its dispatch takes a released set of buffers, if there is one
-  // (else its own grow).
-  void BorrowActivations(int l) {
-    if (layers_[l].holds_activations() || spare_activations_.empty()) return;
-    layers_[l].GiveActivations(std::move(spare_activations_.back()));
-    spare_activations_.pop_back();
-  }
-
   absl::Status CheckDepth(int depth) const {
     if (depth < 1 || depth > config_.mtp_depth) {
       return absl::InvalidArgumentError(
@@ -679,12 +627,8 @@ class CudaOps : public ModelOps {
   std::shared_ptr<cuda::ComputeContext> ctx_;
   const Mesh* mesh_;  // not owned: its device view's groups (NCCL) and host EP group
   moe::CudaExec exec_;
-  moe::MoeLayerCudaConfig layer_config_;
-  std::vector<moe::MoeLayerCuda> layers_;
-  std::vector<DeviceBuffer> bias_;  // [L] x [E]: each layer's expert bias on the device (§5.1)
-  // Full recomputation: dispatch and expert buffers released by ReleaseMoeActivations.
-  std::vector<moe::MoeLayerCudaActivations> spare_activations_;
-  moe::MoeLayerCudaScratch scratch_;
+  // The MoE layers' compute (their order: MoeBlockOps).
+  std::unique_ptr<moe::MoeLayersCuda> moe_kernels_;
   // The micro-batch's inputs on the device, sized for rows_ tokens.
   MicroBatchInputs in_;
   int64_t rows_ = -1;

@@ -3,10 +3,10 @@
 
 // A GPU's ops (model/ops.h): the model's layers on one CUDA device, fp32 activations with
 // TF32 off. Embedding, residual add: model/cuda/model_kernels.h; RMSNorm:
-// moe/cuda/layers_cuda.h; the MoE layer: moe/cuda/moe_layer_cuda.h (its EP all-to-all-v
-// over NCCL); the head: a cuBLAS GEMM into a [T, V] logits buffer, the fused CE in place
-// (losses/cuda), and the two backward GEMMs. Loss values accumulate on the device and come
-// to the host once, in End().
+// moe/cuda/layers_cuda.h; the MoE layer's steps: moe/cuda/moe_layer_cuda.h (its EP
+// all-to-all-v over NCCL), ordered by moe/moe_block.h as on the host (model/moe_block_ops.h); the
+// head: a cuBLAS GEMM into a [T, V] logits buffer, the fused CE in place (losses/cuda), and the two
+// backward GEMMs. Loss values accumulate on the device and come to the host once, in End().
 //
 // Limits: one row block per micro-batch (Begin refuses row_block > 0: the exact gradient
 // precision is host-only), fp32 gradient targets in device memory.
