@@ -6,8 +6,8 @@
 // shard (data/shard.h, which positions of a sequence this rank holds under SP and CP),
 // each position carrying every label stream (data/streams.h: the main one and MTP's depths).
 //
-// Step s consumes the global sequences [s B, (s + 1) B), B = world x grad_acc x micro_batch
-// (data ranks: world / (sp cp)), sequence GlobalSequenceIndex(s, m, r, j, ...) being row j of
+// Step s consumes the global sequences [s B, (s + 1) B), B = data ranks x grad_acc x
+// micro_batch (DataPlace::data_ranks), sequence GlobalSequenceIndex(s, m, r, j, ...) being row j of
 // micro-batch m on data rank r. Every rank runs the packer over the whole step (document
 // lengths only, cheap) and builds the tokens of its own rows. Inside a sequence, label[t] =
 // token[t+1] of the same document; the last token of each document is ignored (label

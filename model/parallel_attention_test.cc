@@ -172,5 +172,76 @@ TEST(ParallelAttentionTest, AMicroBatchOfAnotherLayoutIsInvalidArgument) {
   EXPECT_TRUE(s.ok()) << s;
 }
 
+// Ops whose memory is not the host's (as a GPU's): every kernel refuses; only HostMemory's
+// answer matters to the block's check.
+class DeviceMemoryOps : public ModelOps {
+ public:
+  absl::StatusOr<std::unique_ptr<DeviceArray>> Allocate(int64_t) override { return No(); }
+  absl::Status Begin(const MicroBatchInputs&) override { return No(); }
+  absl::Status Add(const float*, const float*, float*, int64_t) override { return No(); }
+  absl::Status EmbeddingForward(const float*, float*) override { return No(); }
+  absl::Status EmbeddingBackward(const float*, GradTarget) override { return No(); }
+  absl::Status RmsNormForward(const float*, const float*, float*, float*) override { return No(); }
+  absl::Status RmsNormBackward(const float*, const float*, const float*, const float*, float*, bool,
+                               GradTarget) override {
+    return No();
+  }
+  absl::Status MoeForward(int, const float*, const MoeWeights&, float*) override { return No(); }
+  absl::Status MoeBackward(int, const float*, const MoeWeights&, const float*, float*,
+                           MoeGrads) override {
+    return No();
+  }
+  absl::Status LmHeadCrossEntropy(const float*, const float*, float*, GradTarget) override {
+    return No();
+  }
+  absl::Status LmHeadLoss(const float*, const float*) override { return No(); }
+  absl::Status MatMul(const float*, const float*, int64_t, int64_t, float*) override {
+    return No();
+  }
+  absl::Status MatMulBackward(const float*, const float*, int64_t, int64_t, const float*, float*,
+                              bool, GradTarget) override {
+    return No();
+  }
+  absl::Status Rope(float*, int, bool) override { return No(); }
+  absl::Status PackHeads(const float*, bool, int, float*) override { return No(); }
+  absl::Status UnpackHeads(const float*, int, int64_t, float*) override { return No(); }
+  absl::Status PackTokens(const float*, int, int64_t, float*) override { return No(); }
+  absl::Status UnpackTokens(const float*, int, float*) override { return No(); }
+  absl::Status AllToAll(MeshAxis, const float*, float*, int64_t) override { return No(); }
+  absl::Status SumKvGroups(const float*, float*) override { return No(); }
+  absl::Status Attention(int, const float*, const float*, const float*, float*, float*) override {
+    return No();
+  }
+  absl::Status AttentionBackward(int, const float*, const float*, const float*, const float*,
+                                 const float*, const float*, float*, float*, float*) override {
+    return No();
+  }
+  absl::StatusOr<MicroBatchLossTerms> End() override { return No(); }
+
+ private:
+  static absl::Status No() { return absl::UnimplementedError("not a kernel of this test"); }
+};
+
+// Context parallelism's ring runs on host memory: ops whose memory is not the host's are
+// refused when the block is made, naming the CP size and the kernels the ring lacks there;
+// the same ops without CP (SP only) are taken.
+TEST(ParallelAttentionTest, ContextParallelismOnDeviceMemoryIsUnimplemented) {
+  const MoeLmConfig c = AttentionConfig(4, 2);
+  absl::Status s = testing::RunRanks(2, [&](Communicator& comm) -> absl::Status {
+    DeviceMemoryOps ops;
+    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Mesh> cp2, Mesh::Create(&comm, MeshShape{.cp = 2}));
+    absl::StatusOr<std::unique_ptr<ParallelAttention>> refused =
+        ParallelAttention::Create(c, &ops, {.mesh = cp2.get()});
+    if (refused.status().code() != absl::StatusCode::kUnimplemented ||
+        !absl::StrContains(refused.status().message(), "cp=2") ||
+        !absl::StrContains(refused.status().message(), "log-sum-exp")) {
+      return absl::InternalError(absl::StrCat("cp: got ", refused.status().ToString()));
+    }
+    GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Mesh> sp2, Mesh::Create(&comm, MeshShape{.sp = 2}));
+    return ParallelAttention::Create(c, &ops, {.mesh = sp2.get()}).status();
+  });
+  EXPECT_TRUE(s.ok()) << s;
+}
+
 }  // namespace
 }  // namespace gradsum::model

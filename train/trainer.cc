@@ -80,9 +80,8 @@ auto CatchingOutOfMemory(absl::string_view what, Load load) -> decltype(load()) 
   }
 }
 
-// Each parallelism field named after a mesh axis (collectives/mesh.h MeshAxisName: world,
-// ep, sp, cp, ...) takes that axis's size, so that a new axis is recorded without a line
-// here.
+// Each parallelism field named after a mesh axis (collectives/mesh.h MeshAxisName) takes
+// that axis's size, so that a new axis is recorded without a line here.
 void RecordMeshSizes(const Mesh& mesh, ParallelismConfig* parallelism) {
   const google::protobuf::Descriptor* fields = parallelism->GetDescriptor();
   const google::protobuf::Reflection* values = parallelism->GetReflection();
