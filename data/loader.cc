@@ -17,20 +17,26 @@ int64_t MicroBatch::routed_tokens() const { return std::count(mask.begin(), mask
 
 absl::StatusOr<RankDataLoader> RankDataLoader::Create(std::shared_ptr<const DocumentSource> corpus,
                                                       const train::DataConfig& config, int rank,
-                                                      int world, int sp, int cp) {
+                                                      int world) {
   if (world < 1 || rank < 0 || rank >= world) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank=", rank, ": must be in [0, world=", world, ")"));
   }
-  if (sp < 1 || world % sp != 0 || config.seq_len() % sp != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("sp=", sp, ": must divide world=", world,
-                                                   " and data.seq_len=", config.seq_len()));
+  DataPlace place;
+  place.data_rank = rank;
+  place.data_ranks = world;
+  if (config.seq_len() >= 1) {
+    GRADSUM_ASSIGN_OR_RETURN(place.shard, SequenceShard::Create(config.seq_len(), 1, 0, 1, 0));
   }
-  if (cp < 1 || world % (sp * cp) != 0 ||
-      (cp > 1 && (config.seq_len() % (2 * cp) != 0 || (config.seq_len() / cp) % sp != 0))) {
-    return absl::InvalidArgumentError(absl::StrCat("cp=", cp, ": sp x cp must divide world=", world,
-                                                   ", 2 cp data.seq_len=", config.seq_len(),
-                                                   " and sp=", sp, " data.seq_len / cp"));
+  return Create(std::move(corpus), config, place);
+}
+
+absl::StatusOr<RankDataLoader> RankDataLoader::Create(std::shared_ptr<const DocumentSource> corpus,
+                                                      const train::DataConfig& config,
+                                                      const DataPlace& place) {
+  if (place.data_ranks < 1 || place.data_rank < 0 || place.data_rank >= place.data_ranks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("data rank ", place.data_rank, ": must be in [0, ", place.data_ranks, ")"));
   }
   if (config.seq_len() < 2 || config.micro_batch() < 1) {
     return absl::InvalidArgumentError(absl::StrCat("data.seq_len=", config.seq_len(),
@@ -39,13 +45,14 @@ absl::StatusOr<RankDataLoader> RankDataLoader::Create(std::shared_ptr<const Docu
   }
   GRADSUM_ASSIGN_OR_RETURN(SequencePacker packer,
                            SequencePacker::Create(std::move(corpus), config.seq_len()));
-  // Ranks of a data rank's group: SP innermost, then CP.
-  GRADSUM_ASSIGN_OR_RETURN(
-      SequenceShard shard,
-      SequenceShard::Create(config.seq_len(), sp, rank % sp, cp, (rank % (sp * cp)) / sp));
-  RankDataLoader loader(std::move(packer), shard);
-  loader.rank_ = rank / (sp * cp);
-  loader.world_ = world / (sp * cp);
+  if (place.shard.seq_len() != config.seq_len()) {
+    return absl::InvalidArgumentError(absl::StrCat("data.seq_len=", config.seq_len(),
+                                                   ": the rank's shard is of sequences of ",
+                                                   place.shard.seq_len(), " tokens"));
+  }
+  RankDataLoader loader(std::move(packer), place.shard);
+  loader.rank_ = place.data_rank;
+  loader.world_ = place.data_ranks;
   loader.micro_batch_ = config.micro_batch();
   return loader;
 }

@@ -6,8 +6,8 @@
 // shard (data/shard.h, which positions of a sequence this rank holds under SP and CP),
 // each position carrying every label stream (data/streams.h: the main one and MTP's depths).
 //
-// Step s consumes the global sequences [s B, (s + 1) B), B = world x grad_acc x micro_batch
-// (data ranks: world / (sp cp)), sequence GlobalSequenceIndex(s, m, r, j, ...) being row j of
+// Step s consumes the global sequences [s B, (s + 1) B), B = data ranks x grad_acc x
+// micro_batch (DataPlace::data_ranks), sequence GlobalSequenceIndex(s, m, r, j, ...) being row j of
 // micro-batch m on data rank r. Every rank runs the packer over the whole step (document
 // lengths only, cheap) and builds the tokens of its own rows. Inside a sequence, label[t] =
 // token[t+1] of the same document; the last token of each document is ignored (label
@@ -37,10 +37,9 @@ namespace gradsum::data {
 struct MicroBatch {
   int batch = 0;
   int seq_len = 0;  // tokens of a whole sequence
-  // Tokens of each sequence this rank holds: seq_len / (sp cp) (SEMANTICS.md §12, §16),
-  // seq_len without sequence or context parallelism. The per-token vectors below hold
-  // batch * local_seq_len entries, sequence after sequence, in the order RankDataLoader
-  // gives (its slice of the sequence, or of its two zigzag chunks put together).
+  // Tokens of each sequence this rank holds: its shard's (data/shard.h; seq_len when the
+  // rank holds whole sequences). The per-token vectors below hold batch * local_seq_len
+  // entries, sequence after sequence, in the shard's order.
   int local_seq_len = 0;
   std::vector<int32_t> tokens;  // [batch * local_seq_len]; padding 0
   std::vector<int32_t> labels;  // next token or kIgnoreIndex
@@ -78,20 +77,20 @@ struct MicroBatch {
 // Packs the global sequence stream and hands rank `rank` its rows of every step.
 class RankDataLoader {
  public:
-  // `rank` of `world`; with sequence parallelism (SEMANTICS.md §12) the world is
-  // world / sp groups of `sp` consecutive ranks: group r = rank / sp reads the rows of data
-  // rank r of world / sp, and rank i = rank % sp of it holds tokens [i seq_len / sp,
-  // (i + 1) seq_len / sp) of each. With context parallelism (§16) groups of sp cp
-  // consecutive ranks share sequences: rank j = (rank % (sp cp)) / sp of the CP group holds
-  // chunks j and 2 cp - 1 - j of the 2 cp chunks of each sequence, put together in that
-  // order, and its SP group splits those seq_len / cp tokens as above. InvalidArgument if
-  // rank is outside [0, world), sp cp does not divide world, 2 cp does not divide seq_len
-  // or sp does not divide seq_len / cp, the corpus has no document, no document has a trainable
-  // token (all shorter than 2 tokens) or a document is longer than data.seq_len; the
-  // message names the corpus (Describe).
+  // The rows of data rank `place.data_rank` of `place.data_ranks`, of each of which this
+  // rank holds the positions of `place.shard` (data/shard.h: DataPlaceOf gives a world
+  // rank's place; the shard says which positions, whatever parallelism made it).
+  // InvalidArgument if the data rank is outside [0, data_ranks), the shard is of sequences
+  // of another length than data.seq_len, the corpus has no document, no document has a
+  // trainable token (all shorter than 2 tokens) or a document is longer than data.seq_len;
+  // the message names the corpus (Describe).
   static absl::StatusOr<RankDataLoader> Create(std::shared_ptr<const DocumentSource> corpus,
-                                               const train::DataConfig& config, int rank, int world,
-                                               int sp = 1, int cp = 1);
+                                               const train::DataConfig& config,
+                                               const DataPlace& place);
+  // Data rank `rank` of `world`, holding whole sequences.
+  static absl::StatusOr<RankDataLoader> Create(std::shared_ptr<const DocumentSource> corpus,
+                                               const train::DataConfig& config, int rank,
+                                               int world);
 
   // The next `grad_acc` micro-batches of this rank (one optimizer step).
   std::vector<MicroBatch> NextStep(int grad_acc);
@@ -120,7 +119,7 @@ class RankDataLoader {
 
   SequencePacker packer_;     // the global stream
   SequenceShard shard_;       // this rank's positions of each sequence
-  int rank_ = 0, world_ = 1;  // the data rank (SP x CP group) and the number of them
+  int rank_ = 0, world_ = 1;  // the data rank and the number of them (DataPlace)
   int micro_batch_ = 0;
   int mtp_depth_ = 0;
 };

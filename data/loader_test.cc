@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "data/corpus.h"
 #include "data/markov.h"
+#include "data/shard.h"
 #include "data/streams.h"
 #include "data/text_corpus.h"
 #include "gmock/gmock.h"
@@ -20,6 +21,20 @@
 
 namespace gradsum::data {
 namespace {
+
+// World rank `rank`'s loader at world, sp, cp (data/shard.h DataPlaceOf, as the trainer
+// makes it).
+absl::StatusOr<RankDataLoader> LoaderAt(std::shared_ptr<const DocumentSource> corpus,
+                                        const train::DataConfig& config, int rank, int world,
+                                        int sp, int cp) {
+  train::ParallelismConfig parallelism;
+  parallelism.set_world(world);
+  parallelism.set_sp(sp);
+  parallelism.set_cp(cp);
+  absl::StatusOr<DataPlace> place = DataPlaceOf(parallelism, config.seq_len(), rank);
+  if (!place.ok()) return place.status();
+  return RankDataLoader::Create(std::move(corpus), config, *place);
+}
 
 using ::testing::HasSubstr;
 using train::DataConfig;
@@ -309,7 +324,7 @@ TEST(RankDataLoaderTest, MtpDepthsAreRolledOnWholeSequences) {
     EXPECT_GT(cut, 0);
     for (int k = 0; k < sp * cp; ++k) {
       const int r = data_rank * sp * cp + k, i = k / sp, half = k % sp;
-      auto loader = RankDataLoader::Create(*corpus, config, r, world, sp, cp);
+      auto loader = LoaderAt(*corpus, config, r, world, sp, cp);
       ASSERT_TRUE(loader.ok()) << loader.status();
       ASSERT_TRUE(loader->SetMtpDepth(K).ok());
       const std::vector<MicroBatch> got = loader->NextStep(2);
@@ -356,7 +371,7 @@ TEST(RankDataLoaderTest, ContextParallelRanksHoldTheirZigzagChunks) {
     std::vector<int> covered(2 * config.micro_batch() * L, 0);
     for (int k = 0; k < sp * cp; ++k) {
       const int r = data_rank * sp * cp + k, i = k / sp, half = k % sp;
-      auto loader = RankDataLoader::Create(*corpus, config, r, world, sp, cp);
+      auto loader = LoaderAt(*corpus, config, r, world, sp, cp);
       ASSERT_TRUE(loader.ok()) << loader.status();
       const std::vector<MicroBatch> got = loader->NextStep(2);
       for (int m = 0; m < 2; ++m) {
@@ -382,7 +397,7 @@ TEST(RankDataLoaderTest, ContextParallelRanksHoldTheirZigzagChunks) {
     }
     for (size_t p = 0; p < covered.size(); ++p) EXPECT_EQ(covered[p], 1) << p;
   }
-  auto bad = RankDataLoader::Create(*corpus, config, 0, 16, 2, 3);
+  auto bad = LoaderAt(*corpus, config, 0, 16, 2, 3);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(bad.status().message(), HasSubstr("cp=3"));
 }
@@ -404,6 +419,21 @@ TEST(RankDataLoaderTest, BadArgumentsAreInvalidArgument) {
   s = RankDataLoader::Create(*long_docs, config, 0, 1);
   EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.status().message(), HasSubstr("data.seq_len=32"));
+  // A place outside its data ranks, or a shard of sequences of another length, is named.
+  DataPlace place;
+  place.data_rank = 2;
+  place.data_ranks = 2;
+  s = RankDataLoader::Create(*corpus, config, place);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.status().message(), HasSubstr("data rank 2"));
+  place.data_rank = 0;
+  absl::StatusOr<SequenceShard> other = SequenceShard::Create(16, 1, 0, 1, 0);
+  ASSERT_TRUE(other.ok());
+  place.shard = *other;
+  s = RankDataLoader::Create(*corpus, config, place);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.status().message(), HasSubstr("data.seq_len=32"));
+  EXPECT_THAT(s.status().message(), HasSubstr("sequences of 16"));
 }
 
 TEST(TextFileCorpusTest, PacksThroughTheLoader) {

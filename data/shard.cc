@@ -1,6 +1,9 @@
 #include "data/shard.h"
 
+#include <numeric>
+
 #include "absl/strings/str_cat.h"
+#include "core/status.h"
 
 namespace gradsum::data {
 
@@ -56,6 +59,31 @@ int64_t SequenceShard::LocalIndex(int64_t pos) const {
   }
   const int64_t first = sp_rank_ * local_len();
   return v >= first && v < first + local_len() ? v - first : -1;
+}
+
+int64_t ContiguousPiece(int64_t seq_len, int sp, int cp) {
+  if (cp <= 1) return seq_len / sp;
+  return std::gcd(seq_len / (2 * int64_t{cp}), seq_len / (int64_t{cp} * sp));
+}
+
+absl::StatusOr<DataPlace> DataPlaceOf(const train::ParallelismConfig& parallelism, int64_t seq_len,
+                                      int rank) {
+  const int world = parallelism.world(), sp = parallelism.sp(), cp = parallelism.cp();
+  if (world < 1 || rank < 0 || rank >= world) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank=", rank, ": must be in [0, world=", world, ")"));
+  }
+  if (sp < 1 || cp < 1 || world % (int64_t{sp} * cp) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("parallelism.sp=", sp, " x parallelism.cp=", cp,
+                                                   ": must divide world=", world));
+  }
+  DataPlace place;
+  place.data_rank = rank / (sp * cp);
+  place.data_ranks = world / (sp * cp);
+  // Ranks of a data rank's group: SP innermost, then CP.
+  GRADSUM_ASSIGN_OR_RETURN(
+      place.shard, SequenceShard::Create(seq_len, sp, rank % sp, cp, (rank % (sp * cp)) / sp));
+  return place;
 }
 
 }  // namespace gradsum::data

@@ -15,10 +15,19 @@
 //   GRADSUM_ASSIGN_OR_RETURN(SequenceShard shard, SequenceShard::Create(seq_len, sp, sp_rank,
 //                                                                       cp, cp_rank));
 //   for (int64_t u = 0; u < shard.local_len(); ++u) local[u] = whole[shard.Position(u)];
+//
+// A rank's whole place in the data, from the config (DataPlaceOf): which rows it reads and
+// its shard of them, a value that the loader, the trainer and the parity reference use
+// without knowing which parallelism axes made it.
+//
+//   GRADSUM_ASSIGN_OR_RETURN(DataPlace place,
+//                            DataPlaceOf(config.parallelism(), config.data().seq_len(), rank));
+//   GRADSUM_ASSIGN_OR_RETURN(auto loader, RankDataLoader::Create(corpus, config.data(), place));
 
 #include <cstdint>
 
 #include "absl/status/statusor.h"
+#include "train/config.pb.h"
 
 namespace gradsum::data {
 
@@ -61,6 +70,28 @@ class SequenceShard {
   int sp_ = 1, sp_rank_ = 0;
   int cp_ = 1, cp_rank_ = 0;
 };
+
+// The tokens of each contiguous piece of a sequence that a rank holds (SEMANTICS.md §12,
+// §16): seq_len / sp without CP; with CP, a rank's two zigzag chunks of seq_len / 2cp are
+// split into sp slices of seq_len / (cp sp), so a piece is gcd(seq_len / 2cp,
+// seq_len / (cp sp)). A row block must divide it to lie at the same global positions at
+// every mesh (train/config.cc checks the reproducible block against it).
+int64_t ContiguousPiece(int64_t seq_len, int sp, int cp);
+
+// A world rank's place in the data (SEMANTICS.md §12, §16). The ranks that share sequences
+// are consecutive, SP innermost, then CP (collectives/mesh.h lays its groups out the same
+// way); each such group is one data rank, reading its own rows of the global stream.
+struct DataPlace {
+  int data_rank = 0;    // whose rows: rank / (sp cp)
+  int data_ranks = 1;   // how many read different rows: world / (sp cp)
+  SequenceShard shard;  // this rank's positions of each of those sequences
+};
+
+// World rank `rank` of parallelism.world() at sequences of `seq_len` tokens. InvalidArgument
+// naming the value for a rank outside [0, world), sp or cp below 1, sp cp not dividing the
+// world, or SequenceShard::Create's errors.
+absl::StatusOr<DataPlace> DataPlaceOf(const train::ParallelismConfig& parallelism, int64_t seq_len,
+                                      int rank);
 
 }  // namespace gradsum::data
 

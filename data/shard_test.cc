@@ -1,6 +1,7 @@
 #include "data/shard.h"
 
 #include <cstdint>
+#include <numeric>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -120,6 +121,99 @@ TEST(SequenceShardTest, BadArgumentsAreNamed) {
   EXPECT_EQ(SequenceShard::Create(0, 1, 0, 1, 0).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(SequenceShard::Create(7, 1, 0, 1, 0).ok()) << "an odd length without CP";
+}
+
+// World 16 at SP 2 x CP 4: ranks 8 d .. 8 d + 7 are data rank d of 2, and rank r holds of
+// each 32-token sequence (8 chunks of 4) chunks i = (r % 8) / 2 and 7 - i put together, the
+// half r % 2 of those 8 tokens (written out here, not asked of the shard).
+TEST(DataPlaceTest, RanksThatShareSequencesAreOneDataRank) {
+  train::ParallelismConfig p;
+  p.set_world(16);
+  p.set_sp(2);
+  p.set_cp(4);
+  for (int r = 0; r < 16; ++r) {
+    absl::StatusOr<DataPlace> place = DataPlaceOf(p, 32, r);
+    ASSERT_TRUE(place.ok()) << place.status();
+    EXPECT_EQ(place->data_rank, r / 8);
+    EXPECT_EQ(place->data_ranks, 2);
+    ASSERT_EQ(place->shard.seq_len(), 32);
+    ASSERT_EQ(place->shard.local_len(), 4);
+    const int i = (r % 8) / 2, half = r % 2;
+    for (int u = 0; u < 4; ++u) {
+      const int v = half * 4 + u;
+      const int pos = v < 4 ? i * 4 + v : (7 - i) * 4 + v - 4;
+      EXPECT_EQ(place->shard.Position(u), pos) << "rank " << r << " u " << u;
+    }
+  }
+  // Without SP or CP every rank is its own data rank with whole sequences.
+  p.set_sp(1);
+  p.set_cp(1);
+  absl::StatusOr<DataPlace> whole = DataPlaceOf(p, 32, 5);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_EQ(whole->data_rank, 5);
+  EXPECT_EQ(whole->data_ranks, 16);
+  EXPECT_EQ(whole->shard.local_len(), 32);
+}
+
+TEST(DataPlaceTest, BadArgumentsAreNamed) {
+  train::ParallelismConfig p;
+  p.set_world(16);
+  p.set_sp(2);
+  p.set_cp(4);
+  absl::StatusOr<DataPlace> place = DataPlaceOf(p, 32, 16);
+  EXPECT_EQ(place.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(place.status().message(), HasSubstr("rank=16"));
+  p.set_sp(3);
+  place = DataPlaceOf(p, 32, 0);
+  EXPECT_EQ(place.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(place.status().message(), HasSubstr("parallelism.sp=3"));
+  p.set_world(12);
+  p.set_sp(2);
+  p.set_cp(3);
+  place = DataPlaceOf(p, 32, 0);  // 2 cp = 6 does not divide 32
+  EXPECT_EQ(place.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(place.status().message(), HasSubstr("cp=3"));
+}
+
+// ContiguousPiece against an explicit enumeration: every rank's global positions in the
+// order it holds them (the zigzag chunks j and 2C - 1 - j, then its SP slice), cut into
+// runs of consecutive positions; a block tiles them at the same global places as at
+// sp = cp = 1 exactly when it divides every run's start and length.
+TEST(ContiguousPieceTest, IsTheGcdOfEveryRanksRuns) {
+  for (int64_t seq_len : {32, 96, 128, 48}) {
+    for (int sp = 1; sp <= 4; ++sp) {
+      for (int cp = 1; cp <= 4; ++cp) {
+        if ((cp > 1 && seq_len % (2 * cp) != 0) || (seq_len / cp) % sp != 0) continue;
+        if (cp == 1 && seq_len % sp != 0) continue;
+        int64_t g = 0;
+        for (int j = 0; j < cp; ++j) {
+          std::vector<int64_t> local;  // the CP rank's tokens, in its order
+          if (cp == 1) {
+            for (int64_t t = 0; t < seq_len; ++t) local.push_back(t);
+          } else {
+            const int64_t c = seq_len / (2 * cp);
+            for (int64_t chunk : {int64_t{j}, int64_t{2 * cp - 1 - j}}) {
+              for (int64_t t = 0; t < c; ++t) local.push_back(chunk * c + t);
+            }
+          }
+          const int64_t slice = static_cast<int64_t>(local.size()) / sp;
+          for (int i = 0; i < sp; ++i) {
+            int64_t start = local[i * slice], length = 1;
+            for (int64_t t = i * slice + 1; t <= (i + 1) * slice; ++t) {
+              if (t < (i + 1) * slice && local[t] == local[t - 1] + 1) {
+                ++length;
+                continue;
+              }
+              g = std::gcd(g, std::gcd(start, length));
+              if (t < (i + 1) * slice) start = local[t], length = 1;
+            }
+          }
+        }
+        EXPECT_EQ(ContiguousPiece(seq_len, sp, cp), g)
+            << "seq_len " << seq_len << " sp " << sp << " cp " << cp;
+      }
+    }
+  }
 }
 
 }  // namespace

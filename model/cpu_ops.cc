@@ -91,19 +91,14 @@ class CpuOps : public MoeBlockOps {
   CpuOps(const MoeLmSpec& spec, const Mesh& mesh, const CpuOpsOptions& options)
       : config_(spec.config()),
         mesh_(&mesh),
-        cp_schedule_(options.cp_schedule),
         num_threads_(options.num_threads),
         moe_kernels_(mesh.ep_group(), mesh.world(), MoeLayerConfigOf(config_),
                      {.alpha_z = config_.alpha_z, .alpha_b = config_.alpha_b},
                      config_.layers + config_.mtp_depth) {
     const MoeLmConfig& m = config_;
     InitMoeBlock(&moe_kernels_, m);
-    sp_size_ = mesh.size(MeshAxis::kSp);
-    sp_rank_ = mesh.rank(MeshAxis::kSp);
-    cp_size_ = mesh.size(MeshAxis::kCp);
-    const HeadLayout heads = HeadLayoutOf(m, sp_size_);
+    const HeadLayout heads = HeadLayoutOf(m, /*sp=*/1);
     head_dim_ = heads.head_dim;
-    heads_local_ = heads.heads_local;
     group_ = heads.group;
   }
 
@@ -402,8 +397,8 @@ class CpuOps : public MoeBlockOps {
     });
   }
 
-  absl::Status TokensToHeads(const float* x, bool kv, float* out) override {
-    const int64_t hd = head_dim_, Hl = heads_local_, T = in_.rows;
+  absl::Status PackHeads(const float* x, bool kv, int parts, float* send) override {
+    const int64_t hd = head_dim_, Hl = config_.n_heads / parts, T = in_.rows;
     const int heads_in = kv ? config_.n_kv_heads : config_.n_heads;
     // For destination rank j, head slot hl: the input head it carries.
     auto source_head = [&](int j, int64_t hl) {
@@ -411,47 +406,67 @@ class CpuOps : public MoeBlockOps {
       return kv ? static_cast<int>(h / group_) : static_cast<int>(h);
     };
     const int64_t block = T * Hl * hd;  // floats per (source, destination) pair
-    send_.resize(sp_size_ * block);
-    for (int j = 0; j < sp_size_; ++j) {
+    for (int j = 0; j < parts; ++j) {
       for (int64_t t = 0; t < T; ++t) {
         for (int64_t hl = 0; hl < Hl; ++hl) {
           const float* src = x + (t * heads_in + source_head(j, hl)) * hd;
-          std::copy(src, src + hd, send_.data() + j * block + (t * Hl + hl) * hd);
+          std::copy(src, src + hd, send + j * block + (t * Hl + hl) * hd);
         }
-      }
-    }
-    GRADSUM_RETURN_IF_ERROR(Exchange(block));
-    // From source i: its slice [i L, (i + 1) L) of every (CP-local) sequence.
-    const int64_t local = LocalSeqLen(), L = local / sp_size_, row = Hl * hd;
-    for (int i = 0; i < sp_size_; ++i) {
-      for (int64_t n = 0; n < in_.sequences; ++n) {
-        const float* src = recv_.data() + i * block + n * L * row;
-        std::copy(src, src + L * row, out + (n * local + i * L) * row);
       }
     }
     return absl::OkStatus();
   }
 
-  absl::Status HeadsToTokens(const float* x, float* out) override {
-    const int64_t hd = head_dim_, Hl = heads_local_, T = in_.rows, H = config_.n_heads;
-    const int64_t local = LocalSeqLen(), L = local / sp_size_, row = Hl * hd, block = T * row;
-    send_.resize(sp_size_ * block);
-    // To destination j: its slice of every (CP-local) sequence, this rank's heads.
-    for (int j = 0; j < sp_size_; ++j) {
+  absl::Status UnpackHeads(const float* recv, int parts, int64_t seq_rows, float* out) override {
+    const int64_t Hl = config_.n_heads / parts, T = in_.rows, row = Hl * head_dim_;
+    const int64_t block = T * row, L = seq_rows / parts;
+    // From source i: its slice [i L, (i + 1) L) of every sequence.
+    for (int i = 0; i < parts; ++i) {
       for (int64_t n = 0; n < in_.sequences; ++n) {
-        const float* src = x + (n * local + j * L) * row;
-        std::copy(src, src + L * row, send_.data() + j * block + n * L * row);
+        const float* src = recv + i * block + n * L * row;
+        std::copy(src, src + L * row, out + (n * seq_rows + i * L) * row);
       }
     }
-    GRADSUM_RETURN_IF_ERROR(Exchange(block));
-    for (int i = 0; i < sp_size_; ++i) {
+    return absl::OkStatus();
+  }
+
+  absl::Status PackTokens(const float* x, int parts, int64_t seq_rows, float* send) override {
+    const int64_t Hl = config_.n_heads / parts, T = in_.rows, row = Hl * head_dim_;
+    const int64_t block = T * row, L = seq_rows / parts;
+    // To destination j: its slice of every sequence, this rank's heads.
+    for (int j = 0; j < parts; ++j) {
+      for (int64_t n = 0; n < in_.sequences; ++n) {
+        const float* src = x + (n * seq_rows + j * L) * row;
+        std::copy(src, src + L * row, send + j * block + n * L * row);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status UnpackTokens(const float* recv, int parts, float* out) override {
+    const int64_t hd = head_dim_, Hl = config_.n_heads / parts, T = in_.rows, H = config_.n_heads;
+    const int64_t row = Hl * hd, block = T * row;
+    for (int i = 0; i < parts; ++i) {
       for (int64_t t = 0; t < T; ++t) {
-        const float* src = recv_.data() + i * block + t * row;
+        const float* src = recv + i * block + t * row;
         std::copy(src, src + row, out + (t * H + i * Hl) * hd);
       }
     }
     return absl::OkStatus();
   }
+
+  absl::Status AllToAll(MeshAxis axis, const float* send, float* recv, int64_t block) override {
+    const int n = mesh_->size(axis);
+    if (n == 1) {
+      std::copy(send, send + block, recv);
+      return absl::OkStatus();
+    }
+    std::vector<size_t> counts(n, static_cast<size_t>(block)), offsets(n);
+    for (int i = 0; i < n; ++i) offsets[i] = static_cast<size_t>(i * block);
+    return mesh_->group(axis).AllToAllV(send, counts, offsets, recv, counts, offsets, DType::kF32);
+  }
+
+  bool HostMemory() const override { return true; }
 
   absl::Status SumKvGroups(const float* x, float* out) override {
     const int64_t hd = head_dim_, T = in_.rows, H = config_.n_heads, Hk = config_.n_kv_heads;
@@ -469,65 +484,25 @@ class CpuOps : public MoeBlockOps {
     return absl::OkStatus();
   }
 
-  absl::Status Attention(const float* q, const float* k, const float* v, float* out,
+  absl::Status Attention(int heads, const float* q, const float* k, const float* v, float* out,
                          float* lse) override {
-    const AttentionDims dims = HeadDims();
-    const int64_t n = HeadSplitRows() * heads_local_ * head_dim_;
-    if (cp_size_ > 1) {
-      const RingAttentionDims rd = RingDims();
-      std::vector<float> kc, vc;
-      const auto [kr, vr] = RingKv(rd, k, v, n, &kc, &vc);
-      return RingAttentionForward(mesh_->group(MeshAxis::kCp), rd, cp_schedule_,
-                                  absl::MakeConstSpan(q, n), kr, vr, in_.doc_start,
-                                  absl::MakeSpan(out, n),
-                                  absl::MakeSpan(lse, HeadSplitRows() * heads_local_));
-    }
+    const AttentionDims dims = HeadDims(heads);
+    const int64_t n = HeadRows() * heads * head_dim_;
     return AttentionForward(dims, absl::MakeConstSpan(q, n), absl::MakeConstSpan(k, n),
                             absl::MakeConstSpan(v, n), in_.doc_start, absl::MakeSpan(out, n),
-                            absl::MakeSpan(lse, HeadSplitRows() * heads_local_));
+                            absl::MakeSpan(lse, HeadRows() * heads));
   }
 
-  absl::Status AttentionBackward(const float* q, const float* k, const float* v, const float* out,
-                                 const float* lse, const float* d_out, float* dq, float* dk,
-                                 float* dv) override {
-    const AttentionDims dims = HeadDims();
-    const int64_t n = HeadSplitRows() * heads_local_ * head_dim_;
-    if (cp_size_ > 1) {
-      const RingAttentionDims rd = RingDims();
-      std::vector<float> kc, vc;
-      const auto [kr, vr] = RingKv(rd, k, v, n, &kc, &vc);
-      if (rd.kv_heads == rd.heads) {
-        return RingAttentionBackward(
-            mesh_->group(MeshAxis::kCp), rd, cp_schedule_, absl::MakeConstSpan(q, n), kr, vr,
-            in_.doc_start, absl::MakeConstSpan(out, n),
-            absl::MakeConstSpan(lse, HeadSplitRows() * heads_local_), absl::MakeConstSpan(d_out, n),
-            absl::MakeSpan(dq, n), absl::MakeSpan(dk, n), absl::MakeSpan(dv, n));
-      }
-      // The shared kv heads' gradients, each written to the first query head of its
-      // group and 0 to the others: SumKvGroups, which the model runs next, adds them.
-      std::vector<float> dkc(kc.size()), dvc(vc.size());
-      GRADSUM_RETURN_IF_ERROR(RingAttentionBackward(
-          mesh_->group(MeshAxis::kCp), rd, cp_schedule_, absl::MakeConstSpan(q, n), kr, vr,
-          in_.doc_start, absl::MakeConstSpan(out, n),
-          absl::MakeConstSpan(lse, HeadSplitRows() * heads_local_), absl::MakeConstSpan(d_out, n),
-          absl::MakeSpan(dq, n), absl::MakeSpan(dkc), absl::MakeSpan(dvc)));
-      const int64_t g = rd.heads / rd.kv_heads, hd = head_dim_;
-      std::fill(dk, dk + n, 0.0f);
-      std::fill(dv, dv + n, 0.0f);
-      for (int64_t r = 0; r < HeadSplitRows(); ++r) {
-        for (int64_t j = 0; j < rd.kv_heads; ++j) {
-          const int64_t from = (r * rd.kv_heads + j) * hd, to = (r * rd.heads + j * g) * hd;
-          std::copy_n(dkc.data() + from, hd, dk + to);
-          std::copy_n(dvc.data() + from, hd, dv + to);
-        }
-      }
-      return absl::OkStatus();
-    }
+  absl::Status AttentionBackward(int heads, const float* q, const float* k, const float* v,
+                                 const float* out, const float* lse, const float* d_out, float* dq,
+                                 float* dk, float* dv) override {
+    const AttentionDims dims = HeadDims(heads);
+    const int64_t n = HeadRows() * heads * head_dim_;
     return model::AttentionBackward(
         dims, absl::MakeConstSpan(q, n), absl::MakeConstSpan(k, n), absl::MakeConstSpan(v, n),
-        in_.doc_start, absl::MakeConstSpan(out, n),
-        absl::MakeConstSpan(lse, HeadSplitRows() * heads_local_), absl::MakeConstSpan(d_out, n),
-        absl::MakeSpan(dq, n), absl::MakeSpan(dk, n), absl::MakeSpan(dv, n));
+        in_.doc_start, absl::MakeConstSpan(out, n), absl::MakeConstSpan(lse, HeadRows() * heads),
+        absl::MakeConstSpan(d_out, n), absl::MakeSpan(dq, n), absl::MakeSpan(dk, n),
+        absl::MakeSpan(dv, n));
   }
 
   absl::StatusOr<MicroBatchLossTerms> End() override {
@@ -550,16 +525,10 @@ class CpuOps : public MoeBlockOps {
   void Abandon() override { moe_kernels_.Abandon(); }
 
  private:
-  // Attention: the layout checks and the RoPE tables of the micro-batch.
+  // Attention: the inputs' sizes and the RoPE tables of the micro-batch (how the tokens lie
+  // in the sequences is the attention block's to check, model/parallel_attention.h).
   absl::Status BeginAttention() {
-    const int64_t T = in_.rows;
-    if ((cp_size_ > 1 && in_.seq_len % (2 * cp_size_) != 0) || LocalSeqLen() % sp_size_ != 0 ||
-        in_.sequences * (LocalSeqLen() / sp_size_) != T) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("attention: ", T, " tokens are not ", in_.sequences, " sequences of ",
-                       in_.seq_len, " / (sp=", sp_size_, " cp=", cp_size_, ") tokens"));
-    }
-    if (static_cast<int64_t>(in_.positions.size()) != T ||
+    if (static_cast<int64_t>(in_.positions.size()) != in_.rows ||
         static_cast<int64_t>(in_.doc_start.size()) != in_.sequences * in_.seq_len) {
       return absl::InvalidArgumentError("attention: positions or document starts missing");
     }
@@ -567,75 +536,18 @@ class CpuOps : public MoeBlockOps {
     return absl::OkStatus();
   }
 
-  // Tokens of a sequence this rank's SP group holds: all of it, or with context
-  // parallelism its two zigzag chunks (model/ring_attention.h), seq_len / cp.
-  int64_t LocalSeqLen() const { return in_.seq_len / cp_size_; }
+  // Rows of the whole sequences that attention runs over.
+  int64_t HeadRows() const { return in_.sequences * in_.seq_len; }
 
-  // Rows of the head split: the (CP-local) sequences of the micro-batch.
-  int64_t HeadSplitRows() const { return in_.sequences * LocalSeqLen(); }
-
-  // The ring's dims. Its k, v hold each query head's copy of its kv head (TokensToHeads
-  // repeats them); the ring schedule carries each distinct kv head once: heads_local_
-  // query heads in consecutive groups of gcd(group_, heads_local_), each group's copies the
-  // same kv head (whatever the SP split), so kv_heads = heads_local_ / that. The gathered
-  // schedule (reproducible mode) keeps one per query head: its bits are the whole-sequence
-  // call's, which the model makes with the copies.
-  RingAttentionDims RingDims() const {
-    RingAttentionDims d;
-    d.num_seqs = in_.sequences;
-    d.seq_len = in_.seq_len;
-    d.heads = static_cast<int>(heads_local_);
-    d.kv_heads = d.heads;
-    if (cp_schedule_ == RingSchedule::kRing) {
-      d.kv_heads = static_cast<int>(heads_local_ / std::gcd<int64_t>(group_, heads_local_));
-    }
-    d.head_dim = head_dim_;
-    return d;
-  }
-
-  // k and v as the ring takes them: the inputs themselves with one kv head per query head,
-  // else the first query head's copy of each group, into *kc, *vc.
-  std::pair<absl::Span<const float>, absl::Span<const float>> RingKv(const RingAttentionDims& rd,
-                                                                     const float* k, const float* v,
-                                                                     int64_t n,
-                                                                     std::vector<float>* kc,
-                                                                     std::vector<float>* vc) const {
-    if (rd.kv_heads == rd.heads) return {absl::MakeConstSpan(k, n), absl::MakeConstSpan(v, n)};
-    const int64_t rows = HeadSplitRows(), g = rd.heads / rd.kv_heads, hd = head_dim_;
-    kc->resize(rows * rd.kv_heads * hd);
-    vc->resize(kc->size());
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t j = 0; j < rd.kv_heads; ++j) {
-        const int64_t from = (r * rd.heads + j * g) * hd, to = (r * rd.kv_heads + j) * hd;
-        std::copy_n(k + from, hd, kc->data() + to);
-        std::copy_n(v + from, hd, vc->data() + to);
-      }
-    }
-    return {absl::MakeConstSpan(*kc), absl::MakeConstSpan(*vc)};
-  }
-
-  // The head split's attention: this rank's query heads, each with its own key/value head.
-  AttentionDims HeadDims() const {
+  // `heads` query heads over the whole sequences, each with its own key/value head.
+  AttentionDims HeadDims(int heads) const {
     AttentionDims d;
     d.num_seqs = in_.sequences;
     d.seq_len = in_.seq_len;
-    d.q_heads = heads_local_;
-    d.kv_heads = heads_local_;
+    d.q_heads = heads;
+    d.kv_heads = heads;
     d.head_dim = head_dim_;
     return d;
-  }
-
-  // send_ [S][block] -> recv_ [S][block] over the SP group (a copy without one).
-  absl::Status Exchange(int64_t block) {
-    recv_.resize(sp_size_ * block);
-    if (sp_size_ == 1) {
-      std::copy(send_.begin(), send_.begin() + block, recv_.begin());
-      return absl::OkStatus();
-    }
-    std::vector<size_t> counts(sp_size_, static_cast<size_t>(block)), offsets(sp_size_);
-    for (int i = 0; i < sp_size_; ++i) offsets[i] = static_cast<size_t>(i * block);
-    return mesh_->group(MeshAxis::kSp)
-        .AllToAllV(send_.data(), counts, offsets, recv_.data(), counts, offsets, DType::kF32);
   }
 
   // Runs fn(first_row, rows, gemm_threads) over the row blocks (one block of all T rows
@@ -653,13 +565,12 @@ class CpuOps : public MoeBlockOps {
     auto add = [&bytes](const auto& v) {
       bytes += static_cast<int64_t>(v.capacity() * sizeof(v[0]));
     };
-    add(rope_cos_), add(rope_sin_), add(send_), add(recv_);
+    add(rope_cos_), add(rope_sin_);
     return bytes;
   }
 
   MoeLmConfig config_;
   const Mesh* mesh_;  // not owned
-  RingSchedule cp_schedule_;
   int num_threads_ = 1;
   // The MoE layers' compute (their order: MoeBlockOps).
   moe::MoeLayersCpu moe_kernels_;
@@ -667,14 +578,10 @@ class CpuOps : public MoeBlockOps {
   MicroBatchInputs in_;
   std::vector<int64_t> labels_;
   MicroBatchLossTerms terms_;
-  // Attention: the SP group's size and this rank's place in it, the head layout, the
-  // micro-batch's RoPE tables [T, head_dim / 2], and the exchanges' buffers.
-  int sp_size_ = 1, sp_rank_ = 0;
-  int cp_size_ = 1;  // the CP group's (§16)
-  int64_t head_dim_ = 0, heads_local_ = 0;
+  // Attention: the head layout and the micro-batch's RoPE tables [T, head_dim / 2].
+  int64_t head_dim_ = 0;
   int group_ = 1;  // query heads per kv head
   std::vector<float> rope_cos_, rope_sin_;
-  std::vector<float> send_, recv_;
 };
 
 }  // namespace
@@ -682,12 +589,6 @@ class CpuOps : public MoeBlockOps {
 absl::StatusOr<std::unique_ptr<ModelOps>> MakeCpuOps(const MoeLmSpec& spec, const Mesh& mesh,
                                                      const CpuOpsOptions& options) {
   const int P = mesh.ep_size();
-  const int S = mesh.size(MeshAxis::kSp);
-  if (spec.config().attention && spec.config().n_heads % S != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("model.heads=", spec.config().n_heads,
-                                                   " is not divisible by sp=", S,
-                                                   " (Ulysses splits whole heads)"));
-  }
   if (spec.config().experts % P != 0) {
     return absl::InvalidArgumentError(absl::StrCat("model.experts=", spec.config().experts,
                                                    " is not divisible by ep=", P,

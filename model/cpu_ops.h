@@ -6,8 +6,8 @@
 // moe/moe_layer.h (router, dropless all-to-all dispatch over the EP group overlapped with
 // the experts), ordered by moe/moe_block.h as on every device (model/moe_block_ops.h),
 // the head losses/linear_cross_entropy.h, the router losses losses/router_losses.h,
-// attention model/attention.h, its sequence-parallel exchanges host all-to-alls over the SP
-// group.
+// attention model/attention.h, the attention layouts' packing host copies (the exchanges
+// themselves are model/parallel_attention.h's).
 //
 // Row blocks (ops.h): with row_block > 0 every kernel runs per block (a packed sequence),
 // the router per block and the experts per (block, expert) row group (moe/moe_layer.h),
@@ -22,21 +22,17 @@
 #include "collectives/mesh.h"
 #include "model/moe_lm_spec.h"
 #include "model/ops.h"
-#include "model/ring_attention.h"
 
 namespace gradsum::model {
 
 struct CpuOpsOptions {
-  // How attention runs over the mesh's CP axis (§16; model/ring_attention.h): the ring, or
-  // gathered whole sequences in reproducible mode. Unused when the axis is off.
-  RingSchedule cp_schedule = RingSchedule::kRing;
   int num_threads = 1;  // threads for the head's fused CE (the rank's compute budget)
 };
 
 // The host's ops over the rank's mesh (not owned; it must outlive the ops): the expert
-// counts' SUM over the world (§5), the MoE dispatch over the EP axis, Ulysses' all-to-alls
-// over the SP axis (§12), ring attention over the CP axis (§16). InvalidArgument for
-// experts that the EP group does not divide or heads that the SP group does not.
+// counts' SUM over the world (§5), the MoE dispatch over the EP axis, and the host
+// all-to-alls ModelOps::AllToAll runs on the axis the caller names. InvalidArgument for
+// experts that the EP group does not divide.
 absl::StatusOr<std::unique_ptr<ModelOps>> MakeCpuOps(const MoeLmSpec& spec, const Mesh& mesh,
                                                      const CpuOpsOptions& options);
 

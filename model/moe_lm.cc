@@ -51,10 +51,9 @@ const char* RecomputeName(Recompute r) {
   return "unknown";
 }
 
-absl::StatusOr<std::unique_ptr<MoeLmModel>> MoeLmModel::Create(const MoeLmSpec& spec,
-                                                               ModelParams* params,
-                                                               std::unique_ptr<ModelOps> ops,
-                                                               Recompute recompute) {
+absl::StatusOr<std::unique_ptr<MoeLmModel>> MoeLmModel::Create(
+    const MoeLmSpec& spec, ModelParams* params, std::unique_ptr<ModelOps> ops, Recompute recompute,
+    const ParallelAttentionOptions& attention) {
   if (params == nullptr || ops == nullptr) {
     return absl::InvalidArgumentError("MoeLmModel needs its parameters and a device's ops");
   }
@@ -74,7 +73,10 @@ absl::StatusOr<std::unique_ptr<MoeLmModel>> MoeLmModel::Create(const MoeLmSpec& 
         "mtp_depth=", spec.config().mtp_depth,
         ": this device's ops cannot run multi-token prediction (the CUDA ops cannot yet)"));
   }
+  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<ParallelAttention> parallel_attention,
+                           ParallelAttention::Create(spec.config(), ops.get(), attention));
   auto model = std::unique_ptr<MoeLmModel>(new MoeLmModel());
+  model->attention_ = std::move(parallel_attention);
   model->spec_ = spec;
   model->params_ = params;
   model->ops_ = std::move(ops);
@@ -177,7 +179,7 @@ absl::Status MoeLmModel::EnsureActivations(int64_t T) {
                            &dkh_, &dvh_, &dkq_, &dvq_}) {
       add(*a);
     }
-    array_bytes_ = floats * static_cast<int64_t>(sizeof(float));
+    array_bytes_ = floats * static_cast<int64_t>(sizeof(float)) + attention_->HeldBytes();
   };
   rows_ = -1;
   array_bytes_ = 0;
@@ -224,6 +226,7 @@ absl::Status MoeLmModel::EnsureActivations(int64_t T) {
     }
     GRADSUM_RETURN_IF_ERROR(alloc(k_, T * kv_dim));
     GRADSUM_RETURN_IF_ERROR(alloc(v_, T * kv_dim));
+    GRADSUM_RETURN_IF_ERROR(attention_->Reserve(T));
   }
   count();
   rows_ = T;
@@ -426,12 +429,12 @@ absl::Status MoeLmModel::AttentionForward(int l) {
   GRADSUM_RETURN_IF_ERROR(ops_->MatMul(b, params_->Values(spec_.wv(l)), D, kv_dim, v_->data()));
   GRADSUM_RETURN_IF_ERROR(ops_->Rope(q_->data(), c.n_heads, /*inverse=*/false));
   GRADSUM_RETURN_IF_ERROR(ops_->Rope(k_->data(), c.n_kv_heads, /*inverse=*/false));
-  GRADSUM_RETURN_IF_ERROR(ops_->TokensToHeads(q_->data(), /*kv=*/false, x.qh->data()));
-  GRADSUM_RETURN_IF_ERROR(ops_->TokensToHeads(k_->data(), /*kv=*/true, x.kh->data()));
-  GRADSUM_RETURN_IF_ERROR(ops_->TokensToHeads(v_->data(), /*kv=*/true, x.vh->data()));
+  GRADSUM_RETURN_IF_ERROR(attention_->TokensToHeads(q_->data(), /*kv=*/false, x.qh->data()));
+  GRADSUM_RETURN_IF_ERROR(attention_->TokensToHeads(k_->data(), /*kv=*/true, x.kh->data()));
+  GRADSUM_RETURN_IF_ERROR(attention_->TokensToHeads(v_->data(), /*kv=*/true, x.vh->data()));
   GRADSUM_RETURN_IF_ERROR(
-      ops_->Attention(x.qh->data(), x.kh->data(), x.vh->data(), x.oh->data(), x.lse->data()));
-  GRADSUM_RETURN_IF_ERROR(ops_->HeadsToTokens(x.oh->data(), x.o->data()));
+      attention_->Forward(x.qh->data(), x.kh->data(), x.vh->data(), x.oh->data(), x.lse->data()));
+  GRADSUM_RETURN_IF_ERROR(attention_->HeadsToTokens(x.oh->data(), x.o->data()));
   GRADSUM_RETURN_IF_ERROR(
       ops_->MatMul(x.o->data(), params_->Values(spec_.wo(l)), D, D, y_->data()));
   return ops_->Add(LayerInput(l), y_->data(), x.m->data(), rows_ * D);
@@ -452,14 +455,14 @@ absl::Status MoeLmModel::AttentionBackward(int l) {
   GRADSUM_ASSIGN_OR_RETURN(GradTarget dwo, params_->Grad(spec_.wo(l)));
   GRADSUM_RETURN_IF_ERROR(ops_->MatMulBackward(x.o->data(), params_->Values(spec_.wo(l)), D, D, dh,
                                                d_o, /*accumulate_dx=*/false, std::move(dwo)));
-  GRADSUM_RETURN_IF_ERROR(ops_->TokensToHeads(d_o, /*kv=*/false, doh_->data()));
-  GRADSUM_RETURN_IF_ERROR(ops_->AttentionBackward(x.qh->data(), x.kh->data(), x.vh->data(),
-                                                  x.oh->data(), x.lse->data(), doh_->data(),
-                                                  dqh_->data(), dkh_->data(), dvh_->data()));
+  GRADSUM_RETURN_IF_ERROR(attention_->TokensToHeads(d_o, /*kv=*/false, doh_->data()));
+  GRADSUM_RETURN_IF_ERROR(attention_->Backward(x.qh->data(), x.kh->data(), x.vh->data(),
+                                               x.oh->data(), x.lse->data(), doh_->data(),
+                                               dqh_->data(), dkh_->data(), dvh_->data()));
   // Back to the token split: dq [T, D]; dk, dv per query head, then summed per kv head.
-  GRADSUM_RETURN_IF_ERROR(ops_->HeadsToTokens(dqh_->data(), q_->data()));
-  GRADSUM_RETURN_IF_ERROR(ops_->HeadsToTokens(dkh_->data(), dkq_->data()));
-  GRADSUM_RETURN_IF_ERROR(ops_->HeadsToTokens(dvh_->data(), dvq_->data()));
+  GRADSUM_RETURN_IF_ERROR(attention_->HeadsToTokens(dqh_->data(), q_->data()));
+  GRADSUM_RETURN_IF_ERROR(attention_->HeadsToTokens(dkh_->data(), dkq_->data()));
+  GRADSUM_RETURN_IF_ERROR(attention_->HeadsToTokens(dvh_->data(), dvq_->data()));
   GRADSUM_RETURN_IF_ERROR(ops_->SumKvGroups(dkq_->data(), k_->data()));
   GRADSUM_RETURN_IF_ERROR(ops_->SumKvGroups(dvq_->data(), v_->data()));
   GRADSUM_RETURN_IF_ERROR(ops_->Rope(q_->data(), c.n_heads, /*inverse=*/true));
@@ -612,6 +615,7 @@ absl::StatusOr<MicroBatchLosses> MoeLmModel::ForwardBackward(const TokenBatch& b
   GRADSUM_RETURN_IF_ERROR(EnsureActivations(T));
 
   absl::StatusOr<MicroBatchLossTerms> terms = [&]() -> absl::StatusOr<MicroBatchLossTerms> {
+    if (m.attention) GRADSUM_RETURN_IF_ERROR(attention_->Begin(in));
     GRADSUM_RETURN_IF_ERROR(ops_->Begin(in));
     StageFns stages;
     stages.forward = [this](int s) {
@@ -690,6 +694,7 @@ absl::StatusOr<MicroBatchLosses> MoeLmModel::Evaluate(const TokenBatch& batch,
                            Inputs(batch, stats, micro_index, nullptr, /*forward_only=*/true));
   GRADSUM_RETURN_IF_ERROR(EnsureActivations(in.rows));
   absl::StatusOr<MicroBatchLossTerms> terms = [&]() -> absl::StatusOr<MicroBatchLossTerms> {
+    if (m.attention) GRADSUM_RETURN_IF_ERROR(attention_->Begin(in));
     GRADSUM_RETURN_IF_ERROR(ops_->Begin(in));
     StageFns stages;
     stages.forward = [this](int s) {

@@ -8,8 +8,9 @@
 //
 //   stage 0       h_0 = Emb[x]
 //   stage 1 + l   attention block: b_l = RMSNorm(h_l; g^attn_l); q, k, v = b_l Wq, Wk, Wv;
-//                 RoPE; (sequence parallelism: tokens -> heads); document-causal attention;
-//                 (heads -> tokens); m_l = h_l + o Wo   (m_l = h_l without attention)
+//                 RoPE; tokens -> heads; document-causal attention; heads -> tokens
+//                 (the exchanges and the ring across ranks: model/parallel_attention.h);
+//                 m_l = h_l + o Wo   (m_l = h_l without attention)
 //                 MoE block: a_l = RMSNorm(m_l; g_l); h_{l+1} = m_l + MoE_l(a_l)
 //   (stage 0 also embeds each MTP depth's shifted tokens e_j = Emb[x_j], §15.1)
 //   stage L + j   MTP depth j (mtp_depth = k >= 1): h'_j = RMSNorm(h^{j-1}; g^h_j) M^h_j +
@@ -43,6 +44,7 @@
 #include "model/model_params.h"
 #include "model/moe_lm_spec.h"
 #include "model/ops.h"
+#include "model/parallel_attention.h"
 
 namespace gradsum::model {
 
@@ -100,13 +102,14 @@ using ExpertBias = std::vector<std::vector<float>>;
 
 class MoeLmModel {
  public:
-  // `params` is not owned and must outlive the model. InvalidArgument for a null argument
-  // or params whose experts do not divide the spec's; Unimplemented for Recompute::kFull
-  // on ops that cannot re-run a MoE layer (ModelOps::CanRecomputeMoe).
-  static absl::StatusOr<std::unique_ptr<MoeLmModel>> Create(const MoeLmSpec& spec,
-                                                            ModelParams* params,
-                                                            std::unique_ptr<ModelOps> ops,
-                                                            Recompute recompute = Recompute::kNone);
+  // `params` is not owned and must outlive the model. `attention`: where attention crosses
+  // ranks (model/parallel_attention.h; default: one rank holds whole sequences). InvalidArgument
+  // for a null argument or params whose experts do not divide the spec's, and
+  // ParallelAttention::Create's errors; Unimplemented for Recompute::kFull on ops that cannot
+  // re-run a MoE layer (ModelOps::CanRecomputeMoe).
+  static absl::StatusOr<std::unique_ptr<MoeLmModel>> Create(
+      const MoeLmSpec& spec, ModelParams* params, std::unique_ptr<ModelOps> ops,
+      Recompute recompute = Recompute::kNone, const ParallelAttentionOptions& attention = {});
 
   // Forward and backward of one micro-batch of this rank. With mtp_depth > 0, `mtp` holds
   // the step's MTP statistics (losses/mtp.h: per depth D_j, and per micro-batch the labels
@@ -206,6 +209,8 @@ class MoeLmModel {
   MoeLmSpec spec_;
   ModelParams* params_ = nullptr;
   std::unique_ptr<ModelOps> ops_;
+  // Declared after ops_: destroyed first (it holds arrays of ops_ and a pointer to it).
+  std::unique_ptr<ParallelAttention> attention_;
   Recompute recompute_ = Recompute::kNone;
   // §5.1: the bias [L][E] (empty: none), and the step's global counts so far [L][E].
   ExpertBias expert_bias_;

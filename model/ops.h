@@ -27,6 +27,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "collectives/mesh.h"
 #include "core/grad_sink.h"
 #include "data/streams.h"
 
@@ -216,27 +217,43 @@ class ModelOps {
   // RoPE in place on x [T, heads, head_dim] at the tokens' positions; `inverse` rotates by
   // the opposite angles (RoPE's backward: the transpose of a rotation).
   virtual absl::Status Rope(float* x, int heads, bool inverse) = 0;
-  // Sequence parallelism (Ulysses, §12; a copy without it). x [T, heads, head_dim] holds
-  // this rank's tokens of every head (n_heads query heads, or n_kv_heads when `kv`); out
-  // [sequences * seq_len, n_heads / S, head_dim] holds the whole sequences for this rank's
-  // query heads (for `kv`: the key/value head each of them uses, repeated). Collective
-  // over the SP group.
-  virtual absl::Status TokensToHeads(const float* x, bool kv, float* out) = 0;
-  // The inverse exchange: x [sequences * seq_len, n_heads / S, head_dim] → out [T, n_heads,
-  // head_dim] (written). Collective over the SP group.
-  virtual absl::Status HeadsToTokens(const float* x, float* out) = 0;
+  // ---- Attention's layouts (SEMANTICS.md §12). The exchanges that move them (sequence
+  // parallelism's all-to-all) and context parallelism's ring are the attention block's,
+  // model/parallel_attention.h: these kernels only pack and unpack this device's memory.
+  // A head split over `parts` ranks gives each n_heads / parts query heads (Hl) of
+  // sequences * seq_rows rows, seq_rows = parts * (T / sequences) per sequence.
+  // send [parts][T, Hl, head_dim] (written): for part j, token t, slot hl, head j Hl + hl of
+  // x [T, heads_in, head_dim] (heads_in = n_heads), or with `kv` (heads_in = n_kv_heads) the
+  // key/value head that query head uses.
+  virtual absl::Status PackHeads(const float* x, bool kv, int parts, float* send) = 0;
+  // recv [parts][T, Hl, head_dim] (part i: rank i's T rows, L = seq_rows / parts per
+  // sequence) -> out [sequences * seq_rows, Hl, head_dim]: part i's rows of sequence n at
+  // rows [n seq_rows + i L, n seq_rows + (i + 1) L) (written).
+  virtual absl::Status UnpackHeads(const float* recv, int parts, int64_t seq_rows, float* out) = 0;
+  // The inverse pair: x [sequences * seq_rows, Hl, head_dim] -> send [parts][T, Hl,
+  // head_dim], part j rows [n seq_rows + j L, ...) of each sequence n; and recv [parts][T,
+  // Hl, head_dim] -> out [T, n_heads, head_dim], part i into heads [i Hl, (i + 1) Hl).
+  virtual absl::Status PackTokens(const float* x, int parts, int64_t seq_rows, float* send) = 0;
+  virtual absl::Status UnpackTokens(const float* recv, int parts, float* out) = 0;
+  // recv[i] = rank i's send[me] for blocks of `block` floats, over the mesh's `axis` group
+  // (all-to-all), in this device's memory and ordered after the calls before it (the
+  // device picks its view of the group: host or NCCL). A copy of send[0] for a group of one.
+  virtual absl::Status AllToAll(MeshAxis axis, const float* send, float* recv, int64_t block) = 0;
+  // Whether DeviceArrays are host memory (the ring of model/ring_attention.h runs on the
+  // host; a device without it cannot run context parallelism).
+  virtual bool HostMemory() const { return false; }
   // out[t, j] = sum of x[t, h] over the query heads h of kv head j, in head order: x [T,
   // n_heads, head_dim] → out [T, n_kv_heads, head_dim] (written). (Per-query-head key and
   // value gradients summed the same way whatever S is.)
   virtual absl::Status SumKvGroups(const float* x, float* out) = 0;
-  // Document-causal attention (§10) of this rank's query heads over whole sequences:
-  // q, k, v, out [sequences * seq_len, n_heads / S, head_dim] (k, v: each query head's own
-  // key/value head, as TokensToHeads gives them); lse [sequences * seq_len, n_heads / S]
-  // kept for backward.
-  virtual absl::Status Attention(const float* q, const float* k, const float* v, float* out,
-                                 float* lse) = 0;
+  // Document-causal attention (§10) of `heads` query heads over whole sequences: q, k, v,
+  // out [sequences * seq_len, heads, head_dim] (k, v: each query head's own key/value
+  // head, as PackHeads with `kv` gives them); lse [sequences * seq_len, heads] kept for
+  // backward.
+  virtual absl::Status Attention(int heads, const float* q, const float* k, const float* v,
+                                 float* out, float* lse) = 0;
   // Its backward: dq, dk, dv (per query head) written.
-  virtual absl::Status AttentionBackward(const float* q, const float* k, const float* v,
+  virtual absl::Status AttentionBackward(int heads, const float* q, const float* k, const float* v,
                                          const float* out, const float* lse, const float* d_out,
                                          float* dq, float* dk, float* dv) = 0;
 

@@ -20,6 +20,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "core/status.h"
+#include "data/shard.h"
 #include "io/atomic_file.h"
 #include "io/path_checks.h"
 
@@ -747,7 +748,7 @@ absl::Status ValidateSequenceSplit(const TrainConfig& c) {
 }
 
 // precision.repro_block: a divisor of a rank's share, and in reproducible mode a block that
-// tiles every contiguous piece a rank holds (ReproBlock, ContiguousPiece).
+// tiles every contiguous piece a rank holds (ReproBlock, data::ContiguousPiece).
 absl::Status ValidateReproBlock(const TrainConfig& c) {
   const DataConfig& d = c.data();
   const ParallelismConfig& p = c.parallelism();
@@ -763,7 +764,7 @@ absl::Status ValidateReproBlock(const TrainConfig& c) {
     // Every contribution is computed per row block; the same blocks at every mesh need a
     // block that tiles each contiguous piece a rank holds (ReproBlock).
     const int64_t block = ReproBlock(c);
-    const int64_t piece = ContiguousPiece(d.seq_len(), p.sp(), p.cp());
+    const int64_t piece = data::ContiguousPiece(d.seq_len(), p.sp(), p.cp());
     if (piece % block != 0) {
       // The piece itself tiles every piece of this mesh (it divides seq_len).
       return Bad("precision.repro_block", StrCat(block),
@@ -1048,11 +1049,6 @@ int64_t DefaultReproBlock(int64_t seq_len) {
 int64_t ReproBlock(const TrainConfig& config) {
   const int32_t explicit_block = config.precision().repro_block();
   return explicit_block > 0 ? explicit_block : DefaultReproBlock(config.data().seq_len());
-}
-
-int64_t ContiguousPiece(int64_t seq_len, int sp, int cp) {
-  if (cp <= 1) return seq_len / sp;
-  return std::gcd(seq_len / (2 * int64_t{cp}), seq_len / (int64_t{cp} * sp));
 }
 
 std::string ConfigToShortText(const TrainConfig& in) {

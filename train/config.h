@@ -95,13 +95,6 @@ int64_t ReproBlock(const TrainConfig& config);
 // blocks (docs/BENCHMARKS.md: a step at seq_len / 8 took 1.1x-1.9x one at seq_len / 4).
 int64_t DefaultReproBlock(int64_t seq_len);
 
-// The tokens of each contiguous piece of a sequence that a rank holds (SEMANTICS.md §12,
-// §16): seq_len / sp without CP; with CP, a rank's two zigzag chunks of seq_len / 2cp are
-// split into sp slices of seq_len / (cp sp), so a piece is gcd(seq_len / 2cp,
-// seq_len / (cp sp)). A row block must divide it to lie at the same global positions at
-// every mesh.
-int64_t ContiguousPiece(int64_t seq_len, int sp, int cp);
-
 // Every setting of `config` that differs from its default, as the command-line flags that
 // give it ("--world=4 --sp=2 --resume"), in config.proto's order; empty for the defaults.
 // Generated from the fields' (flag) options, so a new option appears in the banner

@@ -691,47 +691,6 @@ TEST(ReproBlockTest, TheDefaultIsFixedByTheSequenceLength) {
   EXPECT_EQ(ReproBlock(explicit_block), 8);
 }
 
-// ContiguousPiece against an explicit enumeration: every rank's global positions in the
-// order it holds them (the zigzag chunks j and 2C - 1 - j, then its SP slice), cut into
-// runs of consecutive positions; a block tiles them at the same global places as at
-// sp = cp = 1 exactly when it divides every run's start and length.
-TEST(ReproBlockTest, ContiguousPieceIsTheGcdOfEveryRanksRuns) {
-  for (int64_t seq_len : {32, 96, 128, 48}) {
-    for (int sp = 1; sp <= 4; ++sp) {
-      for (int cp = 1; cp <= 4; ++cp) {
-        if ((cp > 1 && seq_len % (2 * cp) != 0) || (seq_len / cp) % sp != 0) continue;
-        if (cp == 1 && seq_len % sp != 0) continue;
-        int64_t g = 0;
-        for (int j = 0; j < cp; ++j) {
-          std::vector<int64_t> local;  // the CP rank's tokens, in its order
-          if (cp == 1) {
-            for (int64_t t = 0; t < seq_len; ++t) local.push_back(t);
-          } else {
-            const int64_t c = seq_len / (2 * cp);
-            for (int64_t chunk : {int64_t{j}, int64_t{2 * cp - 1 - j}}) {
-              for (int64_t t = 0; t < c; ++t) local.push_back(chunk * c + t);
-            }
-          }
-          const int64_t slice = static_cast<int64_t>(local.size()) / sp;
-          for (int i = 0; i < sp; ++i) {
-            int64_t start = local[i * slice], length = 1;
-            for (int64_t t = i * slice + 1; t <= (i + 1) * slice; ++t) {
-              if (t < (i + 1) * slice && local[t] == local[t - 1] + 1) {
-                ++length;
-                continue;
-              }
-              g = std::gcd(g, std::gcd(start, length));
-              if (t < (i + 1) * slice) start = local[t], length = 1;
-            }
-          }
-        }
-        EXPECT_EQ(ContiguousPiece(seq_len, sp, cp), g)
-            << "seq_len " << seq_len << " sp " << sp << " cp " << cp;
-      }
-    }
-  }
-}
-
 // A mesh whose pieces the block does not tile is refused, naming a block that does; an
 // explicit block that straddles the zigzag chunks too (it would put tokens elsewhere in
 // their block than at cp = 1).

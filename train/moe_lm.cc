@@ -105,12 +105,7 @@ absl::StatusOr<std::unique_ptr<MoeLm>> MoeLm::Create(const MoeLmOptions& options
                            model::MoeLmSpec::Create(ToMoeLmConfig(options.model, options.loss)));
   if (device.units == nullptr) device.units = std::make_shared<parallel::HostUnitDevice>();
   if (!device.ops) {
-    model::CpuOpsOptions ops_options{.num_threads = options.num_threads};
-    // Reproducible mode's bits do not depend on the CP size: attention gathers the group's
-    // chunks and runs the whole-sequence kernel (model/ring_attention.h).
-    if (options.parallel.precision == GradPrecision::kExact) {
-      ops_options.cp_schedule = model::RingSchedule::kGathered;
-    }
+    const model::CpuOpsOptions ops_options{.num_threads = options.num_threads};
     const Mesh* m = &mesh;
     device.ops = [m, ops_options](const model::MoeLmSpec& s) {
       return model::MakeCpuOps(s, *m, ops_options);
@@ -124,7 +119,9 @@ absl::StatusOr<std::unique_ptr<MoeLm>> MoeLm::Create(const MoeLmOptions& options
   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<model::ModelOps> ops, device.ops(spec));
   GRADSUM_ASSIGN_OR_RETURN(
       lm->model_,
-      model::MoeLmModel::Create(spec, lm->params_.get(), std::move(ops), options.recompute));
+      model::MoeLmModel::Create(
+          spec, lm->params_.get(), std::move(ops), options.recompute,
+          {.mesh = &mesh, .reproducible = options.parallel.precision == GradPrecision::kExact}));
   return lm;
 }
 

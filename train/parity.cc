@@ -11,6 +11,7 @@
 #include "core/status.h"
 #include "data/corpus.h"
 #include "data/loader.h"
+#include "data/shard.h"
 #include "data/streams.h"
 #include "testing/reference_moe_lm.h"
 
@@ -22,10 +23,12 @@ absl::StatusOr<std::vector<std::vector<data::MicroBatch>>> GlobalBatchForStep(
   if (corpus == nullptr) {
     GRADSUM_ASSIGN_OR_RETURN(corpus, data::MakeCorpus(config.data()));
   }
-  // The whole sequences of the world / sp data ranks (each SP group's rows; §12).
-  const int G = config.parallelism().grad_acc(), W = config.parallelism().world() /
-                                                     std::max(1, config.parallelism().sp()) /
-                                                     std::max(1, config.parallelism().cp());
+  // The whole sequences of every data rank (the rows of each group of ranks that share
+  // sequences, §12, §16: data/shard.h DataPlace).
+  GRADSUM_ASSIGN_OR_RETURN(
+      const data::DataPlace place,
+      data::DataPlaceOf(config.parallelism(), config.data().seq_len(), /*rank=*/0));
+  const int G = config.parallelism().grad_acc(), W = place.data_ranks;
   std::vector<std::vector<data::MicroBatch>> batch(G, std::vector<data::MicroBatch>(W));
   for (int r = 0; r < W; ++r) {
     GRADSUM_ASSIGN_OR_RETURN(data::RankDataLoader loader,

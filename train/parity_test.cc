@@ -13,6 +13,7 @@
 #include "data/corpus.h"
 #include "data/document_source.h"
 #include "data/loader.h"
+#include "data/shard.h"
 #include "data/streams.h"
 #include "gtest/gtest.h"
 #include "train/test_util.h"
@@ -612,8 +613,13 @@ TEST(MtpParityTest, PaddedSlicesContributeNothing) {
     int padded = 0;
     std::set<int64_t> valid_counts;
     for (int r = 0; r < 4; ++r) {
+      ParallelismConfig sp4;  // world 4, SP 4: one data rank, a quarter of each sequence
+      sp4.set_world(4);
+      sp4.set_sp(4);
+      absl::StatusOr<data::DataPlace> place = data::DataPlaceOf(sp4, 32, r);
+      ASSERT_TRUE(place.ok()) << place.status();
       absl::StatusOr<data::RankDataLoader> loader =
-          data::RankDataLoader::Create(*corpus, config.data(), r, 4, /*sp=*/4);
+          data::RankDataLoader::Create(*corpus, config.data(), *place);
       ASSERT_TRUE(loader.ok()) << loader.status();
       ASSERT_TRUE(loader->SetMtpDepth(k).ok());
       const data::MicroBatch mb = loader->NextStep(1)[0];

@@ -13,7 +13,10 @@
 #include "data/corpus.h"
 #include "data/document_source.h"
 #include "data/loader.h"
+#include "data/shard.h"
 #include "data/token_files.h"
+#include "google/protobuf/descriptor.h"
+#include "google/protobuf/message.h"
 #include "io/path_checks.h"
 #include "optim/grad_norm.h"
 #include "train/checkpointing.h"
@@ -73,6 +76,20 @@ auto CatchingOutOfMemory(absl::string_view what, Load load) -> decltype(load()) 
         absl::StrCat(what,
                      ": out of memory while loading it at start-up (std::bad_alloc); "
                      "use a smaller file or a machine with more memory"));
+  }
+}
+
+// Each parallelism field named after a mesh axis (collectives/mesh.h MeshAxisName) takes
+// that axis's size, so that a new axis is recorded without a line here.
+void RecordMeshSizes(const Mesh& mesh, ParallelismConfig* parallelism) {
+  const google::protobuf::Descriptor* fields = parallelism->GetDescriptor();
+  const google::protobuf::Reflection* values = parallelism->GetReflection();
+  for (int a = 0; a < kNumMeshAxes; ++a) {
+    const MeshAxis axis = static_cast<MeshAxis>(a);
+    const google::protobuf::FieldDescriptor* f = fields->FindFieldByName(MeshAxisName(axis));
+    if (f != nullptr && f->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_INT32) {
+      values->SetInt32(parallelism, f, mesh.size(axis));
+    }
   }
 }
 
@@ -136,13 +153,10 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   trainer->corpus_ = *std::move(corpus);
   trainer->eval_file_ = *std::move(eval_file);
   trainer->config_ = config;
-  // The mesh is the one source of the group sizes (MakeRankMesh built it from these two
-  // fields and checked the world size); what the trainer records (the checkpoints' config,
-  // the global batch) is the mesh's.
-  trainer->config_.mutable_parallelism()->set_world(comms.mesh->world_size());
-  trainer->config_.mutable_parallelism()->set_ep(comms.mesh->ep_size());
-  trainer->config_.mutable_parallelism()->set_sp(comms.mesh->size(MeshAxis::kSp));
-  trainer->config_.mutable_parallelism()->set_cp(comms.mesh->size(MeshAxis::kCp));
+  // The mesh is the one source of the group sizes (MakeRankMesh built it from the config
+  // and checked the world size); what the trainer records (the checkpoints' config, the
+  // global batch, the data place) is the mesh's.
+  RecordMeshSizes(*comms.mesh, trainer->config_.mutable_parallelism());
   trainer->comms_ = comms;
   if (trainer->comms_.timer == nullptr) trainer->comms_.timer = std::make_shared<CommTimer>();
   trainer->fresh_start_ = !config.checkpoint().resume();
@@ -201,9 +215,10 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
 
 absl::Status Trainer::PrepareLocal() {
   GRADSUM_ASSIGN_OR_RETURN(
-      data::RankDataLoader loader,
-      data::RankDataLoader::Create(corpus_, config_.data(), world().rank(), world().size(),
-                                   config_.parallelism().sp(), config_.parallelism().cp()));
+      const data::DataPlace place,
+      data::DataPlaceOf(config_.parallelism(), config_.data().seq_len(), world().rank()));
+  GRADSUM_ASSIGN_OR_RETURN(data::RankDataLoader loader,
+                           data::RankDataLoader::Create(corpus_, config_.data(), place));
   GRADSUM_RETURN_IF_ERROR(loader.SetMtpDepth(config_.model().mtp_depth()));
   loader_ = std::make_unique<data::RankDataLoader>(std::move(loader));
   if (config_.log().eval_every() > 0) {
@@ -213,10 +228,8 @@ absl::Status Trainer::PrepareLocal() {
       GRADSUM_ASSIGN_OR_RETURN(held_out, data::MakeHeldOutCorpus(config_.data()));
     }
     GRADSUM_RETURN_IF_ERROR(data::CheckCorpusVocab(*held_out, config_.model().vocab()));
-    GRADSUM_ASSIGN_OR_RETURN(
-        data::RankDataLoader eval_loader,
-        data::RankDataLoader::Create(held_out, config_.data(), world().rank(), world().size(),
-                                     config_.parallelism().sp(), config_.parallelism().cp()));
+    GRADSUM_ASSIGN_OR_RETURN(data::RankDataLoader eval_loader,
+                             data::RankDataLoader::Create(held_out, config_.data(), place));
     eval_batches_ = eval_loader.NextStep(config_.log().eval_micro_batches());
   }
   return absl::OkStatus();

@@ -70,10 +70,8 @@ class CudaOps : public MoeBlockOps {
     exec_.blas = &ctx_->blas;
     exec_.stream = ctx_->stream.get();
     exec_.fence = ctx_->fence;
-    sp_size_ = mesh.size(MeshAxis::kSp);
-    const HeadLayout heads = HeadLayoutOf(m, sp_size_);
+    const HeadLayout heads = HeadLayoutOf(m, /*sp=*/1);
     head_dim_ = heads.head_dim;
-    heads_local_ = heads.heads_local;
     group_ = heads.group;
   }
 
@@ -144,13 +142,11 @@ class CudaOps : public MoeBlockOps {
   absl::Status UploadAttentionLayout(const MicroBatchInputs& in) {
     const int64_t T = in.rows;
     cudaStream_t s = exec_.stream;
-    if (in.seq_len % sp_size_ != 0 || in.sequences * (in.seq_len / sp_size_) != T ||
-        static_cast<int64_t>(in.positions.size()) != T) {
-      return absl::InvalidArgumentError(absl::StrCat("attention: ", T, " tokens are not ",
-                                                     in.sequences, " sequences of ", in.seq_len,
-                                                     " / sp=", sp_size_, " tokens with positions"));
+    if (static_cast<int64_t>(in.positions.size()) != T) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("attention: ", in.positions.size(), " positions for ", T, " tokens"));
     }
-    const AttentionDims dims = HeadDims();
+    const AttentionDims dims = HeadDims(static_cast<int>(config_.n_heads));
     if (static_cast<int64_t>(in.doc_start.size()) != in.sequences * in.seq_len) {
       return absl::InvalidArgumentError(absl::StrCat("attention: ", in.doc_start.size(),
                                                      " document starts for ", in.sequences,
@@ -367,78 +363,107 @@ class CudaOps : public MoeBlockOps {
                     inverse, exec_.stream);
   }
 
-  absl::Status TokensToHeads(const float* x, bool kv, float* out) override {
-    const int64_t hd = head_dim_, Hl = heads_local_, T = in_.rows;
+  absl::Status PackHeads(const float* x, bool kv, int parts, float* send) override {
+    const int64_t hd = head_dim_, Hl = config_.n_heads / parts, T = in_.rows;
     const int heads_in = kv ? config_.n_kv_heads : config_.n_heads;
     const size_t f = sizeof(float);
     const int64_t block = T * Hl * hd;
-    GRADSUM_RETURN_IF_ERROR(Reserve(&send_, sp_size_ * block * f));
-    GRADSUM_RETURN_IF_ERROR(Reserve(&recv_, sp_size_ * block * f));
-    cudaStream_t s = exec_.stream;
     // To destination j, per token: the heads of its query heads (for `kv`, the kv head
     // each uses), one strided copy per head slot.
-    for (int j = 0; j < sp_size_; ++j) {
+    for (int j = 0; j < parts; ++j) {
       for (int64_t hl = 0; hl < Hl; ++hl) {
         const int64_t h = j * Hl + hl;
         const int64_t src_head = kv ? h / group_ : h;
         GRADSUM_CUDA_RETURN_IF_ERROR(
-            cudaMemcpy2DAsync(send_.as<float>() + j * block + hl * hd, Hl * hd * f,
-                              x + src_head * hd, heads_in * hd * f, hd * f, T,
-                              cudaMemcpyDeviceToDevice, s),
+            cudaMemcpy2DAsync(send + j * block + hl * hd, Hl * hd * f, x + src_head * hd,
+                              heads_in * hd * f, hd * f, T, cudaMemcpyDeviceToDevice, exec_.stream),
             "pack the head split");
       }
     }
-    GRADSUM_RETURN_IF_ERROR(Exchange(block));
+    return absl::OkStatus();
+  }
+
+  absl::Status UnpackHeads(const float* recv, int parts, int64_t seq_rows, float* out) override {
+    const int64_t Hl = config_.n_heads / parts, T = in_.rows, row = Hl * head_dim_;
+    const int64_t block = T * row, L = seq_rows / parts;
+    const size_t f = sizeof(float);
     // From source i: its slice [i L, (i + 1) L) of every sequence.
-    const int64_t L = in_.seq_len / sp_size_, row = Hl * hd;
-    for (int i = 0; i < sp_size_; ++i) {
+    for (int i = 0; i < parts; ++i) {
       GRADSUM_CUDA_RETURN_IF_ERROR(
-          cudaMemcpy2DAsync(out + i * L * row, in_.seq_len * row * f, recv_.as<float>() + i * block,
-                            L * row * f, L * row * f, in_.sequences, cudaMemcpyDeviceToDevice, s),
+          cudaMemcpy2DAsync(out + i * L * row, seq_rows * row * f, recv + i * block, L * row * f,
+                            L * row * f, in_.sequences, cudaMemcpyDeviceToDevice, exec_.stream),
           "unpack the head split");
     }
     return absl::OkStatus();
   }
 
-  absl::Status HeadsToTokens(const float* x, float* out) override {
-    const int64_t hd = head_dim_, Hl = heads_local_, T = in_.rows, H = config_.n_heads;
-    const int64_t L = in_.seq_len / sp_size_, row = Hl * hd, block = T * row;
+  absl::Status PackTokens(const float* x, int parts, int64_t seq_rows, float* send) override {
+    const int64_t Hl = config_.n_heads / parts, T = in_.rows, row = Hl * head_dim_;
+    const int64_t block = T * row, L = seq_rows / parts;
     const size_t f = sizeof(float);
-    GRADSUM_RETURN_IF_ERROR(Reserve(&send_, sp_size_ * block * f));
-    GRADSUM_RETURN_IF_ERROR(Reserve(&recv_, sp_size_ * block * f));
-    cudaStream_t s = exec_.stream;
-    for (int j = 0; j < sp_size_; ++j) {
+    for (int j = 0; j < parts; ++j) {
       GRADSUM_CUDA_RETURN_IF_ERROR(
-          cudaMemcpy2DAsync(send_.as<float>() + j * block, L * row * f, x + j * L * row,
-                            in_.seq_len * row * f, L * row * f, in_.sequences,
-                            cudaMemcpyDeviceToDevice, s),
+          cudaMemcpy2DAsync(send + j * block, L * row * f, x + j * L * row, seq_rows * row * f,
+                            L * row * f, in_.sequences, cudaMemcpyDeviceToDevice, exec_.stream),
           "pack the token split");
     }
-    GRADSUM_RETURN_IF_ERROR(Exchange(block));
-    for (int i = 0; i < sp_size_; ++i) {
+    return absl::OkStatus();
+  }
+
+  absl::Status UnpackTokens(const float* recv, int parts, float* out) override {
+    const int64_t hd = head_dim_, Hl = config_.n_heads / parts, T = in_.rows, H = config_.n_heads;
+    const int64_t row = Hl * hd, block = T * row;
+    const size_t f = sizeof(float);
+    for (int i = 0; i < parts; ++i) {
       GRADSUM_CUDA_RETURN_IF_ERROR(
-          cudaMemcpy2DAsync(out + i * Hl * hd, H * hd * f, recv_.as<float>() + i * block, row * f,
-                            row * f, T, cudaMemcpyDeviceToDevice, s),
+          cudaMemcpy2DAsync(out + i * Hl * hd, H * hd * f, recv + i * block, row * f, row * f, T,
+                            cudaMemcpyDeviceToDevice, exec_.stream),
           "unpack the token split");
     }
     return absl::OkStatus();
+  }
+
+  // Over the axis's NCCL device group, ordered after the compute stream (a device copy for
+  // a group of one).
+  absl::Status AllToAll(MeshAxis axis, const float* send, float* recv, int64_t block) override {
+    const size_t bytes = static_cast<size_t>(block) * sizeof(float);
+    const int n = mesh_->size(axis);
+    if (n == 1) {
+      GRADSUM_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(recv, send, bytes, cudaMemcpyDeviceToDevice, exec_.stream),
+          "copy the exchange");
+      return absl::OkStatus();
+    }
+    Communicator& group = mesh_->device_group(axis);
+    if (group.device_stream() == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("CUDA ops: the device ", MeshAxisName(axis),
+                                                     " group (", group.backend(), ") is not NCCL"));
+    }
+    cudaStream_t comm_stream = group.device_stream()->stream();
+    GRADSUM_RETURN_IF_ERROR(cuda::Fence(exec_.stream, comm_stream, exec_.fence));
+    std::vector<size_t> counts(n, static_cast<size_t>(block)), offsets(n);
+    for (int i = 0; i < n; ++i) offsets[i] = static_cast<size_t>(i) * block;
+    GRADSUM_RETURN_IF_ERROR(
+        group.AllToAllV(send, counts, offsets, recv, counts, offsets, DType::kF32));
+    // The compute stream reads what the NCCL stream wrote.
+    return cuda::Fence(comm_stream, exec_.stream, exec_.fence);
   }
 
   absl::Status SumKvGroups(const float* x, float* out) override {
     return SumGroupsCuda(x, out, in_.rows, config_.n_kv_heads, group_, head_dim_, exec_.stream);
   }
 
-  absl::Status Attention(const float* q, const float* k, const float* v, float* out,
+  absl::Status Attention(int heads, const float* q, const float* k, const float* v, float* out,
                          float* lse) override {
-    return AttentionForwardCuda(HeadDims(), q, k, v, doc_start_.as<int32_t>(), out, lse,
+    return AttentionForwardCuda(HeadDims(heads), q, k, v, doc_start_.as<int32_t>(), out, lse,
                                 exec_.stream, &attention_error_);
   }
 
-  absl::Status AttentionBackward(const float* q, const float* k, const float* v, const float* out,
-                                 const float* lse, const float* d_out, float* dq, float* dk,
-                                 float* dv) override {
-    return AttentionBackwardCuda(HeadDims(), q, k, v, doc_start_.as<int32_t>(), out, lse, d_out, dq,
-                                 dk, dv, exec_.stream, &attention_error_);
+  absl::Status AttentionBackward(int heads, const float* q, const float* k, const float* v,
+                                 const float* out, const float* lse, const float* d_out, float* dq,
+                                 float* dk, float* dv) override {
+    return AttentionBackwardCuda(HeadDims(heads), q, k, v, doc_start_.as<int32_t>(), out, lse,
+                                 d_out, dq, dk, dv, exec_.stream, &attention_error_);
   }
 
   absl::StatusOr<MicroBatchLossTerms> End() override {
@@ -491,13 +516,13 @@ class CudaOps : public MoeBlockOps {
 
   // The device buffers these ops hold between calls, as capacities (model/ops.h): every
   // MoE layer's routing and activations, the released sets of full recomputation, the
-  // layers' shared scratch, the [T, V] logits, the micro-batch's inputs and the head split's
-  // exchange buffers.
+  // layers' shared scratch, the [T, V] logits and the micro-batch's inputs (the head split's
+  // exchange buffers are the attention block's, counted by the model).
   int64_t HeldActivationBytes() const override {
     int64_t bytes = moe_kernels_->HeldBytes();
     for (const DeviceBuffer* b :
          {&tokens_, &labels_, &mask_, &weights_, &logits_, &mtp_tokens_, &mtp_labels_,
-          &mtp_weights_, &rope_cos_, &rope_sin_, &doc_start_, &send_, &recv_}) {
+          &mtp_weights_, &rope_cos_, &rope_sin_, &doc_start_}) {
       bytes += static_cast<int64_t>(b->size());
     }
     return bytes;
@@ -578,37 +603,16 @@ class CudaOps : public MoeBlockOps {
     return absl::OkStatus();
   }
 
-  // The head split's attention (as the CPU ops): whole sequences, this rank's query heads,
-  // each with its own key/value head.
-  AttentionDims HeadDims() const {
+  // `heads` query heads over whole sequences (as the CPU ops), each with its own key/value
+  // head.
+  AttentionDims HeadDims(int heads) const {
     AttentionDims d;
     d.num_seqs = in_.sequences;
     d.seq_len = in_.seq_len;
-    d.q_heads = static_cast<int>(heads_local_);
-    d.kv_heads = static_cast<int>(heads_local_);
+    d.q_heads = heads;
+    d.kv_heads = heads;
     d.head_dim = head_dim_;
     return d;
-  }
-
-  // send_ [S][block] -> recv_ [S][block] over the NCCL SP group, ordered after the compute
-  // stream (a device copy without sequence parallelism).
-  absl::Status Exchange(int64_t block) {
-    const size_t bytes = static_cast<size_t>(block) * sizeof(float);
-    if (sp_size_ == 1) {
-      GRADSUM_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(recv_.get(), send_.get(), bytes, cudaMemcpyDeviceToDevice, exec_.stream),
-          "copy the head split");
-      return absl::OkStatus();
-    }
-    Communicator& sp = mesh_->device_group(MeshAxis::kSp);
-    cudaStream_t sp_stream = sp.device_stream()->stream();
-    GRADSUM_RETURN_IF_ERROR(cuda::Fence(exec_.stream, sp_stream, exec_.fence));
-    std::vector<size_t> counts(sp_size_, static_cast<size_t>(block)), offsets(sp_size_);
-    for (int i = 0; i < sp_size_; ++i) offsets[i] = static_cast<size_t>(i) * block;
-    GRADSUM_RETURN_IF_ERROR(
-        sp.AllToAllV(send_.get(), counts, offsets, recv_.get(), counts, offsets, DType::kF32));
-    // The compute stream reads what the NCCL stream wrote.
-    return cuda::Fence(sp_stream, exec_.stream, exec_.fence);
   }
 
   moe::RmsNormArgs Rms(const float* x, const float* gain, float* inv_rms) const {
@@ -646,15 +650,12 @@ class CudaOps : public MoeBlockOps {
   static constexpr int kScalars = 7;
   DeviceBuffer scalars_;
   DeviceBuffer logits_;  // [T, V], its CE gradient in place
-  // Attention: the SP group's size, the head layout, the RoPE tables and document starts
-  // of the micro-batch, and the exchanges' buffers.
-  int sp_size_ = 1;
-  int64_t head_dim_ = 0, heads_local_ = 0;
+  // Attention: the head layout, the RoPE tables and document starts of the micro-batch.
+  int64_t head_dim_ = 0;
   int group_ = 1;
   std::vector<float> cos_host_, sin_host_;
   DeviceBuffer rope_cos_, rope_sin_, doc_start_;
   cuda::DeviceIndexFlag attention_error_;  // the attention kernels' doc_start check
-  DeviceBuffer send_, recv_;
 };
 
 }  // namespace

@@ -26,8 +26,9 @@ namespace gradsum::model {
 
 // Over the rank's mesh (not owned; it must outlive the ops) with its NCCL device view
 // (Mesh::AttachDeviceView): the expert counts' SUM over device_group(kWorld), the MoE
-// all-to-all-v over device_group(kEp) sized by the host group(kEp), the Ulysses
-// all-to-alls over device_group(kSp). InvalidArgument for a mesh without an NCCL device
+// all-to-all-v over device_group(kEp) sized by the host group(kEp), and the all-to-alls
+// ModelOps::AllToAll runs over the device group of the axis the caller names (the attention
+// block's, model/parallel_attention.h). InvalidArgument for a mesh without an NCCL device
 // view, or experts the EP group does not divide. Every option of the model runs on the GPU as on
 // the CPU: the CE options of SEMANTICS.md §3.2 (label_smoothing, logit_softcap, alpha_lse) in the
 // CUDA CE kernel, with the output z-loss reported as its own term (MicroBatchLossTerms::z_out), and

@@ -16,11 +16,6 @@ absl::StatusOr<ComputeDevice> MakeCudaCompute(const Mesh& mesh) {
     return absl::InvalidArgumentError(
         "the GPU model needs the mesh's NCCL device view (Mesh::AttachDeviceView)");
   }
-  if (mesh.size(MeshAxis::kCp) > 1) {
-    return absl::UnimplementedError(absl::StrCat(
-        "GPU model: context parallelism (cp=", mesh.size(MeshAxis::kCp),
-        ", SEMANTICS.md §16) has no CUDA ring attention kernel yet; use a CPU backend"));
-  }
   // Every group the GPU model runs collectives on is NCCL on this rank's GPU.
   DeviceStream* world_stream = mesh.device_group(MeshAxis::kWorld).device_stream();
   if (world_stream == nullptr) {
