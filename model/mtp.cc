@@ -75,8 +75,8 @@ absl::Status MtpBlock::AddInputs(const TokenBatch& batch, const losses::StepStat
           micro_index >= static_cast<int>(stats.stream_token_weights[j].size()) ||
           static_cast<int64_t>(stats.stream_token_weights[j][micro_index].size()) != T) {
         return absl::InvalidArgumentError(
-            absl::StrCat("MTP depth ", j + 1, ": no CE weights for micro-batch ", micro_index,
-                         " (", losses::CeWeightModeName(stats.mode), " mode)"));
+            absl::StrCat("MTP depth ", j + 1, ": no CE weights for micro-batch ", micro_index, " (",
+                         losses::CeWeightModeName(stats.mode), " mode)"));
       }
       s.ce_weights = stats.stream_token_weights[j][micro_index];
     }
@@ -126,8 +126,7 @@ absl::Status MtpBlock::EmbeddingForward() {
 absl::Status MtpBlock::EmbeddingBackward() {
   for (int j = 1; j <= depths_; ++j) {
     GRADSUM_ASSIGN_OR_RETURN(GradTarget demb_j, params_->Grad(spec_->emb()));
-    GRADSUM_RETURN_IF_ERROR(
-        ops_->EmbeddingBackward(j, acts_[j - 1].de->data(), std::move(demb_j)));
+    GRADSUM_RETURN_IF_ERROR(ops_->EmbeddingBackward(j, acts_[j - 1].de->data(), std::move(demb_j)));
   }
   return absl::OkStatus();
 }
@@ -151,15 +150,14 @@ absl::Status MtpBlock::ProjectForward(int j, const float* h_last, float* scratch
 
 // dout holds dL/dh'_j; afterwards dL/dh^{j-1} has been added into depth j - 1's dout (or
 // dh_last for h_L), and de holds dL/de_j.
-absl::Status MtpBlock::ProjectBackward(int j, const float* h_last, float* dh_last,
-                                       float* scratch) {
+absl::Status MtpBlock::ProjectBackward(int j, const float* h_last, float* dh_last, float* scratch) {
   const MoeLmSpec& spec = *spec_;
   const int64_t D = spec.config().dim;
   Acts& x = acts_[j - 1];
   // The embedding half: dL/dne into scratch, then its norm into de.
   GRADSUM_ASSIGN_OR_RETURN(GradTarget dwe, params_->Grad(spec.mtp_proj_e(j)));
-  GRADSUM_RETURN_IF_ERROR(ops_->MatMulBackward(x.ne->data(), params_->Values(spec.mtp_proj_e(j)),
-                                               D, D, x.dout->data(), scratch,
+  GRADSUM_RETURN_IF_ERROR(ops_->MatMulBackward(x.ne->data(), params_->Values(spec.mtp_proj_e(j)), D,
+                                               D, x.dout->data(), scratch,
                                                /*accumulate_dx=*/false, std::move(dwe)));
   GRADSUM_ASSIGN_OR_RETURN(GradTarget dge, params_->Grad(spec.mtp_enorm(j)));
   GRADSUM_RETURN_IF_ERROR(ops_->RmsNormBackward(x.e->data(), params_->Values(spec.mtp_enorm(j)),
@@ -167,8 +165,8 @@ absl::Status MtpBlock::ProjectBackward(int j, const float* h_last, float* dh_las
                                                 /*accumulate_dx=*/false, std::move(dge)));
   // The hidden half: dL/dnh into scratch, then its norm added into dL/dh^{j-1}.
   GRADSUM_ASSIGN_OR_RETURN(GradTarget dwh, params_->Grad(spec.mtp_proj_h(j)));
-  GRADSUM_RETURN_IF_ERROR(ops_->MatMulBackward(x.nh->data(), params_->Values(spec.mtp_proj_h(j)),
-                                               D, D, x.dout->data(), scratch,
+  GRADSUM_RETURN_IF_ERROR(ops_->MatMulBackward(x.nh->data(), params_->Values(spec.mtp_proj_h(j)), D,
+                                               D, x.dout->data(), scratch,
                                                /*accumulate_dx=*/false, std::move(dwh)));
   const bool first = j == 1;
   const float* prev = first ? h_last : acts_[j - 2].out->data();
@@ -187,8 +185,8 @@ absl::Status MtpBlock::HeadForwardBackward(float* f, float* inv_rms_f, float* gr
     Acts& x = acts_[j - 1];
     GRADSUM_RETURN_IF_ERROR(ops_->RmsNormForward(x.out->data(), gain, f, inv_rms_f));
     GRADSUM_ASSIGN_OR_RETURN(GradTarget grad_out_j, params_->Grad(spec.out()));
-    GRADSUM_RETURN_IF_ERROR(ops_->LmHeadCrossEntropy(j, f, params_->Values(spec.out()), grad_f,
-                                                     std::move(grad_out_j)));
+    GRADSUM_RETURN_IF_ERROR(
+        ops_->LmHeadCrossEntropy(j, f, params_->Values(spec.out()), grad_f, std::move(grad_out_j)));
     GRADSUM_ASSIGN_OR_RETURN(GradTarget dgain_j, params_->Grad(spec.final_norm()));
     GRADSUM_RETURN_IF_ERROR(ops_->RmsNormBackward(x.out->data(), gain, inv_rms_f, grad_f,
                                                   x.dout->data(),
