@@ -18,7 +18,8 @@
 // with the whole document's sample sizes as for CE. A caller whose labels come already
 // rolled (the loader's label streams, data/streams.h) passes them to ComputeStepStats as
 // MicroBatchTokens::extra_streams instead, so every D_j joins the step's one statistics
-// all-reduce (losses/step_stats.h), and fills an MtpStats from its result.
+// all-reduce (losses/step_stats.h); the trainer does so, and the model's MTP block
+// (model/mtp.h) reads each depth's D_j and weights from that StepStats (no MtpStats).
 
 #include <cstdint>
 #include <vector>
