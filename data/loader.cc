@@ -59,9 +59,11 @@ absl::StatusOr<RankDataLoader> RankDataLoader::Create(std::shared_ptr<const Docu
 
 absl::Status RankDataLoader::Seek(const DataPosition& position) { return packer_.Seek(position); }
 
-absl::Status RankDataLoader::SetMtpDepth(int k) {
-  if (k < 0) return absl::InvalidArgumentError(absl::StrCat("MTP depth ", k, ": must be >= 0"));
-  mtp_depth_ = k;
+absl::Status RankDataLoader::SetLabelStreams(int streams) {
+  if (streams < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("label streams ", streams, ": must be >= 1"));
+  }
+  streams_ = streams;
   return absl::OkStatus();
 }
 
@@ -80,9 +82,9 @@ MicroBatch RankDataLoader::EmptyMicroBatch() const {
   mb.doc_start.assign(static_cast<size_t>(micro_batch_) * mb.seq_len, -1);
   mb.sequence_ids.assign(micro_batch_, -1);
   mb.doc_ids.assign(micro_batch_, {});
-  mb.mtp_tokens.assign(mtp_depth_, std::vector<int32_t>(n, 0));
-  mb.mtp_labels.assign(mtp_depth_, std::vector<int32_t>(n, kIgnoreIndex));
-  mb.mtp_sample_valid.assign(mtp_depth_, std::vector<int64_t>(n, 0));
+  mb.extra_streams.assign(streams_ - 1,
+                          {std::vector<int32_t>(n, 0), std::vector<int32_t>(n, kIgnoreIndex),
+                           std::vector<int64_t>(n, 0)});
   return mb;
 }
 
@@ -103,14 +105,15 @@ void RankDataLoader::FillRow(const std::vector<int64_t>& docs, int j, int64_t& s
       mb.mask[at] = 1;
       mb.sample_ids[at] = sample;
       mb.positions[at] = static_cast<int32_t>(t);
-      // Stream 0 (the main one), then MTP depth d's stream d (§15.1).
+      // Stream 0 (the main one), then streams 1 .. S - 1.
       mb.tokens[at] = StreamInput(doc, 0, t);
       mb.labels[at] = StreamLabel(doc, 0, t);
       mb.sample_valid[at] = StreamValidTokens(length, 0);
-      for (int d = 1; d <= mtp_depth_; ++d) {
-        mb.mtp_tokens[d - 1][at] = StreamInput(doc, d, t);
-        mb.mtp_labels[d - 1][at] = StreamLabel(doc, d, t);
-        mb.mtp_sample_valid[d - 1][at] = StreamValidTokens(length, d);
+      for (int s = 1; s < streams_; ++s) {
+        MicroBatch::Stream& stream = mb.extra_streams[s - 1];
+        stream.tokens[at] = StreamInput(doc, s, t);
+        stream.labels[at] = StreamLabel(doc, s, t);
+        stream.sample_valid[at] = StreamValidTokens(length, s);
       }
     }
   }

@@ -4,7 +4,7 @@
 // One rank's micro-batches of the global packed-sequence stream: corpus
 // (data/corpus.h) -> packer (data/packer.h, which documents fill global sequence i) ->
 // shard (data/shard.h, which positions of a sequence this rank holds under SP and CP),
-// each position carrying every label stream (data/streams.h: the main one and MTP's depths).
+// each position carrying every label stream (data/streams.h: the main one and the others).
 //
 // Step s consumes the global sequences [s B, (s + 1) B), B = data ranks x grad_acc x
 // micro_batch (DataPlace::data_ranks), sequence GlobalSequenceIndex(s, m, r, j, ...) being row j of
@@ -59,16 +59,19 @@ struct MicroBatch {
   std::vector<int64_t> sequence_ids;
   // The documents packed into each sequence, in order (for tests and dumps).
   std::vector<std::vector<int64_t>> doc_ids;
-  // Multi-token prediction (SEMANTICS.md §15.1): label stream j (data/streams.h) for each
-  // depth j = 1 .. k (index j - 1) when the loader has k > 0 (SetMtpDepth), for each local
+  // Label streams 1 .. S - 1 (data/streams.h), at index s - 1, when the loader gives S > 1
+  // (SetLabelStreams); tokens, labels and sample_valid above are stream 0. For each local
   // token t, rolled on the WHOLE sequence so that no rank of an SP or CP group needs
-  // another's tokens: the input token x_j[t] = token[t + j] when t + j is in t's document,
-  // else 0; the label y_j[t] = label[t + j] under the same condition, else kIgnoreIndex; and
-  // n_s of depth j (the valid depth-j labels of t's whole document, doc length - 1 - j, at
-  // least 0; 0 for padding). tokens, labels and sample_valid above are stream 0.
-  std::vector<std::vector<int32_t>> mtp_tokens;
-  std::vector<std::vector<int32_t>> mtp_labels;
-  std::vector<std::vector<int64_t>> mtp_sample_valid;
+  // another's tokens: the input token x_s[t] = token[t + s] when t + s is in t's document,
+  // else 0; the label y_s[t] = label[t + s] under the same condition, else kIgnoreIndex; and
+  // n_s of stream s (the valid stream-s labels of t's whole document, doc length - 1 - s, at
+  // least 0; 0 for padding).
+  struct Stream {
+    std::vector<int32_t> tokens;
+    std::vector<int32_t> labels;
+    std::vector<int64_t> sample_valid;
+  };
+  std::vector<Stream> extra_streams;
 
   int64_t valid_tokens() const;   // labels != kIgnoreIndex
   int64_t routed_tokens() const;  // mask == 1
@@ -104,9 +107,10 @@ class RankDataLoader {
   DataPosition position() const { return packer_.position(); }
   absl::Status Seek(const DataPosition& position);
 
-  // Multi-token prediction: NextStep also gives each micro-batch k depths' rolled inputs and
-  // labels (MicroBatch::mtp_*). 0 (the default): none. InvalidArgument for k < 0.
-  absl::Status SetMtpDepth(int k);
+  // The label streams NextStep gives each micro-batch: stream 0 and S - 1 more, each with its
+  // rolled inputs and labels (MicroBatch::extra_streams). 1 (the default): stream 0 only.
+  // InvalidArgument for S < 1.
+  absl::Status SetLabelStreams(int streams);
 
  private:
   RankDataLoader(SequencePacker packer, SequenceShard shard)
@@ -121,7 +125,7 @@ class RankDataLoader {
   SequenceShard shard_;       // this rank's positions of each sequence
   int rank_ = 0, world_ = 1;  // the data rank and the number of them (DataPlace)
   int micro_batch_ = 0;
-  int mtp_depth_ = 0;
+  int streams_ = 1;
 };
 
 }  // namespace gradsum::data

@@ -290,7 +290,7 @@ TEST(RankDataLoaderTest, SecondOrderPackedLabelsSitAtTheContextFloor) {
 // the main ones j further on inside the same document of the same sequence (else 0 and
 // ignored), and n_s is the document's depth-j valid count; under CP 4 x SP 2 every rank
 // holds exactly the unsplit loader's values at its positions (no rank needs another's).
-TEST(RankDataLoaderTest, MtpDepthsAreRolledOnWholeSequences) {
+TEST(RankDataLoaderTest, LabelStreamsAreRolledOnWholeSequences) {
   const DataConfig config = SmallConfig();  // seq_len 32
   auto corpus = MakeCorpus(config);
   ASSERT_TRUE(corpus.ok());
@@ -298,11 +298,11 @@ TEST(RankDataLoaderTest, MtpDepthsAreRolledOnWholeSequences) {
   for (int data_rank = 0; data_rank < 2; ++data_rank) {
     auto whole = RankDataLoader::Create(*corpus, config, data_rank, 2);
     ASSERT_TRUE(whole.ok());
-    ASSERT_TRUE(whole->SetMtpDepth(K).ok());
+    ASSERT_TRUE(whole->SetLabelStreams(K + 1).ok());
     const std::vector<MicroBatch> want = whole->NextStep(2);
     int64_t cut = 0;  // labels a roll left ignored inside a document's last positions
     for (const MicroBatch& mb : want) {
-      ASSERT_EQ(mb.mtp_tokens.size(), static_cast<size_t>(K));
+      ASSERT_EQ(mb.extra_streams.size(), static_cast<size_t>(K));
       const int64_t n = static_cast<int64_t>(mb.tokens.size());
       for (int d = 1; d <= K; ++d) {
         std::map<int64_t, int64_t> doc_valid;  // by sample id
@@ -310,14 +310,16 @@ TEST(RankDataLoaderTest, MtpDepthsAreRolledOnWholeSequences) {
           const int64_t u = t + d;
           const bool inside =
               mb.mask[t] == 1 && u < n && u / L == t / L && mb.sample_ids[u] == mb.sample_ids[t];
-          EXPECT_EQ(mb.mtp_tokens[d - 1][t], inside ? mb.tokens[u] : 0) << d << " " << t;
-          EXPECT_EQ(mb.mtp_labels[d - 1][t], inside ? mb.labels[u] : kIgnoreIndex) << d << " " << t;
-          if (mb.mtp_labels[d - 1][t] != kIgnoreIndex) ++doc_valid[mb.sample_ids[t]];
-          cut += mb.labels[t] != kIgnoreIndex && mb.mtp_labels[d - 1][t] == kIgnoreIndex;
+          EXPECT_EQ(mb.extra_streams[d - 1].tokens[t], inside ? mb.tokens[u] : 0) << d << " " << t;
+          EXPECT_EQ(mb.extra_streams[d - 1].labels[t], inside ? mb.labels[u] : kIgnoreIndex)
+              << d << " " << t;
+          if (mb.extra_streams[d - 1].labels[t] != kIgnoreIndex) ++doc_valid[mb.sample_ids[t]];
+          cut += mb.labels[t] != kIgnoreIndex && mb.extra_streams[d - 1].labels[t] == kIgnoreIndex;
         }
         for (int64_t t = 0; t < n; ++t) {
           if (mb.mask[t] == 0) continue;
-          EXPECT_EQ(mb.mtp_sample_valid[d - 1][t], doc_valid[mb.sample_ids[t]]) << d << " " << t;
+          EXPECT_EQ(mb.extra_streams[d - 1].sample_valid[t], doc_valid[mb.sample_ids[t]])
+              << d << " " << t;
         }
       }
     }
@@ -326,7 +328,7 @@ TEST(RankDataLoaderTest, MtpDepthsAreRolledOnWholeSequences) {
       const int r = data_rank * sp * cp + k, i = k / sp, half = k % sp;
       auto loader = LoaderAt(*corpus, config, r, world, sp, cp);
       ASSERT_TRUE(loader.ok()) << loader.status();
-      ASSERT_TRUE(loader->SetMtpDepth(K).ok());
+      ASSERT_TRUE(loader->SetLabelStreams(K + 1).ok());
       const std::vector<MicroBatch> got = loader->NextStep(2);
       for (int m = 0; m < 2; ++m) {
         for (int j = 0; j < config.micro_batch(); ++j) {
@@ -337,20 +339,21 @@ TEST(RankDataLoaderTest, MtpDepthsAreRolledOnWholeSequences) {
             const size_t ref = static_cast<size_t>(j) * L + pos;
             for (int d = 0; d < K; ++d) {
               SCOPED_TRACE(absl::StrCat("rank ", r, " m ", m, " row ", j, " pos ", pos, " d ", d));
-              EXPECT_EQ(got[m].mtp_tokens[d][at], want[m].mtp_tokens[d][ref]);
-              EXPECT_EQ(got[m].mtp_labels[d][at], want[m].mtp_labels[d][ref]);
-              EXPECT_EQ(got[m].mtp_sample_valid[d][at], want[m].mtp_sample_valid[d][ref]);
+              EXPECT_EQ(got[m].extra_streams[d].tokens[at], want[m].extra_streams[d].tokens[ref]);
+              EXPECT_EQ(got[m].extra_streams[d].labels[at], want[m].extra_streams[d].labels[ref]);
+              EXPECT_EQ(got[m].extra_streams[d].sample_valid[at],
+                        want[m].extra_streams[d].sample_valid[ref]);
             }
           }
         }
       }
     }
   }
-  // Depth 0 (the default) adds nothing; a negative depth is named.
+  // One stream (the default) adds nothing; fewer than one is named.
   auto plain = RankDataLoader::Create(*corpus, config, 0, 2);
   ASSERT_TRUE(plain.ok());
-  EXPECT_TRUE(plain->NextStep(1)[0].mtp_tokens.empty());
-  EXPECT_EQ(plain->SetMtpDepth(-1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(plain->NextStep(1)[0].extra_streams.empty());
+  EXPECT_EQ(plain->SetLabelStreams(0).code(), absl::StatusCode::kInvalidArgument);
 }
 
 // Context parallelism (SEMANTICS.md §16), crossed with SP: in world 16 with sp 2 and cp

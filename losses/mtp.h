@@ -17,8 +17,9 @@
 // split (MtpLabels), so a rank's slice needs no communication; pass each rank its slice
 // with the whole document's sample sizes as for CE. A caller whose labels come already
 // rolled (the loader's label streams, data/streams.h) passes them to ComputeStepStats as
-// MicroBatchTokens::mtp_streams instead, so every D_j joins the step's one statistics
-// all-reduce (losses/step_stats.h), and fills an MtpStats from its result.
+// MicroBatchTokens::extra_streams instead, so every D_j joins the step's one statistics
+// all-reduce (losses/step_stats.h); the trainer does so, and the model's MTP block
+// (model/mtp.h) reads each depth's D_j and weights from that StepStats (no MtpStats).
 
 #include <cstdint>
 #include <vector>

@@ -45,16 +45,16 @@ absl::Status CheckMicroBatch(const MicroBatchTokens& mb, size_t m, const StepSta
           " (SEMANTICS.md §1)"));
     }
   }
-  if (static_cast<int>(mb.mtp_streams.size()) != opt.mtp_depth) {
+  if (static_cast<int>(mb.extra_streams.size()) != opt.extra_streams) {
     return absl::InvalidArgumentError(
-        absl::StrCat("step stats: micro-batch ", m, " holds ", mb.mtp_streams.size(),
-                     " MTP label streams, not mtp_depth ", opt.mtp_depth));
+        absl::StrCat("step stats: micro-batch ", m, " holds ", mb.extra_streams.size(),
+                     " extra label streams, not extra_streams ", opt.extra_streams));
   }
-  for (size_t j = 0; j < mb.mtp_streams.size(); ++j) {
-    if (mb.mtp_streams[j].labels.size() != t) {
+  for (size_t j = 0; j < mb.extra_streams.size(); ++j) {
+    if (mb.extra_streams[j].labels.size() != t) {
       return absl::InvalidArgumentError(
-          absl::StrCat("step stats: micro-batch ", m, " MTP depth ", j + 1, " has ",
-                       mb.mtp_streams[j].labels.size(), " labels for ", t, " tokens"));
+          absl::StrCat("step stats: micro-batch ", m, " label stream ", j + 1, " has ",
+                       mb.extra_streams[j].labels.size(), " labels for ", t, " tokens"));
     }
   }
   return absl::OkStatus();
@@ -68,18 +68,19 @@ absl::StatusOr<StepStats> ComputeStepStats(Communicator& world,
   StepStats stats;
   stats.mode = options.mode;
   stats.num_micro_batches = static_cast<int>(micro_batches.size());
-  const int k = std::max(options.mtp_depth, 0);
-  stats.global_mtp_weight_sums.assign(k, 0.0);
-  stats.local_mtp_weight_sums.assign(k, 0.0);
-  stats.mtp_token_weights.assign(k, {});
+  const int k = std::max(options.extra_streams, 0);
+  stats.global_stream_weight_sums.assign(k, 0.0);
+  stats.local_stream_weight_sums.assign(k, 0.0);
+  stats.stream_token_weights.assign(k, {});
   // Local work first; a local error still joins the all-reduce (as a failed-rank count)
   // so that the other ranks fail with it instead of waiting for a rank that left.
   absl::Status local_status =
       micro_batches.empty()
           ? absl::InvalidArgumentError("step stats: no micro-batches (G must be >= 1)")
-      : options.mtp_depth < 0 ? absl::InvalidArgumentError(absl::StrCat(
-                                    "step stats: mtp_depth ", options.mtp_depth, " must be >= 0"))
-                              : absl::OkStatus();
+      : options.extra_streams < 0
+          ? absl::InvalidArgumentError(
+                absl::StrCat("step stats: extra_streams ", options.extra_streams, " must be >= 0"))
+          : absl::OkStatus();
   for (size_t m = 0; m < micro_batches.size() && local_status.ok(); ++m) {
     const MicroBatchTokens& mb = micro_batches[m];
     local_status = CheckMicroBatch(mb, m, options);
@@ -96,20 +97,20 @@ absl::StatusOr<StepStats> ComputeStepStats(Communicator& world,
       if (mb.input_mask.empty() || mb.input_mask[t] == 1) ++stats.local_routed_tokens;
     }
     stats.token_weights.push_back(*std::move(w));
-    // MTP depth j's stream (§15.1): its own weights and D_j, summed token by token in
-    // micro-batch order like D.
+    // Label stream j: its own weights and D_j, summed token by token in micro-batch order
+    // like D.
     for (int j = 0; j < k && local_status.ok(); ++j) {
-      const LabelStreamTokens& stream = mb.mtp_streams[j];
+      const LabelStreamTokens& stream = mb.extra_streams[j];
       const std::vector<int64_t> y(stream.labels.begin(), stream.labels.end());
       absl::StatusOr<std::vector<float>> wj = ComputeTokenWeights(
           y, mb.sample_ids, options.mode, options.ignore_index, stream.sample_sizes);
       if (!wj.ok()) {
-        local_status = Annotate(wj.status(),
-                                absl::StrCat("step stats: micro-batch ", m, ", MTP depth ", j + 1));
+        local_status = Annotate(
+            wj.status(), absl::StrCat("step stats: micro-batch ", m, ", label stream ", j + 1));
         break;
       }
-      for (float v : *wj) stats.local_mtp_weight_sums[j] += static_cast<double>(v);
-      stats.mtp_token_weights[j].push_back(*std::move(wj));
+      for (float v : *wj) stats.local_stream_weight_sums[j] += static_cast<double>(v);
+      stats.stream_token_weights[j].push_back(*std::move(wj));
     }
   }
 
@@ -122,7 +123,7 @@ absl::StatusOr<StepStats> ComputeStepStats(Communicator& world,
     packed[kValid] = static_cast<double>(stats.local_valid_tokens);
     packed[kMicroBatches] = g;
     packed[kMicroBatchesSq] = g * g;
-    for (int j = 0; j < k; ++j) packed[kNumSlots + j] = stats.local_mtp_weight_sums[j];
+    for (int j = 0; j < k; ++j) packed[kNumSlots + j] = stats.local_stream_weight_sums[j];
   } else {
     packed[kFailedRanks] = 1.0;
   }
@@ -152,7 +153,7 @@ absl::StatusOr<StepStats> ComputeStepStats(Communicator& world,
   stats.global_ce_weight_sum = packed[kWeightSum];
   stats.global_routed_tokens = static_cast<int64_t>(packed[kRouted]);
   stats.global_valid_tokens = static_cast<int64_t>(packed[kValid]);
-  for (int j = 0; j < k; ++j) stats.global_mtp_weight_sums[j] = packed[kNumSlots + j];
+  for (int j = 0; j < k; ++j) stats.global_stream_weight_sums[j] = packed[kNumSlots + j];
   return stats;
 }
 

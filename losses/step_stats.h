@@ -16,9 +16,10 @@
 //   // micro-batch m: CrossEntropyForwardBackward(z, labels_m, stats.token_weights[m],
 //   //                                           stats.global_ce_weight_sum, dz);
 //
-// With multi-token prediction (§15.1) each micro-batch also carries k further label streams
-// (MicroBatchTokens::mtp_streams, depth j at index j - 1; StepStatsOptions::mtp_depth = k),
-// and the same all-reduce gives every depth's normaliser D_j beside D.
+// A micro-batch may carry label streams beyond the main one (data/streams.h: stream j
+// predicts the token j + 1 ahead; MicroBatchTokens::extra_streams, stream j at index j - 1,
+// StepStatsOptions::extra_streams of them), and the same all-reduce gives every stream's
+// normaliser D_j beside D.
 //
 // During forward, per micro-batch and MoE layer, the global expert-count vector c[l, m, :]
 // (§5) is all-reduced asynchronously: start it right after the router, wait before the
@@ -70,17 +71,17 @@ struct MicroBatchTokens {
   // also where the document spans the ranks of a sequence-parallel group, §12). Empty: n_s
   // is counted here from sample_ids.
   absl::Span<const int64_t> sample_sizes;
-  // MTP: StepStatsOptions::mtp_depth label streams, depth j at index j - 1, weighted with
-  // this micro-batch's sample_ids in the options' mode.
-  std::vector<LabelStreamTokens> mtp_streams;
+  // Label streams 1 .. StepStatsOptions::extra_streams, stream j at index j - 1, weighted
+  // with this micro-batch's sample_ids in the options' mode.
+  std::vector<LabelStreamTokens> extra_streams;
 };
 
 struct StepStatsOptions {
   CeWeightMode mode = CeWeightMode::kToken;
   int64_t ignore_index = data::kIgnoreIndex;
-  // k: the MTP label streams each micro-batch holds (0: none). The same on every rank, since
-  // it sizes the all-reduce.
-  int mtp_depth = 0;
+  // The label streams beyond the main one that each micro-batch holds (0: none). The same on
+  // every rank, since it sizes the all-reduce.
+  int extra_streams = 0;
 };
 
 struct StepStats {
@@ -99,11 +100,11 @@ struct StepStats {
   int64_t local_valid_tokens = 0;
   // token_weights[m][t] = w_t of token t of micro-batch m (fp32; D sums exactly these).
   std::vector<std::vector<float>> token_weights;
-  // MTP (mtp_depth k > 0), per depth j at index j - 1: D_j over all ranks and micro-batches,
-  // this rank's share, and mtp_token_weights[j - 1][m][t], the weights D_j sums.
-  std::vector<double> global_mtp_weight_sums;
-  std::vector<double> local_mtp_weight_sums;
-  std::vector<std::vector<std::vector<float>>> mtp_token_weights;
+  // Per extra label stream j at index j - 1: D_j over all ranks and micro-batches, this
+  // rank's share, and stream_token_weights[j - 1][m][t], the weights D_j sums.
+  std::vector<double> global_stream_weight_sums;
+  std::vector<double> local_stream_weight_sums;
+  std::vector<std::vector<std::vector<float>>> stream_token_weights;
 };
 
 // Computes this rank's weights and counts and runs ONE SUM all-reduce over `world` (a
@@ -112,8 +113,8 @@ struct StepStats {
 // Errors, returned on every rank together (the all-reduce still runs, so no rank is left
 // waiting): InvalidArgument on the rank whose input is bad (no micro-batches; label/mask/
 // sample-id sizes differ; a mask value other than 0/1; a padding token whose label is not
-// ignore_index; sample ids missing for sample/square mode; mtp_depth < 0 or a micro-batch
-// with another number of MTP streams, or a stream of another length), FailedPrecondition on the
+// ignore_index; sample ids missing for sample/square mode; extra_streams < 0 or a micro-batch
+// with another number of extra streams, or a stream of another length), FailedPrecondition on the
 // others; FailedPrecondition on all ranks if they disagree on G; OutOfRange if a global
 // count reaches 2^53; the communicator's error if the all-reduce fails.
 absl::StatusOr<StepStats> ComputeStepStats(Communicator& world,

@@ -115,7 +115,7 @@ TEST(StepStatsTest, GlobalSumsMatchSingleProcessOnEveryRank) {
 // MTP's label streams (§15.1) ride in the same all-reduce: each D_j is the reference D of
 // that stream's labels, and D, N and the main weights are exactly those of a call without
 // streams. Stream j here is the main labels j further on inside the sample.
-TEST(StepStatsTest, MtpStreamsGiveEachDepthItsOwnD) {
+TEST(StepStatsTest, ExtraStreamsGiveEachStreamItsOwnD) {
   const int world = 3, g = 2, k = 2;
   for (CeWeightMode mode : {CeWeightMode::kToken, CeWeightMode::kSample, CeWeightMode::kSquare}) {
     std::vector<std::vector<Batch>> batches(world);
@@ -147,12 +147,12 @@ TEST(StepStatsTest, MtpStreamsGiveEachDepthItsOwnD) {
       for (int m = 0; m < g; ++m) {
         plain.push_back(batches[r][m].View());
         mtp.push_back(batches[r][m].View());
-        for (int j = 0; j < k; ++j) mtp.back().mtp_streams.push_back({streams[j][r][m], {}});
+        for (int j = 0; j < k; ++j) mtp.back().extra_streams.push_back({streams[j][r][m], {}});
       }
       StepStatsOptions opt;
       opt.mode = mode;
       GRADSUM_ASSIGN_OR_RETURN(without[r], ComputeStepStats(comm, plain, opt));
-      opt.mtp_depth = k;
+      opt.extra_streams = k;
       GRADSUM_ASSIGN_OR_RETURN(with[r], ComputeStepStats(comm, mtp, opt));
       return absl::OkStatus();
     });
@@ -163,42 +163,43 @@ TEST(StepStatsTest, MtpStreamsGiveEachDepthItsOwnD) {
       EXPECT_EQ(with[r].global_routed_tokens, without[r].global_routed_tokens);
       EXPECT_EQ(with[r].global_valid_tokens, without[r].global_valid_tokens);
       EXPECT_EQ(with[r].token_weights, without[r].token_weights);
-      EXPECT_TRUE(without[r].global_mtp_weight_sums.empty());
-      ASSERT_EQ(with[r].global_mtp_weight_sums.size(), static_cast<size_t>(k));
-      ASSERT_EQ(with[r].mtp_token_weights.size(), static_cast<size_t>(k));
+      EXPECT_TRUE(without[r].global_stream_weight_sums.empty());
+      ASSERT_EQ(with[r].global_stream_weight_sums.size(), static_cast<size_t>(k));
+      ASSERT_EQ(with[r].stream_token_weights.size(), static_cast<size_t>(k));
       for (int j = 0; j < k; ++j) {
         const double ref = ReferenceD(stream_batches[j], mode);
-        EXPECT_NEAR(with[r].global_mtp_weight_sums[j], ref, 1e-6 * ref) << "depth " << j + 1;
-        EXPECT_EQ(with[r].global_mtp_weight_sums[j], with[0].global_mtp_weight_sums[j]);
+        EXPECT_NEAR(with[r].global_stream_weight_sums[j], ref, 1e-6 * ref) << "depth " << j + 1;
+        EXPECT_EQ(with[r].global_stream_weight_sums[j], with[0].global_stream_weight_sums[j]);
         double local = 0;
-        ASSERT_EQ(with[r].mtp_token_weights[j].size(), static_cast<size_t>(g));
-        for (const std::vector<float>& w : with[r].mtp_token_weights[j]) {
+        ASSERT_EQ(with[r].stream_token_weights[j].size(), static_cast<size_t>(g));
+        for (const std::vector<float>& w : with[r].stream_token_weights[j]) {
           for (float x : w) local += x;
         }
-        EXPECT_EQ(with[r].local_mtp_weight_sums[j], local);
+        EXPECT_EQ(with[r].local_stream_weight_sums[j], local);
       }
     }
   }
 }
 
-// A rank whose micro-batch holds another number of MTP streams than mtp_depth is named; the
+// A rank whose micro-batch holds another number of extra streams than extra_streams is named; the
 // others fail with it instead of waiting.
-TEST(StepStatsTest, MtpStreamCountIsChecked) {
+TEST(StepStatsTest, ExtraStreamCountIsChecked) {
   std::vector<absl::Status> status(2);
   RunRanks(2, [&](Communicator& comm) -> absl::Status {
     const std::vector<int64_t> labels = {1, 2, -100};
     const std::vector<int32_t> depth1 = {2, -100, -100};
     MicroBatchTokens mb{labels, {}, {}};
-    mb.mtp_streams.push_back({depth1, {}});
-    if (comm.rank() == 1) mb.mtp_streams.push_back({depth1, {}});
+    mb.extra_streams.push_back({depth1, {}});
+    if (comm.rank() == 1) mb.extra_streams.push_back({depth1, {}});
     StepStatsOptions opt;
-    opt.mtp_depth = 1;
+    opt.extra_streams = 1;
     status[comm.rank()] = ComputeStepStats(comm, {&mb, 1}, opt).status();
     return absl::OkStatus();
   }).IgnoreError();
   EXPECT_EQ(status[0].code(), absl::StatusCode::kFailedPrecondition) << status[0];
   EXPECT_EQ(status[1].code(), absl::StatusCode::kInvalidArgument) << status[1];
-  EXPECT_THAT(std::string(status[1].message()), HasSubstr("2 MTP label streams, not mtp_depth 1"));
+  EXPECT_THAT(std::string(status[1].message()),
+              HasSubstr("2 extra label streams, not extra_streams 1"));
 }
 
 TEST(StepStatsTest, AllIgnoredStepHasZeroD) {

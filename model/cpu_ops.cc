@@ -93,10 +93,10 @@ class CpuOps : public MoeBlockOps {
         mesh_(&mesh),
         num_threads_(options.num_threads),
         moe_kernels_(mesh.ep_group(), mesh.world(), MoeLayerConfigOf(config_),
-                     {.alpha_z = config_.alpha_z, .alpha_b = config_.alpha_b},
-                     config_.layers + config_.mtp_depth) {
+                     {.alpha_z = config_.alpha_z, .alpha_b = config_.alpha_b}, spec.moe_layers()) {
     const MoeLmConfig& m = config_;
-    InitMoeBlock(&moe_kernels_, m);
+    InitMoeBlock(&moe_kernels_, spec);
+    extra_streams_ = spec.label_streams() - 1;
     const HeadLayout heads = HeadLayoutOf(m, /*sp=*/1);
     head_dim_ = heads.head_dim;
     group_ = heads.group;
@@ -115,8 +115,13 @@ class CpuOps : public MoeBlockOps {
     in_ = in;
     if (config_.attention) GRADSUM_RETURN_IF_ERROR(BeginAttention());
     labels_.assign(in.labels.begin(), in.labels.end());
-    const int k = in.forward_only ? 0 : config_.mtp_depth;
-    GRADSUM_RETURN_IF_ERROR(CheckMtpInputs(in, k));
+    const int k = in.forward_only ? 0 : extra_streams_;
+    GRADSUM_RETURN_IF_ERROR(CheckStreamInputs(in, k));
+    stream_labels_.resize(k);
+    for (int j = 0; j < k; ++j) {
+      stream_labels_[j].assign(in.extra_streams[j].labels.begin(),
+                               in.extra_streams[j].labels.end());
+    }
     moe_kernels_.BeginMicroBatch({.rows = in.rows,
                                   .row_block = in.row_block,
                                   .mask = in.mask,
@@ -124,8 +129,8 @@ class CpuOps : public MoeBlockOps {
                                   .num_micro_batches = in.num_micro_batches});
     moe_block().BeginMicroBatch();
     terms_ = MicroBatchLossTerms();
-    terms_.mtp.assign(k, 0.0);
-    terms_.mtp_terms.assign(k, {});
+    terms_.extra_ce.assign(k, 0.0);
+    terms_.extra_ce_terms.assign(k, {});
     return absl::OkStatus();
   }
 
@@ -134,42 +139,26 @@ class CpuOps : public MoeBlockOps {
     return absl::OkStatus();
   }
 
-  absl::Status EmbeddingForward(const float* emb, float* h) override {
-    return Embed(in_.tokens, emb, h);
+  absl::Status EmbeddingForward(int stream, const float* emb, float* h) override {
+    GRADSUM_ASSIGN_OR_RETURN(const absl::Span<const int32_t> tokens, StreamTokens(stream));
+    return Embed(tokens, emb, h);
   }
 
-  absl::Status EmbeddingBackward(const float* dh, GradTarget demb) override {
-    return EmbedBackward(in_.tokens, dh, std::move(demb));
+  absl::Status EmbeddingBackward(int stream, const float* dh, GradTarget demb) override {
+    GRADSUM_ASSIGN_OR_RETURN(const absl::Span<const int32_t> tokens, StreamTokens(stream));
+    return EmbedBackward(tokens, dh, std::move(demb));
   }
 
-  bool CanMtp() const override { return true; }
-
-  absl::Status MtpEmbeddingForward(int depth, const float* emb, float* h) override {
-    GRADSUM_RETURN_IF_ERROR(CheckDepth(depth));
-    return Embed(in_.mtp_tokens[depth - 1], emb, h);
+  // Label stream `stream`'s input tokens (InvalidArgument for a stream the micro-batch has not).
+  absl::StatusOr<absl::Span<const int32_t>> StreamTokens(int stream) const {
+    GRADSUM_RETURN_IF_ERROR(CheckStream(stream));
+    return stream == 0 ? in_.tokens : in_.extra_streams[stream - 1].tokens;
   }
 
-  absl::Status MtpEmbeddingBackward(int depth, const float* dh, GradTarget demb) override {
-    GRADSUM_RETURN_IF_ERROR(CheckDepth(depth));
-    return EmbedBackward(in_.mtp_tokens[depth - 1], dh, std::move(demb));
-  }
-
-  absl::Status MtpLmHeadCrossEntropy(int depth, const float* f, const float* w_out, float* grad_f,
-                                     GradTarget grad_out) override {
-    GRADSUM_RETURN_IF_ERROR(CheckDepth(depth));
-    const absl::Span<const float> weights =
-        in_.mtp_ce_weights.empty() ? absl::Span<const float>() : in_.mtp_ce_weights[depth - 1];
-    // The depth's output z-loss stays in its mtp_<j> term (§15.1: the depth's head objective).
-    return HeadCrossEntropy(f, w_out, grad_f, std::move(grad_out), in_.mtp_labels[depth - 1],
-                            weights, in_.mtp_ce_normaliser[depth - 1], &terms_.mtp[depth - 1],
-                            &terms_.mtp_terms[depth - 1], /*z_out=*/nullptr,
-                            /*z_out_blocks=*/nullptr);
-  }
-
-  absl::Status CheckDepth(int depth) const {
-    if (depth < 1 || depth > static_cast<int>(in_.mtp_tokens.size())) {
+  absl::Status CheckStream(int stream) const {
+    if (stream < 0 || stream > static_cast<int>(in_.extra_streams.size())) {
       return absl::InvalidArgumentError(
-          absl::StrCat("MTP depth ", depth, " is not in [1, ", in_.mtp_tokens.size(), "]"));
+          absl::StrCat("label stream ", stream, " is not in [0, ", in_.extra_streams.size(), "]"));
     }
     return absl::OkStatus();
   }
@@ -240,11 +229,20 @@ class CpuOps : public MoeBlockOps {
         });
   }
 
-  absl::Status LmHeadCrossEntropy(const float* f, const float* w_out, float* grad_f,
+  absl::Status LmHeadCrossEntropy(int stream, const float* f, const float* w_out, float* grad_f,
                                   GradTarget grad_out) override {
-    return HeadCrossEntropy(f, w_out, grad_f, std::move(grad_out), labels_, in_.ce_weights,
-                            in_.global_ce_weight_sum, &terms_.ce, &terms_.ce_terms, &terms_.z_out,
-                            &terms_.z_out_terms);
+    GRADSUM_RETURN_IF_ERROR(CheckStream(stream));
+    if (stream == 0) {
+      return HeadCrossEntropy(f, w_out, grad_f, std::move(grad_out), labels_, in_.ce_weights,
+                              in_.global_ce_weight_sum, &terms_.ce, &terms_.ce_terms, &terms_.z_out,
+                              &terms_.z_out_terms);
+    }
+    // A further stream's output z-loss stays in its own term (its head's whole objective).
+    const MicroBatchInputs::Stream& s = in_.extra_streams[stream - 1];
+    return HeadCrossEntropy(f, w_out, grad_f, std::move(grad_out), stream_labels_[stream - 1],
+                            s.ce_weights, s.ce_normaliser, &terms_.extra_ce[stream - 1],
+                            &terms_.extra_ce_terms[stream - 1], /*z_out=*/nullptr,
+                            /*z_out_blocks=*/nullptr);
   }
 
   // Forward only: logits = f @ w_out a block of rows at a time (a row block with row blocks,
@@ -516,7 +514,9 @@ class CpuOps : public MoeBlockOps {
       terms_.ce_terms = {terms_.ce};
       terms_.z_terms = {terms_.z};
       terms_.bal_terms = {terms_.bal};
-      for (size_t j = 0; j < terms_.mtp.size(); ++j) terms_.mtp_terms[j] = {terms_.mtp[j]};
+      for (size_t j = 0; j < terms_.extra_ce.size(); ++j) {
+        terms_.extra_ce_terms[j] = {terms_.extra_ce[j]};
+      }
       if (config_.ce.alpha_lse > 0.0) terms_.z_out_terms = {terms_.z_out};
     }
     return std::move(terms_);
@@ -574,9 +574,11 @@ class CpuOps : public MoeBlockOps {
   int num_threads_ = 1;
   // The MoE layers' compute (their order: MoeBlockOps).
   moe::MoeLayersCpu moe_kernels_;
+  int extra_streams_ = 0;  // MoeLmSpec::label_streams() - 1
   // The micro-batch.
   MicroBatchInputs in_;
   std::vector<int64_t> labels_;
+  std::vector<std::vector<int64_t>> stream_labels_;  // the extra streams' labels, widened
   MicroBatchLossTerms terms_;
   // Attention: the head layout and the micro-batch's RoPE tables [T, head_dim / 2].
   int64_t head_dim_ = 0;

@@ -39,10 +39,10 @@ class MoeBlockOps : public ModelOps {
   }
 
  protected:
-  // The model's L + mtp_depth MoE layers run on `kernels` (not owned; the derived ops'
-  // member, so it outlives the block).
-  void InitMoeBlock(moe::MoeLayerKernels* kernels, const MoeLmConfig& m) {
-    block_.emplace(kernels, m.layers + m.mtp_depth);
+  // The spec's MoE layers (MoeLmSpec::moe_layers: the main ones, then the extra blocks')
+  // run on `kernels` (not owned; the derived ops' member, so it outlives the block).
+  void InitMoeBlock(moe::MoeLayerKernels* kernels, const MoeLmSpec& spec) {
+    block_.emplace(kernels, spec.moe_layers());
   }
   moe::MoeBlock& moe_block() { return *block_; }
 

@@ -68,11 +68,6 @@ absl::StatusOr<std::unique_ptr<MoeLmModel>> MoeLmModel::Create(
         "recompute=full: this device's ops cannot re-run a MoE layer's forward from its kept "
         "routing (the CUDA ops cannot yet); use recompute=selective or none");
   }
-  if (spec.config().mtp_depth > 0 && !ops->CanMtp()) {
-    return absl::UnimplementedError(absl::StrCat(
-        "mtp_depth=", spec.config().mtp_depth,
-        ": this device's ops cannot run multi-token prediction (the CUDA ops cannot yet)"));
-  }
   GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<ParallelAttention> parallel_attention,
                            ParallelAttention::Create(spec.config(), ops.get(), attention));
   auto model = std::unique_ptr<MoeLmModel>(new MoeLmModel());
@@ -81,6 +76,7 @@ absl::StatusOr<std::unique_ptr<MoeLmModel>> MoeLmModel::Create(
   model->params_ = params;
   model->ops_ = std::move(ops);
   model->recompute_ = recompute;
+  model->mtp_ = MtpBlock(&model->spec_, model->ops_.get(), model->params_);
   if (spec.config().expert_bias_speed > 0) {
     model->expert_bias_.assign(spec.config().layers,
                                std::vector<float>(spec.config().experts, 0.0f));
@@ -142,10 +138,7 @@ absl::Status MoeLmModel::RegisterDisplayTerms(const MoeLmConfig& config,
                                               losses::StepDisplay* display) {
   for (const char* term : {"ce", "z", "bal"}) GRADSUM_RETURN_IF_ERROR(display->RegisterTerm(term));
   if (config.ce.alpha_lse > 0.0) GRADSUM_RETURN_IF_ERROR(display->RegisterTerm("z_out"));
-  for (int j = 1; j <= config.mtp_depth; ++j) {
-    GRADSUM_RETURN_IF_ERROR(display->RegisterTerm(absl::StrCat("mtp_", j)));
-  }
-  return absl::OkStatus();
+  return MtpBlock::RegisterDisplayTerms(config, display);
 }
 
 absl::Status MoeLmModel::EnsureActivations(int64_t T) {
@@ -170,11 +163,7 @@ absl::Status MoeLmModel::EnsureActivations(int64_t T) {
       for (const Array* a : {&x.qh, &x.kh, &x.vh, &x.oh, &x.lse, &x.o, &x.m}) add(*a);
     }
     for (const NormActs& x : attn_norm_) add(x.b), add(x.inv_rms);
-    for (const MtpActs& x : mtp_) {
-      for (const Array* a : {&x.e, &x.nh, &x.rh, &x.ne, &x.re, &x.in, &x.out, &x.dout, &x.de}) {
-        add(*a);
-      }
-    }
+    floats += mtp_.floats();
     for (const Array* a : {&y_, &dh_, &da_, &f_, &inv_rms_f_, &grad_f_, &q_, &k_, &v_, &doh_, &dqh_,
                            &dkh_, &dvh_, &dkq_, &dvq_}) {
       add(*a);
@@ -196,15 +185,7 @@ absl::Status MoeLmModel::EnsureActivations(int64_t T) {
   }
   for (Array* a : {&y_, &dh_, &da_, &f_, &grad_f_}) GRADSUM_RETURN_IF_ERROR(alloc(*a, T * D));
   GRADSUM_RETURN_IF_ERROR(alloc(inv_rms_f_, T));
-  mtp_.clear();
-  mtp_.resize(m.mtp_depth);
-  for (MtpActs& x : mtp_) {
-    for (Array* a : {&x.e, &x.nh, &x.ne, &x.in, &x.out, &x.dout, &x.de}) {
-      GRADSUM_RETURN_IF_ERROR(alloc(*a, T * D));
-    }
-    GRADSUM_RETURN_IF_ERROR(alloc(x.rh, T));
-    GRADSUM_RETURN_IF_ERROR(alloc(x.re, T));
-  }
+  GRADSUM_RETURN_IF_ERROR(mtp_.Allocate(T));
   attn_.clear();
   attn_norm_.clear();
   if (m.attention) {
@@ -254,80 +235,45 @@ MoeWeights MoeLmModel::LayerWeights(int l) {
 
 float* MoeLmModel::LayerInput(int l) {
   const int L = spec_.config().layers;
-  return l < L ? h_[l]->data() : mtp_[l - L].in->data();
+  return l < L ? h_[l]->data() : mtp_.input(l - L + 1);
 }
 
 float* MoeLmModel::LayerOutput(int l) {
   const int L = spec_.config().layers;
-  return l < L ? h_[l + 1]->data() : mtp_[l - L].out->data();
+  return l < L ? h_[l + 1]->data() : mtp_.output(l - L + 1);
 }
 
 float* MoeLmModel::LayerGrad(int l) {
   const int L = spec_.config().layers;
-  return l < L ? dh_->data() : mtp_[l - L].dout->data();
+  return l < L ? dh_->data() : mtp_.grad(l - L + 1);
 }
 
-// h'_j = RMSNorm(h^{j-1}; g^h_j) M^h_j + RMSNorm(e_j; g^e_j) M^e_j, then its layer.
+// h'_j = MTP depth j's projection block, then its layer on it (h^j).
 absl::Status MoeLmModel::MtpForward(int j) {
-  const int64_t D = spec_.config().dim;
-  MtpActs& x = mtp_[j - 1];
-  const float* prev = j == 1 ? h_[spec_.config().layers]->data() : mtp_[j - 2].out->data();
-  GRADSUM_RETURN_IF_ERROR(
-      ops_->RmsNormForward(prev, params_->Values(spec_.mtp_hnorm(j)), x.nh->data(), x.rh->data()));
-  GRADSUM_RETURN_IF_ERROR(ops_->RmsNormForward(x.e->data(), params_->Values(spec_.mtp_enorm(j)),
-                                               x.ne->data(), x.re->data()));
-  GRADSUM_RETURN_IF_ERROR(
-      ops_->MatMul(x.nh->data(), params_->Values(spec_.mtp_proj_h(j)), D, D, x.in->data()));
-  GRADSUM_RETURN_IF_ERROR(
-      ops_->MatMul(x.ne->data(), params_->Values(spec_.mtp_proj_e(j)), D, D, y_->data()));
-  GRADSUM_RETURN_IF_ERROR(ops_->Add(x.in->data(), y_->data(), x.in->data(), rows_ * D));
+  GRADSUM_RETURN_IF_ERROR(mtp_.ProjectForward(j, h_[spec_.config().layers]->data(), y_->data()));
   const int l = spec_.mtp_layer(j);
   GRADSUM_RETURN_IF_ERROR(LayerForward(l));
   if (recompute_ == Recompute::kFull) ops_->ReleaseMoeActivations(l);
   return absl::OkStatus();
 }
 
-// dout holds dL/dh^j (its CE and depth j + 1's block); afterwards dL/dh^{j-1} has been
-// added into depth j - 1's dout (or dh_ for h_L), and de holds dL/de_j.
+// The depth's grad holds dL/dh^j (its CE and depth j + 1's block); afterwards dL/dh^{j-1}
+// has been added into depth j - 1's grad (or dh_ for h_L), and the block keeps dL/de_j.
 absl::Status MoeLmModel::MtpBackward(int j) {
-  const int64_t D = spec_.config().dim;
-  MtpActs& x = mtp_[j - 1];
   const int l = spec_.mtp_layer(j);
   if (recompute_ == Recompute::kFull) GRADSUM_RETURN_IF_ERROR(LayerRecompute(l));
   GRADSUM_RETURN_IF_ERROR(LayerBackward(l));
   if (recompute_ == Recompute::kFull) ops_->ReleaseMoeActivations(l);
-  // dout now holds dL/dh'_j. The embedding half: dL/dne into da, then its norm into de.
-  GRADSUM_ASSIGN_OR_RETURN(GradTarget dwe, params_->Grad(spec_.mtp_proj_e(j)));
-  GRADSUM_RETURN_IF_ERROR(ops_->MatMulBackward(x.ne->data(), params_->Values(spec_.mtp_proj_e(j)),
-                                               D, D, x.dout->data(), da_->data(),
-                                               /*accumulate_dx=*/false, std::move(dwe)));
-  GRADSUM_ASSIGN_OR_RETURN(GradTarget dge, params_->Grad(spec_.mtp_enorm(j)));
-  GRADSUM_RETURN_IF_ERROR(ops_->RmsNormBackward(x.e->data(), params_->Values(spec_.mtp_enorm(j)),
-                                                x.re->data(), da_->data(), x.de->data(),
-                                                /*accumulate_dx=*/false, std::move(dge)));
-  // The hidden half: dL/dnh into da, then its norm added into dL/dh^{j-1}.
-  GRADSUM_ASSIGN_OR_RETURN(GradTarget dwh, params_->Grad(spec_.mtp_proj_h(j)));
-  GRADSUM_RETURN_IF_ERROR(ops_->MatMulBackward(x.nh->data(), params_->Values(spec_.mtp_proj_h(j)),
-                                               D, D, x.dout->data(), da_->data(),
-                                               /*accumulate_dx=*/false, std::move(dwh)));
-  const bool first = j == 1;
-  const float* prev = first ? h_[spec_.config().layers]->data() : mtp_[j - 2].out->data();
-  float* dprev = first ? dh_->data() : mtp_[j - 2].dout->data();
-  GRADSUM_ASSIGN_OR_RETURN(GradTarget dgh, params_->Grad(spec_.mtp_hnorm(j)));
-  return ops_->RmsNormBackward(prev, params_->Values(spec_.mtp_hnorm(j)), x.rh->data(), da_->data(),
-                               dprev, /*accumulate_dx=*/true, std::move(dgh));
+  return mtp_.ProjectBackward(j, h_[spec_.config().layers]->data(), dh_->data(), da_->data());
 }
 
 absl::Status MoeLmModel::Forward(int stage) {
   const StageDef& s = spec_.stages()[stage];
   switch (s.kind) {
     case StageKind::kEmbedding:
-      GRADSUM_RETURN_IF_ERROR(ops_->EmbeddingForward(params_->Values(spec_.emb()), h_[0]->data()));
-      for (int j = 1; j <= spec_.config().mtp_depth; ++j) {
-        GRADSUM_RETURN_IF_ERROR(
-            ops_->MtpEmbeddingForward(j, params_->Values(spec_.emb()), mtp_[j - 1].e->data()));
-      }
-      return absl::OkStatus();
+      GRADSUM_RETURN_IF_ERROR(
+          ops_->EmbeddingForward(/*stream=*/0, params_->Values(spec_.emb()), h_[0]->data()));
+      return mtp_.EmbeddingForward();
     case StageKind::kLayer:
       GRADSUM_RETURN_IF_ERROR(LayerForward(s.layer));
       if (recompute_ == Recompute::kFull) ops_->ReleaseMoeActivations(s.layer);
@@ -345,13 +291,8 @@ absl::Status MoeLmModel::Backward(int stage) {
   switch (s.kind) {
     case StageKind::kEmbedding: {
       GRADSUM_ASSIGN_OR_RETURN(GradTarget demb, params_->Grad(spec_.emb()));
-      GRADSUM_RETURN_IF_ERROR(ops_->EmbeddingBackward(dh_->data(), std::move(demb)));
-      for (int j = 1; j <= spec_.config().mtp_depth; ++j) {
-        GRADSUM_ASSIGN_OR_RETURN(GradTarget demb_j, params_->Grad(spec_.emb()));
-        GRADSUM_RETURN_IF_ERROR(
-            ops_->MtpEmbeddingBackward(j, mtp_[j - 1].de->data(), std::move(demb_j)));
-      }
-      return absl::OkStatus();
+      GRADSUM_RETURN_IF_ERROR(ops_->EmbeddingBackward(/*stream=*/0, dh_->data(), std::move(demb)));
+      return mtp_.EmbeddingBackward();
     }
     case StageKind::kMtp:
       return MtpBackward(s.layer - spec_.config().layers + 1);
@@ -491,32 +432,19 @@ absl::Status MoeLmModel::HeadForwardBackward() {
   GRADSUM_RETURN_IF_ERROR(
       ops_->RmsNormForward(h_[L]->data(), gain, f_->data(), inv_rms_f_->data()));
   GRADSUM_ASSIGN_OR_RETURN(GradTarget grad_out, params_->Grad(spec_.out()));
-  GRADSUM_RETURN_IF_ERROR(ops_->LmHeadCrossEntropy(f_->data(), params_->Values(spec_.out()),
-                                                   grad_f_->data(), std::move(grad_out)));
+  GRADSUM_RETURN_IF_ERROR(ops_->LmHeadCrossEntropy(/*stream=*/0, f_->data(),
+                                                   params_->Values(spec_.out()), grad_f_->data(),
+                                                   std::move(grad_out)));
   GRADSUM_ASSIGN_OR_RETURN(GradTarget dgain, params_->Grad(spec_.final_norm()));
   GRADSUM_RETURN_IF_ERROR(ops_->RmsNormBackward(h_[L]->data(), gain, inv_rms_f_->data(),
                                                 grad_f_->data(), dh_->data(),
                                                 /*accumulate_dx=*/false, std::move(dgain)));
-  // MTP (§15.1): each h^j through the same final norm and head, with depth j's labels and
-  // normaliser; dL/dh^j starts depth j's dout.
-  for (int j = 1; j <= spec_.config().mtp_depth; ++j) {
-    MtpActs& x = mtp_[j - 1];
-    GRADSUM_RETURN_IF_ERROR(
-        ops_->RmsNormForward(x.out->data(), gain, f_->data(), inv_rms_f_->data()));
-    GRADSUM_ASSIGN_OR_RETURN(GradTarget grad_out_j, params_->Grad(spec_.out()));
-    GRADSUM_RETURN_IF_ERROR(ops_->MtpLmHeadCrossEntropy(j, f_->data(), params_->Values(spec_.out()),
-                                                        grad_f_->data(), std::move(grad_out_j)));
-    GRADSUM_ASSIGN_OR_RETURN(GradTarget dgain_j, params_->Grad(spec_.final_norm()));
-    GRADSUM_RETURN_IF_ERROR(ops_->RmsNormBackward(x.out->data(), gain, inv_rms_f_->data(),
-                                                  grad_f_->data(), x.dout->data(),
-                                                  /*accumulate_dx=*/false, std::move(dgain_j)));
-  }
-  return absl::OkStatus();
+  // MTP (§15.1): each h^j through the same head, which starts its dL/dh^j.
+  return mtp_.HeadForwardBackward(f_->data(), inv_rms_f_->data(), grad_f_->data());
 }
 
 absl::StatusOr<MicroBatchInputs> MoeLmModel::Inputs(const TokenBatch& batch,
                                                     const losses::StepStats& stats, int micro_index,
-                                                    const losses::MtpStats* mtp,
                                                     bool forward_only) {
   const MoeLmConfig& m = spec_.config();
   const int64_t T = static_cast<int64_t>(batch.tokens.size());
@@ -557,60 +485,18 @@ absl::StatusOr<MicroBatchInputs> MoeLmModel::Inputs(const TokenBatch& batch,
   in.global_routed_tokens = stats.global_routed_tokens;
   in.num_micro_batches = stats.num_micro_batches;
   in.forward_only = forward_only;
-  const int k = m.mtp_depth;
-  if (k > 0 && !forward_only) {
-    // §15.1: depth j's shifted tokens, labels, weights and normaliser D_j * k / mtp_scale.
-    if (mtp == nullptr || mtp->depth != k || static_cast<int>(mtp->global_weight_sum.size()) != k ||
-        static_cast<int>(mtp->labels.size()) != k ||
-        static_cast<int>(batch.mtp_tokens.size()) != k) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("mtp_depth=", k, ": the micro-batch needs every depth's shifted tokens (",
-                       batch.mtp_tokens.size(), ") and the step's MTP statistics (",
-                       mtp == nullptr ? 0 : mtp->depth, " depths)"));
-    }
-    for (int j = 0; j < k; ++j) {
-      const auto& labels = mtp->labels[j];
-      if (micro_index >= static_cast<int>(labels.size()) ||
-          static_cast<int64_t>(labels[micro_index].size()) != T ||
-          static_cast<int64_t>(batch.mtp_tokens[j].size()) != T) {
-        return absl::InvalidArgumentError(absl::StrCat("MTP depth ", j + 1,
-                                                       ": no labels or shifted tokens for the ", T,
-                                                       " tokens of micro-batch ", micro_index));
-      }
-      for (int64_t t = 0; t < T; ++t) {
-        if (batch.mtp_tokens[j][t] < 0 || batch.mtp_tokens[j][t] >= m.vocab) {
-          return absl::InvalidArgumentError(absl::StrCat("MTP depth ", j + 1, ": token ",
-                                                         batch.mtp_tokens[j][t], " at position ", t,
-                                                         " outside [0, ", m.vocab, ")"));
-        }
-      }
-      in.mtp_tokens.push_back(batch.mtp_tokens[j]);
-      in.mtp_labels.push_back(labels[micro_index]);
-      in.mtp_ce_normaliser.push_back(mtp->global_weight_sum[j] * k / m.mtp_scale);
-      if (stats.mode != losses::CeWeightMode::kToken) {
-        if (static_cast<int>(mtp->token_weights.size()) != k ||
-            micro_index >= static_cast<int>(mtp->token_weights[j].size()) ||
-            static_cast<int64_t>(mtp->token_weights[j][micro_index].size()) != T) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("MTP depth ", j + 1, ": no CE weights for micro-batch ", micro_index,
-                           " (", losses::CeWeightModeName(stats.mode), " mode)"));
-        }
-        in.mtp_ce_weights.push_back(mtp->token_weights[j][micro_index]);
-      }
-    }
-  }
+  // §15.1: the MTP depths' label streams (training only).
+  if (!forward_only) GRADSUM_RETURN_IF_ERROR(mtp_.AddInputs(batch, stats, micro_index, &in));
   return in;
 }
 
 absl::StatusOr<MicroBatchLosses> MoeLmModel::ForwardBackward(const TokenBatch& batch,
                                                              const losses::StepStats& stats,
                                                              int micro_index,
-                                                             losses::StepDisplay* display,
-                                                             const losses::MtpStats* mtp) {
+                                                             losses::StepDisplay* display) {
   const MoeLmConfig& m = spec_.config();
-  const int k = m.mtp_depth;
   GRADSUM_ASSIGN_OR_RETURN(const MicroBatchInputs in,
-                           Inputs(batch, stats, micro_index, mtp, /*forward_only=*/false));
+                           Inputs(batch, stats, micro_index, /*forward_only=*/false));
   const int64_t T = in.rows;
   GRADSUM_RETURN_IF_ERROR(EnsureActivations(T));
 
@@ -670,17 +556,13 @@ absl::StatusOr<MicroBatchLosses> MoeLmModel::ForwardBackward(const TokenBatch& b
         GRADSUM_RETURN_IF_ERROR(display->AddBackwardTerm("z_out", v));
       }
     }
-    for (int j = 1; j <= k; ++j) {
-      for (double v : terms->mtp_terms[j - 1]) {
-        GRADSUM_RETURN_IF_ERROR(display->AddBackwardTerm(absl::StrCat("mtp_", j), v));
-      }
-    }
+    GRADSUM_RETURN_IF_ERROR(mtp_.AddDisplayTerms(*terms, display));
   }
   MicroBatchLosses result;
   result.ce = terms->ce;
   result.z = terms->z;
   result.bal = terms->bal;
-  result.mtp = terms->mtp;
+  result.extra_ce = terms->extra_ce;
   result.z_out = terms->z_out;
   return result;
 }
@@ -691,7 +573,7 @@ absl::StatusOr<MicroBatchLosses> MoeLmModel::Evaluate(const TokenBatch& batch,
                                                       losses::StepDisplay* display) {
   const MoeLmConfig& m = spec_.config();
   GRADSUM_ASSIGN_OR_RETURN(const MicroBatchInputs in,
-                           Inputs(batch, stats, micro_index, nullptr, /*forward_only=*/true));
+                           Inputs(batch, stats, micro_index, /*forward_only=*/true));
   GRADSUM_RETURN_IF_ERROR(EnsureActivations(in.rows));
   absl::StatusOr<MicroBatchLossTerms> terms = [&]() -> absl::StatusOr<MicroBatchLossTerms> {
     if (m.attention) GRADSUM_RETURN_IF_ERROR(attention_->Begin(in));
@@ -727,8 +609,8 @@ absl::StatusOr<MicroBatchLosses> MoeLmModel::Evaluate(const TokenBatch& batch,
 absl::Status MoeLmModel::EvalForward(int stage) {
   const StageDef& s = spec_.stages()[stage];
   switch (s.kind) {
-    case StageKind::kEmbedding:  // the main tokens' only (no MTP inputs)
-      return ops_->EmbeddingForward(params_->Values(spec_.emb()), h_[0]->data());
+    case StageKind::kEmbedding:  // the main stream's only (no MTP inputs)
+      return ops_->EmbeddingForward(/*stream=*/0, params_->Values(spec_.emb()), h_[0]->data());
     case StageKind::kLayer:
       return Forward(stage);  // training's, as it is
     case StageKind::kMtp:

@@ -13,7 +13,7 @@
 //                 m_l = h_l + o Wo   (m_l = h_l without attention)
 //                 MoE block: a_l = RMSNorm(m_l; g_l); h_{l+1} = m_l + MoE_l(a_l)
 //   (stage 0 also embeds each MTP depth's shifted tokens e_j = Emb[x_j], §15.1)
-//   stage L + j   MTP depth j (mtp_depth = k >= 1): h'_j = RMSNorm(h^{j-1}; g^h_j) M^h_j +
+//   stage L + j   MTP depth j (of k >= 1):       h'_j = RMSNorm(h^{j-1}; g^h_j) M^h_j +
 //                 RMSNorm(e_j; g^e_j) M^e_j, h^j = layer L + j - 1 on h'_j (h^0 = h_L)
 //   stage L+k+1   f = RMSNorm(h_L; g_f); CE(f @ Wo) forward and backward; RMSNorm backward;
 //                 the same for each h^j with depth j's labels and normaliser
@@ -39,10 +39,10 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "losses/display.h"
-#include "losses/mtp.h"
 #include "losses/step_stats.h"
 #include "model/model_params.h"
 #include "model/moe_lm_spec.h"
+#include "model/mtp.h"
 #include "model/ops.h"
 #include "model/parallel_attention.h"
 
@@ -62,16 +62,23 @@ struct TokenBatch {
   // and the document start of every token of the whole sequences (-1: padding).
   absl::Span<const int32_t> positions;  // [T]
   absl::Span<const int32_t> doc_start;  // [sequences * seq_len]
-  // MTP (SEMANTICS.md §15.1), one per depth when mtp_depth > 0: each local token's input
-  // token x_j [T] (rolled on the whole sequence by the loader).
-  std::vector<absl::Span<const int32_t>> mtp_tokens;
+  // Label streams 1 .. MoeLmSpec::label_streams() - 1 (data/streams.h), stream j at index
+  // j - 1, as the loader rolled them on the whole sequences: each local token's input token
+  // x_j and label y_j [T]. None for an evaluation.
+  struct Stream {
+    absl::Span<const int32_t> tokens;
+    absl::Span<const int32_t> labels;
+  };
+  std::vector<Stream> extra_streams;
 };
 
 // One micro-batch's local loss components (detached, §8). z_out: the output z-loss of
 // §3.2 (alpha_lse > 0; 0 otherwise), which `ce` then excludes.
 struct MicroBatchLosses {
   double ce = 0, z = 0, bal = 0, z_out = 0;
-  std::vector<double> mtp;  // per depth: mtp_scale / k * its local CE component
+  // Per extra label stream j (index j - 1): its head's local component (MTP depth j's
+  // mtp_scale / k * CE_j, model/mtp.h).
+  std::vector<double> extra_ce;
 };
 
 // InvalidArgument unless tokens, labels and mask have one length and every token is in
@@ -111,24 +118,22 @@ class MoeLmModel {
       const MoeLmSpec& spec, ModelParams* params, std::unique_ptr<ModelOps> ops,
       Recompute recompute = Recompute::kNone, const ParallelAttentionOptions& attention = {});
 
-  // Forward and backward of one micro-batch of this rank. With mtp_depth > 0, `mtp` holds
-  // the step's MTP statistics (losses/mtp.h: per depth D_j, and per micro-batch the labels
-  // and CE weights of this rank's tokens, weights empty in token mode; InvalidArgument when
-  // missing or of another depth), and display terms "mtp_1" .. "mtp_k" are added too. `stats` are
-  // the step's global statistics (D, N, and in sample / square mode the CE weights of every
-  // micro-batch); `micro_index` in [0, G) picks this micro-batch's weights, and G - 1 marks the
-  // last. Adds the local gradients through ModelParams (which reduces them as they complete) and
-  // the loss components and expert counts into `display` (may be null; terms "ce", "z",
-  // "bal", and "z_out" when alpha_lse > 0). Collective over the EP group and the world.
+  // Forward and backward of one micro-batch of this rank. `stats` are the step's global
+  // statistics (D, N, in sample / square mode the CE weights of every micro-batch, and each
+  // extra label stream's D_j and weights, losses/step_stats.h; InvalidArgument when the batch
+  // or the statistics miss a stream the model trains on); `micro_index` in [0, G) picks this
+  // micro-batch's weights, and G - 1 marks the last. With MTP its display terms are added
+  // too (model/mtp.h). Adds the local gradients through ModelParams (which reduces them as they
+  // complete) and the loss components and expert counts into `display` (may be null; terms "ce",
+  // "z", "bal", and "z_out" when alpha_lse > 0). Collective over the EP group and the world.
   // Errors: a bad batch as InvalidArgument (CheckTokenBatch); the ops' and the
   // parameters' errors as they are.
   absl::StatusOr<MicroBatchLosses> ForwardBackward(const TokenBatch& batch,
                                                    const losses::StepStats& stats, int micro_index,
-                                                   losses::StepDisplay* display,
-                                                   const losses::MtpStats* mtp = nullptr);
+                                                   losses::StepDisplay* display);
 
-  // An evaluation of one micro-batch (held-out data): the forward (without the MTP
-  // depths) and the main head's CE with §3.2's options, no backward, no gradient, nothing
+  // An evaluation of one micro-batch (held-out data): the forward (without the extra
+  // streams' blocks) and the main head's CE with §3.2's options, no backward, no gradient, nothing
   // reduced; its counts move no expert bias. `stats` are the evaluation's own (its D).
   // Adds "ce" (and "z_out" with alpha_lse > 0) into `display` (may be null; registered by
   // the caller). Collective over the EP group and the world, as ForwardBackward.
@@ -137,9 +142,14 @@ class MoeLmModel {
 
   // Registers the display terms a model of `config` adds: "ce", "z", "bal", with
   // alpha_lse > 0 "z_out", the output z-loss of SEMANTICS.md §3.2 (then not in "ce"), and
-  // "mtp_1" .. "mtp_<mtp_depth>" (§15.1). With alpha_lse = 0 and no MTP the registry, and
-  // so every display value, is as before the options.
+  // MTP's (model/mtp.h). With alpha_lse = 0 and no MTP the registry, and so every display
+  // value, is as before the options.
   static absl::Status RegisterDisplayTerms(const MoeLmConfig& config, losses::StepDisplay* display);
+  // Of those, the terms of the heads of the label streams beyond the main one, in stream
+  // order (MTP's, model/mtp.h).
+  static std::vector<std::string> ExtraStreamTerms(const MoeLmConfig& config) {
+    return MtpBlock::DisplayTerms(config);
+  }
 
   const MoeLmSpec& spec() const { return spec_; }
 
@@ -173,8 +183,7 @@ class MoeLmModel {
   absl::Status EvalForward(int stage);
   // What ops.Begin gets for `batch` (checked); forward_only: an evaluation's (no MTP).
   absl::StatusOr<MicroBatchInputs> Inputs(const TokenBatch& batch, const losses::StepStats& stats,
-                                          int micro_index, const losses::MtpStats* mtp,
-                                          bool forward_only);
+                                          int micro_index, bool forward_only);
   absl::Status Backward(int stage);
   absl::Status LayerForward(int layer);
   absl::Status LayerBackward(int layer);
@@ -195,8 +204,8 @@ class MoeLmModel {
   int NormSlot(int l) const { return recompute_ == Recompute::kNone ? l : 0; }
   absl::Status HeadForwardBackward();
   MoeWeights LayerWeights(int layer);
-  // MTP depth j's projection block, forward and backward (stage L + j; its layer is run
-  // by LayerForward / LayerBackward as MoE layer L + j - 1).
+  // MTP depth j's stage (L + j): its projection block (model/mtp.h), then its layer, run
+  // by LayerForward / LayerBackward as MoE layer L + j - 1; and the backward.
   absl::Status MtpForward(int j);
   absl::Status MtpBackward(int j);
   // A layer's input and output arrays: h_l and h_{l+1} for a main layer, h'_j and h^j for
@@ -238,13 +247,8 @@ class MoeLmModel {
   };
   std::vector<AttentionActs> attn_;
   std::vector<NormActs> attn_norm_;
-  // MTP depth j's arrays (index j - 1), all kept from forward to backward: e = Emb[x_j];
-  // its normed inputs nh, ne and their 1/rms; in = h'_j; out = h^j; dout = dL/dh^j (then
-  // dL/dh'_j); de = dL/de_j, kept for the embedding stage's backward.
-  struct MtpActs {
-    Array e, nh, rh, ne, re, in, out, dout, de;
-  };
-  std::vector<MtpActs> mtp_;
+  // The MTP depths' block and arrays (model/mtp.h).
+  MtpBlock mtp_;
   // Attention scratch: q [T, D], k and v [T, kv_dim] in the token split; the head-split
   // output gradient and the per-query-head gradients of q, k, v.
   Array q_, k_, v_, doh_, dqh_, dkh_, dvh_, dkq_, dvq_;

@@ -166,6 +166,10 @@ absl::StatusOr<MoeLmSpec> MoeLmSpec::Create(const MoeLmConfig& m) {
     add(LayerParamName(l, "enorm", L), {D}, ParamInit::kOnes, l);
     add(LayerParamName(l, "proj_h", L), {D, D}, ParamInit::kScaledNormal, l);
     add(LayerParamName(l, "proj_e", L), {D, D}, ParamInit::kScaledNormal, l);
+    spec.extra_blocks_.push_back(
+        {absl::StrCat("mtp.", j),
+         {spec.mtp_hnorm(j), spec.mtp_enorm(j), spec.mtp_proj_h(j), spec.mtp_proj_e(j)},
+         l});
     add_layer(l);
     spec.stages_.push_back({StageKind::kMtp, l, true});
   }

@@ -163,6 +163,18 @@ class MoeLmSpec {
   int mtp_layer(int j) const { return config_.layers + j - 1; }
   // MoE layers including the MTP depths': L + k.
   int moe_layers() const { return config_.layers + config_.mtp_depth; }
+  // The label streams the model trains on (data/streams.h): stream 0, then stream j for MTP
+  // depth j.
+  int label_streams() const { return 1 + config_.mtp_depth; }
+  // The blocks between the main layers and the head, in stage order (MTP depth j's is
+  // "mtp.{j}"): each one stage, whose dense parameters are `dense` and then its MoE layer
+  // `layer`'s, as a main layer's.
+  struct ExtraBlock {
+    std::string name;
+    std::vector<int> dense;
+    int layer = -1;
+  };
+  const std::vector<ExtraBlock>& extra_blocks() const { return extra_blocks_; }
 
   // The initial parameters, the same on every rank for a seed: norm gains 1, emb ~ N(0,1),
   // every matrix ~ N(0, init_std^2), drawn in params() order from one SplitMix64 stream.
@@ -179,6 +191,7 @@ class MoeLmSpec {
   std::vector<int> layer_first_;  // per layer: index of its first parameter
   std::vector<int> moe_first_;    // per layer: index of its MoE norm
   std::vector<int> mtp_first_;    // per MTP depth: index of its hnorm
+  std::vector<ExtraBlock> extra_blocks_;
   int final_norm_ = -1;
 };
 

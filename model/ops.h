@@ -51,8 +51,8 @@ class DeviceArray {
 struct MicroBatchInputs {
   int64_t rows = 0;       // T tokens
   int64_t row_block = 0;  // see above; > 0 divides rows
-  // An evaluation (forward stages and LmHeadLoss only): no MTP inputs are expected, and
-  // nothing of backward runs.
+  // An evaluation (forward stages and LmHeadLoss only): no extra label streams are
+  // expected, and nothing of backward runs.
   bool forward_only = false;
   absl::Span<const int32_t> tokens;  // [T] in [0, V)
   absl::Span<const int32_t> labels;  // [T] in [0, V) or data::kIgnoreIndex
@@ -69,20 +69,24 @@ struct MicroBatchInputs {
   double global_ce_weight_sum = 0;      // D (§3)
   int64_t global_routed_tokens = 0;     // N (§4)
   int num_micro_batches = 1;            // G (§5)
-  // Multi-token prediction (SEMANTICS.md §15.1): one entry per depth j = 1 .. k (empty when
-  // off): its input tokens x_j [T] (rolled on the whole sequences), its labels y_j [T], its
-  // CE weights [T] (empty in token mode), and the normaliser its CE divides by,
-  // D_j * k / mtp_scale.
-  std::vector<absl::Span<const int32_t>> mtp_tokens;
-  std::vector<absl::Span<const int64_t>> mtp_labels;
-  std::vector<absl::Span<const float>> mtp_ce_weights;
-  std::vector<double> mtp_ce_normaliser;
+  // The label streams beyond stream 0 (tokens, labels, ce_weights and D above; data/streams.h:
+  // stream j predicts the token j + 1 ahead), stream j at index j - 1, empty when the model
+  // has none: its input tokens x_j [T] (rolled on the whole sequences), its labels y_j [T],
+  // its CE weights [T] (empty in token mode), and the normaliser its CE divides by (the
+  // model's choice).
+  struct Stream {
+    absl::Span<const int32_t> tokens;
+    absl::Span<const int32_t> labels;
+    absl::Span<const float> ce_weights;
+    double ce_normaliser = 0;
+  };
+  std::vector<Stream> extra_streams;
 };
 
-// Every device's check of a micro-batch's MTP inputs against the model's depth k: one
-// entry per depth (CE weights: none, or one per depth), each [rows] long. InvalidArgument
-// naming the depth otherwise.
-absl::Status CheckMtpInputs(const MicroBatchInputs& in, int depth);
+// Every device's check of a micro-batch's extra label streams against the `count` the model
+// expects: each stream's tokens and labels (and CE weights, unless empty) [rows] long.
+// InvalidArgument naming the stream otherwise.
+absl::Status CheckStreamInputs(const MicroBatchInputs& in, int count);
 
 // A MoE layer's weights as the compute reads them: the router [D, E] (the same on every
 // rank) and this rank's E_local = E / ep experts, stacked per matrix: all Wg [E_local, D, H],
@@ -114,12 +118,11 @@ struct MicroBatchLossTerms {
   // one per (layer, block) or block with row blocks, so that exact display sums see
   // per-sequence values (losses/display.h).
   std::vector<double> ce_terms, z_terms, bal_terms, z_out_terms;
-  // MTP (§15.1): per depth, its local component and its display values as above (a depth's
-  // output z-loss stays in its own term).
-  std::vector<double> mtp;
-  std::vector<std::vector<double>> mtp_terms;
-  // Per MoE layer (the L main ones, then the MTP depths'): c[l, m, :] of §5, global (every rank's
-  // SUM).
+  // Per extra label stream j (index j - 1): its head's local component and its display
+  // values as above (a stream's output z-loss stays in its own term).
+  std::vector<double> extra_ce;
+  std::vector<std::vector<double>> extra_ce_terms;
+  // Per MoE layer (MoeLmSpec::moe_layers()): c[l, m, :] of §5, global (every rank's SUM).
   std::vector<std::vector<int64_t>> global_expert_counts;
 };
 
@@ -136,10 +139,11 @@ class ModelOps {
   // out[i] = a[i] + b[i], i < n (out may alias a or b).
   virtual absl::Status Add(const float* a, const float* b, float* out, int64_t n) = 0;
 
-  // h[t] = emb[tokens[t]] (emb [V, D], h [T, D]).
-  virtual absl::Status EmbeddingForward(const float* emb, float* h) = 0;
-  // demb[tokens[t]] += dh[t].
-  virtual absl::Status EmbeddingBackward(const float* dh, GradTarget demb) = 0;
+  // h[t] = emb[x[t]] (emb [V, D], h [T, D]) for label stream `stream`'s input tokens x:
+  // MicroBatchInputs::tokens for stream 0, extra_streams[stream - 1].tokens after it.
+  virtual absl::Status EmbeddingForward(int stream, const float* emb, float* h) = 0;
+  // demb[x[t]] += dh[t].
+  virtual absl::Status EmbeddingBackward(int stream, const float* dh, GradTarget demb) = 0;
 
   // y[t] = x[t] * r_t * gain, r_t = 1 / sqrt(mean(x[t]^2) + eps), stored in inv_rms[t]
   // (SEMANTICS.md §10). x, y [T, D]; gain [D]; inv_rms [T].
@@ -150,24 +154,6 @@ class ModelOps {
   virtual absl::Status RmsNormBackward(const float* x, const float* gain, const float* inv_rms,
                                        const float* dy, float* dx, bool accumulate_dx,
                                        GradTarget dgain) = 0;
-
-  // ---- Multi-token prediction (SEMANTICS.md §15.1); depth j is 1-based. ----
-  // Whether the three calls below are implemented (a device that cannot refuses MTP).
-  virtual bool CanMtp() const { return false; }
-  // h[t] = emb[x_j[t]] for depth j's shifted tokens (MicroBatchInputs::mtp_tokens).
-  virtual absl::Status MtpEmbeddingForward(int depth, const float* emb, float* h) {
-    return absl::UnimplementedError("these ops cannot run multi-token prediction");
-  }
-  // demb[x_j[t]] += dh[t].
-  virtual absl::Status MtpEmbeddingBackward(int depth, const float* dh, GradTarget demb) {
-    return absl::UnimplementedError("these ops cannot run multi-token prediction");
-  }
-  // LmHeadCrossEntropy with depth j's labels, weights and normaliser (its value goes to
-  // MicroBatchLossTerms::mtp[j - 1]).
-  virtual absl::Status MtpLmHeadCrossEntropy(int depth, const float* f, const float* w_out,
-                                             float* grad_f, GradTarget grad_out) {
-    return absl::UnimplementedError("these ops cannot run multi-token prediction");
-  }
 
   // MoE layer `layer` (router, dropless dispatch over the EP group, SwiGLU experts,
   // combine; SEMANTICS.md §10): y[t] = sum_k w_tk Expert_{i_tk}(a[t]), 0 for padding. Keeps
@@ -196,11 +182,14 @@ class ModelOps {
   // routing decisions and counts stay.
   virtual void ReleaseMoeActivations(int layer) {}
 
-  // The head's fused LM-head matmul and CE (§3), forward and backward at once:
-  // logits = f @ w_out (f [T, D], w_out [D, V]); grad_f = dL_ce/df (written), dL_ce/dw_out
-  // into grad_out. Never holds all T x V logits at once where the device need not.
-  virtual absl::Status LmHeadCrossEntropy(const float* f, const float* w_out, float* grad_f,
-                                          GradTarget grad_out) = 0;
+  // The head's fused LM-head matmul and CE (§3) of label stream `stream`, forward and
+  // backward at once: logits = f @ w_out (f [T, D], w_out [D, V]); grad_f = dL_ce/df
+  // (written), dL_ce/dw_out into grad_out. Never holds all T x V logits at once where the
+  // device need not. Stream 0 reads the main labels, CE weights and D, and its value goes to
+  // MicroBatchLossTerms::ce (and z_out); stream j > 0 reads extra_streams[j - 1] and its
+  // value, its output z-loss included, goes to extra_ce[j - 1].
+  virtual absl::Status LmHeadCrossEntropy(int stream, const float* f, const float* w_out,
+                                          float* grad_f, GradTarget grad_out) = 0;
   // The same loss, forward only (an evaluation, MicroBatchInputs::forward_only): its value
   // (and z_out) into the terms as LmHeadCrossEntropy adds them, nothing else written.
   virtual absl::Status LmHeadLoss(const float* f, const float* w_out) = 0;

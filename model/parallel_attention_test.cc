@@ -179,8 +179,8 @@ class DeviceMemoryOps : public ModelOps {
   absl::StatusOr<std::unique_ptr<DeviceArray>> Allocate(int64_t) override { return No(); }
   absl::Status Begin(const MicroBatchInputs&) override { return No(); }
   absl::Status Add(const float*, const float*, float*, int64_t) override { return No(); }
-  absl::Status EmbeddingForward(const float*, float*) override { return No(); }
-  absl::Status EmbeddingBackward(const float*, GradTarget) override { return No(); }
+  absl::Status EmbeddingForward(int, const float*, float*) override { return No(); }
+  absl::Status EmbeddingBackward(int, const float*, GradTarget) override { return No(); }
   absl::Status RmsNormForward(const float*, const float*, float*, float*) override { return No(); }
   absl::Status RmsNormBackward(const float*, const float*, const float*, const float*, float*, bool,
                                GradTarget) override {
@@ -191,7 +191,7 @@ class DeviceMemoryOps : public ModelOps {
                            MoeGrads) override {
     return No();
   }
-  absl::Status LmHeadCrossEntropy(const float*, const float*, float*, GradTarget) override {
+  absl::Status LmHeadCrossEntropy(int, const float*, const float*, float*, GradTarget) override {
     return No();
   }
   absl::Status LmHeadLoss(const float*, const float*) override { return No(); }

@@ -26,9 +26,9 @@ enum class LrDecay { kConstant, kCosine, kLinear };
 struct LrSchedule {
   LrDecay decay = LrDecay::kConstant;
   double lr = 0;
-  double min_lr = 0;          // the decay's end value (unused by kConstant)
-  int64_t warmup_steps = 0;   // W >= 0
-  int64_t decay_end = 0;      // E: the step count at which the decay reaches min_lr
+  double min_lr = 0;         // the decay's end value (unused by kConstant)
+  int64_t warmup_steps = 0;  // W >= 0
+  int64_t decay_end = 0;     // E: the step count at which the decay reaches min_lr
 };
 
 // Defined for any schedule; a decay whose end is not after the warmup jumps to min_lr

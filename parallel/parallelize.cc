@@ -120,19 +120,19 @@ absl::StatusOr<std::unique_ptr<ParallelParams>> Parallelize(const model::MoeLmSp
     GRADSUM_RETURN_IF_ERROR(add_unit(name, dense, false));
     GRADSUM_RETURN_IF_ERROR(add_unit(absl::StrCat(name, ".experts.ep", ep_rank), experts, true));
   }
-  // The MTP depths (SEMANTICS.md §15.1): one dense unit (the block's norms and projection
-  // halves, then its layer's) and one expert unit each, whatever layers_per_unit is.
-  for (int j = 1; j <= m.mtp_depth; ++j) {
-    const std::string name = absl::StrCat("mtp.", j);
+  // The blocks between the layers and the head (MoeLmSpec::extra_blocks): one dense unit
+  // (the block's own parameters, then its layer's) and one expert unit each, whatever
+  // layers_per_unit is.
+  for (const model::MoeLmSpec::ExtraBlock& block : spec.extra_blocks()) {
     const int dense_unit = static_cast<int>(pp.units_.size());
     const int expert_unit = dense_unit + 1;
-    std::vector<int> dense = {spec.mtp_hnorm(j), spec.mtp_enorm(j), spec.mtp_proj_h(j),
-                              spec.mtp_proj_e(j)};
+    std::vector<int> dense = block.dense;
     std::vector<int> experts;
-    add_layer_params(spec.mtp_layer(j), expert_unit, dense, experts);
+    add_layer_params(block.layer, expert_unit, dense, experts);
     stage_units.push_back({dense_unit, expert_unit});
-    GRADSUM_RETURN_IF_ERROR(add_unit(name, dense, false));
-    GRADSUM_RETURN_IF_ERROR(add_unit(absl::StrCat(name, ".experts.ep", ep_rank), experts, true));
+    GRADSUM_RETURN_IF_ERROR(add_unit(block.name, dense, false));
+    GRADSUM_RETURN_IF_ERROR(
+        add_unit(absl::StrCat(block.name, ".experts.ep", ep_rank), experts, true));
   }
   // The head.
   const int head_unit = static_cast<int>(pp.units_.size());

@@ -6,6 +6,7 @@
 #include <functional>
 #include <iterator>
 #include <map>
+#include <optional>
 #include <random>
 #include <utility>
 
@@ -270,11 +271,11 @@ absl::StatusOr<std::string> NewRunId(Communicator& world) {
 
 absl::Status CheckResumeCompatible(const TrainConfig& saved, const TrainConfig& config,
                                    int64_t step) {
-  // What decides the data stream and what the parameters are. The mesh (world, ep, G,
-  // micro_batch), the sharding mode and the unit grouping may change as long as the global
-  // batch B = world x grad_acc x micro_batch stays (the stream is global, RankDataLoader;
-  // LoadCheckpoint reshards); so may the optimizer settings, step count, logging, dtypes,
-  // CE weighting and backend.
+  // What decides the data stream and what the parameters are (FirstResumeFieldChange). The
+  // mesh (world, ep, G, micro_batch), the sharding mode and the unit grouping may change as
+  // long as the global batch B = world x grad_acc x micro_batch stays (the stream is global,
+  // RankDataLoader; LoadCheckpoint reshards); so may the optimizer settings, step count,
+  // logging, dtypes, CE weighting and backend.
   auto batch_text = [](const TrainConfig& c) {
     return absl::StrCat(GlobalBatch(c),
                         " (world x grad_acc x micro_batch = ", c.parallelism().world(), " x ",
@@ -287,53 +288,12 @@ absl::Status CheckResumeCompatible(const TrainConfig& saved, const TrainConfig& 
                      "; the data stream continues only with the same B (choose world, grad_acc and "
                      "micro_batch with that product, or start a new checkpoint_dir)"));
   }
-  const DataConfig &a = saved.data(), &b = config.data();
-  const ModelConfig &ma = saved.model(), &mb = config.model();
-  using absl::StrCat;
-  const std::pair<const char*, std::pair<std::string, std::string>> fields[] = {
-      {"data.path", {a.path(), b.path()}},
-      {"data.seq_len", {StrCat(a.seq_len()), StrCat(b.seq_len())}},
-      {"data.corpus_seed", {StrCat(a.corpus_seed()), StrCat(b.corpus_seed())}},
-      {"data.min_doc_len", {StrCat(a.min_doc_len()), StrCat(b.min_doc_len())}},
-      {"data.max_doc_len", {StrCat(a.max_doc_len()), StrCat(b.max_doc_len())}},
-      {"data.corpus_documents", {StrCat(a.corpus_documents()), StrCat(b.corpus_documents())}},
-      {"data.corpus", {DataConfig::Corpus_Name(a.corpus()), DataConfig::Corpus_Name(b.corpus())}},
-      {"model.vocab", {StrCat(ma.vocab()), StrCat(mb.vocab())}},
-      {"model.dim", {StrCat(ma.dim()), StrCat(mb.dim())}},
-      {"model.layers", {StrCat(ma.layers()), StrCat(mb.layers())}},
-      {"model.experts", {StrCat(ma.experts()), StrCat(mb.experts())}},
-      {"model.top_k", {StrCat(ma.top_k()), StrCat(mb.top_k())}},
-      {"model.expert_dim", {StrCat(ma.expert_dim()), StrCat(mb.expert_dim())}},
-      {"model.norm_topk_prob", {StrCat(ma.norm_topk_prob()), StrCat(mb.norm_topk_prob())}},
-      {"model.router_scale", {StrCat(ma.router_scale()), StrCat(mb.router_scale())}},
-      {"model.attention",
-       {ModelConfig::Attention_Name(ma.attention()), ModelConfig::Attention_Name(mb.attention())}},
-      {"model.heads", {StrCat(ma.heads()), StrCat(mb.heads())}},
-      {"model.kv_heads", {StrCat(ma.kv_heads()), StrCat(mb.kv_heads())}},
-      {"model.rope_theta", {StrCat(ma.rope_theta()), StrCat(mb.rope_theta())}},
-      {"model.router_score",
-       {ModelConfig::RouterScore_Name(ma.router_score()),
-        ModelConfig::RouterScore_Name(mb.router_score())}},
-      {"model.mtp_depth", {StrCat(ma.mtp_depth()), StrCat(mb.mtp_depth())}},
-  };
-  // Without attention (on both sides) the head layout and the RoPE base decide nothing: a
-  // checkpoint written when they could be set regardless still resumes with the defaults
-  // the config's validation now asks for.
-  const bool no_attention =
-      ma.attention() == ModelConfig::none && mb.attention() == ModelConfig::none;
-  for (const auto& [name, values] : fields) {
-    if (no_attention &&
-        (absl::string_view(name) == "model.heads" || absl::string_view(name) == "model.kv_heads" ||
-         absl::string_view(name) == "model.rope_theta")) {
-      continue;
-    }
-    if (values.first != values.second) {
-      return absl::FailedPreconditionError(
-          StrCat("--resume: the checkpoint of step ", step, " was written with ", name, "=",
-                 values.first, " but this run has ", name, "=", values.second,
-                 "; resuming would continue a different data stream or model (start a new "
-                 "checkpoint_dir, or resume with the saved value)"));
-    }
+  if (const std::optional<ResumeFieldChange> change = FirstResumeFieldChange(saved, config)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--resume: the checkpoint of step ", step, " was written with ", change->name,
+                     "=", change->saved, " but this run has ", change->name, "=", change->now,
+                     "; resuming would continue a different data stream or model (start a new "
+                     "checkpoint_dir, or resume with the saved value)"));
   }
   return absl::OkStatus();
 }

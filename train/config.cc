@@ -802,7 +802,7 @@ absl::Status ValidateMtpAndRouting(const TrainConfig& c) {
     // data/streams.h): a document of n tokens gives depth j a label only if j <= n - 2, so
     // with the embedded corpus's documents of at most max_doc_len tokens the deeper depths
     // would train nothing (loss 0). A --data file's longest document is known once it is
-    // read: Trainer::Create checks it.
+    // read: ValidateLongestDocument checks it.
     return Bad("model.mtp_depth", StrCat(m.mtp_depth()),
                StrCat("must be at most data.max_doc_len - 2 = ", d.max_doc_len() - 2,
                       ": depth j's label is the token j + 1 ahead in the same document, so with "
@@ -904,6 +904,20 @@ absl::Status ValidateConfig(const TrainConfig& c) {
   GRADSUM_RETURN_IF_ERROR(ValidateLog(c.log()));
   GRADSUM_RETURN_IF_ERROR(ValidateDebug(c.debug()));
   return ValidateAcrossSections(c);
+}
+
+// MTP depth j needs documents of at least j + 2 tokens (§15.1): the embedded corpus's bound
+// is ValidateMtpAndRouting's; a --data file's longest document is known only once it is read.
+absl::Status ValidateLongestDocument(const TrainConfig& config, int64_t longest) {
+  const int k = config.model().mtp_depth();
+  if (k > 0 && !config.data().path().empty() && k > longest - 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model.mtp_depth=", k, ": must be at most ", longest - 2,
+        ", the longest document of --data=", config.data().path(), " (", longest,
+        " tokens) less 2: depth j's label is the token j + 1 ahead in the same document, so the "
+        "deeper depths would train nothing (SEMANTICS.md §15.1)"));
+  }
+  return absl::OkStatus();
 }
 
 namespace {
@@ -1078,6 +1092,52 @@ optim::LrSchedule ToLrSchedule(const OptimConfig& o) {
   s.warmup_steps = o.warmup_steps();
   s.decay_end = o.decay_steps() > 0 ? o.decay_steps() : o.steps();
   return s;
+}
+
+std::optional<ResumeFieldChange> FirstResumeFieldChange(const TrainConfig& saved,
+                                                        const TrainConfig& config) {
+  const DataConfig &a = saved.data(), &b = config.data();
+  const ModelConfig &ma = saved.model(), &mb = config.model();
+  const std::pair<const char*, std::pair<std::string, std::string>> fields[] = {
+      {"data.path", {a.path(), b.path()}},
+      {"data.seq_len", {StrCat(a.seq_len()), StrCat(b.seq_len())}},
+      {"data.corpus_seed", {StrCat(a.corpus_seed()), StrCat(b.corpus_seed())}},
+      {"data.min_doc_len", {StrCat(a.min_doc_len()), StrCat(b.min_doc_len())}},
+      {"data.max_doc_len", {StrCat(a.max_doc_len()), StrCat(b.max_doc_len())}},
+      {"data.corpus_documents", {StrCat(a.corpus_documents()), StrCat(b.corpus_documents())}},
+      {"data.corpus", {DataConfig::Corpus_Name(a.corpus()), DataConfig::Corpus_Name(b.corpus())}},
+      {"model.vocab", {StrCat(ma.vocab()), StrCat(mb.vocab())}},
+      {"model.dim", {StrCat(ma.dim()), StrCat(mb.dim())}},
+      {"model.layers", {StrCat(ma.layers()), StrCat(mb.layers())}},
+      {"model.experts", {StrCat(ma.experts()), StrCat(mb.experts())}},
+      {"model.top_k", {StrCat(ma.top_k()), StrCat(mb.top_k())}},
+      {"model.expert_dim", {StrCat(ma.expert_dim()), StrCat(mb.expert_dim())}},
+      {"model.norm_topk_prob", {StrCat(ma.norm_topk_prob()), StrCat(mb.norm_topk_prob())}},
+      {"model.router_scale", {StrCat(ma.router_scale()), StrCat(mb.router_scale())}},
+      {"model.attention",
+       {ModelConfig::Attention_Name(ma.attention()), ModelConfig::Attention_Name(mb.attention())}},
+      {"model.heads", {StrCat(ma.heads()), StrCat(mb.heads())}},
+      {"model.kv_heads", {StrCat(ma.kv_heads()), StrCat(mb.kv_heads())}},
+      {"model.rope_theta", {StrCat(ma.rope_theta()), StrCat(mb.rope_theta())}},
+      {"model.router_score",
+       {ModelConfig::RouterScore_Name(ma.router_score()),
+        ModelConfig::RouterScore_Name(mb.router_score())}},
+      {"model.mtp_depth", {StrCat(ma.mtp_depth()), StrCat(mb.mtp_depth())}},
+  };
+  // Without attention (on both sides) the head layout and the RoPE base decide nothing: a
+  // checkpoint written when they could be set regardless still resumes with the defaults
+  // the config's validation now asks for.
+  const bool no_attention =
+      ma.attention() == ModelConfig::none && mb.attention() == ModelConfig::none;
+  for (const auto& [name, values] : fields) {
+    if (no_attention &&
+        (absl::string_view(name) == "model.heads" || absl::string_view(name) == "model.kv_heads" ||
+         absl::string_view(name) == "model.rope_theta")) {
+      continue;
+    }
+    if (values.first != values.second) return ResumeFieldChange{name, values.first, values.second};
+  }
+  return std::nullopt;
 }
 
 }  // namespace gradsum::train

@@ -13,6 +13,7 @@
 //   GRADSUM_RETURN_IF_ERROR(ValidateConfig(c));
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -50,6 +51,17 @@ struct FieldOverride {
   std::string value;
 };
 
+// The fields that decide the data stream and what the parameters are: a resumed run must
+// keep them (train/checkpointing.h CheckResumeCompatible). The first of them whose value
+// differs between `saved` and `config` (its dotted path and both values as text), or none.
+// Without attention on both sides the head layout and the RoPE base decide nothing and are
+// not compared.
+struct ResumeFieldChange {
+  std::string name, saved, now;
+};
+std::optional<ResumeFieldChange> FirstResumeFieldChange(const TrainConfig& saved,
+                                                        const TrainConfig& config);
+
 // Sets each field in order. An unknown path, a path that names a message, or a value
 // that does not parse as the field's type (or overflows it) is InvalidArgument naming
 // the path and the value; for an enum field ("sharding") also the allowed words
@@ -68,6 +80,11 @@ absl::Status ApplyOverrides(const std::vector<FieldOverride>& overrides, TrainCo
 // ("parallelism.ep=3: must divide parallelism.world=4"). Each section is checked on its own
 // first (ValidateModel, ValidateData, ... in config.cc), then the checks that relate sections.
 absl::Status ValidateConfig(const TrainConfig& config);
+
+// The checks that need a --data file's longest document (`longest` tokens), known only once
+// the file is read (ValidateConfig checks the embedded corpus's bound): InvalidArgument
+// "field=value: reason" as ValidateConfig's.
+absl::Status ValidateLongestDocument(const TrainConfig& config, int64_t longest);
 
 // Every scalar field of `config` as (dotted path, value as text), defaults included, in
 // declaration order: what a run actually uses (for comparing the ranks' configs).

@@ -134,12 +134,11 @@ absl::Status MoeLm::Unshard() { return params_->PrepareStep(); }
 absl::StatusOr<MicroBatchLosses> MoeLm::ForwardBackward(const data::MicroBatch& batch,
                                                         const losses::StepStats& stats,
                                                         int micro_index,
-                                                        losses::StepDisplay* display,
-                                                        const losses::MtpStats* mtp) {
+                                                        losses::StepDisplay* display) {
   // The host kernels (router, experts, CE) use this rank's thread budget.
   ScopedComputeThreads compute_threads(options_.num_threads);
   GRADSUM_RETURN_IF_ERROR(params_->CheckMicroBatch());
-  return model_->ForwardBackward(Tokens(batch), stats, micro_index, display, mtp);
+  return model_->ForwardBackward(Tokens(batch), stats, micro_index, display);
 }
 
 absl::StatusOr<MicroBatchLosses> MoeLm::Evaluate(const data::MicroBatch& batch,
@@ -160,7 +159,9 @@ model::TokenBatch MoeLm::Tokens(const data::MicroBatch& batch) {
   tokens.mask = batch.mask;
   tokens.positions = batch.positions;
   tokens.doc_start = batch.doc_start;
-  for (const std::vector<int32_t>& x : batch.mtp_tokens) tokens.mtp_tokens.push_back(x);
+  for (const data::MicroBatch::Stream& s : batch.extra_streams) {
+    tokens.extra_streams.push_back({s.tokens, s.labels});
+  }
   return tokens;
 }
 

@@ -104,8 +104,7 @@ class MoeLm {
   // unit's SUM reduction as its gradient completes. Collective.
   absl::StatusOr<MicroBatchLosses> ForwardBackward(const data::MicroBatch& batch,
                                                    const losses::StepStats& stats, int micro_index,
-                                                   losses::StepDisplay* display,
-                                                   const losses::MtpStats* mtp = nullptr);
+                                                   losses::StepDisplay* display);
 
   // A held-out evaluation of one micro-batch (model/moe_lm.h MoeLmModel::Evaluate): forward
   // only, nothing reduced, no expert bias moved. Collective.
@@ -130,10 +129,17 @@ class MoeLm {
   absl::StatusOr<NamedParams> GatherFull(bool grads) { return params_->GatherFull(grads); }
 
   // Registers the display terms this model adds ("ce", "z", "bal", "z_out" with
-  // alpha_lse > 0, "mtp_<j>" per MTP depth; model/moe_lm.h).
+  // alpha_lse > 0, and ExtraStreamTerms(); model/moe_lm.h).
   absl::Status RegisterDisplayTerms(losses::StepDisplay* display) const {
     return model::MoeLmModel::RegisterDisplayTerms(model_->spec().config(), display);
   }
+  // The display terms of the heads of the label streams beyond the main one, one per stream
+  // in stream order (the step record's per-stream values).
+  std::vector<std::string> ExtraStreamTerms() const {
+    return model::MoeLmModel::ExtraStreamTerms(model_->spec().config());
+  }
+  // What the model is (its MoE layers, its label streams).
+  const model::MoeLmSpec& spec() const { return model_->spec(); }
 
   // The expert bias of §5.1 (model state, the same on every rank; model/moe_lm.h): [L][E],
   // or empty when the model holds none.

@@ -621,11 +621,11 @@ TEST(MtpParityTest, PaddedSlicesContributeNothing) {
       absl::StatusOr<data::RankDataLoader> loader =
           data::RankDataLoader::Create(*corpus, config.data(), *place);
       ASSERT_TRUE(loader.ok()) << loader.status();
-      ASSERT_TRUE(loader->SetMtpDepth(k).ok());
+      ASSERT_TRUE(loader->SetLabelStreams(k + 1).ok());
       const data::MicroBatch mb = loader->NextStep(1)[0];
       padded += mb.routed_tokens() == 0;
       int64_t valid = 0;
-      for (int32_t y : mb.mtp_labels[k - 1]) valid += y != data::kIgnoreIndex;
+      for (int32_t y : mb.extra_streams[k - 1].labels) valid += y != data::kIgnoreIndex;
       valid_counts.insert(valid);
     }
     EXPECT_GE(padded, 1) << "depth " << k;

@@ -79,8 +79,8 @@ std::string HumanDuration(double seconds) {
 
 std::string StepLogLine(const StepMetrics& r, int64_t total_steps, double eta_s) {
   const double exposed_pct = r.step_s() > 0 ? 100.0 * r.comm_exposed_s() / r.step_s() : 0.0;
-  // The output z-loss (§3.2) only in runs that have it, after the router's z; then MTP's
-  // terms (SEMANTICS.md §15.1), one per depth, nothing without --mtp_depth.
+  // The output z-loss (§3.2) only in runs that have it, after the router's z; then the
+  // further label streams' head terms (StepMetrics.mtp), nothing for the main stream only.
   std::string extra = r.has_z_out() ? absl::StrFormat(" | z_out %.6f", r.z_out()) : "";
   if (r.has_eval_ce()) absl::StrAppendFormat(&extra, " | eval ce %.4f", r.eval_ce());
   for (int j = 0; j < r.mtp_size(); ++j) {

@@ -137,17 +137,11 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
       corpus.ok() ? CatchingOutOfMemory("--eval_data", [&] { return LoadEvalData(config.data()); })
                   : std::shared_ptr<const data::DocumentSource>();
   GRADSUM_RETURN_IF_ERROR(CheckRanksAgree(config, corpus, eval_file, world));
-  // MTP depth j needs documents of at least j + 2 tokens (§15.1): the embedded corpus's
-  // bound is ValidateConfig's; a --data file's longest document is known only now. The
-  // ranks agreed on the file, so every rank fails here alike.
-  if (const int k = config.model().mtp_depth();
-      k > 0 && !config.data().path().empty() && k > (*corpus)->MaxDocumentLength() - 2) {
-    return MarkAgreed(absl::InvalidArgumentError(absl::StrCat(
-        "model.mtp_depth=", k, ": must be at most ", (*corpus)->MaxDocumentLength() - 2,
-        ", the longest document of --data=", config.data().path(), " (",
-        (*corpus)->MaxDocumentLength(),
-        " tokens) less 2: depth j's label is the token j + 1 ahead in the same document, so the "
-        "deeper depths would train nothing (SEMANTICS.md §15.1)")));
+  // What a --data file's longest document decides, known only now. The ranks agreed on the
+  // file, so every rank fails here alike.
+  if (!config.data().path().empty()) {
+    GRADSUM_RETURN_IF_ERROR(
+        MarkAgreed(ValidateLongestDocument(config, (*corpus)->MaxDocumentLength())));
   }
   auto trainer = std::unique_ptr<Trainer>(new Trainer());
   trainer->corpus_ = *std::move(corpus);
@@ -184,10 +178,10 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
                            ShardedAdamW::Create(trainer->model_->groups(), adam));
   // The display sums exactly when the gradients are exact: the precision the model was
   // built with (BuildModel chose it once from the config).
-  // The MTP depths' MoE layers are display layers L .. L + k - 1 (§15.1).
+  // Every MoE layer of the model is a display layer (the main ones, then the extra blocks').
   trainer->display_ =
-      losses::StepDisplay(config.model().layers() + config.model().mtp_depth(),
-                          config.model().experts(), trainer->model_->options().parallel.precision);
+      losses::StepDisplay(trainer->model_->spec().moe_layers(), config.model().experts(),
+                          trainer->model_->options().parallel.precision);
   GRADSUM_RETURN_IF_ERROR(trainer->model_->RegisterDisplayTerms(&trainer->display_));
   // Rank-local start-up work (the data loader): every rank learns at once if any rank
   // failed, with that rank's message.
@@ -219,7 +213,7 @@ absl::Status Trainer::PrepareLocal() {
       data::DataPlaceOf(config_.parallelism(), config_.data().seq_len(), world().rank()));
   GRADSUM_ASSIGN_OR_RETURN(data::RankDataLoader loader,
                            data::RankDataLoader::Create(corpus_, config_.data(), place));
-  GRADSUM_RETURN_IF_ERROR(loader.SetMtpDepth(config_.model().mtp_depth()));
+  GRADSUM_RETURN_IF_ERROR(loader.SetLabelStreams(model_->spec().label_streams()));
   loader_ = std::make_unique<data::RankDataLoader>(std::move(loader));
   if (config_.log().eval_every() > 0) {
     // The held-out batch, the same at every evaluation (so the values compare).
@@ -243,7 +237,7 @@ absl::StatusOr<double> Trainer::Evaluate() {
     return absl::FailedPreconditionError("Evaluate: no held-out batch (log.eval_every is 0)");
   }
   if (!eval_stats_.has_value()) {
-    GRADSUM_ASSIGN_OR_RETURN(eval_stats_, ComputeStatistics(eval_batches_, /*mtp_depth=*/0));
+    GRADSUM_ASSIGN_OR_RETURN(eval_stats_, ComputeStatistics(eval_batches_, /*extra_streams=*/0));
   }
   losses::StepDisplay display(0, 0, model_->options().parallel.precision);
   GRADSUM_RETURN_IF_ERROR(display.RegisterTerm("ce"));
@@ -308,8 +302,7 @@ absl::StatusOr<StepMetrics> Trainer::Step() {
 
   std::vector<data::MicroBatch> batches = loader_->NextStep(config_.parallelism().grad_acc());
   GRADSUM_ASSIGN_OR_RETURN(const losses::StepStats stats,
-                           ComputeStatistics(batches, config_.model().mtp_depth()));
-  const losses::MtpStats mtp = MtpStatistics(stats, batches);
+                           ComputeStatistics(batches, model_->spec().label_streams() - 1));
   NamedParams weights;     // step 1's full parameters, for the dump and the parity check
   model::ExpertBias bias;  // and the expert bias step 1 routes with (§5.1)
   if (gather_full) {
@@ -318,7 +311,7 @@ absl::StatusOr<StepMetrics> Trainer::Step() {
   }
 
   const absl::Time model_start = absl::Now();
-  GRADSUM_RETURN_IF_ERROR(RunMicroBatches(batches, stats, mtp));
+  GRADSUM_RETURN_IF_ERROR(RunMicroBatches(batches, stats));
   GRADSUM_RETURN_IF_ERROR(FinishReductions());
   times.model = absl::Now() - model_start;
   if (gather_full) {
@@ -342,10 +335,10 @@ absl::StatusOr<StepMetrics> Trainer::Step() {
   return record;
 }
 
-// Phase 1: the step's global statistics before the first forward: D and N (§3, §4) and,
-// with MTP, every depth's D_j (§15.1), in one all-reduce.
+// Phase 1: the step's global statistics before the first forward: D and N (§3, §4) and
+// every further label stream's D_j, in one all-reduce.
 absl::StatusOr<losses::StepStats> Trainer::ComputeStatistics(
-    const std::vector<data::MicroBatch>& batches, int mtp_depth) {
+    const std::vector<data::MicroBatch>& batches, int extra_streams) {
   const size_t G = batches.size();
   std::vector<std::vector<int64_t>> labels(G);
   std::vector<std::vector<uint8_t>> masks(G);
@@ -358,45 +351,23 @@ absl::StatusOr<losses::StepStats> Trainer::ComputeStatistics(
     tokens[m].sample_ids = mb.sample_ids;
     tokens[m].sample_sizes = mb.sample_valid;
     tokens[m].input_mask = masks[m];
-    for (size_t j = 0; j < mb.mtp_labels.size(); ++j) {
-      tokens[m].mtp_streams.push_back({mb.mtp_labels[j], mb.mtp_sample_valid[j]});
+    for (const data::MicroBatch::Stream& s : mb.extra_streams) {
+      tokens[m].extra_streams.push_back({s.labels, s.sample_valid});
     }
   }
   losses::StepStatsOptions options;
   options.mode = ToCeWeightMode(config_.loss().ce_mode());
-  options.mtp_depth = mtp_depth;
+  options.extra_streams = extra_streams;
   return losses::ComputeStepStats(world(), tokens, options);
-}
-
-// Phase 1b: the model's view of MTP (§15.1), no communication: each depth's labels widened to
-// int64 for the CE kernels, with the weights and D_j of phase 1. Empty (depth 0) when off.
-losses::MtpStats Trainer::MtpStatistics(const losses::StepStats& stats,
-                                        const std::vector<data::MicroBatch>& batches) {
-  losses::MtpStats mtp;
-  const int k = static_cast<int>(stats.global_mtp_weight_sums.size());
-  if (k == 0) return mtp;
-  mtp.depth = k;
-  mtp.global_weight_sum = stats.global_mtp_weight_sums;
-  mtp.local_weight_sum = stats.local_mtp_weight_sums;
-  mtp.token_weights = stats.mtp_token_weights;
-  mtp.labels.assign(k, std::vector<std::vector<int64_t>>(batches.size()));
-  for (int j = 0; j < k; ++j) {
-    for (size_t m = 0; m < batches.size(); ++m) {
-      mtp.labels[j][m].assign(batches[m].mtp_labels[j].begin(), batches[m].mtp_labels[j].end());
-    }
-  }
-  return mtp;
 }
 
 // Phase 2: every micro-batch's forward and backward through the unit schedule, which
 // issues each unit's SUM reduction as backward completes its gradient.
 absl::Status Trainer::RunMicroBatches(const std::vector<data::MicroBatch>& batches,
-                                      const losses::StepStats& stats, const losses::MtpStats& mtp) {
+                                      const losses::StepStats& stats) {
   for (size_t m = 0; m < batches.size(); ++m) {
-    GRADSUM_RETURN_IF_ERROR(model_
-                                ->ForwardBackward(batches[m], stats, static_cast<int>(m), &display_,
-                                                  mtp.depth > 0 ? &mtp : nullptr)
-                                .status());
+    GRADSUM_RETURN_IF_ERROR(
+        model_->ForwardBackward(batches[m], stats, static_cast<int>(m), &display_).status());
   }
   return absl::OkStatus();
 }
@@ -496,8 +467,9 @@ absl::StatusOr<StepMetrics> Trainer::MakeRecord(const losses::StepStats& stats,
   // absent otherwise, so that the records of runs without it are unchanged.
   if (absl::StatusOr<double> z_out = display.Value("z_out"); z_out.ok()) r.set_z_out(*z_out);
   r.set_loss(display.total_loss);
-  for (int j = 1; j <= config_.model().mtp_depth(); ++j) {
-    GRADSUM_ASSIGN_OR_RETURN(const double v, display.Value(absl::StrCat("mtp_", j)));
+  // The further label streams' heads, in stream order (the record's field keeps its name).
+  for (const std::string& term : model_->ExtraStreamTerms()) {
+    GRADSUM_ASSIGN_OR_RETURN(const double v, display.Value(term));
     r.add_mtp(v);
   }
   r.set_valid_tokens(stats.global_valid_tokens);

@@ -38,7 +38,6 @@
 #include "data/loader.h"
 #include "io/dir_lock.h"
 #include "losses/display.h"
-#include "losses/mtp.h"
 #include "losses/step_stats.h"
 #include "losses/token_weights.h"
 #include "optim/adamw.h"
@@ -121,16 +120,12 @@ class Trainer {
   };
 
   // The phases of Step, in order.
-  // D, N and, for `mtp_depth` > 0, each MTP depth's D_j (SEMANTICS.md §15.1) in the step's
-  // one statistics all-reduce.
+  // D, N and each further label stream's D_j (`extra_streams` of them) in the step's one
+  // statistics all-reduce.
   absl::StatusOr<losses::StepStats> ComputeStatistics(const std::vector<data::MicroBatch>& batches,
-                                                      int mtp_depth);
-  // MTP's view for the model: each depth's labels (from the loader's rolled ones) with the
-  // weights and D_j of ComputeStatistics. Empty (depth 0) when off.
-  static losses::MtpStats MtpStatistics(const losses::StepStats& stats,
-                                        const std::vector<data::MicroBatch>& batches);
+                                                      int extra_streams);
   absl::Status RunMicroBatches(const std::vector<data::MicroBatch>& batches,
-                               const losses::StepStats& stats, const losses::MtpStats& mtp);
+                               const losses::StepStats& stats);
   absl::Status FinishReductions();
   absl::StatusOr<double> ClipGradients();  // the global grad norm before clipping
   absl::StatusOr<double> ApplyAdamW();     // the step's lr

@@ -60,13 +60,13 @@ class CudaOps : public MoeBlockOps {
       : config_(spec.config()),
         ctx_(std::move(ctx)),
         mesh_(&mesh),
-        moe_kernels_(
-            moe::MakeMoeLayersCuda(&exec_, mesh, MoeLayerConfigOf(config_),
-                                   {.alpha_z = config_.alpha_z, .alpha_b = config_.alpha_b},
-                                   config_.layers + config_.mtp_depth)) {
+        moe_kernels_(moe::MakeMoeLayersCuda(
+            &exec_, mesh, MoeLayerConfigOf(config_),
+            {.alpha_z = config_.alpha_z, .alpha_b = config_.alpha_b}, spec.moe_layers())) {
     const MoeLmConfig& m = config_;
-    // The L main MoE layers, then one per MTP depth (SEMANTICS.md §15.1).
-    InitMoeBlock(moe_kernels_.get(), m);
+    // Every MoE layer of the spec: the L main ones, then the extra blocks' (§15.1).
+    InitMoeBlock(moe_kernels_.get(), spec);
+    extra_streams_ = spec.label_streams() - 1;
     exec_.blas = &ctx_->blas;
     exec_.stream = ctx_->stream.get();
     exec_.fence = ctx_->fence;
@@ -84,14 +84,14 @@ class CudaOps : public MoeBlockOps {
 
   absl::Status Begin(const MicroBatchInputs& in) override {
     GRADSUM_CUDA_RETURN_IF_ERROR(cudaSetDevice(ctx_->device), "cudaSetDevice");
-    const int k = in.forward_only ? 0 : config_.mtp_depth;
+    const int k = in.forward_only ? 0 : extra_streams_;
     GRADSUM_RETURN_IF_ERROR(CheckBatch(in, k));
     in_ = in;
     if (config_.attention) GRADSUM_RETURN_IF_ERROR(UploadAttentionLayout(in));
     GRADSUM_RETURN_IF_ERROR(ReserveRows(in.rows, k));
     labels_host_.assign(in.labels.begin(), in.labels.end());
     mask_host_.assign(in.mask.begin(), in.mask.end());
-    if (k > 0) GRADSUM_RETURN_IF_ERROR(UploadMtpRows(in, k));
+    if (k > 0) GRADSUM_RETURN_IF_ERROR(UploadStreamRows(in, k));
     GRADSUM_RETURN_IF_ERROR(UploadBatch(in, k));
     double* d = scalars_.as<double>();  // D, N, ce, z, bal, ...
     moe_kernels_->BeginMicroBatch({.rows = in.rows,
@@ -106,7 +106,7 @@ class CudaOps : public MoeBlockOps {
   }
 
   // What Begin checks on the host before any device work (the kernels trust it): one block
-  // per micro-batch, every label (main and each MTP depth's) in [0, V) or ignored.
+  // per micro-batch, every label (every stream's) in [0, V) or ignored.
   absl::Status CheckBatch(const MicroBatchInputs& in, int k) const {
     if (in.row_block != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -114,7 +114,7 @@ class CudaOps : public MoeBlockOps {
           " rows (per-sequence blocks are the exact gradient precision's: CPU backends only)"));
     }
     const int64_t V = config_.vocab, T = in.rows;
-    // `where` prefixes the message ("" for the main labels, "MTP depth j: ").
+    // `where` prefixes the message ("" for the main labels, "label stream j: ").
     auto check_labels = [&](auto labels, const std::string& where) -> absl::Status {
       for (int64_t t = 0; t < T; ++t) {
         const int64_t y = labels[t];
@@ -127,10 +127,10 @@ class CudaOps : public MoeBlockOps {
       return absl::OkStatus();
     };
     GRADSUM_RETURN_IF_ERROR(check_labels(in.labels, ""));
-    GRADSUM_RETURN_IF_ERROR(CheckMtpInputs(in, k));
+    GRADSUM_RETURN_IF_ERROR(CheckStreamInputs(in, k));
     for (int j = 0; j < k; ++j) {
       GRADSUM_RETURN_IF_ERROR(
-          check_labels(in.mtp_labels[j], absl::StrCat("MTP depth ", j + 1, ": ")));
+          check_labels(in.extra_streams[j].labels, absl::StrCat("label stream ", j + 1, ": ")));
     }
     return absl::OkStatus();
   }
@@ -178,7 +178,7 @@ class CudaOps : public MoeBlockOps {
     return absl::OkStatus();
   }
 
-  // The device buffers of a micro-batch of T rows (and k MTP depths), grown when T changes.
+  // The device buffers of a micro-batch of T rows (and k extra streams), grown when T changes.
   absl::Status ReserveRows(int64_t T, int k) {
     if (rows_ == T) return absl::OkStatus();
     const int64_t V = config_.vocab;
@@ -186,60 +186,59 @@ class CudaOps : public MoeBlockOps {
     GRADSUM_RETURN_IF_ERROR(Reserve(&labels_, T * sizeof(int64_t)));
     GRADSUM_RETURN_IF_ERROR(Reserve(&mask_, T));
     GRADSUM_RETURN_IF_ERROR(Reserve(&weights_, T * sizeof(float)));
-    GRADSUM_RETURN_IF_ERROR(
-        Reserve(&scalars_, (kScalars + 2 * config_.mtp_depth) * sizeof(double)));
+    GRADSUM_RETURN_IF_ERROR(Reserve(&scalars_, (kScalars + 2 * extra_streams_) * sizeof(double)));
     if (k > 0) {
-      GRADSUM_RETURN_IF_ERROR(Reserve(&mtp_tokens_, k * T * sizeof(int32_t)));
-      GRADSUM_RETURN_IF_ERROR(Reserve(&mtp_labels_, k * T * sizeof(int64_t)));
-      GRADSUM_RETURN_IF_ERROR(Reserve(&mtp_weights_, k * T * sizeof(float)));
+      GRADSUM_RETURN_IF_ERROR(Reserve(&stream_tokens_, k * T * sizeof(int32_t)));
+      GRADSUM_RETURN_IF_ERROR(Reserve(&stream_labels_, k * T * sizeof(int64_t)));
+      GRADSUM_RETURN_IF_ERROR(Reserve(&stream_weights_, k * T * sizeof(float)));
     }
     GRADSUM_RETURN_IF_ERROR(Reserve(&logits_, static_cast<size_t>(T) * V * sizeof(float)));
     rows_ = T;
     return absl::OkStatus();
   }
 
-  // The k MTP depths' tokens, labels and CE weights: depth j's rows at j * T, staged
-  // contiguously on the host (pageable copies).
-  absl::Status UploadMtpRows(const MicroBatchInputs& in, int k) {
+  // The k extra streams' tokens, labels (widened to int64) and CE weights: stream j's rows
+  // at (j - 1) T, staged contiguously on the host (pageable copies).
+  absl::Status UploadStreamRows(const MicroBatchInputs& in, int k) {
     const int64_t T = in.rows;
     cudaStream_t s = exec_.stream;
-    mtp_tokens_host_.resize(k * T);
-    mtp_labels_host_.resize(k * T);
-    mtp_weights_host_.assign(in.mtp_ce_weights.empty() ? 0 : k * T, 0.0f);
+    bool weighted = false;
+    for (const MicroBatchInputs::Stream& x : in.extra_streams) weighted |= !x.ce_weights.empty();
+    stream_tokens_host_.resize(k * T);
+    stream_labels_host_.resize(k * T);
+    stream_weights_host_.assign(weighted ? k * T : 0, 0.0f);
     for (int j = 0; j < k; ++j) {
-      std::copy(in.mtp_tokens[j].begin(), in.mtp_tokens[j].end(), mtp_tokens_host_.begin() + j * T);
-      std::copy(in.mtp_labels[j].begin(), in.mtp_labels[j].end(), mtp_labels_host_.begin() + j * T);
-      if (!in.mtp_ce_weights.empty()) {
-        std::copy(in.mtp_ce_weights[j].begin(), in.mtp_ce_weights[j].end(),
-                  mtp_weights_host_.begin() + j * T);
-      }
+      const MicroBatchInputs::Stream& x = in.extra_streams[j];
+      std::copy(x.tokens.begin(), x.tokens.end(), stream_tokens_host_.begin() + j * T);
+      std::copy(x.labels.begin(), x.labels.end(), stream_labels_host_.begin() + j * T);
+      std::copy(x.ce_weights.begin(), x.ce_weights.end(), stream_weights_host_.begin() + j * T);
     }
     GRADSUM_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(mtp_tokens_.get(), mtp_tokens_host_.data(), k * T * sizeof(int32_t),
+        cudaMemcpyAsync(stream_tokens_.get(), stream_tokens_host_.data(), k * T * sizeof(int32_t),
                         cudaMemcpyHostToDevice, s),
-        "upload MTP tokens");
+        "upload label streams' tokens");
     GRADSUM_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(mtp_labels_.get(), mtp_labels_host_.data(), k * T * sizeof(int64_t),
+        cudaMemcpyAsync(stream_labels_.get(), stream_labels_host_.data(), k * T * sizeof(int64_t),
                         cudaMemcpyHostToDevice, s),
-        "upload MTP labels");
-    if (!mtp_weights_host_.empty()) {
+        "upload label streams' labels");
+    if (!stream_weights_host_.empty()) {
       GRADSUM_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(mtp_weights_.get(), mtp_weights_host_.data(), k * T * sizeof(float),
+          cudaMemcpyAsync(stream_weights_.get(), stream_weights_host_.data(), k * T * sizeof(float),
                           cudaMemcpyHostToDevice, s),
-          "upload MTP CE weights");
+          "upload label streams' CE weights");
     }
     return absl::OkStatus();
   }
 
   // The tokens, labels, mask, CE weights and the step statistics: D, N, the loss slots,
-  // then per MTP depth its normaliser D_j k / mtp_scale and its loss slot.
+  // then per extra stream its normaliser and its loss slot.
   absl::Status UploadBatch(const MicroBatchInputs& in, int k) {
     const int64_t T = in.rows;
     cudaStream_t s = exec_.stream;
-    std::vector<double> scalars(kScalars + 2 * config_.mtp_depth, 0.0);  // MTP slots 0 if unused
+    std::vector<double> scalars(kScalars + 2 * extra_streams_, 0.0);  // stream slots 0 if unused
     scalars[0] = in.global_ce_weight_sum;
     scalars[1] = static_cast<double>(in.global_routed_tokens);
-    for (int j = 0; j < k; ++j) scalars[kScalars + 2 * j] = in.mtp_ce_normaliser[j];
+    for (int j = 0; j < k; ++j) scalars[kScalars + 2 * j] = in.extra_streams[j].ce_normaliser;
     GRADSUM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(tokens_.get(), in.tokens.data(),
                                                  T * sizeof(int32_t), cudaMemcpyHostToDevice, s),
                                  "upload tokens");
@@ -265,47 +264,15 @@ class CudaOps : public MoeBlockOps {
     return AddCuda(a, b, out, n, exec_.stream);
   }
 
-  absl::Status EmbeddingForward(const float* emb, float* h) override {
-    return EmbeddingForwardCuda(emb, tokens_.as<int32_t>(), in_.rows, config_.dim, h, exec_.stream);
+  absl::Status EmbeddingForward(int stream, const float* emb, float* h) override {
+    GRADSUM_ASSIGN_OR_RETURN(const int32_t* tokens, StreamTokens(stream));
+    return EmbeddingForwardCuda(emb, tokens, in_.rows, config_.dim, h, exec_.stream);
   }
 
-  absl::Status EmbeddingBackward(const float* dh, GradTarget demb) override {
+  absl::Status EmbeddingBackward(int stream, const float* dh, GradTarget demb) override {
+    GRADSUM_ASSIGN_OR_RETURN(const int32_t* tokens, StreamTokens(stream));
     GRADSUM_ASSIGN_OR_RETURN(float* grad, DeviceGrad(demb, "emb"));
-    return EmbeddingBackwardCuda(tokens_.as<int32_t>(), dh, in_.rows, config_.dim, grad,
-                                 exec_.stream);
-  }
-
-  // ---- Multi-token prediction (SEMANTICS.md §15.1): the main path's kernels on depth j's
-  // shifted tokens, labels, weights and normaliser. ----
-  bool CanMtp() const override { return true; }
-
-  absl::Status MtpEmbeddingForward(int depth, const float* emb, float* h) override {
-    GRADSUM_RETURN_IF_ERROR(CheckDepth(depth));
-    return EmbeddingForwardCuda(emb, mtp_tokens_.as<int32_t>() + (depth - 1) * in_.rows, in_.rows,
-                                config_.dim, h, exec_.stream);
-  }
-
-  absl::Status MtpEmbeddingBackward(int depth, const float* dh, GradTarget demb) override {
-    GRADSUM_RETURN_IF_ERROR(CheckDepth(depth));
-    GRADSUM_ASSIGN_OR_RETURN(float* grad, DeviceGrad(demb, "emb"));
-    return EmbeddingBackwardCuda(mtp_tokens_.as<int32_t>() + (depth - 1) * in_.rows, dh, in_.rows,
-                                 config_.dim, grad, exec_.stream);
-  }
-
-  // The depth's output z-loss stays in its mtp_<j> term (§15.1), so its CE writes one value.
-  absl::Status MtpLmHeadCrossEntropy(int depth, const float* f, const float* w_out, float* grad_f,
-                                     GradTarget grad_out) override {
-    GRADSUM_RETURN_IF_ERROR(CheckDepth(depth));
-    const int64_t T = in_.rows;
-    double* slots = scalars_.as<double>() + kScalars + 2 * (depth - 1);
-    HeadLabels labels;
-    labels.labels = mtp_labels_.as<int64_t>() + (depth - 1) * T;
-    // As the CPU ops: a depth without CE weights is in token mode.
-    const bool weighted = !in_.mtp_ce_weights.empty() && !in_.mtp_ce_weights[depth - 1].empty();
-    labels.weights = weighted ? mtp_weights_.as<float>() + (depth - 1) * T : nullptr;
-    labels.global_weight_sum = slots;
-    labels.loss = slots + 1;
-    return HeadCrossEntropy(f, w_out, grad_f, &grad_out, labels);
+    return EmbeddingBackwardCuda(tokens, dh, in_.rows, config_.dim, grad, exec_.stream);
   }
 
   absl::Status RmsNormForward(const float* x, const float* gain, float* y,
@@ -328,9 +295,22 @@ class CudaOps : public MoeBlockOps {
     return moe::RmsNormBackwardCuda(n, exec_.stream);
   }
 
-  absl::Status LmHeadCrossEntropy(const float* f, const float* w_out, float* grad_f,
+  absl::Status LmHeadCrossEntropy(int stream, const float* f, const float* w_out, float* grad_f,
                                   GradTarget grad_out) override {
-    return HeadCrossEntropy(f, w_out, grad_f, &grad_out, MainHeadLabels());
+    GRADSUM_RETURN_IF_ERROR(CheckStream(stream));
+    if (stream == 0) return HeadCrossEntropy(f, w_out, grad_f, &grad_out, MainHeadLabels());
+    // A further stream: the main path's kernel on its labels, weights and normaliser; its
+    // output z-loss stays in its own term, so its CE writes one value.
+    const int64_t T = in_.rows;
+    double* slots = scalars_.as<double>() + kScalars + 2 * (stream - 1);
+    HeadLabels labels;
+    labels.labels = stream_labels_.as<int64_t>() + (stream - 1) * T;
+    // As the CPU ops: a stream without CE weights is in token mode.
+    const bool weighted = !in_.extra_streams[stream - 1].ce_weights.empty();
+    labels.weights = weighted ? stream_weights_.as<float>() + (stream - 1) * T : nullptr;
+    labels.global_weight_sum = slots;
+    labels.loss = slots + 1;
+    return HeadCrossEntropy(f, w_out, grad_f, &grad_out, labels);
   }
 
   // Forward only: the same GEMM and CE kernel, with no gradient (the kernel's forward-only
@@ -468,10 +448,12 @@ class CudaOps : public MoeBlockOps {
 
   absl::StatusOr<MicroBatchLossTerms> End() override {
     cudaStream_t s = exec_.stream;
-    const int k = config_.mtp_depth;
-    // Every MoE layer that ran: MTP's too, except in an evaluation (which skips them).
-    const int L = config_.layers + (in_.forward_only ? 0 : k), E = config_.experts;
-    // ce, z, bal, z_out (scalars 2..5), the objective (6), then per depth (D_j', loss_j).
+    const int k = extra_streams_;
+    // Every MoE layer that ran: the extra blocks' too, except in an evaluation (which skips
+    // them).
+    const int L = (in_.forward_only ? config_.layers : static_cast<int>(layers_.size()));
+    const int E = config_.experts;
+    // ce, z, bal, z_out (scalars 2..5), the objective (6), then per stream (D_j', loss_j).
     std::vector<double> losses_host(kScalars - 2 + 2 * k, 0.0);
     GRADSUM_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(losses_host.data(), scalars_.as<double>() + 2,
@@ -503,11 +485,11 @@ class CudaOps : public MoeBlockOps {
       terms.z_out = losses_host[3];
       terms.z_out_terms = {terms.z_out};
     }
-    terms.mtp.resize(k);
-    terms.mtp_terms.resize(k);
+    terms.extra_ce.resize(k);
+    terms.extra_ce_terms.resize(k);
     for (int j = 0; j < k; ++j) {
-      terms.mtp[j] = losses_host[kScalars - 2 + 2 * j + 1];
-      terms.mtp_terms[j] = {terms.mtp[j]};
+      terms.extra_ce[j] = losses_host[kScalars - 2 + 2 * j + 1];
+      terms.extra_ce_terms[j] = {terms.extra_ce[j]};
     }
     return terms;
   }
@@ -521,8 +503,8 @@ class CudaOps : public MoeBlockOps {
   int64_t HeldActivationBytes() const override {
     int64_t bytes = moe_kernels_->HeldBytes();
     for (const DeviceBuffer* b :
-         {&tokens_, &labels_, &mask_, &weights_, &logits_, &mtp_tokens_, &mtp_labels_,
-          &mtp_weights_, &rope_cos_, &rope_sin_, &doc_start_}) {
+         {&tokens_, &labels_, &mask_, &weights_, &logits_, &stream_tokens_, &stream_labels_,
+          &stream_weights_, &rope_cos_, &rope_sin_, &doc_start_}) {
       bytes += static_cast<int64_t>(b->size());
     }
     return bytes;
@@ -562,7 +544,7 @@ class CudaOps : public MoeBlockOps {
 
   // logits = f @ W_out, the fused CE in place with §3.2's options (as the CPU ops pass
   // them), grad_f = dlogits @ W_out^T, dW_out += f^T @ dlogits (§3). The main head and
-  // every MTP depth's. grad_out null: forward only (the loss; nothing else written).
+  // every further label stream's. grad_out null: forward only (the loss; nothing else written).
   absl::Status HeadCrossEntropy(const float* f, const float* w_out, float* grad_f,
                                 GradTarget* grad_out, const HeadLabels& labels) {
     float* d_out = nullptr;
@@ -595,12 +577,19 @@ class CudaOps : public MoeBlockOps {
                         d_out, V, DType::kF32, 1.0f);
   }
 
-  absl::Status CheckDepth(int depth) const {
-    if (depth < 1 || depth > config_.mtp_depth) {
+  absl::Status CheckStream(int stream) const {
+    if (stream < 0 || stream > static_cast<int>(in_.extra_streams.size())) {
       return absl::InvalidArgumentError(
-          absl::StrCat("MTP depth ", depth, " outside [1, ", config_.mtp_depth, "]"));
+          absl::StrCat("label stream ", stream, " outside [0, ", in_.extra_streams.size(), "]"));
     }
     return absl::OkStatus();
+  }
+
+  // Label stream `stream`'s input tokens on the device.
+  absl::StatusOr<const int32_t*> StreamTokens(int stream) const {
+    GRADSUM_RETURN_IF_ERROR(CheckStream(stream));
+    return stream == 0 ? tokens_.as<int32_t>()
+                       : stream_tokens_.as<int32_t>() + (stream - 1) * in_.rows;
   }
 
   // `heads` query heads over whole sequences (as the CPU ops), each with its own key/value
@@ -639,14 +628,16 @@ class CudaOps : public MoeBlockOps {
   std::vector<int64_t> labels_host_;
   std::vector<uint8_t> mask_host_;
   DeviceBuffer tokens_, labels_, mask_, weights_;
-  // MTP (k > 0): depth j's tokens, labels and CE weights at rows [j T, (j + 1) T).
-  DeviceBuffer mtp_tokens_, mtp_labels_, mtp_weights_;
-  std::vector<int32_t> mtp_tokens_host_;
-  std::vector<int64_t> mtp_labels_host_;
-  std::vector<float> mtp_weights_host_;
+  // The k extra label streams: stream j's tokens, labels and CE weights at rows
+  // [(j - 1) T, j T).
+  int extra_streams_ = 0;  // MoeLmSpec::label_streams() - 1
+  DeviceBuffer stream_tokens_, stream_labels_, stream_weights_;
+  std::vector<int32_t> stream_tokens_host_;
+  std::vector<int64_t> stream_labels_host_;
+  std::vector<float> stream_weights_host_;
   // D, N, ce, z, bal, z_out, and the LM head's objective ce + z_out with alpha_lse > 0
-  // (f64; z_out and the objective are written only then); then, per MTP depth j, its
-  // normaliser D_j k / mtp_scale at kScalars + 2 (j - 1) and its loss term after it.
+  // (f64; z_out and the objective are written only then); then, per extra label stream j,
+  // its normaliser at kScalars + 2 (j - 1) and its loss term after it.
   static constexpr int kScalars = 7;
   DeviceBuffer scalars_;
   DeviceBuffer logits_;  // [T, V], its CE gradient in place

@@ -135,8 +135,8 @@ void ExpectEveryOpMatchesTheHostOps(const MoeLmConfig& c, bool sample_weights,
   // Embedding forward.
   std::vector<float> h = zeros(T * D);
   DeviceBuffer h_d = dz(T * D);
-  ASSERT_TRUE((*cpu)->EmbeddingForward(emb.data(), h.data()).ok());
-  ASSERT_TRUE((*gpu)->EmbeddingForward(emb_d.as<float>(), h_d.as<float>()).ok());
+  ASSERT_TRUE((*cpu)->EmbeddingForward(/*stream=*/0, emb.data(), h.data()).ok());
+  ASSERT_TRUE((*gpu)->EmbeddingForward(/*stream=*/0, emb_d.as<float>(), h_d.as<float>()).ok());
   ExpectClose(Host<float>(h_d), h, "h");
 
   // RMSNorm forward.
@@ -165,10 +165,11 @@ void ExpectEveryOpMatchesTheHostOps(const MoeLmConfig& c, bool sample_weights,
   std::vector<float> grad_f = zeros(T * D), d_out = zeros(D * V);
   DeviceBuffer grad_f_d = dz(T * D), d_out_d = dz(D * V);
   ASSERT_TRUE((*cpu)
-                  ->LmHeadCrossEntropy(a.data(), w_out.data(), grad_f.data(),
+                  ->LmHeadCrossEntropy(/*stream=*/0, a.data(), w_out.data(), grad_f.data(),
                                        GradTarget::Accumulate(d_out.data(), D * V))
                   .ok());
-  s = (*gpu)->LmHeadCrossEntropy(a_d.as<float>(), w_out_d.as<float>(), grad_f_d.as<float>(),
+  s = (*gpu)->LmHeadCrossEntropy(/*stream=*/0, a_d.as<float>(), w_out_d.as<float>(),
+                                 grad_f_d.as<float>(),
                                  GradTarget::Accumulate(d_out_d.as<float>(), D * V));
   ASSERT_TRUE(s.ok()) << s;
   ExpectClose(Host<float>(grad_f_d), grad_f, "grad_f");
@@ -213,11 +214,13 @@ void ExpectEveryOpMatchesTheHostOps(const MoeLmConfig& c, bool sample_weights,
   std::vector<float> demb = zeros(V * D);
   DeviceBuffer demb_d = dz(V * D);
   ASSERT_TRUE(
-      (*cpu)->EmbeddingBackward(dy.data(), GradTarget::Accumulate(demb.data(), V * D)).ok());
-  ASSERT_TRUE(
-      (*gpu)
-          ->EmbeddingBackward(dy_d.as<float>(), GradTarget::Accumulate(demb_d.as<float>(), V * D))
+      (*cpu)
+          ->EmbeddingBackward(/*stream=*/0, dy.data(), GradTarget::Accumulate(demb.data(), V * D))
           .ok());
+  ASSERT_TRUE((*gpu)
+                  ->EmbeddingBackward(/*stream=*/0, dy_d.as<float>(),
+                                      GradTarget::Accumulate(demb_d.as<float>(), V * D))
+                  .ok());
   ExpectClose(Host<float>(demb_d), demb, "demb");
 
   // The loss values and the counts.
