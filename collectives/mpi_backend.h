@@ -21,6 +21,12 @@
 // sync versus async"); without the check a mix hangs until the watchdog ends the job. The
 // options forms with a per-call timeout (communicator.h) are async + Wait, hence async.
 //
+// Point-to-point (SendAsync / RecvAsync): header, payload and the receiver's verdict as MPI
+// messages on the communicator's duplicate, posted at issue on the caller's thread (not
+// queued behind the collectives) and driven by whoever waits on one; sizes are checked on
+// both sides, and a half not matched within `timeout` fails with DeadlineExceeded naming the
+// peer and where every peer is (mpi_backend.cc, "Point-to-point").
+//
 // Timeouts. A rank that never arrives makes the others fail after `timeout`:
 // - an async operation fails with DeadlineExceeded, and the
 //   communicator is then broken (FailedPrecondition on every later call);

@@ -47,6 +47,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -71,6 +72,7 @@ using collectives_internal::MakeCall;
 using collectives_internal::OpCall;
 using collectives_internal::OpKind;
 using collectives_internal::OpKindName;
+using collectives_internal::PointToPointLabel;
 
 // A status that shares no heap state with `s`. absl::Status copies share a refcounted
 // message; the system abseil is not TSan-instrumented, so TSan cannot see that refcount's
@@ -176,6 +178,30 @@ struct OpArgs {
   const std::string* local_error = nullptr;
 };
 
+// One posted point-to-point operation (SendAsync / RecvAsync), shared by its channel and
+// its Work handle.
+struct P2POp {
+  bool send = false;
+  int src = 0, dst = 0, tag = 0;  // the pair and tag it matches on
+  const void* send_buf = nullptr;
+  void* recv_buf = nullptr;
+  size_t count = 0;
+  DType dtype = DType::kF32;
+  std::string local_error;  // non-empty: this side's arguments were invalid
+  Clock::time_point deadline;
+  std::atomic<bool> done{false};
+  absl::Status status;      // written before done
+  absl::Time completed_at;  // written before done
+
+  int owner() const { return send ? src : dst; }
+  int peer() const { return send ? dst : src; }
+  std::string Label() const { return PointToPointLabel(send, peer(), tag); }
+};
+
+struct P2PChannel {
+  std::deque<std::shared_ptr<P2POp>> sends, recvs;
+};
+
 struct Group;
 
 struct alignas(64) Posted {
@@ -206,6 +232,13 @@ struct Group {
   std::map<int, std::shared_ptr<Group>> split_groups;  // guarded by mu
   int split_taken = 0;                                 // guarded by mu
 
+  // Point-to-point: the posted, unmatched sends and receives of each (source, destination,
+  // tag), in issue order; whoever posts the second half of a pair moves the data. Waiters
+  // sleep on p2p_event (notified on every completion and when the group breaks).
+  std::mutex p2p_mu;
+  std::map<std::tuple<int, int, int>, P2PChannel> channels;  // guarded by p2p_mu
+  Event p2p_event;
+
   void Break(absl::StatusCode code, absl::string_view why) {
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -216,6 +249,7 @@ struct Group {
     }
     broken.store(true, std::memory_order_release);
     event.Notify();
+    p2p_event.Notify();
   }
   absl::Status Failure() {
     std::lock_guard<std::mutex> lock(mu);
@@ -327,6 +361,109 @@ class DoneWork : public Work {
   const absl::Time completed_at_;
 };
 
+// ---- Point-to-point. ----
+
+void CompleteP2P(P2POp& op, absl::Status s) {
+  op.status = std::move(s);
+  op.completed_at = absl::Now();
+  op.done.store(true, std::memory_order_release);
+}
+
+// A matched send and receive: moves the data, or fails both sides alike (each message
+// naming its peer). Runs on the thread that posted the second half, outside p2p_mu.
+void RunMatched(Group& g, P2POp& send, P2POp& recv) {
+  absl::Status send_status, recv_status;
+  if (!send.local_error.empty() || !recv.local_error.empty()) {
+    const bool sender_bad = !send.local_error.empty();
+    const P2POp& bad = sender_bad ? send : recv;
+    const std::string why = absl::StrCat("rank ", bad.owner(), " passed invalid arguments to its ",
+                                         bad.Label(), ": ", bad.local_error);
+    send_status = absl::InvalidArgumentError(absl::StrCat(send.Label(), ": ", why));
+    recv_status = absl::InvalidArgumentError(absl::StrCat(recv.Label(), ": ", why));
+  } else if (send.count != recv.count || send.dtype != recv.dtype) {
+    const std::string sends = absl::StrCat(send.count, " ", DTypeName(send.dtype));
+    const std::string expects = absl::StrCat(recv.count, " ", DTypeName(recv.dtype));
+    send_status = absl::InvalidArgumentError(
+        absl::StrCat(send.Label(), ": size mismatch: rank ", send.dst, " expects ", expects,
+                     " elements, this rank (", send.src, ") sends ", sends));
+    recv_status = absl::InvalidArgumentError(
+        absl::StrCat(recv.Label(), ": size mismatch: rank ", recv.src, " sends ", sends,
+                     " elements, this rank (", recv.dst, ") expects ", expects));
+  } else if (send.count > 0) {
+    std::memcpy(recv.recv_buf, send.send_buf, send.count * DTypeSize(send.dtype));
+  }
+  CompleteP2P(send, std::move(send_status));
+  CompleteP2P(recv, std::move(recv_status));
+  g.p2p_event.Notify();
+}
+
+class P2PWork : public Work {
+ public:
+  P2PWork(std::shared_ptr<Group> group, std::shared_ptr<P2POp> op)
+      : group_(std::move(group)), op_(std::move(op)) {}
+
+  absl::Status Wait(absl::Duration timeout) override {
+    Group& g = *group_;
+    P2POp& op = *op_;
+    const Clock::time_point wait_end =
+        timeout == absl::InfiniteDuration()
+            ? Clock::time_point::max()
+            : Clock::now() + absl::ToChronoNanoseconds(std::max(timeout, absl::ZeroDuration()));
+    const auto done = [&] { return op.done.load(std::memory_order_acquire); };
+    g.p2p_event.Wait([&] { return done() || g.broken.load(std::memory_order_acquire); },
+                     std::min(wait_end, op.deadline), Clock::duration::zero());
+    if (done()) return Fresh(op.status);
+    const bool broken = g.broken.load(std::memory_order_acquire);
+    if (!broken && Clock::now() < op.deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(op.Label(), " still in flight after waiting ",
+                                                      absl::FormatDuration(timeout)));
+    }
+    // The peer never posted its half (or the group broke): withdraw the operation, unless
+    // the peer matched it meanwhile (then its copy finishes without waiting on anyone).
+    if (!Withdraw(g, op_)) {
+      g.p2p_event.Wait(done, Clock::time_point::max(), Clock::duration::zero());
+      return Fresh(op.status);
+    }
+    absl::Status s;
+    if (broken) {
+      s = absl::FailedPreconditionError(
+          absl::StrCat(op.Label(), ": the thread communicator is unusable after an earlier ",
+                       "failure: ", g.Failure().message()));
+    } else {
+      s = absl::DeadlineExceededError(absl::StrCat(
+          op.Label(), " (rank ", op.owner(), " of ", g.size, "): rank ", op.peer(),
+          " did not post the matching ", op.send ? "recv" : "send", " within the timeout of ",
+          absl::FormatDuration(g.timeout), " (stopped, hung or gone)"));
+      g.Break(s.code(), s.message());
+    }
+    CompleteP2P(op, Fresh(s));
+    g.p2p_event.Notify();
+    return s;
+  }
+
+  bool IsCompleted() override { return op_->done.load(std::memory_order_acquire); }
+  absl::Time CompletionTime() override {
+    return IsCompleted() ? op_->completed_at : absl::InfiniteFuture();
+  }
+
+  // Takes `op` off its channel if it is still unmatched there; false if it was matched.
+  static bool Withdraw(Group& g, const std::shared_ptr<P2POp>& op) {
+    std::lock_guard<std::mutex> lock(g.p2p_mu);
+    auto it = g.channels.find({op->src, op->dst, op->tag});
+    if (it == g.channels.end()) return false;
+    auto& queue = op->send ? it->second.sends : it->second.recvs;
+    auto pos = std::find(queue.begin(), queue.end(), op);
+    if (pos == queue.end()) return false;
+    queue.erase(pos);
+    if (it->second.sends.empty() && it->second.recvs.empty()) g.channels.erase(it);
+    return true;
+  }
+
+ private:
+  const std::shared_ptr<Group> group_;
+  const std::shared_ptr<P2POp> op_;
+};
+
 const char* Ptr(const void* p, size_t off_bytes) { return static_cast<const char*>(p) + off_bytes; }
 char* Ptr(void* p, size_t off_bytes) { return static_cast<char*>(p) + off_bytes; }
 
@@ -373,6 +510,9 @@ class ThreadCommunicator : public Communicator {
     }
     // If an operation of ours is still waiting for peers, break the group so that it (and
     // the peers, who can no longer complete with us) return instead of hanging.
+    // The same for a send or receive of ours that no peer has matched yet: its peer
+    // would otherwise wait for it until the timeout.
+    if (AbandonP2P()) abandoning = true;
     if (abandoning) {
       group_->Break(absl::StatusCode::kFailedPrecondition,
                     absl::StrCat("rank ", rank_, "'s thread communicator was destroyed with an ",
@@ -440,6 +580,17 @@ class ThreadCommunicator : public Communicator {
     return std::move(op->split_result);
   }
 
+  // ---- Point-to-point: posted at issue on the pair's channel (see Group). ----
+
+  absl::StatusOr<std::unique_ptr<Work>> SendAsync(const void* buf, size_t count, DType dtype,
+                                                  int peer, int tag) override {
+    return PostP2P(/*send=*/true, buf, nullptr, count, dtype, peer, tag);
+  }
+  absl::StatusOr<std::unique_ptr<Work>> RecvAsync(void* buf, size_t count, DType dtype, int peer,
+                                                  int tag) override {
+    return PostP2P(/*send=*/false, nullptr, buf, count, dtype, peer, tag);
+  }
+
   // ---- Sync forms: on the caller's thread, no allocation. ----
 
   absl::Status AllReduce(const void* send, void* recv, size_t count, DType dtype,
@@ -477,6 +628,89 @@ class ThreadCommunicator : public Communicator {
  private:
   absl::Status CheckLocal(const OpArgs& a) const {
     return collectives_internal::ValidateCall(a.call, rank_, size());
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> PostP2P(bool send, const void* send_buf, void* recv_buf,
+                                                size_t count, DType dtype, int peer, int tag) {
+    Group& g = *group_;
+    absl::Status local = collectives_internal::ValidatePointToPoint(
+        send, send ? send_buf : recv_buf, count, dtype, peer, tag, g.size);
+    // A call invalid in its count, dtype or buffer is still posted (when its peer and tag
+    // name a channel), so that the peer fails at once instead of waiting for the timeout.
+    if (!local.ok() && (peer < 0 || peer >= g.size || tag < 0 || tag > kMaxTag)) return local;
+    auto op = std::make_shared<P2POp>();
+    op->send = send;
+    op->src = send ? rank_ : peer;
+    op->dst = send ? peer : rank_;
+    op->tag = tag;
+    op->send_buf = send_buf;
+    op->recv_buf = recv_buf;
+    op->count = count;
+    op->dtype = dtype;
+    if (!local.ok()) op->local_error = std::string(local.message());
+    op->deadline = g.timeout == absl::InfiniteDuration()
+                       ? Clock::time_point::max()
+                       : Clock::now() + absl::ToChronoNanoseconds(g.timeout);
+    std::shared_ptr<P2POp> match;
+    {
+      std::lock_guard<std::mutex> lock(g.p2p_mu);
+      if (g.broken.load(std::memory_order_acquire)) {
+        return absl::FailedPreconditionError(
+            absl::StrCat(op->Label(), ": the thread communicator is unusable after an earlier ",
+                         "failure: ", g.Failure().message()));
+      }
+      P2PChannel& ch = g.channels[{op->src, op->dst, tag}];
+      auto& theirs = send ? ch.recvs : ch.sends;
+      if (theirs.empty()) {
+        (send ? ch.sends : ch.recvs).push_back(op);
+      } else {
+        match = std::move(theirs.front());
+        theirs.pop_front();
+        if (ch.sends.empty() && ch.recvs.empty()) g.channels.erase({op->src, op->dst, tag});
+      }
+    }
+    if (match != nullptr) {
+      if (send) {
+        RunMatched(g, *op, *match);
+      } else {
+        RunMatched(g, *match, *op);
+      }
+    }
+    if (!local.ok()) return local;
+    return std::unique_ptr<Work>(new P2PWork(group_, std::move(op)));
+  }
+
+  // Fails this rank's unmatched point-to-point operations (at destruction); true if any.
+  bool AbandonP2P() {
+    std::vector<std::shared_ptr<P2POp>> mine;
+    {
+      Group& g = *group_;
+      std::lock_guard<std::mutex> lock(g.p2p_mu);
+      for (auto it = g.channels.begin(); it != g.channels.end();) {
+        for (auto* queue : {&it->second.sends, &it->second.recvs}) {
+          for (auto op = queue->begin(); op != queue->end();) {
+            if ((*op)->owner() == rank_) {
+              mine.push_back(std::move(*op));
+              op = queue->erase(op);
+            } else {
+              ++op;
+            }
+          }
+        }
+        if (it->second.sends.empty() && it->second.recvs.empty()) {
+          it = g.channels.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    for (const auto& op : mine) {
+      CompleteP2P(*op, absl::FailedPreconditionError(
+                           absl::StrCat(op->Label(), ": rank ", rank_,
+                                        "'s thread communicator was destroyed with it pending")));
+    }
+    group_->p2p_event.Notify();
+    return !mine.empty();
   }
 
   // Runs a synchronous call on this thread when nothing of ours is queued or running;
