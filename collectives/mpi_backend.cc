@@ -31,6 +31,7 @@
 #include "absl/time/time.h"
 #include "collectives/checked_communicator.h"
 #include "collectives/op_descriptor.h"
+#include "collectives/progress_queue.h"
 #include "core/half.h"
 #include "core/status.h"
 
@@ -214,7 +215,10 @@ struct OpContext {
 
 using OpFn = std::function<absl::Status(OpContext&)>;
 
-struct Op {
+class MpiCommunicator;
+
+// One issued asynchronous operation: a task of the communicator's progress queue.
+struct Op final : collectives_internal::ProgressQueue::Task {
   Kind kind;
   int64_t seq = 0;  // issue order on this rank
   OpFn run;
@@ -223,8 +227,14 @@ struct Op {
   bool done = false;                                // guarded by mu
   absl::Status status;                              // written before done is set
   absl::Time finished_at = absl::InfiniteFuture();  // guarded by mu
+  // Runs it (the queue runs tasks only while the communicator lives).
+  MpiCommunicator* runner = nullptr;
+  absl::Status result;  // Run's, for Finish
 
-  void Finish(absl::Status s) {
+  void Run() override;  // after MpiCommunicator
+  void Finish() override { Complete(std::move(result)); }
+
+  void Complete(absl::Status s) {
     std::lock_guard<std::mutex> lock(mu);
     finished_at = absl::Now();
     status = std::move(s);
@@ -337,8 +347,6 @@ std::array<int64_t, 3> OldestPendingP2P() {
   return {oldest->send ? 1 : 0, oldest->peer_world, oldest->seq};
 }
 
-class MpiCommunicator;
-
 // What a communicator's point-to-point Works share with it (a Work may outlive it).
 struct P2PEngine {
   std::mutex mu;
@@ -391,16 +399,20 @@ class MpiCommunicator final : public Communicator {
       CallMpi([&] { return MPI_Group_free(&group); });
     }
     p2p_->owner = this;
-    worker_ = std::thread([this] { WorkerLoop(); });
+    // Idle, or a sync call runs on the caller's thread: the worker wakes every watch period
+    // to answer asks, check that call's deadline and drive point-to-point operations
+    // (nobody notifies for a sync call; that would cost a context switch per call).
+    queue_ = collectives_internal::ProgressQueue::Start({.on_idle =
+                                                             [this] {
+                                                               AnswerAsks();
+                                                               CheckWatchedCall();
+                                                               DriveP2PIdle();
+                                                             },
+                                                         .idle_period = watch_period_});
   }
 
   ~MpiCommunicator() override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stopping_ = true;
-    }
-    queue_cv_.notify_all();
-    worker_.join();  // after running what was already issued
+    queue_->Stop();  // after running what was already issued
     // Point-to-point operations still pending fail (their requests stay in flight: the
     // communicator is then left to MPI_Finalize, like a broken one).
     bool abandoned = false;
@@ -1049,13 +1061,12 @@ class MpiCommunicator final : public Communicator {
     op->kind = kind;
     op->seq = seq;
     op->run = std::move(fn);
+    op->runner = this;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (broken_) return absl::FailedPreconditionError(BrokenMessage());
-      queue_.push_back(op);
-      pending_.fetch_add(1, std::memory_order_relaxed);
     }
-    queue_cv_.notify_all();
+    queue_->Push(op);
     return std::unique_ptr<Work>(new MpiWork(std::move(op)));
   }
 
@@ -1069,40 +1080,30 @@ class MpiCommunicator final : public Communicator {
     // Fast path: no async operation is queued or running. Only this (the caller's) thread
     // issues operations, so the progress thread stays idle until this call returns, and
     // the acquire load orders everything it did (broken_, the scratch) before this call.
-    if (blocking_sync_ && pending_.load(std::memory_order_acquire) == 0) {
+    if (blocking_sync_ && queue_->pending() == 0) {
       if (broken_) return absl::FailedPreconditionError(BrokenMessage());
       return Execute(seq, kind, fn, /*blocking=*/true);
     }
     {
-      std::unique_lock<std::mutex> lock(mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       if (broken_) return absl::FailedPreconditionError(BrokenMessage());
-      if (executing_ || !queue_.empty()) {
-        if (!blocking_sync_) {
-          lock.unlock();
-          return WaitIssued(Enqueue(seq, kind, OpFn(fn)));
-        }
-        sync_waiting_ = true;
-        drained_cv_.wait(lock, [this] { return !executing_ && queue_.empty(); });
-        sync_waiting_ = false;
-        if (broken_) return absl::FailedPreconditionError(BrokenMessage());
+    }
+    if (!queue_->TryClaim()) {
+      if (!blocking_sync_) return WaitIssued(Enqueue(seq, kind, OpFn(fn)));
+      queue_->ClaimWhenDrained();  // the caller is using the communicator: not stopping
+      std::lock_guard<std::mutex> lock(mu_);
+      if (broken_) {
+        queue_->Release();
+        return absl::FailedPreconditionError(BrokenMessage());
       }
-      executing_ = true;
     }
     absl::Status s = Execute(seq, kind, fn, blocking_sync_);
-    bool wake;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      executing_ = false;
-      wake = !queue_.empty();
-    }
-    // Only the progress thread waits on queue_cv_, and only for work: waking it after
-    // every sync call would cost a context switch per call.
-    if (wake) queue_cv_.notify_all();
+    queue_->Release();
     return s;
   }
 
-  // Runs one operation; the caller holds `executing_` (or is RunNow's fast path, with no async
-  // operation pending).
+  // Runs one operation; the caller holds the queue's execution claim (or is RunNow's fast
+  // path, with no async operation pending).
   template <typename F>
   absl::Status Execute(int64_t seq, Kind kind, F& fn, bool blocking = false) {
     OpContext ctx;
@@ -1130,44 +1131,17 @@ class MpiCommunicator final : public Communicator {
     return status;
   }
 
-  void WorkerLoop() {
-    while (true) {
-      std::shared_ptr<Op> op;
-      bool broken;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        // Idle, or a sync call runs on the caller's thread: wake every watch period to
-        // check that call's deadline (nobody notifies for a sync call; that would cost a
-        // context switch per call).
-        while (!(stopping_ || (!queue_.empty() && !executing_))) {
-          if (queue_cv_.wait_for(lock, watch_period_) == std::cv_status::timeout) {
-            lock.unlock();
-            AnswerAsks();
-            CheckWatchedCall();
-            DriveP2PIdle();
-            lock.lock();
-          }
-        }
-        if (queue_.empty()) return;  // stopping
-        op = std::move(queue_.front());
-        queue_.pop_front();
-        broken = broken_;
-        executing_ = true;
-      }
-      absl::Status status = broken ? absl::FailedPreconditionError(BrokenMessage())
-                                   : Execute(op->seq, op->kind, op->run);
-      bool drained;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        executing_ = false;
-        pending_.fetch_sub(1, std::memory_order_release);
-        drained = sync_waiting_ && queue_.empty();
-      }
-      if (drained) drained_cv_.notify_all();
-      op->Finish(std::move(status));
+  // A queued operation, run by the progress queue (Op::Run).
+ public:
+  absl::Status RunQueued(Op& op) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (broken_) return absl::FailedPreconditionError(BrokenMessage());
     }
+    return Execute(op.seq, op.kind, op.run);
   }
 
+ private:
   // One MPI collective: the blocking form on a watched sync call (ctx.blocking), else the
   // non-blocking form polled until the operation's deadline.
   template <typename Blocking, typename Start>
@@ -1296,20 +1270,10 @@ class MpiCommunicator final : public Communicator {
   int64_t next_seq_ = 0;
 
   std::mutex mu_;
-  std::condition_variable queue_cv_;
-  std::deque<std::shared_ptr<Op>> queue_;  // guarded by mu_
-  bool stopping_ = false;                  // guarded by mu_
-  bool executing_ = false;                 // guarded by mu_; an operation is running
-  // Async operations queued or running: incremented by the caller's thread when it queues
-  // one, decremented (release) by the progress thread when one is done.
-  std::atomic<int64_t> pending_{0};
-  // A blocking sync call waits on drained_cv_ for the queue to empty (guarded by mu_).
-  bool sync_waiting_ = false;
-  std::condition_variable drained_cv_;
   // Written under mu_ by whoever executes; read by the destructor after the join.
   bool broken_ = false;
   std::string broken_reason_;  // guarded by mu_
-  // Used only by whoever holds executing_.
+  // Used only by whoever holds the queue's execution claim (or the sync fast path).
   std::unique_ptr<Scratch> scratch_;
   // Where this rank is (the operation running or last run), for other ranks' asks.
   std::atomic<int64_t> position_seq_{-1};
@@ -1323,8 +1287,11 @@ class MpiCommunicator final : public Communicator {
   std::deque<Answer> answers_;  // guarded by board_mu_
   // Point-to-point operations pending, shared with their Works.
   const std::shared_ptr<P2PEngine> p2p_ = std::make_shared<P2PEngine>();
-  std::thread worker_;
+  // Issue order of the async operations and the progress thread (progress_queue.h).
+  std::shared_ptr<collectives_internal::ProgressQueue> queue_;
 };
+
+void Op::Run() { result = runner->RunQueued(*this); }
 
 absl::Status MpiP2PWork::Wait(absl::Duration timeout) {
   const absl::Time wait_end = timeout == absl::InfiniteDuration()

@@ -11,7 +11,8 @@
 //
 // How it works. Each communicator owns a private duplicate of its MPI communicator (so its
 // traffic never matches the caller's own MPI calls) and one progress thread that runs the
-// issued async operations strictly in issue order. Async operations use non-blocking MPI
+// issued async operations strictly in issue order (collectives/progress_queue.h, shared with
+// the thread backend). Async operations use non-blocking MPI
 // (MPI_Iallreduce, ...) polled with MPI_Test until done or until `timeout` after the
 // operation started. A synchronous call runs on the caller's thread (no hand-off, no
 // allocation) with blocking MPI (MPI_Allreduce, ...), Open MPI's fastest path for small

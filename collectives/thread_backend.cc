@@ -18,9 +18,10 @@
 // - Synchronous calls run on the caller's thread with no allocation and no formatting
 //   (unless they fail). Asynchronous calls are queued per communicator and run in issue
 //   order by a worker thread, or by the caller's thread when it waits on one nobody has
-//   started. A synchronous call issued while async ones are pending takes the queue too.
-//   A small async call (<= 64 KiB) whose peers are all already waiting in it, with
-//   nothing of its rank queued, runs during the issue call and returns a completed handle.
+//   started (the queue, the worker and the claims: collectives/progress_queue.h, shared
+//   with the mpi backend). A synchronous call issued while async ones are pending takes the queue
+//   too. A small async call (<= 64 KiB) whose peers are all already waiting in it, with nothing of
+//   its rank queued, runs during the issue call and returns a completed handle.
 //
 // Synchronisation uses std atomics, std::mutex and raw futexes, not absl::Mutex: the system
 // abseil is not built with ThreadSanitizer, which then cannot see absl::Mutex's ordering
@@ -57,6 +58,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "collectives/op_descriptor.h"
+#include "collectives/progress_queue.h"
 #include "collectives/reduce_kernels.h"
 
 namespace gradsum {
@@ -73,6 +75,7 @@ using collectives_internal::OpCall;
 using collectives_internal::OpKind;
 using collectives_internal::OpKindName;
 using collectives_internal::PointToPointLabel;
+using collectives_internal::ProgressQueue;
 
 // A status that shares no heap state with `s`. absl::Status copies share a refcounted
 // message; the system abseil is not TSan-instrumented, so TSan cannot see that refcount's
@@ -257,18 +260,26 @@ struct Group {
   }
 };
 
+class ThreadCommunicator;
+
 // One issued asynchronous operation, shared by the queue and its Work handle. Owns what
 // the caller's spans pointed to.
-struct OpState {
+struct OpState final : ProgressQueue::Task {
   OpArgs args;
   std::vector<size_t> send_counts, send_offsets, recv_counts, recv_offsets;
   std::string local_error;
   std::atomic<bool> done{false};
-  bool queued = false;  // guarded by ExecState::mu; true until taken off the queue
   Event event;
   absl::Status status;                         // written before done
   absl::Time completed_at;                     // written before done
   std::unique_ptr<Communicator> split_result;  // Split only; read after done
+  // Runs it (the queue runs tasks only while their communicator lives: ~ThreadCommunicator
+  // stops the queue first).
+  ThreadCommunicator* runner = nullptr;
+  absl::Status result;  // Run's, for Finish
+
+  void Run() override;  // after ThreadCommunicator
+  void Finish() override { Complete(std::move(result)); }
 
   void Complete(absl::Status s) {
     status = std::move(s);
@@ -278,36 +289,12 @@ struct OpState {
   }
 };
 
-class ThreadCommunicator;
-
-// One rank's queue of issued async operations. Shared by the communicator, its worker
-// thread and the Work handles, so that a caller blocked in Wait() can run the queued
-// operations itself while the worker is idle. Whoever runs an operation holds
-// `executing`, so operations still run one at a time in issue order.
-struct ExecState {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::deque<std::shared_ptr<OpState>> queue;  // guarded by mu
-  bool executing = false;                      // guarded by mu
-  bool stopping = false;                       // guarded by mu
-  bool worker_idle = false;                    // guarded by mu; the worker sleeps on cv
-  int idle_waiters = 0;                        // guarded by mu; others sleeping on cv
-  ThreadCommunicator* owner = nullptr;         // null once the communicator is destroyed
-  absl::Duration timeout;                      // the group's timeout
-  Clock::duration spin{};                      // the group's spin before sleeping
-
-  // After a change that may let a sleeper proceed: whether to notify `cv`. Caller holds
-  // mu, and notifies after releasing it: a sleeper woken while the notifier still holds mu
-  // would only block on mu again (two more context switches per hand-off on a busy core).
-  bool NeedsWake() const {
-    return (worker_idle && (!queue.empty() || stopping) && !executing) || idle_waiters > 0;
-  }
-};
-
 class ThreadWork : public Work {
  public:
-  ThreadWork(std::shared_ptr<OpState> op, std::shared_ptr<ExecState> exec)
-      : op_(std::move(op)), exec_(std::move(exec)) {}
+  // `queue` runs the operation; `timeout` is its group's.
+  ThreadWork(std::shared_ptr<OpState> op, std::shared_ptr<ProgressQueue> queue,
+             absl::Duration timeout)
+      : op_(std::move(op)), queue_(std::move(queue)), timeout_(timeout) {}
 
   absl::Status Wait(absl::Duration timeout) override;
 
@@ -318,7 +305,8 @@ class ThreadWork : public Work {
 
  private:
   std::shared_ptr<OpState> op_;
-  std::shared_ptr<ExecState> exec_;
+  std::shared_ptr<ProgressQueue> queue_;
+  const absl::Duration timeout_;
 };
 
 // The larger of the bytes one rank's call reads and writes in its buffers (its own
@@ -493,38 +481,23 @@ class ThreadCommunicator : public Communicator {
         spin_(group_->spin),
         srcs_(group_->size),
         dsts_(group_->size),
-        exec_(std::make_shared<ExecState>()) {
-    exec_->owner = this;
-    exec_->timeout = group_->timeout;
-    exec_->spin = group_->spin;
-    worker_ = std::thread([this] { WorkerLoop(); });
-  }
+        queue_(ProgressQueue::Start()) {}
 
   ~ThreadCommunicator() override {
-    bool abandoning;
-    {
-      std::lock_guard<std::mutex> lock(exec_->mu);
-      exec_->stopping = true;
-      abandoning = exec_->executing || !exec_->queue.empty();
-      exec_->cv.notify_all();
-    }
-    // If an operation of ours is still waiting for peers, break the group so that it (and
-    // the peers, who can no longer complete with us) return instead of hanging.
+    const bool busy = queue_->BeginStop();
     // The same for a send or receive of ours that no peer has matched yet: its peer
     // would otherwise wait for it until the timeout.
-    if (AbandonP2P()) abandoning = true;
+    const bool abandoning = AbandonP2P() || busy;
+    // If an operation of ours is still waiting for peers, break the group so that it (and
+    // the peers, who can no longer complete with us) return instead of hanging.
     if (abandoning) {
       group_->Break(absl::StatusCode::kFailedPrecondition,
                     absl::StrCat("rank ", rank_, "'s thread communicator was destroyed with an ",
                                  "operation in flight"));
     }
-    worker_.join();
-    // A caller running an operation inline finishes it before we go away.
-    std::unique_lock<std::mutex> lock(exec_->mu);
-    ++exec_->idle_waiters;
-    exec_->cv.wait(lock, [&] { return !exec_->executing; });
-    --exec_->idle_waiters;
-    exec_->owner = nullptr;
+    // The worker runs what is queued (failing fast on the broken group); a caller running
+    // an operation inline finishes it before we go away.
+    queue_->FinishStop();
   }
 
   int rank() const override { return rank_; }
@@ -573,8 +546,9 @@ class ThreadCommunicator : public Communicator {
     a.key = key;
     auto op = std::make_shared<OpState>();
     op->args = a;
-    Enqueue(op);
-    ThreadWork work(op, exec_);
+    op->runner = this;
+    queue_->Push(op);
+    ThreadWork work(op, queue_, group_->timeout);
     absl::Status s = work.Wait(OperationWaitLimit());
     if (!s.ok()) return s;
     return std::move(op->split_result);
@@ -618,12 +592,8 @@ class ThreadCommunicator : public Communicator {
     return RunSync(ToArgs(MakeCall(OpKind::kBarrier, nullptr, nullptr, 0, DType::kF32)));
   }
 
-  // Runs an operation popped from the queue by the caller, who set `executing`.
-  void RunClaimed(OpState& op) {
-    absl::Status s = Execute(op.args, &op.split_result);
-    Release();
-    op.Complete(std::move(s));
-  }
+  // Runs a queued operation (ProgressQueue::Task::Run, under the queue's claim).
+  absl::Status RunQueued(OpState& op) { return Execute(op.args, &op.split_result); }
 
  private:
   absl::Status CheckLocal(const OpArgs& a) const {
@@ -720,13 +690,13 @@ class ThreadCommunicator : public Communicator {
       // Queued like an async call, so the peers learn of it and later calls line up.
       return Issue(a, std::move(local)).status();
     }
-    if (!ClaimIfIdle(/*only_if_peers_waiting=*/false)) {
+    if (!queue_->TryClaim()) {
       absl::StatusOr<std::unique_ptr<Work>> work = Issue(a, absl::OkStatus());  // checked above
       if (!work.ok()) return work.status();
       return (*work)->Wait(OperationWaitLimit());
     }
     absl::Status s = Execute(a, nullptr);
-    Release();
+    queue_->Release();
     return s;
   }
 
@@ -744,9 +714,9 @@ class ThreadCommunicator : public Communicator {
     // caller).
     if (local.ok() && args.call.kind != OpKind::kSplit &&
         PayloadBytes(args.call, size()) <= kIssueInlineBytes &&
-        ClaimIfIdle(/*only_if_peers_waiting=*/true)) {
+        queue_->TryClaim([&] { return PeersWaiting(); })) {
       absl::Status s = Execute(args, nullptr);
-      Release();
+      queue_->Release();
       return std::unique_ptr<Work>(new DoneWork(std::move(s), absl::Now()));
     }
     auto op = std::make_shared<OpState>();
@@ -766,67 +736,18 @@ class ThreadCommunicator : public Communicator {
       op->local_error = std::string(local.message());
       op->args.local_error = &op->local_error;
     }
-    Enqueue(op);
+    op->runner = this;
+    queue_->Push(op);
     if (!local.ok()) return local;
-    return std::unique_ptr<Work>(new ThreadWork(std::move(op), exec_));
+    return std::unique_ptr<Work>(new ThreadWork(std::move(op), queue_, group_->timeout));
   }
 
-  // Claims execution for this thread (sets `executing`; end it with Release()) when
-  // nothing of this rank's is queued or running, and with `only_if_peers_waiting` only if
-  // every peer is also already waiting in this rank's next operation.
-  bool ClaimIfIdle(bool only_if_peers_waiting) {
-    std::lock_guard<std::mutex> lock(exec_->mu);
-    if (exec_->executing || !exec_->queue.empty() || exec_->stopping) return false;
-    // With nothing queued or running, op_index_ is this rank's next operation and nobody
-    // else may change it while we hold mu.
+  // Whether every peer is already waiting in this rank's next operation. Called under the
+  // queue's lock with nothing of this rank's queued or running, so op_index_ is this rank's
+  // next operation and nobody else may change it meanwhile.
+  bool PeersWaiting() const {
     const uint32_t w = static_cast<uint32_t>(size());
-    if (only_if_peers_waiting &&
-        group_->arrived.load(std::memory_order_acquire) + 1 != (op_index_ + 1) * w) {
-      return false;
-    }
-    exec_->executing = true;
-    return true;
-  }
-
-  void Enqueue(std::shared_ptr<OpState> op) {
-    bool wake;
-    {
-      std::lock_guard<std::mutex> lock(exec_->mu);
-      op->queued = true;
-      exec_->queue.push_back(std::move(op));
-      wake = exec_->NeedsWake();
-    }
-    if (wake) exec_->cv.notify_all();
-  }
-
-  // Ends an execution claimed by setting `executing`.
-  void Release() {
-    bool wake;
-    {
-      std::lock_guard<std::mutex> lock(exec_->mu);
-      exec_->executing = false;
-      wake = exec_->NeedsWake();
-    }
-    if (wake) exec_->cv.notify_all();
-  }
-
-  void WorkerLoop() {
-    ExecState& e = *exec_;
-    for (;;) {
-      std::shared_ptr<OpState> op;
-      {
-        std::unique_lock<std::mutex> lock(e.mu);
-        e.worker_idle = true;
-        e.cv.wait(lock, [&] { return !e.executing && (e.stopping || !e.queue.empty()); });
-        e.worker_idle = false;
-        if (e.queue.empty()) return;
-        op = std::move(e.queue.front());
-        e.queue.pop_front();
-        op->queued = false;
-        e.executing = true;
-      }
-      RunClaimed(*op);
-    }
+    return group_->arrived.load(std::memory_order_acquire) + 1 == (op_index_ + 1) * w;
   }
 
   absl::Status Broken(OpKind kind) {
@@ -1083,8 +1004,8 @@ class ThreadCommunicator : public Communicator {
 
   const std::shared_ptr<Group> group_;
   const int rank_;
-  // The index of this rank's next operation in the group. Only the thread holding
-  // `executing` touches it (handed over through exec_->mu).
+  // The index of this rank's next operation in the group. Only the thread holding the
+  // queue's execution claim touches it (handed over through the queue's lock).
   uint32_t op_index_ = 0;
   // The current spin budget (AdaptSpin); same owner as op_index_.
   Clock::duration spin_;
@@ -1092,32 +1013,17 @@ class ThreadCommunicator : public Communicator {
   std::vector<const void*> srcs_;
   std::vector<void*> dsts_;
 
-  const std::shared_ptr<ExecState> exec_;
-  std::thread worker_;  // started in the constructor body, after everything else
+  // Issue order of the async operations (collectives/progress_queue.h); shared with the
+  // Works, whose Wait may run the queue up to its own operation.
+  const std::shared_ptr<ProgressQueue> queue_;
 };
+
+void OpState::Run() { result = runner->RunQueued(*this); }
 
 absl::Status ThreadWork::Wait(absl::Duration timeout) {
   // A caller prepared to wait at least the operation's own deadline runs the queued
   // operations up to its own on this thread, if nobody else is running one.
-  if (timeout >= exec_->timeout) {
-    for (;;) {
-      std::shared_ptr<OpState> front;
-      ThreadCommunicator* owner;
-      {
-        std::lock_guard<std::mutex> lock(exec_->mu);
-        if (exec_->executing || exec_->stopping || exec_->owner == nullptr || !op_->queued) {
-          break;
-        }
-        front = std::move(exec_->queue.front());
-        exec_->queue.pop_front();
-        front->queued = false;
-        exec_->executing = true;
-        owner = exec_->owner;
-      }
-      owner->RunClaimed(*front);
-      if (front == op_) break;
-    }
-  }
+  if (timeout >= timeout_) queue_->RunUpTo(op_.get());
   const Clock::time_point deadline =
       timeout == absl::InfiniteDuration()
           ? Clock::time_point::max()
