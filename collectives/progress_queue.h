@@ -127,7 +127,7 @@ class ProgressQueue {
   bool executing_ = false;                   // guarded by mu_
   bool stopping_ = false;                    // guarded by mu_
   bool worker_idle_ = false;                 // guarded by mu_; the worker sleeps on cv_
-  int waiters_ = 0;  // guarded by mu_; others sleeping on cv_ (drain, stop)
+  int waiters_ = 0;                          // guarded by mu_; others sleeping on cv_ (drain, stop)
   std::atomic<int64_t> pending_{0};
   std::thread worker_;
 };
