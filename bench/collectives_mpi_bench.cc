@@ -1,6 +1,7 @@
 // MPI collectives benchmark: the library's mpi-backend all-reduce against raw MPI_Allreduce
-// on the same buffers, and BM_Memcpy (the physical limit), in one run. Run under mpirun,
-// one process per rank; only rank 0 reports:
+// on the same buffers, its point-to-point Send / Recv against raw MPI_Send / MPI_Recv
+// (ping-pong latency, one-way bandwidth), and BM_Memcpy (the physical limit), in one run. Run under
+// mpirun, one process per rank; only rank 0 reports:
 //
 //   ./bazelw build -c opt //bench:collectives_mpi_bench
 //   OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --oversubscribe
@@ -203,7 +204,88 @@ void BM_MemcpySynced(benchmark::State &state) {
   }
 }
 
+// ---- Point-to-point between ranks 0 and 1 (the others idle through the iterations). ----
+// Ping-pong: rank 0 sends, rank 1 receives and sends it back; one iteration is one round
+// trip (latency = time / 2), bytes_per_second counts both directions. One-way: rank 0 sends
+// and rank 1 receives, one message per iteration, each finished before the next (gradsum's
+// send completes once the receiver matched it). Raw MPI runs the same pattern with
+// MPI_Send / MPI_Recv on MPI_COMM_WORLD.
+
+template <typename Send, typename Recv>
+void PingPong(benchmark::State &state, Send &&send, Recv &&recv) {
+  const size_t bytes = static_cast<size_t>(state.range(0));
+  std::vector<char> buf(bytes, 1);
+  const int rank = g_comm->rank();
+  MPI_Barrier(MPI_COMM_WORLD);
+  for (auto _ : state) {
+    if (rank == 0) {
+      send(buf.data(), bytes, 1);
+      recv(buf.data(), bytes, 1);
+    } else if (rank == 1) {
+      recv(buf.data(), bytes, 0);
+      send(buf.data(), bytes, 0);
+    }
+  }
+  state.SetBytesProcessed(state.iterations() * 2 * state.range(0));
+}
+
+template <typename Send, typename Recv>
+void OneWay(benchmark::State &state, Send &&send, Recv &&recv) {
+  const size_t bytes = static_cast<size_t>(state.range(0));
+  std::vector<char> buf(bytes, 1);
+  const int rank = g_comm->rank();
+  MPI_Barrier(MPI_COMM_WORLD);
+  for (auto _ : state) {
+    if (rank == 0) send(buf.data(), bytes, 1);
+    if (rank == 1) recv(buf.data(), bytes, 0);
+  }
+  state.SetBytesProcessed(state.iterations() * state.range(0));
+}
+
+void GradsumSend(char *buf, size_t bytes, int peer) {
+  Check(g_comm->Send(buf, bytes / 4, DType::kF32, peer), "Send");
+}
+void GradsumRecv(char *buf, size_t bytes, int peer) {
+  Check(g_comm->Recv(buf, bytes / 4, DType::kF32, peer), "Recv");
+}
+void RawSend(char *buf, size_t bytes, int peer) {
+  MPI_Send(buf, static_cast<int>(bytes / 4), MPI_FLOAT, peer, 0, MPI_COMM_WORLD);
+}
+void RawRecv(char *buf, size_t bytes, int peer) {
+  MPI_Recv(buf, static_cast<int>(bytes / 4), MPI_FLOAT, peer, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+}
+
+void BM_MpiPingPong(benchmark::State &state) { PingPong(state, GradsumSend, GradsumRecv); }
+void BM_RawMpiPingPong(benchmark::State &state) { PingPong(state, RawSend, RawRecv); }
+void BM_MpiSendOneWay(benchmark::State &state) { OneWay(state, GradsumSend, GradsumRecv); }
+void BM_RawMpiSendOneWay(benchmark::State &state) { OneWay(state, RawSend, RawRecv); }
+
+void RegisterPointToPoint() {
+  for (int64_t bytes = 8; bytes <= (64 << 10); bytes *= 8) {
+    for (auto [name, fn] : {std::pair("BM_RawMpiPingPong", &BM_RawMpiPingPong),
+                            std::pair("BM_MpiPingPong", &BM_MpiPingPong)}) {
+      benchmark::RegisterBenchmark(name, fn)->Arg(bytes)->Iterations(2000)->UseRealTime();
+    }
+  }
+  for (int64_t bytes : {int64_t{1} << 20, int64_t{16} << 20, int64_t{64} << 20}) {
+    for (auto [name, fn] : {std::pair("BM_Memcpy", &BM_MemcpySynced),
+                            std::pair("BM_RawMpiSendOneWay", &BM_RawMpiSendOneWay),
+                            std::pair("BM_MpiSendOneWay", &BM_MpiSendOneWay)}) {
+      benchmark::RegisterBenchmark(name, fn)
+          ->Arg(bytes)
+          ->Iterations(Iterations(bytes))
+          ->UseRealTime();
+    }
+  }
+}
+
 void RegisterAll() {
+  // GRADSUM_BENCH_P2P_ONLY=1: the point-to-point rows alone (a shorter run).
+  if (const char *only = std::getenv("GRADSUM_BENCH_P2P_ONLY"); only != nullptr && *only == '1') {
+    RegisterPointToPoint();
+    return;
+  }
+  RegisterPointToPoint();
   const int64_t kSizes[] = {4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20};
   for (int64_t bytes : kSizes) {
     for (auto [name, fn] : {std::pair("BM_Memcpy", &BM_MemcpySynced),

@@ -2,6 +2,8 @@
 
 #include <utility>
 
+#include "absl/strings/str_cat.h"
+
 namespace gradsum {
 
 const char* ReduceOpName(ReduceOp op) {
@@ -48,6 +50,25 @@ absl::Status Communicator::Broadcast(void* buf, size_t count, DType dtype, int r
 }
 
 absl::Status Communicator::Barrier() { return WaitIssued(BarrierAsync()); }
+
+absl::StatusOr<std::unique_ptr<Work>> Communicator::SendAsync(const void*, size_t, DType, int,
+                                                              int) {
+  return absl::UnimplementedError(
+      absl::StrCat("send: the ", backend(), " backend has no point-to-point operations"));
+}
+
+absl::StatusOr<std::unique_ptr<Work>> Communicator::RecvAsync(void*, size_t, DType, int, int) {
+  return absl::UnimplementedError(
+      absl::StrCat("recv: the ", backend(), " backend has no point-to-point operations"));
+}
+
+absl::Status Communicator::Send(const void* buf, size_t count, DType dtype, int peer, int tag) {
+  return WaitIssued(SendAsync(buf, count, dtype, peer, tag));
+}
+
+absl::Status Communicator::Recv(void* buf, size_t count, DType dtype, int peer, int tag) {
+  return WaitIssued(RecvAsync(buf, count, dtype, peer, tag));
+}
 
 namespace {
 

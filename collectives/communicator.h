@@ -4,8 +4,9 @@
 // Communicator: the one interface every backend (thread, mpi, nccl) implements.
 //
 // Callers write against this interface and pick a backend by configuration, as with
-// c10d's ProcessGroup. All operations are collective: every rank of the communicator
-// must call the same operations in the same order with matching op, dtype and counts.
+// c10d's ProcessGroup. All operations but Send / Recv are collective: every rank of the
+// communicator must call the same operations in the same order with matching op, dtype and
+// counts. Send / Recv involve two ranks (see SendAsync).
 //
 //   std::vector<float> grad(n);
 //   GRADSUM_RETURN_IF_ERROR(comm.AllReduce(grad.data(), grad.data(), n, DType::kF32,
@@ -202,6 +203,28 @@ class Communicator {
                                                                int root) = 0;
   virtual absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() = 0;
 
+  // ---- Point-to-point (the primitives of a pipeline's stage-to-stage traffic). ----
+  // SendAsync moves `count` elements of buf to rank `peer`, whose RecvAsync from this rank
+  // with the same `tag` receives them. Only the two ranks take part. Ordered: between one
+  // pair, the sends and receives of one tag match in the order each side issued them, so a
+  // stream of messages needs no distinct tags. Tags are in [0, kMaxTag]; peer in [0, size());
+  // a rank may send to itself. Unlike the collectives, point-to-point operations do not wait
+  // for the operations issued before them: a rank may post its send and its receive of an
+  // exchange in either order, and neither blocks the other (a ring shift is SendAsync to
+  // the next rank, RecvAsync from the previous one, then both Waits).
+  // Checked: the receiver's count and dtype must equal the sender's; otherwise both fail
+  // with InvalidArgument naming the peer and both counts. A peer that does not post its
+  // side within timeout() (stopped, hung, gone) makes the waiting side fail with
+  // DeadlineExceeded naming that peer; a communicator destroyed with a point-to-point
+  // operation pending fails its peer's matching operation (and, as with the collectives,
+  // such failures may leave the communicator unusable). Buffers: as for the collectives
+  // (Work lifetime above). Backends without point-to-point return Unimplemented.
+  static constexpr int kMaxTag = (1 << 20) - 1;
+  virtual absl::StatusOr<std::unique_ptr<Work>> SendAsync(const void* buf, size_t count,
+                                                          DType dtype, int peer, int tag = 0);
+  virtual absl::StatusOr<std::unique_ptr<Work>> RecvAsync(void* buf, size_t count, DType dtype,
+                                                          int peer, int tag = 0);
+
   // Ranks with the same `color` form a new communicator, ordered by (key, old rank).
   // A negative color means "not in any new communicator" (returns nullptr). Collective.
   virtual absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) = 0;
@@ -222,6 +245,10 @@ class Communicator {
                                  absl::Span<const size_t> recv_offsets, DType dtype);
   virtual absl::Status Broadcast(void* buf, size_t count, DType dtype, int root);
   virtual absl::Status Barrier();
+  // The async form and a Wait (a blocking Send whose peer receives only after sending back
+  // to it deadlocks, as with MPI_Ssend: use the async forms for an exchange).
+  absl::Status Send(const void* buf, size_t count, DType dtype, int peer, int tag = 0);
+  absl::Status Recv(void* buf, size_t count, DType dtype, int peer, int tag = 0);
 
   // ---- The same operations with an options struct (thin wrappers over the above). ----
 

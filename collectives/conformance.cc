@@ -614,6 +614,97 @@ absl::Status CheckMismatchesFail(Communicator& comm) {
   return absl::OkStatus();
 }
 
+absl::Status CheckSendRecv(Communicator& comm, DType dtype, size_t count,
+                           const CheckOptions& options) {
+  const int w = comm.size(), r = comm.rank();
+  const int next = (r + 1) % w, prev = (r + w - 1) % w;
+  // Three messages on tag 0 (ordered), one on tag 7 (posted last by the sender, first by
+  // the receiver: tags are independent streams), one to this rank itself.
+  constexpr int kStream = 3;
+  const auto input = [&](int rank, int i) {
+    return MakeInput(dtype, options, rank, Tag(20 + i, dtype, 0, count), count);
+  };
+  std::vector<Bytes> sent, got;
+  for (int i = 0; i <= kStream + 1; ++i) {
+    sent.push_back(input(r, i));
+    got.push_back(Bytes(count * DTypeSize(dtype), 0xA5));
+  }
+  std::vector<std::unique_ptr<Work>> works;
+  const auto post = [&](absl::StatusOr<std::unique_ptr<Work>> work) -> absl::Status {
+    if (!work.ok()) return work.status();
+    works.push_back(std::move(*work));
+    return absl::OkStatus();
+  };
+  const auto sends = [&]() -> absl::Status {
+    for (int i = 0; i < kStream; ++i) {
+      GRADSUM_RETURN_IF_ERROR(post(comm.SendAsync(sent[i].data(), count, dtype, next)));
+    }
+    return post(comm.SendAsync(sent[kStream].data(), count, dtype, next, /*tag=*/7));
+  };
+  const auto recvs = [&]() -> absl::Status {
+    GRADSUM_RETURN_IF_ERROR(post(comm.RecvAsync(got[kStream].data(), count, dtype, prev, 7)));
+    for (int i = 0; i < kStream; ++i) {
+      GRADSUM_RETURN_IF_ERROR(post(comm.RecvAsync(got[i].data(), count, dtype, prev)));
+    }
+    return absl::OkStatus();
+  };
+  // Even ranks send first, odd ranks receive first: neither order may block the other.
+  if (r % 2 == 0) {
+    GRADSUM_RETURN_IF_ERROR(sends());
+    GRADSUM_RETURN_IF_ERROR(recvs());
+  } else {
+    GRADSUM_RETURN_IF_ERROR(recvs());
+    GRADSUM_RETURN_IF_ERROR(sends());
+  }
+  GRADSUM_RETURN_IF_ERROR(
+      post(comm.RecvAsync(got[kStream + 1].data(), count, dtype, r, /*tag=*/3)));
+  GRADSUM_RETURN_IF_ERROR(post(comm.SendAsync(sent[kStream + 1].data(), count, dtype, r, 3)));
+  // Waited for in reverse order of issue.
+  for (auto it = works.rbegin(); it != works.rend(); ++it) {
+    GRADSUM_RETURN_IF_ERROR((*it)->Wait(comm.OperationWaitLimit()));
+  }
+  for (int i = 0; i <= kStream + 1; ++i) {
+    const int from = i == kStream + 1 ? r : prev;
+    const Bytes want = input(from, i);
+    GRADSUM_RETURN_IF_ERROR(Compare(absl::StrCat("recv #", i, " of ", count, " ", DTypeName(dtype),
+                                                 " from rank ", from, " on rank ", r),
+                                    dtype, got[i].data(), 0, want.data(), 0, count));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckSendRecvMismatchFails(Communicator& comm) {
+  if (comm.size() < 2 || comm.rank() > 1) return absl::OkStatus();
+  const int r = comm.rank(), peer = 1 - r;
+  std::vector<float> buf(16, 1.0f);
+  // Rank 0 sends 10 floats, rank 1 expects 12: both fail naming the other.
+  absl::Status s = r == 0 ? comm.Send(buf.data(), 10, DType::kF32, peer, 5)
+                          : comm.Recv(buf.data(), 12, DType::kF32, peer, 5);
+  GRADSUM_RETURN_IF_ERROR(
+      ExpectInvalid(s, absl::StrCat("mismatched recv on rank ", r), absl::StrCat("rank ", peer)));
+  GRADSUM_RETURN_IF_ERROR(ExpectInvalid(s, absl::StrCat("mismatched recv on rank ", r), "12"));
+  // The pair still works afterwards.
+  std::vector<float> mine(4, static_cast<float>(r)), theirs(4, -1.0f);
+  absl::StatusOr<std::unique_ptr<Work>> recv = comm.RecvAsync(theirs.data(), 4, DType::kF32, peer);
+  GRADSUM_RETURN_IF_ERROR(comm.Send(mine.data(), 4, DType::kF32, peer));
+  GRADSUM_RETURN_IF_ERROR(WaitFor(comm, std::move(recv)));
+  if (theirs[3] != static_cast<float>(peer)) {
+    return absl::InternalError(
+        absl::StrCat("rank ", r, ": after a mismatch, got ", theirs[3], " from rank ", peer));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckPointToPoint(Communicator& comm, const CheckOptions& options) {
+  for (DType t : kAllDTypes) {
+    for (size_t n : {size_t{0}, size_t{1}, size_t{1000}}) {
+      GRADSUM_RETURN_IF_ERROR(CheckSendRecv(comm, t, n, options));
+    }
+  }
+  GRADSUM_RETURN_IF_ERROR(CheckSendRecv(comm, DType::kF32, size_t{1} << 18, options));
+  return CheckSendRecvMismatchFails(comm);
+}
+
 absl::Status CheckAll(Communicator& comm, const CheckOptions& options) {
   const size_t kCounts[] = {0, 1, 13, 1000, 4099};
   for (DType t : kAllDTypes) {

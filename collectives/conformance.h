@@ -85,6 +85,22 @@ absl::Status CheckSplit(Communicator& comm, const CheckOptions& options = {});
 // or an all-to-all-v count matrix that does not match. Needs size() >= 2 (OK otherwise).
 absl::Status CheckMismatchesFail(Communicator& comm);
 
+// Point-to-point: each rank sends a stream of three messages (tag 0) and one on tag 7 to
+// the next rank while receiving the previous rank's (tag 7 first), even ranks posting
+// their sends first and odd ranks their receives, plus one message to itself; every Work
+// waited for in reverse order; every message checked bit for bit.
+absl::Status CheckSendRecv(Communicator& comm, DType dtype, size_t count,
+                           const CheckOptions& options = {});
+
+// Ranks 0 and 1 (others return OK): rank 0 sends 10 floats, rank 1 receives 12; both must
+// fail with InvalidArgument naming the other rank and the counts, and a following
+// exchange between them must still work.
+absl::Status CheckSendRecvMismatchFails(Communicator& comm);
+
+// CheckSendRecv over every dtype and counts {0, 1, 1000, 2^18}, then the mismatch. Not part
+// of CheckAll: the nccl backend matches in order only (tag 0) and does not check sizes.
+absl::Status CheckPointToPoint(Communicator& comm, const CheckOptions& options = {});
+
 // Everything above over every dtype, in and out of place, counts {0, 1, 13, 1000, 4099}.
 absl::Status CheckAll(Communicator& comm, const CheckOptions& options = {});
 

@@ -87,6 +87,14 @@ class ForwardingCommunicator : public Communicator {
     return inner_->BroadcastAsync(buf, count, dtype, root);
   }
   absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override { return inner_->BarrierAsync(); }
+  absl::StatusOr<std::unique_ptr<Work>> SendAsync(const void* buf, size_t count, DType dtype,
+                                                  int peer, int tag = 0) override {
+    return inner_->SendAsync(buf, count, dtype, peer, tag);
+  }
+  absl::StatusOr<std::unique_ptr<Work>> RecvAsync(void* buf, size_t count, DType dtype, int peer,
+                                                  int tag = 0) override {
+    return inner_->RecvAsync(buf, count, dtype, peer, tag);
+  }
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
     return inner_->Split(color, key);
   }

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <numeric>
 #include <optional>
@@ -30,6 +31,7 @@
 #include "absl/time/time.h"
 #include "collectives/checked_communicator.h"
 #include "collectives/op_descriptor.h"
+#include "collectives/progress_queue.h"
 #include "core/half.h"
 #include "core/status.h"
 
@@ -213,7 +215,10 @@ struct OpContext {
 
 using OpFn = std::function<absl::Status(OpContext&)>;
 
-struct Op {
+class MpiCommunicator;
+
+// One issued asynchronous operation: a task of the communicator's progress queue.
+struct Op final : collectives_internal::ProgressQueue::Task {
   Kind kind;
   int64_t seq = 0;  // issue order on this rank
   OpFn run;
@@ -222,8 +227,14 @@ struct Op {
   bool done = false;                                // guarded by mu
   absl::Status status;                              // written before done is set
   absl::Time finished_at = absl::InfiniteFuture();  // guarded by mu
+  // Runs it (the queue runs tasks only while the communicator lives).
+  MpiCommunicator* runner = nullptr;
+  absl::Status result;  // Run's, for Finish
 
-  void Finish(absl::Status s) {
+  void Run() override;  // after MpiCommunicator
+  void Finish() override { Complete(std::move(result)); }
+
+  void Complete(absl::Status s) {
     std::lock_guard<std::mutex> lock(mu);
     finished_at = absl::Now();
     status = std::move(s);
@@ -263,6 +274,101 @@ class MpiWork final : public Work {
   std::shared_ptr<Op> op_;
 };
 
+// ---- Point-to-point state (MpiCommunicator's "Point-to-point" says how it works). ----
+
+// One posted send or receive.
+struct P2POp {
+  bool send = false;
+  int peer = 0, tag = 0;
+  int64_t seq = 0;
+  void* buf = nullptr;
+  size_t count = 0;
+  DType dtype = DType::kF32;
+  int64_t header[2] = {0, 0};        // (count, dtype): the sender's, sent or received
+  int64_t verdict[3] = {0, 0, 0};    // the receiver's: (mismatch ? 1 : 0, its count, its dtype)
+  std::vector<unsigned char> drain;  // a mismatched payload is received here
+  MPI_Request reqs[3] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+  bool header_seen = false;  // receive: the header arrived, payload and verdict posted
+  absl::Time deadline;
+  std::atomic<bool> done{false};
+  absl::Status status;                              // written before done
+  absl::Time finished_at = absl::InfiniteFuture();  // written before done
+
+  void Finish(absl::Status s) {
+    status = std::move(s);
+    finished_at = absl::Now();
+    done.store(true, std::memory_order_release);
+  }
+};
+
+// Operations MPI may still write into (a timed-out or abandoned one's requests stay in
+// flight): never freed.
+void LeakForever(std::shared_ptr<P2POp> op) {
+  static std::mutex mu;
+  static auto* graveyard = new std::vector<std::shared_ptr<P2POp>>();
+  std::lock_guard<std::mutex> lock(mu);
+  graveyard->push_back(std::move(op));
+}
+
+// The pending point-to-point operations of the whole process, for the where-is-everyone
+// answer: a rank that waits on a peer in a send or receive of one communicator names that
+// peer when asked on any other communicator (a CP ring's neighbour is in no collective of
+// the data-parallel group that asks).
+struct PendingP2P {
+  absl::Time posted;
+  int64_t seq = 0;
+  bool send = false;
+  int peer_world = 0;
+};
+std::mutex& PendingMu() {
+  static auto* mu = new std::mutex();
+  return *mu;
+}
+std::map<const void*, PendingP2P>& PendingOps() {  // guarded by PendingMu()
+  static auto* ops = new std::map<const void*, PendingP2P>();
+  return *ops;
+}
+void RegisterP2P(const void* key, const PendingP2P& p) {
+  std::lock_guard<std::mutex> lock(PendingMu());
+  PendingOps()[key] = p;
+}
+void UnregisterP2P(const void* key) {
+  std::lock_guard<std::mutex> lock(PendingMu());
+  PendingOps().erase(key);
+}
+// The oldest pending operation as (send ? 1 : 0, peer's world rank, seq); (-1, -1, -1) if none.
+std::array<int64_t, 3> OldestPendingP2P() {
+  std::lock_guard<std::mutex> lock(PendingMu());
+  const PendingP2P* oldest = nullptr;
+  for (const auto& [key, p] : PendingOps()) {
+    if (oldest == nullptr || p.posted < oldest->posted) oldest = &p;
+  }
+  if (oldest == nullptr) return {-1, -1, -1};
+  return {oldest->send ? 1 : 0, oldest->peer_world, oldest->seq};
+}
+
+// What a communicator's point-to-point Works share with it (a Work may outlive it).
+struct P2PEngine {
+  std::mutex mu;
+  MpiCommunicator* owner = nullptr;             // guarded by mu; null once destroyed
+  std::vector<std::shared_ptr<P2POp>> pending;  // guarded by mu
+};
+
+class MpiP2PWork final : public Work {
+ public:
+  MpiP2PWork(std::shared_ptr<P2PEngine> engine, std::shared_ptr<P2POp> op)
+      : engine_(std::move(engine)), op_(std::move(op)) {}
+  absl::Status Wait(absl::Duration timeout) override;  // after MpiCommunicator
+  bool IsCompleted() override { return op_->done.load(std::memory_order_acquire); }
+  absl::Time CompletionTime() override {
+    return IsCompleted() ? op_->finished_at : absl::InfiniteFuture();
+  }
+
+ private:
+  const std::shared_ptr<P2PEngine> engine_;
+  const std::shared_ptr<P2POp> op_;
+};
+
 class MpiCommunicator final : public Communicator {
  public:
   // Takes ownership of `comm` (frees it on destruction unless the communicator broke).
@@ -292,26 +398,45 @@ class MpiCommunicator final : public Communicator {
       }
       CallMpi([&] { return MPI_Group_free(&group); });
     }
-    worker_ = std::thread([this] { WorkerLoop(); });
+    p2p_->owner = this;
+    // Idle, or a sync call runs on the caller's thread: the worker wakes every watch period
+    // to answer asks, check that call's deadline and drive point-to-point operations
+    // (nobody notifies for a sync call; that would cost a context switch per call).
+    queue_ = collectives_internal::ProgressQueue::Start({.on_idle =
+                                                             [this] {
+                                                               AnswerAsks();
+                                                               CheckWatchedCall();
+                                                               DriveP2PIdle();
+                                                             },
+                                                         .idle_period = watch_period_});
   }
 
   ~MpiCommunicator() override {
+    queue_->Stop();  // after running what was already issued
+    // Point-to-point operations still pending fail (their requests stay in flight: the
+    // communicator is then left to MPI_Finalize, like a broken one).
+    bool abandoned = false;
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      stopping_ = true;
+      std::lock_guard<std::mutex> lock(p2p_->mu);
+      p2p_->owner = nullptr;
+      for (std::shared_ptr<P2POp>& op : p2p_->pending) {
+        abandoned = true;
+        UnregisterP2P(op.get());
+        op->Finish(absl::FailedPreconditionError(
+            absl::StrCat(P2PLabel(*op), ": the communicator was destroyed with it pending")));
+        LeakForever(std::move(op));
+      }
+      p2p_->pending.clear();
     }
-    queue_cv_.notify_all();
-    worker_.join();  // after running what was already issued
     int finalized = 0;
     MPI_Finalized(&finalized);
     // A broken communicator may have requests in flight; freeing it could block or let
     // MPI touch freed state, so it is left to MPI_Finalize.
-    if (!finalized && !broken_) CallMpi([&] { return MPI_Comm_free(&comm_); });
+    if (!finalized && !broken_ && !abandoned) CallMpi([&] { return MPI_Comm_free(&comm_); });
     // Asks and answers may still be in flight towards a peer that is gone: their buffers
     // outlive the communicator (moving a deque keeps its elements where they are).
     if (!asks_.empty() || !answers_.empty()) {
-      new std::pair<std::deque<int64_t>, std::deque<std::array<int64_t, 3>>>(std::move(asks_),
-                                                                             std::move(answers_));
+      new std::pair<std::deque<int64_t>, std::deque<Answer>>(std::move(asks_), std::move(answers_));
     }
   }
 
@@ -383,6 +508,204 @@ class MpiCommunicator final : public Communicator {
     return Sync(MakeCall(Kind::kBarrier, nullptr, nullptr, 0, DType::kF32));
   }
 
+  // ---- Point-to-point. ----
+  // Each message is three MPI messages on this communicator, under tags that no collective
+  // or ask uses: the sender's header (count, dtype), its payload (bytes), and the
+  // receiver's verdict back. The receiver checks the header against its own count and
+  // dtype before it receives the payload (into a drain buffer on a mismatch), then answers;
+  // the sender's Work completes with that verdict, so both sides learn of a mismatch, and
+  // a send completes once its receiver has matched it (MPI_Issend's meaning). MPI's
+  // non-overtaking rule keeps each (peer, tag) stream in issue order. Operations are
+  // posted on the caller's thread at issue, never queued behind the collectives, and
+  // driven by whoever waits on any of this communicator's point-to-point Works (and by the
+  // idle progress thread), so the two halves of an exchange may be waited for in either
+  // order. One that is not matched within the timeout (counted from its issue) fails with
+  // DeadlineExceeded naming the peer and where the peers are, and breaks the communicator.
+
+  absl::StatusOr<std::unique_ptr<Work>> SendAsync(const void* buf, size_t count, DType dtype,
+                                                  int peer, int tag) override {
+    return PostP2P(/*send=*/true, const_cast<void*>(buf), count, dtype, peer, tag);
+  }
+  absl::StatusOr<std::unique_ptr<Work>> RecvAsync(void* buf, size_t count, DType dtype, int peer,
+                                                  int tag) override {
+    return PostP2P(/*send=*/false, buf, count, dtype, peer, tag);
+  }
+
+  // "mpi send #12 to rank 1 (rank 0 of 2)".
+  std::string P2PLabel(const P2POp& op) const {
+    return absl::StrFormat("mpi %s #%d (rank %d of %d)",
+                           collectives_internal::PointToPointLabel(op.send, op.peer, op.tag),
+                           op.seq, rank_, size_);
+  }
+
+  // Advances every pending operation; fails those past their deadline. Caller holds
+  // p2p_->mu. `polls` counts the caller's polls (asks are answered every 256).
+  void ProgressP2P(int polls) {
+    std::vector<std::shared_ptr<P2POp>>& pending = p2p_->pending;
+    // The (peer, tag) streams with a receive still waiting for its header: a later receive
+    // of the same stream must not post its payload receive first (it would take the
+    // earlier message's payload), even if its own header is seen first.
+    std::vector<std::pair<int, int>> waiting;
+    for (size_t i = 0; i < pending.size();) {
+      std::shared_ptr<P2POp> op = pending[i];
+      const std::pair<int, int> stream{op->peer, op->tag};
+      const bool blocked = !op->send && !op->header_seen &&
+                           std::find(waiting.begin(), waiting.end(), stream) != waiting.end();
+      std::optional<absl::Status> result;
+      if (!blocked) result = AdvanceP2P(*op);
+      if (!op->send && !op->header_seen) waiting.push_back(stream);
+      if (!result.has_value() && absl::Now() >= op->deadline) {
+        result = absl::DeadlineExceededError(
+            absl::StrCat(P2PLabel(*op), ": rank ", op->peer, " did not post the matching ",
+                         op->send ? "recv" : "send", " within the timeout of ",
+                         absl::FormatDuration(options_.timeout), WhereArePeers(op->seq),
+                         "; the communicator is now unusable"));
+        LeakForever(op);  // its requests stay in flight
+      }
+      if (!result.has_value()) {
+        ++i;
+        continue;
+      }
+      if (!result->ok() && result->code() != absl::StatusCode::kInvalidArgument) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!broken_) {
+          broken_ = true;
+          broken_reason_ = std::string(result->message());
+        }
+      }
+      UnregisterP2P(op.get());
+      pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
+      op->Finish(*std::move(result));
+    }
+    if (polls % 256 == 255) AnswerAsks();
+  }
+
+ private:
+  absl::StatusOr<std::unique_ptr<Work>> PostP2P(bool send, void* buf, size_t count, DType dtype,
+                                                int peer, int tag) {
+    const int64_t seq = next_seq_++;
+    const size_t elem = IsValidDType(static_cast<int>(dtype)) ? DTypeSize(dtype) : 1;
+    // The payload moves as bytes, whose count is an int.
+    GRADSUM_RETURN_IF_ERROR(collectives_internal::ValidatePointToPoint(
+        send, buf, count, dtype, peer, tag, size_, static_cast<size_t>(INT_MAX) / elem));
+    auto op = std::make_shared<P2POp>();
+    op->send = send;
+    op->peer = peer;
+    op->tag = tag;
+    op->seq = seq;
+    op->buf = buf;
+    op->count = count;
+    op->dtype = dtype;
+    op->deadline = absl::Now() + options_.timeout;
+    std::lock_guard<std::mutex> lock(p2p_->mu);
+    {
+      std::lock_guard<std::mutex> state(mu_);
+      if (broken_) return absl::FailedPreconditionError(BrokenMessage());
+    }
+    int rc;
+    if (send) {
+      op->header[0] = static_cast<int64_t>(count);
+      op->header[1] = static_cast<int64_t>(dtype);
+      const int bytes = static_cast<int>(count * elem);
+      rc = CallMpi([&] {
+        int r = MPI_Isend(op->header, 2, MPI_INT64_T, peer, HeaderTag(tag), comm_, &op->reqs[0]);
+        if (r == MPI_SUCCESS) {
+          r = MPI_Isend(buf, bytes, MPI_BYTE, peer, PayloadTag(tag), comm_, &op->reqs[1]);
+        }
+        if (r == MPI_SUCCESS) {
+          r = MPI_Irecv(op->verdict, 3, MPI_INT64_T, peer, VerdictTag(tag), comm_, &op->reqs[2]);
+        }
+        return r;
+      });
+    } else {
+      rc = CallMpi([&] {
+        return MPI_Irecv(op->header, 2, MPI_INT64_T, peer, HeaderTag(tag), comm_, &op->reqs[0]);
+      });
+    }
+    if (rc != MPI_SUCCESS) {
+      LeakForever(op);
+      const absl::Status s = MpiError(rc, P2PLabel(*op));
+      std::lock_guard<std::mutex> state(mu_);
+      broken_ = true;
+      broken_reason_ = std::string(s.message());
+      return s;
+    }
+    RegisterP2P(op.get(), {absl::Now(), seq, send, world_rank_[peer]});
+    p2p_->pending.push_back(op);
+    return std::unique_ptr<Work>(new MpiP2PWork(p2p_, std::move(op)));
+  }
+
+  // One step of an operation's protocol; its result once it is complete.
+  std::optional<absl::Status> AdvanceP2P(P2POp& op) {
+    int flag = 0;
+    if (!op.send && !op.header_seen) {
+      const int rc = CallMpi([&] { return MPI_Test(&op.reqs[0], &flag, MPI_STATUS_IGNORE); });
+      if (rc != MPI_SUCCESS) return MpiError(rc, P2PLabel(op));
+      if (!flag) return std::nullopt;
+      op.header_seen = true;
+      const bool match = op.header[0] == static_cast<int64_t>(op.count) &&
+                         op.header[1] == static_cast<int64_t>(op.dtype);
+      void* into = op.buf;
+      size_t bytes = op.count * DTypeSize(op.dtype);
+      if (!match) {
+        const DType theirs = IsValidDType(static_cast<int>(op.header[1]))
+                                 ? static_cast<DType>(op.header[1])
+                                 : DType::kF32;
+        op.drain.resize(static_cast<size_t>(std::max<int64_t>(op.header[0], 0)) *
+                        DTypeSize(theirs));
+        into = op.drain.data();
+        bytes = op.drain.size();
+      }
+      op.verdict[0] = match ? 0 : 1;
+      op.verdict[1] = static_cast<int64_t>(op.count);
+      op.verdict[2] = static_cast<int64_t>(op.dtype);
+      const int rc2 = CallMpi([&] {
+        int r = MPI_Irecv(into, static_cast<int>(bytes), MPI_BYTE, op.peer, PayloadTag(op.tag),
+                          comm_, &op.reqs[1]);
+        if (r == MPI_SUCCESS) {
+          r = MPI_Isend(op.verdict, 3, MPI_INT64_T, op.peer, VerdictTag(op.tag), comm_,
+                        &op.reqs[2]);
+        }
+        return r;
+      });
+      if (rc2 != MPI_SUCCESS) return MpiError(rc2, P2PLabel(op));
+    }
+    const int rc = CallMpi([&] { return MPI_Testall(3, op.reqs, &flag, MPI_STATUSES_IGNORE); });
+    if (rc != MPI_SUCCESS) return MpiError(rc, P2PLabel(op));
+    if (!flag) return std::nullopt;
+    const auto name = [](int64_t count, int64_t dtype) {
+      return absl::StrCat(count, " ",
+                          IsValidDType(static_cast<int>(dtype))
+                              ? DTypeName(static_cast<DType>(dtype))
+                              : "invalid-dtype");
+    };
+    const std::string mine = name(static_cast<int64_t>(op.count), static_cast<int64_t>(op.dtype));
+    if (op.send && op.verdict[0] != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          P2PLabel(op), ": size mismatch: rank ", op.peer, " expects ",
+          name(op.verdict[1], op.verdict[2]), " elements, this rank (", rank_, ") sends ", mine));
+    }
+    if (!op.send && op.verdict[0] != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          P2PLabel(op), ": size mismatch: rank ", op.peer, " sends ",
+          name(op.header[0], op.header[1]), " elements, this rank (", rank_, ") expects ", mine));
+    }
+    return absl::OkStatus();
+  }
+
+  static constexpr int kP2PTagBase = 1 << 22;
+  static int HeaderTag(int tag) { return kP2PTagBase + 3 * tag; }
+  static int PayloadTag(int tag) { return kP2PTagBase + 3 * tag + 1; }
+  static int VerdictTag(int tag) { return kP2PTagBase + 3 * tag + 2; }
+
+  // Drives the pending point-to-point operations from the idle progress thread (a rank
+  // that posted a receive but waits on nothing still answers its sender).
+  void DriveP2PIdle() {
+    std::unique_lock<std::mutex> lock(p2p_->mu, std::try_to_lock);
+    if (lock.owns_lock() && !p2p_->pending.empty()) ProgressP2P(0);
+  }
+
+ public:
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
     const int64_t seq = next_seq_++;
     auto result = std::make_shared<absl::StatusOr<std::unique_ptr<Communicator>>>(nullptr);
@@ -590,6 +913,11 @@ class MpiCommunicator final : public Communicator {
   // operation it is in or last ran. A rank that is stopped, dead or cut off does not answer.
   static constexpr int kAskTag = 0x6773;
   static constexpr int kAnswerTag = 0x6774;
+  // An answer: the position (seq, kind, busy) in this communicator, then the process's
+  // oldest pending point-to-point operation (send ? 1 : 0, peer's world rank, seq; -1s if
+  // none).
+  static constexpr int kAnswerWords = 6;
+  using Answer = std::array<int64_t, kAnswerWords>;
 
   // Answers the asks that have arrived. Never blocks on another thread answering.
   void AnswerAsks() {
@@ -617,12 +945,15 @@ class MpiCommunicator final : public Communicator {
       }
       // Send buffers stay put (a deque never moves its elements) until the process ends;
       // asks come only after a timeout, so there are few.
+      const std::array<int64_t, 3> p2p = OldestPendingP2P();
       answers_.push_back({position_seq_.load(std::memory_order_relaxed),
                           position_kind_.load(std::memory_order_relaxed),
-                          in_operation_.load(std::memory_order_acquire) ? 1 : 0});
+                          in_operation_.load(std::memory_order_acquire) ? 1 : 0, p2p[0], p2p[1],
+                          p2p[2]});
       MPI_Request req;
       if (CallMpi([&] {
-            return MPI_Isend(answers_.back().data(), 3, MPI_INT64_T, from, kAnswerTag, comm_, &req);
+            return MPI_Isend(answers_.back().data(), kAnswerWords, MPI_INT64_T, from, kAnswerTag,
+                             comm_, &req);
           }) == MPI_SUCCESS) {
         CallMpi([&] { return MPI_Request_free(&req); });
       }
@@ -646,7 +977,7 @@ class MpiCommunicator final : public Communicator {
     }
     const absl::Duration grace =
         std::clamp(options_.timeout / 4, absl::Milliseconds(200), absl::Seconds(1));
-    std::vector<std::optional<std::array<int64_t, 3>>> answer(size_);
+    std::vector<std::optional<Answer>> answer(size_);
     int missing = size_ - 1;
     for (const absl::Time end = absl::Now() + grace; missing > 0 && absl::Now() < end;) {
       AnswerAsksLocked();  // a peer that timed out too asks us
@@ -660,10 +991,11 @@ class MpiCommunicator final : public Communicator {
         absl::SleepFor(absl::Milliseconds(1));
         continue;
       }
-      std::array<int64_t, 3> got;
+      Answer got;
       const int from = status.MPI_SOURCE;
       if (CallMpi([&] {
-            return MPI_Recv(got.data(), 3, MPI_INT64_T, from, kAnswerTag, comm_, MPI_STATUS_IGNORE);
+            return MPI_Recv(got.data(), kAnswerWords, MPI_INT64_T, from, kAnswerTag, comm_,
+                            MPI_STATUS_IGNORE);
           }) != MPI_SUCCESS) {
         break;
       }
@@ -681,17 +1013,25 @@ class MpiCommunicator final : public Communicator {
                                       ": stopped, dead or unreachable)"));
         continue;
       }
-      const auto [peer_seq, peer_kind, busy] = *answer[q];
+      const auto [peer_seq, peer_kind, busy, p2p_send, p2p_peer, p2p_seq] = *answer[q];
       const std::string op =
           absl::StrFormat("mpi %s #%d", KindName(static_cast<Kind>(peer_kind)), peer_seq);
+      // Its oldest pending send or receive (on any communicator), which names the peer it
+      // waits for when that peer is not in this communicator.
+      const std::string p2p = p2p_send < 0
+                                  ? ""
+                                  : absl::StrFormat("; its mpi %s #%d %s world rank %d is pending",
+                                                    p2p_send ? "send" : "recv", p2p_seq,
+                                                    p2p_send ? "to" : "from", p2p_peer);
       if (busy && peer_seq == seq) {
         arrived.push_back(name);
       } else if (busy) {
-        waited.push_back(absl::StrCat(name, " (in ", op, ")"));
+        waited.push_back(absl::StrCat(name, " (in ", op, p2p, ")"));
       } else if (peer_seq < 0) {
-        waited.push_back(absl::StrCat(name, " (in no operation of this communicator yet)"));
+        waited.push_back(
+            absl::StrCat(name, " (in no operation of this communicator yet", p2p, ")"));
       } else {
-        waited.push_back(absl::StrCat(name, " (in no operation; its last was ", op, ")"));
+        waited.push_back(absl::StrCat(name, " (in no operation; its last was ", op, p2p, ")"));
       }
     }
     std::string text;
@@ -721,13 +1061,12 @@ class MpiCommunicator final : public Communicator {
     op->kind = kind;
     op->seq = seq;
     op->run = std::move(fn);
+    op->runner = this;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (broken_) return absl::FailedPreconditionError(BrokenMessage());
-      queue_.push_back(op);
-      pending_.fetch_add(1, std::memory_order_relaxed);
     }
-    queue_cv_.notify_all();
+    queue_->Push(op);
     return std::unique_ptr<Work>(new MpiWork(std::move(op)));
   }
 
@@ -741,40 +1080,30 @@ class MpiCommunicator final : public Communicator {
     // Fast path: no async operation is queued or running. Only this (the caller's) thread
     // issues operations, so the progress thread stays idle until this call returns, and
     // the acquire load orders everything it did (broken_, the scratch) before this call.
-    if (blocking_sync_ && pending_.load(std::memory_order_acquire) == 0) {
+    if (blocking_sync_ && queue_->pending() == 0) {
       if (broken_) return absl::FailedPreconditionError(BrokenMessage());
       return Execute(seq, kind, fn, /*blocking=*/true);
     }
     {
-      std::unique_lock<std::mutex> lock(mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       if (broken_) return absl::FailedPreconditionError(BrokenMessage());
-      if (executing_ || !queue_.empty()) {
-        if (!blocking_sync_) {
-          lock.unlock();
-          return WaitIssued(Enqueue(seq, kind, OpFn(fn)));
-        }
-        sync_waiting_ = true;
-        drained_cv_.wait(lock, [this] { return !executing_ && queue_.empty(); });
-        sync_waiting_ = false;
-        if (broken_) return absl::FailedPreconditionError(BrokenMessage());
+    }
+    if (!queue_->TryClaim()) {
+      if (!blocking_sync_) return WaitIssued(Enqueue(seq, kind, OpFn(fn)));
+      queue_->ClaimWhenDrained();  // the caller is using the communicator: not stopping
+      std::lock_guard<std::mutex> lock(mu_);
+      if (broken_) {
+        queue_->Release();
+        return absl::FailedPreconditionError(BrokenMessage());
       }
-      executing_ = true;
     }
     absl::Status s = Execute(seq, kind, fn, blocking_sync_);
-    bool wake;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      executing_ = false;
-      wake = !queue_.empty();
-    }
-    // Only the progress thread waits on queue_cv_, and only for work: waking it after
-    // every sync call would cost a context switch per call.
-    if (wake) queue_cv_.notify_all();
+    queue_->Release();
     return s;
   }
 
-  // Runs one operation; the caller holds `executing_` (or is RunNow's fast path, with no async
-  // operation pending).
+  // Runs one operation; the caller holds the queue's execution claim (or is RunNow's fast
+  // path, with no async operation pending).
   template <typename F>
   absl::Status Execute(int64_t seq, Kind kind, F& fn, bool blocking = false) {
     OpContext ctx;
@@ -802,43 +1131,17 @@ class MpiCommunicator final : public Communicator {
     return status;
   }
 
-  void WorkerLoop() {
-    while (true) {
-      std::shared_ptr<Op> op;
-      bool broken;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        // Idle, or a sync call runs on the caller's thread: wake every watch period to
-        // check that call's deadline (nobody notifies for a sync call; that would cost a
-        // context switch per call).
-        while (!(stopping_ || (!queue_.empty() && !executing_))) {
-          if (queue_cv_.wait_for(lock, watch_period_) == std::cv_status::timeout) {
-            lock.unlock();
-            AnswerAsks();
-            CheckWatchedCall();
-            lock.lock();
-          }
-        }
-        if (queue_.empty()) return;  // stopping
-        op = std::move(queue_.front());
-        queue_.pop_front();
-        broken = broken_;
-        executing_ = true;
-      }
-      absl::Status status = broken ? absl::FailedPreconditionError(BrokenMessage())
-                                   : Execute(op->seq, op->kind, op->run);
-      bool drained;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        executing_ = false;
-        pending_.fetch_sub(1, std::memory_order_release);
-        drained = sync_waiting_ && queue_.empty();
-      }
-      if (drained) drained_cv_.notify_all();
-      op->Finish(std::move(status));
+  // A queued operation, run by the progress queue (Op::Run).
+ public:
+  absl::Status RunQueued(Op& op) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (broken_) return absl::FailedPreconditionError(BrokenMessage());
     }
+    return Execute(op.seq, op.kind, op.run);
   }
 
+ private:
   // One MPI collective: the blocking form on a watched sync call (ctx.blocking), else the
   // non-blocking form polled until the operation's deadline.
   template <typename Blocking, typename Start>
@@ -967,20 +1270,10 @@ class MpiCommunicator final : public Communicator {
   int64_t next_seq_ = 0;
 
   std::mutex mu_;
-  std::condition_variable queue_cv_;
-  std::deque<std::shared_ptr<Op>> queue_;  // guarded by mu_
-  bool stopping_ = false;                  // guarded by mu_
-  bool executing_ = false;                 // guarded by mu_; an operation is running
-  // Async operations queued or running: incremented by the caller's thread when it queues
-  // one, decremented (release) by the progress thread when one is done.
-  std::atomic<int64_t> pending_{0};
-  // A blocking sync call waits on drained_cv_ for the queue to empty (guarded by mu_).
-  bool sync_waiting_ = false;
-  std::condition_variable drained_cv_;
   // Written under mu_ by whoever executes; read by the destructor after the join.
   bool broken_ = false;
   std::string broken_reason_;  // guarded by mu_
-  // Used only by whoever holds executing_.
+  // Used only by whoever holds the queue's execution claim (or the sync fast path).
   std::unique_ptr<Scratch> scratch_;
   // Where this rank is (the operation running or last run), for other ranks' asks.
   std::atomic<int64_t> position_seq_{-1};
@@ -990,10 +1283,43 @@ class MpiCommunicator final : public Communicator {
   // One asker or answerer at a time; the send buffers of asks and answers (never freed: a
   // send may be pending towards a peer that is gone).
   std::mutex board_mu_;
-  std::deque<int64_t> asks_;                    // guarded by board_mu_
-  std::deque<std::array<int64_t, 3>> answers_;  // guarded by board_mu_
-  std::thread worker_;
+  std::deque<int64_t> asks_;    // guarded by board_mu_
+  std::deque<Answer> answers_;  // guarded by board_mu_
+  // Point-to-point operations pending, shared with their Works.
+  const std::shared_ptr<P2PEngine> p2p_ = std::make_shared<P2PEngine>();
+  // Issue order of the async operations and the progress thread (progress_queue.h).
+  std::shared_ptr<collectives_internal::ProgressQueue> queue_;
 };
+
+void Op::Run() { result = runner->RunQueued(*this); }
+
+absl::Status MpiP2PWork::Wait(absl::Duration timeout) {
+  const absl::Time wait_end = timeout == absl::InfiniteDuration()
+                                  ? absl::InfiniteFuture()
+                                  : absl::Now() + std::max(timeout, absl::ZeroDuration());
+  const auto done = [&] { return op_->done.load(std::memory_order_acquire); };
+  for (int polls = 0;; ++polls) {
+    if (!done()) {
+      std::lock_guard<std::mutex> lock(engine_->mu);
+      // A destroyed communicator finished every operation it left pending.
+      if (engine_->owner != nullptr && !done()) engine_->owner->ProgressP2P(polls);
+    }
+    if (done()) return op_->status;
+    const absl::Time now = absl::Now();
+    if (now >= wait_end) {
+      return absl::DeadlineExceededError(absl::StrCat("mpi ", op_->send ? "send" : "recv", " #",
+                                                      op_->seq, " still in flight after waiting ",
+                                                      absl::FormatDuration(timeout)));
+    }
+    // Spin (yielding) while young, since MPI progresses only inside MPI calls; then back
+    // off to short sleeps so a waiting rank does not burn a shared core.
+    if (polls < 4096) {
+      std::this_thread::yield();
+    } else {
+      absl::SleepFor(absl::Microseconds(100));
+    }
+  }
+}
 
 }  // namespace
 

@@ -11,7 +11,8 @@
 //
 // How it works. Each communicator owns a private duplicate of its MPI communicator (so its
 // traffic never matches the caller's own MPI calls) and one progress thread that runs the
-// issued async operations strictly in issue order. Async operations use non-blocking MPI
+// issued async operations strictly in issue order (collectives/progress_queue.h, shared with
+// the thread backend). Async operations use non-blocking MPI
 // (MPI_Iallreduce, ...) polled with MPI_Test until done or until `timeout` after the
 // operation started. A synchronous call runs on the caller's thread (no hand-off, no
 // allocation) with blocking MPI (MPI_Allreduce, ...), Open MPI's fastest path for small
@@ -20,6 +21,12 @@
 // each operation: the agreement check reports a mix as InvalidArgument ("ranks disagree on
 // sync versus async"); without the check a mix hangs until the watchdog ends the job. The
 // options forms with a per-call timeout (communicator.h) are async + Wait, hence async.
+//
+// Point-to-point (SendAsync / RecvAsync): header, payload and the receiver's verdict as MPI
+// messages on the communicator's duplicate, posted at issue on the caller's thread (not
+// queued behind the collectives) and driven by whoever waits on one; sizes are checked on
+// both sides, and a half not matched within `timeout` fails with DeadlineExceeded naming the
+// peer and where every peer is (mpi_backend.cc, "Point-to-point").
 //
 // Timeouts. A rank that never arrives makes the others fail after `timeout`:
 // - an async operation fails with DeadlineExceeded, and the

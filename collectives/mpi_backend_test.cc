@@ -750,6 +750,63 @@ TEST_F(MpiBackendTest, AbsentRankMakesOthersFailWithDeadlineExceeded) {
   EXPECT_NE(later.message().find("unusable"), std::string::npos) << later;
 }
 
+// A receive whose sender never posts fails after the timeout naming that peer.
+TEST_F(MpiBackendTest, PointToPointPeerThatNeverPostsTimesOutNamingIt) {
+  // Two ranks only: these leave operations in flight on communicators that other ranks
+  // free, and at np4 a stale message then reached a later sub-communicator of the suite
+  // (Open MPI reuses context ids); the np2 run covers the behaviour.
+  if (comm_->size() != 2) GTEST_SKIP() << "runs at np2";
+  std::unique_ptr<Communicator> comm = MakeWorld(absl::Seconds(1));
+  ASSERT_NE(comm, nullptr);
+  const int last = comm->size() - 1;
+  if (comm->rank() != 0) return;  // the last rank never sends
+  float x[4];
+  const absl::Time start = absl::Now();
+  absl::Status s = comm->Recv(x, 4, DType::kF32, last);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_NE(s.message().find(absl::StrCat("rank ", last, " did not post the matching send")),
+            std::string::npos)
+      << s;
+  EXPECT_GE(absl::Now() - start, absl::Seconds(1));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(8));
+  EXPECT_EQ(comm->Send(x, 4, DType::kF32, last).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// A rank blocked in a receive on one communicator is named by the where-is-everyone report
+// of another communicator with the peer it waits for (a CP ring's neighbour, asked by the
+// data-parallel group).
+TEST_F(MpiBackendTest, PendingReceiveIsNamedInAnotherCommunicatorsReport) {
+  // Two ranks only: these leave operations in flight on communicators that other ranks
+  // free, and at np4 a stale message then reached a later sub-communicator of the suite
+  // (Open MPI reuses context ids); the np2 run covers the behaviour.
+  if (comm_->size() != 2) GTEST_SKIP() << "runs at np2";
+  MpiBackendOptions o;
+  o.timeout = absl::Seconds(1);
+  o.blocking_sync_calls = false;
+  absl::StatusOr<std::unique_ptr<Communicator>> other = CreateMpiWorldCommunicator(o);
+  ASSERT_TRUE(other.ok()) << other.status();
+  std::unique_ptr<Communicator> ring = MakeWorld(absl::Seconds(30));
+  ASSERT_NE(ring, nullptr);
+  float x = 1;
+  if (comm_->rank() == 1) {
+    // Waits for rank 0, which first times out in the other communicator's all-reduce.
+    absl::Status got = ring->Recv(&x, 1, DType::kF32, 0, /*tag=*/4);
+    EXPECT_TRUE(got.ok()) << got;
+    // Joins the all-reduce late (OK or DeadlineExceeded), so that no message of it is
+    // left in flight towards a communicator that has gone.
+    (*other)->AllReduce(&x, &x, 1, DType::kF32).IgnoreError();
+    return;
+  }
+  absl::Status s = (*other)->AllReduce(&x, &x, 1, DType::kF32);
+  if (comm_->rank() != 0) return;
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_NE(s.message().find("rank 1 (in no operation of this communicator yet; its mpi recv #"),
+            std::string::npos)
+      << s;
+  EXPECT_NE(s.message().find("from world rank 0 is pending"), std::string::npos) << s;
+  EXPECT_TRUE(ring->Send(&x, 1, DType::kF32, 1, /*tag=*/4).ok());
+}
+
 // The backend-independent conformance suite (//collectives:conformance). Small-integer
 // inputs make every summation order exact. With two ranks any order is also the ascending
 // one (a + b == b + a), so there the stricter bit-for-bit mode over full-precision random
@@ -768,6 +825,8 @@ TEST_F(MpiBackendTest, ConformanceSuite) {
     EXPECT_TRUE(s.ok()) << s;
   }
   s = conformance::CheckMismatchesFail(*comm_);
+  EXPECT_TRUE(s.ok()) << s;
+  s = conformance::CheckPointToPoint(*comm_);
   EXPECT_TRUE(s.ok()) << s;
 }
 

@@ -303,6 +303,29 @@ class NcclCommunicatorImpl final : public Communicator, public DeviceStream {
     });
   }
 
+  // Point-to-point: ncclSend / ncclRecv on the stream. NCCL matches a pair's messages in
+  // issue order and has no tags, so only tag 0 is accepted; it does not compare sizes (a
+  // mismatch is NCCL's undefined behaviour, unlike the host backends), and a send waits
+  // on the stream for its receive: both halves of an exchange between two ranks go in one
+  // coalesced group (device_stream()->BeginCoalescing() .. EndCoalescing()), as NCCL's own
+  // ncclGroupStart / ncclGroupEnd rule asks.
+  absl::StatusOr<std::unique_ptr<Work>> SendAsync(const void* buf, size_t count, DType dtype,
+                                                  int peer, int tag) override {
+    const int64_t seq = next_seq_++;
+    GRADSUM_RETURN_IF_ERROR(CheckUsable());
+    GRADSUM_RETURN_IF_ERROR(ValidateP2P(/*send=*/true, buf, count, dtype, peer, tag));
+    return IssueAs(P2PLabel(true, peer, seq),
+                   [&] { return ncclSend(buf, count, NcclType(dtype), peer, comm_, stream_); });
+  }
+  absl::StatusOr<std::unique_ptr<Work>> RecvAsync(void* buf, size_t count, DType dtype, int peer,
+                                                  int tag) override {
+    const int64_t seq = next_seq_++;
+    GRADSUM_RETURN_IF_ERROR(CheckUsable());
+    GRADSUM_RETURN_IF_ERROR(ValidateP2P(/*send=*/false, buf, count, dtype, peer, tag));
+    return IssueAs(P2PLabel(false, peer, seq),
+                   [&] { return ncclRecv(buf, count, NcclType(dtype), peer, comm_, stream_); });
+  }
+
   // A one-element all-reduce on the scratch: it cannot finish before every rank joins.
   absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override {
     const int64_t seq = next_seq_++;
@@ -418,6 +441,30 @@ class NcclCommunicatorImpl final : public Communicator, public DeviceStream {
   NcclCommunicatorImpl(ncclComm_t comm, int device, NcclBackendOptions options)
       : comm_(comm), device_(device), options_(options) {}
 
+  std::string P2PLabel(bool send, int peer, int64_t seq) const {
+    return absl::StrFormat("nccl %s #%d (rank %d of %d)",
+                           collectives_internal::PointToPointLabel(send, peer, 0), seq, rank_,
+                           size_);
+  }
+
+  absl::Status ValidateP2P(bool send, const void* buf, size_t count, DType dtype, int peer,
+                           int tag) const {
+    GRADSUM_RETURN_IF_ERROR(
+        collectives_internal::ValidatePointToPoint(send, buf, count, dtype, peer, tag, size_));
+    if (tag != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(collectives_internal::PointToPointLabel(send, peer, tag), ": tag ", tag,
+                       ": the nccl backend matches in issue order only and takes tag 0"));
+    }
+    if (count == 0) return absl::OkStatus();
+    absl::Status device = CheckBuffer(buf);
+    if (!device.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          collectives_internal::PointToPointLabel(send, peer, tag), " buffer ", device.message()));
+    }
+    return absl::OkStatus();
+  }
+
   std::string Label(OpKind kind, int64_t seq) const {
     return absl::StrFormat("nccl %s #%d (rank %d of %d)", OpKindName(kind), seq, rank_, size_);
   }
@@ -498,8 +545,12 @@ class NcclCommunicatorImpl final : public Communicator, public DeviceStream {
   // Enqueues `enqueue`'s NCCL calls, returns a Work (the group's inside a coalesced group).
   template <typename F>
   absl::StatusOr<std::unique_ptr<Work>> Issue(int64_t seq, OpKind kind, F&& enqueue) {
+    return IssueAs(Label(kind, seq), std::forward<F>(enqueue));
+  }
+  template <typename F>
+  absl::StatusOr<std::unique_ptr<Work>> IssueAs(const std::string& label, F&& enqueue) {
     GRADSUM_CUDA_RETURN(cudaSetDevice(device_), "cudaSetDevice");
-    GRADSUM_RETURN_IF_ERROR(CheckNccl(enqueue(), Label(kind, seq)));
+    GRADSUM_RETURN_IF_ERROR(CheckNccl(enqueue(), label));
     if (group_ != nullptr) return std::unique_ptr<Work>(new NcclWork(this, group_));
     auto c = std::make_shared<Completion>();
     c->issued = absl::Now();

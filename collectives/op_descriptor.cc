@@ -151,6 +151,37 @@ bool HasCount(OpKind k) {
 }
 bool HasReduceOp(OpKind k) { return k == OpKind::kAllReduce || k == OpKind::kReduceScatter; }
 
+std::string PointToPointLabel(bool send, int peer, int tag) {
+  std::string label = absl::StrCat(send ? "send to rank " : "recv from rank ", peer);
+  if (tag != 0) absl::StrAppend(&label, " tag ", tag);
+  return label;
+}
+
+absl::Status ValidatePointToPoint(bool send, const void* buf, size_t count, DType dtype, int peer,
+                                  int tag, int size, size_t max_count) {
+  const auto invalid = [&](absl::string_view what) {
+    return absl::InvalidArgumentError(absl::StrCat(PointToPointLabel(send, peer, tag), ": ", what));
+  };
+  if (!IsValidDType(static_cast<int>(dtype))) {
+    return invalid(absl::StrCat("invalid dtype value ", static_cast<int>(dtype)));
+  }
+  if (peer < 0 || peer >= size) {
+    return invalid(absl::StrCat("peer ", peer, " is outside [0, ", size, ")"));
+  }
+  if (tag < 0 || tag > Communicator::kMaxTag) {
+    return invalid(absl::StrCat("tag ", tag, " is outside [0, ", Communicator::kMaxTag, "]"));
+  }
+  max_count = std::min(max_count, std::numeric_limits<size_t>::max() / 16);
+  if (count > max_count) {
+    return invalid(
+        absl::StrCat("count ", count, " exceeds the backend's limit of ", max_count, " elements"));
+  }
+  if (buf == nullptr && count > 0) {
+    return invalid(absl::StrCat("null buffer with count ", count));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateCall(const OpCall& a, int rank, int size, size_t max_count) {
   const size_t w = static_cast<size_t>(size);
   if (HasDType(a.kind) && !IsValidDType(static_cast<int>(a.dtype))) {

@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <string>
 
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
@@ -77,6 +78,17 @@ OpCall MakeAllToAllVCall(const void* send, absl::Span<const size_t> send_counts,
 // naming the offending value.
 absl::Status ValidateCall(const OpCall& c, int rank, int size,
                           size_t max_count = std::numeric_limits<size_t>::max());
+
+// The one local check of a point-to-point call (Communicator::SendAsync / RecvAsync) on
+// every backend: a valid dtype, count <= max_count, no null buffer with elements, peer in
+// [0, size), tag in [0, Communicator::kMaxTag]. InvalidArgument "send to rank P: <what>"
+// (or "recv from rank P: ...") naming the value, OK otherwise (formats nothing then).
+absl::Status ValidatePointToPoint(bool send, const void* buf, size_t count, DType dtype, int peer,
+                                  int tag, int size,
+                                  size_t max_count = std::numeric_limits<size_t>::max());
+
+// "send to rank 2" / "recv from rank 2" (tag appended when not 0: "... tag 5").
+std::string PointToPointLabel(bool send, int peer, int tag);
 
 // A backend's own rule for the buffers of a call (the nccl backend: device memory, through
 // DeviceStream::CheckBuffer), after ValidateCall passed: runs `check` on every buffer of the

@@ -18,9 +18,10 @@
 // - Synchronous calls run on the caller's thread with no allocation and no formatting
 //   (unless they fail). Asynchronous calls are queued per communicator and run in issue
 //   order by a worker thread, or by the caller's thread when it waits on one nobody has
-//   started. A synchronous call issued while async ones are pending takes the queue too.
-//   A small async call (<= 64 KiB) whose peers are all already waiting in it, with
-//   nothing of its rank queued, runs during the issue call and returns a completed handle.
+//   started (the queue, the worker and the claims: collectives/progress_queue.h, shared
+//   with the mpi backend). A synchronous call issued while async ones are pending takes the queue
+//   too. A small async call (<= 64 KiB) whose peers are all already waiting in it, with nothing of
+//   its rank queued, runs during the issue call and returns a completed handle.
 //
 // Synchronisation uses std atomics, std::mutex and raw futexes, not absl::Mutex: the system
 // abseil is not built with ThreadSanitizer, which then cannot see absl::Mutex's ordering
@@ -47,6 +48,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -56,6 +58,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "collectives/op_descriptor.h"
+#include "collectives/progress_queue.h"
 #include "collectives/reduce_kernels.h"
 
 namespace gradsum {
@@ -71,6 +74,8 @@ using collectives_internal::MakeCall;
 using collectives_internal::OpCall;
 using collectives_internal::OpKind;
 using collectives_internal::OpKindName;
+using collectives_internal::PointToPointLabel;
+using collectives_internal::ProgressQueue;
 
 // A status that shares no heap state with `s`. absl::Status copies share a refcounted
 // message; the system abseil is not TSan-instrumented, so TSan cannot see that refcount's
@@ -176,6 +181,30 @@ struct OpArgs {
   const std::string* local_error = nullptr;
 };
 
+// One posted point-to-point operation (SendAsync / RecvAsync), shared by its channel and
+// its Work handle.
+struct P2POp {
+  bool send = false;
+  int src = 0, dst = 0, tag = 0;  // the pair and tag it matches on
+  const void* send_buf = nullptr;
+  void* recv_buf = nullptr;
+  size_t count = 0;
+  DType dtype = DType::kF32;
+  std::string local_error;  // non-empty: this side's arguments were invalid
+  Clock::time_point deadline;
+  std::atomic<bool> done{false};
+  absl::Status status;      // written before done
+  absl::Time completed_at;  // written before done
+
+  int owner() const { return send ? src : dst; }
+  int peer() const { return send ? dst : src; }
+  std::string Label() const { return PointToPointLabel(send, peer(), tag); }
+};
+
+struct P2PChannel {
+  std::deque<std::shared_ptr<P2POp>> sends, recvs;
+};
+
 struct Group;
 
 struct alignas(64) Posted {
@@ -206,6 +235,13 @@ struct Group {
   std::map<int, std::shared_ptr<Group>> split_groups;  // guarded by mu
   int split_taken = 0;                                 // guarded by mu
 
+  // Point-to-point: the posted, unmatched sends and receives of each (source, destination,
+  // tag), in issue order; whoever posts the second half of a pair moves the data. Waiters
+  // sleep on p2p_event (notified on every completion and when the group breaks).
+  std::mutex p2p_mu;
+  std::map<std::tuple<int, int, int>, P2PChannel> channels;  // guarded by p2p_mu
+  Event p2p_event;
+
   void Break(absl::StatusCode code, absl::string_view why) {
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -216,6 +252,7 @@ struct Group {
     }
     broken.store(true, std::memory_order_release);
     event.Notify();
+    p2p_event.Notify();
   }
   absl::Status Failure() {
     std::lock_guard<std::mutex> lock(mu);
@@ -223,18 +260,26 @@ struct Group {
   }
 };
 
+class ThreadCommunicator;
+
 // One issued asynchronous operation, shared by the queue and its Work handle. Owns what
 // the caller's spans pointed to.
-struct OpState {
+struct OpState final : ProgressQueue::Task {
   OpArgs args;
   std::vector<size_t> send_counts, send_offsets, recv_counts, recv_offsets;
   std::string local_error;
   std::atomic<bool> done{false};
-  bool queued = false;  // guarded by ExecState::mu; true until taken off the queue
   Event event;
   absl::Status status;                         // written before done
   absl::Time completed_at;                     // written before done
   std::unique_ptr<Communicator> split_result;  // Split only; read after done
+  // Runs it (the queue runs tasks only while their communicator lives: ~ThreadCommunicator
+  // stops the queue first).
+  ThreadCommunicator* runner = nullptr;
+  absl::Status result;  // Run's, for Finish
+
+  void Run() override;  // after ThreadCommunicator
+  void Finish() override { Complete(std::move(result)); }
 
   void Complete(absl::Status s) {
     status = std::move(s);
@@ -244,36 +289,12 @@ struct OpState {
   }
 };
 
-class ThreadCommunicator;
-
-// One rank's queue of issued async operations. Shared by the communicator, its worker
-// thread and the Work handles, so that a caller blocked in Wait() can run the queued
-// operations itself while the worker is idle. Whoever runs an operation holds
-// `executing`, so operations still run one at a time in issue order.
-struct ExecState {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::deque<std::shared_ptr<OpState>> queue;  // guarded by mu
-  bool executing = false;                      // guarded by mu
-  bool stopping = false;                       // guarded by mu
-  bool worker_idle = false;                    // guarded by mu; the worker sleeps on cv
-  int idle_waiters = 0;                        // guarded by mu; others sleeping on cv
-  ThreadCommunicator* owner = nullptr;         // null once the communicator is destroyed
-  absl::Duration timeout;                      // the group's timeout
-  Clock::duration spin{};                      // the group's spin before sleeping
-
-  // After a change that may let a sleeper proceed: whether to notify `cv`. Caller holds
-  // mu, and notifies after releasing it: a sleeper woken while the notifier still holds mu
-  // would only block on mu again (two more context switches per hand-off on a busy core).
-  bool NeedsWake() const {
-    return (worker_idle && (!queue.empty() || stopping) && !executing) || idle_waiters > 0;
-  }
-};
-
 class ThreadWork : public Work {
  public:
-  ThreadWork(std::shared_ptr<OpState> op, std::shared_ptr<ExecState> exec)
-      : op_(std::move(op)), exec_(std::move(exec)) {}
+  // `queue` runs the operation; `timeout` is its group's.
+  ThreadWork(std::shared_ptr<OpState> op, std::shared_ptr<ProgressQueue> queue,
+             absl::Duration timeout)
+      : op_(std::move(op)), queue_(std::move(queue)), timeout_(timeout) {}
 
   absl::Status Wait(absl::Duration timeout) override;
 
@@ -284,7 +305,8 @@ class ThreadWork : public Work {
 
  private:
   std::shared_ptr<OpState> op_;
-  std::shared_ptr<ExecState> exec_;
+  std::shared_ptr<ProgressQueue> queue_;
+  const absl::Duration timeout_;
 };
 
 // The larger of the bytes one rank's call reads and writes in its buffers (its own
@@ -327,6 +349,109 @@ class DoneWork : public Work {
   const absl::Time completed_at_;
 };
 
+// ---- Point-to-point. ----
+
+void CompleteP2P(P2POp& op, absl::Status s) {
+  op.status = std::move(s);
+  op.completed_at = absl::Now();
+  op.done.store(true, std::memory_order_release);
+}
+
+// A matched send and receive: moves the data, or fails both sides alike (each message
+// naming its peer). Runs on the thread that posted the second half, outside p2p_mu.
+void RunMatched(Group& g, P2POp& send, P2POp& recv) {
+  absl::Status send_status, recv_status;
+  if (!send.local_error.empty() || !recv.local_error.empty()) {
+    const bool sender_bad = !send.local_error.empty();
+    const P2POp& bad = sender_bad ? send : recv;
+    const std::string why = absl::StrCat("rank ", bad.owner(), " passed invalid arguments to its ",
+                                         bad.Label(), ": ", bad.local_error);
+    send_status = absl::InvalidArgumentError(absl::StrCat(send.Label(), ": ", why));
+    recv_status = absl::InvalidArgumentError(absl::StrCat(recv.Label(), ": ", why));
+  } else if (send.count != recv.count || send.dtype != recv.dtype) {
+    const std::string sends = absl::StrCat(send.count, " ", DTypeName(send.dtype));
+    const std::string expects = absl::StrCat(recv.count, " ", DTypeName(recv.dtype));
+    send_status = absl::InvalidArgumentError(
+        absl::StrCat(send.Label(), ": size mismatch: rank ", send.dst, " expects ", expects,
+                     " elements, this rank (", send.src, ") sends ", sends));
+    recv_status = absl::InvalidArgumentError(
+        absl::StrCat(recv.Label(), ": size mismatch: rank ", recv.src, " sends ", sends,
+                     " elements, this rank (", recv.dst, ") expects ", expects));
+  } else if (send.count > 0) {
+    std::memcpy(recv.recv_buf, send.send_buf, send.count * DTypeSize(send.dtype));
+  }
+  CompleteP2P(send, std::move(send_status));
+  CompleteP2P(recv, std::move(recv_status));
+  g.p2p_event.Notify();
+}
+
+class P2PWork : public Work {
+ public:
+  P2PWork(std::shared_ptr<Group> group, std::shared_ptr<P2POp> op)
+      : group_(std::move(group)), op_(std::move(op)) {}
+
+  absl::Status Wait(absl::Duration timeout) override {
+    Group& g = *group_;
+    P2POp& op = *op_;
+    const Clock::time_point wait_end =
+        timeout == absl::InfiniteDuration()
+            ? Clock::time_point::max()
+            : Clock::now() + absl::ToChronoNanoseconds(std::max(timeout, absl::ZeroDuration()));
+    const auto done = [&] { return op.done.load(std::memory_order_acquire); };
+    g.p2p_event.Wait([&] { return done() || g.broken.load(std::memory_order_acquire); },
+                     std::min(wait_end, op.deadline), Clock::duration::zero());
+    if (done()) return Fresh(op.status);
+    const bool broken = g.broken.load(std::memory_order_acquire);
+    if (!broken && Clock::now() < op.deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(op.Label(), " still in flight after waiting ",
+                                                      absl::FormatDuration(timeout)));
+    }
+    // The peer never posted its half (or the group broke): withdraw the operation, unless
+    // the peer matched it meanwhile (then its copy finishes without waiting on anyone).
+    if (!Withdraw(g, op_)) {
+      g.p2p_event.Wait(done, Clock::time_point::max(), Clock::duration::zero());
+      return Fresh(op.status);
+    }
+    absl::Status s;
+    if (broken) {
+      s = absl::FailedPreconditionError(
+          absl::StrCat(op.Label(), ": the thread communicator is unusable after an earlier ",
+                       "failure: ", g.Failure().message()));
+    } else {
+      s = absl::DeadlineExceededError(absl::StrCat(
+          op.Label(), " (rank ", op.owner(), " of ", g.size, "): rank ", op.peer(),
+          " did not post the matching ", op.send ? "recv" : "send", " within the timeout of ",
+          absl::FormatDuration(g.timeout), " (stopped, hung or gone)"));
+      g.Break(s.code(), s.message());
+    }
+    CompleteP2P(op, Fresh(s));
+    g.p2p_event.Notify();
+    return s;
+  }
+
+  bool IsCompleted() override { return op_->done.load(std::memory_order_acquire); }
+  absl::Time CompletionTime() override {
+    return IsCompleted() ? op_->completed_at : absl::InfiniteFuture();
+  }
+
+  // Takes `op` off its channel if it is still unmatched there; false if it was matched.
+  static bool Withdraw(Group& g, const std::shared_ptr<P2POp>& op) {
+    std::lock_guard<std::mutex> lock(g.p2p_mu);
+    auto it = g.channels.find({op->src, op->dst, op->tag});
+    if (it == g.channels.end()) return false;
+    auto& queue = op->send ? it->second.sends : it->second.recvs;
+    auto pos = std::find(queue.begin(), queue.end(), op);
+    if (pos == queue.end()) return false;
+    queue.erase(pos);
+    if (it->second.sends.empty() && it->second.recvs.empty()) g.channels.erase(it);
+    return true;
+  }
+
+ private:
+  const std::shared_ptr<Group> group_;
+  const std::shared_ptr<P2POp> op_;
+};
+
 const char* Ptr(const void* p, size_t off_bytes) { return static_cast<const char*>(p) + off_bytes; }
 char* Ptr(void* p, size_t off_bytes) { return static_cast<char*>(p) + off_bytes; }
 
@@ -356,21 +481,13 @@ class ThreadCommunicator : public Communicator {
         spin_(group_->spin),
         srcs_(group_->size),
         dsts_(group_->size),
-        exec_(std::make_shared<ExecState>()) {
-    exec_->owner = this;
-    exec_->timeout = group_->timeout;
-    exec_->spin = group_->spin;
-    worker_ = std::thread([this] { WorkerLoop(); });
-  }
+        queue_(ProgressQueue::Start()) {}
 
   ~ThreadCommunicator() override {
-    bool abandoning;
-    {
-      std::lock_guard<std::mutex> lock(exec_->mu);
-      exec_->stopping = true;
-      abandoning = exec_->executing || !exec_->queue.empty();
-      exec_->cv.notify_all();
-    }
+    const bool busy = queue_->BeginStop();
+    // The same for a send or receive of ours that no peer has matched yet: its peer
+    // would otherwise wait for it until the timeout.
+    const bool abandoning = AbandonP2P() || busy;
     // If an operation of ours is still waiting for peers, break the group so that it (and
     // the peers, who can no longer complete with us) return instead of hanging.
     if (abandoning) {
@@ -378,13 +495,9 @@ class ThreadCommunicator : public Communicator {
                     absl::StrCat("rank ", rank_, "'s thread communicator was destroyed with an ",
                                  "operation in flight"));
     }
-    worker_.join();
-    // A caller running an operation inline finishes it before we go away.
-    std::unique_lock<std::mutex> lock(exec_->mu);
-    ++exec_->idle_waiters;
-    exec_->cv.wait(lock, [&] { return !exec_->executing; });
-    --exec_->idle_waiters;
-    exec_->owner = nullptr;
+    // The worker runs what is queued (failing fast on the broken group); a caller running
+    // an operation inline finishes it before we go away.
+    queue_->FinishStop();
   }
 
   int rank() const override { return rank_; }
@@ -433,11 +546,23 @@ class ThreadCommunicator : public Communicator {
     a.key = key;
     auto op = std::make_shared<OpState>();
     op->args = a;
-    Enqueue(op);
-    ThreadWork work(op, exec_);
+    op->runner = this;
+    queue_->Push(op);
+    ThreadWork work(op, queue_, group_->timeout);
     absl::Status s = work.Wait(OperationWaitLimit());
     if (!s.ok()) return s;
     return std::move(op->split_result);
+  }
+
+  // ---- Point-to-point: posted at issue on the pair's channel (see Group). ----
+
+  absl::StatusOr<std::unique_ptr<Work>> SendAsync(const void* buf, size_t count, DType dtype,
+                                                  int peer, int tag) override {
+    return PostP2P(/*send=*/true, buf, nullptr, count, dtype, peer, tag);
+  }
+  absl::StatusOr<std::unique_ptr<Work>> RecvAsync(void* buf, size_t count, DType dtype, int peer,
+                                                  int tag) override {
+    return PostP2P(/*send=*/false, nullptr, buf, count, dtype, peer, tag);
   }
 
   // ---- Sync forms: on the caller's thread, no allocation. ----
@@ -467,16 +592,95 @@ class ThreadCommunicator : public Communicator {
     return RunSync(ToArgs(MakeCall(OpKind::kBarrier, nullptr, nullptr, 0, DType::kF32)));
   }
 
-  // Runs an operation popped from the queue by the caller, who set `executing`.
-  void RunClaimed(OpState& op) {
-    absl::Status s = Execute(op.args, &op.split_result);
-    Release();
-    op.Complete(std::move(s));
-  }
+  // Runs a queued operation (ProgressQueue::Task::Run, under the queue's claim).
+  absl::Status RunQueued(OpState& op) { return Execute(op.args, &op.split_result); }
 
  private:
   absl::Status CheckLocal(const OpArgs& a) const {
     return collectives_internal::ValidateCall(a.call, rank_, size());
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> PostP2P(bool send, const void* send_buf, void* recv_buf,
+                                                size_t count, DType dtype, int peer, int tag) {
+    Group& g = *group_;
+    absl::Status local = collectives_internal::ValidatePointToPoint(
+        send, send ? send_buf : recv_buf, count, dtype, peer, tag, g.size);
+    // A call invalid in its count, dtype or buffer is still posted (when its peer and tag
+    // name a channel), so that the peer fails at once instead of waiting for the timeout.
+    if (!local.ok() && (peer < 0 || peer >= g.size || tag < 0 || tag > kMaxTag)) return local;
+    auto op = std::make_shared<P2POp>();
+    op->send = send;
+    op->src = send ? rank_ : peer;
+    op->dst = send ? peer : rank_;
+    op->tag = tag;
+    op->send_buf = send_buf;
+    op->recv_buf = recv_buf;
+    op->count = count;
+    op->dtype = dtype;
+    if (!local.ok()) op->local_error = std::string(local.message());
+    op->deadline = g.timeout == absl::InfiniteDuration()
+                       ? Clock::time_point::max()
+                       : Clock::now() + absl::ToChronoNanoseconds(g.timeout);
+    std::shared_ptr<P2POp> match;
+    {
+      std::lock_guard<std::mutex> lock(g.p2p_mu);
+      if (g.broken.load(std::memory_order_acquire)) {
+        return absl::FailedPreconditionError(
+            absl::StrCat(op->Label(), ": the thread communicator is unusable after an earlier ",
+                         "failure: ", g.Failure().message()));
+      }
+      P2PChannel& ch = g.channels[{op->src, op->dst, tag}];
+      auto& theirs = send ? ch.recvs : ch.sends;
+      if (theirs.empty()) {
+        (send ? ch.sends : ch.recvs).push_back(op);
+      } else {
+        match = std::move(theirs.front());
+        theirs.pop_front();
+        if (ch.sends.empty() && ch.recvs.empty()) g.channels.erase({op->src, op->dst, tag});
+      }
+    }
+    if (match != nullptr) {
+      if (send) {
+        RunMatched(g, *op, *match);
+      } else {
+        RunMatched(g, *match, *op);
+      }
+    }
+    if (!local.ok()) return local;
+    return std::unique_ptr<Work>(new P2PWork(group_, std::move(op)));
+  }
+
+  // Fails this rank's unmatched point-to-point operations (at destruction); true if any.
+  bool AbandonP2P() {
+    std::vector<std::shared_ptr<P2POp>> mine;
+    {
+      Group& g = *group_;
+      std::lock_guard<std::mutex> lock(g.p2p_mu);
+      for (auto it = g.channels.begin(); it != g.channels.end();) {
+        for (auto* queue : {&it->second.sends, &it->second.recvs}) {
+          for (auto op = queue->begin(); op != queue->end();) {
+            if ((*op)->owner() == rank_) {
+              mine.push_back(std::move(*op));
+              op = queue->erase(op);
+            } else {
+              ++op;
+            }
+          }
+        }
+        if (it->second.sends.empty() && it->second.recvs.empty()) {
+          it = g.channels.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    for (const auto& op : mine) {
+      CompleteP2P(*op, absl::FailedPreconditionError(
+                           absl::StrCat(op->Label(), ": rank ", rank_,
+                                        "'s thread communicator was destroyed with it pending")));
+    }
+    group_->p2p_event.Notify();
+    return !mine.empty();
   }
 
   // Runs a synchronous call on this thread when nothing of ours is queued or running;
@@ -486,13 +690,13 @@ class ThreadCommunicator : public Communicator {
       // Queued like an async call, so the peers learn of it and later calls line up.
       return Issue(a, std::move(local)).status();
     }
-    if (!ClaimIfIdle(/*only_if_peers_waiting=*/false)) {
+    if (!queue_->TryClaim()) {
       absl::StatusOr<std::unique_ptr<Work>> work = Issue(a, absl::OkStatus());  // checked above
       if (!work.ok()) return work.status();
       return (*work)->Wait(OperationWaitLimit());
     }
     absl::Status s = Execute(a, nullptr);
-    Release();
+    queue_->Release();
     return s;
   }
 
@@ -510,9 +714,9 @@ class ThreadCommunicator : public Communicator {
     // caller).
     if (local.ok() && args.call.kind != OpKind::kSplit &&
         PayloadBytes(args.call, size()) <= kIssueInlineBytes &&
-        ClaimIfIdle(/*only_if_peers_waiting=*/true)) {
+        queue_->TryClaim([&] { return PeersWaiting(); })) {
       absl::Status s = Execute(args, nullptr);
-      Release();
+      queue_->Release();
       return std::unique_ptr<Work>(new DoneWork(std::move(s), absl::Now()));
     }
     auto op = std::make_shared<OpState>();
@@ -532,67 +736,18 @@ class ThreadCommunicator : public Communicator {
       op->local_error = std::string(local.message());
       op->args.local_error = &op->local_error;
     }
-    Enqueue(op);
+    op->runner = this;
+    queue_->Push(op);
     if (!local.ok()) return local;
-    return std::unique_ptr<Work>(new ThreadWork(std::move(op), exec_));
+    return std::unique_ptr<Work>(new ThreadWork(std::move(op), queue_, group_->timeout));
   }
 
-  // Claims execution for this thread (sets `executing`; end it with Release()) when
-  // nothing of this rank's is queued or running, and with `only_if_peers_waiting` only if
-  // every peer is also already waiting in this rank's next operation.
-  bool ClaimIfIdle(bool only_if_peers_waiting) {
-    std::lock_guard<std::mutex> lock(exec_->mu);
-    if (exec_->executing || !exec_->queue.empty() || exec_->stopping) return false;
-    // With nothing queued or running, op_index_ is this rank's next operation and nobody
-    // else may change it while we hold mu.
+  // Whether every peer is already waiting in this rank's next operation. Called under the
+  // queue's lock with nothing of this rank's queued or running, so op_index_ is this rank's
+  // next operation and nobody else may change it meanwhile.
+  bool PeersWaiting() const {
     const uint32_t w = static_cast<uint32_t>(size());
-    if (only_if_peers_waiting &&
-        group_->arrived.load(std::memory_order_acquire) + 1 != (op_index_ + 1) * w) {
-      return false;
-    }
-    exec_->executing = true;
-    return true;
-  }
-
-  void Enqueue(std::shared_ptr<OpState> op) {
-    bool wake;
-    {
-      std::lock_guard<std::mutex> lock(exec_->mu);
-      op->queued = true;
-      exec_->queue.push_back(std::move(op));
-      wake = exec_->NeedsWake();
-    }
-    if (wake) exec_->cv.notify_all();
-  }
-
-  // Ends an execution claimed by setting `executing`.
-  void Release() {
-    bool wake;
-    {
-      std::lock_guard<std::mutex> lock(exec_->mu);
-      exec_->executing = false;
-      wake = exec_->NeedsWake();
-    }
-    if (wake) exec_->cv.notify_all();
-  }
-
-  void WorkerLoop() {
-    ExecState& e = *exec_;
-    for (;;) {
-      std::shared_ptr<OpState> op;
-      {
-        std::unique_lock<std::mutex> lock(e.mu);
-        e.worker_idle = true;
-        e.cv.wait(lock, [&] { return !e.executing && (e.stopping || !e.queue.empty()); });
-        e.worker_idle = false;
-        if (e.queue.empty()) return;
-        op = std::move(e.queue.front());
-        e.queue.pop_front();
-        op->queued = false;
-        e.executing = true;
-      }
-      RunClaimed(*op);
-    }
+    return group_->arrived.load(std::memory_order_acquire) + 1 == (op_index_ + 1) * w;
   }
 
   absl::Status Broken(OpKind kind) {
@@ -849,8 +1004,8 @@ class ThreadCommunicator : public Communicator {
 
   const std::shared_ptr<Group> group_;
   const int rank_;
-  // The index of this rank's next operation in the group. Only the thread holding
-  // `executing` touches it (handed over through exec_->mu).
+  // The index of this rank's next operation in the group. Only the thread holding the
+  // queue's execution claim touches it (handed over through the queue's lock).
   uint32_t op_index_ = 0;
   // The current spin budget (AdaptSpin); same owner as op_index_.
   Clock::duration spin_;
@@ -858,32 +1013,17 @@ class ThreadCommunicator : public Communicator {
   std::vector<const void*> srcs_;
   std::vector<void*> dsts_;
 
-  const std::shared_ptr<ExecState> exec_;
-  std::thread worker_;  // started in the constructor body, after everything else
+  // Issue order of the async operations (collectives/progress_queue.h); shared with the
+  // Works, whose Wait may run the queue up to its own operation.
+  const std::shared_ptr<ProgressQueue> queue_;
 };
+
+void OpState::Run() { result = runner->RunQueued(*this); }
 
 absl::Status ThreadWork::Wait(absl::Duration timeout) {
   // A caller prepared to wait at least the operation's own deadline runs the queued
   // operations up to its own on this thread, if nobody else is running one.
-  if (timeout >= exec_->timeout) {
-    for (;;) {
-      std::shared_ptr<OpState> front;
-      ThreadCommunicator* owner;
-      {
-        std::lock_guard<std::mutex> lock(exec_->mu);
-        if (exec_->executing || exec_->stopping || exec_->owner == nullptr || !op_->queued) {
-          break;
-        }
-        front = std::move(exec_->queue.front());
-        exec_->queue.pop_front();
-        front->queued = false;
-        exec_->executing = true;
-        owner = exec_->owner;
-      }
-      owner->RunClaimed(*front);
-      if (front == op_) break;
-    }
-  }
+  if (timeout >= timeout_) queue_->RunUpTo(op_.get());
   const Clock::time_point deadline =
       timeout == absl::InfiniteDuration()
           ? Clock::time_point::max()

@@ -28,6 +28,15 @@
 // 64 KiB issued when every peer is already waiting in that operation (and nothing of the
 // rank's is queued) runs during the issue call; its handle is returned completed.
 //
+// Point-to-point (SendAsync / RecvAsync): posted at issue on the (source, destination, tag)
+// channel of the group, not queued behind the collectives; whoever posts the second half of
+// a pair compares counts and dtypes and copies the data (one memcpy, sender's buffer to
+// receiver's). A mismatch fails both with InvalidArgument naming the peer and both sizes; a
+// call invalid on one side (a null buffer with elements) fails its peer's half at once; a
+// half never matched within `timeout` of its issue fails the waiting side with
+// DeadlineExceeded naming the peer and breaks the group; a communicator destroyed with a
+// half posted breaks the group, failing the peer's half at once.
+//
 // Failures:
 // - Invalid arguments on one rank: InvalidArgument from that rank's call; its peers fail
 //   the same operation with InvalidArgument naming the rank (no timeout), and later

@@ -111,6 +111,15 @@ TEST_P(ThreadConformanceTest, IntegerValuedInputsAsAnyBackendWouldSee) {
   }));
 }
 
+TEST_P(ThreadConformanceTest, PointToPoint) {
+  GRADSUM_EXPECT_OK(RunRanks(GetParam(), [](Communicator& comm) -> absl::Status {
+    absl::Status s = conformance::CheckPointToPoint(comm);
+    // Collectives still line up after point-to-point traffic.
+    if (s.ok()) s = conformance::CheckAllReduce(comm, DType::kF32, ReduceOp::kSum, 100, false);
+    return s;
+  }));
+}
+
 INSTANTIATE_TEST_SUITE_P(WorldSizes, ThreadConformanceTest, ::testing::Range(1, 9),
                          [](const ::testing::TestParamInfo<int>& info) {
                            return absl::StrCat("W", info.param);
@@ -485,6 +494,88 @@ TEST(ThreadBackendTest, DestroyingWithOperationInFlightDoesNotHang) {
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
   // The surviving rank sees the broken group.
   EXPECT_EQ((*comms)[1]->Barrier().code(), absl::StatusCode::kFailedPrecondition);
+  comms->clear();
+}
+
+TEST(ThreadBackendTest, PointToPointPeerThatNeverPostsTimesOutNamingIt) {
+  ThreadBackendOptions o;
+  o.timeout = absl::Milliseconds(200);
+  const absl::Time start = absl::Now();
+  auto statuses = RunRanksPerRank(
+      2,
+      [](Communicator& comm) -> absl::Status {
+        std::vector<float> buf(8, 1.0f);
+        if (comm.rank() == 1) {
+          // Stopped: posts its send only after rank 0 gave up.
+          std::this_thread::sleep_for(std::chrono::milliseconds(600));
+          absl::Status late = comm.Send(buf.data(), 8, DType::kF32, 0);
+          if (late.code() != absl::StatusCode::kFailedPrecondition ||
+              !absl::StrContains(late.message(), "rank 1 did not post")) {
+            return absl::InternalError(absl::StrCat("late rank got ", late.ToString()));
+          }
+          return absl::OkStatus();
+        }
+        absl::Status s = comm.Recv(buf.data(), 8, DType::kF32, 1);
+        if (s.code() != absl::StatusCode::kDeadlineExceeded ||
+            !absl::StrContains(s.message(), "recv from rank 1 (rank 0 of 2)") ||
+            !absl::StrContains(s.message(), "rank 1 did not post the matching send")) {
+          return absl::InternalError(absl::StrCat("waiting rank got ", s.ToString()));
+        }
+        return absl::OkStatus();
+      },
+      o);
+  ASSERT_TRUE(statuses.ok());
+  for (const absl::Status& s : *statuses) GRADSUM_EXPECT_OK(s);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+}
+
+TEST(ThreadBackendTest, PointToPointInvalidSideFailsItsPeerAtOnce) {
+  const absl::Time start = absl::Now();
+  GRADSUM_EXPECT_OK(RunRanks(2, [](Communicator& comm) -> absl::Status {
+    std::vector<float> buf(8, 1.0f);
+    if (comm.rank() == 0) {
+      absl::Status s = comm.Send(nullptr, 8, DType::kF32, 1);
+      if (s.code() != absl::StatusCode::kInvalidArgument ||
+          !absl::StrContains(s.message(), "null buffer with count 8")) {
+        return absl::InternalError(absl::StrCat("invalid rank got ", s.ToString()));
+      }
+      // Peer or tag out of range: refused at issue, naming the value.
+      s = comm.Send(buf.data(), 8, DType::kF32, 2);
+      if (!absl::StrContains(s.message(), "peer 2 is outside [0, 2)")) {
+        return absl::InternalError(s.ToString());
+      }
+      s = comm.Recv(buf.data(), 8, DType::kF32, 1, -3);
+      if (!absl::StrContains(s.message(), "tag -3 is outside")) {
+        return absl::InternalError(s.ToString());
+      }
+      return absl::OkStatus();
+    }
+    absl::Status s = comm.Recv(buf.data(), 8, DType::kF32, 0);
+    if (s.code() != absl::StatusCode::kInvalidArgument ||
+        !absl::StrContains(s.message(), "rank 0 passed invalid arguments to its send to rank 1")) {
+      return absl::InternalError(absl::StrCat("peer got ", s.ToString()));
+    }
+    return absl::OkStatus();
+  }));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));  // well before the 60 s timeout
+}
+
+TEST(ThreadBackendTest, DestroyingWithPointToPointPendingFailsThePeer) {
+  auto comms = CreateThreadCommunicators(2);
+  ASSERT_TRUE(comms.ok());
+  float x = 0.0f, y = 0.0f;
+  auto recv = (*comms)[0]->RecvAsync(&x, 1, DType::kF32, 1);
+  ASSERT_TRUE(recv.ok());
+  auto pending = (*comms)[1]->RecvAsync(&y, 1, DType::kF32, 0, /*tag=*/9);
+  ASSERT_TRUE(pending.ok());
+  const absl::Time start = absl::Now();
+  (*comms)[1].reset();  // "dies" with its receive posted
+  absl::Status s = (*recv)->Wait(absl::Seconds(30));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));  // not the 60 s timeout
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "rank 1")) << s;
+  // The dead rank's own Work outlives its communicator.
+  EXPECT_EQ((*pending)->Wait(absl::Seconds(1)).code(), absl::StatusCode::kFailedPrecondition);
   comms->clear();
 }
 

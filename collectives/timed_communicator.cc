@@ -278,8 +278,9 @@ TimedCommunicator::~TimedCommunicator() = default;
 DeviceStream* TimedCommunicator::device_stream() { return stream_.get(); }
 
 template <typename F>
-absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::Timed(CommKind kind, F&& issue) {
-  timer_->CountCall(kind);
+absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::Timed(CommKind kind, F&& issue,
+                                                               bool count_call) {
+  if (count_call) timer_->CountCall(kind);
   if (stream_ != nullptr) return stream_->Timed(kind, issue);
   const absl::Time start = absl::Now();
   return Wrap(kind, start, issue());
@@ -335,6 +336,22 @@ absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::BroadcastAsync(void* bu
 
 absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::BarrierAsync() {
   return Timed(CommKind::kOther, [&] { return inner().BarrierAsync(); });
+}
+
+// Point-to-point counts as the group's all-to-all kind (a ring's shift on a CP group is
+// kCpRing, as its all-to-all-v was): a shift moves the same bytes either way. A Recv is the
+// other half of a peer's Send, so only the Send counts as a call (a ring step is one call
+// per rank, as before); the Recv's blocked and busy time count all the same.
+absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::SendAsync(const void* buf, size_t count,
+                                                                   DType dtype, int peer, int tag) {
+  return Timed(all_to_all_kind_, [&] { return inner().SendAsync(buf, count, dtype, peer, tag); });
+}
+
+absl::StatusOr<std::unique_ptr<Work>> TimedCommunicator::RecvAsync(void* buf, size_t count,
+                                                                   DType dtype, int peer, int tag) {
+  return Timed(
+      all_to_all_kind_, [&] { return inner().RecvAsync(buf, count, dtype, peer, tag); },
+      /*count_call=*/false);
 }
 
 absl::StatusOr<std::unique_ptr<Communicator>> TimedCommunicator::Split(int color, int key) {

@@ -167,6 +167,11 @@ class TimedCommunicator : public ForwardingCommunicator {
   absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(void* buf, size_t count, DType dtype,
                                                        int root) override;
   absl::StatusOr<std::unique_ptr<Work>> BarrierAsync() override;
+  // Timed as the group's all-to-all kind; only the send counts as a call (see the .cc).
+  absl::StatusOr<std::unique_ptr<Work>> SendAsync(const void* buf, size_t count, DType dtype,
+                                                  int peer, int tag = 0) override;
+  absl::StatusOr<std::unique_ptr<Work>> RecvAsync(void* buf, size_t count, DType dtype, int peer,
+                                                  int tag = 0) override;
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override;
   // Split, with the sub-communicator's all-to-alls counted as `all_to_all_kind` (e.g. the
   // sequence-parallel group's as kSpAllToAll). Its own splits keep that kind.
@@ -207,7 +212,7 @@ class TimedCommunicator : public ForwardingCommunicator {
 
   // Times an async operation issued by `issue`: on the stream over a device backend.
   template <typename F>
-  absl::StatusOr<std::unique_ptr<Work>> Timed(CommKind kind, F&& issue);
+  absl::StatusOr<std::unique_ptr<Work>> Timed(CommKind kind, F&& issue, bool count_call = true);
   template <typename F>
   absl::Status TimeSync(CommKind kind, F&& call);
   absl::StatusOr<std::unique_ptr<Work>> Wrap(CommKind kind, absl::Time start,

@@ -158,29 +158,29 @@ class Shift {
  public:
   absl::Status Start(Communicator& group, const float* send, float* recv, int64_t count,
                      RingAttentionTimes* times) {
+    // Point-to-point, so that a rank waiting here names the neighbour it waits for in a
+    // timeout's where-is-everyone report (an all-to-all-v of the group cannot say which).
     const int C = group.size(), r = group.rank();
-    counts_send_.assign(C, 0);
-    counts_recv_.assign(C, 0);
-    offsets_.assign(C, 0);
-    counts_send_[(r + 1) % C] = static_cast<size_t>(count);
-    counts_recv_[(r + C - 1) % C] = static_cast<size_t>(count);
-    GRADSUM_ASSIGN_OR_RETURN(work_, group.AllToAllVAsync(send, counts_send_, offsets_, recv,
-                                                         counts_recv_, offsets_, DType::kF32));
+    const size_t n = static_cast<size_t>(count);
+    GRADSUM_ASSIGN_OR_RETURN(recv_, group.RecvAsync(recv, n, DType::kF32, (r + C - 1) % C));
+    GRADSUM_ASSIGN_OR_RETURN(send_, group.SendAsync(send, n, DType::kF32, (r + 1) % C));
     if (times != nullptr) times->bytes_sent += count * static_cast<int64_t>(sizeof(float));
     return absl::OkStatus();
   }
   absl::Status Wait(RingAttentionTimes* times) {
-    if (work_ == nullptr) return absl::OkStatus();
+    if (recv_ == nullptr && send_ == nullptr) return absl::OkStatus();
     const Clock::time_point start = Clock::now();
-    absl::Status status = work_->Wait();
+    absl::Status status = recv_ == nullptr ? absl::OkStatus() : recv_->Wait();
+    absl::Status sent = send_ == nullptr ? absl::OkStatus() : send_->Wait();
+    if (status.ok()) status = std::move(sent);
     if (times != nullptr) times->wait_s += Since(start);
-    work_.reset();
+    recv_.reset();
+    send_.reset();
     return status;
   }
 
  private:
-  std::vector<size_t> counts_send_, counts_recv_, offsets_;
-  std::unique_ptr<Work> work_;
+  std::unique_ptr<Work> recv_, send_;
 };
 
 // The block the ring passes on: this rank's k, then its v ([2, rows, kv_heads, d]).

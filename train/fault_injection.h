@@ -16,12 +16,17 @@
 //          first parameter unit's reduced gradient NaN (a diverging step, from one rank)
 //   oom    STEP 0 only: MaybeInjectStartupAllocFailure throws std::bad_alloc while the rank
 //          loads its data at start-up (a --data file too large for the machine's memory)
+//   ringstop  raise(SIGSTOP) inside the step's first context-parallel ring exchange, once
+//          its receive is posted (WithRingFault wraps the CP group; a rank stopped where its
+//          ring neighbour waits for it, not in any collective)
 //
 // A malformed value is InvalidArgument naming it, on every rank at the first step.
 
 #include <cstdint>
+#include <memory>
 
 #include "absl/status/status.h"
+#include "collectives/communicator.h"
 
 namespace gradsum::train {
 
@@ -34,6 +39,12 @@ bool MaybeInjectNanGradient(int rank, int64_t step);
 // where the data is loaded); does nothing otherwise, a malformed value included (the first
 // step reports that).
 void MaybeInjectStartupAllocFailure(int rank);
+
+// Wraps a context-parallel group's communicator for mode ringstop: once MaybeInjectFault has
+// armed it (the fault's rank and step), the group's next point-to-point receive is posted
+// and then this process stops itself. Returns `group` itself when the hook asks for
+// anything else (the normal case).
+std::unique_ptr<Communicator> WithRingFault(std::unique_ptr<Communicator> group);
 
 }  // namespace gradsum::train
 

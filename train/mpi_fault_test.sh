@@ -16,6 +16,12 @@
 #   notice to one process); every rank stops at that step boundary after saving steps 1-2,
 #   the job ends non-zero naming the signal and the checkpoint, and --resume continues.
 # - different --seed on the two ranks: refused at start naming the field and the ranks.
+# - ringstop at world 4 with --cp=2: rank 1 stops inside the CP ring's exchange (its receive
+#   posted, its send not), where its ring neighbour waits for it in a point-to-point receive
+#   and the other ranks in collectives of groups that need not hold rank 1. Every timeout
+#   report names world rank 1: as not answering, or as the peer of a pending receive
+#   (issue 50 item 3: before, a data-parallel group's report said only "rank 0 (in no
+#   operation; its last was mpi all_gather #55)").
 # For each: the job's status is non-zero, no process of the job is left, and it ended well
 # before the bound (a hang check, not a speed test; the hard kill comes 30 s after it).
 set -uo pipefail
@@ -93,5 +99,25 @@ rc=$?
 [ "$rc" -ne 0 ] || fail "different seeds: exit 0: $(cat "$tmp/seed.txt")"
 grep -q "seed (1 on rank 0) differs: ranks {0} vs {1}" "$tmp/seed.txt" \
   || fail "different seeds: the field and ranks were not named: $(cat "$tmp/seed.txt")"
-for name in stop stop_hsdp kill fail term; do echo "--- $name"; tail -4 "$tmp/$name.txt"; done
+ring=(--backend=mpi --world=4 --ep=1 --cp=2 --grad_acc=1 --dim=8 --expert_dim=8 --experts=4
+      --seq_len=32 --max_doc_len=24 --micro_batch=2 --steps=50)
+start=$SECONDS
+GRADSUM_TEST_FAULT=ringstop:1:2 GRADSUM_MPI_TIMEOUT_S=$((bound + 30)) \
+  "$mpirun_sh" 4 "$bin" "${ring[@]}" --timeout_s=3 --metrics="$tmp/ringstop.metrics.jsonl" \
+  > "$tmp/ringstop.txt" 2>&1
+rc=$?
+elapsed=$((SECONDS - start))
+echo "ringstop: exit $rc after ${elapsed}s"
+[ "$rc" -ne 0 ] || fail "ringstop: the job exited 0: $(cat "$tmp/ringstop.txt")"
+[ "$elapsed" -lt "$bound" ] || fail "ringstop: took ${elapsed}s: $(cat "$tmp/ringstop.txt")"
+left=$(pgrep -f -- "$tmp/ringstop.metrics.jsonl" || true)
+if [ -n "$left" ]; then kill -9 $left 2>/dev/null; fail "ringstop: processes outlived the job: $left"; fi
+reports=$(grep -E "not every rank arrived|did not post the matching" "$tmp/ringstop.txt")
+[ -n "$reports" ] || fail "ringstop: no timeout report: $(cat "$tmp/ringstop.txt")"
+named='world rank 1 is pending|world rank 1\) \(no answer|[ (]rank 1 \(no answer'
+while IFS= read -r line; do
+  echo "$line" | grep -qE "$named" || fail "ringstop: a report does not name world rank 1: $line"
+done <<< "$reports"
+
+for name in stop stop_hsdp kill fail term ringstop; do echo "--- $name"; tail -4 "$tmp/$name.txt"; done
 echo "PASS"

@@ -25,6 +25,7 @@
 #include "core/status.h"
 #include "data/markov.h"
 #include "train/config.h"
+#include "train/fault_injection.h"
 #include "train/moe_lm.h"
 
 namespace gradsum::train {
@@ -71,8 +72,12 @@ MeshSplitFn TimedMeshSplit(TimedCommunicator* timed) {
     if (&world != timed || (axis != MeshAxis::kSp && axis != MeshAxis::kCp)) {
       return world.Split(color, key);
     }
-    return timed->SplitAs(color, key,
-                          axis == MeshAxis::kSp ? CommKind::kSpAllToAll : CommKind::kCpRing);
+    if (axis == MeshAxis::kSp) return timed->SplitAs(color, key, CommKind::kSpAllToAll);
+    // The test-only fault hook may stop a rank inside the ring's exchange (mode ringstop).
+    absl::StatusOr<std::unique_ptr<Communicator>> cp =
+        timed->SplitAs(color, key, CommKind::kCpRing);
+    if (!cp.ok()) return cp;
+    return WithRingFault(std::move(*cp));
   };
 }
 
