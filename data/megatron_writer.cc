@@ -60,12 +60,11 @@ TokenDType MegatronDTypeForVocab(int64_t vocab) {
   return vocab < 65500 ? TokenDType::kUint16 : TokenDType::kInt32;
 }
 
-absl::StatusOr<MegatronWriter> MegatronWriter::Create(const std::string& prefix,
-                                                      TokenDType dtype) {
+absl::StatusOr<MegatronWriter> MegatronWriter::Create(const std::string& prefix, TokenDType dtype) {
   if (DTypeCode(dtype) == 0 || dtype == TokenDType::kInt8) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("dtype ", TokenDTypeName(dtype), ": a Megatron dataset written here holds "
-                                                      "uint8, int16, uint16, int32 or int64"));
+    return absl::InvalidArgumentError(absl::StrCat("dtype ", TokenDTypeName(dtype),
+                                                   ": a Megatron dataset written here holds "
+                                                   "uint8, int16, uint16, int32 or int64"));
   }
   MegatronWriter writer;
   writer.prefix_ = prefix;
@@ -109,8 +108,8 @@ absl::Status MegatronWriter::AddDocument(const std::vector<int32_t>& tokens) {
   for (size_t i = 0; i < tokens.size(); ++i) {
     const int64_t t = tokens[i];
     if (t < 0 || t > max) {
-      return absl::InvalidArgumentError(absl::StrCat(prefix_, ": document ", documents(),
-                                                     " token ", i, " = ", t, " does not fit ",
+      return absl::InvalidArgumentError(absl::StrCat(prefix_, ": document ", documents(), " token ",
+                                                     i, " = ", t, " does not fit ",
                                                      TokenDTypeName(dtype_)));
     }
     // Little-endian (the host's, static_assert in data/token_files.cc): the low bytes.

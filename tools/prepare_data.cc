@@ -42,8 +42,8 @@ int main(int argc, char** argv) {
   const bool tty = isatty(STDERR_FILENO) != 0;
   options.progress = [tty](int64_t documents, int64_t tokens, int64_t bytes) {
     std::fprintf(stderr, "%sprepare_data: %lld documents, %lld tokens, %.1f MB of text%s",
-                 tty ? "\r" : "", static_cast<long long>(documents),
-                 static_cast<long long>(tokens), bytes / 1e6, tty ? "" : "\n");
+                 tty ? "\r" : "", static_cast<long long>(documents), static_cast<long long>(tokens),
+                 bytes / 1e6, tty ? "" : "\n");
   };
   absl::StatusOr<gradsum::tools::PrepareResult> result = gradsum::tools::PrepareData(options);
   if (tty) std::fprintf(stderr, "\n");

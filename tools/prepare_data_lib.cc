@@ -38,8 +38,9 @@ class DocumentReader {
     GRADSUM_RETURN_IF_ERROR(Annotate(OpenRegularFile(path).status(), "--input"));
     DocumentReader r;
     r.path_ = path;
-    r.jsonl_ = o.format == "jsonl" ||
-               (o.format == "auto" && (absl::EndsWith(path, ".jsonl") || absl::EndsWith(path, ".json")));
+    r.jsonl_ =
+        o.format == "jsonl" ||
+        (o.format == "auto" && (absl::EndsWith(path, ".jsonl") || absl::EndsWith(path, ".json")));
     r.mode_ = o.text_documents;
     r.in_ = std::make_unique<std::ifstream>(path, std::ios::binary);
     if (!*r.in_) return ErrnoStatus(errno, absl::StrCat("--input=", path, ": cannot open"));
@@ -114,8 +115,8 @@ absl::StatusOr<PrepareResult> PrepareData(const PrepareOptions& options) {
   }
   if (options.text_documents != "line" && options.text_documents != "paragraph" &&
       options.text_documents != "file") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--text_documents=", options.text_documents, ": must be line, paragraph or file"));
+    return absl::InvalidArgumentError(absl::StrCat("--text_documents=", options.text_documents,
+                                                   ": must be line, paragraph or file"));
   }
   SentencePieceTokenizer tokenizer;
   if (const std::string e = tokenizer.Load(options.tokenizer); !e.empty()) {
@@ -125,9 +126,10 @@ absl::StatusOr<PrepareResult> PrepareData(const PrepareOptions& options) {
   result.eod_id = tokenizer.eos_id();
   result.vocab_size = tokenizer.vocab_size();
   if (result.eod_id < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--tokenizer=", options.tokenizer, ": the model has no end-of-sentence id (eos_id -1), "
-                                           "which every document ends with"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tokenizer=", options.tokenizer,
+                     ": the model has no end-of-sentence id (eos_id -1), "
+                     "which every document ends with"));
   }
   // Every input is checked before anything is written.
   std::vector<DocumentReader> readers;
@@ -188,8 +190,7 @@ absl::StatusOr<PrepareResult> PrepareData(const PrepareOptions& options) {
   result.tokens = writer.tokens();
   GRADSUM_RETURN_IF_ERROR(writer.Finish());
   if (options.progress) options.progress(result.documents, result.tokens, result.text_bytes);
-  result.seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return result;
 }
 

@@ -26,8 +26,8 @@ namespace gradsum::tools {
 
 struct PrepareOptions {
   std::vector<std::string> inputs;
-  std::string tokenizer;      // a sentencepiece .model
-  std::string output_prefix;  // writes output_prefix.bin and output_prefix.idx
+  std::string tokenizer;                // a sentencepiece .model
+  std::string output_prefix;            // writes output_prefix.bin and output_prefix.idx
   std::string format = "auto";          // auto (by extension) | text | jsonl
   std::string text_documents = "line";  // line | paragraph | file
   int threads = 2;                      // encoding threads

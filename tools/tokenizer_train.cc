@@ -14,7 +14,8 @@
 #include "tools/sentencepiece.h"
 
 ABSL_FLAG(std::string, input, "", "text file to train on, one sentence (document) per line");
-ABSL_FLAG(int, vocab_size, 8000, "vocabulary size (including <unk>, <s>, </s> and 256 byte pieces)");
+ABSL_FLAG(int, vocab_size, 8000,
+          "vocabulary size (including <unk>, <s>, </s> and 256 byte pieces)");
 ABSL_FLAG(std::string, model_prefix, "", "writes PREFIX.model and PREFIX.vocab");
 ABSL_FLAG(std::string, model_type, "bpe", "bpe | unigram");
 ABSL_FLAG(int, threads, 1, "training threads (1: deterministic model bytes)");
