@@ -26,8 +26,8 @@ int64_t EpochPermutation(uint64_t seed, int dataset, int64_t epoch, int64_t k, i
   int h = 1;
   while ((int64_t{1} << (2 * h)) < n) ++h;
   const uint64_t mask = (uint64_t{1} << h) - 1;
-  const uint64_t base = Mix(Mix(Mix(seed) ^ static_cast<uint64_t>(dataset)) ^
-                            static_cast<uint64_t>(epoch));
+  const uint64_t base =
+      Mix(Mix(Mix(seed) ^ static_cast<uint64_t>(dataset)) ^ static_cast<uint64_t>(epoch));
   uint64_t keys[4];
   for (uint64_t r = 0; r < 4; ++r) keys[r] = Mix(base ^ r);
   uint64_t x = static_cast<uint64_t>(k);
@@ -47,10 +47,10 @@ absl::StatusOr<std::unique_ptr<BlendedCorpus>> BlendedCorpus::Open(const BlendOp
   std::vector<std::shared_ptr<const DocumentSource>> sources;
   for (const BlendEntry& e : options.entries) {
     if (!IsTokenFilePath(e.prefix)) {
-      return absl::NotFoundError(absl::StrCat(
-          options.describe, ": ", e.prefix,
-          " is no token file (no ", e.prefix, ".idx beside it, nor an llm.c .bin, .u16 or .u32 "
-          "file); tools/prepare_data makes one from text"));
+      return absl::NotFoundError(absl::StrCat(options.describe, ": ", e.prefix,
+                                              " is no token file (no ", e.prefix,
+                                              ".idx beside it, nor an llm.c .bin, .u16 or .u32 "
+                                              "file); tools/prepare_data makes one from text"));
     }
     TokenFileOptions token_options = options.token_options;
     token_options.flat_dtype = FlatDTypeOfPath(e.prefix);
@@ -73,11 +73,10 @@ absl::StatusOr<std::unique_ptr<BlendedCorpus>> BlendedCorpus::Create(
   }
   auto corpus = std::unique_ptr<BlendedCorpus>(new BlendedCorpus());
   corpus->seed_ = options.seed;
-  corpus->describe_ =
-      absl::StrCat(options.describe, " (", part_name[part], " part of --split)");
-  std::string identity = absl::StrFormat("blend v1 part %d seed %d split %.17g %.17g %.17g", part,
-                                         options.seed, options.split[0], options.split[1],
-                                         options.split[2]);
+  corpus->describe_ = absl::StrCat(options.describe, " (", part_name[part], " part of --split)");
+  std::string identity =
+      absl::StrFormat("blend v1 part %d seed %d split %.17g %.17g %.17g", part, options.seed,
+                      options.split[0], options.split[1], options.split[2]);
   double total = 0;
   bool trainable = false;
   for (size_t d = 0; d < sources.size(); ++d) {
@@ -107,18 +106,18 @@ absl::StatusOr<std::unique_ptr<BlendedCorpus>> BlendedCorpus::Create(
     corpus->count_.push_back(range[1] - range[0]);
     corpus->weights_.push_back(options.entries[d].weight);
     total += options.entries[d].weight;
-    corpus->min_len_ = corpus->sources_.empty()
-                           ? s.MinDocumentLength()
-                           : std::min(corpus->min_len_, s.MinDocumentLength());
+    corpus->min_len_ = corpus->sources_.empty() ? s.MinDocumentLength()
+                                                : std::min(corpus->min_len_, s.MinDocumentLength());
     corpus->max_len_ = std::max(corpus->max_len_, s.MaxDocumentLength());
     const auto* tokens = dynamic_cast<const TokenFileCorpus*>(&s);
     corpus->max_token_ = std::max(corpus->max_token_, tokens ? tokens->MaxToken() : int64_t{-1});
     corpus->sources_.push_back(sources[d]);
   }
   if (corpus->sources_.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        options.describe, ": the ", part_name[part], " part of --split holds no document of any "
-        "dataset; give a larger ", part_name[part], " part or more documents"));
+    return absl::InvalidArgumentError(absl::StrCat(options.describe, ": the ", part_name[part],
+                                                   " part of --split holds no document of any "
+                                                   "dataset; give a larger ",
+                                                   part_name[part], " part or more documents"));
   }
   if (!trainable) {
     return absl::InvalidArgumentError(absl::StrCat(

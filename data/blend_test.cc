@@ -171,8 +171,8 @@ TEST(EpochPermutationTest, IsTheDocumentedPermutation) {
 }
 
 TEST(BlendedCorpusTest, GreedyRuleGivesTheWeightsShares) {
-  auto blend = BlendedCorpus::Create(Options({{0.7, "web"}, {0.3, "code"}}),
-                                     {Source(0, 50), Source(1, 20)});
+  auto blend =
+      BlendedCorpus::Create(Options({{0.7, "web"}, {0.3, "code"}}), {Source(0, 50), Source(1, 20)});
   ASSERT_TRUE(blend.ok()) << blend.status();
   // The greedy rule written out: argmax w_d (i + 1) - c_d, lowest d on ties.
   int64_t c[2] = {0, 0};
@@ -215,8 +215,8 @@ TEST(BlendedCorpusTest, EachEpochTakesEveryDocumentOnceInANewOrder) {
 
 TEST(BlendedCorpusTest, PartsTakeTheirRangesAndAnEmptyHeldOutDatasetIsLeftOut) {
   const std::array<double, 3> split = *ParseSplit("8,2");
-  auto train = BlendedCorpus::Create(Options({{1, "a"}, {1, "b"}}, split),
-                                     {Source(0, 100), Source(1, 2)});
+  auto train =
+      BlendedCorpus::Create(Options({{1, "a"}, {1, "b"}}, split), {Source(0, 100), Source(1, 2)});
   ASSERT_TRUE(train.ok()) << train.status();
   auto valid = BlendedCorpus::Create(Options({{1, "a"}, {1, "b"}}, split, SplitPart::kValid),
                                      {Source(0, 100), Source(1, 2)});
@@ -279,9 +279,8 @@ TEST(BlendedCorpusTest, OpensMegatronFiles) {
   EXPECT_EQ((*blend)->MaxToken(), 900);
   const std::pair<int, int64_t> s = (*blend)->Source(1);
   EXPECT_EQ(s.first, 1);
-  EXPECT_EQ((*blend)->Document(1),
-            (std::vector<int32_t>{static_cast<int32_t>(s.second),
-                                  static_cast<int32_t>(s.second + 1), 900}));
+  EXPECT_EQ((*blend)->Document(1), (std::vector<int32_t>{static_cast<int32_t>(s.second),
+                                                         static_cast<int32_t>(s.second + 1), 900}));
 }
 
 }  // namespace

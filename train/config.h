@@ -79,6 +79,10 @@ TrainConfig ResolvedConfig(const TrainConfig& config);
 // The global batch B = world x grad_acc x micro_batch: sequences per step (data/loader.h).
 int64_t GlobalBatch(const TrainConfig& config);
 
+// Whether the run reads data files (data.path, --data, or data.data_path, --data_path) rather
+// than an embedded corpus.
+bool ReadsDataFiles(const DataConfig& data);
+
 // Reproducible mode's row block (SEMANTICS.md §11, §12, §16): precision.repro_block when
 // set, else DefaultReproBlock(data.seq_len). A function of the sequence length, not of the
 // mesh, so runs at different SP and CP sizes compute every contribution over the same

@@ -103,8 +103,10 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   absl::StatusOr<std::shared_ptr<const data::DocumentSource>> corpus =
       data_path.ok()
           ? CatchingOutOfMemory(
-                config.data().path().empty() ? "the embedded corpus"
-                                             : absl::StrCat("--data=", config.data().path()),
+                !config.data().data_path().empty()
+                    ? absl::StrCat("--data_path=", config.data().data_path())
+                : config.data().path().empty() ? "the embedded corpus"
+                                               : absl::StrCat("--data=", config.data().path()),
                 [&]() -> absl::StatusOr<std::shared_ptr<const data::DocumentSource>> {
                   MaybeInjectStartupAllocFailure(world.rank());
                   return data::MakeCorpus(config.data());
@@ -125,11 +127,13 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   // bound is ValidateConfig's; a --data file's longest document is known only now. The
   // ranks agreed on the file, so every rank fails here alike.
   if (const int k = config.model().mtp_depth();
-      k > 0 && !config.data().path().empty() && k > (*corpus)->MaxDocumentLength() - 2) {
+      k > 0 && ReadsDataFiles(config.data()) && k > (*corpus)->MaxDocumentLength() - 2) {
     return MarkAgreed(absl::InvalidArgumentError(absl::StrCat(
         "model.mtp_depth=", k, ": must be at most ", (*corpus)->MaxDocumentLength() - 2,
-        ", the longest document of --data=", config.data().path(), " (",
-        (*corpus)->MaxDocumentLength(),
+        ", the longest document of ",
+        config.data().path().empty() ? (*corpus)->Describe()
+                                     : absl::StrCat("--data=", config.data().path()),
+        " (", (*corpus)->MaxDocumentLength(),
         " tokens) less 2: depth j's label is the token j + 1 ahead in the same document, so the "
         "deeper depths would train nothing (SEMANTICS.md §15.1)")));
   }
@@ -180,9 +184,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   // failed, with that rank's message.
   GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world, trainer->PrepareLocal(), "start-up"));
   if (config.checkpoint().resume()) {
-    GRADSUM_ASSIGN_OR_RETURN(
-        ResumedRun resumed,
-        ResumeRun(trainer->config_, world, *trainer->optimizer_, *trainer->loader_));
+    GRADSUM_ASSIGN_OR_RETURN(ResumedRun resumed,
+                             ResumeRun(trainer->config_, world, *trainer->optimizer_,
+                                       *trainer->loader_, trainer->corpus_->ContentFingerprint()));
     trainer->step_ = resumed.step;
     trainer->saved_step_ = resumed.step;
     trainer->run_id_ = std::move(resumed.run_id);
@@ -527,7 +531,8 @@ absl::Status Trainer::RunFirstStepChecks(const NamedParams& weights, const model
 
 absl::Status Trainer::SaveCheckpointNow() {
   GRADSUM_RETURN_IF_ERROR(SaveRunCheckpoint(config_, world(), *optimizer_, step_, run_id_,
-                                            loader_->position(), model_->expert_bias()));
+                                            loader_->position(), model_->expert_bias(),
+                                            corpus_->ContentFingerprint()));
   saved_step_ = step_;
   return PruneCheckpoints(config_.checkpoint(), world());
 }
