@@ -119,8 +119,9 @@ absl::StatusOr<std::shared_ptr<const DocumentSource>> MakeCorpus(const train::Da
     if (!tokens.ok()) return Annotate(tokens.status(), "--data");
     return std::shared_ptr<const DocumentSource>(std::move(*tokens));
   }
-  absl::StatusOr<std::unique_ptr<TextFileCorpus>> file =
-      TextFileCorpus::Load(config.path(), config.seq_len());
+  // The thread ranks of a process share one copy of the file.
+  absl::StatusOr<std::shared_ptr<const TextFileCorpus>> file =
+      TextFileCorpus::LoadShared(config.path(), config.seq_len());
   if (!file.ok()) return file.status();
   return std::shared_ptr<const DocumentSource>(std::move(*file));
 }
