@@ -1,6 +1,8 @@
-// The data path's throughput (issue 47): the loader's packed tokens per second from a
-// memory-mapped Megatron .bin, plain and blended (--data_path), against the memcpy rate of the
-// same run; and prepare_data's tokens per second on 1 and 2 threads.
+// The loader's throughput (issue 47): packed tokens per second from a memory-mapped Megatron
+// .bin, plain and blended (--data_path), against the memcpy rate of the same run.
+// prepare_data's rate is bench/prepare_data_bench.cc (a separate binary: Debian's
+// libsentencepiece bundles its own protobuf, which must not meet libprotobuf, which the
+// loader's train::DataConfig links, in one process).
 //
 //   ./bazelw run -c opt //bench:data_bench
 //
@@ -14,11 +16,9 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <map>
 #include <memory>
 #include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -28,8 +28,6 @@
 #include "data/loader.h"
 #include "data/megatron_writer.h"
 #include "data/token_files.h"
-#include "tools/prepare_data_lib.h"
-#include "tools/sentencepiece.h"
 #include "train/config.pb.h"
 
 namespace gradsum::bench {
@@ -107,57 +105,6 @@ BENCHMARK(BM_LoaderBlend)->Unit(benchmark::kMicrosecond);
 
 // A step's int32 tokens of one rank (2 x 8 x 128 x 4 bytes = 32 KiB) and a larger copy.
 BENCHMARK(BM_Memcpy)->Arg(32 << 10)->Arg(64 << 20);
-
-// The repository's docs (README.md and docs/*.md, as runfiles), repeated to about 8 MB.
-std::string DocsText() {
-  std::string text;
-  for (const char* base : {"", "bench/data_bench.runfiles/gradsum/"}) {
-    for (const char* f : {"README.md", "docs/ARCHITECTURE.md", "docs/SEMANTICS.md",
-                          "docs/BENCHMARKS.md", "docs/CHECKPOINTS.md", "docs/GPU.md"}) {
-      std::ifstream in(std::string(base) + f);
-      std::stringstream s;
-      s << in.rdbuf();
-      text += s.str();
-    }
-    if (!text.empty()) break;
-  }
-  if (text.empty()) return text;
-  const std::string one = text;
-  while (text.size() < (size_t{8} << 20)) text += one;
-  return text;
-}
-
-void BM_PrepareData(benchmark::State& state) {
-  static const std::string* model = [] {
-    const std::string text_path = TmpDir() + "/gradsum_data_bench_docs.txt";
-    const std::string text = DocsText();
-    std::ofstream(text_path, std::ios::binary) << text;
-    tools::SentencePieceTrainOptions o;
-    o.input = text_path;
-    o.vocab_size = 8000;
-    o.model_prefix = TmpDir() + "/gradsum_data_bench_tok";
-    o.max_sentence_length = 1 << 20;
-    if (text.empty() || !tools::TrainSentencePiece(o).empty()) return new std::string();
-    return new std::string(o.model_prefix + ".model");
-  }();
-  if (model->empty()) return state.SkipWithError("no docs found (run with bazel run)");
-  tools::PrepareOptions o;
-  o.inputs = {TmpDir() + "/gradsum_data_bench_docs.txt"};
-  o.tokenizer = *model;
-  o.output_prefix = TmpDir() + "/gradsum_data_bench_prepared";
-  o.threads = static_cast<int>(state.range(0));
-  int64_t tokens = 0, bytes = 0;
-  for (auto _ : state) {
-    auto r = tools::PrepareData(o);
-    if (!r.ok()) return state.SkipWithError(std::string(r.status().message()).c_str());
-    tokens += r->tokens;
-    bytes += r->text_bytes;
-  }
-  state.SetItemsProcessed(tokens);
-  state.SetBytesProcessed(bytes);
-  state.counters["tokens_per_s"] = benchmark::Counter(tokens, benchmark::Counter::kIsRate);
-}
-BENCHMARK(BM_PrepareData)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
 }  // namespace gradsum::bench
