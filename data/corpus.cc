@@ -7,6 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/status.h"
+#include "data/blend.h"
+#include "data/blend_spec.h"
 #include "data/markov.h"
 #include "data/text_corpus.h"
 #include "data/token_files.h"
@@ -36,10 +38,32 @@ class OffsetDocuments : public DocumentSource {
   int64_t offset_;
 };
 
+// The blend --data_path names, part `part` of --split.
+absl::StatusOr<std::shared_ptr<const DocumentSource>> MakeBlend(const train::DataConfig& config,
+                                                                SplitPart part) {
+  if (config.has_corpus() && config.corpus() != train::DataConfig::markov1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("data.corpus=", train::DataConfig::Corpus_Name(config.corpus()),
+                     " names an embedded corpus, but data.data_path=", config.data_path(),
+                     " trains on files: give one or the other"));
+  }
+  BlendOptions options;
+  options.describe = absl::StrCat("--data_path=", config.data_path());
+  GRADSUM_ASSIGN_OR_RETURN(options.entries, ParseDataPath(config.data_path(), "--data_path"));
+  GRADSUM_ASSIGN_OR_RETURN(options.split, ParseSplit(config.split(), "--split"));
+  options.part = part;
+  options.seed = config.corpus_seed();
+  options.token_options.eod_token = config.eod_token();
+  options.token_options.max_len = config.seq_len();
+  GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<BlendedCorpus> blend, BlendedCorpus::Open(options));
+  return std::shared_ptr<const DocumentSource>(std::move(blend));
+}
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<const DocumentSource>> MakeHeldOutCorpus(
     const train::DataConfig& config) {
+  if (!config.data_path().empty()) return MakeBlend(config, SplitPart::kValid);
   if (config.path().empty()) {
     absl::StatusOr<std::shared_ptr<const DocumentSource>> corpus = MakeCorpus(config);
     if (!corpus.ok()) return corpus.status();
@@ -58,6 +82,14 @@ absl::StatusOr<std::shared_ptr<const DocumentSource>> MakeHeldOutCorpus(
 }
 
 absl::StatusOr<std::shared_ptr<const DocumentSource>> MakeCorpus(const train::DataConfig& config) {
+  if (!config.data_path().empty()) {
+    if (!config.path().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("data.data_path=", config.data_path(),
+                                                     " and data.path=", config.path(),
+                                                     " both name the data; give one of them"));
+    }
+    return MakeBlend(config, SplitPart::kTrain);
+  }
   if (config.path().empty()) {
     switch (config.corpus()) {
       case train::DataConfig::markov1:
@@ -87,13 +119,20 @@ absl::StatusOr<std::shared_ptr<const DocumentSource>> MakeCorpus(const train::Da
     if (!tokens.ok()) return Annotate(tokens.status(), "--data");
     return std::shared_ptr<const DocumentSource>(std::move(*tokens));
   }
-  absl::StatusOr<std::unique_ptr<TextFileCorpus>> file =
-      TextFileCorpus::Load(config.path(), config.seq_len());
+  // The thread ranks of a process share one copy of the file.
+  absl::StatusOr<std::shared_ptr<const TextFileCorpus>> file =
+      TextFileCorpus::LoadShared(config.path(), config.seq_len());
   if (!file.ok()) return file.status();
   return std::shared_ptr<const DocumentSource>(std::move(*file));
 }
 
 absl::Status CheckCorpusVocab(const DocumentSource& corpus, int64_t vocab) {
+  if (const auto* blend = dynamic_cast<const BlendedCorpus*>(&corpus); blend != nullptr) {
+    if (blend->MaxToken() < vocab) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        absl::StrCat("model.vocab=", vocab, ": ", corpus.Describe(), " holds token id ",
+                     blend->MaxToken(), ", so vocab must be at least ", blend->MaxToken() + 1));
+  }
   const auto* tokens = dynamic_cast<const TokenFileCorpus*>(&corpus);
   if (tokens == nullptr) {
     if (vocab == 256) return absl::OkStatus();

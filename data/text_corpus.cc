@@ -1,7 +1,12 @@
 #include "data/text_corpus.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -42,6 +47,38 @@ absl::StatusOr<std::unique_ptr<TextFileCorpus>> TextFileCorpus::Load(const std::
   }
   corpus->starts_.push_back(n);
   return corpus;
+}
+
+absl::StatusOr<std::shared_ptr<const TextFileCorpus>> TextFileCorpus::LoadShared(
+    const std::string& path, int max_len) {
+  struct stat st;
+  if (stat(path.c_str(), &st) != 0) {
+    absl::StatusOr<std::unique_ptr<TextFileCorpus>> error = Load(path, max_len);  // names it
+    if (!error.ok()) return error.status();
+    return std::shared_ptr<const TextFileCorpus>(std::move(*error));
+  }
+  // What identifies the file's content for as long as nobody rewrites it in place within one
+  // second and at the same size; Load fingerprints what it read, and the ranks of separate
+  // processes compare that (train/config_agreement.h).
+  using Key = std::tuple<std::string, int, dev_t, ino_t, off_t, int64_t, int64_t>;
+  const Key key{path,       max_len,           st.st_dev,         st.st_ino,
+                st.st_size, st.st_mtim.tv_sec, st.st_mtim.tv_nsec};
+  static std::mutex mu;
+  static std::map<Key, std::weak_ptr<const TextFileCorpus>>* cache =
+      new std::map<Key, std::weak_ptr<const TextFileCorpus>>();
+  // Held while loading: the other ranks would load the same bytes; they wait and share them.
+  std::lock_guard<std::mutex> lock(mu);
+  for (auto it = cache->begin(); it != cache->end();) {
+    it = it->second.expired() ? cache->erase(it) : std::next(it);
+  }
+  if (auto it = cache->find(key); it != cache->end()) {
+    if (std::shared_ptr<const TextFileCorpus> alive = it->second.lock()) return alive;
+  }
+  absl::StatusOr<std::unique_ptr<TextFileCorpus>> loaded = Load(path, max_len);
+  if (!loaded.ok()) return loaded.status();
+  std::shared_ptr<const TextFileCorpus> shared(std::move(*loaded));
+  (*cache)[key] = shared;
+  return shared;
 }
 
 std::vector<int32_t> TextFileCorpus::Document(int64_t i) const {

@@ -2,6 +2,7 @@
 
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -33,6 +34,39 @@ TEST(TextFileCorpusTest, LinesAreDocumentsAndLongLinesSplit) {
   auto empty = TextFileCorpus::Load(path, 4);
   EXPECT_EQ(empty.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(empty.status().message(), HasSubstr(path));
+}
+
+// Thread ranks share one copy while it is alive; another max_len, or a rewritten file, is
+// its own load.
+TEST(TextFileCorpusTest, LoadSharedGivesThreadsOneCopy) {
+  const std::string path = ::testing::TempDir() + "/shared.txt";
+  std::ofstream(path, std::ios::binary) << "one\ntwo\n";
+  std::vector<std::shared_ptr<const TextFileCorpus>> got(8);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 8; ++r) {
+    threads.emplace_back([&, r] {
+      auto c = TextFileCorpus::LoadShared(path, 16);
+      if (c.ok()) got[r] = *c;
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < 8; ++r) {
+    ASSERT_NE(got[r], nullptr);
+    EXPECT_EQ(got[r].get(), got[0].get()) << "rank " << r;
+  }
+  EXPECT_EQ(got[0]->num_documents(), 2);
+  auto other_len = TextFileCorpus::LoadShared(path, 2);
+  ASSERT_TRUE(other_len.ok());
+  EXPECT_NE(other_len->get(), got[0].get());
+  EXPECT_EQ((*other_len)->num_documents(), 4);
+  // Rewritten (another size): a fresh load, not the cached copy.
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << "three\nfour\nfive\n";
+  auto rewritten = TextFileCorpus::LoadShared(path, 16);
+  ASSERT_TRUE(rewritten.ok());
+  EXPECT_EQ((*rewritten)->num_documents(), 3);
+  EXPECT_NE((*rewritten)->ContentFingerprint(), got[0]->ContentFingerprint());
+  EXPECT_EQ(TextFileCorpus::LoadShared("/nonexistent/x.txt", 4).status().code(),
+            absl::StatusCode::kNotFound);
 }
 
 }  // namespace

@@ -4,7 +4,7 @@
   remote_coverage_tools and platforms, which Bazel 4.2.3 would otherwise download.
 - gradsum_system_repository(): one repository, @gradsum_system, with a cc_library per
   outside library (abseil, GoogleTest, Google Benchmark, protobuf, Eigen, Open MPI,
-  CUDA, NCCL, Python's headers, libtorch with pybind11). Link flags come from pkg-config where the package ships a .pc file;
+  CUDA, NCCL, Python's headers, libtorch with pybind11, sentencepiece). Link flags come from pkg-config where the package ships a .pc file;
   header trees outside /usr/include are symlinked in so Bazel can see them.
 """
 
@@ -120,6 +120,9 @@ def _system_repo_impl(ctx):
         ("protobuf", ["protobuf"], ["-lprotobuf", "-pthread"]),
         ("xxhash", ["libxxhash"], ["-lxxhash"]),
         ("nlohmann_json", ["nlohmann_json"], []),
+        # libsentencepiece-dev: its header clashes with abseil's (shared/spec/ENVIRONMENT.md),
+        # so only tools/sentencepiece.cc, which includes no abseil header, uses it.
+        ("sentencepiece", ["sentencepiece"], ["-lsentencepiece", "-lsentencepiece_train"]),
     ]:
         libs = _pkg_config(ctx, mod, "--libs") or fallback
         build.append(_lib(name, linkopts = libs))

@@ -33,6 +33,8 @@ constexpr char kConfig[] = "config";
 constexpr char kRunId[] = "run_id";
 constexpr char kDataNextDocument[] = "data_next_document";
 constexpr char kDataSequences[] = "data_sequences";
+// The data files' ContentFingerprint (hex), so that a resume on changed files is refused.
+constexpr char kDataFingerprint[] = "data_fingerprint";
 constexpr char kExpertBias[] = "expert_bias";
 
 // The step-NNNNNNNN directories of checkpoint_dir: (step, whether its save completed, i.e.
@@ -333,13 +335,16 @@ absl::StatusOr<std::vector<std::vector<float>>> ParseExpertBias(const std::strin
 absl::Status SaveRunCheckpoint(const TrainConfig& config, Communicator& world,
                                const ShardedAdamW& optimizer, int64_t step,
                                const std::string& run_id, const data::DataPosition& position,
-                               const std::vector<std::vector<float>>& expert_bias) {
+                               const std::vector<std::vector<float>>& expert_bias,
+                               uint64_t data_fingerprint) {
   std::map<std::string, std::string> extra = {
       {kConfig, ConfigToShortText(config)},
       {kRunId, run_id},
       {kDataNextDocument, absl::StrCat(position.next_document)},
       {kDataSequences, absl::StrCat(position.sequences)}};
   if (!expert_bias.empty()) extra[kExpertBias] = ExpertBiasText(expert_bias);
+  // Only for data files: the embedded corpora's markers stay as they were.
+  if (data_fingerprint != 0) extra[kDataFingerprint] = absl::StrCat(absl::Hex(data_fingerprint));
   return SaveCheckpoint(CheckpointPath(config.checkpoint().dir(), step), world, optimizer, extra);
 }
 
@@ -367,7 +372,8 @@ absl::Status PruneCheckpoints(const CheckpointConfig& config, Communicator& worl
 }
 
 absl::StatusOr<ResumedRun> ResumeRun(const TrainConfig& config, Communicator& world,
-                                     ShardedAdamW& optimizer, data::RankDataLoader& loader) {
+                                     ShardedAdamW& optimizer, data::RankDataLoader& loader,
+                                     uint64_t data_fingerprint) {
   const std::string& checkpoint_dir = config.checkpoint().dir();
   // Every rank must pick the same checkpoint: rank 0 decides, the others follow.
   int64_t step = -1;
@@ -387,6 +393,22 @@ absl::StatusOr<ResumedRun> ResumeRun(const TrainConfig& config, Communicator& wo
       marker.ok() ? SavedConfig(*marker, step, checkpoint_dir) : marker.status();
   absl::Status compatible = saved.status();
   if (compatible.ok()) compatible = CheckResumeCompatible(*saved, config, step);
+  // A checkpoint of a data-file run records its files' fingerprint (older ones do not).
+  const std::string* recorded = nullptr;
+  if (compatible.ok()) {
+    auto it = marker->extra.find(kDataFingerprint);
+    if (it != marker->extra.end()) recorded = &it->second;
+  }
+  if (recorded != nullptr && *recorded != absl::StrCat(absl::Hex(data_fingerprint))) {
+    compatible = absl::FailedPreconditionError(absl::StrCat(
+        "--resume: the data changed since the checkpoint of step ", step, ": the content of ",
+        config.data().data_path().empty() ? absl::StrCat("--data=", config.data().path())
+                                          : absl::StrCat("--data_path=", config.data().data_path()),
+        " now has fingerprint ", absl::Hex(data_fingerprint), ", the checkpoint recorded ",
+        *recorded,
+        " (docs/CHECKPOINTS.md); its data position means nothing in other data: restore the "
+        "files or start a new checkpoint_dir"));
+  }
   GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world, compatible, "--resume"));
   GRADSUM_ASSIGN_OR_RETURN(CheckpointInfo info, LoadCheckpoint(dir, world, optimizer));
   auto run_id = info.extra.find(kRunId);

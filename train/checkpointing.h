@@ -95,12 +95,14 @@ std::string ExpertBiasText(const std::vector<std::vector<float>>& bias);
 absl::StatusOr<std::vector<std::vector<float>>> ParseExpertBias(const std::string& text);
 
 // Saves the optimizer's state after `step` into CheckpointPath(config.checkpoint().dir(),
-// step) with the run's record (the config, `run_id`, the data `position`, and the model's
-// `expert_bias` unless empty). Collective.
+// step) with the run's record (the config, `run_id`, the data `position`, the model's
+// `expert_bias` unless empty, and the data files' `data_fingerprint` unless 0: the corpus's
+// ContentFingerprint, "data_fingerprint" in the marker). Collective.
 absl::Status SaveRunCheckpoint(const TrainConfig& config, Communicator& world,
                                const ShardedAdamW& optimizer, int64_t step,
                                const std::string& run_id, const data::DataPosition& position,
-                               const std::vector<std::vector<float>>& expert_bias = {});
+                               const std::vector<std::vector<float>>& expert_bias = {},
+                               uint64_t data_fingerprint = 0);
 
 // checkpoint.keep > 0: removes the complete checkpoints of checkpoint.dir older than the
 // newest `keep` (rank 0; each one's commit marker first, so a removal cut short leaves an
@@ -137,10 +139,12 @@ inline constexpr const char* kCheckpointFixedFields[] = {"model.seed", "model.in
 // recorded data position (DataLoss if it is not the end of `step` steps of the global
 // batch; a checkpoint without a position replays the stream), and reads the expert bias
 // (DataLoss if it does not parse or does not fit the model's layers and experts). Rank 0
-// removes the temporary files of newer saves that never committed. Collective; every rank
-// returns the same error.
+// removes the temporary files of newer saves that never committed. A checkpoint that
+// recorded a data fingerprint other than `data_fingerprint` (the data files changed since)
+// is refused (FailedPrecondition naming both). Collective; every rank returns the same error.
 absl::StatusOr<ResumedRun> ResumeRun(const TrainConfig& config, Communicator& world,
-                                     ShardedAdamW& optimizer, data::RankDataLoader& loader);
+                                     ShardedAdamW& optimizer, data::RankDataLoader& loader,
+                                     uint64_t data_fingerprint = 0);
 
 }  // namespace gradsum::train
 

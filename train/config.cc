@@ -7,6 +7,7 @@
 #include <google/protobuf/text_format.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <iterator>
 #include <limits>
@@ -20,6 +21,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "core/status.h"
+#include "data/blend_spec.h"
 #include "data/shard.h"
 #include "io/atomic_file.h"
 #include "io/path_checks.h"
@@ -462,6 +464,18 @@ absl::Status ValidateData(const DataConfig& d) {
   if (d.eod_token() < -1) {
     return Bad("data.eod_token", StrCat(d.eod_token()), "must be a token id, or -1 for none");
   }
+  if (!d.data_path().empty()) {
+    if (!d.path().empty()) {
+      return Bad("data.data_path", d.data_path(),
+                 StrCat("and data.path=", d.path(), " both name the data; give one of them"));
+    }
+    GRADSUM_RETURN_IF_ERROR(data::ParseDataPath(d.data_path()).status());
+  }
+  if (d.split() != DataConfig::default_instance().split()) {
+    GRADSUM_RETURN_IF_ERROR(Unused("data.split", d.split(), !d.data_path().empty(),
+                                   "without data.data_path (--data_path)"));
+    GRADSUM_RETURN_IF_ERROR(data::ParseSplit(d.split()).status());
+  }
   return Positive("data.corpus_documents", d.corpus_documents());
 }
 
@@ -714,7 +728,7 @@ absl::Status ValidateSequenceSplit(const TrainConfig& c) {
   // The embedded corpora are byte-level; a data.path file is checked against the vocabulary
   // when it is read (data/corpus.h CheckCorpusVocab: 256 for byte text, above the largest
   // token id for a token file).
-  if (d.path().empty() && m.vocab() != 256) {
+  if (!ReadsDataFiles(d) && m.vocab() != 256) {
     return Bad("model.vocab", StrCat(m.vocab()),
                "the embedded corpora are byte-level, so vocab must be 256 (a token file given "
                "to data.path may take another)");
@@ -797,7 +811,7 @@ absl::Status ValidateMtpAndRouting(const TrainConfig& c) {
                StrCat("must be < data.seq_len=", d.seq_len(),
                       ": a deeper MTP depth has no label in any sequence (SEMANTICS.md §15)"));
   }
-  if (m.mtp_depth() > 0 && d.path().empty() && m.mtp_depth() > d.max_doc_len() - 2) {
+  if (m.mtp_depth() > 0 && !ReadsDataFiles(d) && m.mtp_depth() > d.max_doc_len() - 2) {
     // Depth j's label of position t is token t + j + 1 of the same document (§15.1,
     // data/streams.h): a document of n tokens gives depth j a label only if j <= n - 2, so
     // with the embedded corpus's documents of at most max_doc_len tokens the deeper depths
@@ -849,10 +863,23 @@ absl::Status ValidateEvaluation(const TrainConfig& c) {
              "with log.eval_every=0 (no evaluation)"));
   // data.eval_path is read only by the evaluation of a --data run: given otherwise it would
   // be ignored, and a missing file never noticed.
+  if (!d.eval_path().empty() && !d.data_path().empty()) {
+    return Bad("data.eval_path", d.eval_path(),
+               "is not read with data.data_path (--data_path): the validation part of "
+               "data.split (--split) is the held-out set; leave --eval_data unset");
+  }
   if (!d.eval_path().empty() && d.path().empty()) {
     return Bad("data.eval_path", d.eval_path(),
                "is read only with data.path (--data): the embedded corpus holds out its own "
                "documents; leave --eval_data unset");
+  }
+  if (c.log().eval_every() > 0 && !d.data_path().empty()) {
+    absl::StatusOr<std::array<double, 3>> split = data::ParseSplit(d.split());
+    if (split.ok() && (*split)[1] == 0) {
+      return Bad("log.eval_every", StrCat(c.log().eval_every()),
+                 StrCat("evaluates the validation part of data.split=", d.split(),
+                        ", which is empty; give it a part (e.g. --split=969,30,1)"));
+    }
   }
   if (!d.eval_path().empty() && c.log().eval_every() == 0) {
     return Bad("data.eval_path", d.eval_path(),
@@ -908,12 +935,13 @@ absl::Status ValidateConfig(const TrainConfig& c) {
 
 // MTP depth j needs documents of at least j + 2 tokens (§15.1): the embedded corpus's bound
 // is ValidateMtpAndRouting's; a --data file's longest document is known only once it is read.
-absl::Status ValidateLongestDocument(const TrainConfig& config, int64_t longest) {
+absl::Status ValidateLongestDocument(const TrainConfig& config, int64_t longest,
+                                     absl::string_view source) {
   const int k = config.model().mtp_depth();
-  if (k > 0 && !config.data().path().empty() && k > longest - 2) {
+  if (k > 0 && ReadsDataFiles(config.data()) && k > longest - 2) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "model.mtp_depth=", k, ": must be at most ", longest - 2,
-        ", the longest document of --data=", config.data().path(), " (", longest,
+        "model.mtp_depth=", k, ": must be at most ", longest - 2, ", the longest document of ",
+        source, " (", longest,
         " tokens) less 2: depth j's label is the token j + 1 ahead in the same document, so the "
         "deeper depths would train nothing (SEMANTICS.md §15.1)"));
   }
@@ -1039,11 +1067,15 @@ TrainConfig ResolvedConfig(const TrainConfig& in) {
   TrainConfig config = in;
   // A text file names no embedded corpus: unless one is given (an error, MakeCorpus), it
   // resolves to markov1, the value file runs recorded before markov2 became the default.
-  if (!config.data().path().empty() && !config.data().has_corpus()) {
+  if (ReadsDataFiles(config.data()) && !config.data().has_corpus()) {
     config.mutable_data()->set_corpus(DataConfig::markov1);
   }
   SetDefaultsExplicitly(&config);
   return config;
+}
+
+bool ReadsDataFiles(const DataConfig& data) {
+  return !data.path().empty() || !data.data_path().empty();
 }
 
 int64_t GlobalBatch(const TrainConfig& config) {
@@ -1100,6 +1132,8 @@ std::optional<ResumeFieldChange> FirstResumeFieldChange(const TrainConfig& saved
   const ModelConfig &ma = saved.model(), &mb = config.model();
   const std::pair<const char*, std::pair<std::string, std::string>> fields[] = {
       {"data.path", {a.path(), b.path()}},
+      {"data.data_path", {a.data_path(), b.data_path()}},
+      {"data.split", {a.split(), b.split()}},
       {"data.seq_len", {StrCat(a.seq_len()), StrCat(b.seq_len())}},
       {"data.corpus_seed", {StrCat(a.corpus_seed()), StrCat(b.corpus_seed())}},
       {"data.min_doc_len", {StrCat(a.min_doc_len()), StrCat(b.min_doc_len())}},

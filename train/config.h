@@ -81,10 +81,11 @@ absl::Status ApplyOverrides(const std::vector<FieldOverride>& overrides, TrainCo
 // first (ValidateModel, ValidateData, ... in config.cc), then the checks that relate sections.
 absl::Status ValidateConfig(const TrainConfig& config);
 
-// The checks that need a --data file's longest document (`longest` tokens), known only once
-// the file is read (ValidateConfig checks the embedded corpus's bound): InvalidArgument
-// "field=value: reason" as ValidateConfig's.
-absl::Status ValidateLongestDocument(const TrainConfig& config, int64_t longest);
+// The checks that need a data file's longest document (`longest` tokens of `source`, as the
+// message names it), known only once the files are read (ValidateConfig checks the embedded
+// corpus's bound): InvalidArgument "field=value: reason" as ValidateConfig's.
+absl::Status ValidateLongestDocument(const TrainConfig& config, int64_t longest,
+                                     absl::string_view source);
 
 // Every scalar field of `config` as (dotted path, value as text), defaults included, in
 // declaration order: what a run actually uses (for comparing the ranks' configs).
@@ -96,6 +97,10 @@ TrainConfig ResolvedConfig(const TrainConfig& config);
 
 // The global batch B = world x grad_acc x micro_batch: sequences per step (data/loader.h).
 int64_t GlobalBatch(const TrainConfig& config);
+
+// Whether the run reads data files (data.path, --data, or data.data_path, --data_path) rather
+// than an embedded corpus.
+bool ReadsDataFiles(const DataConfig& data);
 
 // Reproducible mode's row block (SEMANTICS.md §11, §12, §16): precision.repro_block when
 // set, else DefaultReproBlock(data.seq_len). A function of the sequence length, not of the

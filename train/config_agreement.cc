@@ -67,6 +67,8 @@ absl::Status CheckRanksAgree(
     const std::string what =
         i < data_index
             ? absl::StrCat(fields[i].path, " (", fields[i].value, " on rank ", world.rank(), ")")
+        : i == data_index && !config.data().data_path().empty()
+            ? absl::StrCat("the content of data.data_path=", config.data().data_path())
         : i == data_index
             ? absl::StrCat("the content of data.path=", config.data().path())
             : absl::StrCat("the content of data.eval_path=", config.data().eval_path(),

@@ -149,8 +149,11 @@ void PrintBanner(const TrainConfig& config, std::ostream& out) {
         "moe_lm: held-out CE every %d steps and after the last: %d micro-batch(es) per data "
         "rank of %s\n",
         config.log().eval_every(), config.log().eval_micro_batches(),
-        config.data().path().empty() ? std::string("the embedded corpus's held-out documents")
-                                     : absl::StrCat("--eval_data=", config.data().eval_path()));
+        !config.data().data_path().empty()
+            ? absl::StrCat("the validation part (--split=", config.data().split(),
+                           ") of --data_path")
+        : config.data().path().empty() ? std::string("the embedded corpus's held-out documents")
+                                       : absl::StrCat("--eval_data=", config.data().eval_path()));
   }
   const LossConfig& loss = config.loss();
   if (loss.label_smoothing() != 0 || loss.logit_softcap() != 0 || loss.alpha_lse() != 0) {
@@ -186,17 +189,20 @@ void PrintBanner(const TrainConfig& config, std::ostream& out) {
       "data: %d x %d tokens per rank and micro-batch, global batch B=%d sequences per "
       "step, %s\n",
       config.data().micro_batch(), config.data().seq_len(), GlobalBatch(config),
-      config.data().path().empty()
+      !config.data().data_path().empty()
+          ? absl::StrCat("--data_path=", config.data().data_path(), " (train part of --split=",
+                         config.data().split(), ", shuffled each epoch)")
+      : config.data().path().empty()
           ? (config.data().corpus() == DataConfig::markov1 ? "embedded Markov corpus"
                                                            : "embedded order-2 Markov corpus")
           : config.data().path());
-  if (config.data().path().empty() && config.data().corpus() == DataConfig::markov1) {
+  if (!ReadsDataFiles(config.data()) && config.data().corpus() == DataConfig::markov1) {
     data::MarkovCorpus corpus(config.data());
     out << absl::StrFormat(
         "entropy floor: %.4f nats/token (the Markov chain's conditional entropy; "
         "the best CE this per-token model can reach)\n",
         corpus.EntropyFloorNats());
-  } else if (config.data().path().empty()) {
+  } else if (!ReadsDataFiles(config.data())) {
     data::SecondOrderMarkovCorpus corpus(config.data());
     out << absl::StrFormat(
         "entropy floor: %.4f nats/token (the best CE of a per-token model); context floor "

@@ -119,8 +119,10 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   absl::StatusOr<std::shared_ptr<const data::DocumentSource>> corpus =
       data_path.ok()
           ? CatchingOutOfMemory(
-                config.data().path().empty() ? "the embedded corpus"
-                                             : absl::StrCat("--data=", config.data().path()),
+                !config.data().data_path().empty()
+                    ? absl::StrCat("--data_path=", config.data().data_path())
+                : config.data().path().empty() ? "the embedded corpus"
+                                               : absl::StrCat("--data=", config.data().path()),
                 [&]() -> absl::StatusOr<std::shared_ptr<const data::DocumentSource>> {
                   MaybeInjectStartupAllocFailure(world.rank());
                   return data::MakeCorpus(config.data());
@@ -137,11 +139,13 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
       corpus.ok() ? CatchingOutOfMemory("--eval_data", [&] { return LoadEvalData(config.data()); })
                   : std::shared_ptr<const data::DocumentSource>();
   GRADSUM_RETURN_IF_ERROR(CheckRanksAgree(config, corpus, eval_file, world));
-  // What a --data file's longest document decides, known only now. The ranks agreed on the
-  // file, so every rank fails here alike.
-  if (!config.data().path().empty()) {
-    GRADSUM_RETURN_IF_ERROR(
-        MarkAgreed(ValidateLongestDocument(config, (*corpus)->MaxDocumentLength())));
+  // What a data file's longest document decides, known only now. The ranks agreed on the
+  // files, so every rank fails here alike.
+  if (ReadsDataFiles(config.data())) {
+    GRADSUM_RETURN_IF_ERROR(MarkAgreed(ValidateLongestDocument(
+        config, (*corpus)->MaxDocumentLength(),
+        config.data().path().empty() ? (*corpus)->Describe()
+                                     : absl::StrCat("--data=", config.data().path()))));
   }
   auto trainer = std::unique_ptr<Trainer>(new Trainer());
   trainer->corpus_ = *std::move(corpus);
@@ -187,9 +191,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   // failed, with that rank's message.
   GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world, trainer->PrepareLocal(), "start-up"));
   if (config.checkpoint().resume()) {
-    GRADSUM_ASSIGN_OR_RETURN(
-        ResumedRun resumed,
-        ResumeRun(trainer->config_, world, *trainer->optimizer_, *trainer->loader_));
+    GRADSUM_ASSIGN_OR_RETURN(ResumedRun resumed,
+                             ResumeRun(trainer->config_, world, *trainer->optimizer_,
+                                       *trainer->loader_, trainer->corpus_->ContentFingerprint()));
     trainer->step_ = resumed.step;
     trainer->saved_step_ = resumed.step;
     trainer->run_id_ = std::move(resumed.run_id);
@@ -511,7 +515,8 @@ absl::Status Trainer::RunFirstStepChecks(const NamedParams& weights, const model
 
 absl::Status Trainer::SaveCheckpointNow() {
   GRADSUM_RETURN_IF_ERROR(SaveRunCheckpoint(config_, world(), *optimizer_, step_, run_id_,
-                                            loader_->position(), model_->expert_bias()));
+                                            loader_->position(), model_->expert_bias(),
+                                            corpus_->ContentFingerprint()));
   saved_step_ = step_;
   return PruneCheckpoints(config_.checkpoint(), world());
 }
