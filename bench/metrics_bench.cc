@@ -5,9 +5,10 @@
 // does). Compare with the README step's time (docs/BENCHMARKS.md; the target is < 0.5%).
 //
 //   ./bazelw run -c opt //bench:metrics_bench
+#include <unistd.h>
+
 #include <cstdio>
 #include <string>
-#include <unistd.h>
 
 #include "absl/strings/str_cat.h"
 #include "benchmark/benchmark.h"

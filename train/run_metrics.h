@@ -76,8 +76,9 @@ class RunMeters {
 };
 
 // FLOP/s of one thread's BLAS GEMM (core/gemm.h) at the shape of the step benchmarks'
-// limit, [2048, 128] x [128, 128] (the README model's expert up-projection), timed over at
-// least `min_time`: the per-thread peak of this machine that MFU divides by.
+// limit, [2048, 128] x [128, 128] (the README model's expert up-projection): the fastest of
+// the GEMMs run over `min_time` (one GEMM is about a millisecond), so that a busy machine
+// still gives its peak: the per-thread peak MFU divides by.
 double MeasureGemmFlopsPerThread(absl::Duration min_time = absl::Milliseconds(200));
 
 // The process's peak resident set size in bytes (getrusage); 0 if unavailable.

@@ -30,8 +30,7 @@ double SpecForwardFlopsPerToken(const TrainConfig& c, bool layers_without_router
   double flops = 0;
   for (const model::ParamDef& p : spec->params()) {
     if (p.shape.size() != 2 || p.name == "emb") continue;
-    if (layers_without_router &&
-        (p.layer < 0 || p.name.find("router") != std::string::npos)) {
+    if (layers_without_router && (p.layer < 0 || p.name.find("router") != std::string::npos)) {
       continue;
     }
     const double per_use = 2.0 * p.shape[0] * p.shape[1];
@@ -46,7 +45,7 @@ double SpecForwardFlopsPerToken(const TrainConfig& c, bool layers_without_router
   return flops;
 }
 
-std::vector<StepMetrics> Run(const TrainConfig& config) {
+std::vector<StepMetrics> Train(const TrainConfig& config) {
   auto ranks = RunInProcess(config);
   EXPECT_TRUE(ranks.ok()) << ranks.status();
   if (!ranks.ok()) return {};
@@ -58,7 +57,7 @@ TEST(RunMetricsTest, CountsMatchTheStepsOwnTokens) {
   TrainConfig config = TinyConfig(/*world=*/4, /*ep=*/2, /*grad_acc=*/2, TrainConfig::fsdp);
   config.mutable_optim()->set_steps(5);
   config.mutable_log()->set_peak_tflops(0.5);  // every rank: mfu = flops_per_s / (0.5e12 x 4)
-  const std::vector<StepMetrics> history = Run(config);
+  const std::vector<StepMetrics> history = Train(config);
   ASSERT_EQ(history.size(), 5u);
   const int64_t B = 4 * 2 * config.data().micro_batch();
   const double per_token = SpecForwardFlopsPerToken(config);
@@ -84,7 +83,7 @@ TEST(RunMetricsTest, CountsMatchTheStepsOwnTokens) {
 TEST(RunMetricsTest, OneRanksMaxIsTheGlobalCe) {
   TrainConfig config = TinyConfig(1, 1, 2, TrainConfig::fsdp);
   config.mutable_optim()->set_steps(2);
-  for (const StepMetrics& r : Run(config)) EXPECT_NEAR(r.ce_max_rank(), r.ce(), 1e-12 * r.ce());
+  for (const StepMetrics& r : Train(config)) EXPECT_NEAR(r.ce_max_rank(), r.ce(), 1e-12 * r.ce());
 }
 
 TEST(RunMetricsTest, AttentionAndRecomputationAddTheirFlops) {
@@ -93,15 +92,15 @@ TEST(RunMetricsTest, AttentionAndRecomputationAddTheirFlops) {
   config.mutable_model()->set_heads(2);
   config.mutable_model()->set_kv_heads(1);
   config.mutable_optim()->set_steps(2);
-  const std::vector<StepMetrics> plain = Run(config);
+  const std::vector<StepMetrics> plain = Train(config);
   config.mutable_parallelism()->set_recompute(ParallelismConfig::full);
-  const std::vector<StepMetrics> full = Run(config);
+  const std::vector<StepMetrics> full = Train(config);
   ASSERT_EQ(plain.size(), 2u);
   ASSERT_EQ(full.size(), 2u);
   const double per_token = SpecForwardFlopsPerToken(config);
   for (int i = 0; i < 2; ++i) {
     const double matmuls = 3 * plain[i].routed_tokens() * per_token;
-    EXPECT_GT(plain[i].model_flops(), matmuls);  // the scores
+    EXPECT_GT(plain[i].model_flops(), matmuls);                    // the scores
     EXPECT_GT(plain[i].hardware_flops(), plain[i].model_flops());  // backward's scores again
     EXPECT_EQ(full[i].model_flops(), plain[i].model_flops());
     // --recompute=full: every layer's forward again but the router, scores included.
@@ -117,16 +116,16 @@ TEST(RunMetricsTest, ResumeContinuesTheConsumedCounts) {
   std::filesystem::remove_all(dir);
   TrainConfig full = TinyConfig(2, 2, 2, TrainConfig::fsdp);
   full.mutable_optim()->set_steps(5);
-  const std::vector<StepMetrics> reference = Run(full);
+  const std::vector<StepMetrics> reference = Train(full);
   ASSERT_EQ(reference.size(), 5u);
   TrainConfig first = full;
   first.mutable_optim()->set_steps(3);
   first.mutable_checkpoint()->set_dir(dir);
-  ASSERT_EQ(Run(first).size(), 3u);
+  ASSERT_EQ(Train(first).size(), 3u);
   TrainConfig second = full;
   second.mutable_checkpoint()->set_dir(dir);
   second.mutable_checkpoint()->set_resume(true);
-  const std::vector<StepMetrics> resumed = Run(second);
+  const std::vector<StepMetrics> resumed = Train(second);
   ASSERT_EQ(resumed.size(), 2u);
   for (int i = 0; i < 2; ++i) {
     const StepMetrics& want = reference[3 + i];

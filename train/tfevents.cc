@@ -12,9 +12,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "core/status.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/message.h"
-#include "core/status.h"
 #include "io/atomic_file.h"
 #include "io/path_checks.h"
 #include "train/tfevents.pb.h"
@@ -139,8 +139,7 @@ absl::StatusOr<TfEventsWriter> TfEventsWriter::Open(const std::string& dir, bool
   if (w.fd_ < 0) return Errno("cannot open", w.path_, errno);
   struct stat st;
   if (fstat(w.fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(kFlag, "=", w.path_, ": not a regular file"));
+    return absl::InvalidArgumentError(absl::StrCat(kFlag, "=", w.path_, ": not a regular file"));
   }
   if (fresh) {
     tb::Event first;

@@ -145,7 +145,8 @@ std::vector<DecodedEvent> ReadEvents(const std::string& path) {
     EXPECT_LE(at + 12, s.size()) << "truncated header at " << at;
     if (at + 12 > s.size()) break;
     const uint64_t length = LittleEndian(s, at, 8);
-    EXPECT_EQ(LittleEndian(s, at + 8, 4), ReferenceMasked(s.substr(at, 8))) << "length CRC at " << at;
+    EXPECT_EQ(LittleEndian(s, at + 8, 4), ReferenceMasked(s.substr(at, 8)))
+        << "length CRC at " << at;
     EXPECT_LE(at + 12 + length + 4, s.size()) << "truncated record at " << at;
     if (at + 12 + length + 4 > s.size()) break;
     const std::string data = s.substr(at + 12, length);
@@ -216,8 +217,7 @@ TEST(TfEventsTest, UnusableDirectoryIsAnErrorNamingTheFlag) {
     absl::StatusOr<TfEventsWriter> w = TfEventsWriter::Open(dir, /*append=*/false);
     ASSERT_FALSE(w.ok()) << dir;
     EXPECT_TRUE(absl::StrContains(w.status().message(), "--tensorboard_dir")) << w.status();
-    EXPECT_TRUE(absl::StrContains(w.status().message(), dir.substr(0, file.size())))
-        << w.status();
+    EXPECT_TRUE(absl::StrContains(w.status().message(), dir.substr(0, file.size()))) << w.status();
   }
   EXPECT_FALSE(TfEventsWriter::Open("", false).ok());
 }
@@ -278,10 +278,13 @@ TEST(TfEventsTest, TrainingRunWritesEveryStepsRecord) {
     EXPECT_EQ(got.at("consumed_tokens"), static_cast<float>(r.consumed_tokens()));
     EXPECT_EQ(got.at("maxvio/1"), static_cast<float>(r.maxvio(1)));
     EXPECT_EQ(got.count("eval_ce"), r.has_eval_ce() ? 1u : 0u);
-    if (r.has_eval_ce()) EXPECT_EQ(got.at("eval_ce"), static_cast<float>(r.eval_ce()));
+    if (r.has_eval_ce()) {
+      EXPECT_EQ(got.at("eval_ce"), static_cast<float>(r.eval_ce()));
+    }
     // Every scalar of the record, no more.
     EXPECT_EQ(e.values.size(), StepScalars(r).size());
-    for (const auto& [tag, v] : StepScalars(r)) EXPECT_EQ(got.at(tag), static_cast<float>(v)) << tag;
+    for (const auto& [tag, v] : StepScalars(r))
+      EXPECT_EQ(got.at(tag), static_cast<float>(v)) << tag;
   }
 }
 

@@ -594,7 +594,7 @@ void Trainer::SetPeakFlops(std::ostream* log) {
   }
   if (!is_rank0()) return;  // the others' records have mfu 0; rank 0 writes the files
   const int threads = model_->options().num_threads;
-  const double per_thread = MeasureGemmFlopsPerThread(absl::Milliseconds(100));
+  const double per_thread = MeasureGemmFlopsPerThread();
   meters_->SetPeakFlopsPerSecond(per_thread * threads * ranks);
   if (log != nullptr) {
     *log << absl::StrFormat(
