@@ -288,5 +288,62 @@ TEST(TfEventsTest, TrainingRunWritesEveryStepsRecord) {
   }
 }
 
+// The one tfevents file of `dir` (a failure when there is not exactly one).
+std::string OnlyEventsFile(const std::string& dir) {
+  std::string file;
+  int files = 0;
+  if (DIR* d = opendir(dir.c_str())) {
+    while (dirent* e = readdir(d)) {
+      if (absl::StrContains(e->d_name, "tfevents")) {
+        file = absl::StrCat(dir, "/", e->d_name);
+        ++files;
+      }
+    }
+    closedir(d);
+  }
+  EXPECT_EQ(files, 1) << dir;
+  return file;
+}
+
+// A --resume appends to the run's file: one file_version, then every step once up to the
+// checkpoint and the resumed steps after it.
+TEST(TfEventsTest, ResumeAppendsToTheRunsFile) {
+  const std::string dir = TmpDir("tb_resume");
+  TrainConfig first = TinyConfig(2, 2, 1, TrainConfig::fsdp);
+  first.mutable_optim()->set_steps(2);
+  first.mutable_checkpoint()->set_dir(dir + "/ckpt");
+  first.mutable_log()->set_tensorboard_dir(dir + "/tb");
+  auto a = RunInProcess(first);
+  ASSERT_TRUE(a.ok() && (*a)[0].status.ok()) << (a.ok() ? (*a)[0].status : a.status());
+  TrainConfig second = first;
+  second.mutable_optim()->set_steps(4);
+  second.mutable_checkpoint()->set_resume(true);
+  auto b = RunInProcess(second);
+  ASSERT_TRUE(b.ok() && (*b)[0].status.ok()) << (b.ok() ? (*b)[0].status : b.status());
+  const std::vector<DecodedEvent> events = ReadEvents(OnlyEventsFile(dir + "/tb"));
+  ASSERT_EQ(events.size(), 5u);
+  EXPECT_EQ(events[0].file_version, "brain.Event:2");
+  for (int s = 1; s <= 4; ++s) EXPECT_EQ(events[s].step, s);
+  const StepMetrics& resumed = (*b)[0].history[1];  // step 4
+  std::map<std::string, float> got(events[4].values.begin(), events[4].values.end());
+  EXPECT_EQ(got.at("ce"), static_cast<float>(resumed.ce()));
+  EXPECT_EQ(got.at("consumed_sequences"), static_cast<float>(resumed.consumed_sequences()));
+}
+
+// An unusable --tensorboard_dir stops the run before step 1, on every rank, naming it.
+TEST(TfEventsTest, UnusableDirectoryFailsBeforeTraining) {
+  const std::string file = TmpDir("tb_not_a_dir");
+  std::ofstream(file) << "x";
+  TrainConfig config = TinyConfig(2, 2, 1, TrainConfig::fsdp);
+  config.mutable_log()->set_tensorboard_dir(file + "/tb");
+  auto ranks = RunInProcess(config);
+  ASSERT_TRUE(ranks.ok()) << ranks.status();
+  for (const RankOutcome& r : *ranks) {
+    EXPECT_FALSE(r.status.ok());
+    EXPECT_TRUE(absl::StrContains(r.status.message(), "--tensorboard_dir")) << r.status;
+    EXPECT_TRUE(r.history.empty());
+  }
+}
+
 }  // namespace
 }  // namespace gradsum::train
