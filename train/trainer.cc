@@ -599,9 +599,10 @@ void Trainer::SetPeakFlops(std::ostream* log) {
   if (log != nullptr) {
     *log << absl::StrFormat(
                 "mfu: peak %.1f GFLOP/s = BLAS GEMM %.1f GFLOP/s per thread (measured now) x %d "
-                "threads x %d ranks (--peak_tflops sets a rank's peak instead)",
+                "threads x %d ranks (--peak_tflops sets a rank's peak instead%s)",
                 per_thread * threads * ranks / 1e9, per_thread / 1e9, threads,
-                static_cast<int>(ranks))
+                static_cast<int>(ranks),
+                config_.comm().backend() == TrainConfig::nccl ? "; a host peak: give a GPU's" : "")
          << std::endl;
   }
 }
@@ -609,11 +610,11 @@ void Trainer::SetPeakFlops(std::ostream* log) {
 absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
   const int64_t first_step = step_ + 1;
   const int64_t steps = config_.optim().steps();
-  const absl::Time run_start = absl::Now();
   if (log != nullptr) {
     for (const std::string& note : start_notes_) *log << note << std::endl;
   }
-  SetPeakFlops(log);
+  SetPeakFlops(log);  // before the clock of the ETA starts
+  const absl::Time run_start = absl::Now();
   // Rank-local failures (the metrics file, the fault hook) are agreed on at each step
   // boundary: every rank stops together with the failing rank's message.
   absl::Status local = absl::OkStatus();
