@@ -1,6 +1,6 @@
 // The moe_lm training step on one GPU (`--backend=nccl`, train/cuda/cuda_compute.h) beside
 // the same step on the CPU (`--backend=thread`, every core), in one run: tokens/s, GFLOP/s
-// (bench/moe_lm_flops.h: the matmul FLOPs of a token, the physical yardstick) and the
+// (StepMetrics.model_flops, model/flops.h: every matmul and attention's products) and the
 // step's split into model time (forward, backward and gradient reduction: the GPU's part on
 // the nccl backend) and update time (grad norm, clipping, AdamW and the parameter upload:
 // the host's part), and the step's comm_s / comm_exposed_s as percentages of it (the nccl
@@ -21,7 +21,6 @@
 
 #include "absl/time/clock.h"
 #include "bench/gpu_bench_main.h"
-#include "bench/moe_lm_flops.h"
 #include "benchmark/benchmark.h"
 #include "collectives/nccl_backend.h"
 #include "collectives/thread_backend.h"
@@ -55,7 +54,7 @@ train::TrainConfig StepConfig(bool wide) {
 void BM_MoeLmStep(benchmark::State& state) {
   const bool gpu = state.range(0) == 1;
   const train::TrainConfig config = StepConfig(state.range(1) == 1);
-  double step_s = 0, model_s = 0, update_s = 0, comm_s = 0, exposed_s = 0, tokens = 0;
+  double step_s = 0, model_s = 0, update_s = 0, comm_s = 0, exposed_s = 0, tokens = 0, flops = 0;
   for (auto _ : state) {
     auto host = CreateThreadCommunicators(1);
     if (!host.ok()) return state.SkipWithError(host.status().ToString().c_str());
@@ -88,11 +87,12 @@ void BM_MoeLmStep(benchmark::State& state) {
       comm_s += r->comm_s();
       exposed_s += r->comm_exposed_s();
       tokens += r->routed_tokens();
+      flops += r->model_flops();
     }
     state.SetIterationTime(absl::ToDoubleSeconds(absl::Now() - start) / kTimedSteps);
   }
   state.counters["tokens_per_s"] = tokens / step_s;
-  state.counters["GFLOP_per_s"] = tokens * MoeLmFlopsPerToken(config.model()) / step_s / 1e9;
+  state.counters["GFLOP_per_s"] = flops / step_s / 1e9;
   state.counters["model_pct"] = 100 * model_s / step_s;
   state.counters["update_pct"] = 100 * update_s / step_s;
   state.counters["comm_pct"] = 100 * comm_s / step_s;

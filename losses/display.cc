@@ -108,6 +108,16 @@ absl::Status StepDisplay::Add(absl::string_view name, double value, DisplayTermK
   return absl::OkStatus();
 }
 
+absl::StatusOr<double> StepDisplay::LocalValue(absl::string_view name) const {
+  auto it = index_.find(name);
+  if (it == index_.end()) {
+    return absl::NotFoundError(absl::StrCat("display: no term '", name, "'"));
+  }
+  const Entry& e = entries_[it->second];
+  if (IsExtreme(e.kind)) return e.extreme;
+  return exact_ ? e.exact_sum.ToDouble() : e.local_sum;
+}
+
 absl::Status StepDisplay::AddBackwardTerm(absl::string_view name, double local_component) {
   return Add(name, local_component, DisplayTermKind::kLoss);
 }

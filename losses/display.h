@@ -119,6 +119,10 @@ class StepDisplay {
   // differ; InvalidArgument if the histograms of the ranks differ; the communicator's error
   // otherwise (different numbers of terms make the all-reduce itself fail).
   absl::StatusOr<StepDisplayValues> Reduce(Communicator& world);
+  // This rank's own sum so far of a kLoss or kMetric term (its local components over the
+  // step's micro-batches, before Reduce; the exact sum's value in exact mode), e.g. for a
+  // per-rank view of the loss. NotFound if `name` is not registered.
+  absl::StatusOr<double> LocalValue(absl::string_view name) const;
 
  private:
   struct Entry {

@@ -243,6 +243,25 @@ TEST(StepDisplayTest, ExactModeRejectsOutOfRangeValues) {
   EXPECT_EQ(d.AddBackwardTerm("ce", std::nan("")).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// A rank's own sums before Reduce (the trainer's per-rank mean CE), in both modes; Reduce
+// clears them; an unknown name is NotFound.
+TEST(StepDisplayTest, LocalValueIsThisRanksSumBeforeReduce) {
+  for (GradPrecision precision : {GradPrecision::kF32, GradPrecision::kExact}) {
+    StepDisplay d(0, 0, precision);
+    ASSERT_TRUE(d.RegisterTerm("ce").ok());
+    ASSERT_TRUE(d.RegisterTerm("tokens", DisplayTermKind::kMetric).ok());
+    ASSERT_TRUE(d.AddBackwardTerm("ce", 0.25).ok());
+    ASSERT_TRUE(d.AddBackwardTerm("ce", 0.5).ok());
+    ASSERT_TRUE(d.AddMetric("tokens", 3).ok());
+    EXPECT_EQ(*d.LocalValue("ce"), 0.75);
+    EXPECT_EQ(*d.LocalValue("tokens"), 3);
+    EXPECT_EQ(d.LocalValue("nope").status().code(), absl::StatusCode::kNotFound);
+    const absl::Status reduced = RunRanks(1, [&](Communicator& c) { return d.Reduce(c).status(); });
+    ASSERT_TRUE(reduced.ok()) << reduced;
+    EXPECT_EQ(*d.LocalValue("ce"), 0);
+  }
+}
+
 TEST(StepDisplayTest, MixedExactAndF64RanksFail) {
   auto statuses = ::gradsum::testing::RunRanksPerRank(2, [&](Communicator& comm) -> absl::Status {
     StepDisplay d(0, 0, comm.rank() == 0 ? GradPrecision::kExact : GradPrecision::kF32);

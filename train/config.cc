@@ -706,6 +706,10 @@ absl::Status ValidateLog(const LogConfig& log) {
   if (log.eval_micro_batches() < 1) {
     return Bad("log.eval_micro_batches", StrCat(log.eval_micro_batches()), "must be >= 1");
   }
+  if (!(std::isfinite(log.peak_tflops()) && log.peak_tflops() >= 0)) {
+    return Bad("log.peak_tflops", StrCat(log.peak_tflops()),
+               "must be finite and >= 0 (0: measured at start-up)");
+  }
   return absl::OkStatus();
 }
 

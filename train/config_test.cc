@@ -364,6 +364,8 @@ TEST(ConfigTest, ValidationNamesFieldAndValue) {
        "optim.min_lr=0.5: must be in [0, optim.lr=0.01]"},
       {{{"checkpoint.keep", "-1"}}, "checkpoint.keep=-1: must be >= 0"},
       {{{"log.every", "0"}}, "log.every=0: must be >= 1"},
+      {{{"log.peak_tflops", "-1"}}, "log.peak_tflops=-1: must be finite and >= 0"},
+      {{{"log.peak_tflops", "inf"}}, "log.peak_tflops=inf: must be finite and >= 0"},
       {{{"log.eval_every", "-1"}}, "log.eval_every=-1: must be >= 0"},
       {{{"log.eval_micro_batches", "0"}}, "log.eval_micro_batches=0: must be >= 1"},
       {{{"log.eval_every", "5"}, {"data.path", "/tmp/x.txt"}},

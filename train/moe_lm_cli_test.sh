@@ -40,7 +40,7 @@ grep -q -- "--save_on_signal" "$tmp/help.txt" || fail "--help: no --save_on_sign
 
 tiny=(--world=2 --ep=2 --grad_acc=2 --dim=8 --expert_dim=8 --experts=4 --seq_len=32
       --max_doc_len=24 --micro_batch=2)
-"$bin" "${tiny[@]}" --steps=3 --parity_check --metrics="$tmp/m.jsonl" > "$tmp/run.txt" 2>&1 \
+"$bin" "${tiny[@]}" --steps=3 --log_every=1 --parity_check --metrics="$tmp/m.jsonl" > "$tmp/run.txt" 2>&1 \
   || fail "tiny run failed: $(cat "$tmp/run.txt")"
 grep -q "entropy floor: " "$tmp/run.txt" || fail "no entropy floor line"
 [ "$(grep -c '^step [ 0-9]*/3 | ce ' "$tmp/run.txt")" -eq 3 ] || fail "expected 3 step lines"

@@ -41,7 +41,7 @@ run_case() {  # run_case NAME FAULT TIMEOUT_S [extra args...]
   # The unique --metrics path marks this job's processes (checked below).
   GRADSUM_TEST_FAULT="$fault" GRADSUM_MPI_TIMEOUT_S=$((bound + 30)) \
     "$mpirun_sh" 2 "$bin" "${tiny[@]}" --timeout_s="$timeout_s" \
-    --metrics="$tmp/$name.metrics.jsonl" "$@" > "$out" 2>&1
+    --metrics="$tmp/$name.metrics.jsonl" --log_every=1 "$@" > "$out" 2>&1
   local rc=$? elapsed=$((SECONDS - start))
   echo "$name: exit $rc after ${elapsed}s"
   [ "$rc" -ne 0 ] || fail "$name: the job exited 0: $(cat "$out")"

@@ -12,6 +12,13 @@
 namespace gradsum::train {
 namespace {
 
+// "65.2 GFLOP/s", "1.23 TFLOP/s".
+std::string HumanFlops(double per_second) {
+  if (per_second >= 1e12) return absl::StrFormat("%.2f TFLOP/s", per_second / 1e12);
+  if (per_second >= 1e9) return absl::StrFormat("%.1f GFLOP/s", per_second / 1e9);
+  return absl::StrFormat("%.1f MFLOP/s", per_second / 1e6);
+}
+
 std::string HumanRate(double per_second) {
   if (per_second >= 1e6) return absl::StrFormat("%.2fM", per_second / 1e6);
   if (per_second >= 1e3) return absl::StrFormat("%.1fk", per_second / 1e3);
@@ -86,12 +93,18 @@ std::string StepLogLine(const StepMetrics& r, int64_t total_steps, double eta_s)
   for (int j = 0; j < r.mtp_size(); ++j) {
     absl::StrAppendFormat(&extra, "%s%.4f", j == 0 ? " | mtp " : " ", r.mtp(j));
   }
+  // The FLOP rate and MFU where the record has them (the trainer's always do).
+  std::string rate = absl::StrCat(HumanRate(r.tokens_per_s()), " tok/s");
+  if (r.has_flops_per_s()) {
+    absl::StrAppend(&rate, ", ", HumanFlops(r.flops_per_s()));
+    if (r.mfu() > 0) absl::StrAppendFormat(&rate, ", mfu %.1f%%", 100 * r.mfu());
+  }
   return absl::StrFormat(
       "step %*d/%d | ce %.4f | bal %.6f | z %.6f%s | valid %d | gnorm %.4f | lr %.2e | "
-      "%s tok/s | comm %.1f ms, exposed %.1f ms (%.0f%%) | wait %.1f ms | params %.0f%%%s",
+      "%s | comm %.1f ms, exposed %.1f ms (%.0f%%) | wait %.1f ms | params %.0f%%%s",
       static_cast<int>(absl::StrCat(total_steps).size()), r.step(), total_steps, r.ce(), r.bal(),
-      r.z(), extra, r.valid_tokens(), r.grad_norm(), r.lr(), HumanRate(r.tokens_per_s()),
-      r.comm_s() * 1e3, r.comm_exposed_s() * 1e3, exposed_pct, r.wait_s() * 1e3,
+      r.z(), extra, r.valid_tokens(), r.grad_norm(), r.lr(), rate, r.comm_s() * 1e3,
+      r.comm_exposed_s() * 1e3, exposed_pct, r.wait_s() * 1e3,
       r.full_param_bytes() > 0 ? 100.0 * r.peak_unsharded_param_bytes() / r.full_param_bytes()
                                : 0.0,
       eta_s >= 0 ? absl::StrCat(" | eta ", HumanDuration(eta_s)) : "");
@@ -154,6 +167,13 @@ TrainSummary Summarize(const std::vector<StepMetrics>& history, int64_t first_st
     tokens += r.routed_tokens();
     if (r.comm_s() > 0) exposed.push_back(r.comm_exposed_s() / r.comm_s());
     activation.push_back(static_cast<double>(r.peak_activation_bytes()));
+    s.model_flops += r.model_flops();
+    s.hardware_flops += r.hardware_flops();
+    s.data_seconds += r.data_s();
+    if (r.mfu() > 0) s.peak_flops_per_s = r.flops_per_s() / r.mfu();
+    s.peak_rss_bytes = std::max(s.peak_rss_bytes, r.peak_rss_bytes());
+    s.consumed_tokens = r.consumed_tokens();
+    s.consumed_sequences = r.consumed_sequences();
     if (r.full_param_bytes() > 0) {
       peak.push_back(static_cast<double>(r.peak_unsharded_param_bytes()) / r.full_param_bytes());
     }
@@ -207,6 +227,22 @@ std::string TrainSummary::ToString() const {
                         "parameter bytes %.3f; median peak activation bytes %.1f MiB\n",
                         median_exposed_fraction, median_peak_param_fraction,
                         median_peak_activation_bytes / (1 << 20));
+  if (model_flops > 0 && seconds > 0) {
+    absl::StrAppendFormat(&out, "summary: %s model FLOPs (%.3g per step; hardware %.3g)",
+                          HumanFlops(model_flops / seconds),
+                          model_flops / (last_step - first_step + 1),
+                          hardware_flops / (last_step - first_step + 1));
+    if (peak_flops_per_s > 0) {
+      absl::StrAppendFormat(&out, ", mfu %.1f%% of %s",
+                            100 * model_flops / seconds / peak_flops_per_s,
+                            HumanFlops(peak_flops_per_s));
+    }
+    absl::StrAppendFormat(&out,
+                          "; data loading %.2f%% of step time; peak RSS %.1f MiB; consumed %d "
+                          "tokens, %d sequences\n",
+                          100 * data_seconds / seconds, peak_rss_bytes / double{1 << 20},
+                          consumed_tokens, consumed_sequences);
+  }
   absl::StrAppendFormat(&out, "summary: ce %.4f -> %.4f (mean of the last steps %.4f)\n", first_ce,
                         last_ce, tail_mean_ce);
   if (first_eval_step >= 0) {

@@ -72,6 +72,12 @@ struct TrainSummary {
   // should bring the latter down).
   std::vector<double> mean_maxvio, tail_mean_maxvio;
   double tokens_per_second = 0;
+  // Summed over the steps: StepMetrics.model_flops, hardware_flops, data_s; the peak MFU
+  // divided by (flops_per_s / mfu of the records; 0 when none had one); the largest
+  // peak_rss_bytes; the last step's consumed_tokens and consumed_sequences. The summary
+  // prints them when model_flops > 0.
+  double model_flops = 0, hardware_flops = 0, data_seconds = 0, peak_flops_per_s = 0;
+  int64_t peak_rss_bytes = 0, consumed_tokens = 0, consumed_sequences = 0;
   std::optional<ParityReport> parity;
   // The summary lines moe_lm prints at the end.
   std::string ToString() const;

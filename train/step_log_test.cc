@@ -50,6 +50,17 @@ StepMetrics FullRecord() {
   r.set_update_s(0.5);
   r.set_tokens_per_s(3e10);
   r.set_peak_activation_bytes(int64_t{3} << 21);  // 6 MiB
+  r.set_model_flops(3e9);
+  r.set_hardware_flops(3.5e9);
+  r.set_flops_per_s(2e9);
+  r.set_mfu(0.25);
+  r.set_consumed_tokens(int64_t{1} << 34);
+  r.set_consumed_sequences(224);
+  r.set_data_s(0.0625);
+  r.set_peak_rss_bytes(int64_t{1} << 30);
+  r.set_ce_max_rank(2.75);
+  r.set_skipped_steps(0);
+  r.set_nonfinite_steps(0);
   return r;
 }
 
@@ -77,7 +88,10 @@ TEST(StepLogTest, JsonIsTheProtoMappingInFieldOrderWithNumbersForTools) {
             "\"all_gather_calls\":10,\"reduce_scatter_calls\":11,\"all_reduce_calls\":12,"
             "\"all_to_all_calls\":13,\"sp_all_to_all_calls\":14,\"other_calls\":16,"
             "\"tokens_per_expert\":[6,2,4,4],\"exposed_cp_ring_s\":0.001953125,"
-            "\"cp_ring_calls\":15}");
+            "\"cp_ring_calls\":15,\"model_flops\":3000000000.0,\"hardware_flops\":3500000000.0,"
+            "\"flops_per_s\":2000000000.0,\"mfu\":0.25,\"consumed_tokens\":17179869184,"
+            "\"consumed_sequences\":224,\"data_s\":0.0625,\"peak_rss_bytes\":1073741824,"
+            "\"ce_max_rank\":2.75,\"skipped_steps\":0,\"nonfinite_steps\":0}");
 }
 
 TEST(StepLogTest, NonFiniteValuesAreTheMappingsStrings) {
@@ -103,14 +117,16 @@ TEST(StepLogTest, LogLineAndSummary) {
   StepMetrics r = FullRecord();
   EXPECT_EQ(StepLogLine(r, 500),
             "step   7/500 | ce 2.5000 | bal 0.125000 | z 0.000000 | valid 4096 | gnorm 0.1000 | "
-            "lr 1.00e-04 | 30000.00M tok/s | comm 250.0 ms, exposed 62.5 ms (4%) | wait 0.0 ms | "
+            "lr 1.00e-04 | 30000.00M tok/s, 2.0 GFLOP/s, mfu 25.0% | comm 250.0 ms, exposed 62.5 "
+            "ms (4%) | wait 0.0 ms | "
             "params 50%");
   // The held-out CE, on the steps evaluated, after z.
   StepMetrics evaluated = r;
   evaluated.set_eval_ce(1.75);
   EXPECT_EQ(StepLogLine(evaluated, 500),
             "step   7/500 | ce 2.5000 | bal 0.125000 | z 0.000000 | eval ce 1.7500 | valid 4096 | "
-            "gnorm 0.1000 | lr 1.00e-04 | 30000.00M tok/s | comm 250.0 ms, exposed 62.5 ms (4%) | "
+            "gnorm 0.1000 | lr 1.00e-04 | 30000.00M tok/s, 2.0 GFLOP/s, mfu 25.0% | comm 250.0 ms, "
+            "exposed 62.5 ms (4%) | "
             "wait 0.0 ms | params 50%");
   absl::StatusOr<std::string> evaluated_json = StepJsonLine(evaluated);
   ASSERT_TRUE(evaluated_json.ok()) << evaluated_json.status();
@@ -121,7 +137,8 @@ TEST(StepLogTest, LogLineAndSummary) {
   // The time left, when the trainer gives it, at the end.
   EXPECT_EQ(StepLogLine(r, 500, 185.4),
             "step   7/500 | ce 2.5000 | bal 0.125000 | z 0.000000 | valid 4096 | gnorm 0.1000 | "
-            "lr 1.00e-04 | 30000.00M tok/s | comm 250.0 ms, exposed 62.5 ms (4%) | wait 0.0 ms | "
+            "lr 1.00e-04 | 30000.00M tok/s, 2.0 GFLOP/s, mfu 25.0% | comm 250.0 ms, exposed 62.5 "
+            "ms (4%) | wait 0.0 ms | "
             "params 50% | eta 3m05s");
   EXPECT_EQ(HumanDuration(0), "0s");
   EXPECT_EQ(HumanDuration(59.4), "59s");
@@ -134,7 +151,8 @@ TEST(StepLogTest, LogLineAndSummary) {
   with_mtp.add_mtp(0.125);
   EXPECT_EQ(StepLogLine(with_mtp, 500),
             "step   7/500 | ce 2.5000 | bal 0.125000 | z 0.000000 | mtp 0.2500 0.1250 | "
-            "valid 4096 | gnorm 0.1000 | lr 1.00e-04 | 30000.00M tok/s | comm 250.0 ms, "
+            "valid 4096 | gnorm 0.1000 | lr 1.00e-04 | 30000.00M tok/s, 2.0 GFLOP/s, mfu 25.0% | "
+            "comm 250.0 ms, "
             "exposed 62.5 ms (4%) | wait 0.0 ms | params 50%");
   StepMetrics r2 = r;
   r2.set_step(8);
@@ -155,6 +173,9 @@ TEST(StepLogTest, LogLineAndSummary) {
             "0.3%\n"
             "summary: median exposed / comm 0.250; median peak unsharded / full parameter bytes "
             "0.500; median peak activation bytes 6.0 MiB\n"
+            "summary: 2.0 GFLOP/s model FLOPs (3e+09 per step; hardware 3.5e+09), mfu 25.0% of "
+            "8.0 GFLOP/s; data loading 4.17% of step time; peak RSS 1024.0 MiB; consumed "
+            "17179869184 tokens, 224 sequences\n"
             "summary: ce 1.5000 -> 1.5000 (mean of the last steps 1.5000)\n"
             "summary: maxvio per layer: mean 0.5000 0.0000; mean of the last steps 0.5000 "
             "0.0000\n"
@@ -173,7 +194,7 @@ TEST(StepLogTest, LogLineAndSummary) {
 }
 
 // The output z-loss of SEMANTICS.md §3.2 is its own field, set only by runs with
-// --alpha_lse > 0: then the JSON line ends with it (field 34, also when it is 0), the log
+// --alpha_lse > 0: then the JSON line has it (field 37, also when it is 0), the log
 // line shows it after z and the summary has a line for it; without it nothing changes
 // (the tests above are those records).
 TEST(StepLogTest, OutputZLossIsItsOwnFieldOnlyWhenSet) {
@@ -184,11 +205,17 @@ TEST(StepLogTest, OutputZLossIsItsOwnFieldOnlyWhenSet) {
   r.set_z_out(0.03125);
   absl::StatusOr<std::string> json = StepJsonLine(r);
   ASSERT_TRUE(json.ok()) << json.status();
-  EXPECT_EQ(*json, plain->substr(0, plain->size() - 1) + ",\"z_out\":0.03125}");
+  // In field-number order: after cp_ring_calls (35), before the fields from 60 on.
+  const size_t before = plain->find(",\"model_flops\"");
+  ASSERT_NE(before, std::string::npos) << *plain;
+  auto with = [&](const std::string& member) {
+    return plain->substr(0, before) + member + plain->substr(before);
+  };
+  EXPECT_EQ(*json, with(",\"z_out\":0.03125"));
   r.set_z_out(0);
   json = StepJsonLine(r);
   ASSERT_TRUE(json.ok()) << json.status();
-  EXPECT_EQ(*json, plain->substr(0, plain->size() - 1) + ",\"z_out\":0.0}");
+  EXPECT_EQ(*json, with(",\"z_out\":0.0"));
   // The exemption is z_out's alone: another unset field is still refused.
   r.clear_wait_s();
   EXPECT_EQ(StepJsonLine(r).status().code(), absl::StatusCode::kInternal);
@@ -197,7 +224,8 @@ TEST(StepLogTest, OutputZLossIsItsOwnFieldOnlyWhenSet) {
   r.set_z_out(0.03125);
   EXPECT_EQ(StepLogLine(r, 500),
             "step   7/500 | ce 2.5000 | bal 0.125000 | z 0.000000 | z_out 0.031250 | valid 4096 | "
-            "gnorm 0.1000 | lr 1.00e-04 | 30000.00M tok/s | comm 250.0 ms, exposed 62.5 ms (4%) | "
+            "gnorm 0.1000 | lr 1.00e-04 | 30000.00M tok/s, 2.0 GFLOP/s, mfu 25.0% | comm 250.0 ms, "
+            "exposed 62.5 ms (4%) | "
             "wait 0.0 ms | params 50%");
   StepMetrics r2 = r;
   r2.set_step(8);
@@ -214,6 +242,27 @@ TEST(StepLogTest, OutputZLossIsItsOwnFieldOnlyWhenSet) {
   const TrainSummary without = Summarize({FullRecord()}, 7, -1);
   EXPECT_EQ(without.tail_mean_z_out, -1);
   EXPECT_EQ(without.ToString().find("z_out"), std::string::npos) << without.ToString();
+}
+
+// The FLOP rate, MFU against the records' peak, data share, memory and consumed counts.
+TEST(StepLogTest, SummaryHasTheFlopRateAndMfu) {
+  StepMetrics r = FullRecord();  // 3e9 FLOPs in 1.5 s; 2e9 FLOP/s at mfu 0.25: peak 8e9
+  StepMetrics r2 = r;
+  r2.set_step(8);
+  r2.set_consumed_tokens(r.consumed_tokens() + 100);
+  r2.set_consumed_sequences(256);
+  const TrainSummary s = Summarize({r, r2}, /*first_step=*/7, /*entropy_floor=*/-1);
+  EXPECT_EQ(s.model_flops, 6e9);
+  EXPECT_EQ(s.hardware_flops, 7e9);
+  EXPECT_EQ(s.peak_flops_per_s, 8e9);
+  EXPECT_EQ(s.data_seconds, 0.125);
+  EXPECT_EQ(s.consumed_sequences, 256);
+  EXPECT_NE(s.ToString().find("summary: 2.0 GFLOP/s model FLOPs (3e+09 per step; hardware "
+                              "3.5e+09), mfu 25.0% of 8.0 GFLOP/s; data loading 4.17% of step "
+                              "time; peak RSS 1024.0 MiB; consumed 17179869284 tokens, 256 "
+                              "sequences\n"),
+            std::string::npos)
+      << s.ToString();
 }
 
 // A source where context helps: both floors, the per-token one to beat and the context

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "collectives/status_agreement.h"
 #include "core/status.h"
@@ -204,6 +205,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainConfig& conf
   } else {
     GRADSUM_ASSIGN_OR_RETURN(trainer->run_id_, NewRunId(world));
   }
+  GRADSUM_ASSIGN_OR_RETURN(trainer->meters_, RunMeters::Create(trainer->corpus_, trainer->config_));
+  if (!trainer->fresh_start_) trainer->meters_->Resume(trainer->loader_->position());
   if (config.checkpoint().save_on_signal()) {
     GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world, InstallStopSignalHandlers(), "--save_on_signal"));
   }
@@ -280,6 +283,16 @@ absl::Status Trainer::PrepareOutputs() {
     }
     GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world(), local, "--metrics"));
   }
+  if (!config_.log().tensorboard_dir().empty()) {  // rank 0's file; a resume appends
+    absl::Status local = absl::OkStatus();
+    if (is_rank0()) {
+      absl::StatusOr<TfEventsWriter> opened =
+          TfEventsWriter::Open(config_.log().tensorboard_dir(), /*append=*/!fresh_start_);
+      if (opened.ok()) tensorboard_ = std::move(*opened);
+      local = opened.status();
+    }
+    GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world(), local, "--tensorboard_dir"));
+  }
   if (!checkpoint.export_path().empty()) {
     GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(
         world(),
@@ -304,7 +317,10 @@ absl::StatusOr<StepMetrics> Trainer::Step() {
   const bool gather_full =
       first && (config_.debug().parity_check() || !config_.debug().dump_dir().empty());
 
+  meters_->BeginStep(loader_->position());
+  const absl::Time data_start = absl::Now();
   std::vector<data::MicroBatch> batches = loader_->NextStep(config_.parallelism().grad_acc());
+  times.data = absl::Now() - data_start;
   GRADSUM_ASSIGN_OR_RETURN(const losses::StepStats stats,
                            ComputeStatistics(batches, model_->spec().label_streams() - 1));
   NamedParams weights;     // step 1's full parameters, for the dump and the parity check
@@ -328,8 +344,9 @@ absl::StatusOr<StepMetrics> Trainer::Step() {
   GRADSUM_ASSIGN_OR_RETURN(const double lr, ApplyAdamW());
   UpdateExpertBias();
   times.update = absl::Now() - update_start;
+  const double local_ce = LocalMeanCe(stats);
   GRADSUM_ASSIGN_OR_RETURN(const losses::StepDisplayValues display, ReduceDisplay());
-  GRADSUM_RETURN_IF_ERROR(WaitForSlowestRank(&times));
+  GRADSUM_RETURN_IF_ERROR(WaitForSlowestRank(&times, local_ce));
 
   ++step_;
   GRADSUM_ASSIGN_OR_RETURN(const StepMetrics record,
@@ -444,15 +461,26 @@ absl::StatusOr<losses::StepDisplayValues> Trainer::ReduceDisplay() {
 
 // The step's communication as the timer took it, then how long this rank idles at the
 // step's end for the slowest rank (the barrier is not communication of the step).
-absl::Status Trainer::WaitForSlowestRank(StepTimes* times) {
+absl::Status Trainer::WaitForSlowestRank(StepTimes* times, double local_ce) {
   times->exposed = comms_.timer->TakeByKind();
   times->comm = comms_.timer->TakeBusy();
   const absl::Time wait_start = absl::Now();
-  GRADSUM_RETURN_IF_ERROR(world().Barrier());
+  // The barrier carries the ranks' own mean CE: a MAX all-reduce waits for every rank as a
+  // barrier does, and its time and call are dropped below with the barrier's.
+  double max_ce = 0;
+  GRADSUM_RETURN_IF_ERROR(world().AllReduce(&local_ce, &max_ce, 1, DType::kF64, ReduceOp::kMax));
+  times->ce_max_rank = std::max(0.0, max_ce);
   times->wait = absl::Now() - wait_start;
   comms_.timer->Take();
   comms_.timer->TakeBusy();
   return absl::OkStatus();
+}
+
+double Trainer::LocalMeanCe(const losses::StepStats& stats) const {
+  // The display's ce terms are this rank's sum_t w_t l_t / D (§3); over its own weights.
+  absl::StatusOr<double> ce = display_.LocalValue("ce");
+  if (!ce.ok() || !(stats.local_ce_weight_sum > 0)) return -1;
+  return *ce * stats.global_ce_weight_sum / stats.local_ce_weight_sum;
 }
 
 absl::StatusOr<StepMetrics> Trainer::MakeRecord(const losses::StepStats& stats,
@@ -494,6 +522,9 @@ absl::StatusOr<StepMetrics> Trainer::MakeRecord(const losses::StepStats& stats,
   r.set_model_s(absl::ToDoubleSeconds(times.model));
   r.set_update_s(absl::ToDoubleSeconds(times.update));
   r.set_tokens_per_s(r.step_s() > 0 ? r.routed_tokens() / r.step_s() : 0);
+  r.set_data_s(absl::ToDoubleSeconds(times.data));
+  r.set_ce_max_rank(times.ce_max_rank);
+  meters_->Fill(&r);
   return r;
 }
 
@@ -544,13 +575,35 @@ absl::Status Trainer::StopOnSignal(int signal, std::ostream* log) {
   return MarkAgreed(std::move(stopped));
 }
 
+void Trainer::SetPeakFlops(std::ostream* log) {
+  const double ranks = world().size();
+  if (config_.log().peak_tflops() > 0) {
+    meters_->SetPeakFlopsPerSecond(config_.log().peak_tflops() * 1e12 * ranks);
+    return;
+  }
+  if (!is_rank0()) return;  // the others' records have mfu 0; rank 0 writes the files
+  const int threads = model_->options().num_threads;
+  const double per_thread = MeasureGemmFlopsPerThread();
+  meters_->SetPeakFlopsPerSecond(per_thread * threads * ranks);
+  if (log != nullptr) {
+    *log << absl::StrFormat(
+                "mfu: peak %.1f GFLOP/s = BLAS GEMM %.1f GFLOP/s per thread (measured now) x %d "
+                "threads x %d ranks (--peak_tflops sets a rank's peak instead%s)",
+                per_thread * threads * ranks / 1e9, per_thread / 1e9, threads,
+                static_cast<int>(ranks),
+                config_.comm().backend() == TrainConfig::nccl ? "; a host peak: give a GPU's" : "")
+         << std::endl;
+  }
+}
+
 absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
   const int64_t first_step = step_ + 1;
   const int64_t steps = config_.optim().steps();
-  const absl::Time run_start = absl::Now();
   if (log != nullptr) {
     for (const std::string& note : start_notes_) *log << note << std::endl;
   }
+  SetPeakFlops(log);  // before the clock of the ETA starts
+  const absl::Time run_start = absl::Now();
   // Rank-local failures (the metrics file, the fault hook) are agreed on at each step
   // boundary: every rank stops together with the failing rank's message.
   absl::Status local = absl::OkStatus();
@@ -570,8 +623,9 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
       r.set_eval_ce(eval_ce);
       history_.back().set_eval_ce(eval_ce);
     }
-    if (log != nullptr &&
-        (step_ == first_step || step_ == steps || step_ % config_.log().every() == 0)) {
+    const bool interval =
+        step_ == first_step || step_ == steps || step_ % config_.log().every() == 0;
+    if (log != nullptr && interval) {
       // The time left at this run's mean step time so far (not before the run's first
       // step is done; none after the last).
       const double per_step = absl::ToDoubleSeconds(absl::Now() - run_start) /
@@ -581,6 +635,10 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
     if (metrics_.is_open()) {
       absl::StatusOr<std::string> line = StepJsonLine(r);
       local = line.ok() ? metrics_.WriteLine(*line) : line.status();
+    }
+    if (tensorboard_.is_open() && local.ok()) {
+      tensorboard_.AddStep(r, absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()));
+      if (interval) local = tensorboard_.Flush();  // each log interval
     }
     // After the step's log lines, so a run killed right after a checkpoint has logged
     // every step the checkpoint covers.
@@ -599,6 +657,7 @@ absl::StatusOr<TrainSummary> Trainer::Run(std::ostream* log) {
     }
   }
   GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world(), metrics_.Close(), "--metrics"));
+  GRADSUM_RETURN_IF_ERROR(AgreeOnStatus(world(), tensorboard_.Close(), "--tensorboard_dir"));
   const std::string& export_path = config_.checkpoint().export_path();
   if (!export_path.empty()) {
     GRADSUM_ASSIGN_OR_RETURN(NamedParams params, model_->GatherFull(/*grads=*/false));

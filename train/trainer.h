@@ -47,7 +47,9 @@
 #include "train/metrics_file.h"
 #include "train/moe_lm.h"
 #include "train/parity_report.h"
+#include "train/run_metrics.h"
 #include "train/step_log.h"
+#include "train/tfevents.h"
 
 namespace gradsum::train {
 
@@ -96,6 +98,8 @@ class Trainer {
   // Saves the steps done (unless saved already), then returns the run's Cancelled status,
   // naming the signal and the checkpoint; the same on every rank. Collective.
   absl::Status StopOnSignal(int signal, std::ostream* log);
+  // MFU's peak (log.peak_tflops on every rank, or measured on rank 0, logged to `log`).
+  void SetPeakFlops(std::ostream* log);
   // SaveRunCheckpoint of the steps done, then PruneCheckpoints. Collective.
   absl::Status SaveCheckpointNow();
   // After a non-finite gradient norm: the first NaN or infinite element this rank owns.
@@ -115,8 +119,9 @@ class Trainer {
   // When the step's parts began and how long they took (StepMetrics' timings).
   struct StepTimes {
     absl::Time start;
-    absl::Duration model, update, wait, comm;
+    absl::Duration model, update, wait, comm, data;
     CommTimer::Exposed exposed;
+    double ce_max_rank = 0;  // WaitForSlowestRank's MAX over the ranks' own mean CE
   };
 
   // The phases of Step, in order.
@@ -131,8 +136,13 @@ class Trainer {
   absl::StatusOr<double> ApplyAdamW();     // the step's lr
   void UpdateExpertBias();
   absl::StatusOr<losses::StepDisplayValues> ReduceDisplay();
-  // The step's end: the communication time taken, the wait for the slowest rank.
-  absl::Status WaitForSlowestRank(StepTimes* times);
+  // The step's end: the communication time taken, the wait for the slowest rank, which is
+  // a MAX all-reduce of this rank's own mean CE `local_ce` (< 0: none) into
+  // times->ce_max_rank.
+  absl::Status WaitForSlowestRank(StepTimes* times, double local_ce);
+  // This rank's own mean CE of the step (its CE terms over its own weight sum; -1 if it has
+  // no valid token), read before ReduceDisplay.
+  double LocalMeanCe(const losses::StepStats& stats) const;
   // The record of the step just done (step_ already counts it).
   absl::StatusOr<StepMetrics> MakeRecord(const losses::StepStats& stats,
                                          const losses::StepDisplayValues& display, double grad_norm,
@@ -158,8 +168,10 @@ class Trainer {
   // What start-up did that the log should say ("resumed from step ...",
   // "--overwrite_checkpoints: removed ..."); Run logs them.
   std::vector<std::string> start_notes_;
-  DirLock checkpoint_lock_;  // rank 0: held while the run owns checkpoint.dir
-  MetricsFile metrics_;      // rank 0, --metrics: opened at start-up
+  DirLock checkpoint_lock_;            // rank 0: held while the run owns checkpoint.dir
+  MetricsFile metrics_;                // rank 0, --metrics: opened at start-up
+  std::unique_ptr<RunMeters> meters_;  // FLOPs, MFU, consumed tokens (train/run_metrics.h)
+  TfEventsWriter tensorboard_;         // rank 0, --tensorboard_dir: opened at start-up
   std::optional<ParityReport> parity_;
   std::optional<NamedParams> first_step_grads_;
   std::vector<StepMetrics> history_;
