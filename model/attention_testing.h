@@ -19,8 +19,25 @@
 
 #include "gtest/gtest.h"
 #include "model/attention.h"
+#include "model/moe_lm_spec.h"
 
 namespace gradsum::model::testing {
+
+// A one-layer model with attention of `heads` query and `kv_heads` key/value heads of
+// head_dim 4 and a tiny MoE (the ops' and the attention block's tests).
+inline MoeLmConfig AttentionConfig(int heads, int kv_heads) {
+  MoeLmConfig c;
+  c.vocab = 16;
+  c.dim = heads * 4;  // head_dim 4
+  c.layers = 1;
+  c.experts = 4;
+  c.top_k = 1;
+  c.expert_dim = 4;
+  c.attention = true;
+  c.n_heads = heads;
+  c.n_kv_heads = kv_heads;
+  return c;
+}
 
 inline AttentionDims Dims(int64_t num_seqs, int64_t seq_len, int q_heads, int kv_heads,
                           int64_t head_dim, std::vector<int> kv_of_q = {}) {

@@ -11,31 +11,20 @@
 #include "collectives/mesh.h"
 #include "core/status.h"
 #include "gtest/gtest.h"
+#include "model/attention_testing.h"
 #include "model/layers.h"
 #include "testing/run_ranks.h"
 
 namespace gradsum::model {
 namespace {
 
-MoeLmConfig AttentionConfig(int heads, int kv_heads) {
-  MoeLmConfig c;
-  c.vocab = 16;
-  c.dim = heads * 4;  // head_dim 4
-  c.layers = 1;
-  c.experts = 4;
-  c.top_k = 1;
-  c.expert_dim = 4;
-  c.attention = true;
-  c.n_heads = heads;
-  c.n_kv_heads = kv_heads;
-  return c;
-}
+using testing::AttentionConfig;
 
 TEST(CpuOpsAttentionTest, KvGroupSumAddsInHeadOrderAndRopeInverts) {
   const MoeLmConfig c = AttentionConfig(4, 2);
   absl::StatusOr<MoeLmSpec> spec = MoeLmSpec::Create(c);
   ASSERT_TRUE(spec.ok());
-  absl::Status s = testing::RunRanks(1, [&](Communicator& comm) -> absl::Status {
+  absl::Status s = gradsum::testing::RunRanks(1, [&](Communicator& comm) -> absl::Status {
     GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Mesh> mesh, Mesh::Create(&comm, MeshShape{}));
     auto ops = MakeCpuOps(*spec, *mesh, {});
     if (!ops.ok()) return ops.status();

@@ -17,25 +17,14 @@
 #include "collectives/mesh.h"
 #include "core/status.h"
 #include "gtest/gtest.h"
+#include "model/attention_testing.h"
 #include "model/cpu_ops.h"
 #include "testing/run_ranks.h"
 
 namespace gradsum::model {
 namespace {
 
-MoeLmConfig AttentionConfig(int heads, int kv_heads) {
-  MoeLmConfig c;
-  c.vocab = 16;
-  c.dim = heads * 4;  // head_dim 4
-  c.layers = 1;
-  c.experts = 4;
-  c.top_k = 1;
-  c.expert_dim = 4;
-  c.attention = true;
-  c.n_heads = heads;
-  c.n_kv_heads = kv_heads;
-  return c;
-}
+using testing::AttentionConfig;
 
 // A value that names its place: sequence n, position p, head h, element i.
 float Tag(int64_t n, int64_t p, int64_t h, int64_t i) {
@@ -51,7 +40,7 @@ TEST_P(ParallelAttentionExchangeTest, HeadSplitHoldsWholeSequencesOfTheRanksHead
   ASSERT_TRUE(spec.ok()) << spec.status();
   const int64_t J = 3, seq_len = 8, L = seq_len / S, hd = 4, T = J * L, Hl = heads / S;
   const int group = heads / kv_heads;
-  absl::Status s = testing::RunRanks(S, [&](Communicator& comm) -> absl::Status {
+  absl::Status s = gradsum::testing::RunRanks(S, [&](Communicator& comm) -> absl::Status {
     // One group of S ranks: the EP and SP axes both span it.
     GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Mesh> mesh,
                              Mesh::Create(&comm, MeshShape{.ep = S, .sp = S}));
@@ -124,7 +113,7 @@ TEST(ParallelAttentionTest, HeadsTheSpGroupDoesNotDivideAreInvalidArgument) {
   const MoeLmConfig c = AttentionConfig(3, 3);
   absl::StatusOr<MoeLmSpec> spec = MoeLmSpec::Create(c);
   ASSERT_TRUE(spec.ok()) << spec.status();
-  absl::Status s = testing::RunRanks(2, [&](Communicator& comm) -> absl::Status {
+  absl::Status s = gradsum::testing::RunRanks(2, [&](Communicator& comm) -> absl::Status {
     GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Mesh> mesh,
                              Mesh::Create(&comm, MeshShape{.ep = 2, .sp = 2}));
     GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<ModelOps> ops, MakeCpuOps(*spec, *mesh, {}));
@@ -144,7 +133,7 @@ TEST(ParallelAttentionTest, AMicroBatchOfAnotherLayoutIsInvalidArgument) {
   const MoeLmConfig c = AttentionConfig(4, 2);
   absl::StatusOr<MoeLmSpec> spec = MoeLmSpec::Create(c);
   ASSERT_TRUE(spec.ok()) << spec.status();
-  absl::Status s = testing::RunRanks(1, [&](Communicator& comm) -> absl::Status {
+  absl::Status s = gradsum::testing::RunRanks(1, [&](Communicator& comm) -> absl::Status {
     GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Mesh> mesh, Mesh::Create(&comm, MeshShape{}));
     GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<ModelOps> ops, MakeCpuOps(*spec, *mesh, {}));
     GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<ParallelAttention> attention,
@@ -227,7 +216,7 @@ class DeviceMemoryOps : public ModelOps {
 // the same ops without CP (SP only) are taken.
 TEST(ParallelAttentionTest, ContextParallelismOnDeviceMemoryIsUnimplemented) {
   const MoeLmConfig c = AttentionConfig(4, 2);
-  absl::Status s = testing::RunRanks(2, [&](Communicator& comm) -> absl::Status {
+  absl::Status s = gradsum::testing::RunRanks(2, [&](Communicator& comm) -> absl::Status {
     DeviceMemoryOps ops;
     GRADSUM_ASSIGN_OR_RETURN(std::unique_ptr<Mesh> cp2, Mesh::Create(&comm, MeshShape{.cp = 2}));
     absl::StatusOr<std::unique_ptr<ParallelAttention>> refused =
