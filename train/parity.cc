@@ -13,6 +13,7 @@
 #include "data/loader.h"
 #include "data/shard.h"
 #include "data/streams.h"
+#include "testing/reference_config_of.h"
 #include "testing/reference_moe_lm.h"
 
 namespace gradsum::train {
@@ -45,29 +46,10 @@ testing::ReferenceConfig ReferenceConfigFor(const TrainConfig& config,
   // The model the trainer builds (the one converter, train/moe_lm.h), in the reference's
   // terms.
   const model::MoeLmConfig m = ToMoeLmConfig(config.model(), config.loss());
-  testing::ReferenceConfig rc;
-  rc.vocab = static_cast<int>(m.vocab);
-  rc.dim = static_cast<int>(m.dim);
-  rc.layers = m.layers;
-  rc.experts = m.experts;
-  rc.top_k = m.top_k;
-  rc.expert_dim = static_cast<int>(m.expert_dim);
-  rc.norm_topk_prob = m.norm_topk_prob;
-  rc.router_scale = m.router_scale;
-  rc.alpha_b = m.alpha_b;
-  rc.alpha_z = m.alpha_z;
-  rc.ce = m.ce;
-  rc.attention = m.attention;
-  rc.n_heads = m.n_heads;
-  rc.n_kv_heads = m.n_kv_heads;
-  rc.rope_theta = m.rope_theta;
-  rc.sigmoid_scores = m.router_sigmoid;
-  rc.mtp_depth = m.mtp_depth;
-  rc.mtp_scale = m.mtp_scale;
+  testing::ReferenceConfig rc = testing::ReferenceConfigOf(m);
   for (const std::vector<float>& layer : expert_bias) {
     rc.expert_bias.emplace_back(layer.begin(), layer.end());
   }
-  rc.ignore_index = data::kIgnoreIndex;
   rc.ce_mode = TrainConfig::CeMode_Name(config.loss().ce_mode());
   return rc;
 }
