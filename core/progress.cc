@@ -14,8 +14,7 @@ namespace gradsum {
 namespace {
 
 double SteadySeconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 void StderrLine(const std::string& line) {
@@ -71,8 +70,8 @@ void ProgressReporter::Update(int64_t done) {
                     unit_, "/s, ETA ",
                     rate > 0 ? Duration((total_ - done) / rate) : std::string("unknown"));
   } else {
-    absl::StrAppend(&line, " ", unit_, ", ", Count(rate), " ", unit_, "/s, ",
-                    Duration(elapsed), " so far");
+    absl::StrAppend(&line, " ", unit_, ", ", Count(rate), " ", unit_, "/s, ", Duration(elapsed),
+                    " so far");
   }
   sink_(line);
   ++lines_;

@@ -22,7 +22,7 @@ namespace gradsum {
 
 class ProgressReporter {
  public:
-  using Clock = std::function<double()>;                // seconds, never decreasing
+  using Clock = std::function<double()>;                 // seconds, never decreasing
   using Sink = std::function<void(const std::string&)>;  // one line, without '\n'
 
   // `total` <= 0: unknown (the line then says what is done and the time, no ETA); `unit`
