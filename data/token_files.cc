@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <limits>
@@ -14,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "core/progress.h"
 #include "core/status.h"
 #include "io/atomic_file.h"
 #include "io/fingerprint.h"
@@ -62,6 +64,41 @@ std::string MegatronPrefix(const std::string& path) {
   }
   return "";
 }
+
+// Whether some Open is printing its scan's progress: the thread ranks of a process open the
+// same files at once, and one line every 2 s says as much as one per rank.
+std::atomic<bool> g_scan_reporting{false};
+
+// The progress of one Open's pass over the tokens (core/progress.h: nothing for a scan under
+// 2 s, so quick runs print what they did before).
+class ScanProgress {
+ public:
+  ScanProgress(const std::string& file, int64_t total) : owner_(!g_scan_reporting.exchange(true)) {
+    if (owner_) {
+      reporter_ = std::make_unique<ProgressReporter>(absl::StrCat("checking the tokens of ", file),
+                                                     total, "tokens");
+    }
+  }
+  ~ScanProgress() {
+    if (!owner_) return;
+    reporter_->Finish();
+    g_scan_reporting = false;
+  }
+  ScanProgress(const ScanProgress&) = delete;
+  ScanProgress& operator=(const ScanProgress&) = delete;
+  void Add(int64_t tokens) {
+    done_ += tokens;
+    if (reporter_ != nullptr) reporter_->Update(done_);
+  }
+
+ private:
+  const bool owner_;
+  std::unique_ptr<ProgressReporter> reporter_;
+  int64_t done_ = 0;
+};
+
+// Tokens between two looks at the clock in a file's single pass (~1 ms of scanning).
+constexpr int64_t kScanChunk = int64_t{1} << 20;
 
 }  // namespace
 
@@ -192,17 +229,25 @@ void TokenFileCorpus::AddDocument(int64_t start, int64_t n, int64_t max_len) {
   num_tokens_ += n;
 }
 
-void TokenFileCorpus::AddRun(int64_t start, int64_t n, int64_t eod, int64_t max_len) {
-  int64_t doc = start;
-  if (eod >= 0) {
-    for (int64_t t = start; t < start + n; ++t) {
-      if (TokenAt(t) == eod) {
-        AddDocument(doc, t + 1 - doc, max_len);
-        doc = t + 1;
+absl::Status TokenFileCorpus::ScanAndSplit(int64_t n, int64_t bound, const std::string& file,
+                                           int64_t eod, int64_t max_len) {
+  ScanProgress progress(file, n);
+  int64_t doc = 0;
+  for (int64_t chunk = 0; chunk < n; chunk += kScanChunk) {
+    const int64_t end = std::min(n, chunk + kScanChunk);
+    GRADSUM_RETURN_IF_ERROR(ScanTokens(chunk, end - chunk, bound, file));
+    if (eod >= 0) {
+      for (int64_t t = chunk; t < end; ++t) {
+        if (TokenAt(t) == eod) {
+          AddDocument(doc, t + 1 - doc, max_len);
+          doc = t + 1;
+        }
       }
     }
+    progress.Add(end - chunk);
   }
-  if (doc < start + n) AddDocument(doc, start + n - doc, max_len);
+  if (doc < n) AddDocument(doc, n - doc, max_len);
+  return absl::OkStatus();
 }
 
 absl::Status TokenFileCorpus::ScanTokens(int64_t start, int64_t n, int64_t bound,
@@ -336,6 +381,8 @@ absl::StatusOr<std::unique_ptr<TokenFileCorpus>> TokenFileCorpus::OpenMegatron(
                    absl::StrCat(last, ", expected the sequence count ", S));
   }
   const int64_t bound = Bound(options);
+  std::unique_ptr<ScanProgress> progress;
+  if (options.scan_tokens) progress = std::make_unique<ScanProgress>(bin_name, bin_size / itemsize);
   for (uint64_t d = 0; d + 1 < D; ++d) {
     const int64_t at = docs_at + 8 * static_cast<int64_t>(d + 1);
     const int64_t first = Load<int64_t>(idx, at - 8), next = Load<int64_t>(idx, at);
@@ -360,7 +407,10 @@ absl::StatusOr<std::unique_ptr<TokenFileCorpus>> TokenFileCorpus::OpenMegatron(
       n += Load<int32_t>(idx, lengths_at + 4 * s);
     }
     if (n == 0) continue;
-    if (options.scan_tokens) GRADSUM_RETURN_IF_ERROR(corpus->ScanTokens(start, n, bound, bin_name));
+    if (options.scan_tokens) {
+      GRADSUM_RETURN_IF_ERROR(corpus->ScanTokens(start, n, bound, bin_name));
+      progress->Add(n);
+    }
     corpus->AddDocument(start, n, options.max_len);
   }
   if (corpus->starts_.empty()) {
@@ -442,8 +492,8 @@ absl::StatusOr<std::unique_ptr<TokenFileCorpus>> TokenFileCorpus::OpenLlmC(
   if (count == 0) return Corrupt(path, "token count", 8, "0: the shard is empty");
   corpus->data_offset_ = kLlmCHeaderBytes;
   corpus->tokens_ = bytes + kLlmCHeaderBytes;
-  GRADSUM_RETURN_IF_ERROR(corpus->ScanTokens(0, count, Bound(options), path));
-  corpus->AddRun(0, count, options.eod_token, options.max_len);
+  GRADSUM_RETURN_IF_ERROR(
+      corpus->ScanAndSplit(count, Bound(options), path, options.eod_token, options.max_len));
   corpus->fingerprint_ = corpus->bin_->Fingerprint();
   return corpus;
 }
@@ -466,8 +516,8 @@ absl::StatusOr<std::unique_ptr<TokenFileCorpus>> TokenFileCorpus::OpenFlat(
                                 TokenDTypeName(corpus->dtype_), " tokens (truncated?)"));
   }
   corpus->tokens_ = corpus->bin_->data();
-  GRADSUM_RETURN_IF_ERROR(corpus->ScanTokens(0, size / itemsize, Bound(options), path));
-  corpus->AddRun(0, size / itemsize, options.eod_token, options.max_len);
+  GRADSUM_RETURN_IF_ERROR(corpus->ScanAndSplit(size / itemsize, Bound(options), path,
+                                               options.eod_token, options.max_len));
   corpus->fingerprint_ = corpus->bin_->Fingerprint();
   return corpus;
 }

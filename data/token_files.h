@@ -46,8 +46,9 @@
 // (data/text_corpus.h). Empty Megatron documents (no tokens) are skipped.
 //
 // Tokens: every token must lie in [0, vocab) (vocab > 0), or [0, 2^31 - 1) with vocab = 0;
-// the check scans the tokens once at Open (at memory bandwidth: seconds for GBs), and
-// MaxToken() is their largest value. scan_tokens = false skips the scan of a Megatron .bin
+// the check scans the tokens once at Open (at memory bandwidth: seconds for GBs; a scan
+// longer than 2 s prints its progress to stderr every 2 s), and MaxToken() is their largest
+// value. scan_tokens = false skips the scan of a Megatron .bin
 // (the EOD split of the other formats reads every token anyway); MaxToken() is then the
 // dtype's bound and Document() may return a token the model cannot embed.
 //
@@ -123,9 +124,11 @@ class TokenFileCorpus : public DocumentSource {
  private:
   class Mapping;
   TokenFileCorpus();
-  // Splits the token run [start, start + n) of the mapped tokens into documents at the EOD
-  // token (eod < 0: none), each cut into max_len pieces.
-  void AddRun(int64_t start, int64_t n, int64_t eod, int64_t max_len);
+  // Checks the tokens [0, n) (ScanTokens) and splits them into documents at the EOD token
+  // (eod < 0: none), each cut into max_len pieces: one pass in chunks, whose progress a long
+  // scan prints (core/progress.h).
+  absl::Status ScanAndSplit(int64_t n, int64_t bound, const std::string& file, int64_t eod,
+                            int64_t max_len);
   void AddDocument(int64_t start, int64_t n, int64_t max_len);
   int64_t TokenAt(int64_t index) const;
   // Checks the tokens [start, start + n) lie in [0, bound); the error names `file` and the
