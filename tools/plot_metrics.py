@@ -4,8 +4,8 @@
   ./bazelw run //tools:plot_metrics -- --output=run.png A.jsonl [B.jsonl ...]
 
 Panels: training CE (and the held-out CE where evaluated) against consumed tokens, with the
-corpus floors when given (--floor=NAME=VALUE, e.g. the summary's per-token and context
-floors); the learning rate; the gradient norm; tokens/s and MFU; the exposed-communication
+corpus floors (the first run's entropy_floor / context_floor fields, where its corpus
+states them, or --floor=NAME=VALUE); the learning rate; the gradient norm; tokens/s and MFU; the exposed-communication
 share of step time. Lines of one file share a colour; the legend names the files.
 Debian's python3-matplotlib (./bazelw installs it), no display needed (Agg).
 """
@@ -56,6 +56,12 @@ def main():
         except ValueError:
             sys.exit(f"plot_metrics: --floor={f}: want NAME=VALUE with a number")
     runs = [(os.path.basename(path), read(path)) for path in a.files]
+    if not floors:
+        # The floors the first run's corpus states (its records' entropy_floor and
+        # context_floor), unless given by hand.
+        for key, name in (("entropy_floor", "per-token floor"), ("context_floor", "context floor")):
+            if key in runs[0][1][0]:
+                floors.append((name, float(runs[0][1][0][key])))
 
     fig, ax = plt.subplots(2, 3, figsize=(15, 8))
     ce, lr, gn = ax[0]
@@ -97,7 +103,8 @@ def main():
         fig.suptitle(a.title)
     fig.tight_layout()
     fig.savefig(a.output, dpi=80)
-    print(f"plot_metrics: wrote {a.output} ({len(runs)} run(s))")
+    shown = ", ".join(f"{name} {value:g}" for name, value in floors) or "none"
+    print(f"plot_metrics: wrote {a.output} ({len(runs)} run(s); floors: {shown})")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,13 @@ for s in 1 2; do
 done >"$dir/b.jsonl"
 "$tool" --output="$dir/run.png" --floor=context=1.32 "$dir/a.jsonl" "$dir/b.jsonl"
 head -c 8 "$dir/run.png" | od -An -c | grep -q "P   N   G" || { echo "not a PNG"; exit 1; }
+grep -q . "$dir/run.png"
+# Without --floor, the floors the first run's records state are drawn.
+for s in 1 2; do
+  echo "{\"step\":$s,\"ce\":$((7 - s)).5,\"lr\":0.01,\"grad_norm\":1.0,\"tokens_per_s\":3e4,\"routed_tokens\":3000,\"comm_exposed_s\":0.01,\"step_s\":0.1,\"entropy_floor\":2.9248,\"context_floor\":1.3224}"
+done >"$dir/c.jsonl"
+"$tool" --output="$dir/floors.png" "$dir/c.jsonl" >"$dir/out"
+grep -q "floors: per-token floor 2.9248, context floor 1.3224" "$dir/out" || { cat "$dir/out"; exit 1; }
 echo "not json" >"$dir/bad.jsonl"
 if "$tool" --output="$dir/bad.png" "$dir/bad.jsonl" 2>"$dir/err"; then echo "accepted bad"; exit 1; fi
 grep -q "bad.jsonl:1: not a JSON line" "$dir/err" || { cat "$dir/err"; exit 1; }

@@ -64,6 +64,9 @@ void RunMeters::Fill(StepMetrics* r) const {
   r->set_peak_rss_bytes(PeakRssBytes());
   r->set_skipped_steps(0);  // no step is skipped: a non-finite norm ends the run
   r->set_nonfinite_steps(0);
+  const data::DocumentSource& corpus = packer_.corpus();
+  if (corpus.EntropyFloorNats() >= 0) r->set_entropy_floor(corpus.EntropyFloorNats());
+  if (corpus.ContextFloorNats() >= 0) r->set_context_floor(corpus.ContextFloorNats());
 }
 
 double MeasureGemmFlopsPerThread(absl::Duration min_time) {

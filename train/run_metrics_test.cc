@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "data/markov.h"
 #include "gtest/gtest.h"
 #include "model/moe_lm_spec.h"
 #include "train/checkpointing.h"
@@ -77,6 +78,18 @@ TEST(RunMetricsTest, CountsMatchTheStepsOwnTokens) {
     EXPECT_GE(r.ce_max_rank(), r.ce() * (1 - 1e-12)) << r.step();
     EXPECT_EQ(r.skipped_steps(), 0);
     EXPECT_EQ(r.nonfinite_steps(), 0);
+  }
+  // The embedded corpus states its floors, and every record carries them (for the plots).
+  ASSERT_EQ(config.data().corpus(), DataConfig::markov1);
+  const data::MarkovCorpus corpus(config.data());
+  ASSERT_GT(corpus.EntropyFloorNats(), 0);
+  for (const StepMetrics& r : history) {
+    EXPECT_EQ(r.entropy_floor(), corpus.EntropyFloorNats()) << r.step();
+    if (corpus.ContextFloorNats() >= 0) {
+      EXPECT_EQ(r.context_floor(), corpus.ContextFloorNats()) << r.step();
+    } else {
+      EXPECT_FALSE(r.has_context_floor()) << r.step();
+    }
   }
 }
 

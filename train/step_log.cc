@@ -112,13 +112,17 @@ std::string StepLogLine(const StepMetrics& r, int64_t total_steps, double eta_s)
 
 absl::StatusOr<std::string> StepJsonLine(const StepMetrics& record) {
   // z_out and eval_ce are the fields set only when their option is on (--alpha_lse,
-  // --eval_every on an evaluated step; metrics.proto).
+  // --eval_every on an evaluated step), the floors only where the corpus states them
+  // (metrics.proto).
   StepMetrics complete;
   const StepMetrics* checked = &record;
-  if (!record.has_z_out() || !record.has_eval_ce()) {
+  if (!record.has_z_out() || !record.has_eval_ce() || !record.has_entropy_floor() ||
+      !record.has_context_floor()) {
     complete = record;
     if (!record.has_z_out()) complete.set_z_out(0);
     if (!record.has_eval_ce()) complete.set_eval_ce(0);
+    if (!record.has_entropy_floor()) complete.set_entropy_floor(0);
+    if (!record.has_context_floor()) complete.set_context_floor(0);
     checked = &complete;
   }
   if (const std::string missing = FirstMissingField(*checked); !missing.empty()) {
