@@ -67,6 +67,7 @@ class CudaOps : public MoeBlockOps {
     // Every MoE layer of the spec: the L main ones, then the extra blocks' (§15.1).
     InitMoeBlock(moe_kernels_.get(), spec);
     extra_streams_ = spec.label_streams() - 1;
+    moe_layers_ = spec.moe_layers();
     exec_.blas = &ctx_->blas;
     exec_.stream = ctx_->stream.get();
     exec_.fence = ctx_->fence;
@@ -451,7 +452,7 @@ class CudaOps : public MoeBlockOps {
     const int k = extra_streams_;
     // Every MoE layer that ran: the extra blocks' too, except in an evaluation (which skips
     // them).
-    const int L = (in_.forward_only ? config_.layers : static_cast<int>(layers_.size()));
+    const int L = in_.forward_only ? config_.layers : moe_layers_;
     const int E = config_.experts;
     // ce, z, bal, z_out (scalars 2..5), the objective (6), then per stream (D_j', loss_j).
     std::vector<double> losses_host(kScalars - 2 + 2 * k, 0.0);
@@ -631,6 +632,7 @@ class CudaOps : public MoeBlockOps {
   // The k extra label streams: stream j's tokens, labels and CE weights at rows
   // [(j - 1) T, j T).
   int extra_streams_ = 0;  // MoeLmSpec::label_streams() - 1
+  int moe_layers_ = 0;     // MoeLmSpec::moe_layers()
   DeviceBuffer stream_tokens_, stream_labels_, stream_weights_;
   std::vector<int32_t> stream_tokens_host_;
   std::vector<int64_t> stream_labels_host_;
