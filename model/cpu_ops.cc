@@ -336,9 +336,12 @@ class CpuOps : public MoeBlockOps {
         }));
     for (double v : block_ce) *value += v;
     for (double v : block_z_out) *z_out += v;
-    int64_t scratch = 0;
-    for (int64_t b : block_scratch) scratch += b;
-    peak_head_scratch_bytes_ = std::max(peak_head_scratch_bytes_, scratch);
+    // At most ComputeThreads() blocks run at once (AccumulateRowBlocks' ParallelForStatus),
+    // each holding its own chunk while it runs.
+    const int64_t at_once = std::min<int64_t>(blocks, std::max(1, ComputeThreads()));
+    const int64_t largest =
+        block_scratch.empty() ? 0 : *std::max_element(block_scratch.begin(), block_scratch.end());
+    peak_head_scratch_bytes_ = std::max(peak_head_scratch_bytes_, at_once * largest);
     if (in_.row_block > 0) {
       *block_values = std::move(block_ce);
       if (split_z_out) *z_out_blocks = std::move(block_z_out);

@@ -231,6 +231,17 @@ TEST(BigVocabTest, TheHeadNeverHoldsTheFullLogits) {
       static_cast<long long>(V), static_cast<long long>(T),
       static_cast<long long>(h[0].peak_activation_bytes()),
       static_cast<long long>(h[0].peak_head_scratch_bytes()), static_cast<long long>(full_logits));
+
+  // --reproducible: the head runs per row block of seq_len / 4 = 8 tokens (16 blocks), each
+  // one 8-row chunk in one thread, at most `threads` blocks at once: threads x (8 V 4 + 8 x
+  // 9 + (V + 32) 4) bytes. (Not counted here: each block's [D, V] head-gradient scratch,
+  // which AccumulateRowBlocks keeps for all 16 blocks until it adds them in order.)
+  config.mutable_precision()->set_reproducible(true);
+  const std::vector<StepMetrics> r = TrainOrDie(config);
+  ASSERT_EQ(r.size(), 1u);
+  const int64_t block_scratch = 8 * V * 4 + 8 * 9 + (V + (V + 1023) / 1024) * 4;
+  EXPECT_EQ(r[0].peak_head_scratch_bytes(), std::min<int64_t>(16, threads) * block_scratch);
+  EXPECT_LT(r[0].peak_head_scratch_bytes(), full_logits);
 }
 
 // --vocab up to 256k (262144) trains on a token file whose largest id is 262143 (int32
