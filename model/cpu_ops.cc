@@ -311,6 +311,7 @@ class CpuOps : public MoeBlockOps {
     const double alpha_lse = config_.ce.alpha_lse;
     const bool split_z_out = alpha_lse > 0.0 && z_out != nullptr;
     std::vector<double> block_ce(blocks, 0.0), block_z_out(split_z_out ? blocks : 0, 0.0);
+    std::vector<int64_t> block_scratch(blocks, 0);
     GRADSUM_RETURN_IF_ERROR(AccumulateRowBlocks(
         grad_out, T, in_.row_block, D * V,
         [&](int64_t q, int64_t r0, int64_t rows, float* out) -> absl::Status {
@@ -329,11 +330,18 @@ class CpuOps : public MoeBlockOps {
                                        grad_f_view, grad_head_view, ce_options));
           const CeDisplay shown = SplitCeDisplay(ce.ce, d, alpha_lse, split_z_out);
           block_ce[q] = shown.ce;
+          block_scratch[q] = ce.peak_scratch_bytes;
           if (split_z_out) block_z_out[q] = shown.z_out;
           return absl::OkStatus();
         }));
     for (double v : block_ce) *value += v;
     for (double v : block_z_out) *z_out += v;
+    // At most ComputeThreads() blocks run at once (AccumulateRowBlocks' ParallelForStatus),
+    // each holding its own chunk while it runs.
+    const int64_t at_once = std::min<int64_t>(blocks, std::max(1, ComputeThreads()));
+    const int64_t largest =
+        block_scratch.empty() ? 0 : *std::max_element(block_scratch.begin(), block_scratch.end());
+    peak_head_scratch_bytes_ = std::max(peak_head_scratch_bytes_, at_once * largest);
     if (in_.row_block > 0) {
       *block_values = std::move(block_ce);
       if (split_z_out) *z_out_blocks = std::move(block_z_out);
@@ -569,6 +577,10 @@ class CpuOps : public MoeBlockOps {
     return bytes;
   }
 
+  int64_t TakePeakHeadScratchBytes() override {
+    return std::exchange(peak_head_scratch_bytes_, int64_t{0});
+  }
+
   MoeLmConfig config_;
   const Mesh* mesh_;  // not owned
   int num_threads_ = 1;
@@ -584,6 +596,7 @@ class CpuOps : public MoeBlockOps {
   int64_t head_dim_ = 0;
   int group_ = 1;  // query heads per kv head
   std::vector<float> rope_cos_, rope_sin_;
+  int64_t peak_head_scratch_bytes_ = 0;  // TakePeakHeadScratchBytes
 };
 
 }  // namespace

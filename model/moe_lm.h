@@ -171,6 +171,9 @@ class MoeLmModel {
   // hold (ModelOps::HeldActivationBytes), sampled after every stage's forward and
   // backward of every micro-batch.
   int64_t TakePeakActivationBytes();
+  // The most bytes the LM head's CE held inside one call since the last call, and resets
+  // it (ModelOps::TakePeakHeadScratchBytes): not among the activation bytes above.
+  int64_t TakePeakHeadScratchBytes() { return ops_->TakePeakHeadScratchBytes(); }
 
  private:
   MoeLmModel() = default;

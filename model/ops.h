@@ -257,6 +257,13 @@ class ModelOps {
   // not held, and per-expert bookkeeping ([E]-sized) is not an activation. 0 for a device
   // that does not count its own (the model counts the DeviceArrays it allocates itself).
   virtual int64_t HeldActivationBytes() const { return 0; }
+  // The most bytes the training LM head's cross-entropy held inside one call since the last
+  // Take, and resets it: the fused linear CE's logits chunk and row scratch
+  // (losses::LinearCrossEntropyResult::peak_scratch_bytes); with row blocks, the largest
+  // block's times the blocks that run at once. Apart from HeldActivationBytes: it lives only
+  // inside the call; a bound on the head's working set that shows it never holds the
+  // [T, V] logits. 0 for ops that do not count it (the CUDA ops).
+  virtual int64_t TakePeakHeadScratchBytes() { return 0; }
 };
 
 }  // namespace gradsum::model

@@ -121,6 +121,9 @@ class MoeLm {
   // The most activation bytes the model held at once since the last call, and resets it
   // (model/moe_lm.h MoeLmModel::TakePeakActivationBytes).
   int64_t TakePeakActivationBytes() { return model_->TakePeakActivationBytes(); }
+  // The most bytes the LM head's CE held inside one call since the last call, and resets it
+  // (model/ops.h ModelOps::TakePeakHeadScratchBytes).
+  int64_t TakePeakHeadScratchBytes() { return model_->TakePeakHeadScratchBytes(); }
 
   // The parameter units this rank holds, in forward order.
   std::vector<FlatParam*> groups() { return params_->units(); }

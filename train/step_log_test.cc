@@ -61,6 +61,7 @@ StepMetrics FullRecord() {
   r.set_ce_max_rank(2.75);
   r.set_skipped_steps(0);
   r.set_nonfinite_steps(0);
+  r.set_peak_head_scratch_bytes(int64_t{1} << 22);  // 4 MiB
   return r;
 }
 
@@ -91,7 +92,8 @@ TEST(StepLogTest, JsonIsTheProtoMappingInFieldOrderWithNumbersForTools) {
             "\"cp_ring_calls\":15,\"model_flops\":3000000000.0,\"hardware_flops\":3500000000.0,"
             "\"flops_per_s\":2000000000.0,\"mfu\":0.25,\"consumed_tokens\":17179869184,"
             "\"consumed_sequences\":224,\"data_s\":0.0625,\"peak_rss_bytes\":1073741824,"
-            "\"ce_max_rank\":2.75,\"skipped_steps\":0,\"nonfinite_steps\":0}");
+            "\"ce_max_rank\":2.75,\"skipped_steps\":0,\"nonfinite_steps\":0,"
+            "\"peak_head_scratch_bytes\":4194304}");
 }
 
 TEST(StepLogTest, NonFiniteValuesAreTheMappingsStrings) {

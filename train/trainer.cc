@@ -313,6 +313,7 @@ absl::StatusOr<StepMetrics> Trainer::Step() {
   comms_.timer->TakeBusy();
   model_->TakePeakUnshardedBytes();
   model_->TakePeakActivationBytes();
+  model_->TakePeakHeadScratchBytes();
   const bool first = fresh_start_ && step_ == 0;
   const bool gather_full =
       first && (config_.debug().parity_check() || !config_.debug().dump_dir().empty());
@@ -518,6 +519,7 @@ absl::StatusOr<StepMetrics> Trainer::MakeRecord(const losses::StepStats& stats,
   r.set_peak_unsharded_param_bytes(model_->TakePeakUnshardedBytes());
   r.set_full_param_bytes(model_->FullParamBytes());
   r.set_peak_activation_bytes(model_->TakePeakActivationBytes());
+  r.set_peak_head_scratch_bytes(model_->TakePeakHeadScratchBytes());
   r.set_wait_s(absl::ToDoubleSeconds(times.wait));
   r.set_model_s(absl::ToDoubleSeconds(times.model));
   r.set_update_s(absl::ToDoubleSeconds(times.update));
