@@ -33,9 +33,8 @@ double LayerMatmulForward(const MoeLmConfig& m, bool with_router) {
 
 double MatmulForwardFlopsPerToken(const MoeLmConfig& m) {
   const double d = static_cast<double>(m.dim), v = static_cast<double>(m.vocab);
-  const int layers = m.layers + m.mtp_depth;
-  return layers * LayerMatmulForward(m, /*with_router=*/true) + m.mtp_depth * 2 * (2 * d * d) +
-         (1 + m.mtp_depth) * 2 * d * v;
+  return MoeLayersOf(m) * LayerMatmulForward(m, /*with_router=*/true) +
+         2 * static_cast<double>(ExtraBlockProjectionWeights(m)) + LabelStreamsOf(m) * 2 * d * v;
 }
 
 StepFlops CountStepFlops(const MoeLmConfig& m, absl::Span<const int64_t> document_lengths,
@@ -47,7 +46,7 @@ StepFlops CountStepFlops(const MoeLmConfig& m, absl::Span<const int64_t> documen
       entries += static_cast<double>(ComputedScoreEntries(n, internal::kAttentionBlock));
     }
   }
-  const int layers = m.layers + m.mtp_depth;
+  const int layers = MoeLayersOf(m);
   // Per score entry and layer: q k^T and p v, head_dim multiply-adds each per query head;
   // heads x head_dim = D.
   const double score_forward = layers * entries * 2 * 2 * static_cast<double>(m.dim);

@@ -116,6 +116,17 @@ struct StageDef {
   bool backward_reads_params = true;  // the embedding's backward is a scatter-add
 };
 
+// The model's counts that the code around it needs without knowing which block adds them
+// (the FLOP count, the ops, the trainer): MoE layers (the L main ones, then one per extra
+// block), label streams (stream 0, then one per MTP depth, data/streams.h), and the
+// weights of the extra blocks' dense projections (each a [2D, D] matrix, as two [D, D]
+// halves), which every token multiplies once per forward.
+inline int MoeLayersOf(const MoeLmConfig& m) { return m.layers + m.mtp_depth; }
+inline int LabelStreamsOf(const MoeLmConfig& m) { return 1 + m.mtp_depth; }
+inline int64_t ExtraBlockProjectionWeights(const MoeLmConfig& m) {
+  return int64_t{m.mtp_depth} * 2 * m.dim * m.dim;
+}
+
 class MoeLmSpec {
  public:
   // InvalidArgument naming the field: a size <= 0, top_k > experts; with attention, heads
@@ -162,10 +173,10 @@ class MoeLmSpec {
   int mtp_proj_e(int j) const { return mtp_first_[j - 1] + 3; }
   int mtp_layer(int j) const { return config_.layers + j - 1; }
   // MoE layers including the MTP depths': L + k.
-  int moe_layers() const { return config_.layers + config_.mtp_depth; }
+  int moe_layers() const { return MoeLayersOf(config_); }
   // The label streams the model trains on (data/streams.h): stream 0, then stream j for MTP
   // depth j.
-  int label_streams() const { return 1 + config_.mtp_depth; }
+  int label_streams() const { return LabelStreamsOf(config_); }
   // The blocks between the main layers and the head, in stage order (MTP depth j's is
   // "mtp.{j}"): each one stage, whose dense parameters are `dense` and then its MoE layer
   // `layer`'s, as a main layer's.
