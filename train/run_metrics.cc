@@ -8,6 +8,7 @@
 #include "absl/time/clock.h"
 #include "core/gemm.h"
 #include "core/status.h"
+#include "train/config.h"
 #include "train/moe_lm.h"
 
 namespace gradsum::train {
@@ -17,12 +18,9 @@ absl::StatusOr<std::unique_ptr<RunMeters>> RunMeters::Create(
   GRADSUM_ASSIGN_OR_RETURN(
       data::SequencePacker packer,
       data::SequencePacker::Create(std::move(corpus), config.data().seq_len()));
-  const ParallelismConfig& p = config.parallelism();
-  const int64_t data_ranks = p.world() / (int64_t{p.sp()} * p.cp());
-  return std::unique_ptr<RunMeters>(
-      new RunMeters(std::move(packer), ToMoeLmConfig(config.model(), config.loss()),
-                    data_ranks * p.grad_acc() * config.data().micro_batch(),
-                    p.recompute() == ParallelismConfig::full));
+  return std::unique_ptr<RunMeters>(new RunMeters(
+      std::move(packer), ToMoeLmConfig(config.model(), config.loss()), GlobalBatch(config),
+      config.parallelism().recompute() == ParallelismConfig::full));
 }
 
 void RunMeters::Resume(const data::DataPosition& position) {

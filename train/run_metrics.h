@@ -34,7 +34,7 @@ namespace gradsum::train {
 class RunMeters {
  public:
   // The corpus the run trains on and its config (model sizes, seq_len, the global batch
-  // world / (sp cp) x grad_acc x micro_batch sequences, --recompute). Errors of the
+  // train/config.h GlobalBatch sequences, --recompute). Errors of the
   // packer (data/packer.h) for a corpus the loader would refuse too.
   static absl::StatusOr<std::unique_ptr<RunMeters>> Create(
       std::shared_ptr<const data::DocumentSource> corpus, const TrainConfig& config);
