@@ -155,13 +155,7 @@ class CpuOps : public MoeBlockOps {
     return stream == 0 ? in_.tokens : in_.extra_streams[stream - 1].tokens;
   }
 
-  absl::Status CheckStream(int stream) const {
-    if (stream < 0 || stream > static_cast<int>(in_.extra_streams.size())) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("label stream ", stream, " is not in [0, ", in_.extra_streams.size(), "]"));
-    }
-    return absl::OkStatus();
-  }
+  absl::Status CheckStream(int stream) const { return CheckStreamIndex(in_, stream); }
 
   absl::Status Embed(absl::Span<const int32_t> tokens, const float* emb, float* h) {
     const int64_t D = config_.dim;

@@ -4,6 +4,14 @@
 
 namespace gradsum::model {
 
+absl::Status CheckStreamIndex(const MicroBatchInputs& in, int stream) {
+  if (stream < 0 || stream > static_cast<int>(in.extra_streams.size())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("label stream ", stream, " is not in [0, ", in.extra_streams.size(), "]"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckStreamInputs(const MicroBatchInputs& in, int count) {
   if (static_cast<int>(in.extra_streams.size()) != count) {
     return absl::InvalidArgumentError(absl::StrCat("micro-batch: ", in.extra_streams.size(),

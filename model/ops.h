@@ -88,6 +88,11 @@ struct MicroBatchInputs {
 // InvalidArgument naming the stream otherwise.
 absl::Status CheckStreamInputs(const MicroBatchInputs& in, int count);
 
+// Every device's check of a stream index a call names (EmbeddingForward, LmHeadCrossEntropy,
+// ...): 0 (the main stream) or one of the micro-batch's extra streams. InvalidArgument
+// naming the index otherwise.
+absl::Status CheckStreamIndex(const MicroBatchInputs& in, int stream);
+
 // A MoE layer's weights as the compute reads them: the router [D, E] (the same on every
 // rank) and this rank's E_local = E / ep experts, stacked per matrix: all Wg [E_local, D, H],
 // then all Wu, then all Wd [E_local, H, D] (moe/experts.h).

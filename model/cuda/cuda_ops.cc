@@ -578,13 +578,7 @@ class CudaOps : public MoeBlockOps {
                         d_out, V, DType::kF32, 1.0f);
   }
 
-  absl::Status CheckStream(int stream) const {
-    if (stream < 0 || stream > static_cast<int>(in_.extra_streams.size())) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("label stream ", stream, " outside [0, ", in_.extra_streams.size(), "]"));
-    }
-    return absl::OkStatus();
-  }
+  absl::Status CheckStream(int stream) const { return CheckStreamIndex(in_, stream); }
 
   // Label stream `stream`'s input tokens on the device.
   absl::StatusOr<const int32_t*> StreamTokens(int stream) const {
